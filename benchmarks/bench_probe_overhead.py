@@ -1,0 +1,149 @@
+"""Moment-probe overhead: forward + backward with the probe vs without.
+
+Models: a ResNet-style CNN (CIFAR shapes) and a small transformer encoder (math attention).
+Each step is ``loss = loss_fn(model, batch); loss.backward()``; the candidates run alternately
+(best of ``--repeats``). Goal: probe / plain ≤ 1.5 (default probe: per-example dW included).
+Run: ``python benchmarks/bench_probe_overhead.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+import initlab
+from _timing import interleaved_min
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, c_in: int, c_out: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.relu = nn.ReLU(inplace=True)
+        self.short = (
+            nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+            if stride != 1 or c_in != c_out
+            else nn.Identity()
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.relu(out + self.short(x))
+
+
+def resnet_cnn(width: int = 16, blocks: int = 3) -> nn.Module:
+    layers: list[nn.Module] = [
+        nn.Conv2d(3, width, 3, 1, 1, bias=False),
+        nn.BatchNorm2d(width),
+        nn.ReLU(inplace=True),
+    ]
+    c = width
+    for stage in range(3):
+        for b in range(blocks):
+            c_out = width * 2**stage
+            layers.append(BasicBlock(c, c_out, 2 if (b == 0 and stage > 0) else 1))
+            c = c_out
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, 10)]
+    return nn.Sequential(*layers)
+
+
+def transformer(dim: int = 128, depth: int = 4, vocab: int = 1000) -> nn.Module:
+    class Encoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(vocab, dim)
+            layer = nn.TransformerEncoderLayer(dim, 4, 4 * dim, dropout=0.0, batch_first=True)
+            self.encoder = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
+            self.head = nn.Linear(dim, vocab)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            return self.head(self.encoder(self.embed(tokens)))
+
+    return Encoder()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    g = torch.Generator().manual_seed(0)
+    device = torch.device(args.device)
+    cases = {
+        "resnet-cnn (CIFAR 32x32, batch 64)": (
+            resnet_cnn().to(device),
+            (
+                torch.randn(64, 3, 32, 32, generator=g).to(device),
+                torch.randint(0, 10, (64,), generator=g).to(device),
+            ),
+        ),
+        "transformer encoder (batch 16 x 64 tokens)": (
+            transformer().to(device),
+            (
+                torch.randint(0, 1000, (16, 64), generator=g).to(device),
+                torch.randint(0, 1000, (16, 64), generator=g).to(device),
+            ),
+        ),
+    }
+
+    def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        out = model(x)
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+    rows = []
+    for name, (model, batch) in cases.items():
+        initlab.init_model(model, "geometric", generator=0)
+
+        def plain(model: nn.Module = model, batch: tuple = batch) -> None:
+            model.zero_grad(set_to_none=True)
+            loss_fn(model, batch).backward()
+
+        def probed(per_example: bool, model: nn.Module = model, batch: tuple = batch) -> None:
+            model.zero_grad(set_to_none=True)
+            with initlab.MomentProbe(model, per_example=per_example) as probe:
+                loss_fn(model, batch).backward()
+            probe.rows()
+
+        times = interleaved_min(
+            {
+                "plain": plain,
+                "probe": lambda: probed(True),
+                "probe_no_example": lambda: probed(False),
+            },
+            repeats=args.repeats,
+        )
+        rows.append(
+            {
+                "model": name,
+                "plain_s": times["plain"],
+                "probe_s": times["probe"],
+                "ratio": times["probe"] / times["plain"],
+                "goal": "<= 1.5",
+                "probe_no_example_s": times["probe_no_example"],
+                "ratio_no_example": times["probe_no_example"] / times["plain"],
+            }
+        )
+    print(
+        initlab.Rows(
+            rows,
+            title=(
+                f"moment probe overhead ({args.device}, {torch.get_num_threads()} threads, "
+                f"best of {args.repeats})"
+            ),
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

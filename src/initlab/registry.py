@@ -1,0 +1,666 @@
+"""Which tensor of a module is "the weight", and what its fans are: one registry of layer handlers.
+
+A *handler* is a small function ``handler(module) -> Iterable[ParamSpec]`` that names the module's
+own (direct) parameters and gives each a role (:data:`ROLES`) and, for weights, its
+:class:`~initlab.fans.Fans` -- per block for fused weights (the q/k/v blocks of an attention
+``in_proj_weight``, the gates of an LSTM). Handlers never choose an initialization formula; a scheme
+turns fans into a distribution, and ``init_model`` applies it. Adding a layer type is one handler
+function plus one :func:`register_handler` call::
+
+    register_handler(MyTransposedLinear, transposed_linear_handler)
+
+Everything a handler returns is validated against the module it describes (names exist, blocks tile
+dim 0, fans agree with :func:`~initlab.fans.compute_fans`), and :meth:`Registry.register` validates
+the handler itself when it is registered (and its output right away when ``example=`` is given), so
+a wrong handler fails loudly at registration instead of silently mis-initializing a model.
+
+Lookup walks ``type(module).__mro__``: a subclass without a handler of its own uses its parent's
+(``NonDynamicallyQuantizableLinear`` -> ``Linear``'s; ``LazyConv2d`` -> ``Conv2d``'s). A key can be
+a dotted class path (``"transformers.pytorch_utils.Conv1D"``), so a type from a library that may not
+be installed is registered without importing it. :meth:`Registry.specs` returns ``None`` for a
+module no handler claims; what to do then (error, warn, skip) is the caller's explicit policy.
+
+Why a process-wide default registry exists: like :mod:`copyreg` for pickling, a library that
+defines a layer registers its handler once, at import, and every later ``init_model`` call in the
+process picks it up without the user threading a registry through their code. Mutating shared state
+is the price, so the default is built lazily on first use (no work at import time),
+:meth:`Registry.copy` gives an independent copy, and ``init_model(..., registry=...)`` takes a
+private registry for code (and tests) that must not see or cause global changes.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from torch import nn
+
+from initlab.fans import Fans, compute_fans
+
+__all__ = [
+    "ROLES",
+    "Block",
+    "Handler",
+    "ParamSpec",
+    "Registry",
+    "bilinear_handler",
+    "conv_handler",
+    "default_registry",
+    "embedding_handler",
+    "linear_handler",
+    "multihead_attention_handler",
+    "norm_handler",
+    "register_handler",
+    "rnn_cell_handler",
+    "rnn_handler",
+    "transposed_linear_handler",
+]
+
+ROLES: tuple[str, ...] = ("weight", "bias", "norm_scale", "norm_shift", "embedding")
+"""Roles a parameter can play. Only ``"weight"`` and ``"embedding"`` carry fans."""
+
+_FAN_ROLES = ("weight", "embedding")
+
+
+def _is_positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+@dataclass(frozen=True)
+class Block:
+    """Rows ``[start, stop)`` along dim 0 of a parameter that form one separate matrix.
+
+    Examples: the q, k and v blocks of ``MultiheadAttention.in_proj_weight``; the gate blocks of
+    an LSTM's ``weight_ih_l0``. A sampler treats each block as its own weight (an orthogonal init is
+    orthogonal per block; a variance-scaling init uses the block's fans).
+
+    Attributes:
+        start: first row of the block (inclusive).
+        stop: end of the block (exclusive), ``stop > start``.
+        fans: fans of the block ``param[start:stop]``.
+    """
+
+    start: int
+    stop: int
+    fans: Fans
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.start, int) or isinstance(self.start, bool) or self.start < 0:
+            raise ValueError(f"Block.start must be a non-negative int, got {self.start!r}")
+        if not isinstance(self.stop, int) or isinstance(self.stop, bool) or self.stop <= self.start:
+            raise ValueError(
+                f"Block.stop must be an int greater than start={self.start}, got {self.stop!r}"
+            )
+        if not isinstance(self.fans, Fans):
+            raise ValueError(f"Block.fans must be a Fans, got {type(self.fans).__name__}")
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """What one direct parameter of a module is, as far as initialization is concerned.
+
+    Attributes:
+        name: the parameter's attribute name on the module (``"weight"``, ``"in_proj_weight"``,
+            ``"weight_ih_l0_reverse"``).
+        role: one of :data:`ROLES`.
+        fans: fans of the whole parameter; required for roles ``"weight"``/``"embedding"`` unless
+            ``blocks`` is given, and not allowed for the other roles.
+        blocks: for a fused weight, the row blocks along dim 0 that are separate matrices, each with
+            its own fans (then ``fans`` must be ``None``). A list is stored as a tuple.
+        groups: convolution groups of the layout (for samplers such as orthogonal or dirac).
+        transposed: the first two dims are ``(in, out)`` rather than ``(out, in)`` (ConvTranspose,
+            GPT-2 ``Conv1D``).
+    """
+
+    name: str
+    role: str
+    fans: Fans | None = None
+    blocks: tuple[Block, ...] = ()
+    groups: int = 1
+    transposed: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"ParamSpec.name must be a non-empty str, got {self.name!r}")
+        if self.role not in ROLES:
+            raise ValueError(
+                f"ParamSpec {self.name!r}: unknown role {self.role!r}; valid roles: {ROLES}"
+            )
+        object.__setattr__(self, "blocks", tuple(self.blocks))
+        for block in self.blocks:
+            if not isinstance(block, Block):
+                raise ValueError(
+                    f"ParamSpec {self.name!r}: blocks must be Block instances, "
+                    f"got {type(block).__name__}"
+                )
+        if self.fans is not None and not isinstance(self.fans, Fans):
+            raise ValueError(
+                f"ParamSpec {self.name!r}: fans must be a Fans or None, "
+                f"got {type(self.fans).__name__}"
+            )
+        if self.role in _FAN_ROLES:
+            if self.fans is None and not self.blocks:
+                raise ValueError(
+                    f"ParamSpec {self.name!r} (role {self.role!r}) needs fans, or blocks with fans"
+                )
+            if self.fans is not None and self.blocks:
+                raise ValueError(
+                    f"ParamSpec {self.name!r}: give either fans or blocks (each with its fans), "
+                    "not both"
+                )
+        elif self.fans is not None or self.blocks:
+            raise ValueError(
+                f"ParamSpec {self.name!r}: role {self.role!r} has no fans or blocks; only roles "
+                f"{_FAN_ROLES} do"
+            )
+        if not _is_positive_int(self.groups):
+            raise ValueError(f"ParamSpec {self.name!r}: groups must be a positive int")
+        if not isinstance(self.transposed, bool):
+            raise ValueError(f"ParamSpec {self.name!r}: transposed must be a bool")
+
+
+Handler = Callable[[nn.Module], Iterable[ParamSpec]]
+"""A function from a module to the specs of its direct parameters."""
+
+RegistryKey = type[nn.Module] | str
+
+
+def _dotted(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _key_name(key: RegistryKey) -> str:
+    return key if isinstance(key, str) else _dotted(key)
+
+
+def _handler_name(handler: object) -> str:
+    module = getattr(handler, "__module__", None)
+    qualname = getattr(handler, "__qualname__", None)
+    if qualname is None:
+        return repr(handler)
+    return f"{module}.{qualname}" if module else qualname
+
+
+def _check_key(module_type: object) -> None:
+    if isinstance(module_type, str):
+        parts = module_type.split(".")
+        if len(parts) < 2 or not all(parts):
+            raise ValueError(
+                f"a string key must be a dotted class path 'pkg.module.ClassName', "
+                f"got {module_type!r}"
+            )
+    elif not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
+        raise ValueError(
+            f"module_type must be an nn.Module subclass or a dotted class path string, "
+            f"got {module_type!r}"
+        )
+
+
+def _check_handler(handler: object) -> None:
+    if not callable(handler):
+        raise ValueError(f"handler must be callable, got {handler!r}")
+    try:
+        signature = inspect.signature(handler)
+    except (TypeError, ValueError):  # some builtins have no signature; nothing to check
+        return
+    try:
+        signature.bind(object())
+    except TypeError as err:
+        raise ValueError(
+            f"handler {_handler_name(handler)} must accept exactly one positional argument "
+            f"(the module), but its signature is {signature}: {err}"
+        ) from None
+
+
+def _validate_specs(module: nn.Module, specs: list[ParamSpec], handler: Handler) -> None:
+    """Raise ValueError unless ``specs`` correctly describe direct parameters of ``module``."""
+
+    def fail(problem: str) -> ValueError:
+        return ValueError(
+            f"handler {_handler_name(handler)} returned invalid specs for "
+            f"{_dotted(type(module))}: {problem}"
+        )
+
+    params = dict(module.named_parameters(recurse=False))
+    seen: set[str] = set()
+    for spec in specs:
+        if not isinstance(spec, ParamSpec):
+            raise fail(f"expected ParamSpec items, got {type(spec).__name__} ({spec!r})")
+        name = spec.name
+        if name in seen:
+            raise fail(f"parameter {name!r} is named twice")
+        seen.add(name)
+        if name not in params:
+            if name in module._parameters:  # registered, but set to None
+                raise fail(f"parameter {name!r} is None on this module")
+            raise fail(
+                f"no direct parameter named {name!r}; the module has {sorted(params) or 'none'}"
+            )
+        if spec.role not in _FAN_ROLES:
+            continue
+        shape = tuple(params[name].shape)
+        if spec.blocks:
+            _validate_blocks(spec, shape, fail)
+        else:
+            try:
+                expected = compute_fans(shape, groups=spec.groups, transposed=spec.transposed)
+            except ValueError as err:
+                raise fail(f"parameter {name!r} of shape {shape}: {err}") from None
+            if spec.fans != expected:
+                raise fail(
+                    f"parameter {name!r} of shape {shape} (groups={spec.groups}, "
+                    f"transposed={spec.transposed}) has fans {expected}, but the spec says "
+                    f"{spec.fans}"
+                )
+
+
+def _validate_blocks(
+    spec: ParamSpec,
+    shape: tuple[int, ...],
+    fail: Callable[[str], ValueError],
+) -> None:
+    """Raise ``fail(...)`` unless the blocks tile dim 0 exactly and each block's fans are right."""
+    name, rows = spec.name, shape[0] if shape else 0
+    position = 0
+    for block in sorted(spec.blocks, key=lambda b: b.start):
+        where = f"block [{block.start}, {block.stop}) of {name!r} (shape {shape})"
+        if block.start < position:
+            raise fail(f"{where} overlaps the previous block, which ends at row {position}")
+        if block.start > position:
+            raise fail(f"{where} leaves rows [{position}, {block.start}) uncovered")
+        if block.stop > rows:
+            raise fail(f"{where} runs past dim 0, which has {rows} rows")
+        block_shape = (block.stop - block.start, *shape[1:])
+        try:
+            expected = compute_fans(block_shape, groups=spec.groups, transposed=spec.transposed)
+        except ValueError as err:
+            raise fail(f"{where}: {err}") from None
+        if block.fans != expected:
+            raise fail(f"{where} has fans {expected}, but the spec says {block.fans}")
+        position = block.stop
+    if position != rows:
+        raise fail(f"blocks of {name!r} cover rows [0, {position}) of {rows}; they must cover all")
+
+
+class Registry:
+    """A mapping from module types (or dotted class paths) to handlers.
+
+    Example:
+        >>> reg = default_registry().copy()
+        >>> [(s.name, s.role, s.fans) for s in reg.specs(nn.Linear(3, 2))]
+        [('weight', 'weight', Fans(fan_in=3, fan_out=2, receptive_field=1)), ('bias', 'bias', None)]
+        >>> reg.specs(nn.ReLU()) is None  # unregistered: the caller's policy decides
+        True
+    """
+
+    def __init__(self) -> None:
+        self._handlers: dict[RegistryKey, Handler] = {}
+
+    def register(
+        self,
+        module_type: type[nn.Module] | str,
+        handler: Handler,
+        *,
+        override: bool = False,
+        example: nn.Module | None = None,
+    ) -> None:
+        """Register ``handler`` for ``module_type`` (and, through the MRO, its subclasses).
+
+        Args:
+            module_type: an ``nn.Module`` subclass, or a dotted class path ``"pkg.module.Class"``
+                matched against ``f"{cls.__module__}.{cls.__qualname__}"`` of each class in a
+                module's MRO (registers a type without importing its library).
+            handler: ``handler(module) -> Iterable[ParamSpec]``, one positional argument.
+            override: replace an existing handler for the same key (a class and its dotted path
+                count as the same key).
+            example: a module of this type; the handler is run on it and its specs validated now.
+
+        Raises:
+            ValueError: bad key, non-callable handler or wrong arity, duplicate key without
+                ``override=True``, or (with ``example``) invalid specs. The registry is unchanged.
+        """
+        _check_key(module_type)
+        _check_handler(handler)
+        duplicates = self._same_keys(module_type)
+        if duplicates and not override:
+            raise ValueError(
+                f"a handler is already registered for {_key_name(module_type)} "
+                f"({_handler_name(self._handlers[duplicates[0]])}); "
+                "pass override=True to replace it"
+            )
+        if example is not None:
+            if not isinstance(example, nn.Module):
+                raise ValueError(f"example must be an nn.Module, got {type(example).__name__}")
+            if not self._key_matches(module_type, type(example)):
+                raise ValueError(
+                    f"example of type {_dotted(type(example))} is not an instance of "
+                    f"{_key_name(module_type)}"
+                )
+            self._run(handler, example)
+        for key in duplicates:
+            del self._handlers[key]
+        self._handlers[module_type] = handler
+
+    def handler_for(self, module: nn.Module) -> Handler | None:
+        """The handler for ``module``: the first class in ``type(module).__mro__`` with one."""
+        check_strings = any(isinstance(key, str) for key in self._handlers)
+        for cls in type(module).__mro__:
+            handler = self._handlers.get(cls)
+            if handler is None and check_strings:
+                handler = self._handlers.get(_dotted(cls))
+            if handler is not None:
+                return handler
+        return None
+
+    def specs(self, module: nn.Module) -> list[ParamSpec] | None:
+        """Validated specs of ``module``'s direct parameters, or ``None`` if no handler claims it.
+
+        Raises:
+            ValueError: the handler's output does not match the module (unknown or ``None``
+                parameter, a name twice, blocks that overlap or leave gaps, fans that disagree
+                with :func:`~initlab.fans.compute_fans`), or the module is lazy and not yet
+                materialized. The message names the handler, the module type and the problem.
+        """
+        handler = self.handler_for(module)
+        if handler is None:
+            return None
+        return self._run(handler, module)
+
+    def copy(self) -> Registry:
+        """An independent registry with the same handlers (registering on it leaves this alone)."""
+        new = Registry()
+        new._handlers = dict(self._handlers)
+        return new
+
+    def registered_types(self) -> list[str]:
+        """Dotted class paths of the registered keys, in registration order."""
+        return [_key_name(key) for key in self._handlers]
+
+    def __contains__(self, module_type: object) -> bool:
+        """Whether ``module_type`` (a class or dotted path) is registered directly (not via MRO)."""
+        if not isinstance(module_type, (str, type)):
+            return False
+        return bool(self._same_keys(module_type))  # type: ignore[arg-type]
+
+    def __len__(self) -> int:
+        return len(self._handlers)
+
+    def __repr__(self) -> str:
+        return f"Registry({len(self)} handlers)"
+
+    def _same_keys(self, module_type: RegistryKey) -> list[RegistryKey]:
+        """Registered keys denoting the same type as ``module_type`` (itself or its dotted path)."""
+        if isinstance(module_type, str):
+            return [k for k in self._handlers if _key_name(k) == module_type]
+        keys: list[RegistryKey] = [module_type] if module_type in self._handlers else []
+        if _dotted(module_type) in self._handlers:
+            keys.append(_dotted(module_type))
+        return keys
+
+    @staticmethod
+    def _key_matches(key: RegistryKey, cls: type) -> bool:
+        if isinstance(key, str):
+            return any(_dotted(c) == key for c in cls.__mro__)
+        return issubclass(cls, key)
+
+    @staticmethod
+    def _run(handler: Handler, module: nn.Module) -> list[ParamSpec]:
+        for name, param in module.named_parameters(recurse=False):
+            if isinstance(param, nn.parameter.UninitializedParameter):
+                raise ValueError(
+                    f"{_dotted(type(module))}.{name} is an uninitialized lazy parameter; run a "
+                    "forward pass (or materialize the module) before asking for its fans"
+                )
+        try:
+            result = handler(module)
+            if not isinstance(result, Iterable):
+                raise ValueError(f"expected an iterable of ParamSpec, got {type(result).__name__}")
+            specs = list(result)
+        except ValueError as err:
+            raise ValueError(
+                f"handler {_handler_name(handler)} failed on {_dotted(type(module))}: {err}"
+            ) from err
+        _validate_specs(module, specs, handler)
+        return specs
+
+
+# --------------------------------------------------------------------------------------------
+# Built-in handlers. Each names the module's direct parameters and states their fans from the
+# module's own hyper-parameters; the registry cross-checks them against compute_fans.
+
+
+def _bias_specs(module: nn.Module, *names: str) -> list[ParamSpec]:
+    """Bias specs for those of ``names`` that are present (not None) on ``module``."""
+    return [ParamSpec(n, "bias") for n in names if module._parameters.get(n) is not None]
+
+
+def _gate_blocks(n_gates: int, hidden: int, fans: Fans) -> tuple[Block, ...]:
+    return tuple(Block(g * hidden, (g + 1) * hidden, fans) for g in range(n_gates))
+
+
+def linear_handler(module: nn.Module) -> list[ParamSpec]:
+    """``nn.Linear``: weight ``(out, in)`` with fans ``(in, out)``; bias."""
+    fans = Fans(fan_in=module.in_features, fan_out=module.out_features)
+    return [ParamSpec("weight", "weight", fans), *_bias_specs(module, "bias")]
+
+
+def transposed_linear_handler(module: nn.Module) -> list[ParamSpec]:
+    """A linear layer whose weight is stored transposed, ``(in, out)``, with ``y = x @ W + b``.
+
+    Hugging Face GPT-2's ``Conv1D`` is one; register your own in one call::
+
+        register_handler(MyLayer, transposed_linear_handler)
+
+    The module must have a 2-D ``weight`` and may have a ``bias``.
+    """
+    n_in, n_out = module.weight.shape
+    fans = Fans(fan_in=int(n_in), fan_out=int(n_out))
+    return [ParamSpec("weight", "weight", fans, transposed=True), *_bias_specs(module, "bias")]
+
+
+def bilinear_handler(module: nn.Module) -> list[ParamSpec]:
+    """``nn.Bilinear``: weight ``(out, in1, in2)``; bias.
+
+    Fans follow torch's convention for a 3-D tensor (``in2`` acts as the "kernel"):
+    ``fan_in = in1 * in2``, ``fan_out = out * in2``.
+    """
+    n_out, n1, n2 = module.out_features, module.in1_features, module.in2_features
+    fans = Fans(fan_in=n1 * n2, fan_out=n_out * n2, receptive_field=n2)
+    return [ParamSpec("weight", "weight", fans), *_bias_specs(module, "bias")]
+
+
+def conv_handler(module: nn.Module) -> list[ParamSpec]:
+    """``nn.Conv{1,2,3}d`` and ``nn.ConvTranspose{1,2,3}d``: weight (with groups/layout); bias.
+
+    ``fan_in = (in / g) * k`` and ``fan_out = (out / g) * k`` with ``k = prod(kernel_size)``, for
+    both layouts (``ConvTranspose`` stores ``(in, out / g, *kernel)``; ``transposed=True`` says so).
+    Dilation, stride and padding do not change the fans: each output still sums ``(in / g) * k``
+    inputs, dilation only spreads the taps apart.
+    """
+    groups = module.groups
+    k = math.prod(module.kernel_size)
+    fans = Fans(
+        fan_in=module.in_channels // groups * k,
+        fan_out=module.out_channels // groups * k,
+        receptive_field=k,
+    )
+    weight = ParamSpec("weight", "weight", fans, groups=groups, transposed=bool(module.transposed))
+    return [weight, *_bias_specs(module, "bias")]
+
+
+def embedding_handler(module: nn.Module) -> list[ParamSpec]:
+    """``nn.Embedding`` / ``nn.EmbeddingBag``: table ``(num_embeddings, dim)``, role "embedding".
+
+    Fans are ``fan_in = embedding_dim``, ``fan_out = num_embeddings``: the tied-output-projection
+    view (a table tied to the head ``Linear(dim, vocab)`` has exactly these fans), which is what
+    :func:`~initlab.fans.compute_fans` gives for the table's shape. A lookup has no fan-in in the
+    matrix-multiply sense, so the default init of role "embedding" (N(0, 1), torch's) ignores the
+    fans; they are informational, for schemes that want the tied view.
+    """
+    fans = Fans(fan_in=module.embedding_dim, fan_out=module.num_embeddings)
+    return [ParamSpec("weight", "embedding", fans)]
+
+
+def multihead_attention_handler(module: nn.Module) -> list[ParamSpec]:
+    """``nn.MultiheadAttention``: the q/k/v projections and their biases.
+
+    With equal q/k/v dims the fused ``in_proj_weight`` ``(3E, E)`` is three blocks (q, k, v), each
+    with fans ``(E, E)``; otherwise ``q_proj_weight`` ``(E, E)``, ``k_proj_weight`` ``(E, kdim)``
+    and ``v_proj_weight`` ``(E, vdim)`` are separate weights. ``in_proj_bias``, ``bias_k`` and
+    ``bias_v`` (``add_bias_kv``) are biases. ``out_proj`` is a child ``Linear`` with its own
+    handler.
+    """
+    e = module.embed_dim
+    if module._qkv_same_embed_dim:
+        weights = [ParamSpec("in_proj_weight", "weight", blocks=_gate_blocks(3, e, Fans(e, e)))]
+    else:
+        weights = [
+            ParamSpec("q_proj_weight", "weight", Fans(fan_in=e, fan_out=e)),
+            ParamSpec("k_proj_weight", "weight", Fans(fan_in=module.kdim, fan_out=e)),
+            ParamSpec("v_proj_weight", "weight", Fans(fan_in=module.vdim, fan_out=e)),
+        ]
+    return [*weights, *_bias_specs(module, "in_proj_bias", "bias_k", "bias_v")]
+
+
+def norm_handler(module: nn.Module) -> list[ParamSpec]:
+    """Normalization layers: ``weight`` -> "norm_scale", ``bias`` -> "norm_shift" (when present).
+
+    Serves BatchNorm/SyncBatchNorm/InstanceNorm (all ``_NormBase``), LayerNorm, GroupNorm, RMSNorm
+    and LocalResponseNorm (no parameters). Non-affine layers give no specs.
+    """
+    roles = {"weight": "norm_scale", "bias": "norm_shift"}
+    return [ParamSpec(n, r) for n, r in roles.items() if module._parameters.get(n) is not None]
+
+
+_RNN_GATES = {"RNN_TANH": 1, "RNN_RELU": 1, "GRU": 3, "LSTM": 4}
+_RNN_NAME = re.compile(r"(weight|bias)_(ih|hh|hr)_l(\d+)(_reverse)?")
+
+
+def rnn_handler(module: nn.Module) -> list[ParamSpec]:
+    """``nn.RNN`` / ``nn.LSTM`` / ``nn.GRU``: every layer and direction.
+
+    ``weight_ih_l{l}`` ``(G*H, in_l)`` and ``weight_hh_l{l}`` ``(G*H, H_out)`` are ``G`` gate
+    blocks (RNN 1, GRU 3, LSTM 4), each with fans ``(in_l, H)`` / ``(H_out, H)``, where ``in_0`` is
+    ``input_size``, ``in_l = H_out * num_directions`` above it, and ``H_out`` is ``proj_size`` if
+    set, else ``H``. An LSTM's ``weight_hr_l{l}`` ``(proj_size, H)`` is a plain weight (fans
+    ``(H, proj_size)``); biases are biases.
+    Names come from the module's own parameters, so every parameter is claimed.
+    """
+    n_gates, hidden = _RNN_GATES[module.mode], module.hidden_size
+    h_out = module.proj_size if getattr(module, "proj_size", 0) > 0 else hidden
+    directions = 2 if module.bidirectional else 1
+    specs = []
+    for name, _ in module.named_parameters(recurse=False):
+        match = _RNN_NAME.fullmatch(name)
+        if match is None:
+            raise ValueError(f"unexpected RNN parameter name {name!r}")
+        kind, which, layer = match.group(1), match.group(2), int(match.group(3))
+        if kind == "bias":
+            specs.append(ParamSpec(name, "bias"))
+        elif which == "hr":
+            specs.append(ParamSpec(name, "weight", Fans(fan_in=hidden, fan_out=h_out)))
+        else:
+            if which == "hh":
+                n_in = h_out
+            else:
+                n_in = module.input_size if layer == 0 else h_out * directions
+            blocks = _gate_blocks(n_gates, hidden, Fans(fan_in=n_in, fan_out=hidden))
+            specs.append(ParamSpec(name, "weight", blocks=blocks))
+    return specs
+
+
+def rnn_cell_handler(module: nn.Module) -> list[ParamSpec]:
+    """``nn.RNNCell`` / ``nn.LSTMCell`` / ``nn.GRUCell``: gate blocks as in :func:`rnn_handler`."""
+    if isinstance(module, nn.LSTMCell):
+        n_gates = 4
+    elif isinstance(module, nn.GRUCell):
+        n_gates = 3
+    else:
+        n_gates = 1
+    hidden = module.hidden_size
+    ih_fans = Fans(fan_in=module.input_size, fan_out=hidden)
+    hh_fans = Fans(fan_in=hidden, fan_out=hidden)
+    return [
+        ParamSpec("weight_ih", "weight", blocks=_gate_blocks(n_gates, hidden, ih_fans)),
+        ParamSpec("weight_hh", "weight", blocks=_gate_blocks(n_gates, hidden, hh_fans)),
+        *_bias_specs(module, "bias_ih", "bias_hh"),
+    ]
+
+
+_GPT2_CONV1D_PATHS = (
+    "transformers.pytorch_utils.Conv1D",
+    "transformers.modeling_utils.Conv1D",  # where older transformers versions defined it
+)
+
+
+def _builtin_registry() -> Registry:
+    """A fresh registry holding the built-in handlers."""
+    reg = Registry()
+    reg.register(nn.Linear, linear_handler)
+    reg.register(nn.Bilinear, bilinear_handler)
+    for conv in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
+        reg.register(conv, conv_handler)
+    for conv in (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d):
+        reg.register(conv, conv_handler)
+    reg.register(nn.Embedding, embedding_handler)
+    reg.register(nn.EmbeddingBag, embedding_handler)
+    reg.register(nn.MultiheadAttention, multihead_attention_handler)
+    # _NormBase: BatchNorm1d/2d/3d, SyncBatchNorm, InstanceNorm1d/2d/3d and their lazy variants.
+    norms: list[type[nn.Module]] = [
+        nn.modules.batchnorm._NormBase,
+        nn.LayerNorm,
+        nn.GroupNorm,
+        nn.LocalResponseNorm,
+    ]
+    if hasattr(nn, "RMSNorm"):  # torch >= 2.4
+        norms.append(nn.RMSNorm)
+    for norm in norms:
+        reg.register(norm, norm_handler)
+    reg.register(nn.RNNBase, rnn_handler)
+    reg.register(nn.RNNCellBase, rnn_cell_handler)
+    for path in _GPT2_CONV1D_PATHS:
+        reg.register(path, transposed_linear_handler)
+    return reg
+
+
+@functools.cache
+def default_registry() -> Registry:
+    """The process-wide default registry, built with the built-in handlers on first call.
+
+    Registering on it affects every later lookup in the process; use ``default_registry().copy()``
+    for a private registry.
+    """
+    return _builtin_registry()
+
+
+def register_handler(
+    module_type: type[nn.Module] | str,
+    handler: Handler,
+    *,
+    override: bool = False,
+    example: nn.Module | None = None,
+    registry: Registry | None = None,
+) -> None:
+    """Register ``handler`` for ``module_type`` in ``registry`` (default: :func:`default_registry`).
+
+    See :meth:`Registry.register` for the arguments and the validation done.
+
+    Example:
+        >>> import torch
+        >>> class MyLinearT(nn.Module):  # stores its weight as (in, out)
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.weight = nn.Parameter(torch.empty(3, 5))
+        >>> reg = default_registry().copy()
+        >>> register_handler(
+        ...     MyLinearT, transposed_linear_handler, registry=reg, example=MyLinearT()
+        ... )
+        >>> reg.specs(MyLinearT())[0].fans
+        Fans(fan_in=3, fan_out=5, receptive_field=1)
+    """
+    target = default_registry() if registry is None else registry
+    target.register(module_type, handler, override=override, example=example)

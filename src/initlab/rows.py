@@ -1,0 +1,132 @@
+"""Tidy rows: the one container every initlab report and diagnostic returns.
+
+A table is a list of flat ``dict`` rows sharing one documented schema (the schema lives with the
+producer: :data:`initlab.init.INIT_REPORT_COLUMNS`, :data:`initlab.probe.PROBE_COLUMNS`, ...).
+:class:`Rows` gives every producer the same exits: ``to_rows()`` (plain dicts), ``to_pandas()``
+(pandas is optional), ``to_markdown()`` and a fixed-width ``str``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+__all__ = ["Rows", "format_table"]
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        if value == 0.0:
+            return "0"
+        if 1e-3 <= abs(value) < 1e5:
+            return f"{value:.4g}"
+        return f"{value:.3e}"
+    if isinstance(value, tuple):
+        return (
+            "x".join(str(v) for v in value)
+            if all(isinstance(v, int) for v in value)
+            else str(value)
+        )
+    return str(value)
+
+
+def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = None) -> str:
+    """Render rows as a fixed-width text table (numbers right-aligned, 4 significant digits)."""
+    if not rows:
+        return "(no rows)"
+    cols = list(columns) if columns is not None else list(rows[0].keys())
+    cells = [[_fmt(row.get(c)) for c in cols] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(cols)]
+    numeric = [
+        all(isinstance(row.get(c), (int, float)) or row.get(c) is None for row in rows)
+        for c in cols
+    ]
+
+    def line(values: Sequence[str]) -> str:
+        return "  ".join(
+            v.rjust(w) if num else v.ljust(w)
+            for v, w, num in zip(values, widths, numeric, strict=True)
+        ).rstrip()
+
+    out = [line(cols), line(["-" * w for w in widths])]
+    out.extend(line(r) for r in cells)
+    return "\n".join(out)
+
+
+class Rows:
+    """An ordered list of tidy rows with one schema.
+
+    Args:
+        rows: the rows (dicts with the same keys).
+        columns: column order; defaults to the keys of the first row.
+        title: optional heading used by ``str`` and ``to_markdown``.
+    """
+
+    def __init__(
+        self,
+        rows: Iterable[Mapping[str, Any]],
+        columns: Sequence[str] | None = None,
+        title: str | None = None,
+    ) -> None:
+        self._rows = [dict(r) for r in rows]
+        self.columns: list[str] = (
+            list(columns)
+            if columns is not None
+            else (list(self._rows[0].keys()) if self._rows else [])
+        )
+        self.title = title
+
+    def to_rows(self) -> list[dict[str, Any]]:
+        """The rows as a list of new plain dicts."""
+        return [dict(r) for r in self._rows]
+
+    def to_pandas(self) -> Any:
+        """The rows as a ``pandas.DataFrame`` (needs pandas: ``pip install pandas``)."""
+        try:
+            import pandas as pd
+        except ImportError as err:  # pragma: no cover - depends on the environment
+            raise ImportError(
+                "to_pandas() needs pandas; install it with `pip install pandas` "
+                "or use to_rows() for plain dicts"
+            ) from err
+        return pd.DataFrame(self._rows, columns=self.columns or None)
+
+    def to_markdown(self, columns: Sequence[str] | None = None) -> str:
+        """The rows as a GitHub-flavoured markdown table."""
+        cols = list(columns) if columns is not None else self.columns
+        head = f"### {self.title}\n\n" if self.title else ""
+        if not self._rows:
+            return head + "(no rows)\n"
+        lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+        lines += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in self._rows]
+        return head + "\n".join(lines) + "\n"
+
+    def filter(self, **equal: Any) -> Rows:
+        """Rows whose fields equal the given values, e.g. ``rows.filter(stat="sq_mean")``."""
+        keep = [r for r in self._rows if all(r.get(k) == v for k, v in equal.items())]
+        return Rows(keep, self.columns, self.title)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return iter(self.to_rows())
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return dict(self._rows[index])
+
+    def __str__(self) -> str:
+        table = format_table(self._rows, self.columns)
+        return f"{self.title}\n{table}" if self.title else table
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({len(self._rows)} rows, columns={self.columns})"

@@ -1,0 +1,101 @@
+"""The initlab command: schemes, init and demo, and its errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from initlab.cli import main
+
+
+def test_schemes_lists_formulas(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["schemes"]) == 0
+    out = capsys.readouterr().out
+    for name in ("fan_in", "fan_out", "arithmetic", "geometric", "operator_norm", "orthogonal"):
+        assert name in out
+    assert "sqrt" in out
+
+
+def test_init_saves_state_dict_and_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    factory = tmp_path / "mymodels.py"
+    factory.write_text(
+        textwrap.dedent("""
+        from torch import nn
+        def make(width=16):
+            return nn.Sequential(nn.Linear(8, width), nn.ReLU(), nn.Linear(width, 2))
+    """)
+    )
+    out = tmp_path / "w.pt"
+    report = tmp_path / "r.json"
+    code = main(
+        [
+            "init",
+            "--model",
+            f"{factory}:make",
+            "--model-kwargs",
+            '{"width": 32}',
+            "--scheme",
+            "geometric",
+            "--seed",
+            "3",
+            "--out",
+            str(out),
+            "--report",
+            str(report),
+        ]
+    )
+    assert code == 0
+    state = torch.load(out)
+    assert state["0.weight"].shape == (32, 8)
+    assert torch.count_nonzero(state["0.bias"]) == 0
+    rows = json.loads(report.read_text())
+    assert {r["name"] for r in rows} == set(state)
+    assert "geometric" in capsys.readouterr().out
+
+
+def test_init_bad_model_spec_exits_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert main(["init", "--model", "no_colon", "--out", str(tmp_path / "x.pt")]) == 2
+    assert "pkg.module:factory" in capsys.readouterr().err
+    assert main(["init", "--model", "initlab:nope", "--out", str(tmp_path / "x.pt")]) == 2
+    assert "no attribute" in capsys.readouterr().err
+    assert (
+        main(
+            [
+                "init",
+                "--model",
+                "torch.nn:ReLU",
+                "--scheme",
+                "nope",
+                "--out",
+                str(tmp_path / "x.pt"),
+            ]
+        )
+        == 2
+    )
+    assert "geometric" in capsys.readouterr().err  # lists the valid scheme names
+
+
+def test_demo_runs_and_prints_per_layer_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--schemes", "fan_in,geometric", "--batch-size", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "layers.0" in out and "layers.4" in out
+    assert "geometric" in out and "nu" in out
+
+
+def test_console_script_entry_point() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "initlab.cli", "schemes"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "geometric" in result.stdout

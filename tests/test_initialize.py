@@ -1,0 +1,273 @@
+"""init_model: every layer type, ties, meta device, policy, rules, atomicity, dtypes.
+
+Target stds are recomputed here from the papers' formulas, not through the library.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import initlab
+from initlab.registry import ParamSpec, default_registry
+
+Z = 5.0  # z-score for statistical tolerances
+
+
+def std_tolerance(n: int, kurtosis: float = 3.0) -> float:
+    """Relative tolerance on a sample *std* from n draws: half the variance's, z = 5."""
+    return Z * math.sqrt((kurtosis - 1.0) / n) / 2.0
+
+
+class Zoo(nn.Module):
+    """One module of most built-in types; shapes large enough for statistical checks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(96, 128)
+        self.conv = nn.Conv2d(16, 32, 3, groups=2)
+        self.convt = nn.ConvTranspose1d(24, 48, 5)
+        self.mha = nn.MultiheadAttention(64, 4)
+        self.bn = nn.BatchNorm2d(8)
+        self.ln = nn.LayerNorm(8)
+        self.lstm = nn.LSTM(32, 48)
+        self.emb = nn.Embedding(300, 40)
+
+
+def geometric_std(fan_in: int, fan_out: int) -> float:
+    return math.sqrt(2.0 / math.sqrt(fan_in * fan_out))  # Defazio & Bottou Eq. 2, c = 2
+
+
+def test_zoo_geometric_targets_and_roles() -> None:
+    model = Zoo()
+    model.bn.running_mean.fill_(3.0)
+    report = initlab.init_model(model, "geometric", generator=0)
+    rows = {r["name"]: r for r in report.to_rows()}
+    expected = {
+        "lin.weight": geometric_std(96, 128),
+        "conv.weight": geometric_std(8 * 9, 16 * 9),  # per-group fans
+        "convt.weight": geometric_std(24 * 5, 48 * 5),  # transposed layout (in, out, k)
+        "mha.in_proj_weight": geometric_std(64, 64),  # per q/k/v block
+        "mha.out_proj.weight": geometric_std(64, 64),
+        "lstm.weight_ih_l0": geometric_std(32, 48),  # per gate
+        "lstm.weight_hh_l0": geometric_std(48, 48),
+    }
+    params = dict(model.named_parameters())
+    for name, std in expected.items():
+        assert rows[name]["role"] == "weight"
+        assert rows[name]["target_std"] == pytest.approx(std, rel=1e-12)
+        achieved = params[name].detach().double().std().item()
+        assert achieved == pytest.approx(std, rel=std_tolerance(params[name].numel()))
+    for name in ("lin.bias", "conv.bias", "mha.in_proj_bias", "lstm.bias_ih_l0", "bn.bias"):
+        assert torch.count_nonzero(params[name]) == 0
+    assert torch.all(params["bn.weight"] == 1) and torch.all(params["ln.weight"] == 1)
+    assert torch.all(model.bn.running_mean == 0) and torch.all(model.bn.running_var == 1)
+    assert rows["emb.weight"]["role"] == "embedding"
+    assert params["emb.weight"].std().item() == pytest.approx(1.0, rel=std_tolerance(300 * 40))
+    assert not report.unclaimed()
+
+
+def test_blocks_are_initialized_separately_orthogonal() -> None:
+    mha = nn.MultiheadAttention(16, 2)
+    initlab.init_model(mha, "orthogonal", generator=1)
+    gain = math.sqrt(2.0)
+    for q in mha.in_proj_weight.detach().double().split(16):
+        torch.testing.assert_close(
+            q.T @ q, gain**2 * torch.eye(16, dtype=torch.float64), atol=1e-5, rtol=0
+        )
+
+
+def test_tied_weights_stay_tied_and_are_drawn_once() -> None:
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(200, 64)
+            self.head = nn.Linear(64, 200, bias=False)
+            self.head.weight = self.emb.weight
+
+    model = Tied()
+    report = initlab.init_model(model, "fan_in", generator=0)
+    assert model.head.weight is model.emb.weight
+    assert model.head.weight.data_ptr() == model.emb.weight.data_ptr()
+    assert report.tied() == {"head.weight": "emb.weight"}
+    # Drawn once, as the first claimant (the embedding) says: N(0, 1) with the same generator.
+    expected = torch.empty(200, 64).normal_(0, 1, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(model.emb.weight.detach(), expected, atol=0, rtol=0)
+
+
+def test_shared_module_initialized_once() -> None:
+    block = nn.Linear(8, 8)
+    model = nn.Sequential(block, nn.ReLU(), block)
+    report = initlab.init_model(model, "geometric", generator=0)
+    weights = [r for r in report.to_rows() if r["role"] == "weight"]
+    assert [(r["name"], r["tied_to"]) for r in weights] == [
+        ("0.weight", None),
+        ("2.weight", "0.weight"),
+    ]
+
+
+def test_meta_device_model_materialized_then_initialized() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 128))
+    with pytest.raises(ValueError, match="to_empty"):
+        initlab.init_model(model, "geometric")
+    model.to_empty(device="cpu")
+    initlab.init_model(model, "geometric", generator=0)
+    w = model[0].weight.detach().double()
+    assert w.device.type == "cpu"
+    assert w.std().item() == pytest.approx(geometric_std(256, 512), rel=std_tolerance(w.numel()))
+    assert torch.count_nonzero(model[0].bias) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
+def test_dtype_is_kept(dtype: torch.dtype) -> None:
+    model = nn.Sequential(nn.Linear(128, 256), nn.LayerNorm(256)).to(dtype)
+    initlab.init_model(model, "fan_in", generator=0)
+    assert all(p.dtype == dtype for p in model.parameters())
+    w = model[0].weight.detach().double()
+    assert w.std().item() == pytest.approx(math.sqrt(2 / 128), rel=std_tolerance(w.numel()) + 0.01)
+
+
+def test_same_seed_same_weights_and_int_seed_equals_generator() -> None:
+    def make() -> nn.Module:
+        return nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8, 4))
+
+    a, b, c, d = make(), make(), make(), make()
+    initlab.init_model(a, "geometric", generator=torch.Generator().manual_seed(7))
+    initlab.init_model(b, "geometric", generator=torch.Generator().manual_seed(7))
+    initlab.init_model(c, "geometric", generator=7)
+    initlab.init_model(d, "geometric", generator=8)
+    for (_, pa), (_, pb), (_, pc), (_, pd) in zip(
+        a.named_parameters(),
+        b.named_parameters(),
+        c.named_parameters(),
+        d.named_parameters(),
+        strict=True,
+    ):
+        assert torch.equal(pa, pb) and torch.equal(pa, pc)
+        if pa.dim() > 1:
+            assert not torch.equal(pa, pd)
+
+
+class Custom(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.scale = nn.Parameter(torch.full((4,), 3.0))
+
+
+def test_policy_warn_names_unclaimed_and_leaves_them() -> None:
+    model = Custom()
+    with pytest.warns(UserWarning, match=r"\['scale'\]"):
+        report = initlab.init_model(model, "geometric", generator=0)
+    assert report.unclaimed() == ["scale"]
+    assert torch.all(model.scale == 3.0)
+
+
+def test_policy_error_raises_before_any_change() -> None:
+    model = Custom()
+    before = model.lin.weight.detach().clone()
+    with pytest.raises(ValueError, match=r"scale.*register_handler"):
+        initlab.init_model(model, "geometric", policy="error")
+    assert torch.equal(model.lin.weight, before)
+
+
+def test_policy_skip_is_silent() -> None:
+    model = Custom()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        initlab.init_model(model, "geometric", policy="skip")
+    assert torch.all(model.scale == 3.0)
+
+
+def test_user_handler_claims_custom_parameter() -> None:
+    registry = default_registry().copy()
+
+    def handler(module: nn.Module) -> list[ParamSpec]:
+        return [ParamSpec("scale", "norm_scale")]
+
+    registry.register(Custom, handler)
+    model = Custom()
+    registry.register(nn.Linear, default_registry().handler_for(model.lin), override=True)
+    report = initlab.init_model(model, "geometric", registry=registry)
+    assert not report.unclaimed()
+    assert torch.all(model.scale == 1.0)
+
+
+def test_rules_zero_and_scale_residual_projections() -> None:
+    def make() -> nn.Module:
+        return nn.ModuleDict(
+            {
+                "b0": nn.ModuleDict({"fc": nn.Linear(64, 64), "proj": nn.Linear(64, 64)}),
+                "b1": nn.ModuleDict({"fc": nn.Linear(64, 64), "proj": nn.Linear(64, 64)}),
+            }
+        )
+
+    base, ruled = make(), make()
+    initlab.init_model(base, "fan_in", generator=3)
+    rules = [
+        initlab.scale_residual_projections("*.proj.weight", n_layers=2),
+        initlab.zero_last_residual_branch("b1.proj.weight"),
+    ]
+    report = initlab.init_model(ruled, "fan_in", generator=3, rules=rules)
+    factor = 1 / math.sqrt(2 * 2)
+    torch.testing.assert_close(
+        ruled["b0"]["proj"].weight, base["b0"]["proj"].weight * factor, atol=0, rtol=0
+    )
+    torch.testing.assert_close(ruled["b0"]["fc"].weight, base["b0"]["fc"].weight, atol=0, rtol=0)
+    assert torch.count_nonzero(ruled["b1"]["proj"].weight) == 0
+    rows = {r["name"]: r for r in report.to_rows()}
+    assert "Radford" in rows["b0.proj.weight"]["rule"]
+    assert rows["b0.proj.weight"]["target_std"] == pytest.approx(math.sqrt(2 / 64) * factor)
+    assert rows["b1.proj.weight"]["target_std"] == 0.0
+
+
+def test_scheme_rule_and_rule_matching_nothing_warns() -> None:
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+    rule = initlab.Rule("1.weight", "scheme", citation="test", value="orthogonal")
+    with pytest.warns(UserWarning, match="matched no parameter"):
+        initlab.init_model(model, "geometric", rules=[rule, initlab.Rule("nope", "zero", "test")])
+    w = model[1].weight.detach().double()
+    torch.testing.assert_close(w.T @ w, 2 * torch.eye(32, dtype=torch.float64), atol=1e-5, rtol=0)
+
+
+def test_bad_inputs() -> None:
+    with pytest.raises(ValueError, match="no parameters"):
+        initlab.init_model(nn.ReLU(), "geometric")
+    with pytest.raises(ValueError, match="geometric"):  # the message lists valid names
+        initlab.init_model(nn.Linear(2, 2), "geometrc")
+    with pytest.raises(ValueError, match="policy"):
+        initlab.init_model(nn.Linear(2, 2), policy="ignore")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="action"):
+        initlab.Rule("*", "double", citation="x")
+    with pytest.raises(ValueError, match="citation"):
+        initlab.Rule("*", "zero", citation="")
+    with pytest.raises(TypeError):
+        initlab.init_model(nn.Linear(2, 2), generator="seed")  # type: ignore[arg-type]
+
+
+def test_bad_handler_leaves_model_unchanged() -> None:
+    registry = default_registry().copy()
+    registry.register(
+        nn.Linear, lambda m: [ParamSpec("weight", "weight", fans=initlab.Fans(3, 3))], override=True
+    )
+    model = nn.Sequential(nn.Conv1d(2, 2, 3), nn.Linear(4, 4))
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="Linear"):
+        initlab.init_model(model, "geometric", registry=registry, policy="skip")
+    for p, q in zip(model.parameters(), before, strict=True):
+        assert torch.equal(p, q)
+
+
+def test_report_exits() -> None:
+    report = initlab.init_model(nn.Linear(8, 4), "geometric", generator=0)
+    assert set(report.to_rows()[0]) == set(initlab.INIT_REPORT_COLUMNS)
+    text = str(report)
+    assert "weight" in text and "geometric" in text and "2 tensors initialized" in text
+    df = report.to_pandas()
+    assert list(df.columns) == list(initlab.INIT_REPORT_COLUMNS) and len(df) == 2
+    assert "| name |" in report.to_markdown()
