@@ -314,8 +314,14 @@ def test_dirac_spec_std_and_sample_path() -> None:
     assert rms == pytest.approx(spec.std, rel=1e-12)
 
 
+def test_dirac_on_a_linear_weight_is_the_identity() -> None:
+    x = torch.randn(5, 6, generator=gen(0))
+    torch.testing.assert_close(F.linear(x, dirac_(torch.empty(6, 6), 3.0)), 3.0 * x)
+    torch.testing.assert_close(dirac_(torch.empty(2, 3)), torch.eye(2, 3))
+
+
 def test_dirac_rejects_non_conv_shapes() -> None:
-    for shape in [(4, 4), (4,), (1, 1, 1, 1, 1, 1)]:
+    for shape in [(4,), (1, 1, 1, 1, 1, 1)]:
         with pytest.raises(ValueError, match="3-, 4- or 5-D"):
             dirac_(torch.empty(shape))
     with pytest.raises(ValueError, match="divisible"):

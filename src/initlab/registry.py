@@ -597,6 +597,16 @@ _GPT2_CONV1D_PATHS = (
 )
 
 
+def scalar_bias_handler(module: nn.Module) -> list[ParamSpec]:
+    """A module whose only parameter is an additive ``bias`` (FixUp's scalar bias)."""
+    return [ParamSpec("bias", "bias")]
+
+
+def scalar_scale_handler(module: nn.Module) -> list[ParamSpec]:
+    """A module whose only parameter is a multiplicative ``weight`` (FixUp's multiplier)."""
+    return [ParamSpec("weight", "norm_scale")]
+
+
 def _builtin_registry() -> Registry:
     """A fresh registry holding the built-in handlers."""
     reg = Registry()
@@ -624,6 +634,10 @@ def _builtin_registry() -> Registry:
     reg.register(nn.RNNCellBase, rnn_cell_handler)
     for path in _GPT2_CONV1D_PATHS:
         reg.register(path, transposed_linear_handler)
+    # FixUp's scalar bias (init 0) and branch multiplier (init 1), Zhang et al. 2019 §3; by dotted
+    # path so that the registry does not import the model zoo.
+    reg.register("initlab.zoo.ScalarBias", scalar_bias_handler)
+    reg.register("initlab.zoo.ScalarScale", scalar_scale_handler)
     return reg
 
 

@@ -283,7 +283,10 @@ def orthogonal_(
 
 
 def dirac_(tensor: Tensor, gain: float = 1.0, *, groups: int = 1) -> Tensor:
-    """Fill a 3/4/5-D conv weight with the identity kernel times ``gain`` (no randomness).
+    """Fill a weight with the identity map times ``gain`` (no randomness).
+
+    A 2-D ``(out, in)`` weight gets ``gain`` on its diagonal (like :func:`torch.nn.init.eye_`),
+    so a square Linear layer starts as ``gain`` times the identity.
 
     Like :func:`torch.nn.init.dirac_`: within each group, output channel ``d`` takes input channel
     ``d`` at the kernel centre, for ``d < min(out / groups, in / groups)``; all else is zero. A
@@ -297,9 +300,10 @@ def dirac_(tensor: Tensor, gain: float = 1.0, *, groups: int = 1) -> Tensor:
         True
     """
     _check_tensor(tensor, "dirac_")
-    if tensor.dim() not in (3, 4, 5):
+    if tensor.dim() not in (2, 3, 4, 5):
         raise ValueError(
-            "dirac_ needs a 3-, 4- or 5-D convolution weight (out, in / groups, *kernel); "
+            "dirac_ needs a 2-D (out, in) or a 3-, 4- or 5-D convolution weight "
+            "(out, in / groups, *kernel); "
             f"got shape {tuple(tensor.shape)}"
         )
     _check_groups(tensor, groups)
@@ -307,7 +311,7 @@ def dirac_(tensor: Tensor, gain: float = 1.0, *, groups: int = 1) -> Tensor:
         raise ValueError(f"gain must be a finite real number, got {gain!r}")
     out_per_group = tensor.size(0) // groups
     channels = torch.arange(min(out_per_group, tensor.size(1)), device=tensor.device)
-    centres = tuple(size // 2 for size in tensor.shape[2:])
+    centres = tuple(size // 2 for size in tensor.shape[2:])  # () for a 2-D weight
     with torch.no_grad():
         tensor.zero_()
         for group in range(groups):
