@@ -17,6 +17,7 @@ The public API, by concept (implementation modules in parentheses):
 from initlab.fans import Fans, compute_fans
 from initlab.gains import average_lipschitz, calculate_gain
 from initlab.initialize import INIT_REPORT_COLUMNS, InitReport, init_model
+from initlab.probe import PROBE_COLUMNS, MomentProbe, measure_moments
 from initlab.registry import (
     Block,
     ParamSpec,
@@ -67,6 +68,7 @@ from initlab.schemes import (
 
 __all__ = [
     "INIT_REPORT_COLUMNS",
+    "PROBE_COLUMNS",
     "ArithmeticMean",
     "Block",
     "Dirac",
@@ -76,6 +78,7 @@ __all__ = [
     "GeometricMean",
     "InitReport",
     "InitSpec",
+    "MomentProbe",
     "OperatorNorm",
     "Orthogonal",
     "ParamSpec",
@@ -105,6 +108,7 @@ __all__ = [
     "get_scheme",
     "init_model",
     "list_schemes",
+    "measure_moments",
     "normal_",
     "operator_norm_normal_",
     "operator_norm_variance",

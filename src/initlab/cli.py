@@ -1,4 +1,4 @@
-"""The ``initlab`` command: ``schemes``, ``init`` and ``demo``.
+"""The ``initlab`` command: ``schemes``, ``init``, ``data``, ``bench run|report`` and ``demo``.
 
 Argument parsing lives here and only here; every command calls the library's public functions.
 """
@@ -99,6 +99,52 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_data(args: argparse.Namespace) -> int:
+    from initlab.data import list_datasets
+    from initlab.rows import Rows
+
+    print(Rows(list_datasets(args.data_dir), title="initlab data sets"))
+    return 0
+
+
+def _cmd_bench_run(args: argparse.Namespace) -> int:
+    from initlab.study.runner import StudyError, run_study
+    from initlab.study.spec import StudySpec
+
+    spec = StudySpec.from_yaml(args.spec)
+    store = args.store or f"results/{spec.name}.sqlite"
+    Path(store).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        summary = run_study(
+            spec,
+            store,
+            backend=args.backend,
+            workers=args.workers,
+            ray_address=args.ray_address,
+            progress=not args.quiet,
+            chunk_size=args.chunk_size,
+            device=args.device,
+            data_root=args.data_dir,
+        )
+    except StudyError as err:
+        print(f"initlab bench run: {err}", file=sys.stderr)
+        return 1
+    print(summary)
+    return 0
+
+
+def _cmd_bench_report(args: argparse.Namespace) -> int:
+    from initlab.study.aggregate import report_study
+
+    out = args.out or str(Path(args.store).with_suffix("")) + "-report"
+    rows = report_study(
+        args.store, out, study=args.study, plots=not args.no_plots, window=args.window
+    )
+    print(rows)
+    print(f"\nreport written to {out}")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="initlab",
@@ -124,6 +170,31 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="where to save the state dict (.pt)")
     p.add_argument("--report", help="also save the report rows as JSON here")
     p.set_defaults(func=_cmd_init)
+
+    p = sub.add_parser("data", help="list the data sets the loaders know and where they are")
+    p.add_argument("--data-dir", help="data root (default: $INITLAB_DATA_DIR or ../shared/data)")
+    p.set_defaults(func=_cmd_data)
+
+    bench = sub.add_parser("bench", help="run and report studies (schemes x seeds x LRs)")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    p = bench_sub.add_parser("run", help="run a study spec (YAML); resumes where it stopped")
+    p.add_argument("spec", help="study spec, e.g. benchmarks/studies/table2.yaml")
+    p.add_argument("--store", help="SQLite store (default: results/<study name>.sqlite)")
+    p.add_argument("--backend", default="local", choices=["local", "ray"])
+    p.add_argument("--workers", type=int, default=1, help="parallel worker processes")
+    p.add_argument("--ray-address", help="Ray cluster address (default: a local Ray instance)")
+    p.add_argument("--chunk-size", type=int, default=64, help="runs trained together per chunk")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--data-dir", help="data root (default: $INITLAB_DATA_DIR or ../shared/data)")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.set_defaults(func=_cmd_bench_run)
+    p = bench_sub.add_parser("report", help="aggregate a study store: Table 2, tables, plots")
+    p.add_argument("store", help="SQLite store written by `initlab bench run`")
+    p.add_argument("--out", help="output folder (default: <store>-report)")
+    p.add_argument("--study", help="only this study of the store")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--window", type=int, help="sliding window (steps) for loss curves")
+    p.set_defaults(func=_cmd_bench_report)
 
     p = sub.add_parser("demo", help="compare schemes on the paper MLP with bundled digits data")
     p.add_argument("--schemes", help="comma-separated scheme names (default: all demo schemes)")
