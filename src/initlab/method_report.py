@@ -1,0 +1,58 @@
+"""What a data-dependent init method did: :class:`MethodReport`.
+
+Every method (``lsuv_``, ``gradinit_``, ``metainit_``, ``scale_output_``, ``precondition_``)
+returns one: per-layer rows (schema documented by the method), the passes it spent and its wall
+time, and, for iterative methods, a per-iteration ``trace``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from initlab.rows import Rows
+
+__all__ = ["MethodReport"]
+
+
+class MethodReport(Rows):
+    """Per-layer rows of a data-dependent method, with its cost.
+
+    Attributes:
+        method: the method's name.
+        forward_passes: full forward passes of the model spent.
+        backward_passes: backward passes spent.
+        wall_s: wall time of the call.
+        trace: per-iteration rows (iterative methods), or ``None``.
+        info: method-specific scalars (e.g. the fitted output scale).
+    """
+
+    def __init__(
+        self,
+        rows: Sequence[Mapping[str, Any]],
+        columns: Sequence[str],
+        *,
+        method: str,
+        forward_passes: int,
+        backward_passes: int,
+        wall_s: float,
+        trace: Rows | None = None,
+        info: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__(rows, columns, title=method)
+        self.method = method
+        self.forward_passes = forward_passes
+        self.backward_passes = backward_passes
+        self.wall_s = wall_s
+        self.trace = trace
+        self.info = dict(info or {})
+
+    def __str__(self) -> str:
+        cost = (
+            f"{self.forward_passes} forward / {self.backward_passes} backward passes, "
+            f"{self.wall_s:.2f} s"
+        )
+        extra = "".join(
+            f", {k}={v:.4g}" if isinstance(v, float) else f", {k}={v}" for k, v in self.info.items()
+        )
+        return f"{super().__str__()}\n{self.method}: {cost}{extra}"
