@@ -1,0 +1,500 @@
+r"""GR scaling and weight-to-gradient ratios per layer, from moment-probe measurements.
+
+Defazio & Bottou (2020), *Scaling Laws for the Principled Design, Initialization and
+Preconditioning of ReLU Networks*: the diagonal block ``G_l`` of the Hessian that belongs to one
+weight tensor has an average squared singular value estimated by the **GR scaling** ``gamma_l``
+(Prop. 3; Eq. 1 for convolutions). A network whose ``gamma_l`` differ a lot between layers is
+ill-conditioned (Cor. 2: ``kappa(G) >= max / min`` of the blocks' singular values); a network with
+equal ``gamma_l`` is "balanced" or "preconditioned".
+
+One formula for linear and convolutional layers
+-----------------------------------------------
+For a layer ``y = alpha * W (*) x + b`` (``(*)`` a matrix product or a convolution, ``alpha`` an
+optional fixed conditioning multiplier, Section 5) with ``n_in`` input channels per group,
+``k2`` kernel taps (``k^2`` for a ``k x k`` kernel, 1 for a linear layer) and ``p2`` output
+positions per example (``p^2`` for a ``p x p`` output map; the number of tokens for a linear layer
+applied to ``(B, T, n_in)``; 1 for a plain MLP layer)::
+
+    gamma_w = alpha^4 * b * n_in * k2 * p2 * E[x^2]^2 * E[dy^2] / E[y^2]        (Eq. 1)
+    gamma_b =           b *             p2 *            E[dy^2] / E[y^2]        (App. D)
+
+All moments are non-central element-wise second moments, pooled over all elements and batches.
+For an MLP layer (``k2 = p2 = 1``) this is Prop. 3, ``gamma = n_in E[x^2]^2 E[dy^2] / E[y^2]`` and
+``gamma_b = E[dy^2] / E[y^2]``. What the columns use:
+
+* ``dy`` is the probe's **per-example** output gradient (the gradient of one example's loss; the
+  probe multiplies by ``B`` for a mean-reduced loss), so the batch size of Eq. 1 is ``b = 1``: the
+  paper's analysis "proceeds with batch-size 1" (§3.1), and ``b`` is a common factor of all layers
+  anyway.
+* ``E[y^2]`` is the second moment of the module's output **as returned, after its bias**. The ratio
+  ``E[dy^2] / E[y^2]`` estimates the curvature of the rest of the network with respect to that
+  output (A2: the rest is positively homogeneous, so ``dy ~ R y``), which is a statement about the
+  value that flows on. At initialization the biases are zero and pre- and post-bias moments agree.
+* ``p2`` is measured, not computed from the geometry: ``p2 = numel(dy) / (examples * n_out)``. A
+  module called ``c`` times per forward (a shared weight) therefore gets ``c`` times the positions,
+  which is right: its per-example gradient sums ``c * p2`` terms.
+
+Why ``gamma`` equals the weight-to-gradient ratio ``nu`` (Prop. 4, extended to convolutions)
+---------------------------------------------------------------------------------------------
+``nu_l = E[dW_l^2] / E[W_l^2]`` with ``dW`` a per-example gradient (Section 4). Under the
+independence assumptions (A1-A3: weights i.i.d., mean zero, independent of the activations;
+activations and gradients element-wise independent, including across positions):
+
+1. *Forward.* Each output element is a sum of ``n_in * k2`` products ``alpha * W * x`` with
+   independent mean-zero weights, so ``E[y^2] = alpha^2 n_in k2 E[W^2] E[x^2]`` (App. B, zero
+   bias), i.e. ``E[W^2] = E[y^2] / (alpha^2 n_in k2 E[x^2])``.
+2. *Backward.* One weight element is used once at each of the ``p2`` output positions, so one
+   example's gradient is a sum of ``p2`` terms, ``dW[o, i, u] = alpha * sum_s dy[o, s] x[i, s+u]``;
+   independent mean-zero terms give ``E[dW^2] = alpha^2 p2 E[dy^2] E[x^2]``.
+3. Dividing: ``nu = alpha^4 n_in k2 p2 E[x^2]^2 E[dy^2] / E[y^2] = gamma_w`` with ``b = 1``.
+
+For an MLP layer (``p2 = 1``) this is exactly the proof of Prop. 4/8 (App. C). The identity needs
+the per-example gradient: the minibatch gradient is a mean over ``B`` examples, so
+``nu_w_minibatch`` (reported beside it) lies between ``nu_w / B`` (independent mean-zero
+per-example gradients) and ``nu_w`` (all examples agree).
+
+For convolutions the independence of values *across positions* is the weak point (the paper
+notes that Eq. 1 is "further away from empirical estimates" for convolutions). Post-ReLU
+activations are not centred, and gradients can be correlated across positions (global average
+pooling sends one gradient to every position of a channel), so the ``p2`` terms of step 2 can be
+correlated. Then ``nu`` and ``gamma`` of a conv layer part: a 14x gap was measured in an
+all-convolutional net with a per-position squared loss. With i.i.d. centred inputs and a
+flatten/linear head they agree within a few percent at init (tests).
+
+Bias terms: ``gamma_b`` needs no bias value; ``nu_b = E[db^2] / E[b^2]`` is only defined for a
+nonzero bias (NaN otherwise, with the reason in ``note``). One example's bias gradient sums ``p2``
+output gradients, ``E[db^2] = p2 E[dy^2]``, so ``gamma_b = E[db^2] / E[y^2]``.
+
+Conditioning multipliers (``alpha``). A fixed scalar in front of a layer, with the weight's init
+divided by ``alpha`` so the forward pass is unchanged, multiplies ``gamma_w`` (and ``nu_w`` of the
+stored weight ``W' = W / alpha``) by ``alpha^4`` and leaves everything the probe measures (``x``,
+``y``, ``dy``) unchanged. :func:`gr_scaling` takes ``alpha`` per module and reports the scaled
+values; this is what :func:`initlab.scaling.precondition_` balances.
+
+Residual branches (a caveat the reader should know). Inside a residual branch ``z + s F(z)`` the
+rest of the network is *not* homogeneous in the branch's output, and App. E.1 evaluates the
+curvature ratio after the addition instead (``E[dz^2] / E[z^2]`` with the branch scale ``s``
+folded in). The values here use each module's own output, as Eq. 1 does; for a convolution inside
+a branch with scale ``s`` whose other summand has the same second moment, the App. E.1 value is
+``s^2 / (1 + s^2)`` times ours (see :func:`initlab.scaling.resnet_multipliers`).
+
+Rows (:data:`GR_COLUMNS`), one per probed module whose registry handler claims a role-"weight"
+parameter, in execution order:
+
+=====================  ==========================================================================
+``module``             qualified name
+``module_type``        class name
+``kind``               ``"mlp"`` (linear-type), ``"conv"`` (``nn.Conv1d/2d/3d``) or ``"other"``
+                       (attention, RNN, transposed conv, bilinear: ``gamma`` not derived, NaN)
+``n_in``               input channels (features) per group: ``fan_in / k2``
+``k2``                 kernel taps (``k^2``; 1 for linear-type layers)
+``p2``                 output positions per example (measured, see above)
+``E_x2, E_y2, E_dy2``  the probe's moments of the module's first input, first output, and the
+                       per-example gradient at that output
+``alpha``              conditioning multiplier used (1 unless given)
+``gamma_w``            GR scaling of the weight, ``alpha^4`` included
+``gamma_b``            GR scaling of the bias (NaN without a bias)
+``nu_w``               ``alpha^4 E[dW^2_example] / E[W^2]``
+``nu_b``               ``E[db^2_example] / E[b^2]`` (NaN for a zero or missing bias)
+``nu_w_minibatch``     ``alpha^4 E[dW^2] / E[W^2]`` with the minibatch gradient
+``gamma_rel_median``   ``gamma_w / median(gamma_w)`` over the rows with a finite ``gamma_w``
+``note``               why a value is NaN ("" when nothing is missing)
+=====================  ==========================================================================
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> net = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 3))
+    >>> x, t = torch.randn(256, 20), torch.randint(0, 3, (256,))
+    >>> rows = gr_scaling_from_data(
+    ...     net, (x, t), lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1])
+    ... )
+    >>> [r["module"] for r in rows], [r["kind"] for r in rows]
+    (['0', '2'], ['mlp', 'mlp'])
+    >>> imbalance(rows)["spread"] >= 1.0
+    True
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from initlab.batches import batch_size, take_batches
+from initlab.distributed import all_reduce_sum
+from initlab.probe import MomentProbe, measure_moments
+from initlab.registry import ParamSpec, Registry, default_registry
+from initlab.rows import Rows
+
+__all__ = [
+    "GR_COLUMNS",
+    "gr_scaling",
+    "gr_scaling_from_data",
+    "imbalance",
+    "weight_layers",
+    "with_multipliers",
+]
+
+GR_COLUMNS: tuple[str, ...] = (
+    "module",
+    "module_type",
+    "kind",
+    "n_in",
+    "k2",
+    "p2",
+    "E_x2",
+    "E_y2",
+    "E_dy2",
+    "alpha",
+    "gamma_w",
+    "gamma_b",
+    "nu_w",
+    "nu_b",
+    "nu_w_minibatch",
+    "gamma_rel_median",
+    "note",
+)
+"""Columns of :func:`gr_scaling` (see the module docstring)."""
+
+_NAN = float("nan")
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def _weight_spec(module: nn.Module, registry: Registry) -> ParamSpec | None:
+    """The first role-"weight" spec the registry gives for ``module`` (None: not a weight layer)."""
+    specs = registry.specs(module)
+    if not specs:
+        return None
+    return next((s for s in specs if s.role == "weight"), None)
+
+
+def _bias_name(module: nn.Module, registry: Registry) -> str | None:
+    specs = registry.specs(module) or []
+    return next((s.name for s in specs if s.role == "bias"), None)
+
+
+def _kind(module: nn.Module, spec: ParamSpec) -> str:
+    if spec.blocks or spec.fans is None:
+        return "other"
+    if isinstance(module, _CONVS):
+        return "conv"
+    weight = getattr(module, spec.name)
+    if weight.dim() == 2 and spec.fans.receptive_field == 1 and spec.groups == 1:
+        return "mlp"
+    return "other"
+
+
+def weight_layers(
+    model: nn.Module, registry: Registry | None = None
+) -> list[tuple[str, nn.Module, ParamSpec, str]]:
+    """``(name, module, weight spec, kind)`` for every module with a role-"weight" parameter.
+
+    In ``model.named_modules()`` order; ``kind`` is ``"mlp"``, ``"conv"`` or ``"other"`` as in
+    :data:`GR_COLUMNS`.
+    """
+    reg = default_registry() if registry is None else registry
+    out = []
+    for name, module in model.named_modules():
+        spec = _weight_spec(module, reg)
+        if spec is not None:
+            out.append((name, module, spec, _kind(module, spec)))
+    return out
+
+
+def _probe_values(probe: MomentProbe) -> dict[tuple[str, str, str, str], float]:
+    """``(module, quantity, param, stat) -> value`` for the pooled ("all") rows of the first
+    input/output tensor (index ``"0"``) and of every parameter."""
+    out: dict[tuple[str, str, str, str], float] = {}
+    for r in probe.rows():
+        if r["call"] != "all" or (r["quantity"] in ("x", "y", "dy") and r["index"] != "0"):
+            continue
+        out[(r["module"], r["quantity"], r["param"], r["stat"])] = r["value"]
+    return out
+
+
+def _ratio(num: float, den: float) -> float:
+    if not (math.isfinite(num) and math.isfinite(den)) or den <= 0.0:
+        return _NAN
+    return num / den
+
+
+def gr_scaling(
+    probe: MomentProbe,
+    model: nn.Module | None = None,
+    *,
+    alpha: Mapping[str, float] | None = None,
+    examples: int | None = None,
+    registry: Registry | None = None,
+    all_reduce: bool = False,
+) -> Rows:
+    """GR scaling ``gamma`` and weight-to-gradient ratios ``nu`` per weight layer (a probe's data).
+
+    See the module docstring for the formulas, what each moment is, and the derivation of
+    ``gamma_w == nu_w`` under the paper's independence assumptions.
+
+    Args:
+        probe: a :class:`~initlab.probe.MomentProbe` that ran forward and backward passes (with
+            ``per_example=True``, the default, for ``nu_w``/``nu_b`` and for ``p2``).
+        model: the probed model (default ``probe.model``).
+        alpha: conditioning multiplier per module name (missing names: 1). ``gamma_w``, ``nu_w`` and
+            ``nu_w_minibatch`` are multiplied by ``alpha^4``; ``x``, ``y``, ``dy`` and the bias
+            columns are unchanged, since a multiplier with the init divided by it does not change
+            the forward or backward pass.
+        examples: number of examples the backward passes saw (all ranks together when
+            ``all_reduce``). Default: read off the per-example gradient counts of each layer's
+            weight; give it when those are unavailable (``per_example=False``, train-mode
+            BatchNorm), else ``p2`` and ``gamma`` are NaN for those layers.
+        registry: the layer registry (default :func:`~initlab.registry.default_registry`).
+        all_reduce: sum the probe's moments over the ranks of a ``torch.distributed`` job before
+            forming ratios, so every rank gets the pooled values (every rank must call it).
+
+    Returns:
+        :class:`~initlab.rows.Rows` with columns :data:`GR_COLUMNS`.
+    """
+    model = probe.model if model is None else model
+    reg = default_registry() if registry is None else registry
+    alpha = dict(alpha or {})
+    values = _probe_values(probe)
+    modules = dict(model.named_modules())
+    unknown = sorted(set(alpha) - set(modules))
+    if unknown:
+        raise ValueError(f"alpha names modules the model does not have: {unknown}")
+
+    layers = []
+    for t in probe.table():
+        name = t["module"]
+        module = modules.get(name)
+        if module is None:
+            continue
+        spec = _weight_spec(module, reg)
+        if spec is None:
+            continue
+        layers.append((t, name, module, spec, _bias_name(module, reg)))
+
+    # The sums behind every pooled moment, so that ranks can be added exactly:
+    # per layer [x, y, dy, W, dW, dW_ex, b, db_ex] as (sq_mean * numel, numel).
+    def get(name: str, q: str, param: str, stat: str) -> float:
+        return values.get((name, q, param, stat), _NAN)
+
+    sums = torch.zeros(len(layers), 8, 2, dtype=torch.float64)
+    for i, (_, name, _, spec, bias) in enumerate(layers):
+        keys = [
+            ("x", ""),
+            ("y", ""),
+            ("dy", ""),
+            ("W", spec.name),
+            ("dW", spec.name),
+            ("dW_example", spec.name),
+            ("W", bias or "-"),
+            ("dW_example", bias or "-"),
+        ]
+        for j, (q, param) in enumerate(keys):
+            n = get(name, q, param, "numel")
+            m = get(name, q, param, "sq_mean")
+            if math.isnan(n):
+                n = 0.0
+            sums[i, j, 0] = m * n if n > 0 else (_NAN if q != "W" else 0.0)
+            sums[i, j, 1] = n
+    if all_reduce:
+        all_reduce_sum([sums])
+
+    def moment(i: int, j: int) -> float:
+        s, n = sums[i, j].tolist()
+        return s / n if n > 0 else _NAN
+
+    def count(i: int, j: int) -> float:
+        return float(sums[i, j, 1])
+
+    rows: list[dict[str, Any]] = []
+    for i, (_, name, module, spec, bias) in enumerate(layers):
+        notes: list[str] = []
+        kind = _kind(module, spec)
+        a = float(alpha.get(name, 1.0))
+        a4 = a**4
+        e_x2, e_y2, e_dy2 = moment(i, 0), moment(i, 1), moment(i, 2)
+        e_w2, e_dw2, e_dw2_ex = moment(i, 3), moment(i, 4), moment(i, 5)
+        e_b2, e_db2_ex = moment(i, 6), moment(i, 7)
+        weight = getattr(module, spec.name)
+        n_in = k2 = None
+        p2 = _NAN
+        if kind == "other":
+            notes.append(
+                "gamma not derived for this layer type (Eq. 1 covers linear and conv layers); "
+                "nu is measured"
+            )
+        else:
+            assert spec.fans is not None
+            k2 = spec.fans.receptive_field
+            n_in = spec.fans.fan_in // k2
+            n_out = module.out_channels if kind == "conv" else spec.fans.fan_out
+            n_examples = float(examples) if examples is not None else _NAN
+            if examples is None and count(i, 5) > 0 and math.isfinite(e_dw2_ex):
+                n_examples = count(i, 5) / weight.numel()
+            if math.isnan(n_examples):
+                notes.append(
+                    "p2 unknown: no per-example gradient counts; pass examples= to gr_scaling"
+                )
+            elif count(i, 2) > 0:
+                p2 = count(i, 2) / (n_examples * n_out)
+        if count(i, 2) == 0:
+            notes.append("no gradient reached the output (forward-only probe or unused output)")
+        gamma_w = _NAN
+        gamma_b = _NAN
+        if n_in is not None and k2 is not None and math.isfinite(p2):
+            gamma_w = _ratio(a4 * n_in * k2 * p2 * e_x2 * e_x2 * e_dy2, e_y2)
+            if bias is not None:
+                gamma_b = _ratio(p2 * e_dy2, e_y2)
+        nu_w = _ratio(a4 * e_dw2_ex, e_w2)
+        if math.isnan(e_dw2_ex) and count(i, 2) > 0:
+            notes.append("per-example weight gradient unavailable (see probe.notes)")
+        nu_b = _NAN
+        if bias is None:
+            notes.append("no bias")
+        elif not e_b2 > 0.0:
+            notes.append("bias is zero: nu_b = E[db^2]/E[b^2] undefined")
+        else:
+            nu_b = _ratio(e_db2_ex, e_b2)
+        rows.append(
+            {
+                "module": name,
+                "module_type": type(module).__name__,
+                "kind": kind,
+                "n_in": n_in,
+                "k2": k2,
+                "p2": p2,
+                "E_x2": e_x2,
+                "E_y2": e_y2,
+                "E_dy2": e_dy2,
+                "alpha": a,
+                "gamma_w": gamma_w,
+                "gamma_b": gamma_b,
+                "nu_w": nu_w,
+                "nu_b": nu_b,
+                "nu_w_minibatch": _ratio(a4 * e_dw2, e_w2),
+                "gamma_rel_median": _NAN,
+                "note": "; ".join(notes),
+            }
+        )
+    finite = [r["gamma_w"] for r in rows if math.isfinite(r["gamma_w"]) and r["gamma_w"] > 0]
+    if finite:
+        med = statistics.median(finite)
+        for r in rows:
+            r["gamma_rel_median"] = _ratio(r["gamma_w"], med)
+    return Rows(rows, GR_COLUMNS, title="GR scaling")
+
+
+def imbalance(rows: Rows | list[Mapping[str, Any]], column: str = "gamma_w") -> dict[str, Any]:
+    """How unequal the layers' GR scalings are: max/min and each layer relative to the median.
+
+    Args:
+        rows: :func:`gr_scaling` rows.
+        column: ``"gamma_w"`` (default), ``"nu_w"`` or any other positive column.
+
+    Returns:
+        ``{"spread": max/min, "max", "min", "median", "argmax", "argmin", "layers": count,
+        "relative": {module: value/median}, "spread_with_biases": max/min over the weights'
+        ``column`` and the finite ``gamma_b`` together}`` over rows with a finite positive value;
+        NaN values (and ``None`` names) when no row has one. ``gamma`` estimates a block's average
+        squared singular value; by Cor. 2 of the paper, unequal blocks bound the condition number
+        of the Hessian from below, so a large spread flags an ill-conditioned start.
+    """
+    items = [(r["module"], r[column]) for r in rows]
+    items = [(n, float(v)) for n, v in items if v is not None and math.isfinite(v) and v > 0]
+    if not items:
+        return {
+            "spread": _NAN,
+            "max": _NAN,
+            "min": _NAN,
+            "median": _NAN,
+            "argmax": None,
+            "argmin": None,
+            "layers": 0,
+            "relative": {},
+            "spread_with_biases": _NAN,
+        }
+    vals = [v for _, v in items]
+    med = statistics.median(vals)
+    hi = max(items, key=lambda it: it[1])
+    lo = min(items, key=lambda it: it[1])
+    both = vals + [
+        float(r["gamma_b"])
+        for r in rows
+        if r.get("gamma_b") is not None and math.isfinite(r["gamma_b"]) and r["gamma_b"] > 0
+    ]
+    return {
+        "spread": hi[1] / lo[1],
+        "max": hi[1],
+        "min": lo[1],
+        "median": med,
+        "argmax": hi[0],
+        "argmin": lo[0],
+        "layers": len(items),
+        "relative": {n: v / med for n, v in items},
+        "spread_with_biases": max(both) / min(both),
+    }
+
+
+def with_multipliers(rows: Rows, alpha: Mapping[str, float]) -> Rows:
+    """:func:`gr_scaling` rows re-expressed with other conditioning multipliers, without a probe.
+
+    Exact: a multiplier (with the init divided by it) changes neither ``x``, ``y`` nor ``dy``, so
+    ``gamma_w``, ``nu_w`` and ``nu_w_minibatch`` scale by ``(alpha_new / alpha_old)^4`` and the
+    bias columns stay. Modules missing from ``alpha`` keep their multiplier.
+    """
+    out = []
+    for r in rows:
+        r = dict(r)
+        a = float(alpha.get(r["module"], r["alpha"]))
+        f = (a / r["alpha"]) ** 4
+        for col in ("gamma_w", "nu_w", "nu_w_minibatch"):
+            r[col] = r[col] * f
+        r["alpha"] = a
+        out.append(r)
+    finite = [r["gamma_w"] for r in out if math.isfinite(r["gamma_w"]) and r["gamma_w"] > 0]
+    med = statistics.median(finite) if finite else _NAN
+    for r in out:
+        r["gamma_rel_median"] = _ratio(r["gamma_w"], med)
+    return Rows(out, rows.columns, title=rows.title)
+
+
+def gr_scaling_from_data(
+    model: nn.Module,
+    data: Any,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    *,
+    alpha: Mapping[str, float] | None = None,
+    n_batches: int | None = None,
+    registry: Registry | None = None,
+    all_reduce: bool = False,
+    **probe_kwargs: Any,
+) -> Rows:
+    """Probe ``model`` on ``data`` (forward and backward of ``loss_fn``); :func:`gr_scaling` of it.
+
+    Args:
+        model: the model; weights, gradients (``.grad``) and modes are left as they are.
+        data: one batch or an iterable of batches (see :mod:`initlab.batches`).
+        loss_fn: ``loss_fn(model, batch) -> scalar loss``; declare its reduction to the probe with
+            ``loss_reduction=`` (``"mean"`` by default).
+        alpha: conditioning multipliers per module name, as in :func:`gr_scaling`.
+        n_batches: use the first ``n_batches`` batches (default all).
+        registry: the layer registry.
+        all_reduce: pool the moments over ranks (see :func:`gr_scaling`).
+        **probe_kwargs: passed to :class:`~initlab.probe.MomentProbe`.
+    """
+    batches = take_batches(data, n_batches, what="gr_scaling_from_data")
+    probe = measure_moments(model, batches, loss_fn, **probe_kwargs)
+    examples: int | None = sum(batch_size(b) for b in batches)
+    if probe_kwargs.get("batch_dim") not in (None, 0):
+        examples = None  # the batch is not along dim 0: count examples from the probe
+    elif all_reduce:
+        n = torch.tensor([float(examples)], dtype=torch.float64)
+        all_reduce_sum([n])
+        examples = int(n.item())
+    return gr_scaling(
+        probe, model, alpha=alpha, examples=examples, registry=registry, all_reduce=all_reduce
+    )

@@ -1,0 +1,291 @@
+"""GR scaling and weight-to-gradient ratios against float64 computations written out by hand.
+
+The oracles here use plain autograd on float64 models (per-example gradients by a loop over
+examples) and the paper's formulas typed in directly, never the probe or initlab's helpers.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from initlab import init_model
+from initlab.conditioning import (
+    GR_COLUMNS,
+    gr_scaling,
+    gr_scaling_from_data,
+    imbalance,
+    with_multipliers,
+)
+from initlab.probe import measure_moments
+
+F64 = torch.float64
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Multi-threaded kernels are many times slower on a busy 2-core CPU; the sizes are tiny."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def ce(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return F.cross_entropy(model(batch[0]), batch[1])
+
+
+def sq(t: torch.Tensor) -> float:
+    return t.detach().square().mean().item()
+
+
+def hand_layer_moments(model: nn.Sequential, layers: list[int], x, target):
+    """Per layer: inputs, outputs, per-example output gradients (B * grad of the mean loss), and
+    per-example weight/bias gradients by a loop over examples; all float64."""
+    acts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    h = x
+    for i, m in enumerate(model):
+        out = m(h)
+        if i in layers:
+            out.retain_grad()
+            acts[i] = (h, out)
+        h = out
+    loss = F.cross_entropy(h, target)
+    loss.backward()
+    b = x.shape[0]
+    res = {}
+    for i in layers:
+        xin, y = acts[i]
+        res[i] = {"x": xin.detach(), "y": y.detach(), "dy": y.grad * b}
+        res[i]["dW_mb"] = model[i].weight.grad.detach().clone()
+    model.zero_grad()
+    ex_w = {i: 0.0 for i in layers}
+    ex_b = {i: 0.0 for i in layers}
+    for n in range(b):
+        li = F.cross_entropy(model(x[n : n + 1]), target[n : n + 1])
+        params = [p for i in layers for p in (model[i].weight, model[i].bias)]
+        grads = torch.autograd.grad(li, params)
+        for j, i in enumerate(layers):
+            ex_w[i] += sq(grads[2 * j]) / b
+            ex_b[i] += sq(grads[2 * j + 1]) / b
+    for i in layers:
+        res[i]["E_dW2_ex"] = ex_w[i]
+        res[i]["E_db2_ex"] = ex_b[i]
+    return res
+
+
+def row(rows, module):
+    hits = rows.filter(module=module)
+    assert len(hits) == 1
+    return hits[0]
+
+
+def test_gr_scaling_mlp_equals_hand_computation() -> None:
+    """Prop. 3 (gamma), App. D (gamma_b) and nu for a 3-layer MLP, typed in from the paper."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(7, 24), nn.ReLU(), nn.Linear(24, 16), nn.ReLU(), nn.Linear(16, 5)
+    ).to(F64)
+    with torch.no_grad():
+        model[0].bias.zero_()  # zero bias: nu_b undefined; the others keep torch's nonzero init
+    x = torch.randn(40, 7, dtype=F64)
+    target = torch.randint(0, 5, (40,))
+    rows = gr_scaling_from_data(model, (x, target), ce)
+    assert rows.columns == list(GR_COLUMNS)
+    hand = hand_layer_moments(model, [0, 2, 4], x, target)
+    for i in (0, 2, 4):
+        h, r = hand[i], row(rows, str(i))
+        n_in = model[i].in_features
+        e_x2, e_y2, e_dy2 = sq(h["x"]), sq(h["y"]), sq(h["dy"])
+        e_w2 = sq(model[i].weight)
+        assert (r["kind"], r["n_in"], r["k2"], r["p2"]) == ("mlp", n_in, 1, 1.0)
+        assert r["gamma_w"] == pytest.approx(n_in * e_x2**2 * e_dy2 / e_y2, rel=1e-9)
+        assert r["gamma_b"] == pytest.approx(e_dy2 / e_y2, rel=1e-9)
+        assert r["nu_w"] == pytest.approx(h["E_dW2_ex"] / e_w2, rel=1e-9)
+        assert r["nu_w_minibatch"] == pytest.approx(sq(h["dW_mb"]) / e_w2, rel=1e-9)
+        if i == 0:
+            assert math.isnan(r["nu_b"]) and "bias is zero" in r["note"]
+        else:
+            assert r["nu_b"] == pytest.approx(h["E_db2_ex"] / sq(model[i].bias), rel=1e-9)
+    gammas = [row(rows, m)["gamma_w"] for m in ("0", "2", "4")]
+    med = statistics.median(gammas)
+    assert [row(rows, m)["gamma_rel_median"] for m in ("0", "2", "4")] == pytest.approx(
+        [g / med for g in gammas], rel=1e-12
+    )
+
+
+def test_gr_scaling_strided_conv_equals_hand_computation() -> None:
+    """Eq. 1 with b = 1: gamma = n_in k^2 p^2 E[x^2]^2 E[dy^2]/E[y^2], p^2 = output positions."""
+    torch.manual_seed(1)
+    model = nn.Sequential(
+        nn.Conv2d(3, 6, 3, stride=2, padding=1, padding_mode="circular"),
+        nn.ReLU(),
+        nn.Conv2d(6, 8, (3, 5), stride=2, padding=(1, 2)),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(8 * 3 * 3, 4),
+    ).to(F64)
+    x = torch.randn(12, 3, 10, 10, dtype=F64)
+    target = torch.randint(0, 4, (12,))
+    rows = gr_scaling_from_data(model, (x, target), ce)
+    hand = hand_layer_moments(model, [0, 2, 5], x, target)
+    for i, k2 in ((0, 9), (2, 15), (5, 1)):
+        h, r = hand[i], row(rows, str(i))
+        y = h["y"]
+        p2 = y[0, 0].numel() if y.dim() == 4 else 1  # H' * W' output positions per channel
+        n_in = h["x"].shape[1]
+        e_x2, e_y2, e_dy2 = sq(h["x"]), sq(y), sq(h["dy"])
+        assert (r["kind"], r["n_in"], r["k2"]) == ("conv" if i < 5 else "mlp", n_in, k2)
+        assert r["p2"] == pytest.approx(p2, rel=1e-12)
+        want = n_in * k2 * p2 * e_x2**2 * e_dy2 / e_y2
+        assert r["gamma_w"] == pytest.approx(want, rel=1e-9)
+        assert r["gamma_b"] == pytest.approx(p2 * e_dy2 / e_y2, rel=1e-9)
+        assert r["nu_w"] == pytest.approx(h["E_dW2_ex"] / sq(model[i].weight), rel=1e-9)
+    assert row(rows, "0")["p2"] == 25 and row(rows, "2")["p2"] == 9
+
+
+def _strided_net(c: int) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(3, c, 3, stride=2, padding=1, padding_mode="circular"),
+        nn.ReLU(),
+        nn.Conv2d(c, 2 * c, 3, stride=2, padding=1, padding_mode="circular"),
+        nn.ReLU(),
+        nn.Conv2d(2 * c, 2 * c, 3, padding=1, padding_mode="circular"),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(2 * c * 16, 10),
+    )
+
+
+def _log_ratios(make, shape, seeds: int) -> list[list[float]]:
+    out = []
+    for seed in range(seeds):
+        model = make()
+        init_model(model, "geometric", generator=seed)
+        g = torch.Generator().manual_seed(100 + seed)
+        x = torch.randn(64, *shape, generator=g)
+        t = torch.randint(0, 10, (64,), generator=g)
+        rows = gr_scaling_from_data(model, (x, t), ce)
+        out.append([math.log(r["nu_w"] / r["gamma_w"]) for r in rows])
+    return out
+
+
+def test_conv_gamma_equals_nu_at_init_seeded_average() -> None:
+    """gamma_conv = nu_conv (module docstring derivation) on a strided conv net at init.
+
+    The error is dominated by the finite width (one draw of the weights), not by the batch:
+    across seeds the sd of log(nu/gamma) is about 0.01 / 0.06 / 0.10 for the three convs (16, 32,
+    32 channels; measured once over 8 seeds), so the mean over 8 seeds has a standard error of at
+    most 0.035; we allow 0.15 (4 SE). The test is sharp for the formula: leaving out the p^2
+    factor would put the ratio off by p^2 = 64, 16, 16.
+    """
+    ratios = _log_ratios(lambda: _strided_net(16), (3, 16, 16), seeds=8)
+    for layer in range(3):  # the convolutions
+        mean = statistics.fmean(r[layer] for r in ratios)
+        assert abs(mean) < 0.15, (layer, mean)
+    # the first layer sees centred i.i.d. inputs: the position terms are uncorrelated exactly
+    assert all(abs(r[0]) < 0.06 for r in ratios)
+
+
+def test_prop4_mlp_gamma_equals_nu_at_init() -> None:
+    """Prop. 4: gamma_l = nu_l for an MLP with i.i.d. mean-zero (geometric) init, i.i.d. inputs.
+
+    Seed-to-seed sd of log(nu/gamma) (measured once over 8 seeds): 0.014, 0.04, 0.10 for the
+    hidden layers and 0.26 for the 10-output last layer, whose E[y^2] = n E[W^2] E[x^2] holds only
+    up to a sum over 10 rows (relative error ~ sqrt(2/10) of the activations' mean part). With 16
+    seeds the standard errors are 0.004 / 0.01 / 0.025 / 0.065; allowed: 0.05 / 0.05 / 0.1 / 0.3.
+    """
+    ratios = []
+    for seed in range(16):
+        model = nn.Sequential(
+            nn.Linear(32, 128),
+            nn.ReLU(),
+            nn.Linear(128, 96),
+            nn.ReLU(),
+            nn.Linear(96, 64),
+            nn.ReLU(),
+            nn.Linear(64, 10),
+        )
+        init_model(model, "geometric", generator=seed)
+        g = torch.Generator().manual_seed(200 + seed)
+        x = torch.randn(256, 32, generator=g)
+        t = torch.randint(0, 10, (256,), generator=g)
+        rows = gr_scaling_from_data(model, (x, t), ce)
+        ratios.append([math.log(r["nu_w"] / r["gamma_w"]) for r in rows])
+    for layer, tol in enumerate((0.05, 0.05, 0.1, 0.3)):
+        mean = statistics.fmean(r[layer] for r in ratios)
+        assert abs(mean) < tol, (layer, mean)
+
+
+def test_alpha_multiplies_gamma_and_nu_by_alpha4() -> None:
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(6, 12), nn.ReLU(), nn.Linear(12, 3))
+    x, t = torch.randn(32, 6), torch.randint(0, 3, (32,))
+    probe = measure_moments(model, [(x, t)], ce)
+    plain = gr_scaling(probe, examples=32)
+    scaled = gr_scaling(probe, alpha={"0": 0.5}, examples=32)
+    for col in ("gamma_w", "nu_w", "nu_w_minibatch"):
+        assert row(scaled, "0")[col] == pytest.approx(row(plain, "0")[col] / 16, rel=1e-12)
+        assert row(scaled, "2")[col] == row(plain, "2")[col]
+    for col in ("gamma_b", "E_x2", "E_y2", "E_dy2"):
+        assert row(scaled, "0")[col] == row(plain, "0")[col]
+    again = with_multipliers(plain, {"0": 0.5})
+    for a, b in zip(again, scaled, strict=True):
+        for col in ("gamma_w", "nu_w", "gamma_rel_median", "alpha"):
+            assert a[col] == pytest.approx(b[col], rel=1e-12)
+    with pytest.raises(ValueError, match="alpha names modules"):
+        gr_scaling(probe, alpha={"nope": 2.0})
+
+
+def test_examples_needed_without_per_example_gradients() -> None:
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(64, 3))
+    x, t = torch.randn(16, 2, 4, 4), torch.randint(0, 3, (16,))
+    full = gr_scaling(measure_moments(model, [(x, t)], ce))
+    probe = measure_moments(model, [(x, t)], ce, per_example=False)
+    blind = gr_scaling(probe)
+    assert math.isnan(row(blind, "0")["gamma_w"]) and "examples=" in row(blind, "0")["note"]
+    told = gr_scaling(probe, examples=16)
+    assert row(told, "0")["gamma_w"] == pytest.approx(row(full, "0")["gamma_w"], rel=1e-12)
+    assert row(told, "0")["p2"] == 16
+
+
+def test_other_layer_types_get_nu_but_no_gamma() -> None:
+    """A layer whose gamma is not derived (a GRU cell) is listed with NaN gamma and a note."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.cell = nn.GRUCell(5, 6)
+            self.head = nn.Linear(6, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.cell(x))
+
+    torch.manual_seed(4)
+    x, t = torch.randn(8, 5), torch.randint(0, 3, (8,))
+    rows = gr_scaling_from_data(Net(), (x, t), ce)
+    cell = row(rows, "cell")
+    assert cell["kind"] == "other" and math.isnan(cell["gamma_w"])
+    assert "not derived" in cell["note"]
+    assert row(rows, "head")["gamma_rel_median"] == 1.0
+
+
+def test_imbalance_summary() -> None:
+    rows = [
+        {"module": "a", "gamma_w": 4.0, "gamma_b": 0.5},
+        {"module": "b", "gamma_w": 1.0, "gamma_b": float("nan")},
+        {"module": "c", "gamma_w": 2.0, "gamma_b": 8.0},
+        {"module": "d", "gamma_w": float("nan"), "gamma_b": 1.0},
+    ]
+    imb = imbalance(rows)
+    assert imb["spread"] == 4.0 and imb["median"] == 2.0 and imb["layers"] == 3
+    assert (imb["argmax"], imb["argmin"]) == ("a", "b")
+    assert imb["relative"] == {"a": 2.0, "b": 0.5, "c": 1.0}
+    assert imb["spread_with_biases"] == 16.0
+    assert math.isnan(imbalance([])["spread"])
