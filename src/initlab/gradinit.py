@@ -1,0 +1,906 @@
+r"""GradInit: learn one scale per weight tensor so that the first optimizer step works well.
+
+Zhu, Ni, Xu, Kong, Huang & Goldstein (2021), *GradInit: Learning to Initialize Neural Networks for
+Stable and Efficient Training* (NeurIPS), Algorithm 1; appendix A-B for the settings; the public
+reference implementation (``gradinit_utils.py``, ``RescaleAdam``) for the details the paper leaves
+open. Notation: tensor ``i`` of the model is ``W_i``, its scale ``alpha_i`` (initially 1), and the
+network is evaluated at ``theta_alpha = (alpha_i * W_i)_i``.
+
+Algorithm (one iteration ``t = 1..T``)::
+
+    S  = batch t of the loader,  S~ = overlap_batch(S, batch t+1, r)
+    g  = grad_theta L(S; theta_alpha)                      (all trainable tensors)
+    if ||g||_p > gamma:   constraint step: Adam step on alpha along d||g||_p / d alpha
+    else:                 objective step:  Adam step on alpha along d/d alpha of
+                                          L(S~; theta_alpha - eta * A[g]) / eta
+    alpha <- max(alpha, alpha_min)
+    after T iterations:  W_i <- alpha_i * W_i   (in place, once per distinct tensor)
+
+``A[g] = g`` and ``p = 2`` for SGD; ``A[g] = sign(g)`` and ``p = 1`` for Adam (Adam's first step,
+``g / (|g| + eps)``, is ``sign(g)`` up to its ``eps``).
+Dividing the look-ahead loss by ``eta`` is the reference code's ``obj_loss = updated_loss / eta``;
+it only matters through the clipping below and Adam's ``eps``.
+
+What is exactly what here:
+
+* **Which tensors get an alpha** (``params="default"``): every trainable tensor that is not all
+  zeros -- weights, embeddings, norm scales, and the biases/norm shifts that are non-zero -- as in
+  the reference code (its optimizer skips tensors of norm 0, where a scale has no effect). All
+  trainable tensors, scaled or not, enter ``g``, ``||g||`` and the look-ahead step. Tied tensors
+  are one tensor (deduplicated by identity): one alpha, folded once, and they stay tied.
+* **Functional evaluation.** The model is evaluated at ``theta_alpha`` through
+  :func:`torch.func.functional_call`; its parameters are never replaced, wrapped or re-registered.
+  ``loss_fn(model, batch)`` receives a stand-in that calls ``functional_call(model, theta, args,
+  kwargs)`` when called like the model; its other attributes are the model's. Only calls of the
+  stand-in itself are evaluated at ``theta``: calling a submodule directly (``model.encoder(x)``)
+  inside ``loss_fn`` bypasses the scales.
+* **S~** (:func:`overlap_batch`): the first ``m = round(r * B)`` examples of ``S`` followed by the
+  first ``B - m`` examples of the *next* batch of the loader (``B`` = size of ``S``; fewer if the
+  next batch is shorter). Iteration ``t`` therefore reads batches ``t`` and ``t + 1``: ``T``
+  iterations need ``T + 1`` batches (``T`` when ``r = 1``), and the default ``T`` is one pass,
+  ``(number of batches) - 1``. With ``generator=`` the ``m`` shared and ``B - m`` fresh examples
+  are random subsets instead of the first ones. A batch is a tensor, a tuple/list/namedtuple or a
+  dict of them (nested); every tensor with at least one dimension is sliced and concatenated along
+  dim 0. The reference code draws half batches and builds ``S`` from two of them and ``S~`` from
+  the first plus a third: the same thing with ``r = 0.5`` and a loader of full batches.
+* **alpha-gradient clipping** (``clip``): each scalar's gradient is clamped to ``[-clip, clip]``
+  before the Adam step, as ``RescaleAdam`` does (``grad_clip``, default 1; for a scalar, norm and
+  value clipping coincide). ``clip=None`` turns it off.
+* **Adam on alpha**: betas (0.9, 0.999), eps 1e-8, bias-corrected; constraint steps and objective
+  steps keep separate moment estimates and step counts (as ``RescaleAdam(is_constraint=...)``).
+  The clamp ``alpha >= alpha_min`` applies to every alpha (the reference uses 0 for biases).
+* **First-order vs exact** (``exact``). The default is the reference implementation: ``A[g]`` is
+  detached, so the objective's alpha-gradient is ``<grad L(S~; theta'), W_i> / eta`` with
+  ``theta' = theta_alpha - eta * A[g]``. ``exact=True`` differentiates through ``A[g(alpha)]`` as
+  well (a double backward through ``g``). For ``optimizer="adam"``, ``sign`` is piecewise constant,
+  so its derivative is zero almost everywhere and the exact alpha-gradient *equals* the
+  first-order one: ``exact=True`` changes nothing there (and costs nothing).
+* **Normalization layers and dropout.** During the iterations every module is in eval mode
+  (dropout off) except normalization layers with statistics (BatchNorm, SyncBatchNorm,
+  InstanceNorm), which are in train mode and normalize with the batch's statistics, as in the
+  reference code. Their running statistics are updated by the forward passes but every buffer is
+  copied back at the end, so buffers are bit-identical after the call; train/eval flags are
+  restored.
+* **Distributed** (``torch.distributed`` initialized): ``g`` is averaged over ranks before its norm
+  is taken and before the look-ahead step, and the alpha-gradients are averaged before the Adam
+  step (in exact mode also the look-ahead loss's gradient w.r.t. ``theta'``), so both steps use
+  the gradient of the global loss and all ranks end bit-identical. Give every rank the same
+  number of batches of the same size.
+* **Failure**: on any exception (including the errors below) the model's tensors and modes are
+  put back (:func:`~initlab.guard.restore_on_failure`); no hook is ever attached.
+
+Errors and warnings: fewer batches than ``T`` needs -> ``ValueError`` saying how many; a non-finite
+loss at any iteration -> ``FloatingPointError`` (at the first one, before anything changed);
+``optimizer="adam"`` with ``gamma`` on the wrong scale -> ``UserWarning`` suggesting
+``gamma * ||g||_1 / ||g||_2`` (the same bound moved to the L1 scale of this gradient; the paper
+used gamma = 1 with SGD on CIFAR-10 and gamma = 1e3 with Adam on IWSLT'14). The rule: at the
+first iteration, warn if ``gamma < sqrt(||g||_1 * ||g||_2)``, i.e. gamma is nearer, on a log
+scale, to the gradient's L2 norm than to its L1 norm. The two differ by about ``0.8 sqrt(N)``
+for a dense gradient of ``N`` entries (hundreds for a CIFAR ResNet), so a gamma picked on the L2
+scale (as for SGD) falls below that midpoint, every step becomes a constraint step and GradInit
+only shrinks the weights.
+
+Cost per iteration (``F``/``B``: one forward/backward of the model): objective step ``2F + 2B``
+(first-order); exact (SGD): ``2F``, a backward with graph, and one backward through the look-ahead
+loss and on through the double backward of ``g``; constraint step: ``F``, a backward with graph
+and a double backward. ``g`` is built with its graph only when a constraint step is expected (the
+previous step was one); when an objective step is followed by a constraint step, that step costs
+one more ``F + B``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+
+from initlab.batches import batch_size, default_forward, is_single_batch
+from initlab.distributed import all_reduce_sum, is_distributed, world_size
+from initlab.guard import model_modes, restore_modes, restore_on_failure
+from initlab.method_report import MethodReport
+from initlab.registry import default_registry
+from initlab.rows import Rows
+
+__all__ = [
+    "GRADINIT_COLUMNS",
+    "GRADINIT_TRACE_COLUMNS",
+    "gradinit_",
+    "gradinit_alpha_grad",
+    "overlap_batch",
+]
+
+#: Rows of the :class:`~initlab.method_report.MethodReport` of :func:`gradinit_`, one per tensor
+#: with an alpha: ``name`` (first qualified name of the tensor), ``role`` (from the layer
+#: registry: weight, bias, norm_scale, norm_shift, embedding, or ``unclaimed``), ``alpha`` (the
+#: learned scale, folded into the tensor), ``norm_before`` / ``norm_after`` (Frobenius norms).
+GRADINIT_COLUMNS = ("name", "role", "alpha", "norm_before", "norm_after")
+
+#: Columns of the per-iteration ``trace``: ``iteration`` (0-based); ``step`` ("constraint" or
+#: "objective"); ``grad_norm`` (``||g||_p`` of the rank-averaged gradient on S at the alphas
+#: before the step, p = 2 for SGD, 1 for Adam); ``loss`` (L(S) there, rank-averaged);
+#: ``objective`` (objective steps: the look-ahead loss L(S~; theta - eta A[g]), rank-averaged;
+#: ``None`` on constraint steps); ``alpha_min`` / ``alpha_max`` (after the step).
+GRADINIT_TRACE_COLUMNS = (
+    "iteration",
+    "step",
+    "grad_norm",
+    "loss",
+    "objective",
+    "alpha_min",
+    "alpha_max",
+)
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+"""``loss_fn(model, batch) -> scalar tensor``; ``model`` is called like the original model."""
+
+TensorFilter = Callable[[str, torch.Tensor, str], bool]
+"""``params(name, tensor, role) -> bool``: whether the tensor gets a scale."""
+
+_OPTIMIZERS = ("sgd", "adam")
+_BETAS = (0.9, 0.999)
+_ADAM_EPS = 1e-8
+_END = object()  # end-of-data marker
+
+
+# --------------------------------------------------------------------------------------------------
+# Pieces shared with initlab.metainit
+# --------------------------------------------------------------------------------------------------
+
+
+def _default_loss(model: Any, batch: Any) -> torch.Tensor:
+    """Cross-entropy of ``model(batch[0])`` against ``batch[1]`` (classification batches)."""
+    if isinstance(batch, (tuple, list)) and len(batch) >= 2:
+        return F.cross_entropy(default_forward(model, batch), batch[1])
+    raise TypeError(
+        "the default loss needs (input, target) batches; pass loss_fn(model, batch) -> scalar "
+        f"for batches of type {type(batch).__name__}"
+    )
+
+
+class _AtParams:
+    """Stand-in for ``model`` evaluated at other tensors: ``functional_call(model, tensors, ...)``.
+
+    Calling it runs the model's forward with ``tensors`` (qualified name -> tensor) in place of its
+    parameters; every other attribute is the model's own.
+    """
+
+    def __init__(self, model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+        object.__setattr__(self, "_model", model)
+        object.__setattr__(self, "_tensors", tensors)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return functional_call(self._model, self._tensors, args, kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(object.__getattribute__(self, "_model"), name)
+
+
+@dataclass
+class _Tensors:
+    """The distinct trainable tensors of a model and which of them carry a scale."""
+
+    names: list[str]
+    tensors: list[torch.Tensor]
+    roles: list[str]
+    scaled: list[int]  # positions in ``tensors`` that get an alpha, in alpha order
+    norms: list[float] = field(default_factory=list)  # norms of the scaled tensors before
+
+    @property
+    def numel(self) -> int:
+        return sum(t.numel() for t in self.tensors)
+
+
+def _roles(model: nn.Module) -> dict[int, str]:
+    """Role of every parameter claimed by the default layer registry, by tensor identity."""
+    registry = default_registry()
+    roles: dict[int, str] = {}
+    for module in model.modules():
+        specs = registry.specs(module)
+        for spec in specs or ():
+            param = module._parameters.get(spec.name)
+            if param is not None:
+                roles.setdefault(id(param), spec.role)
+    return roles
+
+
+def _nonzero(name: str, tensor: torch.Tensor, role: str) -> bool:
+    return bool(torch.count_nonzero(tensor.detach()) > 0)
+
+
+def _select(
+    model: nn.Module, params: str | TensorFilter, default: TensorFilter, what: str
+) -> _Tensors:
+    """Distinct trainable tensors (first name wins for tied ones) and the ones that get a scale."""
+    if isinstance(params, str):
+        if params != "default":
+            raise ValueError(f"{what}: params must be 'default' or a callable, got {params!r}")
+        chosen: TensorFilter = default
+    elif callable(params):
+        chosen = params
+    else:
+        raise TypeError(f"{what}: params must be 'default' or a callable, got {params!r}")
+    roles = _roles(model)
+    out = _Tensors([], [], [], [])
+    for name, p in model.named_parameters():  # deduplicates tied tensors by identity
+        if not p.requires_grad:
+            continue
+        role = roles.get(id(p), "unclaimed")
+        out.names.append(name)
+        out.tensors.append(p)
+        out.roles.append(role)
+        if chosen(name, p, role) and bool(torch.count_nonzero(p.detach()) > 0):
+            out.scaled.append(len(out.tensors) - 1)
+            out.norms.append(float(p.detach().double().norm()))
+    if not out.scaled:
+        raise ValueError(
+            f"{what}: no tensor to scale (the model has no trainable non-zero tensor that the "
+            "params selection accepts)"
+        )
+    return out
+
+
+def _theta(ts: _Tensors, a: torch.Tensor) -> list[torch.Tensor]:
+    """``alpha_k * W`` for the scaled tensors, fresh leaves for the others (all need a gradient)."""
+    theta = [p.detach().requires_grad_() for p in ts.tensors]
+    for k, i in enumerate(ts.scaled):
+        w = ts.tensors[i].detach()
+        theta[i] = a[k].to(device=w.device, dtype=w.dtype) * w
+    return theta
+
+
+def _loss(
+    model: nn.Module, loss_fn: LossFn, ts: _Tensors, theta: Sequence[torch.Tensor], batch: Any
+) -> torch.Tensor:
+    loss = loss_fn(_AtParams(model, dict(zip(ts.names, theta, strict=True))), batch)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise TypeError(
+            f"loss_fn must return a scalar tensor, got "
+            f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}"
+        )
+    return loss.reshape(())
+
+
+def _grads(
+    outputs: torch.Tensor | Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    grad_outputs: Sequence[torch.Tensor] | None = None,
+    *,
+    create_graph: bool = False,
+    retain_graph: bool | None = None,
+) -> list[torch.Tensor]:
+    """``torch.autograd.grad`` with zeros for inputs the outputs do not depend on."""
+    grads = torch.autograd.grad(
+        outputs,
+        list(inputs),
+        grad_outputs=grad_outputs,
+        create_graph=create_graph,
+        retain_graph=retain_graph,
+        allow_unused=True,
+    )
+    return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs, strict=True)]
+
+
+def _rank_mean(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Detached copies averaged over ranks (the detached tensors themselves without a group)."""
+    if not is_distributed():
+        return [t.detach() for t in tensors]
+    out = [t.detach().clone() for t in tensors]
+    all_reduce_sum(out)
+    n = world_size()
+    return [t / n for t in out]
+
+
+def _scalar_mean(value: torch.Tensor) -> float:
+    return float(_rank_mean([value.detach().double().reshape(1)])[0])
+
+
+def _attach(local: Sequence[torch.Tensor], mean: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The rank mean in value, the local tensor in derivative (``local + (mean - local).detach()``).
+
+    Averaging the alpha-gradients of anything computed from it over ranks gives the exact
+    alpha-gradient of the same quantity computed from the rank-mean gradient.
+    """
+    if not is_distributed():
+        return list(local)
+    return [g + (m - g).detach() for g, m in zip(local, mean, strict=True)]
+
+
+def _check_finite(value: float, iteration: int, what: str, quantity: str = "loss") -> None:
+    if not math.isfinite(value):
+        when = (
+            "at the first iteration, before anything changed"
+            if iteration == 0
+            else f"at iteration {iteration}; the model was left unchanged"
+        )
+        raise FloatingPointError(f"{what}: the {quantity} is {value} {when}")
+
+
+@contextmanager
+def _evaluation_modes(model: nn.Module, batch_stats: bool) -> Iterator[None]:
+    """Dropout off; normalization with batch statistics if ``batch_stats``; then put back.
+
+    On exit (success or failure) every buffer gets its saved value back (in place), so running
+    statistics that the forward passes updated are bit-identical to before, and every module its
+    ``training`` flag.
+    """
+    modes = model_modes(model)
+    buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for b in model.buffers():
+        if id(b) not in buffers:
+            buffers[id(b)] = (b, b.detach().clone())
+    try:
+        model.eval()
+        if batch_stats:
+            for m in model.modules():
+                if isinstance(m, nn.modules.batchnorm._NormBase):
+                    m.train()
+        yield
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers.values():
+                b.copy_(saved)
+        restore_modes(model, modes)
+
+
+@dataclass
+class _Adam:
+    """Adam on the vector of scales (``RescaleAdam``: bias-corrected, eps outside the sqrt)."""
+
+    lr: float
+    m: torch.Tensor
+    v: torch.Tensor
+    t: int = 0
+
+    @classmethod
+    def zeros(cls, n: int, lr: float) -> _Adam:
+        z = torch.zeros(n, dtype=torch.float64)
+        return cls(lr, z, z.clone())
+
+    def step(self, alpha: torch.Tensor, grad: torch.Tensor, alpha_min: float) -> torch.Tensor:
+        b1, b2 = _BETAS
+        self.t += 1
+        self.m = b1 * self.m + (1 - b1) * grad
+        self.v = b2 * self.v + (1 - b2) * grad * grad
+        denom = (self.v / (1 - b2**self.t)).sqrt() + _ADAM_EPS
+        new = alpha - self.lr / (1 - b1**self.t) * self.m / denom
+        return new.clamp_min(alpha_min)
+
+
+def _alpha_rows(model: nn.Module, ts: _Tensors, alpha: torch.Tensor) -> list[dict[str, Any]]:
+    rows = []
+    for k, i in enumerate(ts.scaled):
+        rows.append(
+            {
+                "name": ts.names[i],
+                "role": ts.roles[i],
+                "alpha": float(alpha[k]),
+                "norm_before": ts.norms[k],
+                "norm_after": float(ts.tensors[i].detach().double().norm()),
+            }
+        )
+    return rows
+
+
+def _fold(ts: _Tensors, alpha: torch.Tensor) -> None:
+    """``W <- alpha * W`` in place, once per distinct tensor (the product the iterations used)."""
+    with torch.no_grad():
+        for k, i in enumerate(ts.scaled):
+            w = ts.tensors[i]
+            w.mul_(alpha[k].to(dtype=w.dtype, device=w.device))
+
+
+def _known_length(data: Any) -> int | None:
+    if is_single_batch(data):
+        return 1
+    try:
+        return len(data)
+    except TypeError:
+        return None
+
+
+def _iter_batches(data: Any, what: str) -> Iterator[Any]:
+    if is_single_batch(data):
+        return iter([data])
+    try:
+        return iter(data)
+    except TypeError:
+        raise TypeError(
+            f"{what}: data must be a batch (tensor or tuple of tensors) or an iterable of "
+            f"batches, got {type(data).__name__}"
+        ) from None
+
+
+def _positive_int(what: str, key: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{what}: {key} must be a positive int, got {value!r}")
+    return value
+
+
+def _number(what: str, key: str, value: object, *, low: float = 0.0, strict: bool = True) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if ok:
+        value = float(value)
+        ok = not math.isnan(value) and (value > low if strict else value >= low)
+    if not ok:
+        sign = ">" if strict else ">="
+        raise ValueError(f"{what}: {key} must be a number {sign} {low}, got {value!r}")
+    return float(value)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------------------------------
+# S~ from S and the next batch
+# --------------------------------------------------------------------------------------------------
+
+
+def _is_namedtuple(obj: Any) -> bool:
+    return isinstance(obj, tuple) and hasattr(obj, "_fields")
+
+
+def _zip_batches(fn: Callable[..., torch.Tensor], *batches: Any) -> Any:
+    """Apply ``fn`` to corresponding tensors (ndim >= 1) of same-structured batches."""
+    first = batches[0]
+    if isinstance(first, torch.Tensor):
+        return fn(*batches) if first.dim() >= 1 else first
+    if _is_namedtuple(first):
+        return type(first)(*(_zip_batches(fn, *parts) for parts in zip(*batches, strict=True)))
+    if isinstance(first, (tuple, list)):
+        return type(first)(_zip_batches(fn, *parts) for parts in zip(*batches, strict=True))
+    if isinstance(first, Mapping):
+        return {k: _zip_batches(fn, *(b[k] for b in batches)) for k in first}
+    if dataclasses.is_dataclass(first) and not isinstance(first, type):
+        return dataclasses.replace(
+            first,
+            **{
+                f.name: _zip_batches(fn, *(getattr(b, f.name) for b in batches))
+                for f in dataclasses.fields(first)
+            },
+        )
+    return first
+
+
+def _rows_of(batch: Any, index: torch.Tensor | slice) -> Any:
+    if isinstance(index, slice):
+        return _zip_batches(lambda t: t[index], batch)
+    return _zip_batches(lambda t: t.index_select(0, index.to(t.device)), batch)
+
+
+def overlap_batch(
+    batch: Any,
+    next_batch: Any,
+    overlap: float = 0.5,
+    *,
+    generator: torch.Generator | None = None,
+) -> Any:
+    """GradInit's ``S~``: ``round(overlap * B)`` examples of ``S`` + the rest from the next batch.
+
+    ``B`` is the size of ``batch`` (dim 0 of its first tensor), ``m = round(overlap * B)`` (half
+    up). The result holds the first ``m`` examples of ``batch`` followed by the first ``B - m``
+    examples of ``next_batch`` (all of it if it is shorter); with ``generator`` both are random
+    subsets (drawn with it) instead of the first ones. ``overlap = 1`` returns ``batch`` itself.
+    Every tensor with at least one dimension, in a tensor, tuple, list, namedtuple, dict or
+    dataclass (nested), is sliced and concatenated along dim 0; other leaves come from ``batch``.
+
+    Example:
+        >>> s, nxt = torch.arange(4), torch.arange(10, 14)
+        >>> overlap_batch(s, nxt, 0.5).tolist()
+        [0, 1, 10, 11]
+    """
+    overlap = _number("overlap_batch", "overlap", overlap, strict=False)
+    if overlap > 1:
+        raise ValueError(f"overlap_batch: overlap must be in [0, 1], got {overlap}")
+    b = batch_size(batch)
+    m = math.floor(overlap * b + 0.5)
+    if m >= b:
+        return batch
+    fresh = min(b - m, batch_size(next_batch))
+    if generator is None:
+        shared, new = _rows_of(batch, slice(0, m)), _rows_of(next_batch, slice(0, fresh))
+    else:
+        idx_s = torch.randperm(b, generator=generator)[:m]
+        idx_n = torch.randperm(batch_size(next_batch), generator=generator)[:fresh]
+        shared, new = _rows_of(batch, idx_s), _rows_of(next_batch, idx_n)
+    if m == 0:
+        return new
+    return _zip_batches(lambda x, y: torch.cat([x, y]), shared, new)
+
+
+# --------------------------------------------------------------------------------------------------
+# One GradInit step
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _StepResult:
+    kind: str
+    grad: torch.Tensor  # alpha-gradient, rank-averaged, float64, not clipped
+    grad_norm: float
+    grad_norm2: float
+    loss: float
+    objective: float | None
+
+
+class _GradInitStep:
+    """The alpha-gradient of one GradInit iteration (constraint or objective), DDP-aware."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: LossFn,
+        ts: _Tensors,
+        *,
+        eta: float,
+        optimizer: str,
+        exact: bool,
+        what: str,
+    ) -> None:
+        self.model, self.loss_fn, self.ts = model, loss_fn, ts
+        self.eta = eta
+        self.sign = optimizer == "adam"
+        # sign(g) has zero derivative a.e.: exact and first-order coincide for Adam.
+        self.exact = exact and not self.sign
+        self.what = what
+        self.forward = 0
+        self.backward = 0
+        self.last_kind = "objective"
+
+    def _norm(self, g: Sequence[torch.Tensor]) -> torch.Tensor:
+        if self.sign:
+            return torch.stack([x.abs().sum() for x in g]).sum()
+        return torch.stack([x.square().sum() for x in g]).sum().sqrt()
+
+    def _direction(self, g: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return [x.sign() for x in g] if self.sign else list(g)
+
+    def _alpha_grad(self, out: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        grad = _grads(out, [a])[0]
+        return _rank_mean([grad.double()])[0]
+
+    def __call__(
+        self,
+        alpha: torch.Tensor,
+        batch: Any,
+        tilde: Callable[[], Any],
+        gamma: float,
+        iteration: int,
+        force: str | None = None,
+    ) -> _StepResult:
+        ts = self.ts
+        a = alpha.detach().clone().requires_grad_(True)
+        theta = _theta(ts, a)
+        loss = _loss(self.model, self.loss_fn, ts, theta, batch)
+        self.forward += 1
+        loss_value = _scalar_mean(loss)
+        _check_finite(loss_value, iteration, self.what)
+        # A constraint step needs g with its graph. Build it when the step is likely one (the
+        # previous step was); otherwise free the graph of L(S) during the backward (less memory,
+        # faster on CPU) and, on a wrong guess, evaluate L(S) once more.
+        with_graph = self.exact or force == "constraint" or self.last_kind == "constraint"
+        g = _grads(loss, theta, create_graph=with_graph)
+        self.backward += 1
+        g_mean = _rank_mean(g)
+        grad_norm = float(self._norm([x.double() for x in g_mean]))
+        grad_norm2 = float(torch.stack([x.double().square().sum() for x in g_mean]).sum().sqrt())
+        kind = force or ("constraint" if grad_norm > gamma else "objective")
+        self.last_kind = kind
+
+        if kind == "constraint":
+            if not with_graph:  # guessed wrong: evaluate L(S) again, keeping the graph
+                theta = _theta(ts, a)
+                loss = _loss(self.model, self.loss_fn, ts, theta, batch)
+                self.forward += 1
+                g = _grads(loss, theta, create_graph=True)
+                self.backward += 1
+            norm = self._norm(_attach(g, g_mean))
+            grad = self._alpha_grad(norm, a)
+            self.backward += 1
+            return _StepResult(kind, grad, grad_norm, grad_norm2, loss_value, None)
+
+        scaled = set(ts.scaled)
+        if self.exact:
+            step = self._direction(_attach(g, g_mean))
+            look = [t - self.eta * d for t, d in zip(theta, step, strict=True)]
+        else:
+            del loss, g  # frees the graph of L(S) (and of g) before the look-ahead forward
+            step = self._direction(g_mean)
+            look = [
+                (t - self.eta * d) if i in scaled else (t.detach() - self.eta * d)
+                for i, (t, d) in enumerate(zip(theta, step, strict=True))
+            ]
+        look_loss = _loss(self.model, self.loss_fn, ts, look, tilde())
+        self.forward += 1
+        objective = _scalar_mean(look_loss)
+        _check_finite(objective, iteration, self.what, "look-ahead loss")
+        scaled_loss = look_loss / self.eta
+        if self.exact and is_distributed():
+            # d/d alpha of the mean over ranks: average dL~/d theta' first, then pull it back
+            # through theta'(alpha) (which depends on every rank's g through the rank-mean g).
+            u = _rank_mean(_grads(scaled_loss, look, retain_graph=True))
+            self.backward += 1
+            grad = _grads(look, [a], grad_outputs=u)[0]
+            grad = _rank_mean([grad.double()])[0]
+        else:
+            grad = self._alpha_grad(scaled_loss, a)
+        self.backward += 1
+        return _StepResult(kind, grad, grad_norm, grad_norm2, loss_value, objective)
+
+
+def _warn_gamma_scale(gamma: float, norm1: float, norm2: float) -> None:
+    """Warn if an L1 bound ``gamma`` is nearer (log scale) to ``||g||_2`` than to ``||g||_1``."""
+    if not gamma < math.sqrt(norm1 * norm2):
+        return
+    suggest = gamma * norm1 / max(norm2, 1e-300)
+    warnings.warn(
+        f"gradinit_ with optimizer='adam' bounds ||g||_1, which is {norm1:.4g} at the first "
+        f"iteration (||g||_2 = {norm2:.4g}); gamma={gamma:g} is on the L2 scale, so every step "
+        f"will be a constraint step that only shrinks the weights. The same bound on the L1 "
+        f"scale of this gradient is gamma * ||g||_1 / ||g||_2 = {suggest:.3g} (the paper used "
+        f"gamma=1e3 with Adam for a Transformer).",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+def _check_common(
+    optimizer: str, eta: float, overlap: float, what: str
+) -> tuple[str, float, float]:
+    if optimizer not in _OPTIMIZERS:
+        raise ValueError(f"{what}: optimizer must be one of {_OPTIMIZERS}, got {optimizer!r}")
+    eta = _number(what, "eta", eta)
+    overlap = _number(what, "overlap", overlap, strict=False)
+    if overlap > 1:
+        raise ValueError(f"{what}: overlap must be in [0, 1], got {overlap}")
+    return optimizer, eta, overlap
+
+
+def gradinit_alpha_grad(
+    model: nn.Module,
+    batch: Any,
+    batch_tilde: Any | None = None,
+    loss_fn: LossFn | None = None,
+    *,
+    step: Literal["objective", "constraint"] = "objective",
+    alpha: torch.Tensor | Sequence[float] | None = None,
+    eta: float = 0.1,
+    optimizer: Literal["sgd", "adam"] = "sgd",
+    exact: bool = False,
+    params: str | TensorFilter = "default",
+) -> tuple[torch.Tensor, float]:
+    """The alpha-gradient of one GradInit step, without changing the model.
+
+    ``step="objective"``: gradient of ``L(S~; theta_alpha - eta * A[g]) / eta`` (first-order or
+    exact, as in :func:`gradinit_`); ``step="constraint"``: gradient of ``||g||_p``. ``g`` is the
+    gradient of ``L(batch)`` at ``theta_alpha``; ``alpha`` defaults to ones, in the order of the
+    scaled tensors (``model.named_parameters()`` order, tied tensors once). Returns the gradient
+    (float64, before clipping) and the objective's value (the look-ahead loss, not divided by
+    ``eta``, or ``||g||_p``). Modes and buffers are handled as in :func:`gradinit_` and restored.
+    """
+    what = "gradinit_alpha_grad"
+    optimizer, eta, _ = _check_common(optimizer, eta, 0.5, what)
+    if step not in ("objective", "constraint"):
+        raise ValueError(f"{what}: step must be 'objective' or 'constraint', got {step!r}")
+    ts = _select(model, params, _nonzero, what)
+    if alpha is None:
+        a = torch.ones(len(ts.scaled), dtype=torch.float64)
+    else:
+        a = torch.as_tensor(alpha, dtype=torch.float64).reshape(-1).clone()
+        if a.numel() != len(ts.scaled):
+            raise ValueError(f"{what}: alpha has {a.numel()} entries, expected {len(ts.scaled)}")
+    tilde = batch if batch_tilde is None else batch_tilde
+    run = _GradInitStep(
+        model, loss_fn or _default_loss, ts, eta=eta, optimizer=optimizer, exact=exact, what=what
+    )
+    with _evaluation_modes(model, batch_stats=True):
+        res = run(a, batch, lambda: tilde, math.inf, 0, force=step)
+    value = res.grad_norm if step == "constraint" else res.objective
+    assert value is not None
+    return res.grad, value
+
+
+def _pairs(
+    data: Any, iterations: int | None, need_next: bool, what: str
+) -> Iterator[tuple[Any, Any]]:
+    """``(S, next batch or None)`` per iteration, streaming; checks the length when it is known."""
+    n = _known_length(data)
+    extra = 1 if need_next else 0
+    if iterations is None:
+        if n is not None:
+            iterations = n - extra
+            if iterations < 1:
+                raise ValueError(
+                    f"{what} needs at least {1 + extra} batches (one iteration reads batch t and, "
+                    f"for S~, batch t+1) but the data gave {n}"
+                )
+    elif n is not None and n < iterations + extra:
+        raise ValueError(
+            f"{what} needs {iterations + extra} batches for {iterations} iterations"
+            f"{' (each reads batch t and, for S~, batch t+1)' if need_next else ''} but the data "
+            f"gave {n}; pass a loader with at least {iterations + extra} batches or lower "
+            "iterations"
+        )
+    total = iterations
+
+    def gen() -> Iterator[tuple[Any, Any]]:
+        it = _iter_batches(data, what)
+        got = 0
+
+        def pull() -> Any:
+            nonlocal got
+            b = next(it, _END)
+            got += b is not _END
+            return b
+
+        def short(t: int) -> ValueError:
+            needed = (total if total is not None else t + 1) + extra
+            return ValueError(
+                f"{what} needs {needed} batches for {needed - extra} iterations"
+                f"{' (each reads batch t and, for S~, batch t+1)' if need_next else ''} but the "
+                f"data gave {got}; the model was left unchanged"
+            )
+
+        current = pull()
+        if current is _END:
+            raise ValueError(f"{what} got no batch: the data is empty")
+        t = 0
+        while total is None or t < total:
+            if need_next:
+                nxt = pull()
+                if nxt is _END:
+                    if total is None and t > 0:
+                        return
+                    raise short(t)
+                yield current, nxt
+                current = nxt
+            else:
+                yield current, None
+                if total is not None and t + 1 == total:
+                    return
+                current = pull()
+                if current is _END:
+                    if total is None:
+                        return
+                    raise short(t + 1)
+            t += 1
+
+    return gen()
+
+
+def gradinit_(
+    model: nn.Module,
+    data: Any,
+    loss_fn: LossFn | None = None,
+    *,
+    iterations: int | None = None,
+    lr: float = 1e-3,
+    eta: float = 0.1,
+    gamma: float = 1.0,
+    optimizer: Literal["sgd", "adam"] = "sgd",
+    overlap: float = 0.5,
+    alpha_min: float = 0.01,
+    clip: float | None = 1.0,
+    params: str | TensorFilter = "default",
+    exact: bool = False,
+    generator: torch.Generator | None = None,
+    progress: Callable[[dict[str, Any]], None] | None = None,
+) -> MethodReport:
+    r"""GradInit (Zhu et al. 2021, Algorithm 1): learn a scale per tensor, fold it in, in place.
+
+    See the module docstring for the algorithm and every choice made. Defaults follow the paper's
+    CIFAR-10 setup and its reference code: ``eta = 0.1``, ``gamma = 1``, ``alpha_min = 0.01``,
+    per-scalar gradient clipping at 1, Adam on alpha with ``lr = tau = 1e-3`` (the paper tunes
+    ``tau`` in {1e-3, ..., 1e-1}), ``overlap = 0.5``, one pass over the loader.
+
+    Args:
+        model: any ``nn.Module``; changed in place (its scaled tensors are multiplied by alpha).
+        data: an iterable of batches (a ``DataLoader``, a list) or a single batch.
+        loss_fn: ``loss_fn(model, batch) -> scalar``; call ``model`` like the model. Default:
+            cross-entropy of ``model(batch[0])`` against ``batch[1]``.
+        iterations: ``T``; needs ``T + 1`` batches (``T`` when ``overlap == 1``). Default: one
+            pass, number of batches minus one (all batches of an iterable without ``len``).
+        lr: Adam learning rate ``tau`` on the alphas.
+        eta: step size of the simulated first step ``theta - eta * A[g]``.
+        gamma: the gradient-norm bound (on ``||g||_2`` for SGD, ``||g||_1`` for Adam).
+        optimizer: ``"sgd"`` (``A[g] = g``, p = 2) or ``"adam"`` (``A[g] = sign(g)``, p = 1).
+        overlap: fraction ``r`` of ``S~`` taken from ``S`` (:func:`overlap_batch`).
+        alpha_min: lower bound of every alpha.
+        clip: clamp each alpha's gradient to ``[-clip, clip]``; ``None`` or 0: no clipping.
+        params: ``"default"`` (every trainable non-zero tensor) or a filter
+            ``params(name, tensor, role) -> bool`` (all-zero tensors never get a scale).
+        exact: differentiate through ``A[g]`` (SGD; identical to first-order for Adam).
+        generator: draw the shared and fresh examples of ``S~`` at random with it.
+        progress: called with every trace row as it is produced.
+
+    Returns:
+        A :class:`~initlab.method_report.MethodReport`: rows :data:`GRADINIT_COLUMNS`, ``trace``
+        rows :data:`GRADINIT_TRACE_COLUMNS`, ``info`` with ``iterations``, ``constraint_steps``,
+        ``objective_steps``, ``gamma``, ``optimizer``, ``exact``.
+
+    Raises:
+        ValueError: bad options, or fewer batches than the iterations need (says how many).
+        FloatingPointError: a non-finite loss (the model is left unchanged).
+
+    Example:
+        >>> _ = torch.manual_seed(0)
+        >>> net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+        >>> batches = [(torch.randn(16, 4), torch.randint(0, 3, (16,))) for _ in range(5)]
+        >>> report = gradinit_(net, batches, gamma=10.0)
+        >>> len(report.trace), [r["name"] for r in report]
+        (4, ['0.weight', '0.bias', '2.weight', '2.bias'])
+    """
+    start = time.perf_counter()
+    what = "gradinit_"
+    optimizer, eta, overlap = _check_common(optimizer, eta, overlap, what)
+    lr = _number(what, "lr", lr)
+    alpha_min = _number(what, "alpha_min", alpha_min, strict=False)
+    gamma = _number(what, "gamma", gamma, strict=False)
+    clip_value = 0.0 if clip is None else _number(what, "clip", clip, strict=False)
+    if iterations is not None:
+        iterations = _positive_int(what, "iterations", iterations)
+    loss_fn = loss_fn or _default_loss
+    ts = _select(model, params, _nonzero, what)
+    need_next = overlap < 1
+    pairs = _pairs(data, iterations, need_next, what)
+
+    run = _GradInitStep(model, loss_fn, ts, eta=eta, optimizer=optimizer, exact=exact, what=what)
+    n = len(ts.scaled)
+    alpha = torch.ones(n, dtype=torch.float64)
+    adam = {"constraint": _Adam.zeros(n, lr), "objective": _Adam.zeros(n, lr)}
+    trace: list[dict[str, Any]] = []
+    with restore_on_failure(model):
+        with _evaluation_modes(model, batch_stats=True):
+            for t, (batch, nxt) in enumerate(pairs):
+
+                def tilde(batch: Any = batch, nxt: Any = nxt) -> Any:
+                    if nxt is None:
+                        return batch
+                    return overlap_batch(batch, nxt, overlap, generator=generator)
+
+                res = run(alpha, batch, tilde, gamma, t)
+                if t == 0 and optimizer == "adam":
+                    _warn_gamma_scale(gamma, res.grad_norm, res.grad_norm2)
+                grad = res.grad
+                if clip_value > 0:
+                    grad = grad.clamp(-clip_value, clip_value)
+                alpha = adam[res.kind].step(alpha, grad, alpha_min)
+                row = {
+                    "iteration": t,
+                    "step": res.kind,
+                    "grad_norm": res.grad_norm,
+                    "loss": res.loss,
+                    "objective": res.objective,
+                    "alpha_min": float(alpha.min()),
+                    "alpha_max": float(alpha.max()),
+                }
+                trace.append(row)
+                if progress is not None:
+                    progress(dict(row))
+        if not trace:
+            raise ValueError(f"{what} ran no iteration: the data has too few batches")
+        _fold(ts, alpha)
+    kinds = [r["step"] for r in trace]
+    return MethodReport(
+        _alpha_rows(model, ts, alpha),
+        GRADINIT_COLUMNS,
+        method="gradinit",
+        forward_passes=run.forward,
+        backward_passes=run.backward,
+        wall_s=time.perf_counter() - start,
+        trace=Rows(trace, GRADINIT_TRACE_COLUMNS, title="gradinit trace"),
+        info={
+            "iterations": len(trace),
+            "constraint_steps": kinds.count("constraint"),
+            "objective_steps": kinds.count("objective"),
+            "gamma": gamma,
+            "optimizer": optimizer,
+            "exact": bool(exact),
+        },
+    )

@@ -1,0 +1,342 @@
+r"""MetaInit: tune the norm of every weight tensor to minimize the gradient quotient.
+
+Dauphin & Schoenholz (2019), *MetaInit: Initializing learning by learning to initialize*
+(NeurIPS), §3 and Figure 2 (its PyTorch code); the improved variant is GradInit's (Zhu et al.
+2021, appendix D and Table 9: real data, Adam with GradInit's clipping).
+
+The gradient quotient of a loss ``L`` at parameters ``theta`` (``g = grad L``, ``H`` the Hessian,
+``N`` the number of trainable entries, ``eps = 1e-5``)::
+
+    GQ(theta) = (1/N) * sum_j | (g_j - (H g)_j) / (g_j + eps * sgn(g_j)) - 1 |,
+    sgn(x) = +1 if x >= 0 else -1   (a constant: no gradient flows through it)
+
+``g - H g`` is, to first order, the gradient after a gradient step of size 1, so ``GQ`` measures
+how much one step changes the gradient, relative to the gradient: 0 where the loss is locally
+linear. MetaInit parametrizes each chosen tensor as ``W_i = s_i * W0_i / ||W0_i||`` (``s_i``
+starts at ``||W0_i||``, i.e. ``W_i = alpha_i * W0_i`` with ``alpha_i = s_i / ||W0_i||`` starting
+at 1) and descends ``GQ`` in the norms ``s`` only; the directions are kept.
+
+``H g`` is computed as in the paper's code, ``grad_theta (||g||^2 / 2)`` with ``g`` *not*
+detached: its value is the exact Hessian-vector product ``H v`` at ``v = g``, and keeping ``v = g``
+on the graph makes the meta-gradient the exact derivative of ``GQ`` (detaching ``v`` would drop the
+``H dg/ds`` term). The meta-gradient is a third-order derivative (a backward through the double
+backward); ``g`` and ``H g`` cover every trainable tensor, scaled or not.
+
+Variants (``variant=``):
+
+* ``"paper"`` (Figure 2): ``GQ`` of each step is measured on a new batch of random data (inputs
+  ``N(0, 1)`` of ``input_shape`` -- the whole batch's shape, the paper's ``x_size`` -- and labels
+  uniform over the classes) unless ``data`` is given; the norms take signSGD steps with momentum,
+  ``m <- momentum * m - lr * sign(dGQ/ds)``, ``s <- s + m`` (``lr = 0.1``, ``momentum = 0.9``,
+  500 steps); the chosen tensors are those with at least 2 dimensions; the model is in eval mode
+  (the paper calls ``model.eval()``: normalization layers use their running statistics).
+* ``"gradinit"`` (GradInit's appendix D): real data (``data``), one step per batch; Adam on the
+  scales ``alpha`` exactly as in :func:`~initlab.gradinit.gradinit_` (``lr = 1e-3``, per-scalar
+  gradient clipping at 1, betas (0.9, 0.999)); the chosen tensors are every trainable non-zero
+  tensor; normalization layers use batch statistics, dropout off.
+
+In both, ``alpha >= alpha_min`` (0.01; a safeguard the paper's code does not have: a norm can
+never reach zero or change sign). Guarantees shared with GradInit: the model is evaluated through
+:func:`torch.func.functional_call` (parameters never replaced), changed in place once at the end
+(``W <- alpha * W``, tied tensors once), buffers bit-identical afterwards and modes restored, the
+model left unchanged on any exception, no hooks, random data drawn from ``generator`` only. Under
+``torch.distributed`` each rank computes ``GQ`` of its own batch and the alpha-gradients are
+averaged before the step, so MetaInit minimizes the mean over ranks of the per-rank ``GQ`` (``GQ``
+is not linear in the gradient, so this is not the ``GQ`` of the global batch) and all ranks end
+bit-identical.
+
+Cost per step: one forward, a backward with graph, a double backward with graph, and the backward
+of all that to the scales (third order).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from initlab.gradinit import (
+    LossFn,
+    TensorFilter,
+    _Adam,
+    _alpha_rows,
+    _AtParams,
+    _check_finite,
+    _default_loss,
+    _evaluation_modes,
+    _fold,
+    _grads,
+    _loss,
+    _nonzero,
+    _number,
+    _pairs,
+    _positive_int,
+    _rank_mean,
+    _scalar_mean,
+    _select,
+    _Tensors,
+    _theta,
+)
+from initlab.guard import restore_on_failure
+from initlab.method_report import MethodReport
+from initlab.rows import Rows
+
+__all__ = ["METAINIT_COLUMNS", "METAINIT_TRACE_COLUMNS", "gradient_quotient", "metainit_"]
+
+#: Rows of :func:`metainit_`'s report, one per tensor with a scale: ``name``, ``role``, ``alpha``
+#: (the learned ``s / ||W0||``, folded in), ``norm_before`` (``||W0||``), ``norm_after`` (``s``).
+METAINIT_COLUMNS = ("name", "role", "alpha", "norm_before", "norm_after")
+
+#: Columns of the per-step ``trace``: ``iteration``; ``gq`` (the gradient quotient of the step's
+#: batch at the scales before the step, rank-averaged); ``loss`` (the loss there); ``grad_norm``
+#: (``||g||_2`` there, rank-averaged); ``alpha_min`` / ``alpha_max`` (after the step).
+METAINIT_TRACE_COLUMNS = ("iteration", "gq", "loss", "grad_norm", "alpha_min", "alpha_max")
+
+_VARIANTS = ("paper", "gradinit")
+_PAPER_STEPS = 500
+
+
+def _gq(
+    model: nn.Module,
+    loss_fn: LossFn,
+    ts: _Tensors,
+    theta: Sequence[torch.Tensor],
+    batch: Any,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """``GQ`` at ``theta`` (on the graph), the loss, and ``||g||_2``."""
+    loss = _loss(model, loss_fn, ts, theta, batch)
+    g = _grads(loss, theta, create_graph=True)
+    half_sq = torch.stack([x.square().sum() for x in g]).sum() / 2
+    if not half_sq.requires_grad:
+        raise ValueError("the gradient does not depend on the parameters: GQ is undefined")
+    hg = _grads(half_sq, theta, create_graph=True)  # = H g, with g on the graph (paper, Fig. 2)
+    total = half_sq.new_zeros(())
+    for gi, hi in zip(g, hg, strict=True):
+        sgn = torch.where(gi >= 0, 1.0, -1.0).to(gi.dtype).detach()
+        total = total + ((gi - hi) / (gi + eps * sgn) - 1).abs().sum()
+    grad_norm = float((2 * half_sq.detach().double()).sqrt())
+    return total / ts.numel, loss, grad_norm
+
+
+def gradient_quotient(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn | None = None,
+    *,
+    eps: float = 1e-5,
+    batch_stats: bool = True,
+) -> float:
+    """The gradient quotient ``GQ`` of ``loss_fn(model, batch)`` at the model's current weights.
+
+    ``GQ = mean_j |(g_j - (H g)_j) / (g_j + eps * sgn(g_j)) - 1|`` over every trainable entry
+    (Dauphin & Schoenholz 2019, eq. 3 and Figure 2). Dropout is off; normalization layers use
+    batch statistics when ``batch_stats`` (else their running statistics); buffers and modes are
+    restored. The model is not changed.
+
+    Example:
+        >>> _ = torch.manual_seed(0)
+        >>> net = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3))
+        >>> gq = gradient_quotient(net, (torch.randn(32, 5), torch.randint(0, 3, (32,))))
+        >>> gq > 0
+        True
+    """
+    eps = _number("gradient_quotient", "eps", eps, strict=False)
+    ts = _select(model, "default", _nonzero, "gradient_quotient")
+    a = torch.ones(len(ts.scaled), dtype=torch.float64, requires_grad=True)
+    with _evaluation_modes(model, batch_stats=batch_stats):
+        gq, _, _ = _gq(model, loss_fn or _default_loss, ts, _theta(ts, a), batch, eps)
+    return float(gq.detach())
+
+
+def _at_least_2d(name: str, tensor: torch.Tensor, role: str) -> bool:
+    return tensor.dim() >= 2
+
+
+def _generator(generator: torch.Generator | int | None) -> torch.Generator | None:
+    if generator is None or isinstance(generator, torch.Generator):
+        return generator
+    if isinstance(generator, int) and not isinstance(generator, bool):
+        return torch.Generator().manual_seed(generator)
+    raise TypeError(f"generator must be a torch.Generator, an int seed or None, got {generator!r}")
+
+
+def _random_batches(
+    model: nn.Module,
+    ts: _Tensors,
+    input_shape: Sequence[int],
+    n_classes: int | None,
+    steps: int,
+    gen: torch.Generator | None,
+) -> Iterator[tuple[Any, None]]:
+    """``(x, y)``: ``x ~ N(0, 1)`` of ``input_shape``, ``y`` uniform labels (the paper's data)."""
+    ref = ts.tensors[0]
+    shape = tuple(int(s) for s in input_shape)
+    for _ in range(steps):
+        x = torch.randn(shape, generator=gen, dtype=ref.dtype).to(ref.device)
+        k = n_classes
+        if k is None:
+            with torch.no_grad():
+                out = _loss_free_forward(model, ts, x)
+            k = int(out.shape[-1])
+            n_classes = k
+        y = torch.randint(0, k, (shape[0],), generator=gen).to(ref.device)
+        yield (x, y), None
+
+
+def _loss_free_forward(model: nn.Module, ts: _Tensors, x: torch.Tensor) -> torch.Tensor:
+    out = _AtParams(model, dict(zip(ts.names, [t.detach() for t in ts.tensors], strict=True)))(x)
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(
+            "metainit_ with random data infers the number of classes from the model's output, "
+            f"which is a {type(out).__name__}; pass n_classes= (and loss_fn=)"
+        )
+    return out
+
+
+def metainit_(
+    model: nn.Module,
+    data: Any = None,
+    loss_fn: LossFn | None = None,
+    *,
+    variant: Literal["paper", "gradinit"] = "paper",
+    steps: int | None = None,
+    lr: float | None = None,
+    momentum: float = 0.9,
+    eps: float = 1e-5,
+    alpha_min: float = 0.01,
+    clip: float | None = 1.0,
+    params: str | TensorFilter = "default",
+    batch_stats: bool | None = None,
+    input_shape: Sequence[int] | None = None,
+    n_classes: int | None = None,
+    generator: torch.Generator | int | None = None,
+    progress: Callable[[dict[str, Any]], None] | None = None,
+) -> MethodReport:
+    r"""MetaInit (Dauphin & Schoenholz 2019): descend the gradient quotient in the weight norms.
+
+    See the module docstring for the objective, the two variants and the guarantees.
+
+    Args:
+        model: any ``nn.Module``; its chosen tensors are rescaled in place.
+        data: an iterable of batches (real data), or ``None`` for the paper's random data (then
+            ``input_shape`` is required).
+        loss_fn: ``loss_fn(model, batch) -> scalar``; default cross-entropy of
+            ``model(batch[0])`` against ``batch[1]``. Random batches are ``(x, y)``.
+        variant: ``"paper"`` (signSGD with momentum on the norms) or ``"gradinit"`` (Adam on the
+            scales with per-scalar clipping).
+        steps: number of steps; default 500 with random data, one pass over ``data`` otherwise
+            (``steps`` batches are needed).
+        lr: default 0.1 (``"paper"``) or 1e-3 (``"gradinit"``).
+        momentum: signSGD momentum (``"paper"``).
+        eps: the gradient quotient's safeguard.
+        alpha_min: lower bound of every scale ``s / ||W0||``.
+        clip: per-scalar gradient clipping (``"gradinit"``; ``None`` or 0: off).
+        params: ``"default"`` (``"paper"``: tensors with >= 2 dims; ``"gradinit"``: every
+            trainable tensor) or ``params(name, tensor, role) -> bool``; all-zero tensors never
+            get a scale.
+        batch_stats: normalization layers use batch statistics (default: ``False`` for
+            ``"paper"``, as its ``model.eval()``, ``True`` for ``"gradinit"``).
+        input_shape: shape of one random input batch, batch dimension first (random data).
+        n_classes: number of random labels (default: the model output's last dimension).
+        generator: ``torch.Generator`` or int seed for the random data.
+        progress: called with every trace row.
+
+    Returns:
+        A :class:`~initlab.method_report.MethodReport` with rows :data:`METAINIT_COLUMNS`,
+        ``trace`` rows :data:`METAINIT_TRACE_COLUMNS`, and ``info`` with ``steps``, ``variant``,
+        ``gq_first``, ``gq_last``.
+
+    Raises:
+        ValueError: bad options or too few batches. FloatingPointError: a non-finite loss or GQ
+        (the model is left unchanged).
+    """
+    start = time.perf_counter()
+    what = "metainit_"
+    if variant not in _VARIANTS:
+        raise ValueError(f"{what}: variant must be one of {_VARIANTS}, got {variant!r}")
+    paper = variant == "paper"
+    lr = _number(what, "lr", lr if lr is not None else (0.1 if paper else 1e-3))
+    momentum = _number(what, "momentum", momentum, strict=False)
+    eps = _number(what, "eps", eps, strict=False)
+    alpha_min = _number(what, "alpha_min", alpha_min, strict=False)
+    clip_value = 0.0 if clip is None else _number(what, "clip", clip, strict=False)
+    if steps is not None:
+        steps = _positive_int(what, "steps", steps)
+    if batch_stats is None:
+        batch_stats = not paper
+    loss_fn = loss_fn or _default_loss
+    ts = _select(model, params, _at_least_2d if paper else _nonzero, what)
+    gen = _generator(generator)
+
+    if data is None:
+        if input_shape is None:
+            raise ValueError(f"{what}: random data (data=None) needs input_shape=(batch, ...)")
+        if n_classes is not None:
+            n_classes = _positive_int(what, "n_classes", n_classes)
+        batches: Iterator[tuple[Any, Any]] = _random_batches(
+            model, ts, input_shape, n_classes, steps or _PAPER_STEPS, gen
+        )
+    else:
+        batches = _pairs(data, steps, False, what)
+
+    n = len(ts.scaled)
+    alpha = torch.ones(n, dtype=torch.float64)
+    norms0 = torch.tensor(ts.norms, dtype=torch.float64)
+    memory = torch.zeros(n, dtype=torch.float64)
+    adam = _Adam.zeros(n, lr)
+    forward = backward = 0
+    trace: list[dict[str, Any]] = []
+    with restore_on_failure(model):
+        with _evaluation_modes(model, batch_stats=batch_stats):
+            for t, (batch, _) in enumerate(batches):
+                a = alpha.detach().clone().requires_grad_(True)
+                gq, loss, grad_norm = _gq(model, loss_fn, ts, _theta(ts, a), batch, eps)
+                forward += 1
+                loss_value = _scalar_mean(loss)
+                _check_finite(loss_value, t, what)
+                gq_value = _scalar_mean(gq)
+                _check_finite(gq_value, t, what, "gradient quotient")
+                grad = _rank_mean([_grads(gq, [a])[0].double()])[0]
+                backward += 3
+                if paper:
+                    # signSGD with momentum on the norms s = alpha * ||W0|| (Figure 2).
+                    memory = momentum * memory - lr * grad.sign()
+                    s = (alpha * norms0 + memory).maximum(alpha_min * norms0)
+                    alpha = s / norms0
+                else:
+                    if clip_value > 0:
+                        grad = grad.clamp(-clip_value, clip_value)
+                    alpha = adam.step(alpha, grad, alpha_min)
+                row = {
+                    "iteration": t,
+                    "gq": gq_value,
+                    "loss": loss_value,
+                    "grad_norm": _scalar_mean(torch.tensor(grad_norm)),
+                    "alpha_min": float(alpha.min()),
+                    "alpha_max": float(alpha.max()),
+                }
+                trace.append(row)
+                if progress is not None:
+                    progress(dict(row))
+        if not trace:
+            raise ValueError(f"{what} ran no step: the data has no batch")
+        _fold(ts, alpha)
+    return MethodReport(
+        _alpha_rows(model, ts, alpha),
+        METAINIT_COLUMNS,
+        method="metainit",
+        forward_passes=forward,
+        backward_passes=backward,
+        wall_s=time.perf_counter() - start,
+        trace=Rows(trace, METAINIT_TRACE_COLUMNS, title="metainit trace"),
+        info={
+            "steps": len(trace),
+            "variant": variant,
+            "gq_first": trace[0]["gq"],
+            "gq_last": trace[-1]["gq"],
+        },
+    )

@@ -1,0 +1,423 @@
+"""GradInit (Zhu et al. 2021): alpha-gradients against a hand derivation and finite differences,
+the step rules, S~, normalization layers, ties, failure, warnings, and DDP on two gloo ranks."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from initlab.gradinit import gradinit_, gradinit_alpha_grad, overlap_batch
+from initlab.metainit import metainit_
+
+from .ddp_util import run_ranks
+
+D = torch.float64
+
+
+def _mse(model, batch):
+    return F.mse_loss(model(batch[0]), batch[1])
+
+
+# --------------------------------------------------------------------------------------------------
+# The 2-layer ReLU net y = W2 relu(W1 x + b1) + b2 with MSE, by hand
+# --------------------------------------------------------------------------------------------------
+
+
+def _hand(w1, b1, w2, b2, x, t):
+    """Loss and its gradients for (w1, b1, w2, b2), written out with the chain rule."""
+    z = x @ w1.T + b1
+    h = z.clamp_min(0)
+    y = h @ w2.T + b2
+    loss = ((y - t) ** 2).mean()
+    dy = 2 * (y - t) / y.numel()
+    dz = (dy @ w2) * (z > 0).to(D)
+    return loss, (dz.T @ x, dz.sum(0), dy.T @ h, dy.sum(0))
+
+
+def _two_layer(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 2)).to(D)
+    with torch.no_grad():  # zero biases: no alpha, but they take the look-ahead step
+        net[0].bias.zero_()
+        net[2].bias.zero_()
+    return net
+
+
+def _data(seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    s = (torch.randn(8, 3, generator=g, dtype=D), torch.randn(8, 2, generator=g, dtype=D))
+    s_tilde = (torch.randn(8, 3, generator=g, dtype=D), torch.randn(8, 2, generator=g, dtype=D))
+    return s, s_tilde
+
+
+def _objective(net, alpha, s, s_tilde, eta, sign=False, through_g=True):
+    """L(S~; theta_alpha - eta A[g(alpha)]) / eta with g by hand; returns it and the look-ahead."""
+    w1, w2 = net[0].weight.detach(), net[2].weight.detach()
+    theta = [alpha[0] * w1, net[0].bias.detach(), alpha[1] * w2, net[2].bias.detach()]
+    _, g = _hand(*theta, *s)
+    step = [x.sign() for x in g] if sign else g
+    look = [p - eta * d for p, d in zip(theta, step, strict=True)]
+    return _hand(*look, *s_tilde)[0] / eta, look
+
+
+def test_first_order_alpha_grad_equals_hand_derivation() -> None:
+    net, (s, s_tilde), eta = _two_layer(), _data(), 0.3
+    alpha = torch.tensor([0.7, 1.3], dtype=D)
+    # d/d alpha_i of L(S~; alpha W - eta g) / eta with g held fixed: <dL~/dW'_i, W_i> / eta.
+    value, look = _objective(net, alpha, s, s_tilde, eta)
+    _, d_look = _hand(*look, *s_tilde)
+    expected = torch.stack(
+        [(d_look[0] * net[0].weight).sum() / eta, (d_look[2] * net[2].weight).sum() / eta]
+    )
+    grad, objective = gradinit_alpha_grad(
+        net, s, s_tilde, _mse, alpha=alpha, eta=eta, optimizer="sgd", exact=False
+    )
+    torch.testing.assert_close(grad, expected.detach(), rtol=1e-12, atol=1e-14)
+    assert objective == pytest.approx(float(value) * eta, rel=1e-12)
+
+
+def _central(f, alpha: torch.Tensor, h: float = 1e-6) -> torch.Tensor:
+    return torch.stack(
+        [(f(alpha + h * e) - f(alpha - h * e)) / (2 * h) for e in torch.eye(len(alpha), dtype=D)]
+    )
+
+
+def test_exact_alpha_grad_matches_finite_differences() -> None:
+    net, (s, s_tilde), eta = _two_layer(), _data(), 0.3
+    alpha = torch.tensor([0.7, 1.3], dtype=D)
+    grad, _ = gradinit_alpha_grad(net, s, s_tilde, _mse, alpha=alpha, eta=eta, exact=True)
+    fd = _central(lambda a: _objective(net, a, s, s_tilde, eta)[0], alpha)
+    torch.testing.assert_close(grad, fd, rtol=1e-6, atol=1e-8)
+    first_order, _ = gradinit_alpha_grad(net, s, s_tilde, _mse, alpha=alpha, eta=eta)
+    assert not torch.allclose(grad, first_order)  # the term through g matters
+
+    # The constraint step: d ||g(alpha)||_2 / d alpha.
+    grad_c, norm = gradinit_alpha_grad(net, s, None, _mse, alpha=alpha, step="constraint")
+
+    def gnorm(a):
+        theta = [a[0] * net[0].weight, net[0].bias, a[1] * net[2].weight, net[2].bias]
+        g = _hand(*[p.detach() for p in theta], *s)[1]
+        return torch.sqrt(sum((x**2).sum() for x in g))
+
+    torch.testing.assert_close(grad_c, _central(gnorm, alpha), rtol=1e-6, atol=1e-8)
+    assert norm == pytest.approx(float(gnorm(alpha)), rel=1e-12)
+
+
+def test_constraint_gradient_same_whether_or_not_a_constraint_step_was_expected() -> None:
+    from initlab.gradinit import _evaluation_modes, _GradInitStep, _nonzero, _select
+
+    net, (s, _) = _two_layer(), _data()
+    ts = _select(net, "default", _nonzero, "test")
+    alpha = torch.tensor([0.7, 1.3], dtype=D)
+    grads = []
+    for last in ("objective", "constraint"):  # recompute L(S) with graph / graph built at once
+        run = _GradInitStep(net, _mse, ts, eta=0.1, optimizer="sgd", exact=False, what="test")
+        run.last_kind = last
+        with _evaluation_modes(net, batch_stats=True):
+            res = run(alpha, s, lambda: s, gamma=0.0, iteration=0)
+        assert res.kind == "constraint"
+        grads.append(res.grad)
+    assert torch.equal(grads[0], grads[1])
+
+
+def test_adam_exact_equals_first_order_and_hand_derivation() -> None:
+    net, (s, s_tilde), eta = _two_layer(), _data(), 0.05
+    alpha = torch.tensor([0.9, 1.2], dtype=D)
+    kw = {"alpha": alpha, "eta": eta, "optimizer": "adam"}
+    exact, _ = gradinit_alpha_grad(net, s, s_tilde, _mse, exact=True, **kw)
+    first, _ = gradinit_alpha_grad(net, s, s_tilde, _mse, exact=False, **kw)
+    assert torch.equal(exact, first)  # d sign(g) / d alpha = 0 almost everywhere
+    _, look = _objective(net, alpha, s, s_tilde, eta, sign=True)
+    _, d_look = _hand(*look, *s_tilde)
+    expected = torch.stack(
+        [(d_look[0] * net[0].weight).sum() / eta, (d_look[2] * net[2].weight).sum() / eta]
+    )
+    torch.testing.assert_close(first, expected.detach(), rtol=1e-12, atol=1e-14)
+    # ... and matches finite differences of the exact objective (sign(g) is locally constant).
+    fd = _central(lambda a: _objective(net, a, s, s_tilde, eta, sign=True)[0], alpha)
+    torch.testing.assert_close(first, fd, rtol=1e-6, atol=1e-8)
+
+
+# --------------------------------------------------------------------------------------------------
+# The iteration: step rule, bounds, S~
+# --------------------------------------------------------------------------------------------------
+
+
+def _mlp(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)).to(dtype)
+
+
+def _class_batches(n: int, size: int = 16, seed: int = 2, dtype: torch.dtype = torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(size, 6, generator=g).to(dtype), torch.randint(0, 3, (size,), generator=g))
+        for _ in range(n)
+    ]
+
+
+def test_small_gamma_gives_constraint_steps_that_reduce_the_gradient_norm() -> None:
+    net = _mlp()
+    batch = _class_batches(1)[0]
+    report = gradinit_(net, [batch] * 13, gamma=1e-4, lr=0.02)
+    trace = report.trace.to_rows()
+    assert len(trace) == 12 and {r["step"] for r in trace} == {"constraint"}
+    norms = [r["grad_norm"] for r in trace]
+    assert all(b < a for a, b in itertools.pairwise(norms))
+    assert norms[-1] < 0.8 * norms[0]
+    assert report.info["constraint_steps"] == 12 and report.info["objective_steps"] == 0
+    # forward, backward with graph, double backward; the first step (no graph expected) has one
+    # more forward and backward
+    assert (report.forward_passes, report.backward_passes) == (13, 25)
+
+
+def test_alpha_never_below_alpha_min() -> None:
+    net = _mlp()
+    report = gradinit_(net, _class_batches(9), gamma=0.0, lr=0.5, alpha_min=0.05)
+    trace = report.trace.to_rows()
+    assert min(r["alpha_min"] for r in trace) == pytest.approx(0.05)
+    assert all(r["alpha_min"] >= 0.05 for r in trace)
+    assert all(r["alpha"] >= 0.05 for r in report)
+    # large gamma: objective steps only
+    report = gradinit_(_mlp(), _class_batches(4), gamma=math.inf)
+    assert {r["step"] for r in report.trace} == {"objective"}
+
+
+def test_overlap_batch_composition() -> None:
+    s = (torch.arange(8).float().unsqueeze(1), torch.arange(8))
+    nxt = (torch.arange(100, 108).float().unsqueeze(1), torch.arange(100, 108))
+    assert overlap_batch(s, nxt, 0.5)[1].tolist() == [0, 1, 2, 3, 100, 101, 102, 103]
+    assert overlap_batch(s, nxt, 0.25)[1].tolist() == [0, 1, 100, 101, 102, 103, 104, 105]
+    assert overlap_batch(s, nxt, 0.0)[1].tolist() == list(range(100, 108))
+    assert overlap_batch(s, nxt, 1.0) is s
+    short = (nxt[0][:2], nxt[1][:2])  # a shorter next batch gives what it has
+    assert overlap_batch(s, short, 0.5)[1].tolist() == [0, 1, 2, 3, 100, 101]
+    # dicts, nested, non-tensor leaves; rows stay aligned across tensors
+    d = {"x": s[0], "y": s[1], "meta": "train", "pair": (s[1], s[1] * 2)}
+    dn = {"x": nxt[0], "y": nxt[1], "meta": "train", "pair": (nxt[1], nxt[1] * 2)}
+    out = overlap_batch(d, dn, 0.5)
+    assert out["meta"] == "train" and out["pair"][1].tolist() == [0, 2, 4, 6, 200, 202, 204, 206]
+    assert torch.equal(out["x"][:, 0].long(), out["y"])
+    # random subsets with a generator: 4 distinct examples of S, 4 of the next batch
+    out = overlap_batch(s, nxt, 0.5, generator=torch.Generator().manual_seed(0))[1].tolist()
+    assert len(set(out[:4])) == 4 and set(out[:4]) <= set(range(8))
+    assert len(set(out[4:])) == 4 and set(out[4:]) <= set(range(100, 108))
+
+
+def test_gradinit_evaluates_s_tilde_from_s_and_the_next_batch() -> None:
+    seen = []
+
+    def loss_fn(model, batch):
+        seen.append(batch["y"].clone())
+        return F.cross_entropy(model(batch["x"]), batch["y"])
+
+    batches = [{"x": x, "y": y} for x, y in _class_batches(4, size=6)]
+    report = gradinit_(_mlp(), batches, loss_fn, gamma=math.inf, overlap=0.5)
+    assert len(report.trace) == 3  # one pass: T = batches - 1
+    assert len(seen) == 6  # S, S~ per objective step
+    for t in range(3):
+        assert torch.equal(seen[2 * t], batches[t]["y"])
+        expected = torch.cat([batches[t]["y"][:3], batches[t + 1]["y"][:3]])
+        assert torch.equal(seen[2 * t + 1], expected)
+
+
+# --------------------------------------------------------------------------------------------------
+# Model state: normalization layers, dropout, modes, ties
+# --------------------------------------------------------------------------------------------------
+
+
+class _ConvBN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.drop = nn.Dropout(0.5)
+        self.fc = nn.Linear(4 * 16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.drop(torch.relu(self.bn(self.conv(x)))).flatten(1))
+
+
+def _image_batches(n: int, seed: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(8, 2, 4, 4, generator=g) * 3 + 1, torch.randint(0, 3, (8,), generator=g))
+        for _ in range(n)
+    ]
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_batchnorm_buffers_bit_identical_modes_restored_batch_stats_used(train: bool) -> None:
+    torch.manual_seed(0)
+    model = _ConvBN().train(train)
+    with torch.no_grad():
+        model.bn.running_mean.uniform_()
+        model.bn.running_var.uniform_(0.5, 2)
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    batches = _image_batches(4)
+    # loss with batch statistics and dropout off, at the initial weights
+    ref = copy.deepcopy(model).eval()
+    ref.bn.train()
+    with torch.no_grad():
+        expected = float(F.cross_entropy(ref(batches[0][0]), batches[0][1]))
+    report = gradinit_(model, batches, gamma=1.0)
+    for k, v in model.named_buffers():
+        assert torch.equal(v, buffers[k]), k
+    assert all(m.training == train for m in model.modules())
+    assert report.trace[0]["loss"] == pytest.approx(expected, rel=1e-6)
+    assert {r["name"] for r in report} == {
+        "conv.weight",
+        "conv.bias",
+        "bn.weight",
+        "fc.weight",
+        "fc.bias",
+    }  # bn.bias is zero: no alpha
+    # dropout is off: the alpha-gradient is deterministic
+    g1, _ = gradinit_alpha_grad(model, batches[0], batches[1])
+    g2, _ = gradinit_alpha_grad(model, batches[0], batches[1])
+    assert torch.equal(g1, g2)
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6, bias=False)
+        self.b = nn.Linear(6, 6, bias=False)
+        self.b.weight = self.a.weight
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def test_tied_weights_share_one_alpha_and_stay_tied() -> None:
+    torch.manual_seed(0)
+    model = _Tied()
+    before = model.a.weight.detach().clone()
+    report = gradinit_(model, _class_batches(5), gamma=0.0, lr=0.05)
+    assert model.b.weight is model.a.weight
+    rows = {r["name"]: r for r in report}
+    assert set(rows) == {"a.weight", "head.weight", "head.bias"}
+    alpha = torch.tensor(rows["a.weight"]["alpha"], dtype=D).to(torch.float32)
+    assert float(alpha) != 1.0
+    assert torch.equal(model.a.weight.detach(), before * alpha)  # folded exactly once
+
+
+# --------------------------------------------------------------------------------------------------
+# Bad input and failure
+# --------------------------------------------------------------------------------------------------
+
+
+def _snapshot(model: nn.Module):
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    return state, [m.training for m in model.modules()]
+
+
+def _assert_unchanged(model: nn.Module, snap) -> None:
+    state, modes = snap
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k]), k
+    assert [m.training for m in model.modules()] == modes
+    for m in model.modules():
+        assert not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks), m
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_failure_midway_leaves_the_model_unchanged() -> None:
+    torch.manual_seed(0)
+    model = _ConvBN().train()
+    snap = _snapshot(model)
+    calls = 0
+
+    def loss_fn(m, batch):
+        nonlocal calls
+        calls += 1
+        if calls == 5:
+            raise RuntimeError("injected")
+        return F.cross_entropy(m(batch[0]), batch[1])
+
+    with pytest.raises(RuntimeError, match="injected"):
+        gradinit_(model, _image_batches(6), loss_fn, gamma=1.0)
+    _assert_unchanged(model, snap)
+
+
+def test_bad_input_errors() -> None:
+    model = _mlp()
+    snap = _snapshot(model)
+    batches = _class_batches(3)
+    with pytest.raises(ValueError, match="needs 6 batches"):
+        gradinit_(model, batches, iterations=5)
+    with pytest.raises(ValueError, match="needs 6 batches"):  # no len(): found out midway
+        gradinit_(model, (b for b in batches), iterations=5)
+    with pytest.raises(FloatingPointError, match="first iteration"):
+        gradinit_(model, batches, lambda m, b: F.cross_entropy(m(b[0]), b[1]) * math.inf)
+    with pytest.raises(ValueError, match="optimizer"):
+        gradinit_(model, batches, optimizer="rmsprop")
+    _assert_unchanged(model, snap)
+
+
+def test_adam_with_gamma_on_the_l2_scale_warns() -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)
+    )
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(32, 16, generator=g), torch.randint(0, 10, (32,), generator=g))] * 3
+    with pytest.warns(UserWarning, match=r"L1 scale .* = \d"):
+        gradinit_(copy.deepcopy(net), data, optimizer="adam", gamma=1.0, eta=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gradinit_(copy.deepcopy(net), data, optimizer="adam", gamma=100.0, eta=1e-3)
+        gradinit_(copy.deepcopy(net), data, optimizer="sgd", gamma=1.0)
+
+
+# --------------------------------------------------------------------------------------------------
+# DDP: two gloo ranks with different shards end bit-identical, and match one process on the union
+# --------------------------------------------------------------------------------------------------
+
+_CONFIGS = {
+    "mixed": {"gamma": 0.35, "lr": 0.05, "overlap": 1.0},
+    "exact": {"gamma": math.inf, "lr": 0.05, "overlap": 1.0, "exact": True},
+    "default": {"gamma": 0.35, "lr": 0.05},
+}
+
+
+def _shards():
+    batches = _class_batches(5, size=16, seed=7, dtype=D)
+    return [[(x[:8], y[:8]) for x, y in batches], [(x[8:], y[8:]) for x, y in batches]], batches
+
+
+def _ddp_worker(rank: int, world: int) -> dict:
+    shards, _ = _shards()
+    out = {}
+    for name, cfg in _CONFIGS.items():
+        model = _mlp(dtype=D)
+        report = gradinit_(model, shards[rank], **cfg)
+        out[name] = ([p.detach().clone() for p in model.parameters()], report.trace.to_rows())
+    model = _mlp(dtype=D)
+    metainit_(model, shards[rank], variant="gradinit", lr=0.05)
+    out["metainit"] = ([p.detach().clone() for p in model.parameters()], None)
+    return out
+
+
+def test_ddp_two_ranks_identical_and_equal_to_one_process() -> None:
+    r0, r1 = run_ranks(_ddp_worker, 2)
+    for name in r0:
+        for p0, p1 in zip(r0[name][0], r1[name][0], strict=True):
+            assert torch.equal(p0, p1), name
+    _, union = _shards()
+    for name in ("mixed", "exact"):
+        model = _mlp(dtype=D)
+        report = gradinit_(model, union, **_CONFIGS[name])
+        trace = report.trace.to_rows()
+        assert [r["step"] for r in trace] == [r["step"] for r in r0[name][1]], name
+        for p, q in zip(model.parameters(), r0[name][0], strict=True):
+            torch.testing.assert_close(p.detach(), q, rtol=1e-10, atol=1e-12)
+    assert {r["step"] for r in r0["mixed"][1]} == {"constraint", "objective"}

@@ -1,0 +1,160 @@
+"""MetaInit (Dauphin & Schoenholz 2019): the gradient quotient against a dense float64 Hessian, the
+signSGD step against finite differences, GQ decreasing, seeding, state and failure.
+
+(The two-rank DDP check of ``metainit_`` shares the spawn of ``test_gradinit.py``.)"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+
+from initlab.metainit import gradient_quotient, metainit_
+
+D = torch.float64
+
+
+def _tanh_mlp(seed: int = 0, scale: float = 1.0, dtype: torch.dtype = torch.float32) -> nn.Module:
+    torch.manual_seed(seed)
+    net = nn.Sequential(
+        nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4)
+    ).to(dtype)
+    with torch.no_grad():
+        for m in net:
+            if isinstance(m, nn.Linear):
+                m.weight.mul_(scale)
+    return net
+
+
+def _batches(n: int, size: int, seed: int, dtype: torch.dtype = torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(size, 8, generator=g).to(dtype), torch.randint(0, 4, (size,), generator=g))
+        for _ in range(n)
+    ]
+
+
+def test_gradient_quotient_matches_dense_hessian() -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(D)
+    x, y = torch.randn(6, 3, dtype=D), torch.randint(0, 2, (6,))
+    names = [n for n, _ in net.named_parameters()]
+    shapes = [p.shape for p in net.parameters()]
+    flat0 = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+
+    def loss(flat: torch.Tensor) -> torch.Tensor:
+        parts = torch.split(flat, [s.numel() for s in shapes])
+        params = {n: p.reshape(s) for n, p, s in zip(names, parts, shapes, strict=True)}
+        return F.cross_entropy(functional_call(net, params, (x,)), y)
+
+    g = torch.autograd.functional.jacobian(loss, flat0)
+    h = torch.autograd.functional.hessian(loss, flat0)
+    eps = 1e-5
+    sgn = torch.where(g >= 0, 1.0, -1.0).to(D)
+    expected = ((g - h @ g) / (g + eps * sgn) - 1).abs().mean()
+    assert gradient_quotient(net, (x, y), eps=eps) == pytest.approx(float(expected), rel=1e-10)
+
+
+def test_paper_step_is_minus_lr_sign_of_the_finite_difference_slope() -> None:
+    net = _tanh_mlp(scale=0.5, dtype=D)
+    batch = _batches(1, 16, seed=1, dtype=D)[0]
+    lr = 0.01
+
+    def gq_with(name: str, factor: float) -> float:
+        other = copy.deepcopy(net)
+        with torch.no_grad():
+            other.get_parameter(name).mul_(factor)
+        return gradient_quotient(other, batch, batch_stats=False)
+
+    report = metainit_(copy.deepcopy(net), [batch], lr=lr)
+    assert [r["name"] for r in report] == ["0.weight", "2.weight", "4.weight"]  # >= 2-D tensors
+    h = 1e-6
+    for row in report:
+        slope = gq_with(row["name"], 1 + h) - gq_with(row["name"], 1 - h)
+        assert abs(slope) > 1e-9
+        expected = -lr * math.copysign(1.0, slope)  # s <- s + m, m = -lr sign(dGQ/ds)
+        assert row["norm_after"] - row["norm_before"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_gradient_quotient_decreases_gradinit_variant() -> None:
+    net = _tanh_mlp(seed=2, scale=0.3)
+    held_out = _batches(4, 64, seed=102)
+    before = sum(gradient_quotient(net, b) for b in held_out) / 4
+    report = metainit_(net, _batches(40, 32, seed=202), variant="gradinit", lr=0.02)
+    after = sum(gradient_quotient(net, b) for b in held_out) / 4
+    assert after < 0.8 * before
+    gq = [r["gq"] for r in report.trace]
+    assert sum(gq[-10:]) < sum(gq[:10])
+    assert report.info["steps"] == 40 and report.info["variant"] == "gradinit"
+
+
+def test_seeded_random_data_runs_are_identical() -> None:
+    def run(seed: int):
+        net = _tanh_mlp()
+        report = metainit_(net, input_shape=(16, 8), steps=4, generator=seed)
+        return [p.detach().clone() for p in net.parameters()], report.trace.to_rows()
+
+    (p1, t1), (p2, t2), (p3, _) = run(0), run(0), run(1)
+    assert all(torch.equal(a, b) for a, b in zip(p1, p2, strict=True))
+    assert [r["gq"] for r in t1] == [r["gq"] for r in t2]
+    assert not all(torch.equal(a, b) for a, b in zip(p1, p3, strict=True))
+
+
+class _ConvBN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4 * 16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.relu(self.bn(self.conv(x))).flatten(1))
+
+
+def _state(model: nn.Module):
+    return {k: v.clone() for k, v in model.state_dict().items()}, [
+        m.training for m in model.modules()
+    ]
+
+
+def test_buffers_identical_and_failure_leaves_model_unchanged() -> None:
+    torch.manual_seed(0)
+    model = _ConvBN().train()
+    state, modes = _state(model)
+    metainit_(model, input_shape=(8, 2, 4, 4), steps=2, generator=0, variant="gradinit")
+    for k, v in model.named_buffers():
+        assert torch.equal(v, state[k]), k
+    assert [m.training for m in model.modules()] == modes
+
+    state, modes = _state(model)
+    calls = 0
+
+    def loss_fn(m, batch):
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise RuntimeError("injected")
+        return F.cross_entropy(m(batch[0]), batch[1])
+
+    with pytest.raises(RuntimeError, match="injected"):
+        metainit_(model, loss_fn=loss_fn, input_shape=(8, 2, 4, 4), steps=5, generator=0)
+    with pytest.raises(FloatingPointError, match="first iteration"):
+        metainit_(
+            model,
+            loss_fn=lambda m, b: F.cross_entropy(m(b[0]), b[1]) * math.nan,
+            input_shape=(8, 2, 4, 4),
+            steps=2,
+        )
+    with pytest.raises(ValueError, match="needs 3 batches"):
+        metainit_(model, [(torch.randn(8, 2, 4, 4), torch.randint(0, 3, (8,)))] * 2, steps=3)
+    with pytest.raises(ValueError, match="input_shape"):
+        metainit_(model)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k]), k
+    assert [m.training for m in model.modules()] == modes
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
