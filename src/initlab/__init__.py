@@ -11,12 +11,28 @@ The public API, by concept (implementation modules in parentheses):
 * model-level init (:mod:`initlab.initialize`, :mod:`initlab.rules`): :func:`init_model`,
   :class:`Rule`;
 * the moment probe (:mod:`initlab.probe`): :class:`MomentProbe`, :func:`measure_moments`;
+* conditioning (:mod:`initlab.conditioning`): :func:`gr_scaling` (γ and ν per layer);
+* diagnostics (:mod:`initlab.diagnostics`): :func:`diagnose` → :class:`Report`;
+* data-dependent init, each ``method_(model, data, ...) -> MethodReport``: :func:`lsuv_`
+  (:mod:`initlab.lsuv`), :func:`gradinit_` (:mod:`initlab.gradinit`), :func:`metainit_`
+  (:mod:`initlab.metainit`), :func:`scale_output_`, :func:`precondition_`, :func:`input_scale`
+  (:mod:`initlab.scaling`);
 * tidy rows (:mod:`initlab.rows`): :class:`Rows`.
+
+Also importable as subpackages: :mod:`initlab.data` (loaders), :mod:`initlab.zoo` (models),
+:mod:`initlab.study` (studies over seeds x learning rates), :mod:`initlab.curvature` and
+:mod:`initlab.landscape`.
 """
 
+from initlab.conditioning import gr_scaling, imbalance
+from initlab.diagnostics import DIAGNOSTIC_COLUMNS, Report, diagnose
 from initlab.fans import Fans, compute_fans
 from initlab.gains import average_lipschitz, calculate_gain
+from initlab.gradinit import gradinit_
 from initlab.initialize import INIT_REPORT_COLUMNS, InitReport, init_model
+from initlab.lsuv import lsuv_
+from initlab.metainit import metainit_
+from initlab.method_report import MethodReport
 from initlab.probe import PROBE_COLUMNS, MomentProbe, measure_moments
 from initlab.registry import (
     Block,
@@ -46,6 +62,7 @@ from initlab.sampling import (
     trunc_normal_,
     uniform_,
 )
+from initlab.scaling import input_scale, precondition_, scale_output_
 from initlab.schemes import (
     ArithmeticMean,
     Dirac,
@@ -67,6 +84,7 @@ from initlab.schemes import (
 )
 
 __all__ = [
+    "DIAGNOSTIC_COLUMNS",
     "INIT_REPORT_COLUMNS",
     "PROBE_COLUMNS",
     "ArithmeticMean",
@@ -78,11 +96,13 @@ __all__ = [
     "GeometricMean",
     "InitReport",
     "InitSpec",
+    "MethodReport",
     "MomentProbe",
     "OperatorNorm",
     "Orthogonal",
     "ParamSpec",
     "Registry",
+    "Report",
     "Rows",
     "Rule",
     "Scheme",
@@ -93,6 +113,7 @@ __all__ = [
     "calculate_gain",
     "compute_fans",
     "default_registry",
+    "diagnose",
     "dirac_",
     "estimate_singular_ratio",
     "fan_in_normal_",
@@ -106,15 +127,23 @@ __all__ = [
     "geometric_uniform_",
     "geometric_variance",
     "get_scheme",
+    "gr_scaling",
+    "gradinit_",
+    "imbalance",
     "init_model",
+    "input_scale",
     "list_schemes",
+    "lsuv_",
     "measure_moments",
+    "metainit_",
     "normal_",
     "operator_norm_normal_",
     "operator_norm_variance",
     "orthogonal_",
+    "precondition_",
     "register_handler",
     "sample_",
+    "scale_output_",
     "scale_residual_projections",
     "transposed_linear_handler",
     "trunc_normal_",

@@ -27,11 +27,16 @@ def is_single_batch(data: Any) -> bool:
     return False
 
 
-def take_batches(data: Any, n: int | None = None, *, what: str = "this procedure") -> list[Any]:
+def take_batches(
+    data: Any, n: int | None = None, *, what: str = "this procedure", exact: bool = True
+) -> list[Any]:
     """The first ``n`` batches of ``data`` (all of them when ``n`` is None).
 
+    With ``exact=False`` fewer than ``n`` batches are fine (at most ``n`` are taken).
+
     Raises:
-        ValueError: ``data`` has fewer than ``n`` batches (the message says how many are needed).
+        ValueError: ``data`` is empty, or (``exact``) has fewer than ``n`` batches; the message
+            says how many are needed.
     """
     if is_single_batch(data):
         batches = [data]
@@ -47,7 +52,7 @@ def take_batches(data: Any, n: int | None = None, *, what: str = "this procedure
             batches.append(batch)
             if n is not None and len(batches) == n:
                 break
-    if n is not None and len(batches) < n:
+    if exact and n is not None and len(batches) < n:
         raise ValueError(
             f"{what} needs {n} batches but the data gave {len(batches)}; pass a loader with at "
             f"least {n} batches (or lower the number of iterations/batches asked for)"

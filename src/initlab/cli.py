@@ -1,4 +1,4 @@
-"""The ``initlab`` command: ``schemes``, ``init``, ``data``, ``bench run|report`` and ``demo``.
+"""The ``initlab`` command: ``schemes``, ``init``, ``diagnose``, ``data``, ``bench``, ``demo``.
 
 Argument parsing lives here and only here; every command calls the library's public functions.
 """
@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import json
 import sys
 import time
@@ -18,47 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["load_factory", "main"]
-
-
-def load_factory(spec: str) -> Any:
-    """Resolve ``"pkg.module:factory"`` or ``"path/to/file.py:factory"`` to the callable."""
-    module_part, sep, attr = spec.partition(":")
-    if not sep or not module_part or not attr:
-        raise ValueError(
-            f"--model must look like 'pkg.module:factory' or 'path/file.py:factory', got {spec!r}"
-        )
-    if module_part.endswith(".py"):
-        path = Path(module_part)
-        if not path.is_file():
-            raise ValueError(f"--model file {path} does not exist")
-        mod_spec = importlib.util.spec_from_file_location(path.stem, path)
-        assert mod_spec is not None and mod_spec.loader is not None
-        module = importlib.util.module_from_spec(mod_spec)
-        mod_spec.loader.exec_module(module)
-    else:
-        try:
-            module = importlib.import_module(module_part)
-        except ImportError as err:
-            raise ValueError(f"cannot import {module_part!r} for --model: {err}") from err
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"{module_part!r} has no attribute {attr!r} (from --model {spec!r})")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ValueError(f"--model {spec!r} is not callable")
-    return obj
-
-
-def _build_model(spec: str, kwargs_json: str | None) -> nn.Module:
-    kwargs = json.loads(kwargs_json) if kwargs_json else {}
-    if not isinstance(kwargs, dict):
-        raise ValueError("--model-kwargs must be a JSON object, e.g. '{\"width\": 128}'")
-    model = load_factory(spec)(**kwargs)
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"--model {spec!r} returned {type(model).__name__}, not an nn.Module")
-    return model
+__all__ = ["main"]
 
 
 def _cmd_schemes(args: argparse.Namespace) -> int:
@@ -69,22 +28,103 @@ def _cmd_schemes(args: argparse.Namespace) -> int:
     return 0
 
 
+#: ``initlab init --method NAME``: (module, function, takes a loss_fn).
+_METHODS = {
+    "lsuv": ("initlab.lsuv", "lsuv_", False),
+    "gradinit": ("initlab.gradinit", "gradinit_", True),
+    "metainit": ("initlab.metainit", "metainit_", True),
+    "scale_output": ("initlab.scaling", "scale_output_", False),
+    "precondition": ("initlab.scaling", "precondition_", True),
+}
+
+
+def _progress_printer(label: str, total: int | None) -> Any:
+    """A callback printing ``label: k/total`` on one refreshed line (plain lines when piped)."""
+    state = {"k": 0}
+    tty = sys.stderr.isatty()
+
+    def tick(_row: Any = None) -> None:
+        state["k"] += 1
+        text = f"{label}: {state['k']}" + (f"/{total}" if total else "")
+        if tty:
+            print(f"\r{text}", end="", file=sys.stderr, flush=True)
+        elif total is None or state["k"] == total or state["k"] % 50 == 0:
+            print(text, file=sys.stderr, flush=True)
+
+    return tick
+
+
+def _run_method(args: argparse.Namespace, model: nn.Module) -> Any:
+    from initlab.inputs import load_data_spec, load_factory
+    from initlab.losses import LOSSES, make_loss
+
+    module_name, fn_name, takes_loss = _METHODS[args.method]
+    method = getattr(importlib.import_module(module_name), fn_name)
+    data = load_data_spec(
+        args.data, args.input_shape, batch_size=args.batch_size, batches=args.batches,
+        seed=args.seed,
+    )  # fmt: skip
+    kwargs: dict[str, Any] = {"generator": args.seed}
+    if args.method in ("gradinit", "metainit"):
+        kwargs["progress"] = _progress_printer(args.method, None)
+    if takes_loss:
+        loss = args.loss or "auto"
+        loss_fn = make_loss(loss, seed=args.seed) if loss in LOSSES else load_factory(loss)
+        return method(model, data, loss_fn, **kwargs)
+    return method(model, data, **kwargs)
+
+
 def _cmd_init(args: argparse.Namespace) -> int:
     from initlab.initialize import init_model
+    from initlab.inputs import load_model_spec, parse_shape
 
-    model = _build_model(args.model, args.model_kwargs)
+    model, shape = load_model_spec(args.model, args.model_kwargs)
+    args.input_shape = parse_shape(args.input_shape) if args.input_shape else shape
     bias: str | float = args.bias
     if bias not in ("zeros", "keep"):
         bias = float(bias)
-    report = init_model(model, args.scheme, generator=args.seed, bias=bias, policy=args.policy)
-    print(report)
+    scheme = args.scheme or ("geometric" if args.method is None else None)
+    report: Any = None
+    if scheme is not None:
+        report = init_model(model, scheme, generator=args.seed, bias=bias, policy=args.policy)
+        print(report)
+    if args.method is not None:
+        report = _run_method(args, model)
+        if sys.stderr.isatty():
+            print(file=sys.stderr)
+        print(report)
+        if getattr(report, "trace", None) is not None:
+            print(report.trace)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     torch.save(model.state_dict(), out)
     print(f"\nsaved state dict to {out}")
-    if args.report:
+    if args.report and report is not None:
         Path(args.report).write_text(json.dumps(report.to_rows(), indent=1, default=str))
         print(f"saved report rows to {args.report}")
+    return 0
+
+
+def _cmd_diagnose(args: argparse.Namespace) -> int:
+    from initlab.diagnostics import diagnose_command
+
+    report = diagnose_command(
+        args.model,
+        args.data,
+        args.loss,
+        args.out,
+        model_kwargs=args.model_kwargs,
+        init=args.init,
+        batch_size=args.batch_size,
+        batches=args.batches,
+        seed=args.seed,
+        curvature=args.curvature,
+        plots=not args.no_plots,
+        progress=lambda msg: print(f"[diagnose] {msg}", file=sys.stderr, flush=True),
+    )
+    print(report.summary())
+    if args.out:
+        print(f"\nreport written to {args.out}/report.html")
     return 0
 
 
@@ -155,10 +195,28 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("schemes", help="list the initialization schemes with their formulas")
     p.set_defaults(func=_cmd_schemes)
 
-    p = sub.add_parser("init", help="initialize a model and save its state dict")
-    p.add_argument("--model", required=True, help="factory as 'pkg.module:factory' or 'file.py:fn'")
+    model_help = "'pkg.module:factory', 'file.py:factory' or 'zoo:NAME'"
+    data_help = "random | random:3x32x32 | digits | file.pt | pkg.module:fn"
+    p = sub.add_parser("init", help="initialize a model (data-free or data-dependent), save it")
+    p.add_argument("--model", required=True, help=model_help)
     p.add_argument("--model-kwargs", help="JSON object of keyword arguments for the factory")
-    p.add_argument("--scheme", default="geometric", help="scheme name (see `initlab schemes`)")
+    p.add_argument(
+        "--scheme",
+        help="data-free scheme (see `initlab schemes`); default geometric "
+        "without --method, the factory's own init with --method",
+    )
+    p.add_argument(
+        "--method", choices=sorted(_METHODS), help="data-dependent method run after the scheme"
+    )
+    p.add_argument("--data", help=f"data for --method: {data_help}")
+    p.add_argument("--input-shape", help="per-example input shape for random data, e.g. 3x32x32")
+    p.add_argument(
+        "--loss",
+        help="loss for gradinit/metainit/precondition: auto | "
+        "cross_entropy | mse | random_quadratic | pkg.module:fn",
+    )
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--batches", type=int, default=8, help="batches of data for --method")
     p.add_argument("--seed", type=int, default=0, help="seed of the init's torch.Generator")
     p.add_argument("--bias", default="zeros", help="'zeros', 'keep' or a number")
     p.add_argument(
@@ -168,8 +226,22 @@ def _parser() -> argparse.ArgumentParser:
         help="what to do with parameters no handler claims",
     )
     p.add_argument("--out", required=True, help="where to save the state dict (.pt)")
-    p.add_argument("--report", help="also save the report rows as JSON here")
+    p.add_argument("--report", help="also save the method's report rows as JSON here")
     p.set_defaults(func=_cmd_init)
+
+    p = sub.add_parser("diagnose", help="per-layer conditioning report of a model")
+    p.add_argument("--model", required=True, help=model_help)
+    p.add_argument("--model-kwargs", help="JSON object of keyword arguments for the factory")
+    p.add_argument("--data", help=f"{data_help} (default: random inputs of a zoo model's shape)")
+    p.add_argument("--loss", help="auto | cross_entropy | mse | random_quadratic | pkg.module:fn")
+    p.add_argument("--init", help="initialize with this scheme first (default: keep)")
+    p.add_argument("--out", help="folder for report.html, report.json, report.md, summary.txt")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--batches", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--curvature", action="store_true", help="also Hessian blocks (slower)")
+    p.add_argument("--no-plots", action="store_true")
+    p.set_defaults(func=_cmd_diagnose)
 
     p = sub.add_parser("data", help="list the data sets the loaders know and where they are")
     p.add_argument("--data-dir", help="data root (default: $INITLAB_DATA_DIR or ../shared/data)")

@@ -109,6 +109,7 @@ from initlab.distributed import all_reduce_sum, is_distributed, world_size
 from initlab.guard import model_modes, restore_modes, restore_on_failure
 from initlab.method_report import MethodReport
 from initlab.registry import default_registry
+from initlab.rng import as_generator
 from initlab.rows import Rows
 
 __all__ = [
@@ -479,7 +480,7 @@ def overlap_batch(
     next_batch: Any,
     overlap: float = 0.5,
     *,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | int | None = None,
 ) -> Any:
     """GradInit's ``S~``: ``round(overlap * B)`` examples of ``S`` + the rest from the next batch.
 
@@ -789,7 +790,7 @@ def gradinit_(
     clip: float | None = 1.0,
     params: str | TensorFilter = "default",
     exact: bool = False,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | int | None = None,
     progress: Callable[[dict[str, Any]], None] | None = None,
 ) -> MethodReport:
     r"""GradInit (Zhu et al. 2021, Algorithm 1): learn a scale per tensor, fold it in, in place.
@@ -816,7 +817,8 @@ def gradinit_(
         params: ``"default"`` (every trainable non-zero tensor) or a filter
             ``params(name, tensor, role) -> bool`` (all-zero tensors never get a scale).
         exact: differentiate through ``A[g]`` (SGD; identical to first-order for Adam).
-        generator: draw the shared and fresh examples of ``S~`` at random with it.
+        generator: a seed or generator: draw the shared and fresh examples of ``S~`` at random
+            with it (``None``: the first examples of each batch, deterministically).
         progress: called with every trace row as it is produced.
 
     Returns:
@@ -838,6 +840,7 @@ def gradinit_(
     """
     start = time.perf_counter()
     what = "gradinit_"
+    generator = as_generator(generator)
     optimizer, eta, overlap = _check_common(optimizer, eta, overlap, what)
     lr = _number(what, "lr", lr)
     alpha_min = _number(what, "alpha_min", alpha_min, strict=False)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from initlab.registry import Block, ParamSpec, Registry, default_registry
+from initlab.rng import as_generator
 from initlab.rows import Rows
 from initlab.rules import Rule
 from initlab.sampling import normal_, sample_
@@ -95,13 +96,6 @@ class _Plan:
     rule_specs: dict[int, list[tuple[Block | None, InitSpec]]] = field(default_factory=dict)
     aliases: list[str] = field(default_factory=list)
 
-
-def _make_generator(generator: torch.Generator | int | None) -> torch.Generator | None:
-    if generator is None or isinstance(generator, torch.Generator):
-        return generator
-    if isinstance(generator, int) and not isinstance(generator, bool):
-        return torch.Generator().manual_seed(generator)
-    raise TypeError(f"generator must be a torch.Generator, an int seed or None, got {generator!r}")
 
 
 def _check_bias(bias: str | float) -> None:
@@ -302,7 +296,7 @@ def init_model(
         if not isinstance(rule, Rule):
             raise TypeError(f"rules must be initlab.Rule entries, got {type(rule).__name__}")
     scheme_obj = get_scheme(scheme)
-    gen = _make_generator(generator)
+    gen = as_generator(generator)
     registry = registry if registry is not None else default_registry()
 
     all_params = list(model.named_parameters(remove_duplicate=False))

@@ -82,6 +82,7 @@ from initlab.gradinit import (
 )
 from initlab.guard import restore_on_failure
 from initlab.method_report import MethodReport
+from initlab.rng import as_generator
 from initlab.rows import Rows
 
 __all__ = ["METAINIT_COLUMNS", "METAINIT_TRACE_COLUMNS", "gradient_quotient", "metainit_"]
@@ -155,13 +156,6 @@ def gradient_quotient(
 def _at_least_2d(name: str, tensor: torch.Tensor, role: str) -> bool:
     return tensor.dim() >= 2
 
-
-def _generator(generator: torch.Generator | int | None) -> torch.Generator | None:
-    if generator is None or isinstance(generator, torch.Generator):
-        return generator
-    if isinstance(generator, int) and not isinstance(generator, bool):
-        return torch.Generator().manual_seed(generator)
-    raise TypeError(f"generator must be a torch.Generator, an int seed or None, got {generator!r}")
 
 
 def _random_batches(
@@ -270,7 +264,7 @@ def metainit_(
         batch_stats = not paper
     loss_fn = loss_fn or _default_loss
     ts = _select(model, params, _at_least_2d if paper else _nonzero, what)
-    gen = _generator(generator)
+    gen = as_generator(generator)
 
     if data is None:
         if input_shape is None:

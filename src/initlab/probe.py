@@ -189,21 +189,52 @@ _MISMATCH = (
 # ----------------------------------------------------------------------------- accumulation
 
 
-def _sums(t: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """``[sum(t^2), sum(t)] * [scale^2, scale]`` in float64 on ``t``'s device (no sync)."""
+class _Consts:
+    """Small constant tensors, made once per device (hooks stay at a handful of tiny ops)."""
+
+    def __init__(self) -> None:
+        self._cache: dict[tuple, torch.Tensor] = {}
+
+    def get(self, device: torch.device, values: tuple[float, ...]) -> torch.Tensor:
+        key = (device, values)
+        t = self._cache.get(key)
+        if t is None:
+            if len(self._cache) > 4096:  # many distinct element counts: start over
+                self._cache.clear()
+            t = self._cache[key] = torch.tensor(values, dtype=torch.float64, device=device)
+        return t
+
+
+_POW = (2.0, 1.0)
+_BAD = (0.0, 0.0, 0.0, 0.0, 1.0)
+
+
+def _sums(t: torch.Tensor, scale: float = 1.0, consts: _Consts | None = None) -> torch.Tensor:
+    """``[sum(t^2), sum(t)] * [scale^2, scale]`` as float64 on ``t``'s device (no sync).
+
+    The reduction runs in the tensor's own precision (float16/bfloat16: float32), where torch
+    sums in cascades (relative error ~1e-7 for float32, far below any sampling error); casting
+    every hooked tensor to float64 first costs ~8x more, as much as the layer's own forward.
+    Batch-calls are then pooled in float64.
+    """
+    consts = consts or _Consts()
     d = t.detach()
+    if d.dtype not in (torch.float32, torch.float64):
+        d = d.float()
     multiplicity = 1
     if d.numel() > 1 and 0 in d.stride():
         # An expanded tensor (the gradient of a mean or of a broadcast) repeats its distinct
         # elements; reduce those once (reductions over stride-0 dims take a slow path).
         d = d[tuple(slice(0, 1) if st == 0 else slice(None) for st in d.stride())]
         multiplicity = t.numel() // d.numel()
-    s2 = torch.linalg.vector_norm(d, dtype=torch.float64).square()
-    s1 = torch.sum(d, dtype=torch.float64)
+    v = torch.stack((torch.linalg.vector_norm(d), torch.sum(d)))
+    if v.dtype != torch.float64:
+        v = v.to(torch.float64)
+    v = v.pow(consts.get(v.device, _POW))  # [norm^2, sum] in float64 (no float32 overflow)
     w2, w1 = multiplicity * scale * scale, multiplicity * scale
-    if w2 != 1.0 or w1 != 1.0:  # python scalars: no host-to-device copy
-        s2, s1 = s2 * w2, s1 * w1
-    return torch.stack((s2, s1))
+    if w2 != 1.0 or w1 != 1.0:
+        v = v * consts.get(v.device, (w2, w1))
+    return v
 
 
 def _new_acc(device: torch.device) -> torch.Tensor:
@@ -211,13 +242,19 @@ def _new_acc(device: torch.device) -> torch.Tensor:
     return torch.zeros(5, dtype=torch.float64, device=device)
 
 
-def _accumulate(acc: torch.Tensor, sums: torch.Tensor, n: int) -> None:
-    """Add one batch-call's sums unless they are NaN/inf, in which case count it as non-finite."""
-    sums = sums.to(acc.device)
+def _accumulate(
+    acc: torch.Tensor, sums: torch.Tensor, n: int, consts: _Consts | None = None
+) -> None:
+    """Add one batch-call's sums unless they are NaN/inf, in which case count it as non-finite.
+
+    One ``where`` adds either ``[s2, s1, n, 1, 0]`` or ``[0, 0, 0, 0, 1]`` (no host sync).
+    """
+    consts = consts or _Consts()
+    if sums.device != acc.device:
+        sums = sums.to(acc.device)
     ok = torch.isfinite(sums).all()
-    okd = ok.to(torch.float64)
-    counts = torch.stack((okd * n, okd, 1.0 - okd))
-    acc.add_(torch.cat((torch.where(ok, sums, torch.zeros_like(sums)), counts)))
+    good = torch.cat((sums, consts.get(acc.device, (float(n), 1.0, 0.0))))
+    acc.add_(torch.where(ok, good, consts.get(acc.device, _BAD)))
 
 
 def _moments(values: Sequence[float]) -> dict[str, float]:
@@ -636,6 +673,7 @@ class MomentProbe:
         self._next_order = 0
         self._seq = 0
         self._forward = _Forward()
+        self._consts = _Consts()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -796,7 +834,7 @@ class MomentProbe:
         acc = st.acc.get(key)
         if acc is None:
             acc = st.acc[key] = _new_acc(t.device)
-        _accumulate(acc, _sums(t, scale), t.numel())
+        _accumulate(acc, _sums(t, scale, self._consts), t.numel(), self._consts)
 
     def _grad_hook(
         self,
@@ -918,7 +956,7 @@ class MomentProbe:
                 return
             if ps.acc_dw is None:
                 ps.acc_dw = _new_acc(grad.device)
-            _accumulate(ps.acc_dw, _sums(grad), grad.numel())
+            _accumulate(ps.acc_dw, _sums(grad, 1.0, self._consts), grad.numel(), self._consts)
             if self.per_example:
                 with torch.no_grad():
                     self._finish_example(ps, grad.detach())
@@ -982,6 +1020,8 @@ class MomentProbe:
         return rec
 
     def _record_grad(self, rec: _Record, path: str, grad: torch.Tensor) -> None:
+        if rec.forward.coupled:
+            return  # BatchNorm coupled the examples: _finish_example reports NaN with the reason
         if rec.state.kind == "generic":
             rec.dys[path] = grad.detach()
             return
@@ -1044,7 +1084,7 @@ class MomentProbe:
                 total = sum(p.grads for p in parts)  # type: ignore[misc]
                 sqn = _sq_norms(total)
                 proj = sum(p.proj for p in parts)  # type: ignore[assignment]
-            sums = torch.stack((sqn.sum(), torch.zeros((), dtype=torch.float64, device=sqn.device)))
+            sums = F.pad(sqn.sum().reshape(1), (0, 1))  # [sum_i ||dW_i||^2, 0]
             # sum_i dW_i must equal scale * dW: checked through a random rank-one projection, on
             # the device (the count is read when results are reported, not here: no sync)
             ref = _project(grad.unsqueeze(0), ps.vecs)[0] * scale
@@ -1060,7 +1100,7 @@ class MomentProbe:
             ps.mismatch = bad.to(torch.int64) if ps.mismatch is None else ps.mismatch + bad
             if ps.acc_ex is None:
                 ps.acc_ex = _new_acc(grad.device)
-            _accumulate(ps.acc_ex, sums, batch * ps.numel)
+            _accumulate(ps.acc_ex, sums, batch * ps.numel, self._consts)
         except _Unavailable as err:
             if ps.acc_ex is None:
                 ps.acc_ex = _new_acc(grad.device)

@@ -44,6 +44,7 @@ from initlab.guard import restore_on_failure
 from initlab.method_report import MethodReport
 from initlab.probe import measure_moments
 from initlab.registry import Registry, default_registry
+from initlab.rng import as_generator
 from initlab.rows import Rows
 
 __all__ = [
@@ -105,12 +106,7 @@ class _Seeds:
     """
 
     def __init__(self, model: nn.Module, generator: torch.Generator | int | None) -> None:
-        if isinstance(generator, int) and not isinstance(generator, bool):
-            generator = torch.Generator().manual_seed(generator)
-        if generator is not None and not isinstance(generator, torch.Generator):
-            raise TypeError(
-                f"generator must be a torch.Generator, an int or None, got {generator!r}"
-            )
+        generator = as_generator(generator)
         base = 0 if generator is None else int(torch.randint(2**62, (1,), generator=generator))
         self.base = base
         self.devices = sorted(

@@ -38,6 +38,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from initlab.models import PaperMLP
+from initlab.rng import as_generator
 
 __all__ = [
     "VGG",
@@ -540,13 +541,6 @@ class FixupResNet(nn.Module):
         return self.fc(self.bias2(torch.flatten(self.avgpool(x), 1)))
 
 
-def _generator(generator: torch.Generator | int | None) -> torch.Generator | None:
-    if generator is None or isinstance(generator, torch.Generator):
-        return generator
-    if isinstance(generator, int) and not isinstance(generator, bool):
-        return torch.Generator().manual_seed(generator)
-    raise TypeError(f"generator must be a torch.Generator, an int seed or None, got {generator!r}")
-
 
 @torch.no_grad()
 def _he_normal_fan_out_(weight: torch.Tensor, factor: float, gen: torch.Generator | None) -> None:
@@ -580,7 +574,7 @@ def fixup_init_(
     """
     if not isinstance(model, FixupResNet):
         raise TypeError(f"fixup_init_ expects a FixupResNet, got {type(model).__name__}")
-    gen = _generator(generator)
+    gen = as_generator(generator)
     m = 2
     factor = model.n_branches ** (-1.0 / (2 * m - 2))
     _he_normal_fan_out_(model.conv1.weight, 1.0, gen)

@@ -1,0 +1,84 @@
+"""Per-layer conditioning diagnosis: :func:`diagnose` and its :class:`Report`.
+
+Modules:
+
+* :mod:`~initlab.diagnostics.diagnose`: :func:`diagnose` (one call: model, data, loss),
+  :func:`diagnose_command` (what ``initlab diagnose`` runs), :func:`diagnose_demo`, losses;
+* :mod:`~initlab.diagnostics.report`: :class:`Report`, the long schema
+  :data:`DIAGNOSTIC_COLUMNS`, the per-layer :data:`LAYER_COLUMNS`, :data:`QUANTITIES`, verdict
+  rules; every exit (pandas, markdown, JSON, one self-contained HTML file);
+* :mod:`~initlab.diagnostics.linter`: the scaling linter (Defazio & Bottou, Table 1);
+* :mod:`~initlab.diagnostics.spectra`: singular values, true convolution operator norms,
+  Lipschitz bounds;
+* :mod:`~initlab.diagnostics.gradients`: weight magnitudes and gradient spread (GradInit);
+* :mod:`~initlab.diagnostics.plots`: matplotlib figures (imported lazily).
+"""
+
+from initlab.diagnostics.diagnose import (
+    compare_reports,
+    diagnose,
+    diagnose_command,
+    diagnose_demo,
+)
+from initlab.diagnostics.gradients import GRADIENT_COLUMNS, GradientStats, gradient_stats
+from initlab.diagnostics.linter import (
+    ACTIVATION_COLUMNS,
+    FINDING_COLUMNS,
+    RULES,
+    ActivationWatch,
+    LintResult,
+    find_residual_blocks,
+    lint_model,
+)
+from initlab.diagnostics.report import (
+    DIAGNOSTIC_COLUMNS,
+    LAYER_COLUMNS,
+    QUANTITIES,
+    RATIO_BAD,
+    RATIO_WARN,
+    Report,
+)
+from initlab.diagnostics.spectra import (
+    SPECTRA_COLUMNS,
+    InputShapes,
+    conv_operator,
+    conv_operator_norm,
+    layer_spectra,
+    lipschitz_bounds,
+    singular_values,
+)
+from initlab.losses import LOSSES, NamedLoss, default_loss, make_loss
+
+__all__ = [
+    "ACTIVATION_COLUMNS",
+    "DIAGNOSTIC_COLUMNS",
+    "FINDING_COLUMNS",
+    "GRADIENT_COLUMNS",
+    "LAYER_COLUMNS",
+    "LOSSES",
+    "QUANTITIES",
+    "RATIO_BAD",
+    "RATIO_WARN",
+    "RULES",
+    "SPECTRA_COLUMNS",
+    "ActivationWatch",
+    "GradientStats",
+    "InputShapes",
+    "LintResult",
+    "NamedLoss",
+    "Report",
+    "compare_reports",
+    "conv_operator",
+    "conv_operator_norm",
+    "default_loss",
+    "diagnose",
+    "diagnose_command",
+    "diagnose_demo",
+    "find_residual_blocks",
+    "gradient_stats",
+    "layer_spectra",
+    "lint_model",
+    "lipschitz_bounds",
+    "make_loss",
+    "singular_values",
+]

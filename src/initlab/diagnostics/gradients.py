@@ -1,0 +1,196 @@
+r"""Weight magnitudes and the spread of gradients across minibatches (GradInit, Figures 4-10).
+
+GradInit (Zhu et al. 2021, App. F) plots, for each layer ``i``, the "averaged per-dimension weight
+magnitude ``||W_i|| / d_i``" and "the standard deviation of the gradient ``sigma(g_i)``", "computed
+over the minibatches". Read literally with ``d_i`` the number of entries of ``W_i`` and the words
+"averaged per-dimension magnitude", this is the mean absolute entry: ``||W_i||_1 / d_i``
+(``W_abs_mean``); Figure 9's caption calls the gradient quantity the "averaged per-dimension
+standard deviation", i.e. the standard deviation of each entry of the gradient across minibatches,
+averaged over the entries (``grad_std``). We report both, plus the Frobenius norm ``W_norm`` (the
+"weight norm" of Figures 9-10) so either reading can be plotted:
+
+==================  ==========================================================================
+``layer``           module name (``""``: the root model)
+``param``           parameter name within the module
+``module_type``     class name of the module
+``shape``           parameter shape
+``numel``           ``d``: the number of entries
+``W_norm``          ``||W||_F``
+``W_abs_mean``      ``||W||_1 / d`` (GradInit's "averaged per-dimension weight magnitude")
+``grad_norm``       mean over minibatches of ``||g_b||_F`` (``g_b``: gradient of batch ``b``'s
+                    loss, as autograd produced it)
+``grad_std``        ``(1/d) sum_j std_b(g_bj)``, the per-entry standard deviation over the ``B``
+                    minibatches (unbiased, ``ddof = 1``) averaged over entries; NaN for ``B < 2``
+``E_dW2``           ``E[g^2]`` pooled over minibatches and entries
+``E_dW2_stderr``    standard error of ``E_dW2`` from its per-batch values (NaN for ``B < 2``)
+``batches``         ``B``
+==================  ==========================================================================
+
+A parameter shared by several modules (tied weights) gets one row per module that owns it, with
+the same numbers. Per-entry statistics use Welford's update in float64 (no cancellation when the
+mean gradient is large against its spread).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from initlab.rows import Rows
+
+__all__ = ["GRADIENT_COLUMNS", "GradientStats", "gradient_stats"]
+
+GRADIENT_COLUMNS: tuple[str, ...] = (
+    "layer",
+    "param",
+    "module_type",
+    "shape",
+    "numel",
+    "W_norm",
+    "W_abs_mean",
+    "grad_norm",
+    "grad_std",
+    "E_dW2",
+    "E_dW2_stderr",
+    "batches",
+)
+"""Columns of :meth:`GradientStats.rows` (see the module docstring)."""
+
+_F64 = torch.float64
+
+
+class _Entry:
+    __slots__ = ("count", "m2", "mean", "norms", "owners", "tensor")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.owners: list[tuple[str, str, str]] = []  # (layer, param, module type)
+        self.count = 0
+        self.mean: torch.Tensor | None = None
+        self.m2: torch.Tensor | None = None
+        self.norms: list[torch.Tensor] = []  # ||g_b||^2 per batch (device scalars)
+
+
+class GradientStats:
+    """Accumulate per-entry gradient statistics over minibatches (rows :data:`GRADIENT_COLUMNS`).
+
+    Call :meth:`update` after each backward (it reads ``param.grad``); :meth:`rows` reads the
+    result. ``W`` statistics are taken when the accumulator is created.
+
+    Args:
+        model: the model whose parameters are tracked (every parameter with ``requires_grad``).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self._entries: dict[int, _Entry] = {}
+        for name, module in model.named_modules():
+            for local, p in module.named_parameters(recurse=False):
+                if p.requires_grad:
+                    entry = self._entries.setdefault(id(p), _Entry(p))
+                    entry.owners.append((name, local, type(module).__name__))
+        with torch.no_grad():
+            self._w = {
+                key: (
+                    torch.linalg.vector_norm(e.tensor, dtype=_F64),
+                    torch.linalg.vector_norm(e.tensor, ord=1, dtype=_F64),
+                )
+                for key, e in self._entries.items()
+            }
+
+    def update(
+        self, grads: Iterable[tuple[torch.Tensor, torch.Tensor | None]] | None = None
+    ) -> None:
+        """Add one minibatch: ``grads`` as ``(param, grad)`` pairs, or each tracked ``param.grad``.
+
+        A parameter without a gradient in this batch counts as a zero gradient.
+        """
+        pairs = (
+            {id(p): g for p, g in grads}
+            if grads is not None
+            else {key: e.tensor.grad for key, e in self._entries.items()}
+        )
+        with torch.no_grad():
+            for key, e in self._entries.items():
+                g = pairs.get(key)
+                g = torch.zeros_like(e.tensor, dtype=_F64) if g is None else g.detach().to(_F64)
+                e.count += 1
+                if e.mean is None:
+                    e.mean = g.clone()
+                    e.m2 = torch.zeros_like(g)
+                else:
+                    delta = g - e.mean
+                    e.mean.add_(delta / e.count)
+                    e.m2.add_(delta * (g - e.mean))  # type: ignore[union-attr]
+                sq = torch.linalg.vector_norm(g).square()
+                e.norms.append(sq)
+
+    def rows(self) -> Rows:
+        """One row per parameter, columns :data:`GRADIENT_COLUMNS`."""
+        out: list[dict[str, Any]] = []
+        for key, e in self._entries.items():
+            w_norm, w_l1 = (float(t) for t in self._w[key])
+            d = e.tensor.numel()
+            b = e.count
+            norms = [float(t) for t in e.norms]
+            if b >= 2 and e.m2 is not None:
+                grad_std = float(torch.sqrt(e.m2 / (b - 1)).mean())
+                per_batch = [n / d for n in norms]
+                mean_sq = sum(per_batch) / b
+                var = sum((v - mean_sq) ** 2 for v in per_batch) / (b - 1)
+                stderr = math.sqrt(var / b)
+            else:
+                grad_std = stderr = math.nan
+            out.extend(
+                {
+                    "layer": layer,
+                    "param": param,
+                    "module_type": module_type,
+                    "shape": tuple(e.tensor.shape),
+                    "numel": d,
+                    "W_norm": w_norm,
+                    "W_abs_mean": w_l1 / d if d else math.nan,
+                    "grad_norm": sum(math.sqrt(n) for n in norms) / b if b else math.nan,
+                    "grad_std": grad_std,
+                    "E_dW2": sum(norms) / (b * d) if b and d else math.nan,
+                    "E_dW2_stderr": stderr,
+                    "batches": b,
+                }
+                for layer, param, module_type in e.owners
+            )
+        return Rows(out, GRADIENT_COLUMNS, title="weight magnitude and gradient spread")
+
+
+def gradient_stats(
+    model: nn.Module,
+    batches: Iterable[Any],
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+) -> Rows:
+    """Weight magnitudes and gradient spread across ``batches`` (rows :data:`GRADIENT_COLUMNS`).
+
+    Runs ``loss_fn(model, batch).backward()`` per batch; the model's parameters, buffers (e.g.
+    BatchNorm running statistics), train/eval modes and ``.grad`` are as before afterwards.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> net = nn.Linear(3, 2)
+        >>> xs = [torch.randn(8, 3) for _ in range(3)]
+        >>> rows = gradient_stats(net, xs, lambda m, x: m(x).square().mean())
+        >>> [r["batches"] for r in rows]
+        [3, 3]
+    """
+    from initlab.diagnostics._state import preserved_state
+
+    acc = GradientStats(model)
+    params = [e.tensor for e in acc._entries.values()]
+    with preserved_state(model):
+        for batch in batches:
+            for p in params:
+                p.grad = None
+            loss_fn(model, batch).backward()
+            acc.update()
+    return acc.rows()

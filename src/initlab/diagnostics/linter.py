@@ -1,0 +1,985 @@
+r"""The scaling linter: what in a model breaks Defazio & Bottou's GR scaling (their Table 1).
+
+Inserting a layer between two layers keeps the network's conditioning when it keeps the product
+``E[dx^2] E[x^2]`` of the (non-central) second moments of its input and its input gradient, and
+when it changes the spatial size ``p^2`` in a way that counteracts the ``p^2`` factor of ``gamma``
+(Section 7). Table 1 lists which common layers do. The linter walks the model and reports, as rows
+of :data:`FINDING_COLUMNS` (``layer, module_type, rule, severity, value, message, reason``), every
+place where this breaks, with the paper's note as ``reason``. Severities: ``"info"``, ``"warn"``,
+``"bad"``.
+
+Rules (:data:`RULES` holds each rule's reason text):
+
+==========================  ======  ===========================================================
+rule                        sev.    fires on
+==========================  ======  ===========================================================
+``max_pool``                warn    ``nn.MaxPool*``, ``nn.AdaptiveMaxPool*``,
+                                    ``nn.FractionalMaxPool*``, ``F.max_pool*``,
+                                    ``F.adaptive_max_pool*`` (Table 1: max pooling does not
+                                    maintain scaling; Section 7: only stride and average pooling
+                                    compensate the change of ``p^2``)
+``resampling``              warn    other spatial changes that do not compensate ``p^2``:
+                                    ``nn.Upsample*``, ``F.interpolate``/``F.upsample*``,
+                                    ``nn.LPPool*``/``F.lp_pool*`` (a strided convolution, strided
+                                    slicing and average pooling compensate and are not flagged)
+``sigmoid``                 warn    ``nn.Sigmoid``, ``torch.sigmoid``; ``bad`` when the input std
+                                    is >= :data:`SATURATED_STD` (saturated)
+``tanh``                    warn    ``nn.Tanh``, ``torch.tanh`` whose input std (all elements of
+                                    the input over the batch, pooled) is >= :data:`TANH_LINEAR_STD`
+                                    = 0.5, or not measured; ``bad`` at >= :data:`SATURATED_STD` = 2.
+                                    Below 0.5 tanh is inside its linear regime (tanh(0.5) =
+                                    0.46) and is not flagged
+``skip_connection``         warn    each residual block (see "Residual blocks" below)
+``mixed_kernel_sizes``      warn    each convolution whose kernel size differs from the most
+                                    common kernel size among the model's convolutions
+``dead_relu``               warn    a ReLU with a fraction of dead units > :data:`DEAD_WARN` = 0.1
+                                    (``bad`` > :data:`DEAD_BAD` = 0.5); a unit is one entry of an
+                                    example's input to the ReLU (all non-batch dims) and is dead
+                                    when it is ``<= 0`` for every example of every batch measured;
+                                    needs :data:`DEAD_MIN_EXAMPLES` = 16 examples
+``vanishing_signal``        bad     a module whose ``E[y^2]``, or ``E[y^2]`` relative to the
+                                    network's input ``E[x^2]`` (the end-to-end forward gain,
+                                    :func:`signal_ratios`), is below :data:`SIGNAL_LOW` = 1e-3
+``exploding_signal``        bad     ... above :data:`SIGNAL_HIGH` = 1e3
+``vanishing_gradient``      bad     the probe's cumulative backward gain (product of
+                                    ``E[dx^2] / E[dy^2]`` of the parameterized modules from the
+                                    output back) below 1e-3, in models without residual blocks
+                                    only (the product of per-module gains ignores the skip path;
+                                    per-element gradient moments are not compared directly across
+                                    layers, they change with width and pooling by design)
+``exploding_gradient``      bad     ... above 1e3
+``non_finite``              bad     a module with NaN/inf inputs, outputs or gradients (the
+                                    probe's ``nonfinite`` count), or a non-finite parameter
+``not_traced``              info    ``torch.fx.symbolic_trace`` failed: functional operations
+                                    were not inspected, only module types
+``not_measured``            info    the traced graph failed to run on the batch: functional
+                                    activations were not measured
+==========================  ======  ===========================================================
+
+How the model is walked. First ``torch.fx.symbolic_trace`` (warnings silenced). Where it traces,
+every ``call_module`` and every functional call (``F.max_pool2d``, ``torch.tanh``,
+``x.sigmoid()``, ``a + b``) is seen; leaf modules of ``torch.nn`` are not entered. Where tracing
+fails (data-dependent control flow), the linter falls back to ``model.named_modules()``: module
+types only, plus a ``not_traced`` finding saying so. Probe data supplies the numbers: the input
+std of sigmoid/tanh and the dead-ReLU counts come from forward pre-hooks on activation *modules*
+(:class:`ActivationWatch`, during the caller's passes; an in-place ReLU is read before it
+overwrites its input); functional activations found in the graph are measured by one extra
+forward of the traced graph (``torch.fx.Interpreter``, no grad) on the first batch.
+
+Residual blocks. (1) ``residual_blocks=`` given by the user: module names (every weight inside is
+on the branch, the shortcut is the identity) or dicts ``{"name", "branch", "shortcut"}``. (2) Else,
+in the traced graph, an addition ``a + b`` (``operator.add``, ``torch.add``, ``Tensor.add``) is a
+residual connection when one operand (the skip) reaches a node that is a *data* ancestor of the
+other operand (the branch) within :data:`SHORTCUT_STEPS` steps back along first arguments: that
+node is the block input, the parameterized modules on the walk are the shortcut (a projection), and
+the parameterized modules between the block input and the branch operand are the branch (there
+must be at least one). Of the two orientations the one with fewer shortcut modules wins. Shape
+queries and tensor factories (``x.size()``, ``torch.arange``) do not carry data ancestry, so
+``tok_emb(idx) + pos_emb(arange(idx.size(1)))`` is not a residual connection. (3) Leaf modules that
+are residual by construction: ``nn.TransformerEncoderLayer`` (2 blocks) and
+``nn.TransformerDecoderLayer`` (3 blocks). (4) Untraceable models: only (1) and (3).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from initlab.rows import Rows
+
+__all__ = [
+    "ACTIVATION_COLUMNS",
+    "DEAD_BAD",
+    "DEAD_MIN_EXAMPLES",
+    "DEAD_WARN",
+    "FINDING_COLUMNS",
+    "RULES",
+    "SATURATED_STD",
+    "SIGNAL_HIGH",
+    "SIGNAL_LOW",
+    "TANH_LINEAR_STD",
+    "ActivationWatch",
+    "LintResult",
+    "find_residual_blocks",
+    "lint_model",
+    "signal_ratios",
+    "trace_model",
+]
+
+FINDING_COLUMNS: tuple[str, ...] = (
+    "layer",
+    "module_type",
+    "rule",
+    "severity",
+    "value",
+    "message",
+    "reason",
+)
+"""Columns of the linter's findings: ``layer`` (module name, ``"<module>:<node>"`` for a
+functional op, or a residual block's name), ``module_type`` (class or function name), ``rule``
+(a key of :data:`RULES`), ``severity`` (``info``/``warn``/``bad``), ``value`` (the number the rule
+tested, NaN if none), ``message`` (what was found and what to do), ``reason`` (the paper's note and
+citation)."""
+
+ACTIVATION_COLUMNS: tuple[str, ...] = (
+    "layer",
+    "module_type",
+    "kind",
+    "source",
+    "units",
+    "examples",
+    "dead_frac",
+    "dead_channel_frac",
+    "input_std",
+    "input_E_x2",
+    "batches",
+)
+"""Columns of :attr:`LintResult.activations`: ``kind`` (``relu``/``sigmoid``/``tanh``),
+``source`` (``module``: through a pre-hook; ``functional``: through the fx interpreter; ``fx``:
+found in the graph but not measured), ``units`` (entries per example), ``examples`` (examples
+seen), ``dead_frac`` (ReLU: units ``<= 0`` for every example), ``dead_channel_frac`` (ReLU on
+inputs with >= 3 dims: channels (dim 1) all of whose entries are dead), ``input_std`` and
+``input_E_x2`` (std and ``E[x^2]`` of all input entries pooled; sigmoid and tanh only, NaN for
+ReLU), ``batches`` (forward calls measured)."""
+
+TANH_LINEAR_STD = 0.5
+"""tanh inputs with a std below this are inside tanh's linear regime (not flagged)."""
+SATURATED_STD = 2.0
+"""sigmoid/tanh inputs with a std at or above this are saturated (severity ``bad``)."""
+DEAD_WARN = 0.1
+"""Dead-ReLU fraction above which a ReLU is flagged ``warn``."""
+DEAD_BAD = 0.5
+"""Dead-ReLU fraction above which a ReLU is flagged ``bad``."""
+DEAD_MIN_EXAMPLES = 16
+"""Fewer examples measured: no dead-ReLU finding (a live unit that is positive half the time looks
+dead over ``n`` examples with probability ``2^-n``; 16 examples make that 1.5e-5)."""
+SIGNAL_LOW = 1e-3
+"""``E[y^2]`` or a cumulative gain below this: the signal vanishes (``bad``)."""
+SIGNAL_HIGH = 1e3
+"""``E[y^2]`` or a cumulative gain above this: the signal explodes (``bad``)."""
+SHORTCUT_STEPS = 8
+"""How far back (in nodes) the skip operand of an addition may be from the block input."""
+
+_DB = "Defazio & Bottou (2019), Scaling Laws for the Principled Design, Initialization and "
+_DB += "Preconditioning of ReLU Networks"
+_SEC7 = (
+    "a pooling operation that changes the forward and backward signals in a way that counteracts "
+    "the change in spatial dimension is needed. The use of stride-2 convolutions, as well as "
+    "average pooling, results in the correct scaling, but other common types of spatial reduction "
+    "generally do not"
+)
+
+RULES: dict[str, str] = {
+    "max_pool": f'Table 1: "Max pooling" does not maintain scaling; Section 7: "{_SEC7}". {_DB}.',
+    "resampling": f'Section 7: "{_SEC7}". {_DB}.',
+    "sigmoid": f'Table 1: "Sigmoid" does not maintain scaling. {_DB}.',
+    "tanh": f'Table 1: "Tanh" does not maintain scaling; note: "Maintains scaling if entirely '
+    f'within the linear regime". {_DB}.',
+    "skip_connection": 'Table 1: "Skip connections" do not maintain scaling; note: "Operations in '
+    "residual blocks will be scaled correctly against each other, but not against non-residual "
+    f'operations". App. E corrects this with conditioning multipliers. {_DB}.',
+    "mixed_kernel_sizes": 'Table 1: "(Strided) convolution" maintains scaling; note: "As above, '
+    'but only if all kernel sizes are the same". gamma scales with k^2; Section 5/App. E: a '
+    f"conditioning multiplier alpha with alpha^4 k^2 = const corrects it. {_DB}.",
+    "dead_relu": "A ReLU unit that is never positive passes no signal and no gradient: the layers "
+    "before it lose those units (Table 1 assumes ReLU's positive homogeneity, which a dead unit "
+    f"keeps but with gain 0). {_DB}.",
+    "vanishing_signal": f"Signals outside [{SIGNAL_LOW:g}, {SIGNAL_HIGH:g}]: the product of gains "
+    "should stay near 1 (Mishkin & Matas 2016, LSUV: a deep net trains well when the product of "
+    "layer gains is about 1).",
+    "exploding_signal": f"Signals outside [{SIGNAL_LOW:g}, {SIGNAL_HIGH:g}]: the product of gains "
+    "should stay near 1 (Mishkin & Matas 2016, LSUV).",
+    "vanishing_gradient": "Gradients shrink through depth; the lecture (vanishing/exploding "
+    "gradients) keeps L * ||W_j|| ~ 1 per layer.",
+    "exploding_gradient": "Gradients grow through depth; the lecture (vanishing/exploding "
+    "gradients) keeps L * ||W_j|| ~ 1 per layer.",
+    "non_finite": "NaN/inf values: every moment, gain and ratio downstream is undefined.",
+    "not_traced": "torch.fx could not trace the model; only module types were inspected.",
+    "not_measured": "The traced graph could not be run on the batch: functional activations "
+    "have no probe data (their rules fire without numbers).",
+}
+"""Reason (the paper's note and citation) for each rule."""
+
+_MAX_POOL_MODULES: tuple[type[nn.Module], ...] = (
+    nn.MaxPool1d,
+    nn.MaxPool2d,
+    nn.MaxPool3d,
+    nn.AdaptiveMaxPool1d,
+    nn.AdaptiveMaxPool2d,
+    nn.AdaptiveMaxPool3d,
+    nn.FractionalMaxPool2d,
+    nn.FractionalMaxPool3d,
+)
+_RESAMPLE_MODULES: tuple[type[nn.Module], ...] = (
+    nn.Upsample,
+    nn.UpsamplingNearest2d,
+    nn.UpsamplingBilinear2d,
+    nn.LPPool1d,
+    nn.LPPool2d,
+)
+_RELU_MODULES: tuple[type[nn.Module], ...] = (nn.ReLU, nn.ReLU6)
+_SIGMOID_MODULES: tuple[type[nn.Module], ...] = (nn.Sigmoid,)
+_TANH_MODULES: tuple[type[nn.Module], ...] = (nn.Tanh,)
+_CONV_MODULES: tuple[type[nn.Module], ...] = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def _fns(*names: str, module: Any = F) -> set[Any]:
+    return {getattr(module, n) for n in names if hasattr(module, n)}
+
+
+_MAX_POOL_FNS = _fns(
+    "max_pool1d",
+    "max_pool2d",
+    "max_pool3d",
+    "max_pool1d_with_indices",
+    "max_pool2d_with_indices",
+    "max_pool3d_with_indices",
+    "adaptive_max_pool1d",
+    "adaptive_max_pool2d",
+    "adaptive_max_pool3d",
+    "adaptive_max_pool1d_with_indices",
+    "adaptive_max_pool2d_with_indices",
+    "adaptive_max_pool3d_with_indices",
+    "fractional_max_pool2d",
+    "fractional_max_pool3d",
+) | _fns("max_pool1d", "max_pool2d", "max_pool3d", "adaptive_max_pool1d", module=torch)
+_RESAMPLE_FNS = _fns(
+    "interpolate", "upsample", "upsample_nearest", "upsample_bilinear", "lp_pool1d", "lp_pool2d"
+)
+_RELU_FNS = _fns("relu", "relu_", "relu6") | _fns("relu", "relu_", module=torch)
+_SIGMOID_FNS = _fns("sigmoid") | _fns("sigmoid", "sigmoid_", module=torch)
+_TANH_FNS = _fns("tanh") | _fns("tanh", "tanh_", module=torch)
+_ADD_FNS = {operator.add, operator.iadd, torch.add}
+_ADD_METHODS = {"add", "add_", "__add__", "__iadd__"}
+_KIND_METHODS = {
+    "relu": "relu",
+    "relu_": "relu",
+    "sigmoid": "sigmoid",
+    "sigmoid_": "sigmoid",
+    "tanh": "tanh",
+    "tanh_": "tanh",
+}
+# Nodes that do not pass data ancestry on: shape queries and tensor factories.
+_SHAPE_METHODS = {"size", "dim", "numel", "new_zeros", "new_ones", "new_empty", "new_full"}
+_FACTORIES = _fns(
+    "arange", "zeros", "ones", "full", "empty", "rand", "randn", "randint", "tensor", "linspace",
+    "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "eye",
+    module=torch,
+)  # fmt: skip
+
+
+def _activation_kind(module: nn.Module) -> str | None:
+    if isinstance(module, _RELU_MODULES):
+        return "relu"
+    if isinstance(module, _SIGMOID_MODULES):
+        return "sigmoid"
+    if isinstance(module, _TANH_MODULES):
+        return "tanh"
+    return None
+
+
+# ----------------------------------------------------------------------------- activation stats
+
+
+class _ActStats:
+    """Running statistics of one activation call site (device tensors, no host sync)."""
+
+    __slots__ = (
+        "batches", "ever_pos", "examples", "kind", "module_type", "n", "s1", "s2", "source",
+        "units",
+    )  # fmt: skip
+
+    def __init__(self, kind: str, module_type: str, source: str) -> None:
+        self.kind, self.module_type, self.source = kind, module_type, source
+        self.ever_pos: torch.Tensor | None = None
+        self.s1: torch.Tensor | None = None
+        self.s2: torch.Tensor | None = None
+        self.n = 0
+        self.units = 0
+        self.batches = 0
+        self.examples = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.numel() == 0:
+            return
+        with torch.no_grad():
+            d = x.detach()
+            self.batches += 1
+            self.examples += int(d.shape[0]) if d.dim() > 1 else 1
+            self.n += d.numel()
+            per_example = d[0] if d.dim() > 1 else d
+            self.units = per_example.numel()
+            if self.kind == "relu" and d.dim() > 1:
+                pos = (d > 0).flatten(1).any(0).reshape(d.shape[1:])
+                if self.ever_pos is None or self.ever_pos.shape != pos.shape:
+                    self.ever_pos = pos
+                else:
+                    self.ever_pos = self.ever_pos | pos
+            if self.kind == "relu":
+                return  # the dead-unit mask is all a ReLU needs (its input moments: the probe)
+            s2 = torch.linalg.vector_norm(d, dtype=torch.float64).square()
+            s1 = torch.sum(d, dtype=torch.float64)
+            self.s2 = s2 if self.s2 is None else self.s2 + s2
+            self.s1 = s1 if self.s1 is None else self.s1 + s1
+
+    def row(self, layer: str) -> dict[str, Any]:
+        dead = dead_ch = math.nan
+        if self.ever_pos is not None:
+            alive = self.ever_pos
+            dead = int((~alive).sum()) / alive.numel()
+            if alive.dim() >= 2:
+                dead_ch = int((~alive.flatten(1).any(1)).sum()) / alive.shape[0]
+        mean_sq = mean = math.nan
+        if self.n and self.s2 is not None and self.s1 is not None:
+            mean_sq = float(self.s2) / self.n
+            mean = float(self.s1) / self.n
+        std = math.sqrt(max(mean_sq - mean * mean, 0.0)) if math.isfinite(mean_sq) else math.nan
+        return {
+            "layer": layer,
+            "module_type": self.module_type,
+            "kind": self.kind,
+            "source": self.source,
+            "units": self.units,
+            "examples": self.examples,
+            "dead_frac": dead,
+            "dead_channel_frac": dead_ch,
+            "input_std": std,
+            "input_E_x2": mean_sq,
+            "batches": self.batches,
+        }
+
+
+class ActivationWatch:
+    """Forward pre-hooks on ReLU/ReLU6, Sigmoid and Tanh modules: dead units and input moments.
+
+    A context manager; the batch is dim 0. A module called ``k`` times per forward gets one entry
+    per call: ``name`` for the first, ``name@1``, ``name@2``, ... for the others (fx's naming).
+    Hooks are removed on exit, also after an exception. Read the result with :meth:`rows`.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.stats: dict[str, _ActStats] = {}
+        self._calls: dict[str, int] = {}
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> ActivationWatch:
+        try:
+            self._handles.append(self.model.register_forward_pre_hook(self._root_hook))
+            for name, module in self.model.named_modules():
+                kind = _activation_kind(module)
+                if kind is not None:
+                    self._handles.append(
+                        module.register_forward_pre_hook(self._hook(name, kind, module))
+                    )
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        handles, self._handles = self._handles, []
+        for h in handles:
+            h.remove()
+
+    def _root_hook(self, module: nn.Module, args: tuple) -> None:
+        self._calls.clear()
+
+    def _hook(self, name: str, kind: str, module: nn.Module) -> Callable[..., None]:
+        def hook(_m: nn.Module, args: tuple) -> None:
+            call = self._calls.get(name, 0)
+            self._calls[name] = call + 1
+            key = name if call == 0 else f"{name}@{call}"
+            st = self.stats.get(key)
+            if st is None:
+                st = self.stats[key] = _ActStats(kind, type(module).__name__, "module")
+            if args:
+                st.add(args[0])
+
+        return hook
+
+    def rows(self) -> Rows:
+        """One row per activation call site, columns :data:`ACTIVATION_COLUMNS`."""
+        return Rows(
+            [st.row(name) for name, st in self.stats.items()],
+            ACTIVATION_COLUMNS,
+            title="activations",
+        )
+
+
+# ----------------------------------------------------------------------------- fx
+
+
+def trace_model(model: nn.Module) -> tuple[Any, str]:
+    """``(GraphModule, "")`` from ``torch.fx.symbolic_trace``, or ``(None, error)``."""
+    import torch.fx
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.fx.symbolic_trace(model), ""
+    except Exception as err:  # any tracing failure means "fall back to module types"
+        return None, f"{type(err).__name__}: {err}".splitlines()[0][:300]
+
+
+def _node_module_path(node: Any) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1]
+    return path[0] if isinstance(path, tuple) else str(path)
+
+
+def _fn_name(target: Any) -> str:
+    name = getattr(target, "__name__", None) or str(target)
+    return "max_pool" if name == "fn" else name
+
+
+def _functional_kind(node: Any) -> str | None:
+    if node.op == "call_function":
+        t = node.target
+        if t in _RELU_FNS:
+            return "relu"
+        if t in _SIGMOID_FNS:
+            return "sigmoid"
+        if t in _TANH_FNS:
+            return "tanh"
+    elif node.op == "call_method":
+        return _KIND_METHODS.get(node.target)
+    return None
+
+
+def _is_add(node: Any) -> bool:
+    return (node.op == "call_function" and node.target in _ADD_FNS) or (
+        node.op == "call_method" and node.target in _ADD_METHODS
+    )
+
+
+def _breaks_ancestry(node: Any) -> bool:
+    if node.op == "call_method" and node.target in _SHAPE_METHODS:
+        return True
+    return node.op == "call_function" and (
+        node.target in _FACTORIES or (node.target is getattr and len(node.args) > 1)
+    )
+
+
+def _first_node_arg(node: Any) -> Any:
+    import torch.fx
+
+    for a in node.args:
+        if isinstance(a, torch.fx.Node):
+            return a
+    return None
+
+
+def _has_params(gm: Any, node: Any) -> bool:
+    if node.op != "call_module":
+        return False
+    sub = gm.get_submodule(node.target)
+    return next(sub.parameters(), None) is not None
+
+
+def find_residual_blocks(gm: Any) -> list[dict[str, Any]]:
+    """Residual connections in a traced ``GraphModule`` (see the module docstring).
+
+    Returns:
+        dicts ``{"name", "module", "node", "input", "branch", "shortcut", "source": "fx"}`` with
+        ``branch``/``shortcut`` the qualified names of the parameterized modules on each path.
+    """
+    import torch.fx
+
+    nodes = list(gm.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    anc: dict[Any, int] = {}
+    for n in nodes:
+        bits = 0
+        if not _breaks_ancestry(n):
+            for a in n.all_input_nodes:
+                bits |= anc[a] | (1 << index[a])
+        anc[n] = bits
+
+    def is_ancestor(a: Any, b: Any) -> bool:
+        return bool(anc[b] >> index[a] & 1)
+
+    found: list[dict[str, Any]] = []
+    for node in nodes:
+        if not _is_add(node):
+            continue
+        ops = [a for a in node.args[:2] if isinstance(a, torch.fx.Node)]
+        if len(ops) != 2 or any(a.op == "get_attr" for a in ops):
+            continue
+        best = None
+        for skip, branch in ((ops[0], ops[1]), (ops[1], ops[0])):
+            cur, walk = skip, []
+            for _ in range(SHORTCUT_STEPS + 1):
+                if cur is None or _breaks_ancestry(cur):
+                    break
+                if cur is branch or is_ancestor(cur, branch):
+                    shortcut = [w.target for w in walk if _has_params(gm, w)]
+                    key = (len(shortcut), len(walk))
+                    if best is None or key < best[0]:
+                        best = (key, cur, branch, shortcut)
+                    break
+                walk.append(cur)
+                if cur.op == "placeholder":
+                    break
+                cur = _first_node_arg(cur)
+        if best is None:
+            continue
+        _, x, branch, shortcut = best
+        members = [
+            n.target
+            for n in nodes
+            if _has_params(gm, n)
+            and (n is branch or is_ancestor(n, branch))
+            and is_ancestor(x, n)
+            and n.target not in shortcut
+        ]
+        if not members:
+            continue
+        found.append(
+            {
+                "module": _node_module_path(node),
+                "node": node.name,
+                "input": x.name,
+                "branch": list(dict.fromkeys(members)),
+                "shortcut": list(dict.fromkeys(shortcut)),
+                "source": "fx",
+            }
+        )
+    counts = Counter(b["module"] for b in found)
+    for b in found:
+        unique = counts[b["module"]] == 1 and b["module"]
+        b["name"] = b["module"] if unique else f"{b['module'] or '<root>'}:{b['node']}"
+    return found
+
+
+def _known_residual_blocks(model: nn.Module) -> list[dict[str, Any]]:
+    """Residual blocks of leaf ``torch.nn`` transformer layers (fx does not enter them)."""
+    out = []
+    for name, m in model.named_modules():
+        if isinstance(m, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
+            p = f"{name}." if name else ""
+            parts = [("self_attn", [f"{p}self_attn"])]
+            if isinstance(m, nn.TransformerDecoderLayer):
+                parts.append(("cross_attn", [f"{p}multihead_attn"]))
+            parts.append(("ff", [f"{p}linear1", f"{p}linear2"]))
+            for part, branch in parts:
+                out.append(
+                    {
+                        "name": f"{name}:{part}",
+                        "module": name,
+                        "node": part,
+                        "input": "",
+                        "branch": branch,
+                        "shortcut": [],
+                        "source": "type",
+                    }
+                )
+    return out
+
+
+def _user_blocks(model: nn.Module, blocks: Sequence[str | Mapping[str, Any]]) -> list[dict]:
+    named = dict(model.named_modules())
+    out = []
+    for b in blocks:
+        if isinstance(b, str):
+            if b not in named:
+                raise ValueError(f"residual_blocks: the model has no module {b!r}")
+            prefix = f"{b}." if b else ""
+            branch = [
+                (prefix + n) if n else b
+                for n, m in named[b].named_modules()
+                if next(m.parameters(recurse=False), None) is not None
+            ]
+            out.append(
+                {"name": b, "module": b, "node": "", "input": "", "branch": branch,
+                 "shortcut": [], "source": "user"}
+            )  # fmt: skip
+        else:
+            d = dict(b)
+            d.setdefault("module", d.get("name", ""))
+            d.setdefault("shortcut", [])
+            d.setdefault("node", "")
+            d.setdefault("input", "")
+            d["source"] = "user"
+            out.append(d)
+    return out
+
+
+# ----------------------------------------------------------------------------- findings
+
+
+@dataclass
+class LintResult:
+    """What the linter found.
+
+    Attributes:
+        findings: rows of :data:`FINDING_COLUMNS`.
+        activations: rows of :data:`ACTIVATION_COLUMNS`.
+        residual_blocks: the residual blocks (dicts, see :func:`find_residual_blocks`).
+        traced: whether ``torch.fx`` traced the model.
+        trace_error: why it did not.
+    """
+
+    findings: Rows
+    activations: Rows
+    residual_blocks: list[dict[str, Any]] = field(default_factory=list)
+    traced: bool = False
+    trace_error: str = ""
+
+
+def _finding(
+    layer: str, module_type: str, rule: str, severity: str, value: float, message: str
+) -> dict[str, Any]:
+    return {
+        "layer": layer,
+        "module_type": module_type,
+        "rule": rule,
+        "severity": severity,
+        "value": float(value),
+        "message": message,
+        "reason": RULES[rule],
+    }
+
+
+def _interpret_functional(
+    gm: Any, nodes: list[Any], forward_args: Sequence[tuple[tuple, dict]]
+) -> dict[str, _ActStats]:
+    """Run the traced graph (no grad) once per ``(args, kwargs)`` and record the inputs of the
+    given activation nodes."""
+    import torch.fx
+
+    wanted = {n.name: n for n in nodes}
+    stats: dict[str, _ActStats] = {}
+
+    class Watch(torch.fx.Interpreter):
+        def run_node(self, n: Any) -> Any:
+            if n.name in wanted:
+                args, _ = self.fetch_args_kwargs_from_env(n)
+                if args and isinstance(args[0], torch.Tensor):
+                    st = stats.setdefault(
+                        n.name, _ActStats(_functional_kind(n) or "relu", _fn_name(n.target),
+                                          "functional")
+                    )  # fmt: skip
+                    st.add(args[0])
+            return super().run_node(n)
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for args, kwargs in forward_args:
+        values = list(args)
+        for ph in placeholders[len(values) :]:
+            if ph.target in kwargs:
+                values.append(kwargs[ph.target])
+            elif ph.args:
+                values.append(ph.args[0])
+            else:
+                raise ValueError(f"no value for the model input {ph.target!r}")
+        with torch.no_grad():
+            Watch(gm).run(*values)
+    return stats
+
+
+def lint_model(
+    model: nn.Module,
+    *,
+    probe_table: Rows | Iterable[Mapping[str, Any]] | None = None,
+    probe_rows: Rows | Iterable[Mapping[str, Any]] | None = None,
+    param_table: Rows | Iterable[Mapping[str, Any]] | None = None,
+    activations: ActivationWatch | None = None,
+    forward_args: Sequence[tuple[tuple, dict]] | None = None,
+    residual_blocks: Sequence[str | Mapping[str, Any]] | None = None,
+    trace: bool = True,
+) -> LintResult:
+    """Check ``model`` against Table 1 and the probe's numbers (rules in the module docstring).
+
+    Args:
+        model: the model (not modified; a functional-activation pass restores buffers).
+        probe_table: :meth:`MomentProbe.table` rows (``E_y2``, cumulative gains, ``nonfinite``)
+            for the signal rules; ``None`` skips them.
+        probe_rows: :meth:`MomentProbe.rows` (splits non-finite counts into activations and
+            gradients; without it the table's pooled count is used).
+        param_table: :meth:`MomentProbe.param_table` rows (non-finite gradients).
+        activations: an :class:`ActivationWatch` that watched the caller's passes.
+        forward_args: ``(args, kwargs)`` of forwards of the model (one per batch), used only to
+            measure functional sigmoid/tanh/ReLU calls found in the traced graph (one forward of
+            the traced graph per entry, no grad).
+        residual_blocks: user-declared residual blocks (module names or dicts); default: detect.
+        trace: try ``torch.fx.symbolic_trace`` (else module types only).
+    """
+    from initlab.diagnostics._state import preserved_state
+
+    findings: list[dict[str, Any]] = []
+    gm, error = trace_model(model) if trace else (None, "tracing disabled")
+    named = dict(model.named_modules())
+    act_stats: dict[str, _ActStats] = dict(activations.stats) if activations else {}
+
+    # -- structural rules: from the graph where it traced, else from module types
+    functional_acts: list[Any] = []
+    structural: list[tuple[str, str, str]] = []  # (layer, type, rule)
+    if gm is not None:
+        for node in gm.graph.nodes:
+            if node.op == "call_module":
+                sub = gm.get_submodule(node.target)
+                if isinstance(sub, _MAX_POOL_MODULES):
+                    structural.append((node.target, type(sub).__name__, "max_pool"))
+                elif isinstance(sub, _RESAMPLE_MODULES):
+                    structural.append((node.target, type(sub).__name__, "resampling"))
+            elif node.op == "call_function":
+                where = f"{_node_module_path(node) or '<root>'}:{node.name}"
+                if node.target in _MAX_POOL_FNS:
+                    structural.append((where, _fn_name(node.target), "max_pool"))
+                elif node.target in _RESAMPLE_FNS:
+                    structural.append((where, _fn_name(node.target), "resampling"))
+            if _functional_kind(node) is not None:
+                functional_acts.append(node)
+    else:
+        if trace:
+            findings.append(
+                _finding("", type(model).__name__, "not_traced", "info", math.nan,
+                         f"torch.fx could not trace the model ({error}); functional operations "
+                         "(F.max_pool2d, torch.tanh, residual additions) were not inspected; "
+                         "pass residual_blocks= to declare residual blocks")
+            )  # fmt: skip
+        for name, m in named.items():
+            if isinstance(m, _MAX_POOL_MODULES):
+                structural.append((name, type(m).__name__, "max_pool"))
+            elif isinstance(m, _RESAMPLE_MODULES):
+                structural.append((name, type(m).__name__, "resampling"))
+    for layer, mtype, rule in structural:
+        msg = (
+            f"{mtype} changes the spatial size p^2 without compensating the forward and backward "
+            "signals: layers after it are scaled differently from layers before it; use a strided "
+            "convolution or average pooling instead"
+        )
+        findings.append(_finding(layer, mtype, rule, "warn", math.nan, msg))
+
+    # functional activations: one interpreter pass on the first batch
+    if functional_acts and forward_args is not None:
+        try:
+            with preserved_state(model, params=False):
+                measured = _interpret_functional(gm, functional_acts, forward_args)
+            for node in functional_acts:
+                if node.name in measured:
+                    act_stats[f"{_node_module_path(node) or '<root>'}:{node.name}"] = measured[
+                        node.name
+                    ]
+        except Exception as err:  # measuring is best effort; the structural finding stays
+            findings.append(
+                _finding("", type(model).__name__, "not_measured", "info", math.nan,
+                         "functional activations not measured "
+                         f"({type(err).__name__}: {str(err).splitlines()[0][:200]})")
+            )  # fmt: skip
+    for node in functional_acts:
+        key = f"{_node_module_path(node) or '<root>'}:{node.name}"
+        if key not in act_stats:
+            act_stats[key] = _ActStats(_functional_kind(node) or "", _fn_name(node.target), "fx")
+    # activation modules nobody watched still get a (not measured) entry
+    for name, m in named.items():
+        kind = _activation_kind(m)
+        if kind is not None and name not in act_stats:
+            act_stats[name] = _ActStats(kind, type(m).__name__, "module")
+
+    act_rows = [st.row(name) for name, st in act_stats.items()]
+    for r in act_rows:
+        findings.extend(_activation_findings(r))
+
+    # -- convolutions: mixed kernel sizes
+    convs = [(n, m) for n, m in named.items() if isinstance(m, _CONV_MODULES)]
+    sizes = Counter(tuple(m.kernel_size) for _, m in convs)
+    if len(sizes) > 1:
+        modal = max(sizes.items(), key=lambda kv: kv[1])[0]
+        listing = ", ".join(f"{'x'.join(map(str, k))} (x{c})" for k, c in sizes.items())
+        for n, m in convs:
+            k = tuple(m.kernel_size)
+            if k != modal:
+                ratio = math.prod(k) / math.prod(modal)
+                findings.append(
+                    _finding(
+                        n, type(m).__name__, "mixed_kernel_sizes", "warn", ratio,
+                        f"kernel {'x'.join(map(str, k))} among mostly "
+                        f"{'x'.join(map(str, modal))} convolutions (kernel sizes: {listing}): its "
+                        f"gamma carries a factor k^2 {ratio:.3g}x that of the others; correct with "
+                        f"a conditioning multiplier alpha = {ratio ** -0.25:.3g} "
+                        "(alpha^4 k^2 = const)",
+                    )
+                )  # fmt: skip
+
+    # -- residual blocks
+    if residual_blocks is not None:
+        blocks = _user_blocks(model, residual_blocks)
+    else:
+        blocks = find_residual_blocks(gm) if gm is not None else []
+        fx_modules = {b for blk in blocks for b in blk["branch"]}
+        blocks += [b for b in _known_residual_blocks(model) if not set(b["branch"]) & fx_modules]
+    for b in blocks:
+        short = ", shortcut " + ", ".join(b["shortcut"]) if b["shortcut"] else ""
+        findings.append(
+            _finding(
+                b["name"], "residual block", "skip_connection", "warn", float(len(b["branch"])),
+                f"skip connection around {', '.join(b['branch'])}{short}: these layers are "
+                "balanced against each other but not against layers outside residual blocks; use "
+                "conditioning multipliers (Defazio & Bottou App. E) or compare gamma within blocks",
+            )
+        )  # fmt: skip
+
+    # -- signals and non-finite values from the probe
+    table = list(probe_table or ())
+    nonfinite = _nonfinite_counts(probe_rows) if probe_rows is not None else None
+    ratios = signal_ratios(table)
+    for r in table:
+        findings.extend(_signal_findings(r, ratios, chain=not blocks, nonfinite=nonfinite))
+    for r in param_table or ():
+        if r.get("nonfinite", 0) and r["nonfinite"] > 0:
+            findings.append(
+                _finding(r["module"], "", "non_finite", "bad", float(r["nonfinite"]),
+                         f"non-finite gradients of {r['module']}.{r['param']} "
+                         f"({int(r['nonfinite'])} gradient tensor(s) left out)")
+            )  # fmt: skip
+    for name, m in named.items():
+        for pname, p in m.named_parameters(recurse=False):
+            if not bool(torch.isfinite(p.detach()).all()):
+                findings.append(
+                    _finding(name, type(m).__name__, "non_finite", "bad", math.nan,
+                             f"non-finite values in the parameter {name}.{pname}")
+                )  # fmt: skip
+    return LintResult(
+        findings=Rows(findings, FINDING_COLUMNS, title="scaling linter"),
+        activations=Rows(act_rows, ACTIVATION_COLUMNS, title="activations"),
+        residual_blocks=blocks,
+        traced=gm is not None,
+        trace_error=error,
+    )
+
+
+def _activation_findings(r: Mapping[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    layer, mtype, kind, std = r["layer"], r["module_type"], r["kind"], r["input_std"]
+    if kind == "relu":
+        dead = r["dead_frac"]
+        if math.isfinite(dead) and dead > DEAD_WARN and r["examples"] >= DEAD_MIN_EXAMPLES:
+            sev = "bad" if dead > DEAD_BAD else "warn"
+            out.append(
+                _finding(layer, mtype, "dead_relu", sev, dead,
+                         f"{dead:.0%} of the units entering this ReLU are never positive over "
+                         f"{r['examples']} examples: no signal or gradient passes them; check "
+                         "the bias init and the input scale")
+            )  # fmt: skip
+    elif kind == "sigmoid":
+        sev = "bad" if math.isfinite(std) and std >= SATURATED_STD else "warn"
+        std_txt = f"input std {std:.3g}" if math.isfinite(std) else "input std not measured"
+        out.append(
+            _finding(layer, mtype, "sigmoid", sev, std,
+                     f"sigmoid ({std_txt}) breaks the scaling: its output is centred at 1/2 and "
+                     "its slope is at most 1/4; prefer ReLU"
+                     + ("; the input is saturated" if sev == "bad" else ""))
+        )  # fmt: skip
+    elif kind == "tanh":
+        if not math.isfinite(std):
+            out.append(
+                _finding(layer, mtype, "tanh", "warn", std,
+                         "tanh with an unmeasured input std: it keeps the scaling only within its "
+                         f"linear regime (input std < {TANH_LINEAR_STD})")
+            )  # fmt: skip
+        elif std >= TANH_LINEAR_STD:
+            sev = "bad" if std >= SATURATED_STD else "warn"
+            out.append(
+                _finding(layer, mtype, "tanh", sev, std,
+                         f"tanh input std {std:.3g} >= {TANH_LINEAR_STD}: outside its linear regime"
+                         + (" (saturated)" if sev == "bad" else "")
+                         + "; scale its input down or use ReLU")
+            )  # fmt: skip
+    return out
+
+
+def signal_ratios(probe_table: Iterable[Mapping[str, Any]]) -> dict[str, float]:
+    """``{module: E[y^2] / E[x_0^2]}``: each module's output second moment relative to the
+    network's input (the end-to-end forward gain, measured directly).
+
+    The reference ``E[x_0^2]`` is ``E[x^2]`` of the first probed module (in execution order) with
+    a finite positive value, or its ``E[y^2]`` if its input is not floating point (token ids).
+    Unlike the product of per-module gains this stays right through skip connections.
+    """
+    rows = sorted((r for r in probe_table if r["order"] is not None), key=lambda r: r["order"])
+
+    def ok(v: Any) -> bool:
+        return isinstance(v, float) and math.isfinite(v) and v > 0
+
+    ref = next((r["E_x2"] if ok(r["E_x2"]) else r["E_y2"] for r in rows
+                if ok(r["E_x2"]) or ok(r["E_y2"])), math.nan)  # fmt: skip
+    return {r["module"]: r["E_y2"] / ref if ok(r["E_y2"]) and ok(ref) else math.nan for r in rows}
+
+
+def _nonfinite_counts(probe_rows: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, int]]:
+    """``{module: {"x"|"y"|"dy"|"dx": batch-calls with NaN/inf}}`` from the probe's long rows."""
+    out: dict[str, dict[str, int]] = {}
+    for r in probe_rows:
+        keep = r["stat"] == "nonfinite" and r["call"] == "all" and r["quantity"] in _ACT_QUANTITIES
+        if keep and r["value"] > 0:
+            d = out.setdefault(r["module"], {})
+            d[r["quantity"]] = d.get(r["quantity"], 0) + int(r["value"])
+    return out
+
+
+_ACT_QUANTITIES = ("x", "y", "dy", "dx")
+
+
+def _signal_findings(
+    r: Mapping[str, Any],
+    ratios: Mapping[str, float],
+    *,
+    chain: bool,
+    nonfinite: Mapping[str, Mapping[str, int]] | None,
+) -> list[dict[str, Any]]:
+    out = []
+    layer, mtype = r["module"], r["module_type"]
+    name = layer or "<root>"
+    if nonfinite is not None:
+        counts = nonfinite.get(layer, {})
+        fwd = {q: c for q, c in counts.items() if q in ("x", "y")}
+        bwd = {q: c for q, c in counts.items() if q in ("dy", "dx")}
+        for kind, part in (("activations", fwd), ("gradients", bwd)):
+            if part:
+                listing = ", ".join(f"{q}: {c}" for q, c in part.items())
+                out.append(
+                    _finding(layer, mtype, "non_finite", "bad", float(sum(part.values())),
+                             f"non-finite {kind} in {name} (batch-calls with NaN/inf, left out "
+                             f"of the moments: {listing})")
+                )  # fmt: skip
+    elif r.get("nonfinite", 0) and r["nonfinite"] > 0:
+        out.append(
+            _finding(layer, mtype, "non_finite", "bad", float(r["nonfinite"]),
+                     f"non-finite activations or gradients in {name} ({int(r['nonfinite'])} "
+                     "batch-call tensor(s) with NaN/inf, left out of the moments)")
+        )  # fmt: skip
+
+    def check(value: Any, what: str, low_rule: str, high_rule: str, where: str) -> bool:
+        if not isinstance(value, float) or not math.isfinite(value) or value == 0.0:
+            return False
+        if SIGNAL_LOW <= value <= SIGNAL_HIGH:
+            return False
+        low = value < SIGNAL_LOW
+        bound = f"< {SIGNAL_LOW:g}" if low else f"> {SIGNAL_HIGH:g}"
+        out.append(
+            _finding(layer, mtype, low_rule if low else high_rule, "bad", value,
+                     f"{what} = {value:.3g} {bound}: the {where} "
+                     + ("vanishes" if low else "explodes") + " here")
+        )  # fmt: skip
+        return True
+
+    if not check(r.get("E_y2"), "E[y^2]", "vanishing_signal", "exploding_signal", "signal"):
+        check(ratios.get(layer, math.nan), "E[y^2] / E[x^2] of the network's input",
+              "vanishing_signal", "exploding_signal", "signal")  # fmt: skip
+    if chain:
+        check(r.get("cum_gain_bwd"), "cumulative backward gain", "vanishing_gradient",
+              "exploding_gradient", "gradient")  # fmt: skip
+    return out

@@ -1,0 +1,592 @@
+r"""Spectra of weights: singular values, true convolution operator norms, Lipschitz upper bounds.
+
+For every weight (a parameter with the role ``"weight"`` in :mod:`initlab.registry`, i.e. the
+matrix of a Linear layer, the kernel of a convolution, an attention projection):
+
+* ``sv_max`` and ``sv_mean``: the largest and the mean *non-zero* singular value of the weight
+  reshaped to a matrix ``W.reshape(W.shape[0], -1)``, by an exact SVD in float64. The lecture's
+  ratio ``a = sv_mean / sv_max`` (seeds digest §3) is their quotient. "Non-zero" means above
+  ``max(m, n) * eps * sv_max`` (the numerical rank of :func:`torch.linalg.matrix_rank`).
+* ``op_norm``: the operator norm ``||A||_2`` of the linear map the layer applies. For a Linear layer
+  this is ``sv_max``. For a convolution it is **not** the norm of the reshaped kernel: the map
+  ``x -> conv(x)`` at the input shape the layer actually saw (recorded by a forward pre-hook,
+  :class:`InputShapes`) is a large structured matrix, whose largest singular value we find by
+  Krylov power iteration on ``A^T A``: ``A`` is ``F.conv{1,2,3}d`` and ``A^T`` is
+  ``F.conv_transpose{1,2,3}d`` with the same weight, stride, dilation and groups, and the
+  ``output_padding`` that restores the input size (the exact adjoint). Padding modes other than
+  ``"zeros"`` (``"circular"``, ``"reflect"``, ``"replicate"``) and string paddings (``"same"``) pad
+  explicitly with ``F.pad`` first; the adjoint of the padding is its vector-Jacobian product (it is
+  linear, so the VJP *is* the adjoint). The iteration keeps a Krylov basis of up to
+  ``krylov`` vectors with full reorthogonalization (a Lanczos process with Rayleigh-Ritz) and stops
+  when the Ritz residual ``||A^T A u - theta u|| <= tol * theta``; ``sigma = sqrt(theta)``.
+
+Lipschitz upper bounds (lecture, seeds digest §3): the plain product ``prod_j ||W_j||`` over the
+Linear and convolution layers in execution order, and the residual bound where each residual block
+``z + F(z)`` contributes ``||S|| + prod_{j in F} ||W_j||`` (``||S|| = 1`` for an identity or
+parameter-free shortcut, so this is the lecture's ``1 + ||W_j||`` for one-layer branches) and every
+layer outside a block its own ``||W_j||``; nested blocks are resolved recursively. BatchNorm in eval
+mode is the diagonal map ``x * gamma / sqrt(var + eps)`` and contributes ``max |gamma / sqrt(var +
+eps)|``. Assumptions, stated so the number is read right: every parameter-free operation is
+1-Lipschitz (ReLU, LeakyReLU with slope <= 1, tanh, average pooling, non-overlapping max pooling)
+and every branch is a chain. Layers the bound cannot cover (BatchNorm in train mode, LayerNorm,
+attention, embeddings) are listed in ``notes`` and then the bound is not a guarantee.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> conv = nn.Conv2d(2, 3, 3, stride=2, padding=1)
+    >>> gen = torch.Generator().manual_seed(0)
+    >>> sigma, info = conv_operator_norm(conv, (2, 8, 8), generator=gen)
+    >>> bool(sigma <= singular_values(conv.weight)[0] * 3)  # at most k * ||reshaped kernel||
+    True
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from initlab.rng import as_generator
+from initlab.rows import Rows
+
+__all__ = [
+    "SPECTRA_COLUMNS",
+    "InputShapes",
+    "conv_operator",
+    "conv_operator_norm",
+    "layer_spectra",
+    "lipschitz_bounds",
+    "mean_nonzero_singular_value",
+    "singular_values",
+    "top_singular_value",
+]
+
+SPECTRA_COLUMNS: tuple[str, ...] = (
+    "layer",
+    "param",
+    "module_type",
+    "order",
+    "shape",
+    "input_shape",
+    "sv_max",
+    "sv_mean",
+    "op_norm",
+    "op_method",
+    "matvecs",
+    "note",
+)
+"""Columns of :func:`layer_spectra`: ``layer`` module name, ``param`` parameter name, ``order``
+execution order of the module's first call (``None``: not called), ``shape`` the weight's shape,
+``input_shape`` the layer's input shape without the batch dim (convolutions), ``sv_max``/``sv_mean``
+of the reshaped matrix, ``op_norm`` the operator norm, ``op_method`` how it was found (``"svd"``,
+``"lanczos"``, ``"bn_eval"``), ``matvecs`` applications of ``A^T A``, ``note`` caveats."""
+
+_CONVS: dict[type[nn.Module], int] = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}
+_CONV_FNS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_CONVT_FNS = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+_F64 = torch.float64
+
+
+# ----------------------------------------------------------------------------- matrices
+
+
+def singular_values(weight: torch.Tensor) -> torch.Tensor:
+    """Singular values (descending, float64) of ``weight.reshape(weight.shape[0], -1)``."""
+    w = weight.detach().to(_F64)
+    if w.dim() == 0:
+        return w.abs().reshape(1)
+    return torch.linalg.svdvals(w.reshape(w.shape[0], -1))
+
+
+def mean_nonzero_singular_value(s: torch.Tensor, shape: Sequence[int] | None = None) -> float:
+    """Mean of the singular values above ``max(m, n) * eps * s_max`` (the numerical rank)."""
+    if s.numel() == 0 or float(s[0]) == 0.0:
+        return 0.0
+    dims = max(shape[0], math.prod(shape[1:])) if shape else s.numel()
+    keep = s[s > dims * torch.finfo(s.dtype).eps * s[0]]
+    return float(keep.mean())
+
+
+# ----------------------------------------------------------------------------- convolutions
+
+
+def _conv_dims(module: nn.Module) -> int:
+    for cls, nd in _CONVS.items():
+        if isinstance(module, cls):
+            return nd
+    raise TypeError(
+        f"expected nn.Conv1d/2d/3d, got {type(module).__name__} (transposed convolutions are "
+        "not supported)"
+    )
+
+
+def conv_operator(
+    module: nn.Module, input_shape: Sequence[int], *, dtype: torch.dtype = _F64
+) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor], tuple]:
+    """The linear map of a convolution (bias excluded) at ``input_shape`` and its adjoint.
+
+    Args:
+        module: an ``nn.Conv1d/2d/3d`` (any stride, padding, padding mode, dilation, groups).
+        input_shape: ``(C, *spatial)`` of one example (a leading batch dim of 1 is accepted).
+        dtype: dtype of the computation (the weight is cast to it).
+
+    Returns:
+        ``(A, AT, out_shape)``: ``A`` maps ``(1, C, *spatial)`` to ``(1, *out_shape)`` and ``AT``
+        back, with ``<A x, y> == <x, AT y>``.
+    """
+    nd = _conv_dims(module)
+    shape = tuple(int(s) for s in input_shape)
+    if len(shape) == nd + 2 and shape[0] == 1:
+        shape = shape[1:]
+    if len(shape) != nd + 1:
+        raise ValueError(
+            f"input_shape must be (C, *spatial) with {nd} spatial dims for "
+            f"{type(module).__name__}, got {tuple(input_shape)}"
+        )
+    conv, convt = _CONV_FNS[nd], _CONVT_FNS[nd]
+    w = module.weight.detach().to(dtype)
+    stride, dilation, groups = tuple(module.stride), tuple(module.dilation), module.groups
+    kernel = tuple(w.shape[2:])
+    device = w.device
+    if module.padding_mode == "zeros" and not isinstance(module.padding, str):
+        pad = tuple(module.padding)
+        spatial = shape[1:]
+
+        def pre(x: torch.Tensor) -> torch.Tensor:
+            return x
+
+        def pre_t(z: torch.Tensor) -> torch.Tensor:
+            return z
+
+    else:
+        pad = (0,) * nd
+        rp = tuple(module._reversed_padding_repeated_twice)
+        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        spatial = tuple(
+            s + rp[2 * (nd - 1 - i)] + rp[2 * (nd - 1 - i) + 1] for i, s in enumerate(shape[1:])
+        )
+
+        def pre(x: torch.Tensor) -> torch.Tensor:
+            return F.pad(x, rp, mode=mode)
+
+        def pre_t(z: torch.Tensor) -> torch.Tensor:
+            # F.pad is linear, so its vector-Jacobian product is its adjoint.
+            x0 = torch.zeros((1, *shape), dtype=dtype, device=device, requires_grad=True)
+            with torch.enable_grad():
+                (g,) = torch.autograd.grad(F.pad(x0, rp, mode=mode), x0, z)
+            return g
+
+    out_spatial = tuple(
+        (s + 2 * p - d * (k - 1) - 1) // st + 1
+        for s, p, d, k, st in zip(spatial, pad, dilation, kernel, stride, strict=True)
+    )
+    if any(o < 1 for o in out_spatial):
+        raise ValueError(f"input {shape} is too small for {module}")
+    output_padding = tuple(
+        s - ((o - 1) * st - 2 * p + d * (k - 1) + 1)
+        for s, o, st, p, d, k in zip(
+            spatial, out_spatial, stride, pad, dilation, kernel, strict=True
+        )
+    )
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return conv(pre(x), w, None, stride, pad, dilation, groups)
+
+    def adjoint(y: torch.Tensor) -> torch.Tensor:
+        return pre_t(convt(y, w, None, stride, pad, output_padding, groups, dilation))
+
+    return forward, adjoint, (w.shape[0], *out_spatial)
+
+
+def top_singular_value(
+    forward: Callable[[torch.Tensor], torch.Tensor],
+    adjoint: Callable[[torch.Tensor], torch.Tensor],
+    shape: Sequence[int],
+    *,
+    tol: float = 1e-10,
+    value_tol: float | None = None,
+    krylov: int = 48,
+    max_matvecs: int = 600,
+    generator: torch.Generator | None = None,
+    dtype: torch.dtype = _F64,
+    device: torch.device | str | None = None,
+    start: torch.Tensor | None = None,
+) -> tuple[float, dict[str, Any]]:
+    """Largest singular value of a linear map given as ``forward``/``adjoint`` closures.
+
+    Power iteration on ``A^T A`` accelerated by a restarted Lanczos process: up to ``krylov``
+    vectors per cycle with full reorthogonalization, Rayleigh-Ritz on the Krylov basis, restart
+    from the top Ritz vector (the Ritz value never decreases between cycles).
+
+    Args:
+        forward: ``x -> A x`` for ``x`` of ``shape``.
+        adjoint: ``y -> A^T y``.
+        shape: shape of the input ``x``.
+        tol: converged when the Ritz residual ``||A^T A u - theta u|| <= tol * theta``.
+        value_tol: also converged when ``theta`` changed by at most ``value_tol * theta`` over a
+            cycle (useful when the top eigenvalues are clustered: the value converges long
+            before the vector).
+        krylov: Krylov basis size per cycle.
+        max_matvecs: at most this many applications of ``A^T A``.
+        generator: seeds the random start vector.
+        dtype: dtype of the iteration.
+        device: device of the iteration.
+        start: start vector (default: random normal from ``generator``).
+
+    Returns:
+        ``(sigma, info)`` with ``info = {"matvecs", "residual", "converged", "value_change",
+        "vector"}`` (``value_change``: relative change of ``theta`` over the last cycle;
+        ``vector``: the top right singular vector found, flat).
+    """
+    n = math.prod(shape)
+    if start is not None:
+        v = start.reshape(-1).to(device=device, dtype=dtype)
+    else:
+        v = torch.randn(n, generator=generator, dtype=dtype).to(device)
+    v = v / torch.linalg.vector_norm(v)
+    steps = max(1, min(krylov, n))
+    tiny = 100 * torch.finfo(dtype).eps
+    used, theta, residual, converged, change = 0, 0.0, math.inf, False, math.inf
+    while used < max_matvecs and not converged:
+        basis: list[torch.Tensor] = [v]
+        images: list[torch.Tensor] = []
+        invariant = False
+        for j in range(steps):
+            w = adjoint(forward(basis[j].reshape(shape))).reshape(-1)
+            used += 1
+            images.append(w)
+            if j == steps - 1 or used >= max_matvecs:
+                break
+            r = w
+            stacked = torch.stack(basis)
+            for _ in range(2):  # twice is enough (Kahan-Parlett)
+                r = r - (stacked @ r) @ stacked
+            beta = torch.linalg.vector_norm(r)
+            if beta <= tiny * torch.linalg.vector_norm(w):
+                invariant = True  # the Krylov space is invariant: the Ritz values are exact
+                break
+            basis.append(r / beta)
+        vm, wm = torch.stack(basis[: len(images)]), torch.stack(images)
+        t = vm @ wm.T
+        evals, evecs = torch.linalg.eigh((t + t.T) / 2)
+        previous, theta = theta, float(evals[-1])
+        y = evecs[:, -1]
+        u = y @ vm
+        residual = float(torch.linalg.vector_norm(y @ wm - theta * u))
+        v = u / torch.linalg.vector_norm(u)
+        converged = (
+            invariant
+            or theta <= 0.0
+            or residual <= tol * theta
+            or (value_tol is not None and abs(theta - previous) <= value_tol * theta)
+        )
+        change = abs(theta - previous) / theta if theta > 0 else 0.0
+    info = {
+        "matvecs": used,
+        "residual": residual,
+        "converged": converged,
+        "value_change": change,
+        "vector": v,
+    }
+    return math.sqrt(max(theta, 0.0)), info
+
+
+def conv_operator_norm(
+    module: nn.Module,
+    input_shape: Sequence[int],
+    *,
+    tol: float = 1e-10,
+    max_matvecs: int = 600,
+    polish: int = 32,
+    generator: torch.Generator | None = None,
+) -> tuple[float, dict[str, Any]]:
+    """Operator norm ``||A||_2`` of a convolution's linear map at ``input_shape``.
+
+    Two stages, because float64 convolutions are slow on CPU: the Krylov iteration runs in float32
+    until the Ritz value is stable to 1e-6, then continues in float64 from the float32 top vector
+    until the Ritz residual is ``tol`` or the value is stable to 1e-11 over a cycle (at most
+    ``polish`` products; the float32 vector is already close). See the module
+    docstring. ``input_shape`` is ``(C, *spatial)`` of one example. Returns ``(sigma, info)`` as
+    :func:`top_singular_value` (``matvecs`` counts both stages).
+    """
+    shape = tuple(int(s) for s in input_shape)
+    if len(shape) == module.weight.dim() and shape[0] == 1:
+        shape = shape[1:]
+    device = module.weight.device
+    n = math.prod(shape)
+    krylov = int(max(8, min(48, (1 << 26) // max(n, 1))))  # at most ~256 MiB of float32 basis
+    fwd32, adj32, _ = conv_operator(module, shape, dtype=torch.float32)
+    _, first = top_singular_value(
+        fwd32, adj32, (1, *shape), tol=1e-4, value_tol=1e-6, krylov=krylov,
+        max_matvecs=max_matvecs, generator=generator, dtype=torch.float32, device=device,
+    )  # fmt: skip
+    fwd, adj, _ = conv_operator(module, shape)
+    sigma, info = top_singular_value(
+        fwd, adj, (1, *shape), tol=tol, value_tol=1e-11, krylov=min(krylov, 16),
+        max_matvecs=polish, device=device,
+        start=first["vector"],
+    )  # fmt: skip
+    info["matvecs"] += first["matvecs"]
+    return sigma, info
+
+
+# ----------------------------------------------------------------------------- models
+
+
+class InputShapes:
+    """Record, per module, the shape of its first input (without the batch dim) and call order.
+
+    A context manager: forward pre-hooks on the chosen modules (default: convolutions, Linear
+    layers and BatchNorm) record ``shapes[name]`` (first call only) and ``order`` (names in the
+    order of first call); hooks are removed on exit (also on errors).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        select: Callable[[str, nn.Module], bool] | None = None,
+    ) -> None:
+        self.model = model
+        self.select = select or (
+            lambda _n, m: isinstance(m, (nn.Linear, *_CONVS, nn.modules.batchnorm._BatchNorm))
+        )
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.multiple: set[str] = set()
+        self.order: list[str] = []
+        self._handles: list[Any] = []
+
+    def _hook(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple) -> None:
+            x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            if x is None:
+                return
+            shape = tuple(x.shape[1:])
+            if name not in self.shapes:
+                self.shapes[name] = shape
+                self.order.append(name)
+            elif self.shapes[name] != shape:
+                self.multiple.add(name)
+
+        return hook
+
+    def __enter__(self) -> InputShapes:
+        try:
+            for name, module in self.model.named_modules():
+                if self.select(name, module):
+                    self._handles.append(module.register_forward_pre_hook(self._hook(name)))
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        handles, self._handles = self._handles, []
+        for h in handles:
+            h.remove()
+
+
+def _weight_params(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    from initlab.registry import default_registry
+
+    specs = default_registry().specs(module)
+    if specs is None:
+        return []
+    params = dict(module.named_parameters(recurse=False))
+    return [(s.name, params[s.name]) for s in specs if s.role == "weight" and s.name in params]
+
+
+def layer_spectra(
+    model: nn.Module,
+    input_shapes: InputShapes | Mapping[str, Sequence[int]] | None = None,
+    *,
+    tol: float = 1e-10,
+    max_matvecs: int = 600,
+    max_svd_elements: int = 1 << 24,
+    generator: torch.Generator | int | None = 0,
+) -> Rows:
+    """Singular values and operator norms of every weight (rows :data:`SPECTRA_COLUMNS`).
+
+    Args:
+        model: the model (not modified).
+        input_shapes: an :class:`InputShapes` that watched a forward, or ``{name: (C, *spatial)}``;
+            convolutions without a recorded shape get ``op_norm = NaN`` and a note.
+        tol: residual tolerance of the power iteration.
+        max_matvecs: cap on ``A^T A`` products per convolution.
+        max_svd_elements: weights with more elements skip the exact SVD (``sv_* = NaN``, a note).
+        generator: seed (int) or generator for the power iteration's start vectors.
+
+    A weight shared by several modules (tied embeddings) gets one row per module.
+    """
+    generator = as_generator(generator)
+    shapes: Mapping[str, Sequence[int]]
+    order: list[str] = []
+    multiple: set[str] = set()
+    if isinstance(input_shapes, InputShapes):
+        shapes, order, multiple = input_shapes.shapes, input_shapes.order, input_shapes.multiple
+    else:
+        shapes = input_shapes or {}
+    rank = {name: i for i, name in enumerate(order)}
+    rows: list[dict[str, Any]] = []
+    svd_cache: dict[int, tuple[float, float]] = {}
+    for name, module in model.named_modules():
+        for pname, w in _weight_params(module):
+            note: list[str] = []
+            if w.numel() > max_svd_elements:
+                sv_max = sv_mean = math.nan
+                note.append(f"{w.numel()} elements > max_svd_elements: no exact SVD")
+            elif id(w) in svd_cache:
+                sv_max, sv_mean = svd_cache[id(w)]
+            else:
+                s = singular_values(w)
+                sv_max, sv_mean = float(s[0]), mean_nonzero_singular_value(s, tuple(w.shape))
+                svd_cache[id(w)] = (sv_max, sv_mean)
+            op_norm, method, matvecs = math.nan, "", 0
+            in_shape = tuple(shapes[name]) if name in shapes else None
+            if isinstance(module, tuple(_CONVS)):
+                if in_shape is None:
+                    note.append("no recorded input shape: operator norm not computed")
+                else:
+                    op_norm, info = conv_operator_norm(
+                        module, in_shape, tol=tol, max_matvecs=max_matvecs, generator=generator
+                    )
+                    method, matvecs = "lanczos", info["matvecs"]
+                    if not info["converged"] and info["value_change"] > 1e-6:
+                        note.append(
+                            "power iteration not converged (last relative change "
+                            f"{info['value_change']:.1e})"
+                        )
+                    if name in multiple:
+                        note.append("called with several input shapes: norm at the first")
+            elif isinstance(module, nn.Linear):
+                op_norm, method = sv_max, "svd"
+            rows.append(
+                {
+                    "layer": name,
+                    "param": pname,
+                    "module_type": type(module).__name__,
+                    "order": rank.get(name),
+                    "shape": tuple(w.shape),
+                    "input_shape": in_shape,
+                    "sv_max": sv_max,
+                    "sv_mean": sv_mean,
+                    "op_norm": op_norm,
+                    "op_method": method,
+                    "matvecs": matvecs,
+                    "note": "; ".join(note),
+                }
+            )
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and not module.training:
+            scale = _bn_eval_scale(module)
+            if scale is not None:
+                rows.append(
+                    {
+                        "layer": name,
+                        "param": "",
+                        "module_type": type(module).__name__,
+                        "order": rank.get(name),
+                        "shape": (module.num_features,),
+                        "input_shape": tuple(shapes[name]) if name in shapes else None,
+                        "sv_max": math.nan,
+                        "sv_mean": math.nan,
+                        "op_norm": scale,
+                        "op_method": "bn_eval",
+                        "matvecs": 0,
+                        "note": "eval-mode BatchNorm: max |gamma / sqrt(running_var + eps)|",
+                    }
+                )
+    return Rows(rows, SPECTRA_COLUMNS, title="weight spectra")
+
+
+def _bn_eval_scale(bn: nn.modules.batchnorm._BatchNorm) -> float | None:
+    if bn.running_var is None:
+        return None
+    scale = 1.0 / torch.sqrt(bn.running_var.detach().to(_F64) + bn.eps)
+    if bn.weight is not None:
+        scale = scale * bn.weight.detach().to(_F64)
+    return float(scale.abs().max())
+
+
+# ----------------------------------------------------------------------------- Lipschitz
+
+
+def lipschitz_bounds(
+    spectra: Rows | Iterable[Mapping[str, Any]],
+    residual_blocks: Sequence[Mapping[str, Any]] = (),
+    *,
+    uncovered: Sequence[str] = (),
+) -> dict[str, Any]:
+    """Lipschitz upper bounds from operator norms (see the module docstring).
+
+    Args:
+        spectra: rows of :func:`layer_spectra` (``layer``, ``op_norm``, ``order``).
+        residual_blocks: dicts with ``name``, ``branch`` (layer names on the residual branch) and
+            ``shortcut`` (layer names on the shortcut; empty for an identity shortcut), as found by
+            :func:`initlab.diagnostics.linter.find_residual_blocks`.
+        uncovered: names of parameterized layers the bound does not cover (noted).
+
+    Returns:
+        ``{"plain": prod ||W_j||, "residual": the residual bound, "layers": n, "guaranteed":
+        no layer was left uncovered, "notes": [...]}``. ``plain`` bounds a chain; with skip
+        connections only ``residual`` is an upper bound.
+    """
+    norms: dict[str, float] = {}
+    for r in spectra:
+        if math.isfinite(r["op_norm"]) and r["layer"] not in norms:
+            norms[r["layer"]] = float(r["op_norm"])
+    notes = []
+    if uncovered:
+        shown = ", ".join(uncovered[:6]) + (
+            f" and {len(uncovered) - 6} more" if len(uncovered) > 6 else ""
+        )
+        notes.append(f"not covered (assumed 1-Lipschitz, so not a guarantee): {shown}")
+    plain = math.prod(norms.values()) if norms else math.nan
+    blocks = []
+    for b in residual_blocks:
+        members = {n for n in [*b.get("branch", ()), *b.get("shortcut", ())] if n in norms}
+        blocks.append((b.get("name", "?"), members, b))
+    # nesting: a block inside another block's branch is one element of that branch
+    blocks.sort(key=lambda t: len(t[1]))
+
+    def factor(idx: int) -> float:
+        _, members, b = blocks[idx]
+        inner = _maximal(
+            [j for j in range(len(blocks)) if j != idx and blocks[j][1] < members], blocks
+        )
+        covered = set().union(*(blocks[j][1] for j in inner)) if inner else set()
+        branch = [n for n in b.get("branch", ()) if n in norms and n not in covered]
+        shortcut = [n for n in b.get("shortcut", ()) if n in norms and n not in covered]
+        inner_factors = [factor(j) for j in inner]
+        return math.prod(norms[n] for n in shortcut) + math.prod(
+            [*(norms[n] for n in branch), *inner_factors]
+        )
+
+    top = _maximal(list(range(len(blocks))), blocks)
+    seen: set[str] = set()
+    for j in top:
+        overlap = blocks[j][1] & seen
+        if overlap:
+            notes.append(
+                f"residual block {blocks[j][0]} overlaps another block ({sorted(overlap)}): "
+                "residual bound not available"
+            )
+            return {
+                "plain": plain, "residual": math.nan, "layers": len(norms),
+                "guaranteed": False, "notes": notes,
+            }  # fmt: skip
+        seen |= blocks[j][1]
+    outside = [v for n, v in norms.items() if n not in seen]
+    residual = math.prod([*outside, *(factor(j) for j in top)]) if norms else math.nan
+    return {
+        "plain": plain, "residual": residual, "layers": len(norms),
+        "guaranteed": not uncovered, "notes": notes,
+    }  # fmt: skip
+
+
+def _maximal(indices: list[int], blocks: list[tuple[str, set[str], Any]]) -> list[int]:
+    """Blocks among ``indices`` not strictly contained in another one among them."""
+    return [i for i in indices if not any(blocks[i][1] < blocks[j][1] for j in indices if j != i)]

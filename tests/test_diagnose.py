@@ -1,0 +1,515 @@
+"""diagnose() against float64 computations written out by hand, on five model families, and its
+report exits (pandas, markdown, JSON round trip, one self-contained HTML file)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from initlab import init_model
+from initlab.diagnostics import (
+    DIAGNOSTIC_COLUMNS,
+    LAYER_COLUMNS,
+    Report,
+    diagnose,
+    diagnose_command,
+    gradient_stats,
+    make_loss,
+)
+from initlab.diagnostics.report import ratio_reason, ratio_verdict
+
+F64 = torch.float64
+
+
+def has_conditioning() -> bool:
+    try:
+        from initlab.conditioning import gr_scaling  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+needs_conditioning = pytest.mark.skipif(
+    not has_conditioning(), reason="initlab.conditioning (gamma) has not landed"
+)
+
+
+def mlp3(seed: int = 0, widths: tuple[int, ...] = (6, 12, 10, 4)) -> nn.Sequential:
+    torch.manual_seed(seed)
+    a, b, c, d = widths
+    return nn.Sequential(
+        nn.Linear(a, b), nn.ReLU(), nn.Linear(b, c), nn.ReLU(), nn.Linear(c, d)
+    ).to(F64)
+
+
+# ----------------------------------------------------------------------------- gamma and nu
+
+
+def hand_gamma_nu(model: nn.Sequential, x: torch.Tensor, t: torch.Tensor) -> dict[str, tuple]:
+    """gamma_w, gamma_b and per-example nu_w of each Linear, by explicit float64 autograd."""
+    layers = [(str(i), m) for i, m in enumerate(model) if isinstance(m, nn.Linear)]
+    weights = [m.weight.detach().clone().requires_grad_(True) for _, m in layers]
+    biases = [m.bias.detach().clone().requires_grad_(True) for _, m in layers]
+    h, xs, ys = x, [], []
+    for i, (w, b) in enumerate(zip(weights, biases, strict=True)):
+        xs.append(h)
+        y = h @ w.T + b
+        ys.append(y)
+        h = torch.relu(y) if i < len(weights) - 1 else y
+    losses = F.cross_entropy(h, t, reduction="none")  # one loss per example
+    dys = torch.autograd.grad(losses.sum(), ys, retain_graph=True)  # row i: d loss_i / d y_i
+    out = {}
+    for k, (name, _) in enumerate(layers):
+        n_in = weights[k].shape[1]
+        e_x2, e_y2, e_dy2 = (t_.detach().square().mean().item() for t_ in (xs[k], ys[k], dys[k]))
+        gamma_w = n_in * e_x2**2 * e_dy2 / e_y2
+        gamma_b = e_dy2 / e_y2
+        # per-example weight gradients, one autograd call per example
+        sq = 0.0
+        for i in range(x.shape[0]):
+            (g,) = torch.autograd.grad(losses[i], weights[k], retain_graph=True)
+            sq += g.square().sum().item()
+        nu_w = sq / (x.shape[0] * weights[k].numel()) / weights[k].detach().square().mean().item()
+        out[name] = (gamma_w, gamma_b, nu_w)
+    return out
+
+
+@needs_conditioning
+def test_gamma_and_nu_match_a_hand_computation():
+    model = mlp3()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(24, 6, generator=g, dtype=F64)
+    t = torch.randint(0, 4, (24,), generator=g)
+    report = diagnose(model, (x, t), make_loss("cross_entropy"))
+    for layer, (gamma_w, gamma_b, nu_w) in hand_gamma_nu(model, x, t).items():
+        assert report.value(layer, "gamma", "weight") == pytest.approx(gamma_w, rel=1e-9)
+        assert report.value(layer, "gamma", "bias") == pytest.approx(gamma_b, rel=1e-9)
+        assert report.value(layer, "nu", "weight") == pytest.approx(nu_w, rel=1e-9)
+    wide = {r["layer"]: r for r in report.layers}
+    gammas = {k: v[0] for k, v in hand_gamma_nu(model, x, t).items()}
+    median = sorted(gammas.values())[1]
+    for layer, gamma in gammas.items():
+        assert wide[layer]["gamma_rel_median"] == pytest.approx(gamma / median, rel=1e-9)
+    assert report.meta["imbalance"]["gamma_max_over_min"] == pytest.approx(
+        max(gammas.values()) / min(gammas.values()), rel=1e-9
+    )
+    # probing only the weight layers gives the same gamma and nu
+    lean = diagnose(model, (x, t), make_loss("cross_entropy"), modules="weights", spectra=False)
+    for layer in gammas:
+        for q in ("gamma", "nu"):
+            assert lean.value(layer, q, "weight") == report.value(layer, q, "weight")
+
+
+@needs_conditioning
+def test_prop4_gamma_equals_nu_for_an_mlp_at_init():
+    """Prop. 4: gamma_l = nu_l for i.i.d. mean-zero layers. One draw has sampling error (the
+    post-ReLU inputs are not centred, A1), so we average log(gamma / nu) over seeded draws and
+    allow 4 standard errors of that mean plus 2% for the second-order bias of non-centred inputs
+    (measured: -0.6%, -3% +- 2%, -1.5% for the three layers)."""
+    logs = []
+    for seed in range(8):
+        g = torch.Generator().manual_seed(100 + seed)
+        model = mlp3(seed, (32, 128, 128, 64))
+        init_model(model, "geometric", generator=seed)  # zero biases
+        x = torch.randn(512, 32, generator=g, dtype=F64)
+        t = torch.randint(0, 64, (512,), generator=g)
+        rep = diagnose(model, (x, t), make_loss("cross_entropy"), spectra=False, lint=False,
+                       gradients=False)  # fmt: skip
+        logs.append([
+            math.log(rep.value(n, "gamma", "weight") / rep.value(n, "nu", "weight"))
+            for n in ("0", "2", "4")
+        ])  # fmt: skip
+    per_layer = torch.tensor(logs, dtype=F64)
+    mean = per_layer.mean(0)
+    stderr = per_layer.std(0) / math.sqrt(len(logs))
+    assert bool((mean.abs() <= 4 * stderr + 0.02).all()), (mean, stderr)
+
+
+def test_ratio_verdicts_and_reason_text():
+    assert ratio_verdict(3.9) == "ok" and ratio_verdict(1 / 3.9) == "ok"
+    assert ratio_verdict(12) == "warn" and ratio_verdict(1 / 12) == "warn"
+    assert ratio_verdict(150) == "bad" and ratio_verdict(1 / 150) == "bad"
+    assert ratio_reason("γ", 12) == (
+        "γ 12× the median: this layer learns 12× faster than the median layer at the same "
+        "learning rate"
+    )
+    assert "4× slower" in ratio_reason("γ", 0.25)
+
+
+@needs_conditioning
+def test_a_conditioning_multiplier_shows_up_as_a_gamma_verdict():
+    model = mlp3(3, (16, 32, 32, 8))
+    init_model(model, "geometric", generator=0)
+    data = (torch.randn(128, 16, dtype=F64), torch.randint(0, 8, (128,)))
+    base = diagnose(model, data, spectra=False, lint=False)
+    scaled = diagnose(model, data, alpha={"2": 3.0}, spectra=False, lint=False)
+    # alpha multiplies gamma by alpha^4 = 81 and leaves the other layers unchanged
+    g0, g1 = base.value("2", "gamma", "weight"), scaled.value("2", "gamma", "weight")
+    assert g1 == pytest.approx(81 * g0, rel=1e-9)
+    verdict, reason = scaled.verdicts["2"]
+    assert verdict in ("warn", "bad") and reason.startswith("γ ")
+    assert "faster than the median layer" in reason
+
+
+# ----------------------------------------------------------------------------- GradInit stats
+
+
+def test_weight_magnitude_and_gradient_std_across_three_batches():
+    model = mlp3(4)
+    g = torch.Generator().manual_seed(5)
+    batches = [
+        (torch.randn(16, 6, generator=g, dtype=F64), torch.randint(0, 4, (16,), generator=g))
+        for _ in range(3)
+    ]
+    report = diagnose(model, batches, make_loss("cross_entropy"))
+    params = dict(model.named_parameters())
+    grads = {name: [] for name in params}
+    for x, t in batches:
+        loss = F.cross_entropy(model(x), t)
+        for name, gr in zip(params, torch.autograd.grad(loss, list(params.values())), strict=True):
+            grads[name].append(gr)
+    for name, p in params.items():
+        layer, _, param = name.rpartition(".")
+        stack = torch.stack(grads[name])
+        w = p.detach()
+        assert report.value(layer, "W_norm", param) == pytest.approx(w.norm().item(), rel=1e-12)
+        assert report.value(layer, "W_abs_mean", param) == pytest.approx(
+            w.abs().mean().item(), rel=1e-12
+        )
+        assert report.value(layer, "grad_std", param) == pytest.approx(
+            stack.std(0, unbiased=True).mean().item(), rel=1e-9
+        )
+        assert report.value(layer, "grad_norm", param) == pytest.approx(
+            stack.flatten(1).norm(dim=1).mean().item(), rel=1e-9
+        )
+        # minibatch nu with its standard error over the 3 batches
+        per_batch = stack.flatten(1).square().mean(1) / w.square().mean()
+        row = next(r for r in report.rows if r["layer"] == layer and r["param"] == param
+                   and r["quantity"] == "nu_minibatch")  # fmt: skip
+        assert row["value"] == pytest.approx(per_batch.mean().item(), rel=1e-9)
+        assert row["stderr"] == pytest.approx(per_batch.std().item() / math.sqrt(3), rel=1e-9)
+
+
+def test_gradient_stats_standalone_leaves_the_model_alone():
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    xs = [torch.randn(8, 3) for _ in range(3)]
+    rows = gradient_stats(model, xs, lambda m, x: m(x).square().mean())
+    assert {r["batches"] for r in rows} == {3}
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+
+
+# ----------------------------------------------------------------------------- model families
+
+
+class Block(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += x
+        return self.relu(out)
+
+
+def resnet() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 6, 3, padding=1, bias=False), nn.BatchNorm2d(6), nn.ReLU(inplace=True),
+        Block(6), Block(6), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 5),
+    )  # fmt: skip
+
+
+def cnn_bn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 6, 3, stride=2, padding=1), nn.BatchNorm2d(6), nn.ReLU(),
+        nn.Conv2d(6, 8, 3, stride=2, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5),
+    )  # fmt: skip
+
+
+class Encoder(nn.Module):
+    def __init__(self, vocab: int = 23, dim: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        layer = nn.TransformerEncoderLayer(dim, 2, 32, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(tokens)))
+
+
+class Tied(nn.Module):
+    def __init__(self, vocab: int = 23, dim: int = 12) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.mid = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, vocab, bias=False)
+        self.out.weight = self.embed.weight  # tied
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.mid(self.embed(tokens))))
+
+
+def image_batches() -> list:
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(8, 3, 8, 8, generator=g), torch.randint(0, 5, (8,), generator=g))
+            for _ in range(2)]  # fmt: skip
+
+
+def token_batches() -> list:
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randint(0, 23, (4, 5), generator=g), torch.randint(0, 23, (4, 5), generator=g))
+            for _ in range(2)]  # fmt: skip
+
+
+def mlp_batches() -> list:
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(16, 6, generator=g), torch.randint(0, 4, (16,), generator=g))
+            for _ in range(2)]  # fmt: skip
+
+
+CASES: list[tuple[str, Callable[[], nn.Module], Callable[[], list]]] = [
+    ("mlp", lambda: mlp3().float(), mlp_batches),
+    ("cnn_bn_train", cnn_bn, image_batches),
+    ("resnet_inplace_relu", resnet, image_batches),
+    ("transformer_encoder", Encoder, token_batches),
+    ("tied_embeddings", Tied, token_batches),
+]
+
+
+def snapshot(model: nn.Module) -> tuple:
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    modes = {n: m.training for n, m in model.named_modules()}
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    grad_values = {n: None if g is None else g.clone() for n, g in grads.items()}
+    return state, modes, grads, grad_values
+
+
+@pytest.mark.parametrize(("name", "build", "data"), CASES, ids=[c[0] for c in CASES])
+def test_diagnose_runs_and_leaves_the_model_unchanged(name, build, data):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    model = build()
+    model.train()
+    if name == "mlp":
+        model[2].eval()  # a mixed mode that must survive
+    first = next(model.parameters())
+    first.grad = torch.full_like(first, 0.5)  # an accumulated gradient that must survive
+    state, modes, grads, grad_values = snapshot(model)
+    rng = torch.get_rng_state()
+    with sdpa_kernel(SDPBackend.MATH):  # math attention for the transformer
+        report = diagnose(model, data(), progress=lambda _msg: None)
+
+    # unchanged: state dict bitwise (BN running stats included), modes, grads, RNG
+    after = model.state_dict()
+    assert after.keys() == state.keys()
+    for k, v in after.items():
+        assert torch.equal(v, state[k]), k
+    assert {n: m.training for n, m in model.named_modules()} == modes
+    for n, p in model.named_parameters():
+        assert p.grad is grads[n]
+        if p.grad is not None:
+            assert torch.equal(p.grad, grad_values[n])
+    assert torch.equal(torch.get_rng_state(), rng)
+
+    # rows for every parameterized module, finite where expected
+    owners = {n for n, m in model.named_modules() if next(m.parameters(False), None) is not None}
+    layers = {r["layer"] for r in report.layers}
+    assert owners <= layers
+    uncalled = {r["layer"] for r in report.layers if r["layer"] in owners and r["order"] is None}
+    # MultiheadAttention uses its out_proj's weights without calling it: the only exception
+    assert all(n.endswith("self_attn.out_proj") for n in uncalled), uncalled
+    for layer in owners - uncalled:
+        assert math.isfinite(report.value(layer, "E_y2")), layer
+    weights = [r for r in report.layers if r["layer"] in owners and r["shape"] is not None]
+    for r in weights:
+        assert math.isfinite(r["nu"]) or math.isfinite(r["nu_minibatch"]), r["layer"]
+        assert math.isfinite(r["W_abs_mean"]) and math.isfinite(r["grad_std"]), r["layer"]
+    linear_like = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
+    for layer in linear_like:
+        if layer.endswith("out_proj"):
+            continue  # used functionally inside MultiheadAttention: no probe rows of its own
+        assert math.isfinite(report.value(layer, "op_norm", "weight")), layer
+        if has_conditioning():
+            assert math.isfinite(report.value(layer, "gamma", "weight")), layer
+    assert {r["verdict"] for r in report.layers} <= {"ok", "warn", "bad"}
+    assert set(report.rows.columns) == set(DIAGNOSTIC_COLUMNS)
+    assert report.layers.columns == list(LAYER_COLUMNS)
+    if name == "resnet_inplace_relu":
+        assert {b["name"] for b in report.meta["residual_blocks"]} == {"3", "4"}
+        assert math.isfinite(report.meta["lipschitz"]["residual"])
+    if name == "cnn_bn_train":
+        # train-mode BN: per-example gradients are undefined, the minibatch nu stands in
+        assert any("BatchNorm" in n for n in report.meta["notes"])
+
+
+# ----------------------------------------------------------------------------- exits
+
+
+@pytest.fixture(scope="module")
+def small_report() -> Report:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, stride=2, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                          nn.Flatten(), nn.Linear(16, 3))  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(8, 3, 8, 8, generator=g), torch.randint(0, 3, (8,), generator=g))
+            for _ in range(2)]  # fmt: skip
+    return diagnose(model, data, name="tiny cnn")
+
+
+def rows_equal(a, b) -> bool:
+    def same(x, y) -> bool:
+        if isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y):
+            return True
+        return x == y
+
+    return len(a) == len(b) and all(
+        r.keys() == s.keys() and all(same(r[k], s[k]) for k in r) for r, s in zip(a, b, strict=True)
+    )
+
+
+def test_report_round_trips_through_json_and_pandas(small_report):
+    text = small_report.to_json()
+    json.loads(text)  # strict JSON: no NaN tokens
+    assert "NaN" not in text
+    back = Report.from_json(text)
+    assert rows_equal(back.rows.to_rows(), small_report.rows.to_rows())
+    assert rows_equal(back.layers.to_rows(), small_report.layers.to_rows())
+    assert rows_equal(back.findings.to_rows(), small_report.findings.to_rows())
+    for name, table in small_report.tables.items():
+        assert rows_equal(back.tables[name].to_rows(), table.to_rows()), name
+    assert back.meta["model"] == "tiny cnn"
+    df = small_report.to_pandas()
+    assert list(df.columns) == list(DIAGNOSTIC_COLUMNS) and len(df) == len(small_report.rows)
+    df_back = back.to_pandas()
+    assert df_back.equals(df)
+    assert list(small_report.to_pandas("layers").columns) == list(LAYER_COLUMNS)
+    md = small_report.to_markdown()
+    assert "### Per-layer summary" in md and "| 2 | max_pool | warn |" in md
+
+
+def test_save_html_is_one_self_contained_file(small_report, tmp_path):
+    path = small_report.save_html(tmp_path / "report.html")
+    assert [p.name for p in tmp_path.iterdir()] == ["report.html"]
+    text = path.read_text(encoding="utf-8")
+    assert '<img src="data:image/png;base64,' in text
+    assert text.count("data:image/png;base64,") >= 3
+    assert "<table>" in text and "max_pool" in text and "Per-layer summary" in text
+    assert not re.search(r"https?://", text)
+    assert "<link" not in text and "<script" not in text and "url(" not in text
+    assert 'src="' not in text.replace('src="data:image/png;base64,', "")
+
+
+def test_summary_lists_each_layer_with_its_verdict(small_report):
+    text = small_report.summary()
+    assert "tiny cnn" in text
+    for r in small_report.layers:
+        assert re.search(rf"^\s+{re.escape(r['layer'] or '<root>')}\s+{r['verdict']}", text, re.M)
+    assert small_report.verdicts["2"][0] == "warn"  # the max pool
+    assert "max pooling" in small_report.verdicts["2"][1]
+
+
+# ----------------------------------------------------------------------------- options
+
+
+def test_curvature_rows_and_plots(tmp_path):
+    pytest.importorskip("initlab.curvature", reason="initlab.curvature has not landed")
+    model = mlp3(7, (5, 8, 8, 3)).float()
+    data = (torch.randn(32, 5), torch.randint(0, 3, (32,)))
+    report = diagnose(model, data, curvature=True, curvature_options={"probes": 4})
+    assert "curvature" in report.tables, report.meta["notes"]
+    curv = report.tables["curvature"]
+    assert len(curv) == 6 * 6  # full L x L map of the 6 parameter tensors
+    for layer in ("0", "2", "4"):
+        for param in ("weight", "bias"):
+            assert report.value(layer, "curv_block", param) > 0
+            assert math.isfinite(report.value(layer, "curv_theory_ratio", param))
+    report.save_html(tmp_path / "r.html")
+    text = (tmp_path / "r.html").read_text(encoding="utf-8")
+    assert "Hessian blocks" in text and "Theory vs actual" in text
+
+
+def test_landscape_is_embedded_and_plotted(tmp_path):
+    class FakeLandscape:
+        def to_rows(self):
+            return [{"t1": a / 4, "t2": b / 4, "loss": (a / 4) ** 2 + 2 * (b / 4) ** 2}
+                    for a in range(-4, 5) for b in range(-4, 5)]  # fmt: skip
+
+    model = mlp3(8).float()
+    report = diagnose(model, mlp_batches(), landscape=FakeLandscape(), spectra=False)
+    assert len(report.tables["landscape"]) == 81
+    figs = report.figures()
+    assert "Loss landscape" in figs
+
+
+def test_plot_gamma_nu_compares_several_reports():
+    from initlab.diagnostics.plots import plot_gamma_nu, plot_weight_grad
+
+    reports = {}
+    for scheme in ("fan_in", "geometric"):
+        model = mlp3(9, (8, 32, 16, 4)).float()
+        init_model(model, scheme, generator=0)
+        reports[scheme] = diagnose(model, _mlp8(), spectra=False)
+    fig = plot_gamma_nu(reports)
+    axes = fig.get_axes()
+    assert len(axes) == 2 and axes[0].get_yscale() == "log"
+    assert [t.get_text() for t in axes[0].get_legend().get_texts()] == ["fan_in", "geometric"]
+    assert len(plot_weight_grad(reports).get_axes()) == 2
+
+
+def _mlp8() -> list:
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(32, 8, generator=g), torch.randint(0, 4, (32,), generator=g))
+            for _ in range(2)]  # fmt: skip
+
+
+def test_diagnose_command_writes_the_report_folder(tmp_path):
+    messages: list[str] = []
+    report = diagnose_command(
+        "zoo:paper_mlp", data="random", out=tmp_path / "out", batch_size=32, batches=2,
+        model_kwargs={"n_in": 12, "widths": [16, 8]}, init="geometric", progress=messages.append,
+    )  # fmt: skip
+    names = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert names == ["report.html", "report.json", "report.md", "summary.txt"]
+    assert report.meta["command"]["loss"] == "random_quadratic"
+    assert any("forward + backward" in m for m in messages)
+    assert Report.from_json((tmp_path / "out" / "report.json").read_text()).meta["batches"] == 2
+
+
+def test_landscape_option_computes_one(tmp_path):
+    pytest.importorskip("initlab.landscape", reason="initlab.landscape has not landed")
+    model = mlp3(10).float()
+    grid = (torch.linspace(-1, 1, 5), torch.linspace(-1, 1, 4))
+    report = diagnose(model, mlp_batches(), landscape={"grid": grid}, spectra=False)
+    assert len(report.tables["landscape"]) == 20, report.meta["notes"]
+    assert report.tables["landscape"].columns == ["t1", "t2", "loss"]
+    assert all(math.isfinite(r["loss"]) for r in report.tables["landscape"])
+    report.save_html(tmp_path / "land.html")
+    assert "Loss landscape" in (tmp_path / "land.html").read_text(encoding="utf-8")
+
+
+def test_data_loader_input_takes_max_batches():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    g = torch.Generator().manual_seed(0)
+    ds = TensorDataset(torch.randn(80, 6, generator=g), torch.randint(0, 4, (80,), generator=g))
+    loader = DataLoader(ds, batch_size=16)
+    report = diagnose(mlp3(11).float(), loader, max_batches=3, spectra=False)
+    assert report.meta["batches"] == 3 and report.meta["examples"] == 48
+    assert report.tables["gradients"][0]["batches"] == 3

@@ -1,0 +1,264 @@
+"""The scaling linter: Table 1's rules, residual detection, dead ReLUs counted by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from initlab.diagnostics import diagnose, make_loss
+from initlab.diagnostics.linter import (
+    DEAD_MIN_EXAMPLES,
+    RULES,
+    SATURATED_STD,
+    TANH_LINEAR_STD,
+    ActivationWatch,
+    lint_model,
+)
+
+STRUCTURAL = {"max_pool", "resampling", "sigmoid", "tanh", "mixed_kernel_sizes", "skip_connection"}
+
+
+def rules_of(findings) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for f in findings:
+        out.setdefault(f["rule"], []).append(f)
+    return out
+
+
+def watched(model: nn.Module, batches: list[torch.Tensor]) -> ActivationWatch:
+    with ActivationWatch(model) as watch, torch.no_grad():
+        for x in batches:
+            model(x)
+    return watch
+
+
+def images(n: int = 32, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, 3, 8, 8, generator=torch.Generator().manual_seed(seed))
+
+
+def test_max_pool_and_sigmoid_are_flagged_with_the_papers_reasons():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.Sigmoid(), nn.MaxPool2d(2), nn.Flatten(),
+        nn.Linear(64, 3),
+    )  # fmt: skip
+    x = images()
+    result = lint_model(model, activations=watched(model, [x]))
+    found = rules_of(result.findings)
+    assert [f["layer"] for f in found["max_pool"]] == ["2"]
+    assert [f["layer"] for f in found["sigmoid"]] == ["1"]
+    assert 'Table 1: "Max pooling"' in found["max_pool"][0]["reason"]
+    assert "stride-2 convolutions, as well as average pooling" in found["max_pool"][0]["reason"]
+    assert 'Table 1: "Sigmoid"' in found["sigmoid"][0]["reason"]
+    # the sigmoid's input std is the hand-computed std of the conv output
+    expected = model[0](x).detach().double().std(unbiased=False).item()
+    assert found["sigmoid"][0]["value"] == pytest.approx(expected, rel=1e-6)
+    assert found["max_pool"][0]["severity"] == "warn"
+
+
+def test_strided_convs_relu_and_average_pooling_pass():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, stride=2, padding=1), nn.ReLU(),
+        nn.Conv2d(8, 8, 3, stride=2, padding=1), nn.ReLU(),
+        nn.AvgPool2d(2), nn.Flatten(), nn.Linear(8, 4),
+    )  # fmt: skip
+    report = diagnose(model, (images(), torch.randint(0, 4, (32,))))
+    assert not STRUCTURAL & {f["rule"] for f in report.findings}
+    assert report.meta["traced"] is True
+
+
+def test_functional_ops_are_found_through_fx_and_measured():
+    class Functional(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3, padding=1)
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = F.max_pool2d(torch.sigmoid(self.conv(x)), 4)
+            h = F.interpolate(h, scale_factor=0.5)
+            return self.fc(torch.tanh(h.flatten(1)))
+
+    torch.manual_seed(0)
+    model = Functional()
+    batches = [images(seed=0), images(seed=1)]
+    result = lint_model(model, forward_args=[((x,), {}) for x in batches])
+    found = rules_of(result.findings)
+    assert set(found) >= {"max_pool", "sigmoid", "resampling"}
+    assert found["max_pool"][0]["layer"] == "<root>:max_pool2d"
+    pre = torch.cat([model.conv(x) for x in batches]).detach().double()
+    assert found["sigmoid"][0]["value"] == pytest.approx(pre.std(unbiased=False).item(), rel=1e-6)
+    acts = {r["layer"]: r for r in result.activations}
+    assert acts["<root>:sigmoid"]["source"] == "functional"
+    assert acts["<root>:sigmoid"]["batches"] == 2
+
+
+def test_mixed_kernel_sizes_are_flagged_on_the_odd_convolution():
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 1), nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1),
+    )  # fmt: skip
+    found = rules_of(lint_model(model).findings)
+    (f,) = found["mixed_kernel_sizes"]
+    assert f["layer"] == "2"
+    assert f["value"] == pytest.approx(1 / 9)
+    assert "alpha = 1.73" in f["message"]  # alpha^4 k^2 = const: alpha = 9^(1/4)
+    assert "only if all kernel sizes are the same" in f["reason"]
+
+
+class Block(nn.Module):
+    def __init__(self, c_in: int, c_out: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1)
+        self.relu = nn.ReLU(inplace=True)
+        self.short = nn.Conv2d(c_in, c_out, 1, stride) if stride > 1 else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.relu(self.conv2(self.relu(self.conv1(x))) + self.short(x))
+
+
+def test_skip_connections_are_found_with_branch_and_shortcut():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), Block(4, 4, 1), Block(4, 8, 2))
+    result = lint_model(model)
+    found = rules_of(result.findings)
+    assert [f["layer"] for f in found["skip_connection"]] == ["1", "2"]
+    blocks = {b["name"]: b for b in result.residual_blocks}
+    assert blocks["1"]["branch"] == ["1.conv1", "1.conv2"] and blocks["1"]["shortcut"] == []
+    assert blocks["2"]["branch"] == ["2.conv1", "2.conv2"]
+    assert blocks["2"]["shortcut"] == ["2.short"]
+    assert (
+        "residual blocks will be scaled correctly against each other"
+        in (found["skip_connection"][0]["reason"])
+    )
+    # the 1x1 projection among 3x3 convolutions is also a kernel-size finding
+    assert [f["layer"] for f in found["mixed_kernel_sizes"]] == ["2.short"]
+
+
+def test_positional_embedding_addition_is_not_a_skip_connection():
+    class Tokens(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tok = nn.Embedding(20, 8)
+            self.pos = nn.Embedding(16, 8)
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            pos = torch.arange(idx.size(1), device=idx.device)
+            h = self.tok(idx) + self.pos(pos)
+            return h + self.fc(h)
+
+    result = lint_model(Tokens())
+    assert [b["branch"] for b in result.residual_blocks] == [["fc"]]
+
+
+def test_transformer_layers_are_residual_by_type():
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    found = rules_of(lint_model(model).findings)
+    assert [f["layer"] for f in found["skip_connection"]] == [
+        "layers.0:self_attn", "layers.0:ff", "layers.1:self_attn", "layers.1:ff",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_dead_relu_fraction_matches_a_hand_count(inplace):
+    g = torch.Generator().manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 40), nn.ReLU(inplace=inplace), nn.Linear(40, 2))
+    with torch.no_grad():
+        model[0].bias[:10] = -50.0  # never positive
+        model[0].bias[10:13] = -4.0  # rarely positive
+    batches = [torch.randn(16, 5, generator=g) for _ in range(2)]
+    watch = watched(model, batches)
+    with torch.no_grad():
+        pre = torch.cat([model[0](x) for x in batches])
+    dead = int((pre <= 0).all(dim=0).sum())
+    assert dead >= 10
+    (row,) = watch.rows()
+    assert row["layer"] == "1" and row["examples"] == 32 >= DEAD_MIN_EXAMPLES
+    assert row["dead_frac"] == dead / 40
+    found = rules_of(lint_model(model, activations=watch).findings)
+    assert found["dead_relu"][0]["value"] == dead / 40
+    assert found["dead_relu"][0]["severity"] == ("bad" if dead / 40 > 0.5 else "warn")
+
+
+def test_dead_channels_of_a_convolution():
+    g = torch.Generator().manual_seed(1)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU())
+    with torch.no_grad():
+        model[0].bias[:2] = -100.0
+    x = torch.randn(20, 3, 6, 6, generator=g)
+    (row,) = watched(model, [x]).rows()
+    pre = model[0](x).detach()
+    assert row["dead_frac"] == float((pre <= 0).all(dim=0).double().mean())
+    assert row["dead_channel_frac"] == 0.5
+
+
+@pytest.mark.parametrize(("scale", "expected"), [(0.1, None), (1.0, "warn"), (4.0, "bad")])
+def test_tanh_rule_uses_the_input_std(scale, expected):
+    model = nn.Sequential(nn.Tanh(), nn.Linear(6, 2))
+    x = scale * torch.randn(64, 6, generator=torch.Generator().manual_seed(2))
+    found = rules_of(lint_model(model, activations=watched(model, [x])).findings)
+    std = x.double().std(unbiased=False).item()
+    if expected is None:
+        assert std < TANH_LINEAR_STD and "tanh" not in found
+    else:
+        assert found["tanh"][0]["severity"] == expected
+        assert found["tanh"][0]["value"] == pytest.approx(std, rel=1e-6)
+        assert (std >= SATURATED_STD) == (expected == "bad")
+        assert "linear regime" in RULES["tanh"]
+
+
+def test_untraceable_model_falls_back_to_module_types():
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3, padding=1)
+            self.pool = nn.MaxPool2d(2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.sum() > 0:  # data-dependent control flow: fx cannot trace this
+                x = -x
+            return self.pool(self.conv(x))
+
+    result = lint_model(Branchy())
+    found = rules_of(result.findings)
+    assert not result.traced and result.trace_error
+    assert found["not_traced"][0]["severity"] == "info"
+    assert [f["layer"] for f in found["max_pool"]] == ["pool"]
+
+
+def test_vanishing_signal_and_non_finite_values_give_bad_verdicts():
+    torch.manual_seed(0)
+    small = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
+                          nn.Linear(16, 3))  # fmt: skip
+    with torch.no_grad():
+        for m in small:
+            if isinstance(m, nn.Linear):
+                m.weight.mul_(1e-2)
+                m.bias.zero_()
+    data = (torch.randn(32, 8), torch.randint(0, 3, (32,)))
+    report = diagnose(small, data, spectra=False)
+    found = rules_of(report.findings)
+    assert "vanishing_signal" in found
+    layer = found["vanishing_signal"][0]["layer"]
+    assert report.verdicts[layer][0] == "bad"
+    assert "vanishes" in report.verdicts[layer][1]
+
+    broken = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    with torch.no_grad():
+        broken[2].weight[0, 0] = float("nan")
+    report = diagnose(broken, data, make_loss("cross_entropy"), spectra=False)
+    verdict, reason = report.verdicts["2"]
+    assert verdict == "bad"
+    assert "non-finite activations in 2" in reason
+    # the first layer computes finite activations but gets NaN gradients through layer 2
+    assert "non-finite activations in 0" not in report.verdicts["0"][1]
+    assert "non-finite gradients in 0" in report.verdicts["0"][1]
+    assert any("non-finite loss" in n for n in report.meta["notes"])
+    assert math.isnan(report.value("2", "E_y2"))

@@ -1,0 +1,206 @@
+"""Spectra against float64 oracles: exact SVDs, dense convolution matrices, Lipschitz ratios."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from initlab.diagnostics.spectra import (
+    InputShapes,
+    conv_operator,
+    conv_operator_norm,
+    layer_spectra,
+    lipschitz_bounds,
+    mean_nonzero_singular_value,
+    singular_values,
+)
+
+F64 = torch.float64
+
+
+def dense_conv_matrix(conv: nn.Module, shape: tuple[int, ...]) -> torch.Tensor:
+    """The matrix of ``x -> conv(x) - bias`` at ``shape``: the module applied, in float64, to
+    every vector of the identity basis (one column per input entry)."""
+    twin = conv.to(F64)
+    n = math.prod(shape)
+    basis = torch.eye(n, dtype=F64).reshape(n, *shape)
+    with torch.no_grad():
+        out = twin(basis)
+        if twin.bias is not None:
+            out = out - twin.bias.reshape(1, -1, *([1] * (len(shape) - 1)))
+    return out.reshape(n, -1).T
+
+
+CONV_CASES = [
+    ("stride2_pad1", nn.Conv2d, dict(in_channels=3, out_channels=4, kernel_size=3, stride=2,
+                                     padding=1), (3, 7, 8)),
+    ("circular", nn.Conv2d, dict(in_channels=2, out_channels=3, kernel_size=3, padding=1,
+                                 padding_mode="circular"), (2, 6, 6)),
+    ("circular_stride2", nn.Conv2d, dict(in_channels=2, out_channels=4, kernel_size=5, stride=2,
+                                         padding=2, padding_mode="circular"), (2, 8, 8)),
+    ("groups", nn.Conv2d, dict(in_channels=4, out_channels=6, kernel_size=3, padding=1,
+                               groups=2), (4, 5, 6)),
+    ("depthwise_circular", nn.Conv2d, dict(in_channels=3, out_channels=3, kernel_size=3,
+                                           padding=1, groups=3, padding_mode="circular"),
+     (3, 6, 6)),
+    ("dilation_reflect", nn.Conv2d, dict(in_channels=2, out_channels=3, kernel_size=3, padding=2,
+                                         dilation=2, padding_mode="reflect"), (2, 7, 7)),
+    ("same_replicate", nn.Conv2d, dict(in_channels=2, out_channels=2, kernel_size=3,
+                                       padding="same", padding_mode="replicate"), (2, 6, 5)),
+    ("stride3_leftover", nn.Conv2d, dict(in_channels=2, out_channels=3, kernel_size=3, stride=3,
+                                         padding=1), (2, 8, 8)),
+    ("conv1d", nn.Conv1d, dict(in_channels=3, out_channels=5, kernel_size=4, stride=2,
+                               padding=1), (3, 17)),
+    ("conv3d", nn.Conv3d, dict(in_channels=2, out_channels=2, kernel_size=3, stride=2,
+                               padding=1, padding_mode="circular"), (2, 4, 4, 4)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("name", "cls", "kwargs", "shape"), CONV_CASES, ids=[c[0] for c in CONV_CASES]
+)
+def test_conv_operator_norm_matches_dense_matrix(name, cls, kwargs, shape):
+    torch.manual_seed(sum(map(ord, name)))
+    conv = cls(**kwargs)
+    expected = torch.linalg.svdvals(dense_conv_matrix(conv, shape))[0].item()
+    sigma, info = conv_operator_norm(conv, shape, generator=torch.Generator().manual_seed(1))
+    assert sigma == pytest.approx(expected, rel=1e-6), (name, info["matvecs"])
+
+
+@pytest.mark.parametrize(
+    ("name", "cls", "kwargs", "shape"), CONV_CASES[:8], ids=[c[0] for c in CONV_CASES[:8]]
+)
+def test_conv_adjoint_is_exact(name, cls, kwargs, shape):
+    torch.manual_seed(0)
+    conv = cls(**kwargs)
+    forward, adjoint, out_shape = conv_operator(conv, shape)
+    matrix = dense_conv_matrix(conv, shape)
+    assert matrix.shape == (math.prod(out_shape), math.prod(shape))
+    x = torch.randn(1, *shape, dtype=F64)
+    y = torch.randn(1, *out_shape, dtype=F64)
+    torch.testing.assert_close(forward(x).reshape(-1), matrix @ x.reshape(-1))
+    torch.testing.assert_close(adjoint(y).reshape(-1), matrix.T @ y.reshape(-1))
+
+
+def test_operator_norm_is_not_the_reshaped_kernel_norm():
+    torch.manual_seed(3)
+    conv = nn.Conv2d(2, 2, 3, padding=1)
+    reshaped = singular_values(conv.weight)[0].item()
+    sigma, _ = conv_operator_norm(conv, (2, 8, 8))
+    expected = torch.linalg.svdvals(dense_conv_matrix(conv, (2, 8, 8)))[0].item()
+    assert sigma == pytest.approx(expected, rel=1e-6)
+    assert abs(sigma - reshaped) > 1e-3 * expected  # different quantities
+    assert reshaped <= sigma * 3 + 1e-12 and sigma <= 3 * reshaped + 1e-12  # ||A|| <= k ||K||
+
+
+def test_singular_values_exact_svd():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 4, 3, 3, generator=g)
+    expected = np.linalg.svd(w.double().reshape(6, -1).numpy(), compute_uv=False)
+    np.testing.assert_allclose(singular_values(w).numpy(), expected, rtol=1e-12)
+    # rank 2: the mean of the non-zero singular values ignores the zeros
+    low = torch.randn(8, 2, dtype=F64, generator=g) @ torch.randn(2, 5, dtype=F64, generator=g)
+    s = singular_values(low)
+    s_np = np.linalg.svd(low.numpy(), compute_uv=False)
+    assert mean_nonzero_singular_value(s, (8, 5)) == pytest.approx(s_np[:2].mean(), rel=1e-12)
+
+
+def test_layer_spectra_rows_and_input_shapes():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3, stride=2, padding=1, padding_mode="circular"),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(4 * 4 * 4, 5),
+    )
+    with InputShapes(model) as shapes:
+        model(torch.randn(2, 3, 8, 8))
+    assert shapes.shapes == {"0": (3, 8, 8), "3": (64,)}
+    rows = {r["layer"]: r for r in layer_spectra(model, shapes)}
+    conv_expected = torch.linalg.svdvals(dense_conv_matrix(model[0], (3, 8, 8)))[0].item()
+    assert rows["0"]["op_norm"] == pytest.approx(conv_expected, rel=1e-6)
+    assert rows["0"]["op_method"] == "lanczos"
+    lin = torch.linalg.svdvals(model[3].weight.detach().double())
+    assert rows["3"]["op_norm"] == pytest.approx(lin[0].item(), rel=1e-12)
+    assert rows["3"]["sv_mean"] == pytest.approx(lin.mean().item(), rel=1e-12)
+    # no recorded shape: the conv's operator norm is NaN with a note
+    bare = {r["layer"]: r for r in layer_spectra(model)}
+    assert math.isnan(bare["0"]["op_norm"]) and "no recorded input shape" in bare["0"]["note"]
+
+
+def _lipschitz_ratios(model: nn.Module, shape: tuple[int, ...], pairs: int = 200) -> float:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(pairs, *shape, generator=g, dtype=F64)
+    scale = torch.logspace(-3, 0, pairs, dtype=F64).reshape(-1, *([1] * len(shape)))
+    x2 = x + scale * torch.randn(pairs, *shape, generator=g, dtype=F64)
+    with torch.no_grad():
+        num = (model(x) - model(x2)).flatten(1).norm(dim=1)
+    return float((num / (x - x2).flatten(1).norm(dim=1)).max())
+
+
+def test_product_of_norms_bounds_the_lipschitz_ratio_mlp():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)
+    ).to(F64)
+    bounds = lipschitz_bounds(layer_spectra(model))
+    measured = _lipschitz_ratios(model, (10,))
+    expected = math.prod(
+        torch.linalg.svdvals(m.weight.detach())[0].item() for m in model if isinstance(m, nn.Linear)
+    )
+    assert bounds["plain"] == pytest.approx(expected, rel=1e-12)
+    assert measured <= bounds["plain"] * (1 + 1e-9)
+
+
+def test_product_of_operator_norms_bounds_a_cnn():
+    torch.manual_seed(1)
+    model = nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1, padding_mode="circular"),
+        nn.ReLU(),
+        nn.Conv2d(4, 4, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(4 * 4 * 4, 3),
+    ).to(F64)
+    with InputShapes(model) as shapes:
+        model(torch.randn(1, 2, 8, 8, dtype=F64))
+    bound = lipschitz_bounds(layer_spectra(model, shapes))["plain"]
+    assert _lipschitz_ratios(model, (2, 8, 8)) <= bound * (1 + 1e-9)
+
+
+class ResidualMLP(nn.Module):
+    """The lecture's ``z + s(W z + b)`` layers between an input and an output layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 16)
+        self.hidden = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+        self.out = nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = torch.relu(self.inp(x))
+        for layer in self.hidden:
+            z = z + torch.relu(layer(z))
+        return self.out(z)
+
+
+def test_residual_bound_uses_one_plus_norm_and_bounds_the_ratio():
+    from initlab.diagnostics.linter import find_residual_blocks, trace_model
+
+    torch.manual_seed(2)
+    model = ResidualMLP().to(F64)
+    gm, err = trace_model(model)
+    assert gm is not None, err
+    blocks = find_residual_blocks(gm)
+    assert [b["branch"] for b in blocks] == [["hidden.0"], ["hidden.1"], ["hidden.2"]]
+    assert all(b["shortcut"] == [] for b in blocks)
+    spectra = layer_spectra(model)
+    bounds = lipschitz_bounds(spectra, blocks)
+    norm = {r["layer"]: r["op_norm"] for r in spectra}
+    expected = norm["inp"] * norm["out"] * math.prod(1 + norm[f"hidden.{i}"] for i in range(3))
+    assert bounds["residual"] == pytest.approx(expected, rel=1e-12)
+    assert _lipschitz_ratios(model, (6,)) <= bounds["residual"] * (1 + 1e-9)
