@@ -628,6 +628,29 @@ class Twice(nn.Module):
         return self.layer(torch.tanh(self.layer(x)))
 
 
+class EmbedTwice(nn.Module):
+    def __init__(self, embed: nn.Embedding) -> None:
+        super().__init__()
+        self.embed = embed
+
+    def forward(self, tokens):
+        n = self.embed.num_embeddings
+        return self.embed(tokens) * torch.tanh(self.embed((tokens + 1) % n))
+
+
+class TiedLM(nn.Module):
+    """An embedding whose weight is also the output head's (one parameter, two module kinds)."""
+
+    def __init__(self, vocab: int, dim: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim, padding_idx=0)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.embed(tokens)))
+
+
 def _floats(*shape):
     return lambda g: torch.randn(*shape, generator=g, dtype=F64)
 
@@ -675,6 +698,54 @@ CASES = {
     "linear_3d_called_twice": (lambda: Twice(nn.Linear(4, 4)), _floats(3, 5, 4), 0),
     "conv_called_twice": (lambda: Twice(nn.Conv1d(3, 3, 3, padding=1)), _floats(4, 3, 6), 0),
     "layernorm_called_twice": (lambda: Twice(nn.LayerNorm(5)), _floats(4, 2, 5), 0),
+    "layernorm_2d": (lambda: nn.LayerNorm(6), _floats(5, 6), 0),
+    "layernorm_no_bias_2d": (lambda: nn.LayerNorm(6, bias=False), _floats(5, 6), 0),
+    "layernorm_no_bias_3d": (lambda: nn.LayerNorm(6, bias=False), _floats(4, 3, 6), 0),
+    "layernorm_2d_shape": (lambda: nn.LayerNorm((3, 4), eps=1e-3), _floats(4, 2, 3, 4), 0),
+    "layernorm_seq_first": (lambda: nn.LayerNorm(5), _floats(3, 4, 5), 1),
+    "layernorm_no_affine": (
+        lambda: nn.Sequential(
+            nn.Linear(3, 5), nn.LayerNorm(5, elementwise_affine=False), nn.Linear(5, 2)
+        ),
+        _floats(4, 3, 3),
+        0,
+    ),
+    "layernorm_2d_called_twice": (lambda: Twice(nn.LayerNorm(5)), _floats(4, 5), 0),
+    "layernorm_no_bias_called_twice": (
+        lambda: Twice(nn.LayerNorm(5, bias=False)),
+        _floats(3, 4, 5),
+        0,
+    ),
+    "embedding_repeats_padding": (
+        lambda: nn.Embedding(7, 4, padding_idx=2),
+        lambda g: torch.randint(0, 4, (5, 6), generator=g),
+        0,
+    ),
+    "embedding_1d": (
+        lambda: nn.Embedding(7, 4),
+        lambda g: torch.randint(0, 7, (6,), generator=g),
+        0,
+    ),
+    "embedding_3d_input": (
+        lambda: nn.Embedding(5, 3),
+        lambda g: torch.randint(0, 5, (4, 2, 3), generator=g),
+        0,
+    ),
+    "embedding_seq_first": (
+        lambda: nn.Embedding(6, 4, padding_idx=0),
+        lambda g: torch.randint(0, 3, (5, 4), generator=g),
+        1,
+    ),
+    "embedding_called_twice": (
+        lambda: EmbedTwice(nn.Embedding(6, 4, padding_idx=1)),
+        lambda g: torch.randint(0, 4, (5, 6), generator=g),
+        0,
+    ),
+    "embedding_tied_to_linear_head": (
+        lambda: TiedLM(7, 4),
+        lambda g: torch.randint(0, 7, (4, 5), generator=g),
+        0,
+    ),
 }
 
 
@@ -701,11 +772,15 @@ def test_per_example_weight_gradients_match_a_loop(case):
         batch_dim=bd,
     )
     table = probe.param_table()
-    assert len(table) == len(oracle)
+    first_name = {id(p): n for n, p in model.named_parameters()}  # tied: one name, many rows
+    seen = set()
     for row in table:
-        name = f"{row['module']}.{row['param']}" if row["module"] else row["param"]
+        param = model.get_submodule(row["module"]).get_parameter(row["param"])
+        name = first_name[id(param)]
+        seen.add(name)
         assert row["note"] == "", (name, row["note"])
         assert row["E_dW2_example"] == pytest.approx(oracle[name], rel=1e-8), name
+    assert seen == set(oracle)
     assert no_hooks_left(model)
 
 
@@ -920,3 +995,128 @@ def test_prop5_geometric_init_balances_weight_to_gradient_ratios():
     assert geometric.max() / geometric.min() <= 1.15, geometric
     fan_in = _weight_ratios(0, "fan_in")
     assert fan_in.max() / fan_in.min() > 3.0, fan_in
+
+
+def test_closed_form_kinds_and_their_fallbacks():
+    from initlab.probe import _kind
+
+    class ScaledNorm(nn.LayerNorm):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    assert _kind(nn.LayerNorm(4)) == "layernorm"
+    assert _kind(nn.LayerNorm(4, bias=False)) == "layernorm"
+    assert _kind(nn.Embedding(5, 3, padding_idx=0)) == "embedding"
+    assert _kind(ScaledNorm(4)) == "generic"
+    for module in (
+        nn.Embedding(5, 3, max_norm=1.0),
+        nn.Embedding(5, 3, scale_grad_by_freq=True),
+        nn.Embedding(5, 3, sparse=True),
+    ):
+        assert _kind(module) == "generic"
+
+
+class TinyEncoder(nn.Module):
+    def __init__(self, vocab: int = 11, dim: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim, padding_idx=0)
+        layer = nn.TransformerEncoderLayer(dim, 2, 16, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens):
+        return self.head(self.encoder(self.embed(tokens)))
+
+
+def test_float32_transformer_matches_a_float64_loop():
+    torch.manual_seed(3)
+    model = TinyEncoder()
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 11, (6, 5), generator=gen)
+    target = torch.randint(0, 11, (6, 5), generator=gen)
+
+    def loss(m, t, tgt):
+        out = m(t)
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), tgt.reshape(-1))
+
+    with MomentProbe(model) as probe:
+        loss(model, tokens, target).backward()
+    assert probe.notes == []
+    oracle = example_sq_means(model, tokens, lambda m, xi, i: loss(m, xi, target[i : i + 1]), 6)
+    first_name = {id(p): n for n, p in model.named_parameters()}
+    for row in probe.param_table():
+        name = first_name[id(model.get_submodule(row["module"]).get_parameter(row["param"]))]
+        assert row["E_dW2_example"] == pytest.approx(oracle[name], rel=1e-4), name
+
+
+class Attend(nn.Module):
+    """MultiheadAttention called in the ways the shortcut must reproduce exactly."""
+
+    def __init__(self, mode: str, batch_first: bool = True, **kwargs) -> None:
+        super().__init__()
+        self.mode = mode
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=batch_first, **kwargs)
+
+    def forward(self, x):
+        if self.mode == "self":
+            return self.attn(x, x, x, need_weights=False)[0]
+        if self.mode == "masks":
+            steps = x.shape[1]
+            causal = torch.ones(steps, steps, dtype=torch.bool).triu(1)
+            pad = (x[..., 0] > 0.5) & (torch.arange(steps) > 0)  # per example, from its data
+            out = self.attn(x, x, x, key_padding_mask=pad, attn_mask=causal, is_causal=True)
+            return out[0]
+        if self.mode == "weights":  # the attention weights feed the loss too
+            out, weights = self.attn(x, x, x, average_attn_weights=False)
+            return out * weights.sum((1, 2)).unsqueeze(-1).tanh()
+        if self.mode == "cross":  # query, key and value differ (shorter memory)
+            memory = torch.tanh(x[:, :3])
+            return self.attn(x, memory, memory * 2, need_weights=False)[0]
+        if self.mode == "keywords":
+            return self.attn(query=x, key=x, value=x, need_weights=False)[0]
+        # "twice": called twice per forward
+        h = torch.tanh(self.attn(x, x, x, need_weights=False)[0])
+        return self.attn(h, h, x, need_weights=False)[0]
+
+
+ATTENTION_CASES = {
+    "self": (lambda: Attend("self"), 0),
+    "self_seq_first": (lambda: Attend("self", batch_first=False), 1),
+    "no_bias": (lambda: Attend("self", bias=False), 0),
+    "masks": (lambda: Attend("masks"), 0),
+    "weights_used": (lambda: Attend("weights"), 0),
+    "cross": (lambda: Attend("cross"), 0),
+    "keywords": (lambda: Attend("keywords"), 0),
+    "twice": (lambda: Attend("twice"), 0),
+    "bias_kv_generic": (lambda: Attend("self", add_bias_kv=True), 0),
+    "kdim_generic": (lambda: Attend("cross", kdim=8, vdim=8), 0),
+}
+
+
+@pytest.mark.parametrize("case", list(ATTENTION_CASES))
+def test_attention_shortcut_matches_a_loop(case, monkeypatch):
+    import initlab.probe as probe_module
+
+    factory, bd = ATTENTION_CASES[case]
+    gen = torch.Generator().manual_seed(11)
+    model = factory().double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=F64) * 0.5)
+    shape = (5, 4, 8) if bd == 0 else (4, 5, 8)
+    x = torch.randn(*shape, generator=gen, dtype=F64)
+    with torch.no_grad():
+        target = torch.randn(model(x).shape, generator=gen, dtype=F64)
+    if not case.endswith("_generic"):  # the shortcut must not fall back to vmap
+        monkeypatch.setattr(probe_module, "_generic_contributions", None)
+    with MomentProbe(model, batch_dim=bd if bd else None) as probe:
+        F.mse_loss(model(x), target).backward()
+    oracle = example_sq_means(
+        model, x, lambda m, xi, i: F.mse_loss(m(xi), target.narrow(bd, i, 1)), 5, batch_dim=bd
+    )
+    assert probe.notes == []
+    table = probe.param_table()
+    assert {f"{r['module']}.{r['param']}" for r in table} == set(oracle)
+    for row in table:
+        name = f"{row['module']}.{row['param']}"
+        assert row["E_dW2_example"] == pytest.approx(oracle[name], rel=1e-8), name

@@ -61,18 +61,36 @@ What is exact and what is not (``dW_example``):
 
 * ``nn.Linear`` (unmodified ``forward``), one call per forward: exact closed forms from the hooked
   input and output gradient: ``||dW_i||^2 = ||dy_i||^2 ||x_i||^2`` for 2-D inputs; for inputs
-  ``(B, T, in)`` ``||sum_t dy_it x_it^T||^2`` via Gram matrices ``sum_ts (dy_t.dy_s)(x_t.x_s)`` or
-  an einsum, whichever is cheaper; bias ``||sum_t dy_it||^2``.
+  ``(B, T, in)`` ``||sum_t dy_it x_it^T||^2`` via float64 Gram matrices
+  ``sum_ts (dy_t.dy_s)(x_t.x_s)`` or a batched matmul, whichever is cheaper; bias
+  ``||sum_t dy_it||^2``.
 * ``nn.Conv1d/2d/3d`` (unmodified): exact per-example weight gradients by folding the batch into
   the groups of ``convolution_backward`` (chunked over the batch), honouring stride, padding
   (including ``"same"`` and non-``"zeros"`` padding modes), dilation and groups.
-* Modules called several times per forward, parameters owned by several probed modules: per-example
-  gradients of every call are materialized and summed before squaring (exact).
-* Any other module (LayerNorm, Embedding, MultiheadAttention, custom blocks): ``torch.func.vmap``
+* ``nn.LayerNorm`` (unmodified; with or without bias): ``dW_i = sum_t dy_it * xhat_it`` with
+  ``xhat = (x - mean) / sqrt(var + eps)`` over ``normalized_shape`` recomputed from the stored
+  input; bias ``sum_t dy_it``.
+* ``nn.Embedding`` (unmodified, no ``max_norm``, ``scale_grad_by_freq`` or ``sparse``; those
+  take the generic path): ``||dW_i||^2 = sum_v ||sum_{t: tok_it = v} dy_it||^2`` by sorting the
+  (example, token) keys and summing equal keys with ``index_add`` (memory ~ ``dy``); rows of
+  ``padding_idx`` get no gradient.
+* ``nn.MultiheadAttention`` (unmodified, packed in-projection, no ``bias_k``/``bias_v``, no
+  dropout in train mode; otherwise the generic path): the module is re-run once, batched, with
+  its in- and out-projections replaced by identities on ``q, k, v`` projected with its weights, and
+  one ``autograd.grad`` gives the gradients at the projected ``q, k, v`` and at the attention
+  output (examples do not interact inside attention, masks and attention-weight outputs
+  included); the projections' per-example gradients then follow as for ``nn.Linear``
+  (``out_proj`` is attributed to the attention module).
+* Modules called several times per forward, parameters owned by several probed modules (an
+  embedding tied to the output head): per-example gradients of every call are materialized and
+  summed before squaring (exact).
+* Any other module (custom blocks, subclasses with their own ``forward``): ``torch.func.vmap``
   over ``torch.func.vjp`` of ``functional_call(module, params, x_i)`` on the recorded inputs and
   output gradients (exact up to float rounding; costs one more forward+backward of the module).
-  Parameters of a probed child that the module uses without calling the child
-  (``MultiheadAttention.out_proj``) are attributed to the module.
+  Parameters of a probed child that the module uses without calling the child are attributed to
+  the module.
+* Per-example values are computed in the gradients' precision (float32 for float32 models, half
+  precisions in float32) and summed in float64, as exact as autograd's own gradient.
 * Where none of this applies the value is NaN and :attr:`MomentProbe.notes` says why, never a
   guess: any BatchNorm that normalized with batch statistics during the forward (train mode: the
   examples interact, so per-example gradients are undefined for every parameter of that backward),
@@ -292,8 +310,15 @@ class _ParamState:
         self.mismatch: torch.Tensor | None = None  # device count of failed consistency checks
         self.pending: list[_Record] = []
         self.vecs = vecs  # random vectors, one per dim: the rank-one check projection
+        self._vecs_as: dict[torch.dtype, list[torch.Tensor]] = {torch.float64: vecs}
         self.adopted_at: int | None = None
         self.label = ""
+
+    def vecs_as(self, dtype: torch.dtype) -> list[torch.Tensor]:
+        out = self._vecs_as.get(dtype)
+        if out is None:
+            out = self._vecs_as[dtype] = [v.to(dtype) for v in self.vecs]
+        return out
 
     def fail(self, note: str) -> None:
         self.failed += 1
@@ -329,6 +354,7 @@ class _ModuleState:
         self.rank = rank
         self.bd = batch_dim
         self.kind = _kind(module)
+        self.replay = self.kind in ("generic", "attention")  # per-example grads by a re-run
         self.order: int | None = None
         self.calls_this_forward = 0
         self.max_calls = 0
@@ -400,6 +426,18 @@ def _kind(module: nn.Module) -> str:
     cls = type(module)
     if isinstance(module, nn.Linear) and cls.forward is nn.Linear.forward:
         return "linear"
+    if isinstance(module, nn.LayerNorm) and cls.forward is nn.LayerNorm.forward:
+        return "layernorm"
+    if (
+        isinstance(module, nn.Embedding)
+        and cls.forward is nn.Embedding.forward
+        and module.max_norm is None
+        and not module.scale_grad_by_freq
+        and not module.sparse
+    ):
+        return "embedding"
+    if isinstance(module, nn.MultiheadAttention) and cls.forward is nn.MultiheadAttention.forward:
+        return "attention"
     for base in _CONVS:
         if (
             isinstance(module, base)
@@ -424,16 +462,26 @@ def _fresh_full_view(t: torch.Tensor, base: torch.Tensor | None, inputs: set[int
     )
 
 
-def _project(grads: torch.Tensor, vecs: list[torch.Tensor]) -> torch.Tensor:
-    """Per-example ``<r_0 x r_1 x ..., g_i>`` for ``grads`` of shape ``(B, *shape)``."""
-    out = grads.to(torch.float64)
-    for v in reversed(vecs):
+def _work(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float32 or float64 (half precisions computed in float32)."""
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
+def _project(grads: torch.Tensor, ps: _ParamState) -> torch.Tensor:
+    """Per-example ``<r_0 x r_1 x ..., g_i>`` for ``grads`` of shape ``(B, *shape)`` (float64).
+
+    Computed in the gradient's own precision: the projection only feeds the consistency check,
+    whose tolerance is far above float32 rounding.
+    """
+    out = _work(grads)
+    for v in reversed(ps.vecs_as(out.dtype)):
         out = out @ v
-    return out
+    return out.to(torch.float64)
 
 
 def _sq_norms(grads: torch.Tensor) -> torch.Tensor:
-    return torch.linalg.vector_norm(grads.flatten(1), dim=1, dtype=torch.float64).square()
+    """Per-example squared norms as float64 (reduced in the gradient's precision, cascaded)."""
+    return torch.linalg.vector_norm(_work(grads).flatten(1), dim=1).to(torch.float64).square()
 
 
 def _chunks(total: int, per_item: int) -> Iterable[tuple[int, int]]:
@@ -445,43 +493,125 @@ def _chunks(total: int, per_item: int) -> Iterable[tuple[int, int]]:
 # ----------------------------------------------------------------------------- per-example math
 
 
+def _put(rec: _Record, ps: _ParamState, g: torch.Tensor, proj: torch.Tensor | None = None) -> None:
+    """Store per-example gradients ``g`` (``(B, *shape)``, already scaled) of ``ps``."""
+    proj = _project(g, ps) if proj is None else proj
+    if len(ps.pending) > 1:
+        rec.contrib[id(ps)] = _Contribution(proj, grads=g)
+    else:
+        rec.contrib[id(ps)] = _Contribution(proj, sqn=_sq_norms(g))
+
+
+def _outer_sq_norms(dy3: torch.Tensor, x3: torch.Tensor) -> torch.Tensor:
+    """``||sum_t dy_it x_it^T||^2`` per example for ``dy3 (B, T, out)``, ``x3 (B, T, in)``."""
+    batch, steps, n_in, n_out = x3.shape[0], x3.shape[1], x3.shape[-1], dy3.shape[-1]
+    parts = []
+    if steps == 1:
+        parts.append(_sq_norms(dy3) * _sq_norms(x3))
+    elif 3 * steps * (n_in + n_out) <= n_in * n_out:
+        # Gram matrices sum_ts (dy_t.dy_s)(x_t.x_s), in float64 (the sum can cancel)
+        for lo, hi in _chunks(batch, steps * (steps + n_in + n_out)):
+            xc = x3[lo:hi].to(torch.float64)
+            dc = dy3[lo:hi].to(torch.float64)
+            parts.append(((xc @ xc.mT) * (dc @ dc.mT)).sum((1, 2)))
+    else:
+        for lo, hi in _chunks(batch, n_in * n_out):
+            parts.append(_sq_norms(torch.bmm(dy3[lo:hi].mT, x3[lo:hi])))
+    return torch.cat(parts)
+
+
+def _put_outer(
+    rec: _Record, ps: _ParamState, blocks: list[tuple[torch.Tensor, torch.Tensor]], s: float
+) -> None:
+    """Per-example ``s * sum_t dy_it x_it^T`` for ``(dy3, x3)`` blocks stacked along ``out``."""
+    if any(d.dtype != blocks[0][0].dtype or x.dtype != d.dtype for d, x in blocks):
+        blocks = [(d.to(torch.float64), x.to(torch.float64)) for d, x in blocks]
+    u, v = ps.vecs_as(blocks[0][0].dtype)
+    proj, off = None, 0
+    for d, x in blocks:
+        part = ((d @ u[off : off + d.shape[-1]]) * (x @ v)).sum(1)
+        proj = part if proj is None else proj + part
+        off += d.shape[-1]
+    assert proj is not None
+    proj = (proj * s).to(torch.float64)
+    if len(ps.pending) > 1:
+        grads = torch.cat([torch.bmm(d.mT, x) for d, x in blocks], 1) * s
+        rec.contrib[id(ps)] = _Contribution(proj, grads=grads)
+    else:
+        sqn = sum(_outer_sq_norms(d, x) for d, x in blocks)
+        rec.contrib[id(ps)] = _Contribution(proj, sqn=sqn * (s * s))  # type: ignore[operator]
+
+
 def _linear_contributions(rec: _Record, dy: torch.Tensor) -> None:
     assert rec.x is not None
     bd, s = rec.state.bd, rec.scale
-    x = rec.x.movedim(bd, 0)
-    dy = dy.detach().movedim(bd, 0)
-    batch, n_in, n_out = x.shape[0], x.shape[-1], dy.shape[-1]
-    x3 = x.reshape(batch, -1, n_in)
-    dy3 = dy.reshape(batch, -1, n_out)
-    steps = x3.shape[1]
+    x = _work(rec.x.movedim(bd, 0))
+    dy = _work(dy.detach().movedim(bd, 0))
+    batch = x.shape[0]
+    x3 = x.reshape(batch, -1, x.shape[-1])
+    dy3 = dy.reshape(batch, -1, dy.shape[-1])
     for local, ps in rec.params.items():
-        multi = len(ps.pending) > 1
         if local == "bias":
-            summed = dy3.sum(1)  # (B, out)
-            proj = (summed.to(torch.float64) @ ps.vecs[0]) * s
-            if multi:
-                rec.contrib[id(ps)] = _Contribution(proj, grads=summed * s)
-            else:
-                rec.contrib[id(ps)] = _Contribution(proj, sqn=_sq_norms(summed) * (s * s))
-            continue
-        u, v = ps.vecs
-        proj = ((dy3.to(torch.float64) @ u) * (x3.to(torch.float64) @ v)).sum(1) * s
-        if multi:
-            grads = torch.einsum("bto,bti->boi", dy3, x3) * s
-            rec.contrib[id(ps)] = _Contribution(proj, grads=grads)
-            continue
-        parts = []
-        if steps == 1:
-            parts.append(_sq_norms(dy3) * _sq_norms(x3))
-        elif steps * (n_in + n_out) <= n_in * n_out:
-            for lo, hi in _chunks(batch, steps * (steps + n_in + n_out)):
-                xc = x3[lo:hi].to(torch.float64)
-                dc = dy3[lo:hi].to(torch.float64)
-                parts.append(((xc @ xc.mT) * (dc @ dc.mT)).sum((1, 2)))
+            _put(rec, ps, dy3.sum(1) * s)
         else:
-            for lo, hi in _chunks(batch, n_in * n_out):
-                parts.append(_sq_norms(torch.einsum("bto,bti->boi", dy3[lo:hi], x3[lo:hi])))
-        rec.contrib[id(ps)] = _Contribution(proj, sqn=torch.cat(parts) * (s * s))
+            _put_outer(rec, ps, [(dy3, x3)], s)
+
+
+def _layernorm_contributions(rec: _Record, dy: torch.Tensor) -> None:
+    """``nn.LayerNorm``: ``dW_i = sum_t dy_it * xhat_it``, ``db_i = sum_t dy_it``.
+
+    ``xhat = (x - mean) / sqrt(var + eps)`` over ``normalized_shape`` (population variance),
+    recomputed from the stored input by ``F.layer_norm`` without weight and bias.
+    """
+    assert rec.x is not None
+    module, bd, s = rec.state.module, rec.state.bd, rec.scale
+    shape = tuple(module.normalized_shape)
+    x = _work(rec.x.movedim(bd, 0))
+    dy = _work(dy.detach().movedim(bd, 0))
+    batch = x.shape[0]
+    dy3 = dy.reshape(batch, -1, *shape)
+    for local, ps in rec.params.items():
+        if local == "bias":
+            _put(rec, ps, dy3.sum(1) * s)
+            continue
+        # the forward's own kernel without the affine part: (x - mean) * rsqrt(var + eps)
+        xhat = F.layer_norm(x.to(dy3.dtype), shape, eps=module.eps).reshape(dy3.shape)
+        _put(rec, ps, (dy3 * xhat).sum(1) * s)
+
+
+def _embedding_contributions(rec: _Record, dy: torch.Tensor) -> None:
+    """``nn.Embedding``: ``dW_i = sum_t e_{tok_it} dy_it^T`` (rows of ``padding_idx`` get none).
+
+    ``||dW_i||^2 = sum_v ||sum_{t: tok_it = v} dy_it||^2``: the (example, token) keys are sorted
+    and the gradient rows of equal keys summed by ``index_add`` (memory and time ~ ``dy``).
+    """
+    assert rec.x is not None
+    module, bd, s = rec.state.module, rec.state.bd, rec.scale
+    ps = rec.params["weight"]
+    n_vocab, dim = module.weight.shape
+    tok = rec.x.movedim(bd, 0)
+    batch = tok.shape[0]
+    tok2 = tok.reshape(batch, -1).long()
+    dy3 = _work(dy.detach().movedim(bd, 0)).reshape(batch, -1, dim)
+    if module.padding_idx is not None:
+        dy3 = dy3.masked_fill((tok2 == module.padding_idx).unsqueeze(-1), 0.0)
+    u, v = ps.vecs_as(dy3.dtype)
+    proj = ((u[tok2] * (dy3 @ v)).sum(1) * s).to(torch.float64)
+    keys = (tok2 + n_vocab * torch.arange(batch, device=tok2.device).unsqueeze(1)).reshape(-1)
+    rows = dy3.reshape(-1, dim)
+    if len(ps.pending) > 1:
+        dense = rows.new_zeros(batch * n_vocab, dim).index_add_(0, keys, rows)
+        rec.contrib[id(ps)] = _Contribution(proj, grads=dense.view(batch, n_vocab, dim) * s)
+        return
+    keys, order = torch.sort(keys)
+    new = torch.ones_like(keys, dtype=torch.bool)
+    new[1:] = keys[1:] != keys[:-1]
+    seg = torch.cumsum(new, 0) - 1  # segment id of each sorted row
+    sums = rows.new_zeros(rows.shape).index_add_(0, seg, rows[order])
+    example = torch.zeros_like(keys).scatter_(0, seg, keys // n_vocab)
+    sqn = torch.zeros(batch, dtype=torch.float64, device=rows.device)
+    sqn.index_add_(0, example, _sq_norms(sums))
+    rec.contrib[id(ps)] = _Contribution(proj, sqn=sqn * (s * s))
 
 
 def _conv_example_weight_grads(
@@ -526,17 +656,12 @@ def _conv_contributions(rec: _Record, dy: torch.Tensor) -> None:
     for local, ps in rec.params.items():
         multi = len(ps.pending) > 1
         if local == "bias":
-            summed = dy.flatten(2).sum(2)
-            proj = (summed.to(torch.float64) @ ps.vecs[0]) * s
-            if multi:
-                rec.contrib[id(ps)] = _Contribution(proj, grads=summed * s)
-            else:
-                rec.contrib[id(ps)] = _Contribution(proj, sqn=_sq_norms(summed) * (s * s))
+            _put(rec, ps, _work(dy).flatten(2).sum(2) * s)
             continue
         sqn, proj, grads = [], [], []
         for lo, hi in _chunks(batch, ps.numel):
             g = _conv_example_weight_grads(module, x[lo:hi], dy[lo:hi]) * s
-            proj.append(_project(g, ps.vecs))
+            proj.append(_project(g, ps))
             if multi:
                 grads.append(g)
             else:
@@ -593,7 +718,7 @@ def _generic_contributions(rec: _Record) -> None:
             out = torch.func.vmap(one, in_dims=(bd, bd))(xs, ds)
             for name, ps in rec.params.items():
                 g = out[name].detach() * s
-                proj[name].append(_project(g, ps.vecs))
+                proj[name].append(_project(g, ps))
                 (grads if multi[name] else sqn)[name].append(g if multi[name] else _sq_norms(g))
     rec.contrib.clear()
     for name, ps in rec.params.items():
@@ -601,6 +726,106 @@ def _generic_contributions(rec: _Record) -> None:
             rec.contrib[id(ps)] = _Contribution(torch.cat(proj[name]), grads=torch.cat(grads[name]))
         else:
             rec.contrib[id(ps)] = _Contribution(torch.cat(proj[name]), sqn=torch.cat(sqn[name]))
+
+
+class _Fallback(Exception):
+    """The module's configuration is outside a shortcut: use the generic ``vmap`` path."""
+
+
+_MHA_ARGS = ("query", "key", "value")
+
+
+def _attention_contributions(rec: _Record) -> None:
+    """``nn.MultiheadAttention`` (packed in-projection, no ``bias_k``/``bias_v``).
+
+    The projections are linear maps around a core that treats examples independently: the
+    module is re-run once, batched, with the in- and out-projection replaced by identities on
+    the projected ``q, k, v`` (computed here with the module's weights), and one ``autograd.grad``
+    gives the exact gradients at the projected ``q, k, v`` and at the attention output. Then
+    ``dW_in_i = sum_t [dq; dk; dv]_it [query; key; value]_it^T`` and ``dW_out_i = sum_t dy_it
+    o_it^T`` (biases: the sums over t), like ``nn.Linear``.
+    """
+    module, bd, batch, s = rec.state.module, rec.state.bd, rec.batch, rec.scale
+    if (
+        not module._qkv_same_embed_dim
+        or module.bias_k is not None
+        or module.bias_v is not None
+        or (module.training and module.dropout > 0.0)
+        or not set(rec.params) <= {"in_proj_weight", "in_proj_bias", "out_proj.weight",
+                                   "out_proj.bias"}
+    ):  # fmt: skip
+        raise _Fallback
+    leaves = [t for _, t in flatten_tensors(rec.inputs)]
+    if any(t._version != v for t, v in zip(leaves, rec.versions, strict=True)):
+        raise _Unavailable("an input of the module was modified in place after its forward")
+    args, kwargs = rec.inputs
+    args, kwargs = list(args), dict(kwargs)
+    qkv = []
+    for i, name in enumerate(_MHA_ARGS):
+        t = args[i] if i < len(args) else kwargs.get(name)
+        if not isinstance(t, torch.Tensor) or t.dim() != 3 or t.shape[bd] != batch:
+            raise _Fallback
+        qkv.append(t)
+    dim = module.embed_dim
+    weight = module.in_proj_weight.detach()
+    bias = module.in_proj_bias
+    w_chunks = weight.chunk(3)
+    b_chunks = bias.detach().chunk(3) if bias is not None else (None, None, None)
+    eye = torch.eye(dim, dtype=weight.dtype, device=weight.device)
+    subst = {"in_proj_weight": eye.repeat(3, 1), "out_proj.weight": eye}
+    for name, p in (("in_proj_bias", bias), ("out_proj.bias", module.out_proj.bias)):
+        if p is not None:
+            subst[name] = torch.zeros_like(p.detach())
+    with torch.enable_grad():
+        projected = [
+            F.linear(t, w, b).detach().requires_grad_()
+            for t, w, b in zip(qkv, w_chunks, b_chunks, strict=True)
+        ]
+        for i, name in enumerate(_MHA_ARGS):
+            if i < len(args):
+                args[i] = projected[i]
+            else:
+                kwargs[name] = projected[i]
+        inner, weights = torch.func.functional_call(module, subst, tuple(args), kwargs)
+        out = F.linear(inner, module.out_proj.weight.detach(), _detach(module.out_proj.bias))
+        outs, cots = [], []
+        for path, t in (("0", out), ("1", weights)):
+            if path in rec.dys and t is not None:
+                outs.append(t)
+                cots.append(rec.dys[path])
+        if not outs:
+            rec.contrib.clear()
+            return
+        grads = torch.autograd.grad(outs, [*projected, inner], cots, allow_unused=True)
+
+    def layout(t: torch.Tensor) -> torch.Tensor:
+        return _work(t.detach().movedim(bd, 0))
+
+    zeros = torch.zeros_like(projected[0])
+    dqkv = [layout(g if g is not None else zeros) for g in grads[:3]]
+    dy = layout(rec.dys["0"]) if "0" in rec.dys else layout(torch.zeros_like(out))
+    rec.contrib.clear()
+    for name, ps in rec.params.items():
+        if name == "in_proj_weight":
+            _put_outer(rec, ps, [(d, layout(t)) for d, t in zip(dqkv, qkv, strict=True)], s)
+        elif name == "in_proj_bias":
+            _put(rec, ps, torch.cat([d.sum(1) for d in dqkv], 1) * s)
+        elif name == "out_proj.weight":
+            _put_outer(rec, ps, [(dy, layout(inner))], s)
+        else:
+            _put(rec, ps, dy.sum(1) * s)
+
+
+def _detach(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach()
+
+
+_CLOSED_FORMS: dict[str, Callable[[_Record, torch.Tensor], None]] = {
+    "linear": _linear_contributions,
+    "conv": _conv_contributions,
+    "layernorm": _layernorm_contributions,
+    "embedding": _embedding_contributions,
+}
 
 
 class _Unavailable(Exception):
@@ -623,8 +848,9 @@ class MomentProbe:
         modules: which modules to probe: ``"params"`` (default; every module that directly owns a
             parameter), ``"leaves"`` (modules without children), ``"all"`` (every module, the root
             included), a sequence of qualified names, or a predicate ``(name, module) -> bool``.
-        per_example: also compute ``E[dW^2]`` of per-example gradients (``dW_example``). Costs
-            little for Linear and Conv layers, one extra vmapped forward+backward for others.
+        per_example: also compute ``E[dW^2]`` of per-example gradients (``dW_example``). Closed
+            forms for Linear, Conv, LayerNorm and Embedding, one batched re-run for
+            MultiheadAttention, one extra vmapped forward+backward for other modules.
         loss_reduction: ``"mean"`` or ``"sum"``: how your loss reduces over the batch. With
             ``"mean"`` ``dy``, ``dx`` and ``dW_example`` are multiplied by the batch size so they
             are gradients of one example's loss; ``dW`` is always the gradient of your loss.
@@ -756,7 +982,7 @@ class MomentProbe:
                     if isinstance(module, nn.modules.batchnorm._BatchNorm):
                         self._handles.append(module.register_forward_pre_hook(self._bn_hook))
             for st in self._states:
-                if st.kind != "generic":
+                if not st.replay:
                     continue
                 for sub_name, sub in st.module.named_modules():
                     owner = by_module.get(id(sub))
@@ -928,7 +1154,7 @@ class MomentProbe:
                 if grad_on and t.requires_grad:
                     # the record takes each output tensor once (a tensor returned twice would
                     # otherwise bring its total gradient twice)
-                    first = id(t) not in seen and (st.kind == "generic" or i == 0)
+                    first = id(t) not in seen and (st.replay or i == 0)
                     seen.add(id(t))
                     use = rec if first else None
                     base = t._base
@@ -969,7 +1195,7 @@ class MomentProbe:
         self, st: _ModuleState, frame: _Frame, outs: list[tuple[str, torch.Tensor]]
     ) -> _Record | None:
         params = {local: ps for local, ps in st.params if ps.param.requires_grad}
-        if st.kind == "generic":
+        if st.replay:
             for rel, ps, owner in st.adoptable:
                 if not ps.param.requires_grad or owner.last_seq > frame.start_seq:
                     continue  # owner ran inside this call: its own record covers it
@@ -984,10 +1210,21 @@ class MomentProbe:
         now = [t._version for t in leaves]
         if now != frame.versions:
             rec.fail = "the module modifies its input in place"
-        if st.kind in ("linear", "conv"):
-            x = next((t for t in leaves if t.is_floating_point()), None)
-            need = st.module.weight.dim() if st.kind == "conv" else 2
-            if x is None or (x.dim() != need if st.kind == "conv" else x.dim() < need):
+        if not st.replay:
+            if st.kind == "embedding":
+                x = next((t for t in leaves if not t.is_floating_point()), None)
+                batched = x is not None and x.dim() > st.bd
+            else:
+                x = next((t for t in leaves if t.is_floating_point()), None)
+                if x is None:
+                    batched = False
+                elif st.kind == "conv":
+                    batched = x.dim() == st.module.weight.dim()
+                elif st.kind == "layernorm":
+                    batched = st.bd < x.dim() - len(st.module.normalized_shape)
+                else:
+                    batched = x.dim() >= 2
+            if x is None or not batched:
                 rec.fail = rec.fail or "unbatched or missing input"
             elif st.kind == "conv" and st.bd != 0:
                 rec.fail = rec.fail or "convolutions take the batch at dim 0"
@@ -1022,7 +1259,7 @@ class MomentProbe:
     def _record_grad(self, rec: _Record, path: str, grad: torch.Tensor) -> None:
         if rec.forward.coupled:
             return  # BatchNorm coupled the examples: _finish_example reports NaN with the reason
-        if rec.state.kind == "generic":
+        if rec.state.replay:
             rec.dys[path] = grad.detach()
             return
         assert rec.x is not None
@@ -1031,10 +1268,7 @@ class MomentProbe:
             return
         try:
             with torch.no_grad():
-                if rec.state.kind == "linear":
-                    _linear_contributions(rec, grad)
-                else:
-                    _conv_contributions(rec, grad)
+                _CLOSED_FORMS[rec.state.kind](rec, grad)
         except Exception as err:  # report, never guess
             rec.fail = f"per-example gradient failed: {type(err).__name__}: {err}"[:300]
 
@@ -1052,10 +1286,16 @@ class MomentProbe:
                         "BatchNorm used batch statistics in this forward: the examples interact, "
                         "per-example gradients are undefined"
                     )
-                if rec.state.kind == "generic" and rec.dys and rec.generic_key != len(rec.dys):
+                if rec.state.replay and rec.dys and rec.generic_key != len(rec.dys):
                     self._replaying = True
                     try:
-                        _generic_contributions(rec)
+                        if rec.state.kind == "attention":
+                            try:
+                                _attention_contributions(rec)
+                            except _Fallback:
+                                _generic_contributions(rec)
+                        else:
+                            _generic_contributions(rec)
                     except _Unavailable:
                         raise
                     except Exception as err:
@@ -1087,7 +1327,7 @@ class MomentProbe:
             sums = F.pad(sqn.sum().reshape(1), (0, 1))  # [sum_i ||dW_i||^2, 0]
             # sum_i dW_i must equal scale * dW: checked through a random rank-one projection, on
             # the device (the count is read when results are reported, not here: no sync)
-            ref = _project(grad.unsqueeze(0), ps.vecs)[0] * scale
+            ref = _project(grad.unsqueeze(0), ps)[0] * scale
             eps = torch.finfo(grad.dtype).eps if grad.is_floating_point() else 1e-7
             tol = (
                 1e-3 * scale * torch.linalg.vector_norm(grad, dtype=torch.float64)

@@ -290,6 +290,13 @@ def scale_output_(
       always reaches the target but adds a module, which is why it is never done behind the
       user's back.
 
+    Conditioning: the paper puts the scalar *after* the last layer as a fixed multiplier, which
+    leaves every layer's GR scaling as it was. Folding it into the last layer's weights gives the
+    same function but a different parametrization: that layer's γ is multiplied by ``1/s⁴``
+    (a conditioning multiplier α = s, Section 5), so with ``s = 0.05`` the last layer ends up
+    ~10⁵× out of balance. Use ``how="module"`` to keep the network balanced, ``"fold"`` when the
+    architecture must not change.
+
     Args:
         model: the model, in the mode it should be measured in.
         data: a batch or an iterable of batches.
