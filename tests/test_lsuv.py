@@ -474,9 +474,12 @@ def test_stream_mode_brings_block_outputs_to_target() -> None:
     x = torch.randn(256, 16)
     report = lsuv_(model, x, mode="stream", blocks=["2", "4", "6"], generator=0)
     rows = {r["module"]: r for r in report}
-    for i in ("2", "4", "6"):
+    # Block 2's projection shortcut is itself brought to variance 1, so its output cannot reach 1
+    # with a live branch: its branch end falls back to its own output (the edge is deterministic).
+    assert "cannot go below variance" in rows["2.fc2"]["measured_at"]
+    for i in ("4", "6"):
         assert rows[f"{i}.fc2"]["measured_at"] == f"block output: {i}"
-    measured = _output_vars(model, x, ["2", "4", "6"])
+    measured = _output_vars(model, x, ["4", "6"])
     for i, v in measured.items():
         assert abs(v - 1.0) < 0.1, (i, v)
         assert v == pytest.approx(rows[f"{i}.fc2"]["var_after"], rel=1e-4)

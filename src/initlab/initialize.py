@@ -97,7 +97,6 @@ class _Plan:
     aliases: list[str] = field(default_factory=list)
 
 
-
 def _check_bias(bias: str | float) -> None:
     if isinstance(bias, str):
         if bias not in ("zeros", "keep"):

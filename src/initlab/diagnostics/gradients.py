@@ -125,7 +125,7 @@ class GradientStats:
                     delta = g - e.mean
                     e.mean.add_(delta / e.count)
                     e.m2.add_(delta * (g - e.mean))  # type: ignore[union-attr]
-                sq = torch.linalg.vector_norm(g).square()
+                sq = (g * g).sum()  # cascade sum (a float32 vector_norm is not accurate)
                 e.norms.append(sq)
 
     def rows(self) -> Rows:
