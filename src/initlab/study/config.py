@@ -1,0 +1,229 @@
+"""One training run as data: :class:`RunConfig` (what to run), :class:`RunResult` (what came out).
+
+Both are plain, JSON-serializable records (``to_dict`` / ``from_dict``), so a study runner can store
+them anywhere. :meth:`RunConfig.key` is a content hash of every field, stable across processes and
+sessions; :meth:`RunConfig.group_key` says which runs may share one vectorized batch in
+:func:`initlab.study.trainer.train_runs`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+__all__ = ["OPTIMIZERS", "RunConfig", "RunResult"]
+
+#: Optimizers the trainers implement (``torch.optim`` semantics, see the trainer module).
+OPTIMIZERS = ("sgd", "adam")
+
+
+def _freeze(value: Any) -> Any:
+    """Lists (e.g. from JSON) → tuples, recursively, so configs stay hashable."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    if isinstance(value, Mapping):
+        return tuple(sorted((str(k), _freeze(v)) for k, v in value.items()))
+    return value
+
+
+def _thaw(value: Any) -> Any:
+    """Tuples → lists, recursively (the JSON form)."""
+    if isinstance(value, tuple):
+        return [_thaw(v) for v in value]
+    return value
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything that determines one training run (with the data and the model factory).
+
+    Attributes:
+        dataset: catalogue name of the data set, e.g. ``"dna"``.
+        model: model registry name.
+        model_cfg: the model's keyword arguments as sorted ``(name, value)`` pairs; a ``dict`` is
+            accepted and converted (lists become tuples). :meth:`make` is the convenient spelling.
+        scheme: initialization scheme for :func:`initlab.init_model`.
+        seed: seeds the initialization and the per-epoch data order.
+        lr: learning rate.
+        optimizer: ``"sgd"`` or ``"adam"`` (Adam: betas (0.9, 0.999), eps 1e-8).
+        momentum: SGD momentum (dampening 0, no Nesterov); must be 0 for Adam.
+        weight_decay: coupled L2 (added to the gradient), as ``torch.optim.SGD``/``Adam`` do.
+        epochs: passes over the training split.
+        batch_size: minibatch size (the last, partial batch of an epoch is included).
+        output_std: scale the logits to this std after the first minibatch's forward, with a
+            constant fixed from then on (Defazio & Bottou use 0.05); ``None``: no scaling.
+    """
+
+    dataset: str
+    model: str = "paper_mlp"
+    model_cfg: tuple[tuple[str, Any], ...] = ()
+    scheme: str = "geometric"
+    seed: int = 0
+    lr: float = 0.1
+    optimizer: str = "sgd"
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    epochs: int = 5
+    batch_size: int = 64
+    output_std: float | None = 0.05
+
+    def __post_init__(self) -> None:
+        # Normalize types so that equal configs hash (and serialize) equally: lr=1 and lr=1.0 are
+        # the same run.
+        norm = object.__setattr__
+        cfg = self.model_cfg
+        items = cfg.items() if isinstance(cfg, Mapping) else cfg
+        norm(self, "model_cfg", tuple(sorted((str(k), _freeze(v)) for k, v in items)))
+        for name in ("seed", "epochs", "batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or int(value) != value:
+                raise ValueError(f"RunConfig.{name} must be an integer, got {value!r}")
+            norm(self, name, int(value))
+        for name in ("lr", "momentum", "weight_decay"):
+            norm(self, name, float(getattr(self, name)))
+        if self.output_std is not None:
+            norm(self, "output_std", float(self.output_std))
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(
+                f"RunConfig.optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}"
+            )
+        if self.optimizer == "adam" and self.momentum != 0.0:
+            raise ValueError("RunConfig.momentum is for SGD; Adam uses fixed betas (0.9, 0.999)")
+        if not (self.lr >= 0 and math.isfinite(self.lr)):
+            raise ValueError(f"RunConfig.lr must be >= 0 and finite, got {self.lr}")
+        if not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"RunConfig.momentum must be in [0, 1), got {self.momentum}")
+        if self.weight_decay < 0:
+            raise ValueError(f"RunConfig.weight_decay must be >= 0, got {self.weight_decay}")
+        if self.epochs < 1 or self.batch_size < 1:
+            raise ValueError(
+                f"RunConfig needs epochs >= 1 and batch_size >= 1, got {self.epochs}, "
+                f"{self.batch_size}"
+            )
+        if self.output_std is not None and not self.output_std > 0:
+            raise ValueError(
+                f"RunConfig.output_std must be positive or None, got {self.output_std}"
+            )
+
+    @classmethod
+    def make(
+        cls, dataset: str, *, model_cfg: Mapping[str, Any] | None = None, **kw: Any
+    ) -> RunConfig:
+        """Build a config with ``model_cfg`` given as a dict, e.g.
+        ``RunConfig.make("dna", model_cfg={"input_norm": True}, lr=0.5)``."""
+        return cls(dataset=dataset, model_cfg=tuple((model_cfg or {}).items()), **kw)
+
+    @property
+    def model_kwargs(self) -> dict[str, Any]:
+        """``model_cfg`` as a dict of keyword arguments for the model constructor."""
+        return dict(self.model_cfg)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict of all fields (``model_cfg`` as a dict, tuples as lists)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["model_cfg"] = {k: _thaw(v) for k, v in self.model_cfg}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> RunConfig:
+        """Inverse of :meth:`to_dict` (also accepts ``model_cfg`` as pairs)."""
+        return cls(**dict(d))
+
+    def canonical_json(self) -> str:
+        """The canonical JSON text that :meth:`key` hashes (sorted keys, no spaces)."""
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+    def key(self) -> str:
+        """SHA-256 hex digest of :meth:`canonical_json`: a stable identifier of the run."""
+        return hashlib.sha256(self.canonical_json().encode("utf-8")).hexdigest()
+
+    def group_key(self) -> tuple[Any, ...]:
+        """Runs with equal group keys can be trained together by one ``train_runs`` call.
+
+        They share the data, the architecture, the optimizer kind and the step schedule; scheme,
+        seed, lr, momentum, weight decay and output std may differ per run.
+        """
+        return (
+            self.dataset,
+            self.model,
+            self.model_cfg,
+            self.optimizer,
+            self.epochs,
+            self.batch_size,
+        )
+
+
+@dataclass
+class RunResult:
+    """What one training run produced.
+
+    Attributes:
+        config: the run.
+        step_loss: training loss of every step (the minibatch's mean cross-entropy before that
+            step's update); always ``epochs * ceil(n_train / batch_size)`` entries. After a
+            divergence the entries are ``nan``.
+        epoch_train_loss, epoch_train_acc: full-pass evaluation on the training split after each
+            epoch (``nan`` for epochs that ended after the run diverged).
+        epoch_test_loss, epoch_test_acc: the same on the test split (empty without a test split).
+        diverged: a non-finite training loss appeared (a step loss or an epoch's train loss); the
+            run was frozen from then on.
+        final_train_loss: the last ``epoch_train_loss`` (``nan`` if diverged).
+        wall_s: the wall time of the ``train_runs`` call divided by its number of runs.
+        state: the final ``state_dict`` when the trainer was asked to keep it (``keep_state``);
+            never serialized.
+    """
+
+    config: RunConfig
+    step_loss: list[float]
+    epoch_train_loss: list[float]
+    epoch_train_acc: list[float]
+    epoch_test_loss: list[float]
+    epoch_test_acc: list[float]
+    diverged: bool
+    final_train_loss: float
+    wall_s: float
+    state: dict[str, torch.Tensor] | None = field(default=None, repr=False, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (``config`` nested as :meth:`RunConfig.to_dict`; ``state`` left out).
+
+        Non-finite floats stay ``float('nan')``/``inf``; serialize with ``allow_nan=True`` or map
+        them yourself.
+        """
+        return {
+            "config": self.config.to_dict(),
+            "step_loss": list(self.step_loss),
+            "epoch_train_loss": list(self.epoch_train_loss),
+            "epoch_train_acc": list(self.epoch_train_acc),
+            "epoch_test_loss": list(self.epoch_test_loss),
+            "epoch_test_acc": list(self.epoch_test_acc),
+            "diverged": bool(self.diverged),
+            "final_train_loss": float(self.final_train_loss),
+            "wall_s": float(self.wall_s),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> RunResult:
+        """Inverse of :meth:`to_dict` (``None`` values in float lists become ``nan``)."""
+
+        def floats(xs: Any) -> list[float]:
+            return [math.nan if x is None else float(x) for x in xs]
+
+        final = d["final_train_loss"]
+        return cls(
+            config=RunConfig.from_dict(d["config"]),
+            step_loss=floats(d["step_loss"]),
+            epoch_train_loss=floats(d["epoch_train_loss"]),
+            epoch_train_acc=floats(d["epoch_train_acc"]),
+            epoch_test_loss=floats(d["epoch_test_loss"]),
+            epoch_test_acc=floats(d["epoch_test_acc"]),
+            diverged=bool(d["diverged"]),
+            final_train_loss=math.nan if final is None else float(final),
+            wall_s=float(d["wall_s"]),
+        )

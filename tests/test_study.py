@@ -1,0 +1,585 @@
+"""The study harness: spec, store, runner (local, process pool, Ray, kill + resume), aggregation.
+
+The runner is tested with a deterministic fake trainer and synthetic data sets, written to a helper
+module in ``tmp_path`` so subprocesses, spawned pool workers and Ray workers can import them; one
+test runs the real :func:`initlab.study.trainer.train_runs` on tiny synthetic data.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib
+import json
+import math
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from initlab.study.aggregate import (
+    PAPER_TABLE2,
+    lr_table,
+    per_dataset_table,
+    quantile,
+    report_study,
+    table2,
+)
+from initlab.study.config import RunConfig, RunResult
+from initlab.study.runner import StudyError, plan_chunks, run_study
+from initlab.study.spec import StudySpec
+from initlab.study.store import RECORD_COLUMNS, Store
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A deterministic fake trainer and synthetic data sets. Every number depends only on the config
+# (and the data set's shape), like the real trainer's results.
+HELPERS = """
+import hashlib
+import math
+import os
+import time
+import zlib
+
+import torch
+
+from initlab.study.config import RunResult
+from initlab.study.runner import StudyData
+
+
+def load_fake(name, root=None):
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    n_features = 3 + zlib.crc32(name.encode()) % 4
+    x = torch.randn(48, n_features, generator=g)
+    y = torch.randint(0, 3, (48,), generator=g)
+    test = (x[:10].clone(), y[:10].clone()) if name.endswith("t") else None
+    return StudyData(train=(x, y), test=test, n_features=n_features, n_classes=3)
+
+
+def fake_train(configs, train, test, *, model_factory, device="cpu", progress=None):
+    delay = float(os.environ.get("INITLAB_FAKE_DELAY", "0"))
+    fail = os.environ.get("INITLAB_FAKE_FAIL", "")
+    out = []
+    for cfg in configs:
+        if cfg.dataset == fail:
+            raise RuntimeError(f"fake failure on {cfg.dataset}")
+        time.sleep(delay)
+        model = model_factory(cfg)
+        assert model.layers[0].in_features == train[0].shape[1]
+        u = int(hashlib.sha256(cfg.key().encode()).hexdigest()[:8], 16) / 2**32
+        diverged = cfg.lr > 1.5
+        loss = math.nan if diverged else 0.1 + u + train[0].shape[1] / 100
+        steps = [2.0 - 0.1 * i * (1.0 - u) for i in range(12)]
+        if diverged:
+            steps[6:] = [math.nan] * 6
+        n_test = 0 if test is None else 2
+        out.append(
+            RunResult(
+                config=cfg,
+                step_loss=steps,
+                epoch_train_loss=[1.5, loss],
+                epoch_train_acc=[0.3, 0.5 + u / 4],
+                epoch_test_loss=[1.6, loss + 0.1][:n_test],
+                epoch_test_acc=[0.3, 0.4][:n_test],
+                diverged=diverged,
+                final_train_loss=loss,
+                wall_s=0.001,
+            )
+        )
+    return out
+"""
+
+
+@pytest.fixture
+def helpers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The helper module, importable here, in subprocesses, pool workers and Ray workers."""
+    folder = tmp_path / "helpers"
+    folder.mkdir()
+    (folder / "study_helpers.py").write_text(HELPERS)
+    monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(folder), str(REPO / "src")]))
+    monkeypatch.delitem(sys.modules, "study_helpers", raising=False)
+    return importlib.import_module("study_helpers")
+
+
+def small_spec(**overrides: Any) -> StudySpec:
+    fields: dict[str, Any] = {
+        "name": "small",
+        "datasets": ["alpha", "betat"],
+        "schemes": ["fan_in", "geometric"],
+        "seeds": 3,
+        "lrs": [2.0, 0.1, 0.01],
+        "model_cfg": {"widths": [8]},
+        "epochs": 2,
+        "batch_size": 16,
+        "momentum": 0.9,
+    }
+    fields.update(overrides)
+    return StudySpec(**fields)
+
+
+def store_rows(path: Path) -> dict[str, dict[str, Any]]:
+    """``{key: record}`` without wall time and creation time (these differ between runs)."""
+    with Store(path) as store:
+        rows = store.records(curves=True)
+    return {
+        r["key"]: json.dumps({k: v for k, v in r.items() if k not in ("wall_s", "created_at")})
+        for r in rows
+    }
+
+
+# -- spec -------------------------------------------------------------------------------------
+
+TABLE2_YAML = REPO / "benchmarks" / "studies" / "table2.yaml"
+
+
+def test_spec_yaml_round_trip(tmp_path: Path) -> None:
+    text = textwrap.dedent(
+        """
+        name: demo
+        datasets: [iris, wine]
+        model_cfg: {widths: [384, 64], input_norm: true}
+        schemes: [arithmetic, geometric]
+        seeds: 4
+        lrs: {pow2: [1, -3]}
+        weight_decay: 1e-5
+        momentum: 0.9
+        """
+    )
+    path = tmp_path / "demo.yaml"
+    path.write_text(text)
+    spec = StudySpec.from_yaml(path)
+    assert spec.lrs == (2.0, 1.0, 0.5, 0.25, 0.125)
+    assert spec.seeds == (0, 1, 2, 3)
+    assert spec.weight_decay == 1e-5  # PyYAML reads "1e-5" as a string; the spec converts it
+    assert spec.model_cfg == (("input_norm", True), ("widths", (384, 64)))
+    spec.to_yaml(tmp_path / "again.yaml")
+    assert StudySpec.from_yaml(tmp_path / "again.yaml") == spec
+    assert StudySpec.from_dict(spec.to_dict()) == spec
+
+
+def test_spec_unknown_and_missing_keys(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(
+        "name: x\ndatasets: [iris]\nschemes: [geometric]\nseeds: 1\nlrs: [0.1]\n"
+        "weight_dacay: 0.1\nlearning_rate: 3\n"
+    )
+    with pytest.raises(ValueError, match="learning_rate, weight_dacay") as info:
+        StudySpec.from_yaml(path)
+    assert "bad.yaml" in str(info.value) and "weight_decay" in str(info.value)  # lists valid keys
+    with pytest.raises(ValueError, match=r"missing required key.*lrs"):
+        StudySpec.from_dict({"name": "x", "datasets": ["iris"], "schemes": ["fan_in"], "seeds": 1})
+    with pytest.raises(ValueError, match="n_in"):
+        small_spec(model_cfg={"n_in": 3})
+    with pytest.raises(ValueError, match="duplicates"):
+        small_spec(lrs=[0.1, 0.1])
+    with pytest.raises(ValueError):
+        small_spec(schemes=["no_such_scheme"])
+    with pytest.raises(ValueError, match="pow2"):
+        small_spec(lrs={"pow2": [1]})
+
+
+def test_spec_expansion() -> None:
+    spec = StudySpec.from_yaml(TABLE2_YAML)
+    runs = spec.runs()
+    assert len(spec.datasets) == 12 and len(spec.schemes) == 4
+    assert len(spec.seeds) == 10 and len(spec.lrs) == 14
+    assert spec.lrs[0] == 2.0 and spec.lrs[-1] == 2.0**-12
+    assert len(runs) == spec.n_runs == 12 * 4 * 10 * 14
+    assert len({r.key() for r in runs}) == len(runs)
+    assert {(r.optimizer, r.momentum, r.weight_decay, r.output_std, r.epochs) for r in runs} == {
+        ("sgd", 0.9, 1e-5, 0.05, 5)
+    }
+    assert runs[0].model_kwargs == {"widths": (384, 64), "input_norm": True}
+    small = small_spec()
+    assert len(small.runs()) == 2 * 2 * 3 * 3
+
+
+def test_plan_chunks_groups_and_splits() -> None:
+    runs = small_spec(lrs=[0.1, 0.05, 0.01, 0.001, 0.0001]).runs()  # 2 groups of 30 runs
+    chunks = plan_chunks(runs, 7)
+    assert sorted(c.key() for chunk in chunks for c in chunk) == sorted(r.key() for r in runs)
+    assert all(len({c.group_key() for c in chunk}) == 1 for chunk in chunks)
+    assert [len(c) for c in chunks] == [6] * 5 + [6] * 5  # 30 → 5 even chunks of at most 7
+
+
+# -- store ------------------------------------------------------------------------------------
+
+
+def fake_results(helpers: Any, spec: StudySpec) -> list[RunResult]:
+    out = []
+    for name in spec.datasets:
+        data = helpers.load_fake(name)
+        configs = [c for c in spec.runs() if c.dataset == name]
+        out += helpers.fake_train(
+            configs, data.train, data.test, model_factory=lambda c, d=data: _mlp(c, d)
+        )
+    return out
+
+
+def _mlp(config: RunConfig, data: Any) -> Any:
+    from initlab.study.runner import build_model
+
+    return build_model(config, n_in=data.n_features, n_classes=data.n_classes)
+
+
+def test_store_round_trip_and_export(tmp_path: Path, helpers: Any) -> None:
+    pd = pytest.importorskip("pandas")
+    spec = small_spec()
+    results = fake_results(helpers, spec)
+    path = tmp_path / "runs.sqlite"
+    with Store(path) as store:
+        store.register_study(spec.name, spec.to_dict(), [c.key() for c in spec.runs()])
+        assert store.write(results[:10], study=spec.name) == 10
+        assert store.write(results, study=spec.name) == len(results) - 10  # INSERT OR IGNORE
+        assert store.write(results) == 0
+        assert len(store) == len(results) == 36
+        assert store.keys() == store.keys(spec.name) == {r.config.key() for r in results}
+        assert store.keys("other") == set()
+        back = store.results(study=spec.name)
+        frame = store.to_pandas(spec.name)
+        store.to_csv(tmp_path / "runs.csv", spec.name)
+        assert StudySpec.from_dict(store.studies()[spec.name]) == spec
+    # exact round trip (JSON text compares nan equal to nan)
+    want = {r.config.key(): json.dumps(r.to_dict()) for r in results}
+    assert {r.config.key(): json.dumps(r.to_dict()) for r in back} == want
+
+    assert list(frame.columns) == list(RECORD_COLUMNS)
+    assert len(frame) == 36 and frame["key"].is_unique
+    by_key = frame.set_index("key")
+    for r in results:
+        row = by_key.loc[r.config.key()]
+        assert row["dataset"] == r.config.dataset and row["lr"] == r.config.lr
+        assert bool(row["diverged"]) == r.diverged
+        if r.diverged:
+            assert math.isnan(row["final_train_loss"])
+        else:
+            assert row["final_train_loss"] == r.final_train_loss
+        assert row["n_steps"] == 12
+        assert json.loads(row["model_cfg"]) == {"widths": [8]}
+    csv_frame = pd.read_csv(tmp_path / "runs.csv")
+    assert list(csv_frame.columns) == list(RECORD_COLUMNS) and len(csv_frame) == 36
+    np.testing.assert_allclose(
+        csv_frame.set_index("key").loc[frame["key"], "final_train_loss"].to_numpy(),
+        frame["final_train_loss"].to_numpy(),
+        rtol=1e-15,
+    )
+    with open(tmp_path / "runs.csv", newline="") as fh:
+        assert sum(1 for _ in csv.reader(fh)) == 37
+
+
+# -- runner: local, pool, failures, kill + resume ---------------------------------------------
+
+
+def test_run_study_local_skips_finished(tmp_path: Path, helpers: Any) -> None:
+    spec = small_spec()
+    db = tmp_path / "s.sqlite"
+    part = small_spec(datasets=["alpha"])  # same name, a subset: half the runs
+    first = run_study(
+        part, db, train_fn=helpers.fake_train, load_fn=helpers.load_fake, progress=False
+    )
+    assert (first.n_trained, first.n_skipped) == (18, 0)
+    before = store_rows(db)
+    second = run_study(
+        spec,
+        db,
+        train_fn=helpers.fake_train,
+        load_fn=helpers.load_fake,
+        chunk_size=4,
+        progress=False,
+    )
+    assert (second.n_runs, second.n_skipped, second.n_trained) == (36, 18, 18)
+    assert second.n_chunks == 5  # 18 runs of one group in chunks of <= 4
+    after = store_rows(db)
+    assert len(after) == 36 and all(after[k] == v for k, v in before.items())
+    third = run_study(
+        spec, db, train_fn=helpers.fake_train, load_fn=helpers.load_fake, progress=False
+    )
+    assert (third.n_trained, third.n_chunks) == (0, 0)
+
+
+def test_run_study_pool_matches_in_process(
+    tmp_path: Path, helpers: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = small_spec()
+    one, two = tmp_path / "one.sqlite", tmp_path / "two.sqlite"
+    run_study(spec, one, train_fn=helpers.fake_train, load_fn=helpers.load_fake, progress=False)
+    run_study(
+        spec,
+        two,
+        workers=2,
+        chunk_size=5,
+        train_fn=helpers.fake_train,
+        load_fn=helpers.load_fake,
+        progress=True,
+    )
+    err = capsys.readouterr().err
+    assert "chunk 8/8 done" in err and "ETA" in err
+    assert store_rows(one) == store_rows(two)
+
+
+def test_run_study_failed_chunk_keeps_the_others(
+    tmp_path: Path, helpers: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("INITLAB_FAKE_FAIL", "betat")
+    db = tmp_path / "f.sqlite"
+    with pytest.raises(StudyError, match="fake failure on betat"):
+        run_study(
+            small_spec(), db, train_fn=helpers.fake_train, load_fn=helpers.load_fake, progress=False
+        )
+    with Store(db) as store:
+        assert {r.config.dataset for r in store.results()} == {"alpha"} and len(store) == 18
+    monkeypatch.delenv("INITLAB_FAKE_FAIL")
+    summary = run_study(
+        small_spec(), db, train_fn=helpers.fake_train, load_fn=helpers.load_fake, progress=False
+    )
+    assert (summary.n_skipped, summary.n_trained) == (18, 18)
+
+
+def _count_rows(db: Path) -> int:
+    if not db.exists():
+        return 0
+    try:
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5) as conn:
+            return int(conn.execute("SELECT COUNT(*) FROM runs").fetchone()[0])
+    except sqlite3.OperationalError:  # not created yet
+        return 0
+
+
+def test_sigkill_then_resume_loses_and_duplicates_nothing(tmp_path: Path, helpers: Any) -> None:
+    spec = small_spec(seeds=4)  # 48 runs, in chunks of 3: 16 chunks of 3 x 40 ms
+    spec_path = tmp_path / "spec.yaml"
+    spec.to_yaml(spec_path)
+    db = tmp_path / "kill.sqlite"
+    code = (
+        "import study_helpers as h\n"
+        "from initlab.study.runner import run_study\n"
+        f"run_study({str(spec_path)!r}, {str(db)!r}, train_fn=h.fake_train, "
+        "load_fn=h.load_fake, chunk_size=3, progress=False)\n"
+    )
+    env = {**os.environ, "INITLAB_FAKE_DELAY": "0.04"}
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env)
+    try:
+        deadline = time.monotonic() + 40
+        while _count_rows(db) < 6:
+            assert proc.poll() is None, "the study ended before it could be killed"
+            assert time.monotonic() < deadline, "the study wrote nothing"
+            time.sleep(0.005)
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    before = store_rows(db)
+    with Store(db) as store:
+        created = {r["key"]: r["created_at"] for r in store.records()}
+    assert 6 <= len(before) < 48
+    assert len(before) % 3 == 0  # whole chunks only: nothing half-written
+
+    summary = run_study(
+        spec_path,
+        db,
+        train_fn=helpers.fake_train,
+        load_fn=helpers.load_fake,
+        chunk_size=3,
+        progress=False,
+    )
+    assert summary.n_skipped == len(before) and summary.n_trained == 48 - len(before)
+    after = store_rows(db)
+    with Store(db) as store:
+        keys = [r["key"] for r in store.records()]
+        assert store.keys(spec.name) == {c.key() for c in spec.runs()}
+        created_after = {r["key"]: r["created_at"] for r in store.records()}
+    assert len(keys) == len(set(keys)) == 48
+    assert set(keys) == {c.key() for c in spec.runs()}
+    assert all(after[k] == v for k, v in before.items())  # finished runs untouched
+    assert all(created_after[k] == v for k, v in created.items())
+    # and the resumed store equals an uninterrupted run
+    fresh = tmp_path / "fresh.sqlite"
+    run_study(spec, fresh, train_fn=helpers.fake_train, load_fn=helpers.load_fake, progress=False)
+    assert store_rows(fresh) == after
+
+
+# -- Ray --------------------------------------------------------------------------------------
+
+
+def test_ray_backend_matches_local(tmp_path: Path, helpers: Any) -> None:
+    pytest.importorskip("ray")
+    spec = small_spec()
+    local, remote = tmp_path / "local.sqlite", tmp_path / "ray.sqlite"
+    run_study(spec, local, train_fn=helpers.fake_train, load_fn=helpers.load_fake, progress=False)
+    # a partial local run first, so the Ray run (one Ray start: ~10 s) also has to skip runs
+    run_study(
+        small_spec(datasets=["betat"]),
+        remote,
+        train_fn=helpers.fake_train,
+        load_fn=helpers.load_fake,
+        progress=False,
+    )
+    summary = run_study(
+        spec,
+        remote,
+        backend="ray",
+        workers=2,
+        chunk_size=4,
+        train_fn=helpers.fake_train,
+        load_fn=helpers.load_fake,
+        progress=False,
+    )
+    assert (summary.n_skipped, summary.n_trained) == (18, 18)
+    assert store_rows(local) == store_rows(remote)
+
+
+# -- the real trainer -------------------------------------------------------------------------
+
+
+def test_real_trainer_tiny_study(tmp_path: Path, helpers: Any) -> None:
+    pytest.importorskip("initlab.study.trainer")
+    spec = small_spec(
+        model_cfg={"widths": [16, 8], "input_norm": True},
+        seeds=2,
+        lrs=[64.0, 0.25, 0.01],
+        weight_decay=1e-5,
+    )
+    a, b = tmp_path / "a.sqlite", tmp_path / "b.sqlite"
+    run_study(spec, a, load_fn=helpers.load_fake, progress=False)
+    run_study(spec, b, load_fn=helpers.load_fake, chunk_size=5, progress=False)
+    with Store(a) as sa, Store(b) as sb:
+        ra = {r["key"]: r for r in sa.records(curves=True)}
+        rb = {r["key"]: r for r in sb.records(curves=True)}
+    assert ra.keys() == rb.keys() == {c.key() for c in spec.runs()}
+    for key, r in ra.items():
+        assert r["n_steps"] == 2 * 3  # 48 rows / batch 16 x 2 epochs
+        assert r["diverged"] == rb[key]["diverged"]
+        # chunking changes the vectorized batch, not the runs (float rounding aside)
+        np.testing.assert_allclose(r["step_loss"], rb[key]["step_loss"], rtol=1e-4)
+        if r["lr"] == 0.01:
+            assert not r["diverged"] and r["final_train_loss"] < 1.2
+        assert ("betat" in r["dataset"]) == (len(r["epoch_test_loss"]) == 2)
+    rows = report_study(a, tmp_path / "report", plots=False)
+    assert {r["scheme"] for r in rows} == {"fan_in", "geometric"}
+
+
+# -- aggregation ------------------------------------------------------------------------------
+
+
+def _rec(dataset: str, scheme: str, lr: float, losses: list[float | None]) -> list[dict[str, Any]]:
+    """Runs for seeds 0.. with these final losses; ``None`` is a diverged run."""
+    return [
+        {
+            "dataset": dataset,
+            "scheme": scheme,
+            "lr": lr,
+            "seed": seed,
+            "final_train_loss": math.nan if loss is None else loss,
+            "diverged": loss is None,
+        }
+        for seed, loss in enumerate(losses)
+    ]
+
+
+def synthetic_records() -> list[dict[str, Any]]:
+    recs = []
+    # d1: arithmetic's best is lr 0.01 (1.6 < 2.0); geometric's lr 0.1 has a diverged seed
+    # (median of [0.5, 0.7, inf] = 0.7 beats 0.9); fan_in's lr 0.1 has a median of +inf.
+    recs += _rec("d1", "arithmetic", 0.1, [1.0, 2.0, 3.0])
+    recs += _rec("d1", "arithmetic", 0.01, [1.5, 1.6, 1.7])
+    recs += _rec("d1", "geometric", 0.1, [0.5, None, 0.7])
+    recs += _rec("d1", "geometric", 0.01, [0.9, 0.9, 0.9])
+    recs += _rec("d1", "fan_in", 0.1, [None, None, 0.2])
+    recs += _rec("d1", "fan_in", 0.01, [0.8, 0.8, 0.8])
+    # d2: arithmetic and geometric tie for best (1.0); fan_in ties across rates (smaller wins) and
+    # is worst. A finite-looking nan loss without the diverged flag also counts as +inf.
+    recs += _rec("d2", "arithmetic", 0.1, [1.0, 1.0, 1.0])
+    recs += _rec("d2", "arithmetic", 0.01, [2.0, 2.0, 2.0])
+    recs += _rec("d2", "geometric", 0.1, [3.0, 3.0, 3.0])
+    recs += _rec("d2", "geometric", 0.01, [0.5, 1.0, 4.0])
+    recs += _rec("d2", "fan_in", 0.1, [2.0, 2.0, 2.0])
+    recs += _rec("d2", "fan_in", 0.01, [2.0, 2.0, 2.0])
+    nan_run = _rec("d2", "fan_in", 0.1, [0.0])[0]
+    nan_run.update(seed=3, final_train_loss=math.nan, diverged=False)
+    recs.append(nan_run)  # d2/fan_in/0.1: [2, 2, 2, inf] → median 2.0
+    # d3: only one scheme → left out of Table 2
+    recs += _rec("d3", "geometric", 0.1, [1.0])
+    return recs
+
+
+def test_aggregation_matches_hand_computation() -> None:
+    per = {(r["dataset"], r["scheme"]): r for r in per_dataset_table(synthetic_records())}
+    expected = {
+        # (best_lr, median, q25, q75, normalized, n_seeds, n_diverged)
+        ("d1", "arithmetic"): (0.01, 1.6, 1.55, 1.65, 1.0, 3, 0),
+        ("d1", "geometric"): (0.1, 0.7, 0.6, math.inf, 0.7 / 1.6, 3, 1),
+        ("d1", "fan_in"): (0.01, 0.8, 0.8, 0.8, 0.5, 3, 0),
+        ("d2", "arithmetic"): (0.1, 1.0, 1.0, 1.0, 0.5, 3, 0),
+        ("d2", "geometric"): (0.01, 1.0, 0.75, 2.5, 0.5, 3, 0),
+        ("d2", "fan_in"): (0.01, 2.0, 2.0, 2.0, 1.0, 3, 0),
+        ("d3", "geometric"): (0.1, 1.0, 1.0, 1.0, None, 1, 0),
+    }
+    assert per.keys() == expected.keys()
+    for key, (lr, med, q25, q75, norm, n, n_div) in expected.items():
+        row = per[key]
+        assert row["best_lr"] == lr, key
+        assert row["median_loss"] == pytest.approx(med), key
+        assert row["q25"] == pytest.approx(q25) and row["q75"] == pytest.approx(q75), key
+        assert row["normalized"] == (None if norm is None else pytest.approx(norm)), key
+        assert (row["n_seeds"], row["n_diverged"]) == (n, n_div), key
+    by_lr = {(r["dataset"], r["scheme"], r["lr"]): r for r in lr_table(synthetic_records())}
+    assert by_lr["d1", "fan_in", 0.1]["median_loss"] == math.inf
+    assert by_lr["d2", "fan_in", 0.1]["n_seeds"] == 4
+    assert by_lr["d2", "fan_in", 0.1]["median_loss"] == 2.0
+
+    table = {r["scheme"]: r for r in table2(per_dataset_table(synthetic_records()))}
+    assert table["arithmetic"]["avg_normalized_loss"] == pytest.approx((1.0 + 0.5) / 2)
+    assert table["fan_in"]["avg_normalized_loss"] == pytest.approx((0.5 + 1.0) / 2)
+    assert table["geometric"]["avg_normalized_loss"] == pytest.approx((0.7 / 1.6 + 0.5) / 2)
+    assert {s: (r["worst_in"], r["best_in"], r["n_datasets"]) for s, r in table.items()} == {
+        "arithmetic": (1, 1, 2),  # worst on d1, tied best on d2
+        "fan_in": (1, 0, 2),
+        "geometric": (0, 2, 2),  # best on d1 and tied best on d2
+    }
+
+
+def test_quantile_matches_numpy_and_handles_inf() -> None:
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 3, 10, 11):
+        x = rng.normal(size=n)
+        for q in (0.0, 0.25, 0.5, 0.75, 1.0):
+            assert quantile(x.tolist(), q) == pytest.approx(float(np.quantile(x, q)), abs=1e-12)
+    assert quantile([1.0, math.inf], 0.5) == math.inf
+    assert quantile([1.0, 2.0, math.inf, math.inf], 0.75) == math.inf
+    assert quantile([1.0, 3.0, math.inf], 0.25) == 2.0
+
+
+def test_report_study_writes_table_and_plots(tmp_path: Path, helpers: Any) -> None:
+    pytest.importorskip("matplotlib")
+    spec = small_spec(schemes=["arithmetic", "fan_in", "fan_out", "geometric"])
+    db = tmp_path / "r.sqlite"
+    run_study(spec, db, train_fn=helpers.fake_train, load_fn=helpers.load_fake, progress=False)
+    out = tmp_path / "report"
+    rows = report_study(db, out)
+    assert [r["scheme"] for r in rows] == sorted(PAPER_TABLE2)
+    assert all(r["n_datasets"] == 2 for r in rows)
+    text = (out / "table2.md").read_text()
+    assert "paper (26 sets)" in text and "0.81 / 0 / 6" in text and "partial reproduction" in text
+    with open(out / "per_dataset.csv", newline="") as fh:
+        per = list(csv.DictReader(fh))
+    assert len(per) == 2 * 4 and {"best_lr", "q25", "q75", "normalized"} <= per[0].keys()
+    pngs = sorted(p.name for p in (out / "plots").glob("*.png"))
+    assert pngs == [
+        "curves_alpha.png",
+        "curves_betat.png",
+        "iqr_all.png",
+        "iqr_alpha.png",
+        "iqr_betat.png",
+    ]
+    with pytest.raises(FileNotFoundError):
+        report_study(tmp_path / "missing.sqlite", out)
