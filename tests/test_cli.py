@@ -83,11 +83,25 @@ def test_init_bad_model_spec_exits_2(capsys: pytest.CaptureFixture[str], tmp_pat
     assert "geometric" in capsys.readouterr().err  # lists the valid scheme names
 
 
-def test_demo_runs_and_prints_per_layer_table(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "--schemes", "fan_in,geometric", "--batch-size", "256"]) == 0
-    out = capsys.readouterr().out
-    assert "layers.0" in out and "layers.4" in out
-    assert "geometric" in out and "nu" in out
+def test_demo_runs_and_prints_per_layer_table(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    out = tmp_path / "demo"
+    assert main(["demo", "--schemes", "fan_in,geometric", "--batch-size", "256",
+                 "--out", str(out)]) == 0  # fmt: skip
+    text = capsys.readouterr().out
+    assert "layers.0" in text and "layers.4" in text
+    assert "geometric" in text and "nu" in text
+    assert "gamma_max_over_min" in text and "avg_normalized_loss" in text
+    assert (out / "diagnosis" / "geometric.html").stat().st_size > 0
+    assert (out / "study" / "table2.md").read_text().count("geometric") >= 1
+    assert list((out / "study" / "plots").glob("*.png"))
+
+
+def test_demo_quick_is_moments_only(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert main(["demo", "--quick", "--out", str(tmp_path / "d")]) == 0
+    assert "1/3 moments" in capsys.readouterr().out
+    assert not (tmp_path / "d").exists()
 
 
 def test_console_script_entry_point() -> None:

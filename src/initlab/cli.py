@@ -129,12 +129,32 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from initlab.demo import DEMO_SCHEMES, run_demo
+    from initlab.demo import DEMO_SCHEMES, demo_study, run_demo
 
     schemes = args.schemes.split(",") if args.schemes else list(DEMO_SCHEMES)
     start = time.perf_counter()
-    result = run_demo(schemes, seed=args.seed, batch_size=args.batch_size)
-    print(result)
+    out = Path(args.out)
+
+    def step(text: str) -> None:
+        print(f"\n== {text} ({time.perf_counter() - start:.1f} s)", flush=True)
+
+    step("1/3 moments: forward/backward second moments per layer and scheme")
+    print(run_demo(schemes, seed=args.seed, batch_size=args.batch_size))
+    if not args.quick:
+        from initlab.diagnostics import diagnose_demo
+
+        step("2/3 diagnosis: GR scaling, weight-to-gradient ratio, verdicts per layer")
+        _, comparison = diagnose_demo(
+            schemes, seed=args.seed, out=out / "diagnosis",
+            progress=lambda msg: print(f"   {msg}", flush=True),
+        )  # fmt: skip
+        print(comparison)
+        step("3/3 training: schemes x 3 seeds x 4 learning rates, 3 epochs (vectorized)")
+        study_schemes = [
+            s for s in schemes if s in ("fan_in", "fan_out", "arithmetic", "geometric")
+        ]
+        print(demo_study(out, study_schemes or schemes))
+        print(f"\nreport folder: {out}/ (diagnosis/*.html, study/table2.md, study/plots/)")
     print(f"\ndone in {time.perf_counter() - start:.1f} s")
     return 0
 
@@ -272,6 +292,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--schemes", help="comma-separated scheme names (default: all demo schemes)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=1024)
+    p.add_argument("--out", default="initlab-demo", help="report folder (default: initlab-demo)")
+    p.add_argument("--quick", action="store_true", help="moments only (seconds)")
     p.set_defaults(func=_cmd_demo)
     return parser
 
