@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["batch_size", "default_forward", "is_single_batch", "take_batches"]
+__all__ = ["batch_size", "default_forward", "first_tensor", "is_single_batch", "take_batches"]
 
 
 def is_single_batch(data: Any) -> bool:
@@ -62,7 +62,8 @@ def take_batches(
     return batches
 
 
-def _first_tensor(batch: Any) -> torch.Tensor:
+def first_tensor(batch: Any) -> torch.Tensor:
+    """The batch itself (a tensor), or its first tensor (tuple, list or dict)."""
     if isinstance(batch, torch.Tensor):
         return batch
     if isinstance(batch, Mapping):
@@ -81,4 +82,4 @@ def default_forward(model: nn.Module, batch: Any) -> Any:
 
 def batch_size(batch: Any) -> int:
     """Size of dim 0 of the batch's first tensor."""
-    return int(_first_tensor(batch).shape[0])
+    return int(first_tensor(batch).shape[0])

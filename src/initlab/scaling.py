@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from initlab.batches import batch_size, default_forward, take_batches
+from initlab.batches import batch_size, default_forward, first_tensor, take_batches
 from initlab.conditioning import gr_scaling, imbalance, weight_layers, with_multipliers
 from initlab.distributed import all_reduce_sum, is_distributed
 from initlab.guard import restore_on_failure
@@ -121,14 +121,6 @@ class _Seeds:
             for d in self.devices:
                 torch.cuda.default_generators[d].manual_seed(seed)
             yield
-
-
-def _first_tensor(batch: Any) -> torch.Tensor:
-    if isinstance(batch, torch.Tensor):
-        return batch
-    if isinstance(batch, Mapping):
-        return next(v for v in batch.values() if isinstance(v, torch.Tensor))
-    return next(v for v in batch if isinstance(v, torch.Tensor))
 
 
 def _execution_order(
@@ -481,7 +473,7 @@ def input_scale(
     sums = torch.zeros(2, dtype=torch.float64)
     dims = set()
     for batch in batches:
-        x = _first_tensor(batch)
+        x = first_tensor(batch)
         if not x.is_floating_point():
             raise TypeError(f"input_scale needs floating-point inputs, got {x.dtype}")
         dims.add(int(x.shape[1]) if x.dim() >= 2 else None)
@@ -546,7 +538,7 @@ def input_scale_for(
             f"the first weight layer {first!r} ({type(module).__name__}) is not linear or "
             "convolutional; give kernel_size and n_in to input_scale yourself"
         )
-    raw = _first_tensor(batches[0]).detach().to(torch.float64)
+    raw = first_tensor(batches[0]).detach().to(torch.float64)
     seen = inputs.get(first)
     same = (
         seen is not None

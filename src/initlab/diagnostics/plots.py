@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from initlab.figures import new_figure
 from initlab.rows import Rows
 
 __all__ = [
@@ -41,14 +42,11 @@ _VERDICT_COLORS = {"ok": "#2ca02c", "warn": "#ff9f0e", "bad": "#d62728"}
 
 
 def _figure(**kwargs: Any) -> Any:
-    try:
-        from matplotlib.figure import Figure
-    except ImportError as err:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "initlab.diagnostics.plots needs matplotlib: pip install 'initlab[plot]' (or "
-            "matplotlib); Report.save_html(path, plots=False) writes the tables without it"
-        ) from err
-    return Figure(layout="constrained", **kwargs)
+    return new_figure(
+        "initlab.diagnostics.plots",
+        "Report.save_html(path, plots=False) writes the tables without it",
+        **kwargs,
+    )
 
 
 def figure_png(fig: Any, dpi: int = 110) -> bytes:

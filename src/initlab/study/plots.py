@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from initlab.figures import new_figure
 from initlab.rows import Rows
 from initlab.study.aggregate import quantile
 
@@ -28,14 +29,11 @@ __all__ = ["plot_interquartile", "plot_loss_curves", "plot_study", "sliding_mean
 
 
 def _figure(**kwargs: Any) -> Any:
-    try:
-        from matplotlib.figure import Figure
-    except ImportError as err:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "initlab.study.plots needs matplotlib: pip install matplotlib (or initlab[plot]); "
-            "report_study(..., plots=False) writes the tables without it"
-        ) from err
-    return Figure(layout="constrained", **kwargs)
+    return new_figure(
+        "initlab.study.plots",
+        "report_study(..., plots=False) writes the tables without it",
+        **kwargs,
+    )
 
 
 def _safe(name: str) -> str:
