@@ -13,6 +13,9 @@ The public API, by concept (implementation modules in parentheses):
 * the moment probe (:mod:`initlab.probe`): :class:`MomentProbe`, :func:`measure_moments`;
 * conditioning (:mod:`initlab.conditioning`): :func:`gr_scaling` (γ and ν per layer);
 * diagnostics (:mod:`initlab.diagnostics`): :func:`diagnose` → :class:`Report`;
+* curvature (:mod:`initlab.curvature`): :func:`hessian_vector_product`, :func:`block_curvature`
+  (Hessian / Gauss–Newton block heat map), :func:`theory_vs_actual`, :func:`figure2_ratios`;
+  loss landscapes (:mod:`initlab.landscape`): :func:`loss_landscape`;
 * data-dependent init, each ``method_(model, data, ...) -> MethodReport``: :func:`lsuv_`
   (:mod:`initlab.lsuv`), :func:`gradinit_` (:mod:`initlab.gradinit`), :func:`metainit_`
   (:mod:`initlab.metainit`), :func:`scale_output_`, :func:`precondition_`, :func:`input_scale`
@@ -20,16 +23,23 @@ The public API, by concept (implementation modules in parentheses):
 * tidy rows (:mod:`initlab.rows`): :class:`Rows`.
 
 Also importable as subpackages: :mod:`initlab.data` (loaders), :mod:`initlab.zoo` (models),
-:mod:`initlab.study` (studies over seeds x learning rates), :mod:`initlab.curvature` and
-:mod:`initlab.landscape`.
+:mod:`initlab.study` (studies over seeds x learning rates).
 """
 
 from initlab.conditioning import gr_scaling, imbalance
+from initlab.curvature import (
+    block_curvature,
+    figure2_ratios,
+    ggn_vector_product,
+    hessian_vector_product,
+    theory_vs_actual,
+)
 from initlab.diagnostics import DIAGNOSTIC_COLUMNS, Report, diagnose
 from initlab.fans import Fans, compute_fans
 from initlab.gains import average_lipschitz, calculate_gain
 from initlab.gradinit import gradinit_
 from initlab.initialize import INIT_REPORT_COLUMNS, InitReport, init_model
+from initlab.landscape import Landscape, loss_landscape
 from initlab.lsuv import lsuv_
 from initlab.metainit import metainit_
 from initlab.method_report import MethodReport
@@ -96,6 +106,7 @@ __all__ = [
     "GeometricMean",
     "InitReport",
     "InitSpec",
+    "Landscape",
     "MethodReport",
     "MomentProbe",
     "OperatorNorm",
@@ -110,6 +121,7 @@ __all__ = [
     "arithmetic_uniform_",
     "arithmetic_variance",
     "average_lipschitz",
+    "block_curvature",
     "calculate_gain",
     "compute_fans",
     "default_registry",
@@ -122,17 +134,21 @@ __all__ = [
     "fan_out_normal_",
     "fan_out_uniform_",
     "fan_out_variance",
+    "figure2_ratios",
     "geometric_normal_",
     "geometric_trunc_normal_",
     "geometric_uniform_",
     "geometric_variance",
     "get_scheme",
+    "ggn_vector_product",
     "gr_scaling",
     "gradinit_",
+    "hessian_vector_product",
     "imbalance",
     "init_model",
     "input_scale",
     "list_schemes",
+    "loss_landscape",
     "lsuv_",
     "measure_moments",
     "metainit_",
@@ -145,6 +161,7 @@ __all__ = [
     "sample_",
     "scale_output_",
     "scale_residual_projections",
+    "theory_vs_actual",
     "transposed_linear_handler",
     "trunc_normal_",
     "uniform_",

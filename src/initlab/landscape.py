@@ -1,0 +1,513 @@
+r"""Loss landscapes: the loss on a 2-D slice ``L(θ + t₁ d₁ + t₂ d₂)`` through the parameters.
+
+The lecture's picture (seeds digest §3): ``Σ_i L(m(x_i; θ* + t₁ θ₁ + t₂ θ₂), y_i)`` over a grid of
+``(t₁, t₂)`` for two directions ``θ₁, θ₂``. :func:`loss_landscape` evaluates it for any model,
+
+* with **filter-normalized** random directions (Li, Xu, Taylor, Studer & Goldstein 2018,
+  *Visualizing the Loss Landscape of Neural Nets*, §4): ``d ~ N(0, I)`` per parameter tensor, then
+  every filter ``d_i`` (the slice along dim 0: a convolution's output filter, a linear layer's
+  row) is rescaled to the norm of the same filter of ``θ``, ``d_i ← d_i ‖θ_i‖ / ‖d_i‖``;
+  one-dimensional parameters (biases, norm scales and shifts) get ``d = 0`` (Li et al.'s
+  ``ignore="biasbn"``), so the slice moves the weights only;
+* with the **top Hessian eigenvectors** (``directions="hessian"``: the two eigenvectors of largest
+  ``|λ|`` of the Hessian of the loss on the first batch, by Lanczos with Hessian-vector products,
+  :func:`initlab.curvature.hessian_eigenpairs`; unit norm in the full parameter space);
+* or with directions you give.
+
+The model is never mutated: every point is a functional call (``torch.func.functional_call``)
+with ``θ + t₁ d₁ + t₂ d₂`` and cloned buffers, so its parameters, buffers (BatchNorm running
+statistics included) and ``state_dict`` are bitwise unchanged, and its train/eval modes are
+restored. The model is evaluated in eval mode (dropout off) except for BatchNorm, which follows the
+explicit policy ``bn``:
+
+* ``"eval"``: normalize with the running statistics (what inference does);
+* ``"batch"``: normalize with the statistics of the batch at each grid point (train-mode
+  behaviour), without updating the running statistics;
+* ``"fixed"``: normalize with the batch statistics measured once at the centre ``θ`` (per batch)
+  and held fixed over the grid, so the slice sees the network as a fixed function of its weights.
+
+With several batches the value is the example-weighted mean ``Σ_b n_b L_b / Σ_b n_b`` of the
+per-batch losses (the mean over all examples for a mean-reduced loss).
+
+Grid points are evaluated in chunks with ``torch.func.vmap`` over stacked parameter sets. The
+chunk size bounds the memory: about ``2**21`` elements of parameters and activations per chunk
+by default, cache-sized (much bigger chunks were slower than a plain loop for compute-bound
+models on CPU). When vmap cannot run the model (an op without a batching rule, data-dependent
+control flow), the points are evaluated one by one and ``notes`` says why.
+
+Example (the lecture's plain vs residual LeakyReLU nets)::
+
+    from initlab.zoo import create_model
+    x = torch.linspace(-2, 2, 256)[:, None]
+    batch = (x, torch.sin(3 * x))
+    for name in ("lecture_mlp", "lecture_resnet_mlp"):
+        net = create_model(name, depth=12)
+        land = loss_landscape(net, batch, "mse", generator=0)
+        land.plot()
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from initlab.batches import batch_size, default_forward, take_batches
+from initlab.curvature import (
+    Forward,
+    LossFn,
+    _batchnorms,
+    functional_forward,
+    model_state,
+    resolve_loss,
+)
+from initlab.rng import as_generator
+from initlab.rows import Rows
+
+__all__ = [
+    "LANDSCAPE_COLUMNS",
+    "Landscape",
+    "filter_normalized_direction",
+    "loss_landscape",
+]
+
+LANDSCAPE_COLUMNS: tuple[str, ...] = ("t1", "t2", "loss")
+"""Columns of :meth:`Landscape.to_rows`: the grid coordinates and the loss there."""
+
+BNPolicy = Literal["eval", "batch", "fixed"]
+_BN = ("eval", "batch", "fixed")
+# Elements of parameters + activations per vmapped chunk: cache-sized. Measured on CPU (15x15
+# grid, benchmarks/bench_landscape.py): chunks far above this are slower than a plain loop for
+# compute-bound models (paper_mlp, strided LeNet), while tiny models gain 8-15x from vmap.
+_BUDGET = 1 << 21
+_AUTO_VMAP = 1 << 17  # batched="auto" on CPU: vmap below this many elements per point
+
+
+@dataclass(frozen=True, eq=False)
+class Landscape:
+    """A 2-D slice of the loss: ``values[i, j] = L(θ + t1[i] d₁ + t2[j] d₂)``.
+
+    Attributes:
+        values: ``(len(t1), len(t2))`` float64 tensor of losses (CPU).
+        t1, t2: the grid coordinates (float64, CPU).
+        directions: ``(d₁, d₂)``, each a dict parameter name → tensor.
+        center: the loss at ``θ`` (``t₁ = t₂ = 0``).
+        bn: the BatchNorm policy used.
+        method: ``"vmap"`` or ``"loop"``.
+        notes: what the reader should know (fallbacks, BatchNorm without running statistics).
+    """
+
+    values: torch.Tensor
+    t1: torch.Tensor
+    t2: torch.Tensor
+    directions: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]
+    center: float
+    bn: str
+    method: str
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def to_rows(self) -> Rows:
+        """Tidy rows ``(t1, t2, loss)``, ``t2`` varying fastest (:data:`LANDSCAPE_COLUMNS`)."""
+        rows = [
+            {"t1": float(a), "t2": float(b), "loss": float(self.values[i, j])}
+            for i, a in enumerate(self.t1)
+            for j, b in enumerate(self.t2)
+        ]
+        return Rows(rows, LANDSCAPE_COLUMNS, title=f"loss landscape (bn={self.bn!r})")
+
+    def plot(
+        self,
+        ax: Any = None,
+        *,
+        levels: int | Sequence[float] = 20,
+        filled: bool = True,
+        log: bool = False,
+        colorbar: bool = True,
+    ) -> Any:
+        """Contour plot of the slice (``t1`` horizontal, ``t2`` vertical); a line for a 1-D grid.
+
+        Needs matplotlib (``pip install initlab[plot]``), imported here only
+        (:func:`initlab.figures.new_figure`; no pyplot).
+
+        Args:
+            ax: a matplotlib ``Axes`` (default: one on a new ``Figure``, ``ax.figure``).
+            levels: number of contour levels or the levels.
+            filled: ``contourf`` (default) or line contours with labels.
+            log: plot ``log10(loss)`` (for positive losses spanning decades).
+            colorbar: add a colour bar (filled plots).
+
+        Returns:
+            The ``Axes``.
+        """
+        if ax is None:
+            from initlab.figures import new_figure
+
+            ax = new_figure("Landscape.plot", "Landscape.to_rows() gives the numbers").add_subplot()
+        z = self.values.clone()
+        label = "loss"
+        if log:
+            z = z.clamp_min(torch.finfo(torch.float64).tiny).log10()
+            label = "log10 loss"
+        if len(self.t1) == 1 or len(self.t2) == 1:
+            t, name = (self.t2, "t2") if len(self.t1) == 1 else (self.t1, "t1")
+            ax.plot(t.numpy(), z.reshape(-1).numpy())
+            ax.set_xlabel(name)
+            ax.set_ylabel(label)
+            return ax
+        xx, yy = torch.meshgrid(self.t1, self.t2, indexing="ij")
+        if filled:
+            cs = ax.contourf(xx.numpy(), yy.numpy(), z.numpy(), levels=levels)
+            if colorbar:
+                ax.figure.colorbar(cs, ax=ax, label=label)
+        else:
+            cs = ax.contour(xx.numpy(), yy.numpy(), z.numpy(), levels=levels)
+            ax.clabel(cs, fontsize=7)
+        ax.plot([0.0], [0.0], "k+")
+        ax.set_xlabel("t1")
+        ax.set_ylabel("t2")
+        ax.set_title(f"loss landscape (bn={self.bn})")
+        return ax
+
+    def contour(self, ax: Any = None, *, levels: int | Sequence[float] = 20) -> Any:
+        """Line contours with labels (:meth:`plot` with ``filled=False``)."""
+        return self.plot(ax, levels=levels, filled=False, colorbar=False)
+
+
+def _trainable(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def filter_normalized_direction(
+    model: nn.Module,
+    *,
+    generator: torch.Generator | int | None = None,
+) -> dict[str, torch.Tensor]:
+    r"""A random direction with filter-wise normalization (Li et al. 2018, §4).
+
+    For every trainable parameter ``θ`` with at least two dimensions: ``d ~ N(0, I)`` (drawn in
+    float64 on the CPU, so a seed gives the same direction on every device), then for every
+    filter ``i`` (the slice ``[i]`` along dim 0) ``d_i ← d_i · ‖θ_i‖ / ‖d_i‖``, so
+    ``‖d_i‖ = ‖θ_i‖``. One-dimensional parameters (biases, norm parameters) get ``d = 0``.
+
+    Returns:
+        Parameter name → direction (the parameter's dtype and device).
+    """
+    gen = as_generator(generator)
+    out = {}
+    for name, p in _trainable(model).items():
+        d = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+        if p.dim() <= 1:
+            d.zero_()
+        else:
+            theta = p.detach().to(device="cpu", dtype=torch.float64)
+            dn = d.reshape(d.shape[0], -1).norm(dim=1)
+            tn = theta.reshape(theta.shape[0], -1).norm(dim=1)
+            scale = tn / dn.clamp_min(torch.finfo(torch.float64).tiny)
+            d = d * scale.view(-1, *([1] * (p.dim() - 1)))
+        out[name] = d.to(dtype=p.dtype, device=p.device)
+    return out
+
+
+def _as_grid(values: Any, what: str) -> torch.Tensor:
+    t = torch.as_tensor(values, dtype=torch.float64).detach().cpu().reshape(-1)
+    if t.numel() == 0 or not torch.isfinite(t).all():
+        raise ValueError(f"grid {what} must be a non-empty sequence of finite numbers")
+    return t
+
+
+def _user_direction(
+    d: Any, params: Mapping[str, torch.Tensor], which: str
+) -> dict[str, torch.Tensor]:
+    names = list(params)
+    if isinstance(d, Mapping):
+        unknown = [k for k in d if k not in params]
+        if unknown:
+            raise ValueError(
+                f"direction {which} names parameters the model does not train: {unknown}"
+            )
+        out = {n: d.get(n) for n in names}
+    elif isinstance(d, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in d):
+        if len(d) != len(names):
+            raise ValueError(
+                f"direction {which} has {len(d)} tensors; the model has {len(names)} trainable "
+                "parameters (pass a dict name -> tensor to give only some)"
+            )
+        out = dict(zip(names, d, strict=True))
+    else:
+        raise TypeError(
+            f"direction {which} must be a dict name -> tensor or a list of tensors, "
+            f"got {type(d).__name__}"
+        )
+    res = {}
+    for n, t in out.items():
+        p = params[n]
+        if t is None:
+            res[n] = torch.zeros_like(p)
+            continue
+        if tuple(t.shape) != tuple(p.shape):
+            raise ValueError(
+                f"direction {which}[{n}] has shape {tuple(t.shape)}, parameter {tuple(p.shape)}"
+            )
+        res[n] = t.detach().to(dtype=p.dtype, device=p.device)
+    return res
+
+
+def _bn_stats(
+    model: nn.Module,
+    batch: Any,
+    base: dict[str, torch.Tensor | None],
+    forward: Forward,
+) -> dict[str, torch.Tensor]:
+    """Batch mean and biased variance of every BatchNorm input at ``θ`` (train-mode forward)."""
+    stats: dict[str, torch.Tensor] = {}
+    handles = []
+
+    def hook(name: str) -> Callable:
+        def fn(module: nn.Module, args: tuple) -> None:
+            x = args[0].detach()
+            dims = [d for d in range(x.dim()) if d != 1]
+            prefix = f"{name}." if name else ""
+            stats[f"{prefix}running_mean"] = x.mean(dim=dims)
+            stats[f"{prefix}running_var"] = x.var(dim=dims, unbiased=False)
+
+        return fn
+
+    try:
+        for name, bn in _batchnorms(model):
+            handles.append(bn.register_forward_pre_hook(hook(name)))
+        with torch.no_grad():
+            functional_forward(model, base, batch, forward)
+    finally:
+        for h in handles:
+            h.remove()
+    return stats
+
+
+def _point_params(
+    theta: Mapping[str, torch.Tensor],
+    d1: Mapping[str, torch.Tensor],
+    d2: Mapping[str, torch.Tensor],
+    a: torch.Tensor,
+    b: torch.Tensor,
+) -> dict[str, torch.Tensor]:
+    """``θ + a d₁ + b d₂`` for a vector of ``a``, ``b`` (stacked along a new dim 0)."""
+    out = {}
+    for n, p in theta.items():
+        view = (-1,) + (1,) * p.dim()
+        aa = a.to(dtype=p.dtype, device=p.device).view(view)
+        bb = b.to(dtype=p.dtype, device=p.device).view(view)
+        out[n] = p.unsqueeze(0) + aa * d1[n].unsqueeze(0) + bb * d2[n].unsqueeze(0)
+    return out
+
+
+def _activation_elements(model: nn.Module, batch: Any, base: dict, forward: Forward) -> int:
+    """Elements of all leaf-module outputs in one forward (for the chunk size)."""
+    total = 0
+    handles = []
+
+    def fn(_m: nn.Module, _a: tuple, out: Any) -> None:
+        nonlocal total
+        if isinstance(out, torch.Tensor):
+            total += out.numel()
+
+    try:
+        for m in model.modules():
+            if next(m.children(), None) is None:
+                handles.append(m.register_forward_hook(fn))
+        with torch.no_grad():
+            functional_forward(model, base, batch, forward)
+    finally:
+        for h in handles:
+            h.remove()
+    return total
+
+
+def loss_landscape(
+    model: nn.Module,
+    batch_or_batches: Any,
+    loss_fn: LossFn,
+    *,
+    directions: Literal["filter_normalized", "hessian"] | Sequence[Any] = "filter_normalized",
+    grid: tuple[Any, Any] | None = None,
+    bn: BNPolicy = "eval",
+    generator: torch.Generator | int | None = None,
+    batched: bool | Literal["auto"] = True,
+    chunk_size: int | None = None,
+    forward: Forward | None = None,
+) -> Landscape:
+    r"""The loss on the plane ``θ + t₁ d₁ + t₂ d₂`` over a grid (module docstring).
+
+    Args:
+        model: any ``nn.Module``; never mutated (parameters, buffers, modes).
+        batch_or_batches: one batch or an iterable of batches (:mod:`initlab.batches`).
+        loss_fn: ``loss_fn(outputs, batch) -> scalar``, a ``NamedLoss`` or a loss name
+            (:func:`initlab.curvature.resolve_loss`).
+        directions: ``"filter_normalized"`` (default), ``"hessian"`` (top-2 eigenvectors by
+            ``|λ|``), or two directions, each a dict parameter name → tensor (missing names: 0)
+            or a list of tensors for all trainable parameters in ``named_parameters`` order.
+        grid: ``(t1_values, t2_values)`` (default ``linspace(-1, 1, 21)`` for both).
+        bn: BatchNorm policy ``"eval"``, ``"batch"`` or ``"fixed"`` (module docstring).
+        generator: ``torch.Generator``, int seed or ``None`` (random directions, Lanczos start).
+        batched: ``True``: evaluate chunks of grid points with ``torch.func.vmap`` (falls back
+            to a loop when vmap fails); ``False``: one point at a time; ``"auto"``: vmap on an
+            accelerator, or on the CPU when one point is small (fewer than ``2**17`` parameter
+            and activation elements), else the loop. Measured on one CPU thread
+            (``benchmarks/bench_landscape.py``): vmap gives about 7x the points/s of a loop for
+            the lecture's small MLPs (Python-overhead bound), but about 0.6x for compute-bound
+            models (``paper_mlp``, strided LeNet), whose per-point batched matmuls run slower
+            than plain ones.
+        chunk_size: grid points per vmapped call (default from a budget of about ``2**21``
+            elements of parameters and activations per chunk).
+        forward: ``forward(model, batch) -> outputs`` (default
+            :func:`~initlab.batches.default_forward`).
+
+    Returns:
+        :class:`Landscape`.
+    """
+    if bn not in _BN:
+        raise ValueError(f"unknown bn policy {bn!r}; valid policies: {list(_BN)}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    loss = resolve_loss(loss_fn)
+    fwd = forward or default_forward
+    batches = take_batches(batch_or_batches, what="loss_landscape")
+    sizes = [batch_size(b) for b in batches]
+    weights = [s / sum(sizes) for s in sizes]
+    if grid is None:
+        grid = (torch.linspace(-1, 1, 21), torch.linspace(-1, 1, 21))
+    if not (isinstance(grid, (tuple, list)) and len(grid) == 2):
+        raise ValueError("grid must be a pair (t1_values, t2_values)")
+    t1, t2 = _as_grid(grid[0], "t1"), _as_grid(grid[1], "t2")
+    theta = {n: p.detach() for n, p in _trainable(model).items()}
+    if not theta:
+        raise ValueError("the model has no trainable parameter to move along")
+    gen = as_generator(generator)
+    notes: list[str] = []
+
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        model.eval()
+        bns = _batchnorms(model)
+        if bn == "batch":
+            for _, m in bns:
+                m.train()
+        bases = [model_state(model) for _ in batches]
+        if bn == "fixed" and bns:
+            for m in (m for _, m in bns):
+                m.train()
+            stats = [_bn_stats(model, b, model_state(model), fwd) for b in batches]
+            for m in (m for _, m in bns):
+                m.eval()
+            for base, st in zip(bases, stats, strict=True):
+                base.update(st)
+        untracked = [n for n, m in bns if not m.track_running_stats]
+        if untracked and bn == "eval":
+            notes.append(
+                f"BatchNorm layers {untracked} keep no running statistics: they normalize with "
+                "batch statistics even under bn='eval'"
+            )
+
+        # Directions.
+        if isinstance(directions, str):
+            if directions == "filter_normalized":
+                d1 = filter_normalized_direction(model, generator=gen)
+                d2 = filter_normalized_direction(model, generator=gen)
+            elif directions == "hessian":
+                from initlab.curvature import CurvatureOperator
+
+                overrides = {
+                    k: v for k, v in bases[0].items() if k not in theta and "running_" in k
+                }
+                op = CurvatureOperator(
+                    model, batches[0], loss, params=list(theta), forward=fwd, buffers=overrides
+                )
+                lams, vecs = op.eigenpairs(2, generator=gen)
+                d1, d2 = vecs
+                notes.append(
+                    f"Hessian eigenvalues of the directions (first batch): "
+                    f"{float(lams[0]):.4g}, {float(lams[1]):.4g}"
+                )
+            else:
+                raise ValueError(
+                    f"unknown directions {directions!r}; valid: 'filter_normalized', 'hessian', "
+                    "or a pair of directions"
+                )
+        else:
+            if not (isinstance(directions, (tuple, list)) and len(directions) == 2):
+                raise ValueError("directions must be a name or a pair (d1, d2)")
+            d1 = _user_direction(directions[0], theta, "d1")
+            d2 = _user_direction(directions[1], theta, "d2")
+
+        def at(params: Mapping[str, torch.Tensor]) -> torch.Tensor:
+            total: torch.Tensor | float = 0.0
+            for w, b, base in zip(weights, batches, bases, strict=True):
+                state = {**base, **params}
+                out = functional_forward(model, state, b, fwd)
+                total = total + w * loss(out, b).reshape(())
+            assert isinstance(total, torch.Tensor)
+            return total
+
+        aa, bb = torch.meshgrid(t1, t2, indexing="ij")
+        aa, bb = aa.reshape(-1), bb.reshape(-1)
+        n_points = aa.numel()
+        values = torch.empty(n_points, dtype=torch.float64)
+        method = "loop"
+        with torch.no_grad():
+            center = float(at(theta))
+            if batched not in (True, False, "auto"):
+                raise ValueError(f"batched must be True, False or 'auto', got {batched!r}")
+            per_point = 0
+            if batched == "auto" or (batched and chunk_size is None):
+                per_point = sum(p.numel() for p in theta.values()) + _activation_elements(
+                    model, batches[0], bases[0], fwd
+                ) * len(batches)
+            if batched == "auto":
+                on_cpu = next(iter(theta.values())).device.type == "cpu"
+                batched = not on_cpu or per_point < _AUTO_VMAP
+                notes.append(
+                    f"batched='auto': {'vmap' if batched else 'loop'} ({per_point} elements "
+                    f"per point on {'cpu' if on_cpu else 'an accelerator'})"
+                )
+            if batched:
+                if chunk_size is None:
+                    chunk = max(1, min(n_points, _BUDGET // max(per_point, 1)))
+                else:
+                    if (
+                        isinstance(chunk_size, bool)
+                        or not isinstance(chunk_size, int)
+                        or chunk_size < 1
+                    ):
+                        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+                    chunk = max(1, min(n_points, chunk_size))
+                try:
+                    vf = torch.func.vmap(at)
+                    for s in range(0, n_points, chunk):
+                        e = min(n_points, s + chunk)
+                        values[s:e] = vf(_point_params(theta, d1, d2, aa[s:e], bb[s:e])).double()
+                    method = "vmap"
+                except Exception as err:  # vmap cannot run this model: evaluate point by point
+                    notes.append(f"vmap failed ({type(err).__name__}: {err}); evaluated in a loop")
+                    method = "loop"
+            if method == "loop":
+                for i in range(n_points):
+                    pp = _point_params(theta, d1, d2, aa[i : i + 1], bb[i : i + 1])
+                    values[i] = float(at({n: v[0] for n, v in pp.items()}))
+    finally:
+        for m, mode in modes:
+            m.train(mode)
+    if not math.isfinite(center):
+        notes.append("the loss at the centre is not finite")
+    return Landscape(
+        values=values.reshape(len(t1), len(t2)),
+        t1=t1,
+        t2=t2,
+        directions=(dict(d1), dict(d2)),
+        center=center,
+        bn=bn,
+        method=method,
+        notes=tuple(notes),
+    )

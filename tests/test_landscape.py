@@ -1,0 +1,263 @@
+"""Loss landscapes against a slow path that writes the parameters of a deep copy, in float64."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from initlab.landscape import (
+    LANDSCAPE_COLUMNS,
+    Landscape,
+    filter_normalized_direction,
+    loss_landscape,
+)
+from initlab.zoo import create_model
+
+DT = torch.float64
+GRID = ([-1.0, -0.25, 0.5], [-0.5, 0.0, 0.75, 1.0])
+
+
+def _bn_net() -> tuple[nn.Module, tuple]:
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Conv2d(2, 3, 3, padding=1),
+        nn.BatchNorm2d(3),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(3 * 4 * 4, 6),
+        nn.BatchNorm1d(6),
+        nn.Tanh(),
+        nn.Linear(6, 3),
+    ).to(DT)
+    # non-trivial running statistics and affine parameters
+    with torch.no_grad():
+        for m in net.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 2.0)
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.2, 0.2)
+    net.train()
+    batch = (torch.randn(8, 2, 4, 4, dtype=DT), torch.randint(0, 3, (8,)))
+    return net, batch
+
+
+def _loss(out: torch.Tensor, batch: tuple) -> torch.Tensor:
+    return F.cross_entropy(out, batch[1])
+
+
+def _slow(
+    model: nn.Module, batches: list, d1: dict, d2: dict, t1: list, t2: list, bn: str
+) -> torch.Tensor:
+    """Write θ + a d1 + b d2 into a deep copy, point by point, and evaluate it."""
+    twin = copy.deepcopy(model)
+    bns = [m for m in twin.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    theta = {n: p.detach().clone() for n, p in twin.named_parameters()}
+    stats: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+    if bn == "fixed":  # batch statistics at θ, read back from running stats with momentum 1
+        for batch in batches:
+            probe = copy.deepcopy(twin).train()
+            counts: dict[nn.Module, int] = {}
+            for m in probe.modules():
+                if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                    m.momentum = 1.0
+                    m.register_forward_pre_hook(
+                        lambda mod, args, counts=counts: counts.__setitem__(
+                            mod, args[0].numel() // args[0].shape[1]
+                        )
+                    )
+            with torch.no_grad():
+                probe(batch[0])
+            per = []
+            for m in probe.modules():
+                if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                    n = counts[m]  # running_var is unbiased; normalization uses the biased one
+                    per.append((m.running_mean.clone(), m.running_var * (n - 1) / n))
+            stats.append(per)
+    sizes = [b[0].shape[0] for b in batches]
+    out = torch.empty(len(t1), len(t2), dtype=DT)
+    for i, a in enumerate(t1):
+        for j, b in enumerate(t2):
+            with torch.no_grad():
+                for n, p in twin.named_parameters():
+                    p.copy_(theta[n] + a * d1[n] + b * d2[n])
+            total = 0.0
+            for k, batch in enumerate(batches):
+                twin.eval()
+                if bn == "batch":
+                    for m in bns:
+                        m.train()
+                if bn == "fixed":
+                    for m, (mean, var) in zip(bns, stats[k], strict=True):
+                        m.running_mean.copy_(mean)
+                        m.running_var.copy_(var)
+                with torch.no_grad():
+                    total += sizes[k] / sum(sizes) * float(_loss(twin(batch[0]), batch))
+            out[i, j] = total
+    return out
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("batched", [True, False])
+@pytest.mark.parametrize("bn", ["eval", "batch", "fixed"])
+def test_grid_equals_slow_mutating_loop_and_model_untouched(bn: str, batched: bool) -> None:
+    net, batch = _bn_net()
+    before = _state(net)
+    modes = [m.training for m in net.modules()]
+    land = loss_landscape(net, batch, _loss, grid=GRID, bn=bn, generator=3, batched=batched)
+    assert land.method == ("vmap" if batched else "loop"), land.notes
+    after = net.state_dict()
+    for k, v in before.items():  # bitwise: parameters and running statistics
+        assert torch.equal(after[k], v), k
+    assert [m.training for m in net.modules()] == modes
+    assert all(p.grad is None for p in net.parameters())
+    expected = _slow(net, [batch], *land.directions, GRID[0], GRID[1], bn)
+    torch.testing.assert_close(land.values, expected, rtol=1e-12, atol=1e-12)
+    assert land.values.shape == (3, 4)
+    assert land.center == pytest.approx(float(_slow(net, [batch], *land.directions, [0], [0], bn)))
+
+
+def test_batched_equals_looped_and_policies_differ() -> None:
+    net, batch = _bn_net()
+    values = {}
+    for bn in ("eval", "batch", "fixed"):
+        a = loss_landscape(net, batch, _loss, grid=GRID, bn=bn, generator=1, batched=True)
+        b = loss_landscape(net, batch, _loss, grid=GRID, bn=bn, generator=1, batched=False,
+                           chunk_size=1)  # fmt: skip
+        torch.testing.assert_close(a.values, b.values, rtol=1e-12, atol=1e-12)
+        values[bn] = a.values
+    chunked = loss_landscape(net, batch, _loss, grid=GRID, bn="batch", generator=1, chunk_size=5)
+    torch.testing.assert_close(chunked.values, values["batch"], rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(values["eval"], values["batch"])
+    assert not torch.allclose(values["fixed"], values["batch"])
+    # at the centre, frozen batch statistics and live ones coincide
+    centre = loss_landscape(net, batch, _loss, grid=([0.0], [0.0]), bn="fixed", generator=1)
+    live = loss_landscape(net, batch, _loss, grid=([0.0], [0.0]), bn="batch", generator=1)
+    assert float(centre.values[0, 0]) == pytest.approx(float(live.values[0, 0]), rel=1e-12)
+
+
+def test_filter_normalization_property() -> None:
+    net, _ = _bn_net()
+    d = filter_normalized_direction(net, generator=0)
+    assert set(d) == {n for n, _ in net.named_parameters()}
+    for name, p in net.named_parameters():
+        if p.dim() <= 1:
+            assert torch.count_nonzero(d[name]) == 0, name
+        else:
+            dn = d[name].reshape(p.shape[0], -1).norm(dim=1)
+            pn = p.detach().reshape(p.shape[0], -1).norm(dim=1)
+            torch.testing.assert_close(dn, pn, rtol=1e-12, atol=0)
+            assert d[name].dtype == p.dtype
+    again = filter_normalized_direction(net, generator=0)
+    other = filter_normalized_direction(net, generator=1)
+    assert all(torch.equal(d[n], again[n]) for n in d)
+    assert not torch.equal(d["0.weight"], other["0.weight"])
+
+
+def test_several_batches_are_an_example_weighted_mean() -> None:
+    net, _ = _bn_net()
+    gen = torch.Generator().manual_seed(0)
+    batches = [
+        (torch.randn(k, 2, 4, 4, generator=gen, dtype=DT), torch.randint(0, 3, (k,), generator=gen))
+        for k in (4, 12)
+    ]
+    for bn in ("batch", "fixed"):
+        land = loss_landscape(net, batches, _loss, grid=GRID, bn=bn, generator=2)
+        expected = _slow(net, batches, *land.directions, GRID[0], GRID[1], bn)
+        torch.testing.assert_close(land.values, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_given_directions_hessian_directions_rows_and_plot() -> None:
+    net, batch = _bn_net()
+    net.eval()
+    names = [n for n, _ in net.named_parameters()]
+    gen = torch.Generator().manual_seed(5)
+    d1 = {n: torch.randn(p.shape, generator=gen, dtype=DT) for n, p in net.named_parameters()}
+    d2 = {"7.weight": torch.ones(3, 6, dtype=DT)}
+    a = loss_landscape(net, batch, _loss, directions=(d1, d2), grid=GRID)
+    b = loss_landscape(net, batch, _loss, directions=([d1[n] for n in names], d2), grid=GRID)
+    torch.testing.assert_close(a.values, b.values, rtol=0, atol=0)
+    assert torch.count_nonzero(a.directions[1]["0.weight"]) == 0
+    torch.testing.assert_close(
+        a.values, _slow(net, [batch], *a.directions, GRID[0], GRID[1], "eval"), rtol=1e-12,
+        atol=1e-12,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="shape"):
+        loss_landscape(net, batch, _loss, directions=({"7.weight": torch.ones(2)}, d2))
+    with pytest.raises(ValueError, match="bn policy"):
+        loss_landscape(net, batch, _loss, bn="train")  # type: ignore[arg-type]
+
+    h = loss_landscape(net, batch, _loss, directions="hessian", grid=GRID, generator=0)
+    u1 = torch.cat([t.reshape(-1) for t in h.directions[0].values()])
+    u2 = torch.cat([t.reshape(-1) for t in h.directions[1].values()])
+    assert float(u1.norm()) == pytest.approx(1.0) and float(u2.norm()) == pytest.approx(1.0)
+    assert abs(float(u1 @ u2)) < 1e-8
+    assert any("eigenvalues" in n for n in h.notes)
+
+    rows = a.to_rows()
+    assert rows.columns == list(LANDSCAPE_COLUMNS) and len(rows) == 12
+    assert rows[5] == {"t1": -0.25, "t2": 0.0, "loss": float(a.values[1, 1])}
+    pytest.importorskip("matplotlib")
+    ax = a.plot(log=True)
+    a.contour(ax=ax)
+    assert ax.figure is not None and ax.get_xlabel() == "t1"
+    line = loss_landscape(net, batch, _loss, grid=([0.0], [-1.0, 0.0, 1.0]), generator=0)
+    assert line.plot().get_xlabel() == "t2"
+
+
+class _NoVmap(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        return y * (2.0 if float(y.sum()) > 0 else 1.0)  # data-dependent: vmap cannot batch it
+
+
+def test_vmap_failure_falls_back_to_a_loop() -> None:
+    torch.manual_seed(0)
+    net = _NoVmap().to(DT)
+    batch = (torch.randn(5, 3, dtype=DT), torch.randn(5, 2, dtype=DT))
+    land = loss_landscape(net, batch, "mse", grid=GRID, generator=0)
+    assert land.method == "loop" and any("vmap failed" in n for n in land.notes)
+    looped = loss_landscape(net, batch, "mse", grid=GRID, generator=0, batched=False)
+    torch.testing.assert_close(land.values, looped.values, rtol=0, atol=0)
+
+
+def test_auto_batching_and_bad_chunk_size() -> None:
+    net, batch = _bn_net()
+    small = loss_landscape(net, batch, _loss, grid=GRID, generator=0, batched="auto")
+    assert small.method == "vmap" and "vmap" in small.notes[-1]
+    big = create_model("paper_mlp", n_in=64).to(DT)
+    xb = (torch.randn(512, 64, dtype=DT), torch.randint(0, 10, (512,)))
+    land = loss_landscape(big, xb, "cross_entropy", grid=([0.0], [0.0, 1.0]), batched="auto")
+    assert land.method == "loop" and "loop" in land.notes[-1]
+    with pytest.raises(ValueError, match="chunk_size"):
+        loss_landscape(net, batch, _loss, grid=GRID, chunk_size=0)
+    with pytest.raises(ValueError, match="batched"):
+        loss_landscape(net, batch, _loss, grid=GRID, batched="yes")  # type: ignore[arg-type]
+
+
+def test_lecture_nets_plain_and_residual() -> None:
+    """The lecture's example: plain vs residual LeakyReLU MLPs, 1-D regression."""
+    x = torch.linspace(-2, 2, 64, dtype=DT)[:, None]
+    batch = (x, torch.sin(3 * x))
+    out = {}
+    for name in ("lecture_mlp", "lecture_resnet_mlp"):
+        torch.manual_seed(0)
+        net = create_model(name, depth=8).to(DT)
+        land = loss_landscape(net, batch, "mse", generator=0, grid=(torch.linspace(-1, 1, 5),) * 2)
+        assert isinstance(land, Landscape) and land.values.shape == (5, 5)
+        assert math.isfinite(land.center)
+        assert float(land.values[2, 2]) == pytest.approx(land.center, rel=1e-12)
+        out[name] = land
+    assert not torch.equal(out["lecture_mlp"].values, out["lecture_resnet_mlp"].values)
