@@ -157,7 +157,6 @@ def _at_least_2d(name: str, tensor: torch.Tensor, role: str) -> bool:
     return tensor.dim() >= 2
 
 
-
 def _random_batches(
     model: nn.Module,
     ts: _Tensors,

@@ -541,7 +541,6 @@ class FixupResNet(nn.Module):
         return self.fc(self.bias2(torch.flatten(self.avgpool(x), 1)))
 
 
-
 @torch.no_grad()
 def _he_normal_fan_out_(weight: torch.Tensor, factor: float, gen: torch.Generator | None) -> None:
     fan_out = weight.shape[0] * weight[0, 0].numel()
