@@ -130,6 +130,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from initlab._pytree import flatten_tensors, map_tensors
+from initlab.reductions import sum_of_squares
 from initlab.rows import Rows
 
 __all__ = [
@@ -229,10 +230,10 @@ _BAD = (0.0, 0.0, 0.0, 0.0, 1.0)
 def _sums(t: torch.Tensor, scale: float = 1.0, consts: _Consts | None = None) -> torch.Tensor:
     """``[sum(t^2), sum(t)] * [scale^2, scale]`` as float64 on ``t``'s device (no sync).
 
-    The reduction runs in the tensor's own precision (float16/bfloat16: float32), where torch
-    sums in cascades (relative error ~1e-7 for float32, far below any sampling error); casting
-    every hooked tensor to float64 first costs ~8x more, as much as the layer's own forward.
-    Batch-calls are then pooled in float64.
+    The reductions run in the tensor's own precision (float16/bfloat16: float32) with relative
+    error ~1e-8 at any size (:func:`initlab.reductions.sum_of_squares`); casting every hooked
+    tensor to float64 first costs ~8x more, as much as the layer's own forward. Batch-calls are
+    then pooled in float64.
     """
     consts = consts or _Consts()
     d = t.detach()
@@ -244,11 +245,8 @@ def _sums(t: torch.Tensor, scale: float = 1.0, consts: _Consts | None = None) ->
         # elements; reduce those once (reductions over stride-0 dims take a slow path).
         d = d[tuple(slice(0, 1) if st == 0 else slice(None) for st in d.stride())]
         multiplicity = t.numel() // d.numel()
-    # torch.sum reduces in cascades (relative error ~1e-8 at any size); a float32
-    # linalg.vector_norm accumulates naively (1e-5 at 1M elements, 1e-2 at 67M): never use it here.
-    v = torch.stack((torch.sum(d * d), torch.sum(d)))
-    if v.dtype != torch.float64:
-        v = v.to(torch.float64)
+    # both accurate at any size: see initlab.reductions; torch.sum reduces in cascades
+    v = torch.stack((sum_of_squares(d), torch.sum(d).to(torch.float64)))
     w2, w1 = multiplicity * scale * scale, multiplicity * scale
     if w2 != 1.0 or w1 != 1.0:
         v = v * consts.get(v.device, (w2, w1))
@@ -481,8 +479,7 @@ def _project(grads: torch.Tensor, ps: _ParamState) -> torch.Tensor:
 
 def _sq_norms(grads: torch.Tensor) -> torch.Tensor:
     """Per-example squared norms as float64 (reduced in the gradient's precision, cascaded)."""
-    w = _work(grads).flatten(1)
-    return (w * w).sum(1).to(torch.float64)  # cascade sums; see _sums
+    return sum_of_squares(_work(grads), per_row=True)
 
 
 def _chunks(total: int, per_item: int) -> Iterable[tuple[int, int]]:

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from initlab.reductions import sum_of_squares
 from initlab.rows import Rows
 
 __all__ = ["GRADIENT_COLUMNS", "GradientStats", "gradient_stats"]
@@ -125,7 +126,7 @@ class GradientStats:
                     delta = g - e.mean
                     e.mean.add_(delta / e.count)
                     e.m2.add_(delta * (g - e.mean))  # type: ignore[union-attr]
-                sq = (g * g).sum()  # cascade sum (a float32 vector_norm is not accurate)
+                sq = sum_of_squares(g)
                 e.norms.append(sq)
 
     def rows(self) -> Rows:

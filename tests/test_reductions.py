@@ -1,0 +1,26 @@
+"""sum_of_squares against float64, at sizes where a float32 vector_norm drifts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from initlab.reductions import sum_of_squares
+
+
+@pytest.mark.parametrize("n", [1, 2047, 2048, 2049, 5_000_003])
+def test_sum_of_squares_matches_float64(n: int) -> None:
+    t = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 3 + 1
+    exact = float((t.double() ** 2).sum())
+    got = sum_of_squares(t)
+    assert got.dtype == torch.float64
+    assert float(got) == pytest.approx(exact, rel=1e-6)  # a naive float32 norm: 1e-4 at 5M
+
+
+def test_sum_of_squares_per_row_and_low_precision() -> None:
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(3, 70, 50, generator=g)
+    exact = (t.double() ** 2).flatten(1).sum(1)
+    torch.testing.assert_close(sum_of_squares(t, per_row=True), exact, rtol=1e-6, atol=0)
+    h = t.to(torch.bfloat16)
+    assert float(sum_of_squares(h)) == pytest.approx(float((h.double() ** 2).sum()), rel=1e-6)
