@@ -37,14 +37,7 @@ def make_data(seed: int = 0) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
 TRAIN, TEST = make_data()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The tensors here are tiny: intra-op threads only add synchronization (and stall badly on a
-    loaded machine). Restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def paper_mlp(config: RunConfig) -> nn.Module:
