@@ -364,6 +364,26 @@ def _zeros_for(leaves: Sequence[torch.Tensor], out: Sequence[torch.Tensor | None
     return tuple(torch.zeros_like(p) if o is None else o for p, o in zip(leaves, out, strict=True))
 
 
+def _retained_vjp(
+    outputs: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    grad_outputs: Sequence[torch.Tensor],
+) -> tuple[torch.Tensor, ...]:
+    """``sum_k grad_outputs[k] . d outputs[k] / d inputs``, keeping the graph for the next product;
+    inputs the outputs do not depend on get zeros."""
+    if not outputs:
+        return tuple(torch.zeros_like(t) for t in inputs)
+    with torch.enable_grad():
+        out = torch.autograd.grad(
+            list(outputs),
+            list(inputs),
+            grad_outputs=list(grad_outputs),
+            retain_graph=True,
+            allow_unused=True,
+        )
+    return _zeros_for(inputs, out)
+
+
 class _HessianEngine:
     """Repeated products ``H v`` at fixed ``params`` (``f`` takes a tuple of tensors)."""
 
@@ -405,17 +425,7 @@ class _HessianEngine:
         if self.mode == "rev_rev":
             keep = set(range(len(v))) if support is None else set(support)
             g = [(i, t) for i, t in self._g if i in keep]
-            if not g:
-                return tuple(torch.zeros_like(p) for p in self.leaves)
-            with torch.enable_grad():
-                out = torch.autograd.grad(
-                    [t for _, t in g],
-                    self.leaves,
-                    grad_outputs=[v[i] for i, _ in g],
-                    retain_graph=True,
-                    allow_unused=True,
-                )
-            return _zeros_for(self.leaves, out)
+            return _retained_vjp([t for _, t in g], self.leaves, [v[i] for i, _ in g])
         _, hv = torch.func.jvp(self._grad_f, self._primals, tuple(v))
         return tuple(hv)
 
@@ -486,20 +496,13 @@ class _GGNEngine:
     def _loss_hvp(self, jv: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """``H_out (J v)`` for the differentiable outputs, in ``self._diff_out`` order."""
         pos = {i: j for j, i in enumerate(self._diff_out)}
-        if not self._gl:
-            return [torch.zeros_like(self._out_d[i]) for i in self._diff_out]
-        with torch.enable_grad():
-            h = torch.autograd.grad(
+        return list(
+            _retained_vjp(
                 [g for _, g in self._gl],
                 [self._out_d[i] for i in self._diff_out],
-                grad_outputs=[jv[pos[i]] for i, _ in self._gl],
-                retain_graph=True,
-                allow_unused=True,
+                [jv[pos[i]] for i, _ in self._gl],
             )
-        return [
-            torch.zeros_like(self._out_d[i]) if t is None else t
-            for i, t in zip(self._diff_out, h, strict=True)
-        ]
+        )
 
     def __call__(
         self, v: Sequence[torch.Tensor], support: Sequence[int] | None = None
@@ -510,25 +513,9 @@ class _GGNEngine:
             jt_u = [(i, t) for i, t in self._jt_u if i in keep]
             if not jt_u:
                 return tuple(torch.zeros_like(p) for p in self.leaves)
-            with torch.enable_grad():
-                jv = torch.autograd.grad(
-                    [t for _, t in jt_u],
-                    self._u,
-                    grad_outputs=[v[i] for i, _ in jt_u],
-                    retain_graph=True,
-                    allow_unused=True,
-                )
-            jv = [torch.zeros_like(u) if t is None else t for u, t in zip(self._u, jv, strict=True)]
-            hjv = self._loss_hvp(jv)
-            with torch.enable_grad():
-                out = torch.autograd.grad(
-                    [self._outs[i] for i in self._diff_out],
-                    self.leaves,
-                    grad_outputs=hjv,
-                    retain_graph=True,
-                    allow_unused=True,
-                )
-            return _zeros_for(self.leaves, out)
+            jv = _retained_vjp([t for _, t in jt_u], self._u, [v[i] for i, _ in jt_u])
+            hjv = self._loss_hvp(list(jv))
+            return _retained_vjp([self._outs[i] for i in self._diff_out], self.leaves, hjv)
         _, jv = torch.func.jvp(self._fn, self._primals, tuple(v))
         hjv = self._loss_hvp(list(jv))
         return tuple(self._vjp(tuple(hjv)))
