@@ -94,6 +94,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from initlab.hooks import HookContext
 from initlab.rows import Rows
 
 __all__ = [
@@ -358,7 +359,7 @@ class _ActStats:
         }
 
 
-class ActivationWatch:
+class ActivationWatch(HookContext):
     """Forward pre-hooks on ReLU/ReLU6, Sigmoid and Tanh modules: dead units and input moments.
 
     A context manager; the batch is dim 0. A module called ``k`` times per forward gets one entry
@@ -372,24 +373,14 @@ class ActivationWatch:
         self._calls: dict[str, int] = {}
         self._handles: list[Any] = []
 
-    def __enter__(self) -> ActivationWatch:
-        try:
-            self._handles.append(self.model.register_forward_pre_hook(self._root_hook))
-            for name, module in self.model.named_modules():
-                kind = _activation_kind(module)
-                if kind is not None:
-                    self._handles.append(
-                        module.register_forward_pre_hook(self._hook(name, kind, module))
-                    )
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        handles, self._handles = self._handles, []
-        for h in handles:
-            h.remove()
+    def register(self) -> None:
+        self._handles.append(self.model.register_forward_pre_hook(self._root_hook))
+        for name, module in self.model.named_modules():
+            kind = _activation_kind(module)
+            if kind is not None:
+                self._handles.append(
+                    module.register_forward_pre_hook(self._hook(name, kind, module))
+                )
 
     def _root_hook(self, module: nn.Module, args: tuple) -> None:
         self._calls.clear()

@@ -51,6 +51,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from initlab.hooks import HookContext
 from initlab.rng import as_generator
 from initlab.rows import Rows
 
@@ -338,7 +339,7 @@ def conv_operator_norm(
 # ----------------------------------------------------------------------------- models
 
 
-class InputShapes:
+class InputShapes(HookContext):
     """Record, per module, the shape of its first input (without the batch dim) and call order.
 
     A context manager: forward pre-hooks on the chosen modules (default: convolutions, Linear
@@ -374,20 +375,10 @@ class InputShapes:
 
         return hook
 
-    def __enter__(self) -> InputShapes:
-        try:
-            for name, module in self.model.named_modules():
-                if self.select(name, module):
-                    self._handles.append(module.register_forward_pre_hook(self._hook(name)))
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        handles, self._handles = self._handles, []
-        for h in handles:
-            h.remove()
+    def register(self) -> None:
+        for name, module in self.model.named_modules():
+            if self.select(name, module):
+                self._handles.append(module.register_forward_pre_hook(self._hook(name)))
 
 
 def _weight_params(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
