@@ -62,17 +62,8 @@ CANDIDATES = ("rev_rev reused", "rev_rev one-shot", "fwd_rev", "fwd_rev vmap(L)"
 
 
 def interleaved_min_cpu(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Like ``_timing.interleaved_min`` but with the process's CPU time (``time.process_time``),
-    which other processes on a loaded machine disturb much less than wall time."""
-    for fn in fns.values():
-        fn()
-    best = {name: float("inf") for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.process_time()
-            fn()
-            best[name] = min(best[name], time.process_time() - start)
-    return best
+    """:func:`_timing.interleaved_min` on the process's CPU time."""
+    return interleaved_min(fns, repeats, clock=time.process_time)
 
 
 def setup(name: str, batch: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
