@@ -641,23 +641,15 @@ class _Engine:
         first: bool,
     ) -> float | None:
         """Measure one call; at a first call, correct the weight. Returns the factor applied."""
-        vec = _moments(z, bias, channel_dim)
-        if not (first and self.correcting(unit)):
-            unit.pooled = [a + b for a, b in zip(unit.pooled, vec, strict=True)]
+        vec = self._first_moments(
+            unit, _moments(z, bias, channel_dim), first, f"the output of {unit.name}"
+        )
+        if vec is None:
             return None
-        vec = _reduce([vec])[0]
-        v = _var(vec)
-        if not all(math.isfinite(x) for x in vec):
-            raise ValueError(
-                f"lsuv_: the output of {unit.name} is not finite before LSUV corrected it; "
-                "check the data and the model (the model was left unchanged)"
-            )
-        if unit.var_before is None:
-            unit.var_before = v
         s = None
         if _is_dead(vec):
             unit.skipped = _DEAD
-        elif abs(unit.rho * v - self.target) >= self.tol:
+        elif abs(unit.rho * _var(vec) - self.target) >= self.tol:
             s = self._predicted_scale(unit, vec)
             if s is None:
                 unit.skipped = _UNREACHABLE
@@ -671,6 +663,27 @@ class _Engine:
         unit.first = vec
         unit.pooled = [a + b for a, b in zip(unit.pooled, vec, strict=True)]
         return s
+
+    def _first_moments(
+        self, unit: _Unit, vec: list[float], first: bool, what: str
+    ) -> list[float] | None:
+        """The all-reduced moments of a unit's first call, to correct it on; ``None`` otherwise.
+
+        A call that is not a correcting first call is only pooled. A non-finite first call
+        raises before anything changed (the caller's guard restores the model).
+        """
+        if not (first and self.correcting(unit)):
+            unit.pooled = [a + b for a, b in zip(unit.pooled, vec, strict=True)]
+            return None
+        vec = _reduce([vec])[0]
+        if not all(math.isfinite(x) for x in vec):
+            raise ValueError(
+                f"lsuv_: {what} is not finite before LSUV corrected it; check the data and the "
+                "model (the model was left unchanged)"
+            )
+        if unit.var_before is None:
+            unit.var_before = _var(vec)
+        return vec
 
     # -- hooks ---------------------------------------------------------------------------------
 
@@ -774,25 +787,17 @@ class _Engine:
         if not isinstance(output, torch.Tensor):
             unit.skipped = f"block output is a {type(output).__name__}, not a tensor"
             return None
-        first = not unit.block_seen
+        first = not unit.block_seen and call.saved is not None
         unit.block_seen = True
-        vec = _moments(output, None, 0)
-        if not (first and self.correcting(unit)) or call.saved is None:
-            unit.pooled = [a + b for a, b in zip(unit.pooled, vec, strict=True)]
+        vec = self._first_moments(
+            unit, _moments(output, None, 0), first, f"the output of block {self.block_names[block]}"
+        )
+        if vec is None:
             return None
-        vec = _reduce([vec])[0]
-        v = _var(vec)
-        if not all(math.isfinite(x) for x in vec):
-            raise ValueError(
-                f"lsuv_: the output of block {self.block_names[block]} is not finite; check the "
-                "data and the model (the model was left unchanged)"
-            )
-        if unit.var_before is None:
-            unit.var_before = v
         result = None
         if _is_dead(vec):
             unit.skipped = _DEAD
-        elif abs(unit.rho * v - self.target) >= self.tol:
+        elif abs(unit.rho * _var(vec) - self.target) >= self.tol:
             result, vec = self._fit_block(unit, block, call.saved, vec)
         unit.first = vec
         unit.pooled = [a + b for a, b in zip(unit.pooled, vec, strict=True)]
