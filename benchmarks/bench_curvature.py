@@ -5,10 +5,10 @@ Two questions, on the CPU (or the GPU if there is one):
 1. **HVP mode.** Time per product ``H v`` for
 
    * ``rev_rev reused``: reverse-over-reverse with the first-order graph built once and reused
-     (what :class:`initlab.curvature.CurvatureOperator` does; the build is amortized over
+     (what :class:`initlab.measure.curvature.CurvatureOperator` does; the build is amortized over
      products and reported separately as ``build``), and told the probe's support (one block),
      so each product back-propagates through that block's gradient graph only,
-   * ``rev_rev one-shot``: :func:`initlab.curvature.hessian_vector_product` (forward, backward
+   * ``rev_rev one-shot``: :func:`initlab.hessian_vector_product` (forward, backward
      with ``create_graph``, second backward, for every product),
    * ``fwd_rev``: ``torch.func.jvp`` over ``torch.func.grad`` (forward + backward with tangents
      for every product),
@@ -22,7 +22,7 @@ Two questions, on the CPU (or the GPU if there is one):
    torch's CPU allocations; on a GPU ``torch.cuda.max_memory_allocated`` is reported as well.
 
 2. **Heat map.** One probe of the full ``L × L`` block map with ``L`` products (a probe on block
-   ``k`` gives column ``k`` of every block; :func:`initlab.curvature.block_curvature` with
+   ``k`` gives column ``k`` of every block; :func:`initlab.measure.curvature.block_curvature` with
    ``full_matrix=True``) against a naive loop that takes one double backward per block pair
    (``L²`` products, each ``∇_θl (∇_θk f · r_k)``).
 
@@ -48,13 +48,13 @@ from torch.nn import functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _timing import interleaved_min
-from initlab.curvature import (
+from initlab.init.model import init_model
+from initlab.measure.curvature import (
     CurvatureOperator,
     _prepare_forward_ad,
     block_curvature,
     hessian_vector_product,
 )
-from initlab.initialize import init_model
 from initlab.zoo import create_model
 
 CANDIDATES = ("rev_rev reused", "rev_rev one-shot", "fwd_rev", "fwd_rev vmap(L)",

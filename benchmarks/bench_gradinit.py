@@ -43,7 +43,8 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _timing import interleaved_min
-from initlab.gradinit import (
+from initlab._core.rows import format_table
+from initlab.methods.gradinit import (
     _Adam,
     _default_loss,
     _evaluation_modes,
@@ -53,7 +54,6 @@ from initlab.gradinit import (
     gradinit_,
     overlap_batch,
 )
-from initlab.rows import format_table
 from initlab.zoo import create_model
 
 

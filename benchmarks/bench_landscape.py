@@ -2,7 +2,7 @@
 
 For an ``n × n`` grid of ``(t1, t2)`` and three models, points per second of
 
-* ``vmap``: :func:`initlab.landscape.loss_landscape` with ``batched=True`` (chunks of grid points
+* ``vmap``: :func:`initlab.loss_landscape` with ``batched=True`` (chunks of grid points
   in one ``torch.func.vmap`` over stacked parameter sets, functional calls, the model untouched);
 * ``functional loop``: the same with ``batched=False`` (one functional call per point);
 * ``mutating loop``: the naive way: a deep copy of the model whose parameters are overwritten
@@ -30,7 +30,7 @@ from torch.nn import functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _timing import interleaved_min
-from initlab.landscape import loss_landscape
+from initlab.measure.landscape import loss_landscape
 from initlab.zoo import create_model
 
 

@@ -38,7 +38,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import interleaved_min
-from initlab.lsuv import lsuv_
+from initlab.methods.lsuv import lsuv_
 from initlab.zoo import create_model
 
 try:

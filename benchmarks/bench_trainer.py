@@ -35,8 +35,8 @@ from pathlib import Path
 
 import torch
 
-from initlab.models import PaperMLP
 from initlab.study import RunConfig, train_one, train_runs
+from initlab.zoo.paper_mlp import PaperMLP
 
 REPO = Path(__file__).resolve().parents[1]
 

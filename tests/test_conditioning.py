@@ -15,14 +15,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from initlab import init_model
-from initlab.conditioning import (
+from initlab.measure.conditioning import (
     GR_COLUMNS,
     gr_scaling,
     gr_scaling_from_data,
     imbalance,
     with_multipliers,
 )
-from initlab.probe import measure_moments
+from initlab.measure.probe import measure_moments
 
 F64 = torch.float64
 

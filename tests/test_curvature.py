@@ -20,7 +20,7 @@ from torch.autograd import Function
 from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
-from initlab.curvature import (
+from initlab.measure.curvature import (
     BLOCK_COLUMNS,
     BlockOperator,
     CurvatureOperator,
@@ -476,7 +476,7 @@ def test_nonfinite_products_are_flagged_per_block() -> None:
 
 
 def test_named_losses_are_accepted() -> None:
-    from initlab.losses import make_loss
+    from initlab._core.loss import make_loss
 
     model, batch, loss = _mlp()
     a = block_curvature(model, batch, "cross_entropy", probes=3, generator=0)
@@ -520,7 +520,7 @@ def test_hessian_eigenpairs_match_dense_eigh() -> None:
 
 
 def test_theory_builtin_equals_conditioning_module() -> None:
-    pytest.importorskip("initlab.conditioning")
+    pytest.importorskip("initlab.measure.conditioning")
     torch.manual_seed(0)
     net = nn.Sequential(
         nn.Conv2d(3, 4, 3, stride=2, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(64, 5)

@@ -30,14 +30,14 @@ F64 = torch.float64
 
 def has_conditioning() -> bool:
     try:
-        from initlab.conditioning import gr_scaling  # noqa: F401
+        from initlab.measure.conditioning import gr_scaling  # noqa: F401
     except ImportError:
         return False
     return True
 
 
 needs_conditioning = pytest.mark.skipif(
-    not has_conditioning(), reason="initlab.conditioning (gamma) has not landed"
+    not has_conditioning(), reason="initlab.measure.conditioning (gamma) has not landed"
 )
 
 
@@ -429,7 +429,6 @@ def test_summary_lists_each_layer_with_its_verdict(small_report):
 
 
 def test_curvature_rows_and_plots(tmp_path):
-    pytest.importorskip("initlab.curvature", reason="initlab.curvature has not landed")
     model = mlp3(7, (5, 8, 8, 3)).float()
     data = (torch.randn(32, 5), torch.randint(0, 3, (32,)))
     report = diagnose(model, data, curvature=True, curvature_options={"probes": 4})
@@ -493,7 +492,6 @@ def test_diagnose_command_writes_the_report_folder(tmp_path):
 
 
 def test_landscape_option_computes_one(tmp_path):
-    pytest.importorskip("initlab.landscape", reason="initlab.landscape has not landed")
     model = mlp3(10).float()
     grid = (torch.linspace(-1, 1, 5), torch.linspace(-1, 1, 4))
     report = diagnose(model, mlp_batches(), landscape={"grid": grid}, spectra=False)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from initlab.gains import GAIN_NAMES, average_lipschitz, calculate_gain
+from initlab.init.gains import GAIN_NAMES, average_lipschitz, calculate_gain
 
 TORCH_NAMES = [
     "linear",

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from initlab.gradinit import gradinit_, gradinit_alpha_grad, overlap_batch
-from initlab.metainit import metainit_
+from initlab.methods.gradinit import gradinit_, gradinit_alpha_grad, overlap_batch
+from initlab.methods.metainit import metainit_
 
 from .ddp_util import run_ranks
 
@@ -111,7 +111,7 @@ def test_exact_alpha_grad_matches_finite_differences() -> None:
 
 
 def test_constraint_gradient_same_whether_or_not_a_constraint_step_was_expected() -> None:
-    from initlab.gradinit import _evaluation_modes, _GradInitStep, _nonzero, _select
+    from initlab.methods.gradinit import _evaluation_modes, _GradInitStep, _nonzero, _select
 
     net, (s, _) = _two_layer(), _data()
     ts = _select(net, "default", _nonzero, "test")

@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from initlab.batches import batch_size, default_forward, take_batches
-from initlab.distributed import all_reduce_sum, is_distributed
-from initlab.guard import restore_on_failure
+from initlab._core.data import batch_size, default_forward, take_batches
+from initlab._core.distributed import all_reduce_sum, is_distributed
+from initlab._core.state import restore_on_failure
 
 from .ddp_util import run_ranks
 

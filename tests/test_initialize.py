@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import initlab
-from initlab.registry import ParamSpec, default_registry
+from initlab.init.registry import ParamSpec, default_registry
 
 Z = 5.0  # z-score for statistical tolerances
 

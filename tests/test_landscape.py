@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from initlab.landscape import (
+from initlab.measure.landscape import (
     LANDSCAPE_COLUMNS,
     Landscape,
     filter_normalized_direction,

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from initlab.lsuv import LSUV_COLUMNS, lsuv_
-from initlab.registry import default_registry, register_handler, transposed_linear_handler
+from initlab.init.registry import default_registry, register_handler, transposed_linear_handler
+from initlab.methods.lsuv import LSUV_COLUMNS, lsuv_
 from initlab.zoo import create_model
 
 from .ddp_util import run_ranks

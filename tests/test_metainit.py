@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from initlab.metainit import gradient_quotient, metainit_
+from initlab.methods.metainit import gradient_quotient, metainit_
 
 D = torch.float64
 

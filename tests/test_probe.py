@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from initlab.probe import (
+from initlab.measure.probe import (
     PARAM_TABLE_COLUMNS,
     PROBE_COLUMNS,
     TABLE_COLUMNS,
@@ -998,7 +998,7 @@ def test_prop5_geometric_init_balances_weight_to_gradient_ratios():
 
 
 def test_closed_form_kinds_and_their_fallbacks():
-    from initlab.probe import _kind
+    from initlab.measure.probe import _kind
 
     class ScaledNorm(nn.LayerNorm):
         def forward(self, x):
@@ -1095,7 +1095,7 @@ ATTENTION_CASES = {
 
 @pytest.mark.parametrize("case", list(ATTENTION_CASES))
 def test_attention_shortcut_matches_a_loop(case, monkeypatch):
-    import initlab.probe as probe_module
+    import initlab.measure.probe as probe_module
 
     factory, bd = ATTENTION_CASES[case]
     gen = torch.Generator().manual_seed(11)

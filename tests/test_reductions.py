@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from initlab.reductions import sum_of_squares
+from initlab._core.reductions import sum_of_squares
 
 
 @pytest.mark.parametrize("n", [1, 2047, 2048, 2049, 5_000_003])

@@ -1,4 +1,4 @@
-"""Tests for initlab.registry: built-in handlers (fans written by hand) and registration checks."""
+"""initlab.init.registry: built-in handlers (fans written by hand) and registration checks."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from initlab.fans import Fans
-from initlab.registry import (
+from initlab.init.fans import Fans
+from initlab.init.registry import (
     ROLES,
     Block,
     ParamSpec,
@@ -317,7 +317,7 @@ def test_default_registry_is_cached_and_copy_is_independent() -> None:
 
 def test_register_handler_without_registry_uses_default(monkeypatch: pytest.MonkeyPatch) -> None:
     private = default_registry().copy()
-    monkeypatch.setattr("initlab.registry.default_registry", lambda: private)
+    monkeypatch.setattr("initlab.init.registry.default_registry", lambda: private)
     register_handler(nn.ReLU, lambda m: [])
     assert nn.ReLU in private
     assert private.specs(nn.ReLU()) == []

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from initlab.fans import compute_fans
-from initlab.sampling import (
+from initlab.init.fans import compute_fans
+from initlab.init.sampling import (
     arithmetic_normal_,
     arithmetic_uniform_,
     dirac_,
@@ -30,7 +30,7 @@ from initlab.sampling import (
     trunc_normal_,
     uniform_,
 )
-from initlab.schemes import Dirac, InitSpec, Orthogonal, get_scheme
+from initlab.init.schemes import Dirac, InitSpec, Orthogonal, get_scheme
 
 
 def gen(seed: int = 0) -> torch.Generator:

@@ -14,8 +14,8 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from initlab import init_model
-from initlab.conditioning import gr_scaling_from_data, imbalance
-from initlab.scaling import (
+from initlab.measure.conditioning import gr_scaling_from_data, imbalance
+from initlab.methods.scaling import (
     ConditioningMultiplier,
     InputScaling,
     OutputScale,

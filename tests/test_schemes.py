@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from initlab.fans import Fans
-from initlab.schemes import (
+from initlab.init.fans import Fans
+from initlab.init.schemes import (
     DISTRIBUTIONS,
     SCHEME_NAMES,
     ArithmeticMean,

@@ -19,8 +19,8 @@ import pytest
 import torch
 from torch import nn
 
-from initlab.models import PaperMLP
 from initlab.study import RunConfig, RunResult, epoch_order, train_one, train_runs
+from initlab.zoo.paper_mlp import PaperMLP
 
 N, N_TEST, D, C = 150, 60, 10, 3
 EPOCHS, BATCH = 2, 32  # 5 steps per epoch, the last one partial (22 rows)

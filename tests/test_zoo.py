@@ -18,7 +18,6 @@ from torch import nn
 from torch.nn import functional as F
 
 import initlab
-from initlab.models import PaperMLP
 from initlab.zoo import (
     CifarResNet,
     FixupBasicBlock,
@@ -34,6 +33,7 @@ from initlab.zoo import (
     list_models,
     plain_cnn,
 )
+from initlab.zoo.paper_mlp import PaperMLP
 
 Z = 5.0  # z-score for statistical tolerances
 
@@ -99,7 +99,7 @@ def _init_model() -> Any:
     init_model = getattr(initlab, "init_model", None)
     if init_model is None:  # not exported yet: fall back to the implementation module
         try:
-            from initlab.initialize import init_model
+            from initlab.init.model import init_model
         except ImportError as err:  # pragma: no cover - only while initlab is being assembled
             pytest.skip(f"initlab.init_model is not available yet: {err}")
     return init_model

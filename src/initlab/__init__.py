@@ -2,49 +2,39 @@
 
 The public API, by concept (implementation modules in parentheses):
 
-* fans and gains (:mod:`initlab.fans`, :mod:`initlab.gains`): :func:`compute_fans`,
+* fans and gains (:mod:`initlab.init.fans`, :mod:`initlab.init.gains`): :func:`compute_fans`,
   :func:`calculate_gain`, :func:`average_lipschitz`;
-* schemes as pure formulas (:mod:`initlab.schemes`): :func:`get_scheme`, :class:`Scheme` and its
-  subclasses, :class:`InitSpec`, the ``*_variance`` formulas;
-* in-place samplers (:mod:`initlab.sampling`): ``geometric_normal_``, ``orthogonal_``, ...;
-* the layer registry (:mod:`initlab.registry`): :func:`register_handler`, :class:`ParamSpec`;
-* model-level init (:mod:`initlab.initialize`, :mod:`initlab.rules`): :func:`init_model`,
+* schemes as pure formulas (:mod:`initlab.init.schemes`): :func:`get_scheme`,
+  :class:`Scheme` and its subclasses, :class:`InitSpec`, the ``*_variance`` formulas;
+* in-place samplers (:mod:`initlab.init.sampling`): ``geometric_normal_``, ``orthogonal_``, ...;
+* the layer registry (:mod:`initlab.init.registry`): :func:`register_handler`, :class:`ParamSpec`;
+* model-level init (:mod:`initlab.init.model`, :mod:`initlab.init.rules`): :func:`init_model`,
   :class:`Rule`;
-* the moment probe (:mod:`initlab.probe`): :class:`MomentProbe`, :func:`measure_moments`;
-* conditioning (:mod:`initlab.conditioning`): :func:`gr_scaling` (γ and ν per layer);
+* the moment probe (:mod:`initlab.measure.probe`): :class:`MomentProbe`, :func:`measure_moments`;
+* conditioning (:mod:`initlab.measure.conditioning`): :func:`gr_scaling` (γ and ν per layer);
 * diagnostics (:mod:`initlab.diagnostics`): :func:`diagnose` → :class:`Report`;
-* curvature (:mod:`initlab.curvature`): :func:`hessian_vector_product`, :func:`block_curvature`
+* curvature (:mod:`initlab.measure.curvature`): :func:`hessian_vector_product`,
+  :func:`block_curvature`
   (Hessian / Gauss–Newton block heat map), :func:`theory_vs_actual`, :func:`figure2_ratios`;
-  loss landscapes (:mod:`initlab.landscape`): :func:`loss_landscape`;
+  loss landscapes (:mod:`initlab.measure.landscape`): :func:`loss_landscape`;
 * data-dependent init, each ``method_(model, data, ...) -> MethodReport``: :func:`lsuv_`
-  (:mod:`initlab.lsuv`), :func:`gradinit_` (:mod:`initlab.gradinit`), :func:`metainit_`
-  (:mod:`initlab.metainit`), :func:`scale_output_`, :func:`precondition_`, :func:`input_scale`
-  (:mod:`initlab.scaling`);
-* tidy rows (:mod:`initlab.rows`): :class:`Rows`.
+  (:mod:`initlab.methods.lsuv`), :func:`gradinit_` (:mod:`initlab.methods.gradinit`),
+  :func:`metainit_` (:mod:`initlab.methods.metainit`), :func:`scale_output_`,
+  :func:`precondition_`, :func:`input_scale`
+  (:mod:`initlab.methods.scaling`);
+* tidy rows (:mod:`initlab._core.rows`): :class:`Rows`.
 
 Also importable as subpackages: :mod:`initlab.data` (loaders), :mod:`initlab.zoo` (models),
 :mod:`initlab.study` (studies over seeds x learning rates).
 """
 
-from initlab.conditioning import gr_scaling, imbalance
-from initlab.curvature import (
-    block_curvature,
-    figure2_ratios,
-    ggn_vector_product,
-    hessian_vector_product,
-    theory_vs_actual,
-)
+from initlab._core.method_report import MethodReport
+from initlab._core.rows import Rows
 from initlab.diagnostics import DIAGNOSTIC_COLUMNS, Report, diagnose
-from initlab.fans import Fans, compute_fans
-from initlab.gains import average_lipschitz, calculate_gain
-from initlab.gradinit import gradinit_
-from initlab.initialize import INIT_REPORT_COLUMNS, InitReport, init_model
-from initlab.landscape import Landscape, loss_landscape
-from initlab.lsuv import lsuv_
-from initlab.metainit import metainit_
-from initlab.method_report import MethodReport
-from initlab.probe import PROBE_COLUMNS, MomentProbe, measure_moments
-from initlab.registry import (
+from initlab.init.fans import Fans, compute_fans
+from initlab.init.gains import average_lipschitz, calculate_gain
+from initlab.init.model import INIT_REPORT_COLUMNS, InitReport, init_model
+from initlab.init.registry import (
     Block,
     ParamSpec,
     Registry,
@@ -52,9 +42,8 @@ from initlab.registry import (
     register_handler,
     transposed_linear_handler,
 )
-from initlab.rows import Rows
-from initlab.rules import Rule, scale_residual_projections, zero_last_residual_branch
-from initlab.sampling import (
+from initlab.init.rules import Rule, scale_residual_projections, zero_last_residual_branch
+from initlab.init.sampling import (
     arithmetic_normal_,
     arithmetic_uniform_,
     dirac_,
@@ -72,8 +61,7 @@ from initlab.sampling import (
     trunc_normal_,
     uniform_,
 )
-from initlab.scaling import input_scale, precondition_, scale_output_
-from initlab.schemes import (
+from initlab.init.schemes import (
     ArithmeticMean,
     Dirac,
     FanIn,
@@ -92,6 +80,20 @@ from initlab.schemes import (
     list_schemes,
     operator_norm_variance,
 )
+from initlab.measure.conditioning import gr_scaling, imbalance
+from initlab.measure.curvature import (
+    block_curvature,
+    figure2_ratios,
+    ggn_vector_product,
+    hessian_vector_product,
+    theory_vs_actual,
+)
+from initlab.measure.landscape import Landscape, loss_landscape
+from initlab.measure.probe import PROBE_COLUMNS, MomentProbe, measure_moments
+from initlab.methods.gradinit import gradinit_
+from initlab.methods.lsuv import lsuv_
+from initlab.methods.metainit import metainit_
+from initlab.methods.scaling import input_scale, precondition_, scale_output_
 
 __all__ = [
     "DIAGNOSTIC_COLUMNS",

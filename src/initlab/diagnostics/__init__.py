@@ -14,6 +14,7 @@ Modules:
 * :mod:`~initlab.diagnostics.plots`: matplotlib figures (imported lazily).
 """
 
+from initlab._core.loss import LOSSES, NamedLoss, default_loss, make_loss
 from initlab.diagnostics.diagnose import (
     compare_reports,
     diagnose,
@@ -47,7 +48,6 @@ from initlab.diagnostics.spectra import (
     lipschitz_bounds,
     singular_values,
 )
-from initlab.losses import LOSSES, NamedLoss, default_loss, make_loss
 
 __all__ = [
     "ACTIVATION_COLUMNS",

@@ -9,12 +9,12 @@ r"""``initlab.diagnose``: is this network well-conditioned at step zero, where n
 
 One pass over up to ``max_batches`` batches (forward + backward each, under the moment probe and a
 few cheap hooks) gives the second moments, gains, GR scaling ``gamma`` (via
-:func:`initlab.conditioning.gr_scaling`), weight-to-gradient ratios ``nu``, weight magnitudes and
+:func:`initlab.gr_scaling`), weight-to-gradient ratios ``nu``, weight magnitudes and
 the spread of gradients across batches, dead ReLU units and activation input scales. Then, without
 more passes over the data: the spectra of the weights and the convolutions' true operator norms
 (:mod:`~initlab.diagnostics.spectra`) and the scaling linter (:mod:`~initlab.diagnostics.linter`;
 one forward of the traced graph if the model calls sigmoid/tanh/ReLU functionally). Optional:
-Hessian/GGN blocks and theory vs actual (``curvature=True``, :mod:`initlab.curvature`; costs
+Hessian/GGN blocks and theory vs actual (``curvature=True``, :mod:`initlab.measure.curvature`; costs
 several Hessian-vector products per block), a loss landscape to embed (``landscape=``).
 
 The model is never changed: parameters and buffers (BatchNorm running statistics) are restored
@@ -35,8 +35,12 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from initlab.batches import take_batches
-from initlab.diagnostics._state import preserved_state
+from initlab._core.data import take_batches
+from initlab._core.loss import LOSSES, NamedLoss, default_loss, make_loss
+from initlab._core.preserve import preserved_state
+from initlab._core.rng import as_generator
+from initlab._core.rows import Rows
+from initlab.cli.inputs import load_data_spec, load_factory, load_model_spec
 from initlab.diagnostics.gradients import GradientStats
 from initlab.diagnostics.linter import (
     ActivationWatch,
@@ -55,11 +59,7 @@ from initlab.diagnostics.report import (
     worst,
 )
 from initlab.diagnostics.spectra import InputShapes, layer_spectra, lipschitz_bounds
-from initlab.inputs import load_data_spec, load_factory, load_model_spec
-from initlab.losses import LOSSES, NamedLoss, default_loss, make_loss
-from initlab.probe import MomentProbe
-from initlab.rng import as_generator
-from initlab.rows import Rows
+from initlab.measure.probe import MomentProbe
 
 __all__ = [
     "LOSSES",
@@ -87,7 +87,7 @@ def _forward_args(batch: Any) -> tuple[tuple, dict]:
 
 
 def _examples(batch: Any) -> int:
-    from initlab.batches import batch_size
+    from initlab._core.data import batch_size
 
     try:
         return batch_size(batch)
@@ -96,7 +96,7 @@ def _examples(batch: Any) -> int:
 
 
 def _weight_names(model: nn.Module) -> set[tuple[str, str]]:
-    from initlab.registry import default_registry
+    from initlab.init.registry import default_registry
 
     reg = default_registry()
     out = set()
@@ -182,24 +182,24 @@ def diagnose(
             them ``nu`` is the minibatch ratio. ``"auto"`` (default): on, except when a BatchNorm
             is in train mode (it couples the examples, so per-example gradients are undefined
             for every parameter and computing them would be wasted work).
-        modules: which modules the probe hooks (:class:`~initlab.probe.MomentProbe`'s
+        modules: which modules the probe hooks (:class:`~initlab.MomentProbe`'s
             ``modules``: ``"params"``, the default, gives a row for every module that owns a
             parameter; ``"weights"`` hooks only modules with a registry role-"weight" parameter,
             which is all gamma and nu need and cheaper; names or a predicate also work).
         loss_reduction: how ``loss_fn`` reduces over the batch (``"mean"`` or ``"sum"``).
         batch_dim: the probe's ``batch_dim`` (default 0, 1 for ``batch_first=False`` modules).
-        alpha: conditioning multipliers passed to :func:`initlab.conditioning.gr_scaling`.
+        alpha: conditioning multipliers passed to :func:`initlab.gr_scaling`.
         gradients: weight magnitudes and gradient spread across batches (GradInit).
         spectra: singular values, convolution operator norms and Lipschitz bounds.
         lint: the scaling linter (Table 1), dead ReLUs, vanishing/exploding signals.
-        curvature: Hessian block averages and theory vs actual (:mod:`initlab.curvature`) on the
-            first batch (the full block map, Figure 1, and theory vs actual, Figure 2);
+        curvature: Hessian block averages and theory vs actual (``initlab.measure.curvature``) on
+            the first batch (the full block map, Figure 1, and theory vs actual, Figure 2);
             ``curvature_options`` go to both calls (e.g. ``kind="ggn"``, ``probes=``), plus
             ``loss_fn``/``forward`` to split the loss for the GGN when ``loss_fn`` is not a
             :class:`NamedLoss` (otherwise the Hessian of ``loss_fn(model, batch)`` is used).
         residual_blocks: declare residual blocks (module names, or dicts with ``name``,
             ``branch``, ``shortcut``); default: found by the linter.
-        landscape: a ``Landscape`` (from :func:`initlab.landscape.loss_landscape`) to embed, or
+        landscape: a ``Landscape`` (from :func:`initlab.loss_landscape`) to embed, or
             ``True`` / a dict of its options (``grid=``, ``directions=``, ``bn=``) to compute
             one on the batches used here (filter-normalized random directions by default).
         generator: seed (or generator) for power iterations and curvature probes.
@@ -283,9 +283,9 @@ def diagnose(
     gr: Rows | None = None
     cond_imbalance: Any = None
     try:
-        from initlab.conditioning import gr_scaling, imbalance
+        from initlab.measure.conditioning import gr_scaling, imbalance
     except ImportError as err:
-        notes.append(f"γ not computed: initlab.conditioning is not available ({err})")
+        notes.append(f"γ not computed: initlab.measure.conditioning is not available ({err})")
     else:
         try:
             examples = sum(_examples(b) for b in batches)
@@ -403,9 +403,9 @@ def _curvature(
     notes: list[str],
 ) -> None:
     try:
-        from initlab.curvature import block_curvature, theory_vs_actual
+        from initlab.measure.curvature import block_curvature, theory_vs_actual
     except ImportError as err:
-        notes.append(f"curvature not computed: initlab.curvature is not available ({err})")
+        notes.append(f"curvature not computed: initlab.measure.curvature is not available ({err})")
         return
     opts = dict(options or {})
     explicit = "loss_fn" in opts
@@ -462,9 +462,9 @@ def _landscape(
     notes: list[str],
 ) -> Any:
     try:
-        from initlab.landscape import loss_landscape
+        from initlab.measure.landscape import loss_landscape
     except ImportError as err:
-        notes.append(f"landscape not computed: initlab.landscape is not available ({err})")
+        notes.append(f"landscape not computed: initlab.measure.landscape is not available ({err})")
         return None
     outputs_loss, forward = _split_loss(loss_fn, opts)
     opts.setdefault("generator", generator)
@@ -784,7 +784,7 @@ def diagnose_command(
     say(f"building the model {model_spec}")
     model, shape = load_model_spec(model_spec, model_kwargs)
     if init is not None:
-        from initlab.initialize import init_model
+        from initlab.init.model import init_model
 
         say(f"initializing with {init!r} (seed {seed})")
         init_model(model, init, generator=seed)
@@ -862,9 +862,9 @@ def diagnose_demo(
     Returns:
         ``({scheme: report}, compare_reports(...))``.
     """
-    from initlab.demo import load_digits_tensors
-    from initlab.initialize import init_model
-    from initlab.models import PaperMLP
+    from initlab.cli.demo import load_digits_tensors
+    from initlab.init.model import init_model
+    from initlab.zoo.paper_mlp import PaperMLP
 
     say = progress or (lambda _msg: None)
     x, y = load_digits_tensors()

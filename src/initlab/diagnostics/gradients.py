@@ -40,8 +40,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from initlab.reductions import sum_of_squares
-from initlab.rows import Rows
+from initlab._core.reductions import sum_of_squares
+from initlab._core.rows import Rows
 
 __all__ = ["GRADIENT_COLUMNS", "GradientStats", "gradient_stats"]
 
@@ -184,7 +184,7 @@ def gradient_stats(
         >>> [r["batches"] for r in rows]
         [3, 3]
     """
-    from initlab.diagnostics._state import preserved_state
+    from initlab._core.preserve import preserved_state
 
     acc = GradientStats(model)
     params = [e.tensor for e in acc._entries.values()]

@@ -94,8 +94,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from initlab.hooks import HookContext
-from initlab.rows import Rows
+from initlab._core.hooks import HookContext
+from initlab._core.rows import Rows
 
 __all__ = [
     "ACTIVATION_COLUMNS",
@@ -707,7 +707,7 @@ def lint_model(
         residual_blocks: user-declared residual blocks (module names or dicts); default: detect.
         trace: try ``torch.fx.symbolic_trace`` (else module types only).
     """
-    from initlab.diagnostics._state import preserved_state
+    from initlab._core.preserve import preserved_state
 
     findings: list[dict[str, Any]] = []
     gm, error = trace_model(model) if trace else (None, "tracing disabled")

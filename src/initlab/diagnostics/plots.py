@@ -10,7 +10,7 @@ never changes the caller's backend or global figure state; save it with ``fig.sa
 * :func:`plot_weight_grad`: weight magnitude ``||W||_1 / d`` and gradient std across minibatches
   per layer (GradInit, Figures 4-10), several reports side by side;
 * :func:`plot_curvature`: the Hessian block heat map (Defazio & Bottou, Figure 1) from
-  ``initlab.curvature.block_curvature`` rows;
+  ``initlab.measure.curvature.block_curvature`` rows;
 * :func:`plot_theory_vs_actual`: the histogram of theory / actual (their Figure 2);
 * :func:`plot_landscape`: contours of a loss landscape (``Landscape`` or its rows).
 """
@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from initlab.figures import new_figure
-from initlab.rows import Rows
+from initlab._core.figures import new_figure
+from initlab._core.rows import Rows
 
 __all__ = [
     "figure_png",
@@ -211,7 +211,7 @@ def _rows(obj: Any) -> list[dict[str, Any]]:
 def plot_curvature(rows: Any, *, value: str = "value") -> Any:
     """Heat map of the average singular value of each Hessian block (Defazio & Bottou, Fig. 1).
 
-    ``rows`` from ``initlab.curvature.block_curvature`` (``block_row``, ``block_col``,
+    ``rows`` from ``initlab.measure.curvature.block_curvature`` (``block_row``, ``block_col``,
     ``value``); the color is ``log10 |value|``.
     """
     from matplotlib.colors import LogNorm

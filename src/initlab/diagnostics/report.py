@@ -36,7 +36,7 @@ Verdicts (per layer; the worst applicable rule wins, every reason is kept):
 of the layer's diagonal Hessian block: a layer whose ``gamma`` is ``r`` times the median learns
 ``r`` times faster than the median layer at the same learning rate, so a large spread is an
 ill-conditioned problem (Cor. 2: ``kappa >= max/min``). Where ``gamma`` is unavailable (the
-``initlab.conditioning`` module is missing, or the value is NaN) the same thresholds apply to the
+``conditioning`` module is missing, or the value is NaN) the same thresholds apply to the
 weight-to-gradient ratio ``nu`` (per-example, else minibatch), which equals ``gamma`` for an MLP at
 init (Prop. 4). Only weights (registry role ``"weight"``: Linear, convolution, attention
 projections) enter the median; biases, norm scales and embeddings are reported without a verdict.
@@ -54,7 +54,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from initlab.rows import Rows, _fmt
+from initlab._core.rows import Rows, _fmt
 
 __all__ = [
     "DIAGNOSTIC_COLUMNS",
@@ -97,7 +97,7 @@ QUANTITIES: dict[str, str] = {
     "lint:<rule>": "a linter finding (initlab.diagnostics.linter.RULES); verdict = severity",
     "verdict": "the layer's verdict (value NaN; note = the reasons)",
     # per parameter
-    "gamma": "GR scaling gamma (Defazio & Bottou Prop. 3) via initlab.conditioning.gr_scaling",
+    "gamma": "GR scaling gamma (Defazio & Bottou Prop. 3) via initlab.gr_scaling",
     "gamma_rel_median": "gamma / median gamma of the model's weights",
     "nu": "E[dW_i^2] / E[W^2], per-example gradients (weight-to-gradient ratio, Prop. 4)",
     "nu_minibatch": "E[dW^2] / E[W^2] of the minibatch gradient (stderr over batches)",
@@ -112,8 +112,8 @@ QUANTITIES: dict[str, str] = {
     "sv_max": "largest singular value of W reshaped to (out, -1) (exact SVD)",
     "sv_mean": "mean non-zero singular value of the reshaped W",
     "op_norm": "operator norm of the layer's map (convolutions: at the recorded input shape)",
-    "curv_block": "diagonal block of the Hessian/GGN (initlab.curvature.block_curvature)",
-    "curv_theory_ratio": "theory / actual from initlab.curvature.theory_vs_actual",
+    "curv_block": "diagonal block of the Hessian/GGN (initlab.measure.curvature.block_curvature)",
+    "curv_theory_ratio": "theory / actual from initlab.measure.curvature.theory_vs_actual",
 }
 """Every quantity of the long rows, with its definition."""
 

@@ -1,6 +1,6 @@
 r"""Spectra of weights: singular values, true convolution operator norms, Lipschitz upper bounds.
 
-For every weight (a parameter with the role ``"weight"`` in :mod:`initlab.registry`, i.e. the
+For every weight (a parameter with the role ``"weight"`` in :mod:`initlab.init.registry`, i.e. the
 matrix of a Linear layer, the kernel of a convolution, an attention projection):
 
 * ``sv_max`` and ``sv_mean``: the largest and the mean *non-zero* singular value of the weight
@@ -51,9 +51,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from initlab.hooks import HookContext
-from initlab.rng import as_generator
-from initlab.rows import Rows
+from initlab._core.hooks import HookContext
+from initlab._core.rng import as_generator
+from initlab._core.rows import Rows
 
 __all__ = [
     "SPECTRA_COLUMNS",
@@ -382,7 +382,7 @@ class InputShapes(HookContext):
 
 
 def _weight_params(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    from initlab.registry import default_registry
+    from initlab.init.registry import default_registry
 
     specs = default_registry().specs(module)
     if specs is None:

@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from initlab.rows import Rows
+from initlab._core.rows import Rows
 
 __all__ = [
     "LR_COLUMNS",
@@ -106,7 +106,7 @@ def lr_table(records: Iterable[Mapping[str, Any]]) -> Rows:
             :meth:`initlab.study.store.Store.records`).
 
     Returns:
-        :class:`~initlab.rows.Rows` with :data:`LR_COLUMNS`, sorted by data set, scheme, rate.
+        :class:`~initlab.Rows` with :data:`LR_COLUMNS`, sorted by data set, scheme, rate.
     """
     cells: dict[tuple[str, str, float], list[float]] = {}
     for r in records:
@@ -136,7 +136,7 @@ def per_dataset_table(records: Iterable[Mapping[str, Any]]) -> Rows:
     and scheme (the grid may be too narrow there).
 
     Returns:
-        :class:`~initlab.rows.Rows` with :data:`PER_DATASET_COLUMNS`, sorted by data set, scheme.
+        :class:`~initlab.Rows` with :data:`PER_DATASET_COLUMNS`, sorted by data set, scheme.
     """
     by_lr = lr_table(records).to_rows()
     cells: dict[tuple[str, str], list[dict[str, Any]]] = {}
@@ -187,7 +187,7 @@ def table2(per_dataset: Rows | Iterable[Mapping[str, Any]]) -> Rows:
             i.e. incomplete data sets, are left out).
 
     Returns:
-        :class:`~initlab.rows.Rows` with :data:`TABLE2_COLUMNS`, one row per scheme (sorted).
+        :class:`~initlab.Rows` with :data:`TABLE2_COLUMNS`, one row per scheme (sorted).
     """
     rows = [dict(r) for r in per_dataset if r.get("normalized") is not None]
     by_dataset: dict[str, dict[str, float]] = {}

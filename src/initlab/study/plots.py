@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from initlab.figures import new_figure
-from initlab.rows import Rows
+from initlab._core.figures import new_figure
+from initlab._core.rows import Rows
 from initlab.study.aggregate import quantile
 
 __all__ = ["plot_interquartile", "plot_loss_curves", "plot_study", "sliding_mean"]

@@ -112,7 +112,7 @@ def build_model(config: RunConfig, *, n_in: int, n_classes: int) -> nn.Module:
     """The model of a run: ``create_model(config.model, n_in=..., n_classes=..., **model_cfg)``.
 
     Uses the model registry ``initlab.zoo.create_model``; where that is not available, the name
-    ``"paper_mlp"`` still builds :class:`initlab.models.PaperMLP`.
+    ``"paper_mlp"`` still builds :class:`initlab.zoo.paper_mlp.PaperMLP`.
     """
     kwargs = {**config.model_kwargs, "n_in": n_in, "n_classes": n_classes}
     try:
@@ -120,7 +120,7 @@ def build_model(config: RunConfig, *, n_in: int, n_classes: int) -> nn.Module:
     except ImportError:
         if config.model != "paper_mlp":
             raise
-        from initlab.models import PaperMLP
+        from initlab.zoo.paper_mlp import PaperMLP
 
         return PaperMLP(**kwargs)
     return create_model(config.model, **kwargs)

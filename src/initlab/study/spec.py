@@ -129,7 +129,7 @@ class StudySpec:
         name: the study's name (results in a store are tagged with it).
         datasets: catalogue names for :func:`initlab.data.load_dataset`, e.g. ``"libsvm:iris"``
             (the name is part of every run's key: keep one spelling per data set).
-        schemes: initialization schemes (names accepted by :func:`initlab.schemes.get_scheme`).
+        schemes: initialization schemes (names accepted by :func:`initlab.init.schemes.get_scheme`).
         seeds: a count ``n`` (seeds ``0..n-1``) or a list; stored as a tuple of ints.
         lrs: a list of learning rates or ``{"pow2": [first, last]}``; stored as a tuple of floats.
         model: model registry name (``initlab.zoo.create_model``).
@@ -193,7 +193,7 @@ class StudySpec:
                 raise ValueError(f"{attr} must be an integer, got {value!r}")
         if self.data_root is not None:
             norm(self, "data_root", str(self.data_root))
-        from initlab.schemes import get_scheme
+        from initlab.init.schemes import get_scheme
 
         for scheme in self.schemes:
             get_scheme(scheme)  # raises with the list of valid names

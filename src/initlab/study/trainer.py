@@ -17,7 +17,7 @@ up to float rounding. Per run and in both trainers:
    ``sd = z.std()`` (all ``B·C`` entries, Bessel-corrected, gradient-free); set
    ``c = output_std / sd`` (``c = 1`` if ``sd`` is not positive); the first step's loss is computed
    from ``z * c``. From then on the logits are ``model(x) * c`` with ``c`` fixed: a model with an
-   ``output_scale`` buffer (:class:`initlab.models.PaperMLP`) gets ``output_scale *= c``; for other
+   ``output_scale`` buffer (:class:`initlab.zoo.PaperMLP`) gets ``output_scale *= c``; for other
    models the trainer multiplies their logits by ``c``.
 4. **Step.** Loss: mean cross-entropy of the minibatch (recorded in ``step_loss``); gradient; the
    optimizer update with ``torch.optim`` semantics: SGD with momentum (dampening 0, no Nesterov,
@@ -31,7 +31,7 @@ up to float rounding. Per run and in both trainers:
    optimizer state are zeroed from then on (the frozen values are kept aside for ``keep_state``),
    so nothing non-finite reaches the shared tensors and the other runs are unaffected.
 
-Vectorization. A :class:`~initlab.models.PaperMLP`, or an ``nn.Sequential`` of ``Linear``,
+Vectorization. A :class:`~initlab.zoo.paper_mlp.PaperMLP`, or an ``nn.Sequential`` of ``Linear``,
 ``ReLU`` and ``Identity`` (optionally led by a ``LayerNorm`` without affine parameters), runs on an
 explicit engine (:class:`_MLPEngine`): weights stacked as ``(R, in, out)``, ``torch.baddbmm`` per
 layer, a hand-written backward whose weight-gradient GEMM SGD accumulates straight into its
@@ -95,7 +95,7 @@ def _build_model(
     config: RunConfig, model_factory: ModelFactory, dtype: torch.dtype, device: torch.device
 ) -> nn.Module:
     """Step 1 of the module docstring: build, cast, initialize with the run's seed, move."""
-    from initlab.initialize import init_model  # imported late: keeps `initlab.study` light
+    from initlab.init.model import init_model  # imported late: keeps `initlab.study` light
 
     model = model_factory(config).to(dtype=dtype)
     init_model(
@@ -464,11 +464,11 @@ class _Engine:
 def _mlp_modules(model: nn.Module) -> list[tuple[str, nn.Module]] | None:
     """The layer list of a model the explicit MLP engine can run, else ``None``.
 
-    Accepted: :class:`~initlab.models.PaperMLP` and ``nn.Sequential``, made of ``Linear``,
+    Accepted: :class:`~initlab.zoo.paper_mlp.PaperMLP` and ``nn.Sequential``, made of ``Linear``,
     ``ReLU``, ``Identity`` and, as the very first layer only, a ``LayerNorm`` over the last
     dimension without affine parameters.
     """
-    from initlab.models import PaperMLP
+    from initlab.zoo.paper_mlp import PaperMLP
 
     if type(model) is PaperMLP:
         mods: list[tuple[str, nn.Module]] = []

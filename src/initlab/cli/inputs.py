@@ -2,7 +2,7 @@
 
 * models: ``"pkg.module:factory"``, ``"path/file.py:factory"`` or ``"zoo:NAME"``;
 * data: ``"random"``, ``"random:3x32x32"``, ``"digits"``, a ``.pt`` file or ``"pkg.module:fn"``;
-* losses: a name of :data:`initlab.losses.LOSSES` or ``"pkg.module:fn"``.
+* losses: a name of :data:`initlab._core.loss.LOSSES` or ``"pkg.module:fn"``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from initlab.batches import is_single_batch, take_batches
+from initlab._core.data import is_single_batch, take_batches
 
 __all__ = ["load_data_spec", "load_factory", "load_model_spec", "parse_shape"]
 
@@ -100,7 +100,7 @@ def load_data_spec(
             )
         return [(torch.randn(batch_size, *shape, generator=gen),) for _ in range(batches)]
     if spec == "digits":
-        from initlab.demo import load_digits_tensors
+        from initlab.cli.demo import load_digits_tensors
 
         x, y = load_digits_tensors()
         perm = torch.randperm(len(x), generator=gen)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from initlab.rows import Rows
+from initlab._core.rows import Rows
 
 __all__ = ["MethodReport"]
 

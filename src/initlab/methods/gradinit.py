@@ -67,7 +67,7 @@ What is exactly what here:
   the gradient of the global loss and all ranks end bit-identical. Give every rank the same
   number of batches of the same size.
 * **Failure**: on any exception (including the errors below) the model's tensors and modes are
-  put back (:func:`~initlab.guard.restore_on_failure`); no hook is ever attached.
+  put back (:func:`~initlab._core.state.restore_on_failure`); no hook is ever attached.
 
 Errors and warnings: fewer batches than ``T`` needs -> ``ValueError`` saying how many; a non-finite
 loss at any iteration -> ``FloatingPointError`` (at the first one, before anything changed);
@@ -104,13 +104,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from initlab.batches import batch_size, default_forward, is_single_batch
-from initlab.distributed import all_reduce_sum, is_distributed, world_size
-from initlab.guard import model_modes, restore_modes, restore_on_failure
-from initlab.method_report import MethodReport
-from initlab.registry import default_registry
-from initlab.rng import as_generator
-from initlab.rows import Rows
+from initlab._core.data import batch_size, default_forward, is_single_batch
+from initlab._core.distributed import all_reduce_sum, is_distributed, world_size
+from initlab._core.method_report import MethodReport
+from initlab._core.rng import as_generator
+from initlab._core.rows import Rows
+from initlab._core.state import model_modes, restore_modes, restore_on_failure
+from initlab.init.registry import default_registry
 
 __all__ = [
     "GRADINIT_COLUMNS",
@@ -120,7 +120,7 @@ __all__ = [
     "overlap_batch",
 ]
 
-#: Rows of the :class:`~initlab.method_report.MethodReport` of :func:`gradinit_`, one per tensor
+#: Rows of the :class:`~initlab.MethodReport` of :func:`gradinit_`, one per tensor
 #: with an alpha: ``name`` (first qualified name of the tensor), ``role`` (from the layer
 #: registry: weight, bias, norm_scale, norm_shift, embedding, or ``unclaimed``), ``alpha`` (the
 #: learned scale, folded into the tensor), ``norm_before`` / ``norm_after`` (Frobenius norms).
@@ -154,7 +154,7 @@ _END = object()  # end-of-data marker
 
 
 # --------------------------------------------------------------------------------------------------
-# Pieces shared with initlab.metainit
+# Pieces shared with initlab.methods.metainit
 # --------------------------------------------------------------------------------------------------
 
 
@@ -822,7 +822,7 @@ def gradinit_(
         progress: called with every trace row as it is produced.
 
     Returns:
-        A :class:`~initlab.method_report.MethodReport`: rows :data:`GRADINIT_COLUMNS`, ``trace``
+        A :class:`~initlab.MethodReport`: rows :data:`GRADINIT_COLUMNS`, ``trace``
         rows :data:`GRADINIT_TRACE_COLUMNS`, ``info`` with ``iterations``, ``constraint_steps``,
         ``objective_steps``, ``gamma``, ``optimizer``, ``exact``.
 

@@ -20,8 +20,8 @@ import fnmatch
 import math
 from dataclasses import dataclass
 
-from initlab.registry import ROLES
-from initlab.schemes import Scheme, get_scheme
+from initlab.init.registry import ROLES
+from initlab.init.schemes import Scheme, get_scheme
 
 __all__ = [
     "Rule",
@@ -41,7 +41,7 @@ class Rule:
         action: ``"zero" | "constant" | "scale" | "scheme"``.
         citation: where the rule comes from (paper, section); shown in the report.
         value: the constant (``"constant"``), the factor (``"scale"``) or a scheme name or
-            :class:`~initlab.schemes.Scheme` (``"scheme"``); unused for ``"zero"``.
+            :class:`~initlab.init.schemes.Scheme` (``"scheme"``); unused for ``"zero"``.
         roles: restrict the rule to these parameter roles (``None``: any role).
     """
 

@@ -14,7 +14,7 @@ the initialization, never a constructor (style: no work in constructors). The on
 
 Models (``list_models()`` has their default configurations):
 
-* ``paper_mlp``: :class:`~initlab.models.PaperMLP`, Defazio & Bottou's MLP
+* ``paper_mlp``: :class:`~initlab.zoo.paper_mlp.PaperMLP`, Defazio & Bottou's MLP
   ``n_in → 384 → 64 → classes``.
 * ``strided_lenet``: :class:`StridedLeNet`, LeNet-5 with max pooling replaced by stride-2
   convolutions (Defazio & Bottou, Figures 1 and 2).
@@ -37,8 +37,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from initlab.models import PaperMLP
-from initlab.rng import as_generator
+from initlab._core.rng import as_generator
+from initlab.zoo.paper_mlp import PaperMLP
 
 __all__ = [
     "VGG",

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from initlab.guard import model_modes, restore_modes
+from initlab._core.state import model_modes, restore_modes
 
 __all__ = ["preserved_state"]
 

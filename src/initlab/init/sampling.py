@@ -1,4 +1,4 @@
-"""In-place samplers: fill a tensor from an :class:`~initlab.schemes.InitSpec`, torch style.
+"""In-place samplers: fill a tensor from an :class:`~initlab.init.schemes.InitSpec`, torch style.
 
 Every sampler ends in ``_``: it fills the tensor in place under :func:`torch.no_grad` and returns
 it. Randomness comes only from the keyword ``generator=`` (the global RNG when ``None``), so the
@@ -26,9 +26,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from initlab.fans import compute_fans
-from initlab.gains import Nonlinearity
-from initlab.schemes import (
+from initlab.init.fans import compute_fans
+from initlab.init.gains import Nonlinearity
+from initlab.init.schemes import (
     ArithmeticMean,
     FanIn,
     FanOut,
@@ -335,7 +335,7 @@ def sample_(
     weight's layout as in :func:`initlab.compute_fans`; the element-wise distributions ignore them.
 
     Example:
-        >>> from initlab.schemes import InitSpec
+        >>> from initlab.init.schemes import InitSpec
         >>> w = sample_(torch.empty(3, 3), InitSpec("constant", 0.0, value=0.5))
         >>> w.sum().item()
         4.5
@@ -580,7 +580,7 @@ def operator_norm_normal_(
     """Operator-norm normal: ``std = 1 / ((sqrt(fan_in) + sqrt(n_out)) * L * a)`` (lecture).
 
     Gives ``||W||_2 ~ 1 / L`` (2 for ReLU's average Lipschitz constant 0.5). ``lipschitz``
-    defaults to :func:`initlab.gains.average_lipschitz` of the nonlinearity; there is no ``gain``.
+    defaults to :func:`initlab.average_lipschitz` of the nonlinearity; there is no ``gain``.
 
     Example:
         >>> w = operator_norm_normal_(torch.empty(1000, 1000),

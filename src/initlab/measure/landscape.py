@@ -11,7 +11,7 @@ The lecture's picture (seeds digest §3): ``Σ_i L(m(x_i; θ* + t₁ θ₁ + t�
   ``ignore="biasbn"``), so the slice moves the weights only;
 * with the **top Hessian eigenvectors** (``directions="hessian"``: the two eigenvectors of largest
   ``|λ|`` of the Hessian of the loss on the first batch, by Lanczos with Hessian-vector products,
-  :func:`initlab.curvature.hessian_eigenpairs`; unit norm in the full parameter space);
+  :func:`initlab.measure.curvature.hessian_eigenpairs`; unit norm in the full parameter space);
 * or with directions you give.
 
 The model is never mutated: every point is a functional call (``torch.func.functional_call``)
@@ -56,8 +56,10 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from initlab.batches import batch_size, default_forward, take_batches
-from initlab.curvature import (
+from initlab._core.data import batch_size, default_forward, take_batches
+from initlab._core.rng import as_generator
+from initlab._core.rows import Rows
+from initlab.measure.curvature import (
     Forward,
     LossFn,
     _batchnorms,
@@ -65,8 +67,6 @@ from initlab.curvature import (
     model_state,
     resolve_loss,
 )
-from initlab.rng import as_generator
-from initlab.rows import Rows
 
 __all__ = [
     "LANDSCAPE_COLUMNS",
@@ -131,7 +131,7 @@ class Landscape:
         """Contour plot of the slice (``t1`` horizontal, ``t2`` vertical); a line for a 1-D grid.
 
         Needs matplotlib (``pip install initlab[plot]``), imported here only
-        (:func:`initlab.figures.new_figure`; no pyplot).
+        (:func:`initlab._core.figures.new_figure`; no pyplot).
 
         Args:
             ax: a matplotlib ``Axes`` (default: one on a new ``Figure``, ``ax.figure``).
@@ -144,7 +144,7 @@ class Landscape:
             The ``Axes``.
         """
         if ax is None:
-            from initlab.figures import new_figure
+            from initlab._core.figures import new_figure
 
             ax = new_figure("Landscape.plot", "Landscape.to_rows() gives the numbers").add_subplot()
         z = self.values.clone()
@@ -343,9 +343,9 @@ def loss_landscape(
 
     Args:
         model: any ``nn.Module``; never mutated (parameters, buffers, modes).
-        batch_or_batches: one batch or an iterable of batches (:mod:`initlab.batches`).
+        batch_or_batches: one batch or an iterable of batches (:mod:`initlab._core.data`).
         loss_fn: ``loss_fn(outputs, batch) -> scalar``, a ``NamedLoss`` or a loss name
-            (:func:`initlab.curvature.resolve_loss`).
+            (:func:`initlab.measure.curvature.resolve_loss`).
         directions: ``"filter_normalized"`` (default), ``"hessian"`` (top-2 eigenvectors by
             ``|λ|``), or two directions, each a dict parameter name → tensor (missing names: 0)
             or a list of tensors for all trainable parameters in ``named_parameters`` order.
@@ -363,7 +363,7 @@ def loss_landscape(
         chunk_size: grid points per vmapped call (default from a budget of about ``2**21``
             elements of parameters and activations per chunk).
         forward: ``forward(model, batch) -> outputs`` (default
-            :func:`~initlab.batches.default_forward`).
+            :func:`~initlab._core.data.default_forward`).
 
     Returns:
         :class:`Landscape`.
@@ -417,7 +417,7 @@ def loss_landscape(
                 d1 = filter_normalized_direction(model, generator=gen)
                 d2 = filter_normalized_direction(model, generator=gen)
             elif directions == "hessian":
-                from initlab.curvature import CurvatureOperator
+                from initlab.measure.curvature import CurvatureOperator
 
                 overrides = {
                     k: v for k, v in bases[0].items() if k not in theta and "running_" in k

@@ -105,7 +105,7 @@ What is exact and what is not (``dW_example``):
 Example:
     >>> import torch
     >>> from torch import nn
-    >>> from initlab.probe import MomentProbe
+    >>> from initlab.measure.probe import MomentProbe
     >>> model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
     >>> x, target = torch.randn(64, 8), torch.randint(0, 3, (64,))
     >>> with MomentProbe(model) as probe:
@@ -129,9 +129,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from initlab._pytree import flatten_tensors, map_tensors
-from initlab.reductions import sum_of_squares
-from initlab.rows import Rows
+from initlab._core.pytree import flatten_tensors, map_tensors
+from initlab._core.reductions import sum_of_squares
+from initlab._core.rows import Rows
 
 __all__ = [
     "PARAM_TABLE_COLUMNS",
@@ -231,7 +231,7 @@ def _sums(t: torch.Tensor, scale: float = 1.0, consts: _Consts | None = None) ->
     """``[sum(t^2), sum(t)] * [scale^2, scale]`` as float64 on ``t``'s device (no sync).
 
     The reductions run in the tensor's own precision (float16/bfloat16: float32) with relative
-    error ~1e-8 at any size (:func:`initlab.reductions.sum_of_squares`); casting every hooked
+    error ~1e-8 at any size (:func:`initlab._core.reductions.sum_of_squares`); casting every hooked
     tensor to float64 first costs ~8x more, as much as the layer's own forward. Batch-calls are
     then pooled in float64.
     """
@@ -245,7 +245,7 @@ def _sums(t: torch.Tensor, scale: float = 1.0, consts: _Consts | None = None) ->
         # elements; reduce those once (reductions over stride-0 dims take a slow path).
         d = d[tuple(slice(0, 1) if st == 0 else slice(None) for st in d.stride())]
         multiplicity = t.numel() // d.numel()
-    # both accurate at any size: see initlab.reductions; torch.sum reduces in cascades
+    # both accurate at any size: see initlab._core.reductions; torch.sum reduces in cascades
     v = torch.stack((sum_of_squares(d), torch.sum(d).to(torch.float64)))
     w2, w1 = multiplicity * scale * scale, multiplicity * scale
     if w2 != 1.0 or w1 != 1.0:

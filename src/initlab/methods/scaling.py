@@ -15,8 +15,8 @@ The paper's closed forms are here too, as checked special cases: :func:`kernel_s
 
 Every method changes the model in place (or, where said, not at all), leaves no hooks behind,
 restores weights, buffers and train/eval modes if it fails midway
-(:func:`~initlab.guard.restore_on_failure`), never moves the model, and sums its statistics over
-the ranks of a ``torch.distributed`` job (:func:`~initlab.distributed.all_reduce_sum`), so all
+(``restore_on_failure``), never moves the model, and sums its statistics over
+the ranks of a ``torch.distributed`` job (:func:`~initlab._core.distributed.all_reduce_sum`), so all
 ranks end with identical weights. Forward passes used only for measuring leave buffers (BatchNorm
 running statistics) as they were, and run under a forked RNG (seeded from ``generator`` when
 given), so dropout masks are reproducible and torch's global RNG state is untouched.
@@ -37,15 +37,15 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from initlab.batches import batch_size, default_forward, first_tensor, take_batches
-from initlab.conditioning import gr_scaling, imbalance, weight_layers, with_multipliers
-from initlab.distributed import all_reduce_sum, is_distributed
-from initlab.guard import restore_on_failure
-from initlab.method_report import MethodReport
-from initlab.probe import measure_moments
-from initlab.registry import Registry, default_registry
-from initlab.rng import as_generator
-from initlab.rows import Rows
+from initlab._core.data import batch_size, default_forward, first_tensor, take_batches
+from initlab._core.distributed import all_reduce_sum, is_distributed
+from initlab._core.method_report import MethodReport
+from initlab._core.rng import as_generator
+from initlab._core.rows import Rows
+from initlab._core.state import restore_on_failure
+from initlab.init.registry import Registry, default_registry
+from initlab.measure.conditioning import gr_scaling, imbalance, weight_layers, with_multipliers
+from initlab.measure.probe import measure_moments
 
 __all__ = [
     "OUTPUT_SCALE_COLUMNS",
@@ -294,7 +294,7 @@ def scale_output_(
         data: a batch or an iterable of batches.
         target: the std the logits get (the paper uses 0.05; 0.01 to 0.1 works).
         forward: ``forward(model, batch) -> output`` (default
-            :func:`~initlab.batches.default_forward`); a dict output uses its ``"logits"``.
+            :func:`~initlab._core.data.default_forward`); a dict output uses its ``"logits"``.
         module: name of the layer to fold into (default: the last weight layer to run).
         how: ``"fold"`` or ``"module"``.
         n_batches: use the first ``n_batches`` batches (default all).
@@ -303,7 +303,7 @@ def scale_output_(
             draws nothing itself.
 
     Returns:
-        :class:`~initlab.method_report.MethodReport`, one row (:data:`OUTPUT_SCALE_COLUMNS`);
+        :class:`~initlab.MethodReport`, one row (:data:`OUTPUT_SCALE_COLUMNS`);
         ``info`` has ``scale``, ``std_before``, ``std_after``, ``layer`` (and ``module`` for
         ``how="module"``).
 
@@ -447,7 +447,7 @@ def input_scale(
 
     Derivation (the paper's, for the first layer with zero bias): with ``k2`` kernel taps and
     ``p2`` output positions, ``gamma_0 = n_0 k2 p2 E[x_0^2]^2 E[dy^2] / E[y^2]`` and
-    ``gamma_0^b = p2 E[dy^2] / E[y^2]`` (see :mod:`initlab.conditioning`); they are equal iff
+    ``gamma_0^b = p2 E[dy^2] / E[y^2]`` (see :func:`initlab.gr_scaling`); they are equal iff
     ``E[x_0^2] = 1 / sqrt(n_0 k2)``, which is ``1 / (k_0 sqrt(n_0))`` for a ``k_0 x k_0`` kernel
     (about 0.19 for RGB inputs and ``k_0 = 3``) and ``1 / sqrt(n_0)`` for an MLP.
 
@@ -691,7 +691,7 @@ PRECONDITION_COLUMNS: tuple[str, ...] = (
 ``alpha`` (1 for layers left alone), the learning-rate factors that realize it with ``how="lr"``
 (``alpha^2`` for SGD, ``alpha`` for Adam; see :func:`preconditioned_param_groups`; 1 for the other
 ``how``, which need no optimizer change), and ``gamma_w``, ``nu_w``,
-``gamma_b`` before and after (``alpha^4`` included, see :func:`~initlab.conditioning.gr_scaling`).
+``gamma_b`` before and after (``alpha^4`` included, see :func:`~initlab.gr_scaling`).
 For ``how="rescale"`` ``alpha`` is the equivalent multiplier ``1 / r`` of the in-place rescaling."""
 
 _HOWS = ("lr", "parametrize", "rescale")
@@ -726,7 +726,7 @@ def precondition_(
     r"""Choose conditioning multipliers ``alpha_l`` that make every layer's GR scaling equal.
 
     The paper sets multipliers by hand for known imbalances (kernel sizes, residual blocks; §5,
-    App. E); this measures ``gamma_l`` (:func:`~initlab.conditioning.gr_scaling`) on ``data`` and
+    App. E); this measures ``gamma_l`` (:func:`~initlab.gr_scaling`) on ``data`` and
     solves for them, for any architecture: ``gamma_l`` scales as ``alpha_l^4`` and nothing else
     the probe measures changes, so ``alpha_l = (target / gamma_l)^(1/4)`` balances all layers.
 
@@ -766,7 +766,7 @@ def precondition_(
 
     Limits: ``gamma`` is the paper's estimate under its assumptions (A1-A3); inside residual
     branches the measured values differ from App. E's corrected ones (see
-    :mod:`initlab.conditioning`), and layers whose ``gamma`` is not derived (attention, RNNs) keep
+    :func:`initlab.gr_scaling`), and layers whose ``gamma`` is not derived (attention, RNNs) keep
     ``alpha = 1``. Biases are not given multipliers.
 
     Args:
@@ -787,10 +787,10 @@ def precondition_(
         n_batches: use the first ``n_batches`` batches (default all).
         registry: the layer registry.
         generator: seeds the measurement passes' RNG (dropout).
-        **probe_kwargs: passed to :class:`~initlab.probe.MomentProbe` (``loss_reduction``, ...).
+        **probe_kwargs: passed to :class:`~initlab.MomentProbe` (``loss_reduction``, ...).
 
     Returns:
-        :class:`~initlab.method_report.MethodReport` with rows :data:`PRECONDITION_COLUMNS`;
+        :class:`~initlab.MethodReport` with rows :data:`PRECONDITION_COLUMNS`;
         ``info``: ``how``, ``target`` (the common gamma), ``spread_before``, ``spread_after``,
         ``alpha`` (dict name -> alpha), ``iterations``. ``trace`` has one row per probe:
         ``iteration, spread, max, min``.

@@ -64,19 +64,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from initlab._pytree import flatten_tensors, map_tensors
-from initlab.batches import batch_size, default_forward, take_batches
-from initlab.distributed import all_reduce_sum, is_distributed
-from initlab.guard import model_modes, restore_modes, restore_on_failure
-from initlab.method_report import MethodReport
-from initlab.reductions import sum_of_squares
-from initlab.registry import Registry, default_registry
-from initlab.rng import as_generator
-from initlab.sampling import orthogonal_
+from initlab._core.data import batch_size, default_forward, take_batches
+from initlab._core.distributed import all_reduce_sum, is_distributed
+from initlab._core.method_report import MethodReport
+from initlab._core.pytree import flatten_tensors, map_tensors
+from initlab._core.reductions import sum_of_squares
+from initlab._core.rng import as_generator
+from initlab._core.state import model_modes, restore_modes, restore_on_failure
+from initlab.init.registry import Registry, default_registry
+from initlab.init.sampling import orthogonal_
 
 __all__ = ["KNOWN_BLOCKS", "LSUV_COLUMNS", "lsuv_"]
 
-#: Columns of the :class:`~initlab.method_report.MethodReport` rows of :func:`lsuv_`, one row per
+#: Columns of the :class:`~initlab.MethodReport` rows of :func:`lsuv_`, one row per
 #: layer (an attention module gives one row per q/k/v projection and one for ``out_proj``):
 #:
 #: * ``module``: qualified name of the layer (``"attn.in_proj_weight[q]"`` for a projection block);
@@ -970,7 +970,7 @@ def lsuv_(
     each layer's weight, in execution order and the first layer included, so that its output
     variance over the data reaches ``target``: ``W <- W * sqrt(target / Var(y))`` until
     ``|Var(y) - target| < tol`` or ``max_iter`` corrections. A "layer" is every module whose
-    registry handler names one weight (:func:`~initlab.registry.default_registry`): Linear,
+    registry handler names one weight (:func:`~initlab.init.registry.default_registry`): Linear,
     Conv/ConvTranspose, Bilinear, GPT-2 ``Conv1D``, your registered types. See the module
     docstring for the one-pass algorithm; on a plain network it costs **2 forward passes
     whatever the depth** (the paper's loop costs about two per layer).
@@ -1032,7 +1032,7 @@ def lsuv_(
 
     Like every data-dependent initialization in initlab: changes ``model`` in place, never moves
     it, leaves no hook behind (also after an exception), and restores every weight, buffer and
-    train/eval mode if anything fails midway (:func:`~initlab.guard.restore_on_failure`).
+    train/eval mode if anything fails midway (:func:`~initlab._core.state.restore_on_failure`).
 
     Args:
         model: any ``nn.Module``.
@@ -1048,7 +1048,7 @@ def lsuv_(
             biases, at the layer's first call. Only the scaled layers are touched (norm layers
             and embeddings are not, unlike ``init_model(model, "orthogonal")``).
         forward: ``forward(model, batch)`` runs the model on one batch (default
-            :func:`~initlab.batches.default_forward`).
+            :func:`~initlab._core.data.default_forward`).
         mode: ``"layers"``, ``"branches"`` or ``"stream"`` (above).
         batches: how many batches of ``data`` the statistics pool over (``None``: all of them).
             A loader with fewer raises, saying how many are needed.
@@ -1062,10 +1062,10 @@ def lsuv_(
         blocks: the residual blocks for ``mode="branches"``/``"stream"``: qualified names or a
             predicate; default: modules of a type in :data:`KNOWN_BLOCKS`.
         norm_mode: ``"eval"`` or ``"train"``: the mode BatchNorm layers run in (above).
-        registry: the layer registry (default :func:`~initlab.registry.default_registry`).
+        registry: the layer registry (default :func:`~initlab.init.registry.default_registry`).
 
     Returns:
-        :class:`~initlab.method_report.MethodReport` named ``"lsuv"``, one row per layer (schema
+        :class:`~initlab.MethodReport` named ``"lsuv"``, one row per layer (schema
         :data:`LSUV_COLUMNS`), with ``forward_passes`` (full forwards of the model),
         ``backward_passes`` (0) and ``wall_s``; ``info`` holds ``sweeps``, ``block_replays``,
         ``batches``, ``examples``, ``converged`` and the settings.

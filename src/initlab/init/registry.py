@@ -2,7 +2,7 @@
 
 A *handler* is a small function ``handler(module) -> Iterable[ParamSpec]`` that names the module's
 own (direct) parameters and gives each a role (:data:`ROLES`) and, for weights, its
-:class:`~initlab.fans.Fans` -- per block for fused weights (the q/k/v blocks of an attention
+:class:`~initlab.Fans` -- per block for fused weights (the q/k/v blocks of an attention
 ``in_proj_weight``, the gates of an LSTM). Handlers never choose an initialization formula; a scheme
 turns fans into a distribution, and ``init_model`` applies it. Adding a layer type is one handler
 function plus one :func:`register_handler` call::
@@ -10,7 +10,7 @@ function plus one :func:`register_handler` call::
     register_handler(MyTransposedLinear, transposed_linear_handler)
 
 Everything a handler returns is validated against the module it describes (names exist, blocks tile
-dim 0, fans agree with :func:`~initlab.fans.compute_fans`), and :meth:`Registry.register` validates
+dim 0, fans agree with :func:`~initlab.compute_fans`), and :meth:`Registry.register` validates
 the handler itself when it is registered (and its output right away when ``example=`` is given), so
 a wrong handler fails loudly at registration instead of silently mis-initializing a model.
 
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from initlab.fans import Fans, compute_fans
+from initlab.init.fans import Fans, compute_fans
 
 __all__ = [
     "ROLES",
@@ -362,7 +362,7 @@ class Registry:
         Raises:
             ValueError: the handler's output does not match the module (unknown or ``None``
                 parameter, a name twice, blocks that overlap or leave gaps, fans that disagree
-                with :func:`~initlab.fans.compute_fans`), or the module is lazy and not yet
+                with :func:`~initlab.compute_fans`), or the module is lazy and not yet
                 materialized. The message names the handler, the module type and the problem.
         """
         handler = self.handler_for(module)
@@ -497,7 +497,7 @@ def embedding_handler(module: nn.Module) -> list[ParamSpec]:
 
     Fans are ``fan_in = embedding_dim``, ``fan_out = num_embeddings``: the tied-output-projection
     view (a table tied to the head ``Linear(dim, vocab)`` has exactly these fans), which is what
-    :func:`~initlab.fans.compute_fans` gives for the table's shape. A lookup has no fan-in in the
+    :func:`~initlab.compute_fans` gives for the table's shape. A lookup has no fan-in in the
     matrix-multiply sense, so the default init of role "embedding" (N(0, 1), torch's) ignores the
     fans; they are informational, for schemes that want the tied view.
     """

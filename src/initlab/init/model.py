@@ -1,9 +1,9 @@
 """Data-free initialization of any ``nn.Module``: :func:`init_model` and its :class:`InitReport`.
 
-Three layers, as in timm: samplers (:mod:`initlab.sampling`) draw one tensor from a spec; the
-registry (:mod:`initlab.registry`) says, per module type, which parameter is a weight, a bias or a
-norm scale and what its fans are; :func:`init_model` walks the model, plans every parameter, then
-draws. Name-based :class:`~initlab.rules.Rule` entries run last.
+Three layers, as in timm: samplers (:mod:`initlab.init.sampling`) draw one tensor from a spec; the
+registry (:mod:`~initlab.init.registry`) says, per module type, which parameter is a weight, a
+bias or a norm scale and what its fans are; :func:`init_model` walks the model, plans every
+parameter, then draws. Name-based :class:`~initlab.init.rules.Rule` entries run last.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from initlab.registry import Block, ParamSpec, Registry, default_registry
-from initlab.rng import as_generator
-from initlab.rows import Rows
-from initlab.rules import Rule
-from initlab.sampling import normal_, sample_
-from initlab.schemes import InitSpec, Scheme, get_scheme
+from initlab._core.rng import as_generator
+from initlab._core.rows import Rows
+from initlab.init.registry import Block, ParamSpec, Registry, default_registry
+from initlab.init.rules import Rule
+from initlab.init.sampling import normal_, sample_
+from initlab.init.schemes import InitSpec, Scheme, get_scheme
 
 __all__ = ["INIT_REPORT_COLUMNS", "InitReport", "init_model"]
 
@@ -243,7 +243,7 @@ def init_model(
     * biases: zeros (``bias="zeros"``), untouched (``"keep"``) or a constant;
     * norm layers: identity (scale 1, shift 0, running statistics reset);
     * embeddings: ``N(0, embedding_std²)`` (torch's default, ``embedding_std = 1``);
-    * ``rules``: name-based entries (:mod:`initlab.rules`), applied last, in order.
+    * ``rules``: name-based entries (:mod:`initlab.init.rules`), applied last, in order.
 
     Tied or shared parameters (one tensor reachable under several names, e.g. an embedding tied to
     the output projection) stay tied and are drawn once: the first module in ``named_modules()``
@@ -255,15 +255,15 @@ def init_model(
 
     Args:
         model: any ``nn.Module``.
-        scheme: a scheme name (see ``initlab schemes``) or a :class:`~initlab.schemes.Scheme`.
+        scheme: a scheme name (see ``initlab schemes``) or a :class:`~initlab.init.schemes.Scheme`.
         generator: a ``torch.Generator`` or an int seed (a CPU generator; draws made on another
             device than the tensor's are copied in, so a seed gives the same values on every
             device). ``None`` uses torch's global RNG.
         bias: ``"zeros"``, ``"keep"`` or a number.
         policy: what to do with parameters no handler claims: ``"error"``, ``"warn"`` (default;
             names them and leaves them untouched) or ``"skip"`` (leave them silently).
-        rules: name-based :class:`~initlab.rules.Rule` entries.
-        registry: the layer registry (default: :func:`~initlab.registry.default_registry`).
+        rules: name-based :class:`~initlab.init.rules.Rule` entries.
+        registry: the layer registry (default: :func:`~initlab.init.registry.default_registry`).
         embedding_std: std of embedding tables.
         measure: compute each tensor's achieved std for the report (one extra read of every
             tensor; turn off for the fastest init of very large models).

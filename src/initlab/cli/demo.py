@@ -24,10 +24,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from initlab.initialize import init_model
-from initlab.models import PaperMLP
-from initlab.probe import measure_moments
-from initlab.rows import Rows
+from initlab._core.rows import Rows
+from initlab.init.model import init_model
+from initlab.measure.probe import measure_moments
+from initlab.zoo.paper_mlp import PaperMLP
 
 __all__ = ["DEMO_SCHEMES", "DemoResult", "demo_study", "load_digits_tensors", "run_demo"]
 

@@ -69,14 +69,14 @@ Conditioning multipliers (``alpha``). A fixed scalar in front of a layer, with t
 divided by ``alpha`` so the forward pass is unchanged, multiplies ``gamma_w`` (and ``nu_w`` of the
 stored weight ``W' = W / alpha``) by ``alpha^4`` and leaves everything the probe measures (``x``,
 ``y``, ``dy``) unchanged. :func:`gr_scaling` takes ``alpha`` per module and reports the scaled
-values; this is what :func:`initlab.scaling.precondition_` balances.
+values; this is what :func:`initlab.methods.scaling.precondition_` balances.
 
 Residual branches (a caveat the reader should know). Inside a residual branch ``z + s F(z)`` the
 rest of the network is *not* homogeneous in the branch's output, and App. E.1 evaluates the
 curvature ratio after the addition instead (``E[dz^2] / E[z^2]`` with the branch scale ``s``
 folded in). The values here use each module's own output, as Eq. 1 does; for a convolution inside
 a branch with scale ``s`` whose other summand has the same second moment, the App. E.1 value is
-``s^2 / (1 + s^2)`` times ours (see :func:`initlab.scaling.resnet_multipliers`).
+``s^2 / (1 + s^2)`` times ours (see :func:`initlab.methods.scaling.resnet_multipliers`).
 
 Rows (:data:`GR_COLUMNS`), one per probed module whose registry handler claims a role-"weight"
 parameter, in execution order:
@@ -125,11 +125,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from initlab.batches import batch_size, take_batches
-from initlab.distributed import all_reduce_sum
-from initlab.probe import MomentProbe, measure_moments
-from initlab.registry import ParamSpec, Registry, default_registry
-from initlab.rows import Rows
+from initlab._core.data import batch_size, take_batches
+from initlab._core.distributed import all_reduce_sum
+from initlab._core.rows import Rows
+from initlab.init.registry import ParamSpec, Registry, default_registry
+from initlab.measure.probe import MomentProbe, measure_moments
 
 __all__ = [
     "GR_COLUMNS",
@@ -238,7 +238,7 @@ def gr_scaling(
     ``gamma_w == nu_w`` under the paper's independence assumptions.
 
     Args:
-        probe: a :class:`~initlab.probe.MomentProbe` that ran forward and backward passes (with
+        probe: a :class:`~initlab.MomentProbe` that ran forward and backward passes (with
             ``per_example=True``, the default, for ``nu_w``/``nu_b`` and for ``p2``).
         model: the probed model (default ``probe.model``).
         alpha: conditioning multiplier per module name (missing names: 1). ``gamma_w``, ``nu_w`` and
@@ -249,12 +249,12 @@ def gr_scaling(
             ``all_reduce``). Default: read off the per-example gradient counts of each layer's
             weight; give it when those are unavailable (``per_example=False``, train-mode
             BatchNorm), else ``p2`` and ``gamma`` are NaN for those layers.
-        registry: the layer registry (default :func:`~initlab.registry.default_registry`).
+        registry: the layer registry (default :func:`~initlab.init.registry.default_registry`).
         all_reduce: sum the probe's moments over the ranks of a ``torch.distributed`` job before
             forming ratios, so every rank gets the pooled values (every rank must call it).
 
     Returns:
-        :class:`~initlab.rows.Rows` with columns :data:`GR_COLUMNS`.
+        :class:`~initlab.Rows` with columns :data:`GR_COLUMNS`.
     """
     model = probe.model if model is None else model
     reg = default_registry() if registry is None else registry
@@ -477,14 +477,14 @@ def gr_scaling_from_data(
 
     Args:
         model: the model; weights, gradients (``.grad``) and modes are left as they are.
-        data: one batch or an iterable of batches (see :mod:`initlab.batches`).
+        data: one batch or an iterable of batches (see :mod:`initlab._core.data`).
         loss_fn: ``loss_fn(model, batch) -> scalar loss``; declare its reduction to the probe with
             ``loss_reduction=`` (``"mean"`` by default).
         alpha: conditioning multipliers per module name, as in :func:`gr_scaling`.
         n_batches: use the first ``n_batches`` batches (default all).
         registry: the layer registry.
         all_reduce: pool the moments over ranks (see :func:`gr_scaling`).
-        **probe_kwargs: passed to :class:`~initlab.probe.MomentProbe`.
+        **probe_kwargs: passed to :class:`~initlab.MomentProbe`.
     """
     batches = take_batches(data, n_batches, what="gr_scaling_from_data")
     probe = measure_moments(model, batches, loss_fn, **probe_kwargs)

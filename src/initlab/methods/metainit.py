@@ -31,7 +31,7 @@ Variants (``variant=``):
   500 steps); the chosen tensors are those with at least 2 dimensions; the model is in eval mode
   (the paper calls ``model.eval()``: normalization layers use their running statistics).
 * ``"gradinit"`` (GradInit's appendix D): real data (``data``), one step per batch; Adam on the
-  scales ``alpha`` exactly as in :func:`~initlab.gradinit.gradinit_` (``lr = 1e-3``, per-scalar
+  scales ``alpha`` exactly as in :func:`~initlab.gradinit_` (``lr = 1e-3``, per-scalar
   gradient clipping at 1, betas (0.9, 0.999)); the chosen tensors are every trainable non-zero
   tensor; normalization layers use batch statistics, dropout off.
 
@@ -58,7 +58,11 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from initlab.gradinit import (
+from initlab._core.method_report import MethodReport
+from initlab._core.rng import as_generator
+from initlab._core.rows import Rows
+from initlab._core.state import restore_on_failure
+from initlab.methods.gradinit import (
     LossFn,
     TensorFilter,
     _Adam,
@@ -80,10 +84,6 @@ from initlab.gradinit import (
     _Tensors,
     _theta,
 )
-from initlab.guard import restore_on_failure
-from initlab.method_report import MethodReport
-from initlab.rng import as_generator
-from initlab.rows import Rows
 
 __all__ = ["METAINIT_COLUMNS", "METAINIT_TRACE_COLUMNS", "gradient_quotient", "metainit_"]
 
@@ -239,7 +239,7 @@ def metainit_(
         progress: called with every trace row.
 
     Returns:
-        A :class:`~initlab.method_report.MethodReport` with rows :data:`METAINIT_COLUMNS`,
+        A :class:`~initlab.MethodReport` with rows :data:`METAINIT_COLUMNS`,
         ``trace`` rows :data:`METAINIT_TRACE_COLUMNS`, and ``info`` with ``steps``, ``variant``,
         ``gq_first``, ``gq_last``.
 

@@ -1,13 +1,13 @@
 """Initialization schemes as pure formulas: fans (and a gain) in, a distribution and a std out.
 
 A scheme never draws random numbers and never touches a tensor: :meth:`Scheme.spec` maps the
-:class:`~initlab.fans.Fans` of a weight to an :class:`InitSpec` (which distribution, which std), and
-:func:`initlab.sampling.sample_` fills a tensor from that spec. The pure variance functions
+:class:`~initlab.Fans` of a weight to an :class:`InitSpec` (which distribution, which std), and
+:func:`initlab.init.sampling.sample_` fills a tensor from that spec. The pure variance functions
 (:func:`fan_in_variance`, ...) are the formulas of the papers, one per function, with the paper
 in the docstring.
 
 Notation: ``fan_in = n_in * k`` and ``fan_out = n_out * k`` where ``k`` is the number of kernel taps
-(1 for Linear), as in :func:`initlab.fans.compute_fans`. For a convolution the matrix a scheme
+(1 for Linear), as in :func:`initlab.init.fans.compute_fans`. For a convolution the matrix a scheme
 reasons about is the reshaped kernel, ``n_out x (n_in * k)``: rows ``fans.n_out``, columns
 ``fans.fan_in``.
 
@@ -34,8 +34,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from initlab.fans import Fans
-from initlab.gains import Nonlinearity, average_lipschitz, calculate_gain
+from initlab.init.fans import Fans
+from initlab.init.gains import Nonlinearity, average_lipschitz, calculate_gain
 
 __all__ = [
     "DISTRIBUTIONS",
@@ -461,7 +461,7 @@ class Orthogonal(_GainScheme):
     """Orthogonal: ``W = gain * Q`` with ``Q`` (semi-)orthogonal (Saxe et al., 2014).
 
     The gain defaults to the nonlinearity's (ReLU: ``sqrt(2)``); pass ``nonlinearity="linear"`` for
-    gain 1. The sampler (:func:`initlab.sampling.orthogonal_` with the same ``groups`` and
+    gain 1. The sampler (:func:`initlab.init.sampling.orthogonal_` with the same ``groups`` and
     ``transposed``) orthogonalizes each group's reshaped kernel, ``rows x cols`` with
     ``rows = fans.n_out`` and ``cols = fans.fan_in``, so ``Q^T Q = I`` or ``Q Q^T = I`` per group
     and the RMS entry, reported as ``InitSpec.std``, is exactly ``gain / sqrt(max(rows, cols))``.

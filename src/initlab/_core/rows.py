@@ -1,7 +1,7 @@
 """Tidy rows: the one container every initlab report and diagnostic returns.
 
 A table is a list of flat ``dict`` rows sharing one documented schema (the schema lives with the
-producer: :data:`initlab.init.INIT_REPORT_COLUMNS`, :data:`initlab.probe.PROBE_COLUMNS`, ...).
+producer: :data:`initlab.INIT_REPORT_COLUMNS`, :data:`initlab.PROBE_COLUMNS`, ...).
 :class:`Rows` gives every producer the same exits: ``to_rows()`` (plain dicts), ``to_pandas()``
 (pandas is optional), ``to_markdown()`` and a fixed-width ``str``.
 """

@@ -104,11 +104,11 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from initlab._pytree import flatten_tensors, map_tensors
-from initlab.batches import batch_size, default_forward
-from initlab.losses import NamedLoss, make_loss
-from initlab.rng import as_generator
-from initlab.rows import Rows
+from initlab._core.data import batch_size, default_forward
+from initlab._core.loss import NamedLoss, make_loss
+from initlab._core.pytree import flatten_tensors, map_tensors
+from initlab._core.rng import as_generator
+from initlab._core.rows import Rows
 
 __all__ = [
     "BLOCK_COLUMNS",
@@ -686,8 +686,8 @@ def functional_forward(
 
 
 def resolve_loss(loss_fn: LossFn) -> Callable[[Any, Any], torch.Tensor]:
-    """``loss_fn(outputs, batch) -> scalar`` from a callable, a :class:`~initlab.losses.NamedLoss`
-    (its ``outputs_loss``) or a name :func:`initlab.losses.make_loss` knows (``"auto"``,
+    """``loss_fn(outputs, batch) -> scalar`` from a callable, a ``NamedLoss``
+    (its ``outputs_loss``) or a name :func:`initlab._core.loss.make_loss` knows (``"auto"``,
     ``"cross_entropy"``, ``"mse"``, ``"random_quadratic"``; targets ``batch[1]``)."""
     if isinstance(loss_fn, str):
         return make_loss(loss_fn).outputs_loss
@@ -800,7 +800,7 @@ class CurvatureOperator:
         model: any ``nn.Module``; its train/eval modes decide BatchNorm/dropout behaviour.
         batch: one batch (a tensor, a tuple/list or a dict).
         loss_fn: ``loss_fn(outputs, batch) -> scalar`` (the loss of the model's *outputs*), a
-            :class:`~initlab.losses.NamedLoss` or a loss name (:func:`resolve_loss`).
+            :class:`~initlab._core.loss.NamedLoss` or a loss name (:func:`resolve_loss`).
         kind: ``"hessian"`` or ``"ggn"``.
         params: ``None`` (every parameter with ``requires_grad``), a sequence of parameter names,
             or a mapping block name → parameter names.
@@ -808,7 +808,7 @@ class CurvatureOperator:
             ``"module"`` (one block per module: weight and bias of a layer together).
         mode: ``"rev_rev"`` or ``"fwd_rev"`` (module docstring).
         forward: ``forward(model, batch) -> outputs`` (default
-            :func:`initlab.batches.default_forward`: ``model(x)`` / ``model(batch[0])`` /
+            :func:`initlab._core.data.default_forward`: ``model(x)`` / ``model(batch[0])`` /
             ``model(**batch)``).
         buffers: buffer overrides for the functional call (e.g. frozen BatchNorm statistics);
             names as in ``model.named_buffers()``, ``None`` values allowed.
@@ -1293,7 +1293,7 @@ def block_curvature(
         normalize: ``"min"`` (default), ``"row"``, ``"col"``, ``"geometric"`` or ``"none"``.
         mode: ``"rev_rev"`` (default) or ``"fwd_rev"``.
         forward: ``forward(model, batch) -> outputs`` (default
-            :func:`~initlab.batches.default_forward`).
+            :func:`~initlab._core.data.default_forward`).
 
     Returns:
         :class:`BlockCurvature` rows (:data:`BLOCK_COLUMNS`), diagonal blocks in block order, or
@@ -1570,11 +1570,11 @@ def _conditioning_gamma(
     probe: Any, model: nn.Module, examples: int
 ) -> dict[str, tuple[float, float, str]] | None:
     try:
-        from initlab.conditioning import gr_scaling
+        from initlab.measure.conditioning import gr_scaling
     except ImportError:
         return None
     rows = gr_scaling(probe, model, examples=examples)
-    # initlab.conditioning uses b = 1 with per-example dy; the block of the batch loss has b = B.
+    # conditioning.py uses b = 1 with per-example dy; the block of the batch loss has b = B.
     return {
         r["module"]: (r["gamma_w"] * examples, r["gamma_b"] * examples, "conditioning")
         for r in rows
@@ -1609,9 +1609,9 @@ def theory_vs_actual(
 
     with ``dy = ∂f/∂y`` (the gradient of ``f`` itself, so ``γ`` and ``actual`` scale alike with
     the loss's reduction) and ``b p²`` the number of output positions per channel in the batch.
-    The moments come from :class:`~initlab.probe.MomentProbe` (``loss_reduction="sum"``) on a
+    The moments come from :class:`~initlab.MomentProbe` (``loss_reduction="sum"``) on a
     copy of the model. ``gamma="conditioning"`` takes ``γ`` from
-    :func:`initlab.conditioning.gr_scaling` (``b = 1``, per-example ``dy``) times ``B``, which is
+    :func:`initlab.gr_scaling` (``b = 1``, per-example ``dy``) times ``B``, which is
     the same quantity; ``"builtin"`` computes it here; ``"auto"`` prefers ``conditioning``.
 
     Returns:
@@ -1620,7 +1620,7 @@ def theory_vs_actual(
     """
     import copy
 
-    from initlab.probe import measure_moments
+    from initlab.measure.probe import measure_moments
 
     if gamma not in ("auto", "builtin", "conditioning"):
         raise ValueError(
@@ -1648,7 +1648,7 @@ def theory_vs_actual(
     if gamma in ("auto", "conditioning"):
         gammas = _conditioning_gamma(moments, twin, batch_size(batch))
         if gammas is None and gamma == "conditioning":
-            raise ImportError("gamma='conditioning' needs initlab.conditioning.gr_scaling")
+            raise ImportError("gamma='conditioning' needs initlab.measure.conditioning.gr_scaling")
     if gammas is None:
         gammas = _builtin_gamma(moments, dict(twin.named_modules()))
     names = []
@@ -1743,7 +1743,7 @@ def figure2_ratios(
         Rows with a ``setup`` column followed by :data:`THEORY_COLUMNS`, one row per block per
         setup; :func:`figure2_summary` gives median and quartiles of the ratio per block.
     """
-    from initlab.initialize import init_model
+    from initlab.init.model import init_model
     from initlab.zoo import create_model
 
     if loss not in ("per_example", "shared"):

@@ -21,8 +21,8 @@ __all__ = ["main"]
 
 
 def _cmd_schemes(args: argparse.Namespace) -> int:
-    from initlab.rows import Rows
-    from initlab.schemes import list_schemes
+    from initlab._core.rows import Rows
+    from initlab.init.schemes import list_schemes
 
     print(Rows(list_schemes(), title="initlab schemes"))
     return 0
@@ -30,11 +30,11 @@ def _cmd_schemes(args: argparse.Namespace) -> int:
 
 #: ``initlab init --method NAME``: (module, function, takes a loss_fn).
 _METHODS = {
-    "lsuv": ("initlab.lsuv", "lsuv_", False),
-    "gradinit": ("initlab.gradinit", "gradinit_", True),
-    "metainit": ("initlab.metainit", "metainit_", True),
-    "scale_output": ("initlab.scaling", "scale_output_", False),
-    "precondition": ("initlab.scaling", "precondition_", True),
+    "lsuv": ("initlab.methods.lsuv", "lsuv_", False),
+    "gradinit": ("initlab.methods.gradinit", "gradinit_", True),
+    "metainit": ("initlab.methods.metainit", "metainit_", True),
+    "scale_output": ("initlab.methods.scaling", "scale_output_", False),
+    "precondition": ("initlab.methods.scaling", "precondition_", True),
 }
 
 
@@ -55,8 +55,8 @@ def _progress_printer(label: str, total: int | None) -> Any:
 
 
 def _run_method(args: argparse.Namespace, model: nn.Module) -> Any:
-    from initlab.inputs import load_data_spec, load_factory
-    from initlab.losses import LOSSES, make_loss
+    from initlab._core.loss import LOSSES, make_loss
+    from initlab.cli.inputs import load_data_spec, load_factory
 
     module_name, fn_name, takes_loss = _METHODS[args.method]
     method = getattr(importlib.import_module(module_name), fn_name)
@@ -75,8 +75,8 @@ def _run_method(args: argparse.Namespace, model: nn.Module) -> Any:
 
 
 def _cmd_init(args: argparse.Namespace) -> int:
-    from initlab.initialize import init_model
-    from initlab.inputs import load_model_spec, parse_shape
+    from initlab.cli.inputs import load_model_spec, parse_shape
+    from initlab.init.model import init_model
 
     model, shape = load_model_spec(args.model, args.model_kwargs)
     args.input_shape = parse_shape(args.input_shape) if args.input_shape else shape
@@ -129,7 +129,7 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from initlab.demo import DEMO_SCHEMES, demo_study, run_demo
+    from initlab.cli.demo import DEMO_SCHEMES, demo_study, run_demo
 
     schemes = args.schemes.split(",") if args.schemes else list(DEMO_SCHEMES)
     start = time.perf_counter()
@@ -160,8 +160,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_data(args: argparse.Namespace) -> int:
+    from initlab._core.rows import Rows
     from initlab.data import list_datasets
-    from initlab.rows import Rows
 
     print(Rows(list_datasets(args.data_dir), title="initlab data sets"))
     return 0

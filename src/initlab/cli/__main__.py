@@ -1,0 +1,7 @@
+"""``python -m initlab.cli``."""
+
+import sys
+
+from initlab.cli.main import main
+
+sys.exit(main())
