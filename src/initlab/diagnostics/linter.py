@@ -371,14 +371,13 @@ class ActivationWatch(HookContext):
         self.model = model
         self.stats: dict[str, _ActStats] = {}
         self._calls: dict[str, int] = {}
-        self._handles: list[Any] = []
 
     def register(self) -> None:
-        self._handles.append(self.model.register_forward_pre_hook(self._root_hook))
+        self._hooks.add(self.model.register_forward_pre_hook(self._root_hook))
         for name, module in self.model.named_modules():
             kind = _activation_kind(module)
             if kind is not None:
-                self._handles.append(
+                self._hooks.add(
                     module.register_forward_pre_hook(self._hook(name, kind, module))
                 )
 

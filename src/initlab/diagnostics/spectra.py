@@ -359,7 +359,6 @@ class InputShapes(HookContext):
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.multiple: set[str] = set()
         self.order: list[str] = []
-        self._handles: list[Any] = []
 
     def _hook(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple) -> None:
@@ -378,7 +377,7 @@ class InputShapes(HookContext):
     def register(self) -> None:
         for name, module in self.model.named_modules():
             if self.select(name, module):
-                self._handles.append(module.register_forward_pre_hook(self._hook(name)))
+                self._hooks.add(module.register_forward_pre_hook(self._hook(name)))
 
 
 def _weight_params(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
