@@ -1,85 +1,239 @@
-"""Batches as the data-dependent procedures take them.
+"""How every entry point reads its ``data`` argument: one batch, or many.
 
-``data`` is one batch (a tensor, or a tuple/list/dict whose first element is the input) or an
-iterable of batches (a ``DataLoader``, a list). ``loss_fn(model, batch) -> scalar`` computes the
-loss for any batch structure; :func:`default_forward` is what forward-only procedures call.
+The rule, in order (documented in the README and tested by the conformance suite):
+
+1. :class:`Batches` (``initlab.Batches(items)``) is always *many* batches: the explicit form.
+2. A tensor, a dict (any ``Mapping``: Hugging Face collators give one), a tuple that holds a
+   tensor (``(x, y)``) and a custom object that is not iterable are *one* batch each.
+3. A list holding a tensor is one batch (a ``DataLoader``'s default collate gives ``[x, y]``),
+   unless it can also be read as several batches: two or more tensors of one shape (``[t1, t2,
+   t3]``), or tensors whose first dimensions differ. That form raises
+   :class:`AmbiguousDataError`, which names both readings: ``initlab.Batches([...])`` for many,
+   a tuple for one.
+4. A list or tuple whose items are all batches in their own right (tuples, lists, dicts) is many
+   batches: ``[(x1, y1), (x2, y2)]``.
+5. Any other iterable (a ``DataLoader``, a generator, a dataset-like iterable) is many batches.
+
+A batch's size (its number of examples) is dim 0 of its first tensor (for a dict, of its first
+tensor value, e.g. ``input_ids``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["batch_size", "default_forward", "first_tensor", "is_single_batch", "take_batches"]
+__all__ = [
+    "AmbiguousDataError",
+    "Batches",
+    "DataUse",
+    "batch_size",
+    "default_forward",
+    "first_tensor",
+    "is_single_batch",
+    "output_tensor",
+    "take_batches",
+]
+
+DATA_FORMS = (
+    "one batch: a tensor, a tuple such as (x, y), a dict of model inputs, a [x, y] list from "
+    "default collate, or a custom object; many batches: a DataLoader, any iterable or generator "
+    "of batches, a list of (x, y) tuples, or initlab.Batches([...])"
+)
+
+
+class AmbiguousDataError(ValueError):
+    """A ``data`` value that reads both as one batch and as several (a list of same-shaped
+    tensors); the message names both explicit forms."""
+
+
+class Batches:
+    """Many batches, said explicitly: ``initlab.Batches([t1, t2, t3])`` is three batches.
+
+    Wrap any iterable of batches (a list of tensors, a generator); it is iterated once, lazily,
+    when a method reads it. Use a tuple for the other reading (one batch whose items are ``x, y,
+    ...``).
+    """
+
+    def __init__(self, items: Iterable[Any]) -> None:
+        if isinstance(items, (torch.Tensor, Mapping)) or not isinstance(items, Iterable):
+            raise TypeError(
+                f"Batches takes an iterable of batches (a list, a DataLoader, a generator), got "
+                f"{type(items).__name__}"
+            )
+        self.items = items
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.items)
+
+    def __repr__(self) -> str:
+        return f"Batches({self.items!r})"
+
+
+@dataclass(frozen=True)
+class DataUse:
+    """How much data a method read: ``batches`` batches holding ``examples`` examples."""
+
+    batches: int
+    examples: int
+
+    def as_dict(self) -> dict[str, int]:
+        return {"batches": self.batches, "examples": self.examples}
+
+
+def _is_container(value: Any) -> bool:
+    return isinstance(value, (tuple, list, Mapping))
+
+
+def _ambiguous(tensors: list[torch.Tensor]) -> bool:
+    if len(tensors) < 2:
+        return False
+    shapes = {tuple(t.shape) for t in tensors}
+    dim0 = {t.shape[0] if t.dim() else None for t in tensors}
+    return len(shapes) == 1 or len(dim0) > 1
 
 
 def is_single_batch(data: Any) -> bool:
-    """A tensor, or a tuple/list/dict of tensors (one batch), rather than an iterable of batches."""
-    if isinstance(data, torch.Tensor):
+    """Whether ``data`` is one batch under the module's rule (see the module docstring).
+
+    Raises:
+        AmbiguousDataError: a list that reads both ways (e.g. two or more same-shaped tensors).
+    """
+    if isinstance(data, Batches):
+        return False
+    if isinstance(data, (torch.Tensor, Mapping)):
         return True
-    if isinstance(data, Mapping):
-        return all(isinstance(v, torch.Tensor) for v in data.values())
     if isinstance(data, (tuple, list)):
-        return len(data) > 0 and all(isinstance(v, torch.Tensor) for v in data)
-    return False
+        if len(data) == 0:
+            return False
+        if all(_is_container(v) for v in data):
+            return False
+        if isinstance(data, list):
+            tensors = [v for v in data if isinstance(v, torch.Tensor)]
+            if len(tensors) == len(data) and _ambiguous(tensors):
+                shapes = ", ".join(str(tuple(t.shape)) for t in tensors[:4])
+                more = ", ..." if len(data) > 4 else ""
+                raise AmbiguousDataError(
+                    f"data is a list of {len(data)} tensors ({shapes}{more}), which reads both as "
+                    f"{len(data)} batches and as one batch of "
+                    f"{len(data)} tensors; say which: initlab.Batches([...]) for {len(data)} "
+                    "batches, or a tuple (x, y, ...) for one batch"
+                )
+        return True
+    return not isinstance(data, Iterable) or isinstance(data, (str, bytes))
 
 
 def take_batches(
-    data: Any, n: int | None = None, *, what: str = "this procedure", exact: bool = True
+    data: Any,
+    n: int | None = None,
+    *,
+    what: str = "this procedure",
+    exact: bool = True,
 ) -> list[Any]:
-    """The first ``n`` batches of ``data`` (all of them when ``n`` is None).
+    """The first ``n`` batches of ``data`` (all of them when ``n`` is None), as a list.
 
     With ``exact=False`` fewer than ``n`` batches are fine (at most ``n`` are taken).
 
     Raises:
+        AmbiguousDataError: ``data`` reads both as one batch and as several.
+        TypeError: ``data`` is none of the accepted forms.
         ValueError: ``data`` is empty, or (``exact``) has fewer than ``n`` batches; the message
             says how many are needed.
     """
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise ValueError(f"{what}: max_batches must be a positive int or None, got {n!r}")
+    if data is None:
+        raise TypeError(f"{what} needs data; accepted forms: {DATA_FORMS}")
     if is_single_batch(data):
         batches = [data]
     else:
-        if not isinstance(data, Iterable):
-            raise TypeError(
-                f"data must be a batch (tensor or tuple of tensors) or an iterable of batches, "
-                f"got {type(data).__name__}"
-            )
-        it: Iterator[Any] = iter(data)
         batches = []
-        for batch in it:
+        for batch in data:
             batches.append(batch)
             if n is not None and len(batches) == n:
                 break
     if exact and n is not None and len(batches) < n:
         raise ValueError(
             f"{what} needs {n} batches but the data gave {len(batches)}; pass a loader with at "
-            f"least {n} batches (or lower the number of iterations/batches asked for)"
+            f"least {n} batches (or lower the number of steps/batches asked for)"
         )
     if not batches:
         raise ValueError(f"{what} got no batch: the data is empty")
     return batches
 
 
+def data_use(batches: Iterable[Any]) -> DataUse:
+    """The :class:`DataUse` of a list of batches (examples summed over batches)."""
+    batches = list(batches)
+    return DataUse(len(batches), sum(batch_size(b) for b in batches))
+
+
 def first_tensor(batch: Any) -> torch.Tensor:
-    """The batch itself (a tensor), or its first tensor (tuple, list or dict)."""
+    """The batch itself (a tensor), or its first tensor (tuple, list or dict).
+
+    Raises:
+        TypeError: the batch holds no tensor.
+    """
     if isinstance(batch, torch.Tensor):
         return batch
-    if isinstance(batch, Mapping):
-        return next(v for v in batch.values() if isinstance(v, torch.Tensor))
-    return next(v for v in batch if isinstance(v, torch.Tensor))
+    values = batch.values() if isinstance(batch, Mapping) else batch
+    if isinstance(values, Iterable) and not isinstance(values, (str, bytes)):
+        for v in values:
+            if isinstance(v, torch.Tensor):
+                return v
+            if _is_container(v):
+                try:
+                    return first_tensor(v)
+                except TypeError:
+                    continue
+    raise TypeError(
+        f"a batch must hold a tensor; got {type(batch).__name__}. Accepted data: {DATA_FORMS}"
+    )
 
 
 def default_forward(model: nn.Module, batch: Any) -> Any:
-    """``model(x)`` for a tensor, ``model(batch[0])`` for a tuple/list, ``model(**batch)``."""
+    """The one default forward: ``model(x)`` for a tensor, ``model(batch[0])`` for a tuple or
+    list, ``model(**batch)`` for a dict, ``model(batch)`` for any other object."""
     if isinstance(batch, torch.Tensor):
         return model(batch)
     if isinstance(batch, Mapping):
         return model(**batch)
-    return model(batch[0])
+    if isinstance(batch, (tuple, list)):
+        return model(batch[0])
+    return model(batch)
+
+
+def output_tensor(outputs: Any, *, what: str = "the model's output") -> torch.Tensor:
+    """The tensor a model's output stands for: itself, ``.logits`` (Hugging Face outputs), the
+    ``"logits"`` entry of a dict, or the first tensor of a tuple or list.
+
+    Raises:
+        TypeError: no tensor can be found; the message names the output's type.
+    """
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    logits = getattr(outputs, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    if isinstance(outputs, Mapping):
+        if isinstance(outputs.get("logits"), torch.Tensor):
+            return outputs["logits"]
+        outputs = list(outputs.values())
+    if isinstance(outputs, (tuple, list)):
+        for v in outputs:
+            if isinstance(v, torch.Tensor):
+                return v
+    raise TypeError(
+        f"{what} is a {type(outputs).__name__} holding no tensor; return a tensor, a tuple whose "
+        "first item is the output, or an object with .logits (or pass forward=)"
+    )
 
 
 def batch_size(batch: Any) -> int:
-    """Size of dim 0 of the batch's first tensor."""
-    return int(first_tensor(batch).shape[0])
+    """Number of examples in a batch: dim 0 of its first tensor (1 for a 0-d tensor)."""
+    t = first_tensor(batch)
+    return int(t.shape[0]) if t.dim() else 1

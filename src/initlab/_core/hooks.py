@@ -82,4 +82,3 @@ class HookContext:
 
     def __exit__(self, *exc: object) -> None:
         self._hooks.remove_all()
-

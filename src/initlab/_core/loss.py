@@ -1,69 +1,212 @@
-"""Named losses ``loss_fn(model, batch)`` for the command line, the diagnostics and the demo.
+"""How every entry point turns its ``loss_fn`` argument into ``loss(model, batch) -> scalar``.
 
-A :class:`NamedLoss` keeps the split ``loss(model, batch) = outputs_loss(forward(model, batch),
-batch)`` so curvature code can take the Gauss-Newton matrix (it needs the loss as a function of the
-model's outputs).
+One resolver, :func:`resolve_loss`, reads every accepted form:
+
+(a) ``loss_fn(model, batch) -> scalar``: any other callable (its first parameter is the model);
+(b) a standard criterion ``criterion(output, target)``, applied as ``criterion(model(x), y)`` to
+    ``(x, y)`` batches (and to dict batches, with the target from ``labels``): any ``nn.Module``
+    (``nn.CrossEntropyLoss()``), any function of ``torch.nn.functional`` (``F.cross_entropy``), a
+    ``functools.partial`` of one, a callable whose first parameter is named like an output
+    (``input``, ``output``, ``logits``, ``pred``, ...), or any callable wrapped in
+    :func:`criterion`;
+(c) the model's own loss: ``None`` on dict batches (``model(**batch).loss`` when the batch carries
+    the labels, as Hugging Face models do), or the name ``"model"`` on any batch;
+(d) the named losses ``"auto"``, ``"cross_entropy"``, ``"mse"``, ``"random_quadratic"``.
+
+``None`` (the default of every method that needs a loss) is the model's own loss when the model
+returns one, else ``"auto"`` (cross-entropy for integer targets, MSE for float ones) on ``(x, y)``
+batches. A loss that cannot be resolved raises a ``TypeError`` that lists the forms.
+
+Losses on the model's outputs (criteria, named losses, :func:`outputs_loss`) keep the split
+``loss(model, batch) = on_outputs(forward(model, batch), batch)`` that curvature needs for the
+Gauss-Newton matrix; :attr:`Loss.splittable` says whether a loss has it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+import inspect
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["LOSSES", "NamedLoss", "default_loss", "make_loss"]
+from initlab._core.data import default_forward, output_tensor
+
+__all__ = [
+    "LOSSES",
+    "LOSS_FORMS",
+    "Loss",
+    "LossLike",
+    "NamedLoss",
+    "criterion",
+    "default_loss",
+    "make_loss",
+    "outputs_loss",
+    "resolve_loss",
+]
+
+LOSSES = ("auto", "cross_entropy", "mse", "random_quadratic", "model")
+"""Loss names :func:`make_loss` and :func:`resolve_loss` know."""
+
+LOSS_FORMS = (
+    "loss_fn(model, batch) -> scalar; a criterion(output, target) such as nn.CrossEntropyLoss() "
+    "or F.cross_entropy (or any callable wrapped in initlab.criterion) for (x, y) batches; None "
+    "or 'model' for a model that returns its own loss (output.loss); or a name: "
+    + ", ".join(repr(n) for n in LOSSES)
+)
+
+_OUTPUT_NAMES = frozenset(
+    {"input", "inputs", "output", "outputs", "out", "logits", "pred", "preds", "prediction"}
+    | {"predictions", "y_pred", "y_hat", "yhat", "scores"}
+)
+_TARGET_KEYS = ("labels", "label", "targets", "target", "y")
+
+LossLike = Callable[..., torch.Tensor] | nn.Module | str | None
 
 
-class NamedLoss:
-    """A ``loss_fn(model, batch)`` that is ``outputs_loss(forward(model, batch), batch)``.
+class Loss:
+    """A resolved loss: ``loss(model, batch) -> scalar tensor``.
 
-    Keeping the split lets curvature take the Gauss-Newton matrix (which needs the loss as a
-    function of the outputs); ``forward`` is ``model(x)`` for ``x = batch[0]`` (or ``batch``).
+    Attributes:
+        name: how it reads in reports (``"cross_entropy"``, ``"CrossEntropyLoss"``, ``"model"``).
+        form: ``"model_batch"``, ``"criterion"``, ``"outputs"``, ``"model_output"`` or ``"named"``.
     """
 
-    def __init__(self, name: str, outputs_loss: Callable[[torch.Tensor, Any], torch.Tensor]):
+    form = "model_batch"
+
+    def __init__(self, name: str, fn: Callable[[Any, Any], torch.Tensor] | None = None) -> None:
         self.name = name
-        self.outputs_loss = outputs_loss
+        self._fn = fn
 
-    @staticmethod
-    def forward(model: nn.Module, batch: Any) -> torch.Tensor:
-        """``model(batch[0])`` for a tuple/list batch, else ``model(batch)``."""
-        return model(batch[0] if isinstance(batch, (tuple, list)) else batch)
+    @property
+    def splittable(self) -> bool:
+        """Whether the loss is ``on_outputs(forward(model, batch), batch)`` (see module doc)."""
+        return False
 
-    def __call__(self, model: nn.Module, batch: Any) -> torch.Tensor:
-        return self.outputs_loss(self.forward(model, batch), batch)
+    def __call__(self, model: Any, batch: Any) -> torch.Tensor:
+        assert self._fn is not None
+        return _scalar(self._fn(model, batch), self.name)
 
     def __repr__(self) -> str:
-        return f"NamedLoss({self.name!r})"
+        return f"{type(self).__name__}({self.name!r}, form={self.form!r})"
 
 
-def _targets(batch: Any, what: str) -> torch.Tensor:
-    if not isinstance(batch, (tuple, list)) or len(batch) < 2:
+class NamedLoss(Loss):
+    """A loss on the model's outputs: ``loss(model, batch) = outputs_loss(forward(model, batch),
+    batch)`` with the default forward (:func:`~initlab._core.data.default_forward`).
+
+    ``outputs_loss(outputs, batch)`` receives the output tensor (``.logits`` of a Hugging Face
+    output) and the whole batch.
+    """
+
+    form = "named"
+
+    def __init__(
+        self,
+        name: str,
+        outputs_loss: Callable[[torch.Tensor, Any], torch.Tensor],
+        *,
+        form: str = "named",
+    ) -> None:
+        super().__init__(name)
+        self.outputs_loss = outputs_loss
+        self.form = form
+
+    @property
+    def splittable(self) -> bool:
+        return True
+
+    @staticmethod
+    def forward(model: Any, batch: Any) -> Any:
+        """The default forward: ``model(x)``, ``model(batch[0])`` or ``model(**batch)``."""
+        return default_forward(model, batch)
+
+    def on_outputs(self, outputs: Any, batch: Any) -> torch.Tensor:
+        """The loss of ``outputs`` (what :meth:`forward` returned) on ``batch``."""
+        return _scalar(self.outputs_loss(output_tensor(outputs), batch), self.name)
+
+    def __call__(self, model: Any, batch: Any) -> torch.Tensor:
+        return self.on_outputs(self.forward(model, batch), batch)
+
+
+class _ModelOutputLoss(Loss):
+    """The model's own loss: ``model(**batch).loss`` (or ``["loss"]``, or a tuple's first item)."""
+
+    form = "model_output"
+
+    def __call__(self, model: Any, batch: Any) -> torch.Tensor:
+        loss = model_loss(default_forward(model, batch))
+        if loss is None:
+            raise TypeError(
+                "the model returned no loss (no .loss, no 'loss' entry): pass the labels in the "
+                f"batch (e.g. a dict with 'labels'), or a loss; accepted forms: {LOSS_FORMS}"
+            )
+        return _scalar(loss, self.name)
+
+
+class _AutoLoss(Loss):
+    """``None``: the model's own loss on dict batches when it returns one, else ``"auto"``."""
+
+    form = "auto"
+
+    def __call__(self, model: Any, batch: Any) -> torch.Tensor:
+        if isinstance(batch, Mapping):
+            out = default_forward(model, batch)
+            loss = model_loss(out)
+            if loss is not None:
+                return _scalar(loss, "model")
+            target = _target(batch, None)
+            return _scalar(_auto(output_tensor(out), target), self.name)
+        return default_loss(model, batch)
+
+
+def model_loss(outputs: Any) -> torch.Tensor | None:
+    """The loss a model returned with its outputs, or ``None``: ``outputs.loss``, ``outputs
+    ["loss"]``; ``None`` for a plain tensor or a tuple."""
+    loss = getattr(outputs, "loss", None)
+    if loss is None and isinstance(outputs, Mapping):
+        loss = outputs.get("loss")
+    return loss if isinstance(loss, torch.Tensor) else None
+
+
+def _scalar(loss: Any, name: str) -> torch.Tensor:
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"the loss {name!r} returned {type(loss).__name__}, not a tensor")
+    if loss.numel() != 1:
         raise ValueError(
-            f"the {what} loss needs (x, y) batches; for a batch without targets pass loss_fn, "
-            "e.g. initlab.diagnostics.make_loss('random_quadratic') (the paper's random loss "
-            "y^T R y)"
+            f"the loss {name!r} returned a tensor of shape {tuple(loss.shape)}, not a scalar; "
+            "reduce it (e.g. reduction='mean')"
         )
-    return batch[1]
+    return loss.reshape(())
 
 
-def _cross_entropy(out: torch.Tensor, batch: Any) -> torch.Tensor:
-    y = _targets(batch, "cross-entropy")
+def _target(batch: Any, what: str | None) -> torch.Tensor:
+    """``batch[1]`` of an ``(x, y, ...)`` batch, or the ``labels`` entry of a dict batch."""
+    if isinstance(batch, Mapping):
+        for key in _TARGET_KEYS:
+            if isinstance(batch.get(key), torch.Tensor):
+                return batch[key]
+    elif isinstance(batch, (tuple, list)) and len(batch) >= 2:
+        return batch[1]
+    kind = f"the {what} loss" if what else "a criterion(output, target)"
+    raise ValueError(
+        f"{kind} needs (x, y) batches or dict batches with 'labels'; got a "
+        f"{type(batch).__name__} batch. For a batch without targets pass loss_fn(model, batch), "
+        "or 'random_quadratic' (Defazio & Bottou's random loss y^T R y)"
+    )
+
+
+def _cross_entropy_out(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     if out.dim() >= 3 and tuple(y.shape) == (out.shape[0], *out.shape[2:]):
         return F.cross_entropy(out, y)  # dense logits (B, C, *S), targets (B, *S)
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
 
-def _mse(out: torch.Tensor, batch: Any) -> torch.Tensor:
-    return F.mse_loss(out, _targets(batch, "mse"))
-
-
-def _auto(out: torch.Tensor, batch: Any) -> torch.Tensor:
-    y = _targets(batch, "default")
-    return _mse(out, batch) if y.is_floating_point() else _cross_entropy(out, batch)
+def _auto(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out, y) if y.is_floating_point() else _cross_entropy_out(out, y)
 
 
 def _random_quadratic(seed: int) -> Callable[[torch.Tensor, Any], torch.Tensor]:
@@ -82,30 +225,98 @@ def _random_quadratic(seed: int) -> Callable[[torch.Tensor, Any], torch.Tensor]:
     return loss
 
 
-default_loss = NamedLoss("auto", _auto)
+default_loss = NamedLoss("auto", lambda out, batch: _auto(out, _target(batch, "default")))
 """Cross-entropy for integer targets, mean squared error for float targets, on ``(x, y, ...)``
-batches: logits ``(B, C)`` with targets ``(B,)``, ``(B, T, C)`` with ``(B, T)``, or dense
-``(B, C, *S)`` with ``(B, *S)``. A batch without targets raises ``ValueError``."""
-
-LOSSES = ("auto", "cross_entropy", "mse", "random_quadratic")
-"""Loss names :func:`make_loss` knows."""
+batches (or dict batches with ``labels``): logits ``(B, C)`` with targets ``(B,)``, ``(B, T, C)``
+with ``(B, T)``, or dense ``(B, C, *S)`` with ``(B, *S)``. A batch without targets raises
+``ValueError``."""
 
 
-def make_loss(name: str = "auto", *, seed: int = 0) -> NamedLoss:
-    """A ``loss_fn(model, batch)`` by name (a :class:`NamedLoss`).
+def make_loss(name: str = "auto", *, seed: int = 0) -> Loss:
+    """A loss by name (see :data:`LOSSES`).
 
     * ``"auto"``: :data:`default_loss` (cross-entropy or MSE from the targets' dtype);
     * ``"cross_entropy"``/``"mse"``: on ``(x, y)`` batches, mean-reduced;
     * ``"random_quadratic"``: Defazio & Bottou's random loss ``y^T R y / d`` per example (``y`` the
       flattened output, ``R`` i.i.d. normal, fixed by ``seed``), averaged over the batch; needs no
-      targets (their Figure 2 setup).
+      targets (their Figure 2 setup);
+    * ``"model"``: the loss the model returns (``model(**batch).loss``).
     """
     if name == "auto":
         return default_loss
     if name == "random_quadratic":
         return NamedLoss(name, _random_quadratic(seed))
     if name == "cross_entropy":
-        return NamedLoss(name, _cross_entropy)
+        return NamedLoss(name, lambda o, b: _cross_entropy_out(o, _target(b, "cross-entropy")))
     if name == "mse":
-        return NamedLoss(name, _mse)
+        return NamedLoss(name, lambda o, b: F.mse_loss(o, _target(b, "mse")))
+    if name == "model":
+        return _ModelOutputLoss("model")
     raise ValueError(f"unknown loss {name!r}; valid: {', '.join(LOSSES)} or 'pkg.module:fn'")
+
+
+def criterion(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], name: str = "") -> Loss:
+    """Read ``fn(output, target)`` as a criterion: ``fn(model(x), y)`` on ``(x, y)`` batches, with
+    the target from ``labels`` on dict batches and the output's ``.logits`` for Hugging Face
+    outputs.
+
+    Example:
+        >>> loss = criterion(lambda out, y: (out - y).abs().mean())
+        >>> float(loss(nn.Identity(), (torch.ones(2), torch.zeros(2))))
+        1.0
+    """
+    label = name or _callable_name(fn)
+    return NamedLoss(label, lambda out, batch: fn(out, _target(batch, None)), form="criterion")
+
+
+def outputs_loss(fn: Callable[[torch.Tensor, Any], torch.Tensor], name: str = "") -> Loss:
+    """Read ``fn(outputs, batch)`` as a loss on the model's outputs (receiving the whole batch):
+    for losses that need no target, or several entries of the batch."""
+    return NamedLoss(name or _callable_name(fn), fn, form="outputs")
+
+
+def _callable_name(fn: Any) -> str:
+    if isinstance(fn, functools.partial):
+        return _callable_name(fn.func)
+    if isinstance(fn, nn.Module):
+        return type(fn).__name__
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+def _is_criterion(fn: Any) -> bool:
+    """A standard criterion: an ``nn.Module``, a torch function, or first parameter an output."""
+    if isinstance(fn, nn.Module):
+        return True
+    inner = fn.func if isinstance(fn, functools.partial) else fn
+    if (getattr(inner, "__module__", "") or "").startswith("torch."):
+        return True
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return bool(positional) and positional[0].name.lower() in _OUTPUT_NAMES
+
+
+def resolve_loss(loss_fn: LossLike, *, what: str = "this method") -> Loss:
+    """The :class:`Loss` for any accepted form (see the module docstring).
+
+    Raises:
+        TypeError: ``loss_fn`` is none of the accepted forms; the message lists them.
+        ValueError: an unknown loss name.
+    """
+    if isinstance(loss_fn, Loss):
+        return loss_fn
+    if loss_fn is None:
+        return _AutoLoss("auto")
+    if isinstance(loss_fn, str):
+        if loss_fn not in LOSSES:
+            raise ValueError(f"{what}: unknown loss {loss_fn!r}; accepted forms: {LOSS_FORMS}")
+        return make_loss(loss_fn)
+    if not callable(loss_fn):
+        raise TypeError(
+            f"{what}: loss_fn is a {type(loss_fn).__name__}; accepted forms: {LOSS_FORMS}"
+        )
+    if _is_criterion(loss_fn):
+        return criterion(loss_fn)  # type: ignore[arg-type]
+    return Loss(_callable_name(loss_fn), loss_fn)

@@ -1,20 +1,45 @@
-"""Leave a model as it was if a procedure fails: weights, buffers and train/eval modes.
+"""Leave the model as it was: the one place that snapshots and restores a model's state.
 
-Every data-dependent procedure (LSUV, GradInit, MetaInit, output scaling, preconditioning) runs
-inside :func:`restore_on_failure`: on an exception, every parameter and buffer gets its saved
-value back (in place, so references and ties the user holds stay valid), every module its
-``training`` flag, and the exception propagates. On success nothing is copied back.
+:func:`model_kept` is used by every entry point that runs the model:
+
+* measurements (the probe, ``diagnose``, curvature, landscapes, gradient spread) keep everything:
+  parameters, buffers (BatchNorm running statistics and ``num_batches_tracked`` change in a
+  train-mode forward), and the random number generators (dropout draws from them);
+* data-dependent initializations (LSUV, GradInit, MetaInit, output scaling, preconditioning) change
+  the weights on purpose: their tensors are put back only if they fail
+  (:func:`restore_on_failure`).
+
+Always restored, on success and on failure: every submodule's ``training`` flag, every parameter's
+``requires_grad`` and ``.grad`` (the same tensor object, or ``None``), and the hooks: any module or
+parameter hook added inside the block and still attached at its end is removed. Tensors are
+copied back in place under ``no_grad``, so tied tensors stay tied, references the user holds stay
+valid, and nothing moves across devices. Memory: one copy of what is restored.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
+from typing import Literal
 
 import torch
 from torch import nn
 
-__all__ = ["model_modes", "restore_modes", "restore_on_failure"]
+__all__ = ["model_kept", "model_modes", "preserved_state", "restore_modes", "restore_on_failure"]
+
+When = Literal["always", "failure", "never"]
+
+_MODULE_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_pre_hooks",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+)
+_HOOK_SIDE_DICTS = (
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks_with_kwargs",
+)
 
 
 def model_modes(model: nn.Module) -> dict[str, bool]:
@@ -29,36 +54,102 @@ def restore_modes(model: nn.Module, modes: dict[str, bool]) -> None:
             m.training = modes[name]
 
 
-@contextmanager
-def restore_on_failure(model: nn.Module) -> Iterator[None]:
-    """Snapshot ``model``'s tensors and modes; put them back if the block raises.
+def _hook_keys(model: nn.Module) -> dict[int, tuple[object, dict[str, set[int]]]]:
+    keys: dict[int, tuple[object, dict[str, set[int]]]] = {}
+    for m in model.modules():
+        keys[id(m)] = (m, {a: set(getattr(m, a, {}) or {}) for a in _MODULE_HOOK_DICTS})
+    for p in model.parameters():
+        keys[id(p)] = (p, {"_backward_hooks": set(p._backward_hooks or {})})
+    return keys
 
-    The snapshot is a copy of every distinct parameter and buffer on its own device (memory: one
-    model's worth). Restoring copies in place under ``no_grad``, so tied tensors stay tied and the
-    model never moves.
+
+def _remove_new_hooks(before: dict[int, tuple[object, dict[str, set[int]]]]) -> None:
+    for obj, dicts in before.values():
+        for attr, old in dicts.items():
+            hooks = getattr(obj, attr, None)
+            if not hooks:
+                continue
+            for key in [k for k in hooks if k not in old]:
+                del hooks[key]
+                for side in _HOOK_SIDE_DICTS:
+                    getattr(obj, side, {}).pop(key, None)
+
+
+def _snapshot(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for t in tensors:
+        if id(t) not in seen:
+            seen[id(t)] = (t, t.detach().clone())
+    return list(seen.values())
+
+
+def _put_back(saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for t, old in saved:
+            if t.shape != old.shape or not torch.equal(t, old):
+                t.copy_(old)
+
+
+@contextmanager
+def model_kept(
+    model: nn.Module,
+    *,
+    params: When = "always",
+    buffers: When = "always",
+    rng: bool = False,
+) -> Iterator[None]:
+    """Run the block, then put ``model`` back as it was (see the module docstring).
+
+    Args:
+        model: the model.
+        params: when parameter values are restored: ``"always"``, on ``"failure"``, ``"never"``.
+        buffers: the same for buffers.
+        rng: also restore the CPU and CUDA random number generator states.
 
     Example:
         >>> net = nn.Linear(2, 2)
         >>> before = net.weight.detach().clone()
-        >>> try:
-        ...     with restore_on_failure(net):
-        ...         net.weight.data.mul_(0)
-        ...         raise RuntimeError("midway")
-        ... except RuntimeError:
-        ...     pass
+        >>> with model_kept(net):
+        ...     _ = net.weight.data.mul_(0)
         >>> torch.equal(net.weight, before)
         True
     """
-    tensors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    for t in [*model.parameters(), *model.buffers()]:
-        if id(t) not in tensors:
-            tensors[id(t)] = (t, t.detach().clone())
+    plist = list(model.parameters())
+    saved = {
+        "params": _snapshot(plist) if params != "never" else [],
+        "buffers": _snapshot(list(model.buffers())) if buffers != "never" else [],
+    }
+    grads = [(p, p.grad, p.requires_grad) for p in plist]
     modes = model_modes(model)
+    hooks = _hook_keys(model)
+    cpu_rng = torch.get_rng_state() if rng else None
+    cuda_rng = torch.cuda.get_rng_state_all() if rng and torch.cuda.is_initialized() else None
+    failed = True
     try:
         yield
-    except BaseException:
-        with torch.no_grad():
-            for t, saved in tensors.values():
-                t.copy_(saved)
+        failed = False
+    finally:
+        for kind, when in (("params", params), ("buffers", buffers)):
+            if when == "always" or (when == "failure" and failed):
+                _put_back(saved[kind])
+        for p, g, req in grads:
+            p.grad = g
+            p.requires_grad_(req)
         restore_modes(model, modes)
-        raise
+        _remove_new_hooks(hooks)
+        if cpu_rng is not None:
+            torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
+def restore_on_failure(model: nn.Module) -> AbstractContextManager[None]:
+    """:func:`model_kept` for a method that changes the weights: tensors come back only if the
+    block raises (modes, ``requires_grad``, ``.grad`` and hooks always)."""
+    return model_kept(model, params="failure", buffers="failure")
+
+
+def preserved_state(model: nn.Module, *, params: bool = True) -> AbstractContextManager[None]:
+    """:func:`model_kept` for a measurement: parameters (with ``params``), buffers and the RNGs
+    always come back."""
+    return model_kept(model, params="always" if params else "never", rng=True)

@@ -1,0 +1,238 @@
+"""The private core's contract: the data rule, the loss resolver, leaving the model as it was, and
+renamed keywords. Oracles are written by hand (explicit forward passes and torch losses)."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from initlab._core.data import (
+    AmbiguousDataError,
+    Batches,
+    batch_size,
+    data_use,
+    default_forward,
+    is_single_batch,
+    output_tensor,
+    take_batches,
+)
+from initlab._core.hooks import HookContext, hook_handles
+from initlab._core.knobs import renamed_kwargs
+from initlab._core.loss import LOSS_FORMS, criterion, outputs_loss, resolve_loss
+from initlab._core.state import model_kept, restore_on_failure
+
+
+def _xy(n: int = 6, d: int = 3, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, d, generator=g), torch.randint(0, 2, (n,), generator=g)
+
+
+# ------------------------------------------------------------------------------------- data
+
+
+def test_one_batch_forms() -> None:
+    x, y = _xy()
+    for one in (x, (x, y), [x, y], {"input": x, "labels": y}, (x,)):
+        assert is_single_batch(one)
+        assert take_batches(one) == [one] or take_batches(one)[0] is one
+
+
+def test_many_batch_forms() -> None:
+    x, y = _xy(8)
+    pairs = [(x[:4], y[:4]), (x[4:], y[4:])]
+    loader = DataLoader(TensorDataset(x, y), batch_size=4)
+    gen = ((a, b) for a, b in pairs)
+    for many in (pairs, tuple(pairs), loader, gen, Batches([x[:4], x[4:]])):
+        got = take_batches(many)
+        assert len(got) == 2
+        assert data_use(got).as_dict() == {"batches": 2, "examples": 8}
+
+
+def test_a_list_of_same_shaped_tensors_names_both_readings() -> None:
+    t = [torch.randn(16, 3) for _ in range(3)]
+    with pytest.raises(AmbiguousDataError, match=r"initlab\.Batches\(\[\.\.\.\]\).*tuple"):
+        take_batches(t)
+    assert len(take_batches(Batches(t))) == 3
+    assert len(take_batches(tuple(t))) == 1
+    ragged = [torch.randn(16, 3), torch.randn(8, 3)]  # first dimensions differ
+    with pytest.raises(AmbiguousDataError):
+        take_batches(ragged)
+
+
+def test_max_batches_and_counts() -> None:
+    x, y = _xy(12)
+    loader = DataLoader(TensorDataset(x, y), batch_size=5)
+    assert [batch_size(b) for b in take_batches(loader)] == [5, 5, 2]
+    assert len(take_batches(loader, 2)) == 2
+    with pytest.raises(ValueError, match="max_batches must be a positive int"):
+        take_batches(loader, 0)
+    with pytest.raises(TypeError, match="needs data"):
+        take_batches(None)
+    with pytest.raises(TypeError, match="must hold a tensor"):
+        batch_size(("a", "b"))
+
+
+def test_default_forward_and_output_tensor() -> None:
+    class Kw(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+
+        def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
+            return {"logits": self.lin(input_ids), "loss": None}
+
+    x, y = _xy()
+    lin = nn.Linear(3, 2)
+    assert torch.equal(default_forward(lin, x), lin(x))
+    assert torch.equal(default_forward(lin, [x, y]), lin(x))
+    kw = Kw()
+    out = default_forward(kw, {"input_ids": x, "labels": y})
+    assert torch.equal(output_tensor(out), kw.lin(x))
+    with pytest.raises(TypeError, match="holding no tensor"):
+        output_tensor({"a": 1})
+
+
+# ------------------------------------------------------------------------------------- loss
+
+
+class _KwModel(nn.Module):
+    """Keyword inputs, its own loss when labels come with the batch (like a HF model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
+        logits = self.lin(input_ids)
+        loss = None if labels is None else F.cross_entropy(logits, labels)
+        return type("Out", (), {"logits": logits, "loss": loss})()
+
+
+@pytest.mark.parametrize(
+    "form",
+    [
+        lambda m, b: F.cross_entropy(m(b[0]), b[1]),
+        nn.CrossEntropyLoss(),
+        F.cross_entropy,
+        functools.partial(F.cross_entropy, reduction="mean"),
+        "cross_entropy",
+        "auto",
+        None,
+        criterion(lambda a, b: F.cross_entropy(a, b)),
+    ],
+    ids=["model_batch", "module", "functional", "partial", "named", "auto", "none", "wrapped"],
+)
+def test_every_loss_form_gives_the_same_value(form) -> None:
+    x, y = _xy()
+    lin = nn.Linear(3, 2)
+    expected = F.cross_entropy(lin(x), y)
+    assert torch.allclose(resolve_loss(form)(lin, (x, y)), expected)
+
+
+def test_model_returned_loss_and_dict_criterion() -> None:
+    x, y = _xy()
+    model = _KwModel()
+    expected = F.cross_entropy(model.lin(x), y)
+    batch = {"input_ids": x, "labels": y}
+    for form in (None, "model", nn.CrossEntropyLoss(), F.cross_entropy):
+        assert torch.allclose(resolve_loss(form)(model, batch), expected), form
+    with pytest.raises(TypeError, match="returned no loss"):
+        resolve_loss("model")(model, {"input_ids": x})
+
+
+def test_split_losses_and_bad_forms() -> None:
+    x, y = _xy()
+    lin = nn.Linear(3, 2)
+    crit = resolve_loss(nn.CrossEntropyLoss())
+    assert crit.splittable and crit.form == "criterion"
+    out = crit.forward(lin, (x, y))
+    assert torch.allclose(crit.on_outputs(out, (x, y)), F.cross_entropy(lin(x), y))
+    assert not resolve_loss(lambda m, b: m(b[0]).sum()).splittable
+    q = outputs_loss(lambda o, b: (o**2).mean())
+    assert torch.allclose(q(lin, x), (lin(x) ** 2).mean())
+    with pytest.raises(TypeError, match=r"accepted forms: loss_fn\(model, batch\)"):
+        resolve_loss(3)
+    with pytest.raises(ValueError, match="unknown loss 'hinge'"):
+        resolve_loss("hinge")
+    with pytest.raises(ValueError, match="not a scalar"):
+        resolve_loss(nn.CrossEntropyLoss(reduction="none"))(lin, (x, y))
+    with pytest.raises(ValueError, match="needs \\(x, y\\) batches"):
+        resolve_loss(F.cross_entropy)(lin, x)
+    assert "criterion" in LOSS_FORMS
+
+
+# ------------------------------------------------------------------------------------- state
+
+
+def test_model_kept_restores_everything() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4))
+    model[2].weight = model[0].weight
+    model.eval()
+    model[2].bias.requires_grad_(False)
+    grad = torch.ones(4, 4)
+    model[0].weight.grad = grad
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    with model_kept(model, rng=True):
+        model.train()
+        for p in model.parameters():
+            p.requires_grad_(True)
+        model[0].register_forward_hook(lambda *a: None)
+        model[0].weight.register_hook(lambda g: g)
+        model(torch.randn(8, 4)).sum().backward()
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert not any(m.training for m in model.modules())
+    assert model[0].weight.grad is grad and not model[2].bias.requires_grad
+    assert not model[0]._forward_hooks and not model[0].weight._backward_hooks
+    assert model[2].weight is model[0].weight
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_restore_on_failure_keeps_weights_on_success_but_not_hooks() -> None:
+    model = nn.Linear(2, 2)
+    with restore_on_failure(model), torch.no_grad():
+        model.weight.zero_()
+        model.register_forward_pre_hook(lambda *a: None)
+    assert torch.count_nonzero(model.weight) == 0
+    assert not model._forward_pre_hooks
+
+
+def test_hook_contexts_remove_on_error() -> None:
+    lin = nn.Linear(2, 2)
+    with pytest.raises(RuntimeError), hook_handles() as handles:
+        handles.add(lin.register_forward_hook(lambda *a: None))
+        raise RuntimeError
+    assert not lin._forward_hooks
+
+    class Watch(HookContext):
+        def register(self) -> None:
+            self._hooks.add(lin.register_forward_hook(lambda *a: None))
+            raise ValueError("second registration failed")
+
+    with pytest.raises(ValueError), Watch():
+        pass
+    assert not lin._forward_hooks
+
+
+# ------------------------------------------------------------------------------------- knobs
+
+
+def test_renamed_kwargs_warn_and_forward() -> None:
+    @renamed_kwargs(iterations="steps")
+    def f(*, steps: int = 1) -> int:
+        return steps
+
+    with pytest.warns(DeprecationWarning, match="use steps="):
+        assert f(iterations=4) == 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert f(steps=2) == 2
+    with pytest.raises(TypeError, match="both iterations="):
+        f(iterations=1, steps=2)
