@@ -236,3 +236,15 @@ def test_renamed_kwargs_warn_and_forward() -> None:
         assert f(steps=2) == 2
     with pytest.raises(TypeError, match="both iterations="):
         f(iterations=1, steps=2)
+
+
+def test_a_criterion_read_as_model_batch_gets_a_message_not_a_raw_error() -> None:
+    def my_criterion(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(a, b)
+
+    x, y = _xy()
+    lin = nn.Linear(3, 2)
+    with pytest.raises(TypeError, match=r"initlab\.criterion\(my_criterion\)"):
+        resolve_loss(my_criterion)(lin, (x, y))
+    wrapped = resolve_loss(criterion(my_criterion))
+    assert torch.allclose(wrapped(lin, (x, y)), F.cross_entropy(lin(x), y))

@@ -88,7 +88,17 @@ class Loss:
 
     def __call__(self, model: Any, batch: Any) -> torch.Tensor:
         assert self._fn is not None
-        return _scalar(self._fn(model, batch), self.name)
+        try:
+            loss = self._fn(model, batch)
+        except TypeError as err:
+            if type(model).__name__ not in str(err):
+                raise
+            raise TypeError(
+                f"loss_fn {self.name!r} was called as loss_fn(model, batch) and failed ({err}); if "
+                f"it is a criterion(output, target), pass initlab.criterion({self.name}). "
+                f"Accepted forms: {LOSS_FORMS}"
+            ) from err
+        return _scalar(loss, self.name)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, form={self.form!r})"

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from initlab._core.data import DataUse
 from initlab._core.rows import Rows
 
 __all__ = ["MethodReport"]
@@ -25,6 +26,7 @@ class MethodReport(Rows):
         wall_s: wall time of the call.
         trace: per-iteration rows (iterative methods), or ``None``.
         info: method-specific scalars (e.g. the fitted output scale).
+        used: the data it read: ``used.batches`` batches, ``used.examples`` examples.
     """
 
     def __init__(
@@ -38,8 +40,9 @@ class MethodReport(Rows):
         wall_s: float,
         trace: Rows | None = None,
         info: Mapping[str, Any] | None = None,
+        used: DataUse | None = None,
     ) -> None:
-        super().__init__(rows, columns, title=method)
+        super().__init__(rows, columns, title=method, used=used)
         self.method = method
         self.forward_passes = forward_passes
         self.backward_passes = backward_passes

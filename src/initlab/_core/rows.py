@@ -12,6 +12,8 @@ import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+from initlab._core.data import DataUse
+
 __all__ = ["Rows", "format_table"]
 
 
@@ -69,6 +71,8 @@ class Rows:
         rows: the rows (dicts with the same keys).
         columns: column order; defaults to the keys of the first row.
         title: optional heading used by ``str`` and ``to_markdown``.
+        used: how much data produced the rows (``used.batches``, ``used.examples``), for rows
+            measured on data; ``None`` otherwise.
     """
 
     def __init__(
@@ -76,6 +80,8 @@ class Rows:
         rows: Iterable[Mapping[str, Any]],
         columns: Sequence[str] | None = None,
         title: str | None = None,
+        *,
+        used: DataUse | None = None,
     ) -> None:
         self._rows = [dict(r) for r in rows]
         self.columns: list[str] = (
@@ -84,6 +90,7 @@ class Rows:
             else (list(self._rows[0].keys()) if self._rows else [])
         )
         self.title = title
+        self.used = used
 
     def to_rows(self) -> list[dict[str, Any]]:
         """The rows as a list of new plain dicts."""
@@ -113,7 +120,7 @@ class Rows:
     def filter(self, **equal: Any) -> Rows:
         """Rows whose fields equal the given values, e.g. ``rows.filter(stat="sq_mean")``."""
         keep = [r for r in self._rows if all(r.get(k) == v for k, v in equal.items())]
-        return Rows(keep, self.columns, self.title)
+        return Rows(keep, self.columns, self.title, used=self.used)
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -126,7 +133,10 @@ class Rows:
 
     def __str__(self) -> str:
         table = format_table(self._rows, self.columns)
-        return f"{self.title}\n{table}" if self.title else table
+        title = self.title or ""
+        if self.used is not None:
+            title += f" ({self.used.batches} batches, {self.used.examples} examples)"
+        return f"{title.strip()}\n{table}" if title else table
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({len(self._rows)} rows, columns={self.columns})"
