@@ -44,16 +44,12 @@ from torch.nn import functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 from _timing import interleaved_min
 from initlab._core.rows import format_table
-from initlab.methods.gradinit import (
-    _Adam,
-    _default_loss,
-    _evaluation_modes,
-    _GradInitStep,
-    _nonzero,
-    _select,
-    gradinit_,
-    overlap_batch,
-)
+from initlab.methods._alpha import AlphaAdam as _Adam
+from initlab.methods._alpha import default_loss as _default_loss
+from initlab.methods._alpha import evaluation_modes as _evaluation_modes
+from initlab.methods._alpha import nonzero as _nonzero
+from initlab.methods._alpha import select_tensors as _select
+from initlab.methods.gradinit import _GradInitStep, gradinit_, overlap_batch
 from initlab.zoo import create_model
 
 

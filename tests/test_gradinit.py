@@ -111,7 +111,10 @@ def test_exact_alpha_grad_matches_finite_differences() -> None:
 
 
 def test_constraint_gradient_same_whether_or_not_a_constraint_step_was_expected() -> None:
-    from initlab.methods.gradinit import _evaluation_modes, _GradInitStep, _nonzero, _select
+    from initlab.methods._alpha import evaluation_modes as _evaluation_modes
+    from initlab.methods._alpha import nonzero as _nonzero
+    from initlab.methods._alpha import select_tensors as _select
+    from initlab.methods.gradinit import _GradInitStep
 
     net, (s, _) = _two_layer(), _data()
     ts = _select(net, "default", _nonzero, "test")

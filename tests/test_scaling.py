@@ -15,18 +15,14 @@ from torch.nn.utils import parametrize
 
 from initlab import init_model
 from initlab.measure.conditioning import gr_scaling_from_data, imbalance
-from initlab.methods.scaling import (
+from initlab.methods.input_scale import InputScaling, input_scale, input_scale_for
+from initlab.methods.output_scale import OutputScale, measure_output_std, scale_output_
+from initlab.methods.precondition import (
     ConditioningMultiplier,
-    InputScaling,
-    OutputScale,
-    input_scale,
-    input_scale_for,
     kernel_size_alpha,
-    measure_output_std,
     precondition_,
     preconditioned_param_groups,
     resnet_multipliers,
-    scale_output_,
 )
 from initlab.zoo import create_model
 

@@ -91,9 +91,11 @@ from initlab.measure.curvature import (
 from initlab.measure.landscape import Landscape, loss_landscape
 from initlab.measure.probe import PROBE_COLUMNS, MomentProbe, measure_moments
 from initlab.methods.gradinit import gradinit_
+from initlab.methods.input_scale import input_scale
 from initlab.methods.lsuv import lsuv_
 from initlab.methods.metainit import metainit_
-from initlab.methods.scaling import input_scale, precondition_, scale_output_
+from initlab.methods.output_scale import scale_output_
+from initlab.methods.precondition import precondition_
 
 __all__ = [
     "DIAGNOSTIC_COLUMNS",

@@ -33,8 +33,8 @@ _METHODS = {
     "lsuv": ("initlab.methods.lsuv", "lsuv_", False),
     "gradinit": ("initlab.methods.gradinit", "gradinit_", True),
     "metainit": ("initlab.methods.metainit", "metainit_", True),
-    "scale_output": ("initlab.methods.scaling", "scale_output_", False),
-    "precondition": ("initlab.methods.scaling", "precondition_", True),
+    "scale_output": ("initlab.methods.output_scale", "scale_output_", False),
+    "precondition": ("initlab.methods.precondition", "precondition_", True),
 }
 
 

@@ -94,23 +94,40 @@ import dataclasses
 import math
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.func import functional_call
 
-from initlab._core.data import batch_size, default_forward, is_single_batch
-from initlab._core.distributed import all_reduce_sum, is_distributed, world_size
+from initlab._core.data import batch_size
+from initlab._core.distributed import is_distributed
 from initlab._core.method_report import MethodReport
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows
-from initlab._core.state import model_modes, restore_modes, restore_on_failure
-from initlab.init.registry import default_registry
+from initlab._core.state import restore_on_failure
+from initlab.methods._alpha import (
+    AlphaAdam,
+    LossFn,
+    TensorFilter,
+    Tensors,
+    alpha_rows,
+    batch_pairs,
+    check_finite,
+    check_number,
+    default_loss,
+    evaluation_modes,
+    fold_alpha,
+    grads_or_zeros,
+    loss_at,
+    nonzero,
+    positive_int,
+    rank_mean,
+    scalar_mean,
+    scaled_params,
+    select_tensors,
+)
 
 __all__ = [
     "GRADINIT_COLUMNS",
@@ -141,168 +158,7 @@ GRADINIT_TRACE_COLUMNS = (
     "alpha_max",
 )
 
-LossFn = Callable[[Any, Any], torch.Tensor]
-"""``loss_fn(model, batch) -> scalar tensor``; ``model`` is called like the original model."""
-
-TensorFilter = Callable[[str, torch.Tensor, str], bool]
-"""``params(name, tensor, role) -> bool``: whether the tensor gets a scale."""
-
 _OPTIMIZERS = ("sgd", "adam")
-_BETAS = (0.9, 0.999)
-_ADAM_EPS = 1e-8
-_END = object()  # end-of-data marker
-
-
-# --------------------------------------------------------------------------------------------------
-# Pieces shared with initlab.methods.metainit
-# --------------------------------------------------------------------------------------------------
-
-
-def _default_loss(model: Any, batch: Any) -> torch.Tensor:
-    """Cross-entropy of ``model(batch[0])`` against ``batch[1]`` (classification batches)."""
-    if isinstance(batch, (tuple, list)) and len(batch) >= 2:
-        return F.cross_entropy(default_forward(model, batch), batch[1])
-    raise TypeError(
-        "the default loss needs (input, target) batches; pass loss_fn(model, batch) -> scalar "
-        f"for batches of type {type(batch).__name__}"
-    )
-
-
-class _AtParams:
-    """Stand-in for ``model`` evaluated at other tensors: ``functional_call(model, tensors, ...)``.
-
-    Calling it runs the model's forward with ``tensors`` (qualified name -> tensor) in place of its
-    parameters; every other attribute is the model's own.
-    """
-
-    def __init__(self, model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-        object.__setattr__(self, "_model", model)
-        object.__setattr__(self, "_tensors", tensors)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return functional_call(self._model, self._tensors, args, kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(object.__getattribute__(self, "_model"), name)
-
-
-@dataclass
-class _Tensors:
-    """The distinct trainable tensors of a model and which of them carry a scale."""
-
-    names: list[str]
-    tensors: list[torch.Tensor]
-    roles: list[str]
-    scaled: list[int]  # positions in ``tensors`` that get an alpha, in alpha order
-    norms: list[float] = field(default_factory=list)  # norms of the scaled tensors before
-
-    @property
-    def numel(self) -> int:
-        return sum(t.numel() for t in self.tensors)
-
-
-def _roles(model: nn.Module) -> dict[int, str]:
-    """Role of every parameter claimed by the default layer registry, by tensor identity."""
-    registry = default_registry()
-    roles: dict[int, str] = {}
-    for module in model.modules():
-        specs = registry.specs(module)
-        for spec in specs or ():
-            param = module._parameters.get(spec.name)
-            if param is not None:
-                roles.setdefault(id(param), spec.role)
-    return roles
-
-
-def _nonzero(name: str, tensor: torch.Tensor, role: str) -> bool:
-    return bool(torch.count_nonzero(tensor.detach()) > 0)
-
-
-def _select(
-    model: nn.Module, params: str | TensorFilter, default: TensorFilter, what: str
-) -> _Tensors:
-    """Distinct trainable tensors (first name wins for tied ones) and the ones that get a scale."""
-    if isinstance(params, str):
-        if params != "default":
-            raise ValueError(f"{what}: params must be 'default' or a callable, got {params!r}")
-        chosen: TensorFilter = default
-    elif callable(params):
-        chosen = params
-    else:
-        raise TypeError(f"{what}: params must be 'default' or a callable, got {params!r}")
-    roles = _roles(model)
-    out = _Tensors([], [], [], [])
-    for name, p in model.named_parameters():  # deduplicates tied tensors by identity
-        if not p.requires_grad:
-            continue
-        role = roles.get(id(p), "unclaimed")
-        out.names.append(name)
-        out.tensors.append(p)
-        out.roles.append(role)
-        if chosen(name, p, role) and bool(torch.count_nonzero(p.detach()) > 0):
-            out.scaled.append(len(out.tensors) - 1)
-            out.norms.append(float(p.detach().double().norm()))
-    if not out.scaled:
-        raise ValueError(
-            f"{what}: no tensor to scale (the model has no trainable non-zero tensor that the "
-            "params selection accepts)"
-        )
-    return out
-
-
-def _theta(ts: _Tensors, a: torch.Tensor) -> list[torch.Tensor]:
-    """``alpha_k * W`` for the scaled tensors, fresh leaves for the others (all need a gradient)."""
-    theta = [p.detach().requires_grad_() for p in ts.tensors]
-    for k, i in enumerate(ts.scaled):
-        w = ts.tensors[i].detach()
-        theta[i] = a[k].to(device=w.device, dtype=w.dtype) * w
-    return theta
-
-
-def _loss(
-    model: nn.Module, loss_fn: LossFn, ts: _Tensors, theta: Sequence[torch.Tensor], batch: Any
-) -> torch.Tensor:
-    loss = loss_fn(_AtParams(model, dict(zip(ts.names, theta, strict=True))), batch)
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise TypeError(
-            f"loss_fn must return a scalar tensor, got "
-            f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}"
-        )
-    return loss.reshape(())
-
-
-def _grads(
-    outputs: torch.Tensor | Sequence[torch.Tensor],
-    inputs: Sequence[torch.Tensor],
-    grad_outputs: Sequence[torch.Tensor] | None = None,
-    *,
-    create_graph: bool = False,
-    retain_graph: bool | None = None,
-) -> list[torch.Tensor]:
-    """``torch.autograd.grad`` with zeros for inputs the outputs do not depend on."""
-    grads = torch.autograd.grad(
-        outputs,
-        list(inputs),
-        grad_outputs=grad_outputs,
-        create_graph=create_graph,
-        retain_graph=retain_graph,
-        allow_unused=True,
-    )
-    return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs, strict=True)]
-
-
-def _rank_mean(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Detached copies averaged over ranks (the detached tensors themselves without a group)."""
-    if not is_distributed():
-        return [t.detach() for t in tensors]
-    out = [t.detach().clone() for t in tensors]
-    all_reduce_sum(out)
-    n = world_size()
-    return [t / n for t in out]
-
-
-def _scalar_mean(value: torch.Tensor) -> float:
-    return float(_rank_mean([value.detach().double().reshape(1)])[0])
 
 
 def _attach(local: Sequence[torch.Tensor], mean: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -314,128 +170,6 @@ def _attach(local: Sequence[torch.Tensor], mean: Sequence[torch.Tensor]) -> list
     if not is_distributed():
         return list(local)
     return [g + (m - g).detach() for g, m in zip(local, mean, strict=True)]
-
-
-def _check_finite(value: float, iteration: int, what: str, quantity: str = "loss") -> None:
-    if not math.isfinite(value):
-        when = (
-            "at the first iteration, before anything changed"
-            if iteration == 0
-            else f"at iteration {iteration}; the model was left unchanged"
-        )
-        raise FloatingPointError(f"{what}: the {quantity} is {value} {when}")
-
-
-@contextmanager
-def _evaluation_modes(model: nn.Module, batch_stats: bool) -> Iterator[None]:
-    """Dropout off; normalization with batch statistics if ``batch_stats``; then put back.
-
-    On exit (success or failure) every buffer gets its saved value back (in place), so running
-    statistics that the forward passes updated are bit-identical to before, and every module its
-    ``training`` flag.
-    """
-    modes = model_modes(model)
-    buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    for b in model.buffers():
-        if id(b) not in buffers:
-            buffers[id(b)] = (b, b.detach().clone())
-    try:
-        model.eval()
-        if batch_stats:
-            for m in model.modules():
-                if isinstance(m, nn.modules.batchnorm._NormBase):
-                    m.train()
-        yield
-    finally:
-        with torch.no_grad():
-            for b, saved in buffers.values():
-                b.copy_(saved)
-        restore_modes(model, modes)
-
-
-@dataclass
-class _Adam:
-    """Adam on the vector of scales (``RescaleAdam``: bias-corrected, eps outside the sqrt)."""
-
-    lr: float
-    m: torch.Tensor
-    v: torch.Tensor
-    t: int = 0
-
-    @classmethod
-    def zeros(cls, n: int, lr: float) -> _Adam:
-        z = torch.zeros(n, dtype=torch.float64)
-        return cls(lr, z, z.clone())
-
-    def step(self, alpha: torch.Tensor, grad: torch.Tensor, alpha_min: float) -> torch.Tensor:
-        b1, b2 = _BETAS
-        self.t += 1
-        self.m = b1 * self.m + (1 - b1) * grad
-        self.v = b2 * self.v + (1 - b2) * grad * grad
-        denom = (self.v / (1 - b2**self.t)).sqrt() + _ADAM_EPS
-        new = alpha - self.lr / (1 - b1**self.t) * self.m / denom
-        return new.clamp_min(alpha_min)
-
-
-def _alpha_rows(model: nn.Module, ts: _Tensors, alpha: torch.Tensor) -> list[dict[str, Any]]:
-    rows = []
-    for k, i in enumerate(ts.scaled):
-        rows.append(
-            {
-                "name": ts.names[i],
-                "role": ts.roles[i],
-                "alpha": float(alpha[k]),
-                "norm_before": ts.norms[k],
-                "norm_after": float(ts.tensors[i].detach().double().norm()),
-            }
-        )
-    return rows
-
-
-def _fold(ts: _Tensors, alpha: torch.Tensor) -> None:
-    """``W <- alpha * W`` in place, once per distinct tensor (the product the iterations used)."""
-    with torch.no_grad():
-        for k, i in enumerate(ts.scaled):
-            w = ts.tensors[i]
-            w.mul_(alpha[k].to(dtype=w.dtype, device=w.device))
-
-
-def _known_length(data: Any) -> int | None:
-    if is_single_batch(data):
-        return 1
-    try:
-        return len(data)
-    except TypeError:
-        return None
-
-
-def _iter_batches(data: Any, what: str) -> Iterator[Any]:
-    if is_single_batch(data):
-        return iter([data])
-    try:
-        return iter(data)
-    except TypeError:
-        raise TypeError(
-            f"{what}: data must be a batch (tensor or tuple of tensors) or an iterable of "
-            f"batches, got {type(data).__name__}"
-        ) from None
-
-
-def _positive_int(what: str, key: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{what}: {key} must be a positive int, got {value!r}")
-    return value
-
-
-def _number(what: str, key: str, value: object, *, low: float = 0.0, strict: bool = True) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if ok:
-        value = float(value)
-        ok = not math.isnan(value) and (value > low if strict else value >= low)
-    if not ok:
-        sign = ">" if strict else ">="
-        raise ValueError(f"{what}: {key} must be a number {sign} {low}, got {value!r}")
-    return float(value)  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -496,7 +230,7 @@ def overlap_batch(
         >>> overlap_batch(s, nxt, 0.5).tolist()
         [0, 1, 10, 11]
     """
-    overlap = _number("overlap_batch", "overlap", overlap, strict=False)
+    overlap = check_number("overlap_batch", "overlap", overlap, strict=False)
     if overlap > 1:
         raise ValueError(f"overlap_batch: overlap must be in [0, 1], got {overlap}")
     b = batch_size(batch)
@@ -537,7 +271,7 @@ class _GradInitStep:
         self,
         model: nn.Module,
         loss_fn: LossFn,
-        ts: _Tensors,
+        ts: Tensors,
         *,
         eta: float,
         optimizer: str,
@@ -563,8 +297,8 @@ class _GradInitStep:
         return [x.sign() for x in g] if self.sign else list(g)
 
     def _alpha_grad(self, out: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-        grad = _grads(out, [a])[0]
-        return _rank_mean([grad.double()])[0]
+        grad = grads_or_zeros(out, [a])[0]
+        return rank_mean([grad.double()])[0]
 
     def __call__(
         self,
@@ -577,18 +311,18 @@ class _GradInitStep:
     ) -> _StepResult:
         ts = self.ts
         a = alpha.detach().clone().requires_grad_(True)
-        theta = _theta(ts, a)
-        loss = _loss(self.model, self.loss_fn, ts, theta, batch)
+        theta = scaled_params(ts, a)
+        loss = loss_at(self.model, self.loss_fn, ts, theta, batch)
         self.forward += 1
-        loss_value = _scalar_mean(loss)
-        _check_finite(loss_value, iteration, self.what)
+        loss_value = scalar_mean(loss)
+        check_finite(loss_value, iteration, self.what)
         # A constraint step needs g with its graph. Build it when the step is likely one (the
         # previous step was); otherwise free the graph of L(S) during the backward (less memory,
         # faster on CPU) and, on a wrong guess, evaluate L(S) once more.
         with_graph = self.exact or force == "constraint" or self.last_kind == "constraint"
-        g = _grads(loss, theta, create_graph=with_graph)
+        g = grads_or_zeros(loss, theta, create_graph=with_graph)
         self.backward += 1
-        g_mean = _rank_mean(g)
+        g_mean = rank_mean(g)
         grad_norm = float(self._norm([x.double() for x in g_mean]))
         grad_norm2 = float(torch.stack([x.double().square().sum() for x in g_mean]).sum().sqrt())
         kind = force or ("constraint" if grad_norm > gamma else "objective")
@@ -596,10 +330,10 @@ class _GradInitStep:
 
         if kind == "constraint":
             if not with_graph:  # guessed wrong: evaluate L(S) again, keeping the graph
-                theta = _theta(ts, a)
-                loss = _loss(self.model, self.loss_fn, ts, theta, batch)
+                theta = scaled_params(ts, a)
+                loss = loss_at(self.model, self.loss_fn, ts, theta, batch)
                 self.forward += 1
-                g = _grads(loss, theta, create_graph=True)
+                g = grads_or_zeros(loss, theta, create_graph=True)
                 self.backward += 1
             norm = self._norm(_attach(g, g_mean))
             grad = self._alpha_grad(norm, a)
@@ -617,18 +351,18 @@ class _GradInitStep:
                 (t - self.eta * d) if i in scaled else (t.detach() - self.eta * d)
                 for i, (t, d) in enumerate(zip(theta, step, strict=True))
             ]
-        look_loss = _loss(self.model, self.loss_fn, ts, look, tilde())
+        look_loss = loss_at(self.model, self.loss_fn, ts, look, tilde())
         self.forward += 1
-        objective = _scalar_mean(look_loss)
-        _check_finite(objective, iteration, self.what, "look-ahead loss")
+        objective = scalar_mean(look_loss)
+        check_finite(objective, iteration, self.what, "look-ahead loss")
         scaled_loss = look_loss / self.eta
         if self.exact and is_distributed():
             # d/d alpha of the mean over ranks: average dL~/d theta' first, then pull it back
             # through theta'(alpha) (which depends on every rank's g through the rank-mean g).
-            u = _rank_mean(_grads(scaled_loss, look, retain_graph=True))
+            u = rank_mean(grads_or_zeros(scaled_loss, look, retain_graph=True))
             self.backward += 1
-            grad = _grads(look, [a], grad_outputs=u)[0]
-            grad = _rank_mean([grad.double()])[0]
+            grad = grads_or_zeros(look, [a], grad_outputs=u)[0]
+            grad = rank_mean([grad.double()])[0]
         else:
             grad = self._alpha_grad(scaled_loss, a)
         self.backward += 1
@@ -656,8 +390,8 @@ def _check_common(
 ) -> tuple[str, float, float]:
     if optimizer not in _OPTIMIZERS:
         raise ValueError(f"{what}: optimizer must be one of {_OPTIMIZERS}, got {optimizer!r}")
-    eta = _number(what, "eta", eta)
-    overlap = _number(what, "overlap", overlap, strict=False)
+    eta = check_number(what, "eta", eta)
+    overlap = check_number(what, "overlap", overlap, strict=False)
     if overlap > 1:
         raise ValueError(f"{what}: overlap must be in [0, 1], got {overlap}")
     return optimizer, eta, overlap
@@ -689,7 +423,7 @@ def gradinit_alpha_grad(
     optimizer, eta, _ = _check_common(optimizer, eta, 0.5, what)
     if step not in ("objective", "constraint"):
         raise ValueError(f"{what}: step must be 'objective' or 'constraint', got {step!r}")
-    ts = _select(model, params, _nonzero, what)
+    ts = select_tensors(model, params, nonzero, what)
     if alpha is None:
         a = torch.ones(len(ts.scaled), dtype=torch.float64)
     else:
@@ -698,81 +432,13 @@ def gradinit_alpha_grad(
             raise ValueError(f"{what}: alpha has {a.numel()} entries, expected {len(ts.scaled)}")
     tilde = batch if batch_tilde is None else batch_tilde
     run = _GradInitStep(
-        model, loss_fn or _default_loss, ts, eta=eta, optimizer=optimizer, exact=exact, what=what
+        model, loss_fn or default_loss, ts, eta=eta, optimizer=optimizer, exact=exact, what=what
     )
-    with _evaluation_modes(model, batch_stats=True):
+    with evaluation_modes(model, batch_stats=True):
         res = run(a, batch, lambda: tilde, math.inf, 0, force=step)
     value = res.grad_norm if step == "constraint" else res.objective
     assert value is not None
     return res.grad, value
-
-
-def _pairs(
-    data: Any, iterations: int | None, need_next: bool, what: str
-) -> Iterator[tuple[Any, Any]]:
-    """``(S, next batch or None)`` per iteration, streaming; checks the length when it is known."""
-    n = _known_length(data)
-    extra = 1 if need_next else 0
-    if iterations is None:
-        if n is not None:
-            iterations = n - extra
-            if iterations < 1:
-                raise ValueError(
-                    f"{what} needs at least {1 + extra} batches (one iteration reads batch t and, "
-                    f"for S~, batch t+1) but the data gave {n}"
-                )
-    elif n is not None and n < iterations + extra:
-        raise ValueError(
-            f"{what} needs {iterations + extra} batches for {iterations} iterations"
-            f"{' (each reads batch t and, for S~, batch t+1)' if need_next else ''} but the data "
-            f"gave {n}; pass a loader with at least {iterations + extra} batches or lower "
-            "iterations"
-        )
-    total = iterations
-
-    def gen() -> Iterator[tuple[Any, Any]]:
-        it = _iter_batches(data, what)
-        got = 0
-
-        def pull() -> Any:
-            nonlocal got
-            b = next(it, _END)
-            got += b is not _END
-            return b
-
-        def short(t: int) -> ValueError:
-            needed = (total if total is not None else t + 1) + extra
-            return ValueError(
-                f"{what} needs {needed} batches for {needed - extra} iterations"
-                f"{' (each reads batch t and, for S~, batch t+1)' if need_next else ''} but the "
-                f"data gave {got}; the model was left unchanged"
-            )
-
-        current = pull()
-        if current is _END:
-            raise ValueError(f"{what} got no batch: the data is empty")
-        t = 0
-        while total is None or t < total:
-            if need_next:
-                nxt = pull()
-                if nxt is _END:
-                    if total is None and t > 0:
-                        return
-                    raise short(t)
-                yield current, nxt
-                current = nxt
-            else:
-                yield current, None
-                if total is not None and t + 1 == total:
-                    return
-                current = pull()
-                if current is _END:
-                    if total is None:
-                        return
-                    raise short(t + 1)
-            t += 1
-
-    return gen()
 
 
 def gradinit_(
@@ -842,56 +508,37 @@ def gradinit_(
     what = "gradinit_"
     generator = as_generator(generator)
     optimizer, eta, overlap = _check_common(optimizer, eta, overlap, what)
-    lr = _number(what, "lr", lr)
-    alpha_min = _number(what, "alpha_min", alpha_min, strict=False)
-    gamma = _number(what, "gamma", gamma, strict=False)
-    clip_value = 0.0 if clip is None else _number(what, "clip", clip, strict=False)
+    lr, alpha_min, gamma, clip_value = _check_step_options(lr, alpha_min, gamma, clip, what)
     if iterations is not None:
-        iterations = _positive_int(what, "iterations", iterations)
-    loss_fn = loss_fn or _default_loss
-    ts = _select(model, params, _nonzero, what)
-    need_next = overlap < 1
-    pairs = _pairs(data, iterations, need_next, what)
+        iterations = positive_int(what, "iterations", iterations)
+    loss_fn = loss_fn or default_loss
+    ts = select_tensors(model, params, nonzero, what)
+    pairs = batch_pairs(data, iterations, overlap < 1, what)
 
     run = _GradInitStep(model, loss_fn, ts, eta=eta, optimizer=optimizer, exact=exact, what=what)
     n = len(ts.scaled)
     alpha = torch.ones(n, dtype=torch.float64)
-    adam = {"constraint": _Adam.zeros(n, lr), "objective": _Adam.zeros(n, lr)}
+    adam = {"constraint": AlphaAdam.zeros(n, lr), "objective": AlphaAdam.zeros(n, lr)}
     trace: list[dict[str, Any]] = []
     with restore_on_failure(model):
-        with _evaluation_modes(model, batch_stats=True):
+        with evaluation_modes(model, batch_stats=True):
             for t, (batch, nxt) in enumerate(pairs):
-
-                def tilde(batch: Any = batch, nxt: Any = nxt) -> Any:
-                    if nxt is None:
-                        return batch
-                    return overlap_batch(batch, nxt, overlap, generator=generator)
-
-                res = run(alpha, batch, tilde, gamma, t)
+                res = run(alpha, batch, _tilde(batch, nxt, overlap, generator), gamma, t)
                 if t == 0 and optimizer == "adam":
                     _warn_gamma_scale(gamma, res.grad_norm, res.grad_norm2)
                 grad = res.grad
                 if clip_value > 0:
                     grad = grad.clamp(-clip_value, clip_value)
                 alpha = adam[res.kind].step(alpha, grad, alpha_min)
-                row = {
-                    "iteration": t,
-                    "step": res.kind,
-                    "grad_norm": res.grad_norm,
-                    "loss": res.loss,
-                    "objective": res.objective,
-                    "alpha_min": float(alpha.min()),
-                    "alpha_max": float(alpha.max()),
-                }
-                trace.append(row)
+                trace.append(_trace_row(t, res, alpha))
                 if progress is not None:
-                    progress(dict(row))
+                    progress(dict(trace[-1]))
         if not trace:
             raise ValueError(f"{what} ran no iteration: the data has too few batches")
-        _fold(ts, alpha)
+        fold_alpha(ts, alpha)
     kinds = [r["step"] for r in trace]
     return MethodReport(
-        _alpha_rows(model, ts, alpha),
+        alpha_rows(model, ts, alpha),
         GRADINIT_COLUMNS,
         method="gradinit",
         forward_passes=run.forward,
@@ -907,3 +554,40 @@ def gradinit_(
             "exact": bool(exact),
         },
     )
+
+
+def _check_step_options(
+    lr: float, alpha_min: float, gamma: float, clip: float | None, what: str
+) -> tuple[float, float, float, float]:
+    """``lr``, ``alpha_min``, ``gamma`` and the clip value (0: no clipping), checked."""
+    lr = check_number(what, "lr", lr)
+    alpha_min = check_number(what, "alpha_min", alpha_min, strict=False)
+    gamma = check_number(what, "gamma", gamma, strict=False)
+    clip_value = 0.0 if clip is None else check_number(what, "clip", clip, strict=False)
+    return lr, alpha_min, gamma, clip_value
+
+
+def _tilde(
+    batch: Any, nxt: Any, overlap: float, generator: torch.Generator | None
+) -> Callable[[], Any]:
+    """``S~`` of one iteration, built only when the step needs it (:func:`overlap_batch`)."""
+
+    def tilde() -> Any:
+        if nxt is None:
+            return batch
+        return overlap_batch(batch, nxt, overlap, generator=generator)
+
+    return tilde
+
+
+def _trace_row(t: int, res: _StepResult, alpha: torch.Tensor) -> dict[str, Any]:
+    """One row of the trace (:data:`GRADINIT_TRACE_COLUMNS`)."""
+    return {
+        "iteration": t,
+        "step": res.kind,
+        "grad_norm": res.grad_norm,
+        "loss": res.loss,
+        "objective": res.objective,
+        "alpha_min": float(alpha.min()),
+        "alpha_max": float(alpha.max()),
+    }

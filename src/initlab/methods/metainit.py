@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -62,27 +63,27 @@ from initlab._core.method_report import MethodReport
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows
 from initlab._core.state import restore_on_failure
-from initlab.methods.gradinit import (
+from initlab.methods._alpha import (
+    AlphaAdam,
+    AtParams,
     LossFn,
     TensorFilter,
-    _Adam,
-    _alpha_rows,
-    _AtParams,
-    _check_finite,
-    _default_loss,
-    _evaluation_modes,
-    _fold,
-    _grads,
-    _loss,
-    _nonzero,
-    _number,
-    _pairs,
-    _positive_int,
-    _rank_mean,
-    _scalar_mean,
-    _select,
-    _Tensors,
-    _theta,
+    Tensors,
+    alpha_rows,
+    batch_pairs,
+    check_finite,
+    check_number,
+    default_loss,
+    evaluation_modes,
+    fold_alpha,
+    grads_or_zeros,
+    loss_at,
+    nonzero,
+    positive_int,
+    rank_mean,
+    scalar_mean,
+    scaled_params,
+    select_tensors,
 )
 
 __all__ = ["METAINIT_COLUMNS", "METAINIT_TRACE_COLUMNS", "gradient_quotient", "metainit_"]
@@ -103,18 +104,19 @@ _PAPER_STEPS = 500
 def _gq(
     model: nn.Module,
     loss_fn: LossFn,
-    ts: _Tensors,
+    ts: Tensors,
     theta: Sequence[torch.Tensor],
     batch: Any,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
     """``GQ`` at ``theta`` (on the graph), the loss, and ``||g||_2``."""
-    loss = _loss(model, loss_fn, ts, theta, batch)
-    g = _grads(loss, theta, create_graph=True)
+    loss = loss_at(model, loss_fn, ts, theta, batch)
+    g = grads_or_zeros(loss, theta, create_graph=True)
     half_sq = torch.stack([x.square().sum() for x in g]).sum() / 2
     if not half_sq.requires_grad:
         raise ValueError("the gradient does not depend on the parameters: GQ is undefined")
-    hg = _grads(half_sq, theta, create_graph=True)  # = H g, with g on the graph (paper, Fig. 2)
+    # = H g, with g on the graph (paper, Fig. 2)
+    hg = grads_or_zeros(half_sq, theta, create_graph=True)
     total = half_sq.new_zeros(())
     for gi, hi in zip(g, hg, strict=True):
         sgn = torch.where(gi >= 0, 1.0, -1.0).to(gi.dtype).detach()
@@ -145,11 +147,11 @@ def gradient_quotient(
         >>> gq > 0
         True
     """
-    eps = _number("gradient_quotient", "eps", eps, strict=False)
-    ts = _select(model, "default", _nonzero, "gradient_quotient")
+    eps = check_number("gradient_quotient", "eps", eps, strict=False)
+    ts = select_tensors(model, "default", nonzero, "gradient_quotient")
     a = torch.ones(len(ts.scaled), dtype=torch.float64, requires_grad=True)
-    with _evaluation_modes(model, batch_stats=batch_stats):
-        gq, _, _ = _gq(model, loss_fn or _default_loss, ts, _theta(ts, a), batch, eps)
+    with evaluation_modes(model, batch_stats=batch_stats):
+        gq, _, _ = _gq(model, loss_fn or default_loss, ts, scaled_params(ts, a), batch, eps)
     return float(gq.detach())
 
 
@@ -159,7 +161,7 @@ def _at_least_2d(name: str, tensor: torch.Tensor, role: str) -> bool:
 
 def _random_batches(
     model: nn.Module,
-    ts: _Tensors,
+    ts: Tensors,
     input_shape: Sequence[int],
     n_classes: int | None,
     steps: int,
@@ -180,8 +182,8 @@ def _random_batches(
         yield (x, y), None
 
 
-def _loss_free_forward(model: nn.Module, ts: _Tensors, x: torch.Tensor) -> torch.Tensor:
-    out = _AtParams(model, dict(zip(ts.names, [t.detach() for t in ts.tensors], strict=True)))(x)
+def _loss_free_forward(model: nn.Module, ts: Tensors, x: torch.Tensor) -> torch.Tensor:
+    out = AtParams(model, dict(zip(ts.names, [t.detach() for t in ts.tensors], strict=True)))(x)
     if not isinstance(out, torch.Tensor):
         raise TypeError(
             "metainit_ with random data infers the number of classes from the model's output, "
@@ -249,66 +251,35 @@ def metainit_(
     """
     start = time.perf_counter()
     what = "metainit_"
-    if variant not in _VARIANTS:
-        raise ValueError(f"{what}: variant must be one of {_VARIANTS}, got {variant!r}")
-    paper = variant == "paper"
-    lr = _number(what, "lr", lr if lr is not None else (0.1 if paper else 1e-3))
-    momentum = _number(what, "momentum", momentum, strict=False)
-    eps = _number(what, "eps", eps, strict=False)
-    alpha_min = _number(what, "alpha_min", alpha_min, strict=False)
-    clip_value = 0.0 if clip is None else _number(what, "clip", clip, strict=False)
-    if steps is not None:
-        steps = _positive_int(what, "steps", steps)
-    if batch_stats is None:
-        batch_stats = not paper
-    loss_fn = loss_fn or _default_loss
-    ts = _select(model, params, _at_least_2d if paper else _nonzero, what)
+    opts = _Options.check(
+        variant, steps, lr, momentum, eps, alpha_min, clip, batch_stats, n_classes, what
+    )
+    loss_fn = loss_fn or default_loss
+    ts = select_tensors(model, params, _at_least_2d if opts.paper else nonzero, what)
     gen = as_generator(generator)
+    batches = _step_batches(model, ts, data, input_shape, opts, gen, what)
 
-    if data is None:
-        if input_shape is None:
-            raise ValueError(f"{what}: random data (data=None) needs input_shape=(batch, ...)")
-        if n_classes is not None:
-            n_classes = _positive_int(what, "n_classes", n_classes)
-        batches: Iterator[tuple[Any, Any]] = _random_batches(
-            model, ts, input_shape, n_classes, steps or _PAPER_STEPS, gen
-        )
-    else:
-        batches = _pairs(data, steps, False, what)
-
-    n = len(ts.scaled)
-    alpha = torch.ones(n, dtype=torch.float64)
-    norms0 = torch.tensor(ts.norms, dtype=torch.float64)
-    memory = torch.zeros(n, dtype=torch.float64)
-    adam = _Adam.zeros(n, lr)
+    update = _ScaleUpdate(ts, opts)
     forward = backward = 0
     trace: list[dict[str, Any]] = []
     with restore_on_failure(model):
-        with _evaluation_modes(model, batch_stats=batch_stats):
+        with evaluation_modes(model, batch_stats=opts.batch_stats):
             for t, (batch, _) in enumerate(batches):
-                a = alpha.detach().clone().requires_grad_(True)
-                gq, loss, grad_norm = _gq(model, loss_fn, ts, _theta(ts, a), batch, eps)
+                a = update.alpha.detach().clone().requires_grad_(True)
+                gq, loss, grad_norm = _gq(model, loss_fn, ts, scaled_params(ts, a), batch, opts.eps)
                 forward += 1
-                loss_value = _scalar_mean(loss)
-                _check_finite(loss_value, t, what)
-                gq_value = _scalar_mean(gq)
-                _check_finite(gq_value, t, what, "gradient quotient")
-                grad = _rank_mean([_grads(gq, [a])[0].double()])[0]
+                loss_value = scalar_mean(loss)
+                check_finite(loss_value, t, what)
+                gq_value = scalar_mean(gq)
+                check_finite(gq_value, t, what, "gradient quotient")
+                grad = rank_mean([grads_or_zeros(gq, [a])[0].double()])[0]
                 backward += 3
-                if paper:
-                    # signSGD with momentum on the norms s = alpha * ||W0|| (Figure 2).
-                    memory = momentum * memory - lr * grad.sign()
-                    s = (alpha * norms0 + memory).maximum(alpha_min * norms0)
-                    alpha = s / norms0
-                else:
-                    if clip_value > 0:
-                        grad = grad.clamp(-clip_value, clip_value)
-                    alpha = adam.step(alpha, grad, alpha_min)
+                alpha = update.step(grad)
                 row = {
                     "iteration": t,
                     "gq": gq_value,
                     "loss": loss_value,
-                    "grad_norm": _scalar_mean(torch.tensor(grad_norm)),
+                    "grad_norm": scalar_mean(torch.tensor(grad_norm)),
                     "alpha_min": float(alpha.min()),
                     "alpha_max": float(alpha.max()),
                 }
@@ -317,9 +288,9 @@ def metainit_(
                     progress(dict(row))
         if not trace:
             raise ValueError(f"{what} ran no step: the data has no batch")
-        _fold(ts, alpha)
+        fold_alpha(ts, update.alpha)
     return MethodReport(
-        _alpha_rows(model, ts, alpha),
+        alpha_rows(model, ts, update.alpha),
         METAINIT_COLUMNS,
         method="metainit",
         forward_passes=forward,
@@ -333,3 +304,93 @@ def metainit_(
             "gq_last": trace[-1]["gq"],
         },
     )
+
+
+@dataclass(frozen=True)
+class _Options:
+    """The checked numeric options of one :func:`metainit_` call (defaults of its variant)."""
+
+    paper: bool
+    steps: int | None
+    lr: float
+    momentum: float
+    eps: float
+    alpha_min: float
+    clip_value: float  # 0: no clipping
+    batch_stats: bool
+    n_classes: int | None
+
+    @classmethod
+    def check(
+        cls,
+        variant: str,
+        steps: int | None,
+        lr: float | None,
+        momentum: float,
+        eps: float,
+        alpha_min: float,
+        clip: float | None,
+        batch_stats: bool | None,
+        n_classes: int | None,
+        what: str,
+    ) -> _Options:
+        if variant not in _VARIANTS:
+            raise ValueError(f"{what}: variant must be one of {_VARIANTS}, got {variant!r}")
+        paper = variant == "paper"
+        lr = check_number(what, "lr", lr if lr is not None else (0.1 if paper else 1e-3))
+        momentum = check_number(what, "momentum", momentum, strict=False)
+        eps = check_number(what, "eps", eps, strict=False)
+        alpha_min = check_number(what, "alpha_min", alpha_min, strict=False)
+        clip_value = 0.0 if clip is None else check_number(what, "clip", clip, strict=False)
+        if steps is not None:
+            steps = positive_int(what, "steps", steps)
+        if batch_stats is None:
+            batch_stats = not paper
+        return cls(paper, steps, lr, momentum, eps, alpha_min, clip_value, batch_stats, n_classes)
+
+
+def _step_batches(
+    model: nn.Module,
+    ts: Tensors,
+    data: Any,
+    input_shape: Sequence[int] | None,
+    opts: _Options,
+    gen: torch.Generator | None,
+    what: str,
+) -> Iterator[tuple[Any, Any]]:
+    """The batch of every step: the paper's random data (``data=None``) or ``data``'s batches."""
+    if data is None:
+        if input_shape is None:
+            raise ValueError(f"{what}: random data (data=None) needs input_shape=(batch, ...)")
+        n_classes = opts.n_classes
+        if n_classes is not None:
+            n_classes = positive_int(what, "n_classes", n_classes)
+        return _random_batches(model, ts, input_shape, n_classes, opts.steps or _PAPER_STEPS, gen)
+    return batch_pairs(data, opts.steps, False, what)
+
+
+class _ScaleUpdate:
+    """The step on the scales: signSGD with momentum on the norms (``"paper"``), or Adam on
+    ``alpha`` with per-scalar clipping (``"gradinit"``); ``alpha >= alpha_min`` in both."""
+
+    def __init__(self, ts: Tensors, opts: _Options) -> None:
+        n = len(ts.scaled)
+        self.opts = opts
+        self.alpha = torch.ones(n, dtype=torch.float64)
+        self.norms0 = torch.tensor(ts.norms, dtype=torch.float64)
+        self.memory = torch.zeros(n, dtype=torch.float64)
+        self.adam = AlphaAdam.zeros(n, opts.lr)
+
+    def step(self, grad: torch.Tensor) -> torch.Tensor:
+        """Take one step along ``grad`` (the rank-mean alpha-gradient); returns the new alpha."""
+        opts = self.opts
+        if opts.paper:
+            # signSGD with momentum on the norms s = alpha * ||W0|| (Figure 2).
+            self.memory = opts.momentum * self.memory - opts.lr * grad.sign()
+            s = (self.alpha * self.norms0 + self.memory).maximum(opts.alpha_min * self.norms0)
+            self.alpha = s / self.norms0
+        else:
+            if opts.clip_value > 0:
+                grad = grad.clamp(-opts.clip_value, opts.clip_value)
+            self.alpha = self.adam.step(self.alpha, grad, opts.alpha_min)
+        return self.alpha

@@ -1,0 +1,421 @@
+r"""The per-tensor scale (alpha) machinery shared by GradInit and MetaInit.
+
+Both :func:`~initlab.methods.gradinit.gradinit_` and :func:`~initlab.methods.metainit.metainit_`
+learn one scalar ``alpha_i`` per trainable tensor ``W_i`` and evaluate the network at
+``theta_alpha = (alpha_i * W_i)_i``. This module holds what they share:
+
+* which tensors get an alpha (:func:`select_tensors`, filters :func:`nonzero`, roles from the layer
+  registry, tied tensors once) and the :class:`Tensors` record of them;
+* functional evaluation at ``theta_alpha`` (:func:`scaled_params`, :class:`AtParams`,
+  :func:`loss_at`: :func:`torch.func.functional_call`, parameters never replaced);
+* gradients (:func:`grads_or_zeros`), rank means (:func:`rank_mean`, :func:`scalar_mean`) and the
+  finiteness check (:func:`check_finite`);
+* the evaluation modes (dropout off, optional batch statistics; buffers and modes restored);
+* Adam on the alphas with the clamp ``alpha >= alpha_min`` (:class:`AlphaAdam`, ``RescaleAdam``),
+  folding ``W <- alpha * W`` once per tensor (:func:`fold_alpha`) and the report rows;
+* the batches of the iterations (:func:`batch_pairs`) and the option checks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+
+from initlab._core.data import default_forward, is_single_batch
+from initlab._core.distributed import all_reduce_sum, is_distributed, world_size
+from initlab._core.state import model_modes, restore_modes
+from initlab.init.registry import default_registry
+
+__all__ = [
+    "AlphaAdam",
+    "AtParams",
+    "LossFn",
+    "TensorFilter",
+    "Tensors",
+    "alpha_rows",
+    "batch_pairs",
+    "check_finite",
+    "check_number",
+    "default_loss",
+    "evaluation_modes",
+    "fold_alpha",
+    "grads_or_zeros",
+    "iter_batches",
+    "known_length",
+    "loss_at",
+    "nonzero",
+    "positive_int",
+    "rank_mean",
+    "scalar_mean",
+    "scaled_params",
+    "select_tensors",
+    "tensor_roles",
+]
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+"""``loss_fn(model, batch) -> scalar tensor``; ``model`` is called like the original model."""
+
+TensorFilter = Callable[[str, torch.Tensor, str], bool]
+"""``params(name, tensor, role) -> bool``: whether the tensor gets a scale."""
+
+_BETAS = (0.9, 0.999)
+_ADAM_EPS = 1e-8
+_END = object()  # end-of-data marker
+
+
+def default_loss(model: Any, batch: Any) -> torch.Tensor:
+    """Cross-entropy of ``model(batch[0])`` against ``batch[1]`` (classification batches)."""
+    if isinstance(batch, (tuple, list)) and len(batch) >= 2:
+        return F.cross_entropy(default_forward(model, batch), batch[1])
+    raise TypeError(
+        "the default loss needs (input, target) batches; pass loss_fn(model, batch) -> scalar "
+        f"for batches of type {type(batch).__name__}"
+    )
+
+
+class AtParams:
+    """Stand-in for ``model`` evaluated at other tensors: ``functional_call(model, tensors, ...)``.
+
+    Calling it runs the model's forward with ``tensors`` (qualified name -> tensor) in place of its
+    parameters; every other attribute is the model's own.
+    """
+
+    def __init__(self, model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+        object.__setattr__(self, "_model", model)
+        object.__setattr__(self, "_tensors", tensors)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return functional_call(self._model, self._tensors, args, kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(object.__getattribute__(self, "_model"), name)
+
+
+@dataclass
+class Tensors:
+    """The distinct trainable tensors of a model and which of them carry a scale."""
+
+    names: list[str]
+    tensors: list[torch.Tensor]
+    roles: list[str]
+    scaled: list[int]  # positions in ``tensors`` that get an alpha, in alpha order
+    norms: list[float] = field(default_factory=list)  # norms of the scaled tensors before
+
+    @property
+    def numel(self) -> int:
+        return sum(t.numel() for t in self.tensors)
+
+
+def tensor_roles(model: nn.Module) -> dict[int, str]:
+    """Role of every parameter claimed by the default layer registry, by tensor identity."""
+    registry = default_registry()
+    roles: dict[int, str] = {}
+    for module in model.modules():
+        specs = registry.specs(module)
+        for spec in specs or ():
+            param = module._parameters.get(spec.name)
+            if param is not None:
+                roles.setdefault(id(param), spec.role)
+    return roles
+
+
+def nonzero(name: str, tensor: torch.Tensor, role: str) -> bool:
+    return bool(torch.count_nonzero(tensor.detach()) > 0)
+
+
+def select_tensors(
+    model: nn.Module, params: str | TensorFilter, default: TensorFilter, what: str
+) -> Tensors:
+    """Distinct trainable tensors (first name wins for tied ones) and the ones that get a scale."""
+    if isinstance(params, str):
+        if params != "default":
+            raise ValueError(f"{what}: params must be 'default' or a callable, got {params!r}")
+        chosen: TensorFilter = default
+    elif callable(params):
+        chosen = params
+    else:
+        raise TypeError(f"{what}: params must be 'default' or a callable, got {params!r}")
+    roles = tensor_roles(model)
+    out = Tensors([], [], [], [])
+    for name, p in model.named_parameters():  # deduplicates tied tensors by identity
+        if not p.requires_grad:
+            continue
+        role = roles.get(id(p), "unclaimed")
+        out.names.append(name)
+        out.tensors.append(p)
+        out.roles.append(role)
+        if chosen(name, p, role) and bool(torch.count_nonzero(p.detach()) > 0):
+            out.scaled.append(len(out.tensors) - 1)
+            out.norms.append(float(p.detach().double().norm()))
+    if not out.scaled:
+        raise ValueError(
+            f"{what}: no tensor to scale (the model has no trainable non-zero tensor that the "
+            "params selection accepts)"
+        )
+    return out
+
+
+def scaled_params(ts: Tensors, a: torch.Tensor) -> list[torch.Tensor]:
+    """``alpha_k * W`` for the scaled tensors, fresh leaves for the others (all need a gradient)."""
+    theta = [p.detach().requires_grad_() for p in ts.tensors]
+    for k, i in enumerate(ts.scaled):
+        w = ts.tensors[i].detach()
+        theta[i] = a[k].to(device=w.device, dtype=w.dtype) * w
+    return theta
+
+
+def loss_at(
+    model: nn.Module, loss_fn: LossFn, ts: Tensors, theta: Sequence[torch.Tensor], batch: Any
+) -> torch.Tensor:
+    loss = loss_fn(AtParams(model, dict(zip(ts.names, theta, strict=True))), batch)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise TypeError(
+            f"loss_fn must return a scalar tensor, got "
+            f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}"
+        )
+    return loss.reshape(())
+
+
+def grads_or_zeros(
+    outputs: torch.Tensor | Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    grad_outputs: Sequence[torch.Tensor] | None = None,
+    *,
+    create_graph: bool = False,
+    retain_graph: bool | None = None,
+) -> list[torch.Tensor]:
+    """``torch.autograd.grad`` with zeros for inputs the outputs do not depend on."""
+    grads = torch.autograd.grad(
+        outputs,
+        list(inputs),
+        grad_outputs=grad_outputs,
+        create_graph=create_graph,
+        retain_graph=retain_graph,
+        allow_unused=True,
+    )
+    return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs, strict=True)]
+
+
+def rank_mean(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Detached copies averaged over ranks (the detached tensors themselves without a group)."""
+    if not is_distributed():
+        return [t.detach() for t in tensors]
+    out = [t.detach().clone() for t in tensors]
+    all_reduce_sum(out)
+    n = world_size()
+    return [t / n for t in out]
+
+
+def scalar_mean(value: torch.Tensor) -> float:
+    return float(rank_mean([value.detach().double().reshape(1)])[0])
+
+
+def check_finite(value: float, iteration: int, what: str, quantity: str = "loss") -> None:
+    if not math.isfinite(value):
+        when = (
+            "at the first iteration, before anything changed"
+            if iteration == 0
+            else f"at iteration {iteration}; the model was left unchanged"
+        )
+        raise FloatingPointError(f"{what}: the {quantity} is {value} {when}")
+
+
+@contextmanager
+def evaluation_modes(model: nn.Module, batch_stats: bool) -> Iterator[None]:
+    """Dropout off; normalization with batch statistics if ``batch_stats``; then put back.
+
+    On exit (success or failure) every buffer gets its saved value back (in place), so running
+    statistics that the forward passes updated are bit-identical to before, and every module its
+    ``training`` flag.
+    """
+    modes = model_modes(model)
+    buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for b in model.buffers():
+        if id(b) not in buffers:
+            buffers[id(b)] = (b, b.detach().clone())
+    try:
+        model.eval()
+        if batch_stats:
+            for m in model.modules():
+                if isinstance(m, nn.modules.batchnorm._NormBase):
+                    m.train()
+        yield
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers.values():
+                b.copy_(saved)
+        restore_modes(model, modes)
+
+
+@dataclass
+class AlphaAdam:
+    """Adam on the vector of scales (``RescaleAdam``: bias-corrected, eps outside the sqrt)."""
+
+    lr: float
+    m: torch.Tensor
+    v: torch.Tensor
+    t: int = 0
+
+    @classmethod
+    def zeros(cls, n: int, lr: float) -> AlphaAdam:
+        z = torch.zeros(n, dtype=torch.float64)
+        return cls(lr, z, z.clone())
+
+    def step(self, alpha: torch.Tensor, grad: torch.Tensor, alpha_min: float) -> torch.Tensor:
+        b1, b2 = _BETAS
+        self.t += 1
+        self.m = b1 * self.m + (1 - b1) * grad
+        self.v = b2 * self.v + (1 - b2) * grad * grad
+        denom = (self.v / (1 - b2**self.t)).sqrt() + _ADAM_EPS
+        new = alpha - self.lr / (1 - b1**self.t) * self.m / denom
+        return new.clamp_min(alpha_min)
+
+
+def alpha_rows(model: nn.Module, ts: Tensors, alpha: torch.Tensor) -> list[dict[str, Any]]:
+    rows = []
+    for k, i in enumerate(ts.scaled):
+        rows.append(
+            {
+                "name": ts.names[i],
+                "role": ts.roles[i],
+                "alpha": float(alpha[k]),
+                "norm_before": ts.norms[k],
+                "norm_after": float(ts.tensors[i].detach().double().norm()),
+            }
+        )
+    return rows
+
+
+def fold_alpha(ts: Tensors, alpha: torch.Tensor) -> None:
+    """``W <- alpha * W`` in place, once per distinct tensor (the product the iterations used)."""
+    with torch.no_grad():
+        for k, i in enumerate(ts.scaled):
+            w = ts.tensors[i]
+            w.mul_(alpha[k].to(dtype=w.dtype, device=w.device))
+
+
+def known_length(data: Any) -> int | None:
+    if is_single_batch(data):
+        return 1
+    try:
+        return len(data)
+    except TypeError:
+        return None
+
+
+def iter_batches(data: Any, what: str) -> Iterator[Any]:
+    if is_single_batch(data):
+        return iter([data])
+    try:
+        return iter(data)
+    except TypeError:
+        raise TypeError(
+            f"{what}: data must be a batch (tensor or tuple of tensors) or an iterable of "
+            f"batches, got {type(data).__name__}"
+        ) from None
+
+
+def positive_int(what: str, key: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{what}: {key} must be a positive int, got {value!r}")
+    return value
+
+
+def check_number(
+    what: str, key: str, value: object, *, low: float = 0.0, strict: bool = True
+) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if ok:
+        value = float(value)
+        ok = not math.isnan(value) and (value > low if strict else value >= low)
+    if not ok:
+        sign = ">" if strict else ">="
+        raise ValueError(f"{what}: {key} must be a number {sign} {low}, got {value!r}")
+    return float(value)  # type: ignore[arg-type]
+
+
+def batch_pairs(
+    data: Any, iterations: int | None, need_next: bool, what: str
+) -> Iterator[tuple[Any, Any]]:
+    """``(S, next batch or None)`` per iteration, streaming; checks the length when it is known."""
+    total = _checked_iterations(data, iterations, need_next, what)
+    return _stream_pairs(data, total, need_next, what)
+
+
+def _checked_iterations(
+    data: Any, iterations: int | None, need_next: bool, what: str
+) -> int | None:
+    """The number of iterations (``None``: until the data ends); raises if too few batches."""
+    n = known_length(data)
+    extra = 1 if need_next else 0
+    if iterations is None:
+        if n is not None:
+            iterations = n - extra
+            if iterations < 1:
+                raise ValueError(
+                    f"{what} needs at least {1 + extra} batches (one iteration reads batch t and, "
+                    f"for S~, batch t+1) but the data gave {n}"
+                )
+    elif n is not None and n < iterations + extra:
+        raise ValueError(
+            f"{what} needs {iterations + extra} batches for {iterations} iterations"
+            f"{' (each reads batch t and, for S~, batch t+1)' if need_next else ''} but the data "
+            f"gave {n}; pass a loader with at least {iterations + extra} batches or lower "
+            "iterations"
+        )
+    return iterations
+
+
+def _stream_pairs(
+    data: Any, total: int | None, need_next: bool, what: str
+) -> Iterator[tuple[Any, Any]]:
+    """The pairs of :func:`batch_pairs`, read lazily from ``data``."""
+    extra = 1 if need_next else 0
+    it = iter_batches(data, what)
+    got = 0
+
+    def pull() -> Any:
+        nonlocal got
+        b = next(it, _END)
+        got += b is not _END
+        return b
+
+    def short(t: int) -> ValueError:
+        needed = (total if total is not None else t + 1) + extra
+        return ValueError(
+            f"{what} needs {needed} batches for {needed - extra} iterations"
+            f"{' (each reads batch t and, for S~, batch t+1)' if need_next else ''} but the "
+            f"data gave {got}; the model was left unchanged"
+        )
+
+    current = pull()
+    if current is _END:
+        raise ValueError(f"{what} got no batch: the data is empty")
+    t = 0
+    while total is None or t < total:
+        if need_next:
+            nxt = pull()
+            if nxt is _END:
+                if total is None and t > 0:
+                    return
+                raise short(t)
+            yield current, nxt
+            current = nxt
+        else:
+            yield current, None
+            if total is not None and t + 1 == total:
+                return
+            current = pull()
+            if current is _END:
+                if total is None:
+                    return
+                raise short(t + 1)
+        t += 1

@@ -1,0 +1,142 @@
+"""Helpers shared by the output-scaling, input-scaling and preconditioning methods.
+
+The measurement passes of :mod:`initlab.methods.output_scale`, :mod:`initlab.methods.input_scale`
+and :mod:`initlab.methods.precondition`: the output tensor of a model's output, buffers kept as
+they were, forked-RNG scopes, the execution order of layers (temporary hooks), the tolerance of an
+"unchanged up to rounding" check, and the checks of numeric options.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from initlab._core.hooks import hook_handles
+from initlab._core.rng import as_generator
+
+__all__ = [
+    "Forward",
+    "Seeds",
+    "check_positive",
+    "execution_order",
+    "keep_buffers",
+    "kernel_taps",
+    "output_tensor",
+    "rounding_tolerance",
+]
+
+Forward = Callable[[nn.Module, Any], Any]
+
+
+def output_tensor(out: Any) -> torch.Tensor:
+    """The model's output tensor: a tensor, ``out["logits"]``, or the first tensor of a tuple."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, Mapping):
+        if isinstance(out.get("logits"), torch.Tensor):
+            return out["logits"]
+        out = list(out.values())
+    if isinstance(out, (tuple, list)):
+        for item in out:
+            if isinstance(item, torch.Tensor):
+                return item
+    raise TypeError(
+        f"cannot find the output tensor in a {type(out).__name__}; pass forward= returning a tensor"
+    )
+
+
+@contextlib.contextmanager
+def keep_buffers(model: nn.Module) -> Iterator[None]:
+    """Put every buffer back as it was on exit (measurement passes must not move BN statistics)."""
+    saved = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, v in saved:
+                b.copy_(v)
+
+
+class Seeds:
+    """Forked-RNG scopes; each :meth:`scope` call with the same ``key`` replays the same draws.
+
+    Torch's global RNG (CPU and the model's CUDA devices) is restored when a scope ends. Seeds come
+    from ``generator`` when given, else from a fixed base, so measurement passes are reproducible
+    either way.
+    """
+
+    def __init__(self, model: nn.Module, generator: torch.Generator | int | None) -> None:
+        generator = as_generator(generator)
+        base = 0 if generator is None else int(torch.randint(2**62, (1,), generator=generator))
+        self.base = base
+        self.devices = sorted(
+            {t.device.index or 0 for t in model.parameters() if t.device.type == "cuda"}
+        )
+
+    @contextlib.contextmanager
+    def scope(self, key: int = 0) -> Iterator[None]:
+        seed = (self.base + 7919 * key) % 2**62
+        with torch.random.fork_rng(devices=self.devices):
+            torch.default_generator.manual_seed(seed)
+            for d in self.devices:
+                torch.cuda.default_generators[d].manual_seed(seed)
+            yield
+
+
+def execution_order(
+    model: nn.Module, names: Sequence[str], run: Callable[[], Any]
+) -> tuple[list[str], dict[str, torch.Tensor], Any]:
+    """Call ``run()`` with temporary forward hooks on the named modules.
+
+    Returns the names in the order of their first call, each one's first input (detached), and
+    what ``run`` returned. The hooks are removed even if ``run`` raises.
+    """
+    modules = dict(model.named_modules())
+    order: list[str] = []
+    inputs: dict[str, torch.Tensor] = {}
+
+    def make(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple) -> None:
+            if name not in inputs:
+                order.append(name)
+                first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+                if first is not None:
+                    inputs[name] = first.detach()
+
+        return hook
+
+    with hook_handles() as handles:
+        for name in names:
+            handles.add(modules[name].register_forward_pre_hook(make(name)))
+        out = run()
+    return order, inputs, out
+
+
+def rounding_tolerance(t: torch.Tensor, floor: float) -> float:
+    """Relative tolerance of an "unchanged up to rounding" check on ``t``'s dtype."""
+    eps = torch.finfo(t.dtype).eps if t.is_floating_point() else 0.0
+    return max(floor, 10 * eps)
+
+
+def check_positive(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return float(value)
+
+
+def kernel_taps(kernel_size: int | Sequence[int]) -> int:
+    if isinstance(kernel_size, int) and not isinstance(kernel_size, bool):
+        if kernel_size < 1:
+            raise ValueError(f"kernel_size must be >= 1, got {kernel_size}")
+        return kernel_size * kernel_size
+    sizes = list(kernel_size)
+    if not sizes or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in sizes):
+        raise ValueError(f"kernel_size must be a positive int or ints, got {kernel_size!r}")
+    return math.prod(sizes)

@@ -1,0 +1,482 @@
+"""The public entry point :func:`lsuv_`: options, data, the sweeps, the report.
+
+Validates the options, takes the batches (concatenated or not), builds the units
+(:mod:`initlab.methods.lsuv.units`), runs the sweeps with the engine's hooks installed
+(:mod:`initlab.methods.lsuv.engine`) under eval mode and the model's guard, and builds the report
+and warnings. The algorithm is described in :mod:`initlab.methods.lsuv`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from initlab._core.data import batch_size, default_forward, take_batches
+from initlab._core.hooks import hook_handles
+from initlab._core.method_report import MethodReport
+from initlab._core.pytree import flatten_tensors
+from initlab._core.rng import as_generator
+from initlab._core.state import model_modes, restore_modes, restore_on_failure
+from initlab.init.registry import Registry, default_registry
+from initlab.methods.lsuv.engine import Engine
+from initlab.methods.lsuv.units import (
+    DEAD,
+    KNOWN_BLOCKS,
+    NEVER,
+    Mode,
+    Selection,
+    Unit,
+    build_units,
+    find_blocks,
+)
+
+__all__ = ["KNOWN_BLOCKS", "LSUV_COLUMNS", "lsuv_"]
+
+#: Columns of the :class:`~initlab.MethodReport` rows of :func:`lsuv_`, one row per
+#: layer (an attention module gives one row per q/k/v projection and one for ``out_proj``):
+#:
+#: * ``module``: qualified name of the layer (``"attn.in_proj_weight[q]"`` for a projection block);
+#: * ``module_type``: its class name;
+#: * ``order``: position in execution order (first call), from 0; ``None``: never ran;
+#: * ``calls``: times the layer ran during the final, measuring sweep (all batches);
+#: * ``measured_at``: whose output variance is brought to the target: ``"output"`` (the layer's
+#:   own), ``"projection"`` (one q/k/v block of an attention input projection),
+#:   ``"attention output"`` (``out_proj``: the attention module's output), or
+#:   ``"block output: <name>"`` (``mode="stream"``: the residual block's output);
+#: * ``shared_with``: other layers that share this layer's weight tensor (tied), comma-separated;
+#: * ``scale``: total factor the weight was multiplied by after the orthogonal pre-init;
+#: * ``iterations``: corrections applied (rescalings, plus block re-runs in ``"stream"`` mode);
+#: * ``var_before``: variance LSUV measured at the layer before correcting it (after the pre-init
+#:   and after the layers before it were fixed) -- the first call of the first batch of the first
+#:   sweep, pooled over ranks;
+#: * ``var_after``: the achieved variance, measured in the final sweep in which nothing was
+#:   rescaled, pooled over all calls, batches and ranks;
+#: * ``skipped``: why the layer was not scaled, or ``""``.
+LSUV_COLUMNS = (
+    "module",
+    "module_type",
+    "order",
+    "calls",
+    "measured_at",
+    "shared_with",
+    "scale",
+    "iterations",
+    "var_before",
+    "var_after",
+    "skipped",
+)
+
+NormMode = Literal["eval", "train"]
+
+_MODES = ("layers", "branches", "stream")
+_NORM_MODES = ("eval", "train")
+
+
+def _cat(items: list[Any], path: str) -> Any:
+    """Concatenate one position of several batches along dim 0."""
+    first = items[0]
+    if isinstance(first, torch.Tensor):
+        if not all(isinstance(t, torch.Tensor) for t in items):
+            raise ValueError(f"batch entry {path or 'input'} is a tensor in some batches only")
+        if first.dim() == 0 or any(t.shape[1:] != first.shape[1:] for t in items):
+            shapes = [tuple(t.shape) for t in items]
+            raise ValueError(
+                f"lsuv_ cannot concatenate the batches along dim 0: entry {path or 'input'} has "
+                f"shapes {shapes}; pass concat_batches=False to run the batches one after another"
+            )
+        return torch.cat(items, 0)
+    if isinstance(first, Mapping):
+        if any(not isinstance(b, Mapping) or b.keys() != first.keys() for b in items):
+            raise ValueError("lsuv_ cannot concatenate batches whose dict keys differ")
+        return type(first)({k: _cat([b[k] for b in items], f"{path}.{k}") for k in first})
+    if isinstance(first, (tuple, list)):
+        if any(type(b) is not type(first) or len(b) != len(first) for b in items):
+            raise ValueError("lsuv_ cannot concatenate batches of different structure")
+        values = [_cat([b[i] for b in items], f"{path}.{i}") for i in range(len(first))]
+        if hasattr(first, "_fields"):  # namedtuple
+            return type(first)(*values)
+        return type(first)(values)
+    if any(b != first for b in items):
+        raise ValueError(
+            f"lsuv_ cannot concatenate batches whose non-tensor entry {path or 'input'} differs; "
+            "pass concat_batches=False"
+        )
+    return first
+
+
+def _check_positive(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def lsuv_(
+    model: nn.Module,
+    data: Any,
+    *,
+    target: float = 1.0,
+    tol: float = 0.1,
+    max_iter: int = 10,
+    orthogonal: bool = True,
+    forward: Callable[[nn.Module, Any], Any] | None = None,
+    mode: Mode = "layers",
+    batches: int | None = 1,
+    concat_batches: bool = True,
+    generator: torch.Generator | int | None = None,
+    modules: Selection | None = None,
+    blocks: Selection | None = None,
+    norm_mode: NormMode = "eval",
+    registry: Registry | None = None,
+) -> MethodReport:
+    """Layer-sequential unit-variance initialization (Mishkin & Matas 2016, Algorithm 1), in place.
+
+    Optionally pre-initializes every layer with an orthonormal matrix and zero biases, then scales
+    each layer's weight, in execution order and the first layer included, so that its output
+    variance over the data reaches ``target``: ``W <- W * sqrt(target / Var(y))`` until
+    ``|Var(y) - target| < tol`` or ``max_iter`` corrections. A "layer" is every module whose
+    registry handler names one weight (:func:`~initlab.init.registry.default_registry`): Linear,
+    Conv/ConvTranspose, Bilinear, GPT-2 ``Conv1D``, your registered types. See the module
+    docstring for the one-pass algorithm; on a plain network it costs **2 forward passes
+    whatever the depth** (the paper's loop costs about two per layer).
+
+    Choices, where the paper is silent:
+
+    * **In-place activations**: each layer is measured inside its own forward hook, before a
+      following ``ReLU(inplace=True)`` can overwrite its output.
+    * **Biases**: zeroed by the pre-init (the paper's assumption). With ``orthogonal=False``
+      they are left as they are, and a non-zero bias ``b`` is accounted for exactly:
+      ``y = s W x + b``, so ``s`` solves ``Var(s Wx + b) = target``; layers whose bias alone
+      exceeds the target are skipped and reported.
+    * **Layers that run several times** per forward, and **tied weights** (one tensor in several
+      layers: scaled once, stays tied): scaled by the variance **pooled over all calls** (and all
+      tied layers), which takes a few sweeps.
+    * **Layers that never run** on the data: warned about, left untouched (not even
+      pre-initialized), reported with ``skipped="never called"``. **Dead layers** (zero output
+      variance): skipped and reported, never divided by a small number.
+    * **Attention** (``nn.MultiheadAttention``): the q, k and v blocks of the input projection are
+      three layers, each measured on its own projection ``x W_q^T + b_q`` (computed from the
+      module's inputs in a pre-hook, before the module uses the weight, so the correction is
+      exact); ``out_proj`` -- which the module applies functionally, never calling the child
+      ``Linear`` -- is a layer whose output is the attention module's output. (The PyPI ``lsuv``
+      package only scales ``out_proj`` and leaves the projections at their orthogonal init.) The
+      fused fast path of ``nn.TransformerEncoderLayer`` is turned off during the call (and
+      restored) so that its inner layers run as modules.
+    * **BatchNorm**: ``norm_mode="eval"`` (default, as the reference LSUV code and the PyPI
+      package do) runs the whole model in eval mode: BatchNorm normalizes with its running
+      statistics, which at initialization make it close to the identity, so the layer before it
+      is scaled to the target and BN passes it on. ``norm_mode="train"`` keeps BatchNorm layers in
+      training mode (batch statistics; their running statistics are restored afterwards): then a
+      BN that follows a layer divides the layer's scale out again, so LSUV on that layer has no
+      effect on the BN output (its own output still reaches the target).
+    * **Dropout** is always off (eval mode), and every module's train/eval flag is restored.
+
+    Residual networks, ``mode``:
+
+    * ``"layers"`` (the paper): every layer's own output reaches the target. In a residual net
+      each branch then adds a unit-variance signal to the stream, whose variance grows with depth.
+    * ``"branches"``: inside each residual block only the **branch end** -- the last layer that
+      ran in the block and did not take the block's own input (so a projection shortcut is never
+      it) -- is pre-initialized and scaled, so that the branch output reaches the target; the other
+      layers of the block keep their weights (reported as skipped). Layers outside blocks are
+      treated as in ``"layers"``.
+    * ``"stream"``: every layer as in ``"layers"``, except each block's branch end, which is scaled
+      so that the **block's output** (the residual stream after the block) reaches the target.
+      That output is not linear in the weight, so the block alone (not the model) is re-run on its
+      cached input with secant steps, at most ``max_iter`` times per sweep. A branch can only add
+      to the stream: with an identity shortcut and nothing after the sum,
+      ``Var(x + f) = Var(x) + Var(f) >= Var(x)``, so a target at or below the block's variance
+      without its branch (measured by one re-run with the branch end's weight at zero) cannot be
+      reached; that branch end is then scaled as in ``"layers"`` and its ``measured_at`` says so.
+      In practice ``"stream"`` suits nets with an activation (or a normalization) after the sum,
+      or between blocks, which keeps the stream below the target.
+
+    Both block modes add one measuring "discovery" pass that finds each block's branch end.
+    Blocks are given by ``blocks=``, or found by type (:data:`KNOWN_BLOCKS`: initlab's and
+    torchvision's ResNet blocks); blocks must not nest.
+
+    Like every data-dependent initialization in initlab: changes ``model`` in place, never moves
+    it, leaves no hook behind (also after an exception), and restores every weight, buffer and
+    train/eval mode if anything fails midway (:func:`~initlab._core.state.restore_on_failure`).
+
+    Args:
+        model: any ``nn.Module``.
+        data: one batch (a tensor, or a tuple/list/dict whose first entry is the input) or an
+            iterable of batches (a ``DataLoader``).
+        target: the output variance to reach (1 in the paper).
+        tol: stop when ``|Var - target| < tol`` (on the variance, as the paper writes it; the
+            PyPI package compares standard deviations).
+        max_iter: at most this many corrections per layer (the paper's ``T_max``), and at most
+            this many correcting sweeps.
+        orthogonal: pre-initialize each layer's weight with a (semi-)orthogonal matrix -- per
+            q/k/v block and per convolution group, through the registry's layout -- and zero its
+            biases, at the layer's first call. Only the scaled layers are touched (norm layers
+            and embeddings are not, unlike ``init_model(model, "orthogonal")``).
+        forward: ``forward(model, batch)`` runs the model on one batch (default
+            :func:`~initlab._core.data.default_forward`).
+        mode: ``"layers"``, ``"branches"`` or ``"stream"`` (above).
+        batches: how many batches of ``data`` the statistics pool over (``None``: all of them).
+            A loader with fewer raises, saying how many are needed.
+        concat_batches: with several batches, run them as one concatenated batch (exact in one
+            sweep; dim 0 of every tensor is concatenated) rather than one after another.
+        generator: ``torch.Generator`` or int seed for the orthogonal pre-init; the same seed
+            gives identical weights.
+        modules: the layers to process: qualified names, or a predicate ``(name, module) ->
+            bool``; default every layer. Naming an attention module selects its projections and
+            ``out_proj``.
+        blocks: the residual blocks for ``mode="branches"``/``"stream"``: qualified names or a
+            predicate; default: modules of a type in :data:`KNOWN_BLOCKS`.
+        norm_mode: ``"eval"`` or ``"train"``: the mode BatchNorm layers run in (above).
+        registry: the layer registry (default :func:`~initlab.init.registry.default_registry`).
+
+    Returns:
+        :class:`~initlab.MethodReport` named ``"lsuv"``, one row per layer (schema
+        :data:`LSUV_COLUMNS`), with ``forward_passes`` (full forwards of the model),
+        ``backward_passes`` (0) and ``wall_s``; ``info`` holds ``sweeps``, ``block_replays``,
+        ``batches``, ``examples``, ``converged`` and the settings.
+
+    Raises:
+        ValueError: bad options; ``data`` has fewer batches than asked for; non-finite data or a
+            non-finite layer output (the model is left unchanged).
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(inplace=True), nn.Linear(64, 10))
+        >>> report = lsuv_(net, torch.randn(256, 32), generator=0)
+        >>> report.forward_passes
+        2
+        >>> all(abs(r["var_after"] - 1.0) < 0.1 for r in report)
+        True
+    """
+    start = time.perf_counter()
+    target, tol, forward = _check_options(
+        model, target, tol, max_iter, mode, norm_mode, batches, blocks, forward
+    )
+    gen = as_generator(generator)
+    registry = registry if registry is not None else default_registry()
+    taken, examples, runs = _take_data(data, batches, concat_batches)
+    units = build_units(model, modules, registry)
+    block_names = find_blocks(model, blocks) if mode != "layers" else {}
+    engine = Engine(
+        units,
+        target=target,
+        tol=tol,
+        max_iter=max_iter,
+        orthogonal=orthogonal,
+        generator=gen,
+        block_names=block_names,
+    )
+    with restore_on_failure(model):
+        passes, sweeps = _run(model, engine, runs, forward, mode, norm_mode, max_iter)
+    rows, off = _report_rows(units, engine, target, tol)
+    _warn(units, off, target, tol, max_iter)
+    info = {
+        "mode": mode,
+        "target": target,
+        "tol": tol,
+        "sweeps": sweeps,
+        "block_replays": engine.replays,
+        "batches": len(taken),
+        "examples": examples,
+        "converged": not off,
+    }
+    return MethodReport(
+        rows,
+        LSUV_COLUMNS,
+        method="lsuv",
+        forward_passes=passes,
+        backward_passes=0,
+        wall_s=time.perf_counter() - start,
+        info=info,
+    )
+
+
+def _check_options(
+    model: nn.Module,
+    target: float,
+    tol: float,
+    max_iter: int,
+    mode: str,
+    norm_mode: str,
+    batches: int | None,
+    blocks: Selection | None,
+    forward: Callable[[nn.Module, Any], Any] | None,
+) -> tuple[float, float, Callable[[nn.Module, Any], Any]]:
+    """Validate :func:`lsuv_`'s options; ``target``, ``tol`` as floats and the forward."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"lsuv_ expects an nn.Module, got {type(model).__name__}")
+    target = _check_positive("target", target)
+    tol = _check_positive("tol", tol)
+    if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1:
+        raise ValueError(f"max_iter must be an int >= 1, got {max_iter!r}")
+    if mode not in _MODES:
+        raise ValueError(f"unknown mode {mode!r}; valid modes: {list(_MODES)}")
+    if norm_mode not in _NORM_MODES:
+        raise ValueError(f"unknown norm_mode {norm_mode!r}; valid values: {list(_NORM_MODES)}")
+    if batches is not None and (
+        isinstance(batches, bool) or not isinstance(batches, int) or batches < 1
+    ):
+        raise ValueError(f"batches must be an int >= 1 or None, got {batches!r}")
+    if blocks is not None and mode == "layers":
+        raise ValueError("blocks= is used by mode='branches' or 'stream' only")
+    if forward is None:
+        forward = default_forward
+    elif not callable(forward):
+        raise TypeError(f"forward must be callable (model, batch) -> output, got {forward!r}")
+    return target, tol, forward
+
+
+def _take_data(
+    data: Any, batches: int | None, concat_batches: bool
+) -> tuple[list[Any], int, list[Any]]:
+    """The batches taken from ``data`` (checked finite), their examples, and what each forward
+    pass runs on."""
+    taken = take_batches(data, batches, what="lsuv_")
+    for batch in taken:
+        for path, t in flatten_tensors(batch):
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise ValueError(f"lsuv_: the data has non-finite values (entry {path})")
+    examples = sum(batch_size(b) for b in taken)
+    runs = [_cat(taken, "")] if concat_batches and len(taken) > 1 else taken
+    return taken, examples, runs
+
+
+@contextmanager
+def _measuring_modes(model: nn.Module, norm_mode: str) -> Iterator[None]:
+    """Eval mode (BatchNorm in train mode for ``norm_mode="train"``, its buffers restored) and the
+    fused attention fast path off; every flag, buffer and the fast path put back on exit."""
+    modes = model_modes(model)
+    norm_buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+    mha_backend = getattr(torch.backends, "mha", None)
+    fastpath = mha_backend.get_fastpath_enabled() if mha_backend is not None else None
+    try:
+        model.eval()
+        if norm_mode == "train":
+            for m in model.modules():
+                if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                    m.train()
+                    norm_buffers += [(b, b.detach().clone()) for b in m.buffers()]
+        if mha_backend is not None:
+            mha_backend.set_fastpath_enabled(False)
+        yield
+    finally:
+        if mha_backend is not None and fastpath is not None:
+            mha_backend.set_fastpath_enabled(fastpath)
+        with torch.no_grad():
+            for buf, saved in norm_buffers:
+                buf.copy_(saved)
+        restore_modes(model, modes)
+
+
+def _run(
+    model: nn.Module,
+    engine: Engine,
+    runs: list[Any],
+    forward: Callable[[nn.Module, Any], Any],
+    mode: str,
+    norm_mode: str,
+    max_iter: int,
+) -> tuple[int, int]:
+    """The sweeps of one call, hooks installed: ``(forward passes, sweeps)``.
+
+    A discovery pass first in the block modes; then correcting sweeps, each followed by a
+    measuring one, until nothing is corrected and nothing is pending, or ``max_iter`` sweeps.
+    """
+    passes = 0
+    sweeps = 0
+
+    def run_pass() -> None:
+        nonlocal passes
+        for batch in runs:
+            forward(model, batch)
+            passes += 1
+
+    with _measuring_modes(model, norm_mode), hook_handles() as handles:
+        engine.install(handles)
+        with torch.no_grad():
+            if mode != "layers":
+                engine.discovering = True
+                engine.begin_sweep(False)
+                run_pass()
+                engine.discovering = False
+                engine.discover(mode)  # type: ignore[arg-type]
+            while True:
+                sweeps += 1
+                engine.begin_sweep(sweeps <= max_iter)
+                run_pass()
+                engine.end_sweep()
+                if engine.corrected:
+                    continue  # measure again, with nothing rescaled
+                if not engine.may_correct or not engine.pending() or sweeps >= max_iter:
+                    break
+    return passes, sweeps
+
+
+def _report_rows(
+    units: list[Unit], engine: Engine, target: float, tol: float
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """The report's rows (:data:`LSUV_COLUMNS`, execution order) and the scaled layers that did
+    not reach the target; marks the units that never ran."""
+    for u in engine.active:
+        if u.order is None and not u.skipped:
+            u.skipped = NEVER
+    rows = []
+    ordered = sorted(units, key=lambda u: (u.order is None, u.order if u.order is not None else 0))
+    for u in ordered:
+        rows.append(
+            {
+                "module": u.name,
+                "module_type": u.module_type,
+                "order": u.order,
+                "calls": u.calls if u.kind != "static" else 0,
+                "measured_at": u.measured_at(),
+                "shared_with": ", ".join(n for n, _ in u.members[1:] if n != u.name),
+                "scale": u.scale,
+                "iterations": u.iterations,
+                "var_before": u.var_before,
+                "var_after": u.var_after,
+                "skipped": u.skipped or u.frozen,
+            }
+        )
+    scaled = [u for u in engine.active if not u.skipped and not u.frozen]
+    off = [u.name for u in scaled if u.var_after is None or abs(u.var_after - target) >= tol]
+    return rows, off
+
+
+def _warn(units: list[Unit], off: list[str], target: float, tol: float, max_iter: int) -> None:
+    """Warn about layers never run, dead, not scaled, or not within ``tol`` (for the caller of
+    :func:`lsuv_`: ``stacklevel=3``)."""
+    never = [u.name for u in units if u.skipped == NEVER]
+    dead = [u.name for u in units if u.skipped == DEAD]
+    other = [
+        f"{u.name} ({u.skipped})" for u in units if u.skipped and u.skipped not in (NEVER, DEAD)
+    ]
+    if never:
+        warnings.warn(
+            f"lsuv_: {len(never)} layer(s) never ran on the data and were skipped: {never}",
+            UserWarning,
+            stacklevel=3,
+        )
+    if dead:
+        warnings.warn(
+            f"lsuv_: {len(dead)} layer(s) have zero output variance (dead) and were skipped: "
+            f"{dead}",
+            UserWarning,
+            stacklevel=3,
+        )
+    if other:
+        warnings.warn(f"lsuv_: layer(s) not scaled: {other}", UserWarning, stacklevel=3)
+    if off:
+        warnings.warn(
+            f"lsuv_: {len(off)} layer(s) did not reach |Var - {target:g}| < {tol:g} within "
+            f"max_iter={max_iter}: {off}",
+            UserWarning,
+            stacklevel=3,
+        )
