@@ -1095,7 +1095,7 @@ ATTENTION_CASES = {
 
 @pytest.mark.parametrize("case", list(ATTENTION_CASES))
 def test_attention_shortcut_matches_a_loop(case, monkeypatch):
-    import initlab.measure.probe as probe_module
+    import initlab.measure.probe.per_example as probe_module
 
     factory, bd = ATTENTION_CASES[case]
     gen = torch.Generator().manual_seed(11)

@@ -1,0 +1,370 @@
+r"""Block values of the Hessian (or GGN) by Hutchinson-type probes, and its top eigenpairs.
+
+:func:`block_curvature` estimates the average squared singular value ``‖H_lk‖_F² / N_lk`` of
+every block with its standard error (definitions, ``N_lk``, estimator and cost in
+:mod:`initlab.measure.curvature`) and returns a :class:`BlockCurvature` (columns
+:data:`BLOCK_COLUMNS`); :func:`_estimate` runs the probes on a
+:class:`~initlab.measure.curvature.operators.CurvatureOperator`. :func:`hessian_eigenpairs` gives
+the top eigenpairs (Lanczos).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from initlab._core.rng import as_generator
+from initlab._core.rows import Rows
+from initlab.measure.curvature.functional import Forward, LossFn
+from initlab.measure.curvature.operators import CurvatureOperator, Kind
+from initlab.measure.curvature.products import Mode
+
+__all__ = ["BLOCK_COLUMNS", "BlockCurvature", "block_curvature", "hessian_eigenpairs"]
+
+ProbeKind = Literal["rademacher", "gaussian"]
+Normalize = Literal["min", "row", "col", "geometric", "none"]
+
+_PROBES = ("rademacher", "gaussian")
+_NORMALIZE = ("min", "row", "col", "geometric", "none")
+_NAN = float("nan")
+
+BLOCK_COLUMNS: tuple[str, ...] = (
+    "block_row",
+    "block_col",
+    "value",
+    "stderr",
+    "probes",
+    "n_row",
+    "n_col",
+    "row_index",
+    "col_index",
+    "kind",
+    "nonfinite",
+    "note",
+)
+"""Columns of :func:`block_curvature`: ``block_row``/``block_col`` block names (parameter or
+module names), ``value`` = ``‖H_lk‖_F² / N_lk`` (see the module docstring for ``N_lk``),
+``stderr`` its standard error over probes, ``probes`` the number of probes, ``n_row``/``n_col``
+the block sizes, ``row_index``/``col_index`` positions in the block order, ``kind``
+(``"hessian"``/``"ggn"``), ``nonfinite`` probes whose product held NaN/inf, ``note``."""
+
+
+def _draw(
+    n: int, probe: str, gen: torch.Generator | None, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A probe with ``E[r rᵀ] = I``, drawn on the CPU (same values on every device)."""
+    if probe == "rademacher":
+        r = torch.randint(0, 2, (n,), generator=gen, dtype=torch.float64).mul_(2).sub_(1)
+    else:
+        r = torch.randn(n, generator=gen, dtype=torch.float64)
+    return r.to(dtype=dtype, device=device)
+
+
+def _norm(n_row: int, n_col: int, normalize: str) -> float:
+    if normalize == "min":
+        return float(min(n_row, n_col))
+    if normalize == "row":
+        return float(n_row)
+    if normalize == "col":
+        return float(n_col)
+    if normalize == "geometric":
+        return math.sqrt(n_row * n_col)
+    return 1.0
+
+
+class BlockCurvature(Rows):
+    """Rows of :func:`block_curvature` (columns :data:`BLOCK_COLUMNS`) plus the block order.
+
+    Attributes:
+        blocks: block names in order (``row_index``/``col_index`` index this list).
+        sizes: block sizes.
+        kind: ``"hessian"`` or ``"ggn"``.
+        notes: global notes (unused parameters, ``rel_tol`` not reached, non-finite products).
+        samples: ``(probes, L, L)`` float64 tensor of the per-probe values
+            ``‖H_lk r_k‖² / N_lk`` (every block, also with ``full_matrix=False``); ``value`` is
+            their mean over probes.
+    """
+
+    def __init__(
+        self,
+        rows: Sequence[Mapping[str, Any]],
+        blocks: Sequence[str],
+        sizes: Sequence[int],
+        kind: str,
+        notes: Sequence[str],
+        samples: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__(rows, BLOCK_COLUMNS, title=f"block curvature ({kind})")
+        self.blocks = list(blocks)
+        self.sizes = list(sizes)
+        self.kind = kind
+        self.notes = list(notes)
+        n = len(self.blocks)
+        self.samples = samples if samples is not None else torch.empty(0, n, n, dtype=torch.float64)
+
+    def matrix(self, column: str = "value") -> torch.Tensor:
+        """``L × L`` float64 tensor of ``column`` (NaN where no row: off-diagonal blocks when
+        ``full_matrix=False``). ``matrix().sqrt()`` is the average singular value of Figure 1."""
+        out = torch.full((len(self.blocks), len(self.blocks)), _NAN, dtype=torch.float64)
+        for r in self._rows:
+            out[r["row_index"], r["col_index"]] = float(r[column])
+        return out
+
+
+def block_curvature(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn,
+    *,
+    kind: Kind = "hessian",
+    params: Sequence[str] | Mapping[str, Sequence[str]] | None = None,
+    group: Literal["tensor", "module"] = "tensor",
+    probes: int = 16,
+    rel_tol: float | None = None,
+    max_probes: int | None = None,
+    generator: torch.Generator | int | None = None,
+    full_matrix: bool = False,
+    probe: ProbeKind = "rademacher",
+    normalize: Normalize = "min",
+    mode: Mode = "rev_rev",
+    forward: Forward | None = None,
+) -> BlockCurvature:
+    r"""Average squared singular value of every block of the Hessian (or GGN), with its stderr.
+
+    ``value(l, k) = ‖H_lk‖_F² / N_lk``, estimated as the mean over probes ``r`` supported on
+    block ``k`` of ``‖H_lk r‖² / N_lk`` (module docstring: definitions, ``N_lk``, cost). Each probe
+    costs one product per block and gives a sample of every block, so the full ``L × L`` map
+    (``full_matrix=True``) costs the same products as the diagonal.
+
+    Args:
+        model: any ``nn.Module`` (not mutated; train/eval modes as they are).
+        batch: one batch.
+        loss_fn: ``loss_fn(outputs, batch) -> scalar``, a ``NamedLoss`` or a loss name
+            (:func:`resolve_loss`).
+        kind: ``"hessian"`` or ``"ggn"`` (generalized Gauss–Newton ``Jᵀ H_out J``).
+        params: ``None`` (all trainable parameters), parameter names, or block name → names.
+        group: ``"tensor"`` (one block per parameter tensor) or ``"module"`` (weight + bias of a
+            module in one block), used when ``params`` is ``None`` or a sequence.
+        probes: number of probes (the minimum when ``rel_tol`` is given); at least 2 for a stderr.
+        rel_tol: keep adding probes until ``stderr <= rel_tol * |value|`` for every reported
+            block with a finite nonzero value, up to ``max_probes``.
+        max_probes: cap on probes with ``rel_tol`` (default ``max(probes, 256)``).
+        generator: ``torch.Generator``, int seed, or ``None`` (torch's global RNG).
+        full_matrix: report all ``L × L`` blocks (default: only the diagonal blocks ``H_ll``).
+        probe: ``"rademacher"`` (default) or ``"gaussian"``.
+        normalize: ``"min"`` (default), ``"row"``, ``"col"``, ``"geometric"`` or ``"none"``.
+        mode: ``"rev_rev"`` (default) or ``"fwd_rev"``.
+        forward: ``forward(model, batch) -> outputs`` (default
+            :func:`~initlab._core.data.default_forward`).
+
+    Returns:
+        :class:`BlockCurvature` rows (:data:`BLOCK_COLUMNS`), diagonal blocks in block order, or
+        all blocks row-major with ``full_matrix``; ``.matrix()`` gives the heat map.
+
+    Raises:
+        DoubleBackwardError: a module without double backward (named in the message).
+    """
+    if probe not in _PROBES:
+        raise ValueError(f"unknown probe {probe!r}; valid probes: {list(_PROBES)}")
+    if normalize not in _NORMALIZE:
+        raise ValueError(f"unknown normalize {normalize!r}; valid values: {list(_NORMALIZE)}")
+    if isinstance(probes, bool) or not isinstance(probes, int) or probes < 1:
+        raise ValueError(f"probes must be a positive int, got {probes!r}")
+    if rel_tol is not None and not (isinstance(rel_tol, (int, float)) and rel_tol > 0):
+        raise ValueError(f"rel_tol must be a positive number or None, got {rel_tol!r}")
+    if max_probes is None:
+        max_probes = max(probes, 256) if rel_tol is not None else probes
+    if max_probes < probes:
+        raise ValueError(f"max_probes ({max_probes}) must be >= probes ({probes})")
+    op = CurvatureOperator(
+        model, batch, loss_fn, kind=kind, params=params, group=group, mode=mode, forward=forward
+    )
+    return _estimate(
+        op, probes, rel_tol, max_probes, as_generator(generator), full_matrix, probe, normalize
+    )
+
+
+def _estimate(
+    op: CurvatureOperator,
+    probes: int,
+    rel_tol: float | None,
+    max_probes: int,
+    gen: torch.Generator | None,
+    full_matrix: bool,
+    probe: str,
+    normalize: str,
+) -> BlockCurvature:
+    """Draw probes until ``probes`` (or, with ``rel_tol``, convergence or ``max_probes``)."""
+    blocks = op.blocks
+    n_blocks = len(blocks)
+    used_param = dict(zip(op.param_names, op.used, strict=True))
+    block_used = [any(used_param[n] for n in b.params) for b in blocks]
+    norms = torch.tensor(
+        [[_norm(bl.size, bk.size, normalize) for bk in blocks] for bl in blocks],
+        dtype=torch.float64,
+    )
+    samples: list[torch.Tensor] = []  # each L x L (row l, col k) for one probe
+    index = {n: i for i, n in enumerate(op.param_names)}
+    zeros = [torch.zeros_like(p) for p in op._values]
+    report = (
+        [(l_, k) for l_ in range(n_blocks) for k in range(n_blocks)]
+        if full_matrix
+        else [(l_, l_) for l_ in range(n_blocks)]
+    )
+    done = 0
+    while done < max_probes:
+        samples.append(_probe_sample(op, block_used, index, zeros, probe, gen) / norms)
+        done += 1
+        if done < probes:
+            continue
+        if rel_tol is None or done >= max_probes:
+            break
+        if _converged(torch.stack(samples), done, report, rel_tol):
+            break
+    stack = torch.stack(samples)
+    nonfinite = (~torch.isfinite(stack)).sum(0)
+    mean = stack.mean(0)
+    se = stack.std(0, unbiased=True) / math.sqrt(done) if done > 1 else torch.full_like(mean, _NAN)
+    notes: list[str] = []
+    unused = [n for n in op.param_names if not used_param[n]]
+    if unused:
+        notes.append(
+            f"the loss does not depend on {unused}: their rows and columns of the "
+            f"{op.kind} are exactly zero"
+        )
+    rows, unconverged = _block_rows(op, report, block_used, mean, se, nonfinite, done, rel_tol)
+    if unconverged:
+        notes.append(
+            f"rel_tol={rel_tol} not reached for {unconverged} blocks after {done} probes "
+            f"(max_probes)"
+        )
+    if int(nonfinite.sum()):
+        notes.append("some products held NaN/inf (see the nonfinite column)")
+    names, sizes = [b.name for b in blocks], [b.size for b in blocks]
+    return BlockCurvature(rows, names, sizes, op.kind, notes, samples=stack)
+
+
+def _probe_sample(
+    op: CurvatureOperator,
+    block_used: Sequence[bool],
+    index: Mapping[str, int],
+    zeros: Sequence[torch.Tensor],
+    probe: str,
+    gen: torch.Generator | None,
+) -> torch.Tensor:
+    """One probe per block ``k``: ``‖H_lk r_k‖²`` for every ``(l, k)`` (``L × L``, float64).
+
+    ``index``: position of each parameter name; ``zeros``: one zero tensor per parameter.
+    Columns of blocks the loss does not depend on are exactly zero and get no product.
+    """
+    blocks = op.blocks
+    n_blocks = len(blocks)
+    sample = torch.zeros(n_blocks, n_blocks, dtype=torch.float64)
+    for k, bk in enumerate(blocks):
+        if not block_used[k]:
+            continue  # the column is exactly zero
+        r = _draw(bk.size, probe, gen, op.dtype, op.device)
+        v = list(zeros)
+        start = 0
+        for name, shape in zip(bk.params, bk.shapes, strict=True):
+            n = math.prod(shape)
+            v[index[name]] = r[start : start + n].view(shape)
+            start += n
+        hv = op.product(v, [index[name] for name in bk.params])
+        for l_, bl in enumerate(blocks):
+            sq = sum(
+                float(torch.linalg.vector_norm(hv[index[n]], dtype=torch.float64)) ** 2
+                for n in bl.params
+            )
+            sample[l_, k] = sq
+    return sample
+
+
+def _converged(
+    stack: torch.Tensor, done: int, report: Sequence[tuple[int, int]], rel_tol: float
+) -> bool:
+    """Every reported block with a finite nonzero mean has ``stderr <= rel_tol * |mean|``."""
+    mean, se = stack.mean(0), stack.std(0, unbiased=True) / math.sqrt(done)
+    return all(
+        not (math.isfinite(float(mean[l_, k])) and float(mean[l_, k]) != 0.0)
+        or float(se[l_, k]) <= rel_tol * abs(float(mean[l_, k]))
+        for l_, k in report
+    )
+
+
+def _block_rows(
+    op: CurvatureOperator,
+    report: Sequence[tuple[int, int]],
+    block_used: Sequence[bool],
+    mean: torch.Tensor,
+    se: torch.Tensor,
+    nonfinite: torch.Tensor,
+    done: int,
+    rel_tol: float | None,
+) -> tuple[list[dict[str, Any]], int]:
+    """The :data:`BLOCK_COLUMNS` rows of the reported blocks, and how many missed ``rel_tol``."""
+    blocks = op.blocks
+    rows = []
+    unconverged = 0
+    for l_, k in report:
+        bl, bk = blocks[l_], blocks[k]
+        note = []
+        if not block_used[l_] or not block_used[k]:
+            pairs = ((bl, block_used[l_]), (bk, block_used[k]))
+            names = sorted({b.name for b, u in pairs if not u})
+            note.append(f"loss does not depend on block(s) {names}: exactly zero")
+        value = float(mean[l_, k])
+        stderr = float(se[l_, k])
+        bad = int(nonfinite[l_, k])
+        if bad:
+            value, stderr = _NAN, _NAN
+            note.append(f"non-finite products in {bad} of {done} probes")
+        elif rel_tol is not None and value != 0.0 and not stderr <= rel_tol * abs(value):
+            unconverged += 1
+        rows.append(
+            {
+                "block_row": bl.name,
+                "block_col": bk.name,
+                "value": value,
+                "stderr": stderr,
+                "probes": done,
+                "n_row": bl.size,
+                "n_col": bk.size,
+                "row_index": l_,
+                "col_index": k,
+                "kind": op.kind,
+                "nonfinite": bad,
+                "note": "; ".join(note),
+            }
+        )
+    return rows, unconverged
+
+
+def hessian_eigenpairs(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn,
+    k: int = 2,
+    *,
+    kind: Kind = "hessian",
+    params: Sequence[str] | Mapping[str, Sequence[str]] | None = None,
+    which: Literal["LM", "LA"] = "LM",
+    iters: int | None = None,
+    tol: float = 1e-6,
+    generator: torch.Generator | int | None = None,
+    mode: Mode = "rev_rev",
+    forward: Forward | None = None,
+) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
+    """Top-``k`` eigenpairs of the Hessian (or GGN) of a model's batch loss.
+
+    :meth:`CurvatureOperator.eigenpairs` on ``CurvatureOperator(model, batch, loss_fn, ...)``;
+    arguments as there and in :func:`block_curvature`.
+    """
+    op = CurvatureOperator(
+        model, batch, loss_fn, kind=kind, params=params, mode=mode, forward=forward
+    )
+    return op.eigenpairs(k, which=which, iters=iters, tol=tol, generator=generator)

@@ -1,0 +1,508 @@
+r"""The Hessian (or GGN) of a model's batch loss as linear operators, and where second order fails.
+
+* :class:`BlockSpec`: one block of parameters (name, parameter names, shapes, offset);
+* :class:`CurvatureOperator`: ``H`` (or ``G``) of ``loss_fn(forward(model_θ, batch), batch)`` as a
+  linear operator (``op @ x``), evaluated on one autograd graph built on the first product;
+* :class:`BlockOperator`: its block ``H_lk``;
+* the search for the innermost module through which second-order autograd fails, named in the
+  :class:`~initlab.measure.curvature.products.DoubleBackwardError` an operator raises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from initlab._core.data import default_forward
+from initlab._core.hooks import hook_handles
+from initlab._core.pytree import flatten_tensors, map_tensors
+from initlab.measure.curvature.functional import (
+    Forward,
+    LossFn,
+    functional_forward,
+    model_state,
+    resolve_loss,
+)
+from initlab.measure.curvature.lanczos import _lanczos
+from initlab.measure.curvature.products import (
+    _ONCE_MSG,
+    DoubleBackwardError,
+    Mode,
+    _check_mode,
+    _cuts_second_order,
+    _GGNEngine,
+    _HessianEngine,
+    _is_second_order_error,
+    _prepare_forward_ad,
+    _workaround,
+)
+
+__all__ = ["BlockOperator", "BlockSpec", "CurvatureOperator", "Kind"]
+
+Kind = Literal["hessian", "ggn"]
+
+_KINDS = ("hessian", "ggn")
+_GROUPS = ("tensor", "module")
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """One block of parameters: its ``name`` and the parameter names it holds, with sizes.
+
+    ``offset`` is the block's start in the flat parameter vector of a :class:`CurvatureOperator`.
+    """
+
+    name: str
+    params: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    size: int
+    offset: int
+
+
+def _module_of(param_name: str) -> str:
+    return param_name.rsplit(".", 1)[0] if "." in param_name else ""
+
+
+def _resolve_blocks(
+    model: nn.Module,
+    params: Sequence[str] | Mapping[str, Sequence[str]] | None,
+    group: str,
+) -> list[tuple[str, list[str]]]:
+    if group not in _GROUPS:
+        raise ValueError(f"unknown group {group!r}; valid values: {list(_GROUPS)}")
+    named = dict(model.named_parameters())
+    if not named:
+        raise ValueError(f"{type(model).__name__} has no parameters")
+    if params is None:
+        names = [n for n, p in named.items() if p.requires_grad]
+        if not names:
+            raise ValueError("the model has no trainable parameter (requires_grad=True)")
+        raw: list[tuple[str, list[str]]] | None = None
+    elif isinstance(params, Mapping):
+        raw = [(str(k), [str(n) for n in v]) for k, v in params.items()]
+        names = [n for _, ns in raw for n in ns]
+    elif isinstance(params, str):
+        raise TypeError("params must be a sequence of parameter names, not a single string")
+    else:
+        names = [str(n) for n in params]
+        raw = None
+    unknown = [n for n in names if n not in named]
+    if unknown:
+        known = ", ".join(list(named)[:10])
+        raise ValueError(f"unknown parameter names {unknown}; the model has e.g. {known}")
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"parameters listed twice: {dup}")
+    for n in names:
+        if not named[n].is_floating_point():
+            raise TypeError(f"parameter {n} has dtype {named[n].dtype}; it must be floating point")
+    if raw is not None:
+        if any(not ns for _, ns in raw):
+            raise ValueError("every block needs at least one parameter")
+        return raw
+    if group == "tensor":
+        return [(n, [n]) for n in names]
+    blocks: dict[str, list[str]] = {}
+    for n in names:
+        blocks.setdefault(_module_of(n), []).append(n)
+    return [(k or "<root>", v) for k, v in blocks.items()]
+
+
+class CurvatureOperator:
+    r"""The Hessian ``H`` (or GGN ``G``) of a model's batch loss as a linear operator.
+
+    ``f(θ) = loss_fn(forward(model_θ, batch), batch)`` with ``θ`` the selected parameters in
+    block order (all other parameters fixed). ``op @ x`` multiplies a flat vector (or the columns
+    of a matrix) of length ``op.shape[1]``; :meth:`block` gives a :class:`BlockOperator`.
+
+    The operator is evaluated at the parameters the model has when it is created (they are copied);
+    the autograd graph is built lazily, on the first product, and shared by all later products
+    (``mode="rev_rev"``). The model is never mutated (see the module docstring).
+
+    Args:
+        model: any ``nn.Module``; its train/eval modes decide BatchNorm/dropout behaviour.
+        batch: one batch (a tensor, a tuple/list or a dict).
+        loss_fn: ``loss_fn(outputs, batch) -> scalar`` (the loss of the model's *outputs*), a
+            :class:`~initlab._core.loss.NamedLoss` or a loss name (:func:`resolve_loss`).
+        kind: ``"hessian"`` or ``"ggn"``.
+        params: ``None`` (every parameter with ``requires_grad``), a sequence of parameter names,
+            or a mapping block name → parameter names.
+        group: with ``params`` ``None`` or a sequence: ``"tensor"`` (one block per tensor) or
+            ``"module"`` (one block per module: weight and bias of a layer together).
+        mode: ``"rev_rev"`` or ``"fwd_rev"`` (module docstring).
+        forward: ``forward(model, batch) -> outputs`` (default
+            :func:`initlab._core.data.default_forward`: ``model(x)`` / ``model(batch[0])`` /
+            ``model(**batch)``).
+        buffers: buffer overrides for the functional call (e.g. frozen BatchNorm statistics);
+            names as in ``model.named_buffers()``, ``None`` values allowed.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        batch: Any,
+        loss_fn: LossFn,
+        *,
+        kind: Kind = "hessian",
+        params: Sequence[str] | Mapping[str, Sequence[str]] | None = None,
+        group: Literal["tensor", "module"] = "tensor",
+        mode: Mode = "rev_rev",
+        forward: Forward | None = None,
+        buffers: Mapping[str, torch.Tensor | None] | None = None,
+    ) -> None:
+        if kind not in _KINDS:
+            raise ValueError(f"unknown kind {kind!r}; valid kinds: {list(_KINDS)}")
+        _check_mode(mode)
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        self.model = model
+        self.batch = batch
+        self.loss_fn = resolve_loss(loss_fn)
+        self.kind = kind
+        self.mode = mode
+        self.forward = forward or default_forward
+        named = dict(model.named_parameters())
+        specs, offset = [], 0
+        for bname, pnames in _resolve_blocks(model, params, group):
+            shapes = tuple(tuple(named[n].shape) for n in pnames)
+            size = sum(named[n].numel() for n in pnames)
+            specs.append(BlockSpec(bname, tuple(pnames), shapes, size, offset))
+            offset += size
+        self.blocks: tuple[BlockSpec, ...] = tuple(specs)
+        self.param_names: tuple[str, ...] = tuple(n for b in specs for n in b.params)
+        self._values = tuple(named[n].detach().clone() for n in self.param_names)
+        first = self._values[0]
+        self.dtype = first.dtype
+        self.device = first.device
+        self.shape = (offset, offset)
+        self._buffer_overrides = dict(buffers or {})
+        self._engine: _HessianEngine | _GGNEngine | None = None
+
+    # -- plumbing -------------------------------------------------------------------------
+
+    def _state(self, leaves: Sequence[torch.Tensor]) -> dict[str, torch.Tensor | None]:
+        state = model_state(self.model)
+        state.update(self._buffer_overrides)
+        state.update(zip(self.param_names, leaves, strict=True))
+        return state
+
+    def _outputs(self, leaves: tuple[torch.Tensor, ...]) -> Any:
+        return functional_forward(self.model, self._state(leaves), self.batch, self.forward)
+
+    def _loss(self, out: Any) -> torch.Tensor:
+        try:
+            return self.loss_fn(out, self.batch)
+        except TypeError as err:
+            if isinstance(out, torch.Tensor) and "not callable" in str(err):
+                raise TypeError(
+                    "loss_fn is called as loss_fn(outputs, batch) (the model's outputs, not the "
+                    f"model): {err}"
+                ) from err
+            raise
+
+    @property
+    def engine(self) -> _HessianEngine | _GGNEngine:
+        """The product engine (built on first use: one forward and backward pass)."""
+        if self._engine is None:
+            try:
+                if self.kind == "hessian":
+                    self._engine = _HessianEngine(
+                        lambda leaves: self._loss(self._outputs(leaves)), self._values, self.mode
+                    )
+                else:
+                    self._engine = _GGNEngine(self._outputs, self._loss, self._values, self.mode)
+            except (RuntimeError, NotImplementedError) as err:
+                self._raise_located(err)
+        assert self._engine is not None
+        return self._engine
+
+    def _raise_located(self, err: BaseException) -> None:
+        if not _is_second_order_error(err):
+            raise err
+        found = _locate_second_order_failure(self.model, self._state(self._values), self)
+        if found is None:
+            name, mtype, module = None, None, None
+            where = "the loss function or the model's own forward (no submodule fails alone)"
+        else:
+            name, module = found
+            mtype = type(module).__name__
+            where = f"module {name!r} ({mtype})" if name else f"the forward of {mtype} itself"
+        how = "double backward" if self.mode == "rev_rev" else "forward-over-reverse"
+        raise DoubleBackwardError(
+            f"second-order autograd ({how}) is not available through {where}: {err}. "
+            f"{_workaround(err, module, self.mode)}",
+            name,
+            mtype,
+        ) from err
+
+    # -- products -------------------------------------------------------------------------
+
+    @property
+    def loss(self) -> torch.Tensor:
+        """The loss at the operator's parameters."""
+        return self.engine.loss
+
+    @property
+    def used(self) -> tuple[bool, ...]:
+        """Per parameter (in :attr:`param_names` order): does the loss depend on it?"""
+        return tuple(self.engine.used)
+
+    def product(
+        self, v: Sequence[torch.Tensor], support: Sequence[int] | None = None
+    ) -> tuple[torch.Tensor, ...]:
+        """``H v`` for ``v`` given per parameter (shapes of :attr:`param_names`).
+
+        ``support``: indices (into :attr:`param_names`) of the entries of ``v`` that may be
+        nonzero; the caller promises the others are zero, and ``rev_rev`` products then skip
+        their part of the graph (a probe on one block costs one backward through that block's
+        gradient, not through all of them).
+        """
+        if len(v) != len(self.param_names):
+            raise ValueError(f"v has {len(v)} tensors, the operator {len(self.param_names)}")
+        for name, t, p in zip(self.param_names, v, self._values, strict=True):
+            if t.shape != p.shape or t.dtype != p.dtype or t.device != p.device:
+                raise ValueError(
+                    f"v entry for {name} is {tuple(t.shape)} {t.dtype} {t.device}, expected "
+                    f"{tuple(p.shape)} {p.dtype} {p.device}"
+                )
+        engine = self.engine
+        try:
+            return engine(tuple(v), support)
+        except (RuntimeError, NotImplementedError) as err:
+            self._raise_located(err)
+            raise  # pragma: no cover - _raise_located always raises
+
+    def split(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """A flat vector as one tensor per parameter."""
+        out, i = [], 0
+        for p in self._values:
+            out.append(flat[i : i + p.numel()].view_as(p))
+            i += p.numel()
+        return out
+
+    def matvec(self, x: torch.Tensor) -> torch.Tensor:
+        """``H x`` for a flat vector ``x`` of length ``shape[1]``."""
+        if x.shape != (self.shape[1],):
+            raise ValueError(f"expected a vector of length {self.shape[1]}, got {tuple(x.shape)}")
+        x = x.to(dtype=self.dtype, device=self.device)
+        return torch.cat([t.reshape(-1) for t in self.product(self.split(x))])
+
+    def __matmul__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 1:
+            return self.matvec(x)
+        if x.dim() == 2:
+            return torch.stack([self.matvec(c) for c in x.T], dim=1)
+        raise ValueError(f"@ takes a vector or a matrix, got {x.dim()} dimensions")
+
+    def to_dense(self) -> torch.Tensor:
+        """The full matrix (``shape[1]`` products; for small models and tests)."""
+        eye = torch.eye(self.shape[1], dtype=self.dtype, device=self.device)
+        return self @ eye
+
+    def _index(self, block: int | str) -> int:
+        if isinstance(block, int):
+            if not -len(self.blocks) <= block < len(self.blocks):
+                raise IndexError(f"block index {block} out of range ({len(self.blocks)} blocks)")
+            return block % len(self.blocks)
+        names = [b.name for b in self.blocks]
+        if block not in names:
+            raise KeyError(f"unknown block {block!r}; blocks: {names}")
+        return names.index(block)
+
+    def block(self, row: int | str, col: int | str) -> BlockOperator:
+        """The block ``H_lk`` (rows of block ``row``, columns of block ``col``)."""
+        return BlockOperator(self, self._index(row), self._index(col))
+
+    def eigenpairs(
+        self,
+        k: int = 2,
+        *,
+        which: Literal["LM", "LA"] = "LM",
+        iters: int | None = None,
+        tol: float = 1e-6,
+        generator: torch.Generator | int | None = None,
+    ) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
+        r"""Top-``k`` eigenpairs by the Lanczos method with full reorthogonalization.
+
+        Lanczos (1950) with two Gram–Schmidt passes per step builds an orthonormal Krylov basis
+        ``Q_m`` of ``span{q, Hq, ..., H^{m-1} q}`` and the tridiagonal ``T_m = Q_mᵀ H Q_m``; the
+        Ritz pairs ``(θ_i, Q_m s_i)`` of ``T_m`` approximate the extreme eigenpairs. It stops when
+        the ``k`` wanted Ritz pairs have residual ``‖H u_i − θ_i u_i‖ = |β_m s_i[m]| <= tol·|θ_i|``
+        or after ``iters`` steps (default ``min(n, max(4k, 40))``; exact up to rounding at
+        ``m = n``).
+
+        Args:
+            k: number of eigenpairs.
+            which: ``"LM"`` largest magnitude (default) or ``"LA"`` largest algebraic.
+            iters: maximum Lanczos steps (products).
+            tol: relative residual tolerance.
+            generator: seeds the start vector.
+
+        Returns:
+            ``(eigenvalues, eigenvectors)``: ``k`` float64 eigenvalues in the order of ``which``
+            and ``k`` unit-norm eigenvectors, each a dict parameter name → tensor.
+        """
+        return _lanczos(self, k, which, iters, tol, generator)
+
+    def __repr__(self) -> str:
+        return (
+            f"CurvatureOperator(kind={self.kind!r}, shape={self.shape}, blocks="
+            f"{[b.name for b in self.blocks]}, mode={self.mode!r})"
+        )
+
+
+class BlockOperator:
+    """The block ``H_lk`` of a :class:`CurvatureOperator` as a linear operator.
+
+    ``blk @ x`` for ``x`` of length ``n_col`` (or an ``n_col × m`` matrix) returns ``H_lk x``
+    (one full product per vector: ``x`` is embedded in block ``k``, block ``l`` of ``H`` times
+    that is read off). ``blk.T`` is ``H_kl`` (``H`` is symmetric).
+    """
+
+    def __init__(self, op: CurvatureOperator, row: int, col: int) -> None:
+        self.op = op
+        self.row = op.blocks[row]
+        self.col = op.blocks[col]
+        self.row_index = row
+        self.col_index = col
+        self.shape = (self.row.size, self.col.size)
+        self.dtype = op.dtype
+
+    def matvec(self, x: torch.Tensor) -> torch.Tensor:
+        """``H_lk x``."""
+        if x.shape != (self.shape[1],):
+            raise ValueError(f"expected a vector of length {self.shape[1]}, got {tuple(x.shape)}")
+        full = torch.zeros(self.op.shape[1], dtype=self.op.dtype, device=self.op.device)
+        full[self.col.offset : self.col.offset + self.col.size] = x.to(full)
+        names = self.op.param_names
+        support = [names.index(n) for n in self.col.params]
+        out = self.op.product(self.op.split(full), support)
+        flat = torch.cat([t.reshape(-1) for t in out])
+        return flat[self.row.offset : self.row.offset + self.row.size]
+
+    def __matmul__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 1:
+            return self.matvec(x)
+        if x.dim() == 2:
+            return torch.stack([self.matvec(c) for c in x.T], dim=1)
+        raise ValueError(f"@ takes a vector or a matrix, got {x.dim()} dimensions")
+
+    @property
+    def T(self) -> BlockOperator:
+        return BlockOperator(self.op, self.col_index, self.row_index)
+
+    def to_dense(self) -> torch.Tensor:
+        """The block as a dense ``n_row × n_col`` matrix (``n_col`` products)."""
+        return self @ torch.eye(self.shape[1], dtype=self.op.dtype, device=self.op.device)
+
+    def __repr__(self) -> str:
+        return (
+            f"BlockOperator({self.op.kind}, row={self.row.name!r}, col={self.col.name!r}, "
+            f"shape={self.shape})"
+        )
+
+
+# ------------------------------------------------------------- locating second-order failures
+
+
+def _second_order_fails(
+    module: nn.Module,
+    local_state: dict[str, torch.Tensor | None],
+    args: tuple,
+    kwargs: dict,
+    mode: str,
+) -> BaseException | None:
+    """Does double backward (or forward-over-reverse) fail through this module alone?"""
+    leaves: list[torch.Tensor] = []
+
+    def prep(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point():
+            c = t.detach().clone().requires_grad_(True)
+            leaves.append(c)
+            return c
+        return t
+
+    args2 = map_tensors(args, prep)
+    kwargs2 = map_tensors(kwargs, prep)
+    own = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    params = {
+        k: v.detach().requires_grad_(True)
+        for k, v in local_state.items()
+        if k in own and v is not None
+    }
+    state = {**local_state, **params}
+    leaves += list(params.values())
+    if not leaves:
+        return None
+    try:
+        with torch.enable_grad():
+            out = torch.func.functional_call(module, state, args2, kwargs2)
+            outs = [t for _, t in flatten_tensors(out) if t.requires_grad]
+            if not outs:
+                return None
+            s = sum(o.square().sum() for o in outs)
+            g = torch.autograd.grad(s, leaves, create_graph=True, allow_unused=True)
+            if _cuts_second_order(g):
+                return RuntimeError(_ONCE_MSG)
+            gs = [x for x in g if x is not None and x.requires_grad]
+            if gs:
+                torch.autograd.grad(sum(x.square().sum() for x in gs), leaves, allow_unused=True)
+        if mode == "fwd_rev":
+            _prepare_forward_ad()
+            tangents = [torch.ones_like(t) for t in leaves]
+            primals = [t.detach() for t in leaves]
+
+            def fn(*ls: torch.Tensor) -> torch.Tensor:
+                it = iter(ls)
+                a2 = map_tensors(args, lambda t: next(it) if t.is_floating_point() else t)
+                k2 = map_tensors(kwargs, lambda t: next(it) if t.is_floating_point() else t)
+                p2 = {k: next(it) for k in params}
+                o = torch.func.functional_call(module, {**local_state, **p2}, a2, k2)
+                return sum(t.square().sum() for _, t in flatten_tensors(o))
+
+            torch.func.jvp(
+                torch.func.grad(fn, argnums=tuple(range(len(primals)))),
+                tuple(primals),
+                tuple(tangents),
+            )
+    except (RuntimeError, NotImplementedError) as err:
+        return err if _is_second_order_error(err) else None
+    except Exception:  # a module that cannot be re-run alone is not the culprit
+        return None
+    return None
+
+
+def _locate_second_order_failure(
+    model: nn.Module, state: dict[str, torch.Tensor | None], op: CurvatureOperator
+) -> tuple[str, nn.Module] | None:
+    """The innermost module (deepest, last called) through which second order fails."""
+    calls: list[tuple[str, nn.Module, tuple, dict]] = []
+
+    def hook(name: str) -> Callable:
+        def fn(module: nn.Module, args: tuple, kwargs: dict, _out: Any) -> None:
+            calls.append((name, module, args, kwargs))
+
+        return fn
+
+    try:
+        with hook_handles() as handles:
+            for name, module in model.named_modules():
+                handles.add(module.register_forward_hook(hook(name), with_kwargs=True))
+            with torch.no_grad():
+                functional_forward(model, state, op.batch, op.forward)
+    except Exception:  # diagnosis only: keep the original error
+        return None
+    order = sorted(
+        range(len(calls)), key=lambda i: (calls[i][0].count(".") + (calls[i][0] != ""), i)
+    )
+    for i in reversed(order):
+        name, module, args, kwargs = calls[i]
+        prefix = f"{name}." if name else ""
+        local = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+        if _second_order_fails(module, local, args, kwargs, op.mode) is not None:
+            return name, module
+    return None

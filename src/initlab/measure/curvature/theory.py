@@ -1,0 +1,210 @@
+r"""GR scaling (theory) against the measured diagonal blocks of the Hessian (actual).
+
+:func:`theory_vs_actual` compares Defazio & Bottou's Eq. 1 ``γ`` of every Linear/Conv weight and
+bias, computed from a :class:`~initlab.MomentProbe` run (:func:`_builtin_gamma`) or taken from
+:func:`initlab.measure.conditioning.gr_scaling` (:func:`_conditioning_gamma`), with the block value
+``‖H_ll‖_F² / n_l`` from :func:`~initlab.measure.curvature.estimators.block_curvature`; columns
+:data:`THEORY_COLUMNS`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from initlab._core.data import batch_size, default_forward
+from initlab._core.rows import Rows
+from initlab.measure.curvature.estimators import ProbeKind, block_curvature
+from initlab.measure.curvature.functional import Forward, LossFn, resolve_loss
+from initlab.measure.curvature.operators import Kind
+from initlab.measure.curvature.products import Mode
+
+__all__ = ["THEORY_COLUMNS", "theory_vs_actual"]
+
+_NAN = float("nan")
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+THEORY_COLUMNS: tuple[str, ...] = (
+    "module",
+    "module_type",
+    "param",
+    "block",
+    "theory",
+    "actual",
+    "stderr",
+    "ratio",
+    "ratio_stderr",
+    "probes",
+    "gamma_source",
+    "note",
+)
+"""Columns of :func:`theory_vs_actual`: ``theory`` = GR scaling ``γ`` of the block (batch-loss
+convention, see :func:`theory_vs_actual`), ``actual`` = measured ``‖H_ll‖_F² / n_l``, ``ratio`` =
+theory / actual with ``ratio_stderr = ratio · stderr / actual``."""
+
+
+def _builtin_gamma(
+    probe: Any, modules: Mapping[str, nn.Module]
+) -> dict[str, tuple[float, float, str]]:
+    r"""``γ_W`` and ``γ_b`` (batch-loss convention) per Linear/Conv module, from a probe run
+    with ``loss_reduction="sum"`` on the loss itself: ``γ_W = m · fan_in · E[x²]² E[dy²]/E[y²]``
+    and ``γ_b = m · E[dy²]/E[y²]`` with ``m = numel(y) / (batch-calls · n_out)`` (= ``b p²``)."""
+    vals: dict[tuple[str, str, str], float] = {}
+    for r in probe.rows():
+        if r["call"] == "all" and r["index"] in ("0", "") and r["quantity"] in ("x", "y", "dy"):
+            vals[(r["module"], r["quantity"], r["stat"])] = r["value"]
+    out = {}
+    for name, mod in modules.items():
+        if isinstance(mod, nn.Linear):
+            n_out, fan_in = mod.out_features, mod.in_features
+        elif isinstance(mod, _CONVS):
+            n_out = mod.out_channels
+            fan_in = mod.in_channels // mod.groups * math.prod(mod.kernel_size)
+        else:
+            continue
+        e_x2 = vals.get((name, "x", "sq_mean"), _NAN)
+        e_y2 = vals.get((name, "y", "sq_mean"), _NAN)
+        e_dy2 = vals.get((name, "dy", "sq_mean"), _NAN)
+        calls = vals.get((name, "y", "batches"), _NAN)
+        m = vals.get((name, "y", "numel"), _NAN) / (calls * n_out)
+        curv = e_dy2 / e_y2 if e_y2 > 0 else _NAN
+        out[name] = (m * fan_in * e_x2 * e_x2 * curv, m * curv, "builtin")
+    return out
+
+
+def _conditioning_gamma(
+    probe: Any, model: nn.Module, examples: int
+) -> dict[str, tuple[float, float, str]] | None:
+    try:
+        from initlab.measure.conditioning import gr_scaling
+    except ImportError:
+        return None
+    rows = gr_scaling(probe, model, examples=examples)
+    # conditioning.py uses b = 1 with per-example dy; the block of the batch loss has b = B.
+    return {
+        r["module"]: (r["gamma_w"] * examples, r["gamma_b"] * examples, "conditioning")
+        for r in rows
+        if r["kind"] in ("mlp", "conv")
+    }
+
+
+def theory_vs_actual(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn,
+    *,
+    kind: Kind = "hessian",
+    gamma: Literal["auto", "builtin", "conditioning"] = "auto",
+    probes: int = 16,
+    rel_tol: float | None = None,
+    max_probes: int | None = None,
+    generator: torch.Generator | int | None = None,
+    probe: ProbeKind = "rademacher",
+    mode: Mode = "rev_rev",
+    forward: Forward | None = None,
+) -> Rows:
+    r"""GR scaling ``γ`` (theory) against the measured diagonal block ``E[(G_l r)²]`` (actual).
+
+    Defazio & Bottou (2020), §3.1 and Figure 2: "the ratio of the convolutional version of the GR
+    scaling equation (Equation 1) to the actual ``E[(G_l r)²]`` product". ``actual`` is
+    ``‖H_ll‖_F² / n_l`` of the diagonal block of the Hessian (``kind="hessian"``, default; for a
+    ReLU network it equals the GGN block, App. A.1) of the batch loss, estimated with
+    :func:`block_curvature`. ``theory`` is Eq. 1 for the batch loss ``f`` actually differentiated::
+
+        γ_W = b p² · n_in k² · E[x²]² · E[dy²] / E[y²],     γ_b = b p² · E[dy²] / E[y²]
+
+    with ``dy = ∂f/∂y`` (the gradient of ``f`` itself, so ``γ`` and ``actual`` scale alike with
+    the loss's reduction) and ``b p²`` the number of output positions per channel in the batch.
+    The moments come from :class:`~initlab.MomentProbe` (``loss_reduction="sum"``) on a
+    copy of the model. ``gamma="conditioning"`` takes ``γ`` from
+    :func:`initlab.gr_scaling` (``b = 1``, per-example ``dy``) times ``B``, which is
+    the same quantity; ``"builtin"`` computes it here; ``"auto"`` prefers ``conditioning``.
+
+    Returns:
+        Rows (:data:`THEORY_COLUMNS`), one per weight and bias of each ``nn.Linear`` and
+        ``nn.Conv1d/2d/3d`` with trainable parameters, in parameter order.
+    """
+    import copy
+
+    from initlab.measure.probe import measure_moments
+
+    if gamma not in ("auto", "builtin", "conditioning"):
+        raise ValueError(
+            f"unknown gamma {gamma!r}; valid values: ['auto', 'builtin', 'conditioning']"
+        )
+    loss = resolve_loss(loss_fn)
+    fwd = forward or default_forward
+    modules = {
+        n: m
+        for n, m in model.named_modules()
+        if isinstance(m, (nn.Linear, *_CONVS)) and any(p.requires_grad for p in m.parameters())
+    }
+    if not modules:
+        raise ValueError("theory_vs_actual: the model has no trainable nn.Linear or nn.Conv layer")
+    twin = copy.deepcopy(model)
+    moments = measure_moments(
+        twin,
+        [batch],
+        lambda m, b: loss(fwd(m, b), b),
+        modules=list(modules),
+        per_example=False,
+        loss_reduction="sum",
+    )
+    gammas = None
+    if gamma in ("auto", "conditioning"):
+        gammas = _conditioning_gamma(moments, twin, batch_size(batch))
+        if gammas is None and gamma == "conditioning":
+            raise ImportError("gamma='conditioning' needs initlab.measure.conditioning.gr_scaling")
+    if gammas is None:
+        gammas = _builtin_gamma(moments, dict(twin.named_modules()))
+    names = []
+    for mname, mod in modules.items():
+        for pname, p in mod.named_parameters(recurse=False):
+            if p.requires_grad and pname in ("weight", "bias"):
+                names.append((mname, pname, f"{mname}.{pname}" if mname else pname))
+    est = block_curvature(
+        model,
+        batch,
+        loss,
+        kind=kind,
+        params=[q for _, _, q in names],
+        probes=probes,
+        rel_tol=rel_tol,
+        max_probes=max_probes,
+        generator=generator,
+        probe=probe,
+        mode=mode,
+        forward=forward,
+    )
+    by_block = {r["block_row"]: r for r in est}
+    rows = []
+    for mname, pname, qname in names:
+        g = gammas.get(mname)
+        theory = _NAN if g is None else (g[0] if pname == "weight" else g[1])
+        r = by_block[qname]
+        actual, stderr = r["value"], r["stderr"]
+        ratio = theory / actual if actual and math.isfinite(actual) else _NAN
+        note = [r["note"]] if r["note"] else []
+        if g is None:
+            note.append("no GR formula for this module")
+        rows.append(
+            {
+                "module": mname,
+                "module_type": type(modules[mname]).__name__,
+                "param": pname,
+                "block": qname,
+                "theory": theory,
+                "actual": actual,
+                "stderr": stderr,
+                "ratio": ratio,
+                "ratio_stderr": abs(ratio) * stderr / actual if actual else _NAN,
+                "probes": r["probes"],
+                "gamma_source": g[2] if g is not None else "",
+                "note": "; ".join(note),
+            }
+        )
+    return Rows(rows, THEORY_COLUMNS, title=f"GR scaling (theory) vs {kind} block (actual)")

@@ -1,0 +1,143 @@
+r"""Moment probe: second moments of activations, gradients and weights, per module and per call.
+
+:class:`MomentProbe` is a context manager that hooks the modules of any ``nn.Module`` and, over as
+many forward (and backward) passes as you run inside it, accumulates for every probed module call
+
+* ``x``:  the module's floating-point inputs (each positional argument and keyword argument),
+* ``y``:  its floating-point outputs (every tensor in a tuple, list, dict, namedtuple, dataclass),
+* ``dy``: the gradient of the loss at each output, i.e. w.r.t. the value the module returned, before
+  any in-place activation that follows it (``nn.ReLU(inplace=True)``, ``F.relu_``) overwrote it,
+* ``dx``: the gradient flowing into the module through each input *via this module only* (an input
+  that also feeds a skip connection gets only this module's share),
+
+and for every direct parameter of a probed module
+
+* ``W``:  the parameter itself, measured once at ``__enter__``,
+* ``dW``: the minibatch gradient of the loss as autograd produced it (one value per backward, summed
+  over all calls of the module),
+* ``dW_example``: per-example gradients ``dW_i`` = gradient of example ``i``'s loss, summed over all
+  calls of the module (and over every module that owns the parameter) before squaring.
+
+Statistics are taken inside the hooks, when the tensor is produced, as float64 sums
+``sum(t**2)``, ``sum(t)`` and the element count, kept on the tensor's device (no host sync inside a
+hook) and pooled exactly over batches: ``sq_mean = E[t^2] = sum(t^2) / n`` (non-central),
+``mean = sum(t) / n``, ``var = E[t^2] - mean^2`` (population variance of all elements pooled over
+batches). A batch-call whose sums are NaN/inf is left out of the sums and counted in ``nonfinite``.
+
+Scaling of gradients (``loss_reduction``). With ``"mean"`` (the default; ``F.cross_entropy`` and
+``F.mse_loss`` reduce this way) the loss is ``L = (1/B) sum_i L_i`` over the ``B`` examples of the
+root model's batch, so every gradient a hook sees is ``1/B`` of the per-example one. ``dy``, ``dx``
+and ``dW_example`` are therefore multiplied by ``B`` and are gradients of *one example's loss*
+``L_i`` (for a loss averaged over tokens too, ``L_i`` is example ``i``'s token average). ``dW`` is
+always reported as seen: the gradient of the loss you called ``backward`` on. With ``"sum"`` nothing
+is rescaled. ``B`` is the size of the root model's first tensor argument along ``batch_dim``.
+
+Long schema, :data:`PROBE_COLUMNS` (one row per number):
+
+==============  ===========================================================================
+``module``      qualified name (``""`` for the root model)
+``module_type`` class name
+``order``       execution-order index of the module's first call (``None``: never called)
+``call``        ``k`` (int) for the k-th call of the module within one forward of the root
+                model, or ``"all"`` for all calls pooled; parameter rows use ``"all"``
+``quantity``    ``"x"``, ``"y"``, ``"dy"``, ``"dx"``, ``"W"``, ``"dW"``, ``"dW_example"``
+``index``       which tensor: input path (positional ``"0"``, ``"1"``, or the keyword name) or
+                output path (``"0"`` for a bare tensor, ``"0"``/``"1"`` for a tuple,
+                ``"attn_output"`` for a dict key, dotted when nested); ``""`` for parameters
+``param``       local name of the parameter (``"weight"``) for W/dW rows, else ``""``
+``stat``        ``"sq_mean"`` (non-central ``E[t^2]``), ``"mean"``, ``"var"``, ``"numel"``
+                (elements accumulated), ``"batches"`` (batch-calls accumulated: forward calls
+                for activations, backward passes for gradients of parameters),
+                ``"nonfinite"`` (batch-calls left out because they held NaN/inf)
+``value``       float
+==============  ===========================================================================
+
+Activation rows carry all six stats; ``W`` rows ``sq_mean, mean, var, numel``; ``dW`` rows all six;
+``dW_example`` rows ``sq_mean, numel, batches, nonfinite`` (``numel`` = examples x elements). A
+module that was never called gets ``x`` and ``y`` rows with ``batches = 0`` and NaN moments.
+Gradient rows appear only once a gradient was seen (none after forward-only probing).
+
+What is exact and what is not (``dW_example``):
+
+* ``nn.Linear`` (unmodified ``forward``), one call per forward: exact closed forms from the hooked
+  input and output gradient: ``||dW_i||^2 = ||dy_i||^2 ||x_i||^2`` for 2-D inputs; for inputs
+  ``(B, T, in)`` ``||sum_t dy_it x_it^T||^2`` via float64 Gram matrices
+  ``sum_ts (dy_t.dy_s)(x_t.x_s)`` or a batched matmul, whichever is cheaper; bias
+  ``||sum_t dy_it||^2``.
+* ``nn.Conv1d/2d/3d`` (unmodified): exact per-example weight gradients by folding the batch into
+  the groups of ``convolution_backward`` (chunked over the batch), honouring stride, padding
+  (including ``"same"`` and non-``"zeros"`` padding modes), dilation and groups.
+* ``nn.LayerNorm`` (unmodified; with or without bias): ``dW_i = sum_t dy_it * xhat_it`` with
+  ``xhat = (x - mean) / sqrt(var + eps)`` over ``normalized_shape`` recomputed from the stored
+  input; bias ``sum_t dy_it``.
+* ``nn.Embedding`` (unmodified, no ``max_norm``, ``scale_grad_by_freq`` or ``sparse``; those
+  take the generic path): ``||dW_i||^2 = sum_v ||sum_{t: tok_it = v} dy_it||^2`` by sorting the
+  (example, token) keys and summing equal keys with ``index_add`` (memory ~ ``dy``); rows of
+  ``padding_idx`` get no gradient.
+* ``nn.MultiheadAttention`` (unmodified, packed in-projection, no ``bias_k``/``bias_v``, no
+  dropout in train mode; otherwise the generic path): the module is re-run once, batched, with
+  its in- and out-projections replaced by identities on ``q, k, v`` projected with its weights, and
+  one ``autograd.grad`` gives the gradients at the projected ``q, k, v`` and at the attention
+  output (examples do not interact inside attention, masks and attention-weight outputs
+  included); the projections' per-example gradients then follow as for ``nn.Linear``
+  (``out_proj`` is attributed to the attention module).
+* Modules called several times per forward, parameters owned by several probed modules (an
+  embedding tied to the output head): per-example gradients of every call are materialized and
+  summed before squaring (exact).
+* Any other module (custom blocks, subclasses with their own ``forward``): ``torch.func.vmap``
+  over ``torch.func.vjp`` of ``functional_call(module, params, x_i)`` on the recorded inputs and
+  output gradients (exact up to float rounding; costs one more forward+backward of the module).
+  Parameters of a probed child that the module uses without calling the child are attributed to
+  the module.
+* Per-example values are computed in the gradients' precision (float32 for float32 models, half
+  precisions in float32) and summed in float64, as exact as autograd's own gradient.
+* Where none of this applies the value is NaN and :attr:`MomentProbe.notes` says why, never a
+  guess: any BatchNorm that normalized with batch statistics during the forward (train mode: the
+  examples interact, so per-example gradients are undefined for every parameter of that backward),
+  random ops (dropout in train mode), ops ``vmap`` does not support (``nn.LSTM``), a module input
+  whose batch size is not the root batch size (a Linear applied to ``(B*T, in)``), a parameter also
+  used outside its modules' forwards (tied weights used functionally). Every per-example result
+  is checked against the minibatch gradient autograd produced (``sum_i dW_i == B * dW`` through a
+  random rank-one projection); a mismatch gives NaN with a note.
+* Per-example gradients assume one forward of the root model per backward; activation
+  checkpointing re-runs forwards during backward, and those calls are counted again.
+
+
+Where things are: :mod:`~initlab.measure.probe.moment_probe` (:class:`MomentProbe`, its hooks,
+:func:`measure_moments`), :mod:`~initlab.measure.probe.per_example` (the per-example gradients,
+one table entry per kind of layer), :mod:`~initlab.measure.probe.accumulate` (float64 sums taken
+in the hooks, moments), :mod:`~initlab.measure.probe.state` (what is kept per parameter, module
+and call) and :mod:`~initlab.measure.probe.report` (the columns and the tables).
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> from initlab.measure.probe import MomentProbe
+    >>> model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    >>> x, target = torch.randn(64, 8), torch.randint(0, 3, (64,))
+    >>> with MomentProbe(model) as probe:
+    ...     nn.functional.cross_entropy(model(x), target).backward()
+    >>> t = probe.table()
+    >>> [row["module"] for row in t]
+    ['0', '2']
+    >>> p = probe.param_table().filter(module="0", param="weight")[0]
+    >>> bool(p["E_dW2_example"] >= p["E_dW2"])  # per-example gradients are larger than their mean
+    True
+"""
+
+# ruff: noqa: F401 (this file only re-exports: the public names and the private helpers other
+# modules and tests import from here; _generic_contributions is not re-exported: patch it in
+# initlab.measure.probe.per_example, where the replays look it up)
+
+from initlab.measure.probe.accumulate import _accumulate, _Consts, _moments, _new_acc, _sums
+from initlab.measure.probe.moment_probe import ModuleSelection, MomentProbe, measure_moments
+from initlab.measure.probe.per_example import PER_EXAMPLE, LayerRule, _kind
+from initlab.measure.probe.report import PARAM_TABLE_COLUMNS, PROBE_COLUMNS, TABLE_COLUMNS
+
+__all__ = [
+    "PARAM_TABLE_COLUMNS",
+    "PROBE_COLUMNS",
+    "TABLE_COLUMNS",
+    "MomentProbe",
+    "measure_moments",
+]

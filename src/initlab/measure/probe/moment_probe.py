@@ -1,0 +1,660 @@
+"""The moment probe: :class:`MomentProbe` (hooks, per-call bookkeeping) and :func:`measure_moments`.
+
+What is measured, the gradient scaling and what is exact: :mod:`initlab.measure.probe`. The hooks
+are registered in :meth:`MomentProbe.register` and kept in the
+:class:`~initlab._core.hooks.HookContext`'s handles, all removed on exit. Per-example gradients
+come from :data:`~initlab.measure.probe.per_example.PER_EXAMPLE`; accumulation from
+:mod:`~initlab.measure.probe.accumulate`; the results' tables from
+:mod:`~initlab.measure.probe.report`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from initlab._core.hooks import HookContext, HookHandles
+from initlab._core.pytree import flatten_tensors, map_tensors
+from initlab._core.rows import Rows
+from initlab.measure.probe.accumulate import _accumulate, _Consts, _new_acc, _sums
+from initlab.measure.probe.per_example import (
+    _closed_form_contributions,
+    _closed_form_input,
+    _combine,
+    _Contribution,
+    _mismatch,
+    _replay_contributions,
+    _Unavailable,
+)
+from initlab.measure.probe.report import _module_table, _param_table, _probe_rows
+from initlab.measure.probe.state import _Forward, _Frame, _ModuleState, _ParamState, _Record
+
+__all__ = ["ModuleSelection", "MomentProbe", "measure_moments"]
+
+ModuleSelection = (
+    Literal["params", "leaves", "all"] | Sequence[str] | Callable[[str, nn.Module], bool]
+)
+
+_SELECTIONS = ("params", "leaves", "all")
+_REDUCTIONS = ("mean", "sum")
+
+
+def _fresh_full_view(t: torch.Tensor, base: torch.Tensor | None, inputs: set[int]) -> bool:
+    """``t`` is a row-major view of all of ``base``, a non-leaf made by the module's forward."""
+    return (
+        base is not None
+        and base.requires_grad
+        and not base.is_leaf
+        and id(base) not in inputs
+        and base.numel() == t.numel()
+        and base.is_contiguous()
+        and t.is_contiguous()
+        and t.storage_offset() == base.storage_offset()
+    )
+
+
+class MomentProbe(HookContext):
+    """Record second moments of inputs, outputs, gradients and parameters of a model's modules.
+
+    Use as a context manager around forward (and backward) passes; read the results with
+    :meth:`rows` (long tidy schema :data:`PROBE_COLUMNS`), :meth:`table` (one row per module) and
+    :meth:`param_table` (one row per parameter). See the module docstring for the exact
+    definitions, the gradient scaling and what is exact.
+
+    Args:
+        model: any ``nn.Module``; its forward is the "root" forward that numbers module calls.
+        modules: which modules to probe: ``"params"`` (default; every module that directly owns a
+            parameter), ``"leaves"`` (modules without children), ``"all"`` (every module, the root
+            included), a sequence of qualified names, or a predicate ``(name, module) -> bool``.
+        per_example: also compute ``E[dW^2]`` of per-example gradients (``dW_example``). Closed
+            forms for Linear, Conv, LayerNorm and Embedding, one batched re-run for
+            MultiheadAttention, one extra vmapped forward+backward for other modules.
+        loss_reduction: ``"mean"`` or ``"sum"``: how your loss reduces over the batch. With
+            ``"mean"`` ``dy``, ``dx`` and ``dW_example`` are multiplied by the batch size so they
+            are gradients of one example's loss; ``dW`` is always the gradient of your loss.
+        batch_dim: the batch dimension of the root model's inputs and of every module's inputs and
+            outputs. ``None``: 0, except 1 for modules with ``batch_first=False`` (e.g.
+            ``nn.MultiheadAttention``); the root uses 0.
+
+    ``__init__`` only stores the arguments. ``__enter__`` registers the hooks, measures ``W`` and
+    remembers the train/eval mode of every module; ``__exit__`` removes every hook (also when the
+    block raised) and restores the modes. Entering again starts a fresh measurement.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        modules: ModuleSelection = "params",
+        per_example: bool = True,
+        loss_reduction: Literal["mean", "sum"] = "mean",
+        batch_dim: int | None = None,
+    ) -> None:
+        if isinstance(modules, str) and modules not in _SELECTIONS:
+            raise ValueError(
+                f"unknown modules={modules!r}; valid values: {', '.join(map(repr, _SELECTIONS))}, "
+                "a sequence of qualified module names, or a predicate (name, module) -> bool"
+            )
+        if loss_reduction not in _REDUCTIONS:
+            raise ValueError(
+                f"unknown loss_reduction={loss_reduction!r}; valid values: "
+                f"{', '.join(map(repr, _REDUCTIONS))}"
+            )
+        if batch_dim is not None and (not isinstance(batch_dim, int) or batch_dim < 0):
+            raise ValueError(f"batch_dim must be None or a non-negative int, got {batch_dim!r}")
+        self.model = model
+        self.modules = modules
+        self.per_example = per_example
+        self.loss_reduction = loss_reduction
+        self.batch_dim = batch_dim
+        self._states: list[_ModuleState] = []
+        self._params: dict[int, _ParamState] = {}
+        self._hooks = HookHandles()
+        self._selected: list[tuple[str, nn.Module]] = []
+        self._modes: list[tuple[nn.Module, bool]] = []
+        self._active = False
+        self._replaying = False
+        self._batch: int | None = None
+        self._next_order = 0
+        self._seq = 0
+        self._forward = _Forward()
+        self._consts = _Consts()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def _select(self) -> list[tuple[str, nn.Module]]:
+        named = list(self.model.named_modules())
+        spec = self.modules
+        if isinstance(spec, str):
+            if spec == "params":
+                chosen = [(n, m) for n, m in named if next(m.parameters(False), None) is not None]
+            elif spec == "leaves":
+                chosen = [(n, m) for n, m in named if next(m.children(), None) is None]
+            else:
+                chosen = named
+        elif callable(spec):
+            chosen = [(n, m) for n, m in named if spec(n, m)]
+        else:
+            wanted = list(spec)
+            by_name = dict(named)
+            unknown = [n for n in wanted if n not in by_name]
+            if unknown:
+                known = ", ".join(repr(n) for n, _ in named[:12])
+                raise ValueError(
+                    f"unknown module names {unknown}; the model has e.g. {known}"
+                    + (" ..." if len(named) > 12 else "")
+                )
+            keep = set(wanted)
+            chosen = [(n, m) for n, m in named if n in keep]
+        if not chosen:
+            hint = (
+                "the model has no parameters; use modules='leaves' or 'all' to probe it"
+                if spec == "params"
+                else "nothing matched"
+            )
+            raise ValueError(f"MomentProbe(modules={spec!r}) selects no module: {hint}")
+        return chosen
+
+    def _module_batch_dim(self, module: nn.Module) -> int:
+        if self.batch_dim is not None:
+            return self.batch_dim
+        return 1 if getattr(module, "batch_first", None) is False else 0
+
+    def __enter__(self) -> MomentProbe:
+        if self._active:
+            raise RuntimeError("this MomentProbe is already active")
+        self._selected = self._select()
+        self._states, self._params = [], {}
+        self._modes = [(m, m.training) for m in self.model.modules()]
+        self._batch, self._next_order, self._seq = None, 0, 0
+        self._forward = _Forward()
+        super().__enter__()  # register(); every hook removed again if it raises
+        self._active = True
+        return self
+
+    def register(self) -> None:
+        """Hook the root model, every selected module and its parameters (and the BatchNorms)."""
+        gen = torch.Generator().manual_seed(0)
+        self._hooks.add(
+            self.model.register_forward_pre_hook(
+                self._root_pre_hook, with_kwargs=True, prepend=True
+            )
+        )
+        by_module: dict[int, _ModuleState] = {}
+        for rank, (name, module) in enumerate(self._selected):
+            st = _ModuleState(name, module, rank, self._module_batch_dim(module))
+            by_module[id(module)] = st
+            self._states.append(st)
+            for local, p in module.named_parameters(recurse=False):
+                ps = self._params.get(id(p))
+                if ps is None:
+                    vecs = [
+                        torch.randn(d, generator=gen, dtype=torch.float64).to(p.device)
+                        for d in p.shape
+                    ]
+                    ps = self._params[id(p)] = _ParamState(p, vecs)
+                    ps.label = f"{name}.{local}" if name else local
+                    if p.requires_grad:
+                        self._hooks.add(p.register_hook(self._param_hook(ps)))
+                st.params.append((local, ps))
+            self._hooks.add(module.register_forward_pre_hook(self._pre_hook(st), with_kwargs=True))
+            self._hooks.add(module.register_forward_hook(self._forward_hook(st)))
+        if self.per_example:
+            for module in self.model.modules():
+                if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                    self._hooks.add(module.register_forward_pre_hook(self._bn_hook))
+        self._adopt_children(by_module)
+
+    def _adopt_children(self, by_module: dict[int, _ModuleState]) -> None:
+        """A replayed module's per-example gradients cover the parameters of its probed
+        children that it uses without calling them (attributed to it when that happens)."""
+        for st in self._states:
+            if not st.replay:
+                continue
+            for sub_name, sub in st.module.named_modules():
+                owner = by_module.get(id(sub))
+                if not sub_name or owner is None:
+                    continue
+                for local, p in sub.named_parameters(recurse=False):
+                    st.adoptable.append((f"{sub_name}.{local}", self._params[id(p)], owner))
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            super().__exit__(*exc)  # removes every hook
+        finally:
+            for module, mode in self._modes:
+                module.training = mode
+            self._modes = []
+            self._drop_pending()
+            for st in self._states:
+                st.frames.clear()
+            self._active = False
+
+    def _drop_pending(self) -> None:
+        for ps in self._params.values():
+            for rec in ps.pending:
+                rec.live = False
+            ps.pending = []
+            ps.adopted_at = None
+
+    # -- hooks -------------------------------------------------------------------------------
+
+    def _root_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._replaying:
+            return
+        for st in self._states:
+            st.calls_this_forward = 0
+            st.frames.clear()
+        tensors = flatten_tensors((args, kwargs))
+        bd = self.batch_dim or 0
+        self._batch = None
+        if tensors and tensors[0][1].dim() > bd:
+            self._batch = int(tensors[0][1].shape[bd])
+        if torch.is_grad_enabled():
+            self._drop_pending()
+            self._forward = _Forward()
+
+    def _bn_hook(self, module: nn.Module, args: tuple) -> None:
+        if not self._replaying and (module.training or not module.track_running_stats):
+            self._forward.coupled = True
+
+    def _scale(self, st: _ModuleState, tensors: list[tuple[str, torch.Tensor]]) -> float:
+        if self.loss_reduction == "sum":
+            return 1.0
+        if self._batch is not None:
+            return float(self._batch)
+        for _, t in tensors:
+            if t.dim() > st.bd:
+                return float(t.shape[st.bd])
+        return 1.0
+
+    def _stats(
+        self, st: _ModuleState, call: int, quantity: str, path: str, t: torch.Tensor, scale: float
+    ) -> None:
+        if not t.is_floating_point() or t.layout != torch.strided:
+            return
+        key = (call, quantity, path)
+        acc = st.acc.get(key)
+        if acc is None:
+            acc = st.acc[key] = _new_acc(t.device)
+        _accumulate(acc, _sums(t, scale, self._consts), t.numel(), self._consts)
+
+    def _grad_hook(
+        self,
+        st: _ModuleState,
+        call: int,
+        quantity: str,
+        path: str,
+        scale: float,
+        rec: _Record | None = None,
+        once: list[bool] | None = None,
+        shape: torch.Size | None = None,
+    ) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            if self._replaying:
+                return
+            if once is not None:  # a view output hooked twice: whichever fires first counts
+                if once[0]:
+                    return
+                once[0] = True
+            if shape is not None:
+                grad = grad.reshape(shape)
+            self._stats(st, call, quantity, path, grad, scale)
+            if rec is not None and rec.live and rec.fail is None:
+                self._record_grad(rec, path, grad)
+
+        return hook
+
+    def _pre_hook(self, st: _ModuleState) -> Callable:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+            if self._replaying:
+                return None
+            call = st.calls_this_forward
+            st.calls_this_forward += 1
+            st.max_calls = max(st.max_calls, call + 1)
+            if st.order is None:
+                st.order = self._next_order
+                self._next_order += 1
+            self._seq += 1
+            st.last_seq = self._seq
+            inputs = flatten_tensors(list(args)) + [
+                (path, t) for path, t in flatten_tensors(dict(kwargs))
+            ]
+            scale = self._scale(st, inputs)
+            for path, t in inputs:
+                self._stats(st, call, "x", path, t, 1.0)
+            new_args, new_kwargs = args, kwargs
+            if torch.is_grad_enabled() and any(t.requires_grad for _, t in inputs):
+                inplace = getattr(module, "inplace", False) is True
+                aliases: dict[int, torch.Tensor] = {}
+
+                def alias(t: torch.Tensor) -> torch.Tensor:
+                    # One alias per distinct tensor keeps `query is key` true; a module that
+                    # writes into its input in place keeps the original (a view's hook would be
+                    # bypassed by the in-place rebase, the base's hook sees the old value).
+                    if not t.requires_grad or inplace:
+                        return t
+                    if id(t) not in aliases:
+                        aliases[id(t)] = t.view_as(t)
+                    return aliases[id(t)]
+
+                new_args = map_tensors(args, alias)
+                new_kwargs = map_tensors(kwargs, alias)
+                hooked = flatten_tensors(list(new_args)) + flatten_tensors(dict(new_kwargs))
+                for path, t in hooked:
+                    if t.requires_grad and t.is_floating_point():
+                        t.register_hook(self._grad_hook(st, call, "dx", path, scale))
+            frame_inputs = (tuple(new_args), dict(new_kwargs))
+            versions = [t._version for _, t in flatten_tensors(frame_inputs)]
+            st.frames.append(_Frame(call, frame_inputs, versions, scale, self._seq))
+            if new_args is args and new_kwargs is kwargs:
+                return None
+            return tuple(new_args), new_kwargs
+
+        return hook
+
+    def _forward_hook(self, st: _ModuleState) -> Callable:
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            if self._replaying or not st.frames:
+                return
+            frame = st.frames.pop()
+            outs = [(p, t) for p, t in flatten_tensors(output) if t.is_floating_point()]
+            inputs = {id(t) for _, t in flatten_tensors(frame.inputs)}
+            inputs |= {id(t._base) for _, t in flatten_tensors(frame.inputs) if t._base is not None}
+            grad_on = torch.is_grad_enabled()
+            rec = None
+            if self.per_example and grad_on:
+                rec = self._make_record(st, frame, outs)
+            seen: set[int] = set()
+            for i, (path, t) in enumerate(outs):
+                self._stats(st, frame.call, "y", path, t, 1.0)
+                if grad_on and t.requires_grad:
+                    # the record takes each output tensor once (a tensor returned twice would
+                    # otherwise bring its total gradient twice)
+                    first = id(t) not in seen and (st.replay or i == 0)
+                    seen.add(id(t))
+                    use = rec if first else None
+                    base = t._base
+                    if not _fresh_full_view(t, base, inputs):
+                        t.register_hook(
+                            self._grad_hook(st, frame.call, "dy", path, frame.scale, use)
+                        )
+                        continue
+                    # An in-place op on a view output (Linear on 3-D input returns a view; then
+                    # ReLU(inplace=True)) rebases it and its hook never fires; the hook on the base
+                    # still sees the gradient w.r.t. the old value.
+                    once = [False]
+                    for target, shape in ((t, None), (base, t.shape)):
+                        target.register_hook(
+                            self._grad_hook(
+                                st, frame.call, "dy", path, frame.scale, use, once, shape
+                            )
+                        )
+
+        return hook
+
+    def _param_hook(self, ps: _ParamState) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            if self._replaying:
+                return
+            if ps.acc_dw is None:
+                ps.acc_dw = _new_acc(grad.device)
+            _accumulate(ps.acc_dw, _sums(grad, 1.0, self._consts), grad.numel(), self._consts)
+            if self.per_example:
+                with torch.no_grad():
+                    self._finish_example(ps, grad.detach())
+
+        return hook
+
+    # -- per-example gradients ---------------------------------------------------------------
+
+    def _make_record(
+        self, st: _ModuleState, frame: _Frame, outs: list[tuple[str, torch.Tensor]]
+    ) -> _Record | None:
+        params = self._record_params(st, frame)
+        if not params:
+            return None
+        rec = _Record(st, frame, params, self._forward)
+        leaves = [t for _, t in flatten_tensors(frame.inputs)]
+        now = [t._version for t in leaves]
+        if now != frame.versions:
+            rec.fail = "the module modifies its input in place"
+        if not st.replay:
+            _keep_closed_form_input(rec, st, leaves)
+        else:
+            self._keep_replay_inputs(rec, st, frame, outs, leaves, now)
+        if rec.fail is None and self._batch is not None and rec.batch != self._batch:
+            rec.fail = (
+                f"module input has {rec.batch} along dim {st.bd}, the root batch has "
+                f"{self._batch} examples (set batch_dim?)"
+            )
+        for ps in params.values():
+            ps.pending.append(rec)
+        return rec
+
+    def _record_params(self, st: _ModuleState, frame: _Frame) -> dict[str, _ParamState]:
+        """The parameters a call's record covers: the module's own, and for a replayed module
+        those of probed children it used without calling them (adopted once, by the innermost
+        call)."""
+        params = {local: ps for local, ps in st.params if ps.param.requires_grad}
+        if st.replay:
+            for rel, ps, owner in st.adoptable:
+                if not ps.param.requires_grad or owner.last_seq > frame.start_seq:
+                    continue  # owner ran inside this call: its own record covers it
+                if ps.adopted_at is not None and ps.adopted_at > frame.start_seq:
+                    continue  # adopted by an inner call already
+                ps.adopted_at = frame.start_seq
+                params[rel] = ps
+        return params
+
+    def _keep_replay_inputs(
+        self,
+        rec: _Record,
+        st: _ModuleState,
+        frame: _Frame,
+        outs: list[tuple[str, torch.Tensor]],
+        leaves: list[torch.Tensor],
+        versions: list[int],
+    ) -> None:
+        """Keep what a replay needs: the inputs, their versions and the outputs' paths/shapes."""
+        rec.inputs = map_tensors(frame.inputs, lambda t: t.detach())
+        rec.versions = versions
+        once: dict[int, tuple[str, tuple[int, ...]]] = {}
+        for path, t in outs:
+            if t.requires_grad:
+                once.setdefault(id(t), (path, tuple(t.shape)))
+        rec.out_meta = list(once.values())
+        if self._batch is not None:
+            rec.batch = self._batch
+        else:
+            rec.batch = next(
+                (int(t.shape[st.bd]) for t in leaves if t.dim() > st.bd),
+                0,
+            )
+
+    def _record_grad(self, rec: _Record, path: str, grad: torch.Tensor) -> None:
+        if rec.forward.coupled:
+            return  # BatchNorm coupled the examples: _finish_example reports NaN with the reason
+        if rec.state.replay:
+            rec.dys[path] = grad.detach()
+            return
+        assert rec.x is not None
+        if rec.x._version != rec.x_version:
+            rec.fail = "the module's input was modified in place after its forward"
+            return
+        try:
+            with torch.no_grad():
+                _closed_form_contributions(rec, grad)
+        except Exception as err:  # report, never guess
+            rec.fail = f"per-example gradient failed: {type(err).__name__}: {err}"[:300]
+
+    def _finish_example(self, ps: _ParamState, grad: torch.Tensor) -> None:
+        records, n_pending = ps.pending, len(ps.pending)
+        try:
+            parts = self._example_parts(ps, records)
+            batch = records[0].batch
+            if any(rec.batch != batch for rec in records):
+                raise _Unavailable("module calls saw different batch sizes")
+            scale = records[0].scale
+            sqn, proj = _combine(parts, batch, n_pending, grad.device)
+            sums = F.pad(sqn.sum().reshape(1), (0, 1))  # [sum_i ||dW_i||^2, 0]
+            # sum_i dW_i must equal scale * dW: checked through a random rank-one projection, on
+            # the device (the count is read when results are reported, not here: no sync)
+            bad = _mismatch(ps, proj, sums, grad, scale)
+            ps.mismatch = bad.to(torch.int64) if ps.mismatch is None else ps.mismatch + bad
+            if ps.acc_ex is None:
+                ps.acc_ex = _new_acc(grad.device)
+            _accumulate(ps.acc_ex, sums, batch * ps.numel, self._consts)
+        except _Unavailable as err:
+            if ps.acc_ex is None:
+                ps.acc_ex = _new_acc(grad.device)
+            ps.fail(str(err))
+        finally:
+            for rec in records:
+                rec.params = {k: v for k, v in rec.params.items() if v is not ps}
+                rec.contrib.pop(id(ps), None)
+                if not rec.params:
+                    rec.live = False
+            ps.pending = []
+
+    def _example_parts(self, ps: _ParamState, records: list[_Record]) -> list[_Contribution]:
+        """The contributions of every recorded call to ``ps`` (replaying modules that need it)."""
+        if not records:
+            raise _Unavailable("the gradient reached it outside any recorded module call")
+        parts: list[_Contribution] = []
+        for rec in records:
+            if rec.fail is not None:
+                raise _Unavailable(rec.fail)
+            if rec.forward.coupled:
+                raise _Unavailable(
+                    "BatchNorm used batch statistics in this forward: the examples interact, "
+                    "per-example gradients are undefined"
+                )
+            if rec.state.replay and rec.dys and rec.generic_key != len(rec.dys):
+                self._replay(rec)
+                rec.generic_key = len(rec.dys)
+            part = rec.contrib.get(id(ps))
+            if part is not None:
+                parts.append(part)
+        return parts
+
+    def _replay(self, rec: _Record) -> None:
+        """Re-run the module of ``rec`` for its contributions, with the probe's hooks muted."""
+        self._replaying = True
+        try:
+            _replay_contributions(rec)
+        except _Unavailable:
+            raise
+        except Exception as err:
+            raise _Unavailable(
+                f"per-example gradient via torch.func failed: {type(err).__name__}: {err}"[:300]
+            ) from err
+        finally:
+            self._replaying = False
+
+    # -- results -----------------------------------------------------------------------------
+
+    def _report_states(self) -> list[_ModuleState]:
+        called = sorted((s for s in self._states if s.order is not None), key=lambda s: s.order)
+        return called + [s for s in self._states if s.order is None]
+
+    def rows(self) -> Rows:
+        """All measurements in the long tidy schema :data:`PROBE_COLUMNS`.
+
+        Raises:
+            ValueError: a module's first input or first output (the tensors :meth:`table` uses)
+                accumulated fewer than 2 elements, so its variance is undefined; probe with a
+                larger batch. Other tensors (a scalar keyword argument) get ``var = NaN``.
+        """
+        return _probe_rows(self._report_states())
+
+    def table(self) -> Rows:
+        """One row per probed module (all calls pooled), columns :data:`TABLE_COLUMNS`.
+
+        ``E_*``/``var_*`` use the first tensor of each kind (input ``"0"``, output ``"0"`` or the
+        first output path); ``gain_fwd = var(y) / var(x)``, ``gain_bwd = E[dx^2] / E[dy^2]``.
+        ``cum_gain_fwd`` multiplies ``gain_fwd`` over modules in execution order up to this one;
+        ``cum_gain_bwd`` multiplies ``gain_bwd`` from the last executed module back to this one
+        (the order gradients flow). Modules whose gain is undefined (never called, integer input)
+        get NaN and are skipped in the products. ``calls`` is the number of calls per root forward
+        (0: never called); ``nonfinite`` counts excluded batch-calls over all tensors.
+        """
+        return _module_table(self._report_states())
+
+    def param_table(self) -> Rows:
+        """One row per (probed module, direct parameter), columns :data:`PARAM_TABLE_COLUMNS`.
+
+        ``E_W2`` as at ``__enter__``; ``E_dW2`` the minibatch gradient's ``E[dW^2]`` averaged over
+        backward passes; ``E_dW2_example`` the per-example one (NaN with a ``note`` where it cannot
+        be computed exactly); ``ratio = E_dW2_example / E_W2`` (the weight-to-gradient ratio
+        ``nu``); ``nonfinite`` counts backward passes left out.
+        """
+        return _param_table(self._report_states())
+
+    @property
+    def notes(self) -> list[str]:
+        """Why some ``dW_example`` values are NaN: ``"<module>.<param>: <reason>"``."""
+        return [f"{ps.label}: {n}" for ps in self._params.values() for n in ps.report()[1]]
+
+    def __repr__(self) -> str:
+        state = "active" if self._active else "inactive"
+        return (
+            f"MomentProbe({type(self.model).__name__}, modules={self.modules!r}, "
+            f"{len(self._states)} modules, {state})"
+        )
+
+
+def _keep_closed_form_input(rec: _Record, st: _ModuleState, leaves: list[torch.Tensor]) -> None:
+    """Keep the input tensor the module's closed form uses, or the reason there is none."""
+    x, why = _closed_form_input(st.kind, st.module, st.bd, leaves)
+    if x is None:
+        rec.fail = rec.fail or why
+        return
+    rec.x = x.detach()
+    rec.x_version = x._version
+    rec.batch = int(x.shape[st.bd])
+
+
+def measure_moments(
+    model: nn.Module,
+    batches: Iterable[Any],
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+    **probe_kwargs: Any,
+) -> MomentProbe:
+    """Run a :class:`MomentProbe` over ``batches`` and return it (read it with ``table()`` etc.).
+
+    Args:
+        model: the model; its train/eval mode is left as it is.
+        batches: an iterable of batches.
+        loss_fn: ``loss_fn(model, batch) -> scalar loss``; the probe runs ``loss.backward()`` on it.
+            ``None``: forward only, under ``torch.no_grad()``, calling ``model(batch[0])`` for a
+            tuple/list batch and ``model(batch)`` otherwise.
+        **probe_kwargs: passed to :class:`MomentProbe` (``modules``, ``per_example``, ...).
+
+    The parameters' ``.grad`` are set to ``None`` for the measurement and restored afterwards, so
+    gradients you accumulated before are untouched.
+    """
+    probe = MomentProbe(model, **probe_kwargs)
+    params = list(model.parameters())
+    saved = [p.grad for p in params]
+    try:
+        for p in params:
+            p.grad = None
+        with probe:
+            for batch in batches:
+                if loss_fn is None:
+                    with torch.no_grad():
+                        model(batch[0] if isinstance(batch, (tuple, list)) else batch)
+                else:
+                    loss = loss_fn(model, batch)
+                    loss.backward()
+                    for p in params:
+                        p.grad = None
+    finally:
+        for p, g in zip(params, saved, strict=True):
+            p.grad = g
+    return probe

@@ -1,0 +1,641 @@
+r"""Per-example gradients of a module call's parameters, one entry per kind of layer.
+
+:data:`PER_EXAMPLE` is the table ``{kind: LayerRule}``: which modules a kind covers (an unmodified
+``nn.Linear``, ``nn.LayerNorm``, ``nn.Embedding``, ``nn.MultiheadAttention``, ``nn.Conv1d/2d/3d``,
+and ``"generic"`` for every other module) and how their per-example gradients are computed:
+
+* a *closed form* runs in the output-gradient hook from the stored input and the output gradient
+  (``_linear_contributions``, ``_layernorm_contributions``, ``_embedding_contributions``,
+  ``_conv_contributions``; formulas in their docstrings and in :mod:`initlab.measure.probe`);
+* a *replay* runs when the parameter's gradient arrives and re-runs the module on the recorded
+  inputs (``_attention_contributions``: one batched re-run with the projections replaced by
+  identities, falling back to the generic path outside its shortcut; ``_generic_contributions``:
+  ``torch.func.vmap`` over ``torch.func.vjp`` on single examples).
+
+A new kind of layer is one more entry of the table (before ``"generic"``, which matches every
+module). Every contribution is a :class:`_Contribution` (per-example squared norms, or the
+per-example gradients themselves when several calls must be summed first, plus the rank-one
+projections that check ``sum_i dW_i == B * dW``); :func:`_combine` and :func:`_mismatch` do the
+summing and the check. The replay entries look ``_generic_contributions`` up in this module when
+they run, so a test can disable the generic path by patching this module's attribute.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from initlab._core.pytree import flatten_tensors, map_tensors
+from initlab._core.reductions import sum_of_squares
+
+if TYPE_CHECKING:
+    from initlab.measure.probe.state import _ParamState, _Record
+
+__all__ = ["PER_EXAMPLE", "LayerRule"]
+
+_CHUNK_ELEMENTS = 1 << 24  # bound on per-example gradient elements materialized at once
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_MHA_ARGS = ("query", "key", "value")
+
+
+class _Unavailable(Exception):
+    """A per-example gradient that cannot be computed exactly (reported as NaN with a note)."""
+
+
+class _Fallback(Exception):
+    """The module's configuration is outside a shortcut: use the generic ``vmap`` path."""
+
+
+class _Contribution:
+    """Per-example gradients of one parameter from one module call (scaled to one example's loss).
+
+    Either ``sqn`` (per-example squared norms, closed form) or ``grads`` (materialized, ``(B,
+    *shape)``); ``proj`` holds the per-example rank-one projections used for the consistency check.
+    """
+
+    __slots__ = ("grads", "proj", "sqn")
+
+    def __init__(
+        self,
+        proj: torch.Tensor,
+        sqn: torch.Tensor | None = None,
+        grads: torch.Tensor | None = None,
+    ) -> None:
+        self.proj = proj
+        self.sqn = sqn
+        self.grads = grads
+
+
+def _work(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float32 or float64 (half precisions computed in float32)."""
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
+def _project(grads: torch.Tensor, ps: _ParamState) -> torch.Tensor:
+    """Per-example ``<r_0 x r_1 x ..., g_i>`` for ``grads`` of shape ``(B, *shape)`` (float64).
+
+    Computed in the gradient's own precision: the projection only feeds the consistency check,
+    whose tolerance is far above float32 rounding.
+    """
+    out = _work(grads)
+    for v in reversed(ps.vecs_as(out.dtype)):
+        out = out @ v
+    return out.to(torch.float64)
+
+
+def _sq_norms(grads: torch.Tensor) -> torch.Tensor:
+    """Per-example squared norms as float64 (reduced in the gradient's precision, cascaded)."""
+    return sum_of_squares(_work(grads), per_row=True)
+
+
+def _chunks(total: int, per_item: int) -> Iterable[tuple[int, int]]:
+    step = max(1, _CHUNK_ELEMENTS // max(per_item, 1))
+    for lo in range(0, total, step):
+        yield lo, min(total, lo + step)
+
+
+# ----------------------------------------------------------------------------- closed forms
+
+
+def _put(rec: _Record, ps: _ParamState, g: torch.Tensor, proj: torch.Tensor | None = None) -> None:
+    """Store per-example gradients ``g`` (``(B, *shape)``, already scaled) of ``ps``."""
+    proj = _project(g, ps) if proj is None else proj
+    if len(ps.pending) > 1:
+        rec.contrib[id(ps)] = _Contribution(proj, grads=g)
+    else:
+        rec.contrib[id(ps)] = _Contribution(proj, sqn=_sq_norms(g))
+
+
+def _outer_sq_norms(dy3: torch.Tensor, x3: torch.Tensor) -> torch.Tensor:
+    """``||sum_t dy_it x_it^T||^2`` per example for ``dy3 (B, T, out)``, ``x3 (B, T, in)``."""
+    batch, steps, n_in, n_out = x3.shape[0], x3.shape[1], x3.shape[-1], dy3.shape[-1]
+    parts = []
+    if steps == 1:
+        parts.append(_sq_norms(dy3) * _sq_norms(x3))
+    elif 3 * steps * (n_in + n_out) <= n_in * n_out:
+        # Gram matrices sum_ts (dy_t.dy_s)(x_t.x_s), in float64 (the sum can cancel)
+        for lo, hi in _chunks(batch, steps * (steps + n_in + n_out)):
+            xc = x3[lo:hi].to(torch.float64)
+            dc = dy3[lo:hi].to(torch.float64)
+            parts.append(((xc @ xc.mT) * (dc @ dc.mT)).sum((1, 2)))
+    else:
+        for lo, hi in _chunks(batch, n_in * n_out):
+            parts.append(_sq_norms(torch.bmm(dy3[lo:hi].mT, x3[lo:hi])))
+    return torch.cat(parts)
+
+
+def _put_outer(
+    rec: _Record, ps: _ParamState, blocks: list[tuple[torch.Tensor, torch.Tensor]], s: float
+) -> None:
+    """Per-example ``s * sum_t dy_it x_it^T`` for ``(dy3, x3)`` blocks stacked along ``out``."""
+    if any(d.dtype != blocks[0][0].dtype or x.dtype != d.dtype for d, x in blocks):
+        blocks = [(d.to(torch.float64), x.to(torch.float64)) for d, x in blocks]
+    u, v = ps.vecs_as(blocks[0][0].dtype)
+    proj, off = None, 0
+    for d, x in blocks:
+        part = ((d @ u[off : off + d.shape[-1]]) * (x @ v)).sum(1)
+        proj = part if proj is None else proj + part
+        off += d.shape[-1]
+    assert proj is not None
+    proj = (proj * s).to(torch.float64)
+    if len(ps.pending) > 1:
+        grads = torch.cat([torch.bmm(d.mT, x) for d, x in blocks], 1) * s
+        rec.contrib[id(ps)] = _Contribution(proj, grads=grads)
+    else:
+        sqn = sum(_outer_sq_norms(d, x) for d, x in blocks)
+        rec.contrib[id(ps)] = _Contribution(proj, sqn=sqn * (s * s))  # type: ignore[operator]
+
+
+def _linear_contributions(rec: _Record, dy: torch.Tensor) -> None:
+    assert rec.x is not None
+    bd, s = rec.state.bd, rec.scale
+    x = _work(rec.x.movedim(bd, 0))
+    dy = _work(dy.detach().movedim(bd, 0))
+    batch = x.shape[0]
+    x3 = x.reshape(batch, -1, x.shape[-1])
+    dy3 = dy.reshape(batch, -1, dy.shape[-1])
+    for local, ps in rec.params.items():
+        if local == "bias":
+            _put(rec, ps, dy3.sum(1) * s)
+        else:
+            _put_outer(rec, ps, [(dy3, x3)], s)
+
+
+def _layernorm_contributions(rec: _Record, dy: torch.Tensor) -> None:
+    """``nn.LayerNorm``: ``dW_i = sum_t dy_it * xhat_it``, ``db_i = sum_t dy_it``.
+
+    ``xhat = (x - mean) / sqrt(var + eps)`` over ``normalized_shape`` (population variance),
+    recomputed from the stored input by ``F.layer_norm`` without weight and bias.
+    """
+    assert rec.x is not None
+    module, bd, s = rec.state.module, rec.state.bd, rec.scale
+    shape = tuple(module.normalized_shape)
+    x = _work(rec.x.movedim(bd, 0))
+    dy = _work(dy.detach().movedim(bd, 0))
+    batch = x.shape[0]
+    dy3 = dy.reshape(batch, -1, *shape)
+    for local, ps in rec.params.items():
+        if local == "bias":
+            _put(rec, ps, dy3.sum(1) * s)
+            continue
+        # the forward's own kernel without the affine part: (x - mean) * rsqrt(var + eps)
+        xhat = F.layer_norm(x.to(dy3.dtype), shape, eps=module.eps).reshape(dy3.shape)
+        _put(rec, ps, (dy3 * xhat).sum(1) * s)
+
+
+def _embedding_contributions(rec: _Record, dy: torch.Tensor) -> None:
+    """``nn.Embedding``: ``dW_i = sum_t e_{tok_it} dy_it^T`` (rows of ``padding_idx`` get none).
+
+    ``||dW_i||^2 = sum_v ||sum_{t: tok_it = v} dy_it||^2``: the (example, token) keys are sorted
+    and the gradient rows of equal keys summed by ``index_add`` (memory and time ~ ``dy``).
+    """
+    assert rec.x is not None
+    module, bd, s = rec.state.module, rec.state.bd, rec.scale
+    ps = rec.params["weight"]
+    n_vocab, dim = module.weight.shape
+    tok = rec.x.movedim(bd, 0)
+    batch = tok.shape[0]
+    tok2 = tok.reshape(batch, -1).long()
+    dy3 = _work(dy.detach().movedim(bd, 0)).reshape(batch, -1, dim)
+    if module.padding_idx is not None:
+        dy3 = dy3.masked_fill((tok2 == module.padding_idx).unsqueeze(-1), 0.0)
+    u, v = ps.vecs_as(dy3.dtype)
+    proj = ((u[tok2] * (dy3 @ v)).sum(1) * s).to(torch.float64)
+    keys = (tok2 + n_vocab * torch.arange(batch, device=tok2.device).unsqueeze(1)).reshape(-1)
+    rows = dy3.reshape(-1, dim)
+    if len(ps.pending) > 1:
+        dense = rows.new_zeros(batch * n_vocab, dim).index_add_(0, keys, rows)
+        rec.contrib[id(ps)] = _Contribution(proj, grads=dense.view(batch, n_vocab, dim) * s)
+        return
+    keys, order = torch.sort(keys)
+    new = torch.ones_like(keys, dtype=torch.bool)
+    new[1:] = keys[1:] != keys[:-1]
+    seg = torch.cumsum(new, 0) - 1  # segment id of each sorted row
+    sums = rows.new_zeros(rows.shape).index_add_(0, seg, rows[order])
+    example = torch.zeros_like(keys).scatter_(0, seg, keys // n_vocab)
+    sqn = torch.zeros(batch, dtype=torch.float64, device=rows.device)
+    sqn.index_add_(0, example, _sq_norms(sums))
+    rec.contrib[id(ps)] = _Contribution(proj, sqn=sqn * (s * s))
+
+
+def _conv_example_weight_grads(
+    module: nn.Module, x: torch.Tensor, dy: torch.Tensor
+) -> torch.Tensor:
+    """Per-example weight gradients of a convolution: the batch folded into the groups."""
+    nd = x.dim() - 2
+    groups = module.groups
+    if module.padding_mode != "zeros" or isinstance(module.padding, str):
+        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
+        padding = (0,) * nd
+    else:
+        padding = tuple(module.padding)
+    c = x.shape[0]
+    c_out = dy.shape[1]
+    w_shape = module.weight.shape
+    xg = x.reshape(1, c * x.shape[1], *x.shape[2:])
+    dyg = dy.reshape(1, c * c_out, *dy.shape[2:])
+    weight = dyg.new_empty(1).expand(c * c_out, *w_shape[1:])
+    grads = torch.ops.aten.convolution_backward(
+        dyg,
+        xg,
+        weight,
+        None,
+        tuple(module.stride),
+        padding,
+        tuple(module.dilation),
+        False,
+        (0,) * nd,
+        c * groups,
+        (False, True, False),
+    )[1]
+    return grads.reshape(c, *w_shape)
+
+
+def _conv_contributions(rec: _Record, dy: torch.Tensor) -> None:
+    assert rec.x is not None
+    module, s, x = rec.state.module, rec.scale, rec.x
+    dy = dy.detach()
+    batch = x.shape[0]
+    for local, ps in rec.params.items():
+        multi = len(ps.pending) > 1
+        if local == "bias":
+            _put(rec, ps, _work(dy).flatten(2).sum(2) * s)
+            continue
+        sqn, proj, grads = [], [], []
+        for lo, hi in _chunks(batch, ps.numel):
+            g = _conv_example_weight_grads(module, x[lo:hi], dy[lo:hi]) * s
+            proj.append(_project(g, ps))
+            if multi:
+                grads.append(g)
+            else:
+                sqn.append(_sq_norms(g))
+        if multi:
+            rec.contrib[id(ps)] = _Contribution(torch.cat(proj), grads=torch.cat(grads))
+        else:
+            rec.contrib[id(ps)] = _Contribution(torch.cat(proj), sqn=torch.cat(sqn))
+
+
+# ----------------------------------------------------------------------------- replays
+
+
+def _generic_contributions(rec: _Record) -> None:
+    """Per-example gradients by ``vmap`` over ``vjp`` of ``functional_call`` on single examples."""
+    module, bd, batch, s = rec.state.module, rec.state.bd, rec.batch, rec.scale
+    leaves = [t for _, t in flatten_tensors(rec.inputs)]
+    if any(t._version != v for t, v in zip(leaves, rec.versions, strict=True)):
+        raise _Unavailable("an input of the module was modified in place after its forward")
+    batched = [t.dim() > bd and t.shape[bd] == batch for t in leaves]
+    if not any(batched):
+        raise _Unavailable(f"no input tensor has the batch size {batch} along dim {bd}")
+    out_paths, cotangents = [], []
+    for path, shape in rec.out_meta:
+        if path not in rec.dys:
+            continue  # no gradient reached this output: it contributes nothing
+        if len(shape) <= bd or shape[bd] != batch:
+            raise _Unavailable(f"output {path!r} has no batch dim of size {batch} at dim {bd}")
+        out_paths.append(path)
+        cotangents.append(rec.dys[path])
+    params = {name: ps.param.detach() for name, ps in rec.params.items()}
+    buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+
+    def forward(p: dict[str, torch.Tensor], example_leaves: list[torch.Tensor]):
+        it = iter(example_leaves)
+        pairs = zip(leaves, batched, strict=True)
+        full = iter([next(it).unsqueeze(bd) if b else t for t, b in pairs])
+        args, kwargs = map_tensors(rec.inputs, lambda _t: next(full))
+        out = torch.func.functional_call(module, (p, buffers), tuple(args), kwargs)
+        flat = dict(flatten_tensors(out))
+        return tuple(flat[path] for path in out_paths)
+
+    def one(example_leaves: list[torch.Tensor], dys: list[torch.Tensor]):
+        _, vjp_fn = torch.func.vjp(lambda p: forward(p, example_leaves), params)
+        return vjp_fn(tuple(d.unsqueeze(bd) for d in dys))[0]
+
+    per_item = sum(ps.numel for ps in rec.params.values())
+    multi = {name: len(ps.pending) > 1 for name, ps in rec.params.items()}
+    sqn: dict[str, list[torch.Tensor]] = {name: [] for name in params}
+    proj: dict[str, list[torch.Tensor]] = {name: [] for name in params}
+    grads: dict[str, list[torch.Tensor]] = {name: [] for name in params}
+    with warnings.catch_warnings(), torch.enable_grad():
+        warnings.filterwarnings("ignore", message="There is a performance drop")
+        for lo, hi in _chunks(batch, per_item):
+            xs = [t.narrow(bd, lo, hi - lo) for t, b in zip(leaves, batched, strict=True) if b]
+            ds = [d.narrow(bd, lo, hi - lo) for d in cotangents]
+            out = torch.func.vmap(one, in_dims=(bd, bd))(xs, ds)
+            for name, ps in rec.params.items():
+                g = out[name].detach() * s
+                proj[name].append(_project(g, ps))
+                (grads if multi[name] else sqn)[name].append(g if multi[name] else _sq_norms(g))
+    rec.contrib.clear()
+    for name, ps in rec.params.items():
+        if multi[name]:
+            rec.contrib[id(ps)] = _Contribution(torch.cat(proj[name]), grads=torch.cat(grads[name]))
+        else:
+            rec.contrib[id(ps)] = _Contribution(torch.cat(proj[name]), sqn=torch.cat(sqn[name]))
+
+
+def _attention_contributions(rec: _Record) -> None:
+    """``nn.MultiheadAttention`` (packed in-projection, no ``bias_k``/``bias_v``).
+
+    The projections are linear maps around a core that treats examples independently: the
+    module is re-run once, batched, with the in- and out-projection replaced by identities on
+    the projected ``q, k, v`` (computed here with the module's weights), and one ``autograd.grad``
+    gives the exact gradients at the projected ``q, k, v`` and at the attention output. Then
+    ``dW_in_i = sum_t [dq; dk; dv]_it [query; key; value]_it^T`` and ``dW_out_i = sum_t dy_it
+    o_it^T`` (biases: the sums over t), like ``nn.Linear``.
+    """
+    module, bd, batch = rec.state.module, rec.state.bd, rec.batch
+    _check_attention_shortcut(module, rec)
+    leaves = [t for _, t in flatten_tensors(rec.inputs)]
+    if any(t._version != v for t, v in zip(leaves, rec.versions, strict=True)):
+        raise _Unavailable("an input of the module was modified in place after its forward")
+    args, kwargs = rec.inputs
+    args, kwargs = list(args), dict(kwargs)
+    qkv = _attention_qkv(args, kwargs, bd, batch)
+    rerun = _attention_rerun(rec, args, kwargs, qkv)
+    rec.contrib.clear()
+    if rerun is not None:
+        _put_attention(rec, qkv, *rerun)
+
+
+def _check_attention_shortcut(module: nn.Module, rec: _Record) -> None:
+    """Raise :class:`_Fallback` where the shortcut does not apply (separate ``kdim``/``vdim``,
+    ``bias_k``/``bias_v``, dropout in train mode, or parameters beyond the projections)."""
+    if (
+        not module._qkv_same_embed_dim
+        or module.bias_k is not None
+        or module.bias_v is not None
+        or (module.training and module.dropout > 0.0)
+        or not set(rec.params) <= {"in_proj_weight", "in_proj_bias", "out_proj.weight",
+                                   "out_proj.bias"}
+    ):  # fmt: skip
+        raise _Fallback
+
+
+def _attention_qkv(
+    args: list[Any], kwargs: dict[str, Any], bd: int, batch: int
+) -> list[torch.Tensor]:
+    """``query``, ``key``, ``value`` (positional or keyword), each 3-D with the batch at ``bd``."""
+    qkv = []
+    for i, name in enumerate(_MHA_ARGS):
+        t = args[i] if i < len(args) else kwargs.get(name)
+        if not isinstance(t, torch.Tensor) or t.dim() != 3 or t.shape[bd] != batch:
+            raise _Fallback
+        qkv.append(t)
+    return qkv
+
+
+def _attention_identities(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters that make the module's in- and out-projections identities (zero biases)."""
+    weight = module.in_proj_weight.detach()
+    eye = torch.eye(module.embed_dim, dtype=weight.dtype, device=weight.device)
+    subst = {"in_proj_weight": eye.repeat(3, 1), "out_proj.weight": eye}
+    for name, p in (("in_proj_bias", module.in_proj_bias), ("out_proj.bias", module.out_proj.bias)):
+        if p is not None:
+            subst[name] = torch.zeros_like(p.detach())
+    return subst
+
+
+def _attention_rerun(
+    rec: _Record, args: list[Any], kwargs: dict[str, Any], qkv: list[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]] | None:
+    """Re-run the core on ``q, k, v`` projected with the module's weights: ``(inner, out, dqkv)``
+    with ``inner`` the core's output, ``out`` the module's output and ``dqkv`` the gradients at
+    the projected ``q, k, v`` (zeros where none); ``None`` when no gradient reached an output."""
+    module = rec.state.module
+    weight = module.in_proj_weight.detach()
+    bias = module.in_proj_bias
+    w_chunks = weight.chunk(3)
+    b_chunks = bias.detach().chunk(3) if bias is not None else (None, None, None)
+    subst = _attention_identities(module)
+    with torch.enable_grad():
+        projected = [
+            F.linear(t, w, b).detach().requires_grad_()
+            for t, w, b in zip(qkv, w_chunks, b_chunks, strict=True)
+        ]
+        for i, name in enumerate(_MHA_ARGS):
+            if i < len(args):
+                args[i] = projected[i]
+            else:
+                kwargs[name] = projected[i]
+        inner, weights = torch.func.functional_call(module, subst, tuple(args), kwargs)
+        out = F.linear(inner, module.out_proj.weight.detach(), _detach(module.out_proj.bias))
+        outs, cots = [], []
+        for path, t in (("0", out), ("1", weights)):
+            if path in rec.dys and t is not None:
+                outs.append(t)
+                cots.append(rec.dys[path])
+        if not outs:
+            return None
+        grads = torch.autograd.grad(outs, [*projected, inner], cots, allow_unused=True)
+    zeros = torch.zeros_like(projected[0])
+    return inner, out, [g if g is not None else zeros for g in grads[:3]]
+
+
+def _put_attention(
+    rec: _Record,
+    qkv: list[torch.Tensor],
+    inner: torch.Tensor,
+    out: torch.Tensor,
+    dqkv: list[torch.Tensor],
+) -> None:
+    """The projections' per-example gradients, as for ``nn.Linear``."""
+    bd, s = rec.state.bd, rec.scale
+
+    def layout(t: torch.Tensor) -> torch.Tensor:
+        return _work(t.detach().movedim(bd, 0))
+
+    dqkv = [layout(g) for g in dqkv]
+    dy = layout(rec.dys["0"]) if "0" in rec.dys else layout(torch.zeros_like(out))
+    for name, ps in rec.params.items():
+        if name == "in_proj_weight":
+            _put_outer(rec, ps, [(d, layout(t)) for d, t in zip(dqkv, qkv, strict=True)], s)
+        elif name == "in_proj_bias":
+            _put(rec, ps, torch.cat([d.sum(1) for d in dqkv], 1) * s)
+        elif name == "out_proj.weight":
+            _put_outer(rec, ps, [(dy, layout(inner))], s)
+        else:
+            _put(rec, ps, dy.sum(1) * s)
+
+
+def _detach(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach()
+
+
+# ----------------------------------------------------------------------------- the table
+
+
+def _replay_generic(rec: _Record) -> None:
+    _generic_contributions(rec)  # looked up here when called: a test may patch it
+
+
+def _replay_attention(rec: _Record) -> None:
+    try:
+        _attention_contributions(rec)
+    except _Fallback:
+        _generic_contributions(rec)
+
+
+@dataclass(frozen=True)
+class LayerRule:
+    """How the per-example gradients of one kind of layer are computed.
+
+    Attributes:
+        matches: ``matches(module)``: does this kind cover the module (its class's own forward)?
+        closed_form: ``closed_form(rec, dy)``, run in the output-gradient hook: the contributions
+            from the stored input ``rec.x`` and the output gradient ``dy``.
+        replay: ``replay(rec)``, run when the parameter's gradient arrives: the contributions by a
+            re-run of the module on the recorded inputs and output gradients. A rule has either
+            ``closed_form`` or ``replay``.
+        batched: for a closed form, ``batched(module, x, batch_dim)``: does the stored input
+            ``x`` carry a batch?
+        integer_input: for a closed form, the stored input is the first integer tensor (token
+            ids) instead of the first floating-point one.
+        batch_dim0_only: for a closed form that needs the batch at dim 0, the reason reported
+            otherwise (``""``: any batch dim).
+    """
+
+    matches: Callable[[nn.Module], bool]
+    closed_form: Callable[[_Record, torch.Tensor], None] | None = None
+    replay: Callable[[_Record], None] | None = None
+    batched: Callable[[nn.Module, torch.Tensor, int], bool] | None = None
+    integer_input: bool = False
+    batch_dim0_only: str = ""
+
+
+def _is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+
+
+def _is_layernorm(module: nn.Module) -> bool:
+    return isinstance(module, nn.LayerNorm) and type(module).forward is nn.LayerNorm.forward
+
+
+def _is_embedding(module: nn.Module) -> bool:
+    return (
+        isinstance(module, nn.Embedding)
+        and type(module).forward is nn.Embedding.forward
+        and module.max_norm is None
+        and not module.scale_grad_by_freq
+        and not module.sparse
+    )
+
+
+def _is_attention(module: nn.Module) -> bool:
+    cls = type(module)
+    return (
+        isinstance(module, nn.MultiheadAttention) and cls.forward is nn.MultiheadAttention.forward
+    )
+
+
+def _is_conv(module: nn.Module) -> bool:
+    cls = type(module)
+    return any(
+        isinstance(module, base)
+        and cls.forward is base.forward
+        and cls._conv_forward is base._conv_forward
+        for base in _CONVS
+    )
+
+
+PER_EXAMPLE: dict[str, LayerRule] = {
+    "linear": LayerRule(
+        _is_linear, closed_form=_linear_contributions, batched=lambda m, x, bd: x.dim() >= 2
+    ),
+    "layernorm": LayerRule(
+        _is_layernorm,
+        closed_form=_layernorm_contributions,
+        batched=lambda m, x, bd: bd < x.dim() - len(m.normalized_shape),
+    ),
+    "embedding": LayerRule(
+        _is_embedding,
+        closed_form=_embedding_contributions,
+        batched=lambda m, x, bd: x.dim() > bd,
+        integer_input=True,
+    ),
+    "attention": LayerRule(_is_attention, replay=_replay_attention),
+    "conv": LayerRule(
+        _is_conv,
+        closed_form=_conv_contributions,
+        batched=lambda m, x, bd: x.dim() == m.weight.dim(),
+        batch_dim0_only="convolutions take the batch at dim 0",
+    ),
+    "generic": LayerRule(lambda m: True, replay=_replay_generic),
+}
+"""Per-example gradients by kind of layer; the first entry whose ``matches`` accepts a module
+gives its kind (:func:`_kind`), ``"generic"`` (last) accepts every module."""
+
+
+def _kind(module: nn.Module) -> str:
+    """The :data:`PER_EXAMPLE` kind of ``module``."""
+    return next(kind for kind, rule in PER_EXAMPLE.items() if rule.matches(module))
+
+
+def _closed_form_input(
+    kind: str, module: nn.Module, bd: int, leaves: list[torch.Tensor]
+) -> tuple[torch.Tensor | None, str]:
+    """The input a closed form uses, from the module call's input tensors, or ``None`` and why."""
+    rule = PER_EXAMPLE[kind]
+    assert rule.batched is not None
+    # the first floating-point input (integer_input: the first integer one, token ids)
+    x = next((t for t in leaves if t.is_floating_point() != rule.integer_input), None)
+    if x is None or not rule.batched(module, x, bd):
+        return None, "unbatched or missing input"
+    if rule.batch_dim0_only and bd != 0:
+        return None, rule.batch_dim0_only
+    return x, ""
+
+
+def _closed_form_contributions(rec: _Record, dy: torch.Tensor) -> None:
+    """Run the closed form of the record's kind on the output gradient ``dy``."""
+    closed_form = PER_EXAMPLE[rec.state.kind].closed_form
+    assert closed_form is not None
+    closed_form(rec, dy)
+
+
+def _replay_contributions(rec: _Record) -> None:
+    """Run the replay of the record's kind (its output gradients are all in ``rec.dys``)."""
+    replay = PER_EXAMPLE[rec.state.kind].replay
+    assert replay is not None
+    replay(rec)
+
+
+# ----------------------------------------------------------------------------- sum and check
+
+
+def _combine(
+    parts: list[_Contribution], batch: int, n_pending: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-example squared norms and projections of the sum of one parameter's contributions
+    over all its module calls (``n_pending`` records); no contribution: zeros."""
+    if not parts:
+        sqn = torch.zeros(batch, dtype=torch.float64, device=device)
+        return sqn, torch.zeros_like(sqn)
+    if len(parts) == 1 and parts[0].sqn is not None and n_pending == 1:
+        return parts[0].sqn, parts[0].proj
+    if any(p.grads is None for p in parts):
+        raise _Unavailable("internal: closed form used for a multi-call parameter")
+    total = sum(p.grads for p in parts)  # type: ignore[misc]
+    return _sq_norms(total), sum(p.proj for p in parts)  # type: ignore[return-value]
+
+
+def _mismatch(
+    ps: _ParamState, proj: torch.Tensor, sums: torch.Tensor, grad: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Device bool: ``sum_i dW_i`` differs from ``scale * dW`` (through the random rank-one
+    projection; read when results are reported, not here: no sync)."""
+    ref = _project(grad.unsqueeze(0), ps)[0] * scale
+    eps = torch.finfo(grad.dtype).eps if grad.is_floating_point() else 1e-7
+    tol = (
+        1e-3 * scale * torch.linalg.vector_norm(grad, dtype=torch.float64)
+        + 1e3 * eps * proj.abs().sum()
+        + 1e-300
+    )
+    return torch.isfinite(sums).all() & torch.isfinite(ref) & ((proj.sum() - ref).abs() > tol)

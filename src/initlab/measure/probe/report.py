@@ -1,0 +1,222 @@
+"""The moment probe's results: the long schema, the module table and the parameter table.
+
+The column tuples :data:`PROBE_COLUMNS`, :data:`TABLE_COLUMNS` and :data:`PARAM_TABLE_COLUMNS`,
+and the functions behind :meth:`MomentProbe.rows`, :meth:`MomentProbe.table` and
+:meth:`MomentProbe.param_table` (definitions in :mod:`initlab.measure.probe` and in those
+methods' docstrings), which read the accumulators of the probe's module and parameter states.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from initlab._core.rows import Rows
+from initlab.measure.probe.accumulate import _NAN, _moments
+from initlab.measure.probe.state import _ModuleState, _ParamState
+
+__all__ = ["PARAM_TABLE_COLUMNS", "PROBE_COLUMNS", "TABLE_COLUMNS"]
+
+PROBE_COLUMNS: tuple[str, ...] = (
+    "module",
+    "module_type",
+    "order",
+    "call",
+    "quantity",
+    "index",
+    "param",
+    "stat",
+    "value",
+)
+"""Columns of :meth:`MomentProbe.rows` (see the module docstring)."""
+
+TABLE_COLUMNS: tuple[str, ...] = (
+    "module",
+    "module_type",
+    "order",
+    "calls",
+    "E_x2",
+    "E_y2",
+    "E_dy2",
+    "E_dx2",
+    "var_x",
+    "var_y",
+    "var_dy",
+    "var_dx",
+    "gain_fwd",
+    "gain_bwd",
+    "cum_gain_fwd",
+    "cum_gain_bwd",
+    "nonfinite",
+)
+"""Columns of :meth:`MomentProbe.table`."""
+
+PARAM_TABLE_COLUMNS: tuple[str, ...] = (
+    "module",
+    "param",
+    "shape",
+    "E_W2",
+    "E_dW2",
+    "E_dW2_example",
+    "ratio",
+    "nonfinite",
+    "note",
+)
+"""Columns of :meth:`MomentProbe.param_table`."""
+
+_QUANTITIES = ("x", "y", "dy", "dx")
+_ACT_STATS = ("sq_mean", "mean", "var", "numel", "batches", "nonfinite")
+
+
+def _activation_blocks(
+    st: _ModuleState,
+) -> list[tuple[int | str, str, str, dict[str, float]]]:
+    """(call, quantity, index, moments) for each call and for "all", in report order."""
+    values = {key: acc.tolist() for key, acc in st.acc.items()}
+    blocks: list[tuple[int | str, str, str, dict[str, float]]] = []
+    indices: dict[str, list[str]] = {q: [] for q in _QUANTITIES}
+    for _, q, path in values:
+        if path not in indices[q]:
+            indices[q].append(path)
+    if st.max_calls == 0 and not values:
+        for q in ("x", "y"):
+            blocks.append(("all", q, "0", _moments([0.0, 0.0, 0.0, 0.0, 0.0])))
+        return blocks
+    calls: list[int | str] = [*range(st.max_calls), "all"]
+    for call in calls:
+        for q in _QUANTITIES:
+            for path in indices[q]:
+                if call == "all":
+                    parts = [v for (c, qq, p), v in values.items() if qq == q and p == path]
+                    if not parts:
+                        continue
+                    summed = [sum(col) for col in zip(*parts, strict=True)]
+                else:
+                    if (call, q, path) not in values:
+                        continue
+                    summed = values[(call, q, path)]
+                if 0 < summed[2] < 2 and path == indices[q][0]:
+                    raise ValueError(
+                        f"module {st.name!r} ({type(st.module).__name__}): {q}[{path}] "
+                        f"(call {call}) has {int(summed[2])} element(s); a variance needs at "
+                        "least 2 — probe with a larger batch"
+                    )
+                blocks.append((call, q, path, _moments(summed)))
+    return blocks
+
+
+def _param_moments(ps: _ParamState) -> dict[str, dict[str, float]]:
+    w = ps.w_sums.tolist()
+    out = {"W": _moments([w[0], w[1], float(ps.numel), 1.0, 0.0])}
+    if ps.acc_dw is not None:
+        out["dW"] = _moments(ps.acc_dw.tolist())
+    if ps.acc_ex is not None:
+        ex = _moments(ps.acc_ex.tolist())
+        if ps.report()[0]:
+            ex["sq_mean"] = _NAN
+        out["dW_example"] = ex
+    return out
+
+
+def _probe_rows(states: list[_ModuleState]) -> Rows:
+    """:meth:`MomentProbe.rows` of the module states, in report order."""
+    out: list[dict[str, Any]] = []
+    for st in states:
+        head = {"module": st.name, "module_type": type(st.module).__name__, "order": st.order}
+        for call, q, path, moments in _activation_blocks(st):
+            for stat in _ACT_STATS:
+                out.append(
+                    {**head, "call": call, "quantity": q, "index": path, "param": "",
+                     "stat": stat, "value": moments[stat]}
+                )  # fmt: skip
+        for local, ps in st.params:
+            for q, moments in _param_moments(ps).items():
+                stats = {
+                    "W": ("sq_mean", "mean", "var", "numel"),
+                    "dW": _ACT_STATS,
+                    "dW_example": ("sq_mean", "numel", "batches", "nonfinite"),
+                }[q]
+                for stat in stats:
+                    out.append(
+                        {**head, "call": "all", "quantity": q, "index": "", "param": local,
+                         "stat": stat, "value": moments[stat]}
+                    )  # fmt: skip
+    return Rows(out, PROBE_COLUMNS, title="moment probe")
+
+
+def _module_table(states: list[_ModuleState]) -> Rows:
+    """:meth:`MomentProbe.table` of the module states, in report order."""
+    out = []
+    for st in states:
+        first: dict[str, dict[str, float]] = {}
+        nonfinite = 0.0
+        for call, q, _, moments in _activation_blocks(st):
+            if call == "all":
+                first.setdefault(q, moments)
+                nonfinite += moments["nonfinite"]
+        nan = {"sq_mean": _NAN, "var": _NAN}
+        x, y, dy, dx = (first.get(q, nan) for q in _QUANTITIES)
+        out.append(
+            {
+                "module": st.name,
+                "module_type": type(st.module).__name__,
+                "order": st.order,
+                "calls": st.max_calls,
+                "E_x2": x["sq_mean"],
+                "E_y2": y["sq_mean"],
+                "E_dy2": dy["sq_mean"],
+                "E_dx2": dx["sq_mean"],
+                "var_x": x["var"],
+                "var_y": y["var"],
+                "var_dy": dy["var"],
+                "var_dx": dx["var"],
+                "gain_fwd": _ratio(y["var"], x["var"]),
+                "gain_bwd": _ratio(dx["sq_mean"], dy["sq_mean"]),
+                "nonfinite": nonfinite,
+            }
+        )
+    _cumulate(out, "gain_fwd", "cum_gain_fwd", reverse=False)
+    _cumulate(out, "gain_bwd", "cum_gain_bwd", reverse=True)
+    return Rows(out, TABLE_COLUMNS, title="moment probe: modules")
+
+
+def _param_table(states: list[_ModuleState]) -> Rows:
+    """:meth:`MomentProbe.param_table` of the module states."""
+    out = []
+    for st in states:
+        for local, ps in st.params:
+            m = _param_moments(ps)
+            dw = m.get("dW", {"sq_mean": _NAN, "nonfinite": 0.0})
+            ex = m.get("dW_example", {"sq_mean": _NAN, "nonfinite": 0.0})
+            out.append(
+                {
+                    "module": st.name,
+                    "param": local,
+                    "shape": tuple(ps.param.shape),
+                    "E_W2": m["W"]["sq_mean"],
+                    "E_dW2": dw["sq_mean"],
+                    "E_dW2_example": ex["sq_mean"],
+                    "ratio": _ratio(ex["sq_mean"], m["W"]["sq_mean"]),
+                    "nonfinite": dw["nonfinite"] + ex["nonfinite"],
+                    "note": "; ".join(ps.report()[1]),
+                }
+            )
+    return Rows(out, PARAM_TABLE_COLUMNS, title="moment probe: parameters")
+
+
+def _ratio(num: float, den: float) -> float:
+    if math.isnan(num) or math.isnan(den) or den == 0.0:
+        return _NAN
+    return num / den
+
+
+def _cumulate(rows: list[dict[str, Any]], key: str, out_key: str, *, reverse: bool) -> None:
+    product = 1.0
+    order = [r for r in rows if r["order"] is not None]
+    order.sort(key=lambda r: r["order"], reverse=reverse)
+    for r in rows:
+        r[out_key] = _NAN
+    for r in order:
+        if math.isfinite(r[key]):
+            product *= r[key]
+            r[out_key] = product

@@ -1,0 +1,130 @@
+"""What the moment probe keeps per parameter, per module and per module call.
+
+:class:`_ParamState` (everything measured about one parameter tensor), :class:`_ModuleState`
+(one probed module: its accumulators, calls in flight, parameters), :class:`_Frame` (one module
+call between its forward pre-hook and forward hook), :class:`_Forward` (one forward of the root
+model) and :class:`_Record` (what one module call keeps for per-example gradients until its
+parameters' gradient hooks fire).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from initlab.measure.probe.accumulate import _sums
+from initlab.measure.probe.per_example import PER_EXAMPLE, _Contribution, _kind
+
+_MISMATCH = (
+    "per-example gradients do not add up to the minibatch gradient (the parameter is also used "
+    "outside its modules' forwards, or the module couples examples)"
+)
+
+
+class _ParamState:
+    """Everything measured about one parameter tensor (shared by all modules that own it)."""
+
+    def __init__(self, param: nn.Parameter, vecs: list[torch.Tensor]) -> None:
+        self.param = param
+        with torch.no_grad():
+            self.w_sums = _sums(param)
+        self.numel = param.numel()
+        self.acc_dw: torch.Tensor | None = None
+        self.acc_ex: torch.Tensor | None = None
+        self.failed = 0
+        self.notes: list[str] = []
+        self.mismatch: torch.Tensor | None = None  # device count of failed consistency checks
+        self.pending: list[_Record] = []
+        self.vecs = vecs  # random vectors, one per dim: the rank-one check projection
+        self._vecs_as: dict[torch.dtype, list[torch.Tensor]] = {torch.float64: vecs}
+        self.adopted_at: int | None = None
+        self.label = ""
+
+    def vecs_as(self, dtype: torch.dtype) -> list[torch.Tensor]:
+        out = self._vecs_as.get(dtype)
+        if out is None:
+            out = self._vecs_as[dtype] = [v.to(dtype) for v in self.vecs]
+        return out
+
+    def fail(self, note: str) -> None:
+        self.failed += 1
+        if note not in self.notes:
+            self.notes.append(note)
+
+    def report(self) -> tuple[int, list[str]]:
+        """(number of backward passes without an exact per-example result, reasons)."""
+        mismatches = 0 if self.mismatch is None else int(self.mismatch.item())
+        notes = list(self.notes)
+        if mismatches:
+            notes.append(_MISMATCH)
+        return self.failed + mismatches, notes
+
+
+class _Frame:
+    """One module call in flight (between its forward pre-hook and forward hook)."""
+
+    __slots__ = ("call", "inputs", "scale", "start_seq", "versions")
+
+    def __init__(self, call: int, inputs: Any, versions: list[int], scale: float, seq: int):
+        self.call = call
+        self.inputs = inputs
+        self.versions = versions
+        self.scale = scale
+        self.start_seq = seq
+
+
+class _ModuleState:
+    def __init__(self, name: str, module: nn.Module, rank: int, batch_dim: int) -> None:
+        self.name = name
+        self.module = module
+        self.rank = rank
+        self.bd = batch_dim
+        self.kind = _kind(module)
+        self.replay = PER_EXAMPLE[self.kind].replay is not None  # grads by a re-run
+        self.order: int | None = None
+        self.calls_this_forward = 0
+        self.max_calls = 0
+        self.acc: dict[tuple[int, str, str], torch.Tensor] = {}
+        self.params: list[tuple[str, _ParamState]] = []
+        self.adoptable: list[tuple[str, _ParamState, _ModuleState]] = []
+        self.frames: list[_Frame] = []
+        self.last_seq = -1
+
+
+class _Forward:
+    """One forward of the root model; ``coupled`` when BatchNorm used batch statistics in it."""
+
+    __slots__ = ("coupled",)
+
+    def __init__(self) -> None:
+        self.coupled = False
+
+
+class _Record:
+    """What one module call keeps for per-example gradients until its parameters' hooks fire."""
+
+    def __init__(
+        self,
+        state: _ModuleState,
+        frame: _Frame,
+        params: dict[str, _ParamState],
+        forward: _Forward,
+    ) -> None:
+        self.state = state
+        self.forward = forward
+        self.call = frame.call
+        self.scale = frame.scale
+        self.params = params
+        self.live = True
+        self.fail: str | None = None
+        self.batch = 0
+        self.inputs: Any = None
+        self.versions: list[int] = []
+        self.x: torch.Tensor | None = None
+        self.x_version = 0
+        self.out_meta: list[tuple[str, tuple[int, ...]]] = []
+        self.dys: dict[str, torch.Tensor] = {}
+        self.contrib: dict[int, _Contribution] = {}
+        self.generic_key = -1
