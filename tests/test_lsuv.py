@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from initlab._core.data import AmbiguousDataError, Batches
 from initlab.init.registry import default_registry, register_handler, transposed_linear_handler
 from initlab.methods.lsuv import LSUV_COLUMNS, lsuv_
 from initlab.zoo import create_model
@@ -455,7 +456,7 @@ def test_branches_mode_scales_only_branch_ends() -> None:
     model = _res_mlp(True)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     x = torch.randn(256, 16)
-    report = lsuv_(model, x, mode="branches", blocks=_is_block, generator=0)
+    report = lsuv_(model, x, strategy="branches", blocks=_is_block, generator=0)
     rows = {r["module"]: r for r in report}
     assert report.forward_passes == 3  # discovery + sweep + measuring sweep
     for i in (2, 4, 6):
@@ -472,7 +473,7 @@ def test_stream_mode_brings_block_outputs_to_target() -> None:
     torch.manual_seed(0)
     model = _res_mlp(True)
     x = torch.randn(256, 16)
-    report = lsuv_(model, x, mode="stream", blocks=["2", "4", "6"], generator=0)
+    report = lsuv_(model, x, strategy="stream", blocks=["2", "4", "6"], generator=0)
     rows = {r["module"]: r for r in report}
     # Block 2's projection shortcut is itself brought to variance 1, so its output cannot reach 1
     # with a live branch: its branch end falls back to its own output (the edge is deterministic).
@@ -492,7 +493,7 @@ def test_stream_mode_unreachable_target_falls_back_to_the_layer() -> None:
     torch.manual_seed(0)
     model = _res_mlp(False)
     x = torch.randn(256, 16)
-    report = lsuv_(model, x, mode="stream", blocks=_is_block, generator=0)
+    report = lsuv_(model, x, strategy="stream", blocks=_is_block, generator=0)
     rows = {r["module"]: r for r in report}
     assert "cannot go below" in rows["4.fc2"]["measured_at"]
     _assert_on_target(model, x, report)
@@ -500,7 +501,7 @@ def test_stream_mode_unreachable_target_falls_back_to_the_layer() -> None:
 
 def test_block_modes_need_blocks() -> None:
     with pytest.raises(ValueError, match="no residual block found"):
-        lsuv_(_mlp(), torch.randn(4, 20), mode="stream")
+        lsuv_(_mlp(), torch.randn(4, 20), strategy="stream")
     with pytest.raises(ValueError, match="only"):
         lsuv_(_mlp(), torch.randn(4, 20), blocks=["0"])
 
@@ -510,7 +511,7 @@ def test_resnet20_stream_and_branches_run() -> None:
     x = torch.randn(4, 3, 32, 32)
     for mode in ("branches", "stream"):
         model = create_model("resnet20")
-        report = lsuv_(model, x, mode=mode, generator=0)  # blocks found by type
+        report = lsuv_(model, x, strategy=mode, generator=0)  # blocks found by type
         assert report.forward_passes <= 4 and _no_hooks(model)
         assert len([r for r in report if r["module"].endswith("conv2")]) == 9
 
@@ -523,7 +524,7 @@ def test_statistics_pool_over_batches(concat: bool) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
     loader = [(torch.randn(32, 16) * (1 + i), torch.zeros(32)) for i in range(4)]
-    report = lsuv_(model, loader, batches=4, concat_batches=concat, tol=0.02, generator=0)
+    report = lsuv_(model, loader, max_batches=4, concat_batches=concat, tol=0.02, generator=0)
     assert report.info["batches"] == 4 and report.info["examples"] == 128
     assert report.forward_passes == (2 if concat else 4 * report.info["sweeps"])
     sums = _output_sums(model, [b[0] for b in loader], ["0", "2"])
@@ -534,7 +535,7 @@ def test_statistics_pool_over_batches(concat: bool) -> None:
 def test_bad_input() -> None:
     loader = [(torch.randn(4, 20),) for _ in range(2)]
     with pytest.raises(ValueError, match="needs 3 batches but the data gave 2"):
-        lsuv_(_mlp(), loader, batches=3)
+        lsuv_(_mlp(), loader, max_batches=3)
     model = _mlp()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     x = torch.randn(4, 20)
@@ -551,8 +552,8 @@ def test_bad_input() -> None:
         assert torch.equal(v, state[k]), k
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
-    with pytest.raises(ValueError, match="valid modes"):
-        lsuv_(model, x, mode="blocks")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="valid strategies"):
+        lsuv_(model, x, strategy="blocks")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="tol"):
         lsuv_(model, x, tol=0)
 
@@ -635,3 +636,14 @@ def test_distributed_ranks_end_identical_and_on_target_over_the_union() -> None:
         union = [a + b for a, b in zip(sums0[name], sums1[name], strict=True)]
         assert abs(_var(union) - 1.0) < 0.1, name
     assert any(abs(_var(sums0[n]) - 1.0) > 0.1 for n in sums0)  # a shard alone is not enough
+
+
+def test_lists_of_tensors_are_not_guessed_and_old_names_warn() -> None:
+    ts = [torch.randn(16, 20, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    with pytest.raises(AmbiguousDataError, match=r"initlab\.Batches"):
+        lsuv_(_mlp(), ts)
+    report = lsuv_(_mlp(), Batches(ts), max_batches=3, generator=0)
+    assert (report.used.batches, report.used.examples) == (3, 48)
+    with pytest.warns(DeprecationWarning, match="use max_batches="):
+        old = lsuv_(_mlp(), Batches(ts), batches=3, generator=0)
+    assert old.to_rows() == report.to_rows()

@@ -18,8 +18,9 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from initlab._core.data import batch_size, default_forward, take_batches
+from initlab._core.data import DataUse, batch_size, default_forward, take_batches
 from initlab._core.hooks import hook_handles
+from initlab._core.knobs import renamed_kwargs
 from initlab._core.method_report import MethodReport
 from initlab._core.pytree import flatten_tensors
 from initlab._core.rng import as_generator
@@ -49,7 +50,7 @@ __all__ = ["KNOWN_BLOCKS", "LSUV_COLUMNS", "lsuv_"]
 #: * ``measured_at``: whose output variance is brought to the target: ``"output"`` (the layer's
 #:   own), ``"projection"`` (one q/k/v block of an attention input projection),
 #:   ``"attention output"`` (``out_proj``: the attention module's output), or
-#:   ``"block output: <name>"`` (``mode="stream"``: the residual block's output);
+#:   ``"block output: <name>"`` (``strategy="stream"``: the residual block's output);
 #: * ``shared_with``: other layers that share this layer's weight tensor (tied), comma-separated;
 #: * ``scale``: total factor the weight was multiplied by after the orthogonal pre-init;
 #: * ``iterations``: corrections applied (rescalings, plus block re-runs in ``"stream"`` mode);
@@ -119,6 +120,7 @@ def _check_positive(name: str, value: object) -> float:
     return float(value)
 
 
+@renamed_kwargs(mode="strategy", batches="max_batches")
 def lsuv_(
     model: nn.Module,
     data: Any,
@@ -128,8 +130,8 @@ def lsuv_(
     max_iter: int = 10,
     orthogonal: bool = True,
     forward: Callable[[nn.Module, Any], Any] | None = None,
-    mode: Mode = "layers",
-    batches: int | None = 1,
+    strategy: Mode = "layers",
+    max_batches: int | None = 1,
     concat_batches: bool = True,
     generator: torch.Generator | int | None = None,
     modules: Selection | None = None,
@@ -179,7 +181,7 @@ def lsuv_(
       effect on the BN output (its own output still reaches the target).
     * **Dropout** is always off (eval mode), and every module's train/eval flag is restored.
 
-    Residual networks, ``mode``:
+    Residual networks, ``strategy``:
 
     * ``"layers"`` (the paper): every layer's own output reaches the target. In a residual net
       each branch then adds a unit-variance signal to the stream, whose variance grows with depth.
@@ -209,8 +211,8 @@ def lsuv_(
 
     Args:
         model: any ``nn.Module``.
-        data: one batch (a tensor, or a tuple/list/dict whose first entry is the input) or an
-            iterable of batches (a ``DataLoader``).
+        data: one batch or many (a ``DataLoader``, a list of batches, ``initlab.Batches``); the
+            rule is in :mod:`initlab._core.data`.
         target: the output variance to reach (1 in the paper).
         tol: stop when ``|Var - target| < tol`` (on the variance, as the paper writes it; the
             PyPI package compares standard deviations).
@@ -222,9 +224,9 @@ def lsuv_(
             and embeddings are not, unlike ``init_model(model, "orthogonal")``).
         forward: ``forward(model, batch)`` runs the model on one batch (default
             :func:`~initlab._core.data.default_forward`).
-        mode: ``"layers"``, ``"branches"`` or ``"stream"`` (above).
-        batches: how many batches of ``data`` the statistics pool over (``None``: all of them).
-            A loader with fewer raises, saying how many are needed.
+        strategy: ``"layers"``, ``"branches"`` or ``"stream"`` (above; ``mode=`` before 0.2).
+        max_batches: how many batches of ``data`` the statistics pool over (``None``: all of
+            them; ``batches=`` before 0.2). A loader with fewer raises, saying how many are needed.
         concat_batches: with several batches, run them as one concatenated batch (exact in one
             sweep; dim 0 of every tensor is concatenated) rather than one after another.
         generator: ``torch.Generator`` or int seed for the orthogonal pre-init; the same seed
@@ -232,7 +234,7 @@ def lsuv_(
         modules: the layers to process: qualified names, or a predicate ``(name, module) ->
             bool``; default every layer. Naming an attention module selects its projections and
             ``out_proj``.
-        blocks: the residual blocks for ``mode="branches"``/``"stream"``: qualified names or a
+        blocks: the residual blocks for ``strategy="branches"``/``"stream"``: qualified names or a
             predicate; default: modules of a type in :data:`KNOWN_BLOCKS`.
         norm_mode: ``"eval"`` or ``"train"``: the mode BatchNorm layers run in (above).
         registry: the layer registry (default :func:`~initlab.init.registry.default_registry`).
@@ -257,13 +259,13 @@ def lsuv_(
     """
     start = time.perf_counter()
     target, tol, forward = _check_options(
-        model, target, tol, max_iter, mode, norm_mode, batches, blocks, forward
+        model, target, tol, max_iter, strategy, norm_mode, max_batches, blocks, forward
     )
     gen = as_generator(generator)
     registry = registry if registry is not None else default_registry()
-    taken, examples, runs = _take_data(data, batches, concat_batches)
+    taken, examples, runs = _take_data(data, max_batches, concat_batches)
     units = build_units(model, modules, registry)
-    block_names = find_blocks(model, blocks) if mode != "layers" else {}
+    block_names = find_blocks(model, blocks) if strategy != "layers" else {}
     engine = Engine(
         units,
         target=target,
@@ -274,11 +276,11 @@ def lsuv_(
         block_names=block_names,
     )
     with restore_on_failure(model):
-        passes, sweeps = _run(model, engine, runs, forward, mode, norm_mode, max_iter)
+        passes, sweeps = _run(model, engine, runs, forward, strategy, norm_mode, max_iter)
     rows, off = _report_rows(units, engine, target, tol)
     _warn(units, off, target, tol, max_iter)
     info = {
-        "mode": mode,
+        "strategy": strategy,
         "target": target,
         "tol": tol,
         "sweeps": sweeps,
@@ -295,6 +297,7 @@ def lsuv_(
         backward_passes=0,
         wall_s=time.perf_counter() - start,
         info=info,
+        used=DataUse(len(taken), examples),
     )
 
 
@@ -303,9 +306,9 @@ def _check_options(
     target: float,
     tol: float,
     max_iter: int,
-    mode: str,
+    strategy: str,
     norm_mode: str,
-    batches: int | None,
+    max_batches: int | None,
     blocks: Selection | None,
     forward: Callable[[nn.Module, Any], Any] | None,
 ) -> tuple[float, float, Callable[[nn.Module, Any], Any]]:
@@ -316,16 +319,16 @@ def _check_options(
     tol = _check_positive("tol", tol)
     if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1:
         raise ValueError(f"max_iter must be an int >= 1, got {max_iter!r}")
-    if mode not in _MODES:
-        raise ValueError(f"unknown mode {mode!r}; valid modes: {list(_MODES)}")
+    if strategy not in _MODES:
+        raise ValueError(f"unknown strategy {strategy!r}; valid strategies: {list(_MODES)}")
     if norm_mode not in _NORM_MODES:
         raise ValueError(f"unknown norm_mode {norm_mode!r}; valid values: {list(_NORM_MODES)}")
-    if batches is not None and (
-        isinstance(batches, bool) or not isinstance(batches, int) or batches < 1
+    if max_batches is not None and (
+        isinstance(max_batches, bool) or not isinstance(max_batches, int) or max_batches < 1
     ):
-        raise ValueError(f"batches must be an int >= 1 or None, got {batches!r}")
-    if blocks is not None and mode == "layers":
-        raise ValueError("blocks= is used by mode='branches' or 'stream' only")
+        raise ValueError(f"max_batches must be an int >= 1 or None, got {max_batches!r}")
+    if blocks is not None and strategy == "layers":
+        raise ValueError("blocks= is used by strategy='branches' or 'stream' only")
     if forward is None:
         forward = default_forward
     elif not callable(forward):
@@ -334,11 +337,11 @@ def _check_options(
 
 
 def _take_data(
-    data: Any, batches: int | None, concat_batches: bool
+    data: Any, max_batches: int | None, concat_batches: bool
 ) -> tuple[list[Any], int, list[Any]]:
     """The batches taken from ``data`` (checked finite), their examples, and what each forward
     pass runs on."""
-    taken = take_batches(data, batches, what="lsuv_")
+    taken = take_batches(data, max_batches, what="lsuv_")
     for batch in taken:
         for path, t in flatten_tensors(batch):
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
@@ -380,7 +383,7 @@ def _run(
     engine: Engine,
     runs: list[Any],
     forward: Callable[[nn.Module, Any], Any],
-    mode: str,
+    strategy: str,
     norm_mode: str,
     max_iter: int,
 ) -> tuple[int, int]:
@@ -401,12 +404,12 @@ def _run(
     with _measuring_modes(model, norm_mode), hook_handles() as handles:
         engine.install(handles)
         with torch.no_grad():
-            if mode != "layers":
+            if strategy != "layers":
                 engine.discovering = True
                 engine.begin_sweep(False)
                 run_pass()
                 engine.discovering = False
-                engine.discover(mode)  # type: ignore[arg-type]
+                engine.discover(strategy)  # type: ignore[arg-type]
             while True:
                 sweeps += 1
                 engine.begin_sweep(sweeps <= max_iter)

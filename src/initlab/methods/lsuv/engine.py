@@ -3,7 +3,7 @@
 :class:`Engine` pre-initializes each unit at its first call (orthogonal weight, zero biases),
 measures every call's output moments inside forward hooks, corrects a unit's weight at its first
 call of a sweep (exact for one call; a predicted pooled variance for several), fits a residual
-block's branch end on the block output (``mode="stream"``, re-running only the block), and pools
+block's branch end on the block output (``strategy="stream"``, re-running only the block), and pools
 the moments of a sweep over calls, batches and ranks. :meth:`Engine.install` registers the hooks.
 """
 
@@ -497,7 +497,7 @@ class Engine:
             if block_mode == "branches":
                 for u in inside:
                     if u is not end:
-                        u.frozen = f"inside block {name}, not its branch end (mode='branches')"
+                        u.frozen = f"inside block {name}, not its branch end (strategy='branches')"
             else:
                 end.measure_block = name
                 self.stream[block] = end

@@ -3,7 +3,7 @@
 :func:`build_units` turns a model into :class:`Unit` records -- one per weight LSUV scales (tied
 layers are one unit), plus skipped rows for weight-bearing modules it cannot scale (recurrent
 layers, several weights, a weight shared with a module left out) -- and :func:`find_blocks`
-finds the residual blocks of ``mode="branches"``/``"stream"`` (:data:`KNOWN_BLOCKS` or
+finds the residual blocks of ``strategy="branches"``/``"stream"`` (:data:`KNOWN_BLOCKS` or
 ``blocks=``).
 """
 
@@ -38,7 +38,7 @@ __all__ = [
 Mode = Literal["layers", "branches", "stream"]
 Selection = Sequence[str] | Callable[[str, nn.Module], bool]
 
-#: Residual block types found automatically for ``mode="branches"``/``"stream"`` (dotted paths,
+#: Residual block types found automatically for ``strategy="branches"``/``"stream"`` (dotted paths,
 #: matched against every class in a module's MRO, so nothing is imported).
 KNOWN_BLOCKS = (
     "initlab.zoo.ResNetBasicBlock",
@@ -268,13 +268,13 @@ def _exclude_shared(model: nn.Module, units: list[Unit]) -> None:
 
 
 def find_blocks(model: nn.Module, blocks: Selection | None) -> dict[nn.Module, str]:
-    """The residual blocks for ``mode="branches"``/``"stream"`` (module -> qualified name)."""
+    """The residual blocks for ``strategy="branches"``/``"stream"`` (module -> qualified name)."""
     named = list(model.named_modules())
     if blocks is None:
         found = {m: n for n, m in named if matches_type(m, KNOWN_BLOCKS)}
         if not found:
             raise ValueError(
-                "lsuv_: no residual block found for mode='branches'/'stream'; pass blocks= "
+                "lsuv_: no residual block found for strategy='branches'/'stream'; pass blocks= "
                 f"(qualified names or a predicate (name, module) -> bool). Known types: "
                 f"{list(KNOWN_BLOCKS)}"
             )
