@@ -19,6 +19,7 @@ from initlab._core.data import (
     data_use,
     default_forward,
     is_single_batch,
+    iter_batches,
     output_tensor,
     take_batches,
 )
@@ -248,3 +249,27 @@ def test_a_criterion_read_as_model_batch_gets_a_message_not_a_raw_error() -> Non
         resolve_loss(my_criterion)(lin, (x, y))
     wrapped = resolve_loss(criterion(my_criterion))
     assert torch.allclose(wrapped(lin, (x, y)), F.cross_entropy(lin(x), y))
+
+
+def test_the_old_outputs_batch_form_still_works_with_a_warning() -> None:
+    x, y = _xy()
+    lin = nn.Linear(3, 2)
+    with pytest.warns(DeprecationWarning, match=r"initlab\.outputs_loss"):
+        loss = resolve_loss(lambda outputs, batch: F.cross_entropy(outputs, batch[1]))
+    assert loss.splittable and torch.allclose(loss(lin, (x, y)), F.cross_entropy(lin(x), y))
+
+
+def test_iter_batches_streams() -> None:
+    x, y = _xy(12)
+    seen = []
+
+    def gen():
+        for i in range(0, 12, 4):
+            seen.append(i)
+            yield x[i : i + 4], y[i : i + 4]
+
+    it = iter_batches(gen(), 2, what="test")
+    next(it)
+    assert seen == [0]
+    assert len(list(it)) == 1 and seen == [0, 4]
+    assert list(iter_batches((x, y), what="test")) == [(x, y)]

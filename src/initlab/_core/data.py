@@ -32,9 +32,11 @@ __all__ = [
     "Batches",
     "DataUse",
     "batch_size",
+    "data_use",
     "default_forward",
     "first_tensor",
     "is_single_batch",
+    "iter_batches",
     "output_tensor",
     "take_batches",
 ]
@@ -164,6 +166,24 @@ def take_batches(
     if not batches:
         raise ValueError(f"{what} got no batch: the data is empty")
     return batches
+
+
+def iter_batches(data: Any, max_batches: int | None = None, *, what: str) -> Iterator[Any]:
+    """The batches of ``data`` one at a time (a loader is streamed, never held whole), at most
+    ``max_batches``; the same rule and errors as :func:`take_batches`."""
+    if max_batches is not None and (
+        isinstance(max_batches, bool) or not isinstance(max_batches, int) or max_batches < 1
+    ):
+        raise ValueError(f"{what}: max_batches must be a positive int or None, got {max_batches!r}")
+    if data is None:
+        raise TypeError(f"{what} needs data; accepted forms: {DATA_FORMS}")
+    if is_single_batch(data):
+        yield data
+        return
+    for i, batch in enumerate(data):
+        if max_batches is not None and i == max_batches:
+            return
+        yield batch
 
 
 def data_use(batches: Iterable[Any]) -> DataUse:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -293,6 +294,23 @@ def _callable_name(fn: Any) -> str:
     return getattr(fn, "__name__", type(fn).__name__)
 
 
+def _positional_names(fn: Any) -> list[str]:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name.lower() for p in params if p.kind in kinds]
+
+
+def _is_outputs_batch(fn: Any) -> bool:
+    """The loss form curvature and landscapes took before 0.2: ``fn(outputs, batch)``."""
+    if isinstance(fn, (nn.Module, functools.partial)):
+        return False
+    names = _positional_names(fn)
+    return len(names) == 2 and names[0] in _OUTPUT_NAMES and names[1] in ("batch", "b")
+
+
 def _is_criterion(fn: Any) -> bool:
     """A standard criterion: an ``nn.Module``, a torch function, or first parameter an output."""
     if isinstance(fn, nn.Module):
@@ -300,12 +318,8 @@ def _is_criterion(fn: Any) -> bool:
     inner = fn.func if isinstance(fn, functools.partial) else fn
     if (getattr(inner, "__module__", "") or "").startswith("torch."):
         return True
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):
-        return False
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return bool(positional) and positional[0].name.lower() in _OUTPUT_NAMES
+    names = _positional_names(fn)
+    return bool(names) and names[0] in _OUTPUT_NAMES
 
 
 def resolve_loss(loss_fn: LossLike, *, what: str = "this method") -> Loss:
@@ -327,6 +341,15 @@ def resolve_loss(loss_fn: LossLike, *, what: str = "this method") -> Loss:
         raise TypeError(
             f"{what}: loss_fn is a {type(loss_fn).__name__}; accepted forms: {LOSS_FORMS}"
         )
+    if _is_outputs_batch(loss_fn):
+        warnings.warn(
+            f"{what}: a loss_fn(outputs, batch) is read as initlab.outputs_loss(fn); that reading "
+            "of a bare callable is deprecated: pass initlab.outputs_loss(fn), a "
+            "criterion(output, target) or loss_fn(model, batch)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        return outputs_loss(loss_fn)
     if _is_criterion(loss_fn):
         return criterion(loss_fn)  # type: ignore[arg-type]
     return Loss(_callable_name(loss_fn), loss_fn)
