@@ -20,6 +20,7 @@ tensor value, e.g. ``input_ids``).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -180,10 +181,7 @@ def iter_batches(data: Any, max_batches: int | None = None, *, what: str) -> Ite
     if is_single_batch(data):
         yield data
         return
-    for i, batch in enumerate(data):
-        if max_batches is not None and i == max_batches:
-            return
-        yield batch
+    yield from itertools.islice(data, max_batches)
 
 
 def data_use(batches: Iterable[Any]) -> DataUse:
