@@ -14,7 +14,7 @@ Candidates, run alternately (best of ``--repeats`` after one warm-up, ``_timing.
 An iteration is the body of ``gradinit_``'s loop (``_GradInitStep`` + the Adam update, inside
 the same train/eval-mode and buffer handling); ``setup`` is the one-off cost of a ``gradinit_``
 call around it (tensor selection, snapshots for restore-on-failure, folding, report), measured as
-``gradinit_(iterations=1)`` minus one objective iteration. Goal: first-order objective <= 2.0x
+``gradinit_(steps=1)`` minus one objective iteration. Goal: first-order objective <= 2.0x
 plain (the GradInit reference implementation measures 2.4x and 3.6x on CPU).
 
 Models: zoo ``resnet20`` (full width) and ``vgg19_bn`` at ``--vgg-width`` (default 0.25: 16
@@ -104,7 +104,7 @@ def bench(
     )
     start = time.perf_counter()
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    gradinit_(model, [s, nxt], iterations=1, gamma=math.inf)
+    gradinit_(model, [s, nxt], steps=1, gamma=math.inf)
     full = time.perf_counter() - start
     model.load_state_dict(state)
     p = times["plain"]

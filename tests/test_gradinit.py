@@ -356,9 +356,9 @@ def test_bad_input_errors() -> None:
     snap = _snapshot(model)
     batches = _class_batches(3)
     with pytest.raises(ValueError, match="needs 6 batches"):
-        gradinit_(model, batches, iterations=5)
+        gradinit_(model, batches, steps=5)
     with pytest.raises(ValueError, match="needs 6 batches"):  # no len(): found out midway
-        gradinit_(model, (b for b in batches), iterations=5)
+        gradinit_(model, (b for b in batches), steps=5)
     with pytest.raises(FloatingPointError, match="first iteration"):
         gradinit_(model, batches, lambda m, b: F.cross_entropy(m(b[0]), b[1]) * math.inf)
     with pytest.raises(ValueError, match="optimizer"):
@@ -424,3 +424,28 @@ def test_ddp_two_ranks_identical_and_equal_to_one_process() -> None:
         for p, q in zip(model.parameters(), r0[name][0], strict=True):
             torch.testing.assert_close(p.detach(), q, rtol=1e-10, atol=1e-12)
     assert {r["step"] for r in r0["mixed"][1]} == {"constraint", "objective"}
+
+
+@pytest.mark.parametrize(
+    "loss_fn",
+    [nn.CrossEntropyLoss(), F.cross_entropy, "cross_entropy", None],
+    ids=["module", "functional", "named", "default"],
+)
+def test_standard_criteria_equal_the_model_batch_loss(loss_fn) -> None:
+    batches = _class_batches(4)
+    ref = _mlp()
+    gradinit_(ref, batches, lambda m, b: F.cross_entropy(m(b[0]), b[1]), steps=2, generator=0)
+    model = _mlp()
+    report = gradinit_(model, batches, loss_fn, steps=2, generator=0)
+    for (k, v), w in zip(model.state_dict().items(), ref.state_dict().values(), strict=True):
+        assert torch.equal(v, w), k
+    assert (report.used.batches, report.used.examples) == (3, 48)  # 2 steps + the next S~ batch
+
+
+def test_iterations_is_the_old_name_of_steps() -> None:
+    batches = _class_batches(4)
+    new, old = _mlp(), _mlp()
+    gradinit_(new, batches, steps=2, generator=0)
+    with pytest.warns(DeprecationWarning, match="use steps="):
+        gradinit_(old, batches, iterations=2, generator=0)
+    assert all(torch.equal(a, b) for a, b in zip(new.parameters(), old.parameters(), strict=True))

@@ -31,6 +31,7 @@ from torch import nn
 __all__ = [
     "AmbiguousDataError",
     "Batches",
+    "DataCounter",
     "DataUse",
     "batch_size",
     "data_use",
@@ -188,6 +189,28 @@ def data_use(batches: Iterable[Any]) -> DataUse:
     """The :class:`DataUse` of a list of batches (examples summed over batches)."""
     batches = list(batches)
     return DataUse(len(batches), sum(batch_size(b) for b in batches))
+
+
+class DataCounter:
+    """Counts the batches and examples a method reads: wrap its batch iterator with :meth:`wrap`."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+        self.examples = 0
+
+    def wrap(self, batches: Iterable[Any]) -> Iterator[Any]:
+        """Yield every batch of ``batches``, counting each as it is read."""
+        for batch in batches:
+            yield self.add_one(batch)
+
+    def add_one(self, batch: Any) -> Any:
+        """Count one batch read outside :meth:`wrap` (returns it)."""
+        self.batches += 1
+        self.examples += batch_size(batch)
+        return batch
+
+    def use(self) -> DataUse:
+        return DataUse(self.batches, self.examples)
 
 
 def first_tensor(batch: Any) -> torch.Tensor:

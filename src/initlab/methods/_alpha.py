@@ -25,12 +25,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from initlab._core.data import default_forward, is_single_batch
+from initlab._core.data import DataCounter, is_single_batch
 from initlab._core.distributed import all_reduce_sum, is_distributed, world_size
+from initlab._core.loss import Loss, resolve_loss
 from initlab._core.state import model_modes, restore_modes
 from initlab.init.registry import default_registry
 
@@ -71,14 +71,9 @@ _ADAM_EPS = 1e-8
 _END = object()  # end-of-data marker
 
 
-def default_loss(model: Any, batch: Any) -> torch.Tensor:
-    """Cross-entropy of ``model(batch[0])`` against ``batch[1]`` (classification batches)."""
-    if isinstance(batch, (tuple, list)) and len(batch) >= 2:
-        return F.cross_entropy(default_forward(model, batch), batch[1])
-    raise TypeError(
-        "the default loss needs (input, target) batches; pass loss_fn(model, batch) -> scalar "
-        f"for batches of type {type(batch).__name__}"
-    )
+default_loss: Loss = resolve_loss(None)
+"""The loss when none is given: the model's own (dict batches with labels), else cross-entropy
+(integer targets) or MSE (float targets) on ``(x, y)`` batches."""
 
 
 class AtParams:
@@ -343,11 +338,16 @@ def check_number(
 
 
 def batch_pairs(
-    data: Any, iterations: int | None, need_next: bool, what: str
+    data: Any,
+    iterations: int | None,
+    need_next: bool,
+    what: str,
+    counter: DataCounter | None = None,
 ) -> Iterator[tuple[Any, Any]]:
-    """``(S, next batch or None)`` per iteration, streaming; checks the length when it is known."""
+    """``(S, next batch or None)`` per step, streaming; checks the length when it is known.
+    ``counter`` counts the batches and examples read."""
     total = _checked_iterations(data, iterations, need_next, what)
-    return _stream_pairs(data, total, need_next, what)
+    return _stream_pairs(data, total, need_next, what, counter or DataCounter())
 
 
 def _checked_iterations(
@@ -369,17 +369,17 @@ def _checked_iterations(
             f"{what} needs {iterations + extra} batches for {iterations} iterations"
             f"{' (each reads batch t and, for S~, batch t+1)' if need_next else ''} but the data "
             f"gave {n}; pass a loader with at least {iterations + extra} batches or lower "
-            "iterations"
+            "steps"
         )
     return iterations
 
 
 def _stream_pairs(
-    data: Any, total: int | None, need_next: bool, what: str
+    data: Any, total: int | None, need_next: bool, what: str, counter: DataCounter
 ) -> Iterator[tuple[Any, Any]]:
     """The pairs of :func:`batch_pairs`, read lazily from ``data``."""
     extra = 1 if need_next else 0
-    it = iter_batches(data, what)
+    it = counter.wrap(iter_batches(data, what))
     got = 0
 
     def pull() -> Any:

@@ -101,8 +101,10 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from initlab._core.data import batch_size
+from initlab._core.data import DataCounter, batch_size
 from initlab._core.distributed import is_distributed
+from initlab._core.knobs import renamed_kwargs
+from initlab._core.loss import LossLike, resolve_loss
 from initlab._core.method_report import MethodReport
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows
@@ -116,7 +118,6 @@ from initlab.methods._alpha import (
     batch_pairs,
     check_finite,
     check_number,
-    default_loss,
     evaluation_modes,
     fold_alpha,
     grads_or_zeros,
@@ -401,7 +402,7 @@ def gradinit_alpha_grad(
     model: nn.Module,
     batch: Any,
     batch_tilde: Any | None = None,
-    loss_fn: LossFn | None = None,
+    loss_fn: LossLike = None,
     *,
     step: Literal["objective", "constraint"] = "objective",
     alpha: torch.Tensor | Sequence[float] | None = None,
@@ -432,7 +433,13 @@ def gradinit_alpha_grad(
             raise ValueError(f"{what}: alpha has {a.numel()} entries, expected {len(ts.scaled)}")
     tilde = batch if batch_tilde is None else batch_tilde
     run = _GradInitStep(
-        model, loss_fn or default_loss, ts, eta=eta, optimizer=optimizer, exact=exact, what=what
+        model,
+        resolve_loss(loss_fn, what=what),
+        ts,
+        eta=eta,
+        optimizer=optimizer,
+        exact=exact,
+        what=what,
     )
     with evaluation_modes(model, batch_stats=True):
         res = run(a, batch, lambda: tilde, math.inf, 0, force=step)
@@ -441,12 +448,13 @@ def gradinit_alpha_grad(
     return res.grad, value
 
 
+@renamed_kwargs(iterations="steps")
 def gradinit_(
     model: nn.Module,
     data: Any,
-    loss_fn: LossFn | None = None,
+    loss_fn: LossLike = None,
     *,
-    iterations: int | None = None,
+    steps: int | None = None,
     lr: float = 1e-3,
     eta: float = 0.1,
     gamma: float = 1.0,
@@ -468,11 +476,15 @@ def gradinit_(
 
     Args:
         model: any ``nn.Module``; changed in place (its scaled tensors are multiplied by alpha).
-        data: an iterable of batches (a ``DataLoader``, a list) or a single batch.
-        loss_fn: ``loss_fn(model, batch) -> scalar``; call ``model`` like the model. Default:
-            cross-entropy of ``model(batch[0])`` against ``batch[1]``.
-        iterations: ``T``; needs ``T + 1`` batches (``T`` when ``overlap == 1``). Default: one
+        data: many batches (a ``DataLoader``, a list of batches, ``initlab.Batches``) or one
+            batch (the rule: :mod:`initlab._core.data`).
+        loss_fn: any form :func:`initlab.resolve_loss` reads: ``loss_fn(model, batch)`` (call
+            ``model`` like the model), a criterion (``nn.CrossEntropyLoss()``,
+            ``F.cross_entropy``), the model's own loss, a name. Default: the model's own loss,
+            else cross-entropy (integer targets) or MSE on ``(x, y)`` batches.
+        steps: ``T``; needs ``T + 1`` batches (``T`` when ``overlap == 1``). Default: one
             pass, number of batches minus one (all batches of an iterable without ``len``).
+            (``iterations=`` before 0.2.)
         lr: Adam learning rate ``tau`` on the alphas.
         eta: step size of the simulated first step ``theta - eta * A[g]``.
         gamma: the gradient-norm bound (on ``||g||_2`` for SGD, ``||g||_1`` for Adam).
@@ -489,7 +501,7 @@ def gradinit_(
 
     Returns:
         A :class:`~initlab.MethodReport`: rows :data:`GRADINIT_COLUMNS`, ``trace``
-        rows :data:`GRADINIT_TRACE_COLUMNS`, ``info`` with ``iterations``, ``constraint_steps``,
+        rows :data:`GRADINIT_TRACE_COLUMNS`, ``info`` with ``steps``, ``constraint_steps``,
         ``objective_steps``, ``gamma``, ``optimizer``, ``exact``.
 
     Raises:
@@ -509,13 +521,14 @@ def gradinit_(
     generator = as_generator(generator)
     optimizer, eta, overlap = _check_common(optimizer, eta, overlap, what)
     lr, alpha_min, gamma, clip_value = _check_step_options(lr, alpha_min, gamma, clip, what)
-    if iterations is not None:
-        iterations = positive_int(what, "iterations", iterations)
-    loss_fn = loss_fn or default_loss
+    if steps is not None:
+        steps = positive_int(what, "steps", steps)
+    loss = resolve_loss(loss_fn, what=what)
     ts = select_tensors(model, params, nonzero, what)
-    pairs = batch_pairs(data, iterations, overlap < 1, what)
+    counter = DataCounter()
+    pairs = batch_pairs(data, steps, overlap < 1, what, counter)
 
-    run = _GradInitStep(model, loss_fn, ts, eta=eta, optimizer=optimizer, exact=exact, what=what)
+    run = _GradInitStep(model, loss, ts, eta=eta, optimizer=optimizer, exact=exact, what=what)
     n = len(ts.scaled)
     alpha = torch.ones(n, dtype=torch.float64)
     adam = {"constraint": AlphaAdam.zeros(n, lr), "objective": AlphaAdam.zeros(n, lr)}
@@ -534,7 +547,7 @@ def gradinit_(
                 if progress is not None:
                     progress(dict(trace[-1]))
         if not trace:
-            raise ValueError(f"{what} ran no iteration: the data has too few batches")
+            raise ValueError(f"{what} ran no step: the data has too few batches")
         fold_alpha(ts, alpha)
     kinds = [r["step"] for r in trace]
     return MethodReport(
@@ -545,8 +558,9 @@ def gradinit_(
         backward_passes=run.backward,
         wall_s=time.perf_counter() - start,
         trace=Rows(trace, GRADINIT_TRACE_COLUMNS, title="gradinit trace"),
+        used=counter.use(),
         info={
-            "iterations": len(trace),
+            "steps": len(trace),
             "constraint_steps": kinds.count("constraint"),
             "objective_steps": kinds.count("objective"),
             "gamma": gamma,

@@ -59,6 +59,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from initlab._core.data import DataCounter
+from initlab._core.loss import LossLike, resolve_loss
 from initlab._core.method_report import MethodReport
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows
@@ -73,7 +75,6 @@ from initlab.methods._alpha import (
     batch_pairs,
     check_finite,
     check_number,
-    default_loss,
     evaluation_modes,
     fold_alpha,
     grads_or_zeros,
@@ -128,7 +129,7 @@ def _gq(
 def gradient_quotient(
     model: nn.Module,
     batch: Any,
-    loss_fn: LossFn | None = None,
+    loss_fn: LossLike = None,
     *,
     eps: float = 1e-5,
     batch_stats: bool = True,
@@ -151,7 +152,14 @@ def gradient_quotient(
     ts = select_tensors(model, "default", nonzero, "gradient_quotient")
     a = torch.ones(len(ts.scaled), dtype=torch.float64, requires_grad=True)
     with evaluation_modes(model, batch_stats=batch_stats):
-        gq, _, _ = _gq(model, loss_fn or default_loss, ts, scaled_params(ts, a), batch, eps)
+        gq, _, _ = _gq(
+            model,
+            resolve_loss(loss_fn, what="gradient_quotient"),
+            ts,
+            scaled_params(ts, a),
+            batch,
+            eps,
+        )
     return float(gq.detach())
 
 
@@ -195,7 +203,7 @@ def _loss_free_forward(model: nn.Module, ts: Tensors, x: torch.Tensor) -> torch.
 def metainit_(
     model: nn.Module,
     data: Any = None,
-    loss_fn: LossFn | None = None,
+    loss_fn: LossLike = None,
     *,
     variant: Literal["paper", "gradinit"] = "paper",
     steps: int | None = None,
@@ -254,10 +262,11 @@ def metainit_(
     opts = _Options.check(
         variant, steps, lr, momentum, eps, alpha_min, clip, batch_stats, n_classes, what
     )
-    loss_fn = loss_fn or default_loss
+    loss = resolve_loss(loss_fn, what=what)
     ts = select_tensors(model, params, _at_least_2d if opts.paper else nonzero, what)
     gen = as_generator(generator)
-    batches = _step_batches(model, ts, data, input_shape, opts, gen, what)
+    counter = DataCounter()
+    batches = _step_batches(model, ts, data, input_shape, opts, gen, what, counter)
 
     update = _ScaleUpdate(ts, opts)
     forward = backward = 0
@@ -266,9 +275,9 @@ def metainit_(
         with evaluation_modes(model, batch_stats=opts.batch_stats):
             for t, (batch, _) in enumerate(batches):
                 a = update.alpha.detach().clone().requires_grad_(True)
-                gq, loss, grad_norm = _gq(model, loss_fn, ts, scaled_params(ts, a), batch, opts.eps)
+                gq, value, grad_norm = _gq(model, loss, ts, scaled_params(ts, a), batch, opts.eps)
                 forward += 1
-                loss_value = scalar_mean(loss)
+                loss_value = scalar_mean(value)
                 check_finite(loss_value, t, what)
                 gq_value = scalar_mean(gq)
                 check_finite(gq_value, t, what, "gradient quotient")
@@ -297,6 +306,7 @@ def metainit_(
         backward_passes=backward,
         wall_s=time.perf_counter() - start,
         trace=Rows(trace, METAINIT_TRACE_COLUMNS, title="metainit trace"),
+        used=counter.use(),
         info={
             "steps": len(trace),
             "variant": variant,
@@ -357,6 +367,7 @@ def _step_batches(
     opts: _Options,
     gen: torch.Generator | None,
     what: str,
+    counter: DataCounter,
 ) -> Iterator[tuple[Any, Any]]:
     """The batch of every step: the paper's random data (``data=None``) or ``data``'s batches."""
     if data is None:
@@ -365,8 +376,9 @@ def _step_batches(
         n_classes = opts.n_classes
         if n_classes is not None:
             n_classes = positive_int(what, "n_classes", n_classes)
-        return _random_batches(model, ts, input_shape, n_classes, opts.steps or _PAPER_STEPS, gen)
-    return batch_pairs(data, opts.steps, False, what)
+        random = _random_batches(model, ts, input_shape, n_classes, opts.steps or _PAPER_STEPS, gen)
+        return ((counter.add_one(b), n) for b, n in random)
+    return batch_pairs(data, opts.steps, False, what, counter)
 
 
 class _ScaleUpdate:
