@@ -475,3 +475,19 @@ def test_precondition_arguments_are_validated() -> None:
         precondition_(model, data, ce, modules=["1"])
     report = precondition_(model, data, ce, target=2.0)
     assert [r["gamma_after"] for r in report] == pytest.approx([2.0] * 3)
+
+
+def test_n_batches_is_the_old_name_of_max_batches_and_reports_count_the_data() -> None:
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 5, generator=g), torch.randint(0, 3, (8,), generator=g))] * 3
+    net = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
+    report = scale_output_(net, batches, max_batches=2, how="module")
+    assert (report.used.batches, report.used.examples) == (2, 16)
+    with pytest.warns(DeprecationWarning, match="use max_batches="):
+        old = scale_output_(net, batches, n_batches=2, how="module")
+    assert old.info["scale"] == report.info["scale"]
+    scaling = input_scale(batches, max_batches=1)
+    assert (scaling.used.batches, scaling.used.examples) == (1, 8)
+    pre = precondition_(net, batches, nn.CrossEntropyLoss(), max_batches=3)
+    same = precondition_(net, batches, lambda m, b: F.cross_entropy(m(b[0]), b[1]), max_batches=3)
+    assert pre.used.examples == 24 and pre.info["alpha"] == same.info["alpha"]

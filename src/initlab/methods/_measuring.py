@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -26,28 +26,10 @@ __all__ = [
     "execution_order",
     "keep_buffers",
     "kernel_taps",
-    "output_tensor",
     "rounding_tolerance",
 ]
 
 Forward = Callable[[nn.Module, Any], Any]
-
-
-def output_tensor(out: Any) -> torch.Tensor:
-    """The model's output tensor: a tensor, ``out["logits"]``, or the first tensor of a tuple."""
-    if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, Mapping):
-        if isinstance(out.get("logits"), torch.Tensor):
-            return out["logits"]
-        out = list(out.values())
-    if isinstance(out, (tuple, list)):
-        for item in out:
-            if isinstance(item, torch.Tensor):
-                return item
-    raise TypeError(
-        f"cannot find the output tensor in a {type(out).__name__}; pass forward= returning a tensor"
-    )
 
 
 @contextlib.contextmanager

@@ -16,8 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from initlab._core.data import default_forward, first_tensor, take_batches
+from initlab._core.data import DataUse, data_use, default_forward, first_tensor, take_batches
 from initlab._core.distributed import all_reduce_sum
+from initlab._core.knobs import renamed_kwargs
 from initlab.init.registry import Registry, default_registry
 from initlab.measure.conditioning import weight_layers
 from initlab.methods._measuring import Forward, Seeds, execution_order, keep_buffers, kernel_taps
@@ -39,6 +40,7 @@ class InputScaling:
         measured: ``E[x^2]`` of the data it was fitted on.
         n_in: input channels (features) of the first layer.
         receptive_field: kernel taps of the first layer (``k^2``; 1 for an MLP).
+        used: the data it was fitted on (``used.batches``, ``used.examples``).
     """
 
     factor: float
@@ -46,6 +48,7 @@ class InputScaling:
     measured: float
     n_in: int
     receptive_field: int
+    used: DataUse | None = None
 
     def __call__(self, x: Any) -> Any:
         if isinstance(x, torch.Tensor):
@@ -58,12 +61,13 @@ class InputScaling:
         raise TypeError(f"InputScaling takes a tensor, tuple, list or dict, got {type(x).__name__}")
 
 
+@renamed_kwargs(n_batches="max_batches")
 def input_scale(
     data: Any,
     *,
     kernel_size: int | Sequence[int] = 1,
     n_in: int | None = None,
-    n_batches: int | None = None,
+    max_batches: int | None = None,
 ) -> InputScaling:
     """The factor ``c`` with ``E[(c x_0)^2] = 1 / (k_0 sqrt(n_0))`` on ``data`` (§6.3).
 
@@ -80,7 +84,8 @@ def input_scale(
             product is the number of taps ``k2``.
         n_in: input channels (features) per group of the first layer; default: dim 1 of the
             input (features of a ``(B, n)`` input, channels of ``(B, C, ...)``).
-        n_batches: use the first ``n_batches`` batches (default all).
+        max_batches: use at most this many batches of ``data`` (default all; ``n_batches=``
+            before 0.2).
 
     ``E[x^2]`` is the non-central second moment over all elements of all batches (and ranks).
 
@@ -90,7 +95,7 @@ def input_scale(
         >>> round((scaling(x) ** 2).mean().item() * 3 * 3**0.5, 6)
         1.0
     """
-    batches = take_batches(data, n_batches, what="input_scale")
+    batches = take_batches(data, max_batches, what="input_scale")
     taps = kernel_taps(kernel_size)
     sums = torch.zeros(2, dtype=torch.float64)
     dims = set()
@@ -119,15 +124,17 @@ def input_scale(
         measured=measured,
         n_in=n_in,
         receptive_field=taps,
+        used=data_use(batches),
     )
 
 
+@renamed_kwargs(n_batches="max_batches")
 def input_scale_for(
     model: nn.Module,
     data: Any,
     *,
     forward: Forward | None = None,
-    n_batches: int | None = None,
+    max_batches: int | None = None,
     registry: Registry | None = None,
 ) -> InputScaling:
     """:func:`input_scale` with ``k_0`` and ``n_0`` read off the model's first weight layer.
@@ -143,7 +150,7 @@ def input_scale_for(
     """
     reg = default_registry() if registry is None else registry
     forward = forward or default_forward
-    batches = take_batches(data, n_batches, what="input_scale_for")
+    batches = take_batches(data, max_batches, what="input_scale_for")
     layers = {name: (module, spec, kind) for name, module, spec, kind in weight_layers(model, reg)}
 
     def run() -> None:
@@ -175,5 +182,5 @@ def input_scale_for(
         )
     taps = spec.fans.receptive_field
     return input_scale(
-        data, kernel_size=(taps,), n_in=spec.fans.fan_in // taps, n_batches=n_batches
+        data, kernel_size=(taps,), n_in=spec.fans.fan_in // taps, max_batches=max_batches
     )

@@ -23,8 +23,9 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from initlab._core.data import default_forward, take_batches
+from initlab._core.data import data_use, default_forward, output_tensor, take_batches
 from initlab._core.distributed import all_reduce_sum
+from initlab._core.knobs import renamed_kwargs
 from initlab._core.method_report import MethodReport
 from initlab._core.state import restore_on_failure
 from initlab.init.registry import Registry, default_registry
@@ -35,7 +36,6 @@ from initlab.methods._measuring import (
     check_positive,
     execution_order,
     keep_buffers,
-    output_tensor,
     rounding_tolerance,
 )
 
@@ -99,12 +99,13 @@ def _std(sums: torch.Tensor) -> float:
     return math.sqrt(max(s2 / n - mean * mean, 0.0))
 
 
+@renamed_kwargs(n_batches="max_batches")
 def measure_output_std(
     model: nn.Module,
     data: Any,
     *,
     forward: Forward | None = None,
-    n_batches: int | None = None,
+    max_batches: int | None = None,
     generator: torch.Generator | int | None = None,
 ) -> float:
     """Population std of all output elements, pooled over the batches (and ranks).
@@ -112,11 +113,12 @@ def measure_output_std(
     ``std = sqrt(E[y^2] - E[y]^2)`` over every logit of every example. Runs under ``no_grad``; the
     model's buffers are left as they were.
     """
-    batches = take_batches(data, n_batches, what="measure_output_std")
+    batches = take_batches(data, max_batches, what="measure_output_std")
     sums, _ = _output_moments(model, batches, forward or default_forward, Seeds(model, generator))
     return _std(sums)
 
 
+@renamed_kwargs(n_batches="max_batches")
 def scale_output_(
     model: nn.Module,
     data: Any,
@@ -125,7 +127,7 @@ def scale_output_(
     forward: Forward | None = None,
     module: str | None = None,
     how: Literal["fold", "module"] = "fold",
-    n_batches: int | None = None,
+    max_batches: int | None = None,
     registry: Registry | None = None,
     generator: torch.Generator | int | None = None,
 ) -> MethodReport:
@@ -160,13 +162,14 @@ def scale_output_(
 
     Args:
         model: the model, in the mode it should be measured in.
-        data: a batch or an iterable of batches.
+        data: one batch or many (the rule: :mod:`initlab._core.data`).
         target: the std the logits get (the paper uses 0.05; 0.01 to 0.1 works).
         forward: ``forward(model, batch) -> output`` (default
             :func:`~initlab._core.data.default_forward`); a dict output uses its ``"logits"``.
         module: name of the layer to fold into (default: the last weight layer to run).
         how: ``"fold"`` or ``"module"``.
-        n_batches: use the first ``n_batches`` batches (default all).
+        max_batches: use at most this many batches of ``data`` (default all; ``n_batches=``
+            before 0.2).
         registry: the layer registry (which modules are weight layers).
         generator: seeds the RNG of the measurement passes (dropout in train mode); the method
             draws nothing itself.
@@ -189,7 +192,7 @@ def scale_output_(
     target = check_positive("target", target)
     forward = forward or default_forward
     reg = default_registry() if registry is None else registry
-    batches = take_batches(data, n_batches, what="scale_output_")
+    batches = take_batches(data, max_batches, what="scale_output_")
     seeds = Seeds(model, generator)
     passes = 0
     with restore_on_failure(model):
@@ -236,6 +239,7 @@ def scale_output_(
         backward_passes=0,
         wall_s=time.perf_counter() - start,
         info=info,
+        used=data_use(batches),
     )
 
 

@@ -30,8 +30,10 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from initlab._core.data import batch_size, default_forward, take_batches
+from initlab._core.data import batch_size, data_use, default_forward, output_tensor, take_batches
 from initlab._core.distributed import all_reduce_sum, is_distributed
+from initlab._core.knobs import renamed_kwargs
+from initlab._core.loss import LossLike, resolve_loss
 from initlab._core.method_report import MethodReport
 from initlab._core.rows import Rows
 from initlab._core.state import restore_on_failure
@@ -44,7 +46,6 @@ from initlab.methods._measuring import (
     check_positive,
     keep_buffers,
     kernel_taps,
-    output_tensor,
     rounding_tolerance,
 )
 
@@ -203,10 +204,11 @@ def _target_value(target: str | float, gammas: Sequence[float]) -> float:
     return check_positive("target", target)
 
 
+@renamed_kwargs(n_batches="max_batches")
 def precondition_(
     model: nn.Module,
     data: Any,
-    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    loss_fn: LossLike = None,
     *,
     target: str | float | None = None,
     how: Literal["lr", "parametrize", "rescale"] = "lr",
@@ -214,7 +216,7 @@ def precondition_(
     tol: float = 0.01,
     modules: Sequence[str] | None = None,
     forward: Forward | None = None,
-    n_batches: int | None = None,
+    max_batches: int | None = None,
     registry: Registry | None = None,
     generator: torch.Generator | int | None = None,
     **probe_kwargs: Any,
@@ -268,8 +270,10 @@ def precondition_(
     Args:
         model: the model.
         data: a batch or an iterable of batches.
-        loss_fn: ``loss_fn(model, batch) -> scalar loss`` (a mean over the batch unless you pass
-            ``loss_reduction="sum"``).
+        loss_fn: the loss in any form :func:`initlab.resolve_loss` reads (``loss_fn(model,
+            batch)``, a criterion such as ``nn.CrossEntropyLoss()``, the model's own loss, a
+            name; default: the model's own, else cross-entropy or MSE on ``(x, y)``), a mean over
+            the batch unless you pass ``loss_reduction="sum"``.
         target: the common ``gamma``: ``"median"`` (default for ``lr``/``parametrize``: half of
             the layers get larger steps, half smaller), ``"geomean"`` (default and only choice
             for ``rescale``), or a number.
@@ -280,7 +284,8 @@ def precondition_(
             ``gamma``); the others keep ``alpha = 1`` (for ``rescale`` they still pass the
             cumulative scale on).
         forward: ``forward(model, batch) -> output`` for the function check of ``rescale``.
-        n_batches: use the first ``n_batches`` batches (default all).
+        max_batches: use at most this many batches of ``data`` (default all; ``n_batches=``
+            before 0.2).
         registry: the layer registry.
         generator: seeds the measurement passes' RNG (dropout).
         **probe_kwargs: passed to :class:`~initlab.MomentProbe` (``loss_reduction``, ...).
@@ -295,9 +300,10 @@ def precondition_(
     target, tol = _check_options(how, target, max_iter, tol)
     forward = forward or default_forward
     reg = default_registry() if registry is None else registry
-    batches = take_batches(data, n_batches, what="precondition_")
+    batches = take_batches(data, max_batches, what="precondition_")
     seeds = Seeds(model, generator)
-    run = _Balancing(model, batches, loss_fn, modules, seeds, reg, probe_kwargs)
+    loss = resolve_loss(loss_fn, what="precondition_")
+    run = _Balancing(model, batches, loss, modules, seeds, reg, probe_kwargs)
     with restore_on_failure(model):
         before = run.probe()
         first = run.log(before, 0)
@@ -323,6 +329,7 @@ def precondition_(
         backward_passes=run.backward,
         wall_s=time.perf_counter() - start,
         trace=Rows(run.trace, ("iteration", "spread", "max", "min"), title="precondition_ trace"),
+        used=data_use(batches),
         info={
             "how": how,
             "target": common,
