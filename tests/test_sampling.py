@@ -470,6 +470,18 @@ def test_meta_and_bad_tensors_for_primitive_samplers() -> None:
     with pytest.raises(ValueError, match="std"):
         normal_(torch.empty(3), -1.0)
     with pytest.raises(TypeError, match="Generator"):
-        normal_(torch.empty(3), 1.0, generator=0)  # type: ignore[arg-type]
+        normal_(torch.empty(3), 1.0, generator="0")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="InitSpec"):
         sample_(torch.empty(3), "normal")  # type: ignore[arg-type]
+
+
+def test_samplers_take_an_int_seed_like_init_model() -> None:
+    """``generator=`` is an int seed or a ``torch.Generator`` everywhere, samplers included."""
+    for sampler in (normal_, uniform_):
+        a = sampler(torch.empty(50, 40), 0.3, generator=7)
+        b = sampler(torch.empty(50, 40), 0.3, generator=torch.Generator().manual_seed(7))
+        assert torch.equal(a, b)
+    a = fan_in_normal_(torch.empty(30, 20), generator=3)
+    assert torch.equal(a, fan_in_normal_(torch.empty(30, 20), generator=gen(3)))
+    a = orthogonal_(torch.empty(6, 4), generator=5)
+    assert torch.equal(a, orthogonal_(torch.empty(6, 4), generator=gen(5)))

@@ -1,8 +1,8 @@
 """In-place samplers: fill a tensor from an :class:`~initlab.init.schemes.InitSpec`, torch style.
 
 Every sampler ends in ``_``: it fills the tensor in place under :func:`torch.no_grad` and returns
-it. Randomness comes only from the keyword ``generator=`` (the global RNG when ``None``), so the
-same seeded generator gives the same tensor.
+it. Randomness comes only from the keyword ``generator=`` (a ``torch.Generator`` or an int seed;
+the global RNG when ``None``), so the same seed gives the same tensor.
 
 Device and dtype rules (all samplers):
 
@@ -26,6 +26,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from initlab._core.rng import as_generator
 from initlab.init.fans import compute_fans
 from initlab.init.gains import Nonlinearity
 from initlab.init.schemes import (
@@ -72,11 +73,6 @@ def _check_tensor(tensor: object, caller: str) -> Tensor:
     if not tensor.is_floating_point():
         raise ValueError(f"{caller} needs a floating-point tensor, got dtype {tensor.dtype}")
     return tensor
-
-
-def _check_generator(generator: object) -> None:
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator or None, got {generator!r}")
 
 
 def _check_groups(tensor: Tensor, groups: object) -> int:
@@ -128,7 +124,9 @@ def _draw_(
 # Distribution samplers
 
 
-def normal_(tensor: Tensor, std: float, *, generator: torch.Generator | None = None) -> Tensor:
+def normal_(
+    tensor: Tensor, std: float, *, generator: torch.Generator | int | None = None
+) -> Tensor:
     """Fill ``tensor`` with ``N(0, std**2)`` draws, in place; returns it.
 
     Same draws as ``tensor.normal_(0, std, generator=generator)`` for a float32/float64 tensor on
@@ -140,14 +138,16 @@ def normal_(tensor: Tensor, std: float, *, generator: torch.Generator | None = N
         True
     """
     _check_tensor(tensor, "normal_")
-    _check_generator(generator)
+    generator = as_generator(generator)
     std = _check_std(std)
     if tensor.numel() == 0:
         return tensor
     return _draw_(tensor, generator, lambda t: t.normal_(0, std, generator=generator))
 
 
-def uniform_(tensor: Tensor, std: float, *, generator: torch.Generator | None = None) -> Tensor:
+def uniform_(
+    tensor: Tensor, std: float, *, generator: torch.Generator | int | None = None
+) -> Tensor:
     """Fill ``tensor`` with ``U(-b, b)``, ``b = sqrt(3) * std`` (so the std is ``std``), in place.
 
     Same draws as ``tensor.uniform_(-b, b, generator=generator)`` for a float32/float64 tensor on
@@ -159,7 +159,7 @@ def uniform_(tensor: Tensor, std: float, *, generator: torch.Generator | None = 
         True
     """
     _check_tensor(tensor, "uniform_")
-    _check_generator(generator)
+    generator = as_generator(generator)
     std = _check_std(std)
     if tensor.numel() == 0:
         return tensor
@@ -180,7 +180,7 @@ def trunc_normal_(
     std: float,
     *,
     truncation: float = 2.0,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | int | None = None,
 ) -> Tensor:
     r"""Fill ``tensor`` with a normal truncated at ``±truncation * sigma'`` whose std is ``std``.
 
@@ -196,7 +196,7 @@ def trunc_normal_(
         True
     """
     _check_tensor(tensor, "trunc_normal_")
-    _check_generator(generator)
+    generator = as_generator(generator)
     std = _check_std(std)
     if isinstance(truncation, bool) or not isinstance(truncation, (int, float)):
         raise ValueError(f"truncation must be a positive real number, got {truncation!r}")
@@ -242,7 +242,7 @@ def orthogonal_(
     *,
     groups: int = 1,
     transposed: bool = False,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | int | None = None,
 ) -> Tensor:
     """Fill ``tensor`` with a (semi-)orthogonal matrix times ``gain`` (Saxe et al., 2014).
 
@@ -261,7 +261,7 @@ def orthogonal_(
         True
     """
     _check_tensor(tensor, "orthogonal_")
-    _check_generator(generator)
+    generator = as_generator(generator)
     if tensor.dim() < 2:
         raise ValueError(
             "orthogonal_ needs a weight with at least 2 dimensions (out, in, *kernel); "
@@ -323,7 +323,7 @@ def sample_(
     tensor: Tensor,
     spec: InitSpec,
     *,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | int | None = None,
     groups: int = 1,
     transposed: bool = False,
 ) -> Tensor:
@@ -373,7 +373,7 @@ def fan_in_normal_(
     gain: float | None = None,
     groups: int = 1,
     transposed: bool = False,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | int | None = None,
 ) -> Tensor:
     """Fan-in normal: ``N(0, std**2)``, ``std = gain / sqrt(fan_in)`` (He et al., 2015).
 
@@ -402,7 +402,7 @@ def fan_in_uniform_(
     gain: float | None = None,
     groups: int = 1,
     transposed: bool = False,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | int | None = None,
 ) -> Tensor:
     """Fan-in uniform: ``U(-b, b)``, ``b = gain * sqrt(3 / fan_in)`` (He et al., 2015).
 
@@ -424,7 +424,7 @@ def fan_out_normal_(
     gain: float | None = None,
     groups: int = 1,
     transposed: bool = False,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | int | None = None,
 ) -> Tensor:
     """Fan-out normal: ``N(0, std**2)``, ``std = gain / sqrt(fan_out)`` (He et al., 2015).
 
@@ -443,7 +443,7 @@ def fan_out_uniform_(
     gain: float | None = None,
     groups: int = 1,
     transposed: bool = False,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | int | None = None,
 ) -> Tensor:
     """Fan-out uniform: ``U(-b, b)``, ``b = gain * sqrt(3 / fan_out)`` (He et al., 2015)."""
     fans = compute_fans(tensor, groups=groups, transposed=transposed)
@@ -461,7 +461,7 @@ def arithmetic_normal_(
     gain: float | None = None,
     groups: int = 1,
     transposed: bool = False,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | int | None = None,
 ) -> Tensor:
     """Arithmetic-mean normal: ``Var = 2 * gain**2 / (fan_in + fan_out)`` (Glorot & Bengio, 2010).
 
@@ -481,7 +481,7 @@ def arithmetic_uniform_(
     gain: float | None = None,
     groups: int = 1,
     transposed: bool = False,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | int | None = None,
 ) -> Tensor:
     """Arithmetic-mean uniform: ``b = gain * sqrt(6 / (fan_in + fan_out))`` (Glorot & Bengio, 2010).
 
@@ -503,7 +503,7 @@ def geometric_normal_(
     c: float | None = None,
     groups: int = 1,
     transposed: bool = False,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | int | None = None,
 ) -> Tensor:
     """Geometric-mean normal: ``Var = c / sqrt(fan_in * fan_out)`` (Defazio & Bottou 2020, Eq. 2/7).
 
@@ -529,7 +529,7 @@ def geometric_uniform_(
     c: float | None = None,
     groups: int = 1,
     transposed: bool = False,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | int | None = None,
 ) -> Tensor:
     """Geometric-mean uniform: ``U(-b, b)``, ``b**2 = 3 c / sqrt(fan_in * fan_out)``.
 
@@ -551,7 +551,7 @@ def geometric_trunc_normal_(
     c: float | None = None,
     groups: int = 1,
     transposed: bool = False,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | int | None = None,
 ) -> Tensor:
     """Geometric-mean truncated normal (cut at ±2 sigma'): ``Var = c / sqrt(fan_in * fan_out)``.
 
@@ -575,7 +575,7 @@ def operator_norm_normal_(
     a: float = 1.0,
     groups: int = 1,
     transposed: bool = False,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | int | None = None,
 ) -> Tensor:
     """Operator-norm normal: ``std = 1 / ((sqrt(fan_in) + sqrt(n_out)) * L * a)`` (lecture).
 
