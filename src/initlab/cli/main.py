@@ -205,20 +205,21 @@ def _cmd_bench_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="initlab",
-        description="Well-conditioned neural networks at step zero.",
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
+_MODEL_HELP = "'pkg.module:factory', 'file.py:factory' or 'zoo:NAME'"
+_DATA_HELP = "random | random:3x32x32 | digits | file.pt | pkg.module:fn"
+_DATA_DIR_HELP = "data root (default: $INITLAB_DATA_DIR or ../shared/data)"
 
+Subparsers = Any  # argparse's private _SubParsersAction
+
+
+def _add_schemes(sub: Subparsers) -> None:
     p = sub.add_parser("schemes", help="list the initialization schemes with their formulas")
     p.set_defaults(func=_cmd_schemes)
 
-    model_help = "'pkg.module:factory', 'file.py:factory' or 'zoo:NAME'"
-    data_help = "random | random:3x32x32 | digits | file.pt | pkg.module:fn"
+
+def _add_init(sub: Subparsers) -> None:
     p = sub.add_parser("init", help="initialize a model (data-free or data-dependent), save it")
-    p.add_argument("--model", required=True, help=model_help)
+    p.add_argument("--model", required=True, help=_MODEL_HELP)
     p.add_argument("--model-kwargs", help="JSON object of keyword arguments for the factory")
     p.add_argument(
         "--scheme",
@@ -228,7 +229,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--method", choices=sorted(_METHODS), help="data-dependent method run after the scheme"
     )
-    p.add_argument("--data", help=f"data for --method: {data_help}")
+    p.add_argument("--data", help=f"data for --method: {_DATA_HELP}")
     p.add_argument("--input-shape", help="per-example input shape for random data, e.g. 3x32x32")
     p.add_argument(
         "--loss",
@@ -249,10 +250,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--report", help="also save the method's report rows as JSON here")
     p.set_defaults(func=_cmd_init)
 
+
+def _add_diagnose(sub: Subparsers) -> None:
     p = sub.add_parser("diagnose", help="per-layer conditioning report of a model")
-    p.add_argument("--model", required=True, help=model_help)
+    p.add_argument("--model", required=True, help=_MODEL_HELP)
     p.add_argument("--model-kwargs", help="JSON object of keyword arguments for the factory")
-    p.add_argument("--data", help=f"{data_help} (default: random inputs of a zoo model's shape)")
+    p.add_argument("--data", help=f"{_DATA_HELP} (default: random inputs of a zoo model's shape)")
     p.add_argument("--loss", help="auto | cross_entropy | mse | random_quadratic | pkg.module:fn")
     p.add_argument("--init", help="initialize with this scheme first (default: keep)")
     p.add_argument("--out", help="folder for report.html, report.json, report.md, summary.txt")
@@ -263,10 +266,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plots", action="store_true")
     p.set_defaults(func=_cmd_diagnose)
 
+
+def _add_data(sub: Subparsers) -> None:
     p = sub.add_parser("data", help="list the data sets the loaders know and where they are")
-    p.add_argument("--data-dir", help="data root (default: $INITLAB_DATA_DIR or ../shared/data)")
+    p.add_argument("--data-dir", help=_DATA_DIR_HELP)
     p.set_defaults(func=_cmd_data)
 
+
+def _add_bench(sub: Subparsers) -> None:
     bench = sub.add_parser("bench", help="run and report studies (schemes x seeds x LRs)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     p = bench_sub.add_parser("run", help="run a study spec (YAML); resumes where it stopped")
@@ -277,7 +284,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ray-address", help="Ray cluster address (default: a local Ray instance)")
     p.add_argument("--chunk-size", type=int, default=64, help="runs trained together per chunk")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--data-dir", help="data root (default: $INITLAB_DATA_DIR or ../shared/data)")
+    p.add_argument("--data-dir", help=_DATA_DIR_HELP)
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.set_defaults(func=_cmd_bench_run)
     p = bench_sub.add_parser("report", help="aggregate a study store: Table 2, tables, plots")
@@ -288,6 +295,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=int, help="sliding window (steps) for loss curves")
     p.set_defaults(func=_cmd_bench_report)
 
+
+def _add_demo(sub: Subparsers) -> None:
     p = sub.add_parser("demo", help="compare schemes on the paper MLP with bundled digits data")
     p.add_argument("--schemes", help="comma-separated scheme names (default: all demo schemes)")
     p.add_argument("--seed", type=int, default=0)
@@ -295,6 +304,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="initlab-demo", help="report folder (default: initlab-demo)")
     p.add_argument("--quick", action="store_true", help="moments only (seconds)")
     p.set_defaults(func=_cmd_demo)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="initlab",
+        description="Well-conditioned neural networks at step zero.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_schemes, _add_init, _add_diagnose, _add_data, _add_bench, _add_demo):
+        add(sub)
     return parser
 
 

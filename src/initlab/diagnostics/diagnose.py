@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from contextlib import ExitStack
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
@@ -41,23 +41,11 @@ from initlab._core.preserve import preserved_state
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows
 from initlab.cli.inputs import load_data_spec, load_factory, load_model_spec
+from initlab.diagnostics.assemble import _weight_names, assemble
 from initlab.diagnostics.gradients import GradientStats
-from initlab.diagnostics.linter import (
-    ActivationWatch,
-    LintResult,
-    _user_blocks,
-    lint_model,
-    signal_ratios,
-)
-from initlab.diagnostics.report import (
-    DIAGNOSTIC_COLUMNS,
-    LAYER_COLUMNS,
-    Report,
-    imbalance_summary,
-    ratio_reason,
-    ratio_verdict,
-    worst,
-)
+from initlab.diagnostics.linter import ActivationWatch, LintResult, lint_model
+from initlab.diagnostics.report import Report
+from initlab.diagnostics.residual import _user_blocks
 from initlab.diagnostics.spectra import InputShapes, layer_spectra, lipschitz_bounds
 from initlab.measure.probe import MomentProbe
 
@@ -93,54 +81,6 @@ def _examples(batch: Any) -> int:
         return batch_size(batch)
     except (StopIteration, IndexError, TypeError):
         return 0
-
-
-def _weight_names(model: nn.Module) -> set[tuple[str, str]]:
-    from initlab.init.registry import default_registry
-
-    reg = default_registry()
-    out = set()
-    for name, m in model.named_modules():
-        specs = reg.specs(m)
-        for s in specs or ():
-            if s.role == "weight":
-                out.add((name, s.name))
-    return out
-
-
-def _definition_index(model: nn.Module) -> dict[str, int]:
-    return {name: i for i, (name, _) in enumerate(model.named_modules())}
-
-
-def _sort_key(layer: str, index: Mapping[str, int]) -> tuple[float, str]:
-    base, _, call = layer.partition("@")
-    if base in index:
-        return (index[base] + (int(call) * 1e-3 if call.isdigit() else 0.0), layer)
-    mod, sep, _node = layer.partition(":")
-    mod = "" if mod == "<root>" else mod
-    if sep and mod in index:
-        return (index[mod] + 0.5, layer)
-    return (math.inf, layer)
-
-
-def _short_reason(f: Mapping[str, Any]) -> str:
-    rule, v = f["rule"], f["value"]
-    fin = isinstance(v, float) and math.isfinite(v)
-    if rule == "max_pool":
-        return "max pooling breaks the scaling (Table 1)"
-    if rule == "resampling":
-        return f"{f['module_type']} changes p² without compensation (Section 7)"
-    if rule == "sigmoid":
-        return "sigmoid breaks the scaling (Table 1)" + (f"; input std {v:.2g}" if fin else "")
-    if rule == "tanh":
-        return "tanh outside its linear regime" + (f" (input std {v:.2g})" if fin else "")
-    if rule == "skip_connection":
-        return "skip connection: layers inside are balanced only against each other (Table 1)"
-    if rule == "mixed_kernel_sizes":
-        return f"kernel size unlike the other convolutions (k² factor {v:.3g}× in γ)"
-    if rule == "dead_relu":
-        return f"{v:.0%} of the ReLU units are dead"
-    return str(f["message"])
 
 
 # ----------------------------------------------------------------------------- diagnose
@@ -213,44 +153,124 @@ def diagnose(
     batches = take_batches(data, max_batches, exact=False, what="diagnose")
     loss_fn = loss_fn or default_loss
     generator = as_generator(generator)
-    timings: dict[str, float] = {}
-    notes: list[str] = []
-    tables: dict[str, Rows] = {}
-    params = list(model.parameters())
+    run = _Run(say)
     if per_example == "auto":
-        coupled = [
-            n
-            for n, m in model.named_modules()
-            if isinstance(m, nn.modules.batchnorm._BatchNorm)
-            and (m.training or not m.track_running_stats)
-        ]
-        per_example = not coupled
-        if coupled:
-            notes.append(
-                f"per-example ν not computed: BatchNorm in train mode ({coupled[0]}"
-                + (f" and {len(coupled) - 1} more" if len(coupled) > 1 else "")
-                + ") couples the examples; ν is the minibatch ratio"
-            )
+        per_example = _auto_per_example(model, run.notes)
 
     # -- one pass over the batches: probe, shapes, activations, gradients
-    start = time.perf_counter()
-    if modules == "weights":
-        owners = {layer for layer, _ in _weight_names(model)}
-        modules = [n for n, _ in model.named_modules() if n in owners]
-    probe = MomentProbe(
-        model,
-        modules=modules,
-        per_example=per_example,
-        loss_reduction=loss_reduction,
-        batch_dim=batch_dim,
-    )
-    grad_acc = GradientStats(model) if gradients else None
-    shapes = InputShapes(model) if spectra else None
-    watch = ActivationWatch(model) if lint else None
+    with run.timed("pass_s"):
+        if modules == "weights":
+            modules = _weight_modules(model)
+        probe = MomentProbe(
+            model,
+            modules=modules,
+            per_example=per_example,
+            loss_reduction=loss_reduction,
+            batch_dim=batch_dim,
+        )
+        grad_acc = GradientStats(model) if gradients else None
+        shapes = InputShapes(model) if spectra else None
+        watch = ActivationWatch(model) if lint else None
+        losses = _one_pass(model, batches, loss_fn, probe, grad_acc, (shapes, watch), say)
+    probe_table, param_table = _probe_tables(probe, losses, run)
+
+    gr, cond_imbalance = _gr_scaling(model, probe, batches, alpha, batch_dim, run)
+    if grad_acc is not None:
+        run.tables["gradients"] = grad_acc.rows()
+    spectra_rows: Rows | None = None
+    if spectra:
+        say("spectra: SVDs and convolution operator norms")
+        with run.timed("spectra_s"):
+            spectra_rows = layer_spectra(model, shapes, generator=generator)
+            run.tables["spectra"] = spectra_rows
+    lint_result, blocks = _lint(model, probe, watch, batches, lint, residual_blocks, run)
+    findings = lint_result.findings if lint_result else Rows([], title="scaling linter")
+    lipschitz = _lipschitz(model, spectra_rows, blocks)
+    if curvature:
+        say("curvature: Hessian blocks and theory vs actual")
+        with run.timed("curvature_s"):
+            _curvature(model, batches[0], loss_fn, curvature_options, generator, run.tables,
+                       run.notes)  # fmt: skip
+    landscape = _landscape_stage(model, batches, loss_fn, landscape, generator, run)
+
+    say("building the report")
+    rows, layers, imb = assemble(model, probe_table, param_table, gr, run.tables, findings)
+    if cond_imbalance is not None:
+        imb["conditioning"] = cond_imbalance
+    options = {
+        "max_batches": max_batches,
+        "per_example": per_example,
+        "loss_reduction": loss_reduction,
+        "gradients": gradients,
+        "spectra": spectra,
+        "lint": lint,
+        "curvature": curvature,
+    }
+    meta = _meta(name or type(model).__name__, batches, losses, options, imb, lipschitz, blocks,
+                 lint_result, run)  # fmt: skip
+    obj = landscape if landscape is not None and hasattr(landscape, "to_rows") else None
+    return Report(rows, layers, findings, run.tables, meta, landscape=obj)
+
+
+# ----------------------------------------------------------------------------- diagnose's stages
+
+
+class _Run:
+    """What the stages of one :func:`diagnose` call share: progress, timings, notes, tables."""
+
+    def __init__(self, say: Progress) -> None:
+        self.say = say
+        self.timings: dict[str, float] = {}
+        self.notes: list[str] = []
+        self.tables: dict[str, Rows] = {}
+
+    @contextmanager
+    def timed(self, key: str) -> Iterator[None]:
+        """Record the block's wall time as ``timings[key]`` (not when it raised)."""
+        start = time.perf_counter()
+        yield
+        self.timings[key] = time.perf_counter() - start
+
+
+def _auto_per_example(model: nn.Module, notes: list[str]) -> bool:
+    """``per_example="auto"``: off when a BatchNorm couples the examples (with a note)."""
+    coupled = [
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm)
+        and (m.training or not m.track_running_stats)
+    ]
+    if coupled:
+        notes.append(
+            f"per-example ν not computed: BatchNorm in train mode ({coupled[0]}"
+            + (f" and {len(coupled) - 1} more" if len(coupled) > 1 else "")
+            + ") couples the examples; ν is the minibatch ratio"
+        )
+    return not coupled
+
+
+def _weight_modules(model: nn.Module) -> list[str]:
+    """``modules="weights"``: the modules owning a registry role-"weight" parameter."""
+    owners = {layer for layer, _ in _weight_names(model)}
+    return [n for n, _ in model.named_modules() if n in owners]
+
+
+def _one_pass(
+    model: nn.Module,
+    batches: list[Any],
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    probe: MomentProbe,
+    grad_acc: GradientStats | None,
+    watchers: Iterable[Any],
+    say: Progress,
+) -> list[float]:
+    """Forward + backward of every batch under the probe and the watchers; the model's state is
+    restored afterwards. Returns the losses."""
+    params = list(model.parameters())
     losses: list[float] = []
     with preserved_state(model), ExitStack() as stack:
         stack.enter_context(probe)
-        for ctx in (shapes, watch):
+        for ctx in watchers:
             if ctx is not None:
                 stack.enter_context(ctx)
         for i, batch in enumerate(batches):
@@ -264,133 +284,151 @@ def diagnose(
             loss.backward()
             if grad_acc is not None:
                 grad_acc.update()
-    timings["pass_s"] = time.perf_counter() - start
+    return losses
+
+
+def _probe_tables(probe: MomentProbe, losses: list[float], run: _Run) -> tuple[Rows, Rows]:
+    """The probe's module and parameter tables (kept in ``run.tables``), plus notes on
+    non-finite losses and on parameters without per-example ν."""
     if not all(math.isfinite(v) for v in losses):
-        notes.append(f"non-finite loss in {sum(not math.isfinite(v) for v in losses)} batch(es)")
+        run.notes.append(
+            f"non-finite loss in {sum(not math.isfinite(v) for v in losses)} batch(es)"
+        )
     probe_table = probe.table()
     param_table = probe.param_table()
-    tables["probe"] = probe_table
-    tables["params"] = param_table
+    run.tables["probe"] = probe_table
+    run.tables["params"] = param_table
     by_reason: dict[str, list[str]] = {}
     for n in probe.notes:
         label, _, why = n.partition(": ")
         by_reason.setdefault(why, []).append(label)
     for why, labels in by_reason.items():
         shown = ", ".join(labels[:4]) + (f" and {len(labels) - 4} more" if len(labels) > 4 else "")
-        notes.append(f"per-example ν unavailable for {shown}: {why}")
+        run.notes.append(f"per-example ν unavailable for {shown}: {why}")
+    return probe_table, param_table
 
-    # -- GR scaling
-    gr: Rows | None = None
-    cond_imbalance: Any = None
+
+def _gr_scaling(
+    model: nn.Module,
+    probe: MomentProbe,
+    batches: list[Any],
+    alpha: Any,
+    batch_dim: int | None,
+    run: _Run,
+) -> tuple[Rows | None, Any]:
+    """γ (:func:`initlab.gr_scaling`) and its imbalance; ``None`` (with a note) where it fails."""
     try:
         from initlab.measure.conditioning import gr_scaling, imbalance
     except ImportError as err:
-        notes.append(f"γ not computed: initlab.measure.conditioning is not available ({err})")
-    else:
-        try:
-            examples = sum(_examples(b) for b in batches)
-            use = examples if batch_dim in (None, 0) and examples > 0 else None
-            gr = gr_scaling(probe, model, alpha=alpha, examples=use)
-            tables["gr_scaling"] = gr
-            cond_imbalance = imbalance(gr)
-        except Exception as err:  # the rest of the report stays useful
-            notes.append(f"γ not computed: gr_scaling failed ({type(err).__name__}: {err})")
-    if grad_acc is not None:
-        tables["gradients"] = grad_acc.rows()
+        run.notes.append(f"γ not computed: initlab.measure.conditioning is not available ({err})")
+        return None, None
+    gr: Rows | None = None
+    try:
+        examples = sum(_examples(b) for b in batches)
+        use = examples if batch_dim in (None, 0) and examples > 0 else None
+        gr = gr_scaling(probe, model, alpha=alpha, examples=use)
+        run.tables["gr_scaling"] = gr
+        return gr, imbalance(gr)
+    except Exception as err:  # the rest of the report stays useful
+        run.notes.append(f"γ not computed: gr_scaling failed ({type(err).__name__}: {err})")
+        return gr, None
 
-    # -- spectra
-    spectra_rows: Rows | None = None
-    if spectra:
-        say("spectra: SVDs and convolution operator norms")
-        start = time.perf_counter()
-        spectra_rows = layer_spectra(model, shapes, generator=generator)
-        tables["spectra"] = spectra_rows
-        timings["spectra_s"] = time.perf_counter() - start
 
-    # -- linter
-    lint_result: LintResult | None = None
-    blocks: list[dict[str, Any]] = []
-    if lint:
-        say("linter: tracing the model, checking Table 1")
-        start = time.perf_counter()
+def _lint(
+    model: nn.Module,
+    probe: MomentProbe,
+    watch: ActivationWatch | None,
+    batches: list[Any],
+    lint: bool,
+    residual_blocks: Sequence[str | Mapping[str, Any]] | None,
+    run: _Run,
+) -> tuple[LintResult | None, list[dict[str, Any]]]:
+    """The scaling linter (if ``lint``) and the residual blocks (found, or as declared)."""
+    if not lint:
+        blocks = _user_blocks(model, residual_blocks) if residual_blocks is not None else []
+        return None, blocks
+    run.say("linter: tracing the model, checking Table 1")
+    with run.timed("lint_s"):
         lint_result = lint_model(
             model,
-            probe_table=probe_table,
+            probe_table=run.tables["probe"],
             probe_rows=probe.rows(),
-            param_table=param_table,
+            param_table=run.tables["params"],
             activations=watch,
             forward_args=[_forward_args(b) for b in batches],
             residual_blocks=residual_blocks,
         )
-        blocks = lint_result.residual_blocks
-        tables["activations"] = lint_result.activations
-        timings["lint_s"] = time.perf_counter() - start
-        if not lint_result.traced:
-            notes.append(f"torch.fx could not trace the model: {lint_result.trace_error}")
-    elif residual_blocks is not None:
-        blocks = _user_blocks(model, residual_blocks)
-    findings = lint_result.findings if lint_result else Rows([], title="scaling linter")
+        run.tables["activations"] = lint_result.activations
+    if not lint_result.traced:
+        run.notes.append(f"torch.fx could not trace the model: {lint_result.trace_error}")
+    return lint_result, lint_result.residual_blocks
 
-    lipschitz: dict[str, Any] = {}
-    if spectra_rows is not None:
-        covered = {r["layer"] for r in spectra_rows if math.isfinite(r["op_norm"])}
-        uncovered = [
-            n
-            for n, m in model.named_modules()
-            if next(m.parameters(recurse=False), None) is not None and n not in covered
-        ]
-        lipschitz = lipschitz_bounds(spectra_rows, blocks, uncovered=uncovered)
 
-    # -- curvature
-    if curvature:
-        say("curvature: Hessian blocks and theory vs actual")
-        start = time.perf_counter()
-        _curvature(model, batches[0], loss_fn, curvature_options, generator, tables, notes)
-        timings["curvature_s"] = time.perf_counter() - start
+def _lipschitz(
+    model: nn.Module, spectra_rows: Rows | None, blocks: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """Lipschitz bounds from the operator norms, naming the parameterized modules without one."""
+    if spectra_rows is None:
+        return {}
+    covered = {r["layer"] for r in spectra_rows if math.isfinite(r["op_norm"])}
+    uncovered = [
+        n
+        for n, m in model.named_modules()
+        if next(m.parameters(recurse=False), None) is not None and n not in covered
+    ]
+    return lipschitz_bounds(spectra_rows, blocks, uncovered=uncovered)
 
+
+def _landscape_stage(
+    model: nn.Module,
+    batches: list[Any],
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    landscape: Any,
+    generator: torch.Generator | None,
+    run: _Run,
+) -> Any:
+    """Compute the loss landscape (``landscape=True`` or options) or take the given one; its
+    rows go to ``run.tables["landscape"]``. Returns the landscape (or ``None``)."""
     if landscape is True or isinstance(landscape, Mapping):
-        say("loss landscape")
-        start = time.perf_counter()
-        opts = dict(landscape) if isinstance(landscape, Mapping) else {}
-        landscape = _landscape(model, batches, loss_fn, opts, generator, notes)
-        timings["landscape_s"] = time.perf_counter() - start
+        run.say("loss landscape")
+        with run.timed("landscape_s"):
+            opts = dict(landscape) if isinstance(landscape, Mapping) else {}
+            landscape = _landscape(model, batches, loss_fn, opts, generator, run.notes)
     if landscape is not None:
         to_rows = getattr(landscape, "to_rows", None)
         if callable(to_rows):
             got = to_rows()
-            tables["landscape"] = got if isinstance(got, Rows) else Rows(got, title="landscape")
+            run.tables["landscape"] = got if isinstance(got, Rows) else Rows(got, title="landscape")
+    return landscape
 
-    say("building the report")
-    rows, layers, imb = _assemble(
-        model, probe_table, param_table, gr, tables, findings, lint_result
-    )
-    if cond_imbalance is not None:
-        imb["conditioning"] = cond_imbalance
-    meta = {
-        "model": name or type(model).__name__,
+
+def _meta(
+    name: str,
+    batches: list[Any],
+    losses: list[float],
+    options: dict[str, Any],
+    imb: dict[str, Any],
+    lipschitz: dict[str, Any],
+    blocks: list[dict[str, Any]],
+    lint_result: LintResult | None,
+    run: _Run,
+) -> dict[str, Any]:
+    """The report's ``meta``."""
+    return {
+        "model": name,
         "batches": len(batches),
         "examples": sum(_examples(b) for b in batches),
         "loss": losses,
-        "options": {
-            "max_batches": max_batches,
-            "per_example": per_example,
-            "loss_reduction": loss_reduction,
-            "gradients": gradients,
-            "spectra": spectra,
-            "lint": lint,
-            "curvature": curvature,
-        },
+        "options": options,
         "imbalance": imb,
         "lipschitz": lipschitz,
         "residual_blocks": [
             {k: b.get(k) for k in ("name", "branch", "shortcut", "source")} for b in blocks
         ],
         "traced": bool(lint_result and lint_result.traced),
-        "notes": notes,
-        "timings": timings,
+        "notes": run.notes,
+        "timings": run.timings,
     }
-    obj = landscape if landscape is not None and hasattr(landscape, "to_rows") else None
-    return Report(rows, layers, findings, tables, meta, landscape=obj)
 
 
 def _curvature(
@@ -474,263 +512,6 @@ def _landscape(
     except Exception as err:  # report what failed, keep the rest
         notes.append(f"landscape not computed: {type(err).__name__}: {err}")
         return None
-
-
-def _assemble(
-    model: nn.Module,
-    probe_table: Rows,
-    param_table: Rows,
-    gr: Rows | None,
-    tables: Mapping[str, Rows],
-    findings: Rows,
-    lint_result: LintResult | None,
-) -> tuple[Rows, Rows, dict[str, Any]]:
-    """Long rows, the per-layer table with verdicts, and the imbalance summary."""
-    named = dict(model.named_modules())
-    index = _definition_index(model)
-    weights = _weight_names(model)
-    info: dict[str, dict[str, Any]] = {}  # layer -> module_type, order
-
-    def meta(layer: str, module_type: str | None = None, order: Any = None) -> dict[str, Any]:
-        d = info.setdefault(layer, {"module_type": module_type, "order": order})
-        if d["module_type"] is None:
-            base = layer.partition("@")[0]
-            d["module_type"] = module_type or (type(named[base]).__name__ if base in named else "")
-        if d["order"] is None and order is not None:
-            d["order"] = order
-        return d
-
-    rows: list[dict[str, Any]] = []
-
-    def add(
-        layer: str,
-        param: str,
-        quantity: str,
-        value: Any,
-        *,
-        stderr: float = _NAN,
-        verdict: str = "",
-        note: str = "",
-        module_type: str | None = None,
-    ) -> None:
-        d = meta(layer, module_type)
-        v = float(value) if isinstance(value, (int, float)) and value is not None else _NAN
-        rows.append(
-            {
-                "layer": layer,
-                "param": param,
-                "module_type": d["module_type"],
-                "order": d["order"],
-                "quantity": quantity,
-                "value": v,
-                "stderr": float(stderr) if isinstance(stderr, (int, float)) else _NAN,
-                "verdict": verdict,
-                "note": note,
-            }
-        )
-
-    # per module: moments and gains
-    ratios = signal_ratios(probe_table)
-    for r in probe_table:
-        meta(r["module"], r["module_type"], r["order"])
-        for q in ("E_x2", "E_y2", "E_dy2", "E_dx2", "gain_fwd", "gain_bwd", "cum_gain_fwd",
-                  "cum_gain_bwd", "nonfinite"):  # fmt: skip
-            add(r["module"], "", q, r[q])
-        add(r["module"], "", "signal_fwd", ratios.get(r["module"], _NAN))
-
-    # per parameter: W, dW, nu
-    grads = {(r["layer"], r["param"]): r for r in tables.get("gradients", ())}
-    nus: dict[str, tuple[float, str]] = {}  # weight layer -> (nu used, which)
-    wnames: dict[str, str] = {}
-    for layer, param in sorted(weights):
-        wnames.setdefault(layer, param)
-    for r in param_table:
-        layer, param = r["module"], r["param"]
-        note = r["note"]
-        add(layer, param, "E_W2", r["E_W2"])
-        add(layer, param, "E_dW2", r["E_dW2"])
-        add(layer, param, "E_dW2_example", r["E_dW2_example"], note=note)
-        nu = r["ratio"]
-        nu_mb = r["E_dW2"] / r["E_W2"] if r["E_W2"] else _NAN
-        g = grads.get((layer, param))
-        se = g["E_dW2_stderr"] / r["E_W2"] if g is not None and r["E_W2"] else _NAN
-        add(layer, param, "nu", nu, note=note)
-        add(layer, param, "nu_minibatch", nu_mb, stderr=se)
-        if wnames.get(layer) == param and layer not in nus:
-            if math.isfinite(nu) and nu > 0:
-                nus[layer] = (nu, "per-example")
-            elif math.isfinite(nu_mb) and nu_mb > 0:
-                nus[layer] = (nu_mb, "minibatch")
-
-    # gamma
-    gammas: dict[str, float] = {}
-    gamma_rel: dict[str, float] = {}
-    for r in gr or ():
-        layer = r["module"]
-        meta(layer, r.get("module_type"))
-        gw, gb = r.get("gamma_w", _NAN), r.get("gamma_b", _NAN)
-        if gw is not None and math.isfinite(gw):
-            gammas[layer] = gw
-        if gb is not None:
-            add(layer, "bias", "gamma", gb)
-        rel = r.get("gamma_rel_median")
-        if rel is not None and math.isfinite(rel):
-            gamma_rel[layer] = rel
-    if gammas and len(gamma_rel) < len(gammas):
-        med = _median_pos(gammas.values())
-        gamma_rel = {k: v / med for k, v in gammas.items()} if math.isfinite(med) else {}
-    for layer, gw in gammas.items():
-        rel = gamma_rel.get(layer, _NAN)
-        v = ratio_verdict(rel)
-        note = ratio_reason("γ", rel) if v in ("warn", "bad") else ""
-        add(layer, "weight", "gamma", gw, verdict=v, note=note)
-        add(layer, "weight", "gamma_rel_median", rel, verdict=v, note=note)
-    nu_med = _median_pos(v for v, _ in nus.values())
-    nu_rel = {k: v / nu_med for k, (v, _) in nus.items()} if math.isfinite(nu_med) else {}
-    for layer, rel in nu_rel.items():
-        v = ratio_verdict(rel)
-        note = f"{nus[layer][1]} ν" + (
-            f"; {ratio_reason('ν', rel)}" if v in ("warn", "bad") else ""
-        )
-        add(layer, wnames[layer], "nu_rel_median", rel, verdict=v, note=note)
-
-    # gradients (GradInit)
-    for r in tables.get("gradients", ()):
-        for q in ("W_norm", "W_abs_mean", "grad_norm", "grad_std"):
-            add(r["layer"], r["param"], q, r[q])
-
-    # spectra
-    for r in tables.get("spectra", ()):
-        if r["param"]:
-            add(r["layer"], r["param"], "sv_max", r["sv_max"], note=r["note"])
-            add(r["layer"], r["param"], "sv_mean", r["sv_mean"])
-        add(r["layer"], r["param"], "op_norm", r["op_norm"], note=r["op_method"])
-
-    # activations
-    for r in tables.get("activations", ()):
-        layer = r["layer"]
-        meta(layer, r["module_type"])
-        if r["kind"] == "relu":
-            add(layer, "", "dead_frac", r["dead_frac"])
-            add(layer, "", "dead_channel_frac", r["dead_channel_frac"])
-        add(layer, "", "act_input_std", r["input_std"])
-
-    # curvature
-    for r in tables.get("curvature", ()):
-        if r.get("block_row") == r.get("block_col"):
-            layer, param = _split_param(str(r["block_row"]), named)
-            add(layer, param, "curv_block", r.get("value"), stderr=r.get("stderr", _NAN))
-    for r in tables.get("theory_vs_actual", ()):
-        if "module" in r and "param" in r:
-            layer, param = r["module"], r["param"]
-        else:
-            layer, param = _split_param(str(r.get("block", "")), named)
-        add(layer, param, "curv_theory_ratio", r.get("ratio"), stderr=r.get("ratio_stderr", _NAN))
-
-    # linter findings
-    by_layer: dict[str, list[dict[str, Any]]] = {}
-    for f in findings:
-        sev = f["severity"]
-        verdict = sev if sev in ("warn", "bad") else "ok"
-        add(f["layer"], "", f"lint:{f['rule']}", f["value"], verdict=verdict, note=f["message"],
-            module_type=f["module_type"] or None)  # fmt: skip
-        by_layer.setdefault(f["layer"], []).append(f)
-
-    # verdicts
-    probed = {r["module"] for r in probe_table}
-    flagged = {f["layer"] for f in findings if f["severity"] in ("warn", "bad")}
-    layer_names = sorted(
-        {r["layer"] for r in rows if r["layer"] != "" or "" in probed | flagged},
-        key=lambda n: _sort_key(n, index),
-    )
-    wide: list[dict[str, Any]] = []
-    pivot: dict[tuple[str, str, str], float] = {(r["layer"], r["param"], r["quantity"]): r["value"]
-                                                for r in rows}  # fmt: skip
-    for layer in layer_names:
-        reasons: list[tuple[str, str]] = []
-        rel = gamma_rel.get(layer, _NAN)
-        if layer in gammas and math.isfinite(rel):
-            v = ratio_verdict(rel)
-            if v in ("warn", "bad"):
-                reasons.append((v, ratio_reason("γ", rel)))
-        elif layer in nu_rel:
-            v = ratio_verdict(nu_rel[layer])
-            if v in ("warn", "bad"):
-                reasons.append((v, ratio_reason("ν", nu_rel[layer])))
-        for f in by_layer.get(layer, ()):
-            if f["severity"] in ("warn", "bad"):
-                reasons.append((f["severity"], _short_reason(f)))
-        reasons.sort(key=lambda t: t[0] != "bad")
-        verdict = worst(v for v, _ in reasons)
-        reason = "; ".join(dict.fromkeys(t for _, t in reasons))
-        add(layer, "", "verdict", _NAN, verdict=verdict, note=reason)
-        wname = wnames.get(layer, "weight")
-
-        def pv(q: str, param: str = "", layer: str = layer) -> float:
-            return pivot.get((layer, param, q), _NAN)
-
-        d = info[layer]
-        shape = next(
-            (r["shape"] for r in param_table if r["module"] == layer and r["param"] == wname),
-            None,
-        )
-        wide.append(
-            {
-                "layer": layer,
-                "module_type": d["module_type"],
-                "order": d["order"],
-                "shape": shape,
-                "E_x2": pv("E_x2"),
-                "E_y2": pv("E_y2"),
-                "E_dy2": pv("E_dy2"),
-                "gain_fwd": pv("gain_fwd"),
-                "gain_bwd": pv("gain_bwd"),
-                "cum_gain_fwd": pv("cum_gain_fwd"),
-                "cum_gain_bwd": pv("cum_gain_bwd"),
-                "gamma_w": gammas.get(layer, _NAN),
-                "gamma_b": pv("gamma", "bias"),
-                "gamma_rel_median": gamma_rel.get(layer, _NAN),
-                "nu": pv("nu", wname),
-                "nu_minibatch": pv("nu_minibatch", wname),
-                "nu_rel_median": nu_rel.get(layer, _NAN),
-                "W_abs_mean": pv("W_abs_mean", wname),
-                "grad_std": pv("grad_std", wname),
-                "op_norm": pivot.get((layer, wname, "op_norm"), pv("op_norm")),
-                "sv_mean": pv("sv_mean", wname),
-                "dead_frac": pv("dead_frac"),
-                "verdict": verdict,
-                "reason": reason,
-            }
-        )
-    imb = imbalance_summary(
-        {
-            k: {"gamma": gammas.get(k, _NAN), "nu": nus[k][0] if k in nus else _NAN}
-            for k in {*gammas, *nus}
-        }
-    )
-    return (
-        Rows(rows, DIAGNOSTIC_COLUMNS, title="diagnosis (long rows)"),
-        Rows(wide, LAYER_COLUMNS, title="diagnosis per layer"),
-        imb,
-    )
-
-
-def _median_pos(values: Iterable[float]) -> float:
-    vals = sorted(v for v in values if math.isfinite(v) and v > 0)
-    if len(vals) < 2:
-        return _NAN
-    mid = len(vals) // 2
-    return vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
-
-
-def _split_param(name: str, named: Mapping[str, nn.Module]) -> tuple[str, str]:
-    """``"layer1.0.conv1.weight"`` -> ``("layer1.0.conv1", "weight")`` when that is a parameter."""
-    layer, sep, param = name.rpartition(".")
-    if sep and layer in named and param in dict(named[layer].named_parameters(recurse=False)):
-        return layer, param
-    if not sep and "" in named and name in dict(named[""].named_parameters(recurse=False)):
-        return "", name
-    return name, ""
 
 
 # ----------------------------------------------------------------------------- CLI and demo

@@ -83,19 +83,32 @@ are residual by construction: ``nn.TransformerEncoderLayer`` (2 blocks) and
 from __future__ import annotations
 
 import math
-import operator
-import warnings
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
-from initlab._core.hooks import HookContext
 from initlab._core.rows import Rows
+from initlab.diagnostics._fx import _fn_name, _fns, _node_module_path, trace_model
+from initlab.diagnostics.activations import (
+    ACTIVATION_COLUMNS,
+    ActivationWatch,
+    _activation_kind,
+    _ActStats,
+    _functional_kind,
+    _interpret_functional,
+)
+from initlab.diagnostics.residual import (
+    SHORTCUT_STEPS as SHORTCUT_STEPS,  # re-exported: the residual-block search's reach
+)
+from initlab.diagnostics.residual import (
+    _known_residual_blocks,
+    _user_blocks,
+    find_residual_blocks,
+)
 
 __all__ = [
     "ACTIVATION_COLUMNS",
@@ -131,27 +144,6 @@ functional op, or a residual block's name), ``module_type`` (class or function n
 tested, NaN if none), ``message`` (what was found and what to do), ``reason`` (the paper's note and
 citation)."""
 
-ACTIVATION_COLUMNS: tuple[str, ...] = (
-    "layer",
-    "module_type",
-    "kind",
-    "source",
-    "units",
-    "examples",
-    "dead_frac",
-    "dead_channel_frac",
-    "input_std",
-    "input_E_x2",
-    "batches",
-)
-"""Columns of :attr:`LintResult.activations`: ``kind`` (``relu``/``sigmoid``/``tanh``),
-``source`` (``module``: through a pre-hook; ``functional``: through the fx interpreter; ``fx``:
-found in the graph but not measured), ``units`` (entries per example), ``examples`` (examples
-seen), ``dead_frac`` (ReLU: units ``<= 0`` for every example), ``dead_channel_frac`` (ReLU on
-inputs with >= 3 dims: channels (dim 1) all of whose entries are dead), ``input_std`` and
-``input_E_x2`` (std and ``E[x^2]`` of all input entries pooled; sigmoid and tanh only, NaN for
-ReLU), ``batches`` (forward calls measured)."""
-
 TANH_LINEAR_STD = 0.5
 """tanh inputs with a std below this are inside tanh's linear regime (not flagged)."""
 SATURATED_STD = 2.0
@@ -167,8 +159,6 @@ SIGNAL_LOW = 1e-3
 """``E[y^2]`` or a cumulative gain below this: the signal vanishes (``bad``)."""
 SIGNAL_HIGH = 1e3
 """``E[y^2]`` or a cumulative gain above this: the signal explodes (``bad``)."""
-SHORTCUT_STEPS = 8
-"""How far back (in nodes) the skip operand of an addition may be from the block input."""
 
 _DB = "Defazio & Bottou (2019), Scaling Laws for the Principled Design, Initialization and "
 _DB += "Preconditioning of ReLU Networks"
@@ -227,14 +217,7 @@ _RESAMPLE_MODULES: tuple[type[nn.Module], ...] = (
     nn.LPPool1d,
     nn.LPPool2d,
 )
-_RELU_MODULES: tuple[type[nn.Module], ...] = (nn.ReLU, nn.ReLU6)
-_SIGMOID_MODULES: tuple[type[nn.Module], ...] = (nn.Sigmoid,)
-_TANH_MODULES: tuple[type[nn.Module], ...] = (nn.Tanh,)
 _CONV_MODULES: tuple[type[nn.Module], ...] = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-
-
-def _fns(*names: str, module: Any = F) -> set[Any]:
-    return {getattr(module, n) for n in names if hasattr(module, n)}
 
 
 _MAX_POOL_FNS = _fns(
@@ -256,354 +239,6 @@ _MAX_POOL_FNS = _fns(
 _RESAMPLE_FNS = _fns(
     "interpolate", "upsample", "upsample_nearest", "upsample_bilinear", "lp_pool1d", "lp_pool2d"
 )
-_RELU_FNS = _fns("relu", "relu_", "relu6") | _fns("relu", "relu_", module=torch)
-_SIGMOID_FNS = _fns("sigmoid") | _fns("sigmoid", "sigmoid_", module=torch)
-_TANH_FNS = _fns("tanh") | _fns("tanh", "tanh_", module=torch)
-_ADD_FNS = {operator.add, operator.iadd, torch.add}
-_ADD_METHODS = {"add", "add_", "__add__", "__iadd__"}
-_KIND_METHODS = {
-    "relu": "relu",
-    "relu_": "relu",
-    "sigmoid": "sigmoid",
-    "sigmoid_": "sigmoid",
-    "tanh": "tanh",
-    "tanh_": "tanh",
-}
-# Nodes that do not pass data ancestry on: shape queries and tensor factories.
-_SHAPE_METHODS = {"size", "dim", "numel", "new_zeros", "new_ones", "new_empty", "new_full"}
-_FACTORIES = _fns(
-    "arange", "zeros", "ones", "full", "empty", "rand", "randn", "randint", "tensor", "linspace",
-    "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "eye",
-    module=torch,
-)  # fmt: skip
-
-
-def _activation_kind(module: nn.Module) -> str | None:
-    if isinstance(module, _RELU_MODULES):
-        return "relu"
-    if isinstance(module, _SIGMOID_MODULES):
-        return "sigmoid"
-    if isinstance(module, _TANH_MODULES):
-        return "tanh"
-    return None
-
-
-# ----------------------------------------------------------------------------- activation stats
-
-
-class _ActStats:
-    """Running statistics of one activation call site (device tensors, no host sync)."""
-
-    __slots__ = (
-        "batches", "ever_pos", "examples", "kind", "module_type", "n", "s1", "s2", "source",
-        "units",
-    )  # fmt: skip
-
-    def __init__(self, kind: str, module_type: str, source: str) -> None:
-        self.kind, self.module_type, self.source = kind, module_type, source
-        self.ever_pos: torch.Tensor | None = None
-        self.s1: torch.Tensor | None = None
-        self.s2: torch.Tensor | None = None
-        self.n = 0
-        self.units = 0
-        self.batches = 0
-        self.examples = 0
-
-    def add(self, x: torch.Tensor) -> None:
-        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.numel() == 0:
-            return
-        with torch.no_grad():
-            d = x.detach()
-            self.batches += 1
-            self.examples += int(d.shape[0]) if d.dim() > 1 else 1
-            self.n += d.numel()
-            per_example = d[0] if d.dim() > 1 else d
-            self.units = per_example.numel()
-            if self.kind == "relu" and d.dim() > 1:
-                pos = (d > 0).flatten(1).any(0).reshape(d.shape[1:])
-                if self.ever_pos is None or self.ever_pos.shape != pos.shape:
-                    self.ever_pos = pos
-                else:
-                    self.ever_pos = self.ever_pos | pos
-            if self.kind == "relu":
-                return  # the dead-unit mask is all a ReLU needs (its input moments: the probe)
-            s2 = torch.linalg.vector_norm(d, dtype=torch.float64).square()
-            s1 = torch.sum(d, dtype=torch.float64)
-            self.s2 = s2 if self.s2 is None else self.s2 + s2
-            self.s1 = s1 if self.s1 is None else self.s1 + s1
-
-    def row(self, layer: str) -> dict[str, Any]:
-        dead = dead_ch = math.nan
-        if self.ever_pos is not None:
-            alive = self.ever_pos
-            dead = int((~alive).sum()) / alive.numel()
-            if alive.dim() >= 2:
-                dead_ch = int((~alive.flatten(1).any(1)).sum()) / alive.shape[0]
-        mean_sq = mean = math.nan
-        if self.n and self.s2 is not None and self.s1 is not None:
-            mean_sq = float(self.s2) / self.n
-            mean = float(self.s1) / self.n
-        std = math.sqrt(max(mean_sq - mean * mean, 0.0)) if math.isfinite(mean_sq) else math.nan
-        return {
-            "layer": layer,
-            "module_type": self.module_type,
-            "kind": self.kind,
-            "source": self.source,
-            "units": self.units,
-            "examples": self.examples,
-            "dead_frac": dead,
-            "dead_channel_frac": dead_ch,
-            "input_std": std,
-            "input_E_x2": mean_sq,
-            "batches": self.batches,
-        }
-
-
-class ActivationWatch(HookContext):
-    """Forward pre-hooks on ReLU/ReLU6, Sigmoid and Tanh modules: dead units and input moments.
-
-    A context manager; the batch is dim 0. A module called ``k`` times per forward gets one entry
-    per call: ``name`` for the first, ``name@1``, ``name@2``, ... for the others (fx's naming).
-    Hooks are removed on exit, also after an exception. Read the result with :meth:`rows`.
-    """
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-        self.stats: dict[str, _ActStats] = {}
-        self._calls: dict[str, int] = {}
-
-    def register(self) -> None:
-        self._hooks.add(self.model.register_forward_pre_hook(self._root_hook))
-        for name, module in self.model.named_modules():
-            kind = _activation_kind(module)
-            if kind is not None:
-                self._hooks.add(
-                    module.register_forward_pre_hook(self._hook(name, kind, module))
-                )
-
-    def _root_hook(self, module: nn.Module, args: tuple) -> None:
-        self._calls.clear()
-
-    def _hook(self, name: str, kind: str, module: nn.Module) -> Callable[..., None]:
-        def hook(_m: nn.Module, args: tuple) -> None:
-            call = self._calls.get(name, 0)
-            self._calls[name] = call + 1
-            key = name if call == 0 else f"{name}@{call}"
-            st = self.stats.get(key)
-            if st is None:
-                st = self.stats[key] = _ActStats(kind, type(module).__name__, "module")
-            if args:
-                st.add(args[0])
-
-        return hook
-
-    def rows(self) -> Rows:
-        """One row per activation call site, columns :data:`ACTIVATION_COLUMNS`."""
-        return Rows(
-            [st.row(name) for name, st in self.stats.items()],
-            ACTIVATION_COLUMNS,
-            title="activations",
-        )
-
-
-# ----------------------------------------------------------------------------- fx
-
-
-def trace_model(model: nn.Module) -> tuple[Any, str]:
-    """``(GraphModule, "")`` from ``torch.fx.symbolic_trace``, or ``(None, error)``."""
-    import torch.fx
-
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return torch.fx.symbolic_trace(model), ""
-    except Exception as err:  # any tracing failure means "fall back to module types"
-        return None, f"{type(err).__name__}: {err}".splitlines()[0][:300]
-
-
-def _node_module_path(node: Any) -> str:
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return ""
-    path = list(stack.values())[-1]
-    return path[0] if isinstance(path, tuple) else str(path)
-
-
-def _fn_name(target: Any) -> str:
-    name = getattr(target, "__name__", None) or str(target)
-    return "max_pool" if name == "fn" else name
-
-
-def _functional_kind(node: Any) -> str | None:
-    if node.op == "call_function":
-        t = node.target
-        if t in _RELU_FNS:
-            return "relu"
-        if t in _SIGMOID_FNS:
-            return "sigmoid"
-        if t in _TANH_FNS:
-            return "tanh"
-    elif node.op == "call_method":
-        return _KIND_METHODS.get(node.target)
-    return None
-
-
-def _is_add(node: Any) -> bool:
-    return (node.op == "call_function" and node.target in _ADD_FNS) or (
-        node.op == "call_method" and node.target in _ADD_METHODS
-    )
-
-
-def _breaks_ancestry(node: Any) -> bool:
-    if node.op == "call_method" and node.target in _SHAPE_METHODS:
-        return True
-    return node.op == "call_function" and (
-        node.target in _FACTORIES or (node.target is getattr and len(node.args) > 1)
-    )
-
-
-def _first_node_arg(node: Any) -> Any:
-    import torch.fx
-
-    for a in node.args:
-        if isinstance(a, torch.fx.Node):
-            return a
-    return None
-
-
-def _has_params(gm: Any, node: Any) -> bool:
-    if node.op != "call_module":
-        return False
-    sub = gm.get_submodule(node.target)
-    return next(sub.parameters(), None) is not None
-
-
-def find_residual_blocks(gm: Any) -> list[dict[str, Any]]:
-    """Residual connections in a traced ``GraphModule`` (see the module docstring).
-
-    Returns:
-        dicts ``{"name", "module", "node", "input", "branch", "shortcut", "source": "fx"}`` with
-        ``branch``/``shortcut`` the qualified names of the parameterized modules on each path.
-    """
-    import torch.fx
-
-    nodes = list(gm.graph.nodes)
-    index = {n: i for i, n in enumerate(nodes)}
-    anc: dict[Any, int] = {}
-    for n in nodes:
-        bits = 0
-        if not _breaks_ancestry(n):
-            for a in n.all_input_nodes:
-                bits |= anc[a] | (1 << index[a])
-        anc[n] = bits
-
-    def is_ancestor(a: Any, b: Any) -> bool:
-        return bool(anc[b] >> index[a] & 1)
-
-    found: list[dict[str, Any]] = []
-    for node in nodes:
-        if not _is_add(node):
-            continue
-        ops = [a for a in node.args[:2] if isinstance(a, torch.fx.Node)]
-        if len(ops) != 2 or any(a.op == "get_attr" for a in ops):
-            continue
-        best = None
-        for skip, branch in ((ops[0], ops[1]), (ops[1], ops[0])):
-            cur, walk = skip, []
-            for _ in range(SHORTCUT_STEPS + 1):
-                if cur is None or _breaks_ancestry(cur):
-                    break
-                if cur is branch or is_ancestor(cur, branch):
-                    shortcut = [w.target for w in walk if _has_params(gm, w)]
-                    key = (len(shortcut), len(walk))
-                    if best is None or key < best[0]:
-                        best = (key, cur, branch, shortcut)
-                    break
-                walk.append(cur)
-                if cur.op == "placeholder":
-                    break
-                cur = _first_node_arg(cur)
-        if best is None:
-            continue
-        _, x, branch, shortcut = best
-        members = [
-            n.target
-            for n in nodes
-            if _has_params(gm, n)
-            and (n is branch or is_ancestor(n, branch))
-            and is_ancestor(x, n)
-            and n.target not in shortcut
-        ]
-        if not members:
-            continue
-        found.append(
-            {
-                "module": _node_module_path(node),
-                "node": node.name,
-                "input": x.name,
-                "branch": list(dict.fromkeys(members)),
-                "shortcut": list(dict.fromkeys(shortcut)),
-                "source": "fx",
-            }
-        )
-    counts = Counter(b["module"] for b in found)
-    for b in found:
-        unique = counts[b["module"]] == 1 and b["module"]
-        b["name"] = b["module"] if unique else f"{b['module'] or '<root>'}:{b['node']}"
-    return found
-
-
-def _known_residual_blocks(model: nn.Module) -> list[dict[str, Any]]:
-    """Residual blocks of leaf ``torch.nn`` transformer layers (fx does not enter them)."""
-    out = []
-    for name, m in model.named_modules():
-        if isinstance(m, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
-            p = f"{name}." if name else ""
-            parts = [("self_attn", [f"{p}self_attn"])]
-            if isinstance(m, nn.TransformerDecoderLayer):
-                parts.append(("cross_attn", [f"{p}multihead_attn"]))
-            parts.append(("ff", [f"{p}linear1", f"{p}linear2"]))
-            for part, branch in parts:
-                out.append(
-                    {
-                        "name": f"{name}:{part}",
-                        "module": name,
-                        "node": part,
-                        "input": "",
-                        "branch": branch,
-                        "shortcut": [],
-                        "source": "type",
-                    }
-                )
-    return out
-
-
-def _user_blocks(model: nn.Module, blocks: Sequence[str | Mapping[str, Any]]) -> list[dict]:
-    named = dict(model.named_modules())
-    out = []
-    for b in blocks:
-        if isinstance(b, str):
-            if b not in named:
-                raise ValueError(f"residual_blocks: the model has no module {b!r}")
-            prefix = f"{b}." if b else ""
-            branch = [
-                (prefix + n) if n else b
-                for n, m in named[b].named_modules()
-                if next(m.parameters(recurse=False), None) is not None
-            ]
-            out.append(
-                {"name": b, "module": b, "node": "", "input": "", "branch": branch,
-                 "shortcut": [], "source": "user"}
-            )  # fmt: skip
-        else:
-            d = dict(b)
-            d.setdefault("module", d.get("name", ""))
-            d.setdefault("shortcut", [])
-            d.setdefault("node", "")
-            d.setdefault("input", "")
-            d["source"] = "user"
-            out.append(d)
-    return out
 
 
 # ----------------------------------------------------------------------------- findings
@@ -642,43 +277,6 @@ def _finding(
     }
 
 
-def _interpret_functional(
-    gm: Any, nodes: list[Any], forward_args: Sequence[tuple[tuple, dict]]
-) -> dict[str, _ActStats]:
-    """Run the traced graph (no grad) once per ``(args, kwargs)`` and record the inputs of the
-    given activation nodes."""
-    import torch.fx
-
-    wanted = {n.name: n for n in nodes}
-    stats: dict[str, _ActStats] = {}
-
-    class Watch(torch.fx.Interpreter):
-        def run_node(self, n: Any) -> Any:
-            if n.name in wanted:
-                args, _ = self.fetch_args_kwargs_from_env(n)
-                if args and isinstance(args[0], torch.Tensor):
-                    st = stats.setdefault(
-                        n.name, _ActStats(_functional_kind(n) or "relu", _fn_name(n.target),
-                                          "functional")
-                    )  # fmt: skip
-                    st.add(args[0])
-            return super().run_node(n)
-
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for args, kwargs in forward_args:
-        values = list(args)
-        for ph in placeholders[len(values) :]:
-            if ph.target in kwargs:
-                values.append(kwargs[ph.target])
-            elif ph.args:
-                values.append(ph.args[0])
-            else:
-                raise ValueError(f"no value for the model input {ph.target!r}")
-        with torch.no_grad():
-            Watch(gm).run(*values)
-    return stats
-
-
 def lint_model(
     model: nn.Module,
     *,
@@ -714,62 +312,114 @@ def lint_model(
     act_stats: dict[str, _ActStats] = dict(activations.stats) if activations else {}
 
     # -- structural rules: from the graph where it traced, else from module types
-    functional_acts: list[Any] = []
-    structural: list[tuple[str, str, str]] = []  # (layer, type, rule)
     if gm is not None:
-        for node in gm.graph.nodes:
-            if node.op == "call_module":
-                sub = gm.get_submodule(node.target)
-                if isinstance(sub, _MAX_POOL_MODULES):
-                    structural.append((node.target, type(sub).__name__, "max_pool"))
-                elif isinstance(sub, _RESAMPLE_MODULES):
-                    structural.append((node.target, type(sub).__name__, "resampling"))
-            elif node.op == "call_function":
-                where = f"{_node_module_path(node) or '<root>'}:{node.name}"
-                if node.target in _MAX_POOL_FNS:
-                    structural.append((where, _fn_name(node.target), "max_pool"))
-                elif node.target in _RESAMPLE_FNS:
-                    structural.append((where, _fn_name(node.target), "resampling"))
-            if _functional_kind(node) is not None:
-                functional_acts.append(node)
+        structural, functional_acts = _structural_from_graph(gm)
     else:
         if trace:
-            findings.append(
-                _finding("", type(model).__name__, "not_traced", "info", math.nan,
-                         f"torch.fx could not trace the model ({error}); functional operations "
-                         "(F.max_pool2d, torch.tanh, residual additions) were not inspected; "
-                         "pass residual_blocks= to declare residual blocks")
-            )  # fmt: skip
-        for name, m in named.items():
-            if isinstance(m, _MAX_POOL_MODULES):
-                structural.append((name, type(m).__name__, "max_pool"))
-            elif isinstance(m, _RESAMPLE_MODULES):
-                structural.append((name, type(m).__name__, "resampling"))
-    for layer, mtype, rule in structural:
-        msg = (
-            f"{mtype} changes the spatial size p^2 without compensating the forward and backward "
-            "signals: layers after it are scaled differently from layers before it; use a strided "
-            "convolution or average pooling instead"
-        )
-        findings.append(_finding(layer, mtype, rule, "warn", math.nan, msg))
+            findings.append(_not_traced(model, error))
+        structural, functional_acts = _structural_from_types(named), []
+    findings.extend(_structural_findings(structural))
 
     # functional activations: one interpreter pass on the first batch
     if functional_acts and forward_args is not None:
         try:
             with preserved_state(model, params=False):
                 measured = _interpret_functional(gm, functional_acts, forward_args)
-            for node in functional_acts:
-                if node.name in measured:
-                    act_stats[f"{_node_module_path(node) or '<root>'}:{node.name}"] = measured[
-                        node.name
-                    ]
+            _keep_measured(act_stats, functional_acts, measured)
         except Exception as err:  # measuring is best effort; the structural finding stays
             findings.append(
                 _finding("", type(model).__name__, "not_measured", "info", math.nan,
                          "functional activations not measured "
                          f"({type(err).__name__}: {str(err).splitlines()[0][:200]})")
             )  # fmt: skip
-    for node in functional_acts:
+    _unmeasured_activations(act_stats, functional_acts, named)
+    act_rows = [st.row(name) for name, st in act_stats.items()]
+    for r in act_rows:
+        findings.extend(_activation_findings(r))
+
+    findings.extend(_kernel_size_findings(named))
+    blocks = _residual_blocks(model, gm, residual_blocks)
+    findings.extend(_skip_findings(blocks))
+    findings.extend(_probe_findings(probe_table, probe_rows, param_table, chain=not blocks))
+    findings.extend(_parameter_findings(named))
+    return LintResult(
+        findings=Rows(findings, FINDING_COLUMNS, title="scaling linter"),
+        activations=Rows(act_rows, ACTIVATION_COLUMNS, title="activations"),
+        residual_blocks=blocks,
+        traced=gm is not None,
+        trace_error=error,
+    )
+
+
+# ----------------------------------------------------------------------------- lint_model's rules
+
+
+def _structural_from_graph(gm: Any) -> tuple[list[tuple[str, str, str]], list[Any]]:
+    """``([(layer, type, rule)], functional activation nodes)`` from the traced graph."""
+    functional_acts: list[Any] = []
+    structural: list[tuple[str, str, str]] = []  # (layer, type, rule)
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            sub = gm.get_submodule(node.target)
+            if isinstance(sub, _MAX_POOL_MODULES):
+                structural.append((node.target, type(sub).__name__, "max_pool"))
+            elif isinstance(sub, _RESAMPLE_MODULES):
+                structural.append((node.target, type(sub).__name__, "resampling"))
+        elif node.op == "call_function":
+            where = f"{_node_module_path(node) or '<root>'}:{node.name}"
+            if node.target in _MAX_POOL_FNS:
+                structural.append((where, _fn_name(node.target), "max_pool"))
+            elif node.target in _RESAMPLE_FNS:
+                structural.append((where, _fn_name(node.target), "resampling"))
+        if _functional_kind(node) is not None:
+            functional_acts.append(node)
+    return structural, functional_acts
+
+
+def _structural_from_types(named: Mapping[str, nn.Module]) -> list[tuple[str, str, str]]:
+    """``[(layer, type, rule)]`` from module types only (the model did not trace)."""
+    structural: list[tuple[str, str, str]] = []
+    for name, m in named.items():
+        if isinstance(m, _MAX_POOL_MODULES):
+            structural.append((name, type(m).__name__, "max_pool"))
+        elif isinstance(m, _RESAMPLE_MODULES):
+            structural.append((name, type(m).__name__, "resampling"))
+    return structural
+
+
+def _not_traced(model: nn.Module, error: str) -> dict[str, Any]:
+    return _finding("", type(model).__name__, "not_traced", "info", math.nan,
+                    f"torch.fx could not trace the model ({error}); functional operations "
+                    "(F.max_pool2d, torch.tanh, residual additions) were not inspected; "
+                    "pass residual_blocks= to declare residual blocks")  # fmt: skip
+
+
+def _structural_findings(structural: list[tuple[str, str, str]]) -> list[dict[str, Any]]:
+    out = []
+    for layer, mtype, rule in structural:
+        msg = (
+            f"{mtype} changes the spatial size p^2 without compensating the forward and backward "
+            "signals: layers after it are scaled differently from layers before it; use a strided "
+            "convolution or average pooling instead"
+        )
+        out.append(_finding(layer, mtype, rule, "warn", math.nan, msg))
+    return out
+
+
+def _keep_measured(
+    act_stats: dict[str, _ActStats], nodes: list[Any], measured: Mapping[str, _ActStats]
+) -> None:
+    """Store the interpreter's measurements of functional activations under ``module:node``."""
+    for node in nodes:
+        if node.name in measured:
+            act_stats[f"{_node_module_path(node) or '<root>'}:{node.name}"] = measured[node.name]
+
+
+def _unmeasured_activations(
+    act_stats: dict[str, _ActStats], nodes: list[Any], named: Mapping[str, nn.Module]
+) -> None:
+    """Give functional activations and activation modules nobody measured an empty entry."""
+    for node in nodes:
         key = f"{_node_module_path(node) or '<root>'}:{node.name}"
         if key not in act_stats:
             act_stats[key] = _ActStats(_functional_kind(node) or "", _fn_name(node.target), "fx")
@@ -779,41 +429,50 @@ def lint_model(
         if kind is not None and name not in act_stats:
             act_stats[name] = _ActStats(kind, type(m).__name__, "module")
 
-    act_rows = [st.row(name) for name, st in act_stats.items()]
-    for r in act_rows:
-        findings.extend(_activation_findings(r))
 
-    # -- convolutions: mixed kernel sizes
+def _kernel_size_findings(named: Mapping[str, nn.Module]) -> list[dict[str, Any]]:
+    """``mixed_kernel_sizes``: convolutions whose kernel size is not the most common one."""
+    out: list[dict[str, Any]] = []
     convs = [(n, m) for n, m in named.items() if isinstance(m, _CONV_MODULES)]
     sizes = Counter(tuple(m.kernel_size) for _, m in convs)
-    if len(sizes) > 1:
-        modal = max(sizes.items(), key=lambda kv: kv[1])[0]
-        listing = ", ".join(f"{'x'.join(map(str, k))} (x{c})" for k, c in sizes.items())
-        for n, m in convs:
-            k = tuple(m.kernel_size)
-            if k != modal:
-                ratio = math.prod(k) / math.prod(modal)
-                findings.append(
-                    _finding(
-                        n, type(m).__name__, "mixed_kernel_sizes", "warn", ratio,
-                        f"kernel {'x'.join(map(str, k))} among mostly "
-                        f"{'x'.join(map(str, modal))} convolutions (kernel sizes: {listing}): its "
-                        f"gamma carries a factor k^2 {ratio:.3g}x that of the others; correct with "
-                        f"a conditioning multiplier alpha = {ratio ** -0.25:.3g} "
-                        "(alpha^4 k^2 = const)",
-                    )
-                )  # fmt: skip
+    if len(sizes) <= 1:
+        return out
+    modal = max(sizes.items(), key=lambda kv: kv[1])[0]
+    listing = ", ".join(f"{'x'.join(map(str, k))} (x{c})" for k, c in sizes.items())
+    for n, m in convs:
+        k = tuple(m.kernel_size)
+        if k != modal:
+            ratio = math.prod(k) / math.prod(modal)
+            out.append(
+                _finding(
+                    n, type(m).__name__, "mixed_kernel_sizes", "warn", ratio,
+                    f"kernel {'x'.join(map(str, k))} among mostly "
+                    f"{'x'.join(map(str, modal))} convolutions (kernel sizes: {listing}): its "
+                    f"gamma carries a factor k^2 {ratio:.3g}x that of the others; correct with "
+                    f"a conditioning multiplier alpha = {ratio ** -0.25:.3g} "
+                    "(alpha^4 k^2 = const)",
+                )
+            )  # fmt: skip
+    return out
 
-    # -- residual blocks
+
+def _residual_blocks(
+    model: nn.Module, gm: Any, residual_blocks: Sequence[str | Mapping[str, Any]] | None
+) -> list[dict[str, Any]]:
+    """The user's blocks if given, else those found in the graph plus the transformer layers'."""
     if residual_blocks is not None:
-        blocks = _user_blocks(model, residual_blocks)
-    else:
-        blocks = find_residual_blocks(gm) if gm is not None else []
-        fx_modules = {b for blk in blocks for b in blk["branch"]}
-        blocks += [b for b in _known_residual_blocks(model) if not set(b["branch"]) & fx_modules]
+        return _user_blocks(model, residual_blocks)
+    blocks = find_residual_blocks(gm) if gm is not None else []
+    fx_modules = {b for blk in blocks for b in blk["branch"]}
+    blocks += [b for b in _known_residual_blocks(model) if not set(b["branch"]) & fx_modules]
+    return blocks
+
+
+def _skip_findings(blocks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
     for b in blocks:
         short = ", shortcut " + ", ".join(b["shortcut"]) if b["shortcut"] else ""
-        findings.append(
+        out.append(
             _finding(
                 b["name"], "residual block", "skip_connection", "warn", float(len(b["branch"])),
                 f"skip connection around {', '.join(b['branch'])}{short}: these layers are "
@@ -821,34 +480,44 @@ def lint_model(
                 "conditioning multipliers (Defazio & Bottou App. E) or compare gamma within blocks",
             )
         )  # fmt: skip
+    return out
 
-    # -- signals and non-finite values from the probe
+
+def _probe_findings(
+    probe_table: Iterable[Mapping[str, Any]] | None,
+    probe_rows: Iterable[Mapping[str, Any]] | None,
+    param_table: Iterable[Mapping[str, Any]] | None,
+    *,
+    chain: bool,
+) -> list[dict[str, Any]]:
+    """Signals, gradients and non-finite values from the probe's tables."""
+    out: list[dict[str, Any]] = []
     table = list(probe_table or ())
     nonfinite = _nonfinite_counts(probe_rows) if probe_rows is not None else None
     ratios = signal_ratios(table)
     for r in table:
-        findings.extend(_signal_findings(r, ratios, chain=not blocks, nonfinite=nonfinite))
+        out.extend(_signal_findings(r, ratios, chain=chain, nonfinite=nonfinite))
     for r in param_table or ():
         if r.get("nonfinite", 0) and r["nonfinite"] > 0:
-            findings.append(
+            out.append(
                 _finding(r["module"], "", "non_finite", "bad", float(r["nonfinite"]),
                          f"non-finite gradients of {r['module']}.{r['param']} "
                          f"({int(r['nonfinite'])} gradient tensor(s) left out)")
             )  # fmt: skip
+    return out
+
+
+def _parameter_findings(named: Mapping[str, nn.Module]) -> list[dict[str, Any]]:
+    """``non_finite``: parameters holding NaN/inf."""
+    out = []
     for name, m in named.items():
         for pname, p in m.named_parameters(recurse=False):
             if not bool(torch.isfinite(p.detach()).all()):
-                findings.append(
+                out.append(
                     _finding(name, type(m).__name__, "non_finite", "bad", math.nan,
                              f"non-finite values in the parameter {name}.{pname}")
                 )  # fmt: skip
-    return LintResult(
-        findings=Rows(findings, FINDING_COLUMNS, title="scaling linter"),
-        activations=Rows(act_rows, ACTIVATION_COLUMNS, title="activations"),
-        residual_blocks=blocks,
-        traced=gm is not None,
-        trace_error=error,
-    )
+    return out
 
 
 def _activation_findings(r: Mapping[str, Any]) -> list[dict[str, Any]]:

@@ -9,9 +9,7 @@ parameter, then draws. Name-based :class:`~initlab.init.rules.Rule` entries run 
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -19,10 +17,19 @@ from torch import nn
 
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows
-from initlab.init.registry import Block, ParamSpec, Registry, default_registry
+from initlab.init._plan import (
+    add_unclaimed,
+    check_bias,
+    check_unclaimed,
+    claim_params,
+    execute,
+    plan_all,
+    report_rows,
+    reset_norm_buffers,
+)
+from initlab.init.registry import Registry, default_registry
 from initlab.init.rules import Rule
-from initlab.init.sampling import normal_, sample_
-from initlab.init.schemes import InitSpec, Scheme, get_scheme
+from initlab.init.schemes import Scheme, get_scheme
 
 __all__ = ["INIT_REPORT_COLUMNS", "InitReport", "init_model"]
 
@@ -78,147 +85,6 @@ class InitReport(Rows):
             f"{len(self.unclaimed())} unclaimed"
         )
         return f"{super().__str__()}\n{summary}"
-
-
-@dataclass
-class _Plan:
-    """One parameter's planned initialization (validated before any tensor is touched)."""
-
-    name: str
-    param: nn.Parameter
-    module: nn.Module
-    spec: ParamSpec | None  # None: unclaimed
-    block_specs: list[tuple[Block | None, InitSpec]] = field(default_factory=list)
-    scheme_name: str = "untouched"
-    distribution: str | None = None
-    target_std: float | None = None
-    rules: list[Rule] = field(default_factory=list)
-    rule_specs: dict[int, list[tuple[Block | None, InitSpec]]] = field(default_factory=dict)
-    aliases: list[str] = field(default_factory=list)
-
-
-def _check_bias(bias: str | float) -> None:
-    if isinstance(bias, str):
-        if bias not in ("zeros", "keep"):
-            raise ValueError(f"bias must be 'zeros', 'keep' or a number, got {bias!r}")
-    elif isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
-        raise ValueError(f"bias must be 'zeros', 'keep' or a finite number, got {bias!r}")
-
-
-def _weight_specs(scheme: Scheme, spec: ParamSpec) -> list[tuple[Block | None, InitSpec]]:
-    if spec.blocks:
-        return [(block, scheme.spec(block.fans)) for block in spec.blocks]
-    assert spec.fans is not None  # the registry validates this
-    return [(None, scheme.spec(spec.fans))]
-
-
-def _fill_plan(
-    plan: _Plan,
-    scheme: Scheme,
-    bias: str | float,
-    embedding_std: float,
-) -> None:
-    spec = plan.spec
-    assert spec is not None
-    role = spec.role
-    if role == "weight":
-        plan.block_specs = _weight_specs(scheme, spec)
-        plan.scheme_name = scheme.name
-        plan.distribution = plan.block_specs[0][1].distribution
-        plan.target_std = plan.block_specs[0][1].std
-    elif role == "embedding":
-        plan.scheme_name, plan.distribution, plan.target_std = "normal", "normal", embedding_std
-    elif role == "bias":
-        if bias == "keep":
-            plan.scheme_name = "untouched"
-        elif bias == "zeros":
-            plan.scheme_name, plan.distribution, plan.target_std = "zeros", "constant", 0.0
-        else:
-            plan.scheme_name, plan.distribution, plan.target_std = (
-                f"constant({bias})",
-                "constant",
-                0.0,
-            )
-    elif role == "norm_scale":
-        plan.scheme_name, plan.distribution, plan.target_std = "ones", "constant", 0.0
-    elif role == "norm_shift":
-        plan.scheme_name, plan.distribution, plan.target_std = "zeros", "constant", 0.0
-    else:  # pragma: no cover - the registry validates roles
-        raise ValueError(f"unknown role {role!r} for {plan.name}")
-
-
-def _apply_rule_to_plan(plan: _Plan, rule: Rule) -> None:
-    """Validate ``rule`` against ``plan`` and update the planned target std."""
-    assert plan.spec is not None
-    if rule.action in ("zero", "constant"):
-        plan.target_std = 0.0
-        plan.distribution = "constant"
-    elif rule.action == "scale":
-        if plan.target_std is not None:
-            plan.target_std *= abs(float(rule.value))  # type: ignore[arg-type]
-    elif rule.action == "scheme":
-        if plan.spec.fans is None and not plan.spec.blocks:
-            raise ValueError(
-                f"rule {rule.pattern!r} asks for a scheme on {plan.name!r}, which has no fans "
-                f"(role {plan.spec.role!r}); restrict the rule with roles=('weight',)"
-            )
-        specs = _weight_specs(rule.value, plan.spec)  # type: ignore[arg-type]
-        plan.rule_specs[len(plan.rules)] = specs
-        plan.distribution = specs[0][1].distribution
-        plan.target_std = specs[0][1].std
-    plan.rules.append(rule)
-
-
-def _sample_blocks(
-    plan: _Plan, specs: list[tuple[Block | None, InitSpec]], generator: torch.Generator | None
-) -> None:
-    assert plan.spec is not None
-    for block, init_spec in specs:
-        view = plan.param if block is None else plan.param[block.start : block.stop]
-        sample_(
-            view,
-            init_spec,
-            generator=generator,
-            groups=plan.spec.groups,
-            transposed=plan.spec.transposed,
-        )
-
-
-@torch.no_grad()
-def _execute(
-    plan: _Plan, bias: str | float, embedding_std: float, generator: torch.Generator | None
-) -> None:
-    """Draw the planned tensor, then apply its rules in order."""
-    param, spec = plan.param, plan.spec
-    assert spec is not None
-    if spec.role == "weight":
-        _sample_blocks(plan, plan.block_specs, generator)
-    elif spec.role == "embedding":
-        normal_(param, embedding_std, generator=generator)
-    elif spec.role == "bias":
-        if bias == "zeros":
-            param.zero_()
-        elif bias != "keep":
-            param.fill_(float(bias))
-    elif spec.role == "norm_scale":
-        param.fill_(1.0)
-    elif spec.role == "norm_shift":
-        param.zero_()
-    for i, rule in enumerate(plan.rules):
-        if rule.action == "zero":
-            param.zero_()
-        elif rule.action == "constant":
-            param.fill_(float(rule.value))  # type: ignore[arg-type]
-        elif rule.action == "scale":
-            param.mul_(float(rule.value))  # type: ignore[arg-type]
-        else:
-            _sample_blocks(plan, plan.rule_specs[i], generator)
-
-
-def _reset_norm_buffers(model: nn.Module, modules: set[int]) -> None:
-    for module in model.modules():
-        if id(module) in modules and hasattr(module, "reset_running_stats"):
-            module.reset_running_stats()
 
 
 def init_model(
@@ -279,11 +145,38 @@ def init_model(
         >>> [round(r["target_std"] ** 2 * (r["fan_in"] * r["fan_out"]) ** 0.5, 6) for r in w]
         [2.0, 2.0]
     """
+    rules = _validated(model, policy, bias, embedding_std, rules)
+    scheme_obj = get_scheme(scheme)
+    gen = as_generator(generator)
+    registry = registry if registry is not None else default_registry()
+    all_params = _named_params(model)
+
+    # 1. Plan: who claims which tensor (first claim wins; later claims are ties); then validate.
+    plans, order, norm_modules = claim_params(model, registry)
+    unclaimed = add_unclaimed(model, all_params, plans, order)
+    check_unclaimed(unclaimed, policy)
+    plan_all(plans, order, scheme_obj, bias, float(embedding_std), rules)
+
+    # 2. Draw.
+    for key in order:
+        plan = plans[key]
+        if plan.spec is not None:
+            execute(plan, bias, float(embedding_std), gen)
+    reset_norm_buffers(model, norm_modules)
+
+    # 3. Report.
+    return InitReport(report_rows(plans, order, measure), scheme_obj.name)
+
+
+def _validated(
+    model: nn.Module, policy: str, bias: str | float, embedding_std: float, rules: Sequence[Rule]
+) -> list[Rule]:
+    """Check :func:`init_model`'s arguments; returns ``rules`` as a list."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"init_model expects an nn.Module, got {type(model).__name__}")
     if policy not in _POLICIES:
         raise ValueError(f"unknown policy {policy!r}; valid policies: {list(_POLICIES)}")
-    _check_bias(bias)
+    check_bias(bias)
     if not (
         isinstance(embedding_std, (int, float))
         and math.isfinite(embedding_std)
@@ -294,10 +187,11 @@ def init_model(
     for rule in rules:
         if not isinstance(rule, Rule):
             raise TypeError(f"rules must be initlab.Rule entries, got {type(rule).__name__}")
-    scheme_obj = get_scheme(scheme)
-    gen = as_generator(generator)
-    registry = registry if registry is not None else default_registry()
+    return rules
 
+
+def _named_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Every ``(name, parameter)`` including duplicates; errors if none or any on ``meta``."""
     all_params = list(model.named_parameters(remove_duplicate=False))
     if not all_params:
         raise ValueError(
@@ -309,113 +203,4 @@ def init_model(
             f"parameters {meta[:5]}{' ...' if len(meta) > 5 else ''} live on the meta device and "
             "have no storage; materialize the model first with model.to_empty(device=...)"
         )
-
-    # 1. Plan: who claims which tensor (first claim wins; later claims are ties).
-    plans: dict[int, _Plan] = {}
-    order: list[int] = []
-    norm_modules: set[int] = set()
-    for mod_name, module in model.named_modules():
-        specs = registry.specs(module)
-        if not specs:
-            continue
-        for pspec in specs:
-            param = getattr(module, pspec.name)
-            qname = f"{mod_name}.{pspec.name}" if mod_name else pspec.name
-            key = id(param)
-            if key in plans:
-                plans[key].aliases.append(qname)
-                continue
-            if pspec.role in ("norm_scale", "norm_shift"):
-                norm_modules.add(id(module))
-            plans[key] = _Plan(qname, param, module, pspec)
-            order.append(key)
-    # Names of every tensor, for ties among unclaimed parameters and for rule matching.
-    names_of: dict[int, list[str]] = {}
-    for name, p in all_params:
-        names_of.setdefault(id(p), []).append(name)
-    unclaimed: list[_Plan] = []
-    owner = {id(p): m for _, m in model.named_modules() for p in m.parameters(recurse=False)}
-    for key, names in names_of.items():
-        if key not in plans:
-            param = next(p for n, p in all_params if n == names[0])
-            plan = _Plan(names[0], param, owner[key], None, aliases=names[1:])
-            plans[key] = plan
-            order.append(key)
-            unclaimed.append(plan)
-        else:  # aliases under which the tensor is reachable but not claimed by another module
-            plan = plans[key]
-            plan.aliases.extend(n for n in names if n != plan.name and n not in plan.aliases)
-
-    if unclaimed and policy == "error":
-        raise ValueError(
-            "no handler claims these parameters: "
-            f"{[p.name for p in unclaimed]} (module types "
-            f"{sorted({type(p.module).__name__ for p in unclaimed})}); register one with "
-            "initlab.register_handler(ModuleType, handler) or pass policy='warn' or 'skip'"
-        )
-    if unclaimed and policy == "warn":
-        warnings.warn(
-            f"init_model left {len(unclaimed)} parameter(s) untouched because no handler claims "
-            f"them: {[p.name for p in unclaimed]}. Register a handler with "
-            "initlab.register_handler(ModuleType, handler), or pass policy='skip' to silence this.",
-            UserWarning,
-            stacklevel=2,
-        )
-
-    for key in order:
-        plan = plans[key]
-        if plan.spec is None:
-            continue
-        _fill_plan(plan, scheme_obj, bias, float(embedding_std))
-        names = (plan.name, *plan.aliases)
-        for rule in rules:
-            if rule.matches(names, plan.spec.role):
-                _apply_rule_to_plan(plan, rule)
-    for rule in rules:
-        if not any(
-            p.spec is not None and rule.matches((p.name, *p.aliases), p.spec.role)
-            for p in plans.values()
-        ):
-            warnings.warn(
-                f"rule {rule.pattern!r} ({rule.citation}) matched no parameter",
-                UserWarning,
-                stacklevel=2,
-            )
-
-    # 2. Draw.
-    for key in order:
-        plan = plans[key]
-        if plan.spec is not None:
-            _execute(plan, bias, float(embedding_std), gen)
-    _reset_norm_buffers(model, norm_modules)
-
-    # 3. Report.
-    rows: list[dict[str, Any]] = []
-    for key in order:
-        plan = plans[key]
-        spec = plan.spec
-        fans = None
-        if spec is not None:
-            fans = spec.blocks[0].fans if spec.blocks else spec.fans
-        achieved = None
-        if measure and plan.param.numel() > 1:
-            achieved = float(plan.param.detach().float().std())
-        row = {
-            "name": plan.name,
-            "module_type": type(plan.module).__name__,
-            "role": spec.role if spec is not None else "unclaimed",
-            "shape": tuple(plan.param.shape),
-            "fan_in": fans.fan_in if fans is not None else None,
-            "fan_out": fans.fan_out if fans is not None else None,
-            "blocks": len(spec.blocks) if spec is not None and spec.blocks else 1,
-            "scheme": plan.scheme_name,
-            "distribution": plan.distribution,
-            "target_std": plan.target_std,
-            "achieved_std": achieved,
-            "rule": "; ".join(r.describe() for r in plan.rules) or None,
-            "tied_to": None,
-        }
-        rows.append(row)
-        for alias in plan.aliases:
-            rows.append({**row, "name": alias, "tied_to": plan.name})
-    return InitReport(rows, scheme_obj.name)
+    return all_params

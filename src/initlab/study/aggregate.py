@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from initlab._core.rows import Rows
+from initlab.study._stats import quantile
 
 __all__ = [
     "LR_COLUMNS",
@@ -77,25 +78,6 @@ def run_loss(record: Mapping[str, Any]) -> float:
     if record.get("diverged") or loss is None or not math.isfinite(float(loss)):
         return math.inf
     return float(loss)
-
-
-def quantile(values: Iterable[float], q: float) -> float:
-    """The ``q`` quantile (linear interpolation, as ``numpy.quantile``), exact with ``+inf``."""
-    xs = sorted(values)
-    if not xs:
-        raise ValueError("quantile of no values")
-    if not 0.0 <= q <= 1.0:
-        raise ValueError(f"q must be in [0, 1], got {q}")
-    pos = q * (len(xs) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    frac = pos - lo
-    a, b = xs[lo], xs[hi]
-    if frac == 0.0 or a == b:
-        return a
-    if math.isinf(b):  # a < b = inf: any positive weight on b gives inf
-        return math.inf
-    return a + (b - a) * frac
 
 
 def lr_table(records: Iterable[Mapping[str, Any]]) -> Rows:

@@ -23,7 +23,7 @@ import numpy as np
 
 from initlab._core.figures import new_figure
 from initlab._core.rows import Rows
-from initlab.study.aggregate import quantile
+from initlab.study._stats import quantile
 
 __all__ = ["plot_interquartile", "plot_loss_curves", "plot_study", "sliding_mean"]
 

@@ -45,7 +45,6 @@ stacks (scalars where the whole group shares the value).
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import math
 import time
@@ -56,6 +55,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from initlab.study._vectorized import (
+    _ADAM_BETAS,
+    _ADAM_EPS,
+    _Engine,
+    _mlp_modules,
+    _MLPEngine,
+    _per_run,
+    _VecAdam,
+    _VecOptimizer,
+    _VecSGD,
+    _VmapEngine,
+)
 from initlab.study.config import RunConfig, RunResult
 
 __all__ = ["ENGINES", "epoch_order", "train_one", "train_runs"]
@@ -63,8 +74,6 @@ __all__ = ["ENGINES", "epoch_order", "train_one", "train_runs"]
 #: ``engine=`` values of :func:`train_runs`.
 ENGINES = ("auto", "mlp", "vmap")
 
-_ADAM_BETAS = (0.9, 0.999)
-_ADAM_EPS = 1e-8
 #: Rows x runs per evaluation chunk in :func:`train_runs` (bounds the activation memory).
 _EVAL_ELEMENTS = 1 << 13
 #: Rows per evaluation chunk in :func:`train_one`.
@@ -283,363 +292,6 @@ def train_one(
 
 
 # ---------------------------------------------------------------------------------------------
-# Vectorized optimizers (torch.optim semantics, per-run hyperparameters)
-# ---------------------------------------------------------------------------------------------
-
-
-def _per_run(values: Tensor, like: Tensor) -> Tensor:
-    """View an ``(R,)`` tensor so it broadcasts against ``like: (R, ...)``."""
-    return values.view(-1, *([1] * (like.ndim - 1)))
-
-
-def _uniform(values: list[float]) -> float | None:
-    """The common value of a per-run hyperparameter, or ``None`` if the runs differ."""
-    return values[0] if all(v == values[0] for v in values) else None
-
-
-class _VecOptimizer:
-    """An optimizer over stacked parameters ``(R, ...)`` with per-run hyperparameters.
-
-    Per step: :meth:`begin_step`, then :meth:`update` once per parameter, given either its
-    gradient or, for a weight, the two ``bmm`` operands of its gradient (so SGD can accumulate the
-    product straight into its momentum buffer with ``baddbmm_``). A run whose ``alive`` flag is
-    off gets a zero learning rate.
-    """
-
-    def __init__(self, params: list[Tensor], configs: Sequence[RunConfig]) -> None:
-        self.params = params
-        self._like = params[0]
-        self._lr = torch.tensor([c.lr for c in configs], dtype=torch.float64)
-        self._alive = torch.ones(len(configs), dtype=torch.bool)
-        wds = [c.weight_decay for c in configs]
-        self._wd_scalar = _uniform(wds)
-        self._wd = [_per_run(self._tensor(wds), p) for p in params]
-
-    def _tensor(self, values: Any) -> Tensor:
-        return torch.as_tensor(values, dtype=self._like.dtype).to(self._like.device)
-
-    def set_alive(self, alive: Tensor) -> None:
-        """Runs with ``alive[r]`` off are frozen (zero learning rate) from now on."""
-        self._alive = alive.clone()
-
-    def _weight_decay(self, i: int, g: Tensor) -> None:
-        """``g += weight_decay * param`` in place (torch.optim's coupled weight decay)."""
-        if self._wd_scalar is None:
-            g.addcmul_(self.params[i], self._wd[i])
-        elif self._wd_scalar != 0:
-            g.add_(self.params[i], alpha=self._wd_scalar)
-
-    def state_tensors(self) -> list[Tensor]:
-        """Per-parameter state stacks (zeroed for a run that diverges)."""
-        return []
-
-    def begin_step(self) -> None:
-        raise NotImplementedError
-
-    def update(
-        self, i: int, grad: Tensor | None = None, gemm: tuple[Tensor, Tensor] | None = None
-    ) -> None:
-        raise NotImplementedError
-
-
-class _VecSGD(_VecOptimizer):
-    """``torch.optim.SGD(lr, momentum, dampening=0, nesterov=False, weight_decay)`` per run.
-
-    Update, per run: ``buf = momentum * buf + grad + weight_decay * param``; ``param -= lr * buf``.
-    With ``buf`` starting at zero this is torch's first step (``buf = grad + wd * param``) and its
-    momentum-free path (``momentum = 0``); only the rounding order differs.
-    """
-
-    def __init__(self, params: list[Tensor], configs: Sequence[RunConfig]) -> None:
-        super().__init__(params, configs)
-        moms = [c.momentum for c in configs]
-        self._mom_scalar = _uniform(moms)
-        self._mom = [_per_run(self._tensor(moms), p) for p in params]
-        self._bufs = [torch.zeros_like(p, requires_grad=False) for p in params]
-        self._neg_lr: list[Tensor] = []
-
-    def state_tensors(self) -> list[Tensor]:
-        return self._bufs
-
-    def begin_step(self) -> None:
-        neg_lr = self._tensor(-self._lr * self._alive)
-        self._neg_lr = [_per_run(neg_lr, p) for p in self.params]
-
-    @torch.no_grad()
-    def update(
-        self, i: int, grad: Tensor | None = None, gemm: tuple[Tensor, Tensor] | None = None
-    ) -> None:
-        buf = self._bufs[i]
-        if self._mom_scalar is None:
-            buf.mul_(self._mom[i])
-        if gemm is not None:
-            # buf = momentum * buf + A @ B in one GEMM (beta = 0 ignores buf entirely)
-            buf.baddbmm_(*gemm, beta=1.0 if self._mom_scalar is None else self._mom_scalar)
-        else:
-            assert grad is not None
-            if self._mom_scalar is not None:
-                buf.mul_(self._mom_scalar)
-            buf.add_(grad)
-        self._weight_decay(i, buf)
-        self.params[i].addcmul_(buf, self._neg_lr[i])
-
-
-class _VecAdam(_VecOptimizer):
-    """``torch.optim.Adam(lr, betas=(0.9, 0.999), eps=1e-8, weight_decay)`` per run.
-
-    ``m = lerp(m, g, 1 - beta1)``; ``v = beta2 * v + (1 - beta2) * g²``;
-    ``param -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)``, as torch's
-    single-tensor implementation computes it.
-    """
-
-    def __init__(self, params: list[Tensor], configs: Sequence[RunConfig]) -> None:
-        super().__init__(params, configs)
-        self._m = [torch.zeros_like(p, requires_grad=False) for p in params]
-        self._v = [torch.zeros_like(p, requires_grad=False) for p in params]
-        self._tmp = [torch.empty_like(p, requires_grad=False) for p in params]  # scratch
-        self._t = 0
-        self._bc2_sqrt = 1.0
-        self._step_size: list[Tensor] = []
-
-    def state_tensors(self) -> list[Tensor]:
-        return self._m + self._v
-
-    def begin_step(self) -> None:
-        beta1, beta2 = _ADAM_BETAS
-        self._t += 1
-        self._bc2_sqrt = (1 - beta2**self._t) ** 0.5
-        # torch: step_size = lr / bias_correction1 in Python floats, then used as a scalar
-        step_size = self._tensor(self._lr / (1 - beta1**self._t) * self._alive)
-        self._step_size = [_per_run(step_size, p) for p in self.params]
-
-    @torch.no_grad()
-    def update(
-        self, i: int, grad: Tensor | None = None, gemm: tuple[Tensor, Tensor] | None = None
-    ) -> None:
-        beta1, beta2 = _ADAM_BETAS
-        g = torch.bmm(*gemm, out=self._tmp[i]) if gemm is not None else grad
-        assert g is not None
-        self._weight_decay(i, g)
-        m, v, tmp = self._m[i], self._v[i], self._tmp[i]
-        m.lerp_(g, 1 - beta1)
-        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        # g (possibly in tmp) is not needed any more
-        denom = torch.sqrt(v, out=tmp).div_(self._bc2_sqrt).add_(_ADAM_EPS)
-        update = torch.div(m, denom, out=tmp).mul_(self._step_size[i])
-        self.params[i].sub_(update)
-
-
-# ---------------------------------------------------------------------------------------------
-# Vectorized engines: a stack of R models as tensors with a leading run dimension
-# ---------------------------------------------------------------------------------------------
-
-
-class _Engine:
-    """R models of one architecture as stacked tensors ``params`` (each ``(R, ...)``)."""
-
-    params: list[Tensor]
-
-    def preprocess(self, x: Tensor) -> Tensor:
-        """Per-row input transform applied once to a whole split (identity by default)."""
-        return x
-
-    def train(self, mode: bool) -> None:
-        """Switch train/eval mode where the engine has one."""
-
-    def forward(self, x: Tensor, *, train: bool) -> Tensor:
-        """Raw logits ``(R, B, C)`` of ``x: (R, B, ...)``; ``train`` keeps what backward needs."""
-        raise NotImplementedError
-
-    def backward_step(self, dlogits: Tensor, opt: _VecOptimizer, frozen_now: list[int]) -> None:
-        """Back-propagate ``dlogits`` (the gradient w.r.t. the last training forward's output)
-        and apply ``opt`` to every parameter. ``frozen_now``: runs that diverged at this step
-        (their cached values are zeroed so their gradients are exactly zero)."""
-        raise NotImplementedError
-
-    def write_back(self, models: Sequence[nn.Module], values: Sequence[list[Tensor]]) -> None:
-        """Copy each run's values (in ``params`` order, without the run dim) into its model."""
-        raise NotImplementedError
-
-
-def _mlp_modules(model: nn.Module) -> list[tuple[str, nn.Module]] | None:
-    """The layer list of a model the explicit MLP engine can run, else ``None``.
-
-    Accepted: :class:`~initlab.zoo.paper_mlp.PaperMLP` and ``nn.Sequential``, made of ``Linear``,
-    ``ReLU``, ``Identity`` and, as the very first layer only, a ``LayerNorm`` over the last
-    dimension without affine parameters.
-    """
-    from initlab.zoo.paper_mlp import PaperMLP
-
-    if type(model) is PaperMLP:
-        mods: list[tuple[str, nn.Module]] = []
-        if model.input_norm is not None:
-            mods.append(("input_norm", model.input_norm))
-        mods += [(f"layers.{name}", m) for name, m in model.layers.named_children()]
-    elif type(model) is nn.Sequential:
-        mods = list(model.named_children())
-    else:
-        return None
-    for i, (_, m) in enumerate(mods):
-        if type(m) in (nn.Linear, nn.ReLU, nn.Identity):
-            continue
-        if (
-            type(m) is nn.LayerNorm
-            and i == 0
-            and len(m.normalized_shape) == 1
-            and m.weight is None
-            and m.bias is None
-        ):
-            continue
-        return None
-    if not any(type(m) is nn.Linear for _, m in mods):
-        return None
-    return mods
-
-
-class _MLPEngine(_Engine):
-    """Explicit batched-matmul engine with a hand-written backward, for Linear/ReLU chains.
-
-    A linear layer is stacked as ``wt: (R, in, out)`` (transposed weights, so the forward
-    ``baddbmm(b, h, wt)`` and the weight gradient ``h^T @ dy`` are batched GEMMs without copies)
-    and ``b: (R, 1, out)``. Backward per linear layer: ``dh = dy @ wt^T`` (before the update),
-    then the optimizer consumes ``(h^T, dy)`` (SGD accumulates the product into its momentum
-    buffer with ``baddbmm_``) and ``db = dy.sum(1)``; ReLU backward is ``threshold_backward``
-    on the saved output. The leading LayerNorm without affine parameters is a fixed per-row
-    transform, applied once per split in :meth:`preprocess`.
-    """
-
-    def __init__(self, models: Sequence[nn.Module], mods: list[tuple[str, nn.Module]]) -> None:
-        self.params = []
-        self._names: list[tuple[str, bool]] = []  # (parameter name, stored transposed)
-        self._ops: list[tuple[str, int, int | None]] = []  # ("linear", w, b) | ("relu", -1, None)
-        self._pre: tuple[tuple[int, ...], float] | None = None
-        self._saved: list[Tensor] = []  # the input of every op, from the last training forward
-        per_model = [dict(m.named_modules()) for m in models]
-
-        def stack(qualname: str, attr: str, transpose: bool) -> int:
-            ts = [getattr(pm[qualname], attr).detach() for pm in per_model]
-            t = torch.stack([w.t() if transpose else w.unsqueeze(0) for w in ts]).contiguous()
-            self.params.append(t)
-            self._names.append((f"{qualname}.{attr}", transpose))
-            return len(self.params) - 1
-
-        for qual, m in mods:
-            if isinstance(m, nn.LayerNorm):
-                self._pre = (tuple(m.normalized_shape), float(m.eps))
-            elif isinstance(m, nn.Linear):
-                w = stack(qual, "weight", True)
-                b = stack(qual, "bias", False) if m.bias is not None else None
-                self._ops.append(("linear", w, b))
-            elif isinstance(m, nn.ReLU):
-                self._ops.append(("relu", -1, None))
-        self._first_linear = next(i for i, op in enumerate(self._ops) if op[0] == "linear")
-
-    def preprocess(self, x: Tensor) -> Tensor:
-        if self._pre is None:
-            return x
-        return F.layer_norm(x, self._pre[0], eps=self._pre[1])
-
-    @torch.no_grad()
-    def forward(self, x: Tensor, *, train: bool) -> Tensor:
-        p = self.params
-        saved: list[Tensor] = []
-        h = x
-        fresh = False  # h is a tensor this forward created (safe to modify in place)
-        for kind, w, b in self._ops:
-            saved.append(h)
-            if kind == "linear":
-                h = torch.bmm(h, p[w]) if b is None else torch.baddbmm(p[b], h, p[w])
-                fresh = True
-            else:
-                h = h.relu_() if fresh else torch.relu(h)
-                fresh = True
-        if train:
-            self._saved = saved
-        return h
-
-    @torch.no_grad()
-    def backward_step(self, dlogits: Tensor, opt: _VecOptimizer, frozen_now: list[int]) -> None:
-        for t in self._saved:
-            for r in frozen_now:
-                t[r] = 0
-        opt.begin_step()
-        grad = dlogits
-        for j in range(len(self._ops) - 1, self._first_linear - 1, -1):
-            kind, w, b = self._ops[j]
-            inp = self._saved[j]
-            if kind == "relu":
-                # the op's output is the next op's saved input, or the logits for a last ReLU
-                out = self._saved[j + 1] if j + 1 < len(self._saved) else inp.relu()
-                grad = torch.ops.aten.threshold_backward(grad, out, 0.0)
-                continue
-            wt = self.params[w]
-            grad_in = torch.bmm(grad, wt.transpose(1, 2)) if j > self._first_linear else None
-            opt.update(w, gemm=(inp.transpose(1, 2), grad))
-            if b is not None:
-                opt.update(b, grad=grad.sum(dim=1, keepdim=True))
-            if grad_in is not None:
-                grad = grad_in
-        self._saved = []
-
-    def write_back(self, models: Sequence[nn.Module], values: Sequence[list[Tensor]]) -> None:
-        with torch.no_grad():
-            for model, vals in zip(models, values, strict=True):
-                named = dict(model.named_parameters())
-                for (name, transposed), v in zip(self._names, vals, strict=True):
-                    target = named[name]
-                    target.copy_((v.t() if transposed else v).reshape(target.shape))
-
-
-class _VmapEngine(_Engine):
-    """Generic engine: ``stack_module_state`` + ``vmap(functional_call)`` and autograd."""
-
-    def __init__(self, models: Sequence[nn.Module]) -> None:
-        params, buffers = torch.func.stack_module_state(list(models))
-        self._names = list(params)
-        self.params = [params[n].detach().requires_grad_(True) for n in self._names]
-        self._buffers = buffers
-        self._base = copy.deepcopy(models[0]).to("meta")
-        self._out: Tensor | None = None
-
-        def call(ps: tuple[Tensor, ...], bs: dict[str, Tensor], x: Tensor) -> Tensor:
-            return torch.func.functional_call(
-                self._base, ({**dict(zip(self._names, ps, strict=True)), **bs}), (x,)
-            )
-
-        self._call = torch.func.vmap(call, in_dims=(0, 0, 0))
-
-    def train(self, mode: bool) -> None:
-        self._base.train(mode)
-
-    def forward(self, x: Tensor, *, train: bool) -> Tensor:
-        if not train:
-            with torch.no_grad():
-                return self._call(tuple(self.params), self._buffers, x)
-        with torch.enable_grad():
-            self._out = self._call(tuple(self.params), self._buffers, x)
-        return self._out.detach()
-
-    def backward_step(self, dlogits: Tensor, opt: _VecOptimizer, frozen_now: list[int]) -> None:
-        assert self._out is not None
-        grads = torch.autograd.grad(self._out, self.params, grad_outputs=dlogits)
-        self._out = None
-        with torch.no_grad():
-            for g in grads:
-                for r in frozen_now:
-                    g[r] = 0
-        opt.begin_step()
-        for i, g in enumerate(grads):
-            opt.update(i, grad=g)
-
-    def write_back(self, models: Sequence[nn.Module], values: Sequence[list[Tensor]]) -> None:
-        with torch.no_grad():
-            for model, vals in zip(models, values, strict=True):
-                named = dict(model.named_parameters())
-                for name, v in zip(self._names, vals, strict=True):
-                    named[name].copy_(v)
-
-
-# ---------------------------------------------------------------------------------------------
 # The vectorized trainer
 # ---------------------------------------------------------------------------------------------
 
@@ -716,18 +368,9 @@ def train_runs(
         return []
     _check_group(configs)
     device = torch.device(device)
-    cfg0 = configs[0]
-    n_runs = len(configs)
     models = [_build_model(c, model_factory, dtype, device) for c in configs]
-    mods = _mlp_modules(models[0]) if engine in ("auto", "mlp") else None
-    if engine == "mlp" and mods is None:
-        raise ValueError(
-            "engine='mlp' needs a PaperMLP or an nn.Sequential of Linear/ReLU/Identity (and a "
-            f"leading LayerNorm without affine parameters), got {type(models[0]).__name__}"
-        )
-    eng: _Engine = _MLPEngine(models, mods) if mods is not None else _VmapEngine(models)
-    params = eng.params
-    opt: _VecOptimizer = (_VecSGD if cfg0.optimizer == "sgd" else _VecAdam)(params, configs)
+    eng = _make_engine(models, engine)
+    group = _Group(configs, models, eng, dtype, device, keep_state)
 
     x, y = _prepare(train, device, dtype, "train")
     x = eng.preprocess(x)
@@ -736,121 +379,182 @@ def train_runs(
         tx, ty = _prepare(test, device, dtype, "test")
         test_xy = (eng.preprocess(tx), ty)
 
-    # The logit multiplier per run: on the MLP engine it includes the models' own
-    # ``output_scale`` buffers (the vmap engine applies buffers itself); times c after step one.
-    use_buffer = [_has_scale_buffer(m) for m in models]
-    scale = torch.ones(n_runs, dtype=dtype, device=device)
-    if isinstance(eng, _MLPEngine):
-        for r, m in enumerate(models):
-            if use_buffer[r]:
-                scale[r] = m.output_scale.detach().reshape(())  # type: ignore[union-attr]
-    target_std = torch.tensor(
-        [c.output_std if c.output_std is not None else math.nan for c in configs],
-        dtype=dtype,
-        device=device,
-    )
-    wants_scale = torch.tensor([c.output_std is not None for c in configs], device=device)
-    run_c = torch.ones(n_runs, dtype=dtype, device=device)  # the c of step 3
+    group.allocate(x.shape[0], has_test=test_xy is not None)
+    for epoch in range(group.epochs):
+        group.train_epoch(epoch, x, y, progress)
+        group.evaluate_epoch(epoch, (x, y), test_xy)
+    states = group.final_states()
+    return group.results((time.perf_counter() - start) / group.n_runs, states)
 
-    n, bs, epochs = x.shape[0], cfg0.batch_size, cfg0.epochs
-    steps = math.ceil(n / bs)
-    total = steps * epochs
-    step_loss = torch.full((total, n_runs), math.nan, dtype=torch.float64)
-    ep_train = torch.full((epochs, n_runs, 2), math.nan, dtype=torch.float64)
-    ep_test = torch.full((epochs, n_runs, 2), math.nan, dtype=torch.float64)
-    alive = torch.ones(n_runs, dtype=torch.bool)
-    alive_dev = alive.to(device)
-    frozen: dict[int, list[Tensor]] = {}
 
-    def freeze(runs: list[int]) -> None:
+def _make_engine(models: Sequence[nn.Module], engine: str) -> _Engine:
+    """The explicit MLP engine where ``engine`` and the model allow it, else the vmap engine."""
+    mods = _mlp_modules(models[0]) if engine in ("auto", "mlp") else None
+    if engine == "mlp" and mods is None:
+        raise ValueError(
+            "engine='mlp' needs a PaperMLP or an nn.Sequential of Linear/ReLU/Identity (and a "
+            f"leading LayerNorm without affine parameters), got {type(models[0]).__name__}"
+        )
+    return _MLPEngine(models, mods) if mods is not None else _VmapEngine(models)
+
+
+class _Group:
+    """The state of :func:`train_runs` over one group: stacked parameters (through the engine),
+    the optimizer, each run's logit multiplier, its records and which runs are still alive."""
+
+    def __init__(
+        self,
+        configs: Sequence[RunConfig],
+        models: Sequence[nn.Module],
+        eng: _Engine,
+        dtype: torch.dtype,
+        device: torch.device,
+        keep_state: bool,
+    ) -> None:
+        cfg0 = configs[0]
+        self.configs, self.models, self.eng = configs, models, eng
+        self.dtype, self.device, self.keep_state = dtype, device, keep_state
+        self.n_runs = n_runs = len(configs)
+        self.batch_size, self.epochs = cfg0.batch_size, cfg0.epochs
+        self.params = eng.params
+        opt_cls = _VecSGD if cfg0.optimizer == "sgd" else _VecAdam
+        self.opt: _VecOptimizer = opt_cls(self.params, configs)
+        # The logit multiplier per run: on the MLP engine it includes the models' own
+        # ``output_scale`` buffers (the vmap engine applies buffers itself); times c after step one.
+        self.use_buffer = [_has_scale_buffer(m) for m in models]
+        self.scale = torch.ones(n_runs, dtype=dtype, device=device)
+        if isinstance(eng, _MLPEngine):
+            for r, m in enumerate(models):
+                if self.use_buffer[r]:
+                    self.scale[r] = m.output_scale.detach().reshape(())  # type: ignore[union-attr]
+        self.target_std = torch.tensor(
+            [c.output_std if c.output_std is not None else math.nan for c in configs],
+            dtype=dtype,
+            device=device,
+        )
+        self.wants_scale = torch.tensor([c.output_std is not None for c in configs], device=device)
+        self.run_c = torch.ones(n_runs, dtype=dtype, device=device)  # the c of step 3
+        self.alive = torch.ones(n_runs, dtype=torch.bool)
+        self.alive_dev = self.alive.to(device)
+        self.frozen: dict[int, list[Tensor]] = {}
+
+    def allocate(self, n: int, *, has_test: bool) -> None:
+        """The records: per-step losses and per-epoch ``(loss, accuracy)`` of each split."""
+        self.n = n
+        self.steps = math.ceil(n / self.batch_size)
+        self.total = self.steps * self.epochs
+        self.has_test = has_test
+        self.step_loss = torch.full((self.total, self.n_runs), math.nan, dtype=torch.float64)
+        self.ep_train = torch.full((self.epochs, self.n_runs, 2), math.nan, dtype=torch.float64)
+        self.ep_test = torch.full((self.epochs, self.n_runs, 2), math.nan, dtype=torch.float64)
+
+    def freeze(self, runs: list[int]) -> None:
         """Mark runs diverged: zero learning rate from the next update on; keep their values."""
-        nonlocal alive_dev
         for r in runs:
-            if keep_state:
-                frozen[r] = [p[r].detach().clone() for p in params]
-            alive[r] = False
-        alive_dev = alive.to(device)
-        opt.set_alive(alive)
+            if self.keep_state:
+                self.frozen[r] = [p[r].detach().clone() for p in self.params]
+            self.alive[r] = False
+        self.alive_dev = self.alive.to(self.device)
+        self.opt.set_alive(self.alive)
 
-    def clear(runs: list[int]) -> None:
+    def clear(self, runs: list[int]) -> None:
         """Zero frozen runs' stacked values (after any backward pass that saved them), so no
         non-finite number stays in the shared tensors."""
         with torch.no_grad():
-            for t in [*params, *opt.state_tensors()]:
+            for t in [*self.params, *self.opt.state_tensors()]:
                 t[runs] = 0
 
-    for epoch in range(epochs):
-        orders = torch.stack([epoch_order(c.seed, epoch, n) for c in configs]).to(device)
-        eng.train(True)
-        for s in range(steps):
+    def train_epoch(
+        self, epoch: int, x: Tensor, y: Tensor, progress: Callable[[int, int], None] | None
+    ) -> None:
+        """Steps 2-4 and 6 of the module docstring for every minibatch of ``epoch``."""
+        n_runs, bs = self.n_runs, self.batch_size
+        orders = torch.stack([epoch_order(c.seed, epoch, self.n) for c in self.configs])
+        orders = orders.to(self.device)
+        self.eng.train(True)
+        for s in range(self.steps):
             idx = orders[:, s * bs : (s + 1) * bs]
             b = idx.shape[1]
             flat = idx.reshape(-1)
             xb = x.index_select(0, flat).view(n_runs, b, *x.shape[1:])
             yb = y.index_select(0, flat).view(n_runs, b)
-            raw = eng.forward(xb, train=True)
-            mult = _per_run(scale, raw)
-            logits = raw * mult
-            if epoch == 0 and s == 0 and bool(wants_scale.any()):
-                sd = logits.reshape(n_runs, -1).std(dim=1)
-                run_c = torch.where(wants_scale, _scale_from_std(sd, target_std), run_c)
-                logits = logits * _per_run(run_c, logits)
-                mult = mult * _per_run(run_c, logits)
-                scale = scale * run_c
-            loss, dlogits = _cross_entropy_and_grad(logits, yb)
-            values = loss.to(dtype=torch.float64, device="cpu")
-            g_step = epoch * steps + s
-            step_loss[g_step] = torch.where(alive, values, math.nan)
-            bad = alive & ~torch.isfinite(values)
-            frozen_now = bad.nonzero().flatten().tolist() if bool(bad.any()) else []
-            if frozen_now:
-                freeze(frozen_now)
-            draw = torch.where(_per_run(alive_dev, dlogits), dlogits * mult, 0.0)
-            eng.backward_step(draw, opt, frozen_now)
-            if frozen_now:
-                clear(frozen_now)
+            self.step(epoch * self.steps + s, xb, yb, first=epoch == 0 and s == 0)
             if progress is not None:
-                progress(g_step + 1, total)
+                progress(epoch * self.steps + s + 1, self.total)
 
-        eng.train(False)
-        for split, out in ((x, y), ep_train), (test_xy, ep_test):
+    def step(self, g_step: int, xb: Tensor, yb: Tensor, *, first: bool) -> None:
+        """One optimization step of every run on its minibatch ``(xb, yb)``."""
+        raw = self.eng.forward(xb, train=True)
+        mult = _per_run(self.scale, raw)
+        logits = raw * mult
+        if first and bool(self.wants_scale.any()):
+            sd = logits.reshape(self.n_runs, -1).std(dim=1)
+            self.run_c = torch.where(
+                self.wants_scale, _scale_from_std(sd, self.target_std), self.run_c
+            )
+            logits = logits * _per_run(self.run_c, logits)
+            mult = mult * _per_run(self.run_c, logits)
+            self.scale = self.scale * self.run_c
+        loss, dlogits = _cross_entropy_and_grad(logits, yb)
+        values = loss.to(dtype=torch.float64, device="cpu")
+        self.step_loss[g_step] = torch.where(self.alive, values, math.nan)
+        bad = self.alive & ~torch.isfinite(values)
+        frozen_now = bad.nonzero().flatten().tolist() if bool(bad.any()) else []
+        if frozen_now:
+            self.freeze(frozen_now)
+        draw = torch.where(_per_run(self.alive_dev, dlogits), dlogits * mult, 0.0)
+        self.eng.backward_step(draw, self.opt, frozen_now)
+        if frozen_now:
+            self.clear(frozen_now)
+
+    def evaluate_epoch(self, epoch: int, train: Split, test: Split | None) -> None:
+        """Step 5 (evaluation), then freeze the runs whose epoch train loss is not finite."""
+        self.eng.train(False)
+        for split, out in (train, self.ep_train), (test, self.ep_test):
             if split is not None:
-                loss_e, acc_e = _evaluate_runs(eng, scale, *split, n_runs)
+                loss_e, acc_e = _evaluate_runs(self.eng, self.scale, *split, self.n_runs)
                 out[epoch] = torch.stack([loss_e, acc_e], dim=1)
-                out[epoch][~alive] = math.nan
-        bad = alive & ~torch.isfinite(ep_train[epoch, :, 0])
+                out[epoch][~self.alive] = math.nan
+        bad = self.alive & ~torch.isfinite(self.ep_train[epoch, :, 0])
         if bool(bad.any()):
             runs = bad.nonzero().flatten().tolist()
-            freeze(runs)
-            clear(runs)
+            self.freeze(runs)
+            self.clear(runs)
 
-    states: list[dict[str, Tensor] | None] = [None] * n_runs
-    if keep_state:
+    def final_states(self) -> list[dict[str, Tensor] | None]:
+        """Each run's final ``state_dict`` (``keep_state``; frozen values for diverged runs)."""
+        states: list[dict[str, Tensor] | None] = [None] * self.n_runs
+        if not self.keep_state:
+            return states
         final = [
-            frozen[r] if r in frozen else [p[r].detach() for p in params] for r in range(n_runs)
+            self.frozen[r] if r in self.frozen else [p[r].detach() for p in self.params]
+            for r in range(self.n_runs)
         ]
-        eng.write_back(models, final)
-        for r, m in enumerate(models):
-            if use_buffer[r]:
+        self.eng.write_back(self.models, final)
+        for r, m in enumerate(self.models):
+            if self.use_buffer[r]:
                 with torch.no_grad():
-                    if isinstance(eng, _MLPEngine):
-                        m.output_scale.copy_(scale[r])  # type: ignore[operator]
+                    if isinstance(self.eng, _MLPEngine):
+                        m.output_scale.copy_(self.scale[r])  # type: ignore[operator]
                     else:
-                        m.output_scale.mul_(run_c[r])  # type: ignore[operator]
+                        m.output_scale.mul_(self.run_c[r])  # type: ignore[operator]
             states[r] = {k: v.detach().clone() for k, v in m.state_dict().items()}
+        return states
 
-    wall = (time.perf_counter() - start) / n_runs
-    results = []
-    for r, config in enumerate(configs):
-        results.append(
-            _result(
-                config,
-                step_loss[:, r].tolist(),
-                [(float(a), float(b)) for a, b in ep_train[:, r].tolist()],
-                [(float(a), float(b)) for a, b in ep_test[:, r].tolist()] if test_xy else [],
-                diverged=not alive[r].item(),
-                wall_s=wall,
-                state=states[r],
+    def results(self, wall: float, states: list[dict[str, Tensor] | None]) -> list[RunResult]:
+        """One :class:`RunResult` per config, in order."""
+        results = []
+        for r, config in enumerate(self.configs):
+            test = self.ep_test[:, r].tolist() if self.has_test else []
+            results.append(
+                _result(
+                    config,
+                    self.step_loss[:, r].tolist(),
+                    [(float(a), float(b)) for a, b in self.ep_train[:, r].tolist()],
+                    [(float(a), float(b)) for a, b in test],
+                    diverged=not self.alive[r].item(),
+                    wall_s=wall,
+                    state=states[r],
+                )
             )
-        )
-    return results
+        return results

@@ -1,0 +1,419 @@
+"""The diagnosis tables of :func:`~initlab.diagnostics.diagnose.diagnose`, from its measurements.
+
+:func:`assemble` turns the probe's tables, γ (GR scaling), the gradient, spectra, activation and
+curvature tables and the linter's findings into the long rows (:data:`DIAGNOSTIC_COLUMNS`), the
+per-layer table with verdicts (:data:`LAYER_COLUMNS`) and the imbalance summary. The quantities
+and the verdict rules are documented in :mod:`initlab.diagnostics.report`: a weight's γ relative
+to the median over weights decides its verdict (ν relative to its median where γ is missing),
+and so do the linter's ``warn``/``bad`` findings on the layer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from initlab._core.rows import Rows
+from initlab.diagnostics.linter import signal_ratios
+from initlab.diagnostics.report import (
+    DIAGNOSTIC_COLUMNS,
+    LAYER_COLUMNS,
+    imbalance_summary,
+    ratio_reason,
+    ratio_verdict,
+    worst,
+)
+
+__all__ = ["assemble"]
+
+_NAN = math.nan
+
+#: Probe quantities copied into the long rows, per module.
+_MOMENTS = ("E_x2", "E_y2", "E_dy2", "E_dx2", "gain_fwd", "gain_bwd", "cum_gain_fwd",
+            "cum_gain_bwd", "nonfinite")  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _weight_names(model: nn.Module) -> set[tuple[str, str]]:
+    from initlab.init.registry import default_registry
+
+    reg = default_registry()
+    out = set()
+    for name, m in model.named_modules():
+        specs = reg.specs(m)
+        for s in specs or ():
+            if s.role == "weight":
+                out.add((name, s.name))
+    return out
+
+
+def _definition_index(model: nn.Module) -> dict[str, int]:
+    return {name: i for i, (name, _) in enumerate(model.named_modules())}
+
+
+def _sort_key(layer: str, index: Mapping[str, int]) -> tuple[float, str]:
+    base, _, call = layer.partition("@")
+    if base in index:
+        return (index[base] + (int(call) * 1e-3 if call.isdigit() else 0.0), layer)
+    mod, sep, _node = layer.partition(":")
+    mod = "" if mod == "<root>" else mod
+    if sep and mod in index:
+        return (index[mod] + 0.5, layer)
+    return (math.inf, layer)
+
+
+def _short_reason(f: Mapping[str, Any]) -> str:
+    rule, v = f["rule"], f["value"]
+    fin = isinstance(v, float) and math.isfinite(v)
+    if rule == "max_pool":
+        return "max pooling breaks the scaling (Table 1)"
+    if rule == "resampling":
+        return f"{f['module_type']} changes p² without compensation (Section 7)"
+    if rule == "sigmoid":
+        return "sigmoid breaks the scaling (Table 1)" + (f"; input std {v:.2g}" if fin else "")
+    if rule == "tanh":
+        return "tanh outside its linear regime" + (f" (input std {v:.2g})" if fin else "")
+    if rule == "skip_connection":
+        return "skip connection: layers inside are balanced only against each other (Table 1)"
+    if rule == "mixed_kernel_sizes":
+        return f"kernel size unlike the other convolutions (k² factor {v:.3g}× in γ)"
+    if rule == "dead_relu":
+        return f"{v:.0%} of the ReLU units are dead"
+    return str(f["message"])
+
+
+def _median_pos(values: Iterable[float]) -> float:
+    vals = sorted(v for v in values if math.isfinite(v) and v > 0)
+    if len(vals) < 2:
+        return _NAN
+    mid = len(vals) // 2
+    return vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
+
+
+def _split_param(name: str, named: Mapping[str, nn.Module]) -> tuple[str, str]:
+    """``"layer1.0.conv1.weight"`` -> ``("layer1.0.conv1", "weight")`` when that is a parameter."""
+    layer, sep, param = name.rpartition(".")
+    if sep and layer in named and param in dict(named[layer].named_parameters(recurse=False)):
+        return layer, param
+    if not sep and "" in named and name in dict(named[""].named_parameters(recurse=False)):
+        return "", name
+    return name, ""
+
+
+# ----------------------------------------------------------------------------- long rows
+
+
+class _LongRows:
+    """The long rows being built, and each layer's ``module_type`` and ``order``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.named = dict(model.named_modules())
+        self.index = _definition_index(model)
+        self.weights = _weight_names(model)
+        self.info: dict[str, dict[str, Any]] = {}  # layer -> module_type, order
+        self.rows: list[dict[str, Any]] = []
+
+    def meta(self, layer: str, module_type: str | None = None, order: Any = None) -> dict[str, Any]:
+        d = self.info.setdefault(layer, {"module_type": module_type, "order": order})
+        if d["module_type"] is None:
+            base = layer.partition("@")[0]
+            named = self.named
+            d["module_type"] = module_type or (type(named[base]).__name__ if base in named else "")
+        if d["order"] is None and order is not None:
+            d["order"] = order
+        return d
+
+    def add(
+        self,
+        layer: str,
+        param: str,
+        quantity: str,
+        value: Any,
+        *,
+        stderr: float = _NAN,
+        verdict: str = "",
+        note: str = "",
+        module_type: str | None = None,
+    ) -> None:
+        d = self.meta(layer, module_type)
+        v = float(value) if isinstance(value, (int, float)) and value is not None else _NAN
+        self.rows.append(
+            {
+                "layer": layer,
+                "param": param,
+                "module_type": d["module_type"],
+                "order": d["order"],
+                "quantity": quantity,
+                "value": v,
+                "stderr": float(stderr) if isinstance(stderr, (int, float)) else _NAN,
+                "verdict": verdict,
+                "note": note,
+            }
+        )
+
+
+@dataclass
+class _Ratios:
+    """Per weight layer: γ, γ and ν relative to their medians, the ν used and its weight's name."""
+
+    gammas: dict[str, float] = field(default_factory=dict)
+    gamma_rel: dict[str, float] = field(default_factory=dict)
+    nus: dict[str, tuple[float, str]] = field(default_factory=dict)  # layer -> (nu used, which)
+    nu_rel: dict[str, float] = field(default_factory=dict)
+    wnames: dict[str, str] = field(default_factory=dict)
+
+
+def _add_moments(out: _LongRows, probe_table: Rows) -> None:
+    """Per module: second moments, gains, the end-to-end forward signal."""
+    ratios = signal_ratios(probe_table)
+    for r in probe_table:
+        out.meta(r["module"], r["module_type"], r["order"])
+        for q in _MOMENTS:
+            out.add(r["module"], "", q, r[q])
+        out.add(r["module"], "", "signal_fwd", ratios.get(r["module"], _NAN))
+
+
+def _add_params(
+    out: _LongRows, param_table: Rows, tables: Mapping[str, Rows], rat: _Ratios
+) -> None:
+    """Per parameter: ``E[W^2]``, ``E[dW^2]``, ν (per-example and minibatch)."""
+    grads = {(r["layer"], r["param"]): r for r in tables.get("gradients", ())}
+    for layer, param in sorted(out.weights):
+        rat.wnames.setdefault(layer, param)
+    for r in param_table:
+        layer, param = r["module"], r["param"]
+        note = r["note"]
+        out.add(layer, param, "E_W2", r["E_W2"])
+        out.add(layer, param, "E_dW2", r["E_dW2"])
+        out.add(layer, param, "E_dW2_example", r["E_dW2_example"], note=note)
+        nu = r["ratio"]
+        nu_mb = r["E_dW2"] / r["E_W2"] if r["E_W2"] else _NAN
+        g = grads.get((layer, param))
+        se = g["E_dW2_stderr"] / r["E_W2"] if g is not None and r["E_W2"] else _NAN
+        out.add(layer, param, "nu", nu, note=note)
+        out.add(layer, param, "nu_minibatch", nu_mb, stderr=se)
+        if rat.wnames.get(layer) == param and layer not in rat.nus:
+            if math.isfinite(nu) and nu > 0:
+                rat.nus[layer] = (nu, "per-example")
+            elif math.isfinite(nu_mb) and nu_mb > 0:
+                rat.nus[layer] = (nu_mb, "minibatch")
+
+
+def _add_gamma(out: _LongRows, gr: Rows | None, rat: _Ratios) -> None:
+    """γ of weights and biases; each weight's γ relative to the median, with its verdict."""
+    for r in gr or ():
+        layer = r["module"]
+        out.meta(layer, r.get("module_type"))
+        gw, gb = r.get("gamma_w", _NAN), r.get("gamma_b", _NAN)
+        if gw is not None and math.isfinite(gw):
+            rat.gammas[layer] = gw
+        if gb is not None:
+            out.add(layer, "bias", "gamma", gb)
+        rel = r.get("gamma_rel_median")
+        if rel is not None and math.isfinite(rel):
+            rat.gamma_rel[layer] = rel
+    if rat.gammas and len(rat.gamma_rel) < len(rat.gammas):
+        med = _median_pos(rat.gammas.values())
+        rat.gamma_rel = {k: v / med for k, v in rat.gammas.items()} if math.isfinite(med) else {}
+    for layer, gw in rat.gammas.items():
+        rel = rat.gamma_rel.get(layer, _NAN)
+        v = ratio_verdict(rel)
+        note = ratio_reason("γ", rel) if v in ("warn", "bad") else ""
+        out.add(layer, "weight", "gamma", gw, verdict=v, note=note)
+        out.add(layer, "weight", "gamma_rel_median", rel, verdict=v, note=note)
+
+
+def _add_nu_rel(out: _LongRows, rat: _Ratios) -> None:
+    """Each weight's ν relative to the median, with its verdict."""
+    nus = rat.nus
+    nu_med = _median_pos(v for v, _ in nus.values())
+    rat.nu_rel = {k: v / nu_med for k, (v, _) in nus.items()} if math.isfinite(nu_med) else {}
+    for layer, rel in rat.nu_rel.items():
+        v = ratio_verdict(rel)
+        note = f"{nus[layer][1]} ν" + (
+            f"; {ratio_reason('ν', rel)}" if v in ("warn", "bad") else ""
+        )
+        out.add(layer, rat.wnames[layer], "nu_rel_median", rel, verdict=v, note=note)
+
+
+def _add_measurements(out: _LongRows, tables: Mapping[str, Rows]) -> None:
+    """Gradients (GradInit), spectra and activations, as long rows."""
+    for r in tables.get("gradients", ()):
+        for q in ("W_norm", "W_abs_mean", "grad_norm", "grad_std"):
+            out.add(r["layer"], r["param"], q, r[q])
+    for r in tables.get("spectra", ()):
+        if r["param"]:
+            out.add(r["layer"], r["param"], "sv_max", r["sv_max"], note=r["note"])
+            out.add(r["layer"], r["param"], "sv_mean", r["sv_mean"])
+        out.add(r["layer"], r["param"], "op_norm", r["op_norm"], note=r["op_method"])
+    for r in tables.get("activations", ()):
+        layer = r["layer"]
+        out.meta(layer, r["module_type"])
+        if r["kind"] == "relu":
+            out.add(layer, "", "dead_frac", r["dead_frac"])
+            out.add(layer, "", "dead_channel_frac", r["dead_channel_frac"])
+        out.add(layer, "", "act_input_std", r["input_std"])
+
+
+def _add_curvature(out: _LongRows, tables: Mapping[str, Rows]) -> None:
+    """Diagonal Hessian/GGN blocks and theory-vs-actual ratios, as long rows."""
+    for r in tables.get("curvature", ()):
+        if r.get("block_row") == r.get("block_col"):
+            layer, param = _split_param(str(r["block_row"]), out.named)
+            out.add(layer, param, "curv_block", r.get("value"), stderr=r.get("stderr", _NAN))
+    for r in tables.get("theory_vs_actual", ()):
+        if "module" in r and "param" in r:
+            layer, param = r["module"], r["param"]
+        else:
+            layer, param = _split_param(str(r.get("block", "")), out.named)
+        out.add(layer, param, "curv_theory_ratio", r.get("ratio"),
+                stderr=r.get("ratio_stderr", _NAN))  # fmt: skip
+
+
+def _add_findings(out: _LongRows, findings: Rows) -> dict[str, list[dict[str, Any]]]:
+    """The linter's findings as long rows; returns them by layer."""
+    by_layer: dict[str, list[dict[str, Any]]] = {}
+    for f in findings:
+        sev = f["severity"]
+        verdict = sev if sev in ("warn", "bad") else "ok"
+        out.add(f["layer"], "", f"lint:{f['rule']}", f["value"], verdict=verdict,
+                note=f["message"], module_type=f["module_type"] or None)  # fmt: skip
+        by_layer.setdefault(f["layer"], []).append(f)
+    return by_layer
+
+
+# ----------------------------------------------------------------------------- verdicts
+
+
+def _verdict(
+    layer: str, rat: _Ratios, layer_findings: Iterable[Mapping[str, Any]]
+) -> tuple[str, str]:
+    """``(verdict, reason)`` of one layer: γ (else ν) against its median, and the findings."""
+    reasons: list[tuple[str, str]] = []
+    rel = rat.gamma_rel.get(layer, _NAN)
+    if layer in rat.gammas and math.isfinite(rel):
+        v = ratio_verdict(rel)
+        if v in ("warn", "bad"):
+            reasons.append((v, ratio_reason("γ", rel)))
+    elif layer in rat.nu_rel:
+        v = ratio_verdict(rat.nu_rel[layer])
+        if v in ("warn", "bad"):
+            reasons.append((v, ratio_reason("ν", rat.nu_rel[layer])))
+    for f in layer_findings:
+        if f["severity"] in ("warn", "bad"):
+            reasons.append((f["severity"], _short_reason(f)))
+    reasons.sort(key=lambda t: t[0] != "bad")
+    verdict = worst(v for v, _ in reasons)
+    return verdict, "; ".join(dict.fromkeys(t for _, t in reasons))
+
+
+def _layer_row(
+    layer: str,
+    d: Mapping[str, Any],
+    shape: Any,
+    pivot: Mapping[tuple[str, str, str], float],
+    rat: _Ratios,
+    verdict: str,
+    reason: str,
+) -> dict[str, Any]:
+    """One row of :data:`LAYER_COLUMNS`."""
+    wname = rat.wnames.get(layer, "weight")
+
+    def pv(q: str, param: str = "") -> float:
+        return pivot.get((layer, param, q), _NAN)
+
+    return {
+        "layer": layer,
+        "module_type": d["module_type"],
+        "order": d["order"],
+        "shape": shape,
+        "E_x2": pv("E_x2"),
+        "E_y2": pv("E_y2"),
+        "E_dy2": pv("E_dy2"),
+        "gain_fwd": pv("gain_fwd"),
+        "gain_bwd": pv("gain_bwd"),
+        "cum_gain_fwd": pv("cum_gain_fwd"),
+        "cum_gain_bwd": pv("cum_gain_bwd"),
+        "gamma_w": rat.gammas.get(layer, _NAN),
+        "gamma_b": pv("gamma", "bias"),
+        "gamma_rel_median": rat.gamma_rel.get(layer, _NAN),
+        "nu": pv("nu", wname),
+        "nu_minibatch": pv("nu_minibatch", wname),
+        "nu_rel_median": rat.nu_rel.get(layer, _NAN),
+        "W_abs_mean": pv("W_abs_mean", wname),
+        "grad_std": pv("grad_std", wname),
+        "op_norm": pivot.get((layer, wname, "op_norm"), pv("op_norm")),
+        "sv_mean": pv("sv_mean", wname),
+        "dead_frac": pv("dead_frac"),
+        "verdict": verdict,
+        "reason": reason,
+    }
+
+
+def _layer_table(
+    out: _LongRows,
+    probe_table: Rows,
+    param_table: Rows,
+    findings: Rows,
+    by_layer: Mapping[str, list[dict[str, Any]]],
+    rat: _Ratios,
+) -> list[dict[str, Any]]:
+    """The per-layer rows (definition order); adds each layer's ``verdict`` long row."""
+    probed = {r["module"] for r in probe_table}
+    flagged = {f["layer"] for f in findings if f["severity"] in ("warn", "bad")}
+    layer_names = sorted(
+        {r["layer"] for r in out.rows if r["layer"] != "" or "" in probed | flagged},
+        key=lambda n: _sort_key(n, out.index),
+    )
+    pivot: dict[tuple[str, str, str], float] = {(r["layer"], r["param"], r["quantity"]): r["value"]
+                                                for r in out.rows}  # fmt: skip
+    wide: list[dict[str, Any]] = []
+    for layer in layer_names:
+        verdict, reason = _verdict(layer, rat, by_layer.get(layer, ()))
+        out.add(layer, "", "verdict", _NAN, verdict=verdict, note=reason)
+        wname = rat.wnames.get(layer, "weight")
+        shape = next(
+            (r["shape"] for r in param_table if r["module"] == layer and r["param"] == wname),
+            None,
+        )
+        wide.append(_layer_row(layer, out.info[layer], shape, pivot, rat, verdict, reason))
+    return wide
+
+
+def assemble(
+    model: nn.Module,
+    probe_table: Rows,
+    param_table: Rows,
+    gr: Rows | None,
+    tables: Mapping[str, Rows],
+    findings: Rows,
+) -> tuple[Rows, Rows, dict[str, Any]]:
+    """Long rows, the per-layer table with verdicts, and the imbalance summary."""
+    out = _LongRows(model)
+    rat = _Ratios()
+    _add_moments(out, probe_table)
+    _add_params(out, param_table, tables, rat)
+    _add_gamma(out, gr, rat)
+    _add_nu_rel(out, rat)
+    _add_measurements(out, tables)
+    _add_curvature(out, tables)
+    by_layer = _add_findings(out, findings)
+    wide = _layer_table(out, probe_table, param_table, findings, by_layer, rat)
+    gammas, nus = rat.gammas, rat.nus
+    imb = imbalance_summary(
+        {
+            k: {"gamma": gammas.get(k, _NAN), "nu": nus[k][0] if k in nus else _NAN}
+            for k in {*gammas, *nus}
+        }
+    )
+    return (
+        Rows(out.rows, DIAGNOSTIC_COLUMNS, title="diagnosis (long rows)"),
+        Rows(wide, LAYER_COLUMNS, title="diagnosis per layer"),
+        imb,
+    )

@@ -1,0 +1,242 @@
+r"""Residual blocks for the scaling linter and the diagnosis: :func:`find_residual_blocks`.
+
+A skip connection breaks Defazio & Bottou's GR scaling (Table 1: "Operations in residual blocks
+will be scaled correctly against each other, but not against non-residual operations"), so the
+linter (:mod:`initlab.diagnostics.linter`) reports each residual block and the diagnosis uses them
+for Lipschitz bounds. Where the blocks come from:
+
+(1) ``residual_blocks=`` given by the user (:func:`_user_blocks`): module names (every weight
+inside is on the branch, the shortcut is the identity) or dicts ``{"name", "branch",
+"shortcut"}``. (2) Else, in the traced graph (:func:`find_residual_blocks`), an addition ``a + b``
+(``operator.add``, ``torch.add``, ``Tensor.add``) is a residual connection when one operand (the
+skip) reaches a node that is a *data* ancestor of the other operand (the branch) within
+:data:`SHORTCUT_STEPS` steps back along first arguments: that node is the block input, the
+parameterized modules on the walk are the shortcut (a projection), and the parameterized modules
+between the block input and the branch operand are the branch (there must be at least one). Of the
+two orientations the one with fewer shortcut modules wins. Shape queries and tensor factories
+(``x.size()``, ``torch.arange``) do not carry data ancestry, so ``tok_emb(idx) +
+pos_emb(arange(idx.size(1)))`` is not a residual connection. (3) Leaf modules that are residual by
+construction (:func:`_known_residual_blocks`): ``nn.TransformerEncoderLayer`` (2 blocks) and
+``nn.TransformerDecoderLayer`` (3 blocks). (4) Untraceable models: only (1) and (3).
+
+:func:`find_residual_blocks` and :func:`trace_model` stay importable from
+:mod:`initlab.diagnostics.linter`.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from initlab.diagnostics._fx import _fns, _node_module_path, trace_model
+
+__all__ = ["SHORTCUT_STEPS", "find_residual_blocks", "trace_model"]
+
+SHORTCUT_STEPS = 8
+"""How far back (in nodes) the skip operand of an addition may be from the block input."""
+
+_ADD_FNS = {operator.add, operator.iadd, torch.add}
+_ADD_METHODS = {"add", "add_", "__add__", "__iadd__"}
+# Nodes that do not pass data ancestry on: shape queries and tensor factories.
+_SHAPE_METHODS = {"size", "dim", "numel", "new_zeros", "new_ones", "new_empty", "new_full"}
+_FACTORIES = _fns(
+    "arange", "zeros", "ones", "full", "empty", "rand", "randn", "randint", "tensor", "linspace",
+    "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "eye",
+    module=torch,
+)  # fmt: skip
+
+
+def _is_add(node: Any) -> bool:
+    return (node.op == "call_function" and node.target in _ADD_FNS) or (
+        node.op == "call_method" and node.target in _ADD_METHODS
+    )
+
+
+def _breaks_ancestry(node: Any) -> bool:
+    if node.op == "call_method" and node.target in _SHAPE_METHODS:
+        return True
+    return node.op == "call_function" and (
+        node.target in _FACTORIES or (node.target is getattr and len(node.args) > 1)
+    )
+
+
+def _first_node_arg(node: Any) -> Any:
+    import torch.fx
+
+    for a in node.args:
+        if isinstance(a, torch.fx.Node):
+            return a
+    return None
+
+
+def _has_params(gm: Any, node: Any) -> bool:
+    if node.op != "call_module":
+        return False
+    sub = gm.get_submodule(node.target)
+    return next(sub.parameters(), None) is not None
+
+
+def find_residual_blocks(gm: Any) -> list[dict[str, Any]]:
+    """Residual connections in a traced ``GraphModule`` (see the module docstring).
+
+    Returns:
+        dicts ``{"name", "module", "node", "input", "branch", "shortcut", "source": "fx"}`` with
+        ``branch``/``shortcut`` the qualified names of the parameterized modules on each path.
+    """
+    import torch.fx
+
+    nodes = list(gm.graph.nodes)
+    is_ancestor = _ancestry(nodes)
+    found: list[dict[str, Any]] = []
+    for node in nodes:
+        if not _is_add(node):
+            continue
+        ops = [a for a in node.args[:2] if isinstance(a, torch.fx.Node)]
+        if len(ops) != 2 or any(a.op == "get_attr" for a in ops):
+            continue
+        best = _best_orientation(gm, ops, is_ancestor)
+        if best is None:
+            continue
+        x, branch, shortcut = best
+        members = [
+            n.target
+            for n in nodes
+            if _has_params(gm, n)
+            and (n is branch or is_ancestor(n, branch))
+            and is_ancestor(x, n)
+            and n.target not in shortcut
+        ]
+        if not members:
+            continue
+        found.append(
+            {
+                "module": _node_module_path(node),
+                "node": node.name,
+                "input": x.name,
+                "branch": list(dict.fromkeys(members)),
+                "shortcut": list(dict.fromkeys(shortcut)),
+                "source": "fx",
+            }
+        )
+    _name_blocks(found)
+    return found
+
+
+def _ancestry(nodes: list[Any]) -> Callable[[Any, Any], bool]:
+    """``is_ancestor(a, b)``: whether ``a`` is a data ancestor of ``b`` (bit sets over the graph;
+    nodes that break ancestry pass none on)."""
+    index = {n: i for i, n in enumerate(nodes)}
+    anc: dict[Any, int] = {}
+    for n in nodes:
+        bits = 0
+        if not _breaks_ancestry(n):
+            for a in n.all_input_nodes:
+                bits |= anc[a] | (1 << index[a])
+        anc[n] = bits
+
+    def is_ancestor(a: Any, b: Any) -> bool:
+        return bool(anc[b] >> index[a] & 1)
+
+    return is_ancestor
+
+
+def _best_orientation(
+    gm: Any, ops: list[Any], is_ancestor: Callable[[Any, Any], bool]
+) -> tuple[Any, Any, list[str]] | None:
+    """``(block input, branch operand, shortcut modules)`` of an addition's two operands, the
+    orientation with the fewer shortcut modules (then the shorter walk); ``None`` if neither is
+    a residual connection."""
+    best = None
+    for skip, branch in ((ops[0], ops[1]), (ops[1], ops[0])):
+        got = _walk_skip(gm, skip, branch, is_ancestor)
+        if got is not None:
+            key, x, shortcut = got
+            if best is None or key < best[0]:
+                best = (key, x, branch, shortcut)
+    return None if best is None else best[1:]
+
+
+def _walk_skip(
+    gm: Any, skip: Any, branch: Any, is_ancestor: Callable[[Any, Any], bool]
+) -> tuple[tuple[int, int], Any, list[str]] | None:
+    """Walk back from ``skip`` along first arguments (at most :data:`SHORTCUT_STEPS` steps) to a
+    node that is ``branch`` or its data ancestor: ``((shortcut modules, steps), that node,
+    shortcut modules)``, or ``None``."""
+    cur, walk = skip, []
+    for _ in range(SHORTCUT_STEPS + 1):
+        if cur is None or _breaks_ancestry(cur):
+            return None
+        if cur is branch or is_ancestor(cur, branch):
+            shortcut = [w.target for w in walk if _has_params(gm, w)]
+            return (len(shortcut), len(walk)), cur, shortcut
+        walk.append(cur)
+        if cur.op == "placeholder":
+            return None
+        cur = _first_node_arg(cur)
+    return None
+
+
+def _name_blocks(found: list[dict[str, Any]]) -> None:
+    """Name each block by its module, or ``module:node`` where a module holds several."""
+    counts = Counter(b["module"] for b in found)
+    for b in found:
+        unique = counts[b["module"]] == 1 and b["module"]
+        b["name"] = b["module"] if unique else f"{b['module'] or '<root>'}:{b['node']}"
+
+
+def _known_residual_blocks(model: nn.Module) -> list[dict[str, Any]]:
+    """Residual blocks of leaf ``torch.nn`` transformer layers (fx does not enter them)."""
+    out = []
+    for name, m in model.named_modules():
+        if isinstance(m, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
+            p = f"{name}." if name else ""
+            parts = [("self_attn", [f"{p}self_attn"])]
+            if isinstance(m, nn.TransformerDecoderLayer):
+                parts.append(("cross_attn", [f"{p}multihead_attn"]))
+            parts.append(("ff", [f"{p}linear1", f"{p}linear2"]))
+            for part, branch in parts:
+                out.append(
+                    {
+                        "name": f"{name}:{part}",
+                        "module": name,
+                        "node": part,
+                        "input": "",
+                        "branch": branch,
+                        "shortcut": [],
+                        "source": "type",
+                    }
+                )
+    return out
+
+
+def _user_blocks(model: nn.Module, blocks: Sequence[str | Mapping[str, Any]]) -> list[dict]:
+    named = dict(model.named_modules())
+    out = []
+    for b in blocks:
+        if isinstance(b, str):
+            if b not in named:
+                raise ValueError(f"residual_blocks: the model has no module {b!r}")
+            prefix = f"{b}." if b else ""
+            branch = [
+                (prefix + n) if n else b
+                for n, m in named[b].named_modules()
+                if next(m.parameters(recurse=False), None) is not None
+            ]
+            out.append(
+                {"name": b, "module": b, "node": "", "input": "", "branch": branch,
+                 "shortcut": [], "source": "user"}
+            )  # fmt: skip
+        else:
+            d = dict(b)
+            d.setdefault("module", d.get("name", ""))
+            d.setdefault("shortcut", [])
+            d.setdefault("node", "")
+            d.setdefault("input", "")
+            d["source"] = "user"
+            out.append(d)
+    return out

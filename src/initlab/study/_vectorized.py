@@ -1,0 +1,378 @@
+"""The vectorized pieces of :func:`initlab.study.train_runs`: optimizers over stacked parameters
+``(R, ...)`` with per-run hyperparameters (:class:`_VecSGD`, :class:`_VecAdam`, ``torch.optim``
+semantics) and the engines that run a stack of ``R`` models (:class:`_MLPEngine`, an explicit
+MLP with a hand-written backward; :class:`_VmapEngine`, ``torch.func`` + autograd). The module
+docstring of :mod:`initlab.study.trainer` describes what a run is.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from initlab.study.config import RunConfig
+
+_ADAM_BETAS = (0.9, 0.999)
+_ADAM_EPS = 1e-8
+
+
+# ---------------------------------------------------------------------------------------------
+# Vectorized optimizers (torch.optim semantics, per-run hyperparameters)
+# ---------------------------------------------------------------------------------------------
+
+
+def _per_run(values: Tensor, like: Tensor) -> Tensor:
+    """View an ``(R,)`` tensor so it broadcasts against ``like: (R, ...)``."""
+    return values.view(-1, *([1] * (like.ndim - 1)))
+
+
+def _uniform(values: list[float]) -> float | None:
+    """The common value of a per-run hyperparameter, or ``None`` if the runs differ."""
+    return values[0] if all(v == values[0] for v in values) else None
+
+
+class _VecOptimizer:
+    """An optimizer over stacked parameters ``(R, ...)`` with per-run hyperparameters.
+
+    Per step: :meth:`begin_step`, then :meth:`update` once per parameter, given either its
+    gradient or, for a weight, the two ``bmm`` operands of its gradient (so SGD can accumulate the
+    product straight into its momentum buffer with ``baddbmm_``). A run whose ``alive`` flag is
+    off gets a zero learning rate.
+    """
+
+    def __init__(self, params: list[Tensor], configs: Sequence[RunConfig]) -> None:
+        self.params = params
+        self._like = params[0]
+        self._lr = torch.tensor([c.lr for c in configs], dtype=torch.float64)
+        self._alive = torch.ones(len(configs), dtype=torch.bool)
+        wds = [c.weight_decay for c in configs]
+        self._wd_scalar = _uniform(wds)
+        self._wd = [_per_run(self._tensor(wds), p) for p in params]
+
+    def _tensor(self, values: Any) -> Tensor:
+        return torch.as_tensor(values, dtype=self._like.dtype).to(self._like.device)
+
+    def set_alive(self, alive: Tensor) -> None:
+        """Runs with ``alive[r]`` off are frozen (zero learning rate) from now on."""
+        self._alive = alive.clone()
+
+    def _weight_decay(self, i: int, g: Tensor) -> None:
+        """``g += weight_decay * param`` in place (torch.optim's coupled weight decay)."""
+        if self._wd_scalar is None:
+            g.addcmul_(self.params[i], self._wd[i])
+        elif self._wd_scalar != 0:
+            g.add_(self.params[i], alpha=self._wd_scalar)
+
+    def state_tensors(self) -> list[Tensor]:
+        """Per-parameter state stacks (zeroed for a run that diverges)."""
+        return []
+
+    def begin_step(self) -> None:
+        raise NotImplementedError
+
+    def update(
+        self, i: int, grad: Tensor | None = None, gemm: tuple[Tensor, Tensor] | None = None
+    ) -> None:
+        raise NotImplementedError
+
+
+class _VecSGD(_VecOptimizer):
+    """``torch.optim.SGD(lr, momentum, dampening=0, nesterov=False, weight_decay)`` per run.
+
+    Update, per run: ``buf = momentum * buf + grad + weight_decay * param``; ``param -= lr * buf``.
+    With ``buf`` starting at zero this is torch's first step (``buf = grad + wd * param``) and its
+    momentum-free path (``momentum = 0``); only the rounding order differs.
+    """
+
+    def __init__(self, params: list[Tensor], configs: Sequence[RunConfig]) -> None:
+        super().__init__(params, configs)
+        moms = [c.momentum for c in configs]
+        self._mom_scalar = _uniform(moms)
+        self._mom = [_per_run(self._tensor(moms), p) for p in params]
+        self._bufs = [torch.zeros_like(p, requires_grad=False) for p in params]
+        self._neg_lr: list[Tensor] = []
+
+    def state_tensors(self) -> list[Tensor]:
+        return self._bufs
+
+    def begin_step(self) -> None:
+        neg_lr = self._tensor(-self._lr * self._alive)
+        self._neg_lr = [_per_run(neg_lr, p) for p in self.params]
+
+    @torch.no_grad()
+    def update(
+        self, i: int, grad: Tensor | None = None, gemm: tuple[Tensor, Tensor] | None = None
+    ) -> None:
+        buf = self._bufs[i]
+        if self._mom_scalar is None:
+            buf.mul_(self._mom[i])
+        if gemm is not None:
+            # buf = momentum * buf + A @ B in one GEMM (beta = 0 ignores buf entirely)
+            buf.baddbmm_(*gemm, beta=1.0 if self._mom_scalar is None else self._mom_scalar)
+        else:
+            assert grad is not None
+            if self._mom_scalar is not None:
+                buf.mul_(self._mom_scalar)
+            buf.add_(grad)
+        self._weight_decay(i, buf)
+        self.params[i].addcmul_(buf, self._neg_lr[i])
+
+
+class _VecAdam(_VecOptimizer):
+    """``torch.optim.Adam(lr, betas=(0.9, 0.999), eps=1e-8, weight_decay)`` per run.
+
+    ``m = lerp(m, g, 1 - beta1)``; ``v = beta2 * v + (1 - beta2) * g²``;
+    ``param -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)``, as torch's
+    single-tensor implementation computes it.
+    """
+
+    def __init__(self, params: list[Tensor], configs: Sequence[RunConfig]) -> None:
+        super().__init__(params, configs)
+        self._m = [torch.zeros_like(p, requires_grad=False) for p in params]
+        self._v = [torch.zeros_like(p, requires_grad=False) for p in params]
+        self._tmp = [torch.empty_like(p, requires_grad=False) for p in params]  # scratch
+        self._t = 0
+        self._bc2_sqrt = 1.0
+        self._step_size: list[Tensor] = []
+
+    def state_tensors(self) -> list[Tensor]:
+        return self._m + self._v
+
+    def begin_step(self) -> None:
+        beta1, beta2 = _ADAM_BETAS
+        self._t += 1
+        self._bc2_sqrt = (1 - beta2**self._t) ** 0.5
+        # torch: step_size = lr / bias_correction1 in Python floats, then used as a scalar
+        step_size = self._tensor(self._lr / (1 - beta1**self._t) * self._alive)
+        self._step_size = [_per_run(step_size, p) for p in self.params]
+
+    @torch.no_grad()
+    def update(
+        self, i: int, grad: Tensor | None = None, gemm: tuple[Tensor, Tensor] | None = None
+    ) -> None:
+        beta1, beta2 = _ADAM_BETAS
+        g = torch.bmm(*gemm, out=self._tmp[i]) if gemm is not None else grad
+        assert g is not None
+        self._weight_decay(i, g)
+        m, v, tmp = self._m[i], self._v[i], self._tmp[i]
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        # g (possibly in tmp) is not needed any more
+        denom = torch.sqrt(v, out=tmp).div_(self._bc2_sqrt).add_(_ADAM_EPS)
+        update = torch.div(m, denom, out=tmp).mul_(self._step_size[i])
+        self.params[i].sub_(update)
+
+
+# ---------------------------------------------------------------------------------------------
+# Vectorized engines: a stack of R models as tensors with a leading run dimension
+# ---------------------------------------------------------------------------------------------
+
+
+class _Engine:
+    """R models of one architecture as stacked tensors ``params`` (each ``(R, ...)``)."""
+
+    params: list[Tensor]
+
+    def preprocess(self, x: Tensor) -> Tensor:
+        """Per-row input transform applied once to a whole split (identity by default)."""
+        return x
+
+    def train(self, mode: bool) -> None:
+        """Switch train/eval mode where the engine has one."""
+
+    def forward(self, x: Tensor, *, train: bool) -> Tensor:
+        """Raw logits ``(R, B, C)`` of ``x: (R, B, ...)``; ``train`` keeps what backward needs."""
+        raise NotImplementedError
+
+    def backward_step(self, dlogits: Tensor, opt: _VecOptimizer, frozen_now: list[int]) -> None:
+        """Back-propagate ``dlogits`` (the gradient w.r.t. the last training forward's output)
+        and apply ``opt`` to every parameter. ``frozen_now``: runs that diverged at this step
+        (their cached values are zeroed so their gradients are exactly zero)."""
+        raise NotImplementedError
+
+    def write_back(self, models: Sequence[nn.Module], values: Sequence[list[Tensor]]) -> None:
+        """Copy each run's values (in ``params`` order, without the run dim) into its model."""
+        raise NotImplementedError
+
+
+def _mlp_modules(model: nn.Module) -> list[tuple[str, nn.Module]] | None:
+    """The layer list of a model the explicit MLP engine can run, else ``None``.
+
+    Accepted: :class:`~initlab.zoo.paper_mlp.PaperMLP` and ``nn.Sequential``, made of ``Linear``,
+    ``ReLU``, ``Identity`` and, as the very first layer only, a ``LayerNorm`` over the last
+    dimension without affine parameters.
+    """
+    from initlab.zoo.paper_mlp import PaperMLP
+
+    if type(model) is PaperMLP:
+        mods: list[tuple[str, nn.Module]] = []
+        if model.input_norm is not None:
+            mods.append(("input_norm", model.input_norm))
+        mods += [(f"layers.{name}", m) for name, m in model.layers.named_children()]
+    elif type(model) is nn.Sequential:
+        mods = list(model.named_children())
+    else:
+        return None
+    for i, (_, m) in enumerate(mods):
+        if type(m) in (nn.Linear, nn.ReLU, nn.Identity):
+            continue
+        if (
+            type(m) is nn.LayerNorm
+            and i == 0
+            and len(m.normalized_shape) == 1
+            and m.weight is None
+            and m.bias is None
+        ):
+            continue
+        return None
+    if not any(type(m) is nn.Linear for _, m in mods):
+        return None
+    return mods
+
+
+class _MLPEngine(_Engine):
+    """Explicit batched-matmul engine with a hand-written backward, for Linear/ReLU chains.
+
+    A linear layer is stacked as ``wt: (R, in, out)`` (transposed weights, so the forward
+    ``baddbmm(b, h, wt)`` and the weight gradient ``h^T @ dy`` are batched GEMMs without copies)
+    and ``b: (R, 1, out)``. Backward per linear layer: ``dh = dy @ wt^T`` (before the update),
+    then the optimizer consumes ``(h^T, dy)`` (SGD accumulates the product into its momentum
+    buffer with ``baddbmm_``) and ``db = dy.sum(1)``; ReLU backward is ``threshold_backward``
+    on the saved output. The leading LayerNorm without affine parameters is a fixed per-row
+    transform, applied once per split in :meth:`preprocess`.
+    """
+
+    def __init__(self, models: Sequence[nn.Module], mods: list[tuple[str, nn.Module]]) -> None:
+        self.params = []
+        self._names: list[tuple[str, bool]] = []  # (parameter name, stored transposed)
+        self._ops: list[tuple[str, int, int | None]] = []  # ("linear", w, b) | ("relu", -1, None)
+        self._pre: tuple[tuple[int, ...], float] | None = None
+        self._saved: list[Tensor] = []  # the input of every op, from the last training forward
+        per_model = [dict(m.named_modules()) for m in models]
+
+        def stack(qualname: str, attr: str, transpose: bool) -> int:
+            ts = [getattr(pm[qualname], attr).detach() for pm in per_model]
+            t = torch.stack([w.t() if transpose else w.unsqueeze(0) for w in ts]).contiguous()
+            self.params.append(t)
+            self._names.append((f"{qualname}.{attr}", transpose))
+            return len(self.params) - 1
+
+        for qual, m in mods:
+            if isinstance(m, nn.LayerNorm):
+                self._pre = (tuple(m.normalized_shape), float(m.eps))
+            elif isinstance(m, nn.Linear):
+                w = stack(qual, "weight", True)
+                b = stack(qual, "bias", False) if m.bias is not None else None
+                self._ops.append(("linear", w, b))
+            elif isinstance(m, nn.ReLU):
+                self._ops.append(("relu", -1, None))
+        self._first_linear = next(i for i, op in enumerate(self._ops) if op[0] == "linear")
+
+    def preprocess(self, x: Tensor) -> Tensor:
+        if self._pre is None:
+            return x
+        return F.layer_norm(x, self._pre[0], eps=self._pre[1])
+
+    @torch.no_grad()
+    def forward(self, x: Tensor, *, train: bool) -> Tensor:
+        p = self.params
+        saved: list[Tensor] = []
+        h = x
+        fresh = False  # h is a tensor this forward created (safe to modify in place)
+        for kind, w, b in self._ops:
+            saved.append(h)
+            if kind == "linear":
+                h = torch.bmm(h, p[w]) if b is None else torch.baddbmm(p[b], h, p[w])
+                fresh = True
+            else:
+                h = h.relu_() if fresh else torch.relu(h)
+                fresh = True
+        if train:
+            self._saved = saved
+        return h
+
+    @torch.no_grad()
+    def backward_step(self, dlogits: Tensor, opt: _VecOptimizer, frozen_now: list[int]) -> None:
+        for t in self._saved:
+            for r in frozen_now:
+                t[r] = 0
+        opt.begin_step()
+        grad = dlogits
+        for j in range(len(self._ops) - 1, self._first_linear - 1, -1):
+            kind, w, b = self._ops[j]
+            inp = self._saved[j]
+            if kind == "relu":
+                # the op's output is the next op's saved input, or the logits for a last ReLU
+                out = self._saved[j + 1] if j + 1 < len(self._saved) else inp.relu()
+                grad = torch.ops.aten.threshold_backward(grad, out, 0.0)
+                continue
+            wt = self.params[w]
+            grad_in = torch.bmm(grad, wt.transpose(1, 2)) if j > self._first_linear else None
+            opt.update(w, gemm=(inp.transpose(1, 2), grad))
+            if b is not None:
+                opt.update(b, grad=grad.sum(dim=1, keepdim=True))
+            if grad_in is not None:
+                grad = grad_in
+        self._saved = []
+
+    def write_back(self, models: Sequence[nn.Module], values: Sequence[list[Tensor]]) -> None:
+        with torch.no_grad():
+            for model, vals in zip(models, values, strict=True):
+                named = dict(model.named_parameters())
+                for (name, transposed), v in zip(self._names, vals, strict=True):
+                    target = named[name]
+                    target.copy_((v.t() if transposed else v).reshape(target.shape))
+
+
+class _VmapEngine(_Engine):
+    """Generic engine: ``stack_module_state`` + ``vmap(functional_call)`` and autograd."""
+
+    def __init__(self, models: Sequence[nn.Module]) -> None:
+        params, buffers = torch.func.stack_module_state(list(models))
+        self._names = list(params)
+        self.params = [params[n].detach().requires_grad_(True) for n in self._names]
+        self._buffers = buffers
+        self._base = copy.deepcopy(models[0]).to("meta")
+        self._out: Tensor | None = None
+
+        def call(ps: tuple[Tensor, ...], bs: dict[str, Tensor], x: Tensor) -> Tensor:
+            return torch.func.functional_call(
+                self._base, ({**dict(zip(self._names, ps, strict=True)), **bs}), (x,)
+            )
+
+        self._call = torch.func.vmap(call, in_dims=(0, 0, 0))
+
+    def train(self, mode: bool) -> None:
+        self._base.train(mode)
+
+    def forward(self, x: Tensor, *, train: bool) -> Tensor:
+        if not train:
+            with torch.no_grad():
+                return self._call(tuple(self.params), self._buffers, x)
+        with torch.enable_grad():
+            self._out = self._call(tuple(self.params), self._buffers, x)
+        return self._out.detach()
+
+    def backward_step(self, dlogits: Tensor, opt: _VecOptimizer, frozen_now: list[int]) -> None:
+        assert self._out is not None
+        grads = torch.autograd.grad(self._out, self.params, grad_outputs=dlogits)
+        self._out = None
+        with torch.no_grad():
+            for g in grads:
+                for r in frozen_now:
+                    g[r] = 0
+        opt.begin_step()
+        for i, g in enumerate(grads):
+            opt.update(i, grad=g)
+
+    def write_back(self, models: Sequence[nn.Module], values: Sequence[list[Tensor]]) -> None:
+        with torch.no_grad():
+            for model, vals in zip(models, values, strict=True):
+                named = dict(model.named_parameters())
+                for name, v in zip(self._names, vals, strict=True):
+                    named[name].copy_(v)
