@@ -13,13 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from initlab import init_model
+from initlab import AmbiguousDataError, Batches, init_model
+from initlab.cli.diagnose import diagnose_command
 from initlab.diagnostics import (
     DIAGNOSTIC_COLUMNS,
     LAYER_COLUMNS,
     Report,
     diagnose,
-    diagnose_command,
     gradient_stats,
     make_loss,
 )
@@ -201,8 +201,11 @@ def test_gradient_stats_standalone_leaves_the_model_alone():
     model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     xs = [torch.randn(8, 3) for _ in range(3)]
-    rows = gradient_stats(model, xs, lambda m, x: m(x).square().mean())
+    with pytest.raises(AmbiguousDataError):  # three batches, or one batch of three tensors?
+        gradient_stats(model, xs, lambda m, x: m(x).square().mean())
+    rows = gradient_stats(model, Batches(xs), lambda m, x: m(x).square().mean())
     assert {r["batches"] for r in rows} == {3}
+    assert (rows.used.batches, rows.used.examples) == (3, 24)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
 

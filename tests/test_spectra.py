@@ -121,7 +121,13 @@ def test_layer_spectra_rows_and_input_shapes():
         model(torch.randn(2, 3, 8, 8))
     assert shapes.shapes == {"0": (3, 8, 8), "3": (64,)}
     rows = {r["layer"]: r for r in layer_spectra(model, shapes)}
+    # data instead of shapes: its first batch is run once to record them; the model is unchanged
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(2, 3, 8, 8)
+    from_data = {r["layer"]: r for r in layer_spectra(model, (x, torch.zeros(2)), generator=0)}
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     conv_expected = torch.linalg.svdvals(dense_conv_matrix(model[0], (3, 8, 8)))[0].item()
+    assert from_data["0"]["op_norm"] == pytest.approx(conv_expected, rel=1e-6)
     assert rows["0"]["op_norm"] == pytest.approx(conv_expected, rel=1e-6)
     assert rows["0"]["op_method"] == "lanczos"
     lin = torch.linalg.svdvals(model[3].weight.detach().double())

@@ -7,7 +7,7 @@ MLP (64 → 384 → 64 → 10, ReLU):
    cross-entropy loss under the moment probe, and tabulate per layer and scheme the forward and
    backward second moments, the gains and the weight-to-gradient ratio ν = E[dW²]/E[W²] of
    per-example gradients (balanced ν across layers: a well-conditioned network, Prop. 4/5);
-2. diagnosis (:func:`initlab.diagnostics.diagnose_demo`): the per-layer report of each scheme
+2. diagnosis (:func:`initlab.cli.diagnose.diagnose_demo`): the per-layer report of each scheme
    (γ, ν, verdicts), one HTML file per scheme and the schemes' γ/ν side by side;
 3. training (:func:`demo_study`): a small study, schemes × seeds × learning rates, trained
    together by the vectorized trainer, aggregated as the paper's Table 2, with plots.

@@ -106,7 +106,7 @@ def _cmd_init(args: argparse.Namespace) -> int:
 
 
 def _cmd_diagnose(args: argparse.Namespace) -> int:
-    from initlab.diagnostics import diagnose_command
+    from initlab.cli.diagnose import diagnose_command
 
     report = diagnose_command(
         args.model,
@@ -141,7 +141,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     step("1/3 moments: forward/backward second moments per layer and scheme")
     print(run_demo(schemes, seed=args.seed, batch_size=args.batch_size))
     if not args.quick:
-        from initlab.diagnostics import diagnose_demo
+        from initlab.cli.diagnose import diagnose_demo
 
         step("2/3 diagnosis: GR scaling, weight-to-gradient ratio, verdicts per layer")
         _, comparison = diagnose_demo(

@@ -2,8 +2,8 @@
 
 Modules:
 
-* :mod:`~initlab.diagnostics.diagnose`: :func:`diagnose` (one call: model, data, loss),
-  :func:`diagnose_command` (what ``initlab diagnose`` runs), :func:`diagnose_demo`, losses;
+* :mod:`~initlab.diagnostics.diagnose`: :func:`diagnose` (one call: model, data, loss); what
+  ``initlab diagnose`` runs is in :mod:`initlab.cli.diagnose`;
 * :mod:`~initlab.diagnostics.report`: :class:`Report`, the long schema
   :data:`DIAGNOSTIC_COLUMNS`, the per-layer :data:`LAYER_COLUMNS`, :data:`QUANTITIES`, verdict
   rules; every exit (pandas, markdown, JSON, one self-contained HTML file);
@@ -19,12 +19,7 @@ Modules:
 """
 
 from initlab._core.loss import LOSSES, NamedLoss, default_loss, make_loss
-from initlab.diagnostics.diagnose import (
-    compare_reports,
-    diagnose,
-    diagnose_command,
-    diagnose_demo,
-)
+from initlab.diagnostics.diagnose import diagnose
 from initlab.diagnostics.gradients import GRADIENT_COLUMNS, GradientStats, gradient_stats
 from initlab.diagnostics.linter import (
     ACTIVATION_COLUMNS,
@@ -71,13 +66,10 @@ __all__ = [
     "LintResult",
     "NamedLoss",
     "Report",
-    "compare_reports",
     "conv_operator",
     "conv_operator_norm",
     "default_loss",
     "diagnose",
-    "diagnose_command",
-    "diagnose_demo",
     "find_residual_blocks",
     "gradient_stats",
     "layer_spectra",

@@ -29,35 +29,33 @@ import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from initlab._core.data import take_batches
-from initlab._core.loss import LOSSES, NamedLoss, default_loss, make_loss
+from initlab._core.loss import (
+    Loss,
+    LossLike,
+    resolve_loss,
+)
 from initlab._core.preserve import preserved_state
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows
-from initlab.cli.inputs import load_data_spec, load_factory, load_model_spec
 from initlab.diagnostics.assemble import _weight_names, assemble
 from initlab.diagnostics.gradients import GradientStats
 from initlab.diagnostics.linter import ActivationWatch, LintResult, lint_model
 from initlab.diagnostics.report import Report
 from initlab.diagnostics.residual import _user_blocks
 from initlab.diagnostics.spectra import InputShapes, layer_spectra, lipschitz_bounds
+from initlab.measure.conditioning import gr_scaling, imbalance
+from initlab.measure.curvature import block_curvature, theory_vs_actual
+from initlab.measure.landscape import loss_landscape
 from initlab.measure.probe import MomentProbe
 
-__all__ = [
-    "LOSSES",
-    "NamedLoss",
-    "default_loss",
-    "diagnose",
-    "diagnose_command",
-    "diagnose_demo",
-    "make_loss",
-]
+__all__ = ["diagnose"]
 
 Progress = Callable[[str], None]
 _NAN = math.nan
@@ -89,7 +87,7 @@ def _examples(batch: Any) -> int:
 def diagnose(
     model: nn.Module,
     data: Any,
-    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+    loss_fn: LossLike = None,
     *,
     max_batches: int = 4,
     per_example: bool | Literal["auto"] = "auto",
@@ -104,7 +102,7 @@ def diagnose(
     curvature_options: Mapping[str, Any] | None = None,
     residual_blocks: Sequence[str | Mapping[str, Any]] | None = None,
     landscape: Any = None,
-    generator: int | torch.Generator | None = 0,
+    generator: int | torch.Generator | None = None,
     name: str | None = None,
     progress: Progress | None = None,
 ) -> Report:
@@ -112,10 +110,11 @@ def diagnose(
 
     Args:
         model: any ``nn.Module``; never modified (see the module docstring).
-        data: one batch (a tensor, or a tuple/list/dict of tensors) or an iterable of batches (a
-            ``DataLoader``); at most ``max_batches`` are used.
-        loss_fn: ``loss_fn(model, batch) -> scalar``; default :func:`default_loss` (cross-entropy
-            or MSE on ``(x, y)`` batches).
+        data: one batch or many (a ``DataLoader``, a list of batches, ``initlab.Batches``; the
+            rule: :mod:`initlab._core.data`); at most ``max_batches`` are used.
+        loss_fn: any form :func:`initlab.resolve_loss` reads: ``loss_fn(model, batch)``, a
+            criterion (``nn.CrossEntropyLoss()``, ``F.cross_entropy``), the model's own loss, a
+            name; default: the model's own loss, else cross-entropy or MSE on ``(x, y)``.
         max_batches: batches taken from ``data``; the gradient spread across minibatches needs 2
             or more.
         per_example: exact per-example gradients for ``nu`` (the probe's ``dW_example``); without
@@ -134,9 +133,9 @@ def diagnose(
         lint: the scaling linter (Table 1), dead ReLUs, vanishing/exploding signals.
         curvature: Hessian block averages and theory vs actual (``initlab.measure.curvature``) on
             the first batch (the full block map, Figure 1, and theory vs actual, Figure 2);
-            ``curvature_options`` go to both calls (e.g. ``kind="ggn"``, ``probes=``), plus
-            ``loss_fn``/``forward`` to split the loss for the GGN when ``loss_fn`` is not a
-            :class:`NamedLoss` (otherwise the Hessian of ``loss_fn(model, batch)`` is used).
+            ``curvature_options`` go to both calls (e.g. ``kind="ggn"``, ``probes=``, and a
+            ``loss_fn`` of its own; the GGN needs a loss on the outputs: a criterion, a named loss
+            or ``initlab.outputs_loss(fn)``).
         residual_blocks: declare residual blocks (module names, or dicts with ``name``,
             ``branch``, ``shortcut``); default: found by the linter.
         landscape: a ``Landscape`` (from :func:`initlab.loss_landscape`) to embed, or
@@ -149,70 +148,105 @@ def diagnose(
     Returns:
         a :class:`~initlab.diagnostics.report.Report`.
     """
-    say = progress or (lambda _msg: None)
+    opts = _Options(
+        max_batches, per_example, modules, loss_reduction, batch_dim, alpha, gradients, spectra,
+        lint, curvature, curvature_options, residual_blocks, landscape, name,
+    )  # fmt: skip
     batches = take_batches(data, max_batches, exact=False, what="diagnose")
-    loss_fn = loss_fn or default_loss
-    generator = as_generator(generator)
+    loss = resolve_loss(loss_fn, what="diagnose")
+    with preserved_state(model):  # weights, buffers, modes, grads and the RNGs as they were
+        return _diagnose(model, batches, loss, opts, as_generator(generator), progress)
+
+
+# ----------------------------------------------------------------------------- diagnose's stages
+
+
+@dataclass
+class _Options:
+    """The knobs of one :func:`diagnose` call (documented there)."""
+
+    max_batches: int
+    per_example: bool | str
+    modules: Any
+    loss_reduction: str
+    batch_dim: int | None
+    alpha: Any
+    gradients: bool
+    spectra: bool
+    lint: bool
+    curvature: bool
+    curvature_options: Mapping[str, Any] | None
+    residual_blocks: Sequence[str | Mapping[str, Any]] | None
+    landscape: Any
+    name: str | None
+
+
+def _diagnose(
+    model: nn.Module,
+    batches: list[Any],
+    loss: Loss,
+    o: _Options,
+    generator: torch.Generator | None,
+    progress: Progress | None,
+) -> Report:
+    """:func:`diagnose` after validation: one pass, then each stage, then the report."""
+    say = progress or (lambda _msg: None)
     run = _Run(say)
-    if per_example == "auto":
-        per_example = _auto_per_example(model, run.notes)
+    if o.per_example == "auto":
+        o.per_example = _auto_per_example(model, run.notes)
 
     # -- one pass over the batches: probe, shapes, activations, gradients
     with run.timed("pass_s"):
-        if modules == "weights":
-            modules = _weight_modules(model)
+        modules = _weight_modules(model) if o.modules == "weights" else o.modules
         probe = MomentProbe(
             model,
             modules=modules,
-            per_example=per_example,
-            loss_reduction=loss_reduction,
-            batch_dim=batch_dim,
+            per_example=o.per_example,
+            loss_reduction=o.loss_reduction,
+            batch_dim=o.batch_dim,
         )
-        grad_acc = GradientStats(model) if gradients else None
-        shapes = InputShapes(model) if spectra else None
-        watch = ActivationWatch(model) if lint else None
-        losses = _one_pass(model, batches, loss_fn, probe, grad_acc, (shapes, watch), say)
+        grad_acc = GradientStats(model) if o.gradients else None
+        shapes = InputShapes(model) if o.spectra else None
+        watch = ActivationWatch(model) if o.lint else None
+        losses = _one_pass(model, batches, loss, probe, grad_acc, (shapes, watch), say)
     probe_table, param_table = _probe_tables(probe, losses, run)
 
-    gr, cond_imbalance = _gr_scaling(model, probe, batches, alpha, batch_dim, run)
+    gr, cond_imbalance = _gr_scaling(model, probe, batches, o.alpha, o.batch_dim, run)
     if grad_acc is not None:
         run.tables["gradients"] = grad_acc.rows()
     spectra_rows: Rows | None = None
-    if spectra:
+    if o.spectra:
         say("spectra: SVDs and convolution operator norms")
         with run.timed("spectra_s"):
             spectra_rows = layer_spectra(model, shapes, generator=generator)
             run.tables["spectra"] = spectra_rows
-    lint_result, blocks = _lint(model, probe, watch, batches, lint, residual_blocks, run)
+    lint_result, blocks = _lint(model, probe, watch, batches, o.lint, o.residual_blocks, run)
     findings = lint_result.findings if lint_result else Rows([], title="scaling linter")
     lipschitz = _lipschitz(model, spectra_rows, blocks)
-    if curvature:
+    if o.curvature:
         say("curvature: Hessian blocks and theory vs actual")
         with run.timed("curvature_s"):
-            _curvature(model, batches[0], loss_fn, curvature_options, generator, run.tables,
+            _curvature(model, batches[0], loss, o.curvature_options, generator, run.tables,
                        run.notes)  # fmt: skip
-    landscape = _landscape_stage(model, batches, loss_fn, landscape, generator, run)
+    landscape = _landscape_stage(model, batches, loss, o.landscape, generator, run)
 
     say("building the report")
     rows, layers, imb = assemble(model, probe_table, param_table, gr, run.tables, findings)
     if cond_imbalance is not None:
         imb["conditioning"] = cond_imbalance
     options = {
-        "max_batches": max_batches,
-        "per_example": per_example,
-        "loss_reduction": loss_reduction,
-        "gradients": gradients,
-        "spectra": spectra,
-        "lint": lint,
-        "curvature": curvature,
+        "max_batches": o.max_batches,
+        "per_example": o.per_example,
+        "loss_reduction": o.loss_reduction,
+        "gradients": o.gradients,
+        "spectra": o.spectra,
+        "lint": o.lint,
+        "curvature": o.curvature,
     }
-    meta = _meta(name or type(model).__name__, batches, losses, options, imb, lipschitz, blocks,
+    meta = _meta(o.name or type(model).__name__, batches, losses, options, imb, lipschitz, blocks,
                  lint_result, run)  # fmt: skip
     obj = landscape if landscape is not None and hasattr(landscape, "to_rows") else None
     return Report(rows, layers, findings, run.tables, meta, landscape=obj)
-
-
-# ----------------------------------------------------------------------------- diagnose's stages
 
 
 class _Run:
@@ -258,7 +292,7 @@ def _weight_modules(model: nn.Module) -> list[str]:
 def _one_pass(
     model: nn.Module,
     batches: list[Any],
-    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    loss_fn: Loss,
     probe: MomentProbe,
     grad_acc: GradientStats | None,
     watchers: Iterable[Any],
@@ -317,11 +351,6 @@ def _gr_scaling(
     run: _Run,
 ) -> tuple[Rows | None, Any]:
     """γ (:func:`initlab.gr_scaling`) and its imbalance; ``None`` (with a note) where it fails."""
-    try:
-        from initlab.measure.conditioning import gr_scaling, imbalance
-    except ImportError as err:
-        run.notes.append(f"γ not computed: initlab.measure.conditioning is not available ({err})")
-        return None, None
     gr: Rows | None = None
     try:
         examples = sum(_examples(b) for b in batches)
@@ -382,7 +411,7 @@ def _lipschitz(
 def _landscape_stage(
     model: nn.Module,
     batches: list[Any],
-    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    loss_fn: Loss,
     landscape: Any,
     generator: torch.Generator | None,
     run: _Run,
@@ -434,25 +463,18 @@ def _meta(
 def _curvature(
     model: nn.Module,
     batch: Any,
-    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    loss_fn: Loss,
     options: Mapping[str, Any] | None,
     generator: torch.Generator | None,
     tables: dict[str, Rows],
     notes: list[str],
 ) -> None:
-    try:
-        from initlab.measure.curvature import block_curvature, theory_vs_actual
-    except ImportError as err:
-        notes.append(f"curvature not computed: initlab.measure.curvature is not available ({err})")
-        return
     opts = dict(options or {})
-    explicit = "loss_fn" in opts
-    outputs_loss, forward = _split_loss(loss_fn, opts)
-    if opts.get("kind", "hessian") == "ggn" and not explicit and not isinstance(loss_fn, NamedLoss):
+    loss = resolve_loss(opts.pop("loss_fn", loss_fn), what="diagnose(curvature=True)")
+    if opts.get("kind", "hessian") == "ggn" and not loss.splittable:
         notes.append(
-            "curvature not computed: the GGN needs the loss as a function of the outputs; pass "
-            "curvature_options={'loss_fn': fn(outputs, batch), 'forward': ...} or a loss from "
-            "make_loss()"
+            "curvature not computed: the GGN needs the loss as a function of the outputs; pass a "
+            "criterion (nn.CrossEntropyLoss()), a named loss or initlab.outputs_loss(fn)"
         )
         return
     for key, fn in (("curvature", block_curvature), ("theory_vs_actual", theory_vs_actual)):
@@ -462,215 +484,25 @@ def _curvature(
                 kw.setdefault("generator", generator)
                 if key == "curvature":
                     kw.setdefault("full_matrix", True)  # the Figure 1 heat map, same products
-                got = fn(model, batch, outputs_loss, forward=forward, **kw)
+                got = fn(model, batch, loss, **kw)
             tables[key] = got if isinstance(got, Rows) else Rows(got, title=key)
         except Exception as err:  # report what failed, keep the rest
             notes.append(f"{key} not computed: {type(err).__name__}: {err}")
 
 
-def _split_loss(
-    loss_fn: Callable[[nn.Module, Any], torch.Tensor], opts: dict[str, Any]
-) -> tuple[Callable[[Any, Any], torch.Tensor], Callable[[nn.Module, Any], Any]]:
-    """``(outputs_loss, forward)`` for the curvature and landscape modules, which take the loss as
-    a function of the outputs: from ``opts`` (popped), a :class:`NamedLoss`, or, for any other
-    ``loss_fn``, "outputs" that are the loss itself (exact for the Hessian and for loss values;
-    not for the GGN)."""
-    outputs_loss = opts.pop("loss_fn", None)
-    forward = opts.pop("forward", None)
-    if outputs_loss is None and isinstance(loss_fn, NamedLoss):
-        return loss_fn.outputs_loss, forward or loss_fn.forward
-    if outputs_loss is not None:
-        return outputs_loss, forward or NamedLoss.forward
-
-    def whole(m: nn.Module, b: Any) -> torch.Tensor:
-        return loss_fn(m, b)
-
-    def identity(out: torch.Tensor, b: Any) -> torch.Tensor:
-        return out
-
-    return identity, whole
-
-
 def _landscape(
     model: nn.Module,
     batches: list[Any],
-    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    loss_fn: Loss,
     opts: dict[str, Any],
     generator: torch.Generator | None,
     notes: list[str],
 ) -> Any:
-    try:
-        from initlab.measure.landscape import loss_landscape
-    except ImportError as err:
-        notes.append(f"landscape not computed: initlab.measure.landscape is not available ({err})")
-        return None
-    outputs_loss, forward = _split_loss(loss_fn, opts)
+    loss = resolve_loss(opts.pop("loss_fn", loss_fn), what="diagnose(landscape=...)")
     opts.setdefault("generator", generator)
     try:
         with preserved_state(model):
-            return loss_landscape(model, batches, outputs_loss, forward=forward, **opts)
+            return loss_landscape(model, batches, loss, **opts)
     except Exception as err:  # report what failed, keep the rest
         notes.append(f"landscape not computed: {type(err).__name__}: {err}")
         return None
-
-
-# ----------------------------------------------------------------------------- CLI and demo
-
-
-def diagnose_command(
-    model_spec: str,
-    data: str | None = None,
-    loss: str | None = None,
-    out: str | Path | None = None,
-    *,
-    model_kwargs: str | Mapping[str, Any] | None = None,
-    init: str | None = None,
-    batch_size: int = 64,
-    batches: int = 4,
-    seed: int = 0,
-    curvature: bool = False,
-    plots: bool = True,
-    progress: Progress | None = None,
-    **options: Any,
-) -> Report:
-    """What ``initlab diagnose --model ... [--data ...] [--loss ...] [--out DIR]`` runs.
-
-    Args:
-        model_spec: ``"pkg.module:factory"``, ``"path/file.py:factory"`` or ``"zoo:NAME"`` (a
-            model of :mod:`initlab.zoo`, whose input shape is then known).
-        data: ``None``/``"random"`` (standard normal inputs of the zoo model's input shape),
-            ``"random:3x32x32"`` (that shape per example), ``"digits"`` (scikit-learn's digits,
-            standardized), a ``.pt`` file (a batch, a tuple ``(x, y)``, or a list of batches; a big
-            batch is split into ``batch_size`` pieces), or ``"pkg.module:fn"`` returning a batch
-            or an iterable of batches.
-        loss: a name of :data:`LOSSES` or ``"pkg.module:fn"`` (``fn(model, batch) -> scalar``);
-            default ``"auto"`` for data with targets, ``"random_quadratic"`` without.
-        out: a folder: ``report.html`` (self-contained), ``report.json``, ``report.md``,
-            ``summary.txt`` are written there.
-        model_kwargs: keyword arguments of the factory (a dict or a JSON object string).
-        init: initialize first with this scheme (``initlab.init_model(model, init,
-            generator=seed)``); default: keep the factory's initialization.
-        batch_size: examples per batch (random data, digits, a big ``.pt`` batch).
-        batches: number of batches.
-        seed: seeds the data, the init and the random loss.
-        curvature: also compute Hessian blocks and theory vs actual.
-        plots: embed plots in the HTML (needs matplotlib).
-        progress: called with a short message at each stage.
-        **options: passed to :func:`diagnose`.
-
-    Returns:
-        the report (also written to ``out``).
-    """
-    say = progress or (lambda _msg: None)
-    say(f"building the model {model_spec}")
-    model, shape = load_model_spec(model_spec, model_kwargs)
-    if init is not None:
-        from initlab.init.model import init_model
-
-        say(f"initializing with {init!r} (seed {seed})")
-        init_model(model, init, generator=seed)
-    say("loading data")
-    data_batches = load_data_spec(data, shape, batch_size=batch_size, batches=batches, seed=seed)
-    has_targets = isinstance(data_batches[0], (tuple, list)) and len(data_batches[0]) >= 2
-    loss_name = loss or ("auto" if has_targets else "random_quadratic")
-    if ":" in loss_name and loss_name not in LOSSES:
-        loss_fn = load_factory(loss_name)
-    else:
-        loss_fn = make_loss(loss_name, seed=seed)
-    name = model_spec[4:] if model_spec.startswith("zoo:") else model_spec
-    report = diagnose(
-        model,
-        data_batches,
-        loss_fn,
-        max_batches=batches,
-        curvature=curvature,
-        name=name,
-        progress=say,
-        **options,
-    )
-    report.meta["command"] = {
-        "model": model_spec, "data": data or "random", "loss": loss_name, "init": init,
-        "batch_size": batch_size, "batches": batches, "seed": seed,
-    }  # fmt: skip
-    if out is not None:
-        folder = Path(out)
-        folder.mkdir(parents=True, exist_ok=True)
-        say(f"writing {folder}/report.html, report.json, report.md, summary.txt")
-        report.save_html(folder / "report.html", plots=plots)
-        (folder / "report.json").write_text(report.to_json(indent=1), encoding="utf-8")
-        (folder / "report.md").write_text(report.to_markdown(), encoding="utf-8")
-        (folder / "summary.txt").write_text(report.summary() + "\n", encoding="utf-8")
-    return report
-
-
-def compare_reports(reports: Mapping[str, Report]) -> Rows:
-    """One row per report: γ and ν max/min over weights and the verdict counts.
-
-    Columns: ``scheme, gamma_max_over_min, nu_max_over_min, ok, warn, bad, worst_layer``.
-    """
-    out = []
-    for label, rep in reports.items():
-        imb = rep.meta.get("imbalance", {})
-        counts = {v: sum(1 for r in rep.layers if r["verdict"] == v) for v in ("ok", "warn", "bad")}
-        out.append(
-            {
-                "scheme": label,
-                "gamma_max_over_min": imb.get("gamma_max_over_min", _NAN),
-                "nu_max_over_min": imb.get("nu_max_over_min", _NAN),
-                **counts,
-                "worst_layer": imb.get("gamma_argmax") or imb.get("nu_argmax") or "",
-            }
-        )
-    return Rows(out, title="conditioning by scheme (max/min over weights; 1 = balanced)")
-
-
-def diagnose_demo(
-    schemes: Sequence[str] = ("fan_in", "fan_out", "arithmetic", "geometric"),
-    *,
-    seed: int = 0,
-    batch_size: int = 256,
-    batches: int = 4,
-    out: str | Path | None = None,
-    progress: Progress | None = None,
-) -> tuple[dict[str, Report], Rows]:
-    """``initlab demo``'s diagnosis part: the paper MLP on digits, one report per scheme.
-
-    Builds Defazio & Bottou's MLP (64 → 384 → 64 → 10, ReLU), initializes it with each scheme
-    (``generator=seed``), and diagnoses it on ``batches`` batches of scikit-learn's digits with a
-    cross-entropy loss. With ``out``: ``<scheme>.html`` per scheme and ``gamma_nu.png``, the
-    schemes' γ and ν side by side.
-
-    Returns:
-        ``({scheme: report}, compare_reports(...))``.
-    """
-    from initlab.cli.demo import load_digits_tensors
-    from initlab.init.model import init_model
-    from initlab.zoo.paper_mlp import PaperMLP
-
-    say = progress or (lambda _msg: None)
-    x, y = load_digits_tensors()
-    gen = torch.Generator().manual_seed(seed)
-    perm = torch.randperm(len(x), generator=gen)
-    data = [
-        (x[perm[i : i + batch_size]], y[perm[i : i + batch_size]])
-        for i in range(0, min(len(x), batch_size * batches), batch_size)
-    ]
-    reports: dict[str, Report] = {}
-    for scheme in schemes:
-        say(f"diagnosing the paper MLP initialized with {scheme!r}")
-        model = PaperMLP(x.shape[1], 10)
-        init_model(model, scheme, generator=seed)
-        rep = diagnose(model, data, make_loss("cross_entropy"), max_batches=batches,
-                       name=f"PaperMLP ({scheme})")  # fmt: skip
-        rep.meta["scheme"] = scheme
-        reports[scheme] = rep
-    table = compare_reports(reports)
-    if out is not None:
-        from initlab.diagnostics.plots import plot_gamma_nu
-
-        folder = Path(out)
-        folder.mkdir(parents=True, exist_ok=True)
-        for scheme, rep in reports.items():
-            rep.save_html(folder / f"{scheme}.html")
-        plot_gamma_nu(reports).savefig(folder / "gamma_nu.png", dpi=110)
-    return reports, table

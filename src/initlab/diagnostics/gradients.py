@@ -34,14 +34,18 @@ mean gradient is large against its spread).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
+from initlab._core.data import DataCounter, iter_batches
+from initlab._core.knobs import renamed_kwargs
+from initlab._core.loss import LossLike, resolve_loss
 from initlab._core.reductions import sum_of_squares
 from initlab._core.rows import Rows
+from initlab._core.state import preserved_state
 
 __all__ = ["GRADIENT_COLUMNS", "GradientStats", "gradient_stats"]
 
@@ -165,33 +169,43 @@ class GradientStats:
         return Rows(out, GRADIENT_COLUMNS, title="weight magnitude and gradient spread")
 
 
+@renamed_kwargs(batches="data")
 def gradient_stats(
     model: nn.Module,
-    batches: Iterable[Any],
-    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    data: Any,
+    loss_fn: LossLike = None,
+    *,
+    max_batches: int | None = None,
 ) -> Rows:
-    """Weight magnitudes and gradient spread across ``batches`` (rows :data:`GRADIENT_COLUMNS`).
+    """Weight magnitudes and gradient spread across the batches of ``data`` (rows
+    :data:`GRADIENT_COLUMNS`; ``used`` says how many batches and examples).
 
-    Runs ``loss_fn(model, batch).backward()`` per batch; the model's parameters, buffers (e.g.
-    BatchNorm running statistics), train/eval modes and ``.grad`` are as before afterwards.
+    Runs ``loss.backward()`` per batch, ``loss_fn`` in any form :func:`initlab.resolve_loss`
+    reads; the model's parameters, buffers (e.g. BatchNorm running statistics), train/eval modes
+    and ``.grad`` are as before afterwards.
 
     Example:
         >>> import torch
         >>> from torch import nn
+        >>> from initlab import Batches
         >>> net = nn.Linear(3, 2)
-        >>> xs = [torch.randn(8, 3) for _ in range(3)]
+        >>> xs = Batches([torch.randn(8, 3) for _ in range(3)])
         >>> rows = gradient_stats(net, xs, lambda m, x: m(x).square().mean())
         >>> [r["batches"] for r in rows]
         [3, 3]
     """
-    from initlab._core.preserve import preserved_state
-
+    loss = resolve_loss(loss_fn, what="gradient_stats")
     acc = GradientStats(model)
     params = [e.tensor for e in acc._entries.values()]
+    counter = DataCounter()
     with preserved_state(model):
-        for batch in batches:
+        for batch in counter.wrap(iter_batches(data, max_batches, what="gradient_stats")):
             for p in params:
                 p.grad = None
-            loss_fn(model, batch).backward()
+            loss(model, batch).backward()
             acc.update()
-    return acc.rows()
+    if counter.batches == 0:
+        raise ValueError("gradient_stats got no batch: the data is empty")
+    rows = acc.rows()
+    rows.used = counter.use()
+    return rows

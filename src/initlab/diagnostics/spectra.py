@@ -51,9 +51,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from initlab._core.data import default_forward, take_batches
 from initlab._core.hooks import HookContext
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows
+from initlab._core.state import preserved_state
 
 __all__ = [
     "SPECTRA_COLUMNS",
@@ -339,6 +341,25 @@ def conv_operator_norm(
 # ----------------------------------------------------------------------------- models
 
 
+def _input_shapes(
+    model: nn.Module, data: Any
+) -> tuple[Mapping[str, Sequence[int]], list[str], set[str]]:
+    """``(shapes, call order, modules called several times)`` from what :func:`layer_spectra`
+    was given."""
+    if data is None or (isinstance(data, Mapping) and not data):
+        return {}, [], set()
+    if isinstance(data, InputShapes):
+        return data.shapes, data.order, data.multiple
+    if isinstance(data, Mapping) and all(
+        isinstance(v, (tuple, list, torch.Size)) for v in data.values()
+    ):
+        return data, [], set()
+    batch = take_batches(data, 1, exact=False, what="layer_spectra")[0]
+    with preserved_state(model), torch.no_grad(), InputShapes(model) as watched:
+        default_forward(model, batch)
+    return watched.shapes, watched.order, watched.multiple
+
+
 class InputShapes(HookContext):
     """Record, per module, the shape of its first input (without the batch dim) and call order.
 
@@ -392,34 +413,31 @@ def _weight_params(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 def layer_spectra(
     model: nn.Module,
-    input_shapes: InputShapes | Mapping[str, Sequence[int]] | None = None,
+    data: Any = None,
     *,
     tol: float = 1e-10,
     max_matvecs: int = 600,
     max_svd_elements: int = 1 << 24,
-    generator: torch.Generator | int | None = 0,
+    generator: torch.Generator | int | None = None,
 ) -> Rows:
     """Singular values and operator norms of every weight (rows :data:`SPECTRA_COLUMNS`).
 
     Args:
         model: the model (not modified).
-        input_shapes: an :class:`InputShapes` that watched a forward, or ``{name: (C, *spatial)}``;
-            convolutions without a recorded shape get ``op_norm = NaN`` and a note.
+        data: where the convolutions' input shapes come from: an :class:`InputShapes` that
+            watched a forward, ``{name: (C, *spatial)}``, or data (one batch or many, the first
+            is run once, the model left as it was); convolutions without a recorded shape get
+            ``op_norm = NaN`` and a note. ``None``: no shapes.
         tol: residual tolerance of the power iteration.
         max_matvecs: cap on ``A^T A`` products per convolution.
         max_svd_elements: weights with more elements skip the exact SVD (``sv_* = NaN``, a note).
-        generator: seed (int) or generator for the power iteration's start vectors.
+        generator: seed (int) or generator for the power iteration's start vectors (``None``:
+            the global generator).
 
     A weight shared by several modules (tied embeddings) gets one row per module.
     """
     generator = as_generator(generator)
-    shapes: Mapping[str, Sequence[int]]
-    order: list[str] = []
-    multiple: set[str] = set()
-    if isinstance(input_shapes, InputShapes):
-        shapes, order, multiple = input_shapes.shapes, input_shapes.order, input_shapes.multiple
-    else:
-        shapes = input_shapes or {}
+    shapes, order, multiple = _input_shapes(model, data)
     rank = {name: i for i, name in enumerate(order)}
     rows: list[dict[str, Any]] = []
     svd_cache: dict[int, tuple[float, float]] = {}
