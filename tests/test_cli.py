@@ -113,3 +113,14 @@ def test_console_script_entry_point() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "geometric" in result.stdout
+
+
+def test_init_takes_max_batches_and_steps(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "w.pt"
+    code = main(
+        ["init", "--model", "zoo:paper_mlp", "--method", "gradinit", "--data", "random",
+         "--loss", "random_quadratic", "--max-batches", "3", "--steps", "2", "--out", str(out)]
+    )  # fmt: skip
+    assert code == 0 and out.exists()
+    printed = capsys.readouterr().out
+    assert "gradinit trace" in printed

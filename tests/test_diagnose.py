@@ -484,7 +484,7 @@ def _mlp8() -> list:
 def test_diagnose_command_writes_the_report_folder(tmp_path):
     messages: list[str] = []
     report = diagnose_command(
-        "zoo:paper_mlp", data="random", out=tmp_path / "out", batch_size=32, batches=2,
+        "zoo:paper_mlp", data="random", out=tmp_path / "out", batch_size=32, max_batches=2,
         model_kwargs={"n_in": 12, "widths": [16, 8]}, init="geometric", progress=messages.append,
     )  # fmt: skip
     names = sorted(p.name for p in (tmp_path / "out").iterdir())

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from initlab._core.knobs import renamed_kwargs
 from initlab._core.loss import (
     LOSSES,
     make_loss,
@@ -23,6 +24,7 @@ from initlab.diagnostics.report import Report
 __all__ = ["compare_reports", "diagnose_command", "diagnose_demo"]
 
 
+@renamed_kwargs(batches="max_batches")
 def diagnose_command(
     model_spec: str,
     data: str | None = None,
@@ -32,7 +34,7 @@ def diagnose_command(
     model_kwargs: str | Mapping[str, Any] | None = None,
     init: str | None = None,
     batch_size: int = 64,
-    batches: int = 4,
+    max_batches: int = 4,
     seed: int = 0,
     curvature: bool = False,
     plots: bool = True,
@@ -57,7 +59,7 @@ def diagnose_command(
         init: initialize first with this scheme (``initlab.init_model(model, init,
             generator=seed)``); default: keep the factory's initialization.
         batch_size: examples per batch (random data, digits, a big ``.pt`` batch).
-        batches: number of batches.
+        max_batches: at most this many batches of the data.
         seed: seeds the data, the init and the random loss.
         curvature: also compute Hessian blocks and theory vs actual.
         plots: embed plots in the HTML (needs matplotlib).
@@ -76,7 +78,9 @@ def diagnose_command(
         say(f"initializing with {init!r} (seed {seed})")
         init_model(model, init, generator=seed)
     say("loading data")
-    data_batches = load_data_spec(data, shape, batch_size=batch_size, batches=batches, seed=seed)
+    data_batches = load_data_spec(
+        data, shape, batch_size=batch_size, batches=max_batches, seed=seed
+    )
     has_targets = isinstance(data_batches[0], (tuple, list)) and len(data_batches[0]) >= 2
     loss_name = loss or ("auto" if has_targets else "random_quadratic")
     if ":" in loss_name and loss_name not in LOSSES:
@@ -88,7 +92,7 @@ def diagnose_command(
         model,
         data_batches,
         loss_fn,
-        max_batches=batches,
+        max_batches=max_batches,
         curvature=curvature,
         name=name,
         progress=say,
@@ -96,7 +100,7 @@ def diagnose_command(
     )
     report.meta["command"] = {
         "model": model_spec, "data": data or "random", "loss": loss_name, "init": init,
-        "batch_size": batch_size, "batches": batches, "seed": seed,
+        "batch_size": batch_size, "max_batches": max_batches, "seed": seed,
     }  # fmt: skip
     if out is not None:
         folder = Path(out)

@@ -61,12 +61,14 @@ def _run_method(args: argparse.Namespace, model: nn.Module) -> Any:
     module_name, fn_name, takes_loss = _METHODS[args.method]
     method = getattr(importlib.import_module(module_name), fn_name)
     data = load_data_spec(
-        args.data, args.input_shape, batch_size=args.batch_size, batches=args.batches,
+        args.data, args.input_shape, batch_size=args.batch_size, batches=args.max_batches,
         seed=args.seed,
     )  # fmt: skip
     kwargs: dict[str, Any] = {"generator": args.seed}
     if args.method in ("gradinit", "metainit"):
-        kwargs["progress"] = _progress_printer(args.method, None)
+        kwargs["progress"] = _progress_printer(args.method, args.steps)
+        if args.steps is not None:
+            kwargs["steps"] = args.steps
     if takes_loss:
         loss = args.loss or "auto"
         loss_fn = make_loss(loss, seed=args.seed) if loss in LOSSES else load_factory(loss)
@@ -116,7 +118,7 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
         model_kwargs=args.model_kwargs,
         init=args.init,
         batch_size=args.batch_size,
-        batches=args.batches,
+        max_batches=args.max_batches,
         seed=args.seed,
         curvature=args.curvature,
         plots=not args.no_plots,
@@ -237,7 +239,13 @@ def _add_init(sub: Subparsers) -> None:
         "cross_entropy | mse | random_quadratic | pkg.module:fn",
     )
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--batches", type=int, default=8, help="batches of data for --method")
+    p.add_argument(
+        "--max-batches", "--batches", dest="max_batches", type=int, default=8,
+        help="at most this many batches of --data for --method (--batches: the old name)",
+    )  # fmt: skip
+    p.add_argument(
+        "--steps", type=int, help="gradinit/metainit: optimization steps (default: one pass)"
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the init's torch.Generator")
     p.add_argument("--bias", default="zeros", help="'zeros', 'keep' or a number")
     p.add_argument(
@@ -260,7 +268,10 @@ def _add_diagnose(sub: Subparsers) -> None:
     p.add_argument("--init", help="initialize with this scheme first (default: keep)")
     p.add_argument("--out", help="folder for report.html, report.json, report.md, summary.txt")
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--batches", type=int, default=4)
+    p.add_argument(
+        "--max-batches", "--batches", dest="max_batches", type=int, default=4,
+        help="at most this many batches of --data (--batches: the old name)",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--curvature", action="store_true", help="also Hessian blocks (slower)")
     p.add_argument("--no-plots", action="store_true")
