@@ -18,6 +18,7 @@ from torch import nn
 
 from initlab._core.hooks import hook_handles
 from initlab._core.rng import as_generator
+from initlab._core.state import model_kept
 
 __all__ = [
     "Forward",
@@ -32,16 +33,10 @@ __all__ = [
 Forward = Callable[[nn.Module, Any], Any]
 
 
-@contextlib.contextmanager
-def keep_buffers(model: nn.Module) -> Iterator[None]:
-    """Put every buffer back as it was on exit (measurement passes must not move BN statistics)."""
-    saved = [(b, b.detach().clone()) for b in model.buffers()]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for b, v in saved:
-                b.copy_(v)
+def keep_buffers(model: nn.Module) -> contextlib.AbstractContextManager[None]:
+    """Put every buffer back as it was on exit (measurement passes must not move BN statistics):
+    the core's :func:`~initlab._core.state.model_kept` for buffers only."""
+    return model_kept(model, params="never", buffers="always")
 
 
 class Seeds:
