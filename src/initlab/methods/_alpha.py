@@ -31,7 +31,7 @@ from torch.func import functional_call
 from initlab._core.data import DataCounter, is_single_batch
 from initlab._core.distributed import all_reduce_sum, is_distributed, world_size
 from initlab._core.loss import Loss, resolve_loss
-from initlab._core.state import model_modes, restore_modes
+from initlab._core.state import model_kept
 from initlab.init.registry import default_registry
 
 __all__ = [
@@ -231,23 +231,13 @@ def evaluation_modes(model: nn.Module, batch_stats: bool) -> Iterator[None]:
     statistics that the forward passes updated are bit-identical to before, and every module its
     ``training`` flag.
     """
-    modes = model_modes(model)
-    buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    for b in model.buffers():
-        if id(b) not in buffers:
-            buffers[id(b)] = (b, b.detach().clone())
-    try:
+    with model_kept(model, params="never", buffers="always"):
         model.eval()
         if batch_stats:
             for m in model.modules():
                 if isinstance(m, nn.modules.batchnorm._NormBase):
                     m.train()
         yield
-    finally:
-        with torch.no_grad():
-            for b, saved in buffers.values():
-                b.copy_(saved)
-        restore_modes(model, modes)
 
 
 @dataclass

@@ -24,7 +24,7 @@ from initlab._core.knobs import renamed_kwargs
 from initlab._core.method_report import MethodReport
 from initlab._core.pytree import flatten_tensors
 from initlab._core.rng import as_generator
-from initlab._core.state import model_modes, restore_modes, restore_on_failure
+from initlab._core.state import model_kept, restore_on_failure
 from initlab.init.registry import Registry, default_registry
 from initlab.methods.lsuv.engine import Engine
 from initlab.methods.lsuv.units import (
@@ -355,27 +355,23 @@ def _take_data(
 def _measuring_modes(model: nn.Module, norm_mode: str) -> Iterator[None]:
     """Eval mode (BatchNorm in train mode for ``norm_mode="train"``, its buffers restored) and the
     fused attention fast path off; every flag, buffer and the fast path put back on exit."""
-    modes = model_modes(model)
-    norm_buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
     mha_backend = getattr(torch.backends, "mha", None)
     fastpath = mha_backend.get_fastpath_enabled() if mha_backend is not None else None
+    kept = model_kept(model, params="never", buffers="never")
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    norm_buffers = model_kept(nn.ModuleList(norms), params="never", buffers="always")
     try:
-        model.eval()
-        if norm_mode == "train":
-            for m in model.modules():
-                if isinstance(m, nn.modules.batchnorm._BatchNorm):
+        with kept, norm_buffers:
+            model.eval()
+            if norm_mode == "train":
+                for m in norms:
                     m.train()
-                    norm_buffers += [(b, b.detach().clone()) for b in m.buffers()]
-        if mha_backend is not None:
-            mha_backend.set_fastpath_enabled(False)
-        yield
+            if mha_backend is not None:
+                mha_backend.set_fastpath_enabled(False)
+            yield
     finally:
         if mha_backend is not None and fastpath is not None:
             mha_backend.set_fastpath_enabled(fastpath)
-        with torch.no_grad():
-            for buf, saved in norm_buffers:
-                buf.copy_(saved)
-        restore_modes(model, modes)
 
 
 def _run(
