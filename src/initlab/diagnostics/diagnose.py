@@ -41,9 +41,9 @@ from initlab._core.loss import (
     LossLike,
     resolve_loss,
 )
-from initlab._core.preserve import preserved_state
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows
+from initlab._core.state import preserved_state
 from initlab.diagnostics.assemble import _weight_names, assemble
 from initlab.diagnostics.gradients import GradientStats
 from initlab.diagnostics.linter import ActivationWatch, LintResult, lint_model

@@ -304,7 +304,7 @@ def lint_model(
         residual_blocks: user-declared residual blocks (module names or dicts); default: detect.
         trace: try ``torch.fx.symbolic_trace`` (else module types only).
     """
-    from initlab._core.preserve import preserved_state
+    from initlab._core.state import preserved_state
 
     findings: list[dict[str, Any]] = []
     gm, error = trace_model(model) if trace else (None, "tracing disabled")
