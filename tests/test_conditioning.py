@@ -283,3 +283,36 @@ def test_imbalance_summary() -> None:
     assert imb["relative"] == {"a": 2.0, "b": 0.5, "c": 1.0}
     assert imb["spread_with_biases"] == 16.0
     assert math.isnan(imbalance([])["spread"])
+
+
+# ------------------------------------------------------- gr_scaling(model, data, loss_fn)
+
+
+def _gr_values(rows) -> list:
+    return [(r["module"], r["gamma_w"], r["nu_w"], r["p2"], r["note"]) for r in rows]
+
+
+def test_gr_scaling_from_model_and_data_matches_the_probe_form():
+    torch.manual_seed(7)
+    model = nn.Sequential(nn.Linear(6, 12), nn.ReLU(), nn.Linear(12, 3)).double()
+    gen = torch.Generator().manual_seed(1)
+    data = [
+        (torch.randn(n, 6, generator=gen, dtype=F64), torch.randint(0, 3, (n,), generator=gen))
+        for n in (16, 8)
+    ]
+    old = gr_scaling(measure_moments(model, data, ce), model, examples=24)
+    forms = [ce, nn.CrossEntropyLoss(), F.cross_entropy, "cross_entropy"]
+    for form in forms:
+        rows = gr_scaling(model, data, form)
+        assert _gr_values(rows) == _gr_values(old), form
+        assert (rows.used.batches, rows.used.examples) == (2, 24)
+    assert _gr_values(gr_scaling_from_data(model, data, ce)) == _gr_values(old)
+    first = gr_scaling(model, data, ce, max_batches=1)
+    assert first.used.batches == 1 and first.used.examples == 16
+    assert _gr_values(first) == _gr_values(gr_scaling(model, data[0], ce))
+    alpha = gr_scaling(model, data, ce, alpha={"0": 0.5})
+    assert row(alpha, "0")["gamma_w"] == pytest.approx(row(old, "0")["gamma_w"] / 16, rel=1e-12)
+    with pytest.raises(TypeError, match="second argument must be the model"):
+        gr_scaling(measure_moments(model, data, ce), data)
+    with pytest.raises(TypeError, match="pass the data"):
+        gr_scaling(model)

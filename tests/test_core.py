@@ -273,3 +273,9 @@ def test_iter_batches_streams() -> None:
     assert seen == [0]
     assert len(list(it)) == 1 and seen == [0, 4]
     assert list(iter_batches((x, y), what="test")) == [(x, y)]
+
+
+def test_a_dict_batch_to_a_model_without_those_keywords_gets_a_clear_error() -> None:
+    x, y = _xy()
+    with pytest.raises(TypeError, match=r"keyword arguments, model\(\*\*batch\).*\(x, y\) batches"):
+        default_forward(nn.Sequential(nn.Linear(3, 2)), {"x": x, "labels": y})

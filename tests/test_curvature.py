@@ -20,6 +20,8 @@ from torch.autograd import Function
 from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
+from initlab._core.data import Batches
+from initlab._core.loss import Loss, criterion, outputs_loss, resolve_loss
 from initlab.measure.curvature import (
     BLOCK_COLUMNS,
     BlockOperator,
@@ -41,14 +43,14 @@ DT = torch.float64
 # ----------------------------------------------------------------------------- cases as data
 
 
-def _mlp() -> tuple[nn.Module, tuple, Callable]:
+def _mlp() -> tuple[nn.Module, tuple, Loss]:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 3)).to(DT)
     batch = (torch.randn(6, 3, dtype=DT), torch.randint(0, 3, (6,)))
-    return net, batch, lambda out, b: F.cross_entropy(out, b[1])
+    return net, batch, resolve_loss(F.cross_entropy)
 
 
-def _cnn() -> tuple[nn.Module, tuple, Callable]:
+def _cnn() -> tuple[nn.Module, tuple, Loss]:
     torch.manual_seed(1)
     net = nn.Sequential(
         nn.Conv2d(1, 2, 3, stride=2, padding=1, padding_mode="circular"),
@@ -57,15 +59,15 @@ def _cnn() -> tuple[nn.Module, tuple, Callable]:
         nn.Linear(2 * 3 * 3, 2),
     ).to(DT)
     batch = (torch.randn(4, 1, 5, 5, dtype=DT), torch.randn(4, 2, dtype=DT))
-    return net, batch, lambda out, b: (out - b[1]).square().mean()
+    return net, batch, criterion(lambda out, y: (out - y).square().mean())
 
 
-def _bn_train() -> tuple[nn.Module, tuple, Callable]:
+def _bn_train() -> tuple[nn.Module, tuple, Loss]:
     torch.manual_seed(2)
     net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Softplus(), nn.Linear(4, 2)).to(DT)
     net.train()
     batch = (torch.randn(5, 3, dtype=DT), torch.randint(0, 2, (5,)))
-    return net, batch, lambda out, b: F.cross_entropy(out, b[1])
+    return net, batch, resolve_loss(nn.CrossEntropyLoss())
 
 
 CASES = {"mlp": _mlp, "cnn": _cnn, "bn_train": _bn_train}
@@ -91,17 +93,21 @@ def _flat_fn(model: nn.Module, x: torch.Tensor) -> tuple[Callable, torch.Tensor,
     return out, theta, sizes
 
 
-def dense_hessian(model: nn.Module, batch: tuple, loss: Callable) -> tuple[torch.Tensor, list]:
+def dense_hessian(model: nn.Module, batch: tuple, loss: Loss) -> tuple[torch.Tensor, list]:
     out, theta, sizes = _flat_fn(model, batch[0])
-    h = torch.autograd.functional.hessian(lambda t: loss(out(t), batch), theta, vectorize=True)
+    h = torch.autograd.functional.hessian(
+        lambda t: loss.on_outputs(out(t), batch), theta, vectorize=True
+    )
     return h, sizes
 
 
-def dense_ggn(model: nn.Module, batch: tuple, loss: Callable) -> tuple[torch.Tensor, list]:
+def dense_ggn(model: nn.Module, batch: tuple, loss: Loss) -> tuple[torch.Tensor, list]:
     out, theta, sizes = _flat_fn(model, batch[0])
     y = out(theta).detach()
     jac = torch.autograd.functional.jacobian(out, theta, vectorize=True).reshape(y.numel(), -1)
-    h_out = torch.autograd.functional.hessian(lambda o: loss(o.reshape(y.shape), batch), y)
+    h_out = torch.autograd.functional.hessian(
+        lambda o: loss.on_outputs(o.reshape(y.shape), batch), y
+    )
     h_out = h_out.reshape(y.numel(), y.numel())
     return jac.T @ h_out @ jac, sizes
 
@@ -147,7 +153,7 @@ def test_operator_equals_dense_oracle(case: str, kind: str, mode: str) -> None:
     model, batch, loss = CASES[case]()
     before, modes = _snapshot(model), [m.training for m in model.modules()]
     expected, _ = oracle(case, kind)
-    op = CurvatureOperator(model, batch, loss, kind=kind, mode=mode)
+    op = CurvatureOperator(model, batch, loss, kind=kind, ad_mode=mode)
     dense = op.to_dense()
     assert dense.dtype == DT and dense.shape == expected.shape
     torch.testing.assert_close(dense, expected, rtol=0, atol=1e-10)
@@ -164,7 +170,7 @@ def test_hessian_and_ggn_vector_product_functions(mode: str) -> None:
     flat_v = torch.cat([v[n].reshape(-1) for n in names])
 
     def f(p: dict) -> torch.Tensor:
-        return loss(torch.func.functional_call(model, p, (batch[0],)), batch)
+        return loss.on_outputs(torch.func.functional_call(model, p, (batch[0],)), batch)
 
     hv = hessian_vector_product(f, params, v, mode=mode)
     assert isinstance(hv, dict) and list(hv) == names
@@ -174,7 +180,7 @@ def test_hessian_and_ggn_vector_product_functions(mode: str) -> None:
 
     gv = ggn_vector_product(
         lambda p: torch.func.functional_call(model, p, (batch[0],)),
-        lambda out: loss(out, batch),
+        lambda out: loss.on_outputs(out, batch),
         params,
         v,
         mode=mode,
@@ -373,7 +379,7 @@ def test_parameters_the_loss_ignores_give_zero_blocks_with_note() -> None:
     torch.manual_seed(0)
     net = _TwoHeads().to(DT)
     x = torch.randn(5, 3, dtype=DT)
-    rows = block_curvature(net, x, lambda out, b: out[0].square().mean(), probes=4,
+    rows = block_curvature(net, x, lambda m, b: m(b)[0].square().mean(), probes=4,
                            generator=0, full_matrix=True)  # fmt: skip
     for r in rows:
         touches = "unused" in r["block_row"] or "unused" in r["block_col"]
@@ -381,7 +387,9 @@ def test_parameters_the_loss_ignores_give_zero_blocks_with_note() -> None:
         assert ("does not depend" in r["note"]) == touches
     assert any("unused.weight" in n for n in rows.notes)
     for kind in ("ggn",):
-        g = block_curvature(net, x, lambda out, b: out[0].square().mean(), kind=kind, probes=2)
+        # the GGN needs a loss on the outputs; it sees the first output (output_tensor)
+        first = outputs_loss(lambda out, b: out.square().mean())
+        g = block_curvature(net, x, first, kind=kind, probes=2)
         assert all(r["value"] == 0.0 for r in g if "unused" in r["block_row"])
 
 
@@ -409,7 +417,7 @@ def test_module_without_double_backward_is_named(mode: str) -> None:
     net = nn.Sequential(nn.Linear(3, 4), _Square(), nn.Linear(4, 1)).to(DT)
     x = torch.randn(5, 3, dtype=DT)
     with pytest.raises(DoubleBackwardError, match="'1'") as info:
-        block_curvature(net, x, lambda out, b: out.mean(), probes=2, mode=mode)
+        block_curvature(net, x, lambda m, b: m(b).mean(), probes=2, ad_mode=mode)
     assert info.value.module_name == "1" and info.value.module_type == "_Square"
     assert "Workaround" in str(info.value)
 
@@ -419,7 +427,7 @@ def test_forward_mode_gap_in_mse_loss_is_reported() -> None:
     model, batch, _ = _mlp()
     target = (batch[0], torch.randn(6, 3, dtype=DT))
     with pytest.raises(DoubleBackwardError, match="rev_rev"):
-        block_curvature(model, target, "mse", probes=1, mode="fwd_rev")
+        block_curvature(model, target, "mse", probes=1, ad_mode="fwd_rev")
     rows = block_curvature(model, target, "mse", probes=1, generator=0)  # rev_rev works
     assert all(math.isfinite(r["value"]) for r in rows)
 
@@ -441,8 +449,7 @@ def test_fused_attention_without_double_backward_is_named() -> None:
     net = Net()
     x = torch.randn(3, 4, 8)
 
-    def loss(out: torch.Tensor, b: object) -> torch.Tensor:
-        return out.square().mean()
+    loss = outputs_loss(lambda out, b: out.square().mean())
 
     with pytest.raises(DoubleBackwardError, match="sdpa_kernel") as info:
         block_curvature(net, x, loss, probes=1)
@@ -468,7 +475,7 @@ def test_nonfinite_products_are_flagged_per_block() -> None:
     torch.manual_seed(0)
     net = _SqrtAbs()
     x = torch.randn(4, 2, dtype=DT)
-    rows = block_curvature(net, x, lambda out, b: out.square().mean(), probes=3, generator=0)
+    rows = block_curvature(net, x, lambda m, b: m(b).square().mean(), probes=3, generator=0)
     by = {r["block_row"]: r for r in rows}
     assert by["s"]["nonfinite"] == 3 and math.isnan(by["s"]["value"])
     assert "non-finite" in by["s"]["note"]
@@ -497,8 +504,10 @@ def test_bad_arguments() -> None:
         block_curvature(model, batch, loss, probe="uniform")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="max_probes"):
         block_curvature(model, batch, loss, probes=8, max_probes=4)
-    with pytest.raises(TypeError, match=r"loss_fn\(outputs, batch\)"):
-        block_curvature(model, batch, lambda m, b: m(b[0]).sum(), probes=1)
+    with pytest.raises(TypeError, match="accepted forms"):
+        block_curvature(model, batch, 3, probes=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="forward= applies"):
+        block_curvature(model, batch, lambda m, b: m(b[0]).sum(), forward=lambda m, b: m(b[0]))
 
 
 # ------------------------------------------------------------------------- eigenpairs
@@ -564,3 +573,126 @@ def test_figure2_median_ratio_in_band() -> None:
     assert 0.5 <= summary["all"]["median"] <= 2.0, summary["all"]
     weights = [r for name, r in summary.items() if name.endswith("weight")]
     assert all(0.25 <= r["median"] <= 4.0 for r in weights), weights
+
+
+# ----------------------------------------------------- data, loss forms and renamed knobs
+
+
+def _values(rows) -> list:
+    return [(r["block_row"], r["block_col"], r["value"], r["stderr"]) for r in rows]
+
+
+def test_renamed_keywords_warn_and_agree() -> None:
+    model, batch, loss = _mlp()
+    new = block_curvature(model, batch, loss, probes=3, generator=0, ad_mode="fwd_rev")
+    with pytest.warns(DeprecationWarning) as rec:
+        old = block_curvature(model, batch=batch, loss_fn=loss, probes=3, generator=0,
+                              mode="fwd_rev")  # fmt: skip
+    assert {str(w.message).rsplit(" ", 1)[-1] for w in rec} == {"data=", "ad_mode="}
+    assert _values(old) == _values(new)
+    lam, _ = hessian_eigenpairs(model, batch, loss, k=1, generator=0, ad_mode="rev_rev")
+    with pytest.warns(DeprecationWarning):
+        lam_old, _ = hessian_eigenpairs(model, batch=batch, loss_fn=loss, k=1, generator=0,
+                                        mode="rev_rev")  # fmt: skip
+    assert torch.equal(lam, lam_old)
+    op = CurvatureOperator(model, batch, loss, ad_mode="fwd_rev")
+    with pytest.warns(DeprecationWarning, match="ad_mode="):
+        op_old = CurvatureOperator(model, batch, loss, mode="fwd_rev")
+    assert op.ad_mode == op_old.ad_mode == "fwd_rev"
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+    x = torch.randn(8, 4)
+    q = quadratic_loss(torch.randn(8, 3, 3))
+    t_new = theory_vs_actual(net, x, q, gamma="builtin", probes=2, generator=0, ad_mode="rev_rev")
+    with pytest.warns(DeprecationWarning):
+        t_old = theory_vs_actual(net, batch=x, loss_fn=q, gamma="builtin", probes=2, generator=0,
+                                 mode="rev_rev")  # fmt: skip
+    assert [r["theory"] for r in t_new] == [r["theory"] for r in t_old]
+    assert [r["actual"] for r in t_new] == [r["actual"] for r in t_old]
+    assert (t_new.used.batches, t_new.used.examples) == (1, 8)
+    f_new = figure2_ratios(1, 4, generator=0, probes=1, gamma="builtin", ad_mode="rev_rev")
+    with pytest.warns(DeprecationWarning, match="ad_mode="):
+        f_old = figure2_ratios(1, 4, generator=0, probes=1, gamma="builtin", mode="rev_rev")
+    assert [r["ratio"] for r in f_new] == [r["ratio"] for r in f_old]
+
+
+@pytest.mark.parametrize("kind", ["hessian", "ggn"])
+def test_loss_forms_give_the_same_blocks(kind: str) -> None:
+    model, batch, _ = _mlp()
+    forms: list = [nn.CrossEntropyLoss(), F.cross_entropy, "cross_entropy"]
+    if kind == "hessian":
+        forms.append(lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+    results = [
+        block_curvature(model, batch, form, kind=kind, probes=4, generator=3) for form in forms
+    ]
+    for res in results[1:]:
+        torch.testing.assert_close(
+            res.matrix(), results[0].matrix(), rtol=1e-12, atol=0, equal_nan=True
+        )
+    assert all((r.used.batches, r.used.examples) == (1, 6) for r in results)
+    default = block_curvature(model, batch, None, kind=kind, probes=4, generator=3)
+    torch.testing.assert_close(default.matrix(), results[0].matrix(), equal_nan=True)
+
+
+def test_model_batch_loss_hessian_equals_dense_oracle() -> None:
+    model, batch, _ = _mlp()
+    expected, _ = oracle("mlp", "hessian")
+    for ad_mode in ("rev_rev", "fwd_rev"):
+        op = CurvatureOperator(
+            model, batch, lambda m, b: F.cross_entropy(m(b[0]), b[1]), ad_mode=ad_mode
+        )
+        torch.testing.assert_close(op.to_dense(), expected, rtol=0, atol=1e-10)
+
+
+def test_first_batch_of_many_is_used() -> None:
+    model, batch, loss = _mlp()
+    other = (batch[0].flip(0), batch[1].flip(0)[:6])
+    one = block_curvature(model, batch, loss, probes=3, generator=0)
+    for data in ([batch, other], iter([batch, other]), Batches([batch, other])):
+        many = block_curvature(model, data, loss, probes=3, generator=0)
+        assert _values(many) == _values(one)
+        assert (many.used.batches, many.used.examples) == (1, 6)
+    lam, _ = hessian_eigenpairs(model, [batch, other], loss, k=1, generator=0)
+    lam1, _ = hessian_eigenpairs(model, batch, loss, k=1, generator=0)
+    assert torch.equal(lam, lam1)
+
+
+class _KwNet(nn.Module):
+    """Keyword inputs and a dict output with ``logits`` (and ``loss`` given labels)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(3, 4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, features: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
+        logits = self.head(torch.tanh(self.body(features)))
+        out = {"logits": logits}
+        if labels is not None:
+            out["loss"] = F.cross_entropy(logits, labels)
+        return out
+
+
+def test_dict_batch_to_keyword_model() -> None:
+    model, batch, _ = _mlp()
+    kw = _KwNet().to(DT)
+    kw.load_state_dict({"body.weight": model[0].weight, "body.bias": model[0].bias,
+                        "head.weight": model[2].weight, "head.bias": model[2].bias})  # fmt: skip
+    data = {"features": batch[0], "labels": batch[1]}
+    ref = block_curvature(model, batch, "cross_entropy", probes=4, generator=1).matrix()
+    for form in (None, "model", nn.CrossEntropyLoss(), "cross_entropy",
+                 lambda m, b: m(**b)["loss"]):  # fmt: skip
+        got = block_curvature(kw, data, form, probes=4, generator=1)
+        torch.testing.assert_close(got.matrix(), ref, rtol=1e-10, atol=0, equal_nan=True)
+    ggn = block_curvature(kw, data, nn.CrossEntropyLoss(), kind="ggn", probes=4, generator=1)
+    ref_ggn = block_curvature(model, batch, "cross_entropy", kind="ggn", probes=4, generator=1)
+    torch.testing.assert_close(ggn.matrix(), ref_ggn.matrix(), rtol=1e-10, atol=0, equal_nan=True)
+
+
+def test_ggn_with_a_loss_that_runs_the_model_says_what_to_pass() -> None:
+    model, batch, _ = _mlp()
+    for form in (lambda m, b: F.cross_entropy(m(b[0]), b[1]), "model"):
+        with pytest.raises(ValueError, match=r"criterion.*named loss.*outputs_loss"):
+            block_curvature(model, batch, form, kind="ggn", probes=1)
+    with pytest.raises(ValueError, match="outputs_loss"):
+        hessian_eigenpairs(model, batch, lambda m, b: m(b[0]).sum(), kind="ggn")

@@ -51,6 +51,9 @@ def _loss(out: torch.Tensor, batch: tuple) -> torch.Tensor:
     return F.cross_entropy(out, batch[1])
 
 
+LOSS = nn.CrossEntropyLoss()  # the criterion form of _loss
+
+
 def _slow(
     model: nn.Module, batches: list, d1: dict, d2: dict, t1: list, t2: list, bn: str
 ) -> torch.Tensor:
@@ -112,7 +115,7 @@ def test_grid_equals_slow_mutating_loop_and_model_untouched(bn: str, batched: bo
     net, batch = _bn_net()
     before = _state(net)
     modes = [m.training for m in net.modules()]
-    land = loss_landscape(net, batch, _loss, grid=GRID, bn=bn, generator=3, batched=batched)
+    land = loss_landscape(net, batch, LOSS, grid=GRID, bn=bn, generator=3, batched=batched)
     assert land.method == ("vmap" if batched else "loop"), land.notes
     after = net.state_dict()
     for k, v in before.items():  # bitwise: parameters and running statistics
@@ -129,18 +132,18 @@ def test_batched_equals_looped_and_policies_differ() -> None:
     net, batch = _bn_net()
     values = {}
     for bn in ("eval", "batch", "fixed"):
-        a = loss_landscape(net, batch, _loss, grid=GRID, bn=bn, generator=1, batched=True)
-        b = loss_landscape(net, batch, _loss, grid=GRID, bn=bn, generator=1, batched=False,
+        a = loss_landscape(net, batch, LOSS, grid=GRID, bn=bn, generator=1, batched=True)
+        b = loss_landscape(net, batch, LOSS, grid=GRID, bn=bn, generator=1, batched=False,
                            chunk_size=1)  # fmt: skip
         torch.testing.assert_close(a.values, b.values, rtol=1e-12, atol=1e-12)
         values[bn] = a.values
-    chunked = loss_landscape(net, batch, _loss, grid=GRID, bn="batch", generator=1, chunk_size=5)
+    chunked = loss_landscape(net, batch, LOSS, grid=GRID, bn="batch", generator=1, chunk_size=5)
     torch.testing.assert_close(chunked.values, values["batch"], rtol=1e-12, atol=1e-12)
     assert not torch.allclose(values["eval"], values["batch"])
     assert not torch.allclose(values["fixed"], values["batch"])
     # at the centre, frozen batch statistics and live ones coincide
-    centre = loss_landscape(net, batch, _loss, grid=([0.0], [0.0]), bn="fixed", generator=1)
-    live = loss_landscape(net, batch, _loss, grid=([0.0], [0.0]), bn="batch", generator=1)
+    centre = loss_landscape(net, batch, LOSS, grid=([0.0], [0.0]), bn="fixed", generator=1)
+    live = loss_landscape(net, batch, LOSS, grid=([0.0], [0.0]), bn="batch", generator=1)
     assert float(centre.values[0, 0]) == pytest.approx(float(live.values[0, 0]), rel=1e-12)
 
 
@@ -170,7 +173,7 @@ def test_several_batches_are_an_example_weighted_mean() -> None:
         for k in (4, 12)
     ]
     for bn in ("batch", "fixed"):
-        land = loss_landscape(net, batches, _loss, grid=GRID, bn=bn, generator=2)
+        land = loss_landscape(net, batches, LOSS, grid=GRID, bn=bn, generator=2)
         expected = _slow(net, batches, *land.directions, GRID[0], GRID[1], bn)
         torch.testing.assert_close(land.values, expected, rtol=1e-12, atol=1e-12)
 
@@ -182,8 +185,8 @@ def test_given_directions_hessian_directions_rows_and_plot() -> None:
     gen = torch.Generator().manual_seed(5)
     d1 = {n: torch.randn(p.shape, generator=gen, dtype=DT) for n, p in net.named_parameters()}
     d2 = {"7.weight": torch.ones(3, 6, dtype=DT)}
-    a = loss_landscape(net, batch, _loss, directions=(d1, d2), grid=GRID)
-    b = loss_landscape(net, batch, _loss, directions=([d1[n] for n in names], d2), grid=GRID)
+    a = loss_landscape(net, batch, LOSS, directions=(d1, d2), grid=GRID)
+    b = loss_landscape(net, batch, LOSS, directions=([d1[n] for n in names], d2), grid=GRID)
     torch.testing.assert_close(a.values, b.values, rtol=0, atol=0)
     assert torch.count_nonzero(a.directions[1]["0.weight"]) == 0
     torch.testing.assert_close(
@@ -191,25 +194,35 @@ def test_given_directions_hessian_directions_rows_and_plot() -> None:
         atol=1e-12,
     )  # fmt: skip
     with pytest.raises(ValueError, match="shape"):
-        loss_landscape(net, batch, _loss, directions=({"7.weight": torch.ones(2)}, d2))
+        loss_landscape(net, batch, LOSS, directions=({"7.weight": torch.ones(2)}, d2))
     with pytest.raises(ValueError, match="bn policy"):
-        loss_landscape(net, batch, _loss, bn="train")  # type: ignore[arg-type]
+        loss_landscape(net, batch, LOSS, bn="train")  # type: ignore[arg-type]
 
-    h = loss_landscape(net, batch, _loss, directions="hessian", grid=GRID, generator=0)
+    h = loss_landscape(net, batch, LOSS, directions="hessian", grid=GRID, generator=0)
     u1 = torch.cat([t.reshape(-1) for t in h.directions[0].values()])
     u2 = torch.cat([t.reshape(-1) for t in h.directions[1].values()])
     assert float(u1.norm()) == pytest.approx(1.0) and float(u2.norm()) == pytest.approx(1.0)
     assert abs(float(u1 @ u2)) < 1e-8
     assert any("eigenvalues" in n for n in h.notes)
 
-    rows = a.to_rows()
+    rows = a.rows()
     assert rows.columns == list(LANDSCAPE_COLUMNS) and len(rows) == 12
     assert rows[5] == {"t1": -0.25, "t2": 0.0, "loss": float(a.values[1, 1])}
+    assert a.to_rows() == rows.to_rows() and isinstance(a.to_rows()[0], dict)
+    assert a.used is not None and (a.used.batches, a.used.examples) == (1, 8)
+    assert rows.used == a.used
+    assert a.to_markdown().count("\n") == 12 + 4  # heading, blank, header, rule, 12 rows
+    pd = pytest.importorskip("pandas")
+    assert isinstance(a.to_pandas(), pd.DataFrame) and list(a.to_pandas().columns) == [
+        "t1",
+        "t2",
+        "loss",
+    ]
     pytest.importorskip("matplotlib")
     ax = a.plot(log=True)
     a.contour(ax=ax)
     assert ax.figure is not None and ax.get_xlabel() == "t1"
-    line = loss_landscape(net, batch, _loss, grid=([0.0], [-1.0, 0.0, 1.0]), generator=0)
+    line = loss_landscape(net, batch, LOSS, grid=([0.0], [-1.0, 0.0, 1.0]), generator=0)
     assert line.plot().get_xlabel() == "t2"
 
 
@@ -235,16 +248,16 @@ def test_vmap_failure_falls_back_to_a_loop() -> None:
 
 def test_auto_batching_and_bad_chunk_size() -> None:
     net, batch = _bn_net()
-    small = loss_landscape(net, batch, _loss, grid=GRID, generator=0, batched="auto")
+    small = loss_landscape(net, batch, LOSS, grid=GRID, generator=0, batched="auto")
     assert small.method == "vmap" and "vmap" in small.notes[-1]
     big = create_model("paper_mlp", n_in=64).to(DT)
     xb = (torch.randn(512, 64, dtype=DT), torch.randint(0, 10, (512,)))
     land = loss_landscape(big, xb, "cross_entropy", grid=([0.0], [0.0, 1.0]), batched="auto")
     assert land.method == "loop" and "loop" in land.notes[-1]
     with pytest.raises(ValueError, match="chunk_size"):
-        loss_landscape(net, batch, _loss, grid=GRID, chunk_size=0)
+        loss_landscape(net, batch, LOSS, grid=GRID, chunk_size=0)
     with pytest.raises(ValueError, match="batched"):
-        loss_landscape(net, batch, _loss, grid=GRID, batched="yes")  # type: ignore[arg-type]
+        loss_landscape(net, batch, LOSS, grid=GRID, batched="yes")  # type: ignore[arg-type]
 
 
 def test_lecture_nets_plain_and_residual() -> None:
@@ -261,3 +274,23 @@ def test_lecture_nets_plain_and_residual() -> None:
         assert float(land.values[2, 2]) == pytest.approx(land.center, rel=1e-12)
         out[name] = land
     assert not torch.equal(out["lecture_mlp"].values, out["lecture_resnet_mlp"].values)
+
+
+def test_renamed_keyword_and_loss_forms_agree() -> None:
+    net, batch = _bn_net()
+    ref = loss_landscape(net, batch, LOSS, grid=GRID, generator=4)
+    with pytest.warns(DeprecationWarning, match="data="):
+        old = loss_landscape(net, batch_or_batches=batch, loss_fn=LOSS, grid=GRID, generator=4)
+    assert torch.equal(old.values, ref.values)
+    for form in (F.cross_entropy, "cross_entropy", lambda m, b: F.cross_entropy(m(b[0]), b[1])):
+        for batched in (True, False):
+            land = loss_landscape(net, batch, form, grid=GRID, generator=4, batched=batched)
+            torch.testing.assert_close(land.values, ref.values, rtol=1e-12, atol=0)
+    h_ref = loss_landscape(net.eval(), batch, LOSS, directions="hessian", grid=GRID, generator=0)
+    h = loss_landscape(
+        net, batch, lambda m, b: F.cross_entropy(m(b[0]), b[1]), directions="hessian",
+        grid=GRID, generator=0,
+    )  # fmt: skip
+    torch.testing.assert_close(h.values, h_ref.values, rtol=1e-8, atol=1e-10)
+    with pytest.raises(ValueError, match="forward= applies"):
+        loss_landscape(net, batch, lambda m, b: m(b[0]).sum(), forward=lambda m, b: m(b[0]))

@@ -1120,3 +1120,106 @@ def test_attention_shortcut_matches_a_loop(case, monkeypatch):
     for row in table:
         name = f"{row['module']}.{row['param']}"
         assert row["E_dW2_example"] == pytest.approx(oracle[name], rel=1e-8), name
+
+
+# ------------------------------------------------------------ data and loss forms (the core)
+
+
+class KwNet(nn.Module):
+    """A model with keyword inputs, returning a dict with ``logits`` (and ``loss`` with labels),
+    as Hugging Face models do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(5, 7)
+        self.head = nn.Linear(7, 3)
+
+    def forward(self, features: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
+        logits = self.head(torch.tanh(self.body(features)))
+        out = {"logits": logits}
+        if labels is not None:
+            out["loss"] = F.cross_entropy(logits, labels)
+        return out
+
+
+def _values(probe: MomentProbe) -> list:
+    return [(r["module"], r["quantity"], r["index"], r["param"], r["stat"], r["value"])
+            for r in probe.rows()]  # fmt: skip
+
+
+def _ce_data() -> tuple[nn.Module, list]:
+    torch.manual_seed(11)
+    model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3)).double()
+    gen = torch.Generator().manual_seed(0)
+    data = [
+        (torch.randn(n, 5, generator=gen, dtype=F64), torch.randint(0, 3, (n,), generator=gen))
+        for n in (8, 4)
+    ]
+    return model, data
+
+
+def test_measure_moments_old_batches_keyword_warns_and_agrees():
+    model, data = _ce_data()
+    new = measure_moments(model, data, "cross_entropy")
+    with pytest.warns(DeprecationWarning, match="data="):
+        old = measure_moments(model, batches=data, loss_fn="cross_entropy")
+    assert _values(old) == _values(new)
+
+
+def test_measure_moments_loss_forms_agree_and_used():
+    model, data = _ce_data()
+    forms = [
+        nn.CrossEntropyLoss(),
+        F.cross_entropy,
+        "cross_entropy",
+        lambda m, b: F.cross_entropy(m(b[0]), b[1]),
+    ]
+    results = [_values(measure_moments(model, data, form)) for form in forms]
+    assert all(r == results[0] for r in results[1:])
+    probe = measure_moments(model, data, F.cross_entropy)
+    assert (probe.used.batches, probe.used.examples) == (2, 12)
+    one = measure_moments(model, iter(data), F.cross_entropy, max_batches=1)  # a generator
+    assert (one.used.batches, one.used.examples) == (1, 8)
+    single = measure_moments(model, data[0], F.cross_entropy)  # one (x, y) batch
+    assert _values(single) == _values(one)
+
+
+def test_measure_moments_empty_and_ambiguous_data():
+    from initlab._core.data import AmbiguousDataError
+
+    model, _ = _ce_data()
+    with pytest.raises(ValueError, match="got no batch"):
+        measure_moments(model, [], "cross_entropy")
+    with pytest.raises(ValueError, match="got no batch"):
+        measure_moments(model, iter([]))
+    x = torch.randn(4, 5, dtype=F64)
+    with pytest.raises(AmbiguousDataError, match="Batches"):
+        measure_moments(model, [x, x.clone()])
+
+
+def test_measure_moments_dict_batch_to_keyword_model():
+    torch.manual_seed(12)
+    model = KwNet().double()
+    x, y = torch.randn(6, 5, dtype=F64), torch.randint(0, 3, (6,))
+    batch = {"features": x, "labels": y}
+    forward_only = measure_moments(model, batch)  # model(**batch), no gradient rows
+    assert forward_only.used.examples == 6
+    assert not any(r["quantity"] == "dW" for r in forward_only.rows())
+    own = measure_moments(model, batch, None)
+    assert not any(r["quantity"] == "dW" for r in own.rows())  # None stays forward-only
+    forms = [
+        "model",
+        nn.CrossEntropyLoss(),
+        lambda m, b: F.cross_entropy(m(**b)["logits"], b["labels"]),
+    ]
+    results = [_values(measure_moments(model, batch, form)) for form in forms]
+    assert any(r[1] == "dW" for r in results[0])
+    assert all(r == results[0] for r in results[1:])
+
+
+def test_dict_batch_to_positional_model_says_what_to_do():
+    model, data = _ce_data()
+    batch = {"x": data[0][0], "labels": data[0][1]}
+    for loss_fn in (None, "cross_entropy"):
+        with pytest.raises(TypeError, match=r"keyword arguments, model\(\*\*batch\)"):
+            measure_moments(model, batch, loss_fn)

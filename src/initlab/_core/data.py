@@ -39,6 +39,7 @@ __all__ = [
     "first_tensor",
     "is_single_batch",
     "iter_batches",
+    "keyword_error",
     "output_tensor",
     "take_batches",
 ]
@@ -242,10 +243,32 @@ def default_forward(model: nn.Module, batch: Any) -> Any:
     if isinstance(batch, torch.Tensor):
         return model(batch)
     if isinstance(batch, Mapping):
-        return model(**batch)
+        try:
+            return model(**batch)
+        except TypeError as err:
+            clear = keyword_error(err, batch, "the default forward")
+            if clear is None:
+                raise
+            raise clear from err
     if isinstance(batch, (tuple, list)):
         return model(batch[0])
     return model(batch)
+
+
+def keyword_error(err: TypeError, batch: Any, what: str) -> TypeError | None:
+    """A clear error for a model that cannot take a dict batch's keys as keyword arguments
+    (``model(**batch)``, the default forward of a dict batch), or ``None`` for any other error."""
+    text = str(err)
+    if not isinstance(batch, Mapping) or not (
+        "keyword argument" in text or "required positional argument" in text
+    ):
+        return None
+    return TypeError(
+        f"{what}: a dict batch is passed to the model as keyword arguments, model(**batch), and "
+        f"the model does not take its keys {sorted(map(str, batch))} ({err}). Pass (x, y) "
+        "batches, forward=lambda model, batch: ... with a loss on the outputs, or a "
+        "loss_fn(model, batch) that calls the model itself"
+    )
 
 
 def output_tensor(outputs: Any, *, what: str = "the model's output") -> torch.Tensor:

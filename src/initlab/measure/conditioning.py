@@ -119,14 +119,14 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from initlab._core.data import batch_size, take_batches
 from initlab._core.distributed import all_reduce_sum
+from initlab._core.loss import LossLike, resolve_loss
 from initlab._core.rows import Rows
 from initlab.init.registry import ParamSpec, Registry, default_registry
 from initlab.measure.probe import MomentProbe, measure_moments
@@ -223,66 +223,31 @@ def _ratio(num: float, den: float) -> float:
     return num / den
 
 
-def gr_scaling(
-    probe: MomentProbe,
-    model: nn.Module | None = None,
-    *,
-    alpha: Mapping[str, float] | None = None,
-    examples: int | None = None,
-    registry: Registry | None = None,
-    all_reduce: bool = False,
-) -> Rows:
-    """GR scaling ``gamma`` and weight-to-gradient ratios ``nu`` per weight layer (a probe's data).
-
-    See the module docstring for the formulas, what each moment is, and the derivation of
-    ``gamma_w == nu_w`` under the paper's independence assumptions.
-
-    Args:
-        probe: a :class:`~initlab.MomentProbe` that ran forward and backward passes (with
-            ``per_example=True``, the default, for ``nu_w``/``nu_b`` and for ``p2``).
-        model: the probed model (default ``probe.model``).
-        alpha: conditioning multiplier per module name (missing names: 1). ``gamma_w``, ``nu_w`` and
-            ``nu_w_minibatch`` are multiplied by ``alpha^4``; ``x``, ``y``, ``dy`` and the bias
-            columns are unchanged, since a multiplier with the init divided by it does not change
-            the forward or backward pass.
-        examples: number of examples the backward passes saw (all ranks together when
-            ``all_reduce``). Default: read off the per-example gradient counts of each layer's
-            weight; give it when those are unavailable (``per_example=False``, train-mode
-            BatchNorm), else ``p2`` and ``gamma`` are NaN for those layers.
-        registry: the layer registry (default :func:`~initlab.init.registry.default_registry`).
-        all_reduce: sum the probe's moments over the ranks of a ``torch.distributed`` job before
-            forming ratios, so every rank gets the pooled values (every rank must call it).
-
-    Returns:
-        :class:`~initlab.Rows` with columns :data:`GR_COLUMNS`.
-    """
-    model = probe.model if model is None else model
-    reg = default_registry() if registry is None else registry
-    alpha = dict(alpha or {})
-    values = _probe_values(probe)
+def _layers(
+    probe: MomentProbe, model: nn.Module, reg: Registry
+) -> list[tuple[str, nn.Module, ParamSpec, str | None]]:
+    """``(name, module, weight spec, bias name)`` of every probed weight layer, in the order of
+    ``probe.table()`` (execution order)."""
     modules = dict(model.named_modules())
-    unknown = sorted(set(alpha) - set(modules))
-    if unknown:
-        raise ValueError(f"alpha names modules the model does not have: {unknown}")
-
     layers = []
     for t in probe.table():
-        name = t["module"]
-        module = modules.get(name)
-        if module is None:
-            continue
-        spec = _weight_spec(module, reg)
-        if spec is None:
-            continue
-        layers.append((t, name, module, spec, _bias_name(module, reg)))
+        module = modules.get(t["module"])
+        spec = None if module is None else _weight_spec(module, reg)
+        if spec is not None:
+            layers.append((t["module"], module, spec, _bias_name(module, reg)))
+    return layers
 
-    # The sums behind every pooled moment, so that ranks can be added exactly:
-    # per layer [x, y, dy, W, dW, dW_ex, b, db_ex] as (sq_mean * numel, numel).
-    def get(name: str, q: str, param: str, stat: str) -> float:
-        return values.get((name, q, param, stat), _NAN)
 
+def _moment_sums(
+    probe: MomentProbe,
+    layers: list[tuple[str, nn.Module, ParamSpec, str | None]],
+    all_reduce: bool,
+) -> torch.Tensor:
+    """The sums behind every pooled moment, so that ranks can be added exactly: per layer
+    ``[x, y, dy, W, dW, dW_ex, b, db_ex]`` as ``(sq_mean * numel, numel)``."""
+    values = _probe_values(probe)
     sums = torch.zeros(len(layers), 8, 2, dtype=torch.float64)
-    for i, (_, name, _, spec, bias) in enumerate(layers):
+    for i, (name, _, spec, bias) in enumerate(layers):
         keys = [
             ("x", ""),
             ("y", ""),
@@ -294,98 +259,214 @@ def gr_scaling(
             ("dW_example", bias or "-"),
         ]
         for j, (q, param) in enumerate(keys):
-            n = get(name, q, param, "numel")
-            m = get(name, q, param, "sq_mean")
+            n = values.get((name, q, param, "numel"), _NAN)
+            m = values.get((name, q, param, "sq_mean"), _NAN)
             if math.isnan(n):
                 n = 0.0
             sums[i, j, 0] = m * n if n > 0 else (_NAN if q != "W" else 0.0)
             sums[i, j, 1] = n
     if all_reduce:
         all_reduce_sum([sums])
+    return sums
 
-    def moment(i: int, j: int) -> float:
-        s, n = sums[i, j].tolist()
-        return s / n if n > 0 else _NAN
 
-    def count(i: int, j: int) -> float:
-        return float(sums[i, j, 1])
-
-    rows: list[dict[str, Any]] = []
-    for i, (_, name, module, spec, bias) in enumerate(layers):
-        notes: list[str] = []
-        kind = _kind(module, spec)
-        a = float(alpha.get(name, 1.0))
-        a4 = a**4
-        e_x2, e_y2, e_dy2 = moment(i, 0), moment(i, 1), moment(i, 2)
-        e_w2, e_dw2, e_dw2_ex = moment(i, 3), moment(i, 4), moment(i, 5)
-        e_b2, e_db2_ex = moment(i, 6), moment(i, 7)
-        weight = getattr(module, spec.name)
-        n_in = k2 = None
-        p2 = _NAN
-        if kind == "other":
-            notes.append(
+def _p2(
+    module: nn.Module, spec: ParamSpec, kind: str, sums: torch.Tensor, examples: int | None
+) -> tuple[int | None, int | None, float, list[str]]:
+    """``(n_in, k2, p2, notes)`` of one layer (``sums``: its ``[8, 2]`` moment sums)."""
+    if kind == "other":
+        return (
+            None,
+            None,
+            _NAN,
+            [
                 "gamma not derived for this layer type (Eq. 1 covers linear and conv layers); "
                 "nu is measured"
-            )
-        else:
-            assert spec.fans is not None
-            k2 = spec.fans.receptive_field
-            n_in = spec.fans.fan_in // k2
-            n_out = module.out_channels if kind == "conv" else spec.fans.fan_out
-            n_examples = float(examples) if examples is not None else _NAN
-            if examples is None and count(i, 5) > 0 and math.isfinite(e_dw2_ex):
-                n_examples = count(i, 5) / weight.numel()
-            if math.isnan(n_examples):
-                notes.append(
-                    "p2 unknown: no per-example gradient counts; pass examples= to gr_scaling"
-                )
-            elif count(i, 2) > 0:
-                p2 = count(i, 2) / (n_examples * n_out)
-        if count(i, 2) == 0:
-            notes.append("no gradient reached the output (forward-only probe or unused output)")
-        gamma_w = _NAN
-        gamma_b = _NAN
-        if n_in is not None and k2 is not None and math.isfinite(p2):
-            gamma_w = _ratio(a4 * n_in * k2 * p2 * e_x2 * e_x2 * e_dy2, e_y2)
-            if bias is not None:
-                gamma_b = _ratio(p2 * e_dy2, e_y2)
-        nu_w = _ratio(a4 * e_dw2_ex, e_w2)
-        if math.isnan(e_dw2_ex) and count(i, 2) > 0:
-            notes.append("per-example weight gradient unavailable (see probe.notes)")
-        nu_b = _NAN
-        if bias is None:
-            notes.append("no bias")
-        elif not e_b2 > 0.0:
-            notes.append("bias is zero: nu_b = E[db^2]/E[b^2] undefined")
-        else:
-            nu_b = _ratio(e_db2_ex, e_b2)
-        rows.append(
-            {
-                "module": name,
-                "module_type": type(module).__name__,
-                "kind": kind,
-                "n_in": n_in,
-                "k2": k2,
-                "p2": p2,
-                "E_x2": e_x2,
-                "E_y2": e_y2,
-                "E_dy2": e_dy2,
-                "alpha": a,
-                "gamma_w": gamma_w,
-                "gamma_b": gamma_b,
-                "nu_w": nu_w,
-                "nu_b": nu_b,
-                "nu_w_minibatch": _ratio(a4 * e_dw2, e_w2),
-                "gamma_rel_median": _NAN,
-                "note": "; ".join(notes),
-            }
+            ],
         )
+    assert spec.fans is not None
+    k2 = spec.fans.receptive_field
+    n_in = spec.fans.fan_in // k2
+    n_out = module.out_channels if kind == "conv" else spec.fans.fan_out
+    n_examples = float(examples) if examples is not None else _NAN
+    count_ex, count_dy = float(sums[5, 1]), float(sums[2, 1])
+    if examples is None and count_ex > 0 and math.isfinite(float(sums[5, 0] / sums[5, 1])):
+        n_examples = count_ex / getattr(module, spec.name).numel()
+    if math.isnan(n_examples):
+        return (
+            n_in,
+            k2,
+            _NAN,
+            ["p2 unknown: no per-example gradient counts; pass examples= to gr_scaling"],
+        )
+    return n_in, k2, (count_dy / (n_examples * n_out) if count_dy > 0 else _NAN), []
+
+
+def _gr_row(
+    name: str,
+    module: nn.Module,
+    spec: ParamSpec,
+    bias: str | None,
+    sums: torch.Tensor,
+    a: float,
+    examples: int | None,
+) -> dict[str, Any]:
+    """One :data:`GR_COLUMNS` row (``sums``: the layer's ``[8, 2]`` moment sums)."""
+    m = [float(s / n) if n > 0 else _NAN for s, n in sums.tolist()]
+    e_x2, e_y2, e_dy2, e_w2, e_dw2, e_dw2_ex, e_b2, e_db2_ex = m
+    kind = _kind(module, spec)
+    a4 = a**4
+    n_in, k2, p2, notes = _p2(module, spec, kind, sums, examples)
+    reached = float(sums[2, 1]) > 0
+    if not reached:
+        notes.append("no gradient reached the output (forward-only probe or unused output)")
+    gamma_w = gamma_b = _NAN
+    if n_in is not None and k2 is not None and math.isfinite(p2):
+        gamma_w = _ratio(a4 * n_in * k2 * p2 * e_x2 * e_x2 * e_dy2, e_y2)
+        if bias is not None:
+            gamma_b = _ratio(p2 * e_dy2, e_y2)
+    if math.isnan(e_dw2_ex) and reached:
+        notes.append("per-example weight gradient unavailable (see probe.notes)")
+    nu_b = _NAN
+    if bias is None:
+        notes.append("no bias")
+    elif not e_b2 > 0.0:
+        notes.append("bias is zero: nu_b = E[db^2]/E[b^2] undefined")
+    else:
+        nu_b = _ratio(e_db2_ex, e_b2)
+    return {
+        "module": name,
+        "module_type": type(module).__name__,
+        "kind": kind,
+        "n_in": n_in,
+        "k2": k2,
+        "p2": p2,
+        "E_x2": e_x2,
+        "E_y2": e_y2,
+        "E_dy2": e_dy2,
+        "alpha": a,
+        "gamma_w": gamma_w,
+        "gamma_b": gamma_b,
+        "nu_w": _ratio(a4 * e_dw2_ex, e_w2),
+        "nu_b": nu_b,
+        "nu_w_minibatch": _ratio(a4 * e_dw2, e_w2),
+        "gamma_rel_median": _NAN,
+        "note": "; ".join(notes),
+    }
+
+
+def _probe_data(
+    model: nn.Module,
+    data: Any,
+    loss_fn: LossLike,
+    max_batches: int | None,
+    loss_reduction: Literal["mean", "sum"],
+    all_reduce: bool,
+    **probe_kwargs: Any,
+) -> tuple[MomentProbe, int | None]:
+    """The probe :func:`gr_scaling` needs on ``data`` (forward and backward of ``loss_fn``, with
+    per-example gradients) and the examples it saw (all ranks with ``all_reduce``)."""
+    probe_kwargs.setdefault("per_example", True)
+    probe = measure_moments(
+        model,
+        data,
+        resolve_loss(loss_fn, what="gr_scaling"),  # None: the default loss, not forward-only
+        max_batches=max_batches,
+        loss_reduction=loss_reduction,
+        **probe_kwargs,
+    )
+    assert probe.used is not None
+    if probe_kwargs.get("batch_dim") not in (None, 0):
+        return probe, None  # the batch is not along dim 0: count examples from the probe
+    examples = probe.used.examples or None  # 0: batches without a tensor to count
+    if all_reduce and examples is not None:
+        n = torch.tensor([float(examples)], dtype=torch.float64)
+        all_reduce_sum([n])
+        examples = int(n.item())
+    return probe, examples
+
+
+def gr_scaling(
+    probe: MomentProbe | nn.Module,
+    data: Any = None,
+    loss_fn: LossLike = None,
+    *,
+    max_batches: int | None = None,
+    loss_reduction: Literal["mean", "sum"] = "mean",
+    model: nn.Module | None = None,
+    alpha: Mapping[str, float] | None = None,
+    examples: int | None = None,
+    registry: Registry | None = None,
+    all_reduce: bool = False,
+) -> Rows:
+    """GR scaling ``gamma`` and weight-to-gradient ratios ``nu`` per weight layer.
+
+    Two forms:
+
+    * ``gr_scaling(model, data, loss_fn=None, *, max_batches=None, loss_reduction="mean")``
+      probes ``model`` on ``data`` first: :func:`~initlab.measure_moments` with
+      ``per_example=True`` (``nu`` and ``p2`` need per-example gradients) and the loss's
+      ``loss_reduction``, forward and backward of ``loss_fn`` (any form
+      :func:`~initlab._core.loss.resolve_loss` accepts; ``None``: the model's own loss, else
+      cross-entropy or MSE from the targets), ``examples`` counted from the data;
+    * ``gr_scaling(probe, model=None, ...)`` reads a :class:`~initlab.MomentProbe` that ran
+      forward and backward passes (with ``per_example=True``, the default, for ``nu_w``/``nu_b``
+      and for ``p2``).
+
+    See the module docstring for the formulas, what each moment is, and the derivation of
+    ``gamma_w == nu_w`` under the paper's independence assumptions.
+
+    Args:
+        probe: a probed :class:`~initlab.MomentProbe`, or the model (the first form).
+        data: one batch or many (:mod:`initlab._core.data`; first form). In the second form a
+            second positional argument is the model (``gr_scaling(probe, model)``).
+        loss_fn: the loss (first form).
+        max_batches: read at most this many batches (first form).
+        loss_reduction: ``"mean"`` or ``"sum"``, how the loss reduces over the batch (first form).
+        model: the probed model (default ``probe.model``).
+        alpha: conditioning multiplier per module name (missing names: 1). ``gamma_w``, ``nu_w`` and
+            ``nu_w_minibatch`` are multiplied by ``alpha^4``; ``x``, ``y``, ``dy`` and the bias
+            columns are unchanged, since a multiplier with the init divided by it does not change
+            the forward or backward pass.
+        examples: number of examples the backward passes saw (all ranks together when
+            ``all_reduce``). Default: read off the per-example gradient counts of each layer's
+            weight (the first form counts the data); give it when those are unavailable
+            (``per_example=False``, train-mode BatchNorm), else ``p2`` and ``gamma`` are NaN for
+            those layers.
+        registry: the layer registry (default :func:`~initlab.init.registry.default_registry`).
+        all_reduce: sum the probe's moments over the ranks of a ``torch.distributed`` job before
+            forming ratios, so every rank gets the pooled values (every rank must call it).
+
+    Returns:
+        :class:`~initlab.Rows` with columns :data:`GR_COLUMNS` (``used``: the probe's data).
+    """
+    if isinstance(probe, nn.Module):
+        if data is None:
+            raise TypeError("gr_scaling(model, data, loss_fn): pass the data to probe")
+        probe, counted = _probe_data(probe, data, loss_fn, max_batches, loss_reduction, all_reduce)
+        examples = counted if examples is None else examples
+    elif data is not None:
+        if model is not None or not isinstance(data, nn.Module):
+            raise TypeError("gr_scaling(probe, model): the second argument must be the model")
+        model = data
+    model = probe.model if model is None else model
+    reg = default_registry() if registry is None else registry
+    alpha = dict(alpha or {})
+    unknown = sorted(set(alpha) - {n for n, _ in model.named_modules()})
+    if unknown:
+        raise ValueError(f"alpha names modules the model does not have: {unknown}")
+    layers = _layers(probe, model, reg)
+    sums = _moment_sums(probe, layers, all_reduce)
+    rows = [
+        _gr_row(name, module, spec, bias, sums[i], float(alpha.get(name, 1.0)), examples)
+        for i, (name, module, spec, bias) in enumerate(layers)
+    ]
     finite = [r["gamma_w"] for r in rows if math.isfinite(r["gamma_w"]) and r["gamma_w"] > 0]
     if finite:
         med = statistics.median(finite)
         for r in rows:
             r["gamma_rel_median"] = _ratio(r["gamma_w"], med)
-    return Rows(rows, GR_COLUMNS, title="GR scaling")
+    return Rows(rows, GR_COLUMNS, title="GR scaling", used=probe.used)
 
 
 def imbalance(rows: Rows | list[Mapping[str, Any]], column: str = "gamma_w") -> dict[str, Any]:
@@ -465,7 +546,7 @@ def with_multipliers(rows: Rows, alpha: Mapping[str, float]) -> Rows:
 def gr_scaling_from_data(
     model: nn.Module,
     data: Any,
-    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    loss_fn: LossLike = None,
     *,
     alpha: Mapping[str, float] | None = None,
     n_batches: int | None = None,
@@ -478,23 +559,18 @@ def gr_scaling_from_data(
     Args:
         model: the model; weights, gradients (``.grad``) and modes are left as they are.
         data: one batch or an iterable of batches (see :mod:`initlab._core.data`).
-        loss_fn: ``loss_fn(model, batch) -> scalar loss``; declare its reduction to the probe with
-            ``loss_reduction=`` (``"mean"`` by default).
+        loss_fn: the loss, in any form :func:`~initlab._core.loss.resolve_loss` accepts; declare
+            its reduction to the probe with ``loss_reduction=`` (``"mean"`` by default).
         alpha: conditioning multipliers per module name, as in :func:`gr_scaling`.
         n_batches: use the first ``n_batches`` batches (default all).
         registry: the layer registry.
         all_reduce: pool the moments over ranks (see :func:`gr_scaling`).
         **probe_kwargs: passed to :class:`~initlab.MomentProbe`.
     """
-    batches = take_batches(data, n_batches, what="gr_scaling_from_data")
-    probe = measure_moments(model, batches, loss_fn, **probe_kwargs)
-    examples: int | None = sum(batch_size(b) for b in batches)
-    if probe_kwargs.get("batch_dim") not in (None, 0):
-        examples = None  # the batch is not along dim 0: count examples from the probe
-    elif all_reduce:
-        n = torch.tensor([float(examples)], dtype=torch.float64)
-        all_reduce_sum([n])
-        examples = int(n.item())
+    reduction = probe_kwargs.pop("loss_reduction", "mean")
+    probe, examples = _probe_data(
+        model, data, loss_fn, n_batches, reduction, all_reduce, **probe_kwargs
+    )
     return gr_scaling(
-        probe, model, alpha=alpha, examples=examples, registry=registry, all_reduce=all_reduce
+        probe, model=model, alpha=alpha, examples=examples, registry=registry, all_reduce=all_reduce
     )

@@ -56,7 +56,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from initlab._core.data import batch_size, default_forward, take_batches
+from initlab._core.data import DataUse, batch_size, data_use, keyword_error, take_batches
+from initlab._core.knobs import renamed_kwargs
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows
 from initlab.measure.curvature import (
@@ -65,7 +66,9 @@ from initlab.measure.curvature import (
     _batchnorms,
     functional_forward,
     model_state,
+    on_batches,
     resolve_loss,
+    split_loss,
 )
 
 __all__ = [
@@ -76,7 +79,8 @@ __all__ = [
 ]
 
 LANDSCAPE_COLUMNS: tuple[str, ...] = ("t1", "t2", "loss")
-"""Columns of :meth:`Landscape.to_rows`: the grid coordinates and the loss there."""
+"""Columns of :meth:`Landscape.to_rows` (and ``rows()``, ``to_pandas()``, ``to_markdown()``): the
+grid coordinates and the loss there."""
 
 BNPolicy = Literal["eval", "batch", "fixed"]
 _BN = ("eval", "batch", "fixed")
@@ -99,6 +103,7 @@ class Landscape:
         bn: the BatchNorm policy used.
         method: ``"vmap"`` or ``"loop"``.
         notes: what the reader should know (fallbacks, BatchNorm without running statistics).
+        used: the batches and examples the values were computed on.
     """
 
     values: torch.Tensor
@@ -109,15 +114,31 @@ class Landscape:
     bn: str
     method: str
     notes: tuple[str, ...] = field(default_factory=tuple)
+    used: DataUse | None = None
 
-    def to_rows(self) -> Rows:
-        """Tidy rows ``(t1, t2, loss)``, ``t2`` varying fastest (:data:`LANDSCAPE_COLUMNS`)."""
+    def rows(self) -> Rows:
+        """The grid as :class:`~initlab.Rows`: one row per grid point, columns
+        :data:`LANDSCAPE_COLUMNS` ``(t1, t2, loss)``, ``t2`` varying fastest; ``.used`` set."""
         rows = [
             {"t1": float(a), "t2": float(b), "loss": float(self.values[i, j])}
             for i, a in enumerate(self.t1)
             for j, b in enumerate(self.t2)
         ]
-        return Rows(rows, LANDSCAPE_COLUMNS, title=f"loss landscape (bn={self.bn!r})")
+        return Rows(
+            rows, LANDSCAPE_COLUMNS, title=f"loss landscape (bn={self.bn!r})", used=self.used
+        )
+
+    def to_rows(self) -> list[dict[str, Any]]:
+        """Tidy rows as plain dicts ``{"t1", "t2", "loss"}``, one per grid point, ``t2`` fastest."""
+        return self.rows().to_rows()
+
+    def to_pandas(self) -> Any:
+        """The tidy rows as a ``pandas.DataFrame`` (needs pandas)."""
+        return self.rows().to_pandas()
+
+    def to_markdown(self) -> str:
+        """The tidy rows as a markdown table."""
+        return self.rows().to_markdown()
 
     def plot(
         self,
@@ -326,10 +347,153 @@ def _activation_elements(model: nn.Module, batch: Any, base: dict, forward: Forw
     return total
 
 
+def _bn_bases(
+    model: nn.Module, batches: list[Any], bn: str, fwd: Forward, notes: list[str]
+) -> list[dict[str, torch.Tensor | None]]:
+    """Per batch, the state (cloned buffers) under the BatchNorm policy ``bn``; the model is put
+    in eval mode with its BatchNorms as the policy needs (the caller restores the modes)."""
+    model.eval()
+    bns = _batchnorms(model)
+    if bn == "batch":
+        for _, m in bns:
+            m.train()
+    bases = [model_state(model) for _ in batches]
+    if bn == "fixed" and bns:
+        for _, m in bns:
+            m.train()
+        stats = [_bn_stats(model, b, model_state(model), fwd) for b in batches]
+        for _, m in bns:
+            m.eval()
+        for base, st in zip(bases, stats, strict=True):
+            base.update(st)
+    untracked = [n for n, m in bns if not m.track_running_stats]
+    if untracked and bn == "eval":
+        notes.append(
+            f"BatchNorm layers {untracked} keep no running statistics: they normalize with "
+            "batch statistics even under bn='eval'"
+        )
+    return bases
+
+
+def _directions(
+    model: nn.Module,
+    directions: Any,
+    theta: dict[str, torch.Tensor],
+    hessian: Callable[[], tuple[torch.Tensor, list[dict[str, torch.Tensor]]]],
+    gen: torch.Generator | None,
+    notes: list[str],
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``(d1, d2)`` for ``directions`` (``hessian()``: the operator's top-2 eigenpairs)."""
+    if isinstance(directions, str) and directions == "filter_normalized":
+        return (
+            filter_normalized_direction(model, generator=gen),
+            filter_normalized_direction(model, generator=gen),
+        )
+    if isinstance(directions, str) and directions == "hessian":
+        lams, vecs = hessian()
+        notes.append(
+            f"Hessian eigenvalues of the directions (first batch): "
+            f"{float(lams[0]):.4g}, {float(lams[1]):.4g}"
+        )
+        return vecs[0], vecs[1]
+    if isinstance(directions, str):
+        raise ValueError(
+            f"unknown directions {directions!r}; valid: 'filter_normalized', 'hessian', "
+            "or a pair of directions"
+        )
+    if not (isinstance(directions, (tuple, list)) and len(directions) == 2):
+        raise ValueError("directions must be a name or a pair (d1, d2)")
+    return (
+        _user_direction(directions[0], theta, "d1"),
+        _user_direction(directions[1], theta, "d2"),
+    )
+
+
+def _chunk(
+    batched: bool | str,
+    chunk_size: int | None,
+    per_point: Callable[[], int],
+    on_cpu: bool,
+    n_points: int,
+    notes: list[str],
+) -> int | None:
+    """Grid points per vmapped call, or ``None`` for the loop (``batched``, ``chunk_size`` as in
+    :func:`loss_landscape`; ``per_point()``: parameter and activation elements of one point)."""
+    size = per_point() if batched == "auto" or (batched and chunk_size is None) else 0
+    if batched == "auto":
+        batched = not on_cpu or size < _AUTO_VMAP
+        notes.append(
+            f"batched='auto': {'vmap' if batched else 'loop'} ({size} elements "
+            f"per point on {'cpu' if on_cpu else 'an accelerator'})"
+        )
+    if not batched:
+        return None
+    if chunk_size is None:
+        return max(1, min(n_points, _BUDGET // max(size, 1)))
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    return max(1, min(n_points, chunk_size))
+
+
+def _grid_values(
+    at: Callable[[Mapping[str, torch.Tensor]], torch.Tensor],
+    theta: dict[str, torch.Tensor],
+    d1: Mapping[str, torch.Tensor],
+    d2: Mapping[str, torch.Tensor],
+    t1: torch.Tensor,
+    t2: torch.Tensor,
+    chunk: int | None,
+    notes: list[str],
+) -> tuple[torch.Tensor, str]:
+    """The loss at every grid point (row-major, ``t2`` fastest) and the method used."""
+    aa, bb = torch.meshgrid(t1, t2, indexing="ij")
+    aa, bb = aa.reshape(-1), bb.reshape(-1)
+    n_points = aa.numel()
+    values = torch.empty(n_points, dtype=torch.float64)
+    if chunk is not None:
+        try:
+            vf = torch.func.vmap(at)
+            for s in range(0, n_points, chunk):
+                e = min(n_points, s + chunk)
+                values[s:e] = vf(_point_params(theta, d1, d2, aa[s:e], bb[s:e])).double()
+            return values, "vmap"
+        except Exception as err:  # vmap cannot run this model: evaluate point by point
+            notes.append(f"vmap failed ({type(err).__name__}: {err}); evaluated in a loop")
+    for i in range(n_points):
+        pp = _point_params(theta, d1, d2, aa[i : i + 1], bb[i : i + 1])
+        values[i] = float(at({n: v[0] for n, v in pp.items()}))
+    return values, "loop"
+
+
+def _center(
+    at: Callable[[Mapping[str, torch.Tensor]], torch.Tensor],
+    theta: dict[str, torch.Tensor],
+    batch: Any,
+) -> float:
+    """The loss at ``θ``: the first call of the model (a clear error for a dict batch the
+    model cannot take as keyword arguments)."""
+    try:
+        return float(at(theta))
+    except TypeError as err:
+        clear = keyword_error(err, batch, "loss_landscape")
+        if clear is None:
+            raise
+        raise clear from err
+
+
+def _grid(grid: tuple[Any, Any] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    if grid is None:
+        grid = (torch.linspace(-1, 1, 21), torch.linspace(-1, 1, 21))
+    if not (isinstance(grid, (tuple, list)) and len(grid) == 2):
+        raise ValueError("grid must be a pair (t1_values, t2_values)")
+    return _as_grid(grid[0], "t1"), _as_grid(grid[1], "t2")
+
+
+@renamed_kwargs(batch_or_batches="data")
 def loss_landscape(
     model: nn.Module,
-    batch_or_batches: Any,
-    loss_fn: LossFn,
+    data: Any,
+    loss_fn: LossFn = None,
     *,
     directions: Literal["filter_normalized", "hessian"] | Sequence[Any] = "filter_normalized",
     grid: tuple[Any, Any] | None = None,
@@ -343,9 +507,13 @@ def loss_landscape(
 
     Args:
         model: any ``nn.Module``; never mutated (parameters, buffers, modes).
-        batch_or_batches: one batch or an iterable of batches (:mod:`initlab._core.data`).
-        loss_fn: ``loss_fn(outputs, batch) -> scalar``, a ``NamedLoss`` or a loss name
-            (:func:`initlab.measure.curvature.resolve_loss`).
+        data: one batch or many (:mod:`initlab._core.data`; formerly ``batch_or_batches=``): a
+            tensor, an ``(x, y)`` tuple, a dict of model inputs, a ``DataLoader``, a list of
+            ``(x, y)`` tuples or ``initlab.Batches([...])``. All batches are read.
+        loss_fn: the loss, in any form :func:`~initlab._core.loss.resolve_loss` accepts:
+            ``loss_fn(model, batch)``, a criterion (``nn.CrossEntropyLoss()``,
+            ``F.cross_entropy``), the model's own loss, a name (``"cross_entropy"``, ``"mse"``,
+            ...) or ``initlab.outputs_loss(fn)``. ``None``: the resolver's default.
         directions: ``"filter_normalized"`` (default), ``"hessian"`` (top-2 eigenvectors by
             ``|λ|``), or two directions, each a dict parameter name → tensor (missing names: 0)
             or a list of tensors for all trainable parameters in ``named_parameters`` order.
@@ -362,152 +530,68 @@ def loss_landscape(
             than plain ones.
         chunk_size: grid points per vmapped call (default from a budget of about ``2**21``
             elements of parameters and activations per chunk).
-        forward: ``forward(model, batch) -> outputs`` (default
+        forward: ``forward(model, batch) -> outputs`` for a loss on the outputs (default
             :func:`~initlab._core.data.default_forward`).
 
     Returns:
-        :class:`Landscape`.
+        :class:`Landscape` (``used``: the batches and examples read).
     """
     if bn not in _BN:
         raise ValueError(f"unknown bn policy {bn!r}; valid policies: {list(_BN)}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    loss = resolve_loss(loss_fn)
-    fwd = forward or default_forward
-    batches = take_batches(batch_or_batches, what="loss_landscape")
-    sizes = [batch_size(b) for b in batches]
-    weights = [s / sum(sizes) for s in sizes]
-    if grid is None:
-        grid = (torch.linspace(-1, 1, 21), torch.linspace(-1, 1, 21))
-    if not (isinstance(grid, (tuple, list)) and len(grid) == 2):
-        raise ValueError("grid must be a pair (t1_values, t2_values)")
-    t1, t2 = _as_grid(grid[0], "t1"), _as_grid(grid[1], "t2")
+    if batched not in (True, False, "auto"):
+        raise ValueError(f"batched must be True, False or 'auto', got {batched!r}")
+    batches = take_batches(data, what="loss_landscape")
+    loss = on_batches(resolve_loss(loss_fn, what="loss_landscape"), batches)
+    fwd, on_outputs = split_loss(loss, forward, what="loss_landscape")
+    used = data_use(batches)
+    weights = [batch_size(b) / used.examples for b in batches]
+    t1, t2 = _grid(grid)
     theta = {n: p.detach() for n, p in _trainable(model).items()}
     if not theta:
         raise ValueError("the model has no trainable parameter to move along")
-    gen = as_generator(generator)
     notes: list[str] = []
-
     modes = [(m, m.training) for m in model.modules()]
     try:
-        model.eval()
-        bns = _batchnorms(model)
-        if bn == "batch":
-            for _, m in bns:
-                m.train()
-        bases = [model_state(model) for _ in batches]
-        if bn == "fixed" and bns:
-            for m in (m for _, m in bns):
-                m.train()
-            stats = [_bn_stats(model, b, model_state(model), fwd) for b in batches]
-            for m in (m for _, m in bns):
-                m.eval()
-            for base, st in zip(bases, stats, strict=True):
-                base.update(st)
-        untracked = [n for n, m in bns if not m.track_running_stats]
-        if untracked and bn == "eval":
-            notes.append(
-                f"BatchNorm layers {untracked} keep no running statistics: they normalize with "
-                "batch statistics even under bn='eval'"
+        bases = _bn_bases(model, batches, bn, fwd, notes)
+
+        def hessian() -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
+            from initlab.measure.curvature import CurvatureOperator
+
+            overrides = {k: v for k, v in bases[0].items() if k not in theta and "running_" in k}
+            op = CurvatureOperator(
+                model, batches[0], loss, params=list(theta), forward=forward, buffers=overrides
             )
+            return op.eigenpairs(2, generator=gen)
 
-        # Directions.
-        if isinstance(directions, str):
-            if directions == "filter_normalized":
-                d1 = filter_normalized_direction(model, generator=gen)
-                d2 = filter_normalized_direction(model, generator=gen)
-            elif directions == "hessian":
-                from initlab.measure.curvature import CurvatureOperator
-
-                overrides = {
-                    k: v for k, v in bases[0].items() if k not in theta and "running_" in k
-                }
-                op = CurvatureOperator(
-                    model, batches[0], loss, params=list(theta), forward=fwd, buffers=overrides
-                )
-                lams, vecs = op.eigenpairs(2, generator=gen)
-                d1, d2 = vecs
-                notes.append(
-                    f"Hessian eigenvalues of the directions (first batch): "
-                    f"{float(lams[0]):.4g}, {float(lams[1]):.4g}"
-                )
-            else:
-                raise ValueError(
-                    f"unknown directions {directions!r}; valid: 'filter_normalized', 'hessian', "
-                    "or a pair of directions"
-                )
-        else:
-            if not (isinstance(directions, (tuple, list)) and len(directions) == 2):
-                raise ValueError("directions must be a name or a pair (d1, d2)")
-            d1 = _user_direction(directions[0], theta, "d1")
-            d2 = _user_direction(directions[1], theta, "d2")
+        gen = as_generator(generator)
+        d1, d2 = _directions(model, directions, theta, hessian, gen, notes)
 
         def at(params: Mapping[str, torch.Tensor]) -> torch.Tensor:
             total: torch.Tensor | float = 0.0
             for w, b, base in zip(weights, batches, bases, strict=True):
-                state = {**base, **params}
-                out = functional_forward(model, state, b, fwd)
-                total = total + w * loss(out, b).reshape(())
+                out = functional_forward(model, {**base, **params}, b, fwd)
+                total = total + w * on_outputs(out, b).reshape(())
             assert isinstance(total, torch.Tensor)
             return total
 
-        aa, bb = torch.meshgrid(t1, t2, indexing="ij")
-        aa, bb = aa.reshape(-1), bb.reshape(-1)
-        n_points = aa.numel()
-        values = torch.empty(n_points, dtype=torch.float64)
-        method = "loop"
         with torch.no_grad():
-            center = float(at(theta))
-            if batched not in (True, False, "auto"):
-                raise ValueError(f"batched must be True, False or 'auto', got {batched!r}")
-            per_point = 0
-            if batched == "auto" or (batched and chunk_size is None):
-                per_point = sum(p.numel() for p in theta.values()) + _activation_elements(
-                    model, batches[0], bases[0], fwd
-                ) * len(batches)
-            if batched == "auto":
-                on_cpu = next(iter(theta.values())).device.type == "cpu"
-                batched = not on_cpu or per_point < _AUTO_VMAP
-                notes.append(
-                    f"batched='auto': {'vmap' if batched else 'loop'} ({per_point} elements "
-                    f"per point on {'cpu' if on_cpu else 'an accelerator'})"
-                )
-            if batched:
-                if chunk_size is None:
-                    chunk = max(1, min(n_points, _BUDGET // max(per_point, 1)))
-                else:
-                    if (
-                        isinstance(chunk_size, bool)
-                        or not isinstance(chunk_size, int)
-                        or chunk_size < 1
-                    ):
-                        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-                    chunk = max(1, min(n_points, chunk_size))
-                try:
-                    vf = torch.func.vmap(at)
-                    for s in range(0, n_points, chunk):
-                        e = min(n_points, s + chunk)
-                        values[s:e] = vf(_point_params(theta, d1, d2, aa[s:e], bb[s:e])).double()
-                    method = "vmap"
-                except Exception as err:  # vmap cannot run this model: evaluate point by point
-                    notes.append(f"vmap failed ({type(err).__name__}: {err}); evaluated in a loop")
-                    method = "loop"
-            if method == "loop":
-                for i in range(n_points):
-                    pp = _point_params(theta, d1, d2, aa[i : i + 1], bb[i : i + 1])
-                    values[i] = float(at({n: v[0] for n, v in pp.items()}))
+            center = _center(at, theta, batches[0])
+
+            def per_point() -> int:
+                acts = _activation_elements(model, batches[0], bases[0], fwd)
+                return sum(p.numel() for p in theta.values()) + acts * len(batches)
+
+            on_cpu = next(iter(theta.values())).device.type == "cpu"
+            chunk = _chunk(batched, chunk_size, per_point, on_cpu, t1.numel() * t2.numel(), notes)
+            values, method = _grid_values(at, theta, d1, d2, t1, t2, chunk, notes)
     finally:
         for m, mode in modes:
             m.train(mode)
     if not math.isfinite(center):
         notes.append("the loss at the centre is not finite")
     return Landscape(
-        values=values.reshape(len(t1), len(t2)),
-        t1=t1,
-        t2=t2,
-        directions=(dict(d1), dict(d2)),
-        center=center,
-        bn=bn,
-        method=method,
-        notes=tuple(notes),
-    )
+        values.reshape(len(t1), len(t2)), t1, t2, (dict(d1), dict(d2)), center, bn, method,
+        tuple(notes), used,
+    )  # fmt: skip

@@ -42,7 +42,8 @@ probes continue until every reported block has ``stderr <= rel_tol * |value|`` (
 Rademacher probes have the smaller variance: ``Var‖A r‖² = 2(‖AᵀA‖_F² − Σ_i (AᵀA)_ii²)`` against
 ``2‖AᵀA‖_F²`` for Gaussian probes.
 
-Product modes (``mode=``), measured in ``benchmarks/bench_curvature.py``:
+Product modes (``ad_mode=``; ``mode=`` in :func:`hessian_vector_product` and
+:func:`ggn_vector_product`), measured in ``benchmarks/bench_curvature.py``:
 
 * ``"rev_rev"`` (default): reverse-over-reverse (double backward). The gradient ``g = ∇f`` is built
   once with ``create_graph=True`` and every product is one more backward pass through it,
@@ -82,7 +83,8 @@ Where things are:
   :func:`ggn_vector_product`, the product engines and their retained-graph VJP helper,
   :class:`DoubleBackwardError` and the detection of second-order failures;
 * :mod:`~initlab.measure.curvature.functional`: :func:`model_state`, :func:`functional_forward`
-  (calling a model without mutating it), :func:`resolve_loss`, :func:`quadratic_loss`;
+  (calling a model without mutating it), :func:`split_loss` (a resolved loss at the model's
+  outputs; :func:`resolve_loss` is :func:`initlab._core.loss.resolve_loss`), :func:`quadratic_loss`;
 * :mod:`~initlab.measure.curvature.operators`: :class:`BlockSpec`, :class:`CurvatureOperator`,
   :class:`BlockOperator`, and locating the module where second order fails;
 * :mod:`~initlab.measure.curvature.lanczos`: the Lanczos eigensolver behind
@@ -129,8 +131,10 @@ from initlab.measure.curvature.functional import (
     _batchnorms,
     functional_forward,
     model_state,
+    on_batches,
     quadratic_loss,
     resolve_loss,
+    split_loss,
 )
 from initlab.measure.curvature.lanczos import _lanczos
 from initlab.measure.curvature.operators import (

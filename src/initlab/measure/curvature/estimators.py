@@ -17,6 +17,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from initlab._core.data import data_use, take_batches
+from initlab._core.knobs import renamed_kwargs
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows
 from initlab.measure.curvature.functional import Forward, LossFn
@@ -115,10 +117,11 @@ class BlockCurvature(Rows):
         return out
 
 
+@renamed_kwargs(batch="data", mode="ad_mode")
 def block_curvature(
     model: nn.Module,
-    batch: Any,
-    loss_fn: LossFn,
+    data: Any,
+    loss_fn: LossFn = None,
     *,
     kind: Kind = "hessian",
     params: Sequence[str] | Mapping[str, Sequence[str]] | None = None,
@@ -130,7 +133,7 @@ def block_curvature(
     full_matrix: bool = False,
     probe: ProbeKind = "rademacher",
     normalize: Normalize = "min",
-    mode: Mode = "rev_rev",
+    ad_mode: Mode = "rev_rev",
     forward: Forward | None = None,
 ) -> BlockCurvature:
     r"""Average squared singular value of every block of the Hessian (or GGN), with its stderr.
@@ -142,10 +145,15 @@ def block_curvature(
 
     Args:
         model: any ``nn.Module`` (not mutated; train/eval modes as they are).
-        batch: one batch.
-        loss_fn: ``loss_fn(outputs, batch) -> scalar``, a ``NamedLoss`` or a loss name
-            (:func:`resolve_loss`).
-        kind: ``"hessian"`` or ``"ggn"`` (generalized Gauss–Newton ``Jᵀ H_out J``).
+        data: one batch, or many (:mod:`initlab._core.data`): the first batch is used (the
+            curvature of that batch's loss; formerly ``batch=``).
+        loss_fn: the loss, in any form :func:`~initlab._core.loss.resolve_loss` accepts:
+            ``loss_fn(model, batch)``, a criterion (``nn.CrossEntropyLoss()``,
+            ``F.cross_entropy``), the model's own loss, a name (``"cross_entropy"``, ``"mse"``,
+            ``"random_quadratic"``, ...) or ``initlab.outputs_loss(fn)``. ``None``: the
+            resolver's default (the model's own loss, else cross-entropy/MSE from the targets).
+        kind: ``"hessian"`` or ``"ggn"`` (generalized Gauss–Newton ``Jᵀ H_out J``; needs a loss
+            on the outputs: a criterion, a named loss or ``initlab.outputs_loss(fn)``).
         params: ``None`` (all trainable parameters), parameter names, or block name → names.
         group: ``"tensor"`` (one block per parameter tensor) or ``"module"`` (weight + bias of a
             module in one block), used when ``params`` is ``None`` or a sequence.
@@ -157,16 +165,18 @@ def block_curvature(
         full_matrix: report all ``L × L`` blocks (default: only the diagonal blocks ``H_ll``).
         probe: ``"rademacher"`` (default) or ``"gaussian"``.
         normalize: ``"min"`` (default), ``"row"``, ``"col"``, ``"geometric"`` or ``"none"``.
-        mode: ``"rev_rev"`` (default) or ``"fwd_rev"``.
-        forward: ``forward(model, batch) -> outputs`` (default
+        ad_mode: ``"rev_rev"`` (default) or ``"fwd_rev"`` (formerly ``mode=``).
+        forward: ``forward(model, batch) -> outputs`` for a loss on the outputs (default
             :func:`~initlab._core.data.default_forward`).
 
     Returns:
         :class:`BlockCurvature` rows (:data:`BLOCK_COLUMNS`), diagonal blocks in block order, or
-        all blocks row-major with ``full_matrix``; ``.matrix()`` gives the heat map.
+        all blocks row-major with ``full_matrix``; ``.matrix()`` gives the heat map; ``.used``:
+        one batch and its examples.
 
     Raises:
         DoubleBackwardError: a module without double backward (named in the message).
+        ValueError: ``kind="ggn"`` with a loss that runs the model itself.
     """
     if probe not in _PROBES:
         raise ValueError(f"unknown probe {probe!r}; valid probes: {list(_PROBES)}")
@@ -180,12 +190,22 @@ def block_curvature(
         max_probes = max(probes, 256) if rel_tol is not None else probes
     if max_probes < probes:
         raise ValueError(f"max_probes ({max_probes}) must be >= probes ({probes})")
+    batch = take_batches(data, 1, exact=False, what="block_curvature")[0]
     op = CurvatureOperator(
-        model, batch, loss_fn, kind=kind, params=params, group=group, mode=mode, forward=forward
+        model,
+        batch,
+        loss_fn,
+        kind=kind,
+        params=params,
+        group=group,
+        ad_mode=ad_mode,
+        forward=forward,
     )
-    return _estimate(
+    rows = _estimate(
         op, probes, rel_tol, max_probes, as_generator(generator), full_matrix, probe, normalize
     )
+    rows.used = data_use([batch])
+    return rows
 
 
 def _estimate(
@@ -344,10 +364,11 @@ def _block_rows(
     return rows, unconverged
 
 
+@renamed_kwargs(batch="data", mode="ad_mode")
 def hessian_eigenpairs(
     model: nn.Module,
-    batch: Any,
-    loss_fn: LossFn,
+    data: Any,
+    loss_fn: LossFn = None,
     k: int = 2,
     *,
     kind: Kind = "hessian",
@@ -356,15 +377,17 @@ def hessian_eigenpairs(
     iters: int | None = None,
     tol: float = 1e-6,
     generator: torch.Generator | int | None = None,
-    mode: Mode = "rev_rev",
+    ad_mode: Mode = "rev_rev",
     forward: Forward | None = None,
 ) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
     """Top-``k`` eigenpairs of the Hessian (or GGN) of a model's batch loss.
 
-    :meth:`CurvatureOperator.eigenpairs` on ``CurvatureOperator(model, batch, loss_fn, ...)``;
-    arguments as there and in :func:`block_curvature`.
+    :meth:`CurvatureOperator.eigenpairs` on ``CurvatureOperator(model, batch, loss_fn, ...)``
+    with the first batch of ``data``; arguments (``data``, ``loss_fn``, ``ad_mode``) as in
+    :func:`block_curvature`.
     """
+    batch = take_batches(data, 1, exact=False, what="hessian_eigenpairs")[0]
     op = CurvatureOperator(
-        model, batch, loss_fn, kind=kind, params=params, mode=mode, forward=forward
+        model, batch, loss_fn, kind=kind, params=params, ad_mode=ad_mode, forward=forward
     )
     return op.eigenpairs(k, which=which, iters=iters, tol=tol, generator=generator)

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 import torch
 
+from initlab._core.knobs import renamed_kwargs
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows
 from initlab.measure.curvature.functional import quadratic_loss
@@ -23,6 +24,7 @@ from initlab.measure.curvature.theory import THEORY_COLUMNS, theory_vs_actual
 __all__ = ["figure2_ratios", "figure2_summary"]
 
 
+@renamed_kwargs(mode="ad_mode")
 def figure2_ratios(
     n_setups: int = 100,
     batch: int = 1024,
@@ -38,7 +40,7 @@ def figure2_ratios(
     n_classes: int = 10,
     gamma: Literal["auto", "builtin", "conditioning"] = "auto",
     dtype: torch.dtype = torch.float32,
-    mode: Mode = "rev_rev",
+    ad_mode: Mode = "rev_rev",
     circular: bool = True,
 ) -> Rows:
     r"""Defazio & Bottou's Figure 2: theory/actual ratios on a strided LeNet, many random setups.
@@ -49,7 +51,8 @@ def figure2_ratios(
     ``(1/B) Σ_b y_bᵀ R_b y_b`` (:func:`quadratic_loss`) with ``R_b`` i.i.d. ``N(0, 1)``
     entries, then runs :func:`theory_vs_actual`. The paper uses ``batch=1024`` and 100 setups.
     ``circular`` selects the zoo LeNet's circular padding (default, the setting of Prop. 5) or no
-    padding.
+    padding. ``ad_mode`` (formerly ``mode``): ``"rev_rev"`` or ``"fwd_rev"``
+    (:func:`~initlab.measure.curvature.block_curvature`).
 
     ``loss="per_example"`` (default) draws one ``R_b`` per example, the random-target setting of
     assumption A1 (inputs *and targets* i.i.d. per example). This is the reading under which Eq. 1
@@ -93,7 +96,7 @@ def figure2_ratios(
             rel_tol=rel_tol,
             max_probes=max_probes,
             generator=gen,
-            mode=mode,
+            ad_mode=ad_mode,
         )
         rows += [{"setup": s, **r} for r in res]
     return Rows(rows, ("setup", *THEORY_COLUMNS), title=f"Figure 2: GR scaling / actual ({loss})")

@@ -2,9 +2,9 @@ r"""Calling a model functionally (never mutating it), and resolving losses.
 
 :func:`model_state` (detached parameters, cloned buffers; BatchNorm layers in train mode normalize
 with the batch statistics and update no running statistics) and :func:`functional_forward` call a
-model through ``torch.func.functional_call``; :func:`resolve_loss` turns a callable, a
-``NamedLoss`` or a loss name into ``loss_fn(outputs, batch)``; :func:`quadratic_loss` is the random
-quadratic loss of Defazio & Bottou's Figure 2.
+model through ``torch.func.functional_call``; :func:`split_loss` splits a resolved loss
+(:func:`initlab._core.loss.resolve_loss`, re-exported here) at the model's outputs;
+:func:`quadratic_loss` is the random quadratic loss of Defazio & Bottou's Figure 2.
 """
 
 from __future__ import annotations
@@ -16,18 +16,28 @@ import torch
 from torch import nn
 
 from initlab._core.data import default_forward
-from initlab._core.loss import NamedLoss, make_loss
+from initlab._core.loss import (
+    Loss,
+    LossLike,
+    NamedLoss,
+    default_loss,
+    outputs_loss,
+    resolve_loss,
+)
 
 __all__ = [
     "Forward",
     "LossFn",
     "functional_forward",
     "model_state",
+    "on_batches",
     "quadratic_loss",
     "resolve_loss",
+    "split_loss",
 ]
 
-LossFn = Callable[[Any, Any], torch.Tensor] | str
+LossFn = LossLike
+"""Any loss :func:`initlab._core.loss.resolve_loss` accepts."""
 Forward = Callable[[nn.Module, Any], Any]
 
 
@@ -53,12 +63,12 @@ def model_state(model: nn.Module) -> dict[str, torch.Tensor | None]:
     """Detached parameters and cloned buffers for a functional call that cannot mutate ``model``.
 
     BatchNorm layers in train mode get ``running_mean = running_var = None``: they normalize with
-    the batch statistics (as they would) and update nothing.
+    the batch statistics (as they would) and update nothing. A tensor tied under several names
+    (a head sharing the embedding's weight) appears once, under its first name;
+    ``functional_call`` ties the others to it.
     """
-    state: dict[str, torch.Tensor | None] = {
-        n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)
-    }
-    for n, b in model.named_buffers(remove_duplicate=False):
+    state: dict[str, torch.Tensor | None] = {n: p.detach() for n, p in model.named_parameters()}
+    for n, b in model.named_buffers():
         state[n] = b.clone()
     for name, bn in _batchnorms(model):
         if bn.training:
@@ -76,7 +86,7 @@ def functional_forward(
     forward: Forward | None = None,
 ) -> Any:
     """``forward(model, batch)`` with the model's tensors replaced by ``state`` (not mutated)."""
-    if forward is None or forward is default_forward:  # the common case, without a wrapper
+    if forward is None or forward in (default_forward, NamedLoss.forward):  # without a wrapper
         if isinstance(batch, torch.Tensor):
             return torch.func.functional_call(model, state, (batch,))
         if isinstance(batch, Mapping):
@@ -88,25 +98,54 @@ def functional_forward(
     )
 
 
-def resolve_loss(loss_fn: LossFn) -> Callable[[Any, Any], torch.Tensor]:
-    """``loss_fn(outputs, batch) -> scalar`` from a callable, a ``NamedLoss``
-    (its ``outputs_loss``) or a name :func:`initlab._core.loss.make_loss` knows (``"auto"``,
-    ``"cross_entropy"``, ``"mse"``, ``"random_quadratic"``; targets ``batch[1]``)."""
-    if isinstance(loss_fn, str):
-        return make_loss(loss_fn).outputs_loss
-    if isinstance(loss_fn, NamedLoss):
-        return loss_fn.outputs_loss
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be a callable or a name, got {type(loss_fn).__name__}")
-    return loss_fn
+def on_batches(loss: Loss, batches: list[Any]) -> Loss:
+    """``loss`` for these batches: the default (``None``) is :data:`~initlab._core.loss.
+    default_loss` (a loss on the outputs) when no batch is a dict, as the resolver reads it."""
+    if loss.form == "auto" and not any(isinstance(b, Mapping) for b in batches):
+        return default_loss
+    return loss
 
 
-def quadratic_loss(R: torch.Tensor) -> Callable[[Any, Any], torch.Tensor]:
+def split_loss(
+    loss: Loss, forward: Forward | None, *, what: str
+) -> tuple[Forward, Callable[[Any, Any], torch.Tensor]]:
+    """``(fwd, on_outputs)`` with ``loss(model, batch) == on_outputs(fwd(model, batch), batch)``.
+
+    A loss on the model's outputs (``loss.splittable``: a criterion, a named loss,
+    :func:`~initlab._core.loss.outputs_loss`) splits at the outputs, with ``forward`` (default the
+    loss's own forward, :func:`~initlab._core.data.default_forward`). Any other loss
+    (``loss_fn(model, batch)``, the model's own loss) is its own "forward" and ``on_outputs`` is
+    the identity: exact for loss values and the Hessian, not for the Gauss-Newton matrix.
+
+    Raises:
+        ValueError: ``forward`` given with a loss that runs the model itself.
+    """
+    if loss.splittable:
+        return forward or loss.forward, loss.on_outputs  # type: ignore[attr-defined]
+    if forward is not None:
+        raise ValueError(
+            f"{what}: forward= applies to a loss on the model's outputs; the loss {loss.name!r} "
+            "runs the model itself (loss_fn(model, batch)). Pass a criterion, a named loss or "
+            "initlab.outputs_loss(fn) with forward=, or drop forward="
+        )
+
+    def whole(model: nn.Module, batch: Any) -> torch.Tensor:
+        return loss(model, batch)
+
+    return whole, _identity
+
+
+def _identity(out: torch.Tensor, batch: Any) -> torch.Tensor:
+    return out
+
+
+def quadratic_loss(R: torch.Tensor) -> Loss:
     r"""The random quadratic loss of Defazio & Bottou's Figure 2, ``ℓ = (1/B) Σ_b y_bᵀ R_b y_b``.
 
     ``R`` is ``k × k`` (one matrix shared by all examples, ``R_b = R``) or ``B × k × k`` (one
     matrix per example). The Hessian with respect to ``y_b`` is ``(R_b + R_bᵀ) / B``. Returns a
-    ``loss_fn(outputs, batch)`` for outputs of shape ``(B, k)``.
+    loss on the outputs (:func:`initlab._core.loss.outputs_loss`) for outputs of shape ``(B, k)``;
+    ``.on_outputs(outputs, batch)`` evaluates it on given outputs.
     """
     if R.dim() not in (2, 3) or R.shape[-1] != R.shape[-2]:
         raise ValueError(f"R must be k x k or B x k x k, got shape {tuple(R.shape)}")
@@ -119,4 +158,4 @@ def quadratic_loss(R: torch.Tensor) -> Callable[[Any, Any], torch.Tensor]:
             raise ValueError(f"R holds {R.shape[0]} matrices for a batch of {y.shape[0]}")
         return torch.einsum("bi,bij,bj->", y, R.to(y), y) / y.shape[0]
 
-    return loss
+    return outputs_loss(loss, "quadratic")

@@ -17,15 +17,18 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from initlab._core.data import default_forward
+from initlab._core.data import keyword_error
 from initlab._core.hooks import hook_handles
+from initlab._core.knobs import renamed_kwargs
 from initlab._core.pytree import flatten_tensors, map_tensors
 from initlab.measure.curvature.functional import (
     Forward,
     LossFn,
     functional_forward,
     model_state,
+    on_batches,
     resolve_loss,
+    split_loss,
 )
 from initlab.measure.curvature.lanczos import _lanczos
 from initlab.measure.curvature.products import (
@@ -115,56 +118,67 @@ def _resolve_blocks(
 class CurvatureOperator:
     r"""The Hessian ``H`` (or GGN ``G``) of a model's batch loss as a linear operator.
 
-    ``f(θ) = loss_fn(forward(model_θ, batch), batch)`` with ``θ`` the selected parameters in
-    block order (all other parameters fixed). ``op @ x`` multiplies a flat vector (or the columns
+    ``f(θ) = loss_fn(model_θ, batch)`` with ``θ`` the selected parameters in block order (all
+    other parameters fixed). ``op @ x`` multiplies a flat vector (or the columns
     of a matrix) of length ``op.shape[1]``; :meth:`block` gives a :class:`BlockOperator`.
 
     The operator is evaluated at the parameters the model has when it is created (they are copied);
     the autograd graph is built lazily, on the first product, and shared by all later products
-    (``mode="rev_rev"``). The model is never mutated (see the module docstring).
+    (``ad_mode="rev_rev"``). The model is never mutated (see the module docstring).
 
     Args:
         model: any ``nn.Module``; its train/eval modes decide BatchNorm/dropout behaviour.
         batch: one batch (a tensor, a tuple/list or a dict).
-        loss_fn: ``loss_fn(outputs, batch) -> scalar`` (the loss of the model's *outputs*), a
-            :class:`~initlab._core.loss.NamedLoss` or a loss name (:func:`resolve_loss`).
-        kind: ``"hessian"`` or ``"ggn"``.
+        loss_fn: the loss, in any form :func:`~initlab._core.loss.resolve_loss` accepts:
+            ``loss_fn(model, batch)``, a criterion (``nn.CrossEntropyLoss()``,
+            ``F.cross_entropy``), the model's own loss (``None`` on dict batches, ``"model"``),
+            a name, or :func:`~initlab._core.loss.outputs_loss`. ``None``: the resolver's default.
+        kind: ``"hessian"`` or ``"ggn"``. The GGN needs the loss as a function of the outputs
+            (``loss.splittable``: a criterion, a named loss or ``initlab.outputs_loss(fn)``).
         params: ``None`` (every parameter with ``requires_grad``), a sequence of parameter names,
             or a mapping block name → parameter names.
         group: with ``params`` ``None`` or a sequence: ``"tensor"`` (one block per tensor) or
             ``"module"`` (one block per module: weight and bias of a layer together).
-        mode: ``"rev_rev"`` or ``"fwd_rev"`` (module docstring).
-        forward: ``forward(model, batch) -> outputs`` (default
+        ad_mode: ``"rev_rev"`` or ``"fwd_rev"`` (module docstring; formerly ``mode=``).
+        forward: ``forward(model, batch) -> outputs`` for a loss on the outputs (default
             :func:`initlab._core.data.default_forward`: ``model(x)`` / ``model(batch[0])`` /
             ``model(**batch)``).
         buffers: buffer overrides for the functional call (e.g. frozen BatchNorm statistics);
             names as in ``model.named_buffers()``, ``None`` values allowed.
     """
 
+    @renamed_kwargs(mode="ad_mode")
     def __init__(
         self,
         model: nn.Module,
         batch: Any,
-        loss_fn: LossFn,
+        loss_fn: LossFn = None,
         *,
         kind: Kind = "hessian",
         params: Sequence[str] | Mapping[str, Sequence[str]] | None = None,
         group: Literal["tensor", "module"] = "tensor",
-        mode: Mode = "rev_rev",
+        ad_mode: Mode = "rev_rev",
         forward: Forward | None = None,
         buffers: Mapping[str, torch.Tensor | None] | None = None,
     ) -> None:
         if kind not in _KINDS:
             raise ValueError(f"unknown kind {kind!r}; valid kinds: {list(_KINDS)}")
-        _check_mode(mode)
+        _check_mode(ad_mode)
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         self.model = model
         self.batch = batch
-        self.loss_fn = resolve_loss(loss_fn)
+        self.loss_fn = on_batches(resolve_loss(loss_fn, what="curvature"), [batch])
+        if kind == "ggn" and not self.loss_fn.splittable:
+            raise ValueError(
+                f"kind='ggn' needs the loss as a function of the model's outputs; the loss "
+                f"{self.loss_fn.name!r} ({self.loss_fn.form}) runs the model itself. Pass a "
+                "criterion (nn.CrossEntropyLoss(), F.cross_entropy), a named loss "
+                "('cross_entropy', 'mse', ...) or initlab.outputs_loss(fn)"
+            )
+        self.forward, self._on_outputs = split_loss(self.loss_fn, forward, what="curvature")
         self.kind = kind
-        self.mode = mode
-        self.forward = forward or default_forward
+        self.mode = self.ad_mode = ad_mode
         named = dict(model.named_parameters())
         specs, offset = [], 0
         for bname, pnames in _resolve_blocks(model, params, group):
@@ -194,15 +208,7 @@ class CurvatureOperator:
         return functional_forward(self.model, self._state(leaves), self.batch, self.forward)
 
     def _loss(self, out: Any) -> torch.Tensor:
-        try:
-            return self.loss_fn(out, self.batch)
-        except TypeError as err:
-            if isinstance(out, torch.Tensor) and "not callable" in str(err):
-                raise TypeError(
-                    "loss_fn is called as loss_fn(outputs, batch) (the model's outputs, not the "
-                    f"model): {err}"
-                ) from err
-            raise
+        return self._on_outputs(out, self.batch)
 
     @property
     def engine(self) -> _HessianEngine | _GGNEngine:
@@ -217,6 +223,11 @@ class CurvatureOperator:
                     self._engine = _GGNEngine(self._outputs, self._loss, self._values, self.mode)
             except (RuntimeError, NotImplementedError) as err:
                 self._raise_located(err)
+            except TypeError as err:
+                clear = keyword_error(err, self.batch, "curvature")
+                if clear is None:
+                    raise
+                raise clear from err
         assert self._engine is not None
         return self._engine
 

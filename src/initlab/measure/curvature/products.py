@@ -196,7 +196,8 @@ def _workaround(err: BaseException, module: nn.Module | None, mode: str) -> str:
     if mode == "fwd_rev":
         return (
             "Forward-mode AD is not implemented (or broken) for an operation here. Workaround: use "
-            "mode='rev_rev' (double backward), which needs no forward-mode AD."
+            "ad_mode='rev_rev' (mode='rev_rev' for the product functions: double backward), "
+            "which needs no forward-mode AD."
         )
     return (
         "Workaround: replace the operation by one with a differentiable backward for the "

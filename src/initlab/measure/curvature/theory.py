@@ -16,10 +16,17 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from initlab._core.data import batch_size, default_forward
+from initlab._core.data import Batches, batch_size, data_use, take_batches
+from initlab._core.knobs import renamed_kwargs
 from initlab._core.rows import Rows
 from initlab.measure.curvature.estimators import ProbeKind, block_curvature
-from initlab.measure.curvature.functional import Forward, LossFn, resolve_loss
+from initlab.measure.curvature.functional import (
+    Forward,
+    LossFn,
+    on_batches,
+    resolve_loss,
+    split_loss,
+)
 from initlab.measure.curvature.operators import Kind
 from initlab.measure.curvature.products import Mode
 
@@ -92,10 +99,11 @@ def _conditioning_gamma(
     }
 
 
+@renamed_kwargs(batch="data", mode="ad_mode")
 def theory_vs_actual(
     model: nn.Module,
-    batch: Any,
-    loss_fn: LossFn,
+    data: Any,
+    loss_fn: LossFn = None,
     *,
     kind: Kind = "hessian",
     gamma: Literal["auto", "builtin", "conditioning"] = "auto",
@@ -104,7 +112,7 @@ def theory_vs_actual(
     max_probes: int | None = None,
     generator: torch.Generator | int | None = None,
     probe: ProbeKind = "rademacher",
-    mode: Mode = "rev_rev",
+    ad_mode: Mode = "rev_rev",
     forward: Forward | None = None,
 ) -> Rows:
     r"""GR scaling ``γ`` (theory) against the measured diagonal block ``E[(G_l r)²]`` (actual).
@@ -124,9 +132,14 @@ def theory_vs_actual(
     :func:`initlab.gr_scaling` (``b = 1``, per-example ``dy``) times ``B``, which is
     the same quantity; ``"builtin"`` computes it here; ``"auto"`` prefers ``conditioning``.
 
+    ``data`` (one batch or many; the first batch is used), ``loss_fn`` (any form
+    :func:`~initlab._core.loss.resolve_loss` accepts), ``kind``, ``ad_mode`` (formerly ``mode``)
+    and ``forward`` are as in :func:`~initlab.measure.curvature.block_curvature`.
+
     Returns:
         Rows (:data:`THEORY_COLUMNS`), one per weight and bias of each ``nn.Linear`` and
-        ``nn.Conv1d/2d/3d`` with trainable parameters, in parameter order.
+        ``nn.Conv1d/2d/3d`` with trainable parameters, in parameter order; ``.used``: one batch
+        and its examples.
     """
     import copy
 
@@ -136,8 +149,9 @@ def theory_vs_actual(
         raise ValueError(
             f"unknown gamma {gamma!r}; valid values: ['auto', 'builtin', 'conditioning']"
         )
-    loss = resolve_loss(loss_fn)
-    fwd = forward or default_forward
+    batch = take_batches(data, 1, exact=False, what="theory_vs_actual")[0]
+    loss = on_batches(resolve_loss(loss_fn, what="theory_vs_actual"), [batch])
+    fwd, on_outputs = split_loss(loss, forward, what="theory_vs_actual")
     modules = {
         n: m
         for n, m in model.named_modules()
@@ -148,8 +162,8 @@ def theory_vs_actual(
     twin = copy.deepcopy(model)
     moments = measure_moments(
         twin,
-        [batch],
-        lambda m, b: loss(fwd(m, b), b),
+        Batches([batch]),
+        lambda m, b: on_outputs(fwd(m, b), b),
         modules=list(modules),
         per_example=False,
         loss_reduction="sum",
@@ -162,13 +176,15 @@ def theory_vs_actual(
     if gammas is None:
         gammas = _builtin_gamma(moments, dict(twin.named_modules()))
     names = []
+    own = dict(model.named_parameters())  # a tied tensor under its first name only
     for mname, mod in modules.items():
         for pname, p in mod.named_parameters(recurse=False):
-            if p.requires_grad and pname in ("weight", "bias"):
-                names.append((mname, pname, f"{mname}.{pname}" if mname else pname))
+            qname = f"{mname}.{pname}" if mname else pname
+            if p.requires_grad and pname in ("weight", "bias") and own.get(qname) is p:
+                names.append((mname, pname, qname))
     est = block_curvature(
         model,
-        batch,
+        Batches([batch]),
         loss,
         kind=kind,
         params=[q for _, _, q in names],
@@ -177,7 +193,7 @@ def theory_vs_actual(
         max_probes=max_probes,
         generator=generator,
         probe=probe,
-        mode=mode,
+        ad_mode=ad_mode,
         forward=forward,
     )
     by_block = {r["block_row"]: r for r in est}
@@ -207,4 +223,9 @@ def theory_vs_actual(
                 "note": "; ".join(note),
             }
         )
-    return Rows(rows, THEORY_COLUMNS, title=f"GR scaling (theory) vs {kind} block (actual)")
+    return Rows(
+        rows,
+        THEORY_COLUMNS,
+        title=f"GR scaling (theory) vs {kind} block (actual)",
+        used=data_use([batch]),
+    )

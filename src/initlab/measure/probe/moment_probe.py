@@ -10,14 +10,17 @@ come from :data:`~initlab.measure.probe.per_example.PER_EXAMPLE`; accumulation f
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from initlab._core.data import DataUse, batch_size, default_forward, iter_batches, keyword_error
 from initlab._core.hooks import HookContext, HookHandles
+from initlab._core.knobs import renamed_kwargs
+from initlab._core.loss import Loss, LossLike, resolve_loss
 from initlab._core.pytree import flatten_tensors, map_tensors
 from initlab._core.rows import Rows
 from initlab.measure.probe.accumulate import _accumulate, _Consts, _new_acc, _sums
@@ -123,6 +126,7 @@ class MomentProbe(HookContext):
         self._seq = 0
         self._forward = _Forward()
         self._consts = _Consts()
+        self.used: DataUse | None = None  # set by measure_moments
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -619,42 +623,87 @@ def _keep_closed_form_input(rec: _Record, st: _ModuleState, leaves: list[torch.T
     rec.batch = int(x.shape[st.bd])
 
 
+@renamed_kwargs(batches="data")
 def measure_moments(
     model: nn.Module,
-    batches: Iterable[Any],
-    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+    data: Any,
+    loss_fn: LossLike = None,
+    *,
+    max_batches: int | None = None,
     **probe_kwargs: Any,
 ) -> MomentProbe:
-    """Run a :class:`MomentProbe` over ``batches`` and return it (read it with ``table()`` etc.).
+    """Run a :class:`MomentProbe` over ``data`` and return it (read it with ``table()`` etc.).
 
     Args:
         model: the model; its train/eval mode is left as it is.
-        batches: an iterable of batches.
-        loss_fn: ``loss_fn(model, batch) -> scalar loss``; the probe runs ``loss.backward()`` on it.
-            ``None``: forward only, under ``torch.no_grad()``, calling ``model(batch[0])`` for a
-            tuple/list batch and ``model(batch)`` otherwise.
+        data: one batch or many (:mod:`initlab._core.data`): one batch is a tensor, a tuple such
+            as ``(x, y)``, a dict of model inputs (``model(**batch)``) or a ``[x, y]`` list from
+            default collate; many batches are a ``DataLoader``, any iterable or generator of
+            batches, a list of ``(x, y)`` tuples, or ``initlab.Batches([...])``. Batches are
+            read one at a time (a loader is streamed, never held whole). A list of same-shaped
+            tensors is ambiguous and raises :class:`~initlab.AmbiguousDataError`.
+        loss_fn: the loss the probe back-propagates, in any form
+            :func:`~initlab._core.loss.resolve_loss` accepts: ``loss_fn(model, batch)``, a
+            criterion such as ``nn.CrossEntropyLoss()`` or ``F.cross_entropy`` (applied to
+            ``(x, y)`` batches), ``"model"`` for the model's own ``output.loss``, or a name
+            (``"cross_entropy"``, ``"mse"``, ``"auto"``, ``"random_quadratic"``). ``None``:
+            forward only, under ``torch.no_grad()``, with the default forward (``model(x)``,
+            ``model(batch[0])``, ``model(**batch)``).
+        max_batches: read at most this many batches (``None``: all).
         **probe_kwargs: passed to :class:`MomentProbe` (``modules``, ``per_example``, ...).
+
+    Returns:
+        The probe, with ``probe.used`` (:class:`~initlab._core.data.DataUse`: batches and
+        examples read).
+
+    Raises:
+        ValueError: ``data`` holds no batch.
 
     The parameters' ``.grad`` are set to ``None`` for the measurement and restored afterwards, so
     gradients you accumulated before are untouched.
     """
+    loss = None if loss_fn is None else resolve_loss(loss_fn, what="measure_moments")
     probe = MomentProbe(model, **probe_kwargs)
     params = list(model.parameters())
     saved = [p.grad for p in params]
+    n_batches = n_examples = 0
     try:
         for p in params:
             p.grad = None
         with probe:
-            for batch in batches:
-                if loss_fn is None:
-                    with torch.no_grad():
-                        model(batch[0] if isinstance(batch, (tuple, list)) else batch)
-                else:
-                    loss = loss_fn(model, batch)
-                    loss.backward()
-                    for p in params:
-                        p.grad = None
+            for batch in iter_batches(data, max_batches, what="measure_moments"):
+                n_batches += 1
+                n_examples += _examples(batch)
+                _run(model, batch, loss, params)
     finally:
         for p, g in zip(params, saved, strict=True):
             p.grad = g
+    if n_batches == 0:
+        raise ValueError("measure_moments got no batch: the data is empty")
+    probe.used = DataUse(n_batches, n_examples)
     return probe
+
+
+def _run(model: nn.Module, batch: Any, loss: Loss | None, params: list[nn.Parameter]) -> None:
+    """One probed pass: forward only (``loss`` None) or forward and backward of the loss."""
+    try:
+        if loss is None:
+            with torch.no_grad():
+                default_forward(model, batch)
+            return
+        loss(model, batch).backward()
+    except TypeError as err:
+        clear = keyword_error(err, batch, "measure_moments")
+        if clear is None:
+            raise
+        raise clear from err
+    for p in params:
+        p.grad = None
+
+
+def _examples(batch: Any) -> int:
+    """The batch's examples (0 for a custom object that holds no tensor)."""
+    try:
+        return batch_size(batch)
+    except TypeError:
+        return 0
