@@ -61,6 +61,7 @@ def test_a_list_of_same_shaped_tensors_names_both_readings() -> None:
         take_batches(t)
     assert len(take_batches(Batches(t))) == 3
     assert len(take_batches(tuple(t))) == 1
+    assert take_batches([t[0]])[0] is t[0]  # [x]: a list of one batch
     ragged = [torch.randn(16, 3), torch.randn(8, 3)]  # first dimensions differ
     with pytest.raises(AmbiguousDataError):
         take_batches(ragged)

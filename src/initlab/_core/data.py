@@ -5,11 +5,11 @@ The rule, in order (documented in the README and tested by the conformance suite
 1. :class:`Batches` (``initlab.Batches(items)``) is always *many* batches: the explicit form.
 2. A tensor, a dict (any ``Mapping``: Hugging Face collators give one), a tuple that holds a
    tensor (``(x, y)``) and a custom object that is not iterable are *one* batch each.
-3. A list holding a tensor is one batch (a ``DataLoader``'s default collate gives ``[x, y]``),
-   unless it can also be read as several batches: two or more tensors of one shape (``[t1, t2,
-   t3]``), or tensors whose first dimensions differ. That form raises
+3. A list of two or more items holding a tensor is one batch (a ``DataLoader``'s default collate
+   gives ``[x, y]``), unless it can also be read as several batches: tensors of one shape
+   (``[t1, t2, t3]``), or tensors whose first dimensions differ. That form raises
    :class:`AmbiguousDataError`, which names both readings: ``initlab.Batches([...])`` for many,
-   a tuple for one.
+   a tuple for one. A list of one tensor, ``[x]``, is a list of one batch ``x``.
 4. A list or tuple whose items are all batches in their own right (tuples, lists, dicts) is many
    batches: ``[(x1, y1), (x2, y2)]``.
 5. Any other iterable (a ``DataLoader``, a generator, a dataset-like iterable) is many batches.
@@ -118,6 +118,8 @@ def is_single_batch(data: Any) -> bool:
         if all(_is_container(v) for v in data):
             return False
         if isinstance(data, list):
+            if len(data) == 1 and isinstance(data[0], torch.Tensor):
+                return False  # [x]: a list of one batch (the default forward reads it the same)
             tensors = [v for v in data if isinstance(v, torch.Tensor)]
             if len(tensors) == len(data) and _ambiguous(tensors):
                 shapes = ", ".join(str(tuple(t.shape)) for t in tensors[:4])
