@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from initlab._core.data import default_forward, output_tensor
+from initlab._core.data import default_forward, keyword_error, output_tensor
 
 __all__ = [
     "LOSSES",
@@ -92,6 +92,9 @@ class Loss:
         try:
             loss = self._fn(model, batch)
         except TypeError as err:
+            clear = keyword_error(err, batch, f"loss_fn {self.name!r}")
+            if clear is not None:
+                raise clear from err
             if type(model).__name__ not in str(err):
                 raise
             raise TypeError(

@@ -51,7 +51,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from initlab._core.data import default_forward, take_batches
+from initlab._core.data import DataUse, data_use, default_forward, take_batches
 from initlab._core.hooks import HookContext
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows
@@ -343,21 +343,21 @@ def conv_operator_norm(
 
 def _input_shapes(
     model: nn.Module, data: Any
-) -> tuple[Mapping[str, Sequence[int]], list[str], set[str]]:
-    """``(shapes, call order, modules called several times)`` from what :func:`layer_spectra`
-    was given."""
+) -> tuple[Mapping[str, Sequence[int]], list[str], set[str], DataUse | None]:
+    """``(shapes, call order, modules called several times, data used)`` from what
+    :func:`layer_spectra` was given."""
     if data is None or (isinstance(data, Mapping) and not data):
-        return {}, [], set()
+        return {}, [], set(), None
     if isinstance(data, InputShapes):
-        return data.shapes, data.order, data.multiple
+        return data.shapes, data.order, data.multiple, None
     if isinstance(data, Mapping) and all(
         isinstance(v, (tuple, list, torch.Size)) for v in data.values()
     ):
-        return data, [], set()
-    batch = take_batches(data, 1, exact=False, what="layer_spectra")[0]
+        return data, [], set(), None
+    batches = take_batches(data, 1, exact=False, what="layer_spectra")
     with preserved_state(model), torch.no_grad(), InputShapes(model) as watched:
-        default_forward(model, batch)
-    return watched.shapes, watched.order, watched.multiple
+        default_forward(model, batches[0])
+    return watched.shapes, watched.order, watched.multiple, data_use(batches)
 
 
 class InputShapes(HookContext):
@@ -437,7 +437,7 @@ def layer_spectra(
     A weight shared by several modules (tied embeddings) gets one row per module.
     """
     generator = as_generator(generator)
-    shapes, order, multiple = _input_shapes(model, data)
+    shapes, order, multiple, used = _input_shapes(model, data)
     rank = {name: i for i, name in enumerate(order)}
     rows: list[dict[str, Any]] = []
     svd_cache: dict[int, tuple[float, float]] = {}
@@ -507,7 +507,7 @@ def layer_spectra(
                         "note": "eval-mode BatchNorm: max |gamma / sqrt(running_var + eps)|",
                     }
                 )
-    return Rows(rows, SPECTRA_COLUMNS, title="weight spectra")
+    return Rows(rows, SPECTRA_COLUMNS, title="weight spectra", used=used)
 
 
 def _bn_eval_scale(bn: nn.modules.batchnorm._BatchNorm) -> float | None:
