@@ -109,20 +109,11 @@ def load_study_data(name: str, root: str | None = None) -> StudyData:
 
 
 def build_model(config: RunConfig, *, n_in: int, n_classes: int) -> nn.Module:
-    """The model of a run: ``create_model(config.model, n_in=..., n_classes=..., **model_cfg)``.
+    """The model of a run: ``create_model(config.model, n_in=..., n_classes=..., **model_cfg)``
+    (the model registry ``initlab.zoo.create_model``)."""
+    from initlab.zoo import create_model
 
-    Uses the model registry ``initlab.zoo.create_model``; where that is not available, the name
-    ``"paper_mlp"`` still builds :class:`initlab.zoo.paper_mlp.PaperMLP`.
-    """
     kwargs = {**config.model_kwargs, "n_in": n_in, "n_classes": n_classes}
-    try:
-        from initlab.zoo import create_model
-    except ImportError:
-        if config.model != "paper_mlp":
-            raise
-        from initlab.zoo.paper_mlp import PaperMLP
-
-        return PaperMLP(**kwargs)
     return create_model(config.model, **kwargs)
 
 
