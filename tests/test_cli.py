@@ -57,7 +57,7 @@ def test_init_saves_state_dict_and_report(
     assert state["0.weight"].shape == (32, 8)
     assert torch.count_nonzero(state["0.bias"]) == 0
     rows = json.loads(report.read_text())
-    assert {r["name"] for r in rows} == set(state)
+    assert {f"{r['layer']}.{r['param']}" for r in rows} == set(state)
     assert "geometric" in capsys.readouterr().out
 
 

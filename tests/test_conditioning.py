@@ -74,7 +74,7 @@ def hand_layer_moments(model: nn.Sequential, layers: list[int], x, target):
 
 
 def row(rows, module):
-    hits = rows.filter(module=module)
+    hits = rows.filter(layer=module)
     assert len(hits) == 1
     return hits[0]
 
@@ -272,10 +272,10 @@ def test_other_layer_types_get_nu_but_no_gamma() -> None:
 
 def test_imbalance_summary() -> None:
     rows = [
-        {"module": "a", "gamma_w": 4.0, "gamma_b": 0.5},
-        {"module": "b", "gamma_w": 1.0, "gamma_b": float("nan")},
-        {"module": "c", "gamma_w": 2.0, "gamma_b": 8.0},
-        {"module": "d", "gamma_w": float("nan"), "gamma_b": 1.0},
+        {"layer": "a", "gamma_w": 4.0, "gamma_b": 0.5},
+        {"layer": "b", "gamma_w": 1.0, "gamma_b": float("nan")},
+        {"layer": "c", "gamma_w": 2.0, "gamma_b": 8.0},
+        {"layer": "d", "gamma_w": float("nan"), "gamma_b": 1.0},
     ]
     imb = imbalance(rows)
     assert imb["spread"] == 4.0 and imb["median"] == 2.0 and imb["layers"] == 3
@@ -289,7 +289,7 @@ def test_imbalance_summary() -> None:
 
 
 def _gr_values(rows) -> list:
-    return [(r["module"], r["gamma_w"], r["nu_w"], r["p2"], r["note"]) for r in rows]
+    return [(r["layer"], r["gamma_w"], r["nu_w"], r["p2"], r["note"]) for r in rows]
 
 
 def test_gr_scaling_from_model_and_data_matches_the_probe_form():

@@ -561,7 +561,7 @@ def test_theory_matches_exact_block_for_last_layer_of_random_loss() -> None:
     for r in rows:
         i = ["0.weight", "0.bias", "2.weight", "2.bias"].index(r["block"])
         assert abs(r["actual"] - float(exact[i, i])) <= 5 * r["stderr"]
-        if r["module"] == "2":
+        if r["layer"] == "2":
             assert 0.5 <= r["theory"] / float(exact[i, i]) <= 2.0, r
 
 

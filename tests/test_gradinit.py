@@ -275,12 +275,12 @@ def test_batchnorm_buffers_bit_identical_modes_restored_batch_stats_used(train: 
         assert torch.equal(v, buffers[k]), k
     assert all(m.training == train for m in model.modules())
     assert report.trace[0]["loss"] == pytest.approx(expected, rel=1e-6)
-    assert {r["name"] for r in report} == {
-        "conv.weight",
-        "conv.bias",
-        "bn.weight",
-        "fc.weight",
-        "fc.bias",
+    assert {(r["layer"], r["param"]) for r in report} == {
+        ("conv", "weight"),
+        ("conv", "bias"),
+        ("bn", "weight"),
+        ("fc", "weight"),
+        ("fc", "bias"),
     }  # bn.bias is zero: no alpha
     # dropout is off: the alpha-gradient is deterministic
     g1, _ = gradinit_alpha_grad(model, batches[0], batches[1])
@@ -306,9 +306,9 @@ def test_tied_weights_share_one_alpha_and_stay_tied() -> None:
     before = model.a.weight.detach().clone()
     report = gradinit_(model, _class_batches(5), gamma=0.0, lr=0.05)
     assert model.b.weight is model.a.weight
-    rows = {r["name"]: r for r in report}
-    assert set(rows) == {"a.weight", "head.weight", "head.bias"}
-    alpha = torch.tensor(rows["a.weight"]["alpha"], dtype=D).to(torch.float32)
+    rows = {(r["layer"], r["param"]): r for r in report}
+    assert set(rows) == {("a", "weight"), ("head", "weight"), ("head", "bias")}
+    alpha = torch.tensor(rows["a", "weight"]["alpha"], dtype=D).to(torch.float32)
     assert float(alpha) != 1.0
     assert torch.equal(model.a.weight.detach(), before * alpha)  # folded exactly once
 

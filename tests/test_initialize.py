@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import initlab
+from initlab._core.rows import join_name
 from initlab.init.registry import ParamSpec, default_registry
 
 Z = 5.0  # z-score for statistical tolerances
@@ -46,7 +47,7 @@ def test_zoo_geometric_targets_and_roles() -> None:
     model = Zoo()
     model.bn.running_mean.fill_(3.0)
     report = initlab.init_model(model, "geometric", generator=0)
-    rows = {r["name"]: r for r in report.to_rows()}
+    rows = {join_name(r["layer"], r["param"]): r for r in report.to_rows()}
     expected = {
         "lin.weight": geometric_std(96, 128),
         "conv.weight": geometric_std(8 * 9, 16 * 9),  # per-group fans
@@ -104,9 +105,9 @@ def test_shared_module_initialized_once() -> None:
     model = nn.Sequential(block, nn.ReLU(), block)
     report = initlab.init_model(model, "geometric", generator=0)
     weights = [r for r in report.to_rows() if r["role"] == "weight"]
-    assert [(r["name"], r["tied_to"]) for r in weights] == [
-        ("0.weight", None),
-        ("2.weight", "0.weight"),
+    assert [(r["layer"], r["param"], r["tied_to"]) for r in weights] == [
+        ("0", "weight", None),
+        ("2", "weight", "0.weight"),
     ]
 
 
@@ -220,7 +221,7 @@ def test_rules_zero_and_scale_residual_projections() -> None:
     )
     torch.testing.assert_close(ruled["b0"]["fc"].weight, base["b0"]["fc"].weight, atol=0, rtol=0)
     assert torch.count_nonzero(ruled["b1"]["proj"].weight) == 0
-    rows = {r["name"]: r for r in report.to_rows()}
+    rows = {join_name(r["layer"], r["param"]): r for r in report.to_rows()}
     assert "Radford" in rows["b0.proj.weight"]["rule"]
     assert rows["b0.proj.weight"]["target_std"] == pytest.approx(math.sqrt(2 / 64) * factor)
     assert rows["b1.proj.weight"]["target_std"] == 0.0
@@ -270,4 +271,4 @@ def test_report_exits() -> None:
     assert "weight" in text and "geometric" in text and "2 tensors initialized" in text
     df = report.to_pandas()
     assert list(df.columns) == list(initlab.INIT_REPORT_COLUMNS) and len(df) == 2
-    assert "| name |" in report.to_markdown()
+    assert "| layer | param |" in report.to_markdown()

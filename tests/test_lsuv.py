@@ -99,17 +99,15 @@ def _scaled_rows(report) -> list[dict]:
 def _assert_on_target(model, x, report, target: float = 1.0, tol: float = 0.1) -> None:
     rows = _scaled_rows(report)
     names = [
-        r["module"]
-        for r in rows
-        if r["measured_at"] in ("output", "projection", "attention output")
+        r["layer"] for r in rows if r["measured_at"] in ("output", "projection", "attention output")
     ]
     measured = _output_vars(model, x, names)
     assert set(measured) == set(names)
     for r in rows:
-        if r["module"] in measured:
-            v = measured[r["module"]]
-            assert abs(v - target) < tol, (r["module"], v)
-            assert v == pytest.approx(r["var_after"], rel=1e-4, abs=1e-6), r["module"]
+        if r["layer"] in measured:
+            v = measured[r["layer"]]
+            assert abs(v - target) < tol, (r["layer"], v)
+            assert v == pytest.approx(r["var_after"], rel=1e-4, abs=1e-6), r["layer"]
 
 
 def _no_hooks(model: nn.Module) -> bool:
@@ -194,11 +192,11 @@ def test_pre_init_is_orthogonal_and_biases_zero_scaled_by_report() -> None:
     model = _mlp()
     report = lsuv_(model, torch.randn(64, 20), generator=0)
     for r in report:
-        w = model.get_submodule(r["module"]).weight.detach().double() / r["scale"]
+        w = model.get_submodule(r["layer"]).weight.detach().double() / r["scale"]
         rows, cols = w.shape
         gram = w @ w.T if rows <= cols else w.T @ w
         assert torch.allclose(gram, torch.eye(min(rows, cols), dtype=torch.float64), atol=1e-5)
-        assert torch.count_nonzero(model.get_submodule(r["module"]).bias) == 0
+        assert torch.count_nonzero(model.get_submodule(r["layer"]).bias) == 0
 
 
 def test_nonzero_biases_kept_and_accounted_for_without_pre_init() -> None:
@@ -234,7 +232,7 @@ def test_layer_called_several_times_uses_pooled_variance() -> None:
     model = _Loop()
     x = torch.randn(512, 16)
     report = lsuv_(model, x, generator=0)
-    rows = {r["module"]: r for r in report}
+    rows = {r["layer"]: r for r in report}
     assert rows["mid"]["calls"] == 3 and rows["inp"]["calls"] == 1
     pooled = _output_vars(model, x, ["mid"])["mid"]  # hook fires on all three calls
     assert abs(pooled - 1.0) < 0.1
@@ -258,7 +256,7 @@ def test_tied_weights_stay_tied_and_pool_over_both_layers() -> None:
     x = torch.randn(512, 32)
     report = lsuv_(model, x, generator=0)
     assert model.a.weight is model.b.weight
-    assert [r["module"] for r in report] == ["a", "c"]
+    assert [r["layer"] for r in report] == ["a", "c"]
     assert report[0]["shared_with"] == "b" and report[0]["calls"] == 2
     s = _output_sums(model, [x], ["a", "b"])
     pooled = _var([s["a"][i] + s["b"][i] for i in range(3)])
@@ -297,7 +295,7 @@ def test_never_called_layer_is_warned_skipped_and_untouched() -> None:
     before = model.c.weight.clone()
     with pytest.warns(UserWarning, match=r"never ran.*'c'"):
         report = lsuv_(model, torch.randn(32, 8), forward=lambda m, x: m.b(m.a(x)), generator=0)
-    row = next(r for r in report if r["module"] == "c")
+    row = next(r for r in report if r["layer"] == "c")
     assert row["skipped"] == "never called" and row["order"] is None
     assert torch.equal(model.c.weight, before)
 
@@ -306,7 +304,7 @@ def test_dead_layer_is_skipped_and_reported() -> None:
     model = _Dead()
     with pytest.warns(UserWarning, match=r"zero output variance.*\['b', 'c'\]"):
         report = lsuv_(model, torch.randn(64, 8), generator=0)
-    rows = {r["module"]: r for r in report}
+    rows = {r["layer"]: r for r in report}
     for name in ("b", "c"):
         assert rows[name]["skipped"].startswith("zero output variance")
         assert rows[name]["scale"] == 1.0 and rows[name]["var_after"] == 0.0
@@ -342,7 +340,7 @@ def test_transformer_encoder_layer_with_attention() -> None:
     fastpath = torch.backends.mha.get_fastpath_enabled()
     report = lsuv_(layer, x, target=1.5, generator=0)
     assert torch.backends.mha.get_fastpath_enabled() == fastpath
-    names = [r["module"] for r in report]
+    names = [r["layer"] for r in report]
     assert names == [
         "self_attn.in_proj_weight[q]",
         "self_attn.in_proj_weight[k]",
@@ -371,7 +369,7 @@ def test_sequence_first_cross_attention_with_separate_projections() -> None:
     model = Cross()
     x = torch.randn(7, 5, 24)
     report = lsuv_(model, x, target=2.0, generator=0)
-    assert [r["module"] for r in report][:3] == [
+    assert [r["layer"] for r in report][:3] == [
         "attn.q_proj_weight",
         "attn.k_proj_weight",
         "attn.v_proj_weight",
@@ -411,13 +409,13 @@ def test_registered_layer_types_and_module_selection() -> None:
     model = nn.Sequential(_Conv1D(12, 24), nn.GELU(), nn.Linear(24, 24), nn.GELU(), _Conv1D(24, 6))
     x = torch.randn(8, 10, 12)
     report = lsuv_(model, x, registry=reg, generator=0)
-    assert [r["module"] for r in report] == ["0", "2", "4"]
+    assert [r["layer"] for r in report] == ["0", "2", "4"]
     _assert_on_target(model, x, report)
     w = model[0].weight.detach().double() / report[0]["scale"]  # (in, out): orthogonal columns
     assert torch.allclose(w @ w.T, torch.eye(12, dtype=torch.float64), atol=1e-5)
     before = model[2].weight.clone()
     report = lsuv_(model, x, registry=reg, modules=["0", "4"], target=3.0, generator=0)
-    assert [r["module"] for r in report] == ["0", "4"]
+    assert [r["layer"] for r in report] == ["0", "4"]
     assert torch.equal(model[2].weight, before)
     with pytest.raises(ValueError, match="not found"):
         lsuv_(model, x, registry=reg, modules=["nope"])
@@ -457,7 +455,7 @@ def test_branches_mode_scales_only_branch_ends() -> None:
     before = {k: v.clone() for k, v in model.state_dict().items()}
     x = torch.randn(256, 16)
     report = lsuv_(model, x, strategy="branches", blocks=_is_block, generator=0)
-    rows = {r["module"]: r for r in report}
+    rows = {r["layer"]: r for r in report}
     assert report.forward_passes == 3  # discovery + sweep + measuring sweep
     for i in (2, 4, 6):
         assert not rows[f"{i}.fc2"]["skipped"]  # the branch end: fc2, not the shortcut
@@ -474,7 +472,7 @@ def test_stream_mode_brings_block_outputs_to_target() -> None:
     model = _res_mlp(True)
     x = torch.randn(256, 16)
     report = lsuv_(model, x, strategy="stream", blocks=["2", "4", "6"], generator=0)
-    rows = {r["module"]: r for r in report}
+    rows = {r["layer"]: r for r in report}
     # Block 2's projection shortcut is itself brought to variance 1, so its output cannot reach 1
     # with a live branch: its branch end falls back to its own output (the edge is deterministic).
     assert "cannot go below variance" in rows["2.fc2"]["measured_at"]
@@ -494,7 +492,7 @@ def test_stream_mode_unreachable_target_falls_back_to_the_layer() -> None:
     model = _res_mlp(False)
     x = torch.randn(256, 16)
     report = lsuv_(model, x, strategy="stream", blocks=_is_block, generator=0)
-    rows = {r["module"]: r for r in report}
+    rows = {r["layer"]: r for r in report}
     assert "cannot go below" in rows["4.fc2"]["measured_at"]
     _assert_on_target(model, x, report)
 
@@ -513,7 +511,7 @@ def test_resnet20_stream_and_branches_run() -> None:
         model = create_model("resnet20")
         report = lsuv_(model, x, strategy=mode, generator=0)  # blocks found by type
         assert report.forward_passes <= 4 and _no_hooks(model)
-        assert len([r for r in report if r["module"].endswith("conv2")]) == 9
+        assert len([r for r in report if r["layer"].endswith("conv2")]) == 9
 
 
 # -- batches ----------------------------------------------------------------------------------
@@ -622,7 +620,7 @@ def _ddp_lsuv(rank: int, world_size: int) -> tuple[dict, dict, list]:
     model = create_model("plain_cnn", depth=8)
     x = torch.randn(3 + rank, 3, 16, 16) * (1 + rank)  # different shards, even in size
     report = lsuv_(model, x)  # no generator: the pre-init must come from rank 0
-    names = [r["module"] for r in report]
+    names = [r["layer"] for r in report]
     sums = _output_sums(model, [x], names)
     return model.state_dict(), sums, [r["var_after"] for r in report]
 

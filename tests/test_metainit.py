@@ -72,10 +72,15 @@ def test_paper_step_is_minus_lr_sign_of_the_finite_difference_slope() -> None:
         return gradient_quotient(other, batch, batch_stats=False)
 
     report = metainit_(copy.deepcopy(net), [batch], lr=lr)
-    assert [r["name"] for r in report] == ["0.weight", "2.weight", "4.weight"]  # >= 2-D tensors
+    assert [(r["layer"], r["param"]) for r in report] == [
+        ("0", "weight"),
+        ("2", "weight"),
+        ("4", "weight"),
+    ]  # >= 2-D tensors
     h = 1e-6
     for row in report:
-        slope = gq_with(row["name"], 1 + h) - gq_with(row["name"], 1 - h)
+        name = f"{row['layer']}.{row['param']}"
+        slope = gq_with(name, 1 + h) - gq_with(name, 1 - h)
         assert abs(slope) > 1e-9
         expected = -lr * math.copysign(1.0, slope)  # s <- s + m, m = -lr sign(dGQ/ds)
         assert row["norm_after"] - row["norm_before"] == pytest.approx(expected, rel=1e-9)

@@ -42,7 +42,7 @@ def value(rows, module, quantity, stat, *, call="all", index="0", param=""):
     if quantity in ("W", "dW", "dW_example"):
         index = ""
     hits = rows.filter(
-        module=module, quantity=quantity, stat=stat, call=call, index=index, param=param
+        layer=module, quantity=quantity, stat=stat, call=call, index=index, param=param
     )
     assert len(hits) == 1, (module, quantity, stat, call, index, param, len(hits))
     return hits[0]["value"]
@@ -77,7 +77,7 @@ def example_sq_means(model, inputs, loss_i, n, *, batch_dim=0):
 
 
 def param_row(probe, module, param):
-    hits = probe.param_table().filter(module=module, param=param)
+    hits = probe.param_table().filter(layer=module, param=param)
     assert len(hits) == 1
     return hits[0]
 
@@ -142,7 +142,7 @@ def test_mlp_with_inplace_relu_matches_hand(dtype, reduction):
     assert_moments(rows, "2", "dy", [s * y1.grad], rel=rel)
     assert_moments(rows, "2", "dx", [s * h.grad], rel=rel)
     assert_moments(rows, "", "y", [y1], rel=rel)
-    assert not rows.filter(module="0", quantity="dx")  # the data does not require grad
+    assert not rows.filter(layer="0", quantity="dx")  # the data does not require grad
 
     oracle = example_sq_means(
         model,
@@ -332,7 +332,7 @@ def test_shared_block_per_call_and_aggregated():
     assert value(rows, "block", "y", "batches") == 3.0
     assert value(rows, "block", "y", "batches", call=1) == 1.0
 
-    table = {r["module"]: r for r in probe.table()}
+    table = {r["layer"]: r for r in probe.table()}
     assert table["block"]["calls"] == 3
     assert [table[m]["order"] for m in ("inp", "block", "out")] == [0, 1, 2]
     assert table["block"]["E_y2"] == pytest.approx(hand_moments(*ys)["sq_mean"], rel=1e-12)
@@ -366,8 +366,8 @@ def test_module_never_called_reports_no_stale_numbers():
         assert value(rows, "unused", q, "batches") == 0.0
         assert value(rows, "unused", q, "numel") == 0.0
         assert math.isnan(value(rows, "unused", q, "sq_mean"))
-    assert not rows.filter(module="unused", quantity="dW")
-    table = {r["module"]: r for r in probe.table()}
+    assert not rows.filter(layer="unused", quantity="dW")
+    table = {r["layer"]: r for r in probe.table()}
     assert table["unused"]["calls"] == 0 and table["unused"]["order"] is None
     assert math.isnan(table["unused"]["E_y2"]) and math.isnan(table["unused"]["gain_fwd"])
     unused = param_row(probe, "unused", "weight")
@@ -451,7 +451,7 @@ def test_structured_outputs_are_flattened_with_paths(kind, paths):
     assert_moments(rows, "two", "y", [aux], index=paths[1])
     assert_moments(rows, "two", "dy", [batch * main.grad], index=paths[0])
     assert_moments(rows, "two", "dy", [batch * aux.grad], index=paths[1])
-    first = probe.table().filter(module="two")[0]
+    first = probe.table().filter(layer="two")[0]
     assert first["E_y2"] == pytest.approx(hand_moments(main)["sq_mean"], rel=1e-12)
 
 
@@ -512,7 +512,7 @@ def test_forward_only_under_no_grad():
     assert_moments(rows, "0", "y", h1)
     assert_moments(rows, "1", "y", [torch.tanh(h) for h in h1])
     assert value(rows, "2", "y", "batches") == 3.0
-    table = probe.table().filter(module="0")[0]
+    table = probe.table().filter(layer="0")[0]
     assert math.isnan(table["E_dy2"]) and math.isnan(table["gain_bwd"])
     assert math.isnan(param_row(probe, "0", "weight")["E_dW2"])
 
@@ -604,7 +604,7 @@ def test_nan_batch_is_flagged_and_left_out():
     row = param_row(probe, "0", "weight")
     assert row["E_dW2_example"] == pytest.approx(oracle["0.weight"], rel=1e-9)
     assert row["nonfinite"] == 2.0
-    assert probe.table().filter(module="0")[0]["nonfinite"] >= 3.0
+    assert probe.table().filter(layer="0")[0]["nonfinite"] >= 3.0
 
 
 # ----------------------------------------------------------------------------- per-example cases
@@ -775,7 +775,7 @@ def test_per_example_weight_gradients_match_a_loop(case):
     first_name = {id(p): n for n, p in model.named_parameters()}  # tied: one name, many rows
     seen = set()
     for row in table:
-        param = model.get_submodule(row["module"]).get_parameter(row["param"])
+        param = model.get_submodule(row["layer"]).get_parameter(row["param"])
         name = first_name[id(param)]
         seen.add(name)
         assert row["note"] == "", (name, row["note"])
@@ -1045,7 +1045,7 @@ def test_float32_transformer_matches_a_float64_loop():
     oracle = example_sq_means(model, tokens, lambda m, xi, i: loss(m, xi, target[i : i + 1]), 6)
     first_name = {id(p): n for n, p in model.named_parameters()}
     for row in probe.param_table():
-        name = first_name[id(model.get_submodule(row["module"]).get_parameter(row["param"]))]
+        name = first_name[id(model.get_submodule(row["layer"]).get_parameter(row["param"]))]
         assert row["E_dW2_example"] == pytest.approx(oracle[name], rel=1e-4), name
 
 
@@ -1116,9 +1116,9 @@ def test_attention_shortcut_matches_a_loop(case, monkeypatch):
     )
     assert probe.notes == []
     table = probe.param_table()
-    assert {f"{r['module']}.{r['param']}" for r in table} == set(oracle)
+    assert {f"{r['layer']}.{r['param']}" for r in table} == set(oracle)
     for row in table:
-        name = f"{row['module']}.{row['param']}"
+        name = f"{row['layer']}.{row['param']}"
         assert row["E_dW2_example"] == pytest.approx(oracle[name], rel=1e-8), name
 
 
@@ -1143,7 +1143,7 @@ class KwNet(nn.Module):
 
 
 def _values(probe: MomentProbe) -> list:
-    return [(r["module"], r["quantity"], r["index"], r["param"], r["stat"], r["value"])
+    return [(r["layer"], r["quantity"], r["index"], r["param"], r["stat"], r["value"])
             for r in probe.rows()]  # fmt: skip
 
 

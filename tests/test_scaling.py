@@ -76,7 +76,7 @@ def test_scale_output_fold_reaches_target_on_held_out_batch_and_is_exact() -> No
     before_fn = copy.deepcopy(model)
     report = scale_output_(model, fit, target=0.05)
     s = report.info["scale"]
-    assert report[0]["module"] == "4" and report.info["layer"] == "4"
+    assert report[0]["layer"] == "4" and report.info["layer"] == "4"
     assert measure_output_std(model, held) == pytest.approx(0.05, rel=0.01)
     with torch.no_grad():  # exact: f_new = s * f_old, everywhere, not only on the fit data
         assert torch.allclose(model(held), s * before_fn(held), rtol=1e-5, atol=1e-7)
@@ -313,7 +313,7 @@ def test_precondition_lr_balances_strided_alexnet_on_held_out_data() -> None:
     assert imbalance(rows)["spread"] < 1.5
     plain = imbalance(gr_scaling_from_data(model, held, ce))["spread"]
     assert plain > 10
-    r0 = report.filter(module="features.0")[0]
+    r0 = report.filter(layer="features.0")[0]
     assert r0["lr_scale_sgd"] == pytest.approx(alpha["features.0"] ** 2)
     groups = preconditioned_param_groups(model, report, lr=0.1, weight_decay=1e-4)
     assert len(groups) == 9 and sum(len(g["params"]) for g in groups) == 16

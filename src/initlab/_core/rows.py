@@ -4,6 +4,29 @@ A table is a list of flat ``dict`` rows sharing one documented schema (the schem
 producer: :data:`initlab.INIT_REPORT_COLUMNS`, :data:`initlab.PROBE_COLUMNS`, ...).
 :class:`Rows` gives every producer the same exits: ``to_rows()`` (plain dicts), ``to_pandas()``
 (pandas is optional), ``to_markdown()`` and a fixed-width ``str``.
+
+Row keys
+--------
+Every row about one layer names it the same way, whichever report produced it:
+
+* ``layer``: the module's qualified name, as in ``model.named_modules()`` (``""`` for the root
+  module itself);
+* ``param``: for rows about one tensor, the parameter's local name on that module (``"weight"``,
+  ``"bias"``, ``"in_proj_weight"``); the full name is ``join_name(layer, param)``
+  (:func:`split_name` is the inverse). Rows about a layer as a whole have no ``param`` column, or
+  ``param == ""`` in long tables that mix both.
+
+So ``init_model`` reports ``layer, param, module_type, role, ...``; ``MomentProbe.rows()``
+``layer, module_type, order, call, quantity, index, param, stat, value``; ``.table()`` one row per
+``layer``; ``.param_table()`` one per ``(layer, param)``; ``gr_scaling`` and
+``precondition_`` one per ``layer``; ``lsuv_`` and ``scale_output_`` one per scaled ``layer``;
+``gradinit_``/``metainit_`` one per scaled ``(layer, param)``; ``theory_vs_actual`` one per
+``(layer, param)`` (plus its curvature ``block`` name); the diagnostics (``diagnose`` long rows,
+per-layer table and findings, ``gradient_stats``, ``layer_spectra``, activations) use the same
+two keys. :func:`~initlab.measure.curvature.block_curvature` rows are about *pairs* of blocks and
+name them ``block_row``/``block_col`` (a parameter's full name, a module's name, or a user-given
+block name). A tied tensor is reported under the name the report uses for it (``init_model``:
+one row per alias, with ``tied_to``).
 """
 
 from __future__ import annotations
@@ -14,7 +37,28 @@ from typing import Any
 
 from initlab._core.data import DataUse
 
-__all__ = ["Rows", "format_table"]
+__all__ = ["Rows", "format_table", "join_name", "split_name"]
+
+
+def split_name(qualified: str) -> tuple[str, str]:
+    """``(layer, param)`` of a full parameter name, split at the last dot.
+
+    >>> split_name("mlp.2.weight"), split_name("scale")
+    (('mlp.2', 'weight'), ('', 'scale'))
+    """
+    layer, _, param = qualified.rpartition(".")
+    return layer, param
+
+
+def join_name(layer: str, param: str) -> str:
+    """The full parameter name of ``param`` on module ``layer`` (``""`` = the root module).
+
+    >>> join_name("mlp.2", "weight"), join_name("", "scale"), join_name("0", "")
+    ('mlp.2.weight', 'scale', '0')
+    """
+    if not param:
+        return layer
+    return f"{layer}.{param}" if layer else param
 
 
 def _fmt(value: Any) -> str:

@@ -107,16 +107,16 @@ def run_demo(
         init_model(model, scheme, generator=seed)
         probe = measure_moments(model, [batch], _cross_entropy)
         layer_rows = probe.table().to_rows()
-        params = {(r["module"], r["param"]): r for r in probe.param_table().to_rows()}
+        params = {(r["layer"], r["param"]): r for r in probe.param_table().to_rows()}
         nus = []
         for r in layer_rows:
-            w = params[(r["module"], "weight")]
+            w = params[(r["layer"], "weight")]
             nu = w["E_dW2_example"] / w["E_W2"]
             nus.append(nu)
             rows.append(
                 {
                     "scheme": scheme,
-                    "layer": r["module"],
+                    "layer": r["layer"],
                     "shape": w["shape"],
                     "E_x2": r["E_x2"],
                     "E_y2": r["E_y2"],

@@ -173,10 +173,10 @@ def _add_moments(out: _LongRows, probe_table: Rows) -> None:
     """Per module: second moments, gains, the end-to-end forward signal."""
     ratios = signal_ratios(probe_table)
     for r in probe_table:
-        out.meta(r["module"], r["module_type"], r["order"])
+        out.meta(r["layer"], r["module_type"], r["order"])
         for q in _MOMENTS:
-            out.add(r["module"], "", q, r[q])
-        out.add(r["module"], "", "signal_fwd", ratios.get(r["module"], _NAN))
+            out.add(r["layer"], "", q, r[q])
+        out.add(r["layer"], "", "signal_fwd", ratios.get(r["layer"], _NAN))
 
 
 def _add_params(
@@ -187,7 +187,7 @@ def _add_params(
     for layer, param in sorted(out.weights):
         rat.wnames.setdefault(layer, param)
     for r in param_table:
-        layer, param = r["module"], r["param"]
+        layer, param = r["layer"], r["param"]
         note = r["note"]
         out.add(layer, param, "E_W2", r["E_W2"])
         out.add(layer, param, "E_dW2", r["E_dW2"])
@@ -208,7 +208,7 @@ def _add_params(
 def _add_gamma(out: _LongRows, gr: Rows | None, rat: _Ratios) -> None:
     """γ of weights and biases; each weight's γ relative to the median, with its verdict."""
     for r in gr or ():
-        layer = r["module"]
+        layer = r["layer"]
         out.meta(layer, r.get("module_type"))
         gw, gb = r.get("gamma_w", _NAN), r.get("gamma_b", _NAN)
         if gw is not None and math.isfinite(gw):
@@ -268,8 +268,8 @@ def _add_curvature(out: _LongRows, tables: Mapping[str, Rows]) -> None:
             layer, param = _split_param(str(r["block_row"]), out.named)
             out.add(layer, param, "curv_block", r.get("value"), stderr=r.get("stderr", _NAN))
     for r in tables.get("theory_vs_actual", ()):
-        if "module" in r and "param" in r:
-            layer, param = r["module"], r["param"]
+        if "layer" in r and "param" in r:
+            layer, param = r["layer"], r["param"]
         else:
             layer, param = _split_param(str(r.get("block", "")), out.named)
         out.add(layer, param, "curv_theory_ratio", r.get("ratio"),
@@ -365,7 +365,7 @@ def _layer_table(
     rat: _Ratios,
 ) -> list[dict[str, Any]]:
     """The per-layer rows (definition order); adds each layer's ``verdict`` long row."""
-    probed = {r["module"] for r in probe_table}
+    probed = {r["layer"] for r in probe_table}
     flagged = {f["layer"] for f in findings if f["severity"] in ("warn", "bad")}
     layer_names = sorted(
         {r["layer"] for r in out.rows if r["layer"] != "" or "" in probed | flagged},
@@ -379,7 +379,7 @@ def _layer_table(
         out.add(layer, "", "verdict", _NAN, verdict=verdict, note=reason)
         wname = rat.wnames.get(layer, "weight")
         shape = next(
-            (r["shape"] for r in param_table if r["module"] == layer and r["param"] == wname),
+            (r["shape"] for r in param_table if r["layer"] == layer and r["param"] == wname),
             None,
         )
         wide.append(_layer_row(layer, out.info[layer], shape, pivot, rat, verdict, reason))

@@ -500,8 +500,8 @@ def _probe_findings(
     for r in param_table or ():
         if r.get("nonfinite", 0) and r["nonfinite"] > 0:
             out.append(
-                _finding(r["module"], "", "non_finite", "bad", float(r["nonfinite"]),
-                         f"non-finite gradients of {r['module']}.{r['param']} "
+                _finding(r["layer"], "", "non_finite", "bad", float(r["nonfinite"]),
+                         f"non-finite gradients of {r['layer']}.{r['param']} "
                          f"({int(r['nonfinite'])} gradient tensor(s) left out)")
             )  # fmt: skip
     return out
@@ -561,7 +561,7 @@ def _activation_findings(r: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 
 def signal_ratios(probe_table: Iterable[Mapping[str, Any]]) -> dict[str, float]:
-    """``{module: E[y^2] / E[x_0^2]}``: each module's output second moment relative to the
+    """``{layer: E[y^2] / E[x_0^2]}``: each module's output second moment relative to the
     network's input (the end-to-end forward gain, measured directly).
 
     The reference ``E[x_0^2]`` is ``E[x^2]`` of the first probed module (in execution order) with
@@ -575,16 +575,16 @@ def signal_ratios(probe_table: Iterable[Mapping[str, Any]]) -> dict[str, float]:
 
     ref = next((r["E_x2"] if ok(r["E_x2"]) else r["E_y2"] for r in rows
                 if ok(r["E_x2"]) or ok(r["E_y2"])), math.nan)  # fmt: skip
-    return {r["module"]: r["E_y2"] / ref if ok(r["E_y2"]) and ok(ref) else math.nan for r in rows}
+    return {r["layer"]: r["E_y2"] / ref if ok(r["E_y2"]) and ok(ref) else math.nan for r in rows}
 
 
 def _nonfinite_counts(probe_rows: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, int]]:
-    """``{module: {"x"|"y"|"dy"|"dx": batch-calls with NaN/inf}}`` from the probe's long rows."""
+    """``{layer: {"x"|"y"|"dy"|"dx": batch-calls with NaN/inf}}`` from the probe's long rows."""
     out: dict[str, dict[str, int]] = {}
     for r in probe_rows:
         keep = r["stat"] == "nonfinite" and r["call"] == "all" and r["quantity"] in _ACT_QUANTITIES
         if keep and r["value"] > 0:
-            d = out.setdefault(r["module"], {})
+            d = out.setdefault(r["layer"], {})
             d[r["quantity"]] = d.get(r["quantity"], 0) + int(r["value"])
     return out
 
@@ -600,7 +600,7 @@ def _signal_findings(
     nonfinite: Mapping[str, Mapping[str, int]] | None,
 ) -> list[dict[str, Any]]:
     out = []
-    layer, mtype = r["module"], r["module_type"]
+    layer, mtype = r["layer"], r["module_type"]
     name = layer or "<root>"
     if nonfinite is not None:
         counts = nonfinite.get(layer, {})

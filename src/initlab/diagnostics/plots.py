@@ -142,7 +142,7 @@ def plot_moments(report: Any) -> Any:
     """
     probe = [r for r in report.tables["probe"] if r["order"] is not None]
     probe.sort(key=lambda r: r["order"])
-    layers = [r["module"] for r in probe]
+    layers = [r["layer"] for r in probe]
     chain = not report.meta.get("residual_blocks")
     fig = _figure(figsize=(max(6.0, 0.4 * len(layers) + 3), 6.2))
     axes = fig.subplots(2, 1, sharex=True)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from initlab._core.rows import split_name
 from initlab.init.registry import Block, ParamSpec, Registry
 from initlab.init.rules import Rule
 from initlab.init.sampling import normal_, sample_
@@ -290,7 +291,8 @@ def report_rows(plans: dict[int, _Plan], order: list[int], measure: bool) -> lis
         row = _report_row(plan, measure)
         rows.append(row)
         for alias in plan.aliases:
-            rows.append({**row, "name": alias, "tied_to": plan.name})
+            layer, param = split_name(alias)
+            rows.append({**row, "layer": layer, "param": param, "tied_to": plan.name})
     return rows
 
 
@@ -302,8 +304,10 @@ def _report_row(plan: _Plan, measure: bool) -> dict[str, Any]:
     achieved = None
     if measure and plan.param.numel() > 1:
         achieved = float(plan.param.detach().float().std())
+    layer, param = split_name(plan.name)
     return {
-        "name": plan.name,
+        "layer": layer,
+        "param": param,
         "module_type": type(plan.module).__name__,
         "role": spec.role if spec is not None else "unclaimed",
         "shape": tuple(plan.param.shape),

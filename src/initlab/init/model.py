@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from initlab._core.rng import as_generator
-from initlab._core.rows import Rows
+from initlab._core.rows import Rows, join_name
 from initlab.init._plan import (
     add_unclaimed,
     check_bias,
@@ -34,16 +34,19 @@ from initlab.init.schemes import Scheme, get_scheme
 __all__ = ["INIT_REPORT_COLUMNS", "InitReport", "init_model"]
 
 #: Columns of :class:`InitReport` rows, one row per parameter tensor:
-#: ``name`` qualified parameter name; ``module_type``; ``role`` (weight, bias, norm_scale,
-#: norm_shift, embedding, or ``unclaimed``); ``shape``; ``fan_in``/``fan_out`` (of the whole tensor,
+#: ``layer`` the module's qualified name (``""`` for the root) and ``param`` the parameter's local
+#: name (a tied tensor: one row per name it has; ``join_name(layer, param)`` is the full name);
+#: ``module_type``; ``role`` (weight, bias, norm_scale, norm_shift, embedding, or ``unclaimed``);
+#: ``shape``; ``fan_in``/``fan_out`` (of the whole tensor,
 #: or of one block for fused q/k/v and gate weights; ``None`` where fans do not apply); ``blocks``
 #: (number of separately initialized blocks); ``scheme`` (what filled it: a scheme name,
 #: ``zeros``, ``ones``, ``normal``, ``untouched``); ``distribution``; ``target_std`` (the std the
 #: scheme asked for, after rules); ``achieved_std`` (std of the tensor afterwards, ``None`` when
 #: ``measure=False``); ``rule`` (the rules applied, with citations); ``tied_to`` (for a tied
-#: parameter: the name under which it was initialized).
+#: parameter: the full name under which it was initialized).
 INIT_REPORT_COLUMNS = (
-    "name",
+    "layer",
+    "param",
     "module_type",
     "role",
     "shape",
@@ -71,11 +74,11 @@ class InitReport(Rows):
 
     def unclaimed(self) -> list[str]:
         """Names of parameters no handler claimed (left untouched)."""
-        return [r["name"] for r in self.to_rows() if r["role"] == "unclaimed"]
+        return [join_name(r["layer"], r["param"]) for r in self._rows if r["role"] == "unclaimed"]
 
     def tied(self) -> dict[str, str]:
         """Tied parameter name → the name under which the shared tensor was initialized."""
-        return {r["name"]: r["tied_to"] for r in self.to_rows() if r["tied_to"]}
+        return {join_name(r["layer"], r["param"]): r["tied_to"] for r in self._rows if r["tied_to"]}
 
     def __str__(self) -> str:
         rows = self.to_rows()

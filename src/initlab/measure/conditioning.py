@@ -82,7 +82,7 @@ Rows (:data:`GR_COLUMNS`), one per probed module whose registry handler claims a
 parameter, in execution order:
 
 =====================  ==========================================================================
-``module``             qualified name
+``layer``              the module's qualified name
 ``module_type``        class name
 ``kind``               ``"mlp"`` (linear-type), ``"conv"`` (``nn.Conv1d/2d/3d``) or ``"other"``
                        (attention, RNN, transposed conv, bilinear: ``gamma`` not derived, NaN)
@@ -109,7 +109,7 @@ Example:
     >>> rows = gr_scaling_from_data(
     ...     net, (x, t), lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1])
     ... )
-    >>> [r["module"] for r in rows], [r["kind"] for r in rows]
+    >>> [r["layer"] for r in rows], [r["kind"] for r in rows]
     (['0', '2'], ['mlp', 'mlp'])
     >>> imbalance(rows)["spread"] >= 1.0
     True
@@ -141,7 +141,7 @@ __all__ = [
 ]
 
 GR_COLUMNS: tuple[str, ...] = (
-    "module",
+    "layer",
     "module_type",
     "kind",
     "n_in",
@@ -207,13 +207,13 @@ def weight_layers(
 
 
 def _probe_values(probe: MomentProbe) -> dict[tuple[str, str, str, str], float]:
-    """``(module, quantity, param, stat) -> value`` for the pooled ("all") rows of the first
+    """``(layer, quantity, param, stat) -> value`` for the pooled ("all") rows of the first
     input/output tensor (index ``"0"``) and of every parameter."""
     out: dict[tuple[str, str, str, str], float] = {}
     for r in probe.rows():
         if r["call"] != "all" or (r["quantity"] in ("x", "y", "dy") and r["index"] != "0"):
             continue
-        out[(r["module"], r["quantity"], r["param"], r["stat"])] = r["value"]
+        out[(r["layer"], r["quantity"], r["param"], r["stat"])] = r["value"]
     return out
 
 
@@ -231,10 +231,10 @@ def _layers(
     modules = dict(model.named_modules())
     layers = []
     for t in probe.table():
-        module = modules.get(t["module"])
+        module = modules.get(t["layer"])
         spec = None if module is None else _weight_spec(module, reg)
         if spec is not None:
-            layers.append((t["module"], module, spec, _bias_name(module, reg)))
+            layers.append((t["layer"], module, spec, _bias_name(module, reg)))
     return layers
 
 
@@ -335,7 +335,7 @@ def _gr_row(
     else:
         nu_b = _ratio(e_db2_ex, e_b2)
     return {
-        "module": name,
+        "layer": name,
         "module_type": type(module).__name__,
         "kind": kind,
         "n_in": n_in,
@@ -478,13 +478,13 @@ def imbalance(rows: Rows | list[Mapping[str, Any]], column: str = "gamma_w") -> 
 
     Returns:
         ``{"spread": max/min, "max", "min", "median", "argmax", "argmin", "layers": count,
-        "relative": {module: value/median}, "spread_with_biases": max/min over the weights'
+        "relative": {layer: value/median}, "spread_with_biases": max/min over the weights'
         ``column`` and the finite ``gamma_b`` together}`` over rows with a finite positive value;
         NaN values (and ``None`` names) when no row has one. ``gamma`` estimates a block's average
         squared singular value; by Cor. 2 of the paper, unequal blocks bound the condition number
         of the Hessian from below, so a large spread flags an ill-conditioned start.
     """
-    items = [(r["module"], r[column]) for r in rows]
+    items = [(r["layer"], r[column]) for r in rows]
     items = [(n, float(v)) for n, v in items if v is not None and math.isfinite(v) and v > 0]
     if not items:
         return {
@@ -530,7 +530,7 @@ def with_multipliers(rows: Rows, alpha: Mapping[str, float]) -> Rows:
     out = []
     for r in rows:
         r = dict(r)
-        a = float(alpha.get(r["module"], r["alpha"]))
+        a = float(alpha.get(r["layer"], r["alpha"]))
         f = (a / r["alpha"]) ** 4
         for col in ("gamma_w", "nu_w", "nu_w_minibatch"):
             r[col] = r[col] * f

@@ -31,6 +31,7 @@ from torch.func import functional_call
 from initlab._core.data import DataCounter, is_single_batch
 from initlab._core.distributed import all_reduce_sum, is_distributed, world_size
 from initlab._core.loss import Loss, resolve_loss
+from initlab._core.rows import split_name
 from initlab._core.state import model_kept
 from initlab.init.registry import default_registry
 
@@ -267,9 +268,11 @@ class AlphaAdam:
 def alpha_rows(model: nn.Module, ts: Tensors, alpha: torch.Tensor) -> list[dict[str, Any]]:
     rows = []
     for k, i in enumerate(ts.scaled):
+        layer, param = split_name(ts.names[i])
         rows.append(
             {
-                "name": ts.names[i],
+                "layer": layer,
+                "param": param,
                 "role": ts.roles[i],
                 "alpha": float(alpha[k]),
                 "norm_before": ts.norms[k],

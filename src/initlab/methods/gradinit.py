@@ -139,10 +139,11 @@ __all__ = [
 ]
 
 #: Rows of the :class:`~initlab.MethodReport` of :func:`gradinit_`, one per tensor
-#: with an alpha: ``name`` (first qualified name of the tensor), ``role`` (from the layer
+#: with an alpha: ``layer`` and ``param`` (the first qualified name of the tensor, split into the
+#: module's qualified name and the parameter's local name), ``role`` (from the layer
 #: registry: weight, bias, norm_scale, norm_shift, embedding, or ``unclaimed``), ``alpha`` (the
 #: learned scale, folded into the tensor), ``norm_before`` / ``norm_after`` (Frobenius norms).
-GRADINIT_COLUMNS = ("name", "role", "alpha", "norm_before", "norm_after")
+GRADINIT_COLUMNS = ("layer", "param", "role", "alpha", "norm_before", "norm_after")
 
 #: Columns of the per-iteration ``trace``: ``iteration`` (0-based); ``step`` ("constraint" or
 #: "objective"); ``grad_norm`` (``||g||_p`` of the rank-averaged gradient on S at the alphas
@@ -513,8 +514,8 @@ def gradinit_(
         >>> net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
         >>> batches = [(torch.randn(16, 4), torch.randint(0, 3, (16,))) for _ in range(5)]
         >>> report = gradinit_(net, batches, gamma=10.0)
-        >>> len(report.trace), [r["name"] for r in report]
-        (4, ['0.weight', '0.bias', '2.weight', '2.bias'])
+        >>> len(report.trace), [(r["layer"], r["param"]) for r in report][:3]
+        (4, [('0', 'weight'), ('0', 'bias'), ('2', 'weight')])
     """
     start = time.perf_counter()
     what = "gradinit_"

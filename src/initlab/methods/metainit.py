@@ -89,9 +89,10 @@ from initlab.methods._alpha import (
 
 __all__ = ["METAINIT_COLUMNS", "METAINIT_TRACE_COLUMNS", "gradient_quotient", "metainit_"]
 
-#: Rows of :func:`metainit_`'s report, one per tensor with a scale: ``name``, ``role``, ``alpha``
+#: Rows of :func:`metainit_`'s report, one per tensor with a scale: ``layer`` and ``param`` (the
+#: module's qualified name and the parameter's local name), ``role``, ``alpha``
 #: (the learned ``s / ||W0||``, folded in), ``norm_before`` (``||W0||``), ``norm_after`` (``s``).
-METAINIT_COLUMNS = ("name", "role", "alpha", "norm_before", "norm_after")
+METAINIT_COLUMNS = ("layer", "param", "role", "alpha", "norm_before", "norm_after")
 
 #: Columns of the per-step ``trace``: ``iteration``; ``gq`` (the gradient quotient of the step's
 #: batch at the scales before the step, rank-averaged); ``loss`` (the loss there); ``grad_norm``

@@ -63,15 +63,16 @@ class OutputScale(nn.Module):
 
 
 OUTPUT_SCALE_COLUMNS: tuple[str, ...] = (
-    "module",
+    "layer",
     "how",
     "std_before",
     "scale",
     "std_after",
     "target",
 )
-"""Columns of the :func:`scale_output_` report (one row): the layer the scale was folded into
-(``""`` for ``how="module"``), the std of the logits before and after, the factor, the target."""
+"""Columns of the :func:`scale_output_` report (one row): ``layer``, the layer the scale was
+folded into (``""`` for ``how="module"``), the std of the logits before and after, the factor, the
+target."""
 
 
 def _output_moments(
@@ -224,7 +225,7 @@ def scale_output_(
             _fold_checked(model, name, s, reg, batches[0], outs[0], forward, seeds)
             passes += 1
     row = {
-        "module": info["layer"],
+        "layer": info["layer"],
         "how": how,
         "std_before": std,
         "scale": s,

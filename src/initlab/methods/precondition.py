@@ -171,7 +171,7 @@ class ConditioningMultiplier(nn.Module):
 
 
 PRECONDITION_COLUMNS: tuple[str, ...] = (
-    "module",
+    "layer",
     "kind",
     "k2",
     "alpha",
@@ -307,7 +307,7 @@ def precondition_(
     with restore_on_failure(model):
         before = run.probe()
         first = run.log(before, 0)
-        gammas = {r["module"]: r["gamma_w"] for r in run.balanced(before)}
+        gammas = {r["layer"]: r["gamma_w"] for r in run.balanced(before)}
         common = _target_value(target, list(gammas.values()))
         if how in ("lr", "parametrize"):
             alpha = {n: (common / g) ** 0.25 for n, g in gammas.items()}
@@ -407,10 +407,10 @@ class _Balancing:
             if r["kind"] in ("mlp", "conv")
             and math.isfinite(r["gamma_w"])
             and r["gamma_w"] > 0
-            and (modules is None or r["module"] in modules)
+            and (modules is None or r["layer"] in modules)
         ]
         if modules is not None:
-            missing = sorted(set(modules) - {r["module"] for r in keep})
+            missing = sorted(set(modules) - {r["layer"] for r in keep})
             if missing:
                 raise ValueError(f"no finite gamma for module(s) {missing}: cannot balance them")
         if not keep:
@@ -438,10 +438,10 @@ class _Balancing:
         for it in range(1, max_iter + 1):
             if imbalance(self.balanced(rows))["spread"] <= 1 + tol:
                 break
-            current = {r["module"]: r["gamma_w"] for r in self.balanced(rows)}
+            current = {r["layer"]: r["gamma_w"] for r in self.balanced(rows)}
             geo = _target_value("geomean", list(current.values()))
             ratios = {n: (g / geo) ** 0.25 for n, g in current.items()}
-            called = [r["module"] for r in rows if math.isfinite(r["E_x2"])]
+            called = [r["layer"] for r in rows if math.isfinite(r["E_x2"])]
             _rescale_(self.model, called, ratios, self.batches, forward, self.seeds, self.registry)
             self.forward += 2
             for n, r in ratios.items():
@@ -509,15 +509,15 @@ def _parametrize(model: nn.Module, alpha: Mapping[str, float]) -> None:
 def _report_rows(
     before: Rows, after: Rows, alpha: Mapping[str, float], how: str
 ) -> list[dict[str, Any]]:
-    after_by = {r["module"]: r for r in after}
+    after_by = {r["layer"]: r for r in after}
     out = []
     for r in before:
-        a = float(alpha.get(r["module"], 1.0))
+        a = float(alpha.get(r["layer"], 1.0))
         lr_a = a if how == "lr" else 1.0  # parametrize/rescale: the optimizer needs no change
-        b = after_by.get(r["module"], r)
+        b = after_by.get(r["layer"], r)
         out.append(
             {
-                "module": r["module"],
+                "layer": r["layer"],
                 "kind": r["kind"],
                 "k2": r["k2"],
                 "alpha": a,

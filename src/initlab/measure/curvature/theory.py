@@ -36,7 +36,7 @@ _NAN = float("nan")
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 THEORY_COLUMNS: tuple[str, ...] = (
-    "module",
+    "layer",
     "module_type",
     "param",
     "block",
@@ -49,7 +49,9 @@ THEORY_COLUMNS: tuple[str, ...] = (
     "gamma_source",
     "note",
 )
-"""Columns of :func:`theory_vs_actual`: ``theory`` = GR scaling ``γ`` of the block (batch-loss
+"""Columns of :func:`theory_vs_actual`, one row per tensor: ``layer`` (the module's qualified
+name), ``param`` (``"weight"``/``"bias"``), ``block`` (the tensor's full name, the block of
+:func:`block_curvature`), ``theory`` = GR scaling ``γ`` of the block (batch-loss
 convention, see :func:`theory_vs_actual`), ``actual`` = measured ``‖H_ll‖_F² / n_l``, ``ratio`` =
 theory / actual with ``ratio_stderr = ratio · stderr / actual``."""
 
@@ -63,7 +65,7 @@ def _builtin_gamma(
     vals: dict[tuple[str, str, str], float] = {}
     for r in probe.rows():
         if r["call"] == "all" and r["index"] in ("0", "") and r["quantity"] in ("x", "y", "dy"):
-            vals[(r["module"], r["quantity"], r["stat"])] = r["value"]
+            vals[(r["layer"], r["quantity"], r["stat"])] = r["value"]
     out = {}
     for name, mod in modules.items():
         if isinstance(mod, nn.Linear):
@@ -93,7 +95,7 @@ def _conditioning_gamma(
     rows = gr_scaling(probe, model, examples=examples)
     # conditioning.py uses b = 1 with per-example dy; the block of the batch loss has b = B.
     return {
-        r["module"]: (r["gamma_w"] * examples, r["gamma_b"] * examples, "conditioning")
+        r["layer"]: (r["gamma_w"] * examples, r["gamma_b"] * examples, "conditioning")
         for r in rows
         if r["kind"] in ("mlp", "conv")
     }
@@ -209,7 +211,7 @@ def theory_vs_actual(
             note.append("no GR formula for this module")
         rows.append(
             {
-                "module": mname,
+                "layer": mname,
                 "module_type": type(modules[mname]).__name__,
                 "param": pname,
                 "block": qname,

@@ -35,7 +35,7 @@ is rescaled. ``B`` is the size of the root model's first tensor argument along `
 Long schema, :data:`PROBE_COLUMNS` (one row per number):
 
 ==============  ===========================================================================
-``module``      qualified name (``""`` for the root model)
+``layer``       the module's qualified name (``""`` for the root model)
 ``module_type`` class name
 ``order``       execution-order index of the module's first call (``None``: never called)
 ``call``        ``k`` (int) for the k-th call of the module within one forward of the root
@@ -118,9 +118,9 @@ Example:
     >>> with MomentProbe(model) as probe:
     ...     nn.functional.cross_entropy(model(x), target).backward()
     >>> t = probe.table()
-    >>> [row["module"] for row in t]
+    >>> [row["layer"] for row in t]
     ['0', '2']
-    >>> p = probe.param_table().filter(module="0", param="weight")[0]
+    >>> p = probe.param_table().filter(layer="0", param="weight")[0]
     >>> bool(p["E_dW2_example"] >= p["E_dW2"])  # per-example gradients are larger than their mean
     True
 """

@@ -18,7 +18,7 @@ from initlab.measure.probe.state import _ModuleState, _ParamState
 __all__ = ["PARAM_TABLE_COLUMNS", "PROBE_COLUMNS", "TABLE_COLUMNS"]
 
 PROBE_COLUMNS: tuple[str, ...] = (
-    "module",
+    "layer",
     "module_type",
     "order",
     "call",
@@ -31,7 +31,7 @@ PROBE_COLUMNS: tuple[str, ...] = (
 """Columns of :meth:`MomentProbe.rows` (see the module docstring)."""
 
 TABLE_COLUMNS: tuple[str, ...] = (
-    "module",
+    "layer",
     "module_type",
     "order",
     "calls",
@@ -52,7 +52,7 @@ TABLE_COLUMNS: tuple[str, ...] = (
 """Columns of :meth:`MomentProbe.table`."""
 
 PARAM_TABLE_COLUMNS: tuple[str, ...] = (
-    "module",
+    "layer",
     "param",
     "shape",
     "E_W2",
@@ -122,7 +122,7 @@ def _probe_rows(states: list[_ModuleState]) -> Rows:
     """:meth:`MomentProbe.rows` of the module states, in report order."""
     out: list[dict[str, Any]] = []
     for st in states:
-        head = {"module": st.name, "module_type": type(st.module).__name__, "order": st.order}
+        head = {"layer": st.name, "module_type": type(st.module).__name__, "order": st.order}
         for call, q, path, moments in _activation_blocks(st):
             for stat in _ACT_STATS:
                 out.append(
@@ -158,7 +158,7 @@ def _module_table(states: list[_ModuleState]) -> Rows:
         x, y, dy, dx = (first.get(q, nan) for q in _QUANTITIES)
         out.append(
             {
-                "module": st.name,
+                "layer": st.name,
                 "module_type": type(st.module).__name__,
                 "order": st.order,
                 "calls": st.max_calls,
@@ -190,7 +190,7 @@ def _param_table(states: list[_ModuleState]) -> Rows:
             ex = m.get("dW_example", {"sq_mean": _NAN, "nonfinite": 0.0})
             out.append(
                 {
-                    "module": st.name,
+                    "layer": st.name,
                     "param": local,
                     "shape": tuple(ps.param.shape),
                     "E_W2": m["W"]["sq_mean"],

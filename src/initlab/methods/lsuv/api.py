@@ -43,7 +43,7 @@ __all__ = ["KNOWN_BLOCKS", "LSUV_COLUMNS", "lsuv_"]
 #: Columns of the :class:`~initlab.MethodReport` rows of :func:`lsuv_`, one row per
 #: layer (an attention module gives one row per q/k/v projection and one for ``out_proj``):
 #:
-#: * ``module``: qualified name of the layer (``"attn.in_proj_weight[q]"`` for a projection block);
+#: * ``layer``: qualified name of the layer (``"attn.in_proj_weight[q]"`` for a projection block);
 #: * ``module_type``: its class name;
 #: * ``order``: position in execution order (first call), from 0; ``None``: never ran;
 #: * ``calls``: times the layer ran during the final, measuring sweep (all batches);
@@ -61,7 +61,7 @@ __all__ = ["KNOWN_BLOCKS", "LSUV_COLUMNS", "lsuv_"]
 #:   rescaled, pooled over all calls, batches and ranks;
 #: * ``skipped``: why the layer was not scaled, or ``""``.
 LSUV_COLUMNS = (
-    "module",
+    "layer",
     "module_type",
     "order",
     "calls",
@@ -431,7 +431,7 @@ def _report_rows(
     for u in ordered:
         rows.append(
             {
-                "module": u.name,
+                "layer": u.name,
                 "module_type": u.module_type,
                 "order": u.order,
                 "calls": u.calls if u.kind != "static" else 0,
