@@ -19,6 +19,7 @@ from torch import nn
 from initlab._core.data import Batches, batch_size, data_use, take_batches
 from initlab._core.knobs import renamed_kwargs
 from initlab._core.rows import Rows
+from initlab.measure.conditioning import gr_scaling
 from initlab.measure.curvature.estimators import ProbeKind, block_curvature
 from initlab.measure.curvature.functional import (
     Forward,
@@ -85,13 +86,53 @@ def _builtin_gamma(
     return out
 
 
+def _blocks(model: nn.Module, modules: dict[str, nn.Module]) -> list[tuple[str, str, str]]:
+    """``(layer, param, qualified name)`` of every trainable weight and bias of ``modules``; a
+    tied tensor under its first name only."""
+    names = []
+    own = dict(model.named_parameters())
+    for mname, mod in modules.items():
+        for pname, p in mod.named_parameters(recurse=False):
+            qname = f"{mname}.{pname}" if mname else pname
+            if p.requires_grad and pname in ("weight", "bias") and own.get(qname) is p:
+                names.append((mname, pname, qname))
+    return names
+
+
+def _row(
+    mname: str,
+    pname: str,
+    qname: str,
+    module: nn.Module,
+    g: tuple[float, float, str] | None,
+    r: dict[str, Any],
+) -> dict[str, Any]:
+    """One row of :data:`THEORY_COLUMNS`: γ from theory against the measured block ``r``."""
+    theory = _NAN if g is None else (g[0] if pname == "weight" else g[1])
+    actual, stderr = r["value"], r["stderr"]
+    ratio = theory / actual if actual and math.isfinite(actual) else _NAN
+    note = [r["note"]] if r["note"] else []
+    if g is None:
+        note.append("no GR formula for this module")
+    return {
+        "layer": mname,
+        "module_type": type(module).__name__,
+        "param": pname,
+        "block": qname,
+        "theory": theory,
+        "actual": actual,
+        "stderr": stderr,
+        "ratio": ratio,
+        "ratio_stderr": abs(ratio) * stderr / actual if actual else _NAN,
+        "probes": r["probes"],
+        "gamma_source": g[2] if g is not None else "",
+        "note": "; ".join(note),
+    }
+
+
 def _conditioning_gamma(
     probe: Any, model: nn.Module, examples: int
-) -> dict[str, tuple[float, float, str]] | None:
-    try:
-        from initlab.measure.conditioning import gr_scaling
-    except ImportError:
-        return None
+) -> dict[str, tuple[float, float, str]]:
     rows = gr_scaling(probe, model, examples=examples)
     # conditioning.py uses b = 1 with per-example dy; the block of the batch loss has b = B.
     return {
@@ -132,7 +173,8 @@ def theory_vs_actual(
     The moments come from :class:`~initlab.MomentProbe` (``loss_reduction="sum"``) on a
     copy of the model. ``gamma="conditioning"`` takes ``γ`` from
     :func:`initlab.gr_scaling` (``b = 1``, per-example ``dy``) times ``B``, which is
-    the same quantity; ``"builtin"`` computes it here; ``"auto"`` prefers ``conditioning``.
+    the same quantity (``"auto"``, the default, is ``"conditioning"``); ``"builtin"`` computes
+    it here.
 
     ``data`` (one batch or many; the first batch is used), ``loss_fn`` (any form
     :func:`~initlab._core.loss.resolve_loss` accepts), ``kind``, ``ad_mode`` (formerly ``mode``)
@@ -170,20 +212,11 @@ def theory_vs_actual(
         per_example=False,
         loss_reduction="sum",
     )
-    gammas = None
     if gamma in ("auto", "conditioning"):
         gammas = _conditioning_gamma(moments, twin, batch_size(batch))
-        if gammas is None and gamma == "conditioning":
-            raise ImportError("gamma='conditioning' needs initlab.measure.conditioning.gr_scaling")
-    if gammas is None:
+    else:
         gammas = _builtin_gamma(moments, dict(twin.named_modules()))
-    names = []
-    own = dict(model.named_parameters())  # a tied tensor under its first name only
-    for mname, mod in modules.items():
-        for pname, p in mod.named_parameters(recurse=False):
-            qname = f"{mname}.{pname}" if mname else pname
-            if p.requires_grad and pname in ("weight", "bias") and own.get(qname) is p:
-                names.append((mname, pname, qname))
+    names = _blocks(model, modules)
     est = block_curvature(
         model,
         Batches([batch]),
@@ -199,32 +232,7 @@ def theory_vs_actual(
         forward=forward,
     )
     by_block = {r["block_row"]: r for r in est}
-    rows = []
-    for mname, pname, qname in names:
-        g = gammas.get(mname)
-        theory = _NAN if g is None else (g[0] if pname == "weight" else g[1])
-        r = by_block[qname]
-        actual, stderr = r["value"], r["stderr"]
-        ratio = theory / actual if actual and math.isfinite(actual) else _NAN
-        note = [r["note"]] if r["note"] else []
-        if g is None:
-            note.append("no GR formula for this module")
-        rows.append(
-            {
-                "layer": mname,
-                "module_type": type(modules[mname]).__name__,
-                "param": pname,
-                "block": qname,
-                "theory": theory,
-                "actual": actual,
-                "stderr": stderr,
-                "ratio": ratio,
-                "ratio_stderr": abs(ratio) * stderr / actual if actual else _NAN,
-                "probes": r["probes"],
-                "gamma_source": g[2] if g is not None else "",
-                "note": "; ".join(note),
-            }
-        )
+    rows = [_row(m, p, q, modules[m], gammas.get(m), by_block[q]) for m, p, q in names]
     return Rows(
         rows,
         THEORY_COLUMNS,
