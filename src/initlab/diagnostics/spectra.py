@@ -443,33 +443,13 @@ def layer_spectra(
     svd_cache: dict[int, tuple[float, float]] = {}
     for name, module in model.named_modules():
         for pname, w in _weight_params(module):
-            note: list[str] = []
-            if w.numel() > max_svd_elements:
-                sv_max = sv_mean = math.nan
-                note.append(f"{w.numel()} elements > max_svd_elements: no exact SVD")
-            elif id(w) in svd_cache:
-                sv_max, sv_mean = svd_cache[id(w)]
-            else:
-                s = singular_values(w)
-                sv_max, sv_mean = float(s[0]), mean_nonzero_singular_value(s, tuple(w.shape))
-                svd_cache[id(w)] = (sv_max, sv_mean)
-            op_norm, method, matvecs = math.nan, "", 0
+            sv_max, sv_mean, note = _svd_entry(w, max_svd_elements, svd_cache)
             in_shape = tuple(shapes[name]) if name in shapes else None
+            op_norm, method, matvecs = math.nan, "", 0
             if isinstance(module, tuple(_CONVS)):
-                if in_shape is None:
-                    note.append("no recorded input shape: operator norm not computed")
-                else:
-                    op_norm, info = conv_operator_norm(
-                        module, in_shape, tol=tol, max_matvecs=max_matvecs, generator=generator
-                    )
-                    method, matvecs = "lanczos", info["matvecs"]
-                    if not info["converged"] and info["value_change"] > 1e-6:
-                        note.append(
-                            "power iteration not converged (last relative change "
-                            f"{info['value_change']:.1e})"
-                        )
-                    if name in multiple:
-                        note.append("called with several input shapes: norm at the first")
+                op_norm, method, matvecs = _conv_entry(
+                    module, in_shape, name in multiple, note, tol, max_matvecs, generator
+                )
             elif isinstance(module, nn.Linear):
                 op_norm, method = sv_max, "svd"
             rows.append(
@@ -598,3 +578,41 @@ def lipschitz_bounds(
 def _maximal(indices: list[int], blocks: list[tuple[str, set[str], Any]]) -> list[int]:
     """Blocks among ``indices`` not strictly contained in another one among them."""
     return [i for i in indices if not any(blocks[i][1] < blocks[j][1] for j in indices if j != i)]
+
+
+def _svd_entry(
+    w: torch.Tensor, max_elements: int, cache: dict[int, tuple[float, float]]
+) -> tuple[float, float, list[str]]:
+    """``(sv_max, sv_mean, notes)`` of one weight, computed once per tensor (ties share it)."""
+    if w.numel() > max_elements:
+        return math.nan, math.nan, [f"{w.numel()} elements > max_svd_elements: no exact SVD"]
+    if id(w) not in cache:
+        s = singular_values(w)
+        cache[id(w)] = (float(s[0]), mean_nonzero_singular_value(s, tuple(w.shape)))
+    return (*cache[id(w)], [])
+
+
+def _conv_entry(
+    module: nn.Module,
+    in_shape: tuple[int, ...] | None,
+    several_shapes: bool,
+    note: list[str],
+    tol: float,
+    max_matvecs: int,
+    generator: torch.Generator | None,
+) -> tuple[float, str, int]:
+    """``(op_norm, method, matvecs)`` of a convolution at its recorded input shape; notes go to
+    ``note``."""
+    if in_shape is None:
+        note.append("no recorded input shape: operator norm not computed")
+        return math.nan, "", 0
+    op_norm, info = conv_operator_norm(
+        module, in_shape, tol=tol, max_matvecs=max_matvecs, generator=generator
+    )
+    if not info["converged"] and info["value_change"] > 1e-6:
+        note.append(
+            f"power iteration not converged (last relative change {info['value_change']:.1e})"
+        )
+    if several_shapes:
+        note.append("called with several input shapes: norm at the first")
+    return op_norm, "lanczos", info["matvecs"]
