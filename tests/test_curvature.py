@@ -172,7 +172,7 @@ def test_hessian_and_ggn_vector_product_functions(mode: str) -> None:
     def f(p: dict) -> torch.Tensor:
         return loss.on_outputs(torch.func.functional_call(model, p, (batch[0],)), batch)
 
-    hv = hessian_vector_product(f, params, v, mode=mode)
+    hv = hessian_vector_product(f, params, v, ad_mode=mode)
     assert isinstance(hv, dict) and list(hv) == names
     h, _ = dense_hessian(model, batch, loss)
     torch.testing.assert_close(torch.cat([hv[n].reshape(-1) for n in names]), h @ flat_v,
@@ -183,7 +183,7 @@ def test_hessian_and_ggn_vector_product_functions(mode: str) -> None:
         lambda out: loss.on_outputs(out, batch),
         params,
         v,
-        mode=mode,
+        ad_mode=mode,
     )
     g, _ = dense_ggn(model, batch, loss)
     torch.testing.assert_close(torch.cat([gv[n].reshape(-1) for n in names]), g @ flat_v,
@@ -192,12 +192,12 @@ def test_hessian_and_ggn_vector_product_functions(mode: str) -> None:
     # sequences in, tuples out; a plain tensor works too
     seq = hessian_vector_product(
         lambda ps: f(dict(zip(names, ps, strict=True))), [params[n] for n in names],
-        [v[n] for n in names], mode=mode,
+        [v[n] for n in names], ad_mode=mode,
     )  # fmt: skip
     assert isinstance(seq, tuple)
     torch.testing.assert_close(seq[0], hv[names[0]], rtol=0, atol=1e-12)
     x = torch.tensor([1.0, 2.0], dtype=DT)
-    out = hessian_vector_product(lambda t: (t**3).sum(), x, torch.ones(2, dtype=DT), mode=mode)
+    out = hessian_vector_product(lambda t: (t**3).sum(), x, torch.ones(2, dtype=DT), ad_mode=mode)
     torch.testing.assert_close(out, 6 * x)
 
 
@@ -220,7 +220,7 @@ def test_product_validation() -> None:
     with pytest.raises(ValueError, match="scalar"):
         hessian_vector_product(lambda t: t * 2, x, x)
     with pytest.raises(ValueError, match="mode"):
-        hessian_vector_product(f, x, x, mode="magic")  # type: ignore[arg-type]
+        hessian_vector_product(f, x, x, ad_mode="magic")  # type: ignore[arg-type]
 
 
 def test_block_operator_matmul_transpose_and_names() -> None:
@@ -595,6 +595,12 @@ def test_renamed_keywords_warn_and_agree() -> None:
         lam_old, _ = hessian_eigenpairs(model, batch=batch, loss_fn=loss, k=1, generator=0,
                                         mode="rev_rev")  # fmt: skip
     assert torch.equal(lam, lam_old)
+    x = torch.tensor([1.0, 2.0], dtype=DT)
+    hv = hessian_vector_product(lambda t: (t**3).sum(), x, torch.ones(2, dtype=DT))
+    with pytest.warns(DeprecationWarning, match="use ad_mode="):
+        hv_old = hessian_vector_product(lambda t: (t**3).sum(), x, torch.ones(2, dtype=DT),
+                                        mode="rev_rev")  # fmt: skip
+    assert torch.equal(hv, hv_old)
     op = CurvatureOperator(model, batch, loss, ad_mode="fwd_rev")
     with pytest.warns(DeprecationWarning, match="ad_mode="):
         op_old = CurvatureOperator(model, batch, loss, mode="fwd_rev")

@@ -22,6 +22,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from initlab._core.knobs import renamed_kwargs
 from initlab._core.pytree import flatten_tensors, map_tensors
 
 __all__ = ["DoubleBackwardError", "Mode", "ggn_vector_product", "hessian_vector_product"]
@@ -196,7 +197,7 @@ def _workaround(err: BaseException, module: nn.Module | None, mode: str) -> str:
     if mode == "fwd_rev":
         return (
             "Forward-mode AD is not implemented (or broken) for an operation here. Workaround: use "
-            "ad_mode='rev_rev' (mode='rev_rev' for the product functions: double backward), "
+            "ad_mode='rev_rev' (double backward), "
             "which needs no forward-mode AD."
         )
     return (
@@ -374,12 +375,13 @@ def _check_mode(mode: str) -> None:
         raise ValueError(f"unknown mode {mode!r}; valid modes: {list(_MODES)}")
 
 
+@renamed_kwargs(mode="ad_mode")
 def hessian_vector_product(
     f: Callable[[Any], torch.Tensor],
     params: Any,
     v: Any,
     *,
-    mode: Mode = "rev_rev",
+    ad_mode: Mode = "rev_rev",
 ) -> Any:
     r"""The Hessian-vector product ``H v``, ``H = ∇²_θ f(θ)`` at ``θ = params``.
 
@@ -391,7 +393,7 @@ def hessian_vector_product(
         params: the point ``θ``: a floating-point tensor, a sequence or a mapping of them. Not
             modified.
         v: the vector, with the structure, shapes, dtypes and devices of ``params``.
-        mode: ``"rev_rev"`` (double backward, default) or ``"fwd_rev"``
+        ad_mode: ``"rev_rev"`` (double backward, default) or ``"fwd_rev"``
             (``torch.func.jvp`` over ``torch.func.grad``), see the module docstring.
 
     Returns:
@@ -403,7 +405,7 @@ def hessian_vector_product(
             ``params`` is not floating point, or ``f`` does not return a real scalar.
         DoubleBackwardError: second-order autograd is not available through an operation of ``f``.
     """
-    _check_mode(mode)
+    _check_mode(ad_mode)
     pleaves, vleaves = _validate_pair(params, v, "hessian_vector_product")
     _, _, rebuild = _structure(params, "params")
 
@@ -411,12 +413,13 @@ def hessian_vector_product(
         return f(rebuild(list(leaves)))
 
     try:
-        hv = _HessianEngine(flat_f, pleaves, mode)(vleaves)
+        hv = _HessianEngine(flat_f, pleaves, ad_mode)(vleaves)
     except (RuntimeError, NotImplementedError) as err:
         if not _is_second_order_error(err):
             raise
         raise DoubleBackwardError(
-            f"second-order autograd is not available in f: {err}. {_workaround(err, None, mode)}",
+            f"second-order autograd is not available in f: {err}. "
+            f"{_workaround(err, None, ad_mode)}",
             None,
             None,
         ) from err
@@ -424,13 +427,14 @@ def hessian_vector_product(
     return rebuild_v(list(hv))
 
 
+@renamed_kwargs(mode="ad_mode")
 def ggn_vector_product(
     model_fn: Callable[[Any], Any],
     loss_fn_on_outputs: Callable[[Any], torch.Tensor],
     params: Any,
     v: Any,
     *,
-    mode: Mode = "rev_rev",
+    ad_mode: Mode = "rev_rev",
 ) -> Any:
     r"""The generalized Gauss–Newton product ``G v = Jᵀ H_out J v`` at ``θ = params``.
 
@@ -445,13 +449,13 @@ def ggn_vector_product(
         loss_fn_on_outputs: ``loss_fn_on_outputs(outputs) -> scalar``.
         params: the point ``θ`` (a tensor, a sequence or a mapping of floating-point tensors).
         v: the vector, with the structure, shapes, dtypes and devices of ``params``.
-        mode: ``"rev_rev"`` (double-vjp trick for ``J v``, default) or ``"fwd_rev"``
+        ad_mode: ``"rev_rev"`` (double-vjp trick for ``J v``, default) or ``"fwd_rev"``
             (``torch.func.jvp`` for ``J v``).
 
     Returns:
         ``G v`` in the structure of ``v``.
     """
-    _check_mode(mode)
+    _check_mode(ad_mode)
     pleaves, vleaves = _validate_pair(params, v, "ggn_vector_product")
     _, _, rebuild = _structure(params, "params")
 
@@ -459,13 +463,13 @@ def ggn_vector_product(
         return model_fn(rebuild(list(leaves)))
 
     try:
-        gv = _GGNEngine(flat_model, loss_fn_on_outputs, pleaves, mode)(vleaves)
+        gv = _GGNEngine(flat_model, loss_fn_on_outputs, pleaves, ad_mode)(vleaves)
     except (RuntimeError, NotImplementedError) as err:
         if not _is_second_order_error(err):
             raise
         raise DoubleBackwardError(
             f"second-order autograd is not available in model_fn: {err}. "
-            f"{_workaround(err, None, mode)}",
+            f"{_workaround(err, None, ad_mode)}",
             None,
             None,
         ) from err
