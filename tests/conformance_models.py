@@ -18,6 +18,7 @@ __all__ = [
     "BATCH",
     "MODELS",
     "N_BATCHES",
+    "KeywordNet",
     "TiedKeywordModel",
     "TiedOutput",
     "make_data",
@@ -167,3 +168,20 @@ def dict_loss(m: nn.Module, b: Any) -> torch.Tensor:
     """``loss_fn(model, batch)`` on dict batches: the model called on the keyword inputs."""
     inputs = {k: v for k, v in b.items() if k != "labels"}
     return F.cross_entropy(out_tensor(m(**inputs)), b["labels"])
+
+
+class KeywordNet(nn.Module):
+    """Keyword inputs and a dict output with ``logits`` (and ``loss`` given labels), as Hugging
+    Face models have: ``n_in -> hidden (tanh) -> n_out``."""
+
+    def __init__(self, n_in: int = 5, hidden: int = 7, n_out: int = 3) -> None:
+        super().__init__()
+        self.body = nn.Linear(n_in, hidden)
+        self.head = nn.Linear(hidden, n_out)
+
+    def forward(self, features: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
+        logits = self.head(torch.tanh(self.body(features)))
+        out = {"logits": logits}
+        if labels is not None:
+            out["loss"] = F.cross_entropy(logits, labels)
+        return out

@@ -37,6 +37,8 @@ from initlab.measure.curvature import (
     theory_vs_actual,
 )
 
+from .conformance_models import KeywordNet
+
 DT = torch.float64
 
 
@@ -663,25 +665,9 @@ def test_first_batch_of_many_is_used() -> None:
     assert torch.equal(lam, lam1)
 
 
-class _KwNet(nn.Module):
-    """Keyword inputs and a dict output with ``logits`` (and ``loss`` given labels)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = nn.Linear(3, 4)
-        self.head = nn.Linear(4, 3)
-
-    def forward(self, features: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
-        logits = self.head(torch.tanh(self.body(features)))
-        out = {"logits": logits}
-        if labels is not None:
-            out["loss"] = F.cross_entropy(logits, labels)
-        return out
-
-
 def test_dict_batch_to_keyword_model() -> None:
     model, batch, _ = _mlp()
-    kw = _KwNet().to(DT)
+    kw = KeywordNet(3, 4, 3).to(DT)
     kw.load_state_dict({"body.weight": model[0].weight, "body.bias": model[0].bias,
                         "head.weight": model[2].weight, "head.bias": model[2].bias})  # fmt: skip
     data = {"features": batch[0], "labels": batch[1]}

@@ -22,6 +22,8 @@ from initlab.measure.probe import (
     measure_moments,
 )
 
+from .conformance_models import KeywordNet
+
 F64 = torch.float64
 
 
@@ -1125,23 +1127,6 @@ def test_attention_shortcut_matches_a_loop(case, monkeypatch):
 # ------------------------------------------------------------ data and loss forms (the core)
 
 
-class KwNet(nn.Module):
-    """A model with keyword inputs, returning a dict with ``logits`` (and ``loss`` with labels),
-    as Hugging Face models do."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = nn.Linear(5, 7)
-        self.head = nn.Linear(7, 3)
-
-    def forward(self, features: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
-        logits = self.head(torch.tanh(self.body(features)))
-        out = {"logits": logits}
-        if labels is not None:
-            out["loss"] = F.cross_entropy(logits, labels)
-        return out
-
-
 def _values(probe: MomentProbe) -> list:
     return [(r["layer"], r["quantity"], r["index"], r["param"], r["stat"], r["value"])
             for r in probe.rows()]  # fmt: skip
@@ -1199,7 +1184,7 @@ def test_measure_moments_empty_and_ambiguous_data():
 
 def test_measure_moments_dict_batch_to_keyword_model():
     torch.manual_seed(12)
-    model = KwNet().double()
+    model = KeywordNet().double()
     x, y = torch.randn(6, 5, dtype=F64), torch.randint(0, 3, (6,))
     batch = {"features": x, "labels": y}
     forward_only = measure_moments(model, batch)  # model(**batch), no gradient rows
