@@ -57,6 +57,7 @@ import torch
 from torch import nn
 
 from initlab._core.data import DataUse, batch_size, data_use, keyword_error, take_batches
+from initlab._core.hooks import hook_handles
 from initlab._core.knobs import renamed_kwargs
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows
@@ -285,7 +286,6 @@ def _bn_stats(
 ) -> dict[str, torch.Tensor]:
     """Batch mean and biased variance of every BatchNorm input at ``θ`` (train-mode forward)."""
     stats: dict[str, torch.Tensor] = {}
-    handles = []
 
     def hook(name: str) -> Callable:
         def fn(module: nn.Module, args: tuple) -> None:
@@ -297,14 +297,10 @@ def _bn_stats(
 
         return fn
 
-    try:
+    with hook_handles() as handles, torch.no_grad():
         for name, bn in _batchnorms(model):
-            handles.append(bn.register_forward_pre_hook(hook(name)))
-        with torch.no_grad():
-            functional_forward(model, base, batch, forward)
-    finally:
-        for h in handles:
-            h.remove()
+            handles.add(bn.register_forward_pre_hook(hook(name)))
+        functional_forward(model, base, batch, forward)
     return stats
 
 
@@ -328,22 +324,17 @@ def _point_params(
 def _activation_elements(model: nn.Module, batch: Any, base: dict, forward: Forward) -> int:
     """Elements of all leaf-module outputs in one forward (for the chunk size)."""
     total = 0
-    handles = []
 
     def fn(_m: nn.Module, _a: tuple, out: Any) -> None:
         nonlocal total
         if isinstance(out, torch.Tensor):
             total += out.numel()
 
-    try:
+    with hook_handles() as handles, torch.no_grad():
         for m in model.modules():
             if next(m.children(), None) is None:
-                handles.append(m.register_forward_hook(fn))
-        with torch.no_grad():
-            functional_forward(model, base, batch, forward)
-    finally:
-        for h in handles:
-            h.remove()
+                handles.add(m.register_forward_hook(fn))
+        functional_forward(model, base, batch, forward)
     return total
 
 
