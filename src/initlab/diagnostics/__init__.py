@@ -8,7 +8,7 @@ Modules:
   :data:`DIAGNOSTIC_COLUMNS`, the per-layer :data:`LAYER_COLUMNS`, :data:`QUANTITIES`, verdict
   rules; every exit (pandas, markdown, JSON, one self-contained HTML file);
 * :mod:`~initlab.diagnostics.linter`: the scaling linter (Defazio & Bottou, Table 1);
-* :mod:`~initlab.diagnostics.residual`: residual blocks (found in the ``torch.fx`` graph, by
+* :mod:`~initlab.measure.residual`: residual blocks (found in the ``torch.fx`` graph, by
   type, or declared) and :func:`trace_model`;
 * :mod:`~initlab.diagnostics.activations`: dead ReLUs and sigmoid/tanh input scales for the linter;
 * :mod:`~initlab.diagnostics.assemble`: the report's long rows, per-layer table and verdicts;

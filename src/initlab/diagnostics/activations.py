@@ -18,7 +18,7 @@ from torch import nn
 
 from initlab._core.hooks import HookContext
 from initlab._core.rows import Rows
-from initlab.diagnostics._fx import _fn_name, _fns
+from initlab.measure._fx import _fn_name, _fns
 
 __all__ = ["ACTIVATION_COLUMNS", "ActivationWatch"]
 

@@ -48,12 +48,12 @@ from initlab.diagnostics.assemble import _weight_names, assemble
 from initlab.diagnostics.gradients import GradientStats
 from initlab.diagnostics.linter import ActivationWatch, LintResult, lint_model
 from initlab.diagnostics.report import Report
-from initlab.diagnostics.residual import _user_blocks
 from initlab.diagnostics.spectra import InputShapes, layer_spectra, lipschitz_bounds
 from initlab.measure.conditioning import gr_scaling, imbalance
 from initlab.measure.curvature import block_curvature, theory_vs_actual
 from initlab.measure.landscape import loss_landscape
 from initlab.measure.probe import MomentProbe
+from initlab.measure.residual import _user_blocks
 
 __all__ = ["diagnose"]
 

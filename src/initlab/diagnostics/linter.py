@@ -92,7 +92,6 @@ import torch
 from torch import nn
 
 from initlab._core.rows import Rows
-from initlab.diagnostics._fx import _fn_name, _fns, _node_module_path, trace_model
 from initlab.diagnostics.activations import (
     ACTIVATION_COLUMNS,
     ActivationWatch,
@@ -101,10 +100,11 @@ from initlab.diagnostics.activations import (
     _functional_kind,
     _interpret_functional,
 )
-from initlab.diagnostics.residual import (
+from initlab.measure._fx import _fn_name, _fns, _node_module_path, trace_model
+from initlab.measure.residual import (
     SHORTCUT_STEPS as SHORTCUT_STEPS,  # re-exported: the residual-block search's reach
 )
-from initlab.diagnostics.residual import (
+from initlab.measure.residual import (
     _known_residual_blocks,
     _user_blocks,
     find_residual_blocks,

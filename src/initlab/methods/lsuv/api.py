@@ -26,10 +26,10 @@ from initlab._core.pytree import flatten_tensors
 from initlab._core.rng import as_generator
 from initlab._core.state import model_kept, restore_on_failure
 from initlab.init.registry import Registry, default_registry
+from initlab.measure.residual import KNOWN_BLOCKS
 from initlab.methods.lsuv.engine import Engine
 from initlab.methods.lsuv.units import (
     DEAD,
-    KNOWN_BLOCKS,
     NEVER,
     Mode,
     Selection,

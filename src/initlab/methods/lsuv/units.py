@@ -3,8 +3,9 @@
 :func:`build_units` turns a model into :class:`Unit` records -- one per weight LSUV scales (tied
 layers are one unit), plus skipped rows for weight-bearing modules it cannot scale (recurrent
 layers, several weights, a weight shared with a module left out) -- and :func:`find_blocks`
-finds the residual blocks of ``strategy="branches"``/``"stream"`` (:data:`KNOWN_BLOCKS` or
-``blocks=``).
+finds the residual blocks of ``strategy="branches"``/``"stream"`` (``blocks=``, or by type
+through :func:`initlab.measure.residual.known_blocks`, the module every residual-block finder
+lives in).
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ import torch
 from torch import nn
 
 from initlab.init.registry import Registry
+from initlab.measure.residual import KNOWN_BLOCKS, known_blocks
 
 __all__ = [
     "DEAD",
-    "KNOWN_BLOCKS",
     "NEVER",
     "UNREACHABLE",
     "BlockCall",
@@ -31,21 +32,11 @@ __all__ = [
     "check_names",
     "find_blocks",
     "join_name",
-    "matches_type",
     "selected",
 ]
 
 Mode = Literal["layers", "branches", "stream"]
 Selection = Sequence[str] | Callable[[str, nn.Module], bool]
-
-#: Residual block types found automatically for ``strategy="branches"``/``"stream"`` (dotted paths,
-#: matched against every class in a module's MRO, so nothing is imported).
-KNOWN_BLOCKS = (
-    "initlab.zoo.ResNetBasicBlock",
-    "initlab.zoo.FixupBasicBlock",
-    "torchvision.models.resnet.BasicBlock",
-    "torchvision.models.resnet.Bottleneck",
-)
 
 DEAD = "zero output variance (dead layer)"
 NEVER = "never called"
@@ -271,7 +262,7 @@ def find_blocks(model: nn.Module, blocks: Selection | None) -> dict[nn.Module, s
     """The residual blocks for ``strategy="branches"``/``"stream"`` (module -> qualified name)."""
     named = list(model.named_modules())
     if blocks is None:
-        found = {m: n for n, m in named if matches_type(m, KNOWN_BLOCKS)}
+        found = known_blocks(model)
         if not found:
             raise ValueError(
                 "lsuv_: no residual block found for strategy='branches'/'stream'; pass blocks= "
@@ -291,7 +282,3 @@ def find_blocks(model: nn.Module, blocks: Selection | None) -> dict[nn.Module, s
                     f"lsuv_: residual blocks must not nest: {found[inner]} is inside {outer_name}"
                 )
     return found
-
-
-def matches_type(module: nn.Module, paths: Sequence[str]) -> bool:
-    return any(f"{c.__module__}.{c.__qualname__}" in paths for c in type(module).__mro__)

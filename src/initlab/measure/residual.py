@@ -1,4 +1,10 @@
-r"""Residual blocks for the scaling linter and the diagnosis: :func:`find_residual_blocks`.
+r"""Where initlab finds residual blocks: one module for the scaling linter, the diagnosis and LSUV.
+
+* :func:`known_blocks`: modules whose type is a residual block (:data:`KNOWN_BLOCKS`: initlab's
+  and torchvision's ResNet blocks), LSUV's default blocks (``strategy="branches"``/``"stream"``);
+* :func:`find_residual_blocks`: skip connections in a traced graph, for the linter;
+* :func:`_known_residual_blocks` and :func:`_user_blocks`: transformer layers by type, and the
+  blocks a user declares.
 
 A skip connection breaks Defazio & Bottou's GR scaling (Table 1: "Operations in residual blocks
 will be scaled correctly against each other, but not against non-residual operations"), so the
@@ -33,9 +39,29 @@ from typing import Any
 import torch
 from torch import nn
 
-from initlab.diagnostics._fx import _fns, _node_module_path, trace_model
+from initlab.measure._fx import _fns, _node_module_path, trace_model
 
-__all__ = ["SHORTCUT_STEPS", "find_residual_blocks", "trace_model"]
+__all__ = ["KNOWN_BLOCKS", "SHORTCUT_STEPS", "find_residual_blocks", "known_blocks", "trace_model"]
+
+#: Residual block types found by type (dotted paths, matched against every class in a module's
+#: MRO, so nothing is imported): each is one branch plus a shortcut around it.
+KNOWN_BLOCKS = (
+    "initlab.zoo.ResNetBasicBlock",
+    "initlab.zoo.FixupBasicBlock",
+    "torchvision.models.resnet.BasicBlock",
+    "torchvision.models.resnet.Bottleneck",
+)
+
+
+def matches_type(module: nn.Module, paths: Sequence[str]) -> bool:
+    """Whether a class in ``type(module).__mro__`` has one of the dotted ``paths``."""
+    return any(f"{c.__module__}.{c.__qualname__}" in paths for c in type(module).__mro__)
+
+
+def known_blocks(model: nn.Module) -> dict[nn.Module, str]:
+    """The submodules of ``model`` whose type is in :data:`KNOWN_BLOCKS` (module -> name)."""
+    return {m: n for n, m in model.named_modules() if matches_type(m, KNOWN_BLOCKS)}
+
 
 SHORTCUT_STEPS = 8
 """How far back (in nodes) the skip operand of an addition may be from the block input."""
