@@ -23,6 +23,7 @@ from initlab._core.knobs import renamed_kwargs
 from initlab._core.loss import Loss, LossLike, resolve_loss
 from initlab._core.pytree import flatten_tensors, map_tensors
 from initlab._core.rows import Rows
+from initlab._core.state import model_modes, restore_modes
 from initlab.measure.probe.accumulate import _accumulate, _Consts, _new_acc, _sums
 from initlab.measure.probe.per_example import (
     _closed_form_contributions,
@@ -118,7 +119,7 @@ class MomentProbe(HookContext):
         self._params: dict[int, _ParamState] = {}
         self._hooks = HookHandles()
         self._selected: list[tuple[str, nn.Module]] = []
-        self._modes: list[tuple[nn.Module, bool]] = []
+        self._modes: dict[str, bool] = {}
         self._active = False
         self._replaying = False
         self._batch: int | None = None
@@ -173,7 +174,7 @@ class MomentProbe(HookContext):
             raise RuntimeError("this MomentProbe is already active")
         self._selected = self._select()
         self._states, self._params = [], {}
-        self._modes = [(m, m.training) for m in self.model.modules()]
+        self._modes = model_modes(self.model)
         self._batch, self._next_order, self._seq = None, 0, 0
         self._forward = _Forward()
         super().__enter__()  # register(); every hook removed again if it raises
@@ -230,9 +231,8 @@ class MomentProbe(HookContext):
         try:
             super().__exit__(*exc)  # removes every hook
         finally:
-            for module, mode in self._modes:
-                module.training = mode
-            self._modes = []
+            restore_modes(self.model, self._modes)  # the core's one restoration of modes
+            self._modes = {}
             self._drop_pending()
             for st in self._states:
                 st.frames.clear()
