@@ -460,7 +460,10 @@ def test_structured_outputs_are_flattened_with_paths(kind, paths):
 # ----------------------------------------------------------------------------- BatchNorm
 
 
-def test_batchnorm_train_mode_unchanged_and_measured():
+def test_batchnorm_train_mode_measured_and_left_as_it_was():
+    """A train-mode BatchNorm normalizes with batch statistics during the measurement (as in
+    training), and its running statistics come back as they were (the measurement changes
+    nothing)."""
     torch.manual_seed(6)
     model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 2))
     model = model.double().train()
@@ -471,8 +474,6 @@ def test_batchnorm_train_mode_unchanged_and_measured():
         return F.mse_loss(m(batch[0]), batch[1])
 
     probe = measure_moments(model, batches, loss_fn)
-    for xb, tb in batches:
-        loss_fn(reference, (xb, tb)).backward()
     bn, ref_bn = model[1], reference[1]
     assert torch.equal(bn.running_mean, ref_bn.running_mean)
     assert torch.equal(bn.running_var, ref_bn.running_var)
@@ -1208,3 +1209,23 @@ def test_dict_batch_to_positional_model_says_what_to_do():
     for loss_fn in (None, "cross_entropy"):
         with pytest.raises(TypeError, match=r"keyword arguments, model\(\*\*batch\)"):
             measure_moments(model, batch, loss_fn)
+
+
+def test_measure_moments_leaves_batchnorm_statistics_as_they_were() -> None:
+    """A train-mode BatchNorm updates its running statistics in a forward; the measurement must
+    not (on success, and when the loss raises midway)."""
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 3)).train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 4, generator=g), torch.randint(0, 3, (8,), generator=g))] * 2
+    measure_moments(model, batches, nn.CrossEntropyLoss())
+
+    def fails(m: nn.Module, batch: tuple) -> torch.Tensor:
+        m(batch[0])
+        raise RuntimeError("midway")
+
+    with pytest.raises(RuntimeError, match="midway"):
+        measure_moments(model, batches, fails)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert model.training and model[1].training

@@ -23,7 +23,7 @@ from initlab._core.knobs import renamed_kwargs
 from initlab._core.loss import Loss, LossLike, resolve_loss
 from initlab._core.pytree import flatten_tensors, map_tensors
 from initlab._core.rows import Rows
-from initlab._core.state import model_modes, restore_modes
+from initlab._core.state import model_modes, preserved_state, restore_modes
 from initlab.measure.probe.accumulate import _accumulate, _Consts, _new_acc, _sums
 from initlab.measure.probe.per_example import (
     _closed_form_contributions,
@@ -659,15 +659,17 @@ def measure_moments(
     Raises:
         ValueError: ``data`` holds no batch.
 
-    The parameters' ``.grad`` are set to ``None`` for the measurement and restored afterwards, so
-    gradients you accumulated before are untouched.
+    The model is left as it was (:func:`~initlab._core.state.preserved_state`), on success and
+    on failure: weights, buffers (a train-mode BatchNorm's running statistics), train/eval modes,
+    the random number generators, and every parameter's ``.grad`` (set to ``None`` for the
+    measurement, so gradients you accumulated before are untouched).
     """
     loss = None if loss_fn is None else resolve_loss(loss_fn, what="measure_moments")
     probe = MomentProbe(model, **probe_kwargs)
     params = list(model.parameters())
-    saved = [p.grad for p in params]
     n_batches = n_examples = 0
-    try:
+    # The model comes back as it was: weights, buffers (BatchNorm statistics), modes, .grad, RNGs.
+    with preserved_state(model):
         for p in params:
             p.grad = None
         with probe:
@@ -675,9 +677,6 @@ def measure_moments(
                 n_batches += 1
                 n_examples += _examples(batch)
                 _run(model, batch, loss, params)
-    finally:
-        for p, g in zip(params, saved, strict=True):
-            p.grad = g
     if n_batches == 0:
         raise ValueError("measure_moments got no batch: the data is empty")
     probe.used = DataUse(n_batches, n_examples)
