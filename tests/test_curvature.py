@@ -434,9 +434,10 @@ def test_forward_mode_gap_in_mse_loss_is_reported() -> None:
     assert all(math.isfinite(r["value"]) for r in rows)
 
 
-def test_fused_attention_without_double_backward_is_named() -> None:
+def test_fused_attention_needs_no_workaround() -> None:
     """On CPU, nn.MultiheadAttention(need_weights=False) dispatches to the flash kernel, whose
-    backward has no derivative; the math kernel works."""
+    backward has no derivative; block_curvature selects the math kernel itself (and gives the
+    numbers the hand-made workaround gives)."""
 
     class Net(nn.Module):
         def __init__(self) -> None:
@@ -452,14 +453,12 @@ def test_fused_attention_without_double_backward_is_named() -> None:
     x = torch.randn(3, 4, 8)
 
     loss = outputs_loss(lambda out, b: out.square().mean())
-
-    with pytest.raises(DoubleBackwardError, match="sdpa_kernel") as info:
-        block_curvature(net, x, loss, probes=1)
-    assert info.value.module_name == "att"
+    rows = block_curvature(net, x, loss, probes=1, generator=0)
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     with sdpa_kernel(SDPBackend.MATH):
-        rows = block_curvature(net, x, loss, probes=1, generator=0)
+        by_hand = block_curvature(net, x, loss, probes=1, generator=0)
+    assert [r["value"] for r in rows] == [r["value"] for r in by_hand]
     assert all(math.isfinite(r["value"]) for r in rows)
 
 

@@ -18,11 +18,15 @@ Old names keep working for one release: :func:`renamed_kwargs` maps them to the 
 from __future__ import annotations
 
 import functools
+import os
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["renamed_kwargs"]
+__all__ = ["renamed_kwargs", "user_stacklevel"]
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -56,7 +60,7 @@ def renamed_kwargs(**old_to_new: str) -> Callable[[F], F]:
                         f"{fn.__name__}(): {old}= is deprecated and will be removed in the next "
                         f"release; use {new}=",
                         DeprecationWarning,
-                        stacklevel=2,
+                        stacklevel=user_stacklevel(),
                     )
                     kwargs[new] = kwargs.pop(old)
             return fn(*args, **kwargs)
@@ -65,3 +69,18 @@ def renamed_kwargs(**old_to_new: str) -> Callable[[F], F]:
         return inner  # type: ignore[return-value]
 
     return wrap
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning point at the user's line: the first frame outside
+    initlab, counted from the caller of this function (decorators and helpers in between do not
+    shift it).
+
+    Example: ``warnings.warn("...", UserWarning, stacklevel=user_stacklevel())``.
+    """
+    frame = sys._getframe(1)
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame = frame.f_back
+        level += 1
+    return level

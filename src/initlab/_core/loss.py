@@ -35,6 +35,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from initlab._core.data import default_forward, keyword_error, output_tensor
+from initlab._core.knobs import user_stacklevel
 
 __all__ = [
     "LOSSES",
@@ -350,7 +351,7 @@ def resolve_loss(loss_fn: LossLike, *, what: str = "this method") -> Loss:
             "of a bare callable is deprecated: pass initlab.outputs_loss(fn), a "
             "criterion(output, target) or loss_fn(model, batch)",
             DeprecationWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
         return outputs_loss(loss_fn)
     if _is_criterion(loss_fn):

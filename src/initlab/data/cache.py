@@ -32,6 +32,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from initlab._core.knobs import user_stacklevel
+
 __all__ = [
     "CACHE_VERSION",
     "CacheDir",
@@ -147,5 +149,7 @@ def cached(
     try:
         _write(path, arrays, meta)
     except OSError as err:
-        warnings.warn(f"initlab: could not write cache entry {path}: {err}", stacklevel=3)
+        warnings.warn(
+            f"initlab: could not write cache entry {path}: {err}", stacklevel=user_stacklevel()
+        )
     return arrays, meta

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from initlab._core.knobs import user_stacklevel
 from initlab._core.rows import split_name
 from initlab.init.registry import Block, ParamSpec, Registry
 from initlab.init.rules import Rule
@@ -248,7 +249,7 @@ def check_unclaimed(unclaimed: list[_Plan], policy: str) -> None:
             f"them: {[p.name for p in unclaimed]}. Register a handler with "
             "initlab.register_handler(ModuleType, handler), or pass policy='skip' to silence this.",
             UserWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
 
 
@@ -279,7 +280,7 @@ def plan_all(
             warnings.warn(
                 f"rule {rule.pattern!r} ({rule.citation}) matched no parameter",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=user_stacklevel(),
             )
 
 

@@ -56,6 +56,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from initlab._core.attention import with_math_attention
 from initlab._core.data import DataUse, batch_size, data_use, keyword_error, take_batches
 from initlab._core.hooks import hook_handles
 from initlab._core.knobs import renamed_kwargs
@@ -481,6 +482,7 @@ def _grid(grid: tuple[Any, Any] | None) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @renamed_kwargs(batch_or_batches="data")
+@with_math_attention
 def loss_landscape(
     model: nn.Module,
     data: Any,

@@ -101,9 +101,10 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from initlab._core.attention import with_math_attention
 from initlab._core.data import DataCounter, batch_size
 from initlab._core.distributed import is_distributed
-from initlab._core.knobs import renamed_kwargs
+from initlab._core.knobs import renamed_kwargs, user_stacklevel
 from initlab._core.loss import LossLike, resolve_loss
 from initlab._core.method_report import MethodReport
 from initlab._core.rng import as_generator
@@ -383,7 +384,7 @@ def _warn_gamma_scale(gamma: float, norm1: float, norm2: float) -> None:
         f"scale of this gradient is gamma * ||g||_1 / ||g||_2 = {suggest:.3g} (the paper used "
         f"gamma=1e3 with Adam for a Transformer).",
         UserWarning,
-        stacklevel=3,
+        stacklevel=user_stacklevel(),
     )
 
 
@@ -399,6 +400,7 @@ def _check_common(
     return optimizer, eta, overlap
 
 
+@with_math_attention
 def gradinit_alpha_grad(
     model: nn.Module,
     batch: Any,
@@ -450,6 +452,7 @@ def gradinit_alpha_grad(
 
 
 @renamed_kwargs(iterations="steps")
+@with_math_attention
 def gradinit_(
     model: nn.Module,
     data: Any,

@@ -59,6 +59,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from initlab._core.attention import with_math_attention
 from initlab._core.data import DataCounter
 from initlab._core.loss import LossLike, resolve_loss
 from initlab._core.method_report import MethodReport
@@ -127,6 +128,7 @@ def _gq(
     return total / ts.numel, loss, grad_norm
 
 
+@with_math_attention
 def gradient_quotient(
     model: nn.Module,
     batch: Any,
@@ -201,6 +203,7 @@ def _loss_free_forward(model: nn.Module, ts: Tensors, x: torch.Tensor) -> torch.
     return out
 
 
+@with_math_attention
 def metainit_(
     model: nn.Module,
     data: Any = None,

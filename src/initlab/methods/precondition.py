@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from initlab._core.attention import with_math_attention
 from initlab._core.data import batch_size, data_use, default_forward, output_tensor, take_batches
 from initlab._core.distributed import all_reduce_sum, is_distributed
 from initlab._core.knobs import renamed_kwargs
@@ -205,6 +206,7 @@ def _target_value(target: str | float, gammas: Sequence[float]) -> float:
 
 
 @renamed_kwargs(n_batches="max_batches")
+@with_math_attention
 def precondition_(
     model: nn.Module,
     data: Any,

@@ -17,6 +17,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from initlab._core.attention import with_math_attention
 from initlab._core.data import data_use, take_batches
 from initlab._core.knobs import renamed_kwargs
 from initlab._core.rng import as_generator
@@ -118,6 +119,7 @@ class BlockCurvature(Rows):
 
 
 @renamed_kwargs(batch="data", mode="ad_mode")
+@with_math_attention
 def block_curvature(
     model: nn.Module,
     data: Any,
@@ -365,6 +367,7 @@ def _block_rows(
 
 
 @renamed_kwargs(batch="data", mode="ad_mode")
+@with_math_attention
 def hessian_eigenpairs(
     model: nn.Module,
     data: Any,

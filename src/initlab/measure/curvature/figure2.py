@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 import torch
 
+from initlab._core.attention import with_math_attention
 from initlab._core.knobs import renamed_kwargs
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows
@@ -25,6 +26,7 @@ __all__ = ["figure2_ratios", "figure2_summary"]
 
 
 @renamed_kwargs(mode="ad_mode")
+@with_math_attention
 def figure2_ratios(
     n_setups: int = 100,
     batch: int = 1024,

@@ -17,6 +17,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from initlab._core.attention import math_attention
 from initlab._core.data import keyword_error
 from initlab._core.hooks import hook_handles
 from initlab._core.knobs import renamed_kwargs
@@ -215,12 +216,8 @@ class CurvatureOperator:
         """The product engine (built on first use: one forward and backward pass)."""
         if self._engine is None:
             try:
-                if self.kind == "hessian":
-                    self._engine = _HessianEngine(
-                        lambda leaves: self._loss(self._outputs(leaves)), self._values, self.mode
-                    )
-                else:
-                    self._engine = _GGNEngine(self._outputs, self._loss, self._values, self.mode)
+                with math_attention():  # twice differentiable (initlab._core.attention)
+                    self._engine = self._build_engine()
             except (RuntimeError, NotImplementedError) as err:
                 self._raise_located(err)
             except TypeError as err:
@@ -230,6 +227,13 @@ class CurvatureOperator:
                 raise clear from err
         assert self._engine is not None
         return self._engine
+
+    def _build_engine(self) -> _HessianEngine | _GGNEngine:
+        if self.kind == "hessian":
+            return _HessianEngine(
+                lambda leaves: self._loss(self._outputs(leaves)), self._values, self.mode
+            )
+        return _GGNEngine(self._outputs, self._loss, self._values, self.mode)
 
     def _raise_located(self, err: BaseException) -> None:
         if not _is_second_order_error(err):
@@ -282,7 +286,8 @@ class CurvatureOperator:
                 )
         engine = self.engine
         try:
-            return engine(tuple(v), support)
+            with math_attention():
+                return engine(tuple(v), support)
         except (RuntimeError, NotImplementedError) as err:
             self._raise_located(err)
             raise  # pragma: no cover - _raise_located always raises

@@ -22,6 +22,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from initlab._core.attention import with_math_attention
 from initlab._core.knobs import renamed_kwargs
 from initlab._core.pytree import flatten_tensors, map_tensors
 
@@ -376,6 +377,7 @@ def _check_mode(mode: str) -> None:
 
 
 @renamed_kwargs(mode="ad_mode")
+@with_math_attention
 def hessian_vector_product(
     f: Callable[[Any], torch.Tensor],
     params: Any,
@@ -428,6 +430,7 @@ def hessian_vector_product(
 
 
 @renamed_kwargs(mode="ad_mode")
+@with_math_attention
 def ggn_vector_product(
     model_fn: Callable[[Any], Any],
     loss_fn_on_outputs: Callable[[Any], torch.Tensor],

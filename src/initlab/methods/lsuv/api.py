@@ -20,7 +20,7 @@ from torch import nn
 
 from initlab._core.data import DataUse, batch_size, default_forward, take_batches
 from initlab._core.hooks import hook_handles
-from initlab._core.knobs import renamed_kwargs
+from initlab._core.knobs import renamed_kwargs, user_stacklevel
 from initlab._core.method_report import MethodReport
 from initlab._core.pytree import flatten_tensors
 from initlab._core.rng import as_generator
@@ -451,7 +451,7 @@ def _report_rows(
 
 def _warn(units: list[Unit], off: list[str], target: float, tol: float, max_iter: int) -> None:
     """Warn about layers never run, dead, not scaled, or not within ``tol`` (for the caller of
-    :func:`lsuv_`: ``stacklevel=3``)."""
+    :func:`lsuv_`: ``user_stacklevel()``)."""
     never = [u.name for u in units if u.skipped == NEVER]
     dead = [u.name for u in units if u.skipped == DEAD]
     other = [
@@ -461,21 +461,23 @@ def _warn(units: list[Unit], off: list[str], target: float, tol: float, max_iter
         warnings.warn(
             f"lsuv_: {len(never)} layer(s) never ran on the data and were skipped: {never}",
             UserWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
     if dead:
         warnings.warn(
             f"lsuv_: {len(dead)} layer(s) have zero output variance (dead) and were skipped: "
             f"{dead}",
             UserWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
     if other:
-        warnings.warn(f"lsuv_: layer(s) not scaled: {other}", UserWarning, stacklevel=3)
+        warnings.warn(
+            f"lsuv_: layer(s) not scaled: {other}", UserWarning, stacklevel=user_stacklevel()
+        )
     if off:
         warnings.warn(
             f"lsuv_: {len(off)} layer(s) did not reach |Var - {target:g}| < {tol:g} within "
             f"max_iter={max_iter}: {off}",
             UserWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
