@@ -372,6 +372,11 @@ class Report:
         valid = ["rows", "layers", "findings", *self.tables]
         raise ValueError(f"unknown table {name!r}; valid: {valid}")
 
+    def to_rows(self, table: str = "rows") -> list[dict[str, Any]]:
+        """One table as plain dicts: ``"rows"`` (default, the long schema
+        :data:`DIAGNOSTIC_COLUMNS`), ``"layers"``, ``"findings"`` or a name of :attr:`tables`."""
+        return self._table(table).to_rows()
+
     def to_pandas(self, table: str = "rows") -> Any:
         """One table as a ``pandas.DataFrame``: ``"rows"`` (default), ``"layers"``, ``"findings"``
         or a name of :attr:`tables`."""
