@@ -1,10 +1,14 @@
 r"""Output scaling (Defazio & Bottou 2020, §6.4): give the logits a chosen standard deviation.
 
 :func:`scale_output_` measures the std of the model's output on real batches and applies a fixed
-scalar that gives it ``target`` (0.05 in the paper's experiments), folded into the last layer or
-returned as an :class:`OutputScale` module; :func:`measure_output_std` is the measurement alone.
+scalar that gives it ``target`` (0.05 in the paper's experiments), folded into the last layer,
+returned as an :class:`OutputScale` module, or attached as a removable forward hook
+(:class:`OutputScaleHook`, ``how="hook"``, opt-in); :func:`measure_output_std` is the measurement
+alone. Any model works, Hugging Face ones included: the output may be a tensor, a tuple (its first
+tensor is the output), a dict (its ``"logits"``) or an object with ``.logits``.
 
-Every method changes the model in place (or, where said, not at all), leaves no hooks behind,
+Every method changes the model in place (or, where said, not at all), leaves no hooks behind
+(except the one ``how="hook"`` adds on purpose and hands back),
 restores weights, buffers and train/eval modes if it fails midway
 (``restore_on_failure``), never moves the model, and sums its statistics over
 the ranks of a ``torch.distributed`` job (:func:`~initlab._core.distributed.all_reduce_sum`), so all
@@ -15,9 +19,11 @@ given), so dropout masks are reproducible and torch's global RNG state is untouc
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -27,6 +33,7 @@ from initlab._core.data import data_use, default_forward, output_tensor, take_ba
 from initlab._core.distributed import all_reduce_sum
 from initlab._core.knobs import renamed_kwargs
 from initlab._core.method_report import MethodReport
+from initlab._core.rows import join_name
 from initlab._core.state import restore_on_failure
 from initlab.init.registry import Registry, default_registry
 from initlab.measure.conditioning import weight_layers
@@ -39,14 +46,116 @@ from initlab.methods._measuring import (
     rounding_tolerance,
 )
 
-__all__ = ["OUTPUT_SCALE_COLUMNS", "OutputScale", "measure_output_std", "scale_output_"]
+__all__ = [
+    "OUTPUT_SCALE_COLUMNS",
+    "OutputScale",
+    "OutputScaleHook",
+    "measure_output_std",
+    "scale_output_",
+    "scaled_output",
+]
+
+
+def _times(t: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
+    return t * (scale.to(t.dtype) if isinstance(scale, torch.Tensor) else scale)
+
+
+def _with_attr(obj: Any, name: str, value: Any) -> Any:
+    """A new ``obj`` with attribute ``name`` set to ``value``: ``dataclasses.replace`` for a
+    dataclass, ``_replace`` for a named tuple, else a shallow copy with the attribute set."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        fields = {f.name: f for f in dataclasses.fields(obj)}
+        if name in fields and fields[name].init:
+            return dataclasses.replace(obj, **{name: value})
+    if isinstance(obj, tuple) and hasattr(obj, "_replace"):
+        return obj._replace(**{name: value})
+    try:
+        new = copy.copy(obj)
+        setattr(new, name, value)
+    except (TypeError, AttributeError, copy.Error) as err:
+        raise TypeError(
+            f"cannot scale the .{name} of a {type(obj).__name__} output: it cannot be copied "
+            f"with the attribute replaced ({err}); return a tensor, a tuple, a dict or a "
+            "dataclass with .logits, or scale a submodule's output (module=)"
+        ) from err
+    return new
+
+
+def _with_item(mapping: Mapping[Any, Any], key: Any, value: Any) -> Any:
+    """A shallow copy of ``mapping`` (same type where it can be copied) with ``key`` set."""
+    try:
+        new = copy.copy(mapping)
+        if isinstance(new, MutableMapping) and new is not mapping:
+            new[key] = value
+            return new
+    except (TypeError, AttributeError, copy.Error):
+        pass
+    return {**mapping, key: value}
+
+
+def _with_first(seq: tuple[Any, ...] | list[Any], i: int, value: Any) -> Any:
+    items = list(seq)
+    items[i] = value
+    if type(seq) in (tuple, list):
+        return type(seq)(items)
+    if isinstance(seq, tuple) and hasattr(seq, "_fields"):
+        return type(seq)(*items)  # a named tuple
+    try:
+        return type(seq)(items)
+    except TypeError:
+        return tuple(items) if isinstance(seq, tuple) else items
+
+
+def scaled_output(output: Any, scale: float | torch.Tensor) -> Any:
+    """``output`` with its output tensor multiplied by ``scale``; the input is not modified.
+
+    The tensor is the one :func:`~initlab._core.data.output_tensor` reads (and
+    :func:`measure_output_std` measures): the output itself when it is a tensor; a dict's
+    ``"logits"`` (a shallow copy of the dict, of the same type where it can be copied, carries the
+    scaled tensor; a Hugging Face ``ModelOutput`` is such a dict); an object's ``.logits`` (a new
+    object: ``dataclasses.replace`` for a dataclass, ``_replace`` for a named tuple, else a shallow
+    copy with the attribute set); else the first tensor of a dict's values, a tuple or a list (a
+    new one of the same type). Everything else (``.loss``, caches, hidden states) is passed on
+    as it was: a loss the model computed from its logits is *not* recomputed (scale the head's
+    output, ``module="lm_head"``, for a loss of the scaled logits).
+
+    Raises:
+        TypeError: the output holds no tensor, or cannot be rebuilt with the scaled one.
+    """
+    if isinstance(output, torch.Tensor):
+        return _times(output, scale)
+    if isinstance(output, Mapping) and isinstance(output.get("logits"), torch.Tensor):
+        return _with_item(output, "logits", _times(output["logits"], scale))
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return _with_attr(output, "logits", _times(logits, scale))
+    if isinstance(output, Mapping):
+        for key, value in output.items():
+            if isinstance(value, torch.Tensor):
+                return _with_item(output, key, _times(value, scale))
+    if isinstance(output, (tuple, list)):
+        for i, value in enumerate(output):
+            if isinstance(value, torch.Tensor):
+                return _with_first(output, i, _times(value, scale))
+    raise TypeError(
+        f"cannot scale a {type(output).__name__} output: it holds no tensor; return a tensor, a "
+        "tuple whose first item is the output, a dict with 'logits' or an object with .logits"
+    )
 
 
 class OutputScale(nn.Module):
     """``x -> scale * x`` with a fixed (non-trainable) scalar ``scale`` kept in a buffer.
 
     The paper's "fixed scalar multiplication factor at the end of the network" (§6.4), for when the
-    scale cannot be folded into the last layer: ``nn.Sequential(model, OutputScale(s))``.
+    scale cannot be folded into the last layer: ``nn.Sequential(model, OutputScale(s))``. The
+    input may be any model output (:func:`scaled_output`): a tensor, a tuple, a dict with
+    ``"logits"`` or an object with ``.logits`` (a Hugging Face output), of which only the logits
+    are scaled.
+
+    ``nn.Sequential`` passes one positional argument, so it does not fit a keyword-input model
+    (dict batches, ``model(**batch)``, Hugging Face models). Scale those with a forward hook
+    instead: ``scale_output_(..., how="hook")``, or by hand
+    ``handle = model.register_forward_hook(OutputScaleHook(s))`` (``handle.remove()`` undoes it).
     """
 
     scale: torch.Tensor
@@ -55,11 +164,30 @@ class OutputScale(nn.Module):
         super().__init__()
         self.register_buffer("scale", torch.tensor(float(scale)))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.scale.to(x.dtype)
+    def forward(self, x: Any) -> Any:
+        return scaled_output(x, self.scale)
 
     def extra_repr(self) -> str:
         return f"scale={self.scale.item():.6g}"
+
+
+class OutputScaleHook:
+    """A forward hook ``(module, args, output) -> scale * output`` with a fixed float ``scale``.
+
+    ``module.register_forward_hook(OutputScaleHook(s))`` multiplies the module's output by ``s``
+    (the logits of any output :func:`scaled_output` takes) until the returned handle's
+    ``.remove()`` is called. A plain picklable object (the model can be deep-copied or pickled with
+    it), but not in the ``state_dict``: a checkpoint does not carry the scale.
+    """
+
+    def __init__(self, scale: float) -> None:
+        self.scale = float(scale)
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
+        return scaled_output(output, self.scale)
+
+    def __repr__(self) -> str:
+        return f"OutputScaleHook(scale={self.scale:.6g})"
 
 
 OUTPUT_SCALE_COLUMNS: tuple[str, ...] = (
@@ -127,7 +255,7 @@ def scale_output_(
     target: float = 0.05,
     forward: Forward | None = None,
     module: str | None = None,
-    how: Literal["fold", "module"] = "fold",
+    how: Literal["fold", "module", "hook"] = "fold",
     max_batches: int | None = None,
     registry: Registry | None = None,
     generator: torch.Generator | int | None = None,
@@ -136,7 +264,9 @@ def scale_output_(
 
     Measures ``std`` of all output elements pooled over the batches given (summed over ranks when
     distributed; see :func:`measure_output_std`) and applies the fixed factor
-    ``s = target / std``:
+    ``s = target / std``. The output may be a tensor, a tuple (its first tensor), a dict (its
+    ``"logits"``) or an object with ``.logits`` (Hugging Face models); dict batches are passed as
+    keywords (``model(**batch)``).
 
     * ``how="fold"`` (default): multiply the weight **and bias** of the last weight layer (the last
       conv/linear-type module to run, or the module named ``module``) by ``s``, in place. Exact when
@@ -148,18 +278,29 @@ def scale_output_(
       linear layer, LayerNorm, tanh, softmax, a residual addition. This is checked on the first
       batch (the new output must equal ``s`` times the old one to ``1e-5`` relative, or 10 machine
       epsilons of a half-precision output); if it does not, nothing is changed and a
-      ``ValueError`` suggests ``how="module"``.
+      ``ValueError`` suggests ``how="module"``. A head whose weight is tied (the same tensor as an
+      input embedding's or another module's weight, as in most language models) is refused with a
+      ``ValueError`` naming the tie: scaling it would scale the embedding too.
     * ``how="module"``: the model is left unchanged and ``report.info["module"]`` is an
       :class:`OutputScale` ``(s)``, for ``nn.Sequential(model, report.info["module"])``. This
       always reaches the target but adds a module, which is why it is never done behind the
-      user's back.
+      user's back. ``nn.Sequential`` passes no keywords: for a keyword-input model use
+      ``how="hook"``.
+    * ``how="hook"`` (opt-in): the weights are left unchanged and an :class:`OutputScaleHook`
+      ``(s)`` is registered as a forward hook on the model itself (its output is scaled), or on
+      the submodule named ``module`` (e.g. ``"lm_head"``; the model's output must then be ``s``
+      times the old one, checked on the first batch as for ``"fold"``, and a loss the model
+      computes from the head's output sees the scaled logits). ``report.info["handle"]`` is the
+      hook's handle: **the hook persists until** ``report.info["handle"].remove()``, which puts
+      the model back exactly as it was. It is the only hook any method of initlab leaves on the
+      model, and only when asked for; it is not in the ``state_dict``.
 
     Conditioning: the paper puts the scalar *after* the last layer as a fixed multiplier, which
     leaves every layer's GR scaling as it was. Folding it into the last layer's weights gives the
     same function but a different parametrization: that layer's γ is multiplied by ``1/s⁴``
     (a conditioning multiplier α = s, Section 5), so with ``s = 0.05`` the last layer ends up
-    ~10⁵× out of balance. Use ``how="module"`` to keep the network balanced, ``"fold"`` when the
-    architecture must not change.
+    ~10⁵× out of balance. Use ``how="module"`` or ``"hook"`` to keep the network balanced,
+    ``"fold"`` when the architecture must not change.
 
     Args:
         model: the model, in the mode it should be measured in.
@@ -167,8 +308,9 @@ def scale_output_(
         target: the std the logits get (the paper uses 0.05; 0.01 to 0.1 works).
         forward: ``forward(model, batch) -> output`` (default
             :func:`~initlab._core.data.default_forward`); a dict output uses its ``"logits"``.
-        module: name of the layer to fold into (default: the last weight layer to run).
-        how: ``"fold"`` or ``"module"``.
+        module: ``"fold"``: name of the layer to fold into (default: the last weight layer to
+            run); ``"hook"``: name of the module whose output is scaled (default: the model).
+        how: ``"fold"``, ``"module"`` or ``"hook"``.
         max_batches: use at most this many batches of ``data`` (default all; ``n_batches=``
             before 0.2).
         registry: the layer registry (which modules are weight layers).
@@ -177,8 +319,13 @@ def scale_output_(
 
     Returns:
         :class:`~initlab.MethodReport`, one row (:data:`OUTPUT_SCALE_COLUMNS`);
-        ``info`` has ``scale``, ``std_before``, ``std_after``, ``layer`` (and ``module`` for
-        ``how="module"``).
+        ``info`` has ``scale``, ``std_before``, ``std_after``, ``layer`` (the layer folded into,
+        the module hooked, ``""`` for the model itself or ``how="module"``), and ``module`` for
+        ``how="module"``, ``hook`` and ``handle`` for ``how="hook"``.
+
+    Raises:
+        ValueError: an unknown ``how`` or ``module``; a zero-std output; a fold (or a hook on a
+            submodule) that is not exact; a fold into a tied head.
 
     Example:
         >>> net = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 4))
@@ -188,8 +335,8 @@ def scale_output_(
         ('2', 0.05)
     """
     start = time.perf_counter()
-    if how not in ("fold", "module"):
-        raise ValueError(f"unknown how={how!r}; valid values: 'fold', 'module'")
+    if how not in ("fold", "module", "hook"):
+        raise ValueError(f"unknown how={how!r}; valid values: 'fold', 'module', 'hook'")
     target = check_positive("target", target)
     forward = forward or default_forward
     reg = default_registry() if registry is None else registry
@@ -198,13 +345,7 @@ def scale_output_(
     passes = 0
     with restore_on_failure(model):
         layers = [name for name, *_ in weight_layers(model, reg)]
-        if module is not None:
-            if module not in dict(model.named_modules()):
-                raise ValueError(f"model has no module named {module!r}")
-            if module not in layers:
-                raise ValueError(
-                    f"module {module!r} has no weight parameter to fold the scale into"
-                )
+        _check_module(model, module, layers, how)
         order, _, (sums, outs) = execution_order(
             model, layers, lambda: _output_moments(model, batches, forward, seeds)
         )
@@ -217,13 +358,22 @@ def scale_output_(
         if how == "module":
             info["layer"] = ""
             info["module"] = OutputScale(s)
-        else:
+        elif how == "fold":
             name = module if module is not None else (order[-1] if order else None)
             if name is None:
                 raise ValueError("no weight layer ran in the forward pass: nothing to fold into")
             info["layer"] = name
+            _refuse_tied(model, name, reg)
             _fold_checked(model, name, s, reg, batches[0], outs[0], forward, seeds)
             passes += 1
+    if how == "hook":
+        # Outside restore_on_failure, which removes every hook added inside it.
+        info["layer"] = module or ""
+        info["hook"] = OutputScaleHook(s)
+        info["handle"] = _attach_hook(
+            model, info["layer"], info["hook"], batches[0], outs[0], forward, seeds
+        )
+        passes += 1 if info["layer"] else 0
     row = {
         "layer": info["layer"],
         "how": how,
@@ -244,6 +394,114 @@ def scale_output_(
     )
 
 
+def _check_module(model: nn.Module, module: str | None, layers: list[str], how: str) -> None:
+    """``module`` names a submodule; for a fold (and, as before, ``how="module"``), a weight
+    layer."""
+    if module is None or (how == "hook" and module == ""):
+        return
+    if module not in dict(model.named_modules()):
+        raise ValueError(f"model has no module named {module!r}")
+    if how != "hook" and module not in layers:
+        raise ValueError(f"module {module!r} has no weight parameter to fold the scale into")
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The byte range ``[start, end)`` a tensor's elements occupy (``(0, 0)`` when unknown)."""
+    try:
+        start = t.data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return 0, 0
+    if start == 0 or t.numel() == 0:
+        return 0, 0
+    extent = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride(), strict=True))
+    return start, start + extent * t.element_size()
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same tensor, or overlapping memory (views of one flat buffer that do not overlap, as
+    in FSDP, are not shared)."""
+    if a is b:
+        return True
+    (a0, a1), (b0, b1) = _span(a), _span(b)
+    return a0 != 0 and b0 != 0 and a0 < b1 and b0 < a1
+
+
+def _refuse_tied(model: nn.Module, name: str, registry: Registry) -> None:
+    """Raise if a weight or bias of layer ``name`` is also another module's parameter (or shares
+    its memory), e.g. a language model's head tied to the input embedding."""
+    layer = dict(model.named_modules())[name]
+    own = [
+        (spec.name, getattr(layer, spec.name))
+        for spec in registry.specs(layer) or []
+        if spec.role in ("weight", "bias")
+    ]
+    ties: list[str] = []
+    for other_name, other in model.named_modules(remove_duplicate=False):
+        if other is layer:
+            continue
+        for pname, p in other._parameters.items():
+            if p is None:
+                continue
+            for own_name, t in own:
+                if isinstance(t, torch.Tensor) and _shares_memory(t, p):
+                    ties.append(f"{join_name(name, own_name)} is {join_name(other_name, pname)}")
+    if ties:
+        raise ValueError(
+            f"cannot fold the output scale into {name!r}: its weight is tied "
+            f"({'; '.join(dict.fromkeys(ties))}), so scaling it would scale the tied module too. "
+            "Use how='hook' (a removable forward hook on the model, or on this layer with "
+            f"module={name!r}) or how='module' (an OutputScale module to append)"
+        )
+
+
+def _output_error(
+    model: nn.Module,
+    s: float,
+    batch: Any,
+    out_before: torch.Tensor,
+    forward: Forward,
+    seeds: Seeds,
+) -> tuple[bool, float]:
+    """Run ``batch`` once (buffers kept); whether the output is *not* ``s * out_before`` on any
+    rank (to rounding), and this rank's relative error."""
+    with torch.no_grad(), keep_buffers(model), seeds.scope(0):
+        after = output_tensor(forward(model, batch)).detach()
+    want = out_before.to(torch.float64) * s
+    err = (after.to(torch.float64) - want).norm() / want.norm().clamp_min(1e-300)
+    bad = torch.tensor([float(err > rounding_tolerance(after, 1e-5))], dtype=torch.float64)
+    all_reduce_sum([bad])
+    return bad.item() > 0, err.item()
+
+
+def _attach_hook(
+    model: nn.Module,
+    name: str,
+    hook: OutputScaleHook,
+    batch: Any,
+    out_before: torch.Tensor,
+    forward: Forward,
+    seeds: Seeds,
+) -> Any:
+    """Register ``hook`` on module ``name`` (``""``: the model) and return its handle; on a
+    submodule, first check (one pass) that the model's output is scaled exactly."""
+    handle = dict(model.named_modules())[name].register_forward_hook(hook)
+    if not name:
+        return handle
+    try:
+        bad, err = _output_error(model, hook.scale, batch, out_before, forward, seeds)
+    except BaseException:
+        handle.remove()
+        raise
+    if bad:
+        handle.remove()
+        raise ValueError(
+            f"scaling the output of {name!r} does not scale the model's output by the same "
+            f"factor (relative error {err:.2e}; something not degree-1 homogeneous follows it). "
+            "Hook the model itself (module=None) or use how='module'"
+        )
+    return handle
+
+
 def _fold_checked(
     model: nn.Module,
     name: str,
@@ -262,17 +520,12 @@ def _fold_checked(
         for spec in specs:
             if spec.role in ("weight", "bias"):
                 getattr(layer, spec.name).mul_(s)
-        with keep_buffers(model), seeds.scope(0):
-            after = output_tensor(forward(model, batch)).detach()
-    want = out_before.to(torch.float64) * s
-    err = (after.to(torch.float64) - want).norm() / want.norm().clamp_min(1e-300)
-    bad = torch.tensor([float(err > rounding_tolerance(after, 1e-5))], dtype=torch.float64)
-    all_reduce_sum([bad])
-    if bad.item() > 0:
+    bad, err = _output_error(model, s, batch, out_before, forward, seeds)
+    if bad:
         raise ValueError(
             f"folding the output scale into {name!r} is not exact: the output is not "
-            f"linear in that layer's weight and bias (relative error {err.item():.2e}; "
+            f"linear in that layer's weight and bias (relative error {err:.2e}; "
             "something with parameters, or a non-homogeneous function, follows it). "
-            "Use how='module' to get an OutputScale module to append, or name the right "
-            "layer with module="
+            "Use how='module' to get an OutputScale module to append (how='hook' for a "
+            "keyword-input model), or name the right layer with module="
         )
