@@ -210,3 +210,18 @@ def test_output_scale_module(family: str) -> None:
     with torch.no_grad():
         logits = torch.cat([scale(model(**b)).logits.reshape(-1) for b in data])
     assert float(logits.double().std(unbiased=False)) == pytest.approx(0.05, rel=1e-4)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_output_scale_hook_on_a_model_output(family: str) -> None:
+    """A Hugging Face ``ModelOutput`` keeps its type and its own loss; its logits get the std."""
+    model = model_of(family)
+    data = batches(family)
+    report = initlab.scale_output_(model, data, target=0.05, how="hook")
+    with torch.no_grad():
+        outs = [model(**b) for b in data]
+    assert all(isinstance(o, transformers.utils.ModelOutput) for o in outs)
+    logits = torch.cat([o.logits.reshape(-1) for o in outs]).double()
+    assert float(logits.std(unbiased=False)) == pytest.approx(0.05, rel=1e-4)
+    report.info["handle"].remove()
+    assert not any(m._forward_hooks for m in model.modules())
