@@ -72,6 +72,7 @@ from initlab.measure.curvature import (
     resolve_loss,
     split_loss,
 )
+from initlab.measure.curvature.functional import canonical_names, tied_aliases
 
 __all__ = [
     "LANDSCAPE_COLUMNS",
@@ -242,17 +243,32 @@ def _as_grid(values: Any, what: str) -> torch.Tensor:
     return t
 
 
+def _by_first_name(
+    d: Mapping[str, Any], params: Mapping[str, torch.Tensor], canon: Mapping[str, str], which: str
+) -> dict[str, Any]:
+    """``d`` keyed by first names: a tied tensor may be given under any of its names, once."""
+    unknown = [k for k in d if canon.get(k) not in params]
+    if unknown:
+        raise ValueError(f"direction {which} names parameters the model does not train: {unknown}")
+    out: dict[str, Any] = {}
+    for k, t in d.items():
+        first = canon[k]
+        if first in out:
+            raise ValueError(
+                f"direction {which} gives the tied tensor {first} twice (as {first} and its "
+                "alias); a tied tensor has one direction: give it once"
+            )
+        out[first] = t
+    return out
+
+
 def _user_direction(
-    d: Any, params: Mapping[str, torch.Tensor], which: str
+    d: Any, params: Mapping[str, torch.Tensor], which: str, canon: Mapping[str, str]
 ) -> dict[str, torch.Tensor]:
     names = list(params)
     if isinstance(d, Mapping):
-        unknown = [k for k in d if k not in params]
-        if unknown:
-            raise ValueError(
-                f"direction {which} names parameters the model does not train: {unknown}"
-            )
-        out = {n: d.get(n) for n in names}
+        given = _by_first_name(d, params, canon, which)
+        out = {n: given.get(n) for n in names}
     elif isinstance(d, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in d):
         if len(d) != len(names):
             raise ValueError(
@@ -395,9 +411,10 @@ def _directions(
         )
     if not (isinstance(directions, (tuple, list)) and len(directions) == 2):
         raise ValueError("directions must be a name or a pair (d1, d2)")
+    canon = canonical_names(model)
     return (
-        _user_direction(directions[0], theta, "d1"),
-        _user_direction(directions[1], theta, "d2"),
+        _user_direction(directions[0], theta, "d1", canon),
+        _user_direction(directions[1], theta, "d2", canon),
     )
 
 
@@ -509,7 +526,10 @@ def loss_landscape(
             ...) or ``initlab.outputs_loss(fn)``. ``None``: the resolver's default.
         directions: ``"filter_normalized"`` (default), ``"hessian"`` (top-2 eigenvectors by
             ``|λ|``), or two directions, each a dict parameter name → tensor (missing names: 0)
-            or a list of tensors for all trainable parameters in ``named_parameters`` order.
+            or a list of tensors for all trainable parameters in ``named_parameters`` order. A
+            tied tensor is one parameter with one direction: give it under any one of its
+            names; :attr:`Landscape.directions` keys it by its first name in
+            ``named_parameters()``.
         grid: ``(t1_values, t2_values)`` (default ``linspace(-1, 1, 21)`` for both).
         bn: BatchNorm policy ``"eval"``, ``"batch"`` or ``"fixed"`` (module docstring).
         generator: ``torch.Generator``, int seed or ``None`` (random directions, Lanczos start).
@@ -544,7 +564,12 @@ def loss_landscape(
     theta = {n: p.detach() for n, p in _trainable(model).items()}
     if not theta:
         raise ValueError("the model has no trainable parameter to move along")
-    notes: list[str] = []
+    notes: list[str] = [
+        f"{n} is tied to {', '.join(a)}: one tensor, one direction (keyed {n}); moving it "
+        "moves every use"
+        for n, a in tied_aliases(model).items()
+        if n in theta
+    ]
     modes = [(m, m.training) for m in model.modules()]
     try:
         bases = _bn_bases(model, batches, bn, fwd, notes)

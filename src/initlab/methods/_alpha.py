@@ -104,6 +104,7 @@ class Tensors:
     roles: list[str]
     scaled: list[int]  # positions in ``tensors`` that get an alpha, in alpha order
     norms: list[float] = field(default_factory=list)  # norms of the scaled tensors before
+    tied: dict[str, list[str]] = field(default_factory=dict)  # first name -> its other names
 
     @property
     def numel(self) -> int:
@@ -141,6 +142,10 @@ def select_tensors(
         raise TypeError(f"{what}: params must be 'default' or a callable, got {params!r}")
     roles = tensor_roles(model)
     out = Tensors([], [], [], [])
+    first: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if first.setdefault(id(p), name) != name:
+            out.tied.setdefault(first[id(p)], []).append(name)
     for name, p in model.named_parameters():  # deduplicates tied tensors by identity
         if not p.requires_grad:
             continue
@@ -266,6 +271,8 @@ class AlphaAdam:
 
 
 def alpha_rows(model: nn.Module, ts: Tensors, alpha: torch.Tensor) -> list[dict[str, Any]]:
+    """One row per scaled tensor; a tied tensor once, under its first name, with ``tied_to``
+    its other names (``None`` for a tensor that is not tied)."""
     rows = []
     for k, i in enumerate(ts.scaled):
         layer, param = split_name(ts.names[i])
@@ -277,6 +284,7 @@ def alpha_rows(model: nn.Module, ts: Tensors, alpha: torch.Tensor) -> list[dict[
                 "alpha": float(alpha[k]),
                 "norm_before": ts.norms[k],
                 "norm_after": float(ts.tensors[i].detach().double().norm()),
+                "tied_to": ", ".join(ts.tied[ts.names[i]]) if ts.names[i] in ts.tied else None,
             }
         )
     return rows

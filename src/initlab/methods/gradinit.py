@@ -143,8 +143,10 @@ __all__ = [
 #: with an alpha: ``layer`` and ``param`` (the first qualified name of the tensor, split into the
 #: module's qualified name and the parameter's local name), ``role`` (from the layer
 #: registry: weight, bias, norm_scale, norm_shift, embedding, or ``unclaimed``), ``alpha`` (the
-#: learned scale, folded into the tensor), ``norm_before`` / ``norm_after`` (Frobenius norms).
-GRADINIT_COLUMNS = ("layer", "param", "role", "alpha", "norm_before", "norm_after")
+#: learned scale, folded into the tensor), ``norm_before`` / ``norm_after`` (Frobenius norms),
+#: ``tied_to`` (a tied tensor, listed once with one alpha: its other names, comma-separated;
+#: ``None`` for a tensor that is not tied).
+GRADINIT_COLUMNS = ("layer", "param", "role", "alpha", "norm_before", "norm_after", "tied_to")
 
 #: Columns of the per-iteration ``trace``: ``iteration`` (0-based); ``step`` ("constraint" or
 #: "objective"); ``grad_norm`` (``||g||_p`` of the rank-averaged gradient on S at the alphas

@@ -92,8 +92,10 @@ __all__ = ["METAINIT_COLUMNS", "METAINIT_TRACE_COLUMNS", "gradient_quotient", "m
 
 #: Rows of :func:`metainit_`'s report, one per tensor with a scale: ``layer`` and ``param`` (the
 #: module's qualified name and the parameter's local name), ``role``, ``alpha``
-#: (the learned ``s / ||W0||``, folded in), ``norm_before`` (``||W0||``), ``norm_after`` (``s``).
-METAINIT_COLUMNS = ("layer", "param", "role", "alpha", "norm_before", "norm_after")
+#: (the learned ``s / ||W0||``, folded in), ``norm_before`` (``||W0||``), ``norm_after`` (``s``),
+#: ``tied_to`` (a tied tensor, listed once with one scale: its other names, comma-separated;
+#: ``None`` for a tensor that is not tied).
+METAINIT_COLUMNS = ("layer", "param", "role", "alpha", "norm_before", "norm_after", "tied_to")
 
 #: Columns of the per-step ``trace``: ``iteration``; ``gq`` (the gradient quotient of the step's
 #: batch at the scales before the step, rank-averaged); ``loss`` (the loss there); ``grad_norm``

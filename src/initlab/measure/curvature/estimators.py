@@ -22,7 +22,7 @@ from initlab._core.data import data_use, take_batches
 from initlab._core.knobs import renamed_kwargs
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows
-from initlab.measure.curvature.functional import Forward, LossFn
+from initlab.measure.curvature.functional import Forward, LossFn, tie_note
 from initlab.measure.curvature.operators import CurvatureOperator, Kind
 from initlab.measure.curvature.products import Mode
 
@@ -157,6 +157,8 @@ def block_curvature(
         kind: ``"hessian"`` or ``"ggn"`` (generalized Gauss–Newton ``Jᵀ H_out J``; needs a loss
             on the outputs: a criterion, a named loss or ``initlab.outputs_loss(fn)``).
         params: ``None`` (all trainable parameters), parameter names, or block name → names.
+            A tied tensor may be named by any of its names; it is one tensor, in one block, under
+            its first name in ``named_parameters()``, and its rows say so in ``note``.
         group: ``"tensor"`` (one block per parameter tensor) or ``"module"`` (weight + bias of a
             module in one block), used when ``params`` is ``None`` or a sequence.
         probes: number of probes (the minimum when ``rel_tol`` is given); at least 2 for a stderr.
@@ -258,6 +260,7 @@ def _estimate(
             f"the loss does not depend on {unused}: their rows and columns of the "
             f"{op.kind} are exactly zero"
         )
+    notes += [tie_note(n, aliases) for n, aliases in op.tied.items()]
     rows, unconverged = _block_rows(op, report, block_used, mean, se, nonfinite, done, rel_tol)
     if unconverged:
         notes.append(
@@ -334,7 +337,9 @@ def _block_rows(
     unconverged = 0
     for l_, k in report:
         bl, bk = blocks[l_], blocks[k]
-        note = []
+        note = [
+            tie_note(n, op.tied[n]) for n in dict.fromkeys((*bl.params, *bk.params)) if n in op.tied
+        ]
         if not block_used[l_] or not block_used[k]:
             pairs = ((bl, block_used[l_]), (bk, block_used[k]))
             names = sorted({b.name for b, u in pairs if not u})

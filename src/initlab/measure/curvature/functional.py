@@ -28,12 +28,15 @@ from initlab._core.loss import (
 __all__ = [
     "Forward",
     "LossFn",
+    "canonical_names",
     "functional_forward",
     "model_state",
     "on_batches",
     "quadratic_loss",
     "resolve_loss",
     "split_loss",
+    "tie_note",
+    "tied_aliases",
 ]
 
 LossFn = LossLike
@@ -57,6 +60,34 @@ def _batchnorms(model: nn.Module) -> list[tuple[str, nn.modules.batchnorm._Batch
     return [
         (n, m) for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
     ]
+
+
+def canonical_names(model: nn.Module) -> dict[str, str]:
+    """Every name of every parameter (tied aliases included) → the tensor's first name in
+    ``model.named_parameters()`` (the name every result lists it under)."""
+    first: dict[int, str] = {}
+    out: dict[str, str] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        out[n] = first.setdefault(id(p), n)
+    return out
+
+
+def tied_aliases(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """First name → the other names of the same tensor, for the tied parameters only
+    (an embedding shared with the output head: ``{"emb.weight": ("head.weight",)}``)."""
+    out: dict[str, list[str]] = {}
+    for n, first in canonical_names(model).items():
+        if n != first:
+            out.setdefault(first, []).append(n)
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def tie_note(name: str, aliases: tuple[str, ...]) -> str:
+    """The note a result row of a tied tensor carries."""
+    return (
+        f"{name} is tied to {', '.join(aliases)}: one tensor, listed once under its first name; "
+        "its gradient and curvature sum over every use"
+    )
 
 
 def model_state(model: nn.Module) -> dict[str, torch.Tensor | None]:

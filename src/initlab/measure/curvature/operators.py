@@ -25,11 +25,13 @@ from initlab._core.pytree import flatten_tensors, map_tensors
 from initlab.measure.curvature.functional import (
     Forward,
     LossFn,
+    canonical_names,
     functional_forward,
     model_state,
     on_batches,
     resolve_loss,
     split_loss,
+    tied_aliases,
 )
 from initlab.measure.curvature.lanczos import _lanczos
 from initlab.measure.curvature.products import (
@@ -76,11 +78,15 @@ def _resolve_blocks(
     params: Sequence[str] | Mapping[str, Sequence[str]] | None,
     group: str,
 ) -> list[tuple[str, list[str]]]:
+    """``(block name, parameter names)`` per block. A tied tensor may be named by any of its
+    names (``lm_head.weight`` or ``transformer.wte.weight``); it is resolved to its first name in
+    ``named_parameters()``, so it is one tensor in one block, listed once."""
     if group not in _GROUPS:
         raise ValueError(f"unknown group {group!r}; valid values: {list(_GROUPS)}")
     named = dict(model.named_parameters())
     if not named:
         raise ValueError(f"{type(model).__name__} has no parameters")
+    canon = canonical_names(model)
     if params is None:
         names = [n for n, p in named.items() if p.requires_grad]
         if not names:
@@ -94,26 +100,41 @@ def _resolve_blocks(
     else:
         names = [str(n) for n in params]
         raw = None
-    unknown = [n for n in names if n not in named]
+    unknown = [n for n in names if n not in canon]
     if unknown:
         known = ", ".join(list(named)[:10])
         raise ValueError(f"unknown parameter names {unknown}; the model has e.g. {known}")
-    if len(set(names)) != len(names):
-        dup = sorted({n for n in names if names.count(n) > 1})
-        raise ValueError(f"parameters listed twice: {dup}")
+    _check_listed_once(names, canon)
+    names = [canon[n] for n in names]
     for n in names:
         if not named[n].is_floating_point():
             raise TypeError(f"parameter {n} has dtype {named[n].dtype}; it must be floating point")
     if raw is not None:
         if any(not ns for _, ns in raw):
             raise ValueError("every block needs at least one parameter")
-        return raw
+        return [(k, [canon[n] for n in ns]) for k, ns in raw]
     if group == "tensor":
         return [(n, [n]) for n in names]
     blocks: dict[str, list[str]] = {}
     for n in names:
         blocks.setdefault(_module_of(n), []).append(n)
     return [(k or "<root>", v) for k, v in blocks.items()]
+
+
+def _check_listed_once(names: Sequence[str], canon: Mapping[str, str]) -> None:
+    """Every tensor once: no name twice, and not two names of one tied tensor."""
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"parameters listed twice: {dup}")
+    by_tensor: dict[str, list[str]] = {}
+    for n in names:
+        by_tensor.setdefault(canon[n], []).append(n)
+    tied = ["{" + ", ".join(ns) + "}" for ns in by_tensor.values() if len(ns) > 1]
+    if tied:
+        raise ValueError(
+            f"parameters listed twice: the names in {', '.join(tied)} are one tied tensor; "
+            "list it once (under any of its names)"
+        )
 
 
 class CurvatureOperator:
@@ -137,7 +158,10 @@ class CurvatureOperator:
         kind: ``"hessian"`` or ``"ggn"``. The GGN needs the loss as a function of the outputs
             (``loss.splittable``: a criterion, a named loss or ``initlab.outputs_loss(fn)``).
         params: ``None`` (every parameter with ``requires_grad``), a sequence of parameter names,
-            or a mapping block name → parameter names.
+            or a mapping block name → parameter names. A tied tensor (one tensor under several
+            names, e.g. an embedding shared with the output head) may be named by any of its
+            names; it is one parameter under its first name in ``named_parameters()`` (see
+            :attr:`tied`), and its products sum over every use, cross terms included.
         group: with ``params`` ``None`` or a sequence: ``"tensor"`` (one block per tensor) or
             ``"module"`` (one block per module: weight and bias of a layer together).
         ad_mode: ``"rev_rev"`` or ``"fwd_rev"`` (module docstring; formerly ``mode=``).
@@ -189,6 +213,11 @@ class CurvatureOperator:
             offset += size
         self.blocks: tuple[BlockSpec, ...] = tuple(specs)
         self.param_names: tuple[str, ...] = tuple(n for b in specs for n in b.params)
+        aliases = tied_aliases(model)
+        self.tied: dict[str, tuple[str, ...]] = {
+            n: aliases[n] for n in self.param_names if n in aliases
+        }
+        """Tied parameters of the operator: first name → its other names."""
         self._values = tuple(named[n].detach().clone() for n in self.param_names)
         first = self._values[0]
         self.dtype = first.dtype
@@ -325,6 +354,8 @@ class CurvatureOperator:
                 raise IndexError(f"block index {block} out of range ({len(self.blocks)} blocks)")
             return block % len(self.blocks)
         names = [b.name for b in self.blocks]
+        if block not in names:  # a tied tensor's block under another of its names
+            block = canonical_names(self.model).get(block, block)
         if block not in names:
             raise KeyError(f"unknown block {block!r}; blocks: {names}")
         return names.index(block)
@@ -445,13 +476,14 @@ def _second_order_fails(
     args2 = map_tensors(args, prep)
     kwargs2 = map_tensors(kwargs, prep)
     own = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    leaf_of: dict[int, torch.Tensor] = {}  # one leaf per tensor: tied names share it
     params = {
-        k: v.detach().requires_grad_(True)
+        k: leaf_of.setdefault(id(v), v.detach().requires_grad_(True))
         for k, v in local_state.items()
         if k in own and v is not None
     }
     state = {**local_state, **params}
-    leaves += list(params.values())
+    leaves += list(leaf_of.values())
     if not leaves:
         return None
     try:
@@ -476,7 +508,8 @@ def _second_order_fails(
                 it = iter(ls)
                 a2 = map_tensors(args, lambda t: next(it) if t.is_floating_point() else t)
                 k2 = map_tensors(kwargs, lambda t: next(it) if t.is_floating_point() else t)
-                p2 = {k: next(it) for k in params}
+                by_leaf = {id(leaf): next(it) for leaf in leaf_of.values()}
+                p2 = {k: by_leaf[id(v)] for k, v in params.items()}
                 o = torch.func.functional_call(module, {**local_state, **p2}, a2, k2)
                 return sum(t.square().sum() for _, t in flatten_tensors(o))
 
@@ -496,6 +529,11 @@ def _locate_second_order_failure(
     model: nn.Module, state: dict[str, torch.Tensor | None], op: CurvatureOperator
 ) -> tuple[str, nn.Module] | None:
     """The innermost module (deepest, last called) through which second order fails."""
+    state = dict(state)
+    for first, aliases in tied_aliases(model).items():  # a module sees its tied tensors too
+        for alias in aliases:
+            if first in state:
+                state.setdefault(alias, state[first])
     calls: list[tuple[str, nn.Module, tuple, dict]] = []
 
     def hook(name: str) -> Callable:

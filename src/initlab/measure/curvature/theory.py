@@ -25,9 +25,11 @@ from initlab.measure.curvature.estimators import ProbeKind, block_curvature
 from initlab.measure.curvature.functional import (
     Forward,
     LossFn,
+    canonical_names,
     on_batches,
     resolve_loss,
     split_loss,
+    tied_aliases,
 )
 from initlab.measure.curvature.operators import Kind
 from initlab.measure.curvature.products import Mode
@@ -88,14 +90,17 @@ def _builtin_gamma(
 
 
 def _blocks(model: nn.Module, modules: dict[str, nn.Module]) -> list[tuple[str, str, str]]:
-    """``(layer, param, qualified name)`` of every trainable weight and bias of ``modules``; a
-    tied tensor under its first name only."""
-    names = []
-    own = dict(model.named_parameters())
+    """``(layer, param, block)`` of every trainable weight and bias of ``modules``, each tensor
+    once: under the first of ``modules`` that holds it, with ``block`` the tensor's first name in
+    ``model.named_parameters()`` (a head tied to an embedding: layer ``head``, block
+    ``emb.weight``)."""
+    canon = canonical_names(model)
+    names, seen = [], set()
     for mname, mod in modules.items():
         for pname, p in mod.named_parameters(recurse=False):
-            qname = f"{mname}.{pname}" if mname else pname
-            if p.requires_grad and pname in ("weight", "bias") and own.get(qname) is p:
+            qname = canon[f"{mname}.{pname}" if mname else pname]
+            if p.requires_grad and pname in ("weight", "bias") and qname not in seen:
+                seen.add(qname)
                 names.append((mname, pname, qname))
     return names
 
@@ -107,14 +112,20 @@ def _row(
     module: nn.Module,
     g: tuple[float, float, str] | None,
     r: dict[str, Any],
+    tied: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """One row of :data:`THEORY_COLUMNS`: γ from theory against the measured block ``r``."""
-    theory = _NAN if g is None else (g[0] if pname == "weight" else g[1])
+    """One row of :data:`THEORY_COLUMNS`: γ from theory against the measured block ``r``.
+
+    A tied tensor (``tied``: its other names) gets no theory: its block sums the curvature of
+    every use (and their cross terms), the GR formula gives that of one layer."""
+    theory = _NAN if g is None or tied else (g[0] if pname == "weight" else g[1])
     actual, stderr = r["value"], r["stderr"]
     ratio = theory / actual if actual and math.isfinite(actual) else _NAN
     note = [r["note"]] if r["note"] else []
     if g is None:
         note.append("no GR formula for this module")
+    elif tied:
+        note.append("no theory for a tied tensor: the GR formula covers one use of it")
     return {
         "layer": mname,
         "module_type": type(module).__name__,
@@ -185,7 +196,9 @@ def theory_vs_actual(
     Returns:
         Rows (:data:`THEORY_COLUMNS`), one per weight and bias of each ``nn.Linear`` and
         ``nn.Conv1d/2d/3d`` with trainable parameters, in parameter order; ``.used``: one batch
-        and its examples.
+        and its examples. A tied tensor (a head sharing the embedding's weight) has one row,
+        under the first such layer holding it, with ``block`` its first name in
+        ``named_parameters()``, ``theory`` NaN (the GR formula covers one use) and a ``note``.
     """
     import copy
 
@@ -234,7 +247,10 @@ def theory_vs_actual(
         forward=forward,
     )
     by_block = {r["block_row"]: r for r in est}
-    rows = [_row(m, p, q, modules[m], gammas.get(m), by_block[q]) for m, p, q in names]
+    tied = tied_aliases(model)
+    rows = [
+        _row(m, p, q, modules[m], gammas.get(m), by_block[q], tied.get(q, ())) for m, p, q in names
+    ]
     return Rows(
         rows,
         THEORY_COLUMNS,
