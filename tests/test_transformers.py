@@ -133,10 +133,14 @@ def test_hessian_blocks_and_landscape(family: str) -> None:
     assert tie_kept(model)
 
 
-def test_theory_vs_actual_on_bert() -> None:
-    model = model_of("bert")
-    rows = initlab.theory_vs_actual(model, batches("bert"), probes=2, generator=0)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_theory_vs_actual(family: str) -> None:
+    """Every nn.Linear weight gets a row with a measured block; a tied tensor appears once."""
+    model = model_of(family)
+    rows = initlab.theory_vs_actual(model, batches(family), probes=2, generator=0)
     assert len(rows) > 0 and all(math.isfinite(r["actual"]) for r in rows)
+    blocks = [r["block"] for r in rows]
+    assert len(blocks) == len(set(blocks))
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
