@@ -95,7 +95,12 @@ def test_tied_weights_stay_tied_and_are_drawn_once() -> None:
     assert model.head.weight is model.emb.weight
     assert model.head.weight.data_ptr() == model.emb.weight.data_ptr()
     assert report.tied() == {"head.weight": "emb.weight"}
-    # Drawn once, as the first claimant (the embedding) says: N(0, 1) with the same generator.
+    # Drawn once, as the head policy says: fan_in at gain 1 (1/sqrt(64)) times 1/sqrt(fan_in).
+    expected = torch.empty(200, 64).normal_(0, 1 / 64, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(model.emb.weight.detach(), expected, atol=0, rtol=0)
+    assert {r["role"] for r in report} == {"tied embedding/head"}
+    # head="off": as the first claimant (the embedding) says, N(0, 1) with the same generator.
+    initlab.init_model(model, "fan_in", generator=0, head="off")
     expected = torch.empty(200, 64).normal_(0, 1, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(model.emb.weight.detach(), expected, atol=0, rtol=0)
 

@@ -9,6 +9,7 @@ validates it, before any tensor is touched. Then :func:`execute` draws one plann
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Sequence
@@ -20,17 +21,20 @@ from torch import nn
 
 from initlab._core.knobs import user_stacklevel
 from initlab._core.rows import split_name
+from initlab.init._structure import Follow, find_head, structural_following, traced_following
 from initlab.init.registry import Block, ParamSpec, Registry
-from initlab.init.rules import Rule
+from initlab.init.rules import AutoRule, Rule
 from initlab.init.sampling import normal_, sample_
-from initlab.init.schemes import InitSpec, Scheme
+from initlab.init.schemes import InitSpec, OperatorNorm, Scheme
 
 __all__ = [
     "add_unclaimed",
+    "assign_roles",
     "check_bias",
     "check_unclaimed",
     "claim_params",
     "execute",
+    "expand_rules",
     "plan_all",
     "report_rows",
     "reset_norm_buffers",
@@ -52,6 +56,11 @@ class _Plan:
     rules: list[Rule] = field(default_factory=list)
     rule_specs: dict[int, list[tuple[Block | None, InitSpec]]] = field(default_factory=dict)
     aliases: list[str] = field(default_factory=list)
+    claim_roles: set[str] = field(default_factory=set)  # roles given by every claimant
+    head: str | None = None  # "head" or "tied embedding/head": drawn by the head policy
+    follow: Follow | None = None  # the nonlinearity found after the layer (None: not looked for)
+    gain: float | None = None
+    gain_from: str | None = None
 
 
 def check_bias(bias: str | float) -> None:
@@ -78,11 +87,15 @@ def _fill_plan(
     spec = plan.spec
     assert spec is not None
     role = spec.role
-    if role == "weight":
-        plan.block_specs = _weight_specs(scheme, spec)
+    if plan.head is not None:
+        _fill_head(plan, scheme)
+    elif role == "weight":
+        used, plan.gain_from = _followed_scheme(scheme, plan.follow)
+        plan.block_specs = _weight_specs(used, spec)
         plan.scheme_name = scheme.name
         plan.distribution = plan.block_specs[0][1].distribution
         plan.target_std = plan.block_specs[0][1].std
+        plan.gain = scheme_gain(used)
     elif role == "embedding":
         plan.scheme_name, plan.distribution, plan.target_std = "normal", "normal", embedding_std
     elif role == "bias":
@@ -102,6 +115,80 @@ def _fill_plan(
         plan.scheme_name, plan.distribution, plan.target_std = "zeros", "constant", 0.0
     else:  # pragma: no cover - the registry validates roles
         raise ValueError(f"unknown role {role!r} for {plan.name}")
+
+
+def _fill_head(plan: _Plan, scheme: Scheme) -> None:
+    """The head policy (see :func:`~initlab.init.model.init_model`): the scheme at gain 1, its
+    std (and an orthogonal draw's scale) times ``1 / sqrt(fan_in)``."""
+    spec = plan.spec
+    assert spec is not None
+    head_scheme = with_nonlinearity(scheme, "linear") or scheme
+    specs = _weight_specs(head_scheme, spec)
+    fans = spec.blocks[0].fans if spec.blocks else spec.fans
+    assert fans is not None
+    factor = 1.0 / math.sqrt(fans.fan_in)
+    plan.block_specs = [
+        (block, dataclasses.replace(s, std=s.std * factor, gain=s.gain * factor))
+        for block, s in specs
+    ]
+    plan.scheme_name = scheme.name
+    plan.distribution = plan.block_specs[0][1].distribution
+    plan.target_std = plan.block_specs[0][1].std
+    plan.gain = scheme_gain(head_scheme)
+    plan.gain_from = f"none: {plan.head}, std x 1/sqrt(fan_in)"
+
+
+def with_nonlinearity(scheme: Scheme, name: str, param: float | None = None) -> Scheme | None:
+    """``scheme`` with its nonlinearity set to ``name`` (explicit ``gain``/``c``/``lipschitz``
+    dropped), or ``None`` for a scheme without a nonlinearity or without a value for ``name``."""
+    if not dataclasses.is_dataclass(scheme):
+        return None
+    fields = {f.name for f in dataclasses.fields(scheme)}
+    if "nonlinearity" not in fields:
+        return None
+    changes: dict[str, Any] = {"nonlinearity": name, "param": param}
+    changes.update({f: None for f in ("gain", "c", "lipschitz") if f in fields})
+    try:
+        return dataclasses.replace(scheme, **changes)
+    except ValueError:  # e.g. operator_norm has no average Lipschitz constant for elu
+        return None
+
+
+def _follows_default(scheme: Scheme) -> bool:
+    """Whether the scheme's gain is the ReLU default that a found nonlinearity replaces (not a
+    user's explicit nonlinearity, gain, ``c`` or ``lipschitz``, nor xavier/lecun's gain 1)."""
+    nonlinearity = getattr(scheme, "nonlinearity", None)
+    if not isinstance(nonlinearity, str) or nonlinearity.lower() != "relu":
+        return False
+    if getattr(scheme, "param", None) is not None:
+        return False
+    return all(getattr(scheme, f, None) is None for f in ("gain", "c", "lipschitz"))
+
+
+def _followed_scheme(scheme: Scheme, follow: Follow | None) -> tuple[Scheme, str]:
+    """The scheme a weight is drawn with and the report's ``gain_from`` text."""
+    if follow is None:
+        return scheme, "scheme"
+    if follow.nonlinearity is None:
+        return scheme, follow.source
+    if not _follows_default(scheme):
+        return scheme, f"scheme (its nonlinearity is kept; found {follow.source})"
+    used = with_nonlinearity(scheme, follow.nonlinearity, follow.param)
+    if used is None:
+        return scheme, f"scheme (no value for {follow.nonlinearity}; found {follow.source})"
+    return used, follow.source
+
+
+def scheme_gain(scheme: Scheme) -> float | None:
+    """The gain a scheme uses: its resolved gain, ``sqrt(c)`` for an explicit geometric ``c``,
+    ``1 / L`` for operator_norm; ``None`` for a scheme without one."""
+    if isinstance(scheme, OperatorNorm):
+        return 1.0 / scheme.resolved_lipschitz()
+    c = getattr(scheme, "c", None)
+    if c is not None:
+        return math.sqrt(c)
+    resolved = getattr(scheme, "resolved_gain", None)
+    return float(resolved()) if callable(resolved) else None
 
 
 def _apply_rule_to_plan(plan: _Plan, rule: Rule) -> None:
@@ -148,7 +235,7 @@ def execute(
     """Draw the planned tensor, then apply its rules in order."""
     param, spec = plan.param, plan.spec
     assert spec is not None
-    if spec.role == "weight":
+    if plan.block_specs:  # weights, and a tied embedding/head drawn as the head
         _sample_blocks(plan, plan.block_specs, generator)
     elif spec.role == "embedding":
         normal_(param, embedding_std, generator=generator)
@@ -197,10 +284,11 @@ def claim_params(
             key = id(param)
             if key in plans:
                 plans[key].aliases.append(qname)
+                plans[key].claim_roles.add(pspec.role)
                 continue
             if pspec.role in ("norm_scale", "norm_shift"):
                 norm_modules.add(id(module))
-            plans[key] = _Plan(qname, param, module, pspec)
+            plans[key] = _Plan(qname, param, module, pspec, claim_roles={pspec.role})
             order.append(key)
     return plans, order, norm_modules
 
@@ -310,15 +398,70 @@ def _report_row(plan: _Plan, measure: bool) -> dict[str, Any]:
         "layer": layer,
         "param": param,
         "module_type": type(plan.module).__name__,
-        "role": spec.role if spec is not None else "unclaimed",
+        "role": plan.head or (spec.role if spec is not None else "unclaimed"),
         "shape": tuple(plan.param.shape),
         "fan_in": fans.fan_in if fans is not None else None,
         "fan_out": fans.fan_out if fans is not None else None,
         "blocks": len(spec.blocks) if spec is not None and spec.blocks else 1,
         "scheme": plan.scheme_name,
+        "gain": plan.gain,
+        "gain_from": plan.gain_from,
         "distribution": plan.distribution,
         "target_std": plan.target_std,
         "achieved_std": achieved,
         "rule": "; ".join(r.describe() for r in plan.rules) or None,
         "tied_to": None,
     }
+
+
+def assign_roles(
+    model: nn.Module,
+    plans: dict[int, _Plan],
+    order: list[int],
+    *,
+    gains: str,
+    head: str,
+    example_inputs: Any,
+) -> None:
+    """Mark the output head (``head="small"``) and, where gains follow the nonlinearities, what
+    follows every weight (by tracing ``example_inputs`` when given, else by structure)."""
+    claims = {key: plans[key].claim_roles for key in order if plans[key].spec is not None}
+    found = find_head(model, claims)
+    if found is not None and head == "small":
+        plans[found[0]].head = found[2]
+    follow = gains == "follow" or (
+        gains == "auto" and (found is not None or example_inputs is not None)
+    )
+    if not follow:
+        return
+    weights = [
+        plans[k] for k in order if plans[k].spec is not None and plans[k].spec.role == "weight"
+    ]
+    traced: dict[int, Follow] = {}
+    if example_inputs is not None:
+        traced = traced_following(model, example_inputs, {id(p.module) for p in weights})
+    structural = structural_following(model)
+    unknown = Follow(None, None, "scheme (no nonlinearity found after it)")
+    for plan in weights:
+        key = id(plan.module)
+        plan.follow = traced.get(key) or structural.get(key) or unknown
+
+
+def expand_rules(model: nn.Module, rules: Sequence[Rule | AutoRule]) -> list[Rule]:
+    """Replace every :class:`~initlab.init.rules.AutoRule` by the rules it finds in ``model``
+    (warning, at :func:`init_model`'s caller, when it finds nothing)."""
+    out: list[Rule] = []
+    for rule in rules:
+        if isinstance(rule, AutoRule):
+            found = rule.resolve(model)
+            if not found:
+                warnings.warn(
+                    f"{rule.name} ({rule.citation}) found no residual projection in "
+                    f"{type(model).__name__}",
+                    UserWarning,
+                    stacklevel=user_stacklevel(),
+                )
+            out.extend(found)
+        else:
+            out.append(rule)
+    return out

@@ -164,9 +164,14 @@ def average_lipschitz(nonlinearity: Nonlinearity, param: float | None = None) ->
 
     * ``relu``: 0.5 (half of the inputs pass with slope 1, half are zeroed);
     * ``leaky_relu`` with slope ``a`` (``param``, default 0.01): ``(1 + a) / 2``;
-    * ``linear``/``identity`` (and torch's conv names): 1.0.
+    * ``linear``/``identity`` (and torch's conv names): 1.0;
+    * smooth nonlinearities ``gelu``, ``silu`` (``swish``), ``tanh`` and ``sigmoid``: the same
+      average, ``E|phi'(z)|`` with ``z ~ N(0, 1)`` (for ReLU and LeakyReLU this *is* 0.5 and
+      ``(1 + a) / 2``), computed by the quadrature of :func:`calculate_gain`: GELU 0.5393, SiLU
+      0.5116, tanh 0.6057, sigmoid 0.2066 (unit-variance pre-activations; tanh's value falls as
+      the pre-activations grow and saturate it).
 
-    Anything else has no tabulated value (tanh's, for one, depends on the active region).
+    Anything else has no tabulated value.
 
     Raises:
         ValueError: for any other nonlinearity, telling the caller to pass ``lipschitz=``.
@@ -175,7 +180,7 @@ def average_lipschitz(nonlinearity: Nonlinearity, param: float | None = None) ->
         >>> average_lipschitz("relu"), average_lipschitz("leaky_relu", 0.2)
         (0.5, 0.6)
     """
-    known = ("relu", "leaky_relu", "linear", "identity")
+    known = ("relu", "leaky_relu", "linear", "identity", *_SMOOTH_SLOPES)
     name = _normalize(nonlinearity) if isinstance(nonlinearity, str) else None
     if name is None or name not in (*known, *_LINEAR_NAMES):
         raise ValueError(
@@ -188,7 +193,53 @@ def average_lipschitz(nonlinearity: Nonlinearity, param: float | None = None) ->
         return 0.5
     if name == "leaky_relu":
         return (1 + float(_real_param(name, param, 0.01))) / 2
+    if name in _SMOOTH_SLOPES:
+        return _average_slope(name)
     return 1.0
+
+
+def _gelu_slope(z: Tensor) -> Tensor:
+    return 0.5 * (1.0 + torch.erf(z / math.sqrt(2.0))) + z * torch.exp(-0.5 * z**2) / math.sqrt(
+        2.0 * math.pi
+    )
+
+
+def _silu_slope(z: Tensor) -> Tensor:
+    s = torch.sigmoid(z)
+    return s * (1.0 + z * (1.0 - s))
+
+
+def _tanh_slope(z: Tensor) -> Tensor:
+    return 1.0 - torch.tanh(z) ** 2
+
+
+def _sigmoid_slope(z: Tensor) -> Tensor:
+    s = torch.sigmoid(z)
+    return s * (1.0 - s)
+
+
+#: Derivatives of the smooth nonlinearities whose average Lipschitz constant is ``E|phi'(z)|``.
+_SMOOTH_SLOPES: dict[str, Callable[[Tensor], Tensor]] = {
+    "gelu": _gelu_slope,
+    "silu": _silu_slope,
+    "swish": _silu_slope,
+    "tanh": _tanh_slope,
+    "sigmoid": _sigmoid_slope,
+}
+
+
+@functools.lru_cache(maxsize=8)
+def _average_slope(name: str) -> float:
+    """``E|phi'(z)|``, ``z ~ N(0, 1)``, by the Simpson quadrature of :func:`_second_moment_gain`."""
+    steps = torch.arange(-_QUAD_HALF_POINTS, _QUAD_HALF_POINTS + 1, dtype=torch.float64)
+    z = steps * _QUAD_STEP
+    slope = _SMOOTH_SLOPES[name](z).abs().numpy()
+    zs = z.numpy()
+    integrand = slope * np.exp(-0.5 * zs**2) / math.sqrt(2.0 * math.pi)
+    weights = np.full(integrand.shape, 2.0)
+    weights[1::2] = 4.0
+    weights[0] = weights[-1] = 1.0
+    return float(np.dot(weights, integrand)) * _QUAD_STEP / 3.0
 
 
 @functools.lru_cache(maxsize=64)

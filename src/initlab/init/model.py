@@ -19,16 +19,18 @@ from initlab._core.rng import as_generator
 from initlab._core.rows import Rows, join_name
 from initlab.init._plan import (
     add_unclaimed,
+    assign_roles,
     check_bias,
     check_unclaimed,
     claim_params,
     execute,
+    expand_rules,
     plan_all,
     report_rows,
     reset_norm_buffers,
 )
 from initlab.init.registry import Registry, default_registry
-from initlab.init.rules import Rule
+from initlab.init.rules import AutoRule, Rule
 from initlab.init.schemes import Scheme, get_scheme
 
 __all__ = ["INIT_REPORT_COLUMNS", "InitReport", "init_model"]
@@ -36,11 +38,16 @@ __all__ = ["INIT_REPORT_COLUMNS", "InitReport", "init_model"]
 #: Columns of :class:`InitReport` rows, one row per parameter tensor:
 #: ``layer`` the module's qualified name (``""`` for the root) and ``param`` the parameter's local
 #: name (a tied tensor: one row per name it has; ``join_name(layer, param)`` is the full name);
-#: ``module_type``; ``role`` (weight, bias, norm_scale, norm_shift, embedding, or ``unclaimed``);
-#: ``shape``; ``fan_in``/``fan_out`` (of the whole tensor,
-#: or of one block for fused q/k/v and gate weights; ``None`` where fans do not apply); ``blocks``
-#: (number of separately initialized blocks); ``scheme`` (what filled it: a scheme name,
-#: ``zeros``, ``ones``, ``normal``, ``untouched``); ``distribution``; ``target_std`` (the std the
+#: ``module_type``; ``role`` (weight, bias, norm_scale, norm_shift, embedding, ``head`` (an output
+#: head drawn by the head policy), ``tied embedding/head`` (an embedding table that is also the
+#: head, drawn as the head), or ``unclaimed``); ``shape``; ``fan_in``/``fan_out`` (of the whole
+#: tensor, or of one block for fused q/k/v and gate weights; ``None`` where fans do not apply);
+#: ``blocks`` (number of separately initialized blocks); ``scheme`` (what filled it: a scheme name,
+#: ``zeros``, ``ones``, ``normal``, ``untouched``); ``gain`` (the gain the scheme used for this
+#: weight: ``calculate_gain`` of its nonlinearity, ``1/L`` for operator_norm; ``None`` for
+#: non-weights); ``gain_from`` (why that gain: ``"scheme"``, or the nonlinearity found after
+#: the layer and how, e.g. ``"gelu: traced, GELU"``, ``"none: attention projection"``,
+#: ``"none: head, std x 1/sqrt(fan_in)"``); ``distribution``; ``target_std`` (the std the
 #: scheme asked for, after rules); ``achieved_std`` (std of the tensor afterwards, ``None`` when
 #: ``measure=False``); ``rule`` (the rules applied, with citations); ``tied_to`` (for a tied
 #: parameter: the full name under which it was initialized).
@@ -54,6 +61,8 @@ INIT_REPORT_COLUMNS = (
     "fan_out",
     "blocks",
     "scheme",
+    "gain",
+    "gain_from",
     "distribution",
     "target_std",
     "achieved_std",
@@ -63,6 +72,9 @@ INIT_REPORT_COLUMNS = (
 
 Policy = Literal["error", "warn", "skip"]
 _POLICIES = ("error", "warn", "skip")
+Gains = Literal["auto", "follow", "scheme"]
+_GAINS = ("auto", "follow", "scheme")
+_HEADS = ("small", "off")
 
 
 class InitReport(Rows):
@@ -97,10 +109,13 @@ def init_model(
     generator: torch.Generator | int | None = None,
     bias: str | float = "zeros",
     policy: Policy = "warn",
-    rules: Sequence[Rule] = (),
+    rules: Sequence[Rule | AutoRule] = (),
     registry: Registry | None = None,
     embedding_std: float = 1.0,
     measure: bool = True,
+    gains: Gains = "auto",
+    head: Literal["small", "off"] = "small",
+    example_inputs: Any = None,
 ) -> InitReport:
     """Initialize every parameter of ``model`` in place with ``scheme`` and report what was done.
 
@@ -112,7 +127,37 @@ def init_model(
     * biases: zeros (``bias="zeros"``), untouched (``"keep"``) or a constant;
     * norm layers: identity (scale 1, shift 0, running statistics reset);
     * embeddings: ``N(0, embedding_std²)`` (torch's default, ``embedding_std = 1``);
+    * the output head of a language model (below);
     * ``rules``: name-based entries (:mod:`initlab.init.rules`), applied last, in order.
+
+    **Output head** (``head="small"``). The head is found from structure, without data:
+    ``model.get_output_embeddings()`` (Hugging Face), else a tensor claimed both as an embedding
+    table and as a weight (an ``nn.Embedding`` tied to a ``Linear``), else the last ``nn.Linear``
+    whose ``out_features`` equals an embedding's ``num_embeddings``. It is drawn with the scheme at
+    gain 1 (no nonlinearity follows the logits), its std then multiplied by ``1/sqrt(fan_in)``
+    (``fan_in = d``, the model width): for a unit-RMS input (a final LayerNorm/RMSNorm, as in GPT-2
+    and Llama) the logits' std is the scheme's gain-1 std, at most ``1/sqrt(min(d, V))``, so the
+    initial cross-entropy is ``ln V + O(1/d)`` instead of ``ln V + O(1)`` or worse; for fan_in it
+    is the μP readout, ``std = 1/d`` (Yang et al. 2021, Tensor Programs V, Table 3). A *tied*
+    table is drawn the same way, as the head needs and not as an embedding (``N(0, 1)`` would give
+    logits of std ``sqrt(d)``, a loss far above ``ln V``): the tie makes the embedding also the
+    model's last layer, and a pre-norm network normalizes the small embedding it reads, while
+    nothing after the head would rescale large logits. Its report rows say
+    ``role="tied embedding/head"`` (an untied head: ``"head"``). Other tables (positions, an
+    untied input embedding) keep ``embedding_std``; a rule overrides the policy, and
+    ``head="off"`` turns it off (the tensor is drawn as its first claimant says).
+
+    **Gains** (``gains="auto"``). Each weight's gain follows the nonlinearity that follows it
+    (GELU, SiLU, tanh, ReLU, ...; none, gain 1, for attention projections, a gated MLP's
+    multiplied half, an MLP's output projection and the head) when the model has an output head
+    or ``example_inputs`` is given (``gains="follow"``: always; ``"scheme"``: never). With
+    ``example_inputs`` (a batch, run once as ``model(x)``/``model(**batch)`` under ``no_grad``,
+    everything left as it was) each layer's output is traced to the first activation applied to
+    it; otherwise the structure tells: an ``nn.Sequential``'s next module, attention modules by
+    type and name, an MLP module's activation child. Where nothing is found the scheme's gain is
+    kept (``gain_from`` says so), so models without a head (CNNs, MLPs) are drawn exactly as
+    before unless asked. Only the scheme's default ReLU gain is replaced: an explicit
+    nonlinearity, ``gain``, ``c`` or ``lipschitz`` and xavier/lecun's gain 1 are kept.
 
     Tied or shared parameters (one tensor reachable under several names, e.g. an embedding tied to
     the output projection) stay tied and are drawn once: the first module in ``named_modules()``
@@ -136,6 +181,9 @@ def init_model(
         embedding_std: std of embedding tables.
         measure: compute each tensor's achieved std for the report (one extra read of every
             tensor; turn off for the fastest init of very large models).
+        gains: ``"auto"``, ``"follow"`` or ``"scheme"`` (above).
+        head: ``"small"`` (the head policy above) or ``"off"``.
+        example_inputs: a batch to trace the nonlinearities with (optional).
 
     Returns:
         :class:`InitReport`, one row per parameter.
@@ -148,7 +196,7 @@ def init_model(
         >>> [round(r["target_std"] ** 2 * (r["fan_in"] * r["fan_out"]) ** 0.5, 6) for r in w]
         [2.0, 2.0]
     """
-    rules = _validated(model, policy, bias, embedding_std, rules)
+    rules = _validated(model, policy, bias, embedding_std, rules, gains, head)
     scheme_obj = get_scheme(scheme)
     gen = as_generator(generator)
     registry = registry if registry is not None else default_registry()
@@ -158,7 +206,8 @@ def init_model(
     plans, order, norm_modules = claim_params(model, registry)
     unclaimed = add_unclaimed(model, all_params, plans, order)
     check_unclaimed(unclaimed, policy)
-    plan_all(plans, order, scheme_obj, bias, float(embedding_std), rules)
+    assign_roles(model, plans, order, gains=gains, head=head, example_inputs=example_inputs)
+    plan_all(plans, order, scheme_obj, bias, float(embedding_std), expand_rules(model, rules))
 
     # 2. Draw.
     for key in order:
@@ -172,8 +221,14 @@ def init_model(
 
 
 def _validated(
-    model: nn.Module, policy: str, bias: str | float, embedding_std: float, rules: Sequence[Rule]
-) -> list[Rule]:
+    model: nn.Module,
+    policy: str,
+    bias: str | float,
+    embedding_std: float,
+    rules: Sequence[Rule | AutoRule],
+    gains: str,
+    head: str,
+) -> list[Rule | AutoRule]:
     """Check :func:`init_model`'s arguments; returns ``rules`` as a list."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"init_model expects an nn.Module, got {type(model).__name__}")
@@ -186,9 +241,13 @@ def _validated(
         and embedding_std >= 0
     ):
         raise ValueError(f"embedding_std must be a finite number >= 0, got {embedding_std!r}")
+    if gains not in _GAINS:
+        raise ValueError(f"unknown gains {gains!r}; valid: {list(_GAINS)}")
+    if head not in _HEADS:
+        raise ValueError(f"unknown head {head!r}; valid: {list(_HEADS)}")
     rules = list(rules)
     for rule in rules:
-        if not isinstance(rule, Rule):
+        if not isinstance(rule, (Rule, AutoRule)):
             raise TypeError(f"rules must be initlab.Rule entries, got {type(rule).__name__}")
     return rules
 

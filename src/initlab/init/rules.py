@@ -12,19 +12,30 @@ the scheme, in the order given, so a later rule sees what an earlier one did::
 
 Actions: ``"zero"`` (fill 0), ``"constant"`` (fill ``value``), ``"scale"`` (multiply the tensor the
 scheme drew, hence its std, by ``value``) and ``"scheme"`` (draw again with another scheme).
+
+An :class:`AutoRule` finds its parameters in the model itself: :func:`gpt2_residual_scaling`
+needs no pattern and no layer count::
+
+    init_model(gpt2, "geometric", rules=[gpt2_residual_scaling()])
 """
 
 from __future__ import annotations
 
 import fnmatch
+import glob
 import math
 from dataclasses import dataclass
 
+from torch import nn
+
+from initlab.init._structure import residual_projections
 from initlab.init.registry import ROLES
 from initlab.init.schemes import Scheme, get_scheme
 
 __all__ = [
+    "AutoRule",
     "Rule",
+    "gpt2_residual_scaling",
     "scale_residual_projections",
     "zero_last_residual_branch",
 ]
@@ -122,3 +133,68 @@ def scale_residual_projections(pattern: str, n_layers: int) -> Rule:
         value=1.0 / math.sqrt(2 * n_layers),
         roles=("weight",),
     )
+
+
+_GPT2 = "Radford et al. 2019 GPT-2 §2.3"
+
+
+@dataclass(frozen=True)
+class AutoRule:
+    """A rule that finds the parameters it applies to in the model: :func:`init_model` calls
+    :meth:`resolve` once and applies the plain :class:`Rule` entries it returns, in place of it.
+
+    Attributes:
+        name: what it is, for messages (``"gpt2_residual_scaling"``).
+        citation: where it comes from.
+        n_layers: the ``N`` of GPT-2's ``1/sqrt(2N)``; ``None``: the number of blocks found.
+    """
+
+    name: str
+    citation: str
+    n_layers: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.n_layers is not None and (
+            not isinstance(self.n_layers, int)
+            or isinstance(self.n_layers, bool)
+            or self.n_layers < 1
+        ):
+            raise ValueError(f"n_layers must be a positive int or None, got {self.n_layers!r}")
+
+    def resolve(self, model: nn.Module) -> list[Rule]:
+        """One ``"scale"`` rule per residual projection found in ``model`` (an exact-name
+        pattern, factor ``1/sqrt(2N)``), in module order; empty if none is found."""
+        rules = []
+        for names, n_blocks in residual_projections(model):
+            n = self.n_layers if self.n_layers is not None else n_blocks
+            for name in names:
+                rules.append(
+                    Rule(
+                        glob.escape(name),
+                        "scale",
+                        citation=self.citation,
+                        value=1.0 / math.sqrt(2 * n),
+                        roles=("weight",),
+                    )
+                )
+        return rules
+
+
+def gpt2_residual_scaling(n_layers: int | None = None) -> AutoRule:
+    """GPT-2's residual-projection scaling, ``1/sqrt(2N)`` (Radford et al. 2019, §2.3), finding
+    the projections and ``N`` itself.
+
+    What it matches (:func:`initlab.init._structure.residual_projections`): every
+    ``nn.ModuleList`` of blocks (``transformer.h``, ``model.layers``, ``encoder.layer``, ...; a
+    list nested inside a matched one, such as a list of experts, is not a stack of its own); in
+    each block, per residual branch, the last module in module order named ``c_proj``,
+    ``o_proj``, ``out_proj``, ``down_proj``, ``dense``, ``fc2``, ``fc_out``, ``w2``, ``wo``,
+    ``proj``, ``dense_4h_to_h``, ``linear2`` or ``lin2`` that has a weight matrix. A module inside
+    ``attn``/``attention``/``self_attn``/... (or named ``o_proj``/``out_proj``) is in the attention
+    branch, any other in the MLP branch: GPT-2's ``attn.c_proj`` and ``mlp.c_proj``, Llama's
+    ``self_attn.o_proj`` and ``mlp.down_proj``, BERT's ``attention.output.dense`` and
+    ``output.dense``, ``nn.TransformerEncoderLayer``'s ``self_attn.out_proj`` and ``linear2``.
+    ``N`` is the length of the list (``n_layers`` overrides it). The report's ``rule`` column
+    names every tensor scaled; finding nothing warns.
+    """
+    return AutoRule("gpt2_residual_scaling", _GPT2, n_layers)

@@ -1,0 +1,396 @@
+"""What :func:`~initlab.init.model.init_model` reads off a model's structure, without data.
+
+* :func:`find_head`: the output head of a language model, tied to an embedding table or not;
+* :func:`structural_following` and :func:`traced_following`: the nonlinearity that follows each
+  layer (hence its gain), from the module tree or from one traced forward pass;
+* :func:`residual_projections`: the last projection of each residual branch of every block of a
+  stack of blocks (GPT-2's scaled residual projections,
+  :func:`~initlab.init.rules.gpt2_residual_scaling`).
+
+Each answer is a :class:`Follow`: the nonlinearity's name for
+:func:`~initlab.init.gains.calculate_gain` (``"linear"``: none follows, gain 1; ``None``: nothing
+found, the scheme's own gain is kept) and a short text for the report's ``gain_from`` column.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from initlab._core.data import default_forward
+from initlab._core.hooks import hook_handles
+from initlab._core.state import preserved_state
+
+__all__ = [
+    "Follow",
+    "activation_of",
+    "find_head",
+    "residual_projections",
+    "structural_following",
+    "traced_following",
+]
+
+
+@dataclass(frozen=True)
+class Follow:
+    """The nonlinearity that follows a layer: a :func:`calculate_gain` name (``"linear"``: none;
+    ``None``: unknown, keep the scheme's gain), its parameter, and where this was found."""
+
+    nonlinearity: str | None
+    param: float | None
+    source: str
+
+
+#: Leaf names of attention projections (q/k/v, fused qkv, output), Hugging Face and timm style.
+ATTENTION_LEAVES = frozenset(
+    {
+        "q_proj", "k_proj", "v_proj", "o_proj", "out_proj", "qkv", "qkv_proj", "c_attn", "q_attn",
+        "query", "key", "value", "wq", "wk", "wv", "wo_attn", "wqkv", "in_proj", "w_pack",
+        "query_key_value",
+    }
+)  # fmt: skip
+#: Leaf names of the layer that feeds an MLP's nonlinearity.
+MLP_IN_LEAVES = frozenset(
+    {"c_fc", "fc1", "fc_in", "fc", "w1", "gate_proj", "gate", "dense_h_to_4h", "wi", "wi_0",
+     "lin1", "linear1", "intermediate", "up_proj", "w3", "wi_1"}
+)  # fmt: skip
+#: Leaf names of the multiplied (not activated) half of a gated MLP (SwiGLU, GeGLU); they count as
+#: such only next to a gate (:data:`GATE_LEAVES`).
+GATED_UP_LEAVES = frozenset({"up_proj", "w3", "wi_1"})
+GATE_LEAVES = frozenset({"gate_proj", "gate", "w1", "wi_0"})
+#: Leaf names of the last projection of a residual branch (attention output, MLP down
+#: projection): what :func:`residual_projections` matches.
+RESIDUAL_OUT_LEAVES = frozenset(
+    {"c_proj", "o_proj", "out_proj", "down_proj", "dense", "fc2", "fc_out", "w2", "wo", "proj",
+     "dense_4h_to_h", "linear2", "lin2"}
+)  # fmt: skip
+
+_PASSTHROUGH: tuple[type[nn.Module], ...] = (
+    nn.Dropout,
+    nn.Dropout1d,
+    nn.Dropout2d,
+    nn.Dropout3d,
+    nn.AlphaDropout,
+    nn.Identity,
+    nn.modules.batchnorm._NormBase,
+    nn.LayerNorm,
+    nn.GroupNorm,
+    *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
+)
+
+_ACTIVATION_TYPES: tuple[tuple[type[nn.Module], str], ...] = (
+    (nn.ReLU, "relu"),
+    (nn.GELU, "gelu"),
+    (nn.SiLU, "silu"),
+    (nn.Tanh, "tanh"),
+    (nn.Sigmoid, "sigmoid"),
+    (nn.SELU, "selu"),
+)
+# Activation classes of other libraries (Hugging Face's NewGELUActivation, SiLUActivation,
+# PytorchGELUTanh, QuickGELUActivation...), by a case-insensitive fragment of the class name.
+_NAME_FRAGMENTS = (("gelu", "gelu"), ("silu", "silu"), ("swish", "silu"), ("tanh", "tanh"))
+
+
+def activation_of(module: nn.Module) -> tuple[str, float | None] | None:
+    """``(calculate_gain name, param)`` of an activation module, or ``None`` for anything else."""
+    if isinstance(module, nn.LeakyReLU):
+        return "leaky_relu", float(module.negative_slope)
+    if isinstance(module, nn.ELU):
+        return "elu", float(module.alpha)
+    for cls, name in _ACTIVATION_TYPES:
+        if isinstance(module, cls):
+            return name, None
+    if next(module.parameters(), None) is not None or list(module.children()):
+        return None
+    lower = type(module).__name__.lower()
+    for fragment, name in _NAME_FRAGMENTS:
+        if fragment in lower:
+            return name, None
+    return None
+
+
+def _has_weight(module: nn.Module) -> bool:
+    return any(p is not None and p.dim() >= 2 for p in module._parameters.values())
+
+
+def is_attention_path(name: str) -> bool:
+    """Whether a qualified module name lies inside an attention module (``attn``, ``attention``,
+    ``self_attn``, ``cross_attention``, ...)."""
+    for part in name.lower().split(".")[:-1]:
+        if part in ("attn", "attention", "mha") or part.endswith(("_attn", "attention")):
+            return True
+    return False
+
+
+# --------------------------------------------------------------------------------------------
+# The output head
+
+
+def find_head(model: nn.Module, claims: dict[int, set[str]]) -> tuple[int, str, str] | None:
+    """``(id of the head's weight tensor, how it was found, "head" or "tied embedding/head")``.
+
+    ``claims`` maps each claimed tensor's id to the roles its claimants gave it. In order:
+    ``model.get_output_embeddings()`` (the Hugging Face convention); a tensor claimed both as an
+    ``"embedding"`` and as a ``"weight"`` (an embedding table tied to a head); the last
+    ``nn.Linear`` in module order whose ``out_features`` equals an embedding's
+    ``num_embeddings``. Structure only: a table used as a head functionally
+    (``h @ emb.weight.T``) is not seen.
+    """
+    getter = getattr(model, "get_output_embeddings", None)
+    if callable(getter):
+        try:
+            out = getter()
+        except (NotImplementedError, AttributeError, TypeError):
+            out = None
+        weight = getattr(out, "weight", None)
+        if isinstance(weight, nn.Parameter) and id(weight) in claims:
+            return id(weight), "get_output_embeddings()", _head_label(claims[id(weight)])
+    for key, roles in claims.items():
+        if {"embedding", "weight"} <= roles:
+            return key, "an embedding table also used as a weight", "tied embedding/head"
+    vocab = {
+        m.num_embeddings for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))
+    }
+    heads = [m for m in model.modules() if isinstance(m, nn.Linear) and m.out_features in vocab]
+    if heads and id(heads[-1].weight) in claims:
+        key = id(heads[-1].weight)
+        return key, "last Linear with out_features = num_embeddings", _head_label(claims[key])
+    return None
+
+
+def _head_label(roles: set[str]) -> str:
+    return "tied embedding/head" if "embedding" in roles else "head"
+
+
+# --------------------------------------------------------------------------------------------
+# The nonlinearity after each layer, by structure
+
+
+def structural_following(model: nn.Module) -> dict[int, Follow]:
+    """Module id -> :class:`Follow` for the weight-bearing modules whose successor the module tree
+    tells: attention projections (gain 1), the next module of an ``nn.Sequential`` (skipping
+    dropout, identity and norm layers), and the linears of an MLP module with one activation
+    child (the input side gets the activation; a gated MLP's up projection and the output
+    projection get gain 1)."""
+    out: dict[int, Follow] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.MultiheadAttention):
+            out[id(module)] = Follow("linear", None, "none: attention projection")
+            out[id(module.out_proj)] = Follow("linear", None, "none: attention projection")
+        elif name and _has_weight(module):
+            leaf = name.rsplit(".", 1)[-1].lower()
+            if leaf in ATTENTION_LEAVES or is_attention_path(name):
+                out.setdefault(id(module), Follow("linear", None, "none: attention projection"))
+    for _, parent in model.named_modules():
+        children = list(parent.named_children())
+        if isinstance(parent, nn.Sequential):
+            _sequential(children, out)
+        else:
+            _mlp_siblings(children, out)
+    return out
+
+
+def _sequential(children: list[tuple[str, nn.Module]], out: dict[int, Follow]) -> None:
+    mods = [m for _, m in children]
+    for i, module in enumerate(mods):
+        if not _has_weight(module) or id(module) in out:
+            continue
+        j = i + 1
+        while j < len(mods) and isinstance(mods[j], _PASSTHROUGH):
+            j += 1
+        act = activation_of(mods[j]) if j < len(mods) else None
+        if act is not None:
+            source = f"{act[0]}: next in nn.Sequential is {type(mods[j]).__name__}"
+            out[id(module)] = Follow(act[0], act[1], source)
+
+
+def _mlp_siblings(children: list[tuple[str, nn.Module]], out: dict[int, Follow]) -> None:
+    acts = [(m, a) for _, m in children if (a := activation_of(m)) is not None]
+    if len(acts) != 1:
+        return
+    act_module, (act, param) = acts[0]
+    weights = [(n.lower(), m) for n, m in children if _has_weight(m) and id(m) not in out]
+    gated = any(n in GATE_LEAVES for n, _ in weights)
+    kind = type(act_module).__name__
+    matched = False
+    for leaf, module in weights:
+        if gated and leaf in GATED_UP_LEAVES:
+            out[id(module)] = Follow("linear", None, "none: gated MLP, multiplied by the gate")
+        elif leaf in MLP_IN_LEAVES:
+            out[id(module)] = Follow(act, param, f"{act}: MLP whose activation is {kind}")
+        elif leaf in RESIDUAL_OUT_LEAVES:
+            out[id(module)] = Follow("linear", None, "none: MLP output projection")
+        else:
+            continue
+        matched = True
+    if not matched and len(weights) == 2:
+        out[id(weights[0][1])] = Follow(act, param, f"{act}: MLP whose activation is {kind}")
+        out[id(weights[1][1])] = Follow("linear", None, "none: MLP output projection")
+
+
+# --------------------------------------------------------------------------------------------
+# The nonlinearity after each layer, by tracing one forward pass
+
+
+def _functional_activations() -> dict[Callable[..., Any], str]:
+    table: dict[Callable[..., Any], str] = {
+        F.gelu: "gelu", F.silu: "silu", F.relu: "relu", F.relu_: "relu", torch.relu: "relu",
+        torch.relu_: "relu", torch.Tensor.relu: "relu", torch.tanh: "tanh", F.tanh: "tanh",
+        torch.Tensor.tanh: "tanh", torch.sigmoid: "sigmoid", F.sigmoid: "sigmoid",
+        torch.Tensor.sigmoid: "sigmoid", F.selu: "selu", torch.selu: "selu",
+        F.leaky_relu: "leaky_relu", F.elu: "elu",
+    }  # fmt: skip
+    return table
+
+
+_VIEWS: tuple[Callable[..., Any], ...] = (
+    torch.Tensor.view,
+    torch.Tensor.reshape,
+    torch.reshape,
+    torch.Tensor.transpose,
+    torch.transpose,
+    torch.Tensor.permute,
+    torch.Tensor.contiguous,
+    torch.Tensor.flatten,
+    torch.flatten,
+)
+_PARAM_ARG = {"leaky_relu": ("negative_slope", 0.01), "elu": ("alpha", 1.0)}
+
+
+class _Tracer(TorchFunctionMode):
+    """Follows each watched module's output tensor to the first nonlinearity applied to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sources: dict[int, tuple[int, Tensor]] = {}  # id(tensor) -> (module id, tensor)
+        self.found: dict[int, Follow] = {}
+        self.acts = _functional_activations()
+
+    def source(self, t: object) -> int | None:
+        entry = self.sources.get(id(t))
+        return entry[0] if entry is not None and entry[1] is t else None
+
+    def track(self, t: object, module_id: int) -> None:
+        if isinstance(t, Tensor):
+            self.sources[id(t)] = (module_id, t)
+
+    def record(self, t: object, name: str, param: float | None, what: str) -> None:
+        src = self.source(t)
+        if src is not None:
+            self.found.setdefault(src, Follow(name, param, f"{name}: traced, {what}"))
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if not args:
+            return result
+        name = self.acts.get(func)
+        if name is not None:
+            param = None
+            if name in _PARAM_ARG:
+                key, default = _PARAM_ARG[name]
+                param = float(kwargs.get(key, args[1] if len(args) > 1 else default))
+            self.record(args[0], name, param, f"{getattr(func, '__name__', name)}()")
+        elif func in _VIEWS:
+            src = self.source(args[0])
+            if src is not None:
+                self.track(result, src)
+        return result
+
+
+def _first_tensor(value: object) -> Tensor | None:
+    if isinstance(value, Tensor):
+        return value
+    if isinstance(value, (tuple, list)) and value and isinstance(value[0], Tensor):
+        return value[0]
+    return None
+
+
+def traced_following(model: nn.Module, example_inputs: Any, watched: set[int]) -> dict[int, Follow]:
+    """Module id -> :class:`Follow` for every watched module that runs in one forward pass on
+    ``example_inputs`` (run as :func:`~initlab._core.data.default_forward` does, under
+    ``no_grad``; parameters, buffers, modes, RNG states and hooks are left as they were).
+
+    A module's output tensor is followed through views, dropout, identity and norm layers to the
+    first activation applied to it, as a module (``nn.GELU``, Hugging Face's activation classes)
+    or a function (``F.gelu``, ``torch.tanh``, ...). A module whose output meets none (it goes
+    into attention, a residual sum, a product, the output) gets gain 1.
+    """
+    tracer = _Tracer()
+    ran: set[int] = set()
+
+    def after(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if id(module) in watched:
+            ran.add(id(module))
+            out = _first_tensor(output)
+            if out is not None:
+                tracer.track(out, id(module))
+        elif isinstance(module, _PASSTHROUGH) and args:
+            src = tracer.source(args[0])
+            if src is not None:
+                tracer.track(_first_tensor(output), src)
+
+    def before(module: nn.Module, args: tuple[Any, ...]) -> None:
+        act = activation_of(module)
+        if act is not None and args:
+            tracer.record(args[0], act[0], act[1], type(module).__name__)
+
+    with preserved_state(model, params=False), hook_handles() as handles, torch.no_grad():
+        for module in model.modules():
+            handles.add(module.register_forward_hook(after))
+            handles.add(module.register_forward_pre_hook(before))
+        with tracer:
+            default_forward(model, example_inputs)
+    none = Follow("linear", None, "none: traced, no nonlinearity follows")
+    return {key: tracer.found.get(key, none) for key in ran}
+
+
+# --------------------------------------------------------------------------------------------
+# Residual projections
+
+
+def residual_projections(model: nn.Module) -> list[tuple[list[str], int]]:
+    """``[(weight names, number of blocks)]``, one entry per stack of residual blocks.
+
+    A stack is an ``nn.ModuleList`` (not inside another matched stack); in each of its blocks,
+    the residual branches are told apart by name (a submodule inside ``attn``/``attention``/
+    ``self_attn``/... belongs to the attention branch, any other to the MLP branch), and the last
+    module in module order of each branch whose leaf name is in :data:`RESIDUAL_OUT_LEAVES`
+    (``c_proj``, ``o_proj``, ``out_proj``, ``down_proj``, ``dense``, ``fc2``, ``w2``, ``proj``,
+    ``linear2``, ...) and that has a weight matrix is that branch's last projection.
+    """
+    groups: list[tuple[list[str], int]] = []
+    matched: list[str] = []
+    for list_name, stack in model.named_modules():
+        if not isinstance(stack, nn.ModuleList) or any(
+            list_name.startswith(m + ".") for m in matched
+        ):
+            continue
+        names: list[str] = []
+        for block_name, block in stack.named_children():
+            last: dict[str, str] = {}
+            for sub_name, sub in block.named_modules():
+                leaf = sub_name.rsplit(".", 1)[-1].lower()
+                weight = sub._parameters.get("weight")
+                if (
+                    sub_name
+                    and leaf in RESIDUAL_OUT_LEAVES
+                    and weight is not None
+                    and weight.dim() >= 2
+                ):
+                    attention = is_attention_path(sub_name) or leaf in ATTENTION_LEAVES
+                    branch = "attention" if attention else "mlp"
+                    last[branch] = ".".join(
+                        p for p in (list_name, block_name, sub_name, "weight") if p
+                    )
+            names.extend(last.values())
+        if names:
+            matched.append(list_name)
+            groups.append((names, len(stack)))
+    return groups

@@ -1,0 +1,386 @@
+"""init_model on transformers: the head policy (initial loss near ln V for every scheme), ties
+kept, gains that follow the nonlinearity after each layer, and GPT-2's residual scaling found
+without names. Tiny GPT-2-like and Llama-like models in plain torch; Hugging Face's GPT-2 when
+``transformers`` is installed."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import initlab
+from initlab._core.rows import join_name
+from initlab.init.gains import calculate_gain
+from initlab.init.registry import ParamSpec, default_registry
+from initlab.init.rules import gpt2_residual_scaling
+
+V, D, HEADS, LAYERS, T, B = 100, 32, 4, 2, 16, 16
+SCHEMES = ["fan_in", "lecun", "fan_out", "arithmetic", "xavier", "geometric", "operator_norm",
+           "orthogonal"]  # fmt: skip
+Z = 5.0
+
+
+class Attention(nn.Module):
+    """Causal self-attention with separate q/k/v/o projections (Llama) or a fused c_attn (GPT-2)."""
+
+    def __init__(self, fused: bool) -> None:
+        super().__init__()
+        self.fused = fused
+        if fused:
+            self.c_attn = nn.Linear(D, 3 * D)
+            self.c_proj = nn.Linear(D, D)
+        else:
+            self.q_proj = nn.Linear(D, D, bias=False)
+            self.k_proj = nn.Linear(D, D, bias=False)
+            self.v_proj = nn.Linear(D, D, bias=False)
+            self.o_proj = nn.Linear(D, D, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        if self.fused:
+            q, k, v = self.c_attn(x).split(D, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = (z.view(b, t, HEADS, D // HEADS).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = y.transpose(1, 2).reshape(b, t, D)
+        return self.c_proj(y) if self.fused else self.o_proj(y)
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(D, 4 * D)
+        self.act = nn.GELU(approximate="tanh")
+        self.c_proj = nn.Linear(4 * D, D)
+        self.dropout = nn.Dropout(0.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.act(self.c_fc(x))))
+
+
+class GPT2Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(D)
+        self.attn = Attention(fused=True)
+        self.ln_2 = nn.LayerNorm(D)
+        self.mlp = GPT2MLP()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT2Like(nn.Module):
+    """GPT-2: token and position embeddings, pre-LN blocks, final LayerNorm, tied lm_head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(V, D)
+        self.wpe = nn.Embedding(T, D)
+        self.h = nn.ModuleList(GPT2Block() for _ in range(LAYERS))
+        self.ln_f = nn.LayerNorm(D)
+        self.lm_head = nn.Linear(D, V, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1]))
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``; ``functional=True`` applies SiLU as a function
+    (invisible to the structure, seen by a trace)."""
+
+    def __init__(self, functional: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(D, 3 * D, bias=False)
+        self.up_proj = nn.Linear(D, 3 * D, bias=False)
+        self.down_proj = nn.Linear(3 * D, D, bias=False)
+        self.act_fn = None if functional else nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.gate_proj(x)
+        gate = F.silu(gate) if self.act_fn is None else self.act_fn(gate)
+        return self.down_proj(gate * self.up_proj(x))
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, functional: bool) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm()
+        self.self_attn = Attention(fused=False)
+        self.post_attention_layernorm = RMSNorm()
+        self.mlp = LlamaMLP(functional)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaLike(nn.Module):
+    """Llama: token embedding, pre-RMSNorm blocks with SwiGLU MLPs, final RMSNorm, untied head."""
+
+    def __init__(self, functional: bool = False) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(V, D)
+        self.layers = nn.ModuleList(LlamaBlock(functional) for _ in range(LAYERS))
+        self.norm = RMSNorm()
+        self.lm_head = nn.Linear(D, V, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.norm(x))
+
+
+def _registry() -> initlab.Registry:
+    reg = default_registry().copy()
+    reg.register(RMSNorm, lambda m: [ParamSpec("weight", "norm_scale")])
+    return reg
+
+
+def _tokens(seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, V, (B, T + 1), generator=torch.Generator().manual_seed(seed))
+
+
+def initial_loss(model: nn.Module, tokens: torch.Tensor) -> float:
+    with torch.no_grad():
+        logits = model(tokens[:, :-1])
+    logits = getattr(logits, "logits", logits)
+    return float(F.cross_entropy(logits.reshape(-1, V), tokens[:, 1:].reshape(-1)))
+
+
+def _rows(report: initlab.InitReport) -> dict[str, dict]:
+    return {join_name(r["layer"], r["param"]): r for r in report.to_rows()}
+
+
+MODELS = {"gpt2": GPT2Like, "llama": LlamaLike}
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_initial_loss_is_near_ln_v_for_every_scheme(name: str, scheme: str) -> None:
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    report = initlab.init_model(model, scheme, generator=0, registry=_registry(), policy="error")
+    loss = initial_loss(model, _tokens())
+    assert loss == pytest.approx(math.log(V), rel=0.10), (name, scheme, loss)
+    rows = _rows(report)
+    if name == "gpt2":
+        assert model.lm_head.weight is model.wte.weight  # still one tensor
+        assert rows["wte.weight"]["role"] == rows["lm_head.weight"]["role"] == "tied embedding/head"
+        assert rows["lm_head.weight"]["tied_to"] == "wte.weight"
+    else:
+        assert rows["lm_head.weight"]["role"] == "head"
+        assert rows["embed_tokens.weight"]["role"] == "embedding"
+
+
+def test_torch_default_tied_init_is_far_from_ln_v() -> None:
+    """What the head policy fixes: the tied table drawn as an embedding, N(0, 1)."""
+    torch.manual_seed(0)
+    model = GPT2Like()
+    initlab.init_model(model, "geometric", generator=0, head="off")
+    assert initial_loss(model, _tokens()) > 2 * math.log(V)
+
+
+@pytest.mark.parametrize("scheme", ["fan_in", "geometric", "orthogonal"])
+def test_head_std_is_the_gain_one_std_over_sqrt_fan_in(scheme: str) -> None:
+    model = LlamaLike()
+    report = initlab.init_model(model, scheme, generator=0, registry=_registry())
+    row = _rows(report)["lm_head.weight"]
+    gain_one = initlab.get_scheme(scheme, nonlinearity="linear").spec(initlab.Fans(D, V)).std
+    assert row["target_std"] == pytest.approx(gain_one / math.sqrt(D), rel=1e-12)
+    assert row["gain"] == 1.0 and row["gain_from"].startswith("none: head")
+    n = model.lm_head.weight.numel()
+    tol = Z * math.sqrt(2 / n) / 2  # relative std of a sample std: half that of the variance
+    if scheme != "orthogonal":
+        assert row["achieved_std"] == pytest.approx(row["target_std"], rel=tol)
+    else:  # exact RMS for a semi-orthogonal draw
+        assert row["achieved_std"] == pytest.approx(row["target_std"], rel=0.02)
+
+
+def test_report_shows_gain_per_layer_from_structure() -> None:
+    report = initlab.init_model(GPT2Like(), "geometric", generator=0)
+    rows = _rows(report)
+    gelu = calculate_gain("gelu")
+    fc = rows["h.0.mlp.c_fc.weight"]
+    assert fc["gain"] == pytest.approx(gelu) and fc["gain_from"].startswith("gelu")
+    assert fc["target_std"] == pytest.approx(math.sqrt(gelu**2 / math.sqrt(D * 4 * D)))
+    for name in ("h.0.attn.c_attn.weight", "h.1.attn.c_proj.weight"):
+        assert rows[name]["gain"] == 1.0 and "attention" in rows[name]["gain_from"], name
+    assert rows["h.0.mlp.c_proj.weight"]["gain"] == 1.0
+    assert list(rows["wte.weight"])[:2] == ["layer", "param"]
+
+    rows = _rows(initlab.init_model(LlamaLike(), "fan_in", generator=0, registry=_registry()))
+    silu = calculate_gain("silu")
+    gate = rows["layers.1.mlp.gate_proj.weight"]
+    assert gate["gain"] == pytest.approx(silu) and gate["gain_from"].startswith("silu")
+    assert gate["target_std"] == pytest.approx(silu / math.sqrt(D))
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        row = rows[f"layers.0.self_attn.{name}.weight"]
+        assert row["gain"] == 1.0 and row["target_std"] == pytest.approx(1 / math.sqrt(D))
+    assert rows["layers.0.mlp.up_proj.weight"]["gain"] == 1.0  # multiplied, not activated
+    assert rows["layers.0.mlp.down_proj.weight"]["gain"] == 1.0
+    for row in rows.values():
+        assert row["gain"] is None or row["gain"] != math.sqrt(2), row
+
+
+def test_operator_norm_uses_average_lipschitz_of_the_found_nonlinearity() -> None:
+    rows = _rows(initlab.init_model(GPT2Like(), "operator_norm", generator=0))
+    fc = rows["h.0.mlp.c_fc.weight"]
+    lip = initlab.init.gains.average_lipschitz("gelu")
+    assert fc["gain"] == pytest.approx(1 / lip)
+    assert fc["target_std"] == pytest.approx(1 / ((math.sqrt(D) + math.sqrt(4 * D)) * lip))
+
+
+def test_trace_finds_functional_nonlinearities_and_leaves_the_model_as_it_was() -> None:
+    model = LlamaLike(functional=True)
+    rows = _rows(initlab.init_model(model, "geometric", generator=0, registry=_registry()))
+    assert rows["layers.0.mlp.gate_proj.weight"]["gain_from"].startswith("scheme (no")
+
+    model.eval()
+    model.layers[0].train()
+    modes = {n: m.training for n, m in model.named_modules()}
+    hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    report = initlab.init_model(
+        model, "geometric", generator=0, registry=_registry(), example_inputs=_tokens()[:, :-1]
+    )
+    rows = _rows(report)
+    gate = rows["layers.0.mlp.gate_proj.weight"]
+    assert gate["gain"] == pytest.approx(calculate_gain("silu"))
+    assert gate["gain_from"] == "silu: traced, silu()"
+    for name in ("mlp.up_proj", "mlp.down_proj", "self_attn.q_proj", "self_attn.o_proj"):
+        assert rows[f"layers.1.{name}.weight"]["gain"] == 1.0, name
+    assert {n: m.training for n, m in model.named_modules()} == modes
+    assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()) == hooks
+    assert initial_loss(model, _tokens()) == pytest.approx(math.log(V), rel=0.10)
+
+
+def test_trace_follows_activation_modules_through_dropout() -> None:
+    model = nn.Sequential(
+        nn.Embedding(V, D), nn.Linear(D, D), nn.Dropout(0.1), nn.Tanh(), nn.Linear(D, V)
+    )
+    report = initlab.init_model(model, "fan_in", generator=0, example_inputs=_tokens())
+    rows = _rows(report)
+    assert rows["1.weight"]["gain"] == pytest.approx(5 / 3)
+    assert rows["1.weight"]["gain_from"] == "tanh: traced, Tanh"
+    assert rows["4.weight"]["role"] == "head"
+
+
+def test_models_without_a_head_are_drawn_as_before() -> None:
+    def make() -> nn.Module:
+        return nn.Sequential(
+            nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 4, 16), nn.GELU(),
+            nn.Linear(16, 4),
+        )  # fmt: skip
+
+    a, b = make(), make()
+    ra = initlab.init_model(a, "geometric", generator=0)
+    rb = initlab.init_model(b, "geometric", generator=0, gains="scheme")
+    for (_, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        assert torch.equal(pa, pb)
+    assert {r["gain_from"] for r in ra if r["role"] == "weight"} == {"scheme"}
+    assert [r["target_std"] for r in ra] == [r["target_std"] for r in rb]
+    # gains="follow" on the same model: the GELU after the Linear is found.
+    rows = _rows(initlab.init_model(make(), "geometric", generator=0, gains="follow"))
+    assert rows["3.weight"]["gain"] == pytest.approx(calculate_gain("gelu"))
+    assert rows["0.weight"]["gain"] == pytest.approx(math.sqrt(2))
+    assert rows["5.weight"]["gain_from"].startswith("scheme (no")
+
+
+def test_explicit_nonlinearity_is_kept() -> None:
+    rows = _rows(initlab.init_model(GPT2Like(), "xavier", generator=0))
+    fc = rows["h.0.mlp.c_fc.weight"]
+    assert fc["gain"] == 1.0 and fc["gain_from"].startswith("scheme (its nonlinearity is kept")
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_gpt2_residual_scaling_finds_the_2n_projections(name: str) -> None:
+    base, ruled = MODELS[name](), MODELS[name]()
+    initlab.init_model(base, "fan_in", generator=3, registry=_registry())
+    report = initlab.init_model(
+        ruled, "fan_in", generator=3, registry=_registry(), rules=[gpt2_residual_scaling()]
+    )
+    want = {
+        "gpt2": [f"h.{i}.{b}.c_proj.weight" for i in range(LAYERS) for b in ("attn", "mlp")],
+        "llama": [
+            f"layers.{i}.{b}.weight"
+            for i in range(LAYERS)
+            for b in ("self_attn.o_proj", "mlp.down_proj")
+        ],
+    }[name]
+    scaled = [k for k, r in _rows(report).items() if r["rule"] and "Radford" in r["rule"]]
+    assert scaled == want
+    factor = 1 / math.sqrt(2 * LAYERS)
+    base_params, ruled_params = dict(base.named_parameters()), dict(ruled.named_parameters())
+    for key, param in ruled_params.items():
+        expected = base_params[key] * factor if key in want else base_params[key]
+        torch.testing.assert_close(param, expected, atol=0, rtol=0)
+    # Statistically: each tensor's second moment over its target variance, pooled over all n
+    # entries; the relative std of a sample variance is about sqrt(2/n).
+    rows = _rows(report)
+    n = sum(ruled_params[k].numel() for k in want)
+    pooled = sum(
+        float(ruled_params[k].detach().double().pow(2).sum()) / rows[k]["target_std"] ** 2
+        for k in want
+    )
+    assert pooled / n == pytest.approx(1.0, abs=Z * math.sqrt(2 / n))
+    for k in want:
+        assert rows[k]["target_std"] == pytest.approx(
+            rows[k]["gain"] / math.sqrt(rows[k]["fan_in"]) * factor
+        )
+
+
+def test_gpt2_residual_scaling_warns_when_nothing_matches() -> None:
+    with pytest.warns(UserWarning, match="found no residual projection"):
+        initlab.init_model(nn.Linear(4, 4), "geometric", rules=[gpt2_residual_scaling()])
+    with pytest.raises(ValueError, match="n_layers"):
+        gpt2_residual_scaling(0)
+
+
+def test_bad_keywords() -> None:
+    with pytest.raises(ValueError, match="gains"):
+        initlab.init_model(nn.Linear(2, 2), gains="relu")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="head"):
+        initlab.init_model(nn.Linear(2, 2), head="zero")  # type: ignore[arg-type]
+
+
+def test_hugging_face_gpt2() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        n_layer=LAYERS, n_embd=D, n_head=HEADS, vocab_size=V, n_positions=T
+    )
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    report = initlab.init_model(
+        model, "geometric", generator=0, rules=[gpt2_residual_scaling()], policy="error"
+    )
+    assert model.lm_head.weight is model.transformer.wte.weight
+    rows = _rows(report)
+    assert rows["transformer.wte.weight"]["role"] == "tied embedding/head"
+    assert rows["transformer.h.0.mlp.c_fc.weight"]["gain"] == pytest.approx(calculate_gain("gelu"))
+    assert rows["transformer.h.0.attn.c_attn.weight"]["gain"] == 1.0
+    scaled = sorted(k for k, r in rows.items() if r["rule"])
+    assert scaled == sorted(
+        f"transformer.h.{i}.{b}.c_proj.weight" for i in range(LAYERS) for b in ("attn", "mlp")
+    )
+    model.eval()
+    assert initial_loss(model, _tokens()) == pytest.approx(math.log(V), rel=0.10)
