@@ -56,7 +56,12 @@ from initlab.init.registry import (
     register_handler,
     transposed_linear_handler,
 )
-from initlab.init.rules import Rule, scale_residual_projections, zero_last_residual_branch
+from initlab.init.rules import (
+    Rule,
+    gpt2_residual_scaling,
+    scale_residual_projections,
+    zero_last_residual_branch,
+)
 from initlab.init.sampling import (
     arithmetic_normal_,
     arithmetic_uniform_,
@@ -167,6 +172,7 @@ __all__ = [
     "geometric_variance",
     "get_scheme",
     "ggn_vector_product",
+    "gpt2_residual_scaling",
     "gr_scaling",
     "gradient_stats",
     "gradinit_",
