@@ -229,3 +229,17 @@ def test_output_scale_hook_on_a_model_output(family: str) -> None:
     assert float(logits.std(unbiased=False)) == pytest.approx(0.05, rel=1e-4)
     report.info["handle"].remove()
     assert not any(m._forward_hooks for m in model.modules())
+
+
+@pytest.mark.parametrize(
+    "scheme", ["fan_in", "fan_out", "xavier", "geometric", "orthogonal", "operator_norm"]
+)
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_init_model_starts_a_language_model_near_ln_v(family: str, scheme: str) -> None:
+    """Every scheme: the initial loss within 10% of ln V; a tie stays one tensor."""
+    model = model_of(family)
+    report = initlab.init_model(model, scheme, generator=0)
+    assert tie_kept(model)
+    assert own_loss(model, batches(family)) == pytest.approx(math.log(V), rel=0.10)
+    roles = {r["role"] for r in report.to_rows()}
+    assert ("tied embedding/head" if family == "gpt2" else "head") in roles, roles
