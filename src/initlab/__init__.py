@@ -16,7 +16,8 @@ The public API, by wing (each a subpackage a reader can find by name):
   :func:`input_scale`, :func:`precondition_` and the conditioning multipliers
   (:func:`kernel_size_alpha`, :func:`resnet_multipliers`, :func:`preconditioned_param_groups`);
 * **diagnostics** (:mod:`initlab.diagnostics`): :func:`diagnose` → :class:`Report`,
-  :func:`gradient_stats`, :func:`layer_spectra`, :func:`lint_model`;
+  :func:`gradient_stats`, :func:`layer_spectra`, :func:`lint_model`; :func:`doctor` (what is
+  ill-conditioned, the recommended fix applied on request, and verified);
 * **the contract every entry point shares**: ``data`` is one batch or many (:class:`Batches` says
   "many" explicitly; a list of same-shaped tensors raises :class:`AmbiguousDataError`);
   ``loss_fn`` is ``loss_fn(model, batch)``, a criterion (``nn.CrossEntropyLoss()``,
@@ -45,6 +46,7 @@ from initlab.diagnostics import (
     layer_spectra,
     lint_model,
 )
+from initlab.diagnostics.doctor import DoctorReport, doctor
 from initlab.init.fans import Fans, compute_fans
 from initlab.init.gains import average_lipschitz, calculate_gain
 from initlab.init.model import INIT_REPORT_COLUMNS, InitReport, init_model
@@ -130,6 +132,7 @@ __all__ = [
     "Batches",
     "Block",
     "Dirac",
+    "DoctorReport",
     "FanIn",
     "FanOut",
     "Fans",
@@ -158,6 +161,7 @@ __all__ = [
     "default_registry",
     "diagnose",
     "dirac_",
+    "doctor",
     "estimate_singular_ratio",
     "fan_in_normal_",
     "fan_in_uniform_",

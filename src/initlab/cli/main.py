@@ -1,4 +1,5 @@
-"""The ``initlab`` command: ``schemes``, ``init``, ``diagnose``, ``data``, ``bench``, ``demo``.
+"""The ``initlab`` command: ``schemes``, ``init``, ``diagnose``, ``doctor``, ``data``, ``bench``,
+``demo``.
 
 Argument parsing lives here and only here; every command calls the library's public functions.
 """
@@ -127,6 +128,42 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
     print(report.summary())
     if args.out:
         print(f"\nreport written to {args.out}/report.html")
+    return 0
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from initlab._core.loss import LOSSES, make_loss
+    from initlab.cli.inputs import load_data_spec, load_factory, load_model_spec
+    from initlab.diagnostics.doctor import doctor
+
+    model, shape = load_model_spec(args.model, args.model_kwargs)
+    data = load_data_spec(
+        args.data, shape, batch_size=args.batch_size, batches=args.max_batches, seed=args.seed
+    )
+    has_targets = isinstance(data[0], (tuple, list)) and len(data[0]) >= 2
+    loss_name = args.loss or ("auto" if has_targets else "random_quadratic")
+    if ":" in loss_name and loss_name not in LOSSES:
+        loss_fn = load_factory(loss_name)
+    else:
+        loss_fn = make_loss(loss_name, seed=args.seed)
+    fix: bool | list[str] = False
+    if args.fix is not None:
+        fix = True if args.fix == "recommended" else [f for f in args.fix.split(",") if f]
+    report = doctor(
+        model, data, loss_fn, fix=fix, max_batches=args.max_batches, generator=args.seed
+    )
+    report.meta["model"] = args.model[4:] if args.model.startswith("zoo:") else args.model
+    report.meta["command"] = {
+        "model": args.model, "data": args.data or "random", "loss": loss_name,
+        "batch_size": args.batch_size, "max_batches": args.max_batches, "seed": args.seed,
+    }  # fmt: skip
+    print(report.summary())
+    if args.out:
+        folder = Path(args.out)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "doctor.md").write_text(report.to_markdown(), encoding="utf-8")
+        (folder / "doctor.json").write_text(report.to_json(indent=1), encoding="utf-8")
+        print(f"\nreport written to {folder}/doctor.md and {folder}/doctor.json")
     return 0
 
 
@@ -278,6 +315,29 @@ def _add_diagnose(sub: Subparsers) -> None:
     p.set_defaults(func=_cmd_diagnose)
 
 
+def _add_doctor(sub: Subparsers) -> None:
+    p = sub.add_parser(
+        "doctor", help="check a model at step zero, recommend fixes (--fix: apply them)"
+    )
+    p.add_argument("--model", required=True, help=_MODEL_HELP)
+    p.add_argument("--model-kwargs", help="JSON object of keyword arguments for the factory")
+    p.add_argument("--data", help=f"{_DATA_HELP} (default: random inputs of a zoo model's shape)")
+    p.add_argument("--loss", help="auto | cross_entropy | mse | random_quadratic | pkg.module:fn")
+    p.add_argument(
+        "--fix", nargs="?", const="recommended",
+        help="apply the recommended fixes, or these (comma-separated: init, lsuv, output_scale, "
+        "precondition), then re-measure; the model built here is not saved",
+    )  # fmt: skip
+    p.add_argument("--out", help="folder for doctor.md and doctor.json")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument(
+        "--max-batches", "--batches", dest="max_batches", type=int, default=4,
+        help="at most this many batches of --data (--batches: the old name)",
+    )  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="seeds the data, the fixes and the loss")
+    p.set_defaults(func=_cmd_doctor)
+
+
 def _add_data(sub: Subparsers) -> None:
     p = sub.add_parser("data", help="list the data sets the loaders know and where they are")
     p.add_argument("--data-dir", help=_DATA_DIR_HELP)
@@ -323,7 +383,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Well-conditioned neural networks at step zero.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_schemes, _add_init, _add_diagnose, _add_data, _add_bench, _add_demo):
+    for add in (
+        _add_schemes, _add_init, _add_diagnose, _add_doctor, _add_data, _add_bench, _add_demo,
+    ):  # fmt: skip
         add(sub)
     return parser
 

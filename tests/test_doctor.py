@@ -1,0 +1,270 @@
+"""``doctor``: checks at step zero, recommended fixes, applied fixes with before/after, the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from initlab.cli import main
+from initlab.diagnostics import doctor as doctor_module
+from initlab.diagnostics.doctor import (
+    CHECKS,
+    DOCTOR_COLUMNS,
+    DOCTOR_FIX_COLUMNS,
+    FIXES,
+    DoctorReport,
+    doctor,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+C = 10
+
+
+def mlp(scale: float = 1.0) -> nn.Module:
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, C)
+    )  # fmt: skip
+    with torch.no_grad():
+        for p in net.parameters():
+            p.mul_(scale)
+    return net
+
+
+def classification_data(batches: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(64, 20, generator=g), torch.randint(0, C, (64,), generator=g))
+        for _ in range(batches)
+    ]
+
+
+def snapshot(model: nn.Module) -> dict[str, Any]:
+    hooks = {
+        name: [len(getattr(m, a)) for a in ("_forward_hooks", "_forward_pre_hooks",
+                                            "_backward_hooks", "_backward_pre_hooks")]
+        for name, m in model.named_modules()
+    }  # fmt: skip
+    return {
+        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "grads": [None if p.grad is None else p.grad.clone() for p in model.parameters()],
+        "modes": [m.training for m in model.modules()],
+        "hooks": hooks,
+        "rng": torch.get_rng_state(),
+    }
+
+
+def assert_same(model: nn.Module, before: dict[str, Any]) -> None:
+    after = snapshot(model)
+    assert before["state"].keys() == after["state"].keys()
+    for k, v in before["state"].items():
+        assert torch.equal(v, after["state"][k]), k  # bit for bit
+    assert all(
+        (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+        for a, b in zip(before["grads"], after["grads"], strict=True)
+    )
+    assert before["modes"] == after["modes"]
+    assert before["hooks"] == after["hooks"]
+    assert torch.equal(before["rng"], after["rng"])
+
+
+# ----------------------------------------------------------------------------- (a) a bad MLP
+
+
+def test_badly_initialized_mlp_is_flagged_and_fixed() -> None:
+    data = classification_data()
+    model = mlp(scale=10.0)  # every weight and bias x10: logits of std ~100
+    seen = doctor(model, data)
+    assert isinstance(seen, DoctorReport)
+    assert seen.columns == list(DOCTOR_COLUMNS)
+    assert [r["check"] for r in seen] == list(CHECKS)
+    loss = seen.row("initial_loss")
+    assert loss["reference"] == pytest.approx(math.log(C))
+    assert loss["value"] > 10 * math.log(C)  # measured: 139.2 vs ln 10 = 2.303
+    assert loss["verdict"] == "bad" and "too high" in loss["why"]
+    assert "init_model(model, 'geometric')" in loss["fix"]
+    assert "scale_output_(" in loss["fix"] and "how='hook'" in loss["fix"]
+    std = seen.row("logit_std")
+    assert std["verdict"] == "bad" and std["value"] > 10  # measured: 100.3
+    assert seen.value("dead_or_exploding_layers") >= 1  # the last layer's E[y^2] ~ 1e4
+    assert "lsuv_" in seen.value("dead_or_exploding_layers", "fix")
+    assert seen.recommended[0] == "init" and "output_scale" in seen.recommended
+    assert seen.applied == [] and seen.reports == {}
+    assert seen.used is not None and (seen.used.batches, seen.used.examples) == (4, 256)
+
+    fixed = doctor(model, data, fix=True, generator=0)
+    assert fixed.columns == list(DOCTOR_FIX_COLUMNS)
+    assert fixed.applied[0] == "init" and set(fixed.applied) <= set(FIXES)
+    assert set(fixed.reports) == set(fixed.applied)
+    loss = fixed.row("initial_loss")
+    assert loss["before"] > 10 * math.log(C)
+    assert abs(loss["after"] - math.log(C)) <= 0.1 * math.log(C)  # measured: 2.302
+    assert loss["verdict_before"] == "bad" and loss["verdict"] == "ok"
+    assert fixed.value("logit_std", "after") < fixed.value("logit_std", "before")
+    gamma = fixed.row("gamma_spread")
+    assert gamma["after"] <= gamma["before"]  # measured: 22.7 -> 1.36
+    assert fixed.value("dead_or_exploding_layers", "after") == 0
+    # LSUV was recommended but the init already fixed the exploding signal: re-checked, skipped
+    assert "lsuv" in fixed.skipped and "lsuv" not in fixed.applied
+    text = fixed.summary()
+    assert "initial loss" in text and "γ spread" in text and "applied: init" in text
+    # the report describes the model as it is now: a second doctor agrees with "after"
+    again = doctor(model, data)
+    assert again.value("initial_loss") == pytest.approx(loss["after"], rel=1e-6)
+    for rep in fixed.reports.values():
+        assert len(rep.to_rows()) >= 1
+    if "output_scale" in fixed.reports:
+        fixed.reports["output_scale"].info["handle"].remove()  # type: ignore[attr-defined]
+
+
+def test_fix_list_order_failures_and_param_groups(monkeypatch: pytest.MonkeyPatch) -> None:
+    data = classification_data(2)
+    model = mlp()
+    with pytest.raises(ValueError, match="unknown fix"):
+        doctor(model, data, fix=["init", "magic"])
+
+    def broken_init(net: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        with torch.no_grad():
+            next(net.parameters()).add_(1.0)  # changes a weight, then fails
+        raise RuntimeError("init exploded")
+
+    monkeypatch.setattr(doctor_module, "init_model", broken_init)
+    kept = snapshot(model)
+    rep = doctor(model, data, fix=["precondition", "init_model"], generator=0)
+    assert rep.failed.keys() == {"init"} and "init exploded" in rep.failed["init"]
+    assert rep.applied == ["precondition"]  # FIXES order; the failed one left the model as it was
+    assert "failed init" in rep.summary()
+    assert_same(model, {**kept, "rng": torch.get_rng_state()})  # precondition_(how="lr") too
+    groups = rep.param_groups(model, lr=0.1)
+    assert len(groups) >= 2 and {id(p) for g in groups for p in g["params"]} == {
+        id(p) for p in model.parameters()
+    }
+    row = rep.row("gamma_spread_with_param_groups")
+    assert row["after"] == pytest.approx(1.0, rel=1e-6)
+
+
+def test_regression_reference_and_exits(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(2)
+    data = [(torch.randn(32, 20, generator=g), torch.randn(32, 3, generator=g)) for _ in range(2)]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 3))
+    rep = doctor(model, data)
+    ref = torch.cat([y for _, y in data]).square().mean()
+    assert rep.value("initial_loss", "reference") == pytest.approx(float(ref), rel=1e-6)
+    assert rep.value("initial_loss", "verdict") in ("ok", "warn", "bad")
+    obj = json.loads(rep.to_json())
+    assert obj["format"] == "initlab.doctor/1" and obj["used"] == {"batches": 2, "examples": 64}
+    assert "| check |" in rep.to_markdown()
+    assert [r["check"] for r in rep.to_rows()] == list(CHECKS)
+    pd = pytest.importorskip("pandas")
+    assert isinstance(rep.to_pandas(), pd.DataFrame)
+
+
+# ----------------------------------------------------------------------------- (b) fix=False
+
+
+def test_fix_false_leaves_the_model_bitwise_unchanged() -> None:
+    data = classification_data()
+    model = mlp(scale=10.0)
+    model[2].weight.grad = torch.ones_like(model[2].weight)
+    model.eval()
+    model[0].train()
+    before = snapshot(model)
+    rep = doctor(model, data, generator=3)
+    assert rep.recommended  # it would fix plenty ...
+    assert_same(model, before)  # ... but changed nothing: weights, grads, modes, hooks, RNG
+    assert not any(
+        getattr(m, a) for m in model.modules() for a in ("_forward_hooks", "_forward_pre_hooks")
+    )
+
+
+# ----------------------------------------------------------------------------- (c) GPT-2
+
+
+def gpt2(embedding_scale: float = 1.0) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16, bos_token_id=0,
+        eos_token_id=0,
+    )  # fmt: skip
+    model = transformers.GPT2LMHeadModel(cfg)
+    with torch.no_grad():
+        model.transformer.wte.weight.mul_(embedding_scale)
+    return model
+
+
+def lm_batches(n: int = 2) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, 64, (4, 8), generator=g)
+        mask = torch.ones(4, 8, dtype=torch.long)
+        mask[0, -2:] = 0
+        labels = ids.masked_fill(mask == 0, -100)
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    return out
+
+
+def test_gpt2_end_to_end_with_its_own_loss_and_tie_kept() -> None:
+    data = lm_batches()
+    model = gpt2()
+    before = snapshot(model)
+    rep = doctor(model, data)  # the model's own loss on dict batches
+    assert_same(model, before)
+    assert rep.meta["kind"] == "classification" and rep.meta["classes"] == 64
+    loss = rep.row("initial_loss")
+    assert loss["verdict"] == "ok" and abs(loss["value"] - math.log(64)) < 0.1 * math.log(64)
+    # the linter's per-layer drift findings are not counted in a LayerNorm network
+    assert rep.value("dead_or_exploding_layers", "verdict") == "ok"
+
+    bad = gpt2(embedding_scale=30.0)  # tied embedding/head x30: logits far too large
+    fixed = doctor(bad, data, fix=True, generator=0)
+    loss = fixed.row("initial_loss")
+    assert loss["verdict_before"] == "bad"  # measured: 16.6 vs ln 64 = 4.159
+    assert fixed.applied[0] == "init"
+    assert abs(loss["after"] - math.log(64)) <= 0.1 * math.log(64)  # measured: 4.163
+    assert bad.lm_head.weight is bad.transformer.wte.weight
+
+    model = gpt2()
+    every = doctor(model, data, fix=["init", "lsuv", "output_scale", "precondition"], generator=0)
+    assert every.applied == ["init", "lsuv", "output_scale", "precondition"], every.failed
+    assert "lsuv" in every.notes  # the tied head is not scaled by LSUV: caught, kept as a note
+    assert model.lm_head.weight is model.transformer.wte.weight
+    hook = every.reports["output_scale"]
+    assert hook.info["layer"] == "lm_head"  # type: ignore[attr-defined]  # the loss sees it
+    assert abs(every.value("logit_std", "after") - 0.05) < 0.01
+    assert abs(every.value("initial_loss", "after") - math.log(64)) < 0.01
+    hook.info["handle"].remove()  # type: ignore[attr-defined]
+    assert not model.lm_head._forward_hooks
+
+
+# ----------------------------------------------------------------------------- (d) the CLI
+
+
+def test_cli_doctor_prints_summary_and_writes_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["doctor", "--model", "zoo:paper_mlp", "--data", "random"]) == 0
+    out = capsys.readouterr().out
+    assert "initlab doctor: paper_mlp" in out and "γ spread" in out
+
+    folder = tmp_path / "doc"
+    code = main(["doctor", "--model", "zoo:paper_mlp", "--data", "digits", "--batch-size", "128",
+                 "--max-batches", "2", "--fix", "--out", str(folder)])  # fmt: skip
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "applied:" in out and "initial loss" in out
+    assert (folder / "doctor.md").read_text().startswith("# initlab doctor")
+    obj = json.loads((folder / "doctor.json").read_text())
+    assert obj["format"] == "initlab.doctor/1"
+    assert [r["check"] for r in obj["checks"]["rows"]][: len(CHECKS)] == list(CHECKS)
+    assert obj["meta"]["command"]["data"] == "digits"
+    assert main(["doctor", "--model", "zoo:paper_mlp", "--fix", "nope"]) == 2
