@@ -51,7 +51,8 @@ rule                        sev.    fires on
 ``non_finite``              bad     a module with NaN/inf inputs, outputs or gradients (the
                                     probe's ``nonfinite`` count), or a non-finite parameter
 ``not_traced``              info    ``torch.fx.symbolic_trace`` failed: functional operations
-                                    were not inspected, only module types
+                                    were not inspected, only module types (residual additions
+                                    come from a runtime trace where forwards are given)
 ``not_measured``            info    the traced graph failed to run on the batch: functional
                                     activations were not measured
 ==========================  ======  ===========================================================
@@ -77,7 +78,11 @@ must be at least one). Of the two orientations the one with fewer shortcut modul
 queries and tensor factories (``x.size()``, ``torch.arange``) do not carry data ancestry, so
 ``tok_emb(idx) + pos_emb(arange(idx.size(1)))`` is not a residual connection. (3) Leaf modules that
 are residual by construction: ``nn.TransformerEncoderLayer`` (2 blocks) and
-``nn.TransformerDecoderLayer`` (3 blocks). (4) Untraceable models: only (1) and (3).
+``nn.TransformerDecoderLayer`` (3 blocks). (4) Untraceable models (Hugging Face GPT-2, BERT, Llama)
+given ``forward_args``: the same rule applied to the data flow of one forward of the first
+``forward_args`` entry (:func:`~initlab.measure.runtime_trace.find_runtime_blocks`, no grad, the
+model put back as it was; ``source="runtime"``), plus (3); without ``forward_args``, only (1) and
+(3).
 """
 
 from __future__ import annotations
@@ -109,6 +114,7 @@ from initlab.measure.residual import (
     _user_blocks,
     find_residual_blocks,
 )
+from initlab.measure.runtime_trace import find_runtime_blocks
 
 __all__ = [
     "ACTIVATION_COLUMNS",
@@ -310,13 +316,15 @@ def lint_model(
     gm, error = trace_model(model) if trace else (None, "tracing disabled")
     named = dict(model.named_modules())
     act_stats: dict[str, _ActStats] = dict(activations.stats) if activations else {}
+    runtime = forward_args if trace and gm is None and forward_args else None
+    blocks, runtime_note = _residual_blocks(model, gm, residual_blocks, runtime)
 
     # -- structural rules: from the graph where it traced, else from module types
     if gm is not None:
         structural, functional_acts = _structural_from_graph(gm)
     else:
         if trace:
-            findings.append(_not_traced(model, error))
+            findings.append(_not_traced(model, error, runtime_note))
         structural, functional_acts = _structural_from_types(named), []
     findings.extend(_structural_findings(structural))
 
@@ -338,7 +346,6 @@ def lint_model(
         findings.extend(_activation_findings(r))
 
     findings.extend(_kernel_size_findings(named))
-    blocks = _residual_blocks(model, gm, residual_blocks)
     findings.extend(_skip_findings(blocks))
     findings.extend(_probe_findings(probe_table, probe_rows, param_table, chain=not blocks))
     findings.extend(_parameter_findings(named))
@@ -387,11 +394,14 @@ def _structural_from_types(named: Mapping[str, nn.Module]) -> list[tuple[str, st
     return structural
 
 
-def _not_traced(model: nn.Module, error: str) -> dict[str, Any]:
+def _not_traced(model: nn.Module, error: str, runtime_note: str = "") -> dict[str, Any]:
+    what, note = "(F.max_pool2d, torch.tanh)", runtime_note
+    if not runtime_note:
+        what = "(F.max_pool2d, torch.tanh, residual additions)"
+        note = "pass residual_blocks= to declare residual blocks"
     return _finding("", type(model).__name__, "not_traced", "info", math.nan,
                     f"torch.fx could not trace the model ({error}); functional operations "
-                    "(F.max_pool2d, torch.tanh, residual additions) were not inspected; "
-                    "pass residual_blocks= to declare residual blocks")  # fmt: skip
+                    f"{what} were not inspected; {note}")  # fmt: skip
 
 
 def _structural_findings(structural: list[tuple[str, str, str]]) -> list[dict[str, Any]]:
@@ -457,15 +467,33 @@ def _kernel_size_findings(named: Mapping[str, nn.Module]) -> list[dict[str, Any]
 
 
 def _residual_blocks(
-    model: nn.Module, gm: Any, residual_blocks: Sequence[str | Mapping[str, Any]] | None
-) -> list[dict[str, Any]]:
-    """The user's blocks if given, else those found in the graph plus the transformer layers'."""
+    model: nn.Module,
+    gm: Any,
+    residual_blocks: Sequence[str | Mapping[str, Any]] | None,
+    runtime: Sequence[tuple[tuple, dict]] | None = None,
+) -> tuple[list[dict[str, Any]], str]:
+    """``(blocks, note)``: the user's blocks if given, else those found in the graph (or, with
+    ``runtime`` forward arguments and no graph, by a runtime trace of the first forward) plus the
+    transformer layers'; ``note`` says what the runtime trace did ("" when it did not run)."""
     if residual_blocks is not None:
-        return _user_blocks(model, residual_blocks)
-    blocks = find_residual_blocks(gm) if gm is not None else []
-    fx_modules = {b for blk in blocks for b in blk["branch"]}
-    blocks += [b for b in _known_residual_blocks(model) if not set(b["branch"]) & fx_modules]
-    return blocks
+        return _user_blocks(model, residual_blocks), ""
+    blocks: list[dict[str, Any]] = []
+    note = ""
+    if gm is not None:
+        blocks = find_residual_blocks(gm)
+    elif runtime:
+        args, kwargs = runtime[0]
+        try:
+            blocks = find_runtime_blocks(model, args, kwargs)
+            note = (f"residual additions were found by a runtime trace of one forward "
+                    f"({len(blocks)} residual block{'s' * (len(blocks) != 1)})")  # fmt: skip
+        except Exception as err:  # the runtime trace is best effort, like the fx trace
+            msg = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
+            note = (f"the runtime trace of residual additions failed ({msg}); pass "
+                    "residual_blocks= to declare residual blocks")  # fmt: skip
+    found = {b for blk in blocks for b in blk["branch"]}
+    blocks += [b for b in _known_residual_blocks(model) if not set(b["branch"]) & found]
+    return blocks, note
 
 
 def _skip_findings(blocks: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -23,7 +23,9 @@ two orientations the one with fewer shortcut modules wins. Shape queries and ten
 (``x.size()``, ``torch.arange``) do not carry data ancestry, so ``tok_emb(idx) +
 pos_emb(arange(idx.size(1)))`` is not a residual connection. (3) Leaf modules that are residual by
 construction (:func:`_known_residual_blocks`): ``nn.TransformerEncoderLayer`` (2 blocks) and
-``nn.TransformerDecoderLayer`` (3 blocks). (4) Untraceable models: only (1) and (3).
+``nn.TransformerDecoderLayer`` (3 blocks). (4) Untraceable models: (1), (3) and, where the caller
+has a forward's arguments, the rule of (2) applied to the data flow of one forward
+(:mod:`initlab.measure.runtime_trace`).
 
 :func:`find_residual_blocks` and :func:`trace_model` stay importable from
 :mod:`initlab.diagnostics.linter`.

@@ -1,0 +1,301 @@
+r"""Residual blocks from one forward pass, for models ``torch.fx`` cannot trace.
+
+``torch.fx.symbolic_trace`` fails on most Hugging Face transformers (GPT-2, BERT, Llama: dynamic
+control flow, caches, mask builders), so :func:`~initlab.measure.residual.find_residual_blocks`
+sees no skip connection there. :func:`runtime_trace` runs the model once instead (no grad, the
+model put back as it was by :func:`initlab._core.state.preserved_state`) and records the data flow
+of that forward:
+
+* a :class:`torch.overrides.TorchFunctionMode` sees every torch function and tensor method
+  (``F.linear``, ``torch.addmm``, ``a + b``, ``x += y``, ``x.view(...)``): each call that returns
+  tensors becomes a node whose inputs are the nodes that produced its tensor arguments (tensors
+  are tagged by identity and kept alive for the pass, so identities are not reused). Tensor
+  factories (``torch.arange``, ``torch.zeros_like``, ``x.new_zeros``) take no inputs, and shape
+  queries return no tensor, so neither passes data ancestry on;
+* forward pre/post hooks on every module keep the stack of modules being run: each node records
+  its innermost module. A module output that no torch function produced (an opaque extension)
+  becomes a node of its own whose inputs are the module's tensor arguments;
+* the model's tensor arguments are the input nodes; parameters and buffers are not nodes.
+
+:func:`find_runtime_blocks` then applies the rule of
+:func:`~initlab.measure.residual.find_residual_blocks` to that graph: an addition ``a + b``
+(``torch.add``, ``Tensor.add``/``add_``, ``+``, ``+=``) of two recorded tensors is a residual
+connection when one operand (the skip), walked back along first tensor arguments at most
+:data:`~initlab.measure.residual.SHORTCUT_STEPS` steps (view-like and dtype-only calls and dropout
+do not count as steps), reaches a node that is the other operand (the branch) or a data ancestor
+of it. The branch is the parameterized modules (modules with parameters of their own) whose calls
+lie between that block input and the branch operand, and there must be one. Modules enclosing the
+addition are not branch members (a layer-scale parameter of the block itself is not a branch
+layer). Of the two orientations the one with fewer shortcut modules wins. The blocks are the same
+dicts, with ``source="runtime"``, ``module`` the innermost module whose forward makes the addition
+and ``node``/``input`` the names of the recorded calls (``add_3``, ``layer_norm_1``).
+
+What one pass cannot see: branches the pass did not take (data-dependent control flow records the
+path of the batch given), and additions done outside torch functions (in C++ extensions). The
+pass keeps every intermediate tensor alive until it ends (as a training forward's autograd graph
+would).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from initlab.measure.residual import SHORTCUT_STEPS, _name_blocks
+
+__all__ = ["RuntimeGraph", "RuntimeNode", "find_runtime_blocks", "runtime_trace"]
+
+_ADD_NAMES = {"add", "add_", "__add__", "__iadd__", "__radd__"}
+_FACTORY_NAMES = {
+    "arange", "zeros", "ones", "full", "empty", "rand", "randn", "randint", "tensor", "linspace",
+    "logspace", "eye", "scalar_tensor", "zeros_like", "ones_like", "empty_like", "full_like",
+    "rand_like", "randn_like", "randint_like", "new_zeros", "new_ones", "new_empty", "new_full",
+    "new_tensor",
+}  # fmt: skip
+# Calls that change only a tensor's shape, layout or dtype: no step of the shortcut walk.
+_FREE_NAMES = {
+    "view", "reshape", "contiguous", "to", "type", "float", "half", "double", "bfloat16", "clone",
+    "detach", "expand", "expand_as", "view_as", "reshape_as", "unsqueeze", "squeeze", "flatten",
+    "transpose", "permute", "__get__", "dropout",
+}  # fmt: skip
+
+
+@dataclass
+class RuntimeNode:
+    """One recorded call: ``name`` (``fn`` plus a counter), ``fn`` (the function's name),
+    ``inputs`` (indices of the nodes that produced its tensor arguments, in argument order),
+    ``operands`` (for an addition: the nodes of its two operands, ``None`` where an operand was
+    not a recorded tensor), ``module`` (innermost module running), ``stack`` (all modules running)
+    and ``kind`` (``"input"``, ``"call"`` or ``"module"``)."""
+
+    index: int
+    name: str
+    fn: str
+    inputs: list[int]
+    module: str
+    stack: tuple[str, ...]
+    kind: str = "call"
+    operands: tuple[int | None, int | None] | None = None
+
+
+@dataclass
+class RuntimeGraph:
+    """The data flow of one forward: ``nodes`` in call order and ``params`` (the qualified names
+    of the modules with parameters of their own)."""
+
+    nodes: list[RuntimeNode] = field(default_factory=list)
+    params: set[str] = field(default_factory=set)
+
+
+def _fn_name(func: Any) -> str:
+    return getattr(func, "__name__", None) or type(func).__name__
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
+
+
+def _signals(obj: Any) -> list[torch.Tensor]:
+    """The floating-point tensors in ``obj``: integer and boolean tensors (token ids, positions,
+    masks) index or select data but are no signal, so they pass no data ancestry on."""
+    return [t for t in _tensors(obj) if t.dtype.is_floating_point or t.dtype.is_complex]
+
+
+class _Recorder(TorchFunctionMode):
+    """Tags tensors with the node that produced them (see the module docstring)."""
+
+    def __init__(self, graph: RuntimeGraph) -> None:
+        super().__init__()
+        self.graph = graph
+        self.tags: dict[int, int] = {}
+        self.keep: list[torch.Tensor] = []  # identities stay unique while they are tagged
+        self.stack: list[str] = []
+        self.counts: Counter[str] = Counter()
+
+    def node(self, fn: str, inputs: list[int], outputs: list[torch.Tensor], kind: str) -> int:
+        k = self.counts[fn]
+        self.counts[fn] += 1
+        index = len(self.graph.nodes)
+        stack = tuple(self.stack)
+        self.graph.nodes.append(
+            RuntimeNode(index, fn if k == 0 else f"{fn}_{k}", fn, inputs,
+                        stack[-1] if stack else "", stack, kind)
+        )  # fmt: skip
+        for t in outputs:
+            self.tags[id(t)] = index
+            self.keep.append(t)
+        return index
+
+    def tag_of(self, obj: Any) -> int | None:
+        return self.tags.get(id(obj)) if isinstance(obj, torch.Tensor) else None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        fn = _fn_name(func)
+        operands = None
+        if fn in _ADD_NAMES and len(args) >= 2:
+            operands = (self.tag_of(args[0]), self.tag_of(args[1]))
+        inputs = [] if fn in _FACTORY_NAMES else self.inputs_of((args, kwargs))
+        out = func(*args, **kwargs)
+        outputs = _tensors(out)
+        if outputs:
+            i = self.node(fn, inputs, outputs, "call")
+            self.graph.nodes[i].operands = operands
+        return out
+
+    def inputs_of(self, obj: Any) -> list[int]:
+        tags = (self.tags.get(id(t)) for t in _signals(obj))
+        return list(dict.fromkeys(t for t in tags if t is not None))
+
+
+def runtime_trace(
+    model: nn.Module, args: tuple = (), kwargs: Mapping[str, Any] | None = None
+) -> RuntimeGraph:
+    """Run ``model(*args, **kwargs)`` once (no grad; parameters, buffers, modes, hooks and RNG
+    states put back) and return its :class:`RuntimeGraph` (see the module docstring)."""
+    from initlab._core.state import preserved_state
+
+    kwargs = dict(kwargs or {})
+    graph = RuntimeGraph()
+    names: dict[int, str] = {}
+    for name, m in model.named_modules():
+        names.setdefault(id(m), name)
+        if next(m.parameters(recurse=False), None) is not None:
+            graph.params.add(name)
+    rec = _Recorder(graph)
+
+    def pre(module: nn.Module, a: tuple, kw: dict) -> None:
+        rec.stack.append(names.get(id(module), type(module).__name__))
+
+    def post(module: nn.Module, a: tuple, kw: dict, out: Any) -> None:
+        with torch._C.DisableTorchFunction():  # the hook's own tensor queries are not recorded
+            untagged = [t for t in _tensors(out) if id(t) not in rec.tags]
+            if untagged:  # an output no torch function produced: the module is one node
+                rec.node(type(module).__name__, rec.inputs_of((a, kw)), untagged, "module")
+        if rec.stack:
+            rec.stack.pop()
+
+    handles = []
+    with preserved_state(model), torch.no_grad():
+        try:
+            for m in model.modules():
+                handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+                handles.append(m.register_forward_hook(post, with_kwargs=True, always_call=True))
+            rec.node("input", [], _tensors((args, kwargs)), "input")
+            with rec:
+                model(*args, **kwargs)
+        finally:
+            for h in handles:
+                h.remove()
+            rec.keep.clear()
+    return graph
+
+
+def find_runtime_blocks(
+    model: nn.Module, args: tuple = (), kwargs: Mapping[str, Any] | None = None
+) -> list[dict[str, Any]]:
+    """Residual blocks found by one forward of ``model`` (see the module docstring).
+
+    Returns:
+        dicts ``{"name", "module", "node", "input", "branch", "shortcut", "source": "runtime"}``
+        as :func:`~initlab.measure.residual.find_residual_blocks` returns them.
+    """
+    return blocks_of(runtime_trace(model, args, kwargs))
+
+
+def blocks_of(graph: RuntimeGraph) -> list[dict[str, Any]]:
+    """The residual blocks of a recorded :class:`RuntimeGraph`."""
+    nodes = graph.nodes
+    is_ancestor = _ancestry(nodes)
+    found: list[dict[str, Any]] = []
+    for node in nodes:
+        if node.operands is None or None in node.operands:
+            continue
+        a, b = (nodes[i] for i in node.operands)  # type: ignore[index]
+        best = _best_orientation(graph, a, b, is_ancestor)
+        if best is None:
+            continue
+        x, branch, shortcut = best
+        enclosing = set(node.stack)
+        shortcut = [s for s in shortcut if s not in enclosing]
+        members = [
+            n.module
+            for n in nodes[x.index + 1 : branch.index + 1]
+            if n.module in graph.params
+            and n.module not in enclosing
+            and n.module not in shortcut
+            and (n is branch or is_ancestor(n, branch))
+            and is_ancestor(x, n)
+        ]
+        if not members:
+            continue
+        found.append(
+            {
+                "module": node.module,
+                "node": node.name,
+                "input": x.name,
+                "branch": list(dict.fromkeys(members)),
+                "shortcut": list(dict.fromkeys(shortcut)),
+                "source": "runtime",
+            }
+        )
+    _name_blocks(found)
+    return found
+
+
+def _ancestry(nodes: list[RuntimeNode]) -> Callable[[RuntimeNode, RuntimeNode], bool]:
+    """``is_ancestor(a, b)``: whether ``a`` is a data ancestor of ``b`` (bit sets)."""
+    anc: list[int] = []
+    for n in nodes:
+        bits = 0
+        for i in n.inputs:
+            bits |= anc[i] | (1 << i)
+        anc.append(bits)
+
+    def is_ancestor(a: RuntimeNode, b: RuntimeNode) -> bool:
+        return bool(anc[b.index] >> a.index & 1)
+
+    return is_ancestor
+
+
+def _best_orientation(
+    graph: RuntimeGraph,
+    a: RuntimeNode,
+    b: RuntimeNode,
+    is_ancestor: Callable[[RuntimeNode, RuntimeNode], bool],
+) -> tuple[RuntimeNode, RuntimeNode, list[str]] | None:
+    """``(block input, branch operand, shortcut modules)``: the orientation with the fewer
+    shortcut modules (then the shorter walk), or ``None``."""
+    best = None
+    for skip, branch in ((a, b), (b, a)):
+        got = _walk_skip(graph, skip, branch, is_ancestor)
+        if got is not None and (best is None or got[0] < best[0]):
+            best = (got[0], got[1], branch, got[2])
+    return None if best is None else best[1:]
+
+
+def _walk_skip(
+    graph: RuntimeGraph,
+    skip: RuntimeNode,
+    branch: RuntimeNode,
+    is_ancestor: Callable[[RuntimeNode, RuntimeNode], bool],
+) -> tuple[tuple[int, int], RuntimeNode, list[str]] | None:
+    """Walk back from ``skip`` along first inputs to ``branch`` or one of its ancestors."""
+    cur, walk, steps = skip, [], 0
+    while steps <= SHORTCUT_STEPS and len(walk) <= 4 * SHORTCUT_STEPS:
+        if cur is branch or is_ancestor(cur, branch):
+            shortcut = [w.module for w in walk if w.module in graph.params]
+            return (len(set(shortcut)), steps), cur, shortcut
+        if not cur.inputs:
+            return None
+        walk.append(cur)
+        steps += cur.fn not in _FREE_NAMES
+        cur = graph.nodes[cur.inputs[0]]
+    return None
