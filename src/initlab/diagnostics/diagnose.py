@@ -389,7 +389,13 @@ def _lint(
         )
         run.tables["activations"] = lint_result.activations
     if not lint_result.traced:
-        run.notes.append(f"torch.fx could not trace the model: {lint_result.trace_error}")
+        runtime = [b for b in lint_result.residual_blocks if b.get("source") == "runtime"]
+        found = (
+            f"; residual blocks come from a runtime trace of one forward ({len(runtime)} found)"
+            if runtime
+            else ""
+        )
+        run.notes.append(f"torch.fx could not trace the model: {lint_result.trace_error}{found}")
     return lint_result, lint_result.residual_blocks
 
 
