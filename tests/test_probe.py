@@ -1125,6 +1125,122 @@ def test_attention_shortcut_matches_a_loop(case, monkeypatch):
         assert row["E_dW2_example"] == pytest.approx(oracle[name], rel=1e-8), name
 
 
+CAPTURE_CASES = {  # (MultiheadAttention arguments, the capture applies)
+    "self": ({}, True),
+    "self_seq_first": ({"batch_first": False}, True),
+    "no_bias": ({"bias": False}, True),
+    "no_bias_seq_first": ({"bias": False, "batch_first": False}, True),
+    "cross": ({"mode": "cross"}, True),
+    "twice": ({"mode": "twice"}, True),
+    # separate q/k/v projection weights (kdim, vdim != embed_dim): the capture does not apply,
+    # the call keeps the re-run (which itself falls back to the generic vmap path)
+    "kdim_vdim": ({"mode": "cross_dims", "kdim": 5, "vdim": 6}, False),
+    "kdim_vdim_seq_first": (
+        {"mode": "cross_dims", "kdim": 5, "vdim": 6, "batch_first": False},
+        False,
+    ),
+}
+
+
+class CrossDims(nn.Module):
+    """Key and value of other widths than the query (``kdim``, ``vdim``)."""
+
+    def __init__(self, batch_first: bool = True, **kwargs) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=batch_first, **kwargs)
+
+    def forward(self, x):
+        key = torch.tanh(x[..., :5])
+        value = torch.cos(x[..., 2:])
+        return self.attn(x, key, value, need_weights=False)[0]
+
+
+def _capture_model(kwargs: dict) -> nn.Module:
+    kwargs = dict(kwargs)
+    mode = kwargs.pop("mode", "self")
+    if mode == "cross_dims":
+        return CrossDims(**kwargs)
+    return Attend(mode, **kwargs)
+
+
+@pytest.mark.parametrize("case", list(CAPTURE_CASES))
+def test_attention_capture_equals_the_rerun(case, monkeypatch):
+    """The projections' inputs and output gradients captured during the forward give the same
+    per-example gradients as the re-run with identity projections (float64, to rounding)."""
+    import initlab.measure.probe.moment_probe as probe_loop
+    import initlab.measure.probe.per_example as probe_module
+
+    kwargs, captured = CAPTURE_CASES[case]
+    gen = torch.Generator().manual_seed(5)
+    model = _capture_model(kwargs).double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=F64) * 0.5)
+    bd = 0 if kwargs.get("batch_first", True) else 1
+    x = torch.randn(*((5, 4, 8) if bd == 0 else (4, 5, 8)), generator=gen, dtype=F64)
+    with torch.no_grad():
+        target = torch.randn(model(x).shape, generator=gen, dtype=F64)
+
+    def run() -> dict[str, float]:
+        with MomentProbe(model, batch_dim=bd if bd else None) as probe:
+            F.mse_loss(model(x), target).backward()
+        assert probe.notes == []
+        return {f"{r['layer']}.{r['param']}": r["E_dW2_example"] for r in probe.param_table()}
+
+    used = []
+    real = probe_loop._captured_contributions
+    monkeypatch.setattr(
+        probe_loop, "_captured_contributions", lambda rec, ps: used.append(1) or real(rec, ps)
+    )
+    new = run()
+    assert bool(used) == captured
+    monkeypatch.setattr(probe_module, "_attention_capture", lambda module: None)
+    used.clear()
+    old = run()
+    assert not used
+    assert new.keys() == old.keys()
+    for name, want in old.items():
+        assert new[name] == pytest.approx(want, rel=1e-12, abs=0.0), name
+
+
+def test_attention_capture_with_dropout_in_train_mode():
+    """Dropout inside attention (train mode) is part of the captured graph: per-example
+    gradients are exact for the dropout masks the forward drew (the re-run could not redraw
+    them). Oracle: example i's loss differentiated through the very same batched forward."""
+    gen = torch.Generator().manual_seed(3)
+    model = Attend("self", dropout=0.5).double().train()
+    x = torch.randn(5, 4, 8, generator=gen, dtype=F64)
+    target = torch.randn(5, 4, 8, generator=gen, dtype=F64)
+    named = dict(model.named_parameters())
+    torch.manual_seed(0)
+    out = model(x)
+    acc = {name: 0.0 for name in named}
+    for i in range(5):
+        loss_i = F.mse_loss(out[i], target[i])
+        grads = torch.autograd.grad(loss_i, list(named.values()), retain_graph=True)
+        for name, g in zip(named, grads, strict=True):
+            acc[name] += (g * g).mean().item() / 5
+    torch.manual_seed(0)
+    with MomentProbe(model) as probe:
+        F.mse_loss(model(x), target).backward()
+    assert probe.notes == []
+    for row in probe.param_table():
+        name = f"{row['layer']}.{row['param']}"
+        assert row["E_dW2_example"] == pytest.approx(acc[name], rel=1e-10), name
+
+
+def test_attention_capture_leaves_no_mode_behind_when_forward_raises():
+    from torch.overrides import _get_current_function_mode_stack
+
+    model = Attend("self")
+    with MomentProbe(model):
+        with pytest.raises(AssertionError):
+            model(torch.randn(2, 3, 5))  # wrong embedding dim: the forward raises
+        assert _get_current_function_mode_stack() == []
+        F.mse_loss(model(torch.randn(2, 3, 8)), torch.zeros(2, 3, 8)).backward()
+    assert _get_current_function_mode_stack() == []
+
+
 # ------------------------------------------------------------ data and loss forms (the core)
 
 

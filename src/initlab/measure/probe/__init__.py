@@ -74,13 +74,17 @@ What is exact and what is not (``dW_example``):
   take the generic path): ``||dW_i||^2 = sum_v ||sum_{t: tok_it = v} dy_it||^2`` by sorting the
   (example, token) keys and summing equal keys with ``index_add`` (memory ~ ``dy``); rows of
   ``padding_idx`` get no gradient.
-* ``nn.MultiheadAttention`` (unmodified, packed in-projection, no ``bias_k``/``bias_v``, no
-  dropout in train mode; otherwise the generic path): the module is re-run once, batched, with
-  its in- and out-projections replaced by identities on ``q, k, v`` projected with its weights, and
-  one ``autograd.grad`` gives the gradients at the projected ``q, k, v`` and at the attention
-  output (examples do not interact inside attention, masks and attention-weight outputs
-  included); the projections' per-example gradients then follow as for ``nn.Linear``
-  (``out_proj`` is attributed to the attention module).
+* ``nn.MultiheadAttention`` (unmodified, packed in-projection, no ``bias_k``/``bias_v``): its
+  projections are applied functionally, so during the module's forward a torch-function mode
+  (:mod:`~initlab.measure.probe.capture`) keeps the inputs of the in- and out-projection calls
+  and hooks their outputs' gradients (the module's own computation, unchanged: no re-run, and
+  dropout in train mode is covered, for the masks the forward drew); the projections'
+  per-example gradients then follow as for ``nn.Linear`` (``out_proj`` is attributed to the
+  attention module; examples do not interact inside attention, masks and attention-weight
+  outputs included). Where the capture is incomplete the module is re-run once, batched, with
+  its in- and out-projections replaced by identities on ``q, k, v`` projected with its weights
+  (not in train mode with dropout); other configurations (separate ``kdim``/``vdim``
+  projections, ``bias_k``/``bias_v``) take the generic path.
 * Modules called several times per forward, parameters owned by several probed modules (an
   embedding tied to the output head): per-example gradients of every call are materialized and
   summed before squaring (exact).
@@ -106,7 +110,8 @@ What is exact and what is not (``dW_example``):
 Where things are: :mod:`~initlab.measure.probe.moment_probe` (:class:`MomentProbe`, its hooks,
 :func:`measure_moments`), :mod:`~initlab.measure.probe.per_example` (the per-example gradients,
 one table entry per kind of layer), :mod:`~initlab.measure.probe.accumulate` (float64 sums taken
-in the hooks, moments), :mod:`~initlab.measure.probe.state` (what is kept per parameter, module
+in the hooks, moments), :mod:`~initlab.measure.probe.capture` (what attention's functional
+projections see), :mod:`~initlab.measure.probe.state` (what is kept per parameter, module
 and call) and :mod:`~initlab.measure.probe.report` (the columns and the tables).
 
 Example:

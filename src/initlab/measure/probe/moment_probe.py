@@ -26,13 +26,16 @@ from initlab._core.rows import Rows
 from initlab._core.state import model_modes, preserved_state, restore_modes
 from initlab.measure.probe.accumulate import _accumulate, _Consts, _new_acc, _sums
 from initlab.measure.probe.per_example import (
+    _captured_contributions,
     _closed_form_contributions,
     _closed_form_input,
     _combine,
     _Contribution,
     _mismatch,
     _replay_contributions,
+    _start_capture,
     _Unavailable,
+    _usable_capture,
 )
 from initlab.measure.probe.report import _module_table, _param_table, _probe_rows
 from initlab.measure.probe.state import _Forward, _Frame, _ModuleState, _ParamState, _Record
@@ -75,8 +78,8 @@ class MomentProbe(HookContext):
             parameter), ``"leaves"`` (modules without children), ``"all"`` (every module, the root
             included), a sequence of qualified names, or a predicate ``(name, module) -> bool``.
         per_example: also compute ``E[dW^2]`` of per-example gradients (``dW_example``). Closed
-            forms for Linear, Conv, LayerNorm and Embedding, one batched re-run for
-            MultiheadAttention, one extra vmapped forward+backward for other modules.
+            forms for Linear, Conv, LayerNorm, Embedding and MultiheadAttention (its projections
+            captured during its forward), one extra vmapped forward+backward for other modules.
         loss_reduction: ``"mean"`` or ``"sum"``: how your loss reduces over the batch. With
             ``"mean"`` ``dy``, ``dx`` and ``dW_example`` are multiplied by the batch size so they
             are gradients of one example's loss; ``dW`` is always the gradient of your loss.
@@ -208,6 +211,13 @@ class MomentProbe(HookContext):
                 st.params.append((local, ps))
             self._hooks.add(module.register_forward_pre_hook(self._pre_hook(st), with_kwargs=True))
             self._hooks.add(module.register_forward_hook(self._forward_hook(st)))
+            if self.per_example and st.kind == "attention":
+                # pops the projection capture first, also when the forward raised
+                self._hooks.add(
+                    module.register_forward_hook(
+                        self._capture_stop_hook(st), prepend=True, always_call=True
+                    )
+                )
         if self.per_example:
             for module in self.model.modules():
                 if isinstance(module, nn.modules.batchnorm._BatchNorm):
@@ -354,10 +364,20 @@ class MomentProbe(HookContext):
                         t.register_hook(self._grad_hook(st, call, "dx", path, scale))
             frame_inputs = (tuple(new_args), dict(new_kwargs))
             versions = [t._version for _, t in flatten_tensors(frame_inputs)]
-            st.frames.append(_Frame(call, frame_inputs, versions, scale, self._seq))
+            frame = _Frame(call, frame_inputs, versions, scale, self._seq)
+            st.frames.append(frame)
+            if self.per_example and st.kind == "attention" and torch.is_grad_enabled():
+                frame.capture = _start_capture(module)  # popped by _capture_stop_hook
             if new_args is args and new_kwargs is kwargs:
                 return None
             return tuple(new_args), new_kwargs
+
+        return hook
+
+    def _capture_stop_hook(self, st: _ModuleState) -> Callable:
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            if not self._replaying and st.frames and st.frames[-1].capture is not None:
+                st.frames[-1].capture.stop()
 
         return hook
 
@@ -431,6 +451,8 @@ class MomentProbe(HookContext):
             _keep_closed_form_input(rec, st, leaves)
         else:
             self._keep_replay_inputs(rec, st, frame, outs, leaves, now)
+            rec.capture = _usable_capture(rec, frame.capture)
+        frame.capture = None
         if rec.fail is None and self._batch is not None and rec.batch != self._batch:
             rec.fail = (
                 f"module input has {rec.batch} along dim {st.bd}, the root batch has "
@@ -538,13 +560,27 @@ class MomentProbe(HookContext):
                     "BatchNorm used batch statistics in this forward: the examples interact, "
                     "per-example gradients are undefined"
                 )
-            if rec.state.replay and rec.dys and rec.generic_key != len(rec.dys):
+            if rec.capture is not None:
+                self._from_capture(rec, ps)
+            replay = rec.state.replay and rec.capture is None
+            if replay and rec.dys and rec.generic_key != len(rec.dys):
                 self._replay(rec)
                 rec.generic_key = len(rec.dys)
             part = rec.contrib.get(id(ps))
             if part is not None:
                 parts.append(part)
         return parts
+
+    def _from_capture(self, rec: _Record, ps: _ParamState) -> None:
+        """The contribution of ``ps`` from the record's captured projections; on an unexpected
+        failure the record falls back to the re-run."""
+        try:
+            _captured_contributions(rec, ps)
+        except _Unavailable:
+            raise
+        except Exception:
+            rec.capture = None
+            rec.contrib.clear()
 
     def _replay(self, rec: _Record) -> None:
         """Re-run the module of ``rec`` for its contributions, with the probe's hooks muted."""

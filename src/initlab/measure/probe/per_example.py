@@ -10,7 +10,11 @@ and ``"generic"`` for every other module) and how their per-example gradients ar
 * a *replay* runs when the parameter's gradient arrives and re-runs the module on the recorded
   inputs (``_attention_contributions``: one batched re-run with the projections replaced by
   identities, falling back to the generic path outside its shortcut; ``_generic_contributions``:
-  ``torch.func.vmap`` over ``torch.func.vjp`` on single examples).
+  ``torch.func.vmap`` over ``torch.func.vjp`` on single examples);
+* ``nn.MultiheadAttention`` first tries a capture instead of the re-run
+  (``_captured_contributions``): the inputs and output gradients of its functional projections,
+  kept during its own forward by :class:`~initlab.measure.probe.capture._AttentionCapture`,
+  give the ``nn.Linear`` closed form per projection when the parameter's gradient arrives.
 
 A new kind of layer is one more entry of the table (before ``"generic"``, which matches every
 module). Every contribution is a :class:`_Contribution` (per-example squared norms, or the
@@ -33,6 +37,7 @@ from torch.nn import functional as F
 
 from initlab._core.pytree import flatten_tensors, map_tensors
 from initlab._core.reductions import sum_of_squares
+from initlab.measure.probe.capture import _AttentionCapture
 
 if TYPE_CHECKING:
     from initlab.measure.probe.state import _ParamState, _Record
@@ -467,6 +472,96 @@ def _put_attention(
 
 def _detach(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.detach()
+
+
+# ----------------------------------------------------------------------------- attention, captured
+
+
+def _attention_capture(module: nn.Module) -> _AttentionCapture | None:
+    """A capture of the projections of one ``nn.MultiheadAttention`` call, or ``None`` where it
+    does not apply: separate ``q/k/v_proj_weight`` (``kdim``/``vdim`` differ from
+    ``embed_dim``) and ``bias_k``/``bias_v`` have parameters outside the packed projections, so
+    those calls keep the re-run (:func:`_attention_contributions`, itself falling back to the
+    generic path). Looked up here when called: a test may patch it to force the re-run."""
+    if not module._qkv_same_embed_dim or module.bias_k is not None or module.bias_v is not None:
+        return None
+    return _AttentionCapture(module)
+
+
+def _start_capture(module: nn.Module) -> _AttentionCapture | None:
+    """Push a capture for this call of ``module`` (popped by the probe's forward hook). Only
+    where a parameter needs a gradient: the mode rules out the module's inference fast path,
+    which such a parameter rules out already."""
+    if not any(p.requires_grad for p in module.parameters()):
+        return None
+    capture = _attention_capture(module)
+    if capture is not None:
+        capture.start()
+    return capture
+
+
+def _inner_batch_dim(rec: _Record) -> int | None:
+    """The batch dim of ``F.multi_head_attention_forward``'s ``(L, N, E)`` tensors (the module
+    transposes ``batch_first`` inputs), or ``None`` for a batch dim beyond the first two."""
+    bd = rec.state.bd
+    if bd not in (0, 1):
+        return None
+    return 1 - bd if rec.state.module.batch_first else bd
+
+
+def _usable_capture(rec: _Record, capture: _AttentionCapture | None) -> _AttentionCapture | None:
+    """``capture`` if it can replace the re-run for ``rec`` (complete, batched as ``rec``)."""
+    if capture is None or not capture.complete:
+        return None
+    if not set(rec.params) <= {"in_proj_weight", "in_proj_bias", "out_proj.weight",
+                               "out_proj.bias"}:  # fmt: skip
+        return None
+    ib = _inner_batch_dim(rec)
+    if ib is None or any(x.shape[ib] != rec.batch for _, _, x, _ in capture.blocks):
+        return None
+    assert capture.out is not None
+    query = min(capture.blocks, key=lambda b: b[0])[2]
+    if capture.out[0].shape[0] != query.shape[0] * query.shape[1]:
+        return None
+    return capture
+
+
+def _captured_contributions(rec: _Record, ps: _ParamState) -> None:
+    """``nn.MultiheadAttention``'s projections from what :class:`_AttentionCapture` kept: like
+    ``nn.Linear``, ``dW_in_i = sum_t [dq; dk; dv]_it [query; key; value]_it^T`` (blocks of rows,
+    one per in-projection call) and ``dW_out_i = sum_t dy_it o_it^T``; biases: the sums over
+    ``t``. A projection whose output got no gradient contributes zeros."""
+    capture = rec.capture
+    assert capture is not None and capture.out is not None
+    if id(ps) in rec.contrib:
+        return
+    if capture.modified():
+        raise _Unavailable("an input of the module was modified in place after its forward")
+    name = next(n for n, p in rec.params.items() if p is ps)
+    ib, s = _inner_batch_dim(rec), rec.scale
+    assert ib is not None
+
+    def layout(t: torch.Tensor) -> torch.Tensor:
+        return _work(t.movedim(ib, 0))
+
+    if name.startswith("in_proj"):
+        blocks = []
+        for _, n, x, held in sorted(capture.blocks, key=lambda b: b[0]):
+            dy = held[0] if held else x.new_zeros(*x.shape[:-1], n)
+            blocks.append((layout(dy), layout(x)))
+        if name == "in_proj_weight":
+            _put_outer(rec, ps, blocks, s)
+        else:
+            _put(rec, ps, torch.cat([d.sum(1) for d, _ in blocks], 1) * s)
+        return
+    query = min(capture.blocks, key=lambda b: b[0])[2]
+    x, held = capture.out
+    x3 = x.reshape(query.shape[0], query.shape[1], -1)
+    dy3 = held[0].reshape(*x3.shape[:-1], -1) if held else torch.zeros_like(x3)
+    if name == "out_proj.weight":
+        _put_outer(rec, ps, [(layout(dy3), layout(x3))], s)
+    else:
+        _put(rec, ps, layout(dy3).sum(1) * s)
 
 
 # ----------------------------------------------------------------------------- the table

@@ -9,13 +9,16 @@ parameters' gradient hooks fire).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from initlab.measure.probe.accumulate import _sums
 from initlab.measure.probe.per_example import PER_EXAMPLE, _Contribution, _kind
+
+if TYPE_CHECKING:
+    from initlab.measure.probe.capture import _AttentionCapture
 
 _MISMATCH = (
     "per-example gradients do not add up to the minibatch gradient (the parameter is also used "
@@ -65,7 +68,7 @@ class _ParamState:
 class _Frame:
     """One module call in flight (between its forward pre-hook and forward hook)."""
 
-    __slots__ = ("call", "inputs", "scale", "start_seq", "versions")
+    __slots__ = ("call", "capture", "inputs", "scale", "start_seq", "versions")
 
     def __init__(self, call: int, inputs: Any, versions: list[int], scale: float, seq: int):
         self.call = call
@@ -73,6 +76,7 @@ class _Frame:
         self.versions = versions
         self.scale = scale
         self.start_seq = seq
+        self.capture: _AttentionCapture | None = None  # attention: its projections, captured
 
 
 class _ModuleState:
@@ -128,3 +132,4 @@ class _Record:
         self.dys: dict[str, torch.Tensor] = {}
         self.contrib: dict[int, _Contribution] = {}
         self.generic_key = -1
+        self.capture: _AttentionCapture | None = None  # attention: replaces the re-run
