@@ -57,7 +57,7 @@ import torch
 from torch import nn
 
 from initlab._core.attention import with_math_attention
-from initlab._core.data import DataUse, batch_size, data_use, keyword_error, take_batches
+from initlab._core.data import DataUse, batch_size, data_use, take_batches
 from initlab._core.hooks import hook_handles
 from initlab._core.knobs import renamed_kwargs
 from initlab._core.rng import as_generator
@@ -474,22 +474,6 @@ def _grid_values(
     return values, "loop"
 
 
-def _center(
-    at: Callable[[Mapping[str, torch.Tensor]], torch.Tensor],
-    theta: dict[str, torch.Tensor],
-    batch: Any,
-) -> float:
-    """The loss at ``θ``: the first call of the model (a clear error for a dict batch the
-    model cannot take as keyword arguments)."""
-    try:
-        return float(at(theta))
-    except TypeError as err:
-        clear = keyword_error(err, batch, "loss_landscape")
-        if clear is None:
-            raise
-        raise clear from err
-
-
 def _grid(grid: tuple[Any, Any] | None) -> tuple[torch.Tensor, torch.Tensor]:
     if grid is None:
         grid = (torch.linspace(-1, 1, 21), torch.linspace(-1, 1, 21))
@@ -595,7 +579,7 @@ def loss_landscape(
             return total
 
         with torch.no_grad():
-            center = _center(at, theta, batches[0])
+            center = float(at(theta))
 
             def per_point() -> int:
                 acts = _activation_elements(model, batches[0], bases[0], fwd)

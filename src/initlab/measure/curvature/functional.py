@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from initlab._core.data import default_forward
+from initlab._core.data import default_forward, keyword_error
 from initlab._core.loss import (
     Loss,
     LossLike,
@@ -121,7 +121,13 @@ def functional_forward(
         if isinstance(batch, torch.Tensor):
             return torch.func.functional_call(model, state, (batch,))
         if isinstance(batch, Mapping):
-            return torch.func.functional_call(model, state, (), dict(batch))
+            try:
+                return torch.func.functional_call(model, state, (), dict(batch))
+            except TypeError as err:  # the same message as the default forward's
+                clear = keyword_error(err, batch, "the default forward")
+                if clear is None:
+                    raise
+                raise clear from err
         return torch.func.functional_call(model, state, (batch[0],))
     wrapper = _Call(model, forward)
     return torch.func.functional_call(

@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from initlab._core.attention import math_attention
-from initlab._core.data import keyword_error
 from initlab._core.hooks import hook_handles
 from initlab._core.knobs import renamed_kwargs
 from initlab._core.pytree import flatten_tensors, map_tensors
@@ -249,11 +248,6 @@ class CurvatureOperator:
                     self._engine = self._build_engine()
             except (RuntimeError, NotImplementedError) as err:
                 self._raise_located(err)
-            except TypeError as err:
-                clear = keyword_error(err, self.batch, "curvature")
-                if clear is None:
-                    raise
-                raise clear from err
         assert self._engine is not None
         return self._engine
 

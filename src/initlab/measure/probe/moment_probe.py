@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from initlab._core.data import DataUse, batch_size, default_forward, iter_batches, keyword_error
+from initlab._core.data import DataUse, batch_size, default_forward, iter_batches
 from initlab._core.hooks import HookContext, HookHandles
 from initlab._core.knobs import renamed_kwargs
 from initlab._core.loss import Loss, LossLike, resolve_loss
@@ -721,17 +721,11 @@ def measure_moments(
 
 def _run(model: nn.Module, batch: Any, loss: Loss | None, params: list[nn.Parameter]) -> None:
     """One probed pass: forward only (``loss`` None) or forward and backward of the loss."""
-    try:
-        if loss is None:
-            with torch.no_grad():
-                default_forward(model, batch)
-            return
-        loss(model, batch).backward()
-    except TypeError as err:
-        clear = keyword_error(err, batch, "measure_moments")
-        if clear is None:
-            raise
-        raise clear from err
+    if loss is None:
+        with torch.no_grad():
+            default_forward(model, batch)
+        return
+    loss(model, batch).backward()
     for p in params:
         p.grad = None
 
