@@ -151,18 +151,7 @@ def take_batches(
         ValueError: ``data`` is empty, or (``exact``) has fewer than ``n`` batches; the message
             says how many are needed.
     """
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-        raise ValueError(f"{what}: max_batches must be a positive int or None, got {n!r}")
-    if data is None:
-        raise TypeError(f"{what} needs data; accepted forms: {DATA_FORMS}")
-    if is_single_batch(data):
-        batches = [data]
-    else:
-        batches = []
-        for batch in data:
-            batches.append(batch)
-            if n is not None and len(batches) == n:
-                break
+    batches = list(iter_batches(data, n, what=what))
     if exact and n is not None and len(batches) < n:
         raise ValueError(
             f"{what} needs {n} batches but the data gave {len(batches)}; pass a loader with at "

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from initlab._core.data import DataCounter, is_single_batch
+from initlab._core.data import DataCounter, is_single_batch, iter_batches
 from initlab._core.distributed import all_reduce_sum, is_distributed, world_size
 from initlab._core.loss import Loss, resolve_loss
 from initlab._core.rows import split_name
@@ -49,7 +49,6 @@ __all__ = [
     "evaluation_modes",
     "fold_alpha",
     "grads_or_zeros",
-    "iter_batches",
     "known_length",
     "loss_at",
     "nonzero",
@@ -307,18 +306,6 @@ def known_length(data: Any) -> int | None:
         return None
 
 
-def iter_batches(data: Any, what: str) -> Iterator[Any]:
-    if is_single_batch(data):
-        return iter([data])
-    try:
-        return iter(data)
-    except TypeError:
-        raise TypeError(
-            f"{what}: data must be a batch (tensor or tuple of tensors) or an iterable of "
-            f"batches, got {type(data).__name__}"
-        ) from None
-
-
 def positive_int(what: str, key: str, value: object) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{what}: {key} must be a positive int, got {value!r}")
@@ -380,7 +367,7 @@ def _stream_pairs(
 ) -> Iterator[tuple[Any, Any]]:
     """The pairs of :func:`batch_pairs`, read lazily from ``data``."""
     extra = 1 if need_next else 0
-    it = counter.wrap(iter_batches(data, what))
+    it = counter.wrap(iter_batches(data, what=what))
     got = 0
 
     def pull() -> Any:
