@@ -127,7 +127,7 @@ def find_residual_blocks(gm: Any) -> list[dict[str, Any]]:
         ops = [a for a in node.args[:2] if isinstance(a, torch.fx.Node)]
         if len(ops) != 2 or any(a.op == "get_attr" for a in ops):
             continue
-        best = _best_orientation(gm, ops, is_ancestor)
+        best = best_orientation(ops, lambda s, b: _walk_skip(gm, s, b, is_ancestor))
         if best is None:
             continue
         x, branch, shortcut = best
@@ -173,19 +173,19 @@ def _ancestry(nodes: list[Any]) -> Callable[[Any, Any], bool]:
     return is_ancestor
 
 
-def _best_orientation(
-    gm: Any, ops: list[Any], is_ancestor: Callable[[Any, Any], bool]
+def best_orientation(
+    operands: Sequence[Any], walk: Callable[[Any, Any], tuple[Any, Any, list[str]] | None]
 ) -> tuple[Any, Any, list[str]] | None:
-    """``(block input, branch operand, shortcut modules)`` of an addition's two operands, the
-    orientation with the fewer shortcut modules (then the shorter walk); ``None`` if neither is
-    a residual connection."""
+    """``(block input, branch operand, shortcut modules)`` of an addition's two operands: of the
+    orientations ``walk(skip, branch)`` accepts (it returns ``(key, block input, shortcut)``),
+    the one with the smallest key (fewer shortcut modules, then the shorter walk); ``None`` if
+    neither is a residual connection. Shared by the fx and the runtime finders."""
+    a, b = operands
     best = None
-    for skip, branch in ((ops[0], ops[1]), (ops[1], ops[0])):
-        got = _walk_skip(gm, skip, branch, is_ancestor)
-        if got is not None:
-            key, x, shortcut = got
-            if best is None or key < best[0]:
-                best = (key, x, branch, shortcut)
+    for skip, branch in ((a, b), (b, a)):
+        got = walk(skip, branch)
+        if got is not None and (best is None or got[0] < best[0]):
+            best = (got[0], got[1], branch, got[2])
     return None if best is None else best[1:]
 
 

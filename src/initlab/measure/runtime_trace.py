@@ -48,7 +48,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from initlab.measure.residual import SHORTCUT_STEPS, _name_blocks
+from initlab._core.hooks import hook_handles
+from initlab._core.state import preserved_state
+from initlab.measure.residual import SHORTCUT_STEPS, _name_blocks, best_orientation
 
 __all__ = ["RuntimeGraph", "RuntimeNode", "find_runtime_blocks", "runtime_trace"]
 
@@ -160,8 +162,6 @@ def runtime_trace(
 ) -> RuntimeGraph:
     """Run ``model(*args, **kwargs)`` once (no grad; parameters, buffers, modes, hooks and RNG
     states put back) and return its :class:`RuntimeGraph` (see the module docstring)."""
-    from initlab._core.state import preserved_state
-
     kwargs = dict(kwargs or {})
     graph = RuntimeGraph()
     names: dict[int, str] = {}
@@ -182,18 +182,15 @@ def runtime_trace(
         if rec.stack:
             rec.stack.pop()
 
-    handles = []
-    with preserved_state(model), torch.no_grad():
+    with preserved_state(model), torch.no_grad(), hook_handles() as handles:
         try:
             for m in model.modules():
-                handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
-                handles.append(m.register_forward_hook(post, with_kwargs=True, always_call=True))
+                handles.add(m.register_forward_pre_hook(pre, with_kwargs=True))
+                handles.add(m.register_forward_hook(post, with_kwargs=True, always_call=True))
             rec.node("input", [], _tensors((args, kwargs)), "input")
             with rec:
                 model(*args, **kwargs)
         finally:
-            for h in handles:
-                h.remove()
             rec.keep.clear()
     return graph
 
@@ -219,7 +216,7 @@ def blocks_of(graph: RuntimeGraph) -> list[dict[str, Any]]:
         if node.operands is None or None in node.operands:
             continue
         a, b = (nodes[i] for i in node.operands)  # type: ignore[index]
-        best = _best_orientation(graph, a, b, is_ancestor)
+        best = best_orientation((a, b), lambda s, br: _walk_skip(graph, s, br, is_ancestor))
         if best is None:
             continue
         x, branch, shortcut = best
@@ -263,22 +260,6 @@ def _ancestry(nodes: list[RuntimeNode]) -> Callable[[RuntimeNode, RuntimeNode], 
         return bool(anc[b.index] >> a.index & 1)
 
     return is_ancestor
-
-
-def _best_orientation(
-    graph: RuntimeGraph,
-    a: RuntimeNode,
-    b: RuntimeNode,
-    is_ancestor: Callable[[RuntimeNode, RuntimeNode], bool],
-) -> tuple[RuntimeNode, RuntimeNode, list[str]] | None:
-    """``(block input, branch operand, shortcut modules)``: the orientation with the fewer
-    shortcut modules (then the shorter walk), or ``None``."""
-    best = None
-    for skip, branch in ((a, b), (b, a)):
-        got = _walk_skip(graph, skip, branch, is_ancestor)
-        if got is not None and (best is None or got[0] < best[0]):
-            best = (got[0], got[1], branch, got[2])
-    return None if best is None else best[1:]
 
 
 def _walk_skip(
