@@ -298,42 +298,45 @@ def _add_init(sub: Subparsers) -> None:
 
 def _add_diagnose(sub: Subparsers) -> None:
     p = sub.add_parser("diagnose", help="per-layer conditioning report of a model")
-    p.add_argument("--model", required=True, help=_MODEL_HELP)
-    p.add_argument("--model-kwargs", help="JSON object of keyword arguments for the factory")
-    p.add_argument("--data", help=f"{_DATA_HELP} (default: random inputs of a zoo model's shape)")
-    p.add_argument("--loss", help="auto | cross_entropy | mse | random_quadratic | pkg.module:fn")
+    _add_model_data_loss(p)
     p.add_argument("--init", help="initialize with this scheme first (default: keep)")
     p.add_argument("--out", help="folder for report.html, report.json, report.md, summary.txt")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument(
-        "--max-batches", "--batches", dest="max_batches", type=int, default=4,
-        help="at most this many batches of --data (--batches: the old name)",
-    )  # fmt: skip
+    _add_batches(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--curvature", action="store_true", help="also Hessian blocks (slower)")
     p.add_argument("--no-plots", action="store_true")
     p.set_defaults(func=_cmd_diagnose)
 
 
-def _add_doctor(sub: Subparsers) -> None:
-    p = sub.add_parser(
-        "doctor", help="check a model at step zero, recommend fixes (--fix: apply them)"
-    )
+def _add_model_data_loss(p: argparse.ArgumentParser) -> None:
+    """--model, --model-kwargs, --data, --loss: what ``diagnose`` and ``doctor`` load alike."""
     p.add_argument("--model", required=True, help=_MODEL_HELP)
     p.add_argument("--model-kwargs", help="JSON object of keyword arguments for the factory")
     p.add_argument("--data", help=f"{_DATA_HELP} (default: random inputs of a zoo model's shape)")
     p.add_argument("--loss", help="auto | cross_entropy | mse | random_quadratic | pkg.module:fn")
+
+
+def _add_batches(p: argparse.ArgumentParser) -> None:
+    """--batch-size and --max-batches (--batches: the old name) of ``diagnose`` and ``doctor``."""
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument(
+        "--max-batches", "--batches", dest="max_batches", type=int, default=4,
+        help="at most this many batches of --data (--batches: the old name)",
+    )  # fmt: skip
+
+
+def _add_doctor(sub: Subparsers) -> None:
+    p = sub.add_parser(
+        "doctor", help="check a model at step zero, recommend fixes (--fix: apply them)"
+    )
+    _add_model_data_loss(p)
     p.add_argument(
         "--fix", nargs="?", const="recommended",
         help="apply the recommended fixes, or these (comma-separated: init, lsuv, output_scale, "
         "precondition), then re-measure; the model built here is not saved",
     )  # fmt: skip
     p.add_argument("--out", help="folder for doctor.md and doctor.json")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument(
-        "--max-batches", "--batches", dest="max_batches", type=int, default=4,
-        help="at most this many batches of --data (--batches: the old name)",
-    )  # fmt: skip
+    _add_batches(p)
     p.add_argument("--seed", type=int, default=0, help="seeds the data, the fixes and the loss")
     p.set_defaults(func=_cmd_doctor)
 

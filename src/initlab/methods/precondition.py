@@ -392,7 +392,7 @@ class _Balancing:
 
     def probe(self) -> Rows:
         """The GR scaling of every layer (:func:`~initlab.gr_scaling`) from one moment probe."""
-        with keep_buffers(self.model), self.seeds.scope(1):
+        with self.seeds.scope(1):  # measure_moments leaves buffers (BN statistics) as they were
             p = measure_moments(self.model, self.batches, self.loss_fn, **self.probe_kwargs)
         self.forward += len(self.batches)
         self.backward += len(self.batches)
