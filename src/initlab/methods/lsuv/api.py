@@ -18,7 +18,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from initlab._core.data import DataUse, batch_size, default_forward, take_batches
+from initlab._core.data import DataUse, data_use, default_forward, take_batches
 from initlab._core.hooks import hook_handles
 from initlab._core.knobs import renamed_kwargs, user_stacklevel
 from initlab._core.method_report import MethodReport
@@ -259,11 +259,11 @@ def lsuv_(
     """
     start = time.perf_counter()
     target, tol, forward = _check_options(
-        model, target, tol, max_iter, strategy, norm_mode, max_batches, blocks, forward
+        model, target, tol, max_iter, strategy, norm_mode, blocks, forward
     )
     gen = as_generator(generator)
     registry = registry if registry is not None else default_registry()
-    taken, examples, runs = _take_data(data, max_batches, concat_batches)
+    used, runs = _take_data(data, max_batches, concat_batches)
     units = build_units(model, modules, registry)
     block_names = find_blocks(model, blocks) if strategy != "layers" else {}
     engine = Engine(
@@ -285,8 +285,8 @@ def lsuv_(
         "tol": tol,
         "sweeps": sweeps,
         "block_replays": engine.replays,
-        "batches": len(taken),
-        "examples": examples,
+        "batches": used.batches,
+        "examples": used.examples,
         "converged": not off,
     }
     return MethodReport(
@@ -297,7 +297,7 @@ def lsuv_(
         backward_passes=0,
         wall_s=time.perf_counter() - start,
         info=info,
-        used=DataUse(len(taken), examples),
+        used=used,
     )
 
 
@@ -308,7 +308,6 @@ def _check_options(
     max_iter: int,
     strategy: str,
     norm_mode: str,
-    max_batches: int | None,
     blocks: Selection | None,
     forward: Callable[[nn.Module, Any], Any] | None,
 ) -> tuple[float, float, Callable[[nn.Module, Any], Any]]:
@@ -323,10 +322,6 @@ def _check_options(
         raise ValueError(f"unknown strategy {strategy!r}; valid strategies: {list(_MODES)}")
     if norm_mode not in _NORM_MODES:
         raise ValueError(f"unknown norm_mode {norm_mode!r}; valid values: {list(_NORM_MODES)}")
-    if max_batches is not None and (
-        isinstance(max_batches, bool) or not isinstance(max_batches, int) or max_batches < 1
-    ):
-        raise ValueError(f"max_batches must be an int >= 1 or None, got {max_batches!r}")
     if blocks is not None and strategy == "layers":
         raise ValueError("blocks= is used by strategy='branches' or 'stream' only")
     if forward is None:
@@ -338,17 +333,16 @@ def _check_options(
 
 def _take_data(
     data: Any, max_batches: int | None, concat_batches: bool
-) -> tuple[list[Any], int, list[Any]]:
-    """The batches taken from ``data`` (checked finite), their examples, and what each forward
-    pass runs on."""
+) -> tuple[DataUse, list[Any]]:
+    """How much data was taken (the batches checked finite), and what each forward pass runs
+    on."""
     taken = take_batches(data, max_batches, what="lsuv_")
     for batch in taken:
         for path, t in flatten_tensors(batch):
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 raise ValueError(f"lsuv_: the data has non-finite values (entry {path})")
-    examples = sum(batch_size(b) for b in taken)
     runs = [_cat(taken, "")] if concat_batches and len(taken) > 1 else taken
-    return taken, examples, runs
+    return data_use(taken), runs
 
 
 @contextmanager
