@@ -136,7 +136,21 @@ def _check_listed_once(names: Sequence[str], canon: Mapping[str, str]) -> None:
         )
 
 
-class CurvatureOperator:
+class _MatvecOperator:
+    """``op @ x`` for a vector (one :meth:`matvec`) or the columns of a matrix."""
+
+    def matvec(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def __matmul__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 1:
+            return self.matvec(x)
+        if x.dim() == 2:
+            return torch.stack([self.matvec(c) for c in x.T], dim=1)
+        raise ValueError(f"@ takes a vector or a matrix, got {x.dim()} dimensions")
+
+
+class CurvatureOperator(_MatvecOperator):
     r"""The Hessian ``H`` (or GGN ``G``) of a model's batch loss as a linear operator.
 
     ``f(θ) = loss_fn(model_θ, batch)`` with ``θ`` the selected parameters in block order (all
@@ -330,13 +344,6 @@ class CurvatureOperator:
         x = x.to(dtype=self.dtype, device=self.device)
         return torch.cat([t.reshape(-1) for t in self.product(self.split(x))])
 
-    def __matmul__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 1:
-            return self.matvec(x)
-        if x.dim() == 2:
-            return torch.stack([self.matvec(c) for c in x.T], dim=1)
-        raise ValueError(f"@ takes a vector or a matrix, got {x.dim()} dimensions")
-
     def to_dense(self) -> torch.Tensor:
         """The full matrix (``shape[1]`` products; for small models and tests)."""
         eye = torch.eye(self.shape[1], dtype=self.dtype, device=self.device)
@@ -396,7 +403,7 @@ class CurvatureOperator:
         )
 
 
-class BlockOperator:
+class BlockOperator(_MatvecOperator):
     """The block ``H_lk`` of a :class:`CurvatureOperator` as a linear operator.
 
     ``blk @ x`` for ``x`` of length ``n_col`` (or an ``n_col × m`` matrix) returns ``H_lk x``
@@ -424,13 +431,6 @@ class BlockOperator:
         out = self.op.product(self.op.split(full), support)
         flat = torch.cat([t.reshape(-1) for t in out])
         return flat[self.row.offset : self.row.offset + self.row.size]
-
-    def __matmul__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 1:
-            return self.matvec(x)
-        if x.dim() == 2:
-            return torch.stack([self.matvec(c) for c in x.T], dim=1)
-        raise ValueError(f"@ takes a vector or a matrix, got {x.dim()} dimensions")
 
     @property
     def T(self) -> BlockOperator:
