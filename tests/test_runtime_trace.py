@@ -9,11 +9,17 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 import initlab
 from initlab.diagnostics.linter import lint_model
 from initlab.measure._fx import trace_model
-from initlab.measure.runtime_trace import find_runtime_blocks, runtime_trace
+from initlab.measure.runtime_trace import (
+    attention_layers,
+    find_runtime_blocks,
+    runtime_trace,
+    what_follows,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -302,4 +308,42 @@ def test_diagnose_bert_lipschitz_uses_the_blocks() -> None:
     lip = report.meta["lipschitz"]
     assert len(report.meta["residual_blocks"]) == 4
     assert lip["residual"] > 1e3 * lip["plain"]
-    assert "Lipschitz upper bound with residual blocks" in report.summary()
+    assert not lip["guaranteed"] and any("LayerNorm" in n for n in lip["notes"])
+    # LayerNorm has no operator-norm bound: the summary prints no number
+    assert "Lipschitz upper bound: not available" in report.summary()
+
+
+class _Attention(nn.Module):
+    """Separate q/k/v projections, SDPA or eager softmax, a gated MLP and a LayerNorm."""
+
+    def __init__(self, eager: bool) -> None:
+        super().__init__()
+        self.eager = eager
+        self.q, self.k, self.v, self.o = (nn.Linear(8, 8) for _ in range(4))
+        self.gate, self.up, self.down = nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 8)
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        if self.eager:
+            a = torch.softmax(q @ k.transpose(-1, -2) / 8**0.5, dim=-1) @ v
+        else:
+            a = F.scaled_dot_product_attention(q, k, v)
+        h = self.norm(x + self.o(a))
+        return self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+@pytest.mark.parametrize("eager", [True, False])
+def test_what_follows_each_layer(eager: bool) -> None:
+    model = _Attention(eager)
+    graph = runtime_trace(model, (torch.randn(2, 5, 8),))
+    types = {n: type(m).__name__ for n, m in model.named_modules()}
+    got = what_follows(graph, types)
+    assert got["q"] >= {"attention scores"} and got["k"] >= {"attention scores"}
+    assert got["v"] == {"attention values"}
+    assert got["o"] == {"normalization"}
+    assert got["gate"] == got["up"] == {"product"}
+    assert got["down"] == set() and got["norm"] == set()
+    assert attention_layers(graph, types) == {
+        "q": "attention scores", "k": "attention scores", "v": "attention values",
+    }  # fmt: skip

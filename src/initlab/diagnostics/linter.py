@@ -663,7 +663,10 @@ def _signal_findings(
         )  # fmt: skip
         return True
 
-    if not check(r.get("E_y2"), "E[y^2]", "vanishing_signal", "exploding_signal", "signal"):
+    # A normalization sets its output's scale itself: its ratio to the network's input is no
+    # gain through depth (a LayerNorm after a 0.02-std embedding is "x2600" by design).
+    absolute = check(r.get("E_y2"), "E[y^2]", "vanishing_signal", "exploding_signal", "signal")
+    if not absolute and "Norm" not in mtype:
         check(ratios.get(layer, math.nan), "E[y^2] / E[x^2] of the network's input",
               "vanishing_signal", "exploding_signal", "signal")  # fmt: skip
     if chain:

@@ -265,6 +265,28 @@ def _decode_rows(obj: Mapping[str, Any]) -> Rows:
 # ----------------------------------------------------------------------------- the report
 
 
+def _lipschitz_lines(meta: Mapping[str, Any]) -> list[str]:
+    """The summary's Lipschitz line: the bound, or why there is none (layers it cannot cover,
+    such as LayerNorm or attention, make any product of operator norms no bound at all)."""
+    lip = meta.get("lipschitz") or {}
+    if not _finite(lip.get("plain")):
+        return []
+    uncovered = list(lip.get("uncovered") or ())
+    if lip.get("guaranteed") is False and uncovered:
+        shown = ", ".join(uncovered[:3]) + (
+            f" and {len(uncovered) - 3} more" * (len(uncovered) > 3)
+        )
+        return [
+            f"  Lipschitz upper bound: not available, {len(uncovered)} layer(s) have no operator "
+            f"norm bound ({shown}); see meta['lipschitz']"
+        ]
+    if lip.get("guaranteed") is False:
+        return ["  Lipschitz upper bound: not available (see meta['lipschitz'])"]
+    if meta.get("residual_blocks") and _finite(lip.get("residual")):
+        return [f"  Lipschitz upper bound with residual blocks = {lip['residual']:.4g}"]
+    return [f"  Lipschitz upper bound prod ||W_j|| = {lip['plain']:.4g}"]
+
+
 class Report:
     """What :func:`initlab.diagnose` measured, with a verdict per layer.
 
@@ -328,15 +350,7 @@ class Report:
                     f"  {label} max/min over weights = {mm:.3g} "
                     f"(max {imb.get(f'{key}_argmax')}, min {imb.get(f'{key}_argmin')})"
                 )
-        lip = m.get("lipschitz") or {}
-        if _finite(lip.get("plain")):
-            if m.get("residual_blocks") and _finite(lip.get("residual")):
-                text = f"  Lipschitz upper bound with residual blocks = {lip['residual']:.4g}"
-            else:
-                text = f"  Lipschitz upper bound prod ||W_j|| = {lip['plain']:.4g}"
-            if lip.get("guaranteed") is False:
-                text += " (not a guarantee: some layers are not covered, see meta['lipschitz'])"
-            lines.append(text)
+        lines += _lipschitz_lines(m)
         counts = {v: sum(1 for r in self.layers if r["verdict"] == v) for v in _VERDICTS}
         lines.append(f"  verdicts: {counts['ok']} ok, {counts['warn']} warn, {counts['bad']} bad")
         lines.append("")

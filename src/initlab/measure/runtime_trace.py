@@ -39,7 +39,8 @@ would).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,7 +53,16 @@ from initlab._core.hooks import hook_handles
 from initlab._core.state import preserved_state
 from initlab.measure.residual import SHORTCUT_STEPS, _name_blocks, best_orientation
 
-__all__ = ["RuntimeGraph", "RuntimeNode", "find_runtime_blocks", "runtime_trace"]
+__all__ = [
+    "RuntimeGraph",
+    "RuntimeNode",
+    "attention_layers",
+    "blocks_of",
+    "find_runtime_blocks",
+    "recording",
+    "runtime_trace",
+    "what_follows",
+]
 
 _ADD_NAMES = {"add", "add_", "__add__", "__iadd__", "__radd__"}
 _FACTORY_NAMES = {
@@ -163,6 +173,20 @@ def runtime_trace(
     """Run ``model(*args, **kwargs)`` once (no grad; parameters, buffers, modes, hooks and RNG
     states put back) and return its :class:`RuntimeGraph` (see the module docstring)."""
     kwargs = dict(kwargs or {})
+    with preserved_state(model), torch.no_grad(), recording(model) as graph:
+        model(*args, **kwargs)
+    return graph
+
+
+@contextmanager
+def recording(model: nn.Module) -> Iterator[RuntimeGraph]:
+    """Record the data flow of every forward of ``model`` run inside the ``with`` block.
+
+    The graph is filled as the block runs; the tensor arguments of each outermost module call
+    are its input nodes. Nothing of the model is changed or put back here (:func:`runtime_trace`
+    keeps the model; a caller that runs its own pass, such as LSUV's discovery pass, keeps it its
+    own way); the hooks are removed and the recorded tensors released on exit.
+    """
     graph = RuntimeGraph()
     names: dict[int, str] = {}
     for name, m in model.named_modules():
@@ -172,6 +196,10 @@ def runtime_trace(
     rec = _Recorder(graph)
 
     def pre(module: nn.Module, a: tuple, kw: dict) -> None:
+        if not rec.stack:  # an outermost call: its tensor arguments are the inputs
+            with torch._C.DisableTorchFunction():
+                fresh = [t for t in _tensors((a, kw)) if id(t) not in rec.tags]
+            rec.node("input", [], fresh, "input")
         rec.stack.append(names.get(id(module), type(module).__name__))
 
     def post(module: nn.Module, a: tuple, kw: dict, out: Any) -> None:
@@ -182,17 +210,15 @@ def runtime_trace(
         if rec.stack:
             rec.stack.pop()
 
-    with preserved_state(model), torch.no_grad(), hook_handles() as handles:
+    with hook_handles() as handles:
         try:
             for m in model.modules():
                 handles.add(m.register_forward_pre_hook(pre, with_kwargs=True))
                 handles.add(m.register_forward_hook(post, with_kwargs=True, always_call=True))
-            rec.node("input", [], _tensors((args, kwargs)), "input")
             with rec:
-                model(*args, **kwargs)
+                yield graph
         finally:
             rec.keep.clear()
-    return graph
 
 
 def find_runtime_blocks(
@@ -280,3 +306,77 @@ def _walk_skip(
         steps += cur.fn not in _FREE_NAMES
         cur = graph.nodes[cur.inputs[0]]
     return None
+
+
+_SCORE_FNS = {"softmax", "_softmax", "log_softmax"}
+_MATMUL_FNS = {"matmul", "bmm", "__matmul__", "__rmatmul__", "einsum", "baddbmm"}
+_PRODUCT_FNS = {"mul", "__mul__", "__rmul__", "multiply"}
+_NORM_FNS = {"layer_norm", "group_norm", "batch_norm", "instance_norm", "rms_norm", "normalize"}
+
+
+def what_follows(graph: RuntimeGraph, types: Mapping[str, str]) -> dict[str, set[str]]:
+    """What the output of each module with parameters meets before the next such module.
+
+    Walks the recorded data flow forward from the module's calls and stops at the next module
+    with parameters. Collects ``"attention scores"`` (a softmax, or the query/key argument of
+    ``scaled_dot_product_attention``), ``"attention values"`` (a matrix product of two
+    activations: the value side of attention), ``"product"`` (an elementwise product of two
+    activations: a gated unit such as SwiGLU) and ``"normalization"`` (a normalizing
+    function, or a module whose type name ends in ``Norm``: ``LlamaRMSNorm``). Each takes a
+    layer outside a chain of linear maps and elementwise activations, the setting of Defazio &
+    Bottou's GR formula. ``types``: qualified module name -> type name.
+    """
+    nodes = graph.nodes
+    consumers: list[list[int]] = [[] for _ in nodes]
+    for n in nodes:
+        for i in n.inputs:
+            consumers[i].append(n.index)
+    out: dict[str, set[str]] = {}
+    for name in graph.params:
+        found: set[str] = set()
+        start = {n.index for n in nodes if n.module == name}
+        frontier = [(j, i) for i in start for j in consumers[i] if j not in start]
+        seen: set[int] = set()
+        while frontier and len(seen) < 400:
+            j, came_from = frontier.pop()
+            if j in seen:
+                continue
+            seen.add(j)
+            kind, stop = _meets(nodes[j], came_from, types, name)
+            if kind is not None:
+                found.add(kind)
+            next_layer = nodes[j].module in graph.params and nodes[j].module != name
+            if not (stop or next_layer):
+                frontier += [(k, j) for k in consumers[j]]
+        out[name] = found
+    return out
+
+
+def _meets(
+    node: RuntimeNode, came_from: int, types: Mapping[str, str], name: str
+) -> tuple[str | None, bool]:
+    """``(what the walk met here or None, whether it stops here)``."""
+    if node.fn in _SCORE_FNS:
+        return "attention scores", True
+    if node.fn == "scaled_dot_product_attention":
+        return ("attention scores" if came_from in node.inputs[:2] else "attention values"), True
+    if node.fn in _MATMUL_FNS and len(node.inputs) >= 2:
+        return "attention values", False
+    if node.fn in _PRODUCT_FNS and len(node.inputs) >= 2:
+        return "product", False
+    if node.fn in _NORM_FNS or types.get(node.module, "").endswith("Norm"):
+        return ("normalization", True) if node.module != name else (None, False)
+    return None, False
+
+
+def attention_layers(graph: RuntimeGraph, types: Mapping[str, str]) -> dict[str, str]:
+    """The layers whose output feeds attention -- query, key (the scores) and value projections
+    of any attention implementation (``nn.MultiheadAttention`` is one module; Hugging Face's
+    eager, SDPA or custom code are found alike) -- with what it feeds."""
+    out = {}
+    for name, kinds in what_follows(graph, types).items():
+        if "attention scores" in kinds:
+            out[name] = "attention scores"
+        elif "attention values" in kinds:
+            out[name] = "attention values"
+    return out
