@@ -467,6 +467,54 @@ def test_branches_mode_scales_only_branch_ends() -> None:
     _assert_on_target(model, x, report)
 
 
+def test_branches_found_by_runtime_trace_match_the_named_blocks() -> None:
+    # No block module named and none of a known type: the discovery pass's runtime trace finds
+    # the residual additions, and each branch's end is the same layer as with blocks= given.
+    x = torch.randn(256, 16)
+    reports = {}
+    for blocks in (_is_block, None):
+        torch.manual_seed(0)
+        model = _res_mlp(True)
+        reports[blocks is None] = lsuv_(model, x, strategy="branches", blocks=blocks, generator=0)
+        _assert_on_target(model, x, reports[blocks is None])
+    named, traced = ({r["layer"]: r for r in reports[k]} for k in (False, True))
+    for i in (2, 4, 6):
+        for rows in (named, traced):
+            assert not rows[f"{i}.fc2"]["skipped"]
+            assert rows[f"{i}.fc2"]["var_after"] == pytest.approx(1.0, abs=0.1)
+            assert "not its branch end" in rows[f"{i}.fc1"]["skipped"]
+    assert not traced["2.proj"]["skipped"]  # a shortcut outside a block module: a plain layer
+
+
+class _PreLN(nn.Module):
+    """A pre-LN transformer-like block: two residual branches in one module."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.mix, self.out = nn.Linear(d, d), nn.Linear(d, d)
+        self.fc, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.out(torch.tanh(self.mix(self.ln1(x))))
+        return x + self.down(torch.relu(self.fc(self.ln2(x))))
+
+
+def test_branches_treats_both_branches_of_a_pre_ln_block() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), _PreLN(16), _PreLN(16), nn.Linear(16, 4))
+    x = torch.randn(512, 8)
+    for blocks in (None, ["1", "2"]):  # traced, or block modules named: two ends per block
+        report = lsuv_(model, x, strategy="branches", blocks=blocks, generator=0)
+        rows = {r["layer"]: r for r in report}
+        for i in (1, 2):
+            for end in ("out", "down"):
+                assert not rows[f"{i}.{end}"]["skipped"], (blocks, i, end)
+            for inner in ("mix", "fc"):
+                assert "not its branch end" in rows[f"{i}.{inner}"]["skipped"]
+        _assert_on_target(model, x, report)
+
+
 def test_stream_mode_brings_block_outputs_to_target() -> None:
     torch.manual_seed(0)
     model = _res_mlp(True)
@@ -498,8 +546,13 @@ def test_stream_mode_unreachable_target_falls_back_to_the_layer() -> None:
 
 
 def test_block_modes_need_blocks() -> None:
-    with pytest.raises(ValueError, match="no residual block found"):
+    with pytest.raises(ValueError, match=r"no module of a known block type.*strategy='branches'"):
         lsuv_(_mlp(), torch.randn(4, 20), strategy="stream")
+    model = _mlp()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"found no residual block.*runtime trace"):
+        lsuv_(model, torch.randn(4, 20), strategy="branches")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     with pytest.raises(ValueError, match="only"):
         lsuv_(_mlp(), torch.randn(4, 20), blocks=["0"])
 

@@ -27,6 +27,7 @@ from initlab._core.rng import as_generator
 from initlab._core.state import model_kept, restore_on_failure
 from initlab.init.registry import Registry, default_registry
 from initlab.measure.residual import KNOWN_BLOCKS
+from initlab.measure.runtime_trace import blocks_of, recording
 from initlab.methods.lsuv.engine import Engine
 from initlab.methods.lsuv.units import (
     DEAD,
@@ -243,7 +244,9 @@ def lsuv_(
         :class:`~initlab.MethodReport` named ``"lsuv"``, one row per layer (schema
         :data:`LSUV_COLUMNS`), with ``forward_passes`` (full forwards of the model),
         ``backward_passes`` (0) and ``wall_s``; ``info`` holds ``sweeps``, ``block_replays``,
-        ``batches``, ``examples``, ``converged`` and the settings.
+        ``batches``, ``examples``, ``converged``, ``skipped`` (layer -> why it was not scaled:
+        never called, dead, unsupported, a module no registry handler claims that holds a raw
+        weight matrix, ...; also warned about) and the settings.
 
     Raises:
         ValueError: bad options; ``data`` has fewer batches than asked for; non-finite data or a
@@ -265,7 +268,7 @@ def lsuv_(
     registry = registry if registry is not None else default_registry()
     used, runs = _take_data(data, max_batches, concat_batches)
     units = build_units(model, modules, registry)
-    block_names = find_blocks(model, blocks) if strategy != "layers" else {}
+    block_names = find_blocks(model, blocks, strategy) if strategy != "layers" else {}
     engine = Engine(
         units,
         target=target,
@@ -288,6 +291,7 @@ def lsuv_(
         "batches": used.batches,
         "examples": used.examples,
         "converged": not off,
+        "skipped": {u.name: u.skipped or u.frozen for u in units if u.skipped or u.frozen},
     }
     return MethodReport(
         rows,
@@ -385,11 +389,19 @@ def _run(
     passes = 0
     sweeps = 0
 
-    def run_pass() -> None:
+    def run_pass(trace: bool = False) -> list[dict[str, Any]]:
+        """One pass over the data; with ``trace``, the residual branches of its first batch."""
         nonlocal passes
-        for batch in runs:
-            forward(model, batch)
+        branches: list[dict[str, Any]] = []
+        for i, batch in enumerate(runs):
+            if trace and i == 0:
+                with recording(model) as graph:
+                    forward(model, batch)
+                branches = blocks_of(graph)
+            else:
+                forward(model, batch)
             passes += 1
+        return branches
 
     with _measuring_modes(model, norm_mode), hook_handles() as handles:
         engine.install(handles)
@@ -397,9 +409,10 @@ def _run(
             if strategy != "layers":
                 engine.discovering = True
                 engine.begin_sweep(False)
-                run_pass()
+                branches = run_pass(trace=strategy == "branches")
                 engine.discovering = False
-                engine.discover(strategy)  # type: ignore[arg-type]
+                engine.discover(strategy, branches)  # type: ignore[arg-type]
+                _check_found(engine, strategy)
             while True:
                 sweeps += 1
                 engine.begin_sweep(sweeps <= max_iter)
@@ -410,6 +423,18 @@ def _run(
                 if not engine.may_correct or not engine.pending() or sweeps >= max_iter:
                     break
     return passes, sweeps
+
+
+def _check_found(engine: Engine, strategy: str) -> None:
+    """A block strategy needs a residual block: by type, by name or by the runtime trace."""
+    if engine.block_names or engine.branch_ends:
+        return
+    raise ValueError(
+        f"lsuv_: strategy={strategy!r} found no residual block: no module of a known block type "
+        f"({list(KNOWN_BLOCKS)}) and no residual addition x + f(x) in a runtime trace of the "
+        "first batch; pass blocks= (qualified names or a predicate (name, module) -> bool), or "
+        "use strategy='layers'"
+    )
 
 
 def _report_rows(

@@ -10,7 +10,7 @@ the moments of a sweep over calls, batches and ranks. :meth:`Engine.install` reg
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -93,6 +93,7 @@ class Engine:
         self.next_order = 0
         self.stack: list[BlockCall] = []
         self.replays = 0
+        self.branch_ends = 0
         self.active = [u for u in units if u.kind != "static"]
 
     # -- bookkeeping ---------------------------------------------------------------------------
@@ -478,18 +479,32 @@ class Engine:
         unit.scale *= sigma
         return out, vec
 
-    def discover(self, block_mode: Mode) -> None:
+    def discover(self, block_mode: Mode, branches: Sequence[Mapping[str, Any]] = ()) -> None:
         """After the discovery pass: each block's branch end, and what happens to its layers.
 
-        The branch end is the last layer (execution order) that ran inside the block and did not
-        take the block's own input (which excludes projection shortcuts); if every layer took
-        the block input, the last one.
+        ``branches`` are the residual branches a runtime trace of the pass found
+        (:func:`~initlab.measure.runtime_trace.blocks_of`); with ``strategy="branches"`` each
+        one inside a block module (every one, when no block module is known) has its own
+        branch end: the last layer of the branch to run. A pre-LN transformer block thus gets
+        two, its attention output projection and its MLP output projection. A block module
+        with no traced branch inside falls back to the rule below.
+
+        The branch end of a block module is the last layer (execution order) that ran inside the
+        block and did not take the block's own input (which excludes projection shortcuts); if
+        every layer took the block input, the last one.
         """
+        ends, covered = self._discover_branches(branches) if block_mode == "branches" else ((), ())
+        why = "inside block {}, not its branch end (strategy='branches')"
         for block, name in self.block_names.items():
             inside = sorted(
                 (u for u in self.active if u.block is block and u.order is not None),
                 key=lambda u: u.order,  # type: ignore[arg-type,return-value]
             )
+            if name in covered:  # its traced branches have their ends; a shortcut layer is kept
+                for u in inside:
+                    if id(u) not in ends:
+                        u.frozen = u.frozen or why.format(name)
+                continue
             if not inside:
                 continue
             candidates = [u for u in inside if not u.takes_block_input] or inside
@@ -497,7 +512,46 @@ class Engine:
             if block_mode == "branches":
                 for u in inside:
                     if u is not end:
-                        u.frozen = f"inside block {name}, not its branch end (strategy='branches')"
+                        u.frozen = why.format(name)
             else:
                 end.measure_block = name
                 self.stream[block] = end
+
+    def _discover_branches(
+        self, branches: Sequence[Mapping[str, Any]]
+    ) -> tuple[set[int], set[str]]:
+        """Freeze every layer of a traced residual branch but its last: ``(ids of the branch
+        ends, names of the block modules that hold a traced branch)``."""
+        owners = list(self.block_names.values())
+        ends: set[int] = set()
+        frozen: dict[int, tuple[Unit, str]] = {}
+        covered: set[str] = set()
+        for b in branches:
+            owner = next(
+                (o for o in owners if b["module"] == o or b["module"].startswith(o + ".")), None
+            )
+            if owners and owner is None:
+                continue
+            members = set(b["branch"])
+            inside = sorted(
+                (
+                    u
+                    for u in self.active
+                    if u.order is not None and any(n in members for n, _ in u.members)
+                ),
+                key=lambda u: u.order,  # type: ignore[arg-type,return-value]
+            )
+            if not inside:
+                continue
+            covered.add(owner or "")
+            ends.add(id(inside[-1]))
+            for u in inside[:-1]:
+                why = (
+                    f"inside residual branch {b['name']}, not its branch end (strategy='branches')"
+                )
+                frozen.setdefault(id(u), (u, why))
+        for key, (u, why) in frozen.items():
+            if key not in ends:
+                u.frozen = why
+        self.branch_ends = len(ends)
+        return ends, covered

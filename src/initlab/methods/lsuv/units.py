@@ -208,8 +208,8 @@ def _layer_unit(
     """The unit of a layer with one weight (keyed by the weight), a skipped row for a layer LSUV
     cannot scale (no key), or ``None`` for a module without weights."""
     specs = registry.specs(module)
-    if not specs:
-        return None
+    if specs is None:
+        return _unclaimed(name, module)
     weights = [s for s in specs if s.role == "weight"]
     if not weights:
         return None
@@ -232,6 +232,21 @@ def _layer_unit(
         transposed=spec.transposed,
     )
     return (id(w), 0), unit
+
+
+def _unclaimed(name: str, module: nn.Module) -> tuple[None, Unit] | None:
+    """A skipped row for a module no registry handler claims that holds a trainable matrix
+    (a custom layer with a raw ``nn.Parameter`` weight): LSUV cannot tell which tensor is its
+    weight, nor its fans, so it says so instead of skipping it silently."""
+    raw = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad and p.dim() >= 2]
+    if not raw:
+        return None
+    row = Unit(name, type(module).__name__, "static", [(name, module)])
+    row.skipped = (
+        f"no registry handler for {type(module).__name__} (raw parameter(s) {', '.join(raw)}): "
+        "register one with initlab.register_handler to have LSUV scale it"
+    )
+    return None, row
 
 
 def _exclude_shared(model: nn.Module, units: list[Unit]) -> None:
@@ -258,16 +273,25 @@ def _exclude_shared(model: nn.Module, units: list[Unit]) -> None:
             unit.skipped = f"weight shared with {', '.join(others)}, which LSUV does not scale"
 
 
-def find_blocks(model: nn.Module, blocks: Selection | None) -> dict[nn.Module, str]:
-    """The residual blocks for ``strategy="branches"``/``"stream"`` (module -> qualified name)."""
+def find_blocks(
+    model: nn.Module, blocks: Selection | None, strategy: str = "stream"
+) -> dict[nn.Module, str]:
+    """The residual block modules for ``strategy="branches"``/``"stream"`` (module -> name).
+
+    ``blocks=None``: the modules of a type in :data:`KNOWN_BLOCKS`. With ``"branches"`` none may
+    be found: the discovery pass then finds the residual branches by a runtime trace. ``"stream"``
+    re-runs a block module, so it needs one.
+    """
     named = list(model.named_modules())
     if blocks is None:
         found = known_blocks(model)
-        if not found:
+        if not found and strategy != "branches":
             raise ValueError(
-                "lsuv_: no residual block found for strategy='branches'/'stream'; pass blocks= "
-                f"(qualified names or a predicate (name, module) -> bool). Known types: "
-                f"{list(KNOWN_BLOCKS)}"
+                f"lsuv_: strategy={strategy!r} re-runs residual block modules, and no module of a "
+                f"known block type ({list(KNOWN_BLOCKS)}) was found; pass blocks= (qualified "
+                "names of modules whose output is the residual stream, or a predicate (name, "
+                "module) -> bool), or use strategy='branches', which finds the residual branches "
+                "of any model by a runtime trace"
             )
     else:
         if not callable(blocks):
