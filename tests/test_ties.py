@@ -405,7 +405,9 @@ def test_gpt2_tied_head_in_every_functional_path() -> None:
     assert [r["block_row"] for r in rows].count("transformer.wte") == 1
     assert not any(r["block_row"].startswith("lm_head") for r in rows)
     theory = theory_vs_actual(model, batch, probes=1, generator=0).to_rows()
-    assert [(r["layer"], r["block"]) for r in theory] == [("lm_head", wte)]
+    tied_rows = [(r["layer"], r["block"]) for r in theory if wte in (r["block"], r["layer"])]
+    assert tied_rows == [("lm_head", wte)]  # the tie: one row, under the head
+    assert {r["module_type"] for r in theory} == {"Conv1D", "Linear"}  # Conv1D is a linear map
     for directions in ("filter_normalized", "hessian"):
         land = loss_landscape(model, batch, directions=directions, grid=([0, 0.1], [0]))
         assert head not in land.directions[0] and wte in land.directions[0]

@@ -56,6 +56,7 @@ from initlab._core.hooks import HookContext
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows
 from initlab._core.state import preserved_state
+from initlab.init.registry import default_registry, linear_fans
 
 __all__ = [
     "SPECTRA_COLUMNS",
@@ -439,6 +440,7 @@ def layer_spectra(
     generator = as_generator(generator)
     shapes, order, multiple, used = _input_shapes(model, data)
     rank = {name: i for i, name in enumerate(order)}
+    registry = default_registry()
     rows: list[dict[str, Any]] = []
     svd_cache: dict[int, tuple[float, float]] = {}
     for name, module in model.named_modules():
@@ -450,8 +452,10 @@ def layer_spectra(
                 op_norm, method, matvecs = _conv_entry(
                     module, in_shape, name in multiple, note, tol, max_matvecs, generator
                 )
-            elif isinstance(module, nn.Linear):
+            elif linear_fans(module, registry) is not None:  # nn.Linear, GPT-2's Conv1D
                 op_norm, method = sv_max, "svd"
+            elif pname == "weight":
+                note.append(f"no operator norm for a {type(module).__name__} weight")
             rows.append(
                 {
                     "layer": name,
@@ -519,8 +523,8 @@ def lipschitz_bounds(
 
     Returns:
         ``{"plain": prod ||W_j||, "residual": the residual bound, "layers": n, "guaranteed":
-        no layer was left uncovered, "notes": [...]}``. ``plain`` bounds a chain; with skip
-        connections only ``residual`` is an upper bound.
+        no layer was left uncovered, "uncovered": [...], "notes": [...]}``. ``plain`` bounds a
+        chain; with skip connections only ``residual`` is an upper bound.
     """
     norms: dict[str, float] = {}
     for r in spectra:
@@ -564,14 +568,14 @@ def lipschitz_bounds(
             )
             return {
                 "plain": plain, "residual": math.nan, "layers": len(norms),
-                "guaranteed": False, "notes": notes,
+                "guaranteed": False, "uncovered": list(uncovered), "notes": notes,
             }  # fmt: skip
         seen |= blocks[j][1]
     outside = [v for n, v in norms.items() if n not in seen]
     residual = math.prod([*outside, *(factor(j) for j in top)]) if norms else math.nan
     return {
         "plain": plain, "residual": residual, "layers": len(norms),
-        "guaranteed": not uncovered, "notes": notes,
+        "guaranteed": not uncovered, "uncovered": list(uncovered), "notes": notes,
     }  # fmt: skip
 
 

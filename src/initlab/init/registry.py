@@ -51,6 +51,7 @@ __all__ = [
     "conv_handler",
     "default_registry",
     "embedding_handler",
+    "linear_fans",
     "linear_handler",
     "multihead_attention_handler",
     "norm_handler",
@@ -460,6 +461,21 @@ def transposed_linear_handler(module: nn.Module) -> list[ParamSpec]:
     n_in, n_out = module.weight.shape
     fans = Fans(fan_in=int(n_in), fan_out=int(n_out))
     return [ParamSpec("weight", "weight", fans, transposed=True), *_bias_specs(module, "bias")]
+
+
+def linear_fans(module: nn.Module, registry: Registry | None = None) -> tuple[int, int] | None:
+    """``(fan_in, n_out)`` of a dense linear layer -- ``nn.Linear``, or any module whose handler
+    is :func:`linear_handler` or :func:`transposed_linear_handler` (GPT-2's ``Conv1D``) --
+    else ``None``. Either layout is the matrix ``W`` of ``y = W x + b`` up to a transpose, which
+    changes neither its singular values nor the GR formula."""
+    registry = registry if registry is not None else default_registry()
+    handler = registry.handler_for(module)
+    if handler is linear_handler:
+        return int(module.in_features), int(module.out_features)
+    if handler is transposed_linear_handler:
+        n_in, n_out = module.weight.shape
+        return int(n_in), int(n_out)
+    return None
 
 
 def bilinear_handler(module: nn.Module) -> list[ParamSpec]:

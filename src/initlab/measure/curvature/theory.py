@@ -10,7 +10,7 @@ bias, computed from a :class:`~initlab.MomentProbe` run (:func:`_builtin_gamma`)
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import torch
@@ -20,6 +20,8 @@ from initlab._core.attention import with_math_attention
 from initlab._core.data import Batches, batch_size, data_use, take_batches
 from initlab._core.knobs import renamed_kwargs
 from initlab._core.rows import Rows
+from initlab._core.state import preserved_state
+from initlab.init.registry import linear_fans
 from initlab.measure.conditioning import gr_scaling
 from initlab.measure.curvature.estimators import ProbeKind, block_curvature
 from initlab.measure.curvature.functional import (
@@ -33,6 +35,7 @@ from initlab.measure.curvature.functional import (
 )
 from initlab.measure.curvature.operators import Kind
 from initlab.measure.curvature.products import Mode
+from initlab.measure.runtime_trace import recording, what_follows
 
 __all__ = ["THEORY_COLUMNS", "theory_vs_actual"]
 
@@ -72,8 +75,9 @@ def _builtin_gamma(
             vals[(r["layer"], r["quantity"], r["stat"])] = r["value"]
     out = {}
     for name, mod in modules.items():
-        if isinstance(mod, nn.Linear):
-            n_out, fan_in = mod.out_features, mod.in_features
+        dense = linear_fans(mod)  # nn.Linear, GPT-2's Conv1D
+        if dense is not None:
+            fan_in, n_out = dense
         elif isinstance(mod, _CONVS):
             n_out = mod.out_channels
             fan_in = mod.in_channels // mod.groups * math.prod(mod.kernel_size)
@@ -86,6 +90,36 @@ def _builtin_gamma(
         m = vals.get((name, "y", "numel"), _NAN) / (calls * n_out)
         curv = e_dy2 / e_y2 if e_y2 > 0 else _NAN
         out[name] = (m * fan_in * e_x2 * e_x2 * curv, m * curv, "builtin")
+    return out
+
+
+_OUTSIDE = {
+    "attention scores": "its output feeds attention scores (a softmax of a product of two "
+    "activations)",
+    "attention values": "its output is multiplied by attention weights (attention values)",
+    "product": "its output is multiplied by another activation (a gate)",
+    "normalization": "its output is normalized (a LayerNorm/RMSNorm) before the next layer",
+}
+
+
+def _outside_setting(model: nn.Module, run: Callable[[], Any]) -> dict[str, str]:
+    """Per module, why it lies outside the GR formula's setting -- a chain of linear maps and
+    elementwise activations (Defazio & Bottou, Section 4) -- found by a runtime trace of one
+    forward (:func:`~initlab.measure.runtime_trace.what_follows`); a ratio far from 1 is then
+    expected, not an error of the estimate. Best effort: no notes if the trace fails."""
+    types = {n: type(m).__name__ for n, m in model.named_modules()}
+    try:
+        with preserved_state(model), torch.no_grad(), recording(model) as graph:
+            run()
+    except Exception:  # the forward is run (and its errors reported) by the measurement itself
+        return {}
+    out = {}
+    for name, kinds in what_follows(graph, types).items():
+        if "attention scores" in kinds:
+            kinds = kinds - {"attention values"}  # the scores: one reason, said once
+        if kinds:
+            why = " and ".join(_OUTSIDE[k] for k in sorted(kinds))
+            out[name] = f"outside the GR formula's setting: {why}; a ratio far from 1 is expected"
     return out
 
 
@@ -113,11 +147,13 @@ def _row(
     g: tuple[float, float, str] | None,
     r: dict[str, Any],
     tied: tuple[str, ...] = (),
+    outside: str = "",
 ) -> dict[str, Any]:
     """One row of :data:`THEORY_COLUMNS`: γ from theory against the measured block ``r``.
 
     A tied tensor (``tied``: its other names) gets no theory: its block sums the curvature of
-    every use (and their cross terms), the GR formula gives that of one layer."""
+    every use (and their cross terms), the GR formula gives that of one layer. ``outside``: why
+    the module lies outside the formula's setting (:func:`_outside_setting`), as a note."""
     theory = _NAN if g is None or tied else (g[0] if pname == "weight" else g[1])
     actual, stderr = r["value"], r["stderr"]
     ratio = theory / actual if actual and math.isfinite(actual) else _NAN
@@ -126,6 +162,8 @@ def _row(
         note.append("no GR formula for this module")
     elif tied:
         note.append("no theory for a tied tensor: the GR formula covers one use of it")
+    if outside:
+        note.append(outside)
     return {
         "layer": mname,
         "module_type": type(module).__name__,
@@ -214,11 +252,16 @@ def theory_vs_actual(
     modules = {
         n: m
         for n, m in model.named_modules()
-        if isinstance(m, (nn.Linear, *_CONVS)) and any(p.requires_grad for p in m.parameters())
+        if (isinstance(m, _CONVS) or linear_fans(m) is not None)
+        and any(p.requires_grad for p in m.parameters())
     }
     if not modules:
-        raise ValueError("theory_vs_actual: the model has no trainable nn.Linear or nn.Conv layer")
+        raise ValueError(
+            "theory_vs_actual: the model has no trainable linear (nn.Linear, GPT-2's Conv1D, a "
+            "type registered with a linear handler) or nn.Conv layer"
+        )
     twin = copy.deepcopy(model)
+    setting = _outside_setting(twin, lambda: fwd(twin, batch))
     moments = measure_moments(
         twin,
         Batches([batch]),
@@ -249,7 +292,8 @@ def theory_vs_actual(
     by_block = {r["block_row"]: r for r in est}
     tied = tied_aliases(model)
     rows = [
-        _row(m, p, q, modules[m], gammas.get(m), by_block[q], tied.get(q, ())) for m, p, q in names
+        _row(m, p, q, modules[m], gammas.get(m), by_block[q], tied.get(q, ()), setting.get(m, ""))
+        for m, p, q in names
     ]
     return Rows(
         rows,
