@@ -2,12 +2,15 @@
 (no download), with dict batches, attention masks and the model's own loss, and with a criterion.
 
 Families: a decoder LM with tied embeddings (GPT-2), an encoder classifier with attention masks and
-padding (BERT), a Llama-style decoder (RoPE, RMSNorm, SwiGLU, grouped-query attention, untied head).
+padding (BERT), a Llama-style decoder (RoPE, RMSNorm, SwiGLU, grouped-query attention, untied head)
+and an encoder-decoder (T5: relative position buckets, gated-GELU feed-forward, cross-attention,
+a tied head whose logits the model rescales by 1/sqrt(d_model); labels shifted into the decoder).
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -50,7 +53,21 @@ def llama() -> nn.Module:
     return transformers.LlamaForCausalLM(cfg)
 
 
-FAMILIES: dict[str, Callable[[], nn.Module]] = {"gpt2": gpt2, "bert": bert, "llama": llama}
+def t5() -> nn.Module:
+    cfg = transformers.T5Config(
+        vocab_size=V, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+        num_heads=4, dropout_rate=0.0, feed_forward_proj="gated-gelu", decoder_start_token_id=0,
+        pad_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    return transformers.T5ForConditionalGeneration(cfg)
+
+
+FAMILIES: dict[str, Callable[[], nn.Module]] = {
+    "gpt2": gpt2,
+    "bert": bert,
+    "llama": llama,
+    "t5": t5,
+}
 
 
 def model_of(family: str) -> nn.Module:
@@ -110,7 +127,9 @@ def test_moments_gr_scaling_and_gradient_stats(family: str, form: str) -> None:
     probe = initlab.measure_moments(model, data, loss)
     assert (probe.used.batches, probe.used.examples) == (3, 3 * B)
     table = probe.table()
-    assert len(table) > 0 and all(math.isfinite(r["E_y2"]) for r in table)
+    ran = [r for r in table if r["calls"]]  # T5's `shared` table runs as encoder/decoder copies
+    assert {r["layer"] for r in table} - {r["layer"] for r in ran} <= {"shared"}
+    assert len(ran) > 0 and all(math.isfinite(r["E_y2"]) for r in ran)
     assert any(math.isfinite(r["E_dy2"]) and r["E_dy2"] > 0 for r in table)
     gr = initlab.gr_scaling(model, data, loss_arg(family, form))
     assert len(gr) > 0 and gr.used.batches == 3
@@ -202,6 +221,12 @@ def test_precondition_balances_gamma(family: str, form: str) -> None:
     report = initlab.precondition_(model, batches(family), loss_arg(family, form))
     assert report.info["spread_after"] <= report.info["spread_before"] * (1 + 1e-9)
     assert tie_kept(model)
+    # The attention policy of any implementation: q/k/v projections keep alpha = 1 (the GR
+    # formula does not cover a product of two activations), found by the runtime trace.
+    qkv = re.compile(r"(c_attn|self\.(query|key|value)|[qkv]_proj|Attention\.[qkv])$")
+    attention = [r for r in report if qkv.search(r["layer"])]
+    assert attention and all(r["kind"] == "attention" and r["alpha"] == 1.0 for r in attention)
+    assert all(r["kind"] == "mlp" for r in report if not qkv.search(r["layer"]))
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -234,7 +259,7 @@ def test_output_scale_hook_on_a_model_output(family: str) -> None:
 @pytest.mark.parametrize(
     "scheme", ["fan_in", "fan_out", "xavier", "geometric", "orthogonal", "operator_norm"]
 )
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "t5"])
 def test_init_model_starts_a_language_model_near_ln_v(family: str, scheme: str) -> None:
     """Every scheme: the initial loss within 10% of ln V; a tie stays one tensor."""
     model = model_of(family)
@@ -242,4 +267,112 @@ def test_init_model_starts_a_language_model_near_ln_v(family: str, scheme: str) 
     assert tie_kept(model)
     assert own_loss(model, batches(family)) == pytest.approx(math.log(V), rel=0.10)
     roles = {r["role"] for r in report.to_rows()}
-    assert ("tied embedding/head" if family == "gpt2" else "head") in roles, roles
+    assert ("head" if family == "llama" else "tied embedding/head") in roles, roles
+
+
+# ----------------------------------------------------------------------------- structure
+
+#: The two residual branch ends of layer i: attention's output projection and the MLP's last.
+BRANCH_ENDS = {
+    "gpt2": ("transformer.h.{}.attn.c_proj", "transformer.h.{}.mlp.c_proj"),
+    "bert": ("bert.encoder.layer.{}.attention.output.dense", "bert.encoder.layer.{}.output.dense"),
+    "llama": ("model.layers.{}.self_attn.o_proj", "model.layers.{}.mlp.down_proj"),
+    "t5": (
+        "encoder.block.{}.layer.0.SelfAttention.o",
+        "encoder.block.{}.layer.1.DenseReluDense.wo",
+    ),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_lsuv_residual_aware_scales_both_branch_ends(family: str) -> None:
+    """strategy='branches' with no block named: the runtime trace finds both residual branches
+    of every layer; each branch end's output reaches unit variance (measured here by hooks on
+    the concatenated batches, independently of LSUV), the other branch layers keep weights."""
+    model = model_of(family)
+    data = batches(family, 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    report = initlab.lsuv_(model, data, max_batches=2, generator=0, strategy="branches")
+    rows = {r["layer"]: r for r in report}
+    ends = [e.format(i) for i in range(2) for e in BRANCH_ENDS[family]]
+    named = dict(model.named_modules())
+    outs: dict[str, list[torch.Tensor]] = {e: [] for e in ends}
+    handles = [
+        named[e].register_forward_hook(lambda m, a, y, e=e: outs[e].append(y.detach()))
+        for e in ends
+    ]
+    try:
+        with torch.no_grad():
+            model(**{k: torch.cat([b[k] for b in data]) for k in data[0]})
+    finally:
+        for h in handles:
+            h.remove()
+    for e in ends:
+        assert not rows[e]["skipped"], e
+        assert float(outs[e][0].double().var(unbiased=False)) == pytest.approx(1.0, abs=0.1), e
+    frozen = [r["layer"] for r in report if "not its branch end" in r["skipped"]]
+    assert frozen and all(
+        torch.equal(model.state_dict()[f"{n}.weight"], before[f"{n}.weight"]) for n in frozen
+    )
+    assert tie_kept(model)
+
+
+def test_theory_rows_say_where_the_gr_setting_does_not_hold() -> None:
+    rows = {r["block"]: r for r in initlab.theory_vs_actual(model_of("bert"), batches("bert"))}
+    p = "bert.encoder.layer.0."
+    assert "attention scores" in rows[p + "attention.self.query.weight"]["note"]
+    assert "attention scores" in rows[p + "attention.self.key.bias"]["note"]
+    assert "attention values" in rows[p + "attention.self.value.weight"]["note"]
+    assert "normalized" in rows[p + "attention.output.dense.weight"]["note"]
+    assert "outside" not in rows[p + "intermediate.dense.weight"]["note"]  # GELU, then Linear
+
+
+def test_spectra_of_gpt2_conv1d_is_the_matrix_norm() -> None:
+    model = model_of("gpt2")
+    rows = {r["layer"]: r for r in initlab.layer_spectra(model, batches("gpt2"), generator=0)}
+    w = model.transformer.h[0].attn.c_attn.weight.detach().double()
+    row = rows["transformer.h.0.attn.c_attn"]
+    assert row["op_method"] == "svd"
+    assert row["op_norm"] == pytest.approx(float(torch.linalg.matrix_norm(w, 2)), rel=1e-5)
+
+
+def test_input_scaling_names_why_it_does_not_apply_to_token_ids() -> None:
+    from initlab.methods.input_scale import input_scale_for
+
+    with pytest.raises(TypeError, match="floating-point inputs"):
+        initlab.input_scale(batches("gpt2"))
+    with pytest.raises(ValueError, match="does not see the raw input"):
+        input_scale_for(model_of("gpt2"), batches("gpt2"))
+
+
+FACTORY = """
+import torch
+import transformers
+
+
+def gpt2():
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def batches():
+    g = torch.Generator().manual_seed(1)
+    ids = [torch.randint(1, 64, (4, 8), generator=g) for _ in range(3)]
+    return [{"input_ids": i, "attention_mask": torch.ones_like(i), "labels": i} for i in ids]
+"""
+
+
+def test_cli_diagnose_a_hugging_face_factory(tmp_path: Any) -> None:
+    from initlab.cli import main
+
+    path = tmp_path / "hf_models.py"
+    path.write_text(FACTORY)
+    out = tmp_path / "out"
+    args = ["--model", f"{path}:gpt2", "--data", f"{path}:batches", "--out", str(out)]
+    assert main(["diagnose", *args, "--no-plots"]) == 0
+    summary = (out / "summary.txt").read_text()
+    assert "3 batch(es), 12 examples" in summary
+    assert "runtime trace of one forward (4 found)" in summary
+    assert "Lipschitz upper bound: not available" in summary  # LayerNorm: no bound, no number
+    assert "transformer.h.0.ln_1" in summary and "explodes" not in summary

@@ -37,10 +37,11 @@ from initlab._core.knobs import renamed_kwargs
 from initlab._core.loss import LossLike, resolve_loss
 from initlab._core.method_report import MethodReport
 from initlab._core.rows import Rows
-from initlab._core.state import restore_on_failure
+from initlab._core.state import preserved_state, restore_on_failure
 from initlab.init.registry import Registry, default_registry
 from initlab.measure.conditioning import gr_scaling, imbalance, with_multipliers
-from initlab.measure.probe import measure_moments
+from initlab.measure.probe import MomentProbe, measure_moments
+from initlab.measure.runtime_trace import attention_layers, recording
 from initlab.methods._measuring import (
     Forward,
     Seeds,
@@ -267,7 +268,10 @@ def precondition_(
     Limits: ``gamma`` is the paper's estimate under its assumptions (A1-A3); inside residual
     branches the measured values differ from App. E's corrected ones (see
     :func:`initlab.gr_scaling`), and layers whose ``gamma`` is not derived (attention, RNNs) keep
-    ``alpha = 1``. Biases are not given multipliers.
+    ``alpha = 1``: ``nn.MultiheadAttention``'s fused projection, and the query, key and value
+    projections of any other attention implementation (Hugging Face's eager or SDPA code, your
+    own), found by a runtime trace of the first batch and reported with ``kind="attention"``.
+    Biases are not given multipliers.
 
     Args:
         model: the model.
@@ -343,6 +347,26 @@ def precondition_(
     )
 
 
+def _refuse_nonfinite(probe: MomentProbe) -> None:
+    """Raise (on every rank) if the probe left out batch-calls that held NaN/inf: the GR scalings
+    would silently come from part of the data."""
+    counts = {r["layer"]: r["nonfinite"] for r in probe.table() if r["nonfinite"]}
+    for r in probe.param_table():
+        if r["nonfinite"]:
+            counts[r["layer"]] = counts.get(r["layer"], 0.0) + r["nonfinite"]
+    total = torch.tensor([float(sum(counts.values()))], dtype=torch.float64)
+    all_reduce_sum([total])
+    if total.item() > 0:
+        where = ", ".join(repr(k) for k in list(counts)[:6]) + (", ..." if len(counts) > 6 else "")
+        raise ValueError(
+            "precondition_: the forward or backward pass produced non-finite values (NaN or inf) "
+            f"{f'at layer(s) {where}' if counts else 'on another rank'}, which the moment probe "
+            "leaves out, so the GR scalings would come from part of the data only. Check the "
+            "model and the loss on these batches (an overflow, a NaN loss) or leave the batches "
+            "out"
+        )
+
+
 def _check_options(
     how: str, target: str | float | None, max_iter: object, tol: float
 ) -> tuple[str | float, float]:
@@ -389,16 +413,42 @@ class _Balancing:
         self.forward = 0
         self.backward = 0
         self.trace: list[dict[str, Any]] = []
+        self.attention_found: dict[str, str] | None = None
 
     def probe(self) -> Rows:
-        """The GR scaling of every layer (:func:`~initlab.gr_scaling`) from one moment probe."""
+        """The GR scaling of every layer (:func:`~initlab.gr_scaling`) from one moment probe;
+        the layers that feed attention get ``kind="attention"`` (see :meth:`attention`)."""
         with self.seeds.scope(1):  # measure_moments leaves buffers (BN statistics) as they were
             p = measure_moments(self.model, self.batches, self.loss_fn, **self.probe_kwargs)
         self.forward += len(self.batches)
         self.backward += len(self.batches)
-        return gr_scaling(
+        _refuse_nonfinite(p)
+        rows = gr_scaling(
             p, self.model, examples=self.n_examples, registry=self.registry, all_reduce=self.dist
         )
+        attention = self.attention()
+        out = rows.to_rows()
+        for r in out:
+            if r["layer"] in attention and r["kind"] == "mlp":
+                r["kind"] = "attention"
+        return Rows(out, rows.columns, title=rows.title, used=rows.used)
+
+    def attention(self) -> dict[str, str]:
+        """The query, key and value projections of any attention implementation, found once by
+        a runtime trace of the first batch (:func:`~initlab.measure.runtime_trace.
+        attention_layers`): the GR formula does not cover a product of two activations, so,
+        as ``nn.MultiheadAttention``'s fused projection, they keep ``alpha = 1``."""
+        if self.attention_found is None:
+            types = {n: type(m).__name__ for n, m in self.model.named_modules()}
+            self.forward += 1
+            try:
+                with preserved_state(self.model), torch.no_grad(), recording(self.model) as graph:
+                    default_forward(self.model, self.batches[0])
+            except Exception:  # best effort: a batch the default forward cannot run
+                self.attention_found = {}
+            else:
+                self.attention_found = attention_layers(graph, types)
+        return self.attention_found
 
     def balanced(self, rows: Rows) -> list[dict[str, Any]]:
         """The rows of the layers to balance (linear/conv, finite positive gamma, selected)."""
