@@ -1,6 +1,7 @@
 """Moment-probe overhead: forward + backward with the probe vs without.
 
-Models: a ResNet-style CNN (CIFAR shapes) and a small transformer encoder (math attention).
+Models: a ResNet-style CNN (CIFAR shapes), a small transformer encoder (math attention) and, with
+``transformers`` installed, a GPT-2-like decoder (Hugging Face GPT-2: Conv1D projections, SDPA).
 Each step is ``loss = loss_fn(model, batch); loss.backward()``; the candidates run alternately
 (best of ``--repeats``). Goal: probe / plain ≤ 1.5 (default probe: per-example dW included).
 Run: ``python benchmarks/bench_probe_overhead.py`` (on a loaded machine add ``--cpu-time``: this
@@ -74,6 +75,20 @@ def transformer(dim: int = 128, depth: int = 4, vocab: int = 1000) -> nn.Module:
     return Encoder()
 
 
+def gpt2_decoder(dim: int = 128, depth: int = 4, vocab: int = 1000) -> nn.Module | None:
+    """A GPT-2-like decoder: Hugging Face ``GPT2LMHeadModel`` (Conv1D projections, tied head),
+    built from a config (no download); ``None`` without ``transformers``."""
+    try:
+        import transformers
+    except ImportError:
+        return None
+    cfg = transformers.GPT2Config(
+        n_layer=depth, n_embd=dim, n_head=4, vocab_size=vocab, n_positions=64,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(cfg)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -100,10 +115,20 @@ def main() -> None:
             ),
         ),
     }
+    decoder = gpt2_decoder()
+    if decoder is not None:
+        cases["gpt2-like decoder (HF GPT-2, batch 16 x 64 tokens)"] = (
+            decoder.to(device),
+            (
+                torch.randint(0, 1000, (16, 64), generator=g).to(device),
+                torch.randint(0, 1000, (16, 64), generator=g).to(device),
+            ),
+        )
 
     def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch
         out = model(x)
+        out = getattr(out, "logits", out)  # a Hugging Face ModelOutput
         return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
     rows = []

@@ -658,6 +658,12 @@ def _floats(*shape):
     return lambda g: torch.randn(*shape, generator=g, dtype=F64)
 
 
+def _gpt2_conv1d(n_in: int, n_out: int) -> nn.Module:
+    """Hugging Face GPT-2's ``Conv1D``: ``y = x W + b`` with ``W`` stored ``(in, out)``."""
+    pytorch_utils = pytest.importorskip("transformers.pytorch_utils")
+    return pytorch_utils.Conv1D(n_out, n_in)
+
+
 CASES = {
     "linear_2d": (lambda: nn.Linear(5, 4), _floats(6, 5), 0),
     "linear_3d_gram": (lambda: nn.Linear(8, 8), _floats(5, 2, 8), 0),
@@ -684,6 +690,9 @@ CASES = {
         0,
     ),
     "conv3d": (lambda: nn.Conv3d(2, 3, 2, padding=1), _floats(3, 2, 4, 4, 3), 0),
+    "transposed_linear_2d": (lambda: _gpt2_conv1d(5, 4), _floats(6, 5), 0),
+    "transposed_linear_3d": (lambda: _gpt2_conv1d(8, 6), _floats(5, 3, 8), 0),
+    "transposed_linear_called_twice": (lambda: Twice(_gpt2_conv1d(4, 4)), _floats(3, 5, 4), 0),
     "layernorm": (lambda: nn.LayerNorm(6), _floats(5, 3, 6), 0),
     "embedding": (
         lambda: nn.Embedding(7, 4),
@@ -1007,6 +1016,7 @@ def test_closed_form_kinds_and_their_fallbacks():
         def forward(self, x):
             return super().forward(x) * 2
 
+    assert _kind(_gpt2_conv1d(4, 3)) == "transposed_linear"
     assert _kind(nn.LayerNorm(4)) == "layernorm"
     assert _kind(nn.LayerNorm(4, bias=False)) == "layernorm"
     assert _kind(nn.Embedding(5, 3, padding_idx=0)) == "embedding"

@@ -172,6 +172,23 @@ def _linear_contributions(rec: _Record, dy: torch.Tensor) -> None:
             _put_outer(rec, ps, [(dy3, x3)], s)
 
 
+def _transposed_linear_contributions(rec: _Record, dy: torch.Tensor) -> None:
+    """A linear layer storing its weight as ``(in, out)``, ``y = x W + b`` (GPT-2's ``Conv1D``):
+    ``dW_i = sum_t x_it dy_it^T``, the transpose of ``nn.Linear``'s."""
+    assert rec.x is not None
+    bd, s = rec.state.bd, rec.scale
+    x = _work(rec.x.movedim(bd, 0))
+    dy = _work(dy.detach().movedim(bd, 0))
+    batch = x.shape[0]
+    x3 = x.reshape(batch, -1, x.shape[-1])
+    dy3 = dy.reshape(batch, -1, dy.shape[-1])
+    for local, ps in rec.params.items():
+        if local == "bias":
+            _put(rec, ps, dy3.sum(1) * s)
+        else:
+            _put_outer(rec, ps, [(x3, dy3)], s)
+
+
 def _layernorm_contributions(rec: _Record, dy: torch.Tensor) -> None:
     """``nn.LayerNorm``: ``dW_i = sum_t dy_it * xhat_it``, ``db_i = sum_t dy_it``.
 
@@ -609,6 +626,20 @@ def _is_linear(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
 
 
+def _is_transposed_linear(module: nn.Module) -> bool:
+    """A module the registry draws as a transposed linear layer, ``y = x W + b`` with ``W`` of
+    shape ``(in, out)`` (that handler's contract; GPT-2's ``Conv1D``); a forward that breaks
+    the contract is caught by the probe's check ``sum_i dW_i == B dW``."""
+    from initlab.init.registry import default_registry, transposed_linear_handler
+
+    weight = getattr(module, "weight", None)
+    return (
+        isinstance(weight, torch.Tensor)
+        and weight.dim() == 2
+        and default_registry().handler_for(module) is transposed_linear_handler
+    )
+
+
 def _is_layernorm(module: nn.Module) -> bool:
     return isinstance(module, nn.LayerNorm) and type(module).forward is nn.LayerNorm.forward
 
@@ -643,6 +674,11 @@ def _is_conv(module: nn.Module) -> bool:
 PER_EXAMPLE: dict[str, LayerRule] = {
     "linear": LayerRule(
         _is_linear, closed_form=_linear_contributions, batched=lambda m, x, bd: x.dim() >= 2
+    ),
+    "transposed_linear": LayerRule(
+        _is_transposed_linear,
+        closed_form=_transposed_linear_contributions,
+        batched=lambda m, x, bd: x.dim() >= 2,
     ),
     "layernorm": LayerRule(
         _is_layernorm,
