@@ -376,3 +376,22 @@ def test_cli_diagnose_a_hugging_face_factory(tmp_path: Any) -> None:
     assert "runtime trace of one forward (4 found)" in summary
     assert "Lipschitz upper bound: not available" in summary  # LayerNorm: no bound, no number
     assert "transformer.h.0.ln_1" in summary and "explodes" not in summary
+
+
+def test_t5_residual_branches_found_by_the_runtime_trace() -> None:
+    """Encoder-decoder: 2 branches per encoder layer, 3 per decoder layer (cross-attention's
+    branch holds its query and output projections; its keys and values come from the encoder)."""
+    from initlab.diagnostics.linter import lint_model
+
+    model = model_of("t5")
+    res = lint_model(model, forward_args=[((), b) for b in batches("t5", 1)])
+    branches = [b["branch"] for b in res.residual_blocks]
+    assert len(branches) == 2 * 2 + 2 * 3
+    cross = [b for b in branches if any("EncDecAttention" in n for n in b)]
+    assert len(cross) == 2 and all(
+        any(n.endswith("EncDecAttention.q") for n in b)
+        and any(n.endswith("EncDecAttention.o") for n in b)
+        and not any(n.endswith(("EncDecAttention.k", "EncDecAttention.v")) for n in b)
+        for b in cross
+    )
+    assert sum(f["rule"] == "skip_connection" for f in res.findings) == 10
