@@ -3,11 +3,13 @@
 ``run_ranks(fn, world_size=2, *args)`` spawns ``world_size`` processes, initializes a gloo process
 group on a free loopback port, calls ``fn(rank, world_size, *args)`` in each, and returns
 each rank's return value (it must be picklable), in rank order. ``fn`` must be importable
-(a module-level function of a test module).
+(a module-level function of a test module). Collectives time out after ``TIMEOUT`` (a rank left
+waiting for a peer that stopped fails the test instead of hanging it).
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 import pickle
 import socket
@@ -18,6 +20,8 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+TIMEOUT = datetime.timedelta(seconds=120)
 
 
 def _free_port() -> int:
@@ -39,7 +43,7 @@ def _worker(
     import torch
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=TIMEOUT)
     try:
         result = fn(rank, world_size, *args)
         Path(out_dir, f"{rank}.pkl").write_bytes(pickle.dumps(result))

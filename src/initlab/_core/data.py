@@ -16,6 +16,12 @@ The rule, in order (documented in the README and tested by the conformance suite
 
 A batch's size (its number of examples) is dim 0 of its first tensor (for a dict, of its first
 tensor value, e.g. ``input_ids``).
+
+Every batch read here is checked (:func:`check_batch`) before it is used: a batch with 0 examples,
+or NaN/inf in a floating-point tensor, raises a ``ValueError`` that names the batch and the entry
+(no statistic is defined on 0 examples, and one NaN input makes every statistic NaN). An entry
+whose key names a mask (``attention_mask``, ``src_mask``) may hold ``-inf``: the additive
+attention-mask convention.
 """
 
 from __future__ import annotations
@@ -28,12 +34,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from initlab._core.pytree import flatten_tensors
+
 __all__ = [
     "AmbiguousDataError",
     "Batches",
     "DataCounter",
     "DataUse",
     "batch_size",
+    "check_batch",
     "data_use",
     "default_forward",
     "first_tensor",
@@ -172,9 +181,51 @@ def iter_batches(data: Any, max_batches: int | None = None, *, what: str) -> Ite
     if data is None:
         raise TypeError(f"{what} needs data; accepted forms: {DATA_FORMS}")
     if is_single_batch(data):
+        check_batch(data, what=what)
         yield data
         return
-    yield from itertools.islice(data, max_batches)
+    for i, batch in enumerate(itertools.islice(data, max_batches)):
+        check_batch(batch, what=what, index=i)
+        yield batch
+
+
+def _entry_name(path: str, batch: Any) -> str:
+    return "the batch tensor" if isinstance(batch, torch.Tensor) else f"entry {path!r}"
+
+
+def check_batch(batch: Any, *, what: str, index: int | None = None) -> None:
+    """Raise a ``ValueError`` if ``batch`` holds no example or non-finite values.
+
+    * 0 examples: dim 0 of its first tensor is 0;
+    * NaN or ``±inf`` in any floating-point tensor (in an entry whose key contains ``"mask"``,
+      ``-inf`` is allowed: additive attention masks use it).
+
+    The message names the batch (``index``: its position in the data), the entry, and what to do.
+    A batch that holds no tensor (a custom object) is not checked.
+    """
+    tensors = flatten_tensors(batch)
+    if not tensors:
+        return
+    which = "the batch" if index is None else f"batch {index}"
+    path, first = tensors[0]
+    if first.dim() >= 1 and first.shape[0] == 0:
+        raise ValueError(
+            f"{what}: {which} has 0 examples ({_entry_name(path, batch)} has shape "
+            f"{tuple(first.shape)}); no statistic is defined on 0 examples. Drop empty batches "
+            "(filter them out, or use a DataLoader with drop_last=True)"
+        )
+    for path, t in tensors:
+        if not t.is_floating_point():
+            continue
+        masked = "mask" in path.rsplit(".", 1)[-1].lower()
+        bad = (t.isnan() | t.isposinf()) if masked else ~t.isfinite()
+        if bool(bad.any()):
+            raise ValueError(
+                f"{what}: {which} has {int(bad.sum())} non-finite value(s) (NaN or inf) in "
+                f"{_entry_name(path, batch)} of shape {tuple(t.shape)}; every statistic over it "
+                "would be NaN. Clean the data first (drop those examples, or replace the values, "
+                "e.g. torch.nan_to_num)"
+            )
 
 
 def data_use(batches: Iterable[Any]) -> DataUse:

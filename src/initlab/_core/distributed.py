@@ -4,17 +4,46 @@ When a process group is initialized, every statistic a data-dependent init measu
 variances, GradInit gradients and objectives, the output std) is summed over ranks before it is
 used, and random draws are taken on rank 0 and broadcast, so all ranks end with bit-identical
 weights. Without a process group every function here is the identity.
+
+The ranks must also *start* alike and *stay in step*; the checks that guarantee it raise the same
+:class:`RankMismatchError` on every rank (never a hang, nor gloo's "Connection closed by peer"
+when one rank stops alone):
+
+* :func:`check_same_parameters`: every rank holds bit-identical parameters at entry (an exact
+  checksum of their bits, all-reduced);
+* :func:`run_together`: a step that can fail on one rank (reading its data) fails on all;
+* :func:`in_lockstep`: iterations over each rank's own batches stop together; ranks with
+  different numbers of batches are an error.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["all_reduce_sum", "broadcast_model", "is_distributed", "world_size"]
+__all__ = [
+    "RankMismatchError",
+    "all_reduce_sum",
+    "broadcast_model",
+    "check_same_count",
+    "check_same_parameters",
+    "in_lockstep",
+    "is_distributed",
+    "run_together",
+    "world_size",
+]
+
+T = TypeVar("T")
+_END = object()
+
+
+class RankMismatchError(ValueError):
+    """The ranks of a ``torch.distributed`` job disagree (their parameters, their number of
+    batches) or one of them failed; raised on every rank with the same message."""
 
 
 def is_distributed() -> bool:
@@ -48,3 +77,152 @@ def broadcast_model(model: nn.Module, src: int = 0) -> None:
     with torch.no_grad():
         for t in [*model.parameters(), *model.buffers()]:
             dist.broadcast(t.data, src=src)
+
+
+def _device() -> torch.device:
+    """Where this backend's collectives take their tensors (NCCL: the current CUDA device)."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _min_max(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The element-wise minimum and maximum of an int64 tensor over ranks (one collective)."""
+    both = torch.cat([values.reshape(-1), -values.reshape(-1)]).to(_device())
+    dist.all_reduce(both, op=dist.ReduceOp.MIN)
+    n = values.numel()
+    return both[:n].cpu().view_as(values), (-both[n:]).cpu().view_as(values)
+
+
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _checksum(t: torch.Tensor) -> list[int]:
+    """Exact, order-independent checksum of a tensor's bits: ``[numel, sum of low and high
+    16-bit halves of each 32-bit word, sum of their products]``. Integer sums do not depend on
+    the thread count or reduction order, so equal tensors give equal checksums on every rank."""
+    flat = t.detach().reshape(-1)
+    bits = flat.view(_BITS[flat.element_size()]).to(torch.int64)
+    if flat.element_size() == 8:  # two 32-bit words
+        bits = torch.cat([bits & 0xFFFFFFFF, (bits >> 32) & 0xFFFFFFFF])
+    bits = bits & 0xFFFFFFFF
+    low, high = bits & 0xFFFF, bits >> 16
+    return [flat.numel(), int((low + 7 * high).sum()), int((low * high).sum())]
+
+
+def check_same_parameters(model: nn.Module, what: str) -> None:
+    """Raise :class:`RankMismatchError` on every rank unless all ranks hold bit-identical
+    parameters (names, shapes and values), checked by an exact checksum (:func:`_checksum`)
+    all-reduced in three small collectives.
+
+    A data-dependent initialization sums statistics over ranks and applies the same update on
+    every rank; ranks that start from different weights would end different.
+    """
+    if not is_distributed():
+        return
+    named = list(model.named_parameters())
+    lo, hi = _min_max(torch.tensor([len(named)], dtype=torch.int64))
+    if lo.item() != hi.item():
+        raise RankMismatchError(
+            f"{what}: the ranks' models have different numbers of parameter tensors ({lo.item()} "
+            f"to {hi.item()}); every rank must hold the same model"
+        )
+    local = torch.tensor([_checksum(p) for _, p in named], dtype=torch.int64).reshape(-1, 3)
+    lo, hi = _min_max(local)
+    differ = [named[i][0] for i in (lo != hi).any(dim=1).nonzero().flatten().tolist()]
+    if differ:
+        shown = ", ".join(differ[:4]) + (", ..." if len(differ) > 4 else "")
+        raise RankMismatchError(
+            f"{what}: the ranks hold different parameters ({len(differ)} of {len(named)} tensors "
+            f"differ: {shown}). It sums its statistics over ranks and applies the same update "
+            "everywhere, so ranks that start different end different. Build the model with the "
+            "same seed on every rank (torch.manual_seed(seed) before creating it), or copy rank "
+            "0's weights first: for t in model.state_dict().values(): "
+            "torch.distributed.broadcast(t, src=0)"
+        )
+
+
+def _raise_together(error: BaseException | None, what: str, ended: bool = False) -> int:
+    """A collective: if ``error`` is set on any rank, raise the same error on every rank;
+    else return the number of ranks that passed ``ended``."""
+    flags = torch.tensor([error is not None, ended], dtype=torch.int64, device=_device())
+    dist.all_reduce(flags, op=dist.ReduceOp.SUM)
+    if flags[0].item() == 0:
+        return int(flags[1].item())
+    texts: list[Any] = [None] * dist.get_world_size()
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    dist.all_gather_object(texts, mine)
+    failed = [(r, text) for r, text in enumerate(texts) if text is not None]
+    detail = "; ".join(f"rank {r}: {text}" for r, text in failed)
+    raise RankMismatchError(
+        f"{what} stopped on every rank because {len(failed)} of {len(texts)} rank(s) failed: "
+        f"{detail}"
+    ) from error
+
+
+def run_together(what: str, fn: Callable[[], T]) -> T:
+    """``fn()`` on every rank; if it raises on any rank, every rank raises
+    :class:`RankMismatchError` with the same message (each failed rank's error in it). Without
+    a process group: ``fn()``, its errors unchanged. A collective: call it on every rank."""
+    if not is_distributed():
+        return fn()
+    try:
+        value = fn()
+    except Exception as err:
+        _raise_together(err, what)
+        raise  # unreachable: _raise_together raised
+    _raise_together(None, what)
+    return value
+
+
+def check_same_count(count: int | None, what: str, unit: str) -> None:
+    """Raise :class:`RankMismatchError` on every rank if the ranks that know their ``count`` (of
+    iterations, batches) do not all have the same one (``None``: unknown, not compared). A
+    collective: call it on every rank."""
+    if not is_distributed():
+        return
+    lo, _ = _min_max(
+        torch.tensor([2**62 if count is None else count, 2**62 if count is None else -count])
+    )
+    known_lo, known_hi = int(lo[0]), -int(lo[1])  # over the ranks that know their count
+    if known_hi >= 0 and known_lo != known_hi:
+        raise RankMismatchError(
+            f"{what}: the ranks have different numbers of {unit} ({known_lo} to {known_hi}); "
+            "every rank must run the same number (give each rank the same number of batches, "
+            "e.g. a DistributedSampler with drop_last=True, or pass steps=)"
+        )
+
+
+def in_lockstep(items: Iterable[T], what: str) -> Iterator[T]:
+    """Yield each rank's own items, the ranks in step: before every item they agree (one small
+    all-reduce) that each has one.
+
+    Raises :class:`RankMismatchError` on every rank when some ranks have run out while others
+    have not (different numbers of batches), or when reading the next item raised on some rank
+    (that rank's error is in the message). Stops on every rank together. Without a process group
+    the items are yielded as they are.
+    """
+    if not is_distributed():
+        yield from items
+        return
+    it = iter(items)
+    step = 0
+    while True:
+        error: BaseException | None = None
+        item: Any = _END
+        try:
+            item = next(it, _END)
+        except Exception as err:
+            error = err
+        done, world = _raise_together(error, what, item is _END), dist.get_world_size()
+        if done == world:
+            return
+        if done:
+            raise RankMismatchError(
+                f"{what}: the ranks have different numbers of batches: at iteration {step}, "
+                f"{done} of {world} rank(s) had none left. Give every rank the same number of "
+                "batches (e.g. a DistributedSampler with drop_last=True), or pass steps= no larger "
+                "than the shortest rank's count"
+            )
+        yield item
+        step += 1

@@ -8,6 +8,8 @@ Rules (those of LIBSVM's own reader, plus what real files need):
   and a last line without a newline are fine;
 * an index is an integer ``>= 1`` and appears at most once per line; ``n_features`` defaults to the
   largest index in the file, so pass it explicitly when train and test files must agree;
+* a value is a finite number that ``float32`` holds: ``nan``, ``inf`` and values beyond
+  ``±3.4e38`` are errors (NumPy and ``float()`` would read the first two silently);
 * labels become class indices by sorted order (``-3, -1, 2`` → ``0, 1, 2``) and
   :attr:`Dataset.label_map` keeps the originals; pass the training split's ``label_map`` when
   loading a test split so both use the same classes.
@@ -40,6 +42,8 @@ __all__ = ["load_libsvm"]
 
 # A token with two colons or more.
 _DOUBLE_COLON = re.compile(r":[^\s:]*:")
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 class _Parsed(NamedTuple):
@@ -101,6 +105,11 @@ def _parse_reference(text: str, source: str, n_features: int | None) -> _Parsed:
                 index = None
             if index is None or index < 1 or not colon or ":" in value_text:
                 raise ValueError(f"{source}:{lineno}: bad feature {token!r}")
+            if not abs(value) <= _FLOAT32_MAX:
+                raise ValueError(
+                    f"{source}:{lineno}: feature {index} has the value {value_text!r}; values must "
+                    "be finite numbers within float32's range (clean or drop this example)"
+                )
             if n_features is not None and index > n_features:
                 raise ValueError(
                     f"{source}:{lineno}: feature index {index} exceeds n_features={n_features}"
@@ -159,6 +168,8 @@ def _parse_fast(text: str, n_features: int | None) -> _Parsed:
     if numbers.size != 2 * n_pairs:  # an empty index or value: "3:" or ":0.5"
         raise _Reject
     index, values = numbers[0::2], numbers[1::2]
+    if not np.all(np.abs(values) <= _FLOAT32_MAX):  # nan, inf, or inf once stored as float32
+        raise _Reject
     max_index = int(index.max(initial=0))
     if n_pairs and not (index.min() >= 1 and np.array_equal(index, np.floor(index))):
         raise _Reject
@@ -251,6 +262,8 @@ def load_libsvm(
 
     key = {"sha256": hashlib.sha256(data).hexdigest(), "n_features": n_features}
     arrays, _ = cached(cache_dir, "libsvm", path.name, key, build)
+    if not np.isfinite(arrays["x"]).all():  # a cache written before values were checked
+        _parse_reference(data.decode("latin-1"), source, n_features)  # raises, naming the line
     y, classes = _map_labels(arrays["labels"], arrays["lines"], label_map, source)
     x = torch.from_numpy(arrays["x"])
     return Dataset(

@@ -238,14 +238,35 @@ def _layers(
     return layers
 
 
+def _check_one_forward(probe: MomentProbe, values: dict[tuple[str, str, str, str], float]) -> None:
+    """Raise if the probed loss ran the model more than once per backward pass."""
+    backward = max(
+        (
+            v + values.get((layer, q, param, "nonfinite"), 0.0)
+            for (layer, q, param, stat), v in values.items()
+            if q == "dW" and stat == "batches"
+        ),
+        default=0.0,
+    )
+    forwards = getattr(probe, "grad_forwards", 0)
+    if backward > 0 and forwards > backward:
+        raise ValueError(
+            f"gr_scaling: the model ran {forwards} forward passes with gradients for "
+            f"{int(backward)} backward passes, so the loss calls the model "
+            f"{forwards / backward:.3g} times per batch. The GR scaling assumes one forward per "
+            "batch: the moments of all calls are pooled (p2 and gamma come out multiplied by the "
+            "number of calls) and per-example gradients no longer add up (nu is NaN). Compute the "
+            "loss from one call of the model per batch (concatenate several inputs into one batch)"
+        )
+
+
 def _moment_sums(
-    probe: MomentProbe,
+    values: dict[tuple[str, str, str, str], float],
     layers: list[tuple[str, nn.Module, ParamSpec, str | None]],
     all_reduce: bool,
 ) -> torch.Tensor:
     """The sums behind every pooled moment, so that ranks can be added exactly: per layer
     ``[x, y, dy, W, dW, dW_ex, b, db_ex]`` as ``(sq_mean * numel, numel)``."""
-    values = _probe_values(probe)
     sums = torch.zeros(len(layers), 8, 2, dtype=torch.float64)
     for i, (name, _, spec, bias) in enumerate(layers):
         keys = [
@@ -439,6 +460,11 @@ def gr_scaling(
 
     Returns:
         :class:`~initlab.Rows` with columns :data:`GR_COLUMNS` (``used``: the probe's data).
+
+    Raises:
+        ValueError: the probe saw more forward passes of the model (with gradients) than
+            backward passes: a loss that calls the model twice per batch pools both calls'
+            moments, which the formulas do not allow; the message says so.
     """
     if isinstance(probe, nn.Module):
         if data is None:
@@ -456,7 +482,9 @@ def gr_scaling(
     if unknown:
         raise ValueError(f"alpha names modules the model does not have: {unknown}")
     layers = _layers(probe, model, reg)
-    sums = _moment_sums(probe, layers, all_reduce)
+    values = _probe_values(probe)
+    _check_one_forward(probe, values)
+    sums = _moment_sums(values, layers, all_reduce)
     rows = [
         _gr_row(name, module, spec, bias, sums[i], float(alpha.get(name, 1.0)), examples)
         for i, (name, module, spec, bias) in enumerate(layers)

@@ -10,6 +10,9 @@ learn one scalar ``alpha_i`` per trainable tensor ``W_i`` and evaluate the netwo
   :func:`loss_at`: :func:`torch.func.functional_call`, parameters never replaced);
 * gradients (:func:`grads_or_zeros`), rank means (:func:`rank_mean`, :func:`scalar_mean`) and the
   finiteness check (:func:`check_finite`);
+* second derivatives: a model that cannot be differentiated twice raises a clear
+  :class:`~initlab.measure.curvature.DoubleBackwardError` (:func:`second_order`), also where
+  autograd would silently drop part of the derivative (a ``@once_differentiable`` backward);
 * the evaluation modes (dropout off, optional batch statistics; buffers and modes restored);
 * Adam on the alphas with the clamp ``alpha >= alpha_min`` (:class:`AlphaAdam`, ``RescaleAdam``),
   folding ``W <- alpha * W`` once per tensor (:func:`fold_alpha`) and the report rows;
@@ -29,16 +32,29 @@ from torch import nn
 from torch.func import functional_call
 
 from initlab._core.data import DataCounter, is_single_batch, iter_batches
-from initlab._core.distributed import all_reduce_sum, is_distributed, world_size
+from initlab._core.distributed import (
+    all_reduce_sum,
+    check_same_count,
+    in_lockstep,
+    is_distributed,
+    run_together,
+    world_size,
+)
 from initlab._core.loss import Loss, resolve_loss
 from initlab._core.rows import split_name
 from initlab._core.state import model_kept
 from initlab.init.registry import default_registry
+from initlab.measure.curvature.products import (
+    DoubleBackwardError,
+    _cuts_second_order,
+    _is_second_order_error,
+)
 
 __all__ = [
     "AlphaAdam",
     "AtParams",
     "LossFn",
+    "SecondOrder",
     "TensorFilter",
     "Tensors",
     "alpha_rows",
@@ -56,6 +72,7 @@ __all__ = [
     "rank_mean",
     "scalar_mean",
     "scaled_params",
+    "second_order",
     "select_tensors",
     "tensor_roles",
 ]
@@ -204,6 +221,43 @@ def grads_or_zeros(
     return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs, strict=True)]
 
 
+SecondOrder = Callable[[Sequence[torch.Tensor]], None]
+"""``check(grads)``: see :func:`second_order`."""
+
+
+@contextmanager
+def second_order(what: str, why: str, advice: str) -> Iterator[SecondOrder]:
+    """Run a block that differentiates through gradients (``why``); a model that cannot be
+    differentiated twice raises :class:`~initlab.measure.curvature.DoubleBackwardError` naming
+    ``what``, ``why`` and ``advice`` (what to do instead).
+
+    Inside, call the yielded ``check(grads)`` on gradients built with ``create_graph=True``: it
+    raises when their graph holds a ``@once_differentiable`` backward, whose second derivative
+    autograd would drop without an error (a silently wrong result).
+    """
+
+    def fail(cause: str) -> DoubleBackwardError:
+        return DoubleBackwardError(
+            f"{what} differentiates the loss twice ({why}), and the model has an operation "
+            f"without a second derivative: {cause.rstrip('.')}. Use twice-differentiable "
+            "operations in the model (e.g. a custom autograd.Function without "
+            f"@once_differentiable), or {advice}",
+            None,
+            None,
+        )
+
+    def check(grads: Sequence[torch.Tensor]) -> None:
+        if _cuts_second_order(list(grads)):
+            raise fail("a backward marked @once_differentiable")
+
+    try:
+        yield check
+    except (RuntimeError, NotImplementedError) as err:
+        if isinstance(err, DoubleBackwardError) or not _is_second_order_error(err):
+            raise
+        raise fail(str(err).strip().splitlines()[0]) from err
+
+
 def rank_mean(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Detached copies averaged over ranks (the detached tensors themselves without a group)."""
     if not is_distributed():
@@ -333,9 +387,16 @@ def batch_pairs(
     counter: DataCounter | None = None,
 ) -> Iterator[tuple[Any, Any]]:
     """``(S, next batch or None)`` per step, streaming; checks the length when it is known.
-    ``counter`` counts the batches and examples read."""
-    total = _checked_iterations(data, iterations, need_next, what)
-    return _stream_pairs(data, total, need_next, what, counter or DataCounter())
+    ``counter`` counts the batches and examples read.
+
+    Under ``torch.distributed`` the ranks agree first on the number of iterations (when every
+    rank knows it) and then step in lockstep (:func:`~initlab._core.distributed.in_lockstep`):
+    ranks with different numbers of batches, or a batch that fails its check on one rank, raise
+    the same :class:`~initlab._core.distributed.RankMismatchError` on every rank."""
+    total = run_together(what, lambda: _checked_iterations(data, iterations, need_next, what))
+    check_same_count(total, what, "iterations")
+    pairs = _stream_pairs(data, total, need_next, what, counter or DataCounter())
+    return in_lockstep(pairs, what)
 
 
 def _checked_iterations(

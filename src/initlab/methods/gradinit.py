@@ -64,8 +64,11 @@ What is exactly what here:
 * **Distributed** (``torch.distributed`` initialized): ``g`` is averaged over ranks before its norm
   is taken and before the look-ahead step, and the alpha-gradients are averaged before the Adam
   step (in exact mode also the look-ahead loss's gradient w.r.t. ``theta'``), so both steps use
-  the gradient of the global loss and all ranks end bit-identical. Give every rank the same
-  number of batches of the same size.
+  the gradient of the global loss and all ranks end bit-identical. The ranks must start from
+  the same weights and run the same number of iterations: both are checked (a checksum of the
+  parameters at entry; the iteration count, and every batch in lockstep), and a mismatch raises
+  the same :class:`~initlab._core.distributed.RankMismatchError` on every rank. Give every rank
+  the same number of batches of the same size.
 * **Failure**: on any exception (including the errors below) the model's tensors and modes are
   put back (:func:`~initlab._core.state.restore_on_failure`); no hook is ever attached.
 
@@ -103,7 +106,7 @@ from torch import nn
 
 from initlab._core.attention import with_math_attention
 from initlab._core.data import DataCounter, batch_size
-from initlab._core.distributed import is_distributed
+from initlab._core.distributed import check_same_parameters, is_distributed
 from initlab._core.knobs import renamed_kwargs, user_stacklevel
 from initlab._core.loss import LossLike, resolve_loss
 from initlab._core.method_report import MethodReport
@@ -128,6 +131,7 @@ from initlab.methods._alpha import (
     rank_mean,
     scalar_mean,
     scaled_params,
+    second_order,
     select_tensors,
 )
 
@@ -164,6 +168,14 @@ GRADINIT_TRACE_COLUMNS = (
 )
 
 _OPTIMIZERS = ("sgd", "adam")
+
+_CONSTRAINT_WHY = "its constraint step descends the gradient norm ||g|| in alpha"
+_CONSTRAINT_ADVICE = (
+    "raise gamma above the gradient norms of the trace so that no constraint step is taken (the "
+    "objective steps of exact=False are first-order)"
+)
+_EXACT_WHY = "exact=True differentiates through the simulated step theta - eta * g"
+_EXACT_ADVICE = "use exact=False (the reference implementation's first-order objective step)"
 
 
 def _attach(local: Sequence[torch.Tensor], mean: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -292,6 +304,7 @@ class _GradInitStep:
         self.forward = 0
         self.backward = 0
         self.last_kind = "objective"
+        self.checked = False  # the graph of g was checked for a cut second derivative
 
     def _norm(self, g: Sequence[torch.Tensor]) -> torch.Tensor:
         if self.sign:
@@ -340,8 +353,10 @@ class _GradInitStep:
                 self.forward += 1
                 g = grads_or_zeros(loss, theta, create_graph=True)
                 self.backward += 1
-            norm = self._norm(_attach(g, g_mean))
-            grad = self._alpha_grad(norm, a)
+            with second_order(self.what, _CONSTRAINT_WHY, _CONSTRAINT_ADVICE) as check:
+                self._check_once(check, g)
+                norm = self._norm(_attach(g, g_mean))
+                grad = self._alpha_grad(norm, a)
             self.backward += 1
             return _StepResult(kind, grad, grad_norm, grad_norm2, loss_value, None)
 
@@ -361,17 +376,33 @@ class _GradInitStep:
         objective = scalar_mean(look_loss)
         check_finite(objective, iteration, self.what, "look-ahead loss")
         scaled_loss = look_loss / self.eta
-        if self.exact and is_distributed():
-            # d/d alpha of the mean over ranks: average dL~/d theta' first, then pull it back
-            # through theta'(alpha) (which depends on every rank's g through the rank-mean g).
-            u = rank_mean(grads_or_zeros(scaled_loss, look, retain_graph=True))
-            self.backward += 1
-            grad = grads_or_zeros(look, [a], grad_outputs=u)[0]
-            grad = rank_mean([grad.double()])[0]
-        else:
+        if not self.exact:
             grad = self._alpha_grad(scaled_loss, a)
+        else:
+            with second_order(self.what, _EXACT_WHY, _EXACT_ADVICE) as check:
+                self._check_once(check, g)
+                grad = self._exact_grad(scaled_loss, look, a)
         self.backward += 1
         return _StepResult(kind, grad, grad_norm, grad_norm2, loss_value, objective)
+
+    def _exact_grad(
+        self, scaled_loss: torch.Tensor, look: list[torch.Tensor], a: torch.Tensor
+    ) -> torch.Tensor:
+        """The exact objective's alpha-gradient, through ``A[g(alpha)]`` (rank mean)."""
+        if not is_distributed():
+            return self._alpha_grad(scaled_loss, a)
+        # d/d alpha of the mean over ranks: average dL~/d theta' first, then pull it back
+        # through theta'(alpha) (which depends on every rank's g through the rank-mean g).
+        u = rank_mean(grads_or_zeros(scaled_loss, look, retain_graph=True))
+        self.backward += 1
+        grad = grads_or_zeros(look, [a], grad_outputs=u)[0]
+        return rank_mean([grad.double()])[0]
+
+    def _check_once(self, check: Callable[[Sequence[torch.Tensor]], None], g: Any) -> None:
+        """At the first step that differentiates through ``g``: is its graph complete?"""
+        if not self.checked:
+            check(g)
+            self.checked = True
 
 
 def _warn_gamma_scale(gamma: float, norm1: float, norm2: float) -> None:
@@ -531,6 +562,7 @@ def gradinit_(
         steps = positive_int(what, "steps", steps)
     loss = resolve_loss(loss_fn, what=what)
     ts = select_tensors(model, params, nonzero, what)
+    check_same_parameters(model, what)
     counter = DataCounter()
     pairs = batch_pairs(data, steps, overlap < 1, what, counter)
 

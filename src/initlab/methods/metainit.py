@@ -43,7 +43,9 @@ model left unchanged on any exception, no hooks, random data drawn from ``genera
 ``torch.distributed`` each rank computes ``GQ`` of its own batch and the alpha-gradients are
 averaged before the step, so MetaInit minimizes the mean over ranks of the per-rank ``GQ`` (``GQ``
 is not linear in the gradient, so this is not the ``GQ`` of the global batch) and all ranks end
-bit-identical.
+bit-identical. Ranks that start from different weights, or run different numbers of steps, raise
+the same :class:`~initlab._core.distributed.RankMismatchError` on every rank (checked at entry and
+in lockstep, as in GradInit).
 
 Cost per step: one forward, a backward with graph, a double backward with graph, and the backward
 of all that to the scales (third order).
@@ -61,6 +63,7 @@ from torch import nn
 
 from initlab._core.attention import with_math_attention
 from initlab._core.data import DataCounter
+from initlab._core.distributed import check_same_parameters
 from initlab._core.loss import LossLike, resolve_loss
 from initlab._core.method_report import MethodReport
 from initlab._core.rng import as_generator
@@ -85,6 +88,7 @@ from initlab.methods._alpha import (
     rank_mean,
     scalar_mean,
     scaled_params,
+    second_order,
     select_tensors,
 )
 
@@ -105,6 +109,12 @@ METAINIT_TRACE_COLUMNS = ("iteration", "gq", "loss", "grad_norm", "alpha_min", "
 _VARIANTS = ("paper", "gradinit")
 _PAPER_STEPS = 500
 
+_WHY = "the gradient quotient needs the Hessian-vector product H g, and its descent one more order"
+_ADVICE = (
+    "use a method that needs first derivatives only: gradinit_ (first-order objective steps) or "
+    "lsuv_"
+)
+
 
 def _gq(
     model: nn.Module,
@@ -113,6 +123,7 @@ def _gq(
     theta: Sequence[torch.Tensor],
     batch: Any,
     eps: float,
+    what: str = "metainit_",
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
     """``GQ`` at ``theta`` (on the graph), the loss, and ``||g||_2``."""
     loss = loss_at(model, loss_fn, ts, theta, batch)
@@ -120,8 +131,10 @@ def _gq(
     half_sq = torch.stack([x.square().sum() for x in g]).sum() / 2
     if not half_sq.requires_grad:
         raise ValueError("the gradient does not depend on the parameters: GQ is undefined")
-    # = H g, with g on the graph (paper, Fig. 2)
-    hg = grads_or_zeros(half_sq, theta, create_graph=True)
+    with second_order(what, _WHY, _ADVICE) as check:
+        check(g)
+        # = H g, with g on the graph (paper, Fig. 2)
+        hg = grads_or_zeros(half_sq, theta, create_graph=True)
     total = half_sq.new_zeros(())
     for gi, hi in zip(g, hg, strict=True):
         sgn = torch.where(gi >= 0, 1.0, -1.0).to(gi.dtype).detach()
@@ -164,6 +177,7 @@ def gradient_quotient(
             scaled_params(ts, a),
             batch,
             eps,
+            "gradient_quotient",
         )
     return float(gq.detach())
 
@@ -271,6 +285,7 @@ def metainit_(
     loss = resolve_loss(loss_fn, what=what)
     ts = select_tensors(model, params, _at_least_2d if opts.paper else nonzero, what)
     gen = as_generator(generator)
+    check_same_parameters(model, what)
     counter = DataCounter()
     batches = _step_batches(model, ts, data, input_shape, opts, gen, what, counter)
 
@@ -287,7 +302,9 @@ def metainit_(
                 check_finite(loss_value, t, what)
                 gq_value = scalar_mean(gq)
                 check_finite(gq_value, t, what, "gradient quotient")
-                grad = rank_mean([grads_or_zeros(gq, [a])[0].double()])[0]
+                with second_order(what, _WHY, _ADVICE):
+                    meta = grads_or_zeros(gq, [a])[0]
+                grad = rank_mean([meta.double()])[0]
                 backward += 3
                 alpha = update.step(grad)
                 row = {

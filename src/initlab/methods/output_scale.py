@@ -12,7 +12,9 @@ Every method changes the model in place (or, where said, not at all), leaves no 
 restores weights, buffers and train/eval modes if it fails midway
 (``restore_on_failure``), never moves the model, and sums its statistics over
 the ranks of a ``torch.distributed`` job (:func:`~initlab._core.distributed.all_reduce_sum`), so all
-ranks end with identical weights. Forward passes used only for measuring leave buffers (BatchNorm
+ranks end with identical weights (ranks that start from different weights, or whose data fails to
+load on one rank, raise the same :class:`~initlab._core.distributed.RankMismatchError` on every
+rank). Forward passes used only for measuring leave buffers (BatchNorm
 running statistics) as they were, and run under a forked RNG (seeded from ``generator`` when
 given), so dropout masks are reproducible and torch's global RNG state is untouched.
 """
@@ -30,7 +32,7 @@ import torch
 from torch import nn
 
 from initlab._core.data import data_use, default_forward, output_tensor, take_batches
-from initlab._core.distributed import all_reduce_sum
+from initlab._core.distributed import all_reduce_sum, check_same_parameters, run_together
 from initlab._core.knobs import renamed_kwargs
 from initlab._core.method_report import MethodReport
 from initlab._core.rows import join_name
@@ -224,6 +226,11 @@ def _std(sums: torch.Tensor) -> float:
     s1, s2, n = sums.tolist()
     if n < 2:
         raise ValueError(f"the output has {int(n)} element(s); a std needs at least 2")
+    if not (math.isfinite(s1) and math.isfinite(s2)):
+        raise ValueError(
+            "the model's output is not finite (NaN or inf) on the data, so its std is undefined: "
+            "check the model (an overflow, a division by zero) before scaling its output"
+        )
     mean = s1 / n
     return math.sqrt(max(s2 / n - mean * mean, 0.0))
 
@@ -242,7 +249,9 @@ def measure_output_std(
     ``std = sqrt(E[y^2] - E[y]^2)`` over every logit of every example. Runs under ``no_grad``; the
     model's buffers are left as they were.
     """
-    batches = take_batches(data, max_batches, what="measure_output_std")
+    batches = run_together(
+        "measure_output_std", lambda: take_batches(data, max_batches, what="measure_output_std")
+    )
     sums, _ = _output_moments(model, batches, forward or default_forward, Seeds(model, generator))
     return _std(sums)
 
@@ -340,7 +349,10 @@ def scale_output_(
     target = check_positive("target", target)
     forward = forward or default_forward
     reg = default_registry() if registry is None else registry
-    batches = take_batches(data, max_batches, what="scale_output_")
+    check_same_parameters(model, "scale_output_")
+    batches = run_together(
+        "scale_output_", lambda: take_batches(data, max_batches, what="scale_output_")
+    )
     seeds = Seeds(model, generator)
     passes = 0
     with restore_on_failure(model):

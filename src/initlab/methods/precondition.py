@@ -32,7 +32,12 @@ from torch.nn.utils import parametrize
 
 from initlab._core.attention import with_math_attention
 from initlab._core.data import batch_size, data_use, default_forward, output_tensor, take_batches
-from initlab._core.distributed import all_reduce_sum, is_distributed
+from initlab._core.distributed import (
+    all_reduce_sum,
+    check_same_parameters,
+    is_distributed,
+    run_together,
+)
 from initlab._core.knobs import renamed_kwargs
 from initlab._core.loss import LossLike, resolve_loss
 from initlab._core.method_report import MethodReport
@@ -306,7 +311,10 @@ def precondition_(
     target, tol = _check_options(how, target, max_iter, tol)
     forward = forward or default_forward
     reg = default_registry() if registry is None else registry
-    batches = take_batches(data, max_batches, what="precondition_")
+    check_same_parameters(model, "precondition_")
+    batches = run_together(
+        "precondition_", lambda: take_batches(data, max_batches, what="precondition_")
+    )
     seeds = Seeds(model, generator)
     loss = resolve_loss(loss_fn, what="precondition_")
     run = _Balancing(model, batches, loss, modules, seeds, reg, probe_kwargs)

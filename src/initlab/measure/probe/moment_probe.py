@@ -131,6 +131,9 @@ class MomentProbe(HookContext):
         self._forward = _Forward()
         self._consts = _Consts()
         self.used: DataUse | None = None  # set by measure_moments
+        #: forwards of the root model with gradients enabled (the probe's last entry); more than
+        #: one per backward pass means the loss called the model several times per batch
+        self.grad_forwards = 0
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -180,6 +183,7 @@ class MomentProbe(HookContext):
         self._modes = model_modes(self.model)
         self._batch, self._next_order, self._seq = None, 0, 0
         self._forward = _Forward()
+        self.grad_forwards = 0
         super().__enter__()  # register(); every hook removed again if it raises
         self._active = True
         return self
@@ -271,6 +275,7 @@ class MomentProbe(HookContext):
         if torch.is_grad_enabled():
             self._drop_pending()
             self._forward = _Forward()
+            self.grad_forwards += 1
 
     def _bn_hook(self, module: nn.Module, args: tuple) -> None:
         if not self._replaying and (module.training or not module.track_running_stats):

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from initlab._core.data import DataUse, data_use, default_forward, take_batches
+from initlab._core.distributed import check_same_parameters, run_together
 from initlab._core.hooks import hook_handles
 from initlab._core.knobs import renamed_kwargs, user_stacklevel
 from initlab._core.method_report import MethodReport
@@ -266,7 +267,9 @@ def lsuv_(
     )
     gen = as_generator(generator)
     registry = registry if registry is not None else default_registry()
-    used, runs = _take_data(data, max_batches, concat_batches)
+    if not orthogonal:  # the orthogonal pre-init broadcasts rank 0's draw; else ranks must agree
+        check_same_parameters(model, "lsuv_")
+    used, runs = run_together("lsuv_", lambda: _take_data(data, max_batches, concat_batches))
     units = build_units(model, modules, registry)
     block_names = find_blocks(model, blocks, strategy) if strategy != "layers" else {}
     engine = Engine(

@@ -243,8 +243,8 @@ def _unclaimed(name: str, module: nn.Module) -> tuple[None, Unit] | None:
         return None
     row = Unit(name, type(module).__name__, "static", [(name, module)])
     row.skipped = (
-        f"no registry handler for {type(module).__name__} (raw parameter(s) {', '.join(raw)}): "
-        "register one with initlab.register_handler to have LSUV scale it"
+        f"no registry handler for {type(module).__name__} (raw parameter(s) {', '.join(raw)}); "
+        "if it is a layer, register one (initlab.register_handler) to have LSUV scale it"
     )
     return None, row
 

@@ -1,0 +1,183 @@
+"""Issue 13, DDP: ranks that disagree raise the same clear error on every rank (2 gloo CPU ranks).
+
+Each case runs on both ranks of one process group (one spawn for the whole table); a case that
+raises must raise on *both* ranks, with the same type and message, and leave each rank's model as
+it was. Ranks that agree run to the end with bit-identical weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from initlab.methods.gradinit import gradinit_
+from initlab.methods.lsuv import lsuv_
+from initlab.methods.metainit import metainit_
+from initlab.methods.output_scale import scale_output_
+from initlab.methods.precondition import precondition_
+
+from .ddp_util import run_ranks
+
+D = torch.float64
+
+
+def _model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3)).to(D)
+
+
+def _batches(rank: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(100 + rank)
+    return [
+        (torch.randn(8, 6, generator=gen, dtype=D), torch.randint(0, 3, (8,), generator=gen))
+        for _ in range(n)
+    ]
+
+
+def _with_nan(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    batches = _batches(rank, 4)
+    if rank == 1:
+        batches[2][0][0, 0] = float("nan")
+    return batches
+
+
+Case = Callable[[int], tuple[nn.Module, Callable[[nn.Module], Any]]]
+
+#: name -> (model, call) on a rank; the expected outcome is in _EXPECTED.
+_CASES: dict[str, Case] = {
+    "gradinit_, ranks start from different weights": lambda r: (
+        _model(r),
+        lambda m: gradinit_(m, _batches(r, 4), gamma=10.0),
+    ),
+    "metainit_, ranks start from different weights": lambda r: (
+        _model(r),
+        lambda m: metainit_(m, _batches(r, 3), variant="gradinit"),
+    ),
+    "scale_output_, ranks start from different weights": lambda r: (
+        _model(r),
+        lambda m: scale_output_(m, _batches(r, 2)),
+    ),
+    "precondition_, ranks start from different weights": lambda r: (
+        _model(r),
+        lambda m: precondition_(m, _batches(r, 2)),
+    ),
+    "lsuv_(orthogonal=False), ranks start from different weights": lambda r: (
+        _model(r),
+        lambda m: lsuv_(m, _batches(r, 1)[0][0], orthogonal=False),
+    ),
+    "gradinit_, 4 and 5 batches (lists)": lambda r: (
+        _model(0),
+        lambda m: gradinit_(m, _batches(r, 4 + r), gamma=10.0),
+    ),
+    "gradinit_, 4 and 5 batches (generators)": lambda r: (
+        _model(0),
+        lambda m: gradinit_(m, (b for b in _batches(r, 4 + r)), gamma=10.0),
+    ),
+    "metainit_, 3 and 4 batches (lists)": lambda r: (
+        _model(0),
+        lambda m: metainit_(m, _batches(r, 3 + r), variant="gradinit"),
+    ),
+    "gradinit_, steps=4 and rank 1 has 4 batches": lambda r: (
+        _model(0),
+        lambda m: gradinit_(m, _batches(r, 5 - r), steps=4, gamma=10.0),
+    ),
+    "gradinit_, NaN in batch 2 of rank 1": lambda r: (
+        _model(0),
+        lambda m: gradinit_(m, (b for b in _with_nan(r)), gamma=10.0),
+    ),
+    "scale_output_, rank 1 has no batch": lambda r: (
+        _model(0),
+        lambda m: scale_output_(m, _batches(r, 2) if r == 0 else []),
+    ),
+    "lsuv_, ranks start from different weights (the orthogonal pre-init is broadcast)": lambda r: (
+        _model(r),
+        lambda m: lsuv_(m, _batches(r, 1)[0][0], generator=0),
+    ),
+    "gradinit_, 5 and 4 batches with steps=3": lambda r: (
+        _model(0),
+        lambda m: gradinit_(m, _batches(r, 5 - r), steps=3, gamma=10.0),
+    ),
+}
+
+#: name -> a fragment of the message every rank raises, or None: runs, ranks end identical.
+_EXPECTED: dict[str, str | None] = {
+    "gradinit_, ranks start from different weights": (
+        "gradinit_: the ranks hold different parameters (4 of 4 tensors differ"
+    ),
+    "metainit_, ranks start from different weights": "metainit_: the ranks hold different",
+    "scale_output_, ranks start from different weights": "scale_output_: the ranks hold different",
+    "precondition_, ranks start from different weights": "precondition_: the ranks hold different",
+    "lsuv_(orthogonal=False), ranks start from different weights": (
+        "lsuv_: the ranks hold different"
+    ),
+    "gradinit_, 4 and 5 batches (lists)": (
+        "gradinit_: the ranks have different numbers of iterations (3 to 4)"
+    ),
+    "gradinit_, 4 and 5 batches (generators)": (
+        "gradinit_: the ranks have different numbers of batches: at iteration 3, 1 of 2 rank(s) "
+        "had none left"
+    ),
+    "metainit_, 3 and 4 batches (lists)": (
+        "metainit_: the ranks have different numbers of iterations (3 to 4)"
+    ),
+    "gradinit_, steps=4 and rank 1 has 4 batches": (
+        "gradinit_ stopped on every rank because 1 of 2 rank(s) failed: rank 1: ValueError: "
+        "gradinit_ needs 5 batches for 4 iterations"
+    ),
+    "gradinit_, NaN in batch 2 of rank 1": (
+        "gradinit_ stopped on every rank because 1 of 2 rank(s) failed: rank 1: ValueError: "
+        "gradinit_: batch 2 has 1 non-finite value(s)"
+    ),
+    "scale_output_, rank 1 has no batch": (
+        "scale_output_ stopped on every rank because 1 of 2 rank(s) failed: rank 1: ValueError: "
+        "scale_output_ got no batch: the data is empty"
+    ),
+    "lsuv_, ranks start from different weights (the orthogonal pre-init is broadcast)": None,
+    "gradinit_, 5 and 4 batches with steps=3": None,
+}
+
+
+def _cases_worker(rank: int, world: int) -> dict[str, tuple[str, str, bool, list[torch.Tensor]]]:
+    """Every case on this rank: ``(error type or "", message, model unchanged, parameters)``."""
+    out = {}
+    for name, case in _CASES.items():
+        model, call = case(rank)
+        before = [p.detach().clone() for p in model.parameters()]
+        kind = text = ""
+        try:
+            call(model)
+        except Exception as err:
+            kind, text = type(err).__name__, str(err)
+        after = [p.detach().clone() for p in model.parameters()]
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+        out[name] = (kind, text, unchanged, after)
+    return out
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> list[dict[str, tuple[str, str, bool, list[torch.Tensor]]]]:
+    return run_ranks(_cases_worker, 2)
+
+
+@pytest.mark.parametrize("name", list(_EXPECTED))
+def test_ranks_that_disagree_raise_the_same_error_on_every_rank(
+    outcomes: list[dict[str, tuple[str, str, bool, list[torch.Tensor]]]], name: str
+) -> None:
+    (kind0, text0, unchanged0, params0), (kind1, text1, unchanged1, params1) = (
+        outcomes[0][name],
+        outcomes[1][name],
+    )
+    expected = _EXPECTED[name]
+    if expected is None:
+        assert kind0 == kind1 == "", (text0, text1)
+        for p0, p1 in zip(params0, params1, strict=True):
+            assert torch.equal(p0, p1)
+        return
+    assert kind0 == kind1 == "RankMismatchError", (text0, text1)
+    assert text0 == text1
+    assert expected in text0, text0
+    assert unchanged0 and unchanged1
