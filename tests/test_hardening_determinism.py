@@ -86,3 +86,27 @@ def test_orthogonal_restores_the_thread_count() -> None:
     with threads(2):
         orthogonal_(nn.Linear(64, 64).weight, generator=0)
         assert torch.get_num_threads() == 2
+
+
+def test_a_study_chunk_is_bit_identical_on_1_and_2_threads() -> None:
+    """:mod:`initlab.study.runner`'s claim: for a given chunking (several runs per chunk), the
+    results do not depend on the thread count."""
+    from initlab.study import RunConfig, train_runs
+    from initlab.zoo.paper_mlp import PaperMLP
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(151, 10, generator=g) * 2, torch.randint(0, 6, (151,), generator=g)
+    configs = [
+        RunConfig.make("synthetic", model_cfg={"widths": [384, 64]}, scheme=scheme, seed=seed,
+                       lr=0.05, momentum=0.9, batch_size=64, epochs=2)
+        for scheme in ("fan_in", "geometric") for seed in range(2)
+    ]  # fmt: skip
+
+    def train() -> list:
+        return train_runs(
+            configs, (x, y), model_factory=lambda c: PaperMLP(10, 6, **c.model_kwargs)
+        )
+
+    one, two = _on(1, train), _on(2, train)
+    for a, b in zip(one, two, strict=True):
+        assert a.step_loss == b.step_loss and a.epoch_train_loss == b.epoch_train_loss

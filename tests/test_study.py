@@ -565,15 +565,22 @@ def test_report_study_writes_table_and_plots(tmp_path: Path, helpers: Any) -> No
     db = tmp_path / "r.sqlite"
     run_study(spec, db, train_fn=helpers.fake_train, load_fn=helpers.load_fake, progress=False)
     out = tmp_path / "report"
-    rows = report_study(db, out)
-    assert [r["scheme"] for r in rows] == sorted(PAPER_TABLE2)
-    assert all(r["n_datasets"] == 2 for r in rows)
+    rows = report_study(db, out, n_boot=200)
+    assert {r["scheme"] for r in rows} == set(PAPER_TABLE2) and len(rows) == 4
+    assert {r["variant"] for r in rows} == {"base"} and sorted(r["rank"] for r in rows)[0] == 1
+    assert all(r["n_datasets"] == 2 and r["avg_lo"] <= r["avg_hi"] for r in rows)
+    plain = {r["scheme"]: r for r in table2(per_dataset_table(_store_records(db)))}
+    for r in rows:
+        assert r["avg_normalized_loss"] == pytest.approx(plain[r["scheme"]]["avg_normalized_loss"])
     text = (out / "table2.md").read_text()
     assert "paper (26 sets)" in text and "0.81 / 0 / 6" in text and "partial reproduction" in text
+    assert "## Sensitivity" in text and "## Variant `base`" in text
     with open(out / "per_dataset.csv", newline="") as fh:
         per = list(csv.DictReader(fh))
-    assert len(per) == 2 * 4 and {"best_lr", "q25", "q75", "normalized"} <= per[0].keys()
-    pngs = sorted(p.name for p in (out / "plots").glob("*.png"))
+    assert len(per) == 2 * 4 and {"variant", "best_lr", "q25", "q75", "normalized"} <= per[0].keys()
+    for name in ("sensitivity.csv", "table2.csv", "paired.csv", "per_lr.csv", "runs.csv"):
+        assert (out / name).stat().st_size > 0, name
+    pngs = sorted(p.name for p in (out / "plots" / "base").glob("*.png"))
     assert pngs == [
         "curves_alpha.png",
         "curves_betat.png",
@@ -581,5 +588,14 @@ def test_report_study_writes_table_and_plots(tmp_path: Path, helpers: Any) -> No
         "iqr_alpha.png",
         "iqr_betat.png",
     ]
+    assert (out / "plots" / "sensitivity.png").is_file()
+    page = (out / "report.html").read_text()
+    assert page.count("data:image/png;base64,") == 2  # the sensitivity and the iqr_all plots
+    assert "Paired against geometric" in page and "plots/base/curves_alpha.png" in page
     with pytest.raises(FileNotFoundError):
         report_study(tmp_path / "missing.sqlite", out)
+
+
+def _store_records(db: Path) -> list[dict[str, Any]]:
+    with Store(db) as store:
+        return store.records()

@@ -204,8 +204,8 @@ def test_divergent_run_is_frozen_and_others_unaffected(engine: str) -> None:
         for key in want.state:
             assert torch.equal(got.state[key], want.state[key]), key
         for name in ("epoch_train_loss", "epoch_test_loss", "epoch_train_acc"):
-            # evaluation chunks depend on the number of runs: summation order only
-            assert getattr(got, name) == pytest.approx(getattr(want, name), rel=1e-6), name
+            # evaluation chunks do not depend on the number of runs either
+            assert getattr(got, name) == getattr(want, name), name
 
 
 def test_nan_loss_on_first_step_diverges() -> None:
@@ -299,6 +299,7 @@ def test_key_changes_with_every_field() -> None:
         "epochs": 6,
         "batch_size": 32,
         "output_std": None,
+        "input_norm": "standardize",
     }
     assert set(changed) == {f.name for f in fields(RunConfig)}
     keys = {CONFIG.key()}
@@ -306,6 +307,10 @@ def test_key_changes_with_every_field() -> None:
         if name == "optimizer":
             other = replace(CONFIG, optimizer=value, momentum=0.0)
             keys.add(replace(CONFIG, momentum=0.0).key())  # the baseline without momentum
+        elif name == "input_norm":  # CONFIG normalizes inside the model: compare without it
+            base = replace(CONFIG, model_cfg=(("widths", (384, 64)),))
+            keys.add(base.key())
+            other = replace(base, input_norm=value)
         else:
             other = replace(CONFIG, **{name: value})
         assert other.key() not in keys, name
@@ -343,3 +348,71 @@ def test_trains_inside_no_grad() -> None:
         want = train_one(config, TRAIN, model_factory=tanh_net)
     assert got.step_loss == pytest.approx(want.step_loss, rel=1e-5)
     assert got.step_loss[-1] < got.step_loss[0]
+
+
+# --- results independent of grouping, threads and evaluation schedule --------------------------
+
+
+def _big_data(n: int = 600) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+    """More rows than one evaluation chunk (256), so chunking shows in the sums if it leaks."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(D, C, generator=g)
+    x = torch.randn(n + 100, D, generator=g)
+    y = (x @ w).argmax(dim=1)
+    return (x[:n], y[:n]), (x[n:], y[n:])
+
+
+def _same_result(got: RunResult, want: RunResult) -> None:
+    for name in ("step_loss", "epoch_train_loss", "epoch_train_acc", "epoch_test_loss"):
+        assert getattr(got, name) == getattr(want, name), name
+    assert got.state is not None and want.state is not None
+    for key in want.state:
+        assert torch.equal(got.state[key], want.state[key]), key
+
+
+@pytest.mark.parametrize("engine", ["mlp", "vmap"])
+def test_results_do_not_depend_on_the_group_or_the_threads(engine: str) -> None:
+    """The runner's claim: a run's numbers depend on its config only, bit for bit, not on which
+    runs share its ``train_runs`` call (66 runs: two evaluation blocks of 64 + 2) nor on the
+    number of threads."""
+    train, test = _big_data()
+    configs = [
+        RunConfig.make(
+            "synthetic", model_cfg={"widths": (32, 16), "input_norm": True}, epochs=2,
+            batch_size=64, momentum=0.9, weight_decay=1e-4, seed=i % 5, lr=0.4 / (1 + i % 7),
+            scheme=("geometric", "fan_in", "arithmetic")[i % 3],
+        )
+        for i in range(66)
+    ]  # fmt: skip
+    kw = {"model_factory": paper_mlp, "keep_state": True, "engine": engine}
+    group = train_runs(configs, train, test, **kw)
+    threads = torch.get_num_threads()
+    for i in (0, 5, 63, 64, 65):
+        _same_result(group[i], train_runs([configs[i]], train, test, **kw)[0])
+    torch.set_num_threads(2)
+    try:
+        for got, want in zip(train_runs(configs[60:], train, test, **kw), group[60:], strict=True):
+            _same_result(got, want)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("engine", ["mlp", "vmap", "loop"])
+def test_evaluate_last_epoch_skips_only_the_earlier_passes(engine: str) -> None:
+    """``evaluate="last_epoch"``: the same training and the same last evaluation, bit for bit;
+    the earlier epochs' metrics are ``nan``."""
+    configs = GROUPS["sgd-momentum-wd"]
+    kw = {"model_factory": paper_mlp, "keep_state": True, "engine": engine}
+    every = train_runs(configs, TRAIN, TEST, **kw)
+    last = train_runs(configs, TRAIN, TEST, evaluate="last_epoch", **kw)
+    for a, b in zip(last, every, strict=True):
+        assert a.step_loss == b.step_loss
+        for name in ("epoch_train_loss", "epoch_train_acc", "epoch_test_loss", "epoch_test_acc"):
+            got, want = getattr(a, name), getattr(b, name)
+            assert all(math.isnan(v) for v in got[:-1]) and got[-1] == want[-1], name
+        assert a.final_train_loss == b.final_train_loss and not a.diverged
+    one = train_one(configs[0], TRAIN, TEST, model_factory=paper_mlp, evaluate="last_epoch")
+    assert math.isnan(one.epoch_train_loss[0])
+    assert one.final_train_loss == pytest.approx(every[0].final_train_loss, rel=1e-5)
+    with pytest.raises(ValueError, match="evaluate must be one of"):
+        train_runs(configs, TRAIN, model_factory=paper_mlp, evaluate="never")

@@ -12,12 +12,9 @@ from typing import Any
 import torch
 
 from initlab._core.knobs import renamed_kwargs
-from initlab._core.loss import (
-    LOSSES,
-    make_loss,
-)
+from initlab._core.loss import make_loss
 from initlab._core.rows import Rows
-from initlab.cli.inputs import load_data_spec, load_factory, load_model_spec
+from initlab.cli.inputs import has_targets, load_data_spec, load_loss, load_model_spec
 from initlab.diagnostics.diagnose import Progress, diagnose
 from initlab.diagnostics.report import Report
 
@@ -36,6 +33,7 @@ def diagnose_command(
     batch_size: int = 64,
     max_batches: int = 4,
     seed: int = 0,
+    data_dir: str | None = None,
     curvature: bool = False,
     plots: bool = True,
     progress: Progress | None = None,
@@ -48,9 +46,11 @@ def diagnose_command(
             model of :mod:`initlab.zoo`, whose input shape is then known).
         data: ``None``/``"random"`` (standard normal inputs of the zoo model's input shape),
             ``"random:3x32x32"`` (that shape per example), ``"digits"`` (scikit-learn's digits,
-            standardized), a ``.pt`` file (a batch, a tuple ``(x, y)``, or a list of batches; a big
-            batch is split into ``batch_size`` pieces), or ``"pkg.module:fn"`` returning a batch
-            or an iterable of batches.
+            standardized), a data set that ``initlab data`` lists (``"libsvm:letter"`` or
+            ``"letter"``, ``"mnist"``, ``"sklearn:iris"``; ``batch_size`` examples per batch
+            drawn with ``seed``), a ``.pt`` file (a batch, a tuple ``(x, y)``, or a list of
+            batches; a big batch is split into ``batch_size`` pieces), or ``"pkg.module:fn"``
+            returning a batch or an iterable of batches.
         loss: a name of :data:`LOSSES` or ``"pkg.module:fn"`` (``fn(model, batch) -> scalar``);
             default ``"auto"`` for data with targets, ``"random_quadratic"`` without.
         out: a folder: ``report.html`` (self-contained), ``report.json``, ``report.md``,
@@ -61,6 +61,8 @@ def diagnose_command(
         batch_size: examples per batch (random data, digits, a big ``.pt`` batch).
         max_batches: at most this many batches of the data.
         seed: seeds the data, the init and the random loss.
+        data_dir: the data root of the named data sets (default: see
+            :func:`initlab.data.data_root`).
         curvature: also compute Hessian blocks and theory vs actual.
         plots: embed plots in the HTML (needs matplotlib).
         progress: called with a short message at each stage.
@@ -79,14 +81,11 @@ def diagnose_command(
         init_model(model, init, generator=seed)
     say("loading data")
     data_batches = load_data_spec(
-        data, shape, batch_size=batch_size, batches=max_batches, seed=seed
+        data, shape, batch_size=batch_size, batches=max_batches, seed=seed, data_dir=data_dir
     )
-    has_targets = isinstance(data_batches[0], (tuple, list)) and len(data_batches[0]) >= 2
-    loss_name = loss or ("auto" if has_targets else "random_quadratic")
-    if ":" in loss_name and loss_name not in LOSSES:
-        loss_fn = load_factory(loss_name)
-    else:
-        loss_fn = make_loss(loss_name, seed=seed)
+    targets = has_targets(data_batches[0])
+    loss_name = loss or ("auto" if targets else "random_quadratic")
+    loss_fn = load_loss(loss_name, seed=seed, targets=targets)
     name = model_spec[4:] if model_spec.startswith("zoo:") else model_spec
     report = diagnose(
         model,

@@ -1,8 +1,12 @@
 """What the command line names: models, data and losses given as strings.
 
 * models: ``"pkg.module:factory"``, ``"path/file.py:factory"`` or ``"zoo:NAME"``;
-* data: ``"random"``, ``"random:3x32x32"``, ``"digits"``, a ``.pt`` file or ``"pkg.module:fn"``;
+* data: ``"random"``, ``"random:3x32x32"``, ``"digits"``, a data set name that ``initlab data``
+  lists (``"libsvm:letter"`` or ``"letter"``, ``"mnist"``, ``"sklearn:iris"``), a ``.pt`` file or
+  ``"pkg.module:fn"``;
 * losses: a name of :data:`initlab._core.loss.LOSSES` or ``"pkg.module:fn"``.
+
+Every error names the flag it is about (``--model``, ``--data``, ``--loss``) and what it accepts.
 """
 
 from __future__ import annotations
@@ -10,29 +14,45 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from initlab._core.data import is_single_batch, take_batches
+from initlab._core.data import first_tensor, is_single_batch, take_batches
+from initlab._core.loss import LOSSES, Loss, make_loss
 
-__all__ = ["load_data_spec", "load_factory", "load_model_spec", "parse_shape"]
+__all__ = [
+    "DATA_SPECS",
+    "has_targets",
+    "load_data_spec",
+    "load_factory",
+    "load_loss",
+    "load_model_spec",
+    "parse_shape",
+]
+
+DATA_SPECS = (
+    "random, random:3x32x32, digits, a data set that `initlab data` lists (e.g. libsvm:letter, "
+    "mnist, sklearn:iris), a .pt file or pkg.module:fn"
+)
 
 
-def load_factory(spec: str) -> Any:
-    """Resolve ``"pkg.module:factory"`` or ``"path/to/file.py:factory"`` to the callable."""
+def load_factory(spec: str, flag: str = "--model") -> Any:
+    """Resolve ``"pkg.module:factory"`` or ``"path/to/file.py:factory"`` to the callable; errors
+    name ``flag`` (the option the spec came from)."""
     module_part, sep, attr = spec.partition(":")
     if not sep or not module_part or not attr:
+        fn = "factory" if flag == "--model" else "function"
         raise ValueError(
-            f"--model must look like 'pkg.module:factory' or 'path/file.py:factory', got {spec!r}"
+            f"{flag} must look like 'pkg.module:{fn}' or 'path/file.py:{fn}', got {spec!r}"
         )
     if module_part.endswith(".py"):
         path = Path(module_part)
         if not path.is_file():
-            raise ValueError(f"--model file {path} does not exist")
+            raise ValueError(f"{flag} file {path} does not exist")
         mod_spec = importlib.util.spec_from_file_location(path.stem, path)
         assert mod_spec is not None and mod_spec.loader is not None
         module = importlib.util.module_from_spec(mod_spec)
@@ -41,14 +61,14 @@ def load_factory(spec: str) -> Any:
         try:
             module = importlib.import_module(module_part)
         except ImportError as err:
-            raise ValueError(f"cannot import {module_part!r} for --model: {err}") from err
+            raise ValueError(f"cannot import {module_part!r} for {flag}: {err}") from err
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise ValueError(f"{module_part!r} has no attribute {attr!r} (from --model {spec!r})")
+            raise ValueError(f"{module_part!r} has no attribute {attr!r} (from {flag} {spec!r})")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise ValueError(f"--model {spec!r} is not callable")
+        raise ValueError(f"{flag} {spec!r} is not callable")
     return obj
 
 
@@ -66,18 +86,121 @@ def load_model_spec(
     spec: str, model_kwargs: str | Mapping[str, Any] | None
 ) -> tuple[nn.Module, Any]:
     """``(model, example input shape or None)`` from ``zoo:NAME`` or ``pkg.module:factory``."""
-    kwargs = json.loads(model_kwargs) if isinstance(model_kwargs, str) else dict(model_kwargs or {})
-    if not isinstance(kwargs, dict):
-        raise ValueError("model_kwargs must be a JSON object, e.g. '{\"width\": 128}'")
+    try:
+        kwargs = json.loads(model_kwargs) if isinstance(model_kwargs, str) else model_kwargs
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--model-kwargs is not valid JSON ({err}): {model_kwargs!r}") from err
+    if not isinstance(kwargs, Mapping | None):
+        raise ValueError("--model-kwargs must be a JSON object, e.g. '{\"width\": 128}'")
+    kwargs = dict(kwargs or {})
     if spec.startswith("zoo:"):
         from initlab.zoo import create_model, input_shape
 
         name = spec[4:]
         return create_model(name, **kwargs), input_shape(name, **kwargs)
-    model = load_factory(spec)(**kwargs)
+    factory = load_factory(spec, "--model")
+    try:
+        model = factory(**kwargs)
+    except Exception as err:
+        given = f" with --model-kwargs {json.dumps(kwargs)}" if kwargs else ""
+        raise ValueError(
+            f"--model {spec!r}{given}: the factory raised {type(err).__name__}: {err}"
+        ) from err
     if not isinstance(model, nn.Module):
         raise ValueError(f"--model {spec!r} returned {type(model).__name__}, not an nn.Module")
     return model, None
+
+
+def has_targets(batch: Any) -> bool:
+    """Whether a batch carries targets: ``(x, y, ...)`` or a dict with ``labels``."""
+    if isinstance(batch, Mapping):
+        return any(k in batch for k in ("labels", "label", "targets", "target", "y"))
+    return isinstance(batch, (tuple, list)) and len(batch) >= 2
+
+
+def load_loss(name: str, *, seed: int, targets: bool) -> Loss | Any:
+    """The loss ``--loss NAME`` names: a name of :data:`LOSSES` or ``pkg.module:fn``.
+
+    Raises:
+        ValueError: an unknown name, or a loss that needs targets (``auto``, ``cross_entropy``,
+            ``mse``) on data without them (``targets`` false): the message points to
+            ``--loss random_quadratic``.
+    """
+    if name not in LOSSES:
+        if ":" not in name:
+            raise ValueError(
+                f"unknown --loss {name!r}; valid: {', '.join(LOSSES)} or pkg.module:fn"
+            )
+        return load_factory(name, "--loss")
+    if not targets and name in ("auto", "cross_entropy", "mse"):
+        raise ValueError(
+            f"--loss {name} needs targets, and the batches of --data hold inputs only; pass "
+            "--loss random_quadratic (Defazio & Bottou's random quadratic loss of the outputs, "
+            "which needs no targets), or --data with labels (digits, or a data set that "
+            "`initlab data` lists)"
+        )
+    return make_loss(name, seed=seed)
+
+
+def _dataset_name(spec: str) -> str | None:
+    """The catalogue name ``spec`` means (``"letter"`` -> ``"libsvm:letter"``), or ``None``."""
+    from initlab.data import CATALOGUE
+
+    key = spec.strip().lower()
+    if key in CATALOGUE:
+        return key
+    if f"libsvm:{key}" in CATALOGUE:  # bare names: the study's LIBSVM sets first, as load_dataset
+        return f"libsvm:{key}"
+    matches = [n for n in CATALOGUE if n.split(":", 1)[-1] == key]
+    if len(matches) > 1:
+        raise ValueError(f"--data {spec!r} is ambiguous: say {' or '.join(matches)}")
+    return matches[0] if matches else None
+
+
+def _sampled(
+    x: torch.Tensor, y: torch.Tensor | None, batch_size: int, batches: int, gen: torch.Generator
+) -> list[Any]:
+    """``batches`` batches of ``batch_size`` examples drawn without replacement (``gen``)."""
+    perm = torch.randperm(len(x), generator=gen)[: batch_size * batches]
+    out = []
+    for i in range(0, len(perm), batch_size):
+        idx = perm[i : i + batch_size]
+        out.append((x[idx],) if y is None else (x[idx], y[idx]))
+    return out
+
+
+def _read_pt(spec: str) -> Any:
+    path = Path(spec)
+    if not path.is_file():
+        raise ValueError(f"--data file {spec} does not exist")
+    try:
+        return torch.load(path, weights_only=True)
+    except Exception as err:
+        first = (str(err).strip() or type(err).__name__).splitlines()[0].split(". ")[0]
+        raise ValueError(
+            f"--data {spec}: torch.load(weights_only=True) cannot read it ({first}); save a "
+            "tensor, a tuple (x, y) or a list of batches with torch.save"
+        ) from err
+
+
+def _call_data_fn(spec: str) -> Any:
+    fn = load_factory(spec, "--data")
+    try:
+        obj = fn()
+    except Exception as err:
+        raise ValueError(
+            f"--data {spec!r}: the function raised {type(err).__name__}: {err}"
+        ) from err
+    if (
+        obj is None
+        or isinstance(obj, (str, bytes))
+        or not (isinstance(obj, (torch.Tensor, Mapping, Iterable)))
+    ):
+        raise ValueError(
+            f"--data {spec!r} returned {type(obj).__name__}; return a tensor, a tuple (x, y), a "
+            "dict of model inputs, or an iterable of batches"
+        )
+    return obj
 
 
 def load_data_spec(
@@ -87,38 +210,58 @@ def load_data_spec(
     batch_size: int,
     batches: int,
     seed: int,
+    data_dir: str | None = None,
 ) -> list[Any]:
-    """Batches from a data spec (see :func:`diagnose_command`)."""
+    """Batches from a data spec (see :func:`~initlab.cli.diagnose.diagnose_command`).
+
+    Random data, digits and the named data sets give ``batches`` batches of ``batch_size``
+    examples (drawn without replacement with ``seed``); a ``.pt`` file or a function gives its
+    batches (a big single batch is split into ``batch_size`` pieces), at most ``batches``.
+    ``data_dir`` is the data root of the named sets (default: see :func:`initlab.data.data_root`).
+    """
+    for flag, value in (("--batch-size", batch_size), ("--max-batches", batches)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{flag} must be a positive integer, got {value!r}")
     gen = torch.Generator().manual_seed(seed)
-    if spec is None or spec.startswith("random"):
+    if spec is None or spec == "random" or spec.startswith("random:"):
         if spec is not None and ":" in spec:
             shape = parse_shape(spec.split(":", 1)[1])
         if shape is None:
             raise ValueError(
-                "--data is needed: the model's input shape is unknown (use random:3x32x32, "
-                "digits, a .pt file or pkg.module:fn)"
+                f"--data is needed: the model's input shape is unknown (use {DATA_SPECS})"
             )
         return [(torch.randn(batch_size, *shape, generator=gen),) for _ in range(batches)]
     if spec == "digits":
         from initlab.cli.demo import load_digits_tensors
 
-        x, y = load_digits_tensors()
-        perm = torch.randperm(len(x), generator=gen)
-        return [
-            (x[perm[i : i + batch_size]], y[perm[i : i + batch_size]])
-            for i in range(0, min(len(x), batch_size * batches), batch_size)
-        ]
+        return _sampled(*load_digits_tensors(), batch_size, batches, gen)
     if spec.endswith((".pt", ".pth")):
-        obj = torch.load(spec, weights_only=True)
+        obj = _read_pt(spec)
     else:
-        obj = load_factory(spec)()
-    if is_single_batch(obj):
-        first = obj if isinstance(obj, (tuple, list)) else (obj,)
-        n = int(first[0].shape[0])
-        if n > batch_size:
-            return [
-                tuple(t[i : i + batch_size] for t in first)
-                for i in range(0, min(n, batch_size * batches), batch_size)
-            ]
+        name = _dataset_name(spec)
+        if name is not None:
+            from initlab.data import load_dataset
+
+            ds = load_dataset(name, root=data_dir)
+            return _sampled(ds.x, ds.y, batch_size, batches, gen)
+        if ":" not in spec:
+            raise ValueError(f"unknown --data {spec!r}; give {DATA_SPECS}")
+        obj = _call_data_fn(spec)
+    return _split_batches(obj, batch_size, batches)
+
+
+def _split_batches(obj: Any, batch_size: int, batches: int) -> list[Any]:
+    """The batches of a loaded object: a big single batch of tensors is split along dim 0."""
+    if not is_single_batch(obj):
+        return take_batches(obj, batches, exact=False, what="--data")
+    parts = obj if isinstance(obj, (tuple, list)) else (obj,)
+    tensors = all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in parts)
+    if not tensors or len({int(t.shape[0]) for t in parts}) != 1:
         return [obj]
-    return take_batches(obj, batches, exact=False, what="--data")
+    n = int(first_tensor(obj).shape[0])
+    if n <= batch_size:
+        return [obj]
+    return [
+        tuple(t[i : i + batch_size] for t in parts)
+        for i in range(0, min(n, batch_size * batches), batch_size)
+    ]

@@ -2,6 +2,12 @@
 ``demo``.
 
 Argument parsing lives here and only here; every command calls the library's public functions.
+
+Errors: :func:`main` is the one place that handles them. Any exception a command raises is printed
+as one line, ``initlab <command>: error: <message>``, without a traceback (the global ``--debug``
+flag prints the traceback as well); the exit code is 2 for bad input (``ValueError``,
+``TypeError``, ``ImportError``, ``LookupError``, ``OSError``, ``ArithmeticError``) and 1 for
+anything else.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ import importlib
 import json
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -56,14 +63,13 @@ def _progress_printer(label: str, total: int | None) -> Any:
 
 
 def _run_method(args: argparse.Namespace, model: nn.Module) -> Any:
-    from initlab._core.loss import LOSSES, make_loss
-    from initlab.cli.inputs import load_data_spec, load_factory
+    from initlab.cli.inputs import has_targets, load_data_spec, load_loss
 
     module_name, fn_name, takes_loss = _METHODS[args.method]
     method = getattr(importlib.import_module(module_name), fn_name)
     data = load_data_spec(
         args.data, args.input_shape, batch_size=args.batch_size, batches=args.max_batches,
-        seed=args.seed,
+        seed=args.seed, data_dir=args.data_dir,
     )  # fmt: skip
     kwargs: dict[str, Any] = {"generator": args.seed}
     if args.method in ("gradinit", "metainit"):
@@ -72,7 +78,7 @@ def _run_method(args: argparse.Namespace, model: nn.Module) -> Any:
             kwargs["steps"] = args.steps
     if takes_loss:
         loss = args.loss or "auto"
-        loss_fn = make_loss(loss, seed=args.seed) if loss in LOSSES else load_factory(loss)
+        loss_fn = load_loss(loss, seed=args.seed, targets=has_targets(data[0]))
         return method(model, data, loss_fn, **kwargs)
     return method(model, data, **kwargs)
 
@@ -121,6 +127,7 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         max_batches=args.max_batches,
         seed=args.seed,
+        data_dir=args.data_dir,
         curvature=args.curvature,
         plots=not args.no_plots,
         progress=lambda msg: print(f"[diagnose] {msg}", file=sys.stderr, flush=True),
@@ -132,20 +139,17 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from initlab._core.loss import LOSSES, make_loss
-    from initlab.cli.inputs import load_data_spec, load_factory, load_model_spec
+    from initlab.cli.inputs import has_targets, load_data_spec, load_loss, load_model_spec
     from initlab.diagnostics.doctor import doctor
 
     model, shape = load_model_spec(args.model, args.model_kwargs)
     data = load_data_spec(
-        args.data, shape, batch_size=args.batch_size, batches=args.max_batches, seed=args.seed
-    )
-    has_targets = isinstance(data[0], (tuple, list)) and len(data[0]) >= 2
-    loss_name = args.loss or ("auto" if has_targets else "random_quadratic")
-    if ":" in loss_name and loss_name not in LOSSES:
-        loss_fn = load_factory(loss_name)
-    else:
-        loss_fn = make_loss(loss_name, seed=args.seed)
+        args.data, shape, batch_size=args.batch_size, batches=args.max_batches, seed=args.seed,
+        data_dir=args.data_dir,
+    )  # fmt: skip
+    targets = has_targets(data[0])
+    loss_name = args.loss or ("auto" if targets else "random_quadratic")
+    loss_fn = load_loss(loss_name, seed=args.seed, targets=targets)
     fix: bool | list[str] = False
     if args.fix is not None:
         fix = True if args.fix == "recommended" else [f for f in args.fix.split(",") if f]
@@ -206,49 +210,25 @@ def _cmd_data(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_bench_run(args: argparse.Namespace) -> int:
-    from initlab.study.runner import StudyError, run_study
-    from initlab.study.spec import StudySpec
-
-    spec = StudySpec.from_yaml(args.spec)
-    store = args.store or f"results/{spec.name}.sqlite"
-    Path(store).parent.mkdir(parents=True, exist_ok=True)
-    try:
-        summary = run_study(
-            spec,
-            store,
-            backend=args.backend,
-            workers=args.workers,
-            ray_address=args.ray_address,
-            progress=not args.quiet,
-            chunk_size=args.chunk_size,
-            device=args.device,
-            data_root=args.data_dir,
-        )
-    except StudyError as err:
-        print(f"initlab bench run: {err}", file=sys.stderr)
-        return 1
-    print(summary)
-    return 0
-
-
-def _cmd_bench_report(args: argparse.Namespace) -> int:
-    from initlab.study.aggregate import report_study
-
-    out = args.out or str(Path(args.store).with_suffix("")) + "-report"
-    rows = report_study(
-        args.store, out, study=args.study, plots=not args.no_plots, window=args.window
-    )
-    print(rows)
-    print(f"\nreport written to {out}")
-    return 0
-
-
 _MODEL_HELP = "'pkg.module:factory', 'file.py:factory' or 'zoo:NAME'"
-_DATA_HELP = "random | random:3x32x32 | digits | file.pt | pkg.module:fn"
+_DATA_HELP = (
+    "random | random:3x32x32 | digits | a data set `initlab data` lists (libsvm:letter, mnist, "
+    "...) | file.pt | pkg.module:fn"
+)
 _DATA_DIR_HELP = "data root (default: $INITLAB_DATA_DIR or ../shared/data)"
 
 Subparsers = Any  # argparse's private _SubParsersAction
+
+
+def _positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
 
 
 def _add_schemes(sub: Subparsers) -> None:
@@ -269,20 +249,22 @@ def _add_init(sub: Subparsers) -> None:
         "--method", choices=sorted(_METHODS), help="data-dependent method run after the scheme"
     )
     p.add_argument("--data", help=f"data for --method: {_DATA_HELP}")
+    p.add_argument("--data-dir", help=_DATA_DIR_HELP)
     p.add_argument("--input-shape", help="per-example input shape for random data, e.g. 3x32x32")
     p.add_argument(
         "--loss",
         help="loss for gradinit/metainit/precondition: auto | "
         "cross_entropy | mse | random_quadratic | pkg.module:fn",
     )
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--batch-size", type=_positive_int, default=64)
     p.add_argument(
-        "--max-batches", "--batches", dest="max_batches", type=int, default=8,
+        "--max-batches", "--batches", dest="max_batches", type=_positive_int, default=8,
         help="at most this many batches of --data for --method (--batches: the old name)",
     )  # fmt: skip
     p.add_argument(
-        "--steps", type=int, help="gradinit/metainit: optimization steps (default: one pass)"
-    )
+        "--steps", type=_positive_int,
+        help="gradinit/metainit: optimization steps (default: one pass)",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="seed of the init's torch.Generator")
     p.add_argument("--bias", default="zeros", help="'zeros', 'keep' or a number")
     p.add_argument(
@@ -313,14 +295,15 @@ def _add_model_data_loss(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help=_MODEL_HELP)
     p.add_argument("--model-kwargs", help="JSON object of keyword arguments for the factory")
     p.add_argument("--data", help=f"{_DATA_HELP} (default: random inputs of a zoo model's shape)")
+    p.add_argument("--data-dir", help=_DATA_DIR_HELP)
     p.add_argument("--loss", help="auto | cross_entropy | mse | random_quadratic | pkg.module:fn")
 
 
 def _add_batches(p: argparse.ArgumentParser) -> None:
     """--batch-size and --max-batches (--batches: the old name) of ``diagnose`` and ``doctor``."""
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--batch-size", type=_positive_int, default=64)
     p.add_argument(
-        "--max-batches", "--batches", dest="max_batches", type=int, default=4,
+        "--max-batches", "--batches", dest="max_batches", type=_positive_int, default=4,
         help="at most this many batches of --data (--batches: the old name)",
     )  # fmt: skip
 
@@ -348,26 +331,9 @@ def _add_data(sub: Subparsers) -> None:
 
 
 def _add_bench(sub: Subparsers) -> None:
-    bench = sub.add_parser("bench", help="run and report studies (schemes x seeds x LRs)")
-    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    p = bench_sub.add_parser("run", help="run a study spec (YAML); resumes where it stopped")
-    p.add_argument("spec", help="study spec, e.g. benchmarks/studies/table2.yaml")
-    p.add_argument("--store", help="SQLite store (default: results/<study name>.sqlite)")
-    p.add_argument("--backend", default="local", choices=["local", "ray"])
-    p.add_argument("--workers", type=int, default=1, help="parallel worker processes")
-    p.add_argument("--ray-address", help="Ray cluster address (default: a local Ray instance)")
-    p.add_argument("--chunk-size", type=int, default=64, help="runs trained together per chunk")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--data-dir", help=_DATA_DIR_HELP)
-    p.add_argument("--quiet", action="store_true", help="no progress output")
-    p.set_defaults(func=_cmd_bench_run)
-    p = bench_sub.add_parser("report", help="aggregate a study store: Table 2, tables, plots")
-    p.add_argument("store", help="SQLite store written by `initlab bench run`")
-    p.add_argument("--out", help="output folder (default: <store>-report)")
-    p.add_argument("--study", help="only this study of the store")
-    p.add_argument("--no-plots", action="store_true")
-    p.add_argument("--window", type=int, help="sliding window (steps) for loss curves")
-    p.set_defaults(func=_cmd_bench_report)
+    from initlab.cli.bench import add_bench
+
+    add_bench(sub, data_dir_help=_DATA_DIR_HELP)
 
 
 def _add_demo(sub: Subparsers) -> None:
@@ -385,22 +351,66 @@ def _parser() -> argparse.ArgumentParser:
         prog="initlab",
         description="Well-conditioned neural networks at step zero.",
     )
+    parser.add_argument("--debug", action="store_true", help=_DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (
         _add_schemes, _add_init, _add_diagnose, _add_doctor, _add_data, _add_bench, _add_demo,
     ):  # fmt: skip
         add(sub)
+    for command in sub.choices.values():  # also after the command: initlab init ... --debug
+        command.add_argument(
+            "--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP
+        )
     return parser
 
 
+_DEBUG_HELP = "on an error, print the full traceback too (default: the message alone)"
+
+#: Exceptions that report bad input (exit code 2); any other exception exits with 1.
+_INPUT_ERRORS = (ValueError, TypeError, ImportError, LookupError, OSError, ArithmeticError)
+
+_SHAPE_ERRORS = (
+    "shapes cannot be multiplied",
+    "size of tensor",
+    "expected input",
+    "input of size",
+    "channels, but got",
+)
+
+
+def _message(err: BaseException) -> str:
+    """The one-line text of an error: its message, with the type where the message alone is
+    unclear, and a hint for a model that cannot run on the data."""
+    if isinstance(err, OSError) and err.filename is not None and err.strerror:
+        return f"{err.strerror}: {err.filename}"
+    text = str(err).strip() or type(err).__name__
+    if not isinstance(err, (ValueError, TypeError, ImportError, ArithmeticError, OSError)):
+        text = f"{type(err).__name__}: {text}"
+    if isinstance(err, RuntimeError) and any(s in text.lower() for s in _SHAPE_ERRORS):
+        text += (
+            " (the model could not run on the data: do --data, --input-shape and the model's "
+            "input agree?)"
+        )
+    return text
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``initlab`` command; returns the exit code."""
+    """Entry point of the ``initlab`` command; returns the exit code.
+
+    Every error of a command is printed as ``initlab <command>: error: <message>`` on stderr (the
+    traceback too with ``--debug``); see the module docstring for the exit codes.
+    """
     args = _parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except (ValueError, TypeError, ImportError) as err:
-        print(f"initlab {args.command}: error: {err}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        print(f"initlab {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:
+        if args.debug:
+            traceback.print_exc()
+        print(f"initlab {args.command}: error: {_message(err)}", file=sys.stderr)
+        return 2 if isinstance(err, _INPUT_ERRORS) else 1
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -28,13 +28,20 @@ import torch
 
 from initlab.data.cache import CacheDir
 from initlab.data.cifar import load_cifar_pickle
-from initlab.data.dataset import Dataset
+from initlab.data.dataset import Dataset, check_per_class, first_per_class
 from initlab.data.idx import MNIST_FILES, load_mnist
 from initlab.data.images import load_image_folder
 from initlab.data.libsvm import load_libsvm
 from initlab.data.sklearn_sets import load_sklearn
 
-__all__ = ["CATALOGUE", "CatalogueEntry", "data_root", "list_datasets", "load_dataset"]
+__all__ = [
+    "CATALOGUE",
+    "CatalogueEntry",
+    "catalogue_entry",
+    "data_root",
+    "list_datasets",
+    "load_dataset",
+]
 
 _LIBSVM_SOURCE = "LIBSVM multiclass collection (Chang & Lin), from UCI / Statlog"
 
@@ -144,6 +151,12 @@ def _entry(name: str) -> CatalogueEntry:
     raise ValueError(f"unknown data set {name!r}; known: {', '.join(CATALOGUE)}")
 
 
+def catalogue_entry(name: str) -> CatalogueEntry:
+    """The catalogue entry a name resolves to, as :func:`load_dataset` resolves it (bare LIBSVM
+    names, unique suffixes); ``ValueError`` for unknown or ambiguous names."""
+    return _entry(name)
+
+
 def _missing(entry: CatalogueEntry, looked: list[Path], root: Path, how: str) -> FileNotFoundError:
     where = ", ".join(str(p) for p in looked)
     return FileNotFoundError(
@@ -196,6 +209,7 @@ def load_dataset(
     root: str | os.PathLike[str] | None = None,
     dtype: torch.dtype = torch.float32,
     cache_dir: CacheDir = None,
+    limit_per_class: int | None = None,
 ) -> Dataset:
     """Load a named set (see :func:`list_datasets`) from the data root.
 
@@ -208,11 +222,29 @@ def load_dataset(
         dtype: image sets only: a floating dtype gives pixels in ``[0, 1]``, ``torch.uint8`` the
             raw bytes. Tabular sets are always ``float32``.
         cache_dir: see :mod:`initlab.data.cache`; ``False`` disables the cache.
+        limit_per_class: keep only the first ``limit_per_class`` examples of each class, in the
+            source order (:func:`~initlab.data.dataset.first_per_class`); for the CIFAR-10 JPEG
+            copy these are the first files of each class folder, and only they are decoded.
 
     A LIBSVM test split uses the training split's label map and the catalogue's feature count.
     ``cifar10`` reads the official pickles (``cifar-10-batches-py``) when present, else the JPEG
     copy (``cifar10-jpeg``), named ``"CIFAR-10 (JPEG copy)"`` since it is lossy.
     """
+    if limit_per_class is not None:
+        check_per_class("limit_per_class", limit_per_class)  # before any (slow) decoding
+    data = _load(name, split, root, dtype, cache_dir, limit_per_class)
+    return data if limit_per_class is None else first_per_class(data, limit_per_class)
+
+
+def _load(
+    name: str,
+    split: str,
+    root: str | os.PathLike[str] | None,
+    dtype: torch.dtype,
+    cache_dir: CacheDir,
+    limit_per_class: int | None,
+) -> Dataset:
+    """:func:`load_dataset` without the per-class limit (except where a loader applies it)."""
     entry = _entry(name)
     if split not in entry.splits:
         if split in ("train", "test"):
@@ -255,7 +287,12 @@ def load_dataset(
             return load_cifar_pickle(pickles, split, dtype=dtype, cache_dir=cache_dir)
         if jpegs.is_dir():
             return load_image_folder(
-                jpegs, dtype=dtype, name="CIFAR-10 (JPEG copy)", split=split, cache_dir=cache_dir
+                jpegs,
+                dtype=dtype,
+                name="CIFAR-10 (JPEG copy)",
+                split=split,
+                cache_dir=cache_dir,
+                limit_per_class=limit_per_class,
             )
         raise _missing(entry, [pickles, jpegs], directory, how)
     folder = directory / "cifar-100-python"

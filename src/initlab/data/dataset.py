@@ -7,7 +7,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["Dataset", "Label", "check_image_dtype", "image_dataset"]
+__all__ = [
+    "Dataset",
+    "Label",
+    "check_image_dtype",
+    "check_per_class",
+    "first_per_class",
+    "image_dataset",
+]
 
 #: An original label: an integer (LIBSVM, IDX) or a class name (CIFAR, image folders).
 Label = int | str
@@ -103,4 +110,38 @@ def image_dataset(
         n_classes=len(label_map),
         label_map=label_map,
         split=split,
+    )
+
+
+def check_per_class(what: str, k: object) -> int:
+    """``k`` as a per-class example count: a positive int, else a ``ValueError`` naming ``what``."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"{what} must be a positive int, got {k!r}")
+    return k
+
+
+def first_per_class(dataset: Dataset, k: int) -> Dataset:
+    """The first ``k`` examples of every class, in the source order (all of a class with fewer).
+
+    A balanced, deterministic subset: the kept rows stay in their original relative order, so
+    ``first_per_class(d, k).x`` is ``d.x[rows]`` with ``rows`` increasing. The metadata
+    (``n_classes``, ``label_map``) is unchanged, even if a class ends up absent.
+    """
+    check_per_class("first_per_class: k", k)
+    y = dataset.y
+    # rank of each row among the rows of its class: a stable sort by class, minus class offsets
+    order = torch.sort(y, stable=True).indices
+    counts = torch.bincount(y, minlength=dataset.n_classes)
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.empty_like(y)
+    rank[order] = torch.arange(y.shape[0]) - starts[y[order]]
+    rows = (rank < k).nonzero().flatten()
+    return Dataset(
+        x=dataset.x[rows],
+        y=y[rows],
+        name=dataset.name,
+        n_features=dataset.n_features,
+        n_classes=dataset.n_classes,
+        label_map=dataset.label_map,
+        split=dataset.split,
     )

@@ -185,8 +185,9 @@ class _Engine:
     def train(self, mode: bool) -> None:
         """Switch train/eval mode where the engine has one."""
 
-    def forward(self, x: Tensor, *, train: bool) -> Tensor:
-        """Raw logits ``(R, B, C)`` of ``x: (R, B, ...)``; ``train`` keeps what backward needs."""
+    def forward(self, x: Tensor, *, train: bool, runs: slice | None = None) -> Tensor:
+        """Raw logits ``(R, B, C)`` of ``x: (R, B, ...)``; ``train`` keeps what backward needs.
+        ``runs``: only these runs (evaluation; ``x`` then has their number of rows)."""
         raise NotImplementedError
 
     def backward_step(self, dlogits: Tensor, opt: _VecOptimizer, frozen_now: list[int]) -> None:
@@ -200,17 +201,31 @@ class _Engine:
         raise NotImplementedError
 
 
+def _is_plain_flatten(m: nn.Module) -> bool:
+    return type(m) is nn.Flatten and m.start_dim == 1 and m.end_dim == -1
+
+
+def _is_fixed_layernorm(m: nn.Module) -> bool:
+    return (
+        type(m) is nn.LayerNorm
+        and len(m.normalized_shape) == 1
+        and m.weight is None
+        and m.bias is None
+    )
+
+
 def _mlp_modules(model: nn.Module) -> list[tuple[str, nn.Module]] | None:
     """The layer list of a model the explicit MLP engine can run, else ``None``.
 
-    Accepted: :class:`~initlab.zoo.paper_mlp.PaperMLP` and ``nn.Sequential``, made of ``Linear``,
-    ``ReLU``, ``Identity`` and, as the very first layer only, a ``LayerNorm`` over the last
-    dimension without affine parameters.
+    Accepted: :class:`~initlab.zoo.paper_mlp.PaperMLP` (which flattens image inputs itself) and
+    ``nn.Sequential``, made of ``Linear``, ``ReLU``, ``Identity`` led by at most an
+    ``nn.Flatten()`` and then a ``LayerNorm`` over the last dimension without affine parameters
+    (the per-row transforms of :meth:`_MLPEngine.preprocess`).
     """
     from initlab.zoo.paper_mlp import PaperMLP
 
     if type(model) is PaperMLP:
-        mods: list[tuple[str, nn.Module]] = []
+        mods: list[tuple[str, nn.Module]] = [("flatten", nn.Flatten())]
         if model.input_norm is not None:
             mods.append(("input_norm", model.input_norm))
         mods += [(f"layers.{name}", m) for name, m in model.layers.named_children()]
@@ -218,21 +233,28 @@ def _mlp_modules(model: nn.Module) -> list[tuple[str, nn.Module]] | None:
         mods = list(model.named_children())
     else:
         return None
-    for i, (_, m) in enumerate(mods):
-        if type(m) in (nn.Linear, nn.ReLU, nn.Identity):
-            continue
-        if (
-            type(m) is nn.LayerNorm
-            and i == 0
-            and len(m.normalized_shape) == 1
-            and m.weight is None
-            and m.bias is None
-        ):
-            continue
+    lead = 0  # the per-row transforms that lead the chain
+    if lead < len(mods) and _is_plain_flatten(mods[lead][1]):
+        lead += 1
+    if lead < len(mods) and _is_fixed_layernorm(mods[lead][1]):
+        lead += 1
+    if any(type(m) not in (nn.Linear, nn.ReLU, nn.Identity) for _, m in mods[lead:]):
         return None
     if not any(type(m) is nn.Linear for _, m in mods):
         return None
     return mods
+
+
+def _needs_one_at_a_time(model: nn.Module) -> bool:
+    """Whether a training-mode forward of ``model`` updates buffers or draws random numbers
+    (BatchNorm, dropout), which ``vmap`` over stacked runs cannot reproduce run by run."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+    from torch.nn.modules.dropout import _DropoutNd
+
+    return any(
+        isinstance(m, _BatchNorm) or (isinstance(m, _DropoutNd | nn.AlphaDropout) and m.p > 0)
+        for m in model.modules()
+    )
 
 
 class _MLPEngine(_Engine):
@@ -243,16 +265,24 @@ class _MLPEngine(_Engine):
     and ``b: (R, 1, out)``. Backward per linear layer: ``dh = dy @ wt^T`` (before the update),
     then the optimizer consumes ``(h^T, dy)`` (SGD accumulates the product into its momentum
     buffer with ``baddbmm_``) and ``db = dy.sum(1)``; ReLU backward is ``threshold_backward``
-    on the saved output. The leading LayerNorm without affine parameters is a fixed per-row
-    transform, applied once per split in :meth:`preprocess`.
+    on the saved output, in place. A leading ``Flatten`` and LayerNorm without affine parameters
+    are fixed per-row transforms, applied once per split in :meth:`preprocess`.
+
+    Every activation and gradient lives in a contiguous workspace allocated once per
+    ``(runs, rows)`` shape (a training batch, the last partial one, an evaluation chunk) and
+    reused by later steps: fresh multi-megabyte tensors per step cost page faults and cache
+    misses. (Contiguous: ``bmm`` into a strided view, e.g. to keep a column of ones beside the
+    activations for the biases, falls back to one GEMM per run, 10x slower on two threads.)
     """
 
     def __init__(self, models: Sequence[nn.Module], mods: list[tuple[str, nn.Module]]) -> None:
         self.params = []
         self._names: list[tuple[str, bool]] = []  # (parameter name, stored transposed)
         self._ops: list[tuple[str, int, int | None]] = []  # ("linear", w, b) | ("relu", -1, None)
+        self._flatten = False  # flatten each example (images into vectors) first
         self._pre: tuple[tuple[int, ...], float] | None = None
         self._saved: list[Tensor] = []  # the input of every op, from the last training forward
+        self._ws: dict[tuple[int, ...], list[Tensor]] = {}  # workspaces by (kind, runs, rows)
         per_model = [dict(m.named_modules()) for m in models]
 
         def stack(qualname: str, attr: str, transpose: bool) -> int:
@@ -263,7 +293,9 @@ class _MLPEngine(_Engine):
             return len(self.params) - 1
 
         for qual, m in mods:
-            if isinstance(m, nn.LayerNorm):
+            if isinstance(m, nn.Flatten):
+                self._flatten = True
+            elif isinstance(m, nn.LayerNorm):
                 self._pre = (tuple(m.normalized_shape), float(m.eps))
             elif isinstance(m, nn.Linear):
                 w = stack(qual, "weight", True)
@@ -272,26 +304,53 @@ class _MLPEngine(_Engine):
             elif isinstance(m, nn.ReLU):
                 self._ops.append(("relu", -1, None))
         self._first_linear = next(i for i, op in enumerate(self._ops) if op[0] == "linear")
+        self._widths = [(self.params[w].shape[1], self.params[w].shape[2]) for w in self._w_ids()]
+
+    def _w_ids(self) -> list[int]:
+        return [w for kind, w, _ in self._ops if kind == "linear"]
+
+    def accepts(self, x: Tensor) -> bool:
+        """Whether the engine can run inputs shaped like ``x`` (rows of vectors, or of anything
+        when the model flattens its inputs)."""
+        return x.ndim == 2 or self._flatten
 
     def preprocess(self, x: Tensor) -> Tensor:
+        if self._flatten:
+            x = x.flatten(1)
         if self._pre is None:
             return x
         return F.layer_norm(x, self._pre[0], eps=self._pre[1])
 
+    def _workspace(self, kind: int, like: Tensor) -> list[Tensor]:
+        """Per linear layer, a ``(R, B, width)`` tensor for the batch shape of ``like``: its
+        output (``kind`` 0) or the gradient w.r.t. its input (``kind`` 1; none for the first
+        layer, whose input needs no gradient)."""
+        r, b = like.shape[:2]
+        key = (kind, r, b)
+        if key not in self._ws:
+            widths = [w[1 - kind] if kind == 0 or i else 0 for i, w in enumerate(self._widths)]
+            self._ws[key] = [like.new_empty(r, b, w) for w in widths]
+        return self._ws[key]
+
     @torch.no_grad()
-    def forward(self, x: Tensor, *, train: bool) -> Tensor:
-        p = self.params
+    def forward(self, x: Tensor, *, train: bool, runs: slice | None = None) -> Tensor:
+        p = self.params if runs is None else [t[runs] for t in self.params]
+        outs = self._workspace(0, x)
         saved: list[Tensor] = []
         h = x
-        fresh = False  # h is a tensor this forward created (safe to modify in place)
+        fresh = False  # h is a workspace this forward wrote (safe to modify in place)
+        k = 0
         for kind, w, b in self._ops:
             saved.append(h)
             if kind == "linear":
-                h = torch.bmm(h, p[w]) if b is None else torch.baddbmm(p[b], h, p[w])
-                fresh = True
+                if b is None:
+                    h = torch.bmm(h, p[w], out=outs[k])
+                else:
+                    h = torch.baddbmm(p[b], h, p[w], out=outs[k])
+                k += 1
             else:
                 h = h.relu_() if fresh else torch.relu(h)
-                fresh = True
+            fresh = True
         if train:
             self._saved = saved
         return h
@@ -302,17 +361,22 @@ class _MLPEngine(_Engine):
             for r in frozen_now:
                 t[r] = 0
         opt.begin_step()
-        grad = dlogits
+        grad = dlogits  # the caller's: it does not reuse it, so a ReLU may modify it in place
+        grads_in = self._workspace(1, dlogits)
+        k = len(grads_in)
         for j in range(len(self._ops) - 1, self._first_linear - 1, -1):
             kind, w, b = self._ops[j]
             inp = self._saved[j]
             if kind == "relu":
                 # the op's output is the next op's saved input, or the logits for a last ReLU
                 out = self._saved[j + 1] if j + 1 < len(self._saved) else inp.relu()
-                grad = torch.ops.aten.threshold_backward(grad, out, 0.0)
+                grad = torch.ops.aten.threshold_backward.grad_input(grad, out, 0.0, grad_input=grad)
                 continue
+            k -= 1
             wt = self.params[w]
-            grad_in = torch.bmm(grad, wt.transpose(1, 2)) if j > self._first_linear else None
+            grad_in = None
+            if j > self._first_linear:
+                grad_in = torch.bmm(grad, wt.transpose(1, 2), out=grads_in[k])
             opt.update(w, gemm=(inp.transpose(1, 2), grad))
             if b is not None:
                 opt.update(b, grad=grad.sum(dim=1, keepdim=True))
@@ -350,10 +414,14 @@ class _VmapEngine(_Engine):
     def train(self, mode: bool) -> None:
         self._base.train(mode)
 
-    def forward(self, x: Tensor, *, train: bool) -> Tensor:
+    def forward(self, x: Tensor, *, train: bool, runs: slice | None = None) -> Tensor:
         if not train:
+            params, buffers = self.params, self._buffers
+            if runs is not None:
+                params = [p[runs] for p in params]
+                buffers = {k: b[runs] for k, b in buffers.items()}
             with torch.no_grad():
-                return self._call(tuple(self.params), self._buffers, x)
+                return self._call(tuple(params), buffers, x)
         with torch.enable_grad():
             self._out = self._call(tuple(self.params), self._buffers, x)
         return self._out.detach()

@@ -18,29 +18,40 @@ normalize to 1.
 
 Quantiles (``q25``, ``q75``, the median) interpolate linearly between order statistics, like
 ``numpy.quantile``'s default, with ``+inf`` handled exactly.
+
+Which "final training loss" (``loss=``): ``"full_pass"``, the mean cross-entropy of a full pass
+over the training split after the last epoch (``final_train_loss``), or
+``"last_epoch_minibatch"``, the mean of the last epoch's minibatch losses
+(``last_epoch_minibatch_loss``); the paper does not say which it used.
+
+Confidence intervals, paired comparisons against geometric and the sensitivity table over protocol
+variants: :mod:`initlab.study.bootstrap` and :func:`sensitivity_table`; the report with all of
+them, per variant: :func:`report_study`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from initlab._core.rows import Rows
 from initlab.study._stats import quantile
+from initlab.study.config import LOSS_MEASURES
 
 __all__ = [
     "LR_COLUMNS",
     "PAPER_N_DATASETS",
     "PAPER_TABLE2",
     "PER_DATASET_COLUMNS",
+    "SENSITIVITY_COLUMNS",
     "TABLE2_COLUMNS",
+    "grid_edges",
     "lr_table",
     "per_dataset_table",
     "quantile",
-    "report_study",
     "run_loss",
+    "sensitivity_table",
     "table2",
     "table2_markdown",
 ]
@@ -66,33 +77,57 @@ PER_DATASET_COLUMNS = (
     "normalized",
     "n_seeds",
     "n_diverged",
+    "n_lrs",
     "lr_at_grid_edge",
+    "grid_edge",
 )
 TABLE2_COLUMNS = ("scheme", "avg_normalized_loss", "worst_in", "best_in", "n_datasets")
+SENSITIVITY_COLUMNS = (
+    "variant",
+    "scheme",
+    "avg_normalized_loss",
+    "avg_lo",
+    "avg_hi",
+    "rank",
+    "p_first",
+    "worst_in",
+    "best_in",
+    "n_datasets",
+)
 
 
-def run_loss(record: Mapping[str, Any]) -> float:
-    """A run's loss for the aggregation: ``final_train_loss``, or ``+inf`` if it diverged or is
-    not finite."""
-    loss = record.get("final_train_loss")
-    if record.get("diverged") or loss is None or not math.isfinite(float(loss)):
+def _loss_column(loss: str) -> str:
+    if loss not in LOSS_MEASURES:
+        raise ValueError(f"loss must be one of {tuple(LOSS_MEASURES)}, got {loss!r}")
+    return LOSS_MEASURES[loss]
+
+
+def run_loss(record: Mapping[str, Any], loss: str = "full_pass") -> float:
+    """A run's loss for the aggregation: its ``final_train_loss`` (``loss="full_pass"``) or
+    ``last_epoch_minibatch_loss``, or ``+inf`` if it diverged or is not finite."""
+    value = record.get(_loss_column(loss))
+    if record.get("diverged") or value is None or not math.isfinite(float(value)):
         return math.inf
-    return float(loss)
+    return float(value)
 
 
-def lr_table(records: Iterable[Mapping[str, Any]]) -> Rows:
+def lr_table(records: Iterable[Mapping[str, Any]], loss: str = "full_pass") -> Rows:
     """Per data set, scheme and learning rate: the median and quartiles over seeds of the loss.
 
     Args:
-        records: runs with ``dataset, scheme, lr, final_train_loss, diverged`` (e.g.
+        records: runs with ``dataset, scheme, lr, diverged`` and the loss column (e.g.
             :meth:`initlab.study.store.Store.records`).
+        loss: which training loss (module docstring).
 
     Returns:
         :class:`~initlab.Rows` with :data:`LR_COLUMNS`, sorted by data set, scheme, rate.
     """
+    column = _loss_column(loss)
     cells: dict[tuple[str, str, float], list[float]] = {}
     for r in records:
-        cells.setdefault((r["dataset"], r["scheme"], float(r["lr"])), []).append(run_loss(r))
+        if column not in r:
+            raise ValueError(f"a run's record has no {column!r} (loss={loss!r}): use Store.records")
+        cells.setdefault((r["dataset"], r["scheme"], float(r["lr"])), []).append(run_loss(r, loss))
     rows = []
     for (dataset, scheme, lr), losses in sorted(cells.items()):
         rows.append(
@@ -110,17 +145,18 @@ def lr_table(records: Iterable[Mapping[str, Any]]) -> Rows:
     return Rows(rows, LR_COLUMNS, title="median final training loss over seeds, per learning rate")
 
 
-def per_dataset_table(records: Iterable[Mapping[str, Any]]) -> Rows:
+def per_dataset_table(records: Iterable[Mapping[str, Any]], loss: str = "full_pass") -> Rows:
     """Per data set and scheme: the best learning rate, its median/quartile loss, normalized loss.
 
     ``normalized`` is ``None`` on data sets where some scheme of the study has no results.
-    ``lr_at_grid_edge`` flags a best rate at the smallest or largest rate tried for that data set
-    and scheme (the grid may be too narrow there).
+    ``lr_at_grid_edge`` flags a best rate at the smallest or largest of the ``n_lrs`` rates tried
+    for that data set and scheme (the grid may be too narrow there); ``grid_edge`` says which:
+    ``"top"``, ``"bottom"`` or ``""``.
 
     Returns:
         :class:`~initlab.Rows` with :data:`PER_DATASET_COLUMNS`, sorted by data set, scheme.
     """
-    by_lr = lr_table(records).to_rows()
+    by_lr = lr_table(records, loss).to_rows()
     cells: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for row in by_lr:
         cells.setdefault((row["dataset"], row["scheme"]), []).append(row)
@@ -130,6 +166,9 @@ def per_dataset_table(records: Iterable[Mapping[str, Any]]) -> Rows:
         # lowest median; ties → the smaller learning rate (rows are sorted by lr)
         choice = min(rows, key=lambda row: row["median_loss"])
         lrs = [row["lr"] for row in rows]
+        edge = ""
+        if len(lrs) > 1 and choice["lr"] in (min(lrs), max(lrs)):
+            edge = "top" if choice["lr"] == max(lrs) else "bottom"
         best[key] = {
             "dataset": key[0],
             "scheme": key[1],
@@ -140,7 +179,9 @@ def per_dataset_table(records: Iterable[Mapping[str, Any]]) -> Rows:
             "normalized": None,
             "n_seeds": choice["n_seeds"],
             "n_diverged": choice["n_diverged"],
-            "lr_at_grid_edge": len(lrs) > 1 and choice["lr"] in (min(lrs), max(lrs)),
+            "n_lrs": len(lrs),
+            "lr_at_grid_edge": bool(edge),
+            "grid_edge": edge,
         }
     for dataset in sorted({d for d, _ in cells}):
         if not all((dataset, s) in best for s in schemes):
@@ -151,6 +192,11 @@ def per_dataset_table(records: Iterable[Mapping[str, Any]]) -> Rows:
             best[dataset, s]["normalized"] = _normalize(loss, worst)
     rows = [best[key] for key in sorted(best)]
     return Rows(rows, PER_DATASET_COLUMNS, title="best learning rate per data set and scheme")
+
+
+def grid_edges(per_dataset: Rows | Iterable[Mapping[str, Any]]) -> list[tuple[str, str, str]]:
+    """``(dataset, scheme, "top" | "bottom")`` of every best learning rate at the grid's edge."""
+    return [(r["dataset"], r["scheme"], r["grid_edge"]) for r in per_dataset if r["grid_edge"]]
 
 
 def _normalize(loss: float, worst: float) -> float:
@@ -238,78 +284,29 @@ def table2_markdown(
     return "\n".join(lines) + "\n"
 
 
-def report_study(
-    store_path: str | Path,
-    out_dir: str | Path,
-    *,
-    study: str | None = None,
-    plots: bool = True,
-    window: int | None = None,
-) -> Rows:
-    """Write a study's report and return its Table 2 rows.
-
-    Files written to ``out_dir``: ``table2.md`` (ours beside the paper's), ``per_dataset.csv``,
-    ``per_lr.csv``, ``runs.csv`` (one row per run) and, with ``plots``, the PNGs of
-    :func:`initlab.study.plots.plot_study` under ``out_dir/plots``.
+def sensitivity_table(tables: Mapping[str, Rows | Iterable[Mapping[str, Any]]]) -> Rows:
+    """Variant × scheme: the average normalized loss with its interval, and the rank.
 
     Args:
-        store_path: the study store.
-        out_dir: output folder (created).
-        study: the study's name; ``None``: the only study in the store (or all runs if there are
-            several or none registered).
-        plots: draw the plots (needs matplotlib).
-        window: sliding-window length for the training-loss curves (default: see
-            :func:`initlab.study.plots.plot_loss_curves`).
+        tables: ``{variant: Table 2 with intervals}``
+            (:func:`initlab.study.bootstrap.table2_intervals` of each variant's runs).
+
+    Returns:
+        :class:`~initlab.Rows` with :data:`SENSITIVITY_COLUMNS`, by variant (in the given order),
+        then rank.
     """
-    from initlab.study.store import Store
-
-    if not Path(store_path).is_file():
-        raise FileNotFoundError(f"no study store at {store_path}")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    with Store(store_path) as store:
-        studies = store.studies()
-        if study is None and len(studies) == 1:
-            study = next(iter(studies))
-        if study is not None and study not in studies:
-            raise ValueError(f"no study {study!r} in {store_path}; it has: {sorted(studies)}")
-        records = store.records(study, curves=plots)
-        n_expected = len(store.study_keys(study)) if study is not None else len(records)
-        store.to_csv(out / "runs.csv", study)
-    if not records:
-        raise ValueError(
-            f"{store_path} holds no finished runs" + (f" of {study!r}" if study else "")
-        )
-    per_lr = lr_table(records)
-    per_dataset = per_dataset_table(records)
-    table = table2(per_dataset)
-    _write_csv(out / "per_lr.csv", per_lr)
-    _write_csv(out / "per_dataset.csv", per_dataset)
-    notes = []
-    if len(records) < n_expected:
-        notes.append(
-            f"Incomplete study: {len(records)} of {n_expected} runs finished; numbers will change."
-        )
-    name = f" — study {study!r}" if study else ""
-    text = table2_markdown(
-        table,
-        per_dataset,
-        title=f"Table 2: average normalized loss / worst in # / best in #{name}",
-        notes=notes,
-    )
-    (out / "table2.md").write_text(text, encoding="utf-8")
-    if plots:
-        from initlab.study.plots import plot_study
-
-        plot_study(records, per_dataset, out / "plots", window=window)
-    return table
+    rows = []
+    for variant, table in tables.items():
+        for r in sorted(table, key=lambda r: (r["rank"], r["scheme"])):
+            rows.append({"variant": variant, **{c: r[c] for c in SENSITIVITY_COLUMNS[1:]}})
+    return Rows(rows, SENSITIVITY_COLUMNS, title="sensitivity: average normalized loss per variant")
 
 
-def _write_csv(path: Path, rows: Rows) -> None:
-    import csv
+def __getattr__(name: str) -> Any:
+    # report_study lives in initlab.study.report (it imports this module); the old import path
+    # `initlab.study.aggregate.report_study` still works.
+    if name == "report_study":
+        from initlab.study.report import report_study
 
-    with path.open("w", newline="", encoding="utf-8") as fh:
-        writer = csv.DictWriter(fh, fieldnames=rows.columns)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: "" if v is None else v for k, v in row.items()})
+        return report_study
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

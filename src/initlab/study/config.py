@@ -11,16 +11,40 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 
-__all__ = ["OPTIMIZERS", "RunConfig", "RunResult"]
+__all__ = [
+    "INPUT_NORMS",
+    "LOSS_MEASURES",
+    "OPTIMIZERS",
+    "RunConfig",
+    "RunResult",
+    "last_epoch_mean",
+]
 
 #: Optimizers the trainers implement (``torch.optim`` semantics, see the trainer module).
 OPTIMIZERS = ("sgd", "adam")
+
+#: ``RunConfig.input_norm`` values (see :func:`initlab.study.inputs.normalize_inputs`).
+INPUT_NORMS = ("none", "layernorm", "standardize")
+
+#: Which training loss a study's report compares (``loss:`` in a study spec), and the record
+#: column holding it: the full pass over the training split after the last epoch, or the mean of
+#: the last epoch's minibatch losses (:func:`last_epoch_mean`). Both are kept for every run, so the
+#: choice is made when reporting and needs no training.
+LOSS_MEASURES = {
+    "full_pass": "final_train_loss",
+    "last_epoch_minibatch": "last_epoch_minibatch_loss",
+}
+
+#: Fields added after the first stored studies, with the value that reproduces the earlier runs.
+#: At that value a field is left out of :meth:`RunConfig.canonical_json`, so the keys of runs that
+#: do not use it are the keys they always had.
+_LATER_FIELDS = {"input_norm": "none"}
 
 
 def _freeze(value: Any) -> Any:
@@ -57,7 +81,15 @@ class RunConfig:
         epochs: passes over the training split.
         batch_size: minibatch size (the last, partial batch of an epoch is included).
         output_std: scale the logits to this std after the first minibatch's forward, with a
-            constant fixed from then on (Defazio & Bottou use 0.05); ``None``: no scaling.
+            constant fixed from then on (Defazio & Bottou use 0.05); ``None``: no scaling. An
+            output *variance* target ``v`` is the std target ``sqrt(v)`` (the study spec's
+            ``output_scale: {variance: v}`` is stored that way).
+        input_norm: how the inputs are normalized before the model sees them (the trainer applies
+            it to the data, :func:`initlab.study.inputs.normalize_inputs`): ``"none"``,
+            ``"layernorm"`` (per example, LayerNorm without affine parameters, eps 1e-5: the
+            paper's input whitening) or ``"standardize"`` (per feature, with the mean and std of
+            the training split only). A model with its own input LayerNorm (``model_cfg``
+            ``input_norm: true``, the earlier spelling) takes ``"none"`` here.
     """
 
     dataset: str
@@ -72,6 +104,7 @@ class RunConfig:
     epochs: int = 5
     batch_size: int = 64
     output_std: float | None = 0.05
+    input_norm: str = "none"
 
     def __post_init__(self) -> None:
         # Normalize types so that equal configs hash (and serialize) equally: lr=1 and lr=1.0 are
@@ -110,6 +143,19 @@ class RunConfig:
             raise ValueError(
                 f"RunConfig.output_std must be positive or None, got {self.output_std}"
             )
+        self._check_input_norm()
+
+    def _check_input_norm(self) -> None:
+        if self.input_norm not in INPUT_NORMS:
+            raise ValueError(
+                f"RunConfig.input_norm must be one of {INPUT_NORMS}, got {self.input_norm!r}"
+            )
+        if self.input_norm != "none" and dict(self.model_cfg).get("input_norm"):
+            raise ValueError(
+                f"RunConfig.input_norm={self.input_norm!r} with model_cfg input_norm=true would "
+                "normalize the inputs twice; drop model_cfg's input_norm (input_norm='layernorm' "
+                "is the same LayerNorm, applied to the data)"
+            )
 
     @classmethod
     def make(
@@ -136,8 +182,16 @@ class RunConfig:
         return cls(**dict(d))
 
     def canonical_json(self) -> str:
-        """The canonical JSON text that :meth:`key` hashes (sorted keys, no spaces)."""
-        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"), allow_nan=False)
+        """The canonical JSON text that :meth:`key` hashes (sorted keys, no spaces).
+
+        Fields added after the first stored studies (``input_norm``) are left out at their
+        default, so a run that does not use them keeps the key it had before they existed.
+        """
+        d = self.to_dict()
+        for name, default in _LATER_FIELDS.items():
+            if d[name] == default:
+                del d[name]
+        return json.dumps(d, sort_keys=True, separators=(",", ":"), allow_nan=False)
 
     def key(self) -> str:
         """SHA-256 hex digest of :meth:`canonical_json`: a stable identifier of the run."""
@@ -146,8 +200,9 @@ class RunConfig:
     def group_key(self) -> tuple[Any, ...]:
         """Runs with equal group keys can be trained together by one ``train_runs`` call.
 
-        They share the data, the architecture, the optimizer kind and the step schedule; scheme,
-        seed, lr, momentum, weight decay and output std may differ per run.
+        They share the data (and its input normalization), the architecture, the optimizer kind
+        and the step schedule; scheme, seed, lr, momentum, weight decay and output std may differ
+        per run.
         """
         return (
             self.dataset,
@@ -156,7 +211,26 @@ class RunConfig:
             self.optimizer,
             self.epochs,
             self.batch_size,
+            self.input_norm,
         )
+
+
+def last_epoch_mean(step_loss: Sequence[float], epochs: int) -> float:
+    """The mean of the last epoch's step losses: ``mean(step_loss[-steps:])`` with
+    ``steps = len(step_loss) // epochs``; ``nan`` if one of them is not finite (a diverged run).
+
+    Each step's minibatch loss counts once, the last (partial) minibatch included: this is the
+    running "epoch loss" most training loops print, the other measure of "the training loss
+    after the last epoch" beside the full pass (``final_train_loss``).
+    """
+    if epochs < 1 or len(step_loss) < epochs or len(step_loss) % epochs:
+        raise ValueError(
+            f"step_loss has {len(step_loss)} entries, not a whole number of {epochs} epochs"
+        )
+    last = [float(v) for v in step_loss[len(step_loss) - len(step_loss) // epochs :]]
+    if not all(math.isfinite(v) for v in last):
+        return math.nan
+    return math.fsum(last) / len(last)
 
 
 @dataclass
@@ -189,6 +263,11 @@ class RunResult:
     final_train_loss: float
     wall_s: float
     state: dict[str, torch.Tensor] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def last_epoch_minibatch_loss(self) -> float:
+        """:func:`last_epoch_mean` of ``step_loss``: the last epoch's minibatch average."""
+        return last_epoch_mean(self.step_loss, self.config.epochs)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (``config`` nested as :meth:`RunConfig.to_dict`; ``state`` left out).

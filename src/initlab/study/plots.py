@@ -6,6 +6,8 @@
 - :func:`plot_loss_curves`: per data set, the minibatch training loss at the best learning rate,
   smoothed by a trailing sliding window for each seed and then averaged over seeds (the paper's
   Figure 3 style; it used a 400-step window on CIFAR-10).
+- :func:`plot_sensitivity`: the average normalized loss of every scheme with its bootstrap
+  interval, one row per protocol variant (the sensitivity table as a figure).
 
 Figures are drawn with :class:`matplotlib.figure.Figure` directly (no ``pyplot``), so plotting
 never changes the caller's matplotlib backend or global figure state.
@@ -25,7 +27,13 @@ from initlab._core.figures import new_figure
 from initlab._core.rows import Rows
 from initlab.study._stats import quantile
 
-__all__ = ["plot_interquartile", "plot_loss_curves", "plot_study", "sliding_mean"]
+__all__ = [
+    "plot_interquartile",
+    "plot_loss_curves",
+    "plot_sensitivity",
+    "plot_study",
+    "sliding_mean",
+]
 
 
 def _figure(**kwargs: Any) -> Any:
@@ -214,3 +222,35 @@ def plot_study(
     return plot_interquartile(records, per_dataset, out_dir) + plot_loss_curves(
         records, per_dataset, out_dir, window=window
     )
+
+
+def plot_sensitivity(rows: Rows | Sequence[Mapping[str, Any]], path: str | Path) -> Path:
+    """Average normalized loss and its interval per variant (rows) and scheme (markers).
+
+    Args:
+        rows: :func:`initlab.study.aggregate.sensitivity_table` rows (``variant, scheme,
+            avg_normalized_loss, avg_lo, avg_hi``).
+        path: the PNG to write.
+    """
+    rows = [dict(r) for r in rows]
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    schemes = sorted({r["scheme"] for r in rows})
+    fig = _figure(figsize=(6.4, 1.6 + 0.42 * len(variants)))
+    ax = fig.add_subplot()
+    offsets = np.linspace(-0.25, 0.25, len(schemes)) if len(schemes) > 1 else [0.0]
+    for offset, scheme in zip(offsets, schemes, strict=True):
+        mine = {r["variant"]: r for r in rows if r["scheme"] == scheme}
+        ys = [i + offset for i, v in enumerate(variants) if v in mine]
+        mid = np.array([mine[v]["avg_normalized_loss"] for v in variants if v in mine])
+        lo = _finite(np.array([mine[v]["avg_lo"] for v in variants if v in mine], dtype=float))
+        hi = _finite(np.array([mine[v]["avg_hi"] for v in variants if v in mine], dtype=float))
+        err = np.nan_to_num(np.stack([mid - lo, hi - mid]), nan=0.0)
+        ax.errorbar(mid, ys, xerr=err, fmt="o", ms=4, capsize=2, label=scheme)
+    ax.set_yticks(range(len(variants)), variants, fontsize="small")
+    ax.invert_yaxis()
+    ax.set(xlabel="average normalized loss (bootstrap interval)", title="sensitivity to protocol")
+    ax.legend(fontsize="small")
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    return out

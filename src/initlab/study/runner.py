@@ -14,11 +14,26 @@ big groups into chunks of at most ``chunk_size`` runs, and executes the chunks:
   such as ``"auto"`` or ``"ray://host:10001"`` connects to a cluster, and a Ray session that is
   already initialized is used as it is (and left running).
 
-Only this process writes the store: each finished chunk is committed in one transaction as it
-arrives, so a study killed at any instant (``SIGKILL`` included) loses at most the chunks in flight,
-and running it again trains exactly the missing runs. Results do not depend on the backend, the
-number of workers or the chunking, as long as the trainer's results depend only on each run's config
-(``initlab.study.trainer.train_runs`` seeds every run from its config).
+Only the driver writes the store (workers send results back): each finished chunk is committed in
+one transaction as it arrives, so a study killed at any instant (``SIGKILL`` included) loses at
+most the chunks in flight, and running it again trains exactly the missing runs. Several drivers
+(two ``initlab bench run`` of one study on one store) share the work: a driver claims each chunk's
+runs in the store just before training them, keeps its claims alive with a heartbeat, skips runs
+another live driver holds, waits for them at the end, and takes over the claims of a driver that
+died (:mod:`initlab.study.claims`).
+
+With ``extend_grid``, once all runs are stored the learning-rate grid is extended where a best
+rate sits at its edge, and those runs are trained, in rounds (:mod:`initlab.study.extend`).
+
+What a run's result depends on: ``initlab.study.trainer.train_runs`` seeds every run from its
+config, so its initial weights, data order and hyper-parameters do not depend on the backend, the
+number of workers, the drivers or the chunking. Its float32 arithmetic may, at the level of
+rounding: MKL's batched products take kernel paths that depend on how many runs share a chunk,
+and for a chunk of one run on the thread count. Measured on 54 runs (dna, satimage, vowel):
+1 vs 2 threads with chunks of 64 runs, 0 differ (tested: ``tests/test_hardening_determinism.py``);
+one run per chunk vs 64 per chunk, 9 differ (final losses by up to 1.5e-5); one run per chunk on
+1 vs 2 threads, 18 differ (up to 4.8e-7). Setting ``MKL_CBWR=AVX2,STRICT`` in the environment
+before torch is imported made all 54 bit-identical across both thread counts and chunkings.
 
 The model for a run is ``build_model(config, n_in=..., n_classes=...)``: the spec's ``model_cfg``
 plus the data set's number of features and classes, read from the loaded data.
@@ -41,8 +56,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from initlab.study.claims import (
+    DEFAULT_HEARTBEAT_S,
+    DEFAULT_STALE_AFTER_S,
+    Heartbeat,
+    WorkQueue,
+    owner_id,
+)
 from initlab.study.config import RunConfig, RunResult
-from initlab.study.spec import StudySpec
+from initlab.study.extend import extension_runs
+from initlab.study.models import check_study_models
+from initlab.study.spec import StudySpec, extend_rounds
 from initlab.study.store import Store
 
 __all__ = [
@@ -88,33 +112,25 @@ LoadFn = Callable[[str, "str | None"], StudyData]
 
 
 def load_study_data(name: str, root: str | None = None) -> StudyData:
-    """A data set's train and (where it exists) test split, via :func:`initlab.data.load_dataset`.
+    """A data set's train and (where it exists) test split, via :func:`initlab.data.load_dataset`;
+    ``name`` may carry options (``"cifar10?train_per_class=500"``: subsets, padding, pixel range;
+    see :mod:`initlab.study.datasets`).
 
     A data set published without a test split (several LIBSVM sets) gives ``test=None``; a
     missing file still raises.
     """
-    from initlab.data import load_dataset
+    from initlab.study.datasets import load_study_data as load
 
-    train = load_dataset(name, "train", root=root)  # bad names and missing files raise here
-    try:
-        test = load_dataset(name, "test", root=root)
-    except ValueError:  # the name resolved above, so this is "no 'test' split"
-        test = None
-    return StudyData(
-        train=(train.x, train.y),
-        test=None if test is None else (test.x, test.y),
-        n_features=int(train.n_features),
-        n_classes=int(train.n_classes),
-    )
+    return load(name, root)
 
 
 def build_model(config: RunConfig, *, n_in: int, n_classes: int) -> nn.Module:
-    """The model of a run: ``create_model(config.model, n_in=..., n_classes=..., **model_cfg)``
-    (the model registry ``initlab.zoo.create_model``)."""
-    from initlab.zoo import create_model
+    """The model of a run: a zoo model or a user factory ``"pkg.module:fn"`` with ``model_cfg``
+    plus what the data set determines (``n_in``, ``in_channels``, ``n_classes``; see
+    :mod:`initlab.study.models`)."""
+    from initlab.study.models import build_model as build
 
-    kwargs = {**config.model_kwargs, "n_in": n_in, "n_classes": n_classes}
-    return create_model(config.model, **kwargs)
+    return build(config, n_in=n_in, n_classes=n_classes)
 
 
 def _default_train_fn() -> TrainFn:
@@ -248,6 +264,21 @@ class _Progress:
         else:
             print(text, file=sys.stderr, flush=True)
 
+    def add(self, n_runs: int, n_chunks: int) -> None:
+        """More work (a grid extension round)."""
+        self.n_runs += n_runs
+        self.n_chunks += n_chunks
+        if self.bar is not None:
+            self.bar.total = self.n_runs
+            self.bar.refresh()
+
+    def others_done(self, n_runs: int) -> None:
+        """Runs another driver stored (they count as done here too)."""
+        self.done_runs += n_runs
+        if self.bar is not None:
+            self.bar.update(n_runs)
+        self.say(f"[{self.name}] {n_runs} runs stored by another driver")
+
     def chunk_done(self, chunk: Sequence[RunConfig], failed: bool = False) -> None:
         self.done_runs += len(chunk)
         self.done_chunks += 1
@@ -259,7 +290,7 @@ class _Progress:
             if not failed:
                 return
         elapsed = time.perf_counter() - self.start
-        left = self.n_runs - self.done_runs
+        left = max(0, self.n_runs - self.done_runs)
         eta = elapsed / self.done_runs * left if self.done_runs else float("nan")
         status = "FAILED" if failed else "done"
         self.say(
@@ -271,6 +302,161 @@ class _Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+# -- executors: pull claimed chunks, train them, hand back the results ------------------------
+
+_NextChunk = Callable[[], "list[RunConfig] | None"]
+_Finish = Callable[[list[RunConfig], "list[RunResult] | None", str], None]
+
+
+class _LocalExecutor:
+    """Chunks trained one after the other in this process."""
+
+    def __init__(self, load: LoadFn, root: str | None, train_fn: TrainFn | None, device: str):
+        self.cache = _DataCache(load, root)
+        self.train_fn, self.device = train_fn, device
+
+    def __enter__(self) -> _LocalExecutor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def run(self, next_chunk: _NextChunk, finish: _Finish) -> None:
+        while (chunk := next_chunk()) is not None:
+            try:
+                data = self.cache.get(chunk[0].dataset)
+                results = _train_chunk(chunk, data, self.train_fn, self.device)
+            except Exception:
+                finish(chunk, None, traceback.format_exc())
+            else:
+                finish(chunk, results, "")
+
+
+class _PoolExecutor:
+    """A process pool; ``workers + 1`` chunks in flight (claimed just before they are sent)."""
+
+    def __init__(
+        self,
+        load: LoadFn,
+        root: str | None,
+        train_fn: TrainFn | None,
+        device: str,
+        workers: int,
+    ) -> None:
+        self.args = (load, root, train_fn, device, max(1, (os.cpu_count() or 1) // workers))
+        self.workers = workers
+        self.pool: Any = None
+
+    def __enter__(self) -> _PoolExecutor:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        # spawn, not fork: forking a process that already runs torch's thread pools can deadlock.
+        self.pool = ProcessPoolExecutor(
+            max_workers=self.workers,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_pool_init,
+            initargs=self.args,
+        )
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+    def run(self, next_chunk: _NextChunk, finish: _Finish) -> None:
+        from concurrent.futures import FIRST_COMPLETED, wait
+
+        running: dict[Any, list[RunConfig]] = {}
+
+        def top_up() -> None:
+            while len(running) <= self.workers and (chunk := next_chunk()) is not None:
+                running[self.pool.submit(_pool_task, chunk)] = chunk
+
+        top_up()
+        while running:
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in done:
+                chunk, error = running.pop(future), future.exception()
+                if error is None:
+                    finish(chunk, future.result(), "")
+                else:
+                    finish(chunk, None, "".join(traceback.format_exception(error)))
+            top_up()
+
+
+class _RayExecutor:
+    """One ``ray.remote`` task per chunk; twice the cluster's CPUs in flight. The driver loads each
+    data set once and puts it in Ray's object store."""
+
+    def __init__(
+        self,
+        load: LoadFn,
+        root: str | None,
+        train_fn: TrainFn | None,
+        device: str,
+        workers: int,
+        address: str | None,
+    ) -> None:
+        self.load, self.root, self.train_fn, self.device = load, root, train_fn, device
+        self.workers, self.address = workers, address
+        self.started = False
+        self.data_refs: dict[str, Any] = {}
+        self.load_errors: dict[str, str] = {}
+
+    def __enter__(self) -> _RayExecutor:
+        try:
+            import ray
+        except ImportError as err:
+            raise ImportError("backend='ray' needs Ray: pip install ray (or initlab[ray])") from err
+        if not ray.is_initialized():
+            if self.address is None:
+                ray.init(address="local", num_cpus=self.workers, include_dashboard=False)
+            else:
+                ray.init(address=self.address)
+            self.started = True
+        self.ray = ray
+        self.task = ray.remote(num_cpus=1)(_ray_task)
+        self.in_flight = 2 * max(1, int(ray.cluster_resources().get("CPU", self.workers)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.started:
+            self.ray.shutdown()
+
+    def _submit(self, chunk: list[RunConfig], refs: dict[Any, list[RunConfig]], finish: _Finish):
+        name = chunk[0].dataset
+        if name not in self.data_refs and name not in self.load_errors:
+            try:
+                self.data_refs[name] = self.ray.put(self.load(name, self.root))
+            except Exception:
+                self.load_errors[name] = traceback.format_exc()
+        if name in self.load_errors:
+            finish(chunk, None, self.load_errors[name])
+        else:
+            ref = self.task.remote(chunk, self.data_refs[name], self.train_fn, self.device)
+            refs[ref] = chunk
+
+    def run(self, next_chunk: _NextChunk, finish: _Finish) -> None:
+        refs: dict[Any, list[RunConfig]] = {}
+
+        def top_up() -> None:
+            while len(refs) < self.in_flight and (chunk := next_chunk()) is not None:
+                self._submit(chunk, refs, finish)
+
+        top_up()
+        while refs:
+            done, _ = self.ray.wait(list(refs), num_returns=1)
+            for ref in done:
+                chunk = refs.pop(ref)
+                try:
+                    results = self.ray.get(ref)
+                except Exception:
+                    finish(chunk, None, traceback.format_exc())
+                else:
+                    finish(chunk, results, "")
+            top_up()
 
 
 # -- the driver -------------------------------------------------------------------------------
@@ -287,11 +473,18 @@ class StudySummary:
     Attributes:
         name: the study.
         store_path: the store written.
-        n_runs: runs in the study.
+        n_runs: runs in the study (of all its variants, each distinct run once), before any grid
+            extension.
         n_skipped: runs already in the store before this call.
-        n_trained: runs trained and stored by this call.
+        n_trained: runs trained by this call (all stored; a run another driver stored first,
+            after this one took over its stale claim, keeps the first result).
+        n_by_others: runs of this call's queue that another driver trained and stored.
         n_failed: runs of chunks that raised (not stored; a new call retries them).
-        n_chunks: chunks executed.
+        n_chunks: chunks executed by this call.
+        n_extended: runs added by grid extension (stored by this call or another driver).
+        extension_rounds: grid extension rounds that added runs.
+        edges_left: ``variant/dataset/scheme (edge)`` of the best rates still at the grid's edge
+            when extension stopped at its round limit (empty without extension).
         wall_s: wall time of the call.
         errors: one message (with traceback) per failed chunk.
     """
@@ -301,8 +494,12 @@ class StudySummary:
     n_runs: int
     n_skipped: int
     n_trained: int = 0
+    n_by_others: int = 0
     n_failed: int = 0
     n_chunks: int = 0
+    n_extended: int = 0
+    extension_rounds: int = 0
+    edges_left: list[str] = field(default_factory=list)
     wall_s: float = 0.0
     errors: list[str] = field(default_factory=list)
 
@@ -320,13 +517,19 @@ def run_study(
     chunk_size: int = 64,
     device: str = "cpu",
     data_root: str | None = None,
+    extend_grid: bool | int | None = None,
+    heartbeat_s: float = DEFAULT_HEARTBEAT_S,
+    stale_after: float = DEFAULT_STALE_AFTER_S,
 ) -> StudySummary:
     """Train every run of a study that the store does not hold yet, storing chunks as they finish.
 
     Args:
-        spec: the study, or a path to its YAML file.
+        spec: the study, or a path to its YAML file. All its variants run; a run two variants
+            share is trained once.
         store_path: the SQLite store (created if missing). Runs already stored (by any study) are
-            skipped; the study's name and the keys of all its runs are recorded in the store.
+            skipped; the study's name, spec and the keys of all its runs (per variant) are
+            recorded in the store. Other drivers may run the same study on the same store at the
+            same time: the work is shared through claims (:mod:`initlab.study.claims`).
         backend: ``"local"`` or ``"ray"``.
         workers: local: processes (1: this process); Ray: CPUs of the local instance started when
             ``ray_address`` is ``None`` (ignored when connecting to a cluster).
@@ -343,6 +546,12 @@ def run_study(
         chunk_size: most runs per ``train_fn`` call; a kill loses at most the chunks in flight.
         device: torch device the trainer uses.
         data_root: overrides ``spec.data_root``.
+        extend_grid: after the runs, extend the learning-rate grid where a best rate sits at its
+            edge (:mod:`initlab.study.extend`) for at most this many rounds (``True``: the spec's
+            default of 6, ``False``: none); ``None``: the spec's ``extend_grid``.
+        heartbeat_s: seconds between renewals of this driver's claims.
+        stale_after: seconds without a heartbeat after which another driver's claims are taken
+            over (keep it several times the longest ``heartbeat_s`` of the drivers).
 
     Returns:
         a :class:`StudySummary`.
@@ -354,158 +563,148 @@ def run_study(
         spec = StudySpec.from_yaml(spec)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if workers < 1:
-        raise ValueError(f"workers must be >= 1, got {workers}")
+    if workers < 1 or chunk_size < 1:
+        raise ValueError(f"workers and chunk_size must be >= 1, got {workers}, {chunk_size}")
+    rounds = spec.extend_grid if extend_grid is None else extend_rounds(extend_grid)
     load = load_fn if load_fn is not None else load_study_data
     root = data_root if data_root is not None else spec.data_root
     start = time.perf_counter()
-
     configs = spec.runs()
-    with Store(store_path) as store:
-        store.register_study(spec.name, spec.to_dict(), (c.key() for c in configs))
-        finished = store.keys()
-        pending = [c for c in configs if c.key() not in finished]
-        chunks = plan_chunks(pending, chunk_size)
-        summary = StudySummary(
-            name=spec.name,
-            store_path=Path(store_path),
-            n_runs=len(configs),
-            n_skipped=len(configs) - len(pending),
-            n_chunks=len(chunks),
+    check_study_models(configs, load, root)  # a model/data misfit fails here, before any training
+    owner = owner_id()
+    with Store(store_path) as store, Heartbeat(store_path, owner, heartbeat_s):
+        _register(store, spec, configs)
+        queue = WorkQueue(
+            store, owner, partial(plan_chunks, chunk_size=chunk_size), stale_after=stale_after
         )
-        bar = _Progress(spec.name, len(pending), len(chunks), progress)
+        n_pending = queue.add(configs)
+        summary = StudySummary(spec.name, Path(store_path), len(configs), len(configs) - n_pending)
+        bar = _Progress(spec.name, n_pending, queue.n_planned, progress)
         bar.say(
-            f"[{spec.name}] {len(configs)} runs, {summary.n_skipped} already stored, "
-            f"{len(pending)} to train in {len(chunks)} chunks ({backend}, workers={workers})"
+            f"[{spec.name}] {len(configs)} runs in {len(spec.variant_specs())} variant(s), "
+            f"{summary.n_skipped} already stored, {n_pending} to train in {queue.n_planned} "
+            f"chunks ({backend}, workers={workers})"
         )
-
-        def finish(chunk: list[RunConfig], results: list[RunResult] | None, error: str) -> None:
-            if results is not None:
-                summary.n_trained += store.write(results, study=spec.name)
-            else:
-                summary.n_failed += len(chunk)
-                summary.errors.append(f"{chunk[0].dataset} ({len(chunk)} runs): {error}")
-                bar.say(f"[{spec.name}] chunk failed: {error.strip().splitlines()[-1]}")
-            bar.chunk_done(chunk, failed=results is None)
-
+        recorder = _Recorder(store, queue, summary, bar)
+        if backend == "ray":
+            executor: Any = _RayExecutor(load, root, train_fn, device, workers, ray_address)
+        elif workers > 1:
+            executor = _PoolExecutor(load, root, train_fn, device, workers)
+        else:
+            executor = _LocalExecutor(load, root, train_fn, device)
         try:
-            if not chunks:
-                pass
-            elif backend == "ray":
-                _execute_ray(chunks, load, root, train_fn, device, workers, ray_address, finish)
-            elif workers == 1:
-                cache = _DataCache(load, root)
-                for chunk in chunks:
-                    try:
-                        results = _train_chunk(chunk, cache.get(chunk[0].dataset), train_fn, device)
-                    except Exception:
-                        finish(chunk, None, traceback.format_exc())
-                    else:
-                        finish(chunk, results, "")
-            else:
-                _execute_pool(chunks, load, root, train_fn, device, workers, finish)
+            with executor:
+                drain = partial(_drain, queue, executor, recorder, bar)
+                drain()
+                if rounds and not summary.errors:
+                    _extend(spec, store, queue, rounds, summary, bar, drain)
         finally:
             bar.close()
+        summary.n_by_others = queue.n_by_others
+    return _finished(summary, bar, start)
+
+
+def _register(store: Store, spec: StudySpec, configs: Sequence[RunConfig]) -> None:
+    """The study's spec, all its runs and each variant's runs, in the store."""
+    variants = {name: [c.key() for c in runs] for name, runs in spec.variant_runs().items()}
+    store.register_study(spec.name, spec.to_dict(), [c.key() for c in configs], variants)
+
+
+class _Recorder:
+    """What happens to a finished chunk: its results stored (or its claims released and the
+    error kept), the summary and the progress updated."""
+
+    def __init__(self, store: Store, queue: WorkQueue, summary: StudySummary, bar: _Progress):
+        self.store, self.queue, self.summary, self.bar = store, queue, summary, bar
+
+    def __call__(self, chunk: list[RunConfig], results: list[RunResult] | None, error: str):
+        summary = self.summary
+        summary.n_chunks += 1
+        if results is not None:
+            self.store.write(results, study=summary.name)
+            summary.n_trained += len(results)
+        else:
+            self.queue.release(chunk)
+            summary.n_failed += len(chunk)
+            summary.errors.append(f"{chunk[0].dataset} ({len(chunk)} runs): {error}")
+            self.bar.say(f"[{summary.name}] chunk failed: {error.strip().splitlines()[-1]}")
+        self.bar.chunk_done(chunk, failed=results is None)
+
+
+def _finished(summary: StudySummary, bar: _Progress, start: float) -> StudySummary:
     summary.wall_s = time.perf_counter() - start
     bar.say(
-        f"[{spec.name}] finished: {summary.n_trained} runs trained, {summary.n_skipped} skipped, "
-        f"{summary.n_failed} failed, {_duration(summary.wall_s)}"
+        f"[{summary.name}] finished: {summary.n_trained} runs trained, {summary.n_skipped} "
+        f"skipped, {summary.n_by_others} trained by another driver, {summary.n_failed} failed, "
+        f"{_duration(summary.wall_s)}"
     )
     if summary.errors:
         raise StudyError(
-            f"{len(summary.errors)} of {len(chunks)} chunks failed ({summary.n_failed} runs not "
-            f"stored; run the study again to retry them). First error:\n{summary.errors[0]}"
+            f"{len(summary.errors)} of {summary.n_chunks} chunks failed ({summary.n_failed} runs "
+            f"not stored; run the study again to retry them). First error:\n{summary.errors[0]}"
         )
     return summary
 
 
-_Finish = Callable[[list[RunConfig], "list[RunResult] | None", str], None]
+def _drain(queue: WorkQueue, executor: Any, finish: _Finish, bar: _Progress) -> None:
+    """Train what this driver can claim; wait for the runs other drivers hold; take over the
+    stale ones; return when every queued run is stored (or failed here)."""
+    while True:
+        executor.run(queue.next_chunk, finish)
+        if not queue.wait_for_others(bar.others_done):
+            return
 
 
-def _execute_pool(
-    chunks: list[list[RunConfig]],
-    load: LoadFn,
-    root: str | None,
-    train_fn: TrainFn | None,
-    device: str,
-    workers: int,
-    finish: _Finish,
+def _extend(
+    spec: StudySpec,
+    store: Store,
+    queue: WorkQueue,
+    rounds: int,
+    summary: StudySummary,
+    bar: _Progress,
+    drain: Callable[[], None],
 ) -> None:
-    import multiprocessing
-    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+    """Grid extension (:mod:`initlab.study.extend`): up to ``rounds`` rounds, each adding the next
+    power of two beyond every edge cell of every variant, then training those runs.
 
-    threads = max(1, (os.cpu_count() or 1) // workers)
-    # spawn, not fork: forking a process that already runs torch's thread pools can deadlock.
-    pool = ProcessPoolExecutor(
-        max_workers=workers,
-        mp_context=multiprocessing.get_context("spawn"),
-        initializer=_pool_init,
-        initargs=(load, root, train_fn, device, threads),
-    )
-    try:
-        futures = {pool.submit(_pool_task, chunk): chunk for chunk in chunks}
-        pending = set(futures)
-        while pending:
-            done, pending = wait(pending, return_when=FIRST_COMPLETED)
-            for future in done:
-                error = future.exception()
-                if error is None:
-                    finish(futures[future], future.result(), "")
-                else:
-                    text = "".join(traceback.format_exception(error))
-                    finish(futures[future], None, text)
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+    Round ``r`` looks only at the spec's runs and this call's rounds ``1 .. r-1`` (all stored when
+    it starts), not at runs another driver's later rounds stored meanwhile: every driver, and
+    every resumed call, then computes the same rounds.
+    """
+    flat = spec.variant_specs()
+    known = {name: {c.key() for c in vspec.runs()} for name, vspec in flat.items()}
 
+    def grid(name: str) -> list[dict[str, Any]]:
+        return [r for r in store.records(spec.name, variant=name) if r["key"] in known[name]]
 
-def _execute_ray(
-    chunks: list[list[RunConfig]],
-    load: LoadFn,
-    root: str | None,
-    train_fn: TrainFn | None,
-    device: str,
-    workers: int,
-    address: str | None,
-    finish: _Finish,
-) -> None:
-    try:
-        import ray
-    except ImportError as err:
-        raise ImportError("backend='ray' needs Ray: pip install ray (or initlab[ray])") from err
-
-    started = False
-    if not ray.is_initialized():
-        if address is None:
-            ray.init(address="local", num_cpus=workers, include_dashboard=False)
-        else:
-            ray.init(address=address)
-        started = True
-    try:
-        task = ray.remote(num_cpus=1)(_ray_task)
-        data_refs: dict[str, Any] = {}
-        load_errors: dict[str, str] = {}
-        refs = {}
-        for chunk in chunks:
-            name = chunk[0].dataset
-            if name not in data_refs and name not in load_errors:
-                try:
-                    data_refs[name] = ray.put(load(name, root))
-                except Exception:
-                    load_errors[name] = traceback.format_exc()
-            if name in load_errors:
-                finish(chunk, None, load_errors[name])
-            else:
-                refs[task.remote(chunk, data_refs[name], train_fn, device)] = chunk
-        pending = list(refs)
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            for ref in done:
-                try:
-                    results = ray.get(ref)
-                except Exception:
-                    finish(refs[ref], None, traceback.format_exc())
-                else:
-                    finish(refs[ref], results, "")
-    finally:
-        if started:
-            ray.shutdown()
+    for round_ in range(1, rounds + 1):
+        added: dict[str, list[RunConfig]] = {}
+        n_cells = 0
+        for name, vspec in flat.items():
+            runs, cells = extension_runs(vspec, grid(name))
+            if runs:
+                added[name], n_cells = runs, n_cells + len(cells)
+                known[name].update(c.key() for c in runs)
+        if not added:
+            return
+        store.add_runs(spec.name, {v: [c.key() for c in runs] for v, runs in added.items()})
+        new = list({c.key(): c for runs in added.values() for c in runs}.values())
+        n_todo = queue.add(new)
+        summary.n_extended += len(new)
+        summary.extension_rounds = round_
+        bar.add(n_todo, queue.n_planned)
+        bar.say(
+            f"[{spec.name}] grid extension round {round_}/{rounds}: {n_cells} cells with the best "
+            f"rate at an edge, {len(new)} runs ({n_todo} not stored yet)"
+        )
+        drain()
+        if summary.errors:
+            return
+    for name, vspec in flat.items():
+        _, cells = extension_runs(vspec, grid(name))
+        summary.edges_left += [f"{name}/{d}/{s} ({e})" for d, s, e in cells]
+    if summary.edges_left:
+        bar.say(
+            f"[{spec.name}] grid extension stopped after {rounds} rounds; best rates still at an "
+            f"edge: {', '.join(summary.edges_left)}"
+        )

@@ -15,11 +15,20 @@ one model, optimizer and schedule (Defazio & Bottou's Table 2 study is one). The
     optimizer: sgd
     momentum: 0.9
     weight_decay: 1.0e-5
-    output_std: 0.05
+    output_scale: {std: 0.05}  # or {variance: 0.05}, or null; `output_std: 0.05` is the same
+    input_norm: none           # none | layernorm | standardize (RunConfig.input_norm)
+    loss: full_pass            # which loss the report compares: full_pass | last_epoch_minibatch
+    extend_grid: false         # true (at most 6 rounds) or a number of rounds: see the runner
     data_root: null            # optional; null: the data loader's default location
 
 Loading is strict: an unknown key is an error that names it (a typo such as ``weight_dacay`` must
 not silently fall back to a default).
+
+**Protocol variants** (:mod:`initlab.study.variants`): ``variants: {name: {key: value, ...}}``, or
+several values of a protocol key (a full factorial, or ``design: one_at_a_time``), run as separate
+variants of one study in one store. Each variant is a flat spec (:meth:`StudySpec.variant_specs`);
+a run that two variants share (the same config) is trained and stored once. ``loss`` is not part
+of a run: variants that differ only in ``loss`` share all their runs.
 
 ``model_cfg`` holds the model's options *except* ``n_in`` and ``n_classes``: those are properties of
 the data set, not of the study, so they are not part of a run's config (nor of its key). The runner
@@ -35,9 +44,18 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from initlab.study.config import OPTIMIZERS, RunConfig
+from initlab.study.config import INPUT_NORMS, LOSS_MEASURES, OPTIMIZERS, RunConfig
+from initlab.study.variants import BASE, VARIANT_KEYS, apply_overrides, expand_variants
 
-__all__ = ["RESERVED_MODEL_KEYS", "StudySpec", "expand_lrs", "expand_seeds"]
+__all__ = [
+    "DEFAULT_EXTEND_ROUNDS",
+    "OUTPUT_SCALE_KINDS",
+    "RESERVED_MODEL_KEYS",
+    "StudySpec",
+    "expand_lrs",
+    "expand_seeds",
+    "extend_rounds",
+]
 
 #: ``model_cfg`` keys the runner fills from the data set; a spec may not set them.
 RESERVED_MODEL_KEYS = ("n_in", "n_classes")
@@ -45,6 +63,16 @@ RESERVED_MODEL_KEYS = ("n_in", "n_classes")
 
 #: Keys a spec mapping must have (the others have defaults).
 _REQUIRED = ("name", "datasets", "schemes", "seeds", "lrs")
+
+#: ``output_scale: {KIND: value}``: the logits' std, or their variance (the std ``sqrt(value)``).
+OUTPUT_SCALE_KINDS = ("std", "variance")
+
+#: Rounds of grid extension ``extend_grid: true`` allows (each adds at most one power of two at
+#: each edge of each data set and scheme).
+DEFAULT_EXTEND_ROUNDS = 6
+
+#: Keys of a spec mapping that are not fields of :class:`StudySpec` (consumed by ``from_dict``).
+_EXTRA_KEYS = ("design",)
 
 
 def _thaw(value: Any) -> Any:
@@ -121,6 +149,115 @@ def _unique(values: tuple[Any, ...], what: str) -> None:
         raise ValueError(f"{what} has duplicates: {', '.join(dupes)}")
 
 
+def _integer(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{what} must be an integer, got {value!r}")
+    return value
+
+
+def _output_scale(value: Any) -> tuple[str, float] | None:
+    """``{std: v}`` / ``{variance: v}`` (or the pair ``("std", v)``) → ``(kind, v)``; ``None``."""
+    if value is None:
+        return None
+    if isinstance(value, Mapping):
+        value = tuple(value.items())
+        if len(value) == 1:
+            value = value[0]
+    if (
+        not isinstance(value, Sequence)
+        or isinstance(value, str)
+        or len(value) != 2
+        or value[0] not in OUTPUT_SCALE_KINDS
+    ):
+        raise ValueError(
+            f"output_scale must be {{std: value}}, {{variance: value}} or null, got {value!r}"
+        )
+    return str(value[0]), _number(value[1], f"output_scale: {value[0]}", positive=True)
+
+
+def extend_rounds(value: Any) -> int:
+    """``extend_grid`` as a number of rounds: ``True`` → :data:`DEFAULT_EXTEND_ROUNDS`,
+    ``False`` → 0, an integer ``>= 0`` as it is."""
+    if isinstance(value, bool):
+        return DEFAULT_EXTEND_ROUNDS if value else 0
+    if not isinstance(value, int) or value < 0:
+        raise ValueError(
+            f"extend_grid must be true, false or a number of rounds >= 0, got {value!r}"
+        )
+    return value
+
+
+def _choice(value: Any, valid: Sequence[str], what: str) -> str:
+    if value not in valid:
+        raise ValueError(f"{what} must be one of {tuple(valid)}, got {value!r}")
+    return str(value)
+
+
+def _canonical_override(key: str, value: Any) -> tuple[str, Any]:
+    """A variant override in canonical form (``output_std`` becomes ``output_scale``)."""
+    if key == "lrs":
+        return key, expand_lrs(value)
+    if key in ("momentum", "weight_decay"):
+        return key, _number(value, key)
+    if key in ("epochs", "batch_size"):
+        return key, _integer(value, key)
+    if key == "optimizer":
+        return key, _choice(value, OPTIMIZERS, key)
+    if key == "input_norm":
+        return key, _choice(value, INPUT_NORMS, key)
+    if key == "loss":
+        return key, _choice(value, tuple(LOSS_MEASURES), key)
+    if key == "output_std":
+        return "output_scale", None if value is None else _output_scale({"std": value})
+    if key == "output_scale":
+        return key, _output_scale(value)
+    items = value.items() if isinstance(value, Mapping) else value  # model_cfg
+    try:
+        return key, RunConfig(dataset="-", model_cfg=tuple(items)).model_cfg
+    except (TypeError, ValueError):
+        raise ValueError(f"model_cfg must be a mapping, got {value!r}") from None
+
+
+def _thaw_override(key: str, value: Any) -> Any:
+    if key == "lrs":
+        return list(value)
+    if key == "output_scale":
+        return None if value is None else {value[0]: value[1]}
+    if key == "model_cfg":
+        return {k: _thaw(v) for k, v in value}
+    return value
+
+
+def _canonical_variants(variants: Any) -> tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]:
+    if variants is None:
+        return ()
+    if isinstance(variants, Mapping):
+        variants = tuple(variants.items())
+    out = []
+    for name, overrides in variants:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"a variant's name must be a non-empty string, got {name!r}")
+        if overrides is None:
+            overrides = {}
+        items = tuple(overrides.items() if isinstance(overrides, Mapping) else overrides)
+        if {"output_std", "output_scale"} <= {k for k, _ in items}:
+            raise ValueError(f"variant {name!r}: give output_scale or output_std, not both")
+        bad = sorted(str(k) for k, _ in items if k not in VARIANT_KEYS)
+        if bad:
+            raise ValueError(
+                f"variant {name!r} may not set {', '.join(bad)}; a variant changes only: "
+                f"{', '.join(VARIANT_KEYS)}"
+            )
+        try:
+            pairs = dict(_canonical_override(str(k), v) for k, v in items)
+        except ValueError as err:
+            raise ValueError(f"variant {name!r}: {err}") from None
+        out.append((name, tuple(sorted(pairs.items()))))
+    names = [n for n, _ in out]
+    _unique(tuple(names), "variants")
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class StudySpec:
     """A declarative study: which runs to train, with which settings.
@@ -135,8 +272,21 @@ class StudySpec:
         model: model registry name (``initlab.zoo.create_model``).
         model_cfg: the model's keyword arguments, without ``n_in``/``n_classes`` (the runner fills
             them from the data set). A ``dict`` is accepted; stored as sorted pairs.
-        epochs, batch_size, optimizer, momentum, weight_decay, output_std: as in
+        epochs, batch_size, optimizer, momentum, weight_decay, input_norm: as in
             :class:`~initlab.study.config.RunConfig`.
+        output_std: the logits' std target (``RunConfig.output_std``); derived from
+            ``output_scale`` when that is given.
+        output_scale: ``{"std": v}`` or ``{"variance": v}`` (the std target ``sqrt(v)``); stored
+            as ``(kind, v)``, or ``None`` for no scaling. ``None`` given: ``("std",
+            output_std)``.
+        loss: which training loss the report compares, a key of
+            :data:`~initlab.study.config.LOSS_MEASURES` (not part of any run).
+        variants: ``{name: {key: value}}`` overrides of the protocol keys
+            (:data:`~initlab.study.variants.VARIANT_KEYS`); stored as sorted pairs in canonical
+            form. Empty: one variant, ``"base"``, the spec itself.
+        extend_grid: rounds of learning-rate grid extension after the runs
+            (:func:`initlab.study.runner.run_study`); ``True`` is
+            :data:`DEFAULT_EXTEND_ROUNDS`, ``False`` is 0.
         data_root: the data root for :func:`initlab.data.load_dataset` (a relative path is taken
             from the current directory); ``None``: the loader's default (``$INITLAB_DATA_DIR``,
             else ``../shared/data``, ...).
@@ -155,6 +305,11 @@ class StudySpec:
     momentum: float = 0.0
     weight_decay: float = 0.0
     output_std: float | None = 0.05
+    output_scale: tuple[str, float] | None = None
+    input_norm: str = "none"
+    loss: str = "full_pass"
+    variants: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
+    extend_grid: int = 0
     data_root: str | None = None
 
     def __post_init__(self) -> None:
@@ -181,48 +336,49 @@ class StudySpec:
                 f"model_cfg may not set {', '.join(reserved)}: the runner takes them from each "
                 "data set"
             )
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        _choice(self.optimizer, OPTIMIZERS, "optimizer")
+        _choice(self.input_norm, INPUT_NORMS, "input_norm")
+        _choice(self.loss, tuple(LOSS_MEASURES), "loss")
         norm(self, "momentum", _number(self.momentum, "momentum"))
         norm(self, "weight_decay", _number(self.weight_decay, "weight_decay"))
-        if self.output_std is not None:
-            norm(self, "output_std", _number(self.output_std, "output_std", positive=True))
+        if self.output_scale is None and self.output_std is not None:
+            norm(
+                self, "output_scale", ("std", _number(self.output_std, "output_std", positive=True))
+            )
+        else:
+            norm(self, "output_scale", _output_scale(self.output_scale))
+        scale = self.output_scale
+        std = None if scale is None else scale[1] if scale[0] == "std" else math.sqrt(scale[1])
+        norm(self, "output_std", std)
         for attr in ("epochs", "batch_size"):
-            value = getattr(self, attr)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"{attr} must be an integer, got {value!r}")
+            _integer(getattr(self, attr), attr)
+        norm(self, "extend_grid", extend_rounds(self.extend_grid))
+        norm(self, "variants", _canonical_variants(self.variants))
         if self.data_root is not None:
             norm(self, "data_root", str(self.data_root))
         from initlab.init.schemes import get_scheme
 
         for scheme in self.schemes:
             get_scheme(scheme)  # raises with the list of valid names
-        # RunConfig validates momentum, weight decay, epochs, ... with clear messages.
-        RunConfig(
-            dataset=self.datasets[0],
-            model=self.model,
-            model_cfg=self.model_cfg,
-            scheme=self.schemes[0],
-            seed=self.seeds[0],
-            lr=self.lrs[0],
-            optimizer=self.optimizer,
-            momentum=self.momentum,
-            weight_decay=self.weight_decay,
-            epochs=self.epochs,
-            batch_size=self.batch_size,
-            output_std=self.output_std,
-        )
+        # RunConfig validates momentum, weight decay, epochs, ... with clear messages; every
+        # variant is a flat spec, validated the same way.
+        self.run_config(self.datasets[0], self.schemes[0], self.seeds[0], self.lrs[0])
+        if self.variants:
+            self.variant_specs()
 
     # -- construction -------------------------------------------------------------------------
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         """The keys a spec mapping (or YAML file) may have."""
-        return tuple(f.name for f in fields(cls))
+        return (*(f.name for f in fields(cls)), *_EXTRA_KEYS)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> StudySpec:
-        """Build a spec from a mapping, rejecting unknown keys (the error names them)."""
+        """Build a spec from a mapping, rejecting unknown keys (the error names them).
+
+        Keys with several values become variants (:func:`initlab.study.variants.expand_variants`).
+        """
         if not isinstance(data, Mapping):
             raise ValueError(f"a study spec must be a mapping, got {type(data).__name__}")
         valid = cls.field_names()
@@ -234,7 +390,14 @@ class StudySpec:
         missing = [k for k in _REQUIRED if k not in data]
         if missing:
             raise ValueError(f"study spec is missing required key(s): {', '.join(missing)}")
-        return cls(**dict(data))
+        if "output_std" in data and "output_scale" in data:
+            raise ValueError(
+                "give output_scale ({std: v} or {variance: v}) or output_std, not both"
+            )
+        kwargs = expand_variants(data)
+        if "output_scale" in kwargs and kwargs["output_scale"] is None:
+            kwargs["output_std"] = None  # output_scale: null is "no scaling"
+        return cls(**kwargs)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> StudySpec:
@@ -251,11 +414,20 @@ class StudySpec:
             raise ValueError(f"{path}: {err}") from err
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain, YAML/JSON-ready dict; ``StudySpec.from_dict(spec.to_dict()) == spec``."""
+        """Plain, YAML/JSON-ready dict; ``StudySpec.from_dict(spec.to_dict()) == spec``.
+
+        The output target is written as ``output_scale`` (``output_std`` is derived from it).
+        """
         d: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
         for key in ("datasets", "schemes", "seeds", "lrs"):
             d[key] = list(d[key])
         d["model_cfg"] = {k: _thaw(v) for k, v in self.model_cfg}
+        del d["output_std"]
+        d["output_scale"] = _thaw_override("output_scale", self.output_scale)
+        d["variants"] = {
+            name: {k: _thaw_override(k, v) for k, v in overrides}
+            for name, overrides in self.variants
+        }
         return d
 
     def to_yaml(self, path: str | Path | None = None) -> str:
@@ -267,30 +439,70 @@ class StudySpec:
             Path(path).write_text(text, encoding="utf-8")
         return text
 
+    # -- variants -----------------------------------------------------------------------------
+
+    def variant_specs(self) -> dict[str, StudySpec]:
+        """``{variant name: its flat spec}`` (no variants of its own, the same name).
+
+        A spec without variants is one variant, ``"base"``: itself.
+        """
+        if not self.variants:
+            return {BASE: self}
+        base = self.to_dict()
+        out = {}
+        for name, overrides in self.variants:
+            thawed = {k: _thaw_override(k, v) for k, v in overrides}
+            merged = apply_overrides(base, thawed, name)
+            merged["variants"] = {}
+            try:
+                out[name] = StudySpec.from_dict(merged)
+            except ValueError as err:
+                raise ValueError(f"variant {name!r}: {err}") from None
+        return out
+
+    def variant_runs(self) -> dict[str, list[RunConfig]]:
+        """``{variant name: its runs}`` (:meth:`runs` of each flat spec)."""
+        return {name: spec.runs() for name, spec in self.variant_specs().items()}
+
     # -- expansion ----------------------------------------------------------------------------
 
     @property
     def n_runs(self) -> int:
-        """``len(datasets) * len(schemes) * len(seeds) * len(lrs)``."""
-        return len(self.datasets) * len(self.schemes) * len(self.seeds) * len(self.lrs)
+        """Distinct runs of all variants (without variants: ``len(datasets) * len(schemes) *
+        len(seeds) * len(lrs)``)."""
+        if not self.variants:
+            return len(self.datasets) * len(self.schemes) * len(self.seeds) * len(self.lrs)
+        return len(self.runs())
+
+    def run_config(self, dataset: str, scheme: str, seed: int, lr: float) -> RunConfig:
+        """The run of this spec (its base protocol) for one data set, scheme, seed and rate."""
+        return RunConfig(
+            dataset=dataset,
+            model=self.model,
+            model_cfg=self.model_cfg,
+            scheme=scheme,
+            seed=seed,
+            lr=lr,
+            optimizer=self.optimizer,
+            momentum=self.momentum,
+            weight_decay=self.weight_decay,
+            epochs=self.epochs,
+            batch_size=self.batch_size,
+            output_std=self.output_std,
+            input_norm=self.input_norm,
+        )
 
     def runs(self) -> list[RunConfig]:
-        """Every run of the study, ordered by dataset, scheme, seed, learning rate."""
+        """Every run of the study, ordered by variant, dataset, scheme, seed, learning rate; a
+        run that several variants share appears once (at its first variant)."""
+        if self.variants:
+            seen: dict[str, RunConfig] = {}
+            for runs in self.variant_runs().values():
+                for config in runs:
+                    seen.setdefault(config.key(), config)
+            return list(seen.values())
         return [
-            RunConfig(
-                dataset=dataset,
-                model=self.model,
-                model_cfg=self.model_cfg,
-                scheme=scheme,
-                seed=seed,
-                lr=lr,
-                optimizer=self.optimizer,
-                momentum=self.momentum,
-                weight_decay=self.weight_decay,
-                epochs=self.epochs,
-                batch_size=self.batch_size,
-                output_std=self.output_std,
-            )
+            self.run_config(dataset, scheme, seed, lr)
             for dataset in self.datasets
             for scheme in self.schemes
             for seed in self.seeds

@@ -5,9 +5,13 @@ rates, and read by a report while it still runs. SQLite gives atomic multi-row t
 group's results are committed all at once or not at all, so a ``SIGKILL`` at any instant loses at
 most the group in flight and never leaves half a group), a primary key that makes a run impossible
 to store twice (``INSERT OR IGNORE``), and WAL mode so readers do not block the writer. Only the
-study driver writes; workers send their results back to it.
+study driver writes; workers send their results back to it. Several drivers may run one study on
+one store at the same time: each claims the runs it is about to train (``claims``), keeps its
+claims alive with a heartbeat, and skips runs claimed by a live driver; the claims of a driver that
+stopped beating (killed) go stale and are taken by the others (:mod:`initlab.study.runner`).
 
-Schema (``SCHEMA_VERSION`` 1):
+Schema (``SCHEMA_VERSION`` 2; a version-1 store is upgraded in place when opened: the two tables
+``variant_runs`` and ``claims`` are added, nothing else changes):
 
 ``runs``
     ``key`` (primary key), ``config`` (``RunConfig.to_dict()`` as JSON), the denormalized config
@@ -19,6 +23,15 @@ Schema (``SCHEMA_VERSION`` 1):
 ``studies``
     ``name`` (primary key), ``spec`` (``StudySpec.to_dict()`` as JSON, the latest registered),
     ``created_at``.
+``variant_runs``
+    ``(study, variant, key)``: which runs make each protocol variant of a study (a run shared by
+    two variants is one row in ``runs``, two here). A study registered without variants has none:
+    it reads as the one variant ``"base"`` holding all its runs.
+``claims``
+    ``key`` (primary key), ``owner`` (a driver's id), ``heartbeat`` (Unix time of the owner's last
+    sign of life), ``claimed_at``: runs being trained right now. A claim is *fresh* while its
+    heartbeat is younger than the ``stale_after`` the claimants use; a stored run's claim is
+    deleted in the transaction that stores it.
 """
 
 from __future__ import annotations
@@ -26,8 +39,9 @@ from __future__ import annotations
 import json
 import math
 import sqlite3
+import time
 import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
@@ -35,17 +49,18 @@ from typing import Any
 
 import numpy as np
 
-from initlab.study.config import RunConfig, RunResult
+from initlab.study.config import RunConfig, RunResult, last_epoch_mean
 
-__all__ = ["RECORD_COLUMNS", "SCHEMA_VERSION", "Store"]
+__all__ = ["BASE_VARIANT", "RECORD_COLUMNS", "SCHEMA_VERSION", "Store"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
-#: Columns of :meth:`Store.records` / :meth:`Store.to_pandas` (config fields come from
-#: ``RunConfig.to_dict()``; ``model_cfg`` as a JSON string). With ``curves=True`` the lists
-#: ``step_loss, epoch_train_loss, epoch_train_acc, epoch_test_loss, epoch_test_acc`` follow.
-RECORD_COLUMNS = (
-    "key",
+#: The variant name of a study registered without variants.
+BASE_VARIANT = "base"
+
+#: The config fields among :data:`RECORD_COLUMNS` (``RunConfig.to_dict()``; ``model_cfg`` as a
+#: JSON string; ``input_norm`` is ``"none"`` for runs stored before it existed).
+_CONFIG_COLUMNS = (
     "dataset",
     "model",
     "model_cfg",
@@ -58,7 +73,19 @@ RECORD_COLUMNS = (
     "epochs",
     "batch_size",
     "output_std",
+    "input_norm",
+)
+
+#: Columns of :meth:`Store.records` / :meth:`Store.to_pandas`: the key, the config fields, then
+#: the results. ``last_epoch_minibatch_loss`` is the mean of the last epoch's step losses
+#: (:func:`~initlab.study.config.last_epoch_mean`, ``nan`` after a divergence), read from the
+#: stored step losses. With ``curves=True`` the lists ``step_loss, epoch_train_loss,
+#: epoch_train_acc, epoch_test_loss, epoch_test_acc`` follow.
+RECORD_COLUMNS = (
+    "key",
+    *_CONFIG_COLUMNS,
     "final_train_loss",
+    "last_epoch_minibatch_loss",
     "diverged",
     "final_train_acc",
     "final_test_loss",
@@ -101,6 +128,19 @@ CREATE TABLE IF NOT EXISTS studies (
     spec TEXT NOT NULL,
     created_at TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS variant_runs (
+    study TEXT NOT NULL,
+    variant TEXT NOT NULL,
+    key TEXT NOT NULL,
+    PRIMARY KEY (study, variant, key)
+);
+CREATE TABLE IF NOT EXISTS claims (
+    key TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,
+    heartbeat REAL NOT NULL,
+    claimed_at TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS claims_owner ON claims (owner);
 """
 
 
@@ -154,13 +194,20 @@ class Store:
                 "INSERT OR IGNORE INTO meta (name, value) VALUES ('schema_version', ?)",
                 (str(SCHEMA_VERSION),),
             )
-        version = self._conn.execute(
-            "SELECT value FROM meta WHERE name = 'schema_version'"
-        ).fetchone()[0]
-        if int(version) != SCHEMA_VERSION:
-            raise ValueError(
-                f"{path}: store schema version {version}, this initlab reads {SCHEMA_VERSION}"
+            version = int(
+                cur.execute("SELECT value FROM meta WHERE name = 'schema_version'").fetchone()[0]
             )
+            if version == 1:  # version 2 only added tables, created above
+                cur.execute(
+                    "UPDATE meta SET value = ? WHERE name = 'schema_version'",
+                    (str(SCHEMA_VERSION),),
+                )
+                version = SCHEMA_VERSION
+            if version != SCHEMA_VERSION:  # raised inside the transaction: nothing is written
+                raise ValueError(
+                    f"{path}: store schema version {version}, this initlab reads "
+                    f"{SCHEMA_VERSION} (and upgrades 1); use the initlab that wrote it"
+                )
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -193,8 +240,22 @@ class Store:
 
     # -- writing ------------------------------------------------------------------------------
 
-    def register_study(self, name: str, spec: dict[str, Any], keys: Iterable[str]) -> None:
-        """Record a study's spec and the keys of all its runs (finished or not); one transaction."""
+    def register_study(
+        self,
+        name: str,
+        spec: dict[str, Any],
+        keys: Iterable[str],
+        variants: Mapping[str, Iterable[str]] | None = None,
+    ) -> None:
+        """Record a study's spec and the keys of all its runs (finished or not); one transaction.
+
+        Args:
+            name: the study.
+            spec: its spec (``StudySpec.to_dict()``), replacing the one registered before.
+            keys: all its runs' keys.
+            variants: ``{variant: keys}``, the runs of each protocol variant (``None``: the study
+                has no variants).
+        """
         with self._transaction() as cur:
             cur.execute(
                 "INSERT INTO studies (name, spec, created_at) VALUES (?, ?, ?) "
@@ -205,9 +266,80 @@ class Store:
                 "INSERT OR IGNORE INTO study_runs (study, key) VALUES (?, ?)",
                 ((name, k) for k in keys),
             )
+            self._add_variant_rows(cur, name, variants or {})
+
+    def add_runs(self, study: str, variants: Mapping[str, Iterable[str]]) -> None:
+        """Make runs members of a registered study's variants (e.g. a grid extension's)."""
+        with self._transaction() as cur:
+            keys = {k for ks in variants.values() for k in ks}
+            cur.executemany(
+                "INSERT OR IGNORE INTO study_runs (study, key) VALUES (?, ?)",
+                ((study, k) for k in sorted(keys)),
+            )
+            self._add_variant_rows(cur, study, variants)
+
+    @staticmethod
+    def _add_variant_rows(
+        cur: sqlite3.Cursor, study: str, variants: Mapping[str, Iterable[str]]
+    ) -> None:
+        cur.executemany(
+            "INSERT OR IGNORE INTO variant_runs (study, variant, key) VALUES (?, ?, ?)",
+            ((study, v, k) for v, keys in variants.items() for k in keys),
+        )
+
+    # -- claims: several drivers on one store ---------------------------------------------------
+
+    def claim(self, keys: Iterable[str], owner: str, *, stale_after: float) -> list[str]:
+        """Claim runs for ``owner`` in one transaction; returns the keys it got, in order.
+
+        A key is taken when it is not stored yet and has no *fresh* claim of another owner (one
+        whose heartbeat is younger than ``stale_after`` seconds); a stale claim is taken over.
+        """
+        now = time.time()
+        got = []
+        with self._transaction() as cur:
+            for key in keys:
+                if cur.execute("SELECT 1 FROM runs WHERE key = ?", (key,)).fetchone():
+                    continue
+                row = cur.execute(
+                    "SELECT owner, heartbeat FROM claims WHERE key = ?", (key,)
+                ).fetchone()
+                if row is not None and row[0] != owner and now - row[1] < stale_after:
+                    continue
+                cur.execute(
+                    "INSERT OR REPLACE INTO claims (key, owner, heartbeat, claimed_at) "
+                    "VALUES (?, ?, ?, ?)",
+                    (key, owner, now, _now()),
+                )
+                got.append(key)
+        return got
+
+    def heartbeat(self, owner: str) -> int:
+        """Renew all of ``owner``'s claims; returns how many it holds."""
+        with self._transaction() as cur:
+            cur.execute("UPDATE claims SET heartbeat = ? WHERE owner = ?", (time.time(), owner))
+            return int(cur.rowcount)
+
+    def release(self, owner: str, keys: Iterable[str] | None = None) -> None:
+        """Drop ``owner``'s claims (all, or those of ``keys``)."""
+        with self._transaction() as cur:
+            if keys is None:
+                cur.execute("DELETE FROM claims WHERE owner = ?", (owner,))
+            else:
+                cur.executemany(
+                    "DELETE FROM claims WHERE owner = ? AND key = ?", ((owner, k) for k in keys)
+                )
+
+    def claims(self) -> dict[str, tuple[str, float]]:
+        """``{key: (owner, seconds since its last heartbeat)}`` of all claims."""
+        now = time.time()
+        rows = self._conn.execute("SELECT key, owner, heartbeat FROM claims")
+        return {key: (owner, now - beat) for key, owner, beat in rows}
 
     def write(self, results: Sequence[RunResult], *, study: str | None = None) -> int:
         """Store finished runs in **one** transaction; runs already stored are left untouched.
+
+        Their claims (whoever holds them) are deleted in the same transaction.
 
         Args:
             results: the runs (typically one finished group).
@@ -248,6 +380,7 @@ class Store:
                 rows,
             )
             inserted = self._conn.total_changes - before
+            cur.executemany("DELETE FROM claims WHERE key = ?", ((row[0],) for row in rows))
             if study is not None:
                 cur.executemany(
                     "INSERT OR IGNORE INTO study_runs (study, key) VALUES (?, ?)",
@@ -267,9 +400,38 @@ class Store:
         rows = self._conn.execute("SELECT key FROM study_runs WHERE study = ?", (study,))
         return {k for (k,) in rows}
 
-    def _select(self, columns: str, study: str | None) -> sqlite3.Cursor:
+    def variants(self, study: str) -> dict[str, set[str]]:
+        """``{variant: keys of its runs, finished or not}`` of a registered study, in the order
+        first registered; a study without variants is ``{"base": study_keys(study)}``."""
+        rows = self._conn.execute(
+            "SELECT variant, key FROM variant_runs WHERE study = ? ORDER BY rowid", (study,)
+        )
+        out: dict[str, set[str]] = {}
+        for variant, key in rows:
+            out.setdefault(variant, set()).add(key)
+        return out or {BASE_VARIANT: self.study_keys(study)}
+
+    def _select(
+        self, columns: str, study: str | None, variant: str | None = None
+    ) -> sqlite3.Cursor:
         if study is None:
+            if variant is not None:
+                raise ValueError("records of a variant need the study's name too")
             return self._conn.execute(f"SELECT {columns} FROM runs ORDER BY rowid")
+        if variant is not None:
+            names = self.variants(study)
+            if variant not in names:
+                raise ValueError(
+                    f"study {study!r} has no variant {variant!r}; it has: {', '.join(names)}"
+                )
+            if self._conn.execute(
+                "SELECT 1 FROM variant_runs WHERE study = ? LIMIT 1", (study,)
+            ).fetchone():
+                return self._conn.execute(
+                    f"SELECT {columns} FROM runs WHERE key IN (SELECT key FROM variant_runs "
+                    "WHERE study = ? AND variant = ?) ORDER BY rowid",
+                    (study, variant),
+                )
         return self._conn.execute(
             f"SELECT {columns} FROM runs WHERE key IN "
             "(SELECT key FROM study_runs WHERE study = ?) ORDER BY rowid",
@@ -306,27 +468,32 @@ class Store:
             )
         return out
 
-    def records(self, study: str | None = None, *, curves: bool = False) -> list[dict[str, Any]]:
+    def records(
+        self, study: str | None = None, *, variant: str | None = None, curves: bool = False
+    ) -> list[dict[str, Any]]:
         """Finished runs as flat dicts with the columns :data:`RECORD_COLUMNS` (tidy rows).
 
         Args:
             study: only this study's runs.
+            variant: only this variant's runs (of ``study``).
             curves: also include the per-step and per-epoch lists.
         """
         out = []
         for key, config, final, diverged, wall_s, metrics, blob, created in self._select(
             "key, config, final_train_loss, diverged, wall_s, metrics, step_loss, created_at",
             study,
+            variant,
         ):
             cfg = json.loads(config)
             epochs = {k: [_float_or_nan(v) for v in vs] for k, vs in json.loads(metrics).items()}
             step_loss = _decode_curve(blob)
             row: dict[str, Any] = {"key": key}
-            for name in RECORD_COLUMNS[1:13]:
-                value = cfg.get(name)
+            for name in _CONFIG_COLUMNS:
+                value = cfg.get(name, "none" if name == "input_norm" else None)
                 row[name] = json.dumps(value, sort_keys=True) if name == "model_cfg" else value
             row.update(
                 final_train_loss=_float_or_nan(final),
+                last_epoch_minibatch_loss=last_epoch_mean(step_loss, int(cfg["epochs"])),
                 diverged=bool(diverged),
                 final_train_acc=_last(epochs["epoch_train_acc"]),
                 final_test_loss=_last(epochs["epoch_test_loss"]),

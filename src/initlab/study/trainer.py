@@ -5,9 +5,12 @@ what a run *is*. :func:`train_runs` trains ``R`` runs of one group (:meth:`RunCo
 together, with their parameters stacked along a leading run dimension, and gives the same numbers
 up to float rounding. Per run and in both trainers:
 
-1. **Model.** ``model = model_factory(config).to(dtype)``, then ``init_model(model,
-   config.scheme, generator=torch.Generator().manual_seed(config.seed))`` (``measure=False``: the
-   report's statistics are skipped, the draws are the same), then ``.to(device)``.
+1. **Model.** ``model = model_factory(config).to(dtype)`` (under a forked global RNG seeded with
+   ``config.seed``), then ``init_model(model, config.scheme,
+   generator=torch.Generator().manual_seed(config.seed))`` (``measure=False``: the report's
+   statistics are skipped, the draws are the same), then the study's model options
+   (:func:`initlab.study.models.apply_study_options`: conditioning multipliers), then
+   ``.to(device)``.
 2. **Data order.** Epoch ``e`` visits the training rows in the order :func:`epoch_order`
    ``(config.seed, e, n)``: a ``torch.randperm`` from a CPU generator seeded with a hash of
    ``(seed, e)``. Minibatches are consecutive slices of ``batch_size`` rows; the last, partial
@@ -23,8 +26,11 @@ up to float rounding. Per run and in both trainers:
    optimizer update with ``torch.optim`` semantics: SGD with momentum (dampening 0, no Nesterov,
    weight decay added to the gradient) or Adam (betas 0.9 / 0.999, eps 1e-8, weight decay added to
    the gradient).
-5. **Evaluation** after every epoch: full passes (in chunks, no gradient, ``model.eval()``) over the
-   training split and, if given, the test split: mean cross-entropy and accuracy.
+5. **Evaluation** after every epoch (``evaluate="every_epoch"``, the default) or after the last
+   one only (``"last_epoch"``; the other epochs' metrics are ``nan``): full passes (in chunks, no
+   gradient, ``model.eval()``) over the training split and, if given, the test split: mean
+   cross-entropy and accuracy. Only the last pass over the training split is needed for
+   ``final_train_loss``; the others cost about a third of the training's arithmetic each epoch.
 6. **Divergence.** The first non-finite training loss (a step loss or an epoch's train loss) marks
    the run ``diverged`` and freezes it: no further updates; later step losses and epoch metrics are
    ``nan``; ``final_train_loss`` is ``nan``. In :func:`train_runs` its stacked parameters and
@@ -38,13 +44,17 @@ layer, a hand-written backward whose weight-gradient GEMM SGD accumulates straig
 momentum buffer, and the fixed input LayerNorm applied once to the whole data set instead of per
 batch. Any other model runs through ``torch.func.stack_module_state`` + ``vmap(functional_call)``
 and autograd (deterministic models whose forward does not update buffers: no dropout, no
-BatchNorm in training mode). Each step gathers an ``(R, B, d)`` batch with every run's own row
-indices. Per-run learning rate, momentum and weight decay are ``(R,)`` tensors broadcast over the
-stacks (scalars where the whole group shares the value).
+BatchNorm in training mode); a model with BatchNorm or dropout, and a convolutional model on the
+CPU, is trained one run at a time (``engine="loop"``: :func:`train_one` per run, torch's RNG
+forked and seeded per run for dropout).
+Each step gathers an ``(R, B, d)`` batch with every run's own row indices. Per-run learning
+rate, momentum and weight decay are ``(R,)`` tensors broadcast over the stacks (scalars where the
+whole group shares the value).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import time
@@ -61,6 +71,7 @@ from initlab.study._vectorized import (
     _Engine,
     _mlp_modules,
     _MLPEngine,
+    _needs_one_at_a_time,
     _per_run,
     _VecAdam,
     _VecOptimizer,
@@ -68,14 +79,21 @@ from initlab.study._vectorized import (
     _VmapEngine,
 )
 from initlab.study.config import RunConfig, RunResult
+from initlab.study.inputs import normalize_inputs
 
-__all__ = ["ENGINES", "epoch_order", "train_one", "train_runs"]
+__all__ = ["ENGINES", "EVALUATIONS", "epoch_order", "train_one", "train_runs"]
 
 #: ``engine=`` values of :func:`train_runs`.
-ENGINES = ("auto", "mlp", "vmap")
+ENGINES = ("auto", "mlp", "vmap", "loop")
 
-#: Rows x runs per evaluation chunk in :func:`train_runs` (bounds the activation memory).
-_EVAL_ELEMENTS = 1 << 13
+#: ``evaluate=`` values of :func:`train_runs` and :func:`train_one`.
+EVALUATIONS = ("every_epoch", "last_epoch")
+
+#: Rows per evaluation chunk in :func:`train_runs`, and rows x runs per chunk (so the runs per
+#: block): both independent of the number of runs in a group, so that a run's evaluation is
+#: computed the same way (bit for bit) however the runner groups and chunks the runs.
+_EVAL_CHUNK_ROWS = 256
+_EVAL_ELEMENTS = 1 << 14
 #: Rows per evaluation chunk in :func:`train_one`.
 _EVAL_ROWS = 8192
 
@@ -103,13 +121,20 @@ def epoch_order(seed: int, epoch: int, n: int) -> Tensor:
 def _build_model(
     config: RunConfig, model_factory: ModelFactory, dtype: torch.dtype, device: torch.device
 ) -> nn.Module:
-    """Step 1 of the module docstring: build, cast, initialize with the run's seed, move."""
+    """Step 1 of the module docstring: build, cast, initialize with the run's seed, apply the
+    study's model options, move."""
     from initlab.init.model import init_model  # imported late: keeps `initlab.study` light
+    from initlab.study.models import apply_study_options
 
-    model = model_factory(config).to(dtype=dtype)
+    # Constructors draw PyTorch's default init from the global RNG: fork it, seeded by the run,
+    # so anything the scheme leaves alone is reproducible too (and the caller's RNG untouched).
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)
+        model = model_factory(config).to(dtype=dtype)
     init_model(
         model, config.scheme, generator=torch.Generator().manual_seed(config.seed), measure=False
     )
+    apply_study_options(model, config)
     return model.to(device)
 
 
@@ -208,6 +233,7 @@ def train_one(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     keep_state: bool = False,
+    evaluate: str = "every_epoch",
 ) -> RunResult:
     """Train one run in a plain PyTorch loop: the reference that :func:`train_runs` must match.
 
@@ -222,9 +248,12 @@ def train_one(
         dtype: floating dtype of the model and the inputs (``torch.float64`` for exact checks).
         keep_state: store the final ``state_dict`` in :attr:`RunResult.state` (see
             :func:`train_runs` for models without an ``output_scale`` buffer).
+        evaluate: ``"every_epoch"`` or ``"last_epoch"`` (module docstring, step 5).
     """
     start = time.perf_counter()
+    _check_evaluate(evaluate)
     device = torch.device(device)
+    train, test = normalize_inputs(config.input_norm, train, test)  # RunConfig.input_norm
     x, y = _prepare(train, device, dtype, "train")
     test_xy = _prepare(test, device, dtype, "test") if test is not None else None
     model = _build_model(config, model_factory, dtype, device)
@@ -268,7 +297,8 @@ def train_one(
                         model.output_scale.mul_(fold)  # type: ignore[operator]
                 if diverged:
                     break
-        if diverged:  # diverged during this epoch's steps or earlier: frozen, not evaluated
+        skip = evaluate == "last_epoch" and epoch < config.epochs - 1
+        if diverged or skip:  # diverged (frozen) or not evaluated after this epoch
             train_metrics.append((math.nan, math.nan))
             if test_xy is not None:
                 test_metrics.append((math.nan, math.nan))
@@ -298,12 +328,13 @@ def train_one(
 
 def _cross_entropy_and_grad(logits: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
     """Per-run mean cross-entropy ``(R,)`` of logits ``(R, B, C)`` and its gradient
-    ``(softmax - onehot) / B`` w.r.t. the logits."""
+    ``(softmax - onehot) / B`` w.r.t. the logits, from one ``log_softmax`` (as
+    ``F.cross_entropy`` computes it)."""
     b = logits.shape[1]
     idx = y.unsqueeze(2)
-    lse = torch.logsumexp(logits, dim=2, keepdim=True)
-    loss = (lse - logits.gather(2, idx)).squeeze(2).mean(dim=1)
-    grad = torch.sub(logits, lse).exp_()
+    log_p = torch.log_softmax(logits, dim=2)
+    loss = log_p.gather(2, idx).squeeze(2).mean(dim=1).neg_()
+    grad = log_p.exp_()  # softmax, in place (the loss above is computed already)
     grad.scatter_add_(2, idx, torch.full_like(idx, -1, dtype=grad.dtype))
     return loss, grad.div_(b)
 
@@ -312,20 +343,33 @@ def _cross_entropy_and_grad(logits: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
 def _evaluate_runs(
     eng: _Engine, scale: Tensor, x: Tensor, y: Tensor, n_runs: int
 ) -> tuple[Tensor, Tensor]:
-    """Mean cross-entropy and accuracy of every run on a whole split, as ``(R,)`` float64."""
+    """Mean cross-entropy and accuracy of every run on a whole split, as ``(R,)`` float64.
+
+    Blocks of at most ``_EVAL_ELEMENTS // _EVAL_CHUNK_ROWS`` runs, chunks of
+    ``_EVAL_CHUNK_ROWS`` rows: the same for every group, so each run's numbers do not depend on
+    which runs it is evaluated with.
+    """
     loss_sum = torch.zeros(n_runs, dtype=torch.float64)
     correct = torch.zeros(n_runs, dtype=torch.float64)
-    rows = max(1, _EVAL_ELEMENTS // n_runs)
-    for i in range(0, x.shape[0], rows):
-        cx, cy = x[i : i + rows], y[i : i + rows]
-        logits = eng.forward(cx.unsqueeze(0).expand(n_runs, *cx.shape), train=False)
-        logits = logits * _per_run(scale, logits)
-        r, b, c = logits.shape
-        ry = cy.unsqueeze(0).expand(n_runs, -1)
-        losses = F.cross_entropy(logits.reshape(r * b, c), ry.reshape(r * b), reduction="none")
-        loss_sum += losses.view(r, b).sum(dim=1).double().cpu()
-        correct += (logits.argmax(dim=-1) == ry).sum(dim=1).double().cpu()
+    rows, block = _EVAL_CHUNK_ROWS, max(1, _EVAL_ELEMENTS // _EVAL_CHUNK_ROWS)
+    for r0 in range(0, n_runs, block):
+        runs = slice(r0, min(n_runs, r0 + block))
+        r = runs.stop - runs.start
+        for i in range(0, x.shape[0], rows):
+            cx, cy = x[i : i + rows], y[i : i + rows]
+            logits = eng.forward(cx.unsqueeze(0).expand(r, *cx.shape), train=False, runs=runs)
+            logits = logits * _per_run(scale[runs], logits)
+            b, c = logits.shape[1:]
+            ry = cy.unsqueeze(0).expand(r, -1)
+            losses = F.cross_entropy(logits.reshape(r * b, c), ry.reshape(r * b), reduction="none")
+            loss_sum[runs] += losses.view(r, b).sum(dim=1).double().cpu()
+            correct[runs] += (logits.argmax(dim=-1) == ry).sum(dim=1).double().cpu()
     return loss_sum / x.shape[0], correct / x.shape[0]
+
+
+def _check_evaluate(evaluate: str) -> None:
+    if evaluate not in EVALUATIONS:
+        raise ValueError(f"evaluate must be one of {EVALUATIONS}, got {evaluate!r}")
 
 
 def train_runs(
@@ -339,6 +383,7 @@ def train_runs(
     dtype: torch.dtype = torch.float32,
     keep_state: bool = False,
     engine: str = "auto",
+    evaluate: str = "every_epoch",
 ) -> list[RunResult]:
     """Train the runs of one group together; the same results as :func:`train_one` per run.
 
@@ -354,8 +399,13 @@ def train_runs(
         keep_state: store each run's final ``state_dict`` in :attr:`RunResult.state` (for a
             diverged run: its frozen parameters). A model without an ``output_scale`` buffer
             does not hold the output scale ``c``: the state is its parameters only.
-        engine: ``"auto"`` (the explicit MLP engine where the model allows it, else vmap),
-            ``"mlp"`` or ``"vmap"``.
+        engine: ``"auto"`` (the explicit MLP engine where the model allows it, one run at a
+            time for models with BatchNorm or dropout and for convolutional models on the CPU,
+            else vmap), ``"mlp"``, ``"vmap"`` or ``"loop"`` (:func:`train_one` per run).
+        evaluate: ``"every_epoch"`` (default) or ``"last_epoch"``: the full passes of step 5
+            after every epoch, or after the last one only (the result's ``final_train_loss``
+            needs only that one; the others' metrics are ``nan``, and a divergence is then seen
+            in the step losses or the last pass).
 
     Returns:
         One :class:`RunResult` per config, in order; ``wall_s`` is this call's wall time divided by
@@ -367,9 +417,15 @@ def train_runs(
     if not configs:
         return []
     _check_group(configs)
+    _check_evaluate(evaluate)
+    loop_kw = {"model_factory": model_factory, "dtype": dtype, "keep_state": keep_state}
+    loop_kw["evaluate"] = evaluate
+    if engine == "loop" or (engine == "auto" and _one_at_a_time(configs[0], model_factory, device)):
+        return _train_each(configs, train, test, device=device, progress=progress, **loop_kw)
+    train, test = normalize_inputs(configs[0].input_norm, train, test)  # RunConfig.input_norm
     device = torch.device(device)
     models = [_build_model(c, model_factory, dtype, device) for c in configs]
-    eng = _make_engine(models, engine)
+    eng = _make_engine(models, engine, train[0])
     group = _Group(configs, models, eng, dtype, device, keep_state)
 
     x, y = _prepare(train, device, dtype, "train")
@@ -382,20 +438,68 @@ def train_runs(
     group.allocate(x.shape[0], has_test=test_xy is not None)
     for epoch in range(group.epochs):
         group.train_epoch(epoch, x, y, progress)
-        group.evaluate_epoch(epoch, (x, y), test_xy)
+        if evaluate == "every_epoch" or epoch == group.epochs - 1:
+            group.evaluate_epoch(epoch, (x, y), test_xy)
     states = group.final_states()
     return group.results((time.perf_counter() - start) / group.n_runs, states)
 
 
-def _make_engine(models: Sequence[nn.Module], engine: str) -> _Engine:
-    """The explicit MLP engine where ``engine`` and the model allow it, else the vmap engine."""
+def _make_engine(models: Sequence[nn.Module], engine: str, x: Tensor) -> _Engine:
+    """The explicit MLP engine where ``engine``, the model and the inputs ``x`` allow it, else
+    the vmap engine."""
     mods = _mlp_modules(models[0]) if engine in ("auto", "mlp") else None
-    if engine == "mlp" and mods is None:
+    mlp = _MLPEngine(models, mods) if mods is not None else None
+    if mlp is not None and mlp.accepts(x):
+        return mlp
+    if engine == "mlp":
         raise ValueError(
-            "engine='mlp' needs a PaperMLP or an nn.Sequential of Linear/ReLU/Identity (and a "
-            f"leading LayerNorm without affine parameters), got {type(models[0]).__name__}"
+            "engine='mlp' needs a PaperMLP or an nn.Sequential of Linear/ReLU/Identity (led by "
+            "at most a Flatten and a LayerNorm without affine parameters) and inputs it takes "
+            f"as rows, got {type(models[0]).__name__} on inputs {tuple(x.shape)}"
         )
-    return _MLPEngine(models, mods) if mods is not None else _VmapEngine(models)
+    return _VmapEngine(models)
+
+
+def _one_at_a_time(
+    config: RunConfig, model_factory: ModelFactory, device: str | torch.device
+) -> bool:
+    """Whether ``engine="auto"`` trains the group's model one run at a time: models with
+    BatchNorm or dropout (vmap cannot), and convolutional models on the CPU, where a convolution
+    over a whole minibatch already runs at oneDNN's speed and vmap's grouped convolution of the
+    stacked runs is slower (1.2-1.7x on the zoo's strided AlexNet and FitNet)."""
+    with torch.random.fork_rng(devices=[]):
+        model = model_factory(config)
+    if _needs_one_at_a_time(model):
+        return True
+    has_conv = any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
+    return has_conv and torch.device(device).type == "cpu"
+
+
+def _train_each(
+    configs: Sequence[RunConfig],
+    train: Split,
+    test: Split | None,
+    *,
+    device: str | torch.device,
+    progress: Callable[[int, int], None] | None,
+    **kwargs: Any,
+) -> list[RunResult]:
+    """``engine="loop"``: :func:`train_one` per run, with torch's global RNG forked and seeded
+    from ``sha256(f"initlab.rng:{seed}")`` (dropout masks reproducible, the caller's RNG state
+    untouched); ``progress`` is called after each run."""
+    start = time.perf_counter()
+    device = torch.device(device)
+    results = []
+    for i, config in enumerate(configs):
+        digest = hashlib.sha256(f"initlab.rng:{config.seed}".encode()).digest()
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+            results.append(train_one(config, train, test, device=device, **kwargs))
+        if progress is not None:
+            steps = len(results[0].step_loss)
+            progress((i + 1) * steps, len(configs) * steps)
+    wall = (time.perf_counter() - start) / len(configs)
+    return [dataclasses.replace(r, wall_s=wall) for r in results]
 
 
 class _Group:

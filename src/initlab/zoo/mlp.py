@@ -25,7 +25,8 @@ class LectureMLP(nn.Module):
         depth: number of linear layers, at least 3 (the lecture: 5 to 47).
         width: hidden width (5).
         alpha: LeakyReLU negative slope.
-        n_in: input dimension (1).
+        n_in: input dimension (1); inputs with more than two dimensions (images) are
+            flattened to ``(B, n_in)``.
         n_out: output dimension (1).
         residual: residual hidden layers.
     """
@@ -57,6 +58,8 @@ class LectureMLP(nn.Module):
         self.output = nn.Linear(n_out, n_out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.ndim > 2:  # images (B, C, H, W): each example as a vector of n_in = C·H·W scalars
+            x = x.flatten(1)
         z = self.act(self.input(x))
         for layer in self.hidden:
             z = z + self.act(layer(z)) if self.residual else self.act(layer(z))

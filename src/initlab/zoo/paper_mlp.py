@@ -14,8 +14,11 @@ __all__ = ["PaperMLP"]
 class PaperMLP(nn.Module):
     """Defazio & Bottou's MLP: ``inputs → 384 → 64 → classes`` with ReLU (Section 6, Table 2).
 
+    Inputs are ``(B, n_in)``; an input with more dimensions (images ``(B, C, H, W)``) is
+    flattened to ``(B, C·H·W)`` first.
+
     Args:
-        n_in: input features.
+        n_in: input features (scalars per example).
         n_classes: output classes (logits, no final activation).
         widths: hidden widths (the paper: ``(384, 64)``).
         input_norm: apply ``LayerNorm(n_in)`` (without affine parameters) to the input, as in the
@@ -52,6 +55,8 @@ class PaperMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.ndim > 2:  # images (B, C, H, W): each example as a vector of n_in = C·H·W scalars
+            x = x.flatten(1)
         if self.input_norm is not None:
             x = self.input_norm(x)
         return self.layers(x) * self.output_scale

@@ -1,0 +1,189 @@
+"""A study's data sets: catalogue names with options, loaded into a :class:`StudyData`.
+
+A data set in a study spec is a catalogue name (:func:`initlab.data.list_datasets`), optionally
+followed by options after ``?``, joined by ``&``::
+
+    libsvm:letter
+    mnist?pad=2&train_per_class=500&test_per_class=100
+    cifar10?train_per_class=1000&test_per_class=0&range=symmetric
+
+The whole string is the run's ``dataset`` (part of its key), so a subset is a different data set.
+
+Options (:data:`DATA_OPTIONS`):
+
+* ``train_per_class=k``: keep the first ``k`` training examples of each class, in the source order
+  (for the CIFAR-10 JPEG copy: the first ``k`` files of each class folder, the only ones decoded);
+  a balanced, deterministic subset that makes CPU studies of image sets affordable.
+* ``test_per_class=k``: the same for the test split; ``0`` drops the test split (no per-epoch test
+  evaluation).
+* ``pad=p``: images only: ``p`` zero pixels on each side (MNIST's 28×28 → 32×32 with ``pad=2``,
+  as LeNet-5 took it), before the range mapping.
+* ``range=unit`` (default: pixels in ``[0, 1]``) or ``range=symmetric`` (``2x - 1``, in
+  ``[-1, 1]``, the CIFAR-10 input range of Defazio & Bottou, App. F). Images only.
+* ``channels=C``: says that the examples are square ``C``-channel images. The catalogue knows its
+  image sets (MNIST 1, CIFAR 3); a data set of your own ``load_fn`` (``run_study(load_fn=...)``)
+  is taken as vectors unless its name says ``channels=C``. ``load_fn`` owns the rest of its
+  names' syntax: only ``channels`` is read from them here.
+
+Image sets come as ``(N, C, H, W)``; vector sets as ``(N, d)``. :func:`example_shape` says which,
+from the name and the feature count, without loading anything.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["DATA_OPTIONS", "example_shape", "load_study_data", "parse_dataset_name"]
+
+#: Channels of the catalogue's image kinds (images are square: ``C × S × S``).
+_IMAGE_CHANNELS = {"mnist": 1, "cifar10": 3, "cifar100": 3}
+_RANGES = ("unit", "symmetric")
+
+
+def _count(minimum: int) -> Callable[[str, str], int]:
+    def parse(key: str, text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = -1
+        if value < minimum or str(value) != text.strip():
+            raise ValueError(f"data option {key}={text!r}: must be an integer >= {minimum}")
+        return value
+
+    return parse
+
+
+def _range(key: str, text: str) -> str:
+    if text not in _RANGES:
+        raise ValueError(f"data option {key}={text!r}: valid values are {', '.join(_RANGES)}")
+    return text
+
+
+#: Option name → parser of its value (see the module doc).
+DATA_OPTIONS: dict[str, Callable[[str, str], Any]] = {
+    "train_per_class": _count(1),
+    "test_per_class": _count(0),
+    "pad": _count(0),
+    "range": _range,
+    "channels": _count(1),
+}
+_IMAGE_ONLY = ("pad", "range")  # options that need an image set
+
+
+def parse_dataset_name(name: str) -> tuple[str, dict[str, Any]]:
+    """Split ``"base?key=value&..."`` into the catalogue name and the parsed options.
+
+    Example:
+        >>> parse_dataset_name("mnist?pad=2&train_per_class=10")
+        ('mnist', {'pad': 2, 'train_per_class': 10})
+    """
+    base, _, query = name.partition("?")
+    options: dict[str, Any] = {}
+    for item in filter(None, query.split("&")):
+        key, eq, text = item.partition("=")
+        if not eq or key not in DATA_OPTIONS:
+            raise ValueError(
+                f"data set {name!r}: bad option {item!r}; write name?key=value&..., keys: "
+                f"{', '.join(DATA_OPTIONS)}"
+            )
+        if key in options:
+            raise ValueError(f"data set {name!r}: option {key!r} given twice")
+        options[key] = DATA_OPTIONS[key](key, text)
+    if not base:
+        raise ValueError(f"data set {name!r}: no catalogue name before '?'")
+    return base, options
+
+
+def _image_kind(base: str) -> str | None:
+    """The catalogue kind of an image set (``"mnist"``, ``"cifar10"``, ...), else ``None``
+    (vector sets, and names outside the catalogue)."""
+    from initlab.data.catalogue import catalogue_entry
+
+    try:
+        kind = catalogue_entry(base).kind
+    except ValueError:
+        return None
+    return kind if kind in _IMAGE_CHANNELS else None
+
+
+def _channels(name: str) -> int | None:
+    """The channels of data set ``name``'s images, ``None`` for vectors (see the module doc)."""
+    base, _, query = name.partition("?")
+    kind = _image_kind(base)
+    if kind is not None:
+        return _IMAGE_CHANNELS[kind]
+    for item in query.split("&"):  # a load_fn's own name: read only channels=C
+        key, _, text = item.partition("=")
+        if key == "channels":
+            return DATA_OPTIONS["channels"](key, text)
+    return None
+
+
+def example_shape(name: str, n_features: int) -> tuple[int, ...]:
+    """The shape of one example of data set ``name`` with ``n_features`` scalars per example.
+
+    Image sets (the catalogue's, or a name with ``channels=C``): ``(C, S, S)`` with
+    ``S = sqrt(n_features / C)`` (so options such as ``pad`` need no bookkeeping here);
+    everything else: ``(n_features,)``.
+    """
+    channels = _channels(name)
+    if channels is None:
+        return (n_features,)
+    side = math.isqrt(n_features // channels)
+    if channels * side * side != n_features:
+        raise ValueError(
+            f"data set {name!r}: {n_features} features are not {channels} square channels"
+        )
+    return (channels, side, side)
+
+
+def _transform(x: torch.Tensor, options: Mapping[str, Any]) -> torch.Tensor:
+    pad = options.get("pad", 0)
+    if pad:
+        x = F.pad(x, (pad, pad, pad, pad))
+    if options.get("range", "unit") == "symmetric":
+        x = x * 2 - 1
+    return x
+
+
+def load_study_data(name: str, root: str | None = None) -> Any:
+    """A data set's train and (where it exists and is not dropped) test split as a
+    :class:`~initlab.study.runner.StudyData`, options applied (see the module doc).
+
+    A data set published without a test split (several LIBSVM sets) gives ``test=None``; a
+    missing file still raises.
+    """
+    from initlab.data import load_dataset
+    from initlab.study.runner import StudyData
+
+    base, options = parse_dataset_name(name)
+    kind = _image_kind(base)
+    image_only = [k for k in _IMAGE_ONLY if k in options]
+    if image_only and kind is None:
+        raise ValueError(
+            f"data set {name!r}: option(s) {', '.join(image_only)} apply to image sets only "
+            f"(mnist, cifar10, cifar100), not {base!r}"
+        )
+    if "channels" in options and (kind is None or options["channels"] != _IMAGE_CHANNELS[kind]):
+        have = "vectors" if kind is None else f"{_IMAGE_CHANNELS[kind]}-channel images"
+        raise ValueError(f"data set {name!r}: {base!r} has {have}; drop channels=")
+    train = load_dataset(base, "train", root=root, limit_per_class=options.get("train_per_class"))
+    test = None
+    n_test = options.get("test_per_class")
+    if n_test != 0:
+        try:
+            test = load_dataset(base, "test", root=root, limit_per_class=n_test)
+        except ValueError:  # the name resolved above, so this is "no 'test' split"
+            test = None
+    x = _transform(train.x, options)
+    return StudyData(
+        train=(x, train.y),
+        test=None if test is None else (_transform(test.x, options), test.y),
+        n_features=math.prod(x.shape[1:]),
+        n_classes=int(train.n_classes),
+    )

@@ -1,0 +1,466 @@
+"""The study report (``initlab bench report``): :func:`report_study`.
+
+Per protocol variant of the study (:mod:`initlab.study.variants`; a study without variants is the
+one variant ``"base"``), from that variant's runs and its ``loss`` measure:
+
+- Table 2 (:mod:`initlab.study.aggregate`) with two-level bootstrap intervals, the rank and the
+  share of replicates in which each scheme comes first (:func:`~initlab.study.bootstrap.
+  table2_intervals`);
+- every scheme paired against the reference scheme (geometric), by data set and seed: the
+  reference's win rate and the mean difference of normalized losses, with intervals
+  (:func:`~initlab.study.bootstrap.paired_comparisons`);
+- the best learning rates at the edge of the grid (``top``/``bottom``);
+
+and across variants the **sensitivity table**: variant × scheme → average normalized loss
+[interval] and rank (:func:`~initlab.study.aggregate.sensitivity_table`).
+
+Files written to ``out_dir``:
+
+``report.html``
+    everything above on one self-contained page, with the plots embedded;
+``table2.md``
+    the same as Markdown (the paper's numbers beside ours);
+``sensitivity.csv``, ``table2.csv``, ``paired.csv``, ``per_dataset.csv``, ``per_lr.csv``
+    the tables, each with a ``variant`` column;
+``runs.csv``
+    one row per stored run of the study;
+``plots/sensitivity.png``, ``plots/<variant>/*.png``
+    the sensitivity figure, and per variant :func:`initlab.study.plots.plot_study`'s plots.
+"""
+
+from __future__ import annotations
+
+import csv
+import html
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from initlab._core.rows import Rows
+from initlab.study.aggregate import (
+    PAPER_N_DATASETS,
+    PAPER_TABLE2,
+    grid_edges,
+    lr_table,
+    per_dataset_table,
+    sensitivity_table,
+    table2,
+)
+from initlab.study.bootstrap import loss_cubes, paired_comparisons, table2_intervals
+from initlab.study.report_html import ci_text, html_image, html_page, html_table
+from initlab.study.spec import StudySpec
+from initlab.study.store import BASE_VARIANT, Store
+
+__all__ = ["VariantReport", "analyze_variant", "report_study"]
+
+#: Protocol keys shown for each variant.
+_PROTOCOL_KEYS = ("optimizer", "momentum", "batch_size", "weight_decay", "epochs", "input_norm",
+                  "output_scale", "model_cfg")  # fmt: skip
+
+
+@dataclass
+class VariantReport:
+    """One variant's analysis (see the module docstring).
+
+    Attributes:
+        name: the variant.
+        loss: the loss measure compared (``full_pass`` or ``last_epoch_minibatch``).
+        protocol: the variant's protocol keys (from the registered spec; empty without one).
+        n_finished: runs stored; ``n_expected``: runs registered for the variant.
+        per_lr, per_dataset, table: :func:`~initlab.study.aggregate.lr_table`,
+            :func:`~initlab.study.aggregate.per_dataset_table`, :func:`~initlab.study.aggregate.
+            table2`.
+        intervals: :func:`~initlab.study.bootstrap.table2_intervals`.
+        paired: :func:`~initlab.study.bootstrap.paired_comparisons` (``None`` without the
+            reference scheme).
+        edges: :func:`~initlab.study.aggregate.grid_edges`.
+    """
+
+    name: str
+    loss: str
+    protocol: dict[str, Any]
+    n_finished: int
+    n_expected: int
+    per_lr: Rows
+    per_dataset: Rows
+    table: Rows
+    intervals: Rows
+    paired: Rows | None
+    edges: list[tuple[str, str, str]] = field(default_factory=list)
+
+
+def analyze_variant(
+    name: str,
+    records: Sequence[dict[str, Any]],
+    *,
+    loss: str = "full_pass",
+    protocol: dict[str, Any] | None = None,
+    n_expected: int | None = None,
+    n_boot: int = 2000,
+    seed: int = 0,
+    level: float = 0.95,
+    reference: str = "geometric",
+) -> VariantReport:
+    """All of one variant's tables from its runs' records (``Store.records``)."""
+    per_dataset = per_dataset_table(records, loss)
+    cubes = loss_cubes(records, loss)
+    schemes = cubes[0].schemes if cubes else ()
+    paired = None
+    if reference in schemes:
+        paired = paired_comparisons(
+            cubes, reference=reference, n_boot=n_boot, seed=seed, level=level
+        )
+    return VariantReport(
+        name=name,
+        loss=loss,
+        protocol=dict(protocol or {}),
+        n_finished=len(records),
+        n_expected=len(records) if n_expected is None else n_expected,
+        per_lr=lr_table(records, loss),
+        per_dataset=per_dataset,
+        table=table2(per_dataset),
+        intervals=table2_intervals(cubes, n_boot=n_boot, seed=seed, level=level),
+        paired=paired,
+        edges=grid_edges(per_dataset),
+    )
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.=-]+", "_", name)
+
+
+def _variants(store: Store, study: str | None, loss: str | None) -> list[tuple[str, str, dict]]:
+    """``(variant, loss, protocol)`` of each variant of the study, in registration order."""
+    if study is None:
+        return [(BASE_VARIANT, loss or "full_pass", {})]
+    try:
+        flat = StudySpec.from_dict(store.studies()[study]).variant_specs()
+    except (ValueError, TypeError):  # a spec this version cannot read: report without it
+        flat = {}
+    out = []
+    for name in store.variants(study):
+        spec = flat.get(name)
+        protocol = {k: v for k, v in spec.to_dict().items() if k in _PROTOCOL_KEYS} if spec else {}
+        if spec is not None:
+            protocol["lrs"] = _lrs_text(spec.lrs)
+        out.append((name, loss or (spec.loss if spec else "full_pass"), protocol))
+    return out
+
+
+def _lrs_text(lrs: Sequence[float]) -> str:
+    exps = [math.log2(lr) for lr in lrs]
+    if all(e.is_integer() for e in exps) and len(lrs) > 2:
+        return f"2^{int(max(exps))} .. 2^{int(min(exps))} ({len(lrs)} rates)"
+    return ", ".join(f"{lr:g}" for lr in lrs)
+
+
+def report_study(
+    store_path: str | Path,
+    out_dir: str | Path,
+    *,
+    study: str | None = None,
+    plots: bool = True,
+    window: int | None = None,
+    loss: str | None = None,
+    n_boot: int = 2000,
+    seed: int = 0,
+    level: float = 0.95,
+    reference: str = "geometric",
+) -> Rows:
+    """Write a study's report (module docstring) and return its sensitivity table.
+
+    Args:
+        store_path: the study store.
+        out_dir: output folder (created).
+        study: the study's name; ``None``: the only study in the store (or all its runs as one
+            variant if there are several or none registered).
+        plots: draw the plots (needs matplotlib); the HTML page is written either way.
+        window: sliding-window length for the training-loss curves (default: see
+            :func:`initlab.study.plots.plot_loss_curves`).
+        loss: compare this loss in every variant instead of each variant's own ``loss``.
+        n_boot, seed, level: the bootstrap's replicates, seed and interval coverage.
+        reference: the scheme the others are paired against.
+
+    Returns:
+        :func:`~initlab.study.aggregate.sensitivity_table` rows: per variant and scheme, the
+        average normalized loss, its interval, rank, worst/best counts.
+    """
+    if not Path(store_path).is_file():
+        raise FileNotFoundError(f"no study store at {store_path}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    reports: list[VariantReport] = []
+    plot_files: dict[str, list[Path]] = {}
+    with Store(store_path) as store:
+        studies = store.studies()
+        if study is None and len(studies) == 1:
+            study = next(iter(studies))
+        if study is not None and study not in studies:
+            raise ValueError(f"no study {study!r} in {store_path}; it has: {sorted(studies)}")
+        store.to_csv(out / "runs.csv", study)
+        keys = store.variants(study) if study is not None else {}
+        for name, measure, protocol in _variants(store, study, loss):
+            records = store.records(study, variant=name if study else None, curves=plots)
+            if not records:
+                continue
+            reports.append(analyze_variant(
+                name, records, loss=measure, protocol=protocol,
+                n_expected=len(keys.get(name, records)), n_boot=n_boot, seed=seed, level=level,
+                reference=reference,
+            ))  # fmt: skip
+            if plots:
+                from initlab.study.plots import plot_study
+
+                plot_files[name] = plot_study(
+                    records, reports[-1].per_dataset, out / "plots" / _safe(name), window=window
+                )
+    if not reports:
+        raise ValueError(
+            f"{store_path} holds no finished runs" + (f" of {study!r}" if study else "")
+        )
+    sensitivity = sensitivity_table({r.name: r.intervals for r in reports})
+    _write_tables(out, reports, sensitivity)
+    sens_plots = []
+    if plots and len(sensitivity):
+        from initlab.study.plots import plot_sensitivity
+
+        sens_plots.append(plot_sensitivity(sensitivity, out / "plots" / "sensitivity.png"))
+    setting = f"{n_boot} two-level bootstrap replicates (seed {seed}), {level:.0%} intervals"
+    (out / "table2.md").write_text(
+        _markdown(study, reports, sensitivity, setting, reference), encoding="utf-8"
+    )
+    (out / "report.html").write_text(
+        _html(study, reports, sensitivity, setting, reference, (sens_plots, plot_files), out),
+        encoding="utf-8",
+    )
+    return sensitivity
+
+
+# -- files --------------------------------------------------------------------------------------
+
+
+def _write_csv(path: Path, rows: Rows | list[dict[str, Any]], columns: Sequence[str]) -> None:
+    with path.open("w", newline="", encoding="utf-8") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(columns))
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: "" if v is None else v for k, v in row.items()})
+
+
+def _with_variant(reports: Sequence[VariantReport], attr: str) -> tuple[list[dict], list[str]]:
+    rows, columns = [], ["variant"]
+    for r in reports:
+        table = getattr(r, attr)
+        if table is None:
+            continue
+        columns = ["variant", *table.columns]
+        rows += [{"variant": r.name, **row} for row in table]
+    return rows, columns
+
+
+def _write_tables(out: Path, reports: Sequence[VariantReport], sensitivity: Rows) -> None:
+    _write_csv(out / "sensitivity.csv", sensitivity, sensitivity.columns)
+    for name, attr in (("table2", "intervals"), ("paired", "paired"),
+                       ("per_dataset", "per_dataset"), ("per_lr", "per_lr")):  # fmt: skip
+        rows, columns = _with_variant(reports, attr)
+        _write_csv(out / f"{name}.csv", rows, columns)
+
+
+# -- Markdown -----------------------------------------------------------------------------------
+
+
+def _wide_sensitivity(sensitivity: Rows) -> tuple[list[str], list[list[str]]]:
+    """Variant rows × scheme columns of ``"avg [lo, hi] #rank"`` cells."""
+    schemes = sorted({r["scheme"] for r in sensitivity})
+    cells: dict[str, dict[str, str]] = {}
+    for r in sensitivity:
+        text = ci_text(r["avg_normalized_loss"], r["avg_lo"], r["avg_hi"])
+        cells.setdefault(r["variant"], {})[r["scheme"]] = f"{text} #{r['rank']}"
+    body = [[v, *(row.get(s, "-") for s in schemes)] for v, row in cells.items()]
+    return ["variant", *schemes], body
+
+
+def _summary_lines(r: VariantReport, reference: str) -> list[str]:
+    """Plain statements read off the tables: who ranks first, where the reference stands, which
+    paired differences exclude 0."""
+    rows = list(r.intervals)
+    if not rows:
+        return ["No data set has results for every scheme yet."]
+    first = [x["scheme"] for x in rows if x["rank"] == 1]
+    lines = [f"Lowest average normalized loss: {', '.join(first)}."]
+    ref = next((x for x in rows if x["scheme"] == reference), None)
+    if ref is not None:
+        lines.append(
+            f"{reference}: rank {ref['rank']} of {len(rows)}, worst in {ref['worst_in']} and best "
+            f"in {ref['best_in']} of {ref['n_datasets']} data sets; first in "
+            f"{ref['p_first']:.0%} of the bootstrap replicates."
+        )
+    for p in r.paired.filter(dataset="all") if r.paired is not None else []:
+        lo, hi = p["diff_lo"], p["diff_hi"]
+        verdict = (
+            f"{reference} better"
+            if lo > 0
+            else f"{p['scheme']} better"
+            if hi < 0
+            else "no difference beyond the interval"
+        )
+        lines.append(
+            f"{p['scheme']} − {reference}: mean normalized difference "
+            f"{ci_text(p['mean_diff'], lo, hi)}, {reference} wins {p['ref_win_rate']:.0%} of "
+            f"pairs: {verdict}."
+        )
+    return lines
+
+
+def _variant_markdown(r: VariantReport, reference: str) -> list[str]:
+    lines = [f"## Variant `{r.name}`", ""]
+    if r.protocol:
+        lines += ["Protocol: " + "; ".join(f"{k} {v}" for k, v in r.protocol.items()) + ".", ""]
+    lines += [f"Loss compared: `{r.loss}`.", ""]
+    if r.n_finished < r.n_expected:
+        lines += [f"Incomplete: {r.n_finished} of {r.n_expected} runs finished.", ""]
+    lines += [
+        "| scheme | avg normalized loss [CI] | rank | P(first) | worst in # [CI] | best in # [CI] "
+        f"| data sets | paper ({PAPER_N_DATASETS} sets): avg / worst / best |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for x in r.intervals:
+        paper = PAPER_TABLE2.get(x["scheme"])
+        lines.append(
+            f"| {x['scheme']} | {ci_text(x['avg_normalized_loss'], x['avg_lo'], x['avg_hi'])} | "
+            f"{x['rank']} | {x['p_first']:.2f} | "
+            f"{ci_text(x['worst_in'], x['worst_lo'], x['worst_hi'])} | "
+            f"{ci_text(x['best_in'], x['best_lo'], x['best_hi'])} | {x['n_datasets']} | "
+            + (f"{paper[0]:.2f} / {paper[1]} / {paper[2]} |" if paper else "- |")
+        )
+    lines += ["", *(f"- {line}" for line in _summary_lines(r, reference)), ""]
+    if r.edges:
+        cells = ", ".join(f"{d}/{s} ({e})" for d, s, e in r.edges)
+        lines += [f"Best learning rate at the edge of the grid: {cells}.", ""]
+    if r.paired is not None:
+        lines += [r.paired.to_markdown(), ""]
+    lines += ["### Per data set", "", r.per_dataset.to_markdown(), ""]
+    return lines
+
+
+def _markdown(
+    study: str | None,
+    reports: Sequence[VariantReport],
+    sensitivity: Rows,
+    setting: str,
+    reference: str,
+) -> str:
+    head, body = _wide_sensitivity(sensitivity)
+    lines = [
+        f"# Table 2 per protocol variant — study {study!r}" if study else "# Table 2",
+        "",
+        f"Loss: median over seeds of the final training loss at each scheme's best learning rate, "
+        "normalized by the worst scheme's on each data set (diverged runs count as +inf); "
+        f"ties count for every tied scheme. Intervals: {setting} (data sets, then seeds within "
+        f"each). Paired comparisons against {reference}. The paper used {PAPER_N_DATASETS} "
+        "LIBSVM data sets (its list is not in the seed text): a partial reproduction.",
+        "",
+        "## Sensitivity: average normalized loss [interval] #rank",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|---|" + "---:|" * (len(head) - 1),
+        *("| " + " | ".join(row) + " |" for row in body),
+        "",
+    ]
+    for r in reports:
+        lines += _variant_markdown(r, reference)
+    return "\n".join(lines)
+
+
+# -- HTML ---------------------------------------------------------------------------------------
+
+
+def _html_sensitivity(sensitivity: Rows) -> str:
+    head, body = _wide_sensitivity(sensitivity)
+    rows = [dict(zip(head, row, strict=True)) for row in body]
+
+    def first(row: Any, col: str) -> str:
+        return "first" if str(row.get(col, "")).endswith("#1") else ""
+
+    return html_table(rows, head, cell_class=first)
+
+
+def _html_variant(r: VariantReport, reference: str, images: Sequence[Path], out: Path) -> list[str]:
+    esc = html.escape
+    parts = [f"<h2 id='{esc(_safe(r.name))}'>Variant {esc(r.name)}</h2>"]
+    if r.protocol:
+        text = "; ".join(f"{k} {v}" for k, v in r.protocol.items())
+        parts.append(f"<p class='note'>Protocol: {esc(text)}.</p>")
+    parts.append(f"<p class='note'>Loss compared: <b>{esc(r.loss)}</b>.</p>")
+    if r.n_finished < r.n_expected:
+        parts.append(f"<p><b>Incomplete</b>: {r.n_finished} of {r.n_expected} runs finished.</p>")
+    rows = [
+        {
+            "scheme": x["scheme"],
+            "avg normalized loss [CI]": ci_text(x["avg_normalized_loss"], x["avg_lo"], x["avg_hi"]),
+            "rank": x["rank"],
+            "P(first)": x["p_first"],
+            "worst in # [CI]": ci_text(x["worst_in"], x["worst_lo"], x["worst_hi"]),
+            "best in # [CI]": ci_text(x["best_in"], x["best_lo"], x["best_hi"]),
+            "data sets": x["n_datasets"],
+            "paper": "{} / {} / {}".format(*PAPER_TABLE2[x["scheme"]])
+            if x["scheme"] in PAPER_TABLE2
+            else "-",
+        }
+        for x in r.intervals
+    ]
+    parts.append(html_table(rows, cell_class=lambda row, c: "first" if row["rank"] == 1 else ""))
+    parts.append("<ul>" + "".join(f"<li>{esc(s)}</li>" for s in _summary_lines(r, reference)))
+    parts.append("</ul>")
+    if r.edges:
+        cells = ", ".join(f"{d}/{s} ({e})" for d, s, e in r.edges)
+        parts.append(f"<p class='note'>Best learning rate at the grid's edge: {esc(cells)}.</p>")
+    if r.paired is not None:
+        parts.append(f"<h3>Paired against {esc(reference)}</h3>")
+        parts.append(html_table(r.paired.filter(dataset="all")))
+        parts.append("<details><summary>per data set</summary>")
+        parts.append(html_table(r.paired) + "</details>")
+    edge = lambda row, c: "edge" if c == "grid_edge" and row[c] else ""  # noqa: E731
+    parts.append("<details><summary>per data set and scheme (best learning rate)</summary>")
+    parts.append(html_table(r.per_dataset, cell_class=edge) + "</details>")
+    parts.append("<details><summary>per learning rate</summary>")
+    parts.append(html_table(r.per_lr) + "</details>")
+    grid = [p for p in images if p.name == "iqr_all.png"]
+    parts += [html_image(p, f"{r.name}: final losses") for p in grid]
+    others = [p for p in images if p.name != "iqr_all.png"]
+    if others:
+        links = " ".join(
+            f"<a href='{esc(p.relative_to(out).as_posix())}'>{esc(p.stem)}</a>" for p in others
+        )
+        parts.append(f"<p class='note'>Per data set plots: {links}</p>")
+    return parts
+
+
+def _html(
+    study: str | None,
+    reports: Sequence[VariantReport],
+    sensitivity: Rows,
+    setting: str,
+    reference: str,
+    plots: tuple[list[Path], dict[str, list[Path]]],
+    out: Path,
+) -> str:
+    esc = html.escape
+    sens_plots, plot_files = plots
+    toc = " · ".join(f"<a href='#{esc(_safe(r.name))}'>{esc(r.name)}</a>" for r in reports)
+    parts = [
+        f"<p class='note'>Intervals: {esc(setting)}, resampling data sets and the seeds within "
+        f"each. Paired comparisons against {esc(reference)}. Table 2 of Defazio &amp; Bottou "
+        f"used {PAPER_N_DATASETS} LIBSVM data sets.</p>",
+        f"<p>Variants: {toc}</p>",
+        "<h2>Sensitivity: average normalized loss [interval] #rank</h2>",
+        _html_sensitivity(sensitivity),
+    ]
+    parts += [html_image(p, "sensitivity") for p in sens_plots]
+    for r in reports:
+        parts += _html_variant(r, reference, plot_files.get(r.name, []), out)
+    title = f"initlab bench report: study {study}" if study else "initlab bench report"
+    return html_page(title, parts)

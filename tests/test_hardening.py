@@ -1,0 +1,582 @@
+"""Issue 13: every bad input a clear error, no silent wrong result, the CLI without tracebacks.
+
+Tables of cases: a bad input and the text its error (or warning) must contain. Every failing
+data-dependent method leaves the model exactly as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from initlab.cli import main
+from initlab.data import load_libsvm
+from initlab.diagnostics.diagnose import diagnose
+from initlab.measure.conditioning import gr_scaling
+from initlab.measure.curvature import DoubleBackwardError
+from initlab.measure.probe import MomentProbe, measure_moments
+from initlab.methods.gradinit import gradinit_
+from initlab.methods.lsuv import lsuv_
+from initlab.methods.metainit import metainit_
+from initlab.methods.output_scale import scale_output_
+from initlab.methods.precondition import precondition_
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def _batches(n: int = 4, rows: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(rows, 4, generator=gen), torch.randint(0, 3, (rows,), generator=gen))
+        for _ in range(n)
+    ]
+
+
+def _poisoned(value: float, batch: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    batches = _batches()
+    batches[batch][0][3, 1] = value
+    return batches
+
+
+def _empty() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(torch.zeros(0, 4), torch.zeros(0, dtype=torch.long))] * 4
+
+
+class _Once(torch.autograd.Function):
+    """ReLU whose backward is marked once-differentiable (its second derivative is missing)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x.clamp_min(0)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return grad * (x > 0)
+
+
+class _OnceNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(_Once.apply(self.a(x)))
+
+
+class _CdistNet(nn.Module):
+    """Logits from distances to 3 centres: torch.cdist has no double backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(4, 8)
+        self.centres = nn.Parameter(torch.randn(3, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return -torch.cdist(self.a(x), self.centres)
+
+
+class _NanOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) * float("nan")
+
+
+class _Masked(nn.Module):
+    """Takes a dict batch whose additive attention mask holds -inf."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.a(x) + attention_mask.clamp_min(-1e4)[:, :1]
+
+
+def _twice(model: Any, batch: Any) -> torch.Tensor:
+    """A loss that calls the model twice per batch."""
+    x, y = batch
+    return F.cross_entropy(model(x), y) + F.cross_entropy(model(0.5 * x), y)
+
+
+def _large(value: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    batches = _batches(2)
+    batches[1] = (batches[1][0] * value, batches[1][1])
+    return batches
+
+
+# name -> (model factory, call(model), exception type, text of the message)
+_ERRORS: dict[str, tuple[Callable[[], nn.Module], Callable[[nn.Module], Any], type, str]] = {
+    "scale_output_, NaN in the data (was: zero std)": (
+        _mlp,
+        lambda m: scale_output_(m, _poisoned(float("nan"))),
+        ValueError,
+        "scale_output_: batch 0 has 1 non-finite value(s) (NaN or inf) in entry '0'",
+    ),
+    "scale_output_, inf in the data (was: zero std)": (
+        _mlp,
+        lambda m: scale_output_(m, _poisoned(float("inf"), batch=2)),
+        ValueError,
+        "scale_output_: batch 2 has 1 non-finite value(s)",
+    ),
+    "scale_output_, the model outputs NaN (was: zero std)": (
+        _NanOut,
+        lambda m: scale_output_(m, _batches()),
+        ValueError,
+        "the model's output is not finite (NaN or inf) on the data",
+    ),
+    "lsuv_, a batch with 0 rows (was: ZeroDivisionError)": (
+        _mlp,
+        lambda m: lsuv_(m, torch.zeros(0, 4)),
+        ValueError,
+        "lsuv_: the batch has 0 examples (the batch tensor has shape (0, 4))",
+    ),
+    "gradinit_, batches with 0 rows (was: loss is nan)": (
+        _mlp,
+        lambda m: gradinit_(m, _empty()),
+        ValueError,
+        "gradinit_: batch 0 has 0 examples",
+    ),
+    "gradinit_, NaN in batch 1 (was: loss is nan)": (
+        _mlp,
+        lambda m: gradinit_(m, _poisoned(float("nan"), batch=1), gamma=10.0),
+        ValueError,
+        "gradinit_: batch 1 has 1 non-finite value(s)",
+    ),
+    "metainit_, batches with 0 rows (was: loss is nan)": (
+        _mlp,
+        lambda m: metainit_(m, _empty(), variant="gradinit"),
+        ValueError,
+        "metainit_: batch 0 has 0 examples",
+    ),
+    "precondition_, NaN in batch 1 (was: dropped silently)": (
+        _mlp,
+        lambda m: precondition_(m, _poisoned(float("nan"), batch=1)),
+        ValueError,
+        "precondition_: batch 1 has 1 non-finite value(s)",
+    ),
+    "precondition_, the forward overflows on a batch (was: dropped silently)": (
+        _mlp,
+        lambda m: precondition_(m, _large(1e38)),
+        ValueError,
+        "precondition_: the forward or backward pass produced non-finite values",
+    ),
+    "precondition_, rescale, a batch with 0 rows": (
+        _mlp,
+        lambda m: precondition_(m, _empty()[:1], how="rescale"),
+        ValueError,
+        "precondition_: batch 0 has 0 examples",
+    ),
+    "a -inf outside a mask entry": (
+        _Masked,
+        lambda m: scale_output_(
+            m,
+            {
+                "x": torch.randn(8, 4),
+                "attention_mask": torch.zeros(8, 2),
+                "w": -torch.inf * torch.ones(8),
+            },
+        ),
+        ValueError,
+        "scale_output_: the batch has 8 non-finite value(s) (NaN or inf) in entry 'w'",
+    ),
+    "NaN in a mask entry": (
+        _Masked,
+        lambda m: scale_output_(
+            m, {"x": torch.randn(8, 4), "attention_mask": torch.full((8, 2), torch.nan)}
+        ),
+        ValueError,
+        "in entry 'attention_mask'",
+    ),
+    "gradinit_, constraint step through a @once_differentiable backward (was: silently wrong)": (
+        _OnceNet,
+        lambda m: gradinit_(m, _batches(), gamma=1e-6),
+        DoubleBackwardError,
+        "gradinit_ differentiates the loss twice (its constraint step descends the gradient norm "
+        "||g|| in alpha), and the model has an operation without a second derivative: a backward "
+        "marked @once_differentiable",
+    ),
+    "gradinit_, constraint step through torch.cdist (was: a raw torch error)": (
+        _CdistNet,
+        lambda m: gradinit_(m, _batches(), gamma=1e-6),
+        DoubleBackwardError,
+        "without a second derivative: the derivative for '_cdist_backward' is not implemented. "
+        "Use twice-differentiable operations in the model",
+    ),
+    "gradinit_(exact=True) through torch.cdist": (
+        _CdistNet,
+        lambda m: gradinit_(m, _batches(), gamma=1e9, exact=True),
+        DoubleBackwardError,
+        "or use exact=False",
+    ),
+    "metainit_ through a @once_differentiable backward (was: silently wrong)": (
+        _OnceNet,
+        lambda m: metainit_(m, _batches(), variant="gradinit"),
+        DoubleBackwardError,
+        "metainit_ differentiates the loss twice",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(_ERRORS))
+def test_bad_input_raises_a_clear_error_and_leaves_the_model(name: str) -> None:
+    factory, call, kind, text = _ERRORS[name]
+    model = factory()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(kind) as info:
+        call(model)
+    assert text in str(info.value)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_minus_inf_in_an_attention_mask_is_allowed() -> None:
+    model = _Masked()
+    mask = torch.zeros(64, 2)
+    mask[:, 1] = -torch.inf
+    report = scale_output_(model, {"x": torch.randn(64, 4), "attention_mask": mask}, target=0.5)
+    assert report.info["std_after"] == pytest.approx(0.5)
+
+
+def test_a_gradinit_objective_step_needs_no_second_derivative() -> None:
+    """The check is where the second derivative is used: first-order steps still run."""
+    report = gradinit_(_CdistNet(), _batches(), gamma=1e9)
+    assert report.info["objective_steps"] == 3
+
+
+# name -> (call, text) for the measurements (no model to restore)
+_MEASURE_ERRORS: dict[str, tuple[Callable[[], Any], str]] = {
+    "measure_moments, no batch": (
+        lambda: measure_moments(_mlp(), []),
+        "measure_moments got no batch: the data is empty",
+    ),
+    "measure_moments, a batch with 0 rows (was: an all-NaN table)": (
+        lambda: measure_moments(_mlp(), torch.zeros(0, 4)),
+        "measure_moments: the batch has 0 examples",
+    ),
+    "measure_moments, NaN data (was: an all-NaN table)": (
+        lambda: measure_moments(_mlp(), _poisoned(float("nan"))[:1]),
+        "measure_moments: batch 0 has 1 non-finite value(s)",
+    ),
+    "diagnose, a batch with 0 rows (was: a report)": (
+        lambda: diagnose(_mlp(), _empty(), "cross_entropy"),
+        "diagnose: batch 0 has 0 examples",
+    ),
+    "gr_scaling, a loss that calls the model twice per batch (was: NaN for every layer)": (
+        lambda: gr_scaling(_mlp(), _batches(2), _twice),
+        "gr_scaling: the model ran 4 forward passes with gradients for 2 backward passes, so the "
+        "loss calls the model 2 times per batch",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(_MEASURE_ERRORS))
+def test_measurements_refuse_what_they_cannot_measure(name: str) -> None:
+    call, text = _MEASURE_ERRORS[name]
+    with pytest.raises(ValueError) as info:
+        call()
+    assert text in str(info.value)
+
+
+def test_gr_scaling_of_a_probe_whose_loss_called_the_model_twice() -> None:
+    model = _mlp()
+    with MomentProbe(model) as probe:
+        for batch in _batches(3):
+            _twice(model, batch).backward()
+    with pytest.raises(ValueError, match="calls the model 2 times per batch"):
+        gr_scaling(probe)
+    with MomentProbe(model) as probe:
+        for batch in _batches(3):
+            F.cross_entropy(model(batch[0]), batch[1]).backward()
+    assert all(r["gamma_w"] > 0 for r in gr_scaling(probe))
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "value"),
+    [
+        ("1 1:0.5 2:nan\n", 1, "'nan'"),
+        ("1 1:0.5\n2 1:0.25 3:inf\n", 2, "'inf'"),
+        ("1 1:-Infinity\n", 1, "'-Infinity'"),
+        ("1 1:0.5\n1 2:1\n2 4:1e39\n", 3, "'1e39'"),
+    ],
+)
+def test_load_libsvm_refuses_non_finite_values(
+    tmp_path: Path, text: str, line: int, value: str
+) -> None:
+    path = tmp_path / "bad.libsvm"
+    path.write_text(text)
+    with pytest.raises(ValueError) as info:
+        load_libsvm(path, cache_dir=False)
+    assert f"bad.libsvm:{line}: feature" in str(info.value)
+    assert f"has the value {value}; values must be finite numbers" in str(info.value)
+
+
+class _RawLinear(nn.Module):
+    """A custom layer whose weight is a raw parameter: no registry handler claims it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.T
+
+
+def test_lsuv_reports_a_custom_layer_it_cannot_scale() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(_RawLinear(), nn.ReLU(), nn.Linear(8, 3))
+    raw = model[0].weight.detach().clone()
+    with pytest.warns(UserWarning, match=r"not scaled: \['0 \(no registry handler for _RawLinear"):
+        report = lsuv_(model, torch.randn(256, 4), generator=0)
+    row = next(r for r in report if r["layer"] == "0")
+    assert row["skipped"].startswith("no registry handler for _RawLinear (raw parameter(s) weight)")
+    assert "register one (initlab.register_handler) to have LSUV scale it" in row["skipped"]
+    assert report.info["skipped"] == {"0": row["skipped"]}
+    assert torch.equal(model[0].weight, raw)
+
+
+# ---------------------------------------------------------------------------------------- CLI
+
+_MODELS = """
+import torch
+from torch import nn
+
+def mlp():
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+
+def boom():
+    raise RuntimeError("factory failed")
+
+def data_nan():
+    x = torch.randn(16, 4)
+    x[0, 0] = float("nan")
+    return (x, torch.randint(0, 3, (16,)))
+
+def data_empty():
+    return (torch.zeros(0, 4), torch.zeros(0, dtype=torch.long))
+
+def data_none():
+    return None
+
+def data_ok():
+    return [(torch.randn(16, 4), torch.randint(0, 3, (16,))) for _ in range(4)]
+
+def bad_loss(model, batch):
+    raise KeyError("no such entry")
+"""
+
+
+@pytest.fixture
+def cli_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    (tmp_path / "mods.py").write_text(textwrap.dedent(_MODELS))
+    torch.save(torch.randn(3), tmp_path / "vector.pt")
+    (tmp_path / "garbage.pt").write_text("not a torch file")
+    rng = torch.Generator().manual_seed(0)
+    lines = [
+        f"{int(c) + 1} "
+        + " ".join(f"{j + 1}:{v:.3f}" for j, v in enumerate(torch.rand(4, generator=rng)))
+        for c in torch.arange(30) % 3
+    ]
+    (tmp_path / "libsvm").mkdir()
+    (tmp_path / "libsvm" / "iris.scale").write_text("\n".join(lines) + "\n")
+    monkeypatch.setenv("INITLAB_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+_INIT = ["init", "--model", "mods.py:mlp", "--out", "out.pt"]
+
+# argv (after `initlab`) -> (exit code, text of the one-line error)
+_CLI: dict[str, tuple[list[str], int, str]] = {
+    "a batch with 0 rows (was: ZeroDivisionError)": (
+        [*_INIT, "--method", "lsuv", "--data", "mods.py:data_empty"],
+        2,
+        "initlab init: error: lsuv_: batch 0 has 0 examples",
+    ),
+    "a missing .pt file (was: FileNotFoundError)": (
+        [*_INIT, "--method", "lsuv", "--data", "missing.pt"],
+        2,
+        "--data file missing.pt does not exist",
+    ),
+    "a .pt file torch cannot read (was: UnpicklingError)": (
+        [*_INIT, "--method", "lsuv", "--data", "garbage.pt"],
+        2,
+        "--data garbage.pt: torch.load(weights_only=True) cannot read it",
+    ),
+    "data the model cannot take (was: RuntimeError)": (
+        [*_INIT, "--method", "lsuv", "--data", "vector.pt"],
+        1,
+        "RuntimeError: mat1 and mat2 shapes cannot be multiplied (1x3 and 4x8) (the model could "
+        "not run on the data",
+    ),
+    "a data function that returns None (was: AttributeError)": (
+        [*_INIT, "--method", "lsuv", "--data", "mods.py:data_none"],
+        2,
+        "--data 'mods.py:data_none' returned NoneType; return a tensor",
+    ),
+    "random data of the wrong shape (was: RuntimeError)": (
+        [*_INIT, "--method", "lsuv", "--data", "random:8"],
+        1,
+        "shapes cannot be multiplied (64x8 and 4x8)",
+    ),
+    "a factory that raises (was: RuntimeError)": (
+        ["init", "--model", "mods.py:boom", "--out", "out.pt"],
+        2,
+        "--model 'mods.py:boom': the factory raised RuntimeError: factory failed",
+    ),
+    "--out in a folder that cannot be made (was: FileNotFoundError)": (
+        ["init", "--model", "mods.py:mlp", "--out", "/proc/initlab/out.pt"],
+        2,
+        "initlab init: error: No such file or directory: /proc/initlab",
+    ),
+    "a loss function that raises (was: KeyError)": (
+        [*_INIT, "--method", "metainit", "--data", "mods.py:data_ok", "--loss", "mods.py:bad_loss"],
+        2,
+        "KeyError: 'no such entry'",
+    ),
+    "--report in a folder that does not exist (was: FileNotFoundError)": (
+        [*_INIT, "--method", "lsuv", "--data", "random:4", "--report", "/proc/initlab/r.json"],
+        2,
+        "No such file or directory: /proc/initlab/r.json",
+    ),
+    "diagnose, random data of the wrong shape (was: RuntimeError)": (
+        ["diagnose", "--model", "mods.py:mlp", "--data", "random:5"],
+        1,
+        "initlab diagnose: error: RuntimeError: mat1 and mat2 shapes cannot be multiplied",
+    ),
+    "diagnose, --out that cannot be made (was: FileNotFoundError)": (
+        ["diagnose", "--model", "mods.py:mlp", "--data", "random:4", "--out", "/proc/initlab"],
+        2,
+        "No such file or directory: /proc/initlab",
+    ),
+    "doctor, random data of the wrong shape (was: RuntimeError)": (
+        ["doctor", "--model", "mods.py:mlp", "--data", "random:5"],
+        1,
+        "initlab doctor: error: RuntimeError: mat1 and mat2 shapes",
+    ),
+    "doctor, --out that cannot be made (was: FileNotFoundError)": (
+        ["doctor", "--model", "mods.py:mlp", "--data", "random:4", "--out", "/proc/initlab"],
+        2,
+        "No such file or directory: /proc/initlab",
+    ),
+    "diagnose, NaN data (was: a report of NaN)": (
+        ["diagnose", "--model", "mods.py:mlp", "--data", "mods.py:data_nan"],
+        2,
+        "diagnose: batch 0 has 1 non-finite value(s)",
+    ),
+    "doctor, batches with 0 rows (was: a report)": (
+        ["doctor", "--model", "mods.py:mlp", "--data", "mods.py:data_empty"],
+        2,
+        "doctor: batch 0 has 0 examples",
+    ),
+    "an unknown --data name (was: an error naming --model)": (
+        [*_INIT, "--method", "lsuv", "--data", "nope"],
+        2,
+        "unknown --data 'nope'; give random, random:3x32x32, digits, a data set that `initlab "
+        "data` lists",
+    ),
+    "a --data module that does not exist (was: an error naming --model)": (
+        [*_INIT, "--method", "lsuv", "--data", "nope:fn"],
+        2,
+        "cannot import 'nope' for --data",
+    ),
+    "an unknown --loss (was: an error naming --model)": (
+        [*_INIT, "--method", "metainit", "--data", "mods.py:data_ok", "--loss", "nope"],
+        2,
+        "unknown --loss 'nope'; valid: auto, cross_entropy, mse, random_quadratic, model or "
+        "pkg.module:fn",
+    ),
+    "gradinit on data without targets (was: a hint to the Python API)": (
+        [*_INIT, "--method", "gradinit", "--data", "random:4"],
+        2,
+        "--loss auto needs targets, and the batches of --data hold inputs only; pass --loss "
+        "random_quadratic",
+    ),
+    "--max-batches 0 (was: IndexError)": (
+        ["diagnose", "--model", "mods.py:mlp", "--data", "random:4", "--max-batches", "0"],
+        2,
+        "argument --max-batches/--batches: must be a positive integer, got '0'",
+    ),
+    "--batch-size 0 (was: RuntimeError)": (
+        ["doctor", "--model", "mods.py:mlp", "--data", "random:4", "--batch-size", "0"],
+        2,
+        "argument --batch-size: must be a positive integer, got '0'",
+    ),
+    "--model-kwargs that is not JSON": (
+        ["init", "--model", "mods.py:mlp", "--model-kwargs", "{bad", "--out", "out.pt"],
+        2,
+        "--model-kwargs is not valid JSON",
+    ),
+    "a named data set that is not there": (
+        [*_INIT, "--method", "lsuv", "--data", "libsvm:letter", "--data-dir", "."],
+        2,
+        "libsvm:letter: not found",
+    ),
+}
+
+
+def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    try:
+        code = main(argv)
+    except SystemExit as stop:  # argparse's own errors
+        code = int(stop.code or 0)
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", list(_CLI))
+def test_cli_errors_print_one_line_without_traceback(
+    cli_dir: Path, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    argv, code, text = _CLI[name]
+    got, err = _run(argv, capsys)
+    assert got == code, err
+    assert text in err
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()[-1]) > 0
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_cli_debug_flag_prints_the_traceback(
+    cli_dir: Path, capsys: pytest.CaptureFixture[str], where: str
+) -> None:
+    argv = ["init", "--model", "mods.py:boom", "--out", "out.pt"]
+    argv = ["--debug", *argv] if where == "before" else [*argv, "--debug"]
+    code, err = _run(argv, capsys)
+    assert code == 2
+    assert "Traceback (most recent call last)" in err
+    assert "RuntimeError: factory failed" in err  # the cause, chained
+    assert err.strip().splitlines()[-1].startswith("initlab init: error: --model 'mods.py:boom'")
+
+
+@pytest.mark.parametrize("name", ["libsvm:iris", "iris", "sklearn:iris"])
+def test_cli_data_takes_the_names_initlab_data_lists(
+    cli_dir: Path, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    argv = [*_INIT, "--method", "gradinit", "--data", name, "--data-dir", str(cli_dir)]
+    argv += ["--batch-size", "8", "--max-batches", "3", "--report", "r.json"]
+    code, err = _run(argv, capsys)
+    assert code == 0, err
+    assert set(torch.load(cli_dir / "out.pt")) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    rows = json.loads((cli_dir / "r.json").read_text())
+    assert len(rows) == 4 and all(r["alpha"] > 0 for r in rows)
