@@ -1362,3 +1362,68 @@ def test_measure_moments_leaves_batchnorm_statistics_as_they_were() -> None:
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
     assert model.training and model[1].training
+
+
+# ----------------------------------------------------------------------------- closed forms by hand
+
+
+def _loop_outer_sq_norms(dy3: torch.Tensor, x3: torch.Tensor) -> torch.Tensor:
+    """``||sum_t dy_it x_it^T||^2`` by an explicit float64 loop over examples."""
+    return torch.stack(
+        [(dy.to(F64).T @ x.to(F64)).square().sum() for dy, x in zip(dy3, x3, strict=True)]
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("shape", [(5, 3, 16, 24), (4, 7, 40, 9), (3, 64, 8, 8)])
+def test_outer_sq_norms_gram_and_bmm_match_a_float64_loop(dtype, shape):
+    """Both forms (Gram ``sum_ts (dy_t.dy_s)(x_t.x_s)`` and per-example ``bmm``) and the choice
+    between them agree with a float64 loop: to 1e-12 in float64, to float32 rounding in float32."""
+    from initlab.measure.probe.per_example import (
+        _bmm_sq_norms,
+        _gram_sq_norms,
+        _outer_sq_norms,
+    )
+
+    batch, steps, n_in, n_out = shape
+    gen = torch.Generator().manual_seed(21)
+    x3 = torch.randn(batch, steps, n_in, generator=gen, dtype=F64).to(dtype)
+    dy3 = torch.randn(batch, steps, n_out, generator=gen, dtype=F64).to(dtype)
+    want = _loop_outer_sq_norms(dy3, x3)
+    rel = 1e-12 if dtype == F64 else 1e-5
+    for fn in (_outer_sq_norms, _gram_sq_norms, _bmm_sq_norms):
+        got = fn(dy3, x3)
+        assert got.dtype == F64
+        torch.testing.assert_close(got, want, rtol=rel, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_gram_sq_norms_recomputes_cancelling_examples(dtype, monkeypatch):
+    """Where the terms of the Gram sum cancel (one input row repeated, output gradients summing to
+    almost zero), the example is recomputed by the outer products: the result keeps the accuracy
+    of the ``bmm`` instead of losing it to the squared cancellation."""
+    import initlab.measure.probe.per_example as per_example
+
+    gen = torch.Generator().manual_seed(22)
+    batch, steps, n_in, n_out = 4, 6, 32, 48
+    x3 = torch.randn(batch, steps, n_in, generator=gen, dtype=F64)
+    dy3 = torch.randn(batch, steps, n_out, generator=gen, dtype=F64)
+    # example 1: x_t the same row for every t, dy_t summing to 1e-6 of its size
+    x3[1] = x3[1, :1]
+    dy3[1] -= dy3[1].mean(0, keepdim=True) - 1e-6 * dy3[1, :1]
+    x3, dy3 = x3.to(dtype), dy3.to(dtype)
+    calls = []
+    bmm = per_example._bmm_sq_norms
+
+    def spy(d, x):
+        calls.append(x.shape[0])
+        return bmm(d, x)
+
+    monkeypatch.setattr(per_example, "_bmm_sq_norms", spy)
+    got = per_example._gram_sq_norms(dy3, x3)
+    assert calls == [1]  # only the cancelling example
+    want = _loop_outer_sq_norms(dy3, x3)
+    torch.testing.assert_close(got[1:2], bmm(dy3[1:2], x3[1:2]), rtol=0, atol=0)
+    keep = [0, 2, 3]
+    rel = 1e-12 if dtype == F64 else 1e-5
+    torch.testing.assert_close(got[keep], want[keep], rtol=rel, atol=0)

@@ -61,9 +61,10 @@ What is exact and what is not (``dW_example``):
 
 * ``nn.Linear`` (unmodified ``forward``), one call per forward: exact closed forms from the hooked
   input and output gradient: ``||dW_i||^2 = ||dy_i||^2 ||x_i||^2`` for 2-D inputs; for inputs
-  ``(B, T, in)`` ``||sum_t dy_it x_it^T||^2`` via float64 Gram matrices
-  ``sum_ts (dy_t.dy_s)(x_t.x_s)`` or a batched matmul, whichever is cheaper; bias
-  ``||sum_t dy_it||^2``.
+  ``(B, T, in)`` ``||sum_t dy_it x_it^T||^2`` via Gram matrices ``sum_ts (dy_t.dy_s)(x_t.x_s)``
+  (``T^2 (in + out)`` multiplications per example; on CPU in the inputs' precision, products
+  summed in float64, examples whose terms cancel recomputed by ``bmm``; elsewhere in float64) or
+  the per-example outer products (``T in out``), whichever is cheaper; bias ``||sum_t dy_it||^2``.
 * ``nn.Conv1d/2d/3d`` (unmodified): exact per-example weight gradients by folding the batch into
   the groups of ``convolution_backward`` (chunked over the batch), honouring stride, padding
   (including ``"same"`` and non-``"zeros"`` padding modes), dilation and groups.

@@ -118,21 +118,72 @@ def _put(rec: _Record, ps: _ParamState, g: torch.Tensor, proj: torch.Tensor | No
 
 
 def _outer_sq_norms(dy3: torch.Tensor, x3: torch.Tensor) -> torch.Tensor:
-    """``||sum_t dy_it x_it^T||^2`` per example for ``dy3 (B, T, out)``, ``x3 (B, T, in)``."""
-    batch, steps, n_in, n_out = x3.shape[0], x3.shape[1], x3.shape[-1], dy3.shape[-1]
-    parts = []
+    """``||sum_t dy_it x_it^T||^2`` per example for ``dy3 (B, T, out)``, ``x3 (B, T, in)``.
+
+    Whichever costs fewer multiplications: the per-example outer products (``bmm``, ``T in out``
+    per example) or their Gram form ``sum_ts (dy_t.dy_s)(x_t.x_s)`` (``T^2 (in + out)``), see
+    :func:`_gram_sq_norms`.
+    """
+    steps, n_in, n_out = x3.shape[1], x3.shape[-1], dy3.shape[-1]
     if steps == 1:
-        parts.append(_sq_norms(dy3) * _sq_norms(x3))
-    elif 3 * steps * (n_in + n_out) <= n_in * n_out:
-        # Gram matrices sum_ts (dy_t.dy_s)(x_t.x_s), in float64 (the sum can cancel)
-        for lo, hi in _chunks(batch, steps * (steps + n_in + n_out)):
-            xc = x3[lo:hi].to(torch.float64)
-            dc = dy3[lo:hi].to(torch.float64)
-            parts.append(((xc @ xc.mT) * (dc @ dc.mT)).sum((1, 2)))
-    else:
-        for lo, hi in _chunks(batch, n_in * n_out):
-            parts.append(_sq_norms(torch.bmm(dy3[lo:hi].mT, x3[lo:hi])))
+        return _sq_norms(dy3) * _sq_norms(x3)
+    if steps * (n_in + n_out) < n_in * n_out:
+        return _gram_sq_norms(dy3, x3)
+    return _bmm_sq_norms(dy3, x3)
+
+
+def _bmm_sq_norms(dy3: torch.Tensor, x3: torch.Tensor) -> torch.Tensor:
+    """``||dy3_i^T x3_i||^2`` per example from the per-example outer products (chunked)."""
+    n_in, n_out = x3.shape[-1], dy3.shape[-1]
+    parts = [
+        _sq_norms(torch.bmm(dy3[lo:hi].mT, x3[lo:hi]))
+        for lo, hi in _chunks(x3.shape[0], n_in * n_out)
+    ]
     return torch.cat(parts)
+
+
+# relative rounding error of the Gram form accepted before an example is recomputed by bmm
+_GRAM_TOL = {torch.float32: 1e-5, torch.float64: 1e-12}
+
+
+def _gram_sq_norms(dy3: torch.Tensor, x3: torch.Tensor) -> torch.Tensor:
+    """``sum_ts (dy_t.dy_s)(x_t.x_s)`` per example, guarded against cancellation.
+
+    The Gram matrices are computed in the inputs' precision, their products summed in float64.
+    Each Gram entry carries a rounding error of about ``u sqrt(n) |a_t||a_s|`` (``u`` the unit
+    roundoff, ``n = in + out``), so the sum is off by about ``u sqrt(n) sum_t |dy_t|^2 |x_t|^2``
+    (the diagonals). That is small against the result unless the terms cancel
+    (``||sum_t dy_t x_t^T||^2`` far below ``sum_t |dy_t|^2 |x_t|^2``): examples whose estimated
+    relative error exceeds ``_GRAM_TOL`` (1e-5 in float32) are recomputed by :func:`_bmm_sq_norms`,
+    whose error is of first order only. On CPU the check reads one flag (no cost); on other
+    devices it would synchronise inside the hook, so there the Gram form is taken in float64
+    only, where it is cheaper even so (as exact as the ``bmm``).
+    """
+    batch, steps, n_in, n_out = x3.shape[0], x3.shape[1], x3.shape[-1], dy3.shape[-1]
+    cpu = x3.device.type == "cpu" and x3.dtype in _GRAM_TOL and dy3.dtype == x3.dtype
+    if not cpu:
+        if 3 * steps * (n_in + n_out) > n_in * n_out:
+            return _bmm_sq_norms(dy3, x3)
+        x3, dy3 = x3.to(torch.float64), dy3.to(torch.float64)
+    parts, diags = [], []
+    for lo, hi in _chunks(batch, steps * (steps + n_in + n_out)):
+        gx = x3[lo:hi] @ x3[lo:hi].mT
+        gd = dy3[lo:hi] @ dy3[lo:hi].mT
+        if gx.dtype == torch.float64:
+            parts.append((gx * gd).sum((1, 2)))
+        else:
+            parts.append(torch.einsum("bts,bts->b", gx.double(), gd.double()))
+        if cpu:
+            diags.append((gx.diagonal(0, 1, 2).double() * gd.diagonal(0, 1, 2).double()).sum(1))
+    out = torch.cat(parts)
+    if not cpu:
+        return out
+    unit = torch.finfo(x3.dtype).eps / 2
+    risky = torch.cat(diags) * (unit * (n_in + n_out) ** 0.5) > _GRAM_TOL[x3.dtype] * out
+    idx = risky.nonzero().flatten()
+    if idx.numel():
+        out[idx] = _bmm_sq_norms(dy3[idx], x3[idx])
+    return out
 
 
 def _put_outer(
