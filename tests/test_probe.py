@@ -1427,3 +1427,28 @@ def test_gram_sq_norms_recomputes_cancelling_examples(dtype, monkeypatch):
     keep = [0, 2, 3]
     rel = 1e-12 if dtype == F64 else 1e-5
     torch.testing.assert_close(got[keep], want[keep], rtol=rel, atol=0)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda g: torch.randn(16, 64, 128, generator=g),  # rows of 2048
+        lambda g: torch.randn(7, 300, generator=g),  # rows along the last dim
+        lambda g: torch.randn(5, 3, generator=g),  # small last dim: the general path
+        lambda g: torch.randn(40, 30, generator=g).T,  # not contiguous
+        lambda g: torch.randn(1, 200, generator=g).expand(50, 200),  # expanded
+        lambda g: torch.randn(6, 4096, generator=g, dtype=F64),
+    ],
+)
+def test_hook_sums_match_float64(make):
+    """The sums every hook takes, ``[sum t^2, sum t] * [s^2, s]``, against float64 by hand."""
+    from initlab.measure.probe import _sums
+
+    t = make(torch.Generator().manual_seed(23))
+    d = t.to(F64)
+    want = torch.stack(((d * d).sum() * 9.0, d.sum() * 3.0))
+    got = _sums(t, 3.0)
+    assert got.dtype == F64
+    rel = 1e-12 if t.dtype == F64 else 1e-6
+    assert got[0].item() == pytest.approx(want[0].item(), rel=rel)
+    assert got[1].item() == pytest.approx(want[1].item(), rel=rel, abs=rel * d.abs().sum().item())

@@ -432,10 +432,11 @@ class MomentProbe(HookContext):
                 return
             if ps.acc_dw is None:
                 ps.acc_dw = _new_acc(grad.device)
-            _accumulate(ps.acc_dw, _sums(grad, 1.0, self._consts), grad.numel(), self._consts)
+            sums = _sums(grad, 1.0, self._consts)
+            _accumulate(ps.acc_dw, sums, grad.numel(), self._consts)
             if self.per_example:
                 with torch.no_grad():
-                    self._finish_example(ps, grad.detach())
+                    self._finish_example(ps, grad.detach(), sums[0])
 
         return hook
 
@@ -523,7 +524,8 @@ class MomentProbe(HookContext):
         except Exception as err:  # report, never guess
             rec.fail = f"per-example gradient failed: {type(err).__name__}: {err}"[:300]
 
-    def _finish_example(self, ps: _ParamState, grad: torch.Tensor) -> None:
+    def _finish_example(self, ps: _ParamState, grad: torch.Tensor, grad_sq: torch.Tensor) -> None:
+        """``grad_sq``: ``sum(grad^2)`` (float64), for the consistency check's tolerance."""
         records, n_pending = ps.pending, len(ps.pending)
         try:
             parts = self._example_parts(ps, records)
@@ -535,7 +537,7 @@ class MomentProbe(HookContext):
             sums = F.pad(sqn.sum().reshape(1), (0, 1))  # [sum_i ||dW_i||^2, 0]
             # sum_i dW_i must equal scale * dW: checked through a random rank-one projection, on
             # the device (the count is read when results are reported, not here: no sync)
-            bad = _mismatch(ps, proj, sums, grad, scale)
+            bad = _mismatch(ps, proj, sums, grad, grad_sq, scale)
             ps.mismatch = bad.to(torch.int64) if ps.mismatch is None else ps.mismatch + bad
             if ps.acc_ex is None:
                 ps.acc_ex = _new_acc(grad.device)

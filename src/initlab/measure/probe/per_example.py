@@ -809,15 +809,17 @@ def _combine(
 
 
 def _mismatch(
-    ps: _ParamState, proj: torch.Tensor, sums: torch.Tensor, grad: torch.Tensor, scale: float
+    ps: _ParamState,
+    proj: torch.Tensor,
+    sums: torch.Tensor,
+    grad: torch.Tensor,
+    grad_sq: torch.Tensor,
+    scale: float,
 ) -> torch.Tensor:
     """Device bool: ``sum_i dW_i`` differs from ``scale * dW`` (through the random rank-one
-    projection; read when results are reported, not here: no sync)."""
+    projection; read when results are reported, not here: no sync). ``grad_sq`` is
+    ``sum(grad^2)`` (float64), already taken for the ``dW`` moments."""
     ref = _project(grad.unsqueeze(0), ps)[0] * scale
     eps = torch.finfo(grad.dtype).eps if grad.is_floating_point() else 1e-7
-    tol = (
-        1e-3 * scale * torch.linalg.vector_norm(grad, dtype=torch.float64)
-        + 1e3 * eps * proj.abs().sum()
-        + 1e-300
-    )
+    tol = 1e-3 * scale * grad_sq.sqrt() + 1e3 * eps * proj.abs().sum() + 1e-300
     return torch.isfinite(sums).all() & torch.isfinite(ref) & ((proj.sum() - ref).abs() > tol)
