@@ -40,6 +40,7 @@ from initlab.study._stats import quantile
 from initlab.study.config import LOSS_MEASURES
 
 __all__ = [
+    "INIT_COST_COLUMNS",
     "LR_COLUMNS",
     "PAPER_N_DATASETS",
     "PAPER_TABLE2",
@@ -47,6 +48,8 @@ __all__ = [
     "SENSITIVITY_COLUMNS",
     "TABLE2_COLUMNS",
     "grid_edges",
+    "init_cost_table",
+    "init_cost_text",
     "lr_table",
     "per_dataset_table",
     "quantile",
@@ -82,6 +85,15 @@ PER_DATASET_COLUMNS = (
     "grid_edge",
 )
 TABLE2_COLUMNS = ("scheme", "avg_normalized_loss", "worst_in", "best_in", "n_datasets")
+#: :func:`init_cost_table`: per scheme (an init), the mean over its runs of what the init cost.
+INIT_COST_COLUMNS = (
+    "scheme",
+    "n_runs",
+    "init_wall_s",
+    "init_forward_passes",
+    "init_backward_passes",
+    "init_examples",
+)
 SENSITIVITY_COLUMNS = (
     "variant",
     "scheme",
@@ -282,6 +294,42 @@ def table2_markdown(
     lines += [f"\n{note}" for note in notes]
     lines += ["", "## Per data set", "", per_dataset.to_markdown()]
     return "\n".join(lines) + "\n"
+
+
+def init_cost_table(records: Iterable[Mapping[str, Any]]) -> Rows:
+    """Per scheme (an init, :mod:`initlab.study.pipelines`): the mean over its runs of the init's
+    wall time, forward and backward passes and examples read (the ``init_*`` record columns).
+
+    A data-free init has no data cost: its row holds 0 passes and examples and ``None`` for the
+    wall time (not measured: a draw of the weights, negligible next to training).
+
+    Returns:
+        :class:`~initlab.Rows` with :data:`INIT_COST_COLUMNS`, sorted by scheme.
+    """
+    runs: dict[str, list[Mapping[str, Any]]] = {}
+    for r in records:
+        runs.setdefault(r["scheme"], []).append(r)
+    rows = []
+    for scheme, rs in sorted(runs.items()):
+        row: dict[str, Any] = {"scheme": scheme, "n_runs": len(rs)}
+        for column in INIT_COST_COLUMNS[2:]:
+            values = [float(r[column]) for r in rs if r.get(column) is not None]
+            if values:
+                row[column] = math.fsum(values) / len(values)
+            else:
+                row[column] = None if column == "init_wall_s" else 0.0
+        rows.append(row)
+    return Rows(rows, INIT_COST_COLUMNS, title="init cost per run (mean over runs)")
+
+
+def init_cost_text(row: Mapping[str, Any] | None) -> str:
+    """A cost row as ``"1.23 s, 12 fwd / 10 bwd"``; ``"data-free"`` without data passes."""
+    if row is None or row.get("init_wall_s") is None:
+        return "data-free"
+    return (
+        f"{row['init_wall_s']:.3g} s, {row['init_forward_passes']:.3g} fwd / "
+        f"{row['init_backward_passes']:.3g} bwd"
+    )
 
 
 def sensitivity_table(tables: Mapping[str, Rows | Iterable[Mapping[str, Any]]]) -> Rows:

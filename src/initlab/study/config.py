@@ -251,6 +251,9 @@ class RunResult:
         wall_s: the wall time of the ``train_runs`` call divided by its number of runs.
         state: the final ``state_dict`` when the trainer was asked to keep it (``keep_state``);
             never serialized.
+        init_cost: what a data-dependent init cost (:data:`initlab.study.pipelines.
+            INIT_COST_KEYS`: wall time, forward/backward passes, examples, per method); ``None``
+            for a data-free init.
     """
 
     config: RunConfig
@@ -263,6 +266,7 @@ class RunResult:
     final_train_loss: float
     wall_s: float
     state: dict[str, torch.Tensor] | None = field(default=None, repr=False, compare=False)
+    init_cost: dict[str, Any] | None = None
 
     @property
     def last_epoch_minibatch_loss(self) -> float:
@@ -285,6 +289,7 @@ class RunResult:
             "diverged": bool(self.diverged),
             "final_train_loss": float(self.final_train_loss),
             "wall_s": float(self.wall_s),
+            "init_cost": self.init_cost,
         }
 
     @classmethod
@@ -305,4 +310,5 @@ class RunResult:
             diverged=bool(d["diverged"]),
             final_train_loss=math.nan if final is None else float(final),
             wall_s=float(d["wall_s"]),
+            init_cost=d.get("init_cost"),
         )

@@ -10,6 +10,8 @@ one variant ``"base"``), from that variant's runs and its ``loss`` measure:
   reference's win rate and the mean difference of normalized losses, with intervals
   (:func:`~initlab.study.bootstrap.paired_comparisons`);
 - the best learning rates at the edge of the grid (``top``/``bottom``);
+- what each init cost per run (:func:`~initlab.study.aggregate.init_cost_table`: wall time,
+  forward/backward passes of a data-dependent init), in a column beside its loss;
 
 and across variants the **sensitivity table**: variant × scheme → average normalized loss
 [interval] and rank (:func:`~initlab.study.aggregate.sensitivity_table`).
@@ -20,7 +22,8 @@ Files written to ``out_dir``:
     everything above on one self-contained page, with the plots embedded;
 ``table2.md``
     the same as Markdown (the paper's numbers beside ours);
-``sensitivity.csv``, ``table2.csv``, ``paired.csv``, ``per_dataset.csv``, ``per_lr.csv``
+``sensitivity.csv``, ``table2.csv``, ``paired.csv``, ``per_dataset.csv``, ``per_lr.csv``,
+``init_cost.csv``
     the tables, each with a ``variant`` column;
 ``runs.csv``
     one row per stored run of the study;
@@ -44,6 +47,8 @@ from initlab.study.aggregate import (
     PAPER_N_DATASETS,
     PAPER_TABLE2,
     grid_edges,
+    init_cost_table,
+    init_cost_text,
     lr_table,
     per_dataset_table,
     sensitivity_table,
@@ -77,6 +82,7 @@ class VariantReport:
         paired: :func:`~initlab.study.bootstrap.paired_comparisons` (``None`` without the
             reference scheme).
         edges: :func:`~initlab.study.aggregate.grid_edges`.
+        init_cost: :func:`~initlab.study.aggregate.init_cost_table`.
     """
 
     name: str
@@ -90,6 +96,12 @@ class VariantReport:
     intervals: Rows
     paired: Rows | None
     edges: list[tuple[str, str, str]] = field(default_factory=list)
+    init_cost: Rows | None = None
+
+    def cost_text(self, scheme: str) -> str:
+        """The scheme's init cost per run, as :func:`~initlab.study.aggregate.init_cost_text`."""
+        rows = list(self.init_cost.filter(scheme=scheme)) if self.init_cost is not None else []
+        return init_cost_text(rows[0] if rows else None)
 
 
 def analyze_variant(
@@ -125,6 +137,7 @@ def analyze_variant(
         intervals=table2_intervals(cubes, n_boot=n_boot, seed=seed, level=level),
         paired=paired,
         edges=grid_edges(per_dataset),
+        init_cost=init_cost_table(records),
     )
 
 
@@ -264,7 +277,8 @@ def _with_variant(reports: Sequence[VariantReport], attr: str) -> tuple[list[dic
 def _write_tables(out: Path, reports: Sequence[VariantReport], sensitivity: Rows) -> None:
     _write_csv(out / "sensitivity.csv", sensitivity, sensitivity.columns)
     for name, attr in (("table2", "intervals"), ("paired", "paired"),
-                       ("per_dataset", "per_dataset"), ("per_lr", "per_lr")):  # fmt: skip
+                       ("per_dataset", "per_dataset"), ("per_lr", "per_lr"),
+                       ("init_cost", "init_cost")):  # fmt: skip
         rows, columns = _with_variant(reports, attr)
         _write_csv(out / f"{name}.csv", rows, columns)
 
@@ -323,15 +337,16 @@ def _variant_markdown(r: VariantReport, reference: str) -> list[str]:
     if r.n_finished < r.n_expected:
         lines += [f"Incomplete: {r.n_finished} of {r.n_expected} runs finished.", ""]
     lines += [
-        "| scheme | avg normalized loss [CI] | rank | P(first) | worst in # [CI] | best in # [CI] "
-        f"| data sets | paper ({PAPER_N_DATASETS} sets): avg / worst / best |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| scheme | avg normalized loss [CI] | init cost per run | rank | P(first) "
+        "| worst in # [CI] | best in # [CI] | data sets "
+        f"| paper ({PAPER_N_DATASETS} sets): avg / worst / best |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for x in r.intervals:
         paper = PAPER_TABLE2.get(x["scheme"])
         lines.append(
             f"| {x['scheme']} | {ci_text(x['avg_normalized_loss'], x['avg_lo'], x['avg_hi'])} | "
-            f"{x['rank']} | {x['p_first']:.2f} | "
+            f"{r.cost_text(x['scheme'])} | {x['rank']} | {x['p_first']:.2f} | "
             f"{ci_text(x['worst_in'], x['worst_lo'], x['worst_hi'])} | "
             f"{ci_text(x['best_in'], x['best_lo'], x['best_hi'])} | {x['n_datasets']} | "
             + (f"{paper[0]:.2f} / {paper[1]} / {paper[2]} |" if paper else "- |")
@@ -401,6 +416,7 @@ def _html_variant(r: VariantReport, reference: str, images: Sequence[Path], out:
         {
             "scheme": x["scheme"],
             "avg normalized loss [CI]": ci_text(x["avg_normalized_loss"], x["avg_lo"], x["avg_hi"]),
+            "init cost per run": r.cost_text(x["scheme"]),
             "rank": x["rank"],
             "P(first)": x["p_first"],
             "worst in # [CI]": ci_text(x["worst_in"], x["worst_lo"], x["worst_hi"]),

@@ -36,7 +36,10 @@ one run per chunk vs 64 per chunk, 9 differ (final losses by up to 1.5e-5); one 
 before torch is imported made all 54 bit-identical across both thread counts and chunkings.
 
 The model for a run is ``build_model(config, n_in=..., n_classes=...)``: the spec's ``model_cfg``
-plus the data set's number of features and classes, read from the loaded data.
+plus the data set's number of features and classes, read from the loaded data. A run whose init
+has data-dependent steps (``orthogonal + lsuv``) is initialized in the worker that trains its
+chunk, from that data set's training split only, and trained with the chunk
+(:mod:`initlab.study.pipelines`); its init's cost is stored with it.
 """
 
 from __future__ import annotations
@@ -142,10 +145,16 @@ def _default_train_fn() -> TrainFn:
 def _train_chunk(
     configs: Sequence[RunConfig], data: StudyData, train_fn: TrainFn | None, device: str
 ) -> list[RunResult]:
-    """Train one chunk (runs sharing a group key) and check the trainer returned exactly them."""
+    """Train one chunk (runs sharing a group key) and check the trainer returned exactly them.
+
+    Runs with a data-dependent init are initialized first, from ``data.train`` only, and handed
+    to the trainer as ``initialized`` models (:func:`initlab.study.pipelines.train_chunk`).
+    """
+    from initlab.study.pipelines import train_chunk
+
     fn = train_fn if train_fn is not None else _default_train_fn()
     factory = partial(build_model, n_in=data.n_features, n_classes=data.n_classes)
-    results = list(fn(list(configs), data.train, data.test, model_factory=factory, device=device))
+    results = train_chunk(fn, configs, data.train, data.test, model_factory=factory, device=device)
     want = sorted(c.key() for c in configs)
     got = sorted(r.config.key() for r in results)
     if got != want:

@@ -21,6 +21,25 @@ one model, optimizer and schedule (Defazio & Bottou's Table 2 study is one). The
     extend_grid: false         # true (at most 6 rounds) or a number of rounds: see the runner
     data_root: null            # optional; null: the data loader's default location
 
+**Inits** (:mod:`initlab.study.pipelines`): an entry of ``schemes`` is a data-free scheme, or a
+scheme followed by data-dependent methods with their options, each seeded from the run's seed and
+fed from the run's own training minibatches (never the test split); what each costs (wall time,
+forward and backward passes) is stored with the run and shown in the report::
+
+    schemes:
+      - geometric                               # data-free, trained vectorized as always
+      - orthogonal + lsuv                       # LSUV on the orthogonal draw
+      - fan_in + gradinit(steps=200, lr=0.01)   # options: the method's keywords, checked
+      - geometric + precondition                # conditioning multipliers, folded in place
+      - metainit(variant=gradinit)              # no scheme: the model's constructor init
+      - {scheme: fan_in, then: [{gradinit: {steps: 200}}]}   # the mapping form
+
+Methods: ``lsuv``, ``gradinit``, ``metainit``, ``precondition``, ``scale_output``. The method names,
+option names and option types are checked against the methods' signatures when the spec is built,
+before any training. Each init is stored in its canonical text
+(``fan_in + gradinit(lr=0.01, steps=200)``); a plain scheme name is kept as written, so the runs of
+specs without data-dependent inits keep their keys.
+
 Loading is strict: an unknown key is an error that names it (a typo such as ``weight_dacay`` must
 not silently fall back to a default).
 
@@ -141,6 +160,21 @@ def _names(value: Any, what: str) -> tuple[str, ...]:
     if not isinstance(value, Sequence) or not all(isinstance(v, str) and v for v in value):
         raise ValueError(f"{what} must be a list of names, got {value!r}")
     return tuple(value)
+
+
+def _inits(value: Any) -> tuple[str, ...]:
+    """``schemes`` as the canonical texts of its inits (:func:`initlab.study.pipelines.
+    canonical_init`: checked, a plain scheme name as written)."""
+    from initlab.study.pipelines import canonical_init
+
+    if isinstance(value, (str, Mapping)):
+        value = [value]
+    if not isinstance(value, Sequence) or not all(isinstance(v, (str, Mapping)) for v in value):
+        raise ValueError(f"schemes must be a list of inits (names or mappings), got {value!r}")
+    try:
+        return tuple(canonical_init(v) for v in value)
+    except ValueError as err:
+        raise ValueError(f"schemes: {err}") from None
 
 
 def _unique(values: tuple[Any, ...], what: str) -> None:
@@ -266,7 +300,10 @@ class StudySpec:
         name: the study's name (results in a store are tagged with it).
         datasets: catalogue names for :func:`initlab.data.load_dataset`, e.g. ``"libsvm:iris"``
             (the name is part of every run's key: keep one spelling per data set).
-        schemes: initialization schemes (names accepted by :func:`initlab.init.schemes.get_scheme`).
+        schemes: inits: data-free schemes (names accepted by :func:`initlab.init.schemes.
+            get_scheme`), or a scheme followed by data-dependent methods (module docstring,
+            :mod:`initlab.study.pipelines`), given as text or as a mapping; stored as their
+            canonical text.
         seeds: a count ``n`` (seeds ``0..n-1``) or a list; stored as a tuple of ints.
         lrs: a list of learning rates or ``{"pow2": [first, last]}``; stored as a tuple of floats.
         model: model registry name (``initlab.zoo.create_model``).
@@ -317,7 +354,7 @@ class StudySpec:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"StudySpec.name must be a non-empty string, got {self.name!r}")
         norm(self, "datasets", _names(self.datasets, "datasets"))
-        norm(self, "schemes", _names(self.schemes, "schemes"))
+        norm(self, "schemes", _inits(self.schemes))
         norm(self, "seeds", expand_seeds(self.seeds))
         norm(self, "lrs", expand_lrs(self.lrs))
         for attr in ("datasets", "schemes", "seeds", "lrs"):
@@ -356,10 +393,6 @@ class StudySpec:
         norm(self, "variants", _canonical_variants(self.variants))
         if self.data_root is not None:
             norm(self, "data_root", str(self.data_root))
-        from initlab.init.schemes import get_scheme
-
-        for scheme in self.schemes:
-            get_scheme(scheme)  # raises with the list of valid names
         # RunConfig validates momentum, weight decay, epochs, ... with clear messages; every
         # variant is a flat spec, validated the same way.
         self.run_config(self.datasets[0], self.schemes[0], self.seeds[0], self.lrs[0])

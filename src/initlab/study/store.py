@@ -16,7 +16,8 @@ Schema (``SCHEMA_VERSION`` 2; a version-1 store is upgraded in place when opened
 ``runs``
     ``key`` (primary key), ``config`` (``RunConfig.to_dict()`` as JSON), the denormalized config
     fields ``dataset, model, scheme, seed, lr`` for queries, ``final_train_loss`` (``NULL`` for
-    ``nan``), ``diverged`` (0/1), ``wall_s``, ``metrics`` (JSON of the four per-epoch lists),
+    ``nan``), ``diverged`` (0/1), ``wall_s``, ``metrics`` (JSON of the four per-epoch lists and,
+    for a data-dependent init, its ``init_cost``: :data:`initlab.study.pipelines.INIT_COST_KEYS`),
     ``step_loss`` (``float64`` little-endian, zlib-compressed) and ``created_at`` (UTC ISO 8601).
 ``study_runs``
     ``(study, key)``: which runs belong to which study (a run shared by two studies is stored once).
@@ -80,7 +81,9 @@ _CONFIG_COLUMNS = (
 #: the results. ``last_epoch_minibatch_loss`` is the mean of the last epoch's step losses
 #: (:func:`~initlab.study.config.last_epoch_mean`, ``nan`` after a divergence), read from the
 #: stored step losses. With ``curves=True`` the lists ``step_loss, epoch_train_loss,
-#: epoch_train_acc, epoch_test_loss, epoch_test_acc`` follow.
+#: epoch_train_acc, epoch_test_loss, epoch_test_acc`` follow. The ``init_*`` columns are the cost
+#: of a data-dependent init (:data:`initlab.study.pipelines.INIT_COST_KEYS`): its wall time, the
+#: forward and backward passes and the examples its methods read; ``None`` for a data-free init.
 RECORD_COLUMNS = (
     "key",
     *_CONFIG_COLUMNS,
@@ -92,8 +95,20 @@ RECORD_COLUMNS = (
     "final_test_acc",
     "n_steps",
     "wall_s",
+    "init_wall_s",
+    "init_forward_passes",
+    "init_backward_passes",
+    "init_examples",
     "created_at",
 )
+
+#: ``init_*`` record columns → keys of the stored ``init_cost``.
+_INIT_COST_COLUMNS = {
+    "init_wall_s": "wall_s",
+    "init_forward_passes": "forward_passes",
+    "init_backward_passes": "backward_passes",
+    "init_examples": "examples",
+}
 
 _EPOCH_FIELDS = ("epoch_train_loss", "epoch_train_acc", "epoch_test_loss", "epoch_test_acc")
 
@@ -352,7 +367,9 @@ class Store:
         rows = []
         for r in results:
             cfg = r.config
-            metrics = {name: list(getattr(r, name)) for name in _EPOCH_FIELDS}
+            metrics: dict[str, Any] = {name: list(getattr(r, name)) for name in _EPOCH_FIELDS}
+            if r.init_cost is not None:
+                metrics["init_cost"] = r.init_cost
             final = float(r.final_train_loss)
             rows.append(
                 (
@@ -463,6 +480,7 @@ class Store:
                     diverged=bool(diverged),
                     final_train_loss=_float_or_nan(final),
                     wall_s=float(wall_s),
+                    init_cost=epochs.get("init_cost"),
                     **{name: [_float_or_nan(v) for v in epochs[name]] for name in _EPOCH_FIELDS},
                 )
             )
@@ -485,7 +503,9 @@ class Store:
             variant,
         ):
             cfg = json.loads(config)
-            epochs = {k: [_float_or_nan(v) for v in vs] for k, vs in json.loads(metrics).items()}
+            stored = json.loads(metrics)
+            epochs = {k: [_float_or_nan(v) for v in stored[k]] for k in _EPOCH_FIELDS}
+            cost = stored.get("init_cost") or {}
             step_loss = _decode_curve(blob)
             row: dict[str, Any] = {"key": key}
             for name in _CONFIG_COLUMNS:
@@ -500,6 +520,7 @@ class Store:
                 final_test_acc=_last(epochs["epoch_test_acc"]),
                 n_steps=len(step_loss),
                 wall_s=float(wall_s),
+                **{col: cost.get(key) for col, key in _INIT_COST_COLUMNS.items()},
                 created_at=created,
             )
             if curves:

@@ -119,12 +119,22 @@ def epoch_order(seed: int, epoch: int, n: int) -> Tensor:
 
 
 def _build_model(
-    config: RunConfig, model_factory: ModelFactory, dtype: torch.dtype, device: torch.device
+    config: RunConfig,
+    model_factory: ModelFactory,
+    dtype: torch.dtype,
+    device: torch.device,
+    initialized: nn.Module | None = None,
 ) -> nn.Module:
     """Step 1 of the module docstring: build, cast, initialize with the run's seed, apply the
-    study's model options, move."""
+    study's model options, move. ``initialized``: the run's model already built and initialized
+    (a data-dependent init, :mod:`initlab.study.pipelines`), only cast and moved."""
     from initlab.init.model import init_model  # imported late: keeps `initlab.study` light
     from initlab.study.models import apply_study_options
+    from initlab.study.pipelines import check_data_free
+
+    if initialized is not None:
+        return initialized.to(dtype=dtype).to(device)
+    check_data_free(config)  # a data-dependent init needs the data: `initialized` holds its result
 
     # Constructors draw PyTorch's default init from the global RNG: fork it, seeded by the run,
     # so anything the scheme leaves alone is reproducible too (and the caller's RNG untouched).
@@ -234,6 +244,7 @@ def train_one(
     dtype: torch.dtype = torch.float32,
     keep_state: bool = False,
     evaluate: str = "every_epoch",
+    initialized: nn.Module | None = None,
 ) -> RunResult:
     """Train one run in a plain PyTorch loop: the reference that :func:`train_runs` must match.
 
@@ -249,6 +260,9 @@ def train_one(
         keep_state: store the final ``state_dict`` in :attr:`RunResult.state` (see
             :func:`train_runs` for models without an ``output_scale`` buffer).
         evaluate: ``"every_epoch"`` or ``"last_epoch"`` (module docstring, step 5).
+        initialized: the run's model, built and initialized already (a data-dependent init:
+            :func:`initlab.study.pipelines.initialize_run`); used in place of step 1, trained
+            in place. Required for a run whose ``scheme`` has data-dependent steps.
     """
     start = time.perf_counter()
     _check_evaluate(evaluate)
@@ -256,7 +270,7 @@ def train_one(
     train, test = normalize_inputs(config.input_norm, train, test)  # RunConfig.input_norm
     x, y = _prepare(train, device, dtype, "train")
     test_xy = _prepare(test, device, dtype, "test") if test is not None else None
-    model = _build_model(config, model_factory, dtype, device)
+    model = _build_model(config, model_factory, dtype, device, initialized)
     optimizer = _torch_optimizer(config, model.parameters())
     use_buffer = _has_scale_buffer(model)
     mult: float | Tensor = 1.0  # logit multiplier for models without an ``output_scale`` buffer
@@ -384,6 +398,7 @@ def train_runs(
     keep_state: bool = False,
     engine: str = "auto",
     evaluate: str = "every_epoch",
+    initialized: Sequence[nn.Module | None] | None = None,
 ) -> list[RunResult]:
     """Train the runs of one group together; the same results as :func:`train_one` per run.
 
@@ -406,6 +421,10 @@ def train_runs(
             after every epoch, or after the last one only (the result's ``final_train_loss``
             needs only that one; the others' metrics are ``nan``, and a divergence is then seen
             in the step losses or the last pass).
+        initialized: per config, its model built and initialized already (a data-dependent
+            init: :func:`initlab.study.pipelines.initialize_run`), used in place of step 1 and
+            stacked like the built ones (so such runs train vectorized too), or ``None`` (built
+            as step 1 says). Required for runs whose ``scheme`` has data-dependent steps.
 
     Returns:
         One :class:`RunResult` per config, in order; ``wall_s`` is this call's wall time divided by
@@ -418,13 +437,21 @@ def train_runs(
         return []
     _check_group(configs)
     _check_evaluate(evaluate)
+    if initialized is not None and len(initialized) != len(configs):
+        raise ValueError(
+            f"initialized needs one model per config: {len(initialized)} for {len(configs)}"
+        )
     loop_kw = {"model_factory": model_factory, "dtype": dtype, "keep_state": keep_state}
-    loop_kw["evaluate"] = evaluate
+    loop_kw.update(evaluate=evaluate, initialized=initialized)
     if engine == "loop" or (engine == "auto" and _one_at_a_time(configs[0], model_factory, device)):
         return _train_each(configs, train, test, device=device, progress=progress, **loop_kw)
     train, test = normalize_inputs(configs[0].input_norm, train, test)  # RunConfig.input_norm
     device = torch.device(device)
-    models = [_build_model(c, model_factory, dtype, device) for c in configs]
+    given = initialized if initialized is not None else [None] * len(configs)
+    models = [
+        _build_model(c, model_factory, dtype, device, m)
+        for c, m in zip(configs, given, strict=True)
+    ]
     eng = _make_engine(models, engine, train[0])
     group = _Group(configs, models, eng, dtype, device, keep_state)
 
@@ -482,6 +509,7 @@ def _train_each(
     *,
     device: str | torch.device,
     progress: Callable[[int, int], None] | None,
+    initialized: Sequence[nn.Module | None] | None = None,
     **kwargs: Any,
 ) -> list[RunResult]:
     """``engine="loop"``: :func:`train_one` per run, with torch's global RNG forked and seeded
@@ -494,7 +522,10 @@ def _train_each(
         digest = hashlib.sha256(f"initlab.rng:{config.seed}".encode()).digest()
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-            results.append(train_one(config, train, test, device=device, **kwargs))
+            model = initialized[i] if initialized is not None else None
+            results.append(
+                train_one(config, train, test, device=device, initialized=model, **kwargs)
+            )
         if progress is not None:
             steps = len(results[0].step_loss)
             progress((i + 1) * steps, len(configs) * steps)
