@@ -638,6 +638,30 @@ class Twice(nn.Module):
         return self.layer(torch.tanh(self.layer(x)))
 
 
+class TanhLinear(nn.Module):
+    """A module the probe knows no closed form for (generic path) that holds a given weight."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x):
+        return torch.tanh(F.linear(x, self.weight))
+
+
+class SharedWithGeneric(nn.Module):
+    """One weight used by an ``nn.Linear`` (factored closed form) and by a generic module
+    (materialized per-example gradients): the two kinds of contribution summed."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+        self.other = TanhLinear(self.lin.weight)
+
+    def forward(self, x):
+        return self.other(torch.tanh(self.lin(x)))
+
+
 class EmbedTwice(nn.Module):
     def __init__(self, embed: nn.Embedding) -> None:
         super().__init__()
@@ -760,6 +784,7 @@ CASES = {
         lambda g: torch.randint(0, 4, (5, 6), generator=g),
         0,
     ),
+    "linear_shared_with_generic": (lambda: SharedWithGeneric(4), _floats(3, 5, 4), 0),
     "embedding_tied_to_linear_head": (
         lambda: TiedLM(7, 4),
         lambda g: torch.randint(0, 7, (4, 5), generator=g),

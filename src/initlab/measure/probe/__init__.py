@@ -87,8 +87,11 @@ What is exact and what is not (``dW_example``):
   (not in train mode with dropout); other configurations (separate ``kdim``/``vdim``
   projections, ``bias_k``/``bias_v``) take the generic path.
 * Modules called several times per forward, parameters owned by several probed modules (an
-  embedding tied to the output head): per-example gradients of every call are materialized and
-  summed before squaring (exact).
+  embedding tied to the output head): per-example gradients of every call summed before
+  squaring (exact). Linear and embedding calls keep their gradients as sums of outer products,
+  and ``||sum_k F_k||^2 = sum_k ||F_k||^2 + 2 sum_{k<l} <F_k, F_l>`` with the inner products in
+  float64 from ``T x T'`` matrices (a head tied to its embedding:
+  ``sum_ts dy_t[tok_s] (x_t . g_s)``); other kinds are materialized and summed.
 * Any other module (custom blocks, subclasses with their own ``forward``): ``torch.func.vmap``
   over ``torch.func.vjp`` of ``functional_call(module, params, x_i)`` on the recorded inputs and
   output gradients (exact up to float rounding; costs one more forward+backward of the module).

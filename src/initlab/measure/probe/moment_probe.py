@@ -533,7 +533,7 @@ class MomentProbe(HookContext):
             if any(rec.batch != batch for rec in records):
                 raise _Unavailable("module calls saw different batch sizes")
             scale = records[0].scale
-            sqn, proj = _combine(parts, batch, n_pending, grad.device)
+            sqn, proj = _combine(parts, batch, n_pending, grad.device, tuple(ps.param.shape))
             sums = F.pad(sqn.sum().reshape(1), (0, 1))  # [sum_i ||dW_i||^2, 0]
             # sum_i dW_i must equal scale * dW: checked through a random rank-one projection, on
             # the device (the count is read when results are reported, not here: no sync)

@@ -60,21 +60,46 @@ class _Fallback(Exception):
 class _Contribution:
     """Per-example gradients of one parameter from one module call (scaled to one example's loss).
 
-    Either ``sqn`` (per-example squared norms, closed form) or ``grads`` (materialized, ``(B,
-    *shape)``); ``proj`` holds the per-example rank-one projections used for the consistency check.
+    One of ``sqn`` (per-example squared norms, closed form), ``grads`` (materialized, ``(B,
+    *shape)``) or ``factors`` (the gradients as sums of outer products, :class:`_Outer` and
+    :class:`_Rows`, for a parameter used by several calls: the squared norm of the sum follows
+    from inner products of the factors without materializing them); ``proj`` holds the
+    per-example rank-one projections used for the consistency check.
     """
 
-    __slots__ = ("grads", "proj", "sqn")
+    __slots__ = ("factors", "grads", "proj", "sqn")
 
     def __init__(
         self,
         proj: torch.Tensor,
         sqn: torch.Tensor | None = None,
         grads: torch.Tensor | None = None,
+        factors: list[_Outer | _Rows] | None = None,
     ) -> None:
         self.proj = proj
         self.sqn = sqn
         self.grads = grads
+        self.factors = factors
+
+
+class _Outer:
+    """Per-example ``s * sum_t a_it b_it^T`` (``a (B, T, m)``, ``b (B, T, n)``) in rows
+    ``off .. off + m`` of a 2-D parameter (a linear layer's weight, or a block of its rows)."""
+
+    __slots__ = ("a", "b", "off", "s")
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, s: float, off: int = 0) -> None:
+        self.a, self.b, self.s, self.off = a, b, s, off
+
+
+class _Rows:
+    """Per-example ``s * sum_t e_{tok_it} g_it^T`` (``tok (B, T)``, ``g (B, T, n)``): rows of an
+    embedding table of ``n_rows`` rows (rows of ``padding_idx`` already zeroed in ``g``)."""
+
+    __slots__ = ("g", "n_rows", "s", "tok")
+
+    def __init__(self, tok: torch.Tensor, g: torch.Tensor, s: float, n_rows: int) -> None:
+        self.tok, self.g, self.s, self.n_rows = tok, g, s, n_rows
 
 
 def _work(t: torch.Tensor) -> torch.Tensor:
@@ -201,8 +226,12 @@ def _put_outer(
     assert proj is not None
     proj = (proj * s).to(torch.float64)
     if len(ps.pending) > 1:
-        grads = torch.cat([torch.bmm(d.mT, x) for d, x in blocks], 1) * s
-        rec.contrib[id(ps)] = _Contribution(proj, grads=grads)
+        factors: list[_Outer | _Rows] = []
+        off = 0
+        for d, x in blocks:
+            factors.append(_Outer(d, x, s, off))
+            off += d.shape[-1]
+        rec.contrib[id(ps)] = _Contribution(proj, factors=factors)
     else:
         sqn = sum(_outer_sq_norms(d, x) for d, x in blocks)
         rec.contrib[id(ps)] = _Contribution(proj, sqn=sqn * (s * s))  # type: ignore[operator]
@@ -280,21 +309,26 @@ def _embedding_contributions(rec: _Record, dy: torch.Tensor) -> None:
         dy3 = dy3.masked_fill((tok2 == module.padding_idx).unsqueeze(-1), 0.0)
     u, v = ps.vecs_as(dy3.dtype)
     proj = ((u[tok2] * (dy3 @ v)).sum(1) * s).to(torch.float64)
-    keys = (tok2 + n_vocab * torch.arange(batch, device=tok2.device).unsqueeze(1)).reshape(-1)
-    rows = dy3.reshape(-1, dim)
     if len(ps.pending) > 1:
-        dense = rows.new_zeros(batch * n_vocab, dim).index_add_(0, keys, rows)
-        rec.contrib[id(ps)] = _Contribution(proj, grads=dense.view(batch, n_vocab, dim) * s)
+        rec.contrib[id(ps)] = _Contribution(proj, factors=[_Rows(tok2, dy3, s, n_vocab)])
         return
+    rec.contrib[id(ps)] = _Contribution(proj, sqn=_rows_sq_norms(tok2, dy3, n_vocab) * (s * s))
+
+
+def _rows_sq_norms(tok2: torch.Tensor, g3: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """``sum_v ||sum_{t: tok_it = v} g_it||^2`` per example: the (example, token) keys sorted,
+    the rows of equal keys summed by ``index_add`` (memory and time ~ ``g``)."""
+    batch, dim = g3.shape[0], g3.shape[-1]
+    keys = (tok2 + n_rows * torch.arange(batch, device=tok2.device).unsqueeze(1)).reshape(-1)
+    rows = g3.reshape(-1, dim)
     keys, order = torch.sort(keys)
     new = torch.ones_like(keys, dtype=torch.bool)
     new[1:] = keys[1:] != keys[:-1]
     seg = torch.cumsum(new, 0) - 1  # segment id of each sorted row
     sums = rows.new_zeros(rows.shape).index_add_(0, seg, rows[order])
-    example = torch.zeros_like(keys).scatter_(0, seg, keys // n_vocab)
+    example = torch.zeros_like(keys).scatter_(0, seg, keys // n_rows)
     sqn = torch.zeros(batch, dtype=torch.float64, device=rows.device)
-    sqn.index_add_(0, example, _sq_norms(sums))
-    rec.contrib[id(ps)] = _Contribution(proj, sqn=sqn * (s * s))
+    return sqn.index_add_(0, example, _sq_norms(sums))
 
 
 def _conv_example_weight_grads(
@@ -793,19 +827,135 @@ def _replay_contributions(rec: _Record) -> None:
 
 
 def _combine(
-    parts: list[_Contribution], batch: int, n_pending: int, device: torch.device
+    parts: list[_Contribution],
+    batch: int,
+    n_pending: int,
+    device: torch.device,
+    shape: tuple[int, ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-example squared norms and projections of the sum of one parameter's contributions
-    over all its module calls (``n_pending`` records); no contribution: zeros."""
+    over all its module calls (``n_pending`` records; ``shape``: the parameter's); no
+    contribution: zeros. Factored contributions only: from the factors' inner products
+    (:func:`_factored_sq_norms`); otherwise the factors are materialized and summed."""
     if not parts:
         sqn = torch.zeros(batch, dtype=torch.float64, device=device)
         return sqn, torch.zeros_like(sqn)
     if len(parts) == 1 and parts[0].sqn is not None and n_pending == 1:
         return parts[0].sqn, parts[0].proj
-    if any(p.grads is None for p in parts):
+    if any(p.sqn is not None for p in parts):
         raise _Unavailable("internal: closed form used for a multi-call parameter")
-    total = sum(p.grads for p in parts)  # type: ignore[misc]
-    return _sq_norms(total), sum(p.proj for p in parts)  # type: ignore[return-value]
+    proj = sum(p.proj for p in parts)
+    factors = [f for p in parts for f in (p.factors or [])]
+    if all(p.factors is not None for p in parts):
+        return _factored_sq_norms(factors), proj  # type: ignore[return-value]
+    total = sum(p.grads for p in parts if p.grads is not None)
+    for f in factors:
+        total = total + _materialize(f, shape)
+    return _sq_norms(total), proj  # type: ignore[arg-type, return-value]
+
+
+# ----------------------------------------------------------------------------- factored sums
+
+
+def _materialize(f: _Outer | _Rows, shape: tuple[int, ...]) -> torch.Tensor:
+    """The per-example gradients ``(B, *shape)`` a factor stands for."""
+    if isinstance(f, _Rows):
+        batch, dim = f.g.shape[0], f.g.shape[-1]
+        keys = (f.tok + f.n_rows * torch.arange(batch, device=f.tok.device).unsqueeze(1)).reshape(
+            -1
+        )
+        dense = f.g.new_zeros(batch * f.n_rows, dim).index_add_(0, keys, f.g.reshape(-1, dim))
+        return dense.view(batch, f.n_rows, dim) * f.s
+    block = torch.bmm(f.a.mT, f.b) * f.s
+    if f.off == 0 and block.shape[1:] == shape:
+        return block
+    out = block.new_zeros(block.shape[0], *shape)
+    out[:, f.off : f.off + block.shape[1]] = block
+    return out
+
+
+def _factored_sq_norms(factors: list[_Outer | _Rows]) -> torch.Tensor:
+    """``||sum_k F_k||^2`` per example = ``sum_k ||F_k||^2 + 2 sum_{k<l} <F_k, F_l>``.
+
+    Squares by the closed forms (:func:`_outer_sq_norms`, :func:`_rows_sq_norms`); inner products
+    in float64 by :func:`_inner` (``T T'`` terms per example instead of a materialized gradient,
+    e.g. an output head tied to its embedding: ``sum_ts a_t[tok_s] (b_t . g_s)``).
+    """
+    total = None
+    for k, f in enumerate(factors):
+        if isinstance(f, _Rows):
+            part = _rows_sq_norms(f.tok, f.g, f.n_rows) * (f.s * f.s)
+        else:
+            part = _outer_sq_norms(f.a, f.b) * (f.s * f.s)
+        for other in factors[k + 1 :]:
+            part = part + 2.0 * _inner(f, other)
+        total = part if total is None else total + part
+    assert total is not None
+    return total
+
+
+def _inner(f: _Outer | _Rows, h: _Outer | _Rows) -> torch.Tensor:
+    """Per-example Frobenius inner product ``<F, H>`` of two factors (float64)."""
+    if isinstance(f, _Rows) and isinstance(h, _Outer):
+        f, h = h, f
+    s = f.s * h.s
+    if isinstance(f, _Outer) and isinstance(h, _Outer):
+        m = f.a.shape[-1]
+        if f.off >= h.off + h.a.shape[-1] or h.off >= f.off + m:
+            return f.a.new_zeros(f.a.shape[0], dtype=torch.float64)  # disjoint rows
+        if f.off == h.off and m == h.a.shape[-1]:
+            # sum_ts (a_t . a'_s)(b_t . b'_s)
+            return _gram_inner(f.a, h.a, f.b, h.b) * s
+    elif isinstance(f, _Outer) and isinstance(h, _Rows):
+        if f.off == 0 and f.a.shape[-1] == h.n_rows:
+            # sum_ts a_t[tok_s] (b_t . g_s)
+            return _gram_inner(f.a, h.tok, f.b, h.g, gather=True) * s
+    elif isinstance(f, _Rows) and isinstance(h, _Rows):
+        # sum_ts [tok_t == tok'_s] (g_t . g'_s)
+        return _gram_inner(f.tok, h.tok, f.g, h.g, match=True) * s
+    # partly overlapping blocks: materialize both
+    shape = (max(_rows_of(f), _rows_of(h)), _width(f))
+    a = _materialize(f, shape).to(torch.float64)
+    b = _materialize(h, shape).to(torch.float64)
+    return (a * b).flatten(1).sum(1)
+
+
+def _rows_of(f: _Outer | _Rows) -> int:
+    return f.n_rows if isinstance(f, _Rows) else f.off + f.a.shape[-1]
+
+
+def _width(f: _Outer | _Rows) -> int:
+    return f.g.shape[-1] if isinstance(f, _Rows) else f.b.shape[-1]
+
+
+def _gram_inner(
+    p: torch.Tensor,
+    q: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    *,
+    gather: bool = False,
+    match: bool = False,
+) -> torch.Tensor:
+    """``sum_ts P_ts (b_t . c_s)`` per example in float64, chunked over the batch, with ``P_ts``
+    ``p_t . q_s`` (default), ``p_t[q_s]`` (``gather``: ``q`` holds row indices) or
+    ``[p_t == q_s]`` (``match``: both hold row indices)."""
+    batch, steps_t, steps_s = b.shape[0], b.shape[1], c.shape[1]
+    per = steps_t * steps_s + (steps_t + steps_s) * (
+        b.shape[-1] + (p.shape[-1] if p.dim() > 2 else 1)
+    )
+    parts = []
+    for lo, hi in _chunks(batch, per):
+        bc = b[lo:hi].to(torch.float64) @ c[lo:hi].to(torch.float64).mT
+        if match:
+            pq = p[lo:hi].unsqueeze(2) == q[lo:hi].unsqueeze(1)
+        elif gather:
+            idx = q[lo:hi].long().unsqueeze(1).expand(-1, steps_t, -1)
+            pq = torch.gather(p[lo:hi], 2, idx).to(torch.float64)
+        else:
+            pq = p[lo:hi].to(torch.float64) @ q[lo:hi].to(torch.float64).mT
+        parts.append((bc * pq).sum((1, 2)))
+    return torch.cat(parts)
 
 
 def _mismatch(
