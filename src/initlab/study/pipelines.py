@@ -551,7 +551,7 @@ class RunBatches:
             if k == 0:
                 order = epoch_order(self.seed, epoch, self.x.shape[0])
             assert order is not None
-            idx = order[k * self.batch_size : (k + 1) * self.batch_size]
+            idx = order[k * self.batch_size : (k + 1) * self.batch_size].to(self.x.device)
             yield self.x[idx], self.y[idx]
 
 
@@ -566,6 +566,7 @@ def initialize_run(
     model_factory: Callable[[RunConfig], nn.Module],
     *,
     dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
 ) -> tuple[nn.Module, dict[str, Any]]:
     """Build and initialize one run's model with its init (module docstring, steps 1-2).
 
@@ -575,6 +576,8 @@ def initialize_run(
             the methods see: the test split is never passed here).
         model_factory: builds the uninitialized model for a config.
         dtype: the model's floating dtype.
+        device: where the methods run (the weights are drawn on the CPU first, as the trainer
+            draws them, then moved).
 
     Returns:
         ``(model, init_cost)``, ``init_cost`` with :data:`INIT_COST_KEYS`.
@@ -592,8 +595,9 @@ def initialize_run(
         generator = torch.Generator().manual_seed(config.seed)
         init_model(model, pipeline.scheme, generator=generator, measure=False)
     apply_study_options(model, config)
+    model.to(device)
     (x, y), _ = normalize_inputs(config.input_norm, train, None)
-    x, y = x.to(dtype=dtype), y.to(dtype=torch.long)
+    x, y = x.to(device=device, dtype=dtype), y.to(device=device, dtype=torch.long)
     per_epoch = math.ceil(x.shape[0] / config.batch_size)
     data = RunBatches(x, y, config.seed, config.batch_size, _n_batches(pipeline, per_epoch))
     steps = []
@@ -648,7 +652,7 @@ def train_chunk(
     costs: dict[str, dict[str, Any]] = {}
     for config, needs_data in zip(configs, pipelined, strict=True):
         if needs_data:
-            model, costs[config.key()] = initialize_run(config, train, model_factory)
+            model, costs[config.key()] = initialize_run(config, train, model_factory, device=device)
             models.append(model)
         else:
             models.append(None)
