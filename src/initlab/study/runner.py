@@ -550,7 +550,9 @@ def run_study(
             module-level function) for ``workers > 1`` and for Ray, and importable by the workers
             (Ray on a cluster: installed there, or shipped with a ``runtime_env``). A script that
             runs with ``workers > 1`` needs the ``if __name__ == "__main__":`` guard (the pool
-            spawns its processes).
+            spawns its processes). A chunk with data-dependent inits (``orthogonal + lsuv``) is
+            also given ``initialized=[model or None, ...]``, the initialized models of those runs
+            (:func:`initlab.study.pipelines.train_chunk`).
         load_fn: ``load_fn(name, data_root) -> StudyData``; default :func:`load_study_data`.
         chunk_size: most runs per ``train_fn`` call; a kill loses at most the chunks in flight.
         device: torch device the trainer uses.
