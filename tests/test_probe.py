@@ -1477,3 +1477,26 @@ def test_hook_sums_match_float64(make):
     rel = 1e-12 if t.dtype == F64 else 1e-6
     assert got[0].item() == pytest.approx(want[0].item(), rel=rel)
     assert got[1].item() == pytest.approx(want[1].item(), rel=rel, abs=rel * d.abs().sum().item())
+
+
+def test_ledger_adds_as_accumulate_does(monkeypatch):
+    """The batched additions (repeated accumulators, NaN/inf sums, a flush midway) leave every
+    accumulator as one ``_accumulate`` per addition would."""
+    from initlab.measure.probe import _accumulate, _new_acc
+    from initlab.measure.probe.accumulate import _Ledger
+
+    monkeypatch.setattr(_Ledger, "_FLUSH_EVERY", 7)
+    gen = torch.Generator().manual_seed(24)
+    cpu = torch.device("cpu")
+    batched, one_by_one = [_new_acc(cpu) for _ in range(3)], [_new_acc(cpu) for _ in range(3)]
+    ledger = _Ledger()
+    for k in range(20):
+        sums = torch.randn(2, generator=gen, dtype=F64)
+        if k % 6 == 5:
+            sums[k % 2] = float("nan") if k % 4 else float("inf")
+        ledger.add(batched[k % 3], sums, k + 1)
+        _accumulate(one_by_one[k % 3], sums, k + 1)
+    ledger.flush()
+    for got, want in zip(batched, one_by_one, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-15, atol=0)
+    assert sum(a[4].item() for a in batched) == 3

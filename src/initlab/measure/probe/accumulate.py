@@ -3,6 +3,7 @@ r"""Accumulating moments inside hooks: float64 sums on the tensor's device, pool
 A hooked tensor ``t`` contributes ``[sum(t^2), sum(t)]`` (:func:`_sums`) and its element count to
 an accumulator ``[sum t^2, sum t, n, batches, nonfinite]`` (:func:`_new_acc`, :func:`_accumulate`;
 a batch-call whose sums are NaN/inf is counted in ``nonfinite`` instead, without a host sync);
+:class:`_Ledger` does the same for every tensor a probe's hooks see, in one batch;
 :func:`_moments` turns an accumulator into ``sq_mean``, ``mean``, ``var``, ``numel``, ``batches``
 and ``nonfinite``.
 """
@@ -108,6 +109,54 @@ def _accumulate(
     ok = torch.isfinite(sums).all()
     good = torch.cat((sums, consts.get(acc.device, (float(n), 1.0, 0.0))))
     acc.add_(torch.where(ok, good, consts.get(acc.device, _BAD)))
+
+
+class _Ledger:
+    """Additions to accumulators, kept in the hooks and applied in one batch.
+
+    :meth:`add` keeps ``(acc, sums, n)``, which is all a hook does; :meth:`flush` (before any
+    result is read, and every ``_FLUSH_EVERY`` additions) checks all pending sums for NaN/inf at
+    once and adds ``[s2, s1, n, 1, 0]``, or ``[0, 0, 0, 0, 1]`` for non-finite sums, to each
+    accumulator: a handful of ops per device instead of five per hooked tensor, the same
+    float64 sums as :func:`_accumulate` (no host sync).
+    """
+
+    _FLUSH_EVERY = 4096
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+
+    def add(self, acc: torch.Tensor, sums: torch.Tensor, n: int) -> None:
+        self._pending.append((acc, sums, n))
+        if len(self._pending) >= self._FLUSH_EVERY:
+            self.flush()
+
+    def clear(self) -> None:
+        self._pending = []
+
+    def flush(self) -> None:
+        pending, self._pending = self._pending, []
+        by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor, int]]] = {}
+        for item in pending:
+            by_device.setdefault(item[0].device, []).append(item)
+        for device, items in by_device.items():
+            slots: dict[int, int] = {}
+            accs: list[torch.Tensor] = []
+            index = []
+            for acc, _, _ in items:
+                j = slots.get(id(acc))
+                if j is None:
+                    j = slots[id(acc)] = len(accs)
+                    accs.append(acc)
+                index.append(j)
+            sums = torch.stack([s.to(device) for _, s, _ in items])
+            meta = torch.tensor([(float(n), 1.0, 0.0) for _, _, n in items], dtype=torch.float64)
+            good = torch.cat((sums, meta.to(device)), 1)
+            bad = torch.tensor(_BAD, dtype=torch.float64, device=device)
+            vals = torch.where(torch.isfinite(sums).all(1, keepdim=True), good, bad)
+            total = vals.new_zeros(len(accs), 5)
+            total.index_add_(0, torch.tensor(index, device=device), vals)
+            torch._foreach_add_(accs, list(total.unbind(0)))
 
 
 def _moments(values: Sequence[float]) -> dict[str, float]:

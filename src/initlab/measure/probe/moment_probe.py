@@ -24,7 +24,7 @@ from initlab._core.loss import Loss, LossLike, resolve_loss
 from initlab._core.pytree import flatten_tensors, map_tensors
 from initlab._core.rows import Rows
 from initlab._core.state import model_modes, preserved_state, restore_modes
-from initlab.measure.probe.accumulate import _accumulate, _Consts, _new_acc, _sums
+from initlab.measure.probe.accumulate import _Consts, _Ledger, _new_acc, _sums
 from initlab.measure.probe.per_example import (
     _captured_contributions,
     _closed_form_contributions,
@@ -130,6 +130,7 @@ class MomentProbe(HookContext):
         self._seq = 0
         self._forward = _Forward()
         self._consts = _Consts()
+        self._ledger = _Ledger()  # the hooks' additions to accumulators, applied in batches
         self.used: DataUse | None = None  # set by measure_moments
         #: forwards of the root model with gradients enabled (the probe's last entry); more than
         #: one per backward pass means the loss called the model several times per batch
@@ -183,6 +184,7 @@ class MomentProbe(HookContext):
         self._modes = model_modes(self.model)
         self._batch, self._next_order, self._seq = None, 0, 0
         self._forward = _Forward()
+        self._ledger.clear()
         self.grad_forwards = 0
         super().__enter__()  # register(); every hook removed again if it raises
         self._active = True
@@ -247,6 +249,7 @@ class MomentProbe(HookContext):
         finally:
             restore_modes(self.model, self._modes)  # the core's one restoration of modes
             self._modes = {}
+            self._ledger.flush()
             self._drop_pending()
             for st in self._states:
                 st.frames.clear()
@@ -300,7 +303,7 @@ class MomentProbe(HookContext):
         acc = st.acc.get(key)
         if acc is None:
             acc = st.acc[key] = _new_acc(t.device)
-        _accumulate(acc, _sums(t, scale, self._consts), t.numel(), self._consts)
+        self._ledger.add(acc, _sums(t, scale, self._consts), t.numel())
 
     def _grad_hook(
         self,
@@ -433,7 +436,7 @@ class MomentProbe(HookContext):
             if ps.acc_dw is None:
                 ps.acc_dw = _new_acc(grad.device)
             sums = _sums(grad, 1.0, self._consts)
-            _accumulate(ps.acc_dw, sums, grad.numel(), self._consts)
+            self._ledger.add(ps.acc_dw, sums, grad.numel())
             if self.per_example:
                 with torch.no_grad():
                     self._finish_example(ps, grad.detach(), sums[0])
@@ -541,7 +544,7 @@ class MomentProbe(HookContext):
             ps.mismatch = bad.to(torch.int64) if ps.mismatch is None else ps.mismatch + bad
             if ps.acc_ex is None:
                 ps.acc_ex = _new_acc(grad.device)
-            _accumulate(ps.acc_ex, sums, batch * ps.numel, self._consts)
+            self._ledger.add(ps.acc_ex, sums, batch * ps.numel)
         except _Unavailable as err:
             if ps.acc_ex is None:
                 ps.acc_ex = _new_acc(grad.device)
@@ -606,6 +609,7 @@ class MomentProbe(HookContext):
     # -- results -----------------------------------------------------------------------------
 
     def _report_states(self) -> list[_ModuleState]:
+        self._ledger.flush()
         called = sorted((s for s in self._states if s.order is not None), key=lambda s: s.order)
         return called + [s for s in self._states if s.order is None]
 
