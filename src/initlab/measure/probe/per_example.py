@@ -211,6 +211,17 @@ def _gram_sq_norms(dy3: torch.Tensor, x3: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _mv(t: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
+    """``t @ vec`` for ``t`` whose leading dims are a permutation of a contiguous layout (a
+    ``movedim`` of the batch), without the copy ``matmul`` makes of such a tensor."""
+    lead = sorted(range(t.dim() - 1), key=lambda i: -t.stride(i))
+    p = t.permute(*lead, t.dim() - 1)
+    if lead == list(range(t.dim() - 1)) or not p.is_contiguous():
+        return t @ vec
+    out = (p.reshape(-1, t.shape[-1]) @ vec).view(p.shape[:-1])
+    return out.permute(*sorted(range(len(lead)), key=lambda i: lead[i]))
+
+
 def _put_outer(
     rec: _Record, ps: _ParamState, blocks: list[tuple[torch.Tensor, torch.Tensor]], s: float
 ) -> None:
@@ -220,7 +231,7 @@ def _put_outer(
     u, v = ps.vecs_as(blocks[0][0].dtype)
     proj, off = None, 0
     for d, x in blocks:
-        part = ((d @ u[off : off + d.shape[-1]]) * (x @ v)).sum(1)
+        part = (_mv(d, u[off : off + d.shape[-1]]) * _mv(x, v)).sum(1)
         proj = part if proj is None else proj + part
         off += d.shape[-1]
     assert proj is not None
