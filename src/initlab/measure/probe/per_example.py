@@ -174,15 +174,16 @@ _GRAM_TOL = {torch.float32: 1e-5, torch.float64: 1e-12}
 def _gram_sq_norms(dy3: torch.Tensor, x3: torch.Tensor) -> torch.Tensor:
     """``sum_ts (dy_t.dy_s)(x_t.x_s)`` per example, guarded against cancellation.
 
-    The Gram matrices are computed in the inputs' precision, their products summed in float64.
-    Each Gram entry carries a rounding error of about ``u sqrt(n) |a_t||a_s|`` (``u`` the unit
-    roundoff, ``n = in + out``), so the sum is off by about ``u sqrt(n) sum_t |dy_t|^2 |x_t|^2``
-    (the diagonals). That is small against the result unless the terms cancel
-    (``||sum_t dy_t x_t^T||^2`` far below ``sum_t |dy_t|^2 |x_t|^2``): examples whose estimated
-    relative error exceeds ``_GRAM_TOL`` (1e-5 in float32) are recomputed by :func:`_bmm_sq_norms`,
-    whose error is of first order only. On CPU the check reads one flag (no cost); on other
-    devices it would synchronise inside the hook, so there the Gram form is taken in float64
-    only, where it is cheaper even so (as exact as the ``bmm``).
+    The Gram matrices and their products are computed in the inputs' precision, each row of
+    ``T`` products summed in that precision and the rows in float64. Each Gram entry carries a
+    rounding error of about ``u sqrt(n) |a_t||a_s|`` (``u`` the unit roundoff, ``n = in + out``)
+    and the row sums one of ``u sqrt(T)`` relative, so the sum is off by about
+    ``u sqrt(n + T) sum_t |dy_t|^2 |x_t|^2`` (the diagonal). That is small against the result
+    unless the terms cancel (``||sum_t dy_t x_t^T||^2`` far below ``sum_t |dy_t|^2 |x_t|^2``):
+    examples whose estimated relative error exceeds ``_GRAM_TOL`` (1e-5 in float32) are
+    recomputed by :func:`_bmm_sq_norms`, whose error is of first order only. On CPU the check
+    reads one flag (no cost); on other devices it would synchronise inside the hook, so there
+    the Gram form is taken in float64 only, where it is cheaper even so (as exact as ``bmm``).
     """
     batch, steps, n_in, n_out = x3.shape[0], x3.shape[1], x3.shape[-1], dy3.shape[-1]
     cpu = x3.device.type == "cpu" and x3.dtype in _GRAM_TOL and dy3.dtype == x3.dtype
@@ -192,19 +193,16 @@ def _gram_sq_norms(dy3: torch.Tensor, x3: torch.Tensor) -> torch.Tensor:
         x3, dy3 = x3.to(torch.float64), dy3.to(torch.float64)
     parts, diags = [], []
     for lo, hi in _chunks(batch, steps * (steps + n_in + n_out)):
-        gx = x3[lo:hi] @ x3[lo:hi].mT
-        gd = dy3[lo:hi] @ dy3[lo:hi].mT
-        if gx.dtype == torch.float64:
-            parts.append((gx * gd).sum((1, 2)))
-        else:
-            parts.append(torch.einsum("bts,bts->b", gx.double(), gd.double()))
-        if cpu:
-            diags.append((gx.diagonal(0, 1, 2).double() * gd.diagonal(0, 1, 2).double()).sum(1))
+        prod = (x3[lo:hi] @ x3[lo:hi].mT).mul_(dy3[lo:hi] @ dy3[lo:hi].mT)
+        # rows of T terms in the inputs' precision, the rows pooled in float64
+        parts.append(prod.sum(2).to(torch.float64).sum(1))
+        if cpu:  # the diagonal: |x_t|^2 |dy_t|^2
+            diags.append(prod.diagonal(0, 1, 2).to(torch.float64).sum(1))
     out = torch.cat(parts)
     if not cpu:
         return out
     unit = torch.finfo(x3.dtype).eps / 2
-    risky = torch.cat(diags) * (unit * (n_in + n_out) ** 0.5) > _GRAM_TOL[x3.dtype] * out
+    risky = torch.cat(diags) * (unit * (n_in + n_out + steps) ** 0.5) > _GRAM_TOL[x3.dtype] * out
     idx = risky.nonzero().flatten()
     if idx.numel():
         out[idx] = _bmm_sq_norms(dy3[idx], x3[idx])
