@@ -206,11 +206,7 @@ class MomentProbe(HookContext):
             for local, p in module.named_parameters(recurse=False):
                 ps = self._params.get(id(p))
                 if ps is None:
-                    vecs = [
-                        torch.randn(d, generator=gen, dtype=torch.float64).to(p.device)
-                        for d in p.shape
-                    ]
-                    ps = self._params[id(p)] = _ParamState(p, vecs)
+                    ps = self._params[id(p)] = _ParamState(p, [])
                     ps.label = f"{name}.{local}" if name else local
                     if p.requires_grad:
                         self._hooks.add(p.register_hook(self._param_hook(ps)))
@@ -225,10 +221,29 @@ class MomentProbe(HookContext):
                     )
                 )
         if self.per_example:
+            self._draw_check_vectors(gen)
             for module in self.model.modules():
                 if isinstance(module, nn.modules.batchnorm._BatchNorm):
                     self._hooks.add(module.register_forward_pre_hook(self._bn_hook))
         self._adopt_children(by_module)
+
+    def _draw_check_vectors(self, gen: torch.Generator) -> None:
+        """The random vectors of every parameter's rank-one consistency check (one per dim), cut
+        from one draw."""
+        params = list(self._params.values())
+        dims = [d for ps in params for d in ps.param.shape]
+        draw = torch.randn(sum(dims), generator=gen, dtype=torch.float64)
+        on: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        start = 0
+        for ps in params:
+            device = ps.param.device
+            if device not in on:
+                here = draw.to(device)
+                on[device] = (list(here.split(dims)), list(here.float().split(dims)))
+            n = ps.param.dim()
+            v64, v32 = on[device]
+            ps.set_vecs(v64[start : start + n], v32[start : start + n])
+            start += n
 
     def _adopt_children(self, by_module: dict[int, _ModuleState]) -> None:
         """A replayed module's per-example gradients cover the parameters of its probed

@@ -45,6 +45,13 @@ class _ParamState:
         self.adopted_at: int | None = None
         self.label = ""
 
+    def set_vecs(self, vecs: list[torch.Tensor], *more: list[torch.Tensor]) -> None:
+        """The check's vectors (float64), and the same in other dtypes (``more``)."""
+        self.vecs = vecs
+        self._vecs_as = {torch.float64: vecs}
+        for other in more:
+            self._vecs_as[other[0].dtype if other else torch.float64] = other
+
     def vecs_as(self, dtype: torch.dtype) -> list[torch.Tensor]:
         out = self._vecs_as.get(dtype)
         if out is None:
