@@ -1500,3 +1500,17 @@ def test_ledger_adds_as_accumulate_does(monkeypatch):
     for got, want in zip(batched, one_by_one, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-15, atol=0)
     assert sum(a[4].item() for a in batched) == 3
+
+
+def test_consistency_checks_are_counted_per_backward():
+    """The batched consistency checks count one failure per backward pass of the parameter that
+    is used outside its modules, none for the others."""
+    torch.manual_seed(12)
+    model = TiedHead().double()
+    with MomentProbe(model) as probe:
+        for _ in range(3):
+            idx = torch.randint(0, 7, (6, 3))
+            F.cross_entropy(model(idx).flatten(0, 1), idx.flatten()).backward()
+    counts = {ps.label: ps.report()[0] for ps in probe._params.values()}
+    assert counts == {"emb.weight": 3, "mix.weight": 0, "mix.bias": 0}
+    assert math.isnan(param_row(probe, "emb", "weight")["E_dW2_example"])

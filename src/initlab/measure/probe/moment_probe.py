@@ -27,11 +27,11 @@ from initlab._core.state import model_modes, preserved_state, restore_modes
 from initlab.measure.probe.accumulate import _Consts, _Ledger, _new_acc, _sums
 from initlab.measure.probe.per_example import (
     _captured_contributions,
+    _Checks,
     _closed_form_contributions,
     _closed_form_input,
     _combine,
     _Contribution,
-    _mismatch,
     _replay_contributions,
     _start_capture,
     _Unavailable,
@@ -131,6 +131,7 @@ class MomentProbe(HookContext):
         self._forward = _Forward()
         self._consts = _Consts()
         self._ledger = _Ledger()  # the hooks' additions to accumulators, applied in batches
+        self._checks = _Checks()  # the per-example gradients' consistency checks, likewise
         self.used: DataUse | None = None  # set by measure_moments
         #: forwards of the root model with gradients enabled (the probe's last entry); more than
         #: one per backward pass means the loss called the model several times per batch
@@ -185,6 +186,7 @@ class MomentProbe(HookContext):
         self._batch, self._next_order, self._seq = None, 0, 0
         self._forward = _Forward()
         self._ledger.clear()
+        self._checks.clear()
         self.grad_forwards = 0
         super().__enter__()  # register(); every hook removed again if it raises
         self._active = True
@@ -264,7 +266,7 @@ class MomentProbe(HookContext):
         finally:
             restore_modes(self.model, self._modes)  # the core's one restoration of modes
             self._modes = {}
-            self._ledger.flush()
+            self._flush()
             self._drop_pending()
             for st in self._states:
                 st.frames.clear()
@@ -554,9 +556,8 @@ class MomentProbe(HookContext):
             sqn, proj = _combine(parts, batch, n_pending, grad.device, tuple(ps.param.shape))
             sums = F.pad(sqn.sum().reshape(1), (0, 1))  # [sum_i ||dW_i||^2, 0]
             # sum_i dW_i must equal scale * dW: checked through a random rank-one projection, on
-            # the device (the count is read when results are reported, not here: no sync)
-            bad = _mismatch(ps, proj, sums, grad, grad_sq, scale)
-            ps.mismatch = bad.to(torch.int64) if ps.mismatch is None else ps.mismatch + bad
+            # the device, when results are read (no sync here)
+            self._checks.add(ps, proj, grad, grad_sq, sums[0], scale)
             if ps.acc_ex is None:
                 ps.acc_ex = _new_acc(grad.device)
             self._ledger.add(ps.acc_ex, sums, batch * ps.numel)
@@ -623,8 +624,13 @@ class MomentProbe(HookContext):
 
     # -- results -----------------------------------------------------------------------------
 
-    def _report_states(self) -> list[_ModuleState]:
+    def _flush(self) -> None:
+        """Apply what the hooks handed over (moments' sums, consistency checks)."""
         self._ledger.flush()
+        self._checks.flush()
+
+    def _report_states(self) -> list[_ModuleState]:
+        self._flush()
         called = sorted((s for s in self._states if s.order is not None), key=lambda s: s.order)
         return called + [s for s in self._states if s.order is None]
 
@@ -664,6 +670,7 @@ class MomentProbe(HookContext):
     @property
     def notes(self) -> list[str]:
         """Why some ``dW_example`` values are NaN: ``"<module>.<param>: <reason>"``."""
+        self._flush()
         return [f"{ps.label}: {n}" for ps in self._params.values() for n in ps.report()[1]]
 
     def __repr__(self) -> str:

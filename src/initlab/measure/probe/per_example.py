@@ -19,7 +19,7 @@ and ``"generic"`` for every other module) and how their per-example gradients ar
 A new kind of layer is one more entry of the table (before ``"generic"``, which matches every
 module). Every contribution is a :class:`_Contribution` (per-example squared norms, or the
 per-example gradients themselves when several calls must be summed first, plus the rank-one
-projections that check ``sum_i dW_i == B * dW``); :func:`_combine` and :func:`_mismatch` do the
+projections that check ``sum_i dW_i == B * dW``); :func:`_combine` and :class:`_Checks` do the
 summing and the check. The replay entries look ``_generic_contributions`` up in this module when
 they run, so a test can disable the generic path by patching this module's attribute.
 """
@@ -967,18 +967,62 @@ def _gram_inner(
     return torch.cat(parts)
 
 
-def _mismatch(
-    ps: _ParamState,
-    proj: torch.Tensor,
-    sums: torch.Tensor,
-    grad: torch.Tensor,
-    grad_sq: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Device bool: ``sum_i dW_i`` differs from ``scale * dW`` (through the random rank-one
-    projection; read when results are reported, not here: no sync). ``grad_sq`` is
-    ``sum(grad^2)`` (float64), already taken for the ``dW`` moments."""
-    ref = _project(grad.unsqueeze(0), ps)[0] * scale
-    eps = torch.finfo(grad.dtype).eps if grad.is_floating_point() else 1e-7
-    tol = 1e-3 * scale * grad_sq.sqrt() + 1e3 * eps * proj.abs().sum() + 1e-300
-    return torch.isfinite(sums).all() & torch.isfinite(ref) & ((proj.sum() - ref).abs() > tol)
+class _Checks:
+    """The consistency checks ``sum_i dW_i == scale * dW`` of one probe, evaluated in batches.
+
+    Per backward and parameter, :meth:`add` keeps five float64 numbers (a few ops inside the
+    hook); :meth:`flush` (before results are read) decides all pending checks at once, on the
+    device (no sync), and adds the failures to each parameter's ``mismatch`` count. A check fails
+    where the per-example gradients' projections ``proj`` (through the random rank-one
+    ``r_0 x r_1 x ...``) do not add up to the minibatch gradient's projection ``ref`` within
+    ``1e-3 * scale * ||dW|| + 1e3 * eps * sum_i |proj_i|``, the per-example sums being finite.
+    """
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[_ParamState, torch.Tensor, float, float]] = []
+
+    def add(
+        self,
+        ps: _ParamState,
+        proj: torch.Tensor,
+        grad: torch.Tensor,
+        grad_sq: torch.Tensor,
+        sqn_sum: torch.Tensor,
+        scale: float,
+    ) -> None:
+        """``grad``: the minibatch gradient; ``grad_sq``: ``sum(grad^2)`` (float64); ``sqn_sum``:
+        ``sum_i ||dW_i||^2``."""
+        ref = _project(grad.unsqueeze(0), ps)[0]
+        eps = torch.finfo(grad.dtype).eps if grad.is_floating_point() else 1e-7
+        values = torch.stack((proj.sum(), proj.abs().sum(), ref, grad_sq, sqn_sum))
+        self._pending.append((ps, values, scale, eps))
+
+    def clear(self) -> None:
+        self._pending = []
+
+    def flush(self) -> None:
+        pending, self._pending = self._pending, []
+        by_device: dict[torch.device, list[tuple[_ParamState, torch.Tensor, float, float]]] = {}
+        for item in pending:
+            by_device.setdefault(item[1].device, []).append(item)
+        for device, items in by_device.items():
+            v = torch.stack([values for _, values, _, _ in items])
+            consts = torch.tensor([(scale, eps) for _, _, scale, eps in items], dtype=v.dtype)
+            scale, eps = consts.to(device).unbind(1)
+            proj_sum, proj_abs, ref, grad_sq, sqn_sum = v.unbind(1)
+            ref = ref * scale
+            tol = 1e-3 * scale * grad_sq.sqrt() + 1e3 * eps * proj_abs + 1e-300
+            bad = torch.isfinite(sqn_sum) & torch.isfinite(ref) & ((proj_sum - ref).abs() > tol)
+            slots: dict[int, int] = {}
+            owners: list[_ParamState] = []
+            index = []
+            for ps, _, _, _ in items:
+                j = slots.get(id(ps))
+                if j is None:
+                    j = slots[id(ps)] = len(owners)
+                    owners.append(ps)
+                index.append(j)
+            counts = torch.zeros(len(owners), dtype=torch.int64, device=device)
+            counts.index_add_(0, torch.tensor(index, device=device), bad.to(torch.int64))
+            for ps, count in zip(owners, counts.unbind(0), strict=True):
+                ps.mismatch = count if ps.mismatch is None else ps.mismatch + count
