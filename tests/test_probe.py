@@ -274,7 +274,12 @@ def test_identity_between_arguments_survives_aliasing():
         out = same(h, h, v=h)
         out.square().mean().backward()
     rows = probe.rows()
-    assert value(rows, "", "dx", "sq_mean", index="v") == value(rows, "", "dx", "sq_mean")
+    for quantity in ("x", "dx"):  # one tensor as three arguments: three equal rows
+        for index in ("1", "v"):
+            for stat in ("sq_mean", "mean", "numel", "batches"):
+                want = value(rows, "", quantity, stat)
+                assert value(rows, "", quantity, stat, index=index) == want
+    assert_moments(rows, "", "x", [h], index="1")
     assert no_hooks_left(model) and no_hooks_left(same)
 
 

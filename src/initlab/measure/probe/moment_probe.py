@@ -312,15 +312,31 @@ class MomentProbe(HookContext):
         return 1.0
 
     def _stats(
-        self, st: _ModuleState, call: int, quantity: str, path: str, t: torch.Tensor, scale: float
+        self,
+        st: _ModuleState,
+        call: int,
+        quantity: str,
+        path: str,
+        t: torch.Tensor,
+        scale: float,
+        also: tuple[str, ...] = (),
+        seen: dict[int, torch.Tensor] | None = None,
     ) -> None:
+        """Accumulate ``t`` under ``path`` (and the same tensor under the paths ``also``);
+        ``seen``: sums already taken in this hook call, by tensor."""
         if not t.is_floating_point() or t.layout != torch.strided:
             return
-        key = (call, quantity, path)
-        acc = st.acc.get(key)
-        if acc is None:
-            acc = st.acc[key] = _new_acc(t.device)
-        self._ledger.add(acc, _sums(t, scale, self._consts), t.numel())
+        sums = None if seen is None else seen.get(id(t))
+        if sums is None:
+            sums = _sums(t, scale, self._consts)
+            if seen is not None:
+                seen[id(t)] = sums
+        for p in (path, *also):
+            key = (call, quantity, p)
+            acc = st.acc.get(key)
+            if acc is None:
+                acc = st.acc[key] = _new_acc(t.device)
+            self._ledger.add(acc, sums, t.numel())
 
     def _grad_hook(
         self,
@@ -332,7 +348,10 @@ class MomentProbe(HookContext):
         rec: _Record | None = None,
         once: list[bool] | None = None,
         shape: torch.Size | None = None,
+        also: tuple[str, ...] = (),
     ) -> Callable[[torch.Tensor], None]:
+        """``also``: more paths the same tensor was passed as (one hook, one reduction)."""
+
         def hook(grad: torch.Tensor) -> None:
             if self._replaying:
                 return
@@ -342,7 +361,7 @@ class MomentProbe(HookContext):
                 once[0] = True
             if shape is not None:
                 grad = grad.reshape(shape)
-            self._stats(st, call, quantity, path, grad, scale)
+            self._stats(st, call, quantity, path, grad, scale, also)
             if rec is not None and rec.live and rec.fail is None:
                 self._record_grad(rec, path, grad)
 
@@ -364,8 +383,9 @@ class MomentProbe(HookContext):
                 (path, t) for path, t in flatten_tensors(dict(kwargs))
             ]
             scale = self._scale(st, inputs)
+            seen: dict[int, torch.Tensor] = {}  # a tensor passed several times: reduced once
             for path, t in inputs:
-                self._stats(st, call, "x", path, t, 1.0)
+                self._stats(st, call, "x", path, t, 1.0, seen=seen)
             new_args, new_kwargs = args, kwargs
             if torch.is_grad_enabled() and any(t.requires_grad for _, t in inputs):
                 inplace = getattr(module, "inplace", False) is True
@@ -384,9 +404,12 @@ class MomentProbe(HookContext):
                 new_args = map_tensors(args, alias)
                 new_kwargs = map_tensors(kwargs, alias)
                 hooked = flatten_tensors(list(new_args)) + flatten_tensors(dict(new_kwargs))
+                paths: dict[int, tuple[torch.Tensor, list[str]]] = {}
                 for path, t in hooked:
                     if t.requires_grad and t.is_floating_point():
-                        t.register_hook(self._grad_hook(st, call, "dx", path, scale))
+                        paths.setdefault(id(t), (t, []))[1].append(path)
+                for t, (first, *more) in paths.values():
+                    t.register_hook(self._grad_hook(st, call, "dx", first, scale, also=tuple(more)))
             frame_inputs = (tuple(new_args), dict(new_kwargs))
             versions = [t._version for _, t in flatten_tensors(frame_inputs)]
             frame = _Frame(call, frame_inputs, versions, scale, self._seq)
