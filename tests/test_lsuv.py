@@ -698,3 +698,43 @@ def test_lists_of_tensors_are_not_guessed_and_old_names_warn() -> None:
     with pytest.warns(DeprecationWarning, match="use max_batches="):
         old = lsuv_(_mlp(), Batches(ts), batches=3, generator=0)
     assert old.to_rows() == report.to_rows()
+
+
+# -- the engine's own arithmetic --------------------------------------------------------------
+
+
+def test_statistics_do_not_depend_on_the_thread_count() -> None:
+    """The moments and rescaling run on one intra-op thread: with a model whose outputs are the
+    same whatever the thread count (1x1 single-channel convolutions: one product per element),
+    the weights and every reported variance are bit-identical with 1 and 2 threads."""
+    x = torch.randn(64, 1, 64, 64, generator=torch.Generator().manual_seed(0))  # 262k > grain
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            torch.manual_seed(0)
+            net = nn.Sequential(
+                nn.Conv2d(1, 1, 1, bias=False), nn.ReLU(), nn.Conv2d(1, 1, 1, bias=False)
+            )
+            report = lsuv_(net, x, generator=0, tol=1e-3)
+            results.append(([p.detach().clone() for p in net.parameters()], report.to_rows()))
+    finally:
+        torch.set_num_threads(threads)
+    (w1, rows1), (w2, rows2) = results
+    assert all(torch.equal(a, b) for a, b in zip(w1, w2, strict=True))
+    assert [(r["var_before"], r["var_after"]) for r in rows1] == [
+        (r["var_before"], r["var_after"]) for r in rows2
+    ]
+
+
+def test_outputs_are_rescaled_in_place_only_when_nothing_else_holds_their_memory() -> None:
+    from initlab.methods.lsuv.engine import owns_memory
+
+    conv, x = nn.Conv2d(2, 3, 3), torch.randn(2, 2, 5, 5)
+    with torch.no_grad():
+        assert owns_memory(conv(x), conv, (x,))
+        assert not owns_memory(x[:, :1], conv, (x,))  # a view
+        assert not owns_memory(x, conv, (x,))  # the input itself
+        assert not owns_memory(conv.weight.detach(), conv, (x,))  # a parameter's memory
+    assert not owns_memory(conv(x), conv, (x,))  # part of a graph

@@ -45,9 +45,14 @@ __all__ = ["Engine"]
 def one_thread() -> Iterator[None]:
     """Run the block with one intra-op thread (the previous count is restored).
 
-    For the small QR factorizations of the orthogonal pre-init: MKL's threaded QR of a layer-sized
-    matrix is up to 1000x slower than the single-threaded one when the cores are busy (measured:
-    200 ms vs 0.2 ms for 576 x 64 on 2 loaded cores). The drawn matrix is the same.
+    For the engine's own arithmetic -- the moment reductions and rescaling of every hooked output,
+    the weight corrections, the clones of a block's input and the small QR factorizations of the
+    orthogonal pre-init -- never for the model's forward, which keeps the caller's thread count.
+    Each of these is one short memory-bound pass (or a small factorization); with several threads
+    on cores that other processes also use, every parallel region waits at its barrier for a
+    descheduled thread. Measured on 2 cores at load 8: the two reductions of a 128 x 16 x 32 x 32
+    output take 15 ms with 2 threads and 0.34 ms with one; a 576 x 64 QR 200 ms vs 0.2 ms. The
+    values are the same (and no longer depend on the thread count).
     """
     n = torch.get_num_threads()
     if n == 1:
@@ -62,6 +67,17 @@ def one_thread() -> Iterator[None]:
 
 def clone_tensors(obj: Any) -> Any:
     return map_tensors(obj, lambda t: t.detach().clone())
+
+
+def owns_memory(output: torch.Tensor, module: nn.Module, args: Any) -> bool:
+    """Is ``output`` a fresh tensor: no view, no graph, no memory shared with the module's
+    parameters and buffers or with the call's inputs? Then rescaling it in place (one pass, no
+    new tensor) changes nothing but the output, as for every Linear and Conv layer."""
+    if output._is_view() or output.requires_grad:
+        return False
+    ptr = output.untyped_storage().data_ptr()
+    others = [*module.parameters(), *module.buffers(), *(t for _, t in flatten_tensors(args))]
+    return all(t.untyped_storage().data_ptr() != ptr for t in others)
 
 
 class Engine:
@@ -297,22 +313,32 @@ class Engine:
             if not isinstance(output, torch.Tensor):
                 unit.skipped = f"output is a {type(output).__name__}, not a tensor"
                 return None
-            bias = None if unit.zero_bias else nonzero_bias(getattr(module, "bias", None))
-            cd = bias_dim(module, output)
-            if bias is not None and (cd < 0 or output.shape[cd] != bias.numel()):
-                unit.skipped = "bias does not match the output's channel dimension"
-                return None
-            z = output
-            if bias is not None:
-                z = output - bias.reshape(broadcast_shape(bias, output.dim(), cd))
-            if unit.measure_block is not None:  # "stream": kept for the fallback of _fit_block
-                if first and self.correcting(unit):
-                    unit.own = reduce_ranks([moment_vector(z, bias, cd)])[0]
-                return None
-            s = self.process(unit, z, bias, cd, first)
-            return None if s is None else rescaled_output(output, bias, cd, s)
+            with one_thread():
+                return self._layer_output(unit, module, args, output, first)
 
         return hook
+
+    def _layer_output(
+        self, unit: Unit, module: nn.Module, args: Any, output: torch.Tensor, first: bool
+    ) -> torch.Tensor | None:
+        """Measure (and at a first call correct) a layer's output; the output to pass on."""
+        bias = None if unit.zero_bias else nonzero_bias(getattr(module, "bias", None))
+        cd = bias_dim(module, output)
+        if bias is not None and (cd < 0 or output.shape[cd] != bias.numel()):
+            unit.skipped = "bias does not match the output's channel dimension"
+            return None
+        z = output
+        if bias is not None:
+            z = output - bias.reshape(broadcast_shape(bias, output.dim(), cd))
+        if unit.measure_block is not None:  # "stream": kept for the fallback of _fit_block
+            if first and self.correcting(unit):
+                unit.own = reduce_ranks([moment_vector(z, bias, cd)])[0]
+            return None
+        s = self.process(unit, z, bias, cd, first)
+        if s is None:
+            return None
+        in_place = owns_memory(output, module, args)
+        return rescaled_output(output, bias, cd, s, in_place=in_place)
 
     def mha_pre_hook(self, units: list[Unit]) -> Callable[..., None]:
         in_units = [u for u in units if u.kind == "in_proj"]
@@ -335,7 +361,8 @@ class Engine:
                     e = module.embed_dim
                     bias = nonzero_bias(module.in_proj_bias[u.qkv * e : (u.qkv + 1) * e])
                 # The module has not used the weight yet: scaling it is all a correction takes.
-                self.process(u, z, bias, z.dim() - 1, first)
+                with one_thread():
+                    self.process(u, z, bias, z.dim() - 1, first)
 
         return hook
 
@@ -349,13 +376,14 @@ class Engine:
             if self.discovering or unit.measure_block is not None:
                 return None
             y = output[0] if isinstance(output, tuple) else output
-            bias = None if unit.zero_bias else nonzero_bias(module.out_proj.bias)
-            cd = y.dim() - 1
-            z = y if bias is None else y - bias
-            s = self.process(unit, z, bias, cd, first)
-            if s is None:
-                return None
-            y = rescaled_output(y, bias, cd, s)
+            with one_thread():
+                bias = None if unit.zero_bias else nonzero_bias(module.out_proj.bias)
+                cd = y.dim() - 1
+                z = y if bias is None else y - bias
+                s = self.process(unit, z, bias, cd, first)
+                if s is None:
+                    return None
+                y = rescaled_output(y, bias, cd, s)
             return (y, *output[1:]) if isinstance(output, tuple) else y
 
         return hook
@@ -367,7 +395,8 @@ class Engine:
         call = BlockCall(block, ids)
         unit = self.stream.get(block)
         if unit is not None and not unit.block_seen and self.correcting(unit):
-            call.saved = clone_tensors((args, kwargs))
+            with one_thread():
+                call.saved = clone_tensors((args, kwargs))
         self.stack.append(call)
 
     def block_hook(self, block: nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> Any:
@@ -382,11 +411,10 @@ class Engine:
             return None
         first = not unit.block_seen and call.saved is not None
         unit.block_seen = True
+        with one_thread():
+            vec = moment_vector(output, None, 0)
         vec = self._first_moments(
-            unit,
-            moment_vector(output, None, 0),
-            first,
-            f"the output of block {self.block_names[block]}",
+            unit, vec, first, f"the output of block {self.block_names[block]}"
         )
         if vec is None:
             return None
@@ -401,7 +429,8 @@ class Engine:
 
     def _replay(self, block: nn.Module, saved: Any) -> torch.Tensor:
         """Re-run ``block`` alone on a fresh copy of its cached input, with every hook idle."""
-        args, kwargs = clone_tensors(saved)
+        with one_thread():
+            args, kwargs = clone_tensors(saved)
         self.replaying = True
         try:
             result = block(*args, **kwargs)
@@ -429,16 +458,20 @@ class Engine:
         """
         assert unit.weight is not None
         weight = unit.weight.detach()
-        w0 = weight.clone()
+        with one_thread():
+            w0 = weight.clone()
         goal = self.target / unit.rho
         name = self.block_names[block]
 
         def run(sigma: float) -> tuple[torch.Tensor, list[float]]:
-            weight.copy_(w0).mul_(sigma)
-            out = self._replay(block, saved)
+            with one_thread():
+                weight.copy_(w0).mul_(sigma)
+            out = self._replay(block, saved)  # the block itself: the caller's thread count
             unit.iterations += 1
             self.corrected = True
-            return out, reduce_ranks([moment_vector(out, None, 0)])[0]
+            with one_thread():
+                vec = moment_vector(out, None, 0)
+            return out, reduce_ranks([vec])[0]
 
         floor = variance(run(0.0)[1])
         # At the edge (a shortcut already at the target, e.g. a normalized projection) reaching the

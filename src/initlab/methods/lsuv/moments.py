@@ -151,10 +151,20 @@ def broadcast_shape(bias: torch.Tensor, ndim: int, channel_dim: int) -> list[int
 
 
 def rescaled_output(
-    y: torch.Tensor, bias: torch.Tensor | None, channel_dim: int, s: float
+    y: torch.Tensor,
+    bias: torch.Tensor | None,
+    channel_dim: int,
+    s: float,
+    *,
+    in_place: bool = False,
 ) -> torch.Tensor:
-    """``s (y - b) + b``: the output the layer computes once its weight is multiplied by ``s``."""
+    """``s (y - b) + b``: the output the layer computes once its weight is multiplied by ``s``.
+
+    With ``in_place`` ``y`` itself is overwritten (the same values, one pass and no new tensor)
+    and returned.
+    """
     if bias is None:
-        return y * s
+        return y.mul_(s) if in_place else y * s
     b = bias.reshape(broadcast_shape(bias, y.dim(), channel_dim)).to(y.dtype)
-    return y * s + b * (1.0 - s)
+    shift = b * (1.0 - s)
+    return y.mul_(s).add_(shift) if in_place else y * s + shift
