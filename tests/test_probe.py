@@ -1485,8 +1485,8 @@ def test_hook_sums_match_float64(make):
 
 
 def test_ledger_adds_as_accumulate_does(monkeypatch):
-    """The batched additions (repeated accumulators, NaN/inf sums, a flush midway) leave every
-    accumulator as one ``_accumulate`` per addition would."""
+    """The batched additions (repeated accumulators, NaN/inf sums, ``s2`` alone, a flush midway)
+    leave every accumulator as one ``_accumulate`` per addition would."""
     from initlab.measure.probe import _accumulate, _new_acc
     from initlab.measure.probe.accumulate import _Ledger
 
@@ -1499,12 +1499,16 @@ def test_ledger_adds_as_accumulate_does(monkeypatch):
         sums = torch.randn(2, generator=gen, dtype=F64)
         if k % 6 == 5:
             sums[k % 2] = float("nan") if k % 4 else float("inf")
-        ledger.add(batched[k % 3], sums, k + 1)
+        if k % 5 == 2:  # s2 alone (s1 = 0)
+            ledger.add(batched[k % 3], sums[0], k + 1)
+            sums[1] = 0.0
+        else:
+            ledger.add(batched[k % 3], sums, k + 1)
         _accumulate(one_by_one[k % 3], sums, k + 1)
     ledger.flush()
     for got, want in zip(batched, one_by_one, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-15, atol=0)
-    assert sum(a[4].item() for a in batched) == 3
+    assert sum(a[4].item() for a in batched) == 2  # non-finite batch-calls, counted
 
 
 def test_consistency_checks_are_counted_per_backward():

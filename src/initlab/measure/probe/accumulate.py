@@ -114,7 +114,8 @@ def _accumulate(
 class _Ledger:
     """Additions to accumulators, kept in the hooks and applied in one batch.
 
-    :meth:`add` keeps ``(acc, sums, n)``, which is all a hook does; :meth:`flush` (before any
+    :meth:`add` keeps ``(acc, sums, n)`` (``sums``: ``[s2, s1]``, or ``s2`` alone, 0-dim, for
+    ``s1 = 0``), which is all a hook does; :meth:`flush` (before any
     result is read, and every ``_FLUSH_EVERY`` additions) checks all pending sums for NaN/inf at
     once and adds ``[s2, s1, n, 1, 0]``, or ``[0, 0, 0, 0, 1]`` for non-finite sums, to each
     accumulator: a handful of ops per device instead of five per hooked tensor, the same
@@ -136,10 +137,10 @@ class _Ledger:
 
     def flush(self) -> None:
         pending, self._pending = self._pending, []
-        by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor, int]]] = {}
-        for item in pending:
-            by_device.setdefault(item[0].device, []).append(item)
-        for device, items in by_device.items():
+        groups: dict[tuple[torch.device, bool], list[tuple[torch.Tensor, torch.Tensor, int]]] = {}
+        for item in pending:  # sums: [s2, s1], or a 0-dim s2 (s1 = 0)
+            groups.setdefault((item[0].device, item[1].dim() == 0), []).append(item)
+        for (device, scalar), items in groups.items():
             slots: dict[int, int] = {}
             accs: list[torch.Tensor] = []
             index = []
@@ -150,6 +151,8 @@ class _Ledger:
                     accs.append(acc)
                 index.append(j)
             sums = torch.stack([s.to(device) for _, s, _ in items])
+            if scalar:
+                sums = torch.stack((sums, torch.zeros_like(sums)), 1)
             meta = torch.tensor([(float(n), 1.0, 0.0) for _, _, n in items], dtype=torch.float64)
             good = torch.cat((sums, meta.to(device)), 1)
             bad = torch.tensor(_BAD, dtype=torch.float64, device=device)

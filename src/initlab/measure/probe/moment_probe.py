@@ -15,7 +15,6 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from initlab._core.data import DataUse, batch_size, default_forward, iter_batches
 from initlab._core.hooks import HookContext, HookHandles
@@ -577,13 +576,13 @@ class MomentProbe(HookContext):
                 raise _Unavailable("module calls saw different batch sizes")
             scale = records[0].scale
             sqn, proj = _combine(parts, batch, n_pending, grad.device, tuple(ps.param.shape))
-            sums = F.pad(sqn.sum().reshape(1), (0, 1))  # [sum_i ||dW_i||^2, 0]
+            total = sqn.sum()  # sum_i ||dW_i||^2
             # sum_i dW_i must equal scale * dW: checked through a random rank-one projection, on
             # the device, when results are read (no sync here)
-            self._checks.add(ps, proj, grad, grad_sq, sums[0], scale)
+            self._checks.add(ps, proj, grad, grad_sq, total, scale)
             if ps.acc_ex is None:
                 ps.acc_ex = _new_acc(grad.device)
-            self._ledger.add(ps.acc_ex, sums, batch * ps.numel)
+            self._ledger.add(ps.acc_ex, total, batch * ps.numel)
         except _Unavailable as err:
             if ps.acc_ex is None:
                 ps.acc_ex = _new_acc(grad.device)

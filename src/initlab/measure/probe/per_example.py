@@ -121,7 +121,10 @@ def _project(grads: torch.Tensor, ps: _ParamState) -> torch.Tensor:
 
 def _sq_norms(grads: torch.Tensor) -> torch.Tensor:
     """Per-example squared norms as float64 (reduced in the gradient's precision, cascaded)."""
-    return sum_of_squares(_work(grads), per_row=True)
+    g = _work(grads)
+    if g.dim() == 2 and g.shape[1] <= 2048:  # short rows (biases, norms): one norm per row
+        return torch.linalg.vector_norm(g, dim=1).to(torch.float64).square()
+    return sum_of_squares(g, per_row=True)
 
 
 def _chunks(total: int, per_item: int) -> Iterable[tuple[int, int]]:
@@ -970,16 +973,17 @@ def _gram_inner(
 class _Checks:
     """The consistency checks ``sum_i dW_i == scale * dW`` of one probe, evaluated in batches.
 
-    Per backward and parameter, :meth:`add` keeps five float64 numbers (a few ops inside the
-    hook); :meth:`flush` (before results are read) decides all pending checks at once, on the
-    device (no sync), and adds the failures to each parameter's ``mismatch`` count. A check fails
+    Per backward and parameter, :meth:`add` keeps the per-example projections and three float64
+    numbers (a few ops inside the hook); :meth:`flush` (before results are read) decides all
+    pending checks at once, on the device (no sync), and adds the failures to each parameter's
+    ``mismatch`` count. A check fails
     where the per-example gradients' projections ``proj`` (through the random rank-one
     ``r_0 x r_1 x ...``) do not add up to the minibatch gradient's projection ``ref`` within
     ``1e-3 * scale * ||dW|| + 1e3 * eps * sum_i |proj_i|``, the per-example sums being finite.
     """
 
     def __init__(self) -> None:
-        self._pending: list[tuple[_ParamState, torch.Tensor, float, float]] = []
+        self._pending: list[tuple[_ParamState, Any, float, float]] = []
 
     def add(
         self,
@@ -990,26 +994,29 @@ class _Checks:
         sqn_sum: torch.Tensor,
         scale: float,
     ) -> None:
-        """``grad``: the minibatch gradient; ``grad_sq``: ``sum(grad^2)`` (float64); ``sqn_sum``:
-        ``sum_i ||dW_i||^2``."""
+        """``proj``: the per-example projections; ``grad``: the minibatch gradient; ``grad_sq``:
+        ``sum(grad^2)`` (float64); ``sqn_sum``: ``sum_i ||dW_i||^2``."""
         ref = _project(grad.unsqueeze(0), ps)[0]
         eps = torch.finfo(grad.dtype).eps if grad.is_floating_point() else 1e-7
-        values = torch.stack((proj.sum(), proj.abs().sum(), ref, grad_sq, sqn_sum))
-        self._pending.append((ps, values, scale, eps))
+        self._pending.append((ps, (proj, ref, grad_sq, sqn_sum), scale, eps))
 
     def clear(self) -> None:
         self._pending = []
 
     def flush(self) -> None:
         pending, self._pending = self._pending, []
-        by_device: dict[torch.device, list[tuple[_ParamState, torch.Tensor, float, float]]] = {}
+        groups: dict[tuple[torch.device, int], list[tuple[_ParamState, Any, float, float]]] = {}
         for item in pending:
-            by_device.setdefault(item[1].device, []).append(item)
-        for device, items in by_device.items():
-            v = torch.stack([values for _, values, _, _ in items])
-            consts = torch.tensor([(scale, eps) for _, _, scale, eps in items], dtype=v.dtype)
+            proj = item[1][0]
+            groups.setdefault((proj.device, proj.shape[0]), []).append(item)
+        for (device, _), items in groups.items():
+            proj = torch.stack([values[0] for _, values, _, _ in items])
+            proj_sum, proj_abs = proj.sum(1), proj.abs().sum(1)
+            ref, grad_sq, sqn_sum = torch.stack(
+                [torch.stack(values[1:]) for _, values, _, _ in items], 1
+            )
+            consts = torch.tensor([(scale, eps) for _, _, scale, eps in items], dtype=proj.dtype)
             scale, eps = consts.to(device).unbind(1)
-            proj_sum, proj_abs, ref, grad_sq, sqn_sum = v.unbind(1)
             ref = ref * scale
             tol = 1e-3 * scale * grad_sq.sqrt() + 1e3 * eps * proj_abs + 1e-300
             bad = torch.isfinite(sqn_sum) & torch.isfinite(ref) & ((proj_sum - ref).abs() > tol)
