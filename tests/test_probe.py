@@ -1487,7 +1487,7 @@ def test_hook_sums_match_float64(make):
 def test_ledger_adds_as_accumulate_does(monkeypatch):
     """The batched additions (repeated accumulators, NaN/inf sums, ``s2`` alone, a flush midway)
     leave every accumulator as one ``_accumulate`` per addition would."""
-    from initlab.measure.probe import _accumulate, _new_acc
+    from initlab.measure.probe import _accumulate, _new_acc, _sums
     from initlab.measure.probe.accumulate import _Ledger
 
     monkeypatch.setattr(_Ledger, "_FLUSH_EVERY", 7)
@@ -1502,12 +1502,16 @@ def test_ledger_adds_as_accumulate_does(monkeypatch):
         if k % 5 == 2:  # s2 alone (s1 = 0)
             ledger.add(batched[k % 3], sums[0], k + 1)
             sums[1] = 0.0
+        elif k % 5 == 3:  # a tensor reduced by rows, pooled at the flush
+            t = torch.randn(4, 4096, generator=gen) * (k + 1)
+            ledger.add(batched[k % 3], ledger.reduce(t, 0.5), k + 1)
+            sums = _sums(t, 0.5)
         else:
             ledger.add(batched[k % 3], sums, k + 1)
         _accumulate(one_by_one[k % 3], sums, k + 1)
     ledger.flush()
     for got, want in zip(batched, one_by_one, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-15, atol=0)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
     assert sum(a[4].item() for a in batched) == 2  # non-finite batch-calls, counted
 
 

@@ -38,6 +38,22 @@ class _Consts:
 _BAD = (0.0, 0.0, 0.0, 0.0, 1.0)
 
 
+def _distinct(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``t`` detached, in float32 or float64, and how often each of its elements repeats.
+
+    An expanded tensor (the gradient of a mean or of a broadcast) repeats its distinct elements;
+    they are reduced once (reductions over stride-0 dims take a slow path).
+    """
+    d = t.detach()
+    if d.dtype not in (torch.float32, torch.float64):
+        d = d.float()
+    multiplicity = 1
+    if d.numel() > 1 and 0 in d.stride():
+        d = d[tuple(slice(0, 1) if st == 0 else slice(None) for st in d.stride())]
+        multiplicity = t.numel() // d.numel()
+    return d, multiplicity
+
+
 def _sums(t: torch.Tensor, scale: float = 1.0, consts: _Consts | None = None) -> torch.Tensor:
     """``[sum(t^2), sum(t)] * [scale^2, scale]`` as float64 on ``t``'s device (no sync).
 
@@ -47,15 +63,7 @@ def _sums(t: torch.Tensor, scale: float = 1.0, consts: _Consts | None = None) ->
     then pooled in float64.
     """
     consts = consts or _Consts()
-    d = t.detach()
-    if d.dtype not in (torch.float32, torch.float64):
-        d = d.float()
-    multiplicity = 1
-    if d.numel() > 1 and 0 in d.stride():
-        # An expanded tensor (the gradient of a mean or of a broadcast) repeats its distinct
-        # elements; reduce those once (reductions over stride-0 dims take a slow path).
-        d = d[tuple(slice(0, 1) if st == 0 else slice(None) for st in d.stride())]
-        multiplicity = t.numel() // d.numel()
+    d, multiplicity = _distinct(t)
     rows = _rows(d)
     if rows is not None:
         # one pass per statistic over short rows, the rows pooled in float64 (as accurate as
@@ -70,6 +78,16 @@ def _sums(t: torch.Tensor, scale: float = 1.0, consts: _Consts | None = None) ->
     if w2 != 1.0 or w1 != 1.0:
         v = v * consts.get(v.device, (w2, w1))
     return v
+
+
+class _Partial:
+    """A tensor's row norms and row sums (``_rows``), pooled into ``[s2, s1]`` by
+    :meth:`_Ledger.flush` with the weights ``w2``, ``w1`` (scale and multiplicity)."""
+
+    __slots__ = ("norms", "sums", "w1", "w2")
+
+    def __init__(self, norms: torch.Tensor, sums: torch.Tensor, w2: float, w1: float) -> None:
+        self.norms, self.sums, self.w2, self.w1 = norms, sums, w2, w1
 
 
 _ROW = 2048  # elements per row of _rows: float32 norms and sums of 2048 elements err ~1e-9
@@ -114,20 +132,33 @@ def _accumulate(
 class _Ledger:
     """Additions to accumulators, kept in the hooks and applied in one batch.
 
-    :meth:`add` keeps ``(acc, sums, n)`` (``sums``: ``[s2, s1]``, or ``s2`` alone, 0-dim, for
-    ``s1 = 0``), which is all a hook does; :meth:`flush` (before any
-    result is read, and every ``_FLUSH_EVERY`` additions) checks all pending sums for NaN/inf at
-    once and adds ``[s2, s1, n, 1, 0]``, or ``[0, 0, 0, 0, 1]`` for non-finite sums, to each
-    accumulator: a handful of ops per device instead of five per hooked tensor, the same
-    float64 sums as :func:`_accumulate` (no host sync).
+    A hook reduces its tensor (:meth:`reduce`: the norm and the sum of each row, two ops; the
+    float64 pooling is left to the batch) and :meth:`add` keeps ``(acc, sums, n)`` (``sums``:
+    that reduction, a ``[s2, s1]`` tensor, or ``s2`` alone, 0-dim, for ``s1 = 0``); :meth:`flush`
+    (before any result is read, and every ``_FLUSH_EVERY`` additions) pools all rows in float64,
+    checks all pending sums for NaN/inf at once and adds ``[s2, s1, n, 1, 0]``, or
+    ``[0, 0, 0, 0, 1]`` for non-finite sums, to each accumulator: a handful of ops per device
+    instead of a dozen per hooked tensor, the same float64 sums as :func:`_sums` and
+    :func:`_accumulate` (no host sync).
     """
 
     _FLUSH_EVERY = 4096
 
     def __init__(self) -> None:
-        self._pending: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        self._pending: list[tuple[torch.Tensor, torch.Tensor | _Partial, int]] = []
 
-    def add(self, acc: torch.Tensor, sums: torch.Tensor, n: int) -> None:
+    def reduce(
+        self, t: torch.Tensor, scale: float = 1.0, consts: _Consts | None = None
+    ) -> torch.Tensor | _Partial:
+        """What :meth:`add` takes for ``t`` (its sums scaled by ``[scale^2, scale]``)."""
+        d, multiplicity = _distinct(t)
+        rows = _rows(d)
+        if rows is None:
+            return _sums(t, scale, consts)
+        w2, w1 = multiplicity * scale * scale, multiplicity * scale
+        return _Partial(torch.linalg.vector_norm(rows, dim=1), rows.sum(1), w2, w1)
+
+    def add(self, acc: torch.Tensor, sums: torch.Tensor | _Partial, n: int) -> None:
         self._pending.append((acc, sums, n))
         if len(self._pending) >= self._FLUSH_EVERY:
             self.flush()
@@ -137,29 +168,67 @@ class _Ledger:
 
     def flush(self) -> None:
         pending, self._pending = self._pending, []
-        groups: dict[tuple[torch.device, bool], list[tuple[torch.Tensor, torch.Tensor, int]]] = {}
-        for item in pending:  # sums: [s2, s1], or a 0-dim s2 (s1 = 0)
-            groups.setdefault((item[0].device, item[1].dim() == 0), []).append(item)
-        for (device, scalar), items in groups.items():
-            slots: dict[int, int] = {}
-            accs: list[torch.Tensor] = []
-            index = []
-            for acc, _, _ in items:
-                j = slots.get(id(acc))
-                if j is None:
-                    j = slots[id(acc)] = len(accs)
-                    accs.append(acc)
-                index.append(j)
-            sums = torch.stack([s.to(device) for _, s, _ in items])
-            if scalar:
-                sums = torch.stack((sums, torch.zeros_like(sums)), 1)
-            meta = torch.tensor([(float(n), 1.0, 0.0) for _, _, n in items], dtype=torch.float64)
-            good = torch.cat((sums, meta.to(device)), 1)
-            bad = torch.tensor(_BAD, dtype=torch.float64, device=device)
-            vals = torch.where(torch.isfinite(sums).all(1, keepdim=True), good, bad)
-            total = vals.new_zeros(len(accs), 5)
-            total.index_add_(0, torch.tensor(index, device=device), vals)
-            torch._foreach_add_(accs, list(total.unbind(0)))
+        by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor | _Partial, int]]] = {}
+        for item in pending:
+            by_device.setdefault(item[0].device, []).append(item)
+        for device, items in by_device.items():
+            self._apply(device, items)
+
+    @staticmethod
+    def _apply(
+        device: torch.device, items: list[tuple[torch.Tensor, torch.Tensor | _Partial, int]]
+    ) -> None:
+        # every distinct reduction once: partials pooled per dtype, full sums stacked
+        rows_of: dict[int, int] = {}
+        blocks: list[torch.Tensor] = []
+        partials: dict[torch.dtype, list[_Partial]] = {}
+        full: list[torch.Tensor] = []
+        for _, s, _ in items:
+            if id(s) in rows_of:
+                continue
+            rows_of[id(s)] = -1
+            if isinstance(s, _Partial):
+                partials.setdefault(s.norms.dtype, []).append(s)
+            else:
+                full.append(s)
+        start = 0
+        for group in partials.values():
+            lengths = torch.tensor([p.norms.shape[0] for p in group], device=device)
+            seg = torch.repeat_interleave(torch.arange(len(group), device=device), lengths)
+            norms = torch.cat([p.norms for p in group]).to(torch.float64)
+            row_sums = torch.cat([p.sums for p in group]).to(torch.float64)
+            pooled = norms.new_zeros(len(group), 2)
+            pooled.index_add_(0, seg, torch.stack((norms.square(), row_sums), 1))
+            weights = torch.tensor([(p.w2, p.w1) for p in group], dtype=torch.float64)
+            blocks.append(pooled * weights.to(device))
+            for j, p in enumerate(group):
+                rows_of[id(p)] = start + j
+            start += len(group)
+        if full:
+            sums = torch.stack(
+                [s.to(device) if s.dim() else torch.stack((s, torch.zeros_like(s))) for s in full]
+            )
+            blocks.append(sums.to(device))
+            for j, s in enumerate(full):
+                rows_of[id(s)] = start + j
+        every = torch.cat(blocks) if len(blocks) > 1 else blocks[0]
+        sums = every[torch.tensor([rows_of[id(s)] for _, s, _ in items], device=device)]
+        slots: dict[int, int] = {}
+        accs: list[torch.Tensor] = []
+        index = []
+        for acc, _, _ in items:
+            j = slots.get(id(acc))
+            if j is None:
+                j = slots[id(acc)] = len(accs)
+                accs.append(acc)
+            index.append(j)
+        meta = torch.tensor([(float(n), 1.0, 0.0) for _, _, n in items], dtype=torch.float64)
+        good = torch.cat((sums, meta.to(device)), 1)
+        bad = torch.tensor(_BAD, dtype=torch.float64, device=device)
+        vals = torch.where(torch.isfinite(sums).all(1, keepdim=True), good, bad)
+        total = vals.new_zeros(len(accs), 5)
+        total.index_add_(0, torch.tensor(index, device=device), vals)
+        torch._foreach_add_(accs, list(total.unbind(0)))
 
 
 def _moments(values: Sequence[float]) -> dict[str, float]:

@@ -319,7 +319,7 @@ class MomentProbe(HookContext):
         t: torch.Tensor,
         scale: float,
         also: tuple[str, ...] = (),
-        seen: dict[int, torch.Tensor] | None = None,
+        seen: dict[int, Any] | None = None,
     ) -> None:
         """Accumulate ``t`` under ``path`` (and the same tensor under the paths ``also``);
         ``seen``: sums already taken in this hook call, by tensor."""
@@ -327,7 +327,7 @@ class MomentProbe(HookContext):
             return
         sums = None if seen is None else seen.get(id(t))
         if sums is None:
-            sums = _sums(t, scale, self._consts)
+            sums = self._ledger.reduce(t, scale, self._consts)
             if seen is not None:
                 seen[id(t)] = sums
         for p in (path, *also):
@@ -382,7 +382,7 @@ class MomentProbe(HookContext):
                 (path, t) for path, t in flatten_tensors(dict(kwargs))
             ]
             scale = self._scale(st, inputs)
-            seen: dict[int, torch.Tensor] = {}  # a tensor passed several times: reduced once
+            seen: dict[int, Any] = {}  # a tensor passed several times: reduced once
             for path, t in inputs:
                 self._stats(st, call, "x", path, t, 1.0, seen=seen)
             new_args, new_kwargs = args, kwargs
