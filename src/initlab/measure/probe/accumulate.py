@@ -143,9 +143,19 @@ class _Ledger:
     """
 
     _FLUSH_EVERY = 4096
+    _BLOCK = 256  # accumulators per allocation
 
     def __init__(self) -> None:
         self._pending: list[tuple[torch.Tensor, torch.Tensor | _Partial, int]] = []
+        self._free: dict[torch.device, list[torch.Tensor]] = {}
+
+    def new_acc(self, device: torch.device) -> torch.Tensor:
+        """A zero accumulator (:func:`_new_acc`), a row of a block allocated for many."""
+        free = self._free.get(device)
+        if not free:
+            block = torch.zeros(self._BLOCK, 5, dtype=torch.float64, device=device)
+            free = self._free[device] = list(block.unbind(0))[::-1]
+        return free.pop()
 
     def reduce(
         self, t: torch.Tensor, scale: float = 1.0, consts: _Consts | None = None
@@ -165,6 +175,7 @@ class _Ledger:
 
     def clear(self) -> None:
         self._pending = []
+        self._free = {}
 
     def flush(self) -> None:
         pending, self._pending = self._pending, []

@@ -23,7 +23,7 @@ from initlab._core.loss import Loss, LossLike, resolve_loss
 from initlab._core.pytree import flatten_tensors, map_tensors
 from initlab._core.rows import Rows
 from initlab._core.state import model_modes, preserved_state, restore_modes
-from initlab.measure.probe.accumulate import _Consts, _Ledger, _new_acc, _sums
+from initlab.measure.probe.accumulate import _Consts, _Ledger, _sums
 from initlab.measure.probe.per_example import (
     _captured_contributions,
     _Checks,
@@ -208,6 +208,8 @@ class MomentProbe(HookContext):
                 ps = self._params.get(id(p))
                 if ps is None:
                     ps = self._params[id(p)] = _ParamState(p, [])
+                    ps.acc_w = self._ledger.new_acc(p.device)  # W as at __enter__
+                    self._ledger.add(ps.acc_w, self._ledger.reduce(p), p.numel())
                     ps.label = f"{name}.{local}" if name else local
                     if p.requires_grad:
                         self._hooks.add(p.register_hook(self._param_hook(ps)))
@@ -334,7 +336,7 @@ class MomentProbe(HookContext):
             key = (call, quantity, p)
             acc = st.acc.get(key)
             if acc is None:
-                acc = st.acc[key] = _new_acc(t.device)
+                acc = st.acc[key] = self._ledger.new_acc(t.device)
             self._ledger.add(acc, sums, t.numel())
 
     def _grad_hook(
@@ -473,7 +475,7 @@ class MomentProbe(HookContext):
             if self._replaying:
                 return
             if ps.acc_dw is None:
-                ps.acc_dw = _new_acc(grad.device)
+                ps.acc_dw = self._ledger.new_acc(grad.device)
             sums = _sums(grad, 1.0, self._consts)
             self._ledger.add(ps.acc_dw, sums, grad.numel())
             if self.per_example:
@@ -581,11 +583,11 @@ class MomentProbe(HookContext):
             # the device, when results are read (no sync here)
             self._checks.add(ps, proj, grad, grad_sq, total, scale)
             if ps.acc_ex is None:
-                ps.acc_ex = _new_acc(grad.device)
+                ps.acc_ex = self._ledger.new_acc(grad.device)
             self._ledger.add(ps.acc_ex, total, batch * ps.numel)
         except _Unavailable as err:
             if ps.acc_ex is None:
-                ps.acc_ex = _new_acc(grad.device)
+                ps.acc_ex = self._ledger.new_acc(grad.device)
             ps.fail(str(err))
         finally:
             for rec in records:

@@ -106,7 +106,9 @@ def _activation_blocks(
 
 
 def _param_moments(ps: _ParamState) -> dict[str, dict[str, float]]:
-    w = ps.w_sums.tolist()
+    w = ps.acc_w.tolist() if ps.acc_w is not None else [_NAN, _NAN, 0.0, 0.0, 1.0]
+    if w[4]:  # W held NaN/inf
+        w[0] = w[1] = _NAN
     out = {"W": _moments([w[0], w[1], float(ps.numel), 1.0, 0.0])}
     if ps.acc_dw is not None:
         out["dW"] = _moments(ps.acc_dw.tolist())

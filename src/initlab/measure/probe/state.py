@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from initlab.measure.probe.accumulate import _sums
 from initlab.measure.probe.per_example import PER_EXAMPLE, _Contribution, _kind
 
 if TYPE_CHECKING:
@@ -31,8 +30,7 @@ class _ParamState:
 
     def __init__(self, param: nn.Parameter, vecs: list[torch.Tensor]) -> None:
         self.param = param
-        with torch.no_grad():
-            self.w_sums = _sums(param)
+        self.acc_w: torch.Tensor | None = None  # W's sums at the probe's __enter__
         self.numel = param.numel()
         self.acc_dw: torch.Tensor | None = None
         self.acc_ex: torch.Tensor | None = None
