@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
+
 from initlab._core.rows import Rows
 from initlab.measure.probe.accumulate import _NAN, _moments
 from initlab.measure.probe.state import _ModuleState, _ParamState
@@ -65,14 +67,39 @@ PARAM_TABLE_COLUMNS: tuple[str, ...] = (
 """Columns of :meth:`MomentProbe.param_table`."""
 
 _QUANTITIES = ("x", "y", "dy", "dx")
+
+
+def _read_all(states: list[_ModuleState]) -> dict[int, list[float]]:
+    """Every accumulator of ``states`` as a list of floats, read in one transfer, by ``id``."""
+    accs = [acc for st in states for acc in st.acc.values()]
+    for st in states:
+        for _, ps in st.params:
+            accs += [a for a in (ps.acc_w, ps.acc_dw, ps.acc_ex) if a is not None]
+    if not accs:
+        return {}
+    by_device: dict[Any, list[torch.Tensor]] = {}
+    for acc in accs:
+        by_device.setdefault(acc.device, []).append(acc)
+    out: dict[int, list[float]] = {}
+    for group in by_device.values():
+        for acc, row in zip(group, torch.stack(group).tolist(), strict=True):
+            out[id(acc)] = row
+    return out
+
+
+def _values(acc: torch.Tensor, read: dict[int, list[float]]) -> list[float]:
+    got = read.get(id(acc))
+    return list(got) if got is not None else acc.tolist()
+
+
 _ACT_STATS = ("sq_mean", "mean", "var", "numel", "batches", "nonfinite")
 
 
 def _activation_blocks(
-    st: _ModuleState,
+    st: _ModuleState, read: dict[int, list[float]]
 ) -> list[tuple[int | str, str, str, dict[str, float]]]:
     """(call, quantity, index, moments) for each call and for "all", in report order."""
-    values = {key: acc.tolist() for key, acc in st.acc.items()}
+    values = {key: _values(acc, read) for key, acc in st.acc.items()}
     blocks: list[tuple[int | str, str, str, dict[str, float]]] = []
     indices: dict[str, list[str]] = {q: [] for q in _QUANTITIES}
     for _, q, path in values:
@@ -105,15 +132,15 @@ def _activation_blocks(
     return blocks
 
 
-def _param_moments(ps: _ParamState) -> dict[str, dict[str, float]]:
-    w = ps.acc_w.tolist() if ps.acc_w is not None else [_NAN, _NAN, 0.0, 0.0, 1.0]
+def _param_moments(ps: _ParamState, read: dict[int, list[float]]) -> dict[str, dict[str, float]]:
+    w = _values(ps.acc_w, read) if ps.acc_w is not None else [_NAN, _NAN, 0.0, 0.0, 1.0]
     if w[4]:  # W held NaN/inf
         w[0] = w[1] = _NAN
     out = {"W": _moments([w[0], w[1], float(ps.numel), 1.0, 0.0])}
     if ps.acc_dw is not None:
-        out["dW"] = _moments(ps.acc_dw.tolist())
+        out["dW"] = _moments(_values(ps.acc_dw, read))
     if ps.acc_ex is not None:
-        ex = _moments(ps.acc_ex.tolist())
+        ex = _moments(_values(ps.acc_ex, read))
         if ps.report()[0]:
             ex["sq_mean"] = _NAN
         out["dW_example"] = ex
@@ -122,17 +149,18 @@ def _param_moments(ps: _ParamState) -> dict[str, dict[str, float]]:
 
 def _probe_rows(states: list[_ModuleState]) -> Rows:
     """:meth:`MomentProbe.rows` of the module states, in report order."""
+    read = _read_all(states)
     out: list[dict[str, Any]] = []
     for st in states:
         head = {"layer": st.name, "module_type": type(st.module).__name__, "order": st.order}
-        for call, q, path, moments in _activation_blocks(st):
+        for call, q, path, moments in _activation_blocks(st, read):
             for stat in _ACT_STATS:
                 out.append(
                     {**head, "call": call, "quantity": q, "index": path, "param": "",
                      "stat": stat, "value": moments[stat]}
                 )  # fmt: skip
         for local, ps in st.params:
-            for q, moments in _param_moments(ps).items():
+            for q, moments in _param_moments(ps, read).items():
                 stats = {
                     "W": ("sq_mean", "mean", "var", "numel"),
                     "dW": _ACT_STATS,
@@ -148,11 +176,12 @@ def _probe_rows(states: list[_ModuleState]) -> Rows:
 
 def _module_table(states: list[_ModuleState]) -> Rows:
     """:meth:`MomentProbe.table` of the module states, in report order."""
+    read = _read_all(states)
     out = []
     for st in states:
         first: dict[str, dict[str, float]] = {}
         nonfinite = 0.0
-        for call, q, _, moments in _activation_blocks(st):
+        for call, q, _, moments in _activation_blocks(st, read):
             if call == "all":
                 first.setdefault(q, moments)
                 nonfinite += moments["nonfinite"]
@@ -184,10 +213,11 @@ def _module_table(states: list[_ModuleState]) -> Rows:
 
 def _param_table(states: list[_ModuleState]) -> Rows:
     """:meth:`MomentProbe.param_table` of the module states."""
+    read = _read_all(states)
     out = []
     for st in states:
         for local, ps in st.params:
-            m = _param_moments(ps)
+            m = _param_moments(ps, read)
             dw = m.get("dW", {"sq_mean": _NAN, "nonfinite": 0.0})
             ex = m.get("dW_example", {"sq_mean": _NAN, "nonfinite": 0.0})
             out.append(
