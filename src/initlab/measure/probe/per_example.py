@@ -114,9 +114,20 @@ def _project(grads: torch.Tensor, ps: _ParamState) -> torch.Tensor:
     whose tolerance is far above float32 rounding.
     """
     out = _work(grads)
-    for v in reversed(ps.vecs_as(out.dtype)):
-        out = out @ v
-    return out.to(torch.float64)
+    return _contract(out, ps.vecs_as(out.dtype)).to(torch.float64)
+
+
+def _contract(t: torch.Tensor, vecs: list[torch.Tensor]) -> torch.Tensor:
+    """``t`` contracted over its last ``len(vecs)`` dims with ``vecs`` (``mv``/``dot`` where the
+    operand is 2-D/1-D: one op each)."""
+    for v in reversed(vecs):
+        if t.dim() == 1:
+            t = torch.dot(t, v)
+        elif t.dim() == 2:
+            t = torch.mv(t, v)
+        else:
+            t = t @ v
+    return t
 
 
 def _sq_norms(grads: torch.Tensor) -> torch.Tensor:
@@ -217,9 +228,11 @@ def _mv(t: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
     ``movedim`` of the batch), without the copy ``matmul`` makes of such a tensor."""
     lead = sorted(range(t.dim() - 1), key=lambda i: -t.stride(i))
     p = t.permute(*lead, t.dim() - 1)
-    if lead == list(range(t.dim() - 1)) or not p.is_contiguous():
+    if not p.is_contiguous():
         return t @ vec
-    out = (p.reshape(-1, t.shape[-1]) @ vec).view(p.shape[:-1])
+    out = torch.mv(p.view(-1, t.shape[-1]), vec).view(p.shape[:-1])
+    if lead == list(range(t.dim() - 1)):
+        return out
     return out.permute(*sorted(range(len(lead)), key=lambda i: lead[i]))
 
 
@@ -983,7 +996,7 @@ class _Checks:
     """
 
     def __init__(self) -> None:
-        self._pending: list[tuple[_ParamState, Any, float, float]] = []
+        self._pending: list[tuple[_ParamState, Any, float, float]] = []  # (ps, values, scale, eps)
 
     def add(
         self,
@@ -996,7 +1009,8 @@ class _Checks:
     ) -> None:
         """``proj``: the per-example projections; ``grad``: the minibatch gradient; ``grad_sq``:
         ``sum(grad^2)`` (float64); ``sqn_sum``: ``sum_i ||dW_i||^2``."""
-        ref = _project(grad.unsqueeze(0), ps)[0]
+        g = _work(grad)
+        ref = _contract(g, ps.vecs_as(g.dtype))
         eps = torch.finfo(grad.dtype).eps if grad.is_floating_point() else 1e-7
         self._pending.append((ps, (proj, ref, grad_sq, sqn_sum), scale, eps))
 
@@ -1007,13 +1021,14 @@ class _Checks:
         pending, self._pending = self._pending, []
         groups: dict[tuple[torch.device, int], list[tuple[_ParamState, Any, float, float]]] = {}
         for item in pending:
-            proj = item[1][0]
-            groups.setdefault((proj.device, proj.shape[0]), []).append(item)
-        for (device, _), items in groups.items():
+            proj, ref = item[1][0], item[1][1]
+            groups.setdefault((proj.device, proj.shape[0], ref.dtype), []).append(item)
+        for (device, _, _), items in groups.items():
             proj = torch.stack([values[0] for _, values, _, _ in items])
             proj_sum, proj_abs = proj.sum(1), proj.abs().sum(1)
-            ref, grad_sq, sqn_sum = torch.stack(
-                [torch.stack(values[1:]) for _, values, _, _ in items], 1
+            ref, grad_sq, sqn_sum = (
+                torch.stack([values[k] for _, values, _, _ in items]).to(torch.float64)
+                for k in (1, 2, 3)
             )
             consts = torch.tensor([(scale, eps) for _, _, scale, eps in items], dtype=proj.dtype)
             scale, eps = consts.to(device).unbind(1)
