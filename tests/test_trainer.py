@@ -373,8 +373,9 @@ def _same_result(got: RunResult, want: RunResult) -> None:
 @pytest.mark.parametrize("engine", ["mlp", "vmap"])
 def test_results_do_not_depend_on_the_group_or_the_threads(engine: str) -> None:
     """The runner's claim: a run's numbers depend on its config only, bit for bit, not on which
-    runs share its ``train_runs`` call (66 runs: two evaluation blocks of 64 + 2) nor on the
-    number of threads."""
+    runs share its ``train_runs`` call (66 runs: four blocks of 16-17 runs, each evaluated in
+    blocks of 4) nor on the number of threads (2 threads: the four blocks trained in two
+    threads; 6 runs: one block, torch's two intra-op threads)."""
     train, test = _big_data()
     configs = [
         RunConfig.make(
@@ -393,6 +394,9 @@ def test_results_do_not_depend_on_the_group_or_the_threads(engine: str) -> None:
     try:
         for got, want in zip(train_runs(configs[60:], train, test, **kw), group[60:], strict=True):
             _same_result(got, want)
+        for got, want in zip(train_runs(configs, train, test, **kw), group, strict=True):
+            _same_result(got, want)
+        assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(threads)
 
