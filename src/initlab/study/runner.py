@@ -28,12 +28,18 @@ rate sits at its edge, and those runs are trained, in rounds (:mod:`initlab.stud
 What a run's result depends on: ``initlab.study.trainer.train_runs`` seeds every run from its
 config, so its initial weights, data order and hyper-parameters do not depend on the backend, the
 number of workers, the drivers or the chunking. Its float32 arithmetic may, at the level of
-rounding: MKL's batched products take kernel paths that depend on how many runs share a chunk,
-and for a chunk of one run on the thread count. Measured on 54 runs (dna, satimage, vowel):
-1 vs 2 threads with chunks of 64 runs, 0 differ (tested: ``tests/test_hardening_determinism.py``);
-one run per chunk vs 64 per chunk, 9 differ (final losses by up to 1.5e-5); one run per chunk on
-1 vs 2 threads, 18 differ (up to 4.8e-7). Setting ``MKL_CBWR=AVX2,STRICT`` in the environment
-before torch is imported made all 54 bit-identical across both thread counts and chunkings.
+rounding: MKL's batched products take kernel paths that depend on how many runs share a product.
+A chunk of 16 runs or more trains as blocks of at most 48 runs fixed by the chunk's size, each
+block on one intra-op thread (``trainer._blocks``), so its numbers do not depend on the thread
+count, by construction (tested on 66 runs: ``tests/test_trainer.py``); a smaller chunk is one
+block on torch's threads. Measured on 54 runs (18 each of dna, satimage, vowel; 5 epochs): chunks
+of 18 and of 64 runs on 1 vs 2 threads, 0 differ; one run per chunk vs 18 per chunk (one thread),
+8 differ (final losses by up to 1.2e-2, chaotic runs at high learning rates); one run per chunk on
+1 vs 2 threads, 11 differ (up to 3.0e-6). (Before the blocks, with MKL's threads inside every
+product: chunks of 64 on 1 vs 2 threads 0 differ, tested in
+``tests/test_hardening_determinism.py``; one run vs 64 per chunk 9 differ, up to 1.5e-5; one run
+per chunk on 1 vs 2 threads 18 differ, up to 4.8e-7; ``MKL_CBWR=AVX2,STRICT`` set before torch is
+imported made all 54 bit-identical across both thread counts and chunkings.)
 
 The model for a run is ``build_model(config, n_in=..., n_classes=...)``: the spec's ``model_cfg``
 plus the data set's number of features and classes, read from the loaded data. A run whose init

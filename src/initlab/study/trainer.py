@@ -47,7 +47,11 @@ and autograd (deterministic models whose forward does not update buffers: no dro
 BatchNorm in training mode); a model with BatchNorm or dropout, and a convolutional model on the
 CPU, is trained one run at a time (``engine="loop"``: :func:`train_one` per run, torch's RNG
 forked and seeded per run for dropout).
-Each step gathers an ``(R, B, d)`` batch with every run's own row indices. Per-run learning
+On the CPU a group of 16 runs or more is trained as independent blocks of at most 48 runs
+(:func:`_blocks`), each block's ops on one intra-op thread; with several torch threads the
+blocks run in that many Python threads (one thread per block of runs scales where splitting
+every small batched product over threads does not). Each step gathers an ``(R, B, d)`` batch
+with every run's own row indices. Per-run learning
 rate, momentum and weight decay are ``(R,)`` tensors broadcast over the stacks (scalars where the
 whole group shares the value).
 """
@@ -496,9 +500,10 @@ _MIN_BLOCK_RUNS = 8
 
 def _blocks(n_runs: int, device: torch.device) -> list[slice]:
     """The blocks of a group of ``n_runs``: a multiple of 4 blocks (even work for 2 or 4
-    threads) of at most :data:`_BLOCK_RUNS` runs and at least :data:`_MIN_BLOCK_RUNS`, sizes
-    differing by at most one; one block off the CPU. They depend on ``n_runs`` only, never on
-    the thread count, so a run's arithmetic does not either (each block runs on one thread)."""
+    threads) of at most :data:`_BLOCK_RUNS` runs, fewer where a block would get under
+    :data:`_MIN_BLOCK_RUNS`; sizes differ by at most one; one block off the CPU. They depend on
+    ``n_runs`` only, never on the thread count, so a run's arithmetic does not either (each
+    block runs on one thread)."""
     k = -(-n_runs // _BLOCK_RUNS)
     k = max(1, min(-(-k // 4) * 4, n_runs // _MIN_BLOCK_RUNS))
     if device.type != "cpu":
