@@ -3,6 +3,7 @@ the step rules, S~, normalization layers, ties, failure, warnings, and DDP on tw
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import math
@@ -449,3 +450,261 @@ def test_iterations_is_the_old_name_of_steps() -> None:
     with pytest.warns(DeprecationWarning, match="use steps="):
         gradinit_(old, batches, iterations=2, generator=0)
     assert all(torch.equal(a, b) for a, b in zip(new.parameters(), old.parameters(), strict=True))
+
+
+# --------------------------------------------------------------------------------------------------
+# Convolutions and batch norms with their second derivatives written out (the constraint step)
+# --------------------------------------------------------------------------------------------------
+
+
+def _bn(c: int, dims: int = 2, **kw) -> nn.Module:
+    bn = (nn.BatchNorm1d if dims == 1 else nn.BatchNorm2d)(c, **kw)
+    with torch.no_grad():  # away from the init's gamma = 1, beta = 0
+        bn.weight.uniform_(0.5, 2.0)
+        bn.bias.uniform_(-1.0, 1.0)
+    return bn
+
+
+_SECOND_ORDER_CASES = {
+    "conv": (lambda: nn.Conv2d(3, 4, 3, padding=1, bias=False), (4, 3, 6, 6)),
+    "conv_bias_stride": (lambda: nn.Conv2d(3, 4, 3, stride=2, padding=1), (4, 3, 7, 7)),
+    "conv_dilated_groups": (
+        lambda: nn.Conv2d(4, 6, 3, padding=2, dilation=2, groups=2),
+        (3, 4, 6, 6),
+    ),
+    "conv1d": (lambda: nn.Conv1d(3, 5, 3), (4, 3, 9)),
+    "conv3d": (lambda: nn.Conv3d(2, 3, 2, bias=False), (2, 2, 4, 4, 4)),
+    "bn2d": (lambda: _bn(3), (5, 3, 4, 4)),
+    "bn1d_2d_input": (lambda: _bn(3, dims=1), (6, 3)),
+    "bn_no_running_stats": (lambda: _bn(3, track_running_stats=False), (5, 3, 4, 4)),
+    "bn_cumulative": (lambda: _bn(3, momentum=None), (5, 3, 4, 4)),
+    "conv_bn_relu_conv": (
+        lambda: nn.Sequential(
+            nn.Conv2d(3, 4, 3, padding=1, bias=False),
+            _bn(4),
+            nn.ReLU(),
+            nn.Conv2d(4, 4, 3, padding=1),
+            _bn(4),
+        ),
+        (4, 3, 5, 5),
+    ),
+    "bn_bn": (lambda: nn.Sequential(_bn(3), _bn(3)), (5, 3, 4, 4)),
+}
+
+
+def _derivatives(model: nn.Module, x: torch.Tensor, written_out: bool, parts: str):
+    """Gradients of ``L = sum(y^3)`` and the gradient of a quadratic in them (float64)."""
+    from initlab.methods._second_order import written_out_second_order
+
+    params = list(model.parameters())
+    gen = torch.Generator().manual_seed(3)
+    v = [torch.randn(p.shape, generator=gen, dtype=D) for p in params]
+    x = x.detach().requires_grad_()
+    block = written_out_second_order() if written_out else contextlib.nullcontext()
+    with block:
+        loss = model(x).pow(3).sum()
+    g = torch.autograd.grad(loss, [x, *params], create_graph=True)
+    phi = torch.zeros((), dtype=D)
+    if parts in ("all", "input"):
+        phi = phi + g[0].square().sum()
+    if parts in ("all", "params"):
+        phi = phi + sum(
+            (gi * vi).sum() + gi.square().sum() for gi, vi in zip(g[1:], v, strict=True)
+        )
+    return g, torch.autograd.grad(phi, [x, *params], allow_unused=True)
+
+
+@pytest.mark.parametrize("parts", ["all", "input", "params"])
+@pytest.mark.parametrize("case", list(_SECOND_ORDER_CASES))
+def test_written_out_second_derivatives_equal_autograds(case: str, parts: str) -> None:
+    """Same first derivatives bit for bit (the same ATen kernels), the same second derivatives to
+    float64 rounding (some cotangents of the backward are then None)."""
+    factory, shape = _SECOND_ORDER_CASES[case]
+    torch.manual_seed(0)
+    model = factory().to(D).train()
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1), dtype=D)
+    state = copy.deepcopy(model.state_dict())
+    g_ref, h_ref = _derivatives(model, x, False, parts)
+    after_ref = copy.deepcopy(model.state_dict())
+    model.load_state_dict(state)
+    g, h = _derivatives(model, x, True, parts)
+    for a, b in zip(g_ref, g, strict=True):
+        assert torch.equal(a, b)
+    for k, t in model.state_dict().items():  # running statistics updated the same way
+        assert torch.equal(t, after_ref[k]), k
+    scale = max(float(a.abs().max()) for a in h_ref if a is not None)
+    for a, b in zip(h_ref, h, strict=True):  # exact zeros (e.g. d/d beta) come out as rounding
+        a = torch.zeros_like(x) if a is None else a
+        b = torch.zeros_like(a) if b is None else b
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-13 * scale)
+
+
+def test_written_out_second_order_leaves_other_calls_to_autograd() -> None:
+    from initlab.methods._second_order import written_out_second_order
+
+    x = torch.randn(2, 3, 5, 5, dtype=D, requires_grad=True)
+    conv_same = nn.Conv2d(3, 3, 3, padding="same").to(D)
+    bn_eval = _bn(3).to(D).eval()
+    with written_out_second_order():
+        y_same, y_eval = conv_same(x), bn_eval(x)
+        y_affine_off = F.batch_norm(x, None, None, training=True)
+        y_conv = nn.Conv2d(3, 3, 3).to(D)(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y_autocast = nn.Conv2d(3, 3, 3)(x.float())
+    assert type(y_same.grad_fn).__name__ == "ConvolutionBackward0"
+    assert type(y_eval.grad_fn).__name__ == "NativeBatchNormBackward0"
+    assert type(y_affine_off.grad_fn).__name__ == "NativeBatchNormBackward0"
+    assert type(y_conv.grad_fn).__name__ == "_ConvBackward"
+    assert type(y_autocast.grad_fn).__name__ == "ConvolutionBackward0"
+    torch.testing.assert_close(y_same, conv_same(x), rtol=0, atol=0)
+
+
+def test_written_out_second_order_refuses_a_third_derivative() -> None:
+    from initlab.methods._second_order import written_out_second_order
+
+    conv = nn.Conv2d(2, 2, 3).to(D)
+    x = torch.randn(2, 2, 5, 5, dtype=D, requires_grad=True)
+    with written_out_second_order():
+        loss = conv(x).pow(3).sum()
+    (gx,) = torch.autograd.grad(loss, [x], create_graph=True)
+    (hx,) = torch.autograd.grad(gx.square().sum(), [x])  # the second derivative: fine
+    assert hx.shape == x.shape
+    with pytest.raises(RuntimeError, match="cannot be differentiated again"):
+        torch.autograd.grad(gx.square().sum(), [x], create_graph=True)
+
+
+def _count_along(monkeypatch) -> list[int]:
+    """Count the weight gradients replaced by their projection (``_second_order._along``)."""
+    from initlab.methods import _second_order
+
+    calls = [0]
+    along = _second_order._along
+
+    def counted(w: torch.Tensor, inner: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        return along(w, inner)
+
+    monkeypatch.setattr(_second_order, "_along", counted)
+    return calls
+
+
+class _SumWeightConv(nn.Module):
+    """A convolution whose weight is computed (``W + D``): not a scaled tensor itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3, 3, 3, 3) * 0.3)
+        self.delta = nn.Parameter(torch.randn(3, 3, 3, 3) * 0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.conv2d(x, self.weight + self.delta, padding=1)
+
+
+class _TiedConvs(nn.Module):
+    """One weight used by two convolutions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 3, padding=1)
+        self.bn = _bn(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(torch.tanh(self.bn(self.conv(x))))
+
+
+_ALPHA_CASES = {
+    **_SECOND_ORDER_CASES,
+    "sum_weight": (
+        lambda: nn.Sequential(nn.Conv2d(3, 3, 1), nn.Tanh(), _SumWeightConv()),
+        (4, 3, 5, 5),
+    ),
+    "tied": (_TiedConvs, (4, 3, 5, 5)),
+}
+
+
+def _alpha_derivatives(model: nn.Module, x: torch.Tensor, mode: str):
+    """``g`` of ``L = sum(y^3)`` at ``theta_k = alpha_k W_k`` and the alpha-gradient of a quadratic
+    in ``g`` (float64); ``mode``: autograd's second derivatives, written out, or written out with
+    every ``theta_k`` passed as ``scaled``."""
+    from torch.func import functional_call
+
+    from initlab.methods._second_order import written_out_second_order
+
+    names, params = zip(*model.named_parameters(), strict=True)
+    a = torch.linspace(0.7, 1.3, len(names), dtype=D).requires_grad_()
+    theta = [a[k] * p.detach() for k, p in enumerate(params)]
+    gen = torch.Generator().manual_seed(3)
+    v = [torch.randn(p.shape, generator=gen, dtype=D) for p in params]
+    x = x.detach().requires_grad_()
+    blocks = {
+        "autograd": contextlib.nullcontext,
+        "written_out": written_out_second_order,
+        "scaled": lambda: written_out_second_order(theta),
+    }
+    with blocks[mode]():
+        loss = functional_call(model, dict(zip(names, theta, strict=True)), (x,)).pow(3).sum()
+    g = torch.autograd.grad(loss, [x, *theta], create_graph=True)
+    phi = g[0].square().sum() + sum(
+        (gi * vi).sum() + gi.square().sum() for gi, vi in zip(g[1:], v, strict=True)
+    )
+    (grad,) = torch.autograd.grad(phi, [a])
+    return g, grad
+
+
+@pytest.mark.parametrize("case", list(_ALPHA_CASES))
+def test_scaled_weights_alpha_grads_equal_autograds(monkeypatch, case: str) -> None:
+    """With the scaled tensors passed to written_out_second_order, the last backward gives a
+    convolution weight only its projection (the weight-gradient kernels skipped): the gradient of
+    the alphas stays autograd's to float64 rounding, also where a weight is computed from the
+    scaled tensors (a sum: not projected) or shared by two convolutions."""
+    factory, shape = _ALPHA_CASES[case]
+    torch.manual_seed(0)
+    model = factory().to(D).train()
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1), dtype=D)
+    state = copy.deepcopy(model.state_dict())
+    g_ref, ref = _alpha_derivatives(model, x, "autograd")
+    along = _count_along(monkeypatch)
+    for mode in ("written_out", "scaled"):
+        model.load_state_dict(state)
+        g, grad = _alpha_derivatives(model, x, mode)
+        for a, b in zip(g_ref, g, strict=True):  # g itself: the same kernels
+            assert torch.equal(a, b)
+        torch.testing.assert_close(grad, ref, rtol=1e-12, atol=1e-13 * float(ref.abs().max()))
+    convs = sum(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
+    assert (along[0] > 0) == (convs > 0)  # the projection was taken wherever there is a conv
+
+
+def _cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1, bias=False),
+        _bn(4),
+        nn.ReLU(),
+        nn.Conv2d(4, 6, 3, stride=2, padding=1),
+        _bn(6),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(6, 3),
+    ).to(D)
+
+
+@pytest.mark.parametrize("step", ["constraint", "exact"])
+def test_alpha_grads_through_written_out_second_order_equal_autograds(monkeypatch, step) -> None:
+    """The constraint step's (and the exact objective's) alpha-gradient on a CNN with batch norm:
+    the same with autograd's own double backward of convolutions and batch norms."""
+    import initlab.methods.gradinit as gradinit_module
+
+    g = torch.Generator().manual_seed(2)
+    s = (torch.randn(6, 3, 6, 6, generator=g, dtype=D), torch.randint(0, 3, (6,), generator=g))
+    alpha = torch.linspace(0.6, 1.4, 9, dtype=D)  # 2 conv weights + a bias, 2 BN x 2, fc x 2
+    kw = {"step": "constraint"} if step == "constraint" else {"exact": True}
+    model = _cnn()
+    along = _count_along(monkeypatch)
+    grad, value = gradinit_alpha_grad(model, s, alpha=alpha, **kw)
+    # the second conv's two weight gradients of the last backward (the first conv has no g_x)
+    assert along == [2]
+    monkeypatch.setattr(gradinit_module, "written_out_second_order", contextlib.nullcontext)
+    ref, ref_value = gradinit_alpha_grad(model, s, alpha=alpha, **kw)
+    assert value == ref_value  # forward and first backward: the same kernels
+    torch.testing.assert_close(grad, ref, rtol=1e-10, atol=1e-12)
