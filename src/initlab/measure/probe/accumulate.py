@@ -11,6 +11,7 @@ and ``nonfinite``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -191,18 +192,21 @@ class _Ledger:
     ) -> None:
         # every distinct reduction once: partials pooled per dtype, full sums stacked
         rows_of: dict[int, int] = {}
-        blocks: list[torch.Tensor] = []
         partials: dict[torch.dtype, list[_Partial]] = {}
-        full: list[torch.Tensor] = []
+        pairs: list[torch.Tensor] = []  # [s2, s1]
+        singles: list[torch.Tensor] = []  # s2 (s1 = 0)
+        order: list[Any] = []  # the reductions in the order of the rows of `every`
         for _, s, _ in items:
             if id(s) in rows_of:
                 continue
             rows_of[id(s)] = -1
             if isinstance(s, _Partial):
                 partials.setdefault(s.norms.dtype, []).append(s)
+            elif s.dim():
+                pairs.append(s)
             else:
-                full.append(s)
-        start = 0
+                singles.append(s)
+        blocks: list[torch.Tensor] = []
         for group in partials.values():
             lengths = torch.tensor([p.norms.shape[0] for p in group], device=device)
             seg = torch.repeat_interleave(torch.arange(len(group), device=device), lengths)
@@ -212,16 +216,16 @@ class _Ledger:
             pooled.index_add_(0, seg, torch.stack((norms.square(), row_sums), 1))
             weights = torch.tensor([(p.w2, p.w1) for p in group], dtype=torch.float64)
             blocks.append(pooled * weights.to(device))
-            for j, p in enumerate(group):
-                rows_of[id(p)] = start + j
-            start += len(group)
-        if full:
-            sums = torch.stack(
-                [s.to(device) if s.dim() else torch.stack((s, torch.zeros_like(s))) for s in full]
-            )
-            blocks.append(sums.to(device))
-            for j, s in enumerate(full):
-                rows_of[id(s)] = start + j
+            order += group
+        if pairs:
+            blocks.append(torch.stack([s if s.device == device else s.to(device) for s in pairs]))
+            order += pairs
+        if singles:
+            s2 = torch.stack([s if s.device == device else s.to(device) for s in singles])
+            blocks.append(torch.stack((s2, torch.zeros_like(s2)), 1))
+            order += singles
+        for j, s in enumerate(order):
+            rows_of[id(s)] = j
         every = torch.cat(blocks) if len(blocks) > 1 else blocks[0]
         sums = every[torch.tensor([rows_of[id(s)] for _, s, _ in items], device=device)]
         slots: dict[int, int] = {}
