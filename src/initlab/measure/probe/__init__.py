@@ -18,11 +18,13 @@ and for every direct parameter of a probed module
 * ``dW_example``: per-example gradients ``dW_i`` = gradient of example ``i``'s loss, summed over all
   calls of the module (and over every module that owns the parameter) before squaring.
 
-Statistics are taken inside the hooks, when the tensor is produced, as float64 sums
-``sum(t**2)``, ``sum(t)`` and the element count, kept on the tensor's device (no host sync inside a
-hook) and pooled exactly over batches: ``sq_mean = E[t^2] = sum(t^2) / n`` (non-central),
-``mean = sum(t) / n``, ``var = E[t^2] - mean^2`` (population variance of all elements pooled over
-batches). A batch-call whose sums are NaN/inf is left out of the sums and counted in ``nonfinite``.
+Statistics are taken inside the hooks, when the tensor is produced (the norm and the sum of each
+row of at most 2048 elements, in the tensor's precision), pooled into float64 sums ``sum(t**2)``,
+``sum(t)`` and the element count in batches (:class:`~initlab.measure.probe.accumulate._Ledger`),
+kept on the tensor's device (no host sync inside a hook) and pooled exactly over batches:
+``sq_mean = E[t^2] = sum(t^2) / n`` (non-central), ``mean = sum(t) / n``,
+``var = E[t^2] - mean^2`` (population variance of all elements pooled over batches). A
+batch-call whose sums are NaN/inf is left out of the sums and counted in ``nonfinite``.
 
 Scaling of gradients (``loss_reduction``). With ``"mean"`` (the default; ``F.cross_entropy`` and
 ``F.mse_loss`` reduce this way) the loss is ``L = (1/B) sum_i L_i`` over the ``B`` examples of the
