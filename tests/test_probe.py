@@ -1409,7 +1409,7 @@ def _loop_outer_sq_norms(dy3: torch.Tensor, x3: torch.Tensor) -> torch.Tensor:
 def test_outer_sq_norms_gram_and_bmm_match_a_float64_loop(dtype, shape):
     """Both forms (Gram ``sum_ts (dy_t.dy_s)(x_t.x_s)`` and per-example ``bmm``) and the choice
     between them agree with a float64 loop: to 1e-12 in float64, to float32 rounding in float32."""
-    from initlab.measure.probe.per_example import (
+    from initlab.measure.probe.factors import (
         _bmm_sq_norms,
         _gram_sq_norms,
         _outer_sq_norms,
@@ -1432,7 +1432,7 @@ def test_gram_sq_norms_recomputes_cancelling_examples(dtype, monkeypatch):
     """Where the terms of the Gram sum cancel (one input row repeated, output gradients summing to
     almost zero), the example is recomputed by the outer products: the result keeps the accuracy
     of the ``bmm`` instead of losing it to the squared cancellation."""
-    import initlab.measure.probe.per_example as per_example
+    import initlab.measure.probe.factors as factors
 
     gen = torch.Generator().manual_seed(22)
     batch, steps, n_in, n_out = 4, 6, 32, 48
@@ -1443,14 +1443,14 @@ def test_gram_sq_norms_recomputes_cancelling_examples(dtype, monkeypatch):
     dy3[1] -= dy3[1].mean(0, keepdim=True) - 1e-6 * dy3[1, :1]
     x3, dy3 = x3.to(dtype), dy3.to(dtype)
     calls = []
-    bmm = per_example._bmm_sq_norms
+    bmm = factors._bmm_sq_norms
 
     def spy(d, x):
         calls.append(x.shape[0])
         return bmm(d, x)
 
-    monkeypatch.setattr(per_example, "_bmm_sq_norms", spy)
-    got = per_example._gram_sq_norms(dy3, x3)
+    monkeypatch.setattr(factors, "_bmm_sq_norms", spy)
+    got = factors._gram_sq_norms(dy3, x3)
     assert calls == [1]  # only the cancelling example
     want = _loop_outer_sq_norms(dy3, x3)
     torch.testing.assert_close(got[1:2], bmm(dy3[1:2], x3[1:2]), rtol=0, atol=0)

@@ -115,10 +115,12 @@ What is exact and what is not (``dW_example``):
 
 Where things are: :mod:`~initlab.measure.probe.moment_probe` (:class:`MomentProbe`, its hooks,
 :func:`measure_moments`), :mod:`~initlab.measure.probe.per_example` (the per-example gradients,
-one table entry per kind of layer), :mod:`~initlab.measure.probe.accumulate` (float64 sums taken
-in the hooks, moments), :mod:`~initlab.measure.probe.capture` (what attention's functional
-projections see), :mod:`~initlab.measure.probe.state` (what is kept per parameter, module
-and call) and :mod:`~initlab.measure.probe.report` (the columns and the tables).
+one table entry per kind of layer), :mod:`~initlab.measure.probe.factors` (squared norms of sums
+of outer products, the Gram form, and factored per-example gradients of parameters used by several
+calls), :mod:`~initlab.measure.probe.accumulate` (float64 sums taken in the hooks, moments),
+:mod:`~initlab.measure.probe.capture` (what attention's functional projections see),
+:mod:`~initlab.measure.probe.state` (what is kept per parameter, module and call) and
+:mod:`~initlab.measure.probe.report` (the columns and the tables).
 
 Example:
     >>> import torch
