@@ -54,6 +54,19 @@ def _along(w: torch.Tensor, inner: torch.Tensor) -> torch.Tensor:
     return w * c
 
 
+def _conv_backward(
+    gy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, conv: tuple, mask: tuple
+) -> tuple[torch.Tensor | None, ...]:
+    """ATen's ``convolution_backward`` for ``conv = (stride, padding, dilation, groups, bias)``:
+    the gradients ``(g_x, g_W, g_b)`` that ``mask`` asks for."""
+    stride, padding, dilation, groups, bias = conv
+    bias_sizes = [w.shape[0]] if bias else None
+    zeros = [0] * len(stride)
+    return torch.ops.aten.convolution_backward(
+        gy, x, w, bias_sizes, stride, padding, dilation, False, zeros, groups, list(mask)
+    )
+
+
 class _ConvGrad(torch.autograd.Function):
     """``(g_x, g_W, g_b)`` of ``y = conv(x, W) + b`` from ``g_y``, by the kernel autograd's own
     backward calls (identical values); its derivative is four convolution kernels, three with
@@ -70,20 +83,7 @@ class _ConvGrad(torch.autograd.Function):
         mask: tuple,
         along: bool,
     ) -> tuple[torch.Tensor | None, ...]:
-        stride, padding, dilation, groups, bias = conv
-        grads = torch.ops.aten.convolution_backward(
-            gy,
-            x,
-            w,
-            [w.shape[0]] if bias else None,
-            stride,
-            padding,
-            dilation,
-            False,
-            [0] * len(stride),
-            groups,
-            list(mask),
-        )
+        grads = _conv_backward(gy, x, w, conv, mask)
         ctx.save_for_backward(gy, x, w)
         ctx.conv = conv
         ctx.along = along
@@ -156,20 +156,7 @@ class _Conv(torch.autograd.Function):
         mask = tuple(ctx.needs_input_grad[2:5])
         need_x, need_w, need_b = mask
         if ctx.along and need_x and need_w and not torch.is_grad_enabled():
-            stride, padding, dilation, groups, bias = ctx.conv
-            gx, _, gb = torch.ops.aten.convolution_backward(
-                gy,
-                x,
-                w,
-                [w.shape[0]] if bias else None,
-                stride,
-                padding,
-                dilation,
-                False,
-                [0] * len(stride),
-                groups,
-                [True, False, need_b],
-            )
+            gx, _, gb = _conv_backward(gy, x, w, ctx.conv, (True, False, need_b))
             gw = _along(w, _dot(gx, x))
         else:
             gx, gw, gb = _ConvGrad.apply(gy, x, w, ctx.conv, mask, ctx.along)
