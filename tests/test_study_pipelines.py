@@ -146,6 +146,17 @@ def test_commented_example_spec_loads() -> None:
     assert any(not parse_init(s).data_dependent for s in spec.schemes)
 
 
+@pytest.mark.parametrize(
+    "path", sorted((REPO / "benchmarks" / "studies").glob("*.yaml")), ids=lambda p: p.name
+)
+def test_every_committed_spec_is_valid(path: Path) -> None:
+    """Each spec under benchmarks/studies passes the checks made before any training, and its
+    runs have distinct keys (a typo in a published spec fails here, not an hour into a run)."""
+    runs = list(StudySpec.from_yaml(path).runs())
+    assert runs
+    assert len({c.key() for c in runs}) == len(runs)
+
+
 # -- a tiny study ---------------------------------------------------------------------------------
 
 
