@@ -75,13 +75,14 @@ def _outer_sq_norms(dy3: torch.Tensor, x3: torch.Tensor) -> torch.Tensor:
     """``||sum_t dy_it x_it^T||^2`` per example for ``dy3 (B, T, out)``, ``x3 (B, T, in)``.
 
     Whichever costs fewer multiplications: the per-example outer products (``bmm``, ``T in out``
-    per example) or their Gram form ``sum_ts (dy_t.dy_s)(x_t.x_s)`` (``T^2 (in + out)``), see
-    :func:`_gram_sq_norms`.
+    per example) or their Gram form ``sum_ts (dy_t.dy_s)(x_t.x_s)`` (``T^2 (in + out)``, 3/4 of
+    that from ``_SPLIT`` steps on: the symmetric half), see :func:`_gram_sq_norms`.
     """
     steps, n_in, n_out = x3.shape[1], x3.shape[-1], dy3.shape[-1]
     if steps == 1:
         return _sq_norms(dy3) * _sq_norms(x3)
-    if steps * (n_in + n_out) < n_in * n_out:
+    share = 3 if steps >= _SPLIT else 4  # quarters of the full Gram form's multiplications
+    if share * steps * (n_in + n_out) < 4 * n_in * n_out:
         return _gram_sq_norms(dy3, x3)
     return _bmm_sq_norms(dy3, x3)
 
@@ -98,6 +99,7 @@ def _bmm_sq_norms(dy3: torch.Tensor, x3: torch.Tensor) -> torch.Tensor:
 
 # relative rounding error of the Gram form accepted before an example is recomputed by bmm
 _GRAM_TOL = {torch.float32: 1e-5, torch.float64: 1e-12}
+_SPLIT = 4  # from this many steps the Gram form computes the blocks of its symmetric half
 
 
 def _gram_sq_norms(dy3: torch.Tensor, x3: torch.Tensor) -> torch.Tensor:
@@ -113,6 +115,10 @@ def _gram_sq_norms(dy3: torch.Tensor, x3: torch.Tensor) -> torch.Tensor:
     recomputed by :func:`_bmm_sq_norms`, whose error is of first order only. On CPU the check
     reads one flag (no cost); on other devices it would synchronise inside the hook, so there
     the Gram form is taken in float64 only, where it is cheaper even so (as exact as ``bmm``).
+    From ``_SPLIT`` steps on, only the symmetric half is computed: with ``h = T // 2``, the
+    diagonal blocks ``[:h, :h]`` and ``[h:, h:]`` (one ``bmm`` of the halves where the layout
+    allows) and twice the block ``[:h, h:]``, 3/4 of the multiplications, rows of at most ``T``
+    terms as before (the doubling is exact).
     """
     batch, steps, n_in, n_out = x3.shape[0], x3.shape[1], x3.shape[-1], dy3.shape[-1]
     cpu = x3.device.type == "cpu" and x3.dtype in _GRAM_TOL and dy3.dtype == x3.dtype
@@ -122,11 +128,26 @@ def _gram_sq_norms(dy3: torch.Tensor, x3: torch.Tensor) -> torch.Tensor:
         x3, dy3 = x3.to(torch.float64), dy3.to(torch.float64)
     parts, diags = [], []
     for lo, hi in _chunks(batch, steps * (steps + n_in + n_out)):
-        prod = (x3[lo:hi] @ x3[lo:hi].mT).mul_(dy3[lo:hi] @ dy3[lo:hi].mT)
-        # rows of T terms in the inputs' precision, the rows pooled in float64
-        parts.append(prod.sum(2).to(torch.float64).sum(1))
-        if cpu:  # the diagonal: |x_t|^2 |dy_t|^2
-            diags.append(prod.diagonal(0, 1, 2).to(torch.float64).sum(1))
+        x, dy = x3[lo:hi], dy3[lo:hi]
+        if steps < _SPLIT:
+            blocks = [(x, x, dy, dy, 1.0)]
+        else:  # symmetric: the blocks [:h, :h], [h:, h:] and twice [:h, h:] (3/4 of the work)
+            h = steps // 2
+            a, b, c, d = x[:, :h], x[:, h:], dy[:, :h], dy[:, h:]
+            both = _halves(x, dy, h)  # both diagonal blocks in one bmm where the layout allows
+            on = [both] if both is not None else [(a, a, c, c, 1.0), (b, b, d, d, 1.0)]
+            blocks = [*on, (a, b, c, d, 2.0)]
+        part = diag = None
+        for p, q, r, s, w in blocks:
+            prod = (p @ q.mT).mul_(r @ s.mT)
+            # rows of at most T terms in the inputs' precision, the rows pooled in float64
+            v = prod.sum(2).to(torch.float64).view(hi - lo, -1).sum(1)
+            part = v * w if part is None else part + v * w
+            if cpu and w == 1.0:  # the diagonal: |x_t|^2 |dy_t|^2
+                g = prod.diagonal(0, 1, 2).to(torch.float64).reshape(hi - lo, -1).sum(1)
+                diag = g if diag is None else diag + g
+        parts.append(part)
+        diags.append(diag)
     out = torch.cat(parts)
     if not cpu:
         return out
@@ -136,6 +157,18 @@ def _gram_sq_norms(dy3: torch.Tensor, x3: torch.Tensor) -> torch.Tensor:
     if idx.numel():
         out[idx] = _bmm_sq_norms(dy3[idx], x3[idx])
     return out
+
+
+def _halves(x: torch.Tensor, dy: torch.Tensor, h: int) -> tuple | None:
+    """``x`` and ``dy`` (``(B, 2h, n)``) viewed as ``(2B, h, n)`` (their halves as examples of
+    their own, for one ``bmm`` of both diagonal blocks), or ``None`` where that needs a copy."""
+    if x.shape[1] != 2 * h:
+        return None
+    try:
+        xx, dd = x.view(-1, h, x.shape[-1]), dy.view(-1, h, dy.shape[-1])
+    except RuntimeError:
+        return None
+    return (xx, xx, dd, dd, 1.0)
 
 
 def _rows_sq_norms(tok2: torch.Tensor, g3: torch.Tensor, n_rows: int) -> torch.Tensor:

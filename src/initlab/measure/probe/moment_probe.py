@@ -63,6 +63,24 @@ def _fresh_full_view(t: torch.Tensor, base: torch.Tensor | None, inputs: set[int
     )
 
 
+_DRAWS: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _check_draw(
+    gen: torch.Generator, n: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.randn(n)`` from ``gen`` (seeded 0: the same every time), in float64 and float32 on
+    ``device``; kept per ``(n, device)`` (read only), as a probe entered every step redraws it."""
+    key = (n, device)
+    hit = _DRAWS.get(key)
+    if hit is None:
+        if len(_DRAWS) > 16:
+            _DRAWS.clear()
+        here = torch.randn(n, generator=gen, dtype=torch.float64).to(device)
+        hit = _DRAWS[key] = (here, here.float())
+    return hit
+
+
 class MomentProbe(HookContext):
     """Record second moments of inputs, outputs, gradients and parameters of a model's modules.
 
@@ -235,14 +253,13 @@ class MomentProbe(HookContext):
         from one draw."""
         params = list(self._params.values())
         dims = [d for ps in params for d in ps.param.shape]
-        draw = torch.randn(sum(dims), generator=gen, dtype=torch.float64)
         on: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         start = 0
         for ps in params:
             device = ps.param.device
             if device not in on:
-                here = draw.to(device)
-                on[device] = (list(here.split(dims)), list(here.float().split(dims)))
+                here, here32 = _check_draw(gen, sum(dims), device)
+                on[device] = (list(here.split(dims)), list(here32.split(dims)))
             n = ps.param.dim()
             v64, v32 = on[device]
             ps.set_vecs(v64[start : start + n], v32[start : start + n])
