@@ -179,6 +179,28 @@ def _last(values: Sequence[float]) -> float:
     return float(values[-1]) if len(values) else math.nan
 
 
+def _write_ahead_log(conn: sqlite3.Connection, timeout: float) -> None:
+    """Switch ``conn``'s database to WAL mode, waiting up to ``timeout`` seconds for other
+    connections.
+
+    Changing the journal mode needs an exclusive lock, and SQLite answers "database is locked"
+    at once (without its busy handler) while another connection is opening or creating the same
+    file: two ``initlab bench run`` started together on a new store both get here. The mode is
+    stored in the file, so once one connection has switched it the others' switch is a no-op.
+    """
+    deadline = time.monotonic() + timeout
+    delay = 0.005
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as err:
+            if "locked" not in str(err) or time.monotonic() >= deadline:
+                raise
+        time.sleep(delay)
+        delay = min(2 * delay, 0.25)
+
+
 class Store:
     """A SQLite results store (created on first use); use as a context manager or call ``close``.
 
@@ -196,7 +218,7 @@ class Store:
             timeout=timeout,
             isolation_level=None,  # explicit BEGIN/COMMIT below
         )
-        self._conn.execute("PRAGMA journal_mode=WAL")
+        _write_ahead_log(self._conn, timeout)
         # FULL: a committed group survives a power cut too, not just a killed process; the cost is
         # one fsync per group, negligible next to training it.
         self._conn.execute("PRAGMA synchronous=FULL")
