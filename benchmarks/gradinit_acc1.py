@@ -45,32 +45,15 @@ import torch
 from torch import nn
 
 import initlab
-from initlab.data import load_dataset
+from gradinit_layers import load_cifar, shuffled_batches  # the same folder: run as a script
 from initlab.zoo import create_model
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "benchmarks" / "results" / "gradinit"
 LABEL = "CIFAR-10 (JPEG copy), CPU-scaled"
-MEAN = (0.4914, 0.4822, 0.4465)
-STD = (0.2470, 0.2435, 0.2616)
 INITS = ("kaiming", "gradinit", "metainit", "lsuv", "geometric", "geometric+precondition")
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-
-
-def load(args: argparse.Namespace, split: str, per_class: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Normalized images and labels of the first ``per_class`` images of each class."""
-    data = load_dataset("cifar10", split, root=args.data_dir, limit_per_class=per_class)
-    mean = torch.tensor(MEAN).view(1, 3, 1, 1)
-    std = torch.tensor(STD).view(1, 3, 1, 1)
-    return (data.x - mean) / std, data.y
-
-
-def batches(x: torch.Tensor, y: torch.Tensor, gen: torch.Generator, size: int = 128) -> list[Batch]:
-    """One shuffled epoch of full minibatches."""
-    order = torch.randperm(len(x), generator=gen)
-    n = len(x) // size * size
-    return [(x[i], y[i]) for i in order[:n].split(size)]
 
 
 def initialize(
@@ -120,11 +103,11 @@ def one_run(task: tuple[str, int, argparse.Namespace]) -> dict[str, Any]:
     """Init, one epoch of SGD, test accuracy."""
     name, seed, args = task
     torch.set_num_threads(1)
-    x, y = load(args, "train", args.train_per_class)
-    xt, yt = load(args, "test", args.test_per_class)
+    x, y = load_cifar(args.data_dir, "train", args.train_per_class)
+    xt, yt = load_cifar(args.data_dir, "test", args.test_per_class)
     model = create_model("vgg19", width=args.width)
     gen = torch.Generator().manual_seed(seed)
-    init_data = batches(x, y, gen)  # the init's own draw of the training split
+    init_data = shuffled_batches(x, y, gen)  # the init's own draw of the training split
     start = time.perf_counter()
     groups, cost = initialize(name, model, init_data, seed, args)
     init_s = time.perf_counter() - start
@@ -133,7 +116,7 @@ def one_run(task: tuple[str, int, argparse.Namespace]) -> dict[str, Any]:
     ce = nn.CrossEntropyLoss()
     losses = []
     start = time.perf_counter()
-    for xb, yb in batches(x, y, gen):
+    for xb, yb in shuffled_batches(x, y, gen):
         loss = ce(model(xb), yb)
         opt.zero_grad(set_to_none=True)
         loss.backward()

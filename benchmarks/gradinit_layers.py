@@ -51,17 +51,31 @@ STD = (0.2470, 0.2435, 0.2616)
 MODELS = {"vgg19": {}, "resnet110": {"norm": False}}
 
 
+def load_cifar(
+    data_dir: str | None, split: str, per_class: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Images (normalized per channel) and labels of the first ``per_class`` of each class."""
+    data = load_dataset("cifar10", split, root=data_dir, limit_per_class=per_class)
+    mean = torch.tensor(MEAN).view(1, 3, 1, 1)
+    std = torch.tensor(STD).view(1, 3, 1, 1)
+    return (data.x - mean) / std, data.y
+
+
+def shuffled_batches(
+    x: torch.Tensor, y: torch.Tensor, gen: torch.Generator, size: int = 128
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One shuffled epoch of full minibatches of ``size``."""
+    order = torch.randperm(len(x), generator=gen)
+    n = len(x) // size * size
+    return [(x[i], y[i]) for i in order[:n].split(size)]
+
+
 def cifar_batches(
     data_dir: str | None, per_class: int, batch: int, seed: int
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Shuffled minibatches of the first ``per_class`` training images of each class."""
-    data = load_dataset("cifar10", "train", root=data_dir, limit_per_class=per_class)
-    mean = torch.tensor(MEAN).view(1, 3, 1, 1)
-    std = torch.tensor(STD).view(1, 3, 1, 1)
-    x = (data.x - mean) / std
-    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
-    n = len(x) // batch * batch
-    return [(x[i], data.y[i]) for i in order[:n].split(batch)]
+    x, y = load_cifar(data_dir, "train", per_class)
+    return shuffled_batches(x, y, torch.Generator().manual_seed(seed), batch)
 
 
 def linear_weights(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
