@@ -190,44 +190,7 @@ class _Ledger:
     def _apply(
         device: torch.device, items: list[tuple[torch.Tensor, torch.Tensor | _Partial, int]]
     ) -> None:
-        # every distinct reduction once: partials pooled per dtype, full sums stacked
-        rows_of: dict[int, int] = {}
-        partials: dict[torch.dtype, list[_Partial]] = {}
-        pairs: list[torch.Tensor] = []  # [s2, s1]
-        singles: list[torch.Tensor] = []  # s2 (s1 = 0)
-        order: list[Any] = []  # the reductions in the order of the rows of `every`
-        for _, s, _ in items:
-            if id(s) in rows_of:
-                continue
-            rows_of[id(s)] = -1
-            if isinstance(s, _Partial):
-                partials.setdefault(s.norms.dtype, []).append(s)
-            elif s.dim():
-                pairs.append(s)
-            else:
-                singles.append(s)
-        blocks: list[torch.Tensor] = []
-        for group in partials.values():
-            lengths = torch.tensor([p.norms.shape[0] for p in group], device=device)
-            seg = torch.repeat_interleave(torch.arange(len(group), device=device), lengths)
-            norms = torch.cat([p.norms for p in group]).to(torch.float64)
-            row_sums = torch.cat([p.sums for p in group]).to(torch.float64)
-            pooled = norms.new_zeros(len(group), 2)
-            pooled.index_add_(0, seg, torch.stack((norms.square(), row_sums), 1))
-            weights = torch.tensor([(p.w2, p.w1) for p in group], dtype=torch.float64)
-            blocks.append(pooled * weights.to(device))
-            order += group
-        if pairs:
-            blocks.append(torch.stack([s if s.device == device else s.to(device) for s in pairs]))
-            order += pairs
-        if singles:
-            s2 = torch.stack([s if s.device == device else s.to(device) for s in singles])
-            blocks.append(torch.stack((s2, torch.zeros_like(s2)), 1))
-            order += singles
-        for j, s in enumerate(order):
-            rows_of[id(s)] = j
-        every = torch.cat(blocks) if len(blocks) > 1 else blocks[0]
-        sums = every[torch.tensor([rows_of[id(s)] for _, s, _ in items], device=device)]
+        sums = _pool([s for _, s, _ in items], device)
         slots: dict[int, int] = {}
         accs: list[torch.Tensor] = []
         index = []
@@ -244,6 +207,49 @@ class _Ledger:
         total = vals.new_zeros(len(accs), 5)
         total.index_add_(0, torch.tensor(index, device=device), vals)
         torch._foreach_add_(accs, list(total.unbind(0)))
+
+
+def _pool(reductions: Sequence[torch.Tensor | _Partial], device: torch.device) -> torch.Tensor:
+    """``[s2, s1]`` (float64, one row per item, on ``device``) of :meth:`_Ledger.reduce` results:
+    a :class:`_Partial`'s rows pooled in float64 and weighted, a ``[s2, s1]`` tensor as it is, a
+    0-dim ``s2`` with ``s1 = 0``. Each distinct reduction is pooled once (a few ops in all)."""
+    rows_of: dict[int, int] = {}
+    partials: dict[torch.dtype, list[_Partial]] = {}
+    pairs: list[torch.Tensor] = []  # [s2, s1]
+    singles: list[torch.Tensor] = []  # s2 (s1 = 0)
+    order: list[Any] = []  # the reductions in the order of the rows of `every`
+    for s in reductions:
+        if id(s) in rows_of:
+            continue
+        rows_of[id(s)] = -1
+        if isinstance(s, _Partial):
+            partials.setdefault(s.norms.dtype, []).append(s)
+        elif s.dim():
+            pairs.append(s)
+        else:
+            singles.append(s)
+    blocks: list[torch.Tensor] = []
+    for group in partials.values():
+        lengths = torch.tensor([p.norms.shape[0] for p in group], device=device)
+        seg = torch.repeat_interleave(torch.arange(len(group), device=device), lengths)
+        norms = torch.cat([p.norms for p in group]).to(torch.float64)
+        row_sums = torch.cat([p.sums for p in group]).to(torch.float64)
+        pooled = norms.new_zeros(len(group), 2)
+        pooled.index_add_(0, seg, torch.stack((norms.square(), row_sums), 1))
+        weights = torch.tensor([(p.w2, p.w1) for p in group], dtype=torch.float64)
+        blocks.append(pooled * weights.to(device))
+        order += group
+    if pairs:
+        blocks.append(torch.stack([s if s.device == device else s.to(device) for s in pairs]))
+        order += pairs
+    if singles:
+        s2 = torch.stack([s if s.device == device else s.to(device) for s in singles])
+        blocks.append(torch.stack((s2, torch.zeros_like(s2)), 1))
+        order += singles
+    for j, s in enumerate(order):
+        rows_of[id(s)] = j
+    every = torch.cat(blocks) if len(blocks) > 1 else blocks[0]
+    return every[torch.tensor([rows_of[id(s)] for s in reductions], device=device)]
 
 
 def _moments(values: Sequence[float]) -> dict[str, float]:

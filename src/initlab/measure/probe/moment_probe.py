@@ -23,7 +23,7 @@ from initlab._core.loss import Loss, LossLike, resolve_loss
 from initlab._core.pytree import flatten_tensors, map_tensors
 from initlab._core.rows import Rows
 from initlab._core.state import model_modes, preserved_state, restore_modes
-from initlab.measure.probe.accumulate import _Consts, _Ledger, _sums
+from initlab.measure.probe.accumulate import _Consts, _Ledger, _Partial
 from initlab.measure.probe.per_example import (
     _captured_contributions,
     _Checks,
@@ -493,11 +493,11 @@ class MomentProbe(HookContext):
                 return
             if ps.acc_dw is None:
                 ps.acc_dw = self._ledger.new_acc(grad.device)
-            sums = _sums(grad, 1.0, self._consts)
+            sums = self._ledger.reduce(grad, 1.0, self._consts)
             self._ledger.add(ps.acc_dw, sums, grad.numel())
             if self.per_example:
                 with torch.no_grad():
-                    self._finish_example(ps, grad.detach(), sums[0])
+                    self._finish_example(ps, grad.detach(), sums)
 
         return hook
 
@@ -585,8 +585,11 @@ class MomentProbe(HookContext):
         except Exception as err:  # report, never guess
             rec.fail = f"per-example gradient failed: {type(err).__name__}: {err}"[:300]
 
-    def _finish_example(self, ps: _ParamState, grad: torch.Tensor, grad_sq: torch.Tensor) -> None:
-        """``grad_sq``: ``sum(grad^2)`` (float64), for the consistency check's tolerance."""
+    def _finish_example(
+        self, ps: _ParamState, grad: torch.Tensor, grad_sums: torch.Tensor | _Partial
+    ) -> None:
+        """``grad_sums``: the ledger's reduction of ``grad`` (:meth:`_Ledger.reduce`: its
+        ``sum(grad^2)`` sets the consistency check's tolerance)."""
         records, n_pending = ps.pending, len(ps.pending)
         try:
             parts = self._example_parts(ps, records)
@@ -598,7 +601,7 @@ class MomentProbe(HookContext):
             total = sqn.sum()  # sum_i ||dW_i||^2
             # sum_i dW_i must equal scale * dW: checked through a random rank-one projection, on
             # the device, when results are read (no sync here)
-            self._checks.add(ps, proj, grad, grad_sq, total, scale)
+            self._checks.add(ps, proj, grad, grad_sums, total, scale)
             if ps.acc_ex is None:
                 ps.acc_ex = self._ledger.new_acc(grad.device)
             self._ledger.add(ps.acc_ex, total, batch * ps.numel)

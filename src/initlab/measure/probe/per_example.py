@@ -38,6 +38,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from initlab._core.pytree import flatten_tensors, map_tensors
+from initlab.measure.probe.accumulate import _Partial, _pool
 from initlab.measure.probe.capture import _AttentionCapture
 from initlab.measure.probe.factors import (
     _chunks,
@@ -789,16 +790,17 @@ class _Checks:
         ps: _ParamState,
         proj: torch.Tensor,
         grad: torch.Tensor,
-        grad_sq: torch.Tensor,
+        grad_sums: torch.Tensor | _Partial,
         sqn_sum: torch.Tensor,
         scale: float,
     ) -> None:
-        """``proj``: the per-example projections; ``grad``: the minibatch gradient; ``grad_sq``:
-        ``sum(grad^2)`` (float64); ``sqn_sum``: ``sum_i ||dW_i||^2``."""
+        """``proj``: the per-example projections; ``grad``: the minibatch gradient;
+        ``grad_sums``: its :meth:`~initlab.measure.probe.accumulate._Ledger.reduce` (pooled at
+        :meth:`flush` for ``sum(grad^2)``); ``sqn_sum``: ``sum_i ||dW_i||^2``."""
         g = _work(grad)
         ref = _contract(g, ps.vecs_as(g.dtype))
         eps = torch.finfo(grad.dtype).eps if grad.is_floating_point() else 1e-7
-        self._pending.append((ps, (proj, ref, grad_sq, sqn_sum), scale, eps))
+        self._pending.append((ps, (proj, ref, grad_sums, sqn_sum), scale, eps))
 
     def clear(self) -> None:
         self._pending = []
@@ -812,10 +814,11 @@ class _Checks:
         for (device, _, _), items in groups.items():
             proj = torch.stack([values[0] for _, values, _, _ in items])
             proj_sum, proj_abs = proj.sum(1), proj.abs().sum(1)
-            ref, grad_sq, sqn_sum = (
+            ref, sqn_sum = (
                 torch.stack([values[k] for _, values, _, _ in items]).to(torch.float64)
-                for k in (1, 2, 3)
+                for k in (1, 3)
             )
+            grad_sq = _pool([values[2] for _, values, _, _ in items], device)[:, 0]
             consts = torch.tensor([(scale, eps) for _, _, scale, eps in items], dtype=proj.dtype)
             scale, eps = consts.to(device).unbind(1)
             ref = ref * scale
