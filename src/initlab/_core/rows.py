@@ -136,6 +136,16 @@ class Rows:
         self.title = title
         self.used = used
 
+    @classmethod
+    def _adopt(
+        cls, rows: list[dict[str, Any]], columns: Sequence[str], title: str | None = None
+    ) -> Rows:
+        """Rows made of ``rows`` itself, without the copy ``Rows(...)`` makes: for a producer
+        that built the dicts for this object alone (thousands of rows in a hook's read-out)."""
+        out = cls([], columns, title)
+        out._rows = rows
+        return out
+
     def to_rows(self) -> list[dict[str, Any]]:
         """The rows as a list of new plain dicts."""
         return [dict(r) for r in self._rows]

@@ -93,6 +93,11 @@ def _values(acc: torch.Tensor, read: dict[int, list[float]]) -> list[float]:
 
 
 _ACT_STATS = ("sq_mean", "mean", "var", "numel", "batches", "nonfinite")
+_PARAM_STATS = {
+    "W": ("sq_mean", "mean", "var", "numel"),
+    "dW": _ACT_STATS,
+    "dW_example": ("sq_mean", "numel", "batches", "nonfinite"),
+}
 
 
 def _activation_blocks(
@@ -102,9 +107,13 @@ def _activation_blocks(
     values = {key: _values(acc, read) for key, acc in st.acc.items()}
     blocks: list[tuple[int | str, str, str, dict[str, float]]] = []
     indices: dict[str, list[str]] = {q: [] for q in _QUANTITIES}
-    for _, q, path in values:
-        if path not in indices[q]:
+    calls_of: dict[tuple[str, str], list[list[float]]] = {}  # (quantity, path): every call's
+    for (_, q, path), v in values.items():
+        parts = calls_of.get((q, path))
+        if parts is None:
+            parts = calls_of[(q, path)] = []
             indices[q].append(path)
+        parts.append(v)
     if st.max_calls == 0 and not values:
         for q in ("x", "y"):
             blocks.append(("all", q, "0", _moments([0.0, 0.0, 0.0, 0.0, 0.0])))
@@ -114,9 +123,7 @@ def _activation_blocks(
         for q in _QUANTITIES:
             for path in indices[q]:
                 if call == "all":
-                    parts = [v for (c, qq, p), v in values.items() if qq == q and p == path]
-                    if not parts:
-                        continue
+                    parts = calls_of[(q, path)]
                     summed = [sum(col) for col in zip(*parts, strict=True)]
                 else:
                     if (call, q, path) not in values:
@@ -151,27 +158,21 @@ def _probe_rows(states: list[_ModuleState]) -> Rows:
     """:meth:`MomentProbe.rows` of the module states, in report order."""
     read = _read_all(states)
     out: list[dict[str, Any]] = []
+    add = out.append
     for st in states:
-        head = {"layer": st.name, "module_type": type(st.module).__name__, "order": st.order}
+        layer, kind, order = st.name, type(st.module).__name__, st.order
         for call, q, path, moments in _activation_blocks(st, read):
             for stat in _ACT_STATS:
-                out.append(
-                    {**head, "call": call, "quantity": q, "index": path, "param": "",
-                     "stat": stat, "value": moments[stat]}
-                )  # fmt: skip
+                add({"layer": layer, "module_type": kind, "order": order, "call": call,
+                     "quantity": q, "index": path, "param": "", "stat": stat,
+                     "value": moments[stat]})  # fmt: skip
         for local, ps in st.params:
             for q, moments in _param_moments(ps, read).items():
-                stats = {
-                    "W": ("sq_mean", "mean", "var", "numel"),
-                    "dW": _ACT_STATS,
-                    "dW_example": ("sq_mean", "numel", "batches", "nonfinite"),
-                }[q]
-                for stat in stats:
-                    out.append(
-                        {**head, "call": "all", "quantity": q, "index": "", "param": local,
-                         "stat": stat, "value": moments[stat]}
-                    )  # fmt: skip
-    return Rows(out, PROBE_COLUMNS, title="moment probe")
+                for stat in _PARAM_STATS[q]:
+                    add({"layer": layer, "module_type": kind, "order": order, "call": "all",
+                         "quantity": q, "index": "", "param": local, "stat": stat,
+                         "value": moments[stat]})  # fmt: skip
+    return Rows._adopt(out, PROBE_COLUMNS, title="moment probe")
 
 
 def _module_table(states: list[_ModuleState]) -> Rows:
