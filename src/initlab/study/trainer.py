@@ -493,7 +493,7 @@ def train_runs(
 #: parallel threads of one intra-op thread each when torch has several threads. Small batched
 #: products split over two threads synchronize every few microseconds (the 140 runs of
 #: Table 2's letter slice took 42.7 s on two threads, 1.7x the time of one thread per half).
-_BLOCK_RUNS = 48
+_BLOCK_RUNS = 16
 #: Fewer runs than this per block are not split (one block, torch's intra-op threads).
 _MIN_BLOCK_RUNS = 8
 

@@ -397,9 +397,7 @@ class MomentProbe(HookContext):
                 self._next_order += 1
             self._seq += 1
             st.last_seq = self._seq
-            inputs = flatten_tensors(list(args)) + [
-                (path, t) for path, t in flatten_tensors(dict(kwargs))
-            ]
+            inputs = _flatten_call(args, kwargs)
             scale = self._scale(st, inputs)
             seen: dict[int, Any] = {}  # a tensor passed several times: reduced once
             for path, t in inputs:
@@ -421,7 +419,7 @@ class MomentProbe(HookContext):
 
                 new_args = map_tensors(args, alias)
                 new_kwargs = map_tensors(kwargs, alias)
-                hooked = flatten_tensors(list(new_args)) + flatten_tensors(dict(new_kwargs))
+                hooked = _flatten_call(new_args, new_kwargs)
                 paths: dict[int, tuple[torch.Tensor, list[str]]] = {}
                 for path, t in hooked:
                     if t.requires_grad and t.is_floating_point():
@@ -429,8 +427,11 @@ class MomentProbe(HookContext):
                 for t, (first, *more) in paths.values():
                     t.register_hook(self._grad_hook(st, call, "dx", first, scale, also=tuple(more)))
             frame_inputs = (tuple(new_args), dict(new_kwargs))
-            versions = [t._version for _, t in flatten_tensors(frame_inputs)]
-            frame = _Frame(call, frame_inputs, versions, scale, self._seq)
+            leaves = [
+                t for _, t in (inputs if new_args is args and new_kwargs is kwargs else hooked)
+            ]
+            versions = [t._version for t in leaves]
+            frame = _Frame(call, frame_inputs, leaves, versions, scale, self._seq)
             st.frames.append(frame)
             if self.per_example and st.kind == "attention" and torch.is_grad_enabled():
                 frame.capture = _start_capture(module)  # popped by _capture_stop_hook
@@ -453,8 +454,8 @@ class MomentProbe(HookContext):
                 return
             frame = st.frames.pop()
             outs = [(p, t) for p, t in flatten_tensors(output) if t.is_floating_point()]
-            inputs = {id(t) for _, t in flatten_tensors(frame.inputs)}
-            inputs |= {id(t._base) for _, t in flatten_tensors(frame.inputs) if t._base is not None}
+            inputs = {id(t) for t in frame.leaves}
+            inputs |= {id(t._base) for t in frame.leaves if t._base is not None}
             grad_on = torch.is_grad_enabled()
             rec = None
             if self.per_example and grad_on:
@@ -510,7 +511,7 @@ class MomentProbe(HookContext):
         if not params:
             return None
         rec = _Record(st, frame, params, self._forward)
-        leaves = [t for _, t in flatten_tensors(frame.inputs)]
+        leaves = frame.leaves
         now = [t._version for t in leaves]
         if now != frame.versions:
             rec.fail = "the module modifies its input in place"
@@ -723,6 +724,15 @@ class MomentProbe(HookContext):
             f"MomentProbe({type(self.model).__name__}, modules={self.modules!r}, "
             f"{len(self._states)} modules, {state})"
         )
+
+
+def _flatten_call(args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of a module call's arguments with their paths (positions, then keywords):
+    ``flatten_tensors(list(args)) + flatten_tensors(dict(kwargs))``, with a shortcut for the
+    common call of tensors only."""
+    if not kwargs and all(type(a) is torch.Tensor or isinstance(a, torch.Tensor) for a in args):
+        return [(str(i), a) for i, a in enumerate(args)]
+    return flatten_tensors(list(args)) + flatten_tensors(dict(kwargs))
 
 
 def _keep_closed_form_input(rec: _Record, st: _ModuleState, leaves: list[torch.Tensor]) -> None:

@@ -73,11 +73,20 @@ class _ParamState:
 class _Frame:
     """One module call in flight (between its forward pre-hook and forward hook)."""
 
-    __slots__ = ("call", "capture", "inputs", "scale", "start_seq", "versions")
+    __slots__ = ("call", "capture", "inputs", "leaves", "scale", "start_seq", "versions")
 
-    def __init__(self, call: int, inputs: Any, versions: list[int], scale: float, seq: int):
+    def __init__(
+        self,
+        call: int,
+        inputs: Any,
+        leaves: list[torch.Tensor],
+        versions: list[int],
+        scale: float,
+        seq: int,
+    ) -> None:
         self.call = call
-        self.inputs = inputs
+        self.inputs = inputs  # (args, kwargs) as the module received them
+        self.leaves = leaves  # their tensors, in flatten_tensors order
         self.versions = versions
         self.scale = scale
         self.start_seq = seq
