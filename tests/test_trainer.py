@@ -373,8 +373,8 @@ def _same_result(got: RunResult, want: RunResult) -> None:
 @pytest.mark.parametrize("engine", ["mlp", "vmap"])
 def test_results_do_not_depend_on_the_group_or_the_threads(engine: str) -> None:
     """The runner's claim: a run's numbers depend on its config only, bit for bit, not on which
-    runs share its ``train_runs`` call (66 runs: four blocks of 16-17 runs, each evaluated in
-    blocks of 4) nor on the number of threads (2 threads: the four blocks trained in two
+    runs share its ``train_runs`` call (66 runs: eight blocks of 8-9 runs, each evaluated in
+    blocks of 4) nor on the number of threads (2 threads: the eight blocks trained in two
     threads; 6 runs: one block, torch's two intra-op threads)."""
     train, test = _big_data()
     configs = [

@@ -29,7 +29,7 @@ What a run's result depends on: ``initlab.study.trainer.train_runs`` seeds every
 config, so its initial weights, data order and hyper-parameters do not depend on the backend, the
 number of workers, the drivers or the chunking. Its float32 arithmetic may, at the level of
 rounding: MKL's batched products take kernel paths that depend on how many runs share a product.
-A chunk of 16 runs or more trains as blocks of at most 48 runs fixed by the chunk's size, each
+A chunk of 16 runs or more trains as blocks of at most 16 runs fixed by the chunk's size, each
 block on one intra-op thread (``trainer._blocks``), so its numbers do not depend on the thread
 count, by construction (tested on 66 runs: ``tests/test_trainer.py``); a smaller chunk is one
 block on torch's threads. Measured on 54 runs (18 each of dna, satimage, vowel; 5 epochs): chunks
