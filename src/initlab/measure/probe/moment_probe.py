@@ -730,7 +730,7 @@ def _flatten_call(args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:
     """The tensors of a module call's arguments with their paths (positions, then keywords):
     ``flatten_tensors(list(args)) + flatten_tensors(dict(kwargs))``, with a shortcut for the
     common call of tensors only."""
-    if not kwargs and all(type(a) is torch.Tensor or isinstance(a, torch.Tensor) for a in args):
+    if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
         return [(str(i), a) for i, a in enumerate(args)]
     return flatten_tensors(list(args)) + flatten_tensors(dict(kwargs))
 

@@ -107,7 +107,7 @@ def _activation_blocks(
     values = {key: _values(acc, read) for key, acc in st.acc.items()}
     blocks: list[tuple[int | str, str, str, dict[str, float]]] = []
     indices: dict[str, list[str]] = {q: [] for q in _QUANTITIES}
-    calls_of: dict[tuple[str, str], list[list[float]]] = {}  # (quantity, path): every call's
+    calls_of: dict[tuple[str, str], list[list[float]]] = {}  # (quantity, path): each call's sums
     for (_, q, path), v in values.items():
         parts = calls_of.get((q, path))
         if parts is None:
