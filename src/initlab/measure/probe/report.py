@@ -106,14 +106,10 @@ def _activation_blocks(
     """(call, quantity, index, moments) for each call and for "all", in report order."""
     values = {key: _values(acc, read) for key, acc in st.acc.items()}
     blocks: list[tuple[int | str, str, str, dict[str, float]]] = []
-    indices: dict[str, list[str]] = {q: [] for q in _QUANTITIES}
     calls_of: dict[tuple[str, str], list[list[float]]] = {}  # (quantity, path): each call's sums
     for (_, q, path), v in values.items():
-        parts = calls_of.get((q, path))
-        if parts is None:
-            parts = calls_of[(q, path)] = []
-            indices[q].append(path)
-        parts.append(v)
+        calls_of.setdefault((q, path), []).append(v)
+    indices = {q: [p for qq, p in calls_of if qq == q] for q in _QUANTITIES}  # first-seen order
     if st.max_calls == 0 and not values:
         for q in ("x", "y"):
             blocks.append(("all", q, "0", _moments([0.0, 0.0, 0.0, 0.0, 0.0])))
