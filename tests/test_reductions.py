@@ -1,11 +1,11 @@
-"""sum_of_squares against float64, at sizes where a float32 vector_norm drifts."""
+"""sum_of_squares and sum_of_products against float64, at sizes where float32 drifts."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from initlab._core.reductions import sum_of_squares
+from initlab._core.reductions import sum_of_products, sum_of_squares
 
 
 @pytest.mark.parametrize("n", [1, 2047, 2048, 2049, 5_000_003])
@@ -24,3 +24,22 @@ def test_sum_of_squares_per_row_and_low_precision() -> None:
     torch.testing.assert_close(sum_of_squares(t, per_row=True), exact, rtol=1e-6, atol=0)
     h = t.to(torch.bfloat16)
     assert float(sum_of_squares(h)) == pytest.approx(float((h.double() ** 2).sum()), rel=1e-6)
+
+
+@pytest.mark.parametrize("n", [1, 2047, 2**17, 2**17 + 1, 5_000_003])
+def test_sum_of_products_matches_float64(n: int) -> None:
+    g = torch.Generator().manual_seed(n)
+    x, y = torch.randn(n, generator=g) * 3 + 1, torch.randn(n, generator=g) + 2
+    exact = float((x.double() * y.double()).sum())
+    got = sum_of_products(x.reshape(-1, 1), y)
+    assert got.dtype == torch.float32 and got.shape == ()
+    assert float(got) == pytest.approx(exact, rel=2e-7)  # a BLAS dot: 1.1e-6 off at 5M
+    assert float(sum_of_products(x.double(), y.double())) == pytest.approx(exact, rel=1e-12)
+
+
+def test_sum_of_products_low_precision_in_float32() -> None:
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(3000, generator=g).bfloat16(), torch.randn(3000, generator=g).bfloat16()
+    got = sum_of_products(x, y)
+    assert got.dtype == torch.float32
+    assert float(got) == pytest.approx(float((x.double() * y.double()).sum()), rel=1e-5)

@@ -71,6 +71,7 @@ __all__ = [
     "positive_int",
     "rank_mean",
     "scalar_mean",
+    "scaled_leaves",
     "scaled_params",
     "second_order",
     "select_tensors",
@@ -181,12 +182,28 @@ def select_tensors(
 
 
 def scaled_params(ts: Tensors, a: torch.Tensor) -> list[torch.Tensor]:
-    """``alpha_k * W`` for the scaled tensors, fresh leaves for the others (all need a gradient)."""
+    """``alpha_k * W`` for the scaled tensors, fresh leaves for the others (all need a gradient).
+
+    ``alpha`` is cast once per device and dtype of the tensors (the product :func:`fold_alpha`
+    makes at the end); with a graph, the alpha-gradient gathers through one cast and one unbind.
+    """
     theta = [p.detach().requires_grad_() for p in ts.tensors]
+    casts: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, ...]] = {}
     for k, i in enumerate(ts.scaled):
         w = ts.tensors[i].detach()
-        theta[i] = a[k].to(device=w.device, dtype=w.dtype) * w
+        key = (w.device, w.dtype)
+        if key not in casts:
+            casts[key] = a.to(device=w.device, dtype=w.dtype).unbind()
+        theta[i] = casts[key][k] * w
     return theta
+
+
+def scaled_leaves(ts: Tensors, a: torch.Tensor) -> list[torch.Tensor]:
+    """The values of :func:`scaled_params` as fresh leaves that need a gradient, without a graph
+    to ``a`` (for a step whose alpha-gradient does not go through them)."""
+    with torch.no_grad():
+        theta = scaled_params(ts, a)
+    return [t.requires_grad_() for t in theta]
 
 
 def loss_at(

@@ -84,16 +84,18 @@ scale (as for SGD) falls below that midpoint, every step becomes a constraint st
 only shrinks the weights.
 
 Cost per iteration (``F``/``B``: one forward/backward of the model): objective step ``2F + 2B``
-(first-order); exact (SGD): ``2F``, a backward with graph, and one backward through the look-ahead
-loss and on through the double backward of ``g``; constraint step: ``F``, a backward with graph
-and a double backward. ``g`` is built with its graph only when a constraint step is expected (the
-previous step was one); when an objective step is followed by a constraint step, that step costs
-one more ``F + B``. Wherever ``g`` is differentiated again, the convolutions and batch norms of
-``L(S)`` run with their second derivatives written out, and the double backward gives each scaled
-convolution weight only what its alpha reads (``<G, W_k>``, without the weight-gradient kernels;
+(first-order: ``theta'`` is built without a graph to alpha, and each alpha-gradient is one dot
+product ``<dL~/dtheta'_k, W_k>`` of the look-ahead gradient); exact (SGD): ``2F``, a backward with
+graph, and one backward through the look-ahead loss and on through the double backward of ``g``;
+constraint step: ``F``, a backward with graph and a double backward. ``g`` is built with its graph
+only when a constraint step is expected (the previous step was one); when an objective step is
+followed by a constraint step, that step costs one more ``F + B``. Wherever ``g`` is differentiated
+again, the convolutions and batch norms of ``L(S)`` run with their second derivatives written out,
+and the double backward gives each scaled convolution weight only what its alpha reads
+(``<G, W_k>``, without the weight-gradient kernels;
 :func:`~initlab.methods._second_order.written_out_second_order`): the same forward and ``g``, the
-same alpha-gradients to rounding (tested against autograd in float64), about a quarter less time
-per constraint step on CIFAR CNNs (``benchmarks/bench_gradinit.py``).
+same alpha-gradients to rounding (tested against autograd in float64), about a quarter less time per
+constraint step on CIFAR CNNs (``benchmarks/bench_gradinit.py``).
 """
 
 from __future__ import annotations
@@ -115,7 +117,7 @@ from initlab._core.distributed import check_same_parameters, is_distributed
 from initlab._core.knobs import renamed_kwargs, user_stacklevel
 from initlab._core.loss import LossLike, resolve_loss
 from initlab._core.method_report import MethodReport
-from initlab._core.reductions import sum_of_squares
+from initlab._core.reductions import sum_of_products
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows
 from initlab._core.state import restore_on_failure
@@ -136,6 +138,7 @@ from initlab.methods._alpha import (
     positive_int,
     rank_mean,
     scalar_mean,
+    scaled_leaves,
     scaled_params,
     second_order,
     select_tensors,
@@ -352,16 +355,16 @@ class _GradInitStep:
         # previous step was); otherwise free the graph of L(S) during the backward (less memory,
         # faster on CPU) and, on a wrong guess, evaluate L(S) once more.
         with_graph = self.exact or force == "constraint" or self.last_kind == "constraint"
-        theta = scaled_params(ts, a)
+        theta = scaled_params(ts, a) if with_graph else scaled_leaves(ts, alpha)
         loss = self._loss(theta, batch, with_graph)
         loss_value = scalar_mean(loss)
         check_finite(loss_value, iteration, self.what)
         g = grads_or_zeros(loss, theta, create_graph=with_graph)
         self.backward += 1
         g_mean = rank_mean(g)
-        # ||g||_2 (for the warning on gamma's scale) in one pass per tensor, accurate to ~1e-9
+        # ||g||_2 (for the warning on gamma's scale) in one kernel per tensor, accurate to ~1e-7
         # without a float64 copy of g; ||g||_1 for Adam (p = 1).
-        grad_norm2 = float(torch.stack([sum_of_squares(x) for x in g_mean]).sum().sqrt())
+        grad_norm2 = float(_host_vector([sum_of_products(x, x) for x in g_mean]).sum().sqrt())
         grad_norm = grad_norm2
         if self.sign:
             grad_norm = float(sum(x.abs().sum(dtype=torch.float64) for x in g_mean))
@@ -381,30 +384,48 @@ class _GradInitStep:
             self.backward += 1
             return _StepResult(kind, grad, grad_norm, grad_norm2, loss_value, None)
 
-        scaled = set(ts.scaled)
         if self.exact:
             step = self._direction(_attach(g, g_mean))
             look = [t - self.eta * d for t, d in zip(theta, step, strict=True)]
         else:
             del loss, g  # frees the graph of L(S) (and of g) before the look-ahead forward
-            step = self._direction(g_mean)
-            look = [
-                (t - self.eta * d) if i in scaled else (t.detach() - self.eta * d)
-                for i, (t, d) in enumerate(zip(theta, step, strict=True))
-            ]
+            look = self._look_ahead(theta, self._direction(g_mean))
         look_loss = loss_at(self.model, self.loss_fn, ts, look, tilde())
         self.forward += 1
         objective = scalar_mean(look_loss)
         check_finite(objective, iteration, self.what, "look-ahead loss")
-        scaled_loss = look_loss / self.eta
         if not self.exact:
-            grad = self._alpha_grad(scaled_loss, a)
+            grad = self._first_order_grad(look_loss, look)
         else:
             with second_order(self.what, _EXACT_WHY, _EXACT_ADVICE) as check:
                 self._check_once(check, g)
-                grad = self._exact_grad(scaled_loss, look, a)
+                grad = self._exact_grad(look_loss / self.eta, look, a)
         self.backward += 1
         return _StepResult(kind, grad, grad_norm, grad_norm2, loss_value, objective)
+
+    def _look_ahead(
+        self, theta: list[torch.Tensor], step: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """``theta' = theta - eta * A[g]`` as fresh leaves (first order: no graph to alpha); only
+        the scaled ones need a gradient. A scaled entry of ``theta`` is a product ``alpha_k * W_k``
+        of this step, not the parameter: it is overwritten in place (no new memory)."""
+        scaled = set(self.ts.scaled)
+        with torch.no_grad():
+            look = [
+                t.detach().add_(d, alpha=-self.eta) if i in scaled else t.add(d, alpha=-self.eta)
+                for i, (t, d) in enumerate(zip(theta, step, strict=True))
+            ]
+        for i in scaled:
+            look[i].requires_grad_()
+        return look
+
+    def _first_order_grad(self, look_loss: torch.Tensor, look: list[torch.Tensor]) -> torch.Tensor:
+        """The first-order objective's alpha-gradient, ``<dL(S~; theta') / d theta'_k, W_k> / eta``
+        for each scaled tensor ``k`` (rank mean): one dot product per tensor, no graph to alpha."""
+        ts = self.ts
+        grads = grads_or_zeros(look_loss, [look[i] for i in ts.scaled])
+        dots = [sum_of_products(g, ts.tensors[i]) for g, i in zip(grads, ts.scaled, strict=True)]
+        return rank_mean([_host_vector(dots) / self.eta])[0]
 
     def _exact_grad(
         self, scaled_loss: torch.Tensor, look: list[torch.Tensor], a: torch.Tensor
@@ -424,6 +445,17 @@ class _GradInitStep:
         if not self.checked:
             check(g)
             self.checked = True
+
+
+def _host_vector(values: list[torch.Tensor]) -> torch.Tensor:
+    """Scalars on any devices as one float64 CPU vector (one copy per device, not per scalar)."""
+    out = torch.zeros(len(values), dtype=torch.float64)
+    by_device: dict[torch.device, list[int]] = {}
+    for k, v in enumerate(values):
+        by_device.setdefault(v.device, []).append(k)
+    for ks in by_device.values():
+        out[ks] = torch.stack([values[k] for k in ks]).to(device="cpu", dtype=torch.float64)
+    return out
 
 
 def _warn_gamma_scale(gamma: float, norm1: float, norm2: float) -> None:
