@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import itertools
 import math
 import warnings
@@ -84,6 +85,24 @@ def test_first_order_alpha_grad_equals_hand_derivation() -> None:
     assert objective == pytest.approx(float(value) * eta, rel=1e-12)
 
 
+def test_look_ahead_pass_holds_no_copy_of_g() -> None:
+    # Memory: during L(S~; theta') there are as many weight-shaped storages as during
+    # L(S; theta_alpha) (the parameter, gradinit_'s snapshot, theta' written over theta_alpha):
+    # g is freed.
+    shape = (37, 23)
+    net = nn.Sequential(nn.Linear(23, 37), nn.Tanh(), nn.Linear(37, 3))
+    counts: list[int] = []
+
+    def loss_fn(model, batch):
+        tensors = [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)]
+        counts.append(len({t.untyped_storage().data_ptr() for t in tensors if t.shape == shape}))
+        return F.cross_entropy(model(batch[0]), batch[1])
+
+    gradinit_(net, _class_batches(4, width=23), loss_fn, gamma=math.inf)
+    assert len(counts) == 6  # 3 iterations of L(S) then L(S~)
+    assert counts[1::2] == counts[0::2], counts
+
+
 def _central(f, alpha: torch.Tensor, h: float = 1e-6) -> torch.Tensor:
     return torch.stack(
         [(f(alpha + h * e) - f(alpha - h * e)) / (2 * h) for e in torch.eye(len(alpha), dtype=D)]
@@ -159,10 +178,12 @@ def _mlp(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Sequential:
     return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)).to(dtype)
 
 
-def _class_batches(n: int, size: int = 16, seed: int = 2, dtype: torch.dtype = torch.float32):
+def _class_batches(
+    n: int, size: int = 16, seed: int = 2, dtype: torch.dtype = torch.float32, width: int = 6
+):
     g = torch.Generator().manual_seed(seed)
     return [
-        (torch.randn(size, 6, generator=g).to(dtype), torch.randint(0, 3, (size,), generator=g))
+        (torch.randn(size, width, generator=g).to(dtype), torch.randint(0, 3, (size,), generator=g))
         for _ in range(n)
     ]
 

@@ -390,6 +390,7 @@ class _GradInitStep:
         else:
             del loss, g  # frees the graph of L(S) (and of g) before the look-ahead forward
             look = self._look_ahead(theta, self._direction(g_mean))
+            del g_mean  # and g itself: the look-ahead pass holds theta' and its gradient only
         look_loss = loss_at(self.model, self.loss_fn, ts, look, tilde())
         self.forward += 1
         objective = scalar_mean(look_loss)
