@@ -75,6 +75,7 @@ __all__ = [
     "scaled_params",
     "second_order",
     "select_tensors",
+    "set_evaluation_modes",
     "tensor_roles",
 ]
 
@@ -308,12 +309,17 @@ def evaluation_modes(model: nn.Module, batch_stats: bool) -> Iterator[None]:
     ``training`` flag.
     """
     with model_kept(model, params="never", buffers="always"):
-        model.eval()
-        if batch_stats:
-            for m in model.modules():
-                if isinstance(m, nn.modules.batchnorm._NormBase):
-                    m.train()
+        set_evaluation_modes(model, batch_stats)
         yield
+
+
+def set_evaluation_modes(model: nn.Module, batch_stats: bool) -> None:
+    """The modes of :func:`evaluation_modes`, set without saving anything to put back."""
+    model.eval()
+    if batch_stats:
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._NormBase):
+                m.train()
 
 
 @dataclass
