@@ -150,6 +150,47 @@ def test_constraint_gradient_same_whether_or_not_a_constraint_step_was_expected(
     assert torch.equal(grads[0], grads[1])
 
 
+def test_objective_gradient_same_whether_or_not_a_graph_to_alpha_was_built() -> None:
+    from initlab.methods._alpha import evaluation_modes as _evaluation_modes
+    from initlab.methods._alpha import nonzero as _nonzero
+    from initlab.methods._alpha import select_tensors as _select
+    from initlab.methods.gradinit import _GradInitStep
+
+    net, (s, s_tilde) = _two_layer(), _data()
+    ts = _select(net, "default", _nonzero, "test")
+    alpha = torch.tensor([0.7, 1.3], dtype=D)
+    grads = []
+    for last in ("objective", "constraint"):  # theta as plain leaves / with its graph to alpha
+        run = _GradInitStep(net, _mse, ts, eta=0.1, optimizer="sgd", exact=False, what="test")
+        run.last_kind = last
+        with _evaluation_modes(net, batch_stats=True):
+            res = run(alpha, s, lambda: s_tilde, gamma=math.inf, iteration=0)
+        assert res.kind == "objective"
+        grads.append(res.grad)
+    assert torch.equal(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_scaled_leaves_are_scaled_params_bit_for_bit(dtype: torch.dtype) -> None:
+    from initlab.methods._alpha import nonzero as _nonzero
+    from initlab.methods._alpha import scaled_leaves, scaled_params
+    from initlab.methods._alpha import select_tensors as _select
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(5, 7), nn.LayerNorm(7), nn.Linear(7, 2, bias=False))
+    net[0].to(dtype)  # mixed dtypes: alpha is rounded per tensor dtype
+    with torch.no_grad():
+        net[1].bias.zero_()  # all zeros: no alpha
+    ts = _select(net, "default", _nonzero, "test")
+    a = torch.tensor([0.3, 1.7, 0.9, 1.1111111111], dtype=D)[: len(ts.scaled)]
+    leaves = scaled_leaves(ts, a)
+    ref = scaled_params(ts, a.clone().requires_grad_())
+    assert len(ts.scaled) == 4 and len(leaves) == len(ref) == 5
+    for x, y in zip(leaves, ref, strict=True):
+        assert x.is_leaf and x.requires_grad and x.dtype == y.dtype
+        assert torch.equal(x, y.detach())
+
+
 def test_adam_exact_equals_first_order_and_hand_derivation() -> None:
     net, (s, s_tilde), eta = _two_layer(), _data(), 0.05
     alpha = torch.tensor([0.9, 1.2], dtype=D)

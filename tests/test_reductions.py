@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from initlab._core.reductions import sum_of_products, sum_of_squares
+from initlab._core.reductions import squared_norms, sum_of_products, sum_of_squares
 
 
 @pytest.mark.parametrize("n", [1, 2047, 2048, 2049, 5_000_003])
@@ -26,14 +26,14 @@ def test_sum_of_squares_per_row_and_low_precision() -> None:
     assert float(sum_of_squares(h)) == pytest.approx(float((h.double() ** 2).sum()), rel=1e-6)
 
 
-@pytest.mark.parametrize("n", [1, 2047, 2**17, 2**17 + 1, 5_000_003])
+@pytest.mark.parametrize("n", [1, 2047, 2**14, 2**14 + 1, 2**17, 5_000_003])
 def test_sum_of_products_matches_float64(n: int) -> None:
     g = torch.Generator().manual_seed(n)
     x, y = torch.randn(n, generator=g) * 3 + 1, torch.randn(n, generator=g) + 2
     exact = float((x.double() * y.double()).sum())
     got = sum_of_products(x.reshape(-1, 1), y)
     assert got.dtype == torch.float32 and got.shape == ()
-    assert float(got) == pytest.approx(exact, rel=2e-7)  # a BLAS dot: 1.1e-6 off at 5M
+    assert float(got) == pytest.approx(exact, rel=3e-7)  # a BLAS dot: 1.1e-6 off at 5M
     assert float(sum_of_products(x.double(), y.double())) == pytest.approx(exact, rel=1e-12)
 
 
@@ -43,3 +43,17 @@ def test_sum_of_products_low_precision_in_float32() -> None:
     got = sum_of_products(x, y)
     assert got.dtype == torch.float32
     assert float(got) == pytest.approx(float((x.double() * y.double()).sum()), rel=1e-5)
+
+
+def test_squared_norms_match_float64_at_every_size_and_dtype() -> None:
+    g = torch.Generator().manual_seed(3)
+    sizes = [1, 2047, 2**14, 2**14 + 1, 2**17, 3_000_001]
+    tensors = [torch.randn(n, generator=g) + 1 for n in sizes]
+    tensors += [torch.randn(4, 5, generator=g, dtype=torch.float64), tensors[1].bfloat16()]
+    got = squared_norms(tensors)
+    assert len(got) == len(tensors) and all(x.shape == () for x in got)
+    for x, t in zip(got, tensors, strict=True):
+        # one float32 norm of 2**17 entries: ~1.5e-6 off; bfloat16 as sum_of_squares (1e-6)
+        rel = 1e-6 if t.dtype == torch.bfloat16 else 5e-7
+        assert float(x) == pytest.approx(float((t.double() ** 2).sum()), rel=rel)
+    assert got[6].dtype == torch.float64

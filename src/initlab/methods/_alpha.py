@@ -58,6 +58,7 @@ __all__ = [
     "TensorFilter",
     "Tensors",
     "alpha_rows",
+    "alpha_values",
     "batch_pairs",
     "check_finite",
     "check_number",
@@ -127,6 +128,12 @@ class Tensors:
     @property
     def numel(self) -> int:
         return sum(t.numel() for t in self.tensors)
+
+    @property
+    def unscaled(self) -> list[int]:
+        """Positions in ``tensors`` without an alpha."""
+        scaled = set(self.scaled)
+        return [i for i in range(len(self.tensors)) if i not in scaled]
 
 
 def tensor_roles(model: nn.Module) -> dict[int, str]:
@@ -200,11 +207,29 @@ def scaled_params(ts: Tensors, a: torch.Tensor) -> list[torch.Tensor]:
 
 
 def scaled_leaves(ts: Tensors, a: torch.Tensor) -> list[torch.Tensor]:
-    """The values of :func:`scaled_params` as fresh leaves that need a gradient, without a graph
-    to ``a`` (for a step whose alpha-gradient does not go through them)."""
-    with torch.no_grad():
-        theta = scaled_params(ts, a)
+    """The values of :func:`scaled_params` (bit for bit) as fresh leaves that need a gradient,
+    without a graph to ``a`` (for a step whose alpha-gradient does not go through them); the
+    products in one fused multiply."""
+    theta = [p.detach() for p in ts.tensors]
+    if ts.scaled:
+        with torch.no_grad():
+            products = torch._foreach_mul([theta[i] for i in ts.scaled], alpha_values(ts, a))
+        for i, t in zip(ts.scaled, products, strict=True):
+            theta[i] = t
     return [t.requires_grad_() for t in theta]
+
+
+def alpha_values(ts: Tensors, a: torch.Tensor) -> list[float]:
+    """``alpha_k`` as Python numbers, each rounded to its tensor's dtype: the factor that
+    :func:`scaled_params` and :func:`fold_alpha` multiply by."""
+    rounded: dict[torch.dtype, list[float]] = {}
+    values = []
+    for k, i in enumerate(ts.scaled):
+        dtype = ts.tensors[i].dtype
+        if dtype not in rounded:
+            rounded[dtype] = a.detach().to(dtype).tolist()
+        values.append(rounded[dtype][k])
+    return values
 
 
 def loss_at(

@@ -117,7 +117,7 @@ from initlab._core.distributed import check_same_parameters, is_distributed
 from initlab._core.knobs import renamed_kwargs, user_stacklevel
 from initlab._core.loss import LossLike, resolve_loss
 from initlab._core.method_report import MethodReport
-from initlab._core.reductions import sum_of_products
+from initlab._core.reductions import squared_norms, sum_of_products
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows
 from initlab._core.state import restore_on_failure
@@ -362,9 +362,9 @@ class _GradInitStep:
         g = grads_or_zeros(loss, theta, create_graph=with_graph)
         self.backward += 1
         g_mean = rank_mean(g)
-        # ||g||_2 (for the warning on gamma's scale) in one kernel per tensor, accurate to ~1e-7
-        # without a float64 copy of g; ||g||_1 for Adam (p = 1).
-        grad_norm2 = float(_host_vector([sum_of_products(x, x) for x in g_mean]).sum().sqrt())
+        # ||g||_2 (for the warning on gamma's scale): one fused norm for the small tensors, rows
+        # for the large ones, accurate to ~3e-7 without a float64 copy of g; ||g||_1 for Adam.
+        grad_norm2 = float(_host_vector(squared_norms(g_mean)).sum().sqrt())
         grad_norm = grad_norm2
         if self.sign:
             grad_norm = float(sum(x.abs().sum(dtype=torch.float64) for x in g_mean))
@@ -410,12 +410,19 @@ class _GradInitStep:
         """``theta' = theta - eta * A[g]`` as fresh leaves (first order: no graph to alpha); only
         the scaled ones need a gradient. A scaled entry of ``theta`` is a product ``alpha_k * W_k``
         of this step, not the parameter: it is overwritten in place (no new memory)."""
-        scaled = set(self.ts.scaled)
+        scaled, rest = self.ts.scaled, self.ts.unscaled
+        look = [t.detach() for t in theta]
         with torch.no_grad():
-            look = [
-                t.detach().add_(d, alpha=-self.eta) if i in scaled else t.add(d, alpha=-self.eta)
-                for i, (t, d) in enumerate(zip(theta, step, strict=True))
-            ]
+            if scaled:
+                torch._foreach_add_(
+                    [look[i] for i in scaled], [step[i] for i in scaled], alpha=-self.eta
+                )
+            if rest:
+                moved = torch._foreach_add(
+                    [look[i] for i in rest], [step[i] for i in rest], alpha=-self.eta
+                )
+                for i, t in zip(rest, moved, strict=True):
+                    look[i] = t
         for i in scaled:
             look[i].requires_grad_()
         return look
