@@ -94,6 +94,7 @@ def test_look_ahead_pass_holds_no_copy_of_g() -> None:
     counts: list[int] = []
 
     def loss_fn(model, batch):
+        gc.collect()  # only live tensors (not earlier tests' garbage collected in between)
         tensors = [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)]
         counts.append(len({t.untyped_storage().data_ptr() for t in tensors if t.shape == shape}))
         return F.cross_entropy(model(batch[0]), batch[1])
