@@ -45,6 +45,39 @@ def _with_nan(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return batches
 
 
+def _wide(rank: int, n: int, bad: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Rank 1's batch ``bad`` has 7 features instead of 6: that rank fails inside an iteration."""
+    batches = _batches(rank, n)
+    if rank == 1:
+        batches[bad] = (torch.randn(8, 7, dtype=D), batches[bad][1])
+    return batches
+
+
+class _Once(torch.autograd.Function):
+    """tanh whose backward is marked once-differentiable (no second derivative)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        y = x.tanh()
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (y,) = ctx.saved_tensors
+        return grad * (1 - y * y)
+
+
+class _OnceNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = _model(0)[0], _model(0)[2]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(_Once.apply(self.a(x)))
+
+
 Case = Callable[[int], tuple[nn.Module, Callable[[nn.Module], Any]]]
 
 #: name -> (model, call) on a rank; the expected outcome is in _EXPECTED.
@@ -101,10 +134,23 @@ _CASES: dict[str, Case] = {
         _model(0),
         lambda m: gradinit_(m, _batches(r, 5 - r), steps=3, gamma=10.0),
     ),
+    "gradinit_, rank 1's batch 2 is 7 wide (a failure inside an iteration)": lambda r: (
+        _model(0),
+        lambda m: gradinit_(m, _wide(r, 4, 2), gamma=10.0),
+    ),
+    "metainit_, rank 1's batch 1 is 7 wide (a failure inside an iteration)": lambda r: (
+        _model(0),
+        lambda m: metainit_(m, _wide(r, 3, 1), variant="gradinit"),
+    ),
+    "gradinit_ constraint step through a once-differentiable op (fails on both ranks)": lambda r: (
+        _OnceNet(),
+        lambda m: gradinit_(m, _batches(r, 3), gamma=0.0),
+    ),
 }
 
-#: name -> a fragment of the message every rank raises, or None: runs, ranks end identical.
-_EXPECTED: dict[str, str | None] = {
+#: name -> a fragment of the message every rank raises (a RankMismatchError, or the error type
+#: given first), or None: runs, ranks end identical.
+_EXPECTED: dict[str, str | tuple[str, str] | None] = {
     "gradinit_, ranks start from different weights": (
         "gradinit_: the ranks hold different parameters (4 of 4 tensors differ"
     ),
@@ -135,6 +181,16 @@ _EXPECTED: dict[str, str | None] = {
     "scale_output_, rank 1 has no batch": (
         "scale_output_ stopped on every rank because 1 of 2 rank(s) failed: rank 1: ValueError: "
         "scale_output_ got no batch: the data is empty"
+    ),
+    "gradinit_, rank 1's batch 2 is 7 wide (a failure inside an iteration)": (
+        "gradinit_ stopped on every rank because 1 of 2 rank(s) failed: rank 1: RuntimeError: "
+    ),
+    "metainit_, rank 1's batch 1 is 7 wide (a failure inside an iteration)": (
+        "metainit_ stopped on every rank because 1 of 2 rank(s) failed: rank 1: RuntimeError: "
+    ),
+    "gradinit_ constraint step through a once-differentiable op (fails on both ranks)": (
+        "DoubleBackwardError",
+        "gradinit_ differentiates the loss twice",
     ),
     "lsuv_, ranks start from different weights (the orthogonal pre-init is broadcast)": None,
     "gradinit_, 5 and 4 batches with steps=3": None,
@@ -177,7 +233,8 @@ def test_ranks_that_disagree_raise_the_same_error_on_every_rank(
         for p0, p1 in zip(params0, params1, strict=True):
             assert torch.equal(p0, p1)
         return
-    assert kind0 == kind1 == "RankMismatchError", (text0, text1)
+    kind, fragment = expected if isinstance(expected, tuple) else ("RankMismatchError", expected)
+    assert kind0 == kind1 == kind, (text0, text1)
     assert text0 == text1
-    assert expected in text0, text0
+    assert fragment in text0, text0
     assert unchanged0 and unchanged1

@@ -11,7 +11,8 @@ when one rank stops alone):
 
 * :func:`check_same_parameters`: every rank holds bit-identical parameters at entry (an exact
   checksum of their bits, all-reduced);
-* :func:`run_together`: a step that can fail on one rank (reading its data) fails on all;
+* :func:`run_together`: a step that can fail on one rank (reading its data, a forward or
+  backward pass on it) fails on all;
 * :func:`in_lockstep`: iterations over each rank's own batches stop together; ranks with
   different numbers of batches are an error.
 """
@@ -143,12 +144,15 @@ def check_same_parameters(model: nn.Module, what: str) -> None:
 
 
 def _raise_together(error: BaseException | None, what: str, ended: bool = False) -> int:
-    """A collective: if ``error`` is set on any rank, raise the same error on every rank;
-    else return the number of ranks that passed ``ended``."""
+    """A collective: if ``error`` is set on some ranks, raise the same error on every rank; if on
+    every rank, each raises its own (as without a process group); else return the number of
+    ranks that passed ``ended``."""
     flags = torch.tensor([error is not None, ended], dtype=torch.int64, device=_device())
     dist.all_reduce(flags, op=dist.ReduceOp.SUM)
     if flags[0].item() == 0:
         return int(flags[1].item())
+    if error is not None and flags[0].item() == dist.get_world_size():
+        raise error
     texts: list[Any] = [None] * dist.get_world_size()
     mine = None if error is None else f"{type(error).__name__}: {error}"
     dist.all_gather_object(texts, mine)
@@ -161,9 +165,10 @@ def _raise_together(error: BaseException | None, what: str, ended: bool = False)
 
 
 def run_together(what: str, fn: Callable[[], T]) -> T:
-    """``fn()`` on every rank; if it raises on any rank, every rank raises
-    :class:`RankMismatchError` with the same message (each failed rank's error in it). Without
-    a process group: ``fn()``, its errors unchanged. A collective: call it on every rank."""
+    """``fn()`` on every rank; if it raises on some ranks, every rank raises
+    :class:`RankMismatchError` with the same message (each failed rank's error in it); if it
+    raises on every rank, each rank raises its own error. Without a process group: ``fn()``, its
+    errors unchanged. A collective: call it on every rank."""
     if not is_distributed():
         return fn()
     try:
@@ -199,8 +204,8 @@ def in_lockstep(items: Iterable[T], what: str) -> Iterator[T]:
 
     Raises :class:`RankMismatchError` on every rank when some ranks have run out while others
     have not (different numbers of batches), or when reading the next item raised on some rank
-    (that rank's error is in the message). Stops on every rank together. Without a process group
-    the items are yielded as they are.
+    (that rank's error is in the message; raised on every rank, each rank's own error). Stops on
+    every rank together. Without a process group the items are yielded as they are.
     """
     if not is_distributed():
         yield from items

@@ -67,7 +67,9 @@ What is exactly what here:
   the gradient of the global loss and all ranks end bit-identical. The ranks must start from
   the same weights and run the same number of iterations: both are checked (a checksum of the
   parameters at entry; the iteration count, and every batch in lockstep), and a mismatch raises
-  the same :class:`~initlab._core.distributed.RankMismatchError` on every rank. Give every rank
+  the same :class:`~initlab._core.distributed.RankMismatchError` on every rank, as does a forward
+  or backward pass that fails on some ranks only (each is run together,
+  :func:`~initlab._core.distributed.run_together`; one small all-reduce each). Give every rank
   the same number of batches of the same size.
 * **Failure**: on any exception (including the errors below) the model's tensors and modes are
   put back (:func:`~initlab._core.state.restore_on_failure`); no hook is ever attached.
@@ -106,14 +108,14 @@ import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 from torch import nn
 
 from initlab._core.attention import with_math_attention
 from initlab._core.data import DataCounter, batch_size
-from initlab._core.distributed import check_same_parameters, is_distributed
+from initlab._core.distributed import check_same_parameters, is_distributed, run_together
 from initlab._core.knobs import renamed_kwargs, user_stacklevel
 from initlab._core.loss import LossLike, resolve_loss
 from initlab._core.method_report import MethodReport
@@ -152,6 +154,8 @@ __all__ = [
     "gradinit_alpha_grad",
     "overlap_batch",
 ]
+
+T = TypeVar("T")
 
 #: Rows of the :class:`~initlab.MethodReport` of :func:`gradinit_`, one per tensor
 #: with an alpha: ``layer`` and ``param`` (the first qualified name of the tensor, split into the
@@ -329,15 +333,25 @@ class _GradInitStep:
         batch norms get their second derivatives written out, :func:`written_out_second_order`).
         """
         self.forward += 1
-        if not twice:
-            return loss_at(self.model, self.loss_fn, self.ts, theta, batch)
-        # Every differentiation through g ends at the alphas: a scaled tensor's gradient there is
-        # read only through <., W_k> (written_out_second_order's ``scaled``).
-        with written_out_second_order([theta[i] for i in self.ts.scaled]):
-            return loss_at(self.model, self.loss_fn, self.ts, theta, batch)
+
+        def evaluate() -> torch.Tensor:
+            if not twice:
+                return loss_at(self.model, self.loss_fn, self.ts, theta, batch)
+            # Every differentiation through g ends at the alphas: a scaled tensor's gradient there
+            # is read only through <., W_k> (written_out_second_order's ``scaled``).
+            with written_out_second_order([theta[i] for i in self.ts.scaled]):
+                return loss_at(self.model, self.loss_fn, self.ts, theta, batch)
+
+        return self._together(evaluate)
+
+    def _together(self, fn: Callable[[], T]) -> T:
+        """``fn()``, a local part of the step (a forward or backward pass): under DDP, if it fails
+        on some ranks every rank raises the same error, instead of the others waiting in the next
+        all-reduce (:func:`~initlab._core.distributed.run_together`)."""
+        return run_together(self.what, fn)
 
     def _alpha_grad(self, out: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-        grad = grads_or_zeros(out, [a])[0]
+        grad = self._together(lambda: grads_or_zeros(out, [a])[0])
         return rank_mean([grad.double()])[0]
 
     def __call__(
@@ -359,7 +373,7 @@ class _GradInitStep:
         loss = self._loss(theta, batch, with_graph)
         loss_value = scalar_mean(loss)
         check_finite(loss_value, iteration, self.what)
-        g = grads_or_zeros(loss, theta, create_graph=with_graph)
+        g = self._together(lambda: grads_or_zeros(loss, theta, create_graph=with_graph))
         self.backward += 1
         g_mean = rank_mean(g)
         # ||g||_2 (for the warning on gamma's scale): one fused norm for the small tensors, rows
@@ -375,7 +389,7 @@ class _GradInitStep:
             if not with_graph:  # guessed wrong: evaluate L(S) again, keeping the graph
                 theta = scaled_params(ts, a)
                 loss = self._loss(theta, batch, True)
-                g = grads_or_zeros(loss, theta, create_graph=True)
+                g = self._together(lambda: grads_or_zeros(loss, theta, create_graph=True))
                 self.backward += 1
             with second_order(self.what, _CONSTRAINT_WHY, _CONSTRAINT_ADVICE) as check:
                 self._check_once(check, g)
@@ -391,7 +405,7 @@ class _GradInitStep:
             del loss, g  # frees the graph of L(S) (and of g) before the look-ahead forward
             look = self._look_ahead(theta, self._direction(g_mean))
             del g_mean  # and g itself: the look-ahead pass holds theta' and its gradient only
-        look_loss = loss_at(self.model, self.loss_fn, ts, look, tilde())
+        look_loss = self._together(lambda: loss_at(self.model, self.loss_fn, ts, look, tilde()))
         self.forward += 1
         objective = scalar_mean(look_loss)
         check_finite(objective, iteration, self.what, "look-ahead loss")
@@ -431,7 +445,7 @@ class _GradInitStep:
         """The first-order objective's alpha-gradient, ``<dL(S~; theta') / d theta'_k, W_k> / eta``
         for each scaled tensor ``k`` (rank mean): one dot product per tensor, no graph to alpha."""
         ts = self.ts
-        grads = grads_or_zeros(look_loss, [look[i] for i in ts.scaled])
+        grads = self._together(lambda: grads_or_zeros(look_loss, [look[i] for i in ts.scaled]))
         dots = [sum_of_products(g, ts.tensors[i]) for g, i in zip(grads, ts.scaled, strict=True)]
         return rank_mean([_host_vector(dots) / self.eta])[0]
 
@@ -443,9 +457,9 @@ class _GradInitStep:
             return self._alpha_grad(scaled_loss, a)
         # d/d alpha of the mean over ranks: average dL~/d theta' first, then pull it back
         # through theta'(alpha) (which depends on every rank's g through the rank-mean g).
-        u = rank_mean(grads_or_zeros(scaled_loss, look, retain_graph=True))
+        u = rank_mean(self._together(lambda: grads_or_zeros(scaled_loss, look, retain_graph=True)))
         self.backward += 1
-        grad = grads_or_zeros(look, [a], grad_outputs=u)[0]
+        grad = self._together(lambda: grads_or_zeros(look, [a], grad_outputs=u)[0])
         return rank_mean([grad.double()])[0]
 
     def _check_once(self, check: Callable[[Sequence[torch.Tensor]], None], g: Any) -> None:

@@ -45,7 +45,7 @@ averaged before the step, so MetaInit minimizes the mean over ranks of the per-r
 is not linear in the gradient, so this is not the ``GQ`` of the global batch) and all ranks end
 bit-identical. Ranks that start from different weights, or run different numbers of steps, raise
 the same :class:`~initlab._core.distributed.RankMismatchError` on every rank (checked at entry and
-in lockstep, as in GradInit).
+in lockstep, as in GradInit), as does a step whose passes fail on some ranks only.
 
 Cost per step: one forward, a backward with graph, a double backward with graph, and the backward
 of all that to the scales (third order).
@@ -56,6 +56,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -63,7 +64,7 @@ from torch import nn
 
 from initlab._core.attention import with_math_attention
 from initlab._core.data import DataCounter
-from initlab._core.distributed import check_same_parameters
+from initlab._core.distributed import check_same_parameters, run_together
 from initlab._core.loss import LossLike, resolve_loss
 from initlab._core.method_report import MethodReport
 from initlab._core.rng import as_generator
@@ -296,14 +297,18 @@ def metainit_(
         with evaluation_modes(model, batch_stats=opts.batch_stats):
             for t, (batch, _) in enumerate(batches):
                 a = update.alpha.detach().clone().requires_grad_(True)
-                gq, value, grad_norm = _gq(model, loss, ts, scaled_params(ts, a), batch, opts.eps)
+                # the local parts (forward, backwards) fail together under DDP (run_together)
+                theta = scaled_params(ts, a)
+                gq, value, grad_norm = run_together(
+                    what, partial(_gq, model, loss, ts, theta, batch, opts.eps)
+                )
                 forward += 1
                 loss_value = scalar_mean(value)
                 check_finite(loss_value, t, what)
                 gq_value = scalar_mean(gq)
                 check_finite(gq_value, t, what, "gradient quotient")
                 with second_order(what, _WHY, _ADVICE):
-                    meta = grads_or_zeros(gq, [a])[0]
+                    meta = run_together(what, partial(grads_or_zeros, gq, [a]))[0]
                 grad = rank_mean([meta.double()])[0]
                 backward += 3
                 alpha = update.step(grad)
