@@ -142,6 +142,14 @@ _CASES: dict[str, Case] = {
         _model(0),
         lambda m: metainit_(m, _wide(r, 3, 1), variant="gradinit"),
     ),
+    "scale_output_, rank 1's batch 1 is 7 wide (a failure inside the passes)": lambda r: (
+        _model(0),
+        lambda m: scale_output_(m, _wide(r, 2, 1)),
+    ),
+    "precondition_, rank 1's batch 1 is 7 wide (a failure inside the passes)": lambda r: (
+        _model(0),
+        lambda m: precondition_(m, _wide(r, 2, 1)),
+    ),
     "gradinit_ constraint step through a once-differentiable op (fails on both ranks)": lambda r: (
         _OnceNet(),
         lambda m: gradinit_(m, _batches(r, 3), gamma=0.0),
@@ -187,6 +195,12 @@ _EXPECTED: dict[str, str | tuple[str, str] | None] = {
     ),
     "metainit_, rank 1's batch 1 is 7 wide (a failure inside an iteration)": (
         "metainit_ stopped on every rank because 1 of 2 rank(s) failed: rank 1: RuntimeError: "
+    ),
+    "scale_output_, rank 1's batch 1 is 7 wide (a failure inside the passes)": (
+        "scale_output_ stopped on every rank because 1 of 2 rank(s) failed: rank 1: RuntimeError: "
+    ),
+    "precondition_, rank 1's batch 1 is 7 wide (a failure inside the passes)": (
+        "precondition_ stopped on every rank because 1 of 2 rank(s) failed: rank 1: RuntimeError: "
     ),
     "gradinit_ constraint step through a once-differentiable op (fails on both ranks)": (
         "DoubleBackwardError",

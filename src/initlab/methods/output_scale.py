@@ -7,16 +7,16 @@ returned as an :class:`OutputScale` module, or attached as a removable forward h
 alone. Any model works, Hugging Face ones included: the output may be a tensor, a tuple (its first
 tensor is the output), a dict (its ``"logits"``) or an object with ``.logits``.
 
-Every method changes the model in place (or, where said, not at all), leaves no hooks behind
-(except the one ``how="hook"`` adds on purpose and hands back),
-restores weights, buffers and train/eval modes if it fails midway
-(``restore_on_failure``), never moves the model, and sums its statistics over
-the ranks of a ``torch.distributed`` job (:func:`~initlab._core.distributed.all_reduce_sum`), so all
-ranks end with identical weights (ranks that start from different weights, or whose data fails to
-load on one rank, raise the same :class:`~initlab._core.distributed.RankMismatchError` on every
-rank). Forward passes used only for measuring leave buffers (BatchNorm
-running statistics) as they were, and run under a forked RNG (seeded from ``generator`` when
-given), so dropout masks are reproducible and torch's global RNG state is untouched.
+Every method changes the model in place (or, where said, not at all), leaves no hooks behind (except
+the one ``how="hook"`` adds on purpose and hands back), restores weights, buffers and train/eval
+modes if it fails midway (``restore_on_failure``), never moves the model, and sums its statistics
+over the ranks of a ``torch.distributed`` job (:func:`~initlab._core.distributed.all_reduce_sum`),
+so all ranks end with identical weights (ranks that start from different weights, or whose data
+fails to load or to run through the model on one rank, raise the same
+:class:`~initlab._core.distributed.RankMismatchError` on every rank). Forward passes used only for
+measuring leave buffers (BatchNorm running statistics) as they were, and run under a forked RNG
+(seeded from ``generator`` when given), so dropout masks are reproducible and torch's global RNG
+state is untouched.
 """
 
 from __future__ import annotations
@@ -206,18 +206,26 @@ target."""
 
 
 def _output_moments(
-    model: nn.Module, batches: Sequence[Any], forward: Forward, seeds: Seeds
+    model: nn.Module, batches: Sequence[Any], forward: Forward, seeds: Seeds, what: str
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """``[sum y, sum y^2, n]`` over all logits of all batches (and ranks), and the outputs."""
-    sums = torch.zeros(3, dtype=torch.float64)
-    outs = []
-    with torch.no_grad(), keep_buffers(model):
-        for i, batch in enumerate(batches):
-            with seeds.scope(i):
-                y = output_tensor(forward(model, batch)).detach()
-            outs.append(y)
-            y64 = y.to(torch.float64)
-            sums += torch.stack((y64.sum(), y64.square().sum(), torch.tensor(float(y.numel()))))
+    """``[sum y, sum y^2, n]`` over all logits of all batches (and ranks), and the outputs.
+
+    Under DDP the forward passes run together (a pass that fails on some ranks raises on all).
+    """
+
+    def local() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        sums = torch.zeros(3, dtype=torch.float64)
+        outs = []
+        with torch.no_grad(), keep_buffers(model):
+            for i, batch in enumerate(batches):
+                with seeds.scope(i):
+                    y = output_tensor(forward(model, batch)).detach()
+                outs.append(y)
+                y64 = y.to(torch.float64)
+                sums += torch.stack((y64.sum(), y64.square().sum(), torch.tensor(float(y.numel()))))
+        return sums, outs
+
+    sums, outs = run_together(what, local)
     all_reduce_sum([sums])
     return sums, outs
 
@@ -252,7 +260,10 @@ def measure_output_std(
     batches = run_together(
         "measure_output_std", lambda: take_batches(data, max_batches, what="measure_output_std")
     )
-    sums, _ = _output_moments(model, batches, forward or default_forward, Seeds(model, generator))
+    seeds = Seeds(model, generator)
+    sums, _ = _output_moments(
+        model, batches, forward or default_forward, seeds, "measure_output_std"
+    )
     return _std(sums)
 
 
@@ -359,7 +370,7 @@ def scale_output_(
         layers = [name for name, *_ in weight_layers(model, reg)]
         _check_module(model, module, layers, how)
         order, _, (sums, outs) = execution_order(
-            model, layers, lambda: _output_moments(model, batches, forward, seeds)
+            model, layers, lambda: _output_moments(model, batches, forward, seeds, "scale_output_")
         )
         passes += len(batches)
         std = _std(sums)

@@ -9,12 +9,14 @@ r"""Automatic preconditioning (Defazio & Bottou 2020, §5 and App. E): condition
   (``alpha^4 k^2 = const``) and :func:`resnet_multipliers` (App. E, re-derived).
 
 Every method changes the model in place (or, where said, not at all), leaves no hooks behind,
-restores weights, buffers and train/eval modes if it fails midway
-(``restore_on_failure``), never moves the model, and sums its statistics over
-the ranks of a ``torch.distributed`` job (:func:`~initlab._core.distributed.all_reduce_sum`), so all
-ranks end with identical weights. Forward passes used only for measuring leave buffers (BatchNorm
-running statistics) as they were, and run under a forked RNG (seeded from ``generator`` when
-given), so dropout masks are reproducible and torch's global RNG state is untouched.
+restores weights, buffers and train/eval modes if it fails midway (``restore_on_failure``), never
+moves the model, and sums its statistics over the ranks of a ``torch.distributed`` job
+(:func:`~initlab._core.distributed.all_reduce_sum`), so all ranks end with identical weights (a
+probe whose passes fail on some ranks only raises the same
+:class:`~initlab._core.distributed.RankMismatchError` on every rank). Forward passes used only for
+measuring leave buffers (BatchNorm running statistics) as they were, and run under a forked RNG
+(seeded from ``generator`` when given), so dropout masks are reproducible and torch's global RNG
+state is untouched.
 """
 
 from __future__ import annotations
@@ -427,7 +429,13 @@ class _Balancing:
         """The GR scaling of every layer (:func:`~initlab.gr_scaling`) from one moment probe;
         the layers that feed attention get ``kind="attention"`` (see :meth:`attention`)."""
         with self.seeds.scope(1):  # measure_moments leaves buffers (BN statistics) as they were
-            p = measure_moments(self.model, self.batches, self.loss_fn, **self.probe_kwargs)
+            # local passes: under DDP, one that fails on some ranks raises on all
+            p = run_together(
+                "precondition_",
+                lambda: measure_moments(
+                    self.model, self.batches, self.loss_fn, **self.probe_kwargs
+                ),
+            )
         self.forward += len(self.batches)
         self.backward += len(self.batches)
         _refuse_nonfinite(p)
