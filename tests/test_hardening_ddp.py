@@ -78,6 +78,24 @@ class _OnceNet(nn.Module):
         return self.b(_Once.apply(self.a(x)))
 
 
+class _FailOn(nn.Module):
+    """Identity that raises on one rank: a failure in the middle of a forward pass."""
+
+    def __init__(self, fail: bool) -> None:
+        super().__init__()
+        self.fail = fail
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fail:
+            raise RuntimeError("this layer failed on this rank")
+        return x
+
+
+def _failing_mid_forward(rank: int) -> nn.Module:
+    model = _model(0)
+    return nn.Sequential(model[0], model[1], _FailOn(rank == 1), model[2])
+
+
 Case = Callable[[int], tuple[nn.Module, Callable[[nn.Module], Any]]]
 
 #: name -> (model, call) on a rank; the expected outcome is in _EXPECTED.
@@ -150,6 +168,14 @@ _CASES: dict[str, Case] = {
         _model(0),
         lambda m: precondition_(m, _wide(r, 2, 1)),
     ),
+    "lsuv_(orthogonal=False), rank 1's batch is 7 wide (a failure inside the pass)": lambda r: (
+        _model(0),
+        lambda m: lsuv_(m, _wide(r, 1, 0)[0][0], orthogonal=False),
+    ),
+    "lsuv_, a layer raises on rank 1 in the middle of the forward pass": lambda r: (
+        _failing_mid_forward(r),
+        lambda m: lsuv_(m, _batches(0, 1)[0][0], generator=0),
+    ),
     "gradinit_ constraint step through a once-differentiable op (fails on both ranks)": lambda r: (
         _OnceNet(),
         lambda m: gradinit_(m, _batches(r, 3), gamma=0.0),
@@ -201,6 +227,13 @@ _EXPECTED: dict[str, str | tuple[str, str] | None] = {
     ),
     "precondition_, rank 1's batch 1 is 7 wide (a failure inside the passes)": (
         "precondition_ stopped on every rank because 1 of 2 rank(s) failed: rank 1: RuntimeError: "
+    ),
+    "lsuv_(orthogonal=False), rank 1's batch is 7 wide (a failure inside the pass)": (
+        "lsuv_ stopped on every rank because 1 of 2 rank(s) failed: rank 1: RuntimeError: "
+    ),
+    "lsuv_, a layer raises on rank 1 in the middle of the forward pass": (
+        "lsuv_ stopped on every rank because 1 of 2 rank(s) failed: rank 1: RuntimeError: this "
+        "layer failed on this rank"
     ),
     "gradinit_ constraint step through a once-differentiable op (fails on both ranks)": (
         "DoubleBackwardError",

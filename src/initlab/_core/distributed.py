@@ -14,12 +14,15 @@ when one rank stops alone):
 * :func:`run_together`: a step that can fail on one rank (reading its data, a forward or
   backward pass on it) fails on all;
 * :func:`in_lockstep`: iterations over each rank's own batches stop together; ranks with
-  different numbers of batches are an error.
+  different numbers of batches are an error;
+* :func:`failing_together` with :func:`checkpoint`: a block whose collectives sit inside its
+  passes (LSUV's hooks) fails on every rank when it fails on one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import torch
@@ -32,6 +35,8 @@ __all__ = [
     "broadcast_model",
     "check_same_count",
     "check_same_parameters",
+    "checkpoint",
+    "failing_together",
     "in_lockstep",
     "is_distributed",
     "run_together",
@@ -178,6 +183,34 @@ def run_together(what: str, fn: Callable[[], T]) -> T:
         raise  # unreachable: _raise_together raised
     _raise_together(None, what)
     return value
+
+
+def checkpoint(what: str) -> None:
+    """Before a collective inside a :func:`failing_together` block: if a peer rank failed since
+    the last one, raise the same :class:`RankMismatchError` here (one small all-reduce).
+    Without a process group: nothing."""
+    if is_distributed():
+        _raise_together(None, what)
+
+
+@contextmanager
+def failing_together(what: str) -> Iterator[None]:
+    """A block whose collectives each follow a :func:`checkpoint`: an exception on some ranks
+    meets the other ranks at their next checkpoint (or at the end of the block), and every rank
+    raises the same :class:`RankMismatchError`, instead of the others waiting in a collective
+    the failed rank never reaches; an exception on every rank stays each rank's own. Without a
+    process group: the block, its errors unchanged."""
+    if not is_distributed():
+        yield
+        return
+    try:
+        yield
+    except RankMismatchError:
+        raise  # raised by a checkpoint or a check: the peer ranks raised it too
+    except Exception as err:
+        _raise_together(err, what)
+        raise  # unreachable: _raise_together raised
+    _raise_together(None, what)
 
 
 def check_same_count(count: int | None, what: str, unit: str) -> None:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from initlab._core.data import DataUse, data_use, default_forward, take_batches
-from initlab._core.distributed import check_same_parameters, run_together
+from initlab._core.distributed import check_same_parameters, failing_together, run_together
 from initlab._core.hooks import hook_handles
 from initlab._core.knobs import renamed_kwargs, user_stacklevel
 from initlab._core.method_report import MethodReport
@@ -281,7 +281,7 @@ def lsuv_(
         generator=gen,
         block_names=block_names,
     )
-    with restore_on_failure(model):
+    with restore_on_failure(model), failing_together("lsuv_"):
         passes, sweeps = _run(model, engine, runs, forward, strategy, norm_mode, max_iter)
     rows, off = _report_rows(units, engine, target, tol)
     _warn(units, off, target, tol, max_iter)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from initlab._core.distributed import is_distributed
+from initlab._core.distributed import checkpoint, is_distributed
 from initlab._core.hooks import HookHandles
 from initlab._core.pytree import flatten_tensors, map_tensors
 from initlab.init.sampling import orthogonal_
@@ -192,6 +192,7 @@ class Engine:
             orthogonal_(w, groups=unit.groups, transposed=unit.transposed, generator=self.generator)
         if is_distributed():
             buf = w if w.is_contiguous() else w.contiguous()
+            checkpoint("lsuv_")
             dist.broadcast(buf, src=0)
             if buf is not w:
                 w.copy_(buf)
