@@ -169,22 +169,6 @@ def _raise_together(error: BaseException | None, what: str, ended: bool = False)
     ) from error
 
 
-def run_together(what: str, fn: Callable[[], T]) -> T:
-    """``fn()`` on every rank; if it raises on some ranks, every rank raises
-    :class:`RankMismatchError` with the same message (each failed rank's error in it); if it
-    raises on every rank, each rank raises its own error. Without a process group: ``fn()``, its
-    errors unchanged. A collective: call it on every rank."""
-    if not is_distributed():
-        return fn()
-    try:
-        value = fn()
-    except Exception as err:
-        _raise_together(err, what)
-        raise  # unreachable: _raise_together raised
-    _raise_together(None, what)
-    return value
-
-
 def checkpoint(what: str) -> None:
     """Before a collective inside a :func:`failing_together` block: if a peer rank failed since
     the last one, raise the same :class:`RankMismatchError` here (one small all-reduce).
@@ -199,7 +183,7 @@ def failing_together(what: str) -> Iterator[None]:
     meets the other ranks at their next checkpoint (or at the end of the block), and every rank
     raises the same :class:`RankMismatchError`, instead of the others waiting in a collective
     the failed rank never reaches; an exception on every rank stays each rank's own. Without a
-    process group: the block, its errors unchanged."""
+    process group: the block, its errors unchanged. A collective: enter it on every rank."""
     if not is_distributed():
         yield
         return
@@ -211,6 +195,15 @@ def failing_together(what: str) -> Iterator[None]:
         _raise_together(err, what)
         raise  # unreachable: _raise_together raised
     _raise_together(None, what)
+
+
+def run_together(what: str, fn: Callable[[], T]) -> T:
+    """``fn()`` (a local step without collectives: reading data, a forward or backward pass) as a
+    :func:`failing_together` block: if it raises on some ranks, every rank raises
+    :class:`RankMismatchError` with the same message (each failed rank's error in it); if on
+    every rank, each rank raises its own error."""
+    with failing_together(what):
+        return fn()
 
 
 def check_same_count(count: int | None, what: str, unit: str) -> None:

@@ -108,7 +108,7 @@ import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -154,8 +154,6 @@ __all__ = [
     "gradinit_alpha_grad",
     "overlap_batch",
 ]
-
-T = TypeVar("T")
 
 #: Rows of the :class:`~initlab.MethodReport` of :func:`gradinit_`, one per tensor
 #: with an alpha: ``layer`` and ``param`` (the first qualified name of the tensor, split into the
@@ -342,16 +340,11 @@ class _GradInitStep:
             with written_out_second_order([theta[i] for i in self.ts.scaled]):
                 return loss_at(self.model, self.loss_fn, self.ts, theta, batch)
 
-        return self._together(evaluate)
-
-    def _together(self, fn: Callable[[], T]) -> T:
-        """``fn()``, a local part of the step (a forward or backward pass): under DDP, if it fails
-        on some ranks every rank raises the same error, instead of the others waiting in the next
-        all-reduce (:func:`~initlab._core.distributed.run_together`)."""
-        return run_together(self.what, fn)
+        # a local pass: under DDP, if it fails on some ranks every rank raises the same error
+        return run_together(self.what, evaluate)
 
     def _alpha_grad(self, out: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-        grad = self._together(lambda: grads_or_zeros(out, [a])[0])
+        grad = run_together(self.what, lambda: grads_or_zeros(out, [a])[0])
         return rank_mean([grad.double()])[0]
 
     def __call__(
@@ -373,7 +366,7 @@ class _GradInitStep:
         loss = self._loss(theta, batch, with_graph)
         loss_value = scalar_mean(loss)
         check_finite(loss_value, iteration, self.what)
-        g = self._together(lambda: grads_or_zeros(loss, theta, create_graph=with_graph))
+        g = run_together(self.what, lambda: grads_or_zeros(loss, theta, create_graph=with_graph))
         self.backward += 1
         g_mean = rank_mean(g)
         # ||g||_2 (for the warning on gamma's scale): one fused norm for the small tensors, rows
@@ -389,7 +382,7 @@ class _GradInitStep:
             if not with_graph:  # guessed wrong: evaluate L(S) again, keeping the graph
                 theta = scaled_params(ts, a)
                 loss = self._loss(theta, batch, True)
-                g = self._together(lambda: grads_or_zeros(loss, theta, create_graph=True))
+                g = run_together(self.what, lambda: grads_or_zeros(loss, theta, create_graph=True))
                 self.backward += 1
             with second_order(self.what, _CONSTRAINT_WHY, _CONSTRAINT_ADVICE) as check:
                 self._check_once(check, g)
@@ -405,7 +398,9 @@ class _GradInitStep:
             del loss, g  # frees the graph of L(S) (and of g) before the look-ahead forward
             look = self._look_ahead(theta, self._direction(g_mean))
             del g_mean  # and g itself: the look-ahead pass holds theta' and its gradient only
-        look_loss = self._together(lambda: loss_at(self.model, self.loss_fn, ts, look, tilde()))
+        look_loss = run_together(
+            self.what, lambda: loss_at(self.model, self.loss_fn, ts, look, tilde())
+        )
         self.forward += 1
         objective = scalar_mean(look_loss)
         check_finite(objective, iteration, self.what, "look-ahead loss")
@@ -445,7 +440,9 @@ class _GradInitStep:
         """The first-order objective's alpha-gradient, ``<dL(S~; theta') / d theta'_k, W_k> / eta``
         for each scaled tensor ``k`` (rank mean): one dot product per tensor, no graph to alpha."""
         ts = self.ts
-        grads = self._together(lambda: grads_or_zeros(look_loss, [look[i] for i in ts.scaled]))
+        grads = run_together(
+            self.what, lambda: grads_or_zeros(look_loss, [look[i] for i in ts.scaled])
+        )
         dots = [sum_of_products(g, ts.tensors[i]) for g, i in zip(grads, ts.scaled, strict=True)]
         return rank_mean([_host_vector(dots) / self.eta])[0]
 
@@ -457,9 +454,11 @@ class _GradInitStep:
             return self._alpha_grad(scaled_loss, a)
         # d/d alpha of the mean over ranks: average dL~/d theta' first, then pull it back
         # through theta'(alpha) (which depends on every rank's g through the rank-mean g).
-        u = rank_mean(self._together(lambda: grads_or_zeros(scaled_loss, look, retain_graph=True)))
+        u = rank_mean(
+            run_together(self.what, lambda: grads_or_zeros(scaled_loss, look, retain_graph=True))
+        )
         self.backward += 1
-        grad = self._together(lambda: grads_or_zeros(look, [a], grad_outputs=u)[0])
+        grad = run_together(self.what, lambda: grads_or_zeros(look, [a], grad_outputs=u)[0])
         return rank_mean([grad.double()])[0]
 
     def _check_once(self, check: Callable[[Sequence[torch.Tensor]], None], g: Any) -> None:
