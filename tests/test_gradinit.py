@@ -168,11 +168,17 @@ def test_objective_gradient_same_whether_or_not_a_graph_to_alpha_was_built() -> 
             res = run(alpha, s, lambda: s_tilde, gamma=math.inf, iteration=0)
         assert res.kind == "objective"
         grads.append(res.grad)
+    # the hand derivation (as in test_first_order_alpha_grad_equals_hand_derivation), both paths
+    _, look = _objective(net, alpha, s, s_tilde, 0.1)
+    _, d_look = _hand(*look, *s_tilde)
+    expected = torch.stack([(d_look[i] * net[i].weight).sum() / 0.1 for i in (0, 2)]).detach()
+    for grad in grads:
+        torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-14)
     assert torch.equal(grads[0], grads[1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-def test_scaled_leaves_are_scaled_params_bit_for_bit(dtype: torch.dtype) -> None:
+def test_scaled_leaves_and_params_are_the_correctly_rounded_products(dtype: torch.dtype) -> None:
     from initlab.methods._alpha import nonzero as _nonzero
     from initlab.methods._alpha import scaled_leaves, scaled_params
     from initlab.methods._alpha import select_tensors as _select
@@ -183,13 +189,19 @@ def test_scaled_leaves_are_scaled_params_bit_for_bit(dtype: torch.dtype) -> None
     with torch.no_grad():
         net[1].bias.zero_()  # all zeros: no alpha
     ts = _select(net, "default", _nonzero, "test")
-    a = torch.tensor([0.3, 1.7, 0.9, 1.1111111111], dtype=D)[: len(ts.scaled)]
+    a = torch.tensor([0.3, 1.7, 0.9, 1.1111111111], dtype=D)
+    # oracle: alpha rounded to the tensor's dtype (as fold_alpha multiplies), the product exact in
+    # float64 (operands of at most 24 bits) or correctly rounded (float64), rounded once
+    expected = [p.detach() for p in ts.tensors]
+    for k, i in enumerate(ts.scaled):
+        w = expected[i]
+        expected[i] = (w.double() * a[k].to(w.dtype).double()).to(w.dtype)
     leaves = scaled_leaves(ts, a)
     ref = scaled_params(ts, a.clone().requires_grad_())
-    assert len(ts.scaled) == 4 and len(leaves) == len(ref) == 5
-    for x, y in zip(leaves, ref, strict=True):
-        assert x.is_leaf and x.requires_grad and x.dtype == y.dtype
-        assert torch.equal(x, y.detach())
+    assert len(ts.scaled) == 4 and len(leaves) == len(ref) == len(expected) == 5
+    for x, y, e in zip(leaves, ref, expected, strict=True):
+        assert x.is_leaf and x.requires_grad and x.dtype == y.dtype == e.dtype
+        assert torch.equal(x, e) and torch.equal(y.detach(), e)
 
 
 def test_adam_exact_equals_first_order_and_hand_derivation() -> None:
