@@ -13,7 +13,9 @@ Always restored, on success and on failure: every submodule's ``training`` flag,
 ``requires_grad`` and ``.grad`` (the same tensor object, or ``None``), and the hooks: any module or
 parameter hook added inside the block and still attached at its end is removed. Tensors are
 copied back in place under ``no_grad``, so tied tensors stay tied, references the user holds stay
-valid, and nothing moves across devices. Memory: one copy of what is restored.
+valid, and nothing moves across devices. Memory: one copy of what is restored. Under the user's
+``torch.autocast`` the block runs without autocast's cache of cast weights, which changes in place
+would leave stale (:func:`~initlab._core.autocast.autocast_uncached`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from typing import Literal
 
 import torch
 from torch import nn
+
+from initlab._core.autocast import autocast_uncached
 
 __all__ = ["model_kept", "model_modes", "preserved_state", "restore_modes", "restore_on_failure"]
 
@@ -126,7 +130,8 @@ def model_kept(
     cuda_rng = torch.cuda.get_rng_state_all() if rng and torch.cuda.is_initialized() else None
     failed = True
     try:
-        yield
+        with autocast_uncached():
+            yield
         failed = False
     finally:
         for kind, when in (("params", params), ("buffers", buffers)):

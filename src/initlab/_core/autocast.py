@@ -1,0 +1,77 @@
+"""initlab's own arithmetic runs without autocast, whatever the user's code around it enables.
+
+Under ``torch.autocast`` every matrix product runs in the autocast dtype (bfloat16 or float16),
+also the ones inside a hook or a statistic: a ``torch.mv`` that reduces a per-example gradient
+would silently lose all but three digits on CUDA, and on the CPU it raises on mixed dtypes. The
+model's own forward and backward keep the user's autocast; initlab's hooks and the arithmetic the
+methods do on their results run inside :func:`autocast_off` and compute in the tensors' dtypes
+(upcasting half precisions where they reduce).
+
+Autocast also caches the low-precision copy of each parameter it casts, until the outermost
+autocast block ends. A method that changes a weight in place and runs the model again would run
+the stale copy (LSUV would rescale a layer whose output never changes; a folded output scale would
+not show), and so would the user's next forward after the method. Every entry point runs inside
+:func:`autocast_uncached` (through :func:`~initlab._core.state.model_kept`): the user's autocast
+without the cache, and the cache cleared on exit.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any, TypeVar
+
+import torch
+
+__all__ = ["autocast_off", "autocast_uncached", "without_autocast"]
+
+_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu")
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@contextmanager
+def autocast_off() -> Iterator[None]:
+    """Inside the block: autocast off on every device type it is on for; as before after."""
+    on = _enabled()
+    if not on:
+        yield
+        return
+    with ExitStack() as stack:
+        for device_type in on:
+            stack.enter_context(torch.autocast(device_type, enabled=False))
+        yield
+
+
+def _enabled() -> list[str]:
+    return [d for d in _DEVICE_TYPES if torch.is_autocast_enabled(d)]
+
+
+@contextmanager
+def autocast_uncached() -> Iterator[None]:
+    """Inside the block: the user's autocast (same devices and dtypes) with its cast cache off;
+    the cache cleared on exit, also after an exception."""
+    on = _enabled()
+    if not on:
+        yield
+        return
+    try:
+        with ExitStack() as stack:
+            for device_type in on:
+                dtype = torch.get_autocast_dtype(device_type)
+                stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=False))
+            yield
+    finally:
+        torch.clear_autocast_cache()
+
+
+def without_autocast(fn: F) -> F:
+    """``fn`` run inside :func:`autocast_off` (for hooks: they fire inside the user's autocast)."""
+
+    @functools.wraps(fn)
+    def inner(*args: Any, **kwargs: Any) -> Any:
+        with autocast_off():
+            return fn(*args, **kwargs)
+
+    return inner  # type: ignore[return-value]
