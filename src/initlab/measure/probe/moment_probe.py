@@ -16,6 +16,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from initlab._core.autocast import without_autocast
 from initlab._core.data import DataUse, batch_size, default_forward, iter_batches
 from initlab._core.hooks import HookContext, HookHandles
 from initlab._core.knobs import renamed_kwargs
@@ -370,6 +371,7 @@ class MomentProbe(HookContext):
     ) -> Callable[[torch.Tensor], None]:
         """``also``: more paths the same tensor was passed as (one hook, one reduction)."""
 
+        @without_autocast
         def hook(grad: torch.Tensor) -> None:
             if self._replaying:
                 return
@@ -386,6 +388,7 @@ class MomentProbe(HookContext):
         return hook
 
     def _pre_hook(self, st: _ModuleState) -> Callable:
+        @without_autocast
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
             if self._replaying:
                 return None
@@ -449,6 +452,7 @@ class MomentProbe(HookContext):
         return hook
 
     def _forward_hook(self, st: _ModuleState) -> Callable:
+        @without_autocast
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             if self._replaying or not st.frames:
                 return
@@ -489,6 +493,7 @@ class MomentProbe(HookContext):
         return hook
 
     def _param_hook(self, ps: _ParamState) -> Callable[[torch.Tensor], None]:
+        @without_autocast
         def hook(grad: torch.Tensor) -> None:
             if self._replaying:
                 return
@@ -571,6 +576,8 @@ class MomentProbe(HookContext):
             )
 
     def _record_grad(self, rec: _Record, path: str, grad: torch.Tensor) -> None:
+        if grad.is_floating_point():  # bfloat16 under autocast: sets the check's tolerance
+            rec.compute_eps = max(rec.compute_eps, torch.finfo(grad.dtype).eps)
         if rec.forward.coupled:
             return  # BatchNorm coupled the examples: _finish_example reports NaN with the reason
         if rec.state.replay:
@@ -602,7 +609,8 @@ class MomentProbe(HookContext):
             total = sqn.sum()  # sum_i ||dW_i||^2
             # sum_i dW_i must equal scale * dW: checked through a random rank-one projection, on
             # the device, when results are read (no sync here)
-            self._checks.add(ps, proj, grad, grad_sums, total, scale)
+            compute_eps = max(rec.compute_eps for rec in records)
+            self._checks.add(ps, proj, grad, grad_sums, total, scale, compute_eps)
             if ps.acc_ex is None:
                 ps.acc_ex = self._ledger.new_acc(grad.device)
             self._ledger.add(ps.acc_ex, total, batch * ps.numel)

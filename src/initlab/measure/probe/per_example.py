@@ -281,10 +281,19 @@ def _conv_example_weight_grads(
     return grads.reshape(c, *w_shape)
 
 
+def _same_dtype(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a`` and ``b`` in one dtype: as they are where theirs agree, else both in float64 if
+    either is, float32 otherwise (under autocast a float32 input meets a bfloat16 gradient)."""
+    if a.dtype == b.dtype:
+        return a, b
+    dtype = torch.float64 if torch.float64 in (a.dtype, b.dtype) else torch.float32
+    return a.to(dtype), b.to(dtype)
+
+
 def _conv_contributions(rec: _Record, dy: torch.Tensor) -> None:
     assert rec.x is not None
-    module, s, x = rec.state.module, rec.scale, rec.x
-    dy = dy.detach()
+    module, s = rec.state.module, rec.scale
+    x, dy = _same_dtype(rec.x, dy.detach())
     batch = x.shape[0]
     for local, ps in rec.params.items():
         multi = len(ps.pending) > 1
@@ -327,6 +336,9 @@ def _generic_contributions(rec: _Record) -> None:
         cotangents.append(rec.dys[path])
     params = {name: ps.param.detach() for name, ps in rec.params.items()}
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+    # the module re-run in its parameters' dtype: under autocast it ran on bfloat16 inputs
+    leaves = [_in_dtype_of(t, params) for t in leaves]
+    cotangents = [_in_dtype_of(d, params) for d in cotangents]
 
     def forward(p: dict[str, torch.Tensor], example_leaves: list[torch.Tensor]):
         it = iter(example_leaves)
@@ -362,6 +374,14 @@ def _generic_contributions(rec: _Record) -> None:
             rec.contrib[id(ps)] = _Contribution(torch.cat(proj[name]), grads=torch.cat(grads[name]))
         else:
             rec.contrib[id(ps)] = _Contribution(torch.cat(proj[name]), sqn=torch.cat(sqn[name]))
+
+
+def _in_dtype_of(t: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Floating ``t`` in the dtype of ``params`` where they all have one (``t`` otherwise)."""
+    dtypes = {p.dtype for p in params.values() if p.is_floating_point()}
+    if len(dtypes) != 1 or not t.is_floating_point():
+        return t
+    return t.to(dtypes.pop())
 
 
 def _attention_contributions(rec: _Record) -> None:
@@ -770,6 +790,10 @@ def _combine(
     return _sq_norms(total), proj  # type: ignore[arg-type, return-value]
 
 
+_Pending = tuple["_ParamState", Any, tuple[float, float, float]]
+"""One pending check: ``(ps, (proj, ref, grad_sums, sqn_sum), (scale, eps, eps_c))``."""
+
+
 class _Checks:
     """The consistency checks ``sum_i dW_i == scale * dW`` of one probe, evaluated in batches.
 
@@ -779,11 +803,15 @@ class _Checks:
     ``mismatch`` count. A check fails
     where the per-example gradients' projections ``proj`` (through the random rank-one
     ``r_0 x r_1 x ...``) do not add up to the minibatch gradient's projection ``ref`` within
-    ``1e-3 * scale * ||dW|| + 1e3 * eps * sum_i |proj_i|``, the per-example sums being finite.
+    ``1e-3 * scale * ||dW|| + 1e3 * eps * sum_i |proj_i| + 4 * eps_c * (scale * ||dW|| +
+    sum_i |proj_i|)``, the per-example sums being finite. ``eps`` is the gradient dtype's,
+    ``eps_c`` that of the dtype the module's backward ran in: under bfloat16 autocast, autograd
+    rounds ``dW`` to bfloat16 (measured: up to 1e-3 of ``scale * ||dW|| + sum_i |proj_i|``, a
+    quarter of bfloat16's eps), while a parameter used outside its module misses a whole term.
     """
 
     def __init__(self) -> None:
-        self._pending: list[tuple[_ParamState, Any, float, float]] = []  # (ps, values, scale, eps)
+        self._pending: list[_Pending] = []
 
     def add(
         self,
@@ -793,41 +821,42 @@ class _Checks:
         grad_sums: torch.Tensor | _Partial,
         sqn_sum: torch.Tensor,
         scale: float,
+        compute_eps: float = 0.0,
     ) -> None:
         """``proj``: the per-example projections; ``grad``: the minibatch gradient;
         ``grad_sums``: its :meth:`~initlab.measure.probe.accumulate._Ledger.reduce` (pooled at
-        :meth:`flush` for ``sum(grad^2)``); ``sqn_sum``: ``sum_i ||dW_i||^2``."""
+        :meth:`flush` for ``sum(grad^2)``); ``sqn_sum``: ``sum_i ||dW_i||^2``; ``compute_eps``:
+        the eps of the dtype the module's backward ran in."""
         g = _work(grad)
         ref = _contract(g, ps.vecs_as(g.dtype))
         eps = torch.finfo(grad.dtype).eps if grad.is_floating_point() else 1e-7
-        self._pending.append((ps, (proj, ref, grad_sums, sqn_sum), scale, eps))
+        self._pending.append((ps, (proj, ref, grad_sums, sqn_sum), (scale, eps, compute_eps)))
 
     def clear(self) -> None:
         self._pending = []
 
     def flush(self) -> None:
         pending, self._pending = self._pending, []
-        groups: dict[tuple[torch.device, int], list[tuple[_ParamState, Any, float, float]]] = {}
+        groups: dict[tuple[torch.device, int, torch.dtype], list[_Pending]] = {}
         for item in pending:
             proj, ref = item[1][0], item[1][1]
             groups.setdefault((proj.device, proj.shape[0], ref.dtype), []).append(item)
         for (device, _, _), items in groups.items():
-            proj = torch.stack([values[0] for _, values, _, _ in items])
+            proj = torch.stack([values[0] for _, values, _ in items])
             proj_sum, proj_abs = proj.sum(1), proj.abs().sum(1)
             ref, sqn_sum = (
-                torch.stack([values[k] for _, values, _, _ in items]).to(torch.float64)
-                for k in (1, 3)
+                torch.stack([values[k] for _, values, _ in items]).to(torch.float64) for k in (1, 3)
             )
-            grad_sq = _pool([values[2] for _, values, _, _ in items], device)[:, 0]
-            consts = torch.tensor([(scale, eps) for _, _, scale, eps in items], dtype=proj.dtype)
-            scale, eps = consts.to(device).unbind(1)
-            ref = ref * scale
-            tol = 1e-3 * scale * grad_sq.sqrt() + 1e3 * eps * proj_abs + 1e-300
+            grad_sq = _pool([values[2] for _, values, _ in items], device)[:, 0]
+            consts = torch.tensor([c for _, _, c in items], dtype=proj.dtype)
+            scale, eps, eps_c = consts.to(device).unbind(1)
+            ref, norm = ref * scale, scale * grad_sq.sqrt()
+            tol = 1e-3 * norm + 1e3 * eps * proj_abs + 4 * eps_c * (norm + proj_abs) + 1e-300
             bad = torch.isfinite(sqn_sum) & torch.isfinite(ref) & ((proj_sum - ref).abs() > tol)
             slots: dict[int, int] = {}
             owners: list[_ParamState] = []
             index = []
-            for ps, _, _, _ in items:
+            for ps, _, _ in items:
                 j = slots.get(id(ps))
                 if j is None:
                     j = slots[id(ps)] = len(owners)

@@ -147,3 +147,4 @@ class _Record:
         self.contrib: dict[int, _Contribution] = {}
         self.generic_key = -1
         self.capture: _AttentionCapture | None = None  # attention: replaces the re-run
+        self.compute_eps = 0.0  # eps of the dtype the module's backward ran in (its output's)
