@@ -1,0 +1,362 @@
+"""Every entry point on a CUDA model and under bfloat16 autocast.
+
+The conformance matrix (``tests/test_conformance.py``) runs on the CPU in float32. Here the same
+entry points run
+
+* **on CUDA in float64** (skipped without a CUDA device): the model and its data are moved there
+  by the test, never by initlab. The call must leave every parameter and buffer on that device in
+  its dtype, leave no hook, keep the train/eval flags and tied weights, give rows of plain numbers
+  or CPU tensors (tidy rows never hold a CUDA tensor), and give the numbers the same call gives on
+  the CPU in float64. float64 takes TF32 and bfloat16 out of the comparison, so what is left is
+  the order of floating-point sums: rtol 1e-7, far above 1e-16 x the few thousand terms a sum has
+  here, and far below any error of reading data, seeding or moving a tensor wrong.
+* **under ``torch.autocast(device, dtype=torch.bfloat16)``** on the CPU and on CUDA, with a float32
+  model: the call must work, keep the parameters float32 on their device, give finite numbers where
+  the float32 call does, and agree with it to bfloat16's precision: every changed tensor within
+  ``BF16_RTOL`` (four bfloat16 roundings, ``4 * 2**-8``) of the float32 call's in norm, and the
+  median of the rows' relative differences within it too (measured on the CPU: at most 0.0028 and
+  1.3e-4). Autocast caches its bfloat16 copy of each weight: a method that changes a weight in
+  place and runs the model again must not run the stale copy (LSUV did, and ended 1e5 times off).
+  MetaInit is held to finite numbers only: its sign steps follow the sign of a gradient quotient
+  ``(g - Hg) / g`` that bfloat16 rounding flips where ``g`` is small (its norms end up to 20% off
+  on the CNN, a factor 8 on GPT-2's position embedding).
+* both, on tiny Hugging Face models (GPT-2, BERT with padding, Llama): SDPA's fused CUDA kernels
+  (flash under autocast, memory-efficient in float32) have no double backward, so GradInit,
+  MetaInit and the curvature entry points must select the math kernel themselves.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from contextlib import nullcontext
+from functools import cache
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import initlab
+from initlab._core.data import Batches
+
+from .conformance_models import TiedKeywordModel, make_model, tuple_batches, tuple_loss
+from .test_conformance import ENTRIES, SEED, _hooks, _numbers, _same, expected_errors
+
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore")]
+
+RTOL, ATOL = 1e-7, 1e-12
+BF16_RTOL = 4 * 2**-8
+
+CUDA = pytest.param(
+    "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+)
+
+transformers: Any
+try:
+    import transformers
+except ImportError:  # the Hugging Face cases skip
+    transformers = None
+
+# ----------------------------------------------------------------------------- the models
+
+
+def _gpt2() -> nn.Module:
+    cfg = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16, bos_token_id=0,
+        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _bert() -> nn.Module:
+    cfg = transformers.BertConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+        vocab_size=64, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        max_position_embeddings=16,
+    )  # fmt: skip
+    return transformers.BertForSequenceClassification(cfg)
+
+
+def _llama() -> nn.Module:
+    cfg = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=64, max_position_embeddings=32,
+        tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(cfg)
+
+
+HF_FAMILIES: dict[str, Callable[[], nn.Module]] = {"gpt2": _gpt2, "bert": _bert, "llama": _llama}
+
+
+def _hf_batches(family: str) -> list[dict[str, torch.Tensor]]:
+    """Three dict batches as a collator gives them (BERT: one padded sequence)."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(3):
+        ids = torch.randint(1, 64, (4, 8), generator=g)
+        mask = torch.ones(4, 8, dtype=torch.long)
+        labels = ids
+        if family == "bert":
+            mask[0, 4:] = 0
+            labels = torch.randint(0, 3, (4,), generator=g)
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    return out
+
+
+def _fresh(model_name: str) -> nn.Module:
+    if model_name in HF_FAMILIES:
+        if transformers is None:
+            pytest.skip("needs transformers")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            return HF_FAMILIES[model_name]().train()
+    return make_model(model_name)
+
+
+def _moved(batch: Any, device: str, dtype: torch.dtype) -> Any:
+    """``batch`` with its tensors on ``device``, floating ones in ``dtype``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, dtype if batch.is_floating_point() else batch.dtype)
+    if isinstance(batch, Mapping):
+        return {k: _moved(v, device, dtype) for k, v in batch.items()}
+    return tuple(_moved(v, device, dtype) for v in batch)
+
+
+def _data(model_name: str, device: str, dtype: torch.dtype) -> Batches:
+    batches = _hf_batches(model_name) if model_name in HF_FAMILIES else tuple_batches(model_name)
+    return Batches([_moved(b, device, dtype) for b in batches])
+
+
+# ----------------------------------------------------------------------------- the calls
+
+HF_CALLS: dict[str, Callable[[nn.Module, Any], Any]] = {
+    "measure_moments": lambda m, d: initlab.measure_moments(m, d, None, max_batches=None),
+    "gr_scaling": lambda m, d: initlab.gr_scaling(m, d, None, max_batches=None),
+    "diagnose": lambda m, d: initlab.diagnose(
+        m, d, None, max_batches=2, spectra=False, lint=False, generator=SEED
+    ),
+    "lsuv_": lambda m, d: initlab.lsuv_(m, d, max_batches=2, generator=SEED),
+    "gradinit_": lambda m, d: initlab.gradinit_(m, d, None, steps=2, generator=SEED),
+    "gradinit_exact": lambda m, d: initlab.gradinit_(
+        m, d, None, steps=2, exact=True, generator=SEED
+    ),
+    "metainit_": lambda m, d: initlab.metainit_(m, d, steps=2, generator=SEED),
+    "precondition_": lambda m, d: initlab.precondition_(m, d, None, generator=SEED),
+    "block_curvature": lambda m, d: initlab.block_curvature(m, d, None, probes=2, generator=SEED),
+}
+"""The Hugging Face cases: the model's own loss on dict batches."""
+
+HF_INPLACE = {"lsuv_", "gradinit_", "gradinit_exact", "metainit_", "precondition_"}
+
+
+def _call(entry: str, model_name: str) -> tuple[Callable[[nn.Module, Any], Any], bool]:
+    """``(call(model, data), in place)`` for a conformance entry or a Hugging Face call."""
+    if model_name in HF_FAMILIES:
+        return HF_CALLS[entry], entry in HF_INPLACE
+    e = ENTRIES[entry]
+    return (lambda m, d: e.call(m, d, tuple_loss, SEED)), e.inplace
+
+
+CASES = [
+    (e.name, m)
+    for e in ENTRIES.values()
+    for m in e.models
+    if not expected_errors(e, "list", "model_batch", m)  # tied head: scale_output_ must refuse
+] + [(entry, family) for family in HF_FAMILIES for entry in HF_CALLS]
+IDS = [f"{e}-{m}" for e, m in CASES]
+
+
+def _cpu(value: Any, where: str, problems: list[str]) -> Any:
+    """``value`` with every tensor on the CPU; a tensor found elsewhere is a problem."""
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "cpu":
+            problems.append(f"{where} holds a tensor on {value.device}")
+        return value.detach().cpu()
+    if isinstance(value, Mapping):
+        return {k: _cpu(v, f"{where}.{k}", problems) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_cpu(v, f"{where}[{i}]", problems) for i, v in enumerate(value)]
+    return value
+
+
+def run_on(
+    entry: str, model_name: str, device: str, dtype: torch.dtype, autocast: bool = False
+) -> tuple[Any, dict[str, torch.Tensor], list[str]]:
+    """Run the call on a fresh model moved to ``device``/``dtype`` (under bfloat16 autocast if
+    asked); return its numbers and state (on the CPU) and what went wrong around the call."""
+    call, inplace = _call(entry, model_name)
+    model = _fresh(model_name).to(device, dtype)
+    data = _data(model_name, device, dtype)
+    flags = [m.training for m in model.modules()]
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    tied = [(a, b) for a, b in _tied_pairs(model)]
+    amp = torch.autocast(device, dtype=torch.bfloat16) if autocast else nullcontext()
+    with torch.random.fork_rng(devices=[]), amp:
+        torch.manual_seed(1234)
+        result = call(model, data)
+    problems: list[str] = []
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        want = dtype if t.is_floating_point() else t.dtype
+        if t.device.type != device or t.dtype != want:
+            problems.append(f"{name} is now {t.dtype} on {t.device} (was {want} on {device})")
+    if _hooks(model):
+        problems.append(f"hooks left: {_hooks(model)}")
+    if [m.training for m in model.modules()] != flags:
+        problems.append("train/eval flags changed")
+    if any(a is not b for a, b in tied) or tied != _tied_pairs(model):
+        problems.append("tied weights untied")
+    state = _cpu(dict(model.state_dict()), "state", problems)
+    if not inplace:
+        changed: list[str] = []
+        _same(state, _cpu(before, "before", []), "state", changed)
+        if changed:
+            problems.append(f"a measurement changed the model: {changed[:3]}")
+    return _cpu(_numbers(result), "rows", problems), state, problems
+
+
+def _tied_pairs(model: nn.Module) -> list[tuple[Any, Any]]:
+    if isinstance(model, TiedKeywordModel):
+        return [(model.head.weight, model.emb.weight)]
+    get_out = getattr(model, "get_output_embeddings", None)
+    out = get_out() if get_out is not None else None
+    if out is not None and getattr(model.config, "tie_word_embeddings", False):
+        return [(out.weight, model.get_input_embeddings().weight)]
+    return []
+
+
+@cache
+def _on_cpu_float64(entry: str, model_name: str) -> tuple[Any, dict[str, torch.Tensor]]:
+    numbers, state, problems = run_on(entry, model_name, "cpu", torch.float64)
+    assert not problems, "on the CPU: " + "; ".join(problems)
+    return numbers, state
+
+
+def _differences(a: Any, b: Any, where: str) -> list[str]:
+    """Where ``a`` and ``b`` differ beyond ``RTOL``/``ATOL`` (numbers and tensors)."""
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        if set(a) != set(b):
+            return [f"{where}: keys {sorted(map(str, set(a) ^ set(b)))} differ"]
+        return [
+            d for k in a if "time" not in str(k) for d in _differences(a[k], b[k], f"{where}.{k}")
+        ]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return [f"{where}: {len(a)} vs {len(b)} items"]
+        return [
+            d
+            for i, (x, y) in enumerate(zip(a, b, strict=True))
+            for d in _differences(x, y, f"{where}[{i}]")
+        ]
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        x, y = a.double(), b.double()
+        ok = x.shape == y.shape and torch.allclose(x, y, rtol=RTOL, atol=ATOL, equal_nan=True)
+        return [] if ok else [f"{where}: max abs diff {(x - y).abs().nan_to_num().max():.3g}"]
+    if isinstance(a, float) and isinstance(b, (int, float)) and not isinstance(b, bool):
+        same = (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=RTOL, abs_tol=ATOL)
+        return [] if same else [f"{where}: {a!r} vs {b!r}"]
+    return []
+
+
+def _finite(numbers: Any) -> set[str]:
+    """The paths of the finite numbers in ``numbers``."""
+    out: set[str] = set()
+
+    def walk(v: Any, where: str) -> None:
+        if isinstance(v, Mapping):
+            for k, x in v.items():
+                walk(x, f"{where}.{k}")
+        elif isinstance(v, (list, tuple)):
+            for i, x in enumerate(v):
+                walk(x, f"{where}[{i}]")
+        elif isinstance(v, torch.Tensor) and v.is_floating_point():
+            if bool(v.isfinite().all()):
+                out.add(where)
+        elif isinstance(v, float) and math.isfinite(v):
+            out.add(where)
+
+    walk(numbers, "")
+    return out
+
+
+# ----------------------------------------------------------------------------- the tests
+
+
+@pytest.mark.parametrize("device", [CUDA])
+@pytest.mark.parametrize(("entry", "model"), CASES, ids=IDS)
+def test_same_numbers_on_the_device_in_float64(entry: str, model: str, device: str) -> None:
+    numbers, state, problems = run_on(entry, model, device, torch.float64)
+    assert not problems, "; ".join(problems)
+    want_numbers, want_state = _on_cpu_float64(entry, model)
+    diffs = _differences(state, want_state, "state") + _differences(numbers, want_numbers, "rows")
+    assert not diffs, f"{device} differs from the CPU:\n  " + "\n  ".join(diffs[:8])
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def _median_relative_difference(a: Any, b: Any) -> float:
+    """The median over the numbers of ``b`` (rows, nested) of ``|a - b| / max(|b|, 1e-6)``."""
+    pairs: list[tuple[float, float]] = []
+
+    def walk(x: Any, y: Any) -> None:
+        if isinstance(y, Mapping) and isinstance(x, Mapping):
+            for k in y:
+                if k in x and "time" not in str(k):
+                    walk(x[k], y[k])
+        elif isinstance(y, (list, tuple)) and isinstance(x, (list, tuple)):
+            for u, v in zip(x, y, strict=False):
+                walk(u, v)
+        elif isinstance(y, torch.Tensor) and isinstance(x, torch.Tensor):
+            if y.is_floating_point() and x.shape == y.shape:
+                pairs.extend(zip(x.flatten().tolist(), y.flatten().tolist(), strict=True))
+        elif isinstance(y, float) and isinstance(x, (int, float)):
+            pairs.append((float(x), y))
+
+    walk(a, b)
+    rel = sorted(
+        abs(x - y) / max(abs(y), 1e-6) for x, y in pairs if math.isfinite(x) and math.isfinite(y)
+    )
+    return rel[len(rel) // 2] if rel else 0.0
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize(("entry", "model"), CASES, ids=IDS)
+def test_works_under_bfloat16_autocast(entry: str, model: str, device: str) -> None:
+    numbers, state, problems = run_on(entry, model, device, torch.float32, autocast=True)
+    assert not problems, "; ".join(problems)
+    plain, plain_state, _ = run_on(entry, model, device, torch.float32)
+    lost = sorted(_finite(plain) - _finite(numbers))
+    assert not lost, f"finite in float32, not under bfloat16 autocast: {lost[:8]}"
+    if entry == "metainit_":
+        return  # sign steps on a rounded gradient quotient (module docstring)
+    far = {
+        k: round(_relative(state[k], v), 4)
+        for k, v in plain_state.items()
+        if v.is_floating_point() and _relative(state[k], v) > BF16_RTOL
+    }
+    assert not far, f"tensors off the float32 call's by more than bfloat16 rounding: {far}"
+    median = _median_relative_difference(numbers, plain)
+    assert median <= BF16_RTOL, f"the rows differ from float32's by {median:.3g} (median)"
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("method", ["lsuv_", "scale_output_", "gradinit_"])
+def test_the_next_forward_under_autocast_runs_the_new_weights(method: str, device: str) -> None:
+    """Autocast caches a bfloat16 copy of each weight it casts until its block ends: after a
+    method changed the weights in place, the user's next forward in the same block must not run
+    the copy cached before the call."""
+    model = make_model("cnn").to(device)
+    batches = [_moved(b, device, torch.float32) for b in tuple_batches("cnn")]
+    x = batches[0][0]
+    call, _ = _call(method, "cnn")
+    with torch.autocast(device, dtype=torch.bfloat16):
+        model(x)  # caches the bfloat16 weights
+        call(model, Batches(batches))
+        got = model(x)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        want = model(x)
+    assert torch.equal(got, want)
