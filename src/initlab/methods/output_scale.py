@@ -222,7 +222,8 @@ def _output_moments(
                     y = output_tensor(forward(model, batch)).detach()
                 outs.append(y)
                 y64 = y.to(torch.float64)
-                sums += torch.stack((y64.sum(), y64.square().sum(), torch.tensor(float(y.numel()))))
+                n = y64.new_tensor(float(y.numel()))  # on the output's device (CUDA: one sync)
+                sums += torch.stack((y64.sum(), y64.square().sum(), n)).cpu()
         return sums, outs
 
     sums, outs = run_together(what, local)
