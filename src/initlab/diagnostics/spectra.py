@@ -51,6 +51,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from initlab._core.autocast import without_autocast
 from initlab._core.data import DataUse, data_use, default_forward, take_batches
 from initlab._core.hooks import HookContext
 from initlab._core.rng import as_generator
@@ -584,6 +585,7 @@ def _maximal(indices: list[int], blocks: list[tuple[str, set[str], Any]]) -> lis
     return [i for i in indices if not any(blocks[i][1] < blocks[j][1] for j in indices if j != i)]
 
 
+@without_autocast  # called inside the user's autocast: eigh/svd take no bfloat16
 def _svd_entry(
     w: torch.Tensor, max_elements: int, cache: dict[int, tuple[float, float]]
 ) -> tuple[float, float, list[str]]:
@@ -596,6 +598,7 @@ def _svd_entry(
     return (*cache[id(w)], [])
 
 
+@without_autocast
 def _conv_entry(
     module: nn.Module,
     in_shape: tuple[int, ...] | None,
