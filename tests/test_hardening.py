@@ -80,6 +80,38 @@ class _OnceNet(nn.Module):
         return self.b(_Once.apply(self.a(x)))
 
 
+class _OnceSquare(torch.autograd.Function):
+    """``x^2`` whose backward ``2 x g`` is marked once-differentiable."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return 2 * x * grad
+
+
+class _OnceLastNet(nn.Module):
+    """The once-differentiable op last, before a loss linear in it (:func:`_mean_loss`): its
+    incoming gradient has no graph, so autograd attaches no ``DelayedError`` node."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _OnceSquare.apply(self.a(x))
+
+
+def _mean_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    return model(batch[0]).mean()
+
+
 class _CdistNet(nn.Module):
     """Logits from distances to 3 centres: torch.cdist has no double backward."""
 
@@ -216,6 +248,19 @@ _ERRORS: dict[str, tuple[Callable[[], nn.Module], Callable[[nn.Module], Any], ty
         "gradinit_ differentiates the loss twice (its constraint step descends the gradient norm "
         "||g|| in alpha), and the model has an operation without a second derivative: a backward "
         "marked @once_differentiable",
+    ),
+    "gradinit_, constraint step, a @once_differentiable op last (was: a raw torch error)": (
+        _OnceLastNet,
+        lambda m: gradinit_(m, _batches(), _mean_loss, gamma=1e-6),
+        DoubleBackwardError,
+        "and the model has an operation without a second derivative: a backward marked "
+        "@once_differentiable",
+    ),
+    "metainit_, a @once_differentiable op last (was: GQ is undefined)": (
+        _OnceLastNet,
+        lambda m: metainit_(m, _batches(), _mean_loss, variant="gradinit"),
+        DoubleBackwardError,
+        "metainit_ differentiates the loss twice",
     ),
     "gradinit_, constraint step through torch.cdist (was: a raw torch error)": (
         _CdistNet,

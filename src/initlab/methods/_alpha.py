@@ -274,9 +274,10 @@ def second_order(what: str, why: str, advice: str) -> Iterator[SecondOrder]:
     differentiated twice raises :class:`~initlab.measure.curvature.DoubleBackwardError` naming
     ``what``, ``why`` and ``advice`` (what to do instead).
 
-    Inside, call the yielded ``check(grads)`` on gradients built with ``create_graph=True``: it
-    raises when their graph holds a ``@once_differentiable`` backward, whose second derivative
-    autograd would drop without an error (a silently wrong result).
+    Inside, call the yielded ``check(tensors)`` on gradients built with ``create_graph=True`` and
+    the loss they came from: it raises when their graph holds a ``@once_differentiable``
+    backward, whose second derivative autograd would drop without an error (a silently wrong
+    result).
     """
 
     def fail(cause: str) -> DoubleBackwardError:

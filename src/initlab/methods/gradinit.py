@@ -385,7 +385,7 @@ class _GradInitStep:
                 g = run_together(self.what, lambda: grads_or_zeros(loss, theta, create_graph=True))
                 self.backward += 1
             with second_order(self.what, _CONSTRAINT_WHY, _CONSTRAINT_ADVICE) as check:
-                self._check_once(check, g)
+                self._check_once(check, [*g, loss])
                 norm = self._norm(_attach(g, g_mean))
                 grad = self._alpha_grad(norm, a)
             self.backward += 1
@@ -408,7 +408,7 @@ class _GradInitStep:
             grad = self._first_order_grad(look_loss, look)
         else:
             with second_order(self.what, _EXACT_WHY, _EXACT_ADVICE) as check:
-                self._check_once(check, g)
+                self._check_once(check, [*g, loss])
                 grad = self._exact_grad(look_loss / self.eta, look, a)
         self.backward += 1
         return _StepResult(kind, grad, grad_norm, grad_norm2, loss_value, objective)
@@ -462,7 +462,8 @@ class _GradInitStep:
         return rank_mean([grad.double()])[0]
 
     def _check_once(self, check: Callable[[Sequence[torch.Tensor]], None], g: Any) -> None:
-        """At the first step that differentiates through ``g``: is its graph complete?"""
+        """At the first step that differentiates through ``g`` (the gradient and its loss): is
+        its graph complete?"""
         if not self.checked:
             check(g)
             self.checked = True

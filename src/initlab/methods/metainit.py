@@ -130,10 +130,10 @@ def _gq(
     loss = loss_at(model, loss_fn, ts, theta, batch)
     g = grads_or_zeros(loss, theta, create_graph=True)
     half_sq = torch.stack([x.square().sum() for x in g]).sum() / 2
-    if not half_sq.requires_grad:
-        raise ValueError("the gradient does not depend on the parameters: GQ is undefined")
     with second_order(what, _WHY, _ADVICE) as check:
-        check(g)
+        check([*g, loss])
+        if not half_sq.requires_grad:
+            raise ValueError("the gradient does not depend on the parameters: GQ is undefined")
         # = H g, with g on the graph (paper, Fig. 2)
         hg = grads_or_zeros(half_sq, theta, create_graph=True)
     total = half_sq.new_zeros(())

@@ -138,13 +138,29 @@ _ONCE_MSG = (
 )
 
 
-def _cuts_second_order(tensors: Sequence[torch.Tensor | None]) -> bool:
-    """Does the autograd graph of ``tensors`` hold a ``DelayedError`` node?
+_ONCE_CODE = torch.autograd.function.once_differentiable(lambda ctx, *grads: None).__code__
+"""The code of ``@once_differentiable``'s wrapper (one code object for every wrapped backward)."""
 
-    ``@once_differentiable`` backward functions return results computed without a graph and
-    attach a ``DelayedError`` node that raises only if it is executed. It has no edges to the
-    parameters, so a second backward towards them skips it and returns a silently incomplete
-    result; we look for it instead.
+
+def _is_cut(node: Any) -> bool:
+    """A ``DelayedError`` node, or the node of a custom ``autograd.Function`` whose backward is
+    wrapped by ``@once_differentiable``."""
+    if type(node).__name__ in _CUT_NODES:
+        return True
+    backward = getattr(getattr(node, "_forward_cls", None), "backward", None)
+    return getattr(backward, "__code__", None) is _ONCE_CODE
+
+
+def _cuts_second_order(tensors: Sequence[torch.Tensor | None]) -> bool:
+    """Does the autograd graph of ``tensors`` pass through a backward without a derivative?
+
+    ``@once_differentiable`` backward functions return results computed without a graph. Where
+    the incoming gradient has a graph they attach a ``DelayedError`` node that raises only if it
+    is executed; it has no edges to the parameters, so a second backward towards them skips it and
+    returns a silently incomplete result. Where the incoming gradient has none (the function is
+    the last before a loss linear in its output, or on older torch releases) not even that node
+    is there. So we look for both: the ``DelayedError`` node, and the function's own node in the
+    graph (pass the loss as well as its gradients: the loss's graph holds every such node).
     """
     stack = [t.grad_fn for t in tensors if t is not None and t.grad_fn is not None]
     seen: set[int] = set()
@@ -153,7 +169,7 @@ def _cuts_second_order(tensors: Sequence[torch.Tensor | None]) -> bool:
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
-        if type(node).__name__ in _CUT_NODES:
+        if _is_cut(node):
             return True
         stack.extend(fn for fn, _ in node.next_functions)
     return False
