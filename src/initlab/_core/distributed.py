@@ -63,11 +63,12 @@ def world_size() -> int:
 
 
 def all_reduce_sum(tensors: Iterable[torch.Tensor]) -> None:
-    """Sum each tensor over ranks, in place (one flattened collective for all of them)."""
+    """Sum each tensor over ranks, in place (one flattened collective for all of them, on the
+    backend's device: the CPU bookkeeping of a method goes to the GPU under NCCL and back)."""
     tensors = list(tensors)
     if not tensors or not is_distributed():
         return
-    flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
+    flat = torch.cat([t.reshape(-1).to(_device(), torch.float64) for t in tensors])
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
     offset = 0
     for t in tensors:
