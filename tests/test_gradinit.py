@@ -783,3 +783,58 @@ def test_alpha_grads_through_written_out_second_order_equal_autograds(monkeypatc
     ref, ref_value = gradinit_alpha_grad(model, s, alpha=alpha, **kw)
     assert value == ref_value  # forward and first backward: the same kernels
     torch.testing.assert_close(grad, ref, rtol=1e-10, atol=1e-12)
+
+
+class _SharedAndTied(nn.Module):
+    """A block called twice (one module, one parameter entry) and a head tied to the embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(7, 4)
+        self.block = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 7, bias=False)
+        self.head.weight = self.emb.weight
+        self.fail = False
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.fail:
+            raise RuntimeError("planted failure")
+        h = torch.tanh(self.block(torch.tanh(self.block(self.emb(ids))))).mean(1)
+        return self.head(h)
+
+
+def test_loss_at_swaps_entries_as_functional_call_does_and_puts_them_back() -> None:
+    """The direct swap of :class:`AtParams` (``slots``) gives torch.func.functional_call's loss and
+    gradients (the oracle) on shared modules and tied weights, and leaves the same Parameter
+    objects in place, also when the forward raises."""
+    from torch.func import functional_call
+
+    from initlab.methods._alpha import loss_at, nonzero, scaled_leaves, select_tensors
+
+    model = _SharedAndTied().double()
+    ts = select_tensors(model, "default", nonzero, "test")
+    assert [len(s) for s in ts.slots] == [2 if n == "emb.weight" else 1 for n in ts.names]
+    before = {n: p for n, p in model.named_parameters(remove_duplicate=False)}
+    ids = torch.randint(0, 7, (5, 3), generator=torch.Generator().manual_seed(1))
+    batch = (ids, torch.randint(0, 7, (5,), generator=torch.Generator().manual_seed(2)))
+    alpha = torch.tensor([0.5, 2.0, 1.5][: len(ts.scaled)], dtype=D)
+
+    def loss_fn(m: nn.Module, b: tuple) -> torch.Tensor:
+        return F.cross_entropy(m(b[0]), b[1])
+
+    theta = scaled_leaves(ts, alpha)
+    got = loss_at(model, loss_fn, ts, theta, batch)
+    got_grads = torch.autograd.grad(got, theta)
+    oracle_theta = [t.detach().clone().requires_grad_() for t in theta]
+    tensors = dict(zip(ts.names, oracle_theta, strict=True))
+    want = F.cross_entropy(functional_call(model, tensors, (ids,)), batch[1])
+    want_grads = torch.autograd.grad(want, oracle_theta)
+    assert torch.equal(got, want)
+    assert all(torch.equal(a, b) for a, b in zip(got_grads, want_grads, strict=True))
+    model.fail = True
+    with pytest.raises(RuntimeError, match="planted failure"):
+        loss_at(model, loss_fn, ts, theta, batch)
+    after = dict(model.named_parameters(remove_duplicate=False))
+    assert after.keys() == before.keys() and all(after[n] is before[n] for n in before)
+    assert model.head.weight is model.emb.weight

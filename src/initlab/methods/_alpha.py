@@ -7,7 +7,8 @@ learn one scalar ``alpha_i`` per trainable tensor ``W_i`` and evaluate the netwo
 * which tensors get an alpha (:func:`select_tensors`, filters :func:`nonzero`, roles from the layer
   registry, tied tensors once) and the :class:`Tensors` record of them;
 * functional evaluation at ``theta_alpha`` (:func:`scaled_params`, :class:`AtParams`,
-  :func:`loss_at`: :func:`torch.func.functional_call`, parameters never replaced);
+  :func:`loss_at`: the modules' parameter entries swapped for the call as
+  :func:`torch.func.functional_call` swaps them, the parameters themselves never replaced);
 * gradients (:func:`grads_or_zeros`), rank means (:func:`rank_mean`, :func:`scalar_mean`) and the
   finiteness check (:func:`check_finite`);
 * second derivatives: a model that cannot be differentiated twice raises a clear
@@ -96,19 +97,44 @@ default_loss: Loss = resolve_loss(None)
 (integer targets) or MSE (float targets) on ``(x, y)`` batches."""
 
 
+Slot = tuple[dict[str, Any], str]
+"""Where a parameter sits: ``(module._parameters, local name)``."""
+
+
 class AtParams:
     """Stand-in for ``model`` evaluated at other tensors: ``functional_call(model, tensors, ...)``.
 
     Calling it runs the model's forward with ``tensors`` (qualified name -> tensor) in place of its
-    parameters; every other attribute is the model's own.
+    parameters; every other attribute is the model's own. With ``slots`` (one list per tensor, in
+    the order of ``tensors``: every ``(module._parameters, name)`` holding that parameter, tied
+    ones included, from :func:`select_tensors`) the entries are swapped directly, as
+    ``functional_call`` swaps them, without its per-call walk of the model (0.3 ms a call on
+    VGG-19-BN); the parameters are put back after the call, also when it raises.
     """
 
-    def __init__(self, model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        tensors: dict[str, torch.Tensor],
+        slots: Sequence[Sequence[Slot]] | None = None,
+    ) -> None:
         object.__setattr__(self, "_model", model)
         object.__setattr__(self, "_tensors", tensors)
+        object.__setattr__(self, "_slots", slots)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return functional_call(self._model, self._tensors, args, kwargs)
+        if not self._slots:
+            return functional_call(self._model, self._tensors, args, kwargs)
+        saved: list[tuple[dict[str, Any], str, Any]] = []
+        try:
+            for where, t in zip(self._slots, self._tensors.values(), strict=True):
+                for params, name in where:
+                    saved.append((params, name, params[name]))
+                    params[name] = t
+            return self._model(*args, **kwargs)
+        finally:
+            for params, name, old in reversed(saved):
+                params[name] = old
 
     def __getattr__(self, name: str) -> Any:
         return getattr(object.__getattribute__(self, "_model"), name)
@@ -124,6 +150,8 @@ class Tensors:
     scaled: list[int]  # positions in ``tensors`` that get an alpha, in alpha order
     norms: list[float] = field(default_factory=list)  # norms of the scaled tensors before
     tied: dict[str, list[str]] = field(default_factory=dict)  # first name -> its other names
+    # per tensor, every (module._parameters, name) holding it (empty: use functional_call)
+    slots: list[list[Slot]] = field(default_factory=list, repr=False)
 
     @property
     def numel(self) -> int:
@@ -171,6 +199,11 @@ def select_tensors(
     for name, p in model.named_parameters(remove_duplicate=False):
         if first.setdefault(id(p), name) != name:
             out.tied.setdefault(first[id(p)], []).append(name)
+    where: dict[int, list[Slot]] = {}
+    for module in model.modules():
+        for local, p in module._parameters.items():
+            if p is not None:
+                where.setdefault(id(p), []).append((module._parameters, local))
     for name, p in model.named_parameters():  # deduplicates tied tensors by identity
         if not p.requires_grad:
             continue
@@ -178,6 +211,7 @@ def select_tensors(
         out.names.append(name)
         out.tensors.append(p)
         out.roles.append(role)
+        out.slots.append(where[id(p)])
         if chosen(name, p, role) and bool(torch.count_nonzero(p.detach()) > 0):
             out.scaled.append(len(out.tensors) - 1)
             out.norms.append(float(p.detach().double().norm()))
@@ -235,7 +269,8 @@ def alpha_values(ts: Tensors, a: torch.Tensor) -> list[float]:
 def loss_at(
     model: nn.Module, loss_fn: LossFn, ts: Tensors, theta: Sequence[torch.Tensor], batch: Any
 ) -> torch.Tensor:
-    loss = loss_fn(AtParams(model, dict(zip(ts.names, theta, strict=True))), batch)
+    slots = ts.slots if len(ts.slots) == len(theta) else None
+    loss = loss_fn(AtParams(model, dict(zip(ts.names, theta, strict=True)), slots), batch)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise TypeError(
             f"loss_fn must return a scalar tensor, got "
