@@ -28,10 +28,11 @@ What is exactly what here:
   the reference code (its optimizer skips tensors of norm 0, where a scale has no effect). All
   trainable tensors, scaled or not, enter ``g``, ``||g||`` and the look-ahead step. Tied tensors
   are one tensor (deduplicated by identity): one alpha, folded once, and they stay tied.
-* **Functional evaluation.** The model is evaluated at ``theta_alpha`` through
-  :func:`torch.func.functional_call`; its parameters are never replaced, wrapped or re-registered.
-  ``loss_fn(model, batch)`` receives a stand-in that calls ``functional_call(model, theta, args,
-  kwargs)`` when called like the model; its other attributes are the model's. Only calls of the
+* **Functional evaluation.** The model is evaluated at ``theta_alpha`` with its modules'
+  parameter entries swapped for the call, as :func:`torch.func.functional_call` swaps them
+  (:class:`~initlab.methods._alpha.AtParams`); its parameters are never replaced, wrapped or
+  re-registered. ``loss_fn(model, batch)`` receives a stand-in that runs the model at ``theta``
+  when called like the model; its other attributes are the model's. Only calls of the
   stand-in itself are evaluated at ``theta``: calling a submodule directly (``model.encoder(x)``)
   inside ``loss_fn`` bypasses the scales.
 * **S~** (:func:`overlap_batch`): the first ``m = round(r * B)`` examples of ``S`` followed by the

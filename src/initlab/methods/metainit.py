@@ -36,8 +36,9 @@ Variants (``variant=``):
   tensor; normalization layers use batch statistics, dropout off.
 
 In both, ``alpha >= alpha_min`` (0.01; a safeguard the paper's code does not have: a norm can
-never reach zero or change sign). Guarantees shared with GradInit: the model is evaluated through
-:func:`torch.func.functional_call` (parameters never replaced), changed in place once at the end
+never reach zero or change sign). Guarantees shared with GradInit: the model is evaluated at the
+scaled tensors as :func:`torch.func.functional_call` does (parameters never replaced), changed in
+place once at the end
 (``W <- alpha * W``, tied tensors once), buffers bit-identical afterwards and modes restored, the
 model left unchanged on any exception, no hooks, random data drawn from ``generator`` only. Under
 ``torch.distributed`` each rank computes ``GQ`` of its own batch and the alpha-gradients are
