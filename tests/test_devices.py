@@ -108,10 +108,19 @@ HF_CALLS: dict[str, Callable[[nn.Module, Any], Any]] = {
 HF_INPLACE = {"lsuv_", "gradinit_", "gradinit_exact", "metainit_", "precondition_"}
 
 
+MORE_CALLS: dict[str, Callable[[nn.Module, Any], Any]] = {
+    "init_model": lambda m, d: initlab.init_model(m, "geometric", generator=SEED),
+    "doctor": lambda m, d: initlab.doctor(m, d, tuple_loss, fix=True, generator=SEED),
+}
+"""Entry points outside the conformance matrix, on its MLP and CNN (both change the model)."""
+
+
 def _call(entry: str, model_name: str) -> tuple[Callable[[nn.Module, Any], Any], bool]:
     """``(call(model, data), in place)`` for a conformance entry or a Hugging Face call."""
     if model_name in HF_FAMILIES:
         return HF_CALLS[entry], entry in HF_INPLACE
+    if entry in MORE_CALLS:
+        return MORE_CALLS[entry], True
     e = ENTRIES[entry]
     return (lambda m, d: e.call(m, d, tuple_loss, SEED)), e.inplace
 
@@ -121,7 +130,8 @@ CASES = [
     for e in ENTRIES.values()
     for m in e.models
     if not expected_errors(e, "list", "model_batch", m)  # tied head: scale_output_ must refuse
-] + [(entry, family) for family in HF_FAMILIES for entry in HF_CALLS]
+] + [(entry, m) for entry in MORE_CALLS for m in ("mlp", "cnn")]
+CASES += [(entry, family) for family in HF_FAMILIES for entry in HF_CALLS]
 IDS = [f"{e}-{m}" for e, m in CASES]
 
 
