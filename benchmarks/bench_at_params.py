@@ -4,10 +4,10 @@
 at ``theta``. Three candidates, alternating, no gradient, batch 1 (so the fixed cost shows):
 
 * ``plain``: ``F.cross_entropy(model(x), y)``, the model's own parameters;
-* ``functional_call``: the stand-in without slots (``torch.func.functional_call``: it walks the
-  model on every call to untie and swap the entries);
-* ``slots``: the stand-in as ``loss_at`` builds it (the entries swapped directly, from the slots
-  ``select_tensors`` recorded once).
+* ``functional_call``: ``torch.func.functional_call`` (it walks the model on every call to untie
+  and swap the entries), as ``loss_at`` evaluated the model before;
+* ``slots``: ``loss_at`` (the entries swapped directly, from the slots ``select_tensors``
+  recorded once).
 
 Printed: the time of each (ms, process CPU time, best of ``--repeats`` blocks of ``--calls``) and
 the overhead over ``plain``. Run: ``OMP_NUM_THREADS=1 python benchmarks/bench_at_params.py``.
@@ -22,12 +22,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch.func import functional_call
 from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _timing import interleaved_min
 from initlab._core.rows import format_table
-from initlab.methods._alpha import AtParams, default_loss, loss_at, nonzero, scaled_leaves
+from initlab.methods._alpha import default_loss, loss_at, nonzero, scaled_leaves
 from initlab.methods._alpha import select_tensors as _select
 from initlab.zoo import create_model
 
@@ -38,7 +39,7 @@ def _measure(name: str, model: torch.nn.Module, calls: int, repeats: int) -> dic
     theta = scaled_leaves(ts, torch.ones(len(ts.scaled), dtype=torch.float64))
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(1, 3, 32, 32, generator=g), torch.randint(0, 10, (1,), generator=g)
-    unslotted = AtParams(model, dict(zip(ts.names, theta, strict=True)))
+    tensors = dict(zip(ts.names, theta, strict=True))
 
     def repeat(fn: Callable[[], object]) -> Callable[[], None]:
         def run() -> None:
@@ -51,7 +52,9 @@ def _measure(name: str, model: torch.nn.Module, calls: int, repeats: int) -> dic
     best = interleaved_min(
         {
             "plain": repeat(lambda: F.cross_entropy(model(x), y)),
-            "functional_call": repeat(lambda: F.cross_entropy(unslotted(x), y)),
+            "functional_call": repeat(
+                lambda: F.cross_entropy(functional_call(model, tensors, (x,)), y)
+            ),
             "slots": repeat(lambda: loss_at(model, default_loss, ts, theta, (x, y))),
         },
         repeats,

@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.func import functional_call
 
 from initlab._core.data import DataCounter, is_single_batch, iter_batches
 from initlab._core.distributed import (
@@ -102,32 +101,26 @@ Slot = tuple[dict[str, Any], str]
 
 
 class AtParams:
-    """Stand-in for ``model`` evaluated at other tensors: ``functional_call(model, tensors, ...)``.
+    """Stand-in for ``model`` evaluated at other tensors, as ``functional_call(model, ...)``.
 
-    Calling it runs the model's forward with ``tensors`` (qualified name -> tensor) in place of its
-    parameters; every other attribute is the model's own. With ``slots`` (one list per tensor, in
-    the order of ``tensors``: every ``(module._parameters, name)`` holding that parameter, tied
-    ones included, from :func:`select_tensors`) the entries are swapped directly, as
-    ``functional_call`` swaps them, without its per-call walk of the model (0.3 ms a call on
-    VGG-19-BN); the parameters are put back after the call, also when it raises.
+    Calling it runs the model's forward with ``tensors[k]`` in every ``(module._parameters,
+    name)`` of ``slots[k]`` (the slots :func:`select_tensors` records: tied and shared ones
+    included), swapped directly as ``functional_call`` swaps them but without its per-call walk
+    of the model (0.3 ms a call on VGG-19-BN); the parameters are put back after the call, also
+    when it raises. Every other attribute is the model's own.
     """
 
     def __init__(
-        self,
-        model: nn.Module,
-        tensors: dict[str, torch.Tensor],
-        slots: Sequence[Sequence[Slot]] | None = None,
+        self, model: nn.Module, slots: Sequence[Sequence[Slot]], tensors: Sequence[torch.Tensor]
     ) -> None:
         object.__setattr__(self, "_model", model)
-        object.__setattr__(self, "_tensors", tensors)
         object.__setattr__(self, "_slots", slots)
+        object.__setattr__(self, "_tensors", tensors)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not self._slots:
-            return functional_call(self._model, self._tensors, args, kwargs)
         saved: list[tuple[dict[str, Any], str, Any]] = []
         try:
-            for where, t in zip(self._slots, self._tensors.values(), strict=True):
+            for where, t in zip(self._slots, self._tensors, strict=True):
                 for params, name in where:
                     saved.append((params, name, params[name]))
                     params[name] = t
@@ -150,7 +143,7 @@ class Tensors:
     scaled: list[int]  # positions in ``tensors`` that get an alpha, in alpha order
     norms: list[float] = field(default_factory=list)  # norms of the scaled tensors before
     tied: dict[str, list[str]] = field(default_factory=dict)  # first name -> its other names
-    # per tensor, every (module._parameters, name) holding it (empty: use functional_call)
+    # per tensor, every (module._parameters, name) holding it (for AtParams)
     slots: list[list[Slot]] = field(default_factory=list, repr=False)
 
     @property
@@ -269,8 +262,7 @@ def alpha_values(ts: Tensors, a: torch.Tensor) -> list[float]:
 def loss_at(
     model: nn.Module, loss_fn: LossFn, ts: Tensors, theta: Sequence[torch.Tensor], batch: Any
 ) -> torch.Tensor:
-    slots = ts.slots if len(ts.slots) == len(theta) else None
-    loss = loss_fn(AtParams(model, dict(zip(ts.names, theta, strict=True)), slots), batch)
+    loss = loss_fn(AtParams(model, ts.slots, theta), batch)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise TypeError(
             f"loss_fn must return a scalar tensor, got "

@@ -218,7 +218,7 @@ def _random_batches(
 
 
 def _loss_free_forward(model: nn.Module, ts: Tensors, x: torch.Tensor) -> torch.Tensor:
-    out = AtParams(model, dict(zip(ts.names, [t.detach() for t in ts.tensors], strict=True)))(x)
+    out = AtParams(model, ts.slots, [t.detach() for t in ts.tensors])(x)
     if not isinstance(out, torch.Tensor):
         raise TypeError(
             "metainit_ with random data infers the number of classes from the model's output, "
