@@ -331,7 +331,9 @@ def _numbers(result: Any) -> Any:
     raise AssertionError(f"no rows to compare on a {type(result).__name__}")
 
 
-def _leaf_difference(a: Any, b: Any, key: str) -> str | None:
+def _leaf_difference(
+    a: Any, b: Any, key: str, rtol: float = RTOL, atol: float = ATOL
+) -> str | None:
     """How two leaves differ (tensors, numbers, strings, None), or ``None`` when they agree."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
@@ -339,21 +341,30 @@ def _leaf_difference(a: Any, b: Any, key: str) -> str | None:
         if a.shape != b.shape:
             return f"shape {tuple(a.shape)} vs {tuple(b.shape)}"
         x, y = a.detach().double(), b.detach().double()
-        if torch.allclose(x, y, rtol=RTOL, atol=ATOL, equal_nan=True):
+        if torch.allclose(x, y, rtol=rtol, atol=atol, equal_nan=True):
             return None
         return f"tensors differ (max abs diff {(x - y).abs().nan_to_num().max().item():.3g})"
     if isinstance(a, bool) or isinstance(b, bool) or a is None or b is None:
         return None if a == b else f"{a!r} vs {b!r}"
     if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        same = (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=RTOL, abs_tol=ATOL)
+        same = (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=rtol, abs_tol=atol)
         return None if same else f"{a!r} vs {b!r}"
     if isinstance(a, str) and isinstance(b, str):
         return f"{a!r} vs {b!r}" if key in _IDENTITY_KEYS and a != b else None
     return None if type(a) is type(b) else f"{type(a).__name__} vs {type(b).__name__}"
 
 
-def _same(a: Any, b: Any, where: str, problems: list[str], key: str = "") -> None:
-    """Append to ``problems`` where ``a`` and ``b`` differ (numbers: rtol 1e-5, NaN == NaN)."""
+def _same(
+    a: Any,
+    b: Any,
+    where: str,
+    problems: list[str],
+    key: str = "",
+    rtol: float = RTOL,
+    atol: float = ATOL,
+) -> None:
+    """Append to ``problems`` where ``a`` and ``b`` differ (numbers: ``rtol``, default 1e-5, NaN ==
+    NaN)."""
     if len(problems) > 8 or (key and _IGNORED_KEYS.search(key)):
         return
     if isinstance(a, Mapping) and isinstance(b, Mapping):
@@ -361,14 +372,14 @@ def _same(a: Any, b: Any, where: str, problems: list[str], key: str = "") -> Non
             problems.append(f"{where}: keys {sorted(map(str, set(a) ^ set(b)))} differ")
         for k in a:
             if k in b:
-                _same(a[k], b[k], f"{where}.{k}", problems, str(k))
+                _same(a[k], b[k], f"{where}.{k}", problems, str(k), rtol, atol)
     elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         if len(a) != len(b):
             problems.append(f"{where}: {len(a)} vs {len(b)} items")
         for i, (x, y) in enumerate(zip(a, b, strict=False)):
-            _same(x, y, f"{where}[{i}]", problems, key)
+            _same(x, y, f"{where}[{i}]", problems, key, rtol, atol)
     else:
-        diff = _leaf_difference(a, b, key)
+        diff = _leaf_difference(a, b, key, rtol, atol)
         if diff is not None:
             problems.append(f"{where}: {diff}")
 

@@ -199,54 +199,25 @@ def _on_cpu_float64(entry: str, model_name: str) -> tuple[Any, dict[str, torch.T
     return numbers, state
 
 
-def _differences(a: Any, b: Any, where: str, rtol: float = RTOL) -> list[str]:
-    """Where ``a`` and ``b`` differ beyond ``rtol``/``ATOL`` (numbers and tensors)."""
-    if isinstance(a, Mapping) and isinstance(b, Mapping):
-        if set(a) != set(b):
-            return [f"{where}: keys {sorted(map(str, set(a) ^ set(b)))} differ"]
-        return [
-            d
-            for k in a
-            if "time" not in str(k)
-            for d in _differences(a[k], b[k], f"{where}.{k}", rtol)
-        ]
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        if len(a) != len(b):
-            return [f"{where}: {len(a)} vs {len(b)} items"]
-        return [
-            d
-            for i, (x, y) in enumerate(zip(a, b, strict=True))
-            for d in _differences(x, y, f"{where}[{i}]", rtol)
-        ]
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        x, y = a.double(), b.double()
-        ok = x.shape == y.shape and torch.allclose(x, y, rtol=rtol, atol=ATOL, equal_nan=True)
-        return [] if ok else [f"{where}: max abs diff {(x - y).abs().nan_to_num().max():.3g}"]
-    if isinstance(a, float) and isinstance(b, (int, float)) and not isinstance(b, bool):
-        same = (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=rtol, abs_tol=ATOL)
-        return [] if same else [f"{where}: {a!r} vs {b!r}"]
-    return []
+def _flat(numbers: Any, where: str = "") -> dict[str, float]:
+    """Every float in ``numbers`` (rows, nested; each entry of a floating tensor) by its path;
+    timings left out."""
+    if isinstance(numbers, Mapping):
+        items = [(f"{where}.{k}", v) for k, v in numbers.items() if "time" not in str(k)]
+    elif isinstance(numbers, (list, tuple)):
+        items = [(f"{where}[{i}]", v) for i, v in enumerate(numbers)]
+    elif isinstance(numbers, torch.Tensor) and numbers.is_floating_point():
+        return {f"{where}<{i}>": v for i, v in enumerate(numbers.flatten().tolist())}
+    elif isinstance(numbers, float):
+        return {where: numbers}
+    else:
+        return {}
+    return {p: v for path, x in items for p, v in _flat(x, path).items()}
 
 
 def _finite(numbers: Any) -> set[str]:
     """The paths of the finite numbers in ``numbers``."""
-    out: set[str] = set()
-
-    def walk(v: Any, where: str) -> None:
-        if isinstance(v, Mapping):
-            for k, x in v.items():
-                walk(x, f"{where}.{k}")
-        elif isinstance(v, (list, tuple)):
-            for i, x in enumerate(v):
-                walk(x, f"{where}[{i}]")
-        elif isinstance(v, torch.Tensor) and v.is_floating_point():
-            if bool(v.isfinite().all()):
-                out.add(where)
-        elif isinstance(v, float) and math.isfinite(v):
-            out.add(where)
-
-    walk(numbers, "")
-    return out
+    return {p for p, v in _flat(numbers).items() if math.isfinite(v)}
 
 
 # ----------------------------------------------------------------------------- the tests
@@ -258,9 +229,9 @@ def test_same_numbers_on_the_device_in_float64(entry: str, model: str, device: s
     numbers, state, problems = run_on(entry, model, device, torch.float64)
     assert not problems, "; ".join(problems)
     want_numbers, want_state = _on_cpu_float64(entry, model)
-    rtol = FLOAT32_INSIDE.get(model, RTOL)
-    diffs = _differences(state, want_state, "state", rtol)
-    diffs += _differences(numbers, want_numbers, "rows", rtol)
+    rtol, diffs = FLOAT32_INSIDE.get(model, RTOL), []
+    _same(state, want_state, "state", diffs, rtol=rtol, atol=ATOL)
+    _same(numbers, want_numbers, "rows", diffs, rtol=rtol, atol=ATOL)
     assert not diffs, f"{device} differs from the CPU:\n  " + "\n  ".join(diffs[:8])
 
 
@@ -271,25 +242,11 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _median_relative_difference(a: Any, b: Any) -> float:
     """The median over the numbers of ``b`` (rows, nested) of ``|a - b| / max(|b|, 1e-6)``."""
-    pairs: list[tuple[float, float]] = []
-
-    def walk(x: Any, y: Any) -> None:
-        if isinstance(y, Mapping) and isinstance(x, Mapping):
-            for k in y:
-                if k in x and "time" not in str(k):
-                    walk(x[k], y[k])
-        elif isinstance(y, (list, tuple)) and isinstance(x, (list, tuple)):
-            for u, v in zip(x, y, strict=False):
-                walk(u, v)
-        elif isinstance(y, torch.Tensor) and isinstance(x, torch.Tensor):
-            if y.is_floating_point() and x.shape == y.shape:
-                pairs.extend(zip(x.flatten().tolist(), y.flatten().tolist(), strict=True))
-        elif isinstance(y, float) and isinstance(x, (int, float)):
-            pairs.append((float(x), y))
-
-    walk(a, b)
+    x, y = _flat(a), _flat(b)
     rel = sorted(
-        abs(x - y) / max(abs(y), 1e-6) for x, y in pairs if math.isfinite(x) and math.isfinite(y)
+        abs(x[p] - v) / max(abs(v), 1e-6)
+        for p, v in y.items()
+        if p in x and math.isfinite(x[p]) and math.isfinite(v)
     )
     return rel[len(rel) // 2] if rel else 0.0
 
