@@ -337,8 +337,11 @@ def _generic_contributions(rec: _Record) -> None:
     params = {name: ps.param.detach() for name, ps in rec.params.items()}
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
     # the module re-run in its parameters' dtype: under autocast it ran on bfloat16 inputs
-    leaves = [_in_dtype_of(t, params) for t in leaves]
-    cotangents = [_in_dtype_of(d, params) for d in cotangents]
+    dtypes = {p.dtype for p in params.values() if p.is_floating_point()}
+    if len(dtypes) == 1:
+        dtype = dtypes.pop()
+        leaves = [t.to(dtype) if t.is_floating_point() else t for t in leaves]
+        cotangents = [d.to(dtype) for d in cotangents]
 
     def forward(p: dict[str, torch.Tensor], example_leaves: list[torch.Tensor]):
         it = iter(example_leaves)
@@ -374,14 +377,6 @@ def _generic_contributions(rec: _Record) -> None:
             rec.contrib[id(ps)] = _Contribution(torch.cat(proj[name]), grads=torch.cat(grads[name]))
         else:
             rec.contrib[id(ps)] = _Contribution(torch.cat(proj[name]), sqn=torch.cat(sqn[name]))
-
-
-def _in_dtype_of(t: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Floating ``t`` in the dtype of ``params`` where they all have one (``t`` otherwise)."""
-    dtypes = {p.dtype for p in params.values() if p.is_floating_point()}
-    if len(dtypes) != 1 or not t.is_floating_point():
-        return t
-    return t.to(dtypes.pop())
 
 
 def _attention_contributions(rec: _Record) -> None:
