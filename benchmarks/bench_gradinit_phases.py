@@ -7,7 +7,7 @@ each phase is reported as its median over the rounds (ms):
   (``SGD(lr=0.1, momentum=0.9, weight_decay=1e-4).step()`` and ``zero_grad``);
 * objective iteration (``_GradInitStep`` as in ``gradinit_``'s loop, in its evaluation modes):
   ``theta_alpha`` (:func:`~initlab.methods._alpha.scaled_leaves`), ``L(S) forward`` and
-  ``L(S) backward``, ``||g||`` (:func:`~initlab._core.reductions.squared_norms`), ``theta'``
+  ``L(S) backward``, ``||g||`` (:func:`~initlab._core.reductions.total_sum_of_squares`), ``theta'``
   (the look-ahead), ``L(S~) forward`` and ``L(S~) backward``, ``dots`` (the alpha-gradients, one
   :func:`~initlab._core.reductions.sum_of_products` per scaled tensor), ``rest`` (the iteration's
   total minus its phases: rank means, scalars, the Adam step on alpha).
@@ -112,7 +112,7 @@ def phases(model: nn.Module, batch: int, iterations: int) -> list[dict[str, obje
                 (m, "scaled_leaves", ["theta_alpha"]),
                 (m, "loss_at", ["L(S) forward", "L(S~) forward"]),
                 (m, "grads_or_zeros", ["L(S) backward", "L(S~) backward"]),
-                (m, "squared_norms", ["||g||"]),
+                (m, "total_sum_of_squares", ["||g||"]),
                 (m, "sum_of_products", ["dots"]),
                 (_GradInitStep, "_look_ahead", ["theta'"]),
             ):

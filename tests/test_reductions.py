@@ -1,11 +1,11 @@
-"""sum_of_squares and sum_of_products against float64, at sizes where float32 drifts."""
+"""The reductions against float64, at sizes where float32 drifts."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from initlab._core.reductions import squared_norms, sum_of_products, sum_of_squares
+from initlab._core.reductions import sum_of_products, sum_of_squares, total_sum_of_squares
 
 
 @pytest.mark.parametrize("n", [1, 2047, 2048, 2049, 5_000_003])
@@ -45,15 +45,15 @@ def test_sum_of_products_low_precision_in_float32() -> None:
     assert float(got) == pytest.approx(float((x.double() * y.double()).sum()), rel=1e-5)
 
 
-def test_squared_norms_match_float64_at_every_size_and_dtype() -> None:
+def test_total_sum_of_squares_matches_float64_at_every_size_and_dtype() -> None:
     g = torch.Generator().manual_seed(3)
-    sizes = [1, 2047, 2**14, 2**14 + 1, 2**17, 3_000_001]
+    sizes = [1, 2047, 2**14, 2**14 + 1, 2**17, 3_000_001, 2 * 2048]
     tensors = [torch.randn(n, generator=g) + 1 for n in sizes]
     tensors += [torch.randn(4, 5, generator=g, dtype=torch.float64), tensors[1].bfloat16()]
-    got = squared_norms(tensors)
-    assert len(got) == len(tensors) and all(x.shape == () for x in got)
-    for x, t in zip(got, tensors, strict=True):
-        # one float32 norm of 2**17 entries: ~1.5e-6 off; bfloat16 as sum_of_squares (1e-6)
-        rel = 1e-6 if t.dtype == torch.bfloat16 else 5e-7
-        assert float(x) == pytest.approx(float((t.double() ** 2).sum()), rel=rel)
-    assert got[6].dtype == torch.float64
+    tensors += [torch.randn(3, 2**14 + 7, generator=g, dtype=torch.float64), torch.ones(0)]
+    exact = [float((t.double() ** 2).sum()) for t in tensors]
+    # one fused float32 norm of up to 2**14 entries: 3e-7 to 5e-7 off (a naive norm of 3M: 5e-5)
+    assert total_sum_of_squares(tensors) == pytest.approx(sum(exact), rel=5e-7)
+    for t, e in zip(tensors, exact, strict=True):  # each size and dtype alone, the pieces
+        assert total_sum_of_squares([t]) == pytest.approx(e, rel=1e-6, abs=0)
+    assert total_sum_of_squares([]) == 0.0
