@@ -14,30 +14,50 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def interleaved_times(
+    fns: dict[str, Callable[[], object]],
+    repeats: int,
+    warmup: int = 1,
+    clock: Callable[[], float] = time.perf_counter,
+    block: int = 1,
+) -> dict[str, list[float]]:
+    """Run the candidates alternately ``repeats`` times; return each one's times (s).
+
+    Interleaving puts both candidates under the same machine state (frequency, cache, other load),
+    so the ratio is fair even when absolute times drift. ``clock=time.process_time`` measures this
+    process's CPU time, which other processes on a loaded machine disturb much less than wall time.
+
+    ``block > 1``: each turn runs a candidate ``block`` times in a row and times only the calls
+    after the first, so that each is measured in its own steady state, as in a loop of it (on CPU
+    the allocator's heap, and with it the page faults a call pays, depends on the call before:
+    a candidate measured right after a hungrier one finds memory that its own loop would have
+    handed back to the system and faulted in again).
+    """
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            for call in range(block):
+                sync()
+                start = clock()
+                fn()
+                sync()
+                if call or block == 1:
+                    times[name].append(clock() - start)
+    return times
+
+
 def interleaved_min(
     fns: dict[str, Callable[[], object]],
     repeats: int,
     warmup: int = 1,
     clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, float]:
-    """Run the candidates alternately ``repeats`` times; return each one's best time (s).
-
-    Interleaving puts both candidates under the same machine state (frequency, cache, other load),
-    so the ratio is fair even when absolute times drift. ``clock=time.process_time`` measures this
-    process's CPU time, which other processes on a loaded machine disturb much less than wall time.
-    """
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    best = {name: float("inf") for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            sync()
-            start = clock()
-            fn()
-            sync()
-            best[name] = min(best[name], clock() - start)
-    return best
+    """Each candidate's best time (s) of :func:`interleaved_times` (one call a turn)."""
+    times = interleaved_times(fns, repeats, warmup, clock)
+    return {name: min(t) for name, t in times.items()}
 
 
 def median_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float, float]:

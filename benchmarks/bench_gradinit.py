@@ -1,6 +1,14 @@
 """GradInit cost per iteration vs one plain training step, on CIFAR-shaped nets (CPU by default).
 
-Candidates, run alternately (best of ``--repeats`` after one warm-up, ``_timing.interleaved_min``):
+Candidates, run alternately for ``--repeats`` turns after one warm-up
+(``_timing.interleaved_times``), each turn ``--block`` calls in a row, the first one untimed, so
+that each candidate is timed in its own steady state as in ``gradinit_``'s loop of it; a
+candidate's time is the median of its timed calls (``--stat median``, what a loop of it costs) or
+the best (``--stat min``). On CPU with glibc's allocator the heap, and with it the page faults a
+call pays, depends on the calls before: a step timed right after a hungrier one finds memory its
+own loop would have handed back and faulted in again, and the best call of a loop can be one that
+missed the faults most of its calls pay (ResNet-20's constraint step: best 2.5x, typical ~3x a
+plain step; ``benchmarks/results/README.md``):
 
 * ``plain``: one training step, ``model.train()``, forward + cross-entropy + backward +
   ``SGD(lr=0.1, momentum=0.9, weight_decay=1e-4).step()`` + ``zero_grad`` (the paper's training);
@@ -35,7 +43,8 @@ Goals: first-order objective <= 2.0x, constraint step <= 3.0x a plain step (the 
 implementation measures 3.6x). The constraint step differentiates through ``g`` with the
 convolutions and batch norms of :func:`~initlab.methods._second_order.written_out_second_order`.
 
-Run: ``python benchmarks/bench_gradinit.py [--batch 64] [--repeats 3] [--threads 1] [--cpu-time]``.
+Run: ``python benchmarks/bench_gradinit.py [--batch 64] [--repeats 3] [--block 3] [--threads 1]
+[--cpu-time]``.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -57,7 +67,7 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 import initlab.methods.gradinit as gradinit_module
-from _timing import interleaved_min
+from _timing import interleaved_times
 from initlab._core.rows import format_table
 from initlab.methods._alpha import AlphaAdam as _Adam
 from initlab.methods._alpha import default_loss as _default_loss
@@ -81,6 +91,8 @@ def bench(
     repeats: int,
     device: torch.device,
     clock: Callable[[], float] = time.perf_counter,
+    block: int = 1,
+    stat: Callable[[list[float]], float] = min,
 ) -> dict[str, object]:
     gen = torch.Generator().manual_seed(0)
     model.to(device)
@@ -136,7 +148,7 @@ def bench(
         return fn
 
     with _evaluation_modes(model, batch_stats=True):  # buffers put back after all the runs
-        times = interleaved_min(
+        calls = interleaved_times(
             {
                 "plain": plain,
                 "objective": in_modes("objective", False),
@@ -147,7 +159,9 @@ def bench(
             },
             repeats=repeats,
             clock=clock,
+            block=block,
         )
+    times = {name: stat(t) for name, t in calls.items()}
     start = time.perf_counter()
     state = {k: v.clone() for k, v in model.state_dict().items()}
     gradinit_(model, [s, nxt], steps=1, gamma=math.inf)
@@ -175,6 +189,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--block", type=int, default=3, help="calls in a row per turn, the first untimed (1: none)"
+    )
+    parser.add_argument("--stat", choices=["median", "min"], default="median")
     parser.add_argument("--vgg-width", type=float, default=0.25)
     parser.add_argument("--device", default="cpu", help="the documented target is CPU")
     parser.add_argument(
@@ -199,14 +217,16 @@ def main() -> None:
     }
     rows = []
     for name, model in models.items():
-        rows.append(bench(name, model, args.batch, args.repeats, device, clock))
+        stat = statistics.median if args.stat == "median" else min
+        rows.append(bench(name, model, args.batch, args.repeats, device, clock, args.block, stat))
         print(format_table(rows[-1:]), flush=True)
     print()
     print(format_table(rows))
     load = os.getloadavg()
     print(
         "\n*_x: time of one GradInit iteration / one plain training step (same batch size; "
-        f"{'process CPU time' if args.cpu_time else 'wall time'}, best of {args.repeats}). "
+        f"{'process CPU time' if args.cpu_time else 'wall time'}, {args.stat} of "
+        f"{args.repeats} turns of {args.block} calls, the first untimed). "
         "Goals: objective_x <= 2.0 (first-order, default), constraint_x <= 3.0. "
         f"Load average at the end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
     )
