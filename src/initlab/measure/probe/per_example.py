@@ -169,7 +169,10 @@ def _put_outer(
         rec.contrib[id(ps)] = _Contribution(proj, sqn=sqn * (s * s))  # type: ignore[operator]
 
 
-def _linear_contributions(rec: _Record, dy: torch.Tensor) -> None:
+def _linear_contributions(rec: _Record, dy: torch.Tensor, transposed: bool = False) -> None:
+    """``nn.Linear``: ``dW_i = sum_t dy_it x_it^T``, ``db_i = sum_t dy_it``. ``transposed``: a
+    linear layer storing its weight as ``(in, out)``, ``y = x W + b`` (GPT-2's ``Conv1D``), whose
+    ``dW_i = sum_t x_it dy_it^T`` is the transpose."""
     assert rec.x is not None
     bd, s = rec.state.bd, rec.scale
     x = _work(rec.x.movedim(bd, 0))
@@ -181,24 +184,12 @@ def _linear_contributions(rec: _Record, dy: torch.Tensor) -> None:
         if local == "bias":
             _put(rec, ps, dy3.sum(1) * s)
         else:
-            _put_outer(rec, ps, [(dy3, x3)], s)
+            _put_outer(rec, ps, [(x3, dy3) if transposed else (dy3, x3)], s)
 
 
 def _transposed_linear_contributions(rec: _Record, dy: torch.Tensor) -> None:
-    """A linear layer storing its weight as ``(in, out)``, ``y = x W + b`` (GPT-2's ``Conv1D``):
-    ``dW_i = sum_t x_it dy_it^T``, the transpose of ``nn.Linear``'s."""
-    assert rec.x is not None
-    bd, s = rec.state.bd, rec.scale
-    x = _work(rec.x.movedim(bd, 0))
-    dy = _work(dy.detach().movedim(bd, 0))
-    batch = x.shape[0]
-    x3 = x.reshape(batch, -1, x.shape[-1])
-    dy3 = dy.reshape(batch, -1, dy.shape[-1])
-    for local, ps in rec.params.items():
-        if local == "bias":
-            _put(rec, ps, dy3.sum(1) * s)
-        else:
-            _put_outer(rec, ps, [(x3, dy3)], s)
+    """GPT-2's ``Conv1D`` (weight ``(in, out)``): :func:`_linear_contributions`, transposed."""
+    _linear_contributions(rec, dy, transposed=True)
 
 
 def _layernorm_contributions(rec: _Record, dy: torch.Tensor) -> None:
