@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import initlab
 from initlab.cli import main
 from initlab.data import load_libsvm
 from initlab.diagnostics.diagnose import diagnose
@@ -399,6 +400,62 @@ def test_lsuv_reports_a_custom_layer_it_cannot_scale() -> None:
     assert "register one (initlab.register_handler) to have LSUV scale it" in row["skipped"]
     assert report.info["skipped"] == {"0": row["skipped"]}
     assert torch.equal(model[0].weight, raw)
+
+
+# A weight computed by a parametrization (torch.nn.utils.parametrize) is not a tensor the methods
+# can read, write or scale in place: every entry point that goes through the layer registry says
+# so and how to remove it for the call (was: "handler ... returned invalid specs ... no direct
+# parameter named 'weight'").
+_PARAMETRIZATIONS: dict[str, Callable[[nn.Module], Any]] = {
+    "weight_norm": torch.nn.utils.parametrizations.weight_norm,
+    "spectral_norm": torch.nn.utils.parametrizations.spectral_norm,
+    "orthogonal": torch.nn.utils.parametrizations.orthogonal,
+}
+_REGISTRY_USERS: dict[str, Callable[[nn.Module], Any]] = {
+    "init_model": lambda m: initlab.init_model(m, "geometric", generator=0),
+    "lsuv_": lambda m: lsuv_(m, _batches()[0][0], generator=0),
+    "gradinit_": lambda m: gradinit_(m, _batches(), gamma=1e-6),
+    "metainit_": lambda m: metainit_(m, _batches(), steps=2),
+    "gr_scaling": lambda m: gr_scaling(m, _batches()),
+    "diagnose": lambda m: diagnose(m, _batches()),
+    "scale_output_": lambda m: scale_output_(m, _batches()),
+    "precondition_": lambda m: precondition_(m, _batches()),
+    "layer_spectra": lambda m: initlab.layer_spectra(m),
+    "doctor": lambda m: initlab.doctor(m, _batches(), generator=0),
+}
+
+
+@pytest.mark.parametrize("kind", list(_PARAMETRIZATIONS))
+@pytest.mark.parametrize("entry", list(_REGISTRY_USERS))
+def test_a_parametrized_weight_is_refused_with_the_way_out(kind: str, entry: str) -> None:
+    model = _mlp()
+    _PARAMETRIZATIONS[kind](model[0])
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError) as info:
+        _REGISTRY_USERS[entry](model)
+    text = str(info.value)
+    assert "a torch.nn.modules.linear.Linear has parametrized tensors ('weight' by _" in text
+    assert "remove_parametrizations(layer, 'weight') keeps the current values" in text
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    # the way out: remove it (the weight kept), then the call runs
+    model.eval()  # else spectral_norm runs a power iteration at every read of the weight
+    weight = model[0].weight.detach().clone()
+    torch.nn.utils.parametrize.remove_parametrizations(model[0], "weight")
+    assert torch.equal(model[0].weight, weight)
+    _REGISTRY_USERS[entry](model)
+
+
+def test_a_parametrization_on_a_tensor_no_handler_names_is_left_alone() -> None:
+    class _Scaled(nn.Module):
+        def forward(self, w: torch.Tensor) -> torch.Tensor:
+            return 2 * w
+
+    model = _mlp()
+    model[0].register_buffer("extra", torch.ones(3))
+    torch.nn.utils.parametrize.register_parametrization(model[0], "extra", _Scaled())
+    rows = initlab.init_model(model, "geometric", generator=0)
+    assert [(r["layer"], r["param"]) for r in rows][:2] == [("0", "weight"), ("0", "bias")]
 
 
 # ---------------------------------------------------------------------------------------- CLI

@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from torch import nn
+from torch.nn.utils import parametrize
 
 from initlab.init.fans import Fans, compute_fans
 
@@ -217,6 +218,28 @@ def _check_handler(handler: object) -> None:
         ) from None
 
 
+def _refuse_parametrized(module: nn.Module, names: list[str]) -> None:
+    """Raise ValueError if some of ``names`` are computed by parametrizations
+    (``torch.nn.utils.parametrize``: ``weight_norm``, ``spectral_norm``, ``orthogonal``...):
+    such a ``weight`` is not a tensor that can be read, written or scaled in place."""
+    kinds = {
+        name: sorted({type(p).__name__ for p in module.parametrizations[name]})
+        for name in names
+        if parametrize.is_parametrized(module, name)
+    }
+    if not kinds:
+        return
+    what = ", ".join(f"{name!r} by {' and '.join(k)}" for name, k in kinds.items())
+    first = next(iter(kinds))
+    raise ValueError(
+        f"a {_dotted(type(module).__bases__[0])} has parametrized tensors ({what}; "
+        "torch.nn.utils.parametrize): initlab reads and writes a layer's own tensors and does not "
+        "handle parametrizations. Remove them for this call and register them again after: "
+        f"torch.nn.utils.parametrize.remove_parametrizations(layer, {first!r}) keeps the current "
+        "values (then e.g. weight_norm(layer) again)"
+    )
+
+
 def _validate_specs(module: nn.Module, specs: list[ParamSpec], handler: Handler) -> None:
     """Raise ValueError unless ``specs`` correctly describe direct parameters of ``module``."""
 
@@ -363,8 +386,10 @@ class Registry:
         Raises:
             ValueError: the handler's output does not match the module (unknown or ``None``
                 parameter, a name twice, blocks that overlap or leave gaps, fans that disagree
-                with :func:`~initlab.compute_fans`), or the module is lazy and not yet
-                materialized. The message names the handler, the module type and the problem.
+                with :func:`~initlab.compute_fans`), the module is lazy and not yet
+                materialized, or some of its tensors are parametrized
+                (``torch.nn.utils.parametrize``; the message says how to remove them for the
+                call). The message names the handler, the module type and the problem.
         """
         handler = self.handler_for(module)
         if handler is None:
@@ -425,6 +450,7 @@ class Registry:
             raise ValueError(
                 f"handler {_handler_name(handler)} failed on {_dotted(type(module))}: {err}"
             ) from err
+        _refuse_parametrized(module, [s.name for s in specs if isinstance(s, ParamSpec)])
         _validate_specs(module, specs, handler)
         return specs
 
