@@ -35,6 +35,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from initlab._core.compiled import takes_compiled
 from initlab._core.data import take_batches
 from initlab._core.loss import (
     Loss,
@@ -84,6 +85,7 @@ def _examples(batch: Any) -> int:
 # ----------------------------------------------------------------------------- diagnose
 
 
+@takes_compiled
 def diagnose(
     model: nn.Module,
     data: Any,

@@ -74,6 +74,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from initlab._core.compiled import takes_compiled
 from initlab._core.data import DataUse, data_use, default_forward, output_tensor, take_batches
 from initlab._core.loss import Loss, LossLike, model_loss, resolve_loss
 from initlab._core.rng import as_generator
@@ -709,6 +710,7 @@ def _param_groups_row(course: _Course) -> dict[str, Any] | None:
 # ----------------------------------------------------------------------------- doctor
 
 
+@takes_compiled
 def doctor(
     model: nn.Module,
     data: Any,

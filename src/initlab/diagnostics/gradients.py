@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from initlab._core.compiled import takes_compiled
 from initlab._core.data import DataCounter, iter_batches
 from initlab._core.knobs import renamed_kwargs
 from initlab._core.loss import LossLike, resolve_loss
@@ -169,6 +170,7 @@ class GradientStats:
         return Rows(out, GRADIENT_COLUMNS, title="weight magnitude and gradient spread")
 
 
+@takes_compiled
 @renamed_kwargs(batches="data")
 def gradient_stats(
     model: nn.Module,

@@ -96,6 +96,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from initlab._core.compiled import takes_compiled
 from initlab._core.rows import Rows
 from initlab.diagnostics.activations import (
     ACTIVATION_COLUMNS,
@@ -283,6 +284,7 @@ def _finding(
     }
 
 
+@takes_compiled
 def lint_model(
     model: nn.Module,
     *,

@@ -52,6 +52,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from initlab._core.autocast import without_autocast
+from initlab._core.compiled import takes_compiled
 from initlab._core.data import DataUse, data_use, default_forward, take_batches
 from initlab._core.hooks import HookContext
 from initlab._core.rng import as_generator
@@ -413,6 +414,7 @@ def _weight_params(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [(s.name, params[s.name]) for s in specs if s.role == "weight" and s.name in params]
 
 
+@takes_compiled
 def layer_spectra(
     model: nn.Module,
     data: Any = None,

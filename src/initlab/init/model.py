@@ -15,6 +15,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from initlab._core.compiled import takes_compiled
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows, join_name
 from initlab.init._plan import (
@@ -102,6 +103,7 @@ class InitReport(Rows):
         return f"{super().__str__()}\n{summary}"
 
 
+@takes_compiled
 def init_model(
     model: nn.Module,
     scheme: str | Scheme = "geometric",

@@ -125,6 +125,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from initlab._core.compiled import takes_compiled
 from initlab._core.distributed import all_reduce_sum
 from initlab._core.loss import LossLike, resolve_loss
 from initlab._core.rows import Rows
@@ -407,6 +408,7 @@ def _probe_data(
     return probe, examples
 
 
+@takes_compiled
 def gr_scaling(
     probe: MomentProbe | nn.Module,
     data: Any = None,

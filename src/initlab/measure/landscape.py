@@ -57,6 +57,7 @@ import torch
 from torch import nn
 
 from initlab._core.attention import with_math_attention
+from initlab._core.compiled import takes_compiled
 from initlab._core.data import DataUse, batch_size, data_use, take_batches
 from initlab._core.hooks import hook_handles
 from initlab._core.knobs import renamed_kwargs
@@ -482,6 +483,7 @@ def _grid(grid: tuple[Any, Any] | None) -> tuple[torch.Tensor, torch.Tensor]:
     return _as_grid(grid[0], "t1"), _as_grid(grid[1], "t2")
 
 
+@takes_compiled
 @renamed_kwargs(batch_or_batches="data")
 @with_math_attention
 def loss_landscape(

@@ -124,6 +124,7 @@ import torch
 from torch import nn
 
 from initlab._core.attention import with_math_attention
+from initlab._core.compiled import takes_compiled
 from initlab._core.data import DataCounter, batch_size
 from initlab._core.distributed import check_same_parameters, is_distributed, run_together
 from initlab._core.knobs import renamed_kwargs, user_stacklevel
@@ -569,6 +570,7 @@ def gradinit_alpha_grad(
     return res.grad, value
 
 
+@takes_compiled
 @renamed_kwargs(iterations="steps")
 @with_math_attention
 def gradinit_(

@@ -70,6 +70,7 @@ from torch import nn
 
 from initlab._core.attention import with_math_attention
 from initlab._core.autocast import autocast_off
+from initlab._core.compiled import takes_compiled
 from initlab._core.data import DataCounter
 from initlab._core.distributed import check_same_parameters, run_together
 from initlab._core.loss import LossLike, resolve_loss
@@ -227,6 +228,7 @@ def _loss_free_forward(model: nn.Module, ts: Tensors, x: torch.Tensor) -> torch.
     return out
 
 
+@takes_compiled
 @with_math_attention
 def metainit_(
     model: nn.Module,

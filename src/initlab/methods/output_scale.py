@@ -31,6 +31,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from initlab._core.compiled import takes_compiled
 from initlab._core.data import data_use, default_forward, output_tensor, take_batches
 from initlab._core.distributed import all_reduce_sum, check_same_parameters, run_together
 from initlab._core.knobs import renamed_kwargs
@@ -268,6 +269,7 @@ def measure_output_std(
     return _std(sums)
 
 
+@takes_compiled
 @renamed_kwargs(n_batches="max_batches")
 def scale_output_(
     model: nn.Module,

@@ -33,6 +33,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from initlab._core.attention import with_math_attention
+from initlab._core.compiled import takes_compiled
 from initlab._core.data import batch_size, data_use, default_forward, output_tensor, take_batches
 from initlab._core.distributed import (
     all_reduce_sum,
@@ -213,6 +214,7 @@ def _target_value(target: str | float, gammas: Sequence[float]) -> float:
     return check_positive("target", target)
 
 
+@takes_compiled
 @renamed_kwargs(n_batches="max_batches")
 @with_math_attention
 def precondition_(
@@ -602,6 +604,7 @@ def _report_rows(
     return out
 
 
+@takes_compiled
 def preconditioned_param_groups(
     model: nn.Module,
     alpha: Mapping[str, float] | MethodReport,

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from initlab._core.attention import with_math_attention
+from initlab._core.compiled import takes_compiled
 from initlab._core.data import data_use, take_batches
 from initlab._core.knobs import renamed_kwargs
 from initlab._core.rng import as_generator
@@ -118,6 +119,7 @@ class BlockCurvature(Rows):
         return out
 
 
+@takes_compiled
 @renamed_kwargs(batch="data", mode="ad_mode")
 @with_math_attention
 def block_curvature(

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from initlab._core.attention import with_math_attention
+from initlab._core.compiled import takes_compiled
 from initlab._core.data import Batches, batch_size, data_use, take_batches
 from initlab._core.knobs import renamed_kwargs
 from initlab._core.rows import Rows
@@ -192,6 +193,7 @@ def _conditioning_gamma(
     }
 
 
+@takes_compiled
 @renamed_kwargs(batch="data", mode="ad_mode")
 @with_math_attention
 def theory_vs_actual(

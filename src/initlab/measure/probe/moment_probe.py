@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from initlab._core.autocast import without_autocast
+from initlab._core.compiled import takes_compiled
 from initlab._core.data import DataUse, batch_size, default_forward, iter_batches
 from initlab._core.hooks import HookContext, HookHandles
 from initlab._core.knobs import renamed_kwargs
@@ -754,6 +755,7 @@ def _keep_closed_form_input(rec: _Record, st: _ModuleState, leaves: list[torch.T
     rec.batch = int(x.shape[st.bd])
 
 
+@takes_compiled
 @renamed_kwargs(batches="data")
 def measure_moments(
     model: nn.Module,

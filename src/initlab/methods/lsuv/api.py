@@ -18,6 +18,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from initlab._core.compiled import takes_compiled
 from initlab._core.data import DataUse, data_use, default_forward, take_batches
 from initlab._core.distributed import check_same_parameters, failing_together, run_together
 from initlab._core.hooks import hook_handles
@@ -122,6 +123,7 @@ def _check_positive(name: str, value: object) -> float:
     return float(value)
 
 
+@takes_compiled
 @renamed_kwargs(mode="strategy", batches="max_batches")
 def lsuv_(
     model: nn.Module,
