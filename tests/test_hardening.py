@@ -6,6 +6,7 @@ data-dependent method leaves the model exactly as it was.
 
 from __future__ import annotations
 
+import functools
 import json
 import textwrap
 from collections.abc import Callable
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import initlab
+from initlab._core.loss import resolve_loss
 from initlab.cli import main
 from initlab.data import load_libsvm
 from initlab.diagnostics.diagnose import diagnose
@@ -356,6 +358,48 @@ def test_gr_scaling_of_a_probe_whose_loss_called_the_model_twice() -> None:
         for batch in _batches(3):
             F.cross_entropy(model(batch[0]), batch[1]).backward()
     assert all(r["gamma_w"] > 0 for r in gr_scaling(probe))
+
+
+# A criterion that sums over the batch, read as a mean, put every per-example moment off by B**2
+# (gamma 1024x too large at batch 32) without a word: its declared reduction is now used.
+_SUM_LOSSES: dict[str, Any] = {
+    "nn.CrossEntropyLoss(reduction='sum')": nn.CrossEntropyLoss(reduction="sum"),
+    "partial(F.cross_entropy, reduction='sum')": functools.partial(
+        F.cross_entropy, reduction="sum"
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(_SUM_LOSSES))
+def test_a_summing_criterion_gives_the_moments_of_a_mean_one(name: str) -> None:
+    model, batches = _mlp(), _batches()
+    mean = gr_scaling(model, batches, nn.CrossEntropyLoss())
+    summed = gr_scaling(model, batches, _SUM_LOSSES[name])
+    for a, b in zip(mean, summed, strict=True):
+        for col in ("gamma_w", "nu_w", "E_dy2"):
+            assert b[col] == pytest.approx(a[col], rel=1e-5), col
+    key = ("layer", "param", "quantity")
+    ref = diagnose(model, batches, nn.CrossEntropyLoss(), spectra=False, generator=0).rows
+    got = diagnose(model, batches, _SUM_LOSSES[name], spectra=False, generator=0).rows
+    ref_values = {tuple(r[k] for k in key): r["value"] for r in ref}
+    compared = 0
+    for r in got:
+        v = ref_values[tuple(r[k] for k in key)]
+        # per-example quantities (the minibatch gradient's own scale with the loss, as they must)
+        if r["quantity"] in ("gamma", "nu", "E_dW2_example", "E_dy2") and v == v:
+            assert r["value"] == pytest.approx(v, rel=1e-5), r
+            compared += 1
+    assert compared >= 4
+    probe = measure_moments(model, batches, _SUM_LOSSES[name])
+    assert probe.loss_reduction == "sum"
+
+
+def test_a_loss_reduction_that_contradicts_the_criterion_raises() -> None:
+    with pytest.raises(ValueError, match="reduces over the batch by 'sum': pass loss_reduction="):
+        gr_scaling(_mlp(), _batches(), nn.CrossEntropyLoss(reduction="sum"), loss_reduction="mean")
+    assert resolve_loss(F.cross_entropy).reduction == "mean"
+    assert resolve_loss(nn.MSELoss(reduction="sum")).reduction == "sum"
+    assert resolve_loss(lambda m, b: m(b[0]).sum()).reduction is None  # unknown: mean, as before
 
 
 @pytest.mark.parametrize(

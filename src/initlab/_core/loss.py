@@ -75,9 +75,12 @@ class Loss:
     Attributes:
         name: how it reads in reports (``"cross_entropy"``, ``"CrossEntropyLoss"``, ``"model"``).
         form: ``"model_batch"``, ``"criterion"``, ``"outputs"``, ``"model_output"`` or ``"named"``.
+        reduction: how it reduces over the batch where the loss says so (``"mean"``, ``"sum"``: a
+            criterion's ``reduction``, the named losses' mean), else ``None`` (unknown).
     """
 
     form = "model_batch"
+    reduction: str | None = None
 
     def __init__(self, name: str, fn: Callable[[Any, Any], torch.Tensor] | None = None) -> None:
         self.name = name
@@ -125,10 +128,12 @@ class NamedLoss(Loss):
         outputs_loss: Callable[[torch.Tensor, Any], torch.Tensor],
         *,
         form: str = "named",
+        reduction: str | None = None,
     ) -> None:
         super().__init__(name)
         self.outputs_loss = outputs_loss
         self.form = form
+        self.reduction = reduction
 
     @property
     def splittable(self) -> bool:
@@ -240,7 +245,9 @@ def _random_quadratic(seed: int) -> Callable[[torch.Tensor, Any], torch.Tensor]:
     return loss
 
 
-default_loss = NamedLoss("auto", lambda out, batch: _auto(out, _target(batch, "default")))
+default_loss = NamedLoss(
+    "auto", lambda out, batch: _auto(out, _target(batch, "default")), reduction="mean"
+)
 """Cross-entropy for integer targets, mean squared error for float targets, on ``(x, y, ...)``
 batches (or dict batches with ``labels``): logits ``(B, C)`` with targets ``(B,)``, ``(B, T, C)``
 with ``(B, T)``, or dense ``(B, C, *S)`` with ``(B, *S)``. A batch without targets raises
@@ -260,11 +267,13 @@ def make_loss(name: str = "auto", *, seed: int = 0) -> Loss:
     if name == "auto":
         return default_loss
     if name == "random_quadratic":
-        return NamedLoss(name, _random_quadratic(seed))
+        return NamedLoss(name, _random_quadratic(seed), reduction="mean")
     if name == "cross_entropy":
-        return NamedLoss(name, lambda o, b: _cross_entropy_out(o, _target(b, "cross-entropy")))
+        return NamedLoss(
+            name, lambda o, b: _cross_entropy_out(o, _target(b, "cross-entropy")), reduction="mean"
+        )
     if name == "mse":
-        return NamedLoss(name, lambda o, b: F.mse_loss(o, _target(b, "mse")))
+        return NamedLoss(name, lambda o, b: F.mse_loss(o, _target(b, "mse")), reduction="mean")
     if name == "model":
         return _ModelOutputLoss("model")
     raise ValueError(f"unknown loss {name!r}; valid: {', '.join(LOSSES)} or 'pkg.module:fn'")
@@ -281,7 +290,50 @@ def criterion(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], name: st
         1.0
     """
     label = name or _callable_name(fn)
-    return NamedLoss(label, lambda out, batch: fn(out, _target(batch, None)), form="criterion")
+    return NamedLoss(
+        label,
+        lambda out, batch: fn(out, _target(batch, None)),
+        form="criterion",
+        reduction=_declared_reduction(fn),
+    )
+
+
+def _declared_reduction(fn: Any) -> str | None:
+    """``"mean"``/``"sum"`` where a criterion says how it reduces (``nn.CrossEntropyLoss
+    (reduction="sum")``, ``partial(F.mse_loss, reduction="sum")``; torch's functional losses
+    default to the mean), else ``None``."""
+    if isinstance(fn, functools.partial):
+        value = fn.keywords.get("reduction")
+        if value is None:
+            return _declared_reduction(fn.func)
+    elif isinstance(fn, nn.Module):
+        value = getattr(fn, "reduction", None)
+    elif (getattr(fn, "__module__", "") or "").startswith("torch.nn.functional"):
+        try:
+            default = inspect.signature(fn).parameters.get("reduction")
+        except (TypeError, ValueError):  # a builtin without a signature
+            default = None
+        value = None if default is None else default.default
+    else:
+        value = None
+    return value if value in ("mean", "sum") else None
+
+
+def batch_reduction(loss: Loss | None, loss_reduction: str | None, what: str) -> str:
+    """How the probe scales gradients to per-example ones (``loss_reduction`` of
+    :class:`~initlab.MomentProbe`): the one given, else the one the loss declares, else
+    ``"mean"``. Raises ValueError where the given one contradicts the loss's own (a criterion
+    with ``reduction="sum"`` read as a mean puts every per-example moment off by ``B**2``)."""
+    declared = None if loss is None else loss.reduction
+    if loss_reduction is None:
+        return declared or "mean"
+    if declared is not None and loss_reduction != declared:
+        raise ValueError(
+            f"{what}: loss_reduction={loss_reduction!r}, but the loss {loss.name!r} reduces over "  # type: ignore[union-attr]
+            f"the batch by {declared!r}: pass loss_reduction={declared!r}, or leave it out (it "
+            "is read from the loss)"
+        )
+    return loss_reduction
 
 
 def outputs_loss(fn: Callable[[torch.Tensor, Any], torch.Tensor], name: str = "") -> Loss:

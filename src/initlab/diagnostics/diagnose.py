@@ -40,6 +40,7 @@ from initlab._core.data import take_batches
 from initlab._core.loss import (
     Loss,
     LossLike,
+    batch_reduction,
     resolve_loss,
 )
 from initlab._core.rng import as_generator
@@ -94,7 +95,7 @@ def diagnose(
     max_batches: int = 4,
     per_example: bool | Literal["auto"] = "auto",
     modules: Any = "params",
-    loss_reduction: Literal["mean", "sum"] = "mean",
+    loss_reduction: Literal["mean", "sum"] | None = None,
     batch_dim: int | None = None,
     alpha: Any = None,
     gradients: bool = True,
@@ -127,7 +128,9 @@ def diagnose(
             ``modules``: ``"params"``, the default, gives a row for every module that owns a
             parameter; ``"weights"`` hooks only modules with a registry role-"weight" parameter,
             which is all gamma and nu need and cheaper; names or a predicate also work).
-        loss_reduction: how ``loss_fn`` reduces over the batch (``"mean"`` or ``"sum"``).
+        loss_reduction: how ``loss_fn`` reduces over the batch (``"mean"`` or ``"sum"``);
+            ``None``: the loss's own where it declares one (a criterion's ``reduction``), else
+            ``"mean"``.
         batch_dim: the probe's ``batch_dim`` (default 0, 1 for ``batch_first=False`` modules).
         alpha: conditioning multipliers passed to :func:`initlab.gr_scaling`.
         gradients: weight magnitudes and gradient spread across batches (GradInit).
@@ -156,6 +159,7 @@ def diagnose(
     )  # fmt: skip
     batches = take_batches(data, max_batches, exact=False, what="diagnose")
     loss = resolve_loss(loss_fn, what="diagnose")
+    opts.loss_reduction = batch_reduction(loss, loss_reduction, "diagnose")
     with preserved_state(model):  # weights, buffers, modes, grads and the RNGs as they were
         return _diagnose(model, batches, loss, opts, as_generator(generator), progress)
 

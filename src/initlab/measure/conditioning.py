@@ -127,7 +127,7 @@ from torch import nn
 
 from initlab._core.compiled import takes_compiled
 from initlab._core.distributed import all_reduce_sum
-from initlab._core.loss import LossLike, resolve_loss
+from initlab._core.loss import LossLike, batch_reduction, resolve_loss
 from initlab._core.rows import Rows
 from initlab.init.registry import ParamSpec, Registry, default_registry
 from initlab.measure.probe import MomentProbe, measure_moments
@@ -382,19 +382,20 @@ def _probe_data(
     data: Any,
     loss_fn: LossLike,
     max_batches: int | None,
-    loss_reduction: Literal["mean", "sum"],
+    loss_reduction: Literal["mean", "sum"] | None,
     all_reduce: bool,
     **probe_kwargs: Any,
 ) -> tuple[MomentProbe, int | None]:
     """The probe :func:`gr_scaling` needs on ``data`` (forward and backward of ``loss_fn``, with
     per-example gradients) and the examples it saw (all ranks with ``all_reduce``)."""
     probe_kwargs.setdefault("per_example", True)
+    loss = resolve_loss(loss_fn, what="gr_scaling")  # None: the default loss, not forward-only
     probe = measure_moments(
         model,
         data,
-        resolve_loss(loss_fn, what="gr_scaling"),  # None: the default loss, not forward-only
+        loss,
         max_batches=max_batches,
-        loss_reduction=loss_reduction,
+        loss_reduction=batch_reduction(loss, loss_reduction, "gr_scaling"),
         **probe_kwargs,
     )
     assert probe.used is not None
@@ -415,7 +416,7 @@ def gr_scaling(
     loss_fn: LossLike = None,
     *,
     max_batches: int | None = None,
-    loss_reduction: Literal["mean", "sum"] = "mean",
+    loss_reduction: Literal["mean", "sum"] | None = None,
     model: nn.Module | None = None,
     alpha: Mapping[str, float] | None = None,
     examples: int | None = None,
@@ -426,7 +427,7 @@ def gr_scaling(
 
     Two forms:
 
-    * ``gr_scaling(model, data, loss_fn=None, *, max_batches=None, loss_reduction="mean")``
+    * ``gr_scaling(model, data, loss_fn=None, *, max_batches=None, loss_reduction=None)``
       probes ``model`` on ``data`` first: :func:`~initlab.measure_moments` with
       ``per_example=True`` (``nu`` and ``p2`` need per-example gradients) and the loss's
       ``loss_reduction``, forward and backward of ``loss_fn`` (any form
@@ -445,7 +446,9 @@ def gr_scaling(
             second positional argument is the model (``gr_scaling(probe, model)``).
         loss_fn: the loss (first form).
         max_batches: read at most this many batches (first form).
-        loss_reduction: ``"mean"`` or ``"sum"``, how the loss reduces over the batch (first form).
+        loss_reduction: ``"mean"`` or ``"sum"``, how the loss reduces over the batch (first
+            form); ``None``: the loss's own where it declares one (``nn.CrossEntropyLoss(
+            reduction="sum")``), else ``"mean"``.
         model: the probed model (default ``probe.model``).
         alpha: conditioning multiplier per module name (missing names: 1). ``gamma_w``, ``nu_w`` and
             ``nu_w_minibatch`` are multiplied by ``alpha^4``; ``x``, ``y``, ``dy`` and the bias
@@ -590,14 +593,15 @@ def gr_scaling_from_data(
         model: the model; weights, gradients (``.grad``) and modes are left as they are.
         data: one batch or an iterable of batches (see :mod:`initlab._core.data`).
         loss_fn: the loss, in any form :func:`~initlab._core.loss.resolve_loss` accepts; declare
-            its reduction to the probe with ``loss_reduction=`` (``"mean"`` by default).
+            its reduction to the probe with ``loss_reduction=`` (default: the loss's own where it
+            declares one, else ``"mean"``).
         alpha: conditioning multipliers per module name, as in :func:`gr_scaling`.
         n_batches: use the first ``n_batches`` batches (default all).
         registry: the layer registry.
         all_reduce: pool the moments over ranks (see :func:`gr_scaling`).
         **probe_kwargs: passed to :class:`~initlab.MomentProbe`.
     """
-    reduction = probe_kwargs.pop("loss_reduction", "mean")
+    reduction = probe_kwargs.pop("loss_reduction", None)
     probe, examples = _probe_data(
         model, data, loss_fn, n_batches, reduction, all_reduce, **probe_kwargs
     )

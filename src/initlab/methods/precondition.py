@@ -287,8 +287,9 @@ def precondition_(
         data: a batch or an iterable of batches.
         loss_fn: the loss in any form :func:`initlab.resolve_loss` reads (``loss_fn(model,
             batch)``, a criterion such as ``nn.CrossEntropyLoss()``, the model's own loss, a
-            name; default: the model's own, else cross-entropy or MSE on ``(x, y)``), a mean over
-            the batch unless you pass ``loss_reduction="sum"``.
+            name; default: the model's own, else cross-entropy or MSE on ``(x, y)``), reducing
+            over the batch as a criterion declares (``reduction="sum"``), else by the mean unless
+            you pass ``loss_reduction="sum"``.
         target: the common ``gamma``: ``"median"`` (default for ``lr``/``parametrize``: half of
             the layers get larger steps, half smaller), ``"geomean"`` (default and only choice
             for ``rescale``), or a number.

@@ -21,7 +21,7 @@ from initlab._core.compiled import takes_compiled
 from initlab._core.data import DataUse, batch_size, default_forward, iter_batches
 from initlab._core.hooks import HookContext, HookHandles
 from initlab._core.knobs import renamed_kwargs
-from initlab._core.loss import Loss, LossLike, resolve_loss
+from initlab._core.loss import Loss, LossLike, batch_reduction, resolve_loss
 from initlab._core.pytree import flatten_tensors, map_tensors
 from initlab._core.rows import Rows
 from initlab._core.state import model_modes, preserved_state, restore_modes
@@ -784,6 +784,8 @@ def measure_moments(
             ``model(batch[0])``, ``model(**batch)``).
         max_batches: read at most this many batches (``None``: all).
         **probe_kwargs: passed to :class:`MomentProbe` (``modules``, ``per_example``, ...).
+            ``loss_reduction`` left out or ``None``: the loss's own where it declares one (a
+            criterion's ``reduction``), else ``"mean"``; one that contradicts it raises.
 
     Returns:
         The probe, with ``probe.used`` (:class:`~initlab._core.data.DataUse`: batches and
@@ -798,6 +800,9 @@ def measure_moments(
     measurement, so gradients you accumulated before are untouched).
     """
     loss = None if loss_fn is None else resolve_loss(loss_fn, what="measure_moments")
+    probe_kwargs["loss_reduction"] = batch_reduction(
+        loss, probe_kwargs.get("loss_reduction"), "measure_moments"
+    )
     probe = MomentProbe(model, **probe_kwargs)
     params = list(model.parameters())
     n_batches = n_examples = 0
