@@ -162,7 +162,37 @@ def _large(value: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 # name -> (model factory, call(model), exception type, text of the message)
+def _bn_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def _short_last_batch() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """What a DataLoader over 33 examples in batches of 16 yields: a last batch of one."""
+    x, y = torch.cat([b[0] for b in _batches(3)])[:33], torch.cat([b[1] for b in _batches(3)])[:33]
+    return [(x[i : i + 16], y[i : i + 16]) for i in range(0, 33, 16)]
+
+
+_ONE_EXAMPLE = "a batch of one example reached a batch norm layer in training mode"
 _ERRORS: dict[str, tuple[Callable[[], nn.Module], Callable[[nn.Module], Any], type, str]] = {
+    "gr_scaling, a last batch of one example, BatchNorm (was: torch's 'Expected more than 1')": (
+        _bn_mlp,
+        lambda m: gr_scaling(m, _short_last_batch()),
+        ValueError,
+        _ONE_EXAMPLE,
+    ),
+    "scale_output_, a last batch of one example, BatchNorm": (
+        _bn_mlp,
+        lambda m: scale_output_(m, _short_last_batch()),
+        ValueError,
+        "drop short batches (a DataLoader's last batch: DataLoader(..., drop_last=True))",
+    ),
+    "diagnose, one example, BatchNorm, a loss_fn(model, batch)": (
+        _bn_mlp,
+        lambda m: diagnose(m, _short_last_batch(), lambda m, b: F.cross_entropy(m(b[0]), b[1])),
+        ValueError,
+        _ONE_EXAMPLE,
+    ),
     "scale_output_, NaN in the data (was: zero std)": (
         _mlp,
         lambda m: scale_output_(m, _poisoned(float("nan"))),

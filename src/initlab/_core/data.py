@@ -282,19 +282,36 @@ def first_tensor(batch: Any) -> torch.Tensor:
 def default_forward(model: nn.Module, batch: Any) -> Any:
     """The one default forward: ``model(x)`` for a tensor, ``model(batch[0])`` for a tuple or
     list, ``model(**batch)`` for a dict, ``model(batch)`` for any other object."""
-    if isinstance(batch, torch.Tensor):
-        return model(batch)
-    if isinstance(batch, Mapping):
-        try:
+    try:
+        if isinstance(batch, torch.Tensor):
+            return model(batch)
+        if isinstance(batch, Mapping):
             return model(**batch)
-        except TypeError as err:
-            clear = keyword_error(err, batch, "the default forward")
-            if clear is None:
-                raise
-            raise clear from err
-    if isinstance(batch, (tuple, list)):
-        return model(batch[0])
-    return model(batch)
+        if isinstance(batch, (tuple, list)):
+            return model(batch[0])
+        return model(batch)
+    except TypeError as err:
+        clear = keyword_error(err, batch, "the default forward")
+        if clear is None:
+            raise
+        raise clear from err
+    except ValueError as err:
+        single = one_example_error(err)
+        if single is None:
+            raise
+        raise single from err
+
+
+def one_example_error(err: ValueError) -> ValueError | None:
+    """A clear error for a batch of one example in a train-mode batch norm (torch: "Expected more
+    than 1 value per channel when training"), or ``None`` for any other error."""
+    if "Expected more than 1 value per channel when training" not in str(err):
+        return None
+    return ValueError(
+        "a batch of one example reached a batch norm layer in training mode, which needs more "
+        "than one value per channel to normalize: drop short batches (a DataLoader's last batch: "
+        f"DataLoader(..., drop_last=True)) ({err})"
+    )
 
 
 def keyword_error(err: TypeError, batch: Any, what: str) -> TypeError | None:

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from initlab._core.data import default_forward, keyword_error, output_tensor
+from initlab._core.data import default_forward, keyword_error, one_example_error, output_tensor
 from initlab._core.knobs import user_stacklevel
 
 __all__ = [
@@ -106,6 +106,11 @@ class Loss:
                 f"it is a criterion(output, target), pass initlab.criterion({self.name}). "
                 f"Accepted forms: {LOSS_FORMS}"
             ) from err
+        except ValueError as err:
+            single = one_example_error(err)
+            if single is None:
+                raise
+            raise single from err
         return _scalar(loss, self.name)
 
     def __repr__(self) -> str:
