@@ -97,6 +97,7 @@ def test_badly_initialized_mlp_is_flagged_and_fixed() -> None:
     assert "lsuv_" in seen.value("dead_or_exploding_layers", "fix")
     assert seen.recommended[0] == "init" and "output_scale" in seen.recommended
     assert seen.applied == [] and seen.reports == {}
+    assert "not changed (fix=False); doctor(model, data, fix=True) applies" in seen.summary()
     assert seen.used is not None and (seen.used.batches, seen.used.examples) == (4, 256)
 
     fixed = doctor(model, data, fix=True, generator=0)
@@ -255,6 +256,8 @@ def test_cli_doctor_prints_summary_and_writes_files(
     assert main(["doctor", "--model", "zoo:paper_mlp", "--data", "random"]) == 0
     out = capsys.readouterr().out
     assert "initlab doctor: paper_mlp" in out and "γ spread" in out
+    # the command line's way to apply the fixes, not the Python call's
+    assert "not changed (fix=False); the same command with --fix applies the fixes" in out
 
     folder = tmp_path / "doc"
     code = main(["doctor", "--model", "zoo:paper_mlp", "--data", "digits", "--batch-size", "128",

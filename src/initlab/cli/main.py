@@ -161,7 +161,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         "model": args.model, "data": args.data or "random", "loss": loss_name,
         "batch_size": args.batch_size, "max_batches": args.max_batches, "seed": args.seed,
     }  # fmt: skip
-    print(report.summary())
+    print(report.summary(how_to_fix="the same command with --fix applies the fixes"))
     if args.out:
         folder = Path(args.out)
         folder.mkdir(parents=True, exist_ok=True)

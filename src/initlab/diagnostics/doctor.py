@@ -567,9 +567,9 @@ class DoctorReport(Rows):
         group["weight_decay"] = kwargs.get("weight_decay", 0.0)
         return [group]
 
-    def summary(self) -> str:
-        """A few lines: what is ill-conditioned, what was fixed, the before/after of the initial
-        loss and of the γ spread."""
+    def summary(self, how_to_fix: str = "doctor(model, data, fix=True) applies the fixes") -> str:
+        """A few lines: what is ill-conditioned, what was fixed (or ``how_to_fix``, when nothing
+        was), the before/after of the initial loss and of the γ spread."""
         m = self.meta
         head = f"initlab doctor: {m.get('model', 'model')}"
         if self.used is not None:
@@ -583,7 +583,7 @@ class DoctorReport(Rows):
         else:
             lines.append("  ill-conditioned: nothing found")
         lines.append(f"  recommended: {', '.join(self.recommended) or 'nothing'}")
-        lines.extend(self._fix_lines(fixing))
+        lines.extend(self._fix_lines(fixing, how_to_fix))
         lines.append(self._numbers_line("initial_loss", "initial loss", fixing))
         lines.append(self._numbers_line("gamma_spread", "γ spread (max/min)", fixing))
         if "precondition" in self.reports:
@@ -594,9 +594,9 @@ class DoctorReport(Rows):
             )
         return "\n".join(lines)
 
-    def _fix_lines(self, fixing: bool) -> list[str]:
+    def _fix_lines(self, fixing: bool, how_to_fix: str) -> list[str]:
         if not fixing:
-            return ["  not changed (fix=False); doctor(model, data, fix=True) applies the fixes"]
+            return [f"  not changed (fix=False); {how_to_fix}"]
         lines = [f"  applied: {', '.join(self.applied) or 'nothing'}"]
         for name, why in self.skipped.items():
             lines.append(f"  skipped {name}: {why}")
