@@ -329,16 +329,15 @@ def batch_reduction(loss: Loss | None, loss_reduction: str | None, what: str) ->
     :class:`~initlab.MomentProbe`): the one given, else the one the loss declares, else
     ``"mean"``. Raises ValueError where the given one contradicts the loss's own (a criterion
     with ``reduction="sum"`` read as a mean puts every per-example moment off by ``B**2``)."""
-    declared = None if loss is None else loss.reduction
-    if loss_reduction is None:
-        return declared or "mean"
-    if declared is not None and loss_reduction != declared:
-        raise ValueError(
-            f"{what}: loss_reduction={loss_reduction!r}, but the loss {loss.name!r} reduces over "  # type: ignore[union-attr]
-            f"the batch by {declared!r}: pass loss_reduction={declared!r}, or leave it out (it "
-            "is read from the loss)"
-        )
-    return loss_reduction
+    if loss is None or loss.reduction is None:
+        return loss_reduction or "mean"
+    if loss_reduction in (None, loss.reduction):
+        return loss.reduction
+    raise ValueError(
+        f"{what}: loss_reduction={loss_reduction!r}, but the loss {loss.name!r} reduces over the "
+        f"batch by {loss.reduction!r}: pass loss_reduction={loss.reduction!r}, or leave it out (it "
+        "is read from the loss)"
+    )
 
 
 def outputs_loss(fn: Callable[[torch.Tensor, Any], torch.Tensor], name: str = "") -> Loss:
