@@ -520,6 +520,17 @@ def test_a_parametrized_weight_is_refused_with_the_way_out(kind: str, entry: str
     _REGISTRY_USERS[entry](model)
 
 
+def test_gr_scaling_after_precondition_by_parametrization_says_where_gamma_after_is() -> None:
+    model, batches = _mlp(), _batches()
+    report = precondition_(model, batches, how="parametrize")
+    with pytest.raises(ValueError, match=r"its report has gamma_after, and gr_scaling of the"):
+        gr_scaling(model, batches)
+    before = _mlp()  # the same model as it was before: gamma after, measured
+    after = gr_scaling(before, batches, alpha=report.info["alpha"])
+    for row, r in zip(after, report, strict=True):
+        assert row["gamma_w"] == pytest.approx(r["gamma_after"], rel=1e-6)
+
+
 def test_a_parametrization_on_a_tensor_no_handler_names_is_left_alone() -> None:
     class _Scaled(nn.Module):
         def forward(self, w: torch.Tensor) -> torch.Tensor:

@@ -231,12 +231,20 @@ def _refuse_parametrized(module: nn.Module, names: list[str]) -> None:
         return
     what = ", ".join(f"{name!r} by {' and '.join(k)}" for name, k in kinds.items())
     first = next(iter(kinds))
+    ours = any("ConditioningMultiplier" in k for k in kinds.values())
     raise ValueError(
         f"a {_dotted(type(module).__bases__[0])} has parametrized tensors ({what}; "
         "torch.nn.utils.parametrize): initlab reads and writes a layer's own tensors and does not "
         "handle parametrizations. Remove them for this call and register them again after: "
         f"torch.nn.utils.parametrize.remove_parametrizations(layer, {first!r}) keeps the current "
         "values (then e.g. weight_norm(layer) again)"
+        + (
+            ". A ConditioningMultiplier is precondition_(how='parametrize')'s: its report has "
+            "gamma_after, and gr_scaling of the model as it was before, with "
+            "alpha=report.info['alpha'], measures it"
+            if ours
+            else ""
+        )
     )
 
 
