@@ -8,7 +8,7 @@ the best (``--stat min``). On CPU with glibc's allocator the heap, and with it t
 call pays, depends on the calls before: a step timed right after a hungrier one finds memory its
 own loop would have handed back and faulted in again, and the best call of a loop can be one that
 missed the faults most of its calls pay (ResNet-20's constraint step in a process whose heap glibc
-trims: best 2.5x, median 2.9-3.2x a plain step; ``benchmarks/results/README.md``):
+trims: best 2.5x, median 2.9-3.4x a plain step; ``benchmarks/results/README.md``):
 
 * ``plain``: one training step, ``model.train()``, forward + cross-entropy + backward +
   ``SGD(lr=0.1, momentum=0.9, weight_decay=1e-4).step()`` + ``zero_grad`` (the paper's training);

@@ -104,8 +104,8 @@ On CPU under Linux, glibc's allocator hands memory freed at the top of its heap 
 once more than its trim threshold is free, and a step that frees and takes back several hundred MB
 pays page faults for all of it, every step (about 0.4 ms per MB). A constraint step on ResNet-20
 at CIFAR batch 128 does (about 800 MB): 2.5x a plain training step when the heap is kept,
-2.9-3.2x when it is not (which of the two depends on the process's allocation history; measured
-in ``benchmarks/results/README.md``). To keep it, start Python with
+2.9-3.4x when it is not (which of the two depends on the process's allocation history;
+``benchmarks/bench_gradinit_faults.py`` runs both). To keep it, start Python with
 ``GLIBC_TUNABLES=glibc.malloc.trim_threshold=1073741824:glibc.malloc.mmap_threshold=33554432``
 (no page faults in that step; a process-wide setting, so initlab does not make it for you).
 """
