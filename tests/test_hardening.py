@@ -531,6 +531,24 @@ def test_gr_scaling_after_precondition_by_parametrization_says_where_gamma_after
         assert row["gamma_w"] == pytest.approx(r["gamma_after"], rel=1e-6)
 
 
+@pytest.mark.parametrize(
+    "entry",
+    [
+        lambda m, d: [r["gamma_w"] for r in gr_scaling(m, d)],
+        lambda m, d: [r["alpha"] for r in metainit_(m, d, steps=2)],
+        lambda m, d: [r["alpha"] for r in gradinit_(m, d, gamma=1e-6)],
+        lambda m, d: [r["value"] for r in diagnose(m, d, spectra=False, generator=0).rows],
+    ],
+    ids=["gr_scaling", "metainit_", "gradinit_", "diagnose"],
+)
+def test_data_that_requires_grad_is_read_detached(entry: Callable[..., list[Any]]) -> None:
+    plain = _batches()
+    leaves = [(x.clone().requires_grad_(), y) for x, y in plain]
+    got, expected = entry(_mlp(), leaves), entry(_mlp(), plain)
+    assert all(x.grad is None for x, _ in leaves)  # was: gr_scaling and metainit_ wrote it
+    assert got == pytest.approx(expected, rel=1e-6, nan_ok=True)
+
+
 def test_a_parametrization_on_a_tensor_no_handler_names_is_left_alone() -> None:
     class _Scaled(nn.Module):
         def forward(self, w: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,8 @@ Every batch read here is checked (:func:`check_batch`) before it is used: a batc
 or NaN/inf in a floating-point tensor, raises a ``ValueError`` that names the batch and the entry
 (no statistic is defined on 0 examples, and one NaN input makes every statistic NaN). An entry
 whose key names a mask (``attention_mask``, ``src_mask``) may hold ``-inf``: the additive
-attention-mask convention.
+attention-mask convention. A tensor of the batch that requires a gradient is read detached: no
+method writes the ``.grad`` of the user's data.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from initlab._core.pytree import flatten_tensors
+from initlab._core.pytree import flatten_tensors, map_tensors
 
 __all__ = [
     "AmbiguousDataError",
@@ -182,11 +183,16 @@ def iter_batches(data: Any, max_batches: int | None = None, *, what: str) -> Ite
         raise TypeError(f"{what} needs data; accepted forms: {DATA_FORMS}")
     if is_single_batch(data):
         check_batch(data, what=what)
-        yield data
+        yield _detached(data)
         return
     for i, batch in enumerate(itertools.islice(data, max_batches)):
         check_batch(batch, what=what, index=i)
-        yield batch
+        yield _detached(batch)
+
+
+def _detached(batch: Any) -> Any:
+    """``batch`` with its tensors that require a gradient detached (the same object otherwise)."""
+    return map_tensors(batch, lambda t: t.detach() if t.requires_grad else t)
 
 
 def _entry_name(path: str, batch: Any) -> str:
