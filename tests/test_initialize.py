@@ -105,6 +105,22 @@ def test_tied_weights_stay_tied_and_are_drawn_once() -> None:
     torch.testing.assert_close(model.emb.weight.detach(), expected, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("scheme", ["geometric", "orthogonal", "fan_in"])
+def test_an_embeddings_padding_row_stays_zero(scheme: str) -> None:
+    # nn.Embedding(padding_idx=...) and Hugging Face's _init_weights leave that row zero, so a
+    # padding position contributes nothing; drawing the table over it broke that (was: N(0, 1))
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Embedding(10, 4, padding_idx=3), nn.EmbeddingBag(10, 4, padding_idx=-1), nn.Linear(4, 2)
+    )
+    rules = [initlab.Rule("0.weight", "scale", citation="test", value=2.0)]
+    initlab.init_model(model, scheme, generator=0, rules=rules)
+    assert torch.count_nonzero(model[0].weight[3]) == 0
+    assert torch.count_nonzero(model[1].weight[9]) == 0
+    assert torch.count_nonzero(model[0].weight[[0, 1, 2, 4]]) == 16  # the rest is drawn
+    assert torch.count_nonzero(model[1].weight[:9]) == 36
+
+
 def test_shared_module_initialized_once() -> None:
     block = nn.Linear(8, 8)
     model = nn.Sequential(block, nn.ReLU(), block)

@@ -232,7 +232,9 @@ def _sample_blocks(
 def execute(
     plan: _Plan, bias: str | float, embedding_std: float, generator: torch.Generator | None
 ) -> None:
-    """Draw the planned tensor, then apply its rules in order."""
+    """Draw the planned tensor, then apply its rules in order; an embedding table's
+    ``padding_idx`` row is zero after all of them (as ``nn.Embedding`` and Hugging Face's
+    ``_init_weights`` leave it: a padding position contributes nothing)."""
     param, spec = plan.param, plan.spec
     assert spec is not None
     if plan.block_specs:  # weights, and a tied embedding/head drawn as the head
@@ -257,6 +259,9 @@ def execute(
             param.mul_(float(rule.value))  # type: ignore[arg-type]
         else:
             _sample_blocks(plan, plan.rule_specs[i], generator)
+    padding = getattr(plan.module, "padding_idx", None)
+    if isinstance(plan.module, (nn.Embedding, nn.EmbeddingBag)) and padding is not None:
+        param[padding].zero_()
 
 
 def reset_norm_buffers(model: nn.Module, modules: set[int]) -> None:

@@ -128,7 +128,8 @@ def init_model(
     * weights: drawn from ``scheme.spec(fans)`` (geometric: ``Var = c / sqrt(fan_in·fan_out)``);
     * biases: zeros (``bias="zeros"``), untouched (``"keep"``) or a constant;
     * norm layers: identity (scale 1, shift 0, running statistics reset);
-    * embeddings: ``N(0, embedding_std²)`` (torch's default, ``embedding_std = 1``);
+    * embeddings: ``N(0, embedding_std²)`` (torch's default, ``embedding_std = 1``), the
+      ``padding_idx`` row zero (as ``nn.Embedding`` leaves it), also after rules;
     * the output head of a language model (below);
     * ``rules``: name-based entries (:mod:`initlab.init.rules`), applied last, in order.
 
