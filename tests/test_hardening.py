@@ -549,6 +549,39 @@ def test_data_that_requires_grad_is_read_detached(entry: Callable[..., list[Any]
     assert got == pytest.approx(expected, rel=1e-6, nan_ok=True)
 
 
+def _embedding_net(sparse: bool) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(20, 8, sparse=sparse), nn.Flatten(), nn.Linear(24, 3))
+
+
+def _token_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    return [
+        (torch.randint(0, 20, (16, 3), generator=gen), torch.randint(0, 3, (16,), generator=gen))
+        for _ in range(4)
+    ]
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        lambda m, d: [r["gamma_w"] for r in gr_scaling(m, d)],
+        lambda m, d: [r["alpha"] for r in gradinit_(m, d, gamma=1e-6)],
+        lambda m, d: [r["alpha"] for r in metainit_(m, d, steps=2)],
+        lambda m, d: [r["value"] for r in diagnose(m, d, spectra=False, generator=0).rows],
+        lambda m, d: [r["alpha"] for r in precondition_(m, d)],
+        lambda m, d: [r["grad_norm"] for r in initlab.gradient_stats(m, d)],
+    ],
+    ids=["gr_scaling", "gradinit_", "metainit_", "diagnose", "precondition_", "gradient_stats"],
+)
+def test_a_sparse_embedding_is_measured_with_dense_gradients(entry: Callable[..., Any]) -> None:
+    # was: torch's "Could not run 'aten::...' with arguments from the 'SparseCPU' backend"
+    sparse = _embedding_net(sparse=True)
+    got, expected = entry(sparse, _token_batches()), entry(_embedding_net(False), _token_batches())
+    assert got == pytest.approx(expected, rel=1e-6, nan_ok=True)
+    assert sparse[0].sparse  # sparse again after the call
+
+
 def test_a_parametrization_on_a_tensor_no_handler_names_is_left_alone() -> None:
     class _Scaled(nn.Module):
         def forward(self, w: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,9 @@ parameter hook added inside the block and still attached at its end is removed. 
 copied back in place under ``no_grad``, so tied tensors stay tied, references the user holds stay
 valid, and nothing moves across devices. Memory: one copy of what is restored. Under the user's
 ``torch.autocast`` the block runs without autocast's cache of cast weights, which changes in place
-would leave stale (:func:`~initlab._core.autocast.autocast_uncached`).
+would leave stale (:func:`~initlab._core.autocast.autocast_uncached`). Embeddings built with
+``sparse=True`` give dense gradients inside the block (the same values; every method reads
+gradients as dense tensors) and are sparse again after it.
 """
 
 from __future__ import annotations
@@ -128,12 +130,19 @@ def model_kept(
     hooks = _hook_keys(model)
     cpu_rng = torch.get_rng_state() if rng else None
     cuda_rng = torch.cuda.get_rng_state_all() if rng and torch.cuda.is_initialized() else None
+    sparse = [
+        m for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
+    ]
     failed = True
     try:
+        for m in sparse:
+            m.sparse = False
         with autocast_uncached():
             yield
         failed = False
     finally:
+        for m in sparse:
+            m.sparse = True
         for kind, when in (("params", params), ("buffers", buffers)):
             if when == "always" or (when == "failure" and failed):
                 _put_back(saved[kind])
