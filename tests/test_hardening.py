@@ -173,8 +173,43 @@ def _short_last_batch() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(x[i : i + 16], y[i : i + 16]) for i in range(0, 33, 16)]
 
 
+def _frozen_mlp() -> nn.Module:
+    return _mlp().requires_grad_(False)
+
+
 _ONE_EXAMPLE = "a batch of one example reached a batch norm layer in training mode"
+_FROZEN = "no parameter of the model requires a gradient (all 4 are frozen)"
 _ERRORS: dict[str, tuple[Callable[[], nn.Module], Callable[[nn.Module], Any], type, str]] = {
+    "gr_scaling of a frozen model (was: 'element 0 of tensors does not require grad')": (
+        _frozen_mlp,
+        lambda m: gr_scaling(m, _batches()),
+        ValueError,
+        "gr_scaling: " + _FROZEN,
+    ),
+    "diagnose of a frozen model": (
+        _frozen_mlp,
+        lambda m: diagnose(m, _batches()),
+        ValueError,
+        "diagnose: " + _FROZEN,
+    ),
+    "measure_moments of a frozen model": (
+        _frozen_mlp,
+        lambda m: measure_moments(m, _batches(), "cross_entropy"),
+        ValueError,
+        "measure_moments: " + _FROZEN,
+    ),
+    "precondition_ of a frozen model": (
+        _frozen_mlp,
+        lambda m: precondition_(m, _batches()),
+        ValueError,
+        "precondition_: " + _FROZEN,
+    ),
+    "gradient_stats of a frozen model": (
+        _frozen_mlp,
+        lambda m: initlab.gradient_stats(m, _batches()),
+        ValueError,
+        "gradient_stats: " + _FROZEN,
+    ),
     "gr_scaling, a last batch of one example, BatchNorm (was: torch's 'Expected more than 1')": (
         _bn_mlp,
         lambda m: gr_scaling(m, _short_last_batch()),

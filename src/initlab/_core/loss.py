@@ -324,6 +324,19 @@ def _declared_reduction(fn: Any) -> str | None:
     return value if value in ("mean", "sum") else None
 
 
+def check_trainable(model: nn.Module, what: str) -> None:
+    """Raise ValueError if ``model`` has parameters and none of them requires a gradient: a loss
+    of it has no gradient to measure (torch would say "element 0 of tensors does not require
+    grad" from inside the backward)."""
+    params = list(model.parameters())
+    if params and not any(p.requires_grad for p in params):
+        raise ValueError(
+            f"{what}: no parameter of the model requires a gradient (all {len(params)} are "
+            "frozen), so the loss has no gradient to measure; unfreeze the layers to measure "
+            "(model.requires_grad_(True); frozen layers are skipped only when others train)"
+        )
+
+
 def batch_reduction(loss: Loss | None, loss_reduction: str | None, what: str) -> str:
     """How the probe scales gradients to per-example ones (``loss_reduction`` of
     :class:`~initlab.MomentProbe`): the one given, else the one the loss declares, else

@@ -41,6 +41,7 @@ from initlab._core.loss import (
     Loss,
     LossLike,
     batch_reduction,
+    check_trainable,
     resolve_loss,
 )
 from initlab._core.rng import as_generator
@@ -159,6 +160,7 @@ def diagnose(
     )  # fmt: skip
     batches = take_batches(data, max_batches, exact=False, what="diagnose")
     loss = resolve_loss(loss_fn, what="diagnose")
+    check_trainable(model, "diagnose")
     opts.loss_reduction = batch_reduction(loss, loss_reduction, "diagnose")
     with preserved_state(model):  # weights, buffers, modes, grads and the RNGs as they were
         return _diagnose(model, batches, loss, opts, as_generator(generator), progress)

@@ -43,7 +43,7 @@ from torch import nn
 from initlab._core.compiled import takes_compiled
 from initlab._core.data import DataCounter, iter_batches
 from initlab._core.knobs import renamed_kwargs
-from initlab._core.loss import LossLike, resolve_loss
+from initlab._core.loss import LossLike, check_trainable, resolve_loss
 from initlab._core.reductions import sum_of_squares
 from initlab._core.rows import Rows
 from initlab._core.state import preserved_state
@@ -197,6 +197,7 @@ def gradient_stats(
         [3, 3]
     """
     loss = resolve_loss(loss_fn, what="gradient_stats")
+    check_trainable(model, "gradient_stats")
     acc = GradientStats(model)
     params = [e.tensor for e in acc._entries.values()]
     counter = DataCounter()

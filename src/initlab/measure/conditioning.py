@@ -127,7 +127,7 @@ from torch import nn
 
 from initlab._core.compiled import takes_compiled
 from initlab._core.distributed import all_reduce_sum
-from initlab._core.loss import LossLike, batch_reduction, resolve_loss
+from initlab._core.loss import LossLike, batch_reduction, check_trainable, resolve_loss
 from initlab._core.rows import Rows
 from initlab.init.registry import ParamSpec, Registry, default_registry
 from initlab.measure.probe import MomentProbe, measure_moments
@@ -390,6 +390,7 @@ def _probe_data(
     per-example gradients) and the examples it saw (all ranks with ``all_reduce``)."""
     probe_kwargs.setdefault("per_example", True)
     loss = resolve_loss(loss_fn, what="gr_scaling")  # None: the default loss, not forward-only
+    check_trainable(model, "gr_scaling")
     probe = measure_moments(
         model,
         data,

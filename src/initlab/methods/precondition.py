@@ -42,7 +42,7 @@ from initlab._core.distributed import (
     run_together,
 )
 from initlab._core.knobs import renamed_kwargs
-from initlab._core.loss import LossLike, resolve_loss
+from initlab._core.loss import LossLike, check_trainable, resolve_loss
 from initlab._core.method_report import MethodReport
 from initlab._core.rows import Rows
 from initlab._core.state import preserved_state, restore_on_failure
@@ -322,6 +322,7 @@ def precondition_(
     )
     seeds = Seeds(model, generator)
     loss = resolve_loss(loss_fn, what="precondition_")
+    check_trainable(model, "precondition_")
     run = _Balancing(model, batches, loss, modules, seeds, reg, probe_kwargs)
     with restore_on_failure(model):
         before = run.probe()

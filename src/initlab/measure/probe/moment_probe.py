@@ -21,7 +21,7 @@ from initlab._core.compiled import takes_compiled
 from initlab._core.data import DataUse, batch_size, default_forward, iter_batches
 from initlab._core.hooks import HookContext, HookHandles
 from initlab._core.knobs import renamed_kwargs
-from initlab._core.loss import Loss, LossLike, batch_reduction, resolve_loss
+from initlab._core.loss import Loss, LossLike, batch_reduction, check_trainable, resolve_loss
 from initlab._core.pytree import flatten_tensors, map_tensors
 from initlab._core.rows import Rows
 from initlab._core.state import model_modes, preserved_state, restore_modes
@@ -800,6 +800,8 @@ def measure_moments(
     measurement, so gradients you accumulated before are untouched).
     """
     loss = None if loss_fn is None else resolve_loss(loss_fn, what="measure_moments")
+    if loss is not None:
+        check_trainable(model, "measure_moments")
     probe_kwargs["loss_reduction"] = batch_reduction(
         loss, probe_kwargs.get("loss_reduction"), "measure_moments"
     )
