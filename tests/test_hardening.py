@@ -204,6 +204,12 @@ _ERRORS: dict[str, tuple[Callable[[], nn.Module], Callable[[nn.Module], Any], ty
         ValueError,
         "precondition_: " + _FROZEN,
     ),
+    "lsuv_ of a model without a layer to scale (was: an empty report, converged=True)": (
+        lambda: nn.Sequential(nn.Flatten(), nn.ReLU()),
+        lambda m: lsuv_(m, torch.randn(16, 4), generator=0),
+        ValueError,
+        "lsuv_: no layer to scale: no module holds a weight",
+    ),
     "gradient_stats of a frozen model": (
         _frozen_mlp,
         lambda m: initlab.gradient_stats(m, _batches()),

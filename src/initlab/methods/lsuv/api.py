@@ -273,6 +273,13 @@ def lsuv_(
         check_same_parameters(model, "lsuv_")
     used, runs = run_together("lsuv_", lambda: _take_data(data, max_batches, concat_batches))
     units = build_units(model, modules, registry)
+    if not units:
+        chosen = "" if modules is None else f" among modules={modules!r}"
+        raise ValueError(
+            f"lsuv_: no layer to scale{chosen}: no module holds a weight (LSUV scales linear, "
+            "convolution, attention and embedding layers, and those a handler registered with "
+            "initlab.register_handler describes)"
+        )
     block_names = find_blocks(model, blocks, strategy) if strategy != "layers" else {}
     engine = Engine(
         units,
