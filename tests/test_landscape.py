@@ -128,6 +128,20 @@ def test_grid_equals_slow_mutating_loop_and_model_untouched(bn: str, batched: bo
     assert land.center == pytest.approx(float(_slow(net, [batch], *land.directions, [0], [0], bn)))
 
 
+def test_grid_of_n_points_per_axis() -> None:
+    net, batch = _bn_net()
+    n = loss_landscape(net, batch, LOSS, grid=5, generator=3)
+    axes = (torch.linspace(-1, 1, 5), torch.linspace(-1, 1, 5))
+    pair = loss_landscape(net, batch, LOSS, grid=axes, generator=3)
+    assert torch.equal(n.t1, pair.t1) and torch.equal(n.t2, pair.t2)
+    assert torch.equal(n.values, pair.values) and n.values.shape == (5, 5)
+    default = loss_landscape(net, batch, LOSS, generator=3)
+    assert torch.equal(default.t1, loss_landscape(net, batch, LOSS, grid=21, generator=3).t1)
+    for bad in (0, True, (1.0,), "5"):
+        with pytest.raises(ValueError, match="grid must be a number of points per axis"):
+            loss_landscape(net, batch, LOSS, grid=bad, generator=3)  # type: ignore[arg-type]
+
+
 def test_batched_equals_looped_and_policies_differ() -> None:
     net, batch = _bn_net()
     values = {}

@@ -475,11 +475,17 @@ def _grid_values(
     return values, "loop"
 
 
-def _grid(grid: tuple[Any, Any] | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _grid(grid: int | tuple[Any, Any] | None) -> tuple[torch.Tensor, torch.Tensor]:
     if grid is None:
-        grid = (torch.linspace(-1, 1, 21), torch.linspace(-1, 1, 21))
+        grid = 21
+    if isinstance(grid, int) and not isinstance(grid, bool) and grid >= 1:
+        axis = _as_grid(torch.linspace(-1, 1, grid), "t1")
+        return axis, axis.clone()
     if not (isinstance(grid, (tuple, list)) and len(grid) == 2):
-        raise ValueError("grid must be a pair (t1_values, t2_values)")
+        raise ValueError(
+            f"grid must be a number of points per axis (n: linspace(-1, 1, n) for both) or a "
+            f"pair (t1_values, t2_values), got {grid!r}"
+        )
     return _as_grid(grid[0], "t1"), _as_grid(grid[1], "t2")
 
 
@@ -492,7 +498,7 @@ def loss_landscape(
     loss_fn: LossFn = None,
     *,
     directions: Literal["filter_normalized", "hessian"] | Sequence[Any] = "filter_normalized",
-    grid: tuple[Any, Any] | None = None,
+    grid: int | tuple[Any, Any] | None = None,
     bn: BNPolicy = "eval",
     generator: torch.Generator | int | None = None,
     batched: bool | Literal["auto"] = True,
@@ -516,7 +522,8 @@ def loss_landscape(
             tied tensor is one parameter with one direction: give it under any one of its
             names; :attr:`Landscape.directions` keys it by its first name in
             ``named_parameters()``.
-        grid: ``(t1_values, t2_values)`` (default ``linspace(-1, 1, 21)`` for both).
+        grid: ``(t1_values, t2_values)``, or ``n``: ``linspace(-1, 1, n)`` for both (default
+            21).
         bn: BatchNorm policy ``"eval"``, ``"batch"`` or ``"fixed"`` (module docstring).
         generator: ``torch.Generator``, int seed or ``None`` (random directions, Lanczos start).
         batched: ``True``: evaluate chunks of grid points with ``torch.func.vmap`` (falls back
