@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import pytest
 import torch
 
+import initlab
 from initlab.init.fans import Fans
 from initlab.init.schemes import (
     DISTRIBUTIONS,
@@ -213,6 +215,37 @@ def test_get_scheme_kwargs_and_passthrough() -> None:
         get_scheme("fan_in", lipschitz=0.5)
     with pytest.raises(TypeError):
         get_scheme(3)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("name", "torch_init"),
+    [
+        ("xavier_uniform", torch.nn.init.xavier_uniform_),
+        ("glorot-normal", torch.nn.init.xavier_normal_),
+        ("kaiming_uniform", lambda w, generator: torch.nn.init.kaiming_uniform_(
+            w, nonlinearity="relu", generator=generator)),
+        ("he_normal", lambda w, generator: torch.nn.init.kaiming_normal_(
+            w, nonlinearity="relu", generator=generator)),
+    ],
+)  # fmt: skip
+def test_torch_init_names_with_a_distribution_suffix(name: str, torch_init: Any) -> None:
+    base, distribution = name.replace("-", "_").rsplit("_", 1)
+    assert get_scheme(name) == get_scheme(base, distribution=distribution)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(30, 20), torch.nn.ReLU(), torch.nn.Linear(20, 5))
+    initlab.init_model(model, name, generator=7, head="off")
+    expected = torch.empty(20, 30)
+    torch_init(expected, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(model[0].weight, expected)  # bit for bit, as torch.nn.init draws it
+
+
+def test_a_suffix_needs_a_scheme_that_draws_and_agrees_with_distribution() -> None:
+    for name in ("orthogonal_uniform", "dirac_normal", "msra_normal"):
+        with pytest.raises(ValueError, match="a name with a distribution suffix"):
+            get_scheme(name)
+    with pytest.raises(ValueError, match="names the distribution 'uniform'"):
+        get_scheme("xavier_uniform", distribution="normal")
+    assert get_scheme("fan_out_trunc_normal").distribution == "trunc_normal"
 
 
 def test_unknown_scheme_lists_valid_names() -> None:

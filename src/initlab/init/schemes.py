@@ -553,14 +553,35 @@ def _valid_names_text() -> str:
     return ", ".join(parts)
 
 
+def _find(key: str) -> tuple[Any, str | None]:
+    """``(registry entry, distribution)`` for a name or alias, optionally with a distribution
+    suffix (``"xavier_uniform"``: torch.nn.init's names) on a scheme that has that field;
+    ``(None, None)`` if nothing matches."""
+    for entry in _REGISTRY:
+        if key == entry.name or key in entry.aliases:
+            return entry, None
+    for distribution in SAMPLED_DISTRIBUTIONS:
+        base = key.removesuffix("_" + distribution)
+        if base == key:
+            continue
+        for entry in _REGISTRY:
+            fields = {field.name for field in dataclasses.fields(entry.cls)}
+            if (base == entry.name or base in entry.aliases) and "distribution" in fields:
+                return entry, distribution
+    return None, None
+
+
 def get_scheme(name_or_scheme: str | Scheme, **kwargs: Any) -> Scheme:
     """A scheme from its name (or alias) and keyword fields; a :class:`Scheme` passes through.
 
     Names: ``fan_in`` (``kaiming``, ``he``), ``lecun`` (fan-in with ``nonlinearity="linear"``),
     ``fan_out``, ``arithmetic`` (ReLU-corrected Glorot), ``xavier`` (``glorot``: arithmetic with
     ``nonlinearity="linear"``, as torch's ``xavier_*``), ``geometric``, ``operator_norm``,
-    ``orthogonal``, ``dirac``. Names are case-insensitive; ``-`` reads as ``_``. ``kwargs`` are the
-    scheme's dataclass fields and override the name's defaults.
+    ``orthogonal``, ``dirac``. Names are case-insensitive; ``-`` reads as ``_``. A name (or alias)
+    with a distribution suffix, ``_normal``, ``_trunc_normal`` or ``_uniform``, sets the
+    distribution of a scheme that draws from one: ``"xavier_uniform"``, ``"kaiming_normal"``
+    (torch.nn.init's names). ``kwargs`` are the scheme's dataclass fields and override the name's
+    defaults.
 
     Raises:
         ValueError: unknown name (the message lists the valid names and aliases), or keyword
@@ -572,6 +593,8 @@ def get_scheme(name_or_scheme: str | Scheme, **kwargs: Any) -> Scheme:
         FanIn(nonlinearity='relu', param=None, gain=None, distribution='normal')
         >>> get_scheme("glorot", distribution="uniform").resolved_gain()
         1.0
+        >>> get_scheme("xavier_uniform") == get_scheme("xavier", distribution="uniform")
+        True
     """
     if isinstance(name_or_scheme, Scheme):
         if kwargs:
@@ -585,11 +608,20 @@ def get_scheme(name_or_scheme: str | Scheme, **kwargs: Any) -> Scheme:
             f"get_scheme takes a scheme name or a Scheme, got {type(name_or_scheme).__name__}"
         )
     key = name_or_scheme.strip().lower().replace("-", "_")
-    for entry in _REGISTRY:
-        if key == entry.name or key in entry.aliases:
-            break
-    else:
-        raise ValueError(f"unknown scheme {name_or_scheme!r}; valid names: {_valid_names_text()}")
+    entry, distribution = _find(key)
+    if entry is None:
+        raise ValueError(
+            f"unknown scheme {name_or_scheme!r}; valid names: {_valid_names_text()}; a name with "
+            f"a distribution suffix (_{', _'.join(SAMPLED_DISTRIBUTIONS)}: 'xavier_uniform', "
+            "'kaiming_normal') where the scheme draws from one"
+        )
+    if distribution is not None:
+        if kwargs.get("distribution", distribution) != distribution:
+            raise ValueError(
+                f"scheme {name_or_scheme!r} names the distribution {distribution!r}, but "
+                f"distribution={kwargs['distribution']!r} was given too"
+            )
+        kwargs = {**kwargs, "distribution": distribution}
     valid = sorted(field.name for field in dataclasses.fields(entry.cls))
     unexpected = sorted(set(kwargs) - set(valid))
     if unexpected:
