@@ -210,6 +210,19 @@ _ERRORS: dict[str, tuple[Callable[[], nn.Module], Callable[[nn.Module], Any], ty
         ValueError,
         "lsuv_: no layer to scale: no module holds a weight",
     ),
+    "gradinit_ on numpy arrays (was: 'a batch must hold a tensor; got tuple')": (
+        _mlp,
+        lambda m: gradinit_(m, [(b[0].numpy(), b[1].numpy()) for b in _batches()]),
+        TypeError,
+        "gradinit_: batch 0 holds a numpy array (entry '0'), not a torch tensor: convert it "
+        "(torch.from_numpy(x)",
+    ),
+    "gr_scaling on a numpy batch (was: torch's 'linear(): argument 'input' must be Tensor')": (
+        _mlp,
+        lambda m: gr_scaling(m, {"x": _batches()[0][0].numpy()}),
+        TypeError,
+        "holds a numpy array (entry 'x'), not a torch tensor",
+    ),
     "gradient_stats of a frozen model": (
         _frozen_mlp,
         lambda m: initlab.gradient_stats(m, _batches()),

@@ -200,7 +200,8 @@ def _entry_name(path: str, batch: Any) -> str:
 
 
 def check_batch(batch: Any, *, what: str, index: int | None = None) -> None:
-    """Raise a ``ValueError`` if ``batch`` holds no example or non-finite values.
+    """Raise a ``ValueError`` if ``batch`` holds no example or non-finite values, a
+    ``TypeError`` if it holds a numpy array (``torch.from_numpy`` first).
 
     * 0 examples: dim 0 of its first tensor is 0;
     * NaN or ``±inf`` in any floating-point tensor (in an entry whose key contains ``"mask"``,
@@ -209,10 +210,17 @@ def check_batch(batch: Any, *, what: str, index: int | None = None) -> None:
     The message names the batch (``index``: its position in the data), the entry, and what to do.
     A batch that holds no tensor (a custom object) is not checked.
     """
+    which = "the batch" if index is None else f"batch {index}"
+    array = _numpy_array_path(batch)
+    if array is not None:
+        where = f"entry {array!r}" if array else "the batch"
+        raise TypeError(
+            f"{what}: {which} holds a numpy array ({where}), not a torch tensor: convert it "
+            "(torch.from_numpy(x), or a DataLoader over a TensorDataset)"
+        )
     tensors = flatten_tensors(batch)
     if not tensors:
         return
-    which = "the batch" if index is None else f"batch {index}"
     path, first = tensors[0]
     if first.dim() >= 1 and first.shape[0] == 0:
         raise ValueError(
@@ -232,6 +240,22 @@ def check_batch(batch: Any, *, what: str, index: int | None = None) -> None:
                 "would be NaN. Clean the data first (drop those examples, or replace the values, "
                 "e.g. torch.nan_to_num)"
             )
+
+
+def _numpy_array_path(obj: Any, path: str = "", depth: int = 0) -> str | None:
+    """The path of a numpy array in a batch (``""``: the batch itself), or ``None``."""
+    if type(obj).__name__ == "ndarray" and type(obj).__module__ == "numpy":
+        return path
+    if depth >= 4 or isinstance(obj, (str, bytes, torch.Tensor)):
+        return None
+    items = obj.items() if isinstance(obj, Mapping) else None
+    if items is None and isinstance(obj, (tuple, list)):
+        items = enumerate(obj)
+    for key, value in items or ():
+        found = _numpy_array_path(value, f"{path}.{key}" if path else str(key), depth + 1)
+        if found is not None:
+            return found
+    return None
 
 
 def data_use(batches: Iterable[Any]) -> DataUse:
