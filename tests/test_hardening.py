@@ -478,6 +478,16 @@ def test_a_summing_criterion_gives_the_moments_of_a_mean_one(name: str) -> None:
     assert probe.loss_reduction == "sum"
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.uint8])
+@pytest.mark.parametrize("loss", [None, "cross_entropy", "auto"])
+def test_the_default_losses_take_integer_labels_of_any_dtype(loss: Any, dtype: Any) -> None:
+    # was: torch's "expected target dtype to be Long or Byte, but got Int" (numpy's int32 labels)
+    plain = _batches()
+    narrow = [(x, y.to(dtype)) for x, y in plain]
+    got = [r["gamma_w"] for r in gr_scaling(_mlp(), narrow, loss)]
+    assert got == [r["gamma_w"] for r in gr_scaling(_mlp(), plain, loss)]
+
+
 def test_a_loss_reduction_that_contradicts_the_criterion_raises() -> None:
     with pytest.raises(ValueError, match="reduces over the batch by 'sum': pass loss_reduction="):
         gr_scaling(_mlp(), _batches(), nn.CrossEntropyLoss(reduction="sum"), loss_reduction="mean")

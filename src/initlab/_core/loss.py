@@ -225,6 +225,8 @@ def _target(batch: Any, what: str | None) -> torch.Tensor:
 
 
 def _cross_entropy_out(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if not y.is_floating_point() and y.dtype != torch.long:
+        y = y.long()  # class indices as int32/int16 (numpy's int32, a smaller label dtype)
     if out.dim() >= 3 and tuple(y.shape) == (out.shape[0], *out.shape[2:]):
         return F.cross_entropy(out, y)  # dense logits (B, C, *S), targets (B, *S)
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
