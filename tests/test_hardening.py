@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import textwrap
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -581,6 +582,31 @@ def test_a_parametrized_weight_is_refused_with_the_way_out(kind: str, entry: str
     weight = model[0].weight.detach().clone()
     torch.nn.utils.parametrize.remove_parametrizations(model[0], "weight")
     assert torch.equal(model[0].weight, weight)
+    _REGISTRY_USERS[entry](model)
+
+
+@pytest.mark.parametrize(
+    ("add", "remove"),
+    [
+        (torch.nn.utils.weight_norm, torch.nn.utils.remove_weight_norm),
+        (torch.nn.utils.spectral_norm, torch.nn.utils.remove_spectral_norm),
+    ],
+)
+@pytest.mark.parametrize("entry", ["init_model", "lsuv_", "gr_scaling", "gradinit_"])
+def test_the_hook_based_weight_and_spectral_norm_are_refused_too(
+    add: Callable[..., Any], remove: Callable[..., Any], entry: str
+) -> None:
+    model = _mlp()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch: deprecated for parametrizations
+        add(model[0])
+    with pytest.raises(
+        ValueError,
+        match=rf"is recomputed before every forward by torch.nn.utils."
+        rf"{add.__name__}.*torch.nn.utils.{remove.__name__}",
+    ):
+        _REGISTRY_USERS[entry](model)
+    remove(model[0])
     _REGISTRY_USERS[entry](model)
 
 

@@ -227,6 +227,7 @@ def _refuse_parametrized(module: nn.Module, names: list[str]) -> None:
         for name in names
         if parametrize.is_parametrized(module, name)
     }
+    _refuse_norm_hooks(module, names)
     if not kinds:
         return
     what = ", ".join(f"{name!r} by {' and '.join(k)}" for name, k in kinds.items())
@@ -246,6 +247,27 @@ def _refuse_parametrized(module: nn.Module, names: list[str]) -> None:
             else ""
         )
     )
+
+
+_NORM_HOOKS = {  # hook class -> (the function that adds it, the one that removes it)
+    "WeightNorm": ("weight_norm", "remove_weight_norm"),
+    "SpectralNorm": ("spectral_norm", "remove_spectral_norm"),
+}
+
+
+def _refuse_norm_hooks(module: nn.Module, names: list[str]) -> None:
+    """The same refusal for the older, hook-based ``torch.nn.utils.weight_norm`` and
+    ``spectral_norm``, which recompute ``weight`` before every forward from other parameters."""
+    for hook in module._forward_pre_hooks.values():
+        kind = type(hook).__name__
+        if kind in _NORM_HOOKS and getattr(hook, "name", None) in names:
+            added, remove = _NORM_HOOKS[kind]
+            raise ValueError(
+                f"a {_dotted(type(module))}'s {hook.name!r} is recomputed before every forward by "
+                f"torch.nn.utils.{added} (a {kind} hook): initlab reads and writes a layer's own "
+                "tensors. Remove it for this call and apply it again after: "
+                f"torch.nn.utils.{remove}(layer) keeps the current values"
+            )
 
 
 def _validate_specs(module: nn.Module, specs: list[ParamSpec], handler: Handler) -> None:
