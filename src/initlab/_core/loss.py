@@ -334,8 +334,9 @@ def check_trainable(model: nn.Module, what: str) -> None:
     if params and not any(p.requires_grad for p in params):
         raise ValueError(
             f"{what}: no parameter of the model requires a gradient (all {len(params)} are "
-            "frozen), so the loss has no gradient to measure; unfreeze the layers to measure "
-            "(model.requires_grad_(True); frozen layers are skipped only when others train)"
+            "frozen), so the loss has no gradient to measure: unfreeze the layers to measure "
+            "(model.requires_grad_(True)); a partly frozen model is measured on its trainable "
+            "layers"
         )
 
 
