@@ -62,3 +62,9 @@ def test_the_compiled_model_runs_its_changed_weights_after() -> None:
     initlab.lsuv_(compiled, x, generator=0)
     torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
     assert uncompiled(model) is model
+
+
+def test_a_probe_opened_on_a_compiled_model_says_to_probe_the_wrapped_module() -> None:
+    compiled = torch.compile(_mlp(), backend="eager")
+    with pytest.warns(UserWarning, match=r"Probe the module it wraps, MomentProbe\(model._orig"):
+        initlab.MomentProbe(compiled)

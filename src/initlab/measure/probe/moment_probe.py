@@ -10,6 +10,7 @@ come from :data:`~initlab.measure.probe.per_example.PER_EXAMPLE`; accumulation f
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -17,10 +18,10 @@ import torch
 from torch import nn
 
 from initlab._core.autocast import without_autocast
-from initlab._core.compiled import takes_compiled
+from initlab._core.compiled import takes_compiled, uncompiled
 from initlab._core.data import DataUse, batch_size, default_forward, iter_batches
 from initlab._core.hooks import HookContext, HookHandles
-from initlab._core.knobs import renamed_kwargs
+from initlab._core.knobs import renamed_kwargs, user_stacklevel
 from initlab._core.loss import Loss, LossLike, batch_reduction, check_trainable, resolve_loss
 from initlab._core.pytree import flatten_tensors, map_tensors
 from initlab._core.rows import Rows
@@ -132,6 +133,14 @@ class MomentProbe(HookContext):
             )
         if batch_dim is not None and (not isinstance(batch_dim, int) or batch_dim < 0):
             raise ValueError(f"batch_dim must be None or a non-negative int, got {batch_dim!r}")
+        if uncompiled(model) is not model:
+            warnings.warn(
+                "MomentProbe on a torch.compile'd model: its hooks break the compiled graph (and "
+                "recompile it) on every call you make. Probe the module it wraps, "
+                "MomentProbe(model._orig_mod), and call that; measure_moments(model, data) does so",
+                UserWarning,
+                stacklevel=user_stacklevel(),
+            )
         self.model = model
         self.modules = modules
         self.per_example = per_example
