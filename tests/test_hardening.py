@@ -6,13 +6,15 @@ data-dependent method leaves the model exactly as it was.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
+import re
 import textwrap
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -477,6 +479,33 @@ def test_a_summing_criterion_gives_the_moments_of_a_mean_one(name: str) -> None:
     assert compared >= 4
     probe = measure_moments(model, batches, _SUM_LOSSES[name])
     assert probe.loss_reduction == "sum"
+
+
+class _Pair(NamedTuple):
+    x: Any
+    y: Any
+
+
+@dataclasses.dataclass
+class _Inputs:
+    x: Any
+    y: Any
+
+
+@pytest.mark.parametrize(
+    ("batch", "path"),
+    [
+        (lambda x, y: _Pair(x.numpy(), y), "entry 'x'"),
+        (lambda x, y: _Inputs(x, y.numpy()), "entry 'y'"),
+        (lambda x, y: {"inputs": {"x": x.numpy()}, "y": y}, "entry 'inputs.x'"),
+        (lambda x, y: x.numpy(), "batch 0 holds a numpy array (the batch)"),
+    ],
+    ids=["namedtuple", "dataclass", "nested dict", "bare array"],
+)
+def test_a_numpy_array_anywhere_in_a_batch_is_named(batch: Any, path: str) -> None:
+    x, y = _batches()[0]
+    with pytest.raises(TypeError, match=re.escape(path)):
+        gr_scaling(_mlp(), batch(x, y))
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.uint8])

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from initlab._core.pytree import flatten_tensors, map_tensors
+from initlab._core.pytree import find_path, flatten_tensors, map_tensors
 
 __all__ = [
     "AmbiguousDataError",
@@ -211,7 +211,7 @@ def check_batch(batch: Any, *, what: str, index: int | None = None) -> None:
     A batch that holds no tensor (a custom object) is not checked.
     """
     which = "the batch" if index is None else f"batch {index}"
-    array = _numpy_array_path(batch)
+    array = find_path(batch, _is_numpy_array)
     if array is not None:
         where = f"entry {array!r}" if array else "the batch"
         raise TypeError(
@@ -242,20 +242,8 @@ def check_batch(batch: Any, *, what: str, index: int | None = None) -> None:
             )
 
 
-def _numpy_array_path(obj: Any, path: str = "", depth: int = 0) -> str | None:
-    """The path of a numpy array in a batch (``""``: the batch itself), or ``None``."""
-    if type(obj).__name__ == "ndarray" and type(obj).__module__ == "numpy":
-        return path
-    if depth >= 4 or isinstance(obj, (str, bytes, torch.Tensor)):
-        return None
-    items = obj.items() if isinstance(obj, Mapping) else None
-    if items is None and isinstance(obj, (tuple, list)):
-        items = enumerate(obj)
-    for key, value in items or ():
-        found = _numpy_array_path(value, f"{path}.{key}" if path else str(key), depth + 1)
-        if found is not None:
-            return found
-    return None
+def _is_numpy_array(obj: Any) -> bool:
+    return type(obj).__name__ == "ndarray" and type(obj).__module__ == "numpy"
 
 
 def data_use(batches: Iterable[Any]) -> DataUse:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["flatten_tensors", "map_tensors"]
+__all__ = ["find_path", "flatten_tensors", "map_tensors"]
 
 _MAX_DEPTH = 16
 
@@ -67,6 +67,24 @@ def flatten_tensors(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]
 
     visit(obj, prefix, 0)
     return out
+
+
+def find_path(obj: Any, predicate: Callable[[Any], bool]) -> str | None:
+    """The path of the first node (depth first, ``obj`` itself first, path ``""``) that
+    ``predicate`` accepts, or ``None``. Tensors are leaves."""
+
+    def visit(node: Any, path: str, depth: int) -> str | None:
+        if predicate(node):
+            return path
+        if depth >= _MAX_DEPTH or isinstance(node, torch.Tensor):
+            return None
+        for key, child in _children(node) or ():
+            found = visit(child, _join(path, key), depth + 1)
+            if found is not None:
+                return found
+        return None
+
+    return visit(obj, "", 0)
 
 
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
