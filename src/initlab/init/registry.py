@@ -227,25 +227,24 @@ def _refuse_parametrized(module: nn.Module, names: list[str]) -> None:
         for name in names
         if parametrize.is_parametrized(module, name)
     }
-    _refuse_norm_hooks(module, names)
     if not kinds:
         return
     what = ", ".join(f"{name!r} by {' and '.join(k)}" for name, k in kinds.items())
     first = next(iter(kinds))
     ours = any("ConditioningMultiplier" in k for k in kinds.values())
+    hint = (
+        ". A ConditioningMultiplier is precondition_(how='parametrize')'s: its report has "
+        "gamma_after, and gr_scaling of the model as it was before, with "
+        "alpha=report.info['alpha'], measures it"
+        if ours
+        else ""
+    )
     raise ValueError(
         f"a {_dotted(type(module).__bases__[0])} has parametrized tensors ({what}; "
         "torch.nn.utils.parametrize): initlab reads and writes a layer's own tensors and does not "
         "handle parametrizations. Remove them for this call and register them again after: "
         f"torch.nn.utils.parametrize.remove_parametrizations(layer, {first!r}) keeps the current "
-        "values (then e.g. weight_norm(layer) again)"
-        + (
-            ". A ConditioningMultiplier is precondition_(how='parametrize')'s: its report has "
-            "gamma_after, and gr_scaling of the model as it was before, with "
-            "alpha=report.info['alpha'], measures it"
-            if ours
-            else ""
-        )
+        f"values (then e.g. weight_norm(layer) again){hint}"
     )
 
 
@@ -480,7 +479,9 @@ class Registry:
             raise ValueError(
                 f"handler {_handler_name(handler)} failed on {_dotted(type(module))}: {err}"
             ) from err
-        _refuse_parametrized(module, [s.name for s in specs if isinstance(s, ParamSpec)])
+        names = [s.name for s in specs if isinstance(s, ParamSpec)]
+        _refuse_norm_hooks(module, names)
+        _refuse_parametrized(module, names)
         _validate_specs(module, specs, handler)
         return specs
 
