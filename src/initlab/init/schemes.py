@@ -553,7 +553,7 @@ def _valid_names_text() -> str:
     return ", ".join(parts)
 
 
-def _find(key: str) -> tuple[Any, str | None]:
+def _find(key: str) -> tuple[_Entry | None, str | None]:
     """``(registry entry, distribution)`` for a name or alias, optionally with a distribution
     suffix (``"xavier_uniform"``: torch.nn.init's names) on a scheme that has that field;
     ``(None, None)`` if nothing matches."""
