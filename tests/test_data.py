@@ -7,6 +7,7 @@ when they are absent.
 
 from __future__ import annotations
 
+import bz2
 import gzip
 import os
 import pickle
@@ -167,6 +168,64 @@ def test_libsvm_matches_a_random_matrix_and_the_reference_parser(tmp_path: Path)
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"99999999999999999999 1:1\n", r":1: label '99999999999999999999' is out of range"),
+        (b"1 1:1\n1e20 1:1\n", r":2: label '1e20' is out of range"),
+        (b"1 1000000000000:1\n", r":1: feature index 1000000000000 is above 16,777,216"),
+        (b"1 1:1\n2 1e30:1\n", r":2: feature index 1e30 is above"),
+        (b"1 99999999999999999999:1\n", r":1: feature index 99999999999999999999 is above"),
+        (b"1 1:1\r2 2:1\r", r": lines end in '\\r' alone"),
+        (gzip.compress(b"1 1:1\n"), ": a gzip-compressed file; decompress it first"),
+        (bz2.compress(b"1 1:1\n"), ": a bzip2-compressed file; decompress it first"),
+    ],
+    ids=[
+        "label-int",
+        "label-float",
+        "index-1e12",
+        "index-1e30",
+        "index-bigint",
+        "cr-only",
+        "gzip",
+        "bzip2",
+    ],
+)
+def test_libsvm_hostile_files_name_the_file(tmp_path: Path, content: bytes, message: str) -> None:
+    """Each is a ValueError naming the file (and the line where there is one), never an
+    OverflowError, a MemoryError or NumPy's words."""
+    path = tmp_path / "bad.txt"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}{message}"):
+        load_libsvm(path, cache_dir=False)
+
+
+def test_libsvm_refuses_a_dense_matrix_over_the_size_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = write(tmp_path / "wide", "1 1:1\n2 1000:1\n3 5:1\n")
+    monkeypatch.setattr(libsvm, "MAX_DENSE_BYTES", 3 * 999 * 4)  # 3 x 1000 floats is one too many
+    with pytest.raises(ValueError, match=r"wide: 3 examples x 1,000 features make a dense float32"):
+        load_libsvm(path, cache_dir=False)
+    with pytest.raises(ValueError, match=r"3 examples x 5,000 features"):  # an explicit width too
+        load_libsvm(path, n_features=5000, cache_dir=False)
+    monkeypatch.setattr(libsvm, "MAX_DENSE_BYTES", 3 * 1000 * 4)
+    assert load_libsvm(path, cache_dir=False).x.shape == (3, 1000)
+    # an index above MAX_FEATURE_INDEX is read when n_features says the file is that wide
+    monkeypatch.setattr(libsvm, "MAX_FEATURE_INDEX", 100)
+    with pytest.raises(ValueError, match=r"wide:2: feature index 1000 is above 100"):
+        load_libsvm(path, cache_dir=False)
+    assert load_libsvm(path, n_features=1000, cache_dir=False).x[1, 999] == 1
+
+
+@pytest.mark.parametrize("n_features", ["3", 2.5, 3.0, True, 0, -1])
+def test_libsvm_n_features_must_be_a_positive_int(tmp_path: Path, n_features: object) -> None:
+    path = write(tmp_path / "f", "1 1:1\n")
+    with pytest.raises(ValueError, match=r"n_features must be a positive int, got"):
+        load_libsvm(path, n_features=n_features, cache_dir=False)  # type: ignore[arg-type]
+    assert load_libsvm(path, n_features=np.int64(3), cache_dir=False).x.shape == (1, 3)
+
+
 # ------------------------------------------------------------------------------------------ IDX
 
 
@@ -233,6 +292,31 @@ def test_idx_rejects_bad_files(tmp_path: Path) -> None:
     (tmp_path / "good.gz").write_bytes(gzip.compress(good))
     with pytest.raises(ValueError, match="expected an IDX file with 1 dimensions, found 3"):
         read_idx(tmp_path / "good.gz", ndim=1)
+
+
+def test_idx_truncated_gzip_and_header_name_the_file(tmp_path: Path) -> None:
+    good = idx_bytes(np.zeros((2, 3, 3), dtype=np.uint8))
+    cases = {
+        "cut.gz": (gzip.compress(good)[:-10], "truncated or corrupt gzip file"),
+        "crc.gz": (gzip.compress(good)[:-8] + b"\0" * 8, "truncated or corrupt gzip file"),
+        "header": (bytes([0, 0, 8, 3, 0, 0]), r"truncated IDX header \(3 dimensions need 16"),
+        "header.gz": (gzip.compress(bytes([0, 0, 8, 1])), r"truncated IDX header \(1 dimensions"),
+    }
+    for name, (blob, message) in cases.items():
+        (tmp_path / name).write_bytes(blob)
+        with pytest.raises(ValueError, match=rf"^{re.escape(str(tmp_path / name))}: {message}"):
+            read_idx(tmp_path / name)
+
+
+@pytest.mark.parametrize("gz", [True, False], ids=["gzipped", "plain"])
+def test_mnist_labels_outside_0_to_9_name_the_file(tmp_path: Path, gz: bool) -> None:
+    folder = tmp_path / "mnist"
+    write_mnist(folder, gz=gz)
+    name = "t10k-labels-idx1-ubyte" + (".gz" if gz else "")
+    blob = idx_bytes(np.array([1, 12, 3, 4], dtype=np.uint8))
+    (folder / name).write_bytes(gzip.compress(blob) if gz else blob)
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(folder / name))}: label 12 at index 1"):
+        load_mnist(folder, "test")
 
 
 # ---------------------------------------------------------------------------------------- CIFAR
@@ -302,6 +386,16 @@ def test_cifar100_pickle_fine_and_coarse(tmp_path: Path) -> None:
 class Boom:
     def __reduce__(self) -> tuple:
         return (os.system, ("echo should-not-run",))
+
+
+@pytest.mark.parametrize("labels", [["x", "y", "z"], ["1", "2", "3"], [0.0, 1.0, 2.0]])
+def test_cifar_labels_must_be_integers(tmp_path: Path, labels: list[object]) -> None:
+    """Strings and floats are refused (NumPy would turn "1" or 1.0 into 1 without a word)."""
+    write_cifar10(tmp_path / "c")
+    batch = tmp_path / "c" / "test_batch"
+    dump(batch, {"data": np.zeros((3, 3072), dtype=np.uint8), "labels": labels})
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(batch))}: labels must be integers"):
+        load_cifar_pickle(tmp_path / "c", "test", cache_dir=False)
 
 
 def test_cifar_pickle_refuses_code(tmp_path: Path) -> None:
@@ -379,6 +473,9 @@ def test_image_folder_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     (tmp_path / "empty" / "cls").mkdir(parents=True)
     with pytest.raises(FileNotFoundError, match="no images"):
         load_image_folder(tmp_path / "empty")
+    for bad in (True, 0, 1.5, "2"):  # as load_dataset's limit_per_class, before any decoding
+        with pytest.raises(ValueError, match="limit_per_class must be a positive int"):
+            load_image_folder(tmp_path / "tree", limit_per_class=bad)  # type: ignore[arg-type]
     monkeypatch.setitem(sys.modules, "PIL", None)  # as if Pillow were not installed
     with pytest.raises(ImportError, match="pip install pillow"):
         load_image_folder(tmp_path / "tree", limit_per_class=1, cache_dir=False)

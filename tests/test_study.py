@@ -281,7 +281,9 @@ def test_store_round_trip_and_export(tmp_path: Path, helpers: Any) -> None:
 def test_run_study_local_skips_finished(tmp_path: Path, helpers: Any) -> None:
     spec = small_spec()
     db = tmp_path / "s.sqlite"
-    part = small_spec(datasets=["alpha"])  # same name, a subset: half the runs
+    # a study of half the runs (another name: a name is bound to its runs); the full study reuses
+    # them, as a store skips the runs it holds whichever study stored them
+    part = small_spec(name="small-alpha", datasets=["alpha"])
     first = run_study(
         part, db, train_fn=helpers.fake_train, load_fn=helpers.load_fake, progress=False
     )
@@ -418,7 +420,7 @@ def test_ray_backend_matches_local(tmp_path: Path, helpers: Any) -> None:
     run_study(spec, local, train_fn=helpers.fake_train, load_fn=helpers.load_fake, progress=False)
     # a partial local run first, so the Ray run (one Ray start: ~10 s) also has to skip runs
     run_study(
-        small_spec(datasets=["betat"]),
+        small_spec(name="small-betat", datasets=["betat"]),
         remote,
         train_fn=helpers.fake_train,
         load_fn=helpers.load_fake,

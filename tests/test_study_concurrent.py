@@ -279,7 +279,10 @@ def test_two_cli_runs_on_one_store(tmp_path: Path) -> None:
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env) for _ in range(2)]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
-    trained = [int(re.search(r"n_trained=(\d+)", out).group(1)) for out in outs]  # type: ignore[union-attr]
+    # the summary's repr ("n_trained=7") or the CLI's readable summary ("7 trained now")
+    found = [re.search(r"n_trained=(\d+)|(\d+) trained now", out) for out in outs]
+    assert all(found), outs
+    trained = [int(m.group(1) or m.group(2)) for m in found]  # type: ignore[union-attr]
     n_runs = 4 * 3 * 4
     assert sum(trained) == n_runs  # each run trained by exactly one of them
     with Store(db) as store:

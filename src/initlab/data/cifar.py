@@ -129,7 +129,13 @@ def load_cifar_pickle(
             if "data" not in batch or label_key not in batch:
                 raise ValueError(f"{path}: no 'data' and {label_key!r} entries")
             data = np.asarray(batch["data"], dtype=np.uint8)
-            labels = np.asarray(batch[label_key], dtype=np.int64)
+            labels = np.asarray(batch[label_key])
+            if labels.size and labels.dtype.kind not in "iu":  # "3" or 3.0 would convert silently
+                raise ValueError(
+                    f"{path}: labels must be integers, got {labels.flat[0].item()!r} "
+                    f"({labels.dtype.name})"
+                )
+            labels = labels.astype(np.int64)
             if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or len(labels) != len(data):
                 raise ValueError(
                     f"{path}: expected N x 3072 pixels and N labels, got {data.shape} and "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -44,20 +45,34 @@ def read_idx(path: str | os.PathLike[str], *, ndim: int | None = None) -> np.nda
         ndim: expected number of dimensions (3 for image files, 1 for label files), checked.
 
     Raises:
-        ValueError: bad magic number, wrong ``ndim``, or a size that does not match the header.
+        ValueError: a truncated or corrupt gzip stream, bad magic number, wrong ``ndim``, a
+            truncated header, or a size that does not match the header; the message names the
+            file.
     """
     path = Path(path)
     with open(path, "rb") as f:
         gzipped = f.read(2) == b"\x1f\x8b"
-    opener = gzip.open if gzipped else open
-    with opener(path, "rb") as f:
-        data = f.read()
+    if gzipped:
+        try:
+            with gzip.open(path, "rb") as f:
+                data = f.read()
+        except (EOFError, OSError, zlib.error) as err:  # gzip.BadGzipFile is an OSError
+            raise ValueError(
+                f"{path}: truncated or corrupt gzip file ({err}); download it again"
+            ) from err
+    else:
+        data = path.read_bytes()
     if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] not in _IDX_TYPES:
         raise ValueError(f"{path}: not an IDX file (magic number {data[:4].hex() or 'missing'})")
     dtype, rank = _IDX_TYPES[data[2]], data[3]
     if ndim is not None and rank != ndim:
         raise ValueError(f"{path}: expected an IDX file with {ndim} dimensions, found {rank}")
     header = 4 + 4 * rank
+    if len(data) < header:
+        raise ValueError(
+            f"{path}: truncated IDX header ({rank} dimensions need {header} bytes of header, the "
+            f"file has {len(data)})"
+        )
     shape = tuple(int(s) for s in np.frombuffer(data, dtype=">u4", count=rank, offset=4))
     expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if len(data) - header != expected:
@@ -113,4 +128,12 @@ def load_mnist(
 
     key = {"images": file_digest(images_path), "labels": file_digest(labels_path)}
     arrays, _ = cached(cache_dir, "idx", f"mnist-{split}", key, build)
+    # Checked here, not in build(): a cache entry written before this check is checked too.
+    bad = (arrays["y"] < 0) | (arrays["y"] > 9)
+    if bad.any():
+        row = int(np.argmax(bad))
+        raise ValueError(
+            f"{labels_path}: label {int(arrays['y'][row])} at index {row} is outside MNIST's "
+            "classes 0..9 (a corrupt or foreign labels file)"
+        )
     return image_dataset(arrays["x"], arrays["y"], tuple(range(10)), "MNIST", split, dtype)

@@ -25,7 +25,7 @@ import torch
 
 from initlab.data import _pil_decode
 from initlab.data.cache import CacheDir, cached, tree_fingerprint
-from initlab.data.dataset import Dataset, check_image_dtype, image_dataset
+from initlab.data.dataset import Dataset, check_image_dtype, check_per_class, image_dataset
 
 __all__ = ["IMAGE_SUFFIXES", "load_image_folder"]
 
@@ -143,8 +143,8 @@ def load_image_folder(
     :attr:`Dataset.label_map` holds the class folder names.
     """
     check_image_dtype(dtype)
-    if limit_per_class is not None and limit_per_class < 1:
-        raise ValueError(f"limit_per_class must be positive, got {limit_per_class}")
+    if limit_per_class is not None:
+        check_per_class("limit_per_class", limit_per_class)
     directory = Path(directory)
     tree = _list_tree(directory, limit_per_class)
     paths = tree.paths

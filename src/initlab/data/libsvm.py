@@ -5,11 +5,17 @@ Rules (those of LIBSVM's own reader, plus what real files need):
 * one example per line; a label (an integer, possibly negative; ``+1`` and ``2.0`` are accepted)
   followed by ``index:value`` pairs; missing indices (including trailing ones) are zeros;
 * text from ``#`` to the end of a line is a comment; blank lines are skipped; ``\\r\\n`` line ends
-  and a last line without a newline are fine;
+  and a last line without a newline are fine; lines ending in ``\\r`` alone (classic Mac OS) and
+  compressed files (gzip, bzip2, xz, zip, zstd: told by their first bytes) are errors that say so;
 * an index is an integer ``>= 1`` and appears at most once per line; ``n_features`` defaults to the
-  largest index in the file, so pass it explicitly when train and test files must agree;
+  largest index in the file, so pass it explicitly when train and test files must agree; without
+  ``n_features`` an index above :data:`MAX_FEATURE_INDEX` is an error (a typo such as
+  ``1000000000000:1`` would otherwise ask for terabytes);
+* the dense ``float32`` matrix may take at most :data:`MAX_DENSE_BYTES`; a larger one is refused
+  with its size, before it is allocated;
 * a value is a finite number that ``float32`` holds: ``nan``, ``inf`` and values beyond
   ``±3.4e38`` are errors (NumPy and ``float()`` would read the first two silently);
+* a label fits in a signed 64-bit integer;
 * labels become class indices by sorted order (``-3, -1, 2`` → ``0, 1, 2``) and
   :attr:`Dataset.label_map` keeps the originals; pass the training split's ``label_map`` when
   loading a test split so both use the same classes.
@@ -38,7 +44,26 @@ import torch
 from initlab.data.cache import CacheDir, cached
 from initlab.data.dataset import Dataset
 
-__all__ = ["load_libsvm"]
+__all__ = ["MAX_DENSE_BYTES", "MAX_FEATURE_INDEX", "load_libsvm"]
+
+#: The largest feature index read without an explicit ``n_features`` (2**24: more than any
+#: LIBSVM set that fits a dense matrix); pass ``n_features`` for a wider file.
+MAX_FEATURE_INDEX = 2**24
+
+#: The largest dense matrix :func:`load_libsvm` builds, in bytes (8 GiB); raise it for a bigger
+#: data set that fits in memory.
+MAX_DENSE_BYTES = 8 * 2**30
+
+#: First bytes of compressed files -> the compression's name.
+_COMPRESSED = {
+    b"\x1f\x8b": "gzip",
+    b"BZh": "bzip2",
+    b"\xfd7zXZ\x00": "xz",
+    b"PK\x03\x04": "zip",
+    b"\x28\xb5\x2f\xfd": "zstd",
+}
+
+_INT64 = np.iinfo(np.int64)
 
 # A token with two colons or more.
 _DOUBLE_COLON = re.compile(r":[^\s:]*:")
@@ -69,7 +94,36 @@ def _label(token: str, source: str, lineno: int) -> int:
     label = _integer(token)
     if label is None:
         raise ValueError(f"{source}:{lineno}: bad label {token!r} (labels must be integers)")
+    if not _INT64.min <= label <= _INT64.max:
+        raise ValueError(
+            f"{source}:{lineno}: label {token!r} is out of range (labels must fit in a signed "
+            "64-bit integer)"
+        )
     return label
+
+
+def _check_dense(n_rows: int, width: int, source: str) -> None:
+    """Refuse a dense matrix larger than :data:`MAX_DENSE_BYTES`, saying how big it would be."""
+    size = n_rows * width * 4
+    if size > MAX_DENSE_BYTES:
+        raise ValueError(
+            f"{source}: {n_rows:,} examples x {width:,} features make a dense float32 matrix of "
+            f"{size / 2**30:,.1f} GiB, more than initlab.data.libsvm.MAX_DENSE_BYTES "
+            f"({MAX_DENSE_BYTES / 2**30:g} GiB); this loader builds dense matrices: check "
+            "n_features and the file's largest index, or raise the limit if it fits in memory"
+        )
+
+
+def _check_bytes(data: bytes, source: str) -> None:
+    """Errors a parse would report obscurely: compressed files, ``\\r``-only line ends."""
+    for magic, kind in _COMPRESSED.items():
+        if data.startswith(magic):
+            raise ValueError(f"{source}: a {kind}-compressed file; decompress it first")
+    if b"\n" not in data and b"\r" in data.strip():
+        raise ValueError(
+            f"{source}: lines end in '\\r' alone (classic Mac OS line ends); convert them to "
+            "'\\n' first (e.g. tr '\\r' '\\n')"
+        )
 
 
 def _content_lines(text: str) -> list[tuple[int, str]]:
@@ -114,6 +168,12 @@ def _parse_reference(text: str, source: str, n_features: int | None) -> _Parsed:
                 raise ValueError(
                     f"{source}:{lineno}: feature index {index} exceeds n_features={n_features}"
                 )
+            if n_features is None and index > MAX_FEATURE_INDEX:
+                raise ValueError(
+                    f"{source}:{lineno}: feature index {index_text} is above "
+                    f"{MAX_FEATURE_INDEX:,}, the largest read without n_features= (a typo? pass "
+                    "n_features if the file really is that wide)"
+                )
             if index in seen:
                 raise ValueError(f"{source}:{lineno}: feature index {index} appears twice")
             seen.add(index)
@@ -123,6 +183,7 @@ def _parse_reference(text: str, source: str, n_features: int | None) -> _Parsed:
     if not labels:
         raise ValueError(f"{source}: no examples")
     width = n_features if n_features is not None else max(cols, default=-1) + 1
+    _check_dense(len(labels), width, source)
     x = np.zeros((len(labels), width), dtype=np.float32)
     x[rows, cols] = vals
     return _Parsed(x, np.array(labels, dtype=np.int64), np.array(lines, dtype=np.int64))
@@ -132,7 +193,7 @@ class _Reject(Exception):
     """The fast path cannot handle this file; the reference parser will say why."""
 
 
-def _parse_fast(text: str, n_features: int | None) -> _Parsed:
+def _parse_fast(text: str, n_features: int | None, source: str = "<text>") -> _Parsed:
     labels: list[str] = []
     lines: list[int] = []
     counts: list[int] = []
@@ -163,19 +224,22 @@ def _parse_fast(text: str, n_features: int | None) -> _Parsed:
                 numbers = np.fromstring(joined.replace(":", " "), dtype=np.float64, sep=" ")
         else:
             numbers = np.zeros(0)
-    except (ValueError, DeprecationWarning) as err:
+    except (ValueError, OverflowError, DeprecationWarning) as err:
         raise _Reject from err
     if numbers.size != 2 * n_pairs:  # an empty index or value: "3:" or ":0.5"
         raise _Reject
     index, values = numbers[0::2], numbers[1::2]
     if not np.all(np.abs(values) <= _FLOAT32_MAX):  # nan, inf, or inf once stored as float32
         raise _Reject
+    limit = MAX_FEATURE_INDEX if n_features is None else n_features
+    # ``index <= limit`` is false for nan; the reference parser names the offending line.
+    if n_pairs and not (
+        np.all((index >= 1) & (index <= limit)) and np.array_equal(index, np.floor(index))
+    ):
+        raise _Reject
     max_index = int(index.max(initial=0))
-    if n_pairs and not (index.min() >= 1 and np.array_equal(index, np.floor(index))):
-        raise _Reject
     width = max_index if n_features is None else n_features
-    if max_index > width:
-        raise _Reject
+    _check_dense(len(labels), width, source)
     rows = np.repeat(np.arange(len(labels)), counts)
     cols = index.astype(np.int64) - 1
     # Indices ascend within each line in every real file; only otherwise look for repeats.
@@ -192,7 +256,7 @@ def _parse(data: bytes, source: str, n_features: int | None) -> _Parsed:
     """Parse LIBSVM bytes; ``source`` names the file in error messages."""
     text = data.decode("latin-1")  # never fails; stray bytes then fail as bad tokens
     try:
-        return _parse_fast(text, n_features)
+        return _parse_fast(text, n_features, source)
     except _Reject:
         return _parse_reference(text, source, n_features)
 
@@ -236,8 +300,8 @@ def load_libsvm(
 
     Args:
         path: the file.
-        n_features: columns of ``x``; default the largest index in the file. A larger index in the
-            file is an error.
+        n_features: columns of ``x``, a positive int; default the largest index in the file (at
+            most :data:`MAX_FEATURE_INDEX`). A larger index in the file is an error.
         label_map: the original labels in class-index order, usually ``train.label_map``; a label
             outside it is an error. Default: the sorted distinct labels of this file.
         name: display name; default the file name.
@@ -252,9 +316,16 @@ def load_libsvm(
     """
     path = Path(path)
     source = str(path)
-    if n_features is not None and n_features < 1:
-        raise ValueError(f"n_features must be positive, got {n_features}")
+    if n_features is not None and (
+        isinstance(n_features, bool)
+        or not isinstance(n_features, (int, np.integer))
+        or n_features < 1
+    ):
+        raise ValueError(f"n_features must be a positive int, got {n_features!r}")
+    if n_features is not None:
+        n_features = int(n_features)
     data = path.read_bytes()
+    _check_bytes(data, source)
 
     def build() -> tuple[dict[str, np.ndarray], dict[str, object]]:
         parsed = _parse(data, source, n_features)

@@ -30,6 +30,7 @@ from initlab.study.report import report_study
 from initlab.study.runner import (
     StudyData,
     StudyError,
+    StudySpecMismatch,
     StudySummary,
     build_model,
     load_study_data,
@@ -47,6 +48,7 @@ __all__ = [
     "StudyData",
     "StudyError",
     "StudySpec",
+    "StudySpecMismatch",
     "StudySummary",
     "build_model",
     "epoch_order",

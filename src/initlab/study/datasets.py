@@ -156,7 +156,8 @@ def load_study_data(name: str, root: str | None = None) -> Any:
     :class:`~initlab.study.runner.StudyData`, options applied (see the module doc).
 
     A data set published without a test split (several LIBSVM sets) gives ``test=None``; a
-    missing file still raises.
+    missing file, or any error reading a published test split (a parse error, a label the
+    training split lacks), raises.
     """
     from initlab.data import load_dataset
     from initlab.study.runner import StudyData
@@ -172,14 +173,15 @@ def load_study_data(name: str, root: str | None = None) -> Any:
     if "channels" in options and (kind is None or options["channels"] != _IMAGE_CHANNELS[kind]):
         have = "vectors" if kind is None else f"{_IMAGE_CHANNELS[kind]}-channel images"
         raise ValueError(f"data set {name!r}: {base!r} has {have}; drop channels=")
+    from initlab.data.catalogue import catalogue_entry
+
     train = load_dataset(base, "train", root=root, limit_per_class=options.get("train_per_class"))
     test = None
     n_test = options.get("test_per_class")
-    if n_test != 0:
-        try:
-            test = load_dataset(base, "test", root=root, limit_per_class=n_test)
-        except ValueError:  # the name resolved above, so this is "no 'test' split"
-            test = None
+    # Only a split the catalogue does not publish means "no test split": any error reading one
+    # it publishes (a parse error, a label absent from the training split) is the data set's.
+    if n_test != 0 and "test" in catalogue_entry(base).splits:
+        test = load_dataset(base, "test", root=root, limit_per_class=n_test)
     x = _transform(train.x, options)
     return StudyData(
         train=(x, train.y),

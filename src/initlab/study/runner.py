@@ -82,6 +82,7 @@ __all__ = [
     "BACKENDS",
     "StudyData",
     "StudyError",
+    "StudySpecMismatch",
     "StudySummary",
     "build_model",
     "load_study_data",
@@ -126,7 +127,7 @@ def load_study_data(name: str, root: str | None = None) -> StudyData:
     see :mod:`initlab.study.datasets`).
 
     A data set published without a test split (several LIBSVM sets) gives ``test=None``; a
-    missing file still raises.
+    missing file, or any error reading a published test split, raises.
     """
     from initlab.study.datasets import load_study_data as load
 
@@ -194,20 +195,31 @@ _WORKER_STATE: dict[str, Any] = {}
 
 
 def _pool_init(
-    load_fn: LoadFn, root: str | None, train_fn: TrainFn | None, device: str, threads: int
+    load_fn: LoadFn,
+    root: str | None,
+    train_fn: TrainFn | None,
+    device: str,
+    threads: int,
+    driver: int,
 ) -> None:
+    """A worker's state; ``driver`` is the pid of the driver that started the pool."""
     torch.set_num_threads(threads)
     _WORKER_STATE.update(cache=_DataCache(load_fn, root), train_fn=train_fn, device=device)
     # A driver killed with SIGKILL cannot stop its pool; without this watchdog the workers would
-    # be orphaned, training chunks nobody will store.
-    parent = os.getppid()
-    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+    # be orphaned, training chunks nobody will store. The driver's pid comes from the driver: a
+    # worker reading os.getppid() here would get the pid of init (1) or a subreaper if the driver
+    # died while the worker started, and would then wait for that one forever.
+    threading.Thread(target=_exit_with_parent, args=(driver,), daemon=True).start()
 
 
-def _exit_with_parent(parent: int, period: float = 1.0) -> None:
-    while os.getppid() == parent:
+def _exit_with_parent(
+    driver: int, period: float = 1.0, exit_fn: Callable[[int], object] = os._exit
+) -> None:
+    """Return only through ``exit_fn(1)`` (``os._exit``), called as soon as this process's parent
+    is not ``driver`` (it died and the process was reparented), checked every ``period`` s."""
+    while os.getppid() == driver:
         time.sleep(period)
-    os._exit(1)
+    exit_fn(1)
 
 
 def _pool_task(configs: list[RunConfig]) -> list[RunResult]:
@@ -360,7 +372,8 @@ class _PoolExecutor:
         device: str,
         workers: int,
     ) -> None:
-        self.args = (load, root, train_fn, device, max(1, (os.cpu_count() or 1) // workers))
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        self.args = (load, root, train_fn, device, threads, os.getpid())
         self.workers = workers
         self.pool: Any = None
 
@@ -541,10 +554,13 @@ def run_study(
     Args:
         spec: the study, or a path to its YAML file. All its variants run; a run two variants
             share is trained once.
-        store_path: the SQLite store (created if missing). Runs already stored (by any study) are
-            skipped; the study's name, spec and the keys of all its runs (per variant) are
-            recorded in the store. Other drivers may run the same study on the same store at the
-            same time: the work is shared through claims (:mod:`initlab.study.claims`).
+        store_path: the SQLite store file (created if missing). Runs already stored (by any
+            study) are skipped; the study's name, spec and the keys of all its runs (per variant)
+            are recorded in the store. The name is bound to the spec's runs: the same spec (or
+            one differing only in ``loss``, ``extend_grid`` or ``data_root``) resumes, a spec
+            with other runs under that name is refused (:class:`StudySpecMismatch`). Other
+            drivers may run the same study on the same store at the same time: the work is shared
+            through claims (:mod:`initlab.study.claims`).
         backend: ``"local"`` or ``"ray"``.
         workers: local: processes (1: this process); Ray: CPUs of the local instance started when
             ``ray_address`` is ``None`` (ignored when connecting to a cluster).
@@ -574,6 +590,8 @@ def run_study(
         a :class:`StudySummary`.
 
     Raises:
+        StudySpecMismatch: the store holds a study of this name with other runs; nothing is
+            trained or written.
         StudyError: after all chunks ran, if some failed (their runs are not stored).
     """
     if not isinstance(spec, StudySpec):
@@ -621,10 +639,43 @@ def run_study(
     return _finished(summary, bar, start)
 
 
+class StudySpecMismatch(ValueError):
+    """A study's name is registered in the store with a spec of other runs."""
+
+
 def _register(store: Store, spec: StudySpec, configs: Sequence[RunConfig]) -> None:
-    """The study's spec, all its runs and each variant's runs, in the store."""
+    """The study's spec, all its runs and each variant's runs, in the store.
+
+    A study's name is bound to its runs: a spec that adds, drops or changes runs (other data sets,
+    seeds, epochs, ...) is refused under a name registered with another spec, since its records,
+    tables and report would mix the two. The members a store holds that are not runs of the spec
+    (left by an initlab that let a name change its runs) stop being members; grid extension runs
+    (the spec's runs at other rates) stay.
+    """
+    flat = spec.variant_specs()
+
+    def check(registered: dict[str, Any]) -> None:
+        differences = spec.run_differences(registered)
+        if differences:
+            raise StudySpecMismatch(
+                f"study {spec.name!r} is registered in {store.path or ':memory:'} with a spec of "
+                f"other runs ({'; '.join(differences)}). A study's name is bound to its runs, "
+                "so that its records and report never mix two protocols: run this spec under a "
+                "new name (runs already in this store are reused, not trained again) or in a new "
+                "store."
+            )
+
+    def keep(variant: str, key: str, config: dict[str, Any]) -> bool:
+        try:
+            run = RunConfig.from_dict(config)
+        except (TypeError, ValueError):
+            return False
+        return variant in flat and flat[variant].owns(run) and run.key() == key
+
     variants = {name: [c.key() for c in runs] for name, runs in spec.variant_runs().items()}
-    store.register_study(spec.name, spec.to_dict(), [c.key() for c in configs], variants)
+    store.register_study(
+        spec.name, spec.to_dict(), [c.key() for c in configs], variants, check=check, keep=keep
+    )
 
 
 class _Recorder:

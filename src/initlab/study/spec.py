@@ -57,6 +57,7 @@ fills them from the loaded data set's metadata when it builds each model
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -70,6 +71,7 @@ __all__ = [
     "DEFAULT_EXTEND_ROUNDS",
     "OUTPUT_SCALE_KINDS",
     "RESERVED_MODEL_KEYS",
+    "UNBOUND_KEYS",
     "StudySpec",
     "expand_lrs",
     "expand_seeds",
@@ -92,6 +94,13 @@ DEFAULT_EXTEND_ROUNDS = 6
 
 #: Keys of a spec mapping that are not fields of :class:`StudySpec` (consumed by ``from_dict``).
 _EXTRA_KEYS = ("design",)
+
+#: Spec fields that change neither which runs a study has nor what they compute: a study may run
+#: again under its name with other values of these (:meth:`StudySpec.run_differences`).
+UNBOUND_KEYS = ("name", "loss", "extend_grid", "data_root")
+
+#: Spec fields that are sets of values (their order changes no run).
+_AXES = ("datasets", "schemes", "seeds", "lrs")
 
 
 def _thaw(value: Any) -> Any:
@@ -151,6 +160,13 @@ def expand_seeds(seeds: Any) -> tuple[int, ...]:
         raise ValueError(f"seeds must be a count or a list of integers, got {seeds!r}")
     if not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
         raise ValueError(f"seeds: every seed must be an integer, got {list(seeds)!r}")
+    # The store keeps seeds in SQLite's INTEGER column, a signed 64-bit integer.
+    too_big = [s for s in seeds if not -(2**63) <= s < 2**63]
+    if too_big:
+        raise ValueError(
+            f"seeds: {too_big[0]} does not fit in a signed 64-bit integer (the store's seed "
+            f"column); use seeds in [-2**63, 2**63)"
+        )
     return tuple(int(s) for s in seeds)
 
 
@@ -181,6 +197,32 @@ def _unique(values: tuple[Any, ...], what: str) -> None:
     dupes = sorted({str(v) for v in values if values.count(v) > 1})
     if dupes:
         raise ValueError(f"{what} has duplicates: {', '.join(dupes)}")
+
+
+def _dataset_identity(name: str) -> str:
+    """The data set a spec's name denotes: its catalogue entry's canonical name (``iris``,
+    ``Iris`` and ``libsvm:iris`` are all ``libsvm:iris``) with its options sorted; a name outside
+    the catalogue (a ``load_fn`` of the user's) is its own identity."""
+    from initlab.data.catalogue import catalogue_entry
+
+    base, sep, query = name.partition("?")
+    with contextlib.suppress(ValueError):
+        base = catalogue_entry(base).name
+    return base + sep + "&".join(sorted(filter(None, query.split("&"))))
+
+
+def _no_aliases(datasets: tuple[str, ...]) -> None:
+    """Two spellings of one data set would train it twice and count it twice in Table 2."""
+    spellings: dict[str, list[str]] = {}
+    for name in datasets:
+        spellings.setdefault(_dataset_identity(name), []).append(name)
+    aliases = [(ident, names) for ident, names in spellings.items() if len(names) > 1]
+    if aliases:
+        ident, names = aliases[0]
+        raise ValueError(
+            f"datasets: {' and '.join(repr(n) for n in names)} are the same data set "
+            f"({ident!r}); keep one spelling"
+        )
 
 
 def _integer(value: Any, what: str) -> int:
@@ -299,7 +341,8 @@ class StudySpec:
     Attributes:
         name: the study's name (results in a store are tagged with it).
         datasets: catalogue names for :func:`initlab.data.load_dataset`, e.g. ``"libsvm:iris"``
-            (the name is part of every run's key: keep one spelling per data set).
+            (the name is part of every run's key: two spellings of one data set, such as
+            ``iris`` and ``libsvm:iris``, are refused).
         schemes: inits: data-free schemes (names accepted by :func:`initlab.init.schemes.
             get_scheme`), or a scheme followed by data-dependent methods (module docstring,
             :mod:`initlab.study.pipelines`), given as text or as a mapping; stored as their
@@ -362,6 +405,7 @@ class StudySpec:
             if not values:
                 raise ValueError(f"StudySpec.{attr} is empty")
             _unique(values, attr)
+        _no_aliases(self.datasets)
         cfg = self.model_cfg
         if isinstance(cfg, Mapping):
             cfg = tuple(cfg.items())
@@ -496,6 +540,57 @@ class StudySpec:
     def variant_runs(self) -> dict[str, list[RunConfig]]:
         """``{variant name: its runs}`` (:meth:`runs` of each flat spec)."""
         return {name: spec.runs() for name, spec in self.variant_specs().items()}
+
+    # -- a study's name is bound to its runs ------------------------------------------------------
+
+    def run_differences(self, registered: Mapping[str, Any]) -> list[str]:
+        """How this spec's runs differ from those of ``registered`` (a spec's :meth:`to_dict`, as
+        a store keeps it), one text per differing field; empty when both define the same runs in
+        the same variants.
+
+        A store binds a study's name to its runs (:func:`initlab.study.runner.run_study`): a spec
+        may differ from the registered one only in :data:`UNBOUND_KEYS` (or in the order of its
+        lists), which change neither which runs exist nor what they compute.
+        """
+        try:
+            old = StudySpec.from_dict(registered)
+        except (TypeError, ValueError) as err:
+            return [f"the registered spec is not a valid spec for this initlab ({err})"]
+
+        def keys(spec: StudySpec) -> dict[str, set[str]]:
+            return {name: {c.key() for c in runs} for name, runs in spec.variant_runs().items()}
+
+        if keys(old) == keys(self):
+            return []
+        before, now = old.to_dict(), self.to_dict()
+        out = []
+        for key, value in now.items():
+            was = before[key]
+            if key in UNBOUND_KEYS or was == value:
+                continue
+            if key in _AXES:
+                added = [v for v in value if v not in was]
+                removed = [v for v in was if v not in value]
+                change = [
+                    f"{label} {', '.join(map(str, vs))}"
+                    for label, vs in (("added", added), ("removed", removed))
+                    if vs
+                ]
+                if change:
+                    out.append(f"{key}: {'; '.join(change)}")
+            else:
+                out.append(f"{key}: {was!r} registered, {value!r} now")
+        return out or ["its runs"]
+
+    def owns(self, config: RunConfig) -> bool:
+        """Whether ``config`` is a run of this flat spec (no variants) at any learning rate: one
+        of its grid's, or one a grid extension added (:mod:`initlab.study.extend`)."""
+        return (
+            config.dataset in self.datasets
+            and config.scheme in self.schemes
+            and config.seed in self.seeds
+            and config == self.run_config(config.dataset, config.scheme, config.seed, config.lr)
+        )
 
     # -- expansion ----------------------------------------------------------------------------
 

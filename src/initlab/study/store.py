@@ -1,7 +1,8 @@
 """Study results on disk: a SQLite file with one row per finished run, keyed by ``RunConfig.key()``.
 
 Why SQLite: a study of thousands of runs is killed, restarted, extended with new seeds or learning
-rates, and read by a report while it still runs. SQLite gives atomic multi-row transactions (a
+rates (as a study of another name: the runs already stored are reused), and read by a report while
+it still runs. SQLite gives atomic multi-row transactions (a
 group's results are committed all at once or not at all, so a ``SIGKILL`` at any instant loses at
 most the group in flight and never leaves half a group), a primary key that makes a run impossible
 to store twice (``INSERT OR IGNORE``), and WAL mode so readers do not block the writer. Only the
@@ -23,7 +24,9 @@ Schema (``SCHEMA_VERSION`` 2; a version-1 store is upgraded in place when opened
     ``(study, key)``: which runs belong to which study (a run shared by two studies is stored once).
 ``studies``
     ``name`` (primary key), ``spec`` (``StudySpec.to_dict()`` as JSON, the latest registered),
-    ``created_at``.
+    ``created_at``. The runner binds a name to its spec's runs: a spec that would add, drop or
+    change runs is refused under a registered name (only ``loss``, ``extend_grid`` and
+    ``data_root`` may change).
 ``variant_runs``
     ``(study, variant, key)``: which runs make each protocol variant of a study (a run shared by
     two variants is one row in ``runs``, two here). A study registered without variants has none:
@@ -42,7 +45,7 @@ import math
 import sqlite3
 import time
 import zlib
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
@@ -212,6 +215,11 @@ class Store:
     def __init__(self, path: str | Path, *, timeout: float = 60.0) -> None:
         self.path = Path(path) if str(path) != ":memory:" else None
         if self.path is not None:
+            if self.path.is_dir():
+                raise IsADirectoryError(
+                    f"{self.path}: is a directory; a store is one SQLite file: give a file path "
+                    f"such as {self.path / 'study.sqlite'}"
+                )
             self.path.parent.mkdir(parents=True, exist_ok=True)
         self._conn = sqlite3.connect(
             str(path) if self.path is None else str(self.path),
@@ -283,6 +291,9 @@ class Store:
         spec: dict[str, Any],
         keys: Iterable[str],
         variants: Mapping[str, Iterable[str]] | None = None,
+        *,
+        check: Callable[[dict[str, Any]], None] | None = None,
+        keep: Callable[[str, str, dict[str, Any]], bool] | None = None,
     ) -> None:
         """Record a study's spec and the keys of all its runs (finished or not); one transaction.
 
@@ -292,8 +303,20 @@ class Store:
             keys: all its runs' keys.
             variants: ``{variant: keys}``, the runs of each protocol variant (``None``: the study
                 has no variants).
+            check: called with the spec registered before under ``name`` (if any), inside the
+                transaction, before anything is written; it raises to refuse the registration
+                (the runner refuses a spec with other runs: a study's name is bound to its runs).
+            keep: ``keep(variant, key, config)`` for each finished run that is a member of the
+                study (``config`` as ``RunConfig.to_dict()``); a member it rejects stops being
+                one (it stays stored: other studies may share it). Unfinished members are kept.
         """
         with self._transaction() as cur:
+            if check is not None:
+                row = cur.execute("SELECT spec FROM studies WHERE name = ?", (name,)).fetchone()
+                if row is not None:
+                    check(json.loads(row[0]))
+            if keep is not None:
+                self._prune(cur, name, keep)
             cur.execute(
                 "INSERT INTO studies (name, spec, created_at) VALUES (?, ?, ?) "
                 "ON CONFLICT (name) DO UPDATE SET spec = excluded.spec",
@@ -314,6 +337,36 @@ class Store:
                 ((study, k) for k in sorted(keys)),
             )
             self._add_variant_rows(cur, study, variants)
+
+    @staticmethod
+    def _prune(
+        cur: sqlite3.Cursor, study: str, keep: Callable[[str, str, dict[str, Any]], bool]
+    ) -> None:
+        """Drop the finished members of ``study`` that ``keep`` rejects (see register_study)."""
+        rows = cur.execute(
+            "SELECT v.variant, v.key, r.config FROM variant_runs AS v JOIN runs AS r "
+            "ON r.key = v.key WHERE v.study = ?",
+            (study,),
+        ).fetchall()
+        if not rows:  # registered without variant rows: its runs are the one variant "base"
+            rows = cur.execute(
+                "SELECT ?, s.key, r.config FROM study_runs AS s JOIN runs AS r ON r.key = s.key "
+                "WHERE s.study = ?",
+                (BASE_VARIANT, study),
+            ).fetchall()
+        drop = [(v, k) for v, k, config in rows if not keep(v, k, json.loads(config))]
+        if not drop:
+            return
+        cur.executemany(
+            "DELETE FROM variant_runs WHERE study = ? AND variant = ? AND key = ?",
+            ((study, v, k) for v, k in drop),
+        )
+        dropped = set(drop)
+        kept = {k for v, k, _ in rows if (v, k) not in dropped}
+        cur.executemany(
+            "DELETE FROM study_runs WHERE study = ? AND key = ?",
+            ((study, k) for k in {k for _, k in drop} - kept),
+        )
 
     @staticmethod
     def _add_variant_rows(

@@ -1,0 +1,318 @@
+"""Hardening of the study harness: a study's name is bound to its runs, a test split that fails to
+load fails the study, aliases of one data set, the pool workers' watchdog, seeds that do not fit
+the store, and a store path that is a folder.
+
+The trainer here is a fake (every number a function of the run's config) run in this process, so
+the tests need no subprocess and take well under a second each.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from initlab.study import runner
+from initlab.study.aggregate import lr_table
+from initlab.study.config import RunConfig, RunResult
+from initlab.study.datasets import load_study_data
+from initlab.study.runner import StudyData, StudySpecMismatch, run_study
+from initlab.study.spec import StudySpec
+from initlab.study.store import Store
+
+#: log2 of the best rate of every scheme (the fake loss is a bowl in log2(lr)).
+OPTIMUM = {"fan_in": 3.0, "geometric": -1.0}
+
+
+def load_tiny(name: str, root: str | None = None) -> StudyData:
+    x = torch.zeros(8, 3)
+    return StudyData(train=(x, torch.zeros(8, dtype=torch.long)), test=None, n_features=3,
+                     n_classes=2)  # fmt: skip
+
+
+def train_bowl(configs: list[RunConfig], train: Any, test: Any, **_: Any) -> list[RunResult]:
+    out = []
+    for c in configs:
+        loss = 0.1 + (math.log2(c.lr) - OPTIMUM[c.scheme]) ** 2 + 1e-3 * c.seed + 1e-4 * c.epochs
+        out.append(RunResult(config=c, step_loss=[1.0, loss] * c.epochs,
+                             epoch_train_loss=[loss] * c.epochs, epoch_train_acc=[0.5] * c.epochs,
+                             epoch_test_loss=[], epoch_test_acc=[], diverged=False,
+                             final_train_loss=loss, wall_s=0.0))  # fmt: skip
+    return out
+
+
+BASE: dict[str, Any] = {
+    "name": "bound",
+    "datasets": ["a", "b"],
+    "schemes": ["fan_in", "geometric"],
+    "seeds": 2,
+    "lrs": [0.5, 1.0],
+    "model_cfg": {"widths": [4]},
+    "epochs": 1,
+    "batch_size": 4,
+}
+
+
+def spec(**overrides: Any) -> StudySpec:
+    return StudySpec.from_dict({**BASE, **overrides})
+
+
+def run(study: StudySpec, db: Path, **kw: Any) -> runner.StudySummary:
+    return run_study(study, db, train_fn=train_bowl, load_fn=load_tiny, progress=False, **kw)
+
+
+# -- a study's name is bound to its runs ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "differs"),
+    [
+        ({"epochs": 3}, "epochs: 1 registered, 3 now"),
+        ({"seeds": 3}, "seeds: added 2"),
+        ({"lrs": [0.5]}, "lrs: removed 1.0"),
+        ({"lrs": [0.5, 1.0, 0.25]}, "lrs: added 0.25"),
+        ({"datasets": ["a", "c"]}, "datasets: added c; removed b"),
+        ({"schemes": ["fan_in"]}, "schemes: removed geometric"),
+        ({"model_cfg": {"widths": [8]}}, "model_cfg: {'widths': [4]} registered, {'widths': [8]}"),
+        ({"momentum": 0.9}, "momentum: 0.0 registered, 0.9 now"),
+        ({"variants": {"base": {}, "slow": {"lrs": [0.1]}}}, "variants: {} registered"),
+    ],
+    ids=[
+        "epochs",
+        "more-seeds",
+        "fewer-lrs",
+        "more-lrs",
+        "datasets",
+        "schemes",
+        "model_cfg",
+        "momentum",
+        "variants",
+    ],
+)
+def test_a_name_is_bound_to_its_runs(tmp_path: Path, overrides: dict, differs: str) -> None:
+    """Re-running a study under its name with a spec of other runs is refused before anything is
+    written: the error names the study, what differs and what to do."""
+    db = tmp_path / "s.sqlite"
+    first = run(spec(), db)
+    assert first.n_trained == 16
+    with Store(db) as store:
+        before = (store.studies(), store.variants("bound"), len(store))
+    with pytest.raises(StudySpecMismatch) as info:
+        run(spec(**overrides), db)
+    message = str(info.value)
+    assert f"study 'bound' is registered in {db}" in message
+    assert differs in message
+    assert "new name" in message and "new store" in message
+    with Store(db) as store:
+        assert (store.studies(), store.variants("bound"), len(store)) == before
+
+
+def test_the_same_spec_resumes_and_free_keys_may_change(tmp_path: Path) -> None:
+    """The same runs resume (in any order of the lists); loss, extend_grid and data_root change
+    no run, so they may differ; a new name reuses the stored runs."""
+    db = tmp_path / "s.sqlite"
+    run(spec(), db)
+    again = run(spec(lrs=[1.0, 0.5], seeds=[1, 0], datasets=["b", "a"]), db)
+    assert (again.n_skipped, again.n_trained) == (16, 0)
+    changed = run(spec(loss="last_epoch_minibatch", data_root=str(tmp_path)), db)
+    assert changed.n_trained == 0
+    with Store(db) as store:
+        assert store.studies()["bound"]["loss"] == "last_epoch_minibatch"  # the latest spec
+    wider = run(spec(name="bound-wider", seeds=3), db)  # the advice of the error
+    assert (wider.n_skipped, wider.n_trained) == (16, 8)
+    with Store(db) as store:
+        assert len(store.records("bound")) == 16 and len(store.records("bound-wider")) == 24
+
+
+def test_grid_extension_keeps_working_under_the_binding(tmp_path: Path) -> None:
+    """Extension runs are the spec's own runs at new rates: a second call (or another
+    extend_grid) resumes, and the tables read the spec's grid plus its extension only."""
+    db = tmp_path / "x.sqlite"
+    first = run(spec(extend_grid=True), db)
+    assert first.extension_rounds == 4 and first.edges_left == []  # fan_in: 1 -> 2, 4, 8, 16
+    again = run(spec(extend_grid=True), db)
+    assert (again.n_trained, again.n_extended) == (0, first.n_extended)
+    assert run(spec(), db).n_trained == 0  # extend_grid may change
+    with Store(db) as store:
+        rows = store.records("bound")
+    lrs = {s: sorted({r["lr"] for r in rows if r["scheme"] == s}) for s in OPTIMUM}
+    assert lrs == {"fan_in": [0.5, 1.0, 2.0, 4.0, 8.0, 16.0], "geometric": [0.25, 0.5, 1.0]}
+    assert {r["n_seeds"] for r in lr_table(rows)} == {2}
+
+
+def test_members_of_another_protocol_are_dropped(tmp_path: Path) -> None:
+    """A store in which a name was re-registered with another spec (what an initlab without the
+    binding did) holds members of both; running the registered spec drops the others from the
+    study (they stay stored), so its records and tables hold one protocol."""
+    db = tmp_path / "old.sqlite"
+    run(spec(), db)  # epochs 1
+    three = spec(epochs=3)
+    with Store(db) as store:  # the old register_study: no check, only adds keys
+        store.register_study("bound", three.to_dict(), [c.key() for c in three.runs()])
+        assert len(store.study_keys("bound")) == 32
+    summary = run(three, db)
+    assert summary.n_trained == 16
+    with Store(db) as store:
+        rows = store.records("bound")
+        assert len(store) == 32 and len(store.study_keys("bound")) == 16
+    assert {r["epochs"] for r in rows} == {3} and len(rows) == 16
+    assert {r["n_seeds"] for r in lr_table(rows)} == {2}
+
+
+def test_run_differences_and_owns() -> None:
+    base = spec()
+    assert base.run_differences(base.to_dict()) == []
+    assert base.run_differences({**base.to_dict(), "loss": "last_epoch_minibatch"}) == []
+    assert spec(epochs=2).run_differences(base.to_dict()) == ["epochs: 1 registered, 2 now"]
+    bad = base.run_differences({**base.to_dict(), "seeds": "many"})
+    assert bad[0].startswith("the registered spec is not a valid spec for this initlab")
+    assert base.owns(base.run_config("a", "fan_in", 1, 0.125))  # an extension's rate
+    assert not base.owns(spec(epochs=2).run_config("a", "fan_in", 1, 0.5))
+    assert not base.owns(base.run_config("c", "fan_in", 1, 0.5))
+    assert not base.owns(base.run_config("a", "fan_in", 7, 0.5))
+
+
+# -- data sets --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "datasets",
+    [
+        ["iris", "libsvm:iris"],
+        ["iris", "Iris"],
+        ["letter?train_per_class=5", "libsvm:letter?train_per_class=5"],
+        ["mnist?pad=2&range=symmetric", "mnist?range=symmetric&pad=2"],
+    ],
+)
+def test_aliases_of_one_data_set_are_refused(datasets: list[str]) -> None:
+    with pytest.raises(ValueError, match=r"^datasets: .* are the same data set .*keep one"):
+        spec(datasets=datasets)
+
+
+def test_distinct_data_sets_are_not_aliases() -> None:
+    names = ["iris", "sklearn:iris", "iris?train_per_class=5", "my_own", "My_Own"]
+    assert spec(datasets=names).datasets == tuple(names)  # outside the catalogue: as written
+
+
+def _svmguide4(root: Path, test: str | None) -> Path:
+    folder = root / "libsvm"
+    folder.mkdir(parents=True)
+    (folder / "svmguide4").write_text("1 1:0.5\n2 2:0.5\n1 3:1\n")
+    if test is not None:
+        (folder / "svmguide4.t").write_text(test)
+    (folder / "iris.scale").write_text("1 1:0.5\n2 2:0.5\n")
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("test", "error"),
+    [
+        ("1 1:1\n9 2:1\n", r"svmguide4\.t:2: label 9 is not in the label map"),
+        ("1 1:1\n2 2:x\n", r"svmguide4\.t:2: bad feature '2:x'"),
+        ("1 11:1\n", r"svmguide4\.t:1: feature index 11 exceeds n_features=10"),
+    ],
+    ids=["unknown-label", "parse-error", "too-wide"],
+)
+def test_a_broken_test_split_fails_the_study(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, test: str, error: str
+) -> None:
+    """Only a split the catalogue does not publish is "no test split"; any error reading a
+    published one propagates (it used to become test=None: NaN test metrics, reported as
+    success)."""
+    monkeypatch.setenv("INITLAB_CACHE_DIR", str(tmp_path / "cache"))
+    _svmguide4(tmp_path / "data", test)
+    with pytest.raises(ValueError, match=error):
+        load_study_data("svmguide4", str(tmp_path / "data"))
+    study = spec(datasets=["svmguide4"], data_root=str(tmp_path / "data"))
+    with pytest.raises(ValueError, match=error):
+        run_study(study, tmp_path / "s.sqlite", train_fn=train_bowl, progress=False)
+
+
+def test_test_split_present_absent_and_dropped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("INITLAB_CACHE_DIR", str(tmp_path / "cache"))
+    root = str(tmp_path / "data")
+    _svmguide4(tmp_path / "data", "2 1:1\n")
+    assert load_study_data("svmguide4", root).test[1].tolist() == [1]  # type: ignore[index]
+    assert load_study_data("svmguide4?test_per_class=0", root).test is None
+    assert load_study_data("iris", root).test is None  # published without one
+    (tmp_path / "data" / "libsvm" / "svmguide4.t").unlink()
+    with pytest.raises(FileNotFoundError, match=r"svmguide4\.t"):  # published, but missing
+        load_study_data("svmguide4", root)
+
+
+# -- the pool workers' watchdog ---------------------------------------------------------------
+
+
+def test_watchdog_exits_at_once_when_the_driver_is_not_the_parent() -> None:
+    """A worker whose driver died before it started has another parent already (init, pid 1, or
+    a subreaper): it must exit, not wait for that parent."""
+    calls: list[int] = []
+    not_my_parent = os.getpid()  # certainly not this process's parent
+    runner._exit_with_parent(not_my_parent, period=60.0, exit_fn=calls.append)
+    assert calls == [1]
+
+
+def test_watchdog_waits_while_the_driver_lives(monkeypatch: pytest.MonkeyPatch) -> None:
+    parents = iter([123, 123, 123, 1])  # the driver (123) dies after three checks
+    checks: list[int] = []
+
+    def getppid() -> int:
+        checks.append(1)
+        return next(parents)
+
+    monkeypatch.setattr(runner.os, "getppid", getppid)
+    calls: list[int] = []
+    runner._exit_with_parent(123, period=0.0, exit_fn=calls.append)
+    assert calls == [1] and len(checks) == 4
+
+
+def test_pool_init_watches_the_driver_pid_it_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The driver passes its own pid (initargs); the worker does not read os.getppid() itself."""
+    pool = runner._PoolExecutor(load_tiny, None, None, "cpu", workers=2)
+    assert pool.args[-1] == os.getpid()
+    watched: list[int] = []
+    started = threading.Event()
+
+    def watchdog(driver: int) -> None:
+        watched.append(driver)
+        started.set()
+
+    monkeypatch.setattr(runner, "_exit_with_parent", watchdog)
+    monkeypatch.setattr(runner, "_WORKER_STATE", {})
+    monkeypatch.setattr(runner.torch, "set_num_threads", lambda n: None)
+    runner._pool_init(load_tiny, None, None, "cpu", 1, 424242)
+    assert started.wait(5.0) and watched == [424242]
+
+
+# -- seeds and the store path -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [2**63, -(2**63) - 1, 2**70])
+def test_seeds_must_fit_the_store(seed: int) -> None:
+    with pytest.raises(ValueError, match=rf"^seeds: {seed} does not fit in a signed 64-bit"):
+        spec(seeds=[0, seed])
+    assert spec(seeds=[2**63 - 1, -(2**63)]).seeds == (2**63 - 1, -(2**63))
+
+
+def test_a_store_path_that_is_a_folder_is_named(tmp_path: Path) -> None:
+    with pytest.raises(IsADirectoryError, match=rf"^{re.escape(str(tmp_path))}: is a directory"):
+        run(spec(), tmp_path)
+    with pytest.raises(IsADirectoryError, match="give a file path such as"):
+        Store(tmp_path)
+
+
+def test_huge_seeds_round_trip_through_the_store(tmp_path: Path) -> None:
+    db = tmp_path / "s.sqlite"
+    run(spec(seeds=[2**63 - 1]), db)
+    with Store(db) as store:
+        assert {r["seed"] for r in store.records("bound")} == {2**63 - 1}
+        assert json.loads(json.dumps(store.studies()["bound"]))["seeds"] == [2**63 - 1]
