@@ -24,7 +24,7 @@ from initlab._core.rows import split_name
 from initlab.init._structure import Follow, find_head, structural_following, traced_following
 from initlab.init.registry import Block, ParamSpec, Registry
 from initlab.init.rules import AutoRule, Rule
-from initlab.init.sampling import normal_, sample_
+from initlab.init.sampling import dirac_, normal_, sample_
 from initlab.init.schemes import InitSpec, OperatorNorm, Scheme
 
 __all__ = [
@@ -35,6 +35,8 @@ __all__ = [
     "claim_params",
     "execute",
     "expand_rules",
+    "frozen_norm_modules",
+    "mark_frozen",
     "plan_all",
     "report_rows",
     "reset_norm_buffers",
@@ -61,6 +63,9 @@ class _Plan:
     follow: Follow | None = None  # the nonlinearity found after the layer (None: not looked for)
     gain: float | None = None
     gain_from: str | None = None
+    frozen: bool = False  # requires_grad=False and frozen="skip": left as it was
+    dirac_centre: tuple[int, ...] | None = None  # where a dirac delta goes (None: torch's centre)
+    notes: list[str] = field(default_factory=list)
 
 
 def check_bias(bias: str | float) -> None:
@@ -219,6 +224,9 @@ def _sample_blocks(
     assert plan.spec is not None
     for block, init_spec in specs:
         view = plan.param if block is None else plan.param[block.start : block.stop]
+        if init_spec.distribution == "dirac" and plan.dirac_centre is not None:
+            dirac_(view, init_spec.gain, groups=plan.spec.groups, centre=plan.dirac_centre)
+            continue
         sample_(
             view,
             init_spec,
@@ -237,6 +245,8 @@ def execute(
     ``_init_weights`` leave it: a padding position contributes nothing)."""
     param, spec = plan.param, plan.spec
     assert spec is not None
+    if plan.frozen:
+        return
     if plan.block_specs:  # weights, and a tied embedding/head drawn as the head
         _sample_blocks(plan, plan.block_specs, generator)
     elif spec.role == "embedding":
@@ -360,11 +370,15 @@ def plan_all(
         plan = plans[key]
         if plan.spec is None:
             continue
+        if plan.frozen:
+            plan.notes.append(_FROZEN_NOTE)
+            continue
         _fill_plan(plan, scheme, bias, embedding_std)
         names = (plan.name, *plan.aliases)
         for rule in rules:
             if rule.matches(names, plan.spec.role):
                 _apply_rule_to_plan(plan, rule)
+        _place_dirac(plan)
     for rule in rules:
         if not any(
             p.spec is not None and rule.matches((p.name, *p.aliases), p.spec.role)
@@ -375,6 +389,79 @@ def plan_all(
                 UserWarning,
                 stacklevel=user_stacklevel(),
             )
+
+
+_FROZEN_NOTE = "frozen (requires_grad=False): left as it was; frozen='init' draws it"
+
+
+def mark_frozen(plans: dict[int, _Plan], order: list[int]) -> None:
+    """Mark every claimed tensor with ``requires_grad=False`` as frozen (left as it was)."""
+    for key in order:
+        plan = plans[key]
+        if plan.spec is not None and not plan.param.requires_grad:
+            plan.frozen = True
+
+
+def frozen_norm_modules(plans: dict[int, _Plan], order: list[int]) -> set[int]:
+    """Ids of norm modules whose parameters are all frozen: their running statistics are kept
+    (a frozen pretrained BatchNorm keeps its statistics along with its scale and shift)."""
+    by_module: dict[int, list[bool]] = {}
+    for key in order:
+        plan = plans[key]
+        if plan.spec is not None and plan.spec.role in ("norm_scale", "norm_shift"):
+            by_module.setdefault(id(plan.module), []).append(plan.frozen)
+    return {m for m, flags in by_module.items() if all(flags)}
+
+
+def _place_dirac(plan: _Plan) -> None:
+    """Where a dirac weight of a size-preserving ``nn.Conv{1,2,3}d`` puts its delta.
+
+    Output ``i`` of a stride-1 convolution reads input ``i + d·t - p_left`` at tap ``t``
+    (dilation ``d``, ``p_left`` the padding before). The size is preserved for
+    ``padding="same"`` (torch: ``p_left = d·(k - 1) // 2``) or ``2p = d·(k - 1)``; then the
+    delta at tap ``t = p_left / d`` maps ``x`` to ``gain·x`` exactly. That is torch's centre
+    ``k // 2`` for an odd kernel and ``(k - 1) // 2`` for an even kernel at dilation 1 (placed
+    there, with a note). Where no tap is exact (an even kernel with dilation > 1) the delta stays
+    at ``k // 2`` in those dims and a UserWarning names the layer and the shift of the copy.
+    """
+    specs = [*plan.block_specs, *(s for specs in plan.rule_specs.values() for s in specs)]
+    module = plan.module
+    if not any(s.distribution == "dirac" for _, s in specs):
+        return
+    if not isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) or plan.spec is None:
+        return
+    if plan.spec.name != "weight" or any(s != 1 for s in module.stride):
+        return
+    centre: list[int] = []
+    shifts: list[int] = []
+    for i, (k, d) in enumerate(zip(module.kernel_size, module.dilation, strict=True)):
+        if module.padding == "same":
+            left = d * (k - 1) // 2
+        elif isinstance(module.padding, tuple) and 2 * module.padding[i] == d * (k - 1):
+            left = module.padding[i]
+        else:  # the output is not the input's size: no identity to aim for; torch's placement
+            return
+        tap = left // d if left % d == 0 else k // 2
+        centre.append(tap)
+        shifts.append(d * tap - left)
+    torch_centre = tuple(k // 2 for k in module.kernel_size)
+    if tuple(centre) != torch_centre:
+        plan.dirac_centre = tuple(centre)
+        plan.notes.append(
+            f"dirac delta at tap {tuple(centre)}, not torch's centre {torch_centre}: with "
+            f"padding={module.padding!r} this lines the copy up with the input (the centre "
+            "would shift it by one position)"
+        )
+    if any(shifts):
+        warnings.warn(
+            f"dirac init of {plan.name} (kernel {tuple(module.kernel_size)}, dilation "
+            f"{tuple(module.dilation)}, padding {module.padding!r}) is not the identity: no "
+            "kernel tap lines up with the output, so the layer starts as gain times its input "
+            f"shifted by {tuple(shifts)} positions (output i reads input i + shift). "
+            "Use an odd kernel (or dilation 1 with padding='same') for an exact identity.",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
 
 
 def report_rows(plans: dict[int, _Plan], order: list[int], measure: bool) -> list[dict[str, Any]]:
@@ -416,6 +503,7 @@ def _report_row(plan: _Plan, measure: bool) -> dict[str, Any]:
         "achieved_std": achieved,
         "rule": "; ".join(r.describe() for r in plan.rules) or None,
         "tied_to": None,
+        "note": "; ".join(plan.notes) or None,
     }
 
 
@@ -429,14 +517,18 @@ def assign_roles(
     example_inputs: Any,
 ) -> None:
     """Mark the output head (``head="small"``) and, where gains follow the nonlinearities, what
-    follows every weight (by tracing ``example_inputs`` when given, else by structure)."""
+    follows every weight (by tracing ``example_inputs`` when given, else by structure).
+
+    ``gains="auto"`` follows them in a model with an embedding table or an output head (a
+    transformer or another token model: attention projections and GELU/SiLU MLPs, where the
+    scheme's default ReLU gain is wrong), or when ``example_inputs`` is given. The test is
+    structural, so a layer's gain never depends on whether a head happened to be found."""
     claims = {key: plans[key].claim_roles for key in order if plans[key].spec is not None}
     found = find_head(model, claims)
     if found is not None and head == "small":
         plans[found[0]].head = found[2]
-    follow = gains == "follow" or (
-        gains == "auto" and (found is not None or example_inputs is not None)
-    )
+    token_model = found is not None or any("embedding" in roles for roles in claims.values())
+    follow = gains == "follow" or (gains == "auto" and (token_model or example_inputs is not None))
     if not follow:
         return
     weights = [

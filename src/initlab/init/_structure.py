@@ -34,6 +34,7 @@ __all__ = [
     "residual_projections",
     "structural_following",
     "traced_following",
+    "word_embedding",
 ]
 
 
@@ -136,16 +137,29 @@ def find_head(model: nn.Module, claims: dict[int, set[str]]) -> tuple[int, str, 
     """``(id of the head's weight tensor, how it was found, "head" or "tied embedding/head")``.
 
     ``claims`` maps each claimed tensor's id to the roles its claimants gave it. In order:
-    ``model.get_output_embeddings()`` (the Hugging Face convention); a tensor claimed both as an
-    ``"embedding"`` and as a ``"weight"`` (an embedding table tied to a head); the last
-    ``nn.Linear`` in module order whose ``out_features`` equals an embedding's
-    ``num_embeddings``. Structure only: a table used as a head functionally
-    (``h @ emb.weight.T``) is not seen.
+
+    1. the model's own declaration, ``model.get_output_embeddings()`` (the Hugging Face
+       convention): the module it returns is the head. A model that *declares* none (the method
+       returns ``None``, as every Hugging Face model without a language-model head does:
+       ``BertForSequenceClassification``, ``DistilBertModel``, ...) has none, whatever sizes its
+       layers have, unless step 2 finds a tie;
+    2. a tensor claimed both as an ``"embedding"`` and as a ``"weight"`` (an embedding table tied
+       to a head: the tie is the declaration);
+    3. for a model without ``get_output_embeddings``: the last ``nn.Linear`` in module order whose
+       ``out_features`` equals the **word** table's ``num_embeddings``
+       (:func:`word_embedding`), a vocabulary-sized output. Position and token-type tables never
+       count: ``out_features == max_positions`` or ``== type_vocab_size`` is a size coincidence
+       (BERT's pooler ``Linear(512, 512)`` with 512 positions; a 2-label classifier with 2 token
+       types), not a head.
+
+    Structure only: a table used as a head functionally (``h @ emb.weight.T``) is not seen.
     """
     getter = getattr(model, "get_output_embeddings", None)
+    declared = False
     if callable(getter):
         try:
             out = getter()
+            declared = True
         except (NotImplementedError, AttributeError, TypeError):
             out = None
         weight = getattr(out, "weight", None)
@@ -154,14 +168,52 @@ def find_head(model: nn.Module, claims: dict[int, set[str]]) -> tuple[int, str, 
     for key, roles in claims.items():
         if {"embedding", "weight"} <= roles:
             return key, "an embedding table also used as a weight", "tied embedding/head"
-    vocab = {
-        m.num_embeddings for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))
-    }
-    heads = [m for m in model.modules() if isinstance(m, nn.Linear) and m.out_features in vocab]
+    if declared:
+        return None
+    word = word_embedding(model)
+    if word is None:
+        return None
+    heads = [m for m in model.modules() if isinstance(m, nn.Linear) and m.out_features == word[1]]
     if heads and id(heads[-1].weight) in claims:
         key = id(heads[-1].weight)
-        return key, "last Linear with out_features = num_embeddings", _head_label(claims[key])
+        how = f"last Linear with out_features = num_embeddings of {word[0] or 'the root'}"
+        return key, how, _head_label(claims[key])
     return None
+
+
+#: Fragments of the leaf name of a table that is not the word table (positions, token types,
+#: segments), as in GPT-2's ``wpe``, BERT's ``position_embeddings``/``token_type_embeddings``.
+_NOT_WORD_TABLE = ("pos", "wpe", "type", "segment")
+
+
+def word_embedding(model: nn.Module) -> tuple[str, int] | None:
+    """``(qualified name, num_embeddings)`` of the model's word (token) embedding table, or
+    ``None``: ``model.get_input_embeddings()`` when the model has it (Hugging Face), else the
+    largest ``nn.Embedding``/``nn.EmbeddingBag`` whose leaf name does not name positions or token
+    types (``pos``, ``wpe``, ``type``, ``segment``), the first in module order among equals."""
+    tables = [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag))
+    ]
+    getter = getattr(model, "get_input_embeddings", None)
+    if callable(getter):
+        try:
+            declared = getter()
+        except (NotImplementedError, AttributeError, TypeError):
+            declared = None
+        for name, m in tables:
+            if m is declared:
+                return name, m.num_embeddings
+    words = [
+        (name, m)
+        for name, m in tables
+        if not any(f in name.rsplit(".", 1)[-1].lower() for f in _NOT_WORD_TABLE)
+    ]
+    if not words:
+        return None
+    name, table = max(words, key=lambda t: t[1].num_embeddings)  # max keeps the first of equals
+    return name, table.num_embeddings
 
 
 def _head_label(roles: set[str]) -> str:
@@ -177,7 +229,8 @@ def structural_following(model: nn.Module) -> dict[int, Follow]:
     tells: attention projections (gain 1), the next module of an ``nn.Sequential`` (skipping
     dropout, identity and norm layers), and the linears of an MLP module with one activation
     child (the input side gets the activation; a gated MLP's up projection and the output
-    projection get gain 1)."""
+    projection get gain 1; a module whose only layer comes before its only activation, as
+    BERT's ``intermediate`` and ``pooler``, gets the activation, whatever the layer's name)."""
     out: dict[int, Follow] = {}
     for name, module in model.named_modules():
         if isinstance(module, nn.MultiheadAttention):
@@ -218,6 +271,12 @@ def _mlp_siblings(children: list[tuple[str, nn.Module]], out: dict[int, Follow])
     weights = [(n.lower(), m) for n, m in children if _has_weight(m) and id(m) not in out]
     gated = any(n in GATE_LEAVES for n, _ in weights)
     kind = type(act_module).__name__
+    order = [m for _, m in children]
+    if len(weights) == 1 and order.index(weights[0][1]) < order.index(act_module):
+        # One layer, then one activation (BERT's intermediate ``dense`` + GELU, its pooler's
+        # ``dense`` + tanh): the layer feeds the activation, whatever its name says.
+        out[id(weights[0][1])] = Follow(act, param, f"{act}: the module's activation is {kind}")
+        return
     matched = False
     for leaf, module in weights:
         if gated and leaf in GATED_UP_LEAVES:

@@ -26,6 +26,8 @@ from initlab.init._plan import (
     claim_params,
     execute,
     expand_rules,
+    frozen_norm_modules,
+    mark_frozen,
     plan_all,
     report_rows,
     reset_norm_buffers,
@@ -51,7 +53,8 @@ __all__ = ["INIT_REPORT_COLUMNS", "InitReport", "init_model"]
 #: ``"none: head, std x 1/sqrt(fan_in)"``); ``distribution``; ``target_std`` (the std the
 #: scheme asked for, after rules); ``achieved_std`` (std of the tensor afterwards, ``None`` when
 #: ``measure=False``); ``rule`` (the rules applied, with citations); ``tied_to`` (for a tied
-#: parameter: the full name under which it was initialized).
+#: parameter: the full name under which it was initialized); ``note`` (what else to know, or
+#: ``None``: a frozen tensor left as it was, a dirac delta moved off the kernel centre).
 INIT_REPORT_COLUMNS = (
     "layer",
     "param",
@@ -69,6 +72,7 @@ INIT_REPORT_COLUMNS = (
     "achieved_std",
     "rule",
     "tied_to",
+    "note",
 )
 
 Policy = Literal["error", "warn", "skip"]
@@ -76,6 +80,7 @@ _POLICIES = ("error", "warn", "skip")
 Gains = Literal["auto", "follow", "scheme"]
 _GAINS = ("auto", "follow", "scheme")
 _HEADS = ("small", "off")
+_FROZEN = ("skip", "init")
 
 
 class InitReport(Rows):
@@ -93,13 +98,24 @@ class InitReport(Rows):
         """Tied parameter name → the name under which the shared tensor was initialized."""
         return {join_name(r["layer"], r["param"]): r["tied_to"] for r in self._rows if r["tied_to"]}
 
+    def frozen(self) -> list[str]:
+        """Names of tensors with ``requires_grad=False`` left as they were (``frozen="skip"``)."""
+        return [
+            join_name(r["layer"], r["param"])
+            for r in self._rows
+            if r["note"] and r["note"].startswith("frozen") and not r["tied_to"]
+        ]
+
     def __str__(self) -> str:
         rows = self.to_rows()
         n_init = sum(1 for r in rows if r["role"] != "unclaimed" and not r["tied_to"])
+        n_frozen = len(self.frozen())
         summary = (
-            f"{n_init} tensors initialized, {len(self.tied())} tied, "
+            f"{n_init - n_frozen} tensors initialized, {len(self.tied())} tied, "
             f"{len(self.unclaimed())} unclaimed"
         )
+        if n_frozen:
+            summary += f", {n_frozen} frozen (requires_grad=False, left as they were)"
         return f"{super().__str__()}\n{summary}"
 
 
@@ -118,6 +134,7 @@ def init_model(
     gains: Gains = "auto",
     head: Literal["small", "off"] = "small",
     example_inputs: Any = None,
+    frozen: Literal["skip", "init"] = "skip",
 ) -> InitReport:
     """Initialize every parameter of ``model`` in place with ``scheme`` and report what was done.
 
@@ -134,9 +151,14 @@ def init_model(
     * ``rules``: name-based entries (:mod:`initlab.init.rules`), applied last, in order.
 
     **Output head** (``head="small"``). The head is found from structure, without data:
-    ``model.get_output_embeddings()`` (Hugging Face), else a tensor claimed both as an embedding
-    table and as a weight (an ``nn.Embedding`` tied to a ``Linear``), else the last ``nn.Linear``
-    whose ``out_features`` equals an embedding's ``num_embeddings``. It is drawn with the scheme at
+    ``model.get_output_embeddings()`` (Hugging Face; a model whose method returns ``None``, e.g.
+    ``BertForSequenceClassification``, declares that it has none), else a tensor claimed both as
+    an embedding table and as a weight (an ``nn.Embedding`` tied to a ``Linear``), else, for a
+    model without ``get_output_embeddings``, the last ``nn.Linear`` whose ``out_features``
+    equals the *word* table's ``num_embeddings`` (``get_input_embeddings()``, else the largest
+    table not named for positions or token types): never a position or token-type table, so a
+    layer of width ``max_positions`` or ``type_vocab_size`` is not taken for a head. It is drawn
+    with the scheme at
     gain 1 (no nonlinearity follows the logits), its std then multiplied by ``1/sqrt(fan_in)``
     (``fan_in = d``, the model width): for a unit-RMS input (a final LayerNorm/RMSNorm, as in GPT-2
     and Llama) the logits' std is the scheme's gain-1 std, at most ``1/sqrt(min(d, V))``, so the
@@ -152,15 +174,25 @@ def init_model(
 
     **Gains** (``gains="auto"``). Each weight's gain follows the nonlinearity that follows it
     (GELU, SiLU, tanh, ReLU, ...; none, gain 1, for attention projections, a gated MLP's
-    multiplied half, an MLP's output projection and the head) when the model has an output head
-    or ``example_inputs`` is given (``gains="follow"``: always; ``"scheme"``: never). With
+    multiplied half, an MLP's output projection and the head) when the model has an embedding
+    table or an output head (a token model: a transformer's attention projections and GELU MLPs
+    are not ReLU layers) or ``example_inputs`` is given (``gains="follow"``: always;
+    ``"scheme"``: never). Whether a head is found does not change any other layer's gain. With
     ``example_inputs`` (a batch, run once as ``model(x)``/``model(**batch)`` under ``no_grad``,
     everything left as it was) each layer's output is traced to the first activation applied to
     it; otherwise the structure tells: an ``nn.Sequential``'s next module, attention modules by
     type and name, an MLP module's activation child. Where nothing is found the scheme's gain is
-    kept (``gain_from`` says so), so models without a head (CNNs, MLPs) are drawn exactly as
-    before unless asked. Only the scheme's default ReLU gain is replaced: an explicit
-    nonlinearity, ``gain``, ``c`` or ``lipschitz`` and xavier/lecun's gain 1 are kept.
+    kept (``gain_from`` says so), so models without an embedding table or a head (CNNs, MLPs)
+    are drawn exactly as before unless asked. Only the scheme's default ReLU gain is replaced:
+    an explicit nonlinearity, ``gain``, ``c`` or ``lipschitz`` and xavier/lecun's gain 1 are
+    kept.
+
+    **Frozen tensors** (``frozen="skip"``): a parameter with ``requires_grad=False`` (a frozen
+    pretrained stem, a frozen embedding) is left exactly as it was, rules included, and so are
+    the running statistics of a norm layer whose parameters are all frozen; its report row says
+    ``scheme="untouched"`` with a ``note``, and :meth:`InitReport.frozen` lists them. Users freeze
+    a layer to keep it; :func:`torch.nn.init` functions ignore ``requires_grad`` (they fill what
+    they are given), and ``frozen="init"`` does the same here: every tensor is drawn.
 
     Tied or shared parameters (one tensor reachable under several names, e.g. an embedding tied to
     the output projection) stay tied and are drawn once: the first module in ``named_modules()``
@@ -187,6 +219,8 @@ def init_model(
         gains: ``"auto"``, ``"follow"`` or ``"scheme"`` (above).
         head: ``"small"`` (the head policy above) or ``"off"``.
         example_inputs: a batch to trace the nonlinearities with (optional).
+        frozen: ``"skip"`` (default: leave ``requires_grad=False`` tensors as they are) or
+            ``"init"`` (draw them too).
 
     Returns:
         :class:`InitReport`, one row per parameter.
@@ -199,7 +233,7 @@ def init_model(
         >>> [round(r["target_std"] ** 2 * (r["fan_in"] * r["fan_out"]) ** 0.5, 6) for r in w]
         [2.0, 2.0]
     """
-    rules = _validated(model, policy, bias, embedding_std, rules, gains, head)
+    rules = _validated(model, policy, bias, embedding_std, rules, gains, head, frozen)
     scheme_obj = get_scheme(scheme)
     gen = as_generator(generator)
     registry = registry if registry is not None else default_registry()
@@ -209,6 +243,9 @@ def init_model(
     plans, order, norm_modules = claim_params(model, registry)
     unclaimed = add_unclaimed(model, all_params, plans, order)
     check_unclaimed(unclaimed, policy)
+    if frozen == "skip":
+        mark_frozen(plans, order)
+        norm_modules -= frozen_norm_modules(plans, order)
     assign_roles(model, plans, order, gains=gains, head=head, example_inputs=example_inputs)
     plan_all(plans, order, scheme_obj, bias, float(embedding_std), expand_rules(model, rules))
 
@@ -231,6 +268,7 @@ def _validated(
     rules: Sequence[Rule | AutoRule],
     gains: str,
     head: str,
+    frozen: str,
 ) -> list[Rule | AutoRule]:
     """Check :func:`init_model`'s arguments; returns ``rules`` as a list."""
     if not isinstance(model, nn.Module):
@@ -248,6 +286,8 @@ def _validated(
         raise ValueError(f"unknown gains {gains!r}; valid: {list(_GAINS)}")
     if head not in _HEADS:
         raise ValueError(f"unknown head {head!r}; valid: {list(_HEADS)}")
+    if frozen not in _FROZEN:
+        raise ValueError(f"unknown frozen {frozen!r}; valid: {list(_FROZEN)}")
     rules = list(rules)
     for rule in rules:
         if not isinstance(rule, (Rule, AutoRule)):

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import math
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -300,7 +299,12 @@ def _validate_specs(module: nn.Module, specs: list[ParamSpec], handler: Handler)
             _validate_blocks(spec, shape, fail)
         else:
             try:
-                expected = compute_fans(shape, groups=spec.groups, transposed=spec.transposed)
+                expected = compute_fans(
+                    shape,
+                    groups=spec.groups,
+                    transposed=spec.transposed,
+                    **_stride_of(spec.fans, shape),
+                )
             except ValueError as err:
                 raise fail(f"parameter {name!r} of shape {shape}: {err}") from None
             if spec.fans != expected:
@@ -309,6 +313,14 @@ def _validate_specs(module: nn.Module, specs: list[ParamSpec], handler: Handler)
                     f"transposed={spec.transposed}) has fans {expected}, but the spec says "
                     f"{spec.fans}"
                 )
+
+
+def _stride_of(fans: Fans | None, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    """``{"stride": (s, 1, ...)}`` for fans that divide ``fan_in`` by a transposed convolution's
+    total stride ``s`` (only the product matters to :func:`compute_fans`), else ``{}``."""
+    if fans is None or fans.stride == 1:
+        return {}
+    return {"stride": (fans.stride, *([1] * (len(shape) - 3)))}
 
 
 def _validate_blocks(
@@ -329,7 +341,12 @@ def _validate_blocks(
             raise fail(f"{where} runs past dim 0, which has {rows} rows")
         block_shape = (block.stop - block.start, *shape[1:])
         try:
-            expected = compute_fans(block_shape, groups=spec.groups, transposed=spec.transposed)
+            expected = compute_fans(
+                block_shape,
+                groups=spec.groups,
+                transposed=spec.transposed,
+                **_stride_of(block.fans, block_shape),
+            )
         except ValueError as err:
             raise fail(f"{where}: {err}") from None
         if block.fans != expected:
@@ -551,15 +568,15 @@ def conv_handler(module: nn.Module) -> list[ParamSpec]:
 
     ``fan_in = (in / g) * k`` and ``fan_out = (out / g) * k`` with ``k = prod(kernel_size)``, for
     both layouts (``ConvTranspose`` stores ``(in, out / g, *kernel)``; ``transposed=True`` says so).
-    Dilation, stride and padding do not change the fans: each output still sums ``(in / g) * k``
-    inputs, dilation only spreads the taps apart.
+    For a ``Conv``, dilation, stride and padding do not change the fans: each output still sums
+    ``(in / g) * k`` inputs, dilation only spreads the taps apart. A ``ConvTranspose`` of stride
+    ``s`` has ``fan_in = (in / g) * k / prod(s)``: each output sums only the taps congruent to
+    its position mod ``s``, ``k / s`` per dim on average (:mod:`initlab.init.fans`).
     """
     groups = module.groups
-    k = math.prod(module.kernel_size)
-    fans = Fans(
-        fan_in=module.in_channels // groups * k,
-        fan_out=module.out_channels // groups * k,
-        receptive_field=k,
+    stride = tuple(module.stride) if module.transposed else 1
+    fans = compute_fans(
+        module.weight.shape, groups=groups, transposed=bool(module.transposed), stride=stride
     )
     weight = ParamSpec("weight", "weight", fans, groups=groups, transposed=bool(module.transposed))
     return [weight, *_bias_specs(module, "bias")]

@@ -27,7 +27,7 @@ The scheme samplers (:func:`fan_in_normal_`, ...) are each three visible lines:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -307,16 +307,26 @@ def orthogonal_(
     return tensor
 
 
-def dirac_(tensor: Tensor, gain: float = 1.0, *, groups: int = 1) -> Tensor:
+def dirac_(
+    tensor: Tensor,
+    gain: float = 1.0,
+    *,
+    groups: int = 1,
+    centre: Sequence[int] | None = None,
+) -> Tensor:
     """Fill a weight with the identity map times ``gain`` (no randomness).
 
     A 2-D ``(out, in)`` weight gets ``gain`` on its diagonal (like :func:`torch.nn.init.eye_`),
     so a square Linear layer starts as ``gain`` times the identity.
 
     Like :func:`torch.nn.init.dirac_`: within each group, output channel ``d`` takes input channel
-    ``d`` at the kernel centre, for ``d < min(out / groups, in / groups)``; all else is zero. A
-    convolution with an odd kernel and ``padding = k // 2`` then maps its input to ``gain`` times
-    itself (when ``in == out``). References: Zagoruyko & Komodakis (2017), DiracNets.
+    ``d`` at the kernel centre, tap ``k // 2`` per spatial dim (or ``centre``, one tap per
+    spatial dim), for ``d < min(out / groups, in / groups)``; all else is zero. A convolution
+    with an odd kernel and ``padding = k // 2`` then maps its input to ``gain`` times itself (when
+    ``in == out``). An *even* kernel has no centre: with ``padding="same"`` (torch pads
+    ``(k - 1) // 2`` before, ``k // 2`` after) tap ``k // 2`` gives the input shifted by one
+    position, tap ``centre = (k - 1) // 2`` the identity (:func:`~initlab.init_model` places it
+    there). References: Zagoruyko & Komodakis (2017), DiracNets.
 
     Example:
         >>> w = dirac_(torch.empty(4, 4, 3, 3), 2.0)
@@ -336,7 +346,17 @@ def dirac_(tensor: Tensor, gain: float = 1.0, *, groups: int = 1) -> Tensor:
         raise ValueError(f"gain must be a finite real number, got {gain!r}")
     out_per_group = tensor.size(0) // groups
     channels = torch.arange(min(out_per_group, tensor.size(1)), device=tensor.device)
-    centres = tuple(size // 2 for size in tensor.shape[2:])  # () for a 2-D weight
+    kernel = tuple(tensor.shape[2:])
+    centres = tuple(size // 2 for size in kernel)  # () for a 2-D weight
+    if centre is not None:
+        centres = tuple(centre)
+        if len(centres) != len(kernel) or not all(
+            isinstance(c, int) and 0 <= c < size for c, size in zip(centres, kernel, strict=False)
+        ):
+            raise ValueError(
+                f"centre must give one tap per spatial dim of the kernel {kernel}, each in "
+                f"[0, size), got {centre!r}"
+            )
     with torch.no_grad():
         tensor.zero_()
         for group in range(groups):

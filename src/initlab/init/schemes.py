@@ -9,7 +9,8 @@ in the docstring.
 Notation: ``fan_in = n_in * k`` and ``fan_out = n_out * k`` where ``k`` is the number of kernel taps
 (1 for Linear), as in :func:`initlab.init.fans.compute_fans`. For a convolution the matrix a scheme
 reasons about is the reshaped kernel, ``n_out x (n_in * k)``: rows ``fans.n_out``, columns
-``fans.fan_in``.
+``fans.cols`` (``fans.fan_in``, except for a strided transposed convolution, whose ``fan_in`` is
+``n_in * k / prod(stride)``: :mod:`initlab.init.fans`).
 
 Table (ReLU gain, ``gain**2 = 2``; Defazio & Bottou 2020, Section 4):
 
@@ -415,7 +416,7 @@ class GeometricMean(_SampledScheme):
 class OperatorNorm(Scheme):
     """Operator norm: ``std = 1 / ((sqrt(cols) + sqrt(rows)) * L * a)`` (lecture, Giselsson).
 
-    ``rows = fans.n_out`` and ``cols = fans.fan_in``: the reshaped ``n_out x (n_in * k)`` kernel.
+    ``rows = fans.n_out`` and ``cols = fans.cols``: the reshaped ``n_out x (n_in * k)`` kernel.
     Gaussian entries with this std give ``||W||_2 ~ 1 / L`` (``E||M|| ~ sqrt(n) + sqrt(m)`` for a
     standard normal ``n x m`` matrix). ``lipschitz`` defaults to :func:`average_lipschitz` of the
     nonlinearity (ReLU 0.5, so ``||W|| ~ 2``); ``a`` is the average-to-largest singular value
@@ -452,7 +453,7 @@ class OperatorNorm(Scheme):
     def spec(self, fans: Fans) -> InitSpec:
         fans = _check_fans(fans)
         lipschitz = self.resolved_lipschitz()
-        std = 1.0 / ((math.sqrt(fans.fan_in) + math.sqrt(fans.n_out)) * lipschitz * self.a)
+        std = 1.0 / ((math.sqrt(fans.cols) + math.sqrt(fans.n_out)) * lipschitz * self.a)
         return InitSpec(self.distribution, std)
 
 
@@ -463,7 +464,7 @@ class Orthogonal(_GainScheme):
     The gain defaults to the nonlinearity's (ReLU: ``sqrt(2)``); pass ``nonlinearity="linear"`` for
     gain 1. The sampler (:func:`initlab.init.sampling.orthogonal_` with the same ``groups`` and
     ``transposed``) orthogonalizes each group's reshaped kernel, ``rows x cols`` with
-    ``rows = fans.n_out`` and ``cols = fans.fan_in``, so ``Q^T Q = I`` or ``Q Q^T = I`` per group
+    ``rows = fans.n_out`` and ``cols = fans.cols``, so ``Q^T Q = I`` or ``Q Q^T = I`` per group
     and the RMS entry, reported as ``InitSpec.std``, is exactly ``gain / sqrt(max(rows, cols))``.
     """
 
@@ -474,7 +475,7 @@ class Orthogonal(_GainScheme):
     def spec(self, fans: Fans) -> InitSpec:
         fans = _check_fans(fans)
         gain = self.resolved_gain()
-        std = gain / math.sqrt(max(fans.n_out, fans.fan_in))
+        std = gain / math.sqrt(max(fans.n_out, fans.cols))
         return InitSpec("orthogonal", std, gain=gain)
 
 
@@ -485,7 +486,8 @@ class Dirac(_GainScheme):
     The gain defaults to the nonlinearity's (ReLU: ``sqrt(2)``); pass ``nonlinearity="linear"`` for
     an exact identity. Each group's kernel has ``min(n_in, n_out)`` entries equal to ``gain`` out of
     ``n_out * n_in * k``, so its RMS entry, reported as ``InitSpec.std``, is exactly
-    ``gain / sqrt(max(fan_in, fan_out))``.
+    ``gain / sqrt(max(n_in * k, fan_out))`` (``fans.cols``: ``fan_in`` but for a strided
+    transposed convolution).
     """
 
     name: ClassVar[str] = "dirac"
@@ -497,7 +499,7 @@ class Dirac(_GainScheme):
     def spec(self, fans: Fans) -> InitSpec:
         fans = _check_fans(fans)
         gain = self.resolved_gain()
-        std = gain / math.sqrt(max(fans.fan_in, fans.fan_out))
+        std = gain / math.sqrt(max(fans.cols, fans.fan_out))
         return InitSpec("dirac", std, gain=gain)
 
 
