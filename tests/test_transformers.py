@@ -161,7 +161,15 @@ def test_precondition_balances_gamma(family: str, form: str) -> None:
     qkv = re.compile(r"(c_attn|self\.(query|key|value)|[qkv]_proj|Attention\.[qkv])$")
     attention = [r for r in report if qkv.search(r["layer"])]
     assert attention and all(r["kind"] == "attention" and r["alpha"] == 1.0 for r in attention)
-    assert all(r["kind"] == "mlp" for r in report if not qkv.search(r["layer"]))
+    # a head tied to the input embedding keeps alpha = 1 too (one tensor, one multiplier)
+    tied = [r for r in report if r["kind"] == "tied"]
+    assert all(r["alpha"] == 1.0 and _is_tied(model, r["layer"]) for r in tied)
+    assert all(r["kind"] in ("mlp", "tied") for r in report if not qkv.search(r["layer"]))
+
+
+def _is_tied(model: nn.Module, layer: str) -> bool:
+    weight = model.get_submodule(layer).weight
+    return sum(p is weight for _, p in model.named_parameters(remove_duplicate=False)) > 1
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -17,9 +17,10 @@ import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch
 from torch import nn
 
-__all__ = ["takes_compiled", "uncompiled"]
+__all__ = ["scripted_error", "takes_compiled", "uncompiled"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -35,8 +36,16 @@ def uncompiled(model: Any) -> Any:
     return model
 
 
-def takes_compiled(fn: F) -> F:
-    """Run ``fn`` with its model (the first positional argument or ``model=``) uncompiled."""
+def takes_compiled(fn: F | None = None, *, scripted: bool = False) -> Any:
+    """Run ``fn`` with its model (the first positional argument or ``model=``) uncompiled.
+
+    A TorchScript model (``torch.jit.script``/``trace``) takes no hooks and no parameter swaps:
+    unless ``scripted`` (an entry point that needs neither), it is refused with a
+    ``TypeError`` saying to run on the eager module and script it afterwards
+    (:func:`scripted_error`).
+    """
+    if fn is None:
+        return functools.partial(takes_compiled, scripted=scripted)
 
     @functools.wraps(fn)
     def inner(*args: Any, **kwargs: Any) -> Any:
@@ -44,6 +53,18 @@ def takes_compiled(fn: F) -> F:
             args = (uncompiled(args[0]), *args[1:])
         if isinstance(kwargs.get("model"), nn.Module):
             kwargs["model"] = uncompiled(kwargs["model"])
+        model = args[0] if args else kwargs.get("model")
+        if not scripted and isinstance(model, torch.jit.ScriptModule):
+            raise scripted_error(model, fn.__name__)
         return fn(*args, **kwargs)
 
-    return inner  # type: ignore[return-value]
+    return inner
+
+
+def scripted_error(model: nn.Module, what: str) -> TypeError:
+    """The error for a TorchScript model given to ``what``."""
+    return TypeError(
+        f"{what}: the model is a TorchScript module ({type(model).__name__}), which takes no "
+        f"hooks and no parameter swaps; run {what} on the eager module and script it after "
+        "(torch.jit.script(model))"
+    )

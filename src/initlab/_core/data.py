@@ -4,18 +4,19 @@ The rule, in order (documented in the README and tested by the conformance suite
 
 1. :class:`Batches` (``initlab.Batches(items)``) is always *many* batches: the explicit form.
 2. A tensor, a dict (any ``Mapping``: Hugging Face collators give one), a tuple that holds a
-   tensor (``(x, y)``) and a custom object that is not iterable are *one* batch each.
+   tensor (``(x, y)``) and a custom object that is not iterable (a dataclass, or any object
+   whose attributes hold the tensors) are *one* batch each.
 3. A list of two or more items holding a tensor is one batch (a ``DataLoader``'s default collate
    gives ``[x, y]``), unless it can also be read as several batches: tensors of one shape
    (``[t1, t2, t3]``), or tensors whose first dimensions differ. That form raises
    :class:`AmbiguousDataError`, which names both readings: ``initlab.Batches([...])`` for many,
    a tuple for one. A list of one tensor, ``[x]``, is a list of one batch ``x``.
-4. A list or tuple whose items are all batches in their own right (tuples, lists, dicts) is many
-   batches: ``[(x1, y1), (x2, y2)]``.
+4. A list or tuple whose items are all batches in their own right (tuples, lists, dicts, custom
+   objects) is many batches: ``[(x1, y1), (x2, y2)]``.
 5. Any other iterable (a ``DataLoader``, a generator, a dataset-like iterable) is many batches.
 
 A batch's size (its number of examples) is dim 0 of its first tensor (for a dict, of its first
-tensor value, e.g. ``input_ids``).
+tensor value, e.g. ``input_ids``; for a custom object, of its first tensor attribute).
 
 Every batch read here is checked (:func:`check_batch`) before it is used: a batch with 0 examples,
 or NaN/inf in a floating-point tensor, raises a ``ValueError`` that names the batch and the entry
@@ -38,15 +39,19 @@ from torch import nn
 from initlab._core.pytree import find_path, flatten_tensors, map_tensors
 
 __all__ = [
+    "TARGET_KEYS",
     "AmbiguousDataError",
     "Batches",
     "DataCounter",
     "DataUse",
+    "TakenBatches",
     "batch_size",
+    "batch_tensors",
     "check_batch",
     "data_use",
     "default_forward",
     "first_tensor",
+    "forward_args",
     "is_single_batch",
     "iter_batches",
     "keyword_error",
@@ -89,6 +94,13 @@ class Batches:
         return f"Batches({self.items!r})"
 
 
+class TakenBatches(list):
+    """The list :func:`take_batches` returns: batches already read, so that an entry point that
+    hands them on to another (``doctor`` to ``diagnose``, ``precondition_`` to
+    ``measure_moments``) has them read as many batches again, never as one batch or as an
+    ambiguous list of tensors."""
+
+
 @dataclass(frozen=True)
 class DataUse:
     """How much data a method read: ``batches`` batches holding ``examples`` examples."""
@@ -118,15 +130,15 @@ def is_single_batch(data: Any) -> bool:
     Raises:
         AmbiguousDataError: a list that reads both ways (e.g. two or more same-shaped tensors).
     """
-    if isinstance(data, Batches):
+    if isinstance(data, (Batches, TakenBatches)):
         return False
     if isinstance(data, (torch.Tensor, Mapping)):
         return True
     if isinstance(data, (tuple, list)):
         if len(data) == 0:
             return False
-        if all(_is_container(v) for v in data):
-            return False
+        if all(_is_container(v) or _is_custom_object(v) for v in data):
+            return False  # every item is a batch in its own right
         if isinstance(data, list):
             if len(data) == 1 and isinstance(data[0], torch.Tensor):
                 return False  # [x]: a list of one batch (the default forward reads it the same)
@@ -150,8 +162,9 @@ def take_batches(
     *,
     what: str = "this procedure",
     exact: bool = True,
-) -> list[Any]:
-    """The first ``n`` batches of ``data`` (all of them when ``n`` is None), as a list.
+) -> TakenBatches:
+    """The first ``n`` batches of ``data`` (all of them when ``n`` is None), as a list
+    (:class:`TakenBatches`: read as many batches wherever it is passed on).
 
     With ``exact=False`` fewer than ``n`` batches are fine (at most ``n`` are taken).
 
@@ -161,7 +174,7 @@ def take_batches(
         ValueError: ``data`` is empty, or (``exact``) has fewer than ``n`` batches; the message
             says how many are needed.
     """
-    batches = list(iter_batches(data, n, what=what))
+    batches = TakenBatches(iter_batches(data, n, what=what))
     if exact and n is not None and len(batches) < n:
         raise ValueError(
             f"{what} needs {n} batches but the data gave {len(batches)}; pass a loader with at "
@@ -204,11 +217,14 @@ def check_batch(batch: Any, *, what: str, index: int | None = None) -> None:
     ``TypeError`` if it holds a numpy array (``torch.from_numpy`` first).
 
     * 0 examples: dim 0 of its first tensor is 0;
+    * one example without its batch dimension: a scalar (0-d) target beside a first tensor with
+      dimensions (``DataLoader(..., batch_size=None)`` yields such examples);
     * NaN or ``±inf`` in any floating-point tensor (in an entry whose key contains ``"mask"``,
       ``-inf`` is allowed: additive attention masks use it).
 
     The message names the batch (``index``: its position in the data), the entry, and what to do.
-    A batch that holds no tensor (a custom object) is not checked.
+    A custom object's tensors are its attributes' (:func:`batch_tensors`); a batch that holds no
+    tensor is not checked.
     """
     which = "the batch" if index is None else f"batch {index}"
     array = find_path(batch, _is_numpy_array)
@@ -218,10 +234,11 @@ def check_batch(batch: Any, *, what: str, index: int | None = None) -> None:
             f"{what}: {which} holds a numpy array ({where}), not a torch tensor: convert it "
             "(torch.from_numpy(x), or a DataLoader over a TensorDataset)"
         )
-    tensors = flatten_tensors(batch)
+    tensors = batch_tensors(batch)
     if not tensors:
         return
     path, first = tensors[0]
+    _check_batched(batch, first, what=what, which=which)
     if first.dim() >= 1 and first.shape[0] == 0:
         raise ValueError(
             f"{what}: {which} has 0 examples ({_entry_name(path, batch)} has shape "
@@ -239,6 +256,34 @@ def check_batch(batch: Any, *, what: str, index: int | None = None) -> None:
                 f"{_entry_name(path, batch)} of shape {tuple(t.shape)}; every statistic over it "
                 "would be NaN. Clean the data first (drop those examples, or replace the values, "
                 "e.g. torch.nan_to_num)"
+            )
+
+
+#: Keys of a dict batch that hold the target, in the order they are looked up.
+TARGET_KEYS = ("labels", "label", "targets", "target", "y")
+
+
+def _check_batched(batch: Any, first: torch.Tensor, *, what: str, which: str) -> None:
+    """Raise if ``batch`` is one example without its batch dimension: a sequence batch ``(x, y)``
+    (or a dict's target entry) holding a 0-d tensor beside a first tensor with dimensions. A
+    ``DataLoader(dataset, batch_size=None)`` yields these; read as a batch, ``x`` of shape
+    ``(d,)`` would count as ``d`` examples."""
+    if first.dim() == 0:
+        return
+    if isinstance(batch, (tuple, list)):
+        entries = [(str(i), v) for i, v in enumerate(batch)]
+    elif isinstance(batch, Mapping):
+        entries = [(k, batch.get(k)) for k in TARGET_KEYS]
+    else:
+        return
+    for key, value in entries:
+        if isinstance(value, torch.Tensor) and value.dim() == 0:
+            raise ValueError(
+                f"{what}: {which} looks like one example without a batch dimension: entry "
+                f"{key!r} is a scalar (0-d) while the first tensor has shape "
+                f"{tuple(first.shape)}, which would count as {first.shape[0]} examples. A "
+                "DataLoader with batch_size=None yields single examples: give it a batch_size, or "
+                "add the batch dimension (x.unsqueeze(0), y.reshape(1))"
             )
 
 
@@ -274,40 +319,59 @@ class DataCounter:
         return DataUse(self.batches, self.examples)
 
 
+def batch_tensors(batch: Any) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of a batch with their paths (:func:`~initlab._core.pytree.flatten_tensors`);
+    for a custom object (neither a tensor nor a container nor a dataclass), the tensors among its
+    attributes, in the order they were set (``batch.x``: path ``"x"``)."""
+    tensors = flatten_tensors(batch)
+    if tensors or not _is_custom_object(batch):
+        return tensors
+    return flatten_tensors(dict(vars(batch)))
+
+
+def _is_custom_object(value: Any) -> bool:
+    """An instance of a user's class with attributes (not a tensor, container, string, number,
+    dataclass or ``None``)."""
+    return (
+        not isinstance(value, (torch.Tensor, tuple, list, Mapping, str, bytes, int, float, complex))
+        and value is not None
+        and hasattr(value, "__dict__")
+        and not isinstance(value, type)
+    )
+
+
 def first_tensor(batch: Any) -> torch.Tensor:
-    """The batch itself (a tensor), or its first tensor (tuple, list or dict).
+    """The batch itself (a tensor), or its first tensor (:func:`batch_tensors` order: a tuple,
+    list, dict, namedtuple or dataclass, nested, or a custom object's attributes).
 
     Raises:
         TypeError: the batch holds no tensor.
     """
-    if isinstance(batch, torch.Tensor):
-        return batch
-    values = batch.values() if isinstance(batch, Mapping) else batch
-    if isinstance(values, Iterable) and not isinstance(values, (str, bytes)):
-        for v in values:
-            if isinstance(v, torch.Tensor):
-                return v
-            if _is_container(v):
-                try:
-                    return first_tensor(v)
-                except TypeError:
-                    continue
+    tensors = batch_tensors(batch)
+    if tensors:
+        return tensors[0][1]
     raise TypeError(
         f"a batch must hold a tensor; got {type(batch).__name__}. Accepted data: {DATA_FORMS}"
     )
 
 
+def forward_args(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The ``(args, kwargs)`` the default forward calls the model with (:func:`default_forward`):
+    ``(x,)`` for a tensor ``x``, ``(batch[0],)`` for a tuple or list, ``**batch`` for a dict,
+    ``(batch,)`` for any other object."""
+    if isinstance(batch, Mapping):
+        return (), dict(batch)
+    if isinstance(batch, (tuple, list)):
+        return (batch[0],), {}
+    return (batch,), {}
+
+
 def default_forward(model: nn.Module, batch: Any) -> Any:
     """The one default forward: ``model(x)`` for a tensor, ``model(batch[0])`` for a tuple or
     list, ``model(**batch)`` for a dict, ``model(batch)`` for any other object."""
+    args, kwargs = forward_args(batch)
     try:
-        if isinstance(batch, torch.Tensor):
-            return model(batch)
-        if isinstance(batch, Mapping):
-            return model(**batch)
-        if isinstance(batch, (tuple, list)):
-            return model(batch[0])
-        return model(batch)
+        return model(*args, **kwargs)
     except TypeError as err:
         clear = keyword_error(err, batch, "the default forward")
         if clear is None:

@@ -17,6 +17,7 @@ Old names keep working for one release: :func:`renamed_kwargs` maps them to the 
 
 from __future__ import annotations
 
+import difflib
 import functools
 import os
 import sys
@@ -24,7 +25,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["renamed_kwargs", "user_stacklevel"]
+__all__ = ["check_kwargs", "renamed_kwargs", "user_stacklevel"]
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
@@ -69,6 +70,46 @@ def renamed_kwargs(**old_to_new: str) -> Callable[[F], F]:
         return inner  # type: ignore[return-value]
 
     return wrap
+
+
+#: Names users try for the concepts above (PyTorch's, other libraries'), and initlab's name.
+GUESSED_NAMES = {
+    "loss": "loss_fn",
+    "criterion": "loss_fn",
+    "loss_function": "loss_fn",
+    "dataloader": "data",
+    "loader": "data",
+    "dataset": "data",
+    "max_batch": "max_batches",
+    "num_batches": "max_batches",
+    "iterations": "steps",
+    "num_steps": "steps",
+    "n_steps": "steps",
+    "seed": "generator",
+    "rng": "generator",
+}
+
+
+def check_kwargs(what: str, given: dict[str, Any], accepted: set[str]) -> None:
+    """Raise a ``TypeError`` naming ``what`` for keywords of ``given`` outside ``accepted``, with
+    initlab's name for a guessed one (``loss=`` → ``loss_fn=``) or the closest accepted name.
+
+    Example:
+        >>> check_kwargs("f", {"loss": 1}, {"loss_fn", "data"})
+        Traceback (most recent call last):
+        ...
+        TypeError: f() got an unexpected keyword argument 'loss'; did you mean loss_fn=?
+    """
+    for name in given:
+        if name in accepted:
+            continue
+        guess = GUESSED_NAMES.get(name) or next(
+            iter(difflib.get_close_matches(name, sorted(accepted), n=1)), None
+        )
+        hint = (
+            f"; did you mean {guess}=?" if guess else f"; accepted: {', '.join(sorted(accepted))}"
+        )
+        raise TypeError(f"{what}() got an unexpected keyword argument {name!r}{hint}")
 
 
 def user_stacklevel() -> int:

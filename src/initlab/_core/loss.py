@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -34,7 +35,13 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from initlab._core.data import default_forward, keyword_error, one_example_error, output_tensor
+from initlab._core.data import (
+    TARGET_KEYS,
+    default_forward,
+    keyword_error,
+    one_example_error,
+    output_tensor,
+)
 from initlab._core.knobs import user_stacklevel
 
 __all__ = [
@@ -43,8 +50,11 @@ __all__ = [
     "Loss",
     "LossLike",
     "NamedLoss",
+    "TargetError",
+    "backward_of",
     "criterion",
     "default_loss",
+    "example_count",
     "make_loss",
     "outputs_loss",
     "resolve_loss",
@@ -64,9 +74,13 @@ _OUTPUT_NAMES = frozenset(
     {"input", "inputs", "output", "outputs", "out", "logits", "pred", "preds", "prediction"}
     | {"predictions", "y_pred", "y_hat", "yhat", "scores"}
 )
-_TARGET_KEYS = ("labels", "label", "targets", "target", "y")
 
 LossLike = Callable[..., torch.Tensor] | nn.Module | str | None
+
+
+class TargetError(ValueError):
+    """The batch's targets do not fit the loss (none, or of a shape it cannot pair with the
+    output); the message says what to pass."""
 
 
 class Loss:
@@ -126,6 +140,8 @@ class NamedLoss(Loss):
     """
 
     form = "named"
+    criterion_fn: Any = None
+    """The ``fn(output, target)`` of a loss made by :func:`criterion` (``None`` otherwise)."""
 
     def __init__(
         self,
@@ -150,8 +166,22 @@ class NamedLoss(Loss):
         return default_forward(model, batch)
 
     def on_outputs(self, outputs: Any, batch: Any) -> torch.Tensor:
-        """The loss of ``outputs`` (what :meth:`forward` returned) on ``batch``."""
-        return _scalar(self.outputs_loss(output_tensor(outputs), batch), self.name)
+        """The loss of ``outputs`` (what :meth:`forward` returned) on ``batch``.
+
+        Raises:
+            TargetError: the loss failed on the output and the targets (a raw torch error, e.g.
+                targets of a shape it does not take); the message gives both shapes.
+        """
+        out = output_tensor(outputs)
+        try:
+            loss = self.outputs_loss(out, batch)
+        except TargetError:
+            raise
+        except (RuntimeError, ValueError, IndexError) as err:
+            if _AUTOGRAD_WORDS.search(str(err)):  # a transform's limit, for its caller to handle
+                raise
+            raise _pairing_error(self.name, out, batch, err) from err
+        return _scalar(loss, self.name)
 
     def __call__(self, model: Any, batch: Any) -> torch.Tensor:
         return self.on_outputs(self.forward(model, batch), batch)
@@ -211,29 +241,73 @@ def _scalar(loss: Any, name: str) -> torch.Tensor:
 def _target(batch: Any, what: str | None) -> torch.Tensor:
     """``batch[1]`` of an ``(x, y, ...)`` batch, or the ``labels`` entry of a dict batch."""
     if isinstance(batch, Mapping):
-        for key in _TARGET_KEYS:
+        for key in TARGET_KEYS:
             if isinstance(batch.get(key), torch.Tensor):
                 return batch[key]
     elif isinstance(batch, (tuple, list)) and len(batch) >= 2:
         return batch[1]
     kind = f"the {what} loss" if what else "a criterion(output, target)"
-    raise ValueError(
+    raise TargetError(
         f"{kind} needs (x, y) batches or dict batches with 'labels'; got a "
         f"{type(batch).__name__} batch. For a batch without targets pass loss_fn(model, batch), "
         "or 'random_quadratic' (Defazio & Bottou's random loss y^T R y)"
     )
 
 
+_AUTOGRAD_WORDS = re.compile(
+    r"derivative|forward[- ]mode|forward AD|vmap|functorch|grad|not implemented"
+)
+
+
+def _pairing_error(name: str, out: torch.Tensor, batch: Any, err: Exception) -> TargetError:
+    """A loss on the outputs failed: say so with the output's and the target's shapes."""
+    try:
+        target = _target(batch, None)
+        given = f"targets of shape {tuple(target.shape)} ({target.dtype})"
+    except TargetError:
+        given = "no targets"
+    return TargetError(
+        f"the loss {name!r} failed on the model's output of shape {tuple(out.shape)} "
+        f"({out.dtype}) and {given}: {err}. Check that the targets are what the loss takes "
+        "(cross-entropy: class indices of the output's shape without its class dimension, or "
+        "class probabilities of the output's shape; MSE: the output's shape)"
+    )
+
+
 def _cross_entropy_out(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    if not y.is_floating_point() and y.dtype != torch.long:
+    if y.is_floating_point() and y.shape == out.shape and out.dim() >= 1:
+        c = out.shape[-1]  # class probabilities (soft or one-hot labels), classes last
+        return F.cross_entropy(out.reshape(-1, c), y.reshape(-1, c))
+    if y.shape == out.shape and out.dim() >= 2:
+        raise TargetError(
+            f"cross-entropy got integer targets of the logits' shape {tuple(out.shape)}, which "
+            "look one-hot: pass class indices of shape "
+            f"{tuple(out.shape[:-1])} (y.argmax(-1)), or float class probabilities (y.float())"
+        )
+    if y.dtype != torch.long:
         y = y.long()  # class indices as int32/int16 (numpy's int32, a smaller label dtype)
     if out.dim() >= 3 and tuple(y.shape) == (out.shape[0], *out.shape[2:]):
         return F.cross_entropy(out, y)  # dense logits (B, C, *S), targets (B, *S)
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
 
+def _mse_out(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean squared error of outputs and targets of one shape, up to dimensions of size 1
+    (``(B, 1)`` outputs with ``(B,)`` targets); any other pair of shapes raises rather than
+    broadcast (``(B, 1) - (B,)`` is ``(B, B)``)."""
+    if y.shape != out.shape:
+        if out.squeeze().shape != y.squeeze().shape:
+            raise TargetError(
+                f"mean squared error needs outputs and targets of one shape; got outputs "
+                f"{tuple(out.shape)} and targets {tuple(y.shape)}. Reshape the targets, or pass "
+                "a loss_fn(model, batch) that pairs them"
+            )
+        y = y.reshape(out.shape)
+    return F.mse_loss(out, y)
+
+
 def _auto(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.mse_loss(out, y) if y.is_floating_point() else _cross_entropy_out(out, y)
+    return _mse_out(out, y) if y.is_floating_point() else _cross_entropy_out(out, y)
 
 
 def _random_quadratic(seed: int) -> Callable[[torch.Tensor, Any], torch.Tensor]:
@@ -280,7 +354,7 @@ def make_loss(name: str = "auto", *, seed: int = 0) -> Loss:
             name, lambda o, b: _cross_entropy_out(o, _target(b, "cross-entropy")), reduction="mean"
         )
     if name == "mse":
-        return NamedLoss(name, lambda o, b: F.mse_loss(o, _target(b, "mse")), reduction="mean")
+        return NamedLoss(name, lambda o, b: _mse_out(o, _target(b, "mse")), reduction="mean")
     if name == "model":
         return _ModelOutputLoss("model")
     raise ValueError(f"unknown loss {name!r}; valid: {', '.join(LOSSES)} or 'pkg.module:fn'")
@@ -297,12 +371,79 @@ def criterion(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], name: st
         1.0
     """
     label = name or _callable_name(fn)
-    return NamedLoss(
-        label,
-        lambda out, batch: fn(out, _target(batch, None)),
-        form="criterion",
-        reduction=_declared_reduction(fn),
+    if _takes_class_indices(fn):
+        outputs_loss = lambda out, batch: fn(*_classes_last(out, _target(batch, None)))  # noqa: E731
+    else:
+        outputs_loss = lambda out, batch: fn(out, _target(batch, None))  # noqa: E731
+    loss = NamedLoss(label, outputs_loss, form="criterion", reduction=_declared_reduction(fn))
+    loss.criterion_fn = fn
+    return loss
+
+
+def _class_options(fn: Any) -> tuple[int, torch.Tensor | None]:
+    """``(ignore_index, weight)`` of torch's cross-entropy/NLL criterion ``fn``."""
+    if isinstance(fn, functools.partial):
+        ignore, weight = _class_options(fn.func)
+        return fn.keywords.get("ignore_index", ignore), fn.keywords.get("weight", weight)
+    if isinstance(fn, nn.Module):
+        return int(getattr(fn, "ignore_index", -100)), getattr(fn, "weight", None)
+    return -100, None
+
+
+def example_count(loss: Loss, batch: Any) -> float | None:
+    """The number of examples a mean-reduced loss divides by on ``batch``, where it is not the
+    batch size: torch's cross-entropy and NLL criteria (and initlab's ``"cross_entropy"`` and
+    ``"auto"``) on class targets of shape ``(B,)`` divide by the targets not equal to
+    ``ignore_index``, each counted by its class weight. The moment probe scales gradients by it
+    instead of ``B``, so a per-example gradient is that of the example's own (weighted) loss, as
+    with ``reduction="sum"``, and an ignored example's is zero. ``None``: the batch size (no target
+    ignored, no class weights), or unknown (any other loss).
+    """
+    fn = getattr(loss, "criterion_fn", None)
+    if fn is None and loss.name in ("auto", "cross_entropy"):
+        # initlab's own cross-entropy ("auto" on class indices; the default None on (x, y))
+        named = loss.form == "named" or (loss.form == "auto" and not isinstance(batch, Mapping))
+        fn = F.cross_entropy if named else None
+    if fn is None or not _takes_class_indices(fn) or loss.reduction not in ("mean", None):
+        return None
+    try:
+        y = _target(batch, None)
+    except TargetError:
+        return None
+    if y.dim() != 1 or y.is_floating_point():
+        return None
+    ignore, weight = _class_options(fn)
+    valid = y != ignore
+    if weight is None:
+        count = float(valid.sum())
+        return None if count == y.shape[0] else count
+    return float(weight.to(y.device)[y[valid].long()].sum(dtype=torch.float64))
+
+
+_CLASS_CRITERIA = (nn.CrossEntropyLoss, nn.NLLLoss, F.cross_entropy, F.nll_loss)
+
+
+def _takes_class_indices(fn: Any) -> bool:
+    """torch's cross-entropy and NLL criteria (modules, functions, partials of them)."""
+    inner = fn.func if isinstance(fn, functools.partial) else fn
+    return any(
+        inner is c or (isinstance(c, type) and isinstance(inner, c)) for c in _CLASS_CRITERIA
     )
+
+
+def _classes_last(out: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token logits ``(B, T, C)`` with targets ``(B, T)`` (a language model's layout) as
+    ``(B*T, C)`` and ``(B*T,)``, the layout torch's cross-entropy takes (it wants the classes on
+    dim 1); the same loss, ``ignore_index``, weights and reduction included. Any other pair is
+    passed as it is."""
+    if (
+        out.dim() >= 3
+        and not y.is_floating_point()
+        and tuple(y.shape) == tuple(out.shape[:-1])
+        and tuple(y.shape) != (out.shape[0], *out.shape[2:])
+    ):
+        return out.reshape(-1, out.shape[-1]), y.reshape(-1)
+    return out, y
 
 
 def _declared_reduction(fn: Any) -> str | None:
@@ -324,6 +465,19 @@ def _declared_reduction(fn: Any) -> str | None:
     else:
         value = None
     return value if value in ("mean", "sum") else None
+
+
+def backward_of(loss: torch.Tensor, what: str) -> None:
+    """``loss.backward()``, after checking that the loss carries a gradient: one that does not
+    (the user's loss detached the outputs, or ran under ``torch.no_grad()``) raises a message
+    saying so rather than torch's "element 0 of tensors does not require grad"."""
+    if not loss.requires_grad:
+        raise ValueError(
+            f"{what}: the loss does not depend on the model's parameters: it carries no gradient "
+            "(computed from detached outputs, under torch.no_grad(), or from no trainable "
+            "parameter); return a loss computed from the model's outputs"
+        )
+    loss.backward()
 
 
 def check_trainable(model: nn.Module, what: str) -> None:
@@ -416,6 +570,11 @@ def resolve_loss(loss_fn: LossLike, *, what: str = "this method") -> Loss:
     if not callable(loss_fn):
         raise TypeError(
             f"{what}: loss_fn is a {type(loss_fn).__name__}; accepted forms: {LOSS_FORMS}"
+        )
+    if isinstance(loss_fn, type) and issubclass(loss_fn, nn.Module):
+        raise TypeError(
+            f"{what}: loss_fn is the class {loss_fn.__name__}, not a criterion: pass an instance, "
+            f"{loss_fn.__name__}()"
         )
     if _is_outputs_batch(loss_fn):
         warnings.warn(

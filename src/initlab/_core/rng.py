@@ -1,10 +1,15 @@
-"""Randomness is passed in, never global: the one helper that turns a seed into a generator."""
+"""Randomness is passed in, never global: the helper that turns a seed into a generator, and
+the forked-RNG scopes that make measurement passes (dropout masks) reproducible."""
 
 from __future__ import annotations
 
-import torch
+import contextlib
+from collections.abc import Iterator
 
-__all__ = ["as_generator"]
+import torch
+from torch import nn
+
+__all__ = ["Seeds", "as_generator"]
 
 
 def as_generator(generator: torch.Generator | int | None) -> torch.Generator | None:
@@ -18,3 +23,29 @@ def as_generator(generator: torch.Generator | int | None) -> torch.Generator | N
     if isinstance(generator, int) and not isinstance(generator, bool):
         return torch.Generator().manual_seed(generator)
     raise TypeError(f"generator must be a torch.Generator, an int seed or None, got {generator!r}")
+
+
+class Seeds:
+    """Forked-RNG scopes; each :meth:`scope` call with the same ``key`` replays the same draws.
+
+    Torch's global RNG (CPU and the model's CUDA devices) is restored when a scope ends. Seeds come
+    from ``generator`` when given, else from a fixed base, so measurement passes are reproducible
+    either way.
+    """
+
+    def __init__(self, model: nn.Module, generator: torch.Generator | int | None) -> None:
+        generator = as_generator(generator)
+        base = 0 if generator is None else int(torch.randint(2**62, (1,), generator=generator))
+        self.base = base
+        self.devices = sorted(
+            {t.device.index or 0 for t in model.parameters() if t.device.type == "cuda"}
+        )
+
+    @contextlib.contextmanager
+    def scope(self, key: int = 0) -> Iterator[None]:
+        seed = (self.base + 7919 * key) % 2**62
+        with torch.random.fork_rng(devices=self.devices):
+            torch.default_generator.manual_seed(seed)
+            for d in self.devices:
+                torch.cuda.default_generators[d].manual_seed(seed)
+            yield

@@ -36,12 +36,14 @@ import torch
 from torch import nn
 
 from initlab._core.compiled import takes_compiled
-from initlab._core.data import take_batches
+from initlab._core.data import forward_args, take_batches
 from initlab._core.loss import (
     Loss,
     LossLike,
+    backward_of,
     batch_reduction,
     check_trainable,
+    example_count,
     resolve_loss,
 )
 from initlab._core.rng import as_generator
@@ -65,14 +67,6 @@ _NAN = math.nan
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def _forward_args(batch: Any) -> tuple[tuple, dict]:
-    if isinstance(batch, torch.Tensor):
-        return (batch,), {}
-    if isinstance(batch, Mapping):
-        return (), dict(batch)
-    return (batch[0],), {}
 
 
 def _examples(batch: Any) -> int:
@@ -319,11 +313,12 @@ def _one_pass(
             say(f"batch {i + 1}/{len(batches)}: forward + backward under the probe")
             for p in params:
                 p.grad = None
+            probe.example_count = example_count(loss_fn, batch)
             loss = loss_fn(model, batch)
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                 raise ValueError("loss_fn(model, batch) must return a scalar tensor")
             losses.append(float(loss.detach()))
-            loss.backward()
+            backward_of(loss, "diagnose")
             if grad_acc is not None:
                 grad_acc.update()
     return losses
@@ -392,7 +387,7 @@ def _lint(
             probe_rows=probe.rows(),
             param_table=run.tables["params"],
             activations=watch,
-            forward_args=[_forward_args(b) for b in batches],
+            forward_args=[forward_args(b) for b in batches],
             residual_blocks=residual_blocks,
         )
         run.tables["activations"] = lint_result.activations

@@ -75,7 +75,15 @@ import torch
 from torch import nn
 
 from initlab._core.compiled import takes_compiled
-from initlab._core.data import DataUse, data_use, default_forward, output_tensor, take_batches
+from initlab._core.data import (
+    TARGET_KEYS,
+    DataUse,
+    batch_size,
+    data_use,
+    default_forward,
+    output_tensor,
+    take_batches,
+)
 from initlab._core.loss import Loss, LossLike, model_loss, resolve_loss
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows, _fmt
@@ -156,7 +164,6 @@ _CALLS = {
     "precondition": "precondition_(model, data, how='lr') → preconditioned_param_groups",
 }
 _CE_NAMES = ("auto", "model", "cross_entropy")
-_TARGET_KEYS = ("labels", "label", "targets", "target", "y")
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -178,7 +185,7 @@ class _Measure:
 
 def _target(batch: Any) -> torch.Tensor | None:
     if isinstance(batch, Mapping):
-        for key in _TARGET_KEYS:
+        for key in TARGET_KEYS:
             if isinstance(batch.get(key), torch.Tensor):
                 return batch[key]
         return None
@@ -198,11 +205,12 @@ def _output_pass(model: nn.Module, batches: list[Any], loss: Loss) -> dict[str, 
     """One no-grad forward of every batch (state kept): the logits' std and the targets."""
     s1 = s2 = n = 0.0
     targets: list[torch.Tensor] = []
-    out: dict[str, Any] = {"own_loss": False, "classes": 0}
+    out: dict[str, Any] = {"own_loss": False, "classes": 0, "finite_outputs": []}
     with preserved_state(model), torch.no_grad():
         for batch in batches:
             raw = default_forward(model, batch)
             logits = output_tensor(raw).detach()
+            out["finite_outputs"].append(bool(logits.isfinite().all()))
             s1 += float(logits.sum(dtype=torch.float64))  # float64 sums, no float64 copy
             s2 += float(torch.linalg.vector_norm(logits, dtype=torch.float64)) ** 2
             n += logits.numel()
@@ -238,8 +246,38 @@ def _measure(
         generator=generator, name=type(model).__name__,
     )  # fmt: skip
     losses = [float(v) for v in report.meta.get("loss", [])]
-    mean_loss = sum(losses) / len(losses) if losses else math.nan
-    return _Measure(report, mean_loss, **_output_pass(model, batches, loss))
+    outputs = _output_pass(model, batches, loss)
+    _check_loss_defined(losses, outputs.pop("finite_outputs"))
+    return _Measure(report, _per_example(losses, batches, loss), **outputs)
+
+
+def _check_loss_defined(losses: list[float], finite_outputs: list[bool]) -> None:
+    """Raise if a batch's loss is not finite while the model's outputs on it are: the loss is
+    undefined there (a mean over no target, e.g. every label the ignore index -100), which no
+    change of the model fixes."""
+    for i, (value, finite) in enumerate(zip(losses, finite_outputs, strict=False)):
+        if finite and not math.isfinite(value):
+            raise ValueError(
+                f"doctor: the loss of batch {i} is {value} while the model's outputs on it are "
+                "finite: the loss is undefined on that batch, not the model ill-conditioned "
+                "(e.g. every target is the ignore index -100, and a mean over no target is "
+                "0/0). Drop such batches or pass a loss defined on them; nothing was changed"
+            )
+
+
+def _per_example(losses: list[float], batches: list[Any], loss: Loss) -> float:
+    """The mean loss per example over the batches: a criterion that declares
+    ``reduction="sum"`` gives each batch's sum, any other loss (a mean) is weighted by the batch's
+    examples."""
+    if not losses:
+        return math.nan
+    sizes = [batch_size(b) for b in batches[: len(losses)]]
+    total = (
+        sum(losses)
+        if loss.reduction == "sum"
+        else sum(n * v for n, v in zip(sizes, losses, strict=True))
+    )
+    return total / sum(sizes)
 
 
 # ----------------------------------------------------------------------------- checks
@@ -587,10 +625,11 @@ class DoctorReport(Rows):
         lines.append(self._numbers_line("initial_loss", "initial loss", fixing))
         lines.append(self._numbers_line("gamma_spread", "γ spread (max/min)", fixing))
         if "precondition" in self.reports:
-            info = self.reports["precondition"].info  # type: ignore[attr-defined]
+            _, after, kept = _all_layer_spreads(self.reports["precondition"])
+            keep = f"; {kept} layer(s) keep their γ: attention, tied" if kept else ""
             lines.append(
-                f"  with report.param_groups(model, lr=...): γ spread {_fmt(info['spread_after'])}"
-                " (the model itself is unchanged by precondition_)"
+                f"  with report.param_groups(model, lr=...): γ spread {_fmt(after)} over every "
+                f"weight layer (the model itself is unchanged by precondition_{keep})"
             )
         return "\n".join(lines)
 
@@ -694,17 +733,37 @@ def _param_groups_row(course: _Course) -> dict[str, Any] | None:
     rep = course.reports.get("precondition")
     if rep is None:
         return None
-    info = rep.info  # type: ignore[attr-defined]
-    after = float(info["spread_after"])
+    before, after, kept = _all_layer_spreads(rep)
     return {
         "check": "gamma_spread_with_param_groups", "value": after,
-        "before": float(info["spread_before"]), "after": after, "reference": SPREAD_WARN,
-        "verdict_before": _grade(float(info["spread_before"]), SPREAD_WARN, SPREAD_BAD),
+        "before": before, "after": after, "reference": SPREAD_WARN,
+        "verdict_before": _grade(before, SPREAD_WARN, SPREAD_BAD),
         "verdict": _grade(after, SPREAD_WARN, SPREAD_BAD),
-        "why": "γ max/min when training with report.param_groups(model, lr=...) (the learning "
-        "rates of precondition_'s multipliers; the weights are unchanged)",
+        "why": "γ max/min over every weight layer when training with report.param_groups(model, "
+        "lr=...) (the learning rates of precondition_'s multipliers; the weights are unchanged)"
+        + (f"; {kept} layer(s) keep their γ (attention, tied: alpha = 1)" if kept else ""),
         "fix": "",
     }  # fmt: skip
+
+
+def _all_layer_spreads(rep: Any) -> tuple[float, float, int]:
+    """γ max/min before and after ``precondition_``'s multipliers over every layer of its report
+    with a finite positive γ (the ones it balanced and the ones that keep ``alpha = 1``, as the
+    ``gamma_spread`` check counts them), and how many keep theirs."""
+    rows = [
+        r
+        for r in rep.to_rows()
+        if all(math.isfinite(r[k]) and r[k] > 0 for k in ("gamma_before", "gamma_after"))
+    ]
+    if not rows:
+        return math.nan, math.nan, 0
+
+    def spread(key: str) -> float:
+        values = [r[key] for r in rows]
+        return max(values) / min(values)
+
+    kept = sum(r["kind"] not in ("mlp", "conv") for r in rows)
+    return spread("gamma_before"), spread("gamma_after"), kept
 
 
 # ----------------------------------------------------------------------------- doctor

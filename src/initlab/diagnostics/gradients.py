@@ -43,7 +43,7 @@ from torch import nn
 from initlab._core.compiled import takes_compiled
 from initlab._core.data import DataCounter, iter_batches
 from initlab._core.knobs import renamed_kwargs
-from initlab._core.loss import LossLike, check_trainable, resolve_loss
+from initlab._core.loss import LossLike, backward_of, check_trainable, resolve_loss
 from initlab._core.reductions import sum_of_squares
 from initlab._core.rows import Rows
 from initlab._core.state import preserved_state
@@ -170,7 +170,7 @@ class GradientStats:
         return Rows(out, GRADIENT_COLUMNS, title="weight magnitude and gradient spread")
 
 
-@takes_compiled
+@takes_compiled(scripted=True)
 @renamed_kwargs(batches="data")
 def gradient_stats(
     model: nn.Module,
@@ -205,7 +205,7 @@ def gradient_stats(
         for batch in counter.wrap(iter_batches(data, max_batches, what="gradient_stats")):
             for p in params:
                 p.grad = None
-            loss(model, batch).backward()
+            backward_of(loss(model, batch), "gradient_stats")
             acc.update()
     if counter.batches == 0:
         raise ValueError("gradient_stats got no batch: the data is empty")

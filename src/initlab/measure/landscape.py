@@ -27,7 +27,8 @@ explicit policy ``bn``:
   and held fixed over the grid, so the slice sees the network as a fixed function of its weights.
 
 With several batches the value is the example-weighted mean ``Σ_b n_b L_b / Σ_b n_b`` of the
-per-batch losses (the mean over all examples for a mean-reduced loss).
+per-batch losses (the mean over all examples for a mean-reduced loss); for a criterion that
+declares ``reduction="sum"`` it is the sum ``Σ_b L_b`` (the total over all examples).
 
 Grid points are evaluated in chunks with ``torch.func.vmap`` over stacked parameter sets. The
 chunk size bounds the memory: about ``2**21`` elements of parameters and activations per chunk
@@ -552,7 +553,7 @@ def loss_landscape(
     loss = on_batches(resolve_loss(loss_fn, what="loss_landscape"), batches)
     fwd, on_outputs = split_loss(loss, forward, what="loss_landscape")
     used = data_use(batches)
-    weights = [batch_size(b) / used.examples for b in batches]
+    weights = [1.0 if loss.reduction == "sum" else batch_size(b) / used.examples for b in batches]
     t1, t2 = _grid(grid)
     theta = {n: p.detach() for n, p in _trainable(model).items()}
     if not theta:

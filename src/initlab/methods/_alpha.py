@@ -268,6 +268,12 @@ def loss_at(
             f"loss_fn must return a scalar tensor, got "
             f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}"
         )
+    if torch.is_grad_enabled() and not loss.requires_grad:
+        raise ValueError(
+            "the loss does not depend on the model's parameters: it carries no gradient "
+            "(computed from detached outputs, under torch.no_grad(), or from no trainable "
+            "parameter); return a loss computed from the model's outputs"
+        )
     return loss.reshape(())
 
 

@@ -2,27 +2,26 @@
 
 The measurement passes of :mod:`initlab.methods.output_scale`, :mod:`initlab.methods.input_scale`
 and :mod:`initlab.methods.precondition`: the output tensor of a model's output, buffers kept as
-they were, forked-RNG scopes, the execution order of layers (temporary hooks), the tolerance of an
-"unchanged up to rounding" check, and the checks of numeric options.
+they were, the execution order of layers (temporary hooks), the tolerance of an "unchanged up to
+rounding" check, and the checks of numeric options (their forked-RNG scopes:
+:class:`~initlab._core.rng.Seeds`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from initlab._core.hooks import hook_handles
-from initlab._core.rng import as_generator
 from initlab._core.state import model_kept
 
 __all__ = [
     "Forward",
-    "Seeds",
     "check_positive",
     "execution_order",
     "keep_buffers",
@@ -37,32 +36,6 @@ def keep_buffers(model: nn.Module) -> contextlib.AbstractContextManager[None]:
     """Put every buffer back as it was on exit (measurement passes must not move BN statistics):
     the core's :func:`~initlab._core.state.model_kept` for buffers only."""
     return model_kept(model, params="never", buffers="always")
-
-
-class Seeds:
-    """Forked-RNG scopes; each :meth:`scope` call with the same ``key`` replays the same draws.
-
-    Torch's global RNG (CPU and the model's CUDA devices) is restored when a scope ends. Seeds come
-    from ``generator`` when given, else from a fixed base, so measurement passes are reproducible
-    either way.
-    """
-
-    def __init__(self, model: nn.Module, generator: torch.Generator | int | None) -> None:
-        generator = as_generator(generator)
-        base = 0 if generator is None else int(torch.randint(2**62, (1,), generator=generator))
-        self.base = base
-        self.devices = sorted(
-            {t.device.index or 0 for t in model.parameters() if t.device.type == "cuda"}
-        )
-
-    @contextlib.contextmanager
-    def scope(self, key: int = 0) -> Iterator[None]:
-        seed = (self.base + 7919 * key) % 2**62
-        with torch.random.fork_rng(devices=self.devices):
-            torch.default_generator.manual_seed(seed)
-            for d in self.devices:
-                torch.cuda.default_generators[d].manual_seed(seed)
-            yield
 
 
 def execution_order(

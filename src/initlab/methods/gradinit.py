@@ -221,32 +221,70 @@ def _is_namedtuple(obj: Any) -> bool:
     return isinstance(obj, tuple) and hasattr(obj, "_fields")
 
 
-def _zip_batches(fn: Callable[..., torch.Tensor], *batches: Any) -> Any:
-    """Apply ``fn`` to corresponding tensors (ndim >= 1) of same-structured batches."""
+def _is_column(value: Any) -> bool:
+    """A list of plain values (ids, strings, numbers): a per-example column when its length is
+    the batch size."""
+    return isinstance(value, list) and not any(
+        isinstance(v, (torch.Tensor, tuple, list, Mapping)) for v in value
+    )
+
+
+def _zip_batches(
+    fn: Callable[..., torch.Tensor], column: Callable[..., list[Any]], *batches: Any
+) -> Any:
+    """Apply ``fn`` to corresponding tensors (ndim >= 1) and ``column`` to corresponding lists of
+    plain values (:func:`_is_column`) of same-structured batches; other leaves come from the
+    first batch."""
     first = batches[0]
     if isinstance(first, torch.Tensor):
         return fn(*batches) if first.dim() >= 1 else first
+    if _is_column(first):
+        return column(*batches) if all(_is_column(b) for b in batches) else first
+    parts = _parts(first, batches)
     if _is_namedtuple(first):
-        return type(first)(*(_zip_batches(fn, *parts) for parts in zip(*batches, strict=True)))
+        return type(first)(*(_zip_batches(fn, column, *p) for p in parts))
     if isinstance(first, (tuple, list)):
-        return type(first)(_zip_batches(fn, *parts) for parts in zip(*batches, strict=True))
+        return type(first)(_zip_batches(fn, column, *p) for p in parts)
     if isinstance(first, Mapping):
-        return {k: _zip_batches(fn, *(b[k] for b in batches)) for k in first}
+        return {k: _zip_batches(fn, column, *p) for k, p in zip(first, parts, strict=True)}
     if dataclasses.is_dataclass(first) and not isinstance(first, type):
+        fields = [f.name for f in dataclasses.fields(first)]
         return dataclasses.replace(
             first,
-            **{
-                f.name: _zip_batches(fn, *(getattr(b, f.name) for b in batches))
-                for f in dataclasses.fields(first)
-            },
+            **{k: _zip_batches(fn, column, *p) for k, p in zip(fields, parts, strict=True)},
         )
     return first
 
 
+def _parts(first: Any, batches: Sequence[Any]) -> list[tuple[Any, ...]]:
+    """The corresponding children of same-structured batches (a mismatch raises, naming it)."""
+    try:
+        if isinstance(first, (tuple, list)):
+            return list(zip(*batches, strict=True))
+        if isinstance(first, Mapping):
+            return [tuple(b[k] for b in batches) for k in first]
+        if dataclasses.is_dataclass(first) and not isinstance(first, type):
+            return [tuple(getattr(b, f.name) for b in batches) for f in dataclasses.fields(first)]
+    except (ValueError, KeyError, AttributeError, TypeError) as err:
+        raise ValueError(
+            "overlap_batch: the two batches differ in structure (a tuple of another length, a "
+            f"missing key or field: {err}); give every batch the same entries"
+        ) from err
+    return []
+
+
 def _rows_of(batch: Any, index: torch.Tensor | slice) -> Any:
+    """The rows ``index`` of every tensor, and of every per-example column (a list of the batch's
+    length), of ``batch``."""
+    n = batch_size(batch)
+    picks = range(n)[index] if isinstance(index, slice) else index.tolist()
+
+    def column(values: list[Any]) -> list[Any]:
+        return [values[i] for i in picks] if len(values) == n else values
+
     if isinstance(index, slice):
-        return _zip_batches(lambda t: t[index], batch)
-    return _zip_batches(lambda t: t.index_select(0, index.to(t.device)), batch)
+        return _zip_batches(lambda t: t[index], column, batch)
+    return _zip_batches(lambda t: t.index_select(0, index.to(t.device)), column, batch)
 
 
 def overlap_batch(
@@ -263,7 +301,8 @@ def overlap_batch(
     examples of ``next_batch`` (all of it if it is shorter); with ``generator`` both are random
     subsets (drawn with it) instead of the first ones. ``overlap = 1`` returns ``batch`` itself.
     Every tensor with at least one dimension, in a tensor, tuple, list, namedtuple, dict or
-    dataclass (nested), is sliced and concatenated along dim 0; other leaves come from ``batch``.
+    dataclass (nested), is sliced and concatenated along dim 0, and so is every list of plain
+    values (ids, strings) whose length is its batch's size; other leaves come from ``batch``.
 
     Example:
         >>> s, nxt = torch.arange(4), torch.arange(10, 14)
@@ -286,7 +325,11 @@ def overlap_batch(
         shared, new = _rows_of(batch, idx_s), _rows_of(next_batch, idx_n)
     if m == 0:
         return new
-    return _zip_batches(lambda x, y: torch.cat([x, y]), shared, new)
+
+    def column(x: list[Any], y: list[Any]) -> list[Any]:
+        return x + y if (len(x), len(y)) == (m, fresh) else x
+
+    return _zip_batches(lambda x, y: torch.cat([x, y]), column, shared, new)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -570,7 +613,7 @@ def gradinit_alpha_grad(
     return res.grad, value
 
 
-@takes_compiled
+@takes_compiled(scripted=True)
 @renamed_kwargs(iterations="steps")
 @with_math_attention
 def gradinit_(

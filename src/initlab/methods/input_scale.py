@@ -19,9 +19,10 @@ from torch import nn
 from initlab._core.data import DataUse, data_use, default_forward, first_tensor, take_batches
 from initlab._core.distributed import all_reduce_sum
 from initlab._core.knobs import renamed_kwargs
+from initlab._core.rng import Seeds
 from initlab.init.registry import Registry, default_registry
 from initlab.measure.conditioning import weight_layers
-from initlab.methods._measuring import Forward, Seeds, execution_order, keep_buffers, kernel_taps
+from initlab.methods._measuring import Forward, execution_order, keep_buffers, kernel_taps
 
 __all__ = ["InputScaling", "input_scale", "input_scale_for"]
 
@@ -95,7 +96,7 @@ def input_scale(
         >>> round((scaling(x) ** 2).mean().item() * 3 * 3**0.5, 6)
         1.0
     """
-    batches = take_batches(data, max_batches, what="input_scale")
+    batches = take_batches(data, max_batches, what="input_scale", exact=False)
     taps = kernel_taps(kernel_size)
     sums = torch.zeros(2, dtype=torch.float64)
     dims = set()
@@ -150,7 +151,7 @@ def input_scale_for(
     """
     reg = default_registry() if registry is None else registry
     forward = forward or default_forward
-    batches = take_batches(data, max_batches, what="input_scale_for")
+    batches = take_batches(data, max_batches, what="input_scale_for", exact=False)
     layers = {name: (module, spec, kind) for name, module, spec, kind in weight_layers(model, reg)}
 
     def run() -> None:

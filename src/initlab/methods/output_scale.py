@@ -36,13 +36,13 @@ from initlab._core.data import data_use, default_forward, output_tensor, take_ba
 from initlab._core.distributed import all_reduce_sum, check_same_parameters, run_together
 from initlab._core.knobs import renamed_kwargs
 from initlab._core.method_report import MethodReport
+from initlab._core.rng import Seeds
 from initlab._core.rows import join_name
 from initlab._core.state import restore_on_failure
 from initlab.init.registry import Registry, default_registry
 from initlab.measure.conditioning import weight_layers
 from initlab.methods._measuring import (
     Forward,
-    Seeds,
     check_positive,
     execution_order,
     keep_buffers,
@@ -260,7 +260,8 @@ def measure_output_std(
     model's buffers are left as they were.
     """
     batches = run_together(
-        "measure_output_std", lambda: take_batches(data, max_batches, what="measure_output_std")
+        "measure_output_std",
+        lambda: take_batches(data, max_batches, what="measure_output_std", exact=False),
     )
     seeds = Seeds(model, generator)
     sums, _ = _output_moments(
@@ -365,8 +366,9 @@ def scale_output_(
     reg = default_registry() if registry is None else registry
     check_same_parameters(model, "scale_output_")
     batches = run_together(
-        "scale_output_", lambda: take_batches(data, max_batches, what="scale_output_")
+        "scale_output_", lambda: take_batches(data, max_batches, what="scale_output_", exact=False)
     )
+    used = data_use(batches)
     seeds = Seeds(model, generator)
     passes = 0
     with restore_on_failure(model):
@@ -416,7 +418,7 @@ def scale_output_(
         backward_passes=0,
         wall_s=time.perf_counter() - start,
         info=info,
-        used=data_use(batches),
+        used=used,
     )
 
 

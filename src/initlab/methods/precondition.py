@@ -41,18 +41,19 @@ from initlab._core.distributed import (
     is_distributed,
     run_together,
 )
-from initlab._core.knobs import renamed_kwargs
+from initlab._core.knobs import check_kwargs, renamed_kwargs
 from initlab._core.loss import LossLike, check_trainable, resolve_loss
 from initlab._core.method_report import MethodReport
+from initlab._core.rng import Seeds
 from initlab._core.rows import Rows
 from initlab._core.state import preserved_state, restore_on_failure
 from initlab.init.registry import Registry, default_registry
 from initlab.measure.conditioning import gr_scaling, imbalance, with_multipliers
 from initlab.measure.probe import MomentProbe, measure_moments
+from initlab.measure.probe.moment_probe import probe_options
 from initlab.measure.runtime_trace import attention_layers, recording
 from initlab.methods._measuring import (
     Forward,
-    Seeds,
     check_positive,
     keep_buffers,
     kernel_taps,
@@ -280,6 +281,9 @@ def precondition_(
     ``alpha = 1``: ``nn.MultiheadAttention``'s fused projection, and the query, key and value
     projections of any other attention implementation (Hugging Face's eager or SDPA code, your
     own), found by a runtime trace of the first batch and reported with ``kind="attention"``.
+    A layer whose weight is shared with another module (a head tied to the input embedding, a
+    weight reused by two layers) keeps ``alpha = 1`` too, reported with ``kind="tied"``: one
+    tensor cannot take two multipliers, and one given to a single use would change the function.
     Biases are not given multipliers.
 
     Args:
@@ -313,12 +317,13 @@ def precondition_(
         ``iteration, spread, max, min``.
     """
     start = time.perf_counter()
+    check_kwargs("precondition_", probe_kwargs, probe_options())
     target, tol = _check_options(how, target, max_iter, tol)
     forward = forward or default_forward
     reg = default_registry() if registry is None else registry
     check_same_parameters(model, "precondition_")
     batches = run_together(
-        "precondition_", lambda: take_batches(data, max_batches, what="precondition_")
+        "precondition_", lambda: take_batches(data, max_batches, what="precondition_", exact=False)
     )
     seeds = Seeds(model, generator)
     loss = resolve_loss(loss_fn, what="precondition_")
@@ -447,9 +452,12 @@ class _Balancing:
             p, self.model, examples=self.n_examples, registry=self.registry, all_reduce=self.dist
         )
         attention = self.attention()
+        tied = _shared_weight_layers(self.model)
         out = rows.to_rows()
         for r in out:
-            if r["layer"] in attention and r["kind"] == "mlp":
+            if r["layer"] in tied:
+                r["kind"] = "tied"
+            elif r["layer"] in attention and r["kind"] == "mlp":
                 r["kind"] = "attention"
         return Rows(out, rows.columns, title=rows.title, used=rows.used)
 
@@ -522,6 +530,16 @@ class _Balancing:
             self.log(rows, it)
             iterations = it
         return rows, alpha, iterations
+
+
+def _shared_weight_layers(model: nn.Module) -> set[str]:
+    """The modules holding a parameter that another module holds too (tied weights)."""
+    holders: dict[int, set[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for p in module._parameters.values():
+            if p is not None:
+                holders.setdefault(id(p), set()).add(name)
+    return {name for names in holders.values() if len(names) > 1 for name in names}
 
 
 def _rescale_(
@@ -606,7 +624,7 @@ def _report_rows(
     return out
 
 
-@takes_compiled
+@takes_compiled(scripted=True)
 def preconditioned_param_groups(
     model: nn.Module,
     alpha: Mapping[str, float] | MethodReport,

@@ -94,6 +94,18 @@ def _check_scalar(value: Any, what: str) -> torch.Tensor:
     return value.reshape(())
 
 
+def _check_differentiable(loss: torch.Tensor) -> torch.Tensor:
+    """Raise if the loss carries no gradient (autograd would say "element 0 of tensors does not
+    require grad" from inside the product)."""
+    if not loss.requires_grad:
+        raise ValueError(
+            "the loss does not depend on the parameters: it carries no gradient (computed from "
+            "detached outputs, under torch.no_grad(), or from no parameter of the model); return a "
+            "loss computed from the model's outputs"
+        )
+    return loss
+
+
 _FORWARD_AD_READY = False
 
 
@@ -263,7 +275,7 @@ class _HessianEngine:
         self.mode = mode
         self.leaves = tuple(p.detach().requires_grad_(True) for p in params)
         with torch.enable_grad():
-            loss = _check_scalar(f(self.leaves), "f")
+            loss = _check_differentiable(_check_scalar(f(self.leaves), "f"))
             grads = torch.autograd.grad(
                 loss, self.leaves, create_graph=(mode == "rev_rev"), allow_unused=True
             )
@@ -313,7 +325,7 @@ class _GGNEngine:
             outs = [t for _, t in flatten_tensors(out)]
             if not outs:
                 raise ValueError("model_fn returned no tensor")
-            loss = _check_scalar(loss_fn(out), "loss_fn_on_outputs")
+            loss = _check_differentiable(_check_scalar(loss_fn(out), "loss_fn_on_outputs"))
             grads = torch.autograd.grad(loss, self.leaves, retain_graph=True, allow_unused=True)
         self.loss = loss.detach()
         self.used = [g is not None for g in grads]

@@ -10,6 +10,7 @@ come from :data:`~initlab.measure.probe.per_example.PER_EXAMPLE`; accumulation f
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -18,11 +19,19 @@ import torch
 from torch import nn
 
 from initlab._core.autocast import without_autocast
-from initlab._core.compiled import takes_compiled, uncompiled
+from initlab._core.compiled import scripted_error, takes_compiled, uncompiled
 from initlab._core.data import DataUse, batch_size, default_forward, iter_batches
 from initlab._core.hooks import HookContext, HookHandles
-from initlab._core.knobs import renamed_kwargs, user_stacklevel
-from initlab._core.loss import Loss, LossLike, batch_reduction, check_trainable, resolve_loss
+from initlab._core.knobs import check_kwargs, renamed_kwargs, user_stacklevel
+from initlab._core.loss import (
+    Loss,
+    LossLike,
+    backward_of,
+    batch_reduction,
+    check_trainable,
+    example_count,
+    resolve_loss,
+)
 from initlab._core.pytree import flatten_tensors, map_tensors
 from initlab._core.rows import Rows
 from initlab._core.state import model_modes, preserved_state, restore_modes
@@ -133,6 +142,8 @@ class MomentProbe(HookContext):
             )
         if batch_dim is not None and (not isinstance(batch_dim, int) or batch_dim < 0):
             raise ValueError(f"batch_dim must be None or a non-negative int, got {batch_dim!r}")
+        if isinstance(model, torch.jit.ScriptModule):
+            raise scripted_error(model, "MomentProbe")
         if uncompiled(model) is not model:
             warnings.warn(
                 "MomentProbe on a torch.compile'd model: its hooks break the compiled graph (and "
@@ -154,6 +165,9 @@ class MomentProbe(HookContext):
         self._active = False
         self._replaying = False
         self._batch: int | None = None
+        self.example_count: float | None = None
+        """What a mean-reduced loss divides by on the batch being run, where it is not the batch
+        size (:func:`~initlab._core.loss.example_count`); the gradients are scaled by it."""
         self._next_order = 0
         self._seq = 0
         self._forward = _Forward()
@@ -333,6 +347,8 @@ class MomentProbe(HookContext):
     def _scale(self, st: _ModuleState, tensors: list[tuple[str, torch.Tensor]]) -> float:
         if self.loss_reduction == "sum":
             return 1.0
+        if self.example_count is not None:
+            return self.example_count
         if self._batch is not None:
             return float(self._batch)
         for _, t in tensors:
@@ -808,6 +824,7 @@ def measure_moments(
     the random number generators, and every parameter's ``.grad`` (set to ``None`` for the
     measurement, so gradients you accumulated before are untouched).
     """
+    check_kwargs("measure_moments", probe_kwargs, probe_options())
     loss = None if loss_fn is None else resolve_loss(loss_fn, what="measure_moments")
     if loss is not None:
         check_trainable(model, "measure_moments")
@@ -825,20 +842,29 @@ def measure_moments(
             for batch in iter_batches(data, max_batches, what="measure_moments"):
                 n_batches += 1
                 n_examples += _examples(batch)
-                _run(model, batch, loss, params)
+                _run(probe, model, batch, loss, params)
     if n_batches == 0:
         raise ValueError("measure_moments got no batch: the data is empty")
     probe.used = DataUse(n_batches, n_examples)
     return probe
 
 
-def _run(model: nn.Module, batch: Any, loss: Loss | None, params: list[nn.Parameter]) -> None:
+def probe_options() -> set[str]:
+    """The keyword options of :class:`MomentProbe` (what ``**probe_kwargs`` may hold)."""
+    params = inspect.signature(MomentProbe.__init__).parameters
+    return {n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
+def _run(
+    probe: MomentProbe, model: nn.Module, batch: Any, loss: Loss | None, params: list[nn.Parameter]
+) -> None:
     """One probed pass: forward only (``loss`` None) or forward and backward of the loss."""
     if loss is None:
         with torch.no_grad():
             default_forward(model, batch)
         return
-    loss(model, batch).backward()
+    probe.example_count = example_count(loss, batch)
+    backward_of(loss(model, batch), "measure_moments")
     for p in params:
         p.grad = None
 

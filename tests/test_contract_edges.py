@@ -1,0 +1,388 @@
+"""Issue 13, second sweep: the data and loss contract at its edges.
+
+What PyTorch users pass that the first sweep did not try: batches that are custom objects or
+dataclasses, ``DataLoader(batch_size=None)`` (single examples), loaders of bare tensors handed on
+from one entry point to another, summing criteria outside the probe, outputs of shape ``(B, 1)``
+with targets of shape ``(B,)``, one-hot labels, lists of ids in a batch, and ``max_batches``
+above what the data holds. Each case: it works and gives the value an independent computation
+gives, or it raises an error that names what is wrong and what to do, leaving the model as it was.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import initlab
+from initlab.methods.gradinit import overlap_batch
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _data(rows: int = 40) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return torch.randn(rows, 4, generator=gen), torch.randint(0, 3, (rows,), generator=gen)
+
+
+def _mlp(seed: int = 0, out: int = 3) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, out))
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ----------------------------------------------------------------------------- object batches
+
+
+class _Obj:
+    """A batch as a plain object: the tensors are its attributes."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+
+@dataclass
+class _DC:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+class _ObjNet(nn.Module):
+    """Takes the batch object itself (``model(batch)``, the default forward of an object)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _mlp()
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        return self.net(batch.x)
+
+
+def _obj_loss(model: Any, batch: Any) -> torch.Tensor:
+    return F.cross_entropy(model(batch), batch.y)
+
+
+_OBJECT_ENTRIES: dict[str, Callable[[nn.Module, Any], Any]] = {
+    "measure_moments": lambda m, d: initlab.measure_moments(m, d, _obj_loss).used,
+    "gr_scaling": lambda m, d: initlab.gr_scaling(m, d, _obj_loss).used,
+    "diagnose": lambda m, d: initlab.diagnose(m, d, _obj_loss, spectra=False).meta["examples"],
+    "doctor": lambda m, d: initlab.doctor(m, d, _obj_loss).used,
+    "gradient_stats": lambda m, d: initlab.gradient_stats(m, d, _obj_loss).used,
+    "lsuv_": lambda m, d: initlab.lsuv_(m, d, generator=0).used,
+    "scale_output_": lambda m, d: initlab.scale_output_(m, d, generator=0).used,
+    "precondition_": lambda m, d: initlab.precondition_(m, d, _obj_loss, generator=0).used,
+    "loss_landscape": lambda m, d: initlab.loss_landscape(m, d, _obj_loss, grid=2).used,
+    "block_curvature": lambda m, d: initlab.block_curvature(m, d, _obj_loss, probes=2).used,
+}
+
+
+def _examples(result: Any) -> int:
+    return result if isinstance(result, int) else result.examples
+
+
+@pytest.mark.parametrize("kind", [_Obj, _DC], ids=["object", "dataclass"])
+@pytest.mark.parametrize("entry", list(_OBJECT_ENTRIES))
+def test_a_custom_object_batch_is_one_batch_everywhere(entry: str, kind: type) -> None:
+    x, y = _data()
+    got = _OBJECT_ENTRIES[entry](_ObjNet(), kind(x, y))
+    assert _examples(got) == 40
+
+
+@pytest.mark.parametrize("kind", [_Obj, _DC], ids=["object", "dataclass"])
+def test_a_list_of_custom_objects_is_many_batches(kind: type) -> None:
+    x, y = _data()
+    probe = initlab.measure_moments(
+        _ObjNet(), [kind(x[:16], y[:16]), kind(x[16:], y[16:])], _obj_loss
+    )
+    assert (probe.used.batches, probe.used.examples) == (2, 40)
+    whole = initlab.measure_moments(_ObjNet(), kind(x, y), _obj_loss)
+    a, b = probe.table().to_rows(), whole.table().to_rows()
+    for ra, rb in zip(a, b, strict=True):
+        assert ra["E_x2"] == pytest.approx(rb["E_x2"], rel=1e-6)
+
+
+@pytest.mark.parametrize("entry", ["gradinit_", "metainit_"])
+def test_object_batches_reach_the_alpha_methods(entry: str) -> None:
+    x, y = _data()
+    data = [_DC(x[i : i + 10], y[i : i + 10]) for i in range(0, 40, 10)]
+    report = getattr(initlab, entry)(_ObjNet(), data, _obj_loss, steps=2, generator=0)
+    assert report.used.examples > 0
+
+
+class _Listed:
+    """A batch object whose values are plain lists (no tensor to count examples by)."""
+
+    def __init__(self, x: list[list[float]]) -> None:
+        self.x = x
+
+
+class _ListedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _mlp()
+
+    def forward(self, batch: _Listed) -> torch.Tensor:
+        return self.net(torch.tensor(batch.x))
+
+
+def test_scale_output_on_a_batch_without_tensors_fails_before_changing_the_model() -> None:
+    model = _ListedNet()
+    before = _state(model)
+    with pytest.raises(TypeError, match="a batch must hold a tensor"):
+        initlab.scale_output_(model, _Listed(_data()[0].tolist()))
+    assert _same(before, _state(model))
+
+
+# ----------------------------------------------------------------------------- single examples
+
+
+_UNBATCHED_ENTRIES: dict[str, Callable[[nn.Module, Any], Any]] = {
+    "measure_moments": lambda m, d: initlab.measure_moments(m, d, nn.CrossEntropyLoss()),
+    "gr_scaling": lambda m, d: initlab.gr_scaling(m, d, nn.CrossEntropyLoss()),
+    "gradient_stats": lambda m, d: initlab.gradient_stats(m, d, nn.CrossEntropyLoss()),
+    "diagnose": lambda m, d: initlab.diagnose(m, d, nn.CrossEntropyLoss()),
+    "loss_landscape": lambda m, d: initlab.loss_landscape(m, d, nn.CrossEntropyLoss(), grid=2),
+    "lsuv_": lambda m, d: initlab.lsuv_(m, d),
+    "gradinit_": lambda m, d: initlab.gradinit_(m, d, steps=1),
+}
+
+
+@pytest.mark.parametrize("entry", list(_UNBATCHED_ENTRIES))
+def test_single_examples_from_a_loader_without_batch_size_are_refused(entry: str) -> None:
+    # DataLoader(batch_size=None) yields (x of shape (4,), y 0-d): read as a batch, x would be
+    # 4 examples (per-example moments off by 16 before).
+    x, y = _data(10)
+    loader = DataLoader(TensorDataset(x, y), batch_size=None)
+    model = _mlp()
+    before = _state(model)
+    with pytest.raises(ValueError, match=r"without a batch dimension.*batch_size"):
+        _UNBATCHED_ENTRIES[entry](model, loader)
+    assert _same(before, _state(model))
+
+
+def test_a_dict_example_without_batch_dimension_is_refused_too() -> None:
+    x, y = _data(1)
+    with pytest.raises(ValueError, match="entry 'labels' is a scalar"):
+        initlab.gradient_stats(_mlp(), {"x": x[0], "labels": y[0]}, lambda m, b: m(b["x"]).sum())
+
+
+def test_a_batch_dimension_of_one_is_fine() -> None:
+    x, y = _data(10)
+    probe = initlab.measure_moments(_mlp(), DataLoader(TensorDataset(x, y), batch_size=1))
+    assert (probe.used.batches, probe.used.examples) == (10, 10)
+
+
+# ----------------------------------------------------------------------------- handed-on data
+
+
+_HANDED_ON: dict[str, Callable[[torch.Tensor], Any]] = {
+    "loader": lambda x: DataLoader(x, batch_size=8),
+    "Batches": lambda x: initlab.Batches([x[:8], x[8:16], x[16:24]]),
+    "generator": lambda x: (x[i : i + 8] for i in range(0, 24, 8)),
+}
+
+
+@pytest.mark.parametrize("form", list(_HANDED_ON))
+@pytest.mark.parametrize("entry", ["precondition_", "doctor"])
+def test_batches_of_bare_tensors_reach_the_entry_points_called_inside(
+    entry: str, form: str
+) -> None:
+    # precondition_ hands its batches to measure_moments, doctor to diagnose: a list of
+    # same-shaped tensors was read there as ambiguous.
+    x, _ = _data()
+    out = getattr(initlab, entry)(_mlp(out=4), _HANDED_ON[form](x[:24]), "random_quadratic")
+    assert out.used.batches == 3
+
+
+# ----------------------------------------------------------------------------- reductions
+
+
+def test_doctor_reads_a_summing_criterion_per_example() -> None:
+    x, y = _data()
+    model = _mlp()
+    with torch.no_grad():
+        model[2].weight.mul_(0.01)
+        model[2].bias.zero_()
+    data = [(x[i : i + 8], y[i : i + 8]) for i in range(0, 40, 8)]
+    report = initlab.doctor(model, data, nn.CrossEntropyLoss(reduction="sum"), max_batches=5)
+    row = next(r for r in report.to_rows() if r["check"] == "initial_loss")
+    with torch.no_grad():
+        want = F.cross_entropy(model(x), y).item()
+    assert row["value"] == pytest.approx(want, rel=1e-5)
+    assert row["verdict"] == "ok"
+
+
+def test_doctor_weights_batches_of_different_sizes_by_their_examples() -> None:
+    x, y = _data()
+    model = _mlp()
+    report = initlab.doctor(model, [(x[:30], y[:30]), (x[30:], y[30:])], nn.CrossEntropyLoss())
+    row = next(r for r in report.to_rows() if r["check"] == "initial_loss")
+    with torch.no_grad():
+        want = F.cross_entropy(model(x), y).item()
+    assert row["value"] == pytest.approx(want, rel=1e-5)
+
+
+def test_the_landscape_of_a_summing_criterion_is_the_total() -> None:
+    x, y = _data(20)
+    model = _mlp()
+    loader = DataLoader(TensorDataset(x, y), batch_size=8)
+    land = initlab.loss_landscape(
+        model, loader, nn.CrossEntropyLoss(reduction="sum"), grid=([0.0], [0.0])
+    )
+    with torch.no_grad():
+        want = F.cross_entropy(model(x), y, reduction="sum").item()
+    assert float(land.center) == pytest.approx(want, rel=1e-5)
+
+
+# ----------------------------------------------------------------------------- targets
+
+
+@pytest.mark.parametrize("loss", ["mse", None, "auto"])
+def test_outputs_of_shape_b1_pair_with_targets_of_shape_b(loss: Any) -> None:
+    # (B, 1) - (B,) broadcasts to (B, B): the loss was silently another number.
+    x, _ = _data()
+    target = torch.randn(40, generator=torch.Generator().manual_seed(3))
+    model = _mlp(out=1)
+    land = initlab.loss_landscape(model, (x, target), loss, grid=([0.0], [0.0]))
+    with torch.no_grad():
+        want = F.mse_loss(model(x).squeeze(1), target).item()
+    assert float(land.center) == pytest.approx(want, rel=1e-6)
+
+
+def test_mse_refuses_targets_of_another_shape() -> None:
+    x, _ = _data()
+    with pytest.raises(ValueError, match=r"outputs \(40, 3\) and targets \(40, 2\)"):
+        initlab.gradient_stats(_mlp(), (x, torch.randn(40, 2)), "mse")
+
+
+def test_integer_one_hot_labels_are_named() -> None:
+    x, y = _data()
+    with pytest.raises(ValueError, match=r"look one-hot.*y.argmax\(-1\)"):
+        initlab.gradient_stats(_mlp(), (x, F.one_hot(y, 3)))
+
+
+def test_float_class_probabilities_with_the_named_cross_entropy() -> None:
+    x, y = _data()
+    model = _mlp()
+    land = initlab.loss_landscape(model, (x, F.one_hot(y, 3).float()), "cross_entropy", grid=1)
+    with torch.no_grad():
+        want = F.cross_entropy(model(x), y).item()
+    assert float(land.center) == pytest.approx(want, rel=1e-6)
+
+
+def test_a_criterion_that_fails_on_the_targets_names_both_shapes() -> None:
+    x, y = _data()
+    model = _mlp()
+    before = _state(model)
+    with pytest.raises(ValueError, match=r"output of shape \(40, 3\).*targets of shape \(40, 1\)"):
+        initlab.gr_scaling(model, (x, y[:, None]), nn.CrossEntropyLoss())
+    assert _same(before, _state(model))
+
+
+def test_a_criterion_class_instead_of_an_instance_is_named() -> None:
+    x, y = _data()
+    with pytest.raises(TypeError, match=r"the class CrossEntropyLoss.*CrossEntropyLoss\(\)"):
+        initlab.gradient_stats(_mlp(), (x, y), nn.CrossEntropyLoss)
+
+
+# ----------------------------------------------------------------------------- counts
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda d: initlab.scale_output_(_mlp(), d, max_batches=10, generator=0),
+        lambda d: initlab.input_scale(d, max_batches=10),
+        lambda d: initlab.precondition_(_mlp(), d, max_batches=10, generator=0),
+    ],
+    ids=["scale_output_", "input_scale", "precondition_"],
+)
+def test_max_batches_is_at_most(call: Callable[[Any], Any]) -> None:
+    x, y = _data()
+    assert call([(x[:16], y[:16]), (x[16:], y[16:])]).used.batches == 2
+
+
+# ----------------------------------------------------------------------------- ids in batches
+
+
+def test_overlap_batch_slices_a_list_of_ids_with_its_rows() -> None:
+    x = torch.arange(8.0)[:, None]
+    s = (x[:4], [f"id{i}" for i in range(4)], "meta")
+    nxt = (x[4:6], ["id4", "id5"], "other")
+    tilde = overlap_batch(s, nxt, 0.5)
+    assert tilde[0].flatten().tolist() == [0.0, 1.0, 4.0, 5.0]
+    assert tilde[1] == ["id0", "id1", "id4", "id5"]
+    assert tilde[2] == "meta"
+    drawn = overlap_batch(s, nxt, 0.5, generator=torch.Generator().manual_seed(0))
+    assert [f"id{int(v)}" for v in drawn[0].flatten().tolist()] == drawn[1]
+
+
+def test_gradinit_takes_batches_with_ids_and_a_short_last_batch() -> None:
+    x, y = _data(20)
+    ids = [f"id{j}" for j in range(20)]
+    data = [(x[i : i + 8], y[i : i + 8], ids[i : i + 8]) for i in range(0, 20, 8)]
+    report = initlab.gradinit_(_mlp(), data, generator=0)
+    assert report.used.batches == 3 and math.isfinite(report.trace[-1]["loss"])
+
+
+def test_overlap_batch_names_batches_of_different_structure() -> None:
+    x = torch.arange(8.0)[:, None]
+    with pytest.raises(ValueError, match="differ in structure"):
+        overlap_batch((x[:4], x[:4]), (x[4:],), 0.5)
+
+
+# ----------------------------------------------------------------------------- ignored targets
+
+
+_WEIGHT = torch.tensor([1.0, 2.0, 0.5])
+
+
+@pytest.mark.parametrize(
+    "mean, summed",
+    [
+        (nn.CrossEntropyLoss(), nn.CrossEntropyLoss(reduction="sum")),
+        ("cross_entropy", nn.CrossEntropyLoss(reduction="sum")),
+        (F.cross_entropy, functools.partial(F.cross_entropy, reduction="sum")),
+        (nn.CrossEntropyLoss(weight=_WEIGHT), nn.CrossEntropyLoss(weight=_WEIGHT, reduction="sum")),
+        (nn.NLLLoss(ignore_index=2), nn.NLLLoss(ignore_index=2, reduction="sum")),
+    ],
+    ids=["module", "named", "functional", "class_weights", "nll_ignore_2"],
+)
+def test_a_mean_over_the_counted_targets_gives_the_moments_of_the_summed_loss(
+    mean: Any, summed: Any
+) -> None:
+    # torch's mean divides by the targets it counts (not ignore_index, weighted by class): the
+    # per-example gradients are those of each example's own loss, an ignored one's zero, as
+    # with reduction="sum" (the probe scaled by the batch size: off by B / count).
+    x, y = _data(16)
+    y = y.clone()
+    y[:5] = -100 if not isinstance(mean, nn.NLLLoss) else 2
+    torch.manual_seed(0)
+    model = (
+        nn.Sequential(nn.Linear(4, 3), nn.LogSoftmax(-1))
+        if isinstance(mean, nn.NLLLoss)
+        else _mlp()
+    )
+    a = initlab.measure_moments(model, (x, y), mean).table().to_rows()
+    b = initlab.measure_moments(model, (x, y), summed).table().to_rows()
+    for ra, rb in zip(a, b, strict=True):
+        assert ra["E_dy2"] == pytest.approx(rb["E_dy2"], rel=1e-5)
+    nll = isinstance(mean, nn.NLLLoss)  # the last layer with a weight feeds LogSoftmax
+    out = (model[0](x) if nll else model(x)).detach().requires_grad_(True)
+    (g,) = torch.autograd.grad(summed(model[1](out) if nll else out, y), out)
+    assert a[-1]["E_dy2"] == pytest.approx(float(g.double().square().mean()), rel=1e-5)
