@@ -284,7 +284,7 @@ def _finding(
     }
 
 
-@takes_compiled
+@takes_compiled(scripted=True)
 def lint_model(
     model: nn.Module,
     *,

@@ -414,7 +414,7 @@ def _weight_params(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [(s.name, params[s.name]) for s in specs if s.role == "weight" and s.name in params]
 
 
-@takes_compiled
+@takes_compiled(scripted=True)
 def layer_spectra(
     model: nn.Module,
     data: Any = None,
@@ -451,7 +451,9 @@ def layer_spectra(
             sv_max, sv_mean, note = _svd_entry(w, max_svd_elements, svd_cache)
             in_shape = tuple(shapes[name]) if name in shapes else None
             op_norm, method, matvecs = math.nan, "", 0
-            if isinstance(module, tuple(_CONVS)):
+            if not bool(w.detach().isfinite().all()):
+                pass  # no operator norm of a weight with NaN/inf (the note says so)
+            elif isinstance(module, tuple(_CONVS)):
                 op_norm, method, matvecs = _conv_entry(
                     module, in_shape, name in multiple, note, tol, max_matvecs, generator
                 )
@@ -594,6 +596,9 @@ def _svd_entry(
     """``(sv_max, sv_mean, notes)`` of one weight, computed once per tensor (ties share it)."""
     if w.numel() > max_elements:
         return math.nan, math.nan, [f"{w.numel()} elements > max_svd_elements: no exact SVD"]
+    bad = int((~w.detach().isfinite()).sum())
+    if bad:
+        return math.nan, math.nan, [f"{bad} non-finite value(s) (NaN or inf) in the weight"]
     if id(w) not in cache:
         s = singular_values(w)
         cache[id(w)] = (float(s[0]), mean_nonzero_singular_value(s, tuple(w.shape)))

@@ -340,7 +340,9 @@ def _gr_row(
     a4 = a**4
     n_in, k2, p2, notes = _p2(module, spec, kind, sums, examples)
     reached = float(sums[2, 1]) > 0
-    if not reached:
+    if not math.isfinite(float(sums[2, 0])):
+        notes.append("the output gradient is not finite (a NaN or inf loss or gradient)")
+    elif not reached:
         notes.append("no gradient reached the output (forward-only probe or unused output)")
     gamma_w = gamma_b = _NAN
     if n_in is not None and k2 is not None and math.isfinite(p2):
@@ -375,6 +377,38 @@ def _gr_row(
         "gamma_rel_median": _NAN,
         "note": "; ".join(notes),
     }
+
+
+def _unclaimed_row(
+    t: Mapping[str, Any], modules: Mapping[str, nn.Module], reg: Registry
+) -> dict[str, Any] | None:
+    """A row of NaNs for a probed module that holds a trainable matrix no registry handler
+    describes (a custom layer with a raw ``nn.Parameter``): its fans are unknown, so ``gamma`` is
+    not derived; the row says so rather than leaving the layer out. ``None`` for other modules."""
+    module = modules.get(t["layer"])
+    if module is None or reg.specs(module) is not None:
+        return None
+    raw = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad and p.dim() >= 2]
+    if not raw:
+        return None
+    row: dict[str, Any] = dict.fromkeys(GR_COLUMNS, _NAN)
+    row.update(
+        layer=t["layer"],
+        module_type=type(module).__name__,
+        kind="unclaimed",
+        n_in=None,
+        k2=None,
+        E_x2=t["E_x2"],
+        E_y2=t["E_y2"],
+        E_dy2=t["E_dy2"],
+        alpha=1.0,
+        note=(
+            f"no registry handler for {type(module).__name__} (raw parameter(s) "
+            f"{', '.join(raw)}): its fans are unknown, so gamma and nu are not derived; register "
+            "one (initlab.register_handler)"
+        ),
+    )
+    return row
 
 
 def _probe_data(
@@ -491,9 +525,15 @@ def gr_scaling(
     values = _probe_values(probe)
     _check_one_forward(probe, values)
     sums = _moment_sums(values, layers, all_reduce)
-    rows = [
-        _gr_row(name, module, spec, bias, sums[i], float(alpha.get(name, 1.0)), examples)
+    claimed = {
+        name: _gr_row(name, module, spec, bias, sums[i], float(alpha.get(name, 1.0)), examples)
         for i, (name, module, spec, bias) in enumerate(layers)
+    }
+    modules = dict(model.named_modules())
+    rows = [
+        claimed[t["layer"]] if t["layer"] in claimed else _unclaimed_row(t, modules, reg)
+        for t in probe.table()
+        if t["layer"] in claimed or _unclaimed_row(t, modules, reg) is not None
     ]
     finite = [r["gamma_w"] for r in rows if math.isfinite(r["gamma_w"]) and r["gamma_w"] > 0]
     if finite:

@@ -18,9 +18,11 @@ import torch
 from torch import nn
 
 from initlab._core.attention import math_attention
+from initlab._core.data import one_example_error
 from initlab._core.hooks import hook_handles
 from initlab._core.knobs import renamed_kwargs
 from initlab._core.pytree import flatten_tensors, map_tensors
+from initlab._core.rng import Seeds
 from initlab.measure.curvature.functional import (
     Forward,
     LossFn,
@@ -183,6 +185,10 @@ class CurvatureOperator(_MatvecOperator):
             ``model(**batch)``).
         buffers: buffer overrides for the functional call (e.g. frozen BatchNorm statistics);
             names as in ``model.named_buffers()``, ``None`` values allowed.
+        generator: seed (or generator) of the model's own randomness in every forward the
+            operator runs (dropout in train mode): each runs under a forked RNG seeded the same
+            way, so every product sees the same draws (the curvature of one fixed sub-network,
+            reproducible) and torch's global RNG is left as it was. ``None``: a fixed seed.
     """
 
     @renamed_kwargs(mode="ad_mode")
@@ -198,6 +204,7 @@ class CurvatureOperator(_MatvecOperator):
         ad_mode: Mode = "rev_rev",
         forward: Forward | None = None,
         buffers: Mapping[str, torch.Tensor | None] | None = None,
+        generator: torch.Generator | int | None = None,
     ) -> None:
         if kind not in _KINDS:
             raise ValueError(f"unknown kind {kind!r}; valid kinds: {list(_KINDS)}")
@@ -238,6 +245,7 @@ class CurvatureOperator(_MatvecOperator):
         self.shape = (offset, offset)
         self._buffer_overrides = dict(buffers or {})
         self._engine: _HessianEngine | _GGNEngine | None = None
+        self._seeds = Seeds(model, generator)
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -258,10 +266,16 @@ class CurvatureOperator(_MatvecOperator):
         """The product engine (built on first use: one forward and backward pass)."""
         if self._engine is None:
             try:
-                with math_attention():  # twice differentiable (initlab._core.attention)
+                # twice differentiable (initlab._core.attention); the model's own draws fixed
+                with math_attention(), self._seeds.scope():
                     self._engine = self._build_engine()
             except (RuntimeError, NotImplementedError) as err:
                 self._raise_located(err)
+            except ValueError as err:
+                single = one_example_error(err)  # a one-example batch in a train-mode BatchNorm
+                if single is None:
+                    raise
+                raise single from err
         assert self._engine is not None
         return self._engine
 
@@ -323,7 +337,7 @@ class CurvatureOperator(_MatvecOperator):
                 )
         engine = self.engine
         try:
-            with math_attention():
+            with math_attention(), self._seeds.scope():
                 return engine(tuple(v), support)
         except (RuntimeError, NotImplementedError) as err:
             self._raise_located(err)

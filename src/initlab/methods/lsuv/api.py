@@ -247,13 +247,16 @@ def lsuv_(
         :class:`~initlab.MethodReport` named ``"lsuv"``, one row per layer (schema
         :data:`LSUV_COLUMNS`), with ``forward_passes`` (full forwards of the model),
         ``backward_passes`` (0) and ``wall_s``; ``info`` holds ``sweeps``, ``block_replays``,
-        ``batches``, ``examples``, ``converged``, ``skipped`` (layer -> why it was not scaled:
-        never called, dead, unsupported, a module no registry handler claims that holds a raw
+        ``batches``, ``examples``, ``converged`` (every scaled layer within ``tol``, and at
+        least one scaled), ``skipped`` (layer -> why it was not scaled: never called, dead,
+        unsupported, frozen (a weight with ``requires_grad=False`` is kept as it is), shared with
+        a module LSUV does not scale, a module no registry handler claims that holds a raw
         weight matrix, ...; also warned about) and the settings.
 
     Raises:
         ValueError: bad options; ``data`` has fewer batches than asked for; non-finite data or a
-            non-finite layer output (the model is left unchanged).
+            non-finite layer output; no layer LSUV can scale (none holds a weight, or every one
+            is recurrent, frozen, shared, ...) (the model is left unchanged).
 
     Example:
         >>> net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(inplace=True), nn.Linear(64, 10))
@@ -273,12 +276,18 @@ def lsuv_(
         check_same_parameters(model, "lsuv_")
     used, runs = run_together("lsuv_", lambda: _take_data(data, max_batches, concat_batches))
     units = build_units(model, modules, registry)
+    chosen = "" if modules is None else f" among modules={modules!r}"
     if not units:
-        chosen = "" if modules is None else f" among modules={modules!r}"
         raise ValueError(
             f"lsuv_: no layer to scale{chosen}: no module holds a weight (LSUV scales linear, "
             "convolution, attention and embedding layers, and those a handler registered with "
             "initlab.register_handler describes)"
+        )
+    if all(u.kind == "static" for u in units):
+        why = "; ".join(f"{u.name}: {u.skipped}" for u in units[:4])
+        raise ValueError(
+            f"lsuv_: no layer to scale{chosen}: every weight layer is one LSUV cannot scale ({why}"
+            f"{' ...' if len(units) > 4 else ''}); nothing was changed"
         )
     block_names = find_blocks(model, blocks, strategy) if strategy != "layers" else {}
     engine = Engine(
@@ -302,7 +311,7 @@ def lsuv_(
         "block_replays": engine.replays,
         "batches": used.batches,
         "examples": used.examples,
-        "converged": not off,
+        "converged": not off and any(not u.skipped and not u.frozen for u in engine.active),
         "skipped": {u.name: u.skipped or u.frozen for u in units if u.skipped or u.frozen},
     }
     return MethodReport(

@@ -169,7 +169,17 @@ def build_units(model: nn.Module, modules: Selection | None, registry: Registry)
             if found is not None:
                 table.add(*found)
     _exclude_shared(model, table.units)
+    _exclude_frozen(table.units)
     return table.units
+
+
+def _exclude_frozen(units: list[Unit]) -> None:
+    """Turn into skipped rows the layers whose weight does not require a gradient: a frozen
+    layer (often pretrained) is kept as it is, neither re-drawn nor rescaled."""
+    for unit in units:
+        if unit.weight is not None and not unit.weight.requires_grad and not unit.skipped:
+            unit.kind = "static"
+            unit.skipped = "frozen: its weight does not require a gradient (requires_grad=False)"
 
 
 def _add_attention(

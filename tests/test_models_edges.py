@@ -1,0 +1,401 @@
+"""Issue 13, second sweep: models and losses at their edges.
+
+Shared and tied weights under preconditioning, frozen layers under LSUV, a model whose every layer
+LSUV cannot scale, TorchScript models, dropout in curvature products, NaN weights in spectra, a
+loss that carries no gradient or is undefined on a batch, token logits with torch's
+cross-entropy, keyword names users guess. Each: the value an independent computation gives, or an
+error that names what is wrong and what to do, the model left as it was.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import initlab
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _data(
+    rows: int = 32, features: int = 16, classes: int = 4
+) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return (
+        torch.randn(rows, features, generator=gen),
+        torch.randint(0, classes, (rows,), generator=gen),
+    )
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _hooks(model: nn.Module) -> int:
+    return sum(
+        len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
+        for m in model.modules()
+    )
+
+
+# ----------------------------------------------------------------------------- shared weights
+
+
+class _Shared(nn.Module):
+    """``a`` and ``b`` share one weight (a weight reused by two layers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+        self.b.weight = self.a.weight
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.c(torch.relu(self.b(torch.relu(self.a(x)))))))
+
+
+@pytest.mark.parametrize("how", ["lr", "parametrize"])
+def test_precondition_keeps_a_shared_weight_at_alpha_one(how: str) -> None:
+    model = _Shared()
+    x, y = _data()
+    with torch.no_grad():
+        before = model(x)
+    report = initlab.precondition_(model, [(x, y)], nn.CrossEntropyLoss(), how=how, generator=0)
+    rows = {r["layer"]: r for r in report.to_rows()}
+    assert rows["a"]["kind"] == rows["b"]["kind"] == "tied"
+    assert rows["a"]["alpha"] == rows["b"]["alpha"] == 1.0
+    assert rows["c"]["alpha"] != 1.0  # the others are balanced
+    assert torch.equal(model.a.weight, model.b.weight)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), before, rtol=1e-5, atol=1e-6)
+
+
+def test_preconditioned_param_groups_give_a_shared_weight_its_learning_rate_once() -> None:
+    model = _Shared()
+    x, y = _data()
+    report = initlab.precondition_(model, [(x, y)], nn.CrossEntropyLoss(), generator=0)
+    groups = initlab.preconditioned_param_groups(model, report, lr=0.1)
+    seen = [id(p) for g in groups for p in g["params"]]
+    assert len(seen) == len(set(seen))
+    lr_of = {id(p): g["lr"] for g in groups for p in g["params"]}
+    assert lr_of[id(model.a.weight)] == pytest.approx(0.1)
+
+
+# ----------------------------------------------------------------------------- LSUV
+
+
+def test_lsuv_leaves_a_frozen_layer_as_it_is() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)
+    )
+    model[0].requires_grad_(False)
+    frozen = _state(model[0])
+    with pytest.warns(UserWarning, match="not scaled"):
+        report = initlab.lsuv_(model, _data(256)[0], generator=0)
+    assert _same(frozen, _state(model[0]))
+    rows = {r["layer"]: r for r in report.to_rows()}
+    assert "frozen" in rows["0"]["skipped"]
+    assert rows["2"]["var_after"] == pytest.approx(1.0, abs=0.1)
+    assert report.info["converged"]
+
+
+class _OnlyLSTM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(16, 8, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rnn(x)[0]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        _OnlyLSTM,
+        lambda: nn.Sequential(nn.Linear(16, 8)).requires_grad_(False),
+    ],
+    ids=["recurrent_only", "all_frozen"],
+)
+def test_lsuv_with_no_layer_it_can_scale_raises_instead_of_claiming_convergence(
+    make: Callable[[], nn.Module],
+) -> None:
+    model = make()
+    before = _state(model)
+    x = torch.randn(8, 5, 16) if isinstance(model, _OnlyLSTM) else torch.randn(8, 16)
+    with pytest.raises(ValueError, match=r"no layer to scale.*nothing was changed"):
+        initlab.lsuv_(model, x)
+    assert _same(before, _state(model))
+
+
+def test_lsuv_on_dead_data_does_not_claim_convergence() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 8, bias=False), nn.ReLU(), nn.Linear(8, 4, bias=False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        report = initlab.lsuv_(model, torch.zeros(32, 16), orthogonal=False)
+    assert report.info["converged"] is False
+
+
+# ----------------------------------------------------------------------------- TorchScript
+
+
+_SCRIPTED_REFUSED: dict[str, Callable[[nn.Module, Any], Any]] = {
+    "init_model": lambda m, d: initlab.init_model(m, "geometric"),
+    "lsuv_": lambda m, d: initlab.lsuv_(m, d[0]),
+    "scale_output_": lambda m, d: initlab.scale_output_(m, d),
+    "measure_moments": lambda m, d: initlab.measure_moments(m, d, nn.CrossEntropyLoss()),
+    "MomentProbe": lambda m, d: initlab.MomentProbe(m),
+    "gr_scaling": lambda m, d: initlab.gr_scaling(m, d, nn.CrossEntropyLoss()),
+    "diagnose": lambda m, d: initlab.diagnose(m, d, nn.CrossEntropyLoss()),
+    "doctor": lambda m, d: initlab.doctor(m, d, nn.CrossEntropyLoss()),
+    "precondition_": lambda m, d: initlab.precondition_(m, d, nn.CrossEntropyLoss()),
+    "loss_landscape": lambda m, d: initlab.loss_landscape(m, d, nn.CrossEntropyLoss(), grid=2),
+    "block_curvature": lambda m, d: initlab.block_curvature(m, d, nn.CrossEntropyLoss()),
+}
+
+
+def _scripted() -> torch.jit.ScriptModule:
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return torch.jit.script(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)))
+
+
+@pytest.mark.parametrize("entry", list(_SCRIPTED_REFUSED))
+def test_a_torchscript_model_is_refused_with_the_way_out(entry: str) -> None:
+    model = _scripted()
+    before = _state(model)
+    with pytest.raises(TypeError, match=rf"{entry}: the model is a TorchScript module.*eager"):
+        _SCRIPTED_REFUSED[entry](model, _data())
+    assert _same(before, _state(model))
+
+
+@pytest.mark.parametrize("entry", ["gradinit_", "gradient_stats", "layer_spectra"])
+def test_entry_points_that_need_no_hooks_still_take_a_torchscript_model(entry: str) -> None:
+    x, y = _data()
+    data = [(x[:16], y[:16]), (x[16:], y[16:]), (x[:16], y[:16])]
+    out = getattr(initlab, entry)(_scripted(), data if entry == "gradinit_" else (x, y))
+    assert out is not None
+
+
+# ----------------------------------------------------------------------------- curvature
+
+
+def _dropout_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 4))
+
+
+@pytest.mark.parametrize("ad_mode", ["rev_rev", "fwd_rev"])
+def test_block_curvature_with_dropout_does_not_read_the_global_rng(ad_mode: str) -> None:
+    values = []
+    for seed in (1, 2):
+        model = _dropout_net()
+        torch.manual_seed(seed)
+        state = torch.get_rng_state()
+        rows = initlab.block_curvature(model, _data(), probes=3, generator=0, ad_mode=ad_mode)
+        assert torch.equal(state, torch.get_rng_state())
+        values.append([r["value"] for r in rows])
+    assert values[0] == values[1]
+
+
+def test_the_curvature_operator_fixes_the_dropout_mask_across_products() -> None:
+    # every product sees the same mask: H is one symmetric matrix, so v^T (H u) = u^T (H v)
+    x, y = _data()
+    op = initlab.measure.curvature.CurvatureOperator(
+        _dropout_net(), (x, y), nn.CrossEntropyLoss(), ad_mode="fwd_rev"
+    )
+    gen = torch.Generator().manual_seed(0)
+    u, v = (torch.randn(op.shape[1], generator=gen) for _ in range(2))
+    assert float(v @ (op @ u)) == pytest.approx(float(u @ (op @ v)), rel=1e-5)
+
+
+def test_block_curvature_on_a_one_example_batch_in_batch_norm_says_so() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 8), nn.BatchNorm1d(8), nn.Linear(8, 4))
+    x, y = _data(1)
+    with pytest.raises(ValueError, match="a batch of one example reached a batch norm"):
+        initlab.block_curvature(model, (x, y), probes=2)
+
+
+# ----------------------------------------------------------------------------- NaN weights
+
+
+def _nan_model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(144, 3))
+    with torch.no_grad():
+        model[3].weight[0, 0] = math.nan
+        model[0].weight[0, 0, 0, 0] = math.inf
+    return model
+
+
+def test_layer_spectra_names_a_weight_with_nan() -> None:
+    rows = initlab.layer_spectra(_nan_model(), torch.randn(4, 3, 8, 8)).to_rows()
+    for r in rows:
+        assert math.isnan(r["sv_max"]) and math.isnan(r["op_norm"])
+        assert "1 non-finite value(s)" in r["note"]
+
+
+def test_diagnose_reports_a_weight_with_nan_as_bad() -> None:
+    x, y = torch.randn(8, 3, 8, 8), torch.randint(0, 3, (8,))
+    report = initlab.diagnose(_nan_model(), (x, y), nn.CrossEntropyLoss())
+    verdicts = {r["layer"]: r["verdict"] for r in report.layers.to_rows()}
+    assert verdicts["0"] == verdicts["3"] == "bad"
+
+
+def test_gr_scaling_of_a_nan_loss_says_the_gradient_is_not_finite() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
+    rows = initlab.gr_scaling(
+        model, _data(), lambda m, b: F.cross_entropy(m(b[0]), b[1]) * math.nan
+    )
+    assert all("not finite" in r["note"] for r in rows.to_rows())
+
+
+# ----------------------------------------------------------------------------- losses
+
+
+def _detached(model: Any, batch: Any) -> torch.Tensor:
+    return F.cross_entropy(model(batch[0]).detach(), batch[1])
+
+
+_NO_GRADIENT: dict[str, Callable[[nn.Module, Any], Any]] = {
+    "measure_moments": lambda m, d: initlab.measure_moments(m, d, _detached),
+    "gr_scaling": lambda m, d: initlab.gr_scaling(m, d, _detached),
+    "gradient_stats": lambda m, d: initlab.gradient_stats(m, d, _detached),
+    "diagnose": lambda m, d: initlab.diagnose(m, d, _detached),
+    "precondition_": lambda m, d: initlab.precondition_(m, d, _detached),
+    "gradinit_": lambda m, d: initlab.gradinit_(m, [d] * 3, _detached),
+    "metainit_": lambda m, d: initlab.metainit_(m, [d] * 3, _detached),
+    "block_curvature": lambda m, d: initlab.block_curvature(m, d, _detached),
+}
+
+
+@pytest.mark.parametrize("entry", list(_NO_GRADIENT))
+def test_a_loss_without_gradient_is_named(entry: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
+    before = _state(model)
+    with pytest.raises(ValueError, match=r"does not depend on the .*parameters.*no gradient"):
+        _NO_GRADIENT[entry](model, _data())
+    assert _same(before, _state(model)) and _hooks(model) == 0
+
+
+class _TokenLM(nn.Module):
+    """Token logits ``(B, T, C)``, as a language model gives them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.head = nn.Embedding(20, 8), nn.Linear(8, 20)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.emb(tokens)))
+
+
+@pytest.mark.parametrize(
+    "criterion",
+    [
+        nn.CrossEntropyLoss(),
+        F.cross_entropy,
+        nn.CrossEntropyLoss(ignore_index=3),
+        functools.partial(F.cross_entropy, label_smoothing=0.1),
+    ],
+    ids=["module", "functional", "ignore_index", "partial"],
+)
+def test_torch_cross_entropy_takes_token_logits_and_targets(criterion: Any) -> None:
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 20, (4, 6), generator=gen)
+    targets = torch.randint(0, 20, (4, 6), generator=gen)
+    model = _TokenLM()
+    land = initlab.loss_landscape(model, (tokens, targets), criterion, grid=1)
+    with torch.no_grad():
+        want = float(criterion(model(tokens).transpose(1, 2), targets))
+    assert float(land.center) == pytest.approx(want, rel=1e-6)
+
+
+def test_doctor_refuses_a_batch_whose_loss_is_undefined_and_changes_nothing() -> None:
+    model = _TokenLM()
+    gen = torch.Generator().manual_seed(0)
+    batches = [
+        (torch.randint(0, 20, (4, 6), generator=gen), torch.randint(0, 20, (4, 6), generator=gen))
+        for _ in range(3)
+    ]
+    batches[1][1][:] = -100  # every target ignored: the mean over no target is 0/0
+    before = _state(model)
+    with pytest.raises(ValueError, match=r"loss of batch 1 is nan.*outputs on it are finite"):
+        initlab.doctor(model, batches, nn.CrossEntropyLoss(), fix=True, generator=0)
+    assert _same(before, _state(model)) and _hooks(model) == 0
+
+
+def test_doctor_compares_the_spread_over_the_same_layers_before_and_after() -> None:
+    model = _Shared()
+    x, y = _data()
+    report = initlab.doctor(
+        model, [(x, y)], nn.CrossEntropyLoss(), fix=["precondition"], generator=0
+    )
+    row = next(r for r in report.to_rows() if r["check"] == "gamma_spread_with_param_groups")
+    pre = report.reports["precondition"].to_rows()
+    gammas = [r["gamma_after"] for r in pre if r["gamma_after"] > 0]
+    assert row["after"] == pytest.approx(max(gammas) / min(gammas))
+    assert "keep their γ" in row["why"]
+
+
+# ----------------------------------------------------------------------------- keyword names
+
+
+@pytest.mark.parametrize(
+    "entry, kwargs, hint",
+    [
+        ("measure_moments", {"loss": nn.CrossEntropyLoss()}, "loss_fn="),
+        ("precondition_", {"criterion": nn.CrossEntropyLoss()}, "loss_fn="),
+        ("precondition_", {"max_batch": 1}, "max_batches="),
+        ("measure_moments", {"per_exampel": True}, "per_example="),
+    ],
+)
+def test_a_guessed_keyword_is_answered_with_initlabs_name(
+    entry: str, kwargs: dict[str, Any], hint: str
+) -> None:
+    torch.manual_seed(0)
+    with pytest.raises(
+        TypeError, match=rf"{entry}\(\) got an unexpected keyword argument .*did you mean {hint}"
+    ):
+        getattr(initlab, entry)(nn.Sequential(nn.Linear(16, 4)), _data(), **kwargs)
+
+
+class _RawLinear(nn.Module):
+    """A layer no registry handler describes: a raw ``nn.Parameter`` used through F.linear."""
+
+    def __init__(self, n_in: int, n_out: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(n_out, n_in) / n_in**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.w)
+
+
+def test_gr_scaling_lists_a_layer_it_cannot_derive_gamma_for() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(_RawLinear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    x, y = _data()
+    rows = initlab.gr_scaling(model, (x, y), nn.CrossEntropyLoss()).to_rows()
+    assert [r["layer"] for r in rows] == ["0", "2"]
+    raw = rows[0]
+    assert raw["kind"] == "unclaimed" and math.isnan(raw["gamma_w"])
+    assert "register_handler" in raw["note"]
+    assert raw["E_x2"] == pytest.approx(float(x.double().square().mean()), rel=1e-6)
