@@ -9,28 +9,89 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from initlab.cli._checks import (
+    check_device,
+    check_out_dir,
+    check_store,
+    fraction,
+    number_type,
+    positive_float,
+    positive_int,
+    seed_int,
+    store_schemes,
+)
+
 __all__ = ["add_bench", "bench_report", "bench_run"]
 
 
-def _rounds(text: str) -> int:
+_rounds = number_type(int, lambda v: v >= 0, "a number of rounds >= 0")
+
+
+def _load_spec(path: str) -> Any:
+    """The study spec of ``initlab bench run SPEC``; every error names the file."""
+    from initlab.study.spec import StudySpec
+
+    spec_path = Path(path)
+    if spec_path.is_dir():
+        raise ValueError(f"study spec {path} is a folder; give a YAML file")
+    if not spec_path.is_file():
+        raise ValueError(f"study spec {path} does not exist")
     try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a number of rounds, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"a number of rounds >= 0, got {value}")
-    return value
+        return StudySpec.from_yaml(spec_path)
+    except UnicodeDecodeError:
+        raise ValueError(f"study spec {path} is not a text (YAML) file") from None
+    except ImportError:
+        raise
+    except Exception as err:
+        mark = getattr(err, "problem_mark", None)
+        if mark is not None:  # a YAML syntax error: its problem and where
+            problem = getattr(err, "problem", None) or "invalid YAML"
+            where = f"line {mark.line + 1}, column {mark.column + 1}"
+            raise ValueError(f"study spec {path} is not valid YAML: {problem} ({where})") from err
+        text = " ".join((str(err).strip() or type(err).__name__).split())
+        if text.startswith(f"{path}:"):
+            text = text[len(path) + 1 :].strip()
+        kind = "" if isinstance(err, (ValueError, TypeError)) else f"{type(err).__name__}: "
+        raise ValueError(f"study spec {path}: {kind}{text}") from err
+
+
+def format_summary(summary: Any) -> str:
+    """A :class:`~initlab.study.runner.StudySummary` as a few readable lines."""
+    lines = [
+        f"study {summary.name}: {summary.n_runs} runs, {summary.n_skipped} already stored, "
+        f"{summary.n_trained} trained now ({summary.n_chunks} chunk(s)), "
+        f"{summary.n_by_others} by other drivers, {summary.n_failed} failed "
+        f"({summary.wall_s:.1f} s)",
+        f"store: {summary.store_path}",
+    ]
+    if summary.extension_rounds or summary.n_extended:
+        lines.append(
+            f"grid extension: {summary.extension_rounds} round(s), {summary.n_extended} run(s) "
+            "added"
+        )
+    if summary.edges_left:
+        lines.append(f"best rates still at the grid's edge: {', '.join(summary.edges_left)}")
+    for err in summary.errors:
+        first = str(err).strip().splitlines()
+        lines.append(f"failed chunk: {first[-1] if first else err}")
+    return "\n".join(lines)
 
 
 def bench_run(args: argparse.Namespace) -> int:
     """``initlab bench run SPEC``: train the study's missing runs (sharing the work with other
-    drivers on the same store), then extend the grid if asked."""
+    drivers on the same store), then extend the grid if asked. Every argument is checked before
+    the store is created."""
     from initlab.study.runner import StudyError, run_study
-    from initlab.study.spec import StudySpec
 
-    spec = StudySpec.from_yaml(args.spec)
+    check_device(args.device)
+    if args.stale_after <= args.heartbeat:
+        raise ValueError(
+            f"--stale-after ({args.stale_after:g} s) must be longer than --heartbeat "
+            f"({args.heartbeat:g} s), or other drivers take over this driver's live runs"
+        )
+    spec = _load_spec(args.spec)
     store = args.store or f"results/{spec.name}.sqlite"
-    Path(store).parent.mkdir(parents=True, exist_ok=True)
+    check_store(store, flag="--store", must_exist=False)
     try:
         summary = run_study(
             spec,
@@ -49,7 +110,7 @@ def bench_run(args: argparse.Namespace) -> int:
     except StudyError as err:
         print(f"initlab bench run: {err}", file=sys.stderr)
         return 1
-    print(summary)
+    print(format_summary(summary))
     print(f"\nreport: initlab bench report {store}")
     return 0
 
@@ -59,7 +120,16 @@ def bench_report(args: argparse.Namespace) -> int:
     the sensitivity table, plots; ``report.html`` and Markdown/CSV files."""
     from initlab.study.report import report_study
 
+    store = check_store(args.store, flag="STORE", must_exist=True)
+    schemes = store_schemes(store, args.study)
+    if schemes and args.reference not in schemes:
+        raise ValueError(
+            f"--reference {args.reference!r} is not a scheme of {store}"
+            + (f" (study {args.study!r})" if args.study else "")
+            + f"; valid: {', '.join(sorted(schemes))}"
+        )
     out = args.out or str(Path(args.store).with_suffix("")) + "-report"
+    check_out_dir("--out", out)
     rows = report_study(
         args.store,
         out,
@@ -91,10 +161,17 @@ def add_bench(sub: Any, *, data_dir_help: str) -> None:
     p.add_argument("spec", help="study spec, e.g. benchmarks/studies/table2.yaml")
     p.add_argument("--store", help="SQLite store (default: results/<study name>.sqlite)")
     p.add_argument("--backend", default="local", choices=["local", "ray"])
-    p.add_argument("--workers", type=int, default=1, help="parallel worker processes")
+    p.add_argument(
+        "--workers", type=positive_int, default=1, help="parallel worker processes (default: 1)"
+    )
     p.add_argument("--ray-address", help="Ray cluster address (default: a local Ray instance)")
-    p.add_argument("--chunk-size", type=int, default=64, help="runs trained together per chunk")
-    p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--chunk-size", type=positive_int, default=64,
+        help="runs trained together per chunk (default: 64)",
+    )  # fmt: skip
+    p.add_argument(
+        "--device", default="cpu", help="cpu, cuda, cuda:N or mps; checked first (default: cpu)"
+    )
     p.add_argument("--data-dir", help=data_dir_help)
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.add_argument(
@@ -121,14 +198,14 @@ def add_bench(sub: Any, *, data_dir_help: str) -> None:
     )
     p.add_argument(
         "--stale-after",
-        type=float,
+        type=positive_float,
         default=DEFAULT_STALE_AFTER_S,
         help="seconds without a heartbeat after which another driver's claimed runs are taken "
         f"over (default {DEFAULT_STALE_AFTER_S:g})",
     )
     p.add_argument(
         "--heartbeat",
-        type=float,
+        type=positive_float,
         default=DEFAULT_HEARTBEAT_S,
         help=f"seconds between renewals of this driver's claims (default {DEFAULT_HEARTBEAT_S:g})",
     )
@@ -142,14 +219,23 @@ def add_bench(sub: Any, *, data_dir_help: str) -> None:
     p.add_argument("--out", help="output folder (default: <store>-report)")
     p.add_argument("--study", help="only this study of the store")
     p.add_argument("--no-plots", action="store_true")
-    p.add_argument("--window", type=int, help="sliding window (steps) for loss curves")
+    p.add_argument(
+        "--window", type=positive_int, help="sliding window (steps, >= 1) for loss curves"
+    )
     p.add_argument(
         "--loss",
         choices=list(LOSS_MEASURES),
         help="compare this training loss in every variant (default: each variant's `loss`)",
     )
-    p.add_argument("--n-boot", type=int, default=2000, help="bootstrap replicates (2000)")
-    p.add_argument("--seed", type=int, default=0, help="seeds the bootstrap (0)")
-    p.add_argument("--level", type=float, default=0.95, help="interval coverage (0.95)")
-    p.add_argument("--reference", default="geometric", help="scheme paired against (geometric)")
+    p.add_argument(
+        "--n-boot", type=positive_int, default=2000, help="bootstrap replicates, >= 1 (2000)"
+    )
+    p.add_argument("--seed", type=seed_int, default=0, help="seeds the bootstrap (0)")
+    p.add_argument(
+        "--level", type=fraction, default=0.95, help="interval coverage, in (0, 1) (0.95)"
+    )
+    p.add_argument(
+        "--reference", default="geometric",
+        help="scheme paired against; one of the store's schemes (geometric)",
+    )  # fmt: skip
     p.set_defaults(func=bench_report)

@@ -29,7 +29,14 @@ from initlab.init.model import init_model
 from initlab.measure.probe import measure_moments
 from initlab.zoo.paper_mlp import PaperMLP
 
-__all__ = ["DEMO_SCHEMES", "DemoResult", "demo_study", "load_digits_tensors", "run_demo"]
+__all__ = [
+    "DEMO_SCHEMES",
+    "DemoResult",
+    "demo_study",
+    "demo_study_name",
+    "load_digits_tensors",
+    "run_demo",
+]
 
 DEMO_SCHEMES = ("fan_in", "fan_out", "arithmetic", "geometric", "operator_norm", "orthogonal")
 
@@ -156,6 +163,7 @@ def demo_study(
     schemes: Sequence[str] = ("fan_in", "fan_out", "arithmetic", "geometric"),
     *,
     seeds: int = 3,
+    seed: int = 0,
     lrs: Sequence[float] = (0.5, 0.125, 0.03125, 0.0078125),
     epochs: int = 3,
     progress: bool = True,
@@ -163,19 +171,23 @@ def demo_study(
     """Train the paper MLP on digits for each scheme × seed × learning rate; report as Table 2.
 
     The study (input LayerNorm, logits' std 0.05 after the first minibatch, SGD with momentum 0.9,
-    weight decay 1e-5, batch 64) is stored in ``out/demo.sqlite`` (a second call reuses finished
-    runs) and reported in ``out/study`` (``table2.md``, CSVs and plots). Returns the per-scheme
-    rows: median final training loss at the best learning rate, normalized by the worst scheme.
+    weight decay 1e-5, batch 64; seeds ``seed`` to ``seed + seeds - 1``) is stored in
+    ``out/demo.sqlite`` under a name made of the options (:func:`demo_study_name`: a second call
+    with the same options reuses its finished runs, other options make another study in the same
+    store) and reported in ``out/study`` (``table2.md``, CSVs and plots), that study only.
+    Returns the per-scheme rows: median final training loss at the best learning rate,
+    normalized by the worst scheme.
     """
     from initlab.study import StudySpec, report_study, run_study
 
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
+    name = demo_study_name(schemes, seed=seed, seeds=seeds, lrs=lrs, epochs=epochs)
     spec = StudySpec(
-        name="demo",
+        name=name,
         datasets=("sklearn:digits",),
         schemes=tuple(schemes),
-        seeds=tuple(range(seeds)),
+        seeds=tuple(range(seed, seed + seeds)),
         lrs=tuple(lrs),
         model="paper_mlp",
         model_cfg=(("input_norm", True), ("widths", (384, 64))),
@@ -188,4 +200,21 @@ def demo_study(
     )
     per_chunk = max(1, len(spec.runs()) // 4)
     run_study(spec, folder / "demo.sqlite", progress=progress, chunk_size=per_chunk)
-    return report_study(folder / "demo.sqlite", folder / "study")
+    return report_study(folder / "demo.sqlite", folder / "study", study=name)
+
+
+def demo_study_name(
+    schemes: Sequence[str],
+    *,
+    seed: int = 0,
+    seeds: int = 3,
+    lrs: Sequence[float] = (0.5, 0.125, 0.03125, 0.0078125),
+    epochs: int = 3,
+) -> str:
+    """The demo study's name in its store: ``demo`` and the options that change its runs, e.g.
+    ``demo[fan_in,geometric;seeds=1..3]``; learning rates and epochs are added when they are not
+    the defaults."""
+    tag = f"{','.join(schemes)};seeds={seed}..{seed + seeds - 1}"
+    if tuple(lrs) != (0.5, 0.125, 0.03125, 0.0078125) or epochs != 3:
+        tag += f";lrs={','.join(f'{lr:g}' for lr in lrs)};epochs={epochs}"
+    return f"demo[{tag}]"

@@ -60,7 +60,7 @@ def diagnose_command(
             generator=seed)``); default: keep the factory's initialization.
         batch_size: examples per batch (random data, digits, a big ``.pt`` batch).
         max_batches: at most this many batches of the data.
-        seed: seeds the data, the init and the random loss.
+        seed: seeds the model's construction, the data, the init and the random loss.
         data_dir: the data root of the named data sets (default: see
             :func:`initlab.data.data_root`).
         curvature: also compute Hessian blocks and theory vs actual.
@@ -73,7 +73,7 @@ def diagnose_command(
     """
     say = progress or (lambda _msg: None)
     say(f"building the model {model_spec}")
-    model, shape = load_model_spec(model_spec, model_kwargs)
+    model, shape = load_model_spec(model_spec, model_kwargs, seed=seed)
     if init is not None:
         from initlab.init.model import init_model
 

@@ -26,6 +26,8 @@ from initlab._core.loss import LOSSES, Loss, make_loss
 
 __all__ = [
     "DATA_SPECS",
+    "check_data_spec",
+    "check_loss_name",
     "has_targets",
     "load_data_spec",
     "load_factory",
@@ -51,12 +53,24 @@ def load_factory(spec: str, flag: str = "--model") -> Any:
         )
     if module_part.endswith(".py"):
         path = Path(module_part)
+        if path.is_dir():
+            raise ValueError(f"{flag} {path} is a folder, not a Python file")
         if not path.is_file():
             raise ValueError(f"{flag} file {path} does not exist")
         mod_spec = importlib.util.spec_from_file_location(path.stem, path)
         assert mod_spec is not None and mod_spec.loader is not None
         module = importlib.util.module_from_spec(mod_spec)
-        mod_spec.loader.exec_module(module)
+        try:
+            mod_spec.loader.exec_module(module)
+        except (Exception, SystemExit) as err:  # the user's file: any failure is bad input
+            detail = str(err).strip()
+            if isinstance(err, SyntaxError):
+                detail = f"{err.msg} (line {err.lineno})"
+            elif isinstance(err, SystemExit):
+                detail = f"it called sys.exit({err.code!r})"
+            raise ValueError(
+                f"{flag} {path}: executing the file failed: {type(err).__name__}: {detail}"
+            ) from err
     else:
         try:
             module = importlib.import_module(module_part)
@@ -83,9 +97,22 @@ def parse_shape(text: str) -> tuple[int, ...]:
 
 
 def load_model_spec(
+    spec: str, model_kwargs: str | Mapping[str, Any] | None, *, seed: int | None = None
+) -> tuple[nn.Module, Any]:
+    """``(model, example input shape or None)`` from ``zoo:NAME`` or ``pkg.module:factory``.
+
+    With ``seed``, the model is built under that seed (a factory draws its initial weights from
+    torch's global RNG; its state outside this call is left as it was)."""
+    if seed is None:
+        return _load_model_spec(spec, model_kwargs)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return _load_model_spec(spec, model_kwargs)
+
+
+def _load_model_spec(
     spec: str, model_kwargs: str | Mapping[str, Any] | None
 ) -> tuple[nn.Module, Any]:
-    """``(model, example input shape or None)`` from ``zoo:NAME`` or ``pkg.module:factory``."""
     try:
         kwargs = json.loads(model_kwargs) if isinstance(model_kwargs, str) else model_kwargs
     except json.JSONDecodeError as err:
@@ -116,6 +143,36 @@ def has_targets(batch: Any) -> bool:
     if isinstance(batch, Mapping):
         return any(k in batch for k in ("labels", "label", "targets", "target", "y"))
     return isinstance(batch, (tuple, list)) and len(batch) >= 2
+
+
+def check_loss_name(name: str) -> None:
+    """Refuse a ``--loss`` that is neither a name of :data:`LOSSES` nor ``pkg.module:fn`` (which
+    is resolved now), before any work."""
+    if name in LOSSES:
+        return
+    if ":" not in name:
+        raise ValueError(f"unknown --loss {name!r}; valid: {', '.join(LOSSES)} or pkg.module:fn")
+    load_factory(name, "--loss")
+
+
+def check_data_spec(spec: str) -> None:
+    """Refuse a ``--data`` that names a file that is not there, or nothing known, before any
+    work (loading happens later)."""
+    if spec == "random" or spec.startswith("random:"):
+        if ":" in spec:
+            parse_shape(spec.split(":", 1)[1])
+        return
+    if spec == "digits":
+        return
+    if spec.endswith((".pt", ".pth")):
+        path = Path(spec)
+        if path.is_dir():
+            raise ValueError(f"--data {spec} is a folder; give a .pt file saved with torch.save")
+        if not path.is_file():
+            raise ValueError(f"--data file {spec} does not exist")
+        return
+    if _dataset_name(spec) is None and ":" not in spec:
+        raise ValueError(f"unknown --data {spec!r}; give {DATA_SPECS}")
 
 
 def load_loss(name: str, *, seed: int, targets: bool) -> Loss | Any:

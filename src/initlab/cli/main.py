@@ -14,18 +14,40 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import io
 import json
+import os
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from initlab.cli._checks import (
+    check_out_dir,
+    check_out_file,
+    positive_int,
+    seed_int,
+    translate,
+)
+
 __all__ = ["main"]
+
+
+def _note(args: argparse.Namespace, text: str) -> None:
+    """A one-line warning of the command line itself on stderr: ``initlab <cmd>: warning: ...``."""
+    print(f"initlab {_command_name(args)}: warning: {text}", file=sys.stderr, flush=True)
+
+
+def _command_name(args: argparse.Namespace) -> str:
+    sub = getattr(args, "bench_command", None)
+    return f"{args.command} {sub}" if sub else str(args.command)
 
 
 def _cmd_schemes(args: argparse.Namespace) -> int:
@@ -62,13 +84,35 @@ def _progress_printer(label: str, total: int | None) -> Any:
     return tick
 
 
+#: What ``initlab init`` options each --method reads (the others warn that they are unused).
+_METHOD_OPTIONS = {
+    "--loss": ("gradinit", "metainit", "precondition"),
+    "--steps": ("gradinit", "metainit"),
+    "--how": ("precondition",),
+}
+
+#: ``--max-batches`` without a value: this many, or what ``--steps`` needs.
+_DEFAULT_INIT_BATCHES = 8
+
+
+def _max_batches_for(args: argparse.Namespace) -> int:
+    """``--max-batches``, or its default raised to what ``--steps`` needs (gradinit reads batch t
+    and t+1 per step, metainit one batch per step)."""
+    if args.max_batches is not None:
+        return int(args.max_batches)
+    if args.steps is not None and args.method in ("gradinit", "metainit"):
+        need = args.steps + 1 if args.method == "gradinit" else args.steps
+        return max(_DEFAULT_INIT_BATCHES, need)
+    return _DEFAULT_INIT_BATCHES
+
+
 def _run_method(args: argparse.Namespace, model: nn.Module) -> Any:
     from initlab.cli.inputs import has_targets, load_data_spec, load_loss
 
     module_name, fn_name, takes_loss = _METHODS[args.method]
     method = getattr(importlib.import_module(module_name), fn_name)
     data = load_data_spec(
-        args.data, args.input_shape, batch_size=args.batch_size, batches=args.max_batches,
+        args.data, args.input_shape, batch_size=args.batch_size, batches=_max_batches_for(args),
         seed=args.seed, data_dir=args.data_dir,
     )  # fmt: skip
     kwargs: dict[str, Any] = {"generator": args.seed}
@@ -76,6 +120,8 @@ def _run_method(args: argparse.Namespace, model: nn.Module) -> Any:
         kwargs["progress"] = _progress_printer(args.method, args.steps)
         if args.steps is not None:
             kwargs["steps"] = args.steps
+    if args.method == "precondition":
+        kwargs["how"] = args.how or "lr"
     if takes_loss:
         loss = args.loss or "auto"
         loss_fn = load_loss(loss, seed=args.seed, targets=has_targets(data[0]))
@@ -83,40 +129,102 @@ def _run_method(args: argparse.Namespace, model: nn.Module) -> Any:
     return method(model, data, **kwargs)
 
 
+def _parse_bias(text: str) -> str | float:
+    if text in ("zeros", "keep"):
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(
+            f"--bias {text!r}: give 'zeros', 'keep' (the factory's biases) or a number"
+        ) from None
+
+
+def _check_init_options(args: argparse.Namespace) -> None:
+    """Refuse bad values and warn about options this run does not use, before any work."""
+    from initlab.cli.inputs import check_data_spec, check_loss_name
+
+    if args.loss is not None:
+        check_loss_name(args.loss)
+    if args.data is not None:
+        check_data_spec(args.data)
+    if args.method is None:
+        unused = [f for f, v in (("--data", args.data), ("--data-dir", args.data_dir),
+                                 ("--input-shape", args.input_shape), ("--loss", args.loss),
+                                 ("--steps", args.steps), ("--how", args.how),
+                                 ("--max-batches", args.max_batches)) if v is not None]  # fmt: skip
+        if unused:
+            _note(args, f"{', '.join(unused)} only used with --method (data-dependent init); "
+                  "ignored here")  # fmt: skip
+    else:
+        for flag, methods in _METHOD_OPTIONS.items():
+            if getattr(args, flag[2:]) is not None and args.method not in methods:
+                _note(args, f"{flag} is only used with --method {' or '.join(methods)}; "
+                      f"ignored with --method {args.method}")  # fmt: skip
+        if args.input_shape is not None and args.data not in (None, "random"):
+            _note(args, f"--input-shape is only used with random data (no --data, or --data "
+                  f"random); ignored with --data {args.data}")  # fmt: skip
+    if args.how == "parametrize":
+        raise ValueError(
+            "--how parametrize registers torch parametrizations, which a state dict cannot "
+            "carry (the multipliers are not tensors); use --how lr (weights unchanged, per-layer "
+            "learning-rate scales in --report) or --how rescale (weights changed), or call "
+            "initlab.precondition_(model, data, how='parametrize') in Python"
+        )
+
+
 def _cmd_init(args: argparse.Namespace) -> int:
     from initlab.cli.inputs import load_model_spec, parse_shape
     from initlab.init.model import init_model
 
-    model, shape = load_model_spec(args.model, args.model_kwargs)
+    out = check_out_file("--out", args.out)
+    report_path = check_out_file("--report", args.report) if args.report else None
+    bias = _parse_bias(args.bias)
+    _check_init_options(args)
+    model, shape = load_model_spec(args.model, args.model_kwargs, seed=args.seed)
     args.input_shape = parse_shape(args.input_shape) if args.input_shape else shape
-    bias: str | float = args.bias
-    if bias not in ("zeros", "keep"):
-        bias = float(bias)
     scheme = args.scheme or ("geometric" if args.method is None else None)
     report: Any = None
+    printed: list[Any] = []
     if scheme is not None:
         report = init_model(model, scheme, generator=args.seed, bias=bias, policy=args.policy)
-        print(report)
+        printed.append(report)
     if args.method is not None:
         report = _run_method(args, model)
         if sys.stderr.isatty():
             print(file=sys.stderr)
-        print(report)
+        printed.append(report)
         if getattr(report, "trace", None) is not None:
-            print(report.trace)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+            printed.append(report.trace)
+    # the files first: a closed stdout (`| head -1`) must not cost the results
     torch.save(model.state_dict(), out)
+    if report_path is not None and report is not None:
+        report_path.write_text(json.dumps(report.to_rows(), indent=1, default=str))
+    for item in printed:
+        print(item)
     print(f"\nsaved state dict to {out}")
-    if args.report and report is not None:
-        Path(args.report).write_text(json.dumps(report.to_rows(), indent=1, default=str))
-        print(f"saved report rows to {args.report}")
+    if report_path is not None and report is not None:
+        print(f"saved report rows to {report_path}")
+    if args.method == "precondition" and (args.how or "lr") == "lr":
+        where = f"in {report_path}" if report_path else "above (add --report FILE to save them)"
+        print(
+            "note: precondition --how lr leaves the weights unchanged (the saved state dict is "
+            "the init's); its result is the per-layer learning-rate scales lr_scale_sgd and "
+            f"lr_scale_adam, {where}. --how rescale changes the weights instead."
+        )
     return 0
 
 
 def _cmd_diagnose(args: argparse.Namespace) -> int:
     from initlab.cli.diagnose import diagnose_command
+    from initlab.cli.inputs import check_data_spec, check_loss_name
 
+    if args.out:
+        check_out_dir("--out", args.out)
+    if args.loss is not None:
+        check_loss_name(args.loss)
+    if args.data is not None:
+        check_data_spec(args.data)
     report = diagnose_command(
         args.model,
         args.data,
@@ -139,10 +247,22 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from initlab.cli.inputs import has_targets, load_data_spec, load_loss, load_model_spec
+    from initlab.cli.inputs import (
+        check_data_spec,
+        check_loss_name,
+        has_targets,
+        load_data_spec,
+        load_loss,
+        load_model_spec,
+    )
     from initlab.diagnostics.doctor import doctor
 
-    model, shape = load_model_spec(args.model, args.model_kwargs)
+    folder = check_out_dir("--out", args.out) if args.out else None
+    if args.loss is not None:
+        check_loss_name(args.loss)
+    if args.data is not None:
+        check_data_spec(args.data)
+    model, shape = load_model_spec(args.model, args.model_kwargs, seed=args.seed)
     data = load_data_spec(
         args.data, shape, batch_size=args.batch_size, batches=args.max_batches, seed=args.seed,
         data_dir=args.data_dir,
@@ -161,12 +281,11 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         "model": args.model, "data": args.data or "random", "loss": loss_name,
         "batch_size": args.batch_size, "max_batches": args.max_batches, "seed": args.seed,
     }  # fmt: skip
-    print(report.summary(how_to_fix="the same command with --fix applies the fixes"))
-    if args.out:
-        folder = Path(args.out)
-        folder.mkdir(parents=True, exist_ok=True)
+    if folder is not None:  # the files first: a closed stdout must not cost them
         (folder / "doctor.md").write_text(report.to_markdown(), encoding="utf-8")
         (folder / "doctor.json").write_text(report.to_json(indent=1), encoding="utf-8")
+    print(report.summary(how_to_fix="the same command with --fix applies the fixes"))
+    if folder is not None:
         print(f"\nreport written to {folder}/doctor.md and {folder}/doctor.json")
     return 0
 
@@ -175,28 +294,36 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from initlab.cli.demo import DEMO_SCHEMES, demo_study, run_demo
 
     schemes = args.schemes.split(",") if args.schemes else list(DEMO_SCHEMES)
+    schemes = [s.strip() for s in schemes if s.strip()]
+    if not schemes:
+        raise ValueError(f"--schemes {args.schemes!r} names no scheme; e.g. fan_in,geometric")
     start = time.perf_counter()
     out = Path(args.out)
+    if not args.quick:
+        check_out_dir("--out", out)
 
     def step(text: str) -> None:
         print(f"\n== {text} ({time.perf_counter() - start:.1f} s)", flush=True)
 
-    step("1/3 moments: forward/backward second moments per layer and scheme")
+    step(f"1/3 moments: forward/backward second moments per layer and scheme (seed {args.seed}, "
+         f"batch {args.batch_size})")  # fmt: skip
     print(run_demo(schemes, seed=args.seed, batch_size=args.batch_size))
     if not args.quick:
         from initlab.cli.diagnose import diagnose_demo
 
-        step("2/3 diagnosis: GR scaling, weight-to-gradient ratio, verdicts per layer")
+        step(f"2/3 diagnosis: GR scaling, weight-to-gradient ratio, verdicts per layer "
+             f"(seed {args.seed})")  # fmt: skip
         _, comparison = diagnose_demo(
             schemes, seed=args.seed, out=out / "diagnosis",
             progress=lambda msg: print(f"   {msg}", flush=True),
         )  # fmt: skip
         print(comparison)
-        step("3/3 training: schemes x 3 seeds x 4 learning rates, 3 epochs (vectorized)")
         study_schemes = [
             s for s in schemes if s in ("fan_in", "fan_out", "arithmetic", "geometric")
-        ]
-        print(demo_study(out, study_schemes or schemes))
+        ] or schemes
+        step(f"3/3 training: {', '.join(study_schemes)} x 3 seeds (from {args.seed}) x 4 "
+             "learning rates, 3 epochs (vectorized)")  # fmt: skip
+        print(demo_study(out, study_schemes, seed=args.seed))
         print(f"\nreport folder: {out}/ (diagnosis/*.html, study/table2.md, study/plots/)")
     print(f"\ndone in {time.perf_counter() - start:.1f} s")
     return 0
@@ -204,8 +331,19 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def _cmd_data(args: argparse.Namespace) -> int:
     from initlab._core.rows import Rows
-    from initlab.data import list_datasets
+    from initlab.data import data_root, list_datasets
 
+    root = data_root(args.data_dir)
+    if args.data_dir is not None:
+        how = "from --data-dir"
+    elif os.environ.get("INITLAB_DATA_DIR"):
+        how = "from $INITLAB_DATA_DIR"
+    else:
+        how = "the default"
+    print(f"data root: {root} ({how})")
+    if not root.is_dir():
+        _note(args, f"the data root {root} ({how}) is not a folder; only the bundled "
+              "scikit-learn sets are available")  # fmt: skip
     print(Rows(list_datasets(args.data_dir), title="initlab data sets"))
     return 0
 
@@ -215,20 +353,21 @@ _DATA_HELP = (
     "random | random:3x32x32 | digits | a data set `initlab data` lists (libsvm:letter, mnist, "
     "...) | file.pt | pkg.module:fn"
 )
-_DATA_DIR_HELP = "data root (default: $INITLAB_DATA_DIR or ../shared/data)"
+_DATA_DIR_HELP = (
+    "data root of the named data sets (default: $INITLAB_DATA_DIR, else ../shared/data if that "
+    "folder exists, else ~/initlab-data; `initlab data` prints the one in use)"
+)
+
+
+def _loss_help(prefix: str) -> str:
+    from initlab._core.loss import LOSSES
+
+    return f"{prefix}{' | '.join(LOSSES)} | pkg.module:fn (fn(model, batch) -> scalar)"
+
 
 Subparsers = Any  # argparse's private _SubParsersAction
 
-
-def _positive_int(text: str) -> int:
-    """An argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
+_positive_int = positive_int  # the name tests and older code import
 
 
 def _add_schemes(sub: Subparsers) -> None:
@@ -250,32 +389,62 @@ def _add_init(sub: Subparsers) -> None:
     )
     p.add_argument("--data", help=f"data for --method: {_DATA_HELP}")
     p.add_argument("--data-dir", help=_DATA_DIR_HELP)
-    p.add_argument("--input-shape", help="per-example input shape for random data, e.g. 3x32x32")
     p.add_argument(
-        "--loss",
-        help="loss for gradinit/metainit/precondition: auto | "
-        "cross_entropy | mse | random_quadratic | pkg.module:fn",
+        "--input-shape",
+        help="per-example input shape of --method's random data (no --data, or --data random), "
+        "e.g. 3x32x32; overrides a zoo model's shape",
     )
-    p.add_argument("--batch-size", type=_positive_int, default=64)
     p.add_argument(
-        "--max-batches", "--batches", dest="max_batches", type=_positive_int, default=8,
-        help="at most this many batches of --data for --method (--batches: the old name)",
+        "--loss", help=_loss_help("loss of gradinit/metainit/precondition (default auto): ")
+    )
+    p.add_argument(
+        "--batch-size", type=positive_int, default=64,
+        help="examples per batch of --method's data (default: %(default)s)",
     )  # fmt: skip
     p.add_argument(
-        "--steps", type=_positive_int,
-        help="gradinit/metainit: optimization steps (default: one pass)",
+        "--max-batches", "--batches", dest="max_batches", type=positive_int, default=None,
+        help=f"at most this many batches of --data for --method (default: "
+        f"{_DEFAULT_INIT_BATCHES}, or what --steps needs: steps+1 for gradinit, steps for "
+        "metainit; --batches: the old name)",
     )  # fmt: skip
-    p.add_argument("--seed", type=int, default=0, help="seed of the init's torch.Generator")
-    p.add_argument("--bias", default="zeros", help="'zeros', 'keep' or a number")
+    p.add_argument(
+        "--steps", type=positive_int,
+        help="gradinit/metainit: optimization steps (default: one pass over the --max-batches "
+        f"batches, {_DEFAULT_INIT_BATCHES - 1} for gradinit and {_DEFAULT_INIT_BATCHES} for "
+        "metainit with the default)",
+    )  # fmt: skip
+    p.add_argument(
+        "--how",
+        choices=["lr", "rescale", "parametrize"],
+        help="precondition: 'lr' (default) leaves the weights unchanged and reports per-layer "
+        "learning-rate scales (save them with --report); 'rescale' changes the weights in "
+        "place (ReLU chains without normalization only); 'parametrize' is refused: a state dict "
+        "cannot carry it (use the Python API)",
+    )
+    p.add_argument(
+        "--seed", type=seed_int, default=0,
+        help="seeds the model's construction, the init's torch.Generator and the data "
+        "(default: %(default)s)",
+    )  # fmt: skip
+    p.add_argument(
+        "--bias", default="zeros",
+        help="'zeros', 'keep' (the factory's biases) or a number (default: %(default)s)",
+    )  # fmt: skip
     p.add_argument(
         "--policy",
         default="warn",
         choices=["error", "warn", "skip"],
-        help="what to do with parameters no handler claims",
+        help="what to do with parameters no handler claims (default: %(default)s)",
     )
     p.add_argument("--out", required=True, help="where to save the state dict (.pt)")
-    p.add_argument("--report", help="also save the method's report rows as JSON here")
+    p.add_argument("--report", help="also save the report rows as JSON here")
     p.set_defaults(func=_cmd_init)
+
+
+_SEED_HELP = (
+    "seeds the model's construction, the data, the init/fixes and the random loss (default: "
+    "%(default)s)"
+)
 
 
 def _add_diagnose(sub: Subparsers) -> None:
@@ -284,7 +453,7 @@ def _add_diagnose(sub: Subparsers) -> None:
     p.add_argument("--init", help="initialize with this scheme first (default: keep)")
     p.add_argument("--out", help="folder for report.html, report.json, report.md, summary.txt")
     _add_batches(p)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_int, default=0, help=_SEED_HELP)
     p.add_argument("--curvature", action="store_true", help="also Hessian blocks (slower)")
     p.add_argument("--no-plots", action="store_true")
     p.set_defaults(func=_cmd_diagnose)
@@ -296,15 +465,22 @@ def _add_model_data_loss(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-kwargs", help="JSON object of keyword arguments for the factory")
     p.add_argument("--data", help=f"{_DATA_HELP} (default: random inputs of a zoo model's shape)")
     p.add_argument("--data-dir", help=_DATA_DIR_HELP)
-    p.add_argument("--loss", help="auto | cross_entropy | mse | random_quadratic | pkg.module:fn")
+    p.add_argument(
+        "--loss",
+        help=_loss_help("default: auto with targets, random_quadratic without; "),
+    )
 
 
 def _add_batches(p: argparse.ArgumentParser) -> None:
     """--batch-size and --max-batches (--batches: the old name) of ``diagnose`` and ``doctor``."""
-    p.add_argument("--batch-size", type=_positive_int, default=64)
     p.add_argument(
-        "--max-batches", "--batches", dest="max_batches", type=_positive_int, default=4,
-        help="at most this many batches of --data (--batches: the old name)",
+        "--batch-size", type=positive_int, default=64,
+        help="examples per batch (default: %(default)s)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-batches", "--batches", dest="max_batches", type=positive_int, default=4,
+        help="at most this many batches of --data (default: %(default)s; --batches: the old "
+        "name)",
     )  # fmt: skip
 
 
@@ -320,7 +496,7 @@ def _add_doctor(sub: Subparsers) -> None:
     )  # fmt: skip
     p.add_argument("--out", help="folder for doctor.md and doctor.json")
     _add_batches(p)
-    p.add_argument("--seed", type=int, default=0, help="seeds the data, the fixes and the loss")
+    p.add_argument("--seed", type=seed_int, default=0, help=_SEED_HELP)
     p.set_defaults(func=_cmd_doctor)
 
 
@@ -336,13 +512,37 @@ def _add_bench(sub: Subparsers) -> None:
     add_bench(sub, data_dir_help=_DATA_DIR_HELP)
 
 
+def _demo_batch(text: str) -> int:
+    """An argparse type: the demo's measured batch, 2 to 1,797 (the digits set's size)."""
+    value = positive_int(text)
+    if not 2 <= value <= 1797:
+        raise argparse.ArgumentTypeError(f"must be in [2, 1797] (the digits set), got {text}")
+    return value
+
+
 def _add_demo(sub: Subparsers) -> None:
-    p = sub.add_parser("demo", help="compare schemes on the paper MLP with bundled digits data")
+    p = sub.add_parser(
+        "demo",
+        help="compare schemes on the paper MLP with bundled digits data",
+        description="Three steps: 1. moments of one batch per scheme; 2. the per-layer "
+        "diagnosis per scheme (4 batches of 256); 3. a small training study (fan_in, fan_out, "
+        "arithmetic, geometric among --schemes) x 3 seeds x 4 learning rates, batch 64, stored "
+        "in OUT/demo.sqlite under a study named after the schemes and seed (finished runs of "
+        "the same options are reused).",
+    )
     p.add_argument("--schemes", help="comma-separated scheme names (default: all demo schemes)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=1024)
+    p.add_argument(
+        "--seed", type=seed_int, default=0,
+        help="seeds all three steps: the init, the batches, and the study's seeds (SEED, "
+        "SEED+1, SEED+2) (default: %(default)s)",
+    )  # fmt: skip
+    p.add_argument(
+        "--batch-size", type=_demo_batch, default=1024,
+        help="examples in step 1's measured batch, 2 to 1797 (default: %(default)s; steps 2 and "
+        "3 use batches of 256 and 64)",
+    )  # fmt: skip
     p.add_argument("--out", default="initlab-demo", help="report folder (default: initlab-demo)")
-    p.add_argument("--quick", action="store_true", help="moments only (seconds)")
+    p.add_argument("--quick", action="store_true", help="step 1 only (seconds); writes nothing")
     p.set_defaults(func=_cmd_demo)
 
 
@@ -357,11 +557,22 @@ def _parser() -> argparse.ArgumentParser:
         _add_schemes, _add_init, _add_diagnose, _add_doctor, _add_data, _add_bench, _add_demo,
     ):  # fmt: skip
         add(sub)
-    for command in sub.choices.values():  # also after the command: initlab init ... --debug
+    for command in _leaf_parsers(sub):  # also after the command: initlab init ... --debug
         command.add_argument(
             "--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP
         )
     return parser
+
+
+def _leaf_parsers(sub: Subparsers) -> Iterator[argparse.ArgumentParser]:
+    """The parsers of every (sub)command that takes options: ``init``, ..., ``bench run``."""
+    for command in sub.choices.values():
+        nested = [a for a in command._actions if isinstance(a, argparse._SubParsersAction)]
+        if nested:
+            for inner in nested:
+                yield from _leaf_parsers(inner)
+        else:
+            yield command
 
 
 _DEBUG_HELP = "on an error, print the full traceback too (default: the message alone)"
@@ -378,39 +589,118 @@ _SHAPE_ERRORS = (
 )
 
 
-def _message(err: BaseException) -> str:
+def _shape_hint(command: str) -> str:
+    if command == "init":
+        return "do --data, --input-shape and the model's input agree?"
+    return (
+        "do --data (e.g. random:3x32x32 for that shape per example) and the model's input "
+        "agree? A factory's input size may be set with --model-kwargs"
+    )
+
+
+def _message(err: BaseException, command: str = "init") -> str:
     """The one-line text of an error: its message, with the type where the message alone is
-    unclear, and a hint for a model that cannot run on the data."""
+    unclear, a hint for a model that cannot run on the data, and the library's Python wording
+    (``root=``, ``policy='warn'``) said with the command's flags."""
     if isinstance(err, OSError) and err.filename is not None and err.strerror:
         return f"{err.strerror}: {err.filename}"
     text = str(err).strip() or type(err).__name__
     if not isinstance(err, (ValueError, TypeError, ImportError, ArithmeticError, OSError)):
         text = f"{type(err).__name__}: {text}"
     if isinstance(err, RuntimeError) and any(s in text.lower() for s in _SHAPE_ERRORS):
-        text += (
-            " (the model could not run on the data: do --data, --input-shape and the model's "
-            "input agree?)"
-        )
-    return text
+        text += f" (the model could not run on the data: {_shape_hint(command)})"
+    return translate(text)
+
+
+class _QuietStdout(io.TextIOBase):
+    """``sys.stdout`` during a command: a reader that went away (``| head -1``) silences the
+    output instead of failing the command, so every file it writes is still written.
+
+    As Python's documentation recommends for SIGPIPE, the process's stdout is pointed at
+    ``os.devnull`` once the pipe is broken, so the interpreter's final flush is quiet too.
+    """
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self.broken = False
+
+    def _silence(self) -> None:
+        self.broken = True
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, AttributeError):  # not a file (a test's capture)
+            pass
+
+    def write(self, text: str) -> int:
+        if not self.broken:
+            try:
+                return int(self._stream.write(text))
+            except BrokenPipeError:
+                self._silence()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.broken:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._silence()
+
+    def isatty(self) -> bool:
+        return bool(self._stream.isatty())
+
+    def writable(self) -> bool:
+        return True
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return str(getattr(self._stream, "encoding", "utf-8"))
+
+
+@contextmanager
+def _command_io(args: argparse.Namespace) -> Iterator[_QuietStdout]:
+    """A broken-pipe-proof stdout, and warnings printed as ``initlab <cmd>: warning: ...``."""
+    quiet = _QuietStdout(sys.stdout)
+    name = _command_name(args)
+
+    def show(message: Any, category: Any, *_args: Any, **_kwargs: Any) -> None:
+        text = translate(" ".join(str(message).split()))
+        print(f"initlab {name}: warning: {text}", file=sys.stderr, flush=True)
+
+    saved = sys.stdout
+    sys.stdout = quiet  # type: ignore[assignment]
+    try:
+        with warnings.catch_warnings():
+            warnings.showwarning = show
+            yield quiet
+    finally:
+        quiet.flush()
+        sys.stdout = saved
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``initlab`` command; returns the exit code.
 
     Every error of a command is printed as ``initlab <command>: error: <message>`` on stderr (the
-    traceback too with ``--debug``); see the module docstring for the exit codes.
+    traceback too with ``--debug``); see the module docstring for the exit codes. A closed
+    stdout (``initlab init ... | head -1``) is not an error: the files are written and the rest
+    of the output is dropped.
     """
     args = _parser().parse_args(argv)
-    try:
-        return int(args.func(args))
-    except KeyboardInterrupt:
-        print(f"initlab {args.command}: interrupted", file=sys.stderr)
-        return 130
-    except Exception as err:
-        if args.debug:
-            traceback.print_exc()
-        print(f"initlab {args.command}: error: {_message(err)}", file=sys.stderr)
-        return 2 if isinstance(err, _INPUT_ERRORS) else 1
+    name = _command_name(args)
+    with _command_io(args):
+        try:
+            return int(args.func(args))
+        except KeyboardInterrupt:
+            print(f"initlab {name}: interrupted", file=sys.stderr)
+            return 130
+        except Exception as err:
+            if args.debug:
+                traceback.print_exc()
+            print(f"initlab {name}: error: {_message(err, args.command)}", file=sys.stderr)
+            return 2 if isinstance(err, _INPUT_ERRORS) else 1
 
 
 if __name__ == "__main__":  # pragma: no cover

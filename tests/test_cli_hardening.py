@@ -1,0 +1,491 @@
+"""The command line's edges: ``python -m initlab``, a closed stdout, arguments checked before any
+work (and before any file is created), the library's Python wording said with the flags, options
+that a run does not use, readable summaries and help."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from initlab.cli import main
+from initlab.cli._checks import translate
+from initlab.cli.bench import format_summary
+
+_MODELS = """
+import torch
+from torch import nn
+
+def mlp():
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+
+def data_ok():
+    return [(torch.randn(16, 4), torch.randint(0, 3, (16,))) for _ in range(4)]
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.scale = nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+def scaled():
+    return Scaled()
+"""
+
+_SPEC = """
+name: tiny
+datasets: [sklearn:iris]
+model: paper_mlp
+model_cfg: {widths: [8], input_norm: true}
+schemes: [fan_in, geometric]
+seeds: 1
+lrs: [0.1]
+epochs: 1
+batch_size: 64
+"""
+
+
+@pytest.fixture
+def cli_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    (tmp_path / "mods.py").write_text(textwrap.dedent(_MODELS))
+    (tmp_path / "bad.py").write_text("this is not python\n")
+    (tmp_path / "syn.py").write_text("def f(:\n  pass\n")
+    (tmp_path / "raises.py").write_text("raise RuntimeError('import fails')\n")
+    (tmp_path / "exits.py").write_text("import sys; sys.exit(3)\n")
+    (tmp_path / "dir.py").mkdir()
+    (tmp_path / "afolder").mkdir()
+    (tmp_path / "afile").write_text("text\n")
+    (tmp_path / "spec.yaml").write_text(textwrap.dedent(_SPEC))
+    (tmp_path / "badyaml.yaml").write_text("name: [unclosed\n")
+    (tmp_path / "binary.yaml").write_bytes(bytes(range(256)))
+    monkeypatch.setenv("INITLAB_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    try:
+        code = main(argv)
+    except SystemExit as stop:  # argparse's own errors
+        code = int(stop.code or 0)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+_INIT = ["init", "--model", "mods.py:mlp", "--out", "out.pt"]
+_RUN = ["bench", "run", "spec.yaml", "--store", "st/s.sqlite"]
+
+# argv -> (exit code, text of the one-line error, paths that must not exist afterwards)
+_ERRORS: dict[str, tuple[list[str], int, str, tuple[str, ...]]] = {
+    # 3: --device and the numbers checked before the store is created
+    "--device nosuch": ([*_RUN, "--device", "nosuch"], 2, "--device 'nosuch' is not a device",
+                        ("st",)),
+    "--stale-after -1": ([*_RUN, "--stale-after", "-1"], 2,
+                         "argument --stale-after: must be a finite number > 0", ("st",)),
+    "--heartbeat 0": ([*_RUN, "--heartbeat", "0"], 2, "argument --heartbeat: must be", ("st",)),
+    "--stale-after below --heartbeat": (
+        [*_RUN, "--stale-after", "1", "--heartbeat", "5"], 2,
+        "--stale-after (1 s) must be longer than --heartbeat (5 s)", ("st",)),
+    "--workers 0": ([*_RUN, "--workers", "0"], 2, "argument --workers: must be a positive",
+                    ("st",)),
+    "--chunk-size 0": ([*_RUN, "--chunk-size", "0"], 2, "argument --chunk-size", ("st",)),
+    # 5: output paths checked before the work
+    "--out in /proc": (["init", "--model", "mods.py:mlp", "--out", "/proc/c.pt"], 2,
+                       "/proc/c.pt (--out: cannot write this file", ()),
+    "--out a folder": (["init", "--model", "mods.py:mlp", "--out", "afolder"], 2,
+                       "--out afolder is a folder; give a file path", ()),
+    "--out empty": (["init", "--model", "mods.py:mlp", "--out", ""], 2, "--out is empty", ()),
+    "--out under a file": (["init", "--model", "mods.py:mlp", "--out", "afile/w.pt"], 2,
+                           "--out afile/w.pt: afile is a file, and a folder is needed", ()),
+    "--report under a file, nothing saved": ([*_INIT, "--report", "afile/r.json"], 2,
+                                             "--report afile/r.json: afile is a file",
+                                             ("out.pt",)),
+    "diagnose --out an existing file": (
+        ["diagnose", "--model", "mods.py:mlp", "--data", "random:4", "--out", "afile"], 2,
+        "--out afile: afile is a file, and a folder is needed there", ()),
+    "doctor --out in /proc": (
+        ["doctor", "--model", "mods.py:mlp", "--data", "random:4", "--out", "/proc/doc"], 2,
+        "No such file or directory: /proc/doc (--out: cannot create the folder", ()),
+    "demo --out an existing file": (["demo", "--out", "afile"], 2,
+                                    "--out afile: afile is a file", ()),
+    "bench report --out an existing file": (
+        ["bench", "report", "mods.py", "--out", "afile"], 2, "is not a SQLite store", ()),
+    # 8: the library's wording said with the flags
+    "doctor --fix nosuch": (
+        ["doctor", "--model", "mods.py:mlp", "--data", "random:4", "--fix", "nosuch"], 2,
+        "(or --fix alone for the recommended ones)", ()),
+    "gradinit --steps beyond --max-batches": (
+        [*_INIT, "--method", "gradinit", "--data", "mods.py:data_ok", "--steps", "6"], 2,
+        "pass --max-batches 7 or more", ("out.pt",)),
+    "--policy error": (["init", "--model", "mods.py:scaled", "--out", "o.pt", "--policy",
+                        "error"], 2, "pass --policy warn or --policy skip", ("o.pt",)),
+    "a named data set under a missing --data-dir": (
+        [*_INIT, "--method", "lsuv", "--data", "libsvm:letter", "--data-dir", "nodir"], 2,
+        "pass --data-dir (or set the INITLAB_DATA_DIR", ("out.pt",)),
+    "--n-boot 0": (["bench", "report", "x.sqlite", "--n-boot", "0"], 2,
+                   "argument --n-boot: must be a positive integer", ()),
+    "--level 1.5": (["bench", "report", "x.sqlite", "--level", "1.5"], 2,
+                    "argument --level: must be in (0, 1)", ()),
+    # 9: bad values of options this run would not use
+    "init --data nosuch.pt without --method": (
+        [*_INIT, "--data", "nosuch.pt"], 2, "--data file nosuch.pt does not exist", ("out.pt",)),
+    "init --loss garbage": ([*_INIT, "--loss", "garbage"], 2, "unknown --loss 'garbage'; valid",
+                            ("out.pt",)),
+    # 10: raw errors
+    "--model of a file that does not run (NameError)": (
+        ["init", "--model", "bad.py:f", "--out", "o.pt"], 2,
+        "--model bad.py: executing the file failed: NameError", ()),
+    "--model of a file with a SyntaxError": (
+        ["init", "--model", "syn.py:f", "--out", "o.pt"], 2,
+        "--model syn.py: executing the file failed: SyntaxError", ()),
+    "--model of a file that raises": (
+        ["init", "--model", "raises.py:f", "--out", "o.pt"], 2,
+        "--model raises.py: executing the file failed: RuntimeError: import fails", ()),
+    "--model of a file that exits": (
+        ["init", "--model", "exits.py:f", "--out", "o.pt"], 2,
+        "--model exits.py: executing the file failed: SystemExit", ()),
+    "--model of a folder": (["init", "--model", "dir.py:f", "--out", "o.pt"], 2,
+                            "--model dir.py is a folder, not a Python file", ()),
+    "--bias foo": ([*_INIT, "--bias", "foo"], 2, "--bias 'foo': give 'zeros', 'keep'",
+                   ("out.pt",)),
+    "--seed too big": ([*_INIT, "--seed", "999999999999999999999"], 2,
+                       "argument --seed: must fit in 64 bits", ("out.pt",)),
+    "--how parametrize": ([*_INIT, "--method", "precondition", "--how", "parametrize"], 2,
+                          "--how parametrize registers torch parametrizations", ("out.pt",)),
+    "a spec that is not YAML": (["bench", "run", "badyaml.yaml", "--store", "st/s.sqlite"], 2,
+                                "study spec badyaml.yaml is not valid YAML", ("st",)),
+    "a binary spec": (["bench", "run", "binary.yaml", "--store", "st/s.sqlite"], 2,
+                      "study spec binary.yaml is not a text (YAML) file", ("st",)),
+    "a missing spec": (["bench", "run", "nosuch.yaml"], 2, "study spec nosuch.yaml does not exist",
+                       ("results",)),
+    "--store a text file": (["bench", "run", "spec.yaml", "--store", "afile"], 2,
+                            "--store afile is not a SQLite store", ()),
+    "--store a folder": (["bench", "run", "spec.yaml", "--store", "afolder"], 2,
+                         "--store afolder is a folder", ()),
+    "--store in /proc": (["bench", "run", "spec.yaml", "--store", "/proc/x"], 2,
+                         "/proc/x (--store: cannot write this file", ()),
+    "bench report of a missing store": (["bench", "report", "nosuch.sqlite"], 2,
+                                        "STORE nosuch.sqlite does not exist", ("nosuch-report",)),
+    "--window 0": (["bench", "report", "x.sqlite", "--window", "0"], 2,
+                   "argument --window: must be a positive integer, got '0'", ()),
+    "--window -3": (["bench", "report", "x.sqlite", "--window", "-3"], 2,
+                    "argument --window: must be a positive integer", ()),
+    "diagnose, a shape error suggests what diagnose has": (
+        ["diagnose", "--model", "mods.py:mlp", "--data", "random:5"], 1,
+        "A factory's input size may be set with --model-kwargs", ()),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(_ERRORS))
+def test_bad_input_is_one_line_naming_the_flag_and_creates_nothing(
+    cli_dir: Path, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    argv, code, text, absent = _ERRORS[name]
+    got, _, err = _run(argv, capsys)
+    assert got == code, err
+    assert text in err
+    assert "Traceback" not in err
+    assert "--input-shape" not in err or argv[0] == "init"
+    for path in absent:
+        assert not (cli_dir / path).exists(), path
+    assert not list(cli_dir.glob(".initlab-write-test-*"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_device_cuda_without_cuda_is_refused_before_the_store(
+    cli_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = _run([*_RUN, "--device", "cuda"], capsys)
+    assert code == 2
+    assert "--device cuda: CUDA is not available here" in err
+    assert not (cli_dir / "st").exists()
+
+
+def test_python_dash_m_initlab_is_the_initlab_command(tmp_path: Path) -> None:
+    runs = [
+        subprocess.run([*cmd, "schemes"], capture_output=True, text=True, check=False)
+        for cmd in ([sys.executable, "-m", "initlab"], [sys.executable, "-m", "initlab.cli"])
+    ]
+    assert runs[0].returncode == 0, runs[0].stderr
+    assert runs[0].stdout == runs[1].stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "initlab", "init", "--model", "no_colon", "--out",
+         str(tmp_path / "x.pt")], capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert bad.returncode == 2
+    assert bad.stderr.strip().startswith("initlab init: error: --model must look like")
+
+
+class _ClosedPipe:
+    """A stdout whose reader went away."""
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def isatty(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("extra", [[], ["--method", "lsuv", "--data", "random:4"]])
+def test_a_closed_stdout_still_writes_the_files(
+    cli_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    extra: list[str],
+) -> None:  # fmt: skip
+    monkeypatch.setattr(sys, "stdout", _ClosedPipe())
+    code = main([*_INIT, "--report", "r.json", *extra])
+    assert code == 0
+    assert set(torch.load(cli_dir / "out.pt")) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    assert json.loads((cli_dir / "r.json").read_text())
+    assert "Broken pipe" not in capsys.readouterr().err
+
+
+def test_a_pipe_closed_by_the_reader_in_a_shell(tmp_path: Path) -> None:
+    out, report = tmp_path / "bp.pt", tmp_path / "bp.json"
+    cmd = (
+        f"'{sys.executable}' -m initlab init --model zoo:paper_mlp --out '{out}' "
+        f"--report '{report}' | true; echo rc=${{PIPESTATUS[0]}}"
+    )
+    result = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, check=False)
+    assert "rc=0" in result.stdout, result.stderr
+    assert "Broken pipe" not in result.stderr and "Traceback" not in result.stderr
+    assert out.stat().st_size > 0 and report.stat().st_size > 0
+
+
+def test_precondition_how(cli_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["init", "--model", "mods.py:mlp", "--scheme", "geometric", "--seed", "1"]
+    data = ["--data", "mods.py:data_ok", "--loss", "cross_entropy"]
+    assert main([*base, "--out", "plain.pt"]) == 0
+    capsys.readouterr()
+    assert main([*base, *data, "--method", "precondition", "--out", "lr.pt"]) == 0
+    out = capsys.readouterr().out
+    assert "leaves the weights unchanged" in out and "add --report FILE" in out
+    assert main([*base, *data, "--method", "precondition", "--how", "lr", "--report", "lr.json",
+                 "--out", "lr.pt"]) == 0  # fmt: skip
+    assert "lr_scale_sgd and lr_scale_adam, in lr.json" in capsys.readouterr().out
+    assert {r["lr_scale_sgd"] for r in json.loads((cli_dir / "lr.json").read_text())} != {1.0}
+    assert main([*base, *data, "--method", "precondition", "--how", "rescale",
+                 "--out", "rescale.pt"]) == 0  # fmt: skip
+    assert "unchanged" not in capsys.readouterr().out
+    plain, lr, rescaled = (torch.load(cli_dir / f) for f in ("plain.pt", "lr.pt", "rescale.pt"))
+    assert all(torch.equal(plain[k], lr[k]) for k in plain)
+    assert not torch.equal(plain["0.weight"], rescaled["0.weight"])
+    # rescaling keeps the network's function
+    sys.path.insert(0, str(cli_dir))
+    try:
+        import mods  # type: ignore[import-not-found]
+    finally:
+        sys.path.remove(str(cli_dir))
+    a, b = mods.mlp(), mods.mlp()
+    a.load_state_dict(plain)
+    b.load_state_dict(rescaled)
+    x = torch.randn(5, 4)
+    torch.testing.assert_close(a(x), b(x), rtol=1e-4, atol=1e-5)
+
+
+def test_steps_raise_the_default_max_batches(
+    cli_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [
+        "init",
+        "--model",
+        "mods.py:mlp",
+        "--method",
+        "gradinit",
+        "--data",
+        "random:4",
+        "--loss",
+        "random_quadratic",
+        "--steps",
+        "9",
+        "--batch-size",
+        "8",
+        "--out",
+        "g.pt",
+    ]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert "steps=9" in capsys.readouterr().out.replace(" ", "")
+
+
+@pytest.mark.parametrize(
+    ("argv", "warning"),
+    [
+        ([*_INIT, "--data", "random:4"], "--data only used with --method"),
+        ([*_INIT, "--input-shape", "4", "--steps", "3"], "--input-shape, --steps only used"),
+        ([*_INIT, "--method", "lsuv", "--data", "random:4", "--loss", "mse"],
+         "--loss is only used with --method gradinit or metainit or precondition"),
+        ([*_INIT, "--method", "lsuv", "--data", "random:4", "--steps", "5"],
+         "--steps is only used with --method gradinit or metainit"),
+        ([*_INIT, "--method", "lsuv", "--data", "mods.py:data_ok", "--input-shape", "4"],
+         "--input-shape is only used with random data"),
+    ],
+)  # fmt: skip
+def test_options_a_run_does_not_use_are_named(
+    cli_dir: Path, capsys: pytest.CaptureFixture[str], argv: list[str], warning: str
+) -> None:
+    code, _, err = _run(argv, capsys)
+    assert code == 0, err
+    assert f"initlab init: warning: {warning}" in err
+
+
+def test_library_warnings_are_one_line_in_the_flags_words(
+    cli_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        code, _, err = _run(["init", "--model", "mods.py:scaled", "--out", "o.pt"], capsys)
+    assert code == 0
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("initlab init: warning: init_model left 1 parameter(s)")
+    assert "--policy skip" in lines[0] and "UserWarning" not in err
+
+
+@pytest.mark.parametrize(
+    ("library", "cli", "python_words"),
+    [
+        ("Download it there, or point root= or the INITLAB_DATA_DIR environment variable at the "
+         "folder holding libsvm/", "pass --data-dir", "root="),
+        ("register one or pass policy='warn' or 'skip'", "--policy warn or --policy skip",
+         "policy="),
+        ("doctor: unknown fix 'x'; valid: init, lsuv (or True)", "--fix alone", "True"),
+        ("the model has no parameters; use modules='leaves' or 'all' to probe it",
+         "give a model with parameters", "modules="),
+        ("Pass (x, y) batches, forward=lambda model, batch: ... with a loss on the outputs, or a "
+         "loss_fn(model, batch) that calls the model itself", "--loss pkg.module:fn", "lambda"),
+        ("say which: initlab.Batches([...]) for 3 batches, or a tuple (x, y, ...) for one batch",
+         "a list of (x, y) tuples for 3 batches", "initlab.Batches"),
+        ("n_boot must be >= 1, got 0", "--n-boot must be >= 1", "n_boot"),
+        ("level must be in (0, 1), got 2", "--level must be in (0, 1)", "level must"),
+        ("gradinit_ needs 9 batches for 8 iterations but the data gave 8; pass a loader with at "
+         "least 9 batches or lower steps", "pass --max-batches 9 or more", "a loader"),
+    ],
+)  # fmt: skip
+def test_python_wording_is_translated_to_flags(library: str, cli: str, python_words: str) -> None:
+    said = translate(library)
+    assert cli in said
+    assert python_words not in said.replace("--level must", "")
+
+
+def test_bench_run_prints_a_readable_summary_and_report_checks_its_options(
+    cli_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = _run([*_RUN, "--quiet", "--debug"], capsys)  # --debug after the command
+    assert code == 0, err
+    assert "StudySummary(" not in out
+    assert "study tiny: 2 runs, 0 already stored, 2 trained now" in out
+    store = ["bench", "report", "st/s.sqlite", "--no-plots", "--n-boot", "20"]
+    code, _, err = _run([*store, "--reference", "nosuch", "--debug"], capsys)
+    assert code == 2
+    assert "--reference 'nosuch' is not a scheme of st/s.sqlite; valid: fan_in, geometric" in err
+    assert "Traceback" in err  # --debug after `bench report`
+    assert not (cli_dir / "st" / "s-report").exists()
+    code, out, err = _run([*store, "--reference", "fan_in"], capsys)
+    assert code == 0, err
+
+
+def test_format_summary_lists_extension_and_failures() -> None:
+    from initlab.study.runner import StudySummary
+
+    summary = StudySummary("s", Path("x.sqlite"), 8, 2, n_trained=5, n_failed=1, n_chunks=2,
+                           n_extended=3, extension_rounds=1, edges_left=["v/d/s (low)"],
+                           wall_s=1.5, errors=["Traceback ...\nValueError: boom"])  # fmt: skip
+    text = format_summary(summary)
+    assert text.splitlines()[0] == (
+        "study s: 8 runs, 2 already stored, 5 trained now (2 chunk(s)), 0 by other drivers, "
+        "1 failed (1.5 s)"
+    )
+    assert "grid extension: 1 round(s), 3 run(s) added" in text
+    assert "v/d/s (low)" in text and "failed chunk: ValueError: boom" in text
+
+
+def test_data_prints_the_root_and_warns_when_it_is_missing(
+    cli_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = _run(["data", "--data-dir", "/nonexistent"], capsys)
+    assert code == 0
+    assert "data root: /nonexistent (from --data-dir)" in out
+    assert (
+        "initlab data: warning: the data root /nonexistent (from --data-dir) is not a folder" in err
+    )
+
+
+def test_seed_seeds_the_model_construction(
+    cli_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["init", "--model", "mods.py:mlp", "--method", "lsuv", "--data", "random:4"]
+    for name, seed in (("a.pt", "3"), ("b.pt", "3"), ("c.pt", "4")):
+        assert main([*argv, "--seed", seed, "--out", name]) == 0
+    a, b, c = (torch.load(cli_dir / n) for n in ("a.pt", "b.pt", "c.pt"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["0.weight"], c["0.weight"])
+    spreads = []
+    for _ in range(2):
+        assert main(["doctor", "--model", "zoo:paper_mlp", "--data", "random", "--seed", "5"]) == 0
+        spreads.append([ln for ln in capsys.readouterr().out.splitlines() if "γ spread" in ln])
+    assert spreads[0] and spreads[0] == spreads[1]
+
+
+@pytest.mark.parametrize(
+    ("argv", "texts"),
+    [
+        (["init", "--help"], ["(default: 64)", "(default: warn)", "(default: 0)", "model",
+                              "(default: 8, or what --steps needs"]),
+        (["doctor", "--help"], ["(default: 4;", "seeds the model's construction"]),
+        (["diagnose", "--help"], ["seeds the model's construction", "random_quadratic | model"]),
+        (["demo", "--help"], ["study's seeds (SEED", "step 1's measured batch"]),
+        (["data", "--help"], ["else ~/initlab-data"]),
+        (["bench", "run", "--help"], ["--debug", "cpu, cuda, cuda:N or mps"]),
+        (["bench", "report", "--help"], ["--debug", "one of the store's schemes"]),
+    ],
+)  # fmt: skip
+def test_help_shows_defaults_and_what_options_affect(
+    capsys: pytest.CaptureFixture[str], argv: list[str], texts: list[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        main(argv)
+    out = " ".join(capsys.readouterr().out.split())
+    for text in texts:
+        assert text in out
+
+
+def test_demo_study_is_keyed_by_its_options(tmp_path: Path) -> None:
+    from initlab.cli.demo import demo_study, demo_study_name
+
+    small = {"seeds": 1, "lrs": (0.125,), "epochs": 1, "progress": False}
+    first = demo_study(tmp_path, ("fan_in", "geometric"), seed=0, **small)
+    assert {r["scheme"] for r in first.to_rows()} == {"fan_in", "geometric"}
+    second = demo_study(tmp_path, ("geometric",), seed=1, **small)
+    assert {r["scheme"] for r in second.to_rows()} == {"geometric"}
+    from initlab.study.store import Store
+
+    with Store(tmp_path / "demo.sqlite") as store:
+        names = set(store.studies())
+        assert demo_study_name(["geometric"], seed=1, seeds=1, lrs=(0.125,), epochs=1) in names
+        seeds = {
+            r["seed"]
+            for r in store.records(
+                demo_study_name(["geometric"], seed=1, seeds=1, lrs=(0.125,), epochs=1)
+            )
+        }
+    assert seeds == {1}
+    assert len(names) == 2
+    assert demo_study_name(["fan_in"], seed=0) != demo_study_name(["fan_in"], seed=1)
+
+
+def test_seed_and_batch_size_reach_the_demo(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--quick", "--seed", "2", "--batch-size", "64"]) == 0
+    assert "seed 2, batch 64" in capsys.readouterr().out
+    code, _, err = _run(["demo", "--quick", "--batch-size", "1"], capsys)
+    assert code == 2 and "argument --batch-size: must be in [2, 1797]" in err
