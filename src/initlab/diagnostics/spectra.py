@@ -451,15 +451,14 @@ def layer_spectra(
             sv_max, sv_mean, note = _svd_entry(w, max_svd_elements, svd_cache)
             in_shape = tuple(shapes[name]) if name in shapes else None
             op_norm, method, matvecs = math.nan, "", 0
-            if not bool(w.detach().isfinite().all()):
-                pass  # no operator norm of a weight with NaN/inf (the note says so)
-            elif isinstance(module, tuple(_CONVS)):
+            finite = bool(w.detach().isfinite().all())  # else no operator norm (a note says so)
+            if finite and isinstance(module, tuple(_CONVS)):
                 op_norm, method, matvecs = _conv_entry(
                     module, in_shape, name in multiple, note, tol, max_matvecs, generator
                 )
-            elif linear_fans(module, registry) is not None:  # nn.Linear, GPT-2's Conv1D
+            elif finite and linear_fans(module, registry) is not None:  # Linear, GPT-2's Conv1D
                 op_norm, method = sv_max, "svd"
-            elif pname == "weight":
+            elif finite and pname == "weight":
                 note.append(f"no operator norm for a {type(module).__name__} weight")
             rows.append(
                 {

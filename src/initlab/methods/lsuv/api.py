@@ -276,19 +276,7 @@ def lsuv_(
         check_same_parameters(model, "lsuv_")
     used, runs = run_together("lsuv_", lambda: _take_data(data, max_batches, concat_batches))
     units = build_units(model, modules, registry)
-    chosen = "" if modules is None else f" among modules={modules!r}"
-    if not units:
-        raise ValueError(
-            f"lsuv_: no layer to scale{chosen}: no module holds a weight (LSUV scales linear, "
-            "convolution, attention and embedding layers, and those a handler registered with "
-            "initlab.register_handler describes)"
-        )
-    if all(u.kind == "static" for u in units):
-        why = "; ".join(f"{u.name}: {u.skipped}" for u in units[:4])
-        raise ValueError(
-            f"lsuv_: no layer to scale{chosen}: every weight layer is one LSUV cannot scale ({why}"
-            f"{' ...' if len(units) > 4 else ''}); nothing was changed"
-        )
+    _refuse_unscalable(units, modules)
     block_names = find_blocks(model, blocks, strategy) if strategy != "layers" else {}
     engine = Engine(
         units,
@@ -324,6 +312,24 @@ def lsuv_(
         info=info,
         used=used,
     )
+
+
+def _refuse_unscalable(units: list[Unit], modules: Selection | None) -> None:
+    """Raise if no layer can be scaled: none holds a weight, or every one is a layer LSUV cannot
+    scale (recurrent, frozen, shared with a module it does not scale, ...)."""
+    chosen = "" if modules is None else f" among modules={modules!r}"
+    if not units:
+        raise ValueError(
+            f"lsuv_: no layer to scale{chosen}: no module holds a weight (LSUV scales linear, "
+            "convolution, attention and embedding layers, and those a handler registered with "
+            "initlab.register_handler describes)"
+        )
+    if all(u.kind == "static" for u in units):
+        why = "; ".join(f"{u.name}: {u.skipped}" for u in units[:4])
+        raise ValueError(
+            f"lsuv_: no layer to scale{chosen}: every weight layer is one LSUV cannot scale ({why}"
+            f"{' ...' if len(units) > 4 else ''}); nothing was changed"
+        )
 
 
 def _check_options(
