@@ -634,6 +634,17 @@ class SelfAttention(nn.Module):
         return self.attn(x, x, x)[0]
 
 
+class SeqOut(nn.Module):
+    """A recurrent layer's output sequence (``nn.GRU``/``nn.RNN`` return a tuple)."""
+
+    def __init__(self, rnn: nn.Module) -> None:
+        super().__init__()
+        self.rnn = rnn
+
+    def forward(self, x):
+        return self.rnn(x)[0]
+
+
 class Twice(nn.Module):
     def __init__(self, layer: nn.Module) -> None:
         super().__init__()
@@ -790,6 +801,9 @@ CASES = {
         0,
     ),
     "linear_shared_with_generic": (lambda: SharedWithGeneric(4), _floats(3, 5, 4), 0),
+    # no vmap batching rule inside (the generic replay runs them one example at a time)
+    "gru": (lambda: SeqOut(nn.GRU(3, 4, batch_first=True)), _floats(4, 5, 3), 0),
+    "rnn_seq_first": (lambda: SeqOut(nn.RNN(3, 4, num_layers=2)), _floats(5, 4, 3), 1),
     "embedding_tied_to_linear_head": (
         lambda: TiedLM(7, 4),
         lambda g: torch.randint(0, 7, (4, 5), generator=g),

@@ -357,7 +357,12 @@ def _generic_contributions(rec: _Record) -> None:
         for lo, hi in _chunks(batch, per_item):
             xs = [t.narrow(bd, lo, hi - lo) for t, b in zip(leaves, batched, strict=True) if b]
             ds = [d.narrow(bd, lo, hi - lo) for d in cotangents]
-            out = torch.func.vmap(one, in_dims=(bd, bd))(xs, ds)
+            try:
+                out = torch.func.vmap(one, in_dims=(bd, bd))(xs, ds)
+            except RuntimeError as err:  # an op without a batching rule (nn.GRU, nn.RNN)
+                if "random" in str(err):  # a replay would not draw the forward's randomness
+                    raise
+                out = _one_by_one(one, xs, ds, bd)
             for name, ps in rec.params.items():
                 g = out[name].detach() * s
                 proj[name].append(_project(g, ps))
@@ -368,6 +373,18 @@ def _generic_contributions(rec: _Record) -> None:
             rec.contrib[id(ps)] = _Contribution(torch.cat(proj[name]), grads=torch.cat(grads[name]))
         else:
             rec.contrib[id(ps)] = _Contribution(torch.cat(proj[name]), sqn=torch.cat(sqn[name]))
+
+
+def _one_by_one(
+    one: Callable[[list[torch.Tensor], list[torch.Tensor]], dict[str, torch.Tensor]],
+    xs: list[torch.Tensor],
+    ds: list[torch.Tensor],
+    bd: int,
+) -> dict[str, torch.Tensor]:
+    """What ``vmap(one, in_dims=(bd, bd))(xs, ds)`` gives, by a loop over the examples."""
+    n = (xs or ds)[0].shape[bd]
+    each = [one([x.select(bd, i) for x in xs], [d.select(bd, i) for d in ds]) for i in range(n)]
+    return {name: torch.stack([g[name] for g in each]) for name in each[0]}
 
 
 def _attention_contributions(rec: _Record) -> None:
