@@ -399,3 +399,33 @@ def test_gr_scaling_lists_a_layer_it_cannot_derive_gamma_for() -> None:
     assert raw["kind"] == "unclaimed" and math.isnan(raw["gamma_w"])
     assert "register_handler" in raw["note"]
     assert raw["E_x2"] == pytest.approx(float(x.double().square().mean()), rel=1e-6)
+
+
+class _TwoHeads(nn.Module):
+    """Two parallel one-layer heads summed: a sum of branches, not a skip connection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.heads = nn.ModuleDict({"a": nn.Linear(16, 4), "b": nn.Linear(16, 4)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.heads["a"](x) + self.heads["b"](x)
+
+
+class _Projected(nn.Module):
+    """A deeper branch beside a one-layer projection: a skip connection (ResNet's downsample)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.f1, self.f2, self.proj = nn.Linear(16, 8), nn.Linear(8, 8), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) + self.f2(torch.relu(self.f1(x)))
+
+
+def test_parallel_heads_are_not_a_skip_connection() -> None:
+    result = initlab.lint_model(_TwoHeads())
+    assert result.residual_blocks == []
+    assert not [f for f in result.findings if f["check"] == "skip_connection"]
+    blocks = initlab.lint_model(_Projected()).residual_blocks
+    assert [(b["branch"], b["shortcut"]) for b in blocks] == [(["f1", "f2"], ["proj"])]

@@ -43,7 +43,14 @@ from torch import nn
 
 from initlab.measure._fx import _fns, _node_module_path, trace_model
 
-__all__ = ["KNOWN_BLOCKS", "SHORTCUT_STEPS", "find_residual_blocks", "known_blocks", "trace_model"]
+__all__ = [
+    "KNOWN_BLOCKS",
+    "SHORTCUT_STEPS",
+    "find_residual_blocks",
+    "is_skip_connection",
+    "known_blocks",
+    "trace_model",
+]
 
 #: Residual block types found by type (dotted paths, matched against every class in a module's
 #: MRO, so nothing is imported): each is one branch plus a shortcut around it.
@@ -139,7 +146,7 @@ def find_residual_blocks(gm: Any) -> list[dict[str, Any]]:
             and is_ancestor(x, n)
             and n.target not in shortcut
         ]
-        if not members:
+        if not is_skip_connection(members, shortcut):
             continue
         found.append(
             {
@@ -171,6 +178,15 @@ def _ancestry(nodes: list[Any]) -> Callable[[Any, Any], bool]:
         return bool(anc[b] >> index[a] & 1)
 
     return is_ancestor
+
+
+def is_skip_connection(branch: Sequence[str], shortcut: Sequence[str]) -> bool:
+    """A sum is a skip connection when its branch holds a layer and more layers than its
+    shortcut: ``x + f(x)``, or a ResNet's projection shortcut (one conv and its norm) beside a
+    deeper branch. Two parallel heads of one layer each (``head_a(x) + head_b(x)``) are a sum of
+    branches, not a block."""
+    members, short = set(branch), set(shortcut)
+    return bool(members) and len(members) > len(short)
 
 
 def best_orientation(

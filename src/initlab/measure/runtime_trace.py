@@ -51,7 +51,12 @@ from torch.utils._pytree import tree_flatten
 
 from initlab._core.hooks import hook_handles
 from initlab._core.state import preserved_state
-from initlab.measure.residual import SHORTCUT_STEPS, _name_blocks, best_orientation
+from initlab.measure.residual import (
+    SHORTCUT_STEPS,
+    _name_blocks,
+    best_orientation,
+    is_skip_connection,
+)
 
 __all__ = [
     "RuntimeGraph",
@@ -257,7 +262,7 @@ def blocks_of(graph: RuntimeGraph) -> list[dict[str, Any]]:
             and (n is branch or is_ancestor(n, branch))
             and is_ancestor(x, n)
         ]
-        if not members:
+        if not is_skip_connection(members, shortcut):
             continue
         found.append(
             {
