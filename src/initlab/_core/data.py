@@ -320,8 +320,8 @@ class DataCounter:
 
 
 def batch_tensors(batch: Any) -> list[tuple[str, torch.Tensor]]:
-    """The tensors of a batch with their paths (:func:`~initlab._core.pytree.flatten_tensors`);
-    for a custom object (neither a tensor nor a container nor a dataclass), the tensors among its
+    """The tensors of a batch with their paths (:func:`~initlab._core.pytree.flatten_tensors`:
+    containers, namedtuples, dataclasses); for any other object, the tensors among its
     attributes, in the order they were set (``batch.x``: path ``"x"``)."""
     tensors = flatten_tensors(batch)
     if tensors or not _is_custom_object(batch):
@@ -330,8 +330,8 @@ def batch_tensors(batch: Any) -> list[tuple[str, torch.Tensor]]:
 
 
 def _is_custom_object(value: Any) -> bool:
-    """An instance of a user's class with attributes (not a tensor, container, string, number,
-    dataclass or ``None``)."""
+    """An instance of a class with attributes (a dataclass, a user's batch class), not a tensor,
+    container, string, number or ``None``."""
     return (
         not isinstance(value, (torch.Tensor, tuple, list, Mapping, str, bytes, int, float, complex))
         and value is not None

@@ -284,7 +284,7 @@ def _cross_entropy_out(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             "look one-hot: pass class indices of shape "
             f"{tuple(out.shape[:-1])} (y.argmax(-1)), or float class probabilities (y.float())"
         )
-    if y.dtype != torch.long:
+    if not y.is_floating_point() and y.dtype != torch.long:
         y = y.long()  # class indices as int32/int16 (numpy's int32, a smaller label dtype)
     if out.dim() >= 3 and tuple(y.shape) == (out.shape[0], *out.shape[2:]):
         return F.cross_entropy(out, y)  # dense logits (B, C, *S), targets (B, *S)
