@@ -429,3 +429,21 @@ def test_parallel_heads_are_not_a_skip_connection() -> None:
     assert not [f for f in result.findings if f["check"] == "skip_connection"]
     blocks = initlab.lint_model(_Projected()).residual_blocks
     assert [(b["branch"], b["shortcut"]) for b in blocks] == [(["f1", "f2"], ["proj"])]
+
+
+class _Alias(nn.Module):
+    """One layer registered under two names and called twice: one module, one weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.out = nn.Linear(16, 16), nn.Linear(16, 4)
+        self.b = self.a
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+def test_precondition_balances_a_module_registered_under_two_names() -> None:
+    report = initlab.precondition_(_Alias(), _data(), nn.CrossEntropyLoss(), generator=0)
+    assert {r["layer"]: r["kind"] for r in report.to_rows()} == {"a": "mlp", "out": "mlp"}

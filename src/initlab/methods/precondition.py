@@ -533,13 +533,20 @@ class _Balancing:
 
 
 def _shared_weight_layers(model: nn.Module) -> set[str]:
-    """The modules holding a parameter that another module holds too (tied weights)."""
-    holders: dict[int, set[str]] = {}
+    """The names of modules holding a parameter that another module holds too (tied weights; one
+    module registered under two names is one module)."""
+    holders: dict[int, dict[int, list[str]]] = {}
     for name, module in model.named_modules(remove_duplicate=False):
         for p in module._parameters.values():
             if p is not None:
-                holders.setdefault(id(p), set()).add(name)
-    return {name for names in holders.values() if len(names) > 1 for name in names}
+                holders.setdefault(id(p), {}).setdefault(id(module), []).append(name)
+    return {
+        name
+        for modules in holders.values()
+        if len(modules) > 1
+        for names in modules.values()
+        for name in names
+    }
 
 
 def _rescale_(
