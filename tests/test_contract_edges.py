@@ -177,7 +177,7 @@ def test_single_examples_from_a_loader_without_batch_size_are_refused(entry: str
 
 def test_a_dict_example_without_batch_dimension_is_refused_too() -> None:
     x, y = _data(1)
-    with pytest.raises(ValueError, match="entry 'labels' is a scalar"):
+    with pytest.raises(ValueError, match=r"target \(entry 'labels'\) is a scalar"):
         initlab.gradient_stats(_mlp(), {"x": x[0], "labels": y[0]}, lambda m, b: m(b["x"]).sum())
 
 
@@ -386,3 +386,74 @@ def test_a_mean_over_the_counted_targets_gives_the_moments_of_the_summed_loss(
     out = (model[0](x) if nll else model(x)).detach().requires_grad_(True)
     (g,) = torch.autograd.grad(summed(model[1](out) if nll else out, y), out)
     assert a[-1]["E_dy2"] == pytest.approx(float(g.double().square().mean()), rel=1e-5)
+
+
+# ----------------------------------------------------------------------------- second round
+
+
+@dataclass
+class _Pair:
+    """A dataclass batch that unpacks as (noisy, clean): still one batch."""
+
+    noisy: torch.Tensor
+    clean: torch.Tensor
+
+    def __iter__(self) -> Any:
+        return iter((self.noisy, self.clean))
+
+
+class _Slots:
+    __slots__ = ("x", "y")
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+
+def test_an_iterable_dataclass_is_one_batch() -> None:
+    x = _data(16)[0]
+    used = initlab.measure_moments(
+        nn.Linear(4, 4), _Pair(x, x + 1), lambda m, b: (m(b.noisy) - b.clean).square().mean()
+    ).used
+    assert (used.batches, used.examples) == (1, 16)
+
+
+def test_a_slots_object_is_one_batch() -> None:
+    x, y = _data(16)
+    used = initlab.measure_moments(_ObjNet(), _Slots(x, y), _obj_loss).used
+    assert (used.batches, used.examples) == (1, 16)
+
+
+def test_an_object_batch_that_requires_grad_is_read_detached() -> None:
+    x, y = _data(16)
+    x.requires_grad_(True)
+    initlab.gradient_stats(_ObjNet(), _Obj(x, y), _obj_loss)
+    assert x.grad is None
+
+
+def test_a_scalar_entry_beside_the_target_is_not_an_unbatched_example() -> None:
+    x, y = _data(8)
+    batch = (x, y, torch.tensor(0.5))
+    loss = lambda m, b: b[2] * F.cross_entropy(m(b[0]), b[1])  # noqa: E731
+    assert initlab.measure_moments(_mlp(), batch, loss).used.examples == 8
+
+
+def test_a_row_with_a_one_element_target_from_batch_size_none_is_refused() -> None:
+    x, y = torch.randn(6, 4), torch.randn(6, 1)
+    loader = DataLoader(TensorDataset(x, y), batch_size=None)
+    with pytest.raises(ValueError, match="without a batch dimension"):
+        initlab.measure_moments(_mlp(out=1), loader, "mse")
+
+
+def test_a_leading_scalar_entry_of_a_dict_does_not_set_the_batch_size() -> None:
+    x, y = _data(8)
+    batch = {"temperature": torch.tensor(2.0), "x": x, "labels": y}
+    used = initlab.measure_moments(
+        _mlp(), batch, lambda m, b: F.cross_entropy(m(b["x"]), b["labels"])
+    ).used
+    assert used.examples == 8
+
+
+def test_an_uncollated_hugging_face_row_is_named() -> None:
+    rows = [{"input_ids": torch.randint(0, 20, (10,)), "labels": torch.randint(0, 20, (10,))}]
+    with pytest.raises(ValueError, match=r"un-collated example.*DataCollator"):
+        initlab.measure_moments(nn.Embedding(20, 4), rows, lambda m, b: m(b["input_ids"]).sum())

@@ -153,6 +153,45 @@ def _interior(t: torch.Tensor, dims: int, margin: int) -> torch.Tensor:
     return t[(..., *([slice(margin, -margin)] * dims))]
 
 
+class _CharLM(nn.Module):
+    """A character LM whose position table is named ``pe`` and is as wide as its MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.pe = nn.Embedding(65, 64), nn.Embedding(256, 64)
+        self.fc, self.proj, self.out = nn.Linear(64, 256), nn.Linear(256, 64), nn.Linear(64, 65)
+
+
+class _Translator(nn.Module):
+    """Source and target vocabularies: the generator's width is the target table's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.src_emb, self.tgt_emb = nn.Embedding(120, 16), nn.Embedding(80, 16)
+        self.body, self.generator = nn.Linear(16, 16), nn.Linear(16, 80)
+
+
+class _OddNames(nn.Module):
+    """A token table whose name contains 'type' and 'pos' inside words."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prototype_tokens, self.composer_vocab = nn.Embedding(300, 32), nn.Embedding(7, 32)
+        self.body, self.out = nn.Linear(32, 32), nn.Linear(32, 300)
+
+
+@pytest.mark.parametrize(
+    "make, head",
+    [(_CharLM, "out"), (_Translator, "generator"), (_OddNames, "out")],
+    ids=["pe_named_position_table", "two_vocabularies", "words_inside_names"],
+)
+def test_the_head_of_a_custom_model_is_its_vocabulary_wide_last_linear(make, head) -> None:  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    rows = _rows(initlab.init_model(make(), "geometric", generator=0))
+    heads = sorted(k.rsplit(".", 1)[0] for k, r in rows.items() if r["role"] == "head")
+    assert heads == [head]
+
+
 @pytest.mark.parametrize("stride", [1, 2, 4])
 @pytest.mark.parametrize(("dims", "c_in", "c_out", "k", "size"), _CONVT_CASES)
 def test_transposed_conv_fans_keep_the_second_moments(

@@ -28,6 +28,8 @@ method writes the ``.grad`` of the user's data.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import itertools
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -55,8 +57,10 @@ __all__ = [
     "is_single_batch",
     "iter_batches",
     "keyword_error",
+    "object_fields",
     "output_tensor",
     "take_batches",
+    "with_fields",
 ]
 
 DATA_FORMS = (
@@ -134,6 +138,8 @@ def is_single_batch(data: Any) -> bool:
         return False
     if isinstance(data, (torch.Tensor, Mapping)):
         return True
+    if dataclasses.is_dataclass(data) and not isinstance(data, type):
+        return True  # a record, even one that defines __iter__ to unpack as (x, y)
     if isinstance(data, (tuple, list)):
         if len(data) == 0:
             return False
@@ -204,7 +210,16 @@ def iter_batches(data: Any, max_batches: int | None = None, *, what: str) -> Ite
 
 
 def _detached(batch: Any) -> Any:
-    """``batch`` with its tensors that require a gradient detached (the same object otherwise)."""
+    """``batch`` with its tensors that require a gradient detached (the same object otherwise;
+    a batch object's attributes too, in a copy)."""
+    fields = object_fields(batch)
+    if fields is not None and not dataclasses.is_dataclass(batch):
+        grad = {
+            k: v.detach()
+            for k, v in fields.items()
+            if isinstance(v, torch.Tensor) and v.requires_grad
+        }
+        return with_fields(batch, grad) if grad else batch
     return map_tensors(batch, lambda t: t.detach() if t.requires_grad else t)
 
 
@@ -238,7 +253,7 @@ def check_batch(batch: Any, *, what: str, index: int | None = None) -> None:
     if not tensors:
         return
     path, first = tensors[0]
-    _check_batched(batch, first, what=what, which=which)
+    _check_batched(batch, what=what, which=which)
     if first.dim() >= 1 and first.shape[0] == 0:
         raise ValueError(
             f"{what}: {which} has 0 examples ({_entry_name(path, batch)} has shape "
@@ -263,28 +278,39 @@ def check_batch(batch: Any, *, what: str, index: int | None = None) -> None:
 TARGET_KEYS = ("labels", "label", "targets", "target", "y")
 
 
-def _check_batched(batch: Any, first: torch.Tensor, *, what: str, which: str) -> None:
-    """Raise if ``batch`` is one example without its batch dimension: a sequence batch ``(x, y)``
-    (or a dict's target entry) holding a 0-d tensor beside a first tensor with dimensions. A
-    ``DataLoader(dataset, batch_size=None)`` yields these; read as a batch, ``x`` of shape
-    ``(d,)`` would count as ``d`` examples."""
-    if first.dim() == 0:
-        return
-    if isinstance(batch, (tuple, list)):
-        entries = [(str(i), v) for i, v in enumerate(batch)]
+def _check_batched(batch: Any, *, what: str, which: str) -> None:
+    """Raise if ``batch`` is one example without its batch dimension, as a
+    ``DataLoader(dataset, batch_size=None)`` yields them (read as a batch, ``x`` of shape ``(d,)``
+    would count as ``d`` examples): the target (``y`` of ``(x, y, ...)``, a dict's ``labels``) is
+    a scalar, or ``x`` is one feature vector ``(d,)`` with a target of shape ``(1,)``; or a dict's
+    ``input_ids`` is one sequence (1-d: an un-collated row). Other entries may be scalars."""
+    if isinstance(batch, (tuple, list)) and len(batch) >= 2:
+        x, y, key = batch[0], batch[1], "1"
     elif isinstance(batch, Mapping):
-        entries = [(k, batch.get(k)) for k in TARGET_KEYS]
+        key = next((k for k in TARGET_KEYS if isinstance(batch.get(k), torch.Tensor)), None)
+        y = batch.get(key) if key is not None else None
+        inputs = [v for k, v in batch.items() if k != key and isinstance(v, torch.Tensor)]
+        x = batch.get("input_ids", next((v for v in inputs if v.dim() >= 1), None))
+        if "input_ids" in batch and isinstance(x, torch.Tensor) and x.dim() == 1:
+            raise ValueError(
+                f"{what}: {which} holds one un-collated example ('input_ids' of shape "
+                f"{tuple(x.shape)}): batch the rows (a DataLoader with a collator such as "
+                "transformers.DataCollatorWithPadding), or add the batch dimension"
+            )
     else:
         return
-    for key, value in entries:
-        if isinstance(value, torch.Tensor) and value.dim() == 0:
-            raise ValueError(
-                f"{what}: {which} looks like one example without a batch dimension: entry "
-                f"{key!r} is a scalar (0-d) while the first tensor has shape "
-                f"{tuple(first.shape)}, which would count as {first.shape[0]} examples. A "
-                "DataLoader with batch_size=None yields single examples: give it a batch_size, or "
-                "add the batch dimension (x.unsqueeze(0), y.reshape(1))"
-            )
+    if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor) or x.dim() == 0:
+        return
+    # a scalar target, or a feature vector x (d,) with a target (1,): a TensorDataset row
+    if y.dim() == 0 or (x.dim() == 1 and tuple(y.shape) == (1,) and x.shape[0] != 1):
+        shape = "a scalar (0-d)" if y.dim() == 0 else f"of shape {tuple(y.shape)}"
+        raise ValueError(
+            f"{what}: {which} looks like one example without a batch dimension: its target "
+            f"(entry {key!r}) is {shape} while its input has shape {tuple(x.shape)}, which would "
+            f"count as {x.shape[0]} examples. A DataLoader with batch_size=None yields single "
+            "examples: give it a batch_size, or add the batch dimension (x.unsqueeze(0), "
+            "y.unsqueeze(0))"
+        )
 
 
 def _is_numpy_array(obj: Any) -> bool:
@@ -322,20 +348,43 @@ class DataCounter:
 def batch_tensors(batch: Any) -> list[tuple[str, torch.Tensor]]:
     """The tensors of a batch with their paths (:func:`~initlab._core.pytree.flatten_tensors`:
     containers, namedtuples, dataclasses); for any other object, the tensors among its
-    attributes, in the order they were set (``batch.x``: path ``"x"``)."""
+    attributes (:func:`object_fields`; ``batch.x``: path ``"x"``)."""
     tensors = flatten_tensors(batch)
-    if tensors or not _is_custom_object(batch):
-        return tensors
-    return flatten_tensors(dict(vars(batch)))
+    fields = None if tensors else object_fields(batch)
+    return tensors if fields is None else flatten_tensors(fields)
+
+
+def object_fields(value: Any) -> dict[str, Any] | None:
+    """The attributes of a batch object (a dataclass, a user's class, one with ``__slots__``) in
+    the order they were set, or ``None`` for a tensor, container, string, number or ``None``."""
+    if not _is_custom_object(value):
+        return None
+    if dataclasses.is_dataclass(value):
+        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    fields = dict(getattr(value, "__dict__", {}))
+    for cls in type(value).__mro__:
+        for name in getattr(cls, "__slots__", ()):
+            if name not in ("__dict__", "__weakref__") and hasattr(value, name):
+                fields.setdefault(name, getattr(value, name))
+    return fields
+
+
+def with_fields(value: Any, fields: Mapping[str, Any]) -> Any:
+    """A shallow copy of the batch object ``value`` with ``fields`` set (frozen dataclasses
+    included)."""
+    new = copy.copy(value)
+    for name, field in fields.items():
+        object.__setattr__(new, name, field)
+    return new
 
 
 def _is_custom_object(value: Any) -> bool:
-    """An instance of a class with attributes (a dataclass, a user's batch class), not a tensor,
-    container, string, number or ``None``."""
+    """An instance of a class with attributes (a dataclass, a user's batch class, one with
+    ``__slots__``), not a tensor, container, string, number, ``None`` or a class."""
     return (
         not isinstance(value, (torch.Tensor, tuple, list, Mapping, str, bytes, int, float, complex))
         and value is not None
-        and hasattr(value, "__dict__")
+        and (hasattr(value, "__dict__") or hasattr(type(value), "__slots__"))
         and not isinstance(value, type)
     )
 
@@ -439,6 +488,8 @@ def output_tensor(outputs: Any, *, what: str = "the model's output") -> torch.Te
 
 
 def batch_size(batch: Any) -> int:
-    """Number of examples in a batch: dim 0 of its first tensor (1 for a 0-d tensor)."""
+    """Number of examples in a batch: dim 0 of its first tensor with a dimension (a 0-d entry,
+    such as a temperature in a dict, is not a row count); 1 when every tensor is 0-d."""
     t = first_tensor(batch)
-    return int(t.shape[0]) if t.dim() else 1
+    rows = next((u for _, u in batch_tensors(batch) if u.dim() >= 1), t)
+    return int(rows.shape[0]) if rows.dim() else 1

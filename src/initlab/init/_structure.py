@@ -14,6 +14,7 @@ found, the scheme's own gain is kept) and a short text for the report's ``gain_f
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,8 +34,8 @@ __all__ = [
     "find_head",
     "residual_projections",
     "structural_following",
+    "token_tables",
     "traced_following",
-    "word_embedding",
 ]
 
 
@@ -139,27 +140,23 @@ def find_head(model: nn.Module, claims: dict[int, set[str]]) -> tuple[int, str, 
     ``claims`` maps each claimed tensor's id to the roles its claimants gave it. In order:
 
     1. the model's own declaration, ``model.get_output_embeddings()`` (the Hugging Face
-       convention): the module it returns is the head. A model that *declares* none (the method
-       returns ``None``, as every Hugging Face model without a language-model head does:
-       ``BertForSequenceClassification``, ``DistilBertModel``, ...) has none, whatever sizes its
-       layers have, unless step 2 finds a tie;
+       convention), when it returns a module: that module is the head;
     2. a tensor claimed both as an ``"embedding"`` and as a ``"weight"`` (an embedding table tied
        to a head: the tie is the declaration);
-    3. for a model without ``get_output_embeddings``: the last ``nn.Linear`` in module order whose
-       ``out_features`` equals the **word** table's ``num_embeddings``
-       (:func:`word_embedding`), a vocabulary-sized output. Position and token-type tables never
-       count: ``out_features == max_positions`` or ``== type_vocab_size`` is a size coincidence
-       (BERT's pooler ``Linear(512, 512)`` with 512 positions; a 2-label classifier with 2 token
-       types), not a head.
+    3. the last ``nn.Linear`` in module order whose ``out_features`` equals the
+       ``num_embeddings`` of a token table (:func:`token_tables`): a vocabulary-sized output.
+       Position and token-type tables never count: ``out_features == max_positions`` or
+       ``== type_vocab_size`` is a size coincidence (BERT's pooler ``Linear(512, 512)`` with 512
+       positions; a 2-label classifier with 2 token types), not a head. (A Hugging Face model
+       whose ``get_output_embeddings()`` returns ``None`` gets here too: a custom subclass may
+       name its head otherwise; a sequence classifier has no vocabulary-sized Linear.)
 
     Structure only: a table used as a head functionally (``h @ emb.weight.T``) is not seen.
     """
     getter = getattr(model, "get_output_embeddings", None)
-    declared = False
     if callable(getter):
         try:
             out = getter()
-            declared = True
         except (NotImplementedError, AttributeError, TypeError):
             out = None
         weight = getattr(out, "weight", None)
@@ -168,52 +165,49 @@ def find_head(model: nn.Module, claims: dict[int, set[str]]) -> tuple[int, str, 
     for key, roles in claims.items():
         if {"embedding", "weight"} <= roles:
             return key, "an embedding table also used as a weight", "tied embedding/head"
-    if declared:
-        return None
-    word = word_embedding(model)
-    if word is None:
-        return None
-    heads = [m for m in model.modules() if isinstance(m, nn.Linear) and m.out_features == word[1]]
+    sizes = {m.num_embeddings: name for name, m in token_tables(model)}
+    heads = [m for m in model.modules() if isinstance(m, nn.Linear) and m.out_features in sizes]
     if heads and id(heads[-1].weight) in claims:
         key = id(heads[-1].weight)
-        how = f"last Linear with out_features = num_embeddings of {word[0] or 'the root'}"
-        return key, how, _head_label(claims[key])
+        table = sizes[heads[-1].out_features] or "the root"
+        return (
+            key,
+            f"last Linear with out_features = num_embeddings of {table}",
+            _head_label(claims[key]),
+        )
     return None
 
 
-#: Fragments of the leaf name of a table that is not the word table (positions, token types,
-#: segments), as in GPT-2's ``wpe``, BERT's ``position_embeddings``/``token_type_embeddings``.
-_NOT_WORD_TABLE = ("pos", "wpe", "type", "segment")
+#: Words in the leaf name of a table that is not a token table (positions, token types,
+#: segments, attention-bias buckets), as in GPT-2's ``wpe``, BERT's ``position_embeddings`` and
+#: ``token_type_embeddings``, a transformer's ``pe``, T5's ``relative_attention_bias``. Matched
+#: as whole words of the name (``prototype_tokens`` is a token table).
+_NOT_TOKEN_WORDS = frozenset(
+    {"pos", "position", "positions", "positional", "wpe", "pe", "type", "types", "segment"}
+    | {"segments", "relative", "bias", "bucket", "buckets"}
+)
 
 
-def word_embedding(model: nn.Module) -> tuple[str, int] | None:
-    """``(qualified name, num_embeddings)`` of the model's word (token) embedding table, or
-    ``None``: ``model.get_input_embeddings()`` when the model has it (Hugging Face), else the
-    largest ``nn.Embedding``/``nn.EmbeddingBag`` whose leaf name does not name positions or token
-    types (``pos``, ``wpe``, ``type``, ``segment``), the first in module order among equals."""
-    tables = [
-        (name, m)
-        for name, m in model.named_modules()
-        if isinstance(m, (nn.Embedding, nn.EmbeddingBag))
-    ]
+def token_tables(model: nn.Module) -> list[tuple[str, nn.Embedding | nn.EmbeddingBag]]:
+    """The ``nn.Embedding``/``nn.EmbeddingBag`` tables of the model that hold tokens (words,
+    characters, classes): the table ``model.get_input_embeddings()`` declares (Hugging Face) and
+    every table whose leaf name does not name positions or token types (:data:`_NOT_TOKEN_WORDS`,
+    as whole words: ``pos_emb``, ``wpe``, ``token_type_embeddings`` are not token tables)."""
     getter = getattr(model, "get_input_embeddings", None)
+    declared = None
     if callable(getter):
         try:
             declared = getter()
         except (NotImplementedError, AttributeError, TypeError):
             declared = None
-        for name, m in tables:
-            if m is declared:
-                return name, m.num_embeddings
-    words = [
-        (name, m)
-        for name, m in tables
-        if not any(f in name.rsplit(".", 1)[-1].lower() for f in _NOT_WORD_TABLE)
-    ]
-    if not words:
-        return None
-    name, table = max(words, key=lambda t: t[1].num_embeddings)  # max keeps the first of equals
-    return name, table.num_embeddings
+    out = []
+    for name, m in model.named_modules():
+        if not isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
+            continue
+        words = set(re.split(r"[^a-z]+", name.rsplit(".", 1)[-1].lower()))
+        if m is declared or not words & _NOT_TOKEN_WORDS:
+            out.append((name, m))
+    return out
 
 
 def _head_label(roles: set[str]) -> str:
