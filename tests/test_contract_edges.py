@@ -457,3 +457,74 @@ def test_an_uncollated_hugging_face_row_is_named() -> None:
     rows = [{"input_ids": torch.randint(0, 20, (10,)), "labels": torch.randint(0, 20, (10,))}]
     with pytest.raises(ValueError, match=r"un-collated example.*DataCollator"):
         initlab.measure_moments(nn.Embedding(20, 4), rows, lambda m, b: m(b["input_ids"]).sum())
+
+
+class _TokenLM(nn.Module):
+    def __init__(self, vocab: int = 64) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.e, self.h = nn.Embedding(vocab, 32), nn.Linear(32, vocab)
+        with torch.no_grad():
+            self.h.weight.normal_(0, 0.01)
+            self.h.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.h(torch.tanh(self.e(x)))
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_doctor_reads_a_token_cross_entropy_per_counted_token(reduction: str) -> None:
+    model = _TokenLM()
+    ids = torch.randint(0, 64, (16, 12), generator=torch.Generator().manual_seed(0))
+    targets = ids.clone()
+    targets[:, :3] = -100
+    data = [(ids[i : i + 4], targets[i : i + 4]) for i in range(0, 16, 4)]
+    report = initlab.doctor(model, data, nn.CrossEntropyLoss(reduction=reduction))
+    row = next(r for r in report.to_rows() if r["check"] == "initial_loss")
+    with torch.no_grad():
+        want = F.cross_entropy(model(ids).reshape(-1, 64), targets.reshape(-1)).item()
+    assert row["value"] == pytest.approx(want, rel=1e-5) and row["verdict"] == "ok"
+
+
+class _DictNet(nn.Module):
+    """Takes the dict's keys and returns logits, no loss: the default reads initlab's CE."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _mlp()
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        return self.net(x)
+
+
+def test_ignored_labels_in_a_dict_batch_give_the_moments_of_the_tuple_batch() -> None:
+    x, y = _data(8)
+    y = y.clone()
+    y[:3] = -100
+    model = _DictNet()
+    a = initlab.gr_scaling(model, {"x": x, "labels": y}).to_rows()
+    b = initlab.gr_scaling(model.net, (x, y)).to_rows()
+    for ra, rb in zip(a, b, strict=True):
+        assert ra["E_dy2"] == pytest.approx(rb["E_dy2"], rel=1e-6)
+
+
+def test_a_hugging_face_classifiers_own_loss_with_ignored_labels_matches_its_criterion() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, num_labels=3, max_position_embeddings=16,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    bert = transformers.BertForSequenceClassification(config).eval()
+    gen = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, 3, (8,), generator=gen)
+    labels[:3] = -100
+    batch = {"input_ids": torch.randint(0, 50, (8, 6), generator=gen), "labels": labels}
+
+    def head(loss: Any) -> float:
+        rows = initlab.measure_moments(bert, batch, loss).param_table().to_rows()
+        return next(r for r in rows if (r["layer"], r["param"]) == ("classifier", "weight"))[
+            "E_dW2_example"
+        ]
+
+    assert head("model") == pytest.approx(head(nn.CrossEntropyLoss()), rel=1e-6)

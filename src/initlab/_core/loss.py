@@ -58,6 +58,7 @@ __all__ = [
     "make_loss",
     "outputs_loss",
     "resolve_loss",
+    "target_count",
 ]
 
 LOSSES = ("auto", "cross_entropy", "mse", "random_quadratic", "model")
@@ -393,18 +394,15 @@ def _class_options(fn: Any) -> tuple[int, torch.Tensor | None]:
 def example_count(loss: Loss, batch: Any) -> float | None:
     """The number of examples a mean-reduced loss divides by on ``batch``, where it is not the
     batch size: torch's cross-entropy and NLL criteria (and initlab's ``"cross_entropy"`` and
-    ``"auto"``) on class targets of shape ``(B,)`` divide by the targets not equal to
-    ``ignore_index``, each counted by its class weight. The moment probe scales gradients by it
+    ``"auto"``, and a model's own loss by the Hugging Face convention) on class targets of shape
+    ``(B,)`` divide by the targets not equal to ``ignore_index``, each counted by its class
+    weight. The moment probe scales gradients by it
     instead of ``B``, so a per-example gradient is that of the example's own (weighted) loss, as
     with ``reduction="sum"``, and an ignored example's is zero. ``None``: the batch size (no target
     ignored, no class weights), or unknown (any other loss).
     """
-    fn = getattr(loss, "criterion_fn", None)
-    if fn is None and loss.name in ("auto", "cross_entropy"):
-        # initlab's own cross-entropy ("auto" on class indices; the default None on (x, y))
-        named = loss.form == "named" or (loss.form == "auto" and not isinstance(batch, Mapping))
-        fn = F.cross_entropy if named else None
-    if fn is None or not _takes_class_indices(fn) or loss.reduction not in ("mean", None):
+    fn = _class_criterion(loss, batch)
+    if fn is None or loss.reduction not in ("mean", None):
         return None
     try:
         y = _target(batch, None)
@@ -412,11 +410,43 @@ def example_count(loss: Loss, batch: Any) -> float | None:
         return None
     if y.dim() != 1 or y.is_floating_point():
         return None
+    count = _counted(fn, y)
+    return None if count == y.shape[0] else count
+
+
+def target_count(loss: Loss, batch: Any) -> float | None:
+    """What the loss averages over on ``batch`` (or sums, for ``reduction="sum"``): for torch's
+    cross-entropy/NLL criteria and initlab's ``"cross_entropy"``, the target positions not equal
+    to ``ignore_index``, each counted by its class weight (every token of ``(B, T)`` targets);
+    for another loss on targets, their number of elements (MSE's mean); ``None`` for a loss
+    without targets."""
+    try:
+        y = _target(batch, None)
+    except TargetError:
+        return None
+    fn = _class_criterion(loss, batch)
+    if fn is None or y.is_floating_point():
+        return float(y.numel())
+    return _counted(fn, y)
+
+
+def _class_criterion(loss: Loss, batch: Any) -> Any:
+    """The torch cross-entropy/NLL function or module ``loss`` applies on ``batch``, or ``None``:
+    a criterion's own; ``F.cross_entropy`` for initlab's ``"cross_entropy"`` and ``"auto"``, and
+    for the model's own loss (``None`` on a dict batch, ``"model"``) on integer labels, read by the
+    Hugging Face convention (a mean over the labels that are not -100)."""
+    fn = getattr(loss, "criterion_fn", None)
+    if fn is None and (loss.name in ("auto", "cross_entropy") or loss.form == "model_output"):
+        fn = F.cross_entropy
+    return fn if fn is not None and _takes_class_indices(fn) else None
+
+
+def _counted(fn: Any, y: torch.Tensor) -> float:
+    """The targets of ``y`` a class criterion counts: not ``ignore_index``, weighted by class."""
     ignore, weight = _class_options(fn)
     valid = y != ignore
     if weight is None:
-        count = float(valid.sum())
-        return None if count == y.shape[0] else count
+        return float(valid.sum())
     return float(weight.to(y.device)[y[valid].long()].sum(dtype=torch.float64))
 
 

@@ -84,7 +84,7 @@ from initlab._core.data import (
     output_tensor,
     take_batches,
 )
-from initlab._core.loss import Loss, LossLike, model_loss, resolve_loss
+from initlab._core.loss import Loss, LossLike, model_loss, resolve_loss, target_count
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows, _fmt
 from initlab._core.state import preserved_state, restore_on_failure
@@ -266,18 +266,18 @@ def _check_loss_defined(losses: list[float], finite_outputs: list[bool]) -> None
 
 
 def _per_example(losses: list[float], batches: list[Any], loss: Loss) -> float:
-    """The mean loss per example over the batches: a criterion that declares
-    ``reduction="sum"`` gives each batch's sum, any other loss (a mean) is weighted by the batch's
-    examples."""
+    """The mean loss per target over the batches (:func:`~initlab._core.loss.target_count`: per
+    counted token for a language model's cross-entropy, per element for MSE; per example for a
+    loss without targets): a criterion that declares ``reduction="sum"`` gives each batch's sum,
+    any other loss (a mean) is weighted by the batch's count."""
     if not losses:
         return math.nan
-    sizes = [batch_size(b) for b in batches[: len(losses)]]
-    total = (
-        sum(losses)
-        if loss.reduction == "sum"
-        else sum(n * v for n, v in zip(sizes, losses, strict=True))
-    )
-    return total / sum(sizes)
+    counts = [target_count(loss, b) or float(batch_size(b)) for b in batches[: len(losses)]]
+    if loss.reduction == "sum":
+        total = sum(losses)
+    else:
+        total = sum(n * v for n, v in zip(counts, losses, strict=True))
+    return total / sum(counts) if sum(counts) > 0 else math.nan
 
 
 # ----------------------------------------------------------------------------- checks
