@@ -447,3 +447,40 @@ class _Alias(nn.Module):
 def test_precondition_balances_a_module_registered_under_two_names() -> None:
     report = initlab.precondition_(_Alias(), _data(), nn.CrossEntropyLoss(), generator=0)
     assert {r["layer"]: r["kind"] for r in report.to_rows()} == {"a": "mlp", "out": "mlp"}
+
+
+def test_lsuv_keeps_a_frozen_bias_of_a_layer_it_scales() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)
+    )
+    with torch.no_grad():
+        model[2].bias.fill_(0.3)
+    model[2].bias.requires_grad_(False)
+    report = initlab.lsuv_(model, _data(512)[0], generator=0)
+    assert torch.equal(model[2].bias, torch.full((32,), 0.3))
+    rows = {r["layer"]: r for r in report.to_rows()}
+    assert rows["2"]["var_after"] == pytest.approx(1.0, abs=0.1)  # the bias is read, not assumed 0
+    with torch.no_grad():
+        h = torch.relu(model[0](_data(512)[0]))
+        assert float(model[2](h).var()) == pytest.approx(rows["2"]["var_after"], rel=0.05)
+
+
+class _ObjIn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1, self.l2 = nn.Linear(16, 32), nn.Linear(32, 4)
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        return self.l2(torch.relu(self.l1(batch.x)))
+
+
+@pytest.mark.parametrize("concat", [True, False])
+def test_lsuv_concatenates_object_batches(concat: bool) -> None:
+    from types import SimpleNamespace
+
+    x, y = _data(96)
+    data = [SimpleNamespace(x=x[i : i + 32], y=y[i : i + 32]) for i in range(0, 96, 32)]
+    report = initlab.lsuv_(_ObjIn(), data, max_batches=None, concat_batches=concat, generator=0)
+    assert report.used.batches == 3 and report.info["converged"]

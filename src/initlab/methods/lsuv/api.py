@@ -19,7 +19,14 @@ import torch
 from torch import nn
 
 from initlab._core.compiled import takes_compiled
-from initlab._core.data import DataUse, data_use, default_forward, take_batches
+from initlab._core.data import (
+    DataUse,
+    data_use,
+    default_forward,
+    object_fields,
+    take_batches,
+    with_fields,
+)
 from initlab._core.distributed import check_same_parameters, failing_together, run_together
 from initlab._core.hooks import hook_handles
 from initlab._core.knobs import renamed_kwargs, user_stacklevel
@@ -107,7 +114,15 @@ def _cat(items: list[Any], path: str) -> Any:
         if hasattr(first, "_fields"):  # namedtuple
             return type(first)(*values)
         return type(first)(values)
-    if any(b != first for b in items):
+    fields = object_fields(first)
+    if fields is not None:  # a batch object: its attributes, concatenated
+        if any(type(b) is not type(first) for b in items):
+            raise ValueError("lsuv_ cannot concatenate batches of different types")
+        parts = [object_fields(b) or {} for b in items]
+        return with_fields(
+            first, {k: _cat([p[k] for p in parts], f"{path}.{k}".lstrip(".")) for k in fields}
+        )
+    if any(b is not first and b != first for b in items):
         raise ValueError(
             f"lsuv_ cannot concatenate batches whose non-tensor entry {path or 'input'} differs; "
             "pass concat_batches=False"
@@ -230,7 +245,8 @@ def lsuv_(
             :func:`~initlab._core.data.default_forward`).
         strategy: ``"layers"``, ``"branches"`` or ``"stream"`` (above; ``mode=`` before 0.2).
         max_batches: how many batches of ``data`` the statistics pool over (``None``: all of
-            them; ``batches=`` before 0.2). A loader with fewer raises, saying how many are needed.
+            them; ``batches=`` before 0.2): at most this many (a loader with fewer is read
+            whole).
         concat_batches: with several batches, run them as one concatenated batch (exact in one
             sweep; dim 0 of every tensor is concatenated) rather than one after another.
         generator: ``torch.Generator`` or int seed for the orthogonal pre-init; the same seed
@@ -367,7 +383,7 @@ def _take_data(
 ) -> tuple[DataUse, list[Any]]:
     """How much data was taken (the batches checked finite), and what each forward pass runs
     on."""
-    taken = take_batches(data, max_batches, what="lsuv_")
+    taken = take_batches(data, max_batches, what="lsuv_", exact=False)
     for batch in taken:
         for path, t in flatten_tensors(batch):
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):

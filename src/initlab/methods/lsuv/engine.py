@@ -180,7 +180,8 @@ class Engine:
     # -- pre-init and corrections --------------------------------------------------------------
 
     def pre_init(self, unit: Unit) -> None:
-        """Orthogonal weight (per q/k/v block), zero biases; once, at the unit's first call."""
+        """Orthogonal weight (per q/k/v block), zero biases (a frozen one is kept); once, at the
+        unit's first call."""
         if unit.pre_initialized or unit.skipped or unit.frozen or self.discovering:
             return
         unit.pre_initialized = True
@@ -196,9 +197,13 @@ class Engine:
             dist.broadcast(buf, src=0)
             if buf is not w:
                 w.copy_(buf)
+        kept = False
         for b in unit.biases():
-            b.detach().zero_()
-        unit.zero_bias = True
+            if b.requires_grad:
+                b.detach().zero_()
+            else:
+                kept = True  # a frozen bias is left as it is (and read where it matters)
+        unit.zero_bias = not kept
 
     def _predicted_scale(self, unit: Unit, vec: list[float]) -> float | None:
         """The factor that brings the predicted pooled variance to the target.
