@@ -528,3 +528,18 @@ def test_a_hugging_face_classifiers_own_loss_with_ignored_labels_matches_its_cri
         ]
 
     assert head("model") == pytest.approx(head(nn.CrossEntropyLoss()), rel=1e-6)
+
+
+def test_overlap_batch_chooses_per_image_targets_as_items() -> None:
+    # the detection format: images (B, ...) and a list of B dicts of ragged boxes
+    def batch(start: int, n: int) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
+        images = torch.arange(start, start + n, dtype=torch.float32)[:, None]
+        targets = [{"boxes": torch.full((i + 1, 4), float(i))} for i in range(start, start + n)]
+        return images, targets
+
+    tilde = overlap_batch(batch(0, 4), batch(10, 4), 0.5)
+    assert tilde[0].flatten().tolist() == [0.0, 1.0, 10.0, 11.0]
+    assert [t["boxes"].shape[0] for t in tilde[1]] == [1, 2, 11, 12]
+    assert type(tilde[1]) is list
+    drawn = overlap_batch(batch(0, 4), batch(10, 4), 0.5, generator=3)
+    assert [t["boxes"].shape[0] - 1 for t in drawn[1]] == drawn[0].flatten().int().tolist()

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import difflib
 import functools
+import inspect
 import os
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-__all__ = ["check_kwargs", "renamed_kwargs", "user_stacklevel"]
+__all__ = ["check_kwargs", "parameter_names", "renamed_kwargs", "user_stacklevel"]
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
@@ -72,44 +73,58 @@ def renamed_kwargs(**old_to_new: str) -> Callable[[F], F]:
     return wrap
 
 
-#: Names users try for the concepts above (PyTorch's, other libraries'), and initlab's name.
-GUESSED_NAMES = {
-    "loss": "loss_fn",
-    "criterion": "loss_fn",
-    "loss_function": "loss_fn",
-    "dataloader": "data",
-    "loader": "data",
-    "dataset": "data",
-    "max_batch": "max_batches",
-    "num_batches": "max_batches",
-    "iterations": "steps",
-    "num_steps": "steps",
-    "n_steps": "steps",
-    "seed": "generator",
-    "rng": "generator",
+#: Names users try for the concepts above (PyTorch's, other libraries'), and initlab's names
+#: for them, in order of preference (the first one the function takes is suggested).
+GUESSED_NAMES: dict[str, tuple[str, ...]] = {
+    "loss": ("loss_fn",),
+    "criterion": ("loss_fn",),
+    "loss_func": ("loss_fn",),
+    "loss_function": ("loss_fn",),
+    "lossfn": ("loss_fn",),
+    "dataloader": ("data",),
+    "loader": ("data",),
+    "dataset": ("data",),
+    "max_batch": ("max_batches",),
+    "num_batches": ("max_batches",),
+    "n_batches": ("max_batches",),
+    "iterations": ("steps", "max_iter"),
+    "num_steps": ("steps", "max_iter"),
+    "n_steps": ("steps", "max_iter"),
+    "max_iters": ("max_iter", "steps"),
+    "seed": ("generator",),
+    "rng": ("generator",),
 }
 
 
-def check_kwargs(what: str, given: dict[str, Any], accepted: set[str]) -> None:
+def parameter_names(fn: Callable[..., Any]) -> list[str]:
+    """The names ``fn`` takes as arguments (not its ``*args``/``**kwargs`` catch-alls)."""
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    return [n for n, p in inspect.signature(fn).parameters.items() if p.kind not in variadic]
+
+
+def check_kwargs(
+    what: str, given: dict[str, Any], accepted: set[str], own: Iterable[str] = ()
+) -> None:
     """Raise a ``TypeError`` naming ``what`` for keywords of ``given`` outside ``accepted``, with
-    initlab's name for a guessed one (``loss=`` → ``loss_fn=``) or the closest accepted name.
+    initlab's name for a guessed one (``loss=`` → ``loss_fn=``) or the closest name among
+    ``accepted`` and ``own`` (the function's own parameters, e.g. ``max_batches``).
 
     Example:
-        >>> check_kwargs("f", {"loss": 1}, {"loss_fn", "data"})
+        >>> check_kwargs("f", {"loss": 1}, {"per_example"}, own=["loss_fn", "data"])
         Traceback (most recent call last):
         ...
         TypeError: f() got an unexpected keyword argument 'loss'; did you mean loss_fn=?
     """
+    names = set(accepted) | set(own)
     for name in given:
         if name in accepted:
             continue
-        guess = GUESSED_NAMES.get(name) or next(
-            iter(difflib.get_close_matches(name, sorted(accepted), n=1)), None
-        )
+        guesses = [g for g in GUESSED_NAMES.get(name.lower(), ()) if g in names]
+        guesses += difflib.get_close_matches(name, sorted(names), n=1)
         hint = (
-            f"; did you mean {guess}=?" if guess else f"; accepted: {', '.join(sorted(accepted))}"
+            f"did you mean {guesses[0]}=?" if guesses else f"accepted: {', '.join(sorted(names))}"
         )
-        raise TypeError(f"{what}() got an unexpected keyword argument {name!r}{hint}")
+        raise TypeError(f"{what}() got an unexpected keyword argument {name!r}; {hint}")
 
 
 def user_stacklevel() -> int:

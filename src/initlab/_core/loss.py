@@ -179,7 +179,7 @@ class NamedLoss(Loss):
         except TargetError:
             raise
         except (RuntimeError, ValueError, IndexError) as err:
-            if _AUTOGRAD_WORDS.search(str(err)):  # a transform's limit, for its caller to handle
+            if not _is_pairing_error(err):  # out of memory, a transform's limit, the user's own
                 raise
             raise _pairing_error(self.name, out, batch, err) from err
         return _scalar(loss, self.name)
@@ -255,9 +255,20 @@ def _target(batch: Any, what: str | None) -> torch.Tensor:
     )
 
 
+_PAIRING_WORDS = re.compile(r"target|shape|size|dimension|out of bounds|dtype|Long|Byte|multi")
 _AUTOGRAD_WORDS = re.compile(
     r"derivative|forward[- ]mode|forward AD|vmap|functorch|grad|not implemented"
 )
+
+
+def _is_pairing_error(err: Exception) -> bool:
+    """Whether torch's error from a loss is about pairing the output with the targets (their
+    shapes, sizes, dtypes, class indices), as opposed to memory, autograd transforms, or an error
+    the user's own criterion raises with its own message."""
+    if isinstance(err, torch.OutOfMemoryError):
+        return False
+    text = str(err)
+    return bool(_PAIRING_WORDS.search(text)) and not _AUTOGRAD_WORDS.search(text)
 
 
 def _pairing_error(name: str, out: torch.Tensor, batch: Any, err: Exception) -> TargetError:

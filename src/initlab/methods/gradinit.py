@@ -221,70 +221,85 @@ def _is_namedtuple(obj: Any) -> bool:
     return isinstance(obj, tuple) and hasattr(obj, "_fields")
 
 
-def _is_column(value: Any) -> bool:
-    """A list of plain values (ids, strings, numbers): a per-example column when its length is
-    the batch size."""
-    return isinstance(value, list) and not any(
-        isinstance(v, (torch.Tensor, tuple, list, Mapping)) for v in value
+class _Column(list):
+    """Per-example items chosen from a list of the batch's length (ids, per-image target dicts,
+    ragged tensors): concatenated as items, never sliced inside."""
+
+
+def _children(node: Any) -> list[Any] | None:
+    """The children of a container batch (tuple, list, namedtuple, dict, dataclass), else
+    ``None``."""
+    if isinstance(node, (tuple, list)):
+        return list(node)
+    if isinstance(node, Mapping):
+        return list(node.values())
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        return [getattr(node, f.name) for f in dataclasses.fields(node)]
+    return None
+
+
+def _rebuild(node: Any, children: list[Any]) -> Any:
+    """``node``'s container type holding ``children`` (a dict for any mapping)."""
+    if _is_namedtuple(node):
+        return type(node)(*children)
+    if isinstance(node, _Column):
+        return list(children)
+    if isinstance(node, (tuple, list)):
+        return type(node)(children)
+    if isinstance(node, Mapping):
+        return dict(zip(node, children, strict=True))
+    return dataclasses.replace(
+        node, **{f.name: c for f, c in zip(dataclasses.fields(node), children, strict=True)}
     )
 
 
-def _zip_batches(
-    fn: Callable[..., torch.Tensor], column: Callable[..., list[Any]], *batches: Any
-) -> Any:
-    """Apply ``fn`` to corresponding tensors (ndim >= 1) and ``column`` to corresponding lists of
-    plain values (:func:`_is_column`) of same-structured batches; other leaves come from the
-    first batch."""
-    first = batches[0]
-    if isinstance(first, torch.Tensor):
-        return fn(*batches) if first.dim() >= 1 else first
-    if _is_column(first):
-        return column(*batches) if all(_is_column(b) for b in batches) else first
-    parts = _parts(first, batches)
-    if _is_namedtuple(first):
-        return type(first)(*(_zip_batches(fn, column, *p) for p in parts))
-    if isinstance(first, (tuple, list)):
-        return type(first)(_zip_batches(fn, column, *p) for p in parts)
-    if isinstance(first, Mapping):
-        return {k: _zip_batches(fn, column, *p) for k, p in zip(first, parts, strict=True)}
-    if dataclasses.is_dataclass(first) and not isinstance(first, type):
-        fields = [f.name for f in dataclasses.fields(first)]
-        return dataclasses.replace(
-            first,
-            **{k: _zip_batches(fn, column, *p) for k, p in zip(fields, parts, strict=True)},
-        )
-    return first
-
-
-def _parts(first: Any, batches: Sequence[Any]) -> list[tuple[Any, ...]]:
-    """The corresponding children of same-structured batches (a mismatch raises, naming it)."""
-    try:
-        if isinstance(first, (tuple, list)):
-            return list(zip(*batches, strict=True))
-        if isinstance(first, Mapping):
-            return [tuple(b[k] for b in batches) for k in first]
-        if dataclasses.is_dataclass(first) and not isinstance(first, type):
-            return [tuple(getattr(b, f.name) for b in batches) for f in dataclasses.fields(first)]
-    except (ValueError, KeyError, AttributeError, TypeError) as err:
-        raise ValueError(
-            "overlap_batch: the two batches differ in structure (a tuple of another length, a "
-            f"missing key or field: {err}); give every batch the same entries"
-        ) from err
-    return []
-
-
 def _rows_of(batch: Any, index: torch.Tensor | slice) -> Any:
-    """The rows ``index`` of every tensor, and of every per-example column (a list of the batch's
-    length), of ``batch``."""
+    """The examples ``index`` of ``batch``: rows of every tensor with a dimension, and items of
+    every list below the top whose length is the batch size (:class:`_Column`)."""
     n = batch_size(batch)
-    picks = range(n)[index] if isinstance(index, slice) else index.tolist()
+    picks = list(range(n)[index]) if isinstance(index, slice) else index.tolist()
 
-    def column(values: list[Any]) -> list[Any]:
-        return [values[i] for i in picks] if len(values) == n else values
+    def visit(node: Any, top: bool) -> Any:
+        if isinstance(node, torch.Tensor):
+            if node.dim() == 0:
+                return node
+            if isinstance(index, slice):
+                return node[index]
+            return node.index_select(0, index.to(node.device))
+        if isinstance(node, list) and not top and len(node) == n:
+            return _Column(node[i] for i in picks)
+        children = _children(node)
+        return node if children is None else _rebuild(node, [visit(c, False) for c in children])
 
-    if isinstance(index, slice):
-        return _zip_batches(lambda t: t[index], column, batch)
-    return _zip_batches(lambda t: t.index_select(0, index.to(t.device)), column, batch)
+    return visit(batch, True)
+
+
+def _plain(node: Any) -> Any:
+    """A batch from :func:`_rows_of` with its :class:`_Column` lists as plain lists."""
+    if isinstance(node, _Column):
+        return list(node)
+    children = _children(node)
+    return node if children is None else _rebuild(node, [_plain(c) for c in children])
+
+
+def _concat(a: Any, b: Any) -> Any:
+    """Two batches' examples (from :func:`_rows_of`) one after the other; other leaves from
+    ``a``."""
+    if isinstance(a, torch.Tensor):
+        return torch.cat([a, b]) if a.dim() >= 1 else a
+    if isinstance(a, _Column):
+        return list(a) + list(b)
+    children = _children(a)
+    if children is None:
+        return a
+    others = _children(b)
+    if others is None or type(b) is not type(a) or len(others) != len(children):
+        raise ValueError(
+            f"overlap_batch: the two batches differ in structure ({type(a).__name__} of "
+            f"{len(children)} entries against {type(b).__name__}); give every batch the same "
+            "entries"
+        )
+    return _rebuild(a, [_concat(x, y) for x, y in zip(children, others, strict=True)])
 
 
 def overlap_batch(
@@ -301,8 +316,9 @@ def overlap_batch(
     examples of ``next_batch`` (all of it if it is shorter); with ``generator`` both are random
     subsets (drawn with it) instead of the first ones. ``overlap = 1`` returns ``batch`` itself.
     Every tensor with at least one dimension, in a tensor, tuple, list, namedtuple, dict or
-    dataclass (nested), is sliced and concatenated along dim 0, and so is every list of plain
-    values (ids, strings) whose length is its batch's size; other leaves come from ``batch``.
+    dataclass (nested), is sliced and concatenated along dim 0; every list inside the batch whose
+    length is the batch size (ids, per-image target dicts, ragged tensors) is a list of
+    examples: its items are chosen and concatenated; other leaves come from ``batch``.
 
     Example:
         >>> s, nxt = torch.arange(4), torch.arange(10, 14)
@@ -317,19 +333,14 @@ def overlap_batch(
     if m >= b:
         return batch
     fresh = min(b - m, batch_size(next_batch))
-    if generator is None:
+    gen = as_generator(generator)
+    if gen is None:
         shared, new = _rows_of(batch, slice(0, m)), _rows_of(next_batch, slice(0, fresh))
     else:
-        idx_s = torch.randperm(b, generator=generator)[:m]
-        idx_n = torch.randperm(batch_size(next_batch), generator=generator)[:fresh]
+        idx_s = torch.randperm(b, generator=gen)[:m]
+        idx_n = torch.randperm(batch_size(next_batch), generator=gen)[:fresh]
         shared, new = _rows_of(batch, idx_s), _rows_of(next_batch, idx_n)
-    if m == 0:
-        return new
-
-    def column(x: list[Any], y: list[Any]) -> list[Any]:
-        return x + y if (len(x), len(y)) == (m, fresh) else x
-
-    return _zip_batches(lambda x, y: torch.cat([x, y]), column, shared, new)
+    return _concat(shared, new) if m else _plain(new)
 
 
 # --------------------------------------------------------------------------------------------------

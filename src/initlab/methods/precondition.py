@@ -41,7 +41,7 @@ from initlab._core.distributed import (
     is_distributed,
     run_together,
 )
-from initlab._core.knobs import check_kwargs, renamed_kwargs
+from initlab._core.knobs import check_kwargs, parameter_names, renamed_kwargs
 from initlab._core.loss import LossLike, check_trainable, resolve_loss
 from initlab._core.method_report import MethodReport
 from initlab._core.rng import Seeds
@@ -317,7 +317,12 @@ def precondition_(
         ``iteration, spread, max, min``.
     """
     start = time.perf_counter()
-    check_kwargs("precondition_", probe_kwargs, probe_options())
+    check_kwargs(
+        "precondition_",
+        probe_kwargs,
+        probe_options(),
+        own=parameter_names(precondition_),
+    )
     target, tol = _check_options(how, target, max_iter, tol)
     forward = forward or default_forward
     reg = default_registry() if registry is None else registry

@@ -22,7 +22,7 @@ from initlab._core.autocast import without_autocast
 from initlab._core.compiled import scripted_error, takes_compiled, uncompiled
 from initlab._core.data import DataUse, batch_size, default_forward, iter_batches
 from initlab._core.hooks import HookContext, HookHandles
-from initlab._core.knobs import check_kwargs, renamed_kwargs, user_stacklevel
+from initlab._core.knobs import check_kwargs, parameter_names, renamed_kwargs, user_stacklevel
 from initlab._core.loss import (
     Loss,
     LossLike,
@@ -824,7 +824,12 @@ def measure_moments(
     the random number generators, and every parameter's ``.grad`` (set to ``None`` for the
     measurement, so gradients you accumulated before are untouched).
     """
-    check_kwargs("measure_moments", probe_kwargs, probe_options())
+    check_kwargs(
+        "measure_moments",
+        probe_kwargs,
+        probe_options(),
+        own=parameter_names(measure_moments),
+    )
     loss = None if loss_fn is None else resolve_loss(loss_fn, what="measure_moments")
     if loss is not None:
         check_trainable(model, "measure_moments")
