@@ -543,3 +543,26 @@ def test_overlap_batch_chooses_per_image_targets_as_items() -> None:
     assert type(tilde[1]) is list
     drawn = overlap_batch(batch(0, 4), batch(10, 4), 0.5, generator=3)
     assert [t["boxes"].shape[0] - 1 for t in drawn[1]] == drawn[0].flatten().int().tolist()
+
+
+class _Fussy(nn.Module):
+    """A criterion with its own checks: its errors are its own, not a target problem."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__()
+        self.error = error
+
+    def forward(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        raise self.error
+
+
+@pytest.mark.parametrize(
+    "error",
+    [ValueError("temperature must be positive"), torch.OutOfMemoryError("out of memory")],
+    ids=["own_value_error", "out_of_memory"],
+)
+def test_a_criterions_own_error_passes_unchanged(error: Exception) -> None:
+    x, y = _data()
+    with pytest.raises(type(error)) as caught:
+        initlab.gradient_stats(_mlp(), (x, y), _Fussy(error))
+    assert caught.value is error

@@ -366,6 +366,10 @@ def test_doctor_compares_the_spread_over_the_same_layers_before_and_after() -> N
         ("precondition_", {"criterion": nn.CrossEntropyLoss()}, "loss_fn="),
         ("precondition_", {"max_batch": 1}, "max_batches="),
         ("measure_moments", {"per_exampel": True}, "per_example="),
+        ("measure_moments", {"loss_func": "cross_entropy"}, "loss_fn="),
+        ("measure_moments", {"max_batchs": 2}, "max_batches="),
+        ("precondition_", {"iterations": 2}, "max_iter="),
+        ("precondition_", {"hw": "lr"}, "how="),
     ],
 )
 def test_a_guessed_keyword_is_answered_with_initlabs_name(
