@@ -566,3 +566,19 @@ def test_a_criterions_own_error_passes_unchanged(error: Exception) -> None:
     with pytest.raises(type(error)) as caught:
         initlab.gradient_stats(_mlp(), (x, y), _Fussy(error))
     assert caught.value is error
+
+
+class _NeedsMask(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _mlp()
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.net(x * mask)
+
+
+def test_the_models_own_type_error_is_not_blamed_on_the_loss_form() -> None:
+    x, y = _data()
+    with pytest.raises(TypeError, match="missing 1 required positional argument") as caught:
+        initlab.measure_moments(_NeedsMask(), (x, y), lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+    assert "initlab.criterion" not in str(caught.value)

@@ -114,8 +114,8 @@ class Loss:
             clear = keyword_error(err, batch, f"loss_fn {self.name!r}")
             if clear is not None:
                 raise clear from err
-            if type(model).__name__ not in str(err):
-                raise
+            if type(model).__name__ not in str(err) or "forward()" in str(err):
+                raise  # not about calling a criterion with the model (the model's own error)
             raise TypeError(
                 f"loss_fn {self.name!r} was called as loss_fn(model, batch) and failed ({err}); if "
                 f"it is a criterion(output, target), pass initlab.criterion({self.name}). "
