@@ -582,3 +582,18 @@ def test_the_models_own_type_error_is_not_blamed_on_the_loss_form() -> None:
     with pytest.raises(TypeError, match="missing 1 required positional argument") as caught:
         initlab.measure_moments(_NeedsMask(), (x, y), lambda m, b: F.cross_entropy(m(b[0]), b[1]))
     assert "initlab.criterion" not in str(caught.value)
+
+
+def test_a_wrapped_criterion_can_say_it_sums() -> None:
+    x, y = _data(19)
+    model = _mlp()
+    batches = [(x[:8], y[:8]), (x[8:16], y[8:16]), (x[16:], y[16:])]
+    summing = initlab.criterion(
+        lambda o, t: F.cross_entropy(o, t, reduction="sum"), reduction="sum"
+    )
+    land = initlab.loss_landscape(model, batches, summing, grid=([0.0], [0.0]))
+    with torch.no_grad():
+        want = F.cross_entropy(model(x), y, reduction="sum").item()
+    assert float(land.center) == pytest.approx(want, rel=1e-5)
+    with pytest.raises(ValueError, match="declares reduction='sum'"):
+        initlab.criterion(nn.CrossEntropyLoss(reduction="sum"), reduction="mean")

@@ -372,10 +372,20 @@ def make_loss(name: str = "auto", *, seed: int = 0) -> Loss:
     raise ValueError(f"unknown loss {name!r}; valid: {', '.join(LOSSES)} or 'pkg.module:fn'")
 
 
-def criterion(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], name: str = "") -> Loss:
+def criterion(
+    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    name: str = "",
+    *,
+    reduction: str | None = None,
+) -> Loss:
     """Read ``fn(output, target)`` as a criterion: ``fn(model(x), y)`` on ``(x, y)`` batches, with
     the target from ``labels`` on dict batches and the output's ``.logits`` for Hugging Face
     outputs.
+
+    ``reduction``: how ``fn`` reduces over the batch, ``"mean"`` or ``"sum"``, for a callable that
+    cannot say (a lambda summing with ``reduction="sum"`` inside); default: what ``fn`` declares
+    (``nn.CrossEntropyLoss(reduction="sum")``, a ``functools.partial`` with ``reduction=``), else
+    unknown (read as a mean).
 
     Example:
         >>> loss = criterion(lambda out, y: (out - y).abs().mean())
@@ -387,7 +397,14 @@ def criterion(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], name: st
         outputs_loss = lambda out, batch: fn(*_classes_last(out, _target(batch, None)))  # noqa: E731
     else:
         outputs_loss = lambda out, batch: fn(out, _target(batch, None))  # noqa: E731
-    loss = NamedLoss(label, outputs_loss, form="criterion", reduction=_declared_reduction(fn))
+    declared = _declared_reduction(fn)
+    if reduction not in (None, "mean", "sum"):
+        raise ValueError(f"criterion: reduction must be 'mean', 'sum' or None, got {reduction!r}")
+    if reduction is not None and declared not in (None, reduction):
+        raise ValueError(
+            f"criterion: reduction={reduction!r}, but {label!r} declares reduction={declared!r}"
+        )
+    loss = NamedLoss(label, outputs_loss, form="criterion", reduction=reduction or declared)
     loss.criterion_fn = fn
     return loss
 
