@@ -488,3 +488,21 @@ def test_lsuv_concatenates_object_batches(concat: bool) -> None:
     data = [SimpleNamespace(x=x[i : i + 32], y=y[i : i + 32]) for i in range(0, 96, 32)]
     report = initlab.lsuv_(_ObjIn(), data, max_batches=None, concat_batches=concat, generator=0)
     assert report.used.batches == 3 and report.info["converged"]
+
+
+@pytest.mark.parametrize("kind", ["ggn", "hessian"])
+def test_curvature_with_dropout_is_one_symmetric_operator_in_both_modes(kind: str) -> None:
+    # J and Jᵀ (GGN) and every product see one dropout mask: fwd_rev equals rev_rev
+    from initlab.measure.curvature import CurvatureOperator
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Dropout(0.5), nn.Tanh(), nn.Linear(6, 3))
+    model = model.double().train()
+    x = torch.randn(16, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 3, (16,), generator=torch.Generator().manual_seed(2))
+    dense = {}
+    for mode in ("rev_rev", "fwd_rev"):
+        op = CurvatureOperator(model, (x, y), "cross_entropy", kind=kind, ad_mode=mode)
+        dense[mode] = op @ torch.eye(op.shape[1], dtype=torch.float64)
+    torch.testing.assert_close(dense["fwd_rev"], dense["rev_rev"], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(dense["fwd_rev"], dense["fwd_rev"].T, rtol=1e-10, atol=1e-12)

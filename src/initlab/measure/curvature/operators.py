@@ -256,7 +256,10 @@ class CurvatureOperator(_MatvecOperator):
         return state
 
     def _outputs(self, leaves: tuple[torch.Tensor, ...]) -> Any:
-        return functional_forward(self.model, self._state(leaves), self.batch, self.forward)
+        # every forward draws the same randomness (one dropout mask for the engine's first pass,
+        # a vjp's or jvp's re-run, and every product: J and Jᵀ of one fixed sub-network)
+        with self._seeds.scope():
+            return functional_forward(self.model, self._state(leaves), self.batch, self.forward)
 
     def _loss(self, out: Any) -> torch.Tensor:
         return self._on_outputs(out, self.batch)
