@@ -165,6 +165,10 @@ _SCRIPTED_REFUSED: dict[str, Callable[[nn.Module, Any], Any]] = {
     "precondition_": lambda m, d: initlab.precondition_(m, d, nn.CrossEntropyLoss()),
     "loss_landscape": lambda m, d: initlab.loss_landscape(m, d, nn.CrossEntropyLoss(), grid=2),
     "block_curvature": lambda m, d: initlab.block_curvature(m, d, nn.CrossEntropyLoss()),
+    # the registry sees no layer inside a ScriptModule: roles (and GradInit's alphas) would differ
+    "gradinit_": lambda m, d: initlab.gradinit_(m, [d] * 3, nn.CrossEntropyLoss()),
+    "metainit_": lambda m, d: initlab.metainit_(m, [d] * 3, nn.CrossEntropyLoss()),
+    "layer_spectra": lambda m, d: initlab.layer_spectra(m, d),
 }
 
 
@@ -184,12 +188,13 @@ def test_a_torchscript_model_is_refused_with_the_way_out(entry: str) -> None:
     assert _same(before, _state(model))
 
 
-@pytest.mark.parametrize("entry", ["gradinit_", "gradient_stats", "layer_spectra"])
-def test_entry_points_that_need_no_hooks_still_take_a_torchscript_model(entry: str) -> None:
+def test_gradient_stats_still_takes_a_torchscript_model_and_matches_eager() -> None:
     x, y = _data()
-    data = [(x[:16], y[:16]), (x[16:], y[16:]), (x[:16], y[:16])]
-    out = getattr(initlab, entry)(_scripted(), data if entry == "gradinit_" else (x, y))
-    assert out is not None
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    a = initlab.gradient_stats(_scripted(), (x, y), nn.CrossEntropyLoss()).to_rows()
+    b = initlab.gradient_stats(eager, (x, y), nn.CrossEntropyLoss()).to_rows()
+    assert [r["grad_norm"] for r in a] == pytest.approx([r["grad_norm"] for r in b], rel=1e-6)
 
 
 # ----------------------------------------------------------------------------- curvature
@@ -506,3 +511,25 @@ def test_curvature_with_dropout_is_one_symmetric_operator_in_both_modes(kind: st
         dense[mode] = op @ torch.eye(op.shape[1], dtype=torch.float64)
     torch.testing.assert_close(dense["fwd_rev"], dense["rev_rev"], rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(dense["fwd_rev"], dense["fwd_rev"].T, rtol=1e-10, atol=1e-12)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.lin(x)) + x
+
+
+@pytest.mark.parametrize("entry", ["diagnose", "precondition_", "gr_scaling", "lsuv_"])
+def test_a_torchscript_submodule_is_named(entry: str) -> None:
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        block = torch.jit.script(_Block())
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), block, nn.Linear(32, 4))
+    before = _state(model)
+    with pytest.raises(TypeError, match=r"its submodule '2' is a TorchScript module"):
+        _SCRIPTED_REFUSED[entry](model, _data())
+    assert _same(before, _state(model))

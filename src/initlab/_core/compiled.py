@@ -39,9 +39,9 @@ def uncompiled(model: Any) -> Any:
 def takes_compiled(fn: F | None = None, *, scripted: bool = False) -> Any:
     """Run ``fn`` with its model (the first positional argument or ``model=``) uncompiled.
 
-    A TorchScript model (``torch.jit.script``/``trace``) takes no hooks and no parameter swaps:
-    unless ``scripted`` (an entry point that needs neither), it is refused with a
-    ``TypeError`` saying to run on the eager module and script it afterwards
+    A TorchScript model or submodule (``torch.jit.script``/``trace``) takes no hooks and no
+    parameter swaps: unless ``scripted`` (an entry point that needs neither), it is refused with
+    a ``TypeError`` naming it and saying to run on the eager module and script it afterwards
     (:func:`scripted_error`).
     """
     if fn is None:
@@ -54,17 +54,24 @@ def takes_compiled(fn: F | None = None, *, scripted: bool = False) -> Any:
         if isinstance(kwargs.get("model"), nn.Module):
             kwargs["model"] = uncompiled(kwargs["model"])
         model = args[0] if args else kwargs.get("model")
-        if not scripted and isinstance(model, torch.jit.ScriptModule):
-            raise scripted_error(model, fn.__name__)
+        if not scripted and isinstance(model, nn.Module):
+            scripted_module = next(
+                ((n, m) for n, m in model.named_modules() if isinstance(m, torch.jit.ScriptModule)),
+                None,
+            )
+            if scripted_module is not None:
+                name, module = scripted_module
+                raise scripted_error(module, fn.__name__, name)
         return fn(*args, **kwargs)
 
     return inner
 
 
-def scripted_error(model: nn.Module, what: str) -> TypeError:
-    """The error for a TorchScript model given to ``what``."""
+def scripted_error(module: nn.Module, what: str, name: str = "") -> TypeError:
+    """The error for a TorchScript model (``name=""``) or submodule ``name`` given to ``what``."""
+    where = f"its submodule {name!r} is" if name else "the model is"
     return TypeError(
-        f"{what}: the model is a TorchScript module ({type(model).__name__}), which takes no "
-        f"hooks and no parameter swaps; run {what} on the eager module and script it after "
+        f"{what}: {where} a TorchScript module ({type(module).__name__}), which takes no hooks "
+        f"and no parameter swaps; run {what} on the eager module and script it after "
         "(torch.jit.script(model))"
     )

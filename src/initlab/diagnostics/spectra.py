@@ -414,7 +414,7 @@ def _weight_params(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [(s.name, params[s.name]) for s in specs if s.role == "weight" and s.name in params]
 
 
-@takes_compiled(scripted=True)
+@takes_compiled
 def layer_spectra(
     model: nn.Module,
     data: Any = None,

@@ -624,7 +624,7 @@ def gradinit_alpha_grad(
     return res.grad, value
 
 
-@takes_compiled(scripted=True)
+@takes_compiled
 @renamed_kwargs(iterations="steps")
 @with_math_attention
 def gradinit_(
