@@ -533,3 +533,36 @@ def test_a_torchscript_submodule_is_named(entry: str) -> None:
     with pytest.raises(TypeError, match=r"its submodule '2' is a TorchScript module"):
         _SCRIPTED_REFUSED[entry](model, _data())
     assert _same(before, _state(model))
+
+
+def test_precondition_modules_naming_a_tied_layer_says_why() -> None:
+    model = _Shared()
+    before = _state(model)
+    with pytest.raises(ValueError, match=r"\['b'\] keep alpha = 1 .*tied.*leave them out"):
+        initlab.precondition_(model, _data(), nn.CrossEntropyLoss(), modules=["b", "c", "out"])
+    assert _same(before, _state(model))
+
+
+class _ConvProjected(nn.Module):
+    """One 3x3 conv (and its norm) beside a 1x1 projection (and its norm): a residual block."""
+
+    def __init__(self, norm: bool) -> None:
+        super().__init__()
+        self.conv, self.proj = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(3, 8, 1)
+        self.bn = nn.BatchNorm2d(8) if norm else nn.Identity()
+        self.pbn = nn.BatchNorm2d(8) if norm else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.bn(self.conv(x)) + self.pbn(self.proj(x)))
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_a_one_conv_branch_beside_a_projection_is_a_skip_connection(norm: bool) -> None:
+    from initlab.measure.runtime_trace import find_runtime_blocks
+
+    model = _ConvProjected(norm)
+    fx_blocks = initlab.lint_model(model).residual_blocks
+    runtime = find_runtime_blocks(model, (torch.randn(2, 3, 8, 8),))
+    want = ({"conv", "bn"}, {"proj", "pbn"}) if norm else ({"conv"}, {"proj"})
+    for blocks in (fx_blocks, runtime):
+        assert [(set(b["branch"]), set(b["shortcut"])) for b in blocks] == [want]

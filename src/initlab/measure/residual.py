@@ -47,6 +47,7 @@ __all__ = [
     "KNOWN_BLOCKS",
     "SHORTCUT_STEPS",
     "find_residual_blocks",
+    "is_projection",
     "is_skip_connection",
     "known_blocks",
     "trace_model",
@@ -146,7 +147,9 @@ def find_residual_blocks(gm: Any) -> list[dict[str, Any]]:
             and is_ancestor(x, n)
             and n.target not in shortcut
         ]
-        if not is_skip_connection(members, shortcut):
+        if not is_skip_connection(
+            members, shortcut, lambda name: is_projection(gm.get_submodule(name))
+        ):
             continue
         found.append(
             {
@@ -180,13 +183,28 @@ def _ancestry(nodes: list[Any]) -> Callable[[Any, Any], bool]:
     return is_ancestor
 
 
-def is_skip_connection(branch: Sequence[str], shortcut: Sequence[str]) -> bool:
-    """A sum is a skip connection when its branch holds a layer and more layers than its
-    shortcut: ``x + f(x)``, or a ResNet's projection shortcut (one conv and its norm) beside a
-    deeper branch. Two parallel heads of one layer each (``head_a(x) + head_b(x)``) are a sum of
-    branches, not a block."""
+def is_projection(module: nn.Module) -> bool:
+    """A layer a projection shortcut is made of: a 1x1 convolution or a normalization layer (a
+    ResNet's ``downsample``)."""
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return all(k == 1 for k in module.kernel_size)
+    norms = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm)
+    return isinstance(module, norms)
+
+
+def is_skip_connection(
+    branch: Sequence[str],
+    shortcut: Sequence[str],
+    projection: Callable[[str], bool] = lambda name: False,
+) -> bool:
+    """A sum is a skip connection when its branch holds a layer and its shortcut is the identity,
+    a projection (every layer ``projection`` accepts: :func:`is_projection`, a ResNet's 1x1
+    convolution and its norm), or fewer layers than the branch. Two parallel heads of one layer
+    each (``head_a(x) + head_b(x)``) are a sum of branches, not a block."""
     members, short = set(branch), set(shortcut)
-    return bool(members) and len(members) > len(short)
+    if not members:
+        return False
+    return len(members) > len(short) or all(projection(s) for s in short)
 
 
 def best_orientation(
@@ -207,17 +225,18 @@ def best_orientation(
 
 def _walk_skip(
     gm: Any, skip: Any, branch: Any, is_ancestor: Callable[[Any, Any], bool]
-) -> tuple[tuple[int, int], Any, list[str]] | None:
+) -> tuple[tuple[int, int, int], Any, list[str]] | None:
     """Walk back from ``skip`` along first arguments (at most :data:`SHORTCUT_STEPS` steps) to a
-    node that is ``branch`` or its data ancestor: ``((shortcut modules, steps), that node,
-    shortcut modules)``, or ``None``."""
+    node that is ``branch`` or its data ancestor: ``((shortcut layers that are no projection,
+    shortcut modules, steps), that node, shortcut modules)``, or ``None``."""
     cur, walk = skip, []
     for _ in range(SHORTCUT_STEPS + 1):
         if cur is None or _breaks_ancestry(cur):
             return None
         if cur is branch or is_ancestor(cur, branch):
             shortcut = [w.target for w in walk if _has_params(gm, w)]
-            return (len(shortcut), len(walk)), cur, shortcut
+            layers = sum(not is_projection(gm.get_submodule(t)) for t in shortcut)
+            return (layers, len(shortcut), len(walk)), cur, shortcut
         walk.append(cur)
         if cur.op == "placeholder":
             return None

@@ -55,6 +55,7 @@ from initlab.measure.residual import (
     SHORTCUT_STEPS,
     _name_blocks,
     best_orientation,
+    is_projection,
     is_skip_connection,
 )
 
@@ -109,6 +110,9 @@ class RuntimeGraph:
 
     nodes: list[RuntimeNode] = field(default_factory=list)
     params: set[str] = field(default_factory=set)
+    projections: set[str] = field(default_factory=set)
+    """The modules a projection shortcut is made of (:func:`~initlab.measure.residual.
+    is_projection`)."""
 
 
 def _fn_name(func: Any) -> str:
@@ -198,6 +202,8 @@ def recording(model: nn.Module) -> Iterator[RuntimeGraph]:
         names.setdefault(id(m), name)
         if next(m.parameters(recurse=False), None) is not None:
             graph.params.add(name)
+            if is_projection(m):
+                graph.projections.add(name)
     rec = _Recorder(graph)
 
     def pre(module: nn.Module, a: tuple, kw: dict) -> None:
@@ -262,7 +268,7 @@ def blocks_of(graph: RuntimeGraph) -> list[dict[str, Any]]:
             and (n is branch or is_ancestor(n, branch))
             and is_ancestor(x, n)
         ]
-        if not is_skip_connection(members, shortcut):
+        if not is_skip_connection(members, shortcut, graph.projections.__contains__):
             continue
         found.append(
             {
@@ -298,13 +304,14 @@ def _walk_skip(
     skip: RuntimeNode,
     branch: RuntimeNode,
     is_ancestor: Callable[[RuntimeNode, RuntimeNode], bool],
-) -> tuple[tuple[int, int], RuntimeNode, list[str]] | None:
+) -> tuple[tuple[int, int, int], RuntimeNode, list[str]] | None:
     """Walk back from ``skip`` along first inputs to ``branch`` or one of its ancestors."""
     cur, walk, steps = skip, [], 0
     while steps <= SHORTCUT_STEPS and len(walk) <= 4 * SHORTCUT_STEPS:
         if cur is branch or is_ancestor(cur, branch):
             shortcut = [w.module for w in walk if w.module in graph.params]
-            return (len(set(shortcut)), steps), cur, shortcut
+            layers = len(set(shortcut) - graph.projections)
+            return (layers, len(set(shortcut)), steps), cur, shortcut
         if not cur.inputs:
             return None
         walk.append(cur)

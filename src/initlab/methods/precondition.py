@@ -496,6 +496,14 @@ class _Balancing:
         ]
         if modules is not None:
             missing = sorted(set(modules) - {r["layer"] for r in keep})
+            kinds = {r["layer"]: r["kind"] for r in rows}
+            fixed = [m for m in missing if kinds.get(m) in ("tied", "attention")]
+            if fixed:
+                raise ValueError(
+                    f"module(s) {fixed} keep alpha = 1 (kind "
+                    f"{sorted({kinds[m] for m in fixed})}: a weight shared with another module, "
+                    "or an attention projection): leave them out of modules="
+                )
             if missing:
                 raise ValueError(f"no finite gamma for module(s) {missing}: cannot balance them")
         if not keep:
