@@ -328,7 +328,8 @@ def test_frozen_tensors_are_left_as_they_were_and_reported() -> None:
     model = _frozen_stem()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     rule = initlab.Rule("0.*", "zero", citation="test")
-    report = initlab.init_model(model, generator=0, rules=[rule])
+    with pytest.warns(UserWarning, match="matched only frozen parameters"):
+        report = initlab.init_model(model, generator=0, rules=[rule])
     after = model.state_dict()
     for key in ("0.weight", "0.bias", "1.weight", "1.bias", "1.running_mean", "1.running_var"):
         assert torch.equal(after[key], before[key]), key
@@ -351,3 +352,16 @@ def test_frozen_init_draws_them_as_torch_init_does() -> None:
     assert not model[0].weight.requires_grad  # the flag itself is never changed
     with pytest.raises(ValueError, match="frozen"):
         initlab.init_model(model, frozen="keep")  # type: ignore[arg-type]
+
+
+def test_a_rule_that_matches_only_frozen_tensors_warns() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    model[0].weight.requires_grad_(False)
+    before = model[0].weight.clone()
+    rule = initlab.Rule("0.weight", "constant", "test", 0.5)
+    with pytest.warns(
+        UserWarning, match=r"matched only frozen parameters \(0.weight\).*frozen='init'"
+    ):
+        initlab.init_model(model, "geometric", rules=[rule], generator=0)
+    assert torch.equal(model[0].weight, before)

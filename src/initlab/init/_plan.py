@@ -380,15 +380,25 @@ def plan_all(
                 _apply_rule_to_plan(plan, rule)
         _place_dirac(plan)
     for rule in rules:
-        if not any(
-            p.spec is not None and rule.matches((p.name, *p.aliases), p.spec.role)
+        hits = [
+            p
             for p in plans.values()
-        ):
-            warnings.warn(
-                f"rule {rule.pattern!r} ({rule.citation}) matched no parameter",
-                UserWarning,
-                stacklevel=user_stacklevel(),
+            if p.spec is not None and rule.matches((p.name, *p.aliases), p.spec.role)
+        ]
+        if not hits:
+            why = "matched no parameter"
+        elif all(p.frozen for p in hits):
+            why = (
+                f"matched only frozen parameters ({', '.join(p.name for p in hits[:4])}), left "
+                "as they were: pass frozen='init' to draw them"
             )
+        else:
+            continue
+        warnings.warn(
+            f"rule {rule.pattern!r} ({rule.citation}) {why}",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
 
 
 _FROZEN_NOTE = "frozen (requires_grad=False): left as it was; frozen='init' draws it"
