@@ -1,13 +1,17 @@
 """Hardening of the study harness: a study's name is bound to its runs, a test split that fails to
-load fails the study, aliases of one data set, the pool workers' watchdog, seeds that do not fit
-the store, and a store path that is a folder.
+load fails the study, aliases of one data set (options that say nothing included) and of one
+scheme, study names that would leave their folder, the pool workers' watchdog, seeds that do not
+fit the store, a store path that is a folder, one-rate power-of-two grids, and divergence as a
+loss grown a million-fold.
 
 The trainer here is a fake (every number a function of the run's config) run in this process, so
-the tests need no subprocess and take well under a second each.
+the tests need no subprocess and take well under a second each; the divergence tests train a
+tiny MLP on 48 random rows with the real trainers.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -19,13 +23,16 @@ from typing import Any
 import pytest
 import torch
 
+from initlab import init_model
+from initlab.study import config as config_module
 from initlab.study import runner
 from initlab.study.aggregate import lr_table
-from initlab.study.config import RunConfig, RunResult
-from initlab.study.datasets import load_study_data
-from initlab.study.runner import StudyData, StudySpecMismatch, run_study
-from initlab.study.spec import StudySpec
+from initlab.study.config import RunConfig, RunResult, divergence_limit
+from initlab.study.datasets import dataset_identity, load_study_data
+from initlab.study.runner import StudyData, StudySpecMismatch, build_model, run_study
+from initlab.study.spec import StudySpec, expand_lrs
 from initlab.study.store import Store
+from initlab.study.trainer import train_one, train_runs
 
 #: log2 of the best rate of every scheme (the fake loss is a bowl in log2(lr)).
 OPTIMUM = {"fan_in": 3.0, "geometric": -1.0}
@@ -189,6 +196,13 @@ def test_run_differences_and_owns() -> None:
         ["iris", "Iris"],
         ["letter?train_per_class=5", "libsvm:letter?train_per_class=5"],
         ["mnist?pad=2&range=symmetric", "mnist?range=symmetric&pad=2"],
+        # options that say what leaving them out says: an empty '?', an image set's defaults
+        ["iris", "iris?"],
+        ["iris", "IRIS?"],
+        ["mnist", "mnist?pad=0"],
+        ["mnist?pad=2", "mnist?range=unit&pad=2&"],
+        ["cifar10", "cifar10?channels=3"],
+        ["my_own", "my_own?"],
     ],
 )
 def test_aliases_of_one_data_set_are_refused(datasets: list[str]) -> None:
@@ -199,6 +213,25 @@ def test_aliases_of_one_data_set_are_refused(datasets: list[str]) -> None:
 def test_distinct_data_sets_are_not_aliases() -> None:
     names = ["iris", "sklearn:iris", "iris?train_per_class=5", "my_own", "My_Own"]
     assert spec(datasets=names).datasets == tuple(names)  # outside the catalogue: as written
+    images = ["mnist", "mnist?pad=2", "mnist?range=symmetric", "mnist?test_per_class=0"]
+    assert spec(datasets=images).datasets == tuple(images)
+    # pad is for image sets: the loader refuses iris?pad=0, so it is not quietly iris
+    assert spec(datasets=["iris", "iris?pad=0"]).datasets == ("iris", "iris?pad=0")
+
+
+@pytest.mark.parametrize(
+    ("name", "identity"),
+    [
+        ("Iris?", "libsvm:iris"),
+        ("MNIST?range=unit&pad=2&", "mnist?pad=2"),
+        ("mnist?channels=1&pad=0&range=unit", "mnist"),
+        ("cifar10?range=symmetric&train_per_class=5", "cifar10?range=symmetric&train_per_class=5"),
+        ("iris?pad=0", "libsvm:iris?pad=0"),  # an option the loader refuses is kept
+        ("my_own?b=1&&a=2", "my_own?a=2&b=1"),  # a load_fn's name: base as written
+    ],
+)
+def test_dataset_identity(name: str, identity: str) -> None:
+    assert dataset_identity(name) == identity
 
 
 def _svmguide4(root: Path, test: str | None) -> Path:
@@ -316,3 +349,199 @@ def test_huge_seeds_round_trip_through_the_store(tmp_path: Path) -> None:
     with Store(db) as store:
         assert {r["seed"] for r in store.records("bound")} == {2**63 - 1}
         assert json.loads(json.dumps(store.studies()["bound"]))["seeds"] == [2**63 - 1]
+
+
+# -- aliases of one scheme --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("schemes", "named"),
+    [
+        (["fan_in", "kaiming", "he"], "'fan_in' and 'kaiming' and 'he'"),
+        (["fan_in", "Fan_In"], "'fan_in' and 'Fan_In'"),
+        (["fan_in", "kaiming_normal"], "'fan_in' and 'kaiming_normal'"),  # normal: the default
+        (["geometric", "he + lsuv", "fan_in + lsuv"], "'he + lsuv' and 'fan_in + lsuv'"),
+        ([{"scheme": "kaiming", "then": ["lsuv"]}, "fan_in + lsuv"], "'kaiming + lsuv' and"),
+    ],
+)
+def test_aliases_of_one_scheme_are_refused(schemes: list[Any], named: str) -> None:
+    """Two spellings of one scheme (aliases, case, a default distribution suffix) would train it
+    twice and fill the report with identical rows."""
+    pattern = rf"^schemes: {re.escape(named)}.* are the same scheme \('fan_in.*'\); keep one"
+    with pytest.raises(ValueError, match=pattern):
+        spec(schemes=schemes)
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "same"),
+    [
+        ("fan_in", "kaiming", True),
+        ("fan_in", "He", True),
+        ("fan_in", "kaiming_normal", True),
+        ("fan_in", "fan_in_uniform", False),
+        ("fan_in", "lecun", False),
+        ("arithmetic", "xavier", False),
+        ("xavier", "glorot", True),
+    ],
+)
+def test_scheme_aliases_draw_the_same_weights(a: str, b: str, same: bool) -> None:
+    """The refusal's premise, checked through the weights: aliases draw identical tensors
+    with one generator seed, distinct schemes do not; a spec takes the distinct ones."""
+
+    def draw(name: str) -> list[torch.Tensor]:
+        net = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+        init_model(net, name, generator=0, measure=False)
+        return [p.detach() for p in net.parameters()]
+
+    equal = all(torch.equal(p, q) for p, q in zip(draw(a), draw(b), strict=True))
+    assert equal == same
+    if not same:
+        assert spec(schemes=[a, b]).schemes == (a, b)
+    else:
+        with pytest.raises(ValueError, match="are the same scheme"):
+            spec(schemes=[a, b])
+
+
+def test_distinct_inits_are_not_aliases() -> None:
+    inits = ["fan_in", "fan_in + lsuv", "lsuv", "orthogonal + lsuv", "fan_in + gradinit(steps=3)"]
+    assert spec(schemes=inits).schemes == tuple(inits)
+
+
+# -- study names ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["../../evil", "a/b", "/abs", "a\\b", "..", "."])
+def test_a_study_name_may_not_leave_its_folder(name: str) -> None:
+    """The name names the study's files (the CLI's default store is results/<name>.sqlite)."""
+    with pytest.raises(ValueError, match=r"^StudySpec\.name .* is not a plain name"):
+        spec(name=name)
+
+
+@pytest.mark.parametrize("name", ["table2", "v1.2", "a..b", "demo[fan_in,geometric;seeds=0..2]"])
+def test_plain_study_names_are_kept(name: str) -> None:
+    assert spec(name=name).name == name  # the demo's names hold '..' inside a component
+
+
+# -- power-of-two grids -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("lrs", "rates"),
+    [
+        ({"pow2": [0, 0]}, (1.0,)),  # ends that meet: one rate, never a duplicate
+        ({"pow2": [-3, -3]}, (0.125,)),
+        ({"pow2": [1, -1]}, (2.0, 1.0, 0.5)),
+        ({"pow2": [-1, 1]}, (0.5, 1.0, 2.0)),
+    ],
+)
+def test_pow2_grids(lrs: dict[str, list[int]], rates: tuple[float, ...]) -> None:
+    assert expand_lrs(lrs) == rates
+    assert spec(lrs=lrs).lrs == rates
+
+
+def test_an_explicit_duplicate_rate_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"^lrs has duplicates: 1\.0$"):
+        spec(lrs=[1, 1.0])
+
+
+# -- divergence: a non-finite loss, or one grown a million-fold --------------------------------
+
+
+@pytest.mark.parametrize(
+    ("first", "limit"),
+    [(1.1, 1.1e6), (3.0, 3e6), (1.0, 1e6), (0.01, 1e6), (math.nan, math.nan), (math.inf, math.nan)],
+)
+def test_divergence_limit(first: float, limit: float) -> None:
+    got = divergence_limit(first)
+    assert got == pytest.approx(limit, rel=1e-15) if math.isfinite(limit) else math.isnan(got)
+
+
+def _toy_runs() -> tuple[list[RunConfig], tuple[torch.Tensor, torch.Tensor], Any]:
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(48, 5, generator=g), torch.randint(0, 3, (48,), generator=g)
+    configs = [
+        RunConfig(
+            dataset="toy",
+            model_cfg={"widths": [8]},
+            scheme="fan_in",
+            seed=seed,
+            lr=lr,
+            epochs=2,
+            batch_size=16,
+        )
+        for seed in (0, 1)
+        for lr in (0.1, 1.0, 100.0, 1e4, 1e6)
+    ]
+    return configs, (x, y), functools.partial(build_model, n_in=5, n_classes=3)
+
+
+def _over_limit(result: RunResult) -> bool:
+    """The criterion, recomputed from the recorded losses (not through the trainer's code)."""
+    limit = 1e6 * max(result.step_loss[0], 1.0)
+    recorded = [v for v in [*result.step_loss, *result.epoch_train_loss] if not math.isnan(v)]
+    return not math.isfinite(result.step_loss[0]) or any(
+        not math.isfinite(v) or v > limit for v in recorded
+    )
+
+
+def _kept_steps(result: RunResult) -> int:
+    """How many step losses a run keeps under the million-fold rule, from a run trained without
+    it: up to and including its first step loss over the limit, or up to the end of the epoch
+    whose full pass is over it."""
+    epochs = result.config.epochs
+    steps = len(result.step_loss) // epochs
+    limit = 1e6 * max(result.step_loss[0], 1.0)
+    for e in range(epochs):
+        for i in range(e * steps, (e + 1) * steps):
+            if not result.step_loss[i] <= limit:
+                return i + 1
+        if not result.epoch_train_loss[e] <= limit:
+            return (e + 1) * steps
+    raise AssertionError("the run never crossed the limit")
+
+
+def _same(a: list[float], b: list[float]) -> bool:
+    """Equal lists, ``nan`` equal to ``nan``."""
+    return len(a) == len(b) and all(
+        x == y or (math.isnan(x) and math.isnan(y)) for x, y in zip(a, b, strict=True)
+    )
+
+
+@pytest.mark.parametrize("engine", ["mlp", "loop"])
+def test_a_loss_grown_a_million_fold_is_divergence(
+    engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """lr 1e4 used to end at a finite training loss of ~1e20 with diverged=False. Now a run is
+    diverged exactly when a recorded loss is non-finite or over 1e6 x its first (then frozen:
+    nan after it, final_train_loss nan); runs that never cross are bit for bit what they were."""
+    configs, train, factory = _toy_runs()
+    new = train_runs(configs, train, model_factory=factory, engine=engine)
+    with monkeypatch.context() as patch:
+        patch.setattr(config_module, "DIVERGENCE_FACTOR", math.inf)  # the old, non-finite rule
+        old = train_runs(configs, train, model_factory=factory, engine=engine)
+    for before, after in zip(old, new, strict=True):
+        assert after.diverged == _over_limit(after)
+        assert after.diverged == math.isnan(after.final_train_loss)
+        if not _over_limit(before):  # a run that is fine: unchanged
+            assert not after.diverged
+            assert _same(after.step_loss, before.step_loss)
+            assert _same(after.epoch_train_loss, before.epoch_train_loss)
+            assert after.final_train_loss == before.final_train_loss
+        else:  # frozen at its first loss over the limit: a step's, or an epoch's full pass
+            kept = _kept_steps(before)
+            assert _same(after.step_loss[:kept], before.step_loss[:kept])
+            assert all(math.isnan(v) for v in after.step_loss[kept:])
+    by_lr = {(r.config.seed, r.config.lr): r for r in new}
+    assert not any(by_lr[s, lr].diverged for s in (0, 1) for lr in (0.1, 1.0, 100.0))
+    assert all(by_lr[s, lr].diverged for s in (0, 1) for lr in (1e4, 1e6))
+    # the defect: a finite, huge loss that the old rule called converged
+    assert any(not b.diverged and _over_limit(b) and math.isfinite(b.final_train_loss) for b in old)
+
+
+def test_both_trainers_agree_on_divergence() -> None:
+    configs, train, factory = _toy_runs()
+    vectorized = train_runs(configs, train, model_factory=factory, engine="mlp")
+    for config, result in zip(configs, vectorized, strict=True):
+        one = train_one(config, train, model_factory=factory)
+        assert one.diverged == result.diverged, config.lr
+        assert [math.isnan(v) for v in one.step_loss] == [math.isnan(v) for v in result.step_loss]

@@ -131,13 +131,15 @@ def test_spec_checks_inits_before_training() -> None:
 
 
 def test_plain_scheme_keys_unchanged() -> None:
-    spec = _spec(schemes=["fan_in", "kaiming", "fan_in + lsuv"])
+    spec = _spec(schemes=["fan_in", "geometric", "fan_in + lsuv"])
     runs = spec.runs()
     protocol = {"momentum": 0.9, "epochs": 2, "batch_size": 16, "input_norm": "standardize"}
     plain = RunConfig.make("tiny", model_cfg={"widths": [12]}, scheme="fan_in", lr=0.1, **protocol)
     assert runs[0] == plain and runs[0].key() == plain.key()
     assert "init" not in runs[0].canonical_json()
     assert len({c.key() for c in runs}) == len(runs)
+    # an alias is kept as written too (beside its scheme it is refused: test_study_hardening)
+    assert _spec(schemes=["kaiming"]).runs()[0].scheme == "kaiming"
 
 
 def test_commented_example_spec_loads() -> None:

@@ -18,11 +18,13 @@ from typing import Any
 import torch
 
 __all__ = [
+    "DIVERGENCE_FACTOR",
     "INPUT_NORMS",
     "LOSS_MEASURES",
     "OPTIMIZERS",
     "RunConfig",
     "RunResult",
+    "divergence_limit",
     "last_epoch_mean",
 ]
 
@@ -40,6 +42,13 @@ LOSS_MEASURES = {
     "full_pass": "final_train_loss",
     "last_epoch_minibatch": "last_epoch_minibatch_loss",
 }
+
+#: A run has diverged once a training loss is not finite or exceeds this factor times its start
+#: (:func:`divergence_limit`). Cross-entropy starts near ``log(n_classes)`` (about 1 with the
+#: output scale at 0.05); a loss a million times that means logits of order 1e6: the run no longer
+#: learns, and its finite loss would enter the medians and Table 2's normalizer (the worst
+#: scheme's loss) as a number where the protocol counts a failed run (+inf in the aggregation).
+DIVERGENCE_FACTOR = 1e6
 
 #: Fields added after the first stored studies, with the value that reproduces the earlier runs.
 #: At that value a field is left out of :meth:`RunConfig.canonical_json`, so the keys of runs that
@@ -215,6 +224,22 @@ class RunConfig:
         )
 
 
+def divergence_limit(first_loss: float) -> float:
+    """The largest training loss of a run that has not diverged: :data:`DIVERGENCE_FACTOR` times
+    its first step's loss, that loss taken as at least 1 (a lucky first minibatch with a loss
+    near 0 must not make an ordinary loss look like a blow-up). A loss above it, or a non-finite
+    one (a step's or an epoch's full pass over the training split), marks the run diverged
+    (:mod:`initlab.study.trainer`, step 6). ``nan`` for a non-finite first loss (diverged then).
+
+    Example:
+        >>> divergence_limit(1.1), divergence_limit(0.01)
+        (1100000.0, 1000000.0)
+    """
+    if not math.isfinite(first_loss):
+        return math.nan
+    return DIVERGENCE_FACTOR * max(float(first_loss), 1.0)
+
+
 def last_epoch_mean(step_loss: Sequence[float], epochs: int) -> float:
     """The mean of the last epoch's step losses: ``mean(step_loss[-steps:])`` with
     ``steps = len(step_loss) // epochs``; ``nan`` if one of them is not finite (a diverged run).
@@ -245,7 +270,8 @@ class RunResult:
         epoch_train_loss, epoch_train_acc: full-pass evaluation on the training split after each
             epoch (``nan`` for epochs that ended after the run diverged).
         epoch_test_loss, epoch_test_acc: the same on the test split (empty without a test split).
-        diverged: a non-finite training loss appeared (a step loss or an epoch's train loss); the
+        diverged: a training loss (a step loss or an epoch's train loss) was not finite or
+            above :func:`divergence_limit` of the first step's loss (a million times it); the
             run was frozen from then on.
         final_train_loss: the last ``epoch_train_loss`` (``nan`` if diverged).
         wall_s: the wall time of the ``train_runs`` call divided by its number of runs.

@@ -38,11 +38,19 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["DATA_OPTIONS", "example_shape", "load_study_data", "parse_dataset_name"]
+__all__ = [
+    "DATA_OPTIONS",
+    "dataset_identity",
+    "example_shape",
+    "load_study_data",
+    "parse_dataset_name",
+]
 
 #: Channels of the catalogue's image kinds (images are square: ``C × S × S``).
 _IMAGE_CHANNELS = {"mnist": 1, "cifar10": 3, "cifar100": 3}
 _RANGES = ("unit", "symmetric")
+#: What leaving an image option out means (``channels``: the catalogue's own count, above).
+_IMAGE_DEFAULTS: dict[str, Any] = {"pad": 0, "range": "unit"}
 
 
 def _count(minimum: int) -> Callable[[str, str], int]:
@@ -99,6 +107,40 @@ def parse_dataset_name(name: str) -> tuple[str, dict[str, Any]]:
     return base, options
 
 
+def dataset_identity(name: str) -> str:
+    """The data set a study's name denotes, as text: two names of one identity load the same
+    data. A catalogue name becomes its entry's canonical name (``iris``, ``Iris`` and
+    ``libsvm:iris`` are all ``libsvm:iris``); its options are sorted, and dropped where they say
+    what leaving them out says (an empty ``?``; on an image set ``pad=0``, ``range=unit`` and its
+    own ``channels``): ``mnist?pad=0`` and ``mnist?`` are ``mnist``. A name with an option the
+    loader refuses keeps its options, sorted (the loader names the error). A name outside the
+    catalogue (a ``load_fn`` of the user's, which owns its syntax) keeps its base as written;
+    only empty options are dropped and the others sorted.
+
+    Example:
+        >>> dataset_identity("MNIST?range=unit&pad=2&")
+        'mnist?pad=2'
+    """
+    from initlab.data.catalogue import catalogue_entry
+
+    base, _, query = name.partition("?")
+    items = sorted(filter(None, query.split("&")))
+    try:
+        entry = catalogue_entry(base)
+    except ValueError:
+        return base + ("?" + "&".join(items) if items else "")
+    try:
+        _, options = parse_dataset_name(name)
+    except ValueError:
+        options = None
+    if options is not None:
+        if entry.kind in _IMAGE_CHANNELS:
+            defaults = {**_IMAGE_DEFAULTS, "channels": _IMAGE_CHANNELS[entry.kind]}
+            options = {k: v for k, v in options.items() if k not in defaults or defaults[k] != v}
+        items = sorted(f"{k}={v}" for k, v in options.items())
+    return entry.name + ("?" + "&".join(items) if items else "")
+
+
 def _image_kind(base: str) -> str | None:
     """The catalogue kind of an image set (``"mnist"``, ``"cifar10"``, ...), else ``None``
     (vector sets, and names outside the catalogue)."""
@@ -143,10 +185,10 @@ def example_shape(name: str, n_features: int) -> tuple[int, ...]:
 
 
 def _transform(x: torch.Tensor, options: Mapping[str, Any]) -> torch.Tensor:
-    pad = options.get("pad", 0)
+    pad = options.get("pad", _IMAGE_DEFAULTS["pad"])
     if pad:
         x = F.pad(x, (pad, pad, pad, pad))
-    if options.get("range", "unit") == "symmetric":
+    if options.get("range", _IMAGE_DEFAULTS["range"]) == "symmetric":
         x = x * 2 - 1
     return x
 

@@ -91,6 +91,7 @@ __all__ = [
     "Step",
     "canonical_init",
     "check_data_free",
+    "init_identity",
     "initialize_run",
     "is_data_dependent",
     "method_options",
@@ -502,6 +503,43 @@ def canonical_init(value: str | Mapping[str, Any]) -> str:
     """The canonical text of an init (:meth:`InitPipeline.label`); a plain scheme name as
     written."""
     return parse_init(value).label()
+
+
+@functools.cache
+def _registry_spelling(name: str) -> str:
+    """The registry's spelling of scheme ``name``: the first registry name (in
+    :func:`~initlab.init.schemes.list_schemes` order), or a name with a distribution suffix, that
+    :func:`~initlab.init.schemes.get_scheme` turns into an equal :class:`Scheme` (``he``,
+    ``Kaiming``, ``fan-in`` and ``kaiming_normal`` are all ``fan_in``; ``kaiming_uniform`` is
+    ``fan_in_uniform``); the scheme's ``repr`` if none does."""
+    from initlab.init.schemes import SAMPLED_DISTRIBUTIONS, get_scheme, list_schemes
+
+    scheme = get_scheme(name)
+    for row in list_schemes():
+        for candidate in (row["name"], *(f"{row['name']}_{d}" for d in SAMPLED_DISTRIBUTIONS)):
+            try:
+                if get_scheme(candidate) == scheme:
+                    return candidate
+            except (ValueError, TypeError):  # no such distribution for this scheme
+                continue
+    return repr(scheme)
+
+
+def init_identity(value: str | Mapping[str, Any]) -> str:
+    """What an init does, as text: its canonical text (:func:`canonical_init`) with the scheme
+    in the registry's spelling, so two spellings of one scheme (an alias, another case, a
+    default distribution suffix) have one identity: ``he + lsuv`` and ``fan_in + lsuv`` are
+    both ``fan_in + lsuv``. Inits of one identity draw the same weights (``init_model`` resolves
+    the name with :func:`~initlab.init.schemes.get_scheme`) and run the same methods.
+
+    Example:
+        >>> init_identity("Kaiming") == init_identity("he") == "fan_in"
+        True
+    """
+    pipeline = parse_init(value)
+    if pipeline.scheme is None:
+        return pipeline.label()
+    return InitPipeline(_registry_spelling(pipeline.scheme), pipeline.steps).label()
 
 
 def is_data_dependent(scheme: str) -> bool:

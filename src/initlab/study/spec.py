@@ -57,14 +57,15 @@ fills them from the loaded data set's metadata when it builds each model
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from initlab.study.config import INPUT_NORMS, LOSS_MEASURES, OPTIMIZERS, RunConfig
+from initlab.study.datasets import dataset_identity
+from initlab.study.pipelines import init_identity
 from initlab.study.variants import BASE, VARIANT_KEYS, apply_overrides, expand_variants
 
 __all__ = [
@@ -114,7 +115,10 @@ def expand_lrs(lrs: Any) -> tuple[float, ...]:
     """Learning rates from a list, or from ``{"pow2": [hi, lo]}`` (``2**hi ... 2**lo``, inclusive).
 
     The power-of-two range runs in steps of one exponent in the direction from the first to the
-    second endpoint, so ``{"pow2": [1, -12]}`` gives the 14 rates ``2, 1, 0.5, ..., 2**-12``.
+    second endpoint, so ``{"pow2": [1, -12]}`` gives the 14 rates ``2, 1, 0.5, ..., 2**-12``, and
+    ``{"pow2": [k, k]}`` the one rate ``2**k`` (a range whose ends meet, as ``range`` counts;
+    its exponents are distinct, so it can never give a rate twice, the duplicate that an
+    explicit list such as ``[1, 1.0]`` can give and :class:`StudySpec` refuses).
     """
     if isinstance(lrs, Mapping):
         if set(lrs) != {"pow2"}:
@@ -199,30 +203,34 @@ def _unique(values: tuple[Any, ...], what: str) -> None:
         raise ValueError(f"{what} has duplicates: {', '.join(dupes)}")
 
 
-def _dataset_identity(name: str) -> str:
-    """The data set a spec's name denotes: its catalogue entry's canonical name (``iris``,
-    ``Iris`` and ``libsvm:iris`` are all ``libsvm:iris``) with its options sorted; a name outside
-    the catalogue (a ``load_fn`` of the user's) is its own identity."""
-    from initlab.data.catalogue import catalogue_entry
-
-    base, sep, query = name.partition("?")
-    with contextlib.suppress(ValueError):
-        base = catalogue_entry(base).name
-    return base + sep + "&".join(sorted(filter(None, query.split("&"))))
-
-
-def _no_aliases(datasets: tuple[str, ...]) -> None:
-    """Two spellings of one data set would train it twice and count it twice in Table 2."""
+def _no_aliases(
+    values: tuple[str, ...], identity: Callable[[str], str], attr: str, what: str
+) -> None:
+    """Refuse two spellings (of one ``identity``) of one data set or one scheme among ``values``
+    (the spec's ``attr``): they would train it twice and count it twice in Table 2."""
     spellings: dict[str, list[str]] = {}
-    for name in datasets:
-        spellings.setdefault(_dataset_identity(name), []).append(name)
+    for value in values:
+        spellings.setdefault(identity(value), []).append(value)
     aliases = [(ident, names) for ident, names in spellings.items() if len(names) > 1]
     if aliases:
         ident, names = aliases[0]
         raise ValueError(
-            f"datasets: {' and '.join(repr(n) for n in names)} are the same data set "
+            f"{attr}: {' and '.join(repr(n) for n in names)} are the same {what} "
             f"({ident!r}); keep one spelling"
         )
+
+
+def _study_name(name: Any) -> str:
+    """A study's name, checked: it names the study in a store and, by default, its files
+    (``results/<name>.sqlite``), so it may not leave their folder."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"StudySpec.name must be a non-empty string, got {name!r}")
+    if "/" in name or "\\" in name or name in (".", ".."):
+        raise ValueError(
+            f"StudySpec.name {name!r} is not a plain name: it names the study's files, so it may "
+            "not contain '/' or '\\' nor be '.' or '..' (e.g. 'table2')"
+        )
+    return name
 
 
 def _integer(value: Any, what: str) -> int:
@@ -339,14 +347,19 @@ class StudySpec:
     """A declarative study: which runs to train, with which settings.
 
     Attributes:
-        name: the study's name (results in a store are tagged with it).
+        name: the study's name (results in a store are tagged with it). It names the study's
+            files too (the CLI's default store is ``results/<name>.sqlite``), so it may not
+            contain ``/`` or ``\\`` nor be ``.`` or ``..``.
         datasets: catalogue names for :func:`initlab.data.load_dataset`, e.g. ``"libsvm:iris"``
             (the name is part of every run's key: two spellings of one data set, such as
-            ``iris`` and ``libsvm:iris``, are refused).
+            ``iris`` and ``libsvm:iris``, or ``mnist`` and ``mnist?pad=0``, are refused; see
+            :func:`initlab.study.datasets.dataset_identity`).
         schemes: inits: data-free schemes (names accepted by :func:`initlab.init.schemes.
             get_scheme`), or a scheme followed by data-dependent methods (module docstring,
             :mod:`initlab.study.pipelines`), given as text or as a mapping; stored as their
-            canonical text.
+            canonical text. Two spellings of one scheme (``fan_in``, ``kaiming`` and ``He``;
+            ``he + lsuv`` and ``fan_in + lsuv``) are refused
+            (:func:`initlab.study.pipelines.init_identity`).
         seeds: a count ``n`` (seeds ``0..n-1``) or a list; stored as a tuple of ints.
         lrs: a list of learning rates or ``{"pow2": [first, last]}``; stored as a tuple of floats.
         model: model registry name (``initlab.zoo.create_model``).
@@ -394,8 +407,7 @@ class StudySpec:
 
     def __post_init__(self) -> None:
         norm = object.__setattr__
-        if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"StudySpec.name must be a non-empty string, got {self.name!r}")
+        _study_name(self.name)
         norm(self, "datasets", _names(self.datasets, "datasets"))
         norm(self, "schemes", _inits(self.schemes))
         norm(self, "seeds", expand_seeds(self.seeds))
@@ -405,7 +417,8 @@ class StudySpec:
             if not values:
                 raise ValueError(f"StudySpec.{attr} is empty")
             _unique(values, attr)
-        _no_aliases(self.datasets)
+        _no_aliases(self.datasets, dataset_identity, "datasets", "data set")
+        _no_aliases(self.schemes, init_identity, "schemes", "scheme")
         cfg = self.model_cfg
         if isinstance(cfg, Mapping):
             cfg = tuple(cfg.items())

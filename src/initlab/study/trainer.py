@@ -31,9 +31,12 @@ up to float rounding. Per run and in both trainers:
    gradient, ``model.eval()``) over the training split and, if given, the test split: mean
    cross-entropy and accuracy. Only the last pass over the training split is needed for
    ``final_train_loss``; the others cost about a third of the training's arithmetic each epoch.
-6. **Divergence.** The first non-finite training loss (a step loss or an epoch's train loss) marks
-   the run ``diverged`` and freezes it: no further updates; later step losses and epoch metrics are
-   ``nan``; ``final_train_loss`` is ``nan``. In :func:`train_runs` its stacked parameters and
+6. **Divergence.** The first training loss (a step loss or an epoch's train loss) that is not
+   finite or exceeds :func:`~initlab.study.config.divergence_limit` of the run's first step loss
+   (``1e6 * max(loss_0, 1)``: a loss grown a million-fold) marks the run ``diverged`` and freezes
+   it: no further updates; that loss is recorded, later step losses and epoch metrics are
+   ``nan``; ``final_train_loss`` is ``nan``. A run whose losses stay finite and under the limit
+   is untouched by this step. In :func:`train_runs` its stacked parameters and
    optimizer state are zeroed from then on (the frozen values are kept aside for ``keep_state``),
    so nothing non-finite reaches the shared tensors and the other runs are unaffected.
 
@@ -85,7 +88,7 @@ from initlab.study._vectorized import (
     _VecSGD,
     _VmapEngine,
 )
-from initlab.study.config import RunConfig, RunResult
+from initlab.study.config import RunConfig, RunResult, divergence_limit
 from initlab.study.inputs import normalize_inputs
 
 __all__ = ["ENGINES", "EVALUATIONS", "epoch_order", "train_one", "train_runs"]
@@ -290,6 +293,7 @@ def train_one(
     train_metrics: list[tuple[float, float]] = []
     test_metrics: list[tuple[float, float]] = []
     diverged = False
+    limit = math.inf  # step 6: set from the first step's loss
     for epoch in range(config.epochs):
         if not diverged:
             order = epoch_order(config.seed, epoch, n).to(device)
@@ -310,7 +314,9 @@ def train_one(
                 loss = F.cross_entropy(logits, yb)
                 value = loss.item()
                 step_loss.append(value)
-                if math.isfinite(value):
+                if epoch == 0 and s == 0:
+                    limit = divergence_limit(value)
+                if math.isfinite(value) and value <= limit:
                     optimizer.zero_grad(set_to_none=True)
                     loss.backward()
                     optimizer.step()
@@ -330,7 +336,7 @@ def train_one(
         train_metrics.append(_evaluate_one(model, mult, x, y))
         if test_xy is not None:
             test_metrics.append(_evaluate_one(model, mult, *test_xy))
-        if not math.isfinite(train_metrics[-1][0]):
+        if not (math.isfinite(train_metrics[-1][0]) and train_metrics[-1][0] <= limit):
             diverged = True
     step_loss += [math.nan] * (config.epochs * steps - len(step_loss))
     state = {k: v.detach().clone() for k, v in model.state_dict().items()} if keep_state else None
@@ -654,6 +660,7 @@ class _Group:
         )
         self.wants_scale = torch.tensor([c.output_std is not None for c in configs], device=device)
         self.run_c = torch.ones(n_runs, dtype=dtype, device=device)  # the c of step 3
+        self.limit = torch.full((n_runs,), math.inf, dtype=torch.float64)  # step 6, per run
         self.alive = torch.ones(n_runs, dtype=torch.bool)
         self.alive_dev = self.alive.to(device)
         self.frozen: dict[int, list[Tensor]] = {}
@@ -718,7 +725,9 @@ class _Group:
         loss, dlogits = _cross_entropy_and_grad(logits, yb)
         values = loss.to(dtype=torch.float64, device="cpu")
         self.step_loss[g_step] = torch.where(self.alive, values, math.nan)
-        bad = self.alive & ~torch.isfinite(values)
+        if g_step == 0:
+            self.limit = torch.tensor([divergence_limit(v) for v in values.tolist()])
+        bad = self.alive & ~(torch.isfinite(values) & (values <= self.limit))
         frozen_now = bad.nonzero().flatten().tolist() if bool(bad.any()) else []
         if frozen_now:
             self.freeze(frozen_now)
@@ -728,14 +737,16 @@ class _Group:
             self.clear(frozen_now)
 
     def evaluate_epoch(self, epoch: int, train: Split, test: Split | None) -> None:
-        """Step 5 (evaluation), then freeze the runs whose epoch train loss is not finite."""
+        """Step 5 (evaluation), then freeze the runs whose epoch train loss is not finite or
+        over their divergence limit (step 6)."""
         self.eng.train(False)
         for split, out in (train, self.ep_train), (test, self.ep_test):
             if split is not None:
                 loss_e, acc_e = _evaluate_runs(self.eng, self.scale, *split, self.n_runs)
                 out[epoch] = torch.stack([loss_e, acc_e], dim=1)
                 out[epoch][~self.alive] = math.nan
-        bad = self.alive & ~torch.isfinite(self.ep_train[epoch, :, 0])
+        loss = self.ep_train[epoch, :, 0]
+        bad = self.alive & ~(torch.isfinite(loss) & (loss <= self.limit))
         if bool(bad.any()):
             runs = bad.nonzero().flatten().tolist()
             self.freeze(runs)
