@@ -9,6 +9,8 @@ import subprocess
 import sys
 import textwrap
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -39,6 +41,12 @@ class Scaled(nn.Module):
 
 def scaled():
     return Scaled()
+
+def tanh():
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+
+def empty():
+    return nn.Sequential(nn.ReLU())
 """
 
 _SPEC = """
@@ -67,6 +75,13 @@ def cli_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "spec.yaml").write_text(textwrap.dedent(_SPEC))
     (tmp_path / "badyaml.yaml").write_text("name: [unclosed\n")
     (tmp_path / "binary.yaml").write_bytes(bytes(range(256)))
+    (tmp_path / "evil.yaml").write_text(textwrap.dedent(_SPEC).replace("tiny", '"../evil"'))
+    (tmp_path / "zero.sqlite").write_bytes(b"")
+    (tmp_path / "dangling.pt").symlink_to("nowhere/x.pt")
+    (tmp_path / "loop1").symlink_to("loop2")
+    (tmp_path / "loop2").symlink_to("loop1")
+    (tmp_path / "linkdir").symlink_to("missingdir")
+    torch.save((torch.randn(50, 4), torch.randint(0, 3, (40,))), tmp_path / "uneven.pt")
     monkeypatch.setenv("INITLAB_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
     return tmp_path
@@ -179,6 +194,96 @@ _ERRORS: dict[str, tuple[list[str], int, str, tuple[str, ...]]] = {
                    "argument --window: must be a positive integer, got '0'", ()),
     "--window -3": (["bench", "report", "x.sqlite", "--window", "-3"], 2,
                     "argument --window: must be a positive integer", ()),
+    # round 2, 4: an output that is an input or the other output
+    "--out and --report the same file": (
+        [*_INIT, "--report", "out.pt"], 2,
+        "--report out.pt is the same file as --out out.pt, which --report would overwrite",
+        ("out.pt",)),
+    "--out the --model file": (["init", "--model", "mods.py:mlp", "--out", "mods.py"], 2,
+                               "--out mods.py is the same file as --model mods.py", ()),
+    # round 2, 5: links, devices and stdout as --out, checked before the work
+    "--out a dangling link": (["init", "--model", "mods.py:mlp", "--out", "dangling.pt"], 2,
+                              "--out dangling.pt is a symbolic link to", ("nowhere",)),
+    "--out a loop of links": (["init", "--model", "mods.py:mlp", "--out", "loop1"], 2,
+                              "--out loop1 is a symbolic link that leads back to itself", ()),
+    "--out under a link to a missing folder": (
+        ["init", "--model", "mods.py:mlp", "--out", "linkdir/o.pt"], 2,
+        "--out linkdir/o.pt: linkdir is a symbolic link to missingdir", ("missingdir",)),
+    "--out a device": (["init", "--model", "mods.py:mlp", "--out", "/dev/full"], 2,
+                       "--out /dev/full is not a regular file", ()),
+    "--out -": (["init", "--model", "mods.py:mlp", "--out", "-"], 2,
+                "--out -: the output cannot go to stdout", ("-",)),
+    "--report a loop of links, nothing saved": (
+        [*_INIT, "--report", "loop1"], 2, "--report loop1 is a symbolic link that leads back",
+        ("out.pt",)),
+    "--store a dangling link": (["bench", "run", "spec.yaml", "--store", "dangling.pt"], 2,
+                                "--store dangling.pt is a symbolic link to", ("nowhere",)),
+    "--store under a link to a missing folder": (
+        ["bench", "run", "spec.yaml", "--store", "linkdir/s.sqlite"], 2,
+        "--store linkdir/s.sqlite: linkdir is a symbolic link to missingdir", ("missingdir",)),
+    # round 2, 6: every argument checked before a folder is made
+    "--bias abc under a new folder": (
+        ["init", "--model", "mods.py:mlp", "--out", "newd/sub/o.pt", "--bias", "abc"], 2,
+        "--bias 'abc'", ("newd",)),
+    "diagnose --loss nosuch, no --out folder": (
+        ["diagnose", "--model", "mods.py:mlp", "--loss", "nosuch", "--out", "dl1"], 2,
+        "unknown --loss 'nosuch'", ("dl1",)),
+    "diagnose --init nosuch, no --out folder": (
+        ["diagnose", "--model", "mods.py:mlp", "--data", "random:4", "--init", "nosuch", "--out",
+         "dl2"], 2, "--init 'nosuch': unknown scheme 'nosuch'; valid names: fan_in", ("dl2",)),
+    "doctor --fix init,bogus, no --out folder": (
+        ["doctor", "--model", "mods.py:mlp", "--data", "random:4", "--fix", "init,bogus", "--out",
+         "dbog"], 2, "--fix init,bogus: unknown fix 'bogus'; valid: init, lsuv", ("dbog",)),
+    "demo --schemes twice": (["demo", "--schemes", "fan_in,fan_in", "--out", "dm"], 2,
+                             "--schemes fan_in,fan_in: fan_in given twice", ("dm",)),
+    "demo --schemes nosuch": (["demo", "--schemes", "nosuch", "--out", "dm"], 2,
+                              "--schemes 'nosuch': unknown scheme 'nosuch'", ("dm",)),
+    "a model that fails to load, no --out folder": (
+        ["diagnose", "--model", "bad.py:f", "--data", "random:4", "--out", "dl3"], 2,
+        "--model bad.py: executing the file failed", ("dl3",)),
+    # round 2, 7: the library's wording said with the flags
+    "precondition --how rescale on a model it cannot rescale": (
+        ["init", "--model", "mods.py:tanh", "--method", "precondition", "--how", "rescale",
+         "--data", "random:4", "--loss", "random_quadratic", "--out", "o.pt"], 2,
+        "--how rescale changed the network function", ("o.pt",)),
+    "a catalogue prefix with an unknown set": (
+        [*_INIT, "--method", "lsuv", "--data", "libsvm:nosuch"], 2,
+        "unknown data set --data 'libsvm:nosuch'; known libsvm sets: libsvm:dna", ("out.pt",)),
+    "gradinit --max-batches 1": (
+        [*_INIT, "--method", "gradinit", "--data", "random:4", "--loss", "random_quadratic",
+         "--max-batches", "1"], 2, "--max-batches 1: gradinit needs at least 2 batches",
+        ("out.pt",)),
+    "x and y of different lengths in a .pt": (
+        [*_INIT, "--method", "lsuv", "--data", "uneven.pt"], 2,
+        "--data uneven.pt: the tensors of its batch have different numbers of rows (50, 40)",
+        ("out.pt",)),
+    "--data random with no known shape": (
+        [*_INIT, "--method", "lsuv", "--data", "random"], 2,
+        "--data random needs the model's input shape, which is unknown: give --data "
+        "random:SHAPE (e.g. random:3x32x32), --input-shape SHAPE,", ("out.pt",)),
+    "diagnose of a model without parameters": (
+        ["diagnose", "--model", "mods.py:empty", "--data", "random:4"], 2,
+        "the --model has no parameters, so there is nothing to measure", ()),
+    # round 2, 8: empty values and options that contradict each other
+    "--store ''": (["bench", "run", "spec.yaml", "--store", ""], 2, "--store is empty",
+                   ("results",)),
+    "data --data-dir ''": (["data", "--data-dir", ""], 2, "--data-dir is empty", ()),
+    "diagnose --data-dir ''": (
+        ["diagnose", "--model", "mods.py:mlp", "--data", "random:4", "--data-dir", ""], 2,
+        "--data-dir is empty", ()),
+    "--no-extend-grid with --extend-rounds": (
+        [*_RUN, "--no-extend-grid", "--extend-rounds", "2"], 2,
+        "--no-extend-grid and --extend-rounds 2 contradict each other", ("st",)),
+    "bench report of a text file": (["bench", "report", "afile"], 2,
+                                    "STORE afile is not a SQLite store (it is another kind of "
+                                    "file); give the store `initlab bench run` wrote\n",
+                                    ("afile-report",)),
+    "bench report of an empty file": (["bench", "report", "zero.sqlite"], 2,
+                                      "STORE zero.sqlite is empty (0 bytes), not a store",
+                                      ("zero-report",)),
+    # round 2, 9: a study name that is a path
+    "a study name with '..'": (["bench", "run", "evil.yaml"], 2, "'../evil'",
+                               ("results", "../evil.sqlite")),
     "diagnose, a shape error suggests what diagnose has": (
         ["diagnose", "--model", "mods.py:mlp", "--data", "random:5"], 1,
         "A factory's input size may be set with --model-kwargs", ()),
@@ -370,6 +475,15 @@ def test_library_warnings_are_one_line_in_the_flags_words(
         ("level must be in (0, 1), got 2", "--level must be in (0, 1)", "level must"),
         ("gradinit_ needs 9 batches for 8 iterations but the data gave 8; pass a loader with at "
          "least 9 batches or lower steps", "pass --max-batches 9 or more", "a loader"),
+        ("how='rescale' changed the network function; use how='lr' or how='parametrize'",
+         "--how rescale changed the network function; use --how lr (", "how="),
+        ("gradinit_ needs at least 2 batches (one iteration reads batch t and, for S~, batch t+1) "
+         "but the data gave 1", "; pass --max-batches 2 or more", "a loader"),
+        ("got outputs (50, 3) and targets (50, 2). Reshape the targets, or pass a "
+         "loss_fn(model, batch) that pairs them", "pass --loss pkg.module:fn, a function",
+         "a loss_fn"),
+        ("MomentProbe(modules='params') selects no module: the model has no parameters; give a "
+         "model with parameters", "the --model has no parameters", "MomentProbe"),
     ],
 )  # fmt: skip
 def test_python_wording_is_translated_to_flags(library: str, cli: str, python_words: str) -> None:
@@ -406,7 +520,9 @@ def test_format_summary_lists_extension_and_failures() -> None:
         "study s: 8 runs, 2 already stored, 5 trained now (2 chunk(s)), 0 by other drivers, "
         "1 failed (1.5 s)"
     )
-    assert "grid extension: 1 round(s), 3 run(s) added" in text
+    assert "grid extension: 1 round(s), 3 run(s) beyond the spec's grid" in text
+    again = StudySummary("s", Path("x.sqlite"), 8, 8, n_extended=3, extension_rounds=1)
+    assert "3 run(s) beyond the spec's grid, all stored before" in format_summary(again)
     assert "v/d/s (low)" in text and "failed chunk: ValueError: boom" in text
 
 
@@ -489,3 +605,109 @@ def test_seed_and_batch_size_reach_the_demo(capsys: pytest.CaptureFixture[str]) 
     assert "seed 2, batch 64" in capsys.readouterr().out
     code, _, err = _run(["demo", "--quick", "--batch-size", "1"], capsys)
     assert code == 2 and "argument --batch-size: must be in [2, 1797]" in err
+
+
+@contextmanager
+def _read_only(path: Path) -> Iterator[None]:
+    """``path`` (a file or a folder) cannot be written while in the block: chmod, or, for root
+    (whom chmod does not stop), ``chattr +i``; skips the test where neither works."""
+    mode = path.stat().st_mode
+    path.chmod(mode & ~0o222)
+    chattr = False
+    try:
+        probe = path / ".probe" if path.is_dir() else path
+        try:
+            with open(probe, "ab"):
+                pass
+        except OSError:
+            pass
+        else:
+            if path.is_dir():
+                probe.unlink()
+            chattr = subprocess.run(["chattr", "+i", str(path)], capture_output=True,
+                                    check=False).returncode == 0  # fmt: skip
+            if not chattr:
+                pytest.skip("cannot make a path read-only here (root without chattr)")
+        yield
+    finally:
+        if chattr:
+            subprocess.run(["chattr", "-i", str(path)], capture_output=True, check=False)
+        path.chmod(mode)
+
+
+def test_bench_report_without_the_default_reference_and_on_read_only_stores(
+    cli_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (cli_dir / "one.yaml").write_text(textwrap.dedent(_SPEC).replace("fan_in, geometric",
+                                                                     "fan_in"))  # fmt: skip
+    code, out, err = _run(["bench", "run", "one.yaml", "--store", "my st/s.sqlite", "--quiet"],
+                          capsys)  # fmt: skip
+    assert code == 0, err
+    assert "report: initlab bench report 'my st/s.sqlite'" in out  # a command to paste
+    report = ["bench", "report", "my st/s.sqlite", "--no-plots", "--n-boot", "20"]
+    # 1: no geometric runs, no --reference: the report without paired comparisons
+    code, _, err = _run(report, capsys)
+    assert code == 0, err
+    assert "warning: no geometric runs in my st/s.sqlite, so no paired comparisons" in err
+    assert (cli_dir / "my st" / "s-report" / "table2.md").is_file()
+    code, _, err = _run([*report, "--reference", "geometric"], capsys)
+    assert code == 2 and "--reference 'geometric' is not a scheme of my st/s.sqlite" in err
+    code, _, err = _run([*report, "--out", ""], capsys)
+    assert code == 2 and "--out is empty" in err
+    # 2, 3: a store that cannot be written: refused before anything is made
+    said = {"s.sqlite": "cannot write the store (", "my st": "cannot write in its folder my st ("}
+    for log in (cli_dir / "my st").glob("s.sqlite-*"):  # no connection is open
+        log.unlink()
+    for ro in (cli_dir / "my st" / "s.sqlite", cli_dir / "my st"):
+        before = sorted(p.name for p in (cli_dir / "my st").iterdir())
+        with _read_only(ro):
+            code, _, err = _run([*report, "--out", "r2"], capsys)
+            assert code == 2, err
+            assert f"STORE my st/s.sqlite: {said[ro.name]}" in err
+            assert "copy the store to a writable folder" in err
+            assert "Traceback" not in err and "OperationalError" not in err
+            code, _, err = _run(["bench", "run", "one.yaml", "--store", "my st/s.sqlite"], capsys)
+            assert code == 2 and "--store my st/s.sqlite: cannot write" in err, err
+        assert not (cli_dir / "r2").exists()
+        assert sorted(p.name for p in (cli_dir / "my st").iterdir()) == before
+    assert (cli_dir / "zero.sqlite").read_bytes() == b""
+    assert _run(["bench", "report", "zero.sqlite"], capsys)[0] == 2
+    assert (cli_dir / "zero.sqlite").read_bytes() == b""  # not made a store
+
+
+@pytest.mark.parametrize(
+    ("argv", "warning"),
+    [
+        (["init", "--model", "mods.py:mlp", "--out", "o.pt", "--batches", "2", "--method", "lsuv",
+          "--data", "random:4"],
+         "initlab init: warning: --batches is deprecated; use --max-batches"),
+        (["doctor", "--model", "mods.py:mlp", "--data", "random:4", "--batches", "2"],
+         "initlab doctor: warning: --batches is deprecated"),
+        (["diagnose", "--model", "mods.py:mlp", "--data", "random:4", "--data-dir", "/nope",
+          "--max-batches", "1"],
+         "initlab diagnose: warning: --data-dir is only used with a named data set"),
+        (["init", "--model", "mods.py:mlp", "--out", "o.pt", "--method", "lsuv", "--data",
+          "random:4", "--how", "parametrize"],
+         "initlab init: warning: --how is only used with --method precondition"),
+        ([*_RUN, "--quiet", "--ray-address", "x:1"],
+         "initlab bench run: warning: --ray-address is only used with --backend ray"),
+    ],
+)  # fmt: skip
+def test_deprecated_and_unused_options_are_named_outside_init_too(
+    cli_dir: Path, capsys: pytest.CaptureFixture[str], argv: list[str], warning: str
+) -> None:
+    code, _, err = _run(argv, capsys)
+    assert code == 0, err
+    assert warning in err
+    assert "error" not in err  # --how parametrize with lsuv: noted, not refused as well
+
+
+def test_bench_takes_debug_and_names_its_subcommands(
+    cli_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = _run(["bench", "--debug", "run", "nosuch.yaml"], capsys)
+    assert code == 2 and "Traceback" in err and "study spec nosuch.yaml does not exist" in err
+    code, _, err = _run(["bench"], capsys)
+    assert code == 2 and "required: {run,report}" in err
+    code, _, err = _run([], capsys)
+    assert code == 2 and "required: {schemes,init,diagnose,doctor,data,bench,demo}" in err

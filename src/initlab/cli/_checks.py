@@ -19,10 +19,13 @@ from typing import Any
 
 __all__ = [
     "check_device",
+    "check_distinct",
+    "check_not_empty",
     "check_out_dir",
     "check_out_file",
     "check_store",
     "fraction",
+    "make_parent",
     "number_type",
     "positive_float",
     "positive_int",
@@ -79,9 +82,34 @@ def _refuse(flag: str, path: Path, err: OSError, what: str) -> ValueError:
     return ValueError(f"{reason}: {path} ({flag}: {what}; give another path)")
 
 
-def _make_folder(flag: str, folder: Path, target: Path | None = None) -> None:
-    """Create ``folder`` (and its parents) or raise a message naming ``flag`` (and ``target``,
-    the file to be written in it)."""
+def check_not_empty(flag: str, value: str | None, example: str) -> None:
+    """Refuse ``--flag ''`` (which would otherwise read as "not given")."""
+    if value is not None and not str(value).strip():
+        raise ValueError(f"{flag} is empty; give {example}, or leave {flag} out")
+
+
+def _follow_link(flag: str, path: Path) -> Path:
+    """The path a symbolic link leads to (``path`` itself if it is not a link); a loop of links,
+    or a link to a place whose folder does not exist, is refused."""
+    if not path.is_symlink():
+        return path
+    try:
+        target = path.resolve()
+    except (OSError, RuntimeError):  # a loop of links
+        raise ValueError(
+            f"{flag} {path} is a symbolic link that leads back to itself (a loop of links); "
+            "give another path"
+        ) from None
+    if not target.exists() and not target.parent.is_dir():
+        raise ValueError(
+            f"{flag} {path} is a symbolic link to {target}, whose folder does not exist; create "
+            "that folder or give another path"
+        )
+    return target
+
+
+def _existing_above(flag: str, folder: Path, target: Path | None = None) -> Path:
+    """The nearest existing folder at or above ``folder``, where the missing ones will be made."""
     for above in (folder, *folder.parents):
         if above.exists():
             if not above.is_dir():
@@ -89,17 +117,16 @@ def _make_folder(flag: str, folder: Path, target: Path | None = None) -> None:
                     f"{flag} {target or folder}: {above} is a file, and a folder is needed "
                     "there; give another path"
                 )
-            break
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        what = (
-            "cannot create the folder" if target is None else f"cannot create its folder {folder}"
-        )
-        raise _refuse(flag, target or folder, err, what) from None
+            return above
+        if above.is_symlink():  # a link that leads nowhere
+            raise ValueError(
+                f"{flag} {target or folder}: {above} is a symbolic link to "
+                f"{os.readlink(above)}, which does not exist; create it or give another path"
+            )
+    return Path(".")
 
 
-def _probe_writable(flag: str, folder: Path, target: Path | None = None) -> None:
+def _probe_writable(flag: str, folder: Path, target: Path | None = None, what: str = "") -> None:
     """Write and remove a uniquely named small file in ``folder`` (``os.access`` says yes to
     root, and to /proc); ``target`` itself is never touched, so a store another process is
     creating at that path at the same time is safe."""
@@ -107,41 +134,99 @@ def _probe_writable(flag: str, folder: Path, target: Path | None = None) -> None
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".initlab-write-test-"):
             pass
     except OSError as err:
-        what = "cannot write this file" if target is not None else "cannot write in this folder"
+        if not what:
+            what = "cannot write this file" if target is not None else "cannot write in this folder"
         raise _refuse(flag, target or folder, err, what) from None
 
 
-def check_out_file(flag: str, value: str | os.PathLike[str]) -> Path:
-    """A file the command will write: not empty, not a folder, its folder created and writable.
+def _check_folder(flag: str, folder: Path, target: Path | None = None) -> None:
+    """``folder`` can be written, or made where it is missing (it is not made now: a command
+    that stops on a later check leaves nothing behind; the writer makes it)."""
+    above = _existing_above(flag, folder, target)
+    if above == folder:
+        _probe_writable(flag, folder, target)
+    elif target is None:
+        _probe_writable(flag, above, folder, "cannot create the folder")
+    else:
+        _probe_writable(flag, above, target, f"cannot create its folder {folder}")
 
-    Returns the path. An existing file is opened for appending (not truncated) and left as it
-    is; it is overwritten at the end.
+
+def _check_writable_file(flag: str, path: Path, shown: Path) -> None:
+    """An existing file: a regular file (or the null device) that opens for writing; it is not
+    changed now."""
+    if os.path.realpath(path) == os.devnull:
+        return
+    if not path.is_file():
+        raise ValueError(
+            f"{flag} {shown} is not a regular file (a device, a pipe or a socket), so the "
+            "output cannot be written there; give a file path"
+        )
+    try:
+        with open(path, "r+b"):
+            pass
+    except OSError as err:
+        raise _refuse(flag, shown, err, "cannot write this file") from None
+
+
+def check_out_file(flag: str, value: str | os.PathLike[str]) -> Path:
+    """A file the command will write: not empty, not a folder, not ``-``, not a device; its
+    folder writable (a missing one can be made; it is made when the file is written).
+
+    Returns the path. An existing file is opened for writing (not truncated) and left as it
+    is; it is overwritten at the end. A symbolic link is followed (the file it leads to is
+    written).
     """
     if not str(value).strip():
         raise ValueError(f"{flag} is empty; give a file path, e.g. {flag} out.pt")
-    path = Path(value)
+    if str(value) == "-":
+        raise ValueError(
+            f"{flag} -: the output cannot go to stdout (it is a binary or JSON file); give a "
+            "file path (./- for a file named '-')"
+        )
+    shown = Path(value)
+    path = _follow_link(flag, shown)
     if path.is_dir():
-        raise ValueError(f"{flag} {path} is a folder; give a file path, e.g. {path / 'out.pt'}")
-    _make_folder(flag, path.parent, path)
+        raise ValueError(f"{flag} {shown} is a folder; give a file path, e.g. {shown / 'out.pt'}")
     if path.exists():
-        try:
-            with open(path, "ab"):
-                pass
-        except OSError as err:
-            raise _refuse(flag, path, err, "cannot write this file") from None
+        _check_writable_file(flag, path, shown)
     else:
-        _probe_writable(flag, path.parent, path)
+        _check_folder(flag, path.parent, shown)
+    return shown
+
+
+def make_parent(path: Path) -> Path:
+    """Make the folder ``path`` is written in (checked before by :func:`check_out_file`)."""
+    Path(os.path.realpath(path)).parent.mkdir(parents=True, exist_ok=True)
     return path
 
 
 def check_out_dir(flag: str, value: str | os.PathLike[str]) -> Path:
-    """A folder the command will write files into: created now, writable. Returns the path."""
+    """A folder the command will write files into: writable, or one that can be made (the writer
+    makes it). Returns the path."""
     if not str(value).strip():
         raise ValueError(f"{flag} is empty; give a folder, e.g. {flag} report")
-    path = Path(value)
-    _make_folder(flag, path)
-    _probe_writable(flag, path)
-    return path
+    shown = Path(value)
+    path = _follow_link(flag, shown)
+    if path.exists() and not path.is_dir():
+        _existing_above(flag, path)  # the message for a file
+    _check_folder(flag, path)
+    return shown
+
+
+def check_distinct(*named: tuple[str, str | os.PathLike[str] | None]) -> None:
+    """Refuse two of the command's paths (``(flag, path)`` pairs; ``None``: not given) that are
+    the same file: one would overwrite the other."""
+    seen: dict[str, str] = {}
+    for flag, value in named:
+        if value is None or not str(value).strip():
+            continue
+        real = os.path.realpath(value)
+        if real in seen:
+            raise ValueError(
+                f"{flag} {value} is the same file as {seen[real]}, which {flag} would "
+                "overwrite; give another path"
+            )
+        seen[real] = f"{flag} {value}"
 
 
 def check_device(value: str, flag: str = "--device") -> str:
@@ -177,36 +262,107 @@ def check_device(value: str, flag: str = "--device") -> str:
 
 
 def check_store(value: str, *, flag: str, must_exist: bool) -> Path:
-    """A SQLite store path: an existing SQLite file (or an empty one), or, unless ``must_exist``,
-    a new file whose folder can be written."""
+    """A SQLite store path: an existing SQLite file (or, unless ``must_exist``, an empty one, or a
+    new file whose folder can be written).
+
+    SQLite writes the store, and its write-ahead log (``<store>-wal``, ``<store>-shm``) beside
+    it, even to read it; so the file and its folder must be writable in both cases
+    (``must_exist``: ``initlab bench report``, which also needs an initlab store, not any SQLite
+    file)."""
     if not str(value).strip():
         raise ValueError(f"{flag} is empty; give a store file, e.g. results/study.sqlite")
-    path = Path(value)
+    shown = Path(value)
+    path = _follow_link(flag, shown)
     if path.is_dir():
         raise ValueError(
-            f"{flag} {path} is a folder; a store is one SQLite file: give a file path such as "
-            f"{path / 'study.sqlite'}"
+            f"{flag} {shown} is a folder; a store is one SQLite file: give a file path such as "
+            f"{shown / 'study.sqlite'}"
         )
-    if path.exists():
-        try:
-            with open(path, "rb") as fh:
-                head = fh.read(len(_SQLITE_HEADER))
-        except OSError as err:
-            raise _refuse(flag, path, err, "cannot read the store") from None
-        if head and head != _SQLITE_HEADER:
-            raise ValueError(
-                f"{flag} {path} is not a SQLite store (it is another kind of file); give the "
-                "store `initlab bench run` wrote, or a new path"
-            )
-        return path
-    if must_exist:
-        raise ValueError(f"{flag} {path} does not exist; give the store `initlab bench run` wrote")
-    return check_out_file(flag, path)
+    wrote = "the store `initlab bench run` wrote"
+    if not path.exists():
+        if must_exist:
+            raise ValueError(f"{flag} {shown} does not exist; give {wrote}")
+        return check_out_file(flag, shown)
+    if not path.is_file():
+        raise ValueError(f"{flag} {shown} is not a regular file; give {wrote}")
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(len(_SQLITE_HEADER))
+    except OSError as err:
+        raise _refuse(flag, shown, err, "cannot read the store") from None
+    if head and head != _SQLITE_HEADER:
+        raise ValueError(
+            f"{flag} {shown} is not a SQLite store (it is another kind of file); give {wrote}"
+            + ("" if must_exist else ", or a new path")
+        )
+    if must_exist and not head:
+        raise ValueError(f"{flag} {shown} is empty (0 bytes), not a store; give {wrote}")
+    _check_store_writable(flag, path, shown, report=must_exist)
+    if must_exist and not _has_runs_table(path):
+        raise ValueError(
+            f"{flag} {shown} is a SQLite file but not an initlab store (it has no runs table); "
+            f"give {wrote}"
+        )
+    return shown
+
+
+def _check_store_writable(flag: str, path: Path, shown: Path, *, report: bool) -> None:
+    """The store file opens for writing, and its write-ahead log can be written beside it."""
+    if report:
+        advice = (
+            "`initlab bench report` only reads the store, but SQLite opens it for writing (with "
+            f"its write-ahead log {path.name}-wal and -shm beside it): copy the store to a "
+            "writable folder and report the copy"
+        )
+    else:
+        advice = "give a store in a writable folder (or copy it to one)"
+    try:
+        with open(path, "r+b"):
+            pass
+    except OSError as err:
+        reason = err.strerror or str(err)
+        raise ValueError(f"{flag} {shown}: cannot write the store ({reason}); {advice}") from None
+    logs = [path.with_name(path.name + suffix) for suffix in ("-wal", "-shm")]
+    try:
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".initlab-write-test-"):
+            return
+    except OSError as err:
+        if all(_opens_for_writing(log) for log in logs):
+            return  # SQLite uses the logs there
+        reason = err.strerror or str(err)
+        raise ValueError(
+            f"{flag} {shown}: cannot write in its folder {path.parent} ({reason}); {advice}"
+        ) from None
+
+
+def _opens_for_writing(path: Path) -> bool:
+    try:
+        with open(path, "r+b"):
+            return True
+    except OSError:
+        return False
+
+
+def _read_only(path: Path) -> sqlite3.Connection:
+    return sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+
+
+def _has_runs_table(path: Path) -> bool:
+    conn = _read_only(path)
+    try:
+        row = conn.execute(
+            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'runs'"
+        ).fetchone()
+    except sqlite3.Error:
+        return False
+    finally:
+        conn.close()
+    return row is not None
 
 
 def store_schemes(path: Path, study: str | None = None) -> set[str]:
     """The schemes of the runs a store holds (of ``study``, if given), read-only."""
-    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    conn = _read_only(path)
     try:
         if study is None:
             rows = conn.execute("SELECT DISTINCT scheme FROM runs").fetchall()
@@ -254,6 +410,26 @@ _WORDING: tuple[tuple[str, str | Callable[[re.Match[str]], str]], ...] = (
         r"--batch-size), or a lower --steps",
     ),
     (r"\bstale_after must be positive", "--stale-after must be positive"),
+    (
+        r"use how='lr' or how='parametrize'",
+        "use --how lr (the weights unchanged, per-layer learning-rate scales)",
+    ),
+    (r"\bhow='(\w+)'", r"--how \1"),
+    (
+        r"\bpass a loss_fn\(model, batch\) that",
+        "pass --loss pkg.module:fn, a function fn(model, batch) that",
+    ),
+    (
+        r"(gradinit_ needs at least (\d+) batches .*but the data gave \d+)$",
+        r"\1; pass --max-batches \2 or more (with --data that has that many batches of "
+        "--batch-size examples)",
+    ),
+    (
+        r"MomentProbe\(modules='\w+'\) selects no module: the model has no parameters; give a "
+        r"model with parameters",
+        "the --model has no parameters, so there is nothing to measure; give a model with "
+        "parameters",
+    ),
     (r"\bbatch_size must be in", "--batch-size must be in"),
 )
 

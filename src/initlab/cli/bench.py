@@ -5,12 +5,14 @@ report. Argument parsing only; the work is :func:`initlab.study.run_study` and
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
 
 from initlab.cli._checks import (
     check_device,
+    check_not_empty,
     check_out_dir,
     check_store,
     fraction,
@@ -65,9 +67,12 @@ def format_summary(summary: Any) -> str:
         f"store: {summary.store_path}",
     ]
     if summary.extension_rounds or summary.n_extended:
+        # n_extended counts the extended grid's runs, stored now or before: when this call
+        # trained nothing, all were stored before
+        before = ", all stored before" if not (summary.n_trained or summary.n_failed) else ""
         lines.append(
             f"grid extension: {summary.extension_rounds} round(s), {summary.n_extended} run(s) "
-            "added"
+            f"beyond the spec's grid{before}"
         )
     if summary.edges_left:
         lines.append(f"best rates still at the grid's edge: {', '.join(summary.edges_left)}")
@@ -77,6 +82,10 @@ def format_summary(summary: Any) -> str:
     return "\n".join(lines)
 
 
+def _note(command: str, text: str) -> None:
+    print(f"initlab bench {command}: warning: {text}", file=sys.stderr, flush=True)
+
+
 def bench_run(args: argparse.Namespace) -> int:
     """``initlab bench run SPEC``: train the study's missing runs (sharing the work with other
     drivers on the same store), then extend the grid if asked. Every argument is checked before
@@ -84,13 +93,24 @@ def bench_run(args: argparse.Namespace) -> int:
     from initlab.study.runner import StudyError, run_study
 
     check_device(args.device)
+    check_not_empty("--data-dir", args.data_dir, "the data root folder")
     if args.stale_after <= args.heartbeat:
         raise ValueError(
             f"--stale-after ({args.stale_after:g} s) must be longer than --heartbeat "
             f"({args.heartbeat:g} s), or other drivers take over this driver's live runs"
         )
+    rounds, extend = args.extend_rounds, args.extend_grid
+    if rounds is not None and extend is not None and extend != (rounds > 0):
+        given = "--extend-grid" if extend else "--no-extend-grid"
+        raise ValueError(
+            f"{given} and --extend-rounds {rounds} contradict each other; give one of them "
+            "(--extend-rounds 0 means no grid extension)"
+        )
+    if args.ray_address is not None and args.backend != "ray":
+        _note("run", f"--ray-address is only used with --backend ray; ignored with --backend "
+              f"{args.backend}")  # fmt: skip
     spec = _load_spec(args.spec)
-    store = args.store or f"results/{spec.name}.sqlite"
+    store = args.store if args.store is not None else f"results/{spec.name}.sqlite"
     check_store(store, flag="--store", must_exist=False)
     try:
         summary = run_study(
@@ -111,24 +131,31 @@ def bench_run(args: argparse.Namespace) -> int:
         print(f"initlab bench run: {err}", file=sys.stderr)
         return 1
     print(format_summary(summary))
-    print(f"\nreport: initlab bench report {store}")
+    print(f"\nreport: initlab bench report {shlex.quote(store)}")
     return 0
 
 
 def bench_report(args: argparse.Namespace) -> int:
     """``initlab bench report STORE``: Table 2 per variant with intervals, paired comparisons,
-    the sensitivity table, plots; ``report.html`` and Markdown/CSV files."""
+    the sensitivity table, plots; ``report.html`` and Markdown/CSV files. Everything is checked
+    before the report folder is made."""
     from initlab.study.report import report_study
 
     store = check_store(args.store, flag="STORE", must_exist=True)
     schemes = store_schemes(store, args.study)
-    if schemes and args.reference not in schemes:
-        raise ValueError(
-            f"--reference {args.reference!r} is not a scheme of {store}"
-            + (f" (study {args.study!r})" if args.study else "")
-            + f"; valid: {', '.join(sorted(schemes))}"
-        )
-    out = args.out or str(Path(args.store).with_suffix("")) + "-report"
+    reference = args.reference if args.reference is not None else _DEFAULT_REFERENCE
+    if schemes and reference not in schemes:
+        where = f"{store}" + (f" (study {args.study!r})" if args.study else "")
+        if args.reference is not None:
+            raise ValueError(
+                f"--reference {args.reference!r} is not a scheme of {where}; valid: "
+                f"{', '.join(sorted(schemes))}"
+            )
+        others = (f"; pass --reference with one of {', '.join(sorted(schemes))} for them"
+                  if len(schemes) > 1 else "")  # fmt: skip
+        _note("report", f"no {_DEFAULT_REFERENCE} runs in {where}, so no paired comparisons"
+              f"{others}")  # fmt: skip
+    out = args.out if args.out is not None else str(Path(args.store).with_suffix("")) + "-report"
     check_out_dir("--out", out)
     rows = report_study(
         args.store,
@@ -140,20 +167,28 @@ def bench_report(args: argparse.Namespace) -> int:
         n_boot=args.n_boot,
         seed=args.seed,
         level=args.level,
-        reference=args.reference,
+        reference=reference,
     )
     print(rows)
     print(f"\nreport written to {out} (open {Path(out) / 'report.html'})")
     return 0
 
 
-def add_bench(sub: Any, *, data_dir_help: str) -> None:
+#: The scheme ``bench report`` pairs the others against when --reference is not given (the
+#: library's default).
+_DEFAULT_REFERENCE = "geometric"
+
+
+def add_bench(sub: Any, *, data_dir_help: str, debug_help: str) -> None:
     """The ``bench`` command and its ``run`` and ``report`` subcommands."""
     from initlab.study.claims import DEFAULT_HEARTBEAT_S, DEFAULT_STALE_AFTER_S
     from initlab.study.config import LOSS_MEASURES
 
     bench = sub.add_parser("bench", help="run and report studies (schemes x seeds x LRs)")
-    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    bench.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help
+    )  # initlab bench --debug run ...
+    bench_sub = bench.add_subparsers(dest="bench_command", metavar="{run,report}", required=True)
     p = bench_sub.add_parser(
         "run",
         help="run a study spec (YAML); resumes where it stopped; several on one store share it",
@@ -235,7 +270,8 @@ def add_bench(sub: Any, *, data_dir_help: str) -> None:
         "--level", type=fraction, default=0.95, help="interval coverage, in (0, 1) (0.95)"
     )
     p.add_argument(
-        "--reference", default="geometric",
-        help="scheme paired against; one of the store's schemes (geometric)",
-    )  # fmt: skip
+        "--reference",
+        help="scheme paired against; one of the store's schemes (default: geometric, when the "
+        "store has it; else no paired comparisons)",
+    )
     p.set_defaults(func=bench_report)

@@ -29,6 +29,7 @@ __all__ = [
     "check_data_spec",
     "check_loss_name",
     "has_targets",
+    "is_named_dataset",
     "load_data_spec",
     "load_factory",
     "load_loss",
@@ -173,6 +174,31 @@ def check_data_spec(spec: str) -> None:
         return
     if _dataset_name(spec) is None and ":" not in spec:
         raise ValueError(f"unknown --data {spec!r}; give {DATA_SPECS}")
+    _check_catalogue_prefix(spec)
+
+
+def _check_catalogue_prefix(spec: str) -> None:
+    """Refuse ``libsvm:nosuch``: a catalogue prefix with a name it does not have (not a module
+    ``libsvm`` to import)."""
+    from initlab.data import CATALOGUE
+
+    prefix = spec.split(":", 1)[0].strip().lower()
+    prefixes = {n.split(":", 1)[0] for n in CATALOGUE if ":" in n}
+    if prefix in prefixes and _dataset_name(spec) is None:
+        known = ", ".join(n for n in CATALOGUE if n.startswith(f"{prefix}:"))
+        raise ValueError(
+            f"unknown data set --data {spec!r}; known {prefix} sets: {known} (all: `initlab data`)"
+        )
+
+
+def is_named_dataset(spec: str | None) -> bool:
+    """Whether ``--data`` names a data set of the catalogue (read from the data root)."""
+    if spec is None:
+        return False
+    try:
+        return _dataset_name(spec) is not None
+    except ValueError:  # ambiguous: still a name
+        return True
 
 
 def load_loss(name: str, *, seed: int, targets: bool) -> Loss | Any:
@@ -268,14 +294,17 @@ def load_data_spec(
     batches: int,
     seed: int,
     data_dir: str | None = None,
+    shape_flag: str | None = None,
 ) -> list[Any]:
     """Batches from a data spec (see :func:`~initlab.cli.diagnose.diagnose_command`).
 
     Random data, digits and the named data sets give ``batches`` batches of ``batch_size``
     examples (drawn without replacement with ``seed``); a ``.pt`` file or a function gives its
     batches (a big single batch is split into ``batch_size`` pieces), at most ``batches``.
-    ``data_dir`` is the data root of the named sets (default: see :func:`initlab.data.data_root`).
+    ``data_dir`` is the data root of the named sets (default: see :func:`initlab.data.data_root`);
+    ``shape_flag``: the command's option that gives random data's shape too (``--input-shape``).
     """
+    shape_hint = f", {shape_flag} SHAPE," if shape_flag else ","
     for flag, value in (("--batch-size", batch_size), ("--max-batches", batches)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{flag} must be a positive integer, got {value!r}")
@@ -284,8 +313,11 @@ def load_data_spec(
         if spec is not None and ":" in spec:
             shape = parse_shape(spec.split(":", 1)[1])
         if shape is None:
+            given = "--data random needs" if spec is not None else "--data is needed:"
             raise ValueError(
-                f"--data is needed: the model's input shape is unknown (use {DATA_SPECS})"
+                f"{given} the model's input shape, which is unknown: give --data random:SHAPE "
+                f"(e.g. random:3x32x32){shape_hint} or another --data (digits, a data set that "
+                "`initlab data` lists, a .pt file or pkg.module:fn)"
             )
         return [(torch.randn(batch_size, *shape, generator=gen),) for _ in range(batches)]
     if spec == "digits":
@@ -303,17 +335,24 @@ def load_data_spec(
             return _sampled(ds.x, ds.y, batch_size, batches, gen)
         if ":" not in spec:
             raise ValueError(f"unknown --data {spec!r}; give {DATA_SPECS}")
+        _check_catalogue_prefix(spec)
         obj = _call_data_fn(spec)
-    return _split_batches(obj, batch_size, batches)
+    return _split_batches(obj, batch_size, batches, spec)
 
 
-def _split_batches(obj: Any, batch_size: int, batches: int) -> list[Any]:
+def _split_batches(obj: Any, batch_size: int, batches: int, spec: str) -> list[Any]:
     """The batches of a loaded object: a big single batch of tensors is split along dim 0."""
     if not is_single_batch(obj):
         return take_batches(obj, batches, exact=False, what="--data")
     parts = obj if isinstance(obj, (tuple, list)) else (obj,)
     tensors = all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in parts)
-    if not tensors or len({int(t.shape[0]) for t in parts}) != 1:
+    if tensors and len({int(t.shape[0]) for t in parts}) != 1:
+        rows = ", ".join(f"{int(t.shape[0])}" for t in parts)
+        raise ValueError(
+            f"--data {spec}: the tensors of its batch have different numbers of rows ({rows}); "
+            "x and y need one row per example"
+        )
+    if not tensors:
         return [obj]
     n = int(first_tensor(obj).shape[0])
     if n <= batch_size:

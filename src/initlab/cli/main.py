@@ -30,8 +30,11 @@ import torch
 from torch import nn
 
 from initlab.cli._checks import (
+    check_distinct,
+    check_not_empty,
     check_out_dir,
     check_out_file,
+    make_parent,
     positive_int,
     seed_int,
     translate,
@@ -113,7 +116,7 @@ def _run_method(args: argparse.Namespace, model: nn.Module) -> Any:
     method = getattr(importlib.import_module(module_name), fn_name)
     data = load_data_spec(
         args.data, args.input_shape, batch_size=args.batch_size, batches=_max_batches_for(args),
-        seed=args.seed, data_dir=args.data_dir,
+        seed=args.seed, data_dir=args.data_dir, shape_flag="--input-shape",
     )  # fmt: skip
     kwargs: dict[str, Any] = {"generator": args.seed}
     if args.method in ("gradinit", "metainit"):
@@ -140,14 +143,53 @@ def _parse_bias(text: str) -> str | float:
         ) from None
 
 
-def _check_init_options(args: argparse.Namespace) -> None:
-    """Refuse bad values and warn about options this run does not use, before any work."""
-    from initlab.cli.inputs import check_data_spec, check_loss_name
+def _check_scheme(flag: str, name: str | None) -> None:
+    """Refuse an unknown scheme name before any work."""
+    from initlab.init.schemes import get_scheme
 
+    if name is None:
+        return
+    try:
+        get_scheme(name)
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"{flag} {name!r}: {err}") from None
+
+
+def _check_data_options(args: argparse.Namespace, *, used: bool = True) -> None:
+    """--loss, --data, --data-dir of init, diagnose and doctor: refused when bad, before any work;
+    --data-dir noted when ``--data`` does not read it (``used``: the data is read at all)."""
+    from initlab.cli.inputs import check_data_spec, check_loss_name, is_named_dataset
+
+    check_not_empty("--data-dir", args.data_dir, "the data root folder")
     if args.loss is not None:
         check_loss_name(args.loss)
     if args.data is not None:
         check_data_spec(args.data)
+    if used and args.data_dir is not None and not is_named_dataset(args.data):
+        _note(args, f"--data-dir is only used with a named data set (e.g. --data libsvm:letter, "
+              f"mnist); ignored with --data {args.data or 'random'}")  # fmt: skip
+
+
+def _check_paths(**named: str | None) -> None:
+    """Refuse an output that is the same file as an input or another output (``flag=path``
+    pairs, inputs first; the flag's ``_`` reads as ``-``)."""
+    check_distinct(*((f"--{k.replace('_', '-')}", v) for k, v in named.items()))
+
+
+def _model_file(spec: str) -> str | None:
+    """The Python file of ``--model file.py:factory``, else ``None``."""
+    file, sep, _ = spec.partition(":")
+    return file if sep and file.endswith(".py") else None
+
+
+def _data_file(spec: str | None) -> str | None:
+    return spec if spec is not None and spec.endswith((".pt", ".pth")) else None
+
+
+def _check_init_options(args: argparse.Namespace) -> None:
+    """Refuse bad values and warn about options this run does not use, before any work."""
+    _check_scheme("--scheme", args.scheme)
+    _check_data_options(args, used=args.method is not None)
     if args.method is None:
         unused = [f for f, v in (("--data", args.data), ("--data-dir", args.data_dir),
                                  ("--input-shape", args.input_shape), ("--loss", args.loss),
@@ -164,7 +206,12 @@ def _check_init_options(args: argparse.Namespace) -> None:
         if args.input_shape is not None and args.data not in (None, "random"):
             _note(args, f"--input-shape is only used with random data (no --data, or --data "
                   f"random); ignored with --data {args.data}")  # fmt: skip
-    if args.how == "parametrize":
+    if args.method == "gradinit" and args.max_batches is not None and args.max_batches < 2:
+        raise ValueError(
+            f"--max-batches {args.max_batches}: gradinit needs at least 2 batches (each step reads "
+            "batch t and t+1); give --max-batches 2 or more"
+        )
+    if args.how == "parametrize" and args.method == "precondition":  # else: noted as unused
         raise ValueError(
             "--how parametrize registers torch parametrizations, which a state dict cannot "
             "carry (the multipliers are not tensors); use --how lr (weights unchanged, per-layer "
@@ -177,10 +224,12 @@ def _cmd_init(args: argparse.Namespace) -> int:
     from initlab.cli.inputs import load_model_spec, parse_shape
     from initlab.init.model import init_model
 
-    out = check_out_file("--out", args.out)
-    report_path = check_out_file("--report", args.report) if args.report else None
     bias = _parse_bias(args.bias)
     _check_init_options(args)
+    out = check_out_file("--out", args.out)
+    report_path = check_out_file("--report", args.report) if args.report is not None else None
+    _check_paths(model=_model_file(args.model), data=_data_file(args.data), out=args.out,
+                 report=args.report)  # fmt: skip
     model, shape = load_model_spec(args.model, args.model_kwargs, seed=args.seed)
     args.input_shape = parse_shape(args.input_shape) if args.input_shape else shape
     scheme = args.scheme or ("geometric" if args.method is None else None)
@@ -197,9 +246,9 @@ def _cmd_init(args: argparse.Namespace) -> int:
         if getattr(report, "trace", None) is not None:
             printed.append(report.trace)
     # the files first: a closed stdout (`| head -1`) must not cost the results
-    torch.save(model.state_dict(), out)
+    torch.save(model.state_dict(), make_parent(out))
     if report_path is not None and report is not None:
-        report_path.write_text(json.dumps(report.to_rows(), indent=1, default=str))
+        make_parent(report_path).write_text(json.dumps(report.to_rows(), indent=1, default=str))
     for item in printed:
         print(item)
     print(f"\nsaved state dict to {out}")
@@ -217,14 +266,12 @@ def _cmd_init(args: argparse.Namespace) -> int:
 
 def _cmd_diagnose(args: argparse.Namespace) -> int:
     from initlab.cli.diagnose import diagnose_command
-    from initlab.cli.inputs import check_data_spec, check_loss_name
 
-    if args.out:
+    _check_data_options(args)
+    _check_scheme("--init", args.init)
+    if args.out is not None:
         check_out_dir("--out", args.out)
-    if args.loss is not None:
-        check_loss_name(args.loss)
-    if args.data is not None:
-        check_data_spec(args.data)
+        _check_paths(model=_model_file(args.model), data=_data_file(args.data), out=args.out)
     report = diagnose_command(
         args.model,
         args.data,
@@ -241,27 +288,28 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
         progress=lambda msg: print(f"[diagnose] {msg}", file=sys.stderr, flush=True),
     )
     print(report.summary())
-    if args.out:
+    if args.out is not None:
         print(f"\nreport written to {args.out}/report.html")
     return 0
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from initlab.cli.inputs import (
-        check_data_spec,
-        check_loss_name,
-        has_targets,
-        load_data_spec,
-        load_loss,
-        load_model_spec,
-    )
+    from initlab.cli.inputs import has_targets, load_data_spec, load_loss, load_model_spec
+    from initlab.diagnostics.doctor import _fix_names as fix_names  # checks the names
     from initlab.diagnostics.doctor import doctor
 
-    folder = check_out_dir("--out", args.out) if args.out else None
-    if args.loss is not None:
-        check_loss_name(args.loss)
-    if args.data is not None:
-        check_data_spec(args.data)
+    _check_data_options(args)
+    fix: bool | list[str] = False
+    if args.fix is not None:
+        fix = True if args.fix == "recommended" else [f for f in args.fix.split(",") if f]
+        if fix is not True:
+            try:
+                fix_names(fix)
+            except ValueError as err:
+                raise ValueError(f"--fix {args.fix}: {str(err).removeprefix('doctor: ')}") from None
+    folder = check_out_dir("--out", args.out) if args.out is not None else None
+    if folder is not None:
+        _check_paths(model=_model_file(args.model), data=_data_file(args.data), out=args.out)
     model, shape = load_model_spec(args.model, args.model_kwargs, seed=args.seed)
     data = load_data_spec(
         args.data, shape, batch_size=args.batch_size, batches=args.max_batches, seed=args.seed,
@@ -270,9 +318,6 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     targets = has_targets(data[0])
     loss_name = args.loss or ("auto" if targets else "random_quadratic")
     loss_fn = load_loss(loss_name, seed=args.seed, targets=targets)
-    fix: bool | list[str] = False
-    if args.fix is not None:
-        fix = True if args.fix == "recommended" else [f for f in args.fix.split(",") if f]
     report = doctor(
         model, data, loss_fn, fix=fix, max_batches=args.max_batches, generator=args.seed
     )
@@ -282,6 +327,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         "batch_size": args.batch_size, "max_batches": args.max_batches, "seed": args.seed,
     }  # fmt: skip
     if folder is not None:  # the files first: a closed stdout must not cost them
+        folder.mkdir(parents=True, exist_ok=True)
         (folder / "doctor.md").write_text(report.to_markdown(), encoding="utf-8")
         (folder / "doctor.json").write_text(report.to_json(indent=1), encoding="utf-8")
     print(report.summary(how_to_fix="the same command with --fix applies the fixes"))
@@ -297,6 +343,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     schemes = [s.strip() for s in schemes if s.strip()]
     if not schemes:
         raise ValueError(f"--schemes {args.schemes!r} names no scheme; e.g. fan_in,geometric")
+    twice = sorted({s for s in schemes if schemes.count(s) > 1})
+    if twice:
+        raise ValueError(f"--schemes {args.schemes}: {', '.join(twice)} given twice; name each "
+                         "scheme once")  # fmt: skip
+    for scheme in schemes:
+        _check_scheme("--schemes", scheme)
     start = time.perf_counter()
     out = Path(args.out)
     if not args.quick:
@@ -333,6 +385,7 @@ def _cmd_data(args: argparse.Namespace) -> int:
     from initlab._core.rows import Rows
     from initlab.data import data_root, list_datasets
 
+    check_not_empty("--data-dir", args.data_dir, "the data root folder")
     root = data_root(args.data_dir)
     if args.data_dir is not None:
         how = "from --data-dir"
@@ -403,6 +456,7 @@ def _add_init(sub: Subparsers) -> None:
     )  # fmt: skip
     p.add_argument(
         "--max-batches", "--batches", dest="max_batches", type=positive_int, default=None,
+        action=_MaxBatches,
         help=f"at most this many batches of --data for --method (default: "
         f"{_DEFAULT_INIT_BATCHES}, or what --steps needs: steps+1 for gradinit, steps for "
         "metainit; --batches: the old name)",
@@ -471,6 +525,15 @@ def _add_model_data_loss(p: argparse.ArgumentParser) -> None:
     )
 
 
+class _MaxBatches(argparse.Action):
+    """``--max-batches N``; its old name ``--batches`` still works, with a deprecation note."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+        setattr(namespace, self.dest, values)
+        if option == "--batches":
+            namespace.deprecated = ["--batches is deprecated; use --max-batches (same meaning)"]
+
+
 def _add_batches(p: argparse.ArgumentParser) -> None:
     """--batch-size and --max-batches (--batches: the old name) of ``diagnose`` and ``doctor``."""
     p.add_argument(
@@ -479,6 +542,7 @@ def _add_batches(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument(
         "--max-batches", "--batches", dest="max_batches", type=positive_int, default=4,
+        action=_MaxBatches,
         help="at most this many batches of --data (default: %(default)s; --batches: the old "
         "name)",
     )  # fmt: skip
@@ -509,7 +573,7 @@ def _add_data(sub: Subparsers) -> None:
 def _add_bench(sub: Subparsers) -> None:
     from initlab.cli.bench import add_bench
 
-    add_bench(sub, data_dir_help=_DATA_DIR_HELP)
+    add_bench(sub, data_dir_help=_DATA_DIR_HELP, debug_help=_DEBUG_HELP)
 
 
 def _demo_batch(text: str) -> int:
@@ -557,6 +621,7 @@ def _parser() -> argparse.ArgumentParser:
         _add_schemes, _add_init, _add_diagnose, _add_doctor, _add_data, _add_bench, _add_demo,
     ):  # fmt: skip
         add(sub)
+    sub.metavar = "{" + ",".join(sub.choices) + "}"  # `initlab` alone names them, not "command"
     for command in _leaf_parsers(sub):  # also after the command: initlab init ... --debug
         command.add_argument(
             "--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP
@@ -691,6 +756,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     name = _command_name(args)
     with _command_io(args):
+        for text in getattr(args, "deprecated", ()):
+            _note(args, text)
         try:
             return int(args.func(args))
         except KeyboardInterrupt:
