@@ -545,3 +545,21 @@ def test_both_trainers_agree_on_divergence() -> None:
         one = train_one(config, train, model_factory=factory)
         assert one.diverged == result.diverged, config.lr
         assert [math.isnan(v) for v in one.step_loss] == [math.isnan(v) for v in result.step_loss]
+
+
+def test_a_store_opened_read_only_reads_and_writes_nothing(tmp_path: Path) -> None:
+    import sqlite3
+
+    path = tmp_path / "s.sqlite"
+    with Store(path) as store:
+        store.register_study("x", {"name": "x"}, {"": []})
+    with Store(path, read_only=True) as store:
+        assert "x" in store.studies()
+        with pytest.raises(sqlite3.OperationalError, match="readonly"):
+            store.register_study("y", {"name": "y"}, {"": []})
+    with pytest.raises(FileNotFoundError, match="no study store"):
+        Store(tmp_path / "missing.sqlite", read_only=True)
+    other = tmp_path / "other.sqlite"
+    sqlite3.connect(other).execute("CREATE TABLE t (a)").connection.close()
+    with pytest.raises(ValueError, match="not an initlab study store"):
+        Store(other, read_only=True)

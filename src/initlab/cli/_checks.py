@@ -265,10 +265,9 @@ def check_store(value: str, *, flag: str, must_exist: bool) -> Path:
     """A SQLite store path: an existing SQLite file (or, unless ``must_exist``, an empty one, or a
     new file whose folder can be written).
 
-    SQLite writes the store, and its write-ahead log (``<store>-wal``, ``<store>-shm``) beside
-    it, even to read it; so the file and its folder must be writable in both cases
-    (``must_exist``: ``initlab bench report``, which also needs an initlab store, not any SQLite
-    file)."""
+    A store to write (``initlab bench run``) and its write-ahead log (``<store>-wal``,
+    ``<store>-shm``) beside it need the file and its folder writable; a store to report
+    (``must_exist``) is only read, and must be an initlab store, not any SQLite file."""
     if not str(value).strip():
         raise ValueError(f"{flag} is empty; give a store file, e.g. results/study.sqlite")
     shown = Path(value)
@@ -297,7 +296,8 @@ def check_store(value: str, *, flag: str, must_exist: bool) -> Path:
         )
     if must_exist and not head:
         raise ValueError(f"{flag} {shown} is empty (0 bytes), not a store; give {wrote}")
-    _check_store_writable(flag, path, shown, report=must_exist)
+    if not must_exist:  # a report opens the store read-only (Store(read_only=True))
+        _check_store_writable(flag, path, shown)
     if must_exist and not _has_runs_table(path):
         raise ValueError(
             f"{flag} {shown} is a SQLite file but not an initlab store (it has no runs table); "
@@ -306,16 +306,9 @@ def check_store(value: str, *, flag: str, must_exist: bool) -> Path:
     return shown
 
 
-def _check_store_writable(flag: str, path: Path, shown: Path, *, report: bool) -> None:
+def _check_store_writable(flag: str, path: Path, shown: Path) -> None:
     """The store file opens for writing, and its write-ahead log can be written beside it."""
-    if report:
-        advice = (
-            "`initlab bench report` only reads the store, but SQLite opens it for writing (with "
-            f"its write-ahead log {path.name}-wal and -shm beside it): copy the store to a "
-            "writable folder and report the copy"
-        )
-    else:
-        advice = "give a store in a writable folder (or copy it to one)"
+    advice = "give a store in a writable folder (or copy it to one)"
     try:
         with open(path, "r+b"):
             pass
@@ -344,7 +337,8 @@ def _opens_for_writing(path: Path) -> bool:
 
 
 def _read_only(path: Path) -> sqlite3.Connection:
-    return sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+    """A connection that writes nothing, not even a write-ahead log (a check of the schema)."""
+    return sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro&immutable=1", uri=True)
 
 
 def _has_runs_table(path: Path) -> bool:

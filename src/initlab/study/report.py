@@ -207,7 +207,7 @@ def report_study(
     out.mkdir(parents=True, exist_ok=True)
     reports: list[VariantReport] = []
     plot_files: dict[str, list[Path]] = {}
-    with Store(store_path) as store:
+    with Store(store_path, read_only=True) as store:  # a report writes nothing to the store
         studies = store.studies()
         if study is None and len(studies) == 1:
             study = next(iter(studies))

@@ -44,6 +44,7 @@ import json
 import math
 import sqlite3
 import time
+import urllib.parse
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -204,16 +205,48 @@ def _write_ahead_log(conn: sqlite3.Connection, timeout: float) -> None:
         delay = min(2 * delay, 0.25)
 
 
+def _open_read_only(path: Path | None, timeout: float) -> sqlite3.Connection:
+    """A read-only connection to the existing store ``path``, its schema version checked."""
+    if path is None or not path.is_file():
+        raise FileNotFoundError(f"no study store at {path}")
+    uri = f"file:{urllib.parse.quote(str(path.resolve()))}?mode=ro"
+    conn = sqlite3.connect(uri, uri=True, timeout=timeout, isolation_level=None)
+    try:
+        row = conn.execute("SELECT value FROM meta WHERE name = 'schema_version'").fetchone()
+    except sqlite3.OperationalError as err:
+        conn.close()
+        if "no such table" in str(err):
+            raise ValueError(f"{path}: not an initlab study store (no meta table)") from err
+        # a WAL store in a folder it cannot write its -shm file to: read it as immutable
+        conn = sqlite3.connect(f"{uri}&immutable=1", uri=True, isolation_level=None)
+        row = conn.execute("SELECT value FROM meta WHERE name = 'schema_version'").fetchone()
+    version = int(row[0]) if row else 0
+    if version not in (1, SCHEMA_VERSION):
+        conn.close()
+        raise ValueError(
+            f"{path}: store schema version {version}, this initlab reads {SCHEMA_VERSION} (and "
+            "1); use the initlab that wrote it"
+        )
+    return conn
+
+
 class Store:
     """A SQLite results store (created on first use); use as a context manager or call ``close``.
 
     Args:
         path: the database file (its folder is created). ``":memory:"`` works for tests.
         timeout: seconds to wait for a lock held by another connection.
+        read_only: open an existing store for reading only (a report): nothing is created or
+            written, so a store on a read-only disk or folder, or owned by another user, can be
+            read (SQLite's ``mode=ro``, or ``immutable=1`` where even that needs a write); any
+            write raises ``sqlite3.OperationalError``.
     """
 
-    def __init__(self, path: str | Path, *, timeout: float = 60.0) -> None:
+    def __init__(self, path: str | Path, *, timeout: float = 60.0, read_only: bool = False) -> None:
         self.path = Path(path) if str(path) != ":memory:" else None
+        if read_only:
+            self._conn = _open_read_only(self.path, timeout)
+            return
         if self.path is not None:
             if self.path.is_dir():
                 raise IsADirectoryError(
