@@ -503,7 +503,7 @@ def test_ignored_labels_in_a_dict_batch_give_the_moments_of_the_tuple_batch() ->
     y[:3] = -100
     model = _DictNet()
     a = initlab.gr_scaling(model, {"x": x, "labels": y}).to_rows()
-    b = initlab.gr_scaling(model.net, (x, y)).to_rows()
+    b = initlab.gr_scaling(model.net, (x, y), nn.CrossEntropyLoss(reduction="sum")).to_rows()
     for ra, rb in zip(a, b, strict=True):
         assert ra["E_dy2"] == pytest.approx(rb["E_dy2"], rel=1e-6)
 
@@ -527,7 +527,11 @@ def test_a_hugging_face_classifiers_own_loss_with_ignored_labels_matches_its_cri
             "E_dW2_example"
         ]
 
-    assert head("model") == pytest.approx(head(nn.CrossEntropyLoss()), rel=1e-6)
+    # the mean over the counted labels reads as the summed loss (each example's own), as torch's
+    # criterion does, not scaled by the batch size
+    summed = head(nn.CrossEntropyLoss(reduction="sum"))
+    assert head("model") == pytest.approx(summed, rel=1e-6)
+    assert head(nn.CrossEntropyLoss()) == pytest.approx(summed, rel=1e-6)
 
 
 def test_overlap_batch_chooses_per_image_targets_as_items() -> None:
