@@ -413,7 +413,9 @@ def test_sigkill_then_resume_loses_and_duplicates_nothing(tmp_path: Path, helper
 # -- Ray --------------------------------------------------------------------------------------
 
 
-def test_ray_backend_matches_local(tmp_path: Path, helpers: Any) -> None:
+def test_ray_backend_matches_local(
+    tmp_path: Path, helpers: Any, capfd: pytest.CaptureFixture[str]
+) -> None:
     pytest.importorskip("ray")
     spec = small_spec()
     local, remote = tmp_path / "local.sqlite", tmp_path / "ray.sqlite"
@@ -438,6 +440,8 @@ def test_ray_backend_matches_local(tmp_path: Path, helpers: Any) -> None:
     )
     assert (summary.n_skipped, summary.n_trained) == (18, 18)
     assert store_rows(local) == store_rows(remote)
+    printed = capfd.readouterr()
+    assert "INFO" not in printed.err + printed.out  # progress=False: Ray's log lines too
 
 
 # -- the real trainer -------------------------------------------------------------------------

@@ -50,6 +50,7 @@ chunk, from that data set's training split only, and trained with the chunk
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
@@ -426,9 +427,10 @@ class _RayExecutor:
         device: str,
         workers: int,
         address: str | None,
+        quiet: bool = False,
     ) -> None:
         self.load, self.root, self.train_fn, self.device = load, root, train_fn, device
-        self.workers, self.address = workers, address
+        self.workers, self.address, self.quiet = workers, address, quiet
         self.started = False
         self.data_refs: dict[str, Any] = {}
         self.load_errors: dict[str, str] = {}
@@ -439,10 +441,14 @@ class _RayExecutor:
         except ImportError as err:
             raise ImportError("backend='ray' needs Ray: pip install ray (or initlab[ray])") from err
         if not ray.is_initialized():
+            # quiet (progress=False): neither Ray's own log lines nor its workers' output
+            logs: dict[str, Any] = (
+                {"log_to_driver": False, "logging_level": logging.ERROR} if self.quiet else {}
+            )
             if self.address is None:
-                ray.init(address="local", num_cpus=self.workers, include_dashboard=False)
+                ray.init(address="local", num_cpus=self.workers, include_dashboard=False, **logs)
             else:
-                ray.init(address=self.address)
+                ray.init(address=self.address, **logs)
             self.started = True
         self.ray = ray
         self.task = ray.remote(num_cpus=1)(_ray_task)
@@ -622,7 +628,9 @@ def run_study(
         )
         recorder = _Recorder(store, queue, summary, bar)
         if backend == "ray":
-            executor: Any = _RayExecutor(load, root, train_fn, device, workers, ray_address)
+            executor: Any = _RayExecutor(
+                load, root, train_fn, device, workers, ray_address, quiet=not progress
+            )
         elif workers > 1:
             executor = _PoolExecutor(load, root, train_fn, device, workers)
         else:
