@@ -513,16 +513,17 @@ def test_format_summary_lists_extension_and_failures() -> None:
     from initlab.study.runner import StudySummary
 
     summary = StudySummary("s", Path("x.sqlite"), 8, 2, n_trained=5, n_failed=1, n_chunks=2,
-                           n_extended=3, extension_rounds=1, edges_left=["v/d/s (low)"],
+                           n_extended=3, n_extended_new=3, extension_rounds=1,
+                           edges_left=["v/d/s (low)"],
                            wall_s=1.5, errors=["Traceback ...\nValueError: boom"])  # fmt: skip
     text = format_summary(summary)
     assert text.splitlines()[0] == (
         "study s: 8 runs, 2 already stored, 5 trained now (2 chunk(s)), 0 by other drivers, "
         "1 failed (1.5 s)"
     )
-    assert "grid extension: 1 round(s), 3 run(s) beyond the spec's grid" in text
+    assert "grid extension: 1 round(s), 3 run(s) beyond the spec's grid, 3 of them new" in text
     again = StudySummary("s", Path("x.sqlite"), 8, 8, n_extended=3, extension_rounds=1)
-    assert "3 run(s) beyond the spec's grid, all stored before" in format_summary(again)
+    assert "3 run(s) beyond the spec's grid, 0 of them new in this call" in format_summary(again)
     assert "v/d/s (low)" in text and "failed chunk: ValueError: boom" in text
 
 

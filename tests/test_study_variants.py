@@ -429,7 +429,7 @@ def test_grid_extension_reaches_each_optimum(tmp_path: Path, bowl: Any) -> None:
     assert grid["geometric"] == [2.0**k for k in range(-8, 1)]
     assert grid["fan_out"] == [0.25, 0.5, 1.0]
     assert summary.extension_rounds == 6 and summary.edges_left == []
-    assert summary.n_extended == 2 * (4 + 6)  # seeds x new rates
+    assert summary.n_extended == summary.n_extended_new == 2 * (4 + 6)  # seeds x new rates
     from initlab.study.aggregate import per_dataset_table
 
     best = {r["scheme"]: r["best_lr"] for r in per_dataset_table(rows)}
@@ -438,6 +438,7 @@ def test_grid_extension_reaches_each_optimum(tmp_path: Path, bowl: Any) -> None:
     again = run_study(_bowl_spec(extend_grid=True), db, train_fn=bowl.train_bowl,
                       load_fn=bowl.load_bowl, progress=False)  # fmt: skip
     assert (again.n_trained, again.n_extended, again.extension_rounds) == (0, 20, 6)
+    assert again.n_extended_new == 0  # all stored by the first call
 
 
 def test_grid_extension_cap_is_reported(tmp_path: Path, bowl: Any) -> None:

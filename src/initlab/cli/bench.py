@@ -67,12 +67,9 @@ def format_summary(summary: Any) -> str:
         f"store: {summary.store_path}",
     ]
     if summary.extension_rounds or summary.n_extended:
-        # n_extended counts the extended grid's runs, stored now or before: when this call
-        # trained nothing, all were stored before
-        before = ", all stored before" if not (summary.n_trained or summary.n_failed) else ""
         lines.append(
             f"grid extension: {summary.extension_rounds} round(s), {summary.n_extended} run(s) "
-            f"beyond the spec's grid{before}"
+            f"beyond the spec's grid, {summary.n_extended_new} of them new in this call"
         )
     if summary.edges_left:
         lines.append(f"best rates still at the grid's edge: {', '.join(summary.edges_left)}")

@@ -515,7 +515,9 @@ class StudySummary:
         n_by_others: runs of this call's queue that another driver trained and stored.
         n_failed: runs of chunks that raised (not stored; a new call retries them).
         n_chunks: chunks executed by this call.
-        n_extended: runs added by grid extension (stored by this call or another driver).
+        n_extended: runs added by grid extension (stored by this call or another driver, or
+            stored before).
+        n_extended_new: of those, the runs that were not stored yet when this call added them.
         extension_rounds: grid extension rounds that added runs.
         edges_left: ``variant/dataset/scheme (edge)`` of the best rates still at the grid's edge
             when extension stopped at its round limit (empty without extension).
@@ -532,6 +534,7 @@ class StudySummary:
     n_failed: int = 0
     n_chunks: int = 0
     n_extended: int = 0
+    n_extended_new: int = 0
     extension_rounds: int = 0
     edges_left: list[str] = field(default_factory=list)
     wall_s: float = 0.0
@@ -767,6 +770,7 @@ def _extend(
         new = list({c.key(): c for runs in added.values() for c in runs}.values())
         n_todo = queue.add(new)
         summary.n_extended += len(new)
+        summary.n_extended_new += n_todo
         summary.extension_rounds = round_
         bar.add(n_todo, queue.n_planned)
         bar.say(
