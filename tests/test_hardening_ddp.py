@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+from initlab.diagnostics.doctor import doctor
 from initlab.methods.gradinit import gradinit_
 from initlab.methods.lsuv import lsuv_
 from initlab.methods.metainit import metainit_
@@ -180,7 +181,56 @@ _CASES: dict[str, Case] = {
         _OnceNet(),
         lambda m: gradinit_(m, _batches(r, 3), gamma=0.0),
     ),
+    # second sweep: what differs by rank past the checks
+    "gradinit_, layer 0 frozen on rank 1 only": lambda r: (
+        _model(0).requires_grad_(True) if r == 0 else _frozen_first(),
+        lambda m: gradinit_(m, _batches(r, 4), gamma=10.0),
+    ),
+    "lsuv_, layer 0 frozen on rank 1 only": lambda r: (
+        _model(0) if r == 0 else _frozen_first(),
+        lambda m: lsuv_(m, _batches(r, 1)[0][0], generator=0),
+    ),
+    "metainit_, layer 0 frozen on rank 1 only": lambda r: (
+        _model(0) if r == 0 else _frozen_first(),
+        lambda m: metainit_(m, _batches(r, 3), variant="gradinit"),
+    ),
+    "precondition_, TorchScript on rank 1 only": lambda r: (
+        _model(0) if r == 0 else _scripted(),
+        lambda m: precondition_(m, _batches(r, 2)),
+    ),
+    "lsuv_, TorchScript on both ranks": lambda r: (
+        _scripted(),
+        lambda m: lsuv_(m, _batches(r, 1)[0][0]),
+    ),
+    "lsuv_(norm_mode='train'), a one-example batch through BatchNorm on rank 1 only": lambda r: (
+        _bn_model(),
+        lambda m: lsuv_(m, _batches(r, 1)[0][0][: 1 if r else 8], norm_mode="train"),
+    ),
+    "doctor under torch.distributed (one process's choices)": lambda r: (
+        _model(0),
+        lambda m: doctor(m, _batches(r, 2)),
+    ),
 }
+
+
+def _frozen_first() -> nn.Module:
+    model = _model(0)
+    model[0].requires_grad_(False)
+    return model
+
+
+def _scripted() -> nn.Module:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return torch.jit.script(_model(0))
+
+
+def _bn_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 12), nn.BatchNorm1d(12), nn.Tanh(), nn.Linear(12, 3)).to(D)
+
 
 #: name -> a fragment of the message every rank raises (a RankMismatchError, or the error type
 #: given first), or None: runs, ranks end identical.
@@ -240,6 +290,26 @@ _EXPECTED: dict[str, str | tuple[str, str] | None] = {
         "gradinit_ differentiates the loss twice",
     ),
     "lsuv_, ranks start from different weights (the orthogonal pre-init is broadcast)": None,
+    "gradinit_, layer 0 frozen on rank 1 only": (
+        "gradinit_: the ranks' models differ in which tensors are trainable (requires_grad "
+        "differs for 0.weight, 0.bias)"
+    ),
+    "lsuv_, layer 0 frozen on rank 1 only": "lsuv_: the ranks' models differ in which tensors",
+    "metainit_, layer 0 frozen on rank 1 only": "metainit_: the ranks' models differ in which",
+    "precondition_, TorchScript on rank 1 only": (
+        "precondition_: the model is a TorchScript module on some ranks only"
+    ),
+    "lsuv_, TorchScript on both ranks": (
+        "TypeError",
+        "lsuv_: the model is a TorchScript module (RecursiveScriptModule)",
+    ),
+    "lsuv_(norm_mode='train'), a one-example batch through BatchNorm on rank 1 only": (
+        "lsuv_ stopped on every rank because 1 of 2 rank(s) failed: rank 1: "
+    ),
+    "doctor under torch.distributed (one process's choices)": (
+        "ValueError",
+        "doctor runs in one process",
+    ),
     "gradinit_, 5 and 4 batches with steps=3": None,
 }
 

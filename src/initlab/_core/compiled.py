@@ -18,9 +18,10 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-__all__ = ["scripted_error", "takes_compiled", "uncompiled"]
+__all__ = ["scripted_error", "scripted_part", "takes_compiled", "uncompiled"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -36,16 +37,19 @@ def uncompiled(model: Any) -> Any:
     return model
 
 
-def takes_compiled(fn: F | None = None, *, scripted: bool = False) -> Any:
+def takes_compiled(fn: F | None = None, *, scripted: bool = False, collective: bool = False) -> Any:
     """Run ``fn`` with its model (the first positional argument or ``model=``) uncompiled.
 
     A TorchScript model or submodule (``torch.jit.script``/``trace``) takes no hooks and no
     parameter swaps: unless ``scripted`` (an entry point that needs neither), it is refused with
     a ``TypeError`` naming it and saying to run on the eager module and script it afterwards
-    (:func:`scripted_error`).
+    (:func:`scripted_error`). A ``collective`` entry point under ``torch.distributed`` leaves the
+    refusal to its first collective check
+    (:func:`~initlab._core.distributed.check_same_trainable`), so that every rank raises, not
+    just the ranks whose model is scripted.
     """
     if fn is None:
-        return functools.partial(takes_compiled, scripted=scripted)
+        return functools.partial(takes_compiled, scripted=scripted, collective=collective)
 
     @functools.wraps(fn)
     def inner(*args: Any, **kwargs: Any) -> Any:
@@ -54,17 +58,21 @@ def takes_compiled(fn: F | None = None, *, scripted: bool = False) -> Any:
         if isinstance(kwargs.get("model"), nn.Module):
             kwargs["model"] = uncompiled(kwargs["model"])
         model = args[0] if args else kwargs.get("model")
-        if not scripted and isinstance(model, nn.Module):
-            scripted_module = next(
-                ((n, m) for n, m in model.named_modules() if isinstance(m, torch.jit.ScriptModule)),
-                None,
-            )
-            if scripted_module is not None:
-                name, module = scripted_module
-                raise scripted_error(module, fn.__name__, name)
+        together = collective and dist.is_available() and dist.is_initialized()
+        if not scripted and not together and isinstance(model, nn.Module):
+            found = scripted_part(model)
+            if found is not None:
+                raise scripted_error(found[1], fn.__name__, found[0])
         return fn(*args, **kwargs)
 
     return inner
+
+
+def scripted_part(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """The first TorchScript module in ``model`` (itself: name ``""``), or ``None``."""
+    return next(
+        ((n, m) for n, m in model.named_modules() if isinstance(m, torch.jit.ScriptModule)), None
+    )
 
 
 def scripted_error(module: nn.Module, what: str, name: str = "") -> TypeError:

@@ -435,8 +435,10 @@ def default_forward(model: nn.Module, batch: Any) -> Any:
 
 def one_example_error(err: ValueError) -> ValueError | None:
     """A clear error for a batch of one example in a train-mode batch norm (torch: "Expected more
-    than 1 value per channel when training"), or ``None`` for any other error."""
-    if "Expected more than 1 value per channel when training" not in str(err):
+    than 1 value per channel when training"), or ``None`` for any other error (a subclass, such
+    as the :class:`~initlab._core.distributed.RankMismatchError` another rank's failure raises
+    here, is passed on as it is)."""
+    if type(err) is not ValueError or "Expected more than 1 value per channel" not in str(err):
         return None
     return ValueError(
         "a batch of one example reached a batch norm layer in training mode, which needs more "

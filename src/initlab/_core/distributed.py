@@ -35,6 +35,7 @@ __all__ = [
     "broadcast_model",
     "check_same_count",
     "check_same_parameters",
+    "check_same_trainable",
     "checkpoint",
     "failing_together",
     "in_lockstep",
@@ -127,13 +128,7 @@ def check_same_parameters(model: nn.Module, what: str) -> None:
     """
     if not is_distributed():
         return
-    named = list(model.named_parameters())
-    lo, hi = _min_max(torch.tensor([len(named)], dtype=torch.int64))
-    if lo.item() != hi.item():
-        raise RankMismatchError(
-            f"{what}: the ranks' models have different numbers of parameter tensors ({lo.item()} "
-            f"to {hi.item()}); every rank must hold the same model"
-        )
+    named = check_same_trainable(model, what)
     local = torch.tensor([_checksum(p) for _, p in named], dtype=torch.int64).reshape(-1, 3)
     lo, hi = _min_max(local)
     differ = [named[i][0] for i in (lo != hi).any(dim=1).nonzero().flatten().tolist()]
@@ -147,6 +142,45 @@ def check_same_parameters(model: nn.Module, what: str) -> None:
             "0's weights first: for t in model.state_dict().values(): "
             "torch.distributed.broadcast(t, src=0)"
         )
+
+
+def check_same_trainable(model: nn.Module, what: str) -> list[tuple[str, nn.Parameter]]:
+    """Raise :class:`RankMismatchError` on every rank unless all ranks hold an eager model (a
+    TorchScript one, on every rank, gets the refusal of
+    :func:`~initlab._core.compiled.scripted_error` there) with the same number of parameter
+    tensors and the same ``requires_grad`` flags (a layer frozen on some ranks only makes the
+    ranks' collectives differ in size); returns the named parameters. Three small collectives;
+    nothing without a process group."""
+    from initlab._core.compiled import scripted_error, scripted_part
+
+    named = list(model.named_parameters())
+    if not is_distributed():
+        return named
+    found = scripted_part(model)
+    lo, hi = _min_max(torch.tensor([found is not None], dtype=torch.int64))
+    if lo.item() != hi.item():
+        raise RankMismatchError(
+            f"{what}: the model is a TorchScript module on some ranks only; run {what} on the "
+            "eager module on every rank, and script it after"
+        )
+    if found is not None:  # scripted on every rank: each raises the same refusal
+        raise scripted_error(found[1], what, found[0])
+    lo, hi = _min_max(torch.tensor([len(named)], dtype=torch.int64))
+    if lo.item() != hi.item():
+        raise RankMismatchError(
+            f"{what}: the ranks' models have different numbers of parameter tensors ({lo.item()} "
+            f"to {hi.item()}); every rank must hold the same model"
+        )
+    flags = torch.tensor([int(p.requires_grad) for _, p in named] or [0], dtype=torch.int64)
+    lo, hi = _min_max(flags)
+    differ = [named[i][0] for i in (lo != hi).nonzero().flatten().tolist() if i < len(named)]
+    if differ:
+        shown = ", ".join(differ[:4]) + (", ..." if len(differ) > 4 else "")
+        raise RankMismatchError(
+            f"{what}: the ranks' models differ in which tensors are trainable (requires_grad "
+            f"differs for {shown}); freeze the same layers on every rank"
+        )
+    return named
 
 
 def _raise_together(error: BaseException | None, what: str, ended: bool = False) -> int:

@@ -84,6 +84,7 @@ from initlab._core.data import (
     output_tensor,
     take_batches,
 )
+from initlab._core.distributed import is_distributed
 from initlab._core.loss import Loss, LossLike, model_loss, resolve_loss, target_count
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows, _fmt
@@ -792,10 +793,20 @@ def doctor(
         max_batches: batches taken from ``data``.
         generator: seed or generator for the fixes' draws (init, LSUV) and measurement passes.
 
+    One process: under ``torch.distributed`` every rank raises a ``ValueError`` saying to run it
+    before the process group (its choices follow one process's data).
+
     Returns:
         a :class:`DoctorReport` (see the module docstring for the checks and the fixes).
     """
     names = _fix_names(fix)
+    if is_distributed():
+        raise ValueError(
+            "doctor runs in one process: its checks and the fixes it chooses follow one process's "
+            "data, so ranks could choose different fixes (and their collectives would not match). "
+            "Run it before torch.distributed.init_process_group, or on one process of its own, and "
+            "start every rank from the model it leaves (save it, or broadcast rank 0's weights)"
+        )
     batches = take_batches(data, max_batches, exact=False, what="doctor")
     loss = resolve_loss(loss_fn, what="doctor")
     gen = as_generator(generator)

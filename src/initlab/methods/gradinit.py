@@ -624,7 +624,7 @@ def gradinit_alpha_grad(
     return res.grad, value
 
 
-@takes_compiled
+@takes_compiled(collective=True)
 @renamed_kwargs(iterations="steps")
 @with_math_attention
 def gradinit_(

@@ -228,7 +228,7 @@ def _loss_free_forward(model: nn.Module, ts: Tensors, x: torch.Tensor) -> torch.
     return out
 
 
-@takes_compiled
+@takes_compiled(collective=True)
 @with_math_attention
 def metainit_(
     model: nn.Module,

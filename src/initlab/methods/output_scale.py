@@ -270,7 +270,7 @@ def measure_output_std(
     return _std(sums)
 
 
-@takes_compiled
+@takes_compiled(collective=True)
 @renamed_kwargs(n_batches="max_batches")
 def scale_output_(
     model: nn.Module,

@@ -215,7 +215,7 @@ def _target_value(target: str | float, gammas: Sequence[float]) -> float:
     return check_positive("target", target)
 
 
-@takes_compiled
+@takes_compiled(collective=True)
 @renamed_kwargs(n_batches="max_batches")
 @with_math_attention
 def precondition_(

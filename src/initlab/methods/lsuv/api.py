@@ -27,7 +27,12 @@ from initlab._core.data import (
     take_batches,
     with_fields,
 )
-from initlab._core.distributed import check_same_parameters, failing_together, run_together
+from initlab._core.distributed import (
+    check_same_parameters,
+    check_same_trainable,
+    failing_together,
+    run_together,
+)
 from initlab._core.hooks import hook_handles
 from initlab._core.knobs import renamed_kwargs, user_stacklevel
 from initlab._core.method_report import MethodReport
@@ -138,7 +143,7 @@ def _check_positive(name: str, value: object) -> float:
     return float(value)
 
 
-@takes_compiled
+@takes_compiled(collective=True)
 @renamed_kwargs(mode="strategy", batches="max_batches")
 def lsuv_(
     model: nn.Module,
@@ -290,6 +295,8 @@ def lsuv_(
     registry = registry if registry is not None else default_registry()
     if not orthogonal:  # the orthogonal pre-init broadcasts rank 0's draw; else ranks must agree
         check_same_parameters(model, "lsuv_")
+    else:  # the same layers frozen (so the same units) on every rank
+        check_same_trainable(model, "lsuv_")
     used, runs = run_together("lsuv_", lambda: _take_data(data, max_batches, concat_batches))
     units = build_units(model, modules, registry)
     _refuse_unscalable(units, modules)
