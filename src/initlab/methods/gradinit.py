@@ -702,8 +702,8 @@ def gradinit_(
     if steps is not None:
         steps = positive_int(what, "steps", steps)
     loss = resolve_loss(loss_fn, what=what)
+    check_same_parameters(model, what)  # first: what differs by rank raises on every rank
     ts = select_tensors(model, params, nonzero, what)
-    check_same_parameters(model, what)
     counter = DataCounter()
     pairs = batch_pairs(data, steps, overlap < 1, what, counter)
 

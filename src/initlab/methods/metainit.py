@@ -293,9 +293,9 @@ def metainit_(
         variant, steps, lr, momentum, eps, alpha_min, clip, batch_stats, n_classes, what
     )
     loss = resolve_loss(loss_fn, what=what)
+    check_same_parameters(model, what)  # first: what differs by rank raises on every rank
     ts = select_tensors(model, params, _at_least_2d if opts.paper else nonzero, what)
     gen = as_generator(generator)
-    check_same_parameters(model, what)
     counter = DataCounter()
     batches = _step_batches(model, ts, data, input_shape, opts, gen, what, counter)
 
