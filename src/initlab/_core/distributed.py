@@ -149,7 +149,7 @@ def check_same_trainable(model: nn.Module, what: str) -> list[tuple[str, nn.Para
     TorchScript one, on every rank, gets the refusal of
     :func:`~initlab._core.compiled.scripted_error` there) with the same number of parameter
     tensors and the same ``requires_grad`` flags (a layer frozen on some ranks only makes the
-    ranks' collectives differ in size); returns the named parameters. Three small collectives;
+    ranks' collectives differ in size); returns the named parameters. Two small collectives;
     nothing without a process group."""
     from initlab._core.compiled import scripted_error, scripted_part
 
@@ -157,19 +157,18 @@ def check_same_trainable(model: nn.Module, what: str) -> list[tuple[str, nn.Para
     if not is_distributed():
         return named
     found = scripted_part(model)
-    lo, hi = _min_max(torch.tensor([found is not None], dtype=torch.int64))
-    if lo.item() != hi.item():
+    lo, hi = _min_max(torch.tensor([found is not None, len(named)], dtype=torch.int64))
+    if lo[0].item() != hi[0].item():
         raise RankMismatchError(
             f"{what}: the model is a TorchScript module on some ranks only; run {what} on the "
             "eager module on every rank, and script it after"
         )
     if found is not None:  # scripted on every rank: each raises the same refusal
         raise scripted_error(found[1], what, found[0])
-    lo, hi = _min_max(torch.tensor([len(named)], dtype=torch.int64))
-    if lo.item() != hi.item():
+    if lo[1].item() != hi[1].item():
         raise RankMismatchError(
-            f"{what}: the ranks' models have different numbers of parameter tensors ({lo.item()} "
-            f"to {hi.item()}); every rank must hold the same model"
+            f"{what}: the ranks' models have different numbers of parameter tensors "
+            f"({lo[1].item()} to {hi[1].item()}); every rank must hold the same model"
         )
     flags = torch.tensor([int(p.requires_grad) for _, p in named] or [0], dtype=torch.int64)
     lo, hi = _min_max(flags)
