@@ -365,3 +365,18 @@ def test_a_rule_that_matches_only_frozen_tensors_warns() -> None:
     ):
         initlab.init_model(model, "geometric", rules=[rule], generator=0)
     assert torch.equal(model[0].weight, before)
+
+
+def test_a_classifiers_out_proj_is_not_an_attention_projection() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.RobertaConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=40, num_labels=3,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    rows = _rows(
+        initlab.init_model(transformers.RobertaForSequenceClassification(config), generator=0)
+    )
+    assert rows["classifier.out_proj.weight"]["gain_from"] != "none: attention projection"
+    query = rows["roberta.encoder.layer.0.attention.self.query.weight"]
+    assert query["gain_from"] == "none: attention projection"

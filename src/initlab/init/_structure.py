@@ -232,7 +232,10 @@ def structural_following(model: nn.Module) -> dict[int, Follow]:
             out[id(module.out_proj)] = Follow("linear", None, "none: attention projection")
         elif name and _has_weight(module):
             leaf = name.rsplit(".", 1)[-1].lower()
-            if leaf in ATTENTION_LEAVES or is_attention_path(name):
+            if is_attention_path(name) or (
+                leaf in ATTENTION_LEAVES
+                and (leaf not in _GENERIC_LEAVES or _in_attention_class(model, name))
+            ):
                 out.setdefault(id(module), Follow("linear", None, "none: attention projection"))
     for _, parent in model.named_modules():
         children = list(parent.named_children())
@@ -241,6 +244,17 @@ def structural_following(model: nn.Module) -> dict[int, Follow]:
         else:
             _mlp_siblings(children, out)
     return out
+
+
+#: Leaf names that are attention projections only inside an attention module: a classifier's
+#: ``out_proj`` (``RobertaClassificationHead``) is not one.
+_GENERIC_LEAVES = frozenset({"out_proj", "query", "key", "value"})
+
+
+def _in_attention_class(model: nn.Module, name: str) -> bool:
+    """Whether the module holding ``name`` is an attention module by its class name."""
+    parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+    return "attention" in type(parent).__name__.lower() or "attn" in type(parent).__name__.lower()
 
 
 def _sequential(children: list[tuple[str, nn.Module]], out: dict[int, Follow]) -> None:
