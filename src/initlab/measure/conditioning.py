@@ -530,11 +530,8 @@ def gr_scaling(
         for i, (name, module, spec, bias) in enumerate(layers)
     }
     modules = dict(model.named_modules())
-    rows = [
-        claimed[t["layer"]] if t["layer"] in claimed else _unclaimed_row(t, modules, reg)
-        for t in probe.table()
-        if t["layer"] in claimed or _unclaimed_row(t, modules, reg) is not None
-    ]
+    found = (claimed.get(t["layer"]) or _unclaimed_row(t, modules, reg) for t in probe.table())
+    rows = [r for r in found if r is not None]
     finite = [r["gamma_w"] for r in rows if math.isfinite(r["gamma_w"]) and r["gamma_w"] > 0]
     if finite:
         med = statistics.median(finite)
