@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["find_path", "flatten_tensors", "map_tensors"]
+__all__ = ["children", "find_path", "flatten_tensors", "map_tensors", "rebuild"]
 
 _MAX_DEPTH = 16
 
@@ -105,23 +105,36 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         new_values = [visit(child, depth + 1) for _, child in children]
         if all(new is old for new, (_, old) in zip(new_values, children, strict=True)):
             return node
-        if _is_namedtuple(node):
-            return type(node)(*new_values)
-        if isinstance(node, tuple):
-            try:
-                return type(node)(new_values)
-            except TypeError:  # tuple subclasses with another constructor
-                return tuple(new_values)
-        if isinstance(node, list):
-            return type(node)(new_values) if type(node) is not list else new_values
-        if isinstance(node, Mapping):
-            new_map = copy.copy(node)
-            for (key, _), value in zip(node.items(), new_values, strict=True):
-                new_map[key] = value  # type: ignore[index]
-            return new_map
-        new_obj = copy.copy(node)  # dataclass (possibly frozen)
-        for f, value in zip(dataclasses.fields(node), new_values, strict=True):
-            object.__setattr__(new_obj, f.name, value)
-        return new_obj
+        return rebuild(node, new_values)
 
     return visit(obj, 0)
+
+
+def children(obj: Any) -> list[Any] | None:
+    """The children of a container (tuple, list, namedtuple, mapping, dataclass) in
+    :func:`flatten_tensors` order, or ``None`` for a leaf."""
+    pairs = _children(obj)
+    return None if pairs is None else [child for _, child in pairs]
+
+
+def rebuild(node: Any, values: list[Any]) -> Any:
+    """A container of ``node``'s type (and keys, fields) holding ``values`` in place of its
+    children (:func:`children` order)."""
+    if _is_namedtuple(node):
+        return type(node)(*values)
+    if isinstance(node, tuple):
+        try:
+            return type(node)(values)
+        except TypeError:  # tuple subclasses with another constructor
+            return tuple(values)
+    if isinstance(node, list):
+        return type(node)(values) if type(node) is not list else values
+    if isinstance(node, Mapping):
+        new_map = copy.copy(node)
+        for key, value in zip(node.keys(), values, strict=True):
+            new_map[key] = value  # type: ignore[index]
+        return new_map
+    new_obj = copy.copy(node)  # dataclass (possibly frozen)
+    for f, value in zip(dataclasses.fields(node), values, strict=True):
+        object.__setattr__(new_obj, f.name, value)
+    return new_obj

@@ -112,11 +112,10 @@ at CIFAR batch 128 does (about 800 MB): 2.5x a plain training step when the heap
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -130,6 +129,8 @@ from initlab._core.distributed import check_same_parameters, is_distributed, run
 from initlab._core.knobs import renamed_kwargs, user_stacklevel
 from initlab._core.loss import LossLike, resolve_loss
 from initlab._core.method_report import MethodReport
+from initlab._core.pytree import children as _children
+from initlab._core.pytree import rebuild
 from initlab._core.reductions import sum_of_products, total_sum_of_squares
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows
@@ -217,40 +218,14 @@ def _attach(local: Sequence[torch.Tensor], mean: Sequence[torch.Tensor]) -> list
 # --------------------------------------------------------------------------------------------------
 
 
-def _is_namedtuple(obj: Any) -> bool:
-    return isinstance(obj, tuple) and hasattr(obj, "_fields")
-
-
 class _Column(list):
     """Per-example items chosen from a list of the batch's length (ids, per-image target dicts,
     ragged tensors): concatenated as items, never sliced inside."""
 
 
-def _children(node: Any) -> list[Any] | None:
-    """The children of a container batch (tuple, list, namedtuple, dict, dataclass), else
-    ``None``."""
-    if isinstance(node, (tuple, list)):
-        return list(node)
-    if isinstance(node, Mapping):
-        return list(node.values())
-    if dataclasses.is_dataclass(node) and not isinstance(node, type):
-        return [getattr(node, f.name) for f in dataclasses.fields(node)]
-    return None
-
-
-def _rebuild(node: Any, children: list[Any]) -> Any:
-    """``node``'s container type holding ``children`` (a dict for any mapping)."""
-    if _is_namedtuple(node):
-        return type(node)(*children)
-    if isinstance(node, _Column):
-        return list(children)
-    if isinstance(node, (tuple, list)):
-        return type(node)(children)
-    if isinstance(node, Mapping):
-        return dict(zip(node, children, strict=True))
-    return dataclasses.replace(
-        node, **{f.name: c for f, c in zip(dataclasses.fields(node), children, strict=True)}
-    )
+def _rebuild(node: Any, values: list[Any]) -> Any:
+    """:func:`~initlab._core.pytree.rebuild`, with a :class:`_Column` back to a plain list."""
+    return list(values) if isinstance(node, _Column) else rebuild(node, values)
 
 
 def _rows_of(batch: Any, index: torch.Tensor | slice) -> Any:
