@@ -492,6 +492,8 @@ def output_tensor(outputs: Any, *, what: str = "the model's output") -> torch.Te
 def batch_size(batch: Any) -> int:
     """Number of examples in a batch: dim 0 of its first tensor with a dimension (a 0-d entry,
     such as a temperature in a dict, is not a row count); 1 when every tensor is 0-d."""
-    t = first_tensor(batch)
-    rows = next((u for _, u in batch_tensors(batch) if u.dim() >= 1), t)
-    return int(rows.shape[0]) if rows.dim() else 1
+    tensors = batch_tensors(batch)
+    if not tensors:
+        first_tensor(batch)  # raises, naming the batch's type and the accepted forms
+    rows = next((t for _, t in tensors if t.dim() >= 1), None)
+    return 1 if rows is None else int(rows.shape[0])
