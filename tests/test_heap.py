@@ -1,6 +1,6 @@
 """The C heap kept while GradInit runs (``initlab._core.heap``): the mallopt calls and their order,
 nesting, failure, the user's own settings, the effect on page faults in a fresh process (glibc
-only)."""
+only), and ``gradinit_``'s ``keep_heap``."""
 
 from __future__ import annotations
 
@@ -10,8 +10,12 @@ import sys
 import textwrap
 
 import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
 
 from initlab._core import heap
+from initlab.methods.gradinit import gradinit_
 
 INT_MAX = 2**31 - 1
 
@@ -147,3 +151,48 @@ def test_kept_heap_removes_the_page_faults_of_memory_taken_again():
     assert applied
     assert outside > pages // 2  # mapped anew and faulted in: the cost kept_heap removes
     assert inside < pages // 20
+
+
+# --------------------------------------------------------------------------------------------------
+# gradinit_(keep_heap=...)
+
+
+def _net_and_batches():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    batches = [(torch.randn(16, 4), torch.randint(0, 3, (16,))) for _ in range(4)]
+    return net, batches
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_gradinit_keeps_the_heap_for_its_iterations_only(fake, keep):
+    net, batches = _net_and_batches()
+    depths: list[int] = []
+    gradinit_(net, batches, progress=lambda row: depths.append(heap._KEEPER.depth), keep_heap=keep)
+    assert depths == [1 if keep else 0] * 3
+    assert fake.calls == (ENTER + _leave() if keep else [])
+    assert heap._KEEPER.depth == 0
+
+
+def test_gradinit_gives_the_heap_back_when_it_fails(fake):
+    net, batches = _net_and_batches()
+
+    def loss(model, batch):
+        if len(fake.calls) == 2:  # inside the kept block
+            raise RuntimeError("loss failed")
+        return F.cross_entropy(model(batch[0]), batch[1])
+
+    with pytest.raises(RuntimeError, match="loss failed"):
+        gradinit_(net, batches, loss)
+    assert fake.calls == ENTER + _leave()
+    assert heap._KEEPER.depth == 0
+
+
+def test_gradinit_same_result_with_and_without_a_kept_heap():
+    results = []
+    for keep in (True, False):
+        net, batches = _net_and_batches()
+        gradinit_(net, batches, gamma=0.5, keep_heap=keep)
+        results.append([p.detach().clone() for p in net.parameters()])
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)

@@ -102,12 +102,14 @@ constraint step on CIFAR CNNs (``benchmarks/bench_gradinit.py``).
 
 On CPU under Linux, glibc's allocator hands memory freed at the top of its heap back to the system
 once more than its trim threshold is free, and a step that frees and takes back several hundred MB
-pays page faults for all of it, every step (about 0.4 ms per MB). A constraint step on ResNet-20
-at CIFAR batch 128 does (about 800 MB): 2.5x a plain training step when the heap is kept,
-2.9-3.4x when it is not (which of the two depends on the process's allocation history;
-``benchmarks/bench_gradinit_faults.py`` runs both). To keep it, start Python with
-``GLIBC_TUNABLES=glibc.malloc.trim_threshold=1073741824:glibc.malloc.mmap_threshold=33554432``
-(no page faults in that step; a process-wide setting, so initlab does not make it for you).
+pays a page fault per 4 KiB of it, every step. A constraint step on ResNet-20 at CIFAR batch 128
+does (about 800 MB): 3.8x a plain training step with those faults, 2.5x without
+(``benchmarks/bench_gradinit_faults.py``). :func:`gradinit_` therefore keeps the heap for the
+length of its call (``keep_heap=True``, :func:`~initlab._core.heap.kept_heap`: nothing trimmed,
+nothing mapped on its own; afterwards glibc's thresholds are left at the largest values its own
+rule gives them, 32 and 64 MiB). ``keep_heap=False``, another C library, or malloc's thresholds
+set in the environment (``GLIBC_TUNABLES``, ``MALLOC_TRIM_THRESHOLD_``, ...) leave the allocator
+as it is.
 """
 
 from __future__ import annotations
@@ -126,6 +128,7 @@ from initlab._core.attention import with_math_attention
 from initlab._core.compiled import takes_compiled
 from initlab._core.data import DataCounter, batch_size
 from initlab._core.distributed import check_same_parameters, is_distributed, run_together
+from initlab._core.heap import kept_heap
 from initlab._core.knobs import renamed_kwargs, user_stacklevel
 from initlab._core.loss import LossLike, resolve_loss
 from initlab._core.method_report import MethodReport
@@ -619,6 +622,7 @@ def gradinit_(
     exact: bool = False,
     generator: torch.Generator | int | None = None,
     progress: Callable[[dict[str, Any]], None] | None = None,
+    keep_heap: bool = True,
 ) -> MethodReport:
     r"""GradInit (Zhu et al. 2021, Algorithm 1): learn a scale per tensor, fold it in, in place.
 
@@ -651,6 +655,12 @@ def gradinit_(
         generator: a seed or generator: draw the shared and fresh examples of ``S~`` at random
             with it (``None``: the first examples of each batch, deterministically).
         progress: called with every trace row as it is produced.
+        keep_heap: on Linux with glibc, keep the C heap for the length of the call, so that
+            steps after the first do not fault in again the memory the previous one freed
+            (:func:`~initlab._core.heap.kept_heap`: about a quarter of a constraint step on a
+            CIFAR ResNet; glibc's thresholds are left at the largest values its own rule
+            reaches). ``False`` leaves the allocator alone; so does a process started with
+            malloc's thresholds in its environment.
 
     Returns:
         A :class:`~initlab.MethodReport`: rows :data:`GRADINIT_COLUMNS`, ``trace``
@@ -688,7 +698,7 @@ def gradinit_(
     adam = {"constraint": AlphaAdam.zeros(n, lr), "objective": AlphaAdam.zeros(n, lr)}
     trace: list[dict[str, Any]] = []
     with restore_on_failure(model):
-        with evaluation_modes(model, batch_stats=True):
+        with evaluation_modes(model, batch_stats=True), kept_heap(bool(keep_heap)):
             for t, (batch, nxt) in enumerate(pairs):
                 res = run(alpha, batch, _tilde(batch, nxt, overlap, generator), gamma, t)
                 if t == 0 and optimizer == "adam":
