@@ -16,6 +16,7 @@ from torch import nn
 
 from initlab._core import heap
 from initlab.methods.gradinit import gradinit_
+from initlab.methods.metainit import metainit_
 
 INT_MAX = 2**31 - 1
 
@@ -196,3 +197,14 @@ def test_gradinit_same_result_with_and_without_a_kept_heap():
         results.append([p.detach().clone() for p in net.parameters()])
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_metainit_keeps_the_heap_for_its_steps_only(fake, keep):
+    net, batches = _net_and_batches()
+    depths: list[int] = []
+    metainit_(
+        net, batches, steps=3, progress=lambda r: depths.append(heap._KEEPER.depth), keep_heap=keep
+    )
+    assert depths == [1 if keep else 0] * 3
+    assert fake.calls == (ENTER + _leave() if keep else [])

@@ -73,6 +73,7 @@ from initlab._core.autocast import autocast_off
 from initlab._core.compiled import takes_compiled
 from initlab._core.data import DataCounter
 from initlab._core.distributed import check_same_parameters, run_together
+from initlab._core.heap import kept_heap
 from initlab._core.loss import LossLike, resolve_loss
 from initlab._core.method_report import MethodReport
 from initlab._core.rng import as_generator
@@ -248,6 +249,7 @@ def metainit_(
     n_classes: int | None = None,
     generator: torch.Generator | int | None = None,
     progress: Callable[[dict[str, Any]], None] | None = None,
+    keep_heap: bool = True,
 ) -> MethodReport:
     r"""MetaInit (Dauphin & Schoenholz 2019): descend the gradient quotient in the weight norms.
 
@@ -277,6 +279,10 @@ def metainit_(
         n_classes: number of random labels (default: the model output's last dimension).
         generator: ``torch.Generator`` or int seed for the random data.
         progress: called with every trace row.
+        keep_heap: on Linux with glibc, keep the C heap for the length of the call, so that
+            steps after the first do not fault in again the memory the previous one freed
+            (:func:`~initlab._core.heap.kept_heap`, as :func:`~initlab.gradinit_`). ``False``
+            leaves the allocator alone.
 
     Returns:
         A :class:`~initlab.MethodReport` with rows :data:`METAINIT_COLUMNS`,
@@ -305,7 +311,11 @@ def metainit_(
     with restore_on_failure(model):
         # the gradient quotient divides by g: in bfloat16 its rounding flips the signs the steps
         # follow where g is small, so GQ is computed in the parameters' dtype, autocast off
-        with evaluation_modes(model, batch_stats=opts.batch_stats), autocast_off():
+        with (
+            evaluation_modes(model, batch_stats=opts.batch_stats),
+            autocast_off(),
+            kept_heap(bool(keep_heap)),
+        ):
             for t, (batch, _) in enumerate(batches):
                 a = update.alpha.detach().clone().requires_grad_(True)
                 # the local parts (forward, backwards) fail together under DDP (run_together)
