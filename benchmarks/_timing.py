@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
@@ -20,6 +21,7 @@ def interleaved_times(
     warmup: int = 1,
     clock: Callable[[], float] = time.perf_counter,
     block: int = 1,
+    around: Callable[[str], AbstractContextManager[object]] | None = None,
 ) -> dict[str, list[float]]:
     """Run the candidates alternately ``repeats`` times; return each one's times (s).
 
@@ -32,20 +34,26 @@ def interleaved_times(
     the allocator's heap, and with it the page faults a call pays, depends on the call before:
     a candidate measured right after a hungrier one finds memory that its own loop would have
     handed back to the system and faulted in again).
+
+    ``around(name)``: a context each turn of that candidate runs in (its block of calls, and its
+    warm-up call), e.g. the kept heap of the loop the candidate is the body of.
     """
+    around = around or (lambda name: nullcontext())
     for _ in range(warmup):
-        for fn in fns.values():
-            fn()
+        for name, fn in fns.items():
+            with around(name):
+                fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            for call in range(block):
-                sync()
-                start = clock()
-                fn()
-                sync()
-                if call or block == 1:
-                    times[name].append(clock() - start)
+            with around(name):
+                for call in range(block):
+                    sync()
+                    start = clock()
+                    fn()
+                    sync()
+                    if call or block == 1:
+                        times[name].append(clock() - start)
     return times
 
 

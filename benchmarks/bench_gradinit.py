@@ -8,7 +8,9 @@ the best (``--stat min``). On CPU with glibc's allocator the heap, and with it t
 call pays, depends on the calls before: a step timed right after a hungrier one finds memory its
 own loop would have handed back and faulted in again, and the best call of a loop can be one that
 missed the faults most of its calls pay (ResNet-20's constraint step in a process whose heap glibc
-trims: best 2.5x, median 2.9-3.4x a plain step; ``benchmarks/results/README.md``):
+trims: best 2.5x, median 2.9-3.4x a plain step; ``benchmarks/results/README.md``). Each GradInit
+candidate's turn runs inside :func:`~initlab._core.heap.kept_heap`, as ``gradinit_`` runs its
+loop (``--no-keep-heap``: without it); the plain step runs in the heap as glibc leaves it:
 
 * ``plain``: one training step, ``model.train()``, forward + cross-entropy + backward +
   ``SGD(lr=0.1, momentum=0.9, weight_decay=1e-4).step()`` + ``zero_grad`` (the paper's training);
@@ -44,7 +46,7 @@ implementation measures 3.6x). The constraint step differentiates through ``g`` 
 convolutions and batch norms of :func:`~initlab.methods._second_order.written_out_second_order`.
 
 Run: ``python benchmarks/bench_gradinit.py [--batch 64] [--repeats 3] [--block 3] [--threads 1]
-[--cpu-time]``.
+[--cpu-time] [--no-keep-heap]``.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ from torch.nn import functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 import initlab.methods.gradinit as gradinit_module
 from _timing import interleaved_times
+from initlab._core.heap import kept_heap
 from initlab._core.rows import format_table
 from initlab.methods._alpha import AlphaAdam as _Adam
 from initlab.methods._alpha import default_loss as _default_loss
@@ -93,6 +96,7 @@ def bench(
     clock: Callable[[], float] = time.perf_counter,
     block: int = 1,
     stat: Callable[[list[float]], float] = min,
+    keep_heap: bool = True,
 ) -> dict[str, object]:
     gen = torch.Generator().manual_seed(0)
     model.to(device)
@@ -160,11 +164,13 @@ def bench(
             repeats=repeats,
             clock=clock,
             block=block,
+            # each GradInit candidate's block in a kept heap, as gradinit_ runs its loop
+            around=lambda name: kept_heap(keep_heap and name != "plain"),
         )
     times = {name: stat(t) for name, t in calls.items()}
     start = time.perf_counter()
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    gradinit_(model, [s, nxt], steps=1, gamma=math.inf)
+    gradinit_(model, [s, nxt], steps=1, gamma=math.inf, keep_heap=keep_heap)
     full = time.perf_counter() - start
     model.load_state_dict(state)
     p = times["plain"]
@@ -201,6 +207,12 @@ def main() -> None:
     parser.add_argument(
         "--cpu-time", action="store_true", help="time by process CPU time (CPU, loaded machine)"
     )
+    parser.add_argument(
+        "--no-keep-heap",
+        dest="keep_heap",
+        action="store_false",
+        help="GradInit's blocks without gradinit_'s kept C heap (glibc's trimming heap throughout)",
+    )
     args = parser.parse_args()
     clock = time.process_time if args.cpu_time else time.perf_counter
     torch.manual_seed(0)
@@ -218,7 +230,8 @@ def main() -> None:
     rows = []
     for name, model in models.items():
         stat = statistics.median if args.stat == "median" else min
-        rows.append(bench(name, model, args.batch, args.repeats, device, clock, args.block, stat))
+        run = (name, model, args.batch, args.repeats, device, clock, args.block, stat)
+        rows.append(bench(*run, keep_heap=args.keep_heap))
         print(format_table(rows[-1:]), flush=True)
     print()
     print(format_table(rows))
@@ -226,8 +239,9 @@ def main() -> None:
     print(
         "\n*_x: time of one GradInit iteration / one plain training step (same batch size; "
         f"{'process CPU time' if args.cpu_time else 'wall time'}, {args.stat} of "
-        f"{args.repeats} turns of {args.block} calls, the first untimed). "
-        "Goals: objective_x <= 2.0 (first-order, default), constraint_x <= 3.0. "
+        f"{args.repeats} turns of {args.block} calls, the first untimed; GradInit's blocks "
+        f"{'in a kept C heap, as gradinit_ runs them' if args.keep_heap else 'with --no-keep-heap'}"
+        "). Goals: objective_x <= 2.0 (first-order, default), constraint_x <= 3.0. "
         f"Load average at the end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
     )
 
