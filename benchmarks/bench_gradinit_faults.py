@@ -23,7 +23,8 @@ constraint step; its iterations timed between ``progress`` callbacks, the first 
 kind: the median process CPU time, its ratio to the plain step's, and the median minor page
 faults (``getrusage``; 4 KiB pages).
 
-Run: ``python benchmarks/bench_gradinit_faults.py [--model resnet20] [--rounds 5] [--batch 128]``.
+Run: ``python benchmarks/bench_gradinit_faults.py [--model resnet20] [--width W] [--rounds 5]
+[--batch 128] [--block 3] [--heaps ...]``.
 """
 
 from __future__ import annotations
@@ -76,11 +77,13 @@ def _timed_block(fn: Callable[[], None], block: int, out: list[tuple[float, int]
             out.append((time.process_time() - t0, _faults() - f0))
 
 
-def measure(model_name: str, batch: int, rounds: int, block: int, keep: bool) -> dict[str, Any]:
+def measure(
+    model_name: str, width: float | None, batch: int, rounds: int, block: int, keep: bool
+) -> dict[str, Any]:
     """Median ms and minor faults per step kind, in this process."""
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    model = create_model(model_name)
+    model = create_model(model_name) if width is None else create_model(model_name, width=width)
     gen = torch.Generator().manual_seed(0)
     s, nxt = (_batch(batch, gen) for _ in range(2))
     s_tilde = overlap_batch(s, nxt, 0.5)
@@ -137,6 +140,7 @@ def measure(model_name: str, batch: int, rounds: int, block: int, keep: bool) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="resnet20")
+    parser.add_argument("--width", type=float, default=None, help="the zoo model's width")
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--block", type=int, default=3)
@@ -145,13 +149,15 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         keep = HEAPS[args.child][1]
-        print(json.dumps(measure(args.model, args.batch, args.rounds, args.block, keep)))
+        run = (args.model, args.width, args.batch, args.rounds, args.block, keep)
+        print(json.dumps(measure(*run)))
         return
     rows = []
     for heap in args.heaps:
         out = subprocess.run(
             [sys.executable, __file__, "--child", heap, "--model", args.model, "--batch",
-             str(args.batch), "--rounds", str(args.rounds), "--block", str(args.block)],
+             str(args.batch), "--rounds", str(args.rounds), "--block", str(args.block)]
+            + ([] if args.width is None else ["--width", str(args.width)]),
             env={**os.environ, "OMP_NUM_THREADS": "1", **HEAPS[heap][0]},
             capture_output=True, text=True, check=True,
         ).stdout  # fmt: skip
@@ -162,8 +168,9 @@ def main() -> None:
                 {"heap": heap, "step": kind, "ms": v["ms"], "x_plain": v["ms"] / plain,
                  "minor_faults": v["faults"], "faulted_MB": v["faults"] * 4 / 1024}
             )  # fmt: skip
+    width = "" if args.width is None else f" (width {args.width:g})"
     print(
-        f"{args.model}, batch {args.batch}, medians of {args.rounds} rounds x "
+        f"{args.model}{width}, batch {args.batch}, medians of {args.rounds} rounds x "
         f"{args.block - 1} timed calls (process CPU time, 1 thread)"
     )
     print(format_table(rows))
