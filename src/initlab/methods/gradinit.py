@@ -103,7 +103,7 @@ constraint step on CIFAR CNNs (``benchmarks/bench_gradinit.py``).
 On CPU under Linux, glibc's allocator hands memory freed at the top of its heap back to the system
 once more than its trim threshold is free, and a step that frees and takes back several hundred MB
 pays a page fault per 4 KiB of it, every step. A constraint step on ResNet-20 at CIFAR batch 128
-does (about 800 MB): 3.8x a plain training step with those faults, 2.5x without
+does (about 800 MB): 2.8-3.2x a plain training step with those faults, 2.4-2.5x without
 (``benchmarks/bench_gradinit_faults.py``). :func:`gradinit_` therefore keeps the heap for the
 length of its call (``keep_heap=True``, :func:`~initlab._core.heap.kept_heap`: nothing trimmed,
 nothing mapped on its own; afterwards glibc's thresholds are left at the largest values its own
