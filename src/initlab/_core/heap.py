@@ -25,7 +25,9 @@ another C library (musl), and in a process started with malloc's parameters in i
 (``GLIBC_TUNABLES`` naming one of them, ``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_MMAP_THRESHOLD_``,
 ``MALLOC_MMAP_MAX_``, ``MALLOC_TOP_PAD_``): their settings stand. An allocator preloaded in place
 of glibc's (jemalloc, tcmalloc) does not read these settings. Nested and concurrent blocks (two
-methods, two threads) count: only the outermost one sets and restores.
+methods, two threads) count: only the outermost one sets and restores. The setting is the
+process's: other threads allocate under it while a block is open, and a process forked inside the
+block (a ``DataLoader`` worker started by the method's first batch) keeps it for its life.
 """
 
 from __future__ import annotations
