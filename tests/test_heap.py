@@ -1,6 +1,6 @@
 """The C heap kept while GradInit runs (``initlab._core.heap``): the mallopt calls and their order,
 nesting, failure, the user's own settings, the effect on page faults in a fresh process (glibc
-only), and ``gradinit_``'s ``keep_heap``."""
+only), and the ``keep_heap`` of ``gradinit_`` and ``metainit_``."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ with the largest separately mapped block freed so far, up to 32 MiB and 64 MiB o
 (``mallopt(3)``). Memory handed back costs a page fault per 4 KiB page when it is taken again.
 A GradInit constraint step on a CIFAR ResNet (batch 128) frees and takes back about 800 MB in and
 between its steps, so in a process whose heap is trimmed every step pays for all of it again:
-2.9-3.4x a plain training step instead of 2.5x (``benchmarks/bench_gradinit_faults.py``).
+2.8-3.2x a plain training step instead of 2.4-2.5x (``benchmarks/bench_gradinit_faults.py``).
 
 :func:`kept_heap` keeps the heap for the length of a block: nothing is trimmed and nothing is
 mapped on its own (``M_TRIM_THRESHOLD`` at its largest value, ``M_MMAP_MAX = 0``), so every step
