@@ -1,6 +1,6 @@
 """The C heap kept while GradInit runs (``initlab._core.heap``): the mallopt calls and their order,
 nesting, failure, the user's own settings, the effect on page faults in a fresh process (glibc
-only), and the ``keep_heap`` of ``gradinit_`` and ``metainit_``."""
+only), and the ``keep_heap`` of ``gradinit_``, ``metainit_`` and ``lsuv_``."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from torch import nn
 
 from initlab._core import heap
 from initlab.methods.gradinit import gradinit_
+from initlab.methods.lsuv import lsuv_
 from initlab.methods.metainit import metainit_
 
 INT_MAX = 2**31 - 1
@@ -207,4 +208,18 @@ def test_metainit_keeps_the_heap_for_its_steps_only(fake, keep):
         net, batches, steps=3, progress=lambda r: depths.append(heap._KEEPER.depth), keep_heap=keep
     )
     assert depths == [1 if keep else 0] * 3
+    assert fake.calls == (ENTER + _leave() if keep else [])
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_lsuv_keeps_the_heap_for_its_sweeps_only(fake, keep):
+    net, batches = _net_and_batches()
+    depths: list[int] = []
+
+    def forward(model, batch):
+        depths.append(heap._KEEPER.depth)
+        return model(batch[0])
+
+    lsuv_(net, batches[0], forward=forward, keep_heap=keep)
+    assert depths and set(depths) == {1 if keep else 0}
     assert fake.calls == (ENTER + _leave() if keep else [])
