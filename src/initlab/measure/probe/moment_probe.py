@@ -36,16 +36,15 @@ from initlab._core.pytree import flatten_tensors, map_tensors
 from initlab._core.rows import Rows
 from initlab._core.state import model_modes, preserved_state, restore_modes
 from initlab.measure.probe.accumulate import _Consts, _Ledger, _Partial
+from initlab.measure.probe.contribution import _Contribution, _Unavailable
 from initlab.measure.probe.per_example import (
     _captured_contributions,
     _Checks,
     _closed_form_contributions,
     _closed_form_input,
     _combine,
-    _Contribution,
     _replay_contributions,
     _start_capture,
-    _Unavailable,
     _usable_capture,
 )
 from initlab.measure.probe.report import _module_table, _param_table, _probe_rows

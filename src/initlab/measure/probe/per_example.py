@@ -9,26 +9,27 @@ and ``"generic"`` for every other module) and how their per-example gradients ar
   ``_conv_contributions``; formulas in their docstrings and in :mod:`initlab.measure.probe`);
 * a *replay* runs when the parameter's gradient arrives and re-runs the module on the recorded
   inputs (``_attention_contributions``: one batched re-run with the projections replaced by
-  identities, falling back to the generic path outside its shortcut; ``_generic_contributions``:
-  ``torch.func.vmap`` over ``torch.func.vjp`` on single examples);
+  identities, falling back to the generic path outside its shortcut; ``_generic_contributions``
+  in :mod:`~initlab.measure.probe.replay`: ``torch.func.vmap`` over ``torch.func.vjp`` on single
+  examples);
 * ``nn.MultiheadAttention`` first tries a capture instead of the re-run
   (``_captured_contributions``): the inputs and output gradients of its functional projections,
   kept during its own forward by :class:`~initlab.measure.probe.capture._AttentionCapture`,
   give the ``nn.Linear`` closed form per projection when the parameter's gradient arrives.
 
 A new kind of layer is one more entry of the table (before ``"generic"``, which matches every
-module). Every contribution is a :class:`_Contribution` (per-example squared norms, or the
-per-example gradients themselves when several calls must be summed first, plus the rank-one
-projections that check ``sum_i dW_i == B * dW``); :func:`_combine` and :class:`_Checks` do the
-summing and the check. The squared norms of sums of outer products (the Gram form) and the
-factored sums of a parameter used by several calls are in :mod:`~initlab.measure.probe.factors`.
+module). Every contribution is a :class:`~initlab.measure.probe.contribution._Contribution`
+(per-example squared norms, or the per-example gradients themselves when several calls must be
+summed first, plus the rank-one projections that check ``sum_i dW_i == B * dW``);
+:func:`_combine` and :class:`_Checks` do the summing and the check. The squared norms of sums
+of outer products (the Gram form) and the factored sums of a parameter used by several calls are
+in :mod:`~initlab.measure.probe.factors`.
 The replay entries look ``_generic_contributions`` up in this module when they run, so a test
 can disable the generic path by patching this module's attribute.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -37,9 +38,16 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from initlab._core.pytree import flatten_tensors, map_tensors
+from initlab._core.pytree import flatten_tensors
 from initlab.measure.probe.accumulate import _Partial, _pool
 from initlab.measure.probe.capture import _AttentionCapture
+from initlab.measure.probe.contribution import (
+    _contract,
+    _Contribution,
+    _Fallback,
+    _project,
+    _Unavailable,
+)
 from initlab.measure.probe.factors import (
     _chunks,
     _factored_sq_norms,
@@ -51,6 +59,7 @@ from initlab.measure.probe.factors import (
     _sq_norms,
     _work,
 )
+from initlab.measure.probe.replay import _generic_contributions
 
 if TYPE_CHECKING:
     from initlab.measure.probe.state import _ParamState, _Record
@@ -59,63 +68,6 @@ __all__ = ["PER_EXAMPLE", "LayerRule"]
 
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _MHA_ARGS = ("query", "key", "value")
-
-
-class _Unavailable(Exception):
-    """A per-example gradient that cannot be computed exactly (reported as NaN with a note)."""
-
-
-class _Fallback(Exception):
-    """The module's configuration is outside a shortcut: use the generic ``vmap`` path."""
-
-
-class _Contribution:
-    """Per-example gradients of one parameter from one module call (scaled to one example's loss).
-
-    One of ``sqn`` (per-example squared norms, closed form), ``grads`` (materialized, ``(B,
-    *shape)``) or ``factors`` (the gradients as sums of outer products,
-    :class:`~initlab.measure.probe.factors._Outer` and
-    :class:`~initlab.measure.probe.factors._Rows`, for a parameter used by several calls: the
-    squared norm of the sum follows from inner products of the factors without materializing
-    them); ``proj`` holds the per-example rank-one projections used for the consistency check.
-    """
-
-    __slots__ = ("factors", "grads", "proj", "sqn")
-
-    def __init__(
-        self,
-        proj: torch.Tensor,
-        sqn: torch.Tensor | None = None,
-        grads: torch.Tensor | None = None,
-        factors: list[_Outer | _Rows] | None = None,
-    ) -> None:
-        self.proj = proj
-        self.sqn = sqn
-        self.grads = grads
-        self.factors = factors
-
-
-def _project(grads: torch.Tensor, ps: _ParamState) -> torch.Tensor:
-    """Per-example ``<r_0 x r_1 x ..., g_i>`` for ``grads`` of shape ``(B, *shape)`` (float64).
-
-    Computed in the gradient's own precision: the projection only feeds the consistency check,
-    whose tolerance is far above float32 rounding.
-    """
-    out = _work(grads)
-    return _contract(out, ps.vecs_as(out.dtype)).to(torch.float64)
-
-
-def _contract(t: torch.Tensor, vecs: list[torch.Tensor]) -> torch.Tensor:
-    """``t`` contracted over its last ``len(vecs)`` dims with ``vecs`` (``mv``/``dot`` where the
-    operand is 2-D/1-D: one op each)."""
-    for v in reversed(vecs):
-        if t.dim() == 1:
-            t = torch.dot(t, v)
-        elif t.dim() == 2:
-            t = torch.mv(t, v)
-        else:
-            t = t @ v
-    return t
 
 
 # ----------------------------------------------------------------------------- closed forms
@@ -306,85 +258,6 @@ def _conv_contributions(rec: _Record, dy: torch.Tensor) -> None:
 
 
 # ----------------------------------------------------------------------------- replays
-
-
-def _generic_contributions(rec: _Record) -> None:
-    """Per-example gradients by ``vmap`` over ``vjp`` of ``functional_call`` on single examples."""
-    module, bd, batch, s = rec.state.module, rec.state.bd, rec.batch, rec.scale
-    leaves = [t for _, t in flatten_tensors(rec.inputs)]
-    if any(t._version != v for t, v in zip(leaves, rec.versions, strict=True)):
-        raise _Unavailable("an input of the module was modified in place after its forward")
-    batched = [t.dim() > bd and t.shape[bd] == batch for t in leaves]
-    if not any(batched):
-        raise _Unavailable(f"no input tensor has the batch size {batch} along dim {bd}")
-    out_paths, cotangents = [], []
-    for path, shape in rec.out_meta:
-        if path not in rec.dys:
-            continue  # no gradient reached this output: it contributes nothing
-        if len(shape) <= bd or shape[bd] != batch:
-            raise _Unavailable(f"output {path!r} has no batch dim of size {batch} at dim {bd}")
-        out_paths.append(path)
-        cotangents.append(rec.dys[path])
-    params = {name: ps.param.detach() for name, ps in rec.params.items()}
-    buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
-    # the module re-run in its parameters' dtype: under autocast it ran on bfloat16 inputs
-    dtypes = {p.dtype for p in params.values() if p.is_floating_point()}
-    if len(dtypes) == 1:
-        dtype = dtypes.pop()
-        leaves = [t.to(dtype) if t.is_floating_point() else t for t in leaves]
-        cotangents = [d.to(dtype) for d in cotangents]
-
-    def forward(p: dict[str, torch.Tensor], example_leaves: list[torch.Tensor]):
-        it = iter(example_leaves)
-        pairs = zip(leaves, batched, strict=True)
-        full = iter([next(it).unsqueeze(bd) if b else t for t, b in pairs])
-        args, kwargs = map_tensors(rec.inputs, lambda _t: next(full))
-        out = torch.func.functional_call(module, (p, buffers), tuple(args), kwargs)
-        flat = dict(flatten_tensors(out))
-        return tuple(flat[path] for path in out_paths)
-
-    def one(example_leaves: list[torch.Tensor], dys: list[torch.Tensor]):
-        _, vjp_fn = torch.func.vjp(lambda p: forward(p, example_leaves), params)
-        return vjp_fn(tuple(d.unsqueeze(bd) for d in dys))[0]
-
-    per_item = sum(ps.numel for ps in rec.params.values())
-    multi = {name: len(ps.pending) > 1 for name, ps in rec.params.items()}
-    sqn: dict[str, list[torch.Tensor]] = {name: [] for name in params}
-    proj: dict[str, list[torch.Tensor]] = {name: [] for name in params}
-    grads: dict[str, list[torch.Tensor]] = {name: [] for name in params}
-    with warnings.catch_warnings(), torch.enable_grad():
-        warnings.filterwarnings("ignore", message="There is a performance drop")
-        for lo, hi in _chunks(batch, per_item):
-            xs = [t.narrow(bd, lo, hi - lo) for t, b in zip(leaves, batched, strict=True) if b]
-            ds = [d.narrow(bd, lo, hi - lo) for d in cotangents]
-            try:
-                out = torch.func.vmap(one, in_dims=(bd, bd))(xs, ds)
-            except RuntimeError as err:  # an op without a batching rule (nn.GRU, nn.RNN)
-                if "random" in str(err):  # a replay would not draw the forward's randomness
-                    raise
-                out = _one_by_one(one, xs, ds, bd)
-            for name, ps in rec.params.items():
-                g = out[name].detach() * s
-                proj[name].append(_project(g, ps))
-                (grads if multi[name] else sqn)[name].append(g if multi[name] else _sq_norms(g))
-    rec.contrib.clear()
-    for name, ps in rec.params.items():
-        if multi[name]:
-            rec.contrib[id(ps)] = _Contribution(torch.cat(proj[name]), grads=torch.cat(grads[name]))
-        else:
-            rec.contrib[id(ps)] = _Contribution(torch.cat(proj[name]), sqn=torch.cat(sqn[name]))
-
-
-def _one_by_one(
-    one: Callable[[list[torch.Tensor], list[torch.Tensor]], dict[str, torch.Tensor]],
-    xs: list[torch.Tensor],
-    ds: list[torch.Tensor],
-    bd: int,
-) -> dict[str, torch.Tensor]:
-    """What ``vmap(one, in_dims=(bd, bd))(xs, ds)`` gives, by a loop over the examples."""
-    n = (xs or ds)[0].shape[bd]
-    each = [one([x.select(bd, i) for x in xs], [d.select(bd, i) for d in ds]) for i in range(n)]
-    return {name: torch.stack([g[name] for g in each]) for name in each[0]}
 
 
 def _attention_contributions(rec: _Record) -> None:

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from initlab.measure.probe.per_example import PER_EXAMPLE, _Contribution, _kind
+from initlab.measure.probe.contribution import _Contribution
+from initlab.measure.probe.per_example import PER_EXAMPLE, _kind
 
 if TYPE_CHECKING:
     from initlab.measure.probe.capture import _AttentionCapture
