@@ -645,6 +645,33 @@ class SeqOut(nn.Module):
         return self.rnn(x)[0]
 
 
+class LastHidden(nn.Module):
+    """A classifier on a recurrent layer's last hidden state ``h_n[-1]``: ``h_n`` is
+    ``(layers, B, H)``, the batch at dim 1 whatever ``batch_first``."""
+
+    def __init__(self, rnn: nn.Module) -> None:
+        super().__init__()
+        self.rnn = rnn
+        self.head = nn.Linear(rnn.hidden_size, 2)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[1][-1])
+
+
+class GivenState(nn.Module):
+    """An LSTM started from a state computed from the input, ``(h0, c0)`` of ``(1, B, H)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.init = nn.Linear(3, 8)
+        self.rnn = nn.LSTM(3, 4, batch_first=True)
+
+    def forward(self, x):
+        h0, c0 = torch.tanh(self.init(x.mean(1))).unsqueeze(0).chunk(2, dim=-1)
+        _, (h, c) = self.rnn(x, (h0.contiguous(), c0.contiguous()))
+        return h[-1] + c[-1]
+
+
 class Twice(nn.Module):
     def __init__(self, layer: nn.Module) -> None:
         super().__init__()
@@ -663,6 +690,17 @@ class TanhLinear(nn.Module):
 
     def forward(self, x):
         return torch.tanh(F.linear(x, self.weight))
+
+
+class DroppedTanhLinear(TanhLinear):
+    """:class:`TanhLinear` with dropout on its output."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__(weight)
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x):
+        return self.drop(super().forward(x))
 
 
 class SharedWithGeneric(nn.Module):
@@ -804,6 +842,13 @@ CASES = {
     # no vmap batching rule inside (the generic replay runs them one example at a time)
     "gru": (lambda: SeqOut(nn.GRU(3, 4, batch_first=True)), _floats(4, 5, 3), 0),
     "rnn_seq_first": (lambda: SeqOut(nn.RNN(3, 4, num_layers=2)), _floats(5, 4, 3), 1),
+    # hidden states (h_n, an explicit h0/c0) hold the batch at dim 1 also with batch_first
+    "gru_last_hidden": (
+        lambda: LastHidden(nn.GRU(3, 4, num_layers=2, batch_first=True)),
+        _floats(4, 5, 3),
+        0,
+    ),
+    "lstm_given_state": (GivenState, _floats(4, 5, 3), 0),
     "embedding_tied_to_linear_head": (
         lambda: TiedLM(7, 4),
         lambda g: torch.randint(0, 7, (4, 5), generator=g),
@@ -845,6 +890,32 @@ def test_per_example_weight_gradients_match_a_loop(case):
         assert row["E_dW2_example"] == pytest.approx(oracle[name], rel=1e-8), name
     assert seen == set(oracle)
     assert no_hooks_left(model)
+
+
+@pytest.mark.parametrize(
+    "rnn", [nn.GRU(3, 4, num_layers=2, batch_first=True, dropout=0.5), None], ids=["gru", "seq"]
+)
+def test_dropout_in_train_mode_gives_nan_with_its_reason(rnn):
+    """A replay per example cannot draw the forward's dropout masks: NaN, and the note says so
+    (it said the gradients "do not add up", as if the module coupled examples)."""
+    torch.manual_seed(12)
+    if rnn is None:  # a module the probe replays (it holds its weight), with an nn.Dropout inside
+        model = nn.Sequential(DroppedTanhLinear(nn.Parameter(torch.randn(3, 3))))
+        x = torch.randn(4, 3)
+    else:
+        model = LastHidden(rnn)
+        x = torch.randn(4, 5, 3)
+    target = torch.zeros(4, 3 if rnn is None else 2)
+    model.train()
+    with MomentProbe(model) as probe:
+        F.mse_loss(model(x), target).backward()
+    rows = [r for r in probe.param_table() if math.isnan(r["E_dW2_example"])]
+    assert rows
+    assert all("in train mode" in r["note"] and "eval mode" in r["note"] for r in rows)
+    model.eval()
+    with MomentProbe(model) as probe:
+        F.mse_loss(model(x), target).backward()
+    assert all(math.isfinite(r["E_dW2_example"]) for r in probe.param_table())
 
 
 class TiedHead(nn.Module):

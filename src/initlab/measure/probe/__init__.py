@@ -96,7 +96,10 @@ What is exact and what is not (``dW_example``):
   ``sum_ts dy_t[tok_s] (x_t . g_s)``); other kinds are materialized and summed.
 * Any other module (custom blocks, subclasses with their own ``forward``): ``torch.func.vmap``
   over ``torch.func.vjp`` of ``functional_call(module, params, x_i)`` on the recorded inputs and
-  output gradients (exact up to float rounding; costs one more forward+backward of the module).
+  output gradients (exact up to float rounding; costs one more forward+backward of the module),
+  one example at a time where ``vmap`` has no batching rule (``nn.GRU``, ``nn.LSTM``, ``nn.RNN``;
+  their hidden states, ``h_n`` and a given ``h0``/``c0``, hold the batch at dim 1 whatever
+  ``batch_first``).
   Parameters of a probed child that the module uses without calling the child are attributed to
   the module.
 * Per-example values are computed in the gradients' precision (float32 for float32 models, half
@@ -104,7 +107,8 @@ What is exact and what is not (``dW_example``):
 * Where none of this applies the value is NaN and :attr:`MomentProbe.notes` says why, never a
   guess: any BatchNorm that normalized with batch statistics during the forward (train mode: the
   examples interact, so per-example gradients are undefined for every parameter of that backward),
-  random ops (dropout in train mode), ops ``vmap`` does not support (``nn.LSTM``), a module input
+  random ops in a module that is re-run (dropout in train mode, also a recurrent module's dropout
+  between its layers: a re-run cannot draw the forward's masks), a module input
   whose batch size is not the root batch size (a Linear applied to ``(B*T, in)``), a parameter also
   used outside its modules' forwards (tied weights used functionally). Every per-example result
   is checked against the minibatch gradient autograd produced (``sum_i dW_i == B * dW`` through a

@@ -2,15 +2,20 @@
 under ``torch.func.vmap`` (a loop where ``vmap`` has no batching rule), its parameters'
 gradients from ``torch.func.vjp`` of the recorded output gradients
 (:func:`_generic_contributions`; the entry ``"generic"`` of
-:data:`~initlab.measure.probe.per_example.PER_EXAMPLE`)."""
+:data:`~initlab.measure.probe.per_example.PER_EXAMPLE`). Each input and output holds its examples
+along the module's batch dim, except a recurrent module's hidden states (dim 1); a module that
+draws random numbers inside (dropout in train mode) cannot be re-run to the same values and gets
+NaN with a note."""
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from initlab._core.pytree import flatten_tensors, map_tensors
 from initlab.measure.probe.contribution import _Contribution, _project, _Unavailable
@@ -20,23 +25,75 @@ if TYPE_CHECKING:
     from initlab.measure.probe.state import _Record
 
 
-def _generic_contributions(rec: _Record) -> None:
-    """Per-example gradients by ``vmap`` over ``vjp`` of ``functional_call`` on single examples."""
-    module, bd, batch, s = rec.state.module, rec.state.bd, rec.batch, rec.scale
+def _random_inside(module: nn.Module) -> str | None:
+    """Why a replay of ``module`` would not draw its forward's randomness: dropout in train mode
+    (an ``nn.Dropout`` inside it, or a recurrent module's dropout between its layers)."""
+    for name, m in module.named_modules():
+        where = f"{type(module).__name__}" + (f" (its {name!r})" if name else "")
+        if isinstance(m, nn.RNNBase) and m.training and m.dropout > 0 and m.num_layers > 1:
+            return f"{where} applies dropout between its layers in train mode (dropout={m.dropout})"
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0:
+            return f"{where} applies {type(m).__name__}(p={m.p}) in train mode"
+    return None
+
+
+def _example_dim(
+    module: nn.Module, t: torch.Tensor, bd: int, batch: int, first: bool
+) -> int | None:
+    """The dim of ``t`` (an input leaf or an output of ``module``) that holds the examples, or
+    ``None`` (not batched). A recurrent module's hidden states, every tensor but its first input
+    and its first output, are ``(layers * directions, B, H)`` whatever its ``batch_first``."""
+    if isinstance(module, nn.RNNBase) and not first and t.dim() == 3:
+        return 1 if t.shape[1] == batch else None
+    return bd if t.dim() > bd and t.shape[bd] == batch else None
+
+
+@dataclass
+class _Layout:
+    """What a replay runs on: the input leaves and the dim of each that holds the examples
+    (``None``: the same for every example), the outputs a gradient reached with their
+    cotangents and example dims."""
+
+    leaves: list[torch.Tensor]
+    dims: list[int | None]
+    out_paths: list[str]
+    cotangents: list[torch.Tensor]
+    out_dims: list[int]
+
+
+def _layout(rec: _Record) -> _Layout:
+    """The replay's :class:`_Layout`, or :class:`_Unavailable` saying why there is none."""
+    module, bd, batch = rec.state.module, rec.state.bd, rec.batch
     leaves = [t for _, t in flatten_tensors(rec.inputs)]
     if any(t._version != v for t, v in zip(leaves, rec.versions, strict=True)):
         raise _Unavailable("an input of the module was modified in place after its forward")
-    batched = [t.dim() > bd and t.shape[bd] == batch for t in leaves]
-    if not any(batched):
+    random = _random_inside(module)
+    if random is not None:
+        raise _Unavailable(
+            f"{random}: a replay per example cannot draw the forward's masks; measure in eval "
+            "mode (model.eval()) or with dropout 0"
+        )
+    dims = [_example_dim(module, t, bd, batch, i == 0) for i, t in enumerate(leaves)]
+    if all(d is None for d in dims):
         raise _Unavailable(f"no input tensor has the batch size {batch} along dim {bd}")
-    out_paths, cotangents = [], []
-    for path, shape in rec.out_meta:
+    out = _Layout(leaves, dims, [], [], [])
+    for path, _ in rec.out_meta:
         if path not in rec.dys:
             continue  # no gradient reached this output: it contributes nothing
-        if len(shape) <= bd or shape[bd] != batch:
+        od = _example_dim(module, rec.dys[path], bd, batch, path == "0")
+        if od is None:
             raise _Unavailable(f"output {path!r} has no batch dim of size {batch} at dim {bd}")
-        out_paths.append(path)
-        cotangents.append(rec.dys[path])
+        out.out_paths.append(path)
+        out.cotangents.append(rec.dys[path])
+        out.out_dims.append(od)
+    return out
+
+
+def _generic_contributions(rec: _Record) -> None:
+    """Per-example gradients by ``vmap`` over ``vjp`` of ``functional_call`` on single examples."""
+    module, batch, s = rec.state.module, rec.batch, rec.scale
+    lay = _layout(rec)
+    leaves, dims, out_paths, cotangents = lay.leaves, lay.dims, lay.out_paths, lay.cotangents
     params = {name: ps.param.detach() for name, ps in rec.params.items()}
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
     # the module re-run in its parameters' dtype: under autocast it ran on bfloat16 inputs
@@ -45,11 +102,14 @@ def _generic_contributions(rec: _Record) -> None:
         dtype = dtypes.pop()
         leaves = [t.to(dtype) if t.is_floating_point() else t for t in leaves]
         cotangents = [d.to(dtype) for d in cotangents]
+    per_example = [(t, d) for t, d in zip(leaves, dims, strict=True) if d is not None]
+    in_dims = [d for _, d in per_example]
+    out_dims = lay.out_dims
 
     def forward(p: dict[str, torch.Tensor], example_leaves: list[torch.Tensor]):
         it = iter(example_leaves)
-        pairs = zip(leaves, batched, strict=True)
-        full = iter([next(it).unsqueeze(bd) if b else t for t, b in pairs])
+        pairs = zip(leaves, dims, strict=True)
+        full = iter([next(it).unsqueeze(d) if d is not None else t for t, d in pairs])
         args, kwargs = map_tensors(rec.inputs, lambda _t: next(full))
         out = torch.func.functional_call(module, (p, buffers), tuple(args), kwargs)
         flat = dict(flatten_tensors(out))
@@ -57,7 +117,7 @@ def _generic_contributions(rec: _Record) -> None:
 
     def one(example_leaves: list[torch.Tensor], dys: list[torch.Tensor]):
         _, vjp_fn = torch.func.vjp(lambda p: forward(p, example_leaves), params)
-        return vjp_fn(tuple(d.unsqueeze(bd) for d in dys))[0]
+        return vjp_fn(tuple(d.unsqueeze(od) for d, od in zip(dys, out_dims, strict=True)))[0]
 
     per_item = sum(ps.numel for ps in rec.params.values())
     multi = {name: len(ps.pending) > 1 for name, ps in rec.params.items()}
@@ -67,14 +127,14 @@ def _generic_contributions(rec: _Record) -> None:
     with warnings.catch_warnings(), torch.enable_grad():
         warnings.filterwarnings("ignore", message="There is a performance drop")
         for lo, hi in _chunks(batch, per_item):
-            xs = [t.narrow(bd, lo, hi - lo) for t, b in zip(leaves, batched, strict=True) if b]
-            ds = [d.narrow(bd, lo, hi - lo) for d in cotangents]
+            xs = [t.narrow(d, lo, hi - lo) for t, d in per_example]
+            ds = [d.narrow(od, lo, hi - lo) for d, od in zip(cotangents, out_dims, strict=True)]
             try:
-                out = torch.func.vmap(one, in_dims=(bd, bd))(xs, ds)
+                out = torch.func.vmap(one, in_dims=(in_dims, out_dims))(xs, ds)
             except RuntimeError as err:  # an op without a batching rule (nn.GRU, nn.RNN)
                 if "random" in str(err):  # a replay would not draw the forward's randomness
                     raise
-                out = _one_by_one(one, xs, ds, bd)
+                out = _one_by_one(one, xs, ds, in_dims, out_dims)
             for name, ps in rec.params.items():
                 g = out[name].detach() * s
                 proj[name].append(_project(g, ps))
@@ -91,9 +151,16 @@ def _one_by_one(
     one: Callable[[list[torch.Tensor], list[torch.Tensor]], dict[str, torch.Tensor]],
     xs: list[torch.Tensor],
     ds: list[torch.Tensor],
-    bd: int,
+    x_dims: list[int],
+    d_dims: list[int],
 ) -> dict[str, torch.Tensor]:
-    """What ``vmap(one, in_dims=(bd, bd))(xs, ds)`` gives, by a loop over the examples."""
-    n = (xs or ds)[0].shape[bd]
-    each = [one([x.select(bd, i) for x in xs], [d.select(bd, i) for d in ds]) for i in range(n)]
+    """What ``vmap(one, in_dims=(x_dims, d_dims))(xs, ds)`` gives, by a loop over the examples."""
+    n = xs[0].shape[x_dims[0]] if xs else ds[0].shape[d_dims[0]]
+    each = [
+        one(
+            [x.select(d, i) for x, d in zip(xs, x_dims, strict=True)],
+            [c.select(d, i) for c, d in zip(ds, d_dims, strict=True)],
+        )
+        for i in range(n)
+    ]
     return {name: torch.stack([g[name] for g in each]) for name in each[0]}
