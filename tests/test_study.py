@@ -605,3 +605,33 @@ def test_report_study_writes_table_and_plots(tmp_path: Path, helpers: Any) -> No
 def _store_records(db: Path) -> list[dict[str, Any]]:
     with Store(db) as store:
         return store.records()
+
+
+def test_chunks_train_inside_a_kept_heap(tmp_path: Path, helpers: Any, monkeypatch) -> None:
+    """Every chunk's training runs in initlab._core.heap.kept_heap (the block open in the
+    trainer, closed after), the results as without it."""
+    from initlab._core import heap
+
+    calls: list[tuple[int, int]] = []
+
+    class Libc:
+        def mallopt(self, param: int, value: int) -> int:
+            calls.append((param, value))
+            return 1
+
+    monkeypatch.setattr(heap, "_glibc", lambda: Libc())
+    for name in (*heap._TUNED_ENV, "GLIBC_TUNABLES"):
+        monkeypatch.delenv(name, raising=False)
+    depths: list[int] = []
+
+    def train(configs, train, test, **kw):
+        depths.append(heap._KEEPER.depth)
+        return helpers.fake_train(configs, train, test, **kw)
+
+    spec = small_spec(name="kept", datasets=["alpha"])
+    summary = run_study(spec, tmp_path / "s.sqlite", train_fn=train, load_fn=helpers.load_fake,
+                        chunk_size=6, progress=False)  # fmt: skip
+    assert summary.n_trained == 18
+    assert depths == [1] * 3  # three chunks, each in the block
+    assert heap._KEEPER.depth == 0
+    assert len(calls) == 5 * 3  # entered and left once per chunk

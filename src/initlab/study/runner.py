@@ -46,6 +46,11 @@ plus the data set's number of features and classes, read from the loaded data. A
 has data-dependent steps (``orthogonal + lsuv``) is initialized in the worker that trains its
 chunk, from that data set's training split only, and trained with the chunk
 (:mod:`initlab.study.pipelines`); its init's cost is stored with it.
+
+Every chunk trains inside :func:`~initlab._core.heap.kept_heap` (glibc on Linux): a training
+step no longer faults in again the memory the step before gave back (12-13% of a CIFAR step on
+the strided AlexNet and ResNet-20 at batch 128, ``benchmarks/bench_heap_training.py``; the
+numbers are unchanged, only the allocator's settings).
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from initlab._core.heap import kept_heap
 from initlab.study.claims import (
     DEFAULT_HEARTBEAT_S,
     DEFAULT_STALE_AFTER_S,
@@ -162,7 +168,12 @@ def _train_chunk(
 
     fn = train_fn if train_fn is not None else _default_train_fn()
     factory = partial(build_model, n_in=data.n_features, n_classes=data.n_classes)
-    results = train_chunk(fn, configs, data.train, data.test, model_factory=factory, device=device)
+    # the training loop's steps take back what the previous one freed: keep the C heap
+    # (glibc: 12-13% of a CIFAR step's time in page faults otherwise; initlab._core.heap)
+    with kept_heap():
+        results = train_chunk(
+            fn, configs, data.train, data.test, model_factory=factory, device=device
+        )
     want = sorted(c.key() for c in configs)
     got = sorted(r.config.key() for r in results)
     if got != want:
