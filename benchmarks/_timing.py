@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import math
+import resource
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
+
+
+def minor_faults() -> int:
+    """This process's minor page faults so far (``getrusage``; 4 KiB pages on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def cifar_batch(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A CIFAR-shaped batch: ``n`` standard normal 3x32x32 images and labels in 0..9."""
+    return torch.randn(n, 3, 32, 32, generator=gen), torch.randint(0, 10, (n,), generator=gen)
 
 
 def sync() -> None:

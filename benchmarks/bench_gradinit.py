@@ -69,7 +69,7 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 import initlab.methods.gradinit as gradinit_module
-from _timing import interleaved_times
+from _timing import cifar_batch, interleaved_times
 from initlab._core.heap import kept_heap
 from initlab._core.rows import format_table
 from initlab.methods._alpha import AlphaAdam as _Adam
@@ -81,10 +81,6 @@ from initlab.methods._alpha import set_evaluation_modes as _set_evaluation_modes
 from initlab.methods._second_order import written_out_second_order as _written_out_second_order
 from initlab.methods.gradinit import _GradInitStep, gradinit_, overlap_batch
 from initlab.zoo import create_model
-
-
-def _batch(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.randn(n, 3, 32, 32, generator=gen), torch.randint(0, 10, (n,), generator=gen)
 
 
 def bench(
@@ -100,7 +96,7 @@ def bench(
 ) -> dict[str, object]:
     gen = torch.Generator().manual_seed(0)
     model.to(device)
-    s, nxt = (tuple(t.to(device) for t in _batch(batch, gen)) for _ in range(2))
+    s, nxt = (tuple(t.to(device) for t in cifar_batch(batch, gen)) for _ in range(2))
     s_tilde = overlap_batch(s, nxt, 0.5)
 
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)

@@ -34,17 +34,19 @@ import itertools
 import json
 import math
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.nn import functional as F
 
+sys.path.insert(0, str(Path(__file__).parent))
+from _timing import cifar_batch, minor_faults
 from initlab._core.heap import kept_heap
 from initlab._core.rows import format_table
 from initlab.methods._alpha import default_loss, evaluation_modes, nonzero, select_tensors
@@ -60,21 +62,13 @@ HEAPS = {
 }
 
 
-def _faults() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
-def _batch(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.randn(n, 3, 32, 32, generator=gen), torch.randint(0, 10, (n,), generator=gen)
-
-
 def _timed_block(fn: Callable[[], None], block: int, out: list[tuple[float, int]]) -> None:
     """``block`` calls of ``fn``; all but the first timed into ``out``."""
     for i in range(block):
-        f0, t0 = _faults(), time.process_time()
+        f0, t0 = minor_faults(), time.process_time()
         fn()
         if i:
-            out.append((time.process_time() - t0, _faults() - f0))
+            out.append((time.process_time() - t0, minor_faults() - f0))
 
 
 def measure(
@@ -85,7 +79,7 @@ def measure(
     torch.set_num_threads(1)
     model = create_model(model_name) if width is None else create_model(model_name, width=width)
     gen = torch.Generator().manual_seed(0)
-    s, nxt = (_batch(batch, gen) for _ in range(2))
+    s, nxt = (cifar_batch(batch, gen) for _ in range(2))
     s_tilde = overlap_batch(s, nxt, 0.5)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
     ts = select_tensors(model, "default", nonzero, "bench")
@@ -112,7 +106,7 @@ def measure(
         marks: list[tuple[float, int]] = []
         gradinit_(
             model, [s, nxt] * block, gamma=0.0, steps=block, keep_heap=keep,
-            progress=lambda row: marks.append((time.process_time(), _faults())),
+            progress=lambda row: marks.append((time.process_time(), minor_faults())),
         )  # fmt: skip
         out.extend((t1 - t0, f1 - f0) for (t0, f0), (t1, f1) in itertools.pairwise(marks))
 

@@ -47,7 +47,7 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 import initlab.methods.gradinit as gradinit_module
-from _timing import median_interval
+from _timing import cifar_batch, median_interval
 from initlab._core.heap import kept_heap
 from initlab._core.rows import format_table
 from initlab.methods._alpha import AlphaAdam, default_loss, evaluation_modes, nonzero
@@ -90,13 +90,7 @@ def phases(
 ) -> tuple[list[dict[str, object]], list[float]]:
     """The phase rows (medians, ms) and each round's objective / plain ratio."""
     gen = torch.Generator().manual_seed(0)
-    s, nxt = (
-        (
-            torch.randn(batch, 3, 32, 32, generator=gen),
-            torch.randint(0, 10, (batch,), generator=gen),
-        )
-        for _ in range(2)
-    )
+    s, nxt = (cifar_batch(batch, gen) for _ in range(2))
     s_tilde = overlap_batch(s, nxt, 0.5)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
     ts = _select(model, "default", nonzero, "bench")

@@ -16,22 +16,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.nn import functional as F
 
+sys.path.insert(0, str(Path(__file__).parent))
+from _timing import cifar_batch, minor_faults
 from initlab._core.heap import kept_heap
 from initlab._core.rows import format_table
 from initlab.zoo import create_model
-
-
-def _faults() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def measure(name: str, batch: int, steps: int, keep: bool) -> dict[str, float]:
@@ -40,12 +38,11 @@ def measure(name: str, batch: int, steps: int, keep: bool) -> dict[str, float]:
     model = create_model(name)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     gen = torch.Generator().manual_seed(0)
-    xs = [torch.randn(batch, 3, 32, 32, generator=gen) for _ in range(4)]
-    ys = [torch.randint(0, 10, (batch,), generator=gen) for _ in range(4)]
+    xs, ys = zip(*(cifar_batch(batch, gen) for _ in range(4)), strict=True)
     times, faults = [], []
     with kept_heap(keep):
         for i in range(steps):
-            f0, t0 = _faults(), time.process_time()
+            f0, t0 = minor_faults(), time.process_time()
             x, y = xs[i % 4], ys[i % 4]
             model.train()
             F.cross_entropy(model(x), y).backward()
@@ -56,7 +53,7 @@ def measure(name: str, batch: int, steps: int, keep: bool) -> dict[str, float]:
                 model(x)
             if i >= 2:
                 times.append(time.process_time() - t0)
-                faults.append(_faults() - f0)
+                faults.append(minor_faults() - f0)
     return {"ms": 1e3 * statistics.median(times), "faults": statistics.median(faults)}
 
 
