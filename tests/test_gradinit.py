@@ -290,6 +290,25 @@ def test_overlap_batch_composition() -> None:
     assert len(set(out[4:])) == 4 and set(out[4:]) <= set(range(100, 108))
 
 
+class _ObjectBatch:
+    """A batch object (a user's class with tensor attributes): one batch everywhere."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, split: str) -> None:
+        self.x, self.y, self.split = x, y, split
+
+
+def test_overlap_batch_of_batch_objects() -> None:
+    """S~ of batch objects holds the chosen examples of both (it was S itself, all of it)."""
+    s = _ObjectBatch(torch.arange(8).float().unsqueeze(1), torch.arange(8), "train")
+    nxt = _ObjectBatch(torch.arange(100, 108).float().unsqueeze(1), torch.arange(100, 108), "x")
+    out = overlap_batch(s, nxt, 0.5)
+    assert type(out) is _ObjectBatch and out is not s
+    assert out.y.tolist() == [0, 1, 2, 3, 100, 101, 102, 103]
+    assert torch.equal(out.x[:, 0].long(), out.y) and out.split == "train"
+    assert overlap_batch(s, nxt, 0.0).y.tolist() == list(range(100, 108))
+    assert s.y.tolist() == list(range(8))  # the batches are left as they were
+
+
 def test_gradinit_evaluates_s_tilde_from_s_and_the_next_batch() -> None:
     seen = []
 

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from initlab._core.pytree import find_path, flatten_tensors, map_tensors
+from initlab._core.pytree import children, find_path, flatten_tensors, map_tensors, rebuild
 
 __all__ = [
     "TARGET_KEYS",
@@ -47,6 +47,8 @@ __all__ = [
     "DataCounter",
     "DataUse",
     "TakenBatches",
+    "batch_children",
+    "batch_rebuild",
     "batch_size",
     "batch_tensors",
     "check_batch",
@@ -352,6 +354,24 @@ def batch_tensors(batch: Any) -> list[tuple[str, torch.Tensor]]:
     tensors = flatten_tensors(batch)
     fields = None if tensors else object_fields(batch)
     return tensors if fields is None else flatten_tensors(fields)
+
+
+def batch_children(node: Any) -> list[Any] | None:
+    """The children of a container (:func:`~initlab._core.pytree.children`) or the attributes of
+    a batch object (:func:`object_fields`); ``None`` for a leaf."""
+    parts = children(node)
+    if parts is None:
+        fields = object_fields(node)
+        parts = None if fields is None else list(fields.values())
+    return parts
+
+
+def batch_rebuild(node: Any, values: list[Any]) -> Any:
+    """``node`` rebuilt with ``values`` in place of its :func:`batch_children`."""
+    if children(node) is not None:
+        return rebuild(node, values)
+    fields = object_fields(node) or {}
+    return with_fields(node, dict(zip(fields, values, strict=True)))
 
 
 def object_fields(value: Any) -> dict[str, Any] | None:

@@ -126,14 +126,12 @@ from torch import nn
 
 from initlab._core.attention import with_math_attention
 from initlab._core.compiled import takes_compiled
-from initlab._core.data import DataCounter, batch_size
+from initlab._core.data import DataCounter, batch_children, batch_rebuild, batch_size
 from initlab._core.distributed import check_same_parameters, is_distributed, run_together
 from initlab._core.heap import kept_heap
 from initlab._core.knobs import renamed_kwargs, user_stacklevel
 from initlab._core.loss import LossLike, resolve_loss
 from initlab._core.method_report import MethodReport
-from initlab._core.pytree import children as _children
-from initlab._core.pytree import rebuild
 from initlab._core.reductions import sum_of_products, total_sum_of_squares
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows
@@ -226,15 +224,10 @@ class _Column(list):
     ragged tensors): concatenated as items, never sliced inside."""
 
 
-def _rebuild(node: Any, values: list[Any]) -> Any:
-    """:func:`~initlab._core.pytree.rebuild`, with a :class:`_Column` back to a plain list."""
-    return list(values) if isinstance(node, _Column) else rebuild(node, values)
-
-
-def _rows_of(batch: Any, index: torch.Tensor | slice) -> Any:
-    """The examples ``index`` of ``batch``: rows of every tensor with a dimension, and items of
-    every list below the top whose length is the batch size (:class:`_Column`)."""
-    n = batch_size(batch)
+def _rows_of(batch: Any, index: torch.Tensor | slice, n: int, column: type = _Column) -> Any:
+    """The examples ``index`` of ``batch`` (of ``n`` examples): rows of every tensor with a
+    dimension, and items of every list below the top whose length is ``n`` (as ``column``:
+    :class:`_Column` for :func:`_concat`, ``list`` for a batch as it is)."""
     picks = list(range(n)[index]) if isinstance(index, slice) else index.tolist()
 
     def visit(node: Any, top: bool) -> Any:
@@ -245,19 +238,11 @@ def _rows_of(batch: Any, index: torch.Tensor | slice) -> Any:
                 return node[index]
             return node.index_select(0, index.to(node.device))
         if isinstance(node, list) and not top and len(node) == n:
-            return _Column(node[i] for i in picks)
-        children = _children(node)
-        return node if children is None else _rebuild(node, [visit(c, False) for c in children])
+            return column(node[i] for i in picks)
+        parts = batch_children(node)
+        return node if parts is None else batch_rebuild(node, [visit(c, False) for c in parts])
 
     return visit(batch, True)
-
-
-def _plain(node: Any) -> Any:
-    """A batch from :func:`_rows_of` with its :class:`_Column` lists as plain lists."""
-    if isinstance(node, _Column):
-        return list(node)
-    children = _children(node)
-    return node if children is None else _rebuild(node, [_plain(c) for c in children])
 
 
 def _concat(a: Any, b: Any) -> Any:
@@ -267,17 +252,17 @@ def _concat(a: Any, b: Any) -> Any:
         return torch.cat([a, b]) if a.dim() >= 1 else a
     if isinstance(a, _Column):
         return list(a) + list(b)
-    children = _children(a)
-    if children is None:
+    parts = batch_children(a)
+    if parts is None:
         return a
-    others = _children(b)
-    if others is None or type(b) is not type(a) or len(others) != len(children):
+    others = batch_children(b)
+    if others is None or type(b) is not type(a) or len(others) != len(parts):
         raise ValueError(
             f"overlap_batch: the two batches differ in structure ({type(a).__name__} of "
-            f"{len(children)} entries against {type(b).__name__}); give every batch the same "
+            f"{len(parts)} entries against {type(b).__name__}); give every batch the same "
             "entries"
         )
-    return _rebuild(a, [_concat(x, y) for x, y in zip(children, others, strict=True)])
+    return batch_rebuild(a, [_concat(x, y) for x, y in zip(parts, others, strict=True)])
 
 
 def overlap_batch(
@@ -293,10 +278,11 @@ def overlap_batch(
     up). The result holds the first ``m`` examples of ``batch`` followed by the first ``B - m``
     examples of ``next_batch`` (all of it if it is shorter); with ``generator`` both are random
     subsets (drawn with it) instead of the first ones. ``overlap = 1`` returns ``batch`` itself.
-    Every tensor with at least one dimension, in a tensor, tuple, list, namedtuple, dict or
-    dataclass (nested), is sliced and concatenated along dim 0; every list inside the batch whose
-    length is the batch size (ids, per-image target dicts, ragged tensors) is a list of
-    examples: its items are chosen and concatenated; other leaves come from ``batch``.
+    Every tensor with at least one dimension, in a tensor, tuple, list, namedtuple, dict,
+    dataclass or batch object (nested), is sliced and concatenated along dim 0; every list
+    inside the batch whose length is the batch size (ids, per-image target dicts, ragged
+    tensors) is a list of examples: its items are chosen and concatenated; other leaves come
+    from ``batch``.
 
     Example:
         >>> s, nxt = torch.arange(4), torch.arange(10, 14)
@@ -310,15 +296,17 @@ def overlap_batch(
     m = math.floor(overlap * b + 0.5)
     if m >= b:
         return batch
-    fresh = min(b - m, batch_size(next_batch))
+    b_next = batch_size(next_batch)
+    fresh = min(b - m, b_next)
     gen = as_generator(generator)
-    if gen is None:
-        shared, new = _rows_of(batch, slice(0, m)), _rows_of(next_batch, slice(0, fresh))
-    else:
+    idx_s: torch.Tensor | slice = slice(0, m)
+    idx_n: torch.Tensor | slice = slice(0, fresh)
+    if gen is not None:
         idx_s = torch.randperm(b, generator=gen)[:m]
-        idx_n = torch.randperm(batch_size(next_batch), generator=gen)[:fresh]
-        shared, new = _rows_of(batch, idx_s), _rows_of(next_batch, idx_n)
-    return _concat(shared, new) if m else _plain(new)
+        idx_n = torch.randperm(b_next, generator=gen)[:fresh]
+    if not m:
+        return _rows_of(next_batch, idx_n, b_next, column=list)
+    return _concat(_rows_of(batch, idx_s, b), _rows_of(next_batch, idx_n, b_next))
 
 
 # --------------------------------------------------------------------------------------------------
