@@ -355,3 +355,19 @@ def test_ranks_that_disagree_raise_the_same_error_on_every_rank(
     assert text0 == text1
     assert fragment in text0, text0
     assert unchanged0 and unchanged1
+
+
+def _scripted_on_one_rank(rank: int, world_size: int) -> str | None:
+    try:
+        scale_output_(_scripted(), _batches(rank, 1))
+    except TypeError as err:
+        return str(err)
+    return None
+
+
+def test_a_one_rank_process_group_still_refuses_a_torchscript_model() -> None:
+    """With a process group of one rank the collective check does not run (it checks ranks
+    against each other only when there are several): the refusal is the eager one. (It was
+    skipped, and scale_output_ failed later: "no weight layer ran in the forward pass".)"""
+    (message,) = run_ranks(_scripted_on_one_rank, 1)
+    assert message is not None and "scale_output_: the model is a TorchScript module" in message

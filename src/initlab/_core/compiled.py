@@ -18,8 +18,9 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
 from torch import nn
+
+from initlab._core.distributed import is_distributed
 
 __all__ = ["scripted_error", "scripted_part", "takes_compiled", "uncompiled"]
 
@@ -58,7 +59,7 @@ def takes_compiled(fn: F | None = None, *, scripted: bool = False, collective: b
         if isinstance(kwargs.get("model"), nn.Module):
             kwargs["model"] = uncompiled(kwargs["model"])
         model = args[0] if args else kwargs.get("model")
-        together = collective and dist.is_available() and dist.is_initialized()
+        together = collective and is_distributed()  # then check_same_trainable refuses
         if not scripted and not together and isinstance(model, nn.Module):
             found = scripted_part(model)
             if found is not None:
