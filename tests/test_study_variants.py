@@ -328,6 +328,20 @@ def _old_store(path: Path) -> None:
     conn.close()
 
 
+def test_version_1_store_reads_read_only_without_an_upgrade(tmp_path: Path) -> None:
+    """A report opens the store read-only: a version-1 store reads as the upgraded one does (its
+    variants too; they failed with "no such table: variant_runs") and stays version 1."""
+    path = tmp_path / "old.sqlite"
+    _old_store(path)
+    before = path.read_bytes()
+    with Store(path, read_only=True) as store:
+        (row,) = store.records("old")
+        assert store.variants("old") == {"base": {row["key"]}}
+        assert store.records("old", variant="base") == [row]
+    assert path.read_bytes() == before
+    assert row["final_train_loss"] == 0.7 and row["input_norm"] == "none"
+
+
 def test_version_1_store_is_upgraded_and_reads_both_losses(tmp_path: Path) -> None:
     path = tmp_path / "old.sqlite"
     _old_store(path)

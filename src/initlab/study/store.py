@@ -218,7 +218,9 @@ def _open_read_only(path: Path | None, timeout: float) -> sqlite3.Connection:
         if "no such table" in str(err):
             raise ValueError(f"{path}: not an initlab study store (no meta table)") from err
         # a WAL store in a folder it cannot write its -shm file to: read it as immutable
-        conn = sqlite3.connect(f"{uri}&immutable=1", uri=True, isolation_level=None)
+        conn = sqlite3.connect(
+            f"{uri}&immutable=1", uri=True, timeout=timeout, isolation_level=None
+        )
         row = conn.execute("SELECT value FROM meta WHERE name = 'schema_version'").fetchone()
     version = int(row[0]) if row else 0
     if version not in (1, SCHEMA_VERSION):
@@ -227,6 +229,12 @@ def _open_read_only(path: Path | None, timeout: float) -> sqlite3.Connection:
             f"{path}: store schema version {version}, this initlab reads {SCHEMA_VERSION} (and "
             "1); use the initlab that wrote it"
         )
+    if version == 1:  # read as version 2: the tables it added, empty, for this connection only
+        have = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        for statement in _SCHEMA.split(";"):
+            table = statement.split("EXISTS", 1)[-1].split("(", 1)[0].strip()
+            if "CREATE TABLE" in statement and table not in have:
+                conn.execute(statement.replace("CREATE TABLE", "CREATE TEMP TABLE", 1))
     return conn
 
 
