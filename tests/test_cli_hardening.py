@@ -713,3 +713,30 @@ def test_bench_takes_debug_and_names_its_subcommands(
     assert code == 2 and "required: {run,report}" in err
     code, _, err = _run([], capsys)
     assert code == 2 and "required: {schemes,init,diagnose,doctor,data,bench,demo}" in err
+
+
+_COUNTED_LOSS = """
+from pathlib import Path
+import torch.nn.functional as F
+
+with Path("runs.txt").open("a") as f:
+    f.write("ran\\n")
+
+def loss(model, batch):
+    return F.cross_entropy(model(batch[0]), batch[1])
+"""
+
+
+def test_a_loss_file_runs_once_per_command(cli_dir: Path, capsys: pytest.CaptureFixture[str]):
+    """--loss file.py:fn is resolved when the options are checked and used later: the file is
+    executed once (it ran twice), and again once it changes."""
+    (cli_dir / "lossfile.py").write_text(_COUNTED_LOSS)
+    argv = ["diagnose", "--model", "mods.py:mlp", "--data", "mods.py:data_ok",
+            "--loss", "lossfile.py:loss"]  # fmt: skip
+    code, _, err = _run(argv, capsys)
+    assert code == 0, err
+    assert (cli_dir / "runs.txt").read_text() == "ran\n"
+    (cli_dir / "lossfile.py").write_text(_COUNTED_LOSS + "\n# changed\n")
+    code, _, err = _run(argv, capsys)
+    assert code == 0, err
+    assert (cli_dir / "runs.txt").read_text() == "ran\nran\n"

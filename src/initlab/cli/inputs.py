@@ -11,6 +11,7 @@ Every error names the flag it is about (``--model``, ``--data``, ``--loss``) and
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import json
@@ -43,6 +44,17 @@ DATA_SPECS = (
 )
 
 
+@functools.lru_cache(maxsize=16)
+def _run_file(path: str, mtime_ns: int, size: int) -> Any:
+    """The module of the Python file ``path``, executed once per version of the file (a
+    ``--loss`` file is resolved when the options are checked and again when it is used)."""
+    mod_spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+    assert mod_spec is not None and mod_spec.loader is not None
+    module = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(module)
+    return module
+
+
 def load_factory(spec: str, flag: str = "--model") -> Any:
     """Resolve ``"pkg.module:factory"`` or ``"path/to/file.py:factory"`` to the callable; errors
     name ``flag`` (the option the spec came from)."""
@@ -58,11 +70,9 @@ def load_factory(spec: str, flag: str = "--model") -> Any:
             raise ValueError(f"{flag} {path} is a folder, not a Python file")
         if not path.is_file():
             raise ValueError(f"{flag} file {path} does not exist")
-        mod_spec = importlib.util.spec_from_file_location(path.stem, path)
-        assert mod_spec is not None and mod_spec.loader is not None
-        module = importlib.util.module_from_spec(mod_spec)
+        stat = path.stat()
         try:
-            mod_spec.loader.exec_module(module)
+            module = _run_file(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
         except (Exception, SystemExit) as err:  # the user's file: any failure is bad input
             detail = str(err).strip()
             if isinstance(err, SyntaxError):
@@ -146,14 +156,14 @@ def has_targets(batch: Any) -> bool:
     return isinstance(batch, (tuple, list)) and len(batch) >= 2
 
 
-def check_loss_name(name: str) -> None:
-    """Refuse a ``--loss`` that is neither a name of :data:`LOSSES` nor ``pkg.module:fn`` (which
-    is resolved now), before any work."""
+def check_loss_name(name: str) -> Any:
+    """Refuse a ``--loss`` that is neither a name of :data:`LOSSES` nor ``pkg.module:fn``, before
+    any work; the function ``pkg.module:fn`` names (resolved now), ``None`` for a name."""
     if name in LOSSES:
-        return
+        return None
     if ":" not in name:
         raise ValueError(f"unknown --loss {name!r}; valid: {', '.join(LOSSES)} or pkg.module:fn")
-    load_factory(name, "--loss")
+    return load_factory(name, "--loss")
 
 
 def check_data_spec(spec: str) -> None:
@@ -210,11 +220,7 @@ def load_loss(name: str, *, seed: int, targets: bool) -> Loss | Any:
             ``--loss random_quadratic``.
     """
     if name not in LOSSES:
-        if ":" not in name:
-            raise ValueError(
-                f"unknown --loss {name!r}; valid: {', '.join(LOSSES)} or pkg.module:fn"
-            )
-        return load_factory(name, "--loss")
+        return check_loss_name(name)
     if not targets and name in ("auto", "cross_entropy", "mse"):
         raise ValueError(
             f"--loss {name} needs targets, and the batches of --data hold inputs only; pass "
