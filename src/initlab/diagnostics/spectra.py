@@ -448,10 +448,11 @@ def layer_spectra(
     svd_cache: dict[int, tuple[float, float]] = {}
     for name, module in model.named_modules():
         for pname, w in _weight_params(module):
-            sv_max, sv_mean, note = _svd_entry(w, max_svd_elements, svd_cache)
+            bad = int((~w.detach().isfinite()).sum())  # NaN/inf: no SVD, no operator norm
+            sv_max, sv_mean, note = _svd_entry(w, bad, max_svd_elements, svd_cache)
             in_shape = tuple(shapes[name]) if name in shapes else None
             op_norm, method, matvecs = math.nan, "", 0
-            finite = bool(w.detach().isfinite().all())  # else no operator norm (a note says so)
+            finite = bad == 0  # else no operator norm (a note says so)
             if finite and isinstance(module, tuple(_CONVS)):
                 op_norm, method, matvecs = _conv_entry(
                     module, in_shape, name in multiple, note, tol, max_matvecs, generator
@@ -590,12 +591,12 @@ def _maximal(indices: list[int], blocks: list[tuple[str, set[str], Any]]) -> lis
 
 @without_autocast  # called inside the user's autocast: eigh/svd take no bfloat16
 def _svd_entry(
-    w: torch.Tensor, max_elements: int, cache: dict[int, tuple[float, float]]
+    w: torch.Tensor, bad: int, max_elements: int, cache: dict[int, tuple[float, float]]
 ) -> tuple[float, float, list[str]]:
-    """``(sv_max, sv_mean, notes)`` of one weight, computed once per tensor (ties share it)."""
+    """``(sv_max, sv_mean, notes)`` of one weight with ``bad`` non-finite values, computed once
+    per tensor (ties share it)."""
     if w.numel() > max_elements:
         return math.nan, math.nan, [f"{w.numel()} elements > max_svd_elements: no exact SVD"]
-    bad = int((~w.detach().isfinite()).sum())
     if bad:
         return math.nan, math.nan, [f"{bad} non-finite value(s) (NaN or inf) in the weight"]
     if id(w) not in cache:

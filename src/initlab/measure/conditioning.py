@@ -225,13 +225,12 @@ def _ratio(num: float, den: float) -> float:
 
 
 def _layers(
-    probe: MomentProbe, model: nn.Module, reg: Registry
+    table: Rows, modules: Mapping[str, nn.Module], reg: Registry
 ) -> list[tuple[str, nn.Module, ParamSpec, str | None]]:
     """``(name, module, weight spec, bias name)`` of every probed weight layer, in the order of
-    ``probe.table()`` (execution order)."""
-    modules = dict(model.named_modules())
+    the probe's ``table`` (execution order)."""
     layers = []
-    for t in probe.table():
+    for t in table:
         module = modules.get(t["layer"])
         spec = None if module is None else _weight_spec(module, reg)
         if spec is not None:
@@ -521,7 +520,8 @@ def gr_scaling(
     unknown = sorted(set(alpha) - {n for n, _ in model.named_modules()})
     if unknown:
         raise ValueError(f"alpha names modules the model does not have: {unknown}")
-    layers = _layers(probe, model, reg)
+    table, modules = probe.table(), dict(model.named_modules())
+    layers = _layers(table, modules, reg)
     values = _probe_values(probe)
     _check_one_forward(probe, values)
     sums = _moment_sums(values, layers, all_reduce)
@@ -529,8 +529,7 @@ def gr_scaling(
         name: _gr_row(name, module, spec, bias, sums[i], float(alpha.get(name, 1.0)), examples)
         for i, (name, module, spec, bias) in enumerate(layers)
     }
-    modules = dict(model.named_modules())
-    found = (claimed.get(t["layer"]) or _unclaimed_row(t, modules, reg) for t in probe.table())
+    found = (claimed.get(t["layer"]) or _unclaimed_row(t, modules, reg) for t in table)
     rows = [r for r in found if r is not None]
     finite = [r["gamma_w"] for r in rows if math.isfinite(r["gamma_w"]) and r["gamma_w"] > 0]
     if finite:
