@@ -54,6 +54,7 @@ __all__ = [
     "check_batch",
     "data_use",
     "default_forward",
+    "examples_in",
     "first_tensor",
     "forward_args",
     "is_single_batch",
@@ -354,6 +355,14 @@ def batch_tensors(batch: Any) -> list[tuple[str, torch.Tensor]]:
     tensors = flatten_tensors(batch)
     fields = None if tensors else object_fields(batch)
     return tensors if fields is None else flatten_tensors(fields)
+
+
+def examples_in(batch: Any) -> int:
+    """The batch's examples (:func:`batch_size`), 0 for a batch object that holds no tensor."""
+    try:
+        return batch_size(batch)
+    except TypeError:
+        return 0
 
 
 def batch_children(node: Any) -> list[Any] | None:

@@ -36,14 +36,12 @@ import torch
 from torch import nn
 
 from initlab._core.compiled import takes_compiled
-from initlab._core.data import forward_args, take_batches
+from initlab._core.data import examples_in, forward_args, take_batches
 from initlab._core.loss import (
     Loss,
     LossLike,
-    backward_of,
     batch_reduction,
     check_trainable,
-    example_count,
     resolve_loss,
 )
 from initlab._core.rng import as_generator
@@ -58,6 +56,7 @@ from initlab.measure.conditioning import gr_scaling, imbalance
 from initlab.measure.curvature import block_curvature, theory_vs_actual
 from initlab.measure.landscape import loss_landscape
 from initlab.measure.probe import MomentProbe
+from initlab.measure.probe.moment_probe import probed_backward
 from initlab.measure.residual import _user_blocks
 
 __all__ = ["diagnose"]
@@ -67,15 +66,6 @@ _NAN = math.nan
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def _examples(batch: Any) -> int:
-    from initlab._core.data import batch_size
-
-    try:
-        return batch_size(batch)
-    except (StopIteration, IndexError, TypeError):
-        return 0
 
 
 # ----------------------------------------------------------------------------- diagnose
@@ -313,12 +303,8 @@ def _one_pass(
             say(f"batch {i + 1}/{len(batches)}: forward + backward under the probe")
             for p in params:
                 p.grad = None
-            probe.example_count = example_count(loss_fn, batch)
-            loss = loss_fn(model, batch)
-            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                raise ValueError("loss_fn(model, batch) must return a scalar tensor")
+            loss = probed_backward(probe, loss_fn, model, batch, "diagnose")
             losses.append(float(loss.detach()))
-            backward_of(loss, "diagnose")
             if grad_acc is not None:
                 grad_acc.update()
     return losses
@@ -356,7 +342,7 @@ def _gr_scaling(
     """γ (:func:`initlab.gr_scaling`) and its imbalance; ``None`` (with a note) where it fails."""
     gr: Rows | None = None
     try:
-        examples = sum(_examples(b) for b in batches)
+        examples = sum(examples_in(b) for b in batches)
         use = examples if batch_dim in (None, 0) and examples > 0 else None
         gr = gr_scaling(probe, model, alpha=alpha, examples=use)
         run.tables["gr_scaling"] = gr
@@ -455,7 +441,7 @@ def _meta(
     return {
         "model": name,
         "batches": len(batches),
-        "examples": sum(_examples(b) for b in batches),
+        "examples": sum(examples_in(b) for b in batches),
         "loss": losses,
         "options": options,
         "imbalance": imb,

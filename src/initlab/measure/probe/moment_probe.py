@@ -20,7 +20,7 @@ from torch import nn
 
 from initlab._core.autocast import without_autocast
 from initlab._core.compiled import scripted_error, takes_compiled, uncompiled
-from initlab._core.data import DataUse, batch_size, default_forward, iter_batches
+from initlab._core.data import DataUse, default_forward, examples_in, iter_batches
 from initlab._core.hooks import HookContext, HookHandles
 from initlab._core.knobs import check_kwargs, parameter_names, renamed_kwargs, user_stacklevel
 from initlab._core.loss import (
@@ -845,7 +845,7 @@ def measure_moments(
         with probe:
             for batch in iter_batches(data, max_batches, what="measure_moments"):
                 n_batches += 1
-                n_examples += _examples(batch)
+                n_examples += examples_in(batch)
                 _run(probe, model, batch, loss, params)
     if n_batches == 0:
         raise ValueError("measure_moments got no batch: the data is empty")
@@ -867,15 +867,17 @@ def _run(
         with torch.no_grad():
             default_forward(model, batch)
         return
-    probe.example_count = example_count(loss, batch)
-    backward_of(loss(model, batch), "measure_moments")
+    probed_backward(probe, loss, model, batch, "measure_moments")
     for p in params:
         p.grad = None
 
 
-def _examples(batch: Any) -> int:
-    """The batch's examples (0 for a custom object that holds no tensor)."""
-    try:
-        return batch_size(batch)
-    except TypeError:
-        return 0
+def probed_backward(
+    probe: MomentProbe, loss: Loss, model: nn.Module, batch: Any, what: str
+) -> torch.Tensor:
+    """``loss(model, batch)`` and its backward under ``probe``, which is told first how many
+    examples the loss averages over (:func:`~initlab._core.loss.example_count`); the loss."""
+    probe.example_count = example_count(loss, batch)
+    value = loss(model, batch)
+    backward_of(value, what)
+    return value
