@@ -525,17 +525,22 @@ def _declared_reduction(fn: Any) -> str | None:
     return value if value in ("mean", "sum") else None
 
 
-def backward_of(loss: torch.Tensor, what: str) -> None:
-    """``loss.backward()``, after checking that the loss carries a gradient: one that does not
-    (the user's loss detached the outputs, or ran under ``torch.no_grad()``) raises a message
-    saying so rather than torch's "element 0 of tensors does not require grad"."""
+def require_grad(loss: torch.Tensor, what: str = "") -> torch.Tensor:
+    """``loss``, after checking that it carries a gradient: one that does not (the user's loss
+    detached the outputs, or ran under ``torch.no_grad()``) raises a message saying so rather
+    than torch's "element 0 of tensors does not require grad" (prefixed by ``what``)."""
     if not loss.requires_grad:
         raise ValueError(
-            f"{what}: the loss does not depend on the model's parameters: it carries no gradient "
-            "(computed from detached outputs, under torch.no_grad(), or from no trainable "
-            "parameter); return a loss computed from the model's outputs"
+            f"{what + ': ' if what else ''}the loss does not depend on the model's parameters: it "
+            "carries no gradient (computed from detached outputs, under torch.no_grad(), or from "
+            "no trainable parameter); return a loss computed from the model's outputs"
         )
-    loss.backward()
+    return loss
+
+
+def backward_of(loss: torch.Tensor, what: str) -> None:
+    """``loss.backward()``, the loss checked first (:func:`require_grad`)."""
+    require_grad(loss, what).backward()
 
 
 def check_trainable(model: nn.Module, what: str) -> None:

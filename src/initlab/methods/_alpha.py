@@ -40,7 +40,7 @@ from initlab._core.distributed import (
     run_together,
     world_size,
 )
-from initlab._core.loss import Loss, resolve_loss
+from initlab._core.loss import Loss, require_grad, resolve_loss
 from initlab._core.rows import split_name
 from initlab._core.state import model_kept
 from initlab.init.registry import default_registry
@@ -268,12 +268,8 @@ def loss_at(
             f"loss_fn must return a scalar tensor, got "
             f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}"
         )
-    if torch.is_grad_enabled() and not loss.requires_grad:
-        raise ValueError(
-            "the loss does not depend on the model's parameters: it carries no gradient "
-            "(computed from detached outputs, under torch.no_grad(), or from no trainable "
-            "parameter); return a loss computed from the model's outputs"
-        )
+    if torch.is_grad_enabled():
+        require_grad(loss)
     return loss.reshape(())
 
 

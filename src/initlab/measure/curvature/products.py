@@ -24,6 +24,7 @@ from torch import nn
 
 from initlab._core.attention import with_math_attention
 from initlab._core.knobs import renamed_kwargs
+from initlab._core.loss import require_grad
 from initlab._core.pytree import flatten_tensors, map_tensors
 
 __all__ = ["DoubleBackwardError", "Mode", "ggn_vector_product", "hessian_vector_product"]
@@ -92,18 +93,6 @@ def _check_scalar(value: Any, what: str) -> torch.Tensor:
         shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
         raise ValueError(f"{what} must return a real floating-point scalar tensor, got {shape}")
     return value.reshape(())
-
-
-def _check_differentiable(loss: torch.Tensor) -> torch.Tensor:
-    """Raise if the loss carries no gradient (autograd would say "element 0 of tensors does not
-    require grad" from inside the product)."""
-    if not loss.requires_grad:
-        raise ValueError(
-            "the loss does not depend on the parameters: it carries no gradient (computed from "
-            "detached outputs, under torch.no_grad(), or from no parameter of the model); return a "
-            "loss computed from the model's outputs"
-        )
-    return loss
 
 
 _FORWARD_AD_READY = False
@@ -275,7 +264,7 @@ class _HessianEngine:
         self.mode = mode
         self.leaves = tuple(p.detach().requires_grad_(True) for p in params)
         with torch.enable_grad():
-            loss = _check_differentiable(_check_scalar(f(self.leaves), "f"))
+            loss = require_grad(_check_scalar(f(self.leaves), "f"))
             grads = torch.autograd.grad(
                 loss, self.leaves, create_graph=(mode == "rev_rev"), allow_unused=True
             )
@@ -325,7 +314,7 @@ class _GGNEngine:
             outs = [t for _, t in flatten_tensors(out)]
             if not outs:
                 raise ValueError("model_fn returned no tensor")
-            loss = _check_differentiable(_check_scalar(loss_fn(out), "loss_fn_on_outputs"))
+            loss = require_grad(_check_scalar(loss_fn(out), "loss_fn_on_outputs"))
             grads = torch.autograd.grad(loss, self.leaves, retain_graph=True, allow_unused=True)
         self.loss = loss.detach()
         self.used = [g is not None for g in grads]
