@@ -429,7 +429,7 @@ def example_count(loss: Loss, batch: Any) -> float | None:
     with ``reduction="sum"``, and an ignored example's is zero. ``None``: the batch size (no target
     ignored, no class weights), or unknown (any other loss).
     """
-    fn = _class_criterion(loss, batch)
+    fn = _class_criterion(loss)
     if fn is None or loss.reduction not in ("mean", None):
         return None
     try:
@@ -452,17 +452,17 @@ def target_count(loss: Loss, batch: Any) -> float | None:
         y = _target(batch, None)
     except TargetError:
         return None
-    fn = _class_criterion(loss, batch)
+    fn = _class_criterion(loss)
     if fn is None or y.is_floating_point():
         return float(y.numel())
     return _counted(fn, y)
 
 
-def _class_criterion(loss: Loss, batch: Any) -> Any:
-    """The torch cross-entropy/NLL function or module ``loss`` applies on ``batch``, or ``None``:
-    a criterion's own; ``F.cross_entropy`` for initlab's ``"cross_entropy"`` and ``"auto"``, and
-    for the model's own loss (``None`` on a dict batch, ``"model"``) on integer labels, read by the
-    Hugging Face convention (a mean over the labels that are not -100)."""
+def _class_criterion(loss: Loss) -> Any:
+    """The torch cross-entropy/NLL function or module ``loss`` applies, or ``None``: a
+    criterion's own; ``F.cross_entropy`` for initlab's ``"cross_entropy"`` and ``"auto"``, and
+    for the model's own loss (``None`` on a dict batch, ``"model"``), read by the Hugging Face
+    convention (a mean over the labels that are not -100; the callers check the labels)."""
     fn = getattr(loss, "criterion_fn", None)
     if fn is None and (loss.name in ("auto", "cross_entropy") or loss.form == "model_output"):
         fn = F.cross_entropy
