@@ -19,6 +19,7 @@ from initlab._core.compiled import takes_compiled
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows, join_name
 from initlab.init._plan import (
+    _FROZEN_NOTE,
     add_unclaimed,
     assign_roles,
     check_bias,
@@ -103,7 +104,7 @@ class InitReport(Rows):
         return [
             join_name(r["layer"], r["param"])
             for r in self._rows
-            if r["note"] and r["note"].startswith("frozen") and not r["tied_to"]
+            if r["note"] and r["note"].startswith(_FROZEN_NOTE) and not r["tied_to"]
         ]
 
     def __str__(self) -> str:

@@ -427,6 +427,7 @@ class _Balancing:
         self.modules, self.seeds, self.registry = modules, seeds, registry
         self.probe_kwargs = probe_kwargs
         self.dist = is_distributed()
+        self.tied = _shared_weight_layers(model)  # in-place rescaling never changes the ties
         self.n_examples: int | None = None
         if probe_kwargs.get("batch_dim") in (None, 0):
             examples = torch.tensor(
@@ -457,10 +458,9 @@ class _Balancing:
             p, self.model, examples=self.n_examples, registry=self.registry, all_reduce=self.dist
         )
         attention = self.attention()
-        tied = _shared_weight_layers(self.model)
         out = rows.to_rows()
         for r in out:
-            if r["layer"] in tied:
+            if r["layer"] in self.tied:
                 r["kind"] = "tied"
             elif r["layer"] in attention and r["kind"] == "mlp":
                 r["kind"] = "attention"
