@@ -132,8 +132,6 @@ _ERRORS: dict[str, tuple[list[str], int, str, tuple[str, ...]]] = {
         "No such file or directory: /proc/doc (--out: cannot create the folder", ()),
     "demo --out an existing file": (["demo", "--out", "afile"], 2,
                                     "--out afile: afile is a file", ()),
-    "bench report --out an existing file": (
-        ["bench", "report", "mods.py", "--out", "afile"], 2, "is not a SQLite store", ()),
     # 8: the library's wording said with the flags
     "doctor --fix nosuch": (
         ["doctor", "--model", "mods.py:mlp", "--data", "random:4", "--fix", "nosuch"], 2,
@@ -655,6 +653,8 @@ def test_bench_report_without_the_default_reference_and_on_read_only_stores(
     assert code == 2 and "--reference 'geometric' is not a scheme of my st/s.sqlite" in err
     code, _, err = _run([*report, "--out", ""], capsys)
     assert code == 2 and "--out is empty" in err
+    code, _, err = _run([*report, "--out", "afile"], capsys)
+    assert code == 2 and "--out afile: afile is a file" in err
     # 2, 3: a store that cannot be written: reported (read-only: nothing written beside it);
     # running into it is refused before anything is made
     for ro in (cli_dir / "my st" / "s.sqlite", cli_dir / "my st"):

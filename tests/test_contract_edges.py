@@ -116,12 +116,13 @@ def test_a_list_of_custom_objects_is_many_batches(kind: type) -> None:
         assert ra["E_x2"] == pytest.approx(rb["E_x2"], rel=1e-6)
 
 
-@pytest.mark.parametrize("entry", ["gradinit_", "metainit_"])
-def test_object_batches_reach_the_alpha_methods(entry: str) -> None:
+@pytest.mark.parametrize("entry, examples", [("gradinit_", 30), ("metainit_", 20)])
+def test_object_batches_reach_the_alpha_methods(entry: str, examples: int) -> None:
+    """Two steps read 3 batches of 10 (GradInit's S~ takes the next one) and 2 (MetaInit)."""
     x, y = _data()
     data = [_DC(x[i : i + 10], y[i : i + 10]) for i in range(0, 40, 10)]
     report = getattr(initlab, entry)(_ObjNet(), data, _obj_loss, steps=2, generator=0)
-    assert report.used.examples > 0
+    assert report.used.examples == examples
 
 
 class _Listed:

@@ -202,16 +202,6 @@ def test_gradinit_gives_the_heap_back_when_it_fails(fake):
     assert heap._KEEPER.depth == 0
 
 
-def test_gradinit_same_result_with_and_without_a_kept_heap():
-    results = []
-    for keep in (True, False):
-        net, batches = _net_and_batches()
-        gradinit_(net, batches, gamma=0.5, keep_heap=keep)
-        results.append([p.detach().clone() for p in net.parameters()])
-    for a, b in zip(*results, strict=True):
-        assert torch.equal(a, b)
-
-
 @pytest.mark.parametrize("keep", [True, False])
 def test_metainit_keeps_the_heap_for_its_steps_only(fake, keep):
     net, batches = _net_and_batches()

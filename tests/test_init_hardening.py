@@ -377,6 +377,8 @@ def test_a_classifiers_out_proj_is_not_an_attention_projection() -> None:
     rows = _rows(
         initlab.init_model(transformers.RobertaForSequenceClassification(config), generator=0)
     )
-    assert rows["classifier.out_proj.weight"]["gain_from"] != "none: attention projection"
+    # the head: no nonlinearity after it (it was labelled an attention projection by its name)
+    head = rows["classifier.out_proj.weight"]["gain_from"]
+    assert head == "scheme (no nonlinearity found after it)"
     query = rows["roberta.encoder.layer.0.attention.self.query.weight"]
     assert query["gain_from"] == "none: attention projection"

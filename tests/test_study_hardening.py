@@ -552,7 +552,7 @@ def test_a_store_opened_read_only_reads_and_writes_nothing(tmp_path: Path) -> No
 
     path = tmp_path / "s.sqlite"
     with Store(path) as store:
-        store.register_study("x", {"name": "x"}, {"": []})
+        store.register_study("x", {"name": "x"}, [])
     with Store(path, read_only=True) as store:
         assert "x" in store.studies()
         with pytest.raises(sqlite3.OperationalError, match="readonly"):
