@@ -420,8 +420,6 @@ def _loss_help(prefix: str) -> str:
 
 Subparsers = Any  # argparse's private _SubParsersAction
 
-_positive_int = positive_int  # the name tests and older code import
-
 
 def _add_schemes(sub: Subparsers) -> None:
     p = sub.add_parser("schemes", help="list the initialization schemes with their formulas")
