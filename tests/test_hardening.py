@@ -937,3 +937,60 @@ def test_cli_data_takes_the_names_initlab_data_lists(
     assert set(torch.load(cli_dir / "out.pt")) == {"0.weight", "0.bias", "2.weight", "2.bias"}
     rows = json.loads((cli_dir / "r.json").read_text())
     assert len(rows) == 4 and all(r["alpha"] > 0 for r in rows)
+
+
+# ----------------------------------------------------------------------------- frozen tensors
+# Every method keeps a tensor with requires_grad=False as it is (init_model, lsuv_, gradinit_ and
+# metainit_ did; precondition_(how="rescale") and scale_output_(how="fold") changed it).
+
+
+def _chain(frozen: int) -> tuple[nn.Module, list]:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+        nn.Linear(32, 3),
+    )  # fmt: skip
+    with torch.no_grad():
+        model[2].weight.mul_(5.0)  # unbalanced: rescaling moves every layer but the frozen one
+    model[frozen].requires_grad_(False)
+    gen = torch.Generator().manual_seed(1)
+    data = [(torch.randn(64, 8, generator=gen), torch.randint(0, 3, (64,), generator=gen))] * 2
+    return model, data
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("how", ["lr", "rescale"])
+def test_precondition_keeps_a_frozen_layer_at_alpha_one(how: str) -> None:
+    model, data = _chain(frozen=0)  # the first layer: nothing before it is rescaled
+    before = _state(model)
+    report = initlab.precondition_(model, data, how=how)
+    (row,) = [r for r in report if r["layer"] == "0"]
+    assert row["kind"] == "frozen" and row["alpha"] == 1.0
+    assert torch.equal(model[0].weight, before["0.weight"])
+    assert torch.equal(model[0].bias, before["0.bias"])
+    if how == "rescale":
+        assert not torch.equal(model[2].weight, before["2.weight"])  # the others did move
+
+
+def test_precondition_rescale_refuses_to_change_a_frozen_bias() -> None:
+    """A frozen layer after a rescaled one: its bias would take the chain's product."""
+    model, data = _chain(frozen=2)
+    before = _state(model)
+    with pytest.raises(ValueError, match=r"would change the frozen tensor\(s\) \['2\.bias'\]"):
+        initlab.precondition_(model, data, how="rescale")
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    with pytest.raises(ValueError, match=r"module\(s\) \['2'\] keep alpha = 1.*frozen"):
+        initlab.precondition_(model, data, modules=["0", "2"])
+
+
+def test_scale_output_does_not_fold_into_a_frozen_head() -> None:
+    model, data = _chain(frozen=6)
+    before = _state(model)
+    with pytest.raises(ValueError, match=r"cannot fold the output scale into '6': 6\.weight, "):
+        initlab.scale_output_(model, data, how="fold")
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())

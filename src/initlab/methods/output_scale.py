@@ -392,6 +392,7 @@ def scale_output_(
                 raise ValueError("no weight layer ran in the forward pass: nothing to fold into")
             info["layer"] = name
             _refuse_tied(model, name, reg)
+            _refuse_frozen(model, name, reg)
             _fold_checked(model, name, s, reg, batches[0], outs[0], forward, seeds)
             passes += 1
     if how == "hook":
@@ -479,6 +480,25 @@ def _refuse_tied(model: nn.Module, name: str, registry: Registry) -> None:
             f"({'; '.join(dict.fromkeys(ties))}), so scaling it would scale the tied module too. "
             "Use how='hook' (a removable forward hook on the model, or on this layer with "
             f"module={name!r}) or how='module' (an OutputScale module to append)"
+        )
+
+
+def _refuse_frozen(model: nn.Module, name: str, registry: Registry) -> None:
+    """Raise if the weight of layer ``name`` is frozen (``requires_grad=False``): folding would
+    change a tensor the user holds fixed (every initlab method keeps frozen tensors)."""
+    layer = dict(model.named_modules())[name]
+    frozen = [
+        join_name(name, spec.name)
+        for spec in registry.specs(layer) or []
+        if spec.role in ("weight", "bias")
+        and isinstance(t := getattr(layer, spec.name), torch.Tensor)
+        and not t.requires_grad
+    ]
+    if frozen:
+        raise ValueError(
+            f"cannot fold the output scale into {name!r}: {', '.join(frozen)} is frozen "
+            "(requires_grad=False). Use how='hook' or how='module' (the frozen weights stay as "
+            "they are), or unfreeze the layer"
         )
 
 

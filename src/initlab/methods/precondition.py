@@ -45,7 +45,7 @@ from initlab._core.knobs import check_kwargs, parameter_names, renamed_kwargs
 from initlab._core.loss import LossLike, check_trainable, resolve_loss
 from initlab._core.method_report import MethodReport
 from initlab._core.rng import Seeds
-from initlab._core.rows import Rows
+from initlab._core.rows import Rows, join_name
 from initlab._core.state import preserved_state, restore_on_failure
 from initlab.init.registry import Registry, default_registry
 from initlab.measure.conditioning import gr_scaling, imbalance, with_multipliers
@@ -284,7 +284,8 @@ def precondition_(
     A layer whose weight is shared with another module (a head tied to the input embedding, a
     weight reused by two layers) keeps ``alpha = 1`` too, reported with ``kind="tied"``: one
     tensor cannot take two multipliers, and one given to a single use would change the function.
-    Biases are not given multipliers.
+    A layer whose weight is frozen (``requires_grad=False``) keeps ``alpha = 1``, reported with
+    ``kind="frozen"`` (``how="rescale"`` changed it in place). Biases are not given multipliers.
 
     Args:
         model: the model.
@@ -428,6 +429,11 @@ class _Balancing:
         self.probe_kwargs = probe_kwargs
         self.dist = is_distributed()
         self.tied = _shared_weight_layers(model)  # in-place rescaling never changes the ties
+        self.frozen = {  # _parameters: reading a parametrized weight would run its forward
+            name
+            for name, m in model.named_modules()
+            if (w := m._parameters.get("weight")) is not None and not w.requires_grad
+        }
         self.n_examples: int | None = None
         if probe_kwargs.get("batch_dim") in (None, 0):
             examples = torch.tensor(
@@ -462,6 +468,8 @@ class _Balancing:
         for r in out:
             if r["layer"] in self.tied:
                 r["kind"] = "tied"
+            elif r["layer"] in self.frozen:
+                r["kind"] = "frozen"
             elif r["layer"] in attention and r["kind"] == "mlp":
                 r["kind"] = "attention"
         return Rows(out, rows.columns, title=rows.title, used=rows.used)
@@ -497,12 +505,12 @@ class _Balancing:
         if modules is not None:
             missing = sorted(set(modules) - {r["layer"] for r in keep})
             kinds = {r["layer"]: r["kind"] for r in rows}
-            fixed = [m for m in missing if kinds.get(m) in ("tied", "attention")]
+            fixed = [m for m in missing if kinds.get(m) in ("tied", "frozen", "attention")]
             if fixed:
                 raise ValueError(
                     f"module(s) {fixed} keep alpha = 1 (kind "
                     f"{sorted({kinds[m] for m in fixed})}: a weight shared with another module, "
-                    "or an attention projection): leave them out of modules="
+                    "a frozen weight, or an attention projection): leave them out of modules="
                 )
             if missing:
                 raise ValueError(f"no finite gamma for module(s) {missing}: cannot balance them")
@@ -572,21 +580,31 @@ def _rescale_(
     registry: Registry,
 ) -> None:
     """Multiply weight ``l`` by ``r_l`` and bias ``l`` by ``C_l`` (execution order); check the
-    function is unchanged on the first batch."""
+    function is unchanged on the first batch. A frozen tensor (``requires_grad=False``) that
+    would change is refused before anything changes."""
     modules = dict(model.named_modules())
+    factors: list[tuple[str, torch.Tensor, float]] = []
+    cumulative = 1.0
+    for name in order:
+        r = ratios.get(name, 1.0)
+        cumulative *= r
+        for spec in registry.specs(modules[name]) or []:
+            if spec.role in ("weight", "bias"):
+                factor = r if spec.role == "weight" else cumulative
+                tensor = getattr(modules[name], spec.name)
+                factors.append((join_name(name, spec.name), tensor, factor))
+    frozen = [n for n, t, f in factors if f != 1.0 and not t.requires_grad]
+    if frozen:
+        raise ValueError(
+            f"how='rescale' would change the frozen tensor(s) {frozen} (requires_grad=False: the "
+            "rescaled chain multiplies every later bias); use how='lr' or how='parametrize', or "
+            "unfreeze them"
+        )
     with torch.no_grad(), keep_buffers(model), seeds.scope(2):
         before = output_tensor(forward(model, batches[0])).detach().to(torch.float64)
-    cumulative = 1.0
     with torch.no_grad():
-        for name in order:
-            r = ratios.get(name, 1.0)
-            cumulative *= r
-            specs = registry.specs(modules[name]) or []
-            for spec in specs:
-                if spec.role == "weight":
-                    getattr(modules[name], spec.name).mul_(r)
-                elif spec.role == "bias":
-                    getattr(modules[name], spec.name).mul_(cumulative)
+        for _, t, factor in factors:
+            t.mul_(factor)
     with torch.no_grad(), keep_buffers(model), seeds.scope(2):
         out = output_tensor(forward(model, batches[0])).detach()
     after = out.to(torch.float64)
