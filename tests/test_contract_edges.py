@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import initlab
+from initlab._core.loss import TargetError, resolve_loss
 from initlab.methods.gradinit import overlap_batch
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -602,3 +603,25 @@ def test_a_wrapped_criterion_can_say_it_sums() -> None:
     assert float(land.center) == pytest.approx(want, rel=1e-5)
     with pytest.raises(ValueError, match="declares reduction='sum'"):
         initlab.criterion(nn.CrossEntropyLoss(reduction="sum"), reduction="mean")
+
+
+class _KwNet(nn.Module):
+    """A model called with a dict batch (``model(**batch)``) that returns no loss of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        return self.lin(x)
+
+
+def test_the_default_loss_on_a_dict_batch_names_targets_it_cannot_pair() -> None:
+    """The default on a dict batch without a model loss: torch's own error ("Expected input
+    batch_size (8) to match target batch_size (16)") became the message the tuple form gives."""
+    x, y = _data(8)
+    bad = {"x": x, "labels": torch.stack([y, y], 1)}  # (8, 2) class indices for (8, 3) logits
+    with pytest.raises(TargetError, match=r"output of shape \(8, 3\).*targets of shape \(8, 2\)"):
+        resolve_loss(None)(_KwNet(), bad)
+    with pytest.raises(TargetError, match=r"output of shape \(8, 3\).*targets of shape \(8, 2\)"):
+        resolve_loss(None)(_KwNet(), (x, bad["labels"]))

@@ -214,8 +214,7 @@ class _AutoLoss(Loss):
             loss = model_loss(out)
             if loss is not None:
                 return _scalar(loss, "model")
-            target = _target(batch, None)
-            return _scalar(_auto(output_tensor(out), target), self.name)
+            return default_loss.on_outputs(out, batch)  # a pairing error named, as on tuples
         return default_loss(model, batch)
 
 
