@@ -55,6 +55,7 @@ __all__ = [
     "data_use",
     "default_forward",
     "examples_in",
+    "find_target",
     "first_tensor",
     "forward_args",
     "is_single_batch",
@@ -281,6 +282,17 @@ def check_batch(batch: Any, *, what: str, index: int | None = None) -> None:
 TARGET_KEYS = ("labels", "label", "targets", "target", "y")
 
 
+def find_target(batch: Any) -> tuple[str, Any] | None:
+    """``(key, target)``: ``("1", batch[1])`` of an ``(x, y, ...)`` batch, or the first
+    :data:`TARGET_KEYS` entry of a dict batch that is a tensor; ``None`` when there is none."""
+    if isinstance(batch, Mapping):
+        key = next((k for k in TARGET_KEYS if isinstance(batch.get(k), torch.Tensor)), None)
+        return None if key is None else (key, batch[key])
+    if isinstance(batch, (tuple, list)) and len(batch) >= 2:
+        return "1", batch[1]
+    return None
+
+
 def _check_batched(batch: Any, *, what: str, which: str) -> None:
     """Raise if ``batch`` is one example without its batch dimension, as a
     ``DataLoader(dataset, batch_size=None)`` yields them (read as a batch, ``x`` of shape ``(d,)``
@@ -290,8 +302,7 @@ def _check_batched(batch: Any, *, what: str, which: str) -> None:
     if isinstance(batch, (tuple, list)) and len(batch) >= 2:
         x, y, key = batch[0], batch[1], "1"
     elif isinstance(batch, Mapping):
-        key = next((k for k in TARGET_KEYS if isinstance(batch.get(k), torch.Tensor)), None)
-        y = batch.get(key) if key is not None else None
+        key, y = find_target(batch) or (None, None)
         inputs = [v for k, v in batch.items() if k != key and isinstance(v, torch.Tensor)]
         x = batch.get("input_ids", next((v for v in inputs if v.dim() >= 1), None))
         if "input_ids" in batch and isinstance(x, torch.Tensor) and x.dim() == 1:

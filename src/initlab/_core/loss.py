@@ -36,8 +36,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from initlab._core.data import (
-    TARGET_KEYS,
     default_forward,
+    find_target,
     keyword_error,
     one_example_error,
     output_tensor,
@@ -239,13 +239,11 @@ def _scalar(loss: Any, name: str) -> torch.Tensor:
 
 
 def _target(batch: Any, what: str | None) -> torch.Tensor:
-    """``batch[1]`` of an ``(x, y, ...)`` batch, or the ``labels`` entry of a dict batch."""
-    if isinstance(batch, Mapping):
-        for key in TARGET_KEYS:
-            if isinstance(batch.get(key), torch.Tensor):
-                return batch[key]
-    elif isinstance(batch, (tuple, list)) and len(batch) >= 2:
-        return batch[1]
+    """``batch[1]`` of an ``(x, y, ...)`` batch, or the ``labels`` entry of a dict batch
+    (:func:`~initlab._core.data.find_target`)."""
+    found = find_target(batch)
+    if found is not None:
+        return found[1]
     kind = f"the {what} loss" if what else "a criterion(output, target)"
     raise TargetError(
         f"{kind} needs (x, y) batches or dict batches with 'labels'; got a "

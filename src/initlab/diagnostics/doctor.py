@@ -76,11 +76,11 @@ from torch import nn
 
 from initlab._core.compiled import takes_compiled
 from initlab._core.data import (
-    TARGET_KEYS,
     DataUse,
     batch_size,
     data_use,
     default_forward,
+    find_target,
     output_tensor,
     take_batches,
 )
@@ -185,14 +185,8 @@ class _Measure:
 
 
 def _target(batch: Any) -> torch.Tensor | None:
-    if isinstance(batch, Mapping):
-        for key in TARGET_KEYS:
-            if isinstance(batch.get(key), torch.Tensor):
-                return batch[key]
-        return None
-    if isinstance(batch, (tuple, list)) and len(batch) >= 2 and isinstance(batch[1], torch.Tensor):
-        return batch[1]
-    return None
+    found = find_target(batch)
+    return found[1] if found is not None and isinstance(found[1], torch.Tensor) else None
 
 
 def _class_count(logits: torch.Tensor, y: torch.Tensor) -> int:
