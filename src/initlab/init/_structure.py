@@ -32,11 +32,22 @@ __all__ = [
     "Follow",
     "activation_of",
     "find_head",
+    "parameter_owners",
     "residual_projections",
     "structural_following",
     "token_tables",
     "traced_following",
 ]
+
+
+def parameter_owners(model: nn.Module) -> dict[int, list[tuple[str, str, nn.Module]]]:
+    """``id(parameter)`` -> every ``(module name, parameter name, module)`` that holds it (a module
+    registered under two names appears under both; a tied weight under each of its modules)."""
+    owners: dict[int, list[tuple[str, str, nn.Module]]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for pname, p in module.named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append((name, pname, module))
+    return owners
 
 
 @dataclass(frozen=True)

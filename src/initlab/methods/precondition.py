@@ -47,6 +47,7 @@ from initlab._core.method_report import MethodReport
 from initlab._core.rng import Seeds
 from initlab._core.rows import Rows, join_name
 from initlab._core.state import preserved_state, restore_on_failure
+from initlab.init._structure import parameter_owners
 from initlab.init.registry import Registry, default_registry
 from initlab.measure.conditioning import gr_scaling, imbalance, with_multipliers
 from initlab.measure.probe import MomentProbe, measure_moments
@@ -556,17 +557,11 @@ class _Balancing:
 def _shared_weight_layers(model: nn.Module) -> set[str]:
     """The names of modules holding a parameter that another module holds too (tied weights; one
     module registered under two names is one module)."""
-    holders: dict[int, dict[int, list[str]]] = {}
-    for name, module in model.named_modules(remove_duplicate=False):
-        for p in module._parameters.values():
-            if p is not None:
-                holders.setdefault(id(p), {}).setdefault(id(module), []).append(name)
     return {
         name
-        for modules in holders.values()
-        if len(modules) > 1
-        for names in modules.values()
-        for name in names
+        for owners in parameter_owners(model).values()
+        if len({id(m) for _, _, m in owners}) > 1
+        for name, _, _ in owners
     }
 
 

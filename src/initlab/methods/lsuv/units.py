@@ -17,6 +17,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from initlab.init._structure import parameter_owners
 from initlab.init.registry import Registry
 from initlab.measure.residual import KNOWN_BLOCKS, known_blocks
 
@@ -265,10 +266,7 @@ def _exclude_shared(model: nn.Module, units: list[Unit]) -> None:
     A weight also held by a module that is not one of the unit's layers (an embedding tied to an
     output layer, a layer left out by ``modules``) cannot be scaled without changing it too.
     """
-    owners: dict[int, list[tuple[str, str, nn.Module]]] = {}
-    for name, module in model.named_modules(remove_duplicate=False):
-        for pname, p in module.named_parameters(recurse=False):
-            owners.setdefault(id(p), []).append((name, pname, module))
+    owners = parameter_owners(model)
     for unit in units:
         if unit.kind != "module":
             continue
