@@ -12,6 +12,7 @@ import math
 import os
 import re
 import sqlite3
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -426,6 +427,17 @@ _WORDING: tuple[tuple[str, str | Callable[[re.Match[str]], str]], ...] = (
     ),
     (r"\bbatch_size must be in", "--batch-size must be in"),
 )
+
+
+def command_name(args: argparse.Namespace) -> str:
+    """``"init"``, ``"bench run"``: the command as the user typed it."""
+    sub = getattr(args, "bench_command", None)
+    return f"{args.command} {sub}" if sub else str(args.command)
+
+
+def note(args: argparse.Namespace, text: str) -> None:
+    """A one-line warning on stderr: ``initlab <cmd>: warning: <text>``."""
+    print(f"initlab {command_name(args)}: warning: {text}", file=sys.stderr, flush=True)
 
 
 def translate(message: str) -> str:

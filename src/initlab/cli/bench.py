@@ -16,6 +16,7 @@ from initlab.cli._checks import (
     check_out_dir,
     check_store,
     fraction,
+    note,
     number_type,
     positive_float,
     positive_int,
@@ -79,10 +80,6 @@ def format_summary(summary: Any) -> str:
     return "\n".join(lines)
 
 
-def _note(command: str, text: str) -> None:
-    print(f"initlab bench {command}: warning: {text}", file=sys.stderr, flush=True)
-
-
 def bench_run(args: argparse.Namespace) -> int:
     """``initlab bench run SPEC``: train the study's missing runs (sharing the work with other
     drivers on the same store), then extend the grid if asked. Every argument is checked before
@@ -104,7 +101,7 @@ def bench_run(args: argparse.Namespace) -> int:
             "(--extend-rounds 0 means no grid extension)"
         )
     if args.ray_address is not None and args.backend != "ray":
-        _note("run", f"--ray-address is only used with --backend ray; ignored with --backend "
+        note(args, f"--ray-address is only used with --backend ray; ignored with --backend "
               f"{args.backend}")  # fmt: skip
     spec = _load_spec(args.spec)
     store = args.store if args.store is not None else f"results/{spec.name}.sqlite"
@@ -150,7 +147,7 @@ def bench_report(args: argparse.Namespace) -> int:
             )
         others = (f"; pass --reference with one of {', '.join(sorted(schemes))} for them"
                   if len(schemes) > 1 else "")  # fmt: skip
-        _note("report", f"no {_DEFAULT_REFERENCE} runs in {where}, so no paired comparisons"
+        note(args, f"no {_DEFAULT_REFERENCE} runs in {where}, so no paired comparisons"
               f"{others}")  # fmt: skip
     out = args.out if args.out is not None else str(Path(args.store).with_suffix("")) + "-report"
     check_out_dir("--out", out)

@@ -34,23 +34,15 @@ from initlab.cli._checks import (
     check_not_empty,
     check_out_dir,
     check_out_file,
+    command_name,
     make_parent,
+    note,
     positive_int,
     seed_int,
     translate,
 )
 
 __all__ = ["main"]
-
-
-def _note(args: argparse.Namespace, text: str) -> None:
-    """A one-line warning of the command line itself on stderr: ``initlab <cmd>: warning: ...``."""
-    print(f"initlab {_command_name(args)}: warning: {text}", file=sys.stderr, flush=True)
-
-
-def _command_name(args: argparse.Namespace) -> str:
-    sub = getattr(args, "bench_command", None)
-    return f"{args.command} {sub}" if sub else str(args.command)
 
 
 def _cmd_schemes(args: argparse.Namespace) -> int:
@@ -166,7 +158,7 @@ def _check_data_options(args: argparse.Namespace, *, used: bool = True) -> None:
     if args.data is not None:
         check_data_spec(args.data)
     if used and args.data_dir is not None and not is_named_dataset(args.data):
-        _note(args, f"--data-dir is only used with a named data set (e.g. --data libsvm:letter, "
+        note(args, f"--data-dir is only used with a named data set (e.g. --data libsvm:letter, "
               f"mnist); ignored with --data {args.data or 'random'}")  # fmt: skip
 
 
@@ -196,15 +188,15 @@ def _check_init_options(args: argparse.Namespace) -> None:
                                  ("--steps", args.steps), ("--how", args.how),
                                  ("--max-batches", args.max_batches)) if v is not None]  # fmt: skip
         if unused:
-            _note(args, f"{', '.join(unused)} only used with --method (data-dependent init); "
+            note(args, f"{', '.join(unused)} only used with --method (data-dependent init); "
                   "ignored here")  # fmt: skip
     else:
         for flag, methods in _METHOD_OPTIONS.items():
             if getattr(args, flag[2:]) is not None and args.method not in methods:
-                _note(args, f"{flag} is only used with --method {' or '.join(methods)}; "
+                note(args, f"{flag} is only used with --method {' or '.join(methods)}; "
                       f"ignored with --method {args.method}")  # fmt: skip
         if args.input_shape is not None and args.data not in (None, "random"):
-            _note(args, f"--input-shape is only used with random data (no --data, or --data "
+            note(args, f"--input-shape is only used with random data (no --data, or --data "
                   f"random); ignored with --data {args.data}")  # fmt: skip
     if args.method == "gradinit" and args.max_batches is not None and args.max_batches < 2:
         raise ValueError(
@@ -395,7 +387,7 @@ def _cmd_data(args: argparse.Namespace) -> int:
         how = "the default"
     print(f"data root: {root} ({how})")
     if not root.is_dir():
-        _note(args, f"the data root {root} ({how}) is not a folder; only the bundled "
+        note(args, f"the data root {root} ({how}) is not a folder; only the bundled "
               "scikit-learn sets are available")  # fmt: skip
     print(Rows(list_datasets(args.data_dir), title="initlab data sets"))
     return 0
@@ -726,11 +718,9 @@ class _QuietStdout(io.TextIOBase):
 def _command_io(args: argparse.Namespace) -> Iterator[_QuietStdout]:
     """A broken-pipe-proof stdout, and warnings printed as ``initlab <cmd>: warning: ...``."""
     quiet = _QuietStdout(sys.stdout)
-    name = _command_name(args)
 
     def show(message: Any, category: Any, *_args: Any, **_kwargs: Any) -> None:
-        text = translate(" ".join(str(message).split()))
-        print(f"initlab {name}: warning: {text}", file=sys.stderr, flush=True)
+        note(args, translate(" ".join(str(message).split())))
 
     saved = sys.stdout
     sys.stdout = quiet  # type: ignore[assignment]
@@ -752,10 +742,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     of the output is dropped.
     """
     args = _parser().parse_args(argv)
-    name = _command_name(args)
+    name = command_name(args)
     with _command_io(args):
         for text in getattr(args, "deprecated", ()):
-            _note(args, text)
+            note(args, text)
         try:
             return int(args.func(args))
         except KeyboardInterrupt:
