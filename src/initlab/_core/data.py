@@ -204,6 +204,9 @@ def iter_batches(data: Any, max_batches: int | None = None, *, what: str) -> Ite
         raise ValueError(f"{what}: max_batches must be a positive int or None, got {max_batches!r}")
     if data is None:
         raise TypeError(f"{what} needs data; accepted forms: {DATA_FORMS}")
+    if isinstance(data, TakenBatches):  # checked and detached when they were taken
+        yield from itertools.islice(data, max_batches)
+        return
     if is_single_batch(data):
         check_batch(data, what=what)
         yield _detached(data)
