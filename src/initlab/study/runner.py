@@ -675,9 +675,11 @@ def _register(store: Store, spec: StudySpec, configs: Sequence[RunConfig]) -> No
     (the spec's runs at other rates) stay.
     """
     flat = spec.variant_specs()
+    variants = {name: [c.key() for c in s.runs()] for name, s in flat.items()}
+    current = {name: set(keys) for name, keys in variants.items()}
 
     def check(registered: dict[str, Any]) -> None:
-        differences = spec.run_differences(registered)
+        differences = spec.run_differences(registered, current)
         if differences:
             raise StudySpecMismatch(
                 f"study {spec.name!r} is registered in {store.path or ':memory:'} with a spec of "
@@ -694,7 +696,6 @@ def _register(store: Store, spec: StudySpec, configs: Sequence[RunConfig]) -> No
             return False
         return variant in flat and flat[variant].owns(run) and run.key() == key
 
-    variants = {name: [c.key() for c in runs] for name, runs in spec.variant_runs().items()}
     store.register_study(
         spec.name, spec.to_dict(), [c.key() for c in configs], variants, check=check, keep=keep
     )

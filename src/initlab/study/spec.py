@@ -556,14 +556,17 @@ class StudySpec:
 
     # -- a study's name is bound to its runs ------------------------------------------------------
 
-    def run_differences(self, registered: Mapping[str, Any]) -> list[str]:
+    def run_differences(
+        self, registered: Mapping[str, Any], current: Mapping[str, set[str]] | None = None
+    ) -> list[str]:
         """How this spec's runs differ from those of ``registered`` (a spec's :meth:`to_dict`, as
         a store keeps it), one text per differing field; empty when both define the same runs in
         the same variants.
 
         A store binds a study's name to its runs (:func:`initlab.study.runner.run_study`): a spec
         may differ from the registered one only in :data:`UNBOUND_KEYS` (or in the order of its
-        lists), which change neither which runs exist nor what they compute.
+        lists), which change neither which runs exist nor what they compute. ``current``: this
+        spec's run keys by variant, where the caller has them.
         """
         try:
             old = StudySpec.from_dict(registered)
@@ -573,7 +576,7 @@ class StudySpec:
         def keys(spec: StudySpec) -> dict[str, set[str]]:
             return {name: {c.key() for c in runs} for name, runs in spec.variant_runs().items()}
 
-        if keys(old) == keys(self):
+        if keys(old) == (keys(self) if current is None else current):
             return []
         before, now = old.to_dict(), self.to_dict()
         out = []
