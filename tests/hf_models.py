@@ -1,6 +1,7 @@
 """Tiny Hugging Face models built from configs (no download) and their dict batches, shared by
-``tests/test_transformers.py`` and ``tests/test_devices.py``. ``transformers`` is imported by the
-callers' ``pytest.importorskip`` first; here it is looked up when a model is built."""
+``tests/test_transformers.py``, ``tests/test_devices.py`` and ``tests/test_contract_edges.py``.
+``transformers`` is imported by the callers' ``pytest.importorskip`` first; here it is looked up
+when a model is built."""
 
 from __future__ import annotations
 

@@ -421,27 +421,6 @@ def test_steps_raise_the_default_max_batches(
     assert "steps=9" in capsys.readouterr().out.replace(" ", "")
 
 
-@pytest.mark.parametrize(
-    ("argv", "warning"),
-    [
-        ([*_INIT, "--data", "random:4"], "--data only used with --method"),
-        ([*_INIT, "--input-shape", "4", "--steps", "3"], "--input-shape, --steps only used"),
-        ([*_INIT, "--method", "lsuv", "--data", "random:4", "--loss", "mse"],
-         "--loss is only used with --method gradinit or metainit or precondition"),
-        ([*_INIT, "--method", "lsuv", "--data", "random:4", "--steps", "5"],
-         "--steps is only used with --method gradinit or metainit"),
-        ([*_INIT, "--method", "lsuv", "--data", "mods.py:data_ok", "--input-shape", "4"],
-         "--input-shape is only used with random data"),
-    ],
-)  # fmt: skip
-def test_options_a_run_does_not_use_are_named(
-    cli_dir: Path, capsys: pytest.CaptureFixture[str], argv: list[str], warning: str
-) -> None:
-    code, _, err = _run(argv, capsys)
-    assert code == 0, err
-    assert f"initlab init: warning: {warning}" in err
-
-
 def test_library_warnings_are_one_line_in_the_flags_words(
     cli_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -693,9 +672,19 @@ def test_bench_report_without_the_default_reference_and_on_read_only_stores(
          "initlab init: warning: --how is only used with --method precondition"),
         ([*_RUN, "--quiet", "--ray-address", "x:1"],
          "initlab bench run: warning: --ray-address is only used with --backend ray"),
+        ([*_INIT, "--data", "random:4"], "initlab init: warning: --data only used with --method"),
+        ([*_INIT, "--input-shape", "4", "--steps", "3"],
+         "initlab init: warning: --input-shape, --steps only used"),
+        ([*_INIT, "--method", "lsuv", "--data", "random:4", "--loss", "mse"],
+         "initlab init: warning: --loss is only used with --method gradinit or metainit or "
+         "precondition"),
+        ([*_INIT, "--method", "lsuv", "--data", "random:4", "--steps", "5"],
+         "initlab init: warning: --steps is only used with --method gradinit or metainit"),
+        ([*_INIT, "--method", "lsuv", "--data", "mods.py:data_ok", "--input-shape", "4"],
+         "initlab init: warning: --input-shape is only used with random data"),
     ],
 )  # fmt: skip
-def test_deprecated_and_unused_options_are_named_outside_init_too(
+def test_deprecated_and_unused_options_are_named(
     cli_dir: Path, capsys: pytest.CaptureFixture[str], argv: list[str], warning: str
 ) -> None:
     code, _, err = _run(argv, capsys)

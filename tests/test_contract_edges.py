@@ -26,6 +26,8 @@ import initlab
 from initlab._core.loss import TargetError, resolve_loss
 from initlab.methods.gradinit import overlap_batch
 
+from . import hf_models
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -511,17 +513,13 @@ def test_ignored_labels_in_a_dict_batch_give_the_moments_of_the_tuple_batch() ->
 
 
 def test_a_hugging_face_classifiers_own_loss_with_ignored_labels_matches_its_criterion() -> None:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.BertConfig(
-        vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-        intermediate_size=32, num_labels=3, max_position_embeddings=16,
-    )  # fmt: skip
+    pytest.importorskip("transformers")
     torch.manual_seed(0)
-    bert = transformers.BertForSequenceClassification(config).eval()
+    bert = hf_models.bert().eval()  # 3 labels
     gen = torch.Generator().manual_seed(0)
     labels = torch.randint(0, 3, (8,), generator=gen)
     labels[:3] = -100
-    batch = {"input_ids": torch.randint(0, 50, (8, 6), generator=gen), "labels": labels}
+    batch = {"input_ids": torch.randint(0, hf_models.V, (8, 6), generator=gen), "labels": labels}
 
     def head(loss: Any) -> float:
         rows = initlab.measure_moments(bert, batch, loss).param_table().to_rows()
