@@ -375,16 +375,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def _cmd_data(args: argparse.Namespace) -> int:
     from initlab._core.rows import Rows
-    from initlab.data import data_root, list_datasets
+    from initlab.data import list_datasets
+    from initlab.data.catalogue import data_root_source
 
     check_not_empty("--data-dir", args.data_dir, "the data root folder")
-    root = data_root(args.data_dir)
-    if args.data_dir is not None:
-        how = "from --data-dir"
-    elif os.environ.get("INITLAB_DATA_DIR"):
-        how = "from $INITLAB_DATA_DIR"
-    else:
-        how = "the default"
+    root, how = data_root_source(args.data_dir)
+    how = "from --data-dir" if args.data_dir is not None else how
     print(f"data root: {root} ({how})")
     if not root.is_dir():
         note(args, f"the data root {root} ({how}) is not a folder; only the bundled "

@@ -118,8 +118,9 @@ CATALOGUE: dict[str, CatalogueEntry] = {
 }  # fmt: skip
 
 
-def _resolve_root(root: str | os.PathLike[str] | None) -> tuple[Path, str]:
-    """The data root and how it was chosen (for error messages)."""
+def data_root_source(root: str | os.PathLike[str] | None = None) -> tuple[Path, str]:
+    """The data root (:func:`data_root`) and how it was chosen: ``"from root="``, ``"from
+    $INITLAB_DATA_DIR"`` or ``"the default ..."`` (for messages)."""
     if root is not None:
         return Path(root).expanduser(), "from root="
     env = os.environ.get("INITLAB_DATA_DIR")
@@ -133,7 +134,7 @@ def _resolve_root(root: str | os.PathLike[str] | None) -> tuple[Path, str]:
 
 def data_root(root: str | os.PathLike[str] | None = None) -> Path:
     """Where named data sets are looked up (the order is in the module doc)."""
-    return _resolve_root(root)[0]
+    return data_root_source(root)[0]
 
 
 def _entry(name: str) -> CatalogueEntry:
@@ -252,7 +253,7 @@ def _load(
                 f"{entry.name} has no {split!r} split (published splits: {', '.join(entry.splits)})"
             )
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-    directory, how = _resolve_root(root)
+    directory, how = data_root_source(root)
     short = entry.name.split(":", 1)[-1]
 
     if entry.kind == "sklearn":
