@@ -621,7 +621,7 @@ class DoctorReport(Rows):
         lines.append(self._numbers_line("gamma_spread", "γ spread (max/min)", fixing))
         if "precondition" in self.reports:
             _, after, kept = _all_layer_spreads(self.reports["precondition"])
-            keep = f"; {kept} layer(s) keep their γ: attention, tied" if kept else ""
+            keep = f"; {kept} layer(s) keep their γ: attention, tied, frozen" if kept else ""
             lines.append(
                 f"  with report.param_groups(model, lr=...): γ spread {_fmt(after)} over every "
                 f"weight layer (the model itself is unchanged by precondition_{keep})"
@@ -736,7 +736,7 @@ def _param_groups_row(course: _Course) -> dict[str, Any] | None:
         "verdict": _grade(after, SPREAD_WARN, SPREAD_BAD),
         "why": "γ max/min over every weight layer when training with report.param_groups(model, "
         "lr=...) (the learning rates of precondition_'s multipliers; the weights are unchanged)"
-        + (f"; {kept} layer(s) keep their γ (attention, tied: alpha = 1)" if kept else ""),
+        + (f"; {kept} layer(s) keep their γ (attention, tied, frozen: alpha = 1)" if kept else ""),
         "fix": "",
     }  # fmt: skip
 
