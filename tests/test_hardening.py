@@ -962,6 +962,11 @@ def _state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
+def _unchanged(model: nn.Module, before: dict[str, torch.Tensor]) -> bool:
+    after = model.state_dict()
+    return all(torch.equal(after[k], v) for k, v in before.items())
+
+
 @pytest.mark.parametrize("how", ["lr", "rescale"])
 def test_precondition_keeps_a_frozen_layer_at_alpha_one(how: str) -> None:
     model, data = _chain(frozen=0)  # the first layer: nothing before it is rescaled
@@ -981,8 +986,7 @@ def test_precondition_rescale_refuses_to_change_a_frozen_bias() -> None:
     before = _state(model)
     with pytest.raises(ValueError, match=r"would change the frozen tensor\(s\) \['2\.bias'\]"):
         initlab.precondition_(model, data, how="rescale")
-    after = model.state_dict()
-    assert all(torch.equal(after[k], v) for k, v in before.items())
+    assert _unchanged(model, before)
     with pytest.raises(ValueError, match=r"module\(s\) \['2'\] keep alpha = 1.*frozen"):
         initlab.precondition_(model, data, modules=["0", "2"])
 
@@ -992,5 +996,4 @@ def test_scale_output_does_not_fold_into_a_frozen_head() -> None:
     before = _state(model)
     with pytest.raises(ValueError, match=r"cannot fold the output scale into '6': 6\.weight, "):
         initlab.scale_output_(model, data, how="fold")
-    after = model.state_dict()
-    assert all(torch.equal(after[k], v) for k, v in before.items())
+    assert _unchanged(model, before)
