@@ -307,6 +307,31 @@ def test_run_study_local_skips_finished(tmp_path: Path, helpers: Any) -> None:
     assert (third.n_trained, third.n_chunks) == (0, 0)
 
 
+@pytest.mark.parametrize(
+    "options, text",
+    [
+        ({"stale_after": 5.0, "heartbeat_s": 5.0}, "stale_after (5 s) must be longer than"),
+        ({"stale_after": 1.0, "heartbeat_s": 5.0}, "heartbeat_s (5 s)"),
+        ({"stale_after": float("nan")}, "stale_after (nan s) must be longer"),
+        ({"workers": 0}, "workers and chunk_size must be >= 1"),
+        ({"backend": "spark"}, "backend must be one of"),
+    ],
+)
+def test_run_study_refuses_bad_options_before_the_store(
+    tmp_path: Path, helpers: Any, options: dict[str, Any], text: str
+) -> None:
+    """A library caller gets the checks the command line makes, before any file is created: a
+    ``stale_after`` not longer than the heartbeat would let other drivers take live runs."""
+    db = tmp_path / "st" / "s.sqlite"
+    with pytest.raises(ValueError) as err:
+        run_study(
+            small_spec(), db, train_fn=helpers.fake_train, load_fn=helpers.load_fake,
+            progress=False, **options,
+        )  # fmt: skip
+    assert text in str(err.value)
+    assert not (tmp_path / "st").exists()
+
+
 def test_run_study_pool_matches_in_process(
     tmp_path: Path, helpers: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -406,6 +406,10 @@ _WORDING: tuple[tuple[str, str | Callable[[re.Match[str]], str]], ...] = (
     ),
     (r"\bstale_after must be positive", "--stale-after must be positive"),
     (
+        r"\bstale_after \((.+?)\) must be longer than heartbeat_s \((.+?)\)",
+        r"--stale-after (\1) must be longer than --heartbeat (\2)",
+    ),
+    (
         r"use how='lr' or how='parametrize'",
         "use --how lr (the weights unchanged, per-layer learning-rate scales)",
     ),

@@ -612,6 +612,8 @@ def run_study(
     Raises:
         StudySpecMismatch: the store holds a study of this name with other runs; nothing is
             trained or written.
+        ValueError: a bad option (``stale_after`` not longer than ``heartbeat_s``, ``workers``
+            or ``chunk_size`` below 1, an unknown ``backend``), before the store is created.
         StudyError: after all chunks ran, if some failed (their runs are not stored).
     """
     if not isinstance(spec, StudySpec):
@@ -620,6 +622,11 @@ def run_study(
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if workers < 1 or chunk_size < 1:
         raise ValueError(f"workers and chunk_size must be >= 1, got {workers}, {chunk_size}")
+    if not stale_after > heartbeat_s:
+        raise ValueError(
+            f"stale_after ({stale_after:g} s) must be longer than heartbeat_s ({heartbeat_s:g} s), "
+            "or other drivers take over this driver's live runs"
+        )
     rounds = spec.extend_grid if extend_grid is None else extend_rounds(extend_grid)
     load = load_fn if load_fn is not None else load_study_data
     root = data_root if data_root is not None else spec.data_root
