@@ -434,6 +434,24 @@ def test_an_object_batch_that_requires_grad_is_read_detached() -> None:
     assert x.grad is None
 
 
+def test_an_object_batch_with_a_container_that_requires_grad_is_read_detached() -> None:
+    """A tensor in a container inside a batch object is read (``batch_tensors``) and detached
+    like a top-level attribute: no gradient reaches it."""
+    x, y = _data(16)
+    x.requires_grad_(True)
+    batch = _Obj({"x": x}, y)
+    net = _mlp()
+    loss = lambda m, b: F.cross_entropy(m(b.x["x"]), b.y)  # noqa: E731
+    report = initlab.gradient_stats(net, batch, loss)
+    assert x.grad is None and report.used.examples == 16
+
+
+def test_a_numpy_array_in_an_object_batch_is_named() -> None:
+    x, y = _data(16)
+    with pytest.raises(TypeError, match=r"holds a numpy array \(entry 'x'\).*torch\.from_numpy"):
+        initlab.measure_moments(_ObjNet(), _Obj(x.numpy(), y), _obj_loss)
+
+
 def test_a_scalar_entry_beside_the_target_is_not_an_unbatched_example() -> None:
     x, y = _data(8)
     batch = (x, y, torch.tensor(0.5))

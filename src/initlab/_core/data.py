@@ -218,16 +218,18 @@ def iter_batches(data: Any, max_batches: int | None = None, *, what: str) -> Ite
 
 def _detached(batch: Any) -> Any:
     """``batch`` with its tensors that require a gradient detached (the same object otherwise;
-    a batch object's attributes too, in a copy)."""
+    a batch object's attributes too, containers inside them included, in a copy): the tensors
+    :func:`batch_tensors` reads."""
+
+    def detach(t: torch.Tensor) -> torch.Tensor:
+        return t.detach() if t.requires_grad else t
+
     fields = object_fields(batch)
     if fields is not None and not dataclasses.is_dataclass(batch):
-        grad = {
-            k: v.detach()
-            for k, v in fields.items()
-            if isinstance(v, torch.Tensor) and v.requires_grad
-        }
-        return with_fields(batch, grad) if grad else batch
-    return map_tensors(batch, lambda t: t.detach() if t.requires_grad else t)
+        new = {k: map_tensors(v, detach) for k, v in fields.items()}
+        changed = {k: v for k, v in new.items() if v is not fields[k]}
+        return with_fields(batch, changed) if changed else batch
+    return map_tensors(batch, detach)
 
 
 def _entry_name(path: str, batch: Any) -> str:
@@ -250,6 +252,9 @@ def check_batch(batch: Any, *, what: str, index: int | None = None) -> None:
     """
     which = "the batch" if index is None else f"batch {index}"
     array = find_path(batch, _is_numpy_array)
+    fields = object_fields(batch) if array is None else None
+    if fields is not None:  # a batch object: its attributes (batch_tensors reads them)
+        array = find_path(fields, _is_numpy_array)
     if array is not None:
         where = f"entry {array!r}" if array else "the batch"
         raise TypeError(
