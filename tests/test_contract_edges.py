@@ -552,6 +552,101 @@ def test_a_hugging_face_classifiers_own_loss_with_ignored_labels_matches_its_cri
     assert head(nn.CrossEntropyLoss()) == pytest.approx(summed, rel=1e-6)
 
 
+# ----------------------------------------------------------------------------- T == C, shifts
+
+
+class _Tagger(nn.Module):
+    """Token logits ``(B, T, C)``: one class score per token (takes ids, or a dict's keys)."""
+
+    def __init__(self, classes: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.e, self.h = nn.Embedding(20, 8), nn.Linear(8, classes)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        return self.h(self.e(input_ids))
+
+
+_CLASS_LOSSES = {
+    "cross_entropy": "cross_entropy",
+    "auto": "auto",
+    "nn.CrossEntropyLoss": nn.CrossEntropyLoss(),
+    "F.cross_entropy": F.cross_entropy,
+}
+
+
+@pytest.mark.parametrize("form", ["tuple", "dict"])
+@pytest.mark.parametrize("loss", sorted(_CLASS_LOSSES))
+def test_token_logits_with_as_many_classes_as_tokens_are_read_classes_last(
+    loss: str, form: str
+) -> None:
+    """``(B, T, C)`` with ``T == C`` fits torch's dense layout too; the token ids of the targets'
+    shape in the batch say it is a token model, as for any other ``T``."""
+    gen = torch.Generator().manual_seed(0)
+    ids, y = torch.randint(0, 20, (4, 5), generator=gen), torch.randint(0, 5, (4, 5), generator=gen)
+    model = _Tagger(5)
+    batch = (ids, y) if form == "tuple" else {"input_ids": ids, "labels": y}
+    value = float(resolve_loss(_CLASS_LOSSES[loss])(model, batch).detach())
+    with torch.no_grad():
+        out = model(ids).double()
+    assert value == pytest.approx(float(F.cross_entropy(out.flatten(0, 1), y.flatten())), rel=1e-6)
+    assert value != pytest.approx(float(F.cross_entropy(out, y)), rel=1e-3)  # the other reading
+
+
+def test_logits_that_read_both_ways_without_token_ids_warn_and_keep_torchs_layout() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(4, 3, 3, generator=gen), torch.randint(0, 3, (4, 3), generator=gen)
+    model = nn.Conv1d(3, 3, 1)  # (B, C, L) with L == C
+    for loss in ("cross_entropy", nn.CrossEntropyLoss()):
+        with pytest.warns(UserWarning, match=r"read both as torch's layout .* and as tokens"):
+            value = float(resolve_loss(loss)(model, (x, y)).detach())
+        with torch.no_grad():
+            assert value == pytest.approx(float(F.cross_entropy(model(x).double(), y)), rel=1e-6)
+
+
+def test_a_token_classifier_with_as_many_labels_as_tokens_gives_its_own_loss() -> None:
+    """Hugging Face's own token-classification loss is the oracle (classes last, flattened)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(
+        num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=32,
+        vocab_size=hf_models.V, num_labels=6, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, max_position_embeddings=16,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.BertForTokenClassification(cfg).eval()
+    gen = torch.Generator().manual_seed(0)
+    batch = {
+        "input_ids": torch.randint(1, hf_models.V, (4, 6), generator=gen),
+        "attention_mask": torch.ones(4, 6, dtype=torch.long),
+        "labels": torch.randint(0, 6, (4, 6), generator=gen),
+    }
+    with torch.no_grad():
+        own = float(model(**batch).loss)
+        for loss in ("cross_entropy", nn.CrossEntropyLoss()):
+            assert float(resolve_loss(loss)(model, batch)) == pytest.approx(own, rel=1e-6)
+
+
+def test_a_class_criterion_on_a_causal_lm_with_unshifted_labels_warns() -> None:
+    """Labels that are the ``input_ids`` (Hugging Face's convention: the model shifts them) with a
+    criterion that does not: a warning that says how to shift; pre-shifted labels then give the
+    model's own loss, without a warning."""
+    pytest.importorskip("transformers")
+    model = hf_models.model_of("gpt2").eval()
+    batch = hf_models.batches("gpt2", 1)[0]
+    assert torch.equal(batch["labels"], batch["input_ids"])
+    for loss in ("cross_entropy", nn.CrossEntropyLoss()):
+        with pytest.warns(UserWarning, match=r"causal language model .* shifts the labels by one"):
+            resolve_loss(loss)(model, batch)
+    ids = batch["input_ids"]
+    shifted = dict(batch, labels=torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], 1))
+    with torch.no_grad():
+        own = float(model(**batch).loss)
+        assert float(resolve_loss(nn.CrossEntropyLoss())(model, shifted)) == pytest.approx(
+            own, rel=1e-6
+        )
+        assert float(resolve_loss(None)(model, batch)) == pytest.approx(own, rel=1e-6)
+
+
 def test_overlap_batch_chooses_per_image_targets_as_items() -> None:
     # the detection format: images (B, ...) and a list of B dicts of ragged boxes
     def batch(start: int, n: int) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:

@@ -52,6 +52,7 @@ __all__ = [
     "NamedLoss",
     "TargetError",
     "backward_of",
+    "classes_dim",
     "criterion",
     "default_loss",
     "example_count",
@@ -174,6 +175,9 @@ class NamedLoss(Loss):
                 targets of a shape it does not take); the message gives both shapes.
         """
         out = output_tensor(outputs)
+        fn = _class_criterion(self)
+        if fn is not None:
+            _check_unshifted(outputs, batch, self.name, _class_options(fn)[0])
         try:
             loss = self.outputs_loss(out, batch)
         except TargetError:
@@ -216,6 +220,31 @@ class _AutoLoss(Loss):
                 return _scalar(loss, "model")
             return default_loss.on_outputs(out, batch)  # a pairing error named, as on tuples
         return default_loss(model, batch)
+
+
+def _check_unshifted(outputs: Any, batch: Any, name: str, ignore_index: int) -> None:
+    """Warn when a class criterion meets a causal language model's logits and labels that are
+    the batch's ``input_ids`` (Hugging Face's convention: the model's own loss shifts them, so
+    position ``t`` predicts token ``t + 1``); the criterion compares them position by position,
+    each token predicted from itself."""
+    kind = type(outputs).__name__
+    if not kind.startswith("CausalLMOutput") or not isinstance(batch, Mapping):
+        return
+    ids, labels = batch.get("input_ids"), batch.get("labels")
+    if not isinstance(ids, torch.Tensor) or not isinstance(labels, torch.Tensor):
+        return
+    if ids.shape != labels.shape or not bool(((labels == ids) | (labels == ignore_index)).all()):
+        return
+    warnings.warn(
+        f"{name}: the model is a causal language model ({kind}) and the labels are its "
+        "input_ids, as Hugging Face has them: its own loss predicts each token from the ones "
+        f"before it (it shifts the labels by one), while {name} compares each position's logits "
+        "with that position's own token. Pass loss=None (the model's own loss), or a "
+        "loss_fn(model, batch) that shifts: F.cross_entropy(out.logits[:, :-1].flatten(0, 1), "
+        "batch['labels'][:, 1:].flatten())",
+        UserWarning,
+        stacklevel=user_stacklevel(),
+    )
 
 
 def model_loss(outputs: Any) -> torch.Tensor | None:
@@ -283,7 +312,7 @@ def _pairing_error(name: str, out: torch.Tensor, batch: Any, err: Exception) -> 
     )
 
 
-def _cross_entropy_out(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def _cross_entropy_out(out: torch.Tensor, y: torch.Tensor, batch: Any = None) -> torch.Tensor:
     if y.is_floating_point() and y.shape == out.shape and out.dim() >= 1:
         c = out.shape[-1]  # class probabilities (soft or one-hot labels), classes last
         return F.cross_entropy(out.reshape(-1, c), y.reshape(-1, c))
@@ -295,9 +324,56 @@ def _cross_entropy_out(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         )
     if not y.is_floating_point() and y.dtype != torch.long:
         y = y.long()  # class indices as int32/int16 (numpy's int32, a smaller label dtype)
-    if out.dim() >= 3 and tuple(y.shape) == (out.shape[0], *out.shape[2:]):
+    if classes_dim(out, y, batch) == 1:
         return F.cross_entropy(out, y)  # dense logits (B, C, *S), targets (B, *S)
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def classes_dim(out: torch.Tensor, y: torch.Tensor, batch: Any = None, *, warn: bool = True) -> int:
+    """Where the classes of logits ``out`` lie for class-index targets ``y``: ``1`` in torch's
+    dense layout, logits ``(B, C, *S)`` with targets ``(B, *S)``; ``-1`` otherwise (``(B, C)``
+    with ``(B,)``, token logits ``(B, T, C)`` with ``(B, T)``).
+
+    Token logits with ``T == C`` read both ways. They are read as tokens (classes last) when the
+    batch holds another integer tensor of the targets' shape (token ids, an attention mask: the
+    ``input_ids`` of a Hugging Face batch, ``x`` of ``(x, y)`` for a token model), else in torch's
+    layout with a ``UserWarning`` (``warn``) that names the other reading and the way to choose it.
+    """
+    if out.dim() < 3 or tuple(y.shape) != (out.shape[0], *out.shape[2:]):
+        return -1
+    if tuple(y.shape) != tuple(out.shape[:-1]):
+        return 1
+    if out.dim() == 3 and _has_token_ids(batch, y):
+        return -1
+    if warn:
+        warnings.warn(
+            f"cross-entropy: logits of shape {tuple(out.shape)} with targets of shape "
+            f"{tuple(y.shape)} read both as torch's layout (classes on dim 1) and as tokens "
+            "(classes last); read in torch's layout. If the classes are last, put the token ids "
+            "(or an attention mask) of the targets' shape in the batch, or pass a "
+            "loss_fn(model, batch) that flattens them: "
+            "F.cross_entropy(out.flatten(0, -2), y.flatten())",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
+    return 1
+
+
+def _has_token_ids(batch: Any, y: torch.Tensor) -> bool:
+    """Whether ``batch`` holds an integer tensor of ``y``'s shape besides ``y`` itself."""
+    if isinstance(batch, Mapping):
+        entries = list(batch.values())
+    elif isinstance(batch, (tuple, list)):
+        entries = list(batch)
+    else:
+        return False
+    return any(
+        isinstance(t, torch.Tensor)
+        and t is not y
+        and not t.is_floating_point()
+        and t.shape == y.shape
+        for t in entries
+    )
 
 
 def _mse_out(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -315,8 +391,8 @@ def _mse_out(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(out, y)
 
 
-def _auto(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return _mse_out(out, y) if y.is_floating_point() else _cross_entropy_out(out, y)
+def _auto(out: torch.Tensor, y: torch.Tensor, batch: Any) -> torch.Tensor:
+    return _mse_out(out, y) if y.is_floating_point() else _cross_entropy_out(out, y, batch)
 
 
 def _random_quadratic(seed: int) -> Callable[[torch.Tensor, Any], torch.Tensor]:
@@ -336,7 +412,7 @@ def _random_quadratic(seed: int) -> Callable[[torch.Tensor, Any], torch.Tensor]:
 
 
 default_loss = NamedLoss(
-    "auto", lambda out, batch: _auto(out, _target(batch, "default")), reduction="mean"
+    "auto", lambda out, batch: _auto(out, _target(batch, "default"), batch), reduction="mean"
 )
 """Cross-entropy for integer targets, mean squared error for float targets, on ``(x, y, ...)``
 batches (or dict batches with ``labels``): logits ``(B, C)`` with targets ``(B,)``, ``(B, T, C)``
@@ -360,7 +436,9 @@ def make_loss(name: str = "auto", *, seed: int = 0) -> Loss:
         return NamedLoss(name, _random_quadratic(seed), reduction="mean")
     if name == "cross_entropy":
         return NamedLoss(
-            name, lambda o, b: _cross_entropy_out(o, _target(b, "cross-entropy")), reduction="mean"
+            name,
+            lambda o, b: _cross_entropy_out(o, _target(b, "cross-entropy"), b),
+            reduction="mean",
         )
     if name == "mse":
         return NamedLoss(name, lambda o, b: _mse_out(o, _target(b, "mse")), reduction="mean")
@@ -391,7 +469,7 @@ def criterion(
     """
     label = name or _callable_name(fn)
     if _takes_class_indices(fn):
-        outputs_loss = lambda out, batch: fn(*_classes_last(out, _target(batch, None)))  # noqa: E731
+        outputs_loss = lambda out, b: fn(*_classes_last(out, _target(b, None), b))  # noqa: E731
     else:
         outputs_loss = lambda out, batch: fn(out, _target(batch, None))  # noqa: E731
     declared = _declared_reduction(fn)
@@ -486,16 +564,18 @@ def _takes_class_indices(fn: Any) -> bool:
     )
 
 
-def _classes_last(out: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _classes_last(
+    out: torch.Tensor, y: torch.Tensor, batch: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Token logits ``(B, T, C)`` with targets ``(B, T)`` (a language model's layout) as
     ``(B*T, C)`` and ``(B*T,)``, the layout torch's cross-entropy takes (it wants the classes on
     dim 1); the same loss, ``ignore_index``, weights and reduction included. Any other pair is
-    passed as it is."""
+    passed as it is; ``T == C`` as :func:`classes_dim` reads it."""
     if (
         out.dim() >= 3
         and not y.is_floating_point()
         and tuple(y.shape) == tuple(out.shape[:-1])
-        and tuple(y.shape) != (out.shape[0], *out.shape[2:])
+        and classes_dim(out, y, batch) == -1
     ):
         return out.reshape(-1, out.shape[-1]), y.reshape(-1)
     return out, y

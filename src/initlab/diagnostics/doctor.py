@@ -85,7 +85,14 @@ from initlab._core.data import (
     take_batches,
 )
 from initlab._core.distributed import is_distributed
-from initlab._core.loss import Loss, LossLike, model_loss, resolve_loss, target_count
+from initlab._core.loss import (
+    Loss,
+    LossLike,
+    classes_dim,
+    model_loss,
+    resolve_loss,
+    target_count,
+)
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows, _fmt
 from initlab._core.state import preserved_state, restore_on_failure
@@ -189,11 +196,12 @@ def _target(batch: Any) -> torch.Tensor | None:
     return found[1] if found is not None and isinstance(found[1], torch.Tensor) else None
 
 
-def _class_count(logits: torch.Tensor, y: torch.Tensor) -> int:
-    """``C``: dim 1 of dense ``(B, C, *S)`` logits with ``(B, *S)`` targets, else the last dim."""
-    if logits.dim() >= 3 and tuple(y.shape) == (logits.shape[0], *logits.shape[2:]):
-        return int(logits.shape[1])
-    return int(logits.shape[-1]) if logits.dim() >= 1 else 0
+def _class_count(logits: torch.Tensor, y: torch.Tensor, batch: Any) -> int:
+    """``C``: dim 1 of dense ``(B, C, *S)`` logits with ``(B, *S)`` targets, else the last dim
+    (:func:`~initlab._core.loss.classes_dim`)."""
+    if logits.dim() < 1:
+        return 0
+    return int(logits.shape[classes_dim(logits, y, batch, warn=False)])
 
 
 def _output_pass(model: nn.Module, batches: list[Any], loss: Loss) -> dict[str, Any]:
@@ -213,7 +221,7 @@ def _output_pass(model: nn.Module, batches: list[Any], loss: Loss) -> dict[str, 
             y = _target(batch)
             if y is not None:
                 targets.append(y.detach())
-                out["classes"] = _class_count(logits, y)
+                out["classes"] = _class_count(logits, y, batch)
     out["logit_std"] = math.sqrt(max(s2 / n - (s1 / n) ** 2, 0.0)) if n > 1 else math.nan
     out["kind"] = _loss_kind(loss, targets, out["classes"])
     if out["kind"] == "regression":
