@@ -647,6 +647,64 @@ def test_a_class_criterion_on_a_causal_lm_with_unshifted_labels_warns() -> None:
         assert float(resolve_loss(None)(model, batch)) == pytest.approx(own, rel=1e-6)
 
 
+# ----------------------------------------------------------------------------- labels kept out
+
+
+def test_a_criterion_on_a_hugging_face_model_does_not_hand_it_the_labels() -> None:
+    """With a loss on the outputs the model gets no labels: class probabilities that its own
+    single-label loss would refuse work, its config is not touched, and out-of-range labels give
+    initlab's TargetError, not an IndexError from inside the model's loss."""
+    pytest.importorskip("transformers")
+    model = hf_models.model_of("bert").eval()
+    batch = hf_models.batches("bert", 1)[0]
+    gen = torch.Generator().manual_seed(0)
+    soft = torch.softmax(torch.randn(hf_models.B, 3, generator=gen), -1)
+    probs = dict(batch, labels=soft)
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    with torch.no_grad():
+        want = float(F.cross_entropy(model(**inputs).logits.double(), soft.double()))
+        assert float(resolve_loss(nn.CrossEntropyLoss())(model, probs)) == pytest.approx(
+            want, rel=1e-6
+        )
+    report = initlab.gradient_stats(model, probs, nn.CrossEntropyLoss())
+    assert report.used.examples == hf_models.B and model.config.problem_type is None
+    initlab.block_curvature(model, probs, nn.CrossEntropyLoss(), generator=0)  # functional calls
+    initlab.loss_landscape(model, probs, nn.CrossEntropyLoss(), grid=3, generator=0)
+    assert model.config.problem_type is None
+    wrong = dict(batch, labels=torch.full((hf_models.B,), 7))
+    with pytest.raises(TargetError, match=r"Target 7 is out of bounds\. Check that the targets"):
+        initlab.gr_scaling(model, wrong, nn.CrossEntropyLoss())
+
+
+def test_an_encoder_decoder_gets_its_decoder_inputs_from_the_labels() -> None:
+    """T5 builds its decoder inputs from the labels; without the labels they are built the same way
+    (``prepare_decoder_input_ids_from_labels``): the named cross-entropy is the model's own loss."""
+    pytest.importorskip("transformers")
+    model = hf_models.model_of("t5").eval()
+    batch = hf_models.batches("t5", 1)[0]
+    with torch.no_grad():
+        own = float(model(**batch).loss)
+        assert float(resolve_loss("cross_entropy")(model, batch)) == pytest.approx(own, rel=1e-6)
+
+
+class _TeacherForced(nn.Module):
+    """A model of one's own that reads the labels (teacher forcing): it keeps getting them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _mlp()
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        assert labels is not None, "the labels were not passed"
+        return self.net(x)
+
+
+def test_a_model_of_ones_own_still_gets_the_labels() -> None:
+    x, y = _data(8)
+    value = resolve_loss(nn.CrossEntropyLoss())(_TeacherForced(), {"x": x, "labels": y})
+    assert torch.isfinite(value)
+
+
 def test_overlap_batch_chooses_per_image_targets_as_items() -> None:
     # the detection format: images (B, ...) and a list of B dicts of ragged boxes
     def batch(start: int, n: int) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:

@@ -57,6 +57,7 @@ __all__ = [
     "default_loss",
     "example_count",
     "make_loss",
+    "model_inputs",
     "outputs_loss",
     "resolve_loss",
     "target_count",
@@ -164,8 +165,9 @@ class NamedLoss(Loss):
 
     @staticmethod
     def forward(model: Any, batch: Any) -> Any:
-        """The default forward: ``model(x)``, ``model(batch[0])`` or ``model(**batch)``."""
-        return default_forward(model, batch)
+        """The default forward: ``model(x)``, ``model(batch[0])`` or ``model(**batch)``; a
+        Hugging Face model gets a dict batch without its labels (:func:`model_inputs`)."""
+        return default_forward(model, model_inputs(model, batch))
 
     def on_outputs(self, outputs: Any, batch: Any) -> torch.Tensor:
         """The loss of ``outputs`` (what :meth:`forward` returned) on ``batch``.
@@ -190,6 +192,39 @@ class NamedLoss(Loss):
 
     def __call__(self, model: Any, batch: Any) -> torch.Tensor:
         return self.on_outputs(self.forward(model, batch), batch)
+
+
+def model_inputs(model: Any, batch: Any) -> Any:
+    """A dict batch without its target (``labels``, ...) for a Hugging Face model: the loss comes
+    from the outputs, and given the labels the model would compute its own loss as well (failing
+    on labels it does not take, such as class probabilities for a single-label head, with its
+    own raw error) and record ``config.problem_type`` from them. An encoder-decoder model that
+    builds its decoder inputs from the labels gets them built the same way
+    (``prepare_decoder_input_ids_from_labels``). Any other model and batch: the batch as it is
+    (a model of one's own may read the labels, e.g. for teacher forcing)."""
+    if not isinstance(batch, Mapping) or not _is_hugging_face(model):
+        return batch
+    found = find_target(batch)
+    if found is None:
+        return batch
+    key, y = found
+    inputs = {k: v for k, v in batch.items() if k != key}
+    prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
+    decoder_given = "decoder_input_ids" in batch or "decoder_inputs_embeds" in batch
+    if key == "labels" and callable(prepare) and not decoder_given:
+        inputs["decoder_input_ids"] = prepare(labels=y)
+    return inputs
+
+
+def _is_hugging_face(model: Any) -> bool:
+    """A ``transformers`` model: its ``config`` is a ``PreTrainedConfig`` (``PretrainedConfig``
+    before transformers 5; read by name, so that ``transformers`` is never imported here; a
+    stand-in that forwards ``config`` counts)."""
+    config = getattr(model, "config", None)
+    return any(
+        c.__name__.lower() == "pretrainedconfig" and c.__module__.startswith("transformers")
+        for c in type(config).__mro__
+    )
 
 
 class _ModelOutputLoss(Loss):
@@ -306,7 +341,8 @@ def _pairing_error(name: str, out: torch.Tensor, batch: Any, err: Exception) -> 
         given = "no targets"
     return TargetError(
         f"the loss {name!r} failed on the model's output of shape {tuple(out.shape)} "
-        f"({out.dtype}) and {given}: {err}. Check that the targets are what the loss takes "
+        f"({out.dtype}) and {given}: {str(err).rstrip('.')}. Check that the targets are what "
+        "the loss takes "
         "(cross-entropy: class indices of the output's shape without its class dimension, or "
         "class probabilities of the output's shape; MSE: the output's shape)"
     )

@@ -21,6 +21,7 @@ from initlab._core.loss import (
     LossLike,
     NamedLoss,
     default_loss,
+    model_inputs,
     outputs_loss,
     resolve_loss,
 )
@@ -118,6 +119,8 @@ def functional_forward(
 ) -> Any:
     """``forward(model, batch)`` with the model's tensors replaced by ``state`` (not mutated)."""
     if forward is None or forward in (default_forward, NamedLoss.forward):  # without a wrapper
+        if forward is NamedLoss.forward:
+            batch = model_inputs(model, batch)
         if isinstance(batch, torch.Tensor):
             return torch.func.functional_call(model, state, (batch,))
         if isinstance(batch, Mapping):
