@@ -635,8 +635,9 @@ def test_a_class_criterion_on_a_causal_lm_with_unshifted_labels_warns() -> None:
     batch = hf_models.batches("gpt2", 1)[0]
     assert torch.equal(batch["labels"], batch["input_ids"])
     for loss in ("cross_entropy", nn.CrossEntropyLoss()):
-        with pytest.warns(UserWarning, match=r"causal language model .* shifts the labels by one"):
-            resolve_loss(loss)(model, batch)
+        for data in (batch, (batch["input_ids"], batch["labels"])):
+            with pytest.warns(UserWarning, match=r"causal language model .* shifts the labels"):
+                resolve_loss(loss)(model, data)
     ids = batch["input_ids"]
     shifted = dict(batch, labels=torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], 1))
     with torch.no_grad():
@@ -645,6 +646,17 @@ def test_a_class_criterion_on_a_causal_lm_with_unshifted_labels_warns() -> None:
             own, rel=1e-6
         )
         assert float(resolve_loss(None)(model, batch)) == pytest.approx(own, rel=1e-6)
+
+
+def test_random_quadratic_refuses_an_output_too_large_for_its_matrix() -> None:
+    """A language model's ``T * V`` outputs per example would need a ``d x d`` matrix of
+    terabytes: a clear refusal, not the allocator's error."""
+    model = _TokenLM(vocab=2000)
+    ids = torch.randint(0, 2000, (2, 8), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"d = 16000 per example \(at most 8192.*loss_fn"):
+        resolve_loss("random_quadratic")(model, ids)
+    small = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(resolve_loss("random_quadratic")(_TokenLM(), small))  # d = 512
 
 
 # ----------------------------------------------------------------------------- labels kept out

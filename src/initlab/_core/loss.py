@@ -86,6 +86,10 @@ class TargetError(ValueError):
     output); the message says what to pass."""
 
 
+class _OwnMessage(ValueError):
+    """An error one of initlab's losses raises with a message of its own (passed on unwrapped)."""
+
+
 class Loss:
     """A resolved loss: ``loss(model, batch) -> scalar tensor``.
 
@@ -182,7 +186,7 @@ class NamedLoss(Loss):
             _check_unshifted(outputs, batch, self.name, _class_options(fn)[0])
         try:
             loss = self.outputs_loss(out, batch)
-        except TargetError:
+        except (TargetError, _OwnMessage):
             raise
         except (RuntimeError, ValueError, IndexError) as err:
             if not _is_pairing_error(err):  # out of memory, a transform's limit, the user's own
@@ -259,13 +263,18 @@ class _AutoLoss(Loss):
 
 def _check_unshifted(outputs: Any, batch: Any, name: str, ignore_index: int) -> None:
     """Warn when a class criterion meets a causal language model's logits and labels that are
-    the batch's ``input_ids`` (Hugging Face's convention: the model's own loss shifts them, so
-    position ``t`` predicts token ``t + 1``); the criterion compares them position by position,
-    each token predicted from itself."""
+    the batch's input ids (``input_ids`` and ``labels`` of a dict, ``(ids, ids)``; Hugging Face's
+    convention: the model's own loss shifts them, so position ``t`` predicts token ``t + 1``); the
+    criterion compares them position by position, each token predicted from itself."""
     kind = type(outputs).__name__
-    if not kind.startswith("CausalLMOutput") or not isinstance(batch, Mapping):
+    if not kind.startswith("CausalLMOutput"):
         return
-    ids, labels = batch.get("input_ids"), batch.get("labels")
+    if isinstance(batch, Mapping):
+        ids, labels = batch.get("input_ids"), batch.get("labels")
+    elif isinstance(batch, (tuple, list)) and len(batch) >= 2:
+        ids, labels = batch[0], batch[1]
+    else:
+        return
     if not isinstance(ids, torch.Tensor) or not isinstance(labels, torch.Tensor):
         return
     if ids.shape != labels.shape or not bool(((labels == ids) | (labels == ignore_index)).all()):
@@ -431,6 +440,10 @@ def _auto(out: torch.Tensor, y: torch.Tensor, batch: Any) -> torch.Tensor:
     return _mse_out(out, y) if y.is_floating_point() else _cross_entropy_out(out, y, batch)
 
 
+_QUADRATIC_MAX = 8192
+"""Largest per-example output size of ``random_quadratic`` (its matrix: 512 MiB in float64)."""
+
+
 def _random_quadratic(seed: int) -> Callable[[torch.Tensor, Any], torch.Tensor]:
     cache: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
 
@@ -440,6 +453,14 @@ def _random_quadratic(seed: int) -> Callable[[torch.Tensor, Any], torch.Tensor]:
         if key not in cache:
             gen = torch.Generator().manual_seed(seed)
             d = flat.shape[1]
+            if d > _QUADRATIC_MAX:
+                raise _OwnMessage(
+                    f"random_quadratic draws a d x d matrix over an example's d outputs; the "
+                    f"output {tuple(out.shape)} has d = {d} per example (at most {_QUADRATIC_MAX}: "
+                    f"{d * d * 8 / 2**30:.3g} GiB in float64 here). Pass a loss on the outputs "
+                    "instead: a criterion with targets in the batch, the model's own loss, or a "
+                    "loss_fn(model, batch)"
+                )
             r = torch.randn(d, d, generator=gen, dtype=torch.float64) / d
             cache[key] = r.to(flat.device, flat.dtype)
         return ((flat @ cache[key]) * flat).sum(1).mean()
