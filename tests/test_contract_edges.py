@@ -659,6 +659,24 @@ def test_random_quadratic_refuses_an_output_too_large_for_its_matrix() -> None:
     assert torch.isfinite(resolve_loss("random_quadratic")(_TokenLM(), small))  # d = 512
 
 
+def test_all_modules_of_a_model_that_returns_its_loss_give_the_logits_moments() -> None:
+    """``modules="all"`` reaches the root, whose output holds the scalar loss beside the logits:
+    the loss is no activation (it was read as one of 1 element, "probe with a larger batch")."""
+    pytest.importorskip("transformers")
+    model = hf_models.model_of("bert").eval()
+    batch = hf_models.batches("bert", 1)[0]
+    rows = initlab.measure_moments(model, batch, "model", modules="all").rows().to_rows()
+    root = {
+        (r["index"], r["stat"]): r["value"]
+        for r in rows
+        if (r["layer"], r["quantity"], r["call"]) == ("", "y", 0)
+    }
+    assert {index for index, _ in root} == {"logits"}
+    with torch.no_grad():
+        logits = model(**batch).logits.double()
+    assert root[("logits", "sq_mean")] == pytest.approx(float(logits.square().mean()), rel=1e-6)
+
+
 # ----------------------------------------------------------------------------- labels kept out
 
 

@@ -482,7 +482,8 @@ class MomentProbe(HookContext):
             if self._replaying or not st.frames:
                 return
             frame = st.frames.pop()
-            outs = [(p, t) for p, t in flatten_tensors(output) if t.is_floating_point()]
+            # a 0-d output (the loss a model returns beside its logits) is no activation
+            outs = [(p, t) for p, t in flatten_tensors(output) if t.is_floating_point() and t.dim()]
             inputs = {id(t) for t in frame.leaves}
             inputs |= {id(t._base) for t in frame.leaves if t._base is not None}
             grad_on = torch.is_grad_enabled()
