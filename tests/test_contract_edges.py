@@ -677,6 +677,48 @@ def test_all_modules_of_a_model_that_returns_its_loss_give_the_logits_moments() 
     assert root[("logits", "sq_mean")] == pytest.approx(float(logits.square().mean()), rel=1e-6)
 
 
+_ALL_IGNORED_ENTRIES: dict[str, Callable[[nn.Module, Any, Any], Any]] = {
+    "measure_moments": lambda m, d, loss: initlab.measure_moments(m, d, loss),
+    "gr_scaling": lambda m, d, loss: initlab.gr_scaling(m, d, loss),
+    "diagnose": lambda m, d, loss: initlab.diagnose(m, d, loss, spectra=False),
+    "loss_landscape": lambda m, d, loss: initlab.loss_landscape(m, d, loss, grid=3, generator=0),
+    "gradinit_": lambda m, d, loss: initlab.gradinit_(m, d, loss, steps=2),
+}
+
+
+@pytest.mark.parametrize("loss", ["model", "cross_entropy", "criterion"])
+@pytest.mark.parametrize("entry", sorted(_ALL_IGNORED_ENTRIES))
+def test_a_batch_whose_labels_are_all_ignored_is_named(entry: str, loss: str) -> None:
+    """Every label -100: a mean over no target (NaN) and no gradient, which the measurements read
+    as zero gradients ("ok"). Each entry point raises the same TargetError; the model is kept."""
+    model = _Tagger(5)
+    gen = torch.Generator().manual_seed(0)
+    data = [
+        {"input_ids": torch.randint(0, 20, (4, 6), generator=gen), "labels": y}
+        for y in (torch.randint(0, 5, (4, 6), generator=gen), torch.full((4, 6), -100))
+    ]
+    data.append(data[0])
+    own = _OwnLoss(model) if loss == "model" else model
+    arg = {"model": "model", "cross_entropy": "cross_entropy"}.get(loss, nn.CrossEntropyLoss())
+    before = _state(own)
+    with pytest.raises(TargetError, match=r"24 targets \(entry 'labels'\) are all ignore_index"):
+        _ALL_IGNORED_ENTRIES[entry](own, initlab.Batches(data), arg)
+    assert _same(before, _state(own))
+
+
+class _OwnLoss(nn.Module):
+    """``_Tagger`` returning its own token cross-entropy as ``.loss`` (the Hugging Face way)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:
+        logits = self.inner(input_ids)
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return {"loss": loss, "logits": logits}
+
+
 # ----------------------------------------------------------------------------- labels kept out
 
 

@@ -183,7 +183,9 @@ class NamedLoss(Loss):
         out = output_tensor(outputs)
         fn = _class_criterion(self)
         if fn is not None:
-            _check_unshifted(outputs, batch, self.name, _class_options(fn)[0])
+            ignore = _class_options(fn)[0]
+            _check_unshifted(outputs, batch, self.name, ignore)
+            _check_counted(find_target(batch), ignore, self.name)
         try:
             loss = self.outputs_loss(out, batch)
         except (TargetError, _OwnMessage):
@@ -237,6 +239,8 @@ class _ModelOutputLoss(Loss):
     form = "model_output"
 
     def __call__(self, model: Any, batch: Any) -> torch.Tensor:
+        if isinstance(batch, Mapping):
+            _check_counted(find_target(batch), -100, "model")  # Hugging Face's convention
         loss = model_loss(default_forward(model, batch))
         if loss is None:
             raise TypeError(
@@ -256,6 +260,7 @@ class _AutoLoss(Loss):
             out = default_forward(model, batch)
             loss = model_loss(out)
             if loss is not None:
+                _check_counted(find_target(batch), -100, "model")  # Hugging Face's convention
                 return _scalar(loss, "model")
             return default_loss.on_outputs(out, batch)  # a pairing error named, as on tuples
         return default_loss(model, batch)
@@ -289,6 +294,21 @@ def _check_unshifted(outputs: Any, batch: Any, name: str, ignore_index: int) -> 
         UserWarning,
         stacklevel=user_stacklevel(),
     )
+
+
+def _check_counted(found: tuple[str, Any] | None, ignore_index: int, name: str) -> None:
+    """Raise :class:`TargetError` when every class target of the batch is ``ignore_index``: a
+    mean-reduced class loss then averages over nothing (0/0, NaN) and no gradient flows, which
+    measurements would read as zero gradients."""
+    y = None if found is None else found[1]
+    if not isinstance(y, torch.Tensor) or y.is_floating_point() or y.numel() == 0:
+        return
+    if bool((y == ignore_index).all()):
+        raise TargetError(
+            f"the loss {name!r} got a batch whose {y.numel()} targets (entry {found[0]!r}) are all "
+            f"ignore_index ({ignore_index}): it averages over no target (NaN) and no gradient "
+            "flows. Drop such batches (or the examples without a counted label) from the data"
+        )
 
 
 def model_loss(outputs: Any) -> torch.Tensor | None:
