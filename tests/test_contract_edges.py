@@ -719,6 +719,32 @@ class _OwnLoss(nn.Module):
         return {"loss": loss, "logits": logits}
 
 
+def test_per_example_gradients_of_a_padded_token_loss_are_shares_of_the_batch_loss() -> None:
+    """The probe's documented ``L_i = B sum_t l_it / N`` (N counted tokens of the batch), against
+    a float64 loop over the examples; with unequal lengths it is not each example's own token
+    average (checked to differ)."""
+    model = _Tagger(5)
+    gen = torch.Generator().manual_seed(0)
+    ids, y = torch.randint(0, 20, (4, 6), generator=gen), torch.randint(0, 5, (4, 6), generator=gen)
+    for i, n in enumerate((6, 4, 2, 5)):
+        y[i, n:] = -100
+    rows = initlab.measure_moments(model, (ids, y), nn.CrossEntropyLoss()).param_table().to_rows()
+    got = next(r for r in rows if (r["layer"], r["param"]) == ("h", "weight"))["E_dW2_example"]
+    ref = _Tagger(5).double()
+    counted = int((y != -100).sum())
+    sums = {"share": 0.0, "own": 0.0}
+    for i in range(4):
+        weights = {"share": 4 / counted, "own": 1 / int((y[i] != -100).sum())}
+        for which, weight in weights.items():
+            ref.zero_grad()
+            tokens = F.cross_entropy(ref(ids[i : i + 1]).flatten(0, 1), y[i], reduction="sum")
+            (weight * tokens).backward()
+            sums[which] += float(ref.h.weight.grad.square().sum())
+    k = 4 * ref.h.weight.numel()
+    assert got == pytest.approx(sums["share"] / k, rel=1e-5)
+    assert got != pytest.approx(sums["own"] / k, rel=1e-2)
+
+
 # ----------------------------------------------------------------------------- labels kept out
 
 

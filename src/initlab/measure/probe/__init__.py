@@ -30,9 +30,13 @@ Scaling of gradients (``loss_reduction``). With ``"mean"`` (the default; ``F.cro
 ``F.mse_loss`` reduce this way) the loss is ``L = (1/B) sum_i L_i`` over the ``B`` examples of the
 root model's batch, so every gradient a hook sees is ``1/B`` of the per-example one. ``dy``, ``dx``
 and ``dW_example`` are therefore multiplied by ``B`` and are gradients of *one example's loss*
-``L_i`` (for a loss averaged over tokens too, ``L_i`` is example ``i``'s token average). ``dW`` is
-always reported as seen: the gradient of the loss you called ``backward`` on. With ``"sum"`` nothing
-is rescaled. ``B`` is the size of the root model's first tensor argument along ``batch_dim``.
+``L_i``. For a loss averaged over the batch's tokens, ``L = (1/N) sum_{i,t} l_it`` over its ``N``
+counted tokens, ``L_i = B sum_t l_it / N``: example ``i``'s share of the batch loss, times ``B``
+(so that the ``L_i`` average to ``L``). It is example ``i``'s token average when every example has
+the same number of counted tokens; with padding or ignored labels an example with more tokens
+weighs more than its own token average would. ``dW`` is always reported as seen: the gradient
+of the loss you called ``backward`` on. With ``"sum"`` nothing is rescaled. ``B`` is the size of
+the root model's first tensor argument along ``batch_dim``.
 
 Long schema, :data:`PROBE_COLUMNS` (one row per number):
 
