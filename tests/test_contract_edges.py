@@ -745,6 +745,34 @@ def test_per_example_gradients_of_a_padded_token_loss_are_shares_of_the_batch_lo
     assert got != pytest.approx(sums["own"] / k, rel=1e-2)
 
 
+@pytest.mark.parametrize(
+    ("problem", "labels", "verdicts"),
+    [
+        ("multi_label_classification", 4, {"n/a"}),  # its own loss is BCE: no MSE reference
+        ("regression", 1, {"ok", "warn", "bad"}),  # MSE against E[y^2]
+    ],
+)
+def test_doctor_reads_a_hugging_face_models_own_loss_on_float_targets_by_its_problem_type(
+    problem: str, labels: int, verdicts: set[str]
+) -> None:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(
+        num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=32,
+        vocab_size=hf_models.V, num_labels=labels, problem_type=problem,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, max_position_embeddings=16,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(cfg).eval()
+    gen = torch.Generator().manual_seed(0)
+    batch = {
+        "input_ids": torch.randint(1, hf_models.V, (8, 6), generator=gen),
+        "labels": (torch.rand(8, labels, generator=gen) < 0.3).float().squeeze(-1),
+    }
+    row = next(r for r in initlab.doctor(model, batch).to_rows() if r["check"] == "initial_loss")
+    assert row["verdict"] in verdicts
+    assert row["why"].startswith("MSE") == (problem == "regression")
+
+
 # ----------------------------------------------------------------------------- labels kept out
 
 

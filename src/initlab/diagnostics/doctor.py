@@ -223,21 +223,31 @@ def _output_pass(model: nn.Module, batches: list[Any], loss: Loss) -> dict[str, 
                 targets.append(y.detach())
                 out["classes"] = _class_count(logits, y, batch)
     out["logit_std"] = math.sqrt(max(s2 / n - (s1 / n) ** 2, 0.0)) if n > 1 else math.nan
-    out["kind"] = _loss_kind(loss, targets, out["classes"])
+    problem = getattr(getattr(model, "config", None), "problem_type", None)
+    out["kind"] = _loss_kind(loss, targets, out["classes"], out["own_loss"], problem)
     if out["kind"] == "regression":
         flat = torch.cat([t.reshape(-1).to(torch.float64) for t in targets])
         out["target_sq"], out["target_std"] = float(flat.square().mean()), float(flat.std())
     return out
 
 
-def _loss_kind(loss: Loss, targets: list[torch.Tensor], classes: int) -> str:
+def _loss_kind(
+    loss: Loss, targets: list[torch.Tensor], classes: int, own_loss: bool, problem: Any
+) -> str:
+    """``"classification"`` (cross-entropy on integer targets), ``"regression"`` (MSE on float
+    targets) or ``""`` (no reference). The default loss on float targets is MSE unless the model
+    returns its own loss, whose kind float targets do not tell (a multi-label head's is binary
+    cross-entropy): then only a Hugging Face ``config.problem_type == "regression"`` says MSE."""
     if not targets:
         return ""
     name = loss.name.lower()
     if all(not t.is_floating_point() for t in targets):
         ce = name in _CE_NAMES or "cross" in name
         return "classification" if ce and classes > 1 else ""
-    mse = name in ("auto", "mse") or "mse" in name
+    if own_loss and loss.form in ("auto", "model_output"):
+        mse = problem == "regression"
+    else:
+        mse = name in ("auto", "mse") or "mse" in name
     return "regression" if mse and all(t.is_floating_point() for t in targets) else ""
 
 
@@ -327,7 +337,9 @@ def _loss_check(m: _Measure) -> _Check:
         verdict = _grade(m.loss / ref, _MSE_WARN, _MSE_BAD) if ref > 0 else "n/a"
         why = f"MSE {_fmt(m.loss)} vs E[y^2] = {_fmt(ref)}, the loss of predicting 0"
         return _Check("initial_loss", m.loss, ref, verdict, why, big if verdict in _ILL else ())
-    why = "no reference: the loss is neither cross-entropy on integer targets nor MSE on floats"
+    why = "no reference: the loss is neither cross-entropy on integer targets nor MSE on floats" + (
+        " (the model's own loss, of a kind its targets do not tell)" if m.own_loss else ""
+    )
     return _Check("initial_loss", m.loss, math.nan, "n/a", why)
 
 
