@@ -217,6 +217,38 @@ def test_head_std_is_the_gain_one_std_over_sqrt_fan_in(scheme: str) -> None:
         assert row["achieved_std"] == pytest.approx(row["target_std"], rel=0.02)
 
 
+@pytest.mark.parametrize("scheme", ["fan_in", "geometric", "orthogonal"])
+def test_a_position_table_summed_with_a_tied_token_table_is_drawn_at_its_std(scheme: str) -> None:
+    """At ``embedding_std = 1`` beside the small tied table, positions drowned the tokens."""
+    model = GPT2Like()
+    rows = _rows(initlab.init_model(model, scheme, generator=0))
+    wte, wpe = rows["wte.weight"], rows["wpe.weight"]
+    assert wpe["target_std"] == wte["target_std"] and "tied token table wte.weight" in wpe["note"]
+    n = model.wpe.weight.numel()
+    assert wpe["achieved_std"] == pytest.approx(wpe["target_std"], rel=Z * math.sqrt(2 / n) / 2)
+    # a rule on the table keeps the rule's draw; an untied model keeps embedding_std
+    rule = initlab.Rule("wpe.weight", "scale", "a test", 0.5)
+    ruled = _rows(initlab.init_model(GPT2Like(), scheme, generator=0, rules=[rule]))["wpe.weight"]
+    assert not ruled["note"] and ruled["achieved_std"] == pytest.approx(0.5, rel=0.1)
+    untied = _rows(initlab.init_model(GPT2Like(), scheme, generator=0, head="off"))
+    assert untied["wpe.weight"]["target_std"] == 1.0
+
+
+def test_hugging_face_gpt2_sees_its_tokens_after_init() -> None:
+    """The final hidden states of two unrelated sequences: nearly equal (cosine 0.999) when
+    ``wpe`` drowned the tied ``wte``; Hugging Face's own init gives 0.48 here."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    initlab.init_model(model, "geometric", generator=0)
+    gen = torch.Generator().manual_seed(1)
+    a, b = (torch.randint(0, 64, (8, 16), generator=gen) for _ in range(2))
+    with torch.no_grad():
+        ha, hb = (model(input_ids=x, output_hidden_states=True).hidden_states[-1] for x in (a, b))
+    assert float(F.cosine_similarity(ha, hb, dim=-1).mean()) < 0.8
+
+
 def test_report_shows_gain_per_layer_from_structure() -> None:
     report = initlab.init_model(GPT2Like(), "geometric", generator=0)
     rows = _rows(report)

@@ -21,7 +21,13 @@ from torch import nn
 
 from initlab._core.knobs import user_stacklevel
 from initlab._core.rows import split_name
-from initlab.init._structure import Follow, find_head, structural_following, traced_following
+from initlab.init._structure import (
+    Follow,
+    find_head,
+    is_added_table,
+    structural_following,
+    traced_following,
+)
 from initlab.init.registry import Block, ParamSpec, Registry
 from initlab.init.rules import AutoRule, Rule
 from initlab.init.sampling import dirac_, normal_, sample_
@@ -65,6 +71,7 @@ class _Plan:
     gain_from: str | None = None
     frozen: bool = False  # requires_grad=False and frozen="skip": left as it was
     dirac_centre: tuple[int, ...] | None = None  # where a dirac delta goes (None: torch's centre)
+    embedding_std: float | None = None  # an embedding table's draw (None: init_model's argument)
     notes: list[str] = field(default_factory=list)
 
 
@@ -250,7 +257,8 @@ def execute(
     if plan.block_specs:  # weights, and a tied embedding/head drawn as the head
         _sample_blocks(plan, plan.block_specs, generator)
     elif spec.role == "embedding":
-        normal_(param, embedding_std, generator=generator)
+        std = plan.embedding_std if plan.embedding_std is not None else embedding_std
+        normal_(param, std, generator=generator)
     elif spec.role == "bias":
         if bias == "zeros":
             param.zero_()
@@ -379,6 +387,7 @@ def plan_all(
             if rule.matches(names, plan.spec.role):
                 _apply_rule_to_plan(plan, rule)
         _place_dirac(plan)
+    _match_added_tables(plans, order)
     for rule in rules:
         hits = [
             p
@@ -399,6 +408,28 @@ def plan_all(
             UserWarning,
             stacklevel=user_stacklevel(),
         )
+
+
+def _match_added_tables(plans: dict[int, _Plan], order: list[int]) -> None:
+    """Position and token-type tables summed with a token table that is tied to the head (drawn
+    small, by the head policy) are drawn at that table's std: at ``embedding_std`` they would
+    drown the tokens (GPT-2's ``wpe`` at std 1 beside a ``wte`` of std 0.03: the final hidden
+    states of two unrelated sequences nearly equal). A table a rule matches keeps the rule's."""
+    tied = [k for k in order if plans[k].head == "tied embedding/head" and not plans[k].frozen]
+    if len(tied) != 1 or plans[tied[0]].target_std is None:
+        return
+    source = plans[tied[0]]
+    for key in order:
+        plan = plans[key]
+        spec = plan.spec
+        if spec is None or spec.role != "embedding" or plan.head or plan.frozen or plan.rules:
+            continue
+        if is_added_table(plan.name.rpartition(".")[0]):
+            plan.target_std = plan.embedding_std = source.target_std
+            plan.notes.append(
+                f"summed with the tied token table {source.name}: drawn at its std "
+                f"{source.target_std:.3g}, not embedding_std"
+            )
 
 
 _FROZEN_NOTE = "frozen (requires_grad=False): left as it was; frozen='init' draws it"

@@ -32,6 +32,7 @@ __all__ = [
     "Follow",
     "activation_of",
     "find_head",
+    "is_added_table",
     "parameter_owners",
     "residual_projections",
     "structural_following",
@@ -189,14 +190,26 @@ def find_head(model: nn.Module, claims: dict[int, set[str]]) -> tuple[int, str, 
     return None
 
 
-#: Words in the leaf name of a table that is not a token table (positions, token types,
-#: segments, attention-bias buckets), as in GPT-2's ``wpe``, BERT's ``position_embeddings`` and
-#: ``token_type_embeddings``, a transformer's ``pe``, T5's ``relative_attention_bias``. Matched
-#: as whole words of the name (``prototype_tokens`` is a token table).
-_NOT_TOKEN_WORDS = frozenset(
+#: Words in the leaf name of a table summed with the token embedding (positions, token types,
+#: segments), as in GPT-2's ``wpe``, BERT's ``position_embeddings`` and ``token_type_embeddings``,
+#: a transformer's ``pe``. Matched as whole words of the name (``prototype_tokens`` has none).
+_ADDED_WORDS = frozenset(
     {"pos", "position", "positions", "positional", "wpe", "pe", "type", "types", "segment"}
-    | {"segments", "relative", "bias", "bucket", "buckets"}
+    | {"segments"}
 )
+#: ... and of any table that is not a token table: those and attention-bias buckets (T5's
+#: ``relative_attention_bias``).
+_NOT_TOKEN_WORDS = _ADDED_WORDS | {"relative", "bias", "bucket", "buckets"}
+
+
+def _leaf_words(module_name: str) -> set[str]:
+    return set(re.split(r"[^a-z]+", module_name.rsplit(".", 1)[-1].lower()))
+
+
+def is_added_table(module_name: str) -> bool:
+    """Whether a table's name says it is summed with the token embedding: positions, token types
+    or segments (:data:`_ADDED_WORDS`), not tokens."""
+    return bool(_leaf_words(module_name) & _ADDED_WORDS)
 
 
 def token_tables(model: nn.Module) -> list[tuple[str, nn.Embedding | nn.EmbeddingBag]]:
@@ -215,8 +228,7 @@ def token_tables(model: nn.Module) -> list[tuple[str, nn.Embedding | nn.Embeddin
     for name, m in model.named_modules():
         if not isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
             continue
-        words = set(re.split(r"[^a-z]+", name.rsplit(".", 1)[-1].lower()))
-        if m is declared or not words & _NOT_TOKEN_WORDS:
+        if m is declared or not _leaf_words(name) & _NOT_TOKEN_WORDS:
             out.append((name, m))
     return out
 

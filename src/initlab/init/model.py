@@ -169,8 +169,11 @@ def init_model(
     logits of std ``sqrt(d)``, a loss far above ``ln V``): the tie makes the embedding also the
     model's last layer, and a pre-norm network normalizes the small embedding it reads, while
     nothing after the head would rescale large logits. Its report rows say
-    ``role="tied embedding/head"`` (an untied head: ``"head"``). Other tables (positions, an
-    untied input embedding) keep ``embedding_std``; a rule overrides the policy, and
+    ``role="tied embedding/head"`` (an untied head: ``"head"``). The position and token-type
+    tables summed with a tied table (GPT-2's ``wpe``) are drawn at its std, since at
+    ``embedding_std`` they would drown the tokens (the final hidden states of two unrelated
+    sequences nearly equal); their rows say so in ``note``. Other tables (an untied input
+    embedding and its position tables) keep ``embedding_std``; a rule overrides the policy, and
     ``head="off"`` turns it off (the tensor is drawn as its first claimant says).
 
     **Gains** (``gains="auto"``). Each weight's gain follows the nonlinearity that follows it
