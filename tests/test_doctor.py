@@ -151,6 +151,34 @@ def test_fix_list_order_failures_and_param_groups(monkeypatch: pytest.MonkeyPatc
     assert row["after"] == pytest.approx(1.0, rel=1e-6)
 
 
+def test_lsuv_after_init_rescales_the_init_instead_of_replacing_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``fix=["init", "lsuv"]``: LSUV's orthogonal start would throw the init away; each weight
+    ends as the init's times one factor. ``fix=["lsuv"]`` alone keeps LSUV's orthogonal start."""
+    seen: dict[str, torch.Tensor] = {}
+    real = doctor_module.init_model
+
+    def recorded(net: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        out = real(net, *args, **kwargs)
+        seen.update({k: v.detach().clone() for k, v in net.state_dict().items()})
+        return out
+
+    monkeypatch.setattr(doctor_module, "init_model", recorded)
+    model = mlp(scale=0.05)  # a vanishing signal: lsuv is wanted
+    rep = doctor(model, classification_data(2), fix=["init", "lsuv"], generator=0)
+    assert rep.applied == ["init", "lsuv"]
+    for name, w in model.state_dict().items():
+        if name.endswith("weight"):
+            ratio = w.double() / seen[name].double()
+            assert float(ratio.std() / ratio.mean().abs()) < 1e-5, name  # one factor per layer
+    alone = mlp(scale=0.05)
+    doctor(alone, classification_data(2), fix=["lsuv"], generator=0)
+    w = alone[2].weight.detach().double()  # 64 x 64: LSUV's orthogonal start, rescaled
+    gram = w @ w.T / (w @ w.T).diagonal().mean()
+    assert torch.allclose(gram, torch.eye(64, dtype=torch.float64), atol=1e-5)
+
+
 def test_regression_reference_and_exits(tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(2)
     data = [(torch.randn(32, 20, generator=g), torch.randn(32, 3, generator=g)) for _ in range(2)]

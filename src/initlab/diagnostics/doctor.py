@@ -43,7 +43,8 @@ Fixes, in the order they are applied (:data:`FIXES`), each through the public me
 1. ``"init"``: ``init_model(model, "geometric")`` (the output head of a language model is drawn
    small, ties kept), when the initial loss or the logits are too large or a layer is non-finite;
 2. ``"lsuv"``: ``lsuv_(model, data)``, when a signal or gradient vanishes or explodes, or ReLU
-   units are dead;
+   units are dead; after ``"init"``, ``lsuv_(model, data, orthogonal=False)``: the init's weights
+   are rescaled, not replaced by LSUV's orthogonal start;
 3. ``"output_scale"``: ``scale_output_(model, data, target=0.05, how="hook")``, when the initial
    loss or the logits' std is too high. The hook goes on the output head when the model computes
    its own loss from it (``get_output_embeddings()``, else the last ``nn.Linear`` with ``C``
@@ -485,12 +486,16 @@ def _apply(
     loss: Loss,
     generator: torch.Generator | None,
     m: _Measure,
+    applied: Sequence[str],
 ) -> Rows:
     if name == "init":
         with restore_on_failure(model):
             return init_model(model, "geometric", generator=generator)
-    if name == "lsuv":
-        return lsuv_(model, batches, max_batches=len(batches), generator=generator)
+    if name == "lsuv":  # after "init": its weights rescaled, not replaced by an orthogonal start
+        orthogonal = "init" not in applied
+        return lsuv_(
+            model, batches, max_batches=len(batches), orthogonal=orthogonal, generator=generator
+        )
     if name == "output_scale":
         module = _head_name(model, m)
         return scale_output_(
@@ -544,7 +549,9 @@ def _treat(
             if name not in _recommended(_checks(current, model)):
                 course.skipped[name] = f"no longer needed after {', '.join(course.applied)}"
                 continue
-        call = functools.partial(_apply, name, model, batches, loss, generator, current)
+        call = functools.partial(
+            _apply, name, model, batches, loss, generator, current, course.applied
+        )
         if course.run(name, call):
             stale = stale or name != "precondition"  # how="lr" leaves the model as it was
     if stale:
