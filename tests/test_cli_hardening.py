@@ -82,6 +82,11 @@ def cli_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "loop2").symlink_to("loop1")
     (tmp_path / "linkdir").symlink_to("missingdir")
     torch.save((torch.randn(50, 4), torch.randint(0, 3, (40,))), tmp_path / "uneven.pt")
+    torch.save((torch.randn(100, 4), torch.randint(0, 3, (100,))), tmp_path / "rows.pt")
+    torch.save((torch.randn(20, 4, dtype=torch.float64), torch.randint(0, 3, (20,))),
+               tmp_path / "f64.pt")  # fmt: skip
+    torch.save((torch.randint(0, 255, (20, 4), dtype=torch.uint8), torch.randint(0, 3, (20,))),
+               tmp_path / "u8.pt")  # fmt: skip
     monkeypatch.setenv("INITLAB_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
     return tmp_path
@@ -136,9 +141,11 @@ _ERRORS: dict[str, tuple[list[str], int, str, tuple[str, ...]]] = {
     "doctor --fix nosuch": (
         ["doctor", "--model", "mods.py:mlp", "--data", "random:4", "--fix", "nosuch"], 2,
         "(or --fix alone for the recommended ones)", ()),
-    "gradinit --steps beyond --max-batches": (
+    "gradinit --steps beyond the batches of --data": (
         [*_INIT, "--method", "gradinit", "--data", "mods.py:data_ok", "--steps", "6"], 2,
-        "pass --max-batches 7 or more", ("out.pt",)),
+        "--steps 6 needs 7 batches (each step reads batch t and t+1), but --data mods.py:data_ok "
+        "gave only 4 (--max-batches is 8); give --data with more batches or lower --steps to 3",
+        ("out.pt",)),
     "--policy error": (["init", "--model", "mods.py:scaled", "--out", "o.pt", "--policy",
                         "error"], 2, "pass --policy warn or --policy skip", ("o.pt",)),
     "a named data set under a missing --data-dir": (
@@ -283,8 +290,61 @@ _ERRORS: dict[str, tuple[list[str], int, str, tuple[str, ...]]] = {
     "a study name with '..'": (["bench", "run", "evil.yaml"], 2, "'../evil'",
                                ("results", "../evil.sqlite")),
     "diagnose, a shape error suggests what diagnose has": (
-        ["diagnose", "--model", "mods.py:mlp", "--data", "random:5"], 1,
+        ["diagnose", "--model", "mods.py:mlp", "--data", "random:5"], 2,
         "A factory's input size may be set with --model-kwargs", ()),
+    # round 3, 3: a model that cannot run on the data is bad input
+    "init --method lsuv, data of another width": (
+        [*_INIT, "--method", "lsuv", "--data", "random:5"], 2,
+        "(the model could not run on the data: do --data, --input-shape and the model's input "
+        "agree?)", ("out.pt",)),
+    "diagnose of float64 data": (
+        ["diagnose", "--model", "mods.py:mlp", "--data", "f64.pt"], 2,
+        "(the model could not run on the data: its dtype is not the model's; convert the data "
+        "before saving it, e.g. x.float() for float64 or uint8 inputs of a float32 model", ()),
+    "init --method lsuv on uint8 data": (
+        [*_INIT, "--method", "lsuv", "--data", "u8.pt"], 2,
+        "its dtype is not the model's; convert the data before saving it, e.g. x.float()",
+        ("out.pt",)),
+    # round 3, 4: too few batches for --steps, with --max-batches large enough
+    "metainit --steps beyond the data, --max-batches large enough": (
+        [*_INIT, "--method", "metainit", "--steps", "20", "--max-batches", "40", "--data",
+         "rows.pt"], 2,
+        "--method metainit --steps 20 needs 20 batches (one per step), but --data rows.pt gave "
+        "only 2 (--max-batches is 40); lower --batch-size (now 64), give more data or lower "
+        "--steps to 2", ("out.pt",)),
+    "gradinit --steps beyond --max-batches": (
+        [*_INIT, "--method", "gradinit", "--steps", "20", "--max-batches", "10", "--data",
+         "rows.pt", "--batch-size", "10"], 2,
+        "gave only 10 (--max-batches is 10); pass --max-batches 21 or more or lower --steps to 9",
+        ("out.pt",)),
+    "gradinit on one batch, no --steps": (
+        [*_INIT, "--method", "gradinit", "--data", "rows.pt", "--batch-size", "128"], 2,
+        "--method gradinit needs 2 batches (each step reads batch t and t+1), but --data rows.pt "
+        "gave only 1 (--max-batches is 8); lower --batch-size (now 128) or give more data",
+        ("out.pt",)),
+    # round 3, 5, 7, 8, 9: empty lists, shapes, biases, scheme aliases
+    "doctor --fix ''": (["doctor", "--model", "mods.py:mlp", "--data", "random:4", "--fix", ""],
+                        2, "--fix '' names no fix; give e.g. --fix init,lsuv", ()),
+    "doctor --fix ,": (["doctor", "--model", "mods.py:mlp", "--data", "random:4", "--fix", ","],
+                       2, "--fix ',' names no fix", ()),
+    "demo --schemes ''": (["demo", "--schemes", "", "--out", "dm"], 2,
+                          "--schemes '' names no scheme", ("dm",)),
+    "demo --schemes, an alias and its scheme": (
+        ["demo", "--schemes", "kaiming,fan_in", "--out", "dm"], 2,
+        "--schemes kaiming,fan_in: fan_in given twice (kaiming and fan_in are both fan_in)",
+        ("dm",)),
+    "--data random:abc": ([*_INIT, "--method", "lsuv", "--data", "random:abc"], 2,
+                          "--data random:abc: 'abc' is not a shape (positive sizes joined by x); "
+                          "write e.g. --data random:3x32x32", ("out.pt",)),
+    "--bias nan": ([*_INIT, "--bias", "nan"], 2,
+                   "--bias 'nan': give 'zeros', 'keep' (the factory's biases) or a finite number",
+                   ("out.pt",)),
+    "--bias=-inf": ([*_INIT, "--bias=-inf"], 2, "--bias '-inf': give", ("out.pt",)),
+    # round 3, 6: Python code in a message stays Python
+    "--how parametrize names the Python call": (
+        [*_INIT, "--method", "precondition", "--how", "parametrize"], 2,
+        "or call `initlab.precondition_(model, data, loss_fn, how='parametrize')` in Python",
+        ("out.pt",)),
 }  # fmt: skip
 
 
@@ -450,12 +510,8 @@ def test_library_warnings_are_one_line_in_the_flags_words(
          "a list of (x, y) tuples for 3 batches", "initlab.Batches"),
         ("n_boot must be >= 1, got 0", "--n-boot must be >= 1", "n_boot"),
         ("level must be in (0, 1), got 2", "--level must be in (0, 1)", "level must"),
-        ("gradinit_ needs 9 batches for 8 iterations but the data gave 8; pass a loader with at "
-         "least 9 batches or lower steps", "pass --max-batches 9 or more", "a loader"),
         ("how='rescale' changed the network function; use how='lr' or how='parametrize'",
          "--how rescale changed the network function; use --how lr (", "how="),
-        ("gradinit_ needs at least 2 batches (one iteration reads batch t and, for S~, batch t+1) "
-         "but the data gave 1", "; pass --max-batches 2 or more", "a loader"),
         ("got outputs (50, 3) and targets (50, 2). Reshape the targets, or pass a "
          "loss_fn(model, batch) that pairs them", "pass --loss pkg.module:fn, a function",
          "a loss_fn"),
@@ -535,8 +591,11 @@ def test_seed_seeds_the_model_construction(
     ("argv", "texts"),
     [
         (["init", "--help"], ["(default: 64)", "(default: warn)", "(default: 0)", "model",
-                              "(default: 8, or what --steps needs"]),
-        (["doctor", "--help"], ["(default: 4;", "seeds the model's construction"]),
+                              "(default: 8, or what --steps needs",
+                              "lsuv rescales the --scheme's weights and keeps its --bias; without "
+                              "--scheme, lsuv first replaces the factory's weights"]),
+        (["doctor", "--help"], ["(default: 4;", "seeds the model's construction",
+                                "data that is already batched (a list of batches) keeps its own"]),
         (["diagnose", "--help"], ["seeds the model's construction", "random_quadratic | model"]),
         (["demo", "--help"], ["study's seeds (SEED", "step 1's measured batch"]),
         (["data", "--help"], ["else ~/initlab-data"]),
@@ -682,6 +741,17 @@ def test_bench_report_without_the_default_reference_and_on_read_only_stores(
          "initlab init: warning: --steps is only used with --method gradinit or metainit"),
         ([*_INIT, "--method", "lsuv", "--data", "mods.py:data_ok", "--input-shape", "4"],
          "initlab init: warning: --input-shape is only used with random data"),
+        ([*_INIT, "--method", "lsuv", "--data", "random:4", "--bias", "0.5"],
+         "initlab init: warning: --bias is only used with --scheme (the scheme sets the biases); "
+         "ignored with --method lsuv alone"),
+        (["diagnose", "--model", "mods.py:mlp", "--data", "mods.py:data_ok", "--batch-size", "8",
+          "--max-batches", "1"],
+         "initlab diagnose: warning: --batch-size is ignored with --data mods.py:data_ok: the "
+         "data is already batched (its batches are used as they are, 1 of them here)"),
+        (["doctor", "--model", "mods.py:mlp", "--data", "mods.py:data_ok", "--batch-size", "8"],
+         "initlab doctor: warning: --batch-size is ignored with --data mods.py:data_ok"),
+        ([*_INIT, "--method", "lsuv", "--data", "mods.py:data_ok", "--batch-size", "8"],
+         "initlab init: warning: --batch-size is ignored with --data mods.py:data_ok"),
     ],
 )  # fmt: skip
 def test_deprecated_and_unused_options_are_named(
@@ -729,3 +799,114 @@ def test_a_loss_file_runs_once_per_command(cli_dir: Path, capsys: pytest.Capture
     code, _, err = _run(argv, capsys)
     assert code == 0, err
     assert (cli_dir / "runs.txt").read_text() == "ran\nran\n"
+
+
+def test_batch_size_is_noted_only_where_given_and_unused(
+    cli_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for data in (["--data", "mods.py:data_ok"], ["--data", "rows.pt", "--batch-size", "8"]):
+        code, _, err = _run([*_INIT, "--method", "lsuv", *data], capsys)
+        assert code == 0, err
+        assert "--batch-size" not in err
+
+
+def test_translate_keeps_code_in_backticks() -> None:
+    said = translate("use how='lr', or call `initlab.precondition_(m, d, how='lr')` (how='lr')")
+    assert said == "use --how lr, or call `initlab.precondition_(m, d, how='lr')` (--how lr)"
+
+
+def test_a_bad_input_shape_is_refused_before_any_warning(
+    cli_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = _run([*_INIT, "--input-shape", "abc"], capsys)
+    assert code == 2
+    assert err.splitlines() == [
+        "initlab init: error: --input-shape abc: 'abc' is not a shape (positive sizes joined by "
+        "x); write e.g. --input-shape 3x32x32"
+    ]
+    assert not (cli_dir / "out.pt").exists()
+
+
+@pytest.fixture
+def badpkg(cli_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A package on the import path whose modules fail at import."""
+    pkg = cli_dir / "clibadpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "syn.py").write_text("def f(:\n  pass\n")
+    (pkg / "raises.py").write_text("raise RuntimeError('import fails')\n")
+    (pkg / "exits.py").write_text("import sys; sys.exit(3)\n")
+    monkeypatch.syspath_prepend(str(cli_dir))
+    yield pkg
+    for name in [n for n in sys.modules if n.split(".")[0] == "clibadpkg"]:
+        del sys.modules[name]
+
+
+@pytest.mark.parametrize(
+    ("argv", "text"),
+    [
+        (["init", "--model", "clibadpkg.syn:f", "--out", "o.pt"],
+         "--model clibadpkg.syn:f: importing clibadpkg.syn failed: SyntaxError: "),
+        (["diagnose", "--model", "mods.py:mlp", "--data", "clibadpkg.raises:f"],
+         "--data clibadpkg.raises:f: importing clibadpkg.raises failed: RuntimeError: import "
+         "fails"),
+        (["diagnose", "--model", "mods.py:mlp", "--data", "random:4", "--loss",
+          "clibadpkg.exits:f"],
+         "--loss clibadpkg.exits:f: importing clibadpkg.exits failed: SystemExit: it called "
+         "sys.exit(3)"),
+    ],
+)  # fmt: skip
+def test_a_module_that_fails_to_import_is_bad_input_naming_the_flag(
+    badpkg: Path, capsys: pytest.CaptureFixture[str], argv: list[str], text: str
+) -> None:
+    code, _, err = _run(argv, capsys)
+    assert code == 2, err
+    assert f"error: {text}" in err
+    assert not (badpkg.parent / "o.pt").exists()
+
+
+def test_a_module_of_the_current_folder_gets_a_hint(
+    cli_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (cli_dir / "clihere.py").write_text(textwrap.dedent(_MODELS))
+    (cli_dir / "clihere_pkg").mkdir()
+    (cli_dir / "clihere_pkg" / "__init__.py").write_text(textwrap.dedent(_MODELS))
+    here = {"", ".", str(cli_dir)}
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in here])  # as the script
+    code, _, err = _run(["init", "--model", "clihere:mlp", "--out", "o.pt"], capsys)
+    assert code == 2
+    assert (
+        "cannot import 'clihere' for --model: No module named 'clihere'; clihere.py is in this "
+        "folder, which is not on the import path: use --model clihere.py:mlp, or PYTHONPATH=."
+    ) in err
+    code, _, err = _run(["init", "--model", "clihere_pkg:mlp", "--out", "o.pt"], capsys)
+    assert code == 2 and "clihere_pkg is a package in this folder" in err
+    code, _, err = _run(["init", "--model", "clinowhere:mlp", "--out", "o.pt"], capsys)
+    assert code == 2 and err.rstrip().endswith("No module named 'clinowhere'")
+
+
+def test_lsuv_after_a_scheme_rescales_its_weights_and_keeps_its_biases(
+    cli_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    scheme = [*_INIT[:3], "--scheme", "fan_out", "--bias", "0.5"]
+    assert main([*scheme, "--out", "scheme.pt"]) == 0
+    assert main([*scheme, "--method", "lsuv", "--data", "random:4", "--out", "lsuv.pt"]) == 0
+    out = capsys.readouterr().out
+    assert "constant(0.5)" in out and "orthogonal" not in out
+    plain, scaled = (torch.load(cli_dir / f) for f in ("scheme.pt", "lsuv.pt"))
+    for key in ("0.weight", "2.weight"):
+        factor = scaled[key].norm() / plain[key].norm()
+        torch.testing.assert_close(scaled[key], plain[key] * factor)
+    assert all(torch.all(scaled[k] == 0.5) for k in ("0.bias", "2.bias"))
+    # without --scheme: LSUV's orthogonal pre-init, said so
+    assert main([*_INIT, "--method", "lsuv", "--data", "random:4"]) == 0
+    assert "note: lsuv replaced the factory's weights with an orthogonal pre-init" in (
+        capsys.readouterr().out
+    )
+    assert all(torch.all(torch.load(cli_dir / "out.pt")[k] == 0) for k in ("0.bias", "2.bias"))
+
+
+def test_demo_resolves_scheme_aliases(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--quick", "--schemes", "he,geometric", "--batch-size", "64"]) == 0
+    summary = capsys.readouterr().out.split("Balance of the weight-to-gradient ratio")[1]
+    assert [line.split()[0] for line in summary.splitlines()[3:5]] == ["fan_in", "geometric"]

@@ -783,7 +783,7 @@ _CLI: dict[str, tuple[list[str], int, str]] = {
     ),
     "data the model cannot take (was: RuntimeError)": (
         [*_INIT, "--method", "lsuv", "--data", "vector.pt"],
-        1,
+        2,  # bad input: the data does not fit the model
         "RuntimeError: mat1 and mat2 shapes cannot be multiplied (1x3 and 4x8) (the model could "
         "not run on the data",
     ),
@@ -794,7 +794,7 @@ _CLI: dict[str, tuple[list[str], int, str]] = {
     ),
     "random data of the wrong shape (was: RuntimeError)": (
         [*_INIT, "--method", "lsuv", "--data", "random:8"],
-        1,
+        2,  # bad input: the data does not fit the model
         "shapes cannot be multiplied (64x8 and 4x8)",
     ),
     "a factory that raises (was: RuntimeError)": (
@@ -819,7 +819,7 @@ _CLI: dict[str, tuple[list[str], int, str]] = {
     ),
     "diagnose, random data of the wrong shape (was: RuntimeError)": (
         ["diagnose", "--model", "mods.py:mlp", "--data", "random:5"],
-        1,
+        2,  # bad input: the data does not fit the model
         "initlab diagnose: error: RuntimeError: mat1 and mat2 shapes cannot be multiplied",
     ),
     "diagnose, --out that cannot be made (was: FileNotFoundError)": (
@@ -829,7 +829,7 @@ _CLI: dict[str, tuple[list[str], int, str]] = {
     ),
     "doctor, random data of the wrong shape (was: RuntimeError)": (
         ["doctor", "--model", "mods.py:mlp", "--data", "random:5"],
-        1,
+        2,  # bad input: the data does not fit the model
         "initlab doctor: error: RuntimeError: mat1 and mat2 shapes",
     ),
     "doctor, --out that cannot be made (was: FileNotFoundError)": (

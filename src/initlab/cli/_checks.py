@@ -31,6 +31,7 @@ __all__ = [
     "positive_float",
     "positive_int",
     "seed_int",
+    "split_names",
     "store_schemes",
     "translate",
 ]
@@ -87,6 +88,15 @@ def check_not_empty(flag: str, value: str | None, example: str) -> None:
     """Refuse ``--flag ''`` (which would otherwise read as "not given")."""
     if value is not None and not str(value).strip():
         raise ValueError(f"{flag} is empty; give {example}, or leave {flag} out")
+
+
+def split_names(flag: str, text: str, what: str, example: str) -> list[str]:
+    """The comma-separated names of ``flag text``, stripped; a value that names no ``what``
+    (``''``, ``,``) is refused, where it would otherwise read as an empty choice."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise ValueError(f"{flag} {text!r} names no {what}; give e.g. {example}")
+    return names
 
 
 def _follow_link(flag: str, path: Path) -> Path:
@@ -399,11 +409,6 @@ _WORDING: tuple[tuple[str, str | Callable[[re.Match[str]], str]], ...] = (
     (r"or initlab\.Batches\(\[\.\.\.\]\)", "(save them with torch.save)"),
     (r"\bn_boot must be >= 1", "--n-boot must be >= 1"),
     (r"\blevel must be in \(0, ?1\)", "--level must be in (0, 1)"),
-    (
-        r"pass a loader with at least (\d+) batches or lower steps",
-        r"pass --max-batches \1 or more (with --data that has that many batches of "
-        r"--batch-size), or a lower --steps",
-    ),
     (r"\bstale_after must be positive", "--stale-after must be positive"),
     (
         r"\bstale_after \((.+?)\) must be longer than heartbeat_s \((.+?)\)",
@@ -419,11 +424,6 @@ _WORDING: tuple[tuple[str, str | Callable[[re.Match[str]], str]], ...] = (
         "pass --loss pkg.module:fn, a function fn(model, batch) that",
     ),
     (
-        r"(gradinit_ needs at least (\d+) batches .*but the data gave \d+)$",
-        r"\1; pass --max-batches \2 or more (with --data that has that many batches of "
-        "--batch-size examples)",
-    ),
-    (
         r"MomentProbe\(modules='\w+'\) selects no module: the model has no parameters; give a "
         r"model with parameters",
         "the --model has no parameters, so there is nothing to measure; give a model with "
@@ -431,6 +431,56 @@ _WORDING: tuple[tuple[str, str | Callable[[re.Match[str]], str]], ...] = (
     ),
     (r"\bbatch_size must be in", "--batch-size must be in"),
 )
+
+
+#: batches of --method's data when neither --max-batches nor --steps says
+DEFAULT_INIT_BATCHES = 8
+
+
+def _batches_needed(args: argparse.Namespace) -> int:
+    """The batches gradinit and metainit read: gradinit batch t and t+1 per step, metainit one
+    batch per step (``--steps``; without it, one step at least)."""
+    steps = args.steps if args.steps is not None else 1
+    return steps + 1 if args.method == "gradinit" else steps
+
+
+def max_batches_for(args: argparse.Namespace) -> int:
+    """``--max-batches``, or its default raised to what ``--steps`` needs."""
+    if args.max_batches is not None:
+        return int(args.max_batches)
+    if args.steps is not None and args.method in ("gradinit", "metainit"):
+        return max(DEFAULT_INIT_BATCHES, _batches_needed(args))
+    return DEFAULT_INIT_BATCHES
+
+
+def _either(options: list[str]) -> str:
+    """``"a, b or c"``."""
+    return " or ".join([", ".join(options[:-1]), options[-1]] if len(options) > 1 else options)
+
+
+def check_batch_count(args: argparse.Namespace, data: list[Any], batched: bool) -> None:
+    """gradinit and metainit: refuse data with fewer batches than their steps read, saying which
+    of --max-batches, --batch-size, --data or --steps to change."""
+    if args.method not in ("gradinit", "metainit"):
+        return
+    extra = 1 if args.method == "gradinit" else 0
+    need = _batches_needed(args)
+    if len(data) >= need:
+        return
+    limit = max_batches_for(args)
+    fixes = [f"pass --max-batches {need} or more"] if limit < need else []
+    if len(data) < min(limit, need):  # the data itself has too few
+        more = "give --data with more batches" if batched else "give more data"
+        fixes += [more] if batched else [f"lower --batch-size (now {args.batch_size})", more]
+    if args.steps is not None and len(data) > extra:
+        fixes.append(f"lower --steps to {len(data) - extra}")
+    steps = f" --steps {args.steps}" if args.steps is not None else ""
+    reads = " (each step reads batch t and t+1)" if extra else " (one per step)"
+    raise ValueError(
+        f"--method {args.method}{steps} needs {need} batches{reads}, but --data "
+        f"{args.data or 'random'} gave only {len(data)} (--max-batches is {limit}); "
+        f"{_either(fixes)}"
+    )
 
 
 def command_name(args: argparse.Namespace) -> str:
@@ -444,8 +494,15 @@ def note(args: argparse.Namespace, text: str) -> None:
     print(f"initlab {command_name(args)}: warning: {text}", file=sys.stderr, flush=True)
 
 
+#: Code quoted in a message (`initlab.precondition_(model, data, how='parametrize')`).
+_CODE = re.compile(r"(`[^`\n]*`)")
+
+
 def translate(message: str) -> str:
-    """``message`` with the library's Python wording replaced by the command line's flags."""
-    for pattern, repl in _WORDING:
-        message = re.sub(pattern, repl, message)
-    return message
+    """``message`` with the library's Python wording replaced by the command line's flags; code
+    between backticks is Python (or a shell command) and is kept as written."""
+    parts = _CODE.split(message)
+    for i in range(0, len(parts), 2):  # the odd parts are the code
+        for pattern, repl in _WORDING:
+            parts[i] = re.sub(pattern, repl, parts[i])
+    return "".join(parts)

@@ -5,7 +5,7 @@ then :func:`initlab.diagnose`."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ def diagnose_command(
     curvature: bool = False,
     plots: bool = True,
     progress: Progress | None = None,
+    note: Callable[[str], None] | None = None,
     **options: Any,
 ) -> Report:
     """What ``initlab diagnose --model ... [--data ...] [--loss ...] [--out DIR]`` runs.
@@ -66,6 +67,8 @@ def diagnose_command(
         curvature: also compute Hessian blocks and theory vs actual.
         plots: embed plots in the HTML (needs matplotlib).
         progress: called with a short message at each stage.
+        note: called with a warning when ``batch_size`` is not used (the data is already
+            batched).
         **options: passed to :func:`diagnose`.
 
     Returns:
@@ -81,8 +84,9 @@ def diagnose_command(
         init_model(model, init, generator=seed)
     say("loading data")
     data_batches = load_data_spec(
-        data, shape, batch_size=batch_size, batches=max_batches, seed=seed, data_dir=data_dir
-    )
+        data, shape, batch_size=batch_size, batches=max_batches, seed=seed, data_dir=data_dir,
+        note=note,
+    )  # fmt: skip
     targets = has_targets(data_batches[0])
     loss_name = loss or ("auto" if targets else "random_quadratic")
     loss_fn = load_loss(loss_name, seed=seed, targets=targets)

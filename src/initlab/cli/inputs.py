@@ -15,7 +15,7 @@ import functools
 import importlib
 import importlib.util
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -65,28 +65,9 @@ def load_factory(spec: str, flag: str = "--model") -> Any:
             f"{flag} must look like 'pkg.module:{fn}' or 'path/file.py:{fn}', got {spec!r}"
         )
     if module_part.endswith(".py"):
-        path = Path(module_part)
-        if path.is_dir():
-            raise ValueError(f"{flag} {path} is a folder, not a Python file")
-        if not path.is_file():
-            raise ValueError(f"{flag} file {path} does not exist")
-        stat = path.stat()
-        try:
-            module = _run_file(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
-        except (Exception, SystemExit) as err:  # the user's file: any failure is bad input
-            detail = str(err).strip()
-            if isinstance(err, SyntaxError):
-                detail = f"{err.msg} (line {err.lineno})"
-            elif isinstance(err, SystemExit):
-                detail = f"it called sys.exit({err.code!r})"
-            raise ValueError(
-                f"{flag} {path}: executing the file failed: {type(err).__name__}: {detail}"
-            ) from err
+        module = _load_file(Path(module_part), flag)
     else:
-        try:
-            module = importlib.import_module(module_part)
-        except ImportError as err:
-            raise ValueError(f"cannot import {module_part!r} for {flag}: {err}") from err
+        module = _import_module(module_part, attr, flag)
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
@@ -97,13 +78,71 @@ def load_factory(spec: str, flag: str = "--model") -> Any:
     return obj
 
 
-def parse_shape(text: str) -> tuple[int, ...]:
+def _failure(err: BaseException) -> str:
+    """``Type: what happened`` of an error raised while a user's module ran."""
+    detail = str(err).strip()
+    if isinstance(err, SystemExit):
+        detail = f"it called sys.exit({err.code!r})"
+    return f"{type(err).__name__}: {detail}"
+
+
+def _load_file(path: Path, flag: str) -> Any:
+    """The module of ``--model file.py:factory``; any failure of the user's file is bad input."""
+    if path.is_dir():
+        raise ValueError(f"{flag} {path} is a folder, not a Python file")
+    if not path.is_file():
+        raise ValueError(f"{flag} file {path} does not exist")
+    stat = path.stat()
+    try:
+        return _run_file(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+    except (Exception, SystemExit) as err:
+        raise ValueError(f"{flag} {path}: executing the file failed: {_failure(err)}") from err
+
+
+def _import_module(name: str, attr: str, flag: str) -> Any:
+    """The module of ``--model pkg.module:factory``; any failure of the user's module is bad
+    input, as for a file."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as err:
+        raise ValueError(
+            f"cannot import {name!r} for {flag}: {err}{_local_module_hint(name, attr, flag, err)}"
+        ) from err
+    except (Exception, SystemExit) as err:
+        raise ValueError(f"{flag} {name}:{attr}: importing {name} failed: {_failure(err)}") from err
+
+
+def _local_module_hint(name: str, attr: str, flag: str, err: ImportError) -> str:
+    """Where ``name`` is a file of the current folder, which the ``initlab`` console script does
+    not import from (``python -m initlab`` does): how to name it."""
+    if not isinstance(err, ModuleNotFoundError) or err.name != name.split(".")[0]:
+        return ""
+    file = Path(*name.split(".")).with_suffix(".py")
+    if file.is_file():
+        return (
+            f"; {file} is in this folder, which is not on the import path: use {flag} "
+            f"{file}:{attr}, or PYTHONPATH=."
+        )
+    if (file.with_suffix("") / "__init__.py").is_file():
+        return (
+            f"; {file.with_suffix('')} is a package in this folder, which is not on the "
+            "import path: run with PYTHONPATH=."
+        )
+    return ""
+
+
+def parse_shape(text: str, flag: str = "--input-shape", prefix: str = "") -> tuple[int, ...]:
+    """``"3x32x32"`` -> ``(3, 32, 32)``; errors name ``flag`` (``prefix``: what precedes the
+    shape in its value, ``random:`` for ``--data random:SHAPE``)."""
     try:
         shape = tuple(int(s) for s in text.replace(",", "x").split("x") if s)
-    except ValueError as err:
-        raise ValueError(f"bad shape {text!r}; write e.g. 3x32x32") from err
+    except ValueError:
+        shape = ()
     if not shape or any(s < 1 for s in shape):
-        raise ValueError(f"bad shape {text!r}; write e.g. 3x32x32")
+        raise ValueError(
+            f"{flag} {prefix}{text}: {text!r} is not a shape (positive sizes joined by x); write "
+            f"e.g. {flag} {prefix}3x32x32"
+        )
     return shape
 
 
@@ -171,7 +210,7 @@ def check_data_spec(spec: str) -> None:
     work (loading happens later)."""
     if spec == "random" or spec.startswith("random:"):
         if ":" in spec:
-            parse_shape(spec.split(":", 1)[1])
+            parse_shape(spec.split(":", 1)[1], "--data", "random:")
         return
     if spec == "digits":
         return
@@ -301,6 +340,7 @@ def load_data_spec(
     seed: int,
     data_dir: str | None = None,
     shape_flag: str | None = None,
+    note: Callable[[str], None] | None = None,
 ) -> list[Any]:
     """Batches from a data spec (see :func:`~initlab.cli.diagnose.diagnose_command`).
 
@@ -308,7 +348,8 @@ def load_data_spec(
     examples (drawn without replacement with ``seed``); a ``.pt`` file or a function gives its
     batches (a big single batch is split into ``batch_size`` pieces), at most ``batches``.
     ``data_dir`` is the data root of the named sets (default: see :func:`initlab.data.data_root`);
-    ``shape_flag``: the command's option that gives random data's shape too (``--input-shape``).
+    ``shape_flag``: the command's option that gives random data's shape too (``--input-shape``);
+    ``note`` is told when ``batch_size`` is not used: the data is already batched.
     """
     shape_hint = f", {shape_flag} SHAPE," if shape_flag else ","
     for flag, value in (("--batch-size", batch_size), ("--max-batches", batches)):
@@ -317,7 +358,7 @@ def load_data_spec(
     gen = torch.Generator().manual_seed(seed)
     if spec is None or spec == "random" or spec.startswith("random:"):
         if spec is not None and ":" in spec:
-            shape = parse_shape(spec.split(":", 1)[1])
+            shape = parse_shape(spec.split(":", 1)[1], "--data", "random:")
         if shape is None:
             given = "--data random needs" if spec is not None else "--data is needed:"
             raise ValueError(
@@ -343,13 +384,22 @@ def load_data_spec(
             raise ValueError(f"unknown --data {spec!r}; give {DATA_SPECS}")
         _check_catalogue_prefix(spec)
         obj = _call_data_fn(spec)
-    return _split_batches(obj, batch_size, batches, spec)
+    taken = _split_batches(obj, batch_size, batches, spec)
+    if taken is None:
+        taken = take_batches(obj, batches, exact=False, what="--data")
+        if note is not None:
+            note(
+                f"--batch-size is ignored with --data {spec}: the data is already batched (its "
+                f"batches are used as they are, {len(taken)} of them here)"
+            )
+    return taken
 
 
-def _split_batches(obj: Any, batch_size: int, batches: int, spec: str) -> list[Any]:
-    """The batches of a loaded object: a big single batch of tensors is split along dim 0."""
+def _split_batches(obj: Any, batch_size: int, batches: int, spec: str) -> list[Any] | None:
+    """The batches of one loaded batch: a big batch of tensors is split along dim 0; ``None``
+    for data that is already batched."""
     if not is_single_batch(obj):
-        return take_batches(obj, batches, exact=False, what="--data")
+        return None
     parts = obj if isinstance(obj, (tuple, list)) else (obj,)
     tensors = all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in parts)
     if tensors and len({int(t.shape[0]) for t in parts}) != 1:

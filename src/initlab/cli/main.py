@@ -6,8 +6,8 @@ Argument parsing lives here and only here; every command calls the library's pub
 Errors: :func:`main` is the one place that handles them. Any exception a command raises is printed
 as one line, ``initlab <command>: error: <message>``, without a traceback (the global ``--debug``
 flag prints the traceback as well); the exit code is 2 for bad input (``ValueError``,
-``TypeError``, ``ImportError``, ``LookupError``, ``OSError``, ``ArithmeticError``) and 1 for
-anything else.
+``TypeError``, ``ImportError``, ``LookupError``, ``OSError``, ``ArithmeticError``, and a model
+that cannot run on the data: a shape or dtype mismatch) and 1 for anything else.
 """
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ import argparse
 import importlib
 import io
 import json
+import math
 import os
 import sys
 import time
 import traceback
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -30,15 +31,19 @@ import torch
 from torch import nn
 
 from initlab.cli._checks import (
+    DEFAULT_INIT_BATCHES,
+    check_batch_count,
     check_distinct,
     check_not_empty,
     check_out_dir,
     check_out_file,
     command_name,
     make_parent,
+    max_batches_for,
     note,
     positive_int,
     seed_int,
+    split_names,
     translate,
 )
 
@@ -86,31 +91,46 @@ _METHOD_OPTIONS = {
     "--how": ("precondition",),
 }
 
+
 #: ``--max-batches`` without a value: this many, or what ``--steps`` needs.
-_DEFAULT_INIT_BATCHES = 8
+def _given(args: argparse.Namespace, dest: str) -> bool:
+    """Whether the user gave the option stored in ``dest`` (one with ``action=_Given``)."""
+    return dest in getattr(args, "given", ())
 
 
-def _max_batches_for(args: argparse.Namespace) -> int:
-    """``--max-batches``, or its default raised to what ``--steps`` needs (gradinit reads batch t
-    and t+1 per step, metainit one batch per step)."""
-    if args.max_batches is not None:
-        return int(args.max_batches)
-    if args.steps is not None and args.method in ("gradinit", "metainit"):
-        need = args.steps + 1 if args.method == "gradinit" else args.steps
-        return max(_DEFAULT_INIT_BATCHES, need)
-    return _DEFAULT_INIT_BATCHES
+def _batch_size_note(args: argparse.Namespace) -> Callable[[str], None]:
+    """Where the data is already batched: a note that --batch-size is ignored, if it was given."""
+    return (lambda text: note(args, text)) if _given(args, "batch_size") else (lambda text: None)
+
+
+def _load_data(
+    args: argparse.Namespace, shape: Any, batches: int, shape_flag: str | None = None
+) -> tuple[list[Any], bool]:
+    """The batches of --data (init, doctor), and whether it came already batched (so
+    --batch-size was not used: noted when it was given)."""
+    from initlab.cli.inputs import load_data_spec
+
+    said: list[str] = []
+    data = load_data_spec(
+        args.data, shape, batch_size=args.batch_size, batches=batches, seed=args.seed,
+        data_dir=args.data_dir, shape_flag=shape_flag, note=said.append,
+    )  # fmt: skip
+    tell = _batch_size_note(args)
+    for text in said:
+        tell(text)
+    return data, bool(said)
 
 
 def _run_method(args: argparse.Namespace, model: nn.Module) -> Any:
-    from initlab.cli.inputs import has_targets, load_data_spec, load_loss
+    from initlab.cli.inputs import has_targets, load_loss
 
     module_name, fn_name, takes_loss = _METHODS[args.method]
     method = getattr(importlib.import_module(module_name), fn_name)
-    data = load_data_spec(
-        args.data, args.input_shape, batch_size=args.batch_size, batches=_max_batches_for(args),
-        seed=args.seed, data_dir=args.data_dir, shape_flag="--input-shape",
-    )  # fmt: skip
+    data, batched = _load_data(args, args.input_shape, max_batches_for(args), "--input-shape")
+    check_batch_count(args, data, batched)
     kwargs: dict[str, Any] = {"generator": args.seed}
+    if args.method == "lsuv":  # keep the scheme's weights (rescaled) and biases
+        kwargs["orthogonal"] = args.scheme is None
     if args.method in ("gradinit", "metainit"):
         kwargs["progress"] = _progress_printer(args.method, args.steps)
         if args.steps is not None:
@@ -128,11 +148,14 @@ def _parse_bias(text: str) -> str | float:
     if text in ("zeros", "keep"):
         return text
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
         raise ValueError(
-            f"--bias {text!r}: give 'zeros', 'keep' (the factory's biases) or a number"
-        ) from None
+            f"--bias {text!r}: give 'zeros', 'keep' (the factory's biases) or a finite number"
+        )
+    return value
 
 
 def _check_scheme(flag: str, name: str | None) -> None:
@@ -180,7 +203,11 @@ def _data_file(spec: str | None) -> str | None:
 
 def _check_init_options(args: argparse.Namespace) -> None:
     """Refuse bad values and warn about options this run does not use, before any work."""
+    from initlab.cli.inputs import parse_shape
+
     _check_scheme("--scheme", args.scheme)
+    if args.input_shape is not None:
+        parse_shape(args.input_shape, "--input-shape")
     _check_data_options(args, used=args.method is not None)
     if args.method is None:
         unused = [f for f, v in (("--data", args.data), ("--data-dir", args.data_dir),
@@ -198,6 +225,9 @@ def _check_init_options(args: argparse.Namespace) -> None:
         if args.input_shape is not None and args.data not in (None, "random"):
             note(args, f"--input-shape is only used with random data (no --data, or --data "
                   f"random); ignored with --data {args.data}")  # fmt: skip
+        if args.scheme is None and _given(args, "bias"):
+            note(args, f"--bias is only used with --scheme (the scheme sets the biases); ignored "
+                  f"with --method {args.method} alone: add --scheme NAME")  # fmt: skip
     if args.method == "gradinit" and args.max_batches is not None and args.max_batches < 2:
         raise ValueError(
             f"--max-batches {args.max_batches}: gradinit needs at least 2 batches (each step reads "
@@ -208,8 +238,26 @@ def _check_init_options(args: argparse.Namespace) -> None:
             "--how parametrize registers torch parametrizations, which a state dict cannot "
             "carry (the multipliers are not tensors); use --how lr (weights unchanged, per-layer "
             "learning-rate scales in --report) or --how rescale (weights changed), or call "
-            "initlab.precondition_(model, data, how='parametrize') in Python"
+            "`initlab.precondition_(model, data, loss_fn, how='parametrize')` in Python"
         )
+
+
+def _method_notes(args: argparse.Namespace, report_path: Path | None) -> list[str]:
+    """What ``initlab init`` says after the tables about what --method did to the weights."""
+    if args.method == "lsuv" and args.scheme is None:
+        return [
+            "note: lsuv replaced the factory's weights with an orthogonal pre-init (biases zero) "
+            "before rescaling them; give --scheme NAME (and --bias) to have lsuv rescale that "
+            "scheme's weights and keep its biases instead."
+        ]
+    if args.method == "precondition" and (args.how or "lr") == "lr":
+        where = f"in {report_path}" if report_path else "above (add --report FILE to save them)"
+        return [
+            "note: precondition --how lr leaves the weights unchanged (the saved state dict is "
+            "the init's); its result is the per-layer learning-rate scales lr_scale_sgd and "
+            f"lr_scale_adam, {where}. --how rescale changes the weights instead."
+        ]
+    return []
 
 
 def _cmd_init(args: argparse.Namespace) -> int:
@@ -246,13 +294,8 @@ def _cmd_init(args: argparse.Namespace) -> int:
     print(f"\nsaved state dict to {out}")
     if report_path is not None and report is not None:
         print(f"saved report rows to {report_path}")
-    if args.method == "precondition" and (args.how or "lr") == "lr":
-        where = f"in {report_path}" if report_path else "above (add --report FILE to save them)"
-        print(
-            "note: precondition --how lr leaves the weights unchanged (the saved state dict is "
-            "the init's); its result is the per-layer learning-rate scales lr_scale_sgd and "
-            f"lr_scale_adam, {where}. --how rescale changes the weights instead."
-        )
+    for line in _method_notes(args, report_path):
+        print(line)
     return 0
 
 
@@ -277,6 +320,7 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
         data_dir=args.data_dir,
         curvature=args.curvature,
         plots=not args.no_plots,
+        note=_batch_size_note(args),
         progress=lambda msg: print(f"[diagnose] {msg}", file=sys.stderr, flush=True),
     )
     print(report.summary())
@@ -286,14 +330,15 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from initlab.cli.inputs import has_targets, load_data_spec, load_loss, load_model_spec
+    from initlab.cli.inputs import has_targets, load_loss, load_model_spec
     from initlab.diagnostics.doctor import _fix_names as fix_names  # checks the names
     from initlab.diagnostics.doctor import doctor
 
     _check_data_options(args)
     fix: bool | list[str] = False
     if args.fix is not None:
-        fix = True if args.fix == "recommended" else [f for f in args.fix.split(",") if f]
+        example = "--fix init,lsuv (or --fix alone for the recommended ones)"
+        fix = True if args.fix == "recommended" else split_names("--fix", args.fix, "fix", example)
         if fix is not True:
             try:
                 fix_names(fix)
@@ -303,10 +348,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     if folder is not None:
         _check_paths(model=_model_file(args.model), data=_data_file(args.data), out=args.out)
     model, shape = load_model_spec(args.model, args.model_kwargs, seed=args.seed)
-    data = load_data_spec(
-        args.data, shape, batch_size=args.batch_size, batches=args.max_batches, seed=args.seed,
-        data_dir=args.data_dir,
-    )  # fmt: skip
+    data, _ = _load_data(args, shape, args.max_batches)
     targets = has_targets(data[0])
     loss_name = args.loss or ("auto" if targets else "random_quadratic")
     loss_fn = load_loss(loss_name, seed=args.seed, targets=targets)
@@ -328,19 +370,44 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     return 0
 
 
+def _canonical_scheme(name: str) -> str:
+    """The registry's name of a scheme name or alias: ``he`` -> ``fan_in``, ``kaiming_uniform``
+    -> ``fan_in_uniform`` (a distribution suffix is kept)."""
+    from initlab.init.schemes import SAMPLED_DISTRIBUTIONS, list_schemes
+
+    names = {
+        alias: row["name"]
+        for row in list_schemes()
+        for alias in (row["name"], *row["aliases"].split(", "))
+        if alias
+    }
+    key = name.strip().lower().replace("-", "_")
+    for suffix in ("", *(f"_{d}" for d in SAMPLED_DISTRIBUTIONS)):
+        if key.endswith(suffix) and key.removesuffix(suffix) in names:
+            return names[key.removesuffix(suffix)] + suffix
+    return key
+
+
+def _demo_schemes(text: str) -> list[str]:
+    """The schemes of ``demo --schemes``, each under its registry name (aliases resolved), each
+    once."""
+    given = split_names("--schemes", text, "scheme", "--schemes fan_in,geometric")
+    for scheme in given:
+        _check_scheme("--schemes", scheme)
+    schemes = [_canonical_scheme(s) for s in given]
+    for scheme in dict.fromkeys(schemes):
+        same = [g for g, c in zip(given, schemes, strict=True) if c == scheme]
+        if len(same) > 1:
+            aliases = f" ({' and '.join(same)} are both {scheme})" if len(set(same)) > 1 else ""
+            raise ValueError(f"--schemes {text}: {scheme} given twice{aliases}; name each "
+                             "scheme once")  # fmt: skip
+    return schemes
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from initlab.cli.demo import DEMO_SCHEMES, demo_study, run_demo
 
-    schemes = args.schemes.split(",") if args.schemes else list(DEMO_SCHEMES)
-    schemes = [s.strip() for s in schemes if s.strip()]
-    if not schemes:
-        raise ValueError(f"--schemes {args.schemes!r} names no scheme; e.g. fan_in,geometric")
-    twice = sorted({s for s in schemes if schemes.count(s) > 1})
-    if twice:
-        raise ValueError(f"--schemes {args.schemes}: {', '.join(twice)} given twice; name each "
-                         "scheme once")  # fmt: skip
-    for scheme in schemes:
-        _check_scheme("--schemes", scheme)
+    schemes = _demo_schemes(args.schemes) if args.schemes is not None else list(DEMO_SCHEMES)
     start = time.perf_counter()
     out = Path(args.out)
     if not args.quick:
@@ -421,10 +488,14 @@ def _add_init(sub: Subparsers) -> None:
     p.add_argument(
         "--scheme",
         help="data-free scheme (see `initlab schemes`); default geometric "
-        "without --method, the factory's own init with --method",
+        "without --method, the factory's own init with --method (lsuv: see --method)",
     )
     p.add_argument(
-        "--method", choices=sorted(_METHODS), help="data-dependent method run after the scheme"
+        "--method",
+        choices=sorted(_METHODS),
+        help="data-dependent method run after the scheme. lsuv rescales the --scheme's weights "
+        "and keeps its --bias; without --scheme, lsuv first replaces the factory's weights with "
+        "an orthogonal pre-init and zero biases (Mishkin & Matas)",
     )
     p.add_argument("--data", help=f"data for --method: {_DATA_HELP}")
     p.add_argument("--data-dir", help=_DATA_DIR_HELP)
@@ -437,20 +508,21 @@ def _add_init(sub: Subparsers) -> None:
         "--loss", help=_loss_help("loss of gradinit/metainit/precondition (default auto): ")
     )
     p.add_argument(
-        "--batch-size", type=positive_int, default=64,
-        help="examples per batch of --method's data (default: %(default)s)",
+        "--batch-size", type=positive_int, default=64, action=_Given,
+        help="examples per batch of --method's data (default: %(default)s); data that is already "
+        "batched (a list of batches) keeps its own",
     )  # fmt: skip
     p.add_argument(
         "--max-batches", "--batches", dest="max_batches", type=positive_int, default=None,
         action=_MaxBatches,
         help=f"at most this many batches of --data for --method (default: "
-        f"{_DEFAULT_INIT_BATCHES}, or what --steps needs: steps+1 for gradinit, steps for "
+        f"{DEFAULT_INIT_BATCHES}, or what --steps needs: steps+1 for gradinit, steps for "
         "metainit; --batches: the old name)",
     )  # fmt: skip
     p.add_argument(
         "--steps", type=positive_int,
         help="gradinit/metainit: optimization steps (default: one pass over the --max-batches "
-        f"batches, {_DEFAULT_INIT_BATCHES - 1} for gradinit and {_DEFAULT_INIT_BATCHES} for "
+        f"batches, {DEFAULT_INIT_BATCHES - 1} for gradinit and {DEFAULT_INIT_BATCHES} for "
         "metainit with the default)",
     )  # fmt: skip
     p.add_argument(
@@ -467,8 +539,9 @@ def _add_init(sub: Subparsers) -> None:
         "(default: %(default)s)",
     )  # fmt: skip
     p.add_argument(
-        "--bias", default="zeros",
-        help="'zeros', 'keep' (the factory's biases) or a number (default: %(default)s)",
+        "--bias", default="zeros", action=_Given,
+        help="biases of --scheme: 'zeros', 'keep' (the factory's biases) or a number (default: "
+        "%(default)s)",
     )  # fmt: skip
     p.add_argument(
         "--policy",
@@ -511,6 +584,15 @@ def _add_model_data_loss(p: argparse.ArgumentParser) -> None:
     )
 
 
+class _Given(argparse.Action):
+    """Stores the value, and its ``dest`` in ``namespace.given``: whether the user chose it
+    (:func:`_given`), as the default alone would not say."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.given = {*getattr(namespace, "given", ()), self.dest}
+
+
 class _MaxBatches(argparse.Action):
     """``--max-batches N``; its old name ``--batches`` still works, with a deprecation note."""
 
@@ -523,8 +605,9 @@ class _MaxBatches(argparse.Action):
 def _add_batches(p: argparse.ArgumentParser) -> None:
     """--batch-size and --max-batches (--batches: the old name) of ``diagnose`` and ``doctor``."""
     p.add_argument(
-        "--batch-size", type=positive_int, default=64,
-        help="examples per batch (default: %(default)s)",
+        "--batch-size", type=positive_int, default=64, action=_Given,
+        help="examples per batch (default: %(default)s); data that is already batched (a list of "
+        "batches) keeps its own",
     )  # fmt: skip
     p.add_argument(
         "--max-batches", "--batches", dest="max_batches", type=positive_int, default=4,
@@ -640,13 +723,33 @@ _SHAPE_ERRORS = (
 )
 
 
-def _shape_hint(command: str) -> str:
+_DTYPE_ERRORS = ("same dtype", "expected scalar type", "should be the same")
+
+
+def _mismatch_hint(err: BaseException, command: str) -> str | None:
+    """What to check when the model could not run on the data (a shape or dtype mismatch torch
+    raised: bad input), else ``None``."""
+    if not isinstance(err, RuntimeError):
+        return None
+    text = str(err).lower()
+    if any(s in text for s in _DTYPE_ERRORS):
+        return (
+            "its dtype is not the model's; convert the data before saving it, e.g. x.float() "
+            "for float64 or uint8 inputs of a float32 model, y.long() for class labels"
+        )
+    if not any(s in text for s in _SHAPE_ERRORS):
+        return None
     if command == "init":
         return "do --data, --input-shape and the model's input agree?"
     return (
         "do --data (e.g. random:3x32x32 for that shape per example) and the model's input "
         "agree? A factory's input size may be set with --model-kwargs"
     )
+
+
+def _exit_code(err: BaseException) -> int:
+    """2 for bad input (see the module docstring), 1 for any other failure."""
+    return 2 if isinstance(err, _INPUT_ERRORS) or _mismatch_hint(err, "") else 1
 
 
 def _message(err: BaseException, command: str = "init") -> str:
@@ -658,8 +761,9 @@ def _message(err: BaseException, command: str = "init") -> str:
     text = str(err).strip() or type(err).__name__
     if not isinstance(err, (ValueError, TypeError, ImportError, ArithmeticError, OSError)):
         text = f"{type(err).__name__}: {text}"
-    if isinstance(err, RuntimeError) and any(s in text.lower() for s in _SHAPE_ERRORS):
-        text += f" (the model could not run on the data: {_shape_hint(command)})"
+    hint = _mismatch_hint(err, command)
+    if hint is not None:
+        text += f" (the model could not run on the data: {hint})"
     return translate(text)
 
 
@@ -751,7 +855,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.debug:
                 traceback.print_exc()
             print(f"initlab {name}: error: {_message(err, args.command)}", file=sys.stderr)
-            return 2 if isinstance(err, _INPUT_ERRORS) else 1
+            return _exit_code(err)
 
 
 if __name__ == "__main__":  # pragma: no cover
