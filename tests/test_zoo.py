@@ -501,3 +501,18 @@ def test_lecture_residual_mlp_written_out() -> None:
     z4 = F.leaky_relu(z3 @ w4.T + b4, alpha)
     expected = z4 @ w5.T + b5
     torch.testing.assert_close(model(x), expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["paper_mlp", "lecture_mlp", "lecture_resnet_mlp"])
+def test_the_mlps_trace_under_fx_and_flatten_images(name: str) -> None:
+    """The scaling linter walks a model with ``torch.fx``; the MLPs' image flattening was a branch
+    on ``x.ndim`` that fx cannot trace (``diagnose`` noted it on every call). Images and their
+    flattened rows give the same outputs, traced or not."""
+    torch.manual_seed(0)
+    model = create_model(name).double()
+    n = next(m for m in model.modules() if isinstance(m, nn.Linear)).in_features
+    x = torch.randn(4, n, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    traced = torch.fx.symbolic_trace(model)
+    images = x.reshape(4, n, 1, 1)
+    for out in (model(images), traced(x), traced(images)):
+        torch.testing.assert_close(out, model(x), rtol=0, atol=0)

@@ -55,8 +55,9 @@ class PaperMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.ndim > 2:  # images (B, C, H, W): each example as a vector of n_in = C·H·W scalars
-            x = x.flatten(1)
+        # images (B, C, H, W): each example as a vector of n_in = C·H·W scalars; (B, n_in) as it
+        # is. Unconditional, so that torch.fx traces the model (the scaling linter's walk)
+        x = x.flatten(1)
         if self.input_norm is not None:
             x = self.input_norm(x)
         return self.layers(x) * self.output_scale
