@@ -8,6 +8,7 @@ test runs the real :func:`initlab.study.trainer.train_runs` on tiny synthetic da
 from __future__ import annotations
 
 import csv
+import functools
 import importlib
 import json
 import math
@@ -26,12 +27,14 @@ import pytest
 
 from initlab.study.aggregate import (
     PAPER_TABLE2,
+    diverged_everywhere,
     lr_table,
     per_dataset_table,
     quantile,
     report_study,
     table2,
 )
+from initlab.study.bootstrap import loss_cubes, table2_intervals
 from initlab.study.config import RunConfig, RunResult
 from initlab.study.runner import StudyError, plan_chunks, run_study
 from initlab.study.spec import StudySpec
@@ -541,6 +544,44 @@ def synthetic_records() -> list[dict[str, Any]]:
     # d3: only one scheme → left out of Table 2
     recs += _rec("d3", "geometric", 0.1, [1.0])
     return recs
+
+
+def test_a_data_set_where_every_scheme_diverged_everywhere_is_left_out() -> None:
+    """Every scheme diverged at every rate on d4: all would tie at 1 ("both first"), so it is left
+    out of Table 2 and its intervals, and named; d1 and d2 read as before."""
+    recs = synthetic_records()
+    recs += _rec("d4", "arithmetic", 0.1, [None, None, 1.0])  # median +inf at its only rate
+    recs += _rec("d4", "geometric", 0.1, [None, None, None])
+    recs += _rec("d4", "fan_in", 0.1, [None, 2.0, None])
+    per = per_dataset_table(recs)
+    assert diverged_everywhere(per) == ["d4"]
+    assert all(r["normalized"] is None for r in per if r["dataset"] == "d4")
+    assert table2(per).to_rows() == table2(per_dataset_table(synthetic_records())).to_rows()
+    assert [c.dataset for c in loss_cubes(recs)] == ["d1", "d2"]
+    ci = table2_intervals(loss_cubes(recs), n_boot=20)
+    assert {r["n_datasets"] for r in ci} == {2}
+
+
+def test_report_warns_where_its_tables_stand_on_less(
+    tmp_path: Path, helpers: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A study whose every run diverged (all schemes "first" at 1.000 before) and an interrupted
+    one: the report says so, as a warning (the command line's note) and in its text."""
+    run = functools.partial(
+        run_study, train_fn=helpers.fake_train, load_fn=helpers.load_fake, progress=False,
+        extend_grid=False,
+    )  # fmt: skip
+    db = tmp_path / "div.sqlite"
+    run(small_spec(name="div", datasets=["alpha"], lrs=[2.0, 3.0]), db)  # lr > 1.5 diverges
+    with pytest.warns(UserWarning, match=r"left out alpha: every scheme diverged at every"):
+        assert not len(report_study(db, tmp_path / "r", plots=False, n_boot=20))
+    assert "Left out alpha: every scheme diverged" in (tmp_path / "r" / "table2.md").read_text()
+    monkeypatch.setenv("INITLAB_FAKE_FAIL", "betat")
+    part = tmp_path / "part.sqlite"
+    with pytest.raises(StudyError):
+        run(small_spec(name="part"), part)
+    with pytest.warns(UserWarning, match=r"incomplete: 18 of 36 runs finished"):
+        report_study(part, tmp_path / "r2", plots=False, n_boot=20)
 
 
 def test_aggregation_matches_hand_computation() -> None:

@@ -160,7 +160,9 @@ def lr_table(records: Iterable[Mapping[str, Any]], loss: str = "full_pass") -> R
 def per_dataset_table(records: Iterable[Mapping[str, Any]], loss: str = "full_pass") -> Rows:
     """Per data set and scheme: the best learning rate, its median/quartile loss, normalized loss.
 
-    ``normalized`` is ``None`` on data sets where some scheme of the study has no results.
+    ``normalized`` is ``None`` on data sets where some scheme of the study has no results, or
+    where every scheme diverged at every rate (:func:`diverged_everywhere`; tied at 1 they would
+    read as equally good).
     ``lr_at_grid_edge`` flags a best rate at the smallest or largest of the ``n_lrs`` rates tried
     for that data set and scheme (the grid may be too narrow there); ``grid_edge`` says which:
     ``"top"``, ``"bottom"`` or ``""``.
@@ -199,11 +201,22 @@ def per_dataset_table(records: Iterable[Mapping[str, Any]], loss: str = "full_pa
         if not all((dataset, s) in best for s in schemes):
             continue
         losses = {s: best[dataset, s]["median_loss"] for s in schemes}
+        if all(math.isinf(v) for v in losses.values()):
+            continue  # every scheme diverged at every rate: no comparison (left out)
         worst = max(losses.values())
         for s, loss in losses.items():
             best[dataset, s]["normalized"] = _normalize(loss, worst)
     rows = [best[key] for key in sorted(best)]
     return Rows(rows, PER_DATASET_COLUMNS, title="best learning rate per data set and scheme")
+
+
+def diverged_everywhere(per_dataset: Rows | Iterable[Mapping[str, Any]]) -> list[str]:
+    """The data sets on which every scheme diverged (or ended non-finite) at every rate tried:
+    left out of Table 2, as nothing there tells the schemes apart (smaller rates would)."""
+    losses: dict[str, list[float]] = {}
+    for r in per_dataset:
+        losses.setdefault(r["dataset"], []).append(r["median_loss"])
+    return sorted(d for d, values in losses.items() if all(math.isinf(v) for v in values))
 
 
 def grid_edges(per_dataset: Rows | Iterable[Mapping[str, Any]]) -> list[tuple[str, str, str]]:
@@ -288,9 +301,18 @@ def table2_markdown(
     edges = [f"{r['dataset']}/{r['scheme']}" for r in per_dataset if r["lr_at_grid_edge"]]
     if edges:
         lines += ["", f"Best learning rate at the edge of the grid: {', '.join(edges)}."]
-    incomplete = sorted({r["dataset"] for r in per_dataset if r["normalized"] is None})
+    diverged = diverged_everywhere(per_dataset)
+    incomplete = sorted(
+        {r["dataset"] for r in per_dataset if r["normalized"] is None} - set(diverged)
+    )
     if incomplete:
         lines += ["", f"Left out (not every scheme has results): {', '.join(incomplete)}."]
+    if diverged:
+        lines += [
+            "",
+            f"Left out (every scheme diverged at every learning rate; try smaller rates): "
+            f"{', '.join(diverged)}.",
+        ]
     lines += [f"\n{note}" for note in notes]
     lines += ["", "## Per data set", "", per_dataset.to_markdown()]
     return "\n".join(lines) + "\n"

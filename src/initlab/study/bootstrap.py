@@ -110,7 +110,9 @@ def _record_loss(record: Mapping[str, Any], column: str) -> float:
 
 
 def loss_cubes(records: Iterable[Mapping[str, Any]], loss: str = "full_pass") -> list[LossCube]:
-    """One :class:`LossCube` per data set on which every scheme of ``records`` has runs.
+    """One :class:`LossCube` per data set on which every scheme of ``records`` has runs and some
+    scheme has a finite median loss at some rate (a data set where all diverged everywhere is left
+    out, as in :func:`~initlab.study.aggregate.per_dataset_table`).
 
     Args:
         records: runs with ``dataset, scheme, lr, seed, diverged`` and the loss column.
@@ -142,6 +144,9 @@ def loss_cubes(records: Iterable[Mapping[str, Any]], loss: str = "full_pass") ->
         ni = {seed: i for i, seed in enumerate(seeds)}
         for (s, lr, seed), value in cell.items():
             cube[si[s], li[lr], ni[seed]] = value
+        medians = _median_last(cube)
+        if np.all(np.isnan(medians) | np.isinf(medians)):
+            continue  # every scheme diverged at every rate: no comparison (as per_dataset_table)
         cubes.append(LossCube(dataset, schemes, lrs, seeds, cube))
     return cubes
 

@@ -37,15 +37,18 @@ import csv
 import html
 import math
 import re
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from initlab._core.knobs import user_stacklevel
 from initlab._core.rows import Rows
 from initlab.study.aggregate import (
     PAPER_N_DATASETS,
     PAPER_TABLE2,
+    diverged_everywhere,
     grid_edges,
     init_cost_table,
     init_cost_text,
@@ -200,6 +203,10 @@ def report_study(
     Returns:
         :func:`~initlab.study.aggregate.sensitivity_table` rows: per variant and scheme, the
         average normalized loss, its interval, rank, worst/best counts.
+
+    Warns:
+        UserWarning: a variant has unfinished runs, or data sets were left out because every
+            scheme diverged at every rate there (the report's text says so too).
     """
     if not Path(store_path).is_file():
         raise FileNotFoundError(f"no study store at {store_path}")
@@ -234,6 +241,7 @@ def report_study(
         raise ValueError(
             f"{store_path} holds no finished runs" + (f" of {study!r}" if study else "")
         )
+    _warn_partial(reports)
     sensitivity = sensitivity_table({r.name: r.intervals for r in reports})
     _write_tables(out, reports, sensitivity)
     sens_plots = []
@@ -250,6 +258,28 @@ def report_study(
         encoding="utf-8",
     )
     return sensitivity
+
+
+def _warn_partial(reports: Sequence[VariantReport]) -> None:
+    """Warn where the tables stand on less than they seem to: a variant with unfinished runs, and
+    data sets left out because every scheme diverged at every rate (their schemes all tie)."""
+    for r in reports:
+        where = f"variant {r.name!r}: " if len(reports) > 1 else ""
+        if r.n_finished < r.n_expected:
+            warnings.warn(
+                f"{where}incomplete: {r.n_finished} of {r.n_expected} runs finished; the tables "
+                "cover the finished ones (run the study again to finish it)",
+                UserWarning,
+                stacklevel=user_stacklevel(),
+            )
+        diverged = diverged_everywhere(r.per_dataset)
+        if diverged:
+            warnings.warn(
+                f"{where}left out {', '.join(diverged)}: every scheme diverged at every learning "
+                "rate there, so nothing tells them apart (add smaller rates)",
+                UserWarning,
+                stacklevel=user_stacklevel(),
+            )
 
 
 # -- files --------------------------------------------------------------------------------------
@@ -301,8 +331,14 @@ def _summary_lines(r: VariantReport, reference: str) -> list[str]:
     """Plain statements read off the tables: who ranks first, where the reference stands, which
     paired differences exclude 0."""
     rows = list(r.intervals)
+    diverged = diverged_everywhere(r.per_dataset)
+    left = (
+        [f"Left out {', '.join(diverged)}: every scheme diverged at every learning rate there."]
+        if diverged
+        else []
+    )
     if not rows:
-        return ["No data set has results for every scheme yet."]
+        return [*left, "No data set compares every scheme yet."]
     first = [x["scheme"] for x in rows if x["rank"] == 1]
     lines = [f"Lowest average normalized loss: {', '.join(first)}."]
     ref = next((x for x in rows if x["scheme"] == reference), None)
@@ -326,7 +362,7 @@ def _summary_lines(r: VariantReport, reference: str) -> list[str]:
             f"{ci_text(p['mean_diff'], lo, hi)}, {reference} wins {p['ref_win_rate']:.0%} of "
             f"pairs: {verdict}."
         )
-    return lines
+    return lines + left
 
 
 def _variant_markdown(r: VariantReport, reference: str) -> list[str]:
