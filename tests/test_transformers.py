@@ -21,7 +21,7 @@ import initlab
 
 transformers = pytest.importorskip("transformers")
 
-from .hf_models import FAMILIES, B, V, batches, model_of  # noqa: E402
+from .hf_models import FAMILIES, B, T, V, batches, model_of  # noqa: E402
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore")]
 
@@ -278,6 +278,14 @@ def test_spectra_of_gpt2_conv1d_is_the_matrix_norm() -> None:
     row = rows["transformer.h.0.attn.c_attn"]
     assert row["op_method"] == "svd"
     assert row["op_norm"] == pytest.approx(float(torch.linalg.matrix_norm(w, 2)), rel=1e-5)
+    # the data's forward orders the Conv1D rows and gives their input shapes, as for Linear
+    calls = [
+        f"transformer.h.{i}.{m}"
+        for i in range(2)
+        for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    ]
+    assert [rows[n]["order"] for n in [*calls, "lm_head"]] == list(range(9))
+    assert rows["transformer.h.0.mlp.c_proj"]["input_shape"] == (T, 4 * 32)
 
 
 def test_input_scaling_names_why_it_does_not_apply_to_token_ids() -> None:

@@ -358,7 +358,8 @@ def _input_shapes(
     ):
         return data, [], set(), None
     batches = take_batches(data, 1, exact=False, what="layer_spectra")
-    with preserved_state(model), torch.no_grad(), InputShapes(model) as watched:
+    weighted = InputShapes(model, lambda _n, m: bool(_weight_params(m)))  # every row's module
+    with preserved_state(model), torch.no_grad(), weighted as watched:
         default_forward(model, batches[0])
     return watched.shapes, watched.order, watched.multiple, data_use(batches)
 
