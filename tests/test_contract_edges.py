@@ -773,6 +773,31 @@ def test_doctor_reads_a_hugging_face_models_own_loss_on_float_targets_by_its_pro
     assert row["why"].startswith("MSE") == (problem == "regression")
 
 
+class _WithPositions(nn.Module):
+    """Token model with a position table looked up by ids ``(1, T)`` shared by the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.tok, self.pos, self.head = nn.Embedding(20, 8), nn.Embedding(6, 8), nn.Linear(8, 5)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1])[None]
+        return self.head(self.tok(ids) + self.pos(positions))
+
+
+def test_a_table_read_by_positions_shared_by_the_batch_says_why_it_has_no_per_example_value() -> (
+    None
+):
+    gen = torch.Generator().manual_seed(0)
+    ids, y = torch.randint(0, 20, (4, 6), generator=gen), torch.randint(0, 5, (4, 6), generator=gen)
+    probe = initlab.measure_moments(_WithPositions(), (ids, y), nn.CrossEntropyLoss())
+    row = next(r for r in probe.param_table().to_rows() if r["layer"] == "pos")
+    assert math.isnan(row["E_dW2_example"]) and row["E_dW2"] > 0
+    note = next(n for n in probe.notes if n.startswith("pos"))
+    assert "shared by every example" in note and "batch_dim" not in note
+
+
 # ----------------------------------------------------------------------------- labels kept out
 
 

@@ -553,10 +553,7 @@ class MomentProbe(HookContext):
             rec.capture = _usable_capture(rec, frame.capture)
         frame.capture = None
         if rec.fail is None and self._batch is not None and rec.batch != self._batch:
-            rec.fail = (
-                f"module input has {rec.batch} along dim {st.bd}, the root batch has "
-                f"{self._batch} examples (set batch_dim?)"
-            )
+            rec.fail = _batch_mismatch(rec.batch, st.bd, self._batch)
         for ps in params.values():
             ps.pending.append(rec)
         return rec
@@ -882,3 +879,20 @@ def probed_backward(
     value = loss(model, batch)
     backward_of(value, what)
     return value
+
+
+def _batch_mismatch(found: int, dim: int, batch: int) -> str:
+    """Why a module call has no per-example gradients: its input does not hold the root batch's
+    examples along ``dim``. An input of 1 there is shared by every example (broadcast, as position
+    ids ``(1, T)``): its output's gradient arrives summed over the examples, whatever
+    ``batch_dim``."""
+    if found == 1 and batch > 1:
+        return (
+            f"module input has 1 along dim {dim} while the root batch has {batch} examples: one "
+            "input shared by every example (e.g. position ids broadcast over the batch), whose "
+            "output's gradient arrives summed over the examples, so the probe cannot split it"
+        )
+    return (
+        f"module input has {found} along dim {dim}, the root batch has {batch} examples (set "
+        "batch_dim?)"
+    )
