@@ -382,3 +382,48 @@ def test_a_classifiers_out_proj_is_not_an_attention_projection() -> None:
     assert head == "scheme (no nonlinearity found after it)"
     query = rows["roberta.encoder.layer.0.attention.self.query.weight"]
     assert query["gain_from"] == "none: attention projection"
+
+
+@pytest.mark.parametrize(
+    "norm",
+    [nn.BatchNorm2d(8, affine=False), nn.InstanceNorm2d(8, track_running_stats=True)],
+    ids=["BatchNorm2d(affine=False)", "InstanceNorm2d(track_running_stats=True)"],
+)
+def test_running_statistics_of_norms_without_parameters_are_reset(norm: nn.Module) -> None:
+    """Statistics measured under the old weights are stale once they are redrawn, as for affine
+    norms (a non-affine norm has no parameter for the registry to claim)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), norm).train()
+    for _ in range(3):
+        model(torch.randn(4, 3, 8, 8) * 4 + 3)
+    initlab.init_model(model, "geometric", generator=0)
+    fresh = type(norm)(8, **({"affine": False} if isinstance(norm, nn.BatchNorm2d) else
+                             {"track_running_stats": True}))  # fmt: skip
+    for name, buf in fresh.named_buffers():
+        assert torch.equal(getattr(model[1], name), buf), name
+
+
+class _Codebook(nn.Module):
+    """Integer codes (a quantized layer), claimed as a weight by a handler of one's own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.codes = nn.Parameter(torch.zeros(4, 4, dtype=torch.int64), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def test_a_weight_that_cannot_be_drawn_is_refused_before_anything_is_written() -> None:
+    registry = initlab.default_registry().copy()
+    initlab.register_handler(
+        _Codebook,
+        lambda m: [initlab.ParamSpec("codes", "weight", initlab.compute_fans((4, 4)))],
+        registry=registry,
+        example=_Codebook(),
+    )
+    model = nn.Sequential(nn.Linear(3, 3), _Codebook())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"1\.codes is torch\.int64.*floating-point"):
+        initlab.init_model(model, "geometric", generator=0, registry=registry, frozen="init")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

@@ -288,6 +288,15 @@ def reset_norm_buffers(model: nn.Module, modules: set[int]) -> None:
             module.reset_running_stats()
 
 
+def _parameterless_norm(module: nn.Module) -> bool:
+    """A norm layer with running statistics and no parameter of its own (``affine=False``)."""
+    return (
+        getattr(module, "track_running_stats", False) is True
+        and callable(getattr(module, "reset_running_stats", None))
+        and not any(True for _ in module.parameters(recurse=False))
+    )
+
+
 def claim_params(
     model: nn.Module, registry: Registry
 ) -> tuple[dict[int, _Plan], list[int], set[int]]:
@@ -298,6 +307,8 @@ def claim_params(
     order: list[int] = []
     norm_modules: set[int] = set()
     for mod_name, module in model.named_modules():
+        if _parameterless_norm(module):  # affine=False: no parameter to claim, statistics to reset
+            norm_modules.add(id(module))
         specs = registry.specs(module)
         if not specs:
             continue
@@ -387,6 +398,7 @@ def plan_all(
             if rule.matches(names, plan.spec.role):
                 _apply_rule_to_plan(plan, rule)
         _place_dirac(plan)
+        _check_drawable(plan)
     _match_added_tables(plans, order)
     for rule in rules:
         hits = [
@@ -407,6 +419,20 @@ def plan_all(
             f"rule {rule.pattern!r} ({rule.citation}) {why}",
             UserWarning,
             stacklevel=user_stacklevel(),
+        )
+
+
+def _check_drawable(plan: _Plan) -> None:
+    """Refuse, before any tensor is written, a random draw into a tensor that is not floating
+    point (a handler that claims integer codes as a weight): the draw would fail midway."""
+    draws = bool(plan.block_specs or plan.rule_specs) or (
+        plan.spec is not None and plan.spec.role == "embedding"
+    )
+    if draws and not plan.param.is_floating_point():
+        raise ValueError(
+            f"{plan.name} is {plan.param.dtype}, and its role {plan.spec.role!r} draws random "
+            "values, which needs a floating-point tensor: claim it with another role (or none), "
+            "or leave it out with frozen='skip' (requires_grad=False)"
         )
 
 
