@@ -576,6 +576,12 @@ def test_report_warns_where_its_tables_stand_on_less(
     with pytest.warns(UserWarning, match=r"left out alpha: every scheme diverged at every"):
         assert not len(report_study(db, tmp_path / "r", plots=False, n_boot=20))
     assert "Left out alpha: every scheme diverged" in (tmp_path / "r" / "table2.md").read_text()
+    ok = tmp_path / "ok.sqlite"
+    run(small_spec(name="ok", datasets=["alpha"]), ok)
+    with pytest.warns(UserWarning, match=r"no runs of the reference scheme 'geometrc'.*fan_in"):
+        report_study(ok, tmp_path / "r1", plots=False, n_boot=20, reference="geometrc")
+    text = (tmp_path / "r1" / "table2.md").read_text()
+    assert "No paired comparisons" in text and "against geometrc" not in text
     monkeypatch.setenv("INITLAB_FAKE_FAIL", "betat")
     part = tmp_path / "part.sqlite"
     with pytest.raises(StudyError):

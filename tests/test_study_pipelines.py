@@ -221,7 +221,7 @@ def test_pipeline_changes_the_start_not_the_protocol(tiny_store: Path) -> None:
 def test_report_shows_the_cost_beside_the_loss(tiny_store: Path, tmp_path: Path) -> None:
     from initlab.study.report import report_study
 
-    report_study(tiny_store, tmp_path / "report", plots=False, n_boot=50)
+    report_study(tiny_store, tmp_path / "report", plots=False, n_boot=50, reference="fan_in")
     text = (tmp_path / "report" / "table2.md").read_text()
     assert "| avg normalized loss [CI] | init cost per run |" in text
     assert "data-free" in text and " fwd / " in text

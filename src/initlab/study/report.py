@@ -242,6 +242,14 @@ def report_study(
             f"{store_path} holds no finished runs" + (f" of {study!r}" if study else "")
         )
     _warn_partial(reports)
+    schemes = _schemes(reports)
+    if reference not in schemes:
+        warnings.warn(
+            f"no runs of the reference scheme {reference!r} in the study, so no paired "
+            f"comparisons; pass reference= one of {', '.join(schemes)}",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
     sensitivity = sensitivity_table({r.name: r.intervals for r in reports})
     _write_tables(out, reports, sensitivity)
     sens_plots = []
@@ -397,6 +405,16 @@ def _variant_markdown(r: VariantReport, reference: str) -> list[str]:
     return lines
 
 
+def _schemes(reports: Sequence[VariantReport]) -> list[str]:
+    return sorted({row["scheme"] for r in reports for row in r.per_dataset})
+
+
+def _paired_text(reports: Sequence[VariantReport], reference: str) -> str:
+    if reference in _schemes(reports):
+        return f"Paired comparisons against {reference}."
+    return f"No paired comparisons (no runs of the reference scheme {reference})."
+
+
 def _markdown(
     study: str | None,
     reports: Sequence[VariantReport],
@@ -411,7 +429,7 @@ def _markdown(
         f"Loss: median over seeds of the final training loss at each scheme's best learning rate, "
         "normalized by the worst scheme's on each data set (diverged runs count as +inf); "
         f"ties count for every tied scheme. Intervals: {setting} (data sets, then seeds within "
-        f"each). Paired comparisons against {reference}. The paper used {PAPER_N_DATASETS} "
+        f"each). {_paired_text(reports, reference)} The paper used {PAPER_N_DATASETS} "
         "LIBSVM data sets (its list is not in the seed text): a partial reproduction.",
         "",
         "## Sensitivity: average normalized loss [interval] #rank",
@@ -505,7 +523,7 @@ def _html(
     toc = " · ".join(f"<a href='#{esc(_safe(r.name))}'>{esc(r.name)}</a>" for r in reports)
     parts = [
         f"<p class='note'>Intervals: {esc(setting)}, resampling data sets and the seeds within "
-        f"each. Paired comparisons against {esc(reference)}. Table 2 of Defazio &amp; Bottou "
+        f"each. {esc(_paired_text(reports, reference))} Table 2 of Defazio &amp; Bottou "
         f"used {PAPER_N_DATASETS} LIBSVM data sets.</p>",
         f"<p>Variants: {toc}</p>",
         "<h2>Sensitivity: average normalized loss [interval] #rank</h2>",
