@@ -563,3 +563,56 @@ def test_a_store_opened_read_only_reads_and_writes_nothing(tmp_path: Path) -> No
     sqlite3.connect(other).execute("CREATE TABLE t (a)").connection.close()
     with pytest.raises(ValueError, match="not an initlab study store"):
         Store(other, read_only=True)
+
+
+def _logs(path: Path) -> list[str]:
+    return sorted(p.name for p in path.parent.iterdir() if p.name.endswith(("-wal", "-shm")))
+
+
+def test_a_read_only_store_leaves_its_folder_as_it_found_it(tmp_path: Path) -> None:
+    """A reader made the -wal and -shm files where there were none and left them (SQLite's
+    read-only connection cannot remove them); they are removed on closing where no other
+    connection uses them, and left to a writer that has the store open."""
+    import sqlite3
+    import subprocess
+    import sys
+
+    path = tmp_path / "s.sqlite"
+    with Store(path) as store:
+        store.register_study("x", {"name": "x"}, [])
+    assert _logs(path) == []
+    with Store(path, read_only=True) as store:
+        assert "x" in store.studies()
+        assert _logs(path) == ["s.sqlite-shm", "s.sqlite-wal"]  # SQLite's, while it reads
+    assert _logs(path) == []
+    with Store(path) as writer:  # a driver writing the store: its logs are left to it
+        writer.register_study("y", {"name": "y"}, [])
+        with Store(path, read_only=True) as store:
+            assert set(store.studies()) == {"x", "y"}
+        assert _logs(path) == ["s.sqlite-shm", "s.sqlite-wal"]
+        writer.register_study("z", {"name": "z"}, [])
+    assert _logs(path) == []
+    # a writer comes and goes while a report reads
+    with Store(path, read_only=True), Store(path) as writer:
+        writer.register_study("w", {"name": "w"}, [])
+    assert _logs(path) == []  # its transaction is in the store, not lost with the log
+    with Store(path, read_only=True) as store:
+        assert set(store.studies()) == {"x", "y", "z", "w"}
+        with Store(path, read_only=True) as other:  # two reports at once
+            assert len(other.studies()) == 4
+    assert _logs(path) == []
+    # a log a killed writer left with a transaction in it is not touched by a report
+    code = (
+        "import os, sqlite3, sys; c = sqlite3.connect(sys.argv[1], isolation_level=None); "
+        "c.execute(\"INSERT INTO meta VALUES ('killed', '1')\"); os._exit(0)"
+    )
+    subprocess.run([sys.executable, "-c", code, str(path)], check=True)
+    wal = path.with_name("s.sqlite-wal")
+    before = wal.read_bytes()
+    assert before
+    with Store(path, read_only=True) as store:
+        assert len(store.studies()) == 4
+    assert wal.read_bytes() == before
+    conn = sqlite3.connect(path)
+    assert conn.execute("SELECT value FROM meta WHERE name = 'killed'").fetchone() == ("1",)
+    conn.close()

@@ -205,23 +205,100 @@ def _write_ahead_log(conn: sqlite3.Connection, timeout: float) -> None:
         delay = min(2 * delay, 0.25)
 
 
+def _logs(path: Path) -> tuple[Path, Path]:
+    """The write-ahead log and shared-memory files SQLite keeps beside a WAL store."""
+    return path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")
+
+
+def logs_are_unused(path: Path) -> bool:
+    """``path`` has no write-ahead log beside it, or an empty one (no transaction waits in it).
+
+    A reader that finds it so may remove the logs when done (:func:`remove_unused_logs`): that
+    changes nothing in the store. A log a killed writer left with transactions is kept.
+    """
+    try:
+        return _logs(path)[0].stat().st_size == 0
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+
+
+def remove_unused_logs(path: Path) -> None:
+    """Have SQLite remove the ``-wal`` and ``-shm`` files of ``path`` if no connection uses them.
+
+    SQLite's last connection to close removes them, but only one that may write: a read-only
+    connection (a report) makes them where they are missing and leaves them. This opens one that
+    may write (``query_only``: it writes no row) and closes it, which is SQLite's own close:
+    where it gets the exclusive lock, that is where no other connection (a driver writing the
+    store, another report) has the store open, it checkpoints what a writer committed meanwhile
+    (as that writer would have on closing, had the reader not held the store) and removes the
+    files; otherwise it leaves them to the others. Where the store cannot be written, SQLite opens
+    it read-only and leaves them too.
+    """
+    if not any(log.exists() for log in _logs(path)):
+        return
+    try:
+        conn = sqlite3.connect(str(path), timeout=1.0, isolation_level=None)
+    except sqlite3.Error:
+        return
+    try:
+        conn.execute("PRAGMA query_only=1")
+        conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()  # opens the log
+    except sqlite3.Error:
+        pass
+    finally:
+        conn.close()
+
+
+def connect_read_only(path: Path, timeout: float = 5.0) -> sqlite3.Connection:
+    """A connection to the existing SQLite file ``path`` that can only read (``mode=ro``).
+
+    It sees what concurrent writers commit (their write-ahead log included). In a folder where
+    SQLite cannot make the WAL's shared-memory file, it reads the file as ``immutable`` (there is
+    no writer there: a writer needs that file too). Close it with :func:`remove_unused_logs`
+    (see :func:`reading`).
+    """
+    uri = f"file:{urllib.parse.quote(str(path.resolve()))}?mode=ro"
+    conn = sqlite3.connect(uri, uri=True, timeout=timeout, isolation_level=None)
+    try:
+        conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
+    except sqlite3.OperationalError as err:  # a WAL store in a folder it cannot make -shm in
+        conn.close()
+        if "locked" in str(err):  # a writer held it past the timeout: it is being written
+            raise
+        conn = sqlite3.connect(
+            f"{uri}&immutable=1", uri=True, timeout=timeout, isolation_level=None
+        )
+    return conn
+
+
+@contextmanager
+def reading(path: Path, timeout: float = 5.0) -> Iterator[sqlite3.Connection]:
+    """:func:`connect_read_only` for the block; the folder is left as it was found (the ``-wal``
+    and ``-shm`` files the reading made are removed where no other connection uses them)."""
+    tidy = logs_are_unused(path)
+    conn = connect_read_only(path, timeout)
+    try:
+        yield conn
+    finally:
+        conn.close()
+        if tidy:
+            remove_unused_logs(path)
+
+
 def _open_read_only(path: Path | None, timeout: float) -> sqlite3.Connection:
     """A read-only connection to the existing store ``path``, its schema version checked."""
     if path is None or not path.is_file():
         raise FileNotFoundError(f"no study store at {path}")
-    uri = f"file:{urllib.parse.quote(str(path.resolve()))}?mode=ro"
-    conn = sqlite3.connect(uri, uri=True, timeout=timeout, isolation_level=None)
+    conn = connect_read_only(path, timeout)
     try:
         row = conn.execute("SELECT value FROM meta WHERE name = 'schema_version'").fetchone()
     except sqlite3.OperationalError as err:
         conn.close()
         if "no such table" in str(err):
             raise ValueError(f"{path}: not an initlab study store (no meta table)") from err
-        # a WAL store in a folder it cannot write its -shm file to: read it as immutable
-        conn = sqlite3.connect(
-            f"{uri}&immutable=1", uri=True, timeout=timeout, isolation_level=None
-        )
-        row = conn.execute("SELECT value FROM meta WHERE name = 'schema_version'").fetchone()
+        raise
     version = int(row[0]) if row else 0
     if version not in (1, SCHEMA_VERSION):
         conn.close()
@@ -247,12 +324,16 @@ class Store:
         read_only: open an existing store for reading only (a report): nothing is created or
             written, so a store on a read-only disk or folder, or owned by another user, can be
             read (SQLite's ``mode=ro``, or ``immutable=1`` where even that needs a write); any
-            write raises ``sqlite3.OperationalError``.
+            write raises ``sqlite3.OperationalError``. The ``-wal`` and ``-shm`` files SQLite
+            makes for a reader are removed on closing, where no other connection uses them.
     """
 
     def __init__(self, path: str | Path, *, timeout: float = 60.0, read_only: bool = False) -> None:
         self.path = Path(path) if str(path) != ":memory:" else None
+        #: a read-only store whose logs were unused when opened: left so when closed
+        self._tidy = False
         if read_only:
+            self._tidy = self.path is not None and logs_are_unused(self.path)
             self._conn = _open_read_only(self.path, timeout)
             return
         if self.path is not None:
@@ -298,8 +379,13 @@ class Store:
     # -- lifecycle ----------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Close the connection (idempotent)."""
+        """Close the connection (idempotent). A read-only store leaves its folder as it found it:
+        the ``-wal`` and ``-shm`` files its reading made are removed where no other connection
+        uses them (:func:`remove_unused_logs`)."""
         self._conn.close()
+        if self._tidy and self.path is not None:
+            self._tidy = False
+            remove_unused_logs(self.path)
 
     def __enter__(self) -> Store:
         return self
