@@ -47,6 +47,12 @@ def tanh():
 
 def empty():
     return nn.Sequential(nn.ReLU())
+
+def bn():
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+
+def lazy():
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.LazyLinear(3))
 """
 
 _SPEC = """
@@ -151,6 +157,10 @@ _ERRORS: dict[str, tuple[list[str], int, str, tuple[str, ...]]] = {
     "a named data set under a missing --data-dir": (
         [*_INIT, "--method", "lsuv", "--data", "libsvm:letter", "--data-dir", "nodir"], 2,
         "pass --data-dir (or set the INITLAB_DATA_DIR", ("out.pt",)),
+    "a LIBSVM set that scikit-learn bundles, not under --data-dir": (
+        [*_INIT, "--method", "lsuv", "--data", "wine", "--data-dir", "nodir"], 2,
+        "with the folder holding libsvm/, mnist/, cifar-10-batches-py/ or cifar10-jpeg/. Or use "
+        "sklearn:wine, the copy bundled with scikit-learn (no download).\n", ("out.pt",)),
     "--n-boot 0": (["bench", "report", "x.sqlite", "--n-boot", "0"], 2,
                    "argument --n-boot: must be a positive integer", ()),
     "--level 1.5": (["bench", "report", "x.sqlite", "--level", "1.5"], 2,
@@ -340,6 +350,21 @@ _ERRORS: dict[str, tuple[list[str], int, str, tuple[str, ...]]] = {
                    "--bias 'nan': give 'zeros', 'keep' (the factory's biases) or a finite number",
                    ("out.pt",)),
     "--bias=-inf": ([*_INIT, "--bias=-inf"], 2, "--bias '-inf': give", ("out.pt",)),
+    # the flags, not the Python API, in the advice
+    "a batch of one example into a batch norm": (
+        ["diagnose", "--model", "mods.py:bn", "--data", "rows.pt", "--batch-size", "1",
+         "--max-batches", "1"], 2,
+        "to normalize: use --batch-size 2 or more, one that leaves no last batch of a single "
+        "example (or lower --max-batches); data that is already batched must leave out its "
+        "batches of one example (Expected more than 1 value", ()),
+    "a lazy layer, init without data": (
+        ["init", "--model", "mods.py:lazy", "--out", "o.pt"], 2,
+        "LazyLinear.weight is an uninitialized lazy parameter; make the --model factory run one "
+        "forward pass on a dummy batch before it returns the model", ("o.pt",)),
+    "a lazy layer, diagnose": (
+        ["diagnose", "--model", "mods.py:lazy", "--data", "random:4"], 2,
+        "with a dummy batch to initialize the parameters; the --model factory must do that "
+        "before it returns the model", ()),
     # round 3, 6: Python code in a message stays Python
     "--how parametrize names the Python call": (
         [*_INIT, "--method", "precondition", "--how", "parametrize"], 2,
@@ -517,6 +542,22 @@ def test_library_warnings_are_one_line_in_the_flags_words(
          "a loss_fn"),
         ("MomentProbe(modules='params') selects no module: the model has no parameters; give a "
          "model with parameters", "the --model has no parameters", "MomentProbe"),
+        ("drop short batches (a DataLoader's last batch: DataLoader(..., drop_last=True)) (x)",
+         "use --batch-size 2 or more", "DataLoader"),
+        ("Drop empty batches (filter them out, or use a DataLoader with drop_last=True)",
+         "(leave them out of the --data file or function)", "DataLoader"),
+        ("  not changed (fix=False); the same command with --fix applies the fixes",
+         "not changed (no --fix);", "fix=False"),
+        ("  with report.param_groups(model, lr=...): γ spread 1 over every weight layer (the "
+         "model itself is unchanged by precondition_)",
+         "with precondition's per-layer learning rates (which `initlab init --method "
+         "precondition --how lr --report FILE` writes): γ spread 1", "param_groups"),
+        ("a; balanced by precondition_: train with report.param_groups(model, lr=...)",
+         "balanced by precondition: train with its per-layer learning rates, which `initlab "
+         "init --method precondition --how lr --report FILE` writes", "precondition_"),
+        ("x.weight is an uninitialized lazy parameter; run a forward pass (or materialize the "
+         "module) before asking for its fans", "make the --model factory run one forward pass",
+         "materialize"),
     ],
 )  # fmt: skip
 def test_python_wording_is_translated_to_flags(library: str, cli: str, python_words: str) -> None:
@@ -567,8 +608,13 @@ def test_data_prints_the_root_and_warns_when_it_is_missing(
     assert code == 0
     assert "data root: /nonexistent (from --data-dir)" in out
     assert (
-        "initlab data: warning: the data root /nonexistent (from --data-dir) is not a folder" in err
-    )
+        "initlab data: warning: the data root /nonexistent (from --data-dir) does not exist; only "
+        "the bundled scikit-learn sets are available: put the named sets there (libsvm/, mnist/, "
+        "...), or pass --data-dir (or set INITLAB_DATA_DIR) with the folder that holds them"
+    ) in err
+    code, _, err = _run(["data", "--data-dir", "afile"], capsys)
+    assert code == 0
+    assert "the data root afile (from --data-dir) is not a folder; only the bundled" in err
 
 
 def test_seed_seeds_the_model_construction(
@@ -596,7 +642,13 @@ def test_seed_seeds_the_model_construction(
                               "--scheme, lsuv first replaces the factory's weights"]),
         (["doctor", "--help"], ["(default: 4;", "seeds the model's construction",
                                 "data that is already batched (a list of batches) keeps its own"]),
-        (["diagnose", "--help"], ["seeds the model's construction", "random_quadratic | model"]),
+        (["diagnose", "--help"], ["seeds the model's construction", "random_quadratic | model",
+                                  "| file.pt | pkg.module:fn | file.py:fn (default: random",
+                                  "| pkg.module:fn | file.py:fn (fn(model, batch) -> scalar)"]),
+        (["init", "--help"], ["| file.pt | pkg.module:fn | file.py:fn",
+                              "| pkg.module:fn | file.py:fn (fn(model, batch) -> scalar)"]),
+        (["doctor", "--help"], ["| file.pt | pkg.module:fn | file.py:fn",
+                                "| pkg.module:fn | file.py:fn (fn(model, batch) -> scalar)"]),
         (["demo", "--help"], ["study's seeds (SEED", "step 1's measured batch"]),
         (["data", "--help"], ["else ~/initlab-data"]),
         (["bench", "run", "--help"], ["--debug", "cpu, cuda, cuda:N or mps"]),
@@ -686,6 +738,7 @@ def test_bench_report_without_the_default_reference_and_on_read_only_stores(
     code, _, err = _run(report, capsys)
     assert code == 0, err
     assert "warning: no geometric runs in my st/s.sqlite, so no paired comparisons" in err
+    assert "reference scheme" not in err  # said once, in the command line's words
     assert (cli_dir / "my st" / "s-report" / "table2.md").is_file()
     code, _, err = _run([*report, "--reference", "geometric"], capsys)
     assert code == 2 and "--reference 'geometric' is not a scheme of my st/s.sqlite" in err
@@ -750,6 +803,9 @@ def test_bench_report_without_the_default_reference_and_on_read_only_stores(
          "data is already batched (its batches are used as they are, 1 of them here)"),
         (["doctor", "--model", "mods.py:mlp", "--data", "mods.py:data_ok", "--batch-size", "8"],
          "initlab doctor: warning: --batch-size is ignored with --data mods.py:data_ok"),
+        (["demo", "--quick", "--out", "dq", "--batch-size", "64"],
+         "initlab demo: warning: --out is unused with --quick (step 1 only, which writes "
+         "nothing)"),
         ([*_INIT, "--method", "lsuv", "--data", "mods.py:data_ok", "--batch-size", "8"],
          "initlab init: warning: --batch-size is ignored with --data mods.py:data_ok"),
     ],
@@ -910,3 +966,46 @@ def test_demo_resolves_scheme_aliases(capsys: pytest.CaptureFixture[str]) -> Non
     assert main(["demo", "--quick", "--schemes", "he,geometric", "--batch-size", "64"]) == 0
     summary = capsys.readouterr().out.split("Balance of the weight-to-gradient ratio")[1]
     assert [line.split()[0] for line in summary.splitlines()[3:5]] == ["fan_in", "geometric"]
+
+
+def test_bench_report_leaves_the_store_folder_as_it_found_it(
+    cli_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = _run([*_RUN, "--quiet"], capsys)
+    assert code == 0, err
+    before = sorted(p.name for p in (cli_dir / "st").iterdir())
+    assert before == ["s.sqlite"]
+    code, _, err = _run(["bench", "report", "st/s.sqlite", "--no-plots", "--n-boot", "20"],
+                        capsys)  # fmt: skip
+    assert code == 0, err
+    assert sorted(p.name for p in (cli_dir / "st").iterdir()) == ["s-report", "s.sqlite"]
+
+
+def test_a_store_a_driver_is_still_writing_is_a_store(cli_dir: Path) -> None:
+    """A new store's tables are in its driver's write-ahead log until the first checkpoint: the
+    check of a report's STORE reads them there (it read the file alone, "not an initlab store")."""
+    from initlab.cli._checks import check_store, store_schemes
+    from initlab.study.store import Store
+
+    with Store(cli_dir / "new.sqlite") as writer:
+        writer.register_study("x", {"name": "x"}, [])
+        assert check_store("new.sqlite", flag="STORE", must_exist=True) == Path("new.sqlite")
+        assert store_schemes(cli_dir / "new.sqlite") == set()
+        assert (cli_dir / "new.sqlite-wal").exists()  # the driver's, left to it
+    assert not (cli_dir / "new.sqlite-wal").exists()
+
+
+def test_doctor_summary_names_the_flags(cli_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    doctor = ["doctor", "--model", "mods.py:mlp", "--data", "mods.py:data_ok"]
+    code, out, err = _run(doctor, capsys)
+    assert code == 0, err
+    assert "not changed (no --fix); the same command with --fix applies the fixes" in out
+    assert "fix=False" not in out
+    code, out, err = _run([*doctor, "--fix", "precondition"], capsys)
+    assert code == 0, err
+    assert (
+        "with precondition's per-layer learning rates (which `initlab init --method precondition "
+        "--how lr --report FILE` writes): γ spread"
+    ) in out
+    assert "unchanged by precondition)" in out
+    assert "param_groups" not in out and "precondition_" not in out

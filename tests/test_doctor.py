@@ -285,7 +285,7 @@ def test_cli_doctor_prints_summary_and_writes_files(
     out = capsys.readouterr().out
     assert "initlab doctor: paper_mlp" in out and "γ spread" in out
     # the command line's way to apply the fixes, not the Python call's
-    assert "not changed (fix=False); the same command with --fix applies the fixes" in out
+    assert "not changed (no --fix); the same command with --fix applies the fixes" in out
 
     folder = tmp_path / "doc"
     code = main(["doctor", "--model", "zoo:paper_mlp", "--data", "digits", "--batch-size", "128",

@@ -25,6 +25,7 @@ __all__ = [
     "check_out_dir",
     "check_out_file",
     "check_store",
+    "data_root_note",
     "fraction",
     "make_parent",
     "number_type",
@@ -347,41 +348,59 @@ def _opens_for_writing(path: Path) -> bool:
         return False
 
 
-def _read_only(path: Path) -> sqlite3.Connection:
-    """A connection that writes nothing, not even a write-ahead log (a check of the schema)."""
-    return sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro&immutable=1", uri=True)
-
-
 def _has_runs_table(path: Path) -> bool:
-    conn = _read_only(path)
+    from initlab.study.store import reading
+
     try:
-        row = conn.execute(
-            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'runs'"
-        ).fetchone()
+        with reading(path) as conn:  # sees a running driver's tables, still in its WAL
+            row = conn.execute(
+                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'runs'"
+            ).fetchone()
     except sqlite3.Error:
         return False
-    finally:
-        conn.close()
     return row is not None
 
 
 def store_schemes(path: Path, study: str | None = None) -> set[str]:
     """The schemes of the runs a store holds (of ``study``, if given), read-only."""
-    conn = _read_only(path)
+    from initlab.study.store import reading
+
+    query = "SELECT DISTINCT scheme FROM runs"
+    params: tuple[str, ...] = ()
+    if study is not None:
+        query, params = (
+            "SELECT DISTINCT r.scheme FROM runs r JOIN study_runs s ON r.key = s.key "
+            "WHERE s.study = ?",
+            (study,),
+        )
     try:
-        if study is None:
-            rows = conn.execute("SELECT DISTINCT scheme FROM runs").fetchall()
-        else:
-            rows = conn.execute(
-                "SELECT DISTINCT r.scheme FROM runs r JOIN study_runs s ON r.key = s.key "
-                "WHERE s.study = ?",
-                (study,),
-            ).fetchall()
+        with reading(path) as conn:
+            rows = conn.execute(query, params).fetchall()
     except sqlite3.Error:
         return set()
-    finally:
-        conn.close()
     return {str(r[0]) for r in rows}
+
+
+def data_root_note(root: Path, how: str) -> str | None:
+    """What ``initlab data`` warns of a data root ``root`` (chosen ``how``) that is no folder
+    (``None`` where it is one)."""
+    if root.is_dir():
+        return None
+    what = "is not a folder" if root.exists() else "does not exist"
+    return (
+        f"the data root {root} ({how}) {what}; only the bundled scikit-learn sets are available: "
+        "put the named sets there (libsvm/, mnist/, ...), or pass --data-dir (or set "
+        "INITLAB_DATA_DIR) with the folder that holds them"
+    )
+
+
+#: The command that writes precondition's per-layer learning rates (``lr_scale_sgd``, ...).
+_PRECONDITION_LRS = "`initlab init --method precondition --how lr --report FILE`"
+#: What to do about a lazy layer (``nn.LazyLinear``) the command line cannot initialize.
+_LAZY = (
+    "make the --model factory run one forward pass on a dummy batch before it returns the model "
+    "(a lazy layer takes its shape from its first input)"
+)
 
 
 #: The library's Python wording -> the command line's: (pattern, replacement) pairs applied to
@@ -430,6 +449,34 @@ _WORDING: tuple[tuple[str, str | Callable[[re.Match[str]], str]], ...] = (
         "parameters",
     ),
     (r"\bbatch_size must be in", "--batch-size must be in"),
+    (
+        r"drop short batches \(a DataLoader's last batch: DataLoader\(\.\.\., drop_last=True\)\)",
+        "use --batch-size 2 or more, one that leaves no last batch of a single example (or lower "
+        "--max-batches); data that is already batched must leave out its batches of one example",
+    ),
+    (
+        r"\(filter them out, or use a DataLoader with drop_last=True\)",
+        "(leave them out of the --data file or function)",
+    ),
+    (r"\(fix=False\)", "(no --fix)"),
+    (
+        r"\bprecondition_: train with report\.param_groups\(model, lr=\.\.\.\)",
+        f"precondition: train with its per-layer learning rates, which {_PRECONDITION_LRS} writes",
+    ),
+    (
+        r"\bwith report\.param_groups\(model, lr=\.\.\.\):",
+        f"with precondition's per-layer learning rates (which {_PRECONDITION_LRS} writes):",
+    ),
+    (r"\bunchanged by precondition_\b", "unchanged by precondition"),
+    (
+        r"\brun a forward pass \(or materialize the module\) before asking for its fans",
+        _LAZY,
+    ),
+    (
+        r" with a dummy batch to initialize the parameters before calling torch functions",
+        " with a dummy batch to initialize the parameters; the --model factory must do that "
+        "before it returns the model (a lazy layer takes its shape from its first input)",
+    ),
 )
 
 

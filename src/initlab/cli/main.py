@@ -38,6 +38,7 @@ from initlab.cli._checks import (
     check_out_dir,
     check_out_file,
     command_name,
+    data_root_note,
     make_parent,
     max_batches_for,
     note,
@@ -364,7 +365,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "doctor.md").write_text(report.to_markdown(), encoding="utf-8")
         (folder / "doctor.json").write_text(report.to_json(indent=1), encoding="utf-8")
-    print(report.summary(how_to_fix="the same command with --fix applies the fixes"))
+    print(translate(report.summary(how_to_fix="the same command with --fix applies the fixes")))
     if folder is not None:
         print(f"\nreport written to {folder}/doctor.md and {folder}/doctor.json")
     return 0
@@ -409,9 +410,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     schemes = _demo_schemes(args.schemes) if args.schemes is not None else list(DEMO_SCHEMES)
     start = time.perf_counter()
-    out = Path(args.out)
+    out = Path(args.out if args.out is not None else "initlab-demo")
     if not args.quick:
         check_out_dir("--out", out)
+    elif args.out is not None:
+        note(args, "--out is unused with --quick (step 1 only, which writes nothing)")
 
     def step(text: str) -> None:
         print(f"\n== {text} ({time.perf_counter() - start:.1f} s)", flush=True)
@@ -449,9 +452,9 @@ def _cmd_data(args: argparse.Namespace) -> int:
     root, how = data_root_source(args.data_dir)
     how = "from --data-dir" if args.data_dir is not None else how
     print(f"data root: {root} ({how})")
-    if not root.is_dir():
-        note(args, f"the data root {root} ({how}) is not a folder; only the bundled "
-              "scikit-learn sets are available")  # fmt: skip
+    said = data_root_note(root, how)
+    if said is not None:
+        note(args, said)
     print(Rows(list_datasets(args.data_dir), title="initlab data sets"))
     return 0
 
@@ -459,7 +462,7 @@ def _cmd_data(args: argparse.Namespace) -> int:
 _MODEL_HELP = "'pkg.module:factory', 'file.py:factory' or 'zoo:NAME'"
 _DATA_HELP = (
     "random | random:3x32x32 | digits | a data set `initlab data` lists (libsvm:letter, mnist, "
-    "...) | file.pt | pkg.module:fn"
+    "...) | file.pt | pkg.module:fn | file.py:fn"
 )
 _DATA_DIR_HELP = (
     "data root of the named data sets (default: $INITLAB_DATA_DIR, else ../shared/data if that "
@@ -470,7 +473,7 @@ _DATA_DIR_HELP = (
 def _loss_help(prefix: str) -> str:
     from initlab._core.loss import LOSSES
 
-    return f"{prefix}{' | '.join(LOSSES)} | pkg.module:fn (fn(model, batch) -> scalar)"
+    return f"{prefix}{' | '.join(LOSSES)} | pkg.module:fn | file.py:fn (fn(model, batch) -> scalar)"
 
 
 Subparsers = Any  # argparse's private _SubParsersAction
@@ -674,7 +677,7 @@ def _add_demo(sub: Subparsers) -> None:
         help="examples in step 1's measured batch, 2 to 1797 (default: %(default)s; steps 2 and "
         "3 use batches of 256 and 64)",
     )  # fmt: skip
-    p.add_argument("--out", default="initlab-demo", help="report folder (default: initlab-demo)")
+    p.add_argument("--out", help="report folder (default: initlab-demo; unused with --quick)")
     p.add_argument("--quick", action="store_true", help="step 1 only (seconds); writes nothing")
     p.set_defaults(func=_cmd_demo)
 

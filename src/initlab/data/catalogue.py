@@ -158,12 +158,21 @@ def catalogue_entry(name: str) -> CatalogueEntry:
     return _entry(name)
 
 
+def _bundled_hint(entry: CatalogueEntry) -> str:
+    """`` Or use sklearn:NAME, ...`` where scikit-learn bundles a set of ``entry``'s name."""
+    bundled = f"sklearn:{entry.name.split(':', 1)[-1]}"
+    if entry.kind == "sklearn" or bundled not in CATALOGUE:
+        return ""
+    needs = "" if _available(CATALOGUE[bundled], Path()) else ": pip install scikit-learn"
+    return f" Or use {bundled}, the copy bundled with scikit-learn (no download{needs})."
+
+
 def _missing(entry: CatalogueEntry, looked: list[Path], root: Path, how: str) -> FileNotFoundError:
     where = ", ".join(str(p) for p in looked)
     return FileNotFoundError(
         f"{entry.name}: not found; looked for {where} (data root {root}, {how}). Download it "
         "there, or point root= or the INITLAB_DATA_DIR environment variable at the folder "
-        "holding libsvm/, mnist/, cifar-10-batches-py/ or cifar10-jpeg/."
+        f"holding libsvm/, mnist/, cifar-10-batches-py/ or cifar10-jpeg/.{_bundled_hint(entry)}"
     )
 
 
