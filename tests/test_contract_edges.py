@@ -798,6 +798,51 @@ def test_a_table_read_by_positions_shared_by_the_batch_says_why_it_has_no_per_ex
     assert "shared by every example" in note and "batch_dim" not in note
 
 
+_BAD_OPTIONS: dict[str, tuple[Callable[[nn.Module, Any], Any], type, str]] = {
+    "precondition_ tol=-1": (
+        lambda m, d: initlab.precondition_(m, d, F.cross_entropy, how="rescale", tol=-1),
+        ValueError, r"tol must be a finite number >= 0",
+    ),
+    "precondition_ tol=None": (
+        lambda m, d: initlab.precondition_(m, d, F.cross_entropy, tol=None),
+        ValueError, r"tol must be a finite number >= 0 .*, got None",
+    ),
+    "lsuv_ concat_batches='no'": (
+        lambda m, d: initlab.lsuv_(m, d, concat_batches="no"),
+        TypeError, r"concat_batches must be True or False, got 'no'",
+    ),
+    "metainit_ momentum=2": (
+        lambda m, d: initlab.metainit_(m, d, F.cross_entropy, momentum=2.0),
+        ValueError, r"momentum must be in \[0, 1\)",
+    ),
+    "metainit_ n_classes with data": (
+        lambda m, d: initlab.metainit_(m, d, F.cross_entropy, n_classes=3),
+        ValueError, r"n_classes=3 sets the random labels .* leave n_classes out",
+    ),
+    "gradinit_ progress=3": (
+        lambda m, d: initlab.gradinit_(m, d, F.cross_entropy, progress=3),
+        TypeError, r"progress must be a function",
+    ),
+    "metainit_ progress=3": (
+        lambda m, d: initlab.metainit_(m, d, F.cross_entropy, progress=3),
+        TypeError, r"progress must be a function",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(_BAD_OPTIONS))
+def test_bad_options_are_refused_at_entry_and_the_model_is_kept(case: str) -> None:
+    """Options that were accepted silently (``tol=-1`` ran every round, ``"no"`` read as true,
+    ``n_classes`` ignored) or failed late with a raw error (``progress=3`` after a step)."""
+    call, error, text = _BAD_OPTIONS[case]
+    model = _mlp()
+    data = initlab.Batches([_data(16) for _ in range(4)])
+    before = _state(model)
+    with pytest.raises(error, match=text):
+        call(model, data)
+    assert _same(before, _state(model))
+
+
 # ----------------------------------------------------------------------------- labels kept out
 
 

@@ -13,8 +13,9 @@ The public API, by wing (each a subpackage a reader can find by name):
   :func:`figure2_ratios`) and loss landscapes (:func:`loss_landscape`);
 * **data-dependent init** (:mod:`initlab.methods`), each ``method_(model, data, ...) ->
   MethodReport``: :func:`lsuv_`, :func:`gradinit_`, :func:`metainit_`, :func:`scale_output_`,
-  :func:`input_scale`, :func:`precondition_` and the conditioning multipliers
-  (:func:`kernel_size_alpha`, :func:`resnet_multipliers`, :func:`preconditioned_param_groups`);
+  :func:`precondition_`; :func:`input_scale` (``input_scale(data, ...)``: the input scaling from
+  the data's statistics) and the conditioning multipliers (:func:`kernel_size_alpha`,
+  :func:`resnet_multipliers`, :func:`preconditioned_param_groups`);
 * **diagnostics** (:mod:`initlab.diagnostics`): :func:`diagnose` → :class:`Report`,
   :func:`gradient_stats`, :func:`layer_spectra`, :func:`lint_model`; :func:`doctor` (what is
   ill-conditioned, the recommended fix applied on request, and verified);

@@ -26,7 +26,14 @@ import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-__all__ = ["check_kwargs", "parameter_names", "renamed_kwargs", "user_stacklevel"]
+__all__ = [
+    "check_callback",
+    "check_flags",
+    "check_kwargs",
+    "parameter_names",
+    "renamed_kwargs",
+    "user_stacklevel",
+]
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
@@ -125,6 +132,23 @@ def check_kwargs(
             f"did you mean {guesses[0]}=?" if guesses else f"accepted: {', '.join(sorted(names))}"
         )
         raise TypeError(f"{what}() got an unexpected keyword argument {name!r}; {hint}")
+
+
+def check_flags(what: str, **flags: object) -> None:
+    """Raise ``TypeError`` for an on/off option that is not ``True`` or ``False`` (``"no"`` would
+    read as true)."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{what}: {name} must be True or False, got {value!r}")
+
+
+def check_callback(what: str, name: str, fn: object) -> None:
+    """Raise ``TypeError`` at entry for a callback that cannot be called (it would fail at its
+    first call, after the first step)."""
+    if fn is not None and not callable(fn):
+        raise TypeError(
+            f"{what}: {name} must be a function (called with each trace row) or None, got {fn!r}"
+        )
 
 
 def user_stacklevel() -> int:

@@ -129,7 +129,7 @@ from initlab._core.compiled import takes_compiled
 from initlab._core.data import DataCounter, batch_children, batch_rebuild, batch_size
 from initlab._core.distributed import check_same_parameters, is_distributed, run_together
 from initlab._core.heap import kept_heap
-from initlab._core.knobs import renamed_kwargs, user_stacklevel
+from initlab._core.knobs import check_callback, renamed_kwargs, user_stacklevel
 from initlab._core.loss import LossLike, resolve_loss
 from initlab._core.method_report import MethodReport
 from initlab._core.reductions import sum_of_products, total_sum_of_squares
@@ -671,6 +671,7 @@ def gradinit_(
     what = "gradinit_"
     generator = as_generator(generator)
     optimizer, eta, overlap = _check_common(optimizer, eta, overlap, what)
+    check_callback(what, "progress", progress)
     lr, alpha_min, gamma, clip_value = _check_step_options(lr, alpha_min, gamma, clip, what)
     if steps is not None:
         steps = positive_int(what, "steps", steps)

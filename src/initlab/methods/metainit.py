@@ -74,6 +74,7 @@ from initlab._core.compiled import takes_compiled
 from initlab._core.data import DataCounter
 from initlab._core.distributed import check_same_parameters, run_together
 from initlab._core.heap import kept_heap
+from initlab._core.knobs import check_callback
 from initlab._core.loss import LossLike, resolve_loss
 from initlab._core.method_report import MethodReport
 from initlab._core.rng import as_generator
@@ -298,6 +299,7 @@ def metainit_(
     opts = _Options.check(
         variant, steps, lr, momentum, eps, alpha_min, clip, batch_stats, n_classes, what
     )
+    check_callback(what, "progress", progress)
     loss = resolve_loss(loss_fn, what=what)
     check_same_parameters(model, what)  # first: what differs by rank raises on every rank
     ts = select_tensors(model, params, _at_least_2d if opts.paper else nonzero, what)
@@ -398,6 +400,8 @@ class _Options:
         paper = variant == "paper"
         lr = check_number(what, "lr", lr if lr is not None else (0.1 if paper else 1e-3))
         momentum = check_number(what, "momentum", momentum, strict=False)
+        if momentum >= 1:
+            raise ValueError(f"{what}: momentum must be in [0, 1), got {momentum!r}")
         eps = check_number(what, "eps", eps, strict=False)
         alpha_min = check_number(what, "alpha_min", alpha_min, strict=False)
         clip_value = 0.0 if clip is None else check_number(what, "clip", clip, strict=False)
@@ -427,6 +431,11 @@ def _step_batches(
             n_classes = positive_int(what, "n_classes", n_classes)
         random = _random_batches(model, ts, input_shape, n_classes, opts.steps or _PAPER_STEPS, gen)
         return ((counter.add_one(b), n) for b, n in random)
+    if opts.n_classes is not None:
+        raise ValueError(
+            f"{what}: n_classes={opts.n_classes!r} sets the random labels of the paper's random "
+            "data (data=None); with data, the labels are the data's: leave n_classes out"
+        )
     return batch_pairs(data, opts.steps, False, what, counter)
 
 

@@ -408,6 +408,11 @@ def _check_options(
         )
     if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1:
         raise ValueError(f"max_iter must be a positive int, got {max_iter!r}")
+    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 <= tol < math.inf:
+        raise ValueError(
+            f"precondition_: tol must be a finite number >= 0 (stop when max/min gamma <= 1 + "
+            f"tol), got {tol!r}"
+        )
     return target, float(tol)
 
 

@@ -35,7 +35,7 @@ from initlab._core.distributed import (
 )
 from initlab._core.heap import kept_heap
 from initlab._core.hooks import hook_handles
-from initlab._core.knobs import renamed_kwargs, user_stacklevel
+from initlab._core.knobs import check_flags, renamed_kwargs, user_stacklevel
 from initlab._core.method_report import MethodReport
 from initlab._core.pytree import flatten_tensors
 from initlab._core.rng import as_generator
@@ -297,6 +297,7 @@ def lsuv_(
     target, tol, forward = _check_options(
         model, target, tol, max_iter, strategy, norm_mode, blocks, forward
     )
+    check_flags("lsuv_", orthogonal=orthogonal, concat_batches=concat_batches, keep_heap=keep_heap)
     gen = as_generator(generator)
     registry = registry if registry is not None else default_registry()
     if not orthogonal:  # the orthogonal pre-init broadcasts rank 0's draw; else ranks must agree
