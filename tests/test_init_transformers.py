@@ -416,3 +416,41 @@ def test_hugging_face_gpt2() -> None:
     )
     model.eval()
     assert initial_loss(model, _tokens()) == pytest.approx(math.log(V), rel=0.10)
+
+
+class _TorchEncoderLM(nn.Module):
+    """Embedding, torch's own ``nn.TransformerEncoder`` (its activation a function attribute),
+    head."""
+
+    def __init__(self, activation: str) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(V, D)
+        layer = nn.TransformerEncoderLayer(D, HEADS, 2 * D, 0.0, activation, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(D, V)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(ids)))
+
+
+@pytest.mark.parametrize("activation", ["gelu", "relu"])
+def test_torch_transformer_layers_get_their_activation_function_by_structure(
+    activation: str,
+) -> None:
+    """``TransformerEncoderLayer`` keeps its activation as a function (``self.activation``), not a
+    module: by structure, linear1 gets its gain and linear2, the MLP's output, gain 1, as a trace
+    of a forward pass finds."""
+    rows = _rows(initlab.init_model(_TorchEncoderLM(activation), "fan_in", generator=0))
+    traced = _rows(
+        initlab.init_model(
+            _TorchEncoderLM(activation), "fan_in", generator=0, example_inputs=_tokens()[:, :T]
+        )
+    )
+    for i in range(2):
+        first, second = (f"encoder.layers.{i}.linear{k}.weight" for k in (1, 2))
+        assert rows[first]["gain"] == pytest.approx(calculate_gain(activation))
+        assert rows[second]["gain"] == 1.0
+        assert (rows[first]["gain"], rows[second]["gain"]) == (
+            traced[first]["gain"],
+            traced[second]["gain"],
+        )

@@ -265,7 +265,7 @@ def structural_following(model: nn.Module) -> dict[int, Follow]:
         if isinstance(parent, nn.Sequential):
             _sequential(children, out)
         else:
-            _mlp_siblings(children, out)
+            _mlp_siblings(parent, children, out)
     return out
 
 
@@ -294,16 +294,27 @@ def _sequential(children: list[tuple[str, nn.Module]], out: dict[int, Follow]) -
             out[id(module)] = Follow(act[0], act[1], source)
 
 
-def _mlp_siblings(children: list[tuple[str, nn.Module]], out: dict[int, Follow]) -> None:
+def _mlp_siblings(
+    parent: nn.Module, children: list[tuple[str, nn.Module]], out: dict[int, Follow]
+) -> None:
     acts = [(m, a) for _, m in children if (a := activation_of(m)) is not None]
-    if len(acts) != 1:
+    functional = None if acts else _activation_attribute(parent)
+    if len(acts) == 1:
+        act_module: nn.Module | None = acts[0][0]
+        (act, param), kind = acts[0][1], type(acts[0][0]).__name__
+    elif functional is not None:  # torch's TransformerEncoderLayer: ``self.activation = F.gelu``
+        act_module, (act, param) = None, (functional, None)
+        kind = f"{type(parent).__name__}.activation ({functional})"
+    else:
         return
-    act_module, (act, param) = acts[0]
     weights = [(n.lower(), m) for n, m in children if _has_weight(m) and id(m) not in out]
     gated = any(n in GATE_LEAVES for n, _ in weights)
-    kind = type(act_module).__name__
     order = [m for _, m in children]
-    if len(weights) == 1 and order.index(weights[0][1]) < order.index(act_module):
+    if (
+        act_module is not None
+        and len(weights) == 1
+        and order.index(weights[0][1]) < order.index(act_module)
+    ):
         # One layer, then one activation (BERT's intermediate ``dense`` + GELU, its pooler's
         # ``dense`` + tanh): the layer feeds the activation, whatever its name says.
         out[id(weights[0][1])] = Follow(act, param, f"{act}: the module's activation is {kind}")
@@ -322,6 +333,20 @@ def _mlp_siblings(children: list[tuple[str, nn.Module]], out: dict[int, Follow])
     if not matched and len(weights) == 2:
         out[id(weights[0][1])] = Follow(act, param, f"{act}: MLP whose activation is {kind}")
         out[id(weights[1][1])] = Follow("linear", None, "none: MLP output projection")
+
+
+def _activation_attribute(parent: nn.Module) -> str | None:
+    """The ``calculate_gain`` name of a function a module keeps as its ``activation`` attribute
+    (torch's ``TransformerEncoderLayer`` and ``TransformerDecoderLayer`` do), or ``None``; one with
+    a parameter of its own (leaky ReLU's slope, ELU's alpha) is not read."""
+    fn = getattr(parent, "activation", None)
+    if fn is None or isinstance(fn, nn.Module) or not callable(fn):
+        return None
+    try:
+        name = _functional_activations().get(fn)
+    except TypeError:  # an unhashable callable
+        return None
+    return name if name not in (None, "leaky_relu", "elu") else None
 
 
 # --------------------------------------------------------------------------------------------
