@@ -706,6 +706,12 @@ def test_a_batch_whose_labels_are_all_ignored_is_named(entry: str, loss: str) ->
     assert _same(before, _state(own))
 
 
+def test_a_summed_class_loss_over_no_target_is_zero_and_allowed() -> None:
+    ids, y = torch.randint(0, 20, (4, 6)), torch.full((4, 6), -100)
+    loss = resolve_loss(nn.CrossEntropyLoss(reduction="sum"))(_Tagger(5), (ids, y))
+    assert float(loss.detach()) == 0.0
+
+
 class _OwnLoss(nn.Module):
     """``_Tagger`` returning its own token cross-entropy as ``.loss`` (the Hugging Face way)."""
 

@@ -185,7 +185,8 @@ class NamedLoss(Loss):
         if fn is not None:
             ignore = _class_options(fn)[0]
             _check_unshifted(outputs, batch, self.name, ignore)
-            _check_counted(find_target(batch), ignore, self.name)
+            if self.reduction != "sum":  # a sum over no target is 0, and defined
+                _check_counted(find_target(batch), ignore, self.name)
         try:
             loss = self.outputs_loss(out, batch)
         except (TargetError, _OwnMessage):
