@@ -849,6 +849,24 @@ def test_bad_options_are_refused_at_entry_and_the_model_is_kept(case: str) -> No
     assert _same(before, _state(model))
 
 
+def test_scale_output_reaches_its_target_on_the_real_tokens_of_padded_batches() -> None:
+    """Padded positions (``attention_mask`` 0) are left out of the output's std: the target holds
+    on the tokens the model is trained on (0.0465 there when padding was counted)."""
+    pytest.importorskip("transformers")
+    model = hf_models.model_of("gpt2").eval()
+    batch = hf_models.batches("gpt2", 1)[0]
+    mask = batch["attention_mask"]
+    for row, keep in enumerate((8, 3, 5, 2)):
+        mask[row, keep:] = 0
+    batch["labels"] = batch["labels"].masked_fill(mask == 0, -100)
+    initlab.scale_output_(model, batch, target=0.05, how="hook")
+    with torch.no_grad():
+        logits = model(**batch).logits.double()
+    real = logits[mask.bool()]
+    assert float(real.std(unbiased=False)) == pytest.approx(0.05, rel=1e-5)
+    assert float(logits.std(unbiased=False)) != pytest.approx(0.05, rel=1e-4)  # padding differs
+
+
 # ----------------------------------------------------------------------------- labels kept out
 
 

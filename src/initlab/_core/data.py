@@ -511,6 +511,22 @@ def keyword_error(err: TypeError, batch: Any, what: str) -> TypeError | None:
     )
 
 
+def real_positions(t: torch.Tensor, batch: Any) -> torch.Tensor:
+    """``t``'s entries at the batch's real tokens: where a dict batch carries an
+    ``attention_mask`` whose shape leads ``t``'s (``(B, T)`` beside logits ``(B, T, V)``), the
+    positions at its zeros (padding) are left out, ``t[mask]``; any other tensor or batch: ``t``
+    itself."""
+    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+    if (
+        not isinstance(mask, torch.Tensor)
+        or mask.dim() < 2
+        or t.dim() <= mask.dim()
+        or tuple(t.shape[: mask.dim()]) != tuple(mask.shape)
+    ):
+        return t
+    return t[mask.to(device=t.device, dtype=torch.bool)]
+
+
 def output_tensor(outputs: Any, *, what: str = "the model's output") -> torch.Tensor:
     """The tensor a model's output stands for: itself, ``.logits`` (Hugging Face outputs), the
     ``"logits"`` entry of a dict, or the first tensor of a tuple or list.

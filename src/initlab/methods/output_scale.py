@@ -32,7 +32,13 @@ import torch
 from torch import nn
 
 from initlab._core.compiled import takes_compiled
-from initlab._core.data import data_use, default_forward, output_tensor, take_batches
+from initlab._core.data import (
+    data_use,
+    default_forward,
+    output_tensor,
+    real_positions,
+    take_batches,
+)
 from initlab._core.distributed import all_reduce_sum, check_same_parameters, run_together
 from initlab._core.knobs import renamed_kwargs
 from initlab._core.method_report import MethodReport
@@ -222,8 +228,8 @@ def _output_moments(
                 with seeds.scope(i):
                     y = output_tensor(forward(model, batch)).detach()
                 outs.append(y)
-                y64 = y.to(torch.float64)
-                n = y64.new_tensor(float(y.numel()))  # on the output's device (CUDA: one sync)
+                y64 = real_positions(y, batch).to(torch.float64)  # padding left out
+                n = y64.new_tensor(float(y64.numel()))  # on the output's device (CUDA: one sync)
                 sums += torch.stack((y64.sum(), y64.square().sum(), n)).cpu()
         return sums, outs
 
@@ -256,7 +262,9 @@ def measure_output_std(
 ) -> float:
     """Population std of all output elements, pooled over the batches (and ranks).
 
-    ``std = sqrt(E[y^2] - E[y]^2)`` over every logit of every example. Runs under ``no_grad``; the
+    ``std = sqrt(E[y^2] - E[y]^2)`` over every logit of every example; of a token model with
+    padded batches, over its real tokens (a dict batch's ``attention_mask`` leaves the padded
+    positions out, :func:`~initlab._core.data.real_positions`). Runs under ``no_grad``; the
     model's buffers are left as they were.
     """
     batches = run_together(
@@ -287,7 +295,8 @@ def scale_output_(
     """Give the model's output (logits) the standard deviation ``target`` on ``data`` (§6.4).
 
     Measures ``std`` of all output elements pooled over the batches given (summed over ranks when
-    distributed; see :func:`measure_output_std`) and applies the fixed factor
+    distributed; a padded token batch's real tokens: see :func:`measure_output_std`) and applies
+    the fixed factor
     ``s = target / std``. The output may be a tensor, a tuple (its first tensor), a dict (its
     ``"logits"``) or an object with ``.logits`` (Hugging Face models); dict batches are passed as
     keywords (``model(**batch)``).
