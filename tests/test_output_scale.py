@@ -282,3 +282,14 @@ def test_measure_output_std_reads_logits() -> None:
 def test_unknown_how_lists_hook() -> None:
     with pytest.raises(ValueError, match="'hook'"):
         scale_output_(_mlp(), _mlp_data(), how="bogus")  # type: ignore[arg-type]
+
+
+def test_output_scale_traces_under_fx() -> None:
+    """The scaling linter walks a model with ``torch.fx``: a model ending in ``OutputScale`` (the
+    README's) could not be traced ("cannot scale a Proxy output")."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3), OutputScale(0.25))
+    traced = torch.fx.symbolic_trace(model)
+    x = torch.randn(5, 4)
+    torch.testing.assert_close(traced(x), model(x), rtol=0, atol=0)
+    torch.testing.assert_close(model(x), 0.25 * model[:3](x), rtol=0, atol=0)

@@ -29,7 +29,7 @@ from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any, Literal
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from initlab._core.compiled import takes_compiled
 from initlab._core.data import (
@@ -131,7 +131,7 @@ def scaled_output(output: Any, scale: float | torch.Tensor) -> Any:
     Raises:
         TypeError: the output holds no tensor, or cannot be rebuilt with the scaled one.
     """
-    if isinstance(output, torch.Tensor):
+    if isinstance(output, (torch.Tensor, fx.Proxy)):  # a Proxy: torch.fx tracing the model
         return _times(output, scale)
     if isinstance(output, Mapping) and isinstance(output.get("logits"), torch.Tensor):
         return _with_item(output, "logits", _times(output["logits"], scale))
