@@ -867,6 +867,25 @@ def test_scale_output_reaches_its_target_on_the_real_tokens_of_padded_batches() 
     assert float(logits.std(unbiased=False)) != pytest.approx(0.05, rel=1e-4)  # padding differs
 
 
+def test_lsuv_reaches_unit_variance_on_the_real_tokens_of_padded_batches() -> None:
+    pytest.importorskip("transformers")
+    model = hf_models.model_of("bert").eval()
+    batch = hf_models.batches("bert", 1)[0]
+    for row, keep in enumerate((8, 3, 5, 2)):
+        batch["attention_mask"][row, keep:] = 0
+    initlab.lsuv_(model, batch, generator=0)
+    layer = model.bert.encoder.layer[1].intermediate.dense
+    seen: dict[str, torch.Tensor] = {}
+    handle = layer.register_forward_hook(lambda m, args, out: seen.__setitem__("y", out))
+    with torch.no_grad():
+        model(**batch)
+    handle.remove()
+    y = seen["y"].double()
+    real = y[batch["attention_mask"].bool()]
+    assert float(real.var(unbiased=False)) == pytest.approx(1.0, abs=1e-4)  # solved exactly
+    assert abs(float(real.var(unbiased=False)) - 1.0) < abs(float(y.var(unbiased=False)) - 1.0)
+
+
 # ----------------------------------------------------------------------------- labels kept out
 
 

@@ -238,7 +238,8 @@ def lsuv_(
     Args:
         model: any ``nn.Module``.
         data: one batch or many (a ``DataLoader``, a list of batches, ``initlab.Batches``); the
-            rule is in :mod:`initlab._core.data`.
+            rule is in :mod:`initlab._core.data`. A dict batch's ``attention_mask`` leaves the
+            padded positions out of a token model's layer statistics (channels-last outputs).
         target: the output variance to reach (1 in the paper).
         tol: stop when ``|Var - target| < tol`` (on the variance, as the paper writes it; the
             PyPI package compares standard deviations).
@@ -451,6 +452,7 @@ def _run(
         nonlocal passes
         branches: list[dict[str, Any]] = []
         for i, batch in enumerate(runs):
+            engine.batch = batch  # a padded batch's statistics are over its real tokens
             if trace and i == 0:
                 with recording(model) as graph:
                     forward(model, batch)

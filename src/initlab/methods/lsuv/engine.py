@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from initlab._core.data import real_positions
 from initlab._core.distributed import checkpoint, is_distributed
 from initlab._core.hooks import HookHandles
 from initlab._core.pytree import flatten_tensors, map_tensors
@@ -111,6 +112,7 @@ class Engine:
         self.replays = 0
         self.branch_ends = 0
         self.active = [u for u in units if u.kind != "static"]
+        self.batch: Any = None  # the batch of the forward pass in flight (its attention_mask)
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
@@ -336,15 +338,24 @@ class Engine:
         z = output
         if bias is not None:
             z = output - bias.reshape(broadcast_shape(bias, output.dim(), cd))
+        zm, cdm = self._real_tokens(z, cd)
         if unit.measure_block is not None:  # "stream": kept for the fallback of _fit_block
             if first and self.correcting(unit):
-                unit.own = reduce_ranks([moment_vector(z, bias, cd)])[0]
+                unit.own = reduce_ranks([moment_vector(zm, bias, cdm)])[0]
             return None
-        s = self.process(unit, z, bias, cd, first)
+        s = self.process(unit, zm, bias, cdm, first)
         if s is None:
             return None
         in_place = owns_memory(output, module, args)
         return rescaled_output(output, bias, cd, s, in_place=in_place)
+
+    def _real_tokens(self, z: torch.Tensor, cd: int) -> tuple[torch.Tensor, int]:
+        """``z`` at the real tokens of a padded batch (the rows its ``attention_mask`` keeps,
+        channels last: a token model's layers) and its channel dim; else ``z`` as it is."""
+        if cd != z.dim() - 1:
+            return z, cd
+        real = real_positions(z, self.batch)
+        return real, real.dim() - 1
 
     def mha_pre_hook(self, units: list[Unit]) -> Callable[..., None]:
         in_units = [u for u in units if u.kind == "in_proj"]
