@@ -398,6 +398,27 @@ def test_cifar_labels_must_be_integers(tmp_path: Path, labels: list[object]) -> 
         load_cifar_pickle(tmp_path / "c", "test", cache_dir=False)
 
 
+@pytest.mark.parametrize(
+    ("pixels", "text"),
+    [
+        (np.full((3, 3072), 300, dtype=np.int64), "got values from 300 to 300"),
+        (np.full((3, 3072), 0.5), r"got float64 values \(e\.g\. 0\.5\)"),
+        (np.arange(3 * 3072, dtype=np.int64).reshape(3, 3072) % 256, None),  # int64 in range: fine
+    ],
+)
+def test_cifar_pixels_must_be_bytes(tmp_path: Path, pixels: np.ndarray, text: str | None) -> None:
+    """Out-of-range and float pixels wrapped or truncated in the cast to uint8 (300 -> 44)."""
+    write_cifar10(tmp_path / "c")
+    batch = tmp_path / "c" / "test_batch"
+    dump(batch, {"data": pixels, "labels": [0, 1, 2]})
+    if text is None:
+        got = load_cifar_pickle(tmp_path / "c", "test", dtype=torch.uint8, cache_dir=False).x
+        assert torch.equal(got.reshape(3, -1), torch.from_numpy(pixels.astype(np.uint8)))
+        return
+    with pytest.raises(ValueError, match=rf"pixels must be integers in 0\.\.255 .*{text}"):
+        load_cifar_pickle(tmp_path / "c", "test", cache_dir=False)
+
+
 def test_cifar_pickle_refuses_code(tmp_path: Path) -> None:
     directory = tmp_path / "c"
     write_cifar10(directory)
@@ -427,6 +448,22 @@ def write_tree(root: Path) -> dict[str, np.ndarray]:
     (root / "b" / "notes.txt").write_text("not an image")
     (root / ".hidden").mkdir()
     return pixels
+
+
+@pytest.mark.parametrize("mode", ["rgb", "CMYK", "RGBA"])
+def test_image_folder_mode_must_be_rgb_or_l(tmp_path: Path, mode: str) -> None:
+    """A bad mode blamed the first image ("cannot decode image"), or (CMYK) was taken."""
+    write_tree(tmp_path / "tree")
+    with pytest.raises(ValueError, match=rf"mode must be 'RGB' .* or 'L' .*, got '{mode}'"):
+        load_image_folder(tmp_path / "tree", mode=mode, cache_dir=False)
+
+
+def test_libsvm_file_with_a_byte_order_mark(tmp_path: Path) -> None:
+    """An editor's UTF-8 byte-order mark was read into the first label ("bad label 'ï»¿1'")."""
+    path = tmp_path / "bom.svm"
+    path.write_bytes(b"\xef\xbb\xbf1 1:0.5\n2 2:-1\n")
+    data = load_libsvm(path, cache_dir=False)
+    assert data.x.tolist() == [[0.5, 0.0], [0.0, -1.0]] and data.label_map == (1, 2)
 
 
 def test_image_folder(tmp_path: Path) -> None:
@@ -548,11 +585,14 @@ def test_cache_dir_option_env_and_off(tmp_path: Path, _isolated_cache: Path) -> 
     assert cache.default_cache_dir() == _isolated_cache
 
 
-def test_unreadable_cache_entry_is_rebuilt(tmp_path: Path, _isolated_cache: Path) -> None:
+@pytest.mark.parametrize("content", [b"garbage", b""], ids=["garbage", "empty"])
+def test_unreadable_cache_entry_is_rebuilt(
+    tmp_path: Path, _isolated_cache: Path, content: bytes
+) -> None:
     path = write(tmp_path / "f", "1 1:0.5\n")
     load_libsvm(path)
     (entry,) = entries(_isolated_cache)
-    entry.write_bytes(b"garbage")
+    entry.write_bytes(content)  # b"": a crash or a full disk (numpy raised EOFError)
     assert load_libsvm(path).x.tolist() == [[0.5]]
     assert entry.read_bytes()[:2] == b"PK"  # a zip (npz) again
 

@@ -143,7 +143,7 @@ def cached(
     if path.is_file():
         try:
             return _read(path)
-        except (OSError, ValueError, KeyError, zipfile.BadZipFile):
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
             pass  # unreadable entry (disk trouble, a foreign file): decode again and overwrite
     arrays, meta = build()
     try:

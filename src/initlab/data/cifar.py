@@ -84,6 +84,21 @@ def _variant(directory: Path) -> tuple[str, dict[str, Any]]:
     )
 
 
+def _pixels(raw: Any, path: Path) -> np.ndarray:
+    """The ``data`` entry as ``uint8``; pixels stored otherwise (floats, values outside 0..255)
+    raise rather than wrap or truncate in the cast (300 became 44, 0.5 became 0)."""
+    data = np.asarray(raw)
+    if data.dtype == np.uint8 or not data.size:
+        return data.astype(np.uint8)
+    if data.dtype.kind not in "iu":
+        got = f"{data.dtype.name} values (e.g. {data.flat[0].item()!r})"
+    elif int(data.min()) < 0 or int(data.max()) > 255:
+        got = f"values from {int(data.min())} to {int(data.max())}"
+    else:
+        return data.astype(np.uint8)
+    raise ValueError(f"{path}: pixels must be integers in 0..255 (uint8), got {got}")
+
+
 def load_cifar_pickle(
     directory: str | os.PathLike[str],
     split: str = "train",
@@ -128,7 +143,7 @@ def load_cifar_pickle(
             batch = read_cifar_pickle(path)
             if "data" not in batch or label_key not in batch:
                 raise ValueError(f"{path}: no 'data' and {label_key!r} entries")
-            data = np.asarray(batch["data"], dtype=np.uint8)
+            data = _pixels(batch["data"], path)
             labels = np.asarray(batch[label_key])
             if labels.size and labels.dtype.kind not in "iu":  # "3" or 3.0 would convert silently
                 raise ValueError(

@@ -143,6 +143,8 @@ def load_image_folder(
     :attr:`Dataset.label_map` holds the class folder names.
     """
     check_image_dtype(dtype)
+    if mode not in ("RGB", "L"):
+        raise ValueError(f"mode must be 'RGB' (3 channels) or 'L' (1 channel), got {mode!r}")
     if limit_per_class is not None:
         check_per_class("limit_per_class", limit_per_class)
     directory = Path(directory)

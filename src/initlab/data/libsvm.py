@@ -254,7 +254,9 @@ def _parse_fast(text: str, n_features: int | None, source: str = "<text>") -> _P
 
 def _parse(data: bytes, source: str, n_features: int | None) -> _Parsed:
     """Parse LIBSVM bytes; ``source`` names the file in error messages."""
-    text = data.decode("latin-1")  # never fails; stray bytes then fail as bad tokens
+    # never fails; stray bytes then fail as bad tokens. A UTF-8 byte-order mark (an editor's) is
+    # no part of the first label.
+    text = data.removeprefix(b"\xef\xbb\xbf").decode("latin-1")
     try:
         return _parse_fast(text, n_features, source)
     except _Reject:
