@@ -7,14 +7,25 @@ operator's ``shape``, ``dtype``, ``device``, ``matvec``, ``split`` and ``param_n
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING
 
 import torch
 
+from initlab._core.knobs import user_stacklevel
 from initlab._core.rng import as_generator
 
 if TYPE_CHECKING:
     from initlab.measure.curvature.operators import CurvatureOperator
+
+
+def _fresh_direction(qmat: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+    """A random unit vector orthogonal to the columns of ``qmat`` (two Gram-Schmidt passes)."""
+    r = torch.randn(qmat.shape[0], generator=gen, dtype=torch.float64)
+    r = r.to(qmat.dtype).to(qmat.device)
+    for _ in range(2):
+        r = r - qmat @ (qmat.T @ r)
+    return r / r.norm()
 
 
 def _lanczos(
@@ -49,6 +60,7 @@ def _lanczos(
         order = torch.argsort(key, descending=True)
         return vals[order], vecs[:, order]
 
+    residuals: list[float] = []
     for j in range(m_max):
         w = op.matvec(basis[j])
         alpha = float(torch.dot(w.double(), basis[j].double()))
@@ -59,19 +71,30 @@ def _lanczos(
         beta = float(w.double().norm())
         vals, vecs = ritz()
         kk = min(k, len(alphas))
-        converged = len(alphas) >= k and all(
-            abs(beta * float(vecs[-1, i])) <= tol * max(abs(float(vals[i])), 1e-30)
-            for i in range(kk)
-        )
-        if converged or j == m_max - 1 or beta <= 1e-12 * max(abs(a) for a in alphas):
+        residuals = [
+            abs(beta * float(vecs[-1, i])) / max(abs(float(vals[i])), 1e-30) for i in range(kk)
+        ]
+        if (len(alphas) >= k and max(residuals) <= tol) or j == m_max - 1:
             break
+        if beta <= 1e-12 * max(abs(a) for a in alphas):
+            # An invariant subspace (a repeated eigenvalue, a start vector in few eigenspaces):
+            # go on from a fresh direction orthogonal to it; T stays block-diagonal (beta = 0).
+            w = _fresh_direction(qmat, gen)
+            beta = 0.0
+        else:
+            w = w / beta
         betas.append(beta)
-        basis.append(w / beta)
+        basis.append(w)
     vals, vecs = ritz()
-    if len(alphas) < k:
-        raise RuntimeError(
-            f"Lanczos found an invariant subspace of dimension {len(alphas)} < k={k}; "
-            "draw another start vector (generator=)"
+    if len(alphas) < k:  # m_max < k cannot happen (k <= n): the loop ran out of directions
+        raise RuntimeError(f"Lanczos ran {len(alphas)} < k={k} steps; raise iters")
+    if max(residuals) > tol:
+        warnings.warn(
+            f"Lanczos did not converge in {len(alphas)} steps (iters={iters}): the top-{k} "
+            f"eigenpairs have relative residuals up to {max(residuals):.2g} > tol={tol:g}, so "
+            "the last ones may be wrong (a true eigenvalue skipped); raise iters",
+            UserWarning,
+            stacklevel=user_stacklevel(),
         )
     qmat = torch.stack(basis[: len(alphas)], dim=1)
     out = []
