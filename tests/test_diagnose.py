@@ -514,3 +514,17 @@ def test_data_loader_input_takes_max_batches():
     report = diagnose(mlp3(11).float(), loader, max_batches=3, spectra=False)
     assert report.meta["batches"] == 3 and report.meta["examples"] == 48
     assert report.tables["gradients"][0]["batches"] == 3
+
+
+def test_grad_std_of_one_batch_is_nan_with_a_note() -> None:
+    """The report's rule: NaN where undefined, with a note (a spread over minibatches of one)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    batch = (torch.randn(16, 8), torch.randint(0, 3, (16,)))
+    rows = diagnose(net, [batch, batch], "cross_entropy", max_batches=1, generator=0)
+    spread = [r for r in rows.to_rows() if r["quantity"] == "grad_std"]
+    assert spread and all(
+        math.isnan(r["value"]) and r["note"] == "needs at least 2 batches (got 1)" for r in spread
+    )
+    two = diagnose(net, [batch, batch], "cross_entropy", generator=0)
+    assert all(not r["note"] for r in two.to_rows() if r["quantity"] == "grad_std")

@@ -245,8 +245,11 @@ def _add_nu_rel(out: _LongRows, rat: _Ratios) -> None:
 def _add_measurements(out: _LongRows, tables: Mapping[str, Rows]) -> None:
     """Gradients (GradInit), spectra and activations, as long rows."""
     for r in tables.get("gradients", ()):
-        for q in ("W_norm", "W_abs_mean", "grad_norm", "grad_std"):
+        for q in ("W_norm", "W_abs_mean", "grad_norm"):
             out.add(r["layer"], r["param"], q, r[q])
+        one = r["batches"] < 2  # a spread over minibatches needs two of them
+        note = f"needs at least 2 batches (got {r['batches']})" if one else ""
+        out.add(r["layer"], r["param"], "grad_std", r["grad_std"], note=note)
     for r in tables.get("spectra", ()):
         if r["param"]:
             out.add(r["layer"], r["param"], "sv_max", r["sv_max"], note=r["note"])
