@@ -421,7 +421,8 @@ def hessian_vector_product(
 
     Raises:
         TypeError, ValueError: ``v`` does not match ``params`` (structure, shape, dtype, device),
-            ``params`` is not floating point, or ``f`` does not return a real scalar.
+            ``params`` is not floating point, ``f`` does not return a real scalar, or it depends
+            on none of ``params`` (a detached computation: almost always a mistake).
         DoubleBackwardError: second-order autograd is not available through an operation of ``f``.
     """
     _check_mode(ad_mode)
