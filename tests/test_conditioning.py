@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from initlab import init_model
+from initlab import diagnose, init_model
 from initlab.measure.conditioning import (
     GR_COLUMNS,
     gr_scaling,
@@ -316,3 +316,33 @@ def test_gr_scaling_from_model_and_data_matches_the_probe_form():
         gr_scaling(measure_moments(model, data, ce), data)
     with pytest.raises(TypeError, match="pass the data"):
         gr_scaling(model)
+
+
+def test_frozen_layers_are_out_of_the_median_and_the_spread() -> None:
+    """A frozen middle (``requires_grad=False``) does not train: the trainable head and input
+    layer were judged against it (its layers were the median). γ is still reported for it."""
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+        nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 5),
+    )  # fmt: skip
+    for layer in list(net)[2:-1]:
+        layer.requires_grad_(False)
+    gen = torch.Generator().manual_seed(0)
+    data = [(torch.randn(32, 16, generator=gen), torch.randint(0, 5, (32,), generator=gen))]
+    rows = {r["layer"]: r for r in gr_scaling(net, data, "cross_entropy")}
+    assert [k for k, r in rows.items() if not r["trainable"]] == ["2", "4", "6"]
+    assert all(math.isfinite(rows[k]["gamma_w"]) for k in rows)
+    assert all(math.isnan(rows[k]["gamma_rel_median"]) for k in ("2", "4", "6"))
+    assert "frozen" in rows["4"]["note"]
+    med = (rows["0"]["gamma_w"] + rows["8"]["gamma_w"]) / 2  # the median of the two trainable
+    assert rows["0"]["gamma_rel_median"] == pytest.approx(rows["0"]["gamma_w"] / med, rel=1e-12)
+    spread = imbalance(list(rows.values()))
+    assert spread["layers"] == 2 and set(spread["relative"]) == {"0", "8"}
+    report = diagnose(net, data, "cross_entropy", spectra=False)
+    frozen = [
+        r
+        for r in report.to_rows()
+        if (r["layer"], r["param"], r["quantity"]) == ("4", "weight", "gamma")
+    ]
+    assert frozen and frozen[0]["note"].startswith("frozen") and frozen[0]["verdict"] in ("", "n/a")

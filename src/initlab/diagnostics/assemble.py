@@ -207,12 +207,13 @@ def _add_params(
 
 def _add_gamma(out: _LongRows, gr: Rows | None, rat: _Ratios) -> None:
     """γ of weights and biases; each weight's γ relative to the median, with its verdict."""
+    frozen: dict[str, float] = {}  # not trained: shown, not judged (gr_scaling's median too)
     for r in gr or ():
         layer = r["layer"]
         out.meta(layer, r.get("module_type"))
         gw, gb = r.get("gamma_w", _NAN), r.get("gamma_b", _NAN)
         if gw is not None and math.isfinite(gw):
-            rat.gammas[layer] = gw
+            (rat.gammas if r.get("trainable", True) else frozen)[layer] = gw
         if gb is not None:
             out.add(layer, "bias", "gamma", gb)
         rel = r.get("gamma_rel_median")
@@ -227,6 +228,10 @@ def _add_gamma(out: _LongRows, gr: Rows | None, rat: _Ratios) -> None:
         note = ratio_reason("γ", rel) if v in ("warn", "bad") else ""
         out.add(layer, "weight", "gamma", gw, verdict=v, note=note)
         out.add(layer, "weight", "gamma_rel_median", rel, verdict=v, note=note)
+    for layer, gw in frozen.items():
+        note = "frozen (requires_grad=False): not trained, not judged"
+        out.add(layer, "weight", "gamma", gw, verdict=ratio_verdict(_NAN), note=note)
+        out.add(layer, "weight", "gamma_rel_median", _NAN, verdict=ratio_verdict(_NAN), note=note)
 
 
 def _add_nu_rel(out: _LongRows, rat: _Ratios) -> None:

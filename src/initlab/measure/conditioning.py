@@ -86,6 +86,8 @@ parameter, in execution order:
 ``module_type``        class name
 ``kind``               ``"mlp"`` (linear-type), ``"conv"`` (``nn.Conv1d/2d/3d``) or ``"other"``
                        (attention, RNN, transposed conv, bilinear: ``gamma`` not derived, NaN)
+``trainable``          whether the weight requires a gradient (a frozen layer does not train:
+                       it is left out of the median and of :func:`imbalance`)
 ``n_in``               input channels (features) per group: ``fan_in / k2``
 ``k2``                 kernel taps (``k^2``; 1 for linear-type layers)
 ``p2``                 output positions per example (measured, see above)
@@ -97,7 +99,8 @@ parameter, in execution order:
 ``nu_w``               ``alpha^4 E[dW^2_example] / E[W^2]``
 ``nu_b``               ``E[db^2_example] / E[b^2]`` (NaN for a zero or missing bias)
 ``nu_w_minibatch``     ``alpha^4 E[dW^2] / E[W^2]`` with the minibatch gradient
-``gamma_rel_median``   ``gamma_w / median(gamma_w)`` over the rows with a finite ``gamma_w``
+``gamma_rel_median``   ``gamma_w / median(gamma_w)`` over the trainable rows with a finite
+                       ``gamma_w`` (NaN for a frozen row)
 ``note``               why a value is NaN ("" when nothing is missing)
 =====================  ==========================================================================
 
@@ -145,6 +148,7 @@ GR_COLUMNS: tuple[str, ...] = (
     "layer",
     "module_type",
     "kind",
+    "trainable",
     "n_in",
     "k2",
     "p2",
@@ -361,6 +365,7 @@ def _gr_row(
         "layer": name,
         "module_type": type(module).__name__,
         "kind": kind,
+        "trainable": _trainable(module, spec.name),
         "n_in": n_in,
         "k2": k2,
         "p2": p2,
@@ -395,6 +400,7 @@ def _unclaimed_row(
         layer=t["layer"],
         module_type=type(module).__name__,
         kind="unclaimed",
+        trainable=True,
         n_in=None,
         k2=None,
         E_x2=t["E_x2"],
@@ -531,16 +537,37 @@ def gr_scaling(
     }
     found = (claimed.get(t["layer"]) or _unclaimed_row(t, modules, reg) for t in table)
     rows = [r for r in found if r is not None]
-    finite = [r["gamma_w"] for r in rows if math.isfinite(r["gamma_w"]) and r["gamma_w"] > 0]
-    if finite:
-        med = statistics.median(finite)
-        for r in rows:
-            r["gamma_rel_median"] = _ratio(r["gamma_w"], med)
+    _relative_to_median(rows)
+    for r in rows:
+        if not r["trainable"]:
+            r["note"] = "; ".join(filter(None, [r["note"], _FROZEN]))
     return Rows(rows, GR_COLUMNS, title="GR scaling", used=probe.used)
 
 
+_FROZEN = "frozen (requires_grad=False): not trained, left out of the median"
+
+
+def _trainable(module: nn.Module, name: str) -> bool:
+    param = module._parameters.get(name)
+    return param is None or bool(param.requires_grad)
+
+
+def _relative_to_median(rows: list[dict[str, Any]]) -> None:
+    """``gamma_rel_median`` of every row: ``gamma_w`` over the median of the trainable rows'
+    finite positive ``gamma_w`` (NaN for a frozen row, or when no row has one)."""
+    finite = [
+        r["gamma_w"]
+        for r in rows
+        if r.get("trainable", True) and math.isfinite(r["gamma_w"]) and r["gamma_w"] > 0
+    ]
+    med = statistics.median(finite) if finite else _NAN
+    for r in rows:
+        r["gamma_rel_median"] = _ratio(r["gamma_w"], med) if r.get("trainable", True) else _NAN
+
+
 def imbalance(rows: Rows | list[Mapping[str, Any]], column: str = "gamma_w") -> dict[str, Any]:
-    """How unequal the layers' GR scalings are: max/min and each layer relative to the median.
+    """How unequal the trainable layers' GR scalings are: max/min and each layer relative to the
+    median (frozen rows, ``trainable`` False, are left out).
 
     Args:
         rows: :func:`gr_scaling` rows.
@@ -554,6 +581,7 @@ def imbalance(rows: Rows | list[Mapping[str, Any]], column: str = "gamma_w") -> 
         squared singular value; by Cor. 2 of the paper, unequal blocks bound the condition number
         of the Hessian from below, so a large spread flags an ill-conditioned start.
     """
+    rows = [r for r in rows if r.get("trainable", True)]  # a frozen layer does not train
     items = [(r["layer"], r[column]) for r in rows]
     items = [(n, float(v)) for n, v in items if v is not None and math.isfinite(v) and v > 0]
     if not items:
@@ -606,10 +634,7 @@ def with_multipliers(rows: Rows, alpha: Mapping[str, float]) -> Rows:
             r[col] = r[col] * f
         r["alpha"] = a
         out.append(r)
-    finite = [r["gamma_w"] for r in out if math.isfinite(r["gamma_w"]) and r["gamma_w"] > 0]
-    med = statistics.median(finite) if finite else _NAN
-    for r in out:
-        r["gamma_rel_median"] = _ratio(r["gamma_w"], med)
+    _relative_to_median(out)
     return Rows(out, rows.columns, title=rows.title)
 
 
