@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from initlab.diagnostics.doctor import doctor
+from initlab.measure.conditioning import gr_scaling
 from initlab.methods.gradinit import gradinit_
 from initlab.methods.lsuv import lsuv_
 from initlab.methods.metainit import metainit_
@@ -210,6 +211,19 @@ _CASES: dict[str, Case] = {
         _model(0),
         lambda m: doctor(m, _batches(r, 2)),
     ),
+    # fourth session: gr_scaling's pooled moments (all_reduce=True) fail together too
+    "gr_scaling(all_reduce=True), rank 1 has no batch": lambda r: (
+        _model(0),
+        lambda m: gr_scaling(m, _batches(r, 2) if r == 0 else [], all_reduce=True),
+    ),
+    "gr_scaling(all_reduce=True), ranks start from different weights": lambda r: (
+        _model(r),
+        lambda m: gr_scaling(m, _batches(r, 2), all_reduce=True),
+    ),
+    "gr_scaling(all_reduce=True), ranks agree": lambda r: (
+        _model(0),
+        lambda m: gr_scaling(m, _batches(r, 2), all_reduce=True),
+    ),
 }
 
 
@@ -311,6 +325,14 @@ _EXPECTED: dict[str, str | tuple[str, str] | None] = {
         "doctor runs in one process",
     ),
     "gradinit_, 5 and 4 batches with steps=3": None,
+    "gr_scaling(all_reduce=True), rank 1 has no batch": (
+        "gr_scaling stopped on every rank because 1 of 2 rank(s) failed: rank 1: ValueError: "
+        "measure_moments got no batch: the data is empty"
+    ),
+    "gr_scaling(all_reduce=True), ranks start from different weights": (
+        "gr_scaling: the ranks hold different"
+    ),
+    "gr_scaling(all_reduce=True), ranks agree": None,
 }
 
 

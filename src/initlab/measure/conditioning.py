@@ -129,7 +129,12 @@ import torch
 from torch import nn
 
 from initlab._core.compiled import takes_compiled
-from initlab._core.distributed import all_reduce_sum
+from initlab._core.distributed import (
+    all_reduce_sum,
+    check_same_parameters,
+    is_distributed,
+    run_together,
+)
 from initlab._core.loss import LossLike, batch_reduction, check_trainable, resolve_loss
 from initlab._core.rows import Rows
 from initlab.init.registry import ParamSpec, Registry, default_registry
@@ -430,14 +435,22 @@ def _probe_data(
     probe_kwargs.setdefault("per_example", True)
     loss = resolve_loss(loss_fn, what="gr_scaling")  # None: the default loss, not forward-only
     check_trainable(model, "gr_scaling")
-    probe = measure_moments(
-        model,
-        data,
-        loss,
-        max_batches=max_batches,
-        loss_reduction=batch_reduction(loss, loss_reduction, "gr_scaling"),
-        **probe_kwargs,
-    )
+    together = all_reduce and is_distributed()
+    if together:  # pooled moments of one model: the ranks must hold the same weights
+        check_same_parameters(model, "gr_scaling")
+
+    def probe_here() -> MomentProbe:
+        return measure_moments(
+            model,
+            data,
+            loss,
+            max_batches=max_batches,
+            loss_reduction=batch_reduction(loss, loss_reduction, "gr_scaling"),
+            **probe_kwargs,
+        )
+
+    # a failure on some ranks raises the same error on every rank (no rank left in a collective)
+    probe = run_together("gr_scaling", probe_here) if together else probe_here()
     assert probe.used is not None
     if probe_kwargs.get("batch_dim") not in (None, 0):
         return probe, None  # the batch is not along dim 0: count examples from the probe
@@ -501,7 +514,10 @@ def gr_scaling(
             those layers.
         registry: the layer registry (default :func:`~initlab.init.registry.default_registry`).
         all_reduce: sum the probe's moments over the ranks of a ``torch.distributed`` job before
-            forming ratios, so every rank gets the pooled values (every rank must call it).
+            forming ratios, so every rank gets the pooled values (every rank must call it). With
+            the model and data given, the ranks must hold the same weights (checked: a
+            ``RankMismatchError`` on every rank), and a probe that fails on some ranks raises
+            the same ``RankMismatchError`` on every rank.
 
     Returns:
         :class:`~initlab.Rows` with columns :data:`GR_COLUMNS` (``used``: the probe's data).
