@@ -163,3 +163,19 @@ def test_buffers_identical_and_failure_leaves_model_unchanged() -> None:
         assert torch.equal(v, state[k]), k
     assert [m.training for m in model.modules()] == modes
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_a_float16_model_gets_finite_scale_gradients() -> None:
+    """The quotient ``(g - Hg) / (g + eps)`` overflowed float16: NaN scale gradients, then a NaN
+    loss blamed at iteration 1. It is formed in float32 now; the model stays float16."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 5)).half()
+    gen = torch.Generator().manual_seed(1)
+    data = [
+        (torch.randn(16, 8, generator=gen).half(), torch.randint(0, 5, (16,), generator=gen))
+        for _ in range(3)
+    ]
+    loss = lambda m, b: F.cross_entropy(m(b[0]).float(), b[1])  # noqa: E731
+    report = metainit_(model, data, loss, variant="gradinit", steps=2)
+    assert all(math.isfinite(r["alpha"]) for r in report.to_rows())
+    assert all(p.dtype == torch.float16 and bool(p.isfinite().all()) for p in model.parameters())

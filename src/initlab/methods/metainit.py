@@ -51,7 +51,8 @@ in lockstep, as in GradInit), as does a step whose passes fail on some ranks onl
 Under ``torch.autocast`` the gradient quotient is computed in the parameters' dtype (autocast
 off inside MetaInit): it divides by ``g``, and bfloat16 rounding flips the sign of the small
 entries the sign steps follow (measured: norms 20% off on a small CNN after 2 steps, a factor 8 on
-one GPT-2 projection).
+one GPT-2 projection). The quotient itself is formed in float32 at least: for a float16 model
+``(g - Hg) / (g + eps)`` overflows float16 and the scales' gradient was NaN.
 
 Cost per step: one forward, a backward with graph, a double backward with graph, and the backward
 of all that to the scales (third order).
@@ -146,9 +147,12 @@ def _gq(
             raise ValueError("the gradient does not depend on the parameters: GQ is undefined")
         # = H g, with g on the graph (paper, Fig. 2)
         hg = grads_or_zeros(half_sq, theta, create_graph=True)
-    total = half_sq.new_zeros(())
+    total = half_sq.new_zeros((), dtype=torch.promote_types(half_sq.dtype, torch.float32))
     for gi, hi in zip(g, hg, strict=True):
-        sgn = torch.where(gi >= 0, 1.0, -1.0).to(gi.dtype).detach()
+        # in float32 at least: a float16 quotient (g - Hg) / (g + eps) overflows (NaN gradients)
+        wide = torch.promote_types(gi.dtype, torch.float32)
+        gi, hi = gi.to(wide), hi.to(wide)
+        sgn = torch.where(gi >= 0, 1.0, -1.0).to(wide).detach()
         total = total + ((gi - hi) / (gi + eps * sgn) - 1).abs().sum()
     grad_norm = float((2 * half_sq.detach().double()).sqrt())
     return total / ts.numel, loss, grad_norm
