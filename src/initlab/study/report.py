@@ -85,6 +85,7 @@ class VariantReport:
         paired: :func:`~initlab.study.bootstrap.paired_comparisons` (``None`` without the
             reference scheme).
         edges: :func:`~initlab.study.aggregate.grid_edges`.
+        diverged: :func:`~initlab.study.aggregate.diverged_everywhere` (data sets left out).
         init_cost: :func:`~initlab.study.aggregate.init_cost_table`.
     """
 
@@ -99,6 +100,7 @@ class VariantReport:
     intervals: Rows
     paired: Rows | None
     edges: list[tuple[str, str, str]] = field(default_factory=list)
+    diverged: list[str] = field(default_factory=list)
     init_cost: Rows | None = None
 
     def cost_text(self, scheme: str) -> str:
@@ -140,6 +142,7 @@ def analyze_variant(
         intervals=table2_intervals(cubes, n_boot=n_boot, seed=seed, level=level),
         paired=paired,
         edges=grid_edges(per_dataset),
+        diverged=diverged_everywhere(per_dataset),
         init_cost=init_cost_table(records),
     )
 
@@ -280,10 +283,9 @@ def _warn_partial(reports: Sequence[VariantReport]) -> None:
                 UserWarning,
                 stacklevel=user_stacklevel(),
             )
-        diverged = diverged_everywhere(r.per_dataset)
-        if diverged:
+        if r.diverged:
             warnings.warn(
-                f"{where}left out {', '.join(diverged)}: every scheme diverged at every learning "
+                f"{where}left out {', '.join(r.diverged)}: every scheme diverged at every learning "
                 "rate there, so nothing tells them apart (add smaller rates)",
                 UserWarning,
                 stacklevel=user_stacklevel(),
@@ -339,10 +341,9 @@ def _summary_lines(r: VariantReport, reference: str) -> list[str]:
     """Plain statements read off the tables: who ranks first, where the reference stands, which
     paired differences exclude 0."""
     rows = list(r.intervals)
-    diverged = diverged_everywhere(r.per_dataset)
     left = (
-        [f"Left out {', '.join(diverged)}: every scheme diverged at every learning rate there."]
-        if diverged
+        [f"Left out {', '.join(r.diverged)}: every scheme diverged at every learning rate there."]
+        if r.diverged
         else []
     )
     if not rows:
