@@ -593,13 +593,19 @@ def test_token_logits_with_as_many_classes_as_tokens_are_read_classes_last(
     assert value != pytest.approx(float(F.cross_entropy(out, y)), rel=1e-3)  # the other reading
 
 
-def test_logits_that_read_both_ways_without_token_ids_warn_and_keep_torchs_layout() -> None:
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_logits_that_read_both_ways_without_token_ids_warn_and_keep_torchs_layout(
+    dtype: torch.dtype,
+) -> None:
+    """int32 labels too (the named loss converts them to int64; torch's criterion takes int64
+    only): the converted copy is still the targets, not token ids."""
     gen = torch.Generator().manual_seed(0)
     x, y = torch.randn(4, 3, 3, generator=gen), torch.randint(0, 3, (4, 3), generator=gen)
     model = nn.Conv1d(3, 3, 1)  # (B, C, L) with L == C
-    for loss in ("cross_entropy", nn.CrossEntropyLoss()):
+    criteria = [nn.CrossEntropyLoss()] if dtype == torch.int64 else []
+    for loss in ("cross_entropy", *criteria):
         with pytest.warns(UserWarning, match=r"read both as torch's layout .* and as tokens"):
-            value = float(resolve_loss(loss)(model, (x, y)).detach())
+            value = float(resolve_loss(loss)(model, (x, y.to(dtype))).detach())
         with torch.no_grad():
             assert value == pytest.approx(float(F.cross_entropy(model(x).double(), y)), rel=1e-6)
 

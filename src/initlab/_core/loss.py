@@ -426,7 +426,10 @@ def classes_dim(out: torch.Tensor, y: torch.Tensor, batch: Any = None, *, warn: 
 
 
 def _has_token_ids(batch: Any, y: torch.Tensor) -> bool:
-    """Whether ``batch`` holds an integer tensor of ``y``'s shape besides ``y`` itself."""
+    """Whether ``batch`` holds an integer tensor of ``y``'s shape besides its targets (``y``, or
+    the batch's own target tensor, which ``y`` may be a converted copy of)."""
+    found = find_target(batch)
+    targets = (y, None if found is None else found[1])
     if isinstance(batch, Mapping):
         entries = list(batch.values())
     elif isinstance(batch, (tuple, list)):
@@ -435,7 +438,7 @@ def _has_token_ids(batch: Any, y: torch.Tensor) -> bool:
         return False
     return any(
         isinstance(t, torch.Tensor)
-        and t is not y
+        and all(t is not target for target in targets)
         and not t.is_floating_point()
         and t.shape == y.shape
         for t in entries
