@@ -371,31 +371,15 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     return 0
 
 
-def _canonical_scheme(name: str) -> str:
-    """The registry's name of a scheme name or alias: ``he`` -> ``fan_in``, ``kaiming_uniform``
-    -> ``fan_in_uniform`` (a distribution suffix is kept)."""
-    from initlab.init.schemes import SAMPLED_DISTRIBUTIONS, list_schemes
-
-    names = {
-        alias: row["name"]
-        for row in list_schemes()
-        for alias in (row["name"], *row["aliases"].split(", "))
-        if alias
-    }
-    key = name.strip().lower().replace("-", "_")
-    for suffix in ("", *(f"_{d}" for d in SAMPLED_DISTRIBUTIONS)):
-        if key.endswith(suffix) and key.removesuffix(suffix) in names:
-            return names[key.removesuffix(suffix)] + suffix
-    return key
-
-
 def _demo_schemes(text: str) -> list[str]:
-    """The schemes of ``demo --schemes``, each under its registry name (aliases resolved), each
-    once."""
+    """The schemes of ``demo --schemes``, each under its registry name (aliases resolved as a
+    study resolves them, :func:`~initlab.study.pipelines.init_identity`), each once."""
+    from initlab.study.pipelines import init_identity
+
     given = split_names("--schemes", text, "scheme", "--schemes fan_in,geometric")
     for scheme in given:
         _check_scheme("--schemes", scheme)
-    schemes = [_canonical_scheme(s) for s in given]
+    schemes = [init_identity(s) for s in given]
     for scheme in dict.fromkeys(schemes):
         same = [g for g, c in zip(given, schemes, strict=True) if c == scheme]
         if len(same) > 1:
