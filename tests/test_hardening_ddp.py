@@ -98,6 +98,27 @@ def _failing_mid_forward(rank: int) -> nn.Module:
     return nn.Sequential(model[0], model[1], _FailOn(rank == 1), model[2])
 
 
+class _Branch(nn.Module):
+    """A layer chosen by the data: ``a`` where the batch's first entry is positive, else ``b``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.a, self.b = nn.Linear(6, 12), nn.Linear(12, 12), nn.Linear(12, 12)
+        self.out = nn.Linear(12, 3)
+        self.to(D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x).tanh()
+        return self.out((self.a(h) if bool(x[0, 0] > 0) else self.b(h)).tanh())
+
+
+def _signed(rank: int, positive: bool) -> torch.Tensor:
+    x = _batches(rank, 1)[0][0]
+    x[0, 0] = 1.0 if positive else -1.0
+    return x
+
+
 Case = Callable[[int], tuple[nn.Module, Callable[[nn.Module], Any]]]
 
 #: name -> (model, call) on a rank; the expected outcome is in _EXPECTED.
@@ -207,6 +228,19 @@ _CASES: dict[str, Case] = {
         _bn_model(),
         lambda m: lsuv_(m, _batches(r, 1)[0][0][: 1 if r else 8], norm_mode="train"),
     ),
+    # fifth session: data-dependent control flow (it mixed layer a's moments with b's, silently)
+    "lsuv_(orthogonal=False), the ranks' batches run different layers": lambda r: (
+        _Branch(),
+        lambda m: lsuv_(m, _signed(r, r == 0), orthogonal=False),
+    ),
+    "lsuv_, the ranks' batches run different layers": lambda r: (
+        _Branch(),
+        lambda m: lsuv_(m, _signed(r, r == 0), generator=0),
+    ),
+    "lsuv_, the ranks' batches run the same branch": lambda r: (
+        _Branch(),
+        lambda m: _quiet_lsuv(m, _signed(r, True)),
+    ),
     "doctor under torch.distributed (one process's choices)": lambda r: (
         _model(0),
         lambda m: doctor(m, _batches(r, 2)),
@@ -225,6 +259,14 @@ _CASES: dict[str, Case] = {
         lambda m: gr_scaling(m, _batches(r, 2), all_reduce=True),
     ),
 }
+
+
+def _quiet_lsuv(model: nn.Module, x: torch.Tensor) -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "lsuv_: 1 layer.s. never ran", UserWarning)
+        lsuv_(model, x, generator=0)
 
 
 def _frozen_first() -> nn.Module:
@@ -325,6 +367,15 @@ _EXPECTED: dict[str, str | tuple[str, str] | None] = {
         "doctor runs in one process",
     ),
     "gradinit_, 5 and 4 batches with steps=3": None,
+    "lsuv_(orthogonal=False), the ranks' batches run different layers": (
+        "lsuv_: the ranks are out of step (rank 0 at the first call of a; rank 1 at the first "
+        "call of b): their batches took different paths through the model"
+    ),
+    "lsuv_, the ranks' batches run different layers": (
+        "lsuv_: the ranks are out of step (rank 0 at the orthogonal draw of a; rank 1 at the "
+        "orthogonal draw of b)"
+    ),
+    "lsuv_, the ranks' batches run the same branch": None,
     "gr_scaling(all_reduce=True), rank 1 has no batch": (
         "gr_scaling stopped on every rank because 1 of 2 rank(s) failed: rank 1: ValueError: "
         "measure_moments got no batch: the data is empty"

@@ -16,11 +16,13 @@ when one rank stops alone):
 * :func:`in_lockstep`: iterations over each rank's own batches stop together; ranks with
   different numbers of batches are an error;
 * :func:`failing_together` with :func:`checkpoint`: a block whose collectives sit inside its
-  passes (LSUV's hooks) fails on every rank when it fails on one.
+  passes (LSUV's hooks) fails on every rank when it fails on one, or when the ranks reach
+  different collectives (their data took different paths through the model).
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -182,17 +184,44 @@ def check_same_trainable(model: nn.Module, what: str) -> list[tuple[str, nn.Para
     return named
 
 
-def _raise_together(error: BaseException | None, what: str, ended: bool = False) -> int:
+def _step_key(step: str | None) -> list[int]:
+    """Two 20-bit hashes of ``step`` (stable across processes, unlike ``hash``), 0 for ``None``."""
+    if step is None:
+        return [0, 0]
+    data = step.encode()
+    return [(zlib.crc32(data) & 0xFFFFF) + 1, (zlib.adler32(data) & 0xFFFFF) + 1]
+
+
+def _raise_together(
+    error: BaseException | None, what: str, ended: bool = False, step: str | None = None
+) -> int:
     """A collective: if ``error`` is set on some ranks, raise the same error on every rank; if on
-    every rank, each raises its own (as without a process group); else return the number of
+    every rank, each raises its own (as without a process group); if the ranks name different
+    ``step`` s, raise :class:`RankMismatchError` naming each rank's; else return the number of
     ranks that passed ``ended``."""
-    flags = torch.tensor([error is not None, ended], dtype=torch.int64, device=_device())
+    keys = _step_key(step)
+    flags = torch.tensor(
+        [error is not None, ended, *keys, *(k * k for k in keys)],
+        dtype=torch.int64,
+        device=_device(),
+    )
     dist.all_reduce(flags, op=dist.ReduceOp.SUM)
+    world = dist.get_world_size()
     if flags[0].item() == 0:
+        # keys equal on every rank iff (sum k)^2 == world * sum k^2 (Cauchy-Schwarz), per hash
+        if any(int(flags[2 + i]) ** 2 != world * int(flags[4 + i]) for i in range(2)):
+            steps: list[Any] = [None] * world
+            dist.all_gather_object(steps, step)
+            at = "; ".join(f"rank {r} at {s or 'another collective'}" for r, s in enumerate(steps))
+            raise RankMismatchError(
+                f"{what}: the ranks are out of step ({at}): their batches took different paths "
+                "through the model (control flow that depends on the data); every rank's batch "
+                "must run the same layers in the same order"
+            )
         return int(flags[1].item())
-    if error is not None and flags[0].item() == dist.get_world_size():
+    if error is not None and flags[0].item() == world:
         raise error
-    texts: list[Any] = [None] * dist.get_world_size()
+    texts: list[Any] = [None] * world
     mine = None if error is None else f"{type(error).__name__}: {error}"
     dist.all_gather_object(texts, mine)
     failed = [(r, text) for r, text in enumerate(texts) if text is not None]
@@ -203,12 +232,13 @@ def _raise_together(error: BaseException | None, what: str, ended: bool = False)
     ) from error
 
 
-def checkpoint(what: str) -> None:
+def checkpoint(what: str, step: str | None = None) -> None:
     """Before a collective inside a :func:`failing_together` block: if a peer rank failed since
-    the last one, raise the same :class:`RankMismatchError` here (one small all-reduce).
-    Without a process group: nothing."""
+    the last one, or names a different ``step`` (what the collective is for, e.g. "the first
+    call of layer.3": ranks whose data took different paths through the model), raise the same
+    :class:`RankMismatchError` here (one small all-reduce). Without a process group: nothing."""
     if is_distributed():
-        _raise_together(None, what)
+        _raise_together(None, what, step=step)
 
 
 @contextmanager

@@ -46,9 +46,11 @@ Every statistic that decides a scale is a sum (``n, Σz, Σz², Σzb, Σb, Σb²
 is all-reduced over the ranks of a ``torch.distributed`` job before it is used, so every rank
 computes the same factor from the variance over the union of the shards and the weights stay
 bit-identical; the orthogonal pre-init is broadcast from rank 0. All ranks must run the same
-layers in the same order (as DDP requires anyway). A pass that fails on some ranks only raises
-the same :class:`~initlab._core.distributed.RankMismatchError` on every rank: each collective is
-preceded by a small check (:func:`~initlab._core.distributed.failing_together`).
+layers in the same order (as DDP requires anyway). A pass that fails on some ranks only, or
+ranks whose batches take different paths through the model (control flow that depends on the
+data), raise the same :class:`~initlab._core.distributed.RankMismatchError` on every rank, naming
+the layer each rank had reached: each collective is preceded by a small check that also compares
+what it is for (:func:`~initlab._core.distributed.checkpoint`).
 """
 
 from initlab.methods.lsuv.api import KNOWN_BLOCKS, LSUV_COLUMNS, lsuv_

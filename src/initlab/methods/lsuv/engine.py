@@ -146,7 +146,7 @@ class Engine:
             u.pooled = [0.0] * 6
 
     def end_sweep(self) -> None:
-        pooled = reduce_ranks([u.pooled for u in self.active])
+        pooled = reduce_ranks([u.pooled for u in self.active], "the end of a sweep")
         for u, vec in zip(self.active, pooled, strict=True):
             u.pooled = vec
             if vec[N] == 0:
@@ -195,7 +195,7 @@ class Engine:
             orthogonal_(w, groups=unit.groups, transposed=unit.transposed, generator=self.generator)
         if is_distributed():
             buf = w if w.is_contiguous() else w.contiguous()
-            checkpoint("lsuv_")
+            checkpoint("lsuv_", f"the orthogonal draw of {unit.name}")
             dist.broadcast(buf, src=0)
             if buf is not w:
                 w.copy_(buf)
@@ -271,7 +271,7 @@ class Engine:
         if not (first and self.correcting(unit)):
             unit.pooled = [a + b for a, b in zip(unit.pooled, vec, strict=True)]
             return None
-        vec = reduce_ranks([vec])[0]
+        vec = reduce_ranks([vec], f"the first call of {unit.name}")[0]
         if not all(math.isfinite(x) for x in vec):
             raise ValueError(
                 f"lsuv_: {what} is not finite before LSUV corrected it; check the data and the "
@@ -341,7 +341,9 @@ class Engine:
         zm, cdm = self._real_tokens(z, cd)
         if unit.measure_block is not None:  # "stream": kept for the fallback of _fit_block
             if first and self.correcting(unit):
-                unit.own = reduce_ranks([moment_vector(zm, bias, cdm)])[0]
+                unit.own = reduce_ranks(
+                    [moment_vector(zm, bias, cdm)], f"the first call of {unit.name}"
+                )[0]
             return None
         s = self.process(unit, zm, bias, cdm, first)
         if s is None:
@@ -488,7 +490,7 @@ class Engine:
             self.corrected = True
             with one_thread():
                 vec = moment_vector(out, None, 0)
-            return out, reduce_ranks([vec])[0]
+            return out, reduce_ranks([vec], f"a re-run of block {name}")[0]
 
         floor = variance(run(0.0)[1])
         # At the edge (a shortcut already at the target, e.g. a normalized projection) reaching the

@@ -121,11 +121,13 @@ def solve_scale(vec: Sequence[float], target: float) -> float | None:
     return min(roots, key=lambda r: abs(math.log(r)))
 
 
-def reduce_ranks(vecs: list[list[float]]) -> list[list[float]]:
-    """Sum moment vectors over ranks (identity without a process group)."""
+def reduce_ranks(vecs: list[list[float]], step: str) -> list[list[float]]:
+    """Sum moment vectors over ranks (identity without a process group). ``step`` names what
+    they are the moments of: every rank must reduce the same step (else RankMismatchError)."""
     if not vecs or not is_distributed():
         return vecs
-    checkpoint("lsuv_")  # a peer that failed in its pass raises here too (failing_together)
+    # a peer that failed in its pass, or whose data ran another layer, raises here too
+    checkpoint("lsuv_", step)
     t = torch.tensor(vecs, dtype=torch.float64)
     all_reduce_sum([t])
     return t.tolist()
