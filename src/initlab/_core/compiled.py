@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import torch
@@ -22,7 +23,7 @@ from torch import nn
 
 from initlab._core.distributed import is_distributed
 
-__all__ = ["scripted_error", "scripted_part", "takes_compiled", "uncompiled"]
+__all__ = ["eager_submodules", "scripted_error", "scripted_part", "takes_compiled", "uncompiled"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -38,8 +39,32 @@ def uncompiled(model: Any) -> Any:
     return model
 
 
+@contextmanager
+def eager_submodules(model: nn.Module) -> Iterator[None]:
+    """For the block, every ``torch.compile``'d submodule of ``model`` is replaced in its parent by
+    the module it wraps (the same parameters, run eagerly, named without ``_orig_mod``); put back
+    after, also on failure. Nothing to do without one."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    swapped: list[tuple[nn.Module, str, nn.Module]] = []
+    if eval_frame is not None:
+        swapped = [
+            (parent, name, child)
+            for parent in model.modules()
+            for name, child in parent._modules.items()
+            if isinstance(child, eval_frame.OptimizedModule)
+        ]
+    try:
+        for parent, name, child in swapped:
+            parent._modules[name] = uncompiled(child)
+        yield
+    finally:
+        for parent, name, child in reversed(swapped):
+            parent._modules[name] = child
+
+
 def takes_compiled(fn: F | None = None, *, scripted: bool = False, collective: bool = False) -> Any:
-    """Run ``fn`` with its model (the first positional argument or ``model=``) uncompiled.
+    """Run ``fn`` with its model (the first positional argument or ``model=``) uncompiled, its
+    compiled submodules too (:func:`eager_submodules`).
 
     A TorchScript model or submodule (``torch.jit.script``/``trace``) takes no hooks and no
     parameter swaps: unless ``scripted`` (an entry point that needs neither), it is refused with
@@ -64,7 +89,10 @@ def takes_compiled(fn: F | None = None, *, scripted: bool = False, collective: b
             found = scripted_part(model)
             if found is not None:
                 raise scripted_error(found[1], fn.__name__, found[0])
-        return fn(*args, **kwargs)
+        if not isinstance(model, nn.Module):
+            return fn(*args, **kwargs)
+        with eager_submodules(model):
+            return fn(*args, **kwargs)
 
     return inner
 
