@@ -23,7 +23,14 @@ from torch import nn
 
 from initlab._core.distributed import is_distributed
 
-__all__ = ["eager_submodules", "scripted_error", "scripted_part", "takes_compiled", "uncompiled"]
+__all__ = [
+    "eager_submodules",
+    "module_type_name",
+    "scripted_error",
+    "scripted_part",
+    "takes_compiled",
+    "uncompiled",
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -102,6 +109,14 @@ def scripted_part(model: nn.Module) -> tuple[str, nn.Module] | None:
     return next(
         ((n, m) for n, m in model.named_modules() if isinstance(m, torch.jit.ScriptModule)), None
     )
+
+
+def module_type_name(module: nn.Module) -> str:
+    """The class name of ``module``; for a TorchScript module, the eager class it was scripted
+    from (``"Linear"``, not ``"RecursiveScriptModule"``)."""
+    if isinstance(module, torch.jit.ScriptModule):
+        return str(getattr(module, "original_name", type(module).__name__))
+    return type(module).__name__
 
 
 def scripted_error(module: nn.Module, what: str, name: str = "") -> TypeError:

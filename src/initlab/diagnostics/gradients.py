@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from initlab._core.compiled import takes_compiled
+from initlab._core.compiled import module_type_name, takes_compiled
 from initlab._core.data import DataCounter, iter_batches
 from initlab._core.knobs import renamed_kwargs
 from initlab._core.loss import LossLike, backward_of, check_trainable, resolve_loss
@@ -97,7 +97,7 @@ class GradientStats:
             for local, p in module.named_parameters(recurse=False):
                 if p.requires_grad:
                     entry = self._entries.setdefault(id(p), _Entry(p))
-                    entry.owners.append((name, local, type(module).__name__))
+                    entry.owners.append((name, local, module_type_name(module)))
         with torch.no_grad():
             self._w = {
                 key: (

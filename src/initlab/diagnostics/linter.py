@@ -284,7 +284,7 @@ def _finding(
     }
 
 
-@takes_compiled(scripted=True)
+@takes_compiled
 def lint_model(
     model: nn.Module,
     *,
