@@ -892,6 +892,100 @@ def test_lsuv_reaches_unit_variance_on_the_real_tokens_of_padded_batches() -> No
     assert abs(float(real.var(unbiased=False)) - 1.0) < abs(float(y.var(unbiased=False)) - 1.0)
 
 
+class _Attending(nn.Module):
+    """Token embedding -> self-attention (``nn.MultiheadAttention``, padding as its
+    ``key_padding_mask``) -> head; the padded positions' embeddings are far larger than the
+    real ones, so statistics over all positions differ from those over the real tokens."""
+
+    def __init__(self, batch_first: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.batch_first = batch_first
+        self.emb = nn.Embedding(11, 8)
+        with torch.no_grad():
+            self.emb.weight[0].mul_(40.0)  # the padding token
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=batch_first)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        h = self.emb(input_ids)
+        if not self.batch_first:
+            h = h.transpose(0, 1)
+        out = self.attn(h, h, h, key_padding_mask=attention_mask == 0, need_weights=False)[0]
+        return self.head(out if self.batch_first else out.transpose(0, 1))
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_lsuv_reaches_unit_variance_of_attention_projections_on_the_real_tokens(
+    batch_first: bool,
+) -> None:
+    """nn.MultiheadAttention's q/k/v and output projections (LSUV units of their own) are
+    measured over the real tokens too (they were measured over every position)."""
+    model = _Attending(batch_first)
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, 11, (4, 6), generator=gen)
+    mask = torch.ones(4, 6, dtype=torch.long)
+    for row, keep in enumerate((6, 3, 4, 2)):
+        mask[row, keep:] = 0
+        ids[row, keep:] = 0
+    batch = {"input_ids": ids, "attention_mask": mask}
+    initlab.lsuv_(model, batch, generator=0, tol=1e-6, max_iter=20)
+    seen: dict[str, Any] = {}
+    handle = model.attn.register_forward_hook(lambda m, args, out: seen.update(args=args, out=out))
+    with torch.no_grad():
+        model(**batch)
+    handle.remove()
+    real = mask.bool() if batch_first else mask.bool().T
+    w, b = model.attn.in_proj_weight.detach(), model.attn.in_proj_bias.detach()
+    for k in range(3):  # q, k, v
+        z = F.linear(seen["args"][k], w[8 * k : 8 * (k + 1)], b[8 * k : 8 * (k + 1)])
+        assert float(z[real].double().var(unbiased=False)) == pytest.approx(1.0, abs=1e-4)
+        assert abs(float(z.double().var(unbiased=False)) - 1.0) > 0.1  # padding differs
+    out = seen["out"][0][real].double()
+    assert float(out.var(unbiased=False)) == pytest.approx(1.0, abs=1e-4)
+
+
+class _ResidualTokens(nn.Module):
+    """Token embedding (real tokens small, the padding token large) -> a residual block -> head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(11, 8)
+        with torch.no_grad():
+            self.emb.weight.mul_(0.3)
+            self.emb.weight[0].mul_(100.0)
+        self.block = _Residual8()
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(self.emb(input_ids)))
+
+
+class _Residual8(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(self.a(x).tanh())
+
+
+def test_lsuv_stream_fits_a_block_output_on_the_real_tokens() -> None:
+    """strategy="stream" re-runs a block to fit its output: measured over the real tokens too."""
+    model = _ResidualTokens()
+    ids = torch.randint(1, 11, (4, 6), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(4, 6, dtype=torch.long)
+    for row, keep in enumerate((6, 3, 4, 2)):
+        mask[row, keep:] = 0
+        ids[row, keep:] = 0
+    batch = {"input_ids": ids, "attention_mask": mask}
+    initlab.lsuv_(model, batch, generator=0, strategy="stream", blocks=["block"], tol=1e-6)
+    with torch.no_grad():
+        y = model.block(model.emb(ids)).double()
+    assert float(y[mask.bool()].var(unbiased=False)) == pytest.approx(1.0, abs=1e-3)
+
+
 # ----------------------------------------------------------------------------- labels kept out
 
 

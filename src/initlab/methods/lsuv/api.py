@@ -239,7 +239,9 @@ def lsuv_(
         model: any ``nn.Module``.
         data: one batch or many (a ``DataLoader``, a list of batches, ``initlab.Batches``); the
             rule is in :mod:`initlab._core.data`. A dict batch's ``attention_mask`` leaves the
-            padded positions out of a token model's layer statistics (channels-last outputs).
+            padded positions out of a token model's statistics: its layers' (channels-last
+            outputs), ``nn.MultiheadAttention``'s projections' and, with ``"stream"``, its
+            blocks' outputs.
         target: the output variance to reach (1 in the paper).
         tol: stop when ``|Var - target| < tol`` (on the variance, as the paper writes it; the
             PyPI package compares standard deviations).

@@ -359,6 +359,15 @@ class Engine:
         real = real_positions(z, self.batch)
         return real, real.dim() - 1
 
+    def _real_mha_tokens(
+        self, module: nn.MultiheadAttention, z: torch.Tensor
+    ) -> tuple[torch.Tensor, int]:
+        """An attention projection's ``z`` (channels last) at the batch's real tokens, as
+        :meth:`_real_tokens` (a sequence-first module's ``(T, B, E)`` read as ``(B, T, E)``)."""
+        if z.dim() == 3 and not module.batch_first:
+            z = z.transpose(0, 1)
+        return self._real_tokens(z, z.dim() - 1)
+
     def mha_pre_hook(self, units: list[Unit]) -> Callable[..., None]:
         in_units = [u for u in units if u.kind == "in_proj"]
 
@@ -381,7 +390,8 @@ class Engine:
                     bias = nonzero_bias(module.in_proj_bias[u.qkv * e : (u.qkv + 1) * e])
                 # The module has not used the weight yet: scaling it is all a correction takes.
                 with one_thread():
-                    self.process(u, z, bias, z.dim() - 1, first)
+                    zm, cdm = self._real_mha_tokens(module, z)
+                    self.process(u, zm, bias, cdm, first)
 
         return hook
 
@@ -399,7 +409,8 @@ class Engine:
                 bias = None if unit.zero_bias else nonzero_bias(module.out_proj.bias)
                 cd = y.dim() - 1
                 z = y if bias is None else y - bias
-                s = self.process(unit, z, bias, cd, first)
+                zm, cdm = self._real_mha_tokens(module, z)
+                s = self.process(unit, zm, bias, cdm, first)
                 if s is None:
                     return None
                 y = rescaled_output(y, bias, cd, s)
@@ -431,7 +442,7 @@ class Engine:
         first = not unit.block_seen and call.saved is not None
         unit.block_seen = True
         with one_thread():
-            vec = moment_vector(output, None, 0)
+            vec = moment_vector(real_positions(output, self.batch), None, 0)
         vec = self._first_moments(
             unit, vec, first, f"the output of block {self.block_names[block]}"
         )
@@ -489,7 +500,7 @@ class Engine:
             unit.iterations += 1
             self.corrected = True
             with one_thread():
-                vec = moment_vector(out, None, 0)
+                vec = moment_vector(real_positions(out, self.batch), None, 0)
             return out, reduce_ranks([vec], f"a re-run of block {name}")[0]
 
         floor = variance(run(0.0)[1])
