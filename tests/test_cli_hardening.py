@@ -359,12 +359,14 @@ _ERRORS: dict[str, tuple[list[str], int, str, tuple[str, ...]]] = {
         "batches of one example (Expected more than 1 value", ()),
     "a lazy layer, init without data": (
         ["init", "--model", "mods.py:lazy", "--out", "o.pt"], 2,
-        "LazyLinear.weight is an uninitialized lazy parameter; make the --model factory run one "
+        "init_model: 2.weight, 2.bias of the model are uninitialized (a lazy module, e.g. "
+        "nn.LazyLinear, before its first forward pass); make the --model factory run one "
         "forward pass on a dummy batch before it returns the model", ("o.pt",)),
     "a lazy layer, diagnose": (
         ["diagnose", "--model", "mods.py:lazy", "--data", "random:4"], 2,
-        "with a dummy batch to initialize the parameters; the --model factory must do that "
-        "before it returns the model", ()),
+        "diagnose: 2.weight, 2.bias of the model are uninitialized (a lazy module, e.g. "
+        "nn.LazyLinear, before its first forward pass); make the --model factory run one "
+        "forward pass on a dummy batch before it returns the model", ()),
     # round 3, 6: Python code in a message stays Python
     "--how parametrize names the Python call": (
         [*_INIT, "--method", "precondition", "--how", "parametrize"], 2,

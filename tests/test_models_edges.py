@@ -190,6 +190,32 @@ def test_a_torchscript_model_is_refused_with_the_way_out(entry: str) -> None:
     assert _same(before, _state(model))
 
 
+def _unmaterialized(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "lazy":
+        return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.LazyLinear(4))
+    with torch.device("meta"):
+        return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+_NO_VALUES = {
+    "lazy": r"2\.weight, 2\.bias of the model are uninitialized \(a lazy module.*run the model "
+    r"once on a batch \(model\(x\)\)",
+    "meta": r"0\.weight, 0\.bias, 2\.weight, 2\.bias of the model live on the meta device.*"
+    r"model\.to_empty\(device=\.\.\.\)",
+}
+
+
+@pytest.mark.parametrize("kind", list(_NO_VALUES))
+@pytest.mark.parametrize("entry", [e for e in _SCRIPTED_REFUSED if e != "MomentProbe"])
+def test_a_model_without_values_is_refused_naming_its_tensors(entry: str, kind: str) -> None:
+    """A lazy layer before its first forward, or a model on the meta device: every entry point
+    names the tensors and what to do (half of them raised torch's "Attempted to use an
+    uninitialized parameter" or "Tensor.item() cannot be called on meta tensors")."""
+    with pytest.raises(ValueError, match=rf"^{entry}: {_NO_VALUES[kind]}"):
+        _SCRIPTED_REFUSED[entry](_unmaterialized(kind), _data())
+
+
 def test_gradient_stats_still_takes_a_torchscript_model_and_matches_eager() -> None:
     x, y = _data()
     torch.manual_seed(0)

@@ -24,6 +24,7 @@ from torch import nn
 from initlab._core.distributed import is_distributed
 
 __all__ = [
+    "check_materialized",
     "eager_submodules",
     "module_type_name",
     "scripted_error",
@@ -98,6 +99,7 @@ def takes_compiled(fn: F | None = None, *, scripted: bool = False, collective: b
                 raise scripted_error(found[1], fn.__name__, found[0])
         if not isinstance(model, nn.Module):
             return fn(*args, **kwargs)
+        check_materialized(model, fn.__name__)
         with eager_submodules(model):
             return fn(*args, **kwargs)
 
@@ -109,6 +111,32 @@ def scripted_part(model: nn.Module) -> tuple[str, nn.Module] | None:
     return next(
         ((n, m) for n, m in model.named_modules() if isinstance(m, torch.jit.ScriptModule)), None
     )
+
+
+def check_materialized(model: nn.Module, what: str) -> None:
+    """Raise a ``ValueError`` naming the tensors of ``model`` that hold no values yet: on the meta
+    device (``torch.device("meta")``: materialize with ``model.to_empty(device=...)``) or lazy
+    (``nn.LazyLinear`` before its first forward pass)."""
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    lazy = [n for n, t in tensors if isinstance(t, nn.parameter.UninitializedTensorMixin)]
+    meta = [n for n, t in tensors if n not in lazy and t.is_meta]
+
+    def shown(names: list[str]) -> str:
+        return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+    if lazy:
+        raise ValueError(
+            f"{what}: {shown(lazy)} of the model {'are' if len(lazy) > 1 else 'is'} uninitialized "
+            "(a lazy module, e.g. nn.LazyLinear, before its first forward pass); run the model "
+            "once on a batch (model(x)) so that they take their shapes, then call "
+            f"{what} again"
+        )
+    if meta:
+        raise ValueError(
+            f"{what}: {shown(meta)} of the model live on the meta device and have no values; "
+            "materialize the model first with model.to_empty(device=...) (then initialize it, "
+            "e.g. initlab.init_model(model, scheme))"
+        )
 
 
 def module_type_name(module: nn.Module) -> str:

@@ -473,6 +473,11 @@ _WORDING: tuple[tuple[str, str | Callable[[re.Match[str]], str]], ...] = (
         _LAZY,
     ),
     (
+        r"\brun the model once on a batch \(model\(x\)\) so that they take their shapes, then "
+        r"call \w+ again",
+        _LAZY,
+    ),
+    (
         r" with a dummy batch to initialize the parameters before calling torch functions",
         " with a dummy batch to initialize the parameters; the --model factory must do that "
         "before it returns the model (a lazy layer takes its shape from its first input)",
