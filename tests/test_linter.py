@@ -262,3 +262,24 @@ def test_vanishing_signal_and_non_finite_values_give_bad_verdicts():
     assert "non-finite gradients in 0" in report.verdicts["0"][1]
     assert any("non-finite loss" in n for n in report.meta["notes"])
     assert math.isnan(report.value("2", "E_y2"))
+
+
+class _Counting(nn.Module):
+    """A forward that counts its calls in a buffer (in place)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.steps += 1
+        return self.fc(x)
+
+
+def test_lint_model_leaves_the_buffers_as_they_were():
+    """Tracing runs the forward's Python: the counter was left at 1 by lint_model."""
+    model = _Counting()
+    result = lint_model(model)
+    assert result.traced
+    assert float(model.steps) == 0.0

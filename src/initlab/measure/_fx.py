@@ -18,11 +18,15 @@ def _fns(*names: str, module: Any = F) -> set[Any]:
 
 
 def trace_model(model: nn.Module) -> tuple[Any, str]:
-    """``(GraphModule, "")`` from ``torch.fx.symbolic_trace``, or ``(None, error)``."""
+    """``(GraphModule, "")`` from ``torch.fx.symbolic_trace``, or ``(None, error)``. The model's
+    buffers are as before after (tracing runs the forward's Python: ``self.steps += 1`` on a
+    buffer changed it)."""
     import torch.fx
 
+    from initlab._core.state import preserved_state
+
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), preserved_state(model, params=False):
             warnings.simplefilter("ignore")
             return torch.fx.symbolic_trace(model), ""
     except Exception as err:  # any tracing failure means "fall back to module types"
