@@ -745,3 +745,33 @@ def test_outputs_are_rescaled_in_place_only_when_nothing_else_holds_their_memory
         assert not owns_memory(x, conv, (x,))  # the input itself
         assert not owns_memory(conv.weight.detach(), conv, (x,))  # a parameter's memory
     assert not owns_memory(conv(x), conv, (x,))  # part of a graph
+
+
+class _Stateful(nn.Module):
+    """A forward that writes buffers: a call counter and a running mean of a hidden layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.head = nn.Linear(10, 16), nn.Linear(16, 4)
+        self.register_buffer("calls", torch.zeros(()))
+        self.register_buffer("running", torch.zeros(16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        h = F.relu(self.a(x))
+        with torch.no_grad():
+            self.running.mul_(0.9).add_(0.1 * h.mean(0))
+        return self.head(h)
+
+
+@pytest.mark.parametrize("norm_mode", ["eval", "train"])
+def test_lsuv_leaves_the_buffers_its_passes_wrote_as_they_were(norm_mode: str) -> None:
+    """The counter ended at 2 and the running mean held the pre-LSUV layer's statistics (the
+    other methods put buffers back); BatchNorm's running statistics already came back."""
+    model = _Stateful()
+    lsuv_(
+        model, torch.randn(8, 10, generator=torch.Generator().manual_seed(1)), norm_mode=norm_mode
+    )
+    assert float(model.calls) == 0.0
+    assert torch.count_nonzero(model.running) == 0

@@ -234,6 +234,7 @@ def lsuv_(
     Like every data-dependent initialization in initlab: changes ``model`` in place, never moves
     it, leaves no hook behind (also after an exception), and restores every weight, buffer and
     train/eval mode if anything fails midway (:func:`~initlab._core.state.restore_on_failure`).
+    Buffers come back in any case: its forward passes leave no running statistic or counter.
 
     Args:
         model: any ``nn.Module``.
@@ -411,15 +412,14 @@ def _take_data(
 
 @contextmanager
 def _measuring_modes(model: nn.Module, norm_mode: str) -> Iterator[None]:
-    """Eval mode (BatchNorm in train mode for ``norm_mode="train"``, its buffers restored) and the
-    fused attention fast path off; every flag, buffer and the fast path put back on exit."""
+    """Eval mode (BatchNorm in train mode for ``norm_mode="train"``) and the fused attention fast
+    path off; every flag, every buffer (what the passes' forwards wrote there: BatchNorm's
+    running statistics, a model's own counters) and the fast path put back on exit."""
     mha_backend = getattr(torch.backends, "mha", None)
     fastpath = mha_backend.get_fastpath_enabled() if mha_backend is not None else None
-    kept = model_kept(model, params="never", buffers="never")
     norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    norm_buffers = model_kept(nn.ModuleList(norms), params="never", buffers="always")
     try:
-        with kept, norm_buffers:
+        with model_kept(model, params="never", buffers="always"):
             model.eval()
             if norm_mode == "train":
                 for m in norms:
