@@ -560,6 +560,12 @@ def test_library_warnings_are_one_line_in_the_flags_words(
         ("x.weight is an uninitialized lazy parameter; run a forward pass (or materialize the "
          "module) before asking for its fans", "make the --model factory run one forward pass",
          "materialize"),
+        ("the default forward: a tuple batch is passed to the model as model(batch[0]) (...). "
+         "Pass dict batches of its keyword arguments, a loss_fn(model, batch) that calls the "
+         "model itself, or, where the function takes one, forward=lambda model, batch: "
+         "model(*batch[:2]) (as many inputs as the model takes)",
+         "Make --data give dict batches of its keyword arguments, or pass --loss pkg.module:fn",
+         "forward="),
     ],
 )  # fmt: skip
 def test_python_wording_is_translated_to_flags(library: str, cli: str, python_words: str) -> None:

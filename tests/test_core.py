@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
+import initlab
 from initlab._core.data import (
     AmbiguousDataError,
     Batches,
@@ -280,3 +282,38 @@ def test_a_dict_batch_to_a_model_without_those_keywords_gets_a_clear_error() -> 
     x, y = _xy()
     with pytest.raises(TypeError, match=r"keyword arguments, model\(\*\*batch\).*\(x, y\) batches"):
         default_forward(nn.Sequential(nn.Linear(3, 2)), {"x": x, "labels": y})
+
+
+class _TwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 2), nn.Linear(4, 2)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self.a(a) + self.b(b)
+
+
+_TUPLE_ADVICE = (
+    r"the default forward: a tuple batch is passed to the model as model\(batch\[0\]\) \(the "
+    r"rest of the tuple is read as targets\), and the model's forward takes more inputs "
+    r"\(_TwoInputs\.forward\(\) missing 1 required positional argument: 'b'\)\. Pass dict "
+    r"batches of its keyword arguments, a loss_fn\(model, batch\) that calls the model itself, "
+    r"or, where the function takes one, forward=lambda model, batch: model\(\*batch\[:2\]\)"
+)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda m, b: default_forward(m, b),
+        lambda m, b: initlab.lsuv_(m, b),
+        lambda m, b: initlab.scale_output_(m, b),
+        lambda m, b: initlab.block_curvature(m, (*b, torch.zeros(8, 2)), nn.MSELoss(), probes=1),
+    ],
+    ids=["default_forward", "lsuv_", "scale_output_", "block_curvature"],
+)
+def test_a_tuple_batch_to_a_model_of_several_inputs_gets_a_clear_error(call: Any) -> None:
+    """torch's raw "forward() missing 1 required positional argument" before."""
+    batch = (torch.randn(8, 3), torch.randn(8, 4))
+    with pytest.raises(TypeError, match=_TUPLE_ADVICE):
+        call(_TwoInputs(), batch)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -497,8 +498,19 @@ def one_example_error(err: ValueError) -> ValueError | None:
 
 def keyword_error(err: TypeError, batch: Any, what: str) -> TypeError | None:
     """A clear error for a model that cannot take a dict batch's keys as keyword arguments
-    (``model(**batch)``, the default forward of a dict batch), or ``None`` for any other error."""
+    (``model(**batch)``, the default forward of a dict batch), or whose ``forward`` needs more
+    than a tuple batch's first entry (``model(batch[0])``); ``None`` for any other error."""
     text = str(err)
+    if isinstance(batch, (tuple, list)) and re.search(
+        r"forward\(\) missing \d+ required positional argument", text
+    ):
+        return TypeError(
+            f"{what}: a tuple batch is passed to the model as model(batch[0]) (the rest of the "
+            f"tuple is read as targets), and the model's forward takes more inputs ({err}). Pass "
+            "dict batches of its keyword arguments, a loss_fn(model, batch) that calls the model "
+            "itself, or, where the function takes one, forward=lambda model, batch: "
+            "model(*batch[:2]) (as many inputs as the model takes)"
+        )
     if not isinstance(batch, Mapping) or not (
         "keyword argument" in text or "required positional argument" in text
     ):

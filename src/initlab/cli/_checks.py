@@ -421,6 +421,13 @@ _WORDING: tuple[tuple[str, str | Callable[[re.Match[str]], str]], ...] = (
         "or --loss pkg.module:fn, a function fn(model, batch) that calls the model itself",
     ),
     (
+        r"Pass dict batches of its keyword arguments, a loss_fn\(model, batch\) that calls the "
+        r"model itself, or, where the function takes one, forward=lambda model, batch: "
+        r"model\(\*batch\[:2\]\) \(as many inputs as the model takes\)",
+        "Make --data give dict batches of its keyword arguments, or pass --loss pkg.module:fn, a "
+        "function fn(model, batch) that calls the model itself",
+    ),
+    (
         r"initlab\.Batches\(\[\.\.\.\]\) for (\d+) batches, or a tuple \(x, y, \.\.\.\) for "
         r"one batch",
         r"save a list of (x, y) tuples for \1 batches, or a tuple (x, y, ...) for one batch",

@@ -123,15 +123,14 @@ def functional_forward(
             batch = model_inputs(model, batch)
         if isinstance(batch, torch.Tensor):
             return torch.func.functional_call(model, state, (batch,))
-        if isinstance(batch, Mapping):
-            try:
-                return torch.func.functional_call(model, state, (), dict(batch))
-            except TypeError as err:  # the same message as the default forward's
-                clear = keyword_error(err, batch, "the default forward")
-                if clear is None:
-                    raise
-                raise clear from err
-        return torch.func.functional_call(model, state, (batch[0],))
+        args, kwargs = ((), dict(batch)) if isinstance(batch, Mapping) else ((batch[0],), {})
+        try:
+            return torch.func.functional_call(model, state, args, kwargs)
+        except TypeError as err:  # the same message as the default forward's
+            clear = keyword_error(err, batch, "the default forward")
+            if clear is None:
+                raise
+            raise clear from err
     wrapper = _Call(model, forward)
     return torch.func.functional_call(
         wrapper, {f"model.{k}": v for k, v in state.items()}, (batch,)
