@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -984,6 +985,28 @@ def test_lsuv_stream_fits_a_block_output_on_the_real_tokens() -> None:
     with torch.no_grad():
         y = model.block(model.emb(ids)).double()
     assert float(y[mask.bool()].var(unbiased=False)) == pytest.approx(1.0, abs=1e-3)
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        lambda m, d: initlab.gr_scaling(m, d).to_rows(),
+        lambda m, d: initlab.loss_landscape(m, d[0], grid=2, generator=0).values.tolist(),
+        lambda m, d: initlab.gr_scaling(m, d, nn.CrossEntropyLoss()).to_rows(),
+    ],
+    ids=["gr_scaling", "loss_landscape", "gr_scaling-criterion"],
+)
+def test_a_tuple_output_of_return_dict_false_reads_as_the_dict_one(entry: Any) -> None:
+    """A Hugging Face model called with return_dict=False returns (loss, logits, ...): the 0-d
+    loss was taken for the logits ("IndexError: tuple index out of range")."""
+    pytest.importorskip("transformers")
+    model = hf_models.model_of("llama")
+    data = hf_models.batches("llama", 2)
+    tuples = [dict(b, return_dict=False) for b in data]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*is a causal language model", UserWarning)
+        expected, got = entry(model, data), entry(model, tuples)
+    assert got == expected
 
 
 # ----------------------------------------------------------------------------- labels kept out

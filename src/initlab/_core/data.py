@@ -541,7 +541,8 @@ def real_positions(t: torch.Tensor, batch: Any) -> torch.Tensor:
 
 def output_tensor(outputs: Any, *, what: str = "the model's output") -> torch.Tensor:
     """The tensor a model's output stands for: itself, ``.logits`` (Hugging Face outputs), the
-    ``"logits"`` entry of a dict, or the first tensor of a tuple or list.
+    ``"logits"`` entry of a dict, or the first tensor of a tuple or list that is not a scalar
+    (a Hugging Face model called with ``return_dict=False`` returns ``(loss, logits, ...)``).
 
     Raises:
         TypeError: no tensor can be found; the message names the output's type.
@@ -556,9 +557,9 @@ def output_tensor(outputs: Any, *, what: str = "the model's output") -> torch.Te
             return outputs["logits"]
         outputs = list(outputs.values())
     if isinstance(outputs, (tuple, list)):
-        for v in outputs:
-            if isinstance(v, torch.Tensor):
-                return v
+        tensors = [v for v in outputs if isinstance(v, torch.Tensor)]
+        if tensors:
+            return next((v for v in tensors if v.dim() > 0), tensors[0])
     raise TypeError(
         f"{what} is a {type(outputs).__name__} holding no tensor; return a tensor, a tuple whose "
         "first item is the output, or an object with .logits (or pass forward=)"

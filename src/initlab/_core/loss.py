@@ -314,10 +314,16 @@ def _check_counted(found: tuple[str, Any] | None, ignore_index: int, name: str) 
 
 def model_loss(outputs: Any) -> torch.Tensor | None:
     """The loss a model returned with its outputs, or ``None``: ``outputs.loss``, ``outputs
-    ["loss"]``; ``None`` for a plain tensor or a tuple."""
+    ["loss"]``, or the first item of a tuple or list when it is a scalar beside other outputs
+    (a Hugging Face model called with ``return_dict=False``: ``(loss, logits, ...)``); ``None``
+    for a plain tensor or a tuple of outputs."""
     loss = getattr(outputs, "loss", None)
     if loss is None and isinstance(outputs, Mapping):
         loss = outputs.get("loss")
+    if isinstance(outputs, (tuple, list)) and len(outputs) > 1:
+        first = outputs[0]
+        if isinstance(first, torch.Tensor) and first.dim() == 0 and first.is_floating_point():
+            loss = first
     return loss if isinstance(loss, torch.Tensor) else None
 
 
