@@ -347,3 +347,21 @@ def test_t5_residual_branches_found_by_the_runtime_trace() -> None:
         for b in cross
     )
     assert sum(f["rule"] == "skip_connection" for f in res.findings) == 10
+
+
+def test_lsuv_stream_re_runs_a_decoder_layer_on_a_fresh_cache() -> None:
+    """strategy="stream" re-runs each block on its saved input: a decoder layer's DynamicCache
+    was shared, so the re-run appended its keys a second time ("The size of tensor a (24) must
+    match the size of tensor b (12)" inside SDPA). The result equals the run without a cache."""
+    layers = ["model.layers.0", "model.layers.1"]
+    results = []
+    for use_cache in (True, False):
+        model = model_of("llama")
+        batch = dict(batches("llama", 1)[0], use_cache=use_cache)
+        batch["attention_mask"][0, -2:] = 0  # padded: the attention takes an explicit mask
+        report = initlab.lsuv_(model, batch, strategy="stream", blocks=layers, generator=0)
+        results.append((report.to_rows(), [p.detach().clone() for p in model.parameters()]))
+    (rows_cache, params_cache), (rows_plain, params_plain) = results
+    strip = [{k: v for k, v in r.items() if not k.endswith("_s")} for r in rows_cache]
+    assert strip == [{k: v for k, v in r.items() if not k.endswith("_s")} for r in rows_plain]
+    assert all(torch.equal(a, b) for a, b in zip(params_cache, params_plain, strict=True))

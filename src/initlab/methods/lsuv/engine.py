@@ -9,6 +9,7 @@ the moments of a sweep over calls, batches and ranks. :meth:`Engine.install` reg
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -66,8 +67,15 @@ def one_thread() -> Iterator[None]:
         torch.set_num_threads(n)
 
 
-def clone_tensors(obj: Any) -> Any:
-    return map_tensors(obj, lambda t: t.detach().clone())
+def fresh_copy(obj: Any) -> Any:
+    """A copy of a call's arguments that running the call cannot change: tensors cloned, other
+    objects deep-copied where they can be (a Hugging Face ``DynamicCache`` a decoder layer appends
+    its keys to: a block re-run on the same cache saw its keys twice), else shared."""
+    detached = map_tensors(obj, lambda t: t.detach())
+    try:
+        return copy.deepcopy(detached)
+    except Exception:  # an object that cannot be copied: tensors cloned, the rest shared
+        return map_tensors(detached, lambda t: t.clone())
 
 
 def owns_memory(output: torch.Tensor, module: nn.Module, args: Any) -> bool:
@@ -426,7 +434,7 @@ class Engine:
         unit = self.stream.get(block)
         if unit is not None and not unit.block_seen and self.correcting(unit):
             with one_thread():
-                call.saved = clone_tensors((args, kwargs))
+                call.saved = fresh_copy((args, kwargs))
         self.stack.append(call)
 
     def block_hook(self, block: nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> Any:
@@ -460,7 +468,7 @@ class Engine:
     def _replay(self, block: nn.Module, saved: Any) -> torch.Tensor:
         """Re-run ``block`` alone on a fresh copy of its cached input, with every hook idle."""
         with one_thread():
-            args, kwargs = clone_tensors(saved)
+            args, kwargs = fresh_copy(saved)
         self.replaying = True
         try:
             result = block(*args, **kwargs)
