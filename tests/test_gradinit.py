@@ -857,3 +857,24 @@ def test_loss_at_swaps_entries_as_functional_call_does_and_puts_them_back() -> N
     after = dict(model.named_parameters(remove_duplicate=False))
     assert after.keys() == before.keys() and all(after[n] is before[n] for n in before)
     assert model.head.weight is model.emb.weight
+
+
+def test_alpha_is_folded_in_float32_and_a_scale_the_dtype_cannot_hold_is_warned() -> None:
+    """A bfloat16 model: alpha was rounded to bfloat16 before the product (1.0027 -> 1.0, the
+    weight unchanged while the row said 1.0027), without a word. Each entry is now the product
+    in float32 rounded once, and a tensor whose norm moved by another factor is named."""
+    from initlab.methods._alpha import fold_alpha, select_tensors
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(64, 64, bias=False) for _ in range(3)))
+    model = model.to(torch.bfloat16)
+    ts = select_tensors(model, "default", lambda name, p, role: role == "weight", "gradinit_")
+    before = [ts.tensors[i].detach().clone() for i in ts.scaled]
+    # 1.25 is exact in bfloat16, 1.005 was 1.0078 there, 1.0012 is below every entry's spacing
+    alpha = torch.tensor([1.25, 1.005, 1.0012], dtype=torch.float64)
+    with pytest.warns(UserWarning, match=r"gradinit_: 1 of 3 tensor\(s\) could not take their "
+                      r"scale in their dtype .*2\.weight: alpha 1\.0012, applied 1 "):  # fmt: skip
+        fold_alpha(ts, alpha, "gradinit_")
+    for k, i in enumerate(ts.scaled):
+        expected = (before[k].double() * float(alpha[k])).to(torch.bfloat16)
+        assert torch.equal(ts.tensors[i], expected)

@@ -23,6 +23,7 @@ learn one scalar ``alpha_i`` per trainable tensor ``W_i`` and evaluate the netwo
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from initlab._core.distributed import (
     run_together,
     world_size,
 )
+from initlab._core.knobs import user_stacklevel
 from initlab._core.loss import Loss, require_grad, resolve_loss
 from initlab._core.rows import split_name
 from initlab._core.state import model_kept
@@ -421,12 +423,34 @@ def alpha_rows(model: nn.Module, ts: Tensors, alpha: torch.Tensor) -> list[dict[
     return rows
 
 
-def fold_alpha(ts: Tensors, alpha: torch.Tensor) -> None:
-    """``W <- alpha * W`` in place, once per distinct tensor (the product the iterations used)."""
+def fold_alpha(ts: Tensors, alpha: torch.Tensor, what: str) -> None:
+    """``W <- alpha * W`` in place, once per distinct tensor (the product the iterations used),
+    each entry rounded once to the tensor's dtype (the product taken in float32 at least: a
+    bfloat16 ``alpha`` of 1.0027 is 1.0). Warns when a tensor's dtype cannot hold its scale:
+    its norm moved by a factor off ``alpha`` by more than half the change ``alpha - 1``
+    (and more than float32's rounding)."""
+    off: list[str] = []
     with torch.no_grad():
         for k, i in enumerate(ts.scaled):
             w = ts.tensors[i]
-            w.mul_(alpha[k].to(dtype=w.dtype, device=w.device))
+            work = torch.promote_types(w.dtype, torch.float32)
+            w.copy_(w.to(work) * alpha[k].to(dtype=work, device=w.device))
+            before, a = ts.norms[k], float(alpha[k])
+            if not w.is_floating_point() or not before > 0:
+                continue
+            applied = float(w.double().norm()) / before
+            if abs(applied - a) > max(0.5 * abs(a - 1.0), 4 * torch.finfo(torch.float32).eps):
+                off.append(f"{ts.names[i]}: alpha {a:.5g}, applied {applied:.5g} ({w.dtype})")
+    if off:
+        warnings.warn(
+            f"{what}: {len(off)} of {len(ts.scaled)} tensor(s) could not take their scale in "
+            f"their dtype (each entry rounds to the nearest representable value): "
+            f"{'; '.join(off[:4])}{' ...' if len(off) > 4 else ''}. Run {what} on a float32 copy "
+            "of the model and cast it after (model.float(), then model.to(dtype)); the rows' "
+            "norm_after / norm_before is the factor applied",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
 
 
 def known_length(data: Any) -> int | None:

@@ -701,7 +701,7 @@ def gradinit_(
                     progress(dict(trace[-1]))
         if not trace:
             raise ValueError(f"{what} ran no step: the data has too few batches")
-        fold_alpha(ts, alpha)
+        fold_alpha(ts, alpha, what)
     kinds = [r["step"] for r in trace]
     return MethodReport(
         alpha_rows(model, ts, alpha),

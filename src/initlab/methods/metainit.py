@@ -352,7 +352,7 @@ def metainit_(
                     progress(dict(row))
         if not trace:
             raise ValueError(f"{what} ran no step: the data has no batch")
-        fold_alpha(ts, update.alpha)
+        fold_alpha(ts, update.alpha, what)
     return MethodReport(
         alpha_rows(model, ts, update.alpha),
         METAINIT_COLUMNS,
