@@ -602,8 +602,12 @@ def test_a_parametrized_weight_is_refused_with_the_way_out(kind: str, entry: str
     with pytest.raises(ValueError) as info:
         _REGISTRY_USERS[entry](model)
     text = str(info.value)
-    assert "a torch.nn.modules.linear.Linear has parametrized tensors ('weight' by _" in text
+    # the layer named (it was only "a torch.nn.modules.linear.Linear"), the way back its own
+    name = "the layer '0' (a torch.nn.modules.linear.Linear) has parametrized tensors ('weight' by"
+    assert name in text
     assert "remove_parametrizations(layer, 'weight') keeps the current values" in text
+    again = f"(then torch.nn.utils.parametrizations.{kind}(layer, 'weight'))"
+    assert again in text
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
     # the way out: remove it (the weight kept), then the call runs

@@ -46,7 +46,7 @@ def _weight_names(model: nn.Module) -> set[tuple[str, str]]:
     reg = default_registry()
     out = set()
     for name, m in model.named_modules():
-        specs = reg.specs(m)
+        specs = reg.specs(m, name)
         for s in specs or ():
             if s.role == "weight":
                 out.add((name, s.name))

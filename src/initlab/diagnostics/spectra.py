@@ -358,7 +358,7 @@ def _input_shapes(
     ):
         return data, [], set(), None
     batches = take_batches(data, 1, exact=False, what="layer_spectra")
-    weighted = InputShapes(model, lambda _n, m: bool(_weight_params(m)))  # every row's module
+    weighted = InputShapes(model, lambda n, m: bool(_weight_params(m, n)))  # every row's module
     with preserved_state(model), torch.no_grad(), weighted as watched:
         default_forward(model, batches[0])
     return watched.shapes, watched.order, watched.multiple, data_use(batches)
@@ -405,10 +405,10 @@ class InputShapes(HookContext):
                 self._hooks.add(module.register_forward_pre_hook(self._hook(name)))
 
 
-def _weight_params(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+def _weight_params(module: nn.Module, name: str) -> list[tuple[str, torch.Tensor]]:
     from initlab.init.registry import default_registry
 
-    specs = default_registry().specs(module)
+    specs = default_registry().specs(module, name)
     if specs is None:
         return []
     params = dict(module.named_parameters(recurse=False))
@@ -448,7 +448,7 @@ def layer_spectra(
     rows: list[dict[str, Any]] = []
     svd_cache: dict[int, tuple[float, float]] = {}
     for name, module in model.named_modules():
-        for pname, w in _weight_params(module):
+        for pname, w in _weight_params(module, name):
             bad = int((~w.detach().isfinite()).sum())  # NaN/inf: no SVD, no operator norm
             sv_max, sv_mean, note = _svd_entry(w, bad, max_svd_elements, svd_cache)
             in_shape = tuple(shapes[name]) if name in shapes else None

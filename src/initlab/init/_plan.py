@@ -309,7 +309,7 @@ def claim_params(
     for mod_name, module in model.named_modules():
         if _parameterless_norm(module):  # affine=False: no parameter to claim, statistics to reset
             norm_modules.add(id(module))
-        specs = registry.specs(module)
+        specs = registry.specs(module, mod_name)
         if not specs:
             continue
         for pspec in specs:

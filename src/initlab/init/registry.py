@@ -217,10 +217,19 @@ def _check_handler(handler: object) -> None:
         ) from None
 
 
-def _refuse_parametrized(module: nn.Module, names: list[str]) -> None:
+#: A parametrization's class -> the call that registers it again (torch.nn.utils.parametrizations).
+_REGISTER_AGAIN = {
+    "_WeightNorm": "torch.nn.utils.parametrizations.weight_norm(layer, {name!r})",
+    "_SpectralNorm": "torch.nn.utils.parametrizations.spectral_norm(layer, {name!r})",
+    "_Orthogonal": "torch.nn.utils.parametrizations.orthogonal(layer, {name!r})",
+}
+
+
+def _refuse_parametrized(module: nn.Module, names: list[str], where: str = "") -> None:
     """Raise ValueError if some of ``names`` are computed by parametrizations
     (``torch.nn.utils.parametrize``: ``weight_norm``, ``spectral_norm``, ``orthogonal``...):
-    such a ``weight`` is not a tensor that can be read, written or scaled in place."""
+    such a ``weight`` is not a tensor that can be read, written or scaled in place. ``where``:
+    the module's qualified name in the model, for the message."""
     kinds = {
         name: sorted({type(p).__name__ for p in module.parametrizations[name]})
         for name in names
@@ -238,12 +247,19 @@ def _refuse_parametrized(module: nn.Module, names: list[str]) -> None:
         if ours
         else ""
     )
+    again = _REGISTER_AGAIN.get(kinds[first][0] if len(kinds[first]) == 1 else "", "")
+    again = (
+        again.format(name=first)
+        if again
+        else f"torch.nn.utils.parametrize.register_parametrization(layer, {first!r}, ...)"
+    )
+    cls = _dotted(type(module).__bases__[0])
+    layer = f"the layer {where!r} (a {cls})" if where else f"a {cls}"
     raise ValueError(
-        f"a {_dotted(type(module).__bases__[0])} has parametrized tensors ({what}; "
-        "torch.nn.utils.parametrize): initlab reads and writes a layer's own tensors and does not "
-        "handle parametrizations. Remove them for this call and register them again after: "
-        f"torch.nn.utils.parametrize.remove_parametrizations(layer, {first!r}) keeps the current "
-        f"values (then e.g. weight_norm(layer) again){hint}"
+        f"{layer} has parametrized tensors ({what}; torch.nn.utils.parametrize): initlab reads "
+        "and writes a layer's own tensors and does not handle parametrizations. Remove them for "
+        "this call and register them again after: torch.nn.utils.parametrize."
+        f"remove_parametrizations(layer, {first!r}) keeps the current values (then {again}){hint}"
     )
 
 
@@ -426,8 +442,9 @@ class Registry:
                 return handler
         return None
 
-    def specs(self, module: nn.Module) -> list[ParamSpec] | None:
+    def specs(self, module: nn.Module, name: str = "") -> list[ParamSpec] | None:
         """Validated specs of ``module``'s direct parameters, or ``None`` if no handler claims it.
+        ``name``: the module's qualified name in the model, for the messages.
 
         Raises:
             ValueError: the handler's output does not match the module (unknown or ``None``
@@ -440,7 +457,7 @@ class Registry:
         handler = self.handler_for(module)
         if handler is None:
             return None
-        return self._run(handler, module)
+        return self._run(handler, module, name)
 
     def copy(self) -> Registry:
         """An independent registry with the same handlers (registering on it leaves this alone)."""
@@ -480,7 +497,7 @@ class Registry:
         return issubclass(cls, key)
 
     @staticmethod
-    def _run(handler: Handler, module: nn.Module) -> list[ParamSpec]:
+    def _run(handler: Handler, module: nn.Module, where: str = "") -> list[ParamSpec]:
         for name, param in module.named_parameters(recurse=False):
             if isinstance(param, nn.parameter.UninitializedParameter):
                 raise ValueError(
@@ -498,7 +515,7 @@ class Registry:
             ) from err
         names = [s.name for s in specs if isinstance(s, ParamSpec)]
         _refuse_norm_hooks(module, names)
-        _refuse_parametrized(module, names)
+        _refuse_parametrized(module, names, where)
         _validate_specs(module, specs, handler)
         return specs
 

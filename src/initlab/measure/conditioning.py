@@ -175,9 +175,10 @@ _NAN = float("nan")
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
-def _weight_spec(module: nn.Module, registry: Registry) -> ParamSpec | None:
-    """The first role-"weight" spec the registry gives for ``module`` (None: not a weight layer)."""
-    specs = registry.specs(module)
+def _weight_spec(module: nn.Module, registry: Registry, name: str = "") -> ParamSpec | None:
+    """The first role-"weight" spec the registry gives for ``module`` (None: not a weight layer);
+    ``name``: the module's, for the registry's messages."""
+    specs = registry.specs(module, name)
     if not specs:
         return None
     return next((s for s in specs if s.role == "weight"), None)
@@ -210,7 +211,7 @@ def weight_layers(
     reg = default_registry() if registry is None else registry
     out = []
     for name, module in model.named_modules():
-        spec = _weight_spec(module, reg)
+        spec = _weight_spec(module, reg, name)
         if spec is not None:
             out.append((name, module, spec, _kind(module, spec)))
     return out
@@ -241,7 +242,7 @@ def _layers(
     layers = []
     for t in table:
         module = modules.get(t["layer"])
-        spec = None if module is None else _weight_spec(module, reg)
+        spec = None if module is None else _weight_spec(module, reg, t["layer"])
         if spec is not None:
             layers.append((t["layer"], module, spec, _bias_name(module, reg)))
     return layers

@@ -163,8 +163,8 @@ def tensor_roles(model: nn.Module) -> dict[int, str]:
     """Role of every parameter claimed by the default layer registry, by tensor identity."""
     registry = default_registry()
     roles: dict[int, str] = {}
-    for module in model.modules():
-        specs = registry.specs(module)
+    for name, module in model.named_modules():
+        specs = registry.specs(module, name)
         for spec in specs or ():
             param = module._parameters.get(spec.name)
             if param is not None:

@@ -470,7 +470,7 @@ def _refuse_tied(model: nn.Module, name: str, registry: Registry) -> None:
     layer = dict(model.named_modules())[name]
     own = [
         (spec.name, getattr(layer, spec.name))
-        for spec in registry.specs(layer) or []
+        for spec in registry.specs(layer, name) or []
         if spec.role in ("weight", "bias")
     ]
     ties: list[str] = []
@@ -498,7 +498,7 @@ def _refuse_frozen(model: nn.Module, name: str, registry: Registry) -> None:
     layer = dict(model.named_modules())[name]
     frozen = [
         join_name(name, spec.name)
-        for spec in registry.specs(layer) or []
+        for spec in registry.specs(layer, name) or []
         if spec.role in ("weight", "bias")
         and isinstance(t := getattr(layer, spec.name), torch.Tensor)
         and not t.requires_grad
@@ -572,7 +572,7 @@ def _fold_checked(
     """Multiply layer ``name``'s weight and bias by ``s``; check that the output on ``batch`` is
     ``s`` times ``out_before`` (one forward pass), else raise (the caller's guard restores)."""
     layer = dict(model.named_modules())[name]
-    specs = registry.specs(layer) or []
+    specs = registry.specs(layer, name) or []
     with torch.no_grad():
         for spec in specs:
             if spec.role in ("weight", "bias"):

@@ -588,7 +588,7 @@ def _rescale_(
     for name in order:
         r = ratios.get(name, 1.0)
         cumulative *= r
-        for spec in registry.specs(modules[name]) or []:
+        for spec in registry.specs(modules[name], name) or []:
             if spec.role in ("weight", "bias"):
                 factor = r if spec.role == "weight" else cumulative
                 tensor = getattr(modules[name], spec.name)

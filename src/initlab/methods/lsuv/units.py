@@ -218,7 +218,7 @@ def _layer_unit(
 ) -> tuple[tuple[int, int] | None, Unit] | None:
     """The unit of a layer with one weight (keyed by the weight), a skipped row for a layer LSUV
     cannot scale (no key), or ``None`` for a module without weights."""
-    specs = registry.specs(module)
+    specs = registry.specs(module, name)
     if specs is None:
         return _unclaimed(name, module)
     weights = [s for s in specs if s.role == "weight"]
