@@ -346,3 +346,47 @@ def test_frozen_layers_are_out_of_the_median_and_the_spread() -> None:
         if (r["layer"], r["param"], r["quantity"]) == ("4", "weight", "gamma")
     ]
     assert frozen and frozen[0]["note"].startswith("frozen") and frozen[0]["verdict"] in ("", "n/a")
+
+
+def test_no_gradient_is_not_called_a_non_finite_one() -> None:
+    """A layer under no_grad, a layer never called, an LSTM fed a PackedSequence: the loss is
+    finite, so the note says what happened; only a NaN loss gives the not-finite note."""
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    class Silent(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.nograd, self.unused, self.head = (
+                nn.Linear(10, 16),
+                nn.Linear(16, 16),
+                nn.Linear(16, 3),
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                h = F.relu(self.nograd(x))
+            return self.head(h)
+
+    class Packed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lstm, self.head = nn.LSTM(8, 12, batch_first=True), nn.Linear(12, 3)
+
+        def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+            return self.head(self.lstm(packed)[1][0][-1])
+
+    torch.manual_seed(0)
+    x, t = torch.randn(32, 10), torch.randint(0, 3, (32,))
+    rows = gr_scaling(Silent(), (x, t), ce)
+    assert all("not finite" not in r["note"] for r in rows)
+    assert row(rows, "nograd")["note"].startswith("no gradient reached this layer's output")
+    assert row(rows, "unused")["note"].startswith("not called on this data")
+    assert row(rows, "head")["note"] == ""
+    nan_loss = gr_scaling(Silent(), (x, t), lambda m, b: ce(m, b) * float("nan"))
+    assert "not finite" in row(nan_loss, "head")["note"]
+
+    xs, lengths, y = torch.randn(5, 6, 8), torch.tensor([6, 3, 4, 2, 5]), torch.randint(0, 3, (5,))
+    packed = gr_scaling(Packed(), (xs, lengths, y), lambda m, b: F.cross_entropy(m(*b[:2]), b[2]))
+    note = row(packed, "lstm")["note"]
+    assert "not finite" not in note and "PackedSequence" in note

@@ -528,3 +528,33 @@ def test_grad_std_of_one_batch_is_nan_with_a_note() -> None:
     )
     two = diagnose(net, [batch, batch], "cross_entropy", generator=0)
     assert all(not r["note"] for r in two.to_rows() if r["quantity"] == "grad_std")
+
+
+class NoGradientLayers(nn.Module):
+    """``enc`` runs under no_grad (trainable, but it never learns), ``unused`` is never called,
+    ``frozen`` does not train by design."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.unused, self.head = nn.Linear(10, 16), nn.Linear(16, 16), nn.Linear(16, 3)
+        self.frozen = nn.Linear(10, 10).requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            h = torch.relu(self.enc(x))
+        return self.head(h) + 0 * self.frozen(x).sum()
+
+
+def test_a_layer_that_gets_no_gradient_is_warned_not_ok() -> None:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randn(32, 10, generator=g), torch.randint(0, 3, (32,), generator=g))
+    report = diagnose(NoGradientLayers(), [batch, batch], nn.CrossEntropyLoss(), spectra=False)
+    verdicts = {r["layer"]: (r["verdict"], r["reason"]) for r in report.layers}
+    assert verdicts["enc"][0] == "warn" and "no gradient reached this layer" in verdicts["enc"][1]
+    assert "torch.no_grad()" in verdicts["enc"][1]
+    assert verdicts["unused"][0] == "warn" and verdicts["unused"][1].startswith("not called")
+    assert verdicts["head"] == ("ok", "")
+    assert verdicts["frozen"][0] == "ok"  # requires_grad=False: not training is intended
+    silent = {r["layer"] for r in report.to_rows() if r["quantity"] == "no_gradient"}
+    assert silent == {"enc", "unused"}

@@ -299,3 +299,94 @@ def test_cli_doctor_prints_summary_and_writes_files(
     assert [r["check"] for r in obj["checks"]["rows"]][: len(CHECKS)] == list(CHECKS)
     assert obj["meta"]["command"]["data"] == "digits"
     assert main(["doctor", "--model", "zoo:paper_mlp", "--fix", "nope"]) == 2
+
+
+# ----------------------------------------------------------------------------- (e) unusual models
+
+
+class TwoInputs(nn.Module):
+    """A forward that takes two tensors: the default forward cannot call it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(10, 16), nn.Linear(6, 16), nn.Linear(16, 4)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.a(a) + self.b(b)))
+
+
+def two_input_data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return (
+        torch.randn(32, 10, generator=g),
+        torch.randn(32, 6, generator=g),
+        torch.randint(0, 4, (32,), generator=g),
+    )
+
+
+def test_a_two_input_model_runs_through_its_loss_fn_or_forward() -> None:
+    """Finding 2: what diagnose runs (a ``loss_fn(model, batch)`` calling ``model(a, b)``),
+    doctor runs; the outputs it reads are the model's outputs on the batch."""
+    torch.manual_seed(0)
+    model, other = TwoInputs(), TwoInputs()
+    a, b, y = two_input_data()
+    with torch.no_grad():
+        expected = model(a, b).double().std(correction=0).item()  # the oracle: plain torch
+    before = snapshot(model)
+    batches = {
+        "tuple": ((a, b, y), lambda m, t: nn.functional.cross_entropy(m(t[0], t[1]), t[2])),
+        "dict": ({"a": a, "b": b, "y": y},
+                 lambda m, t: nn.functional.cross_entropy(m(t["a"], t["b"]), t["y"])),
+    }  # fmt: skip
+    for name, (batch, loss) in batches.items():
+        rep = doctor(model, batch, loss)
+        assert rep.value("logit_std") == pytest.approx(expected, rel=1e-5), name
+        assert_same(model, before)
+    fixed = doctor(other, (a, b, y), batches["tuple"][1], fix=["lsuv", "output_scale"])
+    assert fixed.applied == ["lsuv", "output_scale"] and not fixed.failed
+    assert fixed.value("logit_std", "after") == pytest.approx(0.05, rel=1e-3)
+
+    # a loss that never calls the model as a whole: the output checks say so, the rest runs
+    def by_parts(m: nn.Module, t: Any) -> torch.Tensor:
+        return nn.functional.cross_entropy(m.head(torch.relu(m.a(t[0]) + m.b(t[1]))), t[2])
+
+    before = snapshot(model)  # the fixes above drew from the global generator
+    blind = doctor(model, (a, b, y), by_parts)
+    assert blind.value("logit_std", "verdict") == "n/a"
+    assert "forward=" in blind.value("logit_std", "why")
+    assert math.isfinite(blind.value("gamma_spread"))
+    told = doctor(model, (a, b, y), by_parts, forward=lambda m, t: m(t[0], t[1]))
+    assert told.value("logit_std") == pytest.approx(expected, rel=1e-5)
+    assert_same(model, before)
+
+
+class NoGradientLayers(nn.Module):
+    """``enc`` runs under no_grad (it never learns), ``unused`` is never called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.unused, self.head = nn.Linear(10, 16), nn.Linear(16, 16), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            h = torch.relu(self.enc(x))
+        return self.head(h)
+
+
+def test_layers_without_a_gradient_are_found_and_no_nan_spread_is_shown() -> None:
+    """Finding 4: not "nothing found" with a γ spread of nan; the two silent layers are named,
+    and the spread says it needs two weights with a γ."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    data = (torch.randn(32, 10, generator=g), torch.randint(0, 3, (32,), generator=g))
+    rep = doctor(NoGradientLayers(), data, nn.CrossEntropyLoss())
+    layers = rep.row("dead_or_exploding_layers")
+    assert (layers["verdict"], layers["value"]) == ("warn", 2.0)
+    assert "enc: no_gradient (no gradient reached" in layers["why"]
+    assert "unused: no_gradient (not called on this data" in layers["why"]
+    assert layers["fix"] == ""  # no fix gives a layer a gradient
+    spread = rep.row("gamma_spread")
+    assert spread["verdict"] == "n/a" and "measured on 1 weight" in spread["why"]
+    text = rep.summary()
+    assert "nothing found" not in text and "dead_or_exploding_layers (warn: 2)" in text
+    assert "γ spread (max/min): nan" not in text and "γ spread (max/min): n/a (" in text

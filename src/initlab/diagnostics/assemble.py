@@ -284,6 +284,32 @@ def _add_curvature(out: _LongRows, tables: Mapping[str, Rows]) -> None:
                 stderr=r.get("ratio_stderr", _NAN))  # fmt: skip
 
 
+NOT_CALLED = "not called on this data: its parameters get no gradient, so it will not learn"
+NO_GRADIENT = (
+    "no gradient reached this layer: it ran under torch.no_grad(), its output was detached, or "
+    "the output does not lead to the loss, so it will not learn"
+)
+
+
+def _add_no_gradient(out: _LongRows, probe_table: Rows, param_table: Rows) -> dict[str, str]:
+    """A ``no_gradient`` row (``warn``) for every probed layer none of whose trainable
+    parameters got a gradient (finite or not) on any batch; returns ``{layer: reason}``."""
+    got: dict[str, list[bool]] = {}
+    for r in param_table:
+        module = out.named.get(r["layer"])
+        param = None if module is None else module._parameters.get(r["param"])
+        if param is not None and param.requires_grad:
+            reached = math.isfinite(r["E_dW2"]) or r["nonfinite"] > 0
+            got.setdefault(r["layer"], []).append(reached)
+    silent = {}
+    for t in probe_table:
+        layer = t["layer"]
+        if got.get(layer) and not any(got[layer]):
+            silent[layer] = NO_GRADIENT if t["calls"] else NOT_CALLED
+            out.add(layer, "", "no_gradient", 1.0, verdict="warn", note=silent[layer])
+    return silent
+
+
 def _add_findings(out: _LongRows, findings: Rows) -> dict[str, list[dict[str, Any]]]:
     """The linter's findings as long rows; returns them by layer."""
     by_layer: dict[str, list[dict[str, Any]]] = {}
@@ -300,10 +326,11 @@ def _add_findings(out: _LongRows, findings: Rows) -> dict[str, list[dict[str, An
 
 
 def _verdict(
-    layer: str, rat: _Ratios, layer_findings: Iterable[Mapping[str, Any]]
+    layer: str, rat: _Ratios, layer_findings: Iterable[Mapping[str, Any]], silent: str = ""
 ) -> tuple[str, str]:
-    """``(verdict, reason)`` of one layer: γ (else ν) against its median, and the findings."""
-    reasons: list[tuple[str, str]] = []
+    """``(verdict, reason)`` of one layer: γ (else ν) against its median, the findings, and
+    ``silent`` (why the layer got no gradient, ``""`` when it got one)."""
+    reasons: list[tuple[str, str]] = [("warn", silent)] if silent else []
     rel = rat.gamma_rel.get(layer, _NAN)
     if layer in rat.gammas and math.isfinite(rel):
         v = ratio_verdict(rel)
@@ -371,6 +398,7 @@ def _layer_table(
     findings: Rows,
     by_layer: Mapping[str, list[dict[str, Any]]],
     rat: _Ratios,
+    silent: Mapping[str, str],
 ) -> list[dict[str, Any]]:
     """The per-layer rows (definition order); adds each layer's ``verdict`` long row."""
     probed = {r["layer"] for r in probe_table}
@@ -383,7 +411,7 @@ def _layer_table(
                                                 for r in out.rows}  # fmt: skip
     wide: list[dict[str, Any]] = []
     for layer in layer_names:
-        verdict, reason = _verdict(layer, rat, by_layer.get(layer, ()))
+        verdict, reason = _verdict(layer, rat, by_layer.get(layer, ()), silent.get(layer, ""))
         out.add(layer, "", "verdict", _NAN, verdict=verdict, note=reason)
         wname = rat.wnames.get(layer, "weight")
         shape = next(
@@ -411,8 +439,9 @@ def assemble(
     _add_nu_rel(out, rat)
     _add_measurements(out, tables)
     _add_curvature(out, tables)
+    silent = _add_no_gradient(out, probe_table, param_table)
     by_layer = _add_findings(out, findings)
-    wide = _layer_table(out, probe_table, param_table, findings, by_layer, rat)
+    wide = _layer_table(out, probe_table, param_table, findings, by_layer, rat, silent)
     gammas, nus = rat.gammas, rat.nus
     imb = imbalance_summary(
         {

@@ -31,11 +31,19 @@ Checks (one tidy row each, :data:`DOCTOR_COLUMNS`):
                                above :data:`SPREAD_BAD` = 10^4.
 ``nu_spread``                  the same for the weight-to-gradient ratio ``nu``.
 ``dead_or_exploding_layers``   layers with a linter finding ``vanishing_*``, ``exploding_*``,
-                               ``dead_relu`` or ``non_finite`` (warn or bad); reference 0.
+                               ``dead_relu`` or ``non_finite`` (warn or bad), or whose trainable
+                               parameters get no gradient (the diagnosis's ``no_gradient``: not
+                               called on the data, or run under ``torch.no_grad()``; ``warn``,
+                               and no fix here changes it); reference 0.
 =============================  ==================================================================
 
 Verdicts are ``"ok"``, ``"warn"``, ``"bad"``, or ``"n/a"`` where a check has no reference (a loss
-that is neither cross-entropy nor MSE, a ``gamma`` that could not be measured).
+that is neither cross-entropy nor MSE, a ``gamma`` measured on fewer than two weights, outputs
+that could not be read: ``why`` says which).
+
+The outputs are read with ``forward`` (``forward(model, batch)``), by default the model's call
+inside a ``loss_fn(model, batch)`` (a model that takes two tensors works as the loss calls it),
+else the default forward; the fixes ``lsuv_`` and ``scale_output_`` get the same ``forward=``.
 
 Fixes, in the order they are applied (:data:`FIXES`), each through the public method with the
 ``generator``:
@@ -76,27 +84,13 @@ import torch
 from torch import nn
 
 from initlab._core.compiled import takes_compiled
-from initlab._core.data import (
-    DataUse,
-    batch_size,
-    data_use,
-    default_forward,
-    find_target,
-    output_tensor,
-    take_batches,
-)
+from initlab._core.data import DataUse, batch_size, data_use, take_batches
 from initlab._core.distributed import is_distributed
-from initlab._core.loss import (
-    Loss,
-    LossLike,
-    classes_dim,
-    model_loss,
-    resolve_loss,
-    target_count,
-)
+from initlab._core.loss import Loss, LossLike, resolve_loss, target_count
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows, _fmt
-from initlab._core.state import preserved_state, restore_on_failure
+from initlab._core.state import restore_on_failure
+from initlab.diagnostics._outputs import Forward, fixes_forward, output_pass
 from initlab.diagnostics.diagnose import diagnose
 from initlab.diagnostics.report import RATIO_BAD, RATIO_WARN, Report, _encode_rows, _encode_value
 from initlab.init.model import init_model
@@ -172,7 +166,6 @@ _CALLS = {
     "output_scale": f"scale_output_(model, data, target={OUTPUT_TARGET}, how='hook')",
     "precondition": "precondition_(model, data, how='lr') → preconditioned_param_groups",
 }
-_CE_NAMES = ("auto", "model", "cross_entropy")
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -190,77 +183,27 @@ class _Measure:
     target_sq: float = math.nan
     target_std: float = math.nan
     own_loss: bool = False
+    missing: str = ""  # why the outputs could not be read ("" when they were)
 
 
-def _target(batch: Any) -> torch.Tensor | None:
-    found = find_target(batch)
-    return found[1] if found is not None and isinstance(found[1], torch.Tensor) else None
+@dataclass
+class _Setup:
+    """What every measurement and fix of one :func:`doctor` call shares."""
+
+    batches: list[Any]
+    loss: Loss
+    generator: torch.Generator | None
+    forward: Forward | None  # the fixes' and the output pass's (None: the default forward)
 
 
-def _class_count(logits: torch.Tensor, y: torch.Tensor, batch: Any) -> int:
-    """``C``: dim 1 of dense ``(B, C, *S)`` logits with ``(B, *S)`` targets, else the last dim
-    (:func:`~initlab._core.loss.classes_dim`)."""
-    if logits.dim() < 1:
-        return 0
-    return int(logits.shape[classes_dim(logits, y, batch, warn=False)])
-
-
-def _output_pass(model: nn.Module, batches: list[Any], loss: Loss) -> dict[str, Any]:
-    """One no-grad forward of every batch (state kept): the logits' std and the targets."""
-    s1 = s2 = n = 0.0
-    targets: list[torch.Tensor] = []
-    out: dict[str, Any] = {"own_loss": False, "classes": 0, "finite_outputs": []}
-    with preserved_state(model), torch.no_grad():
-        for batch in batches:
-            raw = default_forward(model, batch)
-            logits = output_tensor(raw).detach()
-            out["finite_outputs"].append(bool(logits.isfinite().all()))
-            s1 += float(logits.sum(dtype=torch.float64))  # float64 sums, no float64 copy
-            s2 += float(torch.linalg.vector_norm(logits, dtype=torch.float64)) ** 2
-            n += logits.numel()
-            out["own_loss"] = out["own_loss"] or model_loss(raw) is not None
-            y = _target(batch)
-            if y is not None:
-                targets.append(y.detach())
-                out["classes"] = _class_count(logits, y, batch)
-    out["logit_std"] = math.sqrt(max(s2 / n - (s1 / n) ** 2, 0.0)) if n > 1 else math.nan
-    problem = getattr(getattr(model, "config", None), "problem_type", None)
-    out["kind"] = _loss_kind(loss, targets, out["classes"], out["own_loss"], problem)
-    if out["kind"] == "regression":
-        flat = torch.cat([t.reshape(-1).to(torch.float64) for t in targets])
-        out["target_sq"], out["target_std"] = float(flat.square().mean()), float(flat.std())
-    return out
-
-
-def _loss_kind(
-    loss: Loss, targets: list[torch.Tensor], classes: int, own_loss: bool, problem: Any
-) -> str:
-    """``"classification"`` (cross-entropy on integer targets), ``"regression"`` (MSE on float
-    targets) or ``""`` (no reference). The default loss on float targets is MSE unless the model
-    returns its own loss, whose kind float targets do not tell (a multi-label head's is binary
-    cross-entropy): then only a Hugging Face ``config.problem_type == "regression"`` says MSE."""
-    if not targets:
-        return ""
-    name = loss.name.lower()
-    if all(not t.is_floating_point() for t in targets):
-        ce = name in _CE_NAMES or "cross" in name
-        return "classification" if ce and classes > 1 else ""
-    if own_loss and loss.form in ("auto", "model_output"):
-        mse = problem == "regression"
-    else:
-        mse = name in ("auto", "mse") or "mse" in name
-    return "regression" if mse and all(t.is_floating_point() for t in targets) else ""
-
-
-def _measure(
-    model: nn.Module, batches: list[Any], loss: Loss, generator: torch.Generator | None
-) -> _Measure:
+def _measure(model: nn.Module, setup: _Setup) -> _Measure:
+    batches, loss = setup.batches, setup.loss
     report = diagnose(
         model, batches, loss, max_batches=len(batches), gradients=False, spectra=False,
-        generator=generator, name=type(model).__name__,
+        generator=setup.generator, name=type(model).__name__,
     )  # fmt: skip
     losses = [float(v) for v in report.meta.get("loss", [])]
-    outputs = _output_pass(model, batches, loss)
+    outputs = output_pass(model, batches, loss, setup.forward)
     _check_loss_defined(losses, outputs.pop("finite_outputs"))
     return _Measure(report, _per_example(losses, batches, loss), **outputs)
 
@@ -341,6 +284,8 @@ def _loss_check(m: _Measure) -> _Check:
     why = "no reference: the loss is neither cross-entropy on integer targets nor MSE on floats" + (
         " (the model's own loss, of a kind its targets do not tell)" if m.own_loss else ""
     )
+    if m.missing:
+        why = f"no reference: the model's outputs (the number of classes) are unknown: {m.missing}"
     return _Check("initial_loss", m.loss, math.nan, "n/a", why)
 
 
@@ -350,6 +295,8 @@ _ILL = ("warn", "bad")
 def _std_check(m: _Measure) -> _Check:
     fixes = ("init", "output_scale")
     std = m.logit_std
+    if m.missing:
+        return _Check("logit_std", std, math.nan, "n/a", f"not measured: {m.missing}")
     if m.kind == "classification":
         ref = math.sqrt(0.2 * math.log(m.classes))
         verdict = _grade(std / ref, 1.0, _STD_BAD)
@@ -373,7 +320,10 @@ def _spread_check(m: _Measure, key: str) -> _Check:
     symbol = "γ" if key == "gamma" else "ν"
     name = f"{key}_spread"
     if not math.isfinite(value):
-        why = f"{symbol} could not be measured on two or more weights"
+        count = int(imb.get(f"{key}_layers") or 0)
+        why = f"{symbol} measured on {count} weight(s): a max/min needs two or more" + (
+            "; layers without a gradient: see dead_or_exploding_layers" if _no_gradient(m) else ""
+        )
         return _Check(name, value, SPREAD_WARN, "n/a", why)
     verdict = _grade(value, SPREAD_WARN, SPREAD_BAD)
     why = (
@@ -405,12 +355,23 @@ def _trusted(finding: Mapping[str, Any], normalized: bool, traced: bool) -> bool
     return traced or not str(rule).endswith("_gradient")
 
 
+def _no_gradient(m: _Measure) -> list[dict[str, Any]]:
+    """The diagnosis's ``no_gradient`` rows: layers whose trainable parameters got no gradient
+    (not called on the data, or under ``torch.no_grad()``), as linter-like findings."""
+    return [
+        {"layer": r["layer"], "rule": "no_gradient", "severity": r["verdict"], "message": r["note"]}
+        for r in m.report.rows
+        if r["quantity"] == "no_gradient"
+    ]
+
+
 def _layers_check(m: _Measure, model: nn.Module) -> _Check:
     normalized, traced = _normalized(model), bool(m.report.meta.get("traced"))
     found = [
         r for r in m.report.findings if r.get("rule") in _LAYER_RULES and r.get("severity") in _ILL
     ]
-    hits = [r for r in found if _trusted(r, normalized, traced)]
+    silent = _no_gradient(m)
+    hits = [r for r in found if _trusted(r, normalized, traced)] + silent
     ignored = len(found) - len(hits)
     note = (
         f" ({ignored} vanishing/exploding finding(s) not counted: "
@@ -426,7 +387,9 @@ def _layers_check(m: _Measure, model: nn.Module) -> _Check:
     layers = {r["layer"] for r in hits}
     shown = "; ".join(f"{r['layer'] or '<root>'}: {r['rule']} ({r['message']})" for r in hits[:4])
     more = f"; and {len(hits) - 4} more" if len(hits) > 4 else ""
-    fixes = tuple(sorted({_LAYER_RULES[r["rule"]] for r in hits}))
+    if silent:
+        more += "; no fix here gives a layer a gradient: check how the model and loss use it"
+    fixes = tuple(sorted({_LAYER_RULES[r["rule"]] for r in hits if r["rule"] in _LAYER_RULES}))
     return _Check(
         "dead_or_exploding_layers", float(len(layers)), 0.0, verdict, shown + more + note, fixes
     )
@@ -479,29 +442,24 @@ def _head_name(model: nn.Module, m: _Measure) -> str | None:
     return next((n for n, mod in model.named_modules() if mod is head), None)
 
 
-def _apply(
-    name: str,
-    model: nn.Module,
-    batches: list[Any],
-    loss: Loss,
-    generator: torch.Generator | None,
-    m: _Measure,
-    applied: Sequence[str],
-) -> Rows:
+def _apply(name: str, model: nn.Module, setup: _Setup, m: _Measure, applied: Sequence[str]) -> Rows:
+    batches, generator, forward = setup.batches, setup.generator, setup.forward
     if name == "init":
         with restore_on_failure(model):
             return init_model(model, "geometric", generator=generator)
     if name == "lsuv":  # after "init": its weights rescaled, not replaced by an orthogonal start
         orthogonal = "init" not in applied
         return lsuv_(
-            model, batches, max_batches=len(batches), orthogonal=orthogonal, generator=generator
-        )
+            model, batches, max_batches=len(batches), orthogonal=orthogonal, generator=generator,
+            forward=forward,
+        )  # fmt: skip
     if name == "output_scale":
         module = _head_name(model, m)
         return scale_output_(
-            model, batches, target=OUTPUT_TARGET, how="hook", module=module, generator=generator
-        )
-    return precondition_(model, batches, loss, how="lr", generator=generator)
+            model, batches, target=OUTPUT_TARGET, how="hook", module=module, generator=generator,
+            forward=forward,
+        )  # fmt: skip
+    return precondition_(model, batches, setup.loss, how="lr", generator=generator)
 
 
 @dataclass
@@ -531,12 +489,7 @@ class _Course:
 
 
 def _treat(
-    model: nn.Module,
-    batches: list[Any],
-    loss: Loss,
-    generator: torch.Generator | None,
-    before: _Measure,
-    names: list[str] | None,
+    model: nn.Module, setup: _Setup, before: _Measure, names: list[str] | None
 ) -> tuple[_Course, _Measure]:
     """Apply the fixes (``names``, or the recommended ones re-checked before each); re-measure."""
     auto = names is None
@@ -545,17 +498,15 @@ def _treat(
     for name in todo:
         if auto and course.applied:
             if stale:
-                current, stale = _measure(model, batches, loss, generator), False
+                current, stale = _measure(model, setup), False
             if name not in _recommended(_checks(current, model)):
                 course.skipped[name] = f"no longer needed after {', '.join(course.applied)}"
                 continue
-        call = functools.partial(
-            _apply, name, model, batches, loss, generator, current, course.applied
-        )
+        call = functools.partial(_apply, name, model, setup, current, course.applied)
         if course.run(name, call):
             stale = stale or name != "precondition"  # how="lr" leaves the model as it was
     if stale:
-        current = _measure(model, batches, loss, generator)
+        current = _measure(model, setup)
     return course, current
 
 
@@ -675,6 +626,8 @@ class DoctorReport(Rows):
 
     def _numbers_line(self, check: str, label: str, fixing: bool) -> str:
         r = self.row(check)
+        if r["verdict"] == "n/a" and not math.isfinite(r["value"]):
+            return f"  {label}: n/a ({r['why']})"
         finite = math.isfinite(r["reference"])
         ref = f" (reference {_fmt(r['reference'])})" if finite else " (no reference)"
         if fixing:
@@ -800,6 +753,7 @@ def doctor(
     fix: bool | str | Sequence[str] = False,
     max_batches: int = 4,
     generator: int | torch.Generator | None = None,
+    forward: Forward | None = None,
 ) -> DoctorReport:
     """Check ``model`` at step zero on ``data``, recommend fixes, and (``fix``) apply them.
 
@@ -813,6 +767,11 @@ def doctor(
             the recommended fixes, re-checking before each), or names of :data:`FIXES` to apply.
         max_batches: batches taken from ``data``.
         generator: seed or generator for the fixes' draws (init, LSUV) and measurement passes.
+        forward: ``forward(model, batch) -> output``, how the model runs on one batch: for the
+            checks on its outputs (the logits' std, the number of classes) and the ``forward=``
+            of the fixes ``lsuv_`` and ``scale_output_``. Default: for a ``loss_fn(model,
+            batch)``, the model's first call inside it (so ``model(a, b)`` works as the loss
+            calls it); else the default forward (``model(x)`` of ``(x, y)``, ``model(**batch)``).
 
     One process: under ``torch.distributed`` every rank raises a ``ValueError`` saying to run it
     before the process group (its choices follow one process's data).
@@ -830,8 +789,8 @@ def doctor(
         )
     batches = take_batches(data, max_batches, exact=False, what="doctor")
     loss = resolve_loss(loss_fn, what="doctor")
-    gen = as_generator(generator)
-    before = _measure(model, batches, loss, gen)
+    setup = _Setup(batches, loss, as_generator(generator), fixes_forward(loss, forward))
+    before = _measure(model, setup)
     checks = _checks(before, model)
     meta = {
         "model": type(model).__name__, "loss": loss.name, "kind": before.kind or "other",
@@ -842,7 +801,7 @@ def doctor(
     common = {"used": data_use(batches), "recommended": _recommended(checks), "meta": meta}
     if names == []:
         return DoctorReport(_rows(checks, None), DOCTOR_COLUMNS, diagnosis=before.report, **common)
-    course, after = _treat(model, batches, loss, gen, before, names)
+    course, after = _treat(model, setup, before, names)
     rows = _rows(checks, _after_checks(after, model, course))
     extra = _param_groups_row(course)
     if extra is not None:

@@ -29,7 +29,9 @@ Verdicts (per layer; the worst applicable rule wins, every reason is kept):
   a linter finding of severity ``bad`` (saturated sigmoid/tanh, more than half the ReLU units dead).
 * ``warn``: ``gamma`` more than :data:`RATIO_WARN` = 4x from the median; a linter finding of
   severity ``warn`` (max pooling, sigmoid, tanh outside its linear regime, a skip connection, a
-  kernel size unlike the others, > 10% dead ReLU units).
+  kernel size unlike the others, > 10% dead ReLU units); a layer with trainable parameters that
+  gets no gradient (``no_gradient``: not called on this data, or run under ``torch.no_grad()``,
+  detached, or not leading to the loss: it will not learn).
 * ``ok``: none of these.
 
 ``gamma`` is Defazio & Bottou's GR scaling (Prop. 3), the estimated average squared singular value
@@ -96,6 +98,8 @@ QUANTITIES: dict[str, str] = {
     "act_input_std": "std of an activation's input (all entries pooled)",
     "lint:<rule>": "a linter finding (initlab.diagnostics.linter.RULES); verdict = severity",
     "verdict": "the layer's verdict (value NaN; note = the reasons)",
+    "no_gradient": "1 where no trainable parameter of the layer got a gradient (verdict warn; "
+    "note: not called on this data, or no gradient reached it)",
     # per parameter
     "gamma": "GR scaling gamma (Defazio & Bottou Prop. 3) via initlab.gr_scaling",
     "gamma_rel_median": "gamma / median gamma of the model's weights",
@@ -563,6 +567,7 @@ def imbalance_summary(per_weight: Mapping[str, Mapping[str, float]]) -> dict[str
             out[f"{key}_layers"] = len(vals)
         else:
             out[f"{key}_max_over_min"] = _NAN
+            out[f"{key}_layers"] = len(vals)
     return out
 
 

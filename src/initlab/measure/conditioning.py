@@ -273,12 +273,16 @@ def _check_one_forward(probe: MomentProbe, values: dict[tuple[str, str, str, str
 def _moment_sums(
     values: dict[tuple[str, str, str, str], float],
     layers: list[tuple[str, nn.Module, ParamSpec, str | None]],
+    calls: Mapping[str, int],
     all_reduce: bool,
 ) -> torch.Tensor:
     """The sums behind every pooled moment, so that ranks can be added exactly: per layer
-    ``[x, y, dy, W, dW, dW_ex, b, db_ex]`` as ``(sq_mean * numel, numel)``."""
-    sums = torch.zeros(len(layers), 8, 2, dtype=torch.float64)
+    ``[x, y, dy, W, dW, dW_ex, b, db_ex]`` as ``(sq_mean * numel, numel)`` (``(0, 0)`` where
+    nothing was measured), then ``(batch-calls whose output gradient was not finite, calls)``."""
+    sums = torch.zeros(len(layers), 9, 2, dtype=torch.float64)
     for i, (name, _, spec, bias) in enumerate(layers):
+        sums[i, 8, 0] = values.get((name, "dy", "", "nonfinite"), 0.0)
+        sums[i, 8, 1] = calls.get(name, 0)
         keys = [
             ("x", ""),
             ("y", ""),
@@ -294,7 +298,7 @@ def _moment_sums(
             m = values.get((name, q, param, "sq_mean"), _NAN)
             if math.isnan(n):
                 n = 0.0
-            sums[i, j, 0] = m * n if n > 0 else (_NAN if q != "W" else 0.0)
+            sums[i, j, 0] = m * n if n > 0 else 0.0
             sums[i, j, 1] = n
     if all_reduce:
         all_reduce_sum([sums])
@@ -304,7 +308,7 @@ def _moment_sums(
 def _p2(
     module: nn.Module, spec: ParamSpec, kind: str, sums: torch.Tensor, examples: int | None
 ) -> tuple[int | None, int | None, float, list[str]]:
-    """``(n_in, k2, p2, notes)`` of one layer (``sums``: its ``[8, 2]`` moment sums)."""
+    """``(n_in, k2, p2, notes)`` of one layer (``sums``: its sums, :func:`_moment_sums`)."""
     if kind == "other":
         return (
             None,
@@ -341,18 +345,19 @@ def _gr_row(
     sums: torch.Tensor,
     a: float,
     examples: int | None,
+    backward: bool,
 ) -> dict[str, Any]:
-    """One :data:`GR_COLUMNS` row (``sums``: the layer's ``[8, 2]`` moment sums)."""
-    m = [float(s / n) if n > 0 else _NAN for s, n in sums.tolist()]
+    """One :data:`GR_COLUMNS` row (``sums``: the layer's ``[9, 2]`` sums, :func:`_moment_sums`;
+    ``backward``: whether the probe saw a backward pass at all)."""
+    m = [float(s / n) if n > 0 else _NAN for s, n in sums[:8].tolist()]
     e_x2, e_y2, e_dy2, e_w2, e_dw2, e_dw2_ex, e_b2, e_db2_ex = m
     kind = _kind(module, spec)
     a4 = a**4
     n_in, k2, p2, notes = _p2(module, spec, kind, sums, examples)
     reached = float(sums[2, 1]) > 0
-    if not math.isfinite(float(sums[2, 0])):
-        notes.append("the output gradient is not finite (a NaN or inf loss or gradient)")
-    elif not reached:
-        notes.append("no gradient reached the output (forward-only probe or unused output)")
+    note = _gradient_note(sums, reached, backward, _trainable(module, spec.name))
+    if note:
+        notes.append(note)
     gamma_w = gamma_b = _NAN
     if n_in is not None and k2 is not None and math.isfinite(p2):
         gamma_w = _ratio(a4 * n_in * k2 * p2 * e_x2 * e_x2 * e_dy2, e_y2)
@@ -387,6 +392,37 @@ def _gr_row(
         "gamma_rel_median": _NAN,
         "note": "; ".join(notes),
     }
+
+
+def _gradient_note(sums: torch.Tensor, reached: bool, backward: bool, trainable: bool) -> str:
+    """Why a layer's output gradient is missing or incomplete ("" when nothing is): only a
+    non-finite gradient is called one; a layer that got none says how (``sums`` as in
+    :func:`_gr_row`)."""
+    nonfinite, calls = float(sums[8, 0]), float(sums[8, 1])
+    if reached:
+        if not nonfinite:
+            return ""
+        return (
+            f"the output gradient was not finite (NaN or inf) in {nonfinite:.0f} batch-call(s), "
+            "left out of the moments"
+        )
+    if nonfinite:
+        return "the output gradient is not finite (a NaN or inf loss or gradient)"
+    if not calls:
+        return "not called on this data: no forward pass ran this layer, so it gets no gradient"
+    if not backward:
+        return "no gradient measured: the probe ran forward passes only"
+    if float(sums[4, 1]) > 0:  # the weight got a gradient, the first output tensor none
+        return (
+            "no gradient was recorded at the layer's first output tensor (it is not a plain "
+            "tensor, e.g. a PackedSequence, or the loss uses another output); its weight got one"
+        )
+    if not trainable:
+        return ""  # frozen, and nothing before it needs a gradient: the frozen note says it
+    return (
+        "no gradient reached this layer's output: it ran under torch.no_grad(), its output was "
+        "detached, or the output does not lead to the loss, so it will not learn"
+    )
 
 
 def _unclaimed_row(
@@ -547,9 +583,13 @@ def gr_scaling(
     layers = _layers(table, modules, reg)
     values = _probe_values(probe)
     _check_one_forward(probe, values)
-    sums = _moment_sums(values, layers, all_reduce)
+    calls = {t["layer"]: int(t["calls"] or 0) for t in table}
+    sums = _moment_sums(values, layers, calls, all_reduce)
+    backward = bool((sums[:, 2, 1] + sums[:, 4, 1] + sums[:, 8, 0]).sum() > 0)
     claimed = {
-        name: _gr_row(name, module, spec, bias, sums[i], float(alpha.get(name, 1.0)), examples)
+        name: _gr_row(
+            name, module, spec, bias, sums[i], float(alpha.get(name, 1.0)), examples, backward
+        )
         for i, (name, module, spec, bias) in enumerate(layers)
     }
     found = (claimed.get(t["layer"]) or _unclaimed_row(t, modules, reg) for t in table)
