@@ -1612,3 +1612,229 @@ def test_consistency_checks_are_counted_per_backward():
     counts = {ps.label: ps.report()[0] for ps in probe._params.values()}
     assert counts == {"emb.weight": 3, "mix.weight": 0, "mix.bias": 0}
     assert math.isnan(param_row(probe, "emb", "weight")["E_dW2_example"])
+
+
+# ----------------------------------------------------------------------------- the batch size B
+
+
+def _table_row(probe: MomentProbe, layer: str) -> dict:
+    (row,) = probe.table().filter(layer=layer)
+    return row
+
+
+def _example_dy2(model: nn.Module, inputs: tuple, y: torch.Tensor) -> float:
+    """E[dy^2] of the model's output with per-example gradients: the gradient of the summed
+    cross-entropy, in float64."""
+    logits = model(*inputs).detach().to(F64).requires_grad_(True)
+    (dy,) = torch.autograd.grad(F.cross_entropy(logits, y, reduction="sum"), logits)
+    return dy.square().mean().item()
+
+
+class BagNet(nn.Module):
+    """EmbeddingBag's own ``(flat_tokens, offsets)`` form: the first input holds tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bag = nn.EmbeddingBag(30, 8, mode="mean")
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, tokens: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.bag(tokens, offsets)))
+
+
+def test_embedding_bag_offsets_take_the_batch_size_from_the_output():
+    """17 tokens in 6 bags: B is 6 (the output's and the targets' rows), not 17 (E_dy2 and the
+    head's gamma were (17/6)^2 = 8.03 times too large, used.examples said 17)."""
+    torch.manual_seed(0)
+    model = BagNet()
+    tokens, offsets = torch.randint(0, 30, (17,)), torch.tensor([0, 2, 5, 9, 12, 15])
+    y = torch.randint(0, 3, (6,))
+    batch = {"tokens": tokens, "offsets": offsets, "y": y}
+
+    def loss(m: nn.Module, b: dict) -> torch.Tensor:
+        return F.cross_entropy(m(b["tokens"], b["offsets"]), b["y"])
+
+    probe = measure_moments(model, batch, loss)
+    assert probe.used.examples == 6
+    want = _example_dy2(model, (tokens, offsets), y)
+    assert _table_row(probe, "head")["E_dy2"] == pytest.approx(want, rel=1e-5)
+    # the head's per-example weight gradients, by a float64 loop over the bags
+    model64, ends = copy.deepcopy(model).to(F64), [*offsets.tolist()[1:], 17]
+    acc = 0.0
+    for i, (lo, hi) in enumerate(zip(offsets.tolist(), ends, strict=True)):
+        out = model64(tokens[lo:hi], torch.tensor([0]))
+        (g,) = torch.autograd.grad(F.cross_entropy(out, y[i : i + 1]), model64.head.weight)
+        acc += g.square().mean().item() / 6
+    assert param_row(probe, "head", "weight")["E_dW2_example"] == pytest.approx(acc, rel=1e-5)
+
+
+def test_embedding_bag_offsets_give_the_gamma_of_the_two_dim_form():
+    """Equal bags as ``(flat_tokens, offsets)`` and as ``(B, L)``: the same gr_scaling (gamma was
+    3 times larger from the flat form: 18 tokens taken for 6 examples)."""
+    import initlab
+
+    torch.manual_seed(0)
+    model, tokens, y = BagNet(), torch.randint(0, 30, (6, 3)), torch.randint(0, 3, (6,))
+    flat = {"tokens": tokens.flatten(), "offsets": torch.arange(0, 18, 3), "y": y}
+
+    def loss(m: nn.Module, b: dict) -> torch.Tensor:
+        return F.cross_entropy(m(b["tokens"], b.get("offsets")), b["y"])
+
+    (got,) = initlab.gr_scaling(model, flat, loss).to_rows()
+    (want,) = initlab.gr_scaling(model, {"tokens": tokens, "y": y}, loss).to_rows()
+    for key in ("E_dy2", "gamma_w"):
+        assert got[key] == pytest.approx(want[key], rel=1e-6), key
+
+
+class TimeMajor(nn.Module):
+    """A time-major RNN ``(T, B, F)`` and a head on its last step ``(B, H)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.RNN(5, 7)
+        self.head = nn.Linear(7, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(x)[0][-1])
+
+
+def test_time_major_input_takes_the_batch_size_from_the_output():
+    """x (T=9, B=4, F): B is 4, so E_dy2 is right (it was (9/4)^2 too large) and both the RNN
+    (batch at dim 1) and the head (batch at dim 0) get per-example gradients (the head was NaN,
+    and no batch_dim gave both)."""
+    torch.manual_seed(0)
+    model = TimeMajor()
+    x, y = torch.randn(9, 4, 5), torch.randint(0, 3, (4,))
+    probe = measure_moments(model, (x, y), nn.CrossEntropyLoss())
+    assert probe.used.examples == 4
+    want = _example_dy2(model, (x,), y)
+    assert _table_row(probe, "head")["E_dy2"] == pytest.approx(want, rel=1e-5)
+    loop = example_sq_means(
+        model, x, lambda m, xi, i: F.cross_entropy(m(xi), y[i : i + 1]), 4, batch_dim=1
+    )
+    for layer, param in (("rnn", "weight_ih_l0"), ("rnn", "weight_hh_l0"), ("head", "weight")):
+        got = param_row(probe, layer, param)["E_dW2_example"]
+        assert got == pytest.approx(loop[f"{layer}.{param}"], rel=1e-4), (layer, param)
+    # an explicit batch_dim is taken as given, and used.examples follows it
+    assert measure_moments(model, (x, y), nn.CrossEntropyLoss(), batch_dim=1).used.examples == 4
+
+
+class FirstSix(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x[:6])
+
+
+def test_an_unclear_batch_size_is_refused_where_it_would_scale_gradients():
+    """The first input has 10 rows, the output 6, nothing else says which is the batch: a mean
+    loss's per-example gradients would be scaled by a guess, so the probe refuses and says what
+    to pass; a sum-reduced loss and a forward without gradients need no batch size."""
+    model, x = FirstSix(), torch.randn(10, 4)
+    unclear = r"batch size is unclear.*10 along dim 0.*output has 6"
+    with pytest.raises(ValueError, match=unclear), MomentProbe(model):
+        model(x).square().mean().backward()
+    assert no_hooks_left(model)
+    with MomentProbe(model, loss_reduction="sum") as probe:
+        model(x).square().sum().backward()
+    assert math.isfinite(_table_row(probe, "lin")["E_dy2"])
+    forward_only = measure_moments(model, x)
+    assert forward_only.used.examples == 10
+    # a time-major input without targets: 9 or 4 examples, nothing else says which
+    tm, x = TimeMajor(), torch.randn(9, 4, 5)
+    with pytest.raises(ValueError, match=r"unclear.*9 along dim 0.*output has 4"), MomentProbe(tm):
+        tm(x).square().mean().backward()
+
+
+class TimeMajorOut(nn.Module):
+    """A batch-first input ``(B, T, F)`` with lengths ``(B,)``; a time-major output ``(T, B, C)``
+    as ``nn.CTCLoss`` takes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).transpose(0, 1) * (lengths[:, None] > 0)
+
+
+def test_a_time_major_output_keeps_the_batch_size_its_lengths_agree_with():
+    torch.manual_seed(4)
+    model, x, lengths = TimeMajorOut(), torch.randn(4, 9, 5), torch.full((4,), 9)
+    with MomentProbe(model) as probe:
+        model(x, lengths).square().mean().backward()
+    out = model.lin(x).detach().to(F64).requires_grad_(True)
+    (g,) = torch.autograd.grad(out.square().mean(), out)
+    assert _table_row(probe, "lin")["E_dy2"] == pytest.approx((4 * g).square().mean().item())
+
+
+def test_tokens_flattened_by_the_model_keep_the_batch_size():
+    """Logits ``(B*T, V)`` of tokens ``(B, T)`` are per token of B examples: the scale stays B
+    (the documented per-example loss of a token-averaged loss)."""
+    torch.manual_seed(3)
+    emb, head = nn.Embedding(11, 6), nn.Linear(6, 11)
+    model = nn.Sequential(emb, head, nn.Flatten(0, 1))
+    idx = torch.randint(0, 11, (4, 5))
+    probe = measure_moments(model, (idx, idx.flatten()), nn.CrossEntropyLoss())
+    assert probe.used.examples == 4
+    logits = model(idx).detach().to(F64).requires_grad_(True)
+    (g,) = torch.autograd.grad(F.cross_entropy(logits, idx.flatten()), logits)
+    want = (4 * g).square().mean().item()
+    assert _table_row(probe, "1")["E_dy2"] == pytest.approx(want, rel=1e-5)
+
+
+# ----------------------------------------------------------------------------- refused, reported
+
+
+def test_a_parametrized_model_is_refused_as_by_the_other_entry_points():
+    """weight_norm's ParametrizationList was a module row whose "activation" was the weight,
+    and g and v got NaN with a note about the batch size; now the probe refuses the model with
+    the message gr_scaling gives, before changing anything."""
+    from torch.nn.utils import parametrizations
+
+    import initlab
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    parametrizations.weight_norm(model[0])
+    x, y = torch.randn(32, 8), torch.randint(0, 3, (32,))
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError) as gr:
+        initlab.gr_scaling(model, (x, y), nn.CrossEntropyLoss())
+    with pytest.raises(ValueError, match="parametrized tensors") as got:
+        measure_moments(model, (x, y), nn.CrossEntropyLoss())
+    assert str(got.value) == str(gr.value)
+    with pytest.raises(ValueError, match="parametrized tensors"), MomentProbe(model):
+        pass
+    assert no_hooks_left(model)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+class PackedLSTM(nn.Module):
+    def __init__(self, batch_first: bool) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(8, 12, batch_first=batch_first)
+        self.head = nn.Linear(12, 3)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        bf = self.lstm.batch_first
+        seq = x if bf else x.transpose(0, 1)
+        packed = nn.utils.rnn.pack_padded_sequence(seq, lengths, bf, enforce_sorted=False)
+        return self.head(self.lstm(packed)[1][0][-1])
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_a_packed_sequence_input_gets_a_note_that_says_so(batch_first: bool):
+    """The note was torch's "Cannot access data pointer" or a wrong batch-dim explanation."""
+    torch.manual_seed(0)
+    model = PackedLSTM(batch_first)
+    x, lengths, y = torch.randn(5, 6, 8), torch.tensor([6, 3, 4, 2, 5]), torch.randint(0, 3, (5,))
+    probe = measure_moments(model, (x, lengths, y), lambda m, b: F.cross_entropy(m(*b[:2]), b[2]))
+    for param in ("weight_ih_l0", "weight_hh_l0", "bias_ih_l0"):
+        row = param_row(probe, "lstm", param)
+        assert math.isnan(row["E_dW2_example"])
+        assert row["note"].startswith("PackedSequence inputs are not supported for per-example")
+    assert math.isfinite(param_row(probe, "head", "weight")["E_dW2_example"])

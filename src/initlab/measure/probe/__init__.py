@@ -36,7 +36,10 @@ counted tokens, ``L_i = B sum_t l_it / N``: example ``i``'s share of the batch l
 the same number of counted tokens; with padding or ignored labels an example with more tokens
 weighs more than its own token average would. ``dW`` is always reported as seen: the gradient
 of the loss you called ``backward`` on. With ``"sum"`` nothing is rescaled. ``B`` is the size of
-the root model's first tensor argument along ``batch_dim``.
+the root model's first tensor argument along ``batch_dim``; by default it is checked against the
+root's output and the targets (:mod:`~initlab.measure.probe.batch`): EmbeddingBag's
+``(tokens, offsets)`` or a time-major ``(T, B, F)`` input take ``B`` from the output, an unclear
+one is refused.
 
 Long schema, :data:`PROBE_COLUMNS` (one row per number):
 

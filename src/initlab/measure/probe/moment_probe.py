@@ -36,6 +36,8 @@ from initlab._core.pytree import flatten_tensors, map_tensors
 from initlab._core.rows import Rows
 from initlab._core.state import model_modes, preserved_state, restore_modes
 from initlab.measure.probe.accumulate import _Consts, _Ledger, _Partial
+from initlab.measure.probe.batch import _RootBatch, _Scale, check_root_batch, target_rows
+from initlab.measure.probe.checks import packed_note, refuse_parametrized
 from initlab.measure.probe.contribution import _Contribution, _Unavailable
 from initlab.measure.probe.per_example import (
     _captured_contributions,
@@ -113,7 +115,8 @@ class MomentProbe(HookContext):
             are gradients of one example's loss; ``dW`` is always the gradient of your loss.
         batch_dim: the batch dimension of the root model's inputs and of every module's inputs and
             outputs. ``None``: 0, except 1 for modules with ``batch_first=False`` (e.g.
-            ``nn.MultiheadAttention``); the root uses 0.
+            ``nn.MultiheadAttention``); the root uses 0, checked against its output
+            (:mod:`~initlab.measure.probe.batch`: settled by it or refused).
 
     ``__init__`` only stores the arguments. ``__enter__`` registers the hooks, measures ``W`` and
     remembers the train/eval mode of every module; ``__exit__`` removes every hook (also when the
@@ -163,10 +166,11 @@ class MomentProbe(HookContext):
         self._modes: dict[str, bool] = {}
         self._active = False
         self._replaying = False
-        self._batch: int | None = None
+        self._root: _RootBatch | None = None  # the batch of the root forward last entered
         self.example_count: float | None = None
         """What a mean-reduced loss divides by on the batch being run, where it is not the batch
         size (:func:`~initlab._core.loss.example_count`); the gradients are scaled by it."""
+        self.target_rows: int | None = None  # dim 0 of the batch's targets: evidence of B
         self._next_order = 0
         self._seq = 0
         self._forward = _Forward()
@@ -221,10 +225,11 @@ class MomentProbe(HookContext):
     def __enter__(self) -> MomentProbe:
         if self._active:
             raise RuntimeError("this MomentProbe is already active")
+        refuse_parametrized(self.model)  # as every entry point that reads layers does
         self._selected = self._select()
         self._states, self._params = [], {}
         self._modes = model_modes(self.model)
-        self._batch, self._next_order, self._seq = None, 0, 0
+        self._root, self._next_order, self._seq = None, 0, 0
         self._forward = _Forward()
         self._ledger.clear()
         self._checks.clear()
@@ -241,6 +246,7 @@ class MomentProbe(HookContext):
                 self._root_pre_hook, with_kwargs=True, prepend=True
             )
         )
+        self._hooks.add(self.model.register_forward_hook(self._root_hook))
         by_module: dict[int, _ModuleState] = {}
         for rank, (name, module) in enumerate(self._selected):
             st = _ModuleState(name, module, rank, self._module_batch_dim(module))
@@ -329,31 +335,36 @@ class MomentProbe(HookContext):
         for st in self._states:
             st.calls_this_forward = 0
             st.frames.clear()
-        tensors = flatten_tensors((args, kwargs))
-        bd = self.batch_dim or 0
-        self._batch = None
-        if tensors and tensors[0][1].dim() > bd:
-            self._batch = int(tensors[0][1].shape[bd])
+        self._root = _RootBatch([t for _, t in flatten_tensors((args, kwargs))], self.batch_dim)
         if torch.is_grad_enabled():
             self._drop_pending()
             self._forward = _Forward()
             self.grad_forwards += 1
 
+    def _root_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
+        """Settle the root forward's batch size (:mod:`.batch`); refuse an unclear one."""
+        if self._replaying or self._root is None:
+            return
+        self._root.settle(output, self.target_rows)
+        scaled = self.loss_reduction == "mean" and self.example_count is None
+        if self._root.conflict and scaled and torch.is_grad_enabled():
+            raise ValueError(f"MomentProbe: {self._root.conflict}")
+
     def _bn_hook(self, module: nn.Module, args: tuple) -> None:
         if not self._replaying and (module.training or not module.track_running_stats):
             self._forward.coupled = True
 
-    def _scale(self, st: _ModuleState, tensors: list[tuple[str, torch.Tensor]]) -> float:
+    def _scale(self, st: _ModuleState, tensors: list[tuple[str, torch.Tensor]]) -> _Scale:
         if self.loss_reduction == "sum":
-            return 1.0
+            return _Scale(1.0)
         if self.example_count is not None:
-            return self.example_count
-        if self._batch is not None:
-            return float(self._batch)
+            return _Scale(self.example_count)
+        if self._root is not None and self._root.size is not None:
+            return _Scale(root=self._root)  # the root's output may still change its size
         for _, t in tensors:
             if t.dim() > st.bd:
-                return float(t.shape[st.bd])
-        return 1.0
+                return _Scale(float(t.shape[st.bd]))
+        return _Scale(1.0)
 
     def _stats(
         self,
@@ -388,7 +399,7 @@ class MomentProbe(HookContext):
         call: int,
         quantity: str,
         path: str,
-        scale: float,
+        scale: _Scale,
         rec: _Record | None = None,
         once: list[bool] | None = None,
         shape: torch.Size | None = None,
@@ -406,7 +417,7 @@ class MomentProbe(HookContext):
                 once[0] = True
             if shape is not None:
                 grad = grad.reshape(shape)
-            self._stats(st, call, quantity, path, grad, scale, also)
+            self._stats(st, call, quantity, path, grad, scale.value, also)
             if rec is not None and rec.live and rec.fail is None:
                 self._record_grad(rec, path, grad)
 
@@ -546,14 +557,14 @@ class MomentProbe(HookContext):
         now = [t._version for t in leaves]
         if now != frame.versions:
             rec.fail = "the module modifies its input in place"
+        rec.fail = rec.fail or packed_note(frame.inputs)
         if not st.replay:
             _keep_closed_form_input(rec, st, leaves)
         else:
             self._keep_replay_inputs(rec, st, frame, outs, leaves, now)
             rec.capture = _usable_capture(rec, frame.capture)
         frame.capture = None
-        if rec.fail is None and self._batch is not None and rec.batch != self._batch:
-            rec.fail = _batch_mismatch(rec.batch, st.bd, self._batch)
+        rec.root = self._root  # checked against the call's batch when its gradients arrive
         for ps in params.values():
             ps.pending.append(rec)
         return rec
@@ -590,8 +601,8 @@ class MomentProbe(HookContext):
             if t.requires_grad:
                 once.setdefault(id(t), (path, tuple(t.shape)))
         rec.out_meta = list(once.values())
-        if self._batch is not None:
-            rec.batch = self._batch
+        if self._root is not None and self._root.size is not None:
+            rec.batch = self._root.size  # settled by check_root_batch
         else:
             rec.batch = next(
                 (int(t.shape[st.bd]) for t in leaves if t.dim() > st.bd),
@@ -599,6 +610,9 @@ class MomentProbe(HookContext):
             )
 
     def _record_grad(self, rec: _Record, path: str, grad: torch.Tensor) -> None:
+        check_root_batch(rec)
+        if rec.fail is not None:
+            return
         if grad.is_floating_point():  # bfloat16 under autocast: sets the check's tolerance
             rec.compute_eps = max(rec.compute_eps, torch.finfo(grad.dtype).eps)
         if rec.forward.coupled:
@@ -655,6 +669,7 @@ class MomentProbe(HookContext):
             raise _Unavailable("the gradient reached it outside any recorded module call")
         parts: list[_Contribution] = []
         for rec in records:
+            check_root_batch(rec)
             if rec.fail is not None:
                 raise _Unavailable(rec.fail)
             if rec.forward.coupled:
@@ -810,11 +825,12 @@ def measure_moments(
             criterion's ``reduction``), else ``"mean"``; one that contradicts it raises.
 
     Returns:
-        The probe, with ``probe.used`` (:class:`~initlab._core.data.DataUse`: batches and
-        examples read).
+        The probe, with ``probe.used`` (:class:`~initlab._core.data.DataUse`: batches read, and
+        the examples: the batch sizes the gradients were scaled by).
 
     Raises:
-        ValueError: ``data`` holds no batch.
+        ValueError: ``data`` holds no batch, the model has parametrized tensors, or the batch
+            size is unclear (:mod:`~initlab.measure.probe.batch`).
 
     The model is left as it was (:func:`~initlab._core.state.preserved_state`), on success and
     on failure: weights, buffers (a train-mode BatchNorm's running statistics), train/eval modes,
@@ -843,8 +859,10 @@ def measure_moments(
         with probe:
             for batch in iter_batches(data, max_batches, what="measure_moments"):
                 n_batches += 1
-                n_examples += examples_in(batch)
+                probe._root = None
                 _run(probe, model, batch, loss, params)
+                root = probe._root  # the examples the probe scaled by, where the model ran
+                n_examples += root.size if root and root.size is not None else examples_in(batch)
     if n_batches == 0:
         raise ValueError("measure_moments got no batch: the data is empty")
     probe.used = DataUse(n_batches, n_examples)
@@ -876,23 +894,7 @@ def probed_backward(
     """``loss(model, batch)`` and its backward under ``probe``, which is told first how many
     examples the loss averages over (:func:`~initlab._core.loss.example_count`); the loss."""
     probe.example_count = example_count(loss, batch)
+    probe.target_rows = target_rows(batch)
     value = loss(model, batch)
     backward_of(value, what)
     return value
-
-
-def _batch_mismatch(found: int, dim: int, batch: int) -> str:
-    """Why a module call has no per-example gradients: its input does not hold the root batch's
-    examples along ``dim``. An input of 1 there is shared by every example (broadcast, as position
-    ids ``(1, T)``): its output's gradient arrives summed over the examples, whatever
-    ``batch_dim``."""
-    if found == 1 and batch > 1:
-        return (
-            f"module input has 1 along dim {dim} while the root batch has {batch} examples: one "
-            "input shared by every example (e.g. position ids broadcast over the batch), whose "
-            "output's gradient arrives summed over the examples, so the probe cannot split it"
-        )
-    return (
-        f"module input has {found} along dim {dim}, the root batch has {batch} examples (set "
-        "batch_dim?)"
-    )

@@ -18,6 +18,7 @@ from initlab.measure.probe.contribution import _Contribution
 from initlab.measure.probe.per_example import PER_EXAMPLE, _kind
 
 if TYPE_CHECKING:
+    from initlab.measure.probe.batch import _RootBatch, _Scale
     from initlab.measure.probe.capture import _AttentionCapture
 
 _MISMATCH = (
@@ -82,14 +83,14 @@ class _Frame:
         inputs: Any,
         leaves: list[torch.Tensor],
         versions: list[int],
-        scale: float,
+        scale: _Scale,
         seq: int,
     ) -> None:
         self.call = call
         self.inputs = inputs  # (args, kwargs) as the module received them
         self.leaves = leaves  # their tensors, in flatten_tensors order
         self.versions = versions
-        self.scale = scale
+        self.scale = scale  # read when the gradients arrive: the root's batch is settled then
         self.start_seq = seq
         self.capture: _AttentionCapture | None = None  # attention: its projections, captured
 
@@ -134,7 +135,8 @@ class _Record:
         self.state = state
         self.forward = forward
         self.call = frame.call
-        self.scale = frame.scale
+        self._scale = frame.scale
+        self.root: _RootBatch | None = None  # the root forward's batch, checked once settled
         self.params = params
         self.live = True
         self.fail: str | None = None
@@ -149,3 +151,8 @@ class _Record:
         self.generic_key = -1
         self.capture: _AttentionCapture | None = None  # attention: replaces the re-run
         self.compute_eps = 0.0  # eps of the dtype the module's backward ran in (its output's)
+
+    @property
+    def scale(self) -> float:
+        """The factor of the call's gradients (the root batch's size, for a mean loss)."""
+        return self._scale.value

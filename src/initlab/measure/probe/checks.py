@@ -1,0 +1,37 @@
+"""What the moment probe cannot measure: a model it refuses, a module call it reports.
+
+:func:`refuse_parametrized` raises the error every layer-reading entry point of initlab raises for
+``torch.nn.utils.parametrize`` parametrizations (``weight_norm``, ``spectral_norm``,
+``orthogonal``...; :func:`initlab.init.registry._refuse_parametrized`): the probe would see the
+``ParametrizationList`` as a module whose "output" is the computed weight, and the layer's weight
+as no parameter of it. :func:`packed_note` is the per-example note of a call on a
+``PackedSequence``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.nn.utils import parametrize
+from torch.nn.utils.rnn import PackedSequence
+
+from initlab.init.registry import _refuse_parametrized
+
+PACKED = (
+    "PackedSequence inputs are not supported for per-example gradients (the examples are "
+    "interleaved in its data); call the module on a padded tensor to get them"
+)
+
+
+def refuse_parametrized(model: nn.Module) -> None:
+    """Raise ``ValueError`` if a module of ``model`` has parametrized tensors."""
+    for name, module in model.named_modules():
+        if parametrize.is_parametrized(module):
+            _refuse_parametrized(module, list(module.parametrizations), where=name)
+
+
+def packed_note(inputs: tuple[tuple, dict[str, Any]]) -> str | None:
+    """:data:`PACKED` if a module call's ``(args, kwargs)`` hold a ``PackedSequence``."""
+    args, kwargs = inputs
+    return PACKED if any(isinstance(a, PackedSequence) for a in (*args, *kwargs.values())) else None
