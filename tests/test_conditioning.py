@@ -390,3 +390,22 @@ def test_no_gradient_is_not_called_a_non_finite_one() -> None:
     packed = gr_scaling(Packed(), (xs, lengths, y), lambda m, b: F.cross_entropy(m(*b[:2]), b[2]))
     note = row(packed, "lstm")["note"]
     assert "not finite" not in note and "PackedSequence" in note
+
+
+def test_a_forward_hook_that_scales_a_layer_output_is_a_multiplier_after_it() -> None:
+    """A user's forward hook that replaces a layer's output (initlab's own OutputScaleHook from
+    scale_output_(how="hook", module=...)): the probe read the replaced output as the layer's,
+    so its gamma moved by 1/s^4 (doctor then said its own fix wrecked the balance). The layer's
+    numbers equal those of the same multiplier as a module after it."""
+    from initlab.methods.output_scale import OutputScale, OutputScaleHook
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    x, y = torch.randn(64, 8), torch.randint(0, 4, (64,))
+    explicit = {r["layer"]: r for r in gr_scaling(nn.Sequential(base, OutputScale(0.05)), (x, y))}
+    handle = base[2].register_forward_hook(OutputScaleHook(0.05))
+    hooked = {r["layer"]: r for r in gr_scaling(base, (x, y))}
+    handle.remove()
+    for name in ("0", "2"):
+        for key in ("E_y2", "E_dy2", "gamma_w"):
+            assert hooked[name][key] == pytest.approx(explicit[f"0.{name}"][key], rel=1e-6)

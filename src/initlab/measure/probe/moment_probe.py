@@ -263,7 +263,7 @@ class MomentProbe(HookContext):
                         self._hooks.add(p.register_hook(self._param_hook(ps)))
                 st.params.append((local, ps))
             self._hooks.add(module.register_forward_pre_hook(self._pre_hook(st), with_kwargs=True))
-            self._hooks.add(module.register_forward_hook(self._forward_hook(st)))
+            self._hooks.add(module.register_forward_hook(self._forward_hook(st), prepend=True))
             if self.per_example and st.kind == "attention":
                 # pops the projection capture first, also when the forward raised
                 self._hooks.add(
