@@ -866,7 +866,7 @@ def test_scale_output_reaches_its_target_on_the_real_tokens_of_padded_batches() 
     for row, keep in enumerate((8, 3, 5, 2)):
         mask[row, keep:] = 0
     batch["labels"] = batch["labels"].masked_fill(mask == 0, -100)
-    initlab.scale_output_(model, batch, target=0.05, how="hook")
+    initlab.scale_output_(model, batch, target=0.05, how="hook", module="lm_head")
     with torch.no_grad():
         logits = model(**batch).logits.double()
     real = logits[mask.bool()]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from typing import Any
 
 import pytest
@@ -365,3 +366,38 @@ def test_lsuv_stream_re_runs_a_decoder_layer_on_a_fresh_cache() -> None:
     strip = [{k: v for k, v in r.items() if not k.endswith("_s")} for r in rows_cache]
     assert strip == [{k: v for k, v in r.items() if not k.endswith("_s")} for r in rows_plain]
     assert all(torch.equal(a, b) for a, b in zip(params_cache, params_plain, strict=True))
+
+
+def test_scale_output_hook_on_a_model_that_returns_its_loss_warns_naming_the_head() -> None:
+    """A hook on the model's output scales .logits but not the .loss the model computed from
+    them: training on model(**batch).loss did not see the scale (no word). A warning names the
+    head; on the head, the model's own loss sees the scaled logits."""
+    model, data = model_of("llama"), batches("llama", 2)
+    with torch.no_grad():
+        before = float(model(**data[0]).loss)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        report = initlab.scale_output_(model, data, target=0.05, how="hook")
+    assert any(re.search(r"returns a loss of its own .*module='lm_head'", str(w.message))
+               for w in seen)  # fmt: skip
+    report.info["handle"].remove()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        report = initlab.scale_output_(model, data, target=0.05, how="hook", module="lm_head")
+    assert not any("returns a loss of its own" in str(w.message) for w in seen)
+    with torch.no_grad():
+        out = model(**data[0])
+    assert float(out.logits.std()) == pytest.approx(0.05, rel=0.05)
+    labels = data[0]["labels"]
+    own = torch.nn.functional.cross_entropy(
+        out.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()
+    )
+    assert float(out.loss) == pytest.approx(float(own), rel=1e-5)  # the loss of the scaled logits
+    assert float(out.loss) != before
+    report.info["handle"].remove()
+    unlabeled = [{k: v for k, v in b.items() if k != "labels"} for b in data]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        report = initlab.scale_output_(model, unlabeled, target=0.05, how="hook")  # no own loss
+    assert not any("returns a loss of its own" in str(w.message) for w in seen)
+    report.info["handle"].remove()

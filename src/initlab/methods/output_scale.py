@@ -25,6 +25,7 @@ import copy
 import dataclasses
 import math
 import time
+import warnings
 from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any, Literal
 
@@ -40,7 +41,8 @@ from initlab._core.data import (
     take_batches,
 )
 from initlab._core.distributed import all_reduce_sum, check_same_parameters, run_together
-from initlab._core.knobs import renamed_kwargs
+from initlab._core.knobs import renamed_kwargs, user_stacklevel
+from initlab._core.loss import model_loss
 from initlab._core.method_report import MethodReport
 from initlab._core.rng import Seeds
 from initlab._core.rows import join_name
@@ -214,28 +216,31 @@ target."""
 
 def _output_moments(
     model: nn.Module, batches: Sequence[Any], forward: Forward, seeds: Seeds, what: str
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """``[sum y, sum y^2, n]`` over all logits of all batches (and ranks), and the outputs.
+) -> tuple[torch.Tensor, list[torch.Tensor], bool]:
+    """``[sum y, sum y^2, n]`` over all logits of all batches (and ranks), the outputs, and
+    whether the model returned a loss of its own beside them (``.loss``).
 
     Under DDP the forward passes run together (a pass that fails on some ranks raises on all).
     """
 
-    def local() -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def local() -> tuple[torch.Tensor, list[torch.Tensor], bool]:
         sums = torch.zeros(3, dtype=torch.float64)
-        outs = []
+        outs, own_loss = [], False
         with torch.no_grad(), keep_buffers(model):
             for i, batch in enumerate(batches):
                 with seeds.scope(i):
-                    y = output_tensor(forward(model, batch)).detach()
+                    raw = forward(model, batch)
+                    y = output_tensor(raw).detach()
+                own_loss = own_loss or model_loss(raw) is not None
                 outs.append(y)
                 y64 = real_positions(y, batch).to(torch.float64)  # padding left out
                 n = y64.new_tensor(float(y64.numel()))  # on the output's device (CUDA: one sync)
                 sums += torch.stack((y64.sum(), y64.square().sum(), n)).cpu()
-        return sums, outs
+        return sums, outs, own_loss
 
-    sums, outs = run_together(what, local)
+    sums, outs, own_loss = run_together(what, local)
     all_reduce_sum([sums])
-    return sums, outs
+    return sums, outs, own_loss
 
 
 def _std(sums: torch.Tensor) -> float:
@@ -272,7 +277,7 @@ def measure_output_std(
         lambda: take_batches(data, max_batches, what="measure_output_std", exact=False),
     )
     seeds = Seeds(model, generator)
-    sums, _ = _output_moments(
+    sums, _, _ = _output_moments(
         model, batches, forward or default_forward, seeds, "measure_output_std"
     )
     return _std(sums)
@@ -383,7 +388,7 @@ def scale_output_(
     with restore_on_failure(model):
         layers = [name for name, *_ in weight_layers(model, reg)]
         _check_module(model, module, layers, how)
-        order, _, (sums, outs) = execution_order(
+        order, _, (sums, outs, own_loss) = execution_order(
             model, layers, lambda: _output_moments(model, batches, forward, seeds, "scale_output_")
         )
         passes += len(batches)
@@ -405,6 +410,8 @@ def scale_output_(
             _fold_checked(model, name, s, reg, batches[0], outs[0], forward, seeds)
             passes += 1
     if how == "hook":
+        if not module and own_loss:
+            warnings.warn(_own_loss_hook_note(model), UserWarning, stacklevel=user_stacklevel())
         # Outside restore_on_failure, which removes every hook added inside it.
         info["layer"] = module or ""
         info["hook"] = OutputScaleHook(s)
@@ -528,6 +535,24 @@ def _output_error(
     bad = torch.tensor([float(err > rounding_tolerance(after, 1e-5))], dtype=torch.float64)
     all_reduce_sum([bad])
     return bad.item() > 0, err.item()
+
+
+def _own_loss_hook_note(model: nn.Module) -> str:
+    """The warning of ``how="hook"`` on a model that returns its own loss: the loss is not
+    recomputed from the scaled logits."""
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    names = {id(m): n for n, m in model.named_modules()}
+    named = (
+        f"module={names[id(head)]!r} (its output embeddings)"
+        if id(head) in names
+        else ("module='<the head whose output the loss reads>'")
+    )
+    return (
+        "scale_output_(how='hook') on the model itself: the model returns a loss of its own "
+        "(.loss), computed from its logits inside the forward, which a hook on the model's output "
+        "does not change: training on model(**batch).loss will not see the scale (the logits "
+        f"do). To train on that loss, hook the head instead, {named}, or use how='fold'"
+    )
 
 
 def _attach_hook(
