@@ -142,6 +142,17 @@ def test_grid_of_n_points_per_axis() -> None:
             loss_landscape(net, batch, LOSS, grid=bad, generator=3)  # type: ignore[arg-type]
 
 
+def test_repr_summarizes_without_the_direction_tensors() -> None:
+    """print(landscape) dumped every direction tensor (6.7k characters for a small MLP)."""
+    net, batch = _bn_net()
+    land = loss_landscape(net, batch, LOSS, grid=3, generator=3)
+    text = repr(land)
+    lo, hi = float(land.values.min()), float(land.values.max())
+    assert text.startswith("Landscape(grid 3x3, t1 [-1, 1], t2 [-1, 1], center ")
+    assert f"loss {lo:.6g}..{hi:.6g}" in text and "bn='eval'" in text
+    assert "tensor([" not in text and len(text) < 300
+
+
 def test_batched_equals_looped_and_policies_differ() -> None:
     net, batch = _bn_net()
     values = {}

@@ -96,6 +96,10 @@ _BUDGET = 1 << 21
 _AUTO_VMAP = 1 << 17  # batched="auto" on CPU: vmap below this many elements per point
 
 
+def _bounds(t: torch.Tensor) -> str:
+    return f"[{float(t.min()):.3g}, {float(t.max()):.3g}]" if t.numel() else "[]"
+
+
 @dataclass(frozen=True, eq=False)
 class Landscape:
     """A 2-D slice of the loss: ``values[i, j] = L(θ + t1[i] d₁ + t2[j] d₂)``.
@@ -120,6 +124,18 @@ class Landscape:
     method: str
     notes: tuple[str, ...] = field(default_factory=tuple)
     used: DataUse | None = None
+
+    def __repr__(self) -> str:
+        """A summary (the grid, the loss range, the policy), not the direction tensors."""
+        finite = self.values[torch.isfinite(self.values)]
+        span = f"{float(finite.min()):.6g}..{float(finite.max()):.6g}" if finite.numel() else "n/a"
+        grid = "x".join(str(len(t)) for t in (self.t1, self.t2) if len(t) > 1) or "1"
+        tensors = len(self.directions[0])
+        return (
+            f"Landscape(grid {grid}, t1 {_bounds(self.t1)}, t2 {_bounds(self.t2)}, center "
+            f"{self.center:.6g}, loss {span}, bn={self.bn!r}, method={self.method!r}, directions "
+            f"over {tensors} tensor(s), notes={len(self.notes)}, used={self.used})"
+        )
 
     def rows(self) -> Rows:
         """The grid as :class:`~initlab.Rows`: one row per grid point, columns
