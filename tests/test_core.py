@@ -27,7 +27,7 @@ from initlab._core.data import (
 )
 from initlab._core.hooks import HookContext, hook_handles
 from initlab._core.knobs import renamed_kwargs
-from initlab._core.loss import LOSS_FORMS, criterion, outputs_loss, resolve_loss
+from initlab._core.loss import LOSS_FORMS, TargetError, criterion, outputs_loss, resolve_loss
 from initlab._core.state import model_kept, restore_on_failure
 
 
@@ -317,3 +317,23 @@ def test_a_tuple_batch_to_a_model_of_several_inputs_gets_a_clear_error(call: Any
     batch = (torch.randn(8, 3), torch.randn(8, 4))
     with pytest.raises(TypeError, match=_TUPLE_ADVICE):
         call(_TwoInputs(), batch)
+
+
+class _KwOnly(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        return self.fc(x)
+
+
+def test_a_dict_batch_without_labels_is_named_with_its_keys() -> None:
+    """One batch of a labelled data set lacks its 'labels': the message said only "got a dict
+    batch", not which keys it has or that the labels are missing."""
+    x, y = _xy()
+    loss = resolve_loss(None)
+    assert torch.isfinite(loss(_KwOnly(), {"x": x, "labels": y}))
+    with pytest.raises(TargetError, match=r"got a dict batch without 'labels' \(keys \['x'\]\)\. "
+                       r"Give every batch its targets"):  # fmt: skip
+        loss(_KwOnly(), {"x": x})

@@ -345,10 +345,13 @@ def _target(batch: Any, what: str | None) -> torch.Tensor:
     if found is not None:
         return found[1]
     kind = f"the {what} loss" if what else "a criterion(output, target)"
+    got = f"a {type(batch).__name__} batch"
+    if isinstance(batch, Mapping):  # a model of its own computes no loss without labels either
+        got = f"a dict batch without 'labels' (keys {sorted(map(str, batch))})"
     raise TargetError(
-        f"{kind} needs (x, y) batches or dict batches with 'labels'; got a "
-        f"{type(batch).__name__} batch. For a batch without targets pass loss_fn(model, batch), "
-        "or 'random_quadratic' (Defazio & Bottou's random loss y^T R y)"
+        f"{kind} needs (x, y) batches or dict batches with 'labels'; got {got}. Give every "
+        "batch its targets; for data without targets pass loss_fn(model, batch), or "
+        "'random_quadratic' (Defazio & Bottou's random loss y^T R y)"
     )
 
 
