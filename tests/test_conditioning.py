@@ -409,3 +409,19 @@ def test_a_forward_hook_that_scales_a_layer_output_is_a_multiplier_after_it() ->
     for name in ("0", "2"):
         for key in ("E_y2", "E_dy2", "gamma_w"):
             assert hooked[name][key] == pytest.approx(explicit[f"0.{name}"][key], rel=1e-6)
+
+
+def test_a_layer_whose_output_gradient_underflowed_says_so() -> None:
+    """E[dy^2] underflows to 0 in float32 (a gradient of ~1e-25): gamma is 0 with the reason,
+    not a silent 0."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 3))
+    g = torch.Generator().manual_seed(0)
+    x, t = torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
+
+    def tiny_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return F.cross_entropy(model(batch[0]), batch[1]) * 1e-30
+
+    rows = {r["layer"]: r for r in gr_scaling(net, [(x, t)], tiny_loss)}
+    assert rows["0"]["E_dy2"] == 0.0 and rows["0"]["gamma_w"] == 0.0
+    assert "E[dy^2] = 0" in rows["0"]["note"] and "underflow" in rows["0"]["note"]

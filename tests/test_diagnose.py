@@ -558,3 +558,88 @@ def test_a_layer_that_gets_no_gradient_is_warned_not_ok() -> None:
     assert verdicts["frozen"][0] == "ok"  # requires_grad=False: not training is intended
     silent = {r["layer"] for r in report.to_rows() if r["quantity"] == "no_gradient"}
     assert silent == {"enc", "unused"}
+
+
+def deep_sigmoid(depth: int = 12, width: int = 16) -> nn.Sequential:
+    """Sigmoids after N(0, 0.01) layers: the gradient shrinks ~100x per layer, so near the input
+    its squares underflow to 0 in float32 (E[dy^2] = 0): those layers get no gradient."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(8, width), nn.Sigmoid()]
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.Sigmoid()]
+    net = nn.Sequential(*layers, nn.Linear(width, 3))
+    for p in net.parameters():
+        nn.init.normal_(p, std=0.01)
+    return net
+
+
+def sigmoid_batches() -> list:
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(32, 8, generator=g), torch.randint(0, 3, (32,), generator=g))] * 2
+
+
+def test_a_layer_whose_gradient_vanished_is_bad_and_makes_the_spread_infinite() -> None:
+    report = diagnose(deep_sigmoid(), sigmoid_batches(), nn.CrossEntropyLoss(), spectra=False)
+    rows = {r["layer"]: r for r in report.layers}
+    assert rows["0"]["E_dy2"] == 0.0 and rows["0"]["gamma_w"] == 0.0  # underflowed
+    verdict, reason = rows["0"]["verdict"], rows["0"]["reason"]
+    assert verdict == "bad" and "no gradient reaches this layer" in reason, reason
+    assert "underflows to 0 in float32" in reason
+    zero = [r["layer"] for r in report.to_rows() if r["quantity"] == "zero_gradient"]
+    assert "0" in zero and all(rows[k]["verdict"] == "bad" for k in zero)
+    imb = report.meta["imbalance"]
+    assert imb["gamma_max_over_min"] == math.inf and imb["gamma_argmin"] == "0"
+    assert imb["gamma_zero"] == len(zero) and imb["gamma_layers"] == 14  # every weight counted
+    assert "max/min over weights = inf" in report.summary()
+    assert not any("do not add up" in n for n in report.meta["notes"]), report.meta["notes"]
+    assert "max/min over weights = inf" in Report.from_json(report.to_json()).summary()
+
+
+def test_a_layer_after_dead_units_has_no_weight_gradient_and_is_bad() -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
+                        nn.Linear(16, 3))  # fmt: skip
+    with torch.no_grad():
+        net[0].bias.fill_(-100.0)  # every unit of the first ReLU is dead
+    report = diagnose(net, sigmoid_batches(), nn.CrossEntropyLoss(), spectra=False)
+    verdict, reason = report.verdicts["2"]
+    assert verdict == "bad" and "input is 0" in reason, reason
+    assert report.verdicts["0"][0] == "bad"  # no gradient reaches it through the dead units
+
+
+class NormedEmbedding(nn.Module):
+    """A 0.02-std embedding (E[y^2] = 4e-4) into a LayerNorm, then a small MLP head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.norm = nn.Embedding(50, 32), nn.LayerNorm(32)
+        self.fc, self.head = nn.Linear(32, 32), nn.Linear(32, 5)
+        nn.init.normal_(self.emb.weight, std=0.02)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.fc(self.norm(self.emb(ids)))))
+
+
+def test_the_forward_gain_restarts_after_a_normalization_layer() -> None:
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randint(0, 50, (64,), generator=g), torch.randint(0, 5, (64,), generator=g))
+    report = diagnose(NormedEmbedding(), [batch], nn.CrossEntropyLoss(), spectra=False)
+    assert report.value("emb", "E_y2") < 1e-3  # small by design: the LayerNorm rescales it
+    signal = [f for f in report.findings if f["rule"].endswith("_signal")]
+    assert signal == [], signal
+    assert report.verdicts["emb"][0] == "ok" and report.verdicts["fc"][0] == "ok"
+    assert 0.1 < report.value("fc", "signal_fwd") < 10  # relative to the norm's output
+    rows = [r for r in report.rows if r["layer"] == "fc" and r["quantity"] == "signal_fwd"]
+    assert "norm" in rows[0]["note"]
+
+
+def test_the_forward_gain_after_a_normalization_layer_still_flags_an_explosion() -> None:
+    model = NormedEmbedding()
+    with torch.no_grad():
+        model.fc.weight.mul_(1e3)
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randint(0, 50, (64,), generator=g), torch.randint(0, 5, (64,), generator=g))
+    report = diagnose(model, [batch], nn.CrossEntropyLoss(), spectra=False)
+    verdict, reason = report.verdicts["fc"]
+    assert verdict == "bad" and "explodes" in reason, reason

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from initlab.cli import main
@@ -390,3 +391,93 @@ def test_layers_without_a_gradient_are_found_and_no_nan_spread_is_shown() -> Non
     text = rep.summary()
     assert "nothing found" not in text and "dead_or_exploding_layers (warn: 2)" in text
     assert "γ spread (max/min): nan" not in text and "γ spread (max/min): n/a (" in text
+
+
+# ----------------------------------------------------------------------------- regressions
+
+
+def test_layers_whose_gradient_vanished_count_and_make_the_spread_infinite() -> None:
+    """Sigmoids after N(0, 0.01) layers: near the input the gradient's squares underflow in
+    float32 (gamma = 0). They were "ok" and left out of the spread; now they count."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(20, 16), nn.Sigmoid()]
+    for _ in range(12):
+        layers += [nn.Linear(16, 16), nn.Sigmoid()]
+    model = nn.Sequential(*layers, nn.Linear(16, C))
+    for p in model.parameters():
+        nn.init.normal_(p, std=0.01)
+    rep = doctor(model, classification_data(2))
+    spread = rep.row("gamma_spread")
+    assert spread["value"] == math.inf and spread["verdict"] == "bad", spread
+    assert "γ = 0" in spread["why"] and "min '0'" in spread["why"]
+    layers_row = rep.row("dead_or_exploding_layers")
+    zero = [r for r in rep.diagnosis.rows if r["quantity"] == "zero_gradient"]
+    assert zero and layers_row["value"] >= len(zero) and layers_row["verdict"] == "bad"
+    assert "0: zero_gradient" in layers_row["why"] and "lsuv" in rep.recommended
+
+
+class OwnLoss(nn.Module):
+    """Returns ``{"loss", "logits"}`` like a Hugging Face model; ``ctc``: its loss is not the
+    cross-entropy of its logits (a per-sequence sum, like a CTC loss), and is large."""
+
+    def __init__(self, ctc: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc, self.ctc = nn.Linear(20, C), ctc
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.fc(x) * 0.01
+        loss = F.cross_entropy(logits, labels)
+        return {"loss": loss * 50 if self.ctc else loss, "logits": logits}
+
+
+def test_a_model_loss_that_is_not_a_cross_entropy_gets_no_ln_c_reference() -> None:
+    data = [{"x": x, "labels": y} for x, y in classification_data(2)]
+    ce = doctor(OwnLoss(ctc=False), data)
+    assert ce.meta["kind"] == "classification" and ce.value("initial_loss", "verdict") == "ok"
+    model = OwnLoss(ctc=True)
+    before = snapshot(model)
+    rep = doctor(model, data)
+    loss = rep.row("initial_loss")
+    assert loss["verdict"] == "n/a" and "not the cross-entropy" in loss["why"], loss
+    assert rep.meta["kind"] == "other" and rep.meta["ln_C"] is None
+    assert "init" not in rep.recommended and "output_scale" not in rep.recommended
+    fixed = doctor(model, data, fix=True, generator=0)
+    assert "init" not in fixed.applied and "output_scale" not in fixed.applied
+    assert_same(model, before)
+
+
+def test_init_that_changes_nothing_is_not_listed_as_applied() -> None:
+    from initlab import init_model
+
+    model = mlp()
+    init_model(model, "geometric", generator=0)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    rep = doctor(model, classification_data(2), fix=["init"], generator=0)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+    assert "init" not in rep.applied and "init" not in rep.reports
+    assert rep.skipped["init"].startswith("changed nothing"), rep.skipped
+    assert "skipped init: changed nothing" in rep.summary()
+
+
+def test_init_is_not_recommended_for_large_logits_it_does_not_shrink() -> None:
+    """The logits are large because of a fixed x30 after the head, which init_model does not
+    touch: output_scale is the fix, init is not (it was recommended, and re-drew the weights
+    without shrinking the logits)."""
+    from initlab import init_model
+
+    model = nn.Sequential(mlp(), Scale(30.0))
+    init_model(model, "geometric", generator=0)
+    rep = doctor(model, classification_data(2), generator=0)
+    assert rep.row("logit_std")["verdict"] == "bad"
+    assert "output_scale" in rep.recommended and "init" not in rep.recommended, rep.recommended
+    assert "would not shrink the logits" in rep.row("logit_std")["why"]
+
+
+class Scale(nn.Module):
+    def __init__(self, s: float) -> None:
+        super().__init__()
+        self.s = s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.s

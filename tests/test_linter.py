@@ -17,6 +17,7 @@ from initlab.diagnostics.linter import (
     TANH_LINEAR_STD,
     ActivationWatch,
     lint_model,
+    signal_ratios,
 )
 
 STRUCTURAL = {"max_pool", "resampling", "sigmoid", "tanh", "mixed_kernel_sizes", "skip_connection"}
@@ -283,3 +284,33 @@ def test_lint_model_leaves_the_buffers_as_they_were():
     result = lint_model(model)
     assert result.traced
     assert float(model.steps) == 0.0
+
+
+class _PreNorm(nn.Module):
+    """A small embedding table (std 0.02, as GPT-2's) -> LayerNorm -> Linear: a pre-norm block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(50, 32)
+        nn.init.normal_(self.emb.weight, std=0.02)
+        self.norm = nn.LayerNorm(32)
+        self.proj = nn.Linear(32, 32)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.norm(self.emb(ids)))
+
+
+def test_lint_model_measures_the_signal_from_the_normalization_before_a_layer():
+    """The forward gain was taken from the embedding's output across the LayerNorm (the
+    projection "exploded", x2500) and the 0.02-std table "vanished"; lint_model on its own now
+    follows the same rule as diagnose."""
+    from initlab.measure.probe import measure_moments
+
+    model = _PreNorm()
+    ids = torch.randint(0, 50, (16, 8), generator=torch.Generator().manual_seed(1))
+    table = measure_moments(model, ids, lambda m, x: m(x).square().mean()).table()
+    ratios = signal_ratios(table)
+    assert ratios["proj"][1] == "norm" and 0.1 < ratios["proj"][0] < 10
+    rules = {f["rule"] for f in lint_model(model, probe_table=table).findings}
+    assert not rules & {"vanishing_signal", "exploding_signal"}

@@ -401,3 +401,71 @@ def test_scale_output_hook_on_a_model_that_returns_its_loss_warns_naming_the_hea
         report = initlab.scale_output_(model, unlabeled, target=0.05, how="hook")  # no own loss
     assert not any("returns a loss of its own" in str(w.message) for w in seen)
     report.info["handle"].remove()
+
+
+# ----------------------------------------------------------------------------- regressions
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_diagnose_after_init_model_finds_no_signal_across_the_norms(family: str) -> None:
+    """Pre-norm decoders right after init_model: every projection's E[y^2] ~ 1, the embedding's
+    small by design. The forward gain was taken from the embedding across every norm ("the
+    signal explodes here" on every projection, "vanishes" on the embedding)."""
+    model = model_of(family)
+    initlab.init_model(model, "geometric", generator=0)
+    report = initlab.diagnose(model, batches(family, 1), spectra=False)
+    signal = [(f["layer"], f["message"]) for f in report.findings if f["rule"].endswith("_signal")]
+    assert not [s for s in signal if "network's input" in s[1] or "wte" in s[0]], signal
+    embeddings = [n for n, m in model.named_modules() if isinstance(m, nn.Embedding)]
+    assert embeddings and all(report.verdicts[n][0] != "bad" for n in embeddings)
+
+
+def w2v_ctc() -> nn.Module:
+    from torch.nn.utils import parametrize
+
+    torch.manual_seed(0)
+    cfg = transformers.Wav2Vec2Config(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=8,
+        num_conv_pos_embedding_groups=4, vocab_size=12, feat_extract_norm="group",
+        mask_time_prob=0.0, layerdrop=0.0, pad_token_id=0,
+    )  # fmt: skip
+    model = transformers.Wav2Vec2ForCTC(cfg)
+    parametrize.remove_parametrizations(model.wav2vec2.encoder.pos_conv_embed.conv, "weight")
+    return model.eval()
+
+
+def w2v_batches() -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(2):
+        labels = torch.randint(1, 12, (2, 5), generator=g)
+        labels[1, 3:] = -100
+        out.append({"input_values": torch.randn(2, 400, generator=g), "labels": labels})
+    return out
+
+
+def test_doctor_on_a_ctc_model_does_not_compare_its_loss_with_ln_c() -> None:
+    """A CTC loss (HF's default: summed over the batch, ~130 here) is no per-token cross-entropy:
+    it was "bad" against ln 12 and doctor re-initialized a healthy model."""
+    model = w2v_ctc()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    rep = initlab.doctor(model, w2v_batches(), fix=True, generator=0)
+    loss = rep.row("initial_loss")
+    assert loss["verdict_before"] == "n/a" and "not the cross-entropy" in loss["why"], loss
+    assert rep.meta["ln_C"] is None
+    assert "init" not in rep.applied and "output_scale" not in rep.applied, rep.applied
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+
+
+def test_doctor_does_not_recommend_init_for_a_classifier_head_it_does_not_shrink() -> None:
+    """BERT's classifier after init_model: logits too large, and init_model draws the classifier
+    as it is (only a language model's head is drawn small): output_scale is the fix."""
+    model = model_of("bert")
+    initlab.init_model(model, "geometric", generator=0)
+    data = batches("bert", 2)
+    rep = initlab.doctor(model, data, generator=0)
+    ill = [r["check"] for r in rep if r["check"] in ("initial_loss", "logit_std")
+           and r["verdict"] in ("warn", "bad")]  # fmt: skip
+    assert ill, rep.to_rows()
+    assert "init" not in rep.recommended and "output_scale" in rep.recommended, rep.recommended

@@ -10,10 +10,12 @@ number of classes. The forward is the one the caller gives, else, for a ``loss_f
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from initlab._core.data import default_forward, find_target, output_tensor
@@ -94,6 +96,7 @@ def output_pass(
     s1 = s2 = n = 0.0
     targets: list[torch.Tensor] = []
     out: dict[str, Any] = {"own_loss": False, "classes": 0, "finite_outputs": [], "missing": ""}
+    own_ce = True  # every own loss seen is the cross-entropy of the logits on the labels
     with preserved_state(model), torch.no_grad():
         for batch in batches:
             try:
@@ -106,20 +109,47 @@ def output_pass(
             s1 += float(logits.sum(dtype=torch.float64))  # float64 sums, no float64 copy
             s2 += float(torch.linalg.vector_norm(logits, dtype=torch.float64)) ** 2
             n += logits.numel()
-            out["own_loss"] = out["own_loss"] or model_loss(raw) is not None
+            own = model_loss(raw)
+            out["own_loss"] = out["own_loss"] or own is not None
             y = _target(batch)
             if y is not None:
                 targets.append(y.detach())
                 out["classes"] = _class_count(logits, y, batch)
+                own_ce = own_ce and (own is None or _is_cross_entropy(own, logits, y))
     if out["missing"]:
         targets, out["classes"], out["finite_outputs"], n = [], 0, [], 0.0
     out["logit_std"] = math.sqrt(max(s2 / n - (s1 / n) ** 2, 0.0)) if n > 1 else math.nan
     problem = getattr(getattr(model, "config", None), "problem_type", None)
-    out["kind"] = _loss_kind(loss, targets, out["classes"], out["own_loss"], problem)
+    own_ce = own_ce or loss.form not in ("auto", "model_output")  # the loss is not the model's
+    out["kind"] = _loss_kind(loss, targets, out["classes"], out["own_loss"] and not own_ce, problem)
+    out["own_other"] = bool(targets) and out["own_loss"] and not own_ce
     if out["kind"] == "regression":
         flat = torch.cat([t.reshape(-1).to(torch.float64) for t in targets])
         out["target_sq"], out["target_std"] = float(flat.square().mean()), float(flat.std())
     return out
+
+
+def _is_cross_entropy(own: torch.Tensor, logits: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether the model's own loss ``own`` is the mean cross-entropy (ignore index -100) of its
+    ``logits`` on the integer labels ``y``: classes last, position by position or shifted by one
+    (a causal language model's), or classes in dim 1 (dense ``(B, C, *S)`` logits); within 1%.
+    A loss of another kind (a CTC loss, a sequence NLL summed over a batch) is not, so the
+    ``ln C`` reference does not apply to it."""
+    if y.is_floating_point() or own.numel() != 1 or logits.dim() < 2:
+        return False
+    value = float(own.detach().to(torch.float64))
+    pairs = [(logits.flatten(0, -2), y.flatten())] if logits.shape[:-1] == y.shape else []
+    if logits.dim() >= 3 and y.dim() >= 2 and logits.shape[:-1] == y.shape:
+        pairs.append((logits[:, :-1].flatten(0, -2), y[:, 1:].flatten()))
+    if logits.shape[:1] + logits.shape[2:] == y.shape and logits.dim() >= 3:
+        pairs.append((logits, y))
+    for lg, t in pairs:
+        if not bool((t != -100).any()):
+            continue
+        ce = float(F.cross_entropy(lg.to(torch.float64), t.long(), ignore_index=-100))
+        if math.isclose(ce, value, rel_tol=1e-2, abs_tol=1e-6):
+            return True
+    return False
 
 
 def _loss_kind(
@@ -128,15 +158,50 @@ def _loss_kind(
     """``"classification"`` (cross-entropy on integer targets), ``"regression"`` (MSE on float
     targets) or ``""`` (no reference). The default loss on float targets is MSE unless the model
     returns its own loss, whose kind float targets do not tell (a multi-label head's is binary
-    cross-entropy): then only a Hugging Face ``config.problem_type == "regression"`` says MSE."""
+    cross-entropy): then only a Hugging Face ``config.problem_type == "regression"`` says MSE.
+    ``own_loss``: the model returns a loss that is not a cross-entropy of its logits on
+    the labels (:func:`_is_cross_entropy`); on integer targets that has no reference either."""
     if not targets:
         return ""
     name = loss.name.lower()
     if all(not t.is_floating_point() for t in targets):
-        ce = name in _CE_NAMES or "cross" in name
+        ce = (name in _CE_NAMES or "cross" in name) and not own_loss
         return "classification" if ce and classes > 1 else ""
     if own_loss and loss.form in ("auto", "model_output"):
         mse = problem == "regression"
     else:
         mse = name in ("auto", "mse") or "mse" in name
     return "regression" if mse and all(t.is_floating_point() for t in targets) else ""
+
+
+def init_logit_std(
+    model: nn.Module,
+    batches: list[Any],
+    loss: Loss,
+    forward: Forward | None,
+    generator: torch.Generator | None,
+) -> float:
+    """The logits' std right after ``doctor``'s ``"init"`` fix (``init_model(model,
+    "geometric")``), measured on the model and put back (parameters, buffers, RNGs; a copy of
+    ``generator``, so the fix's own draws stay as they were); NaN where the init refuses the
+    model. Costs one copy of the state and one no-grad pass over the batches."""
+    from initlab.init.model import init_model
+
+    if generator is not None:
+        generator = torch.Generator(generator.device).set_state(generator.get_state())
+    try:
+        with preserved_state(model), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the fix's own warnings are caught when it runs
+            init_model(model, "geometric", generator=generator)
+            return float(output_pass(model, batches, loss, forward)["logit_std"])
+    except (ValueError, TypeError, RuntimeError):
+        return math.nan
+
+
+def unchanged(model: nn.Module, kept: list[torch.Tensor]) -> bool:
+    """Whether the model's state is bit for bit ``kept`` (its ``state_dict`` values before)."""
+    now = list(model.state_dict().values())
+    return len(now) == len(kept) and all(
+        a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+        for a, b in zip(now, kept, strict=True)
+    )

@@ -167,6 +167,7 @@ class _Ratios:
     nus: dict[str, tuple[float, str]] = field(default_factory=dict)  # layer -> (nu used, which)
     nu_rel: dict[str, float] = field(default_factory=dict)
     wnames: dict[str, str] = field(default_factory=dict)
+    zero: dict[str, str] = field(default_factory=dict)  # layer -> why its gradient is 0
 
 
 def _add_moments(out: _LongRows, probe_table: Rows) -> None:
@@ -176,7 +177,9 @@ def _add_moments(out: _LongRows, probe_table: Rows) -> None:
         out.meta(r["layer"], r["module_type"], r["order"])
         for q in _MOMENTS:
             out.add(r["layer"], "", q, r[q])
-        out.add(r["layer"], "", "signal_fwd", ratios.get(r["layer"], _NAN))
+        ratio, ref = ratios.get(r["layer"], (_NAN, ""))
+        note = f"relative to the output of {ref} (the normalization before it)" if ref else ""
+        out.add(r["layer"], "", "signal_fwd", ratio, note=note)
 
 
 def _add_params(
@@ -203,6 +206,8 @@ def _add_params(
                 rat.nus[layer] = (nu, "per-example")
             elif math.isfinite(nu_mb) and nu_mb > 0:
                 rat.nus[layer] = (nu_mb, "minibatch")
+            elif nu == 0.0 or nu_mb == 0.0:  # a zero gradient: infinitely slower, not unknown
+                rat.nus[layer] = (0.0, "per-example" if nu == 0.0 else "minibatch")
 
 
 def _add_gamma(out: _LongRows, gr: Rows | None, rat: _Ratios) -> None:
@@ -226,6 +231,8 @@ def _add_gamma(out: _LongRows, gr: Rows | None, rat: _Ratios) -> None:
         rel = rat.gamma_rel.get(layer, _NAN)
         v = ratio_verdict(rel)
         note = ratio_reason("γ", rel) if v in ("warn", "bad") else ""
+        if gw == 0.0:
+            v, note = "bad", rat.zero.get(layer, "γ = 0: no gradient reaches this layer")
         out.add(layer, "weight", "gamma", gw, verdict=v, note=note)
         out.add(layer, "weight", "gamma_rel_median", rel, verdict=v, note=note)
     for layer, gw in frozen.items():
@@ -244,6 +251,8 @@ def _add_nu_rel(out: _LongRows, rat: _Ratios) -> None:
         note = f"{nus[layer][1]} ν" + (
             f"; {ratio_reason('ν', rel)}" if v in ("warn", "bad") else ""
         )
+        if nus[layer][0] == 0.0:
+            v, note = "bad", f"{nus[layer][1]} ν = 0: the weight's gradient is 0"
         out.add(layer, rat.wnames[layer], "nu_rel_median", rel, verdict=v, note=note)
 
 
@@ -310,6 +319,47 @@ def _add_no_gradient(out: _LongRows, probe_table: Rows, param_table: Rows) -> di
     return silent
 
 
+def _zero_reason(e_x2: float, e_dy2: float, what: str) -> str:
+    """Why a layer's gradient is 0 (``what``: ``"γ = 0"`` or ``"every gradient is 0"``)."""
+    if e_dy2 == 0.0:
+        return (
+            f"{what}: no gradient reaches this layer (E[dy^2] = 0 at its output: the gradient "
+            "vanishes before it, or underflows to 0 in float32), so it will not learn"
+        )
+    if e_x2 == 0.0:
+        return (
+            f"{what}: the layer's input is 0 (E[x^2] = 0, e.g. dead units before it), so its "
+            "weight's gradient is 0 and it will not learn"
+        )
+    return f"{what}: its parameters' gradients are 0, so it will not learn"
+
+
+def _add_zero_gradient(
+    out: _LongRows, probe_table: Rows, param_table: Rows, gr: Rows | None, rat: _Ratios
+) -> None:
+    """A ``zero_gradient`` row (``bad``) for every layer whose trainable weight has γ = 0, or all
+    of whose trainable parameters got a gradient that is exactly 0 (a vanished gradient, often
+    one whose squares underflow in float32); the reasons go to ``rat.zero``. A layer that got no
+    gradient at all is :func:`_add_no_gradient`'s."""
+    moments = {t["layer"]: (t["E_x2"], t["E_dy2"]) for t in probe_table}
+    for r in gr or ():
+        gw = r.get("gamma_w")
+        if r.get("trainable", True) and gw == 0.0:
+            rat.zero[r["layer"]] = _zero_reason(r["E_x2"], r["E_dy2"], "γ = 0")
+    grads: dict[str, list[float]] = {}
+    for r in param_table:
+        module = out.named.get(r["layer"])
+        param = None if module is None else module._parameters.get(r["param"])
+        if param is not None and param.requires_grad:
+            grads.setdefault(r["layer"], []).append(r["E_dW2"])
+    for layer, values in grads.items():
+        if layer not in rat.zero and all(v == 0.0 for v in values):
+            e_x2, e_dy2 = moments.get(layer, (_NAN, _NAN))
+            rat.zero[layer] = _zero_reason(e_x2, e_dy2, "every gradient is 0")
+    for layer, why in rat.zero.items():
+        out.add(layer, "", "zero_gradient", 1.0, verdict="bad", note=why)
+
+
 def _add_findings(out: _LongRows, findings: Rows) -> dict[str, list[dict[str, Any]]]:
     """The linter's findings as long rows; returns them by layer."""
     by_layer: dict[str, list[dict[str, Any]]] = {}
@@ -331,6 +381,8 @@ def _verdict(
     """``(verdict, reason)`` of one layer: γ (else ν) against its median, the findings, and
     ``silent`` (why the layer got no gradient, ``""`` when it got one)."""
     reasons: list[tuple[str, str]] = [("warn", silent)] if silent else []
+    if layer in rat.zero:
+        reasons.append(("bad", rat.zero[layer]))
     rel = rat.gamma_rel.get(layer, _NAN)
     if layer in rat.gammas and math.isfinite(rel):
         v = ratio_verdict(rel)
@@ -435,6 +487,7 @@ def assemble(
     rat = _Ratios()
     _add_moments(out, probe_table)
     _add_params(out, param_table, tables, rat)
+    _add_zero_gradient(out, probe_table, param_table, gr, rat)
     _add_gamma(out, gr, rat)
     _add_nu_rel(out, rat)
     _add_measurements(out, tables)
@@ -446,7 +499,7 @@ def assemble(
     imb = imbalance_summary(
         {
             k: {"gamma": gammas.get(k, _NAN), "nu": nus[k][0] if k in nus else _NAN}
-            for k in {*gammas, *nus}
+            for k in dict.fromkeys([*gammas, *nus])  # model order: the first zero is argmin
         }
     )
     return (

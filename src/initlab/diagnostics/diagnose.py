@@ -57,6 +57,7 @@ from initlab.measure.curvature import block_curvature, theory_vs_actual
 from initlab.measure.landscape import loss_landscape
 from initlab.measure.probe import MomentProbe
 from initlab.measure.probe.moment_probe import probed_backward
+from initlab.measure.probe.state import _MISMATCH
 from initlab.measure.residual import _user_blocks
 
 __all__ = ["diagnose"]
@@ -322,13 +323,34 @@ def _probe_tables(probe: MomentProbe, losses: list[float], run: _Run) -> tuple[R
     run.tables["probe"] = probe_table
     run.tables["params"] = param_table
     by_reason: dict[str, list[str]] = {}
+    vanished = _vanished_params(probe_table, param_table)
     for n in probe.notes:
         label, _, why = n.partition(": ")
+        if label in vanished and why == _MISMATCH:  # zeros and subnormals do not add up exactly
+            why = _VANISHED
         by_reason.setdefault(why, []).append(label)
     for why, labels in by_reason.items():
         shown = ", ".join(labels[:4]) + (f" and {len(labels) - 4} more" if len(labels) > 4 else "")
         run.notes.append(f"per-example ν unavailable for {shown}: {why}")
     return probe_table, param_table
+
+
+_VANISHED = (
+    "the gradient vanishes before these layers (it is 0, or its squares underflow to 0 in "
+    "float32), so per-example gradients cannot be told apart from the minibatch gradient"
+)
+
+
+def _vanished_params(probe_table: Rows, param_table: Rows) -> set[str]:
+    """Labels (``"layer.param"``) of the parameters whose minibatch gradient's ``E[dW^2]`` is 0
+    or whose layer's ``E[dy^2]`` is: a per-example check that fails there reads rounding, not a
+    parameter used outside its module."""
+    no_dy = {t["layer"] for t in probe_table if t["E_dy2"] == 0.0}
+    return {
+        f"{r['layer']}.{r['param']}" if r["layer"] else r["param"]
+        for r in param_table
+        if r["E_dW2"] == 0.0 or r["layer"] in no_dy
+    }
 
 
 def _gr_scaling(

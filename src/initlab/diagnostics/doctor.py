@@ -13,7 +13,10 @@ Checks (one tidy row each, :data:`DOCTOR_COLUMNS`):
 ``initial_loss``               the mean loss over the batches. Reference: ``ln C`` for a
                                cross-entropy on integer targets (``C`` classes: the logits' last
                                dim, dim 1 for dense ``(B, C, *S)`` logits; a language model's
-                               vocabulary): an untrained classifier should start near it. ``ok``
+                               vocabulary): an untrained classifier should start near it. The
+                               model's own loss counts as one only where it equals the
+                               cross-entropy of its logits on the labels (as is, or shifted by one
+                               for a causal language model); a CTC loss does not. ``ok``
                                within 10%, ``warn`` up to 2x, ``bad`` beyond (too high). For MSE on
                                float targets the reference is ``E[y^2]``, the loss of predicting 0
                                (``warn`` beyond 2x, ``bad`` beyond 10x). Otherwise ``n/a``.
@@ -28,10 +31,14 @@ Checks (one tidy row each, :data:`DOCTOR_COLUMNS`):
                                at one learning rate (Cor. 2: ``kappa >= max/min``). ``warn`` above
                                :data:`SPREAD_WARN` = 16 (some layer 4x from the median, the
                                per-layer ``warn`` of :mod:`~initlab.diagnostics.report`), ``bad``
-                               above :data:`SPREAD_BAD` = 10^4.
+                               above :data:`SPREAD_BAD` = 10^4; ``inf`` and ``bad`` when some
+                               weight's ``gamma`` is 0 (no gradient reaches it: counted in
+                               ``dead_or_exploding_layers``, which recommends the fix).
 ``nu_spread``                  the same for the weight-to-gradient ratio ``nu``.
 ``dead_or_exploding_layers``   layers with a linter finding ``vanishing_*``, ``exploding_*``,
-                               ``dead_relu`` or ``non_finite`` (warn or bad), or whose trainable
+                               ``dead_relu`` or ``non_finite`` (warn or bad), whose gradient is 0
+                               (the diagnosis's ``zero_gradient``, ``bad``: it vanished, or its
+                               squares underflow in float32; fix: LSUV), or whose trainable
                                parameters get no gradient (the diagnosis's ``no_gradient``: not
                                called on the data, or run under ``torch.no_grad()``; ``warn``,
                                and no fix here changes it); reference 0.
@@ -49,7 +56,10 @@ Fixes, in the order they are applied (:data:`FIXES`), each through the public me
 ``generator``:
 
 1. ``"init"``: ``init_model(model, "geometric")`` (the output head of a language model is drawn
-   small, ties kept), when the initial loss or the logits are too large or a layer is non-finite;
+   small, ties kept), when a layer or the loss is non-finite, or the loss or logits are too large
+   and the init shrinks them (measured, then put back: the logits' std after it at most half of
+   now; a classifier's head is drawn as it is, so only ``"output_scale"`` is recommended there).
+   An init that changes nothing is not listed as applied (``skipped`` says so);
 2. ``"lsuv"``: ``lsuv_(model, data)``, when a signal or gradient vanishes or explodes, or ReLU
    units are dead; after ``"init"``, ``lsuv_(model, data, orthogonal=False)``: the init's weights
    are rescaled, not replaced by LSUV's orthogonal start;
@@ -90,7 +100,13 @@ from initlab._core.loss import Loss, LossLike, resolve_loss, target_count
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows, _fmt
 from initlab._core.state import restore_on_failure
-from initlab.diagnostics._outputs import Forward, fixes_forward, output_pass
+from initlab.diagnostics._outputs import (
+    Forward,
+    fixes_forward,
+    init_logit_std,
+    output_pass,
+    unchanged,
+)
 from initlab.diagnostics.diagnose import diagnose
 from initlab.diagnostics.report import RATIO_BAD, RATIO_WARN, Report, _encode_rows, _encode_value
 from initlab.init.model import init_model
@@ -157,6 +173,7 @@ _LAYER_RULES = {
     "vanishing_gradient": "lsuv",
     "exploding_gradient": "lsuv",
     "dead_relu": "lsuv",
+    "zero_gradient": "lsuv",
     "non_finite": "init",
 }
 _ALIASES = {"scale_output": "output_scale", "init_model": "init", "preconditioning": "precondition"}
@@ -183,7 +200,9 @@ class _Measure:
     target_sq: float = math.nan
     target_std: float = math.nan
     own_loss: bool = False
+    own_other: bool = False  # the model's own loss is not a cross-entropy of its logits
     missing: str = ""  # why the outputs could not be read ("" when they were)
+    init_std: float | None = None  # the logits' std right after init_model (None: not tried)
 
 
 @dataclass
@@ -284,6 +303,11 @@ def _loss_check(m: _Measure) -> _Check:
     why = "no reference: the loss is neither cross-entropy on integer targets nor MSE on floats" + (
         " (the model's own loss, of a kind its targets do not tell)" if m.own_loss else ""
     )
+    if m.own_other:
+        why = (
+            "no reference: the model's own loss is not the cross-entropy of its logits on the "
+            "labels (e.g. a CTC loss, or a sum over a sequence), so ln C does not apply"
+        )
     if m.missing:
         why = f"no reference: the model's outputs (the number of classes) are unknown: {m.missing}"
     return _Check("initial_loss", m.loss, math.nan, "n/a", why)
@@ -319,6 +343,14 @@ def _spread_check(m: _Measure, key: str) -> _Check:
     value = float(imb.get(f"{key}_max_over_min", math.nan))
     symbol = "γ" if key == "gamma" else "ν"
     name = f"{key}_spread"
+    zero = int(imb.get(f"{key}_zero") or 0)
+    if value == math.inf and zero:
+        why = (
+            f"{symbol} max/min over {imb.get(f'{key}_layers')} weights is infinite: {zero} have "
+            f"{symbol} = 0 (min {imb.get(f'{key}_argmin')!r}), no gradient reaches them; see "
+            "dead_or_exploding_layers (no learning rate balances a layer that gets no gradient)"
+        )
+        return _Check(name, value, SPREAD_WARN, "bad", why)
     if not math.isfinite(value):
         count = int(imb.get(f"{key}_layers") or 0)
         why = f"{symbol} measured on {count} weight(s): a max/min needs two or more" + (
@@ -355,13 +387,14 @@ def _trusted(finding: Mapping[str, Any], normalized: bool, traced: bool) -> bool
     return traced or not str(rule).endswith("_gradient")
 
 
-def _no_gradient(m: _Measure) -> list[dict[str, Any]]:
-    """The diagnosis's ``no_gradient`` rows: layers whose trainable parameters got no gradient
-    (not called on the data, or under ``torch.no_grad()``), as linter-like findings."""
+def _no_gradient(m: _Measure, quantity: str = "no_gradient") -> list[dict[str, Any]]:
+    """The diagnosis's ``no_gradient`` rows (layers whose trainable parameters got no gradient:
+    not called on the data, or under ``torch.no_grad()``), or its ``zero_gradient`` rows (a
+    gradient of 0: vanished, or underflowed in float32), as linter-like findings."""
     return [
-        {"layer": r["layer"], "rule": "no_gradient", "severity": r["verdict"], "message": r["note"]}
+        {"layer": r["layer"], "rule": quantity, "severity": r["verdict"], "message": r["note"]}
         for r in m.report.rows
-        if r["quantity"] == "no_gradient"
+        if r["quantity"] == quantity
     ]
 
 
@@ -370,9 +403,10 @@ def _layers_check(m: _Measure, model: nn.Module) -> _Check:
     found = [
         r for r in m.report.findings if r.get("rule") in _LAYER_RULES and r.get("severity") in _ILL
     ]
-    silent = _no_gradient(m)
-    hits = [r for r in found if _trusted(r, normalized, traced)] + silent
-    ignored = len(found) - len(hits)
+    silent, zero = _no_gradient(m), _no_gradient(m, "zero_gradient")
+    trusted = [r for r in found if _trusted(r, normalized, traced)]
+    ignored = len(found) - len(trusted)
+    hits = zero + trusted + silent
     note = (
         f" ({ignored} vanishing/exploding finding(s) not counted: "
         + ("normalization layers reset the scale" if normalized else "the model was not traced")
@@ -395,8 +429,43 @@ def _layers_check(m: _Measure, model: nn.Module) -> _Check:
     )
 
 
-def _checks(m: _Measure, model: nn.Module) -> list[_Check]:
+def _init_for_logits(
+    checks: list[_Check], model: nn.Module, setup: _Setup, m: _Measure, done: bool = False
+) -> None:
+    """Keep ``"init"`` as a fix for logits that are too large only where it shrinks them (the
+    logits' std after it at most half of now): ``init_model`` draws a language model's output
+    head small, not a classifier's ``classifier``/``score`` head, so on those it would replace
+    the model's init and leave the logits as large; ``output_scale`` is the fix there.
+    ``done``: the init was already applied (``m`` is after it), so it did not."""
+    for c in checks[:2]:  # initial_loss, logit_std
+        if "init" not in c.fixes or not math.isfinite(c.value) or not math.isfinite(m.logit_std):
+            continue
+        if done:
+            c.fixes = tuple(f for f in c.fixes if f != "init")
+            c.why += "; init_model(model, 'geometric') was applied: scale the output instead"
+            continue
+        if m.init_std is None:  # measured once per measurement
+            m.init_std = init_logit_std(model, setup.batches, setup.loss, setup.forward,
+                                        setup.generator)  # fmt: skip
+        after = m.init_std
+        if math.isfinite(after) and after <= 0.5 * m.logit_std:
+            continue
+        c.fixes = tuple(f for f in c.fixes if f != "init")
+        c.why += (
+            f"; init_model(model, 'geometric') would not shrink the logits (std {_fmt(m.logit_std)}"
+            f" → {_fmt(after)}): scale the output instead"
+        )
+
+
+def _checks(
+    m: _Measure, model: nn.Module, setup: _Setup | None = None, done: Sequence[str] = ()
+) -> list[_Check]:
+    """The checks of one measurement; with ``setup``, ``"init"`` is recommended for large
+    logits only where it shrinks them (:func:`_init_for_logits`; ``done``: the fixes already
+    run, changed or not)."""
     checks = [_loss_check(m), _std_check(m), _spread_check(m, "gamma"), _spread_check(m, "nu")]
+    if setup is not None:
+        _init_for_logits(checks, model, setup, m, "init" in done)
     if checks[2].verdict == "n/a" and checks[3].verdict in _ILL:
         checks[3].fixes = ("precondition",)
     elif checks[2].verdict != "n/a":
@@ -471,6 +540,7 @@ class _Course:
     skipped: dict[str, str] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
     notes: dict[str, list[str]] = field(default_factory=dict)
+    unchanged: list[str] = field(default_factory=list)  # ran, changed nothing (in skipped)
 
     def run(self, name: str, call: Callable[[], Rows]) -> bool:
         """Run one fix; its warnings become notes, an error a failure. Whether it applied."""
@@ -493,17 +563,27 @@ def _treat(
 ) -> tuple[_Course, _Measure]:
     """Apply the fixes (``names``, or the recommended ones re-checked before each); re-measure."""
     auto = names is None
-    todo = _recommended(_checks(before, model)) if auto else list(names or [])
+    todo = _recommended(_checks(before, model, setup)) if auto else list(names or [])
     course, current, stale = _Course(), before, False
     for name in todo:
+        done = [*course.applied, *course.unchanged]
         if auto and course.applied:
             if stale:
                 current, stale = _measure(model, setup), False
-            if name not in _recommended(_checks(current, model)):
+            if name not in _recommended(_checks(current, model, setup, done)):
                 course.skipped[name] = f"no longer needed after {', '.join(course.applied)}"
                 continue
-        call = functools.partial(_apply, name, model, setup, current, course.applied)
-        if course.run(name, call):
+        call = functools.partial(_apply, name, model, setup, current, done)
+        kept = [t.detach().clone() for t in model.state_dict().values()] if name == "init" else []
+        if course.run(name, call) and kept and unchanged(model, kept):
+            course.applied.remove(name)  # never listed as applied: say it changed nothing
+            course.unchanged.append(name)
+            course.reports.pop(name, None)
+            course.skipped[name] = (
+                "changed nothing: the model already has init_model(model, 'geometric') with "
+                "this generator"
+            )
+        elif name in course.applied:
             stale = stale or name != "precondition"  # how="lr" leaves the model as it was
     if stale:
         current = _measure(model, setup)
@@ -690,10 +770,12 @@ def _rows(before: list[_Check], after: list[_Check] | None) -> list[dict[str, An
     ]  # fmt: skip
 
 
-def _after_checks(after: _Measure, model: nn.Module, course: _Course) -> list[_Check]:
+def _after_checks(
+    after: _Measure, model: nn.Module, course: _Course, setup: _Setup
+) -> list[_Check]:
     """The checks after the fixes; a spread that ``precondition_`` balanced through learning rates
     (the weights unchanged) points to the param groups instead of recommending it again."""
-    checks = _checks(after, model)
+    checks = _checks(after, model, setup, [*course.applied, *course.unchanged])
     if "precondition" in course.applied:
         for c in checks:
             if "precondition" in c.fixes:
@@ -791,7 +873,7 @@ def doctor(
     loss = resolve_loss(loss_fn, what="doctor")
     setup = _Setup(batches, loss, as_generator(generator), fixes_forward(loss, forward))
     before = _measure(model, setup)
-    checks = _checks(before, model)
+    checks = _checks(before, model, setup)
     meta = {
         "model": type(model).__name__, "loss": loss.name, "kind": before.kind or "other",
         "classes": before.classes or None,
@@ -802,7 +884,7 @@ def doctor(
     if names == []:
         return DoctorReport(_rows(checks, None), DOCTOR_COLUMNS, diagnosis=before.report, **common)
     course, after = _treat(model, setup, before, names)
-    rows = _rows(checks, _after_checks(after, model, course))
+    rows = _rows(checks, _after_checks(after, model, course, setup))
     extra = _param_groups_row(course)
     if extra is not None:
         rows.append(extra)

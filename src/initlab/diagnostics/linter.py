@@ -39,7 +39,12 @@ rule                        sev.    fires on
                                     needs :data:`DEAD_MIN_EXAMPLES` = 16 examples
 ``vanishing_signal``        bad     a module whose ``E[y^2]``, or ``E[y^2]`` relative to the
                                     network's input ``E[x^2]`` (the end-to-end forward gain,
-                                    :func:`signal_ratios`), is below :data:`SIGNAL_LOW` = 1e-3
+                                    :func:`signal_ratios`), is below :data:`SIGNAL_LOW` = 1e-3;
+                                    after a normalization layer (a type name with ``Norm``) the
+                                    reference is that layer's output ``E[y^2]`` (it sets the
+                                    scale: in a pre-norm transformer each projection is judged
+                                    from the norm before it, not from a 0.02-std embedding); an
+                                    embedding that feeds a normalization is not judged
 ``exploding_signal``        bad     ... above :data:`SIGNAL_HIGH` = 1e3
 ``vanishing_gradient``      bad     the probe's cumulative backward gain (product of
                                     ``E[dx^2] / E[dy^2]`` of the parameterized modules from the
@@ -524,9 +529,9 @@ def _probe_findings(
     out: list[dict[str, Any]] = []
     table = list(probe_table or ())
     nonfinite = _nonfinite_counts(probe_rows) if probe_rows is not None else None
-    ratios = signal_ratios(table)
+    ratios, exempt = signal_ratios(table), _feeds_norm(table)
     for r in table:
-        out.extend(_signal_findings(r, ratios, chain=chain, nonfinite=nonfinite))
+        out.extend(_signal_findings(r, ratios, exempt, chain=chain, nonfinite=nonfinite))
     for r in param_table or ():
         if r.get("nonfinite", 0) and r["nonfinite"] > 0:
             out.append(
@@ -590,22 +595,54 @@ def _activation_findings(r: Mapping[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def signal_ratios(probe_table: Iterable[Mapping[str, Any]]) -> dict[str, float]:
-    """``{layer: E[y^2] / E[x_0^2]}``: each module's output second moment relative to the
-    network's input (the end-to-end forward gain, measured directly).
+def _positive(v: Any) -> bool:
+    return isinstance(v, float) and math.isfinite(v) and v > 0
 
-    The reference ``E[x_0^2]`` is ``E[x^2]`` of the first probed module (in execution order) with
-    a finite positive value, or its ``E[y^2]`` if its input is not floating point (token ids).
-    Unlike the product of per-module gains this stays right through skip connections.
+
+def _in_order(probe_table: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    return sorted((r for r in probe_table if r["order"] is not None), key=lambda r: r["order"])
+
+
+def signal_ratios(probe_table: Iterable[Mapping[str, Any]]) -> dict[str, tuple[float, str]]:
+    """``{layer: (E[y^2] / reference, reference)}``: each module's output second moment relative
+    to the network's input (the end-to-end forward gain, measured directly), or, after a
+    normalization layer, to that layer's output; ``reference`` is ``""`` for the network's input,
+    else the normalization layer's name (NaN where a moment is missing).
+
+    The network's input ``E[x_0^2]`` is ``E[x^2]`` of the first probed module (in execution order)
+    with a finite positive value, or its ``E[y^2]`` if its input is not floating point (token ids).
+    A normalization layer (a module whose type name has ``Norm``: BatchNorm, LayerNorm, RMSNorm,
+    Hugging Face's ``LlamaRMSNorm``, ...) sets its output's scale itself: every module after it,
+    until the next one, is measured from its output ``E[y^2]``. Unlike the product of per-module
+    gains this stays right through skip connections.
     """
-    rows = sorted((r for r in probe_table if r["order"] is not None), key=lambda r: r["order"])
+    rows = _in_order(probe_table)
+    ref = next((r["E_x2"] if _positive(r["E_x2"]) else r["E_y2"] for r in rows
+                if _positive(r["E_x2"]) or _positive(r["E_y2"])), math.nan)  # fmt: skip
+    ref_name, out = "", {}
+    for r in rows:
+        y2 = r["E_y2"]
+        out[r["layer"]] = (y2 / ref if _positive(y2) and _positive(ref) else math.nan, ref_name)
+        if "Norm" in str(r["module_type"] or "") and _positive(y2):
+            ref, ref_name = y2, r["layer"] or "<root>"
+    return out
 
-    def ok(v: Any) -> bool:
-        return isinstance(v, float) and math.isfinite(v) and v > 0
 
-    ref = next((r["E_x2"] if ok(r["E_x2"]) else r["E_y2"] for r in rows
-                if ok(r["E_x2"]) or ok(r["E_y2"])), math.nan)  # fmt: skip
-    return {r["layer"]: r["E_y2"] / ref if ok(r["E_y2"]) and ok(ref) else math.nan for r in rows}
+def _feeds_norm(probe_table: Iterable[Mapping[str, Any]]) -> set[str]:
+    """Embeddings whose next probed module (other embeddings skipped) is a normalization layer,
+    which rescales them: a table of std 0.02 (``E[y^2] = 4e-4``, GPT-2's, Llama's, the small tied
+    table :func:`initlab.init_model` draws) is no vanishing signal there."""
+    out: set[str] = set()
+    waiting: list[str] = []
+    for r in _in_order(probe_table):
+        kind = str(r["module_type"] or "")
+        if "Embedding" in kind:
+            waiting.append(r["layer"])
+            continue
+        if "Norm" in kind:
+            out.update(waiting)
+        waiting = []
+    return out
 
 
 def _nonfinite_counts(probe_rows: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, int]]:
@@ -624,7 +661,8 @@ _ACT_QUANTITIES = ("x", "y", "dy", "dx")
 
 def _signal_findings(
     r: Mapping[str, Any],
-    ratios: Mapping[str, float],
+    ratios: Mapping[str, tuple[float, str]],
+    exempt: set[str],
     *,
     chain: bool,
     nonfinite: Mapping[str, Mapping[str, int]] | None,
@@ -666,11 +704,16 @@ def _signal_findings(
         return True
 
     # A normalization sets its output's scale itself: its ratio to the network's input is no
-    # gain through depth (a LayerNorm after a 0.02-std embedding is "x2600" by design).
-    absolute = check(r.get("E_y2"), "E[y^2]", "vanishing_signal", "exploding_signal", "signal")
-    if not absolute and "Norm" not in mtype:
-        check(ratios.get(layer, math.nan), "E[y^2] / E[x^2] of the network's input",
-              "vanishing_signal", "exploding_signal", "signal")  # fmt: skip
+    # gain through depth (a LayerNorm after a 0.02-std embedding is "x2600" by design); an
+    # embedding that feeds one is rescaled by it.
+    absolute = layer not in exempt and check(
+        r.get("E_y2"), "E[y^2]", "vanishing_signal", "exploding_signal", "signal"
+    )
+    if not absolute and layer not in exempt and "Norm" not in mtype:
+        ratio, ref = ratios.get(layer, (math.nan, ""))
+        what = (f"E[y^2] / E[y^2] of {ref} (the normalization before it)" if ref
+                else "E[y^2] / E[x^2] of the network's input")  # fmt: skip
+        check(ratio, what, "vanishing_signal", "exploding_signal", "signal")
     if chain:
         check(r.get("cum_gain_bwd"), "cumulative backward gain", "vanishing_gradient",
               "exploding_gradient", "gradient")  # fmt: skip

@@ -23,9 +23,14 @@ of the same numbers (the weight's row for per-parameter quantities) plus each la
 Verdicts (per layer; the worst applicable rule wins, every reason is kept):
 
 * ``bad``: non-finite activations, gradients or parameters in the layer (linter ``non_finite``);
-  the signal or the gradient vanishes or explodes there (``E[y^2]`` or a cumulative gain outside
-  ``[1e-3, 1e3]``, linter ``vanishing_*``/``exploding_*``); ``gamma`` of the layer's weight more
-  than :data:`RATIO_BAD` = 100x above or below the median ``gamma`` of the model's weights;
+  the signal or the gradient vanishes or explodes there (``E[y^2]``, the forward gain from the
+  network's input or from the last normalization layer before it, or the cumulative backward gain
+  outside ``[1e-3, 1e3]``, rules ``vanishing_*``/``exploding_*``; the forward gain restarts after
+  each normalization layer and an embedding that feeds one is not judged, see
+  :func:`initlab.diagnostics.linter.signal_ratios`); a weight whose ``gamma`` is 0
+  (``zero_gradient``, below);
+  ``gamma`` of the layer's weight more than :data:`RATIO_BAD` = 100x above or below the median
+  ``gamma`` of the model's weights;
   a linter finding of severity ``bad`` (saturated sigmoid/tanh, more than half the ReLU units dead).
 * ``warn``: ``gamma`` more than :data:`RATIO_WARN` = 4x from the median; a linter finding of
   severity ``warn`` (max pooling, sigmoid, tanh outside its linear regime, a skip connection, a
@@ -33,6 +38,12 @@ Verdicts (per layer; the worst applicable rule wins, every reason is kept):
   gets no gradient (``no_gradient``: not called on this data, or run under ``torch.no_grad()``,
   detached, or not leading to the loss: it will not learn).
 * ``ok``: none of these.
+
+A layer whose gradient is there but 0 is ``bad`` (``zero_gradient``): its weight's ``gamma`` is 0,
+or every trainable parameter's gradient is exactly 0, because the gradient vanished before it
+(often: its squares underflow to 0 in float32, ``E[dy^2] = 0``) or its input is 0 (dead units).
+Such a weight is "infinitely slower" than the others: it enters the imbalance summary, whose
+max/min is then ``inf`` (``gamma_zero``/``nu_zero`` count them), never a spread over the rest.
 
 ``gamma`` is Defazio & Bottou's GR scaling (Prop. 3), the estimated average squared singular value
 of the layer's diagonal Hessian block: a layer whose ``gamma`` is ``r`` times the median learns
@@ -91,7 +102,9 @@ QUANTITIES: dict[str, str] = {
     "cum_gain_fwd": "product of gain_fwd over probed modules in execution order up to here "
     "(the probe's; a chain product that ignores skip paths)",
     "cum_gain_bwd": "product of gain_bwd from the last module back to here (chain product)",
-    "signal_fwd": "E[y^2] / E[x^2] of the network's input (end-to-end forward gain, measured)",
+    "signal_fwd": "E[y^2] / E[x^2] of the network's input (end-to-end forward gain, measured); "
+    "after a normalization layer, E[y^2] / E[y^2] of the last one before it (note: which; "
+    "initlab.diagnostics.linter.signal_ratios)",
     "nonfinite": "batch-call tensors with NaN/inf (left out of the moments)",
     "dead_frac": "ReLU: fraction of input units <= 0 for every example measured",
     "dead_channel_frac": "ReLU: fraction of channels (dim 1) whose every unit is dead",
@@ -100,6 +113,8 @@ QUANTITIES: dict[str, str] = {
     "verdict": "the layer's verdict (value NaN; note = the reasons)",
     "no_gradient": "1 where no trainable parameter of the layer got a gradient (verdict warn; "
     "note: not called on this data, or no gradient reached it)",
+    "zero_gradient": "1 where the layer's weight has gamma = 0, or every trainable parameter's "
+    "gradient is exactly 0 (vanished, or underflowed in float32; verdict bad, note: why)",
     # per parameter
     "gamma": "GR scaling gamma (Defazio & Bottou Prop. 3) via initlab.gr_scaling",
     "gamma_rel_median": "gamma / median gamma of the model's weights",
@@ -348,12 +363,15 @@ class Report:
             )
         imb = m.get("imbalance") or {}
         for key, label in (("gamma", "γ (GR scaling)"), ("nu", "ν (weight-to-gradient)")):
-            mm = imb.get(f"{key}_max_over_min")
-            if _finite(mm):
+            mm = _decode_float(imb.get(f"{key}_max_over_min"))  # "inf" after JSON
+            zero = imb.get(f"{key}_zero") or 0
+            if _finite(mm) or (mm == math.inf and zero):
                 lines.append(
                     f"  {label} max/min over weights = {mm:.3g} "
                     f"(max {imb.get(f'{key}_argmax')}, min {imb.get(f'{key}_argmin')})"
-                )
+                    + (f"; {zero} of {imb.get(f'{key}_layers')} weights have {label.split()[0]} "
+                       "= 0: no gradient reaches them" if zero else "")
+                )  # fmt: skip
         lines += _lipschitz_lines(m)
         counts = {v: sum(1 for r in self.layers if r["verdict"] == v) for v in _VERDICTS}
         lines.append(f"  verdicts: {counts['ok']} ok, {counts['warn']} warn, {counts['bad']} bad")
@@ -553,21 +571,25 @@ def _median(values: Iterable[float]) -> float:
 
 
 def imbalance_summary(per_weight: Mapping[str, Mapping[str, float]]) -> dict[str, Any]:
-    """Max/min and median of gamma and nu over weights (``{layer: {"gamma": g, "nu": n}}``)."""
+    """Max/min and median of gamma and nu over weights (``{layer: {"gamma": g, "nu": n}}``).
+
+    A weight whose value is 0 (no gradient reaches it) counts: the max/min is then ``inf``, its
+    ``argmin`` that weight, and ``{key}_zero`` how many are 0 (never a spread over the rest)."""
     out: dict[str, Any] = {}
     for key in ("gamma", "nu"):
-        vals = {k: v[key] for k, v in per_weight.items() if _finite(v.get(key)) and v[key] > 0}
+        vals = {k: v[key] for k, v in per_weight.items() if _finite(v.get(key)) and v[key] >= 0}
+        zero = [k for k, v in vals.items() if v == 0]
+        out[f"{key}_layers"] = len(vals)
+        out[f"{key}_zero"] = len(zero)
         if len(vals) >= 2:
             hi = max(vals, key=vals.__getitem__)
-            lo = min(vals, key=vals.__getitem__)
-            out[f"{key}_max_over_min"] = vals[hi] / vals[lo]
+            lo = zero[0] if zero else min(vals, key=vals.__getitem__)
+            out[f"{key}_max_over_min"] = math.inf if zero else vals[hi] / vals[lo]
             out[f"{key}_median"] = statistics.median(vals.values())
             out[f"{key}_argmax"] = hi
             out[f"{key}_argmin"] = lo
-            out[f"{key}_layers"] = len(vals)
         else:
             out[f"{key}_max_over_min"] = _NAN
-            out[f"{key}_layers"] = len(vals)
     return out
 
 

@@ -358,6 +358,8 @@ def _gr_row(
     note = _gradient_note(sums, reached, backward, _trainable(module, spec.name))
     if note:
         notes.append(note)
+    elif e_x2 == 0.0 and _trainable(module, spec.name):
+        notes.append("E[x^2] = 0: the input is 0 (e.g. dead units before it), so gamma_w is 0")
     gamma_w = gamma_b = _NAN
     if n_in is not None and k2 is not None and math.isfinite(p2):
         gamma_w = _ratio(a4 * n_in * k2 * p2 * e_x2 * e_x2 * e_dy2, e_y2)
@@ -401,6 +403,11 @@ def _gradient_note(sums: torch.Tensor, reached: bool, backward: bool, trainable:
     nonfinite, calls = float(sums[8, 0]), float(sums[8, 1])
     if reached:
         if not nonfinite:
+            if float(sums[2, 0]) == 0.0 and trainable:
+                return (
+                    "E[dy^2] = 0: no gradient reaches this layer's output (the gradient vanishes "
+                    "before it, or its squares underflow to 0 in float32), so gamma is 0"
+                )
             return ""
         return (
             f"the output gradient was not finite (NaN or inf) in {nonfinite:.0f} batch-call(s), "
