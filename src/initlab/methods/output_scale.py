@@ -171,9 +171,10 @@ class OutputScale(nn.Module):
 
     scale: torch.Tensor
 
-    def __init__(self, scale: float) -> None:
+    def __init__(self, scale: float, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.register_buffer("scale", torch.tensor(float(scale)))
+        # ``dtype``: the output's (float64 for a float64 model; default float32)
+        self.register_buffer("scale", torch.tensor(float(scale), dtype=dtype or torch.float32))
 
     def forward(self, x: Any) -> Any:
         return scaled_output(x, self.scale)
@@ -399,7 +400,8 @@ def scale_output_(
         info: dict[str, Any] = {"scale": s, "std_before": std, "std_after": s * std, "how": how}
         if how == "module":
             info["layer"] = ""
-            info["module"] = OutputScale(s)
+            wide = outs[0].is_floating_point() and outs[0].dtype == torch.float64
+            info["module"] = OutputScale(s, dtype=torch.float64 if wide else None)
         elif how == "fold":
             name = module if module is not None else (order[-1] if order else None)
             if name is None:

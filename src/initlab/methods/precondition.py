@@ -263,8 +263,12 @@ def precondition_(
       rescaling symmetry of positively homogeneous networks: multiplying layer ``l``'s weight by
       ``r_l`` and its bias by ``C_l = r_1 ... r_l`` (execution order) scales its output by ``C_l``,
       every gradient ``dy_l`` by ``1 / C_l``, and keeps the network function when ``C_L = 1``.
-      Then ``gamma_l`` becomes ``gamma_l / r_l^4``: exactly the multiplier ``alpha_l = 1 / r_l``,
-      but with the constraint ``prod r_l = 1``, so the common value is the geometric mean
+      Then ``gamma_l`` becomes ``gamma_l / r_l^4``: exactly the multiplier ``alpha_l = 1 / r_l``
+      for the weights (a bias scaled by ``C_l`` is reparametrized too: an SGD step moves it at
+      ``lr / C_l^2`` of the original bias's rate, where ``how="lr"`` and ``"parametrize"`` leave
+      biases at the base rate, so the three train alike only without biases; the report's
+      ``gamma_b_after`` shows the difference), but with the constraint ``prod r_l = 1``, so the
+      common value is the geometric mean
       (``target`` must be ``"geomean"``). Valid for chains of linear/conv layers joined by
       ReLU, pooling, reshapes (MLPs, VGG/AlexNet-style nets without normalization); checked on
       the first batch (the output must not change, ``1e-4`` relative) and refused with a
@@ -286,7 +290,8 @@ def precondition_(
     weight reused by two layers) keeps ``alpha = 1`` too, reported with ``kind="tied"``: one
     tensor cannot take two multipliers, and one given to a single use would change the function.
     A layer whose weight is frozen (``requires_grad=False``) keeps ``alpha = 1``, reported with
-    ``kind="frozen"`` (``how="rescale"`` changed it in place). Biases are not given multipliers.
+    ``kind="frozen"`` (``how="rescale"`` changed it in place). Biases are not given multipliers
+    (except the reparametrization ``how="rescale"`` implies, above).
 
     Args:
         model: the model.
