@@ -1838,3 +1838,55 @@ def test_a_packed_sequence_input_gets_a_note_that_says_so(batch_first: bool):
         assert math.isnan(row["E_dW2_example"])
         assert row["note"].startswith("PackedSequence inputs are not supported for per-example")
     assert math.isfinite(param_row(probe, "head", "weight")["E_dW2_example"])
+
+
+class _Bilinear(nn.Module):
+    """A Bilinear layer whose second input's gradient reaches the probe first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.bil = nn.Linear(3, 4), nn.Linear(3, 5), nn.Bilinear(4, 5, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bil(self.a(x), 10 * self.b(x))
+
+
+class _TwoOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 3))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x @ self.w, x @ self.w.T
+
+
+class _UsesTwo(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.two, self.fc = _TwoOut(), nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.two(x)
+        return self.fc(a) + 3 * self.fc(b)
+
+
+def test_the_table_reads_the_first_input_and_output_whatever_order_gradients_arrive() -> None:
+    """table()'s E_dx2 / E_dy2 (and the gains from them) came from the tensor whose gradient
+    arrived first in the backward pass (a Bilinear's second input, a module's second output),
+    not input/output "0" as documented. Oracle: autograd on the module's own tensors, float64."""
+    torch.manual_seed(0)
+    model = _Bilinear().double()
+    x, t = torch.randn(8, 3, dtype=torch.float64), torch.randint(0, 2, (8,))
+    row = measure_moments(model, (x, t), nn.CrossEntropyLoss()).table().filter(layer="bil")[0]
+    u = model.a(x).detach().requires_grad_()
+    v = (10 * model.b(x)).detach().requires_grad_()
+    F.cross_entropy(model.bil(u, v), t).backward()
+    assert row["E_dx2"] == pytest.approx(float(((u.grad * 8) ** 2).mean()), rel=1e-10)
+
+    model = _UsesTwo().double()
+    x, t = torch.randn(6, 3, dtype=torch.float64), torch.randint(0, 2, (6,))
+    row = measure_moments(model, (x, t), nn.CrossEntropyLoss()).table().filter(layer="two")[0]
+    a, b = model.two(x)
+    a.retain_grad()
+    F.cross_entropy(model.fc(a) + 3 * model.fc(b), t).backward()
+    assert row["E_dy2"] == pytest.approx(float(((a.grad * 6) ** 2).mean()), rel=1e-10)

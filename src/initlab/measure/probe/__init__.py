@@ -8,7 +8,9 @@ many forward (and backward) passes as you run inside it, accumulates for every p
 * ``dy``: the gradient of the loss at each output, i.e. w.r.t. the value the module returned, before
   any in-place activation that follows it (``nn.ReLU(inplace=True)``, ``F.relu_``) overwrote it,
 * ``dx``: the gradient flowing into the module through each input *via this module only* (an input
-  that also feeds a skip connection gets only this module's share),
+  that also feeds a skip connection gets only this module's share); one tensor passed as several
+  inputs (self-attention's ``att(h, h, h)``) is one input of the module: each of its indices
+  reports the gradient through all of its uses in the module,
 
 and for every direct parameter of a probed module
 

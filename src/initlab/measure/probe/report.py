@@ -171,19 +171,28 @@ def _probe_rows(states: list[_ModuleState]) -> Rows:
     return Rows._adopt(out, PROBE_COLUMNS, title="moment probe")
 
 
+def _first_tensor(pooled: dict[str, dict[str, dict[str, float]]], q: str) -> dict[str, float]:
+    """The pooled moments of quantity ``q`` at the module's first input (``x``, ``dx``) or output
+    (``y``, ``dy``) tensor: gradients arrive in backward order (an ``nn.Bilinear``'s second
+    input's first), so ``dx``/``dy`` follow the order of ``x``/``y`` (the call's own)."""
+    own = pooled[q]
+    order = pooled[{"dx": "x", "dy": "y"}.get(q, q)]
+    path = next((p for p in order if p in own), next(iter(own), None))
+    return own[path] if path is not None else {"sq_mean": _NAN, "var": _NAN}
+
+
 def _module_table(states: list[_ModuleState]) -> Rows:
     """:meth:`MomentProbe.table` of the module states, in report order."""
     read = _read_all(states)
     out = []
     for st in states:
-        first: dict[str, dict[str, float]] = {}
+        pooled: dict[str, dict[str, dict[str, float]]] = {q: {} for q in _QUANTITIES}
         nonfinite = 0.0
-        for call, q, _, moments in _activation_blocks(st, read):
+        for call, q, path, moments in _activation_blocks(st, read):
             if call == "all":
-                first.setdefault(q, moments)
+                pooled[q][path] = moments
                 nonfinite += moments["nonfinite"]
-        nan = {"sq_mean": _NAN, "var": _NAN}
-        x, y, dy, dx = (first.get(q, nan) for q in _QUANTITIES)
+        x, y, dy, dx = (_first_tensor(pooled, q) for q in _QUANTITIES)
         out.append(
             {
                 "layer": st.name,
