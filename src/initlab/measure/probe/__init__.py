@@ -41,7 +41,10 @@ of the loss you called ``backward`` on. With ``"sum"`` nothing is rescaled. ``B`
 the root model's first tensor argument along ``batch_dim``; by default it is checked against the
 root's output and the targets (:mod:`~initlab.measure.probe.batch`): EmbeddingBag's
 ``(tokens, offsets)`` or a time-major ``(T, B, F)`` input take ``B`` from the output, an unclear
-one is refused.
+one is refused. What no shape can tell: a time-major model whose output is time-major too
+(``nn.Transformer(batch_first=False)``), or one whose ``T`` equals ``B``, reads as batch-first
+(per-example numbers of time steps, not examples, with no note: per-example sums add up either
+way); pass ``batch_dim=1`` for such a model.
 
 Long schema, :data:`PROBE_COLUMNS` (one row per number):
 
