@@ -657,7 +657,8 @@ def test_seed_seeds_the_model_construction(
                               "| pkg.module:fn | file.py:fn (fn(model, batch) -> scalar)"]),
         (["doctor", "--help"], ["| file.pt | pkg.module:fn | file.py:fn",
                                 "| pkg.module:fn | file.py:fn (fn(model, batch) -> scalar)"]),
-        (["demo", "--help"], ["study's seeds (SEED", "step 1's measured batch"]),
+        (["demo", "--help"], ["study's seeds (SEED", "step 1's measured batch",
+                              "(all of --schemes when it names none of these four)"]),
         (["data", "--help"], ["else ~/initlab-data"]),
         (["bench", "run", "--help"], ["--debug", "cpu, cuda, cuda:N or mps"]),
         (["bench", "report", "--help"], ["--debug", "one of the store's schemes"]),
@@ -1017,3 +1018,224 @@ def test_doctor_summary_names_the_flags(cli_dir: Path, capsys: pytest.CaptureFix
     ) in out
     assert "unchanged by precondition)" in out
     assert "param_groups" not in out and "precondition_" not in out
+
+
+def test_bench_report_refuses_to_pool_the_studies_of_one_store(
+    cli_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two studies with other epochs in one store: `bench report` without --study pooled them
+    (n_seeds doubled, exit 0); it names the studies and asks for --study, writing nothing."""
+    (cli_dir / "e2.yaml").write_text(textwrap.dedent(_SPEC).replace("epochs: 1", "epochs: 2")
+                                     .replace("tiny", "tiny_e2"))  # fmt: skip
+    for spec in ("spec.yaml", "e2.yaml"):
+        code, _, err = _run(["bench", "run", spec, "--store", "st/two.sqlite", "--quiet"], capsys)
+        assert code == 0, err
+    report = ["bench", "report", "st/two.sqlite", "--no-plots", "--n-boot", "20", "--out", "r"]
+    code, _, err = _run(report, capsys)
+    assert code == 2
+    assert "st/two.sqlite holds 2 studies ('tiny', 'tiny_e2')" in err
+    assert "pass --study with one of these names" in err and "study=" not in err
+    assert not (cli_dir / "r").exists()
+    code, _, err = _run([*report, "--study", "tiny_e2"], capsys)
+    assert code == 0, err
+    assert "study 'tiny_e2'" in (cli_dir / "r" / "table2.md").read_text()
+    code, _, err = _run([*report, "--study", "nosuch"], capsys)
+    assert code == 2 and "no study 'nosuch' in st/two.sqlite; its studies: 'tiny', 'tiny_e2'" in err
+
+
+_USER_LOSSES = """
+def boom(model, batch):
+    raise KeyError("labels")
+
+def one(a):
+    return 0
+
+def nested(model, batch):
+    return _helper(batch)
+
+def _helper(batch):
+    return batch["labels"]
+
+def wrong(model, batch):
+    return 0
+"""
+
+
+@pytest.mark.parametrize(
+    ("command", "fn", "text"),
+    [
+        ("init", "boom", "--loss 'my losses.py:boom' raised KeyError: 'labels' (it is called as "
+                         "fn(model, batch) on each batch of --data and returns the loss)"),
+        ("diagnose", "boom", "--loss 'my losses.py:boom' raised KeyError: 'labels'"),
+        ("init", "nested", "--loss 'my losses.py:nested' raised TypeError: "),
+        ("diagnose", "one", "--loss 'my losses.py:one' must take two arguments, fn(model, "
+                            "batch) (a batch of --data), and return the loss; it takes (a)"),
+        ("init", "wrong", "the --loss function 'wrong' returned int, not a tensor"),
+    ],
+)  # fmt: skip
+def test_an_error_in_a_loss_function_names_the_loss(
+    cli_dir: Path, capsys: pytest.CaptureFixture[str], command: str, fn: str, text: str
+) -> None:
+    """Errors of the user's --loss function came out bare (`error: KeyError: 'labels'`); they
+    name --loss, the file and the function, as --model's factory errors do."""
+    (cli_dir / "my losses.py").write_text(_USER_LOSSES)
+    argv = ["--model", "mods.py:mlp", "--data", "mods.py:data_ok", "--loss", f"my losses.py:{fn}"]
+    if command == "init":
+        argv = ["init", *argv, "--method", "gradinit", "--steps", "1", "--out", "o.pt"]
+    else:
+        argv = ["diagnose", *argv, "--no-plots", "--out", "dg"]
+    code, _, err = _run(argv, capsys)
+    assert code == 2, err
+    assert f"error: {text}" in err
+    assert not (cli_dir / "o.pt").exists()
+
+
+def test_data_takes_the_options_of_a_study_spec(
+    cli_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--data mnist?pad=2` was refused ("unknown --data") though a study spec takes it: the
+    command line reads named data sets with the study's parser (one syntax for both)."""
+    from tests.test_data import write_mnist
+
+    write_mnist(cli_dir / "root" / "mnist")  # 6 training images of 28x28
+    (cli_dir / "pad.py").write_text(
+        "from torch import nn\n\ndef net():\n"
+        "    return nn.Sequential(nn.Flatten(), nn.Linear(32 * 32, 10))\n"
+    )
+    argv = ["diagnose", "--model", "pad.py:net", "--data-dir", "root", "--batch-size", "3",
+            "--max-batches", "2", "--no-plots", "--out", "d"]  # fmt: skip
+    code, _, err = _run([*argv, "--data", "MNIST?pad=2&train_per_class=1"], capsys)
+    assert code == 0, err
+    code, _, err = _run([*argv, "--data", "mnist"], capsys)  # 28x28: the model needs 32x32
+    assert code == 2 and "could not run on the data" in err
+    for data, text in [
+        ("mnist?pad=x", "--data 'mnist?pad=x': data option pad='x': must be an integer >= 0"),
+        ("mnist?bogus=1", "--data 'mnist?bogus=1': bad option 'bogus=1'; write name?key=value"),
+        ("sklearn:iris?pad=2", "--data 'sklearn:iris?pad=2': option(s) pad apply to image sets"),
+        ("nosuch?pad=2", "unknown --data 'nosuch?pad=2'; give random"),
+    ]:
+        code, _, err = _run([*argv, "--data", data, "--out", "d2"], capsys)
+        assert code == 2 and f"error: {text}" in err, err
+        assert not (cli_dir / "d2").exists()
+
+
+def test_an_interrupted_bench_run_says_what_is_stored_and_how_to_resume(
+    cli_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C during `bench run` said only "interrupted": it says how many runs are stored and
+    that the same command resumes."""
+    import initlab.study.runner as runner
+    from initlab.study.trainer import train_runs
+
+    calls = []
+
+    def interrupting(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 1:
+            raise KeyboardInterrupt
+        return train_runs(*args, **kwargs)
+
+    real = runner.run_study
+    monkeypatch.setattr(runner, "run_study", lambda *a, **k: real(*a, **k, train_fn=interrupting))
+    code, _, err = _run([*_RUN, "--chunk-size", "1", "--quiet"], capsys)
+    assert code == 130
+    assert err.strip().splitlines()[-1] == (
+        "initlab bench run: interrupted; 1 of the 2 runs of study 'tiny' are stored in "
+        "st/s.sqlite; run the same command again to train the rest (stored runs are not trained "
+        "again)"
+    )
+    monkeypatch.setattr(runner, "run_study", real)
+    code, out, err = _run([*_RUN, "--quiet"], capsys)
+    assert code == 0 and "2 runs, 1 already stored, 1 trained now" in out, err
+
+
+def test_extend_grid_and_no_extend_grid_together_are_refused(
+    cli_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for flags in (["--extend-grid", "--no-extend-grid"], ["--no-extend-grid", "--extend-grid"]):
+        code, _, err = _run([*_RUN, *flags], capsys)
+        assert code == 2
+        assert "--extend-grid and --no-extend-grid contradict each other" in err
+        assert not (cli_dir / "st").exists()
+    code, _, err = _run([*_RUN, "--no-extend-grid", "--quiet"], capsys)
+    assert code == 0, err
+
+
+def test_demo_without_geometric_says_how_to_get_paired_comparisons(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The demo's warning said "pass reference= one of lecun, orthogonal", Python wording the
+    demo has no flag for; it gives the `bench report` command instead, and that command works."""
+    import shlex
+
+    from initlab.cli.demo import demo_training
+
+    notes: list[str] = []
+    small = {"seeds": 1, "lrs": (0.125,), "epochs": 1, "progress": False}
+    out = tmp_path / "my demo"
+    rows = demo_training(out, ["orthogonal", "lecun"], seed=0, note=notes.append, **small)
+    assert {r["scheme"] for r in rows.to_rows()} == {"orthogonal", "lecun"}  # no warning raised
+    assert len(notes) == 1 and "reference=" not in notes[0]
+    assert notes[0].startswith(
+        "no geometric among the trained schemes, so the study has no paired comparisons; for "
+        "comparisons against orthogonal, run "
+    )
+    command = notes[0].split("`")[1]
+    assert command.startswith("initlab bench report ") and "--reference orthogonal" in command
+    code, _, err = _run([*shlex.split(command)[1:], "--no-plots", "--n-boot", "20"], capsys)
+    assert code == 0, err
+    assert (out / "demo-report" / "paired.csv").read_text().count("lecun") >= 1
+    assert demo_training(out, ["geometric"], seed=0, note=notes.append, **small) is not None
+    assert len(notes) == 1  # with geometric: nothing to say
+
+
+def test_an_interrupted_demo_leaves_no_empty_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import initlab.cli.diagnose as diagnose_module
+
+    def interrupted(schemes, *, out, **kwargs):
+        Path(out).mkdir(parents=True)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(diagnose_module, "diagnose_demo", interrupted)
+    out = tmp_path / "d4"
+    code, _, err = _run(["demo", "--schemes", "fan_in", "--batch-size", "64", "--out", str(out)],
+                        capsys)  # fmt: skip
+    assert code == 130 and "initlab demo: interrupted" in err
+    assert not out.exists()  # was: an empty d4/diagnosis/
+    (tmp_path / "kept" / "empty").mkdir(parents=True)
+    (tmp_path / "kept" / "notes.txt").write_text("mine\n")
+    code, _, _ = _run(["demo", "--schemes", "fan_in", "--batch-size", "64", "--out",
+                       str(tmp_path / "kept")], capsys)  # fmt: skip
+    assert code == 130
+    assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == ["empty", "notes.txt"]
+
+
+def test_a_data_file_torch_cannot_load_is_said_in_words(
+    cli_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A text file given as --data x.pt gave "cannot read it (101)", torch's unpickler's bare
+    KeyError; the message says what the file is."""
+    import argparse
+
+    (cli_dir / "text.pt").write_text("101\n")
+    (cli_dir / "empty.pt").write_bytes(b"")
+    torch.save({"x": argparse.Namespace(a=1)}, cli_dir / "obj.pt")
+    (cli_dir / "cut.pt").write_bytes((cli_dir / "rows.pt").read_bytes()[:200])
+    for name, text in [
+        ("text.pt", "it is a text file, not a file that torch.save wrote; save a tensor"),
+        ("empty.pt", "it is an empty file, not a file that torch.save wrote"),
+        ("obj.pt", "it holds an object of type argparse.Namespace, which torch.load("),
+        ("cut.pt", "torch.load(weights_only=True) cannot read it; is it damaged or truncated? ("),
+    ]:
+        code, _, err = _run(["diagnose", "--model", "mods.py:mlp", "--data", name], capsys)
+        assert code == 2 and f"error: --data {name}: {text}" in err, err
+        assert "(101)" not in err
+
+
+def test_demo_table_says_gain_fwd_is_centered(capsys: pytest.CaptureFixture[str]) -> None:
+    """gain_fwd (var(y)/var(x)) is not E_y2/E_x2 of its row; the table said nothing of it."""
+    assert main(["demo", "--quick", "--schemes", "fan_in", "--batch-size", "64"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "gain_fwd = var(y)/var(x) (centered: not E_y2/E_x2 when x has a mean" in out

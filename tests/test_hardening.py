@@ -783,7 +783,7 @@ _CLI: dict[str, tuple[list[str], int, str]] = {
     "a .pt file torch cannot read (was: UnpicklingError)": (
         [*_INIT, "--method", "lsuv", "--data", "garbage.pt"],
         2,
-        "--data garbage.pt: torch.load(weights_only=True) cannot read it",
+        "--data garbage.pt: it is a text file, not a file that torch.save wrote",
     ),
     "data the model cannot take (was: RuntimeError)": (
         [*_INIT, "--method", "lsuv", "--data", "vector.pt"],

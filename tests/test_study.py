@@ -707,3 +707,37 @@ def test_chunks_train_inside_a_kept_heap(tmp_path: Path, helpers: Any, monkeypat
     assert depths == [1] * 3  # three chunks, each in the block
     assert heap._KEEPER.depth == 0
     assert len(calls) == 5 * 3  # entered and left once per chunk
+
+
+def test_report_never_pools_studies_of_different_protocols(tmp_path: Path, helpers: Any) -> None:
+    """Two studies in one store (2 and 3 epochs, the same seeds): a report without ``study`` was
+    one table with every seed counted twice; it is refused, naming the studies; a store of
+    unregistered runs of two protocols is refused too."""
+    from initlab.study import study_to_report
+
+    run = functools.partial(
+        run_study, train_fn=helpers.fake_train, load_fn=helpers.load_fake, progress=False,
+        extend_grid=False,
+    )  # fmt: skip
+    db = tmp_path / "two.sqlite"
+    run(small_spec(name="e2", datasets=["alpha"]), db)
+    run(small_spec(name="e3", datasets=["alpha"], epochs=3), db)
+    with pytest.raises(ValueError, match=r"holds 2 studies \('e2', 'e3'\).*pass study= with one"):
+        report_study(db, tmp_path / "r", plots=False, n_boot=20)
+    assert not (tmp_path / "r" / "runs.csv").exists()  # refused before writing
+    with pytest.raises(ValueError, match=r"holds 2 studies"):
+        study_to_report(db)
+    assert study_to_report(db, "e3") == "e3"
+    with pytest.raises(ValueError, match=r"no study 'e4' in .*its studies: 'e2', 'e3'"):
+        study_to_report(db, "e4")
+    report_study(db, tmp_path / "r", study="e3", plots=False, n_boot=20)
+    with open(tmp_path / "r" / "per_dataset.csv", newline="") as fh:
+        assert {row["n_seeds"] for row in csv.DictReader(fh)} == {"3"}
+    loose = tmp_path / "loose.sqlite"
+    with Store(db) as store, Store(loose) as out:
+        out.write(store.results())  # the runs of both, registered to no study
+    with pytest.raises(ValueError, match=r"runs of 2 protocols \(they differ in epochs\)"):
+        report_study(loose, tmp_path / "r2", plots=False, n_boot=20)
+    with Store(db) as store, Store(tmp_path / "one.sqlite") as out:
+        out.write(store.results("e2"))
+    assert study_to_report(tmp_path / "one.sqlite") is None  # one protocol: reported as one

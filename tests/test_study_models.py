@@ -220,7 +220,20 @@ def _never_train(*args: Any, **kwargs: Any) -> Any:
         ("model_helpers:nothing", "vec7", {}, r"has no callable 'nothing'"),
         ("no_such_module:fn", "vec7", {}, r"cannot import module 'no_such_module'"),
         ("paper_mlpp", "vec7", {}, r"unknown model 'paper_mlpp'.*paper_mlp"),
-        ("strided_lenet", "img1x32?channels=1", {"depth": 3}, r"cannot be built.*'depth'"),
+        (
+            "strided_lenet",
+            "img1x32?channels=1",
+            {"depth": 3},
+            r"unknown model_cfg key\(s\) depth; valid keys: .*\(in_channels, n_classes: taken",
+        ),
+        # the valid keys leave out those model_cfg may not set (they listed n_in, n_classes)
+        (
+            "paper_mlp",
+            "vec7",
+            {"widht": 3},
+            r"'paper_mlp': unknown model_cfg key\(s\) widht; valid keys: input_norm, output_scale, "
+            r"widths, and the study option conditioning \(n_in, n_classes: taken from the data",
+        ),
         ("strided_lenet", "img1x32?channels=1", {"in_channels": 1}, r"sets in_channels.*remove"),
         ("paper_mlp", "vec7", {"conditioning": "kernel_size"}, r"no convolution"),
         ("strided_lenet", "img1x32?channels=1", {"conditioning": "x"}, r"conditioning='x'"),

@@ -20,6 +20,7 @@ import torch
 from initlab.study.config import RunConfig, RunResult, last_epoch_mean
 from initlab.study.extend import extension_runs, next_rate
 from initlab.study.inputs import normalize_inputs
+from initlab.study.report import report_study
 from initlab.study.runner import StudyData, build_model, run_study
 from initlab.study.spec import StudySpec
 from initlab.study.store import RECORD_COLUMNS, SCHEMA_VERSION, Store
@@ -520,3 +521,21 @@ def test_aggregation_needs_the_loss_column() -> None:
     for fn in (lr_table, loss_cubes):
         with pytest.raises(ValueError, match="no 'last_epoch_minibatch_loss'"):
             fn([record], "last_epoch_minibatch")
+
+
+def test_report_protocol_names_the_rates_grid_extension_added(tmp_path: Path, bowl: Any) -> None:
+    """After two rounds of extension the best rates are 4 and 2^-4, outside the spec's grid
+    2^0..2^-2: the protocol line said only the spec's grid; it names the added rates."""
+    db = tmp_path / "ext.sqlite"
+    run_study(_bowl_spec(), db, train_fn=bowl.train_bowl, load_fn=bowl.load_bowl,
+              progress=False, extend_grid=2)  # fmt: skip
+    report_study(db, tmp_path / "rep", plots=False, n_boot=20)
+    line = next(s for s in (tmp_path / "rep" / "table2.md").read_text().splitlines()
+                if s.startswith("Protocol:"))  # fmt: skip
+    assert "lrs 2^0 .. 2^-2 (3 rates) (the spec's) + 4, 2, 0.125, 0.0625 (added by grid " in line
+    assert "added by grid extension" in (tmp_path / "rep" / "report.html").read_text()
+    plain = tmp_path / "plain.sqlite"
+    run_study(_bowl_spec(), plain, train_fn=bowl.train_bowl, load_fn=bowl.load_bowl,
+              progress=False)  # fmt: skip
+    report_study(plain, tmp_path / "rep2", plots=False, n_boot=20)
+    assert "grid extension" not in (tmp_path / "rep2" / "table2.md").read_text()

@@ -433,6 +433,15 @@ _WORDING: tuple[tuple[str, str | Callable[[re.Match[str]], str]], ...] = (
         r"save a list of (x, y) tuples for \1 batches, or a tuple (x, y, ...) for one batch",
     ),
     (r"or initlab\.Batches\(\[\.\.\.\]\)", "(save them with torch.save)"),
+    (
+        r"\bthe loss '([^']+)' returned (\w+), not a tensor",
+        r"the --loss function '\1' returned \2, not a tensor",
+    ),
+    (r"\bpass study= with one of these names", "pass --study with one of these names"),
+    (
+        r"\bor run them as studies \(initlab\.study\.run_study\)",
+        "or run them as studies (`initlab bench run SPEC`, one spec per protocol)",
+    ),
     (r"\bn_boot must be >= 1", "--n-boot must be >= 1"),
     (r"\blevel must be in \(0, ?1\)", "--level must be in (0, 1)"),
     (r"\bstale_after must be positive", "--stale-after must be positive"),

@@ -89,6 +89,12 @@ def bench_run(args: argparse.Namespace) -> int:
 
     check_device(args.device)
     check_not_empty("--data-dir", args.data_dir, "the data root folder")
+    if args.extend_grid is not None and args.no_extend_grid:
+        raise ValueError(
+            "--extend-grid and --no-extend-grid contradict each other; give one of them"
+        )
+    if args.no_extend_grid:
+        args.extend_grid = False
     rounds, extend = args.extend_rounds, args.extend_grid
     if rounds is not None and extend is not None and extend != (rounds > 0):
         given = "--extend-grid" if extend else "--no-extend-grid"
@@ -120,20 +126,40 @@ def bench_run(args: argparse.Namespace) -> int:
     except StudyError as err:
         print(f"initlab bench run: {err}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"initlab bench run: interrupted; {_stored_text(store, spec.name)}", file=sys.stderr)
+        return 130
     print(format_summary(summary))
-    print(f"\nreport: initlab bench report {shlex.quote(store)}")
+    print(f"\nreport: initlab bench report {shlex.quote(store)} --study {shlex.quote(spec.name)}")
     return 0
+
+
+def _stored_text(store: str, study: str) -> str:
+    """What an interrupted ``bench run`` leaves: how many of the study's runs the store holds,
+    and that the same command resumes."""
+    from initlab.study.store import Store
+
+    again = "run the same command again to train the rest (stored runs are not trained again)"
+    try:
+        with Store(store, read_only=True) as db:
+            done, total = len(db.keys(study)), len(db.study_keys(study))
+    except Exception:  # no store yet, or not readable: nothing was stored
+        return f"no run of study {study!r} was stored; {again}"
+    return f"{done} of the {total} runs of study {study!r} are stored in {store}; {again}"
 
 
 def bench_report(args: argparse.Namespace) -> int:
     """``initlab bench report STORE``: Table 2 per variant with intervals, paired comparisons,
     the sensitivity table, plots; ``report.html`` and Markdown/CSV files. Everything is checked
     before the report folder is made."""
+    from initlab.study.report import study_to_report
+
     store = check_store(args.store, flag="STORE", must_exist=True)
+    where = f"{store}" + (f" (study {args.study!r})" if args.study else "")
+    args.study = study_to_report(store, args.study)  # one study: never runs of two protocols
     schemes = store_schemes(store, args.study)
     reference = args.reference if args.reference is not None else _DEFAULT_REFERENCE
     if schemes and reference not in schemes:
-        where = f"{store}" + (f" (study {args.study!r})" if args.study else "")
         if args.reference is not None:
             raise ValueError(
                 f"--reference {args.reference!r} is not a scheme of {where}; valid: "
@@ -215,11 +241,7 @@ def add_bench(sub: Any, *, data_dir_help: str, debug_help: str) -> None:
         "--extend-rounds); default: the spec's extend_grid",
     )
     p.add_argument(
-        "--no-extend-grid",
-        dest="extend_grid",
-        action="store_const",
-        const=False,
-        help="no grid extension, whatever the spec says",
+        "--no-extend-grid", action="store_true", help="no grid extension, whatever the spec says"
     )
     p.add_argument(
         "--extend-rounds",
@@ -248,7 +270,11 @@ def add_bench(sub: Any, *, data_dir_help: str, debug_help: str) -> None:
     )
     p.add_argument("store", help="SQLite store written by `initlab bench run`")
     p.add_argument("--out", help="output folder (default: <store>-report)")
-    p.add_argument("--study", help="only this study of the store")
+    p.add_argument(
+        "--study",
+        help="the study of the store to report (needed when the store holds several: a report "
+        "never pools studies, whose protocols may differ)",
+    )
     p.add_argument("--no-plots", action="store_true")
     p.add_argument(
         "--window", type=positive_int, help="sliding window (steps, >= 1) for loss curves"

@@ -15,7 +15,10 @@ MLP (64 → 384 → 64 → 10, ReLU):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import shlex
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,14 +34,20 @@ from initlab.zoo.paper_mlp import PaperMLP
 
 __all__ = [
     "DEMO_SCHEMES",
+    "TRAINED_SCHEMES",
     "DemoResult",
     "demo_study",
     "demo_study_name",
+    "demo_training",
     "load_digits_tensors",
+    "no_empty_folders",
     "run_demo",
+    "training_schemes",
 ]
 
 DEMO_SCHEMES = ("fan_in", "fan_out", "arithmetic", "geometric", "operator_norm", "orthogonal")
+#: The schemes of Defazio & Bottou's Table 2: the demo's training step trains those of --schemes.
+TRAINED_SCHEMES = ("fan_in", "fan_out", "arithmetic", "geometric")
 
 #: Columns of the demo's per-layer table.
 DEMO_COLUMNS = (
@@ -56,6 +65,13 @@ DEMO_COLUMNS = (
     "nu",
 )
 
+#: What the columns of the demo's per-layer table are (printed under it).
+DEMO_LEGEND = (
+    "E_x2, E_y2, E_dy2, E_dx2: second moments E[v^2] of each layer's input x, output y and their "
+    "gradients; gain_fwd = var(y)/var(x) (centered: not E_y2/E_x2 when x has a mean, as after a "
+    "ReLU); gain_bwd = E_dx2/E_dy2; nu = E_dW2_example/E_W2 (per-example weight gradients)"
+)
+
 
 @dataclass
 class DemoResult:
@@ -65,7 +81,7 @@ class DemoResult:
     summary: Rows
 
     def __str__(self) -> str:
-        return f"{self.layers}\n\n{self.summary}"
+        return f"{self.layers}\n{DEMO_LEGEND}\n\n{self.summary}"
 
 
 def load_digits_tensors(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,3 +234,56 @@ def demo_study_name(
     if tuple(lrs) != (0.5, 0.125, 0.03125, 0.0078125) or epochs != 3:
         tag += f";lrs={','.join(f'{lr:g}' for lr in lrs)};epochs={epochs}"
     return f"demo[{tag}]"
+
+
+def training_schemes(schemes: Sequence[str]) -> list[str]:
+    """The schemes the demo's training step trains: those of ``schemes`` in
+    :data:`TRAINED_SCHEMES`, or all of ``schemes`` when none is."""
+    return [s for s in schemes if s in TRAINED_SCHEMES] or list(schemes)
+
+
+def demo_training(
+    out: Path, schemes: Sequence[str], *, seed: int, note: Callable[[str], None], **options: Any
+) -> Rows:
+    """``initlab demo``'s training step, :func:`demo_study` (``options``: its ``seeds``, ``lrs``,
+    ``epochs``, ``progress``). Without geometric among ``schemes`` there are no paired
+    comparisons: ``note`` is told the command that gives them (the report's own warning speaks
+    of Python's ``reference=``)."""
+    reference = "geometric"
+    if reference in schemes:
+        return demo_study(out, schemes, seed=seed, **options)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="no runs of the reference scheme")
+        rows = demo_study(out, schemes, seed=seed, **options)
+    naming = {k: v for k, v in options.items() if k in ("seeds", "lrs", "epochs")}
+    name = demo_study_name(schemes, seed=seed, **naming)
+    store = shlex.quote(str(out / "demo.sqlite"))
+    note(
+        f"no {reference} among the trained schemes, so the study has no paired comparisons; "
+        f"for comparisons against {schemes[0]}, run `initlab bench report {store} --study "
+        f"{shlex.quote(name)} --reference {schemes[0]}`"
+    )
+    return rows
+
+
+@contextmanager
+def no_empty_folders(out: Path) -> Iterator[None]:
+    """On an error or an interrupt, remove the folders under ``out`` (and ``out``) that the
+    block made and left empty; files already written stay (a finished diagnosis, a store that
+    resumes)."""
+    before = {p for p in out.rglob("*") if p.is_dir()} if out.is_dir() else set()
+    existed = out.is_dir()
+    try:
+        yield
+    except BaseException:
+        made = [p for p in out.rglob("*") if p.is_dir() and p not in before] if out.is_dir() else []
+        for folder in sorted(made, key=lambda p: len(p.parts), reverse=True):
+            _remove_if_empty(folder)
+        if not existed:
+            _remove_if_empty(out)
+        raise
+
+
+def _remove_if_empty(folder: Path) -> None:
+    with suppress(OSError):  # rmdir removes only an empty folder
+        folder.rmdir()

@@ -14,7 +14,9 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import inspect
 import json
+import re
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,7 @@ from initlab._core.loss import LOSSES, Loss, make_loss
 
 __all__ = [
     "DATA_SPECS",
+    "blame_loss",
     "check_data_spec",
     "check_loss_name",
     "has_targets",
@@ -40,7 +43,8 @@ __all__ = [
 
 DATA_SPECS = (
     "random, random:3x32x32, digits, a data set that `initlab data` lists (e.g. libsvm:letter, "
-    "mnist, sklearn:iris), a .pt file or pkg.module:fn"
+    "mnist, sklearn:iris) with options as in a study spec (e.g. mnist?pad=2&train_per_class=50), "
+    "a .pt file or pkg.module:fn"
 )
 
 
@@ -202,7 +206,59 @@ def check_loss_name(name: str) -> Any:
         return None
     if ":" not in name:
         raise ValueError(f"unknown --loss {name!r}; valid: {', '.join(LOSSES)} or pkg.module:fn")
-    return load_factory(name, "--loss")
+    fn = load_factory(name, "--loss")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: its call says
+        return fn
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        raise ValueError(
+            f"--loss {name!r} must take two arguments, fn(model, batch) (a batch of --data), and "
+            f"return the loss; it takes {signature}"
+        ) from None
+    return fn
+
+
+#: How the command line calls a ``--loss pkg.module:fn`` function.
+_LOSS_CALL = "it is called as fn(model, batch) on each batch of --data and returns the loss"
+
+
+def blame_loss(
+    err: BaseException, spec: str | None, describe: Callable[[BaseException], str] = str
+) -> BaseException:
+    """``err`` as a ``ValueError`` that names ``--loss spec`` when it was raised while the user's
+    loss function ran (its frame is in the traceback of ``err`` or of an error that caused it),
+    else ``err`` itself: a bare ``KeyError: 'labels'`` does not say whose code failed.
+    ``describe`` gives the text of ``err`` (the command line's, with its hints)."""
+    if spec is None or spec in LOSSES or ":" not in spec:
+        return err
+    try:
+        code = getattr(load_factory(spec, "--loss"), "__code__", None)
+    except Exception:  # the loss cannot be resolved now: nothing to blame
+        return err
+    if code is None or not _ran(code, err):
+        return err
+    text = describe(err).strip()
+    kind = f"{type(err).__name__}: "
+    return ValueError(f"--loss {spec!r} raised {text if text.startswith(kind) else kind + text} "
+                      f"({_LOSS_CALL})")  # fmt: skip
+
+
+def _ran(code: Any, err: BaseException) -> bool:
+    """Whether a frame of ``code`` is in the traceback of ``err`` or of its causes."""
+    seen: set[int] = set()
+    cause: BaseException | None = err
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        tb = cause.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code is code:
+                return True
+            tb = tb.tb_next
+        cause = cause.__cause__ or cause.__context__
+    return False
 
 
 def check_data_spec(spec: str) -> None:
@@ -221,9 +277,27 @@ def check_data_spec(spec: str) -> None:
         if not path.is_file():
             raise ValueError(f"--data file {spec} does not exist")
         return
-    if _dataset_name(spec) is None and ":" not in spec:
+    name = _named_spec(spec)
+    if name is not None:
+        _check_options(spec, name)
+        return
+    base = spec.partition("?")[0]
+    if ":" in base:
+        _check_catalogue_prefix(base)
+    if ":" not in spec or "?" in spec:
         raise ValueError(f"unknown --data {spec!r}; give {DATA_SPECS}")
-    _check_catalogue_prefix(spec)
+
+
+def _check_options(spec: str, name: str) -> None:
+    """Refuse bad options of a named data set (``mnist?pad=x``), as a study spec would, naming
+    --data."""
+    from initlab.study.datasets import check_dataset_name
+
+    try:
+        check_dataset_name(name)
+    except ValueError as err:
+        text = str(err).removeprefix(f"data set {name!r}: ")
+        raise ValueError(f"--data {spec!r}: {text}") from None
 
 
 def _check_catalogue_prefix(spec: str) -> None:
@@ -245,9 +319,18 @@ def is_named_dataset(spec: str | None) -> bool:
     if spec is None:
         return False
     try:
-        return _dataset_name(spec) is not None
+        return _named_spec(spec) is not None
     except ValueError:  # ambiguous: still a name
         return True
+
+
+def _named_spec(spec: str) -> str | None:
+    """The catalogue name ``spec`` means, with its options (``"MNIST?pad=2"`` ->
+    ``"mnist?pad=2"``: the names a study spec takes, :mod:`initlab.study.datasets`), or
+    ``None``."""
+    base, sep, query = spec.partition("?")
+    name = _dataset_name(base)
+    return None if name is None else name + sep + query
 
 
 def load_loss(name: str, *, seed: int, targets: bool) -> Loss | Any:
@@ -304,11 +387,33 @@ def _read_pt(spec: str) -> Any:
     try:
         return torch.load(path, weights_only=True)
     except Exception as err:
-        first = (str(err).strip() or type(err).__name__).splitlines()[0].split(". ")[0]
         raise ValueError(
-            f"--data {spec}: torch.load(weights_only=True) cannot read it ({first}); save a "
-            "tensor, a tuple (x, y) or a list of batches with torch.save"
+            f"--data {spec}: {_pt_problem(path, err)}; save a tensor, a tuple (x, y) or a list "
+            "of batches with torch.save"
         ) from err
+
+
+def _pt_problem(path: Path, err: Exception) -> str:
+    """Why ``torch.load(path, weights_only=True)`` failed, in words: torch's own text is long, or
+    a bare ``101`` (a ``KeyError`` of its unpickler) for a text file."""
+    with path.open("rb") as fh:
+        head = fh.read(512)
+    if not head.startswith((b"PK\x03\x04", b"\x80")):  # torch.save's zip, or its legacy pickle
+        text = head.decode("utf-8", "ignore")
+        plain = b"\x00" not in head and all(c.isprintable() or c.isspace() for c in text)
+        what = "an empty file" if not head else "a text file" if plain else "another kind of file"
+        return f"it is {what}, not a file that torch.save wrote"
+    refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+    if refused:
+        return (
+            f"it holds an object of type {refused.group(1)}, which torch.load(weights_only=True) "
+            "does not load (only tensors, numbers, strings, lists, tuples and dicts)"
+        )
+    first = (str(err).strip() or type(err).__name__).splitlines()[0].split(". ")[0]
+    return (
+        f"torch.load(weights_only=True) cannot read it; is it damaged or truncated? "
+        f"({type(err).__name__}: {first})"
+    )
 
 
 def _call_data_fn(spec: str) -> Any:
@@ -374,13 +479,13 @@ def load_data_spec(
     if spec.endswith((".pt", ".pth")):
         obj = _read_pt(spec)
     else:
-        name = _dataset_name(spec)
+        name = _named_spec(spec)
         if name is not None:
-            from initlab.data import load_dataset
+            from initlab.study.datasets import load_split
 
-            ds = load_dataset(name, root=data_dir)
-            return _sampled(ds.x, ds.y, batch_size, batches, gen)
-        if ":" not in spec:
+            _check_options(spec, name)
+            return _sampled(*load_split(name, "train", data_dir), batch_size, batches, gen)
+        if ":" not in spec or "?" in spec:
             raise ValueError(f"unknown --data {spec!r}; give {DATA_SPECS}")
         _check_catalogue_prefix(spec)
         obj = _call_data_fn(spec)

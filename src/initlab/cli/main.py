@@ -390,7 +390,7 @@ def _demo_schemes(text: str) -> list[str]:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from initlab.cli.demo import DEMO_SCHEMES, demo_study, run_demo
+    from initlab.cli.demo import DEMO_SCHEMES, run_demo
 
     schemes = _demo_schemes(args.schemes) if args.schemes is not None else list(DEMO_SCHEMES)
     start = time.perf_counter()
@@ -407,21 +407,21 @@ def _cmd_demo(args: argparse.Namespace) -> int:
          f"batch {args.batch_size})")  # fmt: skip
     print(run_demo(schemes, seed=args.seed, batch_size=args.batch_size))
     if not args.quick:
+        from initlab.cli.demo import demo_training, no_empty_folders, training_schemes
         from initlab.cli.diagnose import diagnose_demo
 
-        step(f"2/3 diagnosis: GR scaling, weight-to-gradient ratio, verdicts per layer "
-             f"(seed {args.seed})")  # fmt: skip
-        _, comparison = diagnose_demo(
-            schemes, seed=args.seed, out=out / "diagnosis",
-            progress=lambda msg: print(f"   {msg}", flush=True),
-        )  # fmt: skip
-        print(comparison)
-        study_schemes = [
-            s for s in schemes if s in ("fan_in", "fan_out", "arithmetic", "geometric")
-        ] or schemes
-        step(f"3/3 training: {', '.join(study_schemes)} x 3 seeds (from {args.seed}) x 4 "
-             "learning rates, 3 epochs (vectorized)")  # fmt: skip
-        print(demo_study(out, study_schemes, seed=args.seed))
+        with no_empty_folders(out):  # an interrupted demo leaves no empty folder behind
+            step(f"2/3 diagnosis: GR scaling, weight-to-gradient ratio, verdicts per layer "
+                 f"(seed {args.seed})")  # fmt: skip
+            _, comparison = diagnose_demo(
+                schemes, seed=args.seed, out=out / "diagnosis",
+                progress=lambda msg: print(f"   {msg}", flush=True),
+            )  # fmt: skip
+            print(comparison)
+            study_schemes = training_schemes(schemes)
+            step(f"3/3 training: {', '.join(study_schemes)} x 3 seeds (from {args.seed}) x 4 "
+                 "learning rates, 3 epochs (vectorized)")  # fmt: skip
+            print(demo_training(out, study_schemes, seed=args.seed, note=lambda t: note(args, t)))
         print(f"\nreport folder: {out}/ (diagnosis/*.html, study/table2.md, study/plots/)")
     print(f"\ndone in {time.perf_counter() - start:.1f} s")
     return 0
@@ -446,7 +446,8 @@ def _cmd_data(args: argparse.Namespace) -> int:
 _MODEL_HELP = "'pkg.module:factory', 'file.py:factory' or 'zoo:NAME'"
 _DATA_HELP = (
     "random | random:3x32x32 | digits | a data set `initlab data` lists (libsvm:letter, mnist, "
-    "...) | file.pt | pkg.module:fn | file.py:fn"
+    "...), with a study spec's options: mnist?pad=2&train_per_class=50 (its training split) | "
+    "file.pt | pkg.module:fn | file.py:fn"
 )
 _DATA_DIR_HELP = (
     "data root of the named data sets (default: $INITLAB_DATA_DIR, else ../shared/data if that "
@@ -645,10 +646,11 @@ def _add_demo(sub: Subparsers) -> None:
         "demo",
         help="compare schemes on the paper MLP with bundled digits data",
         description="Three steps: 1. moments of one batch per scheme; 2. the per-layer "
-        "diagnosis per scheme (4 batches of 256); 3. a small training study (fan_in, fan_out, "
-        "arithmetic, geometric among --schemes) x 3 seeds x 4 learning rates, batch 64, stored "
-        "in OUT/demo.sqlite under a study named after the schemes and seed (finished runs of "
-        "the same options are reused).",
+        "diagnosis per scheme (4 batches of 256); 3. a small training study of the schemes "
+        "among --schemes that are one of fan_in, fan_out, arithmetic, geometric (all of "
+        "--schemes when it names none of these four) x 3 seeds x 4 learning rates, batch 64, "
+        "stored in OUT/demo.sqlite under a study named after the schemes and seed (finished "
+        "runs of the same options are reused).",
     )
     p.add_argument("--schemes", help="comma-separated scheme names (default: all demo schemes)")
     p.add_argument(
@@ -841,6 +843,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         except Exception as err:
             if args.debug:
                 traceback.print_exc()
+            from initlab.cli.inputs import blame_loss
+
+            # an error of the user's --loss function names it
+            err = blame_loss(err, getattr(args, "loss", None), lambda e: _message(e, args.command))
             print(f"initlab {name}: error: {_message(err, args.command)}", file=sys.stderr)
             return _exit_code(err)
 

@@ -26,7 +26,7 @@ from initlab.study.aggregate import (
 )
 from initlab.study.bootstrap import paired_comparisons, table2_intervals
 from initlab.study.config import RunConfig, RunResult
-from initlab.study.report import report_study
+from initlab.study.report import report_study, study_to_report
 from initlab.study.runner import (
     StudyData,
     StudyError,
@@ -59,6 +59,7 @@ __all__ = [
     "report_study",
     "run_study",
     "sensitivity_table",
+    "study_to_report",
     "table2",
     "table2_intervals",
     "train_one",

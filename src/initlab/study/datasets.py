@@ -40,8 +40,10 @@ import torch.nn.functional as F
 
 __all__ = [
     "DATA_OPTIONS",
+    "check_dataset_name",
     "dataset_identity",
     "example_shape",
+    "load_split",
     "load_study_data",
     "parse_dataset_name",
 ]
@@ -193,17 +195,13 @@ def _transform(x: torch.Tensor, options: Mapping[str, Any]) -> torch.Tensor:
     return x
 
 
-def load_study_data(name: str, root: str | None = None) -> Any:
-    """A data set's train and (where it exists and is not dropped) test split as a
-    :class:`~initlab.study.runner.StudyData`, options applied (see the module doc).
+def check_dataset_name(name: str) -> tuple[str, dict[str, Any]]:
+    """``(catalogue name, options)`` of a data set name with options (module doc), checked
+    without loading anything: the options parse, and the image options are on an image set.
 
-    A data set published without a test split (several LIBSVM sets) gives ``test=None``; a
-    missing file, or any error reading a published test split (a parse error, a label the
-    training split lacks), raises.
+    Raises:
+        ValueError: a bad option, or an option the data set cannot take (``pad`` on vectors).
     """
-    from initlab.data import load_dataset
-    from initlab.study.runner import StudyData
-
     base, options = parse_dataset_name(name)
     kind = _image_kind(base)
     image_only = [k for k in _IMAGE_ONLY if k in options]
@@ -215,19 +213,50 @@ def load_study_data(name: str, root: str | None = None) -> Any:
     if "channels" in options and (kind is None or options["channels"] != _IMAGE_CHANNELS[kind]):
         have = "vectors" if kind is None else f"{_IMAGE_CHANNELS[kind]}-channel images"
         raise ValueError(f"data set {name!r}: {base!r} has {have}; drop channels=")
-    from initlab.data.catalogue import catalogue_entry
+    return base, options
 
-    train = load_dataset(base, "train", root=root, limit_per_class=options.get("train_per_class"))
+
+def load_split(
+    name: str, split: str = "train", root: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x, y)`` of one split of data set ``name`` with its options applied (module doc; the
+    split's ``*_per_class`` option limits it). The command line's ``--data`` reads the training
+    split this way, so it takes the same names as a study spec."""
+    base, options = check_dataset_name(name)
+    x, data = _load_split(base, options, split, root)
+    return x, data.y
+
+
+def _load_split(base: str, options: Mapping[str, Any], split: str, root: str | None) -> Any:
+    """``(x with the options applied, the loaded Dataset)`` of one split."""
+    from initlab.data import load_dataset
+
+    data = load_dataset(base, split, root=root, limit_per_class=options.get(f"{split}_per_class"))
+    return _transform(data.x, options), data
+
+
+def load_study_data(name: str, root: str | None = None) -> Any:
+    """A data set's train and (where it exists and is not dropped) test split as a
+    :class:`~initlab.study.runner.StudyData`, options applied (see the module doc).
+
+    A data set published without a test split (several LIBSVM sets) gives ``test=None``; a
+    missing file, or any error reading a published test split (a parse error, a label the
+    training split lacks), raises.
+    """
+    from initlab.data.catalogue import catalogue_entry
+    from initlab.study.runner import StudyData
+
+    base, options = check_dataset_name(name)
+    x, train = _load_split(base, options, "train", root)
     test = None
-    n_test = options.get("test_per_class")
     # Only a split the catalogue does not publish means "no test split": any error reading one
     # it publishes (a parse error, a label absent from the training split) is the data set's.
-    if n_test != 0 and "test" in catalogue_entry(base).splits:
-        test = load_dataset(base, "test", root=root, limit_per_class=n_test)
-    x = _transform(train.x, options)
+    if options.get("test_per_class") != 0 and "test" in catalogue_entry(base).splits:
+        x_test, data = _load_split(base, options, "test", root)
+        test = (x_test, data.y)
     return StudyData(
         train=(x, train.y),
-        test=None if test is None else (_transform(test.x, options), test.y),
+        test=test,
         n_features=math.prod(x.shape[1:]),
         n_classes=int(train.n_classes),
     )

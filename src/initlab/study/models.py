@@ -132,6 +132,7 @@ def model_arguments(config: RunConfig, shape: tuple[int, ...], n_classes: int) -
             f"takes from data set {config.dataset!r}; remove it from model_cfg"
         )
     _, takes = _factory(config.model)
+    _check_zoo_keys(config)
     values = _data_values(shape, n_classes)
     if "in_channels" in takes and "in_channels" not in values:
         raise StudyModelError(
@@ -141,6 +142,25 @@ def model_arguments(config: RunConfig, shape: tuple[int, ...], n_classes: int) -
         )
     kwargs = {k: v for k, v in cfg.items() if k not in STUDY_KEYS}
     return {**kwargs, **{k: values[k] for k in takes}}
+
+
+def _check_zoo_keys(config: RunConfig) -> None:
+    """Refuse ``model_cfg`` keys a zoo model does not take, listing those a spec may set (the
+    zoo's own message lists the data keys too, which model_cfg may not set)."""
+    if ":" in config.model:
+        return  # a user factory: its own signature says
+    from initlab.zoo import list_models
+
+    defaults = next(m["default_cfg"] for m in list_models() if m["name"] == config.model)
+    unknown = sorted(set(config.model_kwargs) - set(defaults) - set(STUDY_KEYS))
+    if unknown:
+        valid = sorted(k for k in defaults if k not in DATA_KEYS)
+        data = ", ".join(k for k in DATA_KEYS if k in defaults)
+        raise StudyModelError(
+            f"model {config.model!r}: unknown model_cfg key(s) {', '.join(unknown)}; valid keys: "
+            f"{', '.join(valid)}, and the study option {', '.join(STUDY_KEYS)} ({data}: taken "
+            "from the data set)"
+        )
 
 
 def build_model(config: RunConfig, *, n_in: int, n_classes: int) -> nn.Module:

@@ -62,7 +62,7 @@ from initlab.study.report_html import ci_text, html_image, html_page, html_table
 from initlab.study.spec import StudySpec
 from initlab.study.store import BASE_VARIANT, Store
 
-__all__ = ["VariantReport", "analyze_variant", "report_study"]
+__all__ = ["VariantReport", "analyze_variant", "report_study", "study_to_report"]
 
 #: Protocol keys shown for each variant.
 _PROTOCOL_KEYS = ("optimizer", "momentum", "batch_size", "weight_decay", "epochs", "input_norm",
@@ -152,7 +152,8 @@ def _safe(name: str) -> str:
 
 
 def _variants(store: Store, study: str | None, loss: str | None) -> list[tuple[str, str, dict]]:
-    """``(variant, loss, protocol)`` of each variant of the study, in registration order."""
+    """``(variant, loss, protocol)`` of each variant of the study, in registration order; the
+    protocol's ``lrs`` is the spec's grid (a tuple; :func:`_lrs_of` says it with the records)."""
     if study is None:
         return [(BASE_VARIANT, loss or "full_pass", {})]
     try:
@@ -164,9 +165,24 @@ def _variants(store: Store, study: str | None, loss: str | None) -> list[tuple[s
         spec = flat.get(name)
         protocol = {k: v for k, v in spec.to_dict().items() if k in _PROTOCOL_KEYS} if spec else {}
         if spec is not None:
-            protocol["lrs"] = _lrs_text(spec.lrs)
+            protocol["lrs"] = tuple(spec.lrs)
         out.append((name, loss or (spec.loss if spec else "full_pass"), protocol))
     return out
+
+
+def _lrs_of(protocol: dict[str, Any], records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """``protocol`` with its ``lrs`` (the spec's grid) as text, followed by the rates that grid
+    extension added (``--extend-grid``), so that every best rate shown is in the stated grid."""
+    if "lrs" not in protocol:
+        return protocol
+    grid = protocol["lrs"]
+    added = sorted({float(r["lr"]) for r in records} - {float(lr) for lr in grid}, reverse=True)
+    text = _lrs_text(grid)
+    if added:
+        rates = ", ".join(f"{lr:g}" for lr in added)
+        text += f" (the spec's) + {rates} (added by grid extension, where a best rate sat at the "
+        text += "grid's edge)"
+    return {**protocol, "lrs": text}
 
 
 def _lrs_text(lrs: Sequence[float]) -> str:
@@ -174,6 +190,62 @@ def _lrs_text(lrs: Sequence[float]) -> str:
     if all(e.is_integer() for e in exps) and len(lrs) > 2:
         return f"2^{int(max(exps))} .. 2^{int(min(exps))} ({len(lrs)} rates)"
     return ", ".join(f"{lr:g}" for lr in lrs)
+
+
+def study_to_report(store_path: str | Path, study: str | None = None) -> str | None:
+    """The study a report of ``store_path`` covers: ``study`` if the store has it, else the
+    store's only study; ``None`` for a store whose runs belong to no registered study (they are
+    reported as one variant, when they share one protocol).
+
+    Raises:
+        FileNotFoundError: no store at ``store_path``.
+        ValueError: no study ``study`` in the store; or ``study`` is ``None`` and the store holds
+            several studies (each with its own protocol: a report never pools them as if their
+            runs were seeds of one), or unregistered runs of several protocols.
+    """
+    if not Path(store_path).is_file():
+        raise FileNotFoundError(f"no study store at {store_path}")
+    with Store(store_path, read_only=True) as store:
+        return _study_of(store, study, store_path)
+
+
+#: The run-config fields that are not the study's grid (data set, scheme, seed, learning rate):
+#: runs that differ in one of them follow different protocols.
+_PROTOCOL_COLUMNS = ("model", "model_cfg", "optimizer", "momentum", "weight_decay", "epochs",
+                     "batch_size", "output_std", "input_norm")  # fmt: skip
+
+
+def _study_of(store: Store, study: str | None, store_path: str | Path) -> str | None:
+    """:func:`study_to_report` on an open store."""
+    studies = store.studies()
+    if study is not None:
+        if study not in studies:
+            names = ", ".join(map(repr, studies)) if studies else "none"
+            raise ValueError(f"no study {study!r} in {store_path}; its studies: {names}")
+        return study
+    if len(studies) == 1:
+        return next(iter(studies))
+    if studies:
+        names = ", ".join(map(repr, studies))
+        raise ValueError(
+            f"{store_path} holds {len(studies)} studies ({names}), each with its own protocol; "
+            "a report covers one study, so that runs of different protocols are never pooled "
+            "as seeds of one: pass study= with one of these names"
+        )
+    protocols = {tuple(r[c] for c in _PROTOCOL_COLUMNS) for r in store.records()}
+    if len(protocols) > 1:
+        raise ValueError(
+            f"{store_path} holds runs of {len(protocols)} protocols (they differ in "
+            f"{', '.join(_differing(protocols))}) and no registered study to tell them apart; "
+            "a report pools the runs of one protocol only: store each protocol's runs in its "
+            "own store, or run them as studies (initlab.study.run_study)"
+        )
+    return None
+
+
+def _differing(protocols: set[tuple[Any, ...]]) -> list[str]:
+    """The protocol columns on which ``protocols`` disagree."""
+    return [c for i, c in enumerate(_PROTOCOL_COLUMNS) if len({p[i] for p in protocols}) > 1]
 
 
 def report_study(
@@ -194,8 +266,9 @@ def report_study(
     Args:
         store_path: the study store.
         out_dir: output folder (created).
-        study: the study's name; ``None``: the only study in the store (or all its runs as one
-            variant if there are several or none registered).
+        study: the study's name; ``None``: the only study in the store, or all its runs as one
+            variant when none is registered and they share one protocol
+            (:func:`study_to_report`: a store of several studies needs ``study``).
         plots: draw the plots (needs matplotlib); the HTML page is written either way.
         window: sliding-window length for the training-loss curves (default: see
             :func:`initlab.study.plots.plot_loss_curves`).
@@ -206,6 +279,10 @@ def report_study(
     Returns:
         :func:`~initlab.study.aggregate.sensitivity_table` rows: per variant and scheme, the
         average normalized loss, its interval, rank, worst/best counts.
+
+    Raises:
+        ValueError: ``study`` is not given and the store holds several studies (or unregistered
+            runs of several protocols): :func:`study_to_report`.
 
     Warns:
         UserWarning: a variant has unfinished runs, or data sets were left out because every
@@ -218,11 +295,7 @@ def report_study(
     reports: list[VariantReport] = []
     plot_files: dict[str, list[Path]] = {}
     with Store(store_path, read_only=True) as store:  # a report writes nothing to the store
-        studies = store.studies()
-        if study is None and len(studies) == 1:
-            study = next(iter(studies))
-        if study is not None and study not in studies:
-            raise ValueError(f"no study {study!r} in {store_path}; it has: {sorted(studies)}")
+        study = _study_of(store, study, store_path)
         store.to_csv(out / "runs.csv", study)
         keys = store.variants(study) if study is not None else {}
         for name, measure, protocol in _variants(store, study, loss):
@@ -230,7 +303,7 @@ def report_study(
             if not records:
                 continue
             reports.append(analyze_variant(
-                name, records, loss=measure, protocol=protocol,
+                name, records, loss=measure, protocol=_lrs_of(protocol, records),
                 n_expected=len(keys.get(name, records)), n_boot=n_boot, seed=seed, level=level,
                 reference=reference,
             ))  # fmt: skip
