@@ -596,3 +596,29 @@ def test_a_one_conv_branch_beside_a_projection_is_a_skip_connection(norm: bool) 
     want = ({"conv", "bn"}, {"proj", "pbn"}) if norm else ({"conv"}, {"proj"})
     for blocks in (fx_blocks, runtime):
         assert [(set(b["branch"]), set(b["shortcut"])) for b in blocks] == [want]
+
+
+@pytest.mark.parametrize("entry", [e for e in _SCRIPTED_REFUSED if e != "MomentProbe"])
+def test_model_and_data_swapped_is_refused_naming_the_entry_point(entry: str) -> None:
+    """A tuple where the model goes: most entry points raised "'tuple' object has no attribute
+    'parameters'" (scale_output_: "a batch must hold a tensor; got ReLU")."""
+    with pytest.raises(TypeError, match=rf"^{entry}: the model must be an nn\.Module, got tuple"):
+        _SCRIPTED_REFUSED[entry](_data(), _scripted())  # type: ignore[arg-type]
+
+
+def test_gr_scaling_takes_the_model_by_keyword_too() -> None:
+    """gr_scaling's first parameter is the probe or the model: gr_scaling(model=..., data=...)
+    failed with "missing 1 required positional argument: 'probe'"."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    data = _data()
+    by_position = initlab.gr_scaling(model, data, nn.CrossEntropyLoss()).to_rows()
+    by_keyword = initlab.gr_scaling(model=model, data=data, loss_fn=nn.CrossEntropyLoss())
+    assert _rows_equal(by_keyword.to_rows(), by_position)
+
+
+def _rows_equal(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
+    same = lambda u, v: u == v or (isinstance(u, float) and math.isnan(u) and math.isnan(v))  # noqa: E731
+    return len(a) == len(b) and all(
+        r.keys() == q.keys() and all(same(r[k], q[k]) for k in r) for r, q in zip(a, b, strict=True)
+    )

@@ -72,7 +72,8 @@ def eager_submodules(model: nn.Module) -> Iterator[None]:
 
 def takes_compiled(fn: F | None = None, *, scripted: bool = False, collective: bool = False) -> Any:
     """Run ``fn`` with its model (the first positional argument or ``model=``) uncompiled, its
-    compiled submodules too (:func:`eager_submodules`).
+    compiled submodules too (:func:`eager_submodules`); a model that is no ``nn.Module`` (model
+    and data swapped) is refused with a ``TypeError`` naming ``fn``.
 
     A TorchScript model or submodule (``torch.jit.script``/``trace``) takes no hooks and no
     parameter swaps: unless ``scripted`` (an entry point that needs neither), it is refused with
@@ -98,6 +99,11 @@ def takes_compiled(fn: F | None = None, *, scripted: bool = False, collective: b
             if found is not None:
                 raise scripted_error(found[1], fn.__name__, found[0])
         if not isinstance(model, nn.Module):
+            if model is not None and not isinstance(getattr(model, "model", None), nn.Module):
+                raise TypeError(  # a probe (gr_scaling's second form) holds its model
+                    f"{fn.__name__}: the model must be an nn.Module, got "
+                    f"{type(model).__name__}; call {fn.__name__}(model, ...) with the model first"
+                )
             return fn(*args, **kwargs)
         check_materialized(model, fn.__name__)
         with eager_submodules(model):

@@ -508,7 +508,7 @@ def _probe_data(
 
 @takes_compiled
 def gr_scaling(
-    probe: MomentProbe | nn.Module,
+    probe: MomentProbe | nn.Module | None = None,
     data: Any = None,
     loss_fn: LossLike = None,
     *,
@@ -538,7 +538,8 @@ def gr_scaling(
     ``gamma_w == nu_w`` under the paper's independence assumptions.
 
     Args:
-        probe: a probed :class:`~initlab.MomentProbe`, or the model (the first form).
+        probe: a probed :class:`~initlab.MomentProbe`, or the model (the first form; also as
+            ``model=`` with ``data=``).
         data: one batch or many (:mod:`initlab._core.data`; first form). In the second form a
             second positional argument is the model (``gr_scaling(probe, model)``).
         loss_fn: the loss (first form).
@@ -571,6 +572,10 @@ def gr_scaling(
             backward passes: a loss that calls the model twice per batch pools both calls'
             moments, which the formulas do not allow; the message says so.
     """
+    if probe is None and model is not None:  # gr_scaling(model=..., data=...): the first form
+        probe, model = model, None
+    if probe is None:
+        raise TypeError("gr_scaling(model, data, loss_fn) or gr_scaling(probe): give one")
     if isinstance(probe, nn.Module):
         if data is None:
             raise TypeError("gr_scaling(model, data, loss_fn): pass the data to probe")
