@@ -444,3 +444,25 @@ def test_a_one_rank_process_group_still_refuses_a_torchscript_model() -> None:
     skipped, and scale_output_ failed later: "no weight layer ran in the forward pass".)"""
     (message,) = run_ranks(_scripted_on_one_rank, 1)
     assert message is not None and "scale_output_: the model is a TorchScript module" in message
+
+
+def _routed_rows(rank: int, world: int) -> dict[str, float]:
+    """gr_scaling(all_reduce=True) of a model whose batches choose layer a or b: rank 0's batch
+    runs a, rank 1's b."""
+    rows = gr_scaling(_Branch(), [(_signed(rank, rank == 0), _batches(rank, 1)[0][1])],
+                      all_reduce=True)  # fmt: skip
+    return {r["layer"]: r["gamma_w"] for r in rows}
+
+
+def test_gr_scaling_pools_the_layers_each_rank_ran_by_name() -> None:
+    """The moments were summed row by row in each rank's own table order: rank 0's layer a
+    with rank 1's b, and even the shared head differed between the ranks. Now every rank has the
+    single-process result on both ranks' batches."""
+    ranks = run_ranks(_routed_rows, 2)
+    data = [(_signed(r, r == 0), _batches(r, 1)[0][1]) for r in range(2)]
+    expected = {r["layer"]: r["gamma_w"] for r in gr_scaling(_Branch(), data)}
+    assert set(expected) == {"inp", "a", "b", "out"}
+    for got in ranks:
+        assert got.keys() == expected.keys()
+        for layer, value in expected.items():
+            assert got[layer] == pytest.approx(value, rel=1e-9), layer

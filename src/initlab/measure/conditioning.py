@@ -235,16 +235,19 @@ def _ratio(num: float, den: float) -> float:
 
 
 def _layers(
-    table: Rows, modules: Mapping[str, nn.Module], reg: Registry
+    table: Rows, modules: Mapping[str, nn.Module], reg: Registry, pooled: bool
 ) -> list[tuple[str, nn.Module, ParamSpec, str | None]]:
     """``(name, module, weight spec, bias name)`` of every probed weight layer, in the order of
-    the probe's ``table`` (execution order)."""
+    the probe's ``table`` (execution order). ``pooled`` (moments summed over ranks): every weight
+    layer of the model, in definition order, so that the ranks' rows are the same layers even
+    where their batches ran different ones (a router's experts)."""
+    names = list(modules) if pooled else [t["layer"] for t in table]
     layers = []
-    for t in table:
-        module = modules.get(t["layer"])
-        spec = None if module is None else _weight_spec(module, reg, t["layer"])
+    for name in names:
+        module = modules.get(name)
+        spec = None if module is None else _weight_spec(module, reg, name)
         if spec is not None:
-            layers.append((t["layer"], module, spec, _bias_name(module, reg)))
+            layers.append((name, module, spec, _bias_name(module, reg)))
     return layers
 
 
@@ -592,7 +595,8 @@ def gr_scaling(
     if unknown:
         raise ValueError(f"alpha names modules the model does not have: {unknown}")
     table, modules = probe.table(), dict(model.named_modules())
-    layers = _layers(table, modules, reg)
+    pooled = all_reduce and is_distributed()
+    layers = _layers(table, modules, reg, pooled)
     values = _probe_values(probe)
     _check_one_forward(probe, values)
     calls = {t["layer"]: int(t["calls"] or 0) for t in table}
@@ -604,8 +608,12 @@ def gr_scaling(
         )
         for i, (name, module, spec, bias) in enumerate(layers)
     }
-    found = (claimed.get(t["layer"]) or _unclaimed_row(t, modules, reg) for t in table)
-    rows = [r for r in found if r is not None]
+    if pooled:  # the same rows on every rank: the layers some rank ran, in definition order
+        ran = [r for i, r in enumerate(claimed.values()) if float(sums[i, 8, 1]) > 0]
+        rows = ran + [r for t in table if (r := _unclaimed_row(t, modules, reg)) is not None]
+    else:
+        found = (claimed.get(t["layer"]) or _unclaimed_row(t, modules, reg) for t in table)
+        rows = [r for r in found if r is not None]
     _relative_to_median(rows)
     for r in rows:
         if not r["trainable"]:
