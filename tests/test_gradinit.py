@@ -878,3 +878,29 @@ def test_alpha_is_folded_in_float32_and_a_scale_the_dtype_cannot_hold_is_warned(
     for k, i in enumerate(ts.scaled):
         expected = (before[k].double() * float(alpha[k])).to(torch.bfloat16)
         assert torch.equal(ts.tensors[i], expected)
+
+
+def test_a_float16_model_with_a_large_gradient_takes_its_constraint_steps() -> None:
+    """||g||^2 overflowed float16 (861^2 > 65504): the constraint's alpha-gradient was zero, the
+    alphas stayed 1 while the trace listed three constraint steps. The norm is formed in float32
+    now: float16 follows float32's alphas."""
+
+    def run(dtype: torch.dtype) -> list[float]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
+                              nn.Linear(16, 3)).to(dtype)  # fmt: skip
+        gen = torch.Generator().manual_seed(2)
+        data = [
+            (
+                torch.randn(16, 6, generator=gen).to(dtype) * 3000,
+                torch.randint(0, 3, (16,), generator=gen),
+            )
+            for _ in range(4)
+        ]
+        report = gradinit_(model, data, steps=3, lr=0.05)
+        assert [t["step"] for t in report.trace] == ["constraint"] * 3
+        return [r["alpha"] for r in report]
+
+    wide, half = run(torch.float32), run(torch.float16)
+    assert any(abs(a - 1.0) > 0.1 for a in half)
+    assert half == pytest.approx(wide, abs=0.02)

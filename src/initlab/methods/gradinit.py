@@ -350,9 +350,13 @@ class _GradInitStep:
         self.checked = False  # the graph of g was checked for a cut second derivative
 
     def _norm(self, g: Sequence[torch.Tensor]) -> torch.Tensor:
+        """``||g||_1`` (Adam) or ``||g||_2``, differentiable, in float32 at least (a float16
+        model's ``sum g^2`` passes 65504 at ``||g|| = 256``: the constraint's alpha-gradient was
+        then zero, and the constraint steps changed nothing)."""
+        wide = [x.float() if x.dtype in (torch.float16, torch.bfloat16) else x for x in g]
         if self.sign:
-            return torch.stack([x.abs().sum() for x in g]).sum()
-        return torch.stack([x.square().sum() for x in g]).sum().sqrt()
+            return torch.stack([x.abs().sum() for x in wide]).sum()
+        return torch.stack([x.square().sum() for x in wide]).sum().sqrt()
 
     def _direction(self, g: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return [x.sign() for x in g] if self.sign else list(g)
