@@ -176,6 +176,8 @@ def test_a_float16_model_gets_finite_scale_gradients() -> None:
         for _ in range(3)
     ]
     loss = lambda m, b: F.cross_entropy(m(b[0]).float(), b[1])  # noqa: E731
-    report = metainit_(model, data, loss, variant="gradinit", steps=2)
+    # the sign steps on a half-precision model's quotient can land far from float32's: said
+    with pytest.warns(UserWarning, match=r"metainit_: the model's weights are float16: .*float32"):
+        report = metainit_(model, data, loss, variant="gradinit", steps=2)
     assert all(math.isfinite(r["alpha"]) for r in report.to_rows())
     assert all(p.dtype == torch.float16 and bool(p.isfinite().all()) for p in model.parameters())
