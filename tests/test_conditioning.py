@@ -425,3 +425,27 @@ def test_a_layer_whose_output_gradient_underflowed_says_so() -> None:
     rows = {r["layer"]: r for r in gr_scaling(net, [(x, t)], tiny_loss)}
     assert rows["0"]["E_dy2"] == 0.0 and rows["0"]["gamma_w"] == 0.0
     assert "E[dy^2] = 0" in rows["0"]["note"] and "underflow" in rows["0"]["note"]
+
+
+class _TimeMajor(nn.Module):
+    """A projection of a time-major ``(T, B, F)`` input (batch_first=False), pooled over time."""
+
+    def __init__(self, batch_first: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.batch_first = batch_first
+        self.inp, self.head = nn.Linear(3, 8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.inp(x).tanh().mean(dim=1 if self.batch_first else 0))
+
+
+def test_gr_scaling_takes_batch_dim_for_a_time_major_model() -> None:
+    """The probe's "batch size is unclear" message says to pass batch_dim=, which gr_scaling
+    did not take (TypeError); now it passes it to measure_moments."""
+    x = torch.randn(6, 4, 3, generator=torch.Generator().manual_seed(1))  # (B=6, T=4, F)
+    loss = lambda m, b: m(b).square().mean()  # noqa: E731
+    ref = {r["layer"]: r for r in gr_scaling(_TimeMajor(True), x, loss)}
+    got = {r["layer"]: r for r in gr_scaling(_TimeMajor(False), x.transpose(0, 1), loss,
+                                             batch_dim=1)}  # fmt: skip
+    assert got["inp"]["gamma_w"] == pytest.approx(ref["inp"]["gamma_w"], rel=1e-5)

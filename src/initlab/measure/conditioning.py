@@ -517,6 +517,7 @@ def gr_scaling(
     *,
     max_batches: int | None = None,
     loss_reduction: Literal["mean", "sum"] | None = None,
+    batch_dim: int | None = None,
     model: nn.Module | None = None,
     alpha: Mapping[str, float] | None = None,
     examples: int | None = None,
@@ -527,7 +528,8 @@ def gr_scaling(
 
     Two forms:
 
-    * ``gr_scaling(model, data, loss_fn=None, *, max_batches=None, loss_reduction=None)``
+    * ``gr_scaling(model, data, loss_fn=None, *, max_batches=None, loss_reduction=None,
+      batch_dim=None)``
       probes ``model`` on ``data`` first: :func:`~initlab.measure_moments` with
       ``per_example=True`` (``nu`` and ``p2`` need per-example gradients) and the loss's
       ``loss_reduction``, forward and backward of ``loss_fn`` (any form
@@ -550,6 +552,9 @@ def gr_scaling(
         loss_reduction: ``"mean"`` or ``"sum"``, how the loss reduces over the batch (first
             form); ``None``: the loss's own where it declares one (``nn.CrossEntropyLoss(
             reduction="sum")``), else ``"mean"``.
+        batch_dim: the dim of the model's first input tensor that holds the examples (first
+            form; :func:`~initlab.measure_moments`'s): ``None`` reads dim 0, checked against the
+            output; ``1`` for a time-major model.
         model: the probed model (default ``probe.model``).
         alpha: conditioning multiplier per module name (missing names: 1). ``gamma_w``, ``nu_w`` and
             ``nu_w_minibatch`` are multiplied by ``alpha^4``; ``x``, ``y``, ``dy`` and the bias
@@ -582,7 +587,9 @@ def gr_scaling(
     if isinstance(probe, nn.Module):
         if data is None:
             raise TypeError("gr_scaling(model, data, loss_fn): pass the data to probe")
-        probe, counted = _probe_data(probe, data, loss_fn, max_batches, loss_reduction, all_reduce)
+        probe, counted = _probe_data(
+            probe, data, loss_fn, max_batches, loss_reduction, all_reduce, batch_dim=batch_dim
+        )
         examples = counted if examples is None else examples
     elif data is not None:
         if model is not None or not isinstance(data, nn.Module):
