@@ -1239,3 +1239,14 @@ def test_demo_table_says_gain_fwd_is_centered(capsys: pytest.CaptureFixture[str]
     assert main(["demo", "--quick", "--schemes", "fan_in", "--batch-size", "64"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "gain_fwd = var(y)/var(x) (centered: not E_y2/E_x2 when x has a mean" in out
+
+
+@pytest.mark.parametrize("method", ["lsuv", "scale_output", "precondition"])
+def test_method_pools_the_max_batches_it_was_given(
+    cli_dir: Path, capsys: pytest.CaptureFixture[str], method: str
+) -> None:
+    """`init --method lsuv --max-batches 4` read one batch (lsuv_'s default) where the other
+    methods read the four the flag loads."""
+    args = ["init", "--model", "zoo:paper_mlp", "--data", "digits", "--method", method]
+    assert main([*args, "--max-batches", "4", "--out", "o.pt"]) == 0
+    assert "(4 batches, 256 examples)" in capsys.readouterr().out

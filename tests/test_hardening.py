@@ -799,7 +799,7 @@ _CLI: dict[str, tuple[list[str], int, str]] = {
     "random data of the wrong shape (was: RuntimeError)": (
         [*_INIT, "--method", "lsuv", "--data", "random:8"],
         2,  # bad input: the data does not fit the model
-        "shapes cannot be multiplied (64x8 and 4x8)",
+        "shapes cannot be multiplied (512x8 and 4x8)",
     ),
     "a factory that raises (was: RuntimeError)": (
         ["init", "--model", "mods.py:boom", "--out", "out.pt"],

@@ -132,6 +132,7 @@ def _run_method(args: argparse.Namespace, model: nn.Module) -> Any:
     kwargs: dict[str, Any] = {"generator": args.seed}
     if args.method == "lsuv":  # keep the scheme's weights (rescaled) and biases
         kwargs["orthogonal"] = args.scheme is None
+        kwargs["max_batches"] = None  # the --max-batches batches loaded (lsuv_'s default is 1)
     if args.method in ("gradinit", "metainit"):
         kwargs["progress"] = _progress_printer(args.method, args.steps)
         if args.steps is not None:
