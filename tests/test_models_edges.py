@@ -622,3 +622,32 @@ def _rows_equal(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
     return len(a) == len(b) and all(
         r.keys() == q.keys() and all(same(r[k], q[k]) for k in r) for r, q in zip(a, b, strict=True)
     )
+
+
+_KEYWORD_CASES = [
+    ("gradinit_", {"loss": nn.CrossEntropyLoss()}, r"did you mean loss_fn=\?"),
+    ("diagnose", {"seed": 0}, r"did you mean generator=\?"),
+    ("loss_landscape", {"batches": 2}, r"did you mean data=\?"),
+    ("lsuv_", {"loss": nn.CrossEntropyLoss()}, r"lsuv_ takes no loss_fn=; accepted: blocks, "),
+    ("scale_output_", {"batches": 2}, r"did you mean max_batches=\?"),  # not n_batches (old)
+]
+
+
+@pytest.mark.parametrize("entry, kwargs, hint", _KEYWORD_CASES)
+def test_every_entry_point_answers_a_wrong_keyword_with_its_own_names(
+    entry: str, kwargs: dict[str, Any], hint: str
+) -> None:
+    """Only precondition_ and measure_moments did; the others gave Python's bare "unexpected
+    keyword argument" (lsuv_'s difflib guess for loss= would have been blocks=)."""
+    model = nn.Sequential(nn.Linear(16, 4))
+    with pytest.raises(TypeError, match=rf"^{entry}\(\) got an unexpected keyword .*{hint}"):
+        getattr(initlab, entry)(model, _data(), **kwargs)
+
+
+@pytest.mark.parametrize("entry", ["lsuv_", "scale_output_", "doctor", "loss_landscape"])
+def test_a_forward_that_takes_one_argument_is_named_before_any_pass(entry: str) -> None:
+    """forward= is forward(model, batch): a one-argument lambda failed inside the first pass with
+    a bare "<lambda>() takes 1 positional argument but 2 were given"."""
+    model = nn.Sequential(nn.Linear(16, 4))
+    with pytest.raises(TypeError, match=rf"^{entry}: forward must be called as forward\(model, "):
+        getattr(initlab, entry)(model, _data(), forward=lambda x: model(x[0]))

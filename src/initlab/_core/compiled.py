@@ -13,6 +13,7 @@ not ``"_orig_mod.0"``). The compiled model itself is left as it was, compiled.
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from initlab._core.distributed import is_distributed
+from initlab._core.knobs import check_kwargs
 
 __all__ = [
     "check_materialized",
@@ -85,9 +87,11 @@ def takes_compiled(fn: F | None = None, *, scripted: bool = False, collective: b
     """
     if fn is None:
         return functools.partial(takes_compiled, scripted=scripted, collective=collective)
+    accepted = _keywords(fn)
 
     @functools.wraps(fn)
     def inner(*args: Any, **kwargs: Any) -> Any:
+        _check_keywords(fn.__name__, kwargs, accepted)
         if args and isinstance(args[0], nn.Module):
             args = (uncompiled(args[0]), *args[1:])
         if isinstance(kwargs.get("model"), nn.Module):
@@ -110,6 +114,37 @@ def takes_compiled(fn: F | None = None, *, scripted: bool = False, collective: b
             return fn(*args, **kwargs)
 
     return inner
+
+
+def _keywords(fn: Callable[..., Any]) -> tuple[set[str], set[str]] | None:
+    """The keywords ``fn`` takes and its deprecated ones; ``None`` if it takes any."""
+    params = inspect.signature(fn).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    names = {p.name for p in params if p.kind is not inspect.Parameter.VAR_POSITIONAL}
+    return names, set(getattr(fn, "__deprecated_kwargs__", {}))
+
+
+def _check_keywords(
+    what: str, kwargs: dict[str, Any], accepted: tuple[set[str], set[str]] | None
+) -> None:
+    """An unknown keyword names initlab's one (``loss=`` → ``loss_fn=``); a ``forward`` that
+    cannot be called as ``forward(model, batch)`` is named before any pass runs."""
+    if accepted is not None:  # suggestions among the current names, not the deprecated ones
+        names, deprecated = accepted
+        unknown = {k: v for k, v in kwargs.items() if k not in names | deprecated}
+        check_kwargs(what, unknown, set(), own=names)
+    forward = kwargs.get("forward")
+    if callable(forward):
+        try:
+            inspect.signature(forward).bind(None, None)
+        except TypeError as err:
+            raise TypeError(
+                f"{what}: forward must be called as forward(model, batch) and return the model's "
+                f"output ({err})"
+            ) from None
+        except ValueError:  # no signature to read (a builtin): left to the call
+            pass
 
 
 def scripted_part(model: nn.Module) -> tuple[str, nn.Module] | None:

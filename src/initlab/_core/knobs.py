@@ -92,6 +92,7 @@ GUESSED_NAMES: dict[str, tuple[str, ...]] = {
     "loader": ("data",),
     "dataset": ("data",),
     "max_batch": ("max_batches",),
+    "batches": ("max_batches", "data"),
     "num_batches": ("max_batches",),
     "n_batches": ("max_batches",),
     "iterations": ("steps", "max_iter"),
@@ -126,11 +127,14 @@ def check_kwargs(
     for name in given:
         if name in accepted:
             continue
-        guesses = [g for g in GUESSED_NAMES.get(name.lower(), ()) if g in names]
-        guesses += difflib.get_close_matches(name, sorted(names), n=1)
-        hint = (
-            f"did you mean {guesses[0]}=?" if guesses else f"accepted: {', '.join(sorted(names))}"
-        )
+        concept = GUESSED_NAMES.get(name.lower(), ())
+        guesses = [g for g in concept if g in names]
+        if not concept:  # a name of no known concept: the closest spelling
+            guesses += difflib.get_close_matches(name, sorted(names), n=1)
+        hint = f"did you mean {guesses[0]}=?" if guesses else ""
+        if not guesses:
+            takes_none = f"{what} takes no {concept[0]}=; " if concept else ""
+            hint = f"{takes_none}accepted: {', '.join(sorted(names))}"
         raise TypeError(f"{what}() got an unexpected keyword argument {name!r}; {hint}")
 
 
