@@ -289,6 +289,8 @@ def test_singular_ratio_single_column_and_determinism() -> None:
     first = estimate_singular_ratio((30, 20), generator=torch.Generator().manual_seed(1))
     again = estimate_singular_ratio((30, 20), generator=torch.Generator().manual_seed(1))
     assert first == again
+    # an int seed, as every other generator= takes (it raised AttributeError: 'int' ... 'device')
+    assert estimate_singular_ratio((30, 20), generator=1) == first
     with pytest.raises(ValueError):
         estimate_singular_ratio((10,))  # type: ignore[arg-type]
     with pytest.raises(ValueError):

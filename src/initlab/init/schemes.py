@@ -35,6 +35,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from initlab._core.rng import as_generator
 from initlab.init.fans import Fans
 from initlab.init.gains import Nonlinearity, average_lipschitz, calculate_gain
 
@@ -659,7 +660,7 @@ def estimate_singular_ratio(
     shape: tuple[int, int],
     *,
     samples: int = 10,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | int | None = None,
 ) -> float:
     """Mean over ``samples`` draws of (mean non-zero singular value) / (largest singular value).
 
@@ -680,6 +681,7 @@ def estimate_singular_ratio(
         raise ValueError(f"shape must have positive dims, got {shape!r}")
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
         raise ValueError(f"samples must be a positive int, got {samples!r}")
+    generator = as_generator(generator)  # an int seeds a fresh generator, as everywhere
     device = generator.device if generator is not None else torch.device("cpu")
     eps = torch.finfo(torch.float64).eps
     total = 0.0
