@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from initlab import AmbiguousDataError, Batches, init_model
+from initlab._core.data import DataUse
 from initlab.cli.diagnose import diagnose_command
 from initlab.diagnostics import (
     DIAGNOSTIC_COLUMNS,
@@ -643,3 +644,14 @@ def test_the_forward_gain_after_a_normalization_layer_still_flags_an_explosion()
     report = diagnose(model, [batch], nn.CrossEntropyLoss(), spectra=False)
     verdict, reason = report.verdicts["fc"]
     assert verdict == "bad" and "explodes" in reason, reason
+
+
+def test_the_report_says_how_much_data_it_read() -> None:
+    """Every report has .used (the README says so); diagnose's Report had none. It survives a
+    JSON round trip."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    data = Batches([(torch.randn(16, 4), torch.randint(0, 3, (16,))) for _ in range(3)])
+    report = diagnose(model, data, spectra=False, max_batches=2)
+    assert report.used == DataUse(batches=2, examples=32)
+    assert Report.from_json(report.to_json()).used == report.used

@@ -67,6 +67,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from initlab._core.data import DataUse
 from initlab._core.rows import Rows, _fmt
 
 __all__ = [
@@ -339,6 +340,15 @@ class Report:
         self.landscape = landscape
 
     # -- reading ------------------------------------------------------------------------------
+
+    @property
+    def used(self) -> DataUse | None:
+        """How much data the diagnosis read (``meta["batches"]``, ``meta["examples"]``), as every
+        report of initlab says it; ``None`` for a report without those."""
+        batches, examples = self.meta.get("batches"), self.meta.get("examples")
+        if not isinstance(batches, int) or not isinstance(examples, int):
+            return None
+        return DataUse(batches, examples)
 
     @property
     def verdicts(self) -> dict[str, tuple[str, str]]:
