@@ -449,3 +449,13 @@ def test_gr_scaling_takes_batch_dim_for_a_time_major_model() -> None:
     got = {r["layer"]: r for r in gr_scaling(_TimeMajor(False), x.transpose(0, 1), loss,
                                              batch_dim=1)}  # fmt: skip
     assert got["inp"]["gamma_w"] == pytest.approx(ref["inp"]["gamma_w"], rel=1e-5)
+
+
+def test_gr_scaling_names_itself_in_the_errors_of_its_data() -> None:
+    """Its data's errors were measure_moments's ("measure_moments: max_batches must be ...")."""
+    model = nn.Sequential(nn.Linear(3, 2))
+    x, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
+    with pytest.raises(ValueError, match=r"^gr_scaling: max_batches must be a positive int"):
+        gr_scaling(model, [(x, y)], max_batches=0)
+    with pytest.raises(TypeError, match=r"^gr_scaling: the batch holds a numpy array"):
+        gr_scaling(model, (x.numpy(), y))

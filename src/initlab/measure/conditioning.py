@@ -487,14 +487,20 @@ def _probe_data(
         check_same_parameters(model, "gr_scaling")
 
     def probe_here() -> MomentProbe:
-        return measure_moments(
-            model,
-            data,
-            loss,
-            max_batches=max_batches,
-            loss_reduction=batch_reduction(loss, loss_reduction, "gr_scaling"),
-            **probe_kwargs,
-        )
+        try:
+            return measure_moments(
+                model,
+                data,
+                loss,
+                max_batches=max_batches,
+                loss_reduction=batch_reduction(loss, loss_reduction, "gr_scaling"),
+                **probe_kwargs,
+            )
+        except (TypeError, ValueError) as err:  # the caller's name on the data's errors
+            text = str(err)
+            if not text.startswith("measure_moments:") or type(err) not in (TypeError, ValueError):
+                raise
+            raise type(err)("gr_scaling:" + text.removeprefix("measure_moments:")) from err
 
     # a failure on some ranks raises the same error on every rank (no rank left in a collective)
     probe = run_together("gr_scaling", probe_here) if together else probe_here()
