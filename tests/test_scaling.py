@@ -477,6 +477,19 @@ def test_precondition_arguments_are_validated() -> None:
     assert [r["gamma_after"] for r in report] == pytest.approx([2.0] * 3)
 
 
+def test_precondition_modules_takes_a_predicate_and_names_unknown_names() -> None:
+    """modules= took names only (a predicate, as lsuv_ and diagnose take: "argument of type
+    'function' is not iterable"), and a misspelt name was "no finite gamma ... cannot balance"."""
+    model, data = mlp(), (torch.randn(8, 20), torch.randint(0, 5, (8,)))
+    weights = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    by_name = precondition_(copy.deepcopy(model), data, ce, modules=weights[:2])
+    by_rule = precondition_(copy.deepcopy(model), data, ce,
+                            modules=lambda name, m: name in weights[:2])  # fmt: skip
+    assert by_rule.info["alpha"] == by_name.info["alpha"]
+    with pytest.raises(ValueError, match=r"modules names \['nope'\] are not modules of the model"):
+        precondition_(model, data, ce, modules=["nope"])
+
+
 def test_n_batches_is_the_old_name_of_max_batches_and_reports_count_the_data() -> None:
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randn(8, 5, generator=g), torch.randint(0, 3, (8,), generator=g))] * 3

@@ -228,7 +228,7 @@ def precondition_(
     how: Literal["lr", "parametrize", "rescale"] = "lr",
     max_iter: int = 3,
     tol: float = 0.01,
-    modules: Sequence[str] | None = None,
+    modules: Sequence[str] | Callable[[str, nn.Module], bool] | None = None,
     forward: Forward | None = None,
     max_batches: int | None = None,
     registry: Registry | None = None,
@@ -307,9 +307,9 @@ def precondition_(
         how: ``"lr"``, ``"parametrize"`` or ``"rescale"`` (see above).
         max_iter: rescaling rounds for ``how="rescale"``.
         tol: stop when ``max/min gamma <= 1 + tol``.
-        modules: names of the layers to balance (default: every linear/conv layer with a finite
-            ``gamma``); the others keep ``alpha = 1`` (for ``rescale`` they still pass the
-            cumulative scale on).
+        modules: names of the layers to balance, or a predicate ``(name, module) -> bool``
+            (default: every linear/conv layer with a finite ``gamma``); the others keep
+            ``alpha = 1`` (for ``rescale`` they still pass the cumulative scale on).
         forward: ``forward(model, batch) -> output`` for the function check of ``rescale``.
         max_batches: use at most this many batches of ``data`` (default all; ``n_batches=``
             before 0.2).
@@ -340,7 +340,7 @@ def precondition_(
     seeds = Seeds(model, generator)
     loss = resolve_loss(loss_fn, what="precondition_")
     check_trainable(model, "precondition_")
-    run = _Balancing(model, batches, loss, modules, seeds, reg, probe_kwargs)
+    run = _Balancing(model, batches, loss, _selected(model, modules), seeds, reg, probe_kwargs)
     with restore_on_failure(model):
         before = run.probe()
         first = run.log(before, 0)
@@ -396,6 +396,31 @@ def _refuse_nonfinite(probe: MomentProbe) -> None:
             "model and the loss on these batches (an overflow, a NaN loss) or leave the batches "
             "out"
         )
+
+
+def _selected(
+    model: nn.Module, modules: Sequence[str] | Callable[[str, nn.Module], bool] | None
+) -> list[str] | None:
+    """``modules`` as a list of names (a predicate applied to ``model.named_modules()``);
+    raises for a name the model does not have."""
+    if modules is None:
+        return None
+    named = dict(model.named_modules())
+    if callable(modules):
+        return [n for n, m in named.items() if modules(n, m)]
+    if isinstance(modules, str) or not all(isinstance(n, str) for n in modules):
+        raise TypeError(
+            "precondition_: modules must be a sequence of module names or a predicate "
+            f"(name, module) -> bool, got {modules!r}"
+        )
+    unknown = [n for n in modules if n not in named]
+    if unknown:
+        shown = ", ".join(repr(n) for n in list(named)[1:6])
+        raise ValueError(
+            f"precondition_: modules names {unknown} are not modules of the model (it has e.g. "
+            f"{shown})"
+        )
+    return list(modules)
 
 
 def _check_options(
