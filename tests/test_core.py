@@ -242,6 +242,22 @@ def test_renamed_kwargs_warn_and_forward() -> None:
         f(iterations=1, steps=2)
 
 
+def test_a_renamed_keyword_given_beside_its_new_name_positionally_says_so() -> None:
+    """measure_moments(model, data, loss, batches=2) (batches= the old name of data=, as lsuv_'s
+    batches= is of max_batches=) failed with "got multiple values for argument 'data'"."""
+
+    @renamed_kwargs(batches="data")
+    def f(model: int, data: int, *, max_batches: int | None = None) -> int:
+        return data
+
+    said = (
+        r"^f\(\) got both batches= \(deprecated\) and data \(positionally\); pass data once "
+        r"\(a number of batches is max_batches=\)"
+    )
+    with pytest.raises(TypeError, match=said):
+        f(1, 2, batches=2)
+
+
 def test_a_criterion_read_as_model_batch_gets_a_message_not_a_raw_error() -> None:
     def my_criterion(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(a, b)

@@ -57,13 +57,22 @@ def renamed_kwargs(**old_to_new: str) -> Callable[[F], F]:
     """
 
     def wrap(fn: F) -> F:
+        order = list(inspect.signature(fn).parameters)
+
         @functools.wraps(fn)
         def inner(*args: Any, **kwargs: Any) -> Any:
             for old, new in old_to_new.items():
                 if old in kwargs:
-                    if new in kwargs:
+                    positional = new in order and order.index(new) < len(args)
+                    if new in kwargs or positional:
+                        hint = (
+                            " (a number of batches is max_batches=)"
+                            if new == "data" and isinstance(kwargs[old], int)
+                            else ""
+                        )
                         raise TypeError(
-                            f"{fn.__name__}() got both {old}= (deprecated) and {new}=; pass {new}="
+                            f"{fn.__name__}() got both {old}= (deprecated) and {new}"
+                            f"{' (positionally)' if positional else '='}; pass {new} once{hint}"
                         )
                     warnings.warn(
                         f"{fn.__name__}(): {old}= is deprecated and will be removed in the next "
