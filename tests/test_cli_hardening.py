@@ -1250,3 +1250,12 @@ def test_method_pools_the_max_batches_it_was_given(
     args = ["init", "--model", "zoo:paper_mlp", "--data", "digits", "--method", method]
     assert main([*args, "--max-batches", "4", "--out", "o.pt"]) == 0
     assert "(4 batches, 256 examples)" in capsys.readouterr().out
+
+
+def test_diagnose_names_the_report_path_without_a_double_slash(
+    cli_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The README's `--out report/` printed "report written to report//report.html"."""
+    args = ["diagnose", "--model", "zoo:paper_mlp", "--data", "digits", "--no-plots"]
+    assert main([*args, "--out", "report/"]) == 0
+    assert "report written to report/report.html" in capsys.readouterr().out

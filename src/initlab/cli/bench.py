@@ -275,7 +275,9 @@ def add_bench(sub: Any, *, data_dir_help: str, debug_help: str) -> None:
         help="the study of the store to report (needed when the store holds several: a report "
         "never pools studies, whose protocols may differ)",
     )
-    p.add_argument("--no-plots", action="store_true")
+    p.add_argument(
+        "--no-plots", action="store_true", help="tables and HTML only, no figures (no matplotlib)"
+    )
     p.add_argument(
         "--window", type=positive_int, help="sliding window (steps, >= 1) for loss curves"
     )

@@ -327,7 +327,7 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
     )
     print(report.summary())
     if args.out is not None:
-        print(f"\nreport written to {args.out}/report.html")
+        print(f"\nreport written to {Path(args.out) / 'report.html'}")
     return 0
 
 
@@ -557,7 +557,7 @@ def _add_diagnose(sub: Subparsers) -> None:
     _add_batches(p)
     p.add_argument("--seed", type=seed_int, default=0, help=_SEED_HELP)
     p.add_argument("--curvature", action="store_true", help="also Hessian blocks (slower)")
-    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-plots", action="store_true", help="skip the figures (no matplotlib)")
     p.set_defaults(func=_cmd_diagnose)
 
 
