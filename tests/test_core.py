@@ -353,3 +353,16 @@ def test_a_dict_batch_without_labels_is_named_with_its_keys() -> None:
     with pytest.raises(TargetError, match=r"got a dict batch without 'labels' \(keys \['x'\]\)\. "
                        r"Give every batch its targets"):  # fmt: skip
         loss(_KwOnly(), {"x": x})
+
+
+def test_a_title_says_one_batch_and_one_example_in_the_singular() -> None:
+    """ "(1 batches, 1 examples)"."""
+    from initlab._core.data import DataUse
+    from initlab._core.rows import Rows
+
+    assert str(Rows([{"a": 1}], ["a"], title="t", used=DataUse(1, 1))).startswith(
+        "t (1 batch, 1 example)"
+    )
+    assert str(Rows([{"a": 1}], ["a"], title="t", used=DataUse(2, 64))).startswith(
+        "t (2 batches, 64 examples)"
+    )

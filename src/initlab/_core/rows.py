@@ -189,7 +189,8 @@ class Rows:
         table = format_table(self._rows, self.columns)
         title = self.title or ""
         if self.used is not None:
-            title += f" ({self.used.batches} batches, {self.used.examples} examples)"
+            b, e = self.used.batches, self.used.examples
+            title += f" ({b} batch{'es' if b != 1 else ''}, {e} example{'s' if e != 1 else ''})"
         return f"{title.strip()}\n{table}" if title else table
 
     def __repr__(self) -> str:

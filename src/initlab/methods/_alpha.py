@@ -517,7 +517,8 @@ def _checked_iterations(
                 )
     elif n is not None and n < iterations + extra:
         raise ValueError(
-            f"{what} needs {iterations + extra} batches for {iterations} iterations"
+            f"{what} needs {iterations + extra} batches for {iterations} "
+            f"iteration{'s' if iterations != 1 else ''}"
             f"{' (each reads batch t and, for S~, batch t+1)' if need_next else ''} but the data "
             f"gave {n}; pass a loader with at least {iterations + extra} batches or lower "
             "steps"
@@ -542,7 +543,8 @@ def _stream_pairs(
     def short(t: int) -> ValueError:
         needed = (total if total is not None else t + 1) + extra
         return ValueError(
-            f"{what} needs {needed} batches for {needed - extra} iterations"
+            f"{what} needs {needed} batches for {needed - extra} "
+            f"iteration{'s' if needed - extra != 1 else ''}"
             f"{' (each reads batch t and, for S~, batch t+1)' if need_next else ''} but the "
             f"data gave {got}; the model was left unchanged"
         )
