@@ -295,3 +295,57 @@ def test_report_exits() -> None:
     df = report.to_pandas()
     assert list(df.columns) == list(initlab.INIT_REPORT_COLUMNS) and len(df) == 2
     assert "| layer | param |" in report.to_markdown()
+
+
+class _ScalarBias(nn.Module):
+    """Fixup's ``relu(conv(x) + b)`` with a scalar bias ``b``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.b = nn.Parameter(torch.zeros(1))
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.conv(x) + self.b).mean((2, 3)))
+
+
+def _gain_of(model: nn.Module, layer: str, **kwargs: object) -> tuple[float, str]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rows = initlab.init_model(model, "fan_in", generator=0, gains="follow", **kwargs)
+    row = next(r for r in rows.to_rows() if r["layer"] == layer and r["role"] == "weight")
+    return row["gain"], row["gain_from"]
+
+
+@pytest.mark.parametrize("act", [nn.Hardtanh(), nn.Tanhshrink(), nn.Hardswish(), nn.Mish()])
+@pytest.mark.parametrize("traced", [False, True])
+def test_an_activation_with_no_gain_here_keeps_the_schemes_gain(act: nn.Module, traced: bool):
+    """Hardtanh and Tanhshrink got tanh's gain 5/3 and Hardswish SiLU's (a fragment of the class
+    name); traced, Mish/Softplus/ReLU6 gave gain 1 "no nonlinearity follows". Both keep the
+    scheme's gain now (ReLU's for fan_in), saying which activation follows."""
+    model = nn.Sequential(nn.Linear(8, 16), act, nn.Linear(16, 2))
+    inputs = {"example_inputs": torch.randn(4, 8)} if traced else {}
+    gain, source = _gain_of(model, "0", **inputs)
+    assert gain == pytest.approx(math.sqrt(2.0))
+    assert f"{type(act).__name__} follows" in source
+
+
+def test_the_trace_follows_pooling_and_a_scalar_bias_to_the_relu() -> None:
+    """conv -> MaxPool2d -> ReLU, and Fixup's relu(conv(x) + b): traced as "no nonlinearity
+    follows" (gain 1)."""
+    x = torch.randn(2, 3, 8, 8)
+    pooled = nn.Sequential(nn.Conv2d(3, 4, 3), nn.MaxPool2d(2), nn.ReLU(), nn.Flatten(),
+                           nn.LazyLinear(2))  # fmt: skip
+    pooled(x)
+    assert _gain_of(pooled, "0", example_inputs=x) == (math.sqrt(2.0), "relu: traced, ReLU")
+    fixup = _ScalarBias()
+    assert _gain_of(fixup, "conv", example_inputs=x) == (math.sqrt(2.0), "relu: traced, relu()")
+
+
+def test_attention_and_softmax_are_no_unknown_activation() -> None:
+    """They sit in torch's activation module too: a layer before them keeps gain 1 traced
+    (attention, a softmax at the output), not the scheme's "unknown activation" gain."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4), nn.Softmax(-1))
+    gain, source = _gain_of(model, "2", example_inputs=torch.randn(3, 8))
+    assert (gain, source) == (1.0, "none: traced, no nonlinearity follows")

@@ -86,6 +86,10 @@ RESIDUAL_OUT_LEAVES = frozenset(
 )  # fmt: skip
 
 _PASSTHROUGH: tuple[type[nn.Module], ...] = (
+    nn.modules.pooling._MaxPoolNd,  # pooling keeps the signs a rectifier after it sees
+    nn.modules.pooling._AvgPoolNd,
+    nn.modules.pooling._AdaptiveMaxPoolNd,
+    nn.modules.pooling._AdaptiveAvgPoolNd,
     nn.Dropout,
     nn.Dropout1d,
     nn.Dropout2d,
@@ -107,8 +111,22 @@ _ACTIVATION_TYPES: tuple[tuple[type[nn.Module], str], ...] = (
     (nn.SELU, "selu"),
 )
 # Activation classes of other libraries (Hugging Face's NewGELUActivation, SiLUActivation,
-# PytorchGELUTanh, QuickGELUActivation...), by a case-insensitive fragment of the class name.
+# PytorchGELUTanh, QuickGELUActivation...), by a case-insensitive fragment of the class name;
+# torch's own other activations (Hardtanh, Tanhshrink, Hardswish, Mish, ReLU6, ...) are not read
+# by name (Hardtanh is no tanh): :func:`unknown_activation`.
 _NAME_FRAGMENTS = (("gelu", "gelu"), ("silu", "silu"), ("swish", "silu"), ("tanh", "tanh"))
+
+
+def unknown_activation(module: nn.Module) -> bool:
+    """One of torch's activation modules with no gain here (``nn.Mish``, ``nn.Hardtanh``,
+    ``nn.ReLU6``, ``nn.PReLU``, ...): a nonlinearity follows, of a gain not known (the scheme's
+    gain is kept). Not attention nor the softmax family (a layer before them is followed by no
+    nonlinearity, gain 1)."""
+    torch_own = type(module).__module__ == "torch.nn.modules.activation"
+    return torch_own and not isinstance(module, _NOT_ELEMENTWISE) and activation_of(module) is None
+
+
+_NOT_ELEMENTWISE = (nn.MultiheadAttention, nn.Softmax, nn.Softmin, nn.LogSoftmax, nn.Softmax2d)
 
 
 def activation_of(module: nn.Module) -> tuple[str, float | None] | None:
@@ -121,6 +139,8 @@ def activation_of(module: nn.Module) -> tuple[str, float | None] | None:
         if isinstance(module, cls):
             return name, None
     if next(module.parameters(), None) is not None or list(module.children()):
+        return None
+    if type(module).__module__.startswith("torch."):
         return None
     lower = type(module).__name__.lower()
     for fragment, name in _NAME_FRAGMENTS:
@@ -292,6 +312,8 @@ def _sequential(children: list[tuple[str, nn.Module]], out: dict[int, Follow]) -
         if act is not None:
             source = f"{act[0]}: next in nn.Sequential is {type(mods[j]).__name__}"
             out[id(module)] = Follow(act[0], act[1], source)
+        elif j < len(mods) and unknown_activation(mods[j]):
+            out[id(module)] = Follow(None, None, _unknown_source(type(mods[j]).__name__))
 
 
 def _mlp_siblings(
@@ -376,6 +398,39 @@ _VIEWS: tuple[Callable[..., Any], ...] = (
     torch.flatten,
 )
 _PARAM_ARG = {"leaky_relu": ("negative_slope", 0.01), "elu": ("alpha", 1.0)}
+#: Pooling keeps the signs a rectifier after it sees: followed through.
+_POOLS = tuple(
+    f
+    for f in (
+        *(getattr(torch, n, None) for n in ("max_pool1d", "max_pool2d", "max_pool3d")),
+        *(getattr(torch, n, None) for n in ("avg_pool1d", "adaptive_avg_pool1d")),
+        F.max_pool1d, F.max_pool2d, F.max_pool3d, F.avg_pool2d, F.avg_pool3d,
+        F.adaptive_avg_pool2d, F.adaptive_avg_pool3d, F.adaptive_max_pool1d,
+        F.adaptive_max_pool2d,
+    )
+    if f is not None
+)  # fmt: skip
+#: A shift or a scale by one number (a scalar bias, Fixup's): followed through.
+_SCALAR_MAPS = (
+    torch.add, torch.sub, torch.mul, torch.div, torch.Tensor.add, torch.Tensor.sub,
+    torch.Tensor.mul, torch.Tensor.div, torch.Tensor.__add__, torch.Tensor.__radd__,
+    torch.Tensor.__sub__, torch.Tensor.__rsub__, torch.Tensor.__mul__, torch.Tensor.__rmul__,
+    torch.Tensor.__truediv__,
+)  # fmt: skip
+#: Functional nonlinearities with no gain here: the scheme's gain is kept.
+_UNKNOWN_NAMES = (
+    "mish", "softplus", "hardswish", "relu6", "hardtanh", "celu", "softsign", "hardsigmoid",
+    "logsigmoid", "tanhshrink", "softshrink", "hardshrink", "prelu", "rrelu", "glu",
+)  # fmt: skip
+_UNKNOWN_FUNCTIONS = {getattr(F, n) for n in _UNKNOWN_NAMES if hasattr(F, n)}
+
+
+def _unknown_source(what: str) -> str:
+    return f"scheme (its gain is kept: {what} follows, a nonlinearity with no gain here)"
+
+
+def _scalar(value: object) -> bool:
+    return isinstance(value, (int, float)) or (isinstance(value, Tensor) and value.numel() == 1)
 
 
 class _Tracer(TorchFunctionMode):
@@ -395,10 +450,11 @@ class _Tracer(TorchFunctionMode):
         if isinstance(t, Tensor):
             self.sources[id(t)] = (module_id, t)
 
-    def record(self, t: object, name: str, param: float | None, what: str) -> None:
+    def record(self, t: object, name: str | None, param: float | None, what: str) -> None:
         src = self.source(t)
         if src is not None:
-            self.found.setdefault(src, Follow(name, param, f"{name}: traced, {what}"))
+            source = f"{name}: traced, {what}" if name else _unknown_source(f"traced, {what}")
+            self.found.setdefault(src, Follow(name, param, source))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
@@ -412,10 +468,17 @@ class _Tracer(TorchFunctionMode):
                 key, default = _PARAM_ARG[name]
                 param = float(kwargs.get(key, args[1] if len(args) > 1 else default))
             self.record(args[0], name, param, f"{getattr(func, '__name__', name)}()")
-        elif func in _VIEWS:
+        elif func in _UNKNOWN_FUNCTIONS:
+            self.record(args[0], None, None, f"{getattr(func, '__name__', func)}()")
+        elif func in _VIEWS or func in _POOLS:
             src = self.source(args[0])
             if src is not None:
                 self.track(result, src)
+        elif func in _SCALAR_MAPS and len(args) > 1:
+            for own, other in ((args[0], args[1]), (args[1], args[0])):
+                src = self.source(own)
+                if src is not None and _scalar(other):
+                    self.track(result, src)
         return result
 
 
@@ -434,8 +497,10 @@ def traced_following(model: nn.Module, example_inputs: Any, watched: set[int]) -
 
     A module's output tensor is followed through views, dropout, identity and norm layers to the
     first activation applied to it, as a module (``nn.GELU``, Hugging Face's activation classes)
-    or a function (``F.gelu``, ``torch.tanh``, ...). A module whose output meets none (it goes
-    into attention, a residual sum, a product, the output) gets gain 1.
+    or a function (``F.gelu``, ``torch.tanh``, ...), through pooling and a shift or scale by one
+    number (a scalar bias). A nonlinearity with no gain here (``nn.Mish``, ``F.relu6``, ...)
+    keeps the scheme's gain. A module whose output meets none (it goes into attention, a residual
+    sum, a product, the output) gets gain 1.
     """
     tracer = _Tracer()
     ran: set[int] = set()
@@ -455,6 +520,8 @@ def traced_following(model: nn.Module, example_inputs: Any, watched: set[int]) -
         act = activation_of(module)
         if act is not None and args:
             tracer.record(args[0], act[0], act[1], type(module).__name__)
+        elif args and unknown_activation(module):
+            tracer.record(args[0], None, None, type(module).__name__)
 
     with preserved_state(model, params=False), hook_handles() as handles, torch.no_grad():
         for module in model.modules():
