@@ -139,6 +139,25 @@ def test_paired_comparison_by_hand() -> None:
         paired_comparisons([d0], reference="fan_in")
 
 
+def test_an_undefined_difference_has_no_interval() -> None:
+    """The worst scheme's median infinite everywhere: every pair left out, mean_diff nan, yet a
+    finite "95% interval" came from the quarter of the replicates that happened to be finite.
+    Now nan, as is an interval over fewer finite replicates than its level."""
+    inf = math.inf  # a tester's store: 3 data sets, 3 seeds, lr 64 (most runs diverged)
+    cubes = [
+        _cube("glass", {"fan_in": [1.58, 1442.66, inf], "fan_out": [4.99, inf, inf],
+                        "geometric": [75.69, 1.59, 6437.34]}),
+        _cube("iris", {"fan_in": [1.28, inf, 10.50], "fan_out": [inf, inf, 36.12],
+                       "geometric": [1.10, 0.68, 1.10]}),
+        _cube("wine", {"fan_in": [inf, inf, 1.09], "fan_out": [1.08, 1.06, 1.09],
+                       "geometric": [1.09, inf, 6.36]}),
+    ]  # fmt: skip
+    rows = paired_comparisons(cubes, n_boot=2000, seed=0)
+    for row in rows:
+        if math.isnan(row["mean_diff"]):
+            assert math.isnan(row["diff_lo"]) and math.isnan(row["diff_hi"]), row
+
+
 def test_best_rate_is_chosen_per_replicate_by_the_median() -> None:
     """Two rates: scheme a's median is lower at 0.01 (0.3 vs 0.5); at its best rate its losses
     are [0.2, 0.3, 0.4] → median 0.3, normalized by b's 0.6 → 0.5."""

@@ -30,7 +30,15 @@ each scheme's best learning rate, pair the two runs of the same seed; per pair
 
 The win rate and mean difference average over seeds within a data set, then over data sets (every
 data set weighs the same, as in Table 2); their intervals come from the same two-level bootstrap,
-and a per-data-set table uses the inner level only.
+and a per-data-set table uses the inner level only. A paired interval is ``nan`` where its
+point estimate is (every pair left out) or where fewer than ``level`` of the replicates give a
+finite value: percentiles of the finite ones alone would not have the level.
+
+**Coverage is nominal only for studies of some size.** The percentile interval of a two-level
+bootstrap is not exact; a synthetic check (two identical schemes, 200 simulated studies per
+row, by a tester) covered the true win rate 0.5 / difference 0 in 88% / 78% of studies with 2
+data sets × 2 seeds, 96% / 92% with 3 × 3, 99% / 100% with 6 × 5 and 100% / 100% with 12 × 10:
+too narrow for tiny studies, conservative for larger ones. Read a tiny study's intervals as rough.
 """
 
 from __future__ import annotations
@@ -164,7 +172,16 @@ def percentile_interval(samples: np.ndarray, level: float = 0.95) -> tuple[float
     return float(lo), float(hi)
 
 
-def _ci(prefix: str, samples: np.ndarray, level: float) -> dict[str, float]:
+def _ci(
+    prefix: str, samples: np.ndarray, level: float, point: float | None = None
+) -> dict[str, float]:
+    """The percentile interval of ``samples``. With the ``point`` estimate (the paired
+    statistics): ``nan`` where it is not finite, or where more than ``1 - level`` of the
+    replicates are not (an interval of the replicates that happen to be finite would not have
+    its level: a quarter of them once gave a "95%" interval around an undefined difference)."""
+    finite = np.isfinite(np.asarray(samples, dtype=np.float64))
+    if point is not None and (not math.isfinite(point) or (finite.size and finite.mean() < level)):
+        return {f"{prefix}_lo": math.nan, f"{prefix}_hi": math.nan}
     lo, hi = percentile_interval(samples, level)
     return {f"{prefix}_lo": lo, f"{prefix}_hi": hi}
 
@@ -381,9 +398,9 @@ def _paired_row(
         "scheme": scheme,
         "reference": reference,
         "ref_win_rate": float(win),
-        **_ci("win", b_win, level),
+        **_ci("win", b_win, level, float(win)),
         "mean_diff": float(diff),
-        **_ci("diff", b_diff, level),
+        **_ci("diff", b_diff, level, float(diff)),
         "n_pairs": n_pairs,
         "n_left_out": n_out,
     }

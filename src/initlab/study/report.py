@@ -433,7 +433,11 @@ def _summary_lines(r: VariantReport, reference: str) -> list[str]:
     for p in r.paired.filter(dataset="all") if r.paired is not None else []:
         lo, hi = p["diff_lo"], p["diff_hi"]
         verdict = (
-            f"{reference} better"
+            f"undefined ({p['n_left_out']} of {p['n_pairs']} pairs left out: "
+            "a loss that is infinite or missing in both, or too few bootstrap replicates with a "
+            "finite difference)"
+            if not (math.isfinite(lo) and math.isfinite(hi))
+            else f"{reference} better"
             if lo > 0
             else f"{p['scheme']} better"
             if hi < 0
