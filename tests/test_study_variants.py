@@ -295,6 +295,17 @@ def test_last_epoch_mean_by_hand() -> None:
         last_epoch_mean([1.0, 2.0, 3.0], 2)
 
 
+def test_a_diverged_run_has_no_last_epoch_minibatch_loss() -> None:
+    """A run whose steps stayed finite and whose final full pass diverged kept its step mean
+    (159010 in a tester's store) where the docs say nan for a diverged run."""
+    config = RunConfig(dataset="d", scheme="geometric", seed=0, lr=64.0, epochs=1)
+    run = RunResult(config=config, step_loss=[1.0, 3e5], epoch_train_loss=[2e6],
+                    epoch_train_acc=[0.1], epoch_test_loss=[], epoch_test_acc=[], diverged=True,
+                    final_train_loss=math.nan, wall_s=0.0)  # fmt: skip
+    assert math.isnan(run.last_epoch_minibatch_loss)
+    assert not math.isnan(last_epoch_mean(run.step_loss, 1))  # the steps' mean itself
+
+
 def _old_store(path: Path) -> None:
     """A schema-1 store as the first version wrote it (tables as of that version)."""
     conn = sqlite3.connect(path)

@@ -310,7 +310,8 @@ def table2_markdown(
     if diverged:
         lines += [
             "",
-            f"Left out (every scheme diverged at every learning rate; try smaller rates): "
+            "Left out (every scheme diverged at every learning rate, in at least half its "
+            f"seeds: an infinite median; try smaller rates): "
             f"{', '.join(diverged)}.",
         ]
     lines += [f"\n{note}" for note in notes]

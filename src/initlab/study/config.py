@@ -296,7 +296,10 @@ class RunResult:
 
     @property
     def last_epoch_minibatch_loss(self) -> float:
-        """:func:`last_epoch_mean` of ``step_loss``: the last epoch's minibatch average."""
+        """:func:`last_epoch_mean` of ``step_loss``: the last epoch's minibatch average; ``nan``
+        for a diverged run (also one whose steps stayed finite and whose final pass diverged)."""
+        if self.diverged:
+            return math.nan
         return last_epoch_mean(self.step_loss, self.config.epochs)
 
     def to_dict(self) -> dict[str, Any]:

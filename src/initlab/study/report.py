@@ -359,7 +359,8 @@ def _warn_partial(reports: Sequence[VariantReport]) -> None:
         if r.diverged:
             warnings.warn(
                 f"{where}left out {', '.join(r.diverged)}: every scheme diverged at every learning "
-                "rate there, so nothing tells them apart (add smaller rates)",
+                "rate there (its median loss was infinite: at least half its seeds diverged), so "
+                "nothing tells them apart (add smaller rates)",
                 UserWarning,
                 stacklevel=user_stacklevel(),
             )
@@ -415,7 +416,10 @@ def _summary_lines(r: VariantReport, reference: str) -> list[str]:
     paired differences exclude 0."""
     rows = list(r.intervals)
     left = (
-        [f"Left out {', '.join(r.diverged)}: every scheme diverged at every learning rate there."]
+        [
+            f"Left out {', '.join(r.diverged)}: every scheme diverged at every learning rate there "
+            "(its median loss was infinite: at least half its seeds diverged)."
+        ]
         if r.diverged
         else []
     )

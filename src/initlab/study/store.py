@@ -83,7 +83,8 @@ _CONFIG_COLUMNS = (
 
 #: Columns of :meth:`Store.records` / :meth:`Store.to_pandas`: the key, the config fields, then
 #: the results. ``last_epoch_minibatch_loss`` is the mean of the last epoch's step losses
-#: (:func:`~initlab.study.config.last_epoch_mean`, ``nan`` after a divergence), read from the
+#: (:func:`~initlab.study.config.last_epoch_mean`, ``nan`` for a diverged run, also one whose
+#: steps stayed finite and whose final full pass diverged), read from the
 #: stored step losses. With ``curves=True`` the lists ``step_loss, epoch_train_loss,
 #: epoch_train_acc, epoch_test_loss, epoch_test_acc`` follow. The ``init_*`` columns are the cost
 #: of a data-dependent init (:data:`initlab.study.pipelines.INIT_COST_KEYS`): its wall time, the
@@ -715,7 +716,9 @@ class Store:
                 row[name] = json.dumps(value, sort_keys=True) if name == "model_cfg" else value
             row.update(
                 final_train_loss=_float_or_nan(final),
-                last_epoch_minibatch_loss=last_epoch_mean(step_loss, int(cfg["epochs"])),
+                last_epoch_minibatch_loss=(
+                    math.nan if diverged else last_epoch_mean(step_loss, int(cfg["epochs"]))
+                ),
                 diverged=bool(diverged),
                 final_train_acc=_last(epochs["epoch_train_acc"]),
                 final_test_loss=_last(epochs["epoch_test_loss"]),
