@@ -454,3 +454,17 @@ def test_torch_transformer_layers_get_their_activation_function_by_structure(
             traced[first]["gain"],
             traced[second]["gain"],
         )
+
+
+def test_bert_mlp_output_projection_gets_gain_one() -> None:
+    """BertOutput.dense (dense -> dropout -> residual sum -> LayerNorm) kept the ReLU gain
+    (std 0.149 under geometric for 0.105), where DistilBERT's lin2 and Llama's down_proj get 1."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                     intermediate_size=64, vocab_size=100)  # fmt: skip
+    torch.manual_seed(0)
+    rows = _rows(initlab.init_model(transformers.BertModel(config), "geometric", generator=0))
+    out = rows["encoder.layer.0.output.dense.weight"]
+    assert out["gain"] == 1.0 and out["gain_from"].startswith("none: MLP output projection")
+    mid = rows["encoder.layer.0.intermediate.dense.weight"]
+    assert mid["gain"] == pytest.approx(calculate_gain("gelu"))

@@ -280,6 +280,10 @@ def structural_following(model: nn.Module) -> dict[int, Follow]:
                 and (leaf not in _GENERIC_LEAVES or _in_attention_class(model, name))
             ):
                 out.setdefault(id(module), Follow("linear", None, "none: attention projection"))
+            elif leaf == "dense" and _output_class(model, name):
+                # BERT-style ``XOutput``: ``dense`` -> dropout -> residual sum -> LayerNorm
+                source = "none: MLP output projection (into the residual sum)"
+                out.setdefault(id(module), Follow("linear", None, source))
     for _, parent in model.named_modules():
         children = list(parent.named_children())
         if isinstance(parent, nn.Sequential):
@@ -292,6 +296,13 @@ def structural_following(model: nn.Module) -> dict[int, Follow]:
 #: Leaf names that are attention projections only inside an attention module: a classifier's
 #: ``out_proj`` (``RobertaClassificationHead``) is not one.
 _GENERIC_LEAVES = frozenset({"out_proj", "query", "key", "value"})
+
+
+def _output_class(model: nn.Module, name: str) -> bool:
+    """Whether ``name`` sits in a Hugging Face BERT-style ``...Output`` module (``BertOutput``,
+    ``RobertaOutput``, ``ViTOutput``): its ``dense`` is the MLP's output projection."""
+    parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+    return type(parent).__name__.endswith("Output") and isinstance(parent, nn.Module)
 
 
 def _in_attention_class(model: nn.Module, name: str) -> bool:
