@@ -349,3 +349,24 @@ def test_attention_and_softmax_are_no_unknown_activation() -> None:
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4), nn.Softmax(-1))
     gain, source = _gain_of(model, "2", example_inputs=torch.randn(3, 8))
     assert (gain, source) == (1.0, "none: traced, no nonlinearity follows")
+
+
+class _WithToken(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.cls_token = nn.Parameter(torch.ones(1, 1, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) + self.cls_token
+
+
+def test_a_rule_naming_only_an_unclaimed_tensor_says_so() -> None:
+    """A rule for ViT's cls_token (a raw parameter no handler claims) warned "matched no
+    parameter", though the name matched."""
+    rule = initlab.Rule("cls_token", "zero", citation="ViT")
+    with pytest.warns(UserWarning) as seen:
+        initlab.init_model(_WithToken(), "geometric", rules=[rule], generator=0)
+    texts = [str(w.message) for w in seen]
+    assert any("matched only tensors no registry handler claims (cls_token)" in t for t in texts)
+    assert not any("matched no parameter" in t for t in texts)

@@ -10,6 +10,7 @@ validates it, before any tensor is touched. Then :func:`execute` draws one plann
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import math
 import warnings
 from collections.abc import Sequence
@@ -406,7 +407,19 @@ def plan_all(
             for p in plans.values()
             if p.spec is not None and rule.matches((p.name, *p.aliases), p.spec.role)
         ]
-        if not hits:
+        unclaimed = [
+            p.name
+            for p in plans.values()
+            if p.spec is None
+            and any(fnmatch.fnmatchcase(n, rule.pattern) for n in (p.name, *p.aliases))
+        ]
+        if not hits and unclaimed:
+            why = (
+                f"matched only tensors no registry handler claims ({', '.join(unclaimed[:4])}): a "
+                "rule acts on claimed ones; set those yourself after init_model (torch.nn.init), "
+                "or register a handler for their module"
+            )
+        elif not hits:
             why = "matched no parameter"
         elif all(p.frozen for p in hits):
             why = (
