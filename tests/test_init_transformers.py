@@ -468,3 +468,29 @@ def test_bert_mlp_output_projection_gets_gain_one() -> None:
     assert out["gain"] == 1.0 and out["gain_from"].startswith("none: MLP output projection")
     mid = rows["encoder.layer.0.intermediate.dense.weight"]
     assert mid["gain"] == pytest.approx(calculate_gain("gelu"))
+
+
+@pytest.mark.parametrize("scheme", ["geometric", "orthogonal"])
+def test_gpt2_fused_qkv_is_drawn_per_projection(scheme: str) -> None:
+    """GPT-2's c_attn (Conv1D, (n, 3n)) was one 64x192 matrix: geometric std 0.095 for the
+    0.125 of an n x n projection, and its q block was not orthogonal (singular values 0.0004 to
+    0.94). Drawn per q/k/v block now, as nn.MultiheadAttention's in_proj_weight."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=1, n_embd=64, n_head=4, vocab_size=100, n_positions=16)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    rows = _rows(initlab.init_model(model, scheme, generator=0))
+    row = rows["transformer.h.0.attn.c_attn.weight"]
+    assert (row["blocks"], row["fan_in"], row["fan_out"]) == (3, 64, 64)
+    w = model.transformer.h[0].attn.c_attn.weight.detach().double()
+    for k in range(3):
+        block = w[:, 64 * k : 64 * (k + 1)]
+        if scheme == "orthogonal":
+            sv = torch.linalg.svdvals(block)
+            torch.testing.assert_close(sv, torch.full_like(sv, float(sv.mean())), rtol=1e-5, atol=0)
+        else:
+            assert float(block.std()) == pytest.approx(
+                row["target_std"], rel=4 / math.sqrt(2 * 4096)
+            )
+    if scheme == "geometric":  # gain 1 (attention), (n * n)^(-1/4) with n = 64
+        assert row["target_std"] == pytest.approx(0.125)

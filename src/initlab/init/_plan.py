@@ -25,6 +25,7 @@ from initlab._core.rows import split_name
 from initlab.init._structure import (
     Follow,
     find_head,
+    fused_attention_blocks,
     is_added_table,
     structural_following,
     traced_following,
@@ -231,7 +232,10 @@ def _sample_blocks(
 ) -> None:
     assert plan.spec is not None
     for block, init_spec in specs:
-        view = plan.param if block is None else plan.param[block.start : block.stop]
+        view = plan.param
+        if block is not None:  # rows of W (out, in): columns of a transposed (in, out) tensor
+            rows = slice(block.start, block.stop)
+            view = plan.param[:, rows] if plan.spec.transposed else plan.param[rows]
         if init_spec.distribution == "dirac" and plan.dirac_centre is not None:
             dirac_(view, init_spec.gain, groups=plan.spec.groups, centre=plan.dirac_centre)
             continue
@@ -323,6 +327,7 @@ def claim_params(
                 continue
             if pspec.role in ("norm_scale", "norm_shift"):
                 norm_modules.add(id(module))
+            pspec = fused_attention_blocks(mod_name, pspec, param)
             plans[key] = _Plan(qname, param, module, pspec, claim_roles={pspec.role})
             order.append(key)
     return plans, order, norm_modules

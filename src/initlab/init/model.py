@@ -140,8 +140,9 @@ def init_model(
     """Initialize every parameter of ``model`` in place with ``scheme`` and report what was done.
 
     Walks ``model.named_modules()``; for each module the registry's handler says which parameter is
-    a weight (and its fans, per block for fused q/k/v or gate weights), a bias, a norm scale/shift
-    or an embedding table. Then:
+    a weight (and its fans, per block for fused q/k/v or gate weights; GPT-2's ``Conv1D``
+    ``c_attn``, stored ``(n, 3n)``, is split into its q/k/v blocks here), a bias, a norm
+    scale/shift or an embedding table. Then:
 
     * weights: drawn from ``scheme.spec(fans)`` (geometric: ``Var = c / sqrt(fan_in·fan_out)``);
     * biases: zeros (``bias="zeros"``), untouched (``"keep"``) or a constant;
