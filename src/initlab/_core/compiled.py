@@ -8,6 +8,12 @@ milliseconds, and ended at dynamo's recompile limit). Every entry point that tak
 therefore runs on the wrapped module: the same parameters (a change in place shows through the
 compiled model), the same values (eager), the layers named as in the user's own module (``"0"``,
 not ``"_orig_mod.0"``). The compiled model itself is left as it was, compiled.
+
+:func:`takes_compiled` is therefore the decorator of every entry point that takes a model, and
+it holds the other checks they share before any work: the model is an ``nn.Module`` (not the data,
+swapped), not TorchScript (:func:`scripted_error`), has values (:func:`check_materialized`: no
+lazy or meta-device tensor), and the keywords are the function's own (a guessed name is answered
+with initlab's, :func:`~initlab._core.knobs.check_kwargs`; ``forward`` takes ``(model, batch)``).
 """
 
 from __future__ import annotations
