@@ -238,7 +238,7 @@ def init_model(
         >>> [round(r["target_std"] ** 2 * (r["fan_in"] * r["fan_out"]) ** 0.5, 6) for r in w]
         [2.0, 2.0]
     """
-    rules = _validated(model, policy, bias, embedding_std, rules, gains, head, frozen)
+    rules = _validated(policy, bias, embedding_std, rules, gains, head, frozen)
     scheme_obj = get_scheme(scheme)
     gen = as_generator(generator)
     registry = registry if registry is not None else default_registry()
@@ -266,7 +266,6 @@ def init_model(
 
 
 def _validated(
-    model: nn.Module,
     policy: str,
     bias: str | float,
     embedding_std: float,
@@ -275,9 +274,8 @@ def _validated(
     head: str,
     frozen: str,
 ) -> list[Rule | AutoRule]:
-    """Check :func:`init_model`'s arguments; returns ``rules`` as a list."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"init_model expects an nn.Module, got {type(model).__name__}")
+    """Check :func:`init_model`'s arguments (the model itself: :func:`~initlab._core.compiled.
+    takes_compiled`); returns ``rules`` as a list."""
     if policy not in _POLICIES:
         raise ValueError(f"unknown policy {policy!r}; valid policies: {list(_POLICIES)}")
     check_bias(bias)
@@ -301,16 +299,11 @@ def _validated(
 
 
 def _named_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """Every ``(name, parameter)`` including duplicates; errors if none or any on ``meta``."""
+    """Every ``(name, parameter)`` including duplicates; errors if none (a meta-device or lazy
+    model was refused before, :func:`~initlab._core.compiled.check_materialized`)."""
     all_params = list(model.named_parameters(remove_duplicate=False))
     if not all_params:
         raise ValueError(
             f"{type(model).__name__} has no parameters: there is nothing to initialize"
-        )
-    meta = [n for n, p in all_params if p.is_meta]
-    if meta:
-        raise ValueError(
-            f"parameters {meta[:5]}{' ...' if len(meta) > 5 else ''} live on the meta device and "
-            "have no storage; materialize the model first with model.to_empty(device=...)"
         )
     return all_params

@@ -561,8 +561,6 @@ def loss_landscape(
     """
     if bn not in _BN:
         raise ValueError(f"unknown bn policy {bn!r}; valid policies: {list(_BN)}")
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if batched not in (True, False, "auto"):
         raise ValueError(f"batched must be True, False or 'auto', got {batched!r}")
     batches = take_batches(data, what="loss_landscape")

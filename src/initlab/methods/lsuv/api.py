@@ -299,7 +299,7 @@ def lsuv_(
     """
     start = time.perf_counter()
     target, tol, forward = _check_options(
-        model, target, tol, max_iter, strategy, norm_mode, blocks, forward
+        target, tol, max_iter, strategy, norm_mode, blocks, forward
     )
     check_flags("lsuv_", orthogonal=orthogonal, concat_batches=concat_batches, keep_heap=keep_heap)
     gen = as_generator(generator)
@@ -367,7 +367,6 @@ def _refuse_unscalable(units: list[Unit], modules: Selection | None) -> None:
 
 
 def _check_options(
-    model: nn.Module,
     target: float,
     tol: float,
     max_iter: int,
@@ -376,9 +375,8 @@ def _check_options(
     blocks: Selection | None,
     forward: Callable[[nn.Module, Any], Any] | None,
 ) -> tuple[float, float, Callable[[nn.Module, Any], Any]]:
-    """Validate :func:`lsuv_`'s options; ``target``, ``tol`` as floats and the forward."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"lsuv_ expects an nn.Module, got {type(model).__name__}")
+    """Validate :func:`lsuv_`'s options; ``target``, ``tol`` as floats and the forward (the model
+    itself: :func:`~initlab._core.compiled.takes_compiled`)."""
     target = _check_positive("target", target)
     tol = _check_positive("tol", tol)
     if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1:
