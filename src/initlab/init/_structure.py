@@ -318,17 +318,21 @@ def fused_attention_blocks(name: str, spec: ParamSpec, param: Tensor) -> ParamSp
     return dataclasses.replace(spec, fans=None, blocks=blocks)
 
 
+def _parent_class(model: nn.Module, name: str) -> str:
+    """The class name of the module holding submodule ``name``."""
+    return type(model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model).__name__
+
+
 def _output_class(model: nn.Module, name: str) -> bool:
     """Whether ``name`` sits in a Hugging Face BERT-style ``...Output`` module (``BertOutput``,
     ``RobertaOutput``, ``ViTOutput``): its ``dense`` is the MLP's output projection."""
-    parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
-    return type(parent).__name__.endswith("Output") and isinstance(parent, nn.Module)
+    return _parent_class(model, name).endswith("Output")
 
 
 def _in_attention_class(model: nn.Module, name: str) -> bool:
     """Whether the module holding ``name`` is an attention module by its class name."""
-    parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
-    return "attention" in type(parent).__name__.lower() or "attn" in type(parent).__name__.lower()
+    parent = _parent_class(model, name).lower()
+    return "attention" in parent or "attn" in parent
 
 
 def _sequential(children: list[tuple[str, nn.Module]], out: dict[int, Follow]) -> None:
