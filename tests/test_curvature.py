@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import types
 from collections.abc import Callable
 
 import pytest
@@ -37,6 +38,7 @@ from initlab.measure.curvature import (
     quadratic_loss,
     theory_vs_actual,
 )
+from initlab.measure.curvature.products import _cuts_second_order
 
 from .conformance_models import KeywordNet
 
@@ -423,6 +425,32 @@ def test_module_without_double_backward_is_named(mode: str) -> None:
         block_curvature(net, x, lambda m, b: m(b).mean(), probes=2, ad_mode=mode)
     assert info.value.module_name == "1" and info.value.module_type == "_Square"
     assert "Workaround" in str(info.value)
+
+
+class _Node:
+    """A graph node whose children are new objects at every access, as autograd's Python
+    wrappers are when nothing else holds them (torch 2.11)."""
+
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+
+    @property
+    def next_functions(self) -> tuple[tuple[object, int], ...]:
+        child = DelayedError() if self.depth == 1 else _Node(self.depth - 1)
+        return ((child, 0),)
+
+
+class DelayedError:
+    """Named as autograd's node that a ``@once_differentiable`` backward attaches."""
+
+    next_functions = ()
+
+
+def test_the_graph_walk_finds_a_cut_behind_transient_node_objects() -> None:
+    # The walk remembered visited nodes by id() alone: a freed node's id, taken by the next
+    # node's new object, made the walk skip it (torch 2.11 missed @once_differentiable nodes).
+    loss = types.SimpleNamespace(grad_fn=_Node(depth=6))
+    assert _cuts_second_order([loss])  # type: ignore[list-item]
 
 
 def test_forward_mode_gap_in_mse_loss_is_reported() -> None:

@@ -164,12 +164,14 @@ def _cuts_second_order(tensors: Sequence[torch.Tensor | None]) -> bool:
     graph (pass the loss as well as its gradients: the loss's graph holds every such node).
     """
     stack = [t.grad_fn for t in tensors if t is not None and t.grad_fn is not None]
-    seen: set[int] = set()
+    # Keyed by id, holding each node: a node's Python object lives only while referenced, so an
+    # id alone could be reused by another node's object (on torch 2.11 that hid the node sought).
+    seen: dict[int, Any] = {}
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         if _is_cut(node):
             return True
         stack.extend(fn for fn, _ in node.next_functions)
