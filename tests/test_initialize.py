@@ -156,6 +156,17 @@ def test_dtype_is_kept(dtype: torch.dtype) -> None:
     assert w.std().item() == pytest.approx(math.sqrt(2 / 128), rel=std_tolerance(w.numel()) + 0.01)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_the_reports_achieved_std_in_the_tensors_precision(dtype: torch.dtype) -> None:
+    # a float64 model's std was taken in float32 (1e-8 off; CUDA and the CPU differed by 1 ulp)
+    model = nn.Sequential(nn.Linear(96, 80), nn.Linear(80, 40)).to(dtype)
+    rows = initlab.init_model(model, "fan_in", generator=0).to_rows()
+    rel = {torch.float64: 1e-13, torch.float32: 1e-6, torch.bfloat16: 1e-6}[dtype]
+    for row in (r for r in rows if r["param"] == "weight"):
+        w = model.get_submodule(row["layer"]).weight.detach().double()
+        assert row["achieved_std"] == pytest.approx(w.std().item(), rel=rel), row["layer"]
+
+
 def test_same_seed_same_weights_and_int_seed_equals_generator() -> None:
     def make() -> nn.Module:
         return nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8, 4))

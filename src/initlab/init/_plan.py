@@ -569,7 +569,9 @@ def _report_row(plan: _Plan, measure: bool) -> dict[str, Any]:
         fans = spec.blocks[0].fans if spec.blocks else spec.fans
     achieved = None
     if measure and plan.param.numel() > 1:
-        achieved = float(plan.param.detach().float().std())
+        p = plan.param.detach()
+        # float32 and float64 as they are (a float64 model's std to float64 precision)
+        achieved = float((p if p.dtype in (torch.float32, torch.float64) else p.float()).std())
     layer, param = split_name(plan.name)
     return {
         "layer": layer,
