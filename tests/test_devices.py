@@ -57,6 +57,14 @@ CUDA = pytest.param(
     "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 )
 
+STEP_COUNTS = frozenset({"matvecs"})
+"""Counts of an iterative method's steps, left out of the CUDA-vs-CPU comparison: where to stop is
+a decision at a tolerance, which the order of a sum can move by a cycle. Measured: the CNN's first
+convolution in ``layer_spectra``, whose float64 polish ends its first cycle at a residual of
+1.396e-10 theta against a tolerance of 1e-10 on one CPU (80 products); on an H200's machine its
+CPU stopped a cycle earlier (64) and CUDA did not (80). The values the iteration gives are
+compared."""
+
 HF_FAMILIES = ("gpt2", "bert", "llama")
 """Hugging Face models (``tests/hf_models.py``): tied GPT-2, padded BERT, Llama."""
 
@@ -215,6 +223,14 @@ def _flat(numbers: Any, where: str = "") -> dict[str, float]:
     return {p: v for path, x in items for p, v in _flat(x, path).items()}
 
 
+def _without_step_counts(numbers: Any) -> Any:
+    if isinstance(numbers, Mapping):
+        return {k: _without_step_counts(v) for k, v in numbers.items() if k not in STEP_COUNTS}
+    if isinstance(numbers, (list, tuple)):
+        return [_without_step_counts(v) for v in numbers]
+    return numbers
+
+
 def _finite(numbers: Any) -> set[str]:
     """The paths of the finite numbers in ``numbers``."""
     return {p for p, v in _flat(numbers).items() if math.isfinite(v)}
@@ -231,6 +247,7 @@ def test_same_numbers_on_the_device_in_float64(entry: str, model: str, device: s
     want_numbers, want_state = _on_cpu_float64(entry, model)
     rtol, diffs = FLOAT32_INSIDE.get(model, RTOL), []
     _same(state, want_state, "state", diffs, rtol=rtol, atol=ATOL)
+    numbers, want_numbers = _without_step_counts(numbers), _without_step_counts(want_numbers)
     _same(numbers, want_numbers, "rows", diffs, rtol=rtol, atol=ATOL)
     assert not diffs, f"{device} differs from the CPU:\n  " + "\n  ".join(diffs[:8])
 
