@@ -53,6 +53,16 @@ def t5() -> nn.Module:
     return transformers.T5ForConditionalGeneration(cfg)
 
 
+def gemma() -> nn.Module:
+    """Gemma: its RMSNorm scales by ``1 + weight`` (weights start at 0)."""
+    cfg = transformers.GemmaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, vocab_size=V, max_position_embeddings=32,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    return transformers.GemmaForCausalLM(cfg)
+
+
 FAMILIES: dict[str, Callable[[], nn.Module]] = {
     "gpt2": gpt2,
     "bert": bert,

@@ -494,3 +494,25 @@ def test_gpt2_fused_qkv_is_drawn_per_projection(scheme: str) -> None:
             )
     if scheme == "geometric":  # gain 1 (attention), (n * n)^(-1/4) with n = 64
         assert row["target_std"] == pytest.approx(0.125)
+
+
+@pytest.mark.parametrize(("family", "identity"), [("llama", 1.0), ("t5", 1.0), ("gemma", 0.0)])
+def test_hugging_face_norms_are_reset_to_their_identity(family: str, identity: float) -> None:
+    """LlamaRMSNorm and T5LayerNorm scale by ``w``, GemmaRMSNorm by ``1 + w``: each weight is put
+    back where its layer leaves the normalized input as it is (they were left unclaimed, with a
+    warning: a trained model kept its trained norms; ones would double Gemma's outputs)."""
+    pytest.importorskip("transformers")
+    from . import hf_models
+
+    model = hf_models.model_of(family) if family != "gemma" else hf_models.gemma()
+    norms = {n: p for n, p in model.named_parameters() if "norm" in n}
+    assert norms
+    with torch.no_grad():
+        for p in norms.values():
+            p.uniform_(0.5, 2.0)  # as trained
+    report = initlab.init_model(model, "geometric", generator=0)  # warnings are errors here
+    rows = {join_name(r["layer"], r["param"]): r for r in report.to_rows()}
+    for name, p in norms.items():
+        assert torch.equal(p, torch.full_like(p, identity)), name
+        assert rows[name]["role"] == "norm_scale" and rows[name]["distribution"] == "constant"
+    assert not report.unclaimed()

@@ -16,6 +16,7 @@ from initlab.init.registry import (
     Registry,
     default_registry,
     linear_handler,
+    norm_like_handler,
     register_handler,
     transposed_linear_handler,
 )
@@ -563,3 +564,116 @@ def test_specs_are_frozen_and_hashable() -> None:
     assert hash(spec) == hash(ParamSpec("w", "weight", blocks=(Block(0, 2, Fans(3, 2)),)))
     with pytest.raises(AttributeError):
         spec.role = "bias"  # type: ignore[misc]
+
+
+# ----------------------------------------------------------------- normalization layers by behavior
+
+
+def _rms(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class ScaledRMSNorm(nn.Module):
+    """``w * n(x)``, as Llama's, Mistral's or T5's own classes (not torch's nn.RMSNorm)."""
+
+    def __init__(self, d: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.bias = nn.Parameter(torch.zeros(d)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.weight * _rms(x)
+        return y if self.bias is None else y + self.bias
+
+
+class OffsetRMSNorm(ScaledRMSNorm):
+    """``(1 + w) * n(x)``, as Gemma's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (1 + self.weight) * _rms(x)
+
+
+class ResidualNorm(ScaledRMSNorm):
+    """Takes two inputs: its forward cannot be probed with one."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return self.weight * _rms(x + residual)
+
+
+class SquareNorm(ScaledRMSNorm):
+    """Neither form: ``(w - 1/2)^2 * n(x)`` gives one output at ``w = 0`` and at ``w = 1``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.weight - 0.5) ** 2 * _rms(x)
+
+
+class WithBuffer(ScaledRMSNorm):
+    def __init__(self, d: int) -> None:
+        super().__init__(d)
+        self.register_buffer("count", torch.zeros(()))
+
+
+class Rescale(nn.Module):
+    """A 1-D weight, but not called a norm."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * x
+
+
+@pytest.mark.parametrize(
+    ("module", "roles", "identity"),
+    [
+        (ScaledRMSNorm(6), ["norm_scale"], 1.0),
+        (ScaledRMSNorm(6, bias=True), ["norm_scale", "norm_shift"], 1.0),
+        (OffsetRMSNorm(6), ["norm_scale"], 0.0),
+        (ScaledRMSNorm(6).to(torch.bfloat16), ["norm_scale"], 1.0),
+        (OffsetRMSNorm(6).to(torch.float16), ["norm_scale"], 0.0),
+    ],
+    ids=["scaled", "scaled_bias", "offset", "scaled_bf16", "offset_fp16"],
+)
+def test_a_normalization_layer_of_another_library_is_claimed_by_behaviour(
+    module: nn.Module, roles: list[str], identity: float
+) -> None:
+    with torch.no_grad():
+        for p in module.parameters():
+            p.uniform_(0.5, 2.0)  # "trained": the probe must put these back
+    params = list(module.parameters())
+    before = [(p.detach().clone(), p._version) for p in params]
+    calls: list[int] = []
+    module.register_forward_hook(lambda *_: calls.append(1))
+    specs = default_registry().specs(module)
+    assert specs is not None and [s.role for s in specs] == roles
+    assert specs[0].identity == identity
+    assert all(a is b for a, b in zip(module.parameters(), params, strict=True))  # the same
+    assert all(
+        torch.equal(p, b) and p._version == v for p, (b, v) in zip(params, before, strict=True)
+    )
+    assert not calls  # probed without the module's hooks
+
+
+@pytest.mark.parametrize(
+    "module",
+    [ResidualNorm(6), SquareNorm(6), WithBuffer(6), Rescale(6), ScaledRMSNorm(6).to("meta")],
+    ids=["two_inputs", "neither_form", "buffer", "not_a_norm", "meta"],
+)
+def test_what_is_not_recognized_stays_unclaimed(module: nn.Module) -> None:
+    before = [p.detach().clone() for p in module.parameters()]
+    assert default_registry().specs(module) is None
+    if not any(p.is_meta for p in before):
+        assert all(torch.equal(p, b) for p, b in zip(module.parameters(), before, strict=True))
+
+
+def test_norm_like_handler_registered_for_an_unrecognized_class_says_why() -> None:
+    reg = default_registry().copy()
+    reg.register(SquareNorm, norm_like_handler)
+    with pytest.raises(ValueError, match=r"SquareNorm is not a normalization layer .* \(1 \+ w\)"):
+        reg.specs(SquareNorm(4))
+
+
+def test_identity_belongs_to_a_norm_scale() -> None:
+    with pytest.raises(ValueError, match="identity is for the role 'norm_scale' only"):
+        ParamSpec("bias", "bias", identity=0.0)

@@ -124,7 +124,8 @@ def _fill_plan(
                 0.0,
             )
     elif role == "norm_scale":
-        plan.scheme_name, plan.distribution, plan.target_std = "ones", "constant", 0.0
+        name = "ones" if spec.identity == 1.0 else f"constant({spec.identity:g})"
+        plan.scheme_name, plan.distribution, plan.target_std = name, "constant", 0.0
     elif role == "norm_shift":
         plan.scheme_name, plan.distribution, plan.target_std = "zeros", "constant", 0.0
     else:  # pragma: no cover - the registry validates roles
@@ -270,7 +271,7 @@ def execute(
         elif bias != "keep":
             param.fill_(float(bias))
     elif spec.role == "norm_scale":
-        param.fill_(1.0)
+        param.fill_(spec.identity)
     elif spec.role == "norm_shift":
         param.zero_()
     for i, rule in enumerate(plan.rules):

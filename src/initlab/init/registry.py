@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from torch import nn
 from torch.nn.utils import parametrize
 
+from initlab.init._norm_like import norm_identity
 from initlab.init.fans import Fans, compute_fans
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
     "linear_handler",
     "multihead_attention_handler",
     "norm_handler",
+    "norm_like_handler",
     "register_handler",
     "rnn_cell_handler",
     "rnn_handler",
@@ -115,6 +117,9 @@ class ParamSpec:
         groups: convolution groups of the layout (for samplers such as orthogonal or dirac).
         transposed: the first two dims are ``(in, out)`` rather than ``(out, in)`` (ConvTranspose,
             GPT-2 ``Conv1D``).
+        identity: for the role ``"norm_scale"``, the value at which the scale leaves its input
+            as it is: 1 for ``w * n(x)``, 0 for a layer computing ``(1 + w) * n(x)`` (Gemma's
+            RMSNorm). A scale is initialized to it.
     """
 
     name: str
@@ -123,6 +128,7 @@ class ParamSpec:
     blocks: tuple[Block, ...] = ()
     groups: int = 1
     transposed: bool = False
+    identity: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -162,6 +168,11 @@ class ParamSpec:
             raise ValueError(f"ParamSpec {self.name!r}: groups must be a positive int")
         if not isinstance(self.transposed, bool):
             raise ValueError(f"ParamSpec {self.name!r}: transposed must be a bool")
+        if self.identity != 1.0 and self.role != "norm_scale":
+            raise ValueError(
+                f"ParamSpec {self.name!r}: identity is for the role 'norm_scale' only, "
+                f"not {self.role!r}"
+            )
 
 
 Handler = Callable[[nn.Module], Iterable[ParamSpec]]
@@ -432,7 +443,10 @@ class Registry:
         self._handlers[module_type] = handler
 
     def handler_for(self, module: nn.Module) -> Handler | None:
-        """The handler for ``module``: the first class in ``type(module).__mro__`` with one."""
+        """The handler for ``module``: the first class in ``type(module).__mro__`` with one;
+        else, for a normalization layer of another library (``LlamaRMSNorm``, ``T5LayerNorm``,
+        ``GemmaRMSNorm``...) recognized by its structure and forward,
+        :func:`norm_like_handler`."""
         check_strings = any(isinstance(key, str) for key in self._handlers)
         for cls in type(module).__mro__:
             handler = self._handlers.get(cls)
@@ -440,7 +454,7 @@ class Registry:
                 handler = self._handlers.get(_dotted(cls))
             if handler is not None:
                 return handler
-        return None
+        return norm_like_handler if norm_identity(module) is not None else None
 
     def specs(self, module: nn.Module, name: str = "") -> list[ParamSpec] | None:
         """Validated specs of ``module``'s direct parameters, or ``None`` if no handler claims it.
@@ -523,6 +537,27 @@ class Registry:
 # --------------------------------------------------------------------------------------------
 # Built-in handlers. Each names the module's direct parameters and states their fans from the
 # module's own hyper-parameters; the registry cross-checks them against compute_fans.
+
+
+def norm_like_handler(module: nn.Module) -> list[ParamSpec]:
+    """A normalization layer that no handler is registered for, recognized by what it does
+    (:mod:`initlab.init._norm_like`): ``weight`` -> "norm_scale" with its ``identity`` (1 for
+    ``w * n(x)``, 0 for Gemma's ``(1 + w) * n(x)``), ``bias`` -> "norm_shift".
+
+    Raises:
+        ValueError: ``module`` does not have the structure, or its forward shows neither form.
+    """
+    identity = norm_identity(module)
+    if identity is None:
+        raise ValueError(
+            f"{type(module).__name__} is not a normalization layer norm_like_handler recognizes: "
+            "it needs a 1-D weight (and optionally a bias of its shape) as its only parameters, "
+            "no submodules or buffers, and a forward(x) whose output is w * n(x) or (1 + w) * n(x)"
+        )
+    specs = [ParamSpec("weight", "norm_scale", identity=identity)]
+    if module._parameters.get("bias") is not None:
+        specs.append(ParamSpec("bias", "norm_shift"))
+    return specs
 
 
 def _bias_specs(module: nn.Module, *names: str) -> list[ParamSpec]:
