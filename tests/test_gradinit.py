@@ -653,6 +653,28 @@ def test_written_out_second_order_leaves_other_calls_to_autograd() -> None:
     torch.testing.assert_close(y_same, conv_same(x), rtol=0, atol=0)
 
 
+def test_written_out_second_order_takes_keyword_arguments() -> None:
+    # F.conv1d(x, weight=w, ...) (Mamba's slow path) raised TypeError in the routing, which the
+    # data contract then reported as "the model does not take its keys"
+    from initlab.methods._second_order import written_out_second_order
+
+    conv, bn = nn.Conv1d(3, 4, 3, padding=1).to(D), _bn(4, dims=1).to(D)
+    x = torch.randn(5, 3, 7, generator=torch.Generator().manual_seed(1), dtype=D)
+
+    def by_keyword() -> torch.Tensor:
+        y = F.conv1d(input=x, weight=conv.weight, bias=conv.bias, padding=1, groups=1)
+        return F.batch_norm(
+            input=y, running_mean=None, running_var=None, weight=bn.weight, bias=bn.bias,
+            training=True, momentum=0.1, eps=1e-5,
+        )  # fmt: skip
+
+    with written_out_second_order():
+        y = by_keyword()
+    assert type(y.grad_fn).__name__ != "NativeBatchNormBackward0"  # routed, not left to autograd
+    assert type(y.grad_fn.next_functions[0][0]).__name__ == "_ConvBackward"
+    torch.testing.assert_close(y, by_keyword(), rtol=0, atol=0)
+
+
 def test_written_out_second_order_refuses_a_third_derivative() -> None:
     from initlab.methods._second_order import written_out_second_order
 

@@ -282,24 +282,28 @@ _FLOATS = (torch.float32, torch.float64)
 
 
 def _conv_call(
-    x: Any,
-    w: Any,
-    b: Any = None,
+    input: Any,  # torch's own names, so that keyword calls bind
+    weight: Any,
+    bias: Any = None,
     stride: Any = 1,
     padding: Any = 0,
     dilation: Any = 1,
     groups: int = 1,
 ) -> tuple[Any, ...] | None:
-    """The arguments of a convolution :class:`_Conv` handles (``None``: leave it to autograd)."""
+    """The arguments of a convolution :class:`_Conv` handles (``None``: leave it to autograd).
+    Named as ``F.conv{1,2,3}d`` names them: a model may pass any of them by keyword."""
+    x, w = input, weight
+    if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)):
+        return None
     if isinstance(padding, str) or x.dim() != w.dim() or x.dtype not in _FLOATS:
         return None
     if torch.is_autocast_enabled(x.device.type):  # the kernels would see other dtypes
         return None
-    return x, w, b, stride, padding, dilation, groups
+    return x, w, bias, stride, padding, dilation, groups
 
 
 def _batch_norm_call(
-    x: Any,
+    input: Any,  # as F.batch_norm names it
     running_mean: Any,
     running_var: Any,
     weight: Any = None,
@@ -310,6 +314,7 @@ def _batch_norm_call(
 ) -> tuple[Any, ...] | None:
     """The arguments of a batch norm :class:`_BatchNorm` handles (``None``: leave it to autograd):
     batch statistics, affine, float32/64, more than one value per channel."""
+    x = input
     if not training or weight is None or bias is None or momentum is None:
         return None
     if x.dim() < 2 or x.dtype not in _FLOATS or x.numel() <= x.shape[1]:
