@@ -1156,3 +1156,25 @@ def test_the_default_loss_on_a_dict_batch_names_targets_it_cannot_pair() -> None
         resolve_loss(None)(_KwNet(), bad)
     with pytest.raises(TargetError, match=r"output of shape \(8, 3\).*targets of shape \(8, 2\)"):
         resolve_loss(None)(_KwNet(), (x, bad["labels"]))
+
+
+class _KeywordBugInside(nn.Module):
+    """Takes the batch's keys; its own code calls a function with a keyword it does not take."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, self.lin.weight, bias=self.lin.bias, scale=2.0)  # type: ignore[call-arg]
+
+
+@pytest.mark.parametrize("model", [_KeywordBugInside(), _mlp()], ids=["bug_inside", "no_keys"])
+def test_a_type_error_is_blamed_on_the_batchs_keys_only_when_the_forward_refuses_them(
+    model: nn.Module,
+) -> None:
+    x, y = _data(8)
+    with pytest.raises(TypeError) as info:
+        initlab.measure_moments(model, [{"x": x, "labels": y}])
+    blamed = "does not take its keys" in str(info.value)
+    assert blamed == isinstance(model, nn.Sequential), str(info.value)

@@ -511,8 +511,12 @@ def keyword_error(err: TypeError, batch: Any, what: str) -> TypeError | None:
             "itself, or, where the function takes one, forward=lambda model, batch: "
             "model(*batch[:2]) (as many inputs as the model takes)"
         )
+    # The model's own forward refusing the batch: a key it does not take, or one it needs and
+    # the batch lacks. A TypeError from deeper inside (a call in the model's code) is its own.
+    unexpected = re.search(r"forward\(\) got an unexpected keyword argument '([^']*)'", text)
+    missing = re.search(r"forward\(\) missing \d+ required (positional|keyword-only) arg", text)
     if not isinstance(batch, Mapping) or not (
-        "keyword argument" in text or "required positional argument" in text
+        (unexpected is not None and unexpected.group(1) in batch) or missing is not None
     ):
         return None
     return TypeError(
