@@ -266,6 +266,54 @@ def test_scaled_output_kinds() -> None:
     assert half.dtype == torch.float16
 
 
+class _LossFirst(nn.Module):
+    """Returns ``(loss, logits)`` (a Hugging Face model called with ``return_dict=False`` and
+    labels) or ``{"loss": ..., "logits_per_image": ...}`` (``CLIPOutput``: no ``.logits``)."""
+
+    def __init__(self, as_dict: bool) -> None:
+        super().__init__()
+        self.as_dict = as_dict
+        self.lin = nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> Any:
+        logits = self.lin(x)
+        loss = F.cross_entropy(logits, labels)
+        return {"loss": loss, "logits_per_image": logits} if self.as_dict else (loss, logits)
+
+
+@pytest.mark.parametrize("as_dict", [False, True], ids=["tuple", "mapping"])
+def test_hook_scales_the_output_it_measured_not_a_loss_before_it(as_dict: bool) -> None:
+    # the std was measured on the logits and the hook multiplied the 0-d loss: CLIP's loss
+    # 2.43 -> 0.06 with logits unchanged, and a report of std_after 0.05
+    torch.manual_seed(0)
+    model = _LossFirst(as_dict)
+    gen = torch.Generator().manual_seed(2)
+    batches = [
+        {"x": torch.randn(8, 6, generator=gen), "labels": torch.randint(0, 4, (8,), generator=gen)}
+        for _ in range(2)
+    ]
+    before = model(**batches[0])
+    with pytest.warns(UserWarning, match="returns a loss of its own"):
+        report = scale_output_(model, batches, target=TARGET, how="hook")
+    after = model(**batches[0])
+    key = "logits_per_image" if as_dict else 1
+    torch.testing.assert_close(after[key], before[key] * report.info["scale"], rtol=1e-6, atol=0)
+    loss = "loss" if as_dict else 0
+    assert torch.equal(after[loss], before[loss])
+    assert measure_output_std(model, batches) == pytest.approx(TARGET, rel=REL)
+
+
+def test_hook_on_the_model_is_checked_against_what_forward_returns() -> None:
+    # a root hook was never checked: a forward= not proportional to the output passed silently
+    torch.manual_seed(0)
+    model, x = nn.Linear(6, 4), torch.randn(16, 6)
+    before = _state(model)
+    with pytest.raises(ValueError, match="forward= computes something not degree-1 homogeneous"):
+        scale_output_(model, x, how="hook", forward=lambda m, b: m(b).softmax(-1))
+    assert _hook_count(model) == 0
+    _same_state(model, before)
+
+
 def test_hook_is_picklable_and_deep_copies_with_the_model() -> None:
     hook = pickle.loads(pickle.dumps(OutputScaleHook(0.25)))
     assert hook.scale == 0.25 and "0.25" in repr(hook)

@@ -26,7 +26,7 @@ import dataclasses
 import math
 import time
 import warnings
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -141,17 +141,25 @@ def scaled_output(output: Any, scale: float | torch.Tensor) -> Any:
     if isinstance(logits, torch.Tensor):
         return _with_attr(output, "logits", _times(logits, scale))
     if isinstance(output, Mapping):
-        for key, value in output.items():
-            if isinstance(value, torch.Tensor):
-                return _with_item(output, key, _times(value, scale))
+        key = _read_key(output.items())
+        if key is not None:
+            return _with_item(output, key, _times(output[key], scale))
     if isinstance(output, (tuple, list)):
-        for i, value in enumerate(output):
-            if isinstance(value, torch.Tensor):
-                return _with_first(output, i, _times(value, scale))
+        i = _read_key(enumerate(output))
+        if i is not None:
+            return _with_first(output, i, _times(output[i], scale))
     raise TypeError(
         f"cannot scale a {type(output).__name__} output: it holds no tensor; return a tensor, a "
         "tuple whose first item is the output, a dict with 'logits' or an object with .logits"
     )
+
+
+def _read_key(items: Iterable[tuple[Any, Any]]) -> Any:
+    """The key of the tensor :func:`~initlab._core.data.output_tensor` reads among ``items``
+    (the one measured): the first with a dimension, so not a 0-d loss before the logits (a
+    Hugging Face tuple or ``CLIPOutput``), else the first tensor; ``None`` without one."""
+    tensors = [(k, v) for k, v in items if isinstance(v, torch.Tensor)]
+    return next((k for k, v in tensors if v.dim() > 0), tensors[0][0] if tensors else None)
 
 
 class OutputScale(nn.Module):
@@ -566,16 +574,21 @@ def _attach_hook(
     forward: Forward,
     seeds: Seeds,
 ) -> Any:
-    """Register ``hook`` on module ``name`` (``""``: the model) and return its handle; on a
-    submodule, first check (one pass) that the model's output is scaled exactly."""
+    """Register ``hook`` on module ``name`` (``""``: the model) and return its handle, after
+    checking (one pass) that the output measured is scaled exactly."""
     handle = dict(model.named_modules())[name].register_forward_hook(hook)
-    if not name:
-        return handle
     try:
         bad, err = _output_error(model, hook.scale, batch, out_before, forward, seeds)
     except BaseException:
         handle.remove()
         raise
+    if bad and not name:
+        handle.remove()
+        raise ValueError(
+            "a hook on the model's output does not scale the output measured by the same factor "
+            f"(relative error {err:.2e}): forward= computes something not degree-1 homogeneous "
+            "in it. Pass a forward= that returns the model's output, or use how='module'"
+        )
     if bad:
         handle.remove()
         raise ValueError(
