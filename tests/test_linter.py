@@ -231,6 +231,8 @@ def test_untraceable_model_falls_back_to_module_types():
     found = rules_of(result.findings)
     assert not result.traced and result.trace_error
     assert found["not_traced"][0]["severity"] == "info"
+    # the way that works on any model is named (it said only "pass residual_blocks=")
+    assert "pass forward_args=[(args, kwargs)]" in found["not_traced"][0]["message"]
     assert [f["layer"] for f in found["max_pool"]] == ["pool"]
 
 

@@ -405,7 +405,11 @@ def _not_traced(model: nn.Module, error: str, runtime_note: str = "") -> dict[st
     what, note = "(F.max_pool2d, torch.tanh)", runtime_note
     if not runtime_note:
         what = "(F.max_pool2d, torch.tanh, residual additions)"
-        note = "pass residual_blocks= to declare residual blocks"
+        note = (
+            "pass forward_args=[(args, kwargs)] (a batch's forward, e.g. ((), batch) for a "
+            "Hugging Face model) to find the residual blocks by running the model, or "
+            "residual_blocks= to declare them"
+        )
     return _finding("", type(model).__name__, "not_traced", "info", math.nan,
                     f"torch.fx could not trace the model ({error}); functional operations "
                     f"{what} were not inspected; {note}")  # fmt: skip
