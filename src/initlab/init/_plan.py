@@ -22,10 +22,10 @@ from torch import nn
 
 from initlab._core.knobs import user_stacklevel
 from initlab._core.rows import split_name
+from initlab.init._fused import fused_attention_blocks
 from initlab.init._structure import (
     Follow,
     find_head,
-    fused_attention_blocks,
     is_added_table,
     structural_following,
     traced_following,

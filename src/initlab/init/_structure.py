@@ -14,7 +14,6 @@ found, the scheme's own gain is kept) and a short text for the report's ``gain_f
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,8 +27,6 @@ from torch.overrides import TorchFunctionMode
 from initlab._core.data import default_forward
 from initlab._core.hooks import hook_handles
 from initlab._core.state import preserved_state
-from initlab.init.fans import Fans
-from initlab.init.registry import Block, ParamSpec
 
 __all__ = [
     "Follow",
@@ -299,23 +296,6 @@ def structural_following(model: nn.Module) -> dict[int, Follow]:
 #: Leaf names that are attention projections only inside an attention module: a classifier's
 #: ``out_proj`` (``RobertaClassificationHead``) is not one.
 _GENERIC_LEAVES = frozenset({"out_proj", "query", "key", "value"})
-
-
-def fused_attention_blocks(name: str, spec: ParamSpec, param: Tensor) -> ParamSpec:
-    """``spec`` with one block per projection for GPT-2's fused attention ``c_attn`` (a
-    ``Conv1D`` storing ``(n, 3n)``: q, k, v; ``(n, 2n)`` in cross-attention: k, v), so that
-    init_model draws each as its own ``n x n`` matrix (fans, orthogonality), as
-    ``nn.MultiheadAttention``'s ``in_proj_weight``; any other spec as it is."""
-    if name.rsplit(".", 1)[-1] != "c_attn" or not spec.transposed or spec.blocks:
-        return spec
-    if spec.role != "weight" or param.dim() != 2:
-        return spec
-    n, out = (int(d) for d in param.shape)
-    if out not in (2 * n, 3 * n):
-        return spec
-    fans = Fans(fan_in=n, fan_out=n)
-    blocks = tuple(Block(i * n, (i + 1) * n, fans) for i in range(out // n))
-    return dataclasses.replace(spec, fans=None, blocks=blocks)
 
 
 def _parent_class(model: nn.Module, name: str) -> str:
