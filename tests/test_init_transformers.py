@@ -6,6 +6,7 @@ without names. Tiny GPT-2-like and Llama-like models in plain torch; Hugging Fac
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -516,3 +517,110 @@ def test_hugging_face_norms_are_reset_to_their_identity(family: str, identity: f
         assert torch.equal(p, torch.full_like(p, identity)), name
         assert rows[name]["role"] == "norm_scale" and rows[name]["distribution"] == "constant"
     assert not report.unclaimed()
+
+
+def _fused_models() -> dict[str, Callable[[], nn.Module]]:
+    tf = pytest.importorskip("transformers")
+    small = dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=1, vocab_size=64)
+    return {
+        "gpt_neox": lambda: tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(intermediate_size=64, **small)),
+        "bloom": lambda: tf.BloomForCausalLM(tf.BloomConfig(hidden_size=32, n_head=4, n_layer=1,
+                                                            vocab_size=64)),
+        "falcon_grouped": lambda: tf.FalconForCausalLM(tf.FalconConfig(
+            new_decoder_architecture=True, num_kv_heads=2, **small)),
+        "falcon_multi_query": lambda: tf.FalconForCausalLM(tf.FalconConfig(
+            multi_query=True, new_decoder_architecture=False, **small)),
+        "falcon_per_head": lambda: tf.FalconForCausalLM(tf.FalconConfig(
+            multi_query=False, new_decoder_architecture=False, **small)),
+        "phi3": lambda: tf.Phi3ForCausalLM(tf.Phi3Config(intermediate_size=48,
+                                                         num_key_value_heads=2, pad_token_id=0,
+                                                         **small)),
+        "modernbert": lambda: tf.ModernBertForMaskedLM(tf.ModernBertConfig(
+            intermediate_size=48, pad_token_id=0, **small)),
+        "gpt_bigcode_mq": lambda: tf.GPTBigCodeForCausalLM(tf.GPTBigCodeConfig(
+            n_embd=32, n_head=4, n_layer=1, vocab_size=64, multi_query=True)),
+        "gpt_bigcode_mha": lambda: tf.GPTBigCodeForCausalLM(tf.GPTBigCodeConfig(
+            n_embd=32, n_head=4, n_layer=1, vocab_size=64, multi_query=False)),
+    }  # fmt: skip
+
+
+_H, _HD, _N = 4, 8, 32
+
+
+def _split_as_the_model_does(family: str, w: torch.Tensor) -> dict[str, list[torch.Tensor]]:
+    """Each head's query, key and value rows of a fused weight ``(out, 32)``, cut as each
+    model's forward cuts its output (read from its code, independently of initlab's layouts)."""
+    if family in ("gpt_neox", "bloom", "falcon_per_head", "gpt_bigcode_mha"):
+        heads = w.view(_H, 3, _HD, _N)  # (q, k, v) head by head
+        return {p: [heads[h, i] for h in range(_H)] for i, p in enumerate("qkv")}
+    if family == "falcon_grouped":  # 2 groups of (2 query heads, 1 key, 1 value)
+        groups = w.view(2, 4, _HD, _N)
+        q = [groups[g, j] for g in range(2) for j in range(2)]
+        return {
+            "q": q,
+            "k": [groups[g, 2] for g in range(2)],
+            "v": [groups[g, 3] for g in range(2)],
+        }
+    kv = {"phi3": 2, "modernbert": 4}.get(family, 1)  # [q; k; v], as many heads as there are
+    q, k, v = w.split([_H * _HD, kv * _HD, kv * _HD])
+    return {p: list(t.view(-1, _HD, _N)) for p, t in zip("qkv", (q, k, v), strict=True)}
+
+
+def _kv_heads(family: str) -> int:
+    return {"falcon_grouped": 2, "phi3": 2, "falcon_multi_query": 1, "gpt_bigcode_mq": 1}.get(
+        family, _H
+    )
+
+
+@pytest.mark.parametrize(
+    "family",
+    ["gpt_neox", "bloom", "falcon_grouped", "falcon_multi_query", "falcon_per_head", "phi3",
+     "modernbert", "gpt_bigcode_mq", "gpt_bigcode_mha"],
+)  # fmt: skip
+def test_fused_qkv_weights_are_drawn_per_projection_as_the_model_cuts_them(family: str) -> None:
+    """GPT-NeoX/Bloom/Falcon's query_key_value, Phi-3's qkv_proj, ModernBERT's Wqkv and
+    GPTBigCode's c_attn were drawn as one matrix: a geometric std of (n * 3n)^(-1/4) for every
+    head (0.134 for 0.177 at n = 32), an orthogonal query head with singular values down to 0.02.
+    Each head now gets its projection's std, and an orthogonal draw is orthogonal per head."""
+    torch.manual_seed(0)
+    model = _fused_models()[family]()
+    (name,) = [
+        n for n, _ in model.named_parameters()
+        if n.endswith(("query_key_value.weight", "qkv_proj.weight", "Wqkv.weight", "c_attn.weight"))
+    ]  # fmt: skip
+    initlab.init_model(model, "geometric", generator=0)
+    parts = _split_as_the_model_does(family, model.get_parameter(name).detach().double())
+    for proj, heads in parts.items():
+        fan_out = _H * _HD if proj == "q" else _kv_heads(family) * _HD
+        want = (_N * fan_out) ** -0.25  # gain 1 (attention)
+        got = torch.stack(heads).std().item()
+        assert got == pytest.approx(want, rel=4 / math.sqrt(2 * sum(h.numel() for h in heads)))
+    initlab.init_model(model, "orthogonal", generator=0)
+    parts = _split_as_the_model_does(family, model.get_parameter(name).detach().double())
+    for proj, heads in parts.items():
+        for head in heads:  # orthonormal rows, up to the scheme's gain
+            sv = torch.linalg.svdvals(head)
+            torch.testing.assert_close(sv, sv.new_full(sv.shape, float(sv.mean())), rtol=1e-6,
+                                       atol=0, msg=f"{family} {proj}")  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["phi3", "modernbert"])
+def test_a_fused_gate_and_input_are_drawn_as_two_matrices(family: str) -> None:
+    torch.manual_seed(0)
+    model = _fused_models()[family]()
+    (name,) = [
+        n for n, _ in model.named_parameters() if n.endswith(("gate_up_proj.weight", "Wi.weight"))
+    ]
+    report = initlab.init_model(model, "geometric", generator=0)
+    row = {join_name(r["layer"], r["param"]): r for r in report.to_rows()}[name]
+    assert (row["blocks"], row["fan_in"], row["fan_out"]) == (2, _N, 48)
+    for half in model.get_parameter(name).detach().double().chunk(2):
+        want = row["gain"] * (_N * 48) ** -0.25
+        assert half.std().item() == pytest.approx(want, rel=4 / math.sqrt(2 * half.numel()))
+
+
+def test_a_fused_qkv_without_a_config_is_cut_in_three_equal_projections() -> None:
+    # nanoGPT's c_attn (an nn.Linear(n, 3n) split in thirds), timm's qkv
+    report = initlab.init_model(GPT2Like(), "orthogonal", generator=0)
+    row = _rows(report)["h.0.attn.c_attn.weight"]
+    assert (row["blocks"], row["fan_in"], row["fan_out"]) == (3, D, D)

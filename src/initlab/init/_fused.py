@@ -3,32 +3,156 @@
 A layer that computes several projections with one matrix multiply stores them stacked along
 its outputs. :func:`~initlab.init.model.init_model` draws each as its own matrix (its own fans;
 an orthogonal draw orthogonal per matrix), as ``nn.MultiheadAttention``'s ``in_proj_weight``.
+Drawn as one matrix, a ``(3n, n)`` q/k/v weight gets fans ``(n, 3n)`` (a geometric std 0.134
+for the 0.177 of each ``32 x 32`` projection) and an orthogonal q block with singular values
+from 0.93 down to 0.02.
+
+The layouts, read from the layer's name and the ``config`` of the module holding it (a Hugging
+Face attention or MLP module); a weight whose shape does not match its layout is left as it is:
+
+* GPT-2's ``c_attn`` (a ``Conv1D`` storing ``(n, 3n)``: q, k, v; ``(n, 2n)`` in cross-attention:
+  k, v);
+* q, k and v one after the other (``qkv_proj``: Phi-3; ``Wqkv``: ModernBERT; ``c_attn`` as an
+  ``nn.Linear``: GPTBigCode with one key/value head): the query's ``heads * head_dim`` rows, then
+  the key's and the value's ``kv_heads * head_dim`` each; without a config (nanoGPT's
+  ``c_attn``, timm's ``qkv``), three equal thirds;
+* groups of heads: GPT-NeoX's, Bloom's and GPTBigCode's (with as many key/value heads as query
+  heads) store ``(q, k, v)`` head by head; Falcon's ``query_key_value`` too, or one
+  ``(q..., k, v)`` group per key/value head (``new_decoder_architecture``), or all query heads
+  then one key and one value head (``multi_query``);
+* a gate and its input one after the other (``gate_up_proj``: Phi-3; ``Wi``: ModernBERT), each
+  ``intermediate_size`` rows.
+
+Each block keeps the fans of the projection it is part of: ``(hidden, heads * head_dim)`` for a
+query head, ``(hidden, kv_heads * head_dim)`` for a key or value head.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from initlab.init.fans import Fans
 from initlab.init.registry import Block, ParamSpec
 
-__all__ = ["fused_attention_blocks"]
+__all__ = ["fused_blocks"]
+
+_CONCATENATED_QKV = frozenset({"c_attn", "qkv_proj", "Wqkv", "qkv"})
+_CONCATENATED_TYPES = frozenset({"phi3", "modernbert", "gpt_bigcode"})
+"""Hugging Face model types whose ``_CONCATENATED_QKV`` weight is ``[q; k; v]`` (GPTBigCode: with
+one key/value head; with as many as query heads it stores them head by head)."""
+_GATE_UP = frozenset({"gate_up_proj", "Wi"})
 
 
-def fused_attention_blocks(name: str, spec: ParamSpec, param: Tensor) -> ParamSpec:
-    """``spec`` with one block per projection for GPT-2's fused attention ``c_attn`` (a
-    ``Conv1D`` storing ``(n, 3n)``: q, k, v; ``(n, 2n)`` in cross-attention: k, v), so that
-    init_model draws each as its own ``n x n`` matrix (fans, orthogonality), as
-    ``nn.MultiheadAttention``'s ``in_proj_weight``; any other spec as it is."""
-    if name.rsplit(".", 1)[-1] != "c_attn" or not spec.transposed or spec.blocks:
+def fused_blocks(model: nn.Module, name: str, spec: ParamSpec, param: Tensor) -> ParamSpec:
+    """``spec`` with one block per matrix for a fused projection (see the module docstring) of
+    the module ``name`` of ``model``; any other spec as it is."""
+    if spec.role != "weight" or spec.blocks or param.dim() != 2:
         return spec
-    if spec.role != "weight" or param.dim() != 2:
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "c_attn" and spec.transposed:
+        blocks = _gpt2_c_attn(*(int(d) for d in param.shape))
+    elif spec.transposed:
         return spec
-    n, out = (int(d) for d in param.shape)
+    else:
+        out, n = (int(d) for d in param.shape)
+        blocks = _linear_blocks(leaf, out, n, _config(model, name))
+    return spec if blocks is None else dataclasses.replace(spec, fans=None, blocks=blocks)
+
+
+def _config(model: nn.Module, name: str) -> Any:
+    """The ``config`` of the nearest module above ``name`` that has one (Bloom's attention
+    keeps none; the model's own does), ``None`` when none has."""
+    parts = name.split(".")[:-1]
+    for depth in range(len(parts), -1, -1):
+        config = getattr(model.get_submodule(".".join(parts[:depth])), "config", None)
+        if config is not None:
+            return config
+    return None
+
+
+def _gpt2_c_attn(n: int, out: int) -> tuple[Block, ...] | None:
     if out not in (2 * n, 3 * n):
-        return spec
+        return None
     fans = Fans(fan_in=n, fan_out=n)
-    blocks = tuple(Block(i * n, (i + 1) * n, fans) for i in range(out // n))
-    return dataclasses.replace(spec, fans=None, blocks=blocks)
+    return tuple(Block(i * n, (i + 1) * n, fans) for i in range(out // n))
+
+
+def _linear_blocks(leaf: str, out: int, n: int, config: Any) -> tuple[Block, ...] | None:
+    """The blocks of an ``nn.Linear``-layout weight ``(out, n)`` named ``leaf``."""
+    if leaf in _GATE_UP:
+        width = getattr(config, "intermediate_size", None)
+        if not isinstance(width, int) or out != 2 * width:
+            return None
+        fans = Fans(fan_in=n, fan_out=width)
+        return (Block(0, width, fans), Block(width, out, fans))
+    heads = _heads(config, n)
+    if heads is None:  # no config: three equal projections (nanoGPT, timm), or nothing known
+        if leaf in _CONCATENATED_QKV and out == 3 * n:
+            return tuple(Block(i * n, (i + 1) * n, Fans(fan_in=n, fan_out=n)) for i in range(3))
+        return None
+    h, kv, _ = heads
+    model_type = getattr(config, "model_type", None)
+    if leaf == "query_key_value":
+        return _query_key_value(out, n, heads, config)
+    if leaf == "c_attn" and model_type == "gpt_bigcode" and kv == h:  # head by head
+        return _grouped(out, n, heads, groups=h, per_group=(1, 1, 1))
+    if leaf in _CONCATENATED_QKV and model_type in _CONCATENATED_TYPES:
+        return _grouped(out, n, heads, groups=1, per_group=(h, kv, kv))
+    return None
+
+
+def _heads(config: Any, n: int) -> tuple[int, int, int] | None:
+    """``(heads, kv_heads, head_dim)`` from a Hugging Face config, ``None`` without one."""
+    heads = getattr(config, "num_attention_heads", None)
+    if not isinstance(heads, int) or heads < 1:
+        return None
+    kv = getattr(config, "num_key_value_heads", None) or getattr(config, "num_kv_heads", None)
+    if getattr(config, "multi_query", False) and not getattr(
+        config, "new_decoder_architecture", False
+    ):
+        kv = 1  # GPTBigCode, Falcon: one key/value head (Falcon's new layout has num_kv_heads)
+    kv = kv if isinstance(kv, int) and kv >= 1 else heads
+    head_dim = getattr(config, "head_dim", None)
+    if not isinstance(head_dim, int) or head_dim < 1:
+        hidden = getattr(config, "hidden_size", n)
+        head_dim = hidden // heads if isinstance(hidden, int) and hidden % heads == 0 else None
+    return None if head_dim is None else (heads, kv, head_dim)
+
+
+def _query_key_value(
+    out: int, n: int, heads: tuple[int, int, int], config: Any
+) -> tuple[Block, ...] | None:
+    h, kv, _ = heads
+    if getattr(config, "model_type", None) == "falcon":
+        if getattr(config, "new_decoder_architecture", False):
+            return _grouped(out, n, heads, groups=kv, per_group=(h // kv, 1, 1))
+        if getattr(config, "multi_query", False):
+            return _grouped(out, n, heads, groups=1, per_group=(h, 1, 1))
+    elif getattr(config, "model_type", None) not in ("gpt_neox", "bloom"):
+        return None  # a layout not known here
+    return _grouped(out, n, (h, h, heads[2]), groups=h, per_group=(1, 1, 1))
+
+
+def _grouped(
+    out: int,
+    n: int,
+    heads: tuple[int, int, int],
+    *,
+    groups: int,
+    per_group: tuple[int, int, int],
+) -> tuple[Block, ...] | None:
+    """``groups`` groups of rows, each ``per_group`` = (query, key, value) heads of
+    ``head_dim`` rows one after the other; ``None`` where that is not ``out`` rows."""
+    h, kv, head_dim = heads
+    if groups * sum(per_group) * head_dim != out:
+        return None
+    fans = (Fans(fan_in=n, fan_out=h * head_dim), *[Fans(fan_in=n, fan_out=kv * head_dim)] * 2)
+    blocks, row = [], 0
+    for _ in range(groups):
+        for count, block_fans in zip(per_group, fans, strict=True):
+            blocks.append(Block(row, row + count * head_dim, block_fans))
+            row += count * head_dim
+    return tuple(blocks)

@@ -22,7 +22,7 @@ from torch import nn
 
 from initlab._core.knobs import user_stacklevel
 from initlab._core.rows import split_name
-from initlab.init._fused import fused_attention_blocks
+from initlab.init._fused import fused_blocks
 from initlab.init._structure import (
     Follow,
     find_head,
@@ -328,7 +328,7 @@ def claim_params(
                 continue
             if pspec.role in ("norm_scale", "norm_shift"):
                 norm_modules.add(id(module))
-            pspec = fused_attention_blocks(mod_name, pspec, param)
+            pspec = fused_blocks(model, mod_name, pspec, param)
             plans[key] = _Plan(qname, param, module, pspec, claim_roles={pspec.role})
             order.append(key)
     return plans, order, norm_modules
