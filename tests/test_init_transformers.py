@@ -15,6 +15,7 @@ from torch import nn
 
 import initlab
 from initlab._core.rows import join_name
+from initlab.init._structure import token_tables
 from initlab.init.gains import calculate_gain
 from initlab.init.registry import ParamSpec, default_registry
 from initlab.init.rules import gpt2_residual_scaling
@@ -624,3 +625,46 @@ def test_a_fused_qkv_without_a_config_is_cut_in_three_equal_projections() -> Non
     report = initlab.init_model(GPT2Like(), "orthogonal", generator=0)
     row = _rows(report)["h.0.attn.c_attn.weight"]
     assert (row["blocks"], row["fan_in"], row["fan_out"]) == (3, D, D)
+
+
+class _TokenClassifier(nn.Module):
+    """A token table of 64 words, an MLP 64 wide, a 5-label classifier: no vocabulary head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 16)
+        self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 16)
+        self.classifier = nn.Linear(16, 5)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        return self.classifier(h + self.down(F.gelu(self.up(h)))).mean(1)
+
+
+def test_an_mlp_as_wide_as_the_vocabulary_is_not_taken_for_the_head() -> None:
+    # the last Linear with out_features == vocabulary size was the head, drawn 1/sqrt(d) small
+    rows = _rows(initlab.init_model(_TokenClassifier(), "geometric", generator=0))
+    assert rows["up.weight"]["role"] == "weight" and rows["up.weight"]["gain"] != 1.0
+    assert not any(r["role"] == "head" for r in rows.values())
+
+
+@pytest.mark.parametrize("family", ["electra", "deberta"])
+def test_a_hugging_face_model_declaring_no_head_gets_none(family: str) -> None:
+    """ElectraForPreTraining and DebertaV2ForSequenceClassification return None from
+    get_output_embeddings(); their MLP, as wide as the vocabulary here, was taken for a head
+    (DeBERTa's relative-position table counted as a word table too)."""
+    tf = pytest.importorskip("transformers")
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                 num_attention_heads=4, max_position_embeddings=32)  # fmt: skip
+    torch.manual_seed(0)
+    if family == "electra":
+        model = tf.ElectraForPreTraining(tf.ElectraConfig(embedding_size=32, **small))
+    else:
+        config = tf.DebertaV2Config(relative_attention=True, max_relative_positions=32,
+                                    position_buckets=32, num_labels=3, **small)  # fmt: skip
+        model = tf.DebertaV2ForSequenceClassification(config)
+    assert model.get_output_embeddings() is None
+    tables = [name for name, _ in token_tables(model)]
+    assert tables and not [name for name in tables if "rel_embeddings" in name]
+    rows = _rows(initlab.init_model(model, "geometric", generator=0))
+    assert not [n for n, r in rows.items() if r["role"] in ("head", "tied embedding/head")]

@@ -175,30 +175,43 @@ def find_head(model: nn.Module, claims: dict[int, set[str]]) -> tuple[int, str, 
        convention), when it returns a module: that module is the head;
     2. a tensor claimed both as an ``"embedding"`` and as a ``"weight"`` (an embedding table tied
        to a head: the tie is the declaration);
-    3. the last ``nn.Linear`` in module order whose ``out_features`` equals the
-       ``num_embeddings`` of a token table (:func:`token_tables`): a vocabulary-sized output.
-       Position and token-type tables never count: ``out_features == max_positions`` or
-       ``== type_vocab_size`` is a size coincidence (BERT's pooler ``Linear(512, 512)`` with 512
-       positions; a 2-label classifier with 2 token types), not a head. (A Hugging Face model
-       whose ``get_output_embeddings()`` returns ``None`` gets here too: a custom subclass may
-       name its head otherwise; a sequence classifier has no vocabulary-sized Linear.)
+    3. for a model without ``get_output_embeddings`` (a Hugging Face model whose method returns
+       ``None`` declares that it has no head: Electra's discriminator, a sequence classifier),
+       the last ``nn.Linear`` in module order whose ``out_features`` equals the
+       ``num_embeddings`` of a token table (:func:`token_tables`), a vocabulary-sized output, and
+       whose outputs no later ``nn.Linear`` takes in (an MLP's up-projection as wide as the
+       vocabulary is followed by its down-projection). Position, token-type and relative-position
+       tables never count: ``out_features == max_positions`` or ``== type_vocab_size`` is a size
+       coincidence (BERT's pooler ``Linear(512, 512)`` with 512 positions; a 2-label classifier
+       with 2 token types), not a head.
 
     Structure only: a table used as a head functionally (``h @ emb.weight.T``) is not seen.
     """
     getter = getattr(model, "get_output_embeddings", None)
+    declared_none = False
     if callable(getter):
         try:
             out = getter()
         except (NotImplementedError, AttributeError, TypeError):
             out = None
+        else:
+            declared_none = out is None
         weight = getattr(out, "weight", None)
         if isinstance(weight, nn.Parameter) and id(weight) in claims:
             return id(weight), "get_output_embeddings()", _head_label(claims[id(weight)])
     for key, roles in claims.items():
         if {"embedding", "weight"} <= roles:
             return key, "an embedding table also used as a weight", "tied embedding/head"
+    if declared_none:
+        return None
     sizes = {m.num_embeddings: name for name, m in token_tables(model)}
-    heads = [m for m in model.modules() if isinstance(m, nn.Linear) and m.out_features in sizes]
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    heads = [
+        m
+        for i, m in enumerate(linears)
+        if m.out_features in sizes
+        and all(n.in_features != m.out_features for n in linears[i + 1 :])
+    ]
     if heads and id(heads[-1].weight) in claims:
         key = id(heads[-1].weight)
         table = sizes[heads[-1].out_features] or "the root"
@@ -217,9 +230,9 @@ _ADDED_WORDS = frozenset(
     {"pos", "position", "positions", "positional", "wpe", "pe", "type", "types", "segment"}
     | {"segments"}
 )
-#: ... and of any table that is not a token table: those and attention-bias buckets (T5's
-#: ``relative_attention_bias``).
-_NOT_TOKEN_WORDS = _ADDED_WORDS | {"relative", "bias", "bucket", "buckets"}
+#: ... and of any table that is not a token table: those, attention-bias buckets (T5's
+#: ``relative_attention_bias``) and relative positions (DeBERTa's ``rel_embeddings``).
+_NOT_TOKEN_WORDS = _ADDED_WORDS | {"relative", "rel", "bias", "bucket", "buckets"}
 
 
 def _leaf_words(module_name: str) -> set[str]:
