@@ -668,3 +668,21 @@ def test_a_hugging_face_model_declaring_no_head_gets_none(family: str) -> None:
     assert tables and not [name for name in tables if "rel_embeddings" in name]
     rows = _rows(initlab.init_model(model, "geometric", generator=0))
     assert not [n for n, r in rows.items() if r["role"] in ("head", "tied embedding/head")]
+
+
+def test_mambas_time_step_bias_is_kept() -> None:
+    """dt_proj.bias is softplus^-1 of a time step drawn in [0.001, 0.1]; the bias policy set it to
+    0 (dt = 0.69 in every channel: the state kept half of itself per step instead of ~0.99)."""
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = tf.MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, state_size=8)
+    model = tf.MambaForCausalLM(config)
+    biases = {n: p.detach().clone() for n, p in model.named_parameters() if "dt_proj.bias" in n}
+    with pytest.warns(UserWarning, match="A_log"):  # the SSM's own parameters: unclaimed
+        rows = _rows(initlab.init_model(model, "geometric", generator=0))
+    assert len(biases) == 2
+    for name, before in biases.items():
+        assert torch.equal(model.get_parameter(name), before), name
+        assert rows[name]["scheme"] == "untouched" and "time-step bias" in rows[name]["note"]
+    dt = F.softplus(model.get_parameter(next(iter(biases))).detach())
+    assert float(dt.min()) >= 0.001 and float(dt.max()) <= 0.1 + 1e-6

@@ -72,6 +72,7 @@ class _Plan:
     gain: float | None = None
     gain_from: str | None = None
     frozen: bool = False  # requires_grad=False and frozen="skip": left as it was
+    kept: str | None = None  # why a tensor with a drawing of its model's own is left as it was
     dirac_centre: tuple[int, ...] | None = None  # where a dirac delta goes (None: torch's centre)
     embedding_std: float | None = None  # an embedding table's draw (None: init_model's argument)
     notes: list[str] = field(default_factory=list)
@@ -258,7 +259,7 @@ def execute(
     ``_init_weights`` leave it: a padding position contributes nothing)."""
     param, spec = plan.param, plan.spec
     assert spec is not None
-    if plan.frozen:
+    if plan.frozen or plan.kept:
         return
     if plan.block_specs:  # weights, and a tied embedding/head drawn as the head
         _sample_blocks(plan, plan.block_specs, generator)
@@ -396,8 +397,8 @@ def plan_all(
         plan = plans[key]
         if plan.spec is None:
             continue
-        if plan.frozen:
-            plan.notes.append(_FROZEN_NOTE)
+        if plan.frozen or plan.kept:
+            plan.notes.append(plan.kept or _FROZEN_NOTE)
             continue
         _fill_plan(plan, scheme, bias, embedding_std)
         names = (plan.name, *plan.aliases)
@@ -486,6 +487,28 @@ def mark_frozen(plans: dict[int, _Plan], order: list[int]) -> None:
         plan = plans[key]
         if plan.spec is not None and not plan.param.requires_grad:
             plan.frozen = True
+
+
+_TIME_STEP_NOTE = (
+    "a selective state space model's time-step bias (Mamba: softplus^-1 of dt drawn in "
+    "[dt_min, dt_max], Gu & Dao 2023), kept as the model drew it, with its A_log and D"
+)
+
+
+def mark_kept(model: nn.Module, plans: dict[int, _Plan], order: list[int]) -> None:
+    """Leave as they were the claimed tensors whose values are part of a model's own design
+    rather than a scale: a Mamba mixer's ``dt_proj.bias`` (its ``A_log`` and ``D`` are no layer's
+    parameters and stay unclaimed). The bias policy would set it to 0, a time step of
+    ``softplus(0) = 0.69`` for every channel instead of 0.001-0.1: the state forgets half of
+    itself at every step."""
+    for key in order:
+        plan = plans[key]
+        layer, _, param = plan.name.rpartition(".")
+        if plan.spec is None or param != "bias" or layer.rsplit(".", 1)[-1] != "dt_proj":
+            continue
+        mixer = model.get_submodule(layer.rpartition(".")[0])
+        if isinstance(mixer._parameters.get("A_log"), torch.Tensor):
+            plan.kept = _TIME_STEP_NOTE
 
 
 def frozen_norm_modules(plans: dict[int, _Plan], order: list[int]) -> set[int]:

@@ -29,6 +29,7 @@ from initlab.init._plan import (
     expand_rules,
     frozen_norm_modules,
     mark_frozen,
+    mark_kept,
     plan_all,
     report_rows,
     reset_norm_buffers,
@@ -197,7 +198,9 @@ def init_model(
     the running statistics of a norm layer whose parameters are all frozen; its report row says
     ``scheme="untouched"`` with a ``note``, and :meth:`InitReport.frozen` lists them. Users freeze
     a layer to keep it; :func:`torch.nn.init` functions ignore ``requires_grad`` (they fill what
-    they are given), and ``frozen="init"`` does the same here: every tensor is drawn.
+    they are given), and ``frozen="init"`` does the same here: every tensor is drawn. A tensor
+    whose values are part of its model's design rather than a scale is left as it was too, with a
+    note: a Mamba mixer's ``dt_proj.bias`` (its time steps; its ``A_log`` and ``D`` are unclaimed).
 
     Tied or shared parameters (one tensor reachable under several names, e.g. an embedding tied to
     the output projection) stay tied and are drawn once: the first module in ``named_modules()``
@@ -248,6 +251,7 @@ def init_model(
     plans, order, norm_modules = claim_params(model, registry)
     unclaimed = add_unclaimed(model, all_params, plans, order)
     check_unclaimed(unclaimed, policy)
+    mark_kept(model, plans, order)
     if frozen == "skip":
         mark_frozen(plans, order)
         norm_modules -= frozen_norm_modules(plans, order)
