@@ -392,6 +392,24 @@ def test_no_gradient_is_not_called_a_non_finite_one() -> None:
     assert "not finite" not in note and "PackedSequence" in note
 
 
+def test_a_layer_whose_weight_is_used_directly_is_not_said_to_get_no_gradient() -> None:
+    # Mamba calls F.conv1d(x, self.conv1d.weight, ...): the note said "not called on this data
+    # ... so it gets no gradient" beside a gradient of norm 0.087
+    class Direct(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.head = nn.Conv1d(4, 4, 3, padding=1), nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = F.conv1d(x, self.conv.weight, self.conv.bias, padding=1)
+            return self.head(h.mean(-1))
+
+    torch.manual_seed(0)
+    x, t = torch.randn(16, 4, 7), torch.randint(0, 3, (16,))
+    note = row(gr_scaling(Direct(), (x, t), ce), "conv")["note"]
+    assert note.startswith("its forward was not called, yet its weight got a gradient"), note
+
+
 def test_a_forward_hook_that_scales_a_layer_output_is_a_multiplier_after_it() -> None:
     """A user's forward hook that replaces a layer's output (initlab's own OutputScaleHook from
     scale_output_(how="hook", module=...)): the probe read the replaced output as the layer's,

@@ -418,6 +418,12 @@ def _gradient_note(sums: torch.Tensor, reached: bool, backward: bool, trainable:
         )
     if nonfinite:
         return "the output gradient is not finite (a NaN or inf loss or gradient)"
+    if not calls and float(sums[4, 1]) > 0:
+        return (
+            "its forward was not called, yet its weight got a gradient: the model uses the "
+            "weight directly (e.g. F.conv1d(x, layer.weight)), so the layer's moments are not "
+            "measured"
+        )
     if not calls:
         return "not called on this data: no forward pass ran this layer, so it gets no gradient"
     if not backward:

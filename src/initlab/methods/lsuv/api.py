@@ -537,7 +537,9 @@ def _warn(units: list[Unit], off: list[str], target: float, tol: float, max_iter
     ]
     if never:
         warnings.warn(
-            f"lsuv_: {len(never)} layer(s) never ran on the data and were skipped: {never}",
+            f"lsuv_: {len(never)} layer(s) never ran on the data and were skipped: {never} "
+            "(their forward was not called; a weight the model uses directly, as in "
+            "F.conv1d(x, layer.weight), is not seen)",
             UserWarning,
             stacklevel=user_stacklevel(),
         )
