@@ -504,8 +504,9 @@ def _refuse_tied(model: nn.Module, name: str, registry: Registry) -> None:
         raise ValueError(
             f"cannot fold the output scale into {name!r}: its weight is tied "
             f"({'; '.join(dict.fromkeys(ties))}), so scaling it would scale the tied module too. "
-            "Use how='hook' (a removable forward hook on the model, or on this layer with "
-            f"module={name!r}) or how='module' (an OutputScale module to append)"
+            f"Use how='hook', module={name!r} (a removable forward hook on this layer: the "
+            "model's own loss sees the scaled output), how='hook' (on the model's output) or "
+            "how='module' (an OutputScale module to append)"
         )
 
 
