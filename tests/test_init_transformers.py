@@ -686,3 +686,30 @@ def test_mambas_time_step_bias_is_kept() -> None:
         assert rows[name]["scheme"] == "untouched" and "time-step bias" in rows[name]["note"]
     dt = F.softplus(model.get_parameter(next(iter(biases))).detach())
     assert float(dt.min()) >= 0.001 and float(dt.max()) <= 0.1 + 1e-6
+
+
+class _PerLayerConfig:
+    """A Hugging Face config whose attributes vary per layer (Gemma 4): a global read raises."""
+
+    model_type, num_attention_heads, hidden_size = "phi3", 4, 32
+
+    @property
+    def head_dim(self) -> int:
+        raise RuntimeError("'head_dim' is a per-layer attribute and may vary across layers")
+
+
+class _PerLayerAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = _PerLayerConfig()
+        self.qkv_proj, self.o_proj = nn.Linear(32, 96), nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(self.qkv_proj(x)[..., :32])
+
+
+def test_a_config_that_refuses_a_global_read_does_not_stop_init_model() -> None:
+    # every nn.Linear read the config's head_dim: Gemma 4's RuntimeError stopped init_model
+    rows = _rows(initlab.init_model(_PerLayerAttention(), "geometric", generator=0))
+    assert rows["qkv_proj.weight"]["blocks"] == 3  # head_dim from hidden_size / heads
+    assert rows["o_proj.weight"]["blocks"] == 1

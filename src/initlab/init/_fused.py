@@ -44,6 +44,7 @@ _CONCATENATED_TYPES = frozenset({"phi3", "modernbert", "gpt_bigcode"})
 """Hugging Face model types whose ``_CONCATENATED_QKV`` weight is ``[q; k; v]`` (GPTBigCode: with
 one key/value head; with as many as query heads it stores them head by head)."""
 _GATE_UP = frozenset({"gate_up_proj", "Wi"})
+_FUSED_NAMES = _CONCATENATED_QKV | _GATE_UP | {"query_key_value"}
 
 
 def fused_blocks(model: nn.Module, name: str, spec: ParamSpec, param: Tensor) -> ParamSpec:
@@ -52,6 +53,8 @@ def fused_blocks(model: nn.Module, name: str, spec: ParamSpec, param: Tensor) ->
     if spec.role != "weight" or spec.blocks or param.dim() != 2:
         return spec
     leaf = name.rsplit(".", 1)[-1]
+    if leaf not in _FUSED_NAMES:
+        return spec
     if leaf == "c_attn" and spec.transposed:
         blocks = _gpt2_c_attn(*(int(d) for d in param.shape))
     elif spec.transposed:
@@ -83,7 +86,7 @@ def _gpt2_c_attn(n: int, out: int) -> tuple[Block, ...] | None:
 def _linear_blocks(leaf: str, out: int, n: int, config: Any) -> tuple[Block, ...] | None:
     """The blocks of an ``nn.Linear``-layout weight ``(out, n)`` named ``leaf``."""
     if leaf in _GATE_UP:
-        width = getattr(config, "intermediate_size", None)
+        width = _attr(config, "intermediate_size", None)
         if not isinstance(width, int) or out != 2 * width:
             return None
         fans = Fans(fan_in=n, fan_out=width)
@@ -94,7 +97,7 @@ def _linear_blocks(leaf: str, out: int, n: int, config: Any) -> tuple[Block, ...
             return tuple(Block(i * n, (i + 1) * n, Fans(fan_in=n, fan_out=n)) for i in range(3))
         return None
     h, kv, _ = heads
-    model_type = getattr(config, "model_type", None)
+    model_type = _attr(config, "model_type", None)
     if leaf == "query_key_value":
         return _query_key_value(out, n, heads, config)
     if leaf == "c_attn" and model_type == "gpt_bigcode" and kv == h:  # head by head
@@ -104,20 +107,27 @@ def _linear_blocks(leaf: str, out: int, n: int, config: Any) -> tuple[Block, ...
     return None
 
 
+def _attr(config: Any, name: str, default: Any = None) -> Any:
+    """``getattr(config, name, default)``, also where reading it raises: a Hugging Face config
+    whose attributes vary per layer (Gemma 4's ``head_dim``) refuses a global read."""
+    try:
+        return getattr(config, name, default)
+    except Exception:
+        return default
+
+
 def _heads(config: Any, n: int) -> tuple[int, int, int] | None:
     """``(heads, kv_heads, head_dim)`` from a Hugging Face config, ``None`` without one."""
-    heads = getattr(config, "num_attention_heads", None)
+    heads = _attr(config, "num_attention_heads", None)
     if not isinstance(heads, int) or heads < 1:
         return None
-    kv = getattr(config, "num_key_value_heads", None) or getattr(config, "num_kv_heads", None)
-    if getattr(config, "multi_query", False) and not getattr(
-        config, "new_decoder_architecture", False
-    ):
+    kv = _attr(config, "num_key_value_heads", None) or _attr(config, "num_kv_heads", None)
+    if _attr(config, "multi_query", False) and not _attr(config, "new_decoder_architecture"):
         kv = 1  # GPTBigCode, Falcon: one key/value head (Falcon's new layout has num_kv_heads)
     kv = kv if isinstance(kv, int) and kv >= 1 else heads
-    head_dim = getattr(config, "head_dim", None)
+    head_dim = _attr(config, "head_dim", None)
     if not isinstance(head_dim, int) or head_dim < 1:
-        hidden = getattr(config, "hidden_size", n)
+        hidden = _attr(config, "hidden_size", n)
         head_dim = hidden // heads if isinstance(hidden, int) and hidden % heads == 0 else None
     return None if head_dim is None else (heads, kv, head_dim)
 
@@ -126,12 +136,12 @@ def _query_key_value(
     out: int, n: int, heads: tuple[int, int, int], config: Any
 ) -> tuple[Block, ...] | None:
     h, kv, _ = heads
-    if getattr(config, "model_type", None) == "falcon":
-        if getattr(config, "new_decoder_architecture", False):
+    if _attr(config, "model_type", None) == "falcon":
+        if _attr(config, "new_decoder_architecture", False):
             return _grouped(out, n, heads, groups=kv, per_group=(h // kv, 1, 1))
-        if getattr(config, "multi_query", False):
+        if _attr(config, "multi_query", False):
             return _grouped(out, n, heads, groups=1, per_group=(h, 1, 1))
-    elif getattr(config, "model_type", None) not in ("gpt_neox", "bloom"):
+    elif _attr(config, "model_type", None) not in ("gpt_neox", "bloom"):
         return None  # a layout not known here
     return _grouped(out, n, (h, h, heads[2]), groups=h, per_group=(1, 1, 1))
 
