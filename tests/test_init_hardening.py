@@ -54,7 +54,9 @@ def _bert(max_positions: int, labels: int):  # type: ignore[no-untyped-def]
 
 def test_bert_classifier_roles_and_gains_do_not_depend_on_max_positions_or_num_labels() -> None:
     """hidden == max_positions (512) made the pooler the head; num_labels == type_vocab_size (2)
-    made the classifier the head; with 514 positions no head was found and every gain flipped."""
+    made the classifier the head by a size coincidence; with 514 positions no head was found and
+    every gain flipped. The classifier is the head now by the model's own declaration
+    (``...ForSequenceClassification`` with ``config.num_labels`` outputs), in every setting."""
     reports = {
         (mp, labels): _weights(
             initlab.init_model(_bert(mp, labels), "geometric", generator=0, measure=False)
@@ -65,14 +67,14 @@ def test_bert_classifier_roles_and_gains_do_not_depend_on_max_positions_or_num_l
     first = reports[(512, 3)]
     for key, rows in reports.items():
         assert rows == first, key
-    assert not [k for k, r in first.items() if "head" in r[0]]  # the model declares no head
+    assert [k for k, r in first.items() if "head" in r[0]] == ["classifier.weight"]
     layer = "bert.encoder.layer.0"
     for name in ("query", "key", "value"):
         role, gain, source = first[f"{layer}.attention.self.{name}.weight"]
         assert (role, gain) == ("weight", 1.0) and "attention" in source
     assert first[f"{layer}.intermediate.dense.weight"][1] == pytest.approx(calculate_gain("gelu"))
     assert first["bert.pooler.dense.weight"][1] == pytest.approx(calculate_gain("tanh"))
-    assert first["classifier.weight"][0] == "weight"
+    assert first["classifier.weight"][:2] == ("head", 1.0)
 
 
 def test_distilbert_pre_classifier_is_not_a_head_when_dim_equals_max_positions() -> None:
@@ -377,9 +379,9 @@ def test_a_classifiers_out_proj_is_not_an_attention_projection() -> None:
     rows = _rows(
         initlab.init_model(transformers.RobertaForSequenceClassification(config), generator=0)
     )
-    # the head: no nonlinearity after it (it was labelled an attention projection by its name)
-    head = rows["classifier.out_proj.weight"]["gain_from"]
-    assert head == "scheme (no nonlinearity found after it)"
+    # the head (it was labelled an attention projection by its name)
+    head = rows["classifier.out_proj.weight"]
+    assert head["role"] == "head" and head["gain_from"] == "none: head, std x 1/sqrt(fan_in)"
     query = rows["roberta.encoder.layer.0.attention.self.query.weight"]
     assert query["gain_from"] == "none: attention projection"
 

@@ -649,10 +649,11 @@ def test_an_mlp_as_wide_as_the_vocabulary_is_not_taken_for_the_head() -> None:
 
 
 @pytest.mark.parametrize("family", ["electra", "deberta"])
-def test_a_hugging_face_model_declaring_no_head_gets_none(family: str) -> None:
+def test_a_hugging_face_model_declaring_no_vocabulary_head_gets_none(family: str) -> None:
     """ElectraForPreTraining and DebertaV2ForSequenceClassification return None from
     get_output_embeddings(); their MLP, as wide as the vocabulary here, was taken for a head
-    (DeBERTa's relative-position table counted as a word table too)."""
+    (DeBERTa's relative-position table counted as a word table too). DeBERTa's head is its
+    classifier (:func:`find_classifier`); Electra's discriminator declares none."""
     tf = pytest.importorskip("transformers")
     small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                  num_attention_heads=4, max_position_embeddings=32)  # fmt: skip
@@ -667,7 +668,8 @@ def test_a_hugging_face_model_declaring_no_head_gets_none(family: str) -> None:
     tables = [name for name, _ in token_tables(model)]
     assert tables and not [name for name in tables if "rel_embeddings" in name]
     rows = _rows(initlab.init_model(model, "geometric", generator=0))
-    assert not [n for n, r in rows.items() if r["role"] in ("head", "tied embedding/head")]
+    heads = [n for n, r in rows.items() if r["role"] in ("head", "tied embedding/head")]
+    assert heads == ([] if family == "electra" else ["classifier.weight"])
 
 
 def test_mambas_time_step_bias_is_kept() -> None:
@@ -713,3 +715,44 @@ def test_a_config_that_refuses_a_global_read_does_not_stop_init_model() -> None:
     rows = _rows(initlab.init_model(_PerLayerAttention(), "geometric", generator=0))
     assert rows["qkv_proj.weight"]["blocks"] == 3  # head_dim from hidden_size / heads
     assert rows["o_proj.weight"]["blocks"] == 1
+
+
+def _classifiers() -> dict[str, Callable[[], tuple[nn.Module, dict[str, torch.Tensor]]]]:
+    tf = pytest.importorskip("transformers")
+    small = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                 intermediate_size=64, num_labels=3)  # fmt: skip
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 64, (32, 8), generator=gen)
+    labels = torch.randint(0, 3, (32,), generator=gen)
+
+    def llama() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+        config = tf.LlamaConfig(vocab_size=64, pad_token_id=0, **small)
+        return tf.LlamaForSequenceClassification(config), {"input_ids": ids, "labels": labels}
+
+    def bert_tokens() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+        config = tf.BertConfig(vocab_size=64, **small)
+        token_labels = torch.randint(0, 3, (32, 8), generator=gen)
+        return tf.BertForTokenClassification(config), {"input_ids": ids, "labels": token_labels}
+
+    def vit() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+        config = tf.ViTConfig(image_size=16, patch_size=4, **small)
+        pixels = torch.randn(32, 3, 16, 16, generator=gen)
+        return tf.ViTForImageClassification(config), {"pixel_values": pixels, "labels": labels}
+
+    return {"llama_sequence": llama, "bert_tokens": bert_tokens, "vit_image": vit}
+
+
+@pytest.mark.parametrize("family", ["llama_sequence", "bert_tokens", "vit_image"])
+def test_a_classifiers_output_layer_is_drawn_as_a_head(family: str) -> None:
+    """The output layer of a ...ForSequence/Token/ImageClassification model (config.num_labels
+    outputs) was drawn at the scheme's ReLU gain: initial losses of 1.6 (text) to 3.4 (images)
+    times ln C. Drawn as a head, the loss starts near ln C, as with the model's own init."""
+    torch.manual_seed(0)
+    model, batch = _classifiers()[family]()
+    # ViT's cls_token and position_embeddings are raw parameters no handler claims
+    rows = _rows(initlab.init_model(model, "geometric", generator=0, policy="skip"))
+    heads = [n for n, r in rows.items() if r["role"] == "head"]
+    assert heads == [{"llama_sequence": "score.weight"}.get(family, "classifier.weight")]
+    with torch.no_grad():
+        loss = float(model.eval()(**batch).loss)
+    assert loss == pytest.approx(math.log(3), abs=0.2)

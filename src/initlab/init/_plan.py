@@ -25,6 +25,7 @@ from initlab._core.rows import split_name
 from initlab.init._fused import fused_blocks
 from initlab.init._structure import (
     Follow,
+    find_classifier,
     find_head,
     is_added_table,
     structural_following,
@@ -636,8 +637,9 @@ def assign_roles(
     structural, so a layer's gain never depends on whether a head happened to be found."""
     claims = {key: plans[key].claim_roles for key in order if plans[key].spec is not None}
     found = find_head(model, claims)
-    if found is not None and head == "small":
-        plans[found[0]].head = found[2]
+    output = found or find_classifier(model, claims)
+    if output is not None and head == "small":
+        plans[output[0]].head = output[2]
     token_model = found is not None or any("embedding" in roles for roles in claims.values())
     follow = gains == "follow" or (gains == "auto" and (token_model or example_inputs is not None))
     if not follow:

@@ -31,6 +31,7 @@ from initlab._core.state import preserved_state
 __all__ = [
     "Follow",
     "activation_of",
+    "find_classifier",
     "find_head",
     "is_added_table",
     "parameter_owners",
@@ -221,6 +222,34 @@ def find_head(model: nn.Module, claims: dict[int, set[str]]) -> tuple[int, str, 
             _head_label(claims[key]),
         )
     return None
+
+
+def find_classifier(model: nn.Module, claims: dict[int, set[str]]) -> tuple[int, str, str] | None:
+    """A Hugging Face classifier's output layer, as :func:`find_head` answers: for a model whose
+    class says ``...Classification`` (sequence, token, image, audio classifiers), the last
+    ``nn.Linear`` in module order with ``config.num_labels`` outputs that no later ``nn.Linear``
+    takes in (``classifier``, ``score``, ``classifier.out_proj``). Drawn by the head policy, its
+    logits start near 0 and the loss near ``ln C``, as with the model's own ``N(0, 0.02)``; at
+    the scheme's ReLU gain it started at a median 1.57 (text) and 3.40 (images) times ``ln C``
+    over Hugging Face's classifier families."""
+    if "Classification" not in type(model).__name__:
+        return None
+    try:
+        labels = model.config.num_labels  # type: ignore[union-attr]
+    except Exception:  # no config, or one that refuses the read
+        return None
+    if not isinstance(labels, int) or labels < 1:
+        return None
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    outputs = [
+        m
+        for i, m in enumerate(linears)
+        if m.out_features == labels and all(n.in_features != labels for n in linears[i + 1 :])
+    ]
+    if not outputs or id(outputs[-1].weight) not in claims:
+        return None
+    key = id(outputs[-1].weight)
+    return key, "the classifier: last Linear with out_features = config.num_labels", "head"
 
 
 #: Words in the leaf name of a table summed with the token embedding (positions, token types,

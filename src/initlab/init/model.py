@@ -155,12 +155,15 @@ def init_model(
 
     **Output head** (``head="small"``). The head is found from structure, without data:
     ``model.get_output_embeddings()`` (Hugging Face; a model whose method returns ``None``, e.g.
-    ``BertForSequenceClassification``, declares that it has none), else a tensor claimed both as
-    an embedding table and as a weight (an ``nn.Embedding`` tied to a ``Linear``), else, for a
-    model without ``get_output_embeddings``, the last ``nn.Linear`` whose ``out_features``
-    equals the *word* table's ``num_embeddings`` (``get_input_embeddings()``, else the largest
-    table not named for positions or token types): never a position or token-type table, so a
-    layer of width ``max_positions`` or ``type_vocab_size`` is not taken for a head. It is drawn
+    ``BertForSequenceClassification``, declares that it has no vocabulary head), else a tensor
+    claimed both as an embedding table and as a weight (an ``nn.Embedding`` tied to a
+    ``Linear``), else, for a model without ``get_output_embeddings``, the last ``nn.Linear`` whose
+    ``out_features`` equals the *word* table's ``num_embeddings`` (``get_input_embeddings()``,
+    else the largest table not named for positions or token types) and whose outputs no later
+    ``nn.Linear`` takes in: never a position or token-type table, so a layer of width
+    ``max_positions`` or ``type_vocab_size`` is not taken for a head. Without a vocabulary head,
+    a Hugging Face classifier's output layer (``...Classification`` with ``config.num_labels``
+    outputs: ``classifier``, ``score``) is the head. It is drawn
     with the scheme at
     gain 1 (no nonlinearity follows the logits), its std then multiplied by ``1/sqrt(fan_in)``
     (``fan_in = d``, the model width): for a unit-RMS input (a final LayerNorm/RMSNorm, as in GPT-2
