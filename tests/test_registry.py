@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from initlab.init.fans import Fans
@@ -593,11 +594,18 @@ class OffsetRMSNorm(ScaledRMSNorm):
         return (1 + self.weight) * _rms(x)
 
 
-class ResidualNorm(ScaledRMSNorm):
-    """Takes two inputs: its forward cannot be probed with one."""
+class GatedOffsetRMSNorm(ScaledRMSNorm):
+    """``(1 + w) * n(x) * silu(gate)``: a second input (Qwen3-Next's, Mamba-2's gated norms)."""
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return self.weight * _rms(x + residual)
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return (1 + self.weight) * _rms(x) * F.silu(gate)
+
+
+class KeywordNorm(ScaledRMSNorm):
+    """Needs a keyword-only argument: its forward cannot be probed."""
+
+    def forward(self, x: torch.Tensor, *, scale: float) -> torch.Tensor:  # type: ignore[override]
+        return self.weight * _rms(x) * scale
 
 
 class SquareNorm(ScaledRMSNorm):
@@ -632,8 +640,9 @@ class Rescale(nn.Module):
         (OffsetRMSNorm(6), ["norm_scale"], 0.0),
         (ScaledRMSNorm(6).to(torch.bfloat16), ["norm_scale"], 1.0),
         (OffsetRMSNorm(6).to(torch.float16), ["norm_scale"], 0.0),
+        (GatedOffsetRMSNorm(6), ["norm_scale"], 0.0),
     ],
-    ids=["scaled", "scaled_bias", "offset", "scaled_bf16", "offset_fp16"],
+    ids=["scaled", "scaled_bias", "offset", "scaled_bf16", "offset_fp16", "gated_offset"],
 )
 def test_a_normalization_layer_of_another_library_is_claimed_by_behaviour(
     module: nn.Module, roles: list[str], identity: float
@@ -657,8 +666,8 @@ def test_a_normalization_layer_of_another_library_is_claimed_by_behaviour(
 
 @pytest.mark.parametrize(
     "module",
-    [ResidualNorm(6), SquareNorm(6), WithBuffer(6), Rescale(6), ScaledRMSNorm(6).to("meta")],
-    ids=["two_inputs", "neither_form", "buffer", "not_a_norm", "meta"],
+    [KeywordNorm(6), SquareNorm(6), WithBuffer(6), Rescale(6), ScaledRMSNorm(6).to("meta")],
+    ids=["keyword_only_input", "neither_form", "buffer", "not_a_norm", "meta"],
 )
 def test_what_is_not_recognized_stays_unclaimed(module: nn.Module) -> None:
     before = [p.detach().clone() for p in module.parameters()]

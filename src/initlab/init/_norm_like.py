@@ -12,12 +12,16 @@ and the weight at 0, then at 1, tell how the weight scales the output:
 * ``out(w=1) == 2 * out(w=0) != 0``: the output is ``(1 + w) * n(x)`` (Gemma): the identity is at
   ``w = 0``, and a weight filled with ones would double every output.
 
-Anything else is not recognized, and its parameters stay unclaimed. The forwards run without the
+A gated norm, ``forward(x, gate)`` (Qwen3-Next's, Mamba-2's ``RMSNormGated``), gets a gate of ones:
+its output stays linear in ``w`` (or ``1 + w``). Anything else is not recognized, and its
+parameters stay unclaimed. The forwards run without the
 module's hooks, without autocast or a graph, on tensors swapped in for the weight and bias (the
 module's own are put back, never written: their autograd versions do not change).
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 from torch import nn
@@ -55,20 +59,32 @@ def norm_identity(module: nn.Module) -> float | None:
     shape = (2, 3, weight.shape[0])
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     x = x.to(weight.device, weight.dtype)
+    inputs = [x] + [torch.ones_like(x)] * (_required_inputs(module) - 1)  # a gate: ones
     kept = dict(module._parameters)  # swapped, not written: the user's tensors stay untouched
     try:
         with torch.no_grad(), autocast_off():
             if bias is not None:
                 module._parameters["bias"] = torch.zeros_like(bias)
             module._parameters["weight"] = torch.zeros_like(weight)
-            at_zero = module.forward(x)
+            at_zero = module.forward(*inputs)
             module._parameters["weight"] = torch.ones_like(weight)
-            at_one = module.forward(x)
+            at_one = module.forward(*inputs)
     except Exception:  # a forward that takes something else: not recognized
         return None
     finally:
         module._parameters.update(kept)
     return _identity_from(at_zero, at_one, shape)
+
+
+def _required_inputs(module: nn.Module) -> int:
+    """How many positional arguments ``module.forward`` requires (at least 1): a gated norm
+    (``forward(x, gate)``, Qwen3-Next's and Mamba-2's ``RMSNormGated``) takes a second."""
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return 1
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return max(1, sum(p.kind in kinds and p.default is inspect.Parameter.empty for p in params))
 
 
 def _identity_from(at_zero: object, at_one: object, shape: tuple[int, ...]) -> float | None:
