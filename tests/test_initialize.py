@@ -381,3 +381,14 @@ def test_a_rule_naming_only_an_unclaimed_tensor_says_so() -> None:
     texts = [str(w.message) for w in seen]
     assert any("matched only tensors no registry handler claims (cls_token)" in t for t in texts)
     assert not any("matched no parameter" in t for t in texts)
+
+
+def test_a_zero_width_layer_has_nothing_to_draw() -> None:
+    # MobileBERT with embedding_size == hidden_size builds a Linear(V, 0): init_model raised
+    # "Fans.fan_out must be a positive finite number, got 0" (torch.nn.init warns, a no-op)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's own "zero-element tensors" warning
+        net = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 0))
+    report = initlab.init_model(net, "geometric", generator=0)  # warnings are errors here
+    assert [r["layer"] for r in report.to_rows()] == ["0", "0"]
+    assert net(torch.randn(2, 4)).shape == (2, 0)

@@ -352,6 +352,8 @@ def add_unclaimed(
     for key, names in names_of.items():
         if key not in plans:
             param = next(p for n, p in all_params if n == names[0])
+            if param.numel() == 0:  # an empty tensor: nothing to draw, nothing to warn about
+                continue
             plan = _Plan(names[0], param, owner[key], None, aliases=names[1:])
             plans[key] = plan
             order.append(key)

@@ -518,6 +518,9 @@ class Registry:
                     f"{_dotted(type(module))}.{name} is an uninitialized lazy parameter; run a "
                     "forward pass (or materialize the module) before asking for its fans"
                 )
+        params = [p for _, p in module.named_parameters(recurse=False)]
+        if params and all(p.numel() == 0 for p in params):
+            return []  # a zero-width layer (MobileBERT's Linear(V, 0)): nothing to draw or measure
         try:
             result = handler(module)
             if not isinstance(result, Iterable):
