@@ -366,3 +366,21 @@ def test_a_title_says_one_batch_and_one_example_in_the_singular() -> None:
     assert str(Rows([{"a": 1}], ["a"], title="t", used=DataUse(2, 64))).startswith(
         "t (2 batches, 64 examples)"
     )
+
+
+def test_autocast_checks_skip_a_device_type_torch_does_not_know(monkeypatch) -> None:
+    # torch 2.4's is_autocast_enabled("mps") raises: every entry point raised through it
+    from initlab._core.autocast import autocast_off, autocast_uncached
+
+    real = torch.is_autocast_enabled
+
+    def older(device_type: str) -> bool:
+        if device_type == "mps":
+            raise RuntimeError("unknown device type for autocast")
+        return real(device_type)
+
+    monkeypatch.setattr(torch, "is_autocast_enabled", older)
+    with autocast_off(), autocast_uncached():
+        pass
+    with torch.autocast("cpu", dtype=torch.bfloat16), autocast_off():
+        assert not real("cpu")

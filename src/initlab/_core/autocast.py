@@ -45,7 +45,16 @@ def autocast_off() -> Iterator[None]:
 
 
 def _enabled() -> list[str]:
-    return [d for d in _DEVICE_TYPES if torch.is_autocast_enabled(d)]
+    return [d for d in _DEVICE_TYPES if _enabled_for(d)]
+
+
+def _enabled_for(device_type: str) -> bool:
+    """``torch.is_autocast_enabled(device_type)``; ``False`` for a device type this torch's
+    autocast does not know (torch 2.4 raises for ``"mps"``)."""
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:
+        return False
 
 
 def _any_enabled() -> bool:
