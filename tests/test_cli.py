@@ -53,7 +53,7 @@ def test_init_saves_state_dict_and_report(
         ]
     )
     assert code == 0
-    state = torch.load(out)
+    state = torch.load(out, weights_only=True)
     assert state["0.weight"].shape == (32, 8)
     assert torch.count_nonzero(state["0.bias"]) == 0
     rows = json.loads(report.read_text())

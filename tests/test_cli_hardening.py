@@ -436,7 +436,12 @@ def test_a_closed_stdout_still_writes_the_files(
     monkeypatch.setattr(sys, "stdout", _ClosedPipe())
     code = main([*_INIT, "--report", "r.json", *extra])
     assert code == 0
-    assert set(torch.load(cli_dir / "out.pt")) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    assert set(torch.load(cli_dir / "out.pt", weights_only=True)) == {
+        "0.weight",
+        "0.bias",
+        "2.weight",
+        "2.bias",
+    }
     assert json.loads((cli_dir / "r.json").read_text())
     assert "Broken pipe" not in capsys.readouterr().err
 
@@ -468,7 +473,9 @@ def test_precondition_how(cli_dir: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert main([*base, *data, "--method", "precondition", "--how", "rescale",
                  "--out", "rescale.pt"]) == 0  # fmt: skip
     assert "unchanged" not in capsys.readouterr().out
-    plain, lr, rescaled = (torch.load(cli_dir / f) for f in ("plain.pt", "lr.pt", "rescale.pt"))
+    plain, lr, rescaled = (
+        torch.load(cli_dir / f, weights_only=True) for f in ("plain.pt", "lr.pt", "rescale.pt")
+    )
     assert all(torch.equal(plain[k], lr[k]) for k in plain)
     assert not torch.equal(plain["0.weight"], rescaled["0.weight"])
     # rescaling keeps the network's function
@@ -631,7 +638,7 @@ def test_seed_seeds_the_model_construction(
     argv = ["init", "--model", "mods.py:mlp", "--method", "lsuv", "--data", "random:4"]
     for name, seed in (("a.pt", "3"), ("b.pt", "3"), ("c.pt", "4")):
         assert main([*argv, "--seed", seed, "--out", name]) == 0
-    a, b, c = (torch.load(cli_dir / n) for n in ("a.pt", "b.pt", "c.pt"))
+    a, b, c = (torch.load(cli_dir / n, weights_only=True) for n in ("a.pt", "b.pt", "c.pt"))
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not torch.equal(a["0.weight"], c["0.weight"])
     spreads = []
@@ -958,7 +965,7 @@ def test_lsuv_after_a_scheme_rescales_its_weights_and_keeps_its_biases(
     assert main([*scheme, "--method", "lsuv", "--data", "random:4", "--out", "lsuv.pt"]) == 0
     out = capsys.readouterr().out
     assert "constant(0.5)" in out and "orthogonal" not in out
-    plain, scaled = (torch.load(cli_dir / f) for f in ("scheme.pt", "lsuv.pt"))
+    plain, scaled = (torch.load(cli_dir / f, weights_only=True) for f in ("scheme.pt", "lsuv.pt"))
     for key in ("0.weight", "2.weight"):
         factor = scaled[key].norm() / plain[key].norm()
         torch.testing.assert_close(scaled[key], plain[key] * factor)
@@ -968,7 +975,10 @@ def test_lsuv_after_a_scheme_rescales_its_weights_and_keeps_its_biases(
     assert "note: lsuv replaced the factory's weights with an orthogonal pre-init" in (
         capsys.readouterr().out
     )
-    assert all(torch.all(torch.load(cli_dir / "out.pt")[k] == 0) for k in ("0.bias", "2.bias"))
+    assert all(
+        torch.all(torch.load(cli_dir / "out.pt", weights_only=True)[k] == 0)
+        for k in ("0.bias", "2.bias")
+    )
 
 
 def test_demo_resolves_scheme_aliases(capsys: pytest.CaptureFixture[str]) -> None:

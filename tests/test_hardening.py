@@ -938,7 +938,12 @@ def test_cli_data_takes_the_names_initlab_data_lists(
     argv += ["--batch-size", "8", "--max-batches", "3", "--report", "r.json"]
     code, err = _run(argv, capsys)
     assert code == 0, err
-    assert set(torch.load(cli_dir / "out.pt")) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    assert set(torch.load(cli_dir / "out.pt", weights_only=True)) == {
+        "0.weight",
+        "0.bias",
+        "2.weight",
+        "2.bias",
+    }
     rows = json.loads((cli_dir / "r.json").read_text())
     assert len(rows) == 4 and all(r["alpha"] > 0 for r in rows)
 
