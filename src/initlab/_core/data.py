@@ -63,6 +63,7 @@ __all__ = [
     "iter_batches",
     "keyword_error",
     "object_fields",
+    "output_key",
     "output_tensor",
     "take_batches",
     "with_fields",
@@ -559,15 +560,26 @@ def output_tensor(outputs: Any, *, what: str = "the model's output") -> torch.Te
     if isinstance(outputs, Mapping):
         if isinstance(outputs.get("logits"), torch.Tensor):
             return outputs["logits"]
-        outputs = list(outputs.values())
-    if isinstance(outputs, (tuple, list)):
-        tensors = [v for v in outputs if isinstance(v, torch.Tensor)]
-        if tensors:
-            return next((v for v in tensors if v.dim() > 0), tensors[0])
+        key = output_key(outputs.items())
+        if key is not None:
+            return outputs[key]
+    elif isinstance(outputs, (tuple, list)):
+        key = output_key(enumerate(outputs))
+        if key is not None:
+            return outputs[key]
     raise TypeError(
         f"{what} is a {type(outputs).__name__} holding no tensor; return a tensor, a tuple whose "
         "first item is the output, or an object with .logits (or pass forward=)"
     )
+
+
+def output_key(items: Iterable[tuple[Any, Any]]) -> Any:
+    """Among the ``(key, value)`` items of a dict, tuple or list output, the key of the tensor
+    :func:`output_tensor` reads: the first with a dimension (not a 0-d loss before the logits),
+    else the first tensor; ``None`` without one. Whoever changes that output
+    (``scale_output_``'s hook) changes the same tensor."""
+    tensors = [(k, v) for k, v in items if isinstance(v, torch.Tensor)]
+    return next((k for k, v in tensors if v.dim() > 0), tensors[0][0] if tensors else None)
 
 
 def batch_size(batch: Any) -> int:

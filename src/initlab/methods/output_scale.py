@@ -26,7 +26,7 @@ import dataclasses
 import math
 import time
 import warnings
-from collections.abc import Iterable, Mapping, MutableMapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -36,6 +36,7 @@ from initlab._core.compiled import takes_compiled
 from initlab._core.data import (
     data_use,
     default_forward,
+    output_key,
     output_tensor,
     real_positions,
     take_batches,
@@ -141,25 +142,17 @@ def scaled_output(output: Any, scale: float | torch.Tensor) -> Any:
     if isinstance(logits, torch.Tensor):
         return _with_attr(output, "logits", _times(logits, scale))
     if isinstance(output, Mapping):
-        key = _read_key(output.items())
+        key = output_key(output.items())
         if key is not None:
             return _with_item(output, key, _times(output[key], scale))
     if isinstance(output, (tuple, list)):
-        i = _read_key(enumerate(output))
+        i = output_key(enumerate(output))
         if i is not None:
             return _with_first(output, i, _times(output[i], scale))
     raise TypeError(
         f"cannot scale a {type(output).__name__} output: it holds no tensor; return a tensor, a "
         "tuple whose first item is the output, a dict with 'logits' or an object with .logits"
     )
-
-
-def _read_key(items: Iterable[tuple[Any, Any]]) -> Any:
-    """The key of the tensor :func:`~initlab._core.data.output_tensor` reads among ``items``
-    (the one measured): the first with a dimension, so not a 0-d loss before the logits (a
-    Hugging Face tuple or ``CLIPOutput``), else the first tensor; ``None`` without one."""
-    tensors = [(k, v) for k, v in items if isinstance(v, torch.Tensor)]
-    return next((k for k, v in tensors if v.dim() > 0), tensors[0][0] if tensors else None)
 
 
 class OutputScale(nn.Module):
