@@ -206,22 +206,28 @@ def find_head(model: nn.Module, claims: dict[int, set[str]]) -> tuple[int, str, 
     if declared_none:
         return None
     sizes = {m.num_embeddings: name for name, m in token_tables(model)}
+    head = _last_output_linear(model, set(sizes))
+    if head is None or id(head.weight) not in claims:
+        return None
+    key, table = id(head.weight), sizes[head.out_features] or "the root"
+    return (
+        key,
+        f"last Linear with out_features = num_embeddings of {table}",
+        _head_label(claims[key]),
+    )
+
+
+def _last_output_linear(model: nn.Module, widths: set[int]) -> nn.Linear | None:
+    """The last ``nn.Linear`` in module order with ``out_features`` in ``widths`` whose outputs no
+    later ``nn.Linear`` takes in (an MLP's up-projection is followed by its down-projection)."""
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    heads = [
+    outputs = [
         m
         for i, m in enumerate(linears)
-        if m.out_features in sizes
+        if m.out_features in widths
         and all(n.in_features != m.out_features for n in linears[i + 1 :])
     ]
-    if heads and id(heads[-1].weight) in claims:
-        key = id(heads[-1].weight)
-        table = sizes[heads[-1].out_features] or "the root"
-        return (
-            key,
-            f"last Linear with out_features = num_embeddings of {table}",
-            _head_label(claims[key]),
-        )
-    return None
+    return outputs[-1] if outputs else None
 
 
 def find_classifier(model: nn.Module, claims: dict[int, set[str]]) -> tuple[int, str, str] | None:
@@ -240,16 +246,14 @@ def find_classifier(model: nn.Module, claims: dict[int, set[str]]) -> tuple[int,
         return None
     if not isinstance(labels, int) or labels < 1:
         return None
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    outputs = [
-        m
-        for i, m in enumerate(linears)
-        if m.out_features == labels and all(n.in_features != labels for n in linears[i + 1 :])
-    ]
-    if not outputs or id(outputs[-1].weight) not in claims:
+    out = _last_output_linear(model, {labels})
+    if out is None or id(out.weight) not in claims:
         return None
-    key = id(outputs[-1].weight)
-    return key, "the classifier: last Linear with out_features = config.num_labels", "head"
+    return (
+        id(out.weight),
+        "the classifier: last Linear with out_features = config.num_labels",
+        "head",
+    )
 
 
 #: Words in the leaf name of a table summed with the token embedding (positions, token types,
