@@ -445,8 +445,8 @@ class Registry:
     def handler_for(self, module: nn.Module) -> Handler | None:
         """The handler for ``module``: the first class in ``type(module).__mro__`` with one;
         else, for a normalization layer of another library (``LlamaRMSNorm``, ``T5LayerNorm``,
-        ``GemmaRMSNorm``...) recognized by its structure and forward,
-        :func:`norm_like_handler`."""
+        ``GemmaRMSNorm``...) recognized by its structure and forward, the specs
+        :func:`norm_like_handler` gives (its forward probed once, here)."""
         check_strings = any(isinstance(key, str) for key in self._handlers)
         for cls in type(module).__mro__:
             handler = self._handlers.get(cls)
@@ -454,7 +454,8 @@ class Registry:
                 handler = self._handlers.get(_dotted(cls))
             if handler is not None:
                 return handler
-        return norm_like_handler if norm_identity(module) is not None else None
+        identity = norm_identity(module)  # probed once: the handler gets the answer
+        return None if identity is None else functools.partial(_norm_like_specs, identity=identity)
 
     def specs(self, module: nn.Module, name: str = "") -> list[ParamSpec] | None:
         """Validated specs of ``module``'s direct parameters, or ``None`` if no handler claims it.
@@ -557,6 +558,10 @@ def norm_like_handler(module: nn.Module) -> list[ParamSpec]:
             "it needs a 1-D weight (and optionally a bias of its shape) as its only parameters, "
             "no submodules or buffers, and a forward(x) whose output is w * n(x) or (1 + w) * n(x)"
         )
+    return _norm_like_specs(module, identity)
+
+
+def _norm_like_specs(module: nn.Module, identity: float) -> list[ParamSpec]:
     specs = [ParamSpec("weight", "norm_scale", identity=identity)]
     if module._parameters.get("bias") is not None:
         specs.append(ParamSpec("bias", "norm_shift"))
