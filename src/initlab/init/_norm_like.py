@@ -42,9 +42,7 @@ def is_norm_like(module: nn.Module) -> bool:
         return False
     if bias is not None and bias.shape != weight.shape:
         return False
-    return not any(True for _ in module.children()) and not any(
-        True for _ in module.buffers(recurse=False)
-    )
+    return next(module.children(), None) is None and next(module.buffers(False), None) is None
 
 
 def norm_identity(module: nn.Module) -> float | None:
