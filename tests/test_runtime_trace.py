@@ -152,6 +152,53 @@ def test_position_embeddings_are_not_a_residual_connection() -> None:
     assert [(b["branch"], b["shortcut"]) for b in blocks] == [(["mlp.0", "mlp.2"], [])]
 
 
+class SharedBias(nn.Module):
+    """Two pre-LN attention layers; the first computes a position bias (an embedding of relative
+    positions, plus the padding mask) and every layer adds it to its scores in place, as T5 did
+    in transformers 4.x. The bias is a data ancestor of the second layer's scores (through the
+    first layer's softmax), yet ``scores += bias`` is no residual connection."""
+
+    def __init__(self, fx: bool = False) -> None:
+        super().__init__()
+        self.fx = fx
+        self.rel = nn.Embedding(2 * 10, 2)
+        self.ln = nn.ModuleList(nn.LayerNorm(D) for _ in range(2))
+        self.qkv = nn.ModuleList(nn.Linear(D, 3 * D) for _ in range(2))
+        self.o = nn.ModuleList(nn.Linear(D, D) for _ in range(2))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if not self.fx:
+            x = _gate(x)
+        b, t, _ = x.shape
+        pos = torch.arange(t, device=x.device)
+        bias = self.rel(pos[None, :] - pos[:, None] + 10).permute(2, 0, 1).unsqueeze(0)
+        bias = bias + (1.0 - mask[:, None, None, :].to(x.dtype)) * -1e4
+        for ln, qkv, o in zip(self.ln, self.qkv, self.o, strict=True):
+            q, k, v = qkv(ln(x)).view(b, t, 3, 2, D // 2).permute(2, 0, 3, 1, 4)
+            scores = q @ k.transpose(-1, -2)
+            scores += bias
+            attn = torch.softmax(scores.float(), dim=-1).type_as(scores)
+            x = x + o((attn @ v).transpose(1, 2).reshape(b, t, D))
+        return x
+
+
+def test_an_attention_bias_added_to_the_scores_is_not_a_residual_connection() -> None:
+    """Only the two attention residuals; the shared bias added to the second layer's scores
+    is attention logits plus a bias (it feeds a softmax), by the runtime trace and by fx."""
+    x = torch.randn(2, 5, D, generator=torch.Generator().manual_seed(0))
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    expected = [(["ln.0", "qkv.0", "o.0"], []), (["ln.1", "qkv.1", "o.1"], [])]
+    blocks = find_runtime_blocks(SharedBias(), (x, mask))
+    assert [(b["branch"], b["shortcut"]) for b in blocks] == expected
+    gm, error = trace_model(SharedBias(fx=True))
+    if gm is None:  # torch < 2.5 cannot trace torch.arange of a traced size
+        assert "arange" in error
+        return
+    from initlab.measure.residual import find_residual_blocks
+
+    assert [(b["branch"], b["shortcut"]) for b in find_residual_blocks(gm)] == expected
+
+
 def test_recorded_graph() -> None:
     torch.manual_seed(0)
     graph = runtime_trace(PreLN(), (_x(),))

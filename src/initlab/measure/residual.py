@@ -45,7 +45,9 @@ from initlab.measure._fx import _fns, _node_module_path, trace_model
 
 __all__ = [
     "KNOWN_BLOCKS",
+    "SCORE_FNS",
     "SHORTCUT_STEPS",
+    "feeds_scores",
     "find_residual_blocks",
     "is_projection",
     "is_skip_connection",
@@ -87,10 +89,54 @@ _FACTORIES = _fns(
 )  # fmt: skip
 
 
+#: Functions that turn attention logits into weights.
+SCORE_FNS = {"softmax", "_softmax", "log_softmax"}
+# What attention logits pass through on their way to the softmax: casts, reshapes, scaling and
+# more masks or biases.
+_TO_SCORES = {
+    "float", "to", "type_as", "half", "bfloat16", "view", "reshape", "contiguous", "masked_fill",
+    "masked_fill_", "where", "add", "add_", "__add__", "__iadd__", "__radd__", "mul", "mul_",
+    "__mul__", "__rmul__", "div", "div_", "__truediv__", "dropout", "clamp", "clamp_",
+}  # fmt: skip
+
+
+def feeds_scores(
+    node: Any, users: Callable[[Any], Sequence[Any]], name: Callable[[Any], str]
+) -> bool:
+    """Whether the sum ``node`` reaches a softmax through casts, reshapes, scaling and masking
+    (at most :data:`SHORTCUT_STEPS` calls): attention logits plus a bias or a mask, not a residual
+    connection, even where the bias is a data ancestor of the logits (T5 in transformers 4.x
+    computes a position bias in its first layer and adds it to every layer's scores: from the
+    second layer on, the bias reached the scores through the first layer's softmax).
+    ``users(n)``: the calls that take ``n``'s output; ``name(n)``: the function's name."""
+    frontier, seen = [node], {id(node)}
+    for _ in range(SHORTCUT_STEPS):
+        following = []
+        for n in frontier:
+            for u in users(n):
+                if name(u) in SCORE_FNS:
+                    return True
+                if name(u) in _TO_SCORES and id(u) not in seen:
+                    seen.add(id(u))
+                    following.append(u)
+        frontier = following
+    return False
+
+
 def _is_add(node: Any) -> bool:
     return (node.op == "call_function" and node.target in _ADD_FNS) or (
         node.op == "call_method" and node.target in _ADD_METHODS
     )
+
+
+def _call_name(gm: Any, node: Any) -> str:
+    """The name of what an fx node calls: a function's or method's name, a module's type in
+    lower case (``nn.Softmax`` -> ``"softmax"``)."""
+    if node.op == "call_module":
+        return type(gm.get_submodule(node.target)).__name__.lower()
+    if node.op == "call_method":
+        return str(node.target)
+    return getattr(node.target, "__name__", "") if node.op == "call_function" else ""
 
 
 def _breaks_ancestry(node: Any) -> bool:
@@ -134,6 +180,8 @@ def find_residual_blocks(gm: Any) -> list[dict[str, Any]]:
             continue
         ops = [a for a in node.args[:2] if isinstance(a, torch.fx.Node)]
         if len(ops) != 2 or any(a.op == "get_attr" for a in ops):
+            continue
+        if feeds_scores(node, lambda n: list(n.users), lambda n: _call_name(gm, n)):
             continue
         best = best_orientation(ops, lambda s, b: _walk_skip(gm, s, b, is_ancestor))
         if best is None:

@@ -52,9 +52,11 @@ from torch.utils._pytree import tree_flatten
 from initlab._core.hooks import hook_handles
 from initlab._core.state import preserved_state
 from initlab.measure.residual import (
+    SCORE_FNS,
     SHORTCUT_STEPS,
     _name_blocks,
     best_orientation,
+    feeds_scores,
     is_projection,
     is_skip_connection,
 )
@@ -248,9 +250,12 @@ def blocks_of(graph: RuntimeGraph) -> list[dict[str, Any]]:
     """The residual blocks of a recorded :class:`RuntimeGraph`."""
     nodes = graph.nodes
     is_ancestor = _ancestry(nodes)
+    consumers = _consumers(nodes)
     found: list[dict[str, Any]] = []
     for node in nodes:
         if node.operands is None or None in node.operands:
+            continue
+        if feeds_scores(node, lambda n: [nodes[j] for j in consumers[n.index]], lambda n: n.fn):
             continue
         a, b = (nodes[i] for i in node.operands)  # type: ignore[index]
         best = best_orientation((a, b), lambda s, br: _walk_skip(graph, s, br, is_ancestor))
@@ -282,6 +287,15 @@ def blocks_of(graph: RuntimeGraph) -> list[dict[str, Any]]:
         )
     _name_blocks(found)
     return found
+
+
+def _consumers(nodes: list[RuntimeNode]) -> list[list[int]]:
+    """For each node, the indices of the nodes that take its output."""
+    consumers: list[list[int]] = [[] for _ in nodes]
+    for n in nodes:
+        for i in n.inputs:
+            consumers[i].append(n.index)
+    return consumers
 
 
 def _ancestry(nodes: list[RuntimeNode]) -> Callable[[RuntimeNode, RuntimeNode], bool]:
@@ -320,7 +334,6 @@ def _walk_skip(
     return None
 
 
-_SCORE_FNS = {"softmax", "_softmax", "log_softmax"}
 _MATMUL_FNS = {"matmul", "bmm", "__matmul__", "__rmatmul__", "einsum", "baddbmm"}
 _PRODUCT_FNS = {"mul", "__mul__", "__rmul__", "multiply"}
 _NORM_FNS = {"layer_norm", "group_norm", "batch_norm", "instance_norm", "rms_norm", "normalize"}
@@ -339,10 +352,7 @@ def what_follows(graph: RuntimeGraph, types: Mapping[str, str]) -> dict[str, set
     Bottou's GR formula. ``types``: qualified module name -> type name.
     """
     nodes = graph.nodes
-    consumers: list[list[int]] = [[] for _ in nodes]
-    for n in nodes:
-        for i in n.inputs:
-            consumers[i].append(n.index)
+    consumers = _consumers(nodes)
     out: dict[str, set[str]] = {}
     for name in graph.params:
         found: set[str] = set()
@@ -368,7 +378,7 @@ def _meets(
     node: RuntimeNode, came_from: int, types: Mapping[str, str], name: str
 ) -> tuple[str | None, bool]:
     """``(what the walk met here or None, whether it stops here)``."""
-    if node.fn in _SCORE_FNS:
+    if node.fn in SCORE_FNS:
         return "attention scores", True
     if node.fn == "scaled_dot_product_attention":
         return ("attention scores" if came_from in node.inputs[:2] else "attention values"), True
