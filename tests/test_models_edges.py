@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import initlab
+from initlab.measure.curvature import hessian_eigenpairs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -65,6 +66,76 @@ class _Shared(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(torch.relu(self.c(torch.relu(self.b(torch.relu(self.a(x)))))))
+
+
+class _Reused(nn.Module):
+    """A submodule registered under two names (``enc is shared``, as transformers 4.x's T5 and
+    BART register their embedding) and a head tied to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.shared = nn.Linear(16, 16)
+        self.enc = self.shared
+        self.mid = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 16)
+        self.head.weight = self.shared.weight
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.mid(torch.tanh(self.enc(x))))
+        return self.out(torch.tanh(self.head(h)))
+
+
+def _slots(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return list(model.named_parameters(remove_duplicate=False))
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda m, b: initlab.loss_landscape(m, b, "cross_entropy", grid=3, generator=0),
+        lambda m, b: initlab.loss_landscape(
+            m, b, "cross_entropy", grid=3, generator=0, batched=False
+        ),
+        lambda m, b: hessian_eigenpairs(m, b, "cross_entropy", k=1, generator=0),
+        lambda m, b: initlab.block_curvature(m, [b], "cross_entropy", probes=2, generator=0),
+    ],
+    ids=["landscape-vmap", "landscape-loop", "hessian", "block-curvature"],
+)
+def test_a_submodule_registered_twice_keeps_its_parameters(call) -> None:
+    """``torch.func.functional_call`` swapped such a submodule's weight twice and put back the
+    swapped-in tensor: the model held a detached (under vmap, a batched) tensor after a
+    curvature or landscape call, and its next forward failed or trained nothing."""
+    model = _Reused()
+    x, y = _data()
+    before, state = _slots(model), {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        out = model(x)
+    call(model, (x, y))
+    assert [(n, id(p)) for n, p in _slots(model)] == [(n, id(p)) for n, p in before]
+    assert all(isinstance(p, nn.Parameter) for _, p in _slots(model))
+    assert _same(model.state_dict(), state)
+    with torch.no_grad():
+        assert torch.equal(model(x), out)
+
+
+def test_a_landscape_of_a_submodule_registered_twice_is_the_loss_at_its_points() -> None:
+    """The centre of the grid is the loss; a point is the loss of the model moved there (the
+    oracle: a copy with every use of the shared weight moved by hand)."""
+    model = _Reused()
+    x, y = _data()
+    land = initlab.loss_landscape(model, (x, y), "cross_entropy", grid=3, generator=0)
+    rows = {(r["t1"], r["t2"]): r["loss"] for r in land.to_rows()}
+    with torch.no_grad():
+        loss = float(nn.functional.cross_entropy(model(x), y))
+    assert rows[(0.0, 0.0)] == pytest.approx(loss, rel=1e-6)
+    moved = _Reused()
+    with torch.no_grad():
+        for name, p in moved.named_parameters():
+            p.add_(land.directions[0][name].to(p.dtype))
+        corner = float(nn.functional.cross_entropy(moved(x), y))
+    assert rows[(1.0, 0.0)] == pytest.approx(corner, rel=1e-5)
 
 
 @pytest.mark.parametrize("how", ["lr", "parametrize"])

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from initlab._core.data import default_forward, keyword_error
+from initlab._core.functional import functional_call
 from initlab._core.loss import (
     Loss,
     LossLike,
@@ -122,19 +123,17 @@ def functional_forward(
         if forward is NamedLoss.forward:
             batch = model_inputs(model, batch)
         if isinstance(batch, torch.Tensor):
-            return torch.func.functional_call(model, state, (batch,))
+            return functional_call(model, state, (batch,))
         args, kwargs = ((), dict(batch)) if isinstance(batch, Mapping) else ((batch[0],), {})
         try:
-            return torch.func.functional_call(model, state, args, kwargs)
+            return functional_call(model, state, args, kwargs)
         except TypeError as err:  # the same message as the default forward's
             clear = keyword_error(err, batch, "the default forward")
             if clear is None:
                 raise
             raise clear from err
     wrapper = _Call(model, forward)
-    return torch.func.functional_call(
-        wrapper, {f"model.{k}": v for k, v in state.items()}, (batch,)
-    )
+    return functional_call(wrapper, {f"model.{k}": v for k, v in state.items()}, (batch,))
 
 
 def on_batches(loss: Loss, batches: list[Any]) -> Loss:

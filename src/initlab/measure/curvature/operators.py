@@ -19,6 +19,7 @@ from torch import nn
 
 from initlab._core.attention import math_attention
 from initlab._core.data import one_example_error
+from initlab._core.functional import functional_call
 from initlab._core.hooks import hook_handles
 from initlab._core.knobs import renamed_kwargs
 from initlab._core.pytree import flatten_tensors, map_tensors
@@ -499,7 +500,7 @@ def _second_order_fails(
         return None
     try:
         with torch.enable_grad():
-            out = torch.func.functional_call(module, state, args2, kwargs2)
+            out = functional_call(module, state, args2, kwargs2)
             outs = [t for _, t in flatten_tensors(out) if t.requires_grad]
             if not outs:
                 return None
@@ -521,7 +522,7 @@ def _second_order_fails(
                 k2 = map_tensors(kwargs, lambda t: next(it) if t.is_floating_point() else t)
                 by_leaf = {id(leaf): next(it) for leaf in leaf_of.values()}
                 p2 = {k: by_leaf[id(v)] for k, v in params.items()}
-                o = torch.func.functional_call(module, {**local_state, **p2}, a2, k2)
+                o = functional_call(module, {**local_state, **p2}, a2, k2)
                 return sum(t.square().sum() for _, t in flatten_tensors(o))
 
             torch.func.jvp(

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from initlab._core.functional import functional_call
 from initlab._core.pytree import flatten_tensors
 from initlab.measure.probe.accumulate import _Partial, _pool
 from initlab.measure.probe.capture import _AttentionCapture
@@ -344,7 +345,7 @@ def _attention_rerun(
                 args[i] = projected[i]
             else:
                 kwargs[name] = projected[i]
-        inner, weights = torch.func.functional_call(module, subst, tuple(args), kwargs)
+        inner, weights = functional_call(module, subst, tuple(args), kwargs)
         out = F.linear(inner, module.out_proj.weight.detach(), _detach(module.out_proj.bias))
         outs, cots = [], []
         for path, t in (("0", out), ("1", weights)):

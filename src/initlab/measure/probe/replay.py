@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from initlab._core.functional import functional_call
 from initlab._core.pytree import flatten_tensors, map_tensors
 from initlab.measure.probe.contribution import _Contribution, _project, _Unavailable
 from initlab.measure.probe.factors import _chunks, _sq_norms
@@ -111,7 +112,7 @@ def _generic_contributions(rec: _Record) -> None:
         pairs = zip(leaves, dims, strict=True)
         full = iter([next(it).unsqueeze(d) if d is not None else t for t, d in pairs])
         args, kwargs = map_tensors(rec.inputs, lambda _t: next(full))
-        out = torch.func.functional_call(module, (p, buffers), tuple(args), kwargs)
+        out = functional_call(module, (p, buffers), tuple(args), kwargs)
         flat = dict(flatten_tensors(out))
         return tuple(flat[path] for path in out_paths)
 

@@ -1,0 +1,64 @@
+"""The model called with other tensors in place of its parameters and buffers.
+
+``torch.func.functional_call`` swaps the tensors of a state dict into the module for one call and
+puts the originals back. With a submodule registered under two names (``encoder.embed_tokens is
+shared`` in transformers 4.x's T5 and BART, a block reused in a ``ModuleList``), its default
+``tie_weights=True`` swaps that submodule's entry once per name, saving the tensor it had just
+put in the second time, and its restore leaves that tensor in the module: after the call the model
+holds a detached (under ``vmap``: a batched) tensor instead of its parameter (torch 2.4 to 2.13 at
+least). :func:`functional_call` names every entry of the model once (one name per submodule, the
+first one, and per local name) and calls with ``tie_weights=False``: each entry is swapped once,
+tied tensors in different modules (a head sharing the embedding's weight) included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["functional_call"]
+
+
+def functional_call(
+    module: nn.Module,
+    state: Mapping[str, torch.Tensor | None] | tuple[Mapping[str, torch.Tensor | None], ...],
+    args: Any = (),
+    kwargs: Mapping[str, Any] | None = None,
+) -> Any:
+    """``module(*args, **kwargs)`` with ``state`` (one mapping, or several merged in order) in
+    place of the tensors it names, keyed as ``named_parameters()``/``named_buffers()`` key them
+    (a tied or shared tensor under its first name); every other name of that tensor follows it.
+    The module is left as it was, shared submodules included (see the module docstring)."""
+    merged: dict[str, torch.Tensor | None] = {}
+    for part in state if isinstance(state, tuple) else (state,):
+        merged.update(part)
+    return torch.func.functional_call(
+        module, _every_entry(module, merged), args, kwargs, tie_weights=False, strict=False
+    )
+
+
+def _every_entry(
+    module: nn.Module, state: Mapping[str, torch.Tensor | None]
+) -> dict[str, torch.Tensor | None]:
+    """``state`` keyed by one name per entry of every distinct submodule: an entry holding the
+    same tensor as a named one gets its value; other names of the model's tensors in ``state``
+    (a shared submodule's second name) are dropped, names the model does not have kept."""
+    first: dict[int, str] = {}
+    for name, t in (*module.named_parameters(), *module.named_buffers()):
+        first.setdefault(id(t), name)
+    out: dict[str, torch.Tensor | None] = {}
+    for prefix, sub in module.named_modules():
+        for local, t in (*sub._parameters.items(), *sub._buffers.items()):
+            if t is None:
+                continue
+            name = f"{prefix}.{local}" if prefix else local
+            key = first.get(id(t), name)
+            if key in state:
+                out[name] = state[key]
+    named = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    named |= {n for n, _ in module.named_buffers(remove_duplicate=False)}
+    out.update((k, v) for k, v in state.items() if k not in named)  # for torch to report
+    return out
