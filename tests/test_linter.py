@@ -154,7 +154,13 @@ def test_positional_embedding_addition_is_not_a_skip_connection():
             h = self.tok(idx) + self.pos(pos)
             return h + self.fc(h)
 
+    idx = torch.randint(0, 20, (2, 5), generator=torch.Generator().manual_seed(0))
     result = lint_model(Tokens())
+    if result.traced:
+        assert [(b["branch"], b["source"]) for b in result.residual_blocks] == [(["fc"], "fx")]
+    else:  # torch < 2.5: fx cannot trace torch.arange of a traced size; nothing is guessed
+        assert "arange" in result.trace_error and result.residual_blocks == []
+    result = lint_model(Tokens(), forward_args=[((idx,), {})])
     assert [b["branch"] for b in result.residual_blocks] == [["fc"]]
 
 

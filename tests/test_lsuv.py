@@ -74,8 +74,9 @@ def _output_sums(
             handles.append(
                 modules[name].register_forward_hook(lambda m, a, out, n=name: add(n, out))
             )
-    was = model.training
+    was, fastpath = model.training, torch.backends.mha.get_fastpath_enabled()
     model.eval()
+    torch.backends.mha.set_fastpath_enabled(False)  # torch < 2.5 took it with hooks attached
     try:
         with torch.no_grad():
             for x in batches:
@@ -84,6 +85,7 @@ def _output_sums(
         for h in handles:
             h.remove()
         model.train(was)
+        torch.backends.mha.set_fastpath_enabled(fastpath)
     return sums
 
 
