@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import initlab
 from initlab.init.fans import Fans
 from initlab.init.registry import (
     ROLES,
@@ -686,3 +687,27 @@ def test_norm_like_handler_registered_for_an_unrecognized_class_says_why() -> No
 def test_identity_belongs_to_a_norm_scale() -> None:
     with pytest.raises(ValueError, match="identity is for the role 'norm_scale' only"):
         ParamSpec("bias", "bias", identity=0.0)
+
+
+@pytest.mark.parametrize("norm", [ScaledRMSNorm, OffsetRMSNorm])
+def test_zero_gamma_on_a_norm_zeroes_its_output(norm: type[nn.Module]) -> None:
+    """``zero_last_residual_branch`` on the branch's last norm starts the block as the identity:
+    for ``(1 + w) * n(x)`` that is ``w = -1`` (filling 0 was its identity: the branch stayed)."""
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(6, 6)
+            self.norm = norm(6)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.norm(self.fc(x))
+
+    model = Block()
+    rule = initlab.zero_last_residual_branch("norm.weight")
+    report = initlab.init_model(model, "geometric", rules=[rule], generator=0)
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model(x), x)
+    (row,) = [r for r in report.to_rows() if r["layer"] == "norm"]
+    assert (row["note"] is not None) == (norm is OffsetRMSNorm)

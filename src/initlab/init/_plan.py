@@ -214,6 +214,11 @@ def _apply_rule_to_plan(plan: _Plan, rule: Rule) -> None:
     if rule.action in ("zero", "constant"):
         plan.target_std = 0.0
         plan.distribution = "constant"
+        if rule.action == "zero" and zero_of(plan.spec) != 0.0:
+            plan.notes.append(
+                f"zero: filled {zero_of(plan.spec):g}, where this norm's scale "
+                f"(identity {plan.spec.identity:g}) makes its output zero"
+            )
     elif rule.action == "scale":
         if plan.target_std is not None:
             plan.target_std *= abs(float(rule.value))  # type: ignore[arg-type]
@@ -278,7 +283,7 @@ def execute(
         param.zero_()
     for i, rule in enumerate(plan.rules):
         if rule.action == "zero":
-            param.zero_()
+            param.fill_(zero_of(spec))
         elif rule.action == "constant":
             param.fill_(float(rule.value))  # type: ignore[arg-type]
         elif rule.action == "scale":
@@ -288,6 +293,12 @@ def execute(
     padding = getattr(plan.module, "padding_idx", None)
     if isinstance(plan.module, (nn.Embedding, nn.EmbeddingBag)) and padding is not None:
         param[padding].zero_()
+
+
+def zero_of(spec: ParamSpec) -> float:
+    """The value at which a tensor makes its layer's output zero: 0, and ``identity - 1`` for a
+    norm scale (``-1`` for Gemma's ``(1 + w) * n(x)``, where 0 is the identity)."""
+    return spec.identity - 1.0 if spec.role == "norm_scale" else 0.0
 
 
 def reset_norm_buffers(model: nn.Module, modules: set[int]) -> None:

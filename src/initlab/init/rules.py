@@ -10,8 +10,10 @@ the scheme, in the order given, so a later rule sees what an earlier one did::
     ]
     init_model(model, "geometric", rules=rules)
 
-Actions: ``"zero"`` (fill 0), ``"constant"`` (fill ``value``), ``"scale"`` (multiply the tensor the
-scheme drew, hence its std, by ``value``) and ``"scheme"`` (draw again with another scheme).
+Actions: ``"zero"`` (fill the value at which the tensor makes its layer's output zero: 0, or
+-1 for a norm scale applied as ``(1 + w) * n(x)``, Gemma's, whose identity is 0), ``"constant"``
+(fill ``value``), ``"scale"`` (multiply the tensor the scheme drew, hence its std, by ``value``)
+and ``"scheme"`` (draw again with another scheme).
 
 An :class:`AutoRule` finds its parameters in the model itself: :func:`gpt2_residual_scaling`
 needs no pattern and no layer count::
