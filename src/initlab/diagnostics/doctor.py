@@ -86,7 +86,7 @@ import functools
 import json
 import math
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,21 +94,33 @@ import torch
 from torch import nn
 
 from initlab._core.compiled import takes_compiled
-from initlab._core.data import DataUse, batch_size, data_use, take_batches
+from initlab._core.data import DataUse, data_use, take_batches
 from initlab._core.distributed import is_distributed
-from initlab._core.loss import Loss, LossLike, resolve_loss, target_count
+from initlab._core.loss import LossLike, resolve_loss
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows, _fmt
 from initlab._core.state import restore_on_failure
+from initlab.diagnostics._doctor_checks import (
+    _ILL,
+    CHECKS,
+    FIXES,
+    OUTPUT_TARGET,
+    SPREAD_BAD,
+    SPREAD_WARN,
+    _Check,
+    _checks,
+    _grade,
+    _Measure,
+    _measure,
+    _recommended,
+    _Setup,
+)
 from initlab.diagnostics._outputs import (
     Forward,
     fixes_forward,
-    init_logit_std,
-    output_pass,
     unchanged,
 )
-from initlab.diagnostics.diagnose import diagnose
-from initlab.diagnostics.report import RATIO_BAD, RATIO_WARN, Report, _encode_rows, _encode_value
+from initlab.diagnostics.report import Report, _encode_rows, _encode_value
 from initlab.init.model import init_model
 from initlab.methods.lsuv import lsuv_
 from initlab.methods.output_scale import scale_output_
@@ -125,18 +137,6 @@ __all__ = [
     "DoctorReport",
     "doctor",
 ]
-
-FIXES: tuple[str, ...] = ("init", "lsuv", "output_scale", "precondition")
-"""The fixes, in the order they are applied (see the module docstring)."""
-
-CHECKS: tuple[str, ...] = (
-    "initial_loss",
-    "logit_std",
-    "gamma_spread",
-    "nu_spread",
-    "dead_or_exploding_layers",
-)
-"""The checks, in the order of the report's rows."""
 
 DOCTOR_COLUMNS: tuple[str, ...] = ("check", "value", "reference", "verdict", "why", "fix")
 """Columns of a :func:`doctor` report without fixes: the measured ``value``, its ``reference``
@@ -157,326 +157,7 @@ DOCTOR_FIX_COLUMNS: tuple[str, ...] = (
 """Columns with fixes: ``before``/``verdict_before`` measured before any fix, ``value`` =
 ``after``, and ``verdict``, ``why``, ``fix`` about the model as it is after the fixes."""
 
-OUTPUT_TARGET = 0.05
-"""The logits' std ``scale_output_`` gives (the paper's §6.4 value)."""
-SPREAD_WARN = RATIO_WARN**2
-"""A ``gamma`` (or ``nu``) max/min above this: ``warn``."""
-SPREAD_BAD = RATIO_BAD**2
-"""... above this: ``bad``."""
-
-_LOSS_WARN, _LOSS_BAD = 1.1, 2.0  # initial loss / ln C
-_STD_BAD = 3.0  # logit std / reference
-_MSE_WARN, _MSE_BAD = 2.0, 10.0  # MSE / E[y^2], logit std / std(y)
-_LAYER_RULES = {
-    "vanishing_signal": "lsuv",
-    "exploding_signal": "lsuv",
-    "vanishing_gradient": "lsuv",
-    "exploding_gradient": "lsuv",
-    "dead_relu": "lsuv",
-    "zero_gradient": "lsuv",
-    "non_finite": "init",
-}
 _ALIASES = {"scale_output": "output_scale", "init_model": "init", "preconditioning": "precondition"}
-_CALLS = {
-    "init": "init_model(model, 'geometric')",
-    "lsuv": "lsuv_(model, data)",
-    "output_scale": f"scale_output_(model, data, target={OUTPUT_TARGET}, how='hook')",
-    "precondition": "precondition_(model, data, how='lr') → preconditioned_param_groups",
-}
-
-
-# ----------------------------------------------------------------------------- measuring
-
-
-@dataclass
-class _Measure:
-    """What one measurement of the model gave (a :func:`diagnose` and one no-grad pass)."""
-
-    report: Report
-    loss: float
-    logit_std: float
-    kind: str = ""  # "classification", "regression" or ""
-    classes: int = 0
-    target_sq: float = math.nan
-    target_std: float = math.nan
-    own_loss: bool = False
-    own_other: bool = False  # the model's own loss is not a cross-entropy of its logits
-    missing: str = ""  # why the outputs could not be read ("" when they were)
-    init_std: float | None = None  # the logits' std right after init_model (None: not tried)
-
-
-@dataclass
-class _Setup:
-    """What every measurement and fix of one :func:`doctor` call shares."""
-
-    batches: list[Any]
-    loss: Loss
-    generator: torch.Generator | None
-    forward: Forward | None  # the fixes' and the output pass's (None: the default forward)
-
-
-def _measure(model: nn.Module, setup: _Setup) -> _Measure:
-    batches, loss = setup.batches, setup.loss
-    report = diagnose(
-        model, batches, loss, max_batches=len(batches), gradients=False, spectra=False,
-        generator=setup.generator, name=type(model).__name__,
-    )  # fmt: skip
-    losses = [float(v) for v in report.meta.get("loss", [])]
-    outputs = output_pass(model, batches, loss, setup.forward)
-    _check_loss_defined(losses, outputs.pop("finite_outputs"))
-    return _Measure(report, _per_example(losses, batches, loss), **outputs)
-
-
-def _check_loss_defined(losses: list[float], finite_outputs: list[bool]) -> None:
-    """Raise if a batch's loss is not finite while the model's outputs on it are: the loss is
-    undefined there (a mean over no target, e.g. every label the ignore index -100), which no
-    change of the model fixes."""
-    for i, (value, finite) in enumerate(zip(losses, finite_outputs, strict=False)):
-        if finite and not math.isfinite(value):
-            raise ValueError(
-                f"doctor: the loss of batch {i} is {value} while the model's outputs on it are "
-                "finite: the loss is undefined on that batch, not the model ill-conditioned "
-                "(e.g. every target is the ignore index -100, and a mean over no target is "
-                "0/0). Drop such batches or pass a loss defined on them; nothing was changed"
-            )
-
-
-def _per_example(losses: list[float], batches: list[Any], loss: Loss) -> float:
-    """The mean loss per target over the batches (:func:`~initlab._core.loss.target_count`: per
-    counted token for a language model's cross-entropy, per element for MSE; per example for a
-    loss without targets): a criterion that declares ``reduction="sum"`` gives each batch's sum,
-    any other loss (a mean) is weighted by the batch's count."""
-    if not losses:
-        return math.nan
-    counts = [target_count(loss, b) or float(batch_size(b)) for b in batches[: len(losses)]]
-    if loss.reduction == "sum":
-        total = sum(losses)
-    else:
-        total = sum(n * v for n, v in zip(counts, losses, strict=True))
-    return total / sum(counts) if sum(counts) > 0 else math.nan
-
-
-# ----------------------------------------------------------------------------- checks
-
-
-@dataclass
-class _Check:
-    check: str
-    value: float
-    reference: float
-    verdict: str
-    why: str
-    fixes: tuple[str, ...] = ()
-
-    @property
-    def fix(self) -> str:
-        return "; ".join(_CALLS[f] for f in FIXES if f in self.fixes)
-
-
-def _grade(ratio: float, warn: float, bad: float) -> str:
-    if not math.isfinite(ratio):
-        return "bad"
-    return "ok" if ratio <= warn else ("warn" if ratio <= bad else "bad")
-
-
-def _loss_check(m: _Measure) -> _Check:
-    big = ("init", "output_scale")
-    if not math.isfinite(m.loss):
-        return _Check("initial_loss", m.loss, math.nan, "bad", "the loss is not finite", big)
-    if m.kind == "classification":
-        ref = math.log(m.classes)
-        verdict = _grade(m.loss / ref, _LOSS_WARN, _LOSS_BAD)
-        if verdict == "ok":
-            low = " (below: better than chance, e.g. trained weights)" if m.loss < 0.9 * ref else ""
-            why = f"{_fmt(m.loss)} is within 10% of ln C = {ref:.4g} (C = {m.classes}){low}"
-        else:
-            why = (
-                f"too high: {_fmt(m.loss)} is {m.loss / ref:.3g}× ln C = {ref:.4g} (C = "
-                f"{m.classes}); an untrained model should start near ln C: the logits are too large"
-            )
-        return _Check("initial_loss", m.loss, ref, verdict, why, big if verdict != "ok" else ())
-    if m.kind == "regression":
-        ref = m.target_sq
-        verdict = _grade(m.loss / ref, _MSE_WARN, _MSE_BAD) if ref > 0 else "n/a"
-        why = f"MSE {_fmt(m.loss)} vs E[y^2] = {_fmt(ref)}, the loss of predicting 0"
-        return _Check("initial_loss", m.loss, ref, verdict, why, big if verdict in _ILL else ())
-    why = "no reference: the loss is neither cross-entropy on integer targets nor MSE on floats" + (
-        " (the model's own loss, of a kind its targets do not tell)" if m.own_loss else ""
-    )
-    if m.own_other:
-        why = (
-            "no reference: the model's own loss is not the cross-entropy of its logits on the "
-            "labels (e.g. a CTC loss, or a sum over a sequence), so ln C does not apply"
-        )
-    if m.missing:
-        why = f"no reference: the model's outputs (the number of classes) are unknown: {m.missing}"
-    return _Check("initial_loss", m.loss, math.nan, "n/a", why)
-
-
-_ILL = ("warn", "bad")
-
-
-def _std_check(m: _Measure) -> _Check:
-    fixes = ("init", "output_scale")
-    std = m.logit_std
-    if m.missing:
-        return _Check("logit_std", std, math.nan, "n/a", f"not measured: {m.missing}")
-    if m.kind == "classification":
-        ref = math.sqrt(0.2 * math.log(m.classes))
-        verdict = _grade(std / ref, 1.0, _STD_BAD)
-        why = (
-            f"logits' std {_fmt(std)}: the cross-entropy exceeds ln C by about std²/2, which is "
-            f"{'within' if verdict == 'ok' else 'beyond'} 10% of ln C at std ≤ {ref:.3g}"
-        )
-    elif m.kind == "regression" and m.target_std > 0:
-        ref = m.target_std
-        verdict = _grade(std / ref, _MSE_WARN, _MSE_BAD)
-        why = f"outputs' std {_fmt(std)} vs the targets' std {_fmt(ref)}"
-    else:
-        ref, verdict = math.nan, ("n/a" if math.isfinite(std) else "bad")
-        why = f"outputs' std {_fmt(std)}; no reference without class or regression targets"
-    return _Check("logit_std", std, ref, verdict, why, fixes if verdict in _ILL else ())
-
-
-def _spread_check(m: _Measure, key: str) -> _Check:
-    imb = m.report.meta.get("imbalance") or {}
-    value = float(imb.get(f"{key}_max_over_min", math.nan))
-    symbol = "γ" if key == "gamma" else "ν"
-    name = f"{key}_spread"
-    zero = int(imb.get(f"{key}_zero") or 0)
-    if value == math.inf and zero:
-        why = (
-            f"{symbol} max/min over {imb.get(f'{key}_layers')} weights is infinite: {zero} have "
-            f"{symbol} = 0 (min {imb.get(f'{key}_argmin')!r}), no gradient reaches them; see "
-            "dead_or_exploding_layers (no learning rate balances a layer that gets no gradient)"
-        )
-        return _Check(name, value, SPREAD_WARN, "bad", why)
-    if not math.isfinite(value):
-        count = int(imb.get(f"{key}_layers") or 0)
-        why = f"{symbol} measured on {count} weight(s): a max/min needs two or more" + (
-            "; layers without a gradient: see dead_or_exploding_layers" if _no_gradient(m) else ""
-        )
-        return _Check(name, value, SPREAD_WARN, "n/a", why)
-    verdict = _grade(value, SPREAD_WARN, SPREAD_BAD)
-    why = (
-        f"{symbol} max/min over {imb.get(f'{key}_layers')} weights = {value:.3g} (max "
-        f"{imb.get(f'{key}_argmax')!r}, min {imb.get(f'{key}_argmin')!r}): a layer with r× the "
-        f"{symbol} of another learns r× faster at one learning rate"
-    )
-    return _Check(
-        name, value, SPREAD_WARN, verdict, why, ("precondition",) if verdict in _ILL else ()
-    )
-
-
-def _normalized(model: nn.Module) -> bool:
-    """Whether a normalization layer (BatchNorm, LayerNorm, GroupNorm, RMSNorm, ...) resets the
-    signal's scale somewhere in the model."""
-    return any("Norm" in type(mod).__name__ for mod in model.modules())
-
-
-def _trusted(finding: Mapping[str, Any], normalized: bool, traced: bool) -> bool:
-    """Whether a linter finding calls for a fix. Dead units and NaN/inf always do. A signal or a
-    gradient that vanishes or explodes through depth does in a plain chain (MLP, VGG-like): with
-    normalization layers the scale is reset (an embedding of std 0.02 or a small residual branch
-    are by design), and without a trace the skip paths the chain product ignores are unknown."""
-    rule = finding.get("rule")
-    if rule in ("non_finite", "dead_relu"):
-        return True
-    if normalized:
-        return False
-    return traced or not str(rule).endswith("_gradient")
-
-
-def _no_gradient(m: _Measure, quantity: str = "no_gradient") -> list[dict[str, Any]]:
-    """The diagnosis's ``no_gradient`` rows (layers whose trainable parameters got no gradient:
-    not called on the data, or under ``torch.no_grad()``), or its ``zero_gradient`` rows (a
-    gradient of 0: vanished, or underflowed in float32), as linter-like findings."""
-    return [
-        {"layer": r["layer"], "rule": quantity, "severity": r["verdict"], "message": r["note"]}
-        for r in m.report.rows
-        if r["quantity"] == quantity
-    ]
-
-
-def _layers_check(m: _Measure, model: nn.Module) -> _Check:
-    normalized, traced = _normalized(model), bool(m.report.meta.get("traced"))
-    found = [
-        r for r in m.report.findings if r.get("rule") in _LAYER_RULES and r.get("severity") in _ILL
-    ]
-    silent, zero = _no_gradient(m), _no_gradient(m, "zero_gradient")
-    trusted = [r for r in found if _trusted(r, normalized, traced)]
-    ignored = len(found) - len(trusted)
-    hits = zero + trusted + silent
-    note = (
-        f" ({ignored} vanishing/exploding finding(s) not counted: "
-        + ("normalization layers reset the scale" if normalized else "the model was not traced")
-        + "; see report.diagnosis.findings)"
-        if ignored
-        else ""
-    )
-    if not hits:
-        why = "no vanishing or exploding signal or gradient, no dead ReLU, no NaN/inf" + note
-        return _Check("dead_or_exploding_layers", 0.0, 0.0, "ok", why)
-    verdict = "bad" if any(r["severity"] == "bad" for r in hits) else "warn"
-    layers = {r["layer"] for r in hits}
-    shown = "; ".join(f"{r['layer'] or '<root>'}: {r['rule']} ({r['message']})" for r in hits[:4])
-    more = f"; and {len(hits) - 4} more" if len(hits) > 4 else ""
-    if silent:
-        more += "; no fix here gives a layer a gradient: check how the model and loss use it"
-    fixes = tuple(sorted({_LAYER_RULES[r["rule"]] for r in hits if r["rule"] in _LAYER_RULES}))
-    return _Check(
-        "dead_or_exploding_layers", float(len(layers)), 0.0, verdict, shown + more + note, fixes
-    )
-
-
-def _init_for_logits(
-    checks: list[_Check], model: nn.Module, setup: _Setup, m: _Measure, done: bool = False
-) -> None:
-    """Keep ``"init"`` as a fix for logits that are too large only where it shrinks them (the
-    logits' std after it at most half of now): ``init_model`` draws a language model's output
-    head small, not a classifier's ``classifier``/``score`` head, so on those it would replace
-    the model's init and leave the logits as large; ``output_scale`` is the fix there.
-    ``done``: the init was already applied (``m`` is after it), so it did not."""
-    for c in checks[:2]:  # initial_loss, logit_std
-        if "init" not in c.fixes or not math.isfinite(c.value) or not math.isfinite(m.logit_std):
-            continue
-        if done:
-            c.fixes = tuple(f for f in c.fixes if f != "init")
-            c.why += "; init_model(model, 'geometric') was applied: scale the output instead"
-            continue
-        if m.init_std is None:  # measured once per measurement
-            m.init_std = init_logit_std(model, setup.batches, setup.loss, setup.forward,
-                                        setup.generator)  # fmt: skip
-        after = m.init_std
-        if math.isfinite(after) and after <= 0.5 * m.logit_std:
-            continue
-        c.fixes = tuple(f for f in c.fixes if f != "init")
-        c.why += (
-            f"; init_model(model, 'geometric') would not shrink the logits (std {_fmt(m.logit_std)}"
-            f" → {_fmt(after)}): scale the output instead"
-        )
-
-
-def _checks(
-    m: _Measure, model: nn.Module, setup: _Setup | None = None, done: Sequence[str] = ()
-) -> list[_Check]:
-    """The checks of one measurement; with ``setup``, ``"init"`` is recommended for large
-    logits only where it shrinks them (:func:`_init_for_logits`; ``done``: the fixes already
-    run, changed or not)."""
-    checks = [_loss_check(m), _std_check(m), _spread_check(m, "gamma"), _spread_check(m, "nu")]
-    if setup is not None:
-        _init_for_logits(checks, model, setup, m, "init" in done)
-    if checks[2].verdict == "n/a" and checks[3].verdict in _ILL:
-        checks[3].fixes = ("precondition",)
-    elif checks[2].verdict != "n/a":
-        checks[3].fixes = ()  # ν follows γ; the preconditioning balances γ
-    checks.append(_layers_check(m, model))
-    return checks
-
-
-def _recommended(checks: Iterable[_Check]) -> list[str]:
-    wanted = {f for c in checks if c.verdict in _ILL for f in c.fixes}
-    return [f for f in FIXES if f in wanted]
 
 
 # ----------------------------------------------------------------------------- fixing
