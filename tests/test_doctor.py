@@ -481,3 +481,55 @@ class Scale(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * self.s
+
+
+class OneToken(nn.Module):
+    """Attention over one token: its softmax is 1 whatever ``q`` and ``k`` are, so they get no
+    gradient (doctor's ``zero_gradient`` finding, which recommends LSUV); the head starts small,
+    so the initial loss is ``ln C``, and LSUV's unit-variance logits raise it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.q, self.k, self.v = (nn.Linear(20 if i == 0 else 16, 16) for i in range(4))
+        self.head = nn.Linear(16, C)
+        with torch.no_grad():
+            self.head.weight.mul_(0.01)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x)).unsqueeze(1)
+        a = torch.softmax(self.q(h) @ self.k(h).transpose(1, 2) / 4, dim=-1)
+        return self.head((a @ self.v(h)).squeeze(1))
+
+
+def test_a_recommended_fix_that_makes_the_checks_worse_is_undone() -> None:
+    """(MobileViT over one patch did this: LSUV applied, the initial loss went from ok to warn,
+    the zero gradients stayed.) The model is bit for bit as before; asked for by name, it stays."""
+    data = classification_data(2)
+    model = OneToken()
+    kept = snapshot(model)
+    rep = doctor(model, data, fix=True, generator=0)
+    assert rep.recommended == ["lsuv"] and rep.applied == [] and "lsuv" not in rep.reports
+    assert "initial_loss ok → warn" in rep.undone["lsuv"]
+    assert "undone lsuv: it made the checks worse" in rep.summary()
+    assert json.loads(rep.to_json())["undone"] == rep.undone
+    assert rep.value("initial_loss", "after") == rep.value("initial_loss", "before")
+    assert_same(model, {**kept, "rng": torch.get_rng_state()})
+    asked = doctor(model, data, fix=["lsuv"], generator=0)
+    assert asked.applied == ["lsuv"] and not asked.undone
+    assert any("made the checks worse" in n for n in asked.notes["lsuv"])
+    assert asked.row("initial_loss")["verdict"] == "warn"
+
+
+@pytest.mark.parametrize("fix", ["init", "lsuv", "output_scale"])
+def test_undoing_a_fix_puts_back_its_tensors_and_removes_its_hook(
+    fix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever a fix changed (the weights; scale_output_'s forward hook) is as before it."""
+    monkeypatch.setattr(doctor_module, "_recommended", lambda checks: [fix])
+    monkeypatch.setattr(doctor_module, "_worse", lambda before, after: "x ok → warn")
+    model = mlp(scale=3.0)
+    kept = snapshot(model)
+    rep = doctor(model, classification_data(2), fix=True, generator=0)
+    assert rep.applied == [] and list(rep.undone) == [fix]
+    assert_same(model, {**kept, "rng": torch.get_rng_state()})

@@ -72,12 +72,15 @@ Fixes, in the order they are applied (:data:`FIXES`), each through the public me
    spread is large: the model is unchanged, the multipliers become learning rates
    (:meth:`DoctorReport.param_groups`).
 
-``fix=True`` applies the recommended fixes, and before each one after the first re-measures and
-skips it when it is no longer needed (LSUV after an init that already fixed the signal);
-``fix=["init", "output_scale"]`` applies exactly those, in the order above. A fix that raises
-leaves the model as it was before that fix (the methods' ``restore_on_failure``), is reported in
-``failed`` and the others go on. ``fix=False`` (default) never changes the model: parameters,
-buffers, modes, gradients, hooks and the RNGs are as before.
+``fix=True`` applies the recommended fixes, re-measures after each one that changes the model,
+and skips a later one that is no longer needed (LSUV after an init that already fixed the
+signal); a fix that leaves the checks worse than before it (their verdicts add up to more: ok 0,
+warn 1, bad 2) is undone and reported in ``undone`` (LSUV on a model whose zero gradients it
+cannot give a gradient, raising the initial loss). ``fix=["init", "output_scale"]`` applies
+exactly those, in the order above, and keeps them (a fix that made the checks worse gets a note).
+A fix that raises leaves the model as it was before that fix (the methods'
+``restore_on_failure``), is reported in ``failed`` and the others go on. ``fix=False`` (default)
+never changes the model: parameters, buffers, modes, gradients, hooks and the RNGs are as before.
 """
 
 from __future__ import annotations
@@ -220,6 +223,7 @@ class _Course:
     reports: dict[str, Rows] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
+    undone: dict[str, str] = field(default_factory=dict)
     notes: dict[str, list[str]] = field(default_factory=dict)
     unchanged: list[str] = field(default_factory=list)  # ran, changed nothing (in skipped)
 
@@ -242,21 +246,27 @@ class _Course:
 def _treat(
     model: nn.Module, setup: _Setup, before: _Measure, names: list[str] | None
 ) -> tuple[_Course, _Measure]:
-    """Apply the fixes (``names``, or the recommended ones re-checked before each); re-measure."""
+    """Apply the fixes (``names``, or the recommended ones re-checked before each); re-measure
+    after each fix that changes the model, and undo a recommended one that left the checks worse
+    (:func:`_worse`); a fix asked for by name stays, with a note."""
     auto = names is None
     todo = _recommended(_checks(before, model, setup)) if auto else list(names or [])
-    course, current, stale = _Course(), before, False
+    course, current = _Course(), before
     for name in todo:
         done = [*course.applied, *course.unchanged]
-        if auto and course.applied:
-            if stale:
-                current, stale = _measure(model, setup), False
-            if name not in _recommended(_checks(current, model, setup, done)):
-                course.skipped[name] = f"no longer needed after {', '.join(course.applied)}"
-                continue
+        if (
+            auto
+            and course.applied
+            and name not in _recommended(_checks(current, model, setup, done))
+        ):
+            course.skipped[name] = f"no longer needed after {', '.join(course.applied)}"
+            continue
         call = functools.partial(_apply, name, model, setup, current, done)
-        kept = [t.detach().clone() for t in model.state_dict().values()] if name == "init" else []
-        if course.run(name, call) and kept and unchanged(model, kept):
+        changes = name != "precondition"  # how="lr" leaves the model as it was
+        kept = [t.detach().clone() for t in model.state_dict().values()] if changes else []
+        if not course.run(name, call) or not changes:
+            continue
+        if name == "init" and unchanged(model, kept):
             course.applied.remove(name)  # never listed as applied: say it changed nothing
             course.unchanged.append(name)
             course.reports.pop(name, None)
@@ -264,11 +274,48 @@ def _treat(
                 "changed nothing: the model already has init_model(model, 'geometric') with "
                 "this generator"
             )
-        elif name in course.applied:
-            stale = stale or name != "precondition"  # how="lr" leaves the model as it was
-    if stale:
-        current = _measure(model, setup)
+            continue
+        after = _measure(model, setup)
+        worse = _worse(
+            _checks(current, model, setup, done), _checks(after, model, setup, [*done, name])
+        )
+        if auto and worse:
+            _undo(name, model, kept, course)
+            course.undone[name] = f"it made the checks worse ({worse}); the model is as before it"
+        else:
+            current = after
+            if worse:
+                course.notes.setdefault(name, []).append(f"it made the checks worse: {worse}")
     return course, current
+
+
+_RANK = {"ok": 0, "warn": 1, "bad": 2}
+
+
+def _worse(before: list[_Check], after: list[_Check]) -> str:
+    """The checks a fix left worse (``"initial_loss ok → warn"``), when the verdicts add up to
+    more than before (ok 0, warn 1, bad 2; n/a 0); ``""`` when they do not."""
+    total = [sum(_RANK.get(c.verdict, 0) for c in cs) for cs in (before, after)]
+    if total[1] <= total[0]:
+        return ""
+    return "; ".join(
+        f"{b.check} {b.verdict} → {a.verdict}"
+        for b, a in zip(before, after, strict=True)
+        if _RANK.get(a.verdict, 0) > _RANK.get(b.verdict, 0)
+    )
+
+
+def _undo(name: str, model: nn.Module, kept: list[torch.Tensor], course: _Course) -> None:
+    """Put the model back as it was before the fix ``name``: its tensors copied back in place
+    (ties and references kept), ``scale_output_``'s hook removed."""
+    report = course.reports.pop(name)
+    handle = getattr(report, "info", {}).get("handle")
+    if handle is not None:
+        handle.remove()
+    with torch.no_grad():
+        for t, k in zip(model.state_dict().values(), kept, strict=True):
+            t.copy_(k)
+    course.applied.remove(name)
 
 
 # ----------------------------------------------------------------------------- the report
@@ -287,6 +334,8 @@ class DoctorReport(Rows):
         recommended: the fixes the first measurement recommends.
         skipped: ``{fix: why}`` for recommended fixes found unnecessary after earlier ones.
         failed: ``{fix: error}`` for fixes that raised (the model was restored to before them).
+        undone: ``{fix: why}`` for recommended fixes that ran and left the checks worse (the
+            model was put back as it was before them).
         notes: ``{fix: [message]}``: the warnings a fix raised (caught, kept here).
         used: the data read (:class:`~initlab._core.data.DataUse`).
         diagnosis: the :class:`~initlab.Report` of the first measurement; ``diagnosis_after``
@@ -312,6 +361,7 @@ class DoctorReport(Rows):
         self.reports: dict[str, Rows] = dict(course.reports)
         self.skipped: dict[str, str] = dict(course.skipped)
         self.failed: dict[str, str] = dict(course.failed)
+        self.undone: dict[str, str] = dict(course.undone)
         self.notes: dict[str, list[str]] = dict(course.notes)
         self.recommended: list[str] = list(recommended)
         self.diagnosis = diagnosis
@@ -375,6 +425,8 @@ class DoctorReport(Rows):
             lines.append(f"  skipped {name}: {why}")
         for name, err in self.failed.items():
             lines.append(f"  failed {name} (model restored to before it): {err}")
+        for name, why in self.undone.items():
+            lines.append(f"  undone {name}: {why}")
         for name, notes in self.notes.items():
             lines.extend(f"  {name} warned: {note}" for note in notes)
         if "output_scale" in self.reports:
@@ -423,6 +475,7 @@ class DoctorReport(Rows):
             "recommended": self.recommended,
             "skipped": self.skipped,
             "failed": self.failed,
+            "undone": self.undone,
             "notes": self.notes,
             "fixes": fixes,
             "used": self.used.as_dict() if self.used is not None else None,
