@@ -276,6 +276,23 @@ def test_gpt2_end_to_end_with_its_own_loss_and_tie_kept() -> None:
     assert not model.lm_head._forward_hooks
 
 
+def test_the_logit_std_leaves_padded_positions_out() -> None:
+    """As ``scale_output_`` and the loss read the logits: over the real tokens only (the std
+    moved with whatever ids sat at the padding)."""
+    data = lm_batches()
+    for b in data:
+        b["attention_mask"][1, 3:] = 0
+        b["labels"] = b["input_ids"].masked_fill(b["attention_mask"] == 0, -100)
+    model = gpt2().eval()  # no dropout: the oracle's forward is doctor's
+    with torch.no_grad():
+        real = torch.cat([model(**b).logits[b["attention_mask"].bool()] for b in data]).double()
+    std = doctor(model, data).value("logit_std")
+    assert std == pytest.approx(float(real.std(unbiased=False)), rel=1e-6)
+    for b in data:  # other ids at the padded positions: the same std
+        b["input_ids"] = b["input_ids"].masked_fill(b["attention_mask"] == 0, 7)
+    assert doctor(model, data).value("logit_std") == pytest.approx(std, rel=1e-6)
+
+
 # ----------------------------------------------------------------------------- (d) the CLI
 
 

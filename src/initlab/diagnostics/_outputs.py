@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from initlab._core.data import default_forward, find_target, output_tensor
+from initlab._core.data import default_forward, find_target, output_tensor, real_positions
 from initlab._core.hooks import hook_handles
 from initlab._core.loss import Loss, classes_dim, model_loss
 from initlab._core.state import preserved_state
@@ -86,7 +86,9 @@ def _class_count(logits: torch.Tensor, y: torch.Tensor, batch: Any) -> int:
 def output_pass(
     model: nn.Module, batches: list[Any], loss: Loss, forward: Forward | None = None
 ) -> dict[str, Any]:
-    """One no-grad forward of every batch (state kept): the logits' std and the targets.
+    """One no-grad forward of every batch (state kept): the logits' std (over the real tokens
+    of a batch with an ``attention_mask``, as ``scale_output_`` and the loss read them) and the
+    targets.
 
     ``forward``: as :func:`fixes_forward` returns it. Where the loss gives no outputs to read
     (:class:`NoOutputs`), ``logit_std`` is NaN and ``missing`` says why (the checks on the
@@ -105,10 +107,11 @@ def output_pass(
                 out["missing"] = str(err)
                 break
             logits = output_tensor(raw).detach()
-            out["finite_outputs"].append(bool(logits.isfinite().all()))
-            s1 += float(logits.sum(dtype=torch.float64))  # float64 sums, no float64 copy
-            s2 += float(torch.linalg.vector_norm(logits, dtype=torch.float64)) ** 2
-            n += logits.numel()
+            real = real_positions(logits, batch)  # padded positions left out, as the loss does
+            out["finite_outputs"].append(bool(real.isfinite().all()))
+            s1 += float(real.sum(dtype=torch.float64))  # float64 sums, no float64 copy
+            s2 += float(torch.linalg.vector_norm(real, dtype=torch.float64)) ** 2
+            n += real.numel()
             own = model_loss(raw)
             out["own_loss"] = out["own_loss"] or own is not None
             y = _target(batch)
