@@ -56,7 +56,7 @@ from initlab.measure.conditioning import gr_scaling, imbalance
 from initlab.measure.curvature import block_curvature, theory_vs_actual
 from initlab.measure.landscape import loss_landscape
 from initlab.measure.probe import MomentProbe
-from initlab.measure.probe.moment_probe import probed_backward
+from initlab.measure.probe.run import probed_backward
 from initlab.measure.probe.state import _MISMATCH
 from initlab.measure.residual import _user_blocks
 

@@ -51,7 +51,7 @@ from initlab.init._structure import parameter_owners
 from initlab.init.registry import Registry, default_registry
 from initlab.measure.conditioning import gr_scaling, imbalance, with_multipliers
 from initlab.measure.probe import MomentProbe, measure_moments
-from initlab.measure.probe.moment_probe import probe_options
+from initlab.measure.probe.run import probe_options
 from initlab.measure.runtime_trace import attention_layers, recording
 from initlab.methods._measuring import (
     Forward,

@@ -159,9 +159,10 @@ Example:
 # initlab.measure.probe.per_example, where the replays look it up)
 
 from initlab.measure.probe.accumulate import _accumulate, _Consts, _moments, _new_acc, _sums
-from initlab.measure.probe.moment_probe import ModuleSelection, MomentProbe, measure_moments
+from initlab.measure.probe.moment_probe import ModuleSelection, MomentProbe
 from initlab.measure.probe.per_example import PER_EXAMPLE, LayerRule, _kind
 from initlab.measure.probe.report import PARAM_TABLE_COLUMNS, PROBE_COLUMNS, TABLE_COLUMNS
+from initlab.measure.probe.run import measure_moments
 
 __all__ = [
     "PARAM_TABLE_COLUMNS",

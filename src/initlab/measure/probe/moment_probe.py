@@ -1,4 +1,5 @@
-"""The moment probe: :class:`MomentProbe` (hooks, per-call bookkeeping) and :func:`measure_moments`.
+"""The moment probe: :class:`MomentProbe` (hooks, per-call bookkeeping); :func:`measure_moments`
+runs it over data (:mod:`~initlab.measure.probe.run`).
 
 What is measured, the gradient scaling and what is exact: :mod:`initlab.measure.probe`. The hooks
 are registered in :meth:`MomentProbe.register` and kept in the
@@ -10,7 +11,6 @@ come from :data:`~initlab.measure.probe.per_example.PER_EXAMPLE`; accumulation f
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -19,24 +19,15 @@ import torch
 from torch import nn
 
 from initlab._core.autocast import without_autocast
-from initlab._core.compiled import scripted_error, takes_compiled, uncompiled
-from initlab._core.data import DataUse, default_forward, examples_in, iter_batches
+from initlab._core.compiled import scripted_error, uncompiled
+from initlab._core.data import DataUse
 from initlab._core.hooks import HookContext, HookHandles
-from initlab._core.knobs import check_kwargs, parameter_names, renamed_kwargs, user_stacklevel
-from initlab._core.loss import (
-    Loss,
-    LossLike,
-    backward_of,
-    batch_reduction,
-    check_trainable,
-    example_count,
-    resolve_loss,
-)
+from initlab._core.knobs import user_stacklevel
 from initlab._core.pytree import flatten_tensors, map_tensors
 from initlab._core.rows import Rows
-from initlab._core.state import model_modes, preserved_state, restore_modes
+from initlab._core.state import model_modes, restore_modes
 from initlab.measure.probe.accumulate import _Consts, _Ledger, _Partial
-from initlab.measure.probe.batch import _RootBatch, _Scale, check_root_batch, target_rows
+from initlab.measure.probe.batch import _RootBatch, _Scale, check_root_batch
 from initlab.measure.probe.checks import packed_note, refuse_parametrized
 from initlab.measure.probe.contribution import _Contribution, _Unavailable
 from initlab.measure.probe.per_example import (
@@ -52,7 +43,7 @@ from initlab.measure.probe.per_example import (
 from initlab.measure.probe.report import _module_table, _param_table, _probe_rows
 from initlab.measure.probe.state import _Forward, _Frame, _ModuleState, _ParamState, _Record
 
-__all__ = ["ModuleSelection", "MomentProbe", "measure_moments"]
+__all__ = ["ModuleSelection", "MomentProbe"]
 
 ModuleSelection = (
     Literal["params", "leaves", "all"] | Sequence[str] | Callable[[str, nn.Module], bool]
@@ -790,111 +781,3 @@ def _keep_closed_form_input(rec: _Record, st: _ModuleState, leaves: list[torch.T
     rec.x = x.detach()
     rec.x_version = x._version
     rec.batch = int(x.shape[st.bd])
-
-
-@takes_compiled
-@renamed_kwargs(batches="data")
-def measure_moments(
-    model: nn.Module,
-    data: Any,
-    loss_fn: LossLike = None,
-    *,
-    max_batches: int | None = None,
-    **probe_kwargs: Any,
-) -> MomentProbe:
-    """Run a :class:`MomentProbe` over ``data`` and return it (read it with ``table()`` etc.).
-
-    Args:
-        model: the model; its train/eval mode is left as it is.
-        data: one batch or many (:mod:`initlab._core.data`): one batch is a tensor, a tuple such
-            as ``(x, y)``, a dict of model inputs (``model(**batch)``) or a ``[x, y]`` list from
-            default collate; many batches are a ``DataLoader``, any iterable or generator of
-            batches, a list of ``(x, y)`` tuples, or ``initlab.Batches([...])``. Batches are
-            read one at a time (a loader is streamed, never held whole). A list of same-shaped
-            tensors is ambiguous and raises :class:`~initlab.AmbiguousDataError`.
-        loss_fn: the loss the probe back-propagates, in any form
-            :func:`~initlab._core.loss.resolve_loss` accepts: ``loss_fn(model, batch)``, a
-            criterion such as ``nn.CrossEntropyLoss()`` or ``F.cross_entropy`` (applied to
-            ``(x, y)`` batches), ``"model"`` for the model's own ``output.loss``, or a name
-            (``"cross_entropy"``, ``"mse"``, ``"auto"``, ``"random_quadratic"``). ``None``:
-            forward only, under ``torch.no_grad()``, with the default forward (``model(x)``,
-            ``model(batch[0])``, ``model(**batch)``).
-        max_batches: read at most this many batches (``None``: all).
-        **probe_kwargs: passed to :class:`MomentProbe` (``modules``, ``per_example``, ...).
-            ``loss_reduction`` left out or ``None``: the loss's own where it declares one (a
-            criterion's ``reduction``), else ``"mean"``; one that contradicts it raises.
-
-    Returns:
-        The probe, with ``probe.used`` (:class:`~initlab._core.data.DataUse`: batches read, and
-        the examples: the batch sizes the gradients were scaled by).
-
-    Raises:
-        ValueError: ``data`` holds no batch, the model has parametrized tensors, or the batch
-            size is unclear (:mod:`~initlab.measure.probe.batch`).
-
-    The model is left as it was (:func:`~initlab._core.state.preserved_state`), on success and
-    on failure: weights, buffers (a train-mode BatchNorm's running statistics), train/eval modes,
-    the random number generators, and every parameter's ``.grad`` (set to ``None`` for the
-    measurement, so gradients you accumulated before are untouched).
-    """
-    check_kwargs(
-        "measure_moments",
-        probe_kwargs,
-        probe_options(),
-        own=parameter_names(measure_moments),
-    )
-    loss = None if loss_fn is None else resolve_loss(loss_fn, what="measure_moments")
-    if loss is not None:
-        check_trainable(model, "measure_moments")
-    probe_kwargs["loss_reduction"] = batch_reduction(
-        loss, probe_kwargs.get("loss_reduction"), "measure_moments"
-    )
-    probe = MomentProbe(model, **probe_kwargs)
-    params = list(model.parameters())
-    n_batches = n_examples = 0
-    # The model comes back as it was: weights, buffers (BatchNorm statistics), modes, .grad, RNGs.
-    with preserved_state(model):
-        for p in params:
-            p.grad = None
-        with probe:
-            for batch in iter_batches(data, max_batches, what="measure_moments"):
-                n_batches += 1
-                probe._root = None
-                _run(probe, model, batch, loss, params)
-                root = probe._root  # the examples the probe scaled by, where the model ran
-                n_examples += root.size if root and root.size is not None else examples_in(batch)
-    if n_batches == 0:
-        raise ValueError("measure_moments got no batch: the data is empty")
-    probe.used = DataUse(n_batches, n_examples)
-    return probe
-
-
-def probe_options() -> set[str]:
-    """The keyword options of :class:`MomentProbe` (what ``**probe_kwargs`` may hold)."""
-    params = inspect.signature(MomentProbe.__init__).parameters
-    return {n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
-
-
-def _run(
-    probe: MomentProbe, model: nn.Module, batch: Any, loss: Loss | None, params: list[nn.Parameter]
-) -> None:
-    """One probed pass: forward only (``loss`` None) or forward and backward of the loss."""
-    if loss is None:
-        with torch.no_grad():
-            default_forward(model, batch)
-        return
-    probed_backward(probe, loss, model, batch, "measure_moments")
-    for p in params:
-        p.grad = None
-
-
-def probed_backward(
-    probe: MomentProbe, loss: Loss, model: nn.Module, batch: Any, what: str
-) -> torch.Tensor:
-    """``loss(model, batch)`` and its backward under ``probe``, which is told first how many
-    examples the loss averages over (:func:`~initlab._core.loss.example_count`); the loss."""
-    probe.example_count = example_count(loss, batch)
-    probe.target_rows = target_rows(batch)
-    value = loss(model, batch)
-    backward_of(value, what)
-    return value
