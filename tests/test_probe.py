@@ -1890,3 +1890,45 @@ def test_the_table_reads_the_first_input_and_output_whatever_order_gradients_arr
     a.retain_grad()
     F.cross_entropy(model.fc(a) + 3 * model.fc(b), t).backward()
     assert row["E_dy2"] == pytest.approx(float(((a.grad * 6) ** 2).mean()), rel=1e-10)
+
+
+def _padded_gpt2_batches(pad_id: int) -> tuple[nn.Module, list[dict[str, torch.Tensor]]]:
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = tf.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=16)
+    model = tf.GPT2LMHeadModel(cfg).eval()  # no dropout: the oracle's forward is the probe's
+    g = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(2):
+        ids = torch.randint(0, 32, (3, 8), generator=g)
+        mask = torch.ones(3, 8, dtype=torch.long)
+        mask[1, 5:] = mask[2, 2:] = 0
+        ids = ids.masked_fill(mask == 0, pad_id)
+        batches.append({"input_ids": ids, "attention_mask": mask,
+                        "labels": ids.masked_fill(mask == 0, -100)})  # fmt: skip
+    return model, batches
+
+
+def test_moments_of_a_padded_batch_leave_the_padding_out() -> None:
+    """E[y^2] of a layer over the real tokens only, as the loss and LSUV see them (the oracle: the
+    layer's outputs at the mask, by hand); the ids at the padding change nothing."""
+    layer = "transformer.h.0.mlp.c_fc"
+    model, batches = _padded_gpt2_batches(pad_id=0)
+    outs: list[torch.Tensor] = []
+    mask: list[torch.Tensor] = []
+    handle = model.get_submodule(layer).register_forward_hook(lambda m, a, y: outs.append(y))
+    with torch.no_grad():
+        for b in batches:
+            model(**b)
+            mask.append(b["attention_mask"].bool())
+    handle.remove()
+    real = torch.cat([y[m] for y, m in zip(outs, mask, strict=True)]).double()
+    rows = {}
+    for pad_id in (0, 31):
+        model, batches = _padded_gpt2_batches(pad_id)
+        table = measure_moments(model, batches, "model").table()
+        rows[pad_id] = {r["layer"]: r for r in table}
+    assert rows[0][layer]["E_y2"] == pytest.approx(float(real.square().mean()), rel=1e-6)
+    for name, r in rows[0].items():
+        for key in ("E_x2", "E_y2", "E_dy2"):
+            assert r[key] == pytest.approx(rows[31][name][key], rel=1e-6, nan_ok=True), (name, key)

@@ -48,6 +48,7 @@ __all__ = [
     "DataCounter",
     "DataUse",
     "TakenBatches",
+    "at_mask",
     "batch_children",
     "batch_rebuild",
     "batch_size",
@@ -65,6 +66,7 @@ __all__ = [
     "object_fields",
     "output_key",
     "output_tensor",
+    "padding_mask",
     "take_batches",
     "with_fields",
 ]
@@ -534,12 +536,23 @@ def real_positions(t: torch.Tensor, batch: Any) -> torch.Tensor:
     positions at its zeros (padding) are left out, ``t[mask]``; any other tensor or batch: ``t``
     itself."""
     mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
-    if (
-        not isinstance(mask, torch.Tensor)
-        or mask.dim() < 2
-        or t.dim() <= mask.dim()
-        or tuple(t.shape[: mask.dim()]) != tuple(mask.shape)
-    ):
+    return at_mask(t, mask) if isinstance(mask, torch.Tensor) else t
+
+
+def padding_mask(kwargs: Mapping[str, Any]) -> torch.Tensor | None:
+    """The boolean ``attention_mask`` of a forward's keyword arguments (or a dict batch) where it
+    pads (``(B, T)`` or more dims, with a zero); ``None`` where nothing is padded."""
+    mask = kwargs.get("attention_mask")
+    if not isinstance(mask, torch.Tensor) or mask.dim() < 2 or mask.is_floating_point():
+        return None
+    mask = mask.to(torch.bool)
+    return None if bool(mask.all()) else mask
+
+
+def at_mask(t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``t[mask]`` where ``mask``'s shape leads ``t``'s (its entries at the real positions),
+    else ``t``."""
+    if t.dim() <= mask.dim() or tuple(t.shape[: mask.dim()]) != tuple(mask.shape):
         return t
     return t[mask.to(device=t.device, dtype=torch.bool)]
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from initlab._core.autocast import without_autocast
 from initlab._core.compiled import scripted_error, uncompiled
-from initlab._core.data import DataUse
+from initlab._core.data import DataUse, at_mask, padding_mask
 from initlab._core.hooks import HookContext, HookHandles
 from initlab._core.knobs import user_stacklevel
 from initlab._core.pytree import flatten_tensors, map_tensors
@@ -158,6 +158,7 @@ class MomentProbe(HookContext):
         self._active = False
         self._replaying = False
         self._root: _RootBatch | None = None  # the batch of the root forward last entered
+        self._mask: torch.Tensor | None = None  # its attention_mask where it pads (B, T)
         self.example_count: float | None = None
         """What a mean-reduced loss divides by on the batch being run, where it is not the batch
         size (:func:`~initlab._core.loss.example_count`); the gradients are scaled by it."""
@@ -323,6 +324,7 @@ class MomentProbe(HookContext):
     def _root_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._replaying:
             return
+        self._mask = padding_mask(kwargs)  # the moments leave padded positions out
         for st in self._states:
             st.calls_this_forward = 0
             st.frames.clear()
@@ -372,11 +374,14 @@ class MomentProbe(HookContext):
         ``seen``: sums already taken in this hook call, by tensor."""
         if not t.is_floating_point() or t.layout != torch.strided:
             return
-        sums = None if seen is None else seen.get(id(t))
+        key_t = id(t)
+        if self._mask is not None and st.bd == 0:
+            t = at_mask(t, self._mask)  # (B, T, ...) at the real tokens of a padded batch
+        sums = None if seen is None else seen.get(key_t)
         if sums is None:
             sums = self._ledger.reduce(t, scale, self._consts)
             if seen is not None:
-                seen[id(t)] = sums
+                seen[key_t] = sums
         for p in (path, *also):
             key = (call, quantity, p)
             acc = st.acc.get(key)
