@@ -6,6 +6,7 @@ without names. Tiny GPT-2-like and Llama-like models in plain torch; Hugging Fac
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -756,3 +757,65 @@ def test_a_classifiers_output_layer_is_drawn_as_a_head(family: str) -> None:
     with torch.no_grad():
         loss = float(model.eval()(**batch).loss)
     assert loss == pytest.approx(math.log(3), abs=0.2)
+
+
+def _moe_models() -> dict[str, Callable[[], nn.Module]]:
+    tf = pytest.importorskip("transformers")
+    small = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=64, max_position_embeddings=32,
+                 num_experts_per_tok=2)  # fmt: skip
+    return {
+        "mixtral": lambda: tf.MixtralForCausalLM(tf.MixtralConfig(num_local_experts=4, **small)),
+        "qwen2_moe": lambda: tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(
+            num_experts=4, moe_intermediate_size=24, shared_expert_intermediate_size=48, **small)),
+        "gpt_oss": lambda: tf.GptOssForCausalLM(tf.GptOssConfig(
+            num_local_experts=4, head_dim=8, layer_types=["full_attention"], **small)),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "gpt_oss"])
+def test_mixture_of_experts_layers_are_drawn_one_expert_at_a_time(family: str) -> None:
+    """The experts (3-D tensors) and the router were left unclaimed, with a warning, at the
+    model's own init. Each expert's matrix is now drawn as its own orthogonal matrix, in the
+    model's layout (GPT-OSS stores ``(E, in, out)``, its gate and input interleaved); the router
+    too; the initial loss stays near ln V."""
+    torch.manual_seed(0)
+    model = _moe_models()[family]()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*sinks")  # GPT-OSS's attention sinks
+        report = initlab.init_model(model, "orthogonal", generator=0)
+    rows = {join_name(r["layer"], r["param"]): r for r in report.to_rows()}
+    banks = [(n, m) for n, m in model.named_modules() if type(m).__name__.endswith("Experts")]
+    assert banks
+    for name, bank in banks:
+        for param in ("gate_up_proj", "down_proj"):
+            row = rows[f"{name}.{param}"]
+            assert row["distribution"] == "orthogonal", row
+            w = getattr(bank, param).detach().double()
+            w = w if family != "gpt_oss" else w.transpose(1, 2)  # (E, out, in)
+            cut = param == "gate_up_proj" and family != "gpt_oss"  # [gate; input]
+            halves = w.split(w.shape[1] // 2, dim=1) if cut else (w,)
+            for m in halves:  # per expert: orthonormal rows or columns, times the gain
+                small = m @ m.transpose(1, 2) if m.shape[1] <= m.shape[2] else m.transpose(1, 2) @ m
+                eye = torch.eye(small.shape[-1], dtype=torch.float64).expand_as(small)
+                torch.testing.assert_close(small, row["gain"] ** 2 * eye, atol=1e-5, rtol=0)
+    routers = [n for n, m in model.named_modules() if "Router" in type(m).__name__]
+    assert routers and all(rows[f"{n}.weight"]["role"] == "weight" for n in routers)
+    assert not report.unclaimed() or family == "gpt_oss"
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        loss = float(model(input_ids=ids, labels=ids).loss)
+    assert abs(loss - math.log(64)) < 0.15 * math.log(64)
+
+
+def test_layer_spectra_of_a_bank_of_experts_are_those_of_its_experts() -> None:
+    """One row per bank: the largest singular value over its experts (the oracle: each
+    expert's matrix by itself), not of the 3-D tensor flattened as a convolution's."""
+    torch.manual_seed(0)
+    model = _moe_models()["mixtral"]()
+    rows = {join_name(r["layer"], r["param"]): r for r in initlab.layer_spectra(model)}
+    bank = model.model.layers[0].mlp.experts
+    expected = max(float(torch.linalg.svdvals(m.double())[0]) for m in bank.down_proj.detach())
+    row = rows["model.layers.0.mlp.experts.down_proj"]
+    assert row["sv_max"] == pytest.approx(expected, rel=1e-9)
+    assert row["op_norm"] == row["sv_max"] and "4 experts" in row["note"]

@@ -11,6 +11,7 @@ from torch import nn
 
 import initlab
 from initlab.init.fans import Fans
+from initlab.init.gains import calculate_gain
 from initlab.init.registry import (
     ROLES,
     Block,
@@ -711,3 +712,83 @@ def test_zero_gamma_on_a_norm_zeroes_its_output(norm: type[nn.Module]) -> None:
         assert torch.equal(model(x), x)
     (row,) = [r for r in report.to_rows() if r["layer"] == "norm"]
     assert (row["note"] is not None) == (norm is OffsetRMSNorm)
+
+
+class ExpertBank(nn.Module):
+    """A bank of ``E`` gated MLP experts as transformers 5 stores them: ``gate_up_proj`` ``(E,
+    2I, H)`` and ``down_proj`` ``(E, H, I)``, or transposed; its layout declared."""
+
+    def __init__(self, transposed: bool = False, bias: bool = False, E: int = 3) -> None:
+        super().__init__()
+        H, inter = 8, 6
+        self.num_experts, self.is_transposed = E, transposed
+        gu, down = (
+            ((E, H, 2 * inter), (E, inter, H)) if transposed else ((E, 2 * inter, H), (E, H, inter))
+        )
+        self.gate_up_proj = nn.Parameter(torch.zeros(gu))
+        self.down_proj = nn.Parameter(torch.zeros(down))
+        if bias:
+            self.gate_up_proj_bias = nn.Parameter(torch.ones(E, 2 * inter))
+        self.act_fn = nn.SiLU()
+
+    def matrices(self, name: str) -> torch.Tensor:
+        """``(E, out, in)`` whatever the layout."""
+        w = getattr(self, name).detach()
+        return w.transpose(1, 2) if self.is_transposed else w
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_a_bank_of_experts_is_drawn_one_expert_at_a_time(transposed: bool) -> None:
+    """Each expert's gate and input halves and its down projection are orthogonal matrices of
+    their own (drawn as one 3-D tensor, an orthogonal init mixes experts); biases zeroed."""
+    bank = ExpertBank(transposed, bias=True)
+    specs = {s.name: s for s in default_registry().specs(bank)}
+    assert specs["gate_up_proj"].stacked and specs["down_proj"].stacked
+    assert [b.fans for b in specs["gate_up_proj"].blocks] == [Fans(8, 6), Fans(8, 6)]
+    assert specs["down_proj"].fans == Fans(6, 8) and specs["gate_up_proj_bias"].role == "bias"
+    report = initlab.init_model(bank, "orthogonal", gains="scheme", generator=0)
+    gain = next(r["gain"] for r in report.to_rows() if r["param"] == "down_proj")
+    for e in range(bank.num_experts):
+        for half in bank.matrices("gate_up_proj")[e].split(6):  # (6, 8): orthonormal rows
+            torch.testing.assert_close(half @ half.T, gain**2 * torch.eye(6))
+        down = bank.matrices("down_proj")[e]  # (8, 6): orthonormal columns
+        torch.testing.assert_close(down.T @ down, gain**2 * torch.eye(6))
+    assert not bank.gate_up_proj_bias.any()
+
+
+def test_a_bank_of_experts_gets_the_gains_of_its_activation() -> None:
+    """In a token model (an embedding in front): the gate the SiLU's gain, the output gain 1;
+    each expert's std that of one (out, in) matrix, not of the 3-D tensor's fans."""
+
+    class Tokens(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(10, 8)
+            self.experts = ExpertBank(E=64)
+
+    model = Tokens()
+    rows = {r["param"]: r for r in initlab.init_model(model, "geometric", generator=0).to_rows()}
+    gate, down = rows["gate_up_proj"], rows["down_proj"]
+    assert gate["gain_from"].startswith("silu") and down["gain_from"].startswith("none")
+    assert gate["gain"] == pytest.approx(calculate_gain("silu")) and down["gain"] == 1.0
+    assert down["target_std"] == pytest.approx((6 * 8) ** -0.25)  # fans (6, 8), not (3072, ...)
+    assert gate["target_std"] == pytest.approx(gate["gain"] * (8 * 6) ** -0.25)
+    n = model.experts.down_proj.numel()
+    std = float(model.experts.down_proj.detach().std())
+    assert std == pytest.approx(down["target_std"], rel=4 / n**0.5)
+
+
+def test_a_module_whose_layout_is_not_clear_is_no_bank_of_experts() -> None:
+    """Without the declared layout, with shapes that do not chain, or with another parameter,
+    it stays unclaimed (a wrong reading would draw its matrices with wrong fans, silently)."""
+    reg = default_registry()
+    assert reg.specs(ExpertBank()) is not None
+    undeclared = ExpertBank()
+    del undeclared.is_transposed
+    assert reg.specs(undeclared) is None
+    wrong = ExpertBank()
+    wrong.is_transposed = True  # (E, 12, 8) read as (in, out): down_proj's input would be 12
+    assert reg.specs(wrong) is None
+    extra = ExpertBank()
+    extra.scale = nn.Parameter(torch.ones(8))
+    assert reg.specs(extra) is None

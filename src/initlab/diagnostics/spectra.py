@@ -405,14 +405,19 @@ class InputShapes(HookContext):
                 self._hooks.add(module.register_forward_pre_hook(self._hook(name)))
 
 
-def _weight_params(module: nn.Module, name: str) -> list[tuple[str, torch.Tensor]]:
+def _weight_params(module: nn.Module, name: str) -> list[tuple[str, torch.Tensor, bool]]:
+    """``(name, tensor, stacked)`` of the module's weights (``stacked``: a bank of experts)."""
     from initlab.init.registry import default_registry
 
     specs = default_registry().specs(module, name)
     if specs is None:
         return []
     params = dict(module.named_parameters(recurse=False))
-    return [(s.name, params[s.name]) for s in specs if s.role == "weight" and s.name in params]
+    return [
+        (s.name, params[s.name], s.stacked)
+        for s in specs
+        if s.role == "weight" and s.name in params
+    ]
 
 
 @takes_compiled
@@ -448,13 +453,17 @@ def layer_spectra(
     rows: list[dict[str, Any]] = []
     svd_cache: dict[int, tuple[float, float]] = {}
     for name, module in model.named_modules():
-        for pname, w in _weight_params(module, name):
+        for pname, w, stacked in _weight_params(module, name):
             bad = int((~w.detach().isfinite()).sum())  # NaN/inf: no SVD, no operator norm
-            sv_max, sv_mean, note = _svd_entry(w, bad, max_svd_elements, svd_cache)
+            sv_max, sv_mean, note = _svd_entry(w, bad, max_svd_elements, svd_cache, stacked)
             in_shape = tuple(shapes[name]) if name in shapes else None
             op_norm, method, matvecs = math.nan, "", 0
             finite = bad == 0  # else no operator norm (a note says so)
-            if finite and isinstance(module, tuple(_CONVS)):
+            if stacked:  # each expert is a linear map: the largest of their norms
+                op_norm, method = (sv_max, "svd") if finite else (math.nan, "")
+                note.append(f"{w.shape[0]} experts: sv_max and op_norm the largest, sv_mean "
+                            "the mean over them")  # fmt: skip
+            elif finite and isinstance(module, tuple(_CONVS)):
                 op_norm, method, matvecs = _conv_entry(
                     module, in_shape, name in multiple, note, tol, max_matvecs, generator
                 )
@@ -592,17 +601,27 @@ def _maximal(indices: list[int], blocks: list[tuple[str, set[str], Any]]) -> lis
 
 @without_autocast  # called inside the user's autocast: eigh/svd take no bfloat16
 def _svd_entry(
-    w: torch.Tensor, bad: int, max_elements: int, cache: dict[int, tuple[float, float]]
+    w: torch.Tensor,
+    bad: int,
+    max_elements: int,
+    cache: dict[int, tuple[float, float]],
+    stacked: bool = False,
 ) -> tuple[float, float, list[str]]:
     """``(sv_max, sv_mean, notes)`` of one weight with ``bad`` non-finite values, computed once
-    per tensor (ties share it)."""
+    per tensor (ties share it); ``stacked``: of its matrices along dim 0, the largest singular
+    value and the mean of theirs."""
     if w.numel() > max_elements:
         return math.nan, math.nan, [f"{w.numel()} elements > max_svd_elements: no exact SVD"]
     if bad:
         return math.nan, math.nan, [f"{bad} non-finite value(s) (NaN or inf) in the weight"]
     if id(w) not in cache:
-        s = singular_values(w)
-        cache[id(w)] = (float(s[0]), mean_nonzero_singular_value(s, tuple(w.shape)))
+        if stacked:
+            each = [singular_values(m) for m in w]
+            means = [mean_nonzero_singular_value(s, tuple(w.shape[1:])) for s in each]
+            cache[id(w)] = (max(float(s[0]) for s in each), sum(means) / len(means))
+        else:
+            s = singular_values(w)
+            cache[id(w)] = (float(s[0]), mean_nonzero_singular_value(s, tuple(w.shape)))
     return (*cache[id(w)], [])
 
 

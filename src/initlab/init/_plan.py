@@ -25,6 +25,7 @@ from initlab._core.rows import split_name
 from initlab.init._fused import fused_blocks
 from initlab.init._structure import (
     Follow,
+    expert_following,
     find_classifier,
     find_head,
     is_added_table,
@@ -239,21 +240,24 @@ def _sample_blocks(
     plan: _Plan, specs: list[tuple[Block | None, InitSpec]], generator: torch.Generator | None
 ) -> None:
     assert plan.spec is not None
-    for block, init_spec in specs:
-        view = plan.param
-        if block is not None:  # rows of W (out, in): columns of a transposed (in, out) tensor
-            rows = slice(block.start, block.stop)
-            view = plan.param[:, rows] if plan.spec.transposed else plan.param[rows]
-        if init_spec.distribution == "dirac" and plan.dirac_centre is not None:
-            dirac_(view, init_spec.gain, groups=plan.spec.groups, centre=plan.dirac_centre)
-            continue
-        sample_(
-            view,
-            init_spec,
-            generator=generator,
-            groups=plan.spec.groups,
-            transposed=plan.spec.transposed,
-        )
+    # a stacked weight (a bank of experts): each matrix along dim 0 drawn as its own weight
+    matrices = list(plan.param) if plan.spec.stacked else [plan.param]
+    for matrix in matrices:
+        for block, init_spec in specs:
+            view = matrix
+            if block is not None:  # rows of W (out, in): columns of a transposed (in, out) tensor
+                rows = slice(block.start, block.stop)
+                view = matrix[:, rows] if plan.spec.transposed else matrix[rows]
+            if init_spec.distribution == "dirac" and plan.dirac_centre is not None:
+                dirac_(view, init_spec.gain, groups=plan.spec.groups, centre=plan.dirac_centre)
+                continue
+            sample_(
+                view,
+                init_spec,
+                generator=generator,
+                groups=plan.spec.groups,
+                transposed=plan.spec.transposed,
+            )
 
 
 @torch.no_grad()
@@ -664,10 +668,12 @@ def assign_roles(
     if example_inputs is not None:
         traced = traced_following(model, example_inputs, {id(p.module) for p in weights})
     structural = structural_following(model)
+    experts = expert_following(model)  # per tensor: an expert bank's weights differ
     unknown = Follow(None, None, "scheme (no nonlinearity found after it)")
     for plan in weights:
         key = id(plan.module)
-        plan.follow = traced.get(key) or structural.get(key) or unknown
+        local = experts.get((key, plan.name.rsplit(".", 1)[-1]))
+        plan.follow = local or traced.get(key) or structural.get(key) or unknown
 
 
 def expand_rules(model: nn.Module, rules: Sequence[Rule | AutoRule]) -> list[Rule]:

@@ -27,10 +27,12 @@ from torch.overrides import TorchFunctionMode
 from initlab._core.data import default_forward
 from initlab._core.hooks import hook_handles
 from initlab._core.state import preserved_state
+from initlab.init._experts import expert_layout, router_experts
 
 __all__ = [
     "Follow",
     "activation_of",
+    "expert_following",
     "find_classifier",
     "find_head",
     "is_added_table",
@@ -305,6 +307,37 @@ def _head_label(roles: set[str]) -> str:
 
 # --------------------------------------------------------------------------------------------
 # The nonlinearity after each layer, by structure
+
+
+def expert_following(model: nn.Module) -> dict[tuple[int, str], Follow]:
+    """``(module id, parameter name)`` -> :class:`Follow` for the weights of mixture-of-experts
+    layers (:mod:`initlab.init._experts`): a bank's gate (with the input half of a
+    concatenated ``gate_up_proj``, which shares its gain) gets the bank's ``act_fn``, its
+    ``down_proj`` gain 1 (the output projection), a router gain 1 (its logits choose the
+    experts)."""
+    out: dict[tuple[int, str], Follow] = {}
+    for module in model.modules():
+        layout = expert_layout(module)
+        if layout is not None:
+            fn = getattr(module, "act_fn", None)
+            act = activation_of(fn) if isinstance(fn, nn.Module) else None
+            if act is not None:
+                gate = Follow(*act, f"{act[0]}: expert MLP whose activation is {type(fn).__name__}")
+            elif fn is None:  # GPT-OSS: a clamped, shifted SwiGLU in the forward itself
+                gate = Follow(None, None, "scheme (the experts' activation is in their forward)")
+            else:
+                gate = Follow(None, None, _unknown_source(f"the experts' {type(fn).__name__}"))
+            for name in layout.weights:
+                if name == layout.activated():
+                    out[(id(module), name)] = gate
+                elif name == "down_proj":
+                    out[(id(module), name)] = Follow("linear", None, "none: expert MLP output")
+                else:  # up_proj beside gate_proj: multiplied by the gate
+                    out[(id(module), name)] = Follow("linear", None, "none: multiplied by the gate")
+        elif router_experts(module) is not None:
+            source = "none: MoE router (its logits choose the experts)"
+            out[(id(module), "weight")] = Follow("linear", None, source)
+    return out
 
 
 def structural_following(model: nn.Module) -> dict[int, Follow]:

@@ -34,11 +34,12 @@ import functools
 import inspect
 import re
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import nn
 from torch.nn.utils import parametrize
 
+from initlab.init._experts import expert_layout, router_experts
 from initlab.init._norm_like import norm_identity
 from initlab.init.fans import Fans, compute_fans
 
@@ -52,6 +53,7 @@ __all__ = [
     "conv_handler",
     "default_registry",
     "embedding_handler",
+    "experts_handler",
     "linear_fans",
     "linear_handler",
     "multihead_attention_handler",
@@ -60,6 +62,7 @@ __all__ = [
     "register_handler",
     "rnn_cell_handler",
     "rnn_handler",
+    "router_handler",
     "transposed_linear_handler",
 ]
 
@@ -120,6 +123,9 @@ class ParamSpec:
         identity: for the role ``"norm_scale"``, the value at which the scale leaves its input
             as it is: 1 for ``w * n(x)``, 0 for a layer computing ``(1 + w) * n(x)`` (Gemma's
             RMSNorm). A scale is initialized to it.
+        stacked: dim 0 stacks independent matrices of one shape (a bank of experts, ``(E, out,
+            in)``, or ``(E, in, out)`` with ``transposed``): ``fans`` and ``blocks`` describe one
+            of them, and each is drawn as its own weight.
     """
 
     name: str
@@ -129,6 +135,7 @@ class ParamSpec:
     groups: int = 1
     transposed: bool = False
     identity: float = 1.0
+    stacked: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -168,6 +175,10 @@ class ParamSpec:
             raise ValueError(f"ParamSpec {self.name!r}: groups must be a positive int")
         if not isinstance(self.transposed, bool):
             raise ValueError(f"ParamSpec {self.name!r}: transposed must be a bool")
+        if not isinstance(self.stacked, bool) or (self.stacked and self.role != "weight"):
+            raise ValueError(
+                f"ParamSpec {self.name!r}: stacked is a bool, True for the role 'weight' only"
+            )
         if self.identity != 1.0 and self.role != "norm_scale":
             raise ValueError(
                 f"ParamSpec {self.name!r}: identity is for the role 'norm_scale' only, "
@@ -322,6 +333,12 @@ def _validate_specs(module: nn.Module, specs: list[ParamSpec], handler: Handler)
         if spec.role not in _FAN_ROLES:
             continue
         shape = tuple(params[name].shape)
+        if spec.stacked:
+            if len(shape) != 3:
+                raise fail(f"stacked parameter {name!r} has shape {shape}; it needs 3 dims")
+            # one matrix, (out, in) whatever the layout: the checks below as for a plain weight
+            shape = shape[:0:-1] if spec.transposed else shape[1:]
+            spec = replace(spec, transposed=False)
         if spec.blocks:
             _validate_blocks(spec, shape, fail)
         else:
@@ -444,7 +461,9 @@ class Registry:
 
     def handler_for(self, module: nn.Module) -> Handler | None:
         """The handler for ``module``: the first class in ``type(module).__mro__`` with one;
-        else, for a normalization layer of another library (``LlamaRMSNorm``, ``T5LayerNorm``,
+        else :func:`experts_handler` for a bank of experts and :func:`router_handler` for a
+        router that declare their layout (:mod:`initlab.init._experts`); else, for a
+        normalization layer of another library (``LlamaRMSNorm``, ``T5LayerNorm``,
         ``GemmaRMSNorm``...) recognized by its structure and forward, the specs
         :func:`norm_like_handler` gives (its forward probed once, here)."""
         check_strings = any(isinstance(key, str) for key in self._handlers)
@@ -454,6 +473,10 @@ class Registry:
                 handler = self._handlers.get(_dotted(cls))
             if handler is not None:
                 return handler
+        if expert_layout(module) is not None:
+            return experts_handler
+        if router_experts(module) is not None:
+            return router_handler
         identity = norm_identity(module)  # probed once: the handler gets the answer
         return None if identity is None else functools.partial(_norm_like_specs, identity=identity)
 
@@ -559,6 +582,53 @@ def norm_like_handler(module: nn.Module) -> list[ParamSpec]:
             "no submodules or buffers, and a forward(x) whose output is w * n(x) or (1 + w) * n(x)"
         )
     return _norm_like_specs(module, identity)
+
+
+def experts_handler(module: nn.Module) -> list[ParamSpec]:
+    """A bank of experts (:mod:`initlab.init._experts`): each 3-D weight ``stacked``, with the
+    fans of one expert's matrix; a concatenated ``gate_up_proj`` in two blocks (gate, input);
+    the biases.
+
+    Raises:
+        ValueError: ``module`` does not declare a layout :func:`expert_layout` reads.
+    """
+    layout = expert_layout(module)
+    if layout is None:
+        raise ValueError(
+            f"{type(module).__name__} is not a bank of experts experts_handler reads: it needs an "
+            "is_transposed attribute, a 3-D down_proj beside gate_up_proj, gate_proj or up_proj "
+            "(E matrices each, of matching shapes) and no other parameter than their biases"
+        )
+    specs = []
+    for name in layout.weights:
+        out, inp = layout.matrix(module._parameters[name])
+        half = out // 2
+        cut = name == "gate_up_proj" and layout.concatenated  # [gate; input]
+        blocks = (Block(0, half, Fans(inp, half)), Block(half, out, Fans(inp, half))) if cut else ()
+        fans = None if cut else Fans(inp, out)
+        specs.append(
+            ParamSpec(name, "weight", fans, blocks, transposed=layout.transposed, stacked=True)
+        )
+    return specs + [ParamSpec(b, "bias") for b in layout.biases]
+
+
+def router_handler(module: nn.Module) -> list[ParamSpec]:
+    """A mixture-of-experts router (:mod:`initlab.init._experts`): ``weight`` ``(E, hidden)``,
+    a linear map to one logit per expert; its ``bias`` of ``E``.
+
+    Raises:
+        ValueError: ``module`` is not a router :func:`router_experts` reads.
+    """
+    experts = router_experts(module)
+    if experts is None:
+        raise ValueError(
+            f"{type(module).__name__} is not a router router_handler reads: its class name holds "
+            "'Router', with a 2-D weight of num_experts rows"
+        )
+    hidden = int(module._parameters["weight"].shape[1])
+    bias = module._parameters.get("bias")
+    specs = [ParamSpec("weight", "weight", Fans(hidden, experts))]
+    return specs + ([ParamSpec("bias", "bias")] if bias is not None and bias.dim() == 1 else [])
 
 
 def _norm_like_specs(module: nn.Module, identity: float) -> list[ParamSpec]:

@@ -1,0 +1,105 @@
+"""Mixture-of-experts layers: a bank of expert MLPs stored as 3-D tensors, and its router.
+
+Hugging Face's MoE models (Mixtral, Qwen2/3-MoE, DeepSeek, GPT-OSS, OLMoE, ... in transformers
+5) keep their experts in one module with ``gate_up_proj`` (or ``up_proj`` alone, or ``gate_proj``
+and ``up_proj``) and ``down_proj`` of shape ``(E, out, in)``, or ``(E, in, out)`` where the module
+says ``is_transposed = True``, and optional ``<name>_bias`` of shape ``(E, out)``. Each of the
+``E`` slices is one expert's matrix: :func:`~initlab.init.model.init_model` draws it as its own
+weight, with the fans of one expert (a fan-in draw of the whole ``(E, 2I, H)`` tensor as a
+convolution would take ``2I * H`` for its fan-in). ``gate_up_proj`` holds the gate and its input
+one after the other (``is_concatenated``, the default) or interleaved row by row (GPT-OSS); the
+first are cut into two blocks, the second drawn as one matrix.
+
+A module is read as a bank of experts only where its layout is declared: an ``is_transposed``
+attribute (set by transformers' ``use_experts_implementation``), a ``down_proj`` and, for every
+weight, ``E`` slices of matching shapes (``down_proj``'s input is the gate's output), and no
+other parameter. A router is a module whose class name holds ``Router`` with a ``weight`` of
+shape ``(num_experts, hidden)`` (and optionally a ``bias`` of ``num_experts``): a linear map from
+the hidden state to one logit per expert.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor, nn
+
+__all__ = ["ExpertLayout", "expert_layout", "router_experts"]
+
+_WEIGHTS = ("gate_up_proj", "gate_proj", "up_proj", "down_proj")
+_ACTIVATED = ("gate_up_proj", "gate_proj")  # what feeds the activation (else ``up_proj``)
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """How a bank of experts stores its matrices.
+
+    Attributes:
+        experts: ``E``, the number of experts (dim 0 of every tensor).
+        transposed: each slice is ``(in, out)`` rather than ``(out, in)``.
+        concatenated: ``gate_up_proj`` is ``[gate; up]`` (``False``: interleaved rows).
+        weights: the 3-D weights, in the order above.
+        biases: their biases (``<weight>_bias``, ``(E, out)``).
+    """
+
+    experts: int
+    transposed: bool
+    concatenated: bool
+    weights: tuple[str, ...]
+    biases: tuple[str, ...]
+
+    def matrix(self, param: Tensor) -> tuple[int, int]:
+        """``(out, in)`` of one expert's slice of ``param``."""
+        a, b = (int(d) for d in param.shape[1:])
+        return (b, a) if self.transposed else (a, b)
+
+    def activated(self) -> str:
+        """The weight whose output goes through the activation."""
+        return next((w for w in _ACTIVATED if w in self.weights), "up_proj")
+
+
+def expert_layout(module: nn.Module) -> ExpertLayout | None:
+    """The declared layout of a bank of experts (see the module docstring), or ``None``."""
+    transposed = getattr(module, "is_transposed", None)
+    if not isinstance(transposed, bool):
+        return None
+    params = {n: p for n, p in module._parameters.items() if p is not None}
+    weights = tuple(n for n in _WEIGHTS if n in params and params[n].dim() == 3)
+    if "down_proj" not in weights or len(weights) < 2:
+        return None
+    experts = int(params[weights[0]].shape[0])
+    declared = getattr(module, "num_experts", experts)
+    if declared != experts or any(params[w].shape[0] != experts for w in weights):
+        return None
+    biases = tuple(f"{w}_bias" for w in weights if f"{w}_bias" in params)
+    if set(params) != set(weights) | set(biases):
+        return None  # a parameter of its own this reading does not know
+    layout = ExpertLayout(experts, transposed, _concatenated(module), weights, biases)
+    down_out, down_in = layout.matrix(params["down_proj"])
+    for w in weights[:-1]:
+        out, inp = layout.matrix(params[w])
+        if inp != down_out or out not in (down_in, 2 * down_in):
+            return None
+        if out == 2 * down_in and w != "gate_up_proj":
+            return None
+    for b in biases:
+        out = layout.matrix(params[b[: -len("_bias")]])[0]
+        if tuple(params[b].shape) != (experts, out):
+            return None
+    return layout
+
+
+def _concatenated(module: nn.Module) -> bool:
+    """``is_concatenated`` as the module declares it (``True`` where it does not)."""
+    return getattr(module, "is_concatenated", True) is not False
+
+
+def router_experts(module: nn.Module) -> int | None:
+    """The number of experts a router chooses from (see the module docstring), or ``None``."""
+    if "router" not in type(module).__name__.lower():
+        return None
+    weight = module._parameters.get("weight")
+    experts = getattr(module, "num_experts", None)
+    if not isinstance(weight, Tensor) or weight.dim() != 2 or not isinstance(experts, int):
+        return None
+    return experts if weight.shape[0] == experts else None
