@@ -394,3 +394,36 @@ def test_what_follows_each_layer(eager: bool) -> None:
     assert attention_layers(graph, types) == {
         "q": "attention scores", "k": "attention scores", "v": "attention values",
     }  # fmt: skip
+
+
+class _QKNorm(nn.Module):
+    """``w * x / rms(x)``, by hand, as Gemma 3's, OLMo 2's and Qwen 3's ``RMSNorm`` classes."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+@pytest.mark.parametrize("eager", [True, False])
+def test_a_query_and_key_behind_a_qk_norm_still_feed_the_scores(eager: bool) -> None:
+    """The walk stopped at ``q_norm`` (a module with a parameter): q and k were taken for MLP
+    layers (precondition_ rescaled them). It walks through normalizations now; ``o`` still
+    meets only its norm, and nothing inside a norm counts as a product."""
+
+    class QK(_Attention):
+        def __init__(self) -> None:
+            super().__init__(eager)
+            self.q_norm, self.k_norm = _QKNorm(8), _QKNorm(8)
+            self.q, self.k = nn.Sequential(self.q, self.q_norm), nn.Sequential(self.k, self.k_norm)
+
+    model = QK()
+    graph = runtime_trace(model, (torch.randn(2, 5, 8),))
+    types = {n: type(m).__name__ for n, m in model.named_modules()}
+    found = attention_layers(graph, types)
+    assert found["q.0"] == found["k.0"] == "attention scores" and found["v"] == "attention values"
+    got = what_follows(graph, types)
+    assert got["q.0"] >= {"normalization", "attention scores"} and "product" not in got["q.0"]
+    assert got["o"] == {"normalization"}

@@ -343,12 +343,13 @@ def what_follows(graph: RuntimeGraph, types: Mapping[str, str]) -> dict[str, set
     """What the output of each module with parameters meets before the next such module.
 
     Walks the recorded data flow forward from the module's calls and stops at the next module
-    with parameters. Collects ``"attention scores"`` (a softmax, or the query/key argument of
-    ``scaled_dot_product_attention``), ``"attention values"`` (a matrix product of two
-    activations: the value side of attention), ``"product"`` (an elementwise product of two
-    activations: a gated unit such as SwiGLU) and ``"normalization"`` (a normalizing
-    function, or a module whose type name ends in ``Norm``: ``LlamaRMSNorm``). Each takes a
-    layer outside a chain of linear maps and elementwise activations, the setting of Defazio &
+    with parameters (a normalization layer is walked through). Collects ``"attention scores"``
+    (a softmax, or the query/key argument of ``scaled_dot_product_attention``), ``"attention
+    values"`` (a matrix product of two activations: the value side of attention),
+    ``"product"`` (an elementwise product of two activations: a gated unit such as SwiGLU)
+    and ``"normalization"`` (a normalizing function, or a module whose type name ends in
+    ``Norm``: ``LlamaRMSNorm``). Each takes a layer outside a chain of linear maps and
+    elementwise activations, the setting of Defazio &
     Bottou's GR formula. ``types``: qualified module name -> type name.
     """
     nodes = graph.nodes
@@ -368,7 +369,7 @@ def what_follows(graph: RuntimeGraph, types: Mapping[str, str]) -> dict[str, set
             if kind is not None:
                 found.add(kind)
             next_layer = nodes[j].module in graph.params and nodes[j].module != name
-            if not (stop or next_layer):
+            if not (stop or (next_layer and kind != "normalization")):
                 frontier += [(k, j) for k in consumers[j]]
         out[name] = found
     return out
@@ -377,7 +378,11 @@ def what_follows(graph: RuntimeGraph, types: Mapping[str, str]) -> dict[str, set
 def _meets(
     node: RuntimeNode, came_from: int, types: Mapping[str, str], name: str
 ) -> tuple[str | None, bool]:
-    """``(what the walk met here or None, whether it stops here)``."""
+    """``(what the walk met here or None, whether it stops here)``. A normalization (its
+    function, or any call inside a module whose type name ends in ``Norm``) is walked through:
+    a query or key behind a QK-norm (Gemma 3, OLMo 2, Qwen 3) still reaches its softmax."""
+    if node.fn in _NORM_FNS or types.get(node.module, "").endswith("Norm"):
+        return ("normalization", False) if node.module != name else (None, False)
     if node.fn in SCORE_FNS:
         return "attention scores", True
     if node.fn == "scaled_dot_product_attention":
@@ -386,8 +391,6 @@ def _meets(
         return "attention values", False
     if node.fn in _PRODUCT_FNS and len(node.inputs) >= 2:
         return "product", False
-    if node.fn in _NORM_FNS or types.get(node.module, "").endswith("Norm"):
-        return ("normalization", True) if node.module != name else (None, False)
     return None, False
 
 
