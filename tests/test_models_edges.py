@@ -138,6 +138,61 @@ def test_a_landscape_of_a_submodule_registered_twice_is_the_loss_at_its_points()
     assert rows[(1.0, 0.0)] == pytest.approx(corner, rel=1e-5)
 
 
+class _TwoNames(nn.Module):
+    """One Linear under two names: ``alias is a``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.a, self.out = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+        self.alias, self.head = self.a, self.out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.alias(torch.relu(self.inp(x)))))
+
+
+def _rows(result: Any) -> list[dict[str, Any]]:
+    rows = result.table() if hasattr(result, "table") else result
+    return [dict(r) for r in (rows.to_rows() if hasattr(rows, "to_rows") else rows)]
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda m, d, name: initlab.measure_moments(m, d, "cross_entropy", modules=[name]),
+        lambda m, d, name: initlab.gr_scaling(m, d, "cross_entropy", alpha={name: 2.0}),
+        lambda m, d, name: initlab.lsuv_(m, d[0][0], modules=[name], generator=0),
+        lambda m, d, name: initlab.precondition_(
+            m, d, "cross_entropy", modules=[name], generator=0
+        ),
+        lambda m, d, name: initlab.diagnose(m, d, "cross_entropy", residual_blocks=[name]).meta[
+            "residual_blocks"
+        ],
+    ],
+    ids=["measure_moments", "gr_scaling", "lsuv_", "precondition_", "diagnose"],
+)
+def test_a_module_s_second_name_selects_it_as_its_first_name_does(call) -> None:
+    """Every argument that names modules takes a second name (``alias``) for the module (they
+    said "the model has no module named 'alias'"); the result is the one for ``a``."""
+    data = [_data()]
+    results = {}
+    for name in ("a", "alias"):
+        model = _TwoNames()
+        results[name] = (_rows(call(model, data, name)), model.state_dict())
+    assert results["alias"][0] == results["a"][0]
+    assert _same(results["alias"][1], results["a"][1])
+
+
+def test_scale_output_takes_the_head_s_second_name() -> None:
+    data = [_data()]
+    outs = {}
+    for name in ("out", "head"):
+        model = _TwoNames()
+        report = initlab.scale_output_(model, data, module=name, how="fold")
+        outs[name] = (report.to_rows(), model.state_dict())
+    assert outs["head"][0] == outs["out"][0] and _same(outs["head"][1], outs["out"][1])
+
+
 @pytest.mark.parametrize("how", ["lr", "parametrize"])
 def test_precondition_keeps_a_shared_weight_at_alpha_one(how: str) -> None:
     model = _Shared()

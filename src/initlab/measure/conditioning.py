@@ -136,6 +136,7 @@ from initlab._core.distributed import (
     run_together,
 )
 from initlab._core.loss import LossLike, batch_reduction, check_trainable, resolve_loss
+from initlab._core.modules import first_names
 from initlab._core.rows import Rows
 from initlab.init.registry import ParamSpec, Registry, default_registry
 from initlab.measure.probe import MomentProbe, measure_moments
@@ -609,8 +610,9 @@ def gr_scaling(
         model = data
     model = probe.model if model is None else model
     reg = default_registry() if registry is None else registry
-    alpha = dict(alpha or {})
-    unknown = sorted(set(alpha) - {n for n, _ in model.named_modules()})
+    names = first_names(model)  # a module's second name is the module too
+    alpha = {names.get(k, k): v for k, v in (alpha or {}).items()}
+    unknown = sorted(set(alpha) - set(names))
     if unknown:
         raise ValueError(f"alpha names modules the model does not have: {unknown}")
     table, modules = probe.table(), dict(model.named_modules())

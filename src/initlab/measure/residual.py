@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from initlab._core.modules import first_names
 from initlab.measure._fx import _fns, _node_module_path, trace_model
 
 __all__ = [
@@ -326,12 +327,13 @@ def _known_residual_blocks(model: nn.Module) -> list[dict[str, Any]]:
 
 
 def _user_blocks(model: nn.Module, blocks: Sequence[str | Mapping[str, Any]]) -> list[dict]:
-    named = dict(model.named_modules())
+    named, names = dict(model.named_modules()), first_names(model)
     out = []
     for b in blocks:
         if isinstance(b, str):
-            if b not in named:
+            if b not in names:
                 raise ValueError(f"residual_blocks: the model has no module {b!r}")
+            b = names[b]  # a module's second name is the module too
             prefix = f"{b}." if b else ""
             branch = [
                 (prefix + n) if n else b

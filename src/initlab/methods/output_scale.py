@@ -45,6 +45,7 @@ from initlab._core.distributed import all_reduce_sum, check_same_parameters, run
 from initlab._core.knobs import renamed_kwargs, user_stacklevel
 from initlab._core.loss import model_loss
 from initlab._core.method_report import MethodReport
+from initlab._core.modules import first_names
 from initlab._core.rng import Seeds
 from initlab._core.rows import join_name
 from initlab._core.state import restore_on_failure
@@ -389,7 +390,7 @@ def scale_output_(
     passes = 0
     with restore_on_failure(model):
         layers = [name for name, *_ in weight_layers(model, reg)]
-        _check_module(model, module, layers, how)
+        module = _check_module(model, module, layers, how)
         order, _, (sums, outs, own_loss) = execution_order(
             model, layers, lambda: _output_moments(model, batches, forward, seeds, "scale_output_")
         )
@@ -442,15 +443,18 @@ def scale_output_(
     )
 
 
-def _check_module(model: nn.Module, module: str | None, layers: list[str], how: str) -> None:
-    """``module`` names a submodule; for a fold (and, as before, ``how="module"``), a weight
-    layer."""
+def _check_module(model: nn.Module, module: str | None, layers: list[str], how: str) -> str | None:
+    """``module`` names a submodule (returned under its first name: a second name is the module
+    too); for a fold (and, as before, ``how="module"``), a weight layer."""
     if module is None or (how == "hook" and module == ""):
-        return
-    if module not in dict(model.named_modules()):
+        return module
+    names = first_names(model)
+    if module not in names:
         raise ValueError(f"model has no module named {module!r}")
+    module = names[module]
     if how != "hook" and module not in layers:
         raise ValueError(f"module {module!r} has no weight parameter to fold the scale into")
+    return module
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:

@@ -44,6 +44,7 @@ from initlab._core.distributed import (
 from initlab._core.knobs import check_kwargs, parameter_names, renamed_kwargs
 from initlab._core.loss import LossLike, check_trainable, resolve_loss
 from initlab._core.method_report import MethodReport
+from initlab._core.modules import first_names
 from initlab._core.rng import Seeds
 from initlab._core.rows import Rows, join_name
 from initlab._core.state import preserved_state, restore_on_failure
@@ -413,14 +414,15 @@ def _selected(
             "precondition_: modules must be a sequence of module names or a predicate "
             f"(name, module) -> bool, got {modules!r}"
         )
-    unknown = [n for n in modules if n not in named]
+    names = first_names(model)  # a module's second name is the module too
+    unknown = [n for n in modules if n not in names]
     if unknown:
         shown = ", ".join(repr(n) for n in list(named)[1:6])
         raise ValueError(
             f"precondition_: modules names {unknown} are not modules of the model (it has e.g. "
             f"{shown})"
         )
-    return list(modules)
+    return [names[n] for n in modules]
 
 
 def _check_options(
@@ -745,12 +747,13 @@ def preconditioned_param_groups(
                 "parameter groups are for how='lr'"
             )
         alpha = alpha.info["alpha"]
-    modules = dict(model.named_modules())
+    modules, names = dict(model.named_modules()), first_names(model)
     groups: list[dict[str, Any]] = []
     taken: set[int] = set()
     for name, a in alpha.items():
-        if name not in modules:
+        if name not in names:
             raise ValueError(f"model has no module named {name!r}")
+        name = names[name]  # a module's second name is the module too
         a = check_positive("alpha", a)
         if a == 1.0:
             continue

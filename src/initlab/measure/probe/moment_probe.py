@@ -23,6 +23,7 @@ from initlab._core.compiled import scripted_error, uncompiled
 from initlab._core.data import DataUse, at_mask, padding_mask
 from initlab._core.hooks import HookContext, HookHandles
 from initlab._core.knobs import user_stacklevel
+from initlab._core.modules import with_first_names
 from initlab._core.pytree import flatten_tensors, map_tensors
 from initlab._core.rows import Rows
 from initlab._core.state import model_modes, restore_modes
@@ -189,7 +190,7 @@ class MomentProbe(HookContext):
         elif callable(spec):
             chosen = [(n, m) for n, m in named if spec(n, m)]
         else:
-            wanted = list(spec)
+            wanted = with_first_names(self.model, spec)  # a second name is the module too
             by_name = dict(named)
             unknown = [n for n in wanted if n not in by_name]
             if unknown:

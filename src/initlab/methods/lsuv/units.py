@@ -17,6 +17,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from initlab._core.modules import first_names
 from initlab.init._structure import parameter_owners
 from initlab.init.registry import Registry
 from initlab.measure.residual import KNOWN_BLOCKS, known_blocks
@@ -127,14 +128,16 @@ def join_name(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def check_names(named: list[tuple[str, nn.Module]], names: Sequence[str], label: str) -> None:
-    """Raise unless ``names`` (a selection given as names) are qualified names in ``named``."""
+def check_names(model: nn.Module, names: Sequence[str], label: str) -> list[str]:
+    """``names`` (a selection given as names) as first names in ``model.named_modules()`` (a
+    module's second name is the module too); raise for a name the model does not have."""
     if isinstance(names, str):
         raise TypeError(f"{label} must be a sequence of qualified names or a predicate")
-    known = {n for n, _ in named}
+    known = first_names(model)
     unknown = [n for n in names if n not in known]
     if unknown:
         raise ValueError(f"{label} names not found in the model: {unknown}")
+    return [known[n] for n in names]
 
 
 class _Table:
@@ -159,7 +162,7 @@ def build_units(model: nn.Module, modules: Selection | None, registry: Registry)
     """The layers LSUV scales (and rows for the weight-bearing modules it cannot scale)."""
     named = list(model.named_modules())
     if modules is not None and not callable(modules):
-        check_names(named, modules, "modules")
+        modules = check_names(model, modules, "modules")
     out_projs = {id(m.out_proj) for _, m in named if isinstance(m, nn.MultiheadAttention)}
     table = _Table()
     for name, module in named:
@@ -303,7 +306,7 @@ def find_blocks(
             )
     else:
         if not callable(blocks):
-            check_names(named, blocks, "blocks")
+            blocks = check_names(model, blocks, "blocks")
         found = {m: n for n, m in named if n and selected(blocks, n, m)}
         if not found:
             raise ValueError("lsuv_: blocks selects no module")

@@ -1,0 +1,28 @@
+"""A model's submodules by name, second names included.
+
+A submodule registered under two names (``model.alias = model.a``; a block reused in a
+``ModuleList``; T5's ``encoder.embed_tokens`` in transformers 4.x, which is ``shared``) appears
+once in ``named_modules()``, under its first name, and every result lists it there. A user may
+name it either way: :func:`first_names` maps any name to the first one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from torch import nn
+
+__all__ = ["first_names", "with_first_names"]
+
+
+def first_names(model: nn.Module) -> dict[str, str]:
+    """Every name of every submodule (second names included) → its first name in
+    ``model.named_modules()``."""
+    first: dict[int, str] = {}
+    return {n: first.setdefault(id(m), n) for n, m in model.named_modules(remove_duplicate=False)}
+
+
+def with_first_names(model: nn.Module, wanted: Iterable[str]) -> list[str]:
+    """``wanted`` with every second name replaced by the first (unknown names kept as given)."""
+    names = first_names(model)
+    return [names.get(n, n) for n in wanted]
