@@ -926,3 +926,40 @@ def test_a_float16_model_with_a_large_gradient_takes_its_constraint_steps() -> N
     wide, half = run(torch.float32), run(torch.float16)
     assert any(abs(a - 1.0) > 0.1 for a in half)
     assert half == pytest.approx(wide, abs=0.02)
+
+
+class _Temperature(nn.Module):
+    """Logits divided by a learned temperature kept as its log (CLIP's ``logit_scale``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = nn.Linear(10, 16), nn.Linear(16, 4)
+        self.log_t = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x))) * self.log_t.exp()
+
+
+@pytest.mark.parametrize("method", ["gradinit", "metainit"])
+def test_a_lone_scalar_no_layer_claims_gets_no_scale_by_default(method: str) -> None:
+    """``alpha * log t`` raises the temperature to the power ``alpha`` (CLIP's contrastive logits
+    moved 14x): the layers' tensors are scaled, the scalar is left and named in the report; a
+    filter that asks for it still scales it."""
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(16, 10, generator=g), torch.randint(0, 4, (16,), generator=g))
+            for _ in range(4)]  # fmt: skip
+
+    def run(model: nn.Module, **kwargs: object):  # type: ignore[no-untyped-def]
+        if method == "gradinit":
+            return gradinit_(model, data, steps=3, lr=0.1, **kwargs)
+        return metainit_(model, data, steps=3, variant="gradinit", **kwargs)
+
+    model = _Temperature()
+    report = run(model)
+    assert float(model.log_t.detach()) == 2.0 and report.info["not_scaled"] == ["log_t"]
+    assert {r["layer"] for r in report.to_rows()} == {"fc1", "fc2"}
+    model = _Temperature()
+    report = run(model, params=lambda name, t, role: True)
+    assert "log_t" in {r["layer"] or r["param"] for r in report.to_rows()}
+    assert report.info["not_scaled"] == []

@@ -145,6 +145,7 @@ class Tensors:
     scaled: list[int]  # positions in ``tensors`` that get an alpha, in alpha order
     norms: list[float] = field(default_factory=list)  # norms of the scaled tensors before
     tied: dict[str, list[str]] = field(default_factory=dict)  # first name -> its other names
+    left: list[str] = field(default_factory=list)  # lone scalars no layer claims, not scaled
     # per tensor, every (module._parameters, name) holding it (for AtParams)
     slots: list[list[Slot]] = field(default_factory=list, repr=False)
 
@@ -179,7 +180,12 @@ def nonzero(name: str, tensor: torch.Tensor, role: str) -> bool:
 def select_tensors(
     model: nn.Module, params: str | TensorFilter, default: TensorFilter, what: str
 ) -> Tensors:
-    """Distinct trainable tensors (first name wins for tied ones) and the ones that get a scale."""
+    """Distinct trainable tensors (first name wins for tied ones) and the ones that get a scale.
+
+    ``params="default"`` leaves out (in ``left``) a lone scalar that no layer claims -- a
+    temperature such as CLIP's ``logit_scale``, a gate: GradInit and MetaInit learn the scales
+    of layers' tensors, and ``alpha * log(t)`` would raise a temperature to the power ``alpha``.
+    """
     if isinstance(params, str):
         if params != "default":
             raise ValueError(f"{what}: params must be 'default' or a callable, got {params!r}")
@@ -207,7 +213,9 @@ def select_tensors(
         out.tensors.append(p)
         out.roles.append(role)
         out.slots.append(where[id(p)])
-        if chosen(name, p, role) and bool(torch.count_nonzero(p.detach()) > 0):
+        if chosen is default and role == "unclaimed" and p.numel() == 1:
+            out.left.append(name)
+        elif chosen(name, p, role) and bool(torch.count_nonzero(p.detach()) > 0):
             out.scaled.append(len(out.tensors) - 1)
             out.norms.append(float(p.detach().double().norm()))
     if not out.scaled:

@@ -294,8 +294,9 @@ def metainit_(
         alpha_min: lower bound of every scale ``s / ||W0||``.
         clip: per-scalar gradient clipping (``"gradinit"``; ``None`` or 0: off).
         params: ``"default"`` (``"paper"``: tensors with >= 2 dims; ``"gradinit"``: every
-            trainable tensor) or ``params(name, tensor, role) -> bool``; all-zero tensors never
-            get a scale.
+            trainable tensor but a lone scalar no layer claims, a temperature or a gate:
+            ``info["not_scaled"]``) or ``params(name, tensor, role) -> bool``; all-zero tensors
+            never get a scale.
         batch_stats: normalization layers use batch statistics (default: ``False`` for
             ``"paper"``, as its ``model.eval()``, ``True`` for ``"gradinit"``).
         input_shape: shape of one random input batch, batch dimension first (random data).
@@ -386,6 +387,7 @@ def metainit_(
             "variant": variant,
             "gq_first": trace[0]["gq"],
             "gq_last": trace[-1]["gq"],
+            "not_scaled": list(ts.left),
         },
     )
 
