@@ -543,6 +543,22 @@ def _fused_models() -> dict[str, Callable[[], nn.Module]]:
             n_embd=32, n_head=4, n_layer=1, vocab_size=64, multi_query=True)),
         "gpt_bigcode_mha": lambda: tf.GPTBigCodeForCausalLM(tf.GPTBigCodeConfig(
             n_embd=32, n_head=4, n_layer=1, vocab_size=64, multi_query=False)),
+        "mpt": lambda: tf.MptForCausalLM(tf.MptConfig(d_model=32, n_heads=4, n_layers=1,
+                                                      vocab_size=64)),
+        "persimmon": lambda: tf.PersimmonForCausalLM(tf.PersimmonConfig(intermediate_size=64,
+                                                                        **small)),
+        "codegen": lambda: tf.CodeGenForCausalLM(tf.CodeGenConfig(
+            n_embd=32, n_head=4, n_layer=1, vocab_size=64, rotary_dim=4, n_positions=32)),
+        "deepseek_v3": lambda: tf.DeepseekV3ForCausalLM(tf.DeepseekV3Config(
+            intermediate_size=48, moe_intermediate_size=16, n_routed_experts=4,
+            num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+            qk_nope_head_dim=8, v_head_dim=8, first_k_dense_replace=1, **small)),
+        "dbrx": lambda: tf.DbrxForCausalLM(tf.DbrxConfig(
+            d_model=32, n_heads=4, n_layers=1, vocab_size=64, max_seq_len=32,
+            attn_config={"kv_n_heads": 2, "rope_theta": 1e4, "clip_qkv": 8.0},
+            ffn_config={"ffn_hidden_size": 48, "moe_num_experts": 4, "moe_top_k": 2})),
+        "mamba": lambda: tf.MambaForCausalLM(tf.MambaConfig(hidden_size=32, state_size=4,
+                                                            num_hidden_layers=1, vocab_size=64)),
     }  # fmt: skip
 
 
@@ -552,7 +568,7 @@ _H, _HD, _N = 4, 8, 32
 def _split_as_the_model_does(family: str, w: torch.Tensor) -> dict[str, list[torch.Tensor]]:
     """Each head's query, key and value rows of a fused weight ``(out, 32)``, cut as each
     model's forward cuts its output (read from its code, independently of initlab's layouts)."""
-    if family in ("gpt_neox", "bloom", "falcon_per_head", "gpt_bigcode_mha"):
+    if family in ("gpt_neox", "bloom", "falcon_per_head", "gpt_bigcode_mha", "persimmon"):
         heads = w.view(_H, 3, _HD, _N)  # (q, k, v) head by head
         return {p: [heads[h, i] for h in range(_H)] for i, p in enumerate("qkv")}
     if family == "falcon_grouped":  # 2 groups of (2 query heads, 1 key, 1 value)
@@ -563,21 +579,23 @@ def _split_as_the_model_does(family: str, w: torch.Tensor) -> dict[str, list[tor
             "k": [groups[g, 2] for g in range(2)],
             "v": [groups[g, 3] for g in range(2)],
         }
-    kv = {"phi3": 2, "modernbert": 4}.get(family, 1)  # [q; k; v], as many heads as there are
+    if family == "codegen":  # 4 groups of (query, value, key), one head each here
+        groups = w.view(4, 3, _HD, _N)
+        return {p: [groups[g, i] for g in range(4)] for i, p in enumerate("qvk")}
+    kv = {"phi3": 2, "modernbert": 4, "mpt": 4, "dbrx": 2}.get(family, 1)  # [q; k; v]
     q, k, v = w.split([_H * _HD, kv * _HD, kv * _HD])
     return {p: list(t.view(-1, _HD, _N)) for p, t in zip("qkv", (q, k, v), strict=True)}
 
 
 def _kv_heads(family: str) -> int:
-    return {"falcon_grouped": 2, "phi3": 2, "falcon_multi_query": 1, "gpt_bigcode_mq": 1}.get(
-        family, _H
-    )
+    kv = {"falcon_grouped": 2, "phi3": 2, "dbrx": 2, "falcon_multi_query": 1, "gpt_bigcode_mq": 1}
+    return kv.get(family, _H)
 
 
 @pytest.mark.parametrize(
     "family",
     ["gpt_neox", "bloom", "falcon_grouped", "falcon_multi_query", "falcon_per_head", "phi3",
-     "modernbert", "gpt_bigcode_mq", "gpt_bigcode_mha"],
+     "modernbert", "gpt_bigcode_mq", "gpt_bigcode_mha", "mpt", "persimmon", "codegen", "dbrx"],
 )  # fmt: skip
 def test_fused_qkv_weights_are_drawn_per_projection_as_the_model_cuts_them(family: str) -> None:
     """GPT-NeoX/Bloom/Falcon's query_key_value, Phi-3's qkv_proj, ModernBERT's Wqkv and
@@ -590,20 +608,47 @@ def test_fused_qkv_weights_are_drawn_per_projection_as_the_model_cuts_them(famil
         n for n, _ in model.named_parameters()
         if n.endswith(("query_key_value.weight", "qkv_proj.weight", "Wqkv.weight", "c_attn.weight"))
     ]  # fmt: skip
-    initlab.init_model(model, "geometric", generator=0)
+    skip = "skip" if family == "dbrx" else "warn"  # DBRX's experts (2-D, E stacked) unclaimed
+    initlab.init_model(model, "geometric", generator=0, policy=skip)
     parts = _split_as_the_model_does(family, model.get_parameter(name).detach().double())
     for proj, heads in parts.items():
         fan_out = _H * _HD if proj == "q" else _kv_heads(family) * _HD
         want = (_N * fan_out) ** -0.25  # gain 1 (attention)
         got = torch.stack(heads).std().item()
         assert got == pytest.approx(want, rel=4 / math.sqrt(2 * sum(h.numel() for h in heads)))
-    initlab.init_model(model, "orthogonal", generator=0)
+    initlab.init_model(model, "orthogonal", generator=0, policy=skip)
     parts = _split_as_the_model_does(family, model.get_parameter(name).detach().double())
     for proj, heads in parts.items():
         for head in heads:  # orthonormal rows, up to the scheme's gain
             sv = torch.linalg.svdvals(head)
             torch.testing.assert_close(sv, sv.new_full(sv.shape, float(sv.mean())), rtol=1e-6,
                                        atol=0, msg=f"{family} {proj}")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("family", "suffix", "widths"),
+    [("deepseek_v3", "kv_a_proj_with_mqa.weight", (16, 8)), ("mamba", "in_proj.weight", (64, 64))],
+)
+def test_a_fused_weight_of_two_widths_is_drawn_as_its_two_matrices(
+    family: str, suffix: str, widths: tuple[int, int]
+) -> None:
+    """DeepSeek's latent key/value projection (the compressed kv, then the key's rotary part,
+    split so by its forward) and Mamba's in_proj (its input, then its gate: chunk(2)) are two
+    matrices of their own: each its own std, each orthogonal."""
+    torch.manual_seed(0)
+    model = _fused_models()[family]()
+    name = next(n for n, _ in model.named_parameters() if n.endswith(suffix))
+    report = initlab.init_model(model, "geometric", generator=0, policy="skip")  # Mamba's A_log
+    row = {join_name(r["layer"], r["param"]): r for r in report.to_rows()}[name]
+    assert row["blocks"] == 2
+    for part, width in zip(model.get_parameter(name).detach().double().split(widths), widths,
+                           strict=True):  # fmt: skip
+        want = row["gain"] * (_N * width) ** -0.25
+        assert part.std().item() == pytest.approx(want, rel=4 / math.sqrt(2 * part.numel()))
+    initlab.init_model(model, "orthogonal", generator=0, policy="skip")
+    for part in model.get_parameter(name).detach().double().split(widths):
+        sv = torch.linalg.svdvals(part)
+        torch.testing.assert_close(sv, sv.new_full(sv.shape, float(sv.mean())), rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("family", ["phi3", "modernbert"])

@@ -12,16 +12,19 @@ Face attention or MLP module); a weight whose shape does not match its layout is
 
 * GPT-2's ``c_attn`` (a ``Conv1D`` storing ``(n, 3n)``: q, k, v; ``(n, 2n)`` in cross-attention:
   k, v);
-* q, k and v one after the other (``qkv_proj``: Phi-3; ``Wqkv``: ModernBERT; ``c_attn`` as an
-  ``nn.Linear``: GPTBigCode with one key/value head): the query's ``heads * head_dim`` rows, then
-  the key's and the value's ``kv_heads * head_dim`` each; without a config (nanoGPT's
-  ``c_attn``, timm's ``qkv``), three equal thirds;
-* groups of heads: GPT-NeoX's, Bloom's and GPTBigCode's (with as many key/value heads as query
-  heads) store ``(q, k, v)`` head by head; Falcon's ``query_key_value`` too, or one
-  ``(q..., k, v)`` group per key/value head (``new_decoder_architecture``), or all query heads
-  then one key and one value head (``multi_query``);
-* a gate and its input one after the other (``gate_up_proj``: Phi-3; ``Wi``: ModernBERT), each
-  ``intermediate_size`` rows.
+* q, k and v one after the other (``qkv_proj``: Phi-3, Phi-4-multimodal; ``Wqkv``: ModernBERT,
+  MPT, DBRX; ``c_attn`` as an ``nn.Linear``: GPTBigCode with one key/value head): the query's
+  ``heads * head_dim`` rows, then the key's and the value's ``kv_heads * head_dim`` each;
+  without a config (nanoGPT's ``c_attn``, timm's ``qkv``), three equal thirds;
+* groups of heads: GPT-NeoX's, Bloom's, Persimmon's and GPTBigCode's (with as many key/value
+  heads as query heads) store ``(q, k, v)`` head by head; Falcon's ``query_key_value`` too, or
+  one ``(q..., k, v)`` group per key/value head (``new_decoder_architecture``), or all query
+  heads then one key and one value head (``multi_query``);
+* a gate and its input one after the other (``gate_up_proj``: Phi-3; ``Wi``: ModernBERT; Mamba's
+  ``in_proj``: its input and its gate), each ``intermediate_size`` rows;
+* CodeGen's ``qkv_proj``: four groups of (query, value, key), each ``n / 4`` rows;
+* DeepSeek's ``kv_a_proj_with_mqa``: the compressed key/value (``kv_lora_rank`` rows), then the
+  key's rotary part (``qk_rope_head_dim``).
 
 Each block keeps the fans of the projection it is part of: ``(hidden, heads * head_dim)`` for a
 query head, ``(hidden, kv_heads * head_dim)`` for a key or value head.
@@ -40,11 +43,16 @@ from initlab.init.registry import Block, ParamSpec
 __all__ = ["fused_blocks"]
 
 _CONCATENATED_QKV = frozenset({"c_attn", "qkv_proj", "Wqkv", "qkv"})
-_CONCATENATED_TYPES = frozenset({"phi3", "modernbert", "gpt_bigcode"})
+_CONCATENATED_TYPES = frozenset(
+    {"phi3", "phi4_multimodal", "modernbert", "gpt_bigcode", "mpt", "dbrx"}
+)
 """Hugging Face model types whose ``_CONCATENATED_QKV`` weight is ``[q; k; v]`` (GPTBigCode: with
 one key/value head; with as many as query heads it stores them head by head)."""
+_HEAD_BY_HEAD_TYPES = frozenset({"gpt_neox", "bloom", "persimmon"})
+"""Model types whose ``query_key_value`` holds ``(q, k, v)`` head by head."""
 _GATE_UP = frozenset({"gate_up_proj", "Wi"})
-_FUSED_NAMES = _CONCATENATED_QKV | _GATE_UP | {"query_key_value"}
+_MAMBA_TYPES = frozenset({"mamba", "falcon_mamba"})  # ``in_proj``: [x; z], intermediate_size each
+_FUSED_NAMES = _CONCATENATED_QKV | _GATE_UP | {"query_key_value", "kv_a_proj_with_mqa", "in_proj"}
 
 
 def fused_blocks(model: nn.Module, name: str, spec: ParamSpec, param: Tensor) -> ParamSpec:
@@ -85,19 +93,23 @@ def _gpt2_c_attn(n: int, out: int) -> tuple[Block, ...] | None:
 
 def _linear_blocks(leaf: str, out: int, n: int, config: Any) -> tuple[Block, ...] | None:
     """The blocks of an ``nn.Linear``-layout weight ``(out, n)`` named ``leaf``."""
-    if leaf in _GATE_UP:
+    model_type = _attr(config, "model_type", None)
+    if leaf in _GATE_UP or (leaf == "in_proj" and model_type in _MAMBA_TYPES):
         width = _attr(config, "intermediate_size", None)
-        if not isinstance(width, int) or out != 2 * width:
-            return None
-        fans = Fans(fan_in=n, fan_out=width)
-        return (Block(0, width, fans), Block(width, out, fans))
+        return _rows(out, n, (width, width))
+    if leaf == "in_proj":
+        return None
+    if leaf == "kv_a_proj_with_mqa":  # DeepSeek's latent: [compressed kv; the key's rotary part]
+        return _rows(out, n, (_attr(config, "kv_lora_rank"), _attr(config, "qk_rope_head_dim")))
+    if leaf == "qkv_proj" and model_type == "codegen" and out == 3 * n and n % 4 == 0:
+        local = n // 4  # 4 groups of (query, value, key), n / 4 rows each; fans of (n, n)
+        return tuple(Block(i * local, (i + 1) * local, Fans(n, n)) for i in range(12))
     heads = _heads(config, n)
     if heads is None:  # no config: three equal projections (nanoGPT, timm), or nothing known
         if leaf in _CONCATENATED_QKV and out == 3 * n:
             return tuple(Block(i * n, (i + 1) * n, Fans(fan_in=n, fan_out=n)) for i in range(3))
         return None
     h, kv, _ = heads
-    model_type = _attr(config, "model_type", None)
     if leaf == "query_key_value":
         return _query_key_value(out, n, heads, config)
     if leaf == "c_attn" and model_type == "gpt_bigcode" and kv == h:  # head by head
@@ -105,6 +117,17 @@ def _linear_blocks(leaf: str, out: int, n: int, config: Any) -> tuple[Block, ...
     if leaf in _CONCATENATED_QKV and model_type in _CONCATENATED_TYPES:
         return _grouped(out, n, heads, groups=1, per_group=(h, kv, kv))
     return None
+
+
+def _rows(out: int, n: int, widths: tuple[Any, ...]) -> tuple[Block, ...] | None:
+    """Consecutive blocks of ``widths`` rows, each its own matrix ``(width, n)``; ``None`` where
+    a width is unknown or they do not add up to ``out``."""
+    if not all(isinstance(w, int) and w > 0 for w in widths) or sum(widths) != out:
+        return None
+    starts = [sum(widths[:i]) for i in range(len(widths))]
+    return tuple(
+        Block(s, s + w, Fans(fan_in=n, fan_out=w)) for s, w in zip(starts, widths, strict=True)
+    )
 
 
 def _attr(config: Any, name: str, default: Any = None) -> Any:
@@ -141,7 +164,7 @@ def _query_key_value(
             return _grouped(out, n, heads, groups=kv, per_group=(h // kv, 1, 1))
         if _attr(config, "multi_query", False):
             return _grouped(out, n, heads, groups=1, per_group=(h, 1, 1))
-    elif _attr(config, "model_type", None) not in ("gpt_neox", "bloom"):
+    elif _attr(config, "model_type", None) not in _HEAD_BY_HEAD_TYPES:
         return None  # a layout not known here
     return _grouped(out, n, (h, h, heads[2]), groups=h, per_group=(1, 1, 1))
 
