@@ -371,3 +371,23 @@ def test_output_scale_module_keeps_the_models_precision(dtype: torch.dtype) -> N
         std = float(scaled(x).double().std(unbiased=False))
     eps = torch.finfo(dtype).eps
     assert std == pytest.approx(TARGET, rel=100 * eps)
+
+
+def test_an_encoder_decoder_s_logits_are_read_at_every_position() -> None:
+    """T5's logits are its decoder's: the encoder's attention_mask (of the same length here)
+    must not pick them. The std measured is that of all the logits (the oracle, by hand)."""
+    pytest.importorskip("transformers")
+    from .hf_models import V, t5
+
+    torch.manual_seed(0)
+    model = t5().eval()
+    g = torch.Generator().manual_seed(1)
+    mask = torch.ones(3, 8, dtype=torch.long)
+    mask[1, 4:] = mask[2, 2:] = 0
+    batch = {"input_ids": torch.randint(2, V, (3, 8), generator=g), "attention_mask": mask,
+             "labels": torch.randint(2, V, (3, 8), generator=g)}  # fmt: skip
+    with torch.no_grad():
+        want = float(model(**batch).logits.double().std(unbiased=False))
+    report = scale_output_(model, [batch], how="hook", module="lm_head")
+    report.info["handle"].remove()
+    assert report.info["std_before"] == pytest.approx(want, rel=1e-6)

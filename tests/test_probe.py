@@ -1932,3 +1932,29 @@ def test_moments_of_a_padded_batch_leave_the_padding_out() -> None:
     for name, r in rows[0].items():
         for key in ("E_x2", "E_y2", "E_dy2"):
             assert r[key] == pytest.approx(rows[31][name][key], rel=1e-6, nan_ok=True), (name, key)
+
+
+def test_an_encoder_decoder_s_padding_mask_picks_no_decoder_position() -> None:
+    """T5's decoder positions are not its encoder's: the encoder's attention_mask (here of the
+    same length) would pick decoder positions by the encoder's padding. An encoder-decoder's
+    moments count every position, the decoder's the oracle's over all of them."""
+    pytest.importorskip("transformers")
+    from .hf_models import V, t5
+
+    torch.manual_seed(0)
+    model = t5().eval()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(2, V, (3, 8), generator=g)
+    mask = torch.ones(3, 8, dtype=torch.long)
+    mask[1, 4:] = mask[2, 2:] = 0
+    batch = {"input_ids": ids, "attention_mask": mask,
+             "labels": torch.randint(2, V, (3, 8), generator=g)}  # fmt: skip
+    layer = "decoder.block.0.layer.2.DenseReluDense.wo"
+    outs: list[torch.Tensor] = []
+    handle = model.get_submodule(layer).register_forward_hook(lambda m, a, y: outs.append(y))
+    with torch.no_grad():
+        model(**batch)
+    handle.remove()
+    rows = {r["layer"]: r for r in measure_moments(model, [batch], "model").table()}
+    want = float(outs[0].double().square().mean())
+    assert rows[layer]["E_y2"] == pytest.approx(want, rel=1e-6)

@@ -63,6 +63,7 @@ __all__ = [
     "is_single_batch",
     "iter_batches",
     "keyword_error",
+    "masks_positions",
     "object_fields",
     "output_key",
     "output_tensor",
@@ -537,6 +538,14 @@ def real_positions(t: torch.Tensor, batch: Any) -> torch.Tensor:
     itself."""
     mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
     return at_mask(t, mask) if isinstance(mask, torch.Tensor) else t
+
+
+def masks_positions(model: nn.Module) -> bool:
+    """Whether a batch's ``attention_mask`` marks the padded positions of ``model``'s outputs and
+    activations: not for an encoder-decoder (``config.is_encoder_decoder``: T5, BART, Whisper),
+    whose decoder's positions are not its encoder's (a mask of the same length would pick
+    decoder positions by the encoder's padding); its padded positions are counted."""
+    return not getattr(getattr(model, "config", None), "is_encoder_decoder", False)
 
 
 def padding_mask(kwargs: Mapping[str, Any]) -> torch.Tensor | None:

@@ -18,7 +18,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from initlab._core.data import default_forward, find_target, output_tensor, real_positions
+from initlab._core.data import (
+    default_forward,
+    find_target,
+    masks_positions,
+    output_tensor,
+    real_positions,
+)
 from initlab._core.hooks import hook_handles
 from initlab._core.loss import Loss, classes_dim, model_loss
 from initlab._core.state import preserved_state
@@ -107,7 +113,8 @@ def output_pass(
                 out["missing"] = str(err)
                 break
             logits = output_tensor(raw).detach()
-            real = real_positions(logits, batch)  # padded positions left out, as the loss does
+            # padded positions left out, as the loss does (an encoder-decoder's: counted)
+            real = real_positions(logits, batch) if masks_positions(model) else logits
             out["finite_outputs"].append(bool(real.isfinite().all()))
             s1 += float(real.sum(dtype=torch.float64))  # float64 sums, no float64 copy
             s2 += float(torch.linalg.vector_norm(real, dtype=torch.float64)) ** 2

@@ -36,6 +36,7 @@ from initlab._core.compiled import takes_compiled
 from initlab._core.data import (
     data_use,
     default_forward,
+    masks_positions,
     output_key,
     output_tensor,
     real_positions,
@@ -236,7 +237,8 @@ def _output_moments(
                     y = output_tensor(raw).detach()
                 own_loss = own_loss or model_loss(raw) is not None
                 outs.append(y)
-                y64 = real_positions(y, batch).to(torch.float64)  # padding left out
+                real = real_positions(y, batch) if masks_positions(model) else y  # no padding
+                y64 = real.to(torch.float64)
                 n = y64.new_tensor(float(y64.numel()))  # on the output's device (CUDA: one sync)
                 sums += torch.stack((y64.sum(), y64.square().sum(), n)).cpu()
         return sums, outs, own_loss

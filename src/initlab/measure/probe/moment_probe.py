@@ -20,7 +20,7 @@ from torch import nn
 
 from initlab._core.autocast import without_autocast
 from initlab._core.compiled import scripted_error, uncompiled
-from initlab._core.data import DataUse, at_mask, padding_mask
+from initlab._core.data import DataUse, at_mask, masks_positions, padding_mask
 from initlab._core.hooks import HookContext, HookHandles
 from initlab._core.knobs import user_stacklevel
 from initlab._core.modules import with_first_names
@@ -325,7 +325,8 @@ class MomentProbe(HookContext):
     def _root_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._replaying:
             return
-        self._mask = padding_mask(kwargs)  # the moments leave padded positions out
+        # the moments leave padded positions out (an encoder-decoder's: counted)
+        self._mask = padding_mask(kwargs) if masks_positions(module) else None
         for st in self._states:
             st.calls_this_forward = 0
             st.frames.clear()

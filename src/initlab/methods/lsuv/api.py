@@ -23,6 +23,7 @@ from initlab._core.data import (
     DataUse,
     data_use,
     default_forward,
+    masks_positions,
     object_fields,
     take_batches,
     with_fields,
@@ -452,7 +453,8 @@ def _run(
         nonlocal passes
         branches: list[dict[str, Any]] = []
         for i, batch in enumerate(runs):
-            engine.batch = batch  # a padded batch's statistics are over its real tokens
+            # a padded batch's statistics are over its real tokens (an encoder-decoder's: all)
+            engine.batch = batch if masks_positions(model) else None
             if trace and i == 0:
                 with recording(model) as graph:
                     forward(model, batch)
