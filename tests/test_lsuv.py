@@ -777,3 +777,27 @@ def test_lsuv_leaves_the_buffers_its_passes_wrote_as_they_were(norm_mode: str) -
     )
     assert float(model.calls) == 0.0
     assert torch.count_nonzero(model.running) == 0
+
+
+def test_per_example_lists_in_dict_batches_are_joined_when_batches_are_concatenated() -> None:
+    """A detection batch's ``labels`` is a list of one dict per image: concatenating 3 batches of
+    2 images gave 2 label dicts of 6 objects each for 6 images (DETR's loss then failed)."""
+    seen: list[tuple[int, list[int]]] = []
+
+    class Det(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.fc = nn.Conv2d(3, 8, 3), nn.Linear(8, 4)
+
+        def forward(self, pixel_values: torch.Tensor, labels: list | None = None) -> torch.Tensor:
+            seen.append((pixel_values.shape[0], [int(t["n"]) for t in labels or []]))
+            return self.fc(self.conv(pixel_values).mean((2, 3)))
+
+    g = torch.Generator().manual_seed(0)
+    batches = [
+        {"pixel_values": torch.randn(2, 3, 8, 8, generator=g),
+         "labels": [{"n": torch.tensor(2 * b + i)} for i in range(2)]}
+        for b in range(3)
+    ]  # fmt: skip
+    lsuv_(Det(), batches, max_batches=3, generator=0)
+    assert seen and all(rows == 6 and labels == [0, 1, 2, 3, 4, 5] for rows, labels in seen)

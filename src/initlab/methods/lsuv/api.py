@@ -97,6 +97,16 @@ _MODES = ("layers", "branches", "stream")
 _NORM_MODES = ("eval", "train")
 
 
+def _entry(items: list[Any], path: str) -> Any:
+    """One key of several dict batches: a list there holds one item per example (a detection
+    model's targets, a collated list of strings), so the lists are joined; else :func:`_cat`."""
+    if isinstance(items[0], list):
+        if not all(isinstance(b, list) for b in items):
+            raise ValueError(f"batch entry {path} is a list in some batches only")
+        return [x for b in items for x in b]
+    return _cat(items, path)
+
+
 def _cat(items: list[Any], path: str) -> Any:
     """Concatenate one position of several batches along dim 0."""
     first = items[0]
@@ -113,7 +123,7 @@ def _cat(items: list[Any], path: str) -> Any:
     if isinstance(first, Mapping):
         if any(not isinstance(b, Mapping) or b.keys() != first.keys() for b in items):
             raise ValueError("lsuv_ cannot concatenate batches whose dict keys differ")
-        return type(first)({k: _cat([b[k] for b in items], f"{path}.{k}") for k in first})
+        return type(first)({k: _entry([b[k] for b in items], f"{path}.{k}") for k in first})
     if isinstance(first, (tuple, list)):
         if any(type(b) is not type(first) or len(b) != len(first) for b in items):
             raise ValueError("lsuv_ cannot concatenate batches of different structure")
