@@ -936,16 +936,18 @@ class _Temperature(nn.Module):
         torch.manual_seed(0)
         self.fc1, self.fc2 = nn.Linear(10, 16), nn.Linear(16, 4)
         self.log_t = nn.Parameter(torch.tensor(2.0))
+        self.A_log = nn.Parameter(torch.full((16,), -1.0))  # a decay kept as its log (Mamba)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.relu(self.fc1(x))) * self.log_t.exp()
+        h = torch.relu(self.fc1(x)) * self.A_log.exp()
+        return self.fc2(h) * self.log_t.exp()
 
 
 @pytest.mark.parametrize("method", ["gradinit", "metainit"])
-def test_a_lone_scalar_no_layer_claims_gets_no_scale_by_default(method: str) -> None:
+def test_a_lone_scalar_or_a_log_no_layer_claims_gets_no_scale_by_default(method: str) -> None:
     """``alpha * log t`` raises the temperature to the power ``alpha`` (CLIP's contrastive logits
-    moved 14x): the layers' tensors are scaled, the scalar is left and named in the report; a
-    filter that asks for it still scales it."""
+    moved 14x; Mamba's ``A_log`` 1.13x after 20 steps): the layers' tensors are scaled, those are
+    left and named in the report; a filter that asks for them still scales them."""
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(16, 10, generator=g), torch.randint(0, 4, (16,), generator=g))
             for _ in range(4)]  # fmt: skip
@@ -957,9 +959,10 @@ def test_a_lone_scalar_no_layer_claims_gets_no_scale_by_default(method: str) -> 
 
     model = _Temperature()
     report = run(model)
-    assert float(model.log_t.detach()) == 2.0 and report.info["not_scaled"] == ["log_t"]
+    assert float(model.log_t.detach()) == 2.0 and bool((model.A_log == -1).all())
+    assert report.info["not_scaled"] == ["log_t", "A_log"]
     assert {r["layer"] for r in report.to_rows()} == {"fc1", "fc2"}
     model = _Temperature()
     report = run(model, params=lambda name, t, role: True)
-    assert "log_t" in {r["layer"] or r["param"] for r in report.to_rows()}
+    assert {"log_t", "A_log"} <= {r["layer"] or r["param"] for r in report.to_rows()}
     assert report.info["not_scaled"] == []

@@ -23,6 +23,7 @@ learn one scalar ``alpha_i`` per trainable tensor ``W_i`` and evaluate the netwo
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -177,14 +178,20 @@ def nonzero(name: str, tensor: torch.Tensor, role: str) -> bool:
     return bool(torch.count_nonzero(tensor.detach()) > 0)
 
 
+def _holds_a_log(name: str) -> bool:
+    """Whether a parameter's leaf name has the word ``log`` (``A_log``, ``log_scale``)."""
+    return "log" in re.split(r"[^a-z]+", name.rsplit(".", 1)[-1].lower())
+
+
 def select_tensors(
     model: nn.Module, params: str | TensorFilter, default: TensorFilter, what: str
 ) -> Tensors:
     """Distinct trainable tensors (first name wins for tied ones) and the ones that get a scale.
 
-    ``params="default"`` leaves out (in ``left``) a lone scalar that no layer claims -- a
-    temperature such as CLIP's ``logit_scale``, a gate: GradInit and MetaInit learn the scales
-    of layers' tensors, and ``alpha * log(t)`` would raise a temperature to the power ``alpha``.
+    ``params="default"`` leaves out (in ``left``) a tensor no layer claims that is a lone scalar
+    (a temperature such as CLIP's ``logit_scale``, a gate) or whose name says it holds a log
+    (Mamba's ``A_log``, a ``log_scale``): GradInit and MetaInit learn the scales of layers'
+    tensors, and ``alpha * log(a)`` would raise ``a`` to the power ``alpha``.
     """
     if isinstance(params, str):
         if params != "default":
@@ -213,7 +220,7 @@ def select_tensors(
         out.tensors.append(p)
         out.roles.append(role)
         out.slots.append(where[id(p)])
-        if chosen is default and role == "unclaimed" and p.numel() == 1:
+        if chosen is default and role == "unclaimed" and (p.numel() == 1 or _holds_a_log(name)):
             out.left.append(name)
         elif chosen(name, p, role) and bool(torch.count_nonzero(p.detach()) > 0):
             out.scaled.append(len(out.tensors) - 1)

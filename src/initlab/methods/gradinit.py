@@ -26,11 +26,11 @@ What is exactly what here:
 * **Which tensors get an alpha** (``params="default"``): every trainable tensor that is not all
   zeros -- weights, embeddings, norm scales, and the biases/norm shifts that are non-zero -- as in
   the reference code (its optimizer skips tensors of norm 0, where a scale has no effect), but for
-  a lone scalar that no layer claims (a temperature such as CLIP's ``logit_scale``, a gate:
-  ``alpha * log(t)`` would raise the temperature to the power ``alpha``; ``info["not_scaled"]``
-  names them). All trainable tensors, scaled or not, enter ``g``, ``||g||`` and the look-ahead
-  step. Tied tensors
-  are one tensor (deduplicated by identity): one alpha, folded once, and they stay tied.
+  a tensor no layer claims that is a lone scalar (a temperature such as CLIP's ``logit_scale``, a
+  gate) or holds a log by its name (Mamba's ``A_log``): ``alpha * log(a)`` would raise ``a`` to
+  the power ``alpha`` (``info["not_scaled"]`` names them). All trainable tensors, scaled or not,
+  enter ``g``, ``||g||`` and the look-ahead step. Tied tensors are one tensor (deduplicated by
+  identity): one alpha, folded once, and they stay tied.
 * **Functional evaluation.** The model is evaluated at ``theta_alpha`` with its modules'
   parameter entries swapped for the call, as :func:`torch.func.functional_call` swaps them
   (:class:`~initlab.methods._alpha.AtParams`); its parameters are never replaced, wrapped or
@@ -644,8 +644,8 @@ def gradinit_(
         overlap: fraction ``r`` of ``S~`` taken from ``S`` (:func:`overlap_batch`).
         alpha_min: lower bound of every alpha.
         clip: clamp each alpha's gradient to ``[-clip, clip]``; ``None`` or 0: no clipping.
-        params: ``"default"`` (every trainable non-zero tensor but a lone scalar no layer
-            claims: ``info["not_scaled"]``) or a filter
+        params: ``"default"`` (every trainable non-zero tensor but a lone scalar or a log no
+            layer claims: ``info["not_scaled"]``) or a filter
             ``params(name, tensor, role) -> bool`` (all-zero tensors never get a scale).
         exact: differentiate through ``A[g]`` (SGD; identical to first-order for Adam).
         generator: a seed or generator: draw the shared and fresh examples of ``S~`` at random

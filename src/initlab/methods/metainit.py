@@ -294,9 +294,9 @@ def metainit_(
         alpha_min: lower bound of every scale ``s / ||W0||``.
         clip: per-scalar gradient clipping (``"gradinit"``; ``None`` or 0: off).
         params: ``"default"`` (``"paper"``: tensors with >= 2 dims; ``"gradinit"``: every
-            trainable tensor but a lone scalar no layer claims, a temperature or a gate:
-            ``info["not_scaled"]``) or ``params(name, tensor, role) -> bool``; all-zero tensors
-            never get a scale.
+            trainable tensor but a lone scalar or a log no layer claims, a temperature, a gate,
+            Mamba's ``A_log``: ``info["not_scaled"]``) or ``params(name, tensor, role) ->
+            bool``; all-zero tensors never get a scale.
         batch_stats: normalization layers use batch statistics (default: ``False`` for
             ``"paper"``, as its ``model.eval()``, ``True`` for ``"gradinit"``).
         input_shape: shape of one random input batch, batch dimension first (random data).
