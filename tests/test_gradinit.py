@@ -966,3 +966,21 @@ def test_a_lone_scalar_or_a_log_no_layer_claims_gets_no_scale_by_default(method:
     report = run(model, params=lambda name, t, role: True)
     assert {"log_t", "A_log"} <= {r["layer"] or r["param"] for r in report.to_rows()}
     assert report.info["not_scaled"] == []
+
+
+@pytest.mark.parametrize("method", ["gradinit", "metainit"])
+def test_a_hugging_face_cache_is_off_while_the_gradients_run(method: str) -> None:
+    """In eval mode (dropout off) RWKV keeps its recurrent state as a cache, written in place:
+    the backward raised "modified by an inplace operation". The cache is off during the call
+    and ``config.use_cache`` is as before after it."""
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = tf.RwkvForCausalLM(tf.RwkvConfig(
+        vocab_size=32, hidden_size=16, num_hidden_layers=2, attention_hidden_size=16,
+        intermediate_size=32, context_length=16))  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    data = [{"input_ids": (ids := torch.randint(0, 32, (2, 6), generator=g)), "labels": ids}
+            for _ in range(3)]  # fmt: skip
+    run = gradinit_ if method == "gradinit" else metainit_
+    report = run(model, data, steps=2, generator=0)
+    assert len(report.trace) == 2 and model.config.use_cache is True

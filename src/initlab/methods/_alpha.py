@@ -378,11 +378,28 @@ def evaluation_modes(model: nn.Module, batch_stats: bool) -> Iterator[None]:
 
     On exit (success or failure) every buffer gets its saved value back (in place), so running
     statistics that the forward passes updated are bit-identical to before, and every module its
-    ``training`` flag.
+    ``training`` flag. A Hugging Face model's cache is off meanwhile (:func:`without_cache`).
     """
-    with model_kept(model, params="never", buffers="always"):
+    with model_kept(model, params="never", buffers="always"), without_cache(model):
         set_evaluation_modes(model, batch_stats)
         yield
+
+
+@contextmanager
+def without_cache(model: nn.Module) -> Iterator[None]:
+    """``model.config.use_cache = False`` inside the block, put back on exit: in eval mode a
+    Hugging Face model keeps a key/value or recurrent-state cache, which a gradient does not need
+    and RWKV writes in place ("modified by an inplace operation" in the backward); gradient
+    checkpointing turns it off the same way."""
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", None) is not True:
+        yield
+        return
+    config.use_cache = False  # type: ignore[union-attr]
+    try:
+        yield
+    finally:
+        config.use_cache = True  # type: ignore[union-attr]
 
 
 def set_evaluation_modes(model: nn.Module, batch_stats: bool) -> None:
