@@ -6,6 +6,7 @@ when a model is built."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -61,6 +62,32 @@ def gemma() -> nn.Module:
         bos_token_id=0, eos_token_id=0, pad_token_id=0,
     )  # fmt: skip
     return transformers.GemmaForCausalLM(cfg)
+
+
+def detr() -> nn.Module:
+    """DETR with a small ResNet backbone (no timm): a class head of 5 labels + "no object", then
+    a box MLP that runs after it."""
+    backbone = transformers.ResNetConfig(
+        embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic",
+        out_features=["stage2"],
+    )  # fmt: skip
+    return transformers.DetrForObjectDetection(transformers.DetrConfig(
+        use_timm_backbone=False, backbone_config=backbone, use_pretrained_backbone=False,
+        d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_queries=5,
+        num_labels=5,
+    ))  # fmt: skip
+
+
+def detection_batches(n: int = 2) -> list[dict[str, Any]]:
+    """Images with a list of per-image targets (class labels, boxes), as DETR takes them."""
+    g = torch.Generator().manual_seed(1)
+    return [
+        {"pixel_values": torch.randn(2, 3, 64, 64, generator=g),
+         "labels": [{"class_labels": torch.randint(0, 5, (2,), generator=g),
+                     "boxes": torch.rand(2, 4, generator=g) * 0.4 + 0.3} for _ in range(2)]}
+        for _ in range(n)
+    ]  # fmt: skip
 
 
 FAMILIES: dict[str, Callable[[], nn.Module]] = {

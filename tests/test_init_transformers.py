@@ -871,16 +871,11 @@ def test_a_detector_s_class_head_and_a_ctc_head_are_drawn_as_heads() -> None:
     """DETR's ``class_labels_classifier`` (num_labels + 1 outputs: the "no object" class) and a
     CTC model's ``lm_head`` got the scheme's ReLU gain (DETR's class loss 3.62 for ln 6 = 1.79):
     only ``...Classification`` models' classifiers were found."""
-    tf = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
+    from . import hf_models
+
     torch.manual_seed(0)
-    backbone = tf.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1],
-                               layer_type="basic", out_features=["stage2"])  # fmt: skip
-    detr = tf.DetrForObjectDetection(tf.DetrConfig(
-        use_timm_backbone=False, backbone_config=backbone, use_pretrained_backbone=False,
-        d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
-        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_queries=5,
-        num_labels=5))  # fmt: skip
-    rows = _rows(initlab.init_model(detr, "geometric", generator=0))
+    rows = _rows(initlab.init_model(hf_models.detr(), "geometric", generator=0))
     head = rows["class_labels_classifier.weight"]
     assert head["role"] == "head" and head["fan_out"] == 6  # 5 labels and "no object"
 

@@ -391,3 +391,20 @@ def test_an_encoder_decoder_s_logits_are_read_at_every_position() -> None:
     report = scale_output_(model, [batch], how="hook", module="lm_head")
     report.info["handle"].remove()
     assert report.info["std_before"] == pytest.approx(want, rel=1e-6)
+
+
+def test_the_default_fold_goes_into_the_layer_the_logits_come_out_of() -> None:
+    """DETR's box MLP runs after its class head: the fold went into the last layer to run, which
+    the logits do not depend on, and failed as "not degree-1 homogeneous". The class head is the
+    layer the logits come out of (the detector's classifier)."""
+    pytest.importorskip("transformers")
+    from .hf_models import detection_batches, detr
+
+    torch.manual_seed(0)
+    model = detr().eval()
+    batches = detection_batches()
+    report = scale_output_(model, batches)
+    assert report.info["layer"] == "class_labels_classifier"
+    with torch.no_grad():
+        logits = torch.cat([model(**b).logits for b in batches]).double()
+    assert float(logits.std(unbiased=False)) == pytest.approx(0.05, rel=1e-3)

@@ -50,6 +50,7 @@ from initlab._core.modules import first_names
 from initlab._core.rng import Seeds
 from initlab._core.rows import join_name
 from initlab._core.state import restore_on_failure
+from initlab.init._structure import find_classifier
 from initlab.init.registry import Registry, default_registry
 from initlab.measure.conditioning import weight_layers
 from initlab.methods._measuring import (
@@ -407,7 +408,7 @@ def scale_output_(
             wide = outs[0].is_floating_point() and outs[0].dtype == torch.float64
             info["module"] = OutputScale(s, dtype=torch.float64 if wide else None)
         elif how == "fold":
-            name = module if module is not None else (order[-1] if order else None)
+            name = module if module is not None else _output_layer(model, order)
             if name is None:
                 raise ValueError("no weight layer ran in the forward pass: nothing to fold into")
             info["layer"] = name
@@ -443,6 +444,24 @@ def scale_output_(
         info=info,
         used=used,
     )
+
+
+def _output_layer(model: nn.Module, order: list[str]) -> str | None:
+    """The layer to fold into by default: the one the logits come out of where the model says
+    which (its ``get_output_embeddings()``; a classifier's or detector's output layer,
+    :func:`~initlab.init._structure.find_classifier`) and it ran; else the last weight layer to
+    run (DETR's box predictor runs after its class head, which its logits come out of)."""
+    getter = getattr(model, "get_output_embeddings", None)
+    head = getter() if callable(getter) else None
+    if isinstance(head, nn.Module):
+        wanted = {id(p) for p in head.parameters(recurse=False)}
+    else:
+        found = find_classifier(model, {id(p): {"weight"} for p in model.parameters()})
+        wanted = {found[0]} if found is not None else set()
+    for name, module in model.named_modules():
+        if name in order and any(id(p) in wanted for p in module.parameters(recurse=False)):
+            return name
+    return order[-1] if order else None
 
 
 def _check_module(model: nn.Module, module: str | None, layers: list[str], how: str) -> str | None:
