@@ -199,6 +199,8 @@ class Engine:
             return
         assert unit.weight is not None
         w = unit.weight.detach()
+        if unit.kind == "module":  # put back if its output shows it cannot be scaled
+            unit.before_init = [t.detach().clone() for t in (w, *unit.biases())]
         with one_thread():
             orthogonal_(w, groups=unit.groups, transposed=unit.transposed, generator=self.generator)
         if is_distributed():
@@ -324,10 +326,13 @@ class Engine:
             if self.replaying:
                 return None
             first = self.note_call(unit, args[0] if args else None)
-            if self.discovering:
-                return None
-            if not isinstance(output, torch.Tensor):
+            kept, unit.before_init = unit.before_init, None
+            if not isinstance(output, torch.Tensor):  # not scaled: as it was, pre-init undone
                 unit.skipped = f"output is a {type(output).__name__}, not a tensor"
+                for t, old in zip((unit.weight, *unit.biases()), kept or [], strict=False):
+                    t.detach().copy_(old)  # type: ignore[union-attr]
+                return None
+            if self.discovering:
                 return None
             with one_thread():
                 return self._layer_output(unit, module, args, output, first)

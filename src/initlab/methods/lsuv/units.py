@@ -77,6 +77,7 @@ class Unit:
     note: str = ""  # "stream": block target unreachable, scaled on its own output instead
     own: list[float] | None = None  # "stream": moments of its own output at its first call
     zero_bias: bool = False  # the pre-init zeroed its biases: no need to look at them again
+    before_init: list[torch.Tensor] | None = None  # weight and biases until its first output
     seen: bool = False
     block_seen: bool = False
     first: list[float] | None = None
