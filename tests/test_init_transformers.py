@@ -662,9 +662,12 @@ def test_a_fused_gate_and_input_are_drawn_as_two_matrices(family: str) -> None:
     report = initlab.init_model(model, "geometric", generator=0)
     row = {join_name(r["layer"], r["param"]): r for r in report.to_rows()}[name]
     assert (row["blocks"], row["fan_in"], row["fan_out"]) == (2, _N, 48)
-    for half in model.get_parameter(name).detach().double().chunk(2):
-        want = row["gain"] * (_N * 48) ** -0.25
+    # the activated half at its activation's gain, the half it multiplies at gain 1
+    halves = model.get_parameter(name).detach().double().chunk(2)
+    for half, gain in zip(halves, (row["gain"], 1.0), strict=True):
+        want = gain * (_N * 48) ** -0.25
         assert half.std().item() == pytest.approx(want, rel=4 / math.sqrt(2 * half.numel()))
+    assert row["gain"] > 1.1 and "input half at gain 1" in row["gain_from"]
 
 
 def test_a_fused_qkv_without_a_config_is_cut_in_three_equal_projections() -> None:
@@ -841,10 +844,11 @@ def test_mixture_of_experts_layers_are_drawn_one_expert_at_a_time(family: str) -
             w = w if family != "gpt_oss" else w.transpose(1, 2)  # (E, out, in)
             cut = param == "gate_up_proj" and family != "gpt_oss"  # [gate; input]
             halves = w.split(w.shape[1] // 2, dim=1) if cut else (w,)
-            for m in halves:  # per expert: orthonormal rows or columns, times the gain
+            gains = (row["gain"], 1.0) if cut else (row["gain"],)  # the input half: gain 1
+            for m, gain in zip(halves, gains, strict=True):  # per expert: orthonormal, x gain
                 small = m @ m.transpose(1, 2) if m.shape[1] <= m.shape[2] else m.transpose(1, 2) @ m
                 eye = torch.eye(small.shape[-1], dtype=torch.float64).expand_as(small)
-                torch.testing.assert_close(small, row["gain"] ** 2 * eye, atol=1e-5, rtol=0)
+                torch.testing.assert_close(small, gain**2 * eye, atol=1e-5, rtol=0)
     routers = [n for n, m in model.named_modules() if "Router" in type(m).__name__]
     assert routers and all(rows[f"{n}.weight"]["role"] == "weight" for n in routers)
     assert not report.unclaimed() or family == "gpt_oss"

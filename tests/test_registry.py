@@ -776,6 +776,8 @@ def test_a_bank_of_experts_gets_the_gains_of_its_activation() -> None:
     n = model.experts.down_proj.numel()
     std = float(model.experts.down_proj.detach().std())
     assert std == pytest.approx(down["target_std"], rel=4 / n**0.5)
+    up = model.experts.gate_up_proj.detach()[:, 6:]  # multiplied by the gate: gain 1
+    assert float(up.std()) == pytest.approx((8 * 6) ** -0.25, rel=4 / up.numel() ** 0.5)
 
 
 def test_a_module_whose_layout_is_not_clear_is_no_bank_of_experts() -> None:

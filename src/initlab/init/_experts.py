@@ -8,7 +8,8 @@ says ``is_transposed = True``, and optional ``<name>_bias`` of shape ``(E, out)`
 weight, with the fans of one expert (a fan-in draw of the whole ``(E, 2I, H)`` tensor as a
 convolution would take ``2I * H`` for its fan-in). ``gate_up_proj`` holds the gate and its input
 one after the other (``is_concatenated``, the default) or interleaved row by row (GPT-OSS); the
-first are cut into two blocks, the second drawn as one matrix.
+first are cut into two blocks (the input :attr:`~initlab.init.specs.Block.gated`: gain 1 where the
+gate gets its activation's), the second drawn as one matrix.
 
 A module is read as a bank of experts only where its layout is declared: an ``is_transposed``
 attribute (set by transformers' ``use_experts_implementation``), a ``down_proj`` and, for every

@@ -20,8 +20,9 @@ Face attention or MLP module); a weight whose shape does not match its layout is
   heads as query heads) store ``(q, k, v)`` head by head; Falcon's ``query_key_value`` too, or
   one ``(q..., k, v)`` group per key/value head (``new_decoder_architecture``), or all query
   heads then one key and one value head (``multi_query``);
-* a gate and its input one after the other (``gate_up_proj``: Phi-3; ``Wi``: ModernBERT; Mamba's
-  ``in_proj``: its input and its gate), each ``intermediate_size`` rows;
+* a gate and its input one after the other (``gate_up_proj``: Phi-3; ``Wi``: ModernBERT), each
+  ``intermediate_size`` rows, the input :attr:`~initlab.init.specs.Block.gated` (gain 1 where
+  the gate gets its activation's); Mamba's ``in_proj``: its input and its gate, both activated;
 * CodeGen's ``qkv_proj``: four groups of (query, value, key), each ``n / 4`` rows;
 * DeepSeek's ``kv_a_proj_with_mqa``: the compressed key/value (``kv_lora_rank`` rows), then the
   key's rotary part (``qk_rope_head_dim``).
@@ -96,7 +97,10 @@ def _linear_blocks(leaf: str, out: int, n: int, config: Any) -> tuple[Block, ...
     model_type = _attr(config, "model_type", None)
     if leaf in _GATE_UP or (leaf == "in_proj" and model_type in _MAMBA_TYPES):
         width = _attr(config, "intermediate_size", None)
-        return _rows(out, n, (width, width))
+        blocks = _rows(out, n, (width, width))
+        if blocks is None or leaf == "in_proj":  # Mamba: both halves go through its SiLU
+            return blocks
+        return (blocks[0], dataclasses.replace(blocks[1], gated=True))  # [gate; input]
     if leaf == "in_proj":
         return None
     if leaf == "kv_a_proj_with_mqa":  # DeepSeek's latent: [compressed kv; the key's rotary part]

@@ -88,9 +88,16 @@ def check_bias(bias: str | float) -> None:
         raise ValueError(f"bias must be 'zeros', 'keep' or a finite number, got {bias!r}")
 
 
-def _weight_specs(scheme: Scheme, spec: ParamSpec) -> list[tuple[Block | None, InitSpec]]:
+def _weight_specs(
+    scheme: Scheme, spec: ParamSpec, gated: Scheme | None = None
+) -> list[tuple[Block | None, InitSpec]]:
+    """One draw per block (``gated``: the scheme of a :attr:`Block.gated` block, default the
+    weight's)."""
     if spec.blocks:
-        return [(block, scheme.spec(block.fans)) for block in spec.blocks]
+        return [
+            (block, (gated if block.gated and gated else scheme).spec(block.fans))
+            for block in spec.blocks
+        ]
     assert spec.fans is not None  # the registry validates this
     return [(None, scheme.spec(spec.fans))]
 
@@ -108,7 +115,11 @@ def _fill_plan(
         _fill_head(plan, scheme)
     elif role == "weight":
         used, plan.gain_from = _followed_scheme(scheme, plan.follow)
-        plan.block_specs = _weight_specs(used, spec)
+        gated = None
+        if plan.follow is not None and any(b.gated for b in spec.blocks):
+            gated, _ = _followed_scheme(scheme, Follow("linear", None, ""))
+            plan.gain_from += "; its input half at gain 1 (multiplied by the gate)"
+        plan.block_specs = _weight_specs(used, spec, gated)
         plan.scheme_name = scheme.name
         plan.distribution = plan.block_specs[0][1].distribution
         plan.target_std = plan.block_specs[0][1].std

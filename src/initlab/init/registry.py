@@ -485,7 +485,8 @@ def experts_handler(module: nn.Module) -> list[ParamSpec]:
         out, inp = layout.matrix(module._parameters[name])
         half = out // 2
         cut = name == "gate_up_proj" and layout.concatenated  # [gate; input]
-        blocks = (Block(0, half, Fans(inp, half)), Block(half, out, Fans(inp, half))) if cut else ()
+        blocks = (Block(0, half, Fans(inp, half)), Block(half, out, Fans(inp, half), gated=True))
+        blocks = blocks if cut else ()
         fans = None if cut else Fans(inp, out)
         specs.append(
             ParamSpec(name, "weight", fans, blocks, transposed=layout.transposed, stacked=True)

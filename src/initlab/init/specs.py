@@ -32,11 +32,15 @@ class Block:
         start: first row of the block (inclusive).
         stop: end of the block (exclusive), ``stop > start``.
         fans: fans of the block ``param[start:stop]``.
+        gated: its outputs are multiplied by a gate's activation, not activated themselves (the
+            input half of a fused SwiGLU ``gate_up_proj``): where a weight's gain follows the
+            nonlinearity after it, this block is drawn at gain 1, as a separate ``up_proj``.
     """
 
     start: int
     stop: int
     fans: Fans
+    gated: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.start, int) or isinstance(self.start, bool) or self.start < 0:
@@ -47,6 +51,8 @@ class Block:
             )
         if not isinstance(self.fans, Fans):
             raise ValueError(f"Block.fans must be a Fans, got {type(self.fans).__name__}")
+        if not isinstance(self.gated, bool):
+            raise ValueError(f"Block.gated must be a bool, got {self.gated!r}")
 
 
 @dataclass(frozen=True)
