@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import initlab
 from initlab.measure.probe import (
     PARAM_TABLE_COLUMNS,
     PROBE_COLUMNS,
@@ -1958,3 +1959,38 @@ def test_an_encoder_decoder_s_padding_mask_picks_no_decoder_position() -> None:
     rows = {r["layer"]: r for r in measure_moments(model, [batch], "model").table()}
     want = float(outs[0].double().square().mean())
     assert rows[layer]["E_y2"] == pytest.approx(want, rel=1e-6)
+
+
+def test_an_additive_attention_mask_is_no_input_signal() -> None:
+    """A float mask of ``finfo.min`` at the masked positions (GPT-OSS's eager attention gets
+    one) is finite, but its squares overflow: the probe counted it as a non-finite input, and
+    ``diagnose``/``precondition_`` refused the model as producing NaN/inf."""
+
+    class Attn(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv, self.o = nn.Linear(8, 24), nn.Linear(8, 8)
+            self.temperature = nn.Parameter(torch.ones(()))  # a parameter of its own: probed
+
+        def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            q, k, v = self.qkv(x).chunk(3, -1)
+            w = torch.softmax(q @ k.transpose(-1, -2) / self.temperature + attention_mask, -1)
+            return self.o(w @ v)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn, self.head = Attn(), nn.Linear(8, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            t = x.shape[1]
+            causal = torch.full((t, t), torch.finfo(x.dtype).min).triu(1)
+            return self.head(self.attn(x, attention_mask=causal).mean(1))
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(4, 5, 8, generator=g), torch.randint(0, 3, (4,), generator=g))]
+    table = measure_moments(Net(), data, nn.CrossEntropyLoss()).table()
+    assert all(r["nonfinite"] == 0 for r in table)
+    findings = initlab.diagnose(Net(), data, nn.CrossEntropyLoss()).findings
+    assert not [f for f in findings if f["rule"] == "non_finite"]

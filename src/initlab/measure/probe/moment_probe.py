@@ -438,7 +438,8 @@ class MomentProbe(HookContext):
             scale = self._scale(st, inputs)
             seen: dict[int, Any] = {}  # a tensor passed several times: reduced once
             for path, t in inputs:
-                self._stats(st, call, "x", path, t, 1.0, seen=seen)
+                if "mask" not in path.split(".", 1)[0].lower():  # an additive mask: no signal
+                    self._stats(st, call, "x", path, t, 1.0, seen=seen)
             new_args, new_kwargs = args, kwargs
             if torch.is_grad_enabled() and any(t.requires_grad for _, t in inputs):
                 inplace = getattr(module, "inplace", False) is True
