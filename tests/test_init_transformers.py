@@ -817,9 +817,12 @@ def _built(factory: Callable[[], nn.Module]) -> nn.Module:
 
 
 def _banks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The banks of experts with a declared layout (transformers 5); before, experts were a
-    ``ModuleList`` of MLPs, claimed as plain layers."""
-    found = [(n, m) for n, m in model.named_modules() if hasattr(m, "is_transposed")]
+    """The banks of experts, 3-D tensors (transformers 5); before, experts were a ``ModuleList``
+    of MLPs, claimed as plain layers."""
+    found = [
+        (n, m) for n, m in model.named_modules()
+        if isinstance(getattr(m, "down_proj", None), nn.Parameter) and m.down_proj.dim() == 3
+    ]  # fmt: skip
     if not found:
         pytest.skip("this transformers keeps its experts as separate Linear layers")
     return found
@@ -836,14 +839,17 @@ def _moe_models() -> dict[str, Callable[[], nn.Module]]:
             num_experts=4, moe_intermediate_size=24, shared_expert_intermediate_size=48, **small)),
         "gpt_oss": lambda: tf.GptOssForCausalLM(tf.GptOssConfig(
             num_local_experts=4, head_dim=8, layer_types=["full_attention"], **small)),
+        "llama4": lambda: tf.Llama4ForCausalLM(tf.Llama4TextConfig(
+            num_local_experts=4, head_dim=8, intermediate_size_mlp=64, **small)),
     }  # fmt: skip
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "gpt_oss", "llama4"])
 def test_mixture_of_experts_layers_are_drawn_one_expert_at_a_time(family: str) -> None:
     """The experts (3-D tensors) and the router were left unclaimed, with a warning, at the
     model's own init. Each expert's matrix is now drawn as its own orthogonal matrix, in the
-    model's layout (GPT-OSS stores ``(E, in, out)``, its gate and input interleaved); the router
+    model's layout (GPT-OSS stores ``(E, in, out)``, its gate and input interleaved; Llama 4
+    ``(E, in, out)`` without declaring it, read from its code); the router
     too; the initial loss stays near ln V."""
     torch.manual_seed(0)
     model = _built(_moe_models()[family])
@@ -857,7 +863,7 @@ def test_mixture_of_experts_layers_are_drawn_one_expert_at_a_time(family: str) -
             row = rows[f"{name}.{param}"]
             assert row["distribution"] == "orthogonal", row
             w = getattr(bank, param).detach().double()
-            w = w if family != "gpt_oss" else w.transpose(1, 2)  # (E, out, in)
+            w = w.transpose(1, 2) if family in ("gpt_oss", "llama4") else w  # (E, out, in)
             cut = param == "gate_up_proj" and family != "gpt_oss"  # [gate; input]
             halves = w.split(w.shape[1] // 2, dim=1) if cut else (w,)
             gains = (row["gain"], 1.0) if cut else (row["gain"],)  # the input half: gain 1

@@ -12,7 +12,8 @@ first are cut into two blocks (the input :attr:`~initlab.init.specs.Block.gated`
 gate gets its activation's), the second drawn as one matrix.
 
 A module is read as a bank of experts only where its layout is declared: an ``is_transposed``
-attribute (set by transformers' ``use_experts_implementation``), a ``down_proj`` and, for every
+attribute (set by transformers' ``use_experts_implementation``; Llama 4's, read from its code,
+in ``_UNDECLARED``), a ``down_proj`` and, for every
 weight, ``E`` slices of matching shapes (``down_proj``'s input is the gate's output), and no
 other parameter. A router is a module whose class name holds ``Router`` with a ``weight`` of
 shape ``(num_experts, hidden)`` (and optionally a ``bias`` of ``num_experts``): a linear map from
@@ -28,6 +29,9 @@ from torch import Tensor, nn
 __all__ = ["ExpertLayout", "expert_layout", "router_experts"]
 
 _WEIGHTS = ("gate_up_proj", "gate_proj", "up_proj", "down_proj")
+#: Banks that do not declare their layout, read from their model's code: class name ->
+#: ``is_transposed`` (Llama 4's text experts multiply ``x @ W`` with ``torch.bmm``; gate first).
+_UNDECLARED = {"Llama4TextExperts": True}
 _ACTIVATED = ("gate_up_proj", "gate_proj")  # what feeds the activation (else ``up_proj``)
 
 
@@ -61,7 +65,7 @@ class ExpertLayout:
 
 def expert_layout(module: nn.Module) -> ExpertLayout | None:
     """The declared layout of a bank of experts (see the module docstring), or ``None``."""
-    transposed = getattr(module, "is_transposed", None)
+    transposed = getattr(module, "is_transposed", _UNDECLARED.get(type(module).__name__))
     if not isinstance(transposed, bool):
         return None
     params = {n: p for n, p in module._parameters.items() if p is not None}
