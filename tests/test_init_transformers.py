@@ -558,6 +558,9 @@ def _fused_models() -> dict[str, Callable[[], nn.Module]]:
             d_model=32, n_heads=4, n_layers=1, vocab_size=64, max_seq_len=32,
             attn_config={"kv_n_heads": 2, "rope_theta": 1e4, "clip_qkv": 8.0},
             ffn_config={"ffn_hidden_size": 48, "moe_num_experts": 4, "moe_top_k": 2})),
+        "mamba2": lambda: tf.Mamba2ForCausalLM(tf.Mamba2Config(
+            vocab_size=64, hidden_size=32, num_hidden_layers=1, state_size=8, expand=2,
+            head_dim=8, num_heads=8, n_groups=1, chunk_size=4, conv_kernel=4)),
         "mamba": lambda: tf.MambaForCausalLM(tf.MambaConfig(hidden_size=32, state_size=4,
                                                             num_hidden_layers=1, vocab_size=64)),
     }  # fmt: skip
@@ -628,20 +631,24 @@ def test_fused_qkv_weights_are_drawn_per_projection_as_the_model_cuts_them(famil
 
 @pytest.mark.parametrize(
     ("family", "suffix", "widths"),
-    [("deepseek_v3", "kv_a_proj_with_mqa.weight", (16, 8)), ("mamba", "in_proj.weight", (64, 64))],
+    [
+        ("deepseek_v3", "kv_a_proj_with_mqa.weight", (16, 8)),
+        ("mamba", "in_proj.weight", (64, 64)),
+        ("mamba2", "in_proj.weight", (64, 64, 8, 8, 8)),
+    ],
 )
-def test_a_fused_weight_of_two_widths_is_drawn_as_its_two_matrices(
-    family: str, suffix: str, widths: tuple[int, int]
+def test_a_fused_weight_of_several_widths_is_drawn_as_its_matrices(
+    family: str, suffix: str, widths: tuple[int, ...]
 ) -> None:
     """DeepSeek's latent key/value projection (the compressed kv, then the key's rotary part,
-    split so by its forward) and Mamba's in_proj (its input, then its gate: chunk(2)) are two
-    matrices of their own: each its own std, each orthogonal."""
+    split so by its forward), Mamba's in_proj (its input, then its gate: chunk(2)) and Mamba 2's
+    (z, x, B, C, dt) are matrices of their own: each its own std, each orthogonal."""
     torch.manual_seed(0)
     model = _built(_fused_models()[family])
     name = next(n for n, _ in model.named_parameters() if n.endswith(suffix))
     report = initlab.init_model(model, "geometric", generator=0, policy="skip")  # Mamba's A_log
     row = {join_name(r["layer"], r["param"]): r for r in report.to_rows()}[name]
-    assert row["blocks"] == 2
+    assert row["blocks"] == len(widths)
     for part, width in zip(model.get_parameter(name).detach().double().split(widths), widths,
                            strict=True):  # fmt: skip
         want = row["gain"] * (_N * width) ** -0.25

@@ -23,6 +23,8 @@ Face attention or MLP module); a weight whose shape does not match its layout is
 * a gate and its input one after the other (``gate_up_proj``: Phi-3; ``Wi``: ModernBERT), each
   ``intermediate_size`` rows, the input :attr:`~initlab.init.specs.Block.gated` (gain 1 where
   the gate gets its activation's); Mamba's ``in_proj``: its input and its gate, both activated;
+* Mamba 2's ``in_proj``: its gate ``z``, input ``x``, ``B``, ``C`` (``n_groups * state_size``
+  each) and ``dt`` (one row per head);
 * CodeGen's ``qkv_proj``: four groups of (query, value, key), each ``n / 4`` rows;
 * DeepSeek's ``kv_a_proj_with_mqa``: the compressed key/value (``kv_lora_rank`` rows), then the
   key's rotary part (``qk_rope_head_dim``).
@@ -101,6 +103,11 @@ def _linear_blocks(leaf: str, out: int, n: int, config: Any) -> tuple[Block, ...
         if blocks is None or leaf == "in_proj":  # Mamba: both halves go through its SiLU
             return blocks
         return (blocks[0], dataclasses.replace(blocks[1], gated=True))  # [gate; input]
+    if leaf == "in_proj" and model_type == "mamba2":  # [z; x; B; C; dt], split so in its forward
+        inner = _attr(config, "expand", 0) * _attr(config, "hidden_size", 0)
+        bc = _attr(config, "n_groups", 0) * _attr(config, "state_size", 0)
+        heads = _attr(config, "num_heads")
+        return _rows(out, n, (int(inner), int(inner), bc, bc, heads)) if inner else None
     if leaf == "in_proj":
         return None
     if leaf == "kv_a_proj_with_mqa":  # DeepSeek's latent: [compressed kv; the key's rotary part]
