@@ -855,7 +855,8 @@ def _moe_models() -> dict[str, Callable[[], nn.Module]]:
 def test_mixture_of_experts_layers_are_drawn_one_expert_at_a_time(family: str) -> None:
     """The experts (3-D tensors) and the router were left unclaimed, with a warning, at the
     model's own init. Each expert's matrix is now drawn as its own orthogonal matrix, in the
-    model's layout (GPT-OSS stores ``(E, in, out)``, its gate and input interleaved; Llama 4
+    model's layout (GPT-OSS stores ``(E, in, out)``, its gate and input interleaved, each drawn
+    as its own matrix; Llama 4
     ``(E, in, out)`` without declaring it, read from its code); the router
     too; the initial loss stays near ln V."""
     torch.manual_seed(0)
@@ -871,9 +872,13 @@ def test_mixture_of_experts_layers_are_drawn_one_expert_at_a_time(family: str) -
             assert row["distribution"] == "orthogonal", row
             w = getattr(bank, param).detach().double()
             w = w.transpose(1, 2) if family in ("gpt_oss", "llama4") else w  # (E, out, in)
-            cut = param == "gate_up_proj" and family != "gpt_oss"  # [gate; input]
-            halves = w.split(w.shape[1] // 2, dim=1) if cut else (w,)
-            gains = (row["gain"], 1.0) if cut else (row["gain"],)  # the input half: gain 1
+            if param != "gate_up_proj":
+                halves: tuple[torch.Tensor, ...] = (w,)
+            elif family == "gpt_oss":  # rows gate, input, gate, input, ...
+                halves = (w[:, 0::2], w[:, 1::2])
+            else:  # [gate; input]
+                halves = w.split(w.shape[1] // 2, dim=1)
+            gains = (row["gain"], 1.0) if len(halves) == 2 else (row["gain"],)  # input: gain 1
             for m, gain in zip(halves, gains, strict=True):  # per expert: orthonormal, x gain
                 small = m @ m.transpose(1, 2) if m.shape[1] <= m.shape[2] else m.transpose(1, 2) @ m
                 eye = torch.eye(small.shape[-1], dtype=torch.float64).expand_as(small)

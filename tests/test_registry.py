@@ -794,3 +794,30 @@ def test_a_module_whose_layout_is_not_clear_is_no_bank_of_experts() -> None:
     extra = ExpertBank()
     extra.scale = nn.Parameter(torch.ones(8))
     assert reg.specs(extra) is None
+
+
+def test_interleaved_blocks_take_every_row_once() -> None:
+    """GPT-OSS stores a gate and its input row by row: two blocks of every second row. Blocks
+    that leave a row out, or take one twice, are refused."""
+    bank = ExpertBank(transposed=True)
+    bank.is_concatenated = False
+    spec = {s.name: s for s in default_registry().specs(bank)}["gate_up_proj"]
+    assert [(b.start, b.step, b.gated, len(b)) for b in spec.blocks] == [
+        (0, 2, False, 6), (1, 2, True, 6)
+    ]  # fmt: skip
+
+    class Fused(nn.Linear):
+        pass
+
+    def handler(blocks: tuple[Block, ...]) -> Callable[[nn.Module], list[ParamSpec]]:
+        return lambda m: [ParamSpec("weight", "weight", blocks=blocks)]
+
+    reg = default_registry().copy()
+    good = (Block(0, 4, Fans(3, 2), step=2), Block(1, 4, Fans(3, 2), step=2))
+    reg.register(Fused, handler(good))
+    assert reg.specs(Fused(3, 4))[0].blocks == good
+    for bad in ((Block(0, 4, Fans(3, 2), step=2), Block(0, 4, Fans(3, 2), step=2)),
+                (Block(0, 4, Fans(3, 2), step=2),)):  # fmt: skip
+        reg.register(Fused, handler(bad), override=True)
+        with pytest.raises(ValueError, match="do not take each of its 4 rows once"):
+            reg.specs(Fused(3, 4))

@@ -7,9 +7,9 @@ says ``is_transposed = True``, and optional ``<name>_bias`` of shape ``(E, out)`
 ``E`` slices is one expert's matrix: :func:`~initlab.init.model.init_model` draws it as its own
 weight, with the fans of one expert (a fan-in draw of the whole ``(E, 2I, H)`` tensor as a
 convolution would take ``2I * H`` for its fan-in). ``gate_up_proj`` holds the gate and its input
-one after the other (``is_concatenated``, the default) or interleaved row by row (GPT-OSS); the
-first are cut into two blocks (the input :attr:`~initlab.init.specs.Block.gated`: gain 1 where the
-gate gets its activation's), the second drawn as one matrix.
+one after the other (``is_concatenated``, the default) or interleaved row by row (GPT-OSS): either
+way cut into two blocks, contiguous or of every second row (``Block.step``), the input
+:attr:`~initlab.init.specs.Block.gated` (gain 1 where the gate gets its activation's).
 
 A module is read as a bank of experts only where its layout is declared: an ``is_transposed``
 attribute (set by transformers' ``use_experts_implementation``; Llama 4's, read from its code,

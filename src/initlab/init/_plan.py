@@ -257,7 +257,7 @@ def _sample_blocks(
         for block, init_spec in specs:
             view = matrix
             if block is not None:  # rows of W (out, in): columns of a transposed (in, out) tensor
-                rows = slice(block.start, block.stop)
+                rows = block.rows
                 view = matrix[:, rows] if plan.spec.transposed else matrix[rows]
             if init_spec.distribution == "dirac" and plan.dirac_centre is not None:
                 dirac_(view, init_spec.gain, groups=plan.spec.groups, centre=plan.dirac_centre)

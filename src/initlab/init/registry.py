@@ -255,8 +255,16 @@ def _validate_blocks(
 ) -> None:
     """Raise ``fail(...)`` unless the blocks tile dim 0 exactly and each block's fans are right."""
     name, rows = spec.name, shape[0] if shape else 0
+    if any(b.step != 1 for b in spec.blocks):  # interleaved rows: each row in exactly one block
+        taken = sorted(r for b in spec.blocks for r in range(rows)[b.rows])
+        if taken != list(range(rows)) or any(b.stop > rows for b in spec.blocks):
+            raise fail(f"the blocks of {name!r} do not take each of its {rows} rows once")
     position = 0
     for block in sorted(spec.blocks, key=lambda b: b.start):
+        if block.step != 1:
+            where = f"block rows {block.start}::{block.step} of {name!r} (shape {shape})"
+            _check_block_fans(spec, block, (len(block), *shape[1:]), where, fail)
+            continue
         where = f"block [{block.start}, {block.stop}) of {name!r} (shape {shape})"
         if block.start < position:
             raise fail(f"{where} overlaps the previous block, which ends at row {position}")
@@ -264,21 +272,30 @@ def _validate_blocks(
             raise fail(f"{where} leaves rows [{position}, {block.start}) uncovered")
         if block.stop > rows:
             raise fail(f"{where} runs past dim 0, which has {rows} rows")
-        block_shape = (block.stop - block.start, *shape[1:])
-        try:
-            expected = compute_fans(
-                block_shape,
-                groups=spec.groups,
-                transposed=spec.transposed,
-                **_stride_of(block.fans, block_shape),
-            )
-        except ValueError as err:
-            raise fail(f"{where}: {err}") from None
-        if block.fans != expected:
-            raise fail(f"{where} has fans {expected}, but the spec says {block.fans}")
+        _check_block_fans(spec, block, (block.stop - block.start, *shape[1:]), where, fail)
         position = block.stop
-    if position != rows:
+    if position != rows and all(b.step == 1 for b in spec.blocks):
         raise fail(f"blocks of {name!r} cover rows [0, {position}) of {rows}; they must cover all")
+
+
+def _check_block_fans(
+    spec: ParamSpec,
+    block: Block,
+    block_shape: tuple[int, ...],
+    where: str,
+    fail: Callable[[str], ValueError],
+) -> None:
+    try:
+        expected = compute_fans(
+            block_shape,
+            groups=spec.groups,
+            transposed=spec.transposed,
+            **_stride_of(block.fans, block_shape),
+        )
+    except ValueError as err:
+        raise fail(f"{where}: {err}") from None
+    if block.fans != expected:
+        raise fail(f"{where} has fans {expected}, but the spec says {block.fans}")
 
 
 class Registry:
@@ -483,13 +500,16 @@ def experts_handler(module: nn.Module) -> list[ParamSpec]:
     specs = []
     for name in layout.weights:
         out, inp = layout.matrix(module._parameters[name])
-        half = out // 2
-        cut = name == "gate_up_proj" and layout.concatenated  # [gate; input]
-        blocks = (Block(0, half, Fans(inp, half)), Block(half, out, Fans(inp, half), gated=True))
-        blocks = blocks if cut else ()
-        fans = None if cut else Fans(inp, out)
+        half, fans = out // 2, Fans(inp, out // 2)
+        if name != "gate_up_proj":
+            blocks: tuple[Block, ...] = ()
+        elif layout.concatenated:  # [gate; input]
+            blocks = (Block(0, half, fans), Block(half, out, fans, gated=True))
+        else:  # rows gate, input, gate, input, ... (GPT-OSS)
+            blocks = (Block(0, out, fans, step=2), Block(1, out, fans, gated=True, step=2))
+        whole = None if blocks else Fans(inp, out)
         specs.append(
-            ParamSpec(name, "weight", fans, blocks, transposed=layout.transposed, stacked=True)
+            ParamSpec(name, "weight", whole, blocks, transposed=layout.transposed, stacked=True)
         )
     return specs + [ParamSpec(b, "bias") for b in layout.biases]
 

@@ -35,12 +35,23 @@ class Block:
         gated: its outputs are multiplied by a gate's activation, not activated themselves (the
             input half of a fused SwiGLU ``gate_up_proj``): where a weight's gain follows the
             nonlinearity after it, this block is drawn at gain 1, as a separate ``up_proj``.
+        step: every ``step``-th row from ``start`` (2: its rows interleaved with another
+            block's, as GPT-OSS stores a gate and its input).
     """
 
     start: int
     stop: int
     fans: Fans
     gated: bool = False
+    step: int = 1
+
+    @property
+    def rows(self) -> slice:
+        """The block's rows, ``param[block.rows]``."""
+        return slice(self.start, self.stop, self.step)
+
+    def __len__(self) -> int:
+        return len(range(self.start, self.stop, self.step))
 
     def __post_init__(self) -> None:
         if not isinstance(self.start, int) or isinstance(self.start, bool) or self.start < 0:
@@ -53,6 +64,8 @@ class Block:
             raise ValueError(f"Block.fans must be a Fans, got {type(self.fans).__name__}")
         if not isinstance(self.gated, bool):
             raise ValueError(f"Block.gated must be a bool, got {self.gated!r}")
+        if not _is_positive_int(self.step):
+            raise ValueError(f"Block.step must be a positive int, got {self.step!r}")
 
 
 @dataclass(frozen=True)
