@@ -821,3 +821,58 @@ def test_interleaved_blocks_take_every_row_once() -> None:
         reg.register(Fused, handler(bad), override=True)
         with pytest.raises(ValueError, match="do not take each of its 4 rows once"):
             reg.specs(Fused(3, 4))
+
+
+class TopKRouter(nn.Module):
+    """A mixture-of-experts router as transformers 5 writes one: ``(E, hidden)`` logits, softmax,
+    top-k."""
+
+    def __init__(self, experts: int = 3, hidden: int = 8) -> None:
+        super().__init__()
+        self.num_experts = experts
+        self.weight = nn.Parameter(torch.randn(experts, hidden) * 0.02)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = F.linear(x, self.weight).softmax(-1)
+        top, idx = probs.topk(2, dim=-1)
+        return top / top.sum(-1, keepdim=True), idx
+
+
+class MoE(nn.Module):
+    """An embedding-free token MLP: a Linear, then a routed bank of experts, then a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.router, self.experts = nn.Linear(6, 8), TopKRouter(), ExpertBank()
+        self.head = nn.Linear(8, 4)
+        with torch.no_grad():
+            for p in self.experts.parameters():
+                p.normal_(0, 0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        weights, idx = self.router(h)
+        out = torch.zeros_like(h)
+        for slot in range(idx.shape[-1]):
+            for e in range(self.router.num_experts):
+                rows = idx[:, slot] == e
+                gate, up = F.linear(h[rows], self.experts.gate_up_proj[e]).chunk(2, -1)
+                y = F.linear(F.silu(gate) * up, self.experts.down_proj[e])
+                out[rows] += weights[rows, slot, None] * y
+        return self.head(out)
+
+
+def test_precondition_keeps_a_router_at_alpha_one() -> None:
+    """A router's logits choose experts through a softmax and a top-k, outside the GR formula's
+    chain of linear maps: it was balanced as an MLP layer (Mixtral's routers at alpha 7.6, 58x
+    their SGD learning rate). It keeps alpha = 1, ``kind="router"``; the bank gets none either,
+    and gr_scaling says why."""
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(32, 6, generator=g), torch.randint(0, 4, (32,), generator=g))
+            for _ in range(2)]  # fmt: skip
+    rows = {r["layer"]: r for r in initlab.precondition_(MoE(), data, nn.CrossEntropyLoss())}
+    assert rows["router"]["kind"] == "router" and rows["router"]["alpha"] == 1.0
+    assert rows["inp"]["kind"] == "mlp" and rows["experts"]["alpha"] == 1.0
+    note = {r["layer"]: r["note"] for r in initlab.gr_scaling(MoE(), data, nn.CrossEntropyLoss())}
+    assert "a bank of experts" in note["experts"]

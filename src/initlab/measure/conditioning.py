@@ -314,14 +314,16 @@ def _p2(
 ) -> tuple[int | None, int | None, float, list[str]]:
     """``(n_in, k2, p2, notes)`` of one layer (``sums``: its sums, :func:`_moment_sums`)."""
     if kind == "other":
+        what = (
+            "a bank of experts, each token meeting some of them"
+            if spec.stacked
+            else "this layer type"
+        )
         return (
             None,
             None,
             _NAN,
-            [
-                "gamma not derived for this layer type (Eq. 1 covers linear and conv layers); "
-                "nu is measured"
-            ],
+            [f"gamma not derived for {what} (Eq. 1 covers linear and conv layers); nu is measured"],
         )
     assert spec.fans is not None
     k2 = spec.fans.receptive_field

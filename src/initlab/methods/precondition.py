@@ -48,6 +48,7 @@ from initlab._core.modules import first_names
 from initlab._core.rng import Seeds
 from initlab._core.rows import Rows, join_name
 from initlab._core.state import preserved_state, restore_on_failure
+from initlab.init._experts import router_experts
 from initlab.init._structure import parameter_owners
 from initlab.init.registry import Registry, default_registry
 from initlab.measure.conditioning import gr_scaling, imbalance, with_multipliers
@@ -286,7 +287,8 @@ def precondition_(
     :func:`initlab.gr_scaling`), and layers whose ``gamma`` is not derived (attention, RNNs) keep
     ``alpha = 1``: ``nn.MultiheadAttention``'s fused projection, and the query, key and value
     projections of any other attention implementation (Hugging Face's eager or SDPA code, your
-    own), found by a runtime trace of the first batch and reported with ``kind="attention"``.
+    own), found by a runtime trace of the first batch and reported with ``kind="attention"``;
+    a mixture-of-experts router (its logits choose the experts), ``kind="router"``.
     A layer whose weight is shared with another module (a head tied to the input embedding, a
     weight reused by two layers) keeps ``alpha = 1`` too, reported with ``kind="tied"``: one
     tensor cannot take two multipliers, and one given to a single use would change the function.
@@ -502,6 +504,7 @@ class _Balancing:
             p, self.model, examples=self.n_examples, registry=self.registry, all_reduce=self.dist
         )
         attention = self.attention()
+        routers = {n for n, m in self.model.named_modules() if router_experts(m)}
         out = rows.to_rows()
         for r in out:
             if r["layer"] in self.tied:
@@ -510,6 +513,8 @@ class _Balancing:
                 r["kind"] = "frozen"
             elif r["layer"] in attention and r["kind"] == "mlp":
                 r["kind"] = "attention"
+            elif r["kind"] == "mlp" and r["layer"] in routers:
+                r["kind"] = "router"  # its logits choose experts: outside the GR setting
         return Rows(out, rows.columns, title=rows.title, used=rows.used)
 
     def attention(self) -> dict[str, str]:
@@ -543,7 +548,9 @@ class _Balancing:
         if modules is not None:
             missing = sorted(set(modules) - {r["layer"] for r in keep})
             kinds = {r["layer"]: r["kind"] for r in rows}
-            fixed = [m for m in missing if kinds.get(m) in ("tied", "frozen", "attention")]
+            fixed = [
+                m for m in missing if kinds.get(m) in ("tied", "frozen", "attention", "router")
+            ]
             if fixed:
                 raise ValueError(
                     f"module(s) {fixed} keep alpha = 1 (kind "
