@@ -925,3 +925,27 @@ def test_a_detector_s_class_head_and_a_ctc_head_are_drawn_as_heads() -> None:
 
     rows = _rows(initlab.init_model(TinyForCTC(), "geometric", generator=0))
     assert rows["lm_head.weight"]["role"] == "head"
+
+
+@pytest.mark.parametrize("family", ["electra", "albert"])
+def test_a_head_s_dense_layer_before_its_activation_gets_the_activation_s_gain(
+    family: str,
+) -> None:
+    """Electra's discriminator head and ALBERT's MLM head run ``dense`` -> GELU -> their output
+    layer: ``dense`` was taken for an MLP output projection by its name (gain 1)."""
+    tf = pytest.importorskip("transformers")
+    small = dict(
+        vocab_size=64, embedding_size=16, hidden_size=32, num_hidden_layers=1,
+        num_attention_heads=4, intermediate_size=64, max_position_embeddings=32,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    if family == "electra":
+        model, dense = (
+            tf.ElectraForPreTraining(tf.ElectraConfig(**small)),
+            "discriminator_predictions",
+        )
+    else:
+        model, dense = tf.AlbertForMaskedLM(tf.AlbertConfig(**small)), "predictions"
+    rows = _rows(initlab.init_model(model, "geometric", generator=0))
+    row = rows[f"{dense}.dense.weight"]
+    assert row["gain"] == pytest.approx(calculate_gain("gelu")) and "gelu" in row["gain_from"]

@@ -448,6 +448,12 @@ def _mlp_siblings(
         # ``dense`` + tanh): the layer feeds the activation, whatever its name says.
         out[id(weights[0][1])] = Follow(act, param, f"{act}: the module's activation is {kind}")
         return
+    known = MLP_IN_LEAVES | RESIDUAL_OUT_LEAVES | GATE_LEAVES
+    if len(weights) == 2 and weights[0][0] == "dense" and weights[1][0] not in known:
+        # A head's ``dense`` -> activation -> its own output layer (Electra's discriminator
+        # predictions' ``dense_prediction``, ALBERT's MLM head's ``decoder``): ``dense`` is a
+        # generic name, and here the layer the activation follows.
+        weights = [("", weights[0][1]), ("", weights[1][1])]
     matched = False
     for leaf, module in weights:
         if gated and leaf in GATED_UP_LEAVES:
