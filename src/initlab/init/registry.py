@@ -223,21 +223,11 @@ def _validate_specs(module: nn.Module, specs: list[ParamSpec], handler: Handler)
         if spec.blocks:
             _validate_blocks(spec, shape, fail)
         else:
-            try:
-                expected = compute_fans(
-                    shape,
-                    groups=spec.groups,
-                    transposed=spec.transposed,
-                    **_stride_of(spec.fans, shape),
-                )
-            except ValueError as err:
-                raise fail(f"parameter {name!r} of shape {shape}: {err}") from None
-            if spec.fans != expected:
-                raise fail(
-                    f"parameter {name!r} of shape {shape} (groups={spec.groups}, "
-                    f"transposed={spec.transposed}) has fans {expected}, but the spec says "
-                    f"{spec.fans}"
-                )
+            where = (
+                f"parameter {name!r} of shape {shape} (groups={spec.groups}, "
+                f"transposed={spec.transposed})"
+            )
+            _check_fans(spec, spec.fans, shape, where, fail)
 
 
 def _stride_of(fans: Fans | None, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
@@ -263,7 +253,7 @@ def _validate_blocks(
     for block in sorted(spec.blocks, key=lambda b: b.start):
         if block.step != 1:
             where = f"block rows {block.start}::{block.step} of {name!r} (shape {shape})"
-            _check_block_fans(spec, block, (len(block), *shape[1:]), where, fail)
+            _check_fans(spec, block.fans, (len(block), *shape[1:]), where, fail)
             continue
         where = f"block [{block.start}, {block.stop}) of {name!r} (shape {shape})"
         if block.start < position:
@@ -272,30 +262,29 @@ def _validate_blocks(
             raise fail(f"{where} leaves rows [{position}, {block.start}) uncovered")
         if block.stop > rows:
             raise fail(f"{where} runs past dim 0, which has {rows} rows")
-        _check_block_fans(spec, block, (block.stop - block.start, *shape[1:]), where, fail)
+        _check_fans(spec, block.fans, (block.stop - block.start, *shape[1:]), where, fail)
         position = block.stop
     if position != rows and all(b.step == 1 for b in spec.blocks):
         raise fail(f"blocks of {name!r} cover rows [0, {position}) of {rows}; they must cover all")
 
 
-def _check_block_fans(
+def _check_fans(
     spec: ParamSpec,
-    block: Block,
-    block_shape: tuple[int, ...],
+    fans: Fans | None,
+    shape: tuple[int, ...],
     where: str,
     fail: Callable[[str], ValueError],
 ) -> None:
+    """Raise ``fail(...)`` unless ``fans`` are :func:`~initlab.compute_fans` of ``shape`` in the
+    spec's layout (a whole parameter, or one block of it); ``where`` names it."""
     try:
         expected = compute_fans(
-            block_shape,
-            groups=spec.groups,
-            transposed=spec.transposed,
-            **_stride_of(block.fans, block_shape),
+            shape, groups=spec.groups, transposed=spec.transposed, **_stride_of(fans, shape)
         )
     except ValueError as err:
         raise fail(f"{where}: {err}") from None
-    if block.fans != expected:
-        raise fail(f"{where} has fans {expected}, but the spec says {block.fans}")
+    if fans != expected:
+        raise fail(f"{where} has fans {expected}, but the spec says {fans}")
 
 
 class Registry:
