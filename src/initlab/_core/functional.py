@@ -45,20 +45,25 @@ def _every_entry(
 ) -> dict[str, torch.Tensor | None]:
     """``state`` keyed by one name per entry of every distinct submodule: an entry holding the
     same tensor as a named one gets its value; other names of the model's tensors in ``state``
-    (a shared submodule's second name) are dropped, names the model does not have kept."""
-    first: dict[int, str] = {}
-    for name, t in (*module.named_parameters(), *module.named_buffers()):
-        first.setdefault(id(t), name)
-    out: dict[str, torch.Tensor | None] = {}
-    for prefix, sub in module.named_modules():
+    (a shared submodule's second name) are dropped, names the model does not have kept.
+
+    One walk of ``named_modules(remove_duplicate=False)``, in the order ``named_parameters()``
+    and ``named_buffers()`` take: a tensor's first name is the one they give it."""
+    first: dict[int, str] = {}  # tensor -> its first name
+    entries: list[tuple[str, torch.Tensor]] = []  # one per slot of a distinct submodule
+    named: set[str] = set()  # every name of every tensor
+    seen: set[int] = set()
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        distinct = id(sub) not in seen
+        seen.add(id(sub))
         for local, t in (*sub._parameters.items(), *sub._buffers.items()):
             if t is None:
                 continue
             name = f"{prefix}.{local}" if prefix else local
-            key = first.get(id(t), name)
-            if key in state:
-                out[name] = state[key]
-    named = {n for n, _ in module.named_parameters(remove_duplicate=False)}
-    named |= {n for n, _ in module.named_buffers(remove_duplicate=False)}
+            named.add(name)
+            first.setdefault(id(t), name)
+            if distinct:
+                entries.append((name, t))
+    out = {name: state[first[id(t)]] for name, t in entries if first[id(t)] in state}
     out.update((k, v) for k, v in state.items() if k not in named)  # for torch to report
     return out
