@@ -254,11 +254,8 @@ def _treat(
     course, current = _Course(), before
     for name in todo:
         done = [*course.applied, *course.unchanged]
-        if (
-            auto
-            and course.applied
-            and name not in _recommended(_checks(current, model, setup, done))
-        ):
+        now = _checks(current, model, setup, done)
+        if auto and course.applied and name not in _recommended(now):
             course.skipped[name] = f"no longer needed after {', '.join(course.applied)}"
             continue
         call = functools.partial(_apply, name, model, setup, current, done)
@@ -276,9 +273,7 @@ def _treat(
             )
             continue
         after = _measure(model, setup)
-        worse = _worse(
-            _checks(current, model, setup, done), _checks(after, model, setup, [*done, name])
-        )
+        worse = _worse(now, _checks(after, model, setup, [*done, name]))
         if auto and worse:
             _undo(name, model, kept, course)
             course.undone[name] = f"it made the checks worse ({worse}); the model is as before it"
