@@ -40,14 +40,12 @@ class ExpertLayout:
     """How a bank of experts stores its matrices.
 
     Attributes:
-        experts: ``E``, the number of experts (dim 0 of every tensor).
         transposed: each slice is ``(in, out)`` rather than ``(out, in)``.
         concatenated: ``gate_up_proj`` is ``[gate; up]`` (``False``: interleaved rows).
         weights: the 3-D weights, in the order above.
         biases: their biases (``<weight>_bias``, ``(E, out)``).
     """
 
-    experts: int
     transposed: bool
     concatenated: bool
     weights: tuple[str, ...]
@@ -79,7 +77,7 @@ def expert_layout(module: nn.Module) -> ExpertLayout | None:
     biases = tuple(f"{w}_bias" for w in weights if f"{w}_bias" in params)
     if set(params) != set(weights) | set(biases):
         return None  # a parameter of its own this reading does not know
-    layout = ExpertLayout(experts, transposed, _concatenated(module), weights, biases)
+    layout = ExpertLayout(transposed, _concatenated(module), weights, biases)
     down_out, down_in = layout.matrix(params["down_proj"])
     for w in weights[:-1]:
         out, inp = layout.matrix(params[w])
