@@ -384,3 +384,17 @@ def test_autocast_checks_skip_a_device_type_torch_does_not_know(monkeypatch) -> 
         pass
     with torch.autocast("cpu", dtype=torch.bfloat16), autocast_off():
         assert not real("cpu")
+
+
+def test_one_padding_rule_for_outputs_and_the_probe() -> None:
+    """``real_positions`` (LSUV, scale_output_, doctor) reads the mask as the probe does: an
+    integer mask with zeros picks the real tokens; an all-ones mask and a floating-point mask
+    (an additive one is 0 where a token is kept) pick nothing out."""
+    from initlab._core.data import real_positions
+
+    t = torch.arange(12.0).reshape(2, 3, 2)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    assert torch.equal(real_positions(t, {"attention_mask": mask}), t[mask.bool()])
+    assert real_positions(t, {"attention_mask": torch.ones(2, 3, dtype=torch.long)}) is t
+    additive = torch.tensor([[0.0, 0.0, -1e9], [0.0, -1e9, -1e9]])
+    assert real_positions(t, {"attention_mask": additive}) is t

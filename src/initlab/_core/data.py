@@ -533,11 +533,11 @@ def keyword_error(err: TypeError, batch: Any, what: str) -> TypeError | None:
 
 def real_positions(t: torch.Tensor, batch: Any) -> torch.Tensor:
     """``t``'s entries at the batch's real tokens: where a dict batch carries an
-    ``attention_mask`` whose shape leads ``t``'s (``(B, T)`` beside logits ``(B, T, V)``), the
-    positions at its zeros (padding) are left out, ``t[mask]``; any other tensor or batch: ``t``
-    itself."""
-    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
-    return at_mask(t, mask) if isinstance(mask, torch.Tensor) else t
+    ``attention_mask`` that pads (:func:`padding_mask`, the probe's rule too) and whose shape
+    leads ``t``'s (``(B, T)`` beside logits ``(B, T, V)``), the positions at its zeros are left
+    out, ``t[mask]``; any other tensor or batch: ``t`` itself."""
+    mask = padding_mask(batch) if isinstance(batch, Mapping) else None
+    return t if mask is None else at_mask(t, mask)
 
 
 def masks_positions(model: nn.Module) -> bool:
@@ -550,7 +550,8 @@ def masks_positions(model: nn.Module) -> bool:
 
 def padding_mask(kwargs: Mapping[str, Any]) -> torch.Tensor | None:
     """The boolean ``attention_mask`` of a forward's keyword arguments (or a dict batch) where it
-    pads (``(B, T)`` or more dims, with a zero); ``None`` where nothing is padded."""
+    pads (``(B, T)`` or more dims, with a zero); ``None`` where nothing is padded, and for a
+    floating-point mask (an additive one, 0 where a token is kept, would read backwards)."""
     mask = kwargs.get("attention_mask")
     if not isinstance(mask, torch.Tensor) or mask.dim() < 2 or mask.is_floating_point():
         return None
