@@ -683,7 +683,7 @@ def assign_roles(
     unknown = Follow(None, None, "scheme (no nonlinearity found after it)")
     for plan in weights:
         key = id(plan.module)
-        local = experts.get((key, plan.name.rsplit(".", 1)[-1]))
+        local = experts.get((key, plan.spec.name))  # type: ignore[union-attr]
         plan.follow = local or traced.get(key) or structural.get(key) or unknown
 
 

@@ -324,10 +324,10 @@ def _head_label(roles: set[str]) -> str:
 
 def expert_following(model: nn.Module) -> dict[tuple[int, str], Follow]:
     """``(module id, parameter name)`` -> :class:`Follow` for the weights of mixture-of-experts
-    layers (:mod:`initlab.init._experts`): a bank's gate (with the input half of a
-    concatenated ``gate_up_proj``, which shares its gain) gets the bank's ``act_fn``, its
-    ``down_proj`` gain 1 (the output projection), a router gain 1 (its logits choose the
-    experts)."""
+    layers (:mod:`initlab.init._experts`): a bank's gate gets the bank's ``act_fn`` (the input
+    half of a fused ``gate_up_proj`` is a :attr:`~initlab.init.specs.Block.gated` block: gain
+    1), an ``up_proj`` beside a ``gate_proj`` and its ``down_proj`` gain 1, a router gain 1 (its
+    logits choose the experts)."""
     out: dict[tuple[int, str], Follow] = {}
     for module in model.modules():
         layout = expert_layout(module)
