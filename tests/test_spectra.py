@@ -210,3 +210,88 @@ def test_residual_bound_uses_one_plus_norm_and_bounds_the_ratio():
     expected = norm["inp"] * norm["out"] * math.prod(1 + norm[f"hidden.{i}"] for i in range(3))
     assert bounds["residual"] == pytest.approx(expected, rel=1e-12)
     assert _lipschitz_ratios(model, (6,)) <= bounds["residual"] * (1 + 1e-9)
+
+
+TRANSPOSED_CASES = [
+    ("t_stride2", nn.ConvTranspose2d, dict(in_channels=6, out_channels=4, kernel_size=2,
+                                           stride=2), (6, 5, 5)),
+    ("t_outpad_groups", nn.ConvTranspose2d, dict(in_channels=4, out_channels=6, kernel_size=3,
+                                                 stride=2, padding=1, output_padding=1,
+                                                 groups=2), (4, 4, 5)),
+    ("t1d_dilation_depthwise", nn.ConvTranspose1d, dict(in_channels=4, out_channels=4,
+                                                        kernel_size=3, stride=3, dilation=2,
+                                                        groups=4), (4, 7)),
+    ("t3d", nn.ConvTranspose3d, dict(in_channels=2, out_channels=3, kernel_size=2, stride=2,
+                                     padding=1), (2, 3, 3, 3)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("name", "cls", "kwargs", "shape"), TRANSPOSED_CASES, ids=[c[0] for c in TRANSPOSED_CASES]
+)
+def test_transposed_conv_operator_and_norm_match_the_dense_matrix(name, cls, kwargs, shape):
+    """A transposed convolution's map: ``A`` and its adjoint against the module's own matrix,
+    ``||A||`` against its exact SVD (they had no operator norm: NaN with a note)."""
+    torch.manual_seed(sum(map(ord, name)))
+    conv = cls(**kwargs)
+    matrix = dense_conv_matrix(conv, shape)
+    forward, adjoint, out_shape = conv_operator(conv, shape)
+    assert matrix.shape == (math.prod(out_shape), math.prod(shape))
+    x = torch.randn(1, *shape, dtype=F64)
+    y = torch.randn(1, *out_shape, dtype=F64)
+    torch.testing.assert_close(forward(x).reshape(-1), matrix @ x.reshape(-1))
+    torch.testing.assert_close(adjoint(y).reshape(-1), matrix.T @ y.reshape(-1))
+    sigma, _ = conv_operator_norm(conv, shape, generator=torch.Generator().manual_seed(1))
+    assert sigma == pytest.approx(torch.linalg.svdvals(matrix)[0].item(), rel=1e-6)
+
+
+def test_layer_spectra_of_a_transposed_conv_uses_its_call_s_output_size():
+    """``output_size=`` chooses the output padding of the call: the norm is the called map's
+    (the module's own ``output_padding`` would miss a row and a column of outputs)."""
+    torch.manual_seed(0)
+
+    class Up(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up = nn.ConvTranspose2d(3, 5, 3, stride=2, padding=1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.up(x, output_size=(2 * x.shape[-2], 2 * x.shape[-1]))
+
+    model = Up().double()
+    n = 3 * 4 * 4
+    basis = torch.eye(n, dtype=F64).reshape(n, 3, 4, 4)
+    with torch.no_grad():
+        matrix = (model(basis) - model.up.bias.reshape(1, -1, 1, 1)).reshape(n, -1).T
+    expected = torch.linalg.svdvals(matrix)[0].item()
+    own = torch.linalg.svdvals(dense_conv_matrix(model.up, (3, 4, 4)))[0].item()
+    assert abs(own - expected) > 1e-3 * expected  # the module's own output padding differs
+    rows = {r["layer"]: r for r in layer_spectra(model, torch.randn(2, 3, 4, 4, dtype=F64))}
+    assert rows["up"]["op_norm"] == pytest.approx(expected, rel=1e-6)
+    assert rows["up"]["op_method"] == "lanczos" and rows["up"]["note"] == ""
+    bound = lipschitz_bounds(rows.values())
+    assert bound["plain"] == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    "conv",
+    [nn.Conv2d(16, 16, 3, groups=16), nn.Conv2d(8, 12, 3, groups=4),
+     nn.ConvTranspose2d(8, 6, 3, groups=2)],
+    ids=["depthwise", "groups4", "transposed_groups2"],
+)  # fmt: skip
+def test_a_grouped_conv_s_singular_values_are_its_groups_matrices(conv):
+    """A grouped convolution's patch matrix is block-diagonal, one block per group: its singular
+    values are the groups' together (``sv_max`` was the stacked ``(out, -1)`` matrix's, 2.79
+    for a depthwise conv whose groups' largest is 1.41 after an orthogonal init)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(conv)
+    rows = layer_spectra(model)
+    w = conv.weight.detach().double().numpy()
+    blocks = w.reshape(conv.groups, w.shape[0] // conv.groups, -1)
+    each = [np.linalg.svd(b, compute_uv=False) for b in blocks]
+    row = next(r for r in rows if r["param"] == "weight")
+    assert row["sv_max"] == pytest.approx(max(s[0] for s in each), rel=1e-12)
+    assert row["sv_mean"] == pytest.approx(np.mean([s.mean() for s in each]), rel=1e-12)
+    stacked = np.linalg.svd(w.reshape(w.shape[0], -1), compute_uv=False)[0]
+    assert abs(row["sv_max"] - stacked) > 1e-3 * stacked
+    assert f"{conv.groups} groups" in row["note"]

@@ -4,16 +4,23 @@ For every weight (a parameter with the role ``"weight"`` in :mod:`initlab.init.r
 matrix of a Linear layer, the kernel of a convolution, an attention projection):
 
 * ``sv_max`` and ``sv_mean``: the largest and the mean *non-zero* singular value of the weight
-  reshaped to a matrix ``W.reshape(W.shape[0], -1)``, by an exact SVD in float64. The lecture's
-  ratio ``a = sv_mean / sv_max`` (seeds digest §3) is their quotient. "Non-zero" means above
-  ``max(m, n) * eps * sv_max`` (the numerical rank of :func:`torch.linalg.matrix_rank`).
+  reshaped to a matrix ``W.reshape(W.shape[0], -1)`` (a convolution's: the matrix that maps one
+  patch to one output position; a transposed convolution's, ``(in, out * k)``: its adjoint
+  convolution's), by an exact SVD in float64. A grouped convolution's patch matrix is
+  block-diagonal, one block per group, so its singular values are those of the groups' matrices
+  together: ``sv_max`` the largest over the groups, ``sv_mean`` the mean of the groups' means
+  (as a bank of experts'). The lecture's ratio ``a = sv_mean / sv_max`` (seeds digest §3) is
+  their quotient. "Non-zero" means above ``max(m, n) * eps * sv_max`` (the numerical rank of
+  :func:`torch.linalg.matrix_rank`).
 * ``op_norm``: the operator norm ``||A||_2`` of the linear map the layer applies. For a Linear layer
   this is ``sv_max``. For a convolution it is **not** the norm of the reshaped kernel: the map
   ``x -> conv(x)`` at the input shape the layer actually saw (recorded by a forward pre-hook,
   :class:`InputShapes`) is a large structured matrix, whose largest singular value we find by
   Krylov power iteration on ``A^T A``: ``A`` is ``F.conv{1,2,3}d`` and ``A^T`` is
   ``F.conv_transpose{1,2,3}d`` with the same weight, stride, dilation and groups, and the
-  ``output_padding`` that restores the input size (the exact adjoint). Padding modes other than
+  ``output_padding`` that restores the input size (the exact adjoint); a transposed convolution
+  (``nn.ConvTranspose{1,2,3}d``, zero padding only) the other way round, with the
+  ``output_padding`` of its recorded call. Padding modes other than
   ``"zeros"`` (``"circular"``, ``"reflect"``, ``"replicate"``) and string paddings (``"same"``) pad
   explicitly with ``F.pad`` first; the adjoint of the padding is its vector-Jacobian product (it is
   linear, so the VJP *is* the adjoint). The iteration keeps a Krylov basis of up to
@@ -89,10 +96,14 @@ SPECTRA_COLUMNS: tuple[str, ...] = (
 """Columns of :func:`layer_spectra`: ``layer`` module name, ``param`` parameter name, ``order``
 execution order of the module's first call (``None``: not called), ``shape`` the weight's shape,
 ``input_shape`` the layer's input shape without the batch dim (convolutions), ``sv_max``/``sv_mean``
-of the reshaped matrix, ``op_norm`` the operator norm, ``op_method`` how it was found (``"svd"``,
-``"lanczos"``, ``"bn_eval"``), ``matvecs`` applications of ``A^T A``, ``note`` caveats."""
+of the reshaped matrix (of each group's, of each expert's; see the module docstring),
+``op_norm`` the operator norm, ``op_method`` how it was found (``"svd"``, ``"lanczos"``,
+``"bn_eval"``), ``matvecs`` applications of ``A^T A``, ``note`` caveats."""
 
 _CONVS: dict[type[nn.Module], int] = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}
+_CONVTS: dict[type[nn.Module], int] = {
+    nn.ConvTranspose1d: 1, nn.ConvTranspose2d: 2, nn.ConvTranspose3d: 3,
+}  # fmt: skip
 _CONV_FNS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _CONVT_FNS = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 _F64 = torch.float64
@@ -122,24 +133,30 @@ def mean_nonzero_singular_value(s: torch.Tensor, shape: Sequence[int] | None = N
 
 
 def _conv_dims(module: nn.Module) -> int:
-    for cls, nd in _CONVS.items():
+    for cls, nd in (*_CONVS.items(), *_CONVTS.items()):
         if isinstance(module, cls):
             return nd
     raise TypeError(
-        f"expected nn.Conv1d/2d/3d, got {type(module).__name__} (transposed convolutions are "
-        "not supported)"
+        f"expected nn.Conv1d/2d/3d or nn.ConvTranspose1d/2d/3d, got {type(module).__name__}"
     )
 
 
 def conv_operator(
-    module: nn.Module, input_shape: Sequence[int], *, dtype: torch.dtype = _F64
+    module: nn.Module,
+    input_shape: Sequence[int],
+    *,
+    dtype: torch.dtype = _F64,
+    output_padding: Sequence[int] | None = None,
 ) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor], tuple]:
     """The linear map of a convolution (bias excluded) at ``input_shape`` and its adjoint.
 
     Args:
-        module: an ``nn.Conv1d/2d/3d`` (any stride, padding, padding mode, dilation, groups).
+        module: an ``nn.Conv1d/2d/3d`` (any stride, padding, padding mode, dilation, groups) or
+            an ``nn.ConvTranspose1d/2d/3d``.
         input_shape: ``(C, *spatial)`` of one example (a leading batch dim of 1 is accepted).
         dtype: dtype of the computation (the weight is cast to it).
+        output_padding: a transposed convolution's, where a call's ``output_size`` chose it
+            (``None``: the module's own).
 
     Returns:
         ``(A, AT, out_shape)``: ``A`` maps ``(1, C, *spatial)`` to ``(1, *out_shape)`` and ``AT``
@@ -154,6 +171,8 @@ def conv_operator(
             f"input_shape must be (C, *spatial) with {nd} spatial dims for "
             f"{type(module).__name__}, got {tuple(input_shape)}"
         )
+    if isinstance(module, tuple(_CONVTS)):
+        return _transposed_operator(module, shape, dtype, output_padding)
     conv, convt = _CONV_FNS[nd], _CONVT_FNS[nd]
     w = module.weight.detach().to(dtype)
     stride, dilation, groups = tuple(module.stride), tuple(module.dilation), module.groups
@@ -207,6 +226,37 @@ def conv_operator(
         return pre_t(convt(y, w, None, stride, pad, output_padding, groups, dilation))
 
     return forward, adjoint, (w.shape[0], *out_spatial)
+
+
+def _transposed_operator(
+    module: nn.Module,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    output_padding: Sequence[int] | None,
+) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor], tuple]:
+    """:func:`conv_operator` of a transposed convolution: ``A`` is ``F.conv_transpose{1,2,3}d``
+    and its adjoint the convolution with the same weight (``output_padding < stride``, so the
+    convolution of ``A x`` has ``x``'s size)."""
+    nd = _conv_dims(module)
+    w = module.weight.detach().to(dtype)
+    stride, pad, dilation = tuple(module.stride), tuple(module.padding), tuple(module.dilation)
+    extra = tuple(module.output_padding if output_padding is None else output_padding)
+    kernel, groups = tuple(w.shape[2:]), module.groups
+    out_spatial = tuple(
+        (s - 1) * st - 2 * p + d * (k - 1) + e + 1
+        for s, st, p, d, k, e in zip(shape[1:], stride, pad, dilation, kernel, extra, strict=True)
+    )
+    if any(o < 1 for o in out_spatial):
+        raise ValueError(f"input {shape} is too small for {module}")
+    conv, convt = _CONV_FNS[nd], _CONVT_FNS[nd]
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return convt(x, w, None, stride, pad, extra, groups, dilation)
+
+    def adjoint(y: torch.Tensor) -> torch.Tensor:
+        return conv(y, w, None, stride, pad, dilation, groups)
+
+    return forward, adjoint, (w.shape[1] * groups, *out_spatial)
 
 
 def top_singular_value(
@@ -310,8 +360,10 @@ def conv_operator_norm(
     max_matvecs: int = 600,
     polish: int = 32,
     generator: torch.Generator | None = None,
+    output_padding: Sequence[int] | None = None,
 ) -> tuple[float, dict[str, Any]]:
-    """Operator norm ``||A||_2`` of a convolution's linear map at ``input_shape``.
+    """Operator norm ``||A||_2`` of a convolution's (or a transposed convolution's, with
+    ``output_padding`` as :func:`conv_operator`'s) linear map at ``input_shape``.
 
     Two stages, because float64 convolutions are slow on CPU: the Krylov iteration runs in float32
     until the Ritz value is stable to 1e-6, then continues in float64 from the float32 top vector
@@ -326,12 +378,14 @@ def conv_operator_norm(
     device = module.weight.device
     n = math.prod(shape)
     krylov = int(max(8, min(48, (1 << 26) // max(n, 1))))  # at most ~256 MiB of float32 basis
-    fwd32, adj32, _ = conv_operator(module, shape, dtype=torch.float32)
+    fwd32, adj32, _ = conv_operator(
+        module, shape, dtype=torch.float32, output_padding=output_padding
+    )
     _, first = top_singular_value(
         fwd32, adj32, (1, *shape), tol=1e-4, value_tol=1e-6, krylov=krylov,
         max_matvecs=max_matvecs, generator=generator, dtype=torch.float32, device=device,
     )  # fmt: skip
-    fwd, adj, _ = conv_operator(module, shape)
+    fwd, adj, _ = conv_operator(module, shape, output_padding=output_padding)
     sigma, info = top_singular_value(
         fwd, adj, (1, *shape), tol=tol, value_tol=1e-11, krylov=min(krylov, 16),
         max_matvecs=polish, device=device,
@@ -344,32 +398,34 @@ def conv_operator_norm(
 # ----------------------------------------------------------------------------- models
 
 
-def _input_shapes(
-    model: nn.Module, data: Any
-) -> tuple[Mapping[str, Sequence[int]], list[str], set[str], DataUse | None]:
-    """``(shapes, call order, modules called several times, data used)`` from what
-    :func:`layer_spectra` was given."""
+def _input_shapes(model: nn.Module, data: Any) -> tuple[InputShapes | None, DataUse | None]:
+    """What :func:`layer_spectra` was given as an :class:`InputShapes` (``None``: no shapes),
+    and the data used."""
     if data is None or (isinstance(data, Mapping) and not data):
-        return {}, [], set(), None
+        return None, None
     if isinstance(data, InputShapes):
-        return data.shapes, data.order, data.multiple, None
+        return data, None
     if isinstance(data, Mapping) and all(
         isinstance(v, (tuple, list, torch.Size)) for v in data.values()
     ):
-        return data, [], set(), None
+        given = InputShapes(model)
+        given.shapes = {k: tuple(int(s) for s in v) for k, v in data.items()}
+        return given, None
     batches = take_batches(data, 1, exact=False, what="layer_spectra")
     weighted = InputShapes(model, lambda n, m: bool(_weight_params(m, n)))  # every row's module
     with preserved_state(model), torch.no_grad(), weighted as watched:
         default_forward(model, batches[0])
-    return watched.shapes, watched.order, watched.multiple, data_use(batches)
+    return watched, data_use(batches)
 
 
 class InputShapes(HookContext):
     """Record, per module, the shape of its first input (without the batch dim) and call order.
 
-    A context manager: forward pre-hooks on the chosen modules (default: convolutions, Linear
-    layers and BatchNorm) record ``shapes[name]`` (first call only) and ``order`` (names in the
-    order of first call); hooks are removed on exit (also on errors).
+    A context manager: forward pre-hooks on the chosen modules (default: convolutions, transposed
+    convolutions, Linear layers and BatchNorm) record ``shapes[name]`` (first call only) and
+    ``order`` (names in the order of first call), and a transposed convolution's
+    ``output_padding[name]`` (a call's ``output_size`` chooses it); hooks are removed on exit
+    (also on errors).
     """
 
     def __init__(
@@ -379,9 +435,12 @@ class InputShapes(HookContext):
     ) -> None:
         self.model = model
         self.select = select or (
-            lambda _n, m: isinstance(m, (nn.Linear, *_CONVS, nn.modules.batchnorm._BatchNorm))
+            lambda _n, m: isinstance(
+                m, (nn.Linear, *_CONVS, *_CONVTS, nn.modules.batchnorm._BatchNorm)
+            )
         )
         self.shapes: dict[str, tuple[int, ...]] = {}
+        self.output_padding: dict[str, tuple[int, ...]] = {}
         self.multiple: set[str] = set()
         self.order: list[str] = []
 
@@ -399,10 +458,38 @@ class InputShapes(HookContext):
 
         return hook
 
+    def _output_hook(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            if name in self.output_padding or not isinstance(output, torch.Tensor):
+                return
+            x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            if x is not None:
+                self.output_padding[name] = _output_padding(module, x.shape, output.shape)
+
+        return hook
+
     def register(self) -> None:
         for name, module in self.model.named_modules():
             if self.select(name, module):
                 self._hooks.add(module.register_forward_pre_hook(self._hook(name)))
+                if isinstance(module, tuple(_CONVTS)):
+                    self._hooks.add(module.register_forward_hook(self._output_hook(name)))
+
+
+def _output_padding(
+    module: nn.Module, in_shape: Sequence[int], out_shape: Sequence[int]
+) -> tuple[int, ...]:
+    """The ``output_padding`` a transposed convolution's call used: the output's size beyond
+    ``(s - 1) * stride - 2 * padding + dilation * (k - 1) + 1``."""
+    nd = _conv_dims(module)
+    k = module.weight.shape[2:]
+    return tuple(
+        int(o) - ((int(s) - 1) * st - 2 * p + d * (kk - 1) + 1)
+        for o, s, st, p, d, kk in zip(
+            out_shape[-nd:], in_shape[-nd:], module.stride, module.padding, module.dilation, k,
+            strict=True,
+        )
+    )  # fmt: skip
 
 
 def _weight_params(module: nn.Module, name: str) -> list[tuple[str, torch.Tensor, bool]]:
@@ -447,15 +534,22 @@ def layer_spectra(
     A weight shared by several modules (tied embeddings) gets one row per module.
     """
     generator = as_generator(generator)
-    shapes, order, multiple, used = _input_shapes(model, data)
-    rank = {name: i for i, name in enumerate(order)}
+    watched, used = _input_shapes(model, data)
+    shapes = watched.shapes if watched is not None else {}
+    rank = {name: i for i, name in enumerate(watched.order if watched is not None else ())}
     registry = default_registry()
     rows: list[dict[str, Any]] = []
     svd_cache: dict[int, tuple[float, float]] = {}
     for name, module in model.named_modules():
         for pname, w, stacked in _weight_params(module, name):
             bad = int((~w.detach().isfinite()).sum())  # NaN/inf: no SVD, no operator norm
-            sv_max, sv_mean, note = _svd_entry(w, bad, max_svd_elements, svd_cache, stacked)
+            groups = int(getattr(module, "groups", 1)) if _is_conv(module) else 1
+            sv_max, sv_mean, note = _svd_entry(
+                w, bad, max_svd_elements, svd_cache, stacked=stacked, groups=groups
+            )
+            if groups > 1 and math.isfinite(sv_max):
+                note.append(f"{groups} groups: sv_max the largest of the groups' matrices, "
+                            "sv_mean the mean over them")  # fmt: skip
             in_shape = tuple(shapes[name]) if name in shapes else None
             op_norm, method, matvecs = math.nan, "", 0
             finite = bad == 0  # else no operator norm (a note says so)
@@ -463,9 +557,9 @@ def layer_spectra(
                 op_norm, method = (sv_max, "svd") if finite else (math.nan, "")
                 note.append(f"{w.shape[0]} experts: sv_max and op_norm the largest, sv_mean "
                             "the mean over them")  # fmt: skip
-            elif finite and isinstance(module, tuple(_CONVS)):
+            elif finite and _is_conv(module):
                 op_norm, method, matvecs = _conv_entry(
-                    module, in_shape, name in multiple, note, tol, max_matvecs, generator
+                    module, in_shape, watched, name, note, tol, max_matvecs, generator
                 )
             elif finite and linear_fans(module, registry) is not None:  # Linear, GPT-2's Conv1D
                 op_norm, method = sv_max, "svd"
@@ -599,25 +693,33 @@ def _maximal(indices: list[int], blocks: list[tuple[str, set[str], Any]]) -> lis
     return [i for i in indices if not any(blocks[i][1] < blocks[j][1] for j in indices if j != i)]
 
 
+def _is_conv(module: nn.Module) -> bool:
+    return isinstance(module, (*_CONVS, *_CONVTS))
+
+
 @without_autocast  # called inside the user's autocast: eigh/svd take no bfloat16
 def _svd_entry(
     w: torch.Tensor,
     bad: int,
     max_elements: int,
     cache: dict[int, tuple[float, float]],
+    *,
     stacked: bool = False,
+    groups: int = 1,
 ) -> tuple[float, float, list[str]]:
     """``(sv_max, sv_mean, notes)`` of one weight with ``bad`` non-finite values, computed once
-    per tensor (ties share it); ``stacked``: of its matrices along dim 0, the largest singular
-    value and the mean of theirs."""
+    per tensor (ties share it); of several matrices (``stacked``: a bank of experts' along dim
+    0; a convolution's ``groups`` > 1: the groups' blocks of dim 0), the largest singular value
+    and the mean of theirs."""
     if w.numel() > max_elements:
         return math.nan, math.nan, [f"{w.numel()} elements > max_svd_elements: no exact SVD"]
     if bad:
         return math.nan, math.nan, [f"{bad} non-finite value(s) (NaN or inf) in the weight"]
     if id(w) not in cache:
-        if stacked:
-            each = [singular_values(m) for m in w]
-            means = [mean_nonzero_singular_value(s, tuple(w.shape[1:])) for s in each]
+        if stacked or groups > 1:
+            matrices = w if stacked else w.reshape(groups, w.shape[0] // groups, -1)
+            each = [singular_values(m) for m in matrices]
+            means = [mean_nonzero_singular_value(s, tuple(matrices.shape[1:])) for s in each]
             cache[id(w)] = (max(float(s[0]) for s in each), sum(means) / len(means))
         else:
             s = singular_values(w)
@@ -629,7 +731,8 @@ def _svd_entry(
 def _conv_entry(
     module: nn.Module,
     in_shape: tuple[int, ...] | None,
-    several_shapes: bool,
+    watched: InputShapes | None,
+    name: str,
     note: list[str],
     tol: float,
     max_matvecs: int,
@@ -640,13 +743,15 @@ def _conv_entry(
     if in_shape is None:
         note.append("no recorded input shape: operator norm not computed")
         return math.nan, "", 0
+    extra = watched.output_padding.get(name) if watched is not None else None
     op_norm, info = conv_operator_norm(
-        module, in_shape, tol=tol, max_matvecs=max_matvecs, generator=generator
-    )
+        module, in_shape, tol=tol, max_matvecs=max_matvecs, generator=generator,
+        output_padding=extra,
+    )  # fmt: skip
     if not info["converged"] and info["value_change"] > 1e-6:
         note.append(
             f"power iteration not converged (last relative change {info['value_change']:.1e})"
         )
-    if several_shapes:
+    if watched is not None and name in watched.multiple:
         note.append("called with several input shapes: norm at the first")
     return op_norm, "lanczos", info["matvecs"]
