@@ -305,6 +305,19 @@ def test_dirac_even_kernel_with_dilation_warns_with_the_shift() -> None:
     torch.testing.assert_close(y[..., 3:-4, 3:-4], x[..., 4:-3, 4:-3], atol=1e-6, rtol=0)
 
 
+def test_dirac_without_an_exact_tap_takes_the_least_shifted_one() -> None:
+    """Kernel 2 at dilation 3 with padding="same" (1 before): tap 0 copies input i - 1, torch's
+    centre (tap 1) input i + 2; the delta went to the centre."""
+    layer = nn.Sequential(nn.Conv1d(3, 3, 2, padding="same", dilation=3, bias=False))
+    with pytest.warns(UserWarning, match=r"0\.weight .*shifted by \(-1,\)"):
+        initlab.init_model(layer, _IDENTITY, generator=0)
+    x = torch.randn(1, 3, 10, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Using padding='same' with even kernel", UserWarning)
+        y = layer(x)
+    torch.testing.assert_close(y[..., 1:], x[..., :-1], atol=1e-6, rtol=0)  # output i = input i-1
+
+
 def test_dirac_centre_is_validated() -> None:
     w = dirac_(torch.empty(2, 2, 4), centre=(1,))
     assert w[0, 0, 1] == 1 and w.sum() == 2

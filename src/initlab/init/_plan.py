@@ -559,8 +559,9 @@ def _place_dirac(plan: _Plan) -> None:
     ``padding="same"`` (torch: ``p_left = d·(k - 1) // 2``) or ``2p = d·(k - 1)``; then the
     delta at tap ``t = p_left / d`` maps ``x`` to ``gain·x`` exactly. That is torch's centre
     ``k // 2`` for an odd kernel and ``(k - 1) // 2`` for an even kernel at dilation 1 (placed
-    there, with a note). Where no tap is exact (an even kernel with dilation > 1) the delta stays
-    at ``k // 2`` in those dims and a UserWarning names the layer and the shift of the copy.
+    there, with a note). Where no tap is exact (an even kernel with dilation > 1) the delta goes
+    to the tap whose copy is shifted least, ``|d·t - p_left|`` smallest (torch's centre among
+    equals), and a UserWarning names the layer and the shift of the copy.
     """
     specs = [*plan.block_specs, *(s for specs in plan.rule_specs.values() for s in specs)]
     module = plan.module
@@ -579,7 +580,7 @@ def _place_dirac(plan: _Plan) -> None:
             left = module.padding[i]
         else:  # the output is not the input's size: no identity to aim for; torch's placement
             return
-        tap = left // d if left % d == 0 else k // 2
+        tap = min(range(k), key=lambda t, d=d, k=k, left=left: (abs(d * t - left), t != k // 2))
         centre.append(tap)
         shifts.append(d * tap - left)
     torch_centre = tuple(k // 2 for k in module.kernel_size)
