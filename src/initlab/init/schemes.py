@@ -325,9 +325,12 @@ class FanIn(_SampledScheme):
     """Fan-in: ``std = gain / sqrt(fan_in)``, ``Var = gain**2 / fan_in`` (He et al., 2015).
 
     ReLU (default): ``Var = 2 / fan_in`` (Kaiming/He). ``nonlinearity="linear"``: LeCun et al.
-    (1998). The std is computed as torch does, so the normal/uniform draws equal
-    ``torch.nn.init.kaiming_normal_``/``kaiming_uniform_`` (mode ``fan_in``) bit for bit for the
-    same generator.
+    (1998). The std is computed as torch does, so on a Linear layer or a convolution the
+    normal/uniform draws equal ``torch.nn.init.kaiming_normal_``/``kaiming_uniform_`` (mode
+    ``fan_in``) bit for bit for the same generator. Not on a transposed convolution: torch reads
+    its ``(in, out / groups, *k)`` weight as a convolution's and takes ``(out / groups) * k`` for
+    its fan-in, where initlab takes the inputs that reach one output, ``(in / groups) * k /
+    prod(stride)`` (:func:`~initlab.init.fans.compute_fans`).
 
     Example:
         >>> FanIn().spec(Fans(fan_in=50, fan_out=10)).variance
@@ -348,8 +351,10 @@ class FanIn(_SampledScheme):
 class FanOut(_SampledScheme):
     """Fan-out: ``std = gain / sqrt(fan_out)``, ``Var = gain**2 / fan_out`` (He et al., 2015).
 
-    Equals ``torch.nn.init.kaiming_normal_(mode="fan_out")`` for ungrouped weights (for grouped
-    convolutions initlab's ``fan_out`` is ``(n_out / groups) * k``, torch's is ``n_out * k``).
+    Equals ``torch.nn.init.kaiming_normal_(mode="fan_out")`` for ungrouped Linear layers and
+    convolutions (for grouped convolutions initlab's ``fan_out`` is ``(n_out / groups) * k``,
+    torch's is ``n_out * k``; for a transposed convolution torch takes ``in * k``, initlab its
+    ``(out / groups) * k``: see :func:`~initlab.init.fans.compute_fans`).
     """
 
     name: ClassVar[str] = "fan_out"
