@@ -36,7 +36,15 @@ and ``dW_example`` are therefore multiplied by ``B`` and are gradients of *one e
 counted tokens, ``L_i = B sum_t l_it / N``: example ``i``'s share of the batch loss, times ``B``
 (so that the ``L_i`` average to ``L``). It is example ``i``'s token average when every example has
 the same number of counted tokens; with padding or ignored labels an example with more tokens
-weighs more than its own token average would. ``dW`` is always reported as seen: the gradient
+weighs more than its own token average would. A mean over class targets ``(B,)`` that skips
+some of them divides by the ``N < B`` it counts; the gradients are then multiplied by ``N``
+(an ignored example's are zero), where the loss says what it counts: torch's cross-entropy and
+NLL criteria (their ``ignore_index`` and class weights), initlab's ``"cross_entropy"`` and
+``"auto"``, and a Hugging Face model's own loss (labels not -100). Any other loss is taken to
+count all ``B``: a function of yours that skips targets (a ``lambda`` around ``F.cross_entropy``
+on labels with -100) gives per-example numbers ``(B / N)^2`` times the criterion's; pass the
+criterion itself (``nn.CrossEntropyLoss()``), or reduce by sum and say so
+(``loss_reduction="sum"``). ``dW`` is always reported as seen: the gradient
 of the loss you called ``backward`` on. With ``"sum"`` nothing is rescaled. ``B`` is the size of
 the root model's first tensor argument along ``batch_dim``; by default it is checked against the
 root's output and the targets (:mod:`~initlab.measure.probe.batch`): EmbeddingBag's
