@@ -12,6 +12,7 @@ from torch import nn
 
 import initlab
 from initlab._core.compiled import uncompiled
+from initlab.methods.output_scale import measure_output_std
 
 
 def _mlp() -> nn.Module:
@@ -96,3 +97,48 @@ def test_a_compiled_submodule_is_put_back_when_the_call_fails() -> None:
     with pytest.raises(ValueError, match="batch"):
         initlab.lsuv_(model, torch.randn(0, 8))
     assert model[0] is compiled_part
+
+
+def _outputs(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(x)
+
+
+def test_an_output_scale_hook_on_a_compiled_model_scales_what_the_compiled_model_returns() -> None:
+    """The hook went on the wrapped module, which the compiled graph (traced before the hook, or
+    for another instance of the class) never ran: the report said 0.05, the model kept its std."""
+    model = _mlp()
+    compiled = torch.compile(model, backend="eager")
+    x = _batches()[0][0]
+    ref = _outputs(compiled, x)  # compiled before the hook, as a user's model would be
+    report = initlab.scale_output_(compiled, x, how="hook", target=0.05)
+    s = report.info["scale"]
+    torch.testing.assert_close(_outputs(compiled, x), ref * s)
+    assert measure_output_std(compiled, x) == pytest.approx(0.05, rel=1e-5)
+    report.info["handle"].remove()
+    torch.testing.assert_close(_outputs(compiled, x), ref, rtol=0, atol=0)
+
+
+def test_doctors_output_scale_on_a_compiled_model_scales_what_the_compiled_model_returns() -> None:
+    model = _mlp()
+    with torch.no_grad():
+        model[2].weight.mul_(40)  # logits far too large
+    compiled = torch.compile(model, backend="eager")
+    x = _batches()[0][0]
+    ref = _outputs(compiled, x)
+    report = initlab.doctor(compiled, _batches(), nn.CrossEntropyLoss(), fix=["scale_output"])
+    assert report.applied == ["output_scale"]
+    s = report.reports["output_scale"].info["scale"]
+    torch.testing.assert_close(_outputs(compiled, x), ref * s)
+
+
+def test_an_output_scale_hook_inside_compiled_code_is_refused() -> None:
+    first, act, last = _mlp()
+    model = nn.Sequential(first, act, torch.compile(nn.Sequential(last), backend="eager"))
+    x = _batches()[0][0]
+    ref = _outputs(model, x)
+    with pytest.raises(ValueError, match=r"'2.0' is inside '2', which is torch.compile'd"):
+        initlab.scale_output_(model, x, how="hook", module="2.0")
+    report = initlab.scale_output_(model, x, how="hook", module="2")  # the compiled head
+    torch.testing.assert_close(_outputs(model, x), ref * report.info["scale"])
+    report.info["handle"].remove()

@@ -14,6 +14,13 @@ it holds the other checks they share before any work: the model is an ``nn.Modul
 swapped), not TorchScript (:func:`scripted_error`), has values (:func:`check_materialized`: no
 lazy or meta-device tensor), and the keywords are the function's own (a guessed name is answered
 with initlab's, :func:`~initlab._core.knobs.check_kwargs`; ``forward`` takes ``(model, batch)``).
+
+The forward hooks of a compiled model (on the ``OptimizedModule`` the user holds) run outside its
+compiled code, on every call; while an entry point runs the wrapped module they are relayed to it
+(:func:`eager_submodules`), so its passes see the model's output as the user's calls do. A hook on
+a module *inside* compiled code is another matter: dynamo does not guard on hooks, so a graph
+compiled before the hook (or for another instance of the class) never runs it. A hook initlab
+leaves on purpose therefore goes on the wrapper (:func:`hook_target`).
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -34,6 +41,7 @@ from initlab._core.knobs import check_kwargs
 __all__ = [
     "check_materialized",
     "eager_submodules",
+    "hook_target",
     "module_type_name",
     "scripted_error",
     "scripted_part",
@@ -55,11 +63,40 @@ def uncompiled(model: Any) -> Any:
     return model
 
 
+def _wrappers(model: Any) -> list[nn.Module]:
+    """The ``torch.compile`` wrappers around ``model``'s uncompiled module, innermost first."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    chain: list[nn.Module] = []
+    while eval_frame is not None and isinstance(model, eval_frame.OptimizedModule):
+        chain.insert(0, model)
+        model = model._orig_mod
+    return chain
+
+
+class _Relay:
+    """A forward hook on a compiled model's wrapped module that runs the wrapper's forward hooks
+    (as the wrapper's own call does after the wrapped module's): registered by
+    :func:`eager_submodules` for the duration of an entry point."""
+
+    def __init__(self, wrapper: nn.Module) -> None:
+        self.wrapper = wrapper
+
+    def __call__(self, module: nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> Any:
+        w = self.wrapper
+        for key, hook in list(w._forward_hooks.items()):
+            with_kwargs = key in w._forward_hooks_with_kwargs
+            got = hook(w, args, kwargs, output) if with_kwargs else hook(w, args, output)
+            output = output if got is None else got
+        return output
+
+
 @contextmanager
-def eager_submodules(model: nn.Module) -> Iterator[None]:
+def eager_submodules(model: nn.Module, wrappers: Sequence[nn.Module] = ()) -> Iterator[None]:
     """For the block, every ``torch.compile``'d submodule of ``model`` is replaced in its parent by
     the module it wraps (the same parameters, run eagerly, named without ``_orig_mod``); put back
-    after, also on failure. Nothing to do without one."""
+    after, also on failure. The forward hooks of each wrapper (and of ``wrappers``, the ones
+    around ``model`` itself, innermost first) run after the wrapped module's, as in the compiled
+    model's call (a :class:`_Relay` on it, removed after)."""
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     swapped: list[tuple[nn.Module, str, nn.Module]] = []
     if eval_frame is not None:
@@ -69,13 +106,47 @@ def eager_submodules(model: nn.Module) -> Iterator[None]:
             for name, child in parent._modules.items()
             if isinstance(child, eval_frame.OptimizedModule)
         ]
+    relays = [(model, w) for w in wrappers]
+    relays += [(uncompiled(child), w) for *_, child in swapped for w in _wrappers(child)]
+    handles = []
     try:
         for parent, name, child in swapped:
             parent._modules[name] = uncompiled(child)
+        for module, wrapper in relays:
+            handles.append(module.register_forward_hook(_Relay(wrapper), with_kwargs=True))
         yield
     finally:
+        for handle in reversed(handles):
+            handle.remove()
         for parent, name, child in reversed(swapped):
             parent._modules[name] = child
+
+
+def hook_target(model: nn.Module, name: str, what: str) -> nn.Module:
+    """The module to register a lasting forward hook on so that it scales what submodule ``name``
+    (``""``: the model) of ``model`` puts out, where ``model`` is what an entry point runs: the
+    module itself, or, where the user's model calls it through a ``torch.compile`` wrapper (the
+    compiled model, or a compiled submodule), the outermost wrapper (whose hooks run on every call
+    of it, and during the entry point through the relay: :func:`eager_submodules`). A module inside
+    compiled code is refused with a ``ValueError`` (``what`` names the entry point): the compiled
+    graph would not run its hook."""
+    path = name.split(".") if name else []
+    module = model
+    for i in range(len(path) + 1):
+        relays = [h for h in module._forward_hooks.values() if isinstance(h, _Relay)]
+        if relays and i == len(path):
+            return relays[-1].wrapper  # the outermost: registered last
+        if relays:
+            inside = ".".join(path[:i]) or "the model"
+            raise ValueError(
+                f"{what}: {name!r} is inside {inside!r}, which is torch.compile'd: a hook on a "
+                "module inside compiled code is not run by a graph compiled before it. Hook the "
+                "compiled module itself (module=None, or the compiled submodule), use "
+                "how='fold' or how='module', or call it on the eager model and compile after"
+            )
+        if i < len(path):
+            module = module.get_submodule(path[i])
+    return module
 
 
 def takes_compiled(fn: F | None = None, *, scripted: bool = False, collective: bool = False) -> Any:
@@ -98,6 +169,7 @@ def takes_compiled(fn: F | None = None, *, scripted: bool = False, collective: b
     @functools.wraps(fn)
     def inner(*args: Any, **kwargs: Any) -> Any:
         _check_keywords(fn.__name__, kwargs, accepted)
+        held = args[0] if args else kwargs.get("model")  # the model as the user holds it
         if args and isinstance(args[0], nn.Module):
             args = (uncompiled(args[0]), *args[1:])
         if isinstance(kwargs.get("model"), nn.Module):
@@ -116,7 +188,7 @@ def takes_compiled(fn: F | None = None, *, scripted: bool = False, collective: b
                 )
             return fn(*args, **kwargs)
         check_materialized(model, fn.__name__)
-        with eager_submodules(model):
+        with eager_submodules(model, _wrappers(held)):
             return fn(*args, **kwargs)
 
     return inner

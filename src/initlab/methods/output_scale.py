@@ -32,7 +32,7 @@ from typing import Any, Literal
 import torch
 from torch import fx, nn
 
-from initlab._core.compiled import takes_compiled
+from initlab._core.compiled import hook_target, takes_compiled
 from initlab._core.data import (
     data_use,
     default_forward,
@@ -338,6 +338,9 @@ def scale_output_(
       hook's handle: **the hook persists until** ``report.info["handle"].remove()``, which puts
       the model back exactly as it was. It is the only hook any method of initlab leaves on the
       model, and only when asked for; it is not in the ``state_dict``.
+      On a ``torch.compile``'d model the hook goes on the compiled model the user holds (its
+      hooks run on every call; a hook on the module it wraps is not run by a graph compiled
+      before it), and a ``module`` inside compiled code is refused.
 
     Conditioning: the paper puts the scalar *after* the last layer as a fixed multiplier, which
     leaves every layer's GR scaling as it was. Folding it into the last layer's weights gives the
@@ -593,9 +596,10 @@ def _attach_hook(
     forward: Forward,
     seeds: Seeds,
 ) -> Any:
-    """Register ``hook`` on module ``name`` (``""``: the model) and return its handle, after
-    checking (one pass) that the output measured is scaled exactly."""
-    handle = dict(model.named_modules())[name].register_forward_hook(hook)
+    """Register ``hook`` on module ``name`` (``""``: the model; on the ``torch.compile`` wrapper
+    the user's model calls it through, :func:`~initlab._core.compiled.hook_target`) and return
+    its handle, after checking (one pass) that the output measured is scaled exactly."""
+    handle = hook_target(model, name, "scale_output_(how='hook')").register_forward_hook(hook)
     try:
         bad, err = _output_error(model, hook.scale, batch, out_before, forward, seeds)
     except BaseException:
