@@ -754,3 +754,17 @@ def test_ggn_with_a_loss_that_runs_the_model_says_what_to_pass() -> None:
             block_curvature(model, batch, form, kind="ggn", probes=1)
     with pytest.raises(ValueError, match="outputs_loss"):
         hessian_eigenpairs(model, batch, lambda m, b: m(b[0]).sum(), kind="ggn")
+
+
+def test_a_data_parallel_model_is_measured_through_the_module_it_wraps() -> None:
+    """torch's stateless API refuses nn.DataParallel ("can't be used with nn.DataParallel
+    module"): block_curvature raised it, diagnose(curvature=True) dropped the curvature. On the
+    CPU its forward is its module's call: the same blocks, named under "module."."""
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).to(DT)
+    batch = (torch.randn(6, 5, dtype=DT), torch.randint(0, 3, (6,)))
+    loss = nn.CrossEntropyLoss()
+    want = block_curvature(inner, batch, loss, probes=4, generator=0)
+    got = block_curvature(nn.DataParallel(inner), batch, loss, probes=4, generator=0)
+    assert [r["block_row"] for r in got] == [f"module.{r['block_row']}" for r in want]
+    assert [r["value"] for r in got] == [r["value"] for r in want]

@@ -448,6 +448,15 @@ def test_curvature_rows_and_plots(tmp_path):
     assert "Hessian blocks" in text and "Theory vs actual" in text
 
 
+def test_a_data_parallel_model_gets_its_curvature():
+    """The curvature was dropped with torch's note ("can't be used with nn.DataParallel")."""
+    model = nn.DataParallel(mlp3(7, (5, 8, 8, 3)).float())
+    data = (torch.randn(32, 5), torch.randint(0, 3, (32,)))
+    report = diagnose(model, data, curvature=True, curvature_options={"probes": 2}, spectra=False)
+    assert "curvature" in report.tables, report.meta["notes"]
+    assert report.value("module.0", "curv_block", "weight") > 0
+
+
 def test_landscape_is_embedded_and_plotted(tmp_path):
     class FakeLandscape:
         def to_rows(self):

@@ -319,3 +319,13 @@ def test_renamed_keyword_and_loss_forms_agree() -> None:
     torch.testing.assert_close(h.values, h_ref.values, rtol=1e-8, atol=1e-10)
     with pytest.raises(ValueError, match="forward= applies"):
         loss_landscape(net, batch, lambda m, b: m(b[0]).sum(), forward=lambda m, b: m(b[0]))
+
+
+def test_a_data_parallel_model_against_the_slow_loop_of_the_module_it_wraps() -> None:
+    """torch's stateless API refuses nn.DataParallel (it raised "can't be used with
+    nn.DataParallel module"); on the CPU its forward is its module's call."""
+    net, batch = _bn_net()
+    land = loss_landscape(nn.DataParallel(net), batch, LOSS, grid=GRID, bn="eval", generator=3)
+    d1, d2 = ({k.removeprefix("module."): v for k, v in d.items()} for d in land.directions)
+    expected = _slow(net, [batch], d1, d2, GRID[0], GRID[1], "eval")
+    torch.testing.assert_close(land.values, expected, rtol=1e-12, atol=1e-12)

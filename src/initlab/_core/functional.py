@@ -9,6 +9,12 @@ holds a detached (under ``vmap``: a batched) tensor instead of its parameter (to
 least). :func:`functional_call` names every entry of the model once (one name per submodule, the
 first one, and per local name) and calls with ``tie_weights=False``: each entry is swapped once,
 tied tensors in different modules (a head sharing the embedding's weight) included.
+
+An ``nn.DataParallel`` model, which torch's stateless API refuses ("can't be used with
+nn.DataParallel module"), is called through the module it wraps, the state's names without their
+``module.`` prefix: without devices (on the CPU) its forward is that module's call; with devices,
+the batch goes to its first one, as its one-device forward puts it there (with several, the
+replicas' BatchNorms in training mode would see parts of the batch; here the whole batch).
 """
 
 from __future__ import annotations
@@ -35,6 +41,13 @@ def functional_call(
     merged: dict[str, torch.Tensor | None] = {}
     for part in state if isinstance(state, tuple) else (state,):
         merged.update(part)
+    while isinstance(module, nn.DataParallel):
+        if module.device_ids:  # as its forward does, on its first device only
+            args = args if isinstance(args, tuple) else (args,)
+            moved, named = module.scatter(args, dict(kwargs or {}), module.device_ids[:1])
+            args, kwargs = (moved[0] if moved else ()), (named[0] if named else {})
+        merged = {k.removeprefix("module."): v for k, v in merged.items()}
+        module = module.module
     return torch.func.functional_call(
         module, _every_entry(module, merged), args, kwargs, tie_weights=False, strict=False
     )
