@@ -618,6 +618,31 @@ def test_a_parametrized_weight_is_refused_with_the_way_out(kind: str, entry: str
     _REGISTRY_USERS[entry](model)
 
 
+class _Tripled(nn.Module):
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return 3 * t
+
+
+@pytest.mark.parametrize("entry", [*_REGISTRY_USERS, "measure_moments", "fold"])
+def test_a_parametrized_bias_is_refused_as_a_parametrized_weight_is(entry: str) -> None:
+    """Was: init_model blamed a missing handler, lsuv_ left it non-zero after saying its start
+    zeroes the biases, a fold blamed "something that follows" the layer."""
+    model = _mlp()
+    torch.nn.utils.parametrize.register_parametrization(model[2], "bias", _Tripled())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    call = {
+        **_REGISTRY_USERS,
+        "measure_moments": lambda m: initlab.measure_moments(m, _batches()),
+        "fold": lambda m: scale_output_(m, _batches(), module="2"),
+    }[entry]
+    with pytest.raises(ValueError) as info:
+        call(model)
+    name = "the layer '2' (a torch.nn.modules.linear.Linear) has parametrized tensors ('bias' by"
+    assert f"{name} _Tripled" in str(info.value)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
 @pytest.mark.parametrize(
     ("add", "remove"),
     [

@@ -524,14 +524,21 @@ def router_handler(module: nn.Module) -> list[ParamSpec]:
 
 def _norm_like_specs(module: nn.Module, identity: float) -> list[ParamSpec]:
     specs = [ParamSpec("weight", "norm_scale", identity=identity)]
-    if module._parameters.get("bias") is not None:
+    if _present(module, "bias"):
         specs.append(ParamSpec("bias", "norm_shift"))
     return specs
 
 
+def _present(module: nn.Module, name: str) -> bool:
+    """Whether ``module`` has the tensor ``name``: a parameter (not None), or one computed by a
+    parametrization (then named, so that the registry refuses it as it refuses a weight's:
+    :func:`_refuse_parametrized`; left out, a parametrized bias went unnoticed)."""
+    return module._parameters.get(name) is not None or parametrize.is_parametrized(module, name)
+
+
 def _bias_specs(module: nn.Module, *names: str) -> list[ParamSpec]:
-    """Bias specs for those of ``names`` that are present (not None) on ``module``."""
-    return [ParamSpec(n, "bias") for n in names if module._parameters.get(n) is not None]
+    """Bias specs for those of ``names`` that are present on ``module`` (:func:`_present`)."""
+    return [ParamSpec(n, "bias") for n in names if _present(module, n)]
 
 
 def _gate_blocks(n_gates: int, hidden: int, fans: Fans) -> tuple[Block, ...]:
@@ -644,7 +651,7 @@ def norm_handler(module: nn.Module) -> list[ParamSpec]:
     and LocalResponseNorm (no parameters). Non-affine layers give no specs.
     """
     roles = {"weight": "norm_scale", "bias": "norm_shift"}
-    return [ParamSpec(n, r) for n, r in roles.items() if module._parameters.get(n) is not None]
+    return [ParamSpec(n, r) for n, r in roles.items() if _present(module, n)]
 
 
 _RNN_GATES = {"RNN_TANH": 1, "RNN_RELU": 1, "GRU": 3, "LSTM": 4}
