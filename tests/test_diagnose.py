@@ -515,6 +515,15 @@ def test_landscape_option_computes_one(tmp_path):
     assert "Loss landscape" in (tmp_path / "land.html").read_text(encoding="utf-8")
 
 
+@pytest.mark.parametrize("bad", [3, 2.5, "grid", [3, 3]])
+def test_a_landscape_of_none_of_its_forms_is_refused(bad):
+    """landscape=3 (a natural guess for a grid of 3) computed nothing and said nothing."""
+    with pytest.raises(TypeError, match=r"landscape must be a Landscape .* True, or a dict") as e:
+        diagnose(mlp3(10).float(), mlp_batches(), landscape=bad, spectra=False)
+    if bad == 3:
+        assert "landscape={'grid': 3}" in str(e.value)
+
+
 def test_data_loader_input_takes_max_batches():
     from torch.utils.data import DataLoader, TensorDataset
 

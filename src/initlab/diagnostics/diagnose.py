@@ -143,6 +143,7 @@ def diagnose(
         max_batches, per_example, modules, loss_reduction, batch_dim, alpha, gradients, spectra,
         lint, curvature, curvature_options, residual_blocks, landscape, name,
     )  # fmt: skip
+    _check_landscape(landscape)
     batches = take_batches(data, max_batches, exact=False, what="diagnose")
     loss = resolve_loss(loss_fn, what="diagnose")
     check_trainable(model, "diagnose")
@@ -423,6 +424,21 @@ def _lipschitz(
         if next(m.parameters(recurse=False), None) is not None and n not in covered
     ]
     return lipschitz_bounds(spectra_rows, blocks, uncovered=uncovered)
+
+
+def _check_landscape(landscape: Any) -> None:
+    """Raise a ``TypeError`` for a ``landscape=`` that is none of its forms (an int was dropped
+    without a word: ``landscape=3`` computed nothing)."""
+    if landscape is None or isinstance(landscape, (bool, Mapping)):
+        return
+    if callable(getattr(landscape, "to_rows", None)):
+        return
+    grid = f"; for a grid of {landscape} points per axis, landscape={{'grid': {landscape}}}"
+    raise TypeError(
+        "diagnose: landscape must be a Landscape to embed (from initlab.loss_landscape), True, "
+        "or a dict of loss_landscape's options (grid=, directions=, bn=) to compute one; got "
+        f"{type(landscape).__name__} {landscape!r}" + (grid if isinstance(landscape, int) else "")
+    )
 
 
 def _landscape_stage(
