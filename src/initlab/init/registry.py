@@ -172,15 +172,19 @@ _NORM_HOOKS = {  # hook class -> (the function that adds it, the one that remove
 }
 
 
-def _refuse_norm_hooks(module: nn.Module, names: list[str]) -> None:
+def _refuse_norm_hooks(module: nn.Module, names: list[str] | None, where: str = "") -> None:
     """The same refusal for the older, hook-based ``torch.nn.utils.weight_norm`` and
-    ``spectral_norm``, which recompute ``weight`` before every forward from other parameters."""
+    ``spectral_norm``, which recompute ``weight`` before every forward from other parameters:
+    for those of ``names`` (``None``: any) a hook recomputes. ``where``: the module's qualified
+    name in the model, for the message."""
     for hook in module._forward_pre_hooks.values():
         kind = type(hook).__name__
-        if kind in _NORM_HOOKS and getattr(hook, "name", None) in names:
+        if kind in _NORM_HOOKS and (names is None or getattr(hook, "name", None) in names):
             added, remove = _NORM_HOOKS[kind]
+            cls = _dotted(type(module))
+            layer = f"the layer {where!r} (a {cls})" if where else f"a {cls}"
             raise ValueError(
-                f"a {_dotted(type(module))}'s {hook.name!r} is recomputed before every forward by "
+                f"{layer}'s {hook.name!r} is recomputed before every forward by "
                 f"torch.nn.utils.{added} (a {kind} hook): initlab reads and writes a layer's own "
                 "tensors. Remove it for this call and apply it again after: "
                 f"torch.nn.utils.{remove}(layer) keeps the current values"
@@ -442,7 +446,7 @@ class Registry:
                 f"handler {_handler_name(handler)} failed on {_dotted(type(module))}: {err}"
             ) from err
         names = [s.name for s in specs if isinstance(s, ParamSpec)]
-        _refuse_norm_hooks(module, names)
+        _refuse_norm_hooks(module, names, where)
         _refuse_parametrized(module, names, where)
         _validate_specs(module, specs, handler)
         return specs

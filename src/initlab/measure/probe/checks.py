@@ -4,8 +4,10 @@
 ``torch.nn.utils.parametrize`` parametrizations (``weight_norm``, ``spectral_norm``,
 ``orthogonal``...; :func:`initlab.init.registry._refuse_parametrized`): the probe would see the
 ``ParametrizationList`` as a module whose "output" is the computed weight, and the layer's weight
-as no parameter of it. :func:`packed_note` is the per-example note of a call on a
-``PackedSequence``.
+as no parameter of it; and for the older hook-based ``torch.nn.utils.weight_norm`` and
+``spectral_norm`` (:func:`~initlab.init.registry._refuse_norm_hooks`), whose weight is no
+parameter either (the per-example gradients of ``weight_g``/``weight_v`` failed).
+:func:`packed_note` is the per-example note of a call on a ``PackedSequence``.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 from torch.nn.utils.rnn import PackedSequence
 
-from initlab.init.registry import _refuse_parametrized
+from initlab.init.registry import _refuse_norm_hooks, _refuse_parametrized
 
 PACKED = (
     "PackedSequence inputs are not supported for per-example gradients (the examples are "
@@ -25,8 +27,10 @@ PACKED = (
 
 
 def refuse_parametrized(model: nn.Module) -> None:
-    """Raise ``ValueError`` if a module of ``model`` has parametrized tensors."""
+    """Raise ``ValueError`` if a module of ``model`` has parametrized tensors, or a weight
+    recomputed by a hook-based ``weight_norm``/``spectral_norm``."""
     for name, module in model.named_modules():
+        _refuse_norm_hooks(module, None, where=name)
         if parametrize.is_parametrized(module):
             _refuse_parametrized(module, list(module.parametrizations), where=name)
 
