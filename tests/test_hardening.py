@@ -608,6 +608,9 @@ def test_a_parametrized_weight_is_refused_with_the_way_out(kind: str, entry: str
     assert "remove_parametrizations(layer, 'weight') keeps the current values" in text
     again = f"(then torch.nn.utils.parametrizations.{kind}(layer, 'weight'))"
     assert again in text
+    # registered again, these two renormalize: the way out loses an init's scale (it said not)
+    lost = "the scale an init gave it (init_model, lsuv_, gradinit_, a fold) is lost"
+    assert (lost in text) == (kind in ("spectral_norm", "orthogonal"))
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
     # the way out: remove it (the weight kept), then the call runs

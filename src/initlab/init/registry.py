@@ -162,7 +162,29 @@ def _refuse_parametrized(module: nn.Module, names: list[str], where: str = "") -
         f"{layer} has parametrized tensors ({what}; torch.nn.utils.parametrize): initlab reads "
         "and writes a layer's own tensors and does not handle parametrizations. Remove them for "
         "this call and register them again after: torch.nn.utils.parametrize."
-        f"remove_parametrizations(layer, {first!r}) keeps the current values (then {again}){hint}"
+        f"remove_parametrizations(layer, {first!r}) keeps the current values (then {again})"
+        f"{_renormalized(kinds)}{hint}"
+    )
+
+
+#: The parametrizations that renormalize the tensor they are registered on, and how.
+_RENORMALIZE = {
+    "_SpectralNorm": "spectral_norm divides the tensor by its largest singular value",
+    "_Orthogonal": "orthogonal makes every singular value of the tensor 1",
+}
+
+
+def _renormalized(kinds: dict[str, list[str]]) -> str:
+    """The caveat of the way out above for a parametrization that renormalizes: registered
+    again, it undoes the scale an init drew (only the directions stay)."""
+    found = [_RENORMALIZE[k] for ks in kinds.values() for k in ks if k in _RENORMALIZE]
+    if not found:
+        return ""
+    return (
+        f". Registered again, {' and '.join(dict.fromkeys(found))}: the scale an init gave it "
+        "(init_model, lsuv_, gradinit_, a fold) is lost; the parametrization sets the scale, "
+        "not the scheme (to change it, scale the layer's output). Measuring this way (diagnose, "
+        "gr_scaling) loses nothing: the values kept are already normalized"
     )
 
 
