@@ -408,3 +408,36 @@ def test_the_default_fold_goes_into_the_layer_the_logits_come_out_of() -> None:
     with torch.no_grad():
         logits = torch.cat([model(**b).logits for b in batches]).double()
     assert float(logits.std(unbiased=False)) == pytest.approx(0.05, rel=1e-3)
+
+
+class _TwoHeads(nn.Module):
+    """Logits from ``head``; an auxiliary head that runs after it, in a dict or a tuple."""
+
+    def __init__(self, as_dict: bool) -> None:
+        super().__init__()
+        self.as_dict = as_dict
+        self.body, self.head, self.aux = nn.Linear(8, 32), nn.Linear(32, 4), nn.Linear(32, 2)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        h = torch.relu(self.body(x))
+        logits, aux = self.head(h).view(len(x), 2, 2), self.aux(h)
+        return {"logits": logits, "aux": aux} if self.as_dict else (logits, aux)
+
+
+@pytest.mark.parametrize("as_dict", [True, False])
+def test_the_default_fold_goes_into_the_layer_the_measured_output_comes_from(
+    as_dict: bool,
+) -> None:
+    """The fold took the last weight layer to run (the auxiliary head) and failed as "something
+    follows it"; the logits (a view of the head's output here) come from ``head``."""
+    torch.manual_seed(0)
+    model = _TwoHeads(as_dict)
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
+    aux = model(x)["aux" if as_dict else 1].detach()
+    report = scale_output_(model, x)
+    assert report.info["layer"] == "head"
+    with torch.no_grad():
+        out = model(x)
+    logits = (out["logits"] if as_dict else out[0]).double()
+    assert float(logits.std(unbiased=False)) == pytest.approx(0.05, rel=1e-6)
+    assert torch.equal(out["aux" if as_dict else 1], aux)

@@ -26,7 +26,9 @@ import dataclasses
 import math
 import time
 import warnings
-from collections.abc import Mapping, MutableMapping, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
+from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
@@ -43,6 +45,7 @@ from initlab._core.data import (
     take_batches,
 )
 from initlab._core.distributed import all_reduce_sum, check_same_parameters, run_together
+from initlab._core.hooks import hook_handles
 from initlab._core.knobs import renamed_kwargs, user_stacklevel
 from initlab._core.loss import model_loss
 from initlab._core.method_report import MethodReport
@@ -220,10 +223,16 @@ target."""
 
 
 def _output_moments(
-    model: nn.Module, batches: Sequence[Any], forward: Forward, seeds: Seeds, what: str
+    model: nn.Module,
+    batches: Sequence[Any],
+    forward: Forward,
+    seeds: Seeds,
+    what: str,
+    seen: Callable[[torch.Tensor], None] = lambda y: None,
 ) -> tuple[torch.Tensor, list[torch.Tensor], bool]:
     """``[sum y, sum y^2, n]`` over all logits of all batches (and ranks), the outputs, and
-    whether the model returned a loss of its own beside them (``.loss``).
+    whether the model returned a loss of its own beside them (``.loss``). ``seen`` is called
+    with the first batch's output while the model's whole output is still alive.
 
     Under DDP the forward passes run together (a pass that fails on some ranks raises on all).
     """
@@ -235,7 +244,10 @@ def _output_moments(
             for i, batch in enumerate(batches):
                 with seeds.scope(i):
                     raw = forward(model, batch)
-                    y = output_tensor(raw).detach()
+                    y = output_tensor(raw)
+                    if i == 0:
+                        seen(y)
+                    y = y.detach()
                 own_loss = own_loss or model_loss(raw) is not None
                 outs.append(y)
                 real = real_positions(y, batch) if masks_positions(model) else y  # no padding
@@ -397,9 +409,12 @@ def scale_output_(
     with restore_on_failure(model):
         layers = [name for name, *_ in weight_layers(model, reg)]
         module = _check_module(model, module, layers, how)
-        order, _, (sums, outs, own_loss) = execution_order(
-            model, layers, lambda: _output_moments(model, batches, forward, seeds, "scale_output_")
-        )
+        with _producer(model, layers) as producer:
+            order, _, (sums, outs, own_loss) = execution_order(
+                model,
+                layers,
+                lambda: _output_moments(model, batches, forward, seeds, "scale_output_", producer),
+            )
         passes += len(batches)
         std = _std(sums)
         if not std > 0:
@@ -411,7 +426,8 @@ def scale_output_(
             wide = outs[0].is_floating_point() and outs[0].dtype == torch.float64
             info["module"] = OutputScale(s, dtype=torch.float64 if wide else None)
         elif how == "fold":
-            name = module if module is not None else _output_layer(model, order)
+            name = module if module is not None else producer.name
+            name = name if name is not None else _output_layer(model, order)
             if name is None:
                 raise ValueError("no weight layer ran in the forward pass: nothing to fold into")
             info["layer"] = name
@@ -449,8 +465,51 @@ def scale_output_(
     )
 
 
+class _Producer:
+    """Which weight layer's output is the output measured (or a view of it): forward hooks keep
+    a weak reference to each layer's latest output; called with the measured output (while the
+    model's output holds it), :attr:`name` is the last layer to run whose output shares its
+    memory (``None``: none does, something computed after them). A model that returns a dict
+    or tuple of heads folds into the one its logits come from, not the last to run."""
+
+    def __init__(self) -> None:
+        self.latest: dict[str, weakref.ref[torch.Tensor]] = {}
+        self.name: str | None = None
+
+    def hook(self, name: str) -> Callable[..., None]:
+        def keep(module: nn.Module, args: Any, output: Any) -> None:
+            if isinstance(output, torch.Tensor):
+                self.latest.pop(name, None)  # the order of the dict: the order of the calls
+                self.latest[name] = weakref.ref(output)
+
+        return keep
+
+    def __call__(self, y: torch.Tensor) -> None:
+        found = [n for n, ref in self.latest.items() if (t := ref()) is not None and _same(t, y)]
+        self.name = found[-1] if found else None
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` and ``b`` share their memory (the same storage)."""
+    try:
+        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() != 0
+    except (RuntimeError, NotImplementedError):
+        return a is b
+
+
+@contextmanager
+def _producer(model: nn.Module, layers: list[str]) -> Iterator[_Producer]:
+    """A :class:`_Producer` hooked on ``layers`` for the block."""
+    modules, producer = dict(model.named_modules()), _Producer()
+    with hook_handles() as handles:
+        for name in layers:
+            handles.add(modules[name].register_forward_hook(producer.hook(name)))
+        yield producer
+
+
 def _output_layer(model: nn.Module, order: list[str]) -> str | None:
-    """The layer to fold into by default: the one the logits come out of where the model says
+    """The layer to fold into when no layer's output is the output (:class:`_Producer`): the one
+    the logits come out of where the model says
     which (its ``get_output_embeddings()``; a classifier's or detector's output layer,
     :func:`~initlab.init._structure.find_classifier`) and it ran; else the last weight layer to
     run (DETR's box predictor runs after its class head, which its logits come out of)."""
