@@ -295,3 +295,18 @@ def test_a_grouped_conv_s_singular_values_are_its_groups_matrices(conv):
     stacked = np.linalg.svd(w.reshape(w.shape[0], -1), compute_uv=False)[0]
     assert abs(row["sv_max"] - stacked) > 1e-3 * stacked
     assert f"{conv.groups} groups" in row["note"]
+
+
+def test_an_lstm_s_rows_say_why_they_have_no_operator_norm_and_what_each_acts_on():
+    """op_norm was NaN with an empty note, and weight_hh_l0 showed the LSTM input's shape."""
+    torch.manual_seed(0)
+    lstm = nn.LSTM(8, 16, num_layers=2, batch_first=True)
+    rows = {r["param"]: r for r in layer_spectra(lstm, torch.randn(3, 5, 8))}
+    assert rows["weight_ih_l0"]["input_shape"] == (5, 8)  # the LSTM's input: it acts on it
+    for param in ("weight_hh_l0", "weight_ih_l1", "weight_hh_l1"):
+        assert rows[param]["input_shape"] is None, param  # a hidden state's
+    for param, r in rows.items():
+        assert math.isnan(r["op_norm"]) and "no operator norm for a LSTM" in r["note"], param
+        assert "no single linear map" in r["note"]
+        sv = torch.linalg.svdvals(getattr(lstm, param).detach().double())
+        assert r["sv_max"] == pytest.approx(sv[0].item(), rel=1e-12)

@@ -551,6 +551,8 @@ def layer_spectra(
                 note.append(f"{groups} groups: sv_max the largest of the groups' matrices, "
                             "sv_mean the mean over them")  # fmt: skip
             in_shape = tuple(shapes[name]) if name in shapes else None
+            if isinstance(module, nn.RNNBase) and not pname.startswith("weight_ih_l0"):
+                in_shape = None  # it acts on a hidden state, not on the layer's input
             op_norm, method, matvecs = math.nan, "", 0
             finite = bad == 0  # else no operator norm (a note says so)
             if stacked:  # each expert is a linear map: the largest of their norms
@@ -563,8 +565,13 @@ def layer_spectra(
                 )
             elif finite and linear_fans(module, registry) is not None:  # Linear, GPT-2's Conv1D
                 op_norm, method = sv_max, "svd"
-            elif finite and pname == "weight":
-                note.append(f"no operator norm for a {type(module).__name__} weight")
+            elif finite:  # an RNN's, an attention's in_proj_weight, an embedding's
+                why = (
+                    " (a recurrent layer applies no single linear map; sv_max is this matrix's)"
+                    if isinstance(module, nn.RNNBase)
+                    else ""
+                )
+                note.append(f"no operator norm for a {type(module).__name__} {pname!r}{why}")
             rows.append(
                 {
                     "layer": name,
