@@ -768,3 +768,19 @@ def test_a_data_parallel_model_is_measured_through_the_module_it_wraps() -> None
     got = block_curvature(nn.DataParallel(inner), batch, loss, probes=4, generator=0)
     assert [r["block_row"] for r in got] == [f"module.{r['block_row']}" for r in want]
     assert [r["value"] for r in got] == [r["value"] for r in want]
+
+
+def test_a_compiled_model_in_f_is_answered_with_its_eager_module() -> None:
+    """aot_autograd's graph has no double backward; the advice was to replace "the operation"."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    compiled = torch.compile(model, backend="aot_eager")
+    x = torch.randn(5, 3)
+    params = dict(model.named_parameters())
+    v = {n: torch.ones_like(p) for n, p in params.items()}
+
+    def f(ps: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.func.functional_call(compiled, ps, (x,)).square().mean()
+
+    with pytest.raises(DoubleBackwardError, match=r"call the eager module it wraps instead"):
+        hessian_vector_product(f, params, v)

@@ -122,6 +122,7 @@ _SECOND_ORDER_PATTERNS = (
     r"double backward",
     r"differentiate twice",
     r"ZeroTensors are immutable",  # forward AD through F.mse_loss(reduction="mean"), torch 2.13
+    r"compiled with non-empty donated buffers",  # a torch.compile'd backward, create_graph=True
 )
 
 
@@ -207,6 +208,12 @@ def _workaround(err: BaseException, module: nn.Module | None, mode: str) -> str:
             "kernel is twice differentiable on CPU and CUDA; torch.backends.cuda.sdp_kernel is "
             "the deprecated spelling), or call nn.MultiheadAttention with need_weights=True, "
             "which takes the math path."
+        )
+    if ("torch.compile" in msg and "double backward" in msg) or "donated buffers" in msg:
+        return (
+            "The function calls a torch.compile'd model, whose compiled graph has no double "
+            "backward. Workaround: call the eager module it wraps instead (model._orig_mod: the "
+            "same parameters), as initlab's own entry points do."
         )
     if "once_differentiable" in msg or "twice" in msg:
         return (
