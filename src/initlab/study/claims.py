@@ -150,17 +150,32 @@ class WorkQueue:
         self.store, self.owner, self.plan = store, owner, plan
         self.stale_after, self.poll = stale_after, poll
         self._chunks: list[list[RunConfig]] = []
+        self._chunk_of: dict[str, int] = {}  # run key -> its planned chunk (the plan's order)
+        self._planned = 0  # chunks planned so far
         self._waiting: dict[str, RunConfig] = {}  # claimed by another driver when we looked
         self.failed: set[str] = set()  # failed in this driver: not retried by it
         self.n_by_others = 0  # queued runs another driver stored
 
     def add(self, configs: Sequence[RunConfig]) -> int:
-        """Queue runs (those not stored yet); returns how many were queued."""
+        """Queue runs (those not stored yet); returns how many were queued.
+
+        The chunks are planned over all of ``configs``, stored or not, and then the stored runs
+        are left out: a chunk is stored whole, so a study resumed after a kill trains the very
+        chunks an uninterrupted call would have, and its runs' float32 arithmetic (which the
+        number of runs sharing a product can change at the level of rounding:
+        :mod:`initlab.study.runner`) is the same, bit for bit. Only a chunk some of whose runs
+        another study stored trains the rest on their own."""
         drop_dead_claims(self.store)
         stored = self.store.keys()
-        todo = [c for c in configs if c.key() not in stored]
-        self._chunks += self.plan(todo)
-        return len(todo)
+        queued = 0
+        for chunk in self.plan(configs):
+            todo = [c for c in chunk if c.key() not in stored]
+            if todo:
+                self._chunk_of.update((c.key(), self._planned) for c in todo)
+                self._planned += 1
+                self._chunks.append(todo)
+                queued += len(todo)
+        return queued
 
     @property
     def n_planned(self) -> int:
@@ -218,9 +233,11 @@ class WorkQueue:
                 if k not in self.failed and (k not in claims or claims[k][1] >= self.stale_after)
             ]
             if free:
-                for c in free:
+                by_chunk: dict[int, list[RunConfig]] = {}
+                for c in free:  # in the chunks they were planned in, as the other driver had them
                     del self._waiting[c.key()]
-                self._chunks += self.plan(free)
+                    by_chunk.setdefault(self._chunk_of[c.key()], []).append(c)
+                self._chunks += [by_chunk[i] for i in sorted(by_chunk)]
                 return True
             if self._waiting:
                 time.sleep(self.poll)

@@ -16,7 +16,9 @@ big groups into chunks of at most ``chunk_size`` runs, and executes the chunks:
 
 Only the driver writes the store (workers send results back): each finished chunk is committed in
 one transaction as it arrives, so a study killed at any instant (``SIGKILL`` included) loses at
-most the chunks in flight, and running it again trains exactly the missing runs. Several drivers
+most the chunks in flight, and running it again trains exactly the missing runs, in the chunks an
+uninterrupted call would have trained them in (planned over all the study's runs: the same numbers,
+bit for bit, see below). Several drivers
 (two ``initlab bench run`` of one study on one store) share the work: a driver claims each chunk's
 runs in the store just before training them, keeps its claims alive with a heartbeat, skips runs
 another live driver holds, waits for them at the end, and takes over the claims of a driver that
@@ -29,6 +31,9 @@ What a run's result depends on: ``initlab.study.trainer.train_runs`` seeds every
 config, so its initial weights, data order and hyper-parameters do not depend on the backend, the
 number of workers, the drivers or the chunking. Its float32 arithmetic may, at the level of
 rounding: MKL's batched products take kernel paths that depend on how many runs share a product.
+A resumed study trains the chunks the uninterrupted one would have (:meth:`WorkQueue.add
+<initlab.study.claims.WorkQueue.add>`); a run another study stored is not trained again, so a chunk
+some of whose runs it holds trains the others on their own.
 A chunk of 16 runs or more trains as blocks of at most 16 runs fixed by the chunk's size, each
 block on one intra-op thread (``trainer._blocks``), so its numbers do not depend on the thread
 count, by construction (tested on 66 runs: ``tests/test_trainer.py``); a smaller chunk is one
