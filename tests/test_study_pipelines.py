@@ -324,3 +324,30 @@ def test_trainer_refuses_a_pipeline_run_without_its_model() -> None:
         train_runs(
             [config], data.train, model_factory=lambda c: build_model(c, n_in=5, n_classes=3)
         )
+
+
+@pytest.mark.parametrize(
+    "scheme",
+    ["geometric + lsuv(tol=-1)", "fan_in + gradinit(lr=-1, steps=3)", "lsuv(max_iter=0)",
+     "fan_in + gradinit(steps=0)"],
+)  # fmt: skip
+def test_an_option_value_a_method_refuses_fails_before_training(
+    tmp_path: Path, scheme: str
+) -> None:
+    """An option of the right type but a value the method refuses passed the spec's checks: the
+    study trained until that init's chunk, which failed whole (the valid runs with it), and the
+    study name stayed registered with the bad spec, so the corrected one was refused."""
+    path = tmp_path / "bad.sqlite"
+    spec = _spec(seeds=1, lrs=[0.1], schemes=["fan_in", scheme])
+    trained: list[str] = []
+
+    def train_fn(configs: Any, *args: Any, **kwargs: Any) -> Any:
+        trained.extend(c.scheme for c in configs)
+        raise AssertionError("nothing may train")
+
+    with pytest.raises(ValueError, match=r"schemes: .* fails on data set 'tiny'.*fix its options"):
+        run_study(spec, path, load_fn=load_tiny, train_fn=train_fn, progress=False)
+    assert trained == []
+    good = _spec(seeds=1, lrs=[0.1], schemes=["fan_in", "fan_in + lsuv"])
+    summary = run_study(good, path, load_fn=load_tiny, progress=False)  # the name is free
+    assert summary.n_trained == 2

@@ -275,17 +275,26 @@ def check_study_models(
     load_fn: Callable[[str, str | None], Any],
     root: str | None = None,
 ) -> None:
-    """Check every data set × model configuration of ``configs`` (:func:`check_model`), loading
-    each data set once with ``load_fn(name, root)``; the first misfit raises
-    :class:`StudyModelError`."""
+    """Check every data set × model configuration of ``configs`` (:func:`check_model`), and
+    every data-dependent init once, on the first of its runs
+    (:func:`~initlab.study.pipelines.check_init`: a bad option value fails here, not in the middle
+    of the study), loading each data set once with ``load_fn(name, root)``; the first misfit
+    raises :class:`StudyModelError`."""
+    from initlab.study.pipelines import check_init, is_data_dependent
+
     seen: dict[str, Any] = {}
     checked: set[tuple[Any, ...]] = set()
     for config in configs:
         key = (config.dataset, config.model, config.model_cfg)
-        if key in checked:
+        init = is_data_dependent(config.scheme) and config.scheme not in checked
+        if key in checked and not init:
             continue
-        checked.add(key)
         if config.dataset not in seen:
             seen.clear()  # keep one data set in memory at a time (configs come grouped by it)
             seen[config.dataset] = load_fn(config.dataset, root)
-        check_model(config, seen[config.dataset])
+        if key not in checked:
+            check_model(config, seen[config.dataset])
+        checked.add(key)
+        if init:
+            checked.add(config.scheme)
+            check_init(config, seen[config.dataset])

@@ -26,6 +26,8 @@ Methods (:data:`METHOD_NAMES`) are the library's ``lsuv_``, ``gradinit_``, ``met
 signatures (name and type) when the spec is loaded, before any training: every keyword of the
 method that plain data can set (numbers, booleans, strings, ``null``, lists of those), except
 those the study fills in (:data:`STUDY_FILLED`: the model, the data, the loss, the generator).
+Their values are the methods' to check: :func:`~initlab.study.runner.run_study` runs each
+data-dependent init once, on the first of its runs, before any training (:func:`check_init`).
 What a study needs beyond the library's defaults (:data:`STUDY_DEFAULTS`, :data:`STUDY_CHOICES`):
 
 * ``precondition`` runs with ``how: rescale`` (the only choice: ``lr`` would need per-layer
@@ -91,6 +93,7 @@ __all__ = [
     "Step",
     "canonical_init",
     "check_data_free",
+    "check_init",
     "init_identity",
     "initialize_run",
     "is_data_dependent",
@@ -667,6 +670,27 @@ def initialize_run(
         "steps": steps,
     }
     return model, cost
+
+
+def check_init(config: RunConfig, data: Any) -> None:
+    """Initialize ``config``'s run as its chunk will (:func:`initialize_run`, on ``data``'s
+    training split, a :class:`~initlab.study.runner.StudyData`) and throw the model away; an
+    error (an option value the method refuses, a model the method cannot take) is raised as a
+    :class:`~initlab.study.models.StudyModelError` naming the init, before any run is trained or
+    the study registered. Costs one init of each data-dependent init of a study."""
+    from initlab.study.models import StudyModelError, build_model
+
+    def factory(c: RunConfig) -> nn.Module:
+        return build_model(c, n_in=int(data.n_features), n_classes=int(data.n_classes))
+
+    try:
+        initialize_run(config, data.train, factory)
+    except Exception as err:
+        text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise StudyModelError(
+            f"schemes: {config.scheme!r} fails on data set {config.dataset!r} (its first run, "
+            f"seed {config.seed}, checked before any training): {text}; fix its options"
+        ) from err
 
 
 def train_chunk(
