@@ -80,6 +80,7 @@ def cli_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "afile").write_text("text\n")
     (tmp_path / "spec.yaml").write_text(textwrap.dedent(_SPEC))
     (tmp_path / "badyaml.yaml").write_text("name: [unclosed\n")
+    (tmp_path / "twice.yaml").write_text(textwrap.dedent(_SPEC) + "epochs: 9\n")
     (tmp_path / "binary.yaml").write_bytes(bytes(range(256)))
     (tmp_path / "evil.yaml").write_text(textwrap.dedent(_SPEC).replace("tiny", '"../evil"'))
     (tmp_path / "zero.sqlite").write_bytes(b"")
@@ -193,6 +194,10 @@ _ERRORS: dict[str, tuple[list[str], int, str, tuple[str, ...]]] = {
                           "--how parametrize registers torch parametrizations", ("out.pt",)),
     "a spec that is not YAML": (["bench", "run", "badyaml.yaml", "--store", "st/s.sqlite"], 2,
                                 "study spec badyaml.yaml is not valid YAML", ("st",)),
+    "a spec with a key given twice": (
+        ["bench", "run", "twice.yaml", "--store", "st/s.sqlite"], 2,
+        "study spec twice.yaml is not valid YAML: found the key 'epochs' twice (remove one)",
+        ("st",)),
     "a binary spec": (["bench", "run", "binary.yaml", "--store", "st/s.sqlite"], 2,
                       "study spec binary.yaml is not a text (YAML) file", ("st",)),
     "a missing spec": (["bench", "run", "nosuch.yaml"], 2, "study spec nosuch.yaml does not exist",

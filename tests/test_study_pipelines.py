@@ -351,3 +351,9 @@ def test_an_option_value_a_method_refuses_fails_before_training(
     good = _spec(seeds=1, lrs=[0.1], schemes=["fan_in", "fan_in + lsuv"])
     summary = run_study(good, path, load_fn=load_tiny, progress=False)  # the name is free
     assert summary.n_trained == 2
+
+
+def test_an_init_option_given_twice_is_refused() -> None:
+    """PyYAML keeps the last of two equal keys without a word."""
+    with pytest.raises(ValueError, match=r"found the key 'steps' twice"):
+        parse_init("fan_in + gradinit {steps: 5, steps: 7}")

@@ -381,8 +381,10 @@ def _yaml(text: str, where: str) -> Any:
         import yaml
     except ImportError as err:  # pragma: no cover - depends on the environment
         raise ImportError("init options need PyYAML: pip install pyyaml") from err
+    from initlab.study.spec import load_yaml
+
     try:
-        return yaml.safe_load(text)
+        return load_yaml(text)
     except yaml.YAMLError as err:
         problem = str(getattr(err, "problem", err))
         raise ValueError(f"{where}: cannot read {text.strip()!r} as YAML ({problem})") from None

@@ -77,6 +77,7 @@ __all__ = [
     "expand_lrs",
     "expand_seeds",
     "extend_rounds",
+    "load_yaml",
 ]
 
 #: ``model_cfg`` keys the runner fills from the data set; a spec may not set them.
@@ -491,13 +492,10 @@ class StudySpec:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> StudySpec:
-        """Load a spec from a YAML file (needs PyYAML); strict about unknown keys."""
-        try:
-            import yaml
-        except ImportError as err:  # pragma: no cover - depends on the environment
-            raise ImportError("StudySpec.from_yaml needs PyYAML: pip install pyyaml") from err
+        """Load a spec from a YAML file (needs PyYAML); strict about unknown keys and about a
+        key given twice (:func:`load_yaml`)."""
         text = Path(path).read_text(encoding="utf-8")
-        data = yaml.safe_load(text)
+        data = load_yaml(text)
         try:
             return cls.from_dict(data if data is not None else {})
         except ValueError as err:
@@ -652,3 +650,30 @@ class StudySpec:
             for seed in self.seeds
             for lr in self.lrs
         ]
+
+
+def load_yaml(text: str) -> Any:
+    """``yaml.safe_load`` that refuses a key given twice in one mapping (PyYAML keeps the last
+    one without a word: ``epochs: 3`` then ``epochs: 1`` ran one epoch) with a
+    ``yaml.constructor.ConstructorError`` that names the key and where it is."""
+    try:
+        import yaml
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise ImportError("reading a study spec needs PyYAML: pip install pyyaml") from err
+
+    class _Strict(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
+            seen: set[Any] = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if isinstance(key, list | dict | set):
+                    continue  # unhashable: PyYAML's own error follows
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        "while reading a mapping", node.start_mark,
+                        f"found the key {key!r} twice (remove one)", key_node.start_mark,
+                    )  # fmt: skip
+                seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
+    return yaml.load(text, Loader=_Strict)  # a SafeLoader: no arbitrary objects
