@@ -81,6 +81,8 @@ def cli_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "spec.yaml").write_text(textwrap.dedent(_SPEC))
     (tmp_path / "badyaml.yaml").write_text("name: [unclosed\n")
     (tmp_path / "twice.yaml").write_text(textwrap.dedent(_SPEC) + "epochs: 9\n")
+    rooted = textwrap.dedent(_SPEC).replace("sklearn:iris", "libsvm:iris")
+    (tmp_path / "rooted.yaml").write_text(rooted + "data_root: nodir\n")
     (tmp_path / "binary.yaml").write_bytes(bytes(range(256)))
     (tmp_path / "evil.yaml").write_text(textwrap.dedent(_SPEC).replace("tiny", '"../evil"'))
     (tmp_path / "zero.sqlite").write_bytes(b"")
@@ -198,6 +200,9 @@ _ERRORS: dict[str, tuple[list[str], int, str, tuple[str, ...]]] = {
         ["bench", "run", "twice.yaml", "--store", "st/s.sqlite"], 2,
         "study spec twice.yaml is not valid YAML: found the key 'epochs' twice (remove one)",
         ("st",)),
+    "a spec's data_root without the data": (
+        ["bench", "run", "rooted.yaml", "--store", "st/s.sqlite"], 2,
+        "(data root nodir, from the spec's data_root)", ("st",)),
     "a binary spec": (["bench", "run", "binary.yaml", "--store", "st/s.sqlite"], 2,
                       "study spec binary.yaml is not a text (YAML) file", ("st",)),
     "a missing spec": (["bench", "run", "nosuch.yaml"], 2, "study spec nosuch.yaml does not exist",

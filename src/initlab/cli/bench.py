@@ -108,6 +108,9 @@ def bench_run(args: argparse.Namespace) -> int:
     spec = _load_spec(args.spec)
     store = args.store if args.store is not None else f"results/{spec.name}.sqlite"
     check_store(store, flag="--store", must_exist=False)
+    if args.data_dir is not None and spec.data_root is not None:
+        note(args, f"--data-dir {args.data_dir} is used, not the spec's data_root "
+              f"{spec.data_root}")  # fmt: skip
     try:
         summary = run_study(
             spec,
@@ -126,6 +129,11 @@ def bench_run(args: argparse.Namespace) -> int:
     except StudyError as err:
         print(f"initlab bench run: {err}", file=sys.stderr)
         return 1
+    except Exception as err:
+        if args.data_dir is None and spec.data_root is not None and "from root=)" in str(err):
+            # the data root came from the spec, not from --data-dir (the CLI's word for root=)
+            raise ValueError(str(err).replace("from root=)", "from the spec's data_root)")) from err
+        raise
     except KeyboardInterrupt:
         print(f"initlab bench run: interrupted; {_stored_text(store, spec.name)}", file=sys.stderr)
         return 130
