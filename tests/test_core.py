@@ -368,6 +368,27 @@ def test_a_title_says_one_batch_and_one_example_in_the_singular() -> None:
     )
 
 
+def test_a_slice_of_rows_is_rows_and_an_index_a_row() -> None:
+    """``rows[:2]`` raised "dictionary update sequence element #0 has length 18"."""
+    from initlab._core.data import DataUse
+    from initlab._core.rows import Rows
+
+    rows = Rows([{"a": i, "b": -i} for i in range(4)], ["a", "b"], title="t", used=DataUse(1, 8))
+    head = rows[:2]
+    assert isinstance(head, Rows) and head.to_rows() == [{"a": 0, "b": 0}, {"a": 1, "b": -1}]
+    assert (head.columns, head.title, head.used) == (["a", "b"], "t", DataUse(1, 8))
+    assert [r["a"] for r in rows[::-2]] == [3, 1] and rows[-1] == {"a": 3, "b": -3}
+
+
+def test_int32_class_targets_of_a_torch_criterion_say_long() -> None:
+    """torch's "expected target dtype to be Long" came without the one thing to do."""
+    x, y = _xy()
+    model = nn.Linear(3, 2)
+    for loss in (nn.CrossEntropyLoss(), F.cross_entropy):
+        with pytest.raises(TargetError, match=r"pass y\.long\(\), not torch\.int32"):
+            resolve_loss(loss)(model, (x, y.int()))
+
+
 def test_autocast_checks_skip_a_device_type_torch_does_not_know(monkeypatch) -> None:
     # torch 2.4's is_autocast_enabled("mps") raises: every entry point raised through it
     from initlab._core.autocast import autocast_off, autocast_uncached

@@ -784,3 +784,13 @@ def test_a_compiled_model_in_f_is_answered_with_its_eager_module() -> None:
 
     with pytest.raises(DoubleBackwardError, match=r"call the eager module it wraps instead"):
         hessian_vector_product(f, params, v)
+
+
+def test_theory_vs_actual_names_the_forward_not_an_inner_loss() -> None:
+    """A dict batch the model cannot take: "loss_fn '<lambda>': ..." named an inner lambda."""
+    net = nn.Sequential(nn.Linear(3, 2))
+    batch = {"x": torch.randn(4, 3), "labels": torch.randint(0, 2, (4,))}
+    for call in (block_curvature, theory_vs_actual):
+        with pytest.raises(TypeError, match=r"^the default forward: a dict batch") as info:
+            call(net, batch, nn.CrossEntropyLoss(), probes=2, generator=0)
+        assert "<lambda>" not in str(info.value)

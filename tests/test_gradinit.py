@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from initlab._core.data import Batches
 from initlab.methods.gradinit import gradinit_, gradinit_alpha_grad, overlap_batch
 from initlab.methods.metainit import metainit_
 
@@ -456,6 +457,12 @@ def test_bad_input_errors() -> None:
         gradinit_(model, (b for b in batches), steps=5)
     with pytest.raises(FloatingPointError, match="first iteration"):
         gradinit_(model, batches, lambda m, b: F.cross_entropy(m(b[0]), b[1]) * math.inf)
+    # one step on one batch: "or lower steps" was no advice; every form ends alike
+    for one in (batches[:1], batches[0], Batches(batches[:1])):
+        with pytest.raises(ValueError) as info:
+            gradinit_(model, one, steps=1)
+        text = str(info.value)
+        assert "at least 2 batches; the model was left unchanged" in text and "steps" not in text
     with pytest.raises(ValueError, match="optimizer"):
         gradinit_(model, batches, optimizer="rmsprop")
     _assert_unchanged(model, snap)

@@ -180,6 +180,10 @@ def _frozen_mlp() -> nn.Module:
     return _mlp().requires_grad_(False)
 
 
+def _detached_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    return F.cross_entropy(model(batch[0]).detach(), batch[1])
+
+
 _ONE_EXAMPLE = "a batch of one example reached a batch norm layer in training mode"
 _FROZEN = "no parameter of the model requires a gradient (all 4 are frozen)"
 _ERRORS: dict[str, tuple[Callable[[], nn.Module], Callable[[nn.Module], Any], type, str]] = {
@@ -206,6 +210,24 @@ _ERRORS: dict[str, tuple[Callable[[], nn.Module], Callable[[nn.Module], Any], ty
         lambda m: precondition_(m, _batches()),
         ValueError,
         "precondition_: " + _FROZEN,
+    ),
+    "doctor of a frozen model (was: named diagnose)": (
+        _frozen_mlp,
+        lambda m: initlab.doctor(m, _batches()),
+        ValueError,
+        "doctor: " + _FROZEN,
+    ),
+    "precondition_, a loss without gradient (was: named measure_moments)": (
+        _mlp,
+        lambda m: precondition_(m, _batches(), _detached_loss),
+        ValueError,
+        "precondition_: the loss does not depend on the model's parameters",
+    ),
+    "theory_vs_actual, a loss without gradient (was: named measure_moments)": (
+        _mlp,
+        lambda m: initlab.theory_vs_actual(m, _batches(), _detached_loss),
+        ValueError,
+        "theory_vs_actual: the loss does not depend on the model's parameters",
     ),
     "lsuv_ of a model without a layer to scale (was: an empty report, converged=True)": (
         lambda: nn.Sequential(nn.Flatten(), nn.ReLU()),
@@ -405,6 +427,10 @@ _MEASURE_ERRORS: dict[str, tuple[Callable[[], Any], str]] = {
     "measure_moments, no batch": (
         lambda: measure_moments(_mlp(), []),
         "measure_moments got no batch: the data is empty",
+    ),
+    "gr_scaling, no batch (was: named measure_moments)": (
+        lambda: gr_scaling(_mlp(), []),
+        "gr_scaling got no batch: the data is empty",
     ),
     "measure_moments, a batch with 0 rows (was: an all-NaN table)": (
         lambda: measure_moments(_mlp(), torch.zeros(0, 4)),

@@ -378,7 +378,7 @@ _EXPECTED: dict[str, str | tuple[str, str] | None] = {
     "lsuv_, the ranks' batches run the same branch": None,
     "gr_scaling(all_reduce=True), rank 1 has no batch": (
         "gr_scaling stopped on every rank because 1 of 2 rank(s) failed: rank 1: ValueError: "
-        "measure_moments got no batch: the data is empty"
+        "gr_scaling got no batch: the data is empty"
     ),
     "gr_scaling(all_reduce=True), ranks start from different weights": (
         "gr_scaling: the ranks hold different"

@@ -503,8 +503,11 @@ def one_example_error(err: ValueError) -> ValueError | None:
 def keyword_error(err: TypeError, batch: Any, what: str) -> TypeError | None:
     """A clear error for a model that cannot take a dict batch's keys as keyword arguments
     (``model(**batch)``, the default forward of a dict batch), or whose ``forward`` needs more
-    than a tuple batch's first entry (``model(batch[0])``); ``None`` for any other error."""
+    than a tuple batch's first entry (``model(batch[0])``); ``None`` for any other error, and
+    for one this function already made (the default forward's, inside a loss)."""
     text = str(err)
+    if "is passed to the model as" in text:
+        return None
     if isinstance(batch, (tuple, list)) and re.search(
         r"forward\(\) missing \d+ required positional argument", text
     ):

@@ -23,13 +23,15 @@ import inspect
 import os
 import sys
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 __all__ = [
     "check_callback",
     "check_flags",
     "check_kwargs",
+    "errors_named",
     "parameter_names",
     "renamed_kwargs",
     "user_stacklevel",
@@ -177,3 +179,20 @@ def user_stacklevel() -> int:
         frame = frame.f_back
         level += 1
     return level
+
+
+@contextmanager
+def errors_named(what: str, *inner: str) -> Iterator[None]:
+    """The block's errors named by the entry point ``what`` the user called, not by the entry
+    point ``inner`` it runs (``gr_scaling`` runs ``measure_moments``): a ``TypeError`` or
+    ``ValueError`` whose message starts with ``"inner:"`` or ``"inner "`` is raised again with
+    ``what`` in its place, chained from it. Subclasses (``TargetError``, an error another rank
+    raised) and other messages pass as they are."""
+    try:
+        yield
+    except (TypeError, ValueError) as err:
+        text = str(err)
+        name = next((n for n in inner if text.startswith((f"{n}:", f"{n} "))), None)
+        if name is None or type(err) not in (TypeError, ValueError):
+            raise
+        raise type(err)(what + text.removeprefix(name)) from err

@@ -194,7 +194,7 @@ class NamedLoss(Loss):
         except (RuntimeError, ValueError, IndexError) as err:
             if not _is_pairing_error(err):  # out of memory, a transform's limit, the user's own
                 raise
-            raise _pairing_error(self.name, out, batch, err) from err
+            raise _pairing_error(self.name, out, batch, err, fn is not None) from err
         return _scalar(loss, self.name)
 
     def __call__(self, model: Any, batch: Any) -> torch.Tensor:
@@ -371,17 +371,25 @@ def _is_pairing_error(err: Exception) -> bool:
     return bool(_PAIRING_WORDS.search(text)) and not _AUTOGRAD_WORDS.search(text)
 
 
-def _pairing_error(name: str, out: torch.Tensor, batch: Any, err: Exception) -> TargetError:
-    """A loss on the outputs failed: say so with the output's and the target's shapes."""
+def _pairing_error(
+    name: str, out: torch.Tensor, batch: Any, err: Exception, classes: bool
+) -> TargetError:
+    """A loss on the outputs failed: say so with the output's and the target's shapes (and, for a
+    class criterion, ``classes``, on integer targets that are not int64: ``y.long()``)."""
+    hint = ""
     try:
         target = _target(batch, None)
         given = f"targets of shape {tuple(target.shape)} ({target.dtype})"
+        if classes and not target.is_floating_point() and target.dtype != torch.long:
+            hint = (
+                f" Class indices are int64 for torch's losses: pass y.long(), not {target.dtype}."
+            )
     except TargetError:
         given = "no targets"
     return TargetError(
         f"the loss {name!r} failed on the model's output of shape {tuple(out.shape)} "
-        f"({out.dtype}) and {given}: {str(err).rstrip('.')}. Check that the targets are what "
-        "the loss takes "
+        f"({out.dtype}) and {given}: {str(err).rstrip('.')}.{hint} Check that the targets are "
+        "what the loss takes "
         "(cross-entropy: class indices of the output's shape without its class dimension, or "
         "class probabilities of the output's shape; MSE: the output's shape)"
     )

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, overload
 
 from initlab._core.data import DataUse
 
@@ -182,7 +182,14 @@ class Rows:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         return iter(self.to_rows())
 
-    def __getitem__(self, index: int) -> dict[str, Any]:
+    @overload
+    def __getitem__(self, index: int) -> dict[str, Any]: ...
+    @overload
+    def __getitem__(self, index: slice) -> Rows: ...
+    def __getitem__(self, index: int | slice) -> dict[str, Any] | Rows:
+        """One row (a copy), or a slice of them as :class:`Rows` (columns and title kept)."""
+        if isinstance(index, slice):
+            return Rows(self._rows[index], self.columns, self.title, used=self.used)
         return dict(self._rows[index])
 
     def __str__(self) -> str:

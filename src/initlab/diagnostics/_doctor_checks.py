@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from initlab._core.data import batch_size
+from initlab._core.knobs import errors_named
 from initlab._core.loss import Loss, target_count
 from initlab._core.rows import _fmt
 from initlab.diagnostics._outputs import (
@@ -94,10 +95,11 @@ class _Setup:
 
 def _measure(model: nn.Module, setup: _Setup) -> _Measure:
     batches, loss = setup.batches, setup.loss
-    report = diagnose(
-        model, batches, loss, max_batches=len(batches), gradients=False, spectra=False,
-        generator=setup.generator, name=type(model).__name__,
-    )  # fmt: skip
+    with errors_named("doctor", "diagnose"):
+        report = diagnose(
+            model, batches, loss, max_batches=len(batches), gradients=False, spectra=False,
+            generator=setup.generator, name=type(model).__name__,
+        )  # fmt: skip
     losses = [float(v) for v in report.meta.get("loss", [])]
     outputs = output_pass(model, batches, loss, setup.forward)
     _check_loss_defined(losses, outputs.pop("finite_outputs"))

@@ -135,6 +135,7 @@ from initlab._core.distributed import (
     is_distributed,
     run_together,
 )
+from initlab._core.knobs import errors_named
 from initlab._core.loss import LossLike, batch_reduction, check_trainable, resolve_loss
 from initlab._core.modules import first_names
 from initlab._core.rows import Rows
@@ -496,7 +497,7 @@ def _probe_data(
         check_same_parameters(model, "gr_scaling")
 
     def probe_here() -> MomentProbe:
-        try:
+        with errors_named("gr_scaling", "measure_moments"):  # the caller's name on the errors
             return measure_moments(
                 model,
                 data,
@@ -505,11 +506,6 @@ def _probe_data(
                 loss_reduction=batch_reduction(loss, loss_reduction, "gr_scaling"),
                 **probe_kwargs,
             )
-        except (TypeError, ValueError) as err:  # the caller's name on the data's errors
-            text = str(err)
-            if not text.startswith("measure_moments:") or type(err) not in (TypeError, ValueError):
-                raise
-            raise type(err)("gr_scaling:" + text.removeprefix("measure_moments:")) from err
 
     # a failure on some ranks raises the same error on every rank (no rank left in a collective)
     probe = run_together("gr_scaling", probe_here) if together else probe_here()

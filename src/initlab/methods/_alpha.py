@@ -548,21 +548,27 @@ def _checked_iterations(
                     f"for S~, batch t+1) but the data gave {n}"
                 )
     elif n is not None and n < iterations + extra:
-        raise ValueError(
-            f"{what} needs {iterations + extra} batches for {iterations} "
-            f"iteration{'s' if iterations != 1 else ''}"
-            f"{' (each reads batch t and, for S~, batch t+1)' if need_next else ''} but the data "
-            f"gave {n}; pass a loader with at least {iterations + extra} batches or lower "
-            "steps"
-        )
+        raise _too_few(what, iterations, need_next, n)
     return iterations
+
+
+def _too_few(what: str, iterations: int, need_next: bool, got: int) -> ValueError:
+    """The error for data with ``got`` batches, too few for ``iterations`` (the same whether the
+    data's length is known up front or found by reading it)."""
+    needed = iterations + (1 if need_next else 0)
+    return ValueError(
+        f"{what} needs {needed} batches for {iterations} "
+        f"iteration{'s' if iterations != 1 else ''}"
+        f"{' (each reads batch t and, for S~, batch t+1)' if need_next else ''} but the data "
+        f"gave {got}: pass data with at least {needed} batches"
+        f"{' (or fewer steps)' if iterations > 1 else ''}; the model was left unchanged"
+    )
 
 
 def _stream_pairs(
     data: Any, total: int | None, need_next: bool, what: str, counter: DataCounter
 ) -> Iterator[tuple[Any, Any]]:
     """The pairs of :func:`batch_pairs`, read lazily from ``data``."""
-    extra = 1 if need_next else 0
     it = counter.wrap(iter_batches(data, what=what))
     got = 0
 
@@ -573,13 +579,7 @@ def _stream_pairs(
         return b
 
     def short(t: int) -> ValueError:
-        needed = (total if total is not None else t + 1) + extra
-        return ValueError(
-            f"{what} needs {needed} batches for {needed - extra} "
-            f"iteration{'s' if needed - extra != 1 else ''}"
-            f"{' (each reads batch t and, for S~, batch t+1)' if need_next else ''} but the "
-            f"data gave {got}; the model was left unchanged"
-        )
+        return _too_few(what, total if total is not None else t + 1, need_next, got)
 
     current = pull()
     if current is _END:

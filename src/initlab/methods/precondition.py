@@ -41,7 +41,7 @@ from initlab._core.distributed import (
     is_distributed,
     run_together,
 )
-from initlab._core.knobs import check_kwargs, parameter_names, renamed_kwargs
+from initlab._core.knobs import check_kwargs, errors_named, parameter_names, renamed_kwargs
 from initlab._core.loss import LossLike, check_trainable, resolve_loss
 from initlab._core.method_report import MethodReport
 from initlab._core.modules import first_names
@@ -489,8 +489,9 @@ class _Balancing:
     def probe(self) -> Rows:
         """The GR scaling of every layer (:func:`~initlab.gr_scaling`) from one moment probe;
         the layers that feed attention get ``kind="attention"`` (see :meth:`attention`)."""
-        with self.seeds.scope(1):  # measure_moments leaves buffers (BN statistics) as they were
-            # local passes: under DDP, one that fails on some ranks raises on all
+        # measure_moments leaves buffers (BN statistics) as they were; local passes: under DDP,
+        # one that fails on some ranks raises on all; its errors named by precondition_
+        with self.seeds.scope(1), errors_named("precondition_", "measure_moments"):
             p = run_together(
                 "precondition_",
                 lambda: measure_moments(

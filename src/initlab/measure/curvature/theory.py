@@ -19,7 +19,8 @@ from torch import nn
 from initlab._core.attention import with_math_attention
 from initlab._core.compiled import takes_compiled
 from initlab._core.data import Batches, batch_size, data_use, take_batches
-from initlab._core.knobs import renamed_kwargs
+from initlab._core.knobs import errors_named, renamed_kwargs
+from initlab._core.loss import Loss
 from initlab._core.rows import Rows
 from initlab._core.state import preserved_state
 from initlab.init.registry import linear_fans
@@ -264,14 +265,15 @@ def theory_vs_actual(
         )
     twin = copy.deepcopy(model)
     setting = _outside_setting(twin, lambda: fwd(twin, batch))
-    moments = measure_moments(
-        twin,
-        Batches([batch]),
-        lambda m, b: on_outputs(fwd(m, b), b),
-        modules=list(modules),
-        per_example=False,
-        loss_reduction="sum",
-    )
+    with errors_named("theory_vs_actual", "measure_moments"):
+        moments = measure_moments(
+            twin,
+            Batches([batch]),
+            Loss(loss.name, lambda m, b: on_outputs(fwd(m, b), b)),  # named as the user's loss
+            modules=list(modules),
+            per_example=False,
+            loss_reduction="sum",
+        )
     if gamma in ("auto", "conditioning"):
         gammas = _conditioning_gamma(moments, twin, batch_size(batch))
     else:
