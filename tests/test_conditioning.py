@@ -34,6 +34,12 @@ def ce(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tens
     return F.cross_entropy(model(batch[0]), batch[1])
 
 
+def _nan_gradient(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Cross-entropy plus 0 whose gradient is NaN: d sqrt(u)/du at u = 0 is inf, times 0."""
+    out = model(batch[0])
+    return F.cross_entropy(out, batch[1]) + (out * 0).sqrt().sum()
+
+
 def sq(t: torch.Tensor) -> float:
     return t.detach().square().mean().item()
 
@@ -383,8 +389,9 @@ def test_no_gradient_is_not_called_a_non_finite_one() -> None:
     assert row(rows, "nograd")["note"].startswith("no gradient reached this layer's output")
     assert row(rows, "unused")["note"].startswith("not called on this data")
     assert row(rows, "head")["note"] == ""
-    nan_loss = gr_scaling(Silent(), (x, t), lambda m, b: ce(m, b) * float("nan"))
-    assert "not finite" in row(nan_loss, "head")["note"]
+    # a finite loss with a NaN gradient (a NaN loss on finite outputs is refused: undefined)
+    nan_grad = gr_scaling(Silent(), (x, t), _nan_gradient)
+    assert "not finite" in row(nan_grad, "head")["note"]
 
     xs, lengths, y = torch.randn(5, 6, 8), torch.tensor([6, 3, 4, 2, 5]), torch.randint(0, 3, (5,))
     packed = gr_scaling(Packed(), (xs, lengths, y), lambda m, b: F.cross_entropy(m(*b[:2]), b[2]))

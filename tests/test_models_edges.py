@@ -419,13 +419,47 @@ def test_diagnose_reports_a_weight_with_nan_as_bad() -> None:
     assert verdicts["0"] == verdicts["3"] == "bad"
 
 
-def test_gr_scaling_of_a_nan_loss_says_the_gradient_is_not_finite() -> None:
+def test_gr_scaling_of_nan_outputs_says_the_gradient_is_not_finite() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
-    rows = initlab.gr_scaling(
-        model, _data(), lambda m, b: F.cross_entropy(m(b[0]), b[1]) * math.nan
-    )
+    with torch.no_grad():
+        model[2].bias[0] = math.nan  # the model's outputs, and so its loss, are NaN
+    rows = initlab.gr_scaling(model, _data(), lambda m, b: F.cross_entropy(m(b[0]), b[1]))
     assert all("not finite" in r["note"] for r in rows.to_rows())
+
+
+def _ignored_on_batch_1() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    x, y = _data()
+    batches = [(x[i : i + 8], y[i : i + 8].clone()) for i in range(0, 32, 8)]
+    batches[1][1][:] = -100  # every label ignored: a mean over no target, 0/0
+    return batches
+
+
+def _lambda_ce(model: nn.Module, batch: Any) -> torch.Tensor:
+    return F.cross_entropy(model(batch[0]), batch[1])
+
+
+_UNDEFINED: dict[str, Callable[[nn.Module, Any], Any]] = {
+    "measure_moments": lambda m, d: initlab.measure_moments(m, d, _lambda_ce),
+    "gr_scaling": lambda m, d: initlab.gr_scaling(m, d, _lambda_ce),
+    "gradient_stats": lambda m, d: initlab.gradient_stats(m, d, _lambda_ce),
+    "diagnose": lambda m, d: initlab.diagnose(m, d, _lambda_ce, spectra=False),
+    "doctor": lambda m, d: initlab.doctor(m, d, _lambda_ce, fix=True, generator=0),
+    "precondition_": lambda m, d: initlab.precondition_(m, d, _lambda_ce, generator=0),
+    "loss_landscape": lambda m, d: initlab.loss_landscape(m, d, _lambda_ce, grid=2, generator=0),
+}
+
+
+@pytest.mark.parametrize("entry", list(_UNDEFINED))
+def test_a_loss_undefined_on_a_batch_is_named_not_averaged_in(entry: str) -> None:
+    """A loss_fn(model, batch) that is NaN on batch 1 (every label -100) on finite outputs was
+    averaged in as zero gradients (E_dy2 3/4 of the value without the batch, no note)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
+    before = _state(model)
+    with pytest.raises(ValueError, match=rf"^{entry}: the loss of batch 1 is nan while the model"):
+        _UNDEFINED[entry](model, _ignored_on_batch_1())
+    assert _same(before, _state(model)) and _hooks(model) == 0
 
 
 # ----------------------------------------------------------------------------- losses

@@ -95,29 +95,14 @@ class _Setup:
 
 def _measure(model: nn.Module, setup: _Setup) -> _Measure:
     batches, loss = setup.batches, setup.loss
-    with errors_named("doctor", "diagnose"):
+    with errors_named("doctor", "diagnose"):  # a loss undefined on a batch raises there too
         report = diagnose(
             model, batches, loss, max_batches=len(batches), gradients=False, spectra=False,
             generator=setup.generator, name=type(model).__name__,
         )  # fmt: skip
     losses = [float(v) for v in report.meta.get("loss", [])]
     outputs = output_pass(model, batches, loss, setup.forward)
-    _check_loss_defined(losses, outputs.pop("finite_outputs"))
     return _Measure(report, _per_example(losses, batches, loss), **outputs)
-
-
-def _check_loss_defined(losses: list[float], finite_outputs: list[bool]) -> None:
-    """Raise if a batch's loss is not finite while the model's outputs on it are: the loss is
-    undefined there (a mean over no target, e.g. every label the ignore index -100), which no
-    change of the model fixes."""
-    for i, (value, finite) in enumerate(zip(losses, finite_outputs, strict=False)):
-        if finite and not math.isfinite(value):
-            raise ValueError(
-                f"doctor: the loss of batch {i} is {value} while the model's outputs on it are "
-                "finite: the loss is undefined on that batch, not the model ill-conditioned "
-                "(e.g. every target is the ignore index -100, and a mean over no target is "
-                "0/0). Drop such batches or pass a loss defined on them; nothing was changed"
-            )
 
 
 def _per_example(losses: list[float], batches: list[Any], loss: Loss) -> float:

@@ -103,7 +103,7 @@ def output_pass(
     run = forward or default_forward
     s1 = s2 = n = 0.0
     targets: list[torch.Tensor] = []
-    out: dict[str, Any] = {"own_loss": False, "classes": 0, "finite_outputs": [], "missing": ""}
+    out: dict[str, Any] = {"own_loss": False, "classes": 0, "missing": ""}
     own_ce = True  # every own loss seen is the cross-entropy of the logits on the labels
     with preserved_state(model), torch.no_grad():
         for batch in batches:
@@ -115,7 +115,6 @@ def output_pass(
             logits = output_tensor(raw).detach()
             # padded positions left out, as the loss does (an encoder-decoder's: counted)
             real = real_positions(logits, batch) if masks_positions(model) else logits
-            out["finite_outputs"].append(bool(real.isfinite().all()))
             s1 += float(real.sum(dtype=torch.float64))  # float64 sums, no float64 copy
             s2 += float(torch.linalg.vector_norm(real, dtype=torch.float64)) ** 2
             n += real.numel()
@@ -127,7 +126,7 @@ def output_pass(
                 out["classes"] = _class_count(logits, y, batch)
                 own_ce = own_ce and (own is None or _is_cross_entropy(own, logits, y))
     if out["missing"]:
-        targets, out["classes"], out["finite_outputs"], n = [], 0, [], 0.0
+        targets, out["classes"], n = [], 0, 0.0
     out["logit_std"] = math.sqrt(max(s2 / n - (s1 / n) ** 2, 0.0)) if n > 1 else math.nan
     problem = getattr(getattr(model, "config", None), "problem_type", None)
     own_ce = own_ce or loss.form not in ("auto", "model_output")  # the loss is not the model's

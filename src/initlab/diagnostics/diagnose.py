@@ -305,7 +305,7 @@ def _one_pass(
             say(f"batch {i + 1}/{len(batches)}: forward + backward under the probe")
             for p in params:
                 p.grad = None
-            loss = probed_backward(probe, loss_fn, model, batch, "diagnose")
+            loss = probed_backward(probe, loss_fn, model, batch, "diagnose", i)
             losses.append(float(loss.detach()))
             if grad_acc is not None:
                 grad_acc.update()

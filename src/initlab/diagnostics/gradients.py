@@ -43,7 +43,13 @@ from torch import nn
 from initlab._core.compiled import module_type_name, takes_compiled
 from initlab._core.data import DataCounter, iter_batches
 from initlab._core.knobs import renamed_kwargs
-from initlab._core.loss import LossLike, backward_of, check_trainable, resolve_loss
+from initlab._core.loss import (
+    LossLike,
+    backward_of,
+    check_trainable,
+    finite_loss,
+    resolve_loss,
+)
 from initlab._core.reductions import sum_of_squares
 from initlab._core.rows import Rows
 from initlab._core.state import preserved_state
@@ -202,10 +208,12 @@ def gradient_stats(
     params = [e.tensor for e in acc._entries.values()]
     counter = DataCounter()
     with preserved_state(model):
-        for batch in counter.wrap(iter_batches(data, max_batches, what="gradient_stats")):
+        batches = counter.wrap(iter_batches(data, max_batches, what="gradient_stats"))
+        for i, batch in enumerate(batches):
             for p in params:
                 p.grad = None
-            backward_of(loss(model, batch), "gradient_stats")
+            value = finite_loss(loss, model, batch, what="gradient_stats", index=i)
+            backward_of(value, "gradient_stats")
             acc.update()
     if counter.batches == 0:
         raise ValueError("gradient_stats got no batch: the data is empty")

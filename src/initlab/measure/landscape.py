@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -62,6 +63,7 @@ from initlab._core.compiled import takes_compiled
 from initlab._core.data import DataUse, batch_size, data_use, take_batches
 from initlab._core.hooks import hook_handles
 from initlab._core.knobs import renamed_kwargs
+from initlab._core.loss import check_defined, outputs_watch
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows
 from initlab.measure.curvature import (
@@ -594,16 +596,20 @@ def loss_landscape(
         gen = as_generator(generator)
         d1, d2 = _directions(model, directions, theta, hessian, gen, notes)
 
-        def at(params: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        def at(params: Mapping[str, torch.Tensor], centre: bool = False) -> torch.Tensor:
             total: torch.Tensor | float = 0.0
-            for w, b, base in zip(weights, batches, bases, strict=True):
-                out = functional_forward(model, {**base, **params}, b, fwd)
-                total = total + w * on_outputs(out, b).reshape(())
+            for i, (w, b, base) in enumerate(zip(weights, batches, bases, strict=True)):
+                with outputs_watch(model) if centre else nullcontext([]) as finite:
+                    out = functional_forward(model, {**base, **params}, b, fwd)
+                value = on_outputs(out, b).reshape(())
+                if centre:  # the model as it is: a NaN loss on finite outputs is the loss's own
+                    check_defined(value, all(finite), what="loss_landscape", index=i)
+                total = total + w * value
             assert isinstance(total, torch.Tensor)
             return total
 
         with torch.no_grad():
-            center = float(at(theta))
+            center = float(at(theta, centre=True))
 
             def per_point() -> int:
                 acts = _activation_elements(model, batches[0], bases[0], fwd)

@@ -20,6 +20,7 @@ from initlab._core.loss import (
     batch_reduction,
     check_trainable,
     example_count,
+    finite_loss,
     resolve_loss,
 )
 from initlab._core.state import preserved_state
@@ -97,7 +98,7 @@ def measure_moments(
             for batch in iter_batches(data, max_batches, what="measure_moments"):
                 n_batches += 1
                 probe._root = None
-                _run(probe, model, batch, loss, params)
+                _run(probe, model, batch, loss, params, n_batches - 1)
                 root = probe._root  # the examples the probe scaled by, where the model ran
                 n_examples += root.size if root and root.size is not None else examples_in(batch)
     if n_batches == 0:
@@ -113,25 +114,32 @@ def probe_options() -> set[str]:
 
 
 def _run(
-    probe: MomentProbe, model: nn.Module, batch: Any, loss: Loss | None, params: list[nn.Parameter]
+    probe: MomentProbe,
+    model: nn.Module,
+    batch: Any,
+    loss: Loss | None,
+    params: list[nn.Parameter],
+    index: int,
 ) -> None:
     """One probed pass: forward only (``loss`` None) or forward and backward of the loss."""
     if loss is None:
         with torch.no_grad():
             default_forward(model, batch)
         return
-    probed_backward(probe, loss, model, batch, "measure_moments")
+    probed_backward(probe, loss, model, batch, "measure_moments", index)
     for p in params:
         p.grad = None
 
 
 def probed_backward(
-    probe: MomentProbe, loss: Loss, model: nn.Module, batch: Any, what: str
+    probe: MomentProbe, loss: Loss, model: nn.Module, batch: Any, what: str, index: int
 ) -> torch.Tensor:
     """``loss(model, batch)`` and its backward under ``probe``, which is told first how many
-    examples the loss averages over (:func:`~initlab._core.loss.example_count`); the loss."""
+    examples the loss averages over (:func:`~initlab._core.loss.example_count`); the loss. A
+    non-finite loss on finite outputs raises, naming batch ``index``
+    (:func:`~initlab._core.loss.finite_loss`)."""
     probe.example_count = example_count(loss, batch)
     probe.target_rows = target_rows(batch)
-    value = loss(model, batch)
+    value = finite_loss(loss, model, batch, what=what, index=index)
     backward_of(value, what)
     return value
