@@ -4,6 +4,7 @@ renamed keywords. Oracles are written by hand (explicit forward passes and torch
 from __future__ import annotations
 
 import functools
+import itertools
 import warnings
 from typing import Any
 
@@ -80,6 +81,37 @@ def test_max_batches_and_counts() -> None:
         take_batches(None)
     with pytest.raises(TypeError, match="must hold a tensor"):
         batch_size(("a", "b"))
+
+
+def _endless(rows: int = 4) -> Any:
+    g = torch.Generator().manual_seed(0)
+    while True:
+        yield torch.randn(rows, 3, generator=g), torch.randint(0, 2, (rows,), generator=g)
+
+
+_ALL_BATCHES: dict[str, Any] = {
+    "measure_moments": lambda d, **k: initlab.measure_moments(nn.Linear(3, 2), d, **k),
+    "gr_scaling": lambda d, **k: initlab.gr_scaling(nn.Linear(3, 2), d, **k),
+    "gradient_stats": lambda d, **k: initlab.gradient_stats(nn.Linear(3, 2), d, **k),
+    "scale_output_": lambda d, **k: initlab.scale_output_(nn.Linear(3, 2), d, **k),
+    "precondition_": lambda d, **k: initlab.precondition_(nn.Linear(3, 2), d, max_iter=1, **k),
+    "loss_landscape": lambda d, **k: initlab.loss_landscape(nn.Linear(3, 2), d, grid=2, **k),
+}
+
+
+@pytest.mark.parametrize("entry", list(_ALL_BATCHES))
+def test_data_without_a_length_is_read_up_to_a_cap_not_forever(entry: str, monkeypatch) -> None:
+    """An endless generator with max_batches=None (all) was read, and held, forever."""
+    import initlab._core.data as core_data
+
+    monkeypatch.setattr(core_data, "UNSIZED_MAX_BATCHES", 5)
+    call = _ALL_BATCHES[entry]
+    with pytest.raises(ValueError, match=rf"^{entry}: the data has no length and gave more than 5 "
+                       r"batches.* Pass max_batches="):  # fmt: skip
+        call(_endless())
+    assert call(_endless(), max_batches=7).used.batches == 7  # asked for: not capped
+    finite = itertools.islice(_endless(), 5)  # no length, within the cap: read whole
+    assert call(finite).used.batches == 5
 
 
 def test_default_forward_and_output_tensor() -> None:

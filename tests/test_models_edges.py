@@ -787,7 +787,7 @@ def _rows_equal(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
 _KEYWORD_CASES = [
     ("gradinit_", {"loss": nn.CrossEntropyLoss()}, r"did you mean loss_fn=\?"),
     ("diagnose", {"seed": 0}, r"did you mean generator=\?"),
-    ("loss_landscape", {"batches": 2}, r"did you mean data=\?"),
+    ("loss_landscape", {"batches": 2}, r"did you mean max_batches=\?"),
     ("lsuv_", {"loss": nn.CrossEntropyLoss()}, r"lsuv_ takes no loss_fn=; accepted: blocks, "),
     ("scale_output_", {"batches": 2}, r"did you mean max_batches=\?"),  # not n_batches (old)
 ]

@@ -15,6 +15,11 @@ The rule, in order (documented in the README and tested by the conformance suite
    objects) is many batches: ``[(x1, y1), (x2, y2)]``.
 5. Any other iterable (a ``DataLoader``, a generator, a dataset-like iterable) is many batches.
 
+How many: ``max_batches`` batches at most, ``None`` for all of them. Data without a length (a
+generator, an ``IterableDataset``, a ``DataLoader`` over one) may never end: with ``None`` it is
+read up to :data:`UNSIZED_MAX_BATCHES` batches, and one more raises a ``ValueError`` that says to
+pass ``max_batches=`` (rather than reading, and holding, an endless stream).
+
 A batch's size (its number of examples) is dim 0 of its first tensor (for a dict, of its first
 tensor value, e.g. ``input_ids``; for a custom object, of its first tensor attribute).
 
@@ -43,6 +48,7 @@ from initlab._core.pytree import children, find_path, flatten_tensors, map_tenso
 
 __all__ = [
     "TARGET_KEYS",
+    "UNSIZED_MAX_BATCHES",
     "AmbiguousDataError",
     "Batches",
     "DataCounter",
@@ -200,9 +206,18 @@ def take_batches(
     return batches
 
 
+UNSIZED_MAX_BATCHES = 1000
+"""The most batches ``max_batches=None`` reads from data without a length (see the module doc)."""
+
+
 def iter_batches(data: Any, max_batches: int | None = None, *, what: str) -> Iterator[Any]:
     """The batches of ``data`` one at a time (a loader is streamed, never held whole), at most
-    ``max_batches``; the same rule and errors as :func:`take_batches`."""
+    ``max_batches``; the same rule and errors as :func:`take_batches`.
+
+    Raises:
+        ValueError: ``max_batches`` is ``None`` and ``data`` has no length and more than
+            :data:`UNSIZED_MAX_BATCHES` batches (it may be endless).
+    """
     if max_batches is not None and (
         isinstance(max_batches, bool) or not isinstance(max_batches, int) or max_batches < 1
     ):
@@ -216,9 +231,29 @@ def iter_batches(data: Any, max_batches: int | None = None, *, what: str) -> Ite
         check_batch(data, what=what)
         yield _detached(data)
         return
-    for i, batch in enumerate(itertools.islice(data, max_batches)):
+    unsized = max_batches is None and not _has_length(data)
+    stop = UNSIZED_MAX_BATCHES + 1 if unsized else max_batches
+    for i, batch in enumerate(itertools.islice(data, stop)):
+        if unsized and i == UNSIZED_MAX_BATCHES:
+            raise ValueError(
+                f"{what}: the data has no length and gave more than {UNSIZED_MAX_BATCHES} "
+                f"batches; it may never end (a generator or IterableDataset that cycles), and "
+                f"max_batches=None reads data without a length up to {UNSIZED_MAX_BATCHES} "
+                "batches. Pass max_batches= (how many batches to read)"
+            )
         check_batch(batch, what=what, index=i)
         yield _detached(batch)
+
+
+def _has_length(data: Any) -> bool:
+    """Whether ``len(data)`` is known (a list, a map-style dataset's loader; for
+    :class:`Batches`, its items'): a ``DataLoader`` over an ``IterableDataset`` without
+    ``__len__`` raises ``TypeError``."""
+    try:
+        len(data.items if isinstance(data, Batches) else data)
+    except (TypeError, NotImplementedError):
+        return False
+    return True
 
 
 def _detached(batch: Any) -> Any:

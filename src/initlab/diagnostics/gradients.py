@@ -189,8 +189,10 @@ def gradient_stats(
     :data:`GRADIENT_COLUMNS`; ``used`` says how many batches and examples).
 
     Runs ``loss.backward()`` per batch, ``loss_fn`` in any form :func:`initlab.resolve_loss`
-    reads; the model's parameters, buffers (e.g. BatchNorm running statistics), train/eval modes
-    and ``.grad`` are as before afterwards.
+    reads, over at most ``max_batches`` batches (``None``: all; data without a length, a
+    generator or an ``IterableDataset``, up to 1000 batches, and more raise); the model's
+    parameters, buffers (e.g. BatchNorm running statistics), train/eval modes and ``.grad`` are
+    as before afterwards.
 
     Example:
         >>> import torch

@@ -559,7 +559,8 @@ def gr_scaling(
         data: one batch or many (:mod:`initlab._core.data`; first form). In the second form a
             second positional argument is the model (``gr_scaling(probe, model)``).
         loss_fn: the loss (first form).
-        max_batches: read at most this many batches (first form).
+        max_batches: read at most this many batches (first form; ``None``: all, data without a
+            length up to 1000 batches, as :func:`~initlab.measure_moments` reads them).
         loss_reduction: ``"mean"`` or ``"sum"``, how the loss reduces over the batch (first
             form); ``None``: the loss's own where it declares one (``nn.CrossEntropyLoss(
             reduction="sum")``), else ``"mean"``.

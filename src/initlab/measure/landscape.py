@@ -523,6 +523,7 @@ def loss_landscape(
     batched: bool | Literal["auto"] = True,
     chunk_size: int | None = None,
     forward: Forward | None = None,
+    max_batches: int | None = None,
 ) -> Landscape:
     r"""The loss on the plane ``θ + t₁ d₁ + t₂ d₂`` over a grid (module docstring).
 
@@ -530,7 +531,8 @@ def loss_landscape(
         model: any ``nn.Module``; never mutated (parameters, buffers, modes).
         data: one batch or many (:mod:`initlab._core.data`; formerly ``batch_or_batches=``): a
             tensor, an ``(x, y)`` tuple, a dict of model inputs, a ``DataLoader``, a list of
-            ``(x, y)`` tuples or ``initlab.Batches([...])``. All batches are read.
+            ``(x, y)`` tuples or ``initlab.Batches([...])``; all of them are held (at most
+            ``max_batches``).
         loss_fn: the loss, in any form :func:`~initlab._core.loss.resolve_loss` accepts:
             ``loss_fn(model, batch)``, a criterion (``nn.CrossEntropyLoss()``,
             ``F.cross_entropy``), the model's own loss, a name (``"cross_entropy"``, ``"mse"``,
@@ -557,6 +559,9 @@ def loss_landscape(
             elements of parameters and activations per chunk).
         forward: ``forward(model, batch) -> outputs`` for a loss on the outputs (default
             :func:`~initlab._core.data.default_forward`).
+        max_batches: use at most this many batches of ``data`` (``None``: all; data without a
+            length, a generator or an ``IterableDataset``, up to 1000 batches, and more raise:
+            pass ``max_batches=``).
 
     Returns:
         :class:`Landscape` (``used``: the batches and examples read).
@@ -565,7 +570,7 @@ def loss_landscape(
         raise ValueError(f"unknown bn policy {bn!r}; valid policies: {list(_BN)}")
     if batched not in (True, False, "auto"):
         raise ValueError(f"batched must be True, False or 'auto', got {batched!r}")
-    batches = take_batches(data, what="loss_landscape")
+    batches = take_batches(data, max_batches, what="loss_landscape", exact=False)
     loss = on_batches(resolve_loss(loss_fn, what="loss_landscape"), batches)
     fwd, on_outputs = split_loss(loss, forward, what="loss_landscape")
     used = data_use(batches)

@@ -569,7 +569,8 @@ def _stream_pairs(
     data: Any, total: int | None, need_next: bool, what: str, counter: DataCounter
 ) -> Iterator[tuple[Any, Any]]:
     """The pairs of :func:`batch_pairs`, read lazily from ``data``."""
-    it = counter.wrap(iter_batches(data, what=what))
+    needed = None if total is None else total + (1 if need_next else 0)
+    it = counter.wrap(iter_batches(data, needed, what=what))
     got = 0
 
     def pull() -> Any:

@@ -85,8 +85,9 @@ def input_scale(
             product is the number of taps ``k2``.
         n_in: input channels (features) per group of the first layer; default: dim 1 of the
             input (features of a ``(B, n)`` input, channels of ``(B, C, ...)``).
-        max_batches: use at most this many batches of ``data`` (default all; ``n_batches=``
-            before 0.2).
+        max_batches: use at most this many batches of ``data`` (default all; data without a
+            length, a generator or an ``IterableDataset``, up to 1000 batches, and more raise;
+            ``n_batches=`` before 0.2).
 
     ``E[x^2]`` is the non-central second moment over all elements of all batches (and ranks).
 

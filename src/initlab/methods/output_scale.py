@@ -370,8 +370,9 @@ def scale_output_(
         module: ``"fold"``: name of the layer to fold into (default: the last weight layer to
             run); ``"hook"``: name of the module whose output is scaled (default: the model).
         how: ``"fold"``, ``"module"`` or ``"hook"``.
-        max_batches: use at most this many batches of ``data`` (default all; ``n_batches=``
-            before 0.2).
+        max_batches: use at most this many batches of ``data`` (default all; data without a
+            length, a generator or an ``IterableDataset``, up to 1000 batches, and more raise;
+            ``n_batches=`` before 0.2).
         registry: the layer registry (which modules are weight layers).
         generator: seeds the RNG of the measurement passes (dropout in train mode); the method
             draws nothing itself.

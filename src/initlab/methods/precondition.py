@@ -314,8 +314,9 @@ def precondition_(
             (default: every linear/conv layer with a finite ``gamma``); the others keep
             ``alpha = 1`` (for ``rescale`` they still pass the cumulative scale on).
         forward: ``forward(model, batch) -> output`` for the function check of ``rescale``.
-        max_batches: use at most this many batches of ``data`` (default all; ``n_batches=``
-            before 0.2).
+        max_batches: use at most this many batches of ``data`` (default all; data without a
+            length, a generator or an ``IterableDataset``, up to 1000 batches, and more raise;
+            ``n_batches=`` before 0.2).
         registry: the layer registry.
         generator: seeds the measurement passes' RNG (dropout).
         **probe_kwargs: passed to :class:`~initlab.MomentProbe` (``loss_reduction``, ...).

@@ -57,7 +57,9 @@ def measure_moments(
             (``"cross_entropy"``, ``"mse"``, ``"auto"``, ``"random_quadratic"``). ``None``:
             forward only, under ``torch.no_grad()``, with the default forward (``model(x)``,
             ``model(batch[0])``, ``model(**batch)``).
-        max_batches: read at most this many batches (``None``: all).
+        max_batches: read at most this many batches (``None``: all; data without a length, a
+            generator or an ``IterableDataset``, is read up to 1000 batches, and more raise:
+            pass ``max_batches=``).
         **probe_kwargs: passed to :class:`MomentProbe` (``modules``, ``per_example``, ...).
             ``loss_reduction`` left out or ``None``: the loss's own where it declares one (a
             criterion's ``reduction``), else ``"mean"``; one that contradicts it raises.

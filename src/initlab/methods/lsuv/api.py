@@ -267,8 +267,8 @@ def lsuv_(
             :func:`~initlab._core.data.default_forward`).
         strategy: ``"layers"``, ``"branches"`` or ``"stream"`` (above; ``mode=`` before 0.2).
         max_batches: how many batches of ``data`` the statistics pool over (``None``: all of
-            them; ``batches=`` before 0.2): at most this many (a loader with fewer is read
-            whole).
+            them, data without a length up to 1000 batches, and more raise; ``batches=`` before
+            0.2): at most this many (a loader with fewer is read whole).
         concat_batches: with several batches, run them as one concatenated batch (exact in one
             sweep; dim 0 of every tensor is concatenated) rather than one after another.
         generator: ``torch.Generator`` or int seed for the orthogonal pre-init; the same seed
