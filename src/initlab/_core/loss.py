@@ -28,8 +28,7 @@ import functools
 import inspect
 import re
 import warnings
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -43,9 +42,7 @@ from initlab._core.data import (
     one_example_error,
     output_tensor,
 )
-from initlab._core.hooks import hook_handles
 from initlab._core.knobs import user_stacklevel
-from initlab._core.pytree import flatten_tensors
 
 __all__ = [
     "LOSSES",
@@ -54,18 +51,13 @@ __all__ = [
     "LossLike",
     "NamedLoss",
     "TargetError",
-    "backward_of",
-    "check_defined",
     "classes_dim",
     "criterion",
     "default_loss",
     "example_count",
-    "finite_loss",
     "make_loss",
     "model_inputs",
-    "outputs_finite",
     "outputs_loss",
-    "outputs_watch",
     "resolve_loss",
     "target_count",
 ]
@@ -705,96 +697,6 @@ def _declared_reduction(fn: Any) -> str | None:
     else:
         value = None
     return value if value in ("mean", "sum") else None
-
-
-def require_grad(loss: torch.Tensor, what: str = "") -> torch.Tensor:
-    """``loss``, after checking that it carries a gradient: one that does not (the user's loss
-    detached the outputs, or ran under ``torch.no_grad()``) raises a message saying so rather
-    than torch's "element 0 of tensors does not require grad" (prefixed by ``what``)."""
-    if not loss.requires_grad:
-        raise ValueError(
-            f"{what + ': ' if what else ''}the loss does not depend on the model's parameters: it "
-            "carries no gradient (computed from detached outputs, under torch.no_grad(), or from "
-            "no trainable parameter); return a loss computed from the model's outputs"
-        )
-    return loss
-
-
-def backward_of(loss: torch.Tensor, what: str) -> None:
-    """``loss.backward()``, the loss checked first (:func:`require_grad`)."""
-    require_grad(loss, what).backward()
-
-
-def finite_loss(
-    loss: Loss, model: nn.Module, batch: Any, *, what: str, index: int | None
-) -> torch.Tensor:
-    """``loss(model, batch)``, checked by :func:`check_defined` against every call of the model
-    inside the loss (:func:`outputs_watch`)."""
-    with outputs_watch(model) as finite:
-        value = loss(model, batch)
-    check_defined(value, all(finite), what=what, index=index)
-    return value
-
-
-@contextmanager
-def outputs_watch(model: nn.Module) -> Iterator[list[bool]]:
-    """A list that gets, for every call of ``model`` in the block, whether its output is finite
-    (:func:`outputs_finite`; a forward hook, removed on exit). Not under ``vmap``. A TorchScript
-    model takes no hook: its outputs are not known to be finite (``[False]``)."""
-    if isinstance(model, torch.jit.ScriptModule):
-        yield [False]
-        return
-    finite: list[bool] = []
-
-    def watch(_module: nn.Module, _args: Any, output: Any) -> None:
-        finite.append(outputs_finite(output))
-
-    with hook_handles() as handles:
-        handles.add(model.register_forward_hook(watch))
-        yield finite
-
-
-def check_defined(
-    value: torch.Tensor, finite_outputs: bool, *, what: str, index: int | None
-) -> None:
-    """Raise if the loss ``value`` of a batch is not finite while the model's outputs on it are
-    (``finite_outputs``): the loss is undefined on that batch (a mean over no target, every label
-    the ignore index; a log of 0), and its backward gives zero or NaN gradients that a
-    measurement would average in as the batch's. Non-finite outputs (the model overflows at
-    this initialization) are for the measurement to report. ``index``: the batch's position in
-    the data, named in the error."""
-    if finite_outputs and not bool(value.detach().isfinite().all()):
-        which = "the batch" if index is None else f"batch {index}"
-        raise ValueError(
-            f"{what}: the loss of {which} is {float(value.detach())} while the model's outputs "
-            "on it are finite: the loss is undefined on that batch, not the model "
-            "ill-conditioned (e.g. every target is the ignore index -100, and a mean over no "
-            "target is 0/0). Drop such batches from the data, or pass a loss defined on them"
-        )
-
-
-def outputs_finite(output: Any) -> bool:
-    """Whether the tensor a model's output stands for (:func:`output_tensor`; every
-    floating-point tensor of it where there is none) is finite."""
-    try:
-        tensors = [output_tensor(output)]
-    except TypeError:
-        tensors = [t for _, t in flatten_tensors(output)]
-    return all(bool(t.detach().isfinite().all()) for t in tensors if t.is_floating_point())
-
-
-def check_trainable(model: nn.Module, what: str) -> None:
-    """Raise ValueError if ``model`` has parameters and none of them requires a gradient: a loss
-    of it has no gradient to measure (torch would say "element 0 of tensors does not require
-    grad" from inside the backward)."""
-    params = list(model.parameters())
-    if params and not any(p.requires_grad for p in params):
-        raise ValueError(
-            f"{what}: no parameter of the model requires a gradient (all {len(params)} are "
-            "frozen), so the loss has no gradient to measure: unfreeze the layers to measure "
-            "(model.requires_grad_(True)); a partly frozen model is measured on its trainable "
-            "layers"
-        )
 
 
 def batch_reduction(loss: Loss | None, loss_reduction: str | None, what: str) -> str:

@@ -35,15 +35,10 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from initlab._core.backward import check_trainable
 from initlab._core.compiled import takes_compiled
 from initlab._core.data import examples_in, forward_args, take_batches
-from initlab._core.loss import (
-    Loss,
-    LossLike,
-    batch_reduction,
-    check_trainable,
-    resolve_loss,
-)
+from initlab._core.loss import Loss, LossLike, batch_reduction, resolve_loss
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows
 from initlab._core.state import preserved_state

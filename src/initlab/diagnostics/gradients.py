@@ -40,16 +40,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from initlab._core.backward import backward_of, check_trainable, finite_loss
 from initlab._core.compiled import module_type_name, takes_compiled
 from initlab._core.data import DataCounter, iter_batches
 from initlab._core.knobs import renamed_kwargs
-from initlab._core.loss import (
-    LossLike,
-    backward_of,
-    check_trainable,
-    finite_loss,
-    resolve_loss,
-)
+from initlab._core.loss import LossLike, resolve_loss
 from initlab._core.reductions import sum_of_squares
 from initlab._core.rows import Rows
 from initlab._core.state import preserved_state

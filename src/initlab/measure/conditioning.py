@@ -128,6 +128,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from initlab._core.backward import check_trainable
 from initlab._core.compiled import takes_compiled
 from initlab._core.distributed import (
     all_reduce_sum,
@@ -136,7 +137,7 @@ from initlab._core.distributed import (
     run_together,
 )
 from initlab._core.knobs import errors_named
-from initlab._core.loss import LossLike, batch_reduction, check_trainable, resolve_loss
+from initlab._core.loss import LossLike, batch_reduction, resolve_loss
 from initlab._core.modules import first_names
 from initlab._core.rows import Rows
 from initlab.init.registry import ParamSpec, Registry, default_registry

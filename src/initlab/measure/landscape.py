@@ -59,11 +59,11 @@ import torch
 from torch import nn
 
 from initlab._core.attention import with_math_attention
+from initlab._core.backward import check_defined, outputs_watch
 from initlab._core.compiled import takes_compiled
 from initlab._core.data import DataUse, batch_size, data_use, take_batches
 from initlab._core.hooks import hook_handles
 from initlab._core.knobs import renamed_kwargs
-from initlab._core.loss import check_defined, outputs_watch
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows
 from initlab.measure.curvature import (

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from initlab._core.backward import require_grad
 from initlab._core.data import DataCounter, is_single_batch, iter_batches
 from initlab._core.distributed import (
     all_reduce_sum,
@@ -43,7 +44,7 @@ from initlab._core.distributed import (
     world_size,
 )
 from initlab._core.knobs import user_stacklevel
-from initlab._core.loss import Loss, require_grad, resolve_loss
+from initlab._core.loss import Loss, resolve_loss
 from initlab._core.rows import split_name
 from initlab._core.state import model_kept
 from initlab.init.registry import default_registry

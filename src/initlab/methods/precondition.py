@@ -33,6 +33,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from initlab._core.attention import with_math_attention
+from initlab._core.backward import check_trainable
 from initlab._core.compiled import takes_compiled
 from initlab._core.data import batch_size, data_use, default_forward, output_tensor, take_batches
 from initlab._core.distributed import (
@@ -42,7 +43,7 @@ from initlab._core.distributed import (
     run_together,
 )
 from initlab._core.knobs import check_kwargs, errors_named, parameter_names, renamed_kwargs
-from initlab._core.loss import LossLike, check_trainable, resolve_loss
+from initlab._core.loss import LossLike, resolve_loss
 from initlab._core.method_report import MethodReport
 from initlab._core.modules import first_names
 from initlab._core.rng import Seeds

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from initlab._core.attention import with_math_attention
+from initlab._core.backward import require_grad
 from initlab._core.knobs import renamed_kwargs
-from initlab._core.loss import require_grad
 from initlab._core.pytree import flatten_tensors, map_tensors
 
 __all__ = ["DoubleBackwardError", "Mode", "ggn_vector_product", "hessian_vector_product"]

@@ -10,19 +10,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from initlab._core.backward import backward_of, check_trainable, finite_loss
 from initlab._core.compiled import takes_compiled
 from initlab._core.data import DataUse, default_forward, examples_in, iter_batches
 from initlab._core.knobs import check_kwargs, parameter_names, renamed_kwargs
-from initlab._core.loss import (
-    Loss,
-    LossLike,
-    backward_of,
-    batch_reduction,
-    check_trainable,
-    example_count,
-    finite_loss,
-    resolve_loss,
-)
+from initlab._core.loss import Loss, LossLike, batch_reduction, example_count, resolve_loss
 from initlab._core.state import preserved_state
 from initlab.measure.probe.batch import target_rows
 from initlab.measure.probe.moment_probe import MomentProbe
@@ -139,7 +131,7 @@ def probed_backward(
     """``loss(model, batch)`` and its backward under ``probe``, which is told first how many
     examples the loss averages over (:func:`~initlab._core.loss.example_count`); the loss. A
     non-finite loss on finite outputs raises, naming batch ``index``
-    (:func:`~initlab._core.loss.finite_loss`)."""
+    (:func:`~initlab._core.backward.finite_loss`)."""
     probe.example_count = example_count(loss, batch)
     probe.target_rows = target_rows(batch)
     value = finite_loss(loss, model, batch, what=what, index=index)
