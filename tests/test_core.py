@@ -421,6 +421,27 @@ def test_int32_class_targets_of_a_torch_criterion_say_long() -> None:
             resolve_loss(loss)(model, (x, y.int()))
 
 
+@pytest.mark.parametrize(
+    "fn",
+    [nn.MSELoss(), F.mse_loss, nn.L1Loss(), F.l1_loss, nn.SmoothL1Loss(), nn.HuberLoss(),
+     functools.partial(F.huber_loss, delta=0.5), F.smooth_l1_loss],
+    ids=["MSELoss", "mse_loss", "L1Loss", "l1_loss", "SmoothL1Loss", "HuberLoss", "partial",
+         "smooth_l1_loss"],
+)  # fmt: skip
+def test_an_elementwise_criterion_pairs_b_1_outputs_with_b_targets(fn: Any) -> None:
+    """(B, 1) outputs and (B,) targets broadcast to (B, B) in torch (a UserWarning only): the
+    moments were 20x off those of "mse", which pairs them."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(6, 3, generator=g), torch.randn(6, generator=g)
+    model = nn.Linear(3, 1)
+    with torch.no_grad():
+        want = fn(model(x).squeeze(-1), y)  # the pairing, by hand
+    assert torch.allclose(resolve_loss(fn)(model, (x, y)), want)
+    with pytest.raises(TargetError, match=r"needs outputs and targets of one shape; got outputs "
+                       r"\(6, 2\) and targets \(6,\)"):  # fmt: skip
+        resolve_loss(fn)(nn.Linear(3, 2), (x, y))
+
+
 def test_autocast_checks_skip_a_device_type_torch_does_not_know(monkeypatch) -> None:
     # torch 2.4's is_autocast_enabled("mps") raises: every entry point raised through it
     from initlab._core.autocast import autocast_off, autocast_uncached

@@ -461,19 +461,23 @@ def _has_token_ids(batch: Any, y: torch.Tensor) -> bool:
     )
 
 
-def _mse_out(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Mean squared error of outputs and targets of one shape, up to dimensions of size 1
-    (``(B, 1)`` outputs with ``(B,)`` targets); any other pair of shapes raises rather than
-    broadcast (``(B, 1) - (B,)`` is ``(B, B)``)."""
+def _paired(out: torch.Tensor, y: torch.Tensor, name: str) -> torch.Tensor:
+    """The targets ``y`` of an elementwise loss (``name``) in the shape of the outputs, up to
+    dimensions of size 1 (``(B, 1)`` outputs with ``(B,)`` targets); any other pair of shapes
+    raises rather than broadcast (``(B, 1) - (B,)`` is ``(B, B)``)."""
     if y.shape != out.shape:
         if out.squeeze().shape != y.squeeze().shape:
             raise TargetError(
-                f"mean squared error needs outputs and targets of one shape; got outputs "
+                f"{name} needs outputs and targets of one shape; got outputs "
                 f"{tuple(out.shape)} and targets {tuple(y.shape)}. Reshape the targets, or pass "
                 "a loss_fn(model, batch) that pairs them"
             )
         y = y.reshape(out.shape)
-    return F.mse_loss(out, y)
+    return y
+
+
+def _mse_out(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out, _paired(out, y, "mean squared error"))
 
 
 def _auto(out: torch.Tensor, y: torch.Tensor, batch: Any) -> torch.Tensor:
@@ -567,6 +571,8 @@ def criterion(
     label = name or _callable_name(fn)
     if _takes_class_indices(fn):
         outputs_loss = lambda out, b: fn(*_classes_last(out, _target(b, None), b))  # noqa: E731
+    elif _is_one_of(fn, _ELEMENTWISE_CRITERIA):  # paired as "mse" pairs them, never broadcast
+        outputs_loss = lambda out, b: fn(out, _paired(out, _target(b, None), repr(label)))  # noqa: E731
     else:
         outputs_loss = lambda out, batch: fn(out, _target(batch, None))  # noqa: E731
     declared = _declared_reduction(fn)
@@ -651,14 +657,20 @@ def _counted(fn: Any, y: torch.Tensor) -> float:
 
 
 _CLASS_CRITERIA = (nn.CrossEntropyLoss, nn.NLLLoss, F.cross_entropy, F.nll_loss)
+_ELEMENTWISE_CRITERIA = (nn.MSELoss, nn.L1Loss, nn.SmoothL1Loss, nn.HuberLoss, F.mse_loss)
+_ELEMENTWISE_CRITERIA += (F.l1_loss, F.smooth_l1_loss, F.huber_loss)
 
 
 def _takes_class_indices(fn: Any) -> bool:
     """torch's cross-entropy and NLL criteria (modules, functions, partials of them)."""
+    return _is_one_of(fn, _CLASS_CRITERIA)
+
+
+def _is_one_of(fn: Any, criteria: tuple[Any, ...]) -> bool:
+    """Whether ``fn`` is one of torch's ``criteria``: an instance of a class, a function, or a
+    ``functools.partial`` of either."""
     inner = fn.func if isinstance(fn, functools.partial) else fn
-    return any(
-        inner is c or (isinstance(c, type) and isinstance(inner, c)) for c in _CLASS_CRITERIA
-    )
+    return any(inner is c or (isinstance(c, type) and isinstance(inner, c)) for c in criteria)
 
 
 def _classes_last(
