@@ -9,6 +9,7 @@ cannot touch the model under test). Nothing here goes through the library's help
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import math
 import types
@@ -23,7 +24,7 @@ from torch.nn import functional as F
 
 import initlab
 from initlab._core.data import Batches
-from initlab._core.loss import Loss, criterion, outputs_loss, resolve_loss
+from initlab._core.loss import Loss, TargetError, criterion, outputs_loss, resolve_loss
 from initlab.measure.curvature import (
     BLOCK_COLUMNS,
     BlockOperator,
@@ -794,3 +795,39 @@ def test_theory_vs_actual_names_the_forward_not_an_inner_loss() -> None:
         with pytest.raises(TypeError, match=r"^the default forward: a dict batch") as info:
             call(net, batch, nn.CrossEntropyLoss(), probes=2, generator=0)
         assert "<lambda>" not in str(info.value)
+
+
+@dataclasses.dataclass
+class _Record:
+    x: torch.Tensor
+
+
+class _OnRecord(nn.Module):
+    """Takes a batch object, as the default forward passes it: model(batch)."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, batch: _Record) -> torch.Tensor:
+        return self.net(batch.x)
+
+
+def test_curvature_and_landscapes_run_a_batch_object_as_model_batch() -> None:
+    """A dataclass batch: the functional forward called model(batch[0]) ("'_Record' object is not
+    subscriptable") where the default forward, and the README, say model(batch)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    x = torch.randn(6, 4)
+    wrapped, record = _OnRecord(net), _Record(x)
+    for loss in ("random_quadratic", outputs_loss(lambda out, b: out.square().mean())):
+        land = initlab.loss_landscape(wrapped, record, loss, grid=2, generator=0)
+        ref = initlab.loss_landscape(net, x, loss, grid=2, generator=0)
+        assert float(land.center) == pytest.approx(float(ref.center), rel=1e-6)
+        got = block_curvature(wrapped, record, loss, probes=4, generator=0).matrix()
+        want = block_curvature(net, x, loss, probes=4, generator=0).matrix()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, equal_nan=True)
+        assert len(theory_vs_actual(wrapped, record, loss, probes=2, generator=0).to_rows()) > 0
+    for call in (initlab.loss_landscape, block_curvature, theory_vs_actual):  # no targets in it
+        with pytest.raises(TargetError, match="needs \\(x, y\\) batches"):
+            call(wrapped, record, nn.CrossEntropyLoss())

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from initlab._core.data import default_forward, keyword_error
+from initlab._core.data import default_forward, forward_args, keyword_error
 from initlab._core.functional import functional_call
 from initlab._core.loss import (
     Loss,
@@ -122,9 +122,7 @@ def functional_forward(
     if forward is None or forward in (default_forward, NamedLoss.forward):  # without a wrapper
         if forward is NamedLoss.forward:
             batch = model_inputs(model, batch)
-        if isinstance(batch, torch.Tensor):
-            return functional_call(model, state, (batch,))
-        args, kwargs = ((), dict(batch)) if isinstance(batch, Mapping) else ((batch[0],), {})
+        args, kwargs = forward_args(batch)  # the default forward's call: model(batch) for an object
         try:
             return functional_call(model, state, args, kwargs)
         except TypeError as err:  # the same message as the default forward's
