@@ -243,6 +243,31 @@ def lm_batches(n: int = 2) -> list[dict[str, torch.Tensor]]:
     return out
 
 
+def test_a_criterion_runs_a_hugging_face_model_without_its_labels() -> None:
+    """Soft labels with nn.CrossEntropyLoss on a single-label head: doctor's output pass called
+    model(**batch) with them, and the model's own loss failed ("Expected input batch_size (6) to
+    match target batch_size (18)"); every other entry point leaves the labels out."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(
+        vocab_size=30, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+        intermediate_size=32, num_labels=3, max_position_embeddings=16,
+        problem_type="single_label_classification",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(cfg)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 30, (6, 8), generator=g)
+    soft = torch.softmax(torch.randn(6, 3, generator=g), -1)  # class probabilities
+    before = snapshot(model)
+    rep = doctor(model, [{"input_ids": ids, "labels": soft}], nn.CrossEntropyLoss())
+    assert_same(model, before)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    assert rep.row("logit_std")["value"] == pytest.approx(
+        float(logits.std(unbiased=False)), rel=1e-4
+    )
+
+
 def test_gpt2_end_to_end_with_its_own_loss_and_tie_kept() -> None:
     data = lm_batches()
     model = gpt2()

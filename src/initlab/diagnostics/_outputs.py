@@ -26,7 +26,7 @@ from initlab._core.data import (
     real_positions,
 )
 from initlab._core.hooks import hook_handles
-from initlab._core.loss import Loss, classes_dim, model_loss
+from initlab._core.loss import Loss, NamedLoss, classes_dim, model_loss
 from initlab._core.state import preserved_state
 
 Forward = Callable[[nn.Module, Any], Any]
@@ -69,11 +69,15 @@ def loss_forward(loss: Loss) -> Forward:
 
 def fixes_forward(loss: Loss, forward: Forward | None) -> Forward | None:
     """The forward the fixes (``lsuv_``, ``scale_output_``) and the output pass use: ``forward``
-    when given, else the model's call inside a ``loss_fn(model, batch)``, else ``None`` (the
-    default forward)."""
+    when given, else the model's call inside a ``loss_fn(model, batch)``, else the loss's own
+    forward for a loss on the outputs (a criterion, a named loss: a Hugging Face model runs
+    without the batch's labels, :func:`~initlab._core.loss.model_inputs`, as in every other entry
+    point), else ``None`` (the default forward: the model's own loss reads the labels)."""
     if forward is not None:
         return forward
-    return loss_forward(loss) if loss.form == "model_batch" else None
+    if loss.form == "model_batch":
+        return loss_forward(loss)
+    return loss.forward if isinstance(loss, NamedLoss) else None
 
 
 def _target(batch: Any) -> torch.Tensor | None:
