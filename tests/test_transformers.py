@@ -471,3 +471,17 @@ def test_a_classifier_after_init_model_starts_at_ln_c() -> None:
            and r["verdict"] in ("warn", "bad")]  # fmt: skip
     assert not ill, rep.to_rows()
     assert "init" not in rep.recommended and "output_scale" not in rep.recommended
+
+
+def test_a_measurement_leaves_the_config_problem_type_as_it_was() -> None:
+    """The model's own loss (loss=None on labels) ran its forward with them, which set
+    config.problem_type (None -> 'single_label_classification') on a config models share."""
+    model = model_of("bert")
+    assert model.config.problem_type is None
+    data = batches("bert", 2)
+    initlab.gr_scaling(model, data)
+    initlab.diagnose(model, data, spectra=False)
+    assert model.config.problem_type is None
+    model.config.problem_type = "single_label_classification"  # one the user set stays
+    initlab.gradient_stats(model, data)
+    assert model.config.problem_type == "single_label_classification"

@@ -10,8 +10,9 @@
   (:func:`restore_on_failure`).
 
 Always restored, on success and on failure: every submodule's ``training`` flag, every parameter's
-``requires_grad`` and ``.grad`` (the same tensor object, or ``None``), and the hooks: any module or
-parameter hook added inside the block and still attached at its end is removed. Tensors are
+``requires_grad`` and ``.grad`` (the same tensor object, or ``None``), the hooks (any module or
+parameter hook added inside the block and still attached at its end is removed), and a Hugging Face
+model's ``config.problem_type`` (its forward sets it from the first labels it is given). Tensors are
 copied back in place under ``no_grad``, so tied tensors stay tied, references the user holds stay
 valid, and nothing moves across devices. Memory: one copy of what is restored. Under the user's
 ``torch.autocast`` the block runs without autocast's cache of cast weights, which changes in place
@@ -34,6 +35,8 @@ from initlab._core.autocast import autocast_uncached
 __all__ = ["model_kept", "model_modes", "preserved_state", "restore_modes", "restore_on_failure"]
 
 When = Literal["always", "failure", "never"]
+
+_ABSENT = object()
 
 _MODULE_HOOK_DICTS = (
     "_forward_hooks",
@@ -128,6 +131,8 @@ def model_kept(
     grads = [(p, p.grad, p.requires_grad) for p in plist]
     modes = model_modes(model)
     hooks = _hook_keys(model)
+    config = getattr(model, "config", None)
+    problem = getattr(config, "problem_type", _ABSENT)
     cpu_rng = torch.get_rng_state() if rng else None
     cuda_rng = torch.cuda.get_rng_state_all() if rng and torch.cuda.is_initialized() else None
     sparse = [
@@ -151,6 +156,8 @@ def model_kept(
             p.requires_grad_(req)
         restore_modes(model, modes)
         _remove_new_hooks(hooks)
+        if problem is not _ABSENT and getattr(config, "problem_type", _ABSENT) != problem:
+            config.problem_type = problem
         if cpu_rng is not None:
             torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
