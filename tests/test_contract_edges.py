@@ -1178,3 +1178,38 @@ def test_a_type_error_is_blamed_on_the_batchs_keys_only_when_the_forward_refuses
         initlab.measure_moments(model, [{"x": x, "labels": y}])
     blamed = "does not take its keys" in str(info.value)
     assert blamed == isinstance(model, nn.Sequential), str(info.value)
+
+
+def _ce_calls_model(model: nn.Module, batch: Any) -> torch.Tensor:
+    return F.cross_entropy(model(batch[0]), batch[1])
+
+
+_F64_CALLS: dict[str, Callable[[nn.Module, Any, Any], Any]] = {
+    "lsuv_": lambda m, d, loss: initlab.lsuv_(m, d, generator=0),
+    "gradinit_": lambda m, d, loss: initlab.gradinit_(m, d, loss, steps=1, generator=0),
+    "metainit_": lambda m, d, loss: initlab.metainit_(m, d, loss, steps=1, generator=0),
+    "scale_output_": lambda m, d, loss: initlab.scale_output_(m, d),
+    "gr_scaling": lambda m, d, loss: initlab.gr_scaling(m, d, loss),
+    "doctor": lambda m, d, loss: initlab.doctor(m, d, loss),
+    "gradient_stats": lambda m, d, loss: initlab.gradient_stats(m, d, loss),
+    "loss_landscape": lambda m, d, loss: initlab.loss_landscape(m, d, loss, grid=2),
+    "block_curvature": lambda m, d, loss: initlab.block_curvature(m, d, loss, probes=2),
+}
+
+
+@pytest.mark.parametrize("loss", [nn.CrossEntropyLoss(), _ce_calls_model], ids=["crit", "fn"])
+@pytest.mark.parametrize("entry", list(_F64_CALLS))
+def test_float64_data_into_a_float32_model_says_what_to_convert(entry: str, loss: Any) -> None:
+    """torch's bare "mat1 and mat2 must have the same dtype, but got Double and Float" named no
+    batch, entry or fix. The data is not converted: the model is left as it was."""
+    x, y = _data(24)
+    data = [(x[i : i + 8].double(), y[i : i + 8]) for i in range(0, 24, 8)]
+    model = _mlp()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(TypeError, match=r"^the batch's entry '0' \(shape \(8, 4\)\) is "
+                       r"torch\.float64 and the model's parameters are torch\.float32 \(mat1 and "
+                       r"mat2 .*\)\. initlab does not convert data: convert it "
+                       r"\(x\.to\(torch\.float32\), e\.g\. x\.float\(\)") as info:  # fmt: skip
+        _F64_CALLS[entry](model, data, loss)
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

@@ -62,6 +62,7 @@ __all__ = [
     "check_batch",
     "data_use",
     "default_forward",
+    "dtype_error",
     "examples_in",
     "find_target",
     "first_tensor",
@@ -519,6 +520,36 @@ def default_forward(model: nn.Module, batch: Any) -> Any:
         if single is None:
             raise
         raise single from err
+    except RuntimeError as err:
+        clear = dtype_error(err, model, batch)
+        if clear is None:
+            raise
+        raise clear from err
+
+
+_DTYPE_WORDS = re.compile(r"same dtype|expected scalar type|Input type .* should be the same")
+
+
+def dtype_error(err: RuntimeError, model: Any, batch: Any) -> TypeError | None:
+    """A clear error for torch's dtype mismatch in a forward ("mat1 and mat2 must have the same
+    dtype") where a floating-point tensor of the batch is not of the model's floating-point
+    dtype (float64 data from numpy into a float32 model); ``None`` for any other error. The
+    data is never converted behind the user's back: the message says how to. ``model``: a
+    module, or a stand-in with its ``parameters()`` (GradInit's model at other tensors)."""
+    if type(err) is not RuntimeError or not _DTYPE_WORDS.search(str(err)):
+        return None
+    params = model.parameters() if callable(getattr(model, "parameters", None)) else ()
+    dtype = next((p.dtype for p in params if p.is_floating_point()), None)
+    found = [(k, t) for k, t in batch_tensors(batch) if t.is_floating_point() and t.dtype != dtype]
+    if dtype is None or not found:
+        return None
+    path, t = found[0]
+    where = "the batch" if isinstance(batch, torch.Tensor) else f"the batch's entry {path!r}"
+    return TypeError(
+        f"{where} (shape {tuple(t.shape)}) is {t.dtype} and the model's parameters are {dtype} "
+        f"({err}). initlab does not convert data: convert it (x.to({dtype}), e.g. x.float() in "
+        f"the dataset or a collate_fn), or the model (model.to({t.dtype}))"
+    )
 
 
 def one_example_error(err: ValueError) -> ValueError | None:

@@ -37,6 +37,7 @@ from torch.nn import functional as F
 
 from initlab._core.data import (
     default_forward,
+    dtype_error,
     find_target,
     keyword_error,
     one_example_error,
@@ -131,6 +132,11 @@ class Loss:
             if single is None:
                 raise
             raise single from err
+        except RuntimeError as err:  # the model called by the loss, on data of another dtype
+            clear = dtype_error(err, model, batch)
+            if clear is None:
+                raise
+            raise clear from err
         return _scalar(loss, self.name)
 
     def __repr__(self) -> str:

@@ -411,6 +411,12 @@ _WORDING: tuple[tuple[str, str | Callable[[re.Match[str]], str]], ...] = (
         "pass --data-dir (or set the INITLAB_DATA_DIR environment variable) with",
     ),
     (r"\(data root (\S+), from root=\)", r"(data root \1, from --data-dir)"),
+    (  # _core.data.dtype_error: the data comes from a file here, the model from a factory
+        r"convert it \(x\.to\(([\w.]+)\), e\.g\. x\.float\(\) in the dataset or a collate_fn\), "
+        r"or the model \(model\.to\(([\w.]+)\)\)",
+        r"convert the data before saving it (x.to(\1), e.g. x.float()), or have the factory "
+        r"build the model in \2",
+    ),
     (r"pass policy='warn' or 'skip'", "pass --policy warn or --policy skip"),
     (r"\bpolicy='(\w+)'", r"--policy \1"),
     (r"\(or True\)", "(or --fix alone for the recommended ones)"),

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from initlab._core.data import default_forward, forward_args, keyword_error
+from initlab._core.data import default_forward, dtype_error, forward_args, keyword_error
 from initlab._core.functional import functional_call
 from initlab._core.loss import (
     Loss,
@@ -125,11 +125,16 @@ def functional_forward(
         args, kwargs = forward_args(batch)  # the default forward's call: model(batch) for an object
         try:
             return functional_call(model, state, args, kwargs)
-        except TypeError as err:  # the same message as the default forward's
+        except TypeError as err:  # the same messages as the default forward's
             clear = keyword_error(err, batch, "the default forward")
             if clear is None:
                 raise
             raise clear from err
+        except RuntimeError as err:
+            dtype = dtype_error(err, model, batch)
+            if dtype is None:
+                raise
+            raise dtype from err
     wrapper = _Call(model, forward)
     return functional_call(wrapper, {f"model.{k}": v for k, v in state.items()}, (batch,))
 
