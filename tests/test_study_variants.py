@@ -521,6 +521,8 @@ def test_report_per_variant_through_the_cli(tmp_path: Path, bowl: Any) -> None:
     assert "Variant mb" in page and "last_epoch_minibatch" in page and "<img" not in page
     text = (out / "table2.md").read_text()
     assert "| base |" in text and "| wide |" in text and "a/fan_in (top)" in text  # edge flags
+    for said in (text, page):  # what the level means at this size, beside the intervals
+        assert "too narrow below (78-96% at 2 x 2 to 3 x 3" in said
 
 
 def test_aggregation_needs_the_loss_column() -> None:
