@@ -245,7 +245,10 @@ def test_store_round_trip_and_export(tmp_path: Path, helpers: Any) -> None:
         assert store.write(results) == 0
         assert len(store) == len(results) == 36
         assert store.keys() == store.keys(spec.name) == {r.config.key() for r in results}
-        assert store.keys("other") == set()
+        for read in (store.keys, store.records, store.results, store.variants, store.study_keys):
+            # a typo in a study's name read as a study without runs
+            with pytest.raises(KeyError, match=r"no study 'other' is registered.*'small'"):
+                read("other")
         back = store.results(study=spec.name)
         frame = store.to_pandas(spec.name)
         store.to_csv(tmp_path / "runs.csv", spec.name)

@@ -615,14 +615,26 @@ class Store:
         rows = self._conn.execute("SELECT name, spec FROM studies ORDER BY created_at, name")
         return {name: json.loads(spec) for name, spec in rows}
 
+    def _check_study(self, study: str) -> None:
+        """Raise ``KeyError`` naming the registered studies if ``study`` is not one (a typo
+        read as a study without runs)."""
+        if self._conn.execute("SELECT 1 FROM studies WHERE name = ?", (study,)).fetchone():
+            return
+        names = ", ".join(repr(n) for n in self.studies()) or "none"
+        raise KeyError(f"no study {study!r} is registered in this store; it has: {names}")
+
     def study_keys(self, study: str) -> set[str]:
-        """Keys of all runs of a registered study, finished or not."""
+        """Keys of all runs of a registered study, finished or not (``KeyError``: no such
+        study)."""
+        self._check_study(study)
         rows = self._conn.execute("SELECT key FROM study_runs WHERE study = ?", (study,))
         return {k for (k,) in rows}
 
     def variants(self, study: str) -> dict[str, set[str]]:
         """``{variant: keys of its runs, finished or not}`` of a registered study, in the order
-        first registered; a study without variants is ``{"base": study_keys(study)}``."""
+        first registered; a study without variants is ``{"base": study_keys(study)}``
+        (``KeyError``: no such study)."""
+        self._check_study(study)
         rows = self._conn.execute(
             "SELECT variant, key FROM variant_runs WHERE study = ? ORDER BY rowid", (study,)
         )
@@ -638,6 +650,7 @@ class Store:
             if variant is not None:
                 raise ValueError("records of a variant need the study's name too")
             return self._conn.execute(f"SELECT {columns} FROM runs ORDER BY rowid")
+        self._check_study(study)
         if variant is not None:
             names = self.variants(study)
             if variant not in names:
@@ -659,7 +672,7 @@ class Store:
         )
 
     def keys(self, study: str | None = None) -> set[str]:
-        """Keys of the finished runs (of one study, or all)."""
+        """Keys of the finished runs (of one registered study, or all)."""
         return {k for (k,) in self._select("key", study)}
 
     def __len__(self) -> int:
@@ -670,7 +683,8 @@ class Store:
         return row is not None
 
     def results(self, study: str | None = None) -> list[RunResult]:
-        """Finished runs as :class:`RunResult` (of one study, or all), in the order stored."""
+        """Finished runs as :class:`RunResult` (of one registered study, or all), in the order
+        stored."""
         out = []
         for config, final, diverged, wall_s, metrics, blob in self._select(
             "config, final_train_loss, diverged, wall_s, metrics, step_loss", study
