@@ -124,3 +124,20 @@ def test_init_takes_max_batches_and_steps(tmp_path: Path, capsys) -> None:
     assert code == 0 and out.exists()
     printed = capsys.readouterr().out
     assert "gradinit trace" in printed
+
+
+@pytest.mark.parametrize(
+    ("argv", "usage"),
+    [(["init", "--model", "zoo:paper_mlp", "--out", "o.pt", "--bogus"], "usage: initlab init "),
+     (["bench", "run", "s.yaml", "--bogus"], "usage: initlab bench run ")],
+)  # fmt: skip
+def test_an_option_the_command_does_not_take_is_answered_with_its_usage(
+    capsys: pytest.CaptureFixture[str], argv: list[str], usage: str
+) -> None:
+    """argparse answered with the top level's usage (``initlab [-h] [--debug] {schemes,...}``),
+    which does not show the command's options."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert err.startswith(usage) and err.rstrip().endswith("unrecognized arguments: --bogus")

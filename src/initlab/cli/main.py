@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 from initlab.cli._checks import command_name, note
 from initlab.cli.errors import command_io, exit_code, message
-from initlab.cli.parser import build_parser
+from initlab.cli.parser import parse
 
 __all__ = ["main"]
 
@@ -33,7 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     stdout (``initlab init ... | head -1``) is not an error: the files are written and the rest
     of the output is dropped.
     """
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     name = command_name(args)
     with command_io(args):
         for text in getattr(args, "deprecated", ()):

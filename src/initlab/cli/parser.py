@@ -4,10 +4,10 @@ actions that record what the user gave. Argument parsing lives here and only her
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-from initlab.cli._checks import DEFAULT_INIT_BATCHES, positive_int, seed_int
+from initlab.cli._checks import DEFAULT_INIT_BATCHES, command_name, positive_int, seed_int
 from initlab.cli.commands import (
     METHODS,
     cmd_data,
@@ -18,7 +18,7 @@ from initlab.cli.commands import (
     cmd_schemes,
 )
 
-__all__ = ["DEBUG_HELP", "build_parser"]
+__all__ = ["DEBUG_HELP", "build_parser", "parse"]
 
 DEBUG_HELP = "on an error, print the full traceback too (default: the message alone)"
 
@@ -276,3 +276,17 @@ def _leaf_parsers(sub: Subparsers) -> Iterator[argparse.ArgumentParser]:
                 yield from _leaf_parsers(inner)
         else:
             yield command
+
+
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The options of ``argv``. One the command does not take is refused by the command's own
+    parser, with its usage (argparse's top-level parser answered with the top level's)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        command = parser
+        for word in command_name(args).split():  # "init", or "bench run"
+            sub = next(a for a in command._actions if isinstance(a, argparse._SubParsersAction))
+            command = sub.choices[word]
+        command.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
