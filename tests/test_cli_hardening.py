@@ -1281,3 +1281,23 @@ def test_diagnose_names_the_report_path_without_a_double_slash(
     args = ["diagnose", "--model", "zoo:paper_mlp", "--data", "digits", "--no-plots"]
     assert main([*args, "--out", "report/"]) == 0
     assert "report written to report/report.html" in capsys.readouterr().out
+
+
+def test_a_data_function_draws_its_data_under_the_seed(cli_dir: Path) -> None:
+    """``--seed`` seeds the data too: a ``file.py:fn`` that draws from torch's global RNG was
+    called in whatever state earlier work left it (the same seed gave other data after other
+    calls, two seeds the same data in a fresh process)."""
+    from initlab.cli.inputs import load_data_spec
+
+    def load(seed: int) -> torch.Tensor:
+        batches = load_data_spec("mods.py:data_ok", None, batch_size=16, batches=4, seed=seed)
+        return torch.cat([x for x, _ in batches])
+
+    state = torch.random.get_rng_state()
+    first = load(1)
+    torch.randn(100)  # other work between two calls
+    assert torch.equal(load(1), first)
+    assert not torch.equal(load(2), first)
+    torch.random.set_rng_state(state)
+    load(1)
+    assert torch.equal(torch.random.get_rng_state(), state)  # the caller's RNG left as it was

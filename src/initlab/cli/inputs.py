@@ -451,7 +451,9 @@ def load_data_spec(
 
     Random data, digits and the named data sets give ``batches`` batches of ``batch_size``
     examples (drawn without replacement with ``seed``); a ``.pt`` file or a function gives its
-    batches (a big single batch is split into ``batch_size`` pieces), at most ``batches``.
+    batches (a big single batch is split into ``batch_size`` pieces), at most ``batches``; the
+    function is called with torch's global RNG seeded by ``seed`` (its state outside the call is
+    left as it was).
     ``data_dir`` is the data root of the named sets (default: see :func:`initlab.data.data_root`);
     ``shape_flag``: the command's option that gives random data's shape too (``--input-shape``);
     ``note`` is told when ``batch_size`` is not used: the data is already batched.
@@ -488,7 +490,9 @@ def load_data_spec(
         if ":" not in spec or "?" in spec:
             raise ValueError(f"unknown --data {spec!r}; give {DATA_SPECS}")
         _check_catalogue_prefix(spec)
-        obj = _call_data_fn(spec)
+        with torch.random.fork_rng(devices=[]):  # a function drawing from torch's global RNG
+            torch.manual_seed(seed)  # draws the same data for the same --seed, in any process
+            obj = _call_data_fn(spec)
     taken = _split_batches(obj, batch_size, batches, spec)
     if taken is None:
         taken = take_batches(obj, batches, exact=False, what="--data")
