@@ -748,6 +748,21 @@ def test_chunks_train_inside_a_kept_heap(tmp_path: Path, helpers: Any, monkeypat
     assert len(calls) == 5 * 3  # entered and left once per chunk
 
 
+def test_a_report_of_a_study_without_finished_runs_writes_nothing(
+    tmp_path: Path, helpers: Any
+) -> None:
+    """A store whose driver was killed before its first chunk: the error came after the report
+    folder and a header-only runs.csv were written."""
+    spec = small_spec()
+    db = tmp_path / "empty.sqlite"
+    with Store(db) as store:
+        store.register_study(spec.name, spec.to_dict(), [c.key() for c in spec.runs()])
+    out = tmp_path / "report"
+    with pytest.raises(ValueError, match="holds no finished runs of 'small'"):
+        report_study(db, out, n_boot=20)
+    assert not out.exists()
+
+
 def test_report_never_pools_studies_of_different_protocols(tmp_path: Path, helpers: Any) -> None:
     """Two studies in one store (2 and 3 epochs, the same seeds): a report without ``study`` was
     one table with every seed counted twice; it is refused, naming the studies; a store of

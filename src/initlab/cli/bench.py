@@ -277,7 +277,11 @@ def add_bench(sub: Any, *, data_dir_help: str, debug_help: str) -> None:
         "comparisons, sensitivity table, plots",
     )
     p.add_argument("store", help="SQLite store written by `initlab bench run`")
-    p.add_argument("--out", help="output folder (default: <store>-report)")
+    p.add_argument(
+        "--out",
+        help="output folder (default: STORE without its suffix, then -report: "
+        "results/x.sqlite -> results/x-report)",
+    )
     p.add_argument(
         "--study",
         help="the study of the store to report (needed when the store holds several: a report "

@@ -291,11 +291,15 @@ def report_study(
     if not Path(store_path).is_file():
         raise FileNotFoundError(f"no study store at {store_path}")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     reports: list[VariantReport] = []
     plot_files: dict[str, list[Path]] = {}
     with Store(store_path, read_only=True) as store:  # a report writes nothing to the store
         study = _study_of(store, study, store_path)
+        if not store.keys(study):  # before the folder is made: a failed report writes nothing
+            raise ValueError(
+                f"{store_path} holds no finished runs" + (f" of {study!r}" if study else "")
+            )
+        out.mkdir(parents=True, exist_ok=True)
         store.to_csv(out / "runs.csv", study)
         keys = store.variants(study) if study is not None else {}
         for name, measure, protocol in _variants(store, study, loss):
@@ -313,7 +317,7 @@ def report_study(
                 plot_files[name] = plot_study(
                     records, reports[-1].per_dataset, out / "plots" / _safe(name), window=window
                 )
-    if not reports:
+    if not reports:  # finished runs, none in a variant's protocol
         raise ValueError(
             f"{store_path} holds no finished runs" + (f" of {study!r}" if study else "")
         )
