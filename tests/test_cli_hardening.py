@@ -585,6 +585,9 @@ def test_library_warnings_are_one_line_in_the_flags_words(
          "model(*batch[:2]) (as many inputs as the model takes)",
          "Make --data give dict batches of its keyword arguments, or pass --loss pkg.module:fn",
          "forward="),
+        ("  note: the output scale is a forward hook on 2 (not in the state_dict); "
+         "report.reports['output_scale'].info['handle'].remove() undoes it",
+         "the command does not save the model", "info['handle']"),
     ],
 )  # fmt: skip
 def test_python_wording_is_translated_to_flags(library: str, cli: str, python_words: str) -> None:

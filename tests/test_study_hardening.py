@@ -616,3 +616,18 @@ def test_a_read_only_store_leaves_its_folder_as_it_found_it(tmp_path: Path) -> N
     conn = sqlite3.connect(path)
     assert conn.execute("SELECT value FROM meta WHERE name = 'killed'").fetchone() == ("1",)
     conn.close()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "said"),
+    [({"lrs": []}, "lrs is empty; give at least one"),
+     ({"schemes": []}, "schemes is empty; give at least one"),
+     ({"epochs": 0}, "epochs and batch_size must be >= 1, got epochs 0")],
+)  # fmt: skip
+def test_a_spec_s_errors_name_its_keys_not_internal_classes(
+    overrides: dict[str, Any], said: str
+) -> None:
+    """They said "StudySpec.lrs is empty" and "RunConfig needs epochs >= 1"."""
+    base = dict(name="k", datasets=["a"], schemes=["fan_in"], seeds=1, lrs=[0.1], epochs=1)
+    with pytest.raises(ValueError, match=re.escape(said)):
+        StudySpec(**{**base, **overrides}).runs()

@@ -418,6 +418,10 @@ _WORDING: tuple[tuple[str, str | Callable[[re.Match[str]], str]], ...] = (
         r"build the model in \2",
     ),
     (r"pass policy='warn' or 'skip'", "pass --policy warn or --policy skip"),
+    (  # doctor's summary: the command keeps no model to undo the hook on
+        r"; report\.reports\['output_scale'\]\.info\['handle'\]\.remove\(\) undoes it",
+        "; the command does not save the model (in Python, the report's handle removes it)",
+    ),
     (r"\bpolicy='(\w+)'", r"--policy \1"),
     (r"\(or True\)", "(or --fix alone for the recommended ones)"),
     (r"use modules='leaves' or 'all' to probe it", "give a model with parameters"),

@@ -145,7 +145,7 @@ class RunConfig:
             raise ValueError(f"RunConfig.weight_decay must be >= 0, got {self.weight_decay}")
         if self.epochs < 1 or self.batch_size < 1:
             raise ValueError(
-                f"RunConfig needs epochs >= 1 and batch_size >= 1, got {self.epochs}, "
+                f"epochs and batch_size must be >= 1, got epochs {self.epochs}, batch_size "
                 f"{self.batch_size}"
             )
         if self.output_std is not None and not self.output_std > 0:

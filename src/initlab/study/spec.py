@@ -416,7 +416,7 @@ class StudySpec:
         for attr in ("datasets", "schemes", "seeds", "lrs"):
             values = getattr(self, attr)
             if not values:
-                raise ValueError(f"StudySpec.{attr} is empty")
+                raise ValueError(f"{attr} is empty; give at least one")
             _unique(values, attr)
         _no_aliases(self.datasets, dataset_identity, "datasets", "data set")
         _no_aliases(self.schemes, init_identity, "schemes", "scheme")
