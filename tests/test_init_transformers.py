@@ -949,3 +949,23 @@ def test_a_head_s_dense_layer_before_its_activation_gets_the_activation_s_gain(
     rows = _rows(initlab.init_model(model, "geometric", generator=0))
     row = rows[f"{dense}.dense.weight"]
     assert row["gain"] == pytest.approx(calculate_gain("gelu")) and "gelu" in row["gain_from"]
+
+
+def test_gpt_oss_experts_gate_gets_its_clamped_swish_s_gain() -> None:
+    """GPT-OSS writes its experts' activation in their forward, ``g * sigmoid(1.702 g)`` of the
+    gate clamped at 7: the gate kept the scheme's ReLU gain (1.414). The oracle: the second
+    moment by Gauss-Hermite quadrature, ``gain = 1 / sqrt(E[act(z)^2])``."""
+    np = pytest.importorskip("numpy")
+    torch.manual_seed(0)
+    model = _built(_moe_models()["gpt_oss"])
+    (name, bank), *_ = _banks(model)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*sinks")  # GPT-OSS's attention sinks
+        rows = {join_name(r["layer"], r["param"]): r for r in
+                initlab.init_model(model, "geometric", generator=0).to_rows()}  # fmt: skip
+    z, w = np.polynomial.hermite_e.hermegauss(160)
+    g = np.minimum(z, bank.limit)
+    second = float(np.sum(w * (g / (1 + np.exp(-bank.alpha * g))) ** 2) / np.sqrt(2 * np.pi))
+    row = rows[f"{name}.gate_up_proj"]
+    assert row["gain"] == pytest.approx(1 / math.sqrt(second), rel=1e-6)
+    assert "GPT-OSS" in row["gain_from"]

@@ -22,11 +22,14 @@ the hidden state to one logit per expert.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor, nn
 
-__all__ = ["ExpertLayout", "expert_layout", "router_experts"]
+__all__ = ["ExpertLayout", "expert_layout", "inline_activation", "router_experts"]
 
 _WEIGHTS = ("gate_up_proj", "gate_proj", "up_proj", "down_proj")
 #: Banks that do not declare their layout, read from their model's code: class name ->
@@ -106,3 +109,32 @@ def router_experts(module: nn.Module) -> int | None:
     if not isinstance(weight, Tensor) or weight.dim() != 2 or not isinstance(experts, int):
         return None
     return experts if weight.shape[0] == experts else None
+
+
+def inline_activation(module: nn.Module) -> tuple[Callable[[Tensor], Tensor], str] | None:
+    """The gate's activation of a bank of experts that writes it in its forward (no ``act_fn``),
+    read from its model's code, as a function for :func:`~initlab.init.gains.calculate_gain` with
+    a description; ``None`` where none is known. GPT-OSS: ``g * sigmoid(alpha * g)`` of the gate
+    clamped at ``limit`` (its input half enters as ``1 + up``, clamped: the product's second
+    moment is that of the gate's activation times ``1 + Var(up)``, which no gain of ``up`` can
+    bring to one)."""
+    if type(module).__name__ != "GptOssExperts":
+        return None
+    alpha, limit = getattr(module, "alpha", None), getattr(module, "limit", None)
+    if not isinstance(alpha, int | float) or not isinstance(limit, int | float):
+        return None
+    text = (f"g * sigmoid({alpha:g} g), g clamped at {limit:g}: GPT-OSS's experts' activation "
+            "(in their forward)")  # fmt: skip
+    return _clamped_swish(float(alpha), float(limit)), text
+
+
+@functools.cache
+def _clamped_swish(alpha: float, limit: float) -> Callable[[Tensor], Tensor]:
+    """``g * sigmoid(alpha * g)`` with ``g = min(z, limit)``, one function per ``(alpha,
+    limit)`` (:func:`~initlab.init.gains.calculate_gain` caches by the function)."""
+
+    def act(z: Tensor) -> Tensor:
+        g = z.clamp(max=limit)
+        return g * torch.sigmoid(alpha * g)
+
+    return act

@@ -32,6 +32,7 @@ from initlab.init._structure import (
     structural_following,
     traced_following,
 )
+from initlab.init.gains import Nonlinearity
 from initlab.init.registry import Block, ParamSpec, Registry
 from initlab.init.rules import AutoRule, Rule
 from initlab.init.sampling import dirac_, normal_, sample_
@@ -167,7 +168,9 @@ def _fill_head(plan: _Plan, scheme: Scheme) -> None:
     plan.gain_from = f"none: {plan.head}, std x 1/sqrt(fan_in)"
 
 
-def with_nonlinearity(scheme: Scheme, name: str, param: float | None = None) -> Scheme | None:
+def with_nonlinearity(
+    scheme: Scheme, name: Nonlinearity, param: float | None = None
+) -> Scheme | None:
     """``scheme`` with its nonlinearity set to ``name`` (explicit ``gain``/``c``/``lipschitz``
     dropped), or ``None`` for a scheme without a nonlinearity or without a value for ``name``."""
     if not dataclasses.is_dataclass(scheme):

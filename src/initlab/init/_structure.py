@@ -27,7 +27,8 @@ from torch.overrides import TorchFunctionMode
 from initlab._core.data import default_forward
 from initlab._core.hooks import hook_handles
 from initlab._core.state import preserved_state
-from initlab.init._experts import expert_layout, router_experts
+from initlab.init._experts import expert_layout, inline_activation, router_experts
+from initlab.init.gains import Nonlinearity
 
 __all__ = [
     "Follow",
@@ -59,7 +60,7 @@ class Follow:
     """The nonlinearity that follows a layer: a :func:`calculate_gain` name (``"linear"``: none;
     ``None``: unknown, keep the scheme's gain), its parameter, and where this was found."""
 
-    nonlinearity: str | None
+    nonlinearity: Nonlinearity | None
     param: float | None
     source: str
 
@@ -337,7 +338,12 @@ def expert_following(model: nn.Module) -> dict[tuple[int, str], Follow]:
             if act is not None:
                 gate = Follow(*act, f"{act[0]}: expert MLP whose activation is {type(fn).__name__}")
             elif fn is None:  # GPT-OSS: a clamped, shifted SwiGLU in the forward itself
-                gate = Follow(None, None, "scheme (the experts' activation is in their forward)")
+                inline = inline_activation(module)
+                gate = (
+                    Follow(inline[0], None, inline[1])
+                    if inline is not None
+                    else Follow(None, None, "scheme (the experts' activation is in their forward)")
+                )
             else:
                 gate = Follow(None, None, _unknown_source(f"the experts' {type(fn).__name__}"))
             for name in layout.weights:
