@@ -109,9 +109,7 @@ Example:
     >>> from torch import nn
     >>> net = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 3))
     >>> x, t = torch.randn(256, 20), torch.randint(0, 3, (256,))
-    >>> rows = gr_scaling_from_data(
-    ...     net, (x, t), lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1])
-    ... )
+    >>> rows = gr_scaling(net, (x, t), nn.CrossEntropyLoss())
     >>> [r["layer"] for r in rows], [r["kind"] for r in rows]
     (['0', '2'], ['mlp', 'mlp'])
     >>> imbalance(rows)["spread"] >= 1.0
@@ -586,7 +584,8 @@ def gr_scaling(
             the same ``RankMismatchError`` on every rank.
 
     Returns:
-        :class:`~initlab.Rows` with columns :data:`GR_COLUMNS` (``used``: the probe's data).
+        :class:`~initlab.Rows` with columns :data:`~initlab.measure.conditioning.GR_COLUMNS`
+        (``used``: the probe's data).
 
     Raises:
         ValueError: the probe saw more forward passes of the model (with gradients) than

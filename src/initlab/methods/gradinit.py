@@ -659,8 +659,10 @@ def gradinit_(
             malloc's thresholds in its environment.
 
     Returns:
-        A :class:`~initlab.MethodReport`: rows :data:`GRADINIT_COLUMNS`, ``trace``
-        rows :data:`GRADINIT_TRACE_COLUMNS`, ``info`` with ``steps``, ``constraint_steps``,
+        A :class:`~initlab.MethodReport`: rows
+        :data:`~initlab.methods.gradinit.GRADINIT_COLUMNS`, ``trace`` rows
+        :data:`~initlab.methods.gradinit.GRADINIT_TRACE_COLUMNS`, ``info`` with ``steps``,
+        ``constraint_steps``,
         ``objective_steps``, ``gamma``, ``optimizer``, ``exact``.
 
     Raises:

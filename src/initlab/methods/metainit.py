@@ -309,9 +309,10 @@ def metainit_(
             leaves the allocator alone.
 
     Returns:
-        A :class:`~initlab.MethodReport` with rows :data:`METAINIT_COLUMNS`,
-        ``trace`` rows :data:`METAINIT_TRACE_COLUMNS`, and ``info`` with ``steps``, ``variant``,
-        ``gq_first``, ``gq_last``.
+        A :class:`~initlab.MethodReport` with rows
+        :data:`~initlab.methods.metainit.METAINIT_COLUMNS`, ``trace`` rows
+        :data:`~initlab.methods.metainit.METAINIT_TRACE_COLUMNS`, and ``info`` with ``steps``,
+        ``variant``, ``gq_first``, ``gq_last``.
 
     Raises:
         ValueError: bad options or too few batches. FloatingPointError: a non-finite loss or GQ

@@ -378,10 +378,11 @@ def scale_output_(
             draws nothing itself.
 
     Returns:
-        :class:`~initlab.MethodReport`, one row (:data:`OUTPUT_SCALE_COLUMNS`);
-        ``info`` has ``scale``, ``std_before``, ``std_after``, ``layer`` (the layer folded into,
-        the module hooked, ``""`` for the model itself or ``how="module"``), and ``module`` for
-        ``how="module"``, ``hook`` and ``handle`` for ``how="hook"``.
+        :class:`~initlab.MethodReport`, one row
+        (:data:`~initlab.methods.output_scale.OUTPUT_SCALE_COLUMNS`); ``info`` has ``scale``,
+        ``std_before``, ``std_after``, ``layer`` (the layer folded into, the module hooked, ``""``
+        for the model itself or ``how="module"``), and ``module`` for ``how="module"``, ``hook`` and
+        ``handle`` for ``how="hook"``.
 
     Raises:
         ValueError: an unknown ``how`` or ``module``; a zero-std output; a fold (or a hook on a
@@ -390,6 +391,7 @@ def scale_output_(
     Example:
         >>> net = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 4))
         >>> x = torch.randn(512, 10, generator=torch.Generator().manual_seed(0))
+        >>> from initlab.methods.output_scale import measure_output_std
         >>> report = scale_output_(net, x, target=0.05)
         >>> report.info["layer"], round(measure_output_std(net, x), 6)
         ('2', 0.05)

@@ -287,13 +287,13 @@ def lsuv_(
 
     Returns:
         :class:`~initlab.MethodReport` named ``"lsuv"``, one row per layer (schema
-        :data:`LSUV_COLUMNS`), with ``forward_passes`` (full forwards of the model),
-        ``backward_passes`` (0) and ``wall_s``; ``info`` holds ``sweeps``, ``block_replays``,
-        ``batches``, ``examples``, ``converged`` (every scaled layer within ``tol``, and at
-        least one scaled), ``skipped`` (layer -> why it was not scaled: never called, dead,
-        unsupported, frozen (a weight with ``requires_grad=False`` is kept as it is), shared with
-        a module LSUV does not scale, a module no registry handler claims that holds a raw
-        weight matrix, ...; also warned about) and the settings.
+        :data:`~initlab.methods.lsuv.LSUV_COLUMNS`), with ``forward_passes`` (full forwards of the
+        model), ``backward_passes`` (0) and ``wall_s``; ``info`` holds ``sweeps``,
+        ``block_replays``, ``batches``, ``examples``, ``converged`` (every scaled layer within
+        ``tol``, and at least one scaled), ``skipped`` (layer -> why it was not scaled: never
+        called, dead, unsupported, frozen (a weight with ``requires_grad=False`` is kept as it is),
+        shared with a module LSUV does not scale, a module no registry handler claims that holds a
+        raw weight matrix, ...; also warned about) and the settings.
 
     Raises:
         ValueError: bad options; ``data`` has fewer batches than asked for; non-finite data or a
