@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from initlab import measure_moments
 from initlab.diagnostics import diagnose, make_loss
 from initlab.diagnostics.linter import (
     DEAD_MIN_EXAMPLES,
@@ -16,6 +18,7 @@ from initlab.diagnostics.linter import (
     SATURATED_STD,
     TANH_LINEAR_STD,
     ActivationWatch,
+    gradient_ratios,
     lint_model,
     signal_ratios,
 )
@@ -322,3 +325,60 @@ def test_lint_model_measures_the_signal_from_the_normalization_before_a_layer():
     assert ratios["proj"][1] == "norm" and 0.1 < ratios["proj"][0] < 10
     rules = {f["rule"] for f in lint_model(model, probe_table=table).findings}
     assert not rules & {"vanishing_signal", "exploding_signal"}
+
+
+def _deep_mlp(depth: int, act: type[nn.Module], scale: float | None) -> nn.Sequential:
+    """``depth`` Linear layers of width 32, He-initialized times ``scale`` (``None``: torch's
+    default init), zero biases."""
+    dims = [16] + [32] * (depth - 1) + [10]
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(itertools.pairwise(dims)):
+        lin = nn.Linear(a, b)
+        if scale is not None:
+            nn.init.kaiming_normal_(lin.weight)
+            lin.weight.data.mul_(scale)
+        nn.init.zeros_(lin.bias)
+        layers += [lin] if i == depth - 1 else [lin, act()]
+    return nn.Sequential(*layers)
+
+
+@pytest.mark.parametrize(
+    ("act", "scale", "rule"),
+    [(nn.ReLU, 1.0, None), (nn.ReLU, 0.5, "vanishing_gradient"),
+     (nn.ReLU, 2.0, "exploding_gradient"), (nn.Sigmoid, None, "vanishing_gradient")],
+)  # fmt: skip
+def test_the_backward_gain_is_measured_end_to_end(act, scale, rule):
+    """The gradient rules multiplied the Linear layers' own gains E[dx^2]/E[dy^2] and left out the
+    activations between them: a He-initialized 30-layer ReLU MLP (true gain near 1) read as
+    "exploding" (2.8e8), a sigmoid net's vanishing gradient went unreported. The oracle: the
+    squared gradient at each layer's input over that at the logits, by hooks of its own."""
+    torch.manual_seed(0)
+    model = _deep_mlp(30 if act is nn.ReLU else 20, act, scale)
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randn(64, 16, generator=g), torch.randint(0, 10, (64,), generator=g))
+    seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def keep(name: str):  # the layer's input and output, their gradients kept
+        def hook(_m: nn.Module, args: tuple, out: torch.Tensor) -> None:
+            for t in (args[0], out):
+                if t.requires_grad:
+                    t.retain_grad()
+            seen[name] = (args[0], out)
+
+        return hook
+
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    hooks = [m.register_forward_hook(keep(n)) for n, m in linears.items()]
+    F.cross_entropy(model(batch[0]), batch[1]).backward()
+    for h in hooks:
+        h.remove()
+    model.zero_grad(set_to_none=True)
+    at_logits = seen[list(linears)[-1]][1].grad.double().square().sum()
+    truth = {n: float(x.grad.double().square().sum() / at_logits)
+             for n, (x, _) in seen.items() if x.grad is not None}  # fmt: skip
+    measured = gradient_ratios(measure_moments(model, batch, F.cross_entropy).rows())
+    for n, want in truth.items():
+        assert measured[n] == pytest.approx(want, rel=1e-4), n
+    found = rules_of(diagnose(model, batch, F.cross_entropy, spectra=False).findings)
+    flagged = {k for k in ("vanishing_gradient", "exploding_gradient") if k in found}
+    assert flagged == ({rule} if rule else set())

@@ -46,12 +46,12 @@ rule                        sev.    fires on
                                     from the norm before it, not from a 0.02-std embedding); an
                                     embedding that feeds a normalization is not judged
 ``exploding_signal``        bad     ... above :data:`SIGNAL_HIGH` = 1e3
-``vanishing_gradient``      bad     the probe's cumulative backward gain (product of
-                                    ``E[dx^2] / E[dy^2]`` of the parameterized modules from the
-                                    output back) below 1e-3, in models without residual blocks
-                                    only (the product of per-module gains ignores the skip path;
-                                    per-element gradient moments are not compared directly across
-                                    layers, they change with width and pooling by design)
+``vanishing_gradient``      bad     the end-to-end backward gain (:func:`gradient_ratios`: the
+                                    squared gradient at a module's input, summed over its
+                                    elements, over that at the last module's output, measured
+                                    directly, activations and pooling between the modules
+                                    included) below 1e-3, in models without residual blocks only
+                                    (a sum's gradient reaches a layer by the skip path too)
 ``exploding_gradient``      bad     ... above 1e3
 ``non_finite``              bad     a module with NaN/inf inputs, outputs or gradients (the
                                     probe's ``nonfinite`` count), or a non-finite parameter
@@ -136,6 +136,7 @@ __all__ = [
     "ActivationWatch",
     "LintResult",
     "find_residual_blocks",
+    "gradient_ratios",
     "lint_model",
     "signal_ratios",
     "trace_model",
@@ -532,10 +533,12 @@ def _probe_findings(
     """Signals, gradients and non-finite values from the probe's tables."""
     out: list[dict[str, Any]] = []
     table = list(probe_table or ())
-    nonfinite = _nonfinite_counts(probe_rows) if probe_rows is not None else None
+    rows = list(probe_rows) if probe_rows is not None else None
+    nonfinite = _nonfinite_counts(rows) if rows is not None else None
     ratios, exempt = signal_ratios(table), _feeds_norm(table)
+    backward = gradient_ratios(rows) if rows is not None and chain else {}
     for r in table:
-        out.extend(_signal_findings(r, ratios, exempt, chain=chain, nonfinite=nonfinite))
+        out.extend(_signal_findings(r, ratios, exempt, backward, nonfinite=nonfinite))
     for r in param_table or ():
         if r.get("nonfinite", 0) and r["nonfinite"] > 0:
             out.append(
@@ -632,6 +635,47 @@ def signal_ratios(probe_table: Iterable[Mapping[str, Any]]) -> dict[str, tuple[f
     return out
 
 
+def gradient_ratios(probe_rows: Iterable[Mapping[str, Any]]) -> dict[str, float]:
+    """``{layer: S_dx / S_dy(last)}``: the squared gradient at each module's input, summed over
+    its elements and the examples (``S = E[dx^2] * numel`` of its first input, all calls pooled),
+    over that at the output of the last module to run (in execution order), from the probe's long
+    rows (:meth:`MomentProbe.rows`). The end-to-end backward gain, measured directly: whatever
+    lies between the probed modules (a ReLU halves it, a sigmoid's slope of at most 1/4 cuts
+    it, a pooling spreads it) is in it, which a product of the modules' own gains leaves out (a
+    He-initialized ReLU MLP of 30 layers read as 2.8e8 that way, for a true ratio near 1).
+    Summed, not per element, so that a width or a pooling that changes the number of elements
+    does not read as a gain. Layers without a gradient at their input (the first layer, whose
+    input needs none) are left out."""
+    stats: dict[tuple[str, str, str], dict[str, float]] = {}  # (layer, quantity, index)
+    paths: dict[tuple[str, str], list[str]] = {}  # (layer, quantity) -> its tensors, in order
+    order: dict[str, int] = {}
+    for r in probe_rows:
+        if r["call"] != "all" or r["quantity"] not in _ACT_QUANTITIES:
+            continue
+        seen = paths.setdefault((r["layer"], r["quantity"]), [])
+        if r["index"] not in seen:
+            seen.append(r["index"])
+        stats.setdefault((r["layer"], r["quantity"], r["index"]), {})[r["stat"]] = r["value"]
+        if r["order"] is not None:
+            order[r["layer"]] = int(r["order"])
+
+    def summed(layer: str, q: str) -> float:
+        """``E[q^2] * numel`` of the first input (``dx``) or output (``dy``) tensor, in the
+        order of ``x``/``y`` as :meth:`MomentProbe.table` reads them."""
+        own = paths.get((layer, q), [])
+        path = next((i for i in paths.get((layer, q[1]), []) if i in own), own[0] if own else "")
+        s = stats.get((layer, q, path), {})
+        return float(s.get("sq_mean", math.nan)) * float(s.get("numel", math.nan))
+
+    ran = sorted(order, key=order.__getitem__)
+    last = next((n for n in reversed(ran) if math.isfinite(summed(n, "dy"))), None)
+    out_sq = summed(last, "dy") if last is not None else math.nan
+    if not (math.isfinite(out_sq) and out_sq > 0):
+        return {}
+    ratios = {n: summed(n, "dx") / out_sq for n in ran}
+    return {n: v for n, v in ratios.items() if math.isfinite(v)}
+
+
 def _feeds_norm(probe_table: Iterable[Mapping[str, Any]]) -> set[str]:
     """Embeddings whose next probed module (other embeddings skipped) is a normalization layer,
     which rescales them: a table of std 0.02 (``E[y^2] = 4e-4``, GPT-2's, Llama's, the small tied
@@ -667,8 +711,8 @@ def _signal_findings(
     r: Mapping[str, Any],
     ratios: Mapping[str, tuple[float, str]],
     exempt: set[str],
+    backward: Mapping[str, float],
     *,
-    chain: bool,
     nonfinite: Mapping[str, Mapping[str, int]] | None,
 ) -> list[dict[str, Any]]:
     out = []
@@ -718,7 +762,7 @@ def _signal_findings(
         what = (f"E[y^2] / E[y^2] of {ref} (the normalization before it)" if ref
                 else "E[y^2] / E[x^2] of the network's input")  # fmt: skip
         check(ratio, what, "vanishing_signal", "exploding_signal", "signal")
-    if chain:
-        check(r.get("cum_gain_bwd"), "cumulative backward gain", "vanishing_gradient",
-              "exploding_gradient", "gradient")  # fmt: skip
+    if layer in backward:
+        check(backward[layer], "||dx||^2 / ||dy||^2 of the last module's output (the end-to-end "
+              "backward gain)", "vanishing_gradient", "exploding_gradient", "gradient")  # fmt: skip
     return out

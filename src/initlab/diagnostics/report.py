@@ -24,9 +24,10 @@ Verdicts (per layer; the worst applicable rule wins, every reason is kept):
 
 * ``bad``: non-finite activations, gradients or parameters in the layer (linter ``non_finite``);
   the signal or the gradient vanishes or explodes there (``E[y^2]``, the forward gain from the
-  network's input or from the last normalization layer before it, or the cumulative backward gain
-  outside ``[1e-3, 1e3]``, rules ``vanishing_*``/``exploding_*``; the forward gain restarts after
-  each normalization layer and an embedding that feeds one is not judged, see
+  network's input or from the last normalization layer before it, or the end-to-end backward gain
+  (:func:`initlab.diagnostics.linter.gradient_ratios`) outside ``[1e-3, 1e3]``, rules
+  ``vanishing_*``/``exploding_*``; the forward gain restarts after each normalization layer and
+  an embedding that feeds one is not judged, see
   :func:`initlab.diagnostics.linter.signal_ratios`); a weight whose ``gamma`` is 0
   (``zero_gradient``, below);
   ``gamma`` of the layer's weight more than :data:`RATIO_BAD` = 100x above or below the median
@@ -102,7 +103,8 @@ QUANTITIES: dict[str, str] = {
     "gain_bwd": "E[dx^2] / E[dy^2]",
     "cum_gain_fwd": "product of gain_fwd over probed modules in execution order up to here "
     "(the probe's; a chain product that ignores skip paths)",
-    "cum_gain_bwd": "product of gain_bwd from the last module back to here (chain product)",
+    "cum_gain_bwd": "product of gain_bwd from the last module back to here (chain product of "
+    "the probed modules' own gains: what lies between them is not in it)",
     "signal_fwd": "E[y^2] / E[x^2] of the network's input (end-to-end forward gain, measured); "
     "after a normalization layer, E[y^2] / E[y^2] of the last one before it (note: which; "
     "initlab.diagnostics.linter.signal_ratios)",

@@ -741,7 +741,10 @@ class MomentProbe(HookContext):
         first output path); ``gain_fwd = var(y) / var(x)``, ``gain_bwd = E[dx^2] / E[dy^2]``.
         ``cum_gain_fwd`` multiplies ``gain_fwd`` over modules in execution order up to this one;
         ``cum_gain_bwd`` multiplies ``gain_bwd`` from the last executed module back to this one
-        (the order gradients flow). Modules whose gain is undefined (never called, integer input)
+        (the order gradients flow): the probed modules' own gains only (a functional activation
+        between two of them is not in it; the linter's
+        :func:`~initlab.diagnostics.linter.gradient_ratios` measures the end-to-end backward gain
+        directly). Modules whose gain is undefined (never called, integer input)
         get NaN and are skipped in the products. ``calls`` is the number of calls per root forward
         (0: never called); ``nonfinite`` counts excluded batch-calls over all tensors.
         """
