@@ -673,3 +673,41 @@ def test_the_report_says_how_much_data_it_read() -> None:
     report = diagnose(model, data, spectra=False, max_batches=2)
     assert report.used == DataUse(batches=2, examples=32)
     assert Report.from_json(report.to_json()).used == report.used
+
+
+class _ZeroGatedBlock(nn.Module):
+    """``relu(x + bn2(fc2(relu(bn1(fc1(x))))))``, ``bn2``'s scale zero-initialized."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(width, width), nn.Linear(width, width)
+        self.bn1, self.bn2 = nn.BatchNorm1d(width), nn.BatchNorm1d(width)
+        nn.init.zeros_(self.bn2.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x + self.bn2(self.fc2(torch.relu(self.bn1(self.fc1(x))))))
+
+
+def test_a_residual_branch_closed_at_init_is_no_vanished_gradient() -> None:
+    """Zero-init-last-BN (Goyal et al. 2017): the layers before the zero scale get no gradient at
+    step 0 by design and learn from step 1; they were 'bad' ("will not learn") and made the
+    imbalance infinite. A zero layer outside a residual branch is still bad."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), _ZeroGatedBlock(32), _ZeroGatedBlock(32),
+                          nn.Linear(32, 10))  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(64, 16, generator=g), torch.randint(0, 10, (64,), generator=g))
+            for _ in range(2)]  # fmt: skip
+    report = diagnose(model, Batches(data), F.cross_entropy, spectra=False)
+    layers = {r["layer"]: r for r in report.layers}
+    for block in ("2", "3"):
+        for name in ("fc1", "bn1", "fc2"):
+            row = layers[f"{block}.{name}"]
+            assert row["verdict"] == "ok" and f"{block}.bn2 (weight all zeros)" in row["reason"]
+    assert math.isfinite(report.meta["imbalance"]["gamma_max_over_min"])
+    plain = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                          nn.Linear(32, 10))  # fmt: skip
+    nn.init.zeros_(plain[4].weight)  # closes the chain: the layers before it get no gradient
+    layers = {r["layer"]: r for r in diagnose(plain, Batches(data), F.cross_entropy,
+                                              spectra=False).layers}  # fmt: skip
+    assert layers["2"]["verdict"] == "bad" and "will not learn" in layers["2"]["reason"]

@@ -258,7 +258,7 @@ def _no_gradient(m: _Measure, quantity: str = "no_gradient") -> list[dict[str, A
     return [
         {"layer": r["layer"], "rule": quantity, "severity": r["verdict"], "message": r["note"]}
         for r in m.report.rows
-        if r["quantity"] == quantity
+        if r["quantity"] == quantity and r["verdict"] in ("warn", "bad")  # not a branch closed
     ]
 
 

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 from initlab._core.rows import Rows
@@ -168,6 +169,7 @@ class _Ratios:
     nu_rel: dict[str, float] = field(default_factory=dict)
     wnames: dict[str, str] = field(default_factory=dict)
     zero: dict[str, str] = field(default_factory=dict)  # layer -> why its gradient is 0
+    gated: dict[str, str] = field(default_factory=dict)  # layer -> the zero gate after it
 
 
 def _add_moments(out: _LongRows, probe_table: Rows) -> None:
@@ -231,7 +233,9 @@ def _add_gamma(out: _LongRows, gr: Rows | None, rat: _Ratios) -> None:
         rel = rat.gamma_rel.get(layer, _NAN)
         v = ratio_verdict(rel)
         note = ratio_reason("γ", rel) if v in ("warn", "bad") else ""
-        if gw == 0.0:
+        if gw == 0.0 and layer in rat.gated:
+            v, note = "ok", rat.gated[layer]
+        elif gw == 0.0:
             v, note = "bad", rat.zero.get(layer, "γ = 0: no gradient reaches this layer")
         out.add(layer, "weight", "gamma", gw, verdict=v, note=note)
         out.add(layer, "weight", "gamma_rel_median", rel, verdict=v, note=note)
@@ -357,7 +361,39 @@ def _add_zero_gradient(
             e_x2, e_dy2 = moments.get(layer, (_NAN, _NAN))
             rat.zero[layer] = _zero_reason(e_x2, e_dy2, "every gradient is 0")
     for layer, why in rat.zero.items():
-        out.add(layer, "", "zero_gradient", 1.0, verdict="bad", note=why)
+        gate = rat.gated.get(layer)
+        if gate is not None:  # a residual branch closed at init on purpose: it opens at step 1
+            out.add(layer, "", "zero_gradient", 1.0, verdict="ok", note=gate)
+        else:
+            out.add(layer, "", "zero_gradient", 1.0, verdict="bad", note=why)
+
+
+def closed_branches(
+    model: nn.Module, probe_table: Rows, blocks: Iterable[Mapping[str, Any]]
+) -> dict[str, str]:
+    """``{layer: why}`` for the layers of a residual branch that a zero-initialized module after
+    them closes at init: a weight of all zeros on the branch (a BatchNorm's scale in
+    zero-init-last-BN ResNets, Goyal et al. 2017; Fixup's last convolution; SkipInit's scale). No
+    gradient reaches what comes before it in the branch until its first update (its own gradient
+    is not 0), by design: not a vanished gradient."""
+    order = {r["layer"]: r["order"] for r in probe_table if r["order"] is not None}
+    named = dict(model.named_modules())
+    out: dict[str, str] = {}
+    for b in blocks:
+        branch = [n for n in b.get("branch", ()) if n in order]
+        for gate in branch:
+            w = getattr(named.get(gate), "weight", None)
+            if not isinstance(w, torch.Tensor) or w.numel() == 0 or bool(w.detach().any()):
+                continue
+            why = (
+                f"no gradient at init, by design: {gate} (weight all zeros) closes the residual "
+                f"branch of {b.get('name') or 'its block'} after this layer, which learns from "
+                "the first step on (zero-initialized residual branches: Goyal et al. 2017, Fixup)"
+            )
+            for n in branch:
+                if order[n] < order[gate]:
+                    out.setdefault(n, why)
+    return out
 
 
 def _add_findings(out: _LongRows, findings: Rows) -> dict[str, list[dict[str, Any]]]:
@@ -381,14 +417,17 @@ def _verdict(
     """``(verdict, reason)`` of one layer: γ (else ν) against its median, the findings, and
     ``silent`` (why the layer got no gradient, ``""`` when it got one)."""
     reasons: list[tuple[str, str]] = [("warn", silent)] if silent else []
-    if layer in rat.zero:
+    if layer in rat.gated:  # γ = ν = 0 by design: no ratio to judge
+        reasons.append(("ok", rat.gated[layer]))
+    elif layer in rat.zero:
         reasons.append(("bad", rat.zero[layer]))
     rel = rat.gamma_rel.get(layer, _NAN)
-    if layer in rat.gammas and math.isfinite(rel):
+    judged = layer not in rat.gated
+    if judged and layer in rat.gammas and math.isfinite(rel):
         v = ratio_verdict(rel)
         if v in ("warn", "bad"):
             reasons.append((v, ratio_reason("γ", rel)))
-    elif layer in rat.nu_rel:
+    elif judged and layer in rat.nu_rel:
         v = ratio_verdict(rat.nu_rel[layer])
         if v in ("warn", "bad"):
             reasons.append((v, ratio_reason("ν", rat.nu_rel[layer])))
@@ -481,10 +520,13 @@ def assemble(
     gr: Rows | None,
     tables: Mapping[str, Rows],
     findings: Rows,
+    blocks: Iterable[Mapping[str, Any]] = (),
 ) -> tuple[Rows, Rows, dict[str, Any]]:
-    """Long rows, the per-layer table with verdicts, and the imbalance summary."""
+    """Long rows, the per-layer table with verdicts, and the imbalance summary; the layers of a
+    residual branch of ``blocks`` closed at init (:func:`closed_branches`) are no zero gradient
+    and stay out of the imbalance."""
     out = _LongRows(model)
-    rat = _Ratios()
+    rat = _Ratios(gated=closed_branches(model, probe_table, blocks))
     _add_moments(out, probe_table)
     _add_params(out, param_table, tables, rat)
     _add_zero_gradient(out, probe_table, param_table, gr, rat)
@@ -500,6 +542,7 @@ def assemble(
         {
             k: {"gamma": gammas.get(k, _NAN), "nu": nus[k][0] if k in nus else _NAN}
             for k in dict.fromkeys([*gammas, *nus])  # model order: the first zero is argmin
+            if k not in rat.gated
         }
     )
     return (

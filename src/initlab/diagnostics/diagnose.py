@@ -220,7 +220,7 @@ def _diagnose(
     landscape = _landscape_stage(model, batches, loss, o.landscape, generator, run)
 
     say("building the report")
-    rows, layers, imb = assemble(model, probe_table, param_table, gr, run.tables, findings)
+    rows, layers, imb = assemble(model, probe_table, param_table, gr, run.tables, findings, blocks)
     if cond_imbalance is not None:
         imb["conditioning"] = cond_imbalance
     options = {

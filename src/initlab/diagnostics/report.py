@@ -45,6 +45,9 @@ or every trainable parameter's gradient is exactly 0, because the gradient vanis
 (often: its squares underflow to 0 in float32, ``E[dy^2] = 0``) or its input is 0 (dead units).
 Such a weight is "infinitely slower" than the others: it enters the imbalance summary, whose
 max/min is then ``inf`` (``gamma_zero``/``nu_zero`` count them), never a spread over the rest.
+Not so a layer of a residual branch that a zero-initialized weight after it closes at init
+(zero-init-last-BN, Fixup): ``ok``, with a note, and left out of the imbalance
+(:func:`initlab.diagnostics.assemble.closed_branches`).
 
 ``gamma`` is Defazio & Bottou's GR scaling (Prop. 3), the estimated average squared singular value
 of the layer's diagonal Hessian block: a layer whose ``gamma`` is ``r`` times the median learns
