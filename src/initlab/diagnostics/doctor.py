@@ -63,8 +63,13 @@ Fixes, in the order they are applied (:data:`FIXES`), each through the public me
 2. ``"lsuv"``: ``lsuv_(model, data)``, when a signal or gradient vanishes or explodes, or ReLU
    units are dead; after ``"init"``, ``lsuv_(model, data, orthogonal=False)``: the init's weights
    are rescaled, not replaced by LSUV's orthogonal start;
-3. ``"output_scale"``: ``scale_output_(model, data, target=0.05, how="hook")``, when the initial
-   loss or the logits' std is too high. The hook goes on the output head when the model computes
+3. ``"output_scale"``: ``scale_output_(model, data, target, how="hook")``, when the initial
+   loss or the logits' std is too high, or after ``"lsuv"`` brought a vanished signal back to
+   logits too large (the two are then judged, and undone, together). ``target``
+   (:func:`~initlab.diagnostics._doctor_checks.output_target`) is half the ``logit_std``
+   reference, ``sqrt(0.2 ln C) / 2``, not the paper's 0.05: the hook multiplies every gradient
+   by its scale ``s``, so SGD at the same learning rate changes the outputs ``s^2`` as fast (a
+   note says so, with ``s``). The hook goes on the output head when the model computes
    its own loss from it (``get_output_embeddings()``, else the last ``nn.Linear`` with ``C``
    outputs), else on the model; it persists (``report.reports["output_scale"].info["handle"]``
    removes it) and is not in the ``state_dict``;
@@ -117,6 +122,7 @@ from initlab.diagnostics._doctor_checks import (
     _measure,
     _recommended,
     _Setup,
+    output_target,
 )
 from initlab.diagnostics._outputs import (
     Forward,
@@ -208,10 +214,19 @@ def _apply(name: str, model: nn.Module, setup: _Setup, m: _Measure, applied: Seq
         )  # fmt: skip
     if name == "output_scale":
         module = _head_name(model, m)
-        return scale_output_(
-            model, batches, target=OUTPUT_TARGET, how="hook", module=module, generator=generator,
-            forward=forward,
+        report = scale_output_(
+            model, batches, target=output_target(m), how="hook", module=module,
+            generator=generator, forward=forward,
         )  # fmt: skip
+        s = float(report.info["scale"])
+        warnings.warn(  # a note in the report: training at the same learning rate is slower
+            f"the outputs are multiplied by {s:.3g}, and so is every gradient: at the same "
+            f"learning rate SGD changes the outputs {s * s:.2g}x as fast (Adam {s:.2g}x); "
+            f"retune the learning rate (SGD's up to {1 / (s * s):.3g}x)",
+            UserWarning,
+            stacklevel=2,
+        )
+        return report
     return precondition_(model, batches, setup.loss, how="lr", generator=generator)
 
 
@@ -253,6 +268,8 @@ def _treat(
     todo = _recommended(_checks(before, model, setup)) if auto else list(names or [])
     course, current = _Course(), before
     for name in todo:
+        if name in course.applied:  # applied already, after a fix that needed it
+            continue
         done = [*course.applied, *course.unchanged]
         now = _checks(current, model, setup, done)
         if auto and course.applied and name not in _recommended(now):
@@ -274,6 +291,22 @@ def _treat(
             continue
         after = _measure(model, setup)
         worse = _worse(now, _checks(after, model, setup, [*done, name]))
+        follow = auto and worse and _outputs_only(now, _checks(after, model, setup, [*done, name]))
+        if follow and name != "output_scale" and "output_scale" not in done:
+            # the fix brought the signal back to the logits (LSUV on a vanished one): their
+            # scale is output_scale's to set, then the two are judged together
+            then = functools.partial(_apply, "output_scale", model, setup, after, [*done, name])
+            if course.run("output_scale", then):
+                both = _measure(model, setup)
+                checks = _checks(both, model, setup, [*done, name, "output_scale"])
+                if _total(checks) < _total(now):  # better together: both stay
+                    after, worse = both, ""
+                else:
+                    _undo("output_scale", model, kept, course)
+                    course.undone["output_scale"] = (
+                        f"applied after {name} to set the logits' scale, the two improved no "
+                        "check together: undone with it"
+                    )
         if auto and worse:
             _undo(name, model, kept, course)
             course.undone[name] = f"it made the checks worse ({worse}); the model is as before it"
@@ -287,11 +320,23 @@ def _treat(
 _RANK = {"ok": 0, "warn": 1, "bad": 2}
 
 
+def _outputs_only(before: list[_Check], after: list[_Check]) -> bool:
+    """Whether the checks a fix left worse are the outputs' only (the initial loss, the logits'
+    std), which ``output_scale`` sets."""
+    worse = {b.check for b, a in zip(before, after, strict=True)
+             if _RANK.get(a.verdict, 0) > _RANK.get(b.verdict, 0)}  # fmt: skip
+    return bool(worse) and worse <= {"initial_loss", "logit_std"}
+
+
+def _total(checks: list[_Check]) -> int:
+    """The verdicts added up: ok 0, warn 1, bad 2 (n/a 0)."""
+    return sum(_RANK.get(c.verdict, 0) for c in checks)
+
+
 def _worse(before: list[_Check], after: list[_Check]) -> str:
     """The checks a fix left worse (``"initial_loss ok → warn"``), when the verdicts add up to
-    more than before (ok 0, warn 1, bad 2; n/a 0); ``""`` when they do not."""
-    total = [sum(_RANK.get(c.verdict, 0) for c in cs) for cs in (before, after)]
-    if total[1] <= total[0]:
+    more than before (:func:`_total`); ``""`` when they do not."""
+    if _total(after) <= _total(before):
         return ""
     return "; ".join(
         f"{b.check} {b.verdict} → {a.verdict}"
