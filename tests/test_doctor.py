@@ -608,3 +608,33 @@ def test_lsuv_on_a_vanished_signal_is_followed_by_the_output_scale_not_undone() 
     row = rep.row("dead_or_exploding_layers")
     assert row["verdict_before"] == "bad" and row["verdict"] != "bad"
     assert rep.row("initial_loss")["verdict"] == "ok"
+
+
+def test_param_groups_that_leave_a_bias_far_faster_than_another_are_not_called_balanced() -> None:
+    """Layer 2 x1e-3, layer 4 x1e3 (the same function): precondition_'s learning rates balance
+    the weights (spread 1), not the biases, which keep the base rate while one's γ_b is ~1e11
+    times another's (training diverged): the row said the spread was 1, ok."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                          nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 10))  # fmt: skip
+    with torch.no_grad():
+        for m in model:
+            if isinstance(m, nn.Linear):
+                nn.init.kaiming_normal_(m.weight)
+                m.bias.zero_()
+        model[2].weight.mul_(1e-3)
+        model[4].weight.mul_(1e3)
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(64, 16, generator=g), torch.randint(0, 10, (64,), generator=g))
+            for _ in range(4)]  # fmt: skip
+    rep = doctor(model, data, nn.CrossEntropyLoss(), fix=["precondition"], generator=0)
+    row = rep.row("gamma_spread_with_param_groups")
+    biases = [r["gamma_b_after"] for r in rep.reports["precondition"].to_rows()]
+    assert max(biases) / min(biases) > 1e4  # the oracle: precondition_'s own rows
+    assert row["after"] == pytest.approx(1.0, rel=1e-6)  # the weights are balanced
+    assert row["verdict"] == "bad" and "the biases keep the base learning rate" in row["why"]
+    assert "the biases keep the base learning rate" in rep.summary()  # not in the table only
+    # a network whose biases learn far slower than its weights (the usual) is not flagged
+    healthy = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 10))
+    rep = doctor(healthy, data, nn.CrossEntropyLoss(), fix=["precondition"], generator=0)
+    assert rep.row("gamma_spread_with_param_groups")["verdict"] == "ok"

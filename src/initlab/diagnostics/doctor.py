@@ -455,6 +455,9 @@ class DoctorReport(Rows):
                 f"  with report.param_groups(model, lr=...): γ spread {_fmt(after)} over every "
                 f"weight layer (the model itself is unchanged by precondition_{keep})"
             )
+            row = next((r for r in self if r["check"] == "gamma_spread_with_param_groups"), None)
+            if row is not None and row["verdict"] in ("warn", "bad"):
+                lines.append(f"    {row['verdict']}: {row['why']}")
         return "\n".join(lines)
 
     def _fix_lines(self, fixing: bool, how_to_fix: str) -> list[str]:
@@ -565,16 +568,43 @@ def _param_groups_row(course: _Course) -> dict[str, Any] | None:
     if rep is None:
         return None
     before, after, kept = _all_layer_spreads(rep)
+    verdict = _grade(after, SPREAD_WARN, SPREAD_BAD)
+    fast, unbalanced = _fast_bias(rep)
+    if math.isfinite(fast) and _RANK[_grade(fast, SPREAD_WARN, SPREAD_BAD)] > _RANK[verdict]:
+        verdict = _grade(fast, SPREAD_WARN, SPREAD_BAD)
+    else:
+        unbalanced = ""
     return {
         "check": "gamma_spread_with_param_groups", "value": after,
         "before": before, "after": after, "reference": SPREAD_WARN,
-        "verdict_before": _grade(before, SPREAD_WARN, SPREAD_BAD),
-        "verdict": _grade(after, SPREAD_WARN, SPREAD_BAD),
+        "verdict_before": _grade(before, SPREAD_WARN, SPREAD_BAD), "verdict": verdict,
         "why": "γ max/min over every weight layer when training with report.param_groups(model, "
         "lr=...) (the learning rates of precondition_'s multipliers; the weights are unchanged)"
-        + (f"; {kept} layer(s) keep their γ (attention, tied, frozen: alpha = 1)" if kept else ""),
+        + (f"; {kept} layer(s) keep their γ (attention, tied, frozen: alpha = 1)" if kept else "")
+        + unbalanced,
         "fix": "",
     }  # fmt: skip
+
+
+def _fast_bias(rep: Any) -> tuple[float, str]:
+    """How much faster than the balanced weights the fastest bias learns with
+    ``precondition_``'s param groups (its ``gamma_b`` over the median weight ``gamma``: biases
+    keep the base learning rate), and a sentence that says so. A bias usually learns far slower
+    than the weights (``gamma_b`` 10-1000x below); one far faster diverges first."""
+    rows = rep.to_rows()
+    weights = sorted(r["gamma_after"] for r in rows
+                     if math.isfinite(r["gamma_after"]) and r["gamma_after"] > 0)  # fmt: skip
+    biases = [(r["gamma_b_after"], r["layer"]) for r in rows
+              if math.isfinite(r["gamma_b_after"]) and r["gamma_b_after"] > 0]  # fmt: skip
+    if not weights or not biases:
+        return math.nan, ""
+    top, layer = max(biases)
+    ratio = top / weights[len(weights) // 2]
+    return ratio, (
+        f"; but the biases keep the base learning rate, and {layer}'s learns {ratio:.3g}x as fast "
+        "as the balanced weights (γ_b over their median γ): it diverges first (train with lsuv "
+        "instead, or give that bias a smaller rate)"
+    )
 
 
 def _all_layer_spreads(rep: Any) -> tuple[float, float, int]:
