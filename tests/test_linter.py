@@ -382,3 +382,30 @@ def test_the_backward_gain_is_measured_end_to_end(act, scale, rule):
     found = rules_of(diagnose(model, batch, F.cross_entropy, spectra=False).findings)
     flagged = {k for k in ("vanishing_gradient", "exploding_gradient") if k in found}
     assert flagged == ({rule} if rule else set())
+
+
+def test_a_weight_of_identical_rows_is_named_and_init_recommended():
+    """A constant init (every weight 0.1): its units compute one function and, their outgoing
+    weights equal too, get one gradient forever; the report listed only consequences. An
+    all-zero weight (Fixup's last layer of a branch) is a design, not flagged."""
+    from initlab import doctor
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
+                          nn.Linear(16, 3))  # fmt: skip
+    with torch.no_grad():
+        for m in model:
+            if isinstance(m, nn.Linear):
+                m.weight.fill_(0.1)
+                m.bias.zero_()
+    data = (torch.randn(32, 8), torch.randint(0, 3, (32,)))
+    found = rules_of(lint_model(model).findings)["identical_units"]
+    assert {f["layer"] for f in found} == {"0", "2", "4"}
+    rep = doctor(model, data, nn.CrossEntropyLoss())
+    assert "init" in rep.recommended
+    with torch.no_grad():
+        model[2].weight.zero_()
+    assert {f["layer"] for f in rules_of(lint_model(model).findings)["identical_units"]} == {
+        "0",
+        "4",
+    }

@@ -55,6 +55,7 @@ _LAYER_RULES = {
     "dead_relu": "lsuv",
     "zero_gradient": "lsuv",
     "non_finite": "init",
+    "identical_units": "init",
 }
 _CALLS = {
     "init": "init_model(model, 'geometric')",

@@ -36,7 +36,8 @@ Checks (one tidy row each, :data:`DOCTOR_COLUMNS`):
                                ``dead_or_exploding_layers``, which recommends the fix).
 ``nu_spread``                  the same for the weight-to-gradient ratio ``nu``.
 ``dead_or_exploding_layers``   layers with a linter finding ``vanishing_*``, ``exploding_*``,
-                               ``dead_relu`` or ``non_finite`` (warn or bad), whose gradient is 0
+                               ``dead_relu``, ``non_finite`` or ``identical_units`` (warn or bad;
+                               the last two fixed by ``init``), whose gradient is 0
                                (the diagnosis's ``zero_gradient``, ``bad``: it vanished, or its
                                squares underflow in float32; fix: LSUV), or whose trainable
                                parameters get no gradient (the diagnosis's ``no_gradient``: not

@@ -60,6 +60,10 @@ rule                        sev.    fires on
                                     come from a runtime trace where forwards are given)
 ``not_measured``            info    the traced graph failed to run on the batch: functional
                                     activations were not measured
+``identical_units``         warn    a trainable weight (of more than one row, not all zeros)
+                                    whose rows are all equal (a constant init): its units compute
+                                    one function; they separate only through different outgoing
+                                    weights (a network of constant layers never does)
 ==========================  ======  ===========================================================
 
 How the model is walked. First ``torch.fx.symbolic_trace`` (warnings silenced). Where it traces,
@@ -210,6 +214,9 @@ RULES: dict[str, str] = {
     "not_traced": "torch.fx could not trace the model; only module types were inspected.",
     "not_measured": "The traced graph could not be run on the batch: functional activations "
     "have no probe data (their rules fire without numbers).",
+    "identical_units": "Units with equal incoming weights compute the same function; with equal "
+    "outgoing weights too they receive the same gradient, gradient descent keeps them equal, and "
+    "the layer acts as one unit (why every init scheme draws weights at random).",
 }
 """Reason (the paper's note and citation) for each rule."""
 
@@ -550,15 +557,27 @@ def _probe_findings(
 
 
 def _parameter_findings(named: Mapping[str, nn.Module]) -> list[dict[str, Any]]:
-    """``non_finite``: parameters holding NaN/inf."""
+    """``non_finite``: parameters holding NaN/inf; ``identical_units``: a trainable weight whose
+    rows (one per output unit) are all equal."""
     out = []
     for name, m in named.items():
         for pname, p in m.named_parameters(recurse=False):
-            if not bool(torch.isfinite(p.detach()).all()):
+            w = p.detach()
+            if not bool(torch.isfinite(w).all()):
                 out.append(
                     _finding(name, type(m).__name__, "non_finite", "bad", math.nan,
                              f"non-finite values in the parameter {name}.{pname}")
                 )  # fmt: skip
+            elif p.requires_grad and pname == "weight" and w.dim() >= 2 and w.shape[0] > 1:
+                rows = w.reshape(w.shape[0], -1)  # an all-zero weight is a design (Fixup)
+                if bool(rows[0].any()) and bool((rows == rows[0]).all()):
+                    out.append(
+                        _finding(name, type(m).__name__, "identical_units", "warn", 0.0,
+                                 f"every row of {name}.{pname} is the same ({w.shape[0]} units "
+                                 "of one function, e.g. a constant init): with equal outgoing "
+                                 "weights too they get one gradient and stay equal; draw the "
+                                 "weights at random")
+                    )  # fmt: skip
     return out
 
 
