@@ -711,3 +711,21 @@ def test_a_residual_branch_closed_at_init_is_no_vanished_gradient() -> None:
     layers = {r["layer"]: r for r in diagnose(plain, Batches(data), F.cross_entropy,
                                               spectra=False).layers}  # fmt: skip
     assert layers["2"]["verdict"] == "bad" and "will not learn" in layers["2"]["reason"]
+
+
+def test_a_layer_without_gradient_behind_a_dead_relu_names_the_relu() -> None:
+    """Layer 4's bias at -10: every unit of the ReLU after it is dead, and layers 0, 2, 4 get
+    no gradient; they said "the gradient vanishes or underflows", not where it stops."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[x for _ in range(4) for x in (nn.Linear(16, 16), nn.ReLU())],
+                          nn.Linear(16, 3))  # fmt: skip
+    with torch.no_grad():
+        model[4].bias.fill_(-10.0)
+        dead = (model[:5](torch.randn(4096, 16)) > 0).sum(0) == 0  # the oracle: never positive
+    assert bool(dead.all())
+    data = [(torch.randn(64, 16), torch.randint(0, 3, (64,))) for _ in range(2)]
+    layers = {r["layer"]: r for r in diagnose(model, Batches(data), F.cross_entropy,
+                                              spectra=False).layers}  # fmt: skip
+    for name in ("0", "2", "4"):
+        assert layers[name]["verdict"] == "bad"
+        assert "every unit of the ReLU 5 is dead" in layers[name]["reason"], name

@@ -11,7 +11,7 @@ and so do the linter's ``warn``/``bad`` findings on the layer.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -323,8 +323,16 @@ def _add_no_gradient(out: _LongRows, probe_table: Rows, param_table: Rows) -> di
     return silent
 
 
-def _zero_reason(e_x2: float, e_dy2: float, what: str) -> str:
-    """Why a layer's gradient is 0 (``what``: ``"γ = 0"`` or ``"every gradient is 0"``)."""
+def _zero_reason(e_x2: float, e_dy2: float, what: str, dead: Sequence[str] = ()) -> str:
+    """Why a layer's gradient is 0 (``what``: ``"γ = 0"`` or ``"every gradient is 0"``);
+    ``dead``: the ReLUs whose every unit is dead (no gradient passes them)."""
+    if e_dy2 == 0.0 and dead:
+        shown = ", ".join(dead[:3]) + (f" and {len(dead) - 3} more" if len(dead) > 3 else "")
+        return (
+            f"{what}: no gradient reaches this layer (E[dy^2] = 0 at its output): every unit of "
+            f"the ReLU {shown} is dead (its input never positive), and no gradient passes a dead "
+            "ReLU; fix the layer that feeds it (its bias, its weights), and this one learns"
+        )
     if e_dy2 == 0.0:
         return (
             f"{what}: no gradient reaches this layer (E[dy^2] = 0 at its output: the gradient "
@@ -339,7 +347,12 @@ def _zero_reason(e_x2: float, e_dy2: float, what: str) -> str:
 
 
 def _add_zero_gradient(
-    out: _LongRows, probe_table: Rows, param_table: Rows, gr: Rows | None, rat: _Ratios
+    out: _LongRows,
+    probe_table: Rows,
+    param_table: Rows,
+    gr: Rows | None,
+    rat: _Ratios,
+    dead: Sequence[str] = (),
 ) -> None:
     """A ``zero_gradient`` row (``bad``) for every layer whose trainable weight has γ = 0, or all
     of whose trainable parameters got a gradient that is exactly 0 (a vanished gradient, often
@@ -349,7 +362,7 @@ def _add_zero_gradient(
     for r in gr or ():
         gw = r.get("gamma_w")
         if r.get("trainable", True) and gw == 0.0:
-            rat.zero[r["layer"]] = _zero_reason(r["E_x2"], r["E_dy2"], "γ = 0")
+            rat.zero[r["layer"]] = _zero_reason(r["E_x2"], r["E_dy2"], "γ = 0", dead)
     grads: dict[str, list[float]] = {}
     for r in param_table:
         module = out.named.get(r["layer"])
@@ -359,7 +372,7 @@ def _add_zero_gradient(
     for layer, values in grads.items():
         if layer not in rat.zero and all(v == 0.0 for v in values):
             e_x2, e_dy2 = moments.get(layer, (_NAN, _NAN))
-            rat.zero[layer] = _zero_reason(e_x2, e_dy2, "every gradient is 0")
+            rat.zero[layer] = _zero_reason(e_x2, e_dy2, "every gradient is 0", dead)
     for layer, why in rat.zero.items():
         gate = rat.gated.get(layer)
         if gate is not None:  # a residual branch closed at init on purpose: it opens at step 1
@@ -529,7 +542,8 @@ def assemble(
     rat = _Ratios(gated=closed_branches(model, probe_table, blocks))
     _add_moments(out, probe_table)
     _add_params(out, param_table, tables, rat)
-    _add_zero_gradient(out, probe_table, param_table, gr, rat)
+    dead = [f["layer"] for f in findings if f["rule"] == "dead_relu" and f["value"] >= 1.0]
+    _add_zero_gradient(out, probe_table, param_table, gr, rat, dead)
     _add_gamma(out, gr, rat)
     _add_nu_rel(out, rat)
     _add_measurements(out, tables)
