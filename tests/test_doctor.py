@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -606,6 +607,8 @@ def test_lsuv_on_a_vanished_signal_is_followed_by_the_output_scale_not_undone() 
     rep = doctor(model, data, nn.CrossEntropyLoss(), fix=True, generator=0)
     assert rep.applied[:2] == ["lsuv", "output_scale"] and not rep.undone, rep.undone
     row = rep.row("dead_or_exploding_layers")
+    # the count is of layers, the rest of the list of findings (several per layer)
+    assert re.search(r"and \d+ more finding\(s\)", row["why"]), row["why"]
     assert row["verdict_before"] == "bad" and row["verdict"] != "bad"
     assert rep.row("initial_loss")["verdict"] == "ok"
 

@@ -195,6 +195,8 @@ def test_dead_relu_fraction_matches_a_hand_count(inplace):
     found = rules_of(lint_model(model, activations=watch).findings)
     assert found["dead_relu"][0]["value"] == dead / 40
     assert found["dead_relu"][0]["severity"] == ("bad" if dead / 40 > 0.5 else "warn")
+    # what makes units dead is upstream (it said "check the bias init and the input scale")
+    assert "the layer before it: its bias, its weights' scale" in found["dead_relu"][0]["message"]
 
 
 def test_dead_channels_of_a_convolution():

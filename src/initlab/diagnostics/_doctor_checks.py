@@ -299,7 +299,7 @@ def _layers_check(m: _Measure, model: nn.Module) -> _Check:
     verdict = "bad" if any(r["severity"] == "bad" for r in hits) else "warn"
     layers = {r["layer"] for r in hits}
     shown = "; ".join(f"{r['layer'] or '<root>'}: {r['rule']} ({r['message']})" for r in hits[:4])
-    more = f"; and {len(hits) - 4} more" if len(hits) > 4 else ""
+    more = f"; and {len(hits) - 4} more finding(s)" if len(hits) > 4 else ""
     if silent:
         more += "; no fix here gives a layer a gradient: check how the model and loss use it"
     fixes = tuple(sorted({_LAYER_RULES[r["rule"]] for r in hits if r["rule"] in _LAYER_RULES}))

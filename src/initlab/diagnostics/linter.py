@@ -591,8 +591,9 @@ def _activation_findings(r: Mapping[str, Any]) -> list[dict[str, Any]]:
             out.append(
                 _finding(layer, mtype, "dead_relu", sev, dead,
                          f"{dead:.0%} of the units entering this ReLU are never positive over "
-                         f"{r['examples']} examples: no signal or gradient passes them; check "
-                         "the bias init and the input scale")
+                         f"{r['examples']} examples: no signal or gradient passes them; what "
+                         "feeds it drives them negative (the layer before it: its bias, its "
+                         "weights' scale, or the input's)")
             )  # fmt: skip
     elif kind == "sigmoid":
         sev = "bad" if math.isfinite(std) and std >= SATURATED_STD else "warn"
