@@ -321,8 +321,8 @@ _ERRORS: dict[str, tuple[list[str], int, str, tuple[str, ...]]] = {
         ["diagnose", "--model", "mods.py:mlp", "--data", "f64.pt"], 2,
         "is torch.float64 and the model's parameters are torch.float32 (mat1 and mat2 must have "
         "the same dtype, but got Double and Float). initlab does not convert data: convert the "
-        "data before saving it (x.to(torch.float32), e.g. x.float()), or have the factory build "
-        "the model in torch.float64\n", ()),
+        "data before saving it (x.to(torch.float32), x.float()), or have the factory build the "
+        "model in torch.float64\n", ()),
     "init --method lsuv on uint8 data": (
         [*_INIT, "--method", "lsuv", "--data", "u8.pt"], 2,
         "its dtype is not the model's; convert the data before saving it, e.g. x.float()",

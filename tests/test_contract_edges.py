@@ -1209,7 +1209,10 @@ def test_float64_data_into_a_float32_model_says_what_to_convert(entry: str, loss
     with pytest.raises(TypeError, match=r"^the batch's entry '0' \(shape \(8, 4\)\) is "
                        r"torch\.float64 and the model's parameters are torch\.float32 \(mat1 and "
                        r"mat2 .*\)\. initlab does not convert data: convert it "
-                       r"\(x\.to\(torch\.float32\), e\.g\. x\.float\(\)") as info:  # fmt: skip
+                       r"\(x\.to\(torch\.float32\), x\.float\(\), in") as info:  # fmt: skip
         _F64_CALLS[entry](model, data, loss)
     assert isinstance(info.value.__cause__, RuntimeError)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    # the other way round: the conversion named is the model's dtype's (it said x.float())
+    with pytest.raises(TypeError, match=r"convert it \(x\.to\(torch\.float64\), x\.double\(\)"):
+        _F64_CALLS[entry](_mlp().double(), [(x[i : i + 8], y[i : i + 8]) for i in (0, 8)], loss)

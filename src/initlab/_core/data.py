@@ -545,11 +545,18 @@ def dtype_error(err: RuntimeError, model: Any, batch: Any) -> TypeError | None:
         return None
     path, t = found[0]
     where = "the batch" if isinstance(batch, torch.Tensor) else f"the batch's entry {path!r}"
+    short = _SHORT.get(dtype)
+    as_method = f", x.{short}()" if short else ""
     return TypeError(
         f"{where} (shape {tuple(t.shape)}) is {t.dtype} and the model's parameters are {dtype} "
-        f"({err}). initlab does not convert data: convert it (x.to({dtype}), e.g. x.float() in "
-        f"the dataset or a collate_fn), or the model (model.to({t.dtype}))"
+        f"({err}). initlab does not convert data: convert it (x.to({dtype}){as_method}, in the "
+        f"dataset or a collate_fn), or the model (model.to({t.dtype}))"
     )
+
+
+#: The tensor method that converts to a dtype (``x.float()``), for :func:`dtype_error`.
+_SHORT = {torch.float32: "float", torch.float64: "double", torch.float16: "half",
+          torch.bfloat16: "bfloat16"}  # fmt: skip
 
 
 def one_example_error(err: ValueError) -> ValueError | None:

@@ -412,10 +412,10 @@ _WORDING: tuple[tuple[str, str | Callable[[re.Match[str]], str]], ...] = (
     ),
     (r"\(data root (\S+), from root=\)", r"(data root \1, from --data-dir)"),
     (  # _core.data.dtype_error: the data comes from a file here, the model from a factory
-        r"convert it \(x\.to\(([\w.]+)\), e\.g\. x\.float\(\) in the dataset or a collate_fn\), "
+        r"convert it \(x\.to\(([\w.]+)\)((?:, x\.\w+\(\))?), in the dataset or a collate_fn\), "
         r"or the model \(model\.to\(([\w.]+)\)\)",
-        r"convert the data before saving it (x.to(\1), e.g. x.float()), or have the factory "
-        r"build the model in \2",
+        r"convert the data before saving it (x.to(\1)\2), or have the factory build the model "
+        r"in \3",
     ),
     (r"pass policy='warn' or 'skip'", "pass --policy warn or --policy skip"),
     (  # doctor's summary: the command keeps no model to undo the hook on
