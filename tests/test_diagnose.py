@@ -729,3 +729,30 @@ def test_a_layer_without_gradient_behind_a_dead_relu_names_the_relu() -> None:
     for name in ("0", "2", "4"):
         assert layers[name]["verdict"] == "bad"
         assert "every unit of the ReLU 5 is dead" in layers[name]["reason"], name
+
+
+def test_the_demo_comparison_names_the_layer_the_diagnosis_flags() -> None:
+    """``compare_reports``'s worst_layer was the layer of the largest γ, flagged or not (the
+    demo named ``layers.2`` for fan_in while its report warned on ``layers.0``)."""
+    from initlab.cli.diagnose import compare_reports
+
+    torch.manual_seed(0)
+    healthy = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    skewed = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
+                           nn.Linear(16, 3))  # fmt: skip
+    with torch.no_grad():
+        skewed[2].weight.mul_(1e-2)  # far below the others: its γ, not the largest, is flagged
+    g = torch.Generator().manual_seed(0)
+    data = Batches([(torch.randn(64, 8, generator=g), torch.randint(0, 3, (64,), generator=g))
+                    for _ in range(2)])  # fmt: skip
+    reports = {"healthy": diagnose(healthy, data, F.cross_entropy, spectra=False),
+               "skewed": diagnose(skewed, data, F.cross_entropy, spectra=False)}  # fmt: skip
+    rows = {r["scheme"]: r for r in compare_reports(reports)}
+    for name, rep in reports.items():
+        flagged = [r for r in rep.layers if r["verdict"] in ("warn", "bad")]
+        if not flagged:
+            assert rows[name]["worst_layer"] == "", name
+            continue
+        worst = rows[name]["worst_layer"]
+        assert worst in {r["layer"] for r in flagged}
+        assert rep.meta["imbalance"]["gamma_argmax"] != worst or name == "healthy"

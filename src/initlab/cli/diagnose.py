@@ -119,7 +119,9 @@ def diagnose_command(
 def compare_reports(reports: Mapping[str, Report]) -> Rows:
     """One row per report: γ and ν max/min over weights and the verdict counts.
 
-    Columns: ``scheme, gamma_max_over_min, nu_max_over_min, ok, warn, bad, worst_layer``.
+    Columns: ``scheme, gamma_max_over_min, nu_max_over_min, ok, warn, bad, worst_layer`` (the
+    layer the diagnosis judges worst: a ``bad`` one before a ``warn`` one, then the γ farthest
+    from the median; ``""`` when every layer is ``ok``).
     """
     out = []
     for label, rep in reports.items():
@@ -131,10 +133,26 @@ def compare_reports(reports: Mapping[str, Report]) -> Rows:
                 "gamma_max_over_min": imb.get("gamma_max_over_min", math.nan),
                 "nu_max_over_min": imb.get("nu_max_over_min", math.nan),
                 **counts,
-                "worst_layer": imb.get("gamma_argmax") or imb.get("nu_argmax") or "",
+                "worst_layer": _worst_layer(rep),
             }
         )
     return Rows(out, title="conditioning by scheme (max/min over weights; 1 = balanced)")
+
+
+def _worst_layer(rep: Report) -> str:
+    """The layer with the worst verdict (the γ farthest from the median among equals), ``""``
+    when none is ``warn`` or ``bad`` (the layer of the largest γ was shown, flagged or not)."""
+    rank = {"bad": 2, "warn": 1}
+    flagged = [r for r in rep.layers if r["verdict"] in rank]
+
+    def distance(r: Mapping[str, Any]) -> float:
+        rel = r.get("gamma_rel_median")
+        ok = isinstance(rel, float) and math.isfinite(rel) and rel > 0
+        return abs(math.log(rel)) if ok else 0.0
+
+    if not flagged:
+        return ""
+    return str(max(flagged, key=lambda r: (rank[r["verdict"]], distance(r)))["layer"])
 
 
 def diagnose_demo(
