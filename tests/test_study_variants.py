@@ -547,6 +547,11 @@ def test_report_protocol_names_the_rates_grid_extension_added(tmp_path: Path, bo
                 if s.startswith("Protocol:"))  # fmt: skip
     assert "lrs 2^0 .. 2^-2 (3 rates) (the spec's) + 4, 2, 0.125, 0.0625 (added by grid " in line
     assert "added by grid extension" in (tmp_path / "rep" / "report.html").read_text()
+    # values in YAML's flow style, not Python's reprs; the data's input_norm said so
+    assert "model_cfg {widths: [4]}" in line and "data input_norm none" in line, line
+    assert "{'" not in line and "True" not in line
+    text = (tmp_path / "rep" / "table2.md").read_text()
+    assert "### Per data set" not in text and "seed text" not in text
     plain = tmp_path / "plain.sqlite"
     run_study(_bowl_spec(), plain, train_fn=bowl.train_bowl, load_fn=bowl.load_bowl,
               progress=False)  # fmt: skip

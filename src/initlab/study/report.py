@@ -38,7 +38,7 @@ import html
 import math
 import re
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -462,7 +462,7 @@ def _summary_lines(r: VariantReport, reference: str) -> list[str]:
 def _variant_markdown(r: VariantReport, reference: str) -> list[str]:
     lines = [f"## Variant `{r.name}`", ""]
     if r.protocol:
-        lines += ["Protocol: " + "; ".join(f"{k} {v}" for k, v in r.protocol.items()) + ".", ""]
+        lines += [f"Protocol: {_protocol_text(r.protocol)}.", ""]
     lines += [f"Loss compared: `{r.loss}`.", ""]
     if r.n_finished < r.n_expected:
         lines += [f"Incomplete: {r.n_finished} of {r.n_expected} runs finished.", ""]
@@ -487,8 +487,29 @@ def _variant_markdown(r: VariantReport, reference: str) -> list[str]:
         lines += [f"Best learning rate at the edge of the grid: {cells}.", ""]
     if r.paired is not None:
         lines += [r.paired.to_markdown(), ""]
-    lines += ["### Per data set", "", r.per_dataset.to_markdown(), ""]
+    lines += [r.per_dataset.to_markdown(), ""]  # its own title: a heading of its own
     return lines
+
+
+#: How a protocol key reads in a report (the spec's ``input_norm`` is the data's, beside a
+#: model's own ``input_norm`` in its ``model_cfg``).
+_PROTOCOL_LABELS = {"input_norm": "data input_norm"}
+
+
+def _protocol_text(protocol: Mapping[str, Any]) -> str:
+    """``key value; ...`` with values in YAML's flow style (``{widths: [384, 64]}``,
+    ``true``), not Python's reprs."""
+    return "; ".join(f"{_PROTOCOL_LABELS.get(k, k)} {_flow(v)}" for k, v in protocol.items())
+
+
+def _flow(value: Any) -> str:
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k}: {_flow(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_flow(v) for v in value) + "]"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return "none" if value is None else str(value)
 
 
 def _schemes(reports: Sequence[VariantReport]) -> list[str]:
@@ -524,7 +545,7 @@ def _markdown(
         "normalized by the worst scheme's on each data set (diverged runs count as +inf); "
         f"ties count for every tied scheme. Intervals: {setting} (data sets, then seeds within "
         f"each). {_COVERAGE} {_paired_text(reports, reference)} The paper used {PAPER_N_DATASETS} "
-        "LIBSVM data sets (its list is not in the seed text): a partial reproduction.",
+        "LIBSVM data sets (it does not list them): a partial reproduction.",
         "",
         "## Sensitivity: average normalized loss [interval] #rank",
         "",
@@ -555,8 +576,7 @@ def _html_variant(r: VariantReport, reference: str, images: Sequence[Path], out:
     esc = html.escape
     parts = [f"<h2 id='{esc(_safe(r.name))}'>Variant {esc(r.name)}</h2>"]
     if r.protocol:
-        text = "; ".join(f"{k} {v}" for k, v in r.protocol.items())
-        parts.append(f"<p class='note'>Protocol: {esc(text)}.</p>")
+        parts.append(f"<p class='note'>Protocol: {esc(_protocol_text(r.protocol))}.</p>")
     parts.append(f"<p class='note'>Loss compared: <b>{esc(r.loss)}</b>.</p>")
     if r.n_finished < r.n_expected:
         parts.append(f"<p><b>Incomplete</b>: {r.n_finished} of {r.n_expected} runs finished.</p>")
