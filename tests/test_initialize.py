@@ -134,6 +134,20 @@ def test_shared_module_initialized_once() -> None:
     ]
 
 
+def test_a_tied_head_s_row_names_its_own_module_type() -> None:
+    """A Linear head tied to an embedding: its row (an alias of the table's) said Embedding."""
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.head = nn.Embedding(50, 32), nn.Linear(32, 50, bias=False)
+            self.head.weight = self.embed.weight
+
+    rows = {r["layer"]: r for r in initlab.init_model(Tied(), "geometric", generator=0).to_rows()}
+    assert rows["embed"]["module_type"] == "Embedding" and rows["embed"]["tied_to"] is None
+    assert rows["head"]["module_type"] == "Linear" and rows["head"]["tied_to"] == "embed.weight"
+
+
 def test_meta_device_model_materialized_then_initialized() -> None:
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 128))

@@ -69,6 +69,7 @@ class _Plan:
     rules: list[Rule] = field(default_factory=list)
     rule_specs: dict[int, list[tuple[Block | None, InitSpec]]] = field(default_factory=dict)
     aliases: list[str] = field(default_factory=list)
+    alias_types: dict[str, str] = field(default_factory=dict)  # alias -> its module's type
     claim_roles: set[str] = field(default_factory=set)  # roles given by every claimant
     head: str | None = None  # "head" or "tied embedding/head": drawn by the head policy
     follow: Follow | None = None  # the nonlinearity found after the layer (None: not looked for)
@@ -355,6 +356,7 @@ def claim_params(
             key = id(param)
             if key in plans:
                 plans[key].aliases.append(qname)
+                plans[key].alias_types[qname] = type(module).__name__
                 plans[key].claim_roles.add(pspec.role)
                 continue
             if pspec.role in ("norm_scale", "norm_shift"):
@@ -390,6 +392,9 @@ def add_unclaimed(
         else:  # aliases under which the tensor is reachable but not claimed by another module
             plan = plans[key]
             plan.aliases.extend(n for n in names if n != plan.name and n not in plan.aliases)
+        for n in plans[key].aliases:
+            layer = split_name(n)[0]
+            plans[key].alias_types.setdefault(n, type(model.get_submodule(layer)).__name__)
     return unclaimed
 
 
@@ -615,7 +620,10 @@ def report_rows(plans: dict[int, _Plan], order: list[int], measure: bool) -> lis
         rows.append(row)
         for alias in plan.aliases:
             layer, param = split_name(alias)
-            rows.append({**row, "layer": layer, "param": param, "tied_to": plan.name})
+            kind = plan.alias_types.get(alias, row["module_type"])
+            rows.append(
+                {**row, "layer": layer, "param": param, "module_type": kind, "tied_to": plan.name}
+            )
     return rows
 
 
