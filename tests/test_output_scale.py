@@ -441,3 +441,17 @@ def test_the_default_fold_goes_into_the_layer_the_measured_output_comes_from(
     logits = (out["logits"] if as_dict else out[0]).double()
     assert float(logits.std(unbiased=False)) == pytest.approx(0.05, rel=1e-6)
     assert torch.equal(out["aux" if as_dict else 1], aux)
+
+
+def test_a_second_output_scale_hook_on_the_same_module_is_warned_about() -> None:
+    """Two calls stacked two hooks without a word (the second multiplies by about 1)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 4))
+    x = torch.randn(256, 10, generator=torch.Generator().manual_seed(0))
+    first = scale_output_(net, x, target=0.05, how="hook")
+    with pytest.warns(UserWarning, match="already has an output scale hook"):
+        second = scale_output_(net, x, target=0.05, how="hook")
+    assert second.info["scale"] == pytest.approx(1.0, rel=1e-4)
+    for report in (first, second):
+        report.info["handle"].remove()
+    assert not net._forward_hooks

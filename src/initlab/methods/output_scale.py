@@ -661,7 +661,16 @@ def _attach_hook(
     """Register ``hook`` on module ``name`` (``""``: the model; on the ``torch.compile`` wrapper
     the user's model calls it through, :func:`~initlab._core.compiled.hook_target`) and return
     its handle, after checking (one pass) that the output measured is scaled exactly."""
-    handle = hook_target(model, name, "scale_output_(how='hook')").register_forward_hook(hook)
+    target = hook_target(model, name, "scale_output_(how='hook')")
+    if any(isinstance(h, OutputScaleHook) for h in target._forward_hooks.values()):
+        warnings.warn(
+            f"scale_output_: {name or 'the model'} already has an output scale hook (an earlier "
+            "scale_output_(how='hook')); this one multiplies after it (by about 1, the output "
+            "being scaled already). Remove the old one with its report's info['handle'].remove()",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
+    handle = target.register_forward_hook(hook)
     try:
         bad, err = _output_error(model, hook.scale, batch, out_before, forward, seeds)
     except BaseException:
