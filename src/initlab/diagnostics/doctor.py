@@ -651,7 +651,9 @@ def doctor(
         loss_fn: any form :func:`initlab.resolve_loss` reads; default: the model's own loss,
             else cross-entropy (integer targets) or MSE (float targets).
         fix: ``False`` (measure only; the model is left bit for bit as it was), ``True`` (apply
-            the recommended fixes, re-checking before each), or names of :data:`FIXES` to apply.
+            the recommended fixes, re-checking before each), or the names of those to apply,
+            of ``"init"``, ``"lsuv"``, ``"output_scale"``, ``"precondition"`` (in that order,
+            :data:`~initlab.diagnostics.doctor.FIXES`).
         max_batches: batches taken from ``data``.
         generator: seed or generator for the fixes' draws (init, LSUV) and measurement passes.
         forward: ``forward(model, batch) -> output``, how the model runs on one batch: for the
@@ -664,7 +666,9 @@ def doctor(
     before the process group (its choices follow one process's data).
 
     Returns:
-        a :class:`DoctorReport` (see the module docstring for the checks and the fixes).
+        a :class:`DoctorReport`: one row per check (``initial_loss``, ``logit_std``,
+        ``gamma_spread``, ``nu_spread``, ``dead_or_exploding_layers``), what each fix does and
+        when it is recommended: ``help(initlab.diagnostics.doctor)``.
     """
     names = _fix_names(fix)
     if is_distributed():
