@@ -472,3 +472,19 @@ def test_one_padding_rule_for_outputs_and_the_probe() -> None:
     assert real_positions(t, {"attention_mask": torch.ones(2, 3, dtype=torch.long)}) is t
     additive = torch.tensor([[0.0, 0.0, -1e9], [0.0, -1e9, -1e9]])
     assert real_positions(t, {"attention_mask": additive}) is t
+
+
+def test_a_method_report_s_summary_line_has_no_python_reprs() -> None:
+    """It printed ``skipped={}``, ``not_scaled=[]`` and ``alpha={'0': 1.3339143427578855, ...}``."""
+    from initlab._core.method_report import MethodReport
+
+    info = {"scale": 0.123456, "skipped": {}, "not_scaled": [], "layer": "", "how": "lr",
+            "alpha": {"0": 1.3339143427578855, "2": 0.75, "4": 1.0, "6": 2.0, "8": 0.5},
+            "handle": object()}  # fmt: skip
+    report = MethodReport([], ("layer",), method="m", forward_passes=1, backward_passes=0,
+                          wall_s=0.0, info=info)  # fmt: skip
+    line = str(report).splitlines()[-1]
+    assert line == (
+        "m: 1 forward / 0 backward passes, 0.00 s, scale=0.1235, how=lr, "
+        "alpha=(0: 1.334, 2: 0.75, 4: 1, 6: 2, and 1 more)"
+    )

@@ -55,7 +55,29 @@ class MethodReport(Rows):
             f"{self.forward_passes} forward / {self.backward_passes} backward passes, "
             f"{self.wall_s:.2f} s"
         )
-        extra = "".join(
-            f", {k}={v:.4g}" if isinstance(v, float) else f", {k}={v}" for k, v in self.info.items()
-        )
+        shown = (_info_text(k, v) for k, v in self.info.items())
+        extra = "".join(f", {text}" for text in shown if text)
         return f"{super().__str__()}\n{self.method}: {cost}{extra}"
+
+
+_PLAIN = (str, int, float, bool, type(None))
+
+
+def _info_text(key: str, value: Any, shown: int = 4) -> str:
+    """``key=value`` for the summary line: numbers to 4 digits, a mapping or a sequence as
+    ``a: 1.33, b: 2`` (the first ``shown``, then how many more), in plain words rather than
+    Python's reprs; ``""`` for an empty one and for an object (a hook's handle)."""
+    if isinstance(value, float):
+        return f"{key}={value:.4g}"
+    if isinstance(value, _PLAIN):
+        return f"{key}={value}" if value != "" else ""
+    if isinstance(value, Mapping):
+        items = [f"{k}: {_info_text('', v, 0)[1:] or '-'}" for k, v in value.items()]
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        items = [_info_text("", v, 0)[1:] or "-" for v in value]
+    else:
+        return ""
+    if not items or not shown:
+        return f"{key}=({len(items)})" if items else ""
+    more = f", and {len(items) - shown} more" if len(items) > shown else ""
+    return f"{key}=({', '.join(items[:shown])}{more})"
