@@ -482,6 +482,11 @@ def test_a_measurement_leaves_the_config_problem_type_as_it_was() -> None:
     initlab.gr_scaling(model, data)
     initlab.diagnose(model, data, spectra=False)
     assert model.config.problem_type is None
+    # the curvature and landscape entry points call the model functionally, outside model_kept
+    initlab.block_curvature(model, data, probes=2, generator=0)
+    initlab.loss_landscape(model, data, grid=3, generator=0)
+    initlab.theory_vs_actual(model, data, probes=2, generator=0)
+    assert model.config.problem_type is None
     model.config.problem_type = "single_label_classification"  # one the user set stays
     initlab.gradient_stats(model, data)
     assert model.config.problem_type == "single_label_classification"

@@ -23,18 +23,28 @@ gradients as dense tensors) and are sparse again after it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 from torch import nn
 
 from initlab._core.autocast import autocast_uncached
 
-__all__ = ["model_kept", "model_modes", "preserved_state", "restore_modes", "restore_on_failure"]
+__all__ = [
+    "config_kept",
+    "keeps_config",
+    "model_kept",
+    "model_modes",
+    "preserved_state",
+    "restore_modes",
+    "restore_on_failure",
+]
 
 When = Literal["always", "failure", "never"]
+F = TypeVar("F", bound=Callable[..., Any])
 
 _ABSENT = object()
 
@@ -131,8 +141,6 @@ def model_kept(
     grads = [(p, p.grad, p.requires_grad) for p in plist]
     modes = model_modes(model)
     hooks = _hook_keys(model)
-    config = getattr(model, "config", None)
-    problem = getattr(config, "problem_type", _ABSENT)
     cpu_rng = torch.get_rng_state() if rng else None
     cuda_rng = torch.cuda.get_rng_state_all() if rng and torch.cuda.is_initialized() else None
     sparse = [
@@ -142,7 +150,7 @@ def model_kept(
     try:
         for m in sparse:
             m.sparse = False
-        with autocast_uncached():
+        with autocast_uncached(), config_kept(model):
             yield
         failed = False
     finally:
@@ -156,12 +164,38 @@ def model_kept(
             p.requires_grad_(req)
         restore_modes(model, modes)
         _remove_new_hooks(hooks)
-        if problem is not _ABSENT and getattr(config, "problem_type", _ABSENT) != problem:
-            config.problem_type = problem
         if cpu_rng is not None:
             torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
+
+
+@contextmanager
+def config_kept(model: nn.Module) -> Iterator[None]:
+    """Run the block, then put a Hugging Face model's ``config.problem_type`` back (its forward
+    sets it from the first labels it is given, on a config the models built from it share);
+    nothing where the model has none."""
+    config = getattr(model, "config", None)
+    problem = getattr(config, "problem_type", _ABSENT)
+    try:
+        yield
+    finally:
+        if problem is not _ABSENT and getattr(config, "problem_type", _ABSENT) != problem:
+            config.problem_type = problem
+
+
+def keeps_config(fn: F) -> F:
+    """Run ``fn(model, ...)`` inside :func:`config_kept` of its model (the first positional
+    argument or ``model=``): for the entry points that run the model without
+    :func:`model_kept` (the curvature and landscape ones call it functionally)."""
+
+    @functools.wraps(fn)
+    def inner(*args: Any, **kwargs: Any) -> Any:
+        model = args[0] if args else kwargs.get("model")
+        with config_kept(model):
+            return fn(*args, **kwargs)
+
+    return inner  # type: ignore[return-value]
 
 
 def restore_on_failure(model: nn.Module) -> AbstractContextManager[None]:

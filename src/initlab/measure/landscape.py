@@ -66,6 +66,7 @@ from initlab._core.hooks import hook_handles
 from initlab._core.knobs import renamed_kwargs
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows
+from initlab._core.state import keeps_config
 from initlab.measure.curvature import (
     Forward,
     LossFn,
@@ -511,6 +512,7 @@ def _grid(grid: int | tuple[Any, Any] | None) -> tuple[torch.Tensor, torch.Tenso
 @takes_compiled
 @renamed_kwargs(batch_or_batches="data")
 @with_math_attention
+@keeps_config
 def loss_landscape(
     model: nn.Module,
     data: Any,

@@ -23,6 +23,7 @@ from initlab._core.data import data_use, take_batches
 from initlab._core.knobs import renamed_kwargs
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows
+from initlab._core.state import keeps_config
 from initlab.measure.curvature.functional import Forward, LossFn, tie_note
 from initlab.measure.curvature.operators import CurvatureOperator, Kind
 from initlab.measure.curvature.products import Mode
@@ -122,6 +123,7 @@ class BlockCurvature(Rows):
 @takes_compiled
 @renamed_kwargs(batch="data", mode="ad_mode")
 @with_math_attention
+@keeps_config
 def block_curvature(
     model: nn.Module,
     data: Any,

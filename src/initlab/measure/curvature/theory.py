@@ -22,7 +22,7 @@ from initlab._core.data import Batches, batch_size, data_use, take_batches
 from initlab._core.knobs import errors_named, renamed_kwargs
 from initlab._core.loss import Loss
 from initlab._core.rows import Rows
-from initlab._core.state import preserved_state
+from initlab._core.state import keeps_config, preserved_state
 from initlab.init.registry import linear_fans
 from initlab.measure.conditioning import gr_scaling
 from initlab.measure.curvature.estimators import ProbeKind, block_curvature
@@ -197,6 +197,7 @@ def _conditioning_gamma(
 @takes_compiled
 @renamed_kwargs(batch="data", mode="ad_mode")
 @with_math_attention
+@keeps_config
 def theory_vs_actual(
     model: nn.Module,
     data: Any,
