@@ -831,3 +831,24 @@ def test_curvature_and_landscapes_run_a_batch_object_as_model_batch() -> None:
     for call in (initlab.loss_landscape, block_curvature, theory_vs_actual):  # no targets in it
         with pytest.raises(TargetError, match="needs \\(x, y\\) batches"):
             call(wrapped, record, nn.CrossEntropyLoss())
+
+
+def test_reentrant_activation_checkpointing_is_answered_with_the_way_out() -> None:
+    """torch.utils.checkpoint(use_reentrant=True) (Hugging Face's gradient_checkpointing_enable
+    with that option) cannot go through autograd.grad: torch's raw RuntimeError came out of
+    block_curvature and theory_vs_actual."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.mid, self.b = nn.Linear(5, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # a hidden state in the checkpoint
+            h = checkpoint(lambda t: torch.tanh(self.mid(t)), self.a(x), use_reentrant=True)
+            return self.b(h)
+
+    torch.manual_seed(0)
+    batch = (torch.randn(6, 5), torch.randint(0, 3, (6,)))
+    with pytest.raises(DoubleBackwardError, match=r"use_reentrant=False .*gradient_checkpointing"):
+        initlab.block_curvature(Checkpointed(), batch, nn.CrossEntropyLoss(), probes=2, generator=0)

@@ -123,6 +123,7 @@ _SECOND_ORDER_PATTERNS = (
     r"differentiate twice",
     r"ZeroTensors are immutable",  # forward AD through F.mse_loss(reduction="mean"), torch 2.13
     r"compiled with non-empty donated buffers",  # a torch.compile'd backward, create_graph=True
+    r"use_reentrant=True",  # reentrant activation checkpointing: no autograd.grad through it
 )
 
 
@@ -214,6 +215,15 @@ def _workaround(err: BaseException, module: nn.Module | None, mode: str) -> str:
             "The function calls a torch.compile'd model, whose compiled graph has no double "
             "backward. Workaround: call the eager module it wraps instead (model._orig_mod: the "
             "same parameters), as initlab's own entry points do."
+        )
+    if "use_reentrant=True" in msg:
+        return (
+            "The model checkpoints activations with use_reentrant=True (torch.utils.checkpoint; "
+            "Hugging Face's gradient_checkpointing_enable() with that option), which autograd.grad "
+            "cannot go through. Workaround: enable it with use_reentrant=False (Hugging Face: "
+            "gradient_checkpointing_kwargs={'use_reentrant': False}), turn it off for the "
+            "measurement (model.gradient_checkpointing_disable()), or put the model in eval mode "
+            "(Hugging Face checkpoints only while training)."
         )
     if "once_differentiable" in msg or "twice" in msg:
         return (
