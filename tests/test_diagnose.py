@@ -756,3 +756,17 @@ def test_the_demo_comparison_names_the_layer_the_diagnosis_flags() -> None:
         worst = rows[name]["worst_layer"]
         assert worst in {r["layer"] for r in flagged}
         assert rep.meta["imbalance"]["gamma_argmax"] != worst or name == "healthy"
+
+
+def test_curvature_in_train_mode_with_dropout_says_so() -> None:
+    """A model built in train mode (Hugging Face's are) had its curvature taken through one
+    dropout mask per product (12% off GPT-2's eval-mode blocks) beside an eval-mode landscape,
+    without a word."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.1), nn.Linear(16, 3))
+    data = (torch.randn(32, 6), torch.randint(0, 3, (32,)))
+    note = "curvature measured in train mode: dropout is on (1 module(s), e.g. 2)"
+    report = diagnose(model, data, F.cross_entropy, spectra=False, curvature={"probes": 2})
+    assert any(n.startswith(note) for n in report.meta["notes"])
+    report = diagnose(model.eval(), data, F.cross_entropy, spectra=False, curvature={"probes": 2})
+    assert not any("dropout is on" in n for n in report.meta["notes"])

@@ -505,6 +505,18 @@ def _curvature(
             "criterion (nn.CrossEntropyLoss()), a named loss or initlab.outputs_loss(fn)"
         )
         return
+    dropout = [
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0
+    ]
+    if dropout:
+        notes.append(
+            f"curvature measured in train mode: dropout is on ({len(dropout)} module(s), e.g. "
+            f"{dropout[0]}), so each Hessian product draws its own mask and the blocks are those "
+            "of one noisy loss; call model.eval() first for the deterministic curvature (the "
+            "landscape is taken in eval mode)"
+        )
     for key, fn in (("curvature", block_curvature), ("theory_vs_actual", theory_vs_actual)):
         try:
             with preserved_state(model):
