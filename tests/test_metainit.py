@@ -181,3 +181,16 @@ def test_a_float16_model_gets_finite_scale_gradients() -> None:
         report = metainit_(model, data, loss, variant="gradinit", steps=2)
     assert all(math.isfinite(r["alpha"]) for r in report.to_rows())
     assert all(p.dtype == torch.float16 and bool(p.isfinite().all()) for p in model.parameters())
+
+
+def test_random_data_for_a_token_model_says_to_pass_token_batches() -> None:
+    """data=None draws float N(0, 1) inputs: a Hugging Face model of token ids failed inside its
+    embedding with torch's "Expected ... Long, Int; but got torch.FloatTensor"."""
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32,
+                                             n_positions=16))  # fmt: skip
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"this model takes token ids .* pass data"):
+        metainit_(model, None, steps=1, input_shape=(4, 8))
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

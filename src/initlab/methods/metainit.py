@@ -452,6 +452,14 @@ def _step_batches(
     if data is None:
         if input_shape is None:
             raise ValueError(f"{what}: random data (data=None) needs input_shape=(batch, ...)")
+        table = getattr(model, "get_input_embeddings", lambda: None)()
+        if isinstance(table, nn.Embedding):  # a Hugging Face model of token ids
+            raise ValueError(
+                f"{what}: random data (data=None) draws float inputs N(0, 1) of input_shape, and "
+                f"this model takes token ids (its input embedding, {type(table).__name__}"
+                f"({table.num_embeddings}, {table.embedding_dim}), indexes a table): pass data, "
+                "batches of input_ids (random ones work: torch.randint(0, vocab_size, (B, T)))"
+            )
         n_classes = opts.n_classes
         if n_classes is not None:
             n_classes = positive_int(what, "n_classes", n_classes)
