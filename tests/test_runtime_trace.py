@@ -396,6 +396,30 @@ def test_what_follows_each_layer(eager: bool) -> None:
     }  # fmt: skip
 
 
+def test_a_product_by_a_function_of_the_same_activation_or_by_constants_is_no_gate() -> None:
+    """GELU written out (GPT-2's ``0.5 x (1 + tanh(...x...))``) and a rotary embedding's
+    ``q * cos + rotate(q) * sin`` were read as gated units ("multiplied by another activation");
+    a product by another layer's output (SwiGLU's up) still is one."""
+
+    class Written(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.q, self.out = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 8)
+            self.register_buffer("cos", torch.linspace(0.1, 1.0, 16))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.fc(x)
+            h = 0.5 * h * (1 + torch.tanh(0.79788 * (h + 0.044715 * h.pow(3))))  # GELU
+            q = self.q(h)
+            q = q * self.cos + torch.flip(q, dims=[-1]) * (1 - self.cos)  # rotary-like
+            return self.out(q)
+
+    model = Written()
+    graph = runtime_trace(model, (torch.randn(2, 5, 8),))
+    got = what_follows(graph, {n: type(m).__name__ for n, m in model.named_modules()})
+    assert got["fc"] == set() and got["q"] == set()
+
+
 class _QKNorm(nn.Module):
     """``w * x / rms(x)``, by hand, as Gemma 3's, OLMo 2's and Qwen 3's ``RMSNorm`` classes."""
 

@@ -346,7 +346,8 @@ def what_follows(graph: RuntimeGraph, types: Mapping[str, str]) -> dict[str, set
     with parameters (a normalization layer is walked through). Collects ``"attention scores"``
     (a softmax, or the query/key argument of ``scaled_dot_product_attention``), ``"attention
     values"`` (a matrix product of two activations: the value side of attention),
-    ``"product"`` (an elementwise product of two activations: a gated unit such as SwiGLU)
+    ``"product"`` (an elementwise product by another layer's output: a gated unit such as
+    SwiGLU; not ``x * f(x)`` nor a product by constants such as a rotary embedding's cos)
     and ``"normalization"`` (a normalizing function, or a module whose type name ends in
     ``Norm``: ``LlamaRMSNorm``). Each takes a layer outside a chain of linear maps and
     elementwise activations, the setting of Defazio &
@@ -366,6 +367,8 @@ def what_follows(graph: RuntimeGraph, types: Mapping[str, str]) -> dict[str, set
                 continue
             seen.add(j)
             kind, stop = _meets(nodes[j], came_from, types, name)
+            if kind == "product" and not _gated(nodes, nodes[j], came_from, graph.params, name):
+                kind = None  # x * f(x) (GELU written out), or x * constants (rotary cos, sin)
             if kind is not None:
                 found.add(kind)
             next_layer = nodes[j].module in graph.params and nodes[j].module != name
@@ -373,6 +376,33 @@ def what_follows(graph: RuntimeGraph, types: Mapping[str, str]) -> dict[str, set
                 frontier += [(k, j) for k in consumers[j]]
         out[name] = found
     return out
+
+
+def _gated(
+    nodes: list[RuntimeNode], node: RuntimeNode, came_from: int, params: set[str], name: str
+) -> bool:
+    """Whether an elementwise product multiplies the path from layer ``name`` by the output of
+    another layer (a gate: SwiGLU's ``act(gate(x)) * up(x)``), not by a function of the same
+    activation (GELU written as ``x * Phi(x)``) or by tensors no layer computes (a rotary
+    embedding's cos and sin)."""
+    return any(_layers_behind(nodes, k, params) - {name} for k in node.inputs if k != came_from)
+
+
+def _layers_behind(nodes: list[RuntimeNode], start: int, params: set[str]) -> set[str]:
+    """The layers (modules with parameters) whose outputs a node's tensor is computed from, the
+    nearest ones only: the walk back stops at a layer's output."""
+    found: set[str] = set()
+    stack, seen = [start], set()
+    while stack and len(seen) < 400:
+        j = stack.pop()
+        if j in seen:
+            continue
+        seen.add(j)
+        if nodes[j].module in params:
+            found.add(nodes[j].module)
+        else:
+            stack.extend(nodes[j].inputs)
+    return found
 
 
 def _meets(

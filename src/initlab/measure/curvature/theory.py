@@ -99,7 +99,7 @@ _OUTSIDE = {
     "attention scores": "its output feeds attention scores (a softmax of a product of two "
     "activations)",
     "attention values": "its output is multiplied by attention weights (attention values)",
-    "product": "its output is multiplied by another activation (a gate)",
+    "product": "its output is multiplied by another layer's output (a gate)",
     "normalization": "its output is normalized (a LayerNorm/RMSNorm) before the next layer",
 }
 
