@@ -644,6 +644,24 @@ def test_load_dataset_by_name(tmp_path: Path) -> None:
     assert rows["libsvm:dna"]["n_test"] == 1186 and rows["libsvm:glass"]["splits"] == ("train",)
 
 
+def test_a_named_set_that_is_not_the_published_one_is_warned_about(tmp_path: Path) -> None:
+    """A LIBSVM file cut short (an interrupted download) parsed as fewer rows, and a missing
+    class renumbered the rest, without a word. The oracle: the catalogue's published counts."""
+    root = tmp_path / "root"
+    (root / "libsvm").mkdir(parents=True)
+    rows = [f"{1 + i % 3} 1:{i / 150:.3f} 2:0.5" for i in range(150)]
+    write(root / "libsvm" / "iris.scale", "\n".join(rows) + "\n")
+    assert len(load_dataset("iris", root=root).y) == 150  # the published size: no warning
+    write(root / "libsvm" / "iris.scale", "\n".join(rows[:75]) + "\n")
+    with pytest.warns(UserWarning, match=r"libsvm:iris \(train split\) loaded with 75 examples "
+                      r"where the published set has 150"):  # fmt: skip
+        load_dataset("iris", root=root)
+    two = [f"{1 + i % 2} 1:{i / 150:.3f} 2:0.5" for i in range(150)]  # classes 1 and 2 only
+    write(root / "libsvm" / "iris.scale", "\n".join(two) + "\n")
+    with pytest.warns(UserWarning, match="loaded with 2 classes where the published set has 3"):
+        load_dataset("iris", root=root)
+
+
 def test_cifar10_prefers_pickles_over_the_jpeg_copy(tmp_path: Path) -> None:
     write_tree(tmp_path / "cifar10-jpeg" / "train")
     jpeg = load_dataset("cifar10", root=tmp_path, dtype=torch.uint8)

@@ -20,12 +20,14 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from initlab._core.knobs import user_stacklevel
 from initlab.data.cache import CacheDir
 from initlab.data.cifar import load_cifar_pickle
 from initlab.data.dataset import Dataset, check_per_class, first_per_class
@@ -243,7 +245,30 @@ def load_dataset(
     if limit_per_class is not None:
         check_per_class("limit_per_class", limit_per_class)  # before any (slow) decoding
     data = _load(name, split, root, dtype, cache_dir, limit_per_class)
-    return data if limit_per_class is None else first_per_class(data, limit_per_class)
+    if limit_per_class is not None:
+        return first_per_class(data, limit_per_class)
+    _check_published(_entry(name), split, data)
+    return data
+
+
+def _check_published(entry: CatalogueEntry, split: str, data: Dataset) -> None:
+    """Warn where a loaded split is not the published one: another number of rows (a file cut
+    short, as an interrupted download leaves it, parses as fewer rows) or of classes (a class
+    folder missing in one split renumbers every class after it)."""
+    rows, want = len(data.y), entry.rows[split]
+    problem = ""
+    if rows != want:
+        problem = f"{rows} examples where the published set has {want}"
+    elif data.n_classes != entry.n_classes:
+        problem = f"{data.n_classes} classes where the published set has {entry.n_classes}"
+    if problem:
+        warnings.warn(
+            f"{entry.name} ({split} split) loaded with {problem}: the files are not the published "
+            "ones (cut short, a subset, or another set under its name); if that is not meant, "
+            "download it again",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
 
 
 def _load(
