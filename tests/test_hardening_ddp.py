@@ -171,6 +171,13 @@ _CASES: dict[str, Case] = {
         _model(r),
         lambda m: lsuv_(m, _batches(r, 1)[0][0], generator=0),
     ),
+    # eighth session: what the orthogonal pre-init does not redraw must agree
+    "lsuv_, rank 1's hidden layer is wider (the pre-init broadcast rank 0's draw into it)": (
+        lambda r: (_wider(r), lambda m: lsuv_(m, _batches(r, 1)[0][0], generator=0))
+    ),
+    "lsuv_, a LayerNorm that differs by rank (the pre-init redraws the Linear layers only)": (
+        lambda r: (_normed(r), lambda m: lsuv_(m, _batches(r, 1)[0][0], generator=0))
+    ),
     "gradinit_, 5 and 4 batches with steps=3": lambda r: (
         _model(0),
         lambda m: gradinit_(m, _batches(r, 5 - r), steps=3, gamma=10.0),
@@ -261,6 +268,22 @@ _CASES: dict[str, Case] = {
 }
 
 
+def _wider(rank: int) -> nn.Module:
+    """Hidden width 12 on rank 0, 16 on rank 1 (the same number of tensors)."""
+    torch.manual_seed(0)
+    width = 12 + 4 * rank
+    return nn.Sequential(nn.Linear(6, width), nn.Tanh(), nn.Linear(width, 3)).to(D)
+
+
+def _normed(rank: int) -> nn.Module:
+    """A LayerNorm whose scale differs by rank after equal Linear layers."""
+    model = _model(0)
+    norm = nn.LayerNorm(12).to(D)
+    with torch.no_grad():
+        norm.weight.fill_(1.0 + rank)
+    return nn.Sequential(model[0], norm, model[1], model[2])
+
+
 def _quiet_lsuv(model: nn.Module, x: torch.Tensor) -> None:
     import warnings
 
@@ -346,6 +369,13 @@ _EXPECTED: dict[str, str | tuple[str, str] | None] = {
         "gradinit_ differentiates the loss twice",
     ),
     "lsuv_, ranks start from different weights (the orthogonal pre-init is broadcast)": None,
+    "lsuv_, rank 1's hidden layer is wider (the pre-init broadcast rank 0's draw into it)": (
+        "lsuv_: the ranks hold different parameters (3 of 4 tensors differ: 0.weight, 0.bias, "
+        "2.weight)"
+    ),
+    "lsuv_, a LayerNorm that differs by rank (the pre-init redraws the Linear layers only)": (
+        "lsuv_: the ranks hold different parameters (1 of 6 tensors differ: 1.weight)"
+    ),
     "gradinit_, layer 0 frozen on rank 1 only": (
         "gradinit_: the ranks' models differ in which tensors are trainable (requires_grad "
         "differs for 0.weight, 0.bias)"

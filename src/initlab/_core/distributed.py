@@ -23,7 +23,7 @@ when one rank stops alone):
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -120,10 +120,13 @@ def _checksum(t: torch.Tensor) -> list[int]:
     return [flat.numel(), int((low + 7 * high).sum()), int((low * high).sum())]
 
 
-def check_same_parameters(model: nn.Module, what: str) -> None:
+def check_same_parameters(
+    model: nn.Module, what: str, redrawn: Collection[torch.Tensor] = ()
+) -> None:
     """Raise :class:`RankMismatchError` on every rank unless all ranks hold bit-identical
     parameters (names, shapes and values), checked by an exact checksum (:func:`_checksum`)
-    all-reduced in three small collectives.
+    all-reduced in three small collectives; of the ``redrawn`` tensors (which the method draws
+    on rank 0 and broadcasts: LSUV's orthogonal pre-init) only the shapes and dtypes.
 
     A data-dependent initialization sums statistics over ranks and applies the same update on
     every rank; ranks that start from different weights would end different.
@@ -131,7 +134,9 @@ def check_same_parameters(model: nn.Module, what: str) -> None:
     if not is_distributed():
         return
     named = check_same_trainable(model, what)
-    local = torch.tensor([_checksum(p) for _, p in named], dtype=torch.int64).reshape(-1, 3)
+    ids = {id(t) for t in redrawn}
+    rows = [_layout(p) if id(p) in ids else _checksum(p) for _, p in named]
+    local = torch.tensor(rows, dtype=torch.int64).reshape(-1, 3)
     lo, hi = _min_max(local)
     differ = [named[i][0] for i in (lo != hi).any(dim=1).nonzero().flatten().tolist()]
     if differ:
@@ -144,6 +149,13 @@ def check_same_parameters(model: nn.Module, what: str) -> None:
             "0's weights first: for t in model.state_dict().values(): "
             "torch.distributed.broadcast(t, src=0)"
         )
+
+
+def _layout(t: torch.Tensor) -> list[int]:
+    """``[numel, a code of the dtype, a code of the shape]``: what must agree across ranks of a
+    tensor whose values the method replaces by rank 0's."""
+    dtype = zlib.crc32(str(t.dtype).encode())
+    return [t.numel(), dtype, sum((i + 1) * 1009**i * s for i, s in enumerate(t.shape)) % 2**61]
 
 
 def check_same_trainable(model: nn.Module, what: str) -> list[tuple[str, nn.Parameter]]:

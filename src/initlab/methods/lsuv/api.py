@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Literal
 
@@ -321,6 +321,8 @@ def lsuv_(
         check_same_trainable(model, "lsuv_")
     used, runs = run_together("lsuv_", lambda: _take_data(data, max_batches, concat_batches))
     units = build_units(model, modules, registry)
+    if orthogonal:  # what the pre-init does not redraw (a norm, an embedding) must agree
+        check_same_parameters(model, "lsuv_", redrawn=_redrawn(units))
     _refuse_unscalable(units, modules)
     block_names = find_blocks(model, blocks, strategy) if strategy != "layers" else {}
     engine = Engine(
@@ -403,6 +405,18 @@ def _check_options(
     elif not callable(forward):
         raise TypeError(f"forward must be callable (model, batch) -> output, got {forward!r}")
     return target, tol, forward
+
+
+def _redrawn(units: Sequence[Unit]) -> list[torch.Tensor]:
+    """The tensors the orthogonal pre-init replaces by rank 0's: the weights of the units it
+    draws (a whole parameter; a row block of a fused one is not the parameter) and their
+    trainable biases (zeroed)."""
+    out: list[torch.Tensor] = []
+    for u in units:
+        if u.weight is not None and not (u.skipped or u.frozen):
+            out.append(u.weight)
+            out.extend(b for b in u.biases() if b.requires_grad)
+    return out
 
 
 def _take_data(
