@@ -178,6 +178,23 @@ _CASES: dict[str, Case] = {
     "lsuv_, a LayerNorm that differs by rank (the pre-init redraws the Linear layers only)": (
         lambda r: (_normed(r), lambda m: lsuv_(m, _batches(r, 1)[0][0], generator=0))
     ),
+    # options that differ by rank: different collectives (gloo aborted, or waited 30 minutes)
+    "gradinit_, gamma differs by rank": lambda r: (
+        _model(0),
+        lambda m: gradinit_(m, _batches(r, 4), gamma=10.0 * (1 + r)),
+    ),
+    "scale_output_, how differs by rank": lambda r: (
+        _model(0),
+        lambda m: scale_output_(m, _batches(r, 2), how="fold" if r == 0 else "module"),
+    ),
+    "precondition_, how differs by rank": lambda r: (
+        _model(0),
+        lambda m: precondition_(m, _batches(r, 2), how="lr" if r == 0 else "rescale"),
+    ),
+    "lsuv_, target and max_iter differ by rank": lambda r: (
+        _model(0),
+        lambda m: lsuv_(m, _batches(r, 1)[0][0], target=1.0 + r, max_iter=5 + r, generator=0),
+    ),
     "gradinit_, 5 and 4 batches with steps=3": lambda r: (
         _model(0),
         lambda m: gradinit_(m, _batches(r, 5 - r), steps=3, gamma=10.0),
@@ -369,6 +386,18 @@ _EXPECTED: dict[str, str | tuple[str, str] | None] = {
         "gradinit_ differentiates the loss twice",
     ),
     "lsuv_, ranks start from different weights (the orthogonal pre-init is broadcast)": None,
+    "gradinit_, gamma differs by rank": (
+        "gradinit_: the ranks called it with different options (gamma)"
+    ),
+    "scale_output_, how differs by rank": (
+        "scale_output_: the ranks called it with different options (how)"
+    ),
+    "precondition_, how differs by rank": (
+        "precondition_: the ranks called it with different options (how)"
+    ),
+    "lsuv_, target and max_iter differ by rank": (
+        "lsuv_: the ranks called it with different options (target, max_iter)"
+    ),
     "lsuv_, rank 1's hidden layer is wider (the pre-init broadcast rank 0's draw into it)": (
         "lsuv_: the ranks hold different parameters (3 of 4 tensors differ: 0.weight, 0.bias, "
         "2.weight)"

@@ -22,6 +22,8 @@ when one rank stops alone):
 
 from __future__ import annotations
 
+import functools
+import inspect
 import zlib
 from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import contextmanager
@@ -43,10 +45,12 @@ __all__ = [
     "in_lockstep",
     "is_distributed",
     "run_together",
+    "same_options",
     "world_size",
 ]
 
 T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
 _END = object()
 
 
@@ -156,6 +160,51 @@ def _layout(t: torch.Tensor) -> list[int]:
     tensor whose values the method replaces by rank 0's."""
     dtype = zlib.crc32(str(t.dtype).encode())
     return [t.numel(), dtype, sum((i + 1) * 1009**i * s for i, s in enumerate(t.shape)) % 2**61]
+
+
+#: Arguments that may differ by rank: the model, the data, the loss, a seed, callbacks.
+_PER_RANK = {"model", "data", "loss_fn", "generator", "forward", "progress", "registry"}
+_PLAIN = (int, float, str, bool, type(None))
+
+
+def same_options(fn: F) -> F:
+    """Under ``torch.distributed``, check at entry that every rank called ``fn`` with the same
+    options (its arguments of plain values, numbers, strings, booleans, ``None`` and sequences of
+    them, but the model, the data, the loss, the generator and callbacks), in one collective: a
+    difference raises :class:`RankMismatchError` on every rank, naming the options, before any
+    other collective of ``fn`` (ranks given different options run different collectives: gloo
+    aborted, or waited until its timeout). Nothing without a process group."""
+    signature = inspect.signature(fn)
+    names = [n for n in signature.parameters if n not in _PER_RANK]
+
+    @functools.wraps(fn)
+    def inner(*args: Any, **kwargs: Any) -> Any:
+        if is_distributed():
+            bound = signature.bind_partial(*args, **kwargs)
+            bound.apply_defaults()
+            codes = torch.tensor(
+                [_option_code(bound.arguments.get(n)) for n in names] or [0], dtype=torch.int64
+            )
+            lo, hi = _min_max(codes)
+            differ = [names[i] for i in (lo != hi).nonzero().flatten().tolist() if i < len(names)]
+            if differ:
+                raise RankMismatchError(
+                    f"{fn.__name__}: the ranks called it with different options ("
+                    f"{', '.join(differ)}); every rank must pass the same ones, since they decide "
+                    "the collectives it runs"
+                )
+        return fn(*args, **kwargs)
+
+    return inner  # type: ignore[return-value]
+
+
+def _option_code(value: Any) -> int:
+    """A code of an option's value that equal values share on every rank (their ``repr``), or
+    one code for any value that is not plain data (a callable, a tensor: not compared)."""
+    plain = isinstance(value, _PLAIN) or (
+        isinstance(value, (list, tuple)) and all(isinstance(v, _PLAIN) for v in value)
+    )
+    return zlib.crc32(repr(value).encode() if plain else b"<not compared>")
 
 
 def check_same_trainable(model: nn.Module, what: str) -> list[tuple[str, nn.Parameter]]:

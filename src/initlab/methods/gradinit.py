@@ -130,7 +130,12 @@ from torch import nn
 from initlab._core.attention import with_math_attention
 from initlab._core.compiled import takes_compiled
 from initlab._core.data import DataCounter, batch_children, batch_rebuild, batch_size
-from initlab._core.distributed import check_same_parameters, is_distributed, run_together
+from initlab._core.distributed import (
+    check_same_parameters,
+    is_distributed,
+    run_together,
+    same_options,
+)
 from initlab._core.heap import kept_heap
 from initlab._core.knobs import check_callback, renamed_kwargs, user_stacklevel
 from initlab._core.loss import LossLike, resolve_loss
@@ -600,6 +605,7 @@ def gradinit_alpha_grad(
 @takes_compiled(collective=True)
 @renamed_kwargs(iterations="steps")
 @with_math_attention
+@same_options
 def gradinit_(
     model: nn.Module,
     data: Any,

@@ -74,7 +74,7 @@ from initlab._core.attention import with_math_attention
 from initlab._core.autocast import autocast_off
 from initlab._core.compiled import takes_compiled
 from initlab._core.data import DataCounter
-from initlab._core.distributed import check_same_parameters, run_together
+from initlab._core.distributed import check_same_parameters, run_together, same_options
 from initlab._core.heap import kept_heap
 from initlab._core.knobs import check_callback, user_stacklevel
 from initlab._core.loss import LossLike, resolve_loss
@@ -254,6 +254,7 @@ def _loss_free_forward(model: nn.Module, ts: Tensors, x: torch.Tensor) -> torch.
 
 @takes_compiled(collective=True)
 @with_math_attention
+@same_options
 def metainit_(
     model: nn.Module,
     data: Any = None,

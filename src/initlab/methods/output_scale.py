@@ -44,7 +44,12 @@ from initlab._core.data import (
     real_positions,
     take_batches,
 )
-from initlab._core.distributed import all_reduce_sum, check_same_parameters, run_together
+from initlab._core.distributed import (
+    all_reduce_sum,
+    check_same_parameters,
+    run_together,
+    same_options,
+)
 from initlab._core.hooks import hook_handles
 from initlab._core.knobs import renamed_kwargs, user_stacklevel
 from initlab._core.loss import model_loss
@@ -303,6 +308,7 @@ def measure_output_std(
 
 @takes_compiled(collective=True)
 @renamed_kwargs(n_batches="max_batches")
+@same_options
 def scale_output_(
     model: nn.Module,
     data: Any,

@@ -41,6 +41,7 @@ from initlab._core.distributed import (
     check_same_parameters,
     is_distributed,
     run_together,
+    same_options,
 )
 from initlab._core.knobs import check_kwargs, errors_named, parameter_names, renamed_kwargs
 from initlab._core.loss import LossLike, resolve_loss
@@ -222,6 +223,7 @@ def _target_value(target: str | float, gammas: Sequence[float]) -> float:
 @takes_compiled(collective=True)
 @renamed_kwargs(n_batches="max_batches")
 @with_math_attention
+@same_options
 def precondition_(
     model: nn.Module,
     data: Any,

@@ -33,6 +33,7 @@ from initlab._core.distributed import (
     check_same_trainable,
     failing_together,
     run_together,
+    same_options,
 )
 from initlab._core.heap import kept_heap
 from initlab._core.hooks import hook_handles
@@ -157,6 +158,7 @@ def _check_positive(name: str, value: object) -> float:
 
 @takes_compiled(collective=True)
 @renamed_kwargs(mode="strategy", batches="max_batches")
+@same_options
 def lsuv_(
     model: nn.Module,
     data: Any,
