@@ -195,6 +195,14 @@ _CASES: dict[str, Case] = {
         _model(0),
         lambda m: lsuv_(m, _batches(r, 1)[0][0], target=1.0 + r, max_iter=5 + r, generator=0),
     ),
+    "scale_output_, rank 1's model in eval mode (a BatchNorm's statistics mixed)": lambda r: (
+        _bn_model().train(r == 0),
+        lambda m: scale_output_(m, _batches(r, 2)),
+    ),
+    "gr_scaling(all_reduce=True), rank 1's model in eval mode": lambda r: (
+        _bn_model().train(r == 0),
+        lambda m: gr_scaling(m, _batches(r, 2), all_reduce=True),
+    ),
     "gradinit_, 5 and 4 batches with steps=3": lambda r: (
         _model(0),
         lambda m: gradinit_(m, _batches(r, 5 - r), steps=3, gamma=10.0),
@@ -388,6 +396,12 @@ _EXPECTED: dict[str, str | tuple[str, str] | None] = {
     "lsuv_, ranks start from different weights (the orthogonal pre-init is broadcast)": None,
     "gradinit_, gamma differs by rank": (
         "gradinit_: the ranks called it with different options (gamma)"
+    ),
+    "scale_output_, rank 1's model in eval mode (a BatchNorm's statistics mixed)": (
+        "scale_output_: the ranks' models are in different train/eval modes (0 to 5 modules"
+    ),
+    "gr_scaling(all_reduce=True), rank 1's model in eval mode": (
+        "gr_scaling: the ranks' models are in different train/eval modes (0 to 5 modules"
     ),
     "scale_output_, how differs by rank": (
         "scale_output_: the ranks called it with different options (how)"

@@ -125,12 +125,13 @@ def _checksum(t: torch.Tensor) -> list[int]:
 
 
 def check_same_parameters(
-    model: nn.Module, what: str, redrawn: Collection[torch.Tensor] = ()
+    model: nn.Module, what: str, redrawn: Collection[torch.Tensor] = (), *, modes: bool = False
 ) -> None:
     """Raise :class:`RankMismatchError` on every rank unless all ranks hold bit-identical
     parameters (names, shapes and values), checked by an exact checksum (:func:`_checksum`)
     all-reduced in three small collectives; of the ``redrawn`` tensors (which the method draws
-    on rank 0 and broadcasts: LSUV's orthogonal pre-init) only the shapes and dtypes.
+    on rank 0 and broadcasts: LSUV's orthogonal pre-init) only the shapes and dtypes. With
+    ``modes``, for a method that measures in the caller's train/eval modes, the modes too.
 
     A data-dependent initialization sums statistics over ranks and applies the same update on
     every rank; ranks that start from different weights would end different.
@@ -138,6 +139,8 @@ def check_same_parameters(
     if not is_distributed():
         return
     named = check_same_trainable(model, what)
+    if modes:
+        _check_same_modes(model, what)
     ids = {id(t) for t in redrawn}
     rows = [_layout(p) if id(p) in ids else _checksum(p) for _, p in named]
     local = torch.tensor(rows, dtype=torch.int64).reshape(-1, 3)
@@ -152,6 +155,21 @@ def check_same_parameters(
             "same seed on every rank (torch.manual_seed(seed) before creating it), or copy rank "
             "0's weights first: for t in model.state_dict().values(): "
             "torch.distributed.broadcast(t, src=0)"
+        )
+
+
+def _check_same_modes(model: nn.Module, what: str) -> None:
+    """Raise :class:`RankMismatchError` on every rank unless the ranks' modules are in the same
+    train/eval modes (a BatchNorm's batch statistics on one rank, its running ones on another,
+    pooled into one number)."""
+    flags = "".join("1" if m.training else "0" for m in model.modules())
+    local = torch.tensor([flags.count("1"), len(flags), zlib.crc32(flags.encode())])
+    lo, hi = _min_max(local.to(torch.int64))
+    if bool((lo != hi).any()):
+        raise RankMismatchError(
+            f"{what}: the ranks' models are in different train/eval modes ({lo[0].item()} to "
+            f"{hi[0].item()} modules in train mode); it measures in the caller's modes and pools "
+            "the ranks' statistics: call model.train() or model.eval() alike on every rank"
         )
 
 

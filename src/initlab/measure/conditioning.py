@@ -493,7 +493,7 @@ def _probe_data(
     check_trainable(model, "gr_scaling")
     together = all_reduce and is_distributed()
     if together:  # pooled moments of one model: the ranks must hold the same weights
-        check_same_parameters(model, "gr_scaling")
+        check_same_parameters(model, "gr_scaling", modes=True)
 
     def probe_here() -> MomentProbe:
         with errors_named("gr_scaling", "measure_moments"):  # the caller's name on the errors

@@ -408,7 +408,7 @@ def scale_output_(
     target = check_positive("target", target)
     forward = forward or default_forward
     reg = default_registry() if registry is None else registry
-    check_same_parameters(model, "scale_output_")
+    check_same_parameters(model, "scale_output_", modes=True)
     batches = run_together(
         "scale_output_", lambda: take_batches(data, max_batches, what="scale_output_", exact=False)
     )

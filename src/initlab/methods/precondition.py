@@ -340,7 +340,7 @@ def precondition_(
     target, tol = _check_options(how, target, max_iter, tol)
     forward = forward or default_forward
     reg = default_registry() if registry is None else registry
-    check_same_parameters(model, "precondition_")
+    check_same_parameters(model, "precondition_", modes=True)
     batches = run_together(
         "precondition_", lambda: take_batches(data, max_batches, what="precondition_", exact=False)
     )
