@@ -203,6 +203,12 @@ _CASES: dict[str, Case] = {
         _bn_model().train(r == 0),
         lambda m: gr_scaling(m, _batches(r, 2), all_reduce=True),
     ),
+    "gradinit_, batches of 8 on rank 0 and of 6 on rank 1": lambda r: (
+        _model(0),
+        lambda m: gradinit_(
+            m, [(x[: 8 - 2 * r], y[: 8 - 2 * r]) for x, y in _batches(r, 4)], gamma=10.0
+        ),
+    ),
     "gradinit_, 5 and 4 batches with steps=3": lambda r: (
         _model(0),
         lambda m: gradinit_(m, _batches(r, 5 - r), steps=3, gamma=10.0),
@@ -396,6 +402,9 @@ _EXPECTED: dict[str, str | tuple[str, str] | None] = {
     "lsuv_, ranks start from different weights (the orthogonal pre-init is broadcast)": None,
     "gradinit_, gamma differs by rank": (
         "gradinit_: the ranks called it with different options (gamma)"
+    ),
+    "gradinit_, batches of 8 on rank 0 and of 6 on rank 1": (
+        "gradinit_: the ranks have different numbers of examples in a batch (6 to 8)"
     ),
     "scale_output_, rank 1's model in eval mode (a BatchNorm's statistics mixed)": (
         "scale_output_: the ranks' models are in different train/eval modes (0 to 5 modules"

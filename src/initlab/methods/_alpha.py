@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from initlab._core.backward import require_grad
-from initlab._core.data import DataCounter, is_single_batch, iter_batches
+from initlab._core.data import DataCounter, examples_in, is_single_batch, iter_batches
 from initlab._core.distributed import (
     all_reduce_sum,
     check_same_count,
@@ -520,9 +520,13 @@ def batch_pairs(
     need_next: bool,
     what: str,
     counter: DataCounter | None = None,
+    *,
+    same_size: bool = False,
 ) -> Iterator[tuple[Any, Any]]:
     """``(S, next batch or None)`` per step, streaming; checks the length when it is known.
-    ``counter`` counts the batches and examples read.
+    ``counter`` counts the batches and examples read. ``same_size``: under
+    ``torch.distributed``, every step's batch must hold as many examples on every rank (for a
+    method that averages the ranks' means with equal weights: GradInit).
 
     Under ``torch.distributed`` the ranks agree first on the number of iterations (when every
     rank knows it) and then step in lockstep (:func:`~initlab._core.distributed.in_lockstep`):
@@ -530,8 +534,18 @@ def batch_pairs(
     the same :class:`~initlab._core.distributed.RankMismatchError` on every rank."""
     total = run_together(what, lambda: _checked_iterations(data, iterations, need_next, what))
     check_same_count(total, what, "iterations")
-    pairs = _stream_pairs(data, total, need_next, what, counter or DataCounter())
-    return in_lockstep(pairs, what)
+    pairs = in_lockstep(_stream_pairs(data, total, need_next, what, counter or DataCounter()), what)
+    return _same_sizes(pairs, what) if same_size and is_distributed() else pairs
+
+
+def _same_sizes(pairs: Iterator[tuple[Any, Any]], what: str) -> Iterator[tuple[Any, Any]]:
+    """``pairs``, each step's batch checked to hold as many examples on every rank (one small
+    all-reduce a step): the ranks' gradients are averaged with equal weights, so a rank with a
+    smaller batch would count as much as one with a larger (the result off the single-process
+    one on the union, silently)."""
+    for s, nxt in pairs:
+        check_same_count(examples_in(s), what, "examples in a batch")
+        yield s, nxt
 
 
 def _checked_iterations(

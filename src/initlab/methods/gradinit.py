@@ -74,7 +74,8 @@ What is exactly what here:
   the same :class:`~initlab._core.distributed.RankMismatchError` on every rank, as does a forward
   or backward pass that fails on some ranks only (each is run together,
   :func:`~initlab._core.distributed.run_together`; one small all-reduce each). Give every rank
-  the same number of batches of the same size.
+  the same number of batches of the same size (both checked: the ranks' gradients are averaged
+  with equal weights) and the same options (checked at entry).
 * **Failure**: on any exception (including the errors below) the model's tensors and modes are
   put back (:func:`~initlab._core.state.restore_on_failure`); no hook is ever attached.
 
@@ -695,7 +696,7 @@ def gradinit_(
     check_same_parameters(model, what)  # first: what differs by rank raises on every rank
     ts = select_tensors(model, params, nonzero, what)
     counter = DataCounter()
-    pairs = batch_pairs(data, steps, overlap < 1, what, counter)
+    pairs = batch_pairs(data, steps, overlap < 1, what, counter, same_size=True)
 
     run = _GradInitStep(model, loss, ts, eta=eta, optimizer=optimizer, exact=exact, what=what)
     n = len(ts.scaled)
