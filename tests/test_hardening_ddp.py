@@ -203,6 +203,10 @@ _CASES: dict[str, Case] = {
         _bn_model().train(r == 0),
         lambda m: gr_scaling(m, _batches(r, 2), all_reduce=True),
     ),
+    "gradinit_, float64 on rank 0 and float32 on rank 1": lambda r: (
+        _model(0).to(torch.float32 if r else D),
+        lambda m: gradinit_(m, _batches(r, 4), gamma=10.0),
+    ),
     "gradinit_, batches of 8 on rank 0 and of 6 on rank 1": lambda r: (
         _model(0),
         lambda m: gradinit_(
@@ -422,8 +426,11 @@ _EXPECTED: dict[str, str | tuple[str, str] | None] = {
         "lsuv_: the ranks called it with different options (target, max_iter)"
     ),
     "lsuv_, rank 1's hidden layer is wider (the pre-init broadcast rank 0's draw into it)": (
-        "lsuv_: the ranks hold different parameters (3 of 4 tensors differ: 0.weight, 0.bias, "
-        "2.weight)"
+        "lsuv_: the ranks' models differ in the shape or dtype of 3 of 4 tensors (0.weight, "
+        "0.bias, 2.weight)"
+    ),
+    "gradinit_, float64 on rank 0 and float32 on rank 1": (
+        "gradinit_: the ranks' models differ in the shape or dtype of 4 of 4 tensors"
     ),
     "lsuv_, a LayerNorm that differs by rank (the pre-init redraws the Linear layers only)": (
         "lsuv_: the ranks hold different parameters (1 of 6 tensors differ: 1.weight)"

@@ -141,6 +141,15 @@ def check_same_parameters(
     named = check_same_trainable(model, what)
     if modes:
         _check_same_modes(model, what)
+    layouts = torch.tensor([_layout(p) for _, p in named], dtype=torch.int64).reshape(-1, 3)
+    lo, hi = _min_max(layouts)
+    differ = [named[i][0] for i in (lo != hi).any(dim=1).nonzero().flatten().tolist()]
+    if differ:
+        shown = ", ".join(differ[:4]) + (", ..." if len(differ) > 4 else "")
+        raise RankMismatchError(
+            f"{what}: the ranks' models differ in the shape or dtype of {len(differ)} of "
+            f"{len(named)} tensors ({shown}); every rank must hold the same model, in one dtype"
+        )
     ids = {id(t) for t in redrawn}
     rows = [_layout(p) if id(p) in ids else _checksum(p) for _, p in named]
     local = torch.tensor(rows, dtype=torch.int64).reshape(-1, 3)
@@ -150,8 +159,9 @@ def check_same_parameters(
         shown = ", ".join(differ[:4]) + (", ..." if len(differ) > 4 else "")
         raise RankMismatchError(
             f"{what}: the ranks hold different parameters ({len(differ)} of {len(named)} tensors "
-            f"differ: {shown}). It sums its statistics over ranks and applies the same update "
-            "everywhere, so ranks that start different end different. Build the model with the "
+            f"differ: {shown}). It pools its statistics over ranks (and a method applies one "
+            "update everywhere), so ranks that start different pool unrelated numbers and end "
+            "different. Build the model with the "
             "same seed on every rank (torch.manual_seed(seed) before creating it), or copy rank "
             "0's weights first: for t in model.state_dict().values(): "
             "torch.distributed.broadcast(t, src=0)"
