@@ -128,44 +128,49 @@ def check_same_parameters(
     model: nn.Module, what: str, redrawn: Collection[torch.Tensor] = (), *, modes: bool = False
 ) -> None:
     """Raise :class:`RankMismatchError` on every rank unless all ranks hold bit-identical
-    parameters (names, shapes and values), checked by an exact checksum (:func:`_checksum`)
-    all-reduced in three small collectives; of the ``redrawn`` tensors (which the method draws
-    on rank 0 and broadcasts: LSUV's orthogonal pre-init) only the shapes and dtypes. With
-    ``modes``, for a method that measures in the caller's train/eval modes, the modes too.
+    parameters: the same shapes and dtypes (:func:`_layout`), then the same values, by an exact
+    checksum (:func:`_checksum`), each all-reduced in one small collective; the ``redrawn``
+    tensors (which the method draws on rank 0 and broadcasts: LSUV's orthogonal pre-init) need
+    only agree in shape and dtype. With ``modes``, for a method that measures in the caller's
+    train/eval modes, the modes too.
 
-    A data-dependent initialization sums statistics over ranks and applies the same update on
-    every rank; ranks that start from different weights would end different.
+    A data-dependent initialization pools statistics over ranks (and a method applies one
+    update on every rank); ranks that start from different weights would end different.
     """
     if not is_distributed():
         return
     named = check_same_trainable(model, what)
     if modes:
         _check_same_modes(model, what)
-    layouts = torch.tensor([_layout(p) for _, p in named], dtype=torch.int64).reshape(-1, 3)
-    lo, hi = _min_max(layouts)
-    differ = [named[i][0] for i in (lo != hi).any(dim=1).nonzero().flatten().tolist()]
+    differ = _differing(named, [_layout(p) for _, p in named])
     if differ:
-        shown = ", ".join(differ[:4]) + (", ..." if len(differ) > 4 else "")
         raise RankMismatchError(
             f"{what}: the ranks' models differ in the shape or dtype of {len(differ)} of "
-            f"{len(named)} tensors ({shown}); every rank must hold the same model, in one dtype"
+            f"{len(named)} tensors ({_listing(differ)}); every rank must hold the same model, in "
+            "one dtype"
         )
     ids = {id(t) for t in redrawn}
-    rows = [_layout(p) if id(p) in ids else _checksum(p) for _, p in named]
-    local = torch.tensor(rows, dtype=torch.int64).reshape(-1, 3)
-    lo, hi = _min_max(local)
-    differ = [named[i][0] for i in (lo != hi).any(dim=1).nonzero().flatten().tolist()]
+    values = [(n, p) for n, p in named if id(p) not in ids]  # the same tensors on every rank
+    differ = _differing(values, [_checksum(p) for _, p in values])
     if differ:
-        shown = ", ".join(differ[:4]) + (", ..." if len(differ) > 4 else "")
         raise RankMismatchError(
             f"{what}: the ranks hold different parameters ({len(differ)} of {len(named)} tensors "
-            f"differ: {shown}). It pools its statistics over ranks (and a method applies one "
-            "update everywhere), so ranks that start different pool unrelated numbers and end "
-            "different. Build the model with the "
-            "same seed on every rank (torch.manual_seed(seed) before creating it), or copy rank "
-            "0's weights first: for t in model.state_dict().values(): "
-            "torch.distributed.broadcast(t, src=0)"
+            f"differ: {_listing(differ)}). It pools its statistics over ranks (and a method "
+            "applies one update everywhere), so ranks that start different pool unrelated "
+            "numbers and end different. Build the model with the same seed on every rank "
+            "(torch.manual_seed(seed) before creating it), or copy rank 0's weights first: for t "
+            "in model.state_dict().values(): torch.distributed.broadcast(t, src=0)"
         )
+
+
+def _differing(named: list[tuple[str, nn.Parameter]], rows: list[list[int]]) -> list[str]:
+    """The names whose row of three integers is not the same on every rank (one collective)."""
+    lo, hi = _min_max(torch.tensor(rows, dtype=torch.int64).reshape(-1, 3))
+    return [named[i][0] for i in (lo != hi).any(dim=1).nonzero().flatten().tolist()]
+
+
+def _listing(names: list[str]) -> str:
+    return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
 
 
 def _check_same_modes(model: nn.Module, what: str) -> None:
@@ -265,10 +270,9 @@ def check_same_trainable(model: nn.Module, what: str) -> list[tuple[str, nn.Para
     lo, hi = _min_max(flags)
     differ = [named[i][0] for i in (lo != hi).nonzero().flatten().tolist() if i < len(named)]
     if differ:
-        shown = ", ".join(differ[:4]) + (", ..." if len(differ) > 4 else "")
         raise RankMismatchError(
             f"{what}: the ranks' models differ in which tensors are trainable (requires_grad "
-            f"differs for {shown}); freeze the same layers on every rank"
+            f"differs for {_listing(differ)}); freeze the same layers on every rank"
         )
     return named
 
