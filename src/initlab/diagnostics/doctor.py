@@ -291,23 +291,24 @@ def _treat(
             )
             continue
         after = _measure(model, setup)
-        worse = _worse(now, _checks(after, model, setup, [*done, name]))
-        follow = auto and worse and _outputs_only(now, _checks(after, model, setup, [*done, name]))
-        if follow and name != "output_scale" and "output_scale" not in done:
-            # the fix brought the signal back to the logits (LSUV on a vanished one): their
-            # scale is output_scale's to set, then the two are judged together
-            then = functools.partial(_apply, "output_scale", model, setup, after, [*done, name])
-            if course.run("output_scale", then):
-                both = _measure(model, setup)
-                checks = _checks(both, model, setup, [*done, name, "output_scale"])
-                if _total(checks) < _total(now):  # better together: both stay
-                    after, worse = both, ""
-                else:
-                    _undo("output_scale", model, kept, course)
-                    course.undone["output_scale"] = (
-                        f"applied after {name} to set the logits' scale, the two improved no "
-                        "check together: undone with it"
-                    )
+        checks = _checks(after, model, setup, [*done, name])
+        worse = _worse(now, checks)
+        outputs = worse and _outputs_only(now, checks) and "output_scale" not in (*done, name)
+        both = (
+            _with_output_scale(name, model, setup, after, done, now, course)
+            if auto and outputs
+            else None
+        )
+        if both is not None:
+            # the fix brought the signal back to the logits (LSUV on a vanished one); with their
+            # scale set after it, the two together improved the checks: both stay
+            after, worse = both, ""
+        elif auto and outputs and "output_scale" in course.applied:
+            _undo("output_scale", model, kept, course)
+            course.undone["output_scale"] = (
+                f"applied after {name} to set the logits' scale, the two improved no check "
+                "together: undone with it"
+            )
         if auto and worse:
             _undo(name, model, kept, course)
             course.undone[name] = f"it made the checks worse ({worse}); the model is as before it"
@@ -318,14 +319,42 @@ def _treat(
     return course, current
 
 
+def _with_output_scale(
+    name: str,
+    model: nn.Module,
+    setup: _Setup,
+    after: _Measure,
+    done: list[str],
+    now: list[_Check],
+    course: _Course,
+) -> _Measure | None:
+    """Apply ``output_scale`` after the fix ``name`` (it left only the output checks worse);
+    the measurement after both when together they leave the checks better than before
+    ``name``, else ``None``."""
+    then = functools.partial(_apply, "output_scale", model, setup, after, [*done, name])
+    if not course.run("output_scale", then):
+        return None
+    both = _measure(model, setup)
+    better = _total(_checks(both, model, setup, [*done, name, "output_scale"])) < _total(now)
+    return both if better else None
+
+
 _RANK = {"ok": 0, "warn": 1, "bad": 2}
+
+
+def _worsened(before: list[_Check], after: list[_Check]) -> list[tuple[_Check, _Check]]:
+    """The checks whose verdict a fix made worse, ``(before, after)``."""
+    return [
+        (b, a)
+        for b, a in zip(before, after, strict=True)
+        if _RANK.get(a.verdict, 0) > _RANK.get(b.verdict, 0)
+    ]
 
 
 def _outputs_only(before: list[_Check], after: list[_Check]) -> bool:
     """Whether the checks a fix left worse are the outputs' only (the initial loss, the logits'
     std), which ``output_scale`` sets."""
-    worse = {b.check for b, a in zip(before, after, strict=True)
-             if _RANK.get(a.verdict, 0) > _RANK.get(b.verdict, 0)}  # fmt: skip
+    worse = {b.check for b, _ in _worsened(before, after)}
     return bool(worse) and worse <= {"initial_loss", "logit_std"}
 
 
@@ -339,11 +368,7 @@ def _worse(before: list[_Check], after: list[_Check]) -> str:
     more than before (:func:`_total`); ``""`` when they do not."""
     if _total(after) <= _total(before):
         return ""
-    return "; ".join(
-        f"{b.check} {b.verdict} → {a.verdict}"
-        for b, a in zip(before, after, strict=True)
-        if _RANK.get(a.verdict, 0) > _RANK.get(b.verdict, 0)
-    )
+    return "; ".join(f"{b.check} {b.verdict} → {a.verdict}" for b, a in _worsened(before, after))
 
 
 def _undo(name: str, model: nn.Module, kept: list[torch.Tensor], course: _Course) -> None:
