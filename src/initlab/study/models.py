@@ -283,18 +283,19 @@ def check_study_models(
     from initlab.study.pipelines import check_init, is_data_dependent
 
     seen: dict[str, Any] = {}
-    checked: set[tuple[Any, ...]] = set()
+    models: set[tuple[Any, ...]] = set()
+    inits: set[str] = set()
     for config in configs:
         key = (config.dataset, config.model, config.model_cfg)
-        init = is_data_dependent(config.scheme) and config.scheme not in checked
-        if key in checked and not init:
+        init = is_data_dependent(config.scheme) and config.scheme not in inits
+        if key in models and not init:
             continue
         if config.dataset not in seen:
             seen.clear()  # keep one data set in memory at a time (configs come grouped by it)
             seen[config.dataset] = load_fn(config.dataset, root)
-        if key not in checked:
+        if key not in models:
+            models.add(key)
             check_model(config, seen[config.dataset])
-        checked.add(key)
         if init:
-            checked.add(config.scheme)
+            inits.add(config.scheme)
             check_init(config, seen[config.dataset])

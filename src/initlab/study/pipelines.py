@@ -680,7 +680,7 @@ def check_init(config: RunConfig, data: Any) -> None:
     error (an option value the method refuses, a model the method cannot take) is raised as a
     :class:`~initlab.study.models.StudyModelError` naming the init, before any run is trained or
     the study registered. Costs one init of each data-dependent init of a study."""
-    from initlab.study.models import StudyModelError, build_model
+    from initlab.study.models import StudyModelError, _first_line, build_model
 
     def factory(c: RunConfig) -> nn.Module:
         return build_model(c, n_in=int(data.n_features), n_classes=int(data.n_classes))
@@ -688,10 +688,10 @@ def check_init(config: RunConfig, data: Any) -> None:
     try:
         initialize_run(config, data.train, factory)
     except Exception as err:
-        text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise StudyModelError(
             f"schemes: {config.scheme!r} fails on data set {config.dataset!r} (its first run, "
-            f"seed {config.seed}, checked before any training): {text}; fix its options"
+            f"seed {config.seed}, checked before any training): {_first_line(err)}; fix its "
+            "options"
         ) from err
 
 
