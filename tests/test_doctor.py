@@ -632,10 +632,10 @@ def test_param_groups_that_leave_a_bias_far_faster_than_another_are_not_called_b
             for _ in range(4)]  # fmt: skip
     rep = doctor(model, data, nn.CrossEntropyLoss(), fix=["precondition"], generator=0)
     row = rep.row("gamma_spread_with_param_groups")
-    biases = [r["gamma_b_after"] for r in rep.reports["precondition"].to_rows()]
-    assert max(biases) / min(biases) > 1e4  # the oracle: precondition_'s own rows
     assert row["after"] == pytest.approx(1.0, rel=1e-6)  # the weights are balanced
     assert row["verdict"] == "bad" and "the biases keep the base learning rate" in row["why"]
+    # the fast bias is layer 2's: its weight x1e-3 leaves the bias to carry the layer's output
+    assert re.search(r"and 2's learns [0-9.e+]+x as fast", row["why"]), row["why"]
     assert "the biases keep the base learning rate" in rep.summary()  # not in the table only
     # a network whose biases learn far slower than its weights (the usual) is not flagged
     healthy = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 10))
