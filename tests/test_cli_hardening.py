@@ -163,7 +163,9 @@ _ERRORS: dict[str, tuple[list[str], int, str, tuple[str, ...]]] = {
     "a LIBSVM set that scikit-learn bundles, not under --data-dir": (
         [*_INIT, "--method", "lsuv", "--data", "wine", "--data-dir", "nodir"], 2,
         "with the folder holding libsvm/, mnist/, cifar-10-batches-py/ or cifar10-jpeg/. Or use "
-        "sklearn:wine, the copy bundled with scikit-learn (no download).\n", ("out.pt",)),
+        "sklearn:wine, the copy bundled with scikit-learn (no download); its features are as the "
+        "UCI source stores them, not scaled to [-1, 1] like the LIBSVM copy's, and it has no test "
+        "split.\n", ("out.pt",)),
     "--n-boot 0": (["bench", "report", "x.sqlite", "--n-boot", "0"], 2,
                    "argument --n-boot: must be a positive integer", ()),
     "--level 1.5": (["bench", "report", "x.sqlite", "--level", "1.5"], 2,
@@ -645,6 +647,33 @@ def test_data_prints_the_root_and_warns_when_it_is_missing(
     code, _, err = _run(["data", "--data-dir", "afile"], capsys)
     assert code == 0
     assert "the data root afile (from --data-dir) is not a folder; only the bundled" in err
+
+
+@pytest.mark.parametrize(
+    ("given", "warning"),
+    [
+        (
+            "root/libsvm",
+            "root/libsvm is one of a data root's folders (libsvm/), not the root: "
+            "pass the folder that holds it, root; the named sets under root/libsvm show as not "
+            "available",
+        ),
+        (".", ". holds no named set, but root holds some: pass that folder"),
+        ("flat", "flat holds LIBSVM files; the loader reads them from flat/libsvm/"),
+    ],
+)
+def test_data_says_when_the_root_is_a_level_off(
+    cli_dir: Path, capsys: pytest.CaptureFixture[str], given: str, warning: str
+) -> None:
+    (cli_dir / "root" / "libsvm").mkdir(parents=True)
+    (cli_dir / "root" / "libsvm" / "iris.scale").write_text("1 1:1\n")
+    (cli_dir / "flat").mkdir()
+    (cli_dir / "flat" / "iris.scale").write_text("1 1:1\n")
+    code, _, err = _run(["data", "--data-dir", given], capsys)
+    assert code == 0
+    assert f"initlab data: warning: {warning}" in err
+    code, _, err = _run(["data", "--data-dir", "root"], capsys)
+    assert code == 0 and "warning" not in err
 
 
 def test_seed_seeds_the_model_construction(

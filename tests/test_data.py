@@ -121,7 +121,16 @@ def test_libsvm_unseen_test_label_names_file_and_line(tmp_path: Path) -> None:
         ("1 0:1", "bad feature '0:1'"),
         ("1 -1:1", "bad feature '-1:1'"),
         ("1 1.5:1", "bad feature '1.5:1'"),
-        ("1 qid:3 1:1", "bad feature 'qid:3'"),
+        (
+            "1 qid:3 1:1",
+            "bad feature 'qid:3' (a query id of the ranking format, which this "
+            "loader does not read: drop the qid:N tokens",
+        ),
+        (
+            "1 1:1\r2 2:1",
+            "bad feature '2' (the line holds a '\\r' inside it, a line end of "
+            "another system: two examples may have run together",
+        ),
         ("a 1:1", "bad label 'a'"),
         ("1.5 1:1", "bad label '1.5'"),
         ("1 2:1 2:3", "feature index 2 appears twice"),
@@ -612,6 +621,27 @@ def test_data_root_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("INITLAB_DATA_DIR", str(tmp_path / "env"))
     assert data_root() == tmp_path / "env"
     assert data_root(tmp_path / "arg") == tmp_path / "arg"
+
+
+def test_load_dataset_names_a_root_a_level_off_and_a_folder_for_a_file(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    (root / "libsvm" / "iris.scale").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError) as caught:
+        load_dataset("iris", root=root, cache_dir=False)
+    assert str(caught.value) == (
+        f"libsvm:iris: {root / 'libsvm' / 'iris.scale'} is a folder where the LIBSVM file of "
+        f"that name should be (data root {root}, from root=); put the file itself there"
+    )
+    with pytest.raises(IsADirectoryError, match=r"iris\.scale is a folder; pass the LIBSVM file"):
+        load_libsvm(root / "libsvm" / "iris.scale")
+    deep = root / "libsvm"
+    message = rf"\({re.escape(str(deep))} is one of a data root's folders \(libsvm/\), not the "
+    message += rf"root: pass .* {re.escape(str(root))}\)"
+    with pytest.raises(FileNotFoundError, match=message):
+        load_dataset("letter", root=deep, cache_dir=False)
+    # Scikit-learn's copy is offered with what differs from the LIBSVM one.
+    with pytest.raises(FileNotFoundError, match=r"not scaled to \[-1, 1\] .* no test split\.$"):
+        load_dataset("wine", root=root, cache_dir=False)
 
 
 def test_load_dataset_by_name(tmp_path: Path) -> None:

@@ -383,9 +383,14 @@ def store_schemes(path: Path, study: str | None = None) -> set[str]:
 
 def data_root_note(root: Path, how: str) -> str | None:
     """What ``initlab data`` warns of a data root ``root`` (chosen ``how``) that is no folder
-    (``None`` where it is one)."""
+    or does not look like one (``None`` where it is one)."""
     if root.is_dir():
-        return None
+        from initlab.data.catalogue import misplaced_root
+
+        misplaced = misplaced_root(root)
+        if misplaced is None:
+            return None
+        return f"{misplaced}; the named sets under {root} show as not available"
     what = "is not a folder" if root.exists() else "does not exist"
     return (
         f"the data root {root} ({how}) {what}; only the bundled scikit-learn sets are available: "

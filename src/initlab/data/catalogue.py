@@ -166,14 +166,50 @@ def _bundled_hint(entry: CatalogueEntry) -> str:
     if entry.kind == "sklearn" or bundled not in CATALOGUE:
         return ""
     needs = "" if _available(CATALOGUE[bundled], Path()) else ": pip install scikit-learn"
-    return f" Or use {bundled}, the copy bundled with scikit-learn (no download{needs})."
+    return (
+        f" Or use {bundled}, the copy bundled with scikit-learn (no download{needs}); its "
+        "features are as the UCI source stores them, not scaled to [-1, 1] like the LIBSVM "
+        "copy's, and it has no test split."
+    )
+
+
+#: The folders a data root holds, one per format (module doc).
+ROOT_FOLDERS = ("libsvm", "mnist", "cifar-10-batches-py", "cifar10-jpeg", "cifar-100-python")
+
+
+def misplaced_root(root: Path) -> str | None:
+    """Why the folder ``root`` looks like a wrong data root (``None`` where it holds one of
+    :data:`ROOT_FOLDERS`, or shows no sign of the named sets): it is one of those folders itself
+    (one level too deep), it holds LIBSVM files without their ``libsvm/`` folder, or a folder
+    inside it is the data root (one level too shallow)."""
+    if not root.is_dir() or any((root / f).is_dir() for f in ROOT_FOLDERS):
+        return None
+    if root.name in ROOT_FOLDERS:
+        return (
+            f"{root} is one of a data root's folders ({root.name}/), not the root: pass the "
+            f"folder that holds it, {root.parent}"
+        )
+    libsvm_files = {e.files["train"] for e in CATALOGUE.values() if e.kind == "libsvm"}
+    if any((root / f).is_file() for f in libsvm_files):
+        return f"{root} holds LIBSVM files; the loader reads them from {root / 'libsvm'}/"
+    inner = sorted(d for d in root.iterdir() if any((d / f).is_dir() for f in ROOT_FOLDERS))
+    if inner:
+        return f"{root} holds no named set, but {inner[0]} holds some: pass that folder"
+    return None
 
 
 def _missing(entry: CatalogueEntry, looked: list[Path], root: Path, how: str) -> FileNotFoundError:
+    if entry.kind == "libsvm" and looked[0].is_dir():
+        return FileNotFoundError(
+            f"{entry.name}: {looked[0]} is a folder where the LIBSVM file of that name should be "
+            f"(data root {root}, {how}); put the file itself there"
+        )
     where = ", ".join(str(p) for p in looked)
+    misplaced = misplaced_root(root)
+    hint = f" ({misplaced})" if misplaced else ""
     return FileNotFoundError(
-        f"{entry.name}: not found; looked for {where} (data root {root}, {how}). Download it "
-        "there, or point root= or the INITLAB_DATA_DIR environment variable at the folder "
+        f"{entry.name}: not found; looked for {where} (data root {root}, {how}){hint}. Download "
+        "it there, or point root= or the INITLAB_DATA_DIR environment variable at the folder "
         f"holding libsvm/, mnist/, cifar-10-batches-py/ or cifar10-jpeg/.{_bundled_hint(entry)}"
     )
 

@@ -126,6 +126,21 @@ def _check_bytes(data: bytes, source: str) -> None:
         )
 
 
+def _why(token: str, line: str) -> str:
+    """What a bad feature token most likely is, for the parse error (``""`` where unknown)."""
+    if token.startswith("qid:"):
+        return (
+            " (a query id of the ranking format, which this loader does not read: drop the "
+            "qid:N tokens, e.g. sed -E 's/ qid:[^ ]+//')"
+        )
+    if "\r" in line:
+        return (
+            " (the line holds a '\\r' inside it, a line end of another system: two examples "
+            "may have run together; convert line ends to '\\n' first, e.g. tr '\\r' '\\n')"
+        )
+    return ""
+
+
 def _content_lines(text: str) -> list[tuple[int, str]]:
     """(line number, text without comment) for each line; blank ones included."""
     has_comments = "#" in text
@@ -158,7 +173,7 @@ def _parse_reference(text: str, source: str, n_features: int | None) -> _Parsed:
             except ValueError:
                 index = None
             if index is None or index < 1 or not colon or ":" in value_text:
-                raise ValueError(f"{source}:{lineno}: bad feature {token!r}")
+                raise ValueError(f"{source}:{lineno}: bad feature {token!r}{_why(token, line)}")
             if not abs(value) <= _FLOAT32_MAX:
                 raise ValueError(
                     f"{source}:{lineno}: feature {index} has the value {value_text!r}; values must "
@@ -326,6 +341,8 @@ def load_libsvm(
         raise ValueError(f"n_features must be a positive int, got {n_features!r}")
     if n_features is not None:
         n_features = int(n_features)
+    if path.is_dir():
+        raise IsADirectoryError(f"{source} is a folder; pass the LIBSVM file itself")
     data = path.read_bytes()
     _check_bytes(data, source)
 
