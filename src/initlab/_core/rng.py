@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-__all__ = ["Seeds", "as_generator"]
+__all__ = ["Seeds", "as_generator", "peeked"]
 
 
 def as_generator(generator: torch.Generator | int | None) -> torch.Generator | None:
@@ -23,6 +23,14 @@ def as_generator(generator: torch.Generator | int | None) -> torch.Generator | N
     if isinstance(generator, int) and not isinstance(generator, bool):
         return torch.Generator().manual_seed(generator)
     raise TypeError(f"generator must be a torch.Generator, an int seed or None, got {generator!r}")
+
+
+def peeked(generator: torch.Generator | None) -> torch.Generator | None:
+    """A new generator in ``generator``'s state: what is drawn from it leaves ``generator`` where
+    it was (a measurement that must not shift the draws of what follows it); ``None`` stays."""
+    if generator is None:
+        return None
+    return torch.Generator(device=generator.device).set_state(generator.get_state())
 
 
 class Seeds:

@@ -15,6 +15,7 @@ from torch import nn
 from initlab._core.data import batch_size
 from initlab._core.knobs import errors_named
 from initlab._core.loss import Loss, target_count
+from initlab._core.rng import Seeds, peeked
 from initlab._core.rows import _fmt
 from initlab.diagnostics._outputs import (
     Forward,
@@ -96,14 +97,18 @@ class _Setup:
 
 
 def _measure(model: nn.Module, setup: _Setup) -> _Measure:
+    """The checks' measurement: diagnose's pass and the output pass, their random draws (dropout
+    masks) seeded from the generator without moving it (the fixes draw as they would alone)."""
     batches, loss = setup.batches, setup.loss
+    generator = peeked(setup.generator)
     with errors_named("doctor", "diagnose"):  # a loss undefined on a batch raises there too
         report = diagnose(
             model, batches, loss, max_batches=len(batches), gradients=False, spectra=False,
-            generator=setup.generator, name=type(model).__name__,
+            generator=generator, name=type(model).__name__,
         )  # fmt: skip
     losses = [float(v) for v in report.meta.get("loss", [])]
-    outputs = output_pass(model, batches, loss, setup.forward)
+    with Seeds(model, generator).scope():
+        outputs = output_pass(model, batches, loss, setup.forward)
     return _Measure(report, _per_example(losses, batches, loss), **outputs)
 
 

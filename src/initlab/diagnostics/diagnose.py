@@ -39,7 +39,7 @@ from initlab._core.backward import check_trainable
 from initlab._core.compiled import takes_compiled
 from initlab._core.data import examples_in, forward_args, take_batches
 from initlab._core.loss import Loss, LossLike, batch_reduction, resolve_loss
-from initlab._core.rng import as_generator
+from initlab._core.rng import Seeds, as_generator
 from initlab._core.rows import Rows
 from initlab._core.state import preserved_state
 from initlab.diagnostics.assemble import _weight_names, assemble
@@ -127,7 +127,9 @@ def diagnose(
         landscape: a ``Landscape`` (from :func:`initlab.loss_landscape`) to embed, or
             ``True`` / a dict of its options (``grid=``, ``directions=``, ``bn=``) to compute
             one on the batches used here (filter-normalized random directions by default).
-        generator: seed (or generator) for power iterations and curvature probes.
+        generator: seed (or generator) for the pass's random draws (dropout masks, batch ``i``
+            in its own forked-RNG scope), power iterations and curvature probes; ``None``: fixed
+            seeds for the pass. With a generator, torch's global RNG is neither read nor changed.
         name: the model's name in the report (default: its class name).
         progress: called with a short message at each stage (e.g. for a CLI).
 
@@ -197,7 +199,8 @@ def _diagnose(
         grad_acc = GradientStats(model) if o.gradients else None
         shapes = InputShapes(model) if o.spectra else None
         watch = ActivationWatch(model) if o.lint else None
-        losses = _one_pass(model, batches, loss, probe, grad_acc, (shapes, watch), say)
+        seeds = Seeds(model, generator)
+        losses = _one_pass(model, batches, loss, probe, grad_acc, (shapes, watch), seeds, say)
     probe_table, param_table = _probe_tables(probe, losses, run)
 
     gr, cond_imbalance = _gr_scaling(model, probe, batches, o.alpha, o.batch_dim, run)
@@ -285,10 +288,12 @@ def _one_pass(
     probe: MomentProbe,
     grad_acc: GradientStats | None,
     watchers: Iterable[Any],
+    seeds: Seeds,
     say: Progress,
 ) -> list[float]:
-    """Forward + backward of every batch under the probe and the watchers; the model's state is
-    restored afterwards. Returns the losses."""
+    """Forward + backward of every batch under the probe and the watchers, batch ``i`` in
+    ``seeds``' scope ``i`` (dropout masks from the generator, not torch's global RNG); the
+    model's state is restored afterwards. Returns the losses."""
     params = list(model.parameters())
     losses: list[float] = []
     with preserved_state(model), ExitStack() as stack:
@@ -300,7 +305,8 @@ def _one_pass(
             say(f"batch {i + 1}/{len(batches)}: forward + backward under the probe")
             for p in params:
                 p.grad = None
-            loss = probed_backward(probe, loss_fn, model, batch, "diagnose", i)
+            with seeds.scope(i):
+                loss = probed_backward(probe, loss_fn, model, batch, "diagnose", i)
             losses.append(float(loss.detach()))
             if grad_acc is not None:
                 grad_acc.update()

@@ -46,6 +46,7 @@ from initlab._core.data import DataCounter, iter_batches
 from initlab._core.knobs import renamed_kwargs
 from initlab._core.loss import LossLike, resolve_loss
 from initlab._core.reductions import sum_of_squares
+from initlab._core.rng import Seeds
 from initlab._core.rows import Rows
 from initlab._core.state import preserved_state
 
@@ -179,6 +180,7 @@ def gradient_stats(
     loss_fn: LossLike = None,
     *,
     max_batches: int | None = None,
+    generator: torch.Generator | int | None = None,
 ) -> Rows:
     """Weight magnitudes and gradient spread across the batches of ``data`` (rows
     :data:`GRADIENT_COLUMNS`; ``used`` says how many batches and examples).
@@ -187,7 +189,9 @@ def gradient_stats(
     reads, over at most ``max_batches`` batches (``None``: all; data without a length, a
     generator or an ``IterableDataset``, up to 1000 batches, and more raise); the model's
     parameters, buffers (e.g. BatchNorm running statistics), train/eval modes and ``.grad`` are
-    as before afterwards.
+    as before afterwards. Batch ``i`` runs in its own forked-RNG scope seeded from
+    ``generator`` (a seed, a ``torch.Generator``, or ``None`` for a fixed seed), so dropout
+    masks do not depend on torch's global RNG (:class:`~initlab._core.rng.Seeds`).
 
     Example:
         >>> import torch
@@ -204,13 +208,15 @@ def gradient_stats(
     acc = GradientStats(model)
     params = [e.tensor for e in acc._entries.values()]
     counter = DataCounter()
+    seeds = Seeds(model, generator)
     with preserved_state(model):
         batches = counter.wrap(iter_batches(data, max_batches, what="gradient_stats"))
         for i, batch in enumerate(batches):
             for p in params:
                 p.grad = None
-            value = finite_loss(loss, model, batch, what="gradient_stats", index=i)
-            backward_of(value, "gradient_stats")
+            with seeds.scope(i):
+                value = finite_loss(loss, model, batch, what="gradient_stats", index=i)
+                backward_of(value, "gradient_stats")
             acc.update()
     if counter.batches == 0:
         raise ValueError("gradient_stats got no batch: the data is empty")

@@ -533,6 +533,7 @@ def gr_scaling(
     examples: int | None = None,
     registry: Registry | None = None,
     all_reduce: bool = False,
+    generator: torch.Generator | int | None = None,
 ) -> Rows:
     """GR scaling ``gamma`` and weight-to-gradient ratios ``nu`` per weight layer.
 
@@ -582,6 +583,8 @@ def gr_scaling(
             the model and data given, the ranks must hold the same weights (checked: a
             ``RankMismatchError`` on every rank), and a probe that fails on some ranks raises
             the same ``RankMismatchError`` on every rank.
+        generator: seed (or ``torch.Generator``) of the probe's passes (first form; dropout
+            masks; :func:`~initlab.measure_moments`'s ``generator``).
 
     Returns:
         :class:`~initlab.Rows` with columns :data:`~initlab.measure.conditioning.GR_COLUMNS`
@@ -600,8 +603,9 @@ def gr_scaling(
         if data is None:
             raise TypeError("gr_scaling(model, data, loss_fn): pass the data to probe")
         probe, counted = _probe_data(
-            probe, data, loss_fn, max_batches, loss_reduction, all_reduce, batch_dim=batch_dim
-        )
+            probe, data, loss_fn, max_batches, loss_reduction, all_reduce, batch_dim=batch_dim,
+            generator=generator,
+        )  # fmt: skip
         examples = counted if examples is None else examples
     elif data is not None:
         if model is not None or not isinstance(data, nn.Module):

@@ -15,6 +15,7 @@ from initlab._core.compiled import takes_compiled
 from initlab._core.data import DataUse, default_forward, examples_in, iter_batches
 from initlab._core.knobs import check_kwargs, parameter_names, renamed_kwargs
 from initlab._core.loss import Loss, LossLike, batch_reduction, example_count, resolve_loss
+from initlab._core.rng import Seeds
 from initlab._core.state import preserved_state
 from initlab.measure.probe.batch import target_rows
 from initlab.measure.probe.moment_probe import MomentProbe
@@ -30,6 +31,7 @@ def measure_moments(
     loss_fn: LossLike = None,
     *,
     max_batches: int | None = None,
+    generator: torch.Generator | int | None = None,
     **probe_kwargs: Any,
 ) -> MomentProbe:
     """Run a :class:`MomentProbe` over ``data`` and return it (read it with ``table()`` etc.).
@@ -52,6 +54,10 @@ def measure_moments(
         max_batches: read at most this many batches (``None``: all; data without a length, a
             generator or an ``IterableDataset``, is read up to 1000 batches, and more raise:
             pass ``max_batches=``).
+        generator: seed (or ``torch.Generator``) of the passes' random draws (dropout masks):
+            batch ``i`` runs in its own forked-RNG scope (:class:`~initlab._core.rng.Seeds`),
+            so the same call gives the same moments whatever torch's global RNG holds;
+            ``None``: a fixed seed.
         **probe_kwargs: passed to :class:`MomentProbe` (``modules``, ``per_example``, ...).
             ``loss_reduction`` left out or ``None``: the loss's own where it declares one (a
             criterion's ``reduction``), else ``"mean"``; one that contradicts it raises.
@@ -83,6 +89,7 @@ def measure_moments(
     )
     probe = MomentProbe(model, **probe_kwargs)
     params = list(model.parameters())
+    seeds = Seeds(model, generator)
     n_batches = n_examples = 0
     # The model comes back as it was: weights, buffers (BatchNorm statistics), modes, .grad, RNGs.
     with preserved_state(model):
@@ -92,7 +99,8 @@ def measure_moments(
             for batch in iter_batches(data, max_batches, what="measure_moments"):
                 n_batches += 1
                 probe._root = None
-                _run(probe, model, batch, loss, params, n_batches - 1)
+                with seeds.scope(n_batches - 1):
+                    _run(probe, model, batch, loss, params, n_batches - 1)
                 root = probe._root  # the examples the probe scaled by, where the model ran
                 n_examples += root.size if root and root.size is not None else examples_in(batch)
     if n_batches == 0:

@@ -1,0 +1,76 @@
+"""The measuring entry points draw their passes' random numbers (dropout masks) from their
+``generator``, never from torch's global RNG: the same seed gives the same numbers whatever the
+global RNG holds, a seed and a ``torch.Generator`` seeded alike agree, another seed gives other
+masks, and the global RNG is left where it was."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import initlab
+
+
+def dropout_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 3)).train()
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in "ab"]
+
+
+def _moments(model: nn.Module, data: Any, generator: Any) -> list[float]:
+    probe = initlab.measure_moments(model, data, nn.CrossEntropyLoss(), generator=generator)
+    return [float(r["E_dy2"]) for r in probe.table()]
+
+
+def _gr(model: nn.Module, data: Any, generator: Any) -> list[float]:
+    rows = initlab.gr_scaling(model, data, nn.CrossEntropyLoss(), generator=generator)
+    return [float(r["gamma_w"]) for r in rows]
+
+
+def _gradients(model: nn.Module, data: Any, generator: Any) -> list[float]:
+    rows = initlab.gradient_stats(model, data, nn.CrossEntropyLoss(), generator=generator)
+    return [float(r["grad_norm"]) for r in rows]
+
+
+def _diagnose(model: nn.Module, data: Any, generator: Any) -> list[float]:
+    loss = nn.CrossEntropyLoss()
+    report = initlab.diagnose(model, data, loss, spectra=False, generator=generator)
+    return [float(v) for v in report.meta["loss"]] + [report.value("0", "gamma", "weight")]
+
+
+def _doctor(model: nn.Module, data: Any, generator: Any) -> list[float]:
+    report = initlab.doctor(model, data, nn.CrossEntropyLoss(), generator=generator)
+    return [float(report.value("gamma_spread")), float(report.value("logit_std"))]
+
+
+MEASURES: dict[str, Callable[[nn.Module, Any, Any], list[float]]] = {
+    "measure_moments": _moments,
+    "gr_scaling": _gr,
+    "gradient_stats": _gradients,
+    "diagnose": _diagnose,
+    "doctor": _doctor,
+}
+
+
+@pytest.mark.parametrize("name", list(MEASURES))
+def test_the_generator_not_the_global_rng_draws_the_dropout_masks(name: str) -> None:
+    measure, model, data = MEASURES[name], dropout_mlp(), batches()
+    results = []
+    for global_seed in (1, 2):
+        torch.manual_seed(global_seed)
+        state = torch.get_rng_state()
+        results.append(measure(model, data, 0))
+        assert torch.equal(torch.get_rng_state(), state)  # the global RNG is where it was
+    assert results[0] == results[1]
+    assert measure(model, data, torch.Generator().manual_seed(0)) == results[0]
+    # another seed, other masks: the generator reaches the passes
+    assert measure(model, data, 1) != results[0]
+    assert model.training
