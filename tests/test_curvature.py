@@ -852,3 +852,71 @@ def test_reentrant_activation_checkpointing_is_answered_with_the_way_out() -> No
     batch = (torch.randn(6, 5), torch.randint(0, 3, (6,)))
     with pytest.raises(DoubleBackwardError, match=r"use_reentrant=False .*gradient_checkpointing"):
         initlab.block_curvature(Checkpointed(), batch, nn.CrossEntropyLoss(), probes=2, generator=0)
+
+
+# ------------------------------------------------------------------------------- mixed dtypes
+
+
+class _MixedHead(nn.Module):
+    """A float32 body under a float64 head (the head's input cast up in the forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 5)
+        self.head = nn.Linear(5, 3).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.body(x)).to(self.head.weight.dtype))
+
+
+def _mixed() -> tuple[nn.Module, tuple, nn.Module, tuple]:
+    """The mixed model with a float32 batch, and its float64 twin with the same batch in float64."""
+    torch.manual_seed(0)
+    model = _MixedHead()
+    batch = (torch.randn(8, 4), torch.randint(0, 3, (8,)))
+    return model, batch, copy.deepcopy(model).double(), (batch[0].double(), batch[1])
+
+
+# float32 parameters and activations against the float64 twin: float32 rounding, not float64's
+_F32 = {"rtol": 1e-4, "atol": 1e-6}
+
+
+@pytest.mark.parametrize("mode", ["rev_rev", "fwd_rev"])
+@pytest.mark.parametrize("kind", ["hessian", "ggn"])
+def test_a_mixed_dtype_operator_equals_the_float64_oracle(kind: str, mode: str) -> None:
+    """A float64 head on a float32 body: probes were drawn in the first parameter's dtype and the
+    head's product refused them ("v entry for head.weight is ... float32, expected ... float64")."""
+    model, batch, twin, batch64 = _mixed()
+    how = {"kind": kind, "ad_mode": mode, "probes": 3, "generator": 0, "full_matrix": True}
+    got = block_curvature(model, batch, F.cross_entropy, **how)
+    want = block_curvature(twin, batch64, F.cross_entropy, **how)
+    torch.testing.assert_close(got.samples, want.samples, **_F32)
+    op = CurvatureOperator(model, batch, F.cross_entropy, kind=kind, ad_mode=mode)
+    expected, _ = ORACLES[kind](twin, batch64, resolve_loss(F.cross_entropy))
+    torch.testing.assert_close(op.to_dense(), expected, **_F32)
+    assert op.dtype == torch.float64  # flat vectors in the widest dtype, split per parameter
+    assert [t.dtype for t in op.split(torch.zeros(op.shape[1], dtype=torch.float64))] == [
+        p.dtype for p in model.parameters()
+    ]
+
+
+def test_a_mixed_dtype_model_gets_theory_and_hessian_directions() -> None:
+    """theory_vs_actual and loss_landscape(directions="hessian") on the mixed model agree with its
+    float64 twin; each direction is in its parameter's dtype."""
+    model, batch, twin, batch64 = _mixed()
+    got = theory_vs_actual(model, batch, F.cross_entropy, probes=3, generator=0).to_rows()
+    want = theory_vs_actual(twin, batch64, F.cross_entropy, probes=3, generator=0).to_rows()
+    torch.testing.assert_close(
+        torch.tensor([r["actual"] for r in got], dtype=torch.float64),
+        torch.tensor([r["actual"] for r in want], dtype=torch.float64),
+        **_F32,
+    )
+    land = initlab.loss_landscape(
+        model, batch, F.cross_entropy, directions="hessian", grid=3, generator=0
+    )
+    ref = initlab.loss_landscape(
+        twin, batch64, F.cross_entropy, directions="hessian", grid=3, generator=0
+    )
+    torch.testing.assert_close(land.values, ref.values, **_F32)
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    assert {n: t.dtype for n, t in land.directions[0].items()} == dtypes

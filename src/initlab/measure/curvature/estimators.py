@@ -300,8 +300,8 @@ def _probe_sample(
         v = list(zeros)
         start = 0
         for name, shape in zip(bk.params, bk.shapes, strict=True):
-            n = math.prod(shape)
-            v[index[name]] = r[start : start + n].view(shape)
+            n, i = math.prod(shape), index[name]
+            v[i] = r[start : start + n].view(shape).to(dtype=zeros[i].dtype)  # its own dtype
             start += n
         hv = op.product(v, [index[name] for name in bk.params])
         for l_, bl in enumerate(blocks):

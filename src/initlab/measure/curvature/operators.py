@@ -139,6 +139,15 @@ def _check_listed_once(names: Sequence[str], canon: Mapping[str, str]) -> None:
         )
 
 
+def _common_dtype(tensors: Sequence[torch.Tensor]) -> torch.dtype:
+    """The widest dtype of ``tensors`` (``torch.promote_types``: float64 over float32, float32
+    over a bfloat16/float16 pair), the dtype every one of them casts into without loss."""
+    dtype = tensors[0].dtype
+    for t in tensors[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
 class _MatvecOperator:
     """``op @ x`` for a vector (one :meth:`matvec`) or the columns of a matrix."""
 
@@ -163,6 +172,12 @@ class CurvatureOperator(_MatvecOperator):
     The operator is evaluated at the parameters the model has when it is created (they are copied);
     the autograd graph is built lazily, on the first product, and shared by all later products
     (``ad_mode="rev_rev"``). The model is never mutated (see the module docstring).
+
+    Parameters keep their own dtypes (a float64 head on a float32 body): :meth:`product` takes
+    and returns one tensor per parameter in that parameter's dtype. Flat vectors (``op @ x``,
+    :meth:`to_dense`, :meth:`eigenpairs`) are in :attr:`dtype`, the widest of the parameters'
+    dtypes; each parameter's slice is cast to the parameter's dtype for the product (rounded,
+    where that dtype is narrower) and the result back to :attr:`dtype`.
 
     Args:
         model: any ``nn.Module``; its train/eval modes decide BatchNorm/dropout behaviour.
@@ -240,9 +255,9 @@ class CurvatureOperator(_MatvecOperator):
         }
         """Tied parameters of the operator: first name → its other names."""
         self._values = tuple(named[n].detach().clone() for n in self.param_names)
-        first = self._values[0]
-        self.dtype = first.dtype
-        self.device = first.device
+        self.dtype = _common_dtype(self._values)
+        """The dtype of flat vectors (the widest of the parameters' dtypes); see the class doc."""
+        self.device = self._values[0].device
         self.shape = (offset, offset)
         self._buffer_overrides = dict(buffers or {})
         self._engine: _HessianEngine | _GGNEngine | None = None
@@ -348,19 +363,24 @@ class CurvatureOperator(_MatvecOperator):
             raise  # pragma: no cover - _raise_located always raises
 
     def split(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """A flat vector as one tensor per parameter."""
+        """A flat vector as one tensor per parameter, each in its parameter's shape and dtype."""
         out, i = [], 0
         for p in self._values:
-            out.append(flat[i : i + p.numel()].view_as(p))
+            out.append(flat[i : i + p.numel()].view_as(p).to(dtype=p.dtype))
             i += p.numel()
         return out
 
+    def flatten(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """One tensor per parameter as a flat vector in :attr:`dtype` (the inverse of
+        :meth:`split`)."""
+        return torch.cat([t.reshape(-1).to(dtype=self.dtype, device=self.device) for t in tensors])
+
     def matvec(self, x: torch.Tensor) -> torch.Tensor:
-        """``H x`` for a flat vector ``x`` of length ``shape[1]``."""
+        """``H x`` for a flat vector ``x`` of length ``shape[1]`` (returned in :attr:`dtype`)."""
         if x.shape != (self.shape[1],):
             raise ValueError(f"expected a vector of length {self.shape[1]}, got {tuple(x.shape)}")
         x = x.to(dtype=self.dtype, device=self.device)
-        return torch.cat([t.reshape(-1) for t in self.product(self.split(x))])
+        return self.flatten(self.product(self.split(x)))
 
     def to_dense(self) -> torch.Tensor:
         """The full matrix (``shape[1]`` products; for small models and tests)."""
@@ -446,8 +466,7 @@ class BlockOperator(_MatvecOperator):
         full[self.col.offset : self.col.offset + self.col.size] = x.to(full)
         names = self.op.param_names
         support = [names.index(n) for n in self.col.params]
-        out = self.op.product(self.op.split(full), support)
-        flat = torch.cat([t.reshape(-1) for t in out])
+        flat = self.op.flatten(self.op.product(self.op.split(full), support))
         return flat[self.row.offset : self.row.offset + self.row.size]
 
     @property
