@@ -854,7 +854,7 @@ def test_reentrant_activation_checkpointing_is_answered_with_the_way_out() -> No
         initlab.block_curvature(Checkpointed(), batch, nn.CrossEntropyLoss(), probes=2, generator=0)
 
 
-# ------------------------------------------------------------------------------- mixed dtypes
+# ------------------------------------------------------------- mixed dtypes, sparse gradients
 
 
 class _MixedHead(nn.Module):
@@ -920,3 +920,59 @@ def test_a_mixed_dtype_model_gets_theory_and_hessian_directions() -> None:
     torch.testing.assert_close(land.values, ref.values, **_F32)
     dtypes = {n: p.dtype for n, p in model.named_parameters()}
     assert {n: t.dtype for n, t in land.directions[0].items()} == dtypes
+
+
+class _Bag(nn.Module):
+    """Embedding (sparse or dense gradient), tanh, linear, mean over the sequence."""
+
+    def __init__(self, sparse: bool) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 5, sparse=sparse)
+        self.out = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.emb(x))).mean(1)
+
+
+def _bags() -> tuple[nn.Module, nn.Module, tuple]:
+    """The sparse-gradient model, its dense twin (same parameters) and a batch with repeats."""
+    torch.manual_seed(0)
+    sparse, dense = _Bag(True).double(), _Bag(False).double()
+    dense.load_state_dict(sparse.state_dict())
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 20, (6, 4), generator=gen)
+    return sparse, dense, (x, torch.randint(0, 3, (6,), generator=gen))
+
+
+# one sum of the same products, summed in the sparse gradient's coalesce order
+_SAME = {"rtol": 1e-12, "atol": 1e-15}
+
+
+@pytest.mark.parametrize(
+    ("kind", "mode"), [("hessian", "rev_rev"), ("ggn", "rev_rev"), ("ggn", "fwd_rev")]
+)
+def test_a_sparse_embedding_has_the_dense_embeddings_curvature(kind: str, mode: str) -> None:
+    """nn.Embedding(sparse=True) gives sparse products: block_curvature died in
+    linalg_vector_norm (SparseCPU) and Hessian directions in "reshape is not implemented for
+    sparse tensors". Densified, every result is the sparse=False model's."""
+    sparse, dense, batch = _bags()
+    how = {"kind": kind, "ad_mode": mode, "probes": 3, "generator": 0, "full_matrix": True}
+    got_rows = block_curvature(sparse, batch, F.cross_entropy, **how)
+    want_rows = block_curvature(dense, batch, F.cross_entropy, **how)
+    torch.testing.assert_close(got_rows.samples, want_rows.samples, **_SAME)
+    got = CurvatureOperator(sparse, batch, F.cross_entropy, kind=kind, ad_mode=mode)
+    want = CurvatureOperator(dense, batch, F.cross_entropy, kind=kind, ad_mode=mode)
+    torch.testing.assert_close(got.to_dense(), want.to_dense(), **_SAME)
+
+
+def test_a_sparse_embedding_gets_the_dense_embeddings_hessian_directions() -> None:
+    """loss_landscape(directions="hessian") with a sparse-gradient embedding: the dense twin's
+    directions and values."""
+    sparse, dense, batch = _bags()
+    land, ref = (
+        initlab.loss_landscape(m, batch, F.cross_entropy, directions="hessian", grid=3, generator=0)
+        for m in (sparse, dense)
+    )
+    torch.testing.assert_close(land.values, ref.values, **_SAME)
+    for name, d in ref.directions[0].items():
+        torch.testing.assert_close(land.directions[0][name], d, **_SAME)

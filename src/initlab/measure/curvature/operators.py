@@ -177,7 +177,8 @@ class CurvatureOperator(_MatvecOperator):
     and returns one tensor per parameter in that parameter's dtype. Flat vectors (``op @ x``,
     :meth:`to_dense`, :meth:`eigenpairs`) are in :attr:`dtype`, the widest of the parameters'
     dtypes; each parameter's slice is cast to the parameter's dtype for the product (rounded,
-    where that dtype is narrower) and the result back to :attr:`dtype`.
+    where that dtype is narrower) and the result back to :attr:`dtype`. Sparse products (an
+    ``nn.Embedding(sparse=True)`` weight) are returned dense.
 
     Args:
         model: any ``nn.Module``; its train/eval modes decide BatchNorm/dropout behaviour.
@@ -339,7 +340,8 @@ class CurvatureOperator(_MatvecOperator):
     def product(
         self, v: Sequence[torch.Tensor], support: Sequence[int] | None = None
     ) -> tuple[torch.Tensor, ...]:
-        """``H v`` for ``v`` given per parameter (shapes of :attr:`param_names`).
+        """``H v`` for ``v`` given per parameter (shapes and dtypes of :attr:`param_names`), as
+        dense tensors (also for a parameter with a sparse gradient).
 
         ``support``: indices (into :attr:`param_names`) of the entries of ``v`` that may be
         nonzero; the caller promises the others are zero, and ``rev_rev`` products then skip
@@ -357,10 +359,12 @@ class CurvatureOperator(_MatvecOperator):
         engine = self.engine
         try:
             with math_attention(), self._seeds.scope():
-                return engine(tuple(v), support)
+                hv = engine(tuple(v), support)
         except (RuntimeError, NotImplementedError) as err:
             self._raise_located(err)
             raise  # pragma: no cover - _raise_located always raises
+        # a sparse gradient (nn.Embedding(sparse=True)) gives a sparse product: densified
+        return tuple(t.to_dense() if t.is_sparse else t for t in hv)
 
     def split(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """A flat vector as one tensor per parameter, each in its parameter's shape and dtype."""
