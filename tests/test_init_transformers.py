@@ -969,3 +969,22 @@ def test_gpt_oss_experts_gate_gets_its_clamped_swish_s_gain() -> None:
     row = rows[f"{name}.gate_up_proj"]
     assert row["gain"] == pytest.approx(1 / math.sqrt(second), rel=1e-6)
     assert "GPT-OSS" in row["gain_from"]
+
+
+def test_a_vit_without_an_embedding_table_gets_its_transformer_gains() -> None:
+    """ViT has no nn.Embedding and no vocabulary head (a patch conv and a classifier): its
+    attention and MLP layers kept the scheme's ReLU gain (q, fc1, fc2 at sqrt 2), where BERT's
+    get 1, GELU's and 1."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.ViTConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+        image_size=8, patch_size=4, num_channels=3, num_labels=5,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.ViTForImageClassification(config)
+    rows = _rows(initlab.init_model(model, "geometric", generator=0, policy="skip"))
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        assert rows[f"vit.layers.0.attention.{name}.weight"]["gain"] == 1.0, name
+    assert rows["vit.layers.0.mlp.fc2.weight"]["gain"] == 1.0
+    mid = rows["vit.layers.0.mlp.fc1.weight"]
+    assert mid["gain"] == pytest.approx(calculate_gain("gelu")) and "gelu" in mid["gain_from"]

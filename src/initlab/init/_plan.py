@@ -28,6 +28,7 @@ from initlab.init._structure import (
     expert_following,
     find_classifier,
     find_head,
+    has_attention,
     is_added_table,
     structural_following,
     traced_following,
@@ -671,16 +672,21 @@ def assign_roles(
     """Mark the output head (``head="small"``) and, where gains follow the nonlinearities, what
     follows every weight (by tracing ``example_inputs`` when given, else by structure).
 
-    ``gains="auto"`` follows them in a model with an embedding table or an output head (a
-    transformer or another token model: attention projections and GELU/SiLU MLPs, where the
-    scheme's default ReLU gain is wrong), or when ``example_inputs`` is given. The test is
-    structural, so a layer's gain never depends on whether a head happened to be found."""
+    ``gains="auto"`` follows them in a model with an embedding table, a vocabulary head or an
+    attention module (a transformer or another token model: attention projections and GELU/SiLU
+    MLPs, where the scheme's default ReLU gain is wrong; a ViT has no embedding table), or when
+    ``example_inputs`` is given. The test is structural, so a layer's gain never depends on
+    whether a classifier head happened to be found."""
     claims = {key: plans[key].claim_roles for key in order if plans[key].spec is not None}
     found = find_head(model, claims)
     output = found or find_classifier(model, claims)
     if output is not None and head == "small":
         plans[output[0]].head = output[2]
-    token_model = found is not None or any("embedding" in roles for roles in claims.values())
+    token_model = (
+        found is not None
+        or any("embedding" in roles for roles in claims.values())
+        or has_attention(model)
+    )
     follow = gains == "follow" or (gains == "auto" and (token_model or example_inputs is not None))
     if not follow:
         return

@@ -166,6 +166,16 @@ def is_attention_path(name: str) -> bool:
     return False
 
 
+def has_attention(model: nn.Module) -> bool:
+    """Whether ``model`` holds an attention module: an ``nn.MultiheadAttention``, or a module
+    whose class name says so (Hugging Face's ``ViTSelfAttention``, ``Wav2Vec2Attention``): a
+    transformer, with or without an embedding table."""
+    return any(
+        isinstance(m, nn.MultiheadAttention) or "attention" in type(m).__name__.lower()
+        for m in model.modules()
+    )
+
+
 # --------------------------------------------------------------------------------------------
 # The output head
 

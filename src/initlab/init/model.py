@@ -184,17 +184,18 @@ def init_model(
     **Gains** (``gains="auto"``). Each weight's gain follows the nonlinearity that follows it
     (GELU, SiLU, tanh, ReLU, ...; none, gain 1, for attention projections, a gated MLP's
     multiplied half, an MLP's output projection and the head) when the model has an embedding
-    table or an output head (a token model: a transformer's attention projections and GELU MLPs
-    are not ReLU layers) or ``example_inputs`` is given (``gains="follow"``: always;
-    ``"scheme"``: never). Whether a head is found does not change any other layer's gain. With
-    ``example_inputs`` (a batch, run once as ``model(x)``/``model(**batch)`` under ``no_grad``,
-    everything left as it was) each layer's output is traced to the first activation applied to
+    table, a vocabulary head or an attention module (a transformer, a ViT too: its attention
+    projections and GELU MLPs are not ReLU layers) or ``example_inputs`` is given
+    (``gains="follow"``: always; ``"scheme"``: never). Whether a head is found does not change
+    any other layer's gain. With ``example_inputs`` (a batch, run once as ``model(x)``/
+    ``model(**batch)`` under ``no_grad``, everything left as it was) each layer's output is
+    traced to the first activation applied to
     it; otherwise the structure tells: an ``nn.Sequential``'s next module, attention modules by
     type and name, an MLP module's activation child. Where nothing is found the scheme's gain is
-    kept (``gain_from`` says so), so models without an embedding table or a head (CNNs, MLPs)
-    are drawn exactly as before unless asked. Only the scheme's default ReLU gain is replaced:
-    an explicit nonlinearity, ``gain``, ``c`` or ``lipschitz`` and xavier/lecun's gain 1 are
-    kept.
+    kept (``gain_from`` says so), so models without an embedding table, a vocabulary head or
+    attention (CNNs, MLPs) are drawn exactly as before unless asked. Only the scheme's default
+    ReLU gain is replaced: an explicit nonlinearity, ``gain``, ``c`` or ``lipschitz`` and
+    xavier/lecun's gain 1 are kept.
 
     **Frozen tensors** (``frozen="skip"``): a parameter with ``requires_grad=False`` (a frozen
     pretrained stem, a frozen embedding) is left exactly as it was, rules included, and so are
