@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -1216,3 +1217,80 @@ def test_float64_data_into_a_float32_model_says_what_to_convert(entry: str, loss
     # the other way round: the conversion named is the model's dtype's (it said x.float())
     with pytest.raises(TypeError, match=r"convert it \(x\.to\(torch\.float64\), x\.double\(\)"):
         _F64_CALLS[entry](_mlp().double(), [(x[i : i + 8], y[i : i + 8]) for i in (0, 8)], loss)
+
+
+# ------------------------------------------------------------- sources that are not batches
+
+
+def _initlab_dataset() -> Any:
+    from initlab.data import Dataset
+
+    x, y = _data(24)
+    return Dataset(x=x, y=y, name="toy", n_features=4, n_classes=3, label_map=(0, 1, 2))
+
+
+_SOURCES: dict[str, tuple[Callable[[], Any], str]] = {
+    "TensorDataset": (
+        lambda: TensorDataset(*_data(24)),
+        r"data is a TensorDataset, a map-style torch Dataset, which holds single examples: "
+        r"pass torch\.utils\.data\.DataLoader\(dataset, batch_size=\.\.\.\) instead",
+    ),
+    "path": (lambda: "train.pt", r"data is a path or a string \('train\.pt'\), not batches: load"),
+    "initlab Dataset": (
+        _initlab_dataset,
+        r"data is the initlab data set 'toy' \(a whole split\): pass batches of it",
+    ),
+}
+
+
+@pytest.mark.parametrize("source", list(_SOURCES))
+@pytest.mark.parametrize("entry", list(_F64_CALLS))
+def test_a_data_source_that_is_not_batches_is_named(entry: str, source: str) -> None:
+    """A Dataset (not its DataLoader) or a path reached the model as model(dataset): torch's
+    "linear(): argument 'input' must be Tensor, not TensorDataset"; gradinit_ said "the data
+    gave 1" batch."""
+    make, message = _SOURCES[source]
+    model = _mlp()
+    before = _state(model)
+    with pytest.raises(TypeError, match=rf"^{re.escape(entry)}: {message}"):
+        _F64_CALLS[entry](model, make(), nn.CrossEntropyLoss())
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_gradinit_without_data_says_it_needs_data() -> None:
+    with pytest.raises(TypeError, match=r"^gradinit_ needs data; accepted forms: one batch"):
+        initlab.gradinit_(_mlp(), None, nn.CrossEntropyLoss(), steps=1)
+
+
+def test_single_examples_with_a_vector_target_are_refused() -> None:
+    """DataLoader(batch_size=None) rows (x (4,), y (2,)): read as a batch of 4 examples, gamma
+    came out 2x (k = 2) and the example counts were 2x; only 0-d and (1,) targets were caught."""
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
+    rows = DataLoader(TensorDataset(x, torch.randn(6, 2)), batch_size=None)
+    message = (
+        r"batch 0 looks like one example without a batch dimension: its target \(entry '1'\) "
+        r"is of shape \(2,\) while its input has shape \(4,\)"
+    )
+    for call in (initlab.gr_scaling, initlab.gradient_stats, initlab.measure_moments):
+        with pytest.raises(ValueError, match=message):
+            call(_mlp(out=2), rows, nn.MSELoss())
+    # a batch of 4 token ids with their 4 targets is a batch
+    ids = torch.tensor([0, 3, 1, 4])
+    probe = initlab.measure_moments(nn.Embedding(5, 3), [(ids, ids)])
+    assert probe.used is not None and probe.used.examples == 4
+
+
+def test_a_contract_knob_an_entry_point_does_not_take_is_said_so() -> None:
+    x, y = _data(8)
+    for call, guess in ((initlab.block_curvature, "max_probes"), (initlab.theory_vs_actual, "")):
+        with pytest.raises(TypeError, match=r"takes no max_batches=; accepted: ") as info:
+            call(_mlp(), (x, y), nn.CrossEntropyLoss(), max_batches=3)
+        assert "did you mean" not in str(info.value), guess
+    with pytest.raises(TypeError, match=r"input_scale takes no generator=; accepted: "):
+        initlab.input_scale(x, generator=0)
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1])
+def test_a_seed_beyond_64_bits_is_named(seed: int) -> None:
+    with pytest.raises(ValueError, match=rf"the seed {seed} does not fit in 64 bits"):
+        initlab.lsuv_(_mlp(), _data(8)[0], generator=seed)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import os
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -60,6 +61,7 @@ __all__ = [
     "batch_size",
     "batch_tensors",
     "check_batch",
+    "check_data",
     "data_use",
     "default_forward",
     "dtype_error",
@@ -223,8 +225,7 @@ def iter_batches(data: Any, max_batches: int | None = None, *, what: str) -> Ite
         isinstance(max_batches, bool) or not isinstance(max_batches, int) or max_batches < 1
     ):
         raise ValueError(f"{what}: max_batches must be a positive int or None, got {max_batches!r}")
-    if data is None:
-        raise TypeError(f"{what} needs data; accepted forms: {DATA_FORMS}")
+    check_data(data, what)
     if isinstance(data, TakenBatches):  # checked and detached when they were taken
         yield from itertools.islice(data, max_batches)
         return
@@ -244,6 +245,33 @@ def iter_batches(data: Any, max_batches: int | None = None, *, what: str) -> Ite
             )
         check_batch(batch, what=what, index=i)
         yield _detached(batch)
+
+
+def check_data(data: Any, what: str) -> None:
+    """Raise ``TypeError`` for ``None`` and for what holds data but is no batch nor batches: a
+    path (a ``str``, ``bytes`` or ``os.PathLike``), a map-style ``torch.utils.data.Dataset`` (it
+    is indexed for single examples) or an :class:`initlab.data.Dataset` record (a whole split)."""
+    if data is None:
+        raise TypeError(f"{what} needs data; accepted forms: {DATA_FORMS}")
+    if isinstance(data, (str, bytes, os.PathLike)):
+        raise TypeError(
+            f"{what}: data is a path or a string ({data!r}), not batches: load it first "
+            "(torch.load, or initlab.data.load_dataset for a named set) and pass the tensors, "
+            "(x, y), or a DataLoader"
+        )
+    if isinstance(data, torch.utils.data.Dataset) and not isinstance(
+        data, torch.utils.data.IterableDataset
+    ):
+        raise TypeError(
+            f"{what}: data is a {type(data).__name__}, a map-style torch Dataset, which holds "
+            "single examples: pass torch.utils.data.DataLoader(dataset, batch_size=...) instead"
+        )
+    if type(data).__name__ == "Dataset" and type(data).__module__ == "initlab.data.dataset":
+        raise TypeError(
+            f"{what}: data is the initlab data set {getattr(data, 'name', '')!r} (a whole "
+            "split): pass batches of it, e.g. DataLoader(TensorDataset(ds.x, ds.y), "
+            "batch_size=128), or one batch (ds.x[:256], ds.y[:256])"
+        )
 
 
 def _has_length(data: Any) -> bool:
@@ -346,8 +374,9 @@ def _check_batched(batch: Any, *, what: str, which: str) -> None:
     """Raise if ``batch`` is one example without its batch dimension, as a
     ``DataLoader(dataset, batch_size=None)`` yields them (read as a batch, ``x`` of shape ``(d,)``
     would count as ``d`` examples): the target (``y`` of ``(x, y, ...)``, a dict's ``labels``) is
-    a scalar, or ``x`` is one feature vector ``(d,)`` with a target of shape ``(1,)``; or a dict's
-    ``input_ids`` is one sequence (1-d: an un-collated row). Other entries may be scalars."""
+    a scalar, or ``x`` is one feature vector ``(d,)`` with a target of shape ``(1,)`` or, for
+    floating ``x``, a target whose first dim is not ``d``; or a dict's ``input_ids`` is one
+    sequence (1-d: an un-collated row). Other entries may be scalars."""
     if isinstance(batch, (tuple, list)) and len(batch) >= 2:
         x, y, key = batch[0], batch[1], "1"
     elif isinstance(batch, Mapping):
@@ -364,8 +393,12 @@ def _check_batched(batch: Any, *, what: str, which: str) -> None:
         return
     if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor) or x.dim() == 0:
         return
-    # a scalar target, or a feature vector x (d,) with a target (1,): a TensorDataset row
-    if y.dim() == 0 or (x.dim() == 1 and tuple(y.shape) == (1,) and x.shape[0] != 1):
+    # a scalar target, or a feature vector x (d,) with a target (1,), or a float one with a
+    # target (k,), (k, m)...: a TensorDataset row (examples along dim 0 would disagree: d of them
+    # in x, k in y). Integer ids (d,) with k targets are an EmbeddingBag's flat input of k bags.
+    one = x.dim() == 1 and tuple(y.shape) == (1,) and x.shape[0] != 1
+    features = x.dim() == 1 and x.is_floating_point() and y.dim() >= 1
+    if y.dim() == 0 or one or (features and y.shape[0] != x.shape[0]):
         shape = "a scalar (0-d)" if y.dim() == 0 else f"of shape {tuple(y.shape)}"
         raise ValueError(
             f"{what}: {which} looks like one example without a batch dimension: its target "

@@ -45,7 +45,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 def renamed_kwargs(**old_to_new: str) -> Callable[[F], F]:
     """Accept ``old=value`` as ``new=value`` with a ``DeprecationWarning`` naming ``new``.
 
-    Passing both names is a ``TypeError``.
+    Passing both names is a ``TypeError``; so is a keyword the function does not take (where it
+    takes no ``**kwargs``), with initlab's name for it (:func:`check_kwargs`).
 
     Example:
         >>> @renamed_kwargs(iterations="steps")
@@ -60,9 +61,17 @@ def renamed_kwargs(**old_to_new: str) -> Callable[[F], F]:
 
     def wrap(fn: F) -> F:
         order = list(inspect.signature(fn).parameters)
+        takes_any = any(
+            p.kind is inspect.Parameter.VAR_KEYWORD
+            for p in inspect.signature(fn).parameters.values()
+        )
 
         @functools.wraps(fn)
         def inner(*args: Any, **kwargs: Any) -> Any:
+            if not takes_any:
+                own = parameter_names(fn)
+                unknown = {k: v for k, v in kwargs.items() if k not in own and k not in old_to_new}
+                check_kwargs(fn.__name__, unknown, set(), own=own)
             for old, new in old_to_new.items():
                 if old in kwargs:
                     positional = new in order and order.index(new) < len(args)
@@ -112,6 +121,11 @@ GUESSED_NAMES: dict[str, tuple[str, ...]] = {
     "max_iters": ("max_iter", "steps"),
     "seed": ("generator",),
     "rng": ("generator",),
+    # the contract's knobs themselves, where an entry point does not take one: said so, not
+    # answered with the closest spelling (max_batches= is not max_probes=)
+    "max_batches": ("max_batches",),
+    "generator": ("generator",),
+    "steps": ("steps",),
 }
 
 

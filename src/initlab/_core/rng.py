@@ -17,10 +17,15 @@ def as_generator(generator: torch.Generator | int | None) -> torch.Generator | N
 
     Raises:
         TypeError: anything else (a bool, a float, a string).
+        ValueError: an int seed outside 64 bits (torch's range).
     """
     if generator is None or isinstance(generator, torch.Generator):
         return generator
     if isinstance(generator, int) and not isinstance(generator, bool):
+        if not -(2**63) <= generator < 2**64:
+            raise ValueError(
+                f"generator: the seed {generator} does not fit in 64 bits (-2**63 <= seed < 2**64)"
+            )
         return torch.Generator().manual_seed(generator)
     raise TypeError(f"generator must be a torch.Generator, an int seed or None, got {generator!r}")
 

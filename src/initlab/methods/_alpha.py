@@ -34,7 +34,13 @@ import torch
 from torch import nn
 
 from initlab._core.backward import require_grad
-from initlab._core.data import DataCounter, examples_in, is_single_batch, iter_batches
+from initlab._core.data import (
+    DataCounter,
+    check_data,
+    examples_in,
+    is_single_batch,
+    iter_batches,
+)
 from initlab._core.distributed import (
     all_reduce_sum,
     check_same_count,
@@ -551,7 +557,9 @@ def _same_sizes(pairs: Iterator[tuple[Any, Any]], what: str) -> Iterator[tuple[A
 def _checked_iterations(
     data: Any, iterations: int | None, need_next: bool, what: str
 ) -> int | None:
-    """The number of iterations (``None``: until the data ends); raises if too few batches."""
+    """The number of iterations (``None``: until the data ends); raises if too few batches, or
+    if ``data`` is no batches at all (:func:`~initlab._core.data.check_data`)."""
+    check_data(data, what)
     n = known_length(data)
     extra = 1 if need_next else 0
     if iterations is None:
