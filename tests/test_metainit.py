@@ -194,3 +194,32 @@ def test_random_data_for_a_token_model_says_to_pass_token_batches() -> None:
     with pytest.raises(ValueError, match=r"this model takes token ids .* pass data"):
         metainit_(model, None, steps=1, input_shape=(4, 8))
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_a_loss_function_that_turns_autocast_on_is_refused() -> None:
+    """metainit_ turns autocast off around its passes, but a loss_fn's own autocast turned it on
+    again around the model: the scales moved the wrong way (+0.29 where float32 and float64 runs
+    move -0.09), silently. An autocast around the call is still neutralized."""
+
+    def ce(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return F.cross_entropy(model(batch[0]), batch[1])
+
+    def ce_autocast(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return ce(model, batch)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    data = [(torch.randn(8, 6), torch.randint(0, 3, (8,))) for _ in range(3)]
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match=r"^metainit_: the model ran under torch\.autocast \(cpu "
+                       r"\(torch\.bfloat16\)\), turned on inside the loss function"):  # fmt: skip
+        metainit_(model, data, ce_autocast, steps=2)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert not model._forward_pre_hooks
+    reference = copy.deepcopy(model)
+    metainit_(reference, data, ce, steps=2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        metainit_(model, data, ce, steps=2)
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(a, b)

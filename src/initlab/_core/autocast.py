@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["autocast_off", "autocast_uncached", "without_autocast"]
+__all__ = ["autocast_off", "autocast_uncached", "refuse_autocast_inside", "without_autocast"]
 
 _DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu")
 
@@ -42,6 +42,28 @@ def autocast_off() -> Iterator[None]:
         for device_type in on:
             stack.enter_context(torch.autocast(device_type, enabled=False))
         yield
+
+
+@contextmanager
+def refuse_autocast_inside(model: torch.nn.Module, what: str, why: str) -> Iterator[None]:
+    """Inside the block (which runs with :func:`autocast_off`), a call of ``model`` with autocast
+    on raises ``ValueError``: the user's loss function turned it on again around the model, out of
+    the caller's reach. ``why``: what autocast would do to ``what``'s result."""
+
+    def check(module: torch.nn.Module, args: Any) -> None:
+        if _any_enabled():
+            on = ", ".join(f"{d} ({torch.get_autocast_dtype(d)})" for d in _enabled())
+            raise ValueError(
+                f"{what}: the model ran under torch.autocast ({on}), turned on inside the loss "
+                f"function ({what} turns it off around its own passes): {why}. Pass a loss "
+                "function without autocast"
+            )
+
+    handle = model.register_forward_pre_hook(check)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _enabled() -> list[str]:

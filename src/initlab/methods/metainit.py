@@ -49,10 +49,11 @@ the same :class:`~initlab._core.distributed.RankMismatchError` on every rank (ch
 in lockstep, as in GradInit), as does a step whose passes fail on some ranks only.
 
 Under ``torch.autocast`` the gradient quotient is computed in the parameters' dtype (autocast
-off inside MetaInit): it divides by ``g``, and bfloat16 rounding flips the sign of the small
-entries the sign steps follow (measured: norms 20% off on a small CNN after 2 steps, a factor 8 on
-one GPT-2 projection). The quotient itself is formed in float32 at least: for a float16 model
-``(g - Hg) / (g + eps)`` overflows float16 and the scales' gradient was NaN.
+off inside MetaInit; a loss function that turns autocast on around the model raises): it divides
+by ``g``, and bfloat16 rounding flips the sign of the small entries the sign steps follow
+(measured: norms 20% off on a small CNN after 2 steps, a factor 8 on one GPT-2 projection). The
+quotient itself is formed in float32 at least: for a float16 model ``(g - Hg) / (g + eps)``
+overflows float16 and the scales' gradient was NaN.
 
 Cost per step: one forward, a backward with graph, a double backward with graph, and the backward
 of all that to the scales (third order).
@@ -71,7 +72,7 @@ import torch
 from torch import nn
 
 from initlab._core.attention import with_math_attention
-from initlab._core.autocast import autocast_off
+from initlab._core.autocast import autocast_off, refuse_autocast_inside
 from initlab._core.compiled import takes_compiled
 from initlab._core.data import DataCounter
 from initlab._core.distributed import check_same_parameters, run_together, same_options
@@ -122,6 +123,10 @@ METAINIT_TRACE_COLUMNS = ("iteration", "gq", "loss", "grad_norm", "alpha_min", "
 _VARIANTS = ("paper", "gradinit")
 _PAPER_STEPS = 500
 
+_AUTOCAST = (
+    "the gradient quotient divides by the gradient, and bfloat16/float16 rounding flips the signs "
+    "of its small entries, which the sign steps follow (the scales move the wrong way)"
+)
 _WHY = "the gradient quotient needs the Hessian-vector product H g, and its descent one more order"
 _ADVICE = (
     "use a method that needs first derivatives only: gradinit_ (first-order objective steps) or "
@@ -342,6 +347,7 @@ def metainit_(
         with (
             evaluation_modes(model, batch_stats=opts.batch_stats),
             autocast_off(),
+            refuse_autocast_inside(model, what, _AUTOCAST),
             kept_heap(bool(keep_heap)),
         ):
             for t, (batch, _) in enumerate(batches):
