@@ -1294,3 +1294,51 @@ def test_a_contract_knob_an_entry_point_does_not_take_is_said_so() -> None:
 def test_a_seed_beyond_64_bits_is_named(seed: int) -> None:
     with pytest.raises(ValueError, match=rf"the seed {seed} does not fit in 64 bits"):
         initlab.lsuv_(_mlp(), _data(8)[0], generator=seed)
+
+
+# ------------------------------------------------------------------ complex-valued parameters
+
+
+class _ComplexHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(4, 8)
+        self.z = nn.Parameter(torch.randn(8, 3, dtype=torch.complex64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.body(x).to(torch.complex64) @ self.z).abs()
+
+
+_COMPLEX_CALLS: dict[str, Callable[[nn.Module, Any], Any]] = {
+    "measure_moments": lambda m, d: initlab.measure_moments(m, d, nn.CrossEntropyLoss()),
+    "gr_scaling": lambda m, d: initlab.gr_scaling(m, d, nn.CrossEntropyLoss()),
+    "gradient_stats": lambda m, d: initlab.gradient_stats(m, d, nn.CrossEntropyLoss()),
+    "diagnose": lambda m, d: initlab.diagnose(m, d, nn.CrossEntropyLoss()),
+    "doctor": lambda m, d: initlab.doctor(m, d, nn.CrossEntropyLoss()),
+    "metainit_": lambda m, d: initlab.metainit_(m, d, nn.CrossEntropyLoss(), steps=1),
+}
+
+
+@pytest.mark.parametrize("entry", list(_COMPLEX_CALLS))
+def test_a_trainable_complex_parameter_is_refused_by_name(entry: str) -> None:
+    """metainit_ and diagnose died inside torch ("grad can be implicitly created only for real
+    scalar outputs", "linalg.vector_norm: dtype should be complex"); the probe read the complex
+    gradient's real part with a torch warning."""
+    model, (x, y) = _ComplexHead(), _data(16)
+    before = _state(model)
+    with pytest.raises(TypeError, match=rf"^{entry}: parameter\(s\) z are complex; "):
+        _COMPLEX_CALLS[entry](model, [(x[:8], y[:8]), (x[8:], y[8:])])
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_a_frozen_complex_parameter_is_read_as_its_modulus() -> None:
+    model, (x, y) = _ComplexHead(), _data(16)
+    model.z.requires_grad_(False)
+    probe = initlab.measure_moments(model, [(x, y)], nn.CrossEntropyLoss())
+    row = next(r for r in probe.param_table() if r["param"] == "z")
+    expected = float(model.z.detach().to(torch.complex128).abs().square().mean())
+    assert row["E_W2"] == pytest.approx(expected, rel=1e-6)
+    report = initlab.init_model(model, "fan_in", generator=0, policy="skip")
+    z = next(r for r in report if r["param"] == "z")
+    assert z["achieved_std"] == pytest.approx(float(model.z.detach().std()), rel=1e-6)

@@ -114,8 +114,16 @@ def outputs_finite(output: Any) -> bool:
 def check_trainable(model: nn.Module, what: str) -> None:
     """Raise ValueError if ``model`` has parameters and none of them requires a gradient: a loss
     of it has no gradient to measure (torch would say "element 0 of tensors does not require
-    grad" from inside the backward)."""
+    grad" from inside the backward); TypeError if a trainable one is complex (its gradient's
+    moments would be read as their real parts)."""
     params = list(model.parameters())
+    complex_ = [n for n, p in model.named_parameters() if p.requires_grad and p.is_complex()]
+    if complex_:
+        raise TypeError(
+            f"{what}: parameter(s) {', '.join(complex_)} are complex; initlab's moments, ratios "
+            "and gradient statistics are defined for real tensors: freeze them for this call "
+            "(requires_grad_(False); a frozen tensor is left out)"
+        )
     if params and not any(p.requires_grad for p in params):
         raise ValueError(
             f"{what}: no parameter of the model requires a gradient (all {len(params)} are "

@@ -636,8 +636,10 @@ def _report_row(plan: _Plan, measure: bool) -> dict[str, Any]:
     achieved = None
     if measure and plan.param.numel() > 1:
         p = plan.param.detach()
-        # float32 and float64 as they are (a float64 model's std to float64 precision)
-        achieved = float((p if p.dtype in (torch.float32, torch.float64) else p.float()).std())
+        # float32, float64 and complex as they are (a float64 model's std to float64 precision;
+        # a complex tensor's is sqrt(E|z - mean|^2)); half precisions in float32
+        exact = p.dtype in (torch.float32, torch.float64) or p.is_complex()
+        achieved = float((p if exact else p.float()).std())
     layer, param = split_name(plan.name)
     return {
         "layer": layer,

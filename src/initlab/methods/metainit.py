@@ -134,6 +134,18 @@ _ADVICE = (
 )
 
 
+def _refuse_complex(model: nn.Module, what: str) -> None:
+    """Raise ``TypeError`` for a complex tensor among the trainable ones: the gradient quotient's
+    ``g^2`` and ``g + eps`` are defined for real tensors."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad and p.is_complex()]
+    if names:
+        raise TypeError(
+            f"{what}: parameter(s) {', '.join(names)} are complex; MetaInit's gradient quotient "
+            "is defined for real tensors: freeze them (requires_grad_(False)) for this call, or "
+            "use gradinit_ or lsuv_"
+        )
+
+
 def _gq(
     model: nn.Module,
     loss_fn: LossFn,
@@ -332,6 +344,7 @@ def metainit_(
     check_callback(what, "progress", progress)
     loss = resolve_loss(loss_fn, what=what)
     check_same_parameters(model, what)  # first: what differs by rank raises on every rank
+    _refuse_complex(model, what)
     ts = select_tensors(model, params, _at_least_2d if opts.paper else nonzero, what)
     _warn_half_precision(ts, what)
     gen = as_generator(generator)

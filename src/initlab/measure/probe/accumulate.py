@@ -43,9 +43,13 @@ def _distinct(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     """``t`` detached, in float32 or float64, and how often each of its elements repeats.
 
     An expanded tensor (the gradient of a mean or of a broadcast) repeats its distinct elements;
-    they are reduced once (reductions over stride-0 dims take a slow path).
+    they are reduced once (reductions over stride-0 dims take a slow path). A complex tensor (a
+    frozen complex parameter: a trainable one is refused) is read as its modulus, so its second
+    moment is ``E[|z|^2]``.
     """
     d = t.detach()
+    if d.is_complex():
+        d = d.abs()
     if d.dtype not in (torch.float32, torch.float64):
         d = d.float()
     multiplicity = 1
