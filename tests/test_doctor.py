@@ -645,3 +645,24 @@ def test_param_groups_that_leave_a_bias_far_faster_than_another_are_not_called_b
     healthy = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 10))
     rep = doctor(healthy, data, nn.CrossEntropyLoss(), fix=["precondition"], generator=0)
     assert rep.row("gamma_spread_with_param_groups")["verdict"] == "ok"
+
+
+def test_an_input_off_scale_is_named_and_the_logit_fixes_wait_for_the_data() -> None:
+    """Features of scale 1000: doctor blamed every layer ("the signal explodes here") and
+    recommended output scaling, a hook of 0.0005 on every gradient, where the data was off by
+    1000; scaling the data as the message says leaves nothing ill-conditioned."""
+    from initlab.methods.input_scale import input_scale_for
+
+    model = mlp()
+    data = [(1000 * x, y) for x, y in classification_data(2)]
+    rep = doctor(model, data)
+    layers = rep.row("dead_or_exploding_layers")
+    assert layers["verdict"] == "bad" and "input_scale" in layers["why"] and not layers["fix"]
+    assert "explodes here" not in layers["why"]
+    assert rep.recommended == []  # no output scale hiding the data's scale
+    assert "scale the data first" in rep.row("initial_loss")["why"]
+    assert "no fix here: 0: input_scale (the network's input has E[x^2] = " in rep.summary()
+    scaling = input_scale_for(model, data)
+    again = doctor(model, [(scaling(x), y) for x, y in data])
+    assert again.value("dead_or_exploding_layers", "verdict") == "ok"
+    assert again.value("initial_loss", "verdict") == "ok"

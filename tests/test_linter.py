@@ -411,3 +411,29 @@ def test_a_weight_of_identical_rows_is_named_and_init_recommended():
         "0",
         "4",
     }
+
+
+@pytest.mark.parametrize(("scale", "rules"), [(1.0, set()), (8.0, {"exploding_signal"})])
+def test_an_input_off_scale_is_named_and_not_blamed_on_the_layers(scale, rules):
+    """Features of scale 1000 into a He-initialized MLP (every gain about 2): each layer read
+    "E[y^2] = 2.6e6: the signal explodes here", and after LSUV brought the signal back to 1,
+    "vanishing" (E[y^2] / E[x_0^2] = 7.6e-7); the input was never named. A net whose own gains
+    explode on such an input is still flagged."""
+    torch.manual_seed(0)
+    model = _deep_mlp(4, nn.ReLU, scale)
+    g = torch.Generator().manual_seed(0)
+    batch = (1000 * torch.randn(64, 16, generator=g), torch.randint(0, 10, (64,), generator=g))
+    found = rules_of(diagnose(model, batch, F.cross_entropy, spectra=False).findings)
+    (inp,) = found["input_scale"]
+    assert inp["severity"] == "bad" and inp["layer"] == "0"
+    assert inp["value"] == pytest.approx(float(batch[0].double().square().mean()), rel=1e-6)
+    assert "scale the data" in inp["message"] and "input_scale_for" in inp["message"]
+    signal = {k for k in ("exploding_signal", "vanishing_signal") if k in found}
+    assert signal == rules
+    if rules:
+        return
+    from initlab import lsuv_
+
+    lsuv_(model, batch[0], generator=0)  # the signal back to about 1 after every layer
+    after = rules_of(diagnose(model, batch, F.cross_entropy, spectra=False).findings)
+    assert "vanishing_signal" not in after and "input_scale" in after

@@ -264,7 +264,7 @@ def _trusted(finding: Mapping[str, Any], normalized: bool, traced: bool) -> bool
     normalization layers the scale is reset (an embedding of std 0.02 or a small residual branch
     are by design), and without a trace the skip paths the chain product ignores are unknown."""
     rule = finding.get("rule")
-    if rule in ("non_finite", "dead_relu"):
+    if rule in ("non_finite", "dead_relu", "input_scale"):
         return True
     if normalized:
         return False
@@ -285,8 +285,10 @@ def _no_gradient(m: _Measure, quantity: str = "no_gradient") -> list[dict[str, A
 def _layers_check(m: _Measure, model: nn.Module) -> _Check:
     normalized, traced = _normalized(model), bool(m.report.meta.get("traced"))
     found = [
-        r for r in m.report.findings if r.get("rule") in _LAYER_RULES and r.get("severity") in _ILL
-    ]
+        r
+        for r in m.report.findings
+        if r.get("rule") in (*_LAYER_RULES, "input_scale") and r.get("severity") in _ILL
+    ]  # the input's scale: no fix here changes the data, the message says what to do
     silent, zero = _no_gradient(m), _no_gradient(m, "zero_gradient")
     trusted = [r for r in found if _trusted(r, normalized, traced)]
     ignored = len(found) - len(trusted)
@@ -355,7 +357,23 @@ def _checks(
     elif checks[2].verdict != "n/a":
         checks[3].fixes = ()  # ν follows γ; the preconditioning balances γ
     checks.append(_layers_check(m, model))
+    if any(f.get("rule") == "input_scale" for f in m.report.findings):
+        _data_first(checks)
     return checks
+
+
+def _data_first(checks: list[_Check]) -> None:
+    """With the network's input off scale, the logits', the loss's and the spreads' fixes wait:
+    an output scale would shrink the outputs (and every gradient) by what the data grew them, and
+    the first layer's γ grows with E[x_0^2]^2, so per-layer rates would all but freeze it."""
+    for c in checks:
+        waits = c.check in ("initial_loss", "logit_std", "gamma_spread", "nu_spread")
+        if waits and c.verdict in _ILL and c.fixes:
+            c.fixes = ()
+            c.why += (
+                "; the network's input is off scale (dead_or_exploding_layers): scale the data "
+                "first, then run doctor again"
+            )
 
 
 def _recommended(checks: Iterable[_Check]) -> list[str]:

@@ -470,6 +470,10 @@ class DoctorReport(Rows):
             lines.append("  ill-conditioned: " + "; ".join(_ill_text(r, verdict_key) for r in ill))
         else:
             lines.append("  ill-conditioned: nothing found")
+        # the layers no fix here mends (the input's scale, a layer without a gradient): in full
+        for r in ill:
+            if not r["fix"] and r["check"] == "dead_or_exploding_layers":
+                lines.append(f"  {r['check']}, no fix here: {r['why']}")
         lines.append(f"  recommended: {', '.join(self.recommended) or 'nothing'}")
         lines.extend(self._fix_lines(fixing, how_to_fix))
         lines.append(self._numbers_line("initial_loss", "initial loss", fixing))

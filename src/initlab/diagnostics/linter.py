@@ -46,6 +46,11 @@ rule                        sev.    fires on
                                     from the norm before it, not from a 0.02-std embedding); an
                                     embedding that feeds a normalization is not judged
 ``exploding_signal``        bad     ... above :data:`SIGNAL_HIGH` = 1e3
+``input_scale``             bad     the network's floating input ``E[x_0^2]``
+                                    (:func:`network_input`) outside [1e-3, 1e3]; the modules
+                                    judged from it are then flagged only where their ``E[y^2]``
+                                    and their gain from the input are both off scale (they carry
+                                    the input's scale)
 ``vanishing_gradient``      bad     the end-to-end backward gain (:func:`gradient_ratios`: the
                                     squared gradient at a module's input, summed over its
                                     elements, over that at the last module's output, measured
@@ -206,6 +211,9 @@ RULES: dict[str, str] = {
     "layer gains is about 1).",
     "exploding_signal": f"Signals outside [{SIGNAL_LOW:g}, {SIGNAL_HIGH:g}]: the product of gains "
     "should stay near 1 (Mishkin & Matas 2016, LSUV).",
+    "input_scale": "Section 6.3: the first layer's weights and biases are balanced when "
+    "E[x_0^2] = 1 / (k_0 sqrt(n_0)) (about 0.2 for RGB and k = 3, not the traditional 1); an "
+    f"input far off scale puts every layer's signal off scale whatever its gain. {_DB}.",
     "vanishing_gradient": "Gradients shrink through depth; the lecture (vanishing/exploding "
     "gradients) keeps L * ||W_j|| ~ 1 per layer.",
     "exploding_gradient": "Gradients grow through depth; the lecture (vanishing/exploding "
@@ -544,8 +552,15 @@ def _probe_findings(
     nonfinite = _nonfinite_counts(rows) if rows is not None else None
     ratios, exempt = signal_ratios(table), _feeds_norm(table)
     backward = gradient_ratios(rows) if rows is not None and chain else {}
+    inputs = _input_finding(table)
+    if inputs is not None:
+        out.append(inputs)
     for r in table:
-        out.extend(_signal_findings(r, ratios, exempt, backward, nonfinite=nonfinite))
+        out.extend(
+            _signal_findings(
+                r, ratios, exempt, backward, nonfinite=nonfinite, input_off=inputs is not None
+            )
+        )
     for r in param_table or ():
         if r.get("nonfinite", 0) and r["nonfinite"] > 0:
             out.append(
@@ -628,6 +643,42 @@ def _positive(v: Any) -> bool:
 
 def _in_order(probe_table: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     return sorted((r for r in probe_table if r["order"] is not None), key=lambda r: r["order"])
+
+
+def network_input(probe_table: Iterable[Mapping[str, Any]]) -> tuple[float, str, str]:
+    """``(E[x_0^2], layer, module type)``: the second moment of the network's floating input,
+    read at the first probed module (in execution order) with a finite positive ``E[x^2]``;
+    ``(nan, "", "")`` where the input is token ids (the first module's input is not floating)."""
+    rows = [r for r in _in_order(probe_table) if _positive(r["E_x2"]) or _positive(r["E_y2"])]
+    if not rows or not _positive(rows[0]["E_x2"]):
+        return math.nan, "", ""
+    return rows[0]["E_x2"], rows[0]["layer"], str(rows[0]["module_type"] or "")
+
+
+def _off_scale(value: Any) -> bool:
+    """A finite nonzero second moment (or ratio) outside [SIGNAL_LOW, SIGNAL_HIGH]."""
+    return (
+        isinstance(value, float)
+        and math.isfinite(value)
+        and value != 0.0
+        and not SIGNAL_LOW <= value <= SIGNAL_HIGH
+    )
+
+
+def _input_finding(probe_table: Iterable[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """``input_scale``: the network's input ``E[x_0^2]`` off scale (every layer after it carries
+    that scale, whatever its gain); ``None`` where it is in range or not floating."""
+    value, layer, mtype = network_input(probe_table)
+    if not _off_scale(value) or "Norm" in mtype:  # a normalization first sets the scale itself
+        return None
+    bound = f"< {SIGNAL_LOW:g}" if value < SIGNAL_LOW else f"> {SIGNAL_HIGH:g}"
+    return _finding(
+        layer, mtype, "input_scale", "bad", value,
+        f"the network's input has E[x^2] = {value:.3g} {bound}: the signal is off scale from "
+        "the start, whatever the layers' gains; scale the data (standardize the features, or "
+        "initlab.methods.input_scale.input_scale_for(model, data) for the factor c with "
+        "E[(c x)^2] = 1 / (k sqrt(n_in)), the paper's §6.3)",
+    )  # fmt: skip
 
 
 def signal_ratios(probe_table: Iterable[Mapping[str, Any]]) -> dict[str, tuple[float, str]]:
@@ -734,7 +785,13 @@ def _signal_findings(
     backward: Mapping[str, float],
     *,
     nonfinite: Mapping[str, Mapping[str, int]] | None,
+    input_off: bool = False,
 ) -> list[dict[str, Any]]:
+    """A module's ``non_finite``, ``vanishing_``/``exploding_signal`` and ``_gradient``
+    findings. With the network's input off scale (``input_off``: its own ``input_scale``
+    finding), a module judged from that input is flagged only where both its ``E[y^2]`` and its
+    gain from the input are off scale: a layer of gain 2 on an input of 1e6 carries the input's
+    scale, and one that brought such an input back to 1 did its job."""
     out = []
     layer, mtype = r["layer"], r["module_type"]
     name = layer or "<root>"
@@ -774,13 +831,18 @@ def _signal_findings(
     # A normalization sets its output's scale itself: its ratio to the network's input is no
     # gain through depth (a LayerNorm after a 0.02-std embedding is "x2600" by design); an
     # embedding that feeds one is rescaled by it.
-    absolute = layer not in exempt and check(
-        r.get("E_y2"), "E[y^2]", "vanishing_signal", "exploding_signal", "signal"
-    )
-    if not absolute and layer not in exempt and "Norm" not in mtype:
-        ratio, ref = ratios.get(layer, (math.nan, ""))
-        what = (f"E[y^2] / E[y^2] of {ref} (the normalization before it)" if ref
-                else "E[y^2] / E[x^2] of the network's input")  # fmt: skip
+    ratio, ref = ratios.get(layer, (math.nan, ""))
+    what = (f"E[y^2] / E[y^2] of {ref} (the normalization before it)" if ref
+            else "E[y^2] / E[x^2] of the network's input")  # fmt: skip
+    if layer in exempt:
+        pass
+    elif input_off and not ref:
+        if _off_scale(r.get("E_y2")) and "Norm" not in mtype:
+            check(ratio, what, "vanishing_signal", "exploding_signal", "signal")
+    elif (
+        not check(r.get("E_y2"), "E[y^2]", "vanishing_signal", "exploding_signal", "signal")
+        and "Norm" not in mtype
+    ):  # the absolute value first (it is flagged alone), then the gain
         check(ratio, what, "vanishing_signal", "exploding_signal", "signal")
     if layer in backward:
         check(backward[layer], "||dx||^2 / ||dy||^2 of the last module's output (the end-to-end "
