@@ -597,36 +597,41 @@ def test_lsuv_reports_a_custom_layer_it_cannot_scale() -> None:
 
 
 # A weight computed by a parametrization (torch.nn.utils.parametrize) is not a tensor the methods
-# can read, write or scale in place: every entry point that goes through the layer registry says
-# so and how to remove it for the call (was: "handler ... returned invalid specs ... no direct
-# parameter named 'weight'").
+# can write or scale in place: every method that writes weights says so and how to remove it for
+# the call (was: "handler ... returned invalid specs ... no direct parameter named 'weight'").
+# The measuring entry points read the computed weight (tests/test_parametrized.py).
 _PARAMETRIZATIONS: dict[str, Callable[[nn.Module], Any]] = {
     "weight_norm": torch.nn.utils.parametrizations.weight_norm,
     "spectral_norm": torch.nn.utils.parametrizations.spectral_norm,
     "orthogonal": torch.nn.utils.parametrizations.orthogonal,
 }
-_REGISTRY_USERS: dict[str, Callable[[nn.Module], Any]] = {
+_WRITERS: dict[str, Callable[[nn.Module], Any]] = {
     "init_model": lambda m: initlab.init_model(m, "geometric", generator=0),
     "lsuv_": lambda m: lsuv_(m, _batches()[0][0], generator=0),
     "gradinit_": lambda m: gradinit_(m, _batches(), gamma=1e-6),
     "metainit_": lambda m: metainit_(m, _batches(), steps=2),
-    "gr_scaling": lambda m: gr_scaling(m, _batches()),
-    "diagnose": lambda m: diagnose(m, _batches()),
     "scale_output_": lambda m: scale_output_(m, _batches()),
     "precondition_": lambda m: precondition_(m, _batches()),
+    "doctor(fix=True)": lambda m: initlab.doctor(m, _batches(), fix=True, generator=0),
+}
+_READERS: dict[str, Callable[[nn.Module], Any]] = {
+    "gr_scaling": lambda m: gr_scaling(m, _batches()),
+    "diagnose": lambda m: diagnose(m, _batches()),
     "layer_spectra": lambda m: initlab.layer_spectra(m),
     "doctor": lambda m: initlab.doctor(m, _batches(), generator=0),
+    "measure_moments": lambda m: initlab.measure_moments(m, _batches()),
 }
+_REGISTRY_USERS = {**_WRITERS, **_READERS}
 
 
 @pytest.mark.parametrize("kind", list(_PARAMETRIZATIONS))
-@pytest.mark.parametrize("entry", list(_REGISTRY_USERS))
+@pytest.mark.parametrize("entry", list(_WRITERS))
 def test_a_parametrized_weight_is_refused_with_the_way_out(kind: str, entry: str) -> None:
     model = _mlp()
     _PARAMETRIZATIONS[kind](model[0])
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError) as info:
-        _REGISTRY_USERS[entry](model)
+        _WRITERS[entry](model)
     text = str(info.value)
     # the layer named (it was only "a torch.nn.modules.linear.Linear"), the way back its own
     name = "the layer '0' (a torch.nn.modules.linear.Linear) has parametrized tensors ('weight' by"
@@ -644,7 +649,22 @@ def test_a_parametrized_weight_is_refused_with_the_way_out(kind: str, entry: str
     weight = model[0].weight.detach().clone()
     torch.nn.utils.parametrize.remove_parametrizations(model[0], "weight")
     assert torch.equal(model[0].weight, weight)
-    _REGISTRY_USERS[entry](model)
+    _WRITERS[entry](model)
+
+
+@pytest.mark.parametrize("kind", list(_PARAMETRIZATIONS))
+@pytest.mark.parametrize("entry", list(_READERS))
+def test_a_parametrized_weight_is_measured_by_the_entry_points_that_read(
+    kind: str, entry: str
+) -> None:
+    """Was refused as by the writers; they change nothing, and read the computed weight."""
+    model = _mlp()
+    _PARAMETRIZATIONS[kind](model[0])
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    _READERS[entry](model)
+    assert torch.nn.utils.parametrize.is_parametrized(model[0], "weight")
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
 
 
 class _Tripled(nn.Module):
@@ -652,7 +672,7 @@ class _Tripled(nn.Module):
         return 3 * t
 
 
-@pytest.mark.parametrize("entry", [*_REGISTRY_USERS, "measure_moments", "fold"])
+@pytest.mark.parametrize("entry", [*_WRITERS, "fold"])
 def test_a_parametrized_bias_is_refused_as_a_parametrized_weight_is(entry: str) -> None:
     """Was: init_model blamed a missing handler, lsuv_ left it non-zero after saying its start
     zeroes the biases, a fold blamed "something that follows" the layer."""
@@ -660,8 +680,7 @@ def test_a_parametrized_bias_is_refused_as_a_parametrized_weight_is(entry: str) 
     torch.nn.utils.parametrize.register_parametrization(model[2], "bias", _Tripled())
     before = {k: v.clone() for k, v in model.state_dict().items()}
     call = {
-        **_REGISTRY_USERS,
-        "measure_moments": lambda m: initlab.measure_moments(m, _batches()),
+        **_WRITERS,
         "fold": lambda m: scale_output_(m, _batches(), module="2"),
     }[entry]
     with pytest.raises(ValueError) as info:
@@ -703,8 +722,14 @@ def test_the_hook_based_weight_and_spectral_norm_are_refused_too(
 def test_gr_scaling_after_precondition_by_parametrization_says_where_gamma_after_is() -> None:
     model, batches = _mlp(), _batches()
     report = precondition_(model, batches, how="parametrize")
-    with pytest.raises(ValueError, match=r"its report has gamma_after, and gr_scaling of the"):
-        gr_scaling(model, batches)
+    # the computed weights W = alpha W' are the weights before: gamma of the model as it was
+    rows = gr_scaling(model, batches)
+    for row, r in zip(rows, gr_scaling(_mlp(), batches), strict=True):
+        assert row["gamma_w"] == pytest.approx(r["gamma_w"], rel=1e-5)
+        parametrized = torch.nn.utils.parametrize.is_parametrized(model[int(row["layer"])])
+        assert ("precondition_(how='parametrize')'s report has gamma_after" in row["note"]) == (
+            parametrized
+        )
     before = _mlp()  # the same model as it was before: gamma after, measured
     after = gr_scaling(before, batches, alpha=report.info["alpha"])
     for row, r in zip(after, report, strict=True):

@@ -1789,26 +1789,33 @@ def test_tokens_flattened_by_the_model_keep_the_batch_size():
 # ----------------------------------------------------------------------------- refused, reported
 
 
-def test_a_parametrized_model_is_refused_as_by_the_other_entry_points():
+def test_a_parametrized_model_is_measured_on_its_computed_weight():
     """weight_norm's ParametrizationList was a module row whose "activation" was the weight,
-    and g and v got NaN with a note about the batch size; now the probe refuses the model with
-    the message gr_scaling gives, before changing anything."""
+    and g and v got NaN with a note about the batch size; then the probe refused the model. Now
+    the layer's row is the layer's, its weight the computed one (values checked against float64
+    in tests/test_parametrized.py); inside a method that writes weights the probe refuses."""
     from torch.nn.utils import parametrizations
 
-    import initlab
+    from initlab._core.parametrized import writing_scope
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
     parametrizations.weight_norm(model[0])
     x, y = torch.randn(32, 8), torch.randint(0, 3, (32,))
     before = copy.deepcopy(model.state_dict())
-    with pytest.raises(ValueError) as gr:
-        initlab.gr_scaling(model, (x, y), nn.CrossEntropyLoss())
-    with pytest.raises(ValueError, match="parametrized tensors") as got:
+    with MomentProbe(model) as probe:
+        nn.functional.cross_entropy(model(x), y).backward()
+    assert [r["layer"] for r in probe.table()] == ["0", "2"]
+    assert [(r["layer"], r["param"]) for r in probe.param_table()] == [
+        ("0", "weight"), ("0", "bias"), ("2", "weight"), ("2", "bias"),
+    ]  # fmt: skip
+    row = probe.param_table().filter(layer="0", param="weight")[0]
+    assert row["E_dW2_example"] > row["E_dW2"] > 0 and "_WeightNorm" in row["note"]
+    assert probe.notes == []
+    assert no_hooks_left(model)
+    model.zero_grad()
+    with pytest.raises(ValueError, match="parametrized tensors"), writing_scope():
         measure_moments(model, (x, y), nn.CrossEntropyLoss())
-    assert str(got.value) == str(gr.value)
-    with pytest.raises(ValueError, match="parametrized tensors"), MomentProbe(model):
-        pass
     assert no_hooks_left(model)
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)

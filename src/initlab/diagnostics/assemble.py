@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from initlab._core.rows import Rows
 from initlab.diagnostics.linter import signal_ratios
@@ -105,6 +106,17 @@ def _split_param(name: str, named: Mapping[str, nn.Module]) -> tuple[str, str]:
     if not sep and "" in named and name in dict(named[""].named_parameters(recurse=False)):
         return "", name
     return name, ""
+
+
+def _owner(layer: str, param: str, named: Mapping[str, nn.Module]) -> tuple[str, str]:
+    """A trainable tensor of a parametrization (layer ``"0.parametrizations.weight"``, param
+    ``"original0"``) as a tensor of the layer it parametrizes (``"0"``,
+    ``"parametrizations.weight.original0"``); any other ``(layer, param)`` as it is."""
+    owner, sep, rest = f".{layer}".rpartition(".parametrizations.")
+    owner = owner[1:]
+    if sep and owner in named and parametrize.is_parametrized(named[owner]):
+        return owner, f"parametrizations.{rest}.{param}"
+    return layer, param
 
 
 # ----------------------------------------------------------------------------- long rows
@@ -263,11 +275,12 @@ def _add_nu_rel(out: _LongRows, rat: _Ratios) -> None:
 def _add_measurements(out: _LongRows, tables: Mapping[str, Rows]) -> None:
     """Gradients (GradInit), spectra and activations, as long rows."""
     for r in tables.get("gradients", ()):
+        layer, param = _owner(r["layer"], r["param"], out.named)
         for q in ("W_norm", "W_abs_mean", "grad_norm"):
-            out.add(r["layer"], r["param"], q, r[q])
+            out.add(layer, param, q, r[q])
         one = r["batches"] < 2  # a spread over minibatches needs two of them
         note = f"needs at least 2 batches (got {r['batches']})" if one else ""
-        out.add(r["layer"], r["param"], "grad_std", r["grad_std"], note=note)
+        out.add(layer, param, "grad_std", r["grad_std"], note=note)
     for r in tables.get("spectra", ()):
         if r["param"]:
             out.add(r["layer"], r["param"], "sv_max", r["sv_max"], note=r["note"])

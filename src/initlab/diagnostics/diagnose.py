@@ -39,6 +39,7 @@ from initlab._core.backward import check_trainable
 from initlab._core.compiled import takes_compiled
 from initlab._core.data import examples_in, forward_args, take_batches
 from initlab._core.loss import Loss, LossLike, batch_reduction, resolve_loss
+from initlab._core.parametrized import reading_layers
 from initlab._core.rng import Seeds, as_generator
 from initlab._core.rows import Rows
 from initlab._core.state import preserved_state
@@ -68,6 +69,7 @@ _NAN = math.nan
 
 
 @takes_compiled
+@reading_layers
 def diagnose(
     model: nn.Module,
     data: Any,

@@ -106,6 +106,7 @@ from initlab._core.compiled import takes_compiled
 from initlab._core.data import DataUse, data_use, take_batches
 from initlab._core.distributed import is_distributed
 from initlab._core.loss import LossLike, resolve_loss
+from initlab._core.parametrized import reading_scope, writing_scope
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows, _fmt
 from initlab._core.state import restore_on_failure
@@ -707,26 +708,30 @@ def doctor(
             "Run it before torch.distributed.init_process_group, or on one process of its own, and "
             "start every rank from the model it leaves (save it, or broadcast rank 0's weights)"
         )
-    batches = take_batches(data, max_batches, exact=False, what="doctor")
-    loss = resolve_loss(loss_fn, what="doctor")
-    setup = _Setup(batches, loss, as_generator(generator), fixes_forward(loss, forward))
-    before = _measure(model, setup)
-    checks = _checks(before, model, setup)
-    meta = {
-        "model": type(model).__name__, "loss": loss.name, "kind": before.kind or "other",
-        "classes": before.classes or None,
-        "ln_C": math.log(before.classes) if before.kind == "classification" else None,
-        "fix": "recommended" if names is None else names,
-    }  # fmt: skip
-    common = {"used": data_use(batches), "recommended": _recommended(checks), "meta": meta}
-    if names == []:
-        return DoctorReport(_rows(checks, None), DOCTOR_COLUMNS, diagnosis=before.report, **common)
-    course, after = _treat(model, setup, before, names)
-    rows = _rows(checks, _after_checks(after, model, course, setup))
-    extra = _param_groups_row(course)
-    if extra is not None:
-        rows.append(extra)
-    return DoctorReport(
-        rows, DOCTOR_FIX_COLUMNS, course=course, diagnosis=before.report,
-        diagnosis_after=after.report, **common,
-    )  # fmt: skip
+    # without fixes doctor only reads (parametrized layers measured); with them it writes
+    with reading_scope() if names == [] else writing_scope():
+        batches = take_batches(data, max_batches, exact=False, what="doctor")
+        loss = resolve_loss(loss_fn, what="doctor")
+        setup = _Setup(batches, loss, as_generator(generator), fixes_forward(loss, forward))
+        before = _measure(model, setup)
+        checks = _checks(before, model, setup)
+        meta = {
+            "model": type(model).__name__, "loss": loss.name, "kind": before.kind or "other",
+            "classes": before.classes or None,
+            "ln_C": math.log(before.classes) if before.kind == "classification" else None,
+            "fix": "recommended" if names is None else names,
+        }  # fmt: skip
+        common = {"used": data_use(batches), "recommended": _recommended(checks), "meta": meta}
+        if names == []:
+            return DoctorReport(
+                _rows(checks, None), DOCTOR_COLUMNS, diagnosis=before.report, **common
+            )
+        course, after = _treat(model, setup, before, names)
+        rows = _rows(checks, _after_checks(after, model, course, setup))
+        extra = _param_groups_row(course)
+        if extra is not None:
+            rows.append(extra)
+        return DoctorReport(
+            rows, DOCTOR_FIX_COLUMNS, course=course, diagnosis=before.report,
+            diagnosis_after=after.report, **common,
+        )  # fmt: skip

@@ -62,6 +62,13 @@ from initlab._core.autocast import without_autocast
 from initlab._core.compiled import takes_compiled
 from initlab._core.data import DataUse, data_use, default_forward, take_batches
 from initlab._core.hooks import HookContext
+from initlab._core.parametrized import (
+    computed,
+    layer_tensor,
+    parametrized_names,
+    parametrized_note,
+    reading_layers,
+)
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows
 from initlab._core.state import preserved_state
@@ -174,7 +181,7 @@ def conv_operator(
     if isinstance(module, tuple(_CONVTS)):
         return _transposed_operator(module, shape, dtype, output_padding)
     conv, convt = _CONV_FNS[nd], _CONVT_FNS[nd]
-    w = module.weight.detach().to(dtype)
+    w = _weight(module).to(dtype)
     stride, dilation, groups = tuple(module.stride), tuple(module.dilation), module.groups
     kernel = tuple(w.shape[2:])
     device = w.device
@@ -238,7 +245,7 @@ def _transposed_operator(
     and its adjoint the convolution with the same weight (``output_padding < stride``, so the
     convolution of ``A x`` has ``x``'s size)."""
     nd = _conv_dims(module)
-    w = module.weight.detach().to(dtype)
+    w = _weight(module).to(dtype)
     stride, pad, dilation = tuple(module.stride), tuple(module.padding), tuple(module.dilation)
     extra = tuple(module.output_padding if output_padding is None else output_padding)
     kernel, groups = tuple(w.shape[2:]), module.groups
@@ -373,9 +380,9 @@ def conv_operator_norm(
     :func:`top_singular_value` (``matvecs`` counts both stages).
     """
     shape = tuple(int(s) for s in input_shape)
-    if len(shape) == module.weight.dim() and shape[0] == 1:
+    if len(shape) == _weight(module).dim() and shape[0] == 1:
         shape = shape[1:]
-    device = module.weight.device
+    device = _weight(module).device
     n = math.prod(shape)
     krylov = int(max(8, min(48, (1 << 26) // max(n, 1))))  # at most ~256 MiB of float32 basis
     fwd32, adj32, _ = conv_operator(
@@ -482,7 +489,7 @@ def _output_padding(
     """The ``output_padding`` a transposed convolution's call used: the output's size beyond
     ``(s - 1) * stride - 2 * padding + dilation * (k - 1) + 1``."""
     nd = _conv_dims(module)
-    k = module.weight.shape[2:]
+    k = _weight(module).shape[2:]
     return tuple(
         int(o) - ((int(s) - 1) * st - 2 * p + d * (kk - 1) + 1)
         for o, s, st, p, d, kk in zip(
@@ -492,6 +499,13 @@ def _output_padding(
     )  # fmt: skip
 
 
+def _weight(module: nn.Module) -> torch.Tensor:
+    """``module.weight``, detached; a computed one without side effects."""
+    weight = layer_tensor(module, "weight")
+    assert weight is not None
+    return weight.detach()
+
+
 def _weight_params(module: nn.Module, name: str) -> list[tuple[str, torch.Tensor, bool]]:
     """``(name, tensor, stacked)`` of the module's weights (``stacked``: a bank of experts)."""
     from initlab.init.registry import default_registry
@@ -499,7 +513,9 @@ def _weight_params(module: nn.Module, name: str) -> list[tuple[str, torch.Tensor
     specs = default_registry().specs(module, name)
     if specs is None:
         return []
-    params = dict(module.named_parameters(recurse=False))
+    params: dict[str, torch.Tensor] = dict(module.named_parameters(recurse=False))
+    for local in parametrized_names(module):  # the computed weight its forward uses
+        params[local] = computed(module, local)
     return [
         (s.name, params[s.name], s.stacked)
         for s in specs
@@ -508,6 +524,7 @@ def _weight_params(module: nn.Module, name: str) -> list[tuple[str, torch.Tensor
 
 
 @takes_compiled
+@reading_layers
 def layer_spectra(
     model: nn.Module,
     data: Any = None,
@@ -547,6 +564,8 @@ def layer_spectra(
             sv_max, sv_mean, note = _svd_entry(
                 w, bad, max_svd_elements, svd_cache, stacked=stacked, groups=groups
             )
+            if pname in parametrized_names(module):
+                note.insert(0, parametrized_note(module, pname))
             if groups > 1 and math.isfinite(sv_max):
                 note.append(f"{groups} groups: sv_max the largest of the groups' matrices, "
                             "sv_mean the mean over them")  # fmt: skip

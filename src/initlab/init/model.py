@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from initlab._core.compiled import takes_compiled
+from initlab._core.parametrized import writing_layers
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows, join_name
 from initlab.init._plan import (
@@ -122,6 +123,7 @@ class InitReport(Rows):
 
 
 @takes_compiled
+@writing_layers
 def init_model(
     model: nn.Module,
     scheme: str | Scheme = "geometric",

@@ -36,9 +36,11 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 
+import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from initlab._core.parametrized import computed, registry_reads_computed
 from initlab.init._experts import expert_layout, router_experts
 from initlab.init._norm_like import norm_identity
 from initlab.init.fans import Fans, compute_fans
@@ -213,6 +215,24 @@ def _refuse_norm_hooks(module: nn.Module, names: list[str] | None, where: str = 
             )
 
 
+def _tensors_of(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The direct parameters of ``module``, and, where the registry reads computed tensors
+    (:func:`~initlab._core.parametrized.registry_reads_computed`), those its parametrizations
+    compute (:func:`~initlab._core.parametrized.computed`)."""
+    tensors: dict[str, torch.Tensor] = dict(module.named_parameters(recurse=False))
+    if registry_reads_computed() and parametrize.is_parametrized(module):
+        for name in module.parametrizations:
+            tensors[name] = computed(module, name)
+    return tensors
+
+
+def _shape(module: nn.Module, name: str) -> torch.Size:
+    """The shape of ``module``'s tensor ``name``, a computed one evaluated without side effects."""
+    if parametrize.is_parametrized(module, name):
+        return computed(module, name).shape
+    return getattr(module, name).shape
+
+
 def _validate_specs(module: nn.Module, specs: list[ParamSpec], handler: Handler) -> None:
     """Raise ValueError unless ``specs`` correctly describe direct parameters of ``module``."""
 
@@ -222,7 +242,7 @@ def _validate_specs(module: nn.Module, specs: list[ParamSpec], handler: Handler)
             f"{_dotted(type(module))}: {problem}"
         )
 
-    params = dict(module.named_parameters(recurse=False))
+    params = _tensors_of(module)
     seen: set[str] = set()
     for spec in specs:
         if not isinstance(spec, ParamSpec):
@@ -403,7 +423,9 @@ class Registry:
                 with :func:`~initlab.compute_fans`), the module is lazy and not yet
                 materialized, or some of its tensors are parametrized
                 (``torch.nn.utils.parametrize``; the message says how to remove them for the
-                call). The message names the handler, the module type and the problem.
+                call), except inside a measuring entry point
+                (:func:`~initlab._core.parametrized.reading_scope`), where the computed tensors
+                are described. The message names the handler, the module type and the problem.
         """
         handler = self.handler_for(module)
         if handler is None:
@@ -469,7 +491,8 @@ class Registry:
             ) from err
         names = [s.name for s in specs if isinstance(s, ParamSpec)]
         _refuse_norm_hooks(module, names, where)
-        _refuse_parametrized(module, names, where)
+        if not registry_reads_computed():  # a measuring entry point reads the computed tensors
+            _refuse_parametrized(module, names, where)
         _validate_specs(module, specs, handler)
         return specs
 
@@ -586,7 +609,7 @@ def transposed_linear_handler(module: nn.Module) -> list[ParamSpec]:
 
     The module must have a 2-D ``weight`` and may have a ``bias``.
     """
-    n_in, n_out = module.weight.shape
+    n_in, n_out = _shape(module, "weight")
     fans = Fans(fan_in=int(n_in), fan_out=int(n_out))
     return [ParamSpec("weight", "weight", fans, transposed=True), *_bias_specs(module, "bias")]
 
@@ -601,7 +624,7 @@ def linear_fans(module: nn.Module, registry: Registry | None = None) -> tuple[in
     if handler is linear_handler:
         return int(module.in_features), int(module.out_features)
     if handler is transposed_linear_handler:
-        n_in, n_out = module.weight.shape
+        n_in, n_out = _shape(module, "weight")
         return int(n_in), int(n_out)
     return None
 
@@ -630,7 +653,7 @@ def conv_handler(module: nn.Module) -> list[ParamSpec]:
     groups = module.groups
     stride = tuple(module.stride) if module.transposed else 1
     fans = compute_fans(
-        module.weight.shape, groups=groups, transposed=bool(module.transposed), stride=stride
+        _shape(module, "weight"), groups=groups, transposed=bool(module.transposed), stride=stride
     )
     weight = ParamSpec("weight", "weight", fans, groups=groups, transposed=bool(module.transposed))
     return [weight, *_bias_specs(module, "bias")]

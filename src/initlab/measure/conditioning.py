@@ -137,6 +137,13 @@ from initlab._core.distributed import (
 from initlab._core.knobs import errors_named
 from initlab._core.loss import LossLike, batch_reduction, resolve_loss
 from initlab._core.modules import first_names
+from initlab._core.parametrized import (
+    layer_tensor,
+    parametrized_names,
+    parametrized_note,
+    reading_layers,
+    trainable,
+)
 from initlab._core.rows import Rows
 from initlab.init.registry import ParamSpec, Registry, default_registry
 from initlab.measure.probe import MomentProbe, measure_moments
@@ -195,7 +202,8 @@ def _kind(module: nn.Module, spec: ParamSpec) -> str:
         return "other"
     if isinstance(module, _CONVS):
         return "conv"
-    weight = getattr(module, spec.name)
+    weight = layer_tensor(module, spec.name)  # a computed one without side effects
+    assert weight is not None
     if weight.dim() == 2 and spec.fans.receptive_field == 1 and spec.groups == 1:
         return "mlp"
     return "other"
@@ -332,7 +340,7 @@ def _p2(
     n_examples = float(examples) if examples is not None else _NAN
     count_ex, count_dy = float(sums[5, 1]), float(sums[2, 1])
     if examples is None and count_ex > 0 and math.isfinite(float(sums[5, 0] / sums[5, 1])):
-        n_examples = count_ex / getattr(module, spec.name).numel()
+        n_examples = count_ex / _numel(module, spec.name)
     if math.isnan(n_examples):
         return (
             n_in,
@@ -360,11 +368,12 @@ def _gr_row(
     kind = _kind(module, spec)
     a4 = a**4
     n_in, k2, p2, notes = _p2(module, spec, kind, sums, examples)
+    notes[:0] = _parametrized_notes(module, [spec.name, bias])
     reached = float(sums[2, 1]) > 0
-    note = _gradient_note(sums, reached, backward, _trainable(module, spec.name))
+    note = _gradient_note(sums, reached, backward, trainable(module, spec.name))
     if note:
         notes.append(note)
-    elif e_x2 == 0.0 and _trainable(module, spec.name):
+    elif e_x2 == 0.0 and trainable(module, spec.name):
         notes.append("E[x^2] = 0: the input is 0 (e.g. dead units before it), so gamma_w is 0")
     gamma_w = gamma_b = _NAN
     if n_in is not None and k2 is not None and math.isfinite(p2):
@@ -384,7 +393,7 @@ def _gr_row(
         "layer": name,
         "module_type": type(module).__name__,
         "kind": kind,
-        "trainable": _trainable(module, spec.name),
+        "trainable": trainable(module, spec.name),
         "n_in": n_in,
         "k2": k2,
         "p2": p2,
@@ -520,6 +529,7 @@ def _probe_data(
 
 
 @takes_compiled
+@reading_layers
 def gr_scaling(
     probe: MomentProbe | nn.Module | None = None,
     data: Any = None,
@@ -648,9 +658,17 @@ def gr_scaling(
 _FROZEN = "frozen (requires_grad=False): not trained, left out of the median"
 
 
-def _trainable(module: nn.Module, name: str) -> bool:
-    param = module._parameters.get(name)
-    return param is None or bool(param.requires_grad)
+def _numel(module: nn.Module, name: str) -> int:
+    """The number of elements of ``module``'s tensor ``name`` (a computed one included)."""
+    tensor = layer_tensor(module, name)
+    assert tensor is not None
+    return tensor.numel()
+
+
+def _parametrized_notes(module: nn.Module, names: list[str | None]) -> list[str]:
+    """The notes of those of ``names`` that a parametrization computes: their W and gradient
+    columns are those of the computed tensor."""
+    return [parametrized_note(module, n) for n in names if n in parametrized_names(module)]
 
 
 def _relative_to_median(rows: list[dict[str, Any]]) -> None:

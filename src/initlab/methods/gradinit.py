@@ -141,6 +141,7 @@ from initlab._core.heap import kept_heap
 from initlab._core.knobs import check_callback, renamed_kwargs, user_stacklevel
 from initlab._core.loss import LossLike, resolve_loss
 from initlab._core.method_report import MethodReport
+from initlab._core.parametrized import writing_layers
 from initlab._core.reductions import sum_of_products, total_sum_of_squares
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows
@@ -607,6 +608,7 @@ def gradinit_alpha_grad(
 @renamed_kwargs(iterations="steps")
 @with_math_attention
 @same_options
+@writing_layers
 def gradinit_(
     model: nn.Module,
     data: Any,

@@ -80,6 +80,7 @@ from initlab._core.heap import kept_heap
 from initlab._core.knobs import check_callback, user_stacklevel
 from initlab._core.loss import LossLike, resolve_loss
 from initlab._core.method_report import MethodReport
+from initlab._core.parametrized import writing_layers
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows
 from initlab._core.state import restore_on_failure
@@ -272,6 +273,7 @@ def _loss_free_forward(model: nn.Module, ts: Tensors, x: torch.Tensor) -> torch.
 @takes_compiled(collective=True)
 @with_math_attention
 @same_options
+@writing_layers
 def metainit_(
     model: nn.Module,
     data: Any = None,

@@ -55,6 +55,7 @@ from initlab._core.knobs import renamed_kwargs, user_stacklevel
 from initlab._core.loss import model_loss
 from initlab._core.method_report import MethodReport
 from initlab._core.modules import first_names
+from initlab._core.parametrized import writing_layers
 from initlab._core.rng import Seeds
 from initlab._core.rows import join_name
 from initlab._core.state import restore_on_failure
@@ -309,6 +310,7 @@ def measure_output_std(
 @takes_compiled(collective=True)
 @renamed_kwargs(n_batches="max_batches")
 @same_options
+@writing_layers
 def scale_output_(
     model: nn.Module,
     data: Any,

@@ -47,6 +47,7 @@ from initlab._core.knobs import check_kwargs, errors_named, parameter_names, ren
 from initlab._core.loss import LossLike, resolve_loss
 from initlab._core.method_report import MethodReport
 from initlab._core.modules import first_names
+from initlab._core.parametrized import writing_layers
 from initlab._core.rng import Seeds
 from initlab._core.rows import Rows, join_name
 from initlab._core.state import preserved_state, restore_on_failure
@@ -224,6 +225,7 @@ def _target_value(target: str | float, gammas: Sequence[float]) -> float:
 @renamed_kwargs(n_batches="max_batches")
 @with_math_attention
 @same_options
+@writing_layers
 def precondition_(
     model: nn.Module,
     data: Any,

@@ -28,6 +28,17 @@ kept on the tensor's device (no host sync inside a hook) and pooled exactly over
 ``var = E[t^2] - mean^2`` (population variance of all elements pooled over batches). A
 batch-call whose sums are NaN/inf is left out of the sums and counted in ``nonfinite``.
 
+A layer with ``torch.nn.utils.parametrize`` parametrizations (``weight_norm``, ``spectral_norm``,
+``orthogonal``) is probed as one module, its ``ParametrizationList`` no module of its own: its
+computed tensor (``weight``, what its forward uses) is measured as its parameter. ``W`` is its
+value at ``__enter__`` (evaluated without side effects: ``spectral_norm`` in eval mode, no power
+iteration), ``dW`` is ``dL/dW`` of the computed tensor (the gradients of its evaluations in one
+backward summed, taken when the trainable ``parametrizations.weight.original*`` get theirs), and
+``dW_example`` the per-example ``dL_i/dW`` by the closed forms below (Linear, Conv, Embedding,
+LayerNorm; a layer that would be re-run gets NaN with a note). The parameter table's ``note``
+says which parametrization computes it and that the gradients are not those of the trainable
+tensors. Inside a method that writes weights the probe refuses such a model, as they do.
+
 Scaling of gradients (``loss_reduction``). With ``"mean"`` (the default; ``F.cross_entropy`` and
 ``F.mse_loss`` reduce this way) the loss is ``L = (1/B) sum_i L_i`` over the ``B`` examples of the
 root model's batch, so every gradient a hook sees is ``1/B`` of the per-example one. ``dy``, ``dx``

@@ -1,12 +1,13 @@
 """What the moment probe cannot measure: a model it refuses, a module call it reports.
 
-:func:`refuse_parametrized` raises the error every layer-reading entry point of initlab raises for
+:func:`refuse_parametrized` raises the error every method that writes weights raises for
 ``torch.nn.utils.parametrize`` parametrizations (``weight_norm``, ``spectral_norm``,
-``orthogonal``...; :func:`initlab.init.registry._refuse_parametrized`): the probe would see the
-``ParametrizationList`` as a module whose "output" is the computed weight, and the layer's weight
-as no parameter of it; and for the older hook-based ``torch.nn.utils.weight_norm`` and
-``spectral_norm`` (:func:`~initlab.init.registry._refuse_norm_hooks`), whose weight is no
-parameter either (the per-example gradients of ``weight_g``/``weight_v`` failed).
+``orthogonal``...; :func:`initlab.init.registry._refuse_parametrized`); the probe raises it
+inside such a method only (:func:`~initlab._core.parametrized.refuse_computed`), elsewhere it
+measures the computed tensors. :func:`refuse_norm_hooks` refuses, always, the older hook-based
+``torch.nn.utils.weight_norm`` and ``spectral_norm``
+(:func:`~initlab.init.registry._refuse_norm_hooks`), whose weight is no parameter (the
+per-example gradients of ``weight_g``/``weight_v`` failed).
 :func:`packed_note` is the per-example note of a call on a ``PackedSequence``.
 """
 
@@ -26,9 +27,17 @@ PACKED = (
 )
 
 
+def refuse_norm_hooks(model: nn.Module) -> None:
+    """Raise ``ValueError`` if a module of ``model`` has a weight recomputed by a hook-based
+    ``weight_norm``/``spectral_norm``."""
+    for name, module in model.named_modules():
+        _refuse_norm_hooks(module, None, where=name)
+
+
 def refuse_parametrized(model: nn.Module) -> None:
-    """Raise ``ValueError`` if a module of ``model`` has parametrized tensors, or a weight
-    recomputed by a hook-based ``weight_norm``/``spectral_norm``."""
+    """Raise ``ValueError`` if a module of ``model`` has parametrized tensors (the probe does so
+    inside a method that writes weights: :func:`~initlab._core.parametrized.writing_layers`), or
+    a weight recomputed by a hook-based ``weight_norm``/``spectral_norm``."""
     for name, module in model.named_modules():
         _refuse_norm_hooks(module, None, where=name)
         if parametrize.is_parametrized(module):

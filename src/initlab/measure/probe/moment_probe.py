@@ -24,12 +24,19 @@ from initlab._core.data import DataUse, at_mask, masks_positions, padding_mask
 from initlab._core.hooks import HookContext, HookHandles
 from initlab._core.knobs import user_stacklevel
 from initlab._core.modules import with_first_names
+from initlab._core.parametrized import (
+    computed,
+    machinery,
+    parametrized_names,
+    parametrized_note,
+    refuse_computed,
+)
 from initlab._core.pytree import flatten_tensors, map_tensors
 from initlab._core.rows import Rows
 from initlab._core.state import model_modes, restore_modes
 from initlab.measure.probe.accumulate import _Consts, _Ledger, _Partial
 from initlab.measure.probe.batch import _RootBatch, _Scale, check_root_batch
-from initlab.measure.probe.checks import packed_note, refuse_parametrized
+from initlab.measure.probe.checks import packed_note, refuse_norm_hooks, refuse_parametrized
 from initlab.measure.probe.contribution import _Contribution, _Unavailable
 from initlab.measure.probe.per_example import (
     _captured_contributions,
@@ -178,13 +185,14 @@ class MomentProbe(HookContext):
     # -- lifecycle ---------------------------------------------------------------------------
 
     def _select(self) -> list[tuple[str, nn.Module]]:
-        named = list(self.model.named_modules())
+        skip = machinery(self.model)  # a parametrization's modules are part of their layer
+        named = [(n, m) for n, m in self.model.named_modules() if id(m) not in skip]
         spec = self.modules
         if isinstance(spec, str):
             if spec == "params":
-                chosen = [(n, m) for n, m in named if next(m.parameters(False), None) is not None]
+                chosen = [(n, m) for n, m in named if _owns_tensors(m)]
             elif spec == "leaves":
-                chosen = [(n, m) for n, m in named if next(m.children(), None) is None]
+                chosen = [(n, m) for n, m in named if all(id(c) in skip for c in m.children())]
             else:
                 chosen = named
         elif callable(spec):
@@ -218,7 +226,9 @@ class MomentProbe(HookContext):
     def __enter__(self) -> MomentProbe:
         if self._active:
             raise RuntimeError("this MomentProbe is already active")
-        refuse_parametrized(self.model)  # as every entry point that reads layers does
+        refuse_norm_hooks(self.model)
+        if refuse_computed():  # inside a method that writes weights, as the registry does
+            refuse_parametrized(self.model)
         self._selected = self._select()
         self._states, self._params = [], {}
         self._modes = model_modes(self.model)
@@ -245,6 +255,8 @@ class MomentProbe(HookContext):
             st = _ModuleState(name, module, rank, self._module_batch_dim(module))
             by_module[id(module)] = st
             self._states.append(st)
+            for local in parametrized_names(module):  # its computed tensors ("weight") first
+                st.params.append((local, self._computed_state(name, module, local, st.replay)))
             for local, p in module.named_parameters(recurse=False):
                 ps = self._params.get(id(p))
                 if ps is None:
@@ -270,6 +282,36 @@ class MomentProbe(HookContext):
                 if isinstance(module, nn.modules.batchnorm._BatchNorm):
                     self._hooks.add(module.register_forward_pre_hook(self._bn_hook))
         self._adopt_children(by_module)
+
+    def _computed_state(
+        self, name: str, module: nn.Module, local: str, replay: bool
+    ) -> _ParamState:
+        """The state of the tensor ``local`` computed by ``module``'s parametrizations: its value
+        now (``W``), and hooks that collect the gradient of every evaluation with gradients and
+        hand their sum over when the trainable tensors' gradients arrive (all evaluations'
+        gradients are in by then)."""
+        plist = module.parametrizations[local]
+        ps = self._params.get(id(plist))
+        if ps is not None:
+            return ps
+        value = computed(module, local)
+        ps = self._params[id(plist)] = _ParamState(value, [])
+        sources = [p for p in plist.parameters() if p.requires_grad]
+        ps.computed_trainable = bool(sources)
+        ps.remark = parametrized_note(module, local)
+        if replay:
+            ps.no_example = (
+                "per-example gradients of a computed tensor are given for unmodified Linear, "
+                "Conv, Embedding and LayerNorm layers only (a re-run cannot swap it)"
+            )
+        ps.acc_w = self._ledger.new_acc(value.device)
+        self._ledger.add(ps.acc_w, self._ledger.reduce(value), value.numel())
+        ps.label = f"{name}.{local}" if name else local
+        if sources:
+            self._hooks.add(plist.register_forward_hook(self._evaluation_hook(ps)))
+            for p in sources:
+                self._hooks.add(p.register_hook(self._sources_hook(ps)))
+        return ps
 
     def _draw_check_vectors(self, gen: torch.Generator) -> None:
         """The random vectors of every parameter's rank-one consistency check (one per dim), cut
@@ -319,6 +361,7 @@ class MomentProbe(HookContext):
                 rec.live = False
             ps.pending = []
             ps.adopted_at = None
+            ps.grad_parts = []
 
     # -- hooks -------------------------------------------------------------------------------
 
@@ -531,15 +574,48 @@ class MomentProbe(HookContext):
     def _param_hook(self, ps: _ParamState) -> Callable[[torch.Tensor], None]:
         @without_autocast
         def hook(grad: torch.Tensor) -> None:
-            if self._replaying:
+            if not self._replaying:
+                self._param_grad(ps, grad)
+
+        return hook
+
+    def _param_grad(self, ps: _ParamState, grad: torch.Tensor) -> None:
+        """Accumulate the minibatch gradient ``grad`` of one backward, then the per-example one."""
+        if ps.acc_dw is None:
+            ps.acc_dw = self._ledger.new_acc(grad.device)
+        sums = self._ledger.reduce(grad, 1.0, self._consts)
+        self._ledger.add(ps.acc_dw, sums, grad.numel())
+        if self.per_example:
+            with torch.no_grad():
+                self._finish_example(ps, grad.detach(), sums)
+
+    def _evaluation_hook(self, ps: _ParamState) -> Callable:
+        """On a ``ParametrizationList``: keep the gradient of each evaluation of the computed
+        tensor that has one (in ``ps.grad_parts``)."""
+
+        def keep(grad: torch.Tensor) -> None:
+            if not self._replaying:
+                ps.grad_parts.append(grad.detach())
+
+        def hook(plist: nn.Module, args: tuple, output: Any) -> None:
+            if self._replaying or not isinstance(output, torch.Tensor):
                 return
-            if ps.acc_dw is None:
-                ps.acc_dw = self._ledger.new_acc(grad.device)
-            sums = self._ledger.reduce(grad, 1.0, self._consts)
-            self._ledger.add(ps.acc_dw, sums, grad.numel())
-            if self.per_example:
-                with torch.no_grad():
-                    self._finish_example(ps, grad.detach(), sums)
+            if torch.is_grad_enabled() and output.requires_grad:
+                output.register_hook(keep)
+
+        return hook
+
+    def _sources_hook(self, ps: _ParamState) -> Callable[[torch.Tensor], None]:
+        """On a trainable tensor of a parametrization: the gradients of the computed tensor's
+        evaluations are all in (autograd reaches it through them), their sum is dL/dW."""
+
+        @without_autocast
+        def hook(grad: torch.Tensor) -> None:
+            if self._replaying or not ps.grad_parts:
+                return
+            parts, ps.grad_parts = ps.grad_parts, []
+            total = parts[0] if len(parts) == 1 else torch.stack(parts).sum(0)
+            self._param_grad(ps, total)
 
         return hook
 
@@ -572,10 +648,10 @@ class MomentProbe(HookContext):
         """The parameters a call's record covers: the module's own, and for a replayed module
         those of probed children it used without calling them (adopted once, by the innermost
         call)."""
-        params = {local: ps for local, ps in st.params if ps.param.requires_grad}
+        params = {local: ps for local, ps in st.params if ps.trainable and ps.no_example is None}
         if st.replay:
             for rel, ps, owner in st.adoptable:
-                if not ps.param.requires_grad or owner.last_seq > frame.start_seq:
+                if not ps.trainable or owner.last_seq > frame.start_seq:
                     continue  # owner ran inside this call: its own record covers it
                 if ps.adopted_at is not None and ps.adopted_at > frame.start_seq:
                     continue  # adopted by an inner call already
@@ -636,6 +712,8 @@ class MomentProbe(HookContext):
         ``sum(grad^2)`` sets the consistency check's tolerance)."""
         records, n_pending = ps.pending, len(ps.pending)
         try:
+            if ps.no_example is not None:
+                raise _Unavailable(ps.no_example)
             parts = self._example_parts(ps, records)
             batch = records[0].batch
             if any(rec.batch != batch for rec in records):
@@ -781,6 +859,11 @@ def _flatten_call(args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:
     if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
         return [(str(i), a) for i, a in enumerate(args)]
     return flatten_tensors(list(args)) + flatten_tensors(dict(kwargs))
+
+
+def _owns_tensors(module: nn.Module) -> bool:
+    """``module`` directly owns a parameter, or a tensor computed by a parametrization."""
+    return next(module.parameters(False), None) is not None or bool(parametrized_names(module))
 
 
 def _keep_closed_form_input(rec: _Record, st: _ModuleState, leaves: list[torch.Tensor]) -> None:

@@ -39,6 +39,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from initlab._core.functional import functional_call
+from initlab._core.parametrized import layer_tensor
 from initlab._core.pytree import flatten_tensors
 from initlab.measure.probe.accumulate import _Partial, _pool
 from initlab.measure.probe.capture import _AttentionCapture
@@ -176,7 +177,7 @@ def _embedding_contributions(rec: _Record, dy: torch.Tensor) -> None:
     assert rec.x is not None
     module, bd, s = rec.state.module, rec.state.bd, rec.scale
     ps = rec.params["weight"]
-    n_vocab, dim = module.weight.shape
+    n_vocab, dim = ps.param.shape  # a computed weight is not evaluated again
     tok = rec.x.movedim(bd, 0)
     batch = tok.shape[0]
     tok2 = tok.reshape(batch, -1).long()
@@ -192,9 +193,10 @@ def _embedding_contributions(rec: _Record, dy: torch.Tensor) -> None:
 
 
 def _conv_example_weight_grads(
-    module: nn.Module, x: torch.Tensor, dy: torch.Tensor
+    module: nn.Module, x: torch.Tensor, dy: torch.Tensor, w_shape: torch.Size
 ) -> torch.Tensor:
-    """Per-example weight gradients of a convolution: the batch folded into the groups."""
+    """Per-example weight gradients of a convolution (weight of shape ``w_shape``): the batch
+    folded into the groups."""
     nd = x.dim() - 2
     groups = module.groups
     if module.padding_mode != "zeros" or isinstance(module.padding, str):
@@ -205,7 +207,6 @@ def _conv_example_weight_grads(
         padding = tuple(module.padding)
     c = x.shape[0]
     c_out = dy.shape[1]
-    w_shape = module.weight.shape
     xg = x.reshape(1, c * x.shape[1], *x.shape[2:])
     dyg = dy.reshape(1, c * c_out, *dy.shape[2:])
     weight = dyg.new_empty(1).expand(c * c_out, *w_shape[1:])
@@ -246,7 +247,7 @@ def _conv_contributions(rec: _Record, dy: torch.Tensor) -> None:
             continue
         sqn, proj, grads = [], [], []
         for lo, hi in _chunks(batch, ps.numel):
-            g = _conv_example_weight_grads(module, x[lo:hi], dy[lo:hi]) * s
+            g = _conv_example_weight_grads(module, x[lo:hi], dy[lo:hi], ps.param.shape) * s
             proj.append(_project(g, ps))
             if multi:
                 grads.append(g)
@@ -530,7 +531,7 @@ def _is_transposed_linear(module: nn.Module) -> bool:
     the contract is caught by the probe's check ``sum_i dW_i == B dW``."""
     from initlab.init.registry import default_registry, transposed_linear_handler
 
-    weight = getattr(module, "weight", None)
+    weight = layer_tensor(module, "weight")  # a computed one without side effects
     return (
         isinstance(weight, torch.Tensor)
         and weight.dim() == 2
@@ -593,7 +594,7 @@ PER_EXAMPLE: dict[str, LayerRule] = {
     "conv": LayerRule(
         _is_conv,
         closed_form=_conv_contributions,
-        batched=lambda m, x, bd: x.dim() == m.weight.dim(),
+        batched=lambda m, x, bd: x.dim() == len(m.kernel_size) + 2,
         batch_dim0_only="convolutions take the batch at dim 0",
     ),
     "generic": LayerRule(lambda m: True, replay=_replay_generic),

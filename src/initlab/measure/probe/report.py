@@ -236,7 +236,7 @@ def _param_table(states: list[_ModuleState]) -> Rows:
                     "E_dW2_example": ex["sq_mean"],
                     "ratio": _ratio(ex["sq_mean"], m["W"]["sq_mean"]),
                     "nonfinite": dw["nonfinite"] + ex["nonfinite"],
-                    "note": "; ".join(ps.report()[1]),
+                    "note": "; ".join(n for n in (ps.remark, *ps.report()[1]) if n),
                 }
             )
     return Rows(out, PARAM_TABLE_COLUMNS, title="moment probe: parameters")

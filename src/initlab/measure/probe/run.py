@@ -15,6 +15,7 @@ from initlab._core.compiled import takes_compiled
 from initlab._core.data import DataUse, default_forward, examples_in, iter_batches
 from initlab._core.knobs import check_kwargs, parameter_names, renamed_kwargs
 from initlab._core.loss import Loss, LossLike, batch_reduction, example_count, resolve_loss
+from initlab._core.parametrized import reading_layers
 from initlab._core.rng import Seeds
 from initlab._core.state import preserved_state
 from initlab.measure.probe.batch import target_rows
@@ -25,6 +26,7 @@ __all__ = ["measure_moments", "probe_options", "probed_backward"]
 
 @takes_compiled
 @renamed_kwargs(batches="data")
+@reading_layers
 def measure_moments(
     model: nn.Module,
     data: Any,
@@ -67,8 +69,10 @@ def measure_moments(
         the examples: the batch sizes the gradients were scaled by).
 
     Raises:
-        ValueError: ``data`` holds no batch, the model has parametrized tensors, or the batch
-            size is unclear (:mod:`~initlab.measure.probe.batch`).
+        ValueError: ``data`` holds no batch, a weight is recomputed by the hook-based
+            ``torch.nn.utils.weight_norm``/``spectral_norm``, or the batch size is unclear
+            (:mod:`~initlab.measure.probe.batch`). Tensors computed by ``torch.nn.utils.
+            parametrize`` parametrizations are measured as computed (:mod:`initlab.measure.probe`).
 
     The model is left as it was (:func:`~initlab._core.state.preserved_state`), on success and
     on failure: weights, buffers (a train-mode BatchNorm's running statistics), train/eval modes,

@@ -28,10 +28,17 @@ _MISMATCH = (
 
 
 class _ParamState:
-    """Everything measured about one parameter tensor (shared by all modules that own it)."""
+    """Everything measured about one parameter tensor (shared by all modules that own it), or
+    about a tensor a parametrization computes (``param``: its value at the probe's
+    ``__enter__``; ``remark``: which parametrization; its gradients arrive in ``grad_parts``, one
+    per evaluation, and are summed when the trainable tensors' gradients arrive)."""
 
-    def __init__(self, param: nn.Parameter, vecs: list[torch.Tensor]) -> None:
+    def __init__(self, param: torch.Tensor, vecs: list[torch.Tensor]) -> None:
         self.param = param
+        self.computed_trainable: bool | None = None  # a computed tensor: whether it has gradients
+        self.remark = ""  # a computed tensor: the parametrization that computes it
+        self.no_example: str | None = None  # a computed tensor without per-example gradients
+        self.grad_parts: list[torch.Tensor] = []
         self.acc_w: torch.Tensor | None = None  # W's sums at the probe's __enter__
         self.numel = param.numel()
         self.acc_dw: torch.Tensor | None = None
@@ -44,6 +51,14 @@ class _ParamState:
         self._vecs_as: dict[torch.dtype, list[torch.Tensor]] = {torch.float64: vecs}
         self.adopted_at: int | None = None
         self.label = ""
+
+    @property
+    def trainable(self) -> bool:
+        """Whether gradients reach the tensor: the parameter's ``requires_grad``, or for a
+        computed tensor whether one of its parametrization's parameters requires grad."""
+        if self.computed_trainable is not None:
+            return self.computed_trainable
+        return self.param.requires_grad
 
     def set_vecs(self, vecs: list[torch.Tensor], *more: list[torch.Tensor]) -> None:
         """The check's vectors (float64), and the same in other dtypes (``more``)."""

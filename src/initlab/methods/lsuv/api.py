@@ -39,6 +39,7 @@ from initlab._core.heap import kept_heap
 from initlab._core.hooks import hook_handles
 from initlab._core.knobs import check_flags, renamed_kwargs, user_stacklevel
 from initlab._core.method_report import MethodReport
+from initlab._core.parametrized import writing_layers
 from initlab._core.pytree import flatten_tensors
 from initlab._core.rng import as_generator
 from initlab._core.state import model_kept, restore_on_failure
@@ -159,6 +160,7 @@ def _check_positive(name: str, value: object) -> float:
 @takes_compiled(collective=True)
 @renamed_kwargs(mode="strategy", batches="max_batches")
 @same_options
+@writing_layers
 def lsuv_(
     model: nn.Module,
     data: Any,

@@ -1,0 +1,182 @@
+"""Tensors computed by ``torch.nn.utils.parametrize`` parametrizations (``weight_norm``,
+``spectral_norm``, ``orthogonal``...), for the entry points that only read a model.
+
+A parametrized layer's ``weight`` is no parameter: ``module.weight`` runs
+``module.parametrizations.weight`` on the trainable ``original`` tensors (``original0``,
+``original1`` for ``weight_norm``). The measuring entry points (``measure_moments``,
+``gr_scaling``, ``diagnose``, ``doctor`` without fixes, ``layer_spectra``) read such a layer through
+its *computed* tensor, the one its forward uses; the methods that write weights refuse it
+(:func:`initlab.init.registry._refuse_parametrized`). Which of the two applies is a context:
+
+* :func:`reading_layers` / :func:`reading_scope` (the measuring entry points) let the layer
+  registry describe computed tensors, unless a writer is running;
+* :func:`writing_layers` / :func:`writing_scope` (the methods that write weights, ``doctor`` with
+  fixes) make every read inside them refuse, the moment probe included, so that a writer refuses
+  before it measures anything.
+
+:func:`computed` evaluates a computed tensor without side effects (``torch.no_grad()``, the
+parametrizations in eval mode: ``spectral_norm`` runs no power iteration, its buffers are left
+alone); :func:`parametrized_note` is the note a measured row of such a tensor carries.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Literal, TypeVar
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+__all__ = [
+    "computed",
+    "layer_tensor",
+    "machinery",
+    "parametrized_names",
+    "parametrized_note",
+    "reading_layers",
+    "reading_scope",
+    "refuse_computed",
+    "registry_reads_computed",
+    "trainable",
+    "writing_layers",
+    "writing_scope",
+]
+
+_F = TypeVar("_F", bound=Callable)
+
+_MODE: ContextVar[Literal["read", "write"] | None] = ContextVar("initlab_layers", default=None)
+
+
+@contextmanager
+def _mode(value: Literal["read", "write"]) -> Iterator[None]:
+    token = _MODE.set(value)
+    try:
+        yield
+    finally:
+        _MODE.reset(token)
+
+
+@contextmanager
+def reading_scope() -> Iterator[None]:
+    """Inside it the registry describes computed tensors, unless it is inside a writer
+    (:func:`writing_scope`)."""
+    if _MODE.get() is not None:
+        yield
+        return
+    with _mode("read"):
+        yield
+
+
+@contextmanager
+def writing_scope() -> Iterator[None]:
+    """Inside it everything refuses computed tensors (the moment probe included)."""
+    with _mode("write"):
+        yield
+
+
+def reading_layers(fn: _F) -> _F:
+    """Decorate a measuring entry point: it runs in a :func:`reading_scope`."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
+        with reading_scope():
+            return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def writing_layers(fn: _F) -> _F:
+    """Decorate a method that writes weights: it runs in a :func:`writing_scope`."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
+        with writing_scope():
+            return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def registry_reads_computed() -> bool:
+    """Whether the layer registry describes computed tensors now (inside a measuring entry point,
+    not inside a writer); else it refuses them."""
+    return _MODE.get() == "read"
+
+
+def refuse_computed() -> bool:
+    """Whether the moment probe refuses computed tensors now (inside a writer)."""
+    return _MODE.get() == "write"
+
+
+def parametrized_names(module: nn.Module) -> list[str]:
+    """The names of ``module``'s tensors computed by parametrizations (``[]``: none)."""
+    if not parametrize.is_parametrized(module):
+        return []
+    return list(module.parametrizations)  # type: ignore[arg-type]
+
+
+def machinery(model: nn.Module) -> set[int]:
+    """``id`` of every module that implements a parametrization in ``model``: each layer's
+    ``parametrizations`` dict, its ``ParametrizationList`` entries and their modules. They are
+    no layers: their "output" is a layer's computed tensor."""
+    out: set[int] = set()
+    for module in model.modules():
+        if parametrize.is_parametrized(module):
+            out.update(id(m) for m in module.parametrizations.modules())  # type: ignore[union-attr]
+    return out
+
+
+def computed(module: nn.Module, name: str) -> torch.Tensor:
+    """``module.<name>`` as computed by its parametrizations, detached: evaluated under
+    ``torch.no_grad()`` with the parametrizations in eval mode (``spectral_norm`` divides by the
+    singular value its current vectors give, without a power iteration that would change them)."""
+    plist = module.parametrizations[name]  # type: ignore[index]
+    modes = [(m, m.training) for m in plist.modules()]
+    try:
+        for m, _ in modes:
+            m.training = False
+        with torch.no_grad():
+            return plist().detach()
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+def layer_tensor(module: nn.Module, name: str) -> torch.Tensor | None:
+    """The tensor ``name`` of ``module`` as its forward sees it: the parameter (or buffer), or
+    the computed tensor of a parametrization (:func:`computed`); ``None`` if there is none."""
+    if parametrize.is_parametrized(module, name):
+        return computed(module, name)
+    value = getattr(module, name, None)
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def trainable(module: nn.Module, name: str) -> bool:
+    """Whether training moves ``module``'s tensor ``name``: a computed one when a parameter of
+    its parametrizations requires grad; a parameter (or a missing one) unless it is frozen."""
+    if parametrize.is_parametrized(module, name):
+        plist = module.parametrizations[name]  # type: ignore[index]
+        return any(p.requires_grad for p in plist.parameters())
+    param = module._parameters.get(name)
+    return param is None or bool(param.requires_grad)
+
+
+def parametrized_note(module: nn.Module, name: str) -> str:
+    """The note of a measured row of a computed tensor: which parametrization computes it and
+    that its gradients are those of the computed tensor, not of the trainable ones."""
+    plist = module.parametrizations[name]  # type: ignore[index]
+    kinds = " and ".join(dict.fromkeys(type(p).__name__ for p in plist))
+    trainable = ", ".join(f"parametrizations.{name}.{n}" for n, _ in plist.named_parameters())
+    ours = (
+        "; precondition_(how='parametrize')'s report has gamma_after, that of the trainable tensor"
+        if "ConditioningMultiplier" in kinds
+        else ""
+    )
+    return (
+        f"{name!r} is computed by {kinds} (torch.nn.utils.parametrize): W and the gradient "
+        f"columns are those of the computed {name} the forward uses (dL/dW), not of the "
+        f"trainable tensors ({trainable or 'none'}){ours}"
+    )
