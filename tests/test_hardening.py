@@ -637,7 +637,7 @@ def test_a_parametrized_weight_is_refused_with_the_way_out(kind: str, entry: str
     name = "the layer '0' (a torch.nn.modules.linear.Linear) has parametrized tensors ('weight' by"
     assert name in text
     assert "remove_parametrizations(layer, 'weight') keeps the current values" in text
-    again = f"(then torch.nn.utils.parametrizations.{kind}(layer, 'weight'))"
+    again = f"(then torch.nn.utils.parametrizations.{kind}(layer, 'weight', "  # its options
     assert again in text
     # registered again, these two renormalize: the way out loses an init's scale (it said not)
     lost = "the scale an init gave it (init_model, lsuv_, gradinit_, a fold) is lost"
@@ -1088,3 +1088,32 @@ def test_scale_output_does_not_fold_into_a_frozen_head() -> None:
     with pytest.raises(ValueError, match=r"cannot fold the output scale into '6': 6\.weight, "):
         initlab.scale_output_(model, data, how="fold")
     assert _unchanged(model, before)
+
+
+def test_the_way_back_registers_a_parametrization_with_its_own_options() -> None:
+    """Wav2Vec2's positional conv is weight-normed over dim 2; the message said
+    weight_norm(layer, 'weight'), whose dim=0 gave it another norm (g of shape (32, 1, 1) for
+    (1, 1, 8)), so the model no longer matched its checkpoints."""
+    from torch.nn.utils import parametrizations, parametrize
+
+    conv = nn.Conv1d(4, 6, 8, groups=2)
+    parametrizations.weight_norm(conv, "weight", dim=2)
+    parametrizations.spectral_norm(lin := nn.Linear(4, 6), "weight", n_power_iterations=3)
+    parametrizations.orthogonal(sq := nn.Linear(4, 4), "weight", orthogonal_map="cayley")
+    said = {
+        conv: "weight_norm(layer, 'weight', dim=2)",
+        lin: "spectral_norm(layer, 'weight', n_power_iterations=3, eps=1e-12, dim=0)",
+        sq: "orthogonal(layer, 'weight', orthogonal_map='cayley')",
+    }
+    pattern = r"\(then (torch\.nn\.utils\.parametrizations\.\w+\(.*?\))\)"
+    for layer, expected in said.items():
+        with pytest.raises(ValueError) as info:
+            initlab.init_model(nn.Sequential(layer), "fan_in", generator=0)
+        call = re.search(pattern, str(info.value))
+        assert call is not None and call.group(1).endswith(expected), str(info.value)
+        shapes = [tuple(p.shape) for p in layer.parametrizations.weight.parameters()]
+        kind = type(layer.parametrizations.weight[0])
+        parametrize.remove_parametrizations(layer, "weight")
+        eval(call.group(1), {"torch": torch, "layer": layer})  # the message's own call
+        assert [tuple(p.shape) for p in layer.parametrizations.weight.parameters()] == shapes
+        assert type(layer.parametrizations.weight[0]) is kind

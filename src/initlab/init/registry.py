@@ -122,12 +122,24 @@ def _check_handler(handler: object) -> None:
         ) from None
 
 
-#: A parametrization's class -> the call that registers it again (torch.nn.utils.parametrizations).
-_REGISTER_AGAIN = {
-    "_WeightNorm": "torch.nn.utils.parametrizations.weight_norm(layer, {name!r})",
-    "_SpectralNorm": "torch.nn.utils.parametrizations.spectral_norm(layer, {name!r})",
-    "_Orthogonal": "torch.nn.utils.parametrizations.orthogonal(layer, {name!r})",
-}
+def _register_again(parametrization: nn.Module, name: str) -> str | None:
+    """The ``torch.nn.utils.parametrizations`` call that registers ``parametrization`` again on
+    tensor ``name`` with its own options (a Wav2Vec2 positional conv's ``weight_norm`` has
+    ``dim=2``; the default, 0, would give it another norm); ``None`` for another kind."""
+    kind, p = type(parametrization).__name__, parametrization
+    where = "torch.nn.utils.parametrizations"
+    if kind == "_WeightNorm":
+        return f"{where}.weight_norm(layer, {name!r}, dim={p.dim})"
+    if kind == "_SpectralNorm":
+        return (
+            f"{where}.spectral_norm(layer, {name!r}, n_power_iterations="
+            f"{p.n_power_iterations}, eps={p.eps:g}, dim={p.dim})"
+        )
+    if kind == "_Orthogonal":
+        trivial = "" if "base" in p._buffers else ", use_trivialization=False"
+        options = f"orthogonal_map={p.orthogonal_map.name!r}{trivial}"
+        return f"{where}.orthogonal(layer, {name!r}, {options})"
+    return None
 
 
 def _refuse_parametrized(module: nn.Module, names: list[str], where: str = "") -> None:
@@ -152,11 +164,9 @@ def _refuse_parametrized(module: nn.Module, names: list[str], where: str = "") -
         if ours
         else ""
     )
-    again = _REGISTER_AGAIN.get(kinds[first][0] if len(kinds[first]) == 1 else "", "")
-    again = (
-        again.format(name=first)
-        if again
-        else f"torch.nn.utils.parametrize.register_parametrization(layer, {first!r}, ...)"
+    plist = module.parametrizations[first]
+    again = (_register_again(plist[0], first) if len(plist) == 1 else None) or (
+        f"torch.nn.utils.parametrize.register_parametrization(layer, {first!r}, ...)"
     )
     cls = _dotted(type(module).__bases__[0])
     layer = f"the layer {where!r} (a {cls})" if where else f"a {cls}"
