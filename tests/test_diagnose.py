@@ -691,7 +691,8 @@ class _ZeroGatedBlock(nn.Module):
 def test_a_residual_branch_closed_at_init_is_no_vanished_gradient() -> None:
     """Zero-init-last-BN (Goyal et al. 2017): the layers before the zero scale get no gradient at
     step 0 by design and learn from step 1; they were 'bad' ("will not learn") and made the
-    imbalance infinite. A zero layer outside a residual branch is still bad."""
+    imbalance infinite. A zero-initialized head closes the chain the same way (the next
+    test)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), _ZeroGatedBlock(32), _ZeroGatedBlock(32),
                           nn.Linear(32, 10))  # fmt: skip
@@ -705,12 +706,30 @@ def test_a_residual_branch_closed_at_init_is_no_vanished_gradient() -> None:
             row = layers[f"{block}.{name}"]
             assert row["verdict"] == "ok" and f"{block}.bn2 (weight all zeros)" in row["reason"]
     assert math.isfinite(report.meta["imbalance"]["gamma_max_over_min"])
+
+
+def test_the_layers_before_a_zero_initialized_head_learn_from_the_second_step() -> None:
+    """A zero head (common for classifiers) passes no gradient back at step 0: the layers before
+    it read "bad: will not learn" and doctor recommended LSUV, yet they learn once the head's
+    first update moves it (the oracle: one SGD step, then their gradient is not 0)."""
+    torch.manual_seed(0)
     plain = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
                           nn.Linear(32, 10))  # fmt: skip
     nn.init.zeros_(plain[4].weight)  # closes the chain: the layers before it get no gradient
-    layers = {r["layer"]: r for r in diagnose(plain, Batches(data), F.cross_entropy,
-                                              spectra=False).layers}  # fmt: skip
-    assert layers["2"]["verdict"] == "bad" and "will not learn" in layers["2"]["reason"]
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 16, generator=g), torch.randint(0, 10, (64,), generator=g)
+    report = diagnose(plain, Batches([(x, y)]), F.cross_entropy, spectra=False)
+    layers = {r["layer"]: r for r in report.layers}
+    for name in ("0", "2"):
+        assert layers[name]["verdict"] == "ok", layers[name]
+        assert "4 after it has a weight of all zeros" in layers[name]["reason"]
+    assert layers["4"]["verdict"] != "bad"
+    step = torch.optim.SGD(plain.parameters(), lr=0.1)
+    for expected_zero in (True, False):
+        step.zero_grad()
+        F.cross_entropy(plain(x), y).backward()
+        assert bool((plain[0].weight.grad == 0).all()) is expected_zero
+        step.step()
 
 
 def test_a_layer_without_gradient_behind_a_dead_relu_names_the_relu() -> None:

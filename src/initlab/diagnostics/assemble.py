@@ -394,6 +394,38 @@ def _add_zero_gradient(
             out.add(layer, "", "zero_gradient", 1.0, verdict="bad", note=why)
 
 
+def closed_heads(model: nn.Module, probe_table: Rows) -> dict[str, str]:
+    """``{layer: why}`` for the layers no gradient reaches at init (``E[dy^2] = 0`` exactly)
+    because a module after them has a weight of all zeros and a gradient of its own: a
+    zero-initialized head (common for classifiers) passes no gradient back until its first update
+    moves it, and the layers before it learn from the second step on. Not a vanished gradient."""
+    rows = sorted((r for r in probe_table if r["order"] is not None), key=lambda r: r["order"])
+    named = dict(model.named_modules())
+    gates = [
+        r for r in rows if _all_zero(named.get(r["layer"])) and _positive(r["E_dy2"])
+    ]  # zero weights that get a gradient: they move at the first step
+    out: dict[str, str] = {}
+    for r in rows:
+        gate = next((g for g in gates if g["order"] > r["order"]), None)
+        if r["E_dy2"] == 0.0 and gate is not None:
+            out[r["layer"]] = (
+                f"no gradient at init, by design: {gate['layer']} after it has a weight of all "
+                "zeros (a zero-initialized head) and passes no gradient back until its first "
+                "update moves it; this layer learns from the second step on"
+            )
+    return out
+
+
+def _all_zero(module: nn.Module | None) -> bool:
+    """Whether ``module`` has a ``weight`` tensor with elements, all of them zero."""
+    w = getattr(module, "weight", None)
+    return isinstance(w, torch.Tensor) and w.numel() > 0 and not bool(w.detach().any())
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, float) and math.isfinite(value) and value > 0
+
+
 def closed_branches(
     model: nn.Module, probe_table: Rows, blocks: Iterable[Mapping[str, Any]]
 ) -> dict[str, str]:
@@ -408,8 +440,7 @@ def closed_branches(
     for b in blocks:
         branch = [n for n in b.get("branch", ()) if n in order]
         for gate in branch:
-            w = getattr(named.get(gate), "weight", None)
-            if not isinstance(w, torch.Tensor) or w.numel() == 0 or bool(w.detach().any()):
+            if not _all_zero(named.get(gate)):
                 continue
             why = (
                 f"no gradient at init, by design: {gate} (weight all zeros) closes the residual "
@@ -549,10 +580,12 @@ def assemble(
     blocks: Iterable[Mapping[str, Any]] = (),
 ) -> tuple[Rows, Rows, dict[str, Any]]:
     """Long rows, the per-layer table with verdicts, and the imbalance summary; the layers of a
-    residual branch of ``blocks`` closed at init (:func:`closed_branches`) are no zero gradient
-    and stay out of the imbalance."""
+    residual branch of ``blocks`` closed at init (:func:`closed_branches`) and those before a
+    zero-initialized head (:func:`closed_heads`) are no zero gradient and stay out of the
+    imbalance."""
     out = _LongRows(model)
-    rat = _Ratios(gated=closed_branches(model, probe_table, blocks))
+    gated = {**closed_heads(model, probe_table), **closed_branches(model, probe_table, blocks)}
+    rat = _Ratios(gated=gated)
     _add_moments(out, probe_table)
     _add_params(out, param_table, tables, rat)
     dead = [f["layer"] for f in findings if f["rule"] == "dead_relu" and f["value"] >= 1.0]
