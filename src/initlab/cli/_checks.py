@@ -498,6 +498,10 @@ _WORDING: tuple[tuple[str, str | Callable[[re.Match[str]], str]], ...] = (
         r"\bwith report\.param_groups\(model, lr=\.\.\.\):",
         f"with precondition's per-layer learning rates (which {_PRECONDITION_LRS} writes):",
     ),
+    (
+        r"\breport\.param_groups\(model, lr=\.\.\.\) multiplies",
+        f"precondition's per-layer learning rates (which {_PRECONDITION_LRS} writes) multiply",
+    ),
     (r"\bunchanged by precondition_\b", "unchanged by precondition"),
     (
         r"\brun a forward pass \(or materialize the module\) before asking for its fans",

@@ -229,7 +229,29 @@ def _apply(name: str, model: nn.Module, setup: _Setup, m: _Measure, applied: Seq
             stacklevel=2,
         )
         return report
-    return precondition_(model, batches, setup.loss, how="lr", generator=generator)
+    report = precondition_(model, batches, setup.loss, how="lr", generator=generator)
+    _say_rates(report)
+    return report
+
+
+def _say_rates(report: Rows) -> None:
+    """A note (a warning the report keeps) on the learning rates precondition's param groups
+    give: the range of the per-layer factors around the base rate, what they do at an unchanged
+    base rate, and that step zero cannot tell whether they train better than one rate."""
+    sgd = [float(r["lr_scale_sgd"]) for r in report if math.isfinite(r["lr_scale_sgd"])]
+    adam = [float(r["lr_scale_adam"]) for r in report if math.isfinite(r["lr_scale_adam"])]
+    if not sgd or min(sgd) >= 1.0:
+        return
+    low = min(sgd)
+    warnings.warn(
+        f"report.param_groups(model, lr=...) multiplies each weight layer's learning rate by "
+        f"x{low:.3g} to x{max(sgd):.3g} for SGD (Adam: x{min(adam):.3g} to x{max(adam):.3g}), the "
+        f"layer of median γ at x1: at your base rate the slowest layer learns {1 / low:.3g}x "
+        "slower than before; tune the base rate again, and compare with one rate for all layers "
+        "(step zero does not tell which trains better)",
+        UserWarning,
+        stacklevel=2,
+    )
 
 
 @dataclass
@@ -633,8 +655,9 @@ def _fast_bias(rep: Any) -> tuple[float, str]:
     ratio = top / weights[len(weights) // 2]
     return ratio, (
         f"; but the biases keep the base learning rate, and {layer}'s learns {ratio:.3g}x as fast "
-        "as the balanced weights (γ_b over their median γ): it diverges first (train with lsuv "
-        "instead, or give that bias a smaller rate)"
+        "as the balanced weights (γ_b over their median γ): at a base rate near the weights' "
+        "limit it is the first to diverge (if training diverges, give that bias a smaller rate, "
+        "or train with lsuv instead)"
     )
 
 
