@@ -1342,3 +1342,13 @@ def test_a_frozen_complex_parameter_is_read_as_its_modulus() -> None:
     report = initlab.init_model(model, "fan_in", generator=0, policy="skip")
     z = next(r for r in report if r["param"] == "z")
     assert z["achieved_std"] == pytest.approx(float(model.z.detach().std()), rel=1e-6)
+
+
+def test_data_on_the_meta_device_is_named() -> None:
+    """input_scale raised torch's "Tensor.item() cannot be called on meta tensors" (from the
+    batch check every entry point runs)."""
+    meta = torch.empty(8, 4, device="meta")
+    with pytest.raises(ValueError, match=r"^input_scale: the batch holds a tensor on the meta "):
+        initlab.input_scale(meta)
+    with pytest.raises(ValueError, match=r"^gr_scaling: batch 0 holds a tensor on the meta "):
+        initlab.gr_scaling(_mlp(), [(meta, torch.zeros(8, dtype=torch.long))])

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -454,6 +455,18 @@ def test_meta_tensor_is_rejected(
 ) -> None:
     with pytest.raises(ValueError, match=r"to_empty"):
         sampler(torch.empty(8, 4, device="meta"))
+
+
+@pytest.mark.parametrize(("sampler", "name", "distribution"), SAMPLERS, ids=SAMPLER_IDS)
+def test_a_scheme_sampler_names_itself_in_its_errors(
+    sampler: Callable[..., torch.Tensor], name: str, distribution: str
+) -> None:
+    """geometric_normal_ said "normal_ needs a floating-point tensor" (the draw it calls)."""
+    me = re.escape(sampler.__name__)
+    with pytest.raises(ValueError, match=rf"^{me} needs a floating-point tensor, got dtype"):
+        sampler(torch.empty(4, 4, dtype=torch.complex64))
+    with pytest.raises(ValueError, match=rf"^{me}: the tensor is on the meta device"):
+        sampler(torch.empty(4, 4, device="meta"))
 
 
 def test_meta_and_bad_tensors_for_primitive_samplers() -> None:

@@ -333,6 +333,12 @@ def check_batch(batch: Any, *, what: str, index: int | None = None) -> None:
     tensors = batch_tensors(batch)
     if not tensors:
         return
+    meta = next((p for p, t in tensors if t.is_meta), None)
+    if meta is not None:
+        raise ValueError(
+            f"{what}: {which} holds a tensor on the meta device ({_entry_name(meta, batch)}), "
+            "which has a shape but no values: build the data on the CPU or a GPU"
+        )
     path, first = tensors[0]
     _check_batched(batch, what=what, which=which)
     if first.dim() >= 1 and first.shape[0] == 0:

@@ -434,6 +434,7 @@ def fan_in_normal_(
         >>> torch.equal(ours, theirs)
         True
     """
+    _check_tensor(tensor, "fan_in_normal_")
     fans = compute_fans(tensor, groups=groups, transposed=transposed)
     spec = FanIn(nonlinearity=nonlinearity, param=param, gain=gain).spec(fans)
     return sample_(tensor, spec, generator=generator, groups=groups, transposed=transposed)
@@ -454,6 +455,7 @@ def fan_in_uniform_(
     Equals ``torch.nn.init.kaiming_uniform_(tensor, nonlinearity="relu")`` bit for bit for the same
     generator (note: ``nn.Linear``'s default init is ``kaiming_uniform_`` with ``a = sqrt(5)``).
     """
+    _check_tensor(tensor, "fan_in_uniform_")
     fans = compute_fans(tensor, groups=groups, transposed=transposed)
     spec = FanIn(nonlinearity=nonlinearity, param=param, gain=gain, distribution="uniform").spec(
         fans
@@ -475,6 +477,7 @@ def fan_out_normal_(
 
     Equals ``torch.nn.init.kaiming_normal_(mode="fan_out")`` for ungrouped weights.
     """
+    _check_tensor(tensor, "fan_out_normal_")
     fans = compute_fans(tensor, groups=groups, transposed=transposed)
     spec = FanOut(nonlinearity=nonlinearity, param=param, gain=gain).spec(fans)
     return sample_(tensor, spec, generator=generator, groups=groups, transposed=transposed)
@@ -491,6 +494,7 @@ def fan_out_uniform_(
     generator: torch.Generator | int | None = None,
 ) -> Tensor:
     """Fan-out uniform: ``U(-b, b)``, ``b = gain * sqrt(3 / fan_out)`` (He et al., 2015)."""
+    _check_tensor(tensor, "fan_out_uniform_")
     fans = compute_fans(tensor, groups=groups, transposed=transposed)
     spec = FanOut(nonlinearity=nonlinearity, param=param, gain=gain, distribution="uniform").spec(
         fans
@@ -513,6 +517,7 @@ def arithmetic_normal_(
     ReLU default: ``4 / (fan_in + fan_out)``. With ``nonlinearity="linear"`` this is
     ``torch.nn.init.xavier_normal_`` bit for bit for the same generator (ungrouped weights).
     """
+    _check_tensor(tensor, "arithmetic_normal_")
     fans = compute_fans(tensor, groups=groups, transposed=transposed)
     spec = ArithmeticMean(nonlinearity=nonlinearity, param=param, gain=gain).spec(fans)
     return sample_(tensor, spec, generator=generator, groups=groups, transposed=transposed)
@@ -532,6 +537,7 @@ def arithmetic_uniform_(
 
     With ``nonlinearity="linear"`` this is ``torch.nn.init.xavier_uniform_`` bit for bit.
     """
+    _check_tensor(tensor, "arithmetic_uniform_")
     fans = compute_fans(tensor, groups=groups, transposed=transposed)
     spec = ArithmeticMean(
         nonlinearity=nonlinearity, param=param, gain=gain, distribution="uniform"
@@ -560,6 +566,7 @@ def geometric_normal_(
         >>> abs(w.var().item() / (2 / (50 * 200) ** 0.5) - 1) < 0.1
         True
     """
+    _check_tensor(tensor, "geometric_normal_")
     fans = compute_fans(tensor, groups=groups, transposed=transposed)
     spec = GeometricMean(nonlinearity=nonlinearity, param=param, gain=gain, c=c).spec(fans)
     return sample_(tensor, spec, generator=generator, groups=groups, transposed=transposed)
@@ -580,6 +587,7 @@ def geometric_uniform_(
 
     Defazio & Bottou (2020), Eq. 2/7; ``c`` defaults to ``gain**2`` (2 for ReLU).
     """
+    _check_tensor(tensor, "geometric_uniform_")
     fans = compute_fans(tensor, groups=groups, transposed=transposed)
     spec = GeometricMean(
         nonlinearity=nonlinearity, param=param, gain=gain, c=c, distribution="uniform"
@@ -604,6 +612,7 @@ def geometric_trunc_normal_(
 
     See :func:`trunc_normal_` for the rescaling; Defazio & Bottou (2020), Eq. 2/7.
     """
+    _check_tensor(tensor, "geometric_trunc_normal_")
     fans = compute_fans(tensor, groups=groups, transposed=transposed)
     spec = GeometricMean(
         nonlinearity=nonlinearity, param=param, gain=gain, c=c, distribution="trunc_normal"
@@ -633,6 +642,7 @@ def operator_norm_normal_(
         >>> abs(torch.linalg.matrix_norm(w, ord=2).item() - 2) < 0.05
         True
     """
+    _check_tensor(tensor, "operator_norm_normal_")
     fans = compute_fans(tensor, groups=groups, transposed=transposed)
     spec = OperatorNorm(nonlinearity=nonlinearity, param=param, lipschitz=lipschitz, a=a).spec(fans)
     return sample_(tensor, spec, generator=generator, groups=groups, transposed=transposed)
