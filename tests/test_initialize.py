@@ -116,7 +116,12 @@ def test_an_embeddings_padding_row_stays_zero(scheme: str) -> None:
         nn.Embedding(10, 4, padding_idx=3), nn.EmbeddingBag(10, 4, padding_idx=-1), nn.Linear(4, 2)
     )
     rules = [initlab.Rule("0.weight", "scale", citation="test", value=2.0)]
-    initlab.init_model(model, scheme, generator=0, rules=rules)
+    report = initlab.init_model(model, scheme, generator=0, rules=rules)
+    rows = {r["layer"]: r for r in report if r["role"] == "embedding"}
+    for layer, row in (("0", 3), ("1", 9)):  # the row said: the table is not quite as drawn
+        orthogonal = rows[layer]["distribution"] == "orthogonal"
+        said = "orthogonal except that row, " if orthogonal else "achieved_std"
+        assert f"row {row} (padding_idx) zeroed after the draw: {said}" in rows[layer]["note"]
     assert torch.count_nonzero(model[0].weight[3]) == 0
     assert torch.count_nonzero(model[1].weight[9]) == 0
     assert torch.count_nonzero(model[0].weight[[0, 1, 2, 4]]) == 16  # the rest is drawn
@@ -406,3 +411,23 @@ def test_a_zero_width_layer_has_nothing_to_draw() -> None:
     report = initlab.init_model(net, "geometric", generator=0)  # warnings are errors here
     assert [r["layer"] for r in report.to_rows()] == ["0", "0"]
     assert net(torch.randn(2, 4)).shape == (2, 0)
+
+
+def test_a_tied_orthogonal_head_with_a_padding_row_says_so() -> None:
+    """BERT's tied decoder under "orthogonal": the padding row zeroed after the draw left the
+    head off orthogonal by up to 0.058 (max |W^T W / s^2 - I|), and its row said nothing."""
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(40, 16, padding_idx=0)
+            self.head = nn.Linear(16, 40, bias=False)
+            self.head.weight = self.emb.weight
+
+    model = Tied()
+    report = initlab.init_model(model, "orthogonal", generator=0)
+    (row,) = [r for r in report if r["layer"] == "emb"]
+    assert row["distribution"] == "orthogonal"
+    assert "row 0 (padding_idx) zeroed after the draw: orthogonal except that row" in row["note"]
+    assert torch.count_nonzero(model.emb.weight[0]) == 0
+    assert row["achieved_std"] < row["target_std"]
