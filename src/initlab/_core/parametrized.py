@@ -14,6 +14,11 @@ its *computed* tensor, the one its forward uses; the methods that write weights 
   fixes) make every read inside them refuse, the moment probe included, so that a writer refuses
   before it measures anything.
 
+The mode is a ``contextvars.ContextVar`` set for the duration of one entry point's call and reset
+when it returns or raises (per thread and per task, as torch's grad mode is): no state outlives a
+call or is shared between concurrent ones. Threading it through every registry lookup as an
+argument would reach a dozen signatures that only pass it on.
+
 :func:`computed` evaluates a computed tensor without side effects (``torch.no_grad()``, the
 parametrizations in eval mode: ``spectral_norm`` runs no power iteration, its buffers are left
 alone); :func:`parametrized_note` is the note a measured row of such a tensor carries.
