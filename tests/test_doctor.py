@@ -683,3 +683,17 @@ def test_precondition_says_what_its_rates_do_at_the_base_rate() -> None:
     assert f"learning rate by x{low:.3g} to x{max(rates):.3g} for SGD" in note
     assert f"the slowest layer learns {1 / low:.3g}x slower" in note
     assert "compare with one rate for all layers" in note
+
+
+def test_the_no_fix_line_reads_the_layers_as_they_stand_after_the_fixes() -> None:
+    model = mlp()
+    with torch.no_grad():
+        for m in model:
+            if isinstance(m, nn.Linear):
+                m.bias.fill_(10.0)  # bias_dominates: lsuv zeros the biases
+    rep = doctor(model, classification_data(2), fix=True, generator=0)
+    assert any(f["rule"] == "bias_dominates" for f in rep.diagnosis.findings)
+    assert rep.row("dead_or_exploding_layers")["verdict"] == "ok"
+    assert "no fix here" not in rep.summary()
+    data = [(1000 * x, y) for x, y in classification_data(2)]  # the data's scale: no fix here
+    assert "no fix here: 0: input_scale" in doctor(mlp(), data, fix=True, generator=0).summary()

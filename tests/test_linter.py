@@ -437,3 +437,28 @@ def test_an_input_off_scale_is_named_and_not_blamed_on_the_layers(scale, rules):
     lsuv_(model, batch[0], generator=0)  # the signal back to about 1 after every layer
     after = rules_of(diagnose(model, batch, F.cross_entropy, spectra=False).findings)
     assert "vanishing_signal" not in after and "input_scale" in after
+
+
+def test_a_bias_that_dwarfs_the_weights_output_is_named():
+    """Every bias at 10 in a He-initialized MLP: doctor named logits too large and a dead ReLU
+    "driven negative by what feeds it", never the biases (E[b^2] = 100 of E[y^2] = 103)."""
+    torch.manual_seed(0)
+    model = _deep_mlp(4, nn.ReLU, 1.0)
+    with torch.no_grad():
+        for m in model:
+            if isinstance(m, nn.Linear):
+                m.bias.fill_(10.0)
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randn(64, 16, generator=g), torch.randint(0, 10, (64,), generator=g))
+    with torch.no_grad():  # the oracle: the first layer's output, in float64
+        y = model[0].double()(batch[0].double())
+        model.float()
+    found = rules_of(diagnose(model, batch, F.cross_entropy, spectra=False).findings)
+    first = next(f for f in found["bias_dominates"] if f["layer"] == "0")
+    assert first["severity"] == "warn"
+    assert first["value"] == pytest.approx(100.0 / float(y.square().mean()), rel=1e-5)
+    torch.manual_seed(0)
+    healthy = rules_of(
+        diagnose(_deep_mlp(4, nn.ReLU, None), batch, F.cross_entropy, spectra=False).findings
+    )  # torch's default init: biases of 1/sqrt(3 fan_in)
+    assert "bias_dominates" not in healthy

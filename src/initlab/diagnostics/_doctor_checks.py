@@ -54,6 +54,7 @@ _LAYER_RULES = {
     "vanishing_gradient": "lsuv",
     "exploding_gradient": "lsuv",
     "dead_relu": "lsuv",
+    "bias_dominates": "lsuv",
     "zero_gradient": "lsuv",
     "non_finite": "init",
     "identical_units": "init",

@@ -494,8 +494,8 @@ class DoctorReport(Rows):
         else:
             lines.append("  ill-conditioned: nothing found")
         # the layers no fix here mends (the input's scale, a layer without a gradient): in full
-        for r in ill:
-            if not r["fix"] and r["check"] == "dead_or_exploding_layers":
+        for r in ill:  # as it stands (after the fixes, where they ran)
+            if r["check"] == "dead_or_exploding_layers" and r["verdict"] in _ILL and not r["fix"]:
                 lines.append(f"  {r['check']}, no fix here: {r['why']}")
         lines.append(f"  recommended: {', '.join(self.recommended) or 'nothing'}")
         lines.extend(self._fix_lines(fixing, how_to_fix))

@@ -46,6 +46,11 @@ rule                        sev.    fires on
                                     from the norm before it, not from a 0.02-std embedding); an
                                     embedding that feeds a normalization is not judged
 ``exploding_signal``        bad     ... above :data:`SIGNAL_HIGH` = 1e3
+``bias_dominates``          warn    a weight layer (not a normalization) whose bias makes up
+                                    more than :data:`BIAS_SHARE` = 0.9 of its output's
+                                    ``E[y^2]`` (``E[b^2] / E[y^2]``, the weight non-zero) and
+                                    ``E[b^2] > 1``: its output is mostly a large constant, the
+                                    same for every example
 ``input_scale``             bad     the network's floating input ``E[x_0^2]``
                                     (:func:`network_input`) outside [1e-3, 1e3]; the modules
                                     judged from it are then flagged only where their ``E[y^2]``
@@ -177,6 +182,11 @@ DEAD_BAD = 0.5
 DEAD_MIN_EXAMPLES = 16
 """Fewer examples measured: no dead-ReLU finding (a live unit that is positive half the time looks
 dead over ``n`` examples with probability ``2^-n``; 16 examples make that 1.5e-5)."""
+BIAS_SHARE = 0.9
+"""A layer whose bias makes up more than this share of its output's ``E[y^2]`` (``E[b^2] /
+E[y^2]``), with ``E[b^2] > 1``, is flagged ``bias_dominates`` (``warn``): its output is mostly a
+large constant. (A small bias over a signal that vanished, as torch's default init leaves a deep
+MLP's head, is the signal's problem: ``vanishing_signal``.)"""
 SIGNAL_LOW = 1e-3
 """``E[y^2]`` or a cumulative gain below this: the signal vanishes (``bad``)."""
 SIGNAL_HIGH = 1e3
@@ -211,6 +221,9 @@ RULES: dict[str, str] = {
     "layer gains is about 1).",
     "exploding_signal": f"Signals outside [{SIGNAL_LOW:g}, {SIGNAL_HIGH:g}]: the product of gains "
     "should stay near 1 (Mishkin & Matas 2016, LSUV).",
+    "bias_dominates": "Defazio & Bottou init the biases at zero (Table 2's schemes; Prop. 7/9 "
+    "balance biases against weights at c = 2): a bias that dwarfs W x makes every example's "
+    "output nearly the same constant, and the units it pushes negative before a ReLU are dead.",
     "input_scale": "Section 6.3: the first layer's weights and biases are balanced when "
     "E[x_0^2] = 1 / (k_0 sqrt(n_0)) (about 0.2 for RGB and k = 3, not the traditional 1); an "
     f"input far off scale puts every layer's signal off scale whatever its gain. {_DB}.",
@@ -561,6 +574,7 @@ def _probe_findings(
                 r, ratios, exempt, backward, nonfinite=nonfinite, input_off=inputs is not None
             )
         )
+    out.extend(_bias_findings(table, list(param_table or ())))
     for r in param_table or ():
         if r.get("nonfinite", 0) and r["nonfinite"] > 0:
             out.append(
@@ -643,6 +657,28 @@ def _positive(v: Any) -> bool:
 
 def _in_order(probe_table: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     return sorted((r for r in probe_table if r["order"] is not None), key=lambda r: r["order"])
+
+
+def _bias_findings(
+    probe_table: list[Mapping[str, Any]], param_table: list[Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """``bias_dominates``: layers whose bias is more than :data:`BIAS_SHARE` of ``E[y^2]``."""
+    moments = {(r["layer"], r["param"]): r.get("E_W2") for r in param_table}
+    out = []
+    for r in probe_table:
+        layer, mtype, y2 = r["layer"], str(r["module_type"] or ""), r["E_y2"]
+        b2, w2 = moments.get((layer, "bias")), moments.get((layer, "weight"))
+        if "Norm" in mtype or not (_positive(b2) and _positive(w2) and _positive(y2)):
+            continue
+        share = b2 / y2
+        if share > BIAS_SHARE and b2 > 1.0:
+            out.append(
+                _finding(layer, mtype, "bias_dominates", "warn", share,
+                         f"the bias makes up {min(share, 1.0):.0%} of E[y^2] (E[b^2] = {b2:.3g}, "
+                         f"E[y^2] = {y2:.3g}): the output is mostly a constant, the same for "
+                         "every example; zero the biases (init_model's bias='zeros', or lsuv_)")
+            )  # fmt: skip
+    return out
 
 
 def network_input(probe_table: Iterable[Mapping[str, Any]]) -> tuple[float, str, str]:
