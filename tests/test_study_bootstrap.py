@@ -219,3 +219,33 @@ def test_percentile_interval_and_sensitivity_table() -> None:
         ("v2", "a", 1),
         ("v2", "b", 2),
     ]
+
+
+@pytest.mark.parametrize(
+    ("diff", "win", "verdict"),
+    [
+        ((0.1, 0.3), (0.55, 0.8), "geometric better"),
+        ((0.1, 0.3), (0.4, 0.8), "geometric better (the win rate within its interval)"),
+        ((-0.1, 0.3), (0.525, 0.75), "geometric wins more pairs (beyond the win rate's"),
+        ((-0.2, 0.1), (0.19, 0.46), "fan_in wins more pairs (beyond the win rate's"),
+        ((-0.3, -0.1), (0.1, 0.4), "fan_in better"),
+        ((0.1, 0.3), (0.1, 0.4), "mixed (geometric better on the mean difference, fan_in wins"),
+        ((-0.1, 0.3), (0.4, 0.6), "no difference beyond either interval"),
+        ((math.nan, 0.3), (0.4, 0.6), "undefined (2 of 120 pairs left out"),
+    ],
+)
+def test_the_paired_verdict_reads_both_intervals(diff, win, verdict) -> None:
+    """The report said "no difference beyond the interval" where the win rate's interval
+    excluded 0.5 (geometric winning 60% [52.5%, 75%] of 120 pairs at batch 128)."""
+    from initlab.study.report import _paired_verdict
+
+    row = {"scheme": "fan_in", "diff_lo": diff[0], "diff_hi": diff[1], "win_lo": win[0],
+           "win_hi": win[1], "n_pairs": 120, "n_left_out": 2}  # fmt: skip
+    assert _paired_verdict(row, "geometric").startswith(verdict)
+
+
+def test_the_reference_line_gives_the_counts_intervals() -> None:
+    from initlab.study.report import _count_text
+
+    assert _count_text(2, 0.0, 5.0) == "2 [0, 5]"
+    assert _count_text(2, math.nan, 5.0) == "2"

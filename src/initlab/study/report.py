@@ -433,30 +433,56 @@ def _summary_lines(r: VariantReport, reference: str) -> list[str]:
     lines = [f"Lowest average normalized loss: {', '.join(first)}."]
     ref = next((x for x in rows if x["scheme"] == reference), None)
     if ref is not None:
+        worst = _count_text(ref["worst_in"], ref["worst_lo"], ref["worst_hi"])
+        best = _count_text(ref["best_in"], ref["best_lo"], ref["best_hi"])
         lines.append(
-            f"{reference}: rank {ref['rank']} of {len(rows)}, worst in {ref['worst_in']} and best "
-            f"in {ref['best_in']} of {ref['n_datasets']} data sets; first in "
-            f"{ref['p_first']:.0%} of the bootstrap replicates."
+            f"{reference}: rank {ref['rank']} of {len(rows)}, worst in {worst} and best in {best} "
+            f"of {ref['n_datasets']} data sets; first in {ref['p_first']:.0%} of the bootstrap "
+            "replicates."
         )
     for p in r.paired.filter(dataset="all") if r.paired is not None else []:
         lo, hi = p["diff_lo"], p["diff_hi"]
-        verdict = (
-            f"undefined ({p['n_left_out']} of {p['n_pairs']} pairs left out: "
-            "a loss that is infinite or missing in both, or too few bootstrap replicates with a "
-            "finite difference)"
-            if not (math.isfinite(lo) and math.isfinite(hi))
-            else f"{reference} better"
-            if lo > 0
-            else f"{p['scheme']} better"
-            if hi < 0
-            else "no difference beyond the interval"
-        )
+        wins = ci_text(p["ref_win_rate"], p["win_lo"], p["win_hi"])
         lines.append(
             f"{p['scheme']} − {reference}: mean normalized difference "
-            f"{ci_text(p['mean_diff'], lo, hi)}, {reference} wins {p['ref_win_rate']:.0%} of "
-            f"pairs: {verdict}."
+            f"{ci_text(p['mean_diff'], lo, hi)}, {reference} wins {wins} of pairs: "
+            f"{_paired_verdict(p, reference)}."
         )
     return lines + left
+
+
+def _count_text(count: int, lo: float, hi: float) -> str:
+    """``"2 [0, 5]"``: a worst-in or best-in count with its interval (the count alone where the
+    interval is missing)."""
+    if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in (lo, hi)):
+        return str(count)
+    return f"{count} [{lo:.0f}, {hi:.0f}]"
+
+
+def _paired_verdict(p: Mapping[str, Any], reference: str) -> str:
+    """What the two intervals of a paired row say together: the mean difference's (positive:
+    ``reference`` better) and the win rate's (above 0.5: ``reference`` wins more pairs)."""
+    lo, hi, win_lo, win_hi = p["diff_lo"], p["diff_hi"], p["win_lo"], p["win_hi"]
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return (
+            f"undefined ({p['n_left_out']} of {p['n_pairs']} pairs left out: a loss that is "
+            "infinite or missing in both, or too few bootstrap replicates with a finite difference)"
+        )
+    by_mean = reference if lo > 0 else p["scheme"] if hi < 0 else None
+    by_wins = reference if win_lo > 0.5 else p["scheme"] if win_hi < 0.5 else None
+    if by_mean is not None and by_wins is not None and by_mean != by_wins:
+        return (
+            f"mixed ({by_mean} better on the mean difference, {by_wins} wins more pairs, both "
+            "beyond their intervals)"
+        )
+    if by_mean is not None:
+        return f"{by_mean} better" + ("" if by_wins else " (the win rate within its interval)")
+    if by_wins is not None:
+        return (
+            f"{by_wins} wins more pairs (beyond the win rate's interval; the mean difference "
+            "within its own)"
+        )
+    return "no difference beyond either interval"
 
 
 def _variant_markdown(r: VariantReport, reference: str) -> list[str]:
