@@ -151,14 +151,16 @@ def _build_model(
 
     # Constructors draw PyTorch's default init from the global RNG: fork it, seeded by the run,
     # so anything the scheme leaves alone is reproducible too (and the caller's RNG untouched).
+    # Built and drawn in float32, then cast: a float64 run (an exact check of a stored float32
+    # one) starts from the same weights, not from float64 draws of another stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
-        model = model_factory(config).to(dtype=dtype)
+        model = model_factory(config).to(dtype=torch.float32)
     init_model(
         model, config.scheme, generator=torch.Generator().manual_seed(config.seed), measure=False
     )
     apply_study_options(model, config)
-    return model.to(device)
+    return model.to(dtype=dtype).to(device)
 
 
 def _scale_from_std(std: Tensor, target: Tensor) -> Tensor:
@@ -269,7 +271,9 @@ def train_one(
         test: optional test split, evaluated after every epoch.
         model_factory: builds the (uninitialized) model for a config.
         device: where to train.
-        dtype: floating dtype of the model and the inputs (``torch.float64`` for exact checks).
+        dtype: floating dtype of the model and the inputs (``torch.float64`` for exact checks:
+            the model is built and initialized in float32 and cast, so it starts from the same
+            weights as the float32 run).
         keep_state: store the final ``state_dict`` in :attr:`RunResult.state` (see
             :func:`train_runs` for models without an ``output_scale`` buffer).
         evaluate: ``"every_epoch"`` or ``"last_epoch"`` (module docstring, step 5).
