@@ -1352,3 +1352,36 @@ def test_data_on_the_meta_device_is_named() -> None:
         initlab.input_scale(meta)
     with pytest.raises(ValueError, match=r"^gr_scaling: batch 0 holds a tensor on the meta "):
         initlab.gr_scaling(_mlp(), [(meta, torch.zeros(8, dtype=torch.long))])
+
+
+# ------------------------------------------------------------ a model that returns its loss
+
+
+class _LossOut(nn.Module):
+    """forward(x, y) -> the cross-entropy of its logits: a model that returns its own loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _mlp()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.net(x), y)
+
+
+def test_a_model_that_returns_its_scalar_loss_is_measured_on_it() -> None:
+    """Dict batches with the default loss gave a raw IndexError (the scalar read as logits);
+    scale_output_ set the spread of the per-batch losses to 0.05 and hooked the loss itself."""
+    x, y = _data(32)
+    model = _LossOut()
+    dicts = [{"x": x[:16], "y": y[:16]}, {"x": x[16:], "y": y[16:]}]
+    got = [r["gamma_w"] for r in initlab.gr_scaling(model, dicts)]
+    tuples = [(x[:16], y[:16]), (x[16:], y[16:])]  # the oracle: the logits, the criterion
+    want = [r["gamma_w"] for r in initlab.gr_scaling(model.net, tuples, nn.CrossEntropyLoss())]
+    assert got == pytest.approx(want, rel=1e-6)
+    before = _state(model)
+    with pytest.raises(ValueError, match=r"^scale_output_: the model's output is a scalar"):
+        initlab.scale_output_(model, dicts)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    rep = initlab.doctor(model, dicts)
+    assert rep.value("logit_std", "verdict") == "n/a"
+    assert "the model's output is a scalar (its loss)" in rep.row("logit_std")["why"]

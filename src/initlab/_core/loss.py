@@ -319,9 +319,12 @@ def _check_counted(found: tuple[str, Any] | None, ignore_index: int, name: str) 
 
 def model_loss(outputs: Any) -> torch.Tensor | None:
     """The loss a model returned with its outputs, or ``None``: ``outputs.loss``, ``outputs
-    ["loss"]``, or the first item of a tuple or list when it is a scalar beside other outputs
-    (a Hugging Face model called with ``return_dict=False``: ``(loss, logits, ...)``); ``None``
-    for a plain tensor or a tuple of outputs."""
+    ["loss"]``, the first item of a tuple or list when it is a scalar beside other outputs
+    (a Hugging Face model called with ``return_dict=False``: ``(loss, logits, ...)``), or the
+    output itself when it is one floating scalar (a model whose forward returns its loss);
+    ``None`` for a tensor of outputs or a tuple of them."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs if outputs.dim() == 0 and outputs.is_floating_point() else None
     loss = getattr(outputs, "loss", None)
     if loss is None and isinstance(outputs, Mapping):
         loss = outputs.get("loss")

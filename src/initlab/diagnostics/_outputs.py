@@ -117,6 +117,9 @@ def output_pass(
                 out["missing"] = str(err)
                 break
             logits = output_tensor(raw).detach()
+            if logits.dim() == 0:  # one number per batch: the model returned its loss
+                out["missing"] = "the model's output is a scalar (its loss): it returns no logits"
+                break
             # padded positions left out, as the loss does (an encoder-decoder's: counted)
             real = real_positions(logits, batch) if masks_positions(model) else logits
             s1 += float(real.sum(dtype=torch.float64))  # float64 sums, no float64 copy

@@ -228,6 +228,17 @@ folded into (``""`` for ``how="module"``), the std of the logits before and afte
 target."""
 
 
+def _check_per_example(y: torch.Tensor, what: str) -> None:
+    """Raise ``ValueError`` for a scalar output: one number per batch (a model that returns its
+    own loss) has no logits to scale, and scaling it would scale the loss."""
+    if y.dim() == 0:
+        raise ValueError(
+            f"{what}: the model's output is a scalar (0-d: its loss?), not per-example outputs: "
+            "there are no logits to scale. Pass forward=lambda model, batch: <the logits> (e.g. "
+            "the head's output), or scale the layer that computes them"
+        )
+
+
 def _output_moments(
     model: nn.Module,
     batches: Sequence[Any],
@@ -251,6 +262,7 @@ def _output_moments(
                 with seeds.scope(i):
                     raw = forward(model, batch)
                     y = output_tensor(raw)
+                    _check_per_example(y, what)
                     if i == 0:
                         seen(y)
                     y = y.detach()
