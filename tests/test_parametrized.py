@@ -11,6 +11,7 @@ removed (the values kept). The methods that write weights still refuse such a la
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -304,3 +305,38 @@ def test_a_parametrized_bias_is_measured_on_its_computed_value() -> None:
     assert gr["nu_b"] > 0 and "'bias' is computed by _Tripled" in gr["note"]
     initlab.diagnose(model, data, nn.CrossEntropyLoss(), generator=0)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def _exploding_mlp(parametrized: bool) -> nn.Sequential:
+    """A ReLU MLP whose weight-normed hidden layers (g x6) and head (x10) explode; without the
+    parametrizations the same computed weights (``remove_parametrizations`` keeps them)."""
+    torch.manual_seed(0)
+    widths = (20, 64, 64, 64, 10)
+    layers: list[nn.Module] = []
+    for n_in, n_out in itertools.pairwise(widths):
+        layers += [nn.Linear(n_in, n_out), nn.ReLU()]
+    model = nn.Sequential(*layers[:-1])
+    for layer in (model[0], model[2], model[4]):
+        parametrizations.weight_norm(layer)
+        with torch.no_grad():
+            layer.parametrizations.weight.original0.mul_(6.0)
+        if not parametrized:
+            parametrize.remove_parametrizations(layer, "weight")
+    with torch.no_grad():
+        model[6].weight.mul_(10.0)
+    return model
+
+
+def test_doctor_does_not_count_weight_norm_as_a_normalization_layer() -> None:
+    """weight_norm's ``_WeightNorm`` computes a weight, it resets no signal: the exploding layers
+    are found as in the model without the parametrizations."""
+    gen = torch.Generator().manual_seed(1)
+    data = [(torch.randn(32, 20, generator=gen), torch.randint(0, 10, (32,), generator=gen))]
+    rows = {}
+    for parametrized in (True, False):
+        doc = initlab.doctor(_exploding_mlp(parametrized), data, nn.CrossEntropyLoss(), generator=0)
+        rows[parametrized] = doc.row("dead_or_exploding_layers")
+    assert rows[False]["verdict"] == "bad" and rows[False]["value"] >= 1
+    assert rows[True]["verdict"] == rows[False]["verdict"]
+    assert rows[True]["value"] == rows[False]["value"]
+    assert "normalization" not in rows[True]["why"]

@@ -15,6 +15,7 @@ from torch import nn
 from initlab._core.data import batch_size
 from initlab._core.knobs import errors_named
 from initlab._core.loss import Loss, target_count
+from initlab._core.parametrized import machinery
 from initlab._core.rng import Seeds, peeked
 from initlab._core.rows import _fmt
 from initlab.diagnostics._outputs import (
@@ -255,8 +256,11 @@ def _spread_check(m: _Measure, key: str) -> _Check:
 
 def _normalized(model: nn.Module) -> bool:
     """Whether a normalization layer (BatchNorm, LayerNorm, GroupNorm, RMSNorm, ...) resets the
-    signal's scale somewhere in the model."""
-    return any("Norm" in type(mod).__name__ for mod in model.modules())
+    signal's scale somewhere in the model. The modules of a parametrization (``weight_norm``'s
+    ``_WeightNorm``, ``spectral_norm``'s ``_SpectralNorm``) compute a weight, not the signal:
+    they are no normalization layer."""
+    skip = machinery(model)
+    return any("Norm" in type(mod).__name__ for mod in model.modules() if id(mod) not in skip)
 
 
 def _trusted(finding: Mapping[str, Any], normalized: bool, traced: bool) -> bool:

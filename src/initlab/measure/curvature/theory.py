@@ -21,6 +21,7 @@ from initlab._core.compiled import takes_compiled
 from initlab._core.data import Batches, batch_size, data_use, take_batches
 from initlab._core.knobs import errors_named, renamed_kwargs
 from initlab._core.loss import Loss
+from initlab._core.parametrized import machinery
 from initlab._core.rows import Rows
 from initlab._core.state import keeps_config, preserved_state
 from initlab.init.registry import linear_fans
@@ -109,7 +110,8 @@ def _outside_setting(model: nn.Module, run: Callable[[], Any]) -> dict[str, str]
     elementwise activations (Defazio & Bottou, Section 4) -- found by a runtime trace of one
     forward (:func:`~initlab.measure.runtime_trace.what_follows`); a ratio far from 1 is then
     expected, not an error of the estimate. Best effort: no notes if the trace fails."""
-    types = {n: type(m).__name__ for n, m in model.named_modules()}
+    skip = machinery(model)  # weight_norm's _WeightNorm normalizes a weight, not the signal
+    types = {n: type(m).__name__ for n, m in model.named_modules() if id(m) not in skip}
     try:
         with preserved_state(model), torch.no_grad(), recording(model) as graph:
             run()
