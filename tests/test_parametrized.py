@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -340,3 +341,21 @@ def test_doctor_does_not_count_weight_norm_as_a_normalization_layer() -> None:
     assert rows[True]["verdict"] == rows[False]["verdict"]
     assert rows[True]["value"] == rows[False]["value"]
     assert "normalization" not in rows[True]["why"]
+
+
+def test_the_refusal_gives_the_way_back_for_every_parametrized_tensor() -> None:
+    """weight (weight_norm) and bias (a custom parametrization) of one layer: the message says
+    how to remove and register again each; removing what it names lets init_model run."""
+    model = _mlp()
+    parametrizations.weight_norm(model[0], "weight", dim=0)
+    parametrize.register_parametrization(model[0], "bias", _Tripled())
+    with pytest.raises(ValueError, match="parametrized tensors") as err:
+        initlab.init_model(model)
+    text = str(err.value)
+    removed = re.findall(r"remove_parametrizations\(layer, '(\w+)'\) keeps", text)
+    assert removed == ["weight", "bias"]
+    assert "parametrizations.weight_norm(layer, 'weight', dim=0)" in text
+    assert "register_parametrization(layer, 'bias', ...)" in text
+    for name in removed:
+        parametrize.remove_parametrizations(model[0], name)
+    initlab.init_model(model)  # no parametrization left: it runs

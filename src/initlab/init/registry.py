@@ -142,6 +142,20 @@ def _register_again(parametrization: nn.Module, name: str) -> str | None:
     return None
 
 
+def _way_back(module: nn.Module, name: str) -> str:
+    """How to take the parametrizations off ``module``'s tensor ``name`` keeping its current
+    value, and the call that registers them again after (the generic one for a stack of them or
+    another kind)."""
+    plist = module.parametrizations[name]
+    again = (_register_again(plist[0], name) if len(plist) == 1 else None) or (
+        f"torch.nn.utils.parametrize.register_parametrization(layer, {name!r}, ...)"
+    )
+    return (
+        f"torch.nn.utils.parametrize.remove_parametrizations(layer, {name!r}) keeps the current "
+        f"values (then {again})"
+    )
+
+
 def _refuse_parametrized(module: nn.Module, names: list[str], where: str = "") -> None:
     """Raise ValueError if some of ``names`` are computed by parametrizations
     (``torch.nn.utils.parametrize``: ``weight_norm``, ``spectral_norm``, ``orthogonal``...):
@@ -155,7 +169,6 @@ def _refuse_parametrized(module: nn.Module, names: list[str], where: str = "") -
     if not kinds:
         return
     what = ", ".join(f"{name!r} by {' and '.join(k)}" for name, k in kinds.items())
-    first = next(iter(kinds))
     ours = any("ConditioningMultiplier" in k for k in kinds.values())
     hint = (
         ". A ConditioningMultiplier is precondition_(how='parametrize')'s: its report has "
@@ -164,17 +177,13 @@ def _refuse_parametrized(module: nn.Module, names: list[str], where: str = "") -
         if ours
         else ""
     )
-    plist = module.parametrizations[first]
-    again = (_register_again(plist[0], first) if len(plist) == 1 else None) or (
-        f"torch.nn.utils.parametrize.register_parametrization(layer, {first!r}, ...)"
-    )
+    ways = "; ".join(_way_back(module, name) for name in kinds)
     cls = _dotted(type(module).__bases__[0])
     layer = f"the layer {where!r} (a {cls})" if where else f"a {cls}"
     raise ValueError(
         f"{layer} has parametrized tensors ({what}; torch.nn.utils.parametrize): initlab reads "
         "and writes a layer's own tensors and does not handle parametrizations. Remove them for "
-        "this call and register them again after: torch.nn.utils.parametrize."
-        f"remove_parametrizations(layer, {first!r}) keeps the current values (then {again})"
+        f"this call and register them again after, each of them: {ways}"
         f"{_renormalized(kinds)}{hint}"
     )
 
