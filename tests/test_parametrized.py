@@ -359,3 +359,39 @@ def test_the_refusal_gives_the_way_back_for_every_parametrized_tensor() -> None:
     for name in removed:
         parametrize.remove_parametrizations(model[0], name)
     initlab.init_model(model)  # no parametrization left: it runs
+
+
+def _hessian_block(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor) -> float:
+    """``||H||_F^2 / n`` of the mean cross-entropy's Hessian in layer 0's (computed) weight, in
+    float64 with the weight as a leaf."""
+    w0 = model[0].weight.detach().double()
+
+    def loss(w: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(F.linear(x.double(), w, model[0].bias.detach().double()))
+        out = F.linear(h, model[2].weight.detach().double(), model[2].bias.detach().double())
+        return F.cross_entropy(out, y)
+
+    hess = torch.autograd.functional.hessian(loss, w0).reshape(w0.numel(), w0.numel())
+    return (hess.square().sum() / w0.numel()).item()
+
+
+def test_theory_vs_actual_has_the_block_of_the_computed_weight() -> None:
+    """The weight-normed layer's weight has its row: the block of the computed weight, as in the
+    model without the parametrization (same probes), and near the exact Hessian block."""
+    model = _model("mlp", "weight_norm0")
+    plain = _model("mlp", "weight_norm0")
+    parametrize.remove_parametrizations(plain[0], "weight")
+    data = _data("mlp")
+    got = initlab.theory_vs_actual(model, data, nn.CrossEntropyLoss(), generator=0, probes=64)
+    want = initlab.theory_vs_actual(plain, data, nn.CrossEntropyLoss(), generator=0, probes=64)
+    assert [(r["layer"], r["param"]) for r in got] == [(r["layer"], r["param"]) for r in want]
+    for a, b in zip(got, want, strict=True):
+        for q in ("theory", "actual", "stderr"):
+            assert a[q] == pytest.approx(b[q], rel=1e-5), (a["layer"], a["param"], q)
+    row = _row(got, layer="0", param="weight")
+    assert "'weight' is computed by _WeightNorm" in row["note"]
+    assert "Hessian block of that computed tensor" in row["note"]
+    exact = _hessian_block(model, *data[0])
+    assert abs(row["actual"] - exact) < 4 * row["stderr"] + 1e-3 * exact
+    assert parametrize.is_parametrized(model[0], "weight")
+    assert type(model[0]).__name__ == "ParametrizedLinear" and model(data[0][0]).shape == (B, 3)

@@ -26,6 +26,7 @@ alone); :func:`parametrized_note` is the note a measured row of such a tensor ca
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -42,6 +43,7 @@ __all__ = [
     "machinery",
     "parametrized_names",
     "parametrized_note",
+    "plain_copy",
     "reading_layers",
     "reading_scope",
     "refuse_computed",
@@ -167,6 +169,26 @@ def trainable(module: nn.Module, name: str) -> bool:
         return any(p.requires_grad for p in plist.parameters())
     param = module._parameters.get(name)
     return param is None or bool(param.requires_grad)
+
+
+def plain_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` in which every computed tensor is a parameter holding its value
+    (:func:`computed`), trainable as the tensors it was computed from (:func:`trainable`): the
+    same forward, with the computed tensors as leaves (their curvature blocks are then those of
+    ``dL/dW``). ``model`` itself is not changed."""
+    twin = copy.deepcopy(model)
+    for module in list(twin.modules()):  # the walk must not see the modules removed
+        names = parametrized_names(module)
+        values = {name: (computed(module, name).clone(), trainable(module, name)) for name in names}
+        if not names:
+            continue
+        # not remove_parametrizations: it deletes the property from the Parametrized class,
+        # which the copy shares with ``model``
+        module.__class__ = type(module).__bases__[0]
+        del module._modules["parametrizations"]
+        for name, (value, grad) in values.items():
+            module.register_parameter(name, nn.Parameter(value, requires_grad=grad))
+    return twin
 
 
 def parametrized_note(module: nn.Module, name: str) -> str:

@@ -21,7 +21,12 @@ from initlab._core.compiled import takes_compiled
 from initlab._core.data import Batches, batch_size, data_use, take_batches
 from initlab._core.knobs import errors_named, renamed_kwargs
 from initlab._core.loss import Loss
-from initlab._core.parametrized import machinery
+from initlab._core.parametrized import (
+    machinery,
+    parametrized_names,
+    parametrized_note,
+    plain_copy,
+)
 from initlab._core.rows import Rows
 from initlab._core.state import keeps_config, preserved_state
 from initlab.init.registry import linear_fans
@@ -135,12 +140,30 @@ def _blocks(model: nn.Module, modules: dict[str, nn.Module]) -> list[tuple[str, 
     canon = canonical_names(model)
     names, seen = [], set()
     for mname, mod in modules.items():
-        for pname, p in mod.named_parameters(recurse=False):
+        own = sorted(mod.named_parameters(recurse=False), key=lambda kv: kv[0] != "weight")
+        for pname, p in own:  # the weight first (a computed one is registered after the bias)
             qname = canon[f"{mname}.{pname}" if mname else pname]
             if p.requires_grad and pname in ("weight", "bias") and qname not in seen:
                 seen.add(qname)
                 names.append((mname, pname, qname))
     return names
+
+
+def _leaves(
+    model: nn.Module, modules: Mapping[str, nn.Module]
+) -> tuple[nn.Module, dict[tuple[str, str], str]]:
+    """The model whose blocks are measured, and the note of each computed tensor's row. A
+    model without parametrizations is itself; else a copy in which each computed tensor (a
+    ``weight_norm``ed weight) is a parameter of its value (:func:`plain_copy`): the block of
+    the weight the forward uses, which Eq. 1's ``γ`` describes, not of its trainable originals."""
+    notes = {
+        (mname, pname): parametrized_note(mod, pname)
+        + "; actual is the Hessian block of that computed tensor (measured as a leaf)"
+        for mname, mod in modules.items()
+        for pname in parametrized_names(mod)
+        if pname in ("weight", "bias")
+    }
+    return (plain_copy(model) if notes else model), notes
 
 
 def _row(
@@ -281,9 +304,10 @@ def theory_vs_actual(
         gammas = _conditioning_gamma(moments, twin, batch_size(batch))
     else:
         gammas = _builtin_gamma(moments, dict(twin.named_modules()))
-    names = _blocks(model, modules)
+    plain, notes = _leaves(model, modules)
+    names = _blocks(plain, {n: plain.get_submodule(n) for n in modules})
     est = block_curvature(
-        model,
+        plain,
         Batches([batch]),
         loss,
         kind=kind,
@@ -297,11 +321,15 @@ def theory_vs_actual(
         forward=forward,
     )
     by_block = {r["block_row"]: r for r in est}
-    tied = tied_aliases(model)
+    tied = tied_aliases(plain)
     rows = [
         _row(m, p, q, modules[m], gammas.get(m), by_block[q], tied.get(q, ()), setting.get(m, ""))
         for m, p, q in names
     ]
+    for r in rows:
+        computed_note = notes.get((r["layer"], r["param"]))
+        if computed_note:
+            r["note"] = "; ".join(x for x in (computed_note, r["note"]) if x)
     return Rows(
         rows,
         THEORY_COLUMNS,
