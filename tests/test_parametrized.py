@@ -395,3 +395,60 @@ def test_theory_vs_actual_has_the_block_of_the_computed_weight() -> None:
     assert abs(row["actual"] - exact) < 4 * row["stderr"] + 1e-3 * exact
     assert parametrize.is_parametrized(model[0], "weight")
     assert type(model[0]).__name__ == "ParametrizedLinear" and model(data[0][0]).shape == (B, 3)
+
+
+class _Attending(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.att = nn.MultiheadAttention(4, 2, batch_first=True)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.att(x, x, x)[0].mean(1))
+
+
+@pytest.mark.parametrize("where", ["in_proj_weight", "out_proj.weight"])
+@pytest.mark.parametrize("kind", ["weight_norm0", "spectral_norm"])
+def test_attention_with_a_parametrized_projection_is_measured(where: str, kind: str) -> None:
+    """nn.MultiheadAttention with a parametrized projection: no crash (its re-run wrote the
+    originals in place); the computed tensor's per-example column NaN with the reason, every
+    other column as in the model without the parametrization."""
+
+    def build(parametrized: bool) -> _Attending:
+        torch.manual_seed(0)
+        model = _Attending().eval()
+        owner, local = (
+            (model.att, where) if where == "in_proj_weight" else (model.att.out_proj, "weight")
+        )
+        if kind == "spectral_norm":
+            parametrizations.spectral_norm(owner, local)
+        else:
+            parametrizations.weight_norm(owner, local, dim=0)
+        if not parametrized:
+            parametrize.remove_parametrizations(owner, local)
+        return model
+
+    gen = torch.Generator().manual_seed(1)
+    data = [(torch.randn(B, 3, 4, generator=gen), torch.randint(0, 3, (B,), generator=gen))]
+    model, plain = build(True), build(False)
+    before = copy.deepcopy(model.state_dict())
+    got = initlab.measure_moments(model, data, nn.CrossEntropyLoss())
+    want = {
+        (r["layer"], r["param"]): r
+        for r in initlab.measure_moments(plain, data, nn.CrossEntropyLoss()).param_table()
+    }
+    layer, param = (
+        ("att", "in_proj_weight") if where == "in_proj_weight" else ("att.out_proj", "weight")
+    )
+    for r in got.param_table():
+        b = want[(r["layer"], r["param"])]
+        for q in ("E_W2", "E_dW2"):
+            assert r[q] == pytest.approx(b[q], rel=1e-5), (r["layer"], r["param"], q)
+        if (r["layer"], r["param"]) == (layer, param):
+            assert r["E_dW2_example"] != r["E_dW2_example"]  # NaN
+            assert "is computed by _" in r["note"]
+        else:
+            assert r["E_dW2_example"] == pytest.approx(b["E_dW2_example"], rel=1e-5), r["param"]
+    assert any(n.startswith(f"{layer}.{param}: ") and "swap" in n for n in got.notes)
+    initlab.diagnose(model, data, nn.CrossEntropyLoss(), generator=0)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

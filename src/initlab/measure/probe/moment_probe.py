@@ -742,6 +742,11 @@ class MomentProbe(HookContext):
 
     def _example_parts(self, ps: _ParamState, records: list[_Record]) -> list[_Contribution]:
         """The contributions of every recorded call to ``ps`` (replaying modules that need it)."""
+        if not records and ps.computed_trainable is not None:
+            raise _Unavailable(
+                "a computed tensor used outside its own layer's call (by its parent, as "
+                "nn.MultiheadAttention uses out_proj.weight): the parent's re-run cannot swap it"
+            )
         if not records:
             raise _Unavailable("the gradient reached it outside any recorded module call")
         parts: list[_Contribution] = []

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.nn.utils import parametrize
 
 from initlab._core.functional import functional_call
 from initlab._core.parametrized import layer_tensor
@@ -288,9 +289,13 @@ def _attention_contributions(rec: _Record) -> None:
 
 def _check_attention_shortcut(module: nn.Module, rec: _Record) -> None:
     """Raise :class:`_Fallback` where the shortcut does not apply (separate ``kdim``/``vdim``,
-    ``bias_k``/``bias_v``, dropout in train mode, or parameters beyond the projections)."""
+    ``bias_k``/``bias_v``, dropout in train mode, parameters beyond the projections, or a
+    projection computed by a parametrization: the shortcut's re-run would assign the identities
+    to it, which writes the parametrization's originals in place)."""
     if (
-        not module._qkv_same_embed_dim
+        parametrize.is_parametrized(module)
+        or parametrize.is_parametrized(module.out_proj)
+        or not module._qkv_same_embed_dim
         or module.bias_k is not None
         or module.bias_v is not None
         or (module.training and module.dropout > 0.0)
