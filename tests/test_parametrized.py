@@ -452,3 +452,27 @@ def test_attention_with_a_parametrized_projection_is_measured(where: str, kind: 
     assert any(n.startswith(f"{layer}.{param}: ") and "swap" in n for n in got.notes)
     initlab.diagnose(model, data, nn.CrossEntropyLoss(), generator=0)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+class _Unchanged(nn.Module):
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+
+@pytest.mark.parametrize("identity", [nn.Identity, _Unchanged])
+def test_a_parametrization_returning_its_input_is_measured(identity: type[nn.Module]) -> None:
+    """The computed weight is the trainable tensor itself: its gradients are measured (they
+    were NaN without a note), against the float64 reference."""
+    model = _mlp()
+    parametrize.register_parametrization(model[0], "weight", identity())
+    data = _data("mlp")
+    ref = _reference(model, *data[0])
+    probe = initlab.measure_moments(model, data, nn.CrossEntropyLoss())
+    row = _row(probe.param_table(), layer="0", param="weight")
+    for q in ("E_W2", "E_dW2", "E_dW2_example"):
+        assert row[q] == pytest.approx(ref[q], rel=1e-5), q
+    assert probe.notes == []
+    gr = _row(initlab.gr_scaling(model, data, nn.CrossEntropyLoss()), layer="0")
+    assert gr["nu_w"] == pytest.approx(ref["E_dW2_example"] / ref["E_W2"], rel=1e-5)
+    assert gr["nu_w_minibatch"] == pytest.approx(ref["E_dW2"] / ref["E_W2"], rel=1e-5)
+    assert not _hooks_left(model)

@@ -591,17 +591,22 @@ class MomentProbe(HookContext):
 
     def _evaluation_hook(self, ps: _ParamState) -> Callable:
         """On a ``ParametrizationList``: keep the gradient of each evaluation of the computed
-        tensor that has one (in ``ps.grad_parts``)."""
+        tensor that has one (in ``ps.grad_parts``). An evaluation that is a trainable tensor
+        itself (a parametrization returning its input) is handed on as a view of it: a hook on
+        the leaf would fire after :meth:`_sources_hook`, which hands the sum over."""
 
         def keep(grad: torch.Tensor) -> None:
             if not self._replaying:
                 ps.grad_parts.append(grad.detach())
 
-        def hook(plist: nn.Module, args: tuple, output: Any) -> None:
+        def hook(plist: nn.Module, args: tuple, output: Any) -> torch.Tensor | None:
             if self._replaying or not isinstance(output, torch.Tensor):
-                return
-            if torch.is_grad_enabled() and output.requires_grad:
-                output.register_hook(keep)
+                return None
+            if not (torch.is_grad_enabled() and output.requires_grad):
+                return None
+            evaluation = output.view_as(output) if output.grad_fn is None else output
+            evaluation.register_hook(keep)
+            return evaluation if evaluation is not output else None
 
         return hook
 
