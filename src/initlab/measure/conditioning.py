@@ -380,8 +380,9 @@ def _gr_row(
         gamma_w = _ratio(a4 * n_in * k2 * p2 * e_x2 * e_x2 * e_dy2, e_y2)
         if bias is not None:
             gamma_b = _ratio(p2 * e_dy2, e_y2)
-    if math.isnan(e_dw2_ex) and reached:
-        notes.append("per-example weight gradient unavailable (see probe.notes)")
+    if math.isnan(e_dw2_ex) and reached:  # then nu_w is not measured either
+        notes[:] = [n.removesuffix("; nu is measured") for n in notes]
+        notes.append("per-example weight gradient unavailable, nu_w NaN (see probe.notes)")
     nu_b = _NAN
     if bias is None:
         notes.append("no bias")

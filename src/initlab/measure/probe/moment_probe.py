@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from initlab._core.autocast import without_autocast
 from initlab._core.compiled import scripted_error, uncompiled
@@ -302,7 +303,9 @@ class MomentProbe(HookContext):
         if replay:
             ps.no_example = (
                 "per-example gradients of a computed tensor are given for unmodified Linear, "
-                "Conv, Embedding and LayerNorm layers only (a re-run cannot swap it)"
+                "Conv1d/2d/3d (not ConvTranspose), Embedding and LayerNorm layers only: the "
+                f"others' ({parametrize.type_before_parametrizations(module).__name__}) come "
+                "from a re-run, which cannot swap it"
             )
         ps.acc_w = self._ledger.new_acc(value.device)
         self._ledger.add(ps.acc_w, self._ledger.reduce(value), value.numel())
