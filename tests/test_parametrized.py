@@ -501,3 +501,27 @@ def test_a_parametrized_conv_transpose_says_why_its_nu_is_nan() -> None:
     assert got["nu_w"] != got["nu_w"] and want["nu_w"] > 0
     assert got["nu_b"] == pytest.approx(want["nu_b"], rel=1e-5)
     assert "nu is measured" not in got["note"] and "nu_w NaN" in got["note"]
+
+
+def test_doctor_says_its_fixes_refuse_a_parametrized_model() -> None:
+    """doctor without fixes on a weight-normed model with a large head: the summary says the
+    fixes refuse the model and how to remove the parametrizations (what the writers say), the
+    fix column does not offer a call that fails as is, and no 'std -> nan'."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 10))
+    parametrizations.weight_norm(model[0])
+    with torch.no_grad():
+        model[2].weight.mul_(30.0)
+    gen = torch.Generator().manual_seed(1)
+    data = [(torch.randn(32, 20, generator=gen), torch.randint(0, 10, (32,), generator=gen))]
+    doc = initlab.doctor(model, data, nn.CrossEntropyLoss(), generator=0)
+    with pytest.raises(ValueError, match="parametrized tensors") as err:
+        initlab.doctor(model, data, nn.CrossEntropyLoss(), generator=0, fix=True)
+    summary = doc.summary()
+    assert "fix=True) applies the fixes" not in summary
+    assert "refuse this model" in summary and str(err.value) in summary
+    for check in ("initial_loss", "logit_std"):
+        row = doc.row(check)
+        assert row["verdict"] == "bad"
+        assert "nan" not in row["why"] and "refuses this model" in row["why"]
+        assert row["fix"].startswith("once the parametrizations are removed")

@@ -345,6 +345,8 @@ def _init_for_logits(
         c.why += (
             f"; init_model(model, 'geometric') would not shrink the logits (std {_fmt(m.logit_std)}"
             f" → {_fmt(after)}): scale the output instead"
+            if math.isfinite(after)
+            else "; init_model(model, 'geometric') refuses this model, so it is no fix here"
         )
 
 

@@ -133,6 +133,7 @@ from initlab.diagnostics._outputs import (
 )
 from initlab.diagnostics.report import Report, _encode_rows, _encode_value
 from initlab.init.model import init_model
+from initlab.measure.probe.checks import refuse_parametrized
 from initlab.methods.lsuv import lsuv_
 from initlab.methods.output_scale import scale_output_
 from initlab.methods.precondition import precondition_, preconditioned_param_groups
@@ -172,6 +173,17 @@ _ALIASES = {"scale_output": "output_scale", "init_model": "init", "preconditioni
 
 
 # ----------------------------------------------------------------------------- fixing
+
+
+def _refusal(model: nn.Module) -> str | None:
+    """The message with which the fixes (the methods that write weights) refuse ``model``'s
+    parametrized tensors, with the way back for each; ``None`` where they do not."""
+    try:
+        with writing_scope():
+            refuse_parametrized(model)
+    except ValueError as err:
+        return str(err)
+    return None
 
 
 def _fix_names(fix: bool | str | Sequence[str] | None) -> list[str] | None:
@@ -514,6 +526,11 @@ class DoctorReport(Rows):
         return "\n".join(lines)
 
     def _fix_lines(self, fixing: bool, how_to_fix: str) -> list[str]:
+        if not fixing and self.meta.get("refused"):
+            return [
+                "  not changed (fix=False); the fixes (and doctor(model, data, fix=True)) refuse "
+                f"this model: {self.meta['refused']}"
+            ]
         if not fixing:
             return [f"  not changed (fix=False); {how_to_fix}"]
         lines = [f"  applied: {', '.join(self.applied) or 'nothing'}"]
@@ -746,9 +763,12 @@ def doctor(
         }  # fmt: skip
         common = {"used": data_use(batches), "recommended": _recommended(checks), "meta": meta}
         if names == []:
-            return DoctorReport(
-                _rows(checks, None), DOCTOR_COLUMNS, diagnosis=before.report, **common
-            )
+            meta["refused"] = _refusal(model)
+            rows = _rows(checks, None)
+            for r in rows if meta["refused"] else ():  # a call that would fail is no advice
+                if r["fix"]:
+                    r["fix"] = f"once the parametrizations are removed (see summary): {r['fix']}"
+            return DoctorReport(rows, DOCTOR_COLUMNS, diagnosis=before.report, **common)
         course, after = _treat(model, setup, before, names)
         rows = _rows(checks, _after_checks(after, model, course, setup))
         extra = _param_groups_row(course)
