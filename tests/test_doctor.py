@@ -697,3 +697,38 @@ def test_the_no_fix_line_reads_the_layers_as_they_stand_after_the_fixes() -> Non
     assert "no fix here" not in rep.summary()
     data = [(1000 * x, y) for x, y in classification_data(2)]  # the data's scale: no fix here
     assert "no fix here: 0: input_scale" in doctor(mlp(), data, fix=True, generator=0).summary()
+
+
+class _FailsAt(nn.Module):
+    """mlp() that raises at its forward call ``fail_at`` (None: never)."""
+
+    def __init__(self, fail_at: int | None) -> None:
+        super().__init__()
+        self.net, self.calls, self.fail_at = mlp(), 0, fail_at
+        with torch.no_grad():
+            self.net[4].weight.mul_(100.0)  # logits far too large: output_scale's hook
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise AssertionError(f"the model failed at call {self.calls}")
+        return self.net(x)
+
+
+def test_an_error_after_a_fix_leaves_the_model_as_before_doctor() -> None:
+    """A forward that raised after a fix (in a re-measurement or a later fix) left LSUV's or
+    init's weights, and output_scale's hook with no handle to remove it."""
+    data = classification_data(2)
+    clean = _FailsAt(None)
+    assert "output_scale" in doctor(clean, data, fix=True, generator=0).applied
+    assert len(clean.net._forward_hooks) + len(clean._forward_hooks) == 1  # the fix kept
+    raised = 0
+    for fail_at in range(1, clean.calls + 1):
+        model = _FailsAt(fail_at)
+        before = snapshot(model)
+        try:  # an error inside one fix is that fix's failure (reported); any other propagates
+            doctor(model, data, fix=True, generator=0)
+        except AssertionError:
+            raised += 1
+            assert_same(model, before)
+    assert raised >= clean.calls // 2

@@ -115,6 +115,7 @@ def model_kept(
     *,
     params: When = "always",
     buffers: When = "always",
+    hooks: When = "always",
     rng: bool = False,
 ) -> Iterator[None]:
     """Run the block, then put ``model`` back as it was (see the module docstring).
@@ -123,6 +124,8 @@ def model_kept(
         model: the model.
         params: when parameter values are restored: ``"always"``, on ``"failure"``, ``"never"``.
         buffers: the same for buffers.
+        hooks: the same for removing the hooks the block added (``"failure"``: a method whose
+            result is a hook, kept when it succeeds).
         rng: also restore the CPU and CUDA random number generator states.
 
     Example:
@@ -140,7 +143,7 @@ def model_kept(
     }
     grads = [(p, p.grad, p.requires_grad) for p in plist]
     modes = model_modes(model)
-    hooks = _hook_keys(model)
+    added = _hook_keys(model)
     cpu_rng = torch.get_rng_state() if rng else None
     cuda_rng = torch.cuda.get_rng_state_all() if rng and torch.cuda.is_initialized() else None
     sparse = [
@@ -163,7 +166,8 @@ def model_kept(
             p.grad = g
             p.requires_grad_(req)
         restore_modes(model, modes)
-        _remove_new_hooks(hooks)
+        if hooks == "always" or (hooks == "failure" and failed):
+            _remove_new_hooks(added)
         if cpu_rng is not None:
             torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:

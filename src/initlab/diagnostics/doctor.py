@@ -109,7 +109,7 @@ from initlab._core.loss import LossLike, resolve_loss
 from initlab._core.parametrized import reading_scope, writing_scope
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows, _fmt
-from initlab._core.state import restore_on_failure
+from initlab._core.state import model_kept, restore_on_failure
 from initlab.diagnostics._doctor_checks import (
     _ILL,
     CHECKS,
@@ -769,7 +769,10 @@ def doctor(
                 if r["fix"]:
                     r["fix"] = f"once the parametrizations are removed (see summary): {r['fix']}"
             return DoctorReport(rows, DOCTOR_COLUMNS, diagnosis=before.report, **common)
-        course, after = _treat(model, setup, before, names)
+        # an error after a fix (a later fix's or a re-measurement's pass) puts the model back
+        # as it was before doctor, its output-scale hook removed; success keeps the fixes
+        with model_kept(model, params="failure", buffers="failure", hooks="failure"):
+            course, after = _treat(model, setup, before, names)
         rows = _rows(checks, _after_checks(after, model, course, setup))
         extra = _param_groups_row(course)
         if extra is not None:
