@@ -185,3 +185,57 @@ def test_gradinit_on_attention_keeps_the_model_usable() -> None:
     model.eval()
     with torch.no_grad():
         assert torch.isfinite(model(_data()[0][0])).all()
+
+
+class TwoInputSdpa(SdpaBlock):
+    """``SdpaBlock`` called as ``model(x, temperature)``: ``model(batch[0])`` raises."""
+
+    def forward(self, x: torch.Tensor, temperature: float) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(x / temperature)
+
+
+def _alphas(report: Any) -> dict[str, tuple[str, float]]:
+    """``{layer: (kind, alpha)}`` of a :func:`initlab.precondition_` report."""
+    return {r["layer"]: (r["kind"], r["alpha"]) for r in report.to_rows()}
+
+
+@pytest.mark.parametrize("form", ["tuple", "dict"])
+def test_precondition_finds_attention_through_the_users_own_call(form: str) -> None:
+    """The attention trace ran ``model(batch[0])``; a model taking two inputs (or a dict batch)
+    failed there in silence and its qkv projection was balanced (alpha 1.68). It runs the loss
+    now: the same weights give what the single-input model gives, qkv at alpha = 1."""
+    want = _alphas(initlab.precondition_(_model("sdpa"), _data(), nn.CrossEntropyLoss()))
+    assert want["qkv"] == ("attention", 1.0)
+    model = TwoInputSdpa()
+    model.load_state_dict(_model("sdpa").state_dict())
+    data: list[Any] = _data()
+    if form == "dict":
+        data = [{"x": x, "y": y} for x, y in data]
+        got = initlab.precondition_(
+            model, data, lambda m, b: F.cross_entropy(m(b["x"], 1.0), b["y"])
+        )
+    else:
+        got = initlab.precondition_(
+            model,
+            data,
+            lambda m, b: F.cross_entropy(m(b[0], 1.0), b[1]),
+            forward=lambda m, b: m(b[0], 1.0),
+        )
+    kinds, alphas = zip(*_alphas(got).values(), strict=True)
+    assert dict(zip(_alphas(got), kinds, strict=True)) == {n: k for n, (k, _) in want.items()}
+    assert alphas == pytest.approx([a for _, a in want.values()], rel=1e-6)
+
+
+def test_precondition_warns_when_the_attention_trace_fails() -> None:
+    """A trace that fails (here: the loss raises on its second call, the trace's) is said."""
+    calls = []
+
+    def loss(m: nn.Module, b: Any) -> torch.Tensor:
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("second call")
+        return F.cross_entropy(m(b[0]), b[1])
+
+    with pytest.warns(UserWarning, match="trace that finds attention projections failed"):
+        report = initlab.precondition_(_model("sdpa"), _data()[:1], loss)
+    assert _alphas(report)["qkv"][0] == "mlp"

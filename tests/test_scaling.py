@@ -398,11 +398,13 @@ def test_precondition_failure_midway_restores_model() -> None:
         model.eval()
         before = state(model)
         calls = []
+        # rescale: 1st batch of the 2nd probe, after the weights changed (call 3 is the attention
+        # trace's); lr/parametrize: the 3rd and last batch of the only probe
+        fail = 4 if how == "rescale" else 3
 
-        def loss(m: nn.Module, batch, calls=calls) -> torch.Tensor:
+        def loss(m: nn.Module, batch, calls=calls, fail=fail) -> torch.Tensor:
             calls.append(1)
-            if len(calls) == 3:  # rescale: 1st batch of the 2nd probe, after the weights changed;
-                # lr/parametrize: the 3rd and last batch of the only probe
+            if len(calls) == fail:
                 raise RuntimeError("nan loss")
             return ce(m, batch)
 

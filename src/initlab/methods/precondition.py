@@ -25,6 +25,7 @@ import itertools
 import math
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -43,7 +44,13 @@ from initlab._core.distributed import (
     run_together,
     same_options,
 )
-from initlab._core.knobs import check_kwargs, errors_named, parameter_names, renamed_kwargs
+from initlab._core.knobs import (
+    check_kwargs,
+    errors_named,
+    parameter_names,
+    renamed_kwargs,
+    user_stacklevel,
+)
 from initlab._core.loss import LossLike, resolve_loss
 from initlab._core.method_report import MethodReport
 from initlab._core.modules import first_names
@@ -292,7 +299,9 @@ def precondition_(
     :func:`initlab.gr_scaling`), and layers whose ``gamma`` is not derived (attention, RNNs) keep
     ``alpha = 1``: ``nn.MultiheadAttention``'s fused projection, and the query, key and value
     projections of any other attention implementation (Hugging Face's eager or SDPA code, your
-    own), found by a runtime trace of the first batch and reported with ``kind="attention"``;
+    own), found by a runtime trace of the loss on the first batch (the model called as the loss
+    calls it; a trace that fails is said in a ``UserWarning``) and reported with
+    ``kind="attention"``;
     a mixture-of-experts router (its logits choose the experts), ``kind="router"``.
     A layer whose weight is shared with another module (a head tied to the input embedding, a
     weight reused by two layers) keeps ``alpha = 1`` too, reported with ``kind="tied"``: one
@@ -526,17 +535,25 @@ class _Balancing:
 
     def attention(self) -> dict[str, str]:
         """The query, key and value projections of any attention implementation, found once by
-        a runtime trace of the first batch (:func:`~initlab.measure.runtime_trace.
-        attention_layers`): the GR formula does not cover a product of two activations, so,
-        as ``nn.MultiheadAttention``'s fused projection, they keep ``alpha = 1``."""
+        a runtime trace of the loss on the first batch (the model called as the loss calls it;
+        :func:`~initlab.measure.runtime_trace.attention_layers`): the GR formula does not cover
+        a product of two activations, so, as ``nn.MultiheadAttention``'s fused projection, they
+        keep ``alpha = 1``. A trace that fails is said in a ``UserWarning``."""
         if self.attention_found is None:
             types = {n: type(m).__name__ for n, m in self.model.named_modules()}
             self.forward += 1
             try:
-                with preserved_state(self.model), torch.no_grad(), recording(self.model) as graph:
-                    default_forward(self.model, self.batches[0])
-            except Exception:  # best effort: a batch the default forward cannot run
+                with (
+                    preserved_state(self.model),
+                    torch.no_grad(),
+                    warnings.catch_warnings(),  # the probe's pass said them already
+                    recording(self.model) as graph,
+                ):
+                    warnings.simplefilter("ignore")
+                    self.loss_fn(self.model, self.batches[0])
+            except Exception as err:  # the probe ran this loss: say it, do not refuse
                 self.attention_found = {}
+                _warn_untraced(err)
             else:
                 self.attention_found = attention_layers(graph, types)
         return self.attention_found
@@ -603,6 +620,19 @@ class _Balancing:
             self.log(rows, it)
             iterations = it
         return rows, alpha, iterations
+
+
+def _warn_untraced(err: Exception) -> None:
+    """Warn that the trace finding attention projections failed with ``err``."""
+    first = (str(err).splitlines() or [""])[0][:200]
+    warnings.warn(
+        f"precondition_: the runtime trace that finds attention projections failed "
+        f"({type(err).__name__}: {first}); a query, key or value projection, if the model has "
+        "one, is balanced like any linear layer instead of keeping alpha = 1: leave such layers "
+        "out with modules=",
+        UserWarning,
+        stacklevel=user_stacklevel(),
+    )
 
 
 def _shared_weight_layers(model: nn.Module) -> set[str]:
