@@ -3,7 +3,9 @@ renamed keywords. Oracles are written by hand (explicit forward passes and torch
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 import itertools
 import warnings
 from typing import Any
@@ -132,6 +134,53 @@ def test_default_forward_and_output_tensor() -> None:
     assert torch.equal(output_tensor(out), kw.lin(x))
     with pytest.raises(TypeError, match="holding no tensor"):
         output_tensor({"a": 1})
+
+
+@dataclasses.dataclass
+class _Scores:
+    scores: torch.Tensor
+
+
+class _ScoresModel(nn.Module):
+    """Returns a dataclass whose tensor field is not ``.logits``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> _Scores:
+        return _Scores(self.lin(x))
+
+
+_NO_TENSOR_CALLS: dict[str, Any] = {
+    "gr_scaling": initlab.gr_scaling,
+    "diagnose": initlab.diagnose,
+    "gradinit_": functools.partial(initlab.gradinit_, steps=1),
+    "metainit_": functools.partial(initlab.metainit_, steps=1),
+    "block_curvature": functools.partial(initlab.block_curvature, probes=1),
+    "scale_output_": initlab.scale_output_,
+    "precondition_": initlab.precondition_,
+}
+
+
+@pytest.mark.parametrize("entry", sorted(_NO_TENSOR_CALLS))
+def test_an_output_with_no_tensor_names_the_argument_its_entry_point_takes(entry: str) -> None:
+    """The advice "(or pass forward=)" was said to gr_scaling and diagnose (no forward=): the
+    message names the argument the entry point called has, and that argument, as written in
+    the message, runs."""
+    call = _NO_TENSOR_CALLS[entry]
+    data = [_xy(), _xy()]  # gradinit_ reads two
+    with pytest.raises(TypeError, match="holding no tensor") as info:
+        call(_ScoresModel(), data)
+    message = str(info.value)
+    way_out = "forward" if "forward=lambda" in message else "loss_fn"
+    assert way_out in inspect.signature(getattr(initlab, entry)).parameters
+    assert ("forward=" in message) == (way_out == "forward") and ".scores" in message
+    if way_out == "forward":
+        call(_ScoresModel(), data, forward=lambda model, batch: model(batch[0]).scores)
+    else:
+        loss = lambda model, batch: F.cross_entropy(model(batch[0]).scores, batch[1])  # noqa: E731
+        call(_ScoresModel(), data, loss_fn=loss)
 
 
 # ------------------------------------------------------------------------------------- loss

@@ -682,13 +682,17 @@ def at_mask(t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return t[mask.to(device=t.device, dtype=torch.bool)]
 
 
-def output_tensor(outputs: Any, *, what: str = "the model's output") -> torch.Tensor:
+def output_tensor(
+    outputs: Any, *, what: str = "the model's output", way_out: str = "forward"
+) -> torch.Tensor:
     """The tensor a model's output stands for: itself, ``.logits`` (Hugging Face outputs), the
     ``"logits"`` entry of a dict, or the first tensor of a tuple or list that is not a scalar
     (a Hugging Face model called with ``return_dict=False`` returns ``(loss, logits, ...)``).
 
     Raises:
-        TypeError: no tensor can be found; the message names the output's type.
+        TypeError: no tensor can be found; the message names the output's type and the way out
+            the caller takes (``way_out``: ``"forward"``, a ``forward=``; ``"loss_fn"``, a
+            ``loss_fn(model, batch)`` reading the output).
     """
     if isinstance(outputs, torch.Tensor):
         return outputs
@@ -705,10 +709,33 @@ def output_tensor(outputs: Any, *, what: str = "the model's output") -> torch.Te
         key = output_key(enumerate(outputs))
         if key is not None:
             return outputs[key]
+    way = _no_tensor_way_out(outputs, way_out)
     raise TypeError(
         f"{what} is a {type(outputs).__name__} holding no tensor; return a tensor, a tuple whose "
-        "first item is the output, or an object with .logits (or pass forward=)"
+        f"first item is the output, or an object with .logits, {way}"
     )
+
+
+def _no_tensor_way_out(outputs: Any, way_out: str) -> str:
+    """The end of :func:`output_tensor`'s error: the argument that reads the output's tensor
+    field (``forward=`` or ``loss_fn=``, whichever the caller takes), with the field named."""
+    field = _tensor_field(outputs)
+    if way_out == "loss_fn":
+        return (
+            "or pass a loss_fn(model, batch) that reads it, e.g. loss_fn=lambda model, batch: "
+            f"F.cross_entropy(model(batch[0]){field}, batch[1])"
+        )
+    return f"or pass forward=lambda model, batch: model(batch[0]){field}"
+
+
+def _tensor_field(outputs: Any) -> str:
+    """How to read the first tensor attribute of an output object (``.scores``), else
+    ``.<field>``."""
+    if dataclasses.is_dataclass(outputs) and not isinstance(outputs, type):
+        items = [(f.name, getattr(outputs, f.name, None)) for f in dataclasses.fields(outputs)]
+    else:
+        items = list(getattr(outputs, "__dict__", {}).items())
+    return next((f".{k}" for k, v in items if isinstance(v, torch.Tensor)), ".<field>")
 
 
 def output_key(items: Iterable[tuple[Any, Any]]) -> Any:

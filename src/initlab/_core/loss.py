@@ -185,7 +185,7 @@ class NamedLoss(Loss):
             TargetError: the loss failed on the output and the targets (a raw torch error, e.g.
                 targets of a shape it does not take); the message gives both shapes.
         """
-        out = output_tensor(outputs)
+        out = output_tensor(outputs, way_out="loss_fn")  # every entry point takes one
         fn = _class_criterion(self)
         if fn is not None:
             ignore = _class_options(fn)[0]
