@@ -732,3 +732,42 @@ def test_an_error_after_a_fix_leaves_the_model_as_before_doctor() -> None:
             raised += 1
             assert_same(model, before)
     assert raised >= clean.calls // 2
+
+
+class _Untraceable(nn.Module):
+    """``F.relu`` behind data-dependent control flow: torch.fx cannot trace it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(12, 32), nn.Linear(32, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.l1(x))
+        if h.sum() < -1:
+            h = -h
+        return self.l2(h)
+
+
+def test_dead_functional_relus_of_an_untraceable_model_are_found_and_the_trace_is_said() -> None:
+    """fx could not trace the model: dead_or_exploding_layers said "ok (0)" with 44% of the
+    ReLU units dead, and nothing said the functional operations were not inspected. The dead
+    fraction is checked against the mask of ``l1``'s outputs, computed here."""
+    torch.manual_seed(0)
+    model = _Untraceable()
+    with torch.no_grad():
+        model.l1.weight.mul_(1e-4)
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(32, 12, generator=g), torch.randint(0, 5, (32,), generator=g))]
+    with torch.no_grad():
+        want = float((~model.l1(data[0][0]).gt(0).any(0)).double().mean())
+    assert 0.2 < want < 0.8
+    layers = doctor(model, data, nn.CrossEntropyLoss(), generator=0).row("dead_or_exploding_layers")
+    assert (layers["verdict"], layers["value"]) == ("warn", 1.0)
+    assert f"<root>:relu: dead_relu ({want:.0%} of the units" in layers["why"]
+    assert "lsuv_" in layers["fix"]
+    assert "torch.fx could not trace the model" in layers["why"]
+    assert "not inspected: functional operations (F.max_pool2d, torch.tanh" in layers["why"]
+    with torch.no_grad():
+        model.l1.weight.mul_(1e4)  # no dead unit: "ok", and still says what was inspected
+    ok = doctor(model, data, nn.CrossEntropyLoss(), generator=0).row("dead_or_exploding_layers")
+    assert ok["verdict"] == "ok" and "inspected: module types" in ok["why"]

@@ -247,6 +247,49 @@ def test_untraceable_model_falls_back_to_module_types():
     assert [f["layer"] for f in found["max_pool"]] == ["pool"]
 
 
+class _UntracedRelu(nn.Module):
+    """A functional ReLU (and an ``nn.ReLU``) behind data-dependent control flow: fx fails."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.act, self.l2 = nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.l1(x))
+        if h.sum() < -1:
+            h = -h
+        return self.l2(self.act(h - 0.5))
+
+
+def test_untraceable_model_still_measures_its_functional_relus():
+    """fx failed, so F.relu was not inspected: 44% dead units were never reported (doctor said
+    dead_or_exploding_layers ok). Running the model measures them; the oracle is the mask of
+    ``l1``'s outputs never positive over the batches, computed here directly."""
+    torch.manual_seed(0)
+    model = _UntracedRelu()
+    with torch.no_grad():
+        model.l1.weight.mul_(1e-4)
+    xs = [torch.randn(32, 12, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    res = lint_model(model, forward_args=[((x,), {}) for x in xs])
+    assert not res.traced
+    rows = {r["layer"]: r for r in res.activations}
+    assert set(rows) == {
+        "<root>:relu",
+        "act",
+    }  # the nn.ReLU's call is its hook's, not counted twice
+    with torch.no_grad():
+        alive = torch.cat([model.l1(x) for x in xs]).gt(0).any(0)
+    want = float((~alive).double().mean())
+    assert 0.2 < want < 0.8
+    assert rows["<root>:relu"]["dead_frac"] == pytest.approx(want, abs=1e-12)
+    assert rows["<root>:relu"]["source"] == "runtime" and rows["<root>:relu"]["examples"] == 64
+    (dead,) = rules_of(res.findings)["dead_relu"]
+    assert dead["layer"] == "<root>:relu" and dead["value"] == pytest.approx(want, abs=1e-12)
+    (nt,) = rules_of(res.findings)["not_traced"]
+    assert "functional ReLUs (by running the model)" in nt["message"]
+    assert "not inspected: functional operations (F.max_pool2d, torch.tanh" in nt["message"]
+
+
 def test_vanishing_signal_and_non_finite_values_give_bad_verdicts():
     torch.manual_seed(0)
     small = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),

@@ -287,6 +287,16 @@ def _no_gradient(m: _Measure, quantity: str = "no_gradient") -> list[dict[str, A
     ]
 
 
+def _untraced(m: _Measure) -> str:
+    """The linter's word on a model torch.fx could not trace: what was inspected and what was
+    not (its ``not_traced`` and ``not_measured`` findings), as the end of a check's text."""
+    said = [r["message"] for r in m.report.findings if r.get("rule") in _UNTRACED_RULES]
+    return "".join(f"; {s}" for s in said)
+
+
+_UNTRACED_RULES = ("not_traced", "not_measured")
+
+
 def _layers_check(m: _Measure, model: nn.Module) -> _Check:
     normalized, traced = _normalized(model), bool(m.report.meta.get("traced"))
     found = [
@@ -305,6 +315,7 @@ def _layers_check(m: _Measure, model: nn.Module) -> _Check:
         if ignored
         else ""
     )
+    note += _untraced(m)
     if not hits:
         why = "no vanishing or exploding signal or gradient, no dead ReLU, no NaN/inf" + note
         return _Check("dead_or_exploding_layers", 0.0, 0.0, "ok", why)

@@ -10,13 +10,15 @@ columns :data:`ACTIVATION_COLUMNS`. Both stay importable from :mod:`initlab.diag
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
-from initlab._core.hooks import HookContext
+from initlab._core.hooks import HookContext, hook_handles
 from initlab._core.rows import Rows
 from initlab.measure._fx import _fn_name, _fns
 
@@ -37,7 +39,8 @@ ACTIVATION_COLUMNS: tuple[str, ...] = (
 )
 """Columns of :attr:`LintResult.activations`: ``kind`` (``relu``/``sigmoid``/``tanh``),
 ``source`` (``module``: through a pre-hook; ``functional``: through the fx interpreter; ``fx``:
-found in the graph but not measured), ``units`` (entries per example), ``examples`` (examples
+found in the graph but not measured; ``runtime``: a functional ReLU of a model fx cannot trace,
+seen by running it), ``units`` (entries per example), ``examples`` (examples
 seen), ``dead_frac`` (ReLU: units ``<= 0`` for every example), ``dead_channel_frac`` (ReLU on
 inputs with >= 3 dims: channels (dim 1) all of whose entries are dead), ``input_std`` and
 ``input_E_x2`` (std and ``E[x^2]`` of all input entries pooled; sigmoid and tanh only, NaN for
@@ -234,3 +237,60 @@ def _interpret_functional(
         with torch.no_grad():
             Watch(gm).run(*values)
     return stats
+
+
+_RELU_NAMES = {"relu", "relu_", "relu6"}
+
+
+class _ReluWatch(TorchFunctionMode):
+    """The inputs of functional ReLU calls (``F.relu``, ``torch.relu``, ``x.relu()``) made
+    outside the leaf modules of ``torch.nn`` (an ``nn.ReLU`` is watched by its hook, and fx does
+    not enter the others either), keyed ``module:relu``, ``module:relu_1``, ... per forward."""
+
+    def __init__(self, leaves: set[int]) -> None:
+        super().__init__()
+        self.leaves = leaves
+        self.stack: list[tuple[str, bool]] = []  # (module name, whether it is a torch.nn leaf)
+        self.stats: dict[str, _ActStats] = {}
+        self.counts: Counter[str] = Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        fn = getattr(func, "__name__", "")
+        if fn in _RELU_NAMES and args and not (self.stack and self.stack[-1][1]):
+            k = self.counts["relu"]
+            self.counts["relu"] += 1
+            where = (self.stack[-1][0] if self.stack else "") or "<root>"
+            key = f"{where}:relu" + (f"_{k}" if k else "")
+            st = self.stats.setdefault(key, _ActStats("relu", fn, "runtime"))
+            st.add(args[0])  # before the call: an in-place ReLU overwrites it
+        return func(*args, **(kwargs or {}))
+
+
+def _runtime_relus(
+    model: nn.Module, forward_args: Sequence[tuple[tuple, dict]]
+) -> dict[str, _ActStats]:
+    """Run ``model(*args, **kwargs)`` (no grad) per entry and record the inputs of its
+    functional ReLU calls (:class:`_ReluWatch`): the dead units of a model fx cannot trace."""
+    import torch.fx
+
+    tracer = torch.fx.Tracer()
+    names = {id(m): n for n, m in model.named_modules()}
+    leaves = {id(m) for n, m in model.named_modules() if n and tracer.is_leaf_module(m, n)}
+    watch = _ReluWatch(leaves)
+
+    def pre(module: nn.Module, _args: tuple) -> None:
+        watch.stack.append((names.get(id(module), ""), id(module) in leaves))
+
+    def post(_module: nn.Module, _args: tuple, _out: Any) -> None:
+        if watch.stack:
+            watch.stack.pop()
+
+    with hook_handles() as handles:
+        for m in model.modules():
+            handles.add(m.register_forward_pre_hook(pre))
+            handles.add(m.register_forward_hook(post, always_call=True))
+        for args, kwargs in forward_args:
+            watch.counts.clear()
+            with torch.no_grad(), watch:
+                model(*args, **kwargs)
+    return watch.stats

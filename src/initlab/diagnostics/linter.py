@@ -67,9 +67,10 @@ rule                        sev.    fires on
                                     probe's ``nonfinite`` count), or a non-finite parameter
 ``not_traced``              info    ``torch.fx.symbolic_trace`` failed: functional operations
                                     were not inspected, only module types (residual additions
-                                    come from a runtime trace where forwards are given)
-``not_measured``            info    the traced graph failed to run on the batch: functional
-                                    activations were not measured
+                                    and functional ReLUs come from running the model where
+                                    forwards are given); the message says what was inspected
+``not_measured``            info    the traced graph (or, untraced, the model) failed to run on
+                                    the batch: functional activations were not measured
 ``identical_units``         warn    a trainable weight (of more than one row, not all zeros)
                                     whose rows are all equal (a constant init): its units compute
                                     one function; they separate only through different outgoing
@@ -84,7 +85,10 @@ types only, plus a ``not_traced`` finding saying so. Probe data supplies the num
 std of sigmoid/tanh and the dead-ReLU counts come from forward pre-hooks on activation *modules*
 (:class:`ActivationWatch`, during the caller's passes; an in-place ReLU is read before it
 overwrites its input); functional activations found in the graph are measured by one extra
-forward of the traced graph (``torch.fx.Interpreter``, no grad) on the first batch.
+forward of the traced graph (``torch.fx.Interpreter``, no grad) per ``forward_args`` entry;
+where fx cannot trace, functional ReLUs (``F.relu``, ``torch.relu``, ``x.relu()`` outside the
+leaf modules of ``torch.nn``) are measured by running the model on them, no grad
+(``source="runtime"``, named ``module:relu``, ``module:relu_1``, ...).
 
 Residual blocks. (1) ``residual_blocks=`` given by the user: module names (every weight inside is
 on the branch, the shortcut is the identity) or dicts ``{"name", "branch", "shortcut"}``. (2) Else,
@@ -139,6 +143,7 @@ from initlab.diagnostics.activations import (
     _ActStats,
     _functional_kind,
     _interpret_functional,
+    _runtime_relus,
 )
 from initlab.measure._fx import _fn_name, _fns, _node_module_path, trace_model
 from initlab.measure.residual import (
@@ -276,7 +281,10 @@ def lint_model(
         structural, functional_acts = _structural_from_graph(gm)
     else:
         if trace:
-            findings.append(_not_traced(model, error, runtime_note))
+            relus = _untraced_relus(model, forward_args, act_stats, findings)
+            findings.append(
+                _not_traced(model, error, runtime_note, relus, residual_blocks is not None)
+            )
         structural, functional_acts = _structural_from_types(named), []
     findings.extend(_structural_findings(structural))
 
@@ -346,18 +354,61 @@ def _structural_from_types(named: Mapping[str, nn.Module]) -> list[tuple[str, st
     return structural
 
 
-def _not_traced(model: nn.Module, error: str, runtime_note: str = "") -> dict[str, Any]:
-    what, note = "(F.max_pool2d, torch.tanh)", runtime_note
-    if not runtime_note:
-        what = "(F.max_pool2d, torch.tanh, residual additions)"
+def _untraced_relus(
+    model: nn.Module,
+    forward_args: Sequence[tuple[tuple, dict]] | None,
+    act_stats: dict[str, _ActStats],
+    findings: list[dict[str, Any]],
+) -> bool:
+    """Measure the functional ReLUs of a model fx cannot trace by running it on
+    ``forward_args`` (:func:`_runtime_relus`, state kept) into ``act_stats``; whether that ran
+    (a failure is a ``not_measured`` finding)."""
+    from initlab._core.state import preserved_state
+
+    if not forward_args:
+        return False
+    try:
+        with preserved_state(model, params=False):
+            act_stats.update(_runtime_relus(model, forward_args))
+    except Exception as err:  # best effort, as the interpreter's pass
+        findings.append(
+            _finding("", type(model).__name__, "not_measured", "info", math.nan,
+                     "functional ReLUs not measured: the model did not run on the batch "
+                     f"({type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]})")
+        )  # fmt: skip
+        return False
+    return True
+
+
+def _not_traced(
+    model: nn.Module,
+    error: str,
+    runtime_note: str = "",
+    relus: bool = False,
+    declared: bool = False,
+) -> dict[str, Any]:
+    """The ``not_traced`` finding: what was inspected without the fx graph (module types, the
+    activation modules, the functional ReLUs where ``relus`` ran), and what was not."""
+    seen = "module types and activation modules" + (
+        ", functional ReLUs (by running the model)" if relus else ""
+    )
+    missed = "F.max_pool2d, torch.tanh" + (
+        "" if runtime_note or declared else ", residual additions"
+    )
+    note = runtime_note
+    if not runtime_note and not declared:
         note = (
             "pass forward_args=[(args, kwargs)] (a batch's forward, e.g. ((), batch) for a "
             "Hugging Face model) to find the residual blocks by running the model, or "
             "residual_blocks= to declare them"
         )
-    return _finding("", type(model).__name__, "not_traced", "info", math.nan,
-                    f"torch.fx could not trace the model ({error}); functional operations "
-                    f"{what} were not inspected; {note}")  # fmt: skip
+    message = (
+        f"torch.fx could not trace the model ({error}); inspected: {seen}; not inspected: "
+        f"functional operations ({missed})"
+    )
+    if note:
+        message += f"; {note}"
+    return _finding("", type(model).__name__, "not_traced", "info", math.nan, message)
 
 
 def _structural_findings(structural: list[tuple[str, str, str]]) -> list[dict[str, Any]]:
