@@ -505,3 +505,22 @@ def test_a_bias_that_dwarfs_the_weights_output_is_named():
         diagnose(_deep_mlp(4, nn.ReLU, None), batch, F.cross_entropy, spectra=False).findings
     )  # torch's default init: biases of 1/sqrt(3 fan_in)
     assert "bias_dominates" not in healthy
+
+
+def test_a_small_signal_after_a_normalization_is_a_warning_with_its_reason():
+    """GPT-2's scaled residual projections read "bad: the signal vanishes here" in diagnose (and
+    doctor ignored them in a normalized model): after a normalization it is warn, with why."""
+    torch.manual_seed(0)
+    normed = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 10))
+    plain = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 10))
+    for model in (normed, plain):
+        with torch.no_grad():
+            model[2].weight.mul_(1e-3)
+            model[2].bias.zero_()
+    batch = (torch.randn(64, 16), torch.randint(0, 10, (64,)))
+    soft = rules_of(diagnose(normed, batch, F.cross_entropy, spectra=False).findings)
+    (finding,) = [f for f in soft["vanishing_signal"] if f["layer"] == "2"]
+    assert finding["severity"] == "warn" and "the next normalization resets" in finding["message"]
+    hard = rules_of(diagnose(plain, batch, F.cross_entropy, spectra=False).findings)
+    (finding,) = [f for f in hard["vanishing_signal"] if f["layer"] == "2"]
+    assert finding["severity"] == "bad"

@@ -37,7 +37,10 @@ rule                        sev.    fires on
                                     example's input to the ReLU (all non-batch dims) and is dead
                                     when it is ``<= 0`` for every example of every batch measured;
                                     needs :data:`DEAD_MIN_EXAMPLES` = 16 examples
-``vanishing_signal``        bad     a module whose ``E[y^2]``, or ``E[y^2]`` relative to the
+``vanishing_signal``        bad     (``warn`` after a normalization layer, with the reason: a
+                                    residual branch's small output is by design there, and the
+                                    next normalization resets the scale) a module whose
+                                    ``E[y^2]``, or ``E[y^2]`` relative to the
                                     network's input ``E[x^2]`` (the end-to-end forward gain,
                                     :func:`signal_ratios`), is below :data:`SIGNAL_LOW` = 1e-3;
                                     after a normalization layer (a type name with ``Norm``) the
@@ -592,6 +595,12 @@ def network_input(probe_table: Iterable[Mapping[str, Any]]) -> tuple[float, str,
     return rows[0]["E_x2"], rows[0]["layer"], str(rows[0]["module_type"] or "")
 
 
+_BRANCH = (
+    " (after a normalization: a residual branch's small output is by design in scaled inits such "
+    "as GPT-2's, and the next normalization resets the scale; warn, not bad)"
+)
+
+
 def _off_scale(value: Any) -> bool:
     """A finite nonzero second moment (or ratio) outside [SIGNAL_LOW, SIGNAL_HIGH]."""
     return (
@@ -751,6 +760,10 @@ def _signal_findings(
                      "batch-call tensor(s) with NaN/inf, left out of the moments)")
         )  # fmt: skip
 
+    # after a normalization a small signal is a residual branch's output by design (GPT-2's
+    # scaled projections), and the next normalization resets the scale: warn, with that reason
+    ratio, ref = ratios.get(layer, (math.nan, ""))
+
     def check(value: Any, what: str, low_rule: str, high_rule: str, where: str) -> bool:
         if not isinstance(value, float) or not math.isfinite(value) or value == 0.0:
             return False
@@ -758,17 +771,17 @@ def _signal_findings(
             return False
         low = value < SIGNAL_LOW
         bound = f"< {SIGNAL_LOW:g}" if low else f"> {SIGNAL_HIGH:g}"
+        soft = low and where == "signal" and bool(ref)
         out.append(
-            _finding(layer, mtype, low_rule if low else high_rule, "bad", value,
-                     f"{what} = {value:.3g} {bound}: the {where} "
-                     + ("vanishes" if low else "explodes") + " here")
+            _finding(layer, mtype, low_rule if low else high_rule, "warn" if soft else "bad",
+                     value, f"{what} = {value:.3g} {bound}: the {where} "
+                     + ("vanishes" if low else "explodes") + " here" + (_BRANCH if soft else ""))
         )  # fmt: skip
         return True
 
     # A normalization sets its output's scale itself: its ratio to the network's input is no
     # gain through depth (a LayerNorm after a 0.02-std embedding is "x2600" by design); an
     # embedding that feeds one is rescaled by it.
-    ratio, ref = ratios.get(layer, (math.nan, ""))
     what = (f"E[y^2] / E[y^2] of {ref} (the normalization before it)" if ref
             else "E[y^2] / E[x^2] of the network's input")  # fmt: skip
     if layer in exempt:
