@@ -21,6 +21,7 @@ from initlab.diagnostics.doctor import (
     DOCTOR_COLUMNS,
     DOCTOR_FIX_COLUMNS,
     FIXES,
+    SPREAD_BAD,
     DoctorReport,
     doctor,
 )
@@ -771,3 +772,51 @@ def test_dead_functional_relus_of_an_untraceable_model_are_found_and_the_trace_i
         model.l1.weight.mul_(1e4)  # no dead unit: "ok", and still says what was inspected
     ok = doctor(model, data, nn.CrossEntropyLoss(), generator=0).row("dead_or_exploding_layers")
     assert ok["verdict"] == "ok" and "inspected: module types" in ok["why"]
+
+
+def test_a_mild_output_check_on_the_model_as_given_is_reported_not_treated() -> None:
+    """A default T5 at 1.17x ln V: doctor recommended init and an output scale, and either left
+    its loss near ln V after 200 steps where the model as built reached a third of it."""
+    model = mlp()
+    with torch.no_grad():
+        model[4].weight.mul_(15.0)  # logits a little large: a warn, not a bad
+    rep = doctor(model, classification_data(2))
+    loss, std = rep.row("initial_loss"), rep.row("logit_std")
+    assert "warn" in (loss["verdict"], std["verdict"]) and "bad" not in (
+        loss["verdict"],
+        std["verdict"],
+    )
+    for row in (loss, std):
+        if row["verdict"] == "warn":
+            assert not row["fix"] and "mild, so no fix is recommended" in row["why"]
+    assert "init" not in rep.recommended and "output_scale" not in rep.recommended
+
+
+def test_spreads_of_a_model_with_normalization_or_attention_are_not_treated() -> None:
+    """precondition's per-layer rates, recommended for every transformer's γ spread, made a BERT
+    classifier (Adam: 0.011 -> 0.70) and a Llama train worse: the GR derivation covers linear
+    layers, convolutions and ReLUs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 64), nn.LayerNorm(64), nn.ReLU(), nn.Linear(64, C))
+    with torch.no_grad():
+        model[3].weight.mul_(0.01)  # a small head: γ spread far beyond SPREAD_BAD
+    rep = doctor(model, classification_data(2))
+    gamma = rep.row("gamma_spread")
+    assert gamma["value"] > SPREAD_BAD
+    assert gamma["verdict"] == "warn" and not gamma["fix"]
+    assert "normalization layers, which GR scaling's derivation" in gamma["why"]
+    assert "precondition" not in rep.recommended
+    plain = mlp()
+    with torch.no_grad():
+        plain[4].weight.mul_(0.01)
+    assert "precondition" in doctor(plain, classification_data(2)).recommended
+
+
+def test_batchnorm_in_eval_mode_with_fresh_statistics_is_said() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, C))
+    model.eval()
+    text = doctor(model, classification_data(2)).summary()
+    assert "note: BatchNorm in eval mode with running statistics never updated (1: mean 0" in text
+    model.train()
+    assert "BatchNorm in eval mode" not in doctor(model, classification_data(2)).summary()

@@ -187,6 +187,7 @@ def _diagnose(
     run = _Run(say)
     if o.per_example == "auto":
         o.per_example = _auto_per_example(model, run.notes)
+    _note_fresh_eval_norms(model, run.notes)
 
     # -- one pass over the batches: probe, shapes, activations, gradients
     with run.timed("pass_s"):
@@ -275,6 +276,28 @@ def _auto_per_example(model: nn.Module, notes: list[str]) -> bool:
             + ") couples the examples; ν is the minibatch ratio"
         )
     return not coupled
+
+
+def _note_fresh_eval_norms(model: nn.Module, notes: list[str]) -> None:
+    """A note where BatchNorm layers run in eval mode on running statistics no batch has
+    updated (``num_batches_tracked == 0``: mean 0, variance 1): they normalize nothing, so the
+    network is measured as one without normalization, unlike in training."""
+    fresh = [
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm)
+        and not m.training
+        and m.track_running_stats
+        and m.num_batches_tracked is not None
+        and int(m.num_batches_tracked) == 0
+    ]
+    if fresh:
+        more = f" and {len(fresh) - 1} more" if len(fresh) > 1 else ""
+        notes.append(
+            f"BatchNorm in eval mode with running statistics never updated ({fresh[0]}{more}: "
+            "mean 0, variance 1): they normalize nothing here, so the model is measured as one "
+            "without normalization; call model.train() to diagnose it as it trains"
+        )
 
 
 def _weight_modules(model: nn.Module) -> list[str]:

@@ -510,6 +510,8 @@ class DoctorReport(Rows):
             if r["check"] == "dead_or_exploding_layers" and r["verdict"] in _ILL and not r["fix"]:
                 lines.append(f"  {r['check']}, no fix here: {r['why']}")
         lines.append(f"  recommended: {', '.join(self.recommended) or 'nothing'}")
+        notes = self.diagnosis.meta.get("notes", ()) if self.diagnosis is not None else ()
+        lines.extend(f"  note: {n}" for n in notes if n.startswith("BatchNorm in eval mode"))
         lines.extend(self._fix_lines(fixing, how_to_fix))
         lines.append(self._numbers_line("initial_loss", "initial loss", fixing))
         lines.append(self._numbers_line("gamma_spread", "γ spread (max/min)", fixing))
