@@ -1385,3 +1385,12 @@ def test_a_model_that_returns_its_scalar_loss_is_measured_on_it() -> None:
     rep = initlab.doctor(model, dicts)
     assert rep.value("logit_std", "verdict") == "n/a"
     assert "the model's output is a scalar (its loss)" in rep.row("logit_std")["why"]
+
+
+def test_lsuv_steps_points_to_max_iter_and_a_probe_refuses_a_generator() -> None:
+    x, y = _data(8)
+    with pytest.raises(TypeError, match=r"did you mean max_iter=\?"):
+        initlab.lsuv_(_mlp(), x, steps=5)
+    probe = initlab.measure_moments(_mlp(), [(x, y)], nn.CrossEntropyLoss())
+    with pytest.raises(TypeError, match=r"^gr_scaling\(probe, \.\.\.\): generator= seeds"):
+        initlab.gr_scaling(probe, generator=0)

@@ -768,3 +768,14 @@ def test_real_cifar_jpeg_subset() -> None:
     assert data.x.shape == (100, 3, 32, 32) and data.label_map == tuple(CIFAR10_NAMES)
     assert torch.bincount(data.y).tolist() == [10] * 10
     assert 0.3 < data.x.mean().item() < 0.6
+
+
+def test_libsvm_a_crlf_file_is_not_blamed_on_its_line_ends(tmp_path: Path) -> None:
+    """Every line of a Windows file ends in '\\r': a bad token on one was explained as "a '\\r'
+    inside the line" (and told to run tr)."""
+    path = tmp_path / "crlf.svm"
+    path.write_bytes(b"1 1:0.5\r\n2 2:x:y\r\n")
+    with pytest.raises(ValueError, match=r":2: bad feature '2:x:y'$"):
+        load_libsvm(path, cache_dir=False)
+    path.write_bytes(b"1 1:0.5\r\n2 1:0.1\r\n")
+    assert load_libsvm(path, cache_dir=False).x.shape == (2, 1)

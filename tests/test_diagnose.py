@@ -789,3 +789,27 @@ def test_curvature_in_train_mode_with_dropout_says_so() -> None:
     assert any(n.startswith(note) for n in report.meta["notes"])
     report = diagnose(model.eval(), data, F.cross_entropy, spectra=False, curvature={"probes": 2})
     assert not any("dropout is on" in n for n in report.meta["notes"])
+
+
+def test_a_zero_gradient_with_another_cause_is_not_excused_by_a_zero_layer_after_it() -> None:
+    """Any all-zero layer later in the model (a LoRA adapter's B) excused a layer behind a
+    dead ReLU as "learns from the second step on"; the head between them got a gradient."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.head = nn.Linear(8, 8), nn.Linear(8, 3)
+            self.adapter_a = nn.Linear(8, 2, bias=False)
+            self.adapter_b = nn.Linear(2, 3, bias=False)
+            nn.init.constant_(self.a.bias, -100.0)  # the ReLU after `a` is dead for good
+            nn.init.zeros_(self.adapter_b.weight)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(torch.relu(self.a(x))) + self.adapter_b(self.adapter_a(x))
+
+    torch.manual_seed(0)
+    data = Batches([(torch.randn(32, 8), torch.randint(0, 3, (32,)))])
+    layers = {r["layer"]: r for r in diagnose(Net(), data, F.cross_entropy, spectra=False).layers}
+    assert layers["a"]["verdict"] == "bad" and "second step" not in layers["a"]["reason"]
+    assert layers["adapter_a"]["verdict"] == "ok"  # closed by adapter_b: it learns once B moves
+    assert "adapter_b after it has a weight of all zeros" in layers["adapter_a"]["reason"]

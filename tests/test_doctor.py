@@ -820,3 +820,17 @@ def test_batchnorm_in_eval_mode_with_fresh_statistics_is_said() -> None:
     assert "note: BatchNorm in eval mode with running statistics never updated (1: mean 0" in text
     model.train()
     assert "BatchNorm in eval mode" not in doctor(model, classification_data(2)).summary()
+
+
+def test_loaded_batchnorm_statistics_are_not_called_fresh() -> None:
+    """A checkpoint loaded without num_batches_tracked leaves that count at 0 beside real
+    statistics: the note read the count, not the statistics."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, C))
+    state = model.state_dict()
+    state["1.running_mean"], state["1.running_var"] = torch.full((64,), 0.5), torch.full((64,), 4.0)
+    del state["1.num_batches_tracked"]
+    model.load_state_dict(state, strict=False)
+    model.eval()
+    assert int(model[1].num_batches_tracked) == 0
+    assert "BatchNorm in eval mode" not in doctor(model, classification_data(2)).summary()

@@ -988,3 +988,25 @@ def test_a_vit_without_an_embedding_table_gets_its_transformer_gains() -> None:
     assert rows["vit.layers.0.mlp.fc2.weight"]["gain"] == 1.0
     mid = rows["vit.layers.0.mlp.fc1.weight"]
     assert mid["gain"] == pytest.approx(calculate_gain("gelu")) and "gelu" in mid["gain_from"]
+
+
+def test_a_cnn_with_a_channel_attention_gate_keeps_the_schemes_gains() -> None:
+    """A squeeze-and-excitation gate named ChannelAttention made init_model read the CNN as a
+    transformer (gains followed: tanh's 1.667 where the scheme's 1.414 was documented)."""
+
+    class ChannelAttention(nn.Module):
+        def __init__(self, c: int) -> None:
+            super().__init__()
+            self.fc = nn.Sequential(nn.Linear(c, c // 2), nn.ReLU(), nn.Linear(c // 2, c))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * torch.sigmoid(self.fc(x.mean((2, 3))))[:, :, None, None]
+
+    def make(gate: bool) -> nn.Module:
+        layers = [nn.Conv2d(3, 8, 3), nn.Tanh(), nn.Conv2d(8, 8, 3), nn.Tanh()]
+        return nn.Sequential(*layers, *([ChannelAttention(8)] if gate else []))
+
+    plain = _rows(initlab.init_model(make(False), "geometric", generator=0))
+    gated = _rows(initlab.init_model(make(True), "geometric", generator=0))
+    for name in ("0.weight", "2.weight"):
+        assert gated[name]["gain"] == plain[name]["gain"] == pytest.approx(math.sqrt(2)), name

@@ -357,3 +357,19 @@ def test_an_init_option_given_twice_is_refused() -> None:
     """PyYAML keeps the last of two equal keys without a word."""
     with pytest.raises(ValueError, match=r"found the key 'steps' twice"):
         parse_init("fan_in + gradinit {steps: 5, steps: 7}")
+
+
+def test_a_float64_pipeline_run_starts_from_the_float32_runs_draws() -> None:
+    """initialize_run drew init_model in float64 for a float64 run (another stream): the exact
+    check of a stored float32 run started elsewhere. The scheme's draws: float32, then cast."""
+    data = load_tiny("tiny")
+    config = dataclasses.replace(_spec().runs()[-1], scheme="fan_in")
+
+    def factory(c: RunConfig) -> torch.nn.Module:
+        return build_model(c, n_in=5, n_classes=3)
+
+    single, _ = initialize_run(config, data.train, factory)
+    double, _ = initialize_run(config, data.train, factory, dtype=torch.float64)
+    for (name, a), b in zip(single.state_dict().items(), double.state_dict().values(), strict=True):
+        assert b.dtype == torch.float64 or not b.is_floating_point(), name
+        assert torch.equal(b.float(), a), name

@@ -31,6 +31,7 @@ __all__ = [
     "finite_loss",
     "outputs_finite",
     "outputs_watch",
+    "refuse_complex",
     "require_grad",
 ]
 
@@ -111,19 +112,24 @@ def outputs_finite(output: Any) -> bool:
     return all(bool(t.detach().isfinite().all()) for t in tensors if t.is_floating_point())
 
 
+def refuse_complex(model: nn.Module, what: str, why: str) -> None:
+    """Raise ``TypeError`` naming the trainable complex parameters of ``model`` (``why``: what
+    is defined for real tensors only, and what to do)."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad and p.is_complex()]
+    if names:
+        raise TypeError(f"{what}: parameter(s) {', '.join(names)} are complex; {why}")
+
+
 def check_trainable(model: nn.Module, what: str) -> None:
     """Raise ValueError if ``model`` has parameters and none of them requires a gradient: a loss
     of it has no gradient to measure (torch would say "element 0 of tensors does not require
     grad" from inside the backward); TypeError if a trainable one is complex (its gradient's
     moments would be read as their real parts)."""
     params = list(model.parameters())
-    complex_ = [n for n, p in model.named_parameters() if p.requires_grad and p.is_complex()]
-    if complex_:
-        raise TypeError(
-            f"{what}: parameter(s) {', '.join(complex_)} are complex; initlab's moments, ratios "
-            "and gradient statistics are defined for real tensors: freeze them for this call "
-            "(requires_grad_(False); a frozen tensor is left out)"
-        )
+    refuse_complex(
+        model, what, "initlab's moments, ratios and gradient statistics are defined for real "
+        "tensors: freeze them for this call (requires_grad_(False); a frozen tensor is left out)"
+    )  # fmt: skip
     if params and not any(p.requires_grad for p in params):
         raise ValueError(
             f"{what}: no parameter of the model requires a gradient (all {len(params)} are "

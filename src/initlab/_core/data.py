@@ -266,7 +266,10 @@ def check_data(data: Any, what: str) -> None:
             f"{what}: data is a {type(data).__name__}, a map-style torch Dataset, which holds "
             "single examples: pass torch.utils.data.DataLoader(dataset, batch_size=...) instead"
         )
-    if type(data).__name__ == "Dataset" and type(data).__module__ == "initlab.data.dataset":
+    if any(  # by name: the core does not import the data wing
+        c.__name__ == "Dataset" and c.__module__ == "initlab.data.dataset"
+        for c in type(data).__mro__
+    ):
         raise TypeError(
             f"{what}: data is the initlab data set {getattr(data, 'name', '')!r} (a whole "
             "split): pass batches of it, e.g. DataLoader(TensorDataset(ds.x, ds.y), "

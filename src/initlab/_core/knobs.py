@@ -125,7 +125,7 @@ GUESSED_NAMES: dict[str, tuple[str, ...]] = {
     # answered with the closest spelling (max_batches= is not max_probes=)
     "max_batches": ("max_batches",),
     "generator": ("generator",),
-    "steps": ("steps",),
+    "steps": ("steps", "max_iter"),
 }
 
 

@@ -133,7 +133,7 @@ def _why(token: str, line: str) -> str:
             " (a query id of the ranking format, which this loader does not read: drop the "
             "qid:N tokens, e.g. sed -E 's/ qid:[^ ]+//')"
         )
-    if "\r" in line:
+    if "\r" in line.rstrip("\r"):  # not a CRLF line's own end
         return (
             " (the line holds a '\\r' inside it, a line end of another system: two examples "
             "may have run together; convert line ends to '\\n' first, e.g. tr '\\r' '\\n')"

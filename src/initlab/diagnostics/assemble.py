@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from initlab._core.parametrized import layer_tensor
 from initlab._core.rows import Rows
 from initlab.diagnostics.linter import signal_ratios
 from initlab.diagnostics.report import (
@@ -396,29 +397,36 @@ def _add_zero_gradient(
 
 def closed_heads(model: nn.Module, probe_table: Rows) -> dict[str, str]:
     """``{layer: why}`` for the layers no gradient reaches at init (``E[dy^2] = 0`` exactly)
-    because a module after them has a weight of all zeros and a gradient of its own: a
-    zero-initialized head (common for classifiers) passes no gradient back until its first update
-    moves it, and the layers before it learn from the second step on. Not a vanished gradient."""
+    where the first module after them (in execution order) that gets a gradient has a weight of
+    all zeros: a zero-initialized head (common for classifiers; a LoRA adapter's ``B``) passes no
+    gradient back until its first update moves it, and the layers before it learn from the second
+    step on. Not a vanished gradient; where a module in between got a gradient, the zero has
+    another cause and is not explained here."""
     rows = sorted((r for r in probe_table if r["order"] is not None), key=lambda r: r["order"])
     named = dict(model.named_modules())
-    gates = [
-        r for r in rows if _all_zero(named.get(r["layer"])) and _positive(r["E_dy2"])
-    ]  # zero weights that get a gradient: they move at the first step
     out: dict[str, str] = {}
-    for r in rows:
-        gate = next((g for g in gates if g["order"] > r["order"]), None)
-        if r["E_dy2"] == 0.0 and gate is not None:
+    for i, r in enumerate(rows):
+        if r["E_dy2"] != 0.0:
+            continue
+        gate = next((g for g in rows[i + 1 :] if _positive(g["E_dy2"])), None)
+        if gate is not None and _all_zero(named.get(gate["layer"])):
             out[r["layer"]] = (
                 f"no gradient at init, by design: {gate['layer']} after it has a weight of all "
-                "zeros (a zero-initialized head) and passes no gradient back until its first "
-                "update moves it; this layer learns from the second step on"
+                "zeros (a zero-initialized head or adapter) and passes no gradient back until its "
+                "first update moves it; this layer learns from the second step on"
             )
     return out
 
 
+def _weight(module: nn.Module | None) -> torch.Tensor | None:
+    """``module``'s ``weight`` as its forward sees it (a parametrized one computed without side
+    effects), or ``None``."""
+    return None if module is None else layer_tensor(module, "weight")
+
+
 def _all_zero(module: nn.Module | None) -> bool:
     """Whether ``module`` has a ``weight`` tensor with elements, all of them zero."""
-    w = getattr(module, "weight", None)
+    w = _weight(module)
     return isinstance(w, torch.Tensor) and w.numel() > 0 and not bool(w.detach().any())
 
 

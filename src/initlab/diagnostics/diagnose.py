@@ -280,7 +280,7 @@ def _auto_per_example(model: nn.Module, notes: list[str]) -> bool:
 
 def _note_fresh_eval_norms(model: nn.Module, notes: list[str]) -> None:
     """A note where BatchNorm layers run in eval mode on running statistics no batch has
-    updated (``num_batches_tracked == 0``: mean 0, variance 1): they normalize nothing, so the
+    updated (still mean 0, variance 1): they normalize nothing, so the
     network is measured as one without normalization, unlike in training."""
     fresh = [
         n
@@ -288,8 +288,7 @@ def _note_fresh_eval_norms(model: nn.Module, notes: list[str]) -> None:
         if isinstance(m, nn.modules.batchnorm._BatchNorm)
         and not m.training
         and m.track_running_stats
-        and m.num_batches_tracked is not None
-        and int(m.num_batches_tracked) == 0
+        and _fresh_statistics(m)
     ]
     if fresh:
         more = f" and {len(fresh) - 1} more" if len(fresh) > 1 else ""
@@ -298,6 +297,16 @@ def _note_fresh_eval_norms(model: nn.Module, notes: list[str]) -> None:
             "mean 0, variance 1): they normalize nothing here, so the model is measured as one "
             "without normalization; call model.train() to diagnose it as it trains"
         )
+
+
+def _fresh_statistics(bn: nn.modules.batchnorm._BatchNorm) -> bool:
+    """Whether ``bn``'s running statistics are still their initial values (mean 0, variance 1),
+    the tensors themselves read: a checkpoint loaded without ``num_batches_tracked`` leaves that
+    count at 0 beside real statistics."""
+    mean, var = bn.running_mean, bn.running_var
+    if mean is None or var is None:
+        return False
+    return not bool(mean.any()) and bool((var == 1).all())
 
 
 def _weight_modules(model: nn.Module) -> list[str]:

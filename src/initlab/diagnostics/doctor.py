@@ -33,11 +33,15 @@ Checks (one tidy row each, :data:`DOCTOR_COLUMNS`):
                                per-layer ``warn`` of :mod:`~initlab.diagnostics.report`), ``bad``
                                above :data:`SPREAD_BAD` = 10^4; ``inf`` and ``bad`` when some
                                weight's ``gamma`` is 0 (no gradient reaches it: counted in
-                               ``dead_or_exploding_layers``, which recommends the fix).
+                               ``dead_or_exploding_layers``, which recommends the fix). A model
+                               with normalization or attention layers, outside GR scaling's
+                               derivation, gets at most ``warn`` and no fix.
 ``nu_spread``                  the same for the weight-to-gradient ratio ``nu``.
 ``dead_or_exploding_layers``   layers with a linter finding ``vanishing_*``, ``exploding_*``,
-                               ``dead_relu``, ``non_finite`` or ``identical_units`` (warn or bad;
-                               the last two fixed by ``init``), whose gradient is 0
+                               ``dead_relu``, ``bias_dominates``, ``non_finite``,
+                               ``identical_units`` (warn or bad; the last two fixed by ``init``)
+                               or ``input_scale`` (the data's scale: no fix here, the logit and
+                               spread fixes wait for it), whose gradient is 0
                                (the diagnosis's ``zero_gradient``, ``bad``: it vanished, or its
                                squares underflow in float32; fix: LSUV), or whose trainable
                                parameters get no gradient (the diagnosis's ``no_gradient``: not
@@ -65,9 +69,10 @@ Fixes, in the order they are applied (:data:`FIXES`), each through the public me
    units are dead; after ``"init"``, ``lsuv_(model, data, orthogonal=False)``: the init's weights
    are rescaled, not replaced by LSUV's orthogonal start;
 3. ``"output_scale"``: ``scale_output_(model, data, target, how="hook")``, when the initial
-   loss or the logits' std is too high, or after ``"lsuv"`` brought a vanished signal back to
-   logits too large (the two are then judged, and undone, together). ``target``
-   (:func:`~initlab.diagnostics._doctor_checks.output_target`) is half the ``logit_std``
+   loss or the logits' std is too high (``bad``; a ``warn`` on the model as given is reported,
+   not treated: shrinking the outputs also slows their learning), or after ``"lsuv"`` brought a
+   vanished signal back to logits too large (the two are then judged, and undone, together).
+   ``target`` (:func:`~initlab.diagnostics._doctor_checks.output_target`) is half the ``logit_std``
    reference, ``sqrt(0.2 ln C) / 2``, not the paper's 0.05: the hook multiplies every gradient
    by its scale ``s``, so SGD at the same learning rate changes the outputs ``s^2`` as fast (a
    note says so, with ``s``). The hook goes on the output head when the model computes
@@ -75,8 +80,9 @@ Fixes, in the order they are applied (:data:`FIXES`), each through the public me
    outputs), else on the model; it persists (``report.reports["output_scale"].info["handle"]``
    removes it) and is not in the ``state_dict``;
 4. ``"precondition"``: ``precondition_(model, data, loss_fn, how="lr")``, when the ``gamma``
-   spread is large: the model is unchanged, the multipliers become learning rates
-   (:meth:`DoctorReport.param_groups`).
+   spread is large in a model without normalization or attention layers: the model is
+   unchanged, the multipliers become learning rates (:meth:`DoctorReport.param_groups`; a note
+   gives their range and what they do at an unchanged base rate).
 
 ``fix=True`` applies the recommended fixes, re-measures after each one that changes the model,
 and skips a later one that is no longer needed (LSUV after an init that already fixed the
@@ -85,8 +91,10 @@ warn 1, bad 2) is undone and reported in ``undone`` (LSUV on a model whose zero 
 cannot give a gradient, raising the initial loss). ``fix=["init", "output_scale"]`` applies
 exactly those, in the order above, and keeps them (a fix that made the checks worse gets a note).
 A fix that raises leaves the model as it was before that fix (the methods'
-``restore_on_failure``), is reported in ``failed`` and the others go on. ``fix=False`` (default)
-never changes the model: parameters, buffers, modes, gradients, hooks and the RNGs are as before.
+``restore_on_failure``), is reported in ``failed`` and the others go on; any other error (a
+re-measurement's forward) puts the model back as it was before ``doctor``, hooks included.
+``fix=False`` (default) never changes the model: parameters, buffers, modes, gradients, hooks and
+the RNGs are as before.
 """
 
 from __future__ import annotations

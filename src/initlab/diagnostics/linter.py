@@ -123,6 +123,7 @@ import torch
 from torch import nn
 
 from initlab._core.compiled import takes_compiled
+from initlab._core.parametrized import reading_layers
 from initlab._core.rows import Rows
 from initlab.diagnostics._lint_rules import (
     BIAS_SHARE,
@@ -161,6 +162,7 @@ from initlab.measure.runtime_trace import find_runtime_blocks
 
 __all__ = [
     "ACTIVATION_COLUMNS",
+    "BIAS_SHARE",
     "DEAD_BAD",
     "DEAD_MIN_EXAMPLES",
     "DEAD_WARN",
@@ -243,6 +245,7 @@ class LintResult:
 
 
 @takes_compiled
+@reading_layers
 def lint_model(
     model: nn.Module,
     *,

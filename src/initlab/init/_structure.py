@@ -166,14 +166,28 @@ def is_attention_path(name: str) -> bool:
     return False
 
 
+#: Names of an attention module's query, key and value projections (two of one set suffice) and
+#: of fused ones (Hugging Face's GPT-2 ``c_attn``, ``query_key_value``, ...).
+_QKV_NAMES = (
+    {"q_proj", "k_proj", "v_proj"}, {"query", "key", "value"}, {"q", "k", "v"},
+    {"to_q", "to_k", "to_v"}, {"wq", "wk", "wv"}, {"q_lin", "k_lin", "v_lin"},
+)  # fmt: skip
+_FUSED_QKV = {"qkv", "c_attn", "in_proj", "query_key_value", "wqkv", "qkv_proj", "to_qkv"}
+
+
 def has_attention(model: nn.Module) -> bool:
-    """Whether ``model`` holds an attention module: an ``nn.MultiheadAttention``, or a module
-    whose class name says so (Hugging Face's ``ViTSelfAttention``, ``Wav2Vec2Attention``): a
-    transformer, with or without an embedding table."""
-    return any(
-        isinstance(m, nn.MultiheadAttention) or "attention" in type(m).__name__.lower()
-        for m in model.modules()
-    )
+    """Whether ``model`` holds an attention module, by structure: an ``nn.MultiheadAttention``,
+    or a module with query/key/value projection children (two of ``q_proj``/``k_proj``/
+    ``v_proj``, ``query``/``key``/``value``, ...) or a fused one (``qkv``, ``c_attn``): a
+    transformer, with or without an embedding table. A class name is not enough: a CNN's
+    squeeze-and-excitation ``ChannelAttention`` gate is no attention over positions."""
+    for m in model.modules():
+        if isinstance(m, nn.MultiheadAttention):
+            return True
+        names = {n.lower() for n, _ in m.named_children()}
+        if names & _FUSED_QKV or any(len(names & qkv) >= 2 for qkv in _QKV_NAMES):
+            return True
+    return False
 
 
 # --------------------------------------------------------------------------------------------

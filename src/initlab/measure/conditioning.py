@@ -610,6 +610,11 @@ def gr_scaling(
         probe, model = model, None
     if probe is None:
         raise TypeError("gr_scaling(model, data, loss_fn) or gr_scaling(probe): give one")
+    if not isinstance(probe, nn.Module) and generator is not None:
+        raise TypeError(
+            "gr_scaling(probe, ...): generator= seeds the probe's passes in the (model, data) "
+            "form; a probe has run its passes already (give measure_moments the generator)"
+        )
     if isinstance(probe, nn.Module):
         if data is None:
             raise TypeError("gr_scaling(model, data, loss_fn): pass the data to probe")

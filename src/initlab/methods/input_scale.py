@@ -19,6 +19,7 @@ from torch import nn
 from initlab._core.data import DataUse, data_use, default_forward, first_tensor, take_batches
 from initlab._core.distributed import all_reduce_sum
 from initlab._core.knobs import renamed_kwargs
+from initlab._core.parametrized import reading_layers
 from initlab._core.rng import Seeds
 from initlab.init.registry import Registry, default_registry
 from initlab.measure.conditioning import weight_layers
@@ -131,6 +132,7 @@ def input_scale(
 
 
 @renamed_kwargs(n_batches="max_batches")
+@reading_layers
 def input_scale_for(
     model: nn.Module,
     data: Any,

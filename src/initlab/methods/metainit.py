@@ -73,6 +73,7 @@ from torch import nn
 
 from initlab._core.attention import with_math_attention
 from initlab._core.autocast import autocast_off, refuse_autocast_inside
+from initlab._core.backward import refuse_complex
 from initlab._core.compiled import takes_compiled
 from initlab._core.data import DataCounter
 from initlab._core.distributed import check_same_parameters, run_together, same_options
@@ -133,18 +134,6 @@ _ADVICE = (
     "use a method that needs first derivatives only: gradinit_ (first-order objective steps) or "
     "lsuv_"
 )
-
-
-def _refuse_complex(model: nn.Module, what: str) -> None:
-    """Raise ``TypeError`` for a complex tensor among the trainable ones: the gradient quotient's
-    ``g^2`` and ``g + eps`` are defined for real tensors."""
-    names = [n for n, p in model.named_parameters() if p.requires_grad and p.is_complex()]
-    if names:
-        raise TypeError(
-            f"{what}: parameter(s) {', '.join(names)} are complex; MetaInit's gradient quotient "
-            "is defined for real tensors: freeze them (requires_grad_(False)) for this call, or "
-            "use gradinit_ or lsuv_"
-        )
 
 
 def _gq(
@@ -346,7 +335,10 @@ def metainit_(
     check_callback(what, "progress", progress)
     loss = resolve_loss(loss_fn, what=what)
     check_same_parameters(model, what)  # first: what differs by rank raises on every rank
-    _refuse_complex(model, what)
+    refuse_complex(
+        model, what, "MetaInit's gradient quotient is defined for real tensors: freeze them "
+        "(requires_grad_(False)) for this call, or use gradinit_ or lsuv_"
+    )  # fmt: skip
     ts = select_tensors(model, params, _at_least_2d if opts.paper else nonzero, what)
     _warn_half_precision(ts, what)
     gen = as_generator(generator)

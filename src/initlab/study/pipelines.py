@@ -631,14 +631,14 @@ def initialize_run(
 
     pipeline = parse_init(config.scheme)
     start = time.perf_counter()
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]):  # built and drawn in float32, as the trainer does
         torch.manual_seed(config.seed)
-        model = model_factory(config).to(dtype=dtype)
+        model = model_factory(config).to(dtype=torch.float32)
     if pipeline.scheme is not None:
         generator = torch.Generator().manual_seed(config.seed)
         init_model(model, pipeline.scheme, generator=generator, measure=False)
     apply_study_options(model, config)
-    model.to(device)
+    model.to(dtype=dtype).to(device)
     (x, y), _ = normalize_inputs(config.input_norm, train, None)
     x, y = x.to(device=device, dtype=dtype), y.to(device=device, dtype=torch.long)
     per_epoch = math.ceil(x.shape[0] / config.batch_size)

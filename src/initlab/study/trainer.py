@@ -5,12 +5,12 @@ what a run *is*. :func:`train_runs` trains ``R`` runs of one group (:meth:`RunCo
 together, with their parameters stacked along a leading run dimension, and gives the same numbers
 up to float rounding. Per run and in both trainers:
 
-1. **Model.** ``model = model_factory(config).to(dtype)`` (under a forked global RNG seeded with
+1. **Model.** ``model = model_factory(config)`` in float32 (under a forked global RNG seeded with
    ``config.seed``), then ``init_model(model, config.scheme,
    generator=torch.Generator().manual_seed(config.seed))`` (``measure=False``: the report's
    statistics are skipped, the draws are the same), then the study's model options
    (:func:`initlab.study.models.apply_study_options`: conditioning multipliers), then
-   ``.to(device)``.
+   ``.to(dtype).to(device)`` (a float64 run starts from the float32 run's weights).
 2. **Data order.** Epoch ``e`` visits the training rows in the order :func:`epoch_order`
    ``(config.seed, e, n)``: a ``torch.randperm`` from a CPU generator seeded with a hash of
    ``(seed, e)``. Minibatches are consecutive slices of ``batch_size`` rows; the last, partial
