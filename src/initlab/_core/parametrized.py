@@ -29,9 +29,9 @@ from __future__ import annotations
 import copy
 import functools
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from contextvars import ContextVar
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch
 from torch import nn
@@ -85,26 +85,25 @@ def writing_scope() -> Iterator[None]:
         yield
 
 
-def reading_layers(fn: _F) -> _F:
-    """Decorate a measuring entry point: it runs in a :func:`reading_scope`."""
+def _run_in(scope: Callable[[], AbstractContextManager[None]], fn: _F) -> _F:
+    """``fn`` run inside ``scope()`` at every call."""
 
     @functools.wraps(fn)
-    def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
-        with reading_scope():
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with scope():
             return fn(*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
+
+
+def reading_layers(fn: _F) -> _F:
+    """Decorate a measuring entry point: it runs in a :func:`reading_scope`."""
+    return _run_in(reading_scope, fn)
 
 
 def writing_layers(fn: _F) -> _F:
     """Decorate a method that writes weights: it runs in a :func:`writing_scope`."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
-        with writing_scope():
-            return fn(*args, **kwargs)
-
-    return wrapper  # type: ignore[return-value]
+    return _run_in(writing_scope, fn)
 
 
 def registry_reads_computed() -> bool:
