@@ -523,5 +523,6 @@ def test_doctor_says_its_fixes_refuse_a_parametrized_model() -> None:
     for check in ("initial_loss", "logit_std"):
         row = doc.row(check)
         assert row["verdict"] == "bad"
-        assert "nan" not in row["why"] and "refuses this model" in row["why"]
+        assert "nan" not in row["why"]
+        assert "init_model(model, 'geometric') failed here (ValueError: the layer '0'" in row["why"]
         assert row["fix"].startswith("once the parametrizations are removed")

@@ -86,7 +86,7 @@ class _Measure:
     own_loss: bool = False
     own_other: bool = False  # the model's own loss is not a cross-entropy of its logits
     missing: str = ""  # why the outputs could not be read ("" when they were)
-    init_std: float | None = None  # the logits' std right after init_model (None: not tried)
+    init_std: tuple[float, str] | None = None  # init_logit_std's (std, error); None: not tried
 
 
 @dataclass
@@ -367,7 +367,7 @@ def _init_for_logits(
         if m.init_std is None:  # measured once per measurement
             m.init_std = init_logit_std(model, setup.batches, setup.loss, setup.forward,
                                         setup.generator)  # fmt: skip
-        after = m.init_std
+        after, error = m.init_std
         if math.isfinite(after) and after <= 0.5 * m.logit_std:
             continue
         c.fixes = tuple(f for f in c.fixes if f != "init")
@@ -375,7 +375,9 @@ def _init_for_logits(
             f"; init_model(model, 'geometric') would not shrink the logits (std {_fmt(m.logit_std)}"
             f" → {_fmt(after)}): scale the output instead"
             if math.isfinite(after)
-            else "; init_model(model, 'geometric') refuses this model, so it is no fix here"
+            else f"; init_model(model, 'geometric') failed here ({error}), so it is no fix here"
+            if error
+            else "; init_model(model, 'geometric') leaves the logits non-finite: no fix here"
         )
 
 

@@ -27,6 +27,7 @@ from initlab._core.data import (
 )
 from initlab._core.hooks import hook_handles
 from initlab._core.loss import Loss, NamedLoss, classes_dim, model_loss
+from initlab._core.rng import peeked
 from initlab._core.state import preserved_state
 
 Forward = Callable[[nn.Module, Any], Any]
@@ -196,22 +197,21 @@ def init_logit_std(
     loss: Loss,
     forward: Forward | None,
     generator: torch.Generator | None,
-) -> float:
+) -> tuple[float, str]:
     """The logits' std right after ``doctor``'s ``"init"`` fix (``init_model(model,
-    "geometric")``), measured on the model and put back (parameters, buffers, RNGs; a copy of
-    ``generator``, so the fix's own draws stay as they were); NaN where the init refuses the
-    model. Costs one copy of the state and one no-grad pass over the batches."""
+    "geometric")``), measured on the model and put back (parameters, buffers, RNGs; the
+    generator peeked at, so the fix's own draws stay as they were), and ``""``; or NaN and the
+    first line of the error where the init or the pass after it raises. Costs one copy of the
+    state and one no-grad pass over the batches."""
     from initlab.init.model import init_model
 
-    if generator is not None:
-        generator = torch.Generator(generator.device).set_state(generator.get_state())
     try:
         with preserved_state(model), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the fix's own warnings are caught when it runs
-            init_model(model, "geometric", generator=generator)
-            return float(output_pass(model, batches, loss, forward)["logit_std"])
-    except (ValueError, TypeError, RuntimeError):
-        return math.nan
+            init_model(model, "geometric", generator=peeked(generator))
+            return float(output_pass(model, batches, loss, forward)["logit_std"]), ""
+    except (ValueError, TypeError, RuntimeError) as err:
+        return math.nan, f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:160]}"
 
 
 def unchanged(model: nn.Module, kept: list[torch.Tensor]) -> bool:
