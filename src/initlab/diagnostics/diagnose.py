@@ -278,6 +278,10 @@ def _auto_per_example(model: nn.Module, notes: list[str]) -> bool:
     return not coupled
 
 
+FRESH_EVAL_NORMS = "BatchNorm in eval mode with running statistics never updated"
+"""How the note on such BatchNorm layers starts (doctor's summary shows it)."""
+
+
 def _note_fresh_eval_norms(model: nn.Module, notes: list[str]) -> None:
     """A note where BatchNorm layers run in eval mode on running statistics no batch has
     updated (still mean 0, variance 1): they normalize nothing, so the
@@ -293,7 +297,7 @@ def _note_fresh_eval_norms(model: nn.Module, notes: list[str]) -> None:
     if fresh:
         more = f" and {len(fresh) - 1} more" if len(fresh) > 1 else ""
         notes.append(
-            f"BatchNorm in eval mode with running statistics never updated ({fresh[0]}{more}: "
+            f"{FRESH_EVAL_NORMS} ({fresh[0]}{more}: "
             "mean 0, variance 1): they normalize nothing here, so the model is measured as one "
             "without normalization; call model.train() to diagnose it as it trains"
         )

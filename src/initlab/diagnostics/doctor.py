@@ -139,6 +139,7 @@ from initlab.diagnostics._outputs import (
     fixes_forward,
     unchanged,
 )
+from initlab.diagnostics.diagnose import FRESH_EVAL_NORMS
 from initlab.diagnostics.report import Report, _encode_rows, _encode_value
 from initlab.init.model import init_model
 from initlab.measure.probe.checks import refuse_parametrized
@@ -519,7 +520,7 @@ class DoctorReport(Rows):
                 lines.append(f"  {r['check']}, no fix here: {r['why']}")
         lines.append(f"  recommended: {', '.join(self.recommended) or 'nothing'}")
         notes = self.diagnosis.meta.get("notes", ()) if self.diagnosis is not None else ()
-        lines.extend(f"  note: {n}" for n in notes if n.startswith("BatchNorm in eval mode"))
+        lines.extend(f"  note: {n}" for n in notes if n.startswith(FRESH_EVAL_NORMS))
         lines.extend(self._fix_lines(fixing, how_to_fix))
         lines.append(self._numbers_line("initial_loss", "initial loss", fixing))
         lines.append(self._numbers_line("gamma_spread", "γ spread (max/min)", fixing))
