@@ -10,7 +10,6 @@ columns :data:`ACTIVATION_COLUMNS`. Both stay importable from :mod:`initlab.diag
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -245,20 +244,28 @@ _RELU_NAMES = {"relu", "relu_", "relu6"}
 class _ReluWatch(TorchFunctionMode):
     """The inputs of functional ReLU calls (``F.relu``, ``torch.relu``, ``x.relu()``) made
     outside the leaf modules of ``torch.nn`` (an ``nn.ReLU`` is watched by its hook, and fx does
-    not enter the others either), keyed ``module:relu``, ``module:relu_1``, ... per forward."""
+    not enter the others either), keyed by the calling module and the call's index in the
+    forward (``module:relu`` for the first, ``other:relu_1`` for the second, counted across the
+    model as fx numbers its nodes; the count restarts with each forward)."""
 
     def __init__(self, leaves: set[int]) -> None:
         super().__init__()
         self.leaves = leaves
         self.stack: list[tuple[str, bool]] = []  # (module name, whether it is a torch.nn leaf)
         self.stats: dict[str, _ActStats] = {}
-        self.counts: Counter[str] = Counter()
+        self.calls = 0  # functional ReLU calls in this forward
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         fn = getattr(func, "__name__", "")
         if fn in _RELU_NAMES and args and not (self.stack and self.stack[-1][1]):
-            k = self.counts["relu"]
-            self.counts["relu"] += 1
+            k = self.calls
+            self.calls += 1
             where = (self.stack[-1][0] if self.stack else "") or "<root>"
             key = f"{where}:relu" + (f"_{k}" if k else "")
             st = self.stats.setdefault(key, _ActStats("relu", fn, "runtime"))
@@ -290,7 +297,7 @@ def _runtime_relus(
             handles.add(m.register_forward_pre_hook(pre))
             handles.add(m.register_forward_hook(post, always_call=True))
         for args, kwargs in forward_args:
-            watch.counts.clear()
+            watch.calls = 0
             with torch.no_grad(), watch:
                 model(*args, **kwargs)
     return watch.stats
