@@ -305,14 +305,15 @@ def _no_gradient(m: _Measure, quantity: str = "no_gradient") -> list[dict[str, A
     ]
 
 
+_UNTRACED_RULES = ("not_traced", "not_measured")
+"""The linter's findings that say what it could not inspect in a model fx could not trace."""
+
+
 def _untraced(m: _Measure) -> str:
     """The linter's word on a model torch.fx could not trace: what was inspected and what was
     not (its ``not_traced`` and ``not_measured`` findings), as the end of a check's text."""
     said = [r["message"] for r in m.report.findings if r.get("rule") in _UNTRACED_RULES]
     return "".join(f"; {s}" for s in said)
-
-
-_UNTRACED_RULES = ("not_traced", "not_measured")
 
 
 def _layers_check(m: _Measure, model: nn.Module) -> _Check:
