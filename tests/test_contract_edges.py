@@ -1394,3 +1394,18 @@ def test_lsuv_steps_points_to_max_iter_and_a_probe_refuses_a_generator() -> None
     probe = initlab.measure_moments(_mlp(), [(x, y)], nn.CrossEntropyLoss())
     with pytest.raises(TypeError, match=r"^gr_scaling\(probe, \.\.\.\): generator= seeds"):
         initlab.gr_scaling(probe, generator=0)
+
+
+def test_the_way_to_read_an_output_field_fits_the_outputs_kind() -> None:
+    """A dict output holding no tensor was told to read `.<field>` (attribute syntax)."""
+    from initlab._core.data import output_tensor
+
+    with pytest.raises(TypeError, match=r'model\(batch\[0\]\)\["<key>"\]$'):
+        output_tensor({"scores": [1.0, 2.0]})
+    with pytest.raises(TypeError, match=r"model\(batch\[0\]\)\[<index>\]$"):
+        output_tensor(([1.0], "x"))
+
+
+def test_a_dataset_of_whole_batches_is_pointed_to_batch_size_none() -> None:
+    with pytest.raises(TypeError, match=r"\(batch_size=None where its items are whole batches"):
+        initlab.measure_moments(_mlp(), TensorDataset(*_data(8)))

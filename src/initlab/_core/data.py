@@ -264,7 +264,8 @@ def check_data(data: Any, what: str) -> None:
     ):
         raise TypeError(
             f"{what}: data is a {type(data).__name__}, a map-style torch Dataset, which holds "
-            "single examples: pass torch.utils.data.DataLoader(dataset, batch_size=...) instead"
+            "single examples: pass torch.utils.data.DataLoader(dataset, batch_size=...) instead "
+            "(batch_size=None where its items are whole batches already)"
         )
     if any(  # by name: the core does not import the data wing
         c.__name__ == "Dataset" and c.__module__ == "initlab.data.dataset"
@@ -733,7 +734,12 @@ def _no_tensor_way_out(outputs: Any, way_out: str) -> str:
 
 def _tensor_field(outputs: Any) -> str:
     """How to read the first tensor attribute of an output object (``.scores``), else
-    ``.<field>``."""
+    ``.<field>``; ``["<key>"]`` for a dict and ``[<index>]`` for a tuple or list (they hold
+    none)."""
+    if isinstance(outputs, Mapping):
+        return '["<key>"]'
+    if isinstance(outputs, (tuple, list)):
+        return "[<index>]"
     if dataclasses.is_dataclass(outputs) and not isinstance(outputs, type):
         items = [(f.name, getattr(outputs, f.name, None)) for f in dataclasses.fields(outputs)]
     else:
