@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from initlab._core.distributed import is_distributed
-from initlab._core.knobs import check_kwargs
+from initlab._core.knobs import accepted_keywords, check_keywords
 
 __all__ = [
     "check_materialized",
@@ -164,7 +164,7 @@ def takes_compiled(fn: F | None = None, *, scripted: bool = False, collective: b
     """
     if fn is None:
         return functools.partial(takes_compiled, scripted=scripted, collective=collective)
-    accepted = _keywords(fn)
+    accepted = accepted_keywords(fn)
 
     @functools.wraps(fn)
     def inner(*args: Any, **kwargs: Any) -> Any:
@@ -194,24 +194,12 @@ def takes_compiled(fn: F | None = None, *, scripted: bool = False, collective: b
     return inner
 
 
-def _keywords(fn: Callable[..., Any]) -> tuple[set[str], set[str]] | None:
-    """The keywords ``fn`` takes and its deprecated ones; ``None`` if it takes any."""
-    params = inspect.signature(fn).parameters.values()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return None
-    names = {p.name for p in params if p.kind is not inspect.Parameter.VAR_POSITIONAL}
-    return names, set(getattr(fn, "__deprecated_kwargs__", {}))
-
-
 def _check_keywords(
     what: str, kwargs: dict[str, Any], accepted: tuple[set[str], set[str]] | None
 ) -> None:
     """An unknown keyword names initlab's one (``loss=`` → ``loss_fn=``); a ``forward`` that
     cannot be called as ``forward(model, batch)`` is named before any pass runs."""
-    if accepted is not None:  # suggestions among the current names, not the deprecated ones
-        names, deprecated = accepted
-        unknown = {k: v for k, v in kwargs.items() if k not in names | deprecated}
-        check_kwargs(what, unknown, set(), own=names)
+    check_keywords(what, kwargs, accepted)
     forward = kwargs.get("forward")
     if callable(forward):
         try:

@@ -61,17 +61,11 @@ def renamed_kwargs(**old_to_new: str) -> Callable[[F], F]:
 
     def wrap(fn: F) -> F:
         order = list(inspect.signature(fn).parameters)
-        takes_any = any(
-            p.kind is inspect.Parameter.VAR_KEYWORD
-            for p in inspect.signature(fn).parameters.values()
-        )
+        accepted = accepted_keywords(fn, deprecated=old_to_new)
 
         @functools.wraps(fn)
         def inner(*args: Any, **kwargs: Any) -> Any:
-            if not takes_any:
-                own = parameter_names(fn)
-                unknown = {k: v for k, v in kwargs.items() if k not in own and k not in old_to_new}
-                check_kwargs(fn.__name__, unknown, set(), own=own)
+            check_keywords(fn.__name__, kwargs, accepted)
             for old, new in old_to_new.items():
                 if old in kwargs:
                     positional = new in order and order.index(new) < len(args)
@@ -161,6 +155,29 @@ def check_kwargs(
             takes_none = f"{what} takes no {concept[0]}=; " if concept else ""
             hint = f"{takes_none}accepted: {', '.join(sorted(names))}"
         raise TypeError(f"{what}() got an unexpected keyword argument {name!r}; {hint}")
+
+
+def accepted_keywords(
+    fn: Callable[..., Any], deprecated: Iterable[str] = ()
+) -> tuple[set[str], set[str]] | None:
+    """The keywords ``fn`` takes and its deprecated ones (``deprecated`` and its
+    ``__deprecated_kwargs__``); ``None`` if it takes any (``**kwargs``)."""
+    params = inspect.signature(fn).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    names = {p.name for p in params if p.kind is not inspect.Parameter.VAR_POSITIONAL}
+    return names, {*deprecated, *getattr(fn, "__deprecated_kwargs__", {})}
+
+
+def check_keywords(
+    what: str, kwargs: dict[str, Any], accepted: tuple[set[str], set[str]] | None
+) -> None:
+    """:func:`check_kwargs` for the keywords of a call outside ``accepted``
+    (:func:`accepted_keywords`; ``None``: any is taken), suggesting among the current names."""
+    if accepted is not None:
+        names, deprecated = accepted
+        unknown = {k: v for k, v in kwargs.items() if k not in names | deprecated}
+        check_kwargs(what, unknown, set(), own=names)
 
 
 def check_flags(what: str, **flags: object) -> None:
