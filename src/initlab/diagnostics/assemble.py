@@ -21,7 +21,7 @@ from torch.nn.utils import parametrize
 
 from initlab._core.parametrized import layer_tensor
 from initlab._core.rows import Rows
-from initlab.diagnostics.linter import signal_ratios
+from initlab.diagnostics.linter import _positive, signal_ratios
 from initlab.diagnostics.report import (
     DIAGNOSTIC_COLUMNS,
     LAYER_COLUMNS,
@@ -428,10 +428,6 @@ def _all_zero(module: nn.Module | None) -> bool:
     """Whether ``module`` has a ``weight`` tensor with elements, all of them zero."""
     w = _weight(module)
     return isinstance(w, torch.Tensor) and w.numel() > 0 and not bool(w.detach().any())
-
-
-def _positive(value: Any) -> bool:
-    return isinstance(value, float) and math.isfinite(value) and value > 0
 
 
 def closed_branches(
