@@ -768,9 +768,7 @@ def _signal_findings(
     ratio, ref = ratios.get(layer, (math.nan, ""))
 
     def check(value: Any, what: str, low_rule: str, high_rule: str, where: str) -> bool:
-        if not isinstance(value, float) or not math.isfinite(value) or value == 0.0:
-            return False
-        if SIGNAL_LOW <= value <= SIGNAL_HIGH:
+        if not _off_scale(value):
             return False
         low = value < SIGNAL_LOW
         bound = f"< {SIGNAL_LOW:g}" if low else f"> {SIGNAL_HIGH:g}"
