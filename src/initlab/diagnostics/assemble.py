@@ -405,11 +405,11 @@ def closed_heads(model: nn.Module, probe_table: Rows) -> dict[str, str]:
     rows = sorted((r for r in probe_table if r["order"] is not None), key=lambda r: r["order"])
     named = dict(model.named_modules())
     out: dict[str, str] = {}
-    for i, r in enumerate(rows):
-        if r["E_dy2"] != 0.0:
-            continue
-        gate = next((g for g in rows[i + 1 :] if _positive(g["E_dy2"])), None)
-        if gate is not None and _all_zero(named.get(gate["layer"])):
+    gate = None  # the nearest module after the current one that gets a gradient, all-zero weight
+    for r in reversed(rows):
+        if _positive(r["E_dy2"]):
+            gate = r if _all_zero(named.get(r["layer"])) else None
+        elif r["E_dy2"] == 0.0 and gate is not None:
             out[r["layer"]] = (
                 f"no gradient at init, by design: {gate['layer']} after it has a weight of all "
                 "zeros (a zero-initialized head or adapter) and passes no gradient back until its "
