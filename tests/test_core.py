@@ -8,12 +8,14 @@ import functools
 import inspect
 import itertools
 import warnings
+import weakref
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
 import initlab
@@ -287,6 +289,87 @@ def test_restore_on_failure_keeps_weights_on_success_but_not_hooks() -> None:
         model.register_forward_pre_hook(lambda *a: None)
     assert torch.count_nonzero(model.weight) == 0
     assert not model._forward_pre_hooks
+
+
+class _Clones(TorchDispatchMode):
+    """Counts the copies made of tensors of one shape, and the most alive at once (an oracle
+    outside the code under test)."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        super().__init__()
+        self.shape, self.count, self.alive, self.peak = torch.Size(shape), 0, 0, 0
+
+    def _freed(self) -> None:
+        self.alive -= 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.clone.default and out.shape == self.shape:
+            self.count += 1
+            self.alive += 1
+            self.peak = max(self.peak, self.alive)
+            weakref.finalize(out, self._freed)
+        return out
+
+
+def test_nested_blocks_share_the_copy_of_an_unchanged_tensor_and_copy_a_changed_one() -> None:
+    model = nn.Sequential(nn.Linear(7, 5), nn.Linear(5, 3))
+    w0, w1 = model[0].weight.detach().clone(), model[1].weight.detach().clone()
+    with _Clones((5, 7)) as first, _Clones((3, 5)) as second, model_kept(model):
+        with torch.no_grad():
+            model[1].weight.add_(1.0)
+        changed = model[1].weight.detach().clone()  # the test's own copy: counted, 1
+        with pytest.raises(RuntimeError), restore_on_failure(model):
+            with torch.no_grad():
+                model[0].weight.mul_(2.0)
+                model[1].weight.mul_(3.0)
+            raise RuntimeError("a failing method")
+        # the inner block put back what it started from: the outer block's change stays
+        assert torch.equal(model[0].weight, w0) and torch.equal(model[1].weight, changed)
+    assert torch.equal(model[0].weight, w0) and torch.equal(model[1].weight, w1)
+    assert first.count == 1  # unchanged: the inner block took the outer block's copy
+    assert second.count == 3  # changed: the outer copy, the test's copy and the inner block's
+
+
+def test_a_copy_is_shared_only_while_the_bits_are_the_same() -> None:
+    model = nn.Linear(2, 2, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[-0.0, 1.0], [3.0, 2.0]]))
+    with model_kept(model):
+        with torch.no_grad():
+            model.weight[0, 0] = 0.0  # equal to -0.0 under ==, another bit pattern
+        with pytest.raises(RuntimeError), restore_on_failure(model):
+            with torch.no_grad():
+                model.weight.fill_(5.0)
+            raise RuntimeError("a failing method")
+        assert not torch.signbit(model.weight[0, 0])  # the inner block's start: +0.0
+    # the outer block restores the sign of zero (== alone would call -0.0 and 0.0 the same)
+    assert torch.signbit(model.weight[0, 0])
+    assert model.weight[0, 1] == 1.0 and model.weight[1, 0] == 3.0 and model.weight[1, 1] == 2.0
+
+
+def test_doctor_without_fixes_copies_each_weight_once() -> None:
+    model = nn.Sequential(
+        nn.Linear(6, 31), nn.ReLU(), nn.Linear(31, 29), nn.ReLU(), nn.Linear(29, 3)
+    )
+    x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
+    with _Clones((29, 31)) as clones:
+        initlab.doctor(model, (x, y), generator=0)
+    # doctor's measurements nest (diagnose inside, its passes inside that): one copy at a time
+    assert clones.count >= 1 and clones.peak == 1
+
+
+def test_doctor_with_a_fix_holds_the_weights_before_it_and_one_measurement_s_copy() -> None:
+    model = nn.Sequential(
+        nn.Linear(6, 31), nn.ReLU(), nn.Linear(31, 29), nn.ReLU(), nn.Linear(29, 3)
+    )
+    x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
+    with _Clones((29, 31)) as clones:
+        report = initlab.doctor(model, (x, y), fix=["lsuv"], generator=0)
+    assert report.applied == ["lsuv"]
+    # the model before doctor (also the one before LSUV, and LSUV's own way back); after LSUV, a
+    # check's what-if (the logits' std after init_model, measured and put back) and its pass
+    assert clones.peak == 3
 
 
 def test_hook_contexts_remove_on_error() -> None:

@@ -14,7 +14,8 @@ Always restored, on success and on failure: every submodule's ``training`` flag,
 parameter hook added inside the block and still attached at its end is removed), and a Hugging Face
 model's ``config.problem_type`` (its forward sets it from the first labels it is given). Tensors are
 copied back in place under ``no_grad``, so tied tensors stay tied, references the user holds stay
-valid, and nothing moves across devices. Memory: one copy of what is restored. Under the user's
+valid, and nothing moves across devices. Memory: one copy of what is restored, shared by nested
+blocks while the tensors keep its bits (:data:`_HELD`). Under the user's
 ``torch.autocast`` the block runs without autocast's cache of cast weights, which changes in place
 would leave stale (:func:`~initlab._core.autocast.autocast_uncached`). Embeddings built with
 ``sparse=True`` give dense gradients inside the block (the same values; every method reads
@@ -24,8 +25,9 @@ gradients as dense tensors) and are sparse again after it.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
+from contextvars import ContextVar
 from typing import Any, Literal, TypeVar
 
 import torch
@@ -35,6 +37,7 @@ from initlab._core.autocast import autocast_uncached
 
 __all__ = [
     "config_kept",
+    "copies_held",
     "keeps_config",
     "model_kept",
     "model_modes",
@@ -94,18 +97,106 @@ def _remove_new_hooks(before: dict[int, tuple[object, dict[str, set[int]]]]) -> 
                     getattr(obj, side, {}).pop(key, None)
 
 
+#: The copies held by the blocks running now (:func:`model_kept`, :func:`copies_held`), innermost
+#: last: a nested block takes a tensor's copy from an enclosing one when the tensor is still bit
+#: for bit that copy, so a measurement inside a method (or inside ``diagnose``, inside ``doctor``)
+#: adds no copy of unchanged weights. Copies are never written to, so a shared one restores exactly
+#: the bits the tensor had when the inner block began. A ``ContextVar``: one stack per thread.
+_HELD: ContextVar[tuple[dict[object, tuple[torch.Tensor, torch.Tensor]], ...]] = ContextVar(
+    "initlab_held_copies", default=()
+)
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """A dense tensor whose bits :func:`_same_bits` can compare (no subclass, sparse, quantized
+    or meta tensor: those are always copied)."""
+    return (
+        type(t) in (torch.Tensor, nn.Parameter)
+        and t.layout == torch.strided
+        and not t.is_meta
+        and not t.is_quantized
+        and not t.is_nested
+    )
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as integers of its element size (floating point and complex), so that
+    equality is bit equality: ``-0.0`` differs from ``0.0`` and a NaN equals its own copy."""
+    t = t.detach()
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    if t.is_floating_point() and t.element_size() in _INT_OF_SIZE:
+        return t.view(_INT_OF_SIZE[t.element_size()])
+    return t
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` hold the same bits (same shape, dtype and device)."""
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        return False
+    if not (_plain(a) and _plain(b)):
+        return not a.is_floating_point() and bool(torch.equal(a, b))
+    return bool(torch.equal(_bits(a), _bits(b)))
+
+
+def _key(t: torch.Tensor) -> object:
+    """Where ``t``'s elements lie (so a parameter and its ``state_dict()`` alias, a ``detach()``,
+    are one tensor here), or the object itself for a tensor :func:`_plain` does not cover. A held
+    copy keeps its tensor alive, so its memory is not reused while the copy is offered."""
+    if not _plain(t):
+        return id(t)
+    return (t.device, t.dtype, t.data_ptr(), tuple(t.shape), t.stride())
+
+
+def _held_copy(t: torch.Tensor) -> torch.Tensor | None:
+    """An enclosing block's copy of ``t`` that still has ``t``'s bits, else ``None``."""
+    if not _plain(t):
+        return None
+    key = _key(t)
+    for held in reversed(_HELD.get()):
+        entry = held.get(key)
+        if entry is not None and _same_bits(t, entry[1]):
+            return entry[1]
+    return None
+
+
 def _snapshot(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    seen: dict[object, tuple[torch.Tensor, torch.Tensor]] = {}
     for t in tensors:
-        if id(t) not in seen:
-            seen[id(t)] = (t, t.detach().clone())
+        if _key(t) not in seen:
+            copy = _held_copy(t)
+            seen[_key(t)] = (t, t.detach().clone() if copy is None else copy)
     return list(seen.values())
+
+
+@contextmanager
+def _holding(saved: list[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[None]:
+    """Offer ``saved``'s copies to the blocks nested in this one (:data:`_HELD`)."""
+    token = _HELD.set((*_HELD.get(), {_key(t): (t, c) for t, c in saved}))
+    try:
+        yield
+    finally:
+        _HELD.reset(token)
+
+
+@contextmanager
+def copies_held(tensors: Iterable[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+    """Copies of ``tensors`` (in their order, tied ones sharing one) for the block: taken from an
+    enclosing block where a tensor still has those bits, and offered to the blocks nested in this
+    one. The copies must not be written to."""
+    tensors = list(tensors)
+    saved = _snapshot(tensors)
+    copies = {_key(t): c for t, c in saved}
+    with _holding(saved):
+        yield [copies[_key(t)] for t in tensors]
 
 
 def _put_back(saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     with torch.no_grad():
         for t, old in saved:
-            if t.shape != old.shape or not torch.equal(t, old):
+            if not _same_bits(t, old):
                 t.copy_(old)
 
 
@@ -153,7 +244,7 @@ def model_kept(
     try:
         for m in sparse:
             m.sparse = False
-        with autocast_uncached(), config_kept(model):
+        with autocast_uncached(), config_kept(model), _holding(saved["params"] + saved["buffers"]):
             yield
         failed = False
     finally:

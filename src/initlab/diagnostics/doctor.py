@@ -117,7 +117,7 @@ from initlab._core.loss import LossLike, resolve_loss
 from initlab._core.parametrized import reading_scope, writing_scope
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows, _fmt
-from initlab._core.state import model_kept, restore_on_failure
+from initlab._core.state import copies_held, model_kept, restore_on_failure
 from initlab.diagnostics._doctor_checks import (
     _ILL,
     CHECKS,
@@ -320,47 +320,65 @@ def _treat(
         if auto and course.applied and name not in _recommended(now):
             course.skipped[name] = f"no longer needed after {', '.join(course.applied)}"
             continue
-        call = functools.partial(_apply, name, model, setup, current, done)
         changes = name != "precondition"  # how="lr" leaves the model as it was
-        kept = [t.detach().clone() for t in model.state_dict().values()] if changes else []
-        if not course.run(name, call) or not changes:
-            continue
-        if name == "init" and unchanged(model, kept):
-            course.applied.remove(name)  # never listed as applied: say it changed nothing
-            course.unchanged.append(name)
-            course.reports.pop(name, None)
-            course.skipped[name] = (
-                "changed nothing: the model already has init_model(model, 'geometric') with "
-                "this generator"
-            )
-            continue
-        after = _measure(model, setup)
-        checks = _checks(after, model, setup, [*done, name])
-        worse = _worse(now, checks)
-        outputs = worse and _outputs_only(now, checks) and "output_scale" not in (*done, name)
-        both = (
-            _with_output_scale(name, model, setup, after, done, now, course)
-            if auto and outputs
-            else None
-        )
-        if both is not None:
-            # the fix brought the signal back to the logits (LSUV on a vanished one); with their
-            # scale set after it, the two together improved the checks: both stay
-            after, worse = both, ""
-        elif auto and outputs and "output_scale" in course.applied:
-            _undo("output_scale", model, kept, course)
-            course.undone["output_scale"] = (
-                f"applied after {name} to set the logits' scale, the two improved no check "
-                "together: undone with it"
-            )
-        if auto and worse:
-            _undo(name, model, kept, course)
-            course.undone[name] = f"it made the checks worse ({worse}); the model is as before it"
-        else:
-            current = after
-            if worse:
-                course.notes.setdefault(name, []).append(f"it made the checks worse: {worse}")
+        # the model before this fix, to undo it: shared with doctor's own copy (and the fix's)
+        # while the weights are unchanged (copies_held)
+        with copies_held(model.state_dict().values() if changes else []) as kept:
+            current = _fix(name, model, setup, course, auto, (current, now, done, kept))
     return course, current
+
+
+def _fix(
+    name: str,
+    model: nn.Module,
+    setup: _Setup,
+    course: _Course,
+    auto: bool,
+    state: tuple[_Measure, list[_Check], list[str], list[torch.Tensor]],
+) -> _Measure:
+    """Apply the fix ``name`` and re-measure; with ``auto``, undo it (back to ``kept``, the
+    model's tensors before it) when it left the checks worse. ``state`` is the measurement and
+    checks before the fix, the fixes done and ``kept``. Returns the measurement the next fix
+    starts from."""
+    current, now, done, kept = state
+    call = functools.partial(_apply, name, model, setup, current, done)
+    if not course.run(name, call) or name == "precondition":  # precondition: rates, not weights
+        return current
+    if name == "init" and unchanged(model, kept):
+        course.applied.remove(name)  # never listed as applied: say it changed nothing
+        course.unchanged.append(name)
+        course.reports.pop(name, None)
+        course.skipped[name] = (
+            "changed nothing: the model already has init_model(model, 'geometric') with "
+            "this generator"
+        )
+        return current
+    after = _measure(model, setup)
+    checks = _checks(after, model, setup, [*done, name])
+    worse = _worse(now, checks)
+    outputs = worse and _outputs_only(now, checks) and "output_scale" not in (*done, name)
+    both = (
+        _with_output_scale(name, model, setup, after, done, now, course)
+        if auto and outputs
+        else None
+    )
+    if both is not None:
+        # the fix brought the signal back to the logits (LSUV on a vanished one); with their
+        # scale set after it, the two together improved the checks: both stay
+        after, worse = both, ""
+    elif auto and outputs and "output_scale" in course.applied:
+        _undo("output_scale", model, kept, course)
+        course.undone["output_scale"] = (
+            f"applied after {name} to set the logits' scale, the two improved no check "
+            "together: undone with it"
+        )
+    if auto and worse:
+        _undo(name, model, kept, course)
+        course.undone[name] = f"it made the checks worse ({worse}); the model is as before it"
+        return current
+    if worse:
+        course.notes.setdefault(name, []).append(f"it made the checks worse: {worse}")
+    return after
 
 
 def _with_output_scale(
