@@ -257,6 +257,12 @@ def test_split_losses_and_bad_forms() -> None:
 # ------------------------------------------------------------------------------------- state
 
 
+def _initlab_s(fn: Any) -> Any:
+    """``fn`` as if initlab's code had made it (what marks a hook as initlab's: its module)."""
+    fn.__module__ = "initlab.measure.probe.moment_probe"
+    return fn
+
+
 def test_model_kept_restores_everything() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4))
     model[2].weight = model[0].weight
@@ -270,8 +276,8 @@ def test_model_kept_restores_everything() -> None:
         model.train()
         for p in model.parameters():
             p.requires_grad_(True)
-        model[0].register_forward_hook(lambda *a: None)
-        model[0].weight.register_hook(lambda g: g)
+        model[0].register_forward_hook(_initlab_s(lambda *a: None))
+        model[0].weight.register_hook(_initlab_s(lambda g: g))
         model(torch.randn(8, 4)).sum().backward()
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
@@ -286,9 +292,38 @@ def test_restore_on_failure_keeps_weights_on_success_but_not_hooks() -> None:
     model = nn.Linear(2, 2)
     with restore_on_failure(model), torch.no_grad():
         model.weight.zero_()
-        model.register_forward_pre_hook(lambda *a: None)
+        model.register_forward_pre_hook(_initlab_s(lambda *a: None))
     assert torch.count_nonzero(model.weight) == 0
     assert not model._forward_pre_hooks
+
+
+class _HooksOnFirstCall(nn.Module):
+    """Installs a forward hook on its first call and marks itself hooked, as Hugging Face's
+    output capturing does (``maybe_install_capturing_hooks``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = nn.Linear(3, 4), nn.Linear(4, 2)
+        self.installed, self.seen = False, []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.installed:
+            self.body.register_forward_hook(lambda m, a, out: self.seen.append(out.shape))
+            self.installed = True
+        self.seen.clear()
+        out = self.head(torch.relu(self.body(x)))
+        if not self.seen:
+            raise IndexError("tuple index out of range")  # what Mixtral's router-loss code raises
+        return out
+
+
+@pytest.mark.parametrize("entry", ["measure_moments", "lsuv_", "gr_scaling", "diagnose"])
+def test_hooks_the_model_installs_on_its_first_call_stay(entry: str) -> None:
+    model, (x, y) = _HooksOnFirstCall(), _xy(d=3)
+    loss = () if entry == "lsuv_" else (nn.CrossEntropyLoss(),)
+    getattr(initlab, entry)(model, (x, y), *loss)
+    assert len(model.body._forward_hooks) == 1  # initlab's hooks gone, the model's own kept
+    model(x)  # raised IndexError when initlab removed the model's hook
 
 
 class _Clones(TorchDispatchMode):

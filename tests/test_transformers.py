@@ -490,3 +490,28 @@ def test_a_measurement_leaves_the_config_problem_type_as_it_was() -> None:
     model.config.problem_type = "single_label_classification"  # one the user set stays
     initlab.gradient_stats(model, data)
     assert model.config.problem_type == "single_label_classification"
+
+
+@pytest.mark.parametrize("entry", ["lsuv_", "measure_moments", "precondition_"])
+def test_a_moe_model_initlab_calls_first_keeps_its_router_logits(entry: str) -> None:
+    """transformers installs its output-capturing hooks on a model's first forward and marks the
+    model hooked: initlab removed them (every hook added in its call), so the next forward of a
+    Mixtral with output_router_logits raised IndexError in its load-balancing loss, and
+    precondition_'s attention trace failed (q/k/v balanced as MLP layers, alpha ~10)."""
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=32, output_router_logits=True,
+    )  # fmt: skip
+    model = transformers.MixtralForCausalLM(config)
+    ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    report = getattr(initlab, entry)(model, [batch])
+    with torch.no_grad():
+        out = model(**batch)
+    assert out.router_logits is not None and len(out.router_logits) == 2
+    assert torch.isfinite(out.loss)
+    if entry == "precondition_":
+        kinds = {r["layer"]: r["kind"] for r in report}
+        assert kinds["model.layers.0.self_attn.q_proj"] == "attention"

@@ -11,8 +11,10 @@
 
 Always restored, on success and on failure: every submodule's ``training`` flag, every parameter's
 ``requires_grad`` and ``.grad`` (the same tensor object, or ``None``), the hooks (any module or
-parameter hook added inside the block and still attached at its end is removed), and a Hugging Face
-model's ``config.problem_type`` (its forward sets it from the first labels it is given). Tensors are
+parameter hook of initlab's added inside the block and still attached at its end is removed; hooks
+the model's code installs as it runs, such as Hugging Face's output capturing, stay), and a
+Hugging Face model's ``config.problem_type`` (its forward sets it from the first labels it is
+given). Tensors are
 copied back in place under ``no_grad``, so tied tensors stay tied, references the user holds stay
 valid, and nothing moves across devices. Memory: one copy of what is restored, shared by nested
 blocks while the tensors keep its bits (:data:`_HELD`). Under the user's
@@ -85,13 +87,25 @@ def _hook_keys(model: nn.Module) -> dict[int, tuple[object, dict[str, set[int]]]
     return keys
 
 
+def _ours(fn: object) -> bool:
+    """Whether the hook ``fn`` is initlab's (its code, or its class's, lives in ``initlab``)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    fn = getattr(fn, "__func__", fn)  # a bound method: its function
+    module = getattr(fn, "__module__", None) or type(fn).__module__
+    return module == "initlab" or module.startswith("initlab.")
+
+
 def _remove_new_hooks(before: dict[int, tuple[object, dict[str, set[int]]]]) -> None:
+    """Remove the hooks initlab added since ``before`` (:func:`_hook_keys`). Hooks the model's
+    own code installs during a pass stay: Hugging Face installs its output-capturing hooks on the
+    first forward and marks the model as hooked, so removing them breaks every later call."""
     for obj, dicts in before.values():
         for attr, old in dicts.items():
             hooks = getattr(obj, attr, None)
             if not hooks:
                 continue
-            for key in [k for k in hooks if k not in old]:
+            for key in [k for k, fn in hooks.items() if k not in old and _ours(fn)]:
                 del hooks[key]
                 for side in _HOOK_SIDE_DICTS:
                     getattr(obj, side, {}).pop(key, None)
