@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 
+import initlab
 from initlab import init_model
 from initlab.measure.conditioning import gr_scaling_from_data, imbalance
 from initlab.methods.input_scale import InputScaling, input_scale, input_scale_for
@@ -506,3 +507,51 @@ def test_n_batches_is_the_old_name_of_max_batches_and_reports_count_the_data() -
     pre = precondition_(net, batches, nn.CrossEntropyLoss(), max_batches=3)
     same = precondition_(net, batches, lambda m, b: F.cross_entropy(m(b[0]), b[1]), max_batches=3)
     assert pre.used.examples == 24 and pre.info["alpha"] == same.info["alpha"]
+
+
+class _WeightUsedDirectly(nn.Module):
+    """A linear layer whose weight the model uses through F.linear (as Mamba's conv1d and
+    dt_proj): its forward is never called, so the probe sees no moment of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.side, self.b = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        h = torch.relu(F.linear(h, self.side.weight, self.side.bias))
+        return self.b(h)
+
+
+def test_precondition_names_a_layer_it_leaves_at_alpha_1_for_want_of_a_measurement() -> None:
+    torch.manual_seed(0)
+    model = _WeightUsedDirectly()
+    data = (torch.randn(32, 4), torch.randint(0, 3, (32,)))
+    with pytest.warns(UserWarning, match=r"1 linear/conv layer\(s\) keep alpha = 1") as seen:
+        report = initlab.precondition_(model, data, nn.CrossEntropyLoss())
+    text = " ".join(str(w.message) for w in seen)
+    assert "never called on the data: ['side']" in text and "F.conv1d" in text
+    assert {r["layer"]: r["alpha"] for r in report}["side"] == 1.0
+
+
+class _Adapter(nn.Module):
+    """A LoRA-style wrapper: a frozen base layer and trainable raw parameters A, B."""
+
+    def __init__(self, base: nn.Linear) -> None:
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.A = nn.Parameter(torch.randn(2, base.in_features) * 0.1)
+        self.B = nn.Parameter(torch.zeros(base.out_features, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + x @ self.A.t() @ self.B.t()
+
+
+def test_precondition_with_nothing_to_balance_says_what_the_layers_are() -> None:
+    model = nn.Sequential(_Adapter(nn.Linear(4, 8)), nn.ReLU(), _Adapter(nn.Linear(8, 3)))
+    data = (torch.randn(16, 4), torch.randint(0, 3, (16,)))
+    with pytest.raises(ValueError, match="no linear/conv layer") as err:
+        initlab.precondition_(model, data, nn.CrossEntropyLoss())
+    message = str(err.value)
+    assert "2 frozen" in message and "2 unclaimed" in message
+    assert "requires_grad=False" in message and "initlab.register_handler" in message

@@ -362,6 +362,7 @@ def precondition_(
     with restore_on_failure(model):
         before = run.probe()
         first = run.log(before, 0)
+        run.warn_unmeasured(before)
         gammas = {r["layer"]: r["gamma_w"] for r in run.balanced(before)}
         common = _target_value(target, list(gammas.values()))
         if how in ("lr", "parametrize"):
@@ -498,6 +499,7 @@ class _Balancing:
             self.n_examples = int(examples.item())
         self.forward = 0
         self.backward = 0
+        self.never: set[str] = set()  # layers the last probe never saw called
         self.trace: list[dict[str, Any]] = []
         self.attention_found: dict[str, str] | None = None
 
@@ -516,6 +518,7 @@ class _Balancing:
         self.forward += len(self.batches)
         self.backward += len(self.batches)
         _refuse_nonfinite(p)
+        self.never = {r["layer"] for r in p.table() if not r["calls"]}
         rows = gr_scaling(
             p, self.model, examples=self.n_examples, registry=self.registry, all_reduce=self.dist
         )
@@ -584,8 +587,42 @@ class _Balancing:
             if missing:
                 raise ValueError(f"no finite gamma for module(s) {missing}: cannot balance them")
         if not keep:
-            raise ValueError("no linear/conv layer with a finite GR scaling to balance")
+            raise ValueError(_nothing_to_balance(rows))
         return keep
+
+    def warn_unmeasured(self, rows: Rows) -> None:
+        """Warn about the linear/conv layers that keep ``alpha = 1`` for want of a finite GR
+        scaling (the spread reported leaves them out); with ``modules=``, :meth:`balanced`
+        raises instead."""
+        # nn.MultiheadAttention runs its out_proj's weight itself: part of its attention row
+        inside_mha = {
+            join_name(n, "out_proj")
+            for n, m in self.model.named_modules()
+            if isinstance(m, nn.MultiheadAttention)
+        }
+        left = [
+            r["layer"]
+            for r in rows
+            if r["kind"] in ("mlp", "conv")
+            and not (math.isfinite(r["gamma_w"]) and r["gamma_w"] > 0)
+            and r["layer"] not in inside_mha
+        ]
+        if self.modules is not None or not left:
+            return
+        never = [n for n in left if n in self.never]
+        other = [n for n in left if n not in self.never]
+        parts = [
+            f"never called on the data: {never} (a weight the model uses directly, as in "
+            "F.conv1d(x, layer.weight), is not seen)" if never else "",
+            f"zero or non-finite moments: {other}" if other else "",
+        ]  # fmt: skip
+        warnings.warn(
+            f"precondition_: {len(left)} linear/conv layer(s) keep alpha = 1 with no finite GR "
+            f"scaling to balance, and the spread reported leaves them out: "
+            f"{'; '.join(p for p in parts if p)}",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
 
     def log(self, rows: Rows, iteration: int) -> dict[str, Any]:
         """Append the spread of ``rows`` to the trace; returns :func:`~initlab.imbalance`."""
@@ -620,6 +657,26 @@ class _Balancing:
             self.log(rows, it)
             iterations = it
         return rows, alpha, iterations
+
+
+def _nothing_to_balance(rows: Rows) -> str:
+    """Why no layer can be balanced, from the kinds of ``rows``."""
+    kinds: dict[str, int] = {}
+    for r in rows:
+        kinds[r["kind"]] = kinds.get(r["kind"], 0) + 1
+    said = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+    text = (
+        f"precondition_: no linear/conv layer with a finite GR scaling to balance (the model's "
+        f"{len(rows)} measured module(s) by kind: {said or 'none'})"
+    )
+    if kinds.get("frozen"):
+        text += "; frozen layers (requires_grad=False) keep alpha = 1"
+    if kinds.get("unclaimed"):
+        text += (
+            "; an unclaimed module's own raw parameters (a LoRA adapter's A and B, say) are not "
+            "a layer it can scale: register a handler for it (initlab.register_handler)"
+        )
+    return text
 
 
 def _warn_untraced(err: Exception) -> None:
