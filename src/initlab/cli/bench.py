@@ -211,14 +211,19 @@ _DEFAULT_REFERENCE = "geometric"
 
 def add_bench(sub: Any, *, data_dir_help: str, debug_help: str) -> None:
     """The ``bench`` command and its ``run`` and ``report`` subcommands."""
-    from initlab.study.claims import DEFAULT_HEARTBEAT_S, DEFAULT_STALE_AFTER_S
-    from initlab.study.config import LOSS_MEASURES
-
     bench = sub.add_parser("bench", help="run and report studies (schemes x seeds x LRs)")
     bench.add_argument(
         "--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help
     )  # initlab bench --debug run ...
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="{run,report}", required=True)
+    _add_bench_run(bench_sub, data_dir_help)
+    _add_bench_report(bench_sub)
+
+
+def _add_bench_run(bench_sub: Any, data_dir_help: str) -> None:
+    """The ``bench run`` subcommand: its arguments, and :func:`bench_run` to run it."""
+    from initlab.study.claims import DEFAULT_HEARTBEAT_S, DEFAULT_STALE_AFTER_S
+
     p = bench_sub.add_parser(
         "run",
         help="run a study spec (YAML); resumes where it stopped; several on one store share it",
@@ -271,6 +276,12 @@ def add_bench(sub: Any, *, data_dir_help: str, debug_help: str) -> None:
         help=f"seconds between renewals of this driver's claims (default {DEFAULT_HEARTBEAT_S:g})",
     )
     p.set_defaults(func=bench_run)
+
+
+def _add_bench_report(bench_sub: Any) -> None:
+    """The ``bench report`` subcommand: its arguments, and :func:`bench_report` to run it."""
+    from initlab.study.config import LOSS_MEASURES
+
     p = bench_sub.add_parser(
         "report",
         help="a study store → report.html: Table 2 per variant with intervals, paired "
