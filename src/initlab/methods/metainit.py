@@ -346,8 +346,6 @@ def metainit_(
     batches = _step_batches(model, ts, data, input_shape, opts, gen, what, counter)
 
     update = _ScaleUpdate(ts, opts)
-    forward = backward = 0
-    trace: list[dict[str, Any]] = []
     with restore_on_failure(model):
         # the gradient quotient divides by g: in bfloat16 its rounding flips the signs the steps
         # follow where g is small, so GQ is computed in the parameters' dtype, autocast off
@@ -357,39 +355,72 @@ def metainit_(
             refuse_autocast_inside(model, what, _AUTOCAST),
             kept_heap(bool(keep_heap)),
         ):
-            for t, (batch, _) in enumerate(batches):
-                a = update.alpha.detach().clone().requires_grad_(True)
-                # the local parts (forward, backwards) fail together under DDP (run_together)
-                theta = scaled_params(ts, a)
-                gq, value, grad_norm = run_together(
-                    what, partial(_gq, model, loss, ts, theta, batch, opts.eps)
-                )
-                forward += 1
-                loss_value = scalar_mean(value)
-                check_finite(loss_value, t, what)
-                gq_value = scalar_mean(gq)
-                check_finite(gq_value, t, what, "gradient quotient")
-                with second_order(what, _WHY, _ADVICE):
-                    meta = run_together(what, partial(grads_or_zeros, gq, [a]))[0]
-                grad = rank_mean([meta.double()])[0]
-                backward += 3
-                alpha = update.step(grad)
-                row = {
-                    "iteration": t,
-                    "gq": gq_value,
-                    "loss": loss_value,
-                    "grad_norm": scalar_mean(torch.tensor(grad_norm)),
-                    "alpha_min": float(alpha.min()),
-                    "alpha_max": float(alpha.max()),
-                }
-                trace.append(row)
-                if progress is not None:
-                    progress(dict(row))
+            trace, forward, backward = _descend(
+                model, loss, ts, batches, update, opts.eps, progress, what
+            )
         if not trace:
             raise ValueError(f"{what} ran no step: the data has no batch")
         fold_alpha(ts, update.alpha, what)
+    return _report(model, ts, update.alpha, trace, (forward, backward), counter, variant, start)
+
+
+def _descend(
+    model: nn.Module,
+    loss: LossFn,
+    ts: Tensors,
+    batches: Iterator[tuple[Any, Any]],
+    update: _ScaleUpdate,
+    eps: float,
+    progress: Callable[[dict[str, Any]], None] | None,
+    what: str,
+) -> tuple[list[dict[str, Any]], int, int]:
+    """The steps, one per batch: ``GQ``, its gradient in the scales, the step on them, a trace
+    row; returns the trace and the counts of forward and backward passes."""
+    forward = backward = 0
+    trace: list[dict[str, Any]] = []
+    for t, (batch, _) in enumerate(batches):
+        a = update.alpha.detach().clone().requires_grad_(True)
+        # the local parts (forward, backwards) fail together under DDP (run_together)
+        theta = scaled_params(ts, a)
+        gq, value, grad_norm = run_together(what, partial(_gq, model, loss, ts, theta, batch, eps))
+        forward += 1
+        loss_value = scalar_mean(value)
+        check_finite(loss_value, t, what)
+        gq_value = scalar_mean(gq)
+        check_finite(gq_value, t, what, "gradient quotient")
+        with second_order(what, _WHY, _ADVICE):
+            meta = run_together(what, partial(grads_or_zeros, gq, [a]))[0]
+        grad = rank_mean([meta.double()])[0]
+        backward += 3
+        alpha = update.step(grad)
+        row = {
+            "iteration": t,
+            "gq": gq_value,
+            "loss": loss_value,
+            "grad_norm": scalar_mean(torch.tensor(grad_norm)),
+            "alpha_min": float(alpha.min()),
+            "alpha_max": float(alpha.max()),
+        }
+        trace.append(row)
+        if progress is not None:
+            progress(dict(row))
+    return trace, forward, backward
+
+
+def _report(
+    model: nn.Module,
+    ts: Tensors,
+    alpha: torch.Tensor,
+    trace: list[dict[str, Any]],
+    passes: tuple[int, int],
+    counter: DataCounter,
+    variant: str,
+    start: float,
+) -> MethodReport:
+    """:func:`metainit_`'s report: a row per scaled tensor, the trace, the passes and ``info``."""
+    forward, backward = passes
     return MethodReport(
-        alpha_rows(model, ts, update.alpha),
+        alpha_rows(model, ts, alpha),
         METAINIT_COLUMNS,
         method="metainit",
         forward_passes=forward,
