@@ -185,6 +185,44 @@ def conv_operator(
     stride, dilation, groups = tuple(module.stride), tuple(module.dilation), module.groups
     kernel = tuple(w.shape[2:])
     device = w.device
+    pad, spatial, pre, pre_t = _conv_padding(module, shape, nd, dtype, device)
+    out_spatial = tuple(
+        (s + 2 * p - d * (k - 1) - 1) // st + 1
+        for s, p, d, k, st in zip(spatial, pad, dilation, kernel, stride, strict=True)
+    )
+    if any(o < 1 for o in out_spatial):
+        raise ValueError(f"input {shape} is too small for {module}")
+    output_padding = tuple(
+        s - ((o - 1) * st - 2 * p + d * (k - 1) + 1)
+        for s, o, st, p, d, k in zip(
+            spatial, out_spatial, stride, pad, dilation, kernel, strict=True
+        )
+    )
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return conv(pre(x), w, None, stride, pad, dilation, groups)
+
+    def adjoint(y: torch.Tensor) -> torch.Tensor:
+        return pre_t(convt(y, w, None, stride, pad, output_padding, groups, dilation))
+
+    return forward, adjoint, (w.shape[0], *out_spatial)
+
+
+def _conv_padding(
+    module: nn.Module,
+    shape: tuple[int, ...],
+    nd: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[
+    tuple[int, ...],
+    tuple[int, ...],
+    Callable[[torch.Tensor], torch.Tensor],
+    Callable[[torch.Tensor], torch.Tensor],
+]:
+    """``(pad, spatial, pre, pre_t)`` of a convolution at ``shape``: its zero padding passed to
+    ``conv`` as ``pad``, or any other padding applied first by ``pre`` (``F.pad``, of adjoint
+    ``pre_t``); ``spatial`` is the spatial shape ``conv`` then sees."""
     if module.padding_mode == "zeros" and not isinstance(module.padding, str):
         pad = tuple(module.padding)
         spatial = shape[1:]
@@ -213,26 +251,7 @@ def conv_operator(
                 (g,) = torch.autograd.grad(F.pad(x0, rp, mode=mode), x0, z)
             return g
 
-    out_spatial = tuple(
-        (s + 2 * p - d * (k - 1) - 1) // st + 1
-        for s, p, d, k, st in zip(spatial, pad, dilation, kernel, stride, strict=True)
-    )
-    if any(o < 1 for o in out_spatial):
-        raise ValueError(f"input {shape} is too small for {module}")
-    output_padding = tuple(
-        s - ((o - 1) * st - 2 * p + d * (k - 1) + 1)
-        for s, o, st, p, d, k in zip(
-            spatial, out_spatial, stride, pad, dilation, kernel, strict=True
-        )
-    )
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        return conv(pre(x), w, None, stride, pad, dilation, groups)
-
-    def adjoint(y: torch.Tensor) -> torch.Tensor:
-        return pre_t(convt(y, w, None, stride, pad, output_padding, groups, dilation))
-
-    return forward, adjoint, (w.shape[0], *out_spatial)
+    return pad, spatial, pre, pre_t
 
 
 def _transposed_operator(
@@ -559,16 +578,9 @@ def layer_spectra(
     svd_cache: dict[int, tuple[float, float]] = {}
     for name, module in model.named_modules():
         for pname, w, stacked in _weight_params(module, name):
-            bad = int((~w.detach().isfinite()).sum())  # NaN/inf: no SVD, no operator norm
-            groups = int(getattr(module, "groups", 1)) if _is_conv(module) else 1
-            sv_max, sv_mean, note = _svd_entry(
-                w, bad, max_svd_elements, svd_cache, stacked=stacked, groups=groups
+            bad, sv_max, sv_mean, note = _svd_columns(
+                module, pname, w, stacked, max_svd_elements, svd_cache
             )
-            if pname in parametrized_names(module):
-                note.insert(0, parametrized_note(module, pname))
-            if groups > 1 and math.isfinite(sv_max):
-                note.append(f"{groups} groups: sv_max the largest of the groups' matrices, "
-                            "sv_mean the mean over them")  # fmt: skip
             in_shape = tuple(shapes[name]) if name in shapes else None
             if isinstance(module, nn.RNNBase) and not pname.startswith("weight_ih_l0"):
                 in_shape = None  # it acts on a hidden state, not on the layer's input
@@ -608,25 +620,60 @@ def layer_spectra(
                 }
             )
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and not module.training:
-            scale = _bn_eval_scale(module)
-            if scale is not None:
-                rows.append(
-                    {
-                        "layer": name,
-                        "param": "",
-                        "module_type": type(module).__name__,
-                        "order": rank.get(name),
-                        "shape": (module.num_features,),
-                        "input_shape": tuple(shapes[name]) if name in shapes else None,
-                        "sv_max": math.nan,
-                        "sv_mean": math.nan,
-                        "op_norm": scale,
-                        "op_method": "bn_eval",
-                        "matvecs": 0,
-                        "note": "eval-mode BatchNorm: max |gamma / sqrt(running_var + eps)|",
-                    }
-                )
+            row = _bn_eval_row(name, module, rank, shapes)
+            if row is not None:
+                rows.append(row)
     return Rows(rows, SPECTRA_COLUMNS, title="weight spectra", used=used)
+
+
+def _svd_columns(
+    module: nn.Module,
+    pname: str,
+    w: torch.Tensor,
+    stacked: bool,
+    max_svd_elements: int,
+    svd_cache: dict[int, tuple[float, float]],
+) -> tuple[int, float, float, list[str]]:
+    """``(bad, sv_max, sv_mean, note)`` of one weight of :func:`layer_spectra`: its count of
+    non-finite values, its exact SVD's columns (:func:`_svd_entry`) and their notes."""
+    bad = int((~w.detach().isfinite()).sum())  # NaN/inf: no SVD, no operator norm
+    groups = int(getattr(module, "groups", 1)) if _is_conv(module) else 1
+    sv_max, sv_mean, note = _svd_entry(
+        w, bad, max_svd_elements, svd_cache, stacked=stacked, groups=groups
+    )
+    if pname in parametrized_names(module):
+        note.insert(0, parametrized_note(module, pname))
+    if groups > 1 and math.isfinite(sv_max):
+        note.append(f"{groups} groups: sv_max the largest of the groups' matrices, "
+                    "sv_mean the mean over them")  # fmt: skip
+    return bad, sv_max, sv_mean, note
+
+
+def _bn_eval_row(
+    name: str,
+    module: nn.modules.batchnorm._BatchNorm,
+    rank: Mapping[str, int],
+    shapes: Mapping[str, tuple[int, ...]],
+) -> dict[str, Any] | None:
+    """The :func:`layer_spectra` row of an eval-mode BatchNorm, whose operator norm is
+    :func:`_bn_eval_scale` (``None`` without a running variance)."""
+    scale = _bn_eval_scale(module)
+    if scale is None:
+        return None
+    return {
+        "layer": name,
+        "param": "",
+        "module_type": type(module).__name__,
+        "order": rank.get(name),
+        "shape": (module.num_features,),
+        "input_shape": tuple(shapes[name]) if name in shapes else None,
+        "sv_max": math.nan,
+        "sv_mean": math.nan,
+        "op_norm": scale,
+        "op_method": "bn_eval",
+        "matvecs": 0,
+        "note": "eval-mode BatchNorm: max |gamma / sqrt(running_var + eps)|",
+    }
 
 
 def _bn_eval_scale(bn: nn.modules.batchnorm._BatchNorm) -> float | None:
