@@ -300,37 +300,10 @@ def train_one(
     limit = math.inf  # step 6: set from the first step's loss
     for epoch in range(config.epochs):
         if not diverged:
-            order = epoch_order(config.seed, epoch, n).to(device)
-            model.train()
-            for s in range(steps):
-                idx = order[s * bs : (s + 1) * bs]
-                xb, yb = x[idx], y[idx]
-                logits = model(xb) * mult
-                fold: Tensor | None = None
-                if epoch == 0 and s == 0 and config.output_std is not None:
-                    target = torch.tensor(config.output_std, dtype=dtype, device=device)
-                    c = _scale_from_std(logits.detach().std(), target)
-                    logits = logits * c
-                    if use_buffer:
-                        fold = c  # folded into the buffer after this step (autograd saved it)
-                    else:
-                        mult = c
-                loss = F.cross_entropy(logits, yb)
-                value = loss.item()
-                step_loss.append(value)
-                if epoch == 0 and s == 0:
-                    limit = divergence_limit(value)
-                if math.isfinite(value) and value <= limit:
-                    optimizer.zero_grad(set_to_none=True)
-                    loss.backward()
-                    optimizer.step()
-                else:
-                    diverged = True
-                if fold is not None:
-                    with torch.no_grad():
-                        model.output_scale.mul_(fold)  # type: ignore[operator]
-                if diverged:
-                    break
+            mult, limit, diverged = _train_epoch(
+                config, model, optimizer, x, y, epoch, steps, mult, limit, step_loss,
+                use_buffer, device, dtype,
+            )  # fmt: skip
         skip = evaluate == "last_epoch" and epoch < config.epochs - 1
         if diverged or skip:  # diverged (frozen) or not evaluated after this epoch
             train_metrics.append((math.nan, math.nan))
@@ -353,6 +326,60 @@ def train_one(
         time.perf_counter() - start,
         state,
     )
+
+
+def _train_epoch(
+    config: RunConfig,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    x: Tensor,
+    y: Tensor,
+    epoch: int,
+    steps: int,
+    mult: float | Tensor,
+    limit: float,
+    step_loss: list[float],
+    use_buffer: bool,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> tuple[float | Tensor, float, bool]:
+    """The steps of one epoch of :func:`train_one` (module docstring, steps 2-4 and 6), each
+    loss appended to ``step_loss``, up to the first that diverges; returns ``(mult, limit,
+    diverged)``, the logit multiplier and divergence limit set on the very first step."""
+    n, bs = x.shape[0], config.batch_size
+    diverged = False
+    order = epoch_order(config.seed, epoch, n).to(device)
+    model.train()
+    for s in range(steps):
+        idx = order[s * bs : (s + 1) * bs]
+        xb, yb = x[idx], y[idx]
+        logits = model(xb) * mult
+        fold: Tensor | None = None
+        if epoch == 0 and s == 0 and config.output_std is not None:
+            target = torch.tensor(config.output_std, dtype=dtype, device=device)
+            c = _scale_from_std(logits.detach().std(), target)
+            logits = logits * c
+            if use_buffer:
+                fold = c  # folded into the buffer after this step (autograd saved it)
+            else:
+                mult = c
+        loss = F.cross_entropy(logits, yb)
+        value = loss.item()
+        step_loss.append(value)
+        if epoch == 0 and s == 0:
+            limit = divergence_limit(value)
+        if math.isfinite(value) and value <= limit:
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+        else:
+            diverged = True
+        if fold is not None:
+            with torch.no_grad():
+                model.output_scale.mul_(fold)  # type: ignore[operator]
+        if diverged:
+            break
+    return mult, limit, diverged
 
 
 # ---------------------------------------------------------------------------------------------
