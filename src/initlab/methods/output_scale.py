@@ -36,6 +36,7 @@ from torch import fx, nn
 
 from initlab._core.compiled import hook_target, takes_compiled
 from initlab._core.data import (
+    DataUse,
     data_use,
     default_forward,
     masks_positions,
@@ -449,10 +450,7 @@ def scale_output_(
             wide = outs[0].is_floating_point() and outs[0].dtype == torch.float64
             info["module"] = OutputScale(s, dtype=torch.float64 if wide else None)
         elif how == "fold":
-            name = module if module is not None else producer.name
-            name = name if name is not None else _output_layer(model, order)
-            if name is None:
-                raise ValueError("no weight layer ran in the forward pass: nothing to fold into")
+            name = _fold_layer(model, module, producer, order)
             info["layer"] = name
             _refuse_tied(model, name, reg)
             _refuse_frozen(model, name, reg)
@@ -468,6 +466,20 @@ def scale_output_(
             model, info["layer"], info["hook"], batches[0], outs[0], forward, seeds
         )
         passes += 1 if info["layer"] else 0
+    return _report(info, how, std, s, target, passes, start, used)
+
+
+def _report(
+    info: dict[str, Any],
+    how: str,
+    std: float,
+    s: float,
+    target: float,
+    passes: int,
+    start: float,
+    used: DataUse,
+) -> MethodReport:
+    """:func:`scale_output_`'s report: its one row, the passes and ``info``."""
     row = {
         "layer": info["layer"],
         "how": how,
@@ -547,6 +559,16 @@ def _output_layer(model: nn.Module, order: list[str]) -> str | None:
         if name in order and any(id(p) in wanted for p in module.parameters(recurse=False)):
             return name
     return order[-1] if order else None
+
+
+def _fold_layer(model: nn.Module, module: str | None, producer: _Producer, order: list[str]) -> str:
+    """The layer ``how="fold"`` folds into: ``module`` if named, else the weight layer that
+    produced the output, else the last weight layer to run (:func:`_output_layer`)."""
+    name = module if module is not None else producer.name
+    name = name if name is not None else _output_layer(model, order)
+    if name is None:
+        raise ValueError("no weight layer ran in the forward pass: nothing to fold into")
+    return name
 
 
 def _check_module(model: nn.Module, module: str | None, layers: list[str], how: str) -> str | None:
