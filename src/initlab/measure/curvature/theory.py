@@ -219,6 +219,51 @@ def _conditioning_gamma(
     }
 
 
+def _compared_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """The layers :func:`theory_vs_actual` compares, by name: every linear (a type with a linear
+    handler) and ``nn.Conv`` layer with a trainable parameter; raises if there is none."""
+    modules = {
+        n: m
+        for n, m in model.named_modules()
+        if (isinstance(m, _CONVS) or linear_fans(m) is not None)
+        and any(p.requires_grad for p in m.parameters())
+    }
+    if not modules:
+        raise ValueError(
+            "theory_vs_actual: the model has no trainable linear (nn.Linear, GPT-2's Conv1D, a "
+            "type registered with a linear handler) or nn.Conv layer"
+        )
+    return modules
+
+
+def _theory_gammas(
+    twin: nn.Module,
+    batch: Any,
+    loss: Loss,
+    fwd: Forward,
+    on_outputs: Callable[[Any, Any], torch.Tensor],
+    modules: list[str],
+    gamma: str,
+) -> dict[str, tuple[float, float, str]]:
+    """``γ`` (theory) per layer of ``modules``, from the moments of one probe run on ``twin``
+    (a copy of the model) with ``loss_reduction="sum"``: :func:`_conditioning_gamma` or
+    :func:`_builtin_gamma` as ``gamma`` says."""
+    from initlab.measure.probe import measure_moments
+
+    with errors_named("theory_vs_actual", "measure_moments"):
+        moments = measure_moments(
+            twin,
+            Batches([batch]),
+            Loss(loss.name, lambda m, b: on_outputs(fwd(m, b), b)),  # named as the user's loss
+            modules=modules,
+            per_example=False,
+            loss_reduction="sum",
+        )
+    if gamma in ("auto", "conditioning"):
+        return _conditioning_gamma(moments, twin, batch_size(batch))
+    return _builtin_gamma(moments, dict(twin.named_modules()))
+
+
 @takes_compiled
 @renamed_kwargs(batch="data", mode="ad_mode")
 @with_math_attention
@@ -269,8 +314,6 @@ def theory_vs_actual(
     """
     import copy
 
-    from initlab.measure.probe import measure_moments
-
     if gamma not in ("auto", "builtin", "conditioning"):
         raise ValueError(
             f"unknown gamma {gamma!r}; valid values: ['auto', 'builtin', 'conditioning']"
@@ -278,32 +321,10 @@ def theory_vs_actual(
     batch = take_batches(data, 1, exact=False, what="theory_vs_actual")[0]
     loss = on_batches(resolve_loss(loss_fn, what="theory_vs_actual"), [batch])
     fwd, on_outputs = split_loss(loss, forward, what="theory_vs_actual")
-    modules = {
-        n: m
-        for n, m in model.named_modules()
-        if (isinstance(m, _CONVS) or linear_fans(m) is not None)
-        and any(p.requires_grad for p in m.parameters())
-    }
-    if not modules:
-        raise ValueError(
-            "theory_vs_actual: the model has no trainable linear (nn.Linear, GPT-2's Conv1D, a "
-            "type registered with a linear handler) or nn.Conv layer"
-        )
+    modules = _compared_layers(model)
     twin = copy.deepcopy(model)
     setting = _outside_setting(twin, lambda: fwd(twin, batch))
-    with errors_named("theory_vs_actual", "measure_moments"):
-        moments = measure_moments(
-            twin,
-            Batches([batch]),
-            Loss(loss.name, lambda m, b: on_outputs(fwd(m, b), b)),  # named as the user's loss
-            modules=list(modules),
-            per_example=False,
-            loss_reduction="sum",
-        )
-    if gamma in ("auto", "conditioning"):
-        gammas = _conditioning_gamma(moments, twin, batch_size(batch))
-    else:
-        gammas = _builtin_gamma(moments, dict(twin.named_modules()))
+    gammas = _theory_gammas(twin, batch, loss, fwd, on_outputs, list(modules), gamma)
     plain, notes = _leaves(model, modules)
     names = _blocks(plain, {n: plain.get_submodule(n) for n in modules})
     est = block_curvature(
