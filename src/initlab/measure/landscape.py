@@ -53,6 +53,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -64,6 +65,7 @@ from initlab._core.compiled import takes_compiled
 from initlab._core.data import DataUse, batch_size, data_use, take_batches
 from initlab._core.hooks import hook_handles
 from initlab._core.knobs import renamed_kwargs
+from initlab._core.loss import Loss
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows
 from initlab._core.state import keeps_config
@@ -439,6 +441,53 @@ def _directions(
     )
 
 
+def _hessian_pairs(
+    model: nn.Module,
+    batches: list[Any],
+    loss: Loss,
+    theta: dict[str, torch.Tensor],
+    forward: Forward | None,
+    bases: list[dict[str, torch.Tensor | None]],
+    gen: torch.Generator | None,
+) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
+    """The top-2 eigenpairs of the curvature operator on the first batch, with the running
+    statistics of its BatchNorm base (``directions="hessian"``)."""
+    from initlab.measure.curvature import CurvatureOperator
+
+    overrides = {k: v for k, v in bases[0].items() if k not in theta and "running_" in k}
+    op = CurvatureOperator(
+        model, batches[0], loss, params=list(theta), forward=forward, buffers=overrides
+    )
+    return op.eigenpairs(2, generator=gen)
+
+
+def _loss_at(
+    model: nn.Module,
+    batches: list[Any],
+    weights: list[float],
+    bases: list[dict[str, torch.Tensor | None]],
+    fwd: Forward,
+    on_outputs: Callable[[Any, Any], torch.Tensor],
+) -> Callable[..., torch.Tensor]:
+    """``at(params, centre=False)``: the example-weighted loss over ``batches`` with the trainable
+    parameters ``params`` (the rest from each batch's base); at the centre, a NaN loss on finite
+    outputs raises."""
+
+    def at(params: Mapping[str, torch.Tensor], centre: bool = False) -> torch.Tensor:
+        total: torch.Tensor | float = 0.0
+        for i, (w, b, base) in enumerate(zip(weights, batches, bases, strict=True)):
+            with outputs_watch(model) if centre else nullcontext([]) as finite:
+                out = functional_forward(model, {**base, **params}, b, fwd)
+            value = on_outputs(out, b).reshape(())
+            if centre:  # the model as it is: a NaN loss on finite outputs is the loss's own
+                check_defined(value, all(finite), what="loss_landscape", index=i)
+            total = total + w * value
+        assert isinstance(total, torch.Tensor)
+        return total
+
+    return at
+
+
 def _chunk(
     batched: bool | str,
     chunk_size: int | None,
@@ -590,31 +639,10 @@ def loss_landscape(
     modes = [(m, m.training) for m in model.modules()]
     try:
         bases = _bn_bases(model, batches, bn, fwd, notes)
-
-        def hessian() -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
-            from initlab.measure.curvature import CurvatureOperator
-
-            overrides = {k: v for k, v in bases[0].items() if k not in theta and "running_" in k}
-            op = CurvatureOperator(
-                model, batches[0], loss, params=list(theta), forward=forward, buffers=overrides
-            )
-            return op.eigenpairs(2, generator=gen)
-
         gen = as_generator(generator)
+        hessian = partial(_hessian_pairs, model, batches, loss, theta, forward, bases, gen)
         d1, d2 = _directions(model, directions, theta, hessian, gen, notes)
-
-        def at(params: Mapping[str, torch.Tensor], centre: bool = False) -> torch.Tensor:
-            total: torch.Tensor | float = 0.0
-            for i, (w, b, base) in enumerate(zip(weights, batches, bases, strict=True)):
-                with outputs_watch(model) if centre else nullcontext([]) as finite:
-                    out = functional_forward(model, {**base, **params}, b, fwd)
-                value = on_outputs(out, b).reshape(())
-                if centre:  # the model as it is: a NaN loss on finite outputs is the loss's own
-                    check_defined(value, all(finite), what="loss_landscape", index=i)
-                total = total + w * value
-            assert isinstance(total, torch.Tensor)
-            return total
-
+        at = _loss_at(model, batches, weights, bases, fwd, on_outputs)
         with torch.no_grad():
             center = float(at(theta, centre=True))
 
