@@ -19,15 +19,21 @@ SRC = Path(initlab.__file__).parent
 #: shrink: a new entry means a function that should have been split.
 C901_ALLOWED: frozenset[str] = frozenset()
 
-#: Public entry points whose bodies are "validate, delegate, return".
-SHORT_BODIES = {"lsuv_": 60, "diagnose": 60, "init_model": 60, "precondition_": 60}
+#: Lines a public function's or method's body may take (after its docstring): it fits on a screen,
+#: "validate, delegate, return".
+SCREEN = 60
+
+#: Public functions allowed a longer body, ``"path/in/initlab.py:name"`` (``Class.method`` for a
+#: method) -> their limit. Empty: every long body was split into private helpers; an entry needs a
+#: comment saying why that body cannot be split.
+LONG_BODIES_ALLOWED: dict[str, int] = {}
 
 
 def _modules() -> list[Path]:
     return sorted(SRC.rglob("*.py"))
 
 
-def _body_lines(fn: ast.FunctionDef) -> int:
+def _body_lines(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
     body = fn.body
     first = body[0]
     docstring = isinstance(first, ast.Expr) and isinstance(
@@ -46,15 +52,39 @@ def test_no_module_over_900_lines() -> None:
     assert not long, long
 
 
-def test_public_entry_points_fit_on_a_screen() -> None:
+_DEFS = (ast.FunctionDef, ast.AsyncFunctionDef)
+
+
+def _public(name: str) -> bool:
+    """Not underscore-named, or a dunder (``__init__``, ``__call__``: a class's public face)."""
+    return not name.startswith("_") or (name.startswith("__") and name.endswith("__"))
+
+
+def _public_bodies() -> dict[str, int]:
+    """``"path:name"`` -> body lines of every public module-level function and every public
+    method of a public module-level class, in every module of the package."""
     found: dict[str, int] = {}
     for path in _modules():
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.FunctionDef) and node.name in SHORT_BODIES:
-                found[node.name] = _body_lines(node)
-    assert set(found) == set(SHORT_BODIES), found
-    too_long = {k: v for k, v in found.items() if v > SHORT_BODIES[k]}
+        where = path.relative_to(SRC).as_posix()
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, _DEFS) and _public(node.name):
+                found[f"{where}:{node.name}"] = _body_lines(node)
+            elif isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                for item in node.body:
+                    if isinstance(item, _DEFS) and _public(item.name):
+                        found[f"{where}:{node.name}.{item.name}"] = _body_lines(item)
+    return found
+
+
+def test_public_functions_fit_on_a_screen() -> None:
+    found = _public_bodies()
+    names = {key.rsplit(":", 1)[1] for key in found}
+    # the walk reads the package (a broken one would find nothing too long)
+    assert {"lsuv_", "diagnose", "init_model", "precondition_", "Batches.__init__"} <= names
+    too_long = {k: n for k, n in found.items() if n > LONG_BODIES_ALLOWED.get(k, SCREEN)}
     assert not too_long, too_long
+    stale = {k for k in LONG_BODIES_ALLOWED if found.get(k, 0) <= SCREEN}
+    assert not stale, f"no longer long (or gone): remove from LONG_BODIES_ALLOWED: {sorted(stale)}"
 
 
 def test_complexity_allow_list_only_shrinks() -> None:
