@@ -36,6 +36,7 @@ from initlab.study.aggregate import (
 )
 from initlab.study.bootstrap import loss_cubes, table2_intervals
 from initlab.study.config import RunConfig, RunResult
+from initlab.study.report import analyze_variant
 from initlab.study.runner import StudyError, plan_chunks, run_study
 from initlab.study.spec import StudySpec
 from initlab.study.store import RECORD_COLUMNS, Store
@@ -665,6 +666,28 @@ def test_aggregation_matches_hand_computation() -> None:
     }
 
 
+@pytest.mark.parametrize(
+    ("datasets", "paper"),
+    [(["libsvm:alpha", "libsvm:betat"], True), (["libsvm:alpha", "betat"], False)],
+)
+def test_the_paper_s_table_2_is_set_beside_a_study_only_in_its_setting(
+    tmp_path: Path, helpers: Any, datasets: list[str], paper: bool
+) -> None:
+    spec = small_spec(datasets=datasets, schemes=["fan_in", "geometric"])  # paper_mlp
+    db = tmp_path / "r.sqlite"
+    run_study(spec, db, train_fn=helpers.fake_train, load_fn=helpers.load_fake, progress=False)
+    report_study(db, tmp_path / "report", n_boot=50, plots=False)
+    text = (tmp_path / "report" / "table2.md").read_text()
+    html_text = (tmp_path / "report" / "report.html").read_text()
+    assert ("paper (26 sets)" in text) is paper and ("0.81 / 0 / 6" in text) is paper
+    assert ("partial reproduction" in text) is paper and ("0.81 / 0 / 6" in html_text) is paper
+    assert ("Not Table 2's setting" in text) is not paper
+    records = _store_records(db)
+    assert analyze_variant("v", records, n_boot=10).paper_setting is paper
+    another = [{**r, "model": "resnet20"} for r in records]  # LIBSVM data, another model
+    assert not analyze_variant("v", another, n_boot=10).paper_setting
+
+
 def test_quantile_matches_numpy_and_handles_inf() -> None:
     rng = np.random.default_rng(0)
     for n in (1, 2, 3, 10, 11):
@@ -690,7 +713,9 @@ def test_report_study_writes_table_and_plots(tmp_path: Path, helpers: Any) -> No
     for r in rows:
         assert r["avg_normalized_loss"] == pytest.approx(plain[r["scheme"]]["avg_normalized_loss"])
     text = (out / "table2.md").read_text()
-    assert "paper (26 sets)" in text and "0.81 / 0 / 6" in text and "partial reproduction" in text
+    # made-up data sets: not Table 2's setting, so the paper's figures are not set beside them
+    assert "paper (26 sets)" not in text and "partial reproduction" not in text
+    assert "Not Table 2's setting" in text
     assert "## Sensitivity" in text and "## Variant `base`" in text
     with open(out / "per_dataset.csv", newline="") as fh:
         per = list(csv.DictReader(fh))
