@@ -261,6 +261,10 @@ _ERRORS: dict[str, tuple[list[str], int, str, tuple[str, ...]]] = {
     "doctor --fix init,bogus, no --out folder": (
         ["doctor", "--model", "mods.py:mlp", "--data", "random:4", "--fix", "init,bogus", "--out",
          "dbog"], 2, "--fix init,bogus: unknown fix 'bogus'; valid: init, lsuv", ("dbog",)),
+    "doctor --fix twice, no --out folder": (
+        ["doctor", "--model", "mods.py:mlp", "--data", "random:4", "--fix", "init,lsuv_,lsuv",
+         "--out", "dtw"], 2, "--fix init,lsuv_,lsuv: fix 'lsuv' given twice ('lsuv_' and 'lsuv' "
+        "are both 'lsuv')", ("dtw",)),
     "demo --schemes twice": (["demo", "--schemes", "fan_in,fan_in", "--out", "dm"], 2,
                              "--schemes fan_in,fan_in: fan_in given twice", ("dm",)),
     "demo --schemes nosuch": (["demo", "--schemes", "nosuch", "--out", "dm"], 2,

@@ -134,6 +134,8 @@ def test_fix_list_order_failures_and_param_groups(monkeypatch: pytest.MonkeyPatc
     model = mlp()
     with pytest.raises(ValueError, match="unknown fix"):
         doctor(model, data, fix=["init", "magic"])
+    with pytest.raises(ValueError, match="fix 'init' given twice; name each fix once"):
+        doctor(model, data, fix=["init", "init"])
 
     def broken_init(net: nn.Module, *args: Any, **kwargs: Any) -> Any:
         with torch.no_grad():

@@ -202,12 +202,17 @@ def _fix_names(fix: bool | str | Sequence[str] | None) -> list[str] | None:
     if fix is False or fix is None:
         return []
     names = [fix] if isinstance(fix, str) else list(fix)
-    clean = set()
+    clean: dict[str, str] = {}
     for n in names:
         key = _ALIASES.get(str(n).rstrip("_"), str(n).rstrip("_"))
         if key not in FIXES:
             raise ValueError(f"doctor: unknown fix {n!r}; valid: {', '.join(FIXES)} (or True)")
-        clean.add(key)
+        if key in clean:  # a repeat is likely a typo for another fix: say so
+            same = "" if clean[key] == n else f" ({clean[key]!r} and {n!r} are both {key!r})"
+            raise ValueError(
+                f"doctor: fix {key!r} given twice{same}; name each fix once, of {', '.join(FIXES)}"
+            )
+        clean[key] = n
     return [f for f in FIXES if f in clean]
 
 
