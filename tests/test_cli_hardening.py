@@ -486,8 +486,11 @@ def test_precondition_how(cli_dir: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert "leaves the weights unchanged" in out and "add --report FILE" in out
     assert main([*base, *data, "--method", "precondition", "--how", "lr", "--report", "lr.json",
                  "--out", "lr.pt"]) == 0  # fmt: skip
-    assert "lr_scale_sgd and lr_scale_adam, in lr.json" in capsys.readouterr().out
-    assert {r["lr_scale_sgd"] for r in json.loads((cli_dir / "lr.json").read_text())} != {1.0}
+    assert "lr_scale_sgd and lr_scale_adam, in lr.json (its rows whose table is precondition_)" in (
+        capsys.readouterr().out
+    )
+    rows = json.loads((cli_dir / "lr.json").read_text())
+    assert {r["lr_scale_sgd"] for r in rows if r["table"] == "precondition_"} != {1.0}
     assert main([*base, *data, "--method", "precondition", "--how", "rescale",
                  "--out", "rescale.pt"]) == 0  # fmt: skip
     assert "unchanged" not in capsys.readouterr().out
@@ -1337,3 +1340,16 @@ def test_a_data_function_draws_its_data_under_the_seed(cli_dir: Path) -> None:
     torch.random.set_rng_state(state)
     load(1)
     assert torch.equal(torch.random.get_rng_state(), state)  # the caller's RNG left as it was
+
+
+def test_init_report_saves_every_table_it_prints(cli_dir: Path) -> None:
+    """--report held the method's rows only: the scheme's init table and the trace were lost."""
+    args = [*_INIT, "--scheme", "fan_in", "--method", "gradinit", "--data", "random:4"]
+    assert main([*args, "--loss", "random_quadratic", "--report", "r.json"]) == 0
+    rows = json.loads((cli_dir / "r.json").read_text())
+    tables = list(dict.fromkeys(r["table"] for r in rows))
+    assert tables == ["init_model(scheme='fan_in')", "gradinit", "gradinit trace"]
+    init_rows = [r for r in rows if r["table"].startswith("init_model")]
+    assert {f"{r['layer']}.{r['param']}" for r in init_rows} == {"0.weight", "0.bias", "2.weight",
+                                                                "2.bias"}  # fmt: skip
+    assert all("target_std" in r for r in init_rows)

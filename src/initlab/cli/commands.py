@@ -245,7 +245,11 @@ def _method_notes(args: argparse.Namespace, report_path: Path | None) -> list[st
             "scheme's weights and keep its biases instead."
         ]
     if args.method == "precondition" and (args.how or "lr") == "lr":
-        where = f"in {report_path}" if report_path else "above (add --report FILE to save them)"
+        where = (
+            f"in {report_path} (its rows whose table is precondition_)"
+            if report_path
+            else "above (add --report FILE to save them)"
+        )
         return [
             "note: precondition --how lr leaves the weights unchanged (the saved state dict is "
             "the init's); its result is the per-layer learning-rate scales lr_scale_sgd and "
@@ -281,12 +285,13 @@ def cmd_init(args: argparse.Namespace) -> int:
             printed.append(report.trace)
     # the files first: a closed stdout (`| head -1`) must not cost the results
     torch.save(model.state_dict(), make_parent(out))
-    if report_path is not None and report is not None:
-        make_parent(report_path).write_text(json.dumps(report.to_rows(), indent=1, default=str))
+    if report_path is not None and printed:  # every table printed, each row naming its own
+        rows = [{"table": item.title, **row} for item in printed for row in item.to_rows()]
+        make_parent(report_path).write_text(json.dumps(rows, indent=1, default=str))
     for item in printed:
         print(item)
     print(f"\nsaved state dict to {out}")
-    if report_path is not None and report is not None:
+    if report_path is not None and printed:
         print(f"saved report rows to {report_path}")
     for line in _method_notes(args, report_path):
         print(line)

@@ -118,7 +118,11 @@ def _add_init(sub: Subparsers) -> None:
         help="what to do with parameters no handler claims (default: %(default)s)",
     )
     p.add_argument("--out", required=True, help="where to save the state dict (.pt)")
-    p.add_argument("--report", help="also save the report rows as JSON here")
+    p.add_argument(
+        "--report",
+        help="also save the rows of every table printed (the scheme's, the method's, its trace) "
+        "as JSON here, each row with its table's name under 'table'",
+    )
     p.set_defaults(func=cmd_init)
 
 
