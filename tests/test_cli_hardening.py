@@ -656,6 +656,21 @@ def test_data_prints_the_root_and_warns_when_it_is_missing(
     assert "the data root afile (from --data-dir) is not a folder; only the bundled" in err
 
 
+def test_data_and_the_help_say_where_the_cache_is(
+    cli_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A named --data is decoded into a cache that no help text named."""
+    monkeypatch.setenv("INITLAB_CACHE_DIR", str(cli_dir / "cc"))
+    code, out, _ = _run(["data", "--data-dir", "/nonexistent"], capsys)
+    assert code == 0 and f"cache: {cli_dir / 'cc'} (from $INITLAB_CACHE_DIR;" in out
+    monkeypatch.delenv("INITLAB_CACHE_DIR")
+    _, out, _ = _run(["data", "--data-dir", "/nonexistent"], capsys)
+    assert f"cache: {Path.home() / '.cache' / 'initlab'} (the default;" in out
+    with pytest.raises(SystemExit):
+        main(["diagnose", "--help"])
+    assert "$INITLAB_CACHE_DIR, else ~/.cache/initlab" in " ".join(capsys.readouterr().out.split())
+
+
 @pytest.mark.parametrize(
     ("given", "warning"),
     [

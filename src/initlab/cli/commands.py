@@ -9,6 +9,7 @@ import argparse
 import importlib
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -428,12 +429,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_data(args: argparse.Namespace) -> int:
     from initlab._core.rows import Rows
     from initlab.data import list_datasets
+    from initlab.data.cache import default_cache_dir
     from initlab.data.catalogue import data_root_source
 
     check_not_empty("--data-dir", args.data_dir, "the data root folder")
     root, how = data_root_source(args.data_dir)
     how = "from --data-dir" if args.data_dir is not None else how
     print(f"data root: {root} ({how})")
+    cache = default_cache_dir()
+    source = "from $INITLAB_CACHE_DIR" if os.environ.get("INITLAB_CACHE_DIR") else "the default"
+    print(f"cache: {cache} ({source}; a named data set is decoded into it once, then read from it)")
     said = data_root_note(root, how)
     if said is not None:
         note(args, said)

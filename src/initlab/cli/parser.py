@@ -31,7 +31,8 @@ _DATA_HELP = (
 )
 _DATA_DIR_HELP = (
     "data root of the named data sets (default: $INITLAB_DATA_DIR, else ../shared/data if that "
-    "folder exists, else ~/initlab-data; `initlab data` prints the one in use)"
+    "folder exists, else ~/initlab-data; `initlab data` prints the one in use). A named data "
+    "set is decoded once into a cache: $INITLAB_CACHE_DIR, else ~/.cache/initlab"
 )
 
 
