@@ -575,6 +575,61 @@ def test_hessian_eigenpairs_of_a_repeated_eigenvalue(seed: int) -> None:
     assert land.values.shape == (3, 3)
 
 
+def _multi_output_regression() -> tuple[nn.Module, tuple, torch.Tensor]:
+    """``nn.Linear(6, 4, bias=False)`` with the mean MSE: ``H = (2/(B·4)) XᵀX ⊗ I_4``, so every
+    eigenvalue is exactly 4-fold (six distinct values); with its dense float64 Hessian."""
+    torch.manual_seed(0)
+    net = nn.Linear(6, 4, bias=False).to(DT)
+    gen = torch.Generator().manual_seed(0)
+    batch = (
+        torch.randn(20, 6, dtype=DT, generator=gen),
+        torch.randn(20, 4, dtype=DT, generator=gen),
+    )
+    h, _ = dense_hessian(net, batch, resolve_loss(nn.MSELoss()))
+    return net, batch, h
+
+
+def _flat(vec: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in vec.values()]).double()
+
+
+@pytest.mark.parametrize("which", ["LM", "LA"])
+@pytest.mark.parametrize("k", [2, 4, 6])
+def test_hessian_eigenpairs_count_a_repeated_eigenvalue_as_often_as_it_repeats(
+    k: int, which: str
+) -> None:
+    """One Krylov space holds one vector per eigenspace: the top-2 of the 4-fold spectrum came
+    back as two distinct values, [1.0104, 0.6719] for [1.0104, 1.0104], with residuals ~1e-16 and
+    no warning. k=6 crosses two eigenspaces (the largest value four times, the next twice)."""
+    net, batch, h = _multi_output_regression()
+    spectrum = torch.linalg.eigvalsh(h).flip(0)
+    assert spectrum[0] - spectrum[4] > 0.1 and torch.allclose(spectrum[:4], spectrum[0].expand(4))
+    exact = spectrum[:k]
+    tol = 1e-8
+    lam, u = hessian_eigenpairs(net, batch, nn.MSELoss(), k=k, which=which, tol=tol, generator=0)
+    torch.testing.assert_close(lam, exact, rtol=tol, atol=0)
+    vecs = torch.stack([_flat(v) for v in u], dim=1)
+    torch.testing.assert_close(vecs.T @ vecs, torch.eye(k, dtype=DT), rtol=0, atol=1e-12)
+    residuals = (h @ vecs - vecs * lam).norm(dim=0) / lam.abs()
+    assert residuals.max() <= tol, residuals
+    again, _ = hessian_eigenpairs(net, batch, nn.MSELoss(), k=k, which=which, tol=tol, generator=0)
+    assert torch.equal(again, lam)  # the restarts draw from the seeded generator too
+
+
+def test_a_hessian_landscape_moves_along_two_top_eigenvectors_of_a_repeated_eigenvalue() -> None:
+    """The note said "Hessian eigenvalues of the directions: 1.01, 0.6719" (λ₁ and λ₅ of the
+    4-fold spectrum): both directions belong to λ₁."""
+    net, batch, h = _multi_output_regression()
+    top = torch.linalg.eigvalsh(h)[-1]
+    land = initlab.loss_landscape(
+        net, batch, nn.MSELoss(), grid=3, directions="hessian", generator=0
+    )
+    d = torch.stack([_flat(v) / _flat(v).norm() for v in land.directions], dim=1)
+    torch.testing.assert_close(d.T @ d, torch.eye(2, dtype=DT), rtol=0, atol=1e-10)
+    torch.testing.assert_close(h @ d, top * d, rtol=0, atol=1e-6 * float(top))
+    assert land.notes[0].endswith(f": {float(top):.4g}, {float(top):.4g}"), land.notes
+
+
 def test_hessian_eigenpairs_that_do_not_converge_in_iters_warn() -> None:
     """Stopped at ``iters`` with residuals above ``tol``, the last Ritz values can skip a true
     eigenvalue (explorer's tanh MLP: the 5th was off by 1.7%): a warning; with enough steps the

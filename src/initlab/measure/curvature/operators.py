@@ -425,16 +425,29 @@ class CurvatureOperator(_MatvecOperator):
         or after ``iters`` steps (default ``min(n, max(4k, 40))``; exact up to rounding at
         ``m = n``).
 
+        One start vector's Krylov space holds one vector per eigenspace, so that run sees a
+        repeated eigenvalue once. For ``k >= 2`` the solver then restarts (deflation): from a
+        random vector orthogonal to the ``k`` eigenvectors found, each step orthogonalized
+        against them too, it takes in the converged Ritz pairs that belong in the top ``k``, and
+        stops when a restart finds nothing above the ``k``-th value (a value within
+        ``tol·|θ_k|`` of it is a tie). Eigenvalues come with their multiplicities. Cost in
+        products: the first run, plus for ``k >= 2`` one confirming restart (a run until its
+        leading Ritz pair converges, about as long as the first run: non-degenerate spectra take
+        about twice the products of one run), plus one restart for each further copy of a
+        repeated eigenvalue (an eigenvalue of multiplicity ``m`` in the top ``k`` adds ``m − 1``;
+        copies of several eigenvalues are found in the same restarts). At most ``k`` restarts,
+        then a warning. If the first run did not converge (a warning), no restart is made.
+
         Args:
             k: number of eigenpairs.
             which: ``"LM"`` largest magnitude (default) or ``"LA"`` largest algebraic.
-            iters: maximum Lanczos steps (products).
+            iters: maximum Lanczos steps (products) of each run (the first and each restart).
             tol: relative residual tolerance.
-            generator: seeds the start vector.
+            generator: seeds the start vectors (of the first run and of each restart).
 
         Returns:
             ``(eigenvalues, eigenvectors)``: ``k`` float64 eigenvalues in the order of ``which``
-            and ``k`` unit-norm eigenvectors, each a dict parameter name → tensor.
+            and ``k`` orthonormal eigenvectors, each a dict parameter name → tensor.
         """
         return _lanczos(self, k, which, iters, tol, generator)
 
