@@ -464,6 +464,88 @@ def test_forward_mode_gap_in_mse_loss_is_reported() -> None:
     assert all(math.isfinite(r["value"]) for r in rows)
 
 
+def _bn_net(*extra: nn.Module) -> tuple[nn.Module, tuple]:
+    """``Linear → [extra] → BatchNorm1d (train mode) → Tanh → Linear`` and a regression batch."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), *extra, nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 2))
+    return net.to(DT), (torch.randn(6, 3, dtype=DT), torch.randn(6, 2, dtype=DT))
+
+
+@pytest.mark.parametrize("loss", [nn.HuberLoss(), nn.MSELoss()], ids=["huber", "mean_mse"])
+def test_a_train_mode_batchnorm_is_not_blamed_for_the_forward_mode_gap_of_the_loss(
+    loss: nn.Module,
+) -> None:
+    """The search for the failing module ran the BatchNorm alone under torch.func with its
+    ``num_batches_tracked`` captured from outside; its ``add_(1)`` raised "During a grad (vjp,
+    jvp, grad, etc) transform ... captured Tensor", which the bare pattern "jvp" read as a
+    missing forward derivative: module '1' (BatchNorm1d) was named. The loss is the culprit."""
+    net, batch = _bn_net()
+    before = copy.deepcopy(net.state_dict())
+    CurvatureOperator(net, batch, nn.MSELoss(reduction="sum"), ad_mode="fwd_rev").to_dense()
+    where = r"through the loss function or the model's own forward \(no submodule fails alone\)"
+    with pytest.raises(DoubleBackwardError, match=where) as info:
+        CurvatureOperator(net, batch, loss, ad_mode="fwd_rev").to_dense()
+    assert (info.value.module_name, info.value.module_type) == (None, None)
+    assert "BatchNorm" not in str(info.value) and "captured" not in str(info.value)
+    assert all(torch.equal(v, net.state_dict()[k]) for k, v in before.items())
+
+
+class _NoJvpSquare(Function):
+    """``x²`` with a twice-differentiable backward and no forward-mode derivative (no jvp)."""
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x * x
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: torch.Tensor) -> None:  # type: ignore[override]
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        return 2 * x * grad
+
+
+class _NoJvp(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _NoJvpSquare.apply(x)
+
+
+class _Counter(nn.Module):
+    """Counts its calls in a plain tensor attribute (not a buffer), in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = torch.zeros(())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        return x
+
+
+@pytest.mark.parametrize(
+    ("module", "says"),
+    [
+        (_NoJvp(), r"implement the jvp function .*ad_mode='rev_rev'"),
+        (_Counter(), r"captured Tensor.*no derivative is missing.*register the tensor as a buffer"),
+    ],
+    ids=["no_jvp", "in_place_on_a_captured_tensor"],
+)
+def test_a_module_that_fails_forward_over_reverse_is_named_past_a_train_mode_batchnorm(
+    module: nn.Module, says: str
+) -> None:
+    """The search checks the modules last-called first: the train-mode BatchNorm after the
+    culprit was named (see above). A module with no forward-mode derivative is named, and so is
+    one updating a tensor of its own in place, with what that failure is."""
+    net, batch = _bn_net(module)
+    with pytest.raises(DoubleBackwardError, match=says) as info:
+        CurvatureOperator(net, batch, nn.MSELoss(reduction="sum"), ad_mode="fwd_rev").to_dense()
+    assert (info.value.module_name, info.value.module_type) == ("1", type(module).__name__)
+    dense = CurvatureOperator(net, batch, nn.MSELoss(reduction="sum")).to_dense()  # rev_rev works
+    assert torch.isfinite(dense).all()
+
+
 def test_fused_attention_needs_no_workaround() -> None:
     """On CPU, nn.MultiheadAttention(need_weights=False) dispatches to the flash kernel, whose
     backward has no derivative; block_curvature selects the math kernel itself (and gives the

@@ -530,7 +530,16 @@ def _second_order_fails(
         for k, v in local_state.items()
         if k in own and v is not None
     }
-    state = {**local_state, **params}
+
+    def buffers() -> dict[str, torch.Tensor | None]:
+        # Copies made at the call: inside torch.func's transforms a tensor from outside is
+        # "captured", and a train-mode BatchNorm's num_batches_tracked.add_(1) on it raises an
+        # error that is no second-order failure (the innocent BatchNorm was blamed).
+        return {
+            k: v.clone() if v is not None else None for k, v in local_state.items() if k not in own
+        }
+
+    state = {**buffers(), **params}
     leaves += list(leaf_of.values())
     if not leaves:
         return None
@@ -558,7 +567,7 @@ def _second_order_fails(
                 k2 = map_tensors(kwargs, lambda t: next(it) if t.is_floating_point() else t)
                 by_leaf = {id(leaf): next(it) for leaf in leaf_of.values()}
                 p2 = {k: by_leaf[id(v)] for k, v in params.items()}
-                o = functional_call(module, {**local_state, **p2}, a2, k2)
+                o = functional_call(module, {**buffers(), **p2}, a2, k2)
                 return sum(t.square().sum() for _, t in flatten_tensors(o))
 
             torch.func.jvp(

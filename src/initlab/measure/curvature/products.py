@@ -118,7 +118,10 @@ _SECOND_ORDER_PATTERNS = (
     r"once_differentiable",
     r"forward AD",
     r"setup_context",
-    r"jvp",
+    # a custom Function's missing or wrong forward derivative; not a bare "jvp", which also
+    # matched torch.func's "During a grad (vjp, jvp, grad, etc) transform ..." errors
+    r"implement the jvp|jvp is not implemented|Function's jvp|the jvp\b",
+    r"mutate a captured Tensor",  # in-place on a tensor from outside a torch.func transform
     r"double backward",
     r"differentiate twice",
     r"ZeroTensors are immutable",  # forward AD through F.mse_loss(reduction="mean"), torch 2.13
@@ -230,6 +233,14 @@ def _workaround(err: BaseException, module: nn.Module | None, mode: str) -> str:
             "A custom autograd.Function has a once-differentiable backward. Workaround: write its "
             "backward with differentiable torch operations (drop @once_differentiable), or swap "
             "the module for a reference implementation in plain torch ops for the measurement."
+        )
+    if "captured Tensor" in msg:
+        return (
+            "An operation updates in place a tensor that the function does not take as an input "
+            "(a module's plain tensor attribute, a tensor from an enclosing scope): torch.func's "
+            "forward-over-reverse refuses that; no derivative is missing. Workaround: use "
+            "ad_mode='rev_rev', register the tensor as a buffer (the measurement passes copies "
+            "of buffers), or update it out of place."
         )
     if mode == "fwd_rev":
         return (
