@@ -484,3 +484,88 @@ def test_gr_scaling_names_itself_in_the_errors_of_its_data() -> None:
         gr_scaling(model, [(x, y)], max_batches=0)
     with pytest.raises(TypeError, match=r"^gr_scaling: the batch holds a numpy array"):
         gr_scaling(model, (x.numpy(), y))
+
+
+def _mean_gradient_ratio(model: nn.Module, layer: nn.Linear, batches, summed) -> float:
+    """E[dW^2] / E[W^2] of the mean over each batch's examples of their own gradients,
+    ``(1/B) sum_i dL_i/dW`` (``summed(out, target)``: the batch's sum of the ``L_i``), pooled over
+    the batches; float64 autograd."""
+    got = []
+    for x, t in batches:
+        model.zero_grad()
+        summed(model(x), t).backward()
+        got.append(sq(layer.weight.grad / x.shape[0]))
+    model.zero_grad()
+    return statistics.fmean(got) / sq(layer.weight)
+
+
+@pytest.mark.parametrize("counted", ["all", "ignored_and_weighted"])
+def test_nu_w_minibatch_is_the_mean_over_examples_whatever_the_reduction(counted) -> None:
+    """``nu_w_minibatch`` uses ``(1/B) sum_i dW_i``, the per-example gradients of ``nu_w``: a sum-
+    reduced loss gives the mean-reduced loss's value (it was B^2 times it), on ragged batches, with
+    ignored targets and class weights; one batch of 16 lies in the documented [nu_w/B, nu_w]."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)).to(F64)
+    x, t = torch.randn(16, 5, dtype=F64), torch.randint(0, 3, (16,))
+    kw = {}
+    if counted != "all":
+        t[:5] = -100
+        kw = {"weight": torch.tensor([1.0, 5.0, 0.2], dtype=F64)}
+    summed = lambda o, y: F.cross_entropy(o, y, reduction="sum", **kw)  # noqa: E731
+    for batches in ([(x, t)], [(x[:11], t[:11]), (x[11:], t[11:])]):
+        rows = {
+            red: gr_scaling(model, batches, nn.CrossEntropyLoss(reduction=red, **kw))
+            for red in ("mean", "sum")
+        }
+        for i in (0, 2):
+            want = _mean_gradient_ratio(model, model[i], batches, summed)
+            for red in ("mean", "sum"):
+                assert row(rows[red], str(i))["nu_w_minibatch"] == pytest.approx(want, rel=1e-9)
+            if len(batches) == 1:
+                r = row(rows["sum"], str(i))
+                assert r["nu_w"] / 16 <= r["nu_w_minibatch"] <= r["nu_w"]
+
+
+def test_nu_w_minibatch_of_token_losses_and_of_the_models_own_loss() -> None:
+    """Per-token losses: ``B`` counts sequences, as for ``nu_w``, so a sum over tokens gives the
+    gradient over ``B`` (and ``nu_w`` and the column change together). A model's own loss on
+    labels with -100 (Hugging Face's convention) gives the mean over the examples either way."""
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).to(F64)
+    x, t = torch.randn(5, 7, 4, dtype=F64), torch.randint(0, 3, (5, 7))
+    tokens = lambda o, y: F.cross_entropy(o.reshape(-1, 3), y.reshape(-1), reduction="sum")  # noqa: E731
+    mean = gr_scaling(model, (x, t), nn.CrossEntropyLoss())
+    summed = gr_scaling(model, (x, t), nn.CrossEntropyLoss(reduction="sum"))
+    for i in (0, 2):
+        want = _mean_gradient_ratio(model, model[i], [(x, t)], tokens)
+        m, s = row(mean, str(i)), row(summed, str(i))
+        assert s["nu_w_minibatch"] == pytest.approx(want, rel=1e-9)
+        assert m["nu_w_minibatch"] == pytest.approx(want / 7**2, rel=1e-9)  # mean over 35 tokens
+        assert s["nu_w_minibatch"] / s["nu_w"] == pytest.approx(
+            m["nu_w_minibatch"] / m["nu_w"], rel=1e-9
+        )
+        assert s["nu_w_minibatch"] <= s["nu_w"]  # Cauchy-Schwarz; nu_w / B needs independence
+
+    class OwnLoss(nn.Module):
+        def __init__(self, reduction: str) -> None:
+            super().__init__()
+            self.body, self.reduction = model, reduction
+
+        def forward(self, inputs, labels):
+            logits = self.body(inputs)
+            return {
+                "logits": logits,
+                "loss": F.cross_entropy(logits, labels, reduction=self.reduction),
+            }
+
+    x, t = torch.randn(9, 4, dtype=F64), torch.randint(0, 3, (9,))
+    t[::3] = -100
+    batches = [{"inputs": x[:6], "labels": t[:6]}, {"inputs": x[6:], "labels": t[6:]}]
+    pairs = [(b["inputs"], b["labels"]) for b in batches]
+    for red in ("mean", "sum"):
+        rows = gr_scaling(OwnLoss(red), batches, loss_reduction=red)
+        for i in (0, 2):
+            want = _mean_gradient_ratio(
+                model, model[i], pairs, lambda o, y: F.cross_entropy(o, y, reduction="sum")
+            )
+            assert row(rows, f"body.{i}")["nu_w_minibatch"] == pytest.approx(want, rel=1e-9)

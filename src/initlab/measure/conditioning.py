@@ -49,9 +49,14 @@ activations and gradients element-wise independent, including across positions):
 3. Dividing: ``nu = alpha^4 n_in k2 p2 E[x^2]^2 E[dy^2] / E[y^2] = gamma_w`` with ``b = 1``.
 
 For an MLP layer (``p2 = 1``) this is exactly the proof of Prop. 4/8 (App. C). The identity needs
-the per-example gradient: the minibatch gradient is a mean over ``B`` examples, so
+the per-example gradient: the minibatch gradient is a mean over ``B`` examples,
+``(1/B) sum_i dW_i`` of the per-example gradients ``nu_w`` uses (the probe's ``dW_minibatch``), so
 ``nu_w_minibatch`` (reported beside it) lies between ``nu_w / B`` (independent mean-zero
-per-example gradients) and ``nu_w`` (all examples agree).
+per-example gradients) and ``nu_w`` (all examples agree), whatever the loss's reduction: it is the
+gradient of a loss that is a mean over the ``B`` examples, and the gradient of a sum-reduced loss
+divided by ``B``. Where a class criterion's mean counts ``N`` targets (``ignore_index``, class
+weights) it is ``N / B`` times the loss's gradient (an ignored example's gradient is zero); for a
+per-token loss ``B`` counts the sequences, as for ``nu_w``.
 
 For convolutions the independence of values *across positions* is the weak point (the paper
 notes that Eq. 1 is "further away from empirical estimates" for convolutions). Post-ReLU
@@ -98,7 +103,8 @@ parameter, in execution order:
 ``gamma_b``            GR scaling of the bias (NaN without a bias)
 ``nu_w``               ``alpha^4 E[dW^2_example] / E[W^2]``
 ``nu_b``               ``E[db^2_example] / E[b^2]`` (NaN for a zero or missing bias)
-``nu_w_minibatch``     ``alpha^4 E[dW^2] / E[W^2]`` with the minibatch gradient
+``nu_w_minibatch``     ``alpha^4 E[dW^2] / E[W^2]`` with the minibatch gradient as a mean over the
+                       batch's examples (above: the same for ``reduction="sum"``)
 ``gamma_rel_median``   ``gamma_w / median(gamma_w)`` over the trainable rows with a finite
                        ``gamma_w`` (NaN for a frozen row)
 ``note``               why a value is NaN ("" when nothing is missing)
@@ -290,8 +296,9 @@ def _moment_sums(
 ) -> torch.Tensor:
     """The sums behind every pooled moment, so that ranks can be added exactly: per layer
     ``[x, y, dy, W, dW, dW_ex, b, db_ex]`` as ``(sq_mean * numel, numel)`` (``(0, 0)`` where
-    nothing was measured), then ``(batch-calls whose output gradient was not finite, calls)``."""
-    sums = torch.zeros(len(layers), 9, 2, dtype=torch.float64)
+    nothing was measured), then ``(batch-calls whose output gradient was not finite, calls)``,
+    then the weight's ``dW_minibatch`` as the first eight."""
+    sums = torch.zeros(len(layers), 10, 2, dtype=torch.float64)
     for i, (name, _, spec, bias) in enumerate(layers):
         sums[i, 8, 0] = values.get((name, "dy", "", "nonfinite"), 0.0)
         sums[i, 8, 1] = calls.get(name, 0)
@@ -304,8 +311,9 @@ def _moment_sums(
             ("dW_example", spec.name),
             ("W", bias or "-"),
             ("dW_example", bias or "-"),
+            ("dW_minibatch", spec.name),
         ]
-        for j, (q, param) in enumerate(keys):
+        for j, (q, param) in zip((*range(8), 9), keys, strict=True):
             n = values.get((name, q, param, "numel"), _NAN)
             m = values.get((name, q, param, "sq_mean"), _NAN)
             if math.isnan(n):
@@ -361,10 +369,10 @@ def _gr_row(
     examples: int | None,
     backward: bool,
 ) -> dict[str, Any]:
-    """One :data:`GR_COLUMNS` row (``sums``: the layer's ``[9, 2]`` sums, :func:`_moment_sums`;
+    """One :data:`GR_COLUMNS` row (``sums``: the layer's ``[10, 2]`` sums, :func:`_moment_sums`;
     ``backward``: whether the probe saw a backward pass at all)."""
-    m = [float(s / n) if n > 0 else _NAN for s, n in sums[:8].tolist()]
-    e_x2, e_y2, e_dy2, e_w2, e_dw2, e_dw2_ex, e_b2, e_db2_ex = m
+    m = [float(s / n) if n > 0 else _NAN for s, n in sums.tolist()]
+    e_x2, e_y2, e_dy2, e_w2, e_dw2, e_dw2_ex, e_b2, e_db2_ex, _, e_dw2_mb = m
     kind = _kind(module, spec)
     a4 = a**4
     n_in, k2, p2, notes = _p2(module, spec, kind, sums, examples)
@@ -383,6 +391,8 @@ def _gr_row(
     if math.isnan(e_dw2_ex) and reached:  # then nu_w is not measured either
         notes[:] = [n.removesuffix("; nu is measured") for n in notes]
         notes.append("per-example weight gradient unavailable, nu_w NaN (see probe.notes)")
+    if math.isnan(e_dw2_mb) and not math.isnan(e_dw2):
+        notes.append("nu_w_minibatch NaN: the batch size of a sum-reduced loss is unknown")
     nu_b = _NAN
     if bias is None:
         notes.append("no bias")
@@ -406,7 +416,7 @@ def _gr_row(
         "gamma_b": gamma_b,
         "nu_w": _ratio(a4 * e_dw2_ex, e_w2),
         "nu_b": nu_b,
-        "nu_w_minibatch": _ratio(a4 * e_dw2, e_w2),
+        "nu_w_minibatch": _ratio(a4 * e_dw2_mb, e_w2),
         "gamma_rel_median": _NAN,
         "note": "; ".join(notes),
     }

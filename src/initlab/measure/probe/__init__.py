@@ -18,7 +18,11 @@ and for every direct parameter of a probed module
 * ``dW``: the minibatch gradient of the loss as autograd produced it (one value per backward, summed
   over all calls of the module),
 * ``dW_example``: per-example gradients ``dW_i`` = gradient of example ``i``'s loss, summed over all
-  calls of the module (and over every module that owns the parameter) before squaring.
+  calls of the module (and over every module that owns the parameter) before squaring,
+* ``dW_minibatch``: the minibatch gradient as the mean over the batch's ``B`` examples of their
+  per-example gradients, ``(1/B) sum_i dW_i``, whatever the loss's reduction: ``dW`` for a mean
+  over the ``B`` examples, ``dW / B`` for ``loss_reduction="sum"``, ``(N/B) dW`` for a mean over
+  ``N`` counted targets (below).
 
 Statistics are taken inside the hooks, when the tensor is produced (the norm and the sum of each
 row of at most 2048 elements, in the tensor's precision), pooled into float64 sums ``sum(t**2)``,
@@ -73,7 +77,8 @@ Long schema, :data:`PROBE_COLUMNS` (one row per number):
 ``order``       execution-order index of the module's first call (``None``: never called)
 ``call``        ``k`` (int) for the k-th call of the module within one forward of the root
                 model, or ``"all"`` for all calls pooled; parameter rows use ``"all"``
-``quantity``    ``"x"``, ``"y"``, ``"dy"``, ``"dx"``, ``"W"``, ``"dW"``, ``"dW_example"``
+``quantity``    ``"x"``, ``"y"``, ``"dy"``, ``"dx"``, ``"W"``, ``"dW"``, ``"dW_minibatch"``,
+                ``"dW_example"``
 ``index``       which tensor: input path (positional ``"0"``, ``"1"``, or the keyword name) or
                 output path (``"0"`` for a bare tensor, ``"0"``/``"1"`` for a tuple,
                 ``"attn_output"`` for a dict key, dotted when nested); ``""`` for parameters
@@ -86,7 +91,8 @@ Long schema, :data:`PROBE_COLUMNS` (one row per number):
 ==============  ===========================================================================
 
 Activation rows carry all six stats; ``W`` rows ``sq_mean, mean, var, numel``; ``dW`` rows all six;
-``dW_example`` rows ``sq_mean, numel, batches, nonfinite`` (``numel`` = examples x elements). A
+``dW_minibatch`` rows ``sq_mean, numel, batches, nonfinite`` (none with a sum-reduced loss where
+``B`` is unknown); ``dW_example`` rows the same (``numel`` = examples x elements). A
 module that was never called gets ``x`` and ``y`` rows with ``batches = 0`` and NaN moments.
 Gradient rows appear only once a gradient was seen (none after forward-only probing).
 

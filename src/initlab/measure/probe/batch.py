@@ -112,6 +112,20 @@ class _Scale:
         return float(root.size)
 
 
+def mean_factor(reduction: str, counted: float | None, root: _RootBatch | None) -> float | None:
+    """What the minibatch gradient ``dW`` of one backward is multiplied by to give the mean over
+    the root batch's ``B`` examples of their per-example gradients (those of ``dW_example``):
+    1 for a mean over the ``B`` examples, ``1/B`` for a sum, ``N/B`` for a mean over ``N``
+    counted targets (``counted``: :func:`~initlab._core.loss.example_count`). ``None``: ``B``
+    is unknown where it is needed."""
+    if reduction == "mean" and counted is None:
+        return 1.0
+    size = None if root is None else root.size
+    if not size:
+        return None
+    return (1.0 if reduction == "sum" else float(counted or 0.0)) / size
+
+
 def check_root_batch(rec: _Record) -> None:
     """Once the root forward settled its batch size: a replayed call splits its inputs into that
     many examples; a closed form's input must hold as many (else the call's ``fail`` says so)."""

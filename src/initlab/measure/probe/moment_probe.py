@@ -36,7 +36,7 @@ from initlab._core.pytree import flatten_tensors, map_tensors
 from initlab._core.rows import Rows
 from initlab._core.state import model_modes, restore_modes
 from initlab.measure.probe.accumulate import _Consts, _Ledger, _Partial
-from initlab.measure.probe.batch import _RootBatch, _Scale, check_root_batch
+from initlab.measure.probe.batch import _RootBatch, _Scale, check_root_batch, mean_factor
 from initlab.measure.probe.checks import packed_note, refuse_norm_hooks, refuse_parametrized
 from initlab.measure.probe.contribution import _Contribution, _Unavailable
 from initlab.measure.probe.per_example import (
@@ -588,6 +588,11 @@ class MomentProbe(HookContext):
             ps.acc_dw = self._ledger.new_acc(grad.device)
         sums = self._ledger.reduce(grad, 1.0, self._consts)
         self._ledger.add(ps.acc_dw, sums, grad.numel())
+        factor = mean_factor(self.loss_reduction, self.example_count, self._root)
+        if factor is not None:  # dW_minibatch: the mean over the examples of their gradients
+            ps.acc_mb = ps.acc_mb if ps.acc_mb is not None else self._ledger.new_acc(grad.device)
+            mb = sums if factor == 1.0 else self._ledger.reduce(grad, factor, self._consts)
+            self._ledger.add(ps.acc_mb, mb, grad.numel())
         if self.per_example:
             with torch.no_grad():
                 self._finish_example(ps, grad.detach(), sums)

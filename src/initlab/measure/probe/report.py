@@ -74,7 +74,7 @@ def _read_all(states: list[_ModuleState]) -> dict[int, list[float]]:
     accs = [acc for st in states for acc in st.acc.values()]
     for st in states:
         for _, ps in st.params:
-            accs += [a for a in (ps.acc_w, ps.acc_dw, ps.acc_ex) if a is not None]
+            accs += [a for a in (ps.acc_w, ps.acc_dw, ps.acc_mb, ps.acc_ex) if a is not None]
     if not accs:
         return {}
     by_device: dict[Any, list[torch.Tensor]] = {}
@@ -96,6 +96,7 @@ _ACT_STATS = ("sq_mean", "mean", "var", "numel", "batches", "nonfinite")
 _PARAM_STATS = {
     "W": ("sq_mean", "mean", "var", "numel"),
     "dW": _ACT_STATS,
+    "dW_minibatch": ("sq_mean", "numel", "batches", "nonfinite"),
     "dW_example": ("sq_mean", "numel", "batches", "nonfinite"),
 }
 
@@ -142,6 +143,8 @@ def _param_moments(ps: _ParamState, read: dict[int, list[float]]) -> dict[str, d
     out = {"W": _moments([w[0], w[1], float(ps.numel), 1.0, 0.0])}
     if ps.acc_dw is not None:
         out["dW"] = _moments(_values(ps.acc_dw, read))
+    if ps.acc_mb is not None:
+        out["dW_minibatch"] = _moments(_values(ps.acc_mb, read))
     if ps.acc_ex is not None:
         ex = _moments(_values(ps.acc_ex, read))
         if ps.report()[0]:

@@ -42,6 +42,7 @@ class _ParamState:
         self.acc_w: torch.Tensor | None = None  # W's sums at the probe's __enter__
         self.numel = param.numel()
         self.acc_dw: torch.Tensor | None = None
+        self.acc_mb: torch.Tensor | None = None  # dW_minibatch
         self.acc_ex: torch.Tensor | None = None
         self.failed = 0
         self.notes: list[str] = []
