@@ -329,3 +329,60 @@ def test_a_data_parallel_model_against_the_slow_loop_of_the_module_it_wraps() ->
     d1, d2 = ({k.removeprefix("module."): v for k, v in d.items()} for d in land.directions)
     expected = _slow(net, [batch], d1, d2, GRID[0], GRID[1], "eval")
     torch.testing.assert_close(land.values, expected, rtol=1e-12, atol=1e-12)
+
+
+class _OwnLoss(nn.Module):
+    """A Hugging Face-style model: a dict batch, its own mean cross-entropy over labels not -100."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+
+    def forward(self, inputs, labels):
+        logits = self.body(inputs)
+        return {"logits": logits, "loss": F.cross_entropy(logits.flatten(0, -2), labels.flatten())}
+
+
+_WEIGHT = torch.tensor([1.0, 5.0, 0.2], dtype=DT)
+_CRITERIA = {
+    "ignore_index": lambda: nn.CrossEntropyLoss(),
+    "class_weights": lambda: nn.CrossEntropyLoss(weight=_WEIGHT),
+    "label_smoothing": lambda: nn.CrossEntropyLoss(weight=_WEIGHT, label_smoothing=0.2),
+    "tokens": lambda: nn.CrossEntropyLoss(weight=_WEIGHT),
+    "own_loss": lambda: None,
+}
+
+
+@pytest.mark.parametrize("case", list(_CRITERIA))
+def test_several_batches_give_the_loss_over_all_the_data(case: str) -> None:
+    """A batch weighs what its mean divides by (the counted, class-weighted targets), not its
+    examples: the value is the criterion on all the data at once. It weighed examples (1.1436
+    against 1.2018 with ignored targets)."""
+    torch.manual_seed(0)
+    net = _OwnLoss().to(DT)
+    shape = (13, 4) if case == "tokens" else (13,)
+    x, t = torch.randn(*shape, 4, dtype=DT), torch.randint(0, 3, shape)
+    t[:4] = -100  # all in the first batch
+    pieces = [(x[a:b], t[a:b]) for a, b in ((0, 6), (6, 11), (11, 13))]
+    crit = _CRITERIA[case]()
+    if crit is None:
+        batches: list = [{"inputs": a, "labels": b} for a, b in pieces]
+        crit = nn.CrossEntropyLoss()
+    else:
+        batches = pieces
+        net = net.body
+    land = loss_landscape(net, batches, _CRITERIA[case](), grid=([0.0, 0.5], [-1.0]), generator=1)
+    body = net.body if isinstance(net, _OwnLoss) else net
+    prefix = "body." if isinstance(net, _OwnLoss) else ""
+    d1, d2 = land.directions
+    for i, t1 in enumerate((0.0, 0.5)):
+        params = {
+            n: p.detach() + t1 * d1[prefix + n] - d2[prefix + n] for n, p in body.named_parameters()
+        }
+        with torch.no_grad():
+            out = torch.func.functional_call(body, params, (x,))
+            want = crit(out.flatten(0, -2), t.flatten()).item()
+        assert land.values[i, 0].item() == pytest.approx(want, rel=1e-12)
+    with torch.no_grad():
+        whole = crit(body(x).flatten(0, -2), t.flatten()).item()
+    assert land.center == pytest.approx(whole, rel=1e-12)

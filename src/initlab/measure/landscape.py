@@ -26,9 +26,14 @@ explicit policy ``bn``:
 * ``"fixed"``: normalize with the batch statistics measured once at the centre ``θ`` (per batch)
   and held fixed over the grid, so the slice sees the network as a fixed function of its weights.
 
-With several batches the value is the example-weighted mean ``Σ_b n_b L_b / Σ_b n_b`` of the
-per-batch losses (the mean over all examples for a mean-reduced loss); for a criterion that
-declares ``reduction="sum"`` it is the sum ``Σ_b L_b`` (the total over all examples).
+With several batches the value is the weighted mean ``Σ_b n_b L_b / Σ_b n_b`` of the per-batch
+losses, ``n_b`` what batch ``b``'s mean divides by (:func:`~initlab._core.loss.target_count`): for
+torch's cross-entropy/NLL criteria, initlab's ``"cross_entropy"`` and the model's own loss (the
+Hugging Face convention) the targets not equal to ``ignore_index``, each counted by its class
+weight; for another loss on targets their number of elements (MSE's mean); the batch's examples
+for a loss without targets. So a mean-reduced loss gives its mean over all the data; for a
+criterion that declares ``reduction="sum"`` it is the sum ``Σ_b L_b`` (the total over all the
+data).
 
 Grid points are evaluated in chunks with ``torch.func.vmap`` over stacked parameter sets. The
 chunk size bounds the memory: about ``2**21`` elements of parameters and activations per chunk
@@ -65,7 +70,7 @@ from initlab._core.compiled import takes_compiled
 from initlab._core.data import DataUse, batch_size, data_use, take_batches
 from initlab._core.hooks import hook_handles
 from initlab._core.knobs import renamed_kwargs
-from initlab._core.loss import Loss
+from initlab._core.loss import Loss, target_count
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows
 from initlab._core.state import keeps_config
@@ -558,6 +563,20 @@ def _grid(grid: int | tuple[Any, Any] | None) -> tuple[torch.Tensor, torch.Tenso
     return _as_grid(grid[0], "t1"), _as_grid(grid[1], "t2")
 
 
+def _batch_weights(loss: Loss, batches: list[Any]) -> list[float]:
+    """Each batch's factor in the value over several batches (module docstring): 1 for a
+    sum-reduced loss, else what the batch's mean divides by over its total over the batches
+    (:func:`~initlab._core.loss.target_count`; the examples where that is unknown)."""
+    if loss.reduction == "sum":
+        return [1.0] * len(batches)
+    known = [target_count(loss, b) for b in batches]
+    counts = [c for c in known if c is not None]
+    if len(counts) < len(batches) or not sum(counts) > 0:
+        counts = [float(batch_size(b)) for b in batches]
+    total = sum(counts)
+    return [c / total for c in counts]
+
+
 @takes_compiled
 @renamed_kwargs(batch_or_batches="data")
 @with_math_attention
@@ -625,7 +644,7 @@ def loss_landscape(
     loss = on_batches(resolve_loss(loss_fn, what="loss_landscape"), batches)
     fwd, on_outputs = split_loss(loss, forward, what="loss_landscape")
     used = data_use(batches)
-    weights = [1.0 if loss.reduction == "sum" else batch_size(b) / used.examples for b in batches]
+    weights = _batch_weights(loss, batches)
     t1, t2 = _grid(grid)
     theta = {n: p.detach() for n, p in _trainable(model).items()}
     if not theta:
