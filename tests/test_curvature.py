@@ -751,6 +751,37 @@ def test_theory_builtin_equals_conditioning_module() -> None:
         assert ra["actual"] == rb["actual"]
 
 
+class _FunctionalLN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.out = nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(F.layer_norm(self.fc(x), (8,)))
+
+
+def test_theory_note_names_the_normalization_that_follows() -> None:
+    """A layer before a normalization is outside the GR setting; the note names the
+    normalization met. A BatchNorm2d was called "a LayerNorm/RMSNorm"."""
+    torch.manual_seed(0)
+    conv = nn.Sequential(
+        nn.Conv2d(2, 3, 3, padding=1), nn.BatchNorm2d(3), nn.ReLU(), nn.Flatten(),
+        nn.Linear(75, 4),
+    )  # fmt: skip
+    mlp = nn.Sequential(nn.Linear(6, 8), nn.GroupNorm(2, 8), nn.Tanh(), nn.Linear(8, 3))
+    cases = [
+        (conv, torch.randn(6, 2, 5, 5), 4, "0", "BatchNorm2d"),
+        (mlp, torch.randn(6, 6), 3, "0", "GroupNorm"),
+        (_FunctionalLN(), torch.randn(6, 6), 3, "fc", "layer_norm"),
+    ]
+    for net, x, classes, layer, norm in cases:
+        batch = (x, torch.randint(0, classes, (6,)))
+        rows = theory_vs_actual(net, batch, nn.CrossEntropyLoss(), probes=2, generator=0)
+        note = rows.filter(block=f"{layer}.weight")[0]["note"]
+        assert f"its output is normalized ({norm}) before the next layer" in note
+        assert "LayerNorm/RMSNorm" not in note
+
+
 def test_theory_matches_exact_block_for_last_layer_of_random_loss() -> None:
     """For the last layer with per-example random quadratic losses, the Hessian block is
     Σ_b x_b x_bᵀ ⊗ (R_b + R_bᵀ)/B; Eq. 1 is its expected ‖·‖²/n: check theory ≈ exact within

@@ -38,6 +38,7 @@ would).
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -339,7 +340,9 @@ _PRODUCT_FNS = {"mul", "__mul__", "__rmul__", "multiply"}
 _NORM_FNS = {"layer_norm", "group_norm", "batch_norm", "instance_norm", "rms_norm", "normalize"}
 
 
-def what_follows(graph: RuntimeGraph, types: Mapping[str, str]) -> dict[str, set[str]]:
+def what_follows(
+    graph: RuntimeGraph, types: Mapping[str, str], norms: dict[str, set[str]] | None = None
+) -> dict[str, set[str]]:
     """What the output of each module with parameters meets before the next such module.
 
     Walks the recorded data flow forward from the module's calls and stops at the next module
@@ -351,7 +354,9 @@ def what_follows(graph: RuntimeGraph, types: Mapping[str, str]) -> dict[str, set
     and ``"normalization"`` (a normalizing function, or a module whose type name ends in
     ``Norm``: ``LlamaRMSNorm``). Each takes a layer outside a chain of linear maps and
     elementwise activations, the setting of Defazio &
-    Bottou's GR formula. ``types``: qualified module name -> type name.
+    Bottou's GR formula. ``types``: qualified module name -> type name. ``norms``, where given,
+    gets per module the normalizations it meets: the type name of a normalization module
+    (``BatchNorm2d``, ``LlamaRMSNorm``), else the function (``layer_norm``).
     """
     nodes = graph.nodes
     consumers = _consumers(nodes)
@@ -371,11 +376,20 @@ def what_follows(graph: RuntimeGraph, types: Mapping[str, str]) -> dict[str, set
                 kind = None  # x * f(x) (GELU written out), or x * constants (rotary cos, sin)
             if kind is not None:
                 found.add(kind)
+            if kind == "normalization" and norms is not None:
+                norms.setdefault(name, set()).add(_norm_name(nodes[j], types))
             next_layer = nodes[j].module in graph.params and nodes[j].module != name
             if not (stop or (next_layer and kind != "normalization")):
                 frontier += [(k, j) for k in consumers[j]]
         out[name] = found
     return out
+
+
+def _norm_name(node: RuntimeNode, types: Mapping[str, str]) -> str:
+    """The normalization a node belongs to: its module's type name where that names a
+    normalization (``BatchNorm2d``, ``GroupNorm``, ``LlamaRMSNorm``), else its function."""
+    kind = types.get(node.module, "")
+    return kind if re.search(r"Norm(\dd)?$", kind) else node.fn
 
 
 def _gated(

@@ -106,7 +106,7 @@ _OUTSIDE = {
     "activations)",
     "attention values": "its output is multiplied by attention weights (attention values)",
     "product": "its output is multiplied by another layer's output (a gate)",
-    "normalization": "its output is normalized (a LayerNorm/RMSNorm) before the next layer",
+    "normalization": "its output is normalized ({norms}) before the next layer",
 }
 
 
@@ -122,12 +122,14 @@ def _outside_setting(model: nn.Module, run: Callable[[], Any]) -> dict[str, str]
             run()
     except Exception:  # the forward is run (and its errors reported) by the measurement itself
         return {}
-    out = {}
-    for name, kinds in what_follows(graph, types).items():
+    out: dict[str, str] = {}
+    norms: dict[str, set[str]] = {}
+    for name, kinds in what_follows(graph, types, norms).items():
         if "attention scores" in kinds:
             kinds = kinds - {"attention values"}  # the scores: one reason, said once
         if kinds:
-            why = " and ".join(_OUTSIDE[k] for k in sorted(kinds))
+            met = ", ".join(sorted(norms.get(name, ()))) or "a normalization"
+            why = " and ".join(_OUTSIDE[k].format(norms=met) for k in sorted(kinds))
             out[name] = f"outside the GR formula's setting: {why}; a ratio far from 1 is expected"
     return out
 
