@@ -1144,3 +1144,18 @@ def test_a_sparse_embedding_gets_the_dense_embeddings_hessian_directions() -> No
     torch.testing.assert_close(land.values, ref.values, **_SAME)
     for name, d in ref.directions[0].items():
         torch.testing.assert_close(land.directions[0][name], d, **_SAME)
+
+
+@pytest.mark.parametrize("mode", ["rev_rev", "fwd_rev"])
+def test_buffer_overrides_of_a_train_mode_batchnorm_are_not_written_to(mode: str) -> None:
+    """A train-mode BatchNorm updates the running statistics it is given, in place: the caller's
+    override tensors moved on every product."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 2)).train()
+    batch = (torch.randn(8, 3), torch.randn(8, 2))
+    mean, var = torch.full((4,), 0.5), torch.full((4,), 2.0)
+    buffers = {"1.running_mean": mean, "1.running_var": var}
+    op = CurvatureOperator(net, batch, nn.MSELoss(reduction="sum"), ad_mode=mode, buffers=buffers)
+    dense = op.to_dense()
+    assert torch.equal(mean, torch.full((4,), 0.5)) and torch.equal(var, torch.full((4,), 2.0))
+    assert torch.equal(op.to_dense(), dense)  # the same operator on every call

@@ -268,7 +268,10 @@ class CurvatureOperator(_MatvecOperator):
 
     def _state(self, leaves: Sequence[torch.Tensor]) -> dict[str, torch.Tensor | None]:
         state = model_state(self.model)
-        state.update(self._buffer_overrides)
+        # copies: a train-mode BatchNorm updates running statistics it is given, in place
+        state.update(
+            (n, None if b is None else b.clone()) for n, b in self._buffer_overrides.items()
+        )
         state.update(zip(self.param_names, leaves, strict=True))
         return state
 
