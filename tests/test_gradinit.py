@@ -8,6 +8,7 @@ import copy
 import gc
 import itertools
 import math
+import re
 import warnings
 
 import pytest
@@ -991,3 +992,36 @@ def test_a_hugging_face_cache_is_off_while_the_gradients_run(method: str) -> Non
     run = gradinit_ if method == "gradinit" else metainit_
     report = run(model, data, steps=2, generator=0)
     assert len(report.trace) == 2 and model.config.use_cache is True
+
+
+def _absurd_setup() -> tuple[nn.Module, list[tuple[torch.Tensor, torch.Tensor]]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 5, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in "ab"]
+    return model, data
+
+
+@pytest.mark.parametrize(
+    ("method", "options", "error", "text"),
+    [
+        ("gradinit_", {"lr": math.inf}, ValueError, "lr must be a finite number > 0.0, got inf"),
+        ("gradinit_", {"alpha_min": math.inf}, ValueError, "alpha_min must be a finite number"),
+        ("metainit_", {"lr": math.inf}, ValueError, "lr must be a finite number > 0.0, got inf"),
+        ("metainit_", {"alpha_min": math.inf}, ValueError, "alpha_min must be a finite number"),
+        # finite in float64, past float32 once folded in: the last step's scales were not checked
+        ("gradinit_", {"lr": 1e40}, FloatingPointError, "overflowed their dtype"),
+        ("gradinit_", {"alpha_min": 1e39}, FloatingPointError, "overflowed their dtype"),
+    ],
+)
+def test_an_absurd_rate_or_floor_is_refused_and_the_model_left_unchanged(
+    method: str, options: dict[str, float], error: type[Exception], text: str
+) -> None:
+    """inf was accepted, and the last step's scales were folded in unchecked: inf weights."""
+    model, data = _absurd_setup()
+    before = copy.deepcopy(model.state_dict())
+    extra = {"gamma": 10.0} if method == "gradinit_" else {"variant": "gradinit"}
+    with pytest.raises(error, match=re.escape(text)):
+        run = {"gradinit_": gradinit_, "metainit_": metainit_}[method]
+        run(model, data, nn.CrossEntropyLoss(), steps=1, **extra, **options)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

@@ -468,6 +468,13 @@ def fold_alpha(ts: Tensors, alpha: torch.Tensor, what: str) -> None:
     bfloat16 ``alpha`` of 1.0027 is 1.0). Warns when a tensor's dtype cannot hold its scale:
     its norm moved by a factor off ``alpha`` by more than half the change ``alpha - 1``
     (and more than float32's rounding)."""
+    bad = [ts.names[i] for k, i in enumerate(ts.scaled) if not math.isfinite(float(alpha[k]))]
+    if bad:
+        raise FloatingPointError(
+            f"{what}: the scales of {len(bad)} tensor(s) are not finite ({', '.join(bad[:4])}"
+            f"{' ...' if len(bad) > 4 else ''}); the model was left unchanged: lower lr (or "
+            "alpha_min)"
+        )
     off: list[str] = []
     with torch.no_grad():
         for k, i in enumerate(ts.scaled):
@@ -480,6 +487,17 @@ def fold_alpha(ts: Tensors, alpha: torch.Tensor, what: str) -> None:
             applied = float(w.double().norm()) / before
             if abs(applied - a) > max(0.5 * abs(a - 1.0), 4 * torch.finfo(torch.float32).eps):
                 off.append(f"{ts.names[i]}: alpha {a:.5g}, applied {applied:.5g} ({w.dtype})")
+    overflow = [  # finite before (its norm), not after
+        ts.names[i]
+        for k, i in enumerate(ts.scaled)
+        if math.isfinite(ts.norms[k]) and not bool(torch.isfinite(ts.tensors[i].detach()).all())
+    ]
+    if overflow:
+        raise FloatingPointError(
+            f"{what}: scaling {', '.join(overflow[:4])}{' ...' if len(overflow) > 4 else ''} "
+            f"overflowed their dtype (scales up to {float(alpha.abs().max()):.3g}); the model was "
+            "left unchanged: lower lr (or alpha_min)"
+        )
     if off:
         warnings.warn(
             f"{what}: {len(off)} of {len(ts.scaled)} tensor(s) could not take their scale in "
@@ -508,15 +526,25 @@ def positive_int(what: str, key: str, value: object) -> int:
 
 
 def check_number(
-    what: str, key: str, value: object, *, low: float = 0.0, strict: bool = True
+    what: str,
+    key: str,
+    value: object,
+    *,
+    low: float = 0.0,
+    strict: bool = True,
+    finite: bool = True,
 ) -> float:
+    """``value`` as a float ``> low`` (``>= low`` unless ``strict``), finite unless ``finite``
+    is False (a threshold such as a gradient-norm bound may be ``inf``: never reached)."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     if ok:
         value = float(value)
         ok = not math.isnan(value) and (value > low if strict else value >= low)
+        ok = ok and (math.isfinite(value) or not finite)
     if not ok:
         sign = ">" if strict else ">="
-        raise ValueError(f"{what}: {key} must be a number {sign} {low}, got {value!r}")
+        kind = "a finite number" if finite else "a number"
+        raise ValueError(f"{what}: {key} must be {kind} {sign} {low}, got {value!r}")
     return float(value)  # type: ignore[arg-type]
 
 

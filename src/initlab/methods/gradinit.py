@@ -749,8 +749,10 @@ def _check_step_options(
     """``lr``, ``alpha_min``, ``gamma`` and the clip value (0: no clipping), checked."""
     lr = check_number(what, "lr", lr)
     alpha_min = check_number(what, "alpha_min", alpha_min, strict=False)
-    gamma = check_number(what, "gamma", gamma, strict=False)
-    clip_value = 0.0 if clip is None else check_number(what, "clip", clip, strict=False)
+    gamma = check_number(what, "gamma", gamma, strict=False, finite=False)
+    clip_value = (
+        0.0 if clip is None else check_number(what, "clip", clip, strict=False, finite=False)
+    )
     return lr, alpha_min, gamma, clip_value
 
 

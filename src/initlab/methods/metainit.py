@@ -475,7 +475,9 @@ class _Options:
             raise ValueError(f"{what}: momentum must be in [0, 1), got {momentum!r}")
         eps = check_number(what, "eps", eps, strict=False)
         alpha_min = check_number(what, "alpha_min", alpha_min, strict=False)
-        clip_value = 0.0 if clip is None else check_number(what, "clip", clip, strict=False)
+        clip_value = (
+            0.0 if clip is None else check_number(what, "clip", clip, strict=False, finite=False)
+        )
         if steps is not None:
             steps = positive_int(what, "steps", steps)
         if batch_stats is None:
