@@ -3,6 +3,7 @@ renamed keywords. Oracles are written by hand (explicit forward passes and torch
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import inspect
@@ -33,6 +34,7 @@ from initlab._core.data import (
 from initlab._core.hooks import HookContext, hook_handles
 from initlab._core.knobs import renamed_kwargs
 from initlab._core.loss import LOSS_FORMS, TargetError, criterion, outputs_loss, resolve_loss
+from initlab._core.norms import composite_norms
 from initlab._core.state import model_kept, restore_on_failure
 
 
@@ -655,3 +657,59 @@ def test_a_method_report_s_summary_line_has_no_python_reprs() -> None:
         "m: 1 forward / 0 backward passes, 0.00 s, scale=0.1235, how=lr, "
         "alpha=(0: 1.334, 2: 0.75, 4: 1, 6: 2, and 1 more)"
     )
+
+
+_NORMS = {
+    "batch_norm_train": (lambda: nn.BatchNorm2d(3).train(), (6, 3, 4, 4)),
+    "batch_norm_eval": (lambda: nn.BatchNorm1d(3).eval(), (6, 3)),
+    "batch_norm_cumulative": (lambda: nn.BatchNorm1d(3, momentum=None).train(), (6, 3)),
+    "layer_norm": (lambda: nn.LayerNorm([2, 3]), (4, 2, 3)),
+    "instance_norm": (
+        lambda: nn.InstanceNorm1d(3, affine=True, track_running_stats=True),
+        (4, 3, 5),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(_NORMS))
+def test_composite_norms_compute_the_native_values_and_statistics(name: str) -> None:
+    make, shape = _NORMS[name]
+    torch.manual_seed(0)
+    native = make().double()
+    with torch.no_grad():
+        for p in native.parameters():
+            p.uniform_(0.5, 1.5)
+    composite = copy.deepcopy(native)
+    x = torch.randn(*shape, dtype=torch.float64)
+    for _ in range(2):  # the running statistics move the same way twice
+        expected = native(x)
+        with composite_norms():
+            got = composite(x)
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    for a, b in zip(native.buffers(), composite.buffers(), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("norm", ["batch_norm", "layer_norm", "instance_norm"])
+def test_composite_norms_have_the_right_third_derivative(norm: str) -> None:
+    """gradcheck (finite differences) of a Hessian-vector product through the norm: the native
+    batch_norm, layer_norm and instance_norm fail it."""
+    fn = {
+        "batch_norm": lambda z: F.batch_norm(z, None, None, training=True),
+        "layer_norm": lambda z: F.layer_norm(z, (5,)),
+        "instance_norm": lambda z: F.instance_norm(z.reshape(2, 3, 5)).reshape(6, 5),
+    }[norm]
+    torch.manual_seed(0)
+    x = torch.randn(6, 4, dtype=torch.float64)
+    v = torch.randn(4, 5, dtype=torch.float64)
+    w = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+
+    def hvp(w_: torch.Tensor) -> torch.Tensor:
+        loss = torch.tanh(fn(x @ w_)).square().sum()
+        (g,) = torch.autograd.grad(loss, w_, create_graph=True)
+        (hv,) = torch.autograd.grad((g * v).sum(), w_, create_graph=True)
+        return hv
+
+    assert not torch.autograd.gradcheck(hvp, (w,), raise_exception=False)  # the native kernel
+    with composite_norms():
+        assert torch.autograd.gradcheck(hvp, (w,))

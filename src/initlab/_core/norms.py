@@ -1,0 +1,158 @@
+"""Normalization that can be differentiated three times, selected inside the methods that need it.
+
+PyTorch's native ``batch_norm`` (batch statistics), ``layer_norm`` and ``instance_norm`` kernels
+have a double backward written with the saved mean and inverse standard deviation as constants:
+their Hessians are right, but a third derivative through them is silently wrong
+(``torch.autograd.gradcheck`` of a Hessian-vector product fails for them, passes for
+``group_norm``, ``rms_norm`` and the same functions written with elementary operations; torch 2.4
+to 2.13). MetaInit's meta-gradient differentiates a Hessian-vector product, so through a native
+BatchNorm it pointed the wrong way (a weight's derivative -2.64 where finite differences give
++3.38). :func:`composite_norms` computes these functions with elementary differentiable
+operations for the duration of a call: the same values up to rounding, running statistics
+updated as the native kernels update them, the user's code unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["composite_norms"]
+
+_LOW = (torch.float16, torch.bfloat16)
+
+
+def _stats_dtype(x: torch.Tensor) -> torch.dtype:
+    """The native kernels' statistics dtype: float32 for half inputs, else the input's."""
+    return torch.float32 if x.dtype in _LOW else x.dtype
+
+
+def _affine(
+    out: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, shape: list[int]
+) -> torch.Tensor:
+    if weight is not None:
+        out = out * weight.reshape(shape)
+    if bias is not None:
+        out = out + bias.reshape(shape)
+    return out
+
+
+def _update(running: torch.Tensor | None, value: torch.Tensor, momentum: float) -> None:
+    if running is not None:
+        with torch.no_grad():
+            running.mul_(1.0 - momentum).add_(value.detach().to(running.dtype), alpha=momentum)
+
+
+def _batch_norm(
+    input: torch.Tensor,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    training: bool = False,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """``F.batch_norm`` with elementary operations (batch statistics: biased variance for the
+    output, unbiased for the running variance, as the native kernel)."""
+    x = input.to(_stats_dtype(input))
+    dims = [0, *range(2, x.dim())]
+    shape = [1, -1] + [1] * (x.dim() - 2)
+    if training:
+        F._verify_batch_size(input.size())
+        mean = x.mean(dims)
+        var = (x - mean.reshape(shape)).square().mean(dims)
+        n = x.numel() // x.shape[1]
+        _update(running_mean, mean, momentum)
+        _update(running_var, var * n / max(n - 1, 1), momentum)
+    else:
+        if running_mean is None or running_var is None:
+            raise ValueError(
+                "batch_norm: running_mean and running_var are needed when not training"
+            )
+        mean, var = running_mean.to(x.dtype), running_var.to(x.dtype)
+    out = (x - mean.reshape(shape)) * torch.rsqrt(var.reshape(shape) + eps)
+    return _affine(out, weight, bias, shape).to(input.dtype)
+
+
+def _layer_norm(
+    input: torch.Tensor,
+    normalized_shape: Sequence[int],
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """``F.layer_norm`` with elementary operations."""
+    x = input.to(_stats_dtype(input))
+    dims = list(range(x.dim() - len(tuple(normalized_shape)), x.dim()))
+    mean = x.mean(dims, keepdim=True)
+    var = (x - mean).square().mean(dims, keepdim=True)
+    out = (x - mean) * torch.rsqrt(var + eps)
+    shape = list(normalized_shape)
+    return _affine(out, weight, bias, shape).to(input.dtype)
+
+
+def _instance_norm(
+    input: torch.Tensor,
+    running_mean: torch.Tensor | None = None,
+    running_var: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    use_input_stats: bool = True,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """``F.instance_norm`` with elementary operations (statistics per example and channel; the
+    running statistics, where tracked, move by the batch's average, as the native kernel)."""
+    x = input.to(_stats_dtype(input))
+    shape = [1, -1] + [1] * (x.dim() - 2)
+    if use_input_stats:
+        dims = list(range(2, x.dim()))
+        mean = x.mean(dims, keepdim=True)
+        var = (x - mean).square().mean(dims, keepdim=True)
+        n = x[0, 0].numel()
+        _update(running_mean, mean.mean(0).flatten(), momentum)
+        _update(running_var, (var * n / max(n - 1, 1)).mean(0).flatten(), momentum)
+    else:
+        if running_mean is None or running_var is None:
+            raise ValueError("instance_norm: running statistics are needed without input stats")
+        mean, var = running_mean.to(x.dtype).reshape(shape), running_var.to(x.dtype).reshape(shape)
+    out = (x - mean) * torch.rsqrt(var + eps)
+    return _affine(out, weight, bias, shape).to(input.dtype)
+
+
+_COMPOSITES: dict[Callable[..., Any], Callable[..., torch.Tensor]] = {
+    F.batch_norm: _batch_norm,
+    F.layer_norm: _layer_norm,
+    F.instance_norm: _instance_norm,
+}
+
+
+class _CompositeNorms(TorchFunctionMode):
+    """Routes the functional norms of :data:`_COMPOSITES` to their elementary versions."""
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        composite = _COMPOSITES.get(func)
+        if composite is not None:
+            return composite(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def composite_norms() -> Iterator[None]:
+    """Inside the block, ``F.batch_norm``, ``F.layer_norm`` and ``F.instance_norm`` (and so
+    ``nn.BatchNorm*d``, ``nn.LayerNorm``, ``nn.InstanceNorm*d``) run as elementary operations,
+    whose third derivatives are right (module docstring)."""
+    with _CompositeNorms():
+        yield
