@@ -24,6 +24,7 @@ from initlab.diagnostics import (
     gradient_stats,
     make_loss,
 )
+from initlab.diagnostics.gradients import GradientStats
 from initlab.diagnostics.report import ratio_reason, ratio_verdict
 
 F64 = torch.float64
@@ -813,3 +814,26 @@ def test_a_zero_gradient_with_another_cause_is_not_excused_by_a_zero_layer_after
     assert layers["a"]["verdict"] == "bad" and "second step" not in layers["a"]["reason"]
     assert layers["adapter_a"]["verdict"] == "ok"  # closed by adapter_b: it learns once B moves
     assert "adapter_b after it has a weight of all zeros" in layers["adapter_a"]["reason"]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "mean", "spread"), [(torch.float64, 1e8, 1e-3), (torch.float32, 1.0, 0.1)]
+)
+def test_grad_std_matches_a_float64_reference_with_storage_in_the_parameter_s_precision(
+    dtype: torch.dtype, mean: float, spread: float
+) -> None:
+    """Welford's statistics are stored in the parameter's precision (float32 at least), computed
+    in float64: a float64 gradient's spread 1e-11 of its mean survives; float32's to ~1e-6."""
+    param = nn.Parameter(torch.zeros(7, 3, dtype=dtype))
+    g = torch.Generator().manual_seed(0)
+    grads = [mean + spread * torch.randn(7, 3, generator=g, dtype=torch.float64) for _ in range(5)]
+    stats = GradientStats(nn.ParameterList([param]))
+    for grad in grads:
+        stats.update([(param, grad.to(dtype))])
+    (row,) = stats.rows().to_rows()
+    stacked = torch.stack([grad.to(dtype).double() for grad in grads])
+    expected = float(stacked.std(dim=0, unbiased=True).mean())
+    assert row["grad_std"] == pytest.approx(expected, rel=1e-9 if dtype == torch.float64 else 1e-5)
+    one = GradientStats(nn.ParameterList([param]))
+    one.update([(param, grads[0].to(dtype))])
+    assert math.isnan(one.rows().to_rows()[0]["grad_std"])

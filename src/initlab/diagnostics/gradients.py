@@ -27,8 +27,10 @@ averaged over the entries (``grad_std``). We report both, plus the Frobenius nor
 ==================  ==========================================================================
 
 A parameter shared by several modules (tied weights) gets one row per module that owns it, with
-the same numbers. Per-entry statistics use Welford's update in float64 (no cancellation when the
-mean gradient is large against its spread).
+the same numbers. Per-entry statistics use Welford's update computed in float64 (no cancellation
+when the mean gradient is large against its spread) and stored in the parameter's precision,
+float32 at least: one copy of the weights' size for one batch, two from the second on (float64
+storage held four for float32 weights; their gradients hold no spread below float32's rounding).
 """
 
 from __future__ import annotations
@@ -83,6 +85,26 @@ class _Entry:
         self.norms: list[torch.Tensor] = []  # ||g_b||^2 per batch (device scalars)
 
 
+def _welford(e: _Entry, g: torch.Tensor) -> None:
+    """Add the float64 gradient ``g`` to ``e``'s per-entry mean and sum of squared deviations:
+    Welford's update computed in float64, stored in the parameter's precision (float32 at
+    least), whose gradients hold no spread below their own rounding; the sum of squares from the
+    second batch on (one batch has no spread). Holds 1x (one batch) or 2x the parameter's
+    entries in that precision, not 4x in float64."""
+    store = torch.promote_types(e.tensor.dtype, torch.float32)
+    if e.mean is None:
+        e.mean = g.to(store, copy=True)  # g may be the caller's float64 gradient itself
+        return
+    mean = e.mean.to(_F64)
+    delta = g - mean
+    mean += delta / e.count
+    m2 = delta.mul_(g - mean)
+    if e.m2 is not None:
+        m2 += e.m2.to(_F64)
+    e.mean.copy_(mean)
+    e.m2 = m2.to(store)
+
+
 class GradientStats:
     """Accumulate per-entry gradient statistics over minibatches (rows :data:`GRADIENT_COLUMNS`).
 
@@ -126,15 +148,8 @@ class GradientStats:
                 g = pairs.get(key)
                 g = torch.zeros_like(e.tensor, dtype=_F64) if g is None else g.detach().to(_F64)
                 e.count += 1
-                if e.mean is None:
-                    e.mean = g.clone()
-                    e.m2 = torch.zeros_like(g)
-                else:
-                    delta = g - e.mean
-                    e.mean.add_(delta / e.count)
-                    e.m2.add_(delta * (g - e.mean))  # type: ignore[union-attr]
-                sq = sum_of_squares(g)
-                e.norms.append(sq)
+                _welford(e, g)
+                e.norms.append(sum_of_squares(g))
 
     def rows(self) -> Rows:
         """One row per parameter, columns :data:`GRADIENT_COLUMNS`."""
@@ -145,7 +160,7 @@ class GradientStats:
             b = e.count
             norms = [float(t) for t in e.norms]
             if b >= 2 and e.m2 is not None:
-                grad_std = float(torch.sqrt(e.m2 / (b - 1)).mean())
+                grad_std = float(torch.sqrt(e.m2.to(_F64) / (b - 1)).mean())
                 per_batch = [n / d for n in norms]
                 mean_sq = sum(per_batch) / b
                 var = sum((v - mean_sq) ** 2 for v in per_batch) / (b - 1)
