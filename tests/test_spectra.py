@@ -310,3 +310,134 @@ def test_an_lstm_s_rows_say_why_they_have_no_operator_norm_and_what_each_acts_on
         assert "no single linear map" in r["note"]
         sv = torch.linalg.svdvals(getattr(lstm, param).detach().double())
         assert r["sv_max"] == pytest.approx(sv[0].item(), rel=1e-12)
+
+
+def _jacobian_norm(model: nn.Module, x: torch.Tensor) -> float:
+    """``||J(x)||_2`` of ``model`` at one example ``x`` (float64, explicit Jacobian): a lower
+    bound on its Lipschitz constant."""
+    jac = torch.func.jacrev(lambda v: model(v.unsqueeze(0)).reshape(-1))(x)
+    return torch.linalg.matrix_norm(jac.reshape(-1, x.numel()), ord=2).item()
+
+
+def _max_jacobian_norm(model: nn.Module, shape: tuple[int, ...], points: int = 20) -> float:
+    g = torch.Generator().manual_seed(0)
+    return max(
+        _jacobian_norm(model, torch.randn(*shape, generator=g, dtype=F64)) for _ in range(points)
+    )
+
+
+class _Reuse(nn.Module):
+    """``fc(relu(fc(x)))``: one Linear run twice (weights shared, ALBERT-style)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(5, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.relu(self.fc(x)))
+
+
+def test_a_layer_run_twice_counts_twice_in_the_lipschitz_bound():
+    """``fc(relu(fc(x)))`` with ``fc.weight = 3 I``: the Lipschitz constant is 9 (``||J|| = 9``
+    where the ReLU passes everything), the bound was ``||W|| = 3`` with ``guaranteed=True``."""
+    model = _Reuse().to(F64)
+    with torch.no_grad():
+        model.fc.weight.copy_(3 * torch.eye(5, dtype=F64))
+        model.fc.bias.zero_()
+    x = torch.rand(2, 5, dtype=F64) + 0.1
+    bounds = lipschitz_bounds(layer_spectra(model, x))
+    jac = _jacobian_norm(model, x[0])
+    assert jac == pytest.approx(9.0, rel=1e-12)
+    assert bounds["plain"] == pytest.approx(9.0, rel=1e-12) and bounds["guaranteed"]
+    assert any("fc (2 calls)" in n for n in bounds["notes"])
+    # a random weight: the bound is ||W||^2 and above every measured ||J(x)||
+    torch.manual_seed(0)
+    model = _Reuse().to(F64)
+    rows = layer_spectra(model, x)
+    assert [r["calls"] for r in rows] == [2]
+    norm = torch.linalg.matrix_norm(model.fc.weight.detach(), ord=2).item()
+    bound = lipschitz_bounds(rows)["plain"]
+    assert bound == pytest.approx(norm**2, rel=1e-12)
+    assert _max_jacobian_norm(model, (5,)) <= bound * (1 + 1e-9)
+
+
+def test_a_layer_that_never_runs_is_not_in_the_lipschitz_bound():
+    """An unused ``aux`` Linear (``||W|| = 0.01``) was multiplied in: a "guaranteed" bound of
+    0.03 for a model whose ``||J||`` is 3. ``nn.MultiheadAttention``'s ``out_proj``, whose weight
+    its parent applies itself (no call of its own), still counts."""
+    torch.manual_seed(0)
+
+    class Unused(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.aux = nn.Linear(5, 5), nn.Linear(5, 5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x)
+
+    model = Unused().to(F64)
+    with torch.no_grad():
+        model.fc.weight.copy_(3 * torch.eye(5, dtype=F64))
+        model.aux.weight.mul_(0.01)
+    rows = {r["layer"]: r for r in layer_spectra(model, torch.randn(2, 5, dtype=F64))}
+    assert rows["aux"]["calls"] == 0 and rows["fc"]["calls"] == 1
+    bounds = lipschitz_bounds(rows.values())
+    assert bounds["plain"] == pytest.approx(_jacobian_norm(model, torch.randn(5, dtype=F64)))
+    assert bounds["plain"] == pytest.approx(3.0, rel=1e-12)
+    assert any("not run in the forward" in n and "aux" in n for n in bounds["notes"])
+
+    class Attend(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.att, self.fc = nn.MultiheadAttention(8, 2, batch_first=True), nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(self.att(x, x, x)[0])
+
+    model = Attend().to(F64)
+    rows = {r["layer"]: r for r in layer_spectra(model, torch.randn(2, 4, 8, dtype=F64))}
+    assert rows["att.out_proj"]["calls"] == 1 and rows["att.out_proj"]["order"] is None
+    expected = math.prod(
+        torch.linalg.matrix_norm(m.weight.detach(), ord=2).item()
+        for m in (model.att.out_proj, model.fc)
+    )
+    assert lipschitz_bounds(rows.values())["plain"] == pytest.approx(expected, rel=1e-12)
+
+
+def test_a_looped_residual_layer_counts_once_per_block():
+    """``z = z + relu(f(z))`` three times with one ``f``: the residual bound is ``(1 + ||W||)^3``
+    (the three traced blocks each hold ``f``; they were taken for overlapping blocks: NaN)."""
+    from initlab.diagnostics.linter import find_residual_blocks, trace_model
+
+    class Loop(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.f = nn.Linear(6, 6)
+
+        def forward(self, z: torch.Tensor) -> torch.Tensor:
+            for _ in range(3):
+                z = z + torch.relu(self.f(z))
+            return z
+
+    torch.manual_seed(1)
+    model = Loop().to(F64)
+    gm, err = trace_model(model)
+    assert gm is not None, err
+    blocks = find_residual_blocks(gm)
+    assert [b["branch"] for b in blocks] == [["f"]] * 3
+    bounds = lipschitz_bounds(layer_spectra(model, torch.randn(2, 6, dtype=F64)), blocks)
+    norm = torch.linalg.matrix_norm(model.f.weight.detach(), ord=2).item()
+    assert bounds["residual"] == pytest.approx((1 + norm) ** 3, rel=1e-12)
+    assert bounds["guaranteed"]
+    assert _max_jacobian_norm(model, (6,)) <= bounds["residual"] * (1 + 1e-9)
+
+
+def test_without_a_forward_the_call_counts_are_unknown_and_the_bound_no_guarantee():
+    """No data: how often each layer runs is not known, so a shared or unused layer would make
+    the product wrong; the bound was still ``guaranteed``."""
+    model = _Reuse().to(F64)
+    rows = layer_spectra(model)
+    assert [r["calls"] for r in rows] == [None]
+    bounds = lipschitz_bounds(rows)
+    assert not bounds["guaranteed"]
+    assert any("not known" in n for n in bounds["notes"])

@@ -5,6 +5,7 @@ Importable from :mod:`initlab.diagnostics.spectra` and :mod:`initlab.diagnostics
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -21,8 +22,13 @@ def lipschitz_bounds(
 ) -> dict[str, Any]:
     """Lipschitz upper bounds from operator norms (see :mod:`initlab.diagnostics.spectra`).
 
+    A layer that runs ``k`` times in one forward (a shared or looped module: row ``calls``)
+    contributes ``||W||^k``; a layer that never runs (``calls == 0``) contributes nothing. Rows
+    without a known call count (``calls`` ``None`` or absent: no forward was watched) count once,
+    and then the bounds are not a guarantee (noted).
+
     Args:
-        spectra: rows of :func:`layer_spectra` (``layer``, ``op_norm``, ``order``).
+        spectra: rows of :func:`layer_spectra` (``layer``, ``op_norm``, ``calls``).
         residual_blocks: dicts with ``name``, ``branch`` (layer names on the residual branch) and
             ``shortcut`` (layer names on the shortcut; empty for an identity shortcut), as found by
             :func:`initlab.diagnostics.linter.find_residual_blocks`.
@@ -30,26 +36,78 @@ def lipschitz_bounds(
 
     Returns:
         ``{"plain": prod ||W_j||, "residual": the residual bound, "layers": n, "guaranteed":
-        no layer was left uncovered, "uncovered": [...], "notes": [...]}``. ``plain`` bounds a
-        chain; with skip connections only ``residual`` is an upper bound.
+        no layer was left uncovered and every call count was known, "uncovered": [...],
+        "notes": [...]}``. ``plain`` bounds a chain; with skip connections only ``residual`` is
+        an upper bound.
     """
-    norms: dict[str, float] = {}
-    for r in spectra:
-        if math.isfinite(r["op_norm"]) and r["layer"] not in norms:
-            norms[r["layer"]] = float(r["op_norm"])
-    notes = []
+    norms, calls, notes, known = _norms_and_calls(spectra)
     if uncovered:
-        shown = ", ".join(uncovered[:6]) + (
-            f" and {len(uncovered) - 6} more" if len(uncovered) > 6 else ""
-        )
-        notes.append(f"not covered (assumed 1-Lipschitz, so not a guarantee): {shown}")
-    plain = math.prod(norms.values()) if norms else math.nan
+        notes.append(f"not covered (assumed 1-Lipschitz, so not a guarantee): {_shown(uncovered)}")
+    plain = math.prod(v ** calls[n] for n, v in norms.items()) if norms else math.nan
     blocks = []
     for b in residual_blocks:
         members = {n for n in [*b.get("branch", ()), *b.get("shortcut", ())] if n in norms}
         blocks.append((b.get("name", "?"), members, b))
     # nesting: a block inside another block's branch is one element of that branch
     blocks.sort(key=lambda t: len(t[1]))
+    residual, sure = _residual_bound(norms, calls, blocks, notes)
+    return {
+        "plain": plain, "residual": residual, "layers": len(norms),
+        "guaranteed": not uncovered and known and sure, "uncovered": list(uncovered),
+        "notes": notes,
+    }  # fmt: skip
+
+
+def _shown(names: Sequence[str], most: int = 6) -> str:
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(names[:most]) + more
+
+
+def _norms_and_calls(
+    spectra: Iterable[Mapping[str, Any]],
+) -> tuple[dict[str, float], dict[str, int], list[str], bool]:
+    """``(norms, calls, notes, known)``: the finite operator norm of each layer that runs (its
+    first row's) and how often it runs per forward (1 where not known), notes on layers that run
+    never or several times, and whether every call count was known."""
+    norms: dict[str, float] = {}
+    calls: dict[str, int] = {}
+    never, unknown = [], []
+    for r in spectra:
+        layer, k = r["layer"], r.get("calls")
+        if not math.isfinite(r["op_norm"]) or layer in norms or layer in never:
+            continue
+        if k is not None and int(k) == 0:
+            never.append(layer)
+            continue
+        norms[layer], calls[layer] = float(r["op_norm"]), 1 if k is None else int(k)
+        if k is None:
+            unknown.append(layer)
+    notes = []
+    if never:
+        notes.append(f"not run in the forward, so not in the bounds: {_shown(never)}")
+    repeated = [f"{n} ({k} calls)" for n, k in calls.items() if k > 1]
+    if repeated:
+        notes.append(f"run several times per forward, the norm counted once per call: "
+                     f"{_shown(repeated)}")  # fmt: skip
+    if unknown:
+        notes.append(
+            "how often each layer runs per forward is not known (no forward was watched): each "
+            "is counted once, which is no bound where a layer runs several times (shared or "
+            "looped) or never; not a guarantee"
+        )
+    return norms, calls, notes, not unknown
+
+
+def _residual_bound(
+    norms: Mapping[str, float],
+    calls: Mapping[str, int],
+    blocks: list[tuple[str, set[str], Any]],
+    notes: list[str],
+) -> tuple[float, bool]:
+    """``(residual bound, sure)`` (see the module docstring of :mod:`initlab.diagnostics.
+    spectra`); each top-level block holding a layer takes one of its calls, the calls left over
+    are outside the blocks. ``sure`` is False where a layer runs more often than the blocks that
+    hold it (where the extra calls fall is unknown)."""
 
     def factor(idx: int) -> float:
         _, members, b = blocks[idx]
@@ -65,25 +123,25 @@ def lipschitz_bounds(
         )
 
     top = _maximal(list(range(len(blocks))), blocks)
-    seen: set[str] = set()
+    uses = Counter(n for j in top for n in blocks[j][1])
     for j in top:
-        overlap = blocks[j][1] & seen
+        overlap = sorted(n for n in blocks[j][1] if uses[n] > calls[n])
         if overlap:
             notes.append(
-                f"residual block {blocks[j][0]} overlaps another block ({sorted(overlap)}): "
+                f"residual block {blocks[j][0]} overlaps another block ({overlap}): "
                 "residual bound not available"
             )
-            return {
-                "plain": plain, "residual": math.nan, "layers": len(norms),
-                "guaranteed": False, "uncovered": list(uncovered), "notes": notes,
-            }  # fmt: skip
-        seen |= blocks[j][1]
-    outside = [v for n, v in norms.items() if n not in seen]
+            return math.nan, False
+    extra = sorted(n for n in uses if calls[n] > uses[n])
+    if extra:
+        notes.append(
+            f"run more often than the residual blocks that hold them: {_shown(extra)}; the "
+            "residual bound counts one call in each block and the rest outside, no bound if a "
+            "block runs the layer more than once (not a guarantee)"
+        )
+    outside = [v ** (calls[n] - uses[n]) for n, v in norms.items()]
     residual = math.prod([*outside, *(factor(j) for j in top)]) if norms else math.nan
-    return {
-        "plain": plain, "residual": residual, "layers": len(norms),
-        "guaranteed": not uncovered, "uncovered": list(uncovered), "notes": notes,
-    }  # fmt: skip
+    return residual, not extra
 
 
 def _maximal(indices: list[int], blocks: list[tuple[str, set[str], Any]]) -> list[int]:

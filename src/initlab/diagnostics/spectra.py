@@ -31,7 +31,9 @@ Lipschitz upper bounds (lecture, seeds digest §3): the plain product ``prod_j |
 Linear and convolution layers in execution order, and the residual bound where each residual block
 ``z + F(z)`` contributes ``||S|| + prod_{j in F} ||W_j||`` (``||S|| = 1`` for an identity or
 parameter-free shortcut, so this is the lecture's ``1 + ||W_j||`` for one-layer branches) and every
-layer outside a block its own ``||W_j||``; nested blocks are resolved recursively. BatchNorm in eval
+layer outside a block its own ``||W_j||``; nested blocks are resolved recursively. A layer that
+runs ``k`` times in one forward (a shared or looped module; :class:`InputShapes` counts the calls)
+contributes ``||W_j||^k``, one that never runs nothing. BatchNorm in eval
 mode is the diagonal map ``x * gamma / sqrt(var + eps)`` and contributes ``max |gamma / sqrt(var +
 eps)|``. Assumptions, stated so the number is read right: every parameter-free operation is
 1-Lipschitz (ReLU, LeakyReLU with slope <= 1, tanh, average pooling, non-overlapping max pooling)
@@ -92,6 +94,7 @@ SPECTRA_COLUMNS: tuple[str, ...] = (
     "param",
     "module_type",
     "order",
+    "calls",
     "shape",
     "input_shape",
     "sv_max",
@@ -102,7 +105,9 @@ SPECTRA_COLUMNS: tuple[str, ...] = (
     "note",
 )
 """Columns of :func:`layer_spectra`: ``layer`` module name, ``param`` parameter name, ``order``
-execution order of the module's first call (``None``: not called), ``shape`` the weight's shape,
+execution order of the module's first call (``None``: not called), ``calls`` how often the module
+ran in one forward (``None``: not known, no forward was watched; see :meth:`InputShapes.calls_of`),
+``shape`` the weight's shape,
 ``input_shape`` the layer's input shape without the batch dim (convolutions), ``sv_max``/``sv_mean``
 of the reshaped matrix (of each group's, of each expert's; see the module docstring),
 ``op_norm`` the operator norm, ``op_method`` how it was found (``"svd"``, ``"lanczos"``,
@@ -446,13 +451,16 @@ def _input_shapes(model: nn.Module, data: Any) -> tuple[InputShapes | None, Data
 
 
 class InputShapes(HookContext):
-    """Record, per module, the shape of its first input (without the batch dim) and call order.
+    """Record, per module, the shape of its first input (without the batch dim), call order and
+    call counts.
 
     A context manager: forward pre-hooks on the chosen modules (default: convolutions, transposed
     convolutions, Linear layers and BatchNorm) record ``shapes[name]`` (first call only) and
     ``order`` (names in the order of first call), and a transposed convolution's
-    ``output_padding[name]`` (a call's ``output_size`` chooses it); hooks are removed on exit
-    (also on errors).
+    ``output_padding[name]`` (a call's ``output_size`` chooses it); a pre-hook on every module
+    counts its calls: ``calls[name]`` is the most calls of the module in one forward of the model
+    (a shared or looped module runs several times per forward; a forward starts at each call of
+    the model itself). Hooks are removed on exit (also on errors).
     """
 
     def __init__(
@@ -470,6 +478,8 @@ class InputShapes(HookContext):
         self.output_padding: dict[str, tuple[int, ...]] = {}
         self.multiple: set[str] = set()
         self.order: list[str] = []
+        self.calls: dict[str, int] = {}
+        self._now: dict[str, int] = {}  # calls in the current forward
 
     def _hook(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple) -> None:
@@ -485,6 +495,15 @@ class InputShapes(HookContext):
 
         return hook
 
+    def _count_hook(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple) -> None:
+            if module is self.model:  # a new forward
+                self._now.clear()
+            self._now[name] = self._now.get(name, 0) + 1
+            self.calls[name] = max(self.calls.get(name, 0), self._now[name])
+
+        return hook
+
     def _output_hook(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             if name in self.output_padding or not isinstance(output, torch.Tensor):
@@ -497,10 +516,33 @@ class InputShapes(HookContext):
 
     def register(self) -> None:
         for name, module in self.model.named_modules():
+            self._hooks.add(module.register_forward_pre_hook(self._count_hook(name)))
             if self.select(name, module):
                 self._hooks.add(module.register_forward_pre_hook(self._hook(name)))
                 if isinstance(module, tuple(_CONVTS)):
                     self._hooks.add(module.register_forward_hook(self._output_hook(name)))
+
+    def calls_of(self, name: str) -> tuple[int | None, str | None]:
+        """``(calls, parent)``: how often module ``name`` ran in one forward (``None``: no call
+        was watched, so not known), and the parent whose calls it was given (else ``None``): a
+        module that never ran itself while its parent ran and none of the parent's children did
+        is applied by the parent's own forward (``nn.MultiheadAttention`` uses its
+        ``out_proj``'s weight directly; an eval-mode ``nn.TransformerEncoderLayer``'s fast path
+        all of its layers'), once per call."""
+        if not self.calls:
+            return None, None
+        n = self.calls.get(name, 0)
+        if n or not name:
+            return n, None
+        parent = name.rpartition(".")[0]
+        names = {id(m): k for k, m in self.model.named_modules()}
+        owner = dict(self.model.named_modules()).get(parent)
+        if owner is None or any(
+            self.calls.get(names.get(id(c), "\0"), 0) for c in owner.children()
+        ):
+            return 0, None
+        runs = self.calls_of(parent)[0]  # the parent may be run by its own parent
+        return (runs, parent) if runs else (0, None)
 
 
 def _output_padding(
@@ -574,57 +616,77 @@ def layer_spectra(
     watched, used = _input_shapes(model, data)
     shapes = watched.shapes if watched is not None else {}
     rank = {name: i for i, name in enumerate(watched.order if watched is not None else ())}
-    registry = default_registry()
     rows: list[dict[str, Any]] = []
     svd_cache: dict[int, tuple[float, float]] = {}
     for name, module in model.named_modules():
+        calls, parent = watched.calls_of(name) if watched is not None else (None, None)
         for pname, w, stacked in _weight_params(module, name):
             bad, sv_max, sv_mean, note = _svd_columns(
                 module, pname, w, stacked, max_svd_elements, svd_cache
             )
+            if parent is not None:
+                note.append(f"not called itself: its parent {parent!r} ran {calls} time(s) and "
+                            "is taken to apply this weight once per call")  # fmt: skip
             in_shape = tuple(shapes[name]) if name in shapes else None
             if isinstance(module, nn.RNNBase) and not pname.startswith("weight_ih_l0"):
                 in_shape = None  # it acts on a hidden state, not on the layer's input
             op_norm, method, matvecs = math.nan, "", 0
-            finite = bad == 0  # else no operator norm (a note says so)
-            if stacked:  # each expert is a linear map: the largest of their norms
-                op_norm, method = (sv_max, "svd") if finite else (math.nan, "")
+            if bad == 0:  # else no operator norm (a note says so)
+                op_norm, method, matvecs = _op_norm_entry(
+                    module, name, pname, w, stacked, sv_max, in_shape, watched, note,
+                    tol, max_matvecs, generator,
+                )  # fmt: skip
+            elif stacked:
                 note.append(f"{w.shape[0]} experts: sv_max and op_norm the largest, sv_mean "
                             "the mean over them")  # fmt: skip
-            elif finite and _is_conv(module):
-                op_norm, method, matvecs = _conv_entry(
-                    module, in_shape, watched, name, note, tol, max_matvecs, generator
-                )
-            elif finite and linear_fans(module, registry) is not None:  # Linear, GPT-2's Conv1D
-                op_norm, method = sv_max, "svd"
-            elif finite:  # an RNN's, an attention's in_proj_weight, an embedding's
-                why = (
-                    " (a recurrent layer applies no single linear map; sv_max is this matrix's)"
-                    if isinstance(module, nn.RNNBase)
-                    else ""
-                )
-                note.append(f"no operator norm for a {type(module).__name__} {pname!r}{why}")
             rows.append(
                 {
-                    "layer": name,
-                    "param": pname,
-                    "module_type": type(module).__name__,
-                    "order": rank.get(name),
-                    "shape": tuple(w.shape),
-                    "input_shape": in_shape,
-                    "sv_max": sv_max,
-                    "sv_mean": sv_mean,
-                    "op_norm": op_norm,
-                    "op_method": method,
-                    "matvecs": matvecs,
+                    "layer": name, "param": pname, "module_type": type(module).__name__,
+                    "order": rank.get(name), "calls": calls, "shape": tuple(w.shape),
+                    "input_shape": in_shape, "sv_max": sv_max, "sv_mean": sv_mean,
+                    "op_norm": op_norm, "op_method": method, "matvecs": matvecs,
                     "note": "; ".join(note),
                 }
-            )
+            )  # fmt: skip
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and not module.training:
             row = _bn_eval_row(name, module, rank, shapes)
             if row is not None:
-                rows.append(row)
+                rows.append({**row, "calls": calls})
     return Rows(rows, SPECTRA_COLUMNS, title="weight spectra", used=used)
+
+
+def _op_norm_entry(
+    module: nn.Module,
+    name: str,
+    pname: str,
+    w: torch.Tensor,
+    stacked: bool,
+    sv_max: float,
+    in_shape: tuple[int, ...] | None,
+    watched: InputShapes | None,
+    note: list[str],
+    tol: float,
+    max_matvecs: int,
+    generator: torch.Generator | None,
+) -> tuple[float, str, int]:
+    """``(op_norm, method, matvecs)`` of one finite weight of :func:`layer_spectra`; notes go to
+    ``note``."""
+    if stacked:  # each expert is a linear map: the largest of their norms
+        note.append(f"{w.shape[0]} experts: sv_max and op_norm the largest, sv_mean "
+                    "the mean over them")  # fmt: skip
+        return sv_max, "svd", 0
+    if _is_conv(module):
+        return _conv_entry(module, in_shape, watched, name, note, tol, max_matvecs, generator)
+    if linear_fans(module, default_registry()) is not None:  # Linear, GPT-2's Conv1D
+        return sv_max, "svd", 0
+    # an RNN's, an attention's in_proj_weight
+    why = (
+        " (a recurrent layer applies no single linear map; sv_max is this matrix's)"
+        if isinstance(module, nn.RNNBase)
+        else ""
+    )
+    note.append(f"no operator norm for a {type(module).__name__} {pname!r}{why}")
+    return math.nan, "", 0
 
 
 def _svd_columns(
