@@ -441,3 +441,66 @@ def test_without_a_forward_the_call_counts_are_unknown_and_the_bound_no_guarante
     bounds = lipschitz_bounds(rows)
     assert not bounds["guaranteed"]
     assert any("not known" in n for n in bounds["notes"])
+
+
+class _ThreeBlocks(nn.Module):
+    """``x + f(x)``, then ``+ g(.)``, then ``+ h(.)`` with ``h`` a PReLU (a layer with parameters
+    but no operator-norm row: it is "not covered", assumed 1-Lipschitz, and is: slope 0.25)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.f, self.g, self.h = nn.Linear(4, 4), nn.Linear(4, 4), nn.PReLU()
+        with torch.no_grad():
+            for lin in (self.f, self.g):
+                lin.weight.copy_(0.5 * torch.eye(4))
+                lin.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.f(x)
+        x = x + self.g(x)
+        return x + self.h(x)
+
+
+def test_a_residual_block_without_a_layer_of_known_norm_is_not_nested_in_every_block():
+    """The block ``x + h(x)`` has no layer of known norm: its empty set of known layers was a
+    strict subset of every other block's, so it was nested inside ``f``'s and ``g``'s and left
+    out at the top: 4.0, below ``||J|| = 1.5 * 1.5 * 2 = 4.5`` at a positive input."""
+    from initlab.diagnostics.linter import find_residual_blocks, trace_model
+
+    model = _ThreeBlocks().to(F64)
+    gm, err = trace_model(model)
+    assert gm is not None, err
+    blocks = find_residual_blocks(gm)
+    assert [b["branch"] for b in blocks] == [["f"], ["g"], ["h"]]
+    rows = layer_spectra(model, torch.rand(2, 4, dtype=F64))
+    bounds = lipschitz_bounds(rows, blocks, uncovered=["h"])
+    jac = _jacobian_norm(model, torch.rand(4, dtype=F64) + 0.1)
+    assert jac == pytest.approx(4.5, rel=1e-12)
+    assert bounds["residual"] == pytest.approx(4.5, rel=1e-12)
+    assert not bounds["guaranteed"]  # h is not covered
+
+
+def test_residual_blocks_with_unknown_names_or_an_empty_branch_are_refused():
+    """A misspelled branch layer was accepted silently (an empty block, nested in every block:
+    the bound doubled per block); the error names it and the nearest real names."""
+    from initlab import diagnose
+
+    model = _ThreeBlocks()
+    data = (torch.randn(6, 4), torch.randn(6, 4))
+    typo = [{"name": "F", "branch": ["f"]}, {"name": "H", "branch": ["h_typo"]}]
+    with pytest.raises(ValueError, match=r"'H'.*'h_typo'.*nearest: 'h'"):
+        diagnose(model, data, nn.MSELoss(), lint=False, residual_blocks=typo)
+    with pytest.raises(ValueError, match="'H' has an empty branch"):
+        diagnose(model, data, nn.MSELoss(), residual_blocks=[{"name": "H", "branch": []}])
+    with pytest.raises(ValueError, match="'H' has an empty branch"):
+        lipschitz_bounds(
+            [{"layer": "f", "op_norm": 0.5, "calls": 1}], [{"name": "H", "branch": []}]
+        )
+    # a name without a spectra row (nor declared uncovered): noted, not a guarantee
+    rows = [{"layer": "f", "op_norm": 0.5, "calls": 1}]
+    bounds = lipschitz_bounds(
+        rows, [{"name": "F", "branch": ["f"]}, {"name": "H", "branch": ["q"]}]
+    )
+    assert not bounds["guaranteed"]
+    assert any("without a spectra row: q " in n for n in bounds["notes"])
+    assert bounds["residual"] == pytest.approx(1.5 * 2, rel=1e-12)

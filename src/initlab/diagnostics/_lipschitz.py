@@ -40,22 +40,47 @@ def lipschitz_bounds(
         "notes": [...]}``. ``plain`` bounds a chain; with skip connections only ``residual`` is
         an upper bound.
     """
+    spectra = list(spectra)
     norms, calls, notes, known = _norms_and_calls(spectra)
     if uncovered:
         notes.append(f"not covered (assumed 1-Lipschitz, so not a guarantee): {_shown(uncovered)}")
     plain = math.prod(v ** calls[n] for n, v in norms.items()) if norms else math.nan
-    blocks = []
-    for b in residual_blocks:
-        members = {n for n in [*b.get("branch", ()), *b.get("shortcut", ())] if n in norms}
-        blocks.append((b.get("name", "?"), members, b))
-    # nesting: a block inside another block's branch is one element of that branch
-    blocks.sort(key=lambda t: len(t[1]))
+    blocks, strangers = _blocks(residual_blocks, norms)
+    strangers = [n for n in strangers if n not in {r["layer"] for r in spectra} | set(uncovered)]
+    if strangers:
+        notes.append(
+            f"residual blocks name layers without a spectra row: {_shown(strangers)} (assumed "
+            "1-Lipschitz, so not a guarantee)"
+        )
     residual, sure = _residual_bound(norms, calls, blocks, notes)
     return {
         "plain": plain, "residual": residual, "layers": len(norms),
-        "guaranteed": not uncovered and known and sure, "uncovered": list(uncovered),
-        "notes": notes,
+        "guaranteed": not uncovered and known and sure and not strangers,
+        "uncovered": list(uncovered), "notes": notes,
     }  # fmt: skip
+
+
+def _blocks(
+    residual_blocks: Sequence[Mapping[str, Any]], norms: Mapping[str, float]
+) -> tuple[list[tuple[str, set[str], Any, frozenset[str]]], list[str]]:
+    """``(blocks, names)``: each block as ``(name, members of known norm, block, every name on
+    it)``, smallest first (a block nested in another one's branch has fewer names), and every
+    layer name the blocks hold. Nesting is decided on every name, not only those of known norm
+    (a block whose layers have no norm, such as an attention branch, is no subset of every
+    block). A block with an empty branch is refused: ``x + F(x)`` needs F's layers."""
+    blocks, names = [], []
+    for b in residual_blocks:
+        branch, shortcut = list(b.get("branch", ())), list(b.get("shortcut", ()))
+        if not branch:
+            raise ValueError(
+                f"lipschitz_bounds: residual block {b.get('name', '?')!r} has an empty branch: "
+                "a residual block x + F(x) needs the layers of F"
+            )
+        every = frozenset([*branch, *shortcut])
+        blocks.append((b.get("name", "?"), {n for n in every if n in norms}, b, every))
+        names += [n for n in every if n not in names]
+    blocks.sort(key=lambda t: len(t[3]))
+    return blocks, names
 
 
 def _shown(names: Sequence[str], most: int = 6) -> str:
@@ -101,7 +126,7 @@ def _norms_and_calls(
 def _residual_bound(
     norms: Mapping[str, float],
     calls: Mapping[str, int],
-    blocks: list[tuple[str, set[str], Any]],
+    blocks: list[tuple[str, set[str], Any, frozenset[str]]],
     notes: list[str],
 ) -> tuple[float, bool]:
     """``(residual bound, sure)`` (see the module docstring of :mod:`initlab.diagnostics.
@@ -110,9 +135,9 @@ def _residual_bound(
     hold it (where the extra calls fall is unknown)."""
 
     def factor(idx: int) -> float:
-        _, members, b = blocks[idx]
+        _, _, b, every = blocks[idx]
         inner = _maximal(
-            [j for j in range(len(blocks)) if j != idx and blocks[j][1] < members], blocks
+            [j for j in range(len(blocks)) if j != idx and blocks[j][3] < every], blocks
         )
         covered = set().union(*(blocks[j][1] for j in inner)) if inner else set()
         branch = [n for n in b.get("branch", ()) if n in norms and n not in covered]
@@ -144,6 +169,8 @@ def _residual_bound(
     return residual, not extra
 
 
-def _maximal(indices: list[int], blocks: list[tuple[str, set[str], Any]]) -> list[int]:
-    """Blocks among ``indices`` not strictly contained in another one among them."""
-    return [i for i in indices if not any(blocks[i][1] < blocks[j][1] for j in indices if j != i)]
+def _maximal(
+    indices: list[int], blocks: list[tuple[str, set[str], Any, frozenset[str]]]
+) -> list[int]:
+    """Blocks among ``indices`` not strictly contained in another one among them (by names)."""
+    return [i for i in indices if not any(blocks[i][3] < blocks[j][3] for j in indices if j != i)]

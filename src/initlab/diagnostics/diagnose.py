@@ -143,6 +143,8 @@ def diagnose(
         lint, curvature, curvature_options, residual_blocks, landscape, name,
     )  # fmt: skip
     _check_landscape(landscape)
+    if residual_blocks is not None:  # unknown names fail before the pass, not after it
+        _user_blocks(model, residual_blocks)
     batches = take_batches(data, max_batches, exact=False, what="diagnose")
     loss = resolve_loss(loss_fn, what="diagnose")
     check_trainable(model, "diagnose")

@@ -33,6 +33,7 @@ has a forward's arguments, the rule of (2) applied to the data flow of one forwa
 
 from __future__ import annotations
 
+import difflib
 import operator
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -332,7 +333,9 @@ def _user_blocks(model: nn.Module, blocks: Sequence[str | Mapping[str, Any]]) ->
     for b in blocks:
         if isinstance(b, str):
             if b not in names:
-                raise ValueError(f"residual_blocks: the model has no module {b!r}")
+                raise ValueError(
+                    f"residual_blocks: the model has no module {b!r}{_nearest(b, names)}"
+                )
             b = names[b]  # a module's second name is the module too
             prefix = f"{b}." if b else ""
             branch = [
@@ -340,12 +343,18 @@ def _user_blocks(model: nn.Module, blocks: Sequence[str | Mapping[str, Any]]) ->
                 for n, m in named[b].named_modules()
                 if next(m.parameters(recurse=False), None) is not None
             ]
+            if not branch:
+                raise ValueError(
+                    f"residual_blocks: module {b!r} holds no layer with parameters, so it is no "
+                    "residual block x + F(x) with layers on F (name the block's module, or give "
+                    "a dict with its 'branch' layers)"
+                )
             out.append(
                 {"name": b, "module": b, "node": "", "input": "", "branch": branch,
                  "shortcut": [], "source": "user"}
             )  # fmt: skip
         else:
-            d = dict(b)
+            d = _checked_block(b, names)
             d.setdefault("module", d.get("name", ""))
             d.setdefault("shortcut", [])
             d.setdefault("node", "")
@@ -353,3 +362,31 @@ def _user_blocks(model: nn.Module, blocks: Sequence[str | Mapping[str, Any]]) ->
             d["source"] = "user"
             out.append(d)
     return out
+
+
+def _nearest(name: str, names: Mapping[str, str]) -> str:
+    """``" (nearest: 'a', 'b', 'c')"``: the model's module names closest to ``name``."""
+    near = difflib.get_close_matches(name, [n for n in names if n], n=3, cutoff=0.0)
+    return f" (nearest: {', '.join(map(repr, near))})" if near else ""
+
+
+def _checked_block(block: Mapping[str, Any], names: Mapping[str, str]) -> dict[str, Any]:
+    """A copy of a user's dict block whose ``branch`` and ``shortcut`` are lists of the model's
+    module names (first names); a ``ValueError`` names an unknown name and the nearest real ones,
+    or an empty branch."""
+    d = dict(block)
+    what = f"residual_blocks: block {d.get('name', '?')!r}"
+    for key in ("branch", "shortcut"):
+        given = d.get(key, [])
+        if isinstance(given, str) or not isinstance(given, Sequence):
+            raise ValueError(f"{what}: {key!r} must be a list of module names, got {given!r}")
+        for n in given:
+            if n not in names:
+                near = _nearest(n, names)
+                raise ValueError(f"{what}: {key} names {n!r}, no module of the model{near}")
+        d[key] = [names[n] for n in given]
+    if not d["branch"]:
+        raise ValueError(
+            f"{what} has an empty branch: a residual block x + F(x) needs the layers of F"
+        )
+    return d
