@@ -504,3 +504,59 @@ def test_residual_blocks_with_unknown_names_or_an_empty_branch_are_refused():
     assert not bounds["guaranteed"]
     assert any("without a spectra row: q " in n for n in bounds["notes"])
     assert bounds["residual"] == pytest.approx(1.5 * 2, rel=1e-12)
+
+
+class _Parallel(nn.Module):
+    """``p(x) + q(x)``: two parallel heads summed, no residual block (with data-dependent control
+    flow when ``untraceable``: torch.fx fails, the runtime trace sees the sum)."""
+
+    def __init__(self, untraceable: bool = False) -> None:
+        super().__init__()
+        self.untraceable = untraceable
+        self.p, self.q = nn.Linear(4, 4), nn.Linear(4, 4)
+        with torch.no_grad():
+            self.p.weight.copy_(0.5 * torch.eye(4))
+            self.q.weight.copy_(0.5 * torch.eye(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.untraceable and bool(x.abs().sum() < 0):
+            x = -x
+        return self.p(x) + self.q(x)
+
+
+@pytest.mark.parametrize("untraceable", [False, True], ids=["fx", "runtime"])
+def test_a_sum_of_parallel_branches_makes_the_bound_no_guarantee(untraceable):
+    """``p(x) + q(x)`` with ``p = q = 0.5 I`` is 1-Lipschitz; the product ``||p|| ||q|| = 0.25``
+    was reported as a guaranteed upper bound. As a declared block (shortcut ``p``, branch ``q``)
+    the residual bound ``||p|| + ||q||`` is one."""
+    from initlab.diagnostics.linter import lint_model
+
+    model = _Parallel(untraceable).to(F64)
+    x = torch.randn(3, 4, dtype=F64)
+    linted = lint_model(model, forward_args=[((x,), {})])
+    assert linted.traced is not untraceable
+    assert [(s["shortcut"], s["branch"]) for s in linted.branch_sums] in (
+        [(["p"], ["q"])], [(["q"], ["p"])]
+    )  # fmt: skip
+    rows = layer_spectra(model, x)
+    jac = _max_jacobian_norm(model, (4,))
+    assert jac == pytest.approx(1.0, rel=1e-12)
+    bounds = lipschitz_bounds(rows, linted.residual_blocks, branch_sums=linted.branch_sums)
+    assert bounds["plain"] == pytest.approx(0.25, rel=1e-12) and not bounds["guaranteed"]
+    assert any("sums of parallel branches" in n for n in bounds["notes"])
+    block = {"name": "pq", "branch": ["q"], "shortcut": ["p"]}
+    declared = lipschitz_bounds(rows, [block], branch_sums=linted.branch_sums)
+    assert declared["guaranteed"] and declared["residual"] == pytest.approx(1.0, rel=1e-12)
+    assert jac <= declared["residual"] * (1 + 1e-9)
+    # not looked for: the assumption is in the notes
+    assert any("every branch is a chain" in n for n in lipschitz_bounds(rows)["notes"])
+
+
+def test_diagnose_does_not_guarantee_a_bound_over_parallel_branches():
+    from initlab import diagnose
+
+    model = _Parallel()
+    report = diagnose(model, (torch.randn(6, 4), torch.randn(6, 4)), nn.MSELoss(), generator=0)
+    lip = report.meta["lipschitz"]
+    assert not lip["guaranteed"] and any("p + q" in n or "q + p" in n for n in lip["notes"])
+    assert "Lipschitz upper bound: not available" in report.summary()

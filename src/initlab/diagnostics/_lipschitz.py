@@ -19,6 +19,7 @@ def lipschitz_bounds(
     residual_blocks: Sequence[Mapping[str, Any]] = (),
     *,
     uncovered: Sequence[str] = (),
+    branch_sums: Sequence[Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Lipschitz upper bounds from operator norms (see :mod:`initlab.diagnostics.spectra`).
 
@@ -33,6 +34,11 @@ def lipschitz_bounds(
             ``shortcut`` (layer names on the shortcut; empty for an identity shortcut), as found by
             :func:`initlab.diagnostics.linter.find_residual_blocks`.
         uncovered: names of parameterized layers the bound does not cover (noted).
+        branch_sums: additions that sum parallel branches (``p(x) + q(x)``, no residual block;
+            :func:`initlab.measure.residual.find_branch_sums`, ``LintResult.branch_sums``): the
+            products assume every branch is a chain, which such a sum is not (``||p|| + ||q||``
+            bounds it, ``||p|| * ||q||`` does not), so each one not declared as a block makes
+            the bounds no guarantee. ``None``: not looked for (the assumption is noted).
 
     Returns:
         ``{"plain": prod ||W_j||, "residual": the residual bound, "layers": n, "guaranteed":
@@ -53,9 +59,10 @@ def lipschitz_bounds(
             "1-Lipschitz, so not a guarantee)"
         )
     residual, sure = _residual_bound(norms, calls, blocks, notes)
+    summed = _branch_sums(branch_sums, blocks, notes)
     return {
         "plain": plain, "residual": residual, "layers": len(norms),
-        "guaranteed": not uncovered and known and sure and not strangers,
+        "guaranteed": not uncovered and known and sure and not strangers and not summed,
         "uncovered": list(uncovered), "notes": notes,
     }  # fmt: skip
 
@@ -86,6 +93,39 @@ def _blocks(
 def _shown(names: Sequence[str], most: int = 6) -> str:
     more = f" and {len(names) - most} more" if len(names) > most else ""
     return ", ".join(names[:most]) + more
+
+
+def _branch_sums(
+    sums: Sequence[Mapping[str, Any]] | None,
+    blocks: list[tuple[str, set[str], Any, frozenset[str]]],
+    notes: list[str],
+) -> bool:
+    """Note the sums of parallel branches (those not declared as a block with the same layers)
+    or, where none were looked for, the assumption; whether there was one."""
+    if sums is None:
+        notes.append(
+            "assumes every branch is a chain: sums of parallel branches (p(x) + q(x), no "
+            "residual block) were not looked for, and a product of norms does not bound them"
+        )
+        return False
+    declared = {b[3] for b in blocks}
+    found = [
+        f"{s.get('name', '?')} ({' + '.join(s.get('shortcut', ()))} + "
+        f"{' + '.join(s.get('branch', ()))})"
+        for s in sums
+        if frozenset([*s.get("branch", ()), *s.get("shortcut", ())]) not in declared
+    ]
+    if found:
+        notes.append(
+            f"sums of parallel branches, not residual blocks: {_shown(found, 3)}; a product of "
+            "norms does not bound p(x) + q(x) (||p|| + ||q|| does): not a guarantee"
+        )
+    else:  # the trace sees sums whose operands meet within SHORTCUT_STEPS calls, not every sum
+        notes.append(
+            "assumes every branch is a chain: the trace found no sum of parallel branches "
+            "(p(x) + q(x)) outside the residual blocks"
+        )
+    return bool(found)
 
 
 def _norms_and_calls(

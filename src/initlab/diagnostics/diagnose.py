@@ -219,7 +219,8 @@ def _diagnose(
             run.tables["spectra"] = spectra_rows
     lint_result, blocks = _lint(model, probe, watch, batches, o.lint, o.residual_blocks, run)
     findings = lint_result.findings if lint_result else Rows([], title="scaling linter")
-    lipschitz = _lipschitz(model, spectra_rows, blocks)
+    sums = lint_result.branch_sums if lint_result else None
+    lipschitz = _lipschitz(model, spectra_rows, blocks, sums)
     if o.curvature:
         say("curvature: Hessian blocks and theory vs actual")
         with run.timed("curvature_s"):
@@ -453,7 +454,10 @@ def _lint(
 
 
 def _lipschitz(
-    model: nn.Module, spectra_rows: Rows | None, blocks: list[dict[str, Any]]
+    model: nn.Module,
+    spectra_rows: Rows | None,
+    blocks: list[dict[str, Any]],
+    sums: list[dict[str, Any]] | None,
 ) -> dict[str, Any]:
     """Lipschitz bounds from the operator norms, naming the parameterized modules without one."""
     if spectra_rows is None:
@@ -464,7 +468,7 @@ def _lipschitz(
         for n, m in model.named_modules()
         if next(m.parameters(recurse=False), None) is not None and n not in covered
     ]
-    return lipschitz_bounds(spectra_rows, blocks, uncovered=uncovered)
+    return lipschitz_bounds(spectra_rows, blocks, uncovered=uncovered, branch_sums=sums)
 
 
 def _check_landscape(landscape: Any) -> None:

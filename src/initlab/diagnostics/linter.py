@@ -157,8 +157,9 @@ from initlab.measure.residual import (
     _known_residual_blocks,
     _user_blocks,
     find_residual_blocks,
+    split_additions,
 )
-from initlab.measure.runtime_trace import find_runtime_blocks
+from initlab.measure.runtime_trace import additions_of, runtime_trace
 
 __all__ = [
     "ACTIVATION_COLUMNS",
@@ -235,6 +236,9 @@ class LintResult:
         residual_blocks: the residual blocks (dicts, see :func:`find_residual_blocks`).
         traced: whether ``torch.fx`` traced the model.
         trace_error: why it did not.
+        branch_sums: additions that sum parallel branches (``p(x) + q(x)``, no residual block:
+            :func:`~initlab.measure.residual.find_branch_sums`), found by the fx or the runtime
+            trace; ``None`` where neither ran.
     """
 
     findings: Rows
@@ -242,6 +246,7 @@ class LintResult:
     residual_blocks: list[dict[str, Any]] = field(default_factory=list)
     traced: bool = False
     trace_error: str = ""
+    branch_sums: list[dict[str, Any]] | None = None
 
 
 @takes_compiled
@@ -280,7 +285,7 @@ def lint_model(
     named = dict(model.named_modules())
     act_stats: dict[str, _ActStats] = dict(activations.stats) if activations else {}
     runtime = forward_args if trace and gm is None and forward_args else None
-    blocks, runtime_note = _residual_blocks(model, gm, residual_blocks, runtime)
+    blocks, runtime_note, sums = _residual_blocks(model, gm, residual_blocks, runtime)
 
     # -- structural rules: from the graph where it traced, else from module types
     if gm is not None:
@@ -321,6 +326,7 @@ def lint_model(
         residual_blocks=blocks,
         traced=gm is not None,
         trace_error=error,
+        branch_sums=sums,
     )
 
 
@@ -484,29 +490,30 @@ def _residual_blocks(
     gm: Any,
     residual_blocks: Sequence[str | Mapping[str, Any]] | None,
     runtime: Sequence[tuple[tuple, dict]] | None = None,
-) -> tuple[list[dict[str, Any]], str]:
-    """``(blocks, note)``: the user's blocks if given, else those found in the graph (or, with
-    ``runtime`` forward arguments and no graph, by a runtime trace of the first forward) plus the
-    transformer layers'; ``note`` says what the runtime trace did ("" when it did not run)."""
+) -> tuple[list[dict[str, Any]], str, list[dict[str, Any]] | None]:
+    """``(blocks, note, sums)``: the user's blocks if given, else those found in the graph (or,
+    with ``runtime`` forward arguments and no graph, by a runtime trace of the first forward)
+    plus the transformer layers'; ``note`` says what the runtime trace did ("" when it did not
+    run); ``sums`` the sums of parallel branches found alike (:func:`find_branch_sums`;
+    ``None``: nothing was traced)."""
+    found, sums = split_additions(gm) if gm is not None else ([], None)
     if residual_blocks is not None:
-        return _user_blocks(model, residual_blocks), ""
-    blocks: list[dict[str, Any]] = []
+        return _user_blocks(model, residual_blocks), "", sums
+    blocks: list[dict[str, Any]] = found
     note = ""
-    if gm is not None:
-        blocks = find_residual_blocks(gm)
-    elif runtime:
+    if gm is None and runtime:
         args, kwargs = runtime[0]
         try:
-            blocks = find_runtime_blocks(model, args, kwargs)
+            blocks, sums = additions_of(runtime_trace(model, args, kwargs))
             note = (f"residual additions were found by a runtime trace of one forward "
                     f"({len(blocks)} residual block{'s' * (len(blocks) != 1)})")  # fmt: skip
         except Exception as err:  # the runtime trace is best effort, like the fx trace
             msg = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
             note = (f"the runtime trace of residual additions failed ({msg}); pass "
                     "residual_blocks= to declare residual blocks")  # fmt: skip
-    found = {b for blk in blocks for b in blk["branch"]}
-    blocks += [b for b in _known_residual_blocks(model) if not set(b["branch"]) & found]
-    return blocks, note
+    in_blocks = {b for blk in blocks for b in blk["branch"]}
+    blocks += [b for b in _known_residual_blocks(model) if not set(b["branch"]) & in_blocks]
+    return blocks, note, sums
 
 
 def _skip_findings(blocks: list[dict[str, Any]]) -> list[dict[str, Any]]:

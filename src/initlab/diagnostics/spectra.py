@@ -37,8 +37,10 @@ contributes ``||W_j||^k``, one that never runs nothing. BatchNorm in eval
 mode is the diagonal map ``x * gamma / sqrt(var + eps)`` and contributes ``max |gamma / sqrt(var +
 eps)|``. Assumptions, stated so the number is read right: every parameter-free operation is
 1-Lipschitz (ReLU, LeakyReLU with slope <= 1, tanh, average pooling, non-overlapping max pooling)
-and every branch is a chain. Layers the bound cannot cover (BatchNorm in train mode, LayerNorm,
-attention, embeddings) are listed in ``notes`` and then the bound is not a guarantee.
+and every branch is a chain (a sum of parallel branches ``p(x) + q(x)`` that is no residual block,
+as the linter's trace finds them, ``LintResult.branch_sums``, makes the bound no guarantee; where
+none were looked for, the notes say so). Layers the bound cannot cover (BatchNorm in train mode,
+LayerNorm, attention, embeddings) are listed in ``notes`` and then the bound is not a guarantee.
 
 Example:
     >>> import torch

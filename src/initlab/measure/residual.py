@@ -2,7 +2,9 @@ r"""Where initlab finds residual blocks: one module for the scaling linter, the 
 
 * :func:`known_blocks`: modules whose type is a residual block (:data:`KNOWN_BLOCKS`: initlab's
   and torchvision's ResNet blocks), LSUV's default blocks (``strategy="branches"``/``"stream"``);
-* :func:`find_residual_blocks`: skip connections in a traced graph, for the linter;
+* :func:`find_residual_blocks`: skip connections in a traced graph, for the linter, and
+  :func:`find_branch_sums`: the sums of parallel branches (``p(x) + q(x)``) it rejects, which the
+  Lipschitz bounds cannot take for a chain (:func:`split_additions`: both in one walk);
 * :func:`_known_residual_blocks` and :func:`_user_blocks`: transformer layers by type, and the
   blocks a user declares.
 
@@ -50,10 +52,12 @@ __all__ = [
     "SCORE_FNS",
     "SHORTCUT_STEPS",
     "feeds_scores",
+    "find_branch_sums",
     "find_residual_blocks",
     "is_projection",
     "is_skip_connection",
     "known_blocks",
+    "split_additions",
     "trace_model",
 ]
 
@@ -172,11 +176,27 @@ def find_residual_blocks(gm: Any) -> list[dict[str, Any]]:
         dicts ``{"name", "module", "node", "input", "branch", "shortcut", "source": "fx"}`` with
         ``branch``/``shortcut`` the qualified names of the parameterized modules on each path.
     """
+    return split_additions(gm)[0]
+
+
+def find_branch_sums(gm: Any) -> list[dict[str, Any]]:
+    """Additions of a traced ``GraphModule`` that sum parallel branches (``p(x) + q(x)``, each
+    with a layer, the rule of :func:`is_skip_connection`): no residual block, but no chain either,
+    so a product of operator norms does not bound them (:func:`initlab.diagnostics.spectra.
+    lipschitz_bounds`). Dicts as :func:`find_residual_blocks`', ``branch`` and ``shortcut`` the
+    layers of the two operands."""
+    return split_additions(gm)[1]
+
+
+def split_additions(gm: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``(residual blocks, sums of parallel branches)`` of a traced ``GraphModule``: the
+    additions :func:`find_residual_blocks` and :func:`find_branch_sums` return, in one walk."""
     import torch.fx
 
     nodes = list(gm.graph.nodes)
     is_ancestor = _ancestry(nodes)
     found: list[dict[str, Any]] = []
+    sums: list[dict[str, Any]] = []
     for node in nodes:
         if not _is_add(node):
             continue
@@ -197,11 +217,12 @@ def find_residual_blocks(gm: Any) -> list[dict[str, Any]]:
             and is_ancestor(x, n)
             and n.target not in shortcut
         ]
-        if not is_skip_connection(
+        skip = is_skip_connection(
             members, shortcut, lambda name: is_projection(gm.get_submodule(name))
-        ):
+        )
+        if not skip and not (members and shortcut):
             continue
-        found.append(
+        (found if skip else sums).append(
             {
                 "module": _node_module_path(node),
                 "node": node.name,
@@ -212,7 +233,8 @@ def find_residual_blocks(gm: Any) -> list[dict[str, Any]]:
             }
         )
     _name_blocks(found)
-    return found
+    _name_blocks(sums)
+    return found, sums
 
 
 def _ancestry(nodes: list[Any]) -> Callable[[Any, Any], bool]:

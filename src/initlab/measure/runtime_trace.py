@@ -65,6 +65,7 @@ from initlab.measure.residual import (
 __all__ = [
     "RuntimeGraph",
     "RuntimeNode",
+    "additions_of",
     "attention_layers",
     "blocks_of",
     "find_runtime_blocks",
@@ -249,10 +250,19 @@ def find_runtime_blocks(
 
 def blocks_of(graph: RuntimeGraph) -> list[dict[str, Any]]:
     """The residual blocks of a recorded :class:`RuntimeGraph`."""
+    return additions_of(graph)[0]
+
+
+def additions_of(graph: RuntimeGraph) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``(residual blocks, sums of parallel branches)`` of a recorded :class:`RuntimeGraph`: the
+    sums are the additions of two branches with a layer each (``p(x) + q(x)``) that
+    :func:`~initlab.measure.residual.is_skip_connection` rejects, as
+    :func:`~initlab.measure.residual.find_branch_sums` finds them in a traced graph."""
     nodes = graph.nodes
     is_ancestor = _ancestry(nodes)
     consumers = _consumers(nodes)
     found: list[dict[str, Any]] = []
+    sums: list[dict[str, Any]] = []
     for node in nodes:
         if node.operands is None or None in node.operands:
             continue
@@ -274,9 +284,10 @@ def blocks_of(graph: RuntimeGraph) -> list[dict[str, Any]]:
             and (n is branch or is_ancestor(n, branch))
             and is_ancestor(x, n)
         ]
-        if not is_skip_connection(members, shortcut, graph.projections.__contains__):
+        skip = is_skip_connection(members, shortcut, graph.projections.__contains__)
+        if not skip and not (members and shortcut):
             continue
-        found.append(
+        (found if skip else sums).append(
             {
                 "module": node.module,
                 "node": node.name,
@@ -287,7 +298,8 @@ def blocks_of(graph: RuntimeGraph) -> list[dict[str, Any]]:
             }
         )
     _name_blocks(found)
-    return found
+    _name_blocks(sums)
+    return found, sums
 
 
 def _consumers(nodes: list[RuntimeNode]) -> list[list[int]]:
