@@ -321,8 +321,8 @@ def top_singular_value(
         value_tol: also converged when ``theta`` changed by at most ``value_tol * theta`` over a
             cycle (useful when the top eigenvalues are clustered: the value converges long
             before the vector).
-        krylov: Krylov basis size per cycle.
-        max_matvecs: at most this many applications of ``A^T A``.
+        krylov: Krylov basis size per cycle (at least 1; 1 is the plain power iteration).
+        max_matvecs: at most this many applications of ``A^T A`` (at least 1).
         generator: seeds the random start vector.
         dtype: dtype of the iteration.
         device: device of the iteration.
@@ -333,6 +333,9 @@ def top_singular_value(
         "vector"}`` (``value_change``: relative change of ``theta`` over the last cycle;
         ``vector``: the top right singular vector found, flat).
     """
+    for what, value in (("krylov", krylov), ("max_matvecs", max_matvecs)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"top_singular_value: {what} must be an integer >= 1, got {value!r}")
     n = math.prod(shape)
     if start is not None:
         v = start.reshape(-1).to(device=device, dtype=dtype)
@@ -369,6 +372,9 @@ def top_singular_value(
         u = y @ vm
         residual = float(torch.linalg.vector_norm(y @ wm - theta * u))
         v = u / torch.linalg.vector_norm(u)
+        if len(images) == 1 and float(torch.linalg.vector_norm(images[0])) > 0:
+            # one vector: the Ritz vector is the start vector; step on to A^T A v (power iteration)
+            v = images[0] / torch.linalg.vector_norm(images[0])
         converged = (
             invariant
             or theta <= 0.0
