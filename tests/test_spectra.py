@@ -585,3 +585,53 @@ def test_top_singular_value_refuses_an_empty_basis_or_no_products(bad):
     a = torch.eye(3, dtype=F64)
     with pytest.raises(ValueError, match=f"{next(iter(bad))} must be an integer >= 1"):
         top_singular_value(lambda x: a @ x, lambda y: a.T @ y, (3,), **bad)
+
+
+def test_conv_operator_norm_checks_the_input_shape_and_output_padding():
+    """A wrong channel count gave torch's raw error from inside ``F.conv2d``, a size of 2.5 was
+    truncated to 2, a wrong-length ``output_padding`` a ``zip()`` error."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(2, 4, 3).double()
+    with pytest.raises(ValueError, match=r"\(3, 8, 8\) has 3 channels, Conv2d expects in_chan"):
+        conv_operator_norm(conv, (3, 8, 8))
+    for bad in [(2.5, 8, 8), (2, 8.0, 8), (2, [8], 8)]:
+        with pytest.raises(ValueError, match="integer sizes"):
+            conv_operator_norm(conv, bad)
+    with pytest.raises(ValueError, match="sizes >= 1"):
+        conv_operator_norm(conv, (2, 0, 8))
+    shape = (1, *np.array([2, 7, 8]))  # a batch dim of 1 and NumPy integers are fine
+    expected = torch.linalg.svdvals(dense_conv_matrix(conv, (2, 7, 8)))[0].item()
+    assert conv_operator_norm(conv, shape)[0] == pytest.approx(expected, rel=1e-6)
+
+    up = nn.ConvTranspose2d(2, 3, 3, stride=2).double()
+    with pytest.raises(ValueError, match=r"must be 2 integer\(s\), one per spatial dim"):
+        conv_operator_norm(up, (2, 4, 4), output_padding=(1,))
+    with pytest.raises(ValueError, match=r"smaller than its stride \(2, 2\)"):
+        conv_operator_norm(up, (2, 4, 4), output_padding=(2, 2))
+    with pytest.raises(ValueError, match="3 channels, ConvTranspose2d expects in_channels=2"):
+        conv_operator_norm(up, (3, 4, 4))
+    twin = nn.ConvTranspose2d(2, 3, 3, stride=2, output_padding=1).double()
+    twin.load_state_dict(up.state_dict())
+    expected = torch.linalg.svdvals(dense_conv_matrix(twin, (2, 4, 4)))[0].item()
+    sigma, _ = conv_operator_norm(up, (2, 4, 4), output_padding=(1, 1))
+    assert sigma == pytest.approx(expected, rel=1e-6)
+
+
+def test_layer_spectra_checks_a_shapes_mapping_and_refuses_a_batch_of_lists():
+    """A shape with the wrong channels gave torch's raw error; an unknown layer name was ignored
+    (NaN, "no recorded input shape"); a tokenizer's dict of Python lists was taken for input
+    shapes (NaN, or ``int()`` of a list)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 4, 3)).double()
+    with pytest.raises(ValueError, match=r"layer '0'.*has 3 channels, Conv2d expects in_chan"):
+        layer_spectra(model, {"0": (3, 8, 8)})
+    with pytest.raises(ValueError, match=r"given for 'conv', no layer of the model \(nearest: '0'"):
+        layer_spectra(model, {"conv": (2, 8, 8)})
+    with pytest.raises(ValueError, match="integer sizes"):
+        layer_spectra(model, {"0": (2.5, 8, 8)})
+    for batch in ({"input_ids": [1, 2, 3, 4, 5]}, {"input_ids": [[1, 2, 3, 4, 5]]}):
+        with pytest.raises(TypeError, match=r'must hold tensors.*return_tensors="pt"'):
+            layer_spectra(model, batch)
+    expected = torch.linalg.svdvals(dense_conv_matrix(model[0], (2, 8, 8)))[0].item()
+    (row,) = layer_spectra(model, {"0": [2, 8, 8]})
+    assert row["op_norm"] == pytest.approx(expected, rel=1e-6)

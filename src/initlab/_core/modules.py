@@ -8,11 +8,12 @@ name it either way: :func:`first_names` maps any name to the first one.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterable
 
 from torch import nn
 
-__all__ = ["first_names", "with_first_names"]
+__all__ = ["first_names", "nearest_names", "with_first_names"]
 
 
 def first_names(model: nn.Module) -> dict[str, str]:
@@ -26,3 +27,10 @@ def with_first_names(model: nn.Module, wanted: Iterable[str]) -> list[str]:
     """``wanted`` with every second name replaced by the first (unknown names kept as given)."""
     names = first_names(model)
     return [names.get(n, n) for n in wanted]
+
+
+def nearest_names(name: str, names: Iterable[str], n: int = 3) -> str:
+    """``" (nearest: 'a', 'b', 'c')"``: the names in ``names`` closest to an unknown ``name``
+    (for an error message; ``""`` where there are none)."""
+    near = difflib.get_close_matches(name, [k for k in names if k], n=n, cutoff=0.0)
+    return f" (nearest: {', '.join(map(repr, near))})" if near else ""

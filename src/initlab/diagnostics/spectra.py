@@ -55,6 +55,7 @@ Example:
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -66,6 +67,7 @@ from initlab._core.autocast import without_autocast
 from initlab._core.compiled import takes_compiled
 from initlab._core.data import DataUse, data_use, default_forward, take_batches
 from initlab._core.hooks import HookContext
+from initlab._core.modules import first_names, nearest_names
 from initlab._core.parametrized import (
     computed,
     layer_tensor,
@@ -178,14 +180,7 @@ def conv_operator(
         back, with ``<A x, y> == <x, AT y>``.
     """
     nd = _conv_dims(module)
-    shape = tuple(int(s) for s in input_shape)
-    if len(shape) == nd + 2 and shape[0] == 1:
-        shape = shape[1:]
-    if len(shape) != nd + 1:
-        raise ValueError(
-            f"input_shape must be (C, *spatial) with {nd} spatial dims for "
-            f"{type(module).__name__}, got {tuple(input_shape)}"
-        )
+    shape = _conv_shape(module, input_shape)
     if isinstance(module, tuple(_CONVTS)):
         return _transposed_operator(module, shape, dtype, output_padding)
     conv, convt = _CONV_FNS[nd], _CONVT_FNS[nd]
@@ -214,6 +209,38 @@ def conv_operator(
         return pre_t(convt(y, w, None, stride, pad, output_padding, groups, dilation))
 
     return forward, adjoint, (w.shape[0], *out_spatial)
+
+
+def _sizes(sizes: Any, what: str) -> tuple[int, ...]:
+    """``sizes`` as a tuple of integers >= 1; a ``ValueError`` names ``what`` for anything else
+    (``2.5`` was truncated to 2)."""
+    try:
+        shape = tuple(operator.index(s) for s in sizes)
+    except TypeError:
+        raise ValueError(f"{what} must be a sequence of integer sizes, got {sizes!r}") from None
+    if any(s < 1 for s in shape):
+        raise ValueError(f"{what} must hold sizes >= 1, got {shape}")
+    return shape
+
+
+def _conv_shape(module: nn.Module, input_shape: Sequence[int]) -> tuple[int, ...]:
+    """``(C, *spatial)`` of a convolution's input (a leading batch dim of 1 dropped), checked:
+    integer sizes, ``nd + 1`` of them, ``C == in_channels``."""
+    nd = _conv_dims(module)
+    kind = type(module).__name__
+    shape = _sizes(input_shape, f"input_shape of {kind}")
+    if len(shape) == nd + 2 and shape[0] == 1:
+        shape = shape[1:]
+    if len(shape) != nd + 1:
+        raise ValueError(
+            f"input_shape must be (C, *spatial) with {nd} spatial dims for {kind}, got {shape}"
+        )
+    if shape[0] != module.in_channels:
+        raise ValueError(
+            f"input_shape {shape} has {shape[0]} channels, {kind} expects "
+            f"in_channels={module.in_channels}"
+        )
+    return shape
 
 
 def _conv_padding(
@@ -275,6 +302,7 @@ def _transposed_operator(
     w = _weight(module).to(dtype)
     stride, pad, dilation = tuple(module.stride), tuple(module.padding), tuple(module.dilation)
     extra = tuple(module.output_padding if output_padding is None else output_padding)
+    _check_output_padding(module, extra, nd, stride, dilation)
     kernel, groups = tuple(w.shape[2:]), module.groups
     out_spatial = tuple(
         (s - 1) * st - 2 * p + d * (k - 1) + e + 1
@@ -291,6 +319,23 @@ def _transposed_operator(
         return conv(y, w, None, stride, pad, dilation, groups)
 
     return forward, adjoint, (w.shape[1] * groups, *out_spatial)
+
+
+def _check_output_padding(
+    module: nn.Module, extra: tuple, nd: int, stride: tuple, dilation: tuple
+) -> None:
+    """A ``ValueError`` unless ``extra`` is ``nd`` integers, each in ``[0, max(stride,
+    dilation))`` (what ``F.conv_transpose{1,2,3}d`` takes)."""
+    kind = type(module).__name__
+    if len(extra) != nd or not all(isinstance(e, int) and not isinstance(e, bool) for e in extra):
+        raise ValueError(
+            f"output_padding of a {kind} must be {nd} integer(s), one per spatial dim, got {extra}"
+        )
+    if any(not 0 <= e < max(st, d) for e, st, d in zip(extra, stride, dilation, strict=True)):
+        raise ValueError(
+            f"output_padding {extra} of a {kind} must be >= 0 and smaller than its stride "
+            f"{stride} or its dilation {dilation} in each dim"
+        )
 
 
 def top_singular_value(
@@ -412,9 +457,7 @@ def conv_operator_norm(
     docstring. ``input_shape`` is ``(C, *spatial)`` of one example. Returns ``(sigma, info)`` as
     :func:`top_singular_value` (``matvecs`` counts both stages).
     """
-    shape = tuple(int(s) for s in input_shape)
-    if len(shape) == _weight(module).dim() and shape[0] == 1:
-        shape = shape[1:]
+    shape = _conv_shape(module, input_shape)
     device = _weight(module).device
     n = math.prod(shape)
     krylov = int(max(8, min(48, (1 << 26) // max(n, 1))))  # at most ~256 MiB of float32 basis
@@ -449,13 +492,33 @@ def _input_shapes(model: nn.Module, data: Any) -> tuple[InputShapes | None, Data
         isinstance(v, (tuple, list, torch.Size)) for v in data.values()
     ):
         given = InputShapes(model)
-        given.shapes = {k: tuple(int(s) for s in v) for k, v in data.items()}
+        given.shapes = _given_shapes(model, data)
         return given, None
     batches = take_batches(data, 1, exact=False, what="layer_spectra")
     weighted = InputShapes(model, lambda n, m: bool(_weight_params(m, n)))  # every row's module
     with preserved_state(model), torch.no_grad(), weighted as watched:
         default_forward(model, batches[0])
     return watched, data_use(batches)
+
+
+def _given_shapes(model: nn.Module, data: Mapping[Any, Any]) -> dict[str, tuple[int, ...]]:
+    """``{name: (C, *spatial)}`` given to :func:`layer_spectra`, checked: every key a layer of
+    the model (a second name stands for the first), every value integer sizes. A dict of Python
+    lists whose keys name no layer is a batch that was not turned into tensors."""
+    names = first_names(model)
+    unknown = [k for k in data if k not in names]
+    if len(unknown) == len(data) and any(isinstance(v, list) for v in data.values()):
+        raise TypeError(
+            "layer_spectra: data is a dict of Python lists whose keys name no layer "
+            f"({', '.join(map(repr, list(data)[:3]))}): a batch must hold tensors (a "
+            'tokenizer\'s return_tensors="pt"); input shapes are {layer name: (C, *spatial)}'
+        )
+    if unknown:
+        raise ValueError(
+            f"layer_spectra: input shapes given for {unknown[0]!r}, no layer of the model"
+            f"{nearest_names(str(unknown[0]), names)}"
+        )
+    return {names[k]: _sizes(v, f"layer_spectra: input shape of {k!r}") for k, v in data.items()}
 
 
 class InputShapes(HookContext):
@@ -609,9 +672,11 @@ def layer_spectra(
     Args:
         model: the model (not modified).
         data: where the convolutions' input shapes come from: an :class:`InputShapes` that
-            watched a forward, ``{name: (C, *spatial)}``, or data (one batch or many, the first
-            is run once, the model left as it was); convolutions without a recorded shape get
-            ``op_norm = NaN`` and a note. ``None``: no shapes.
+            watched a forward, ``{name: (C, *spatial)}`` (names of the model's layers, integer
+            sizes, a convolution's ``C`` its ``in_channels``; else a ``ValueError``), or data
+            (one batch or many, the first is run once, the model left as it was; a dict of
+            Python lists is refused: a batch holds tensors); convolutions without a recorded
+            shape get ``op_norm = NaN`` and a note. ``None``: no shapes.
         tol: residual tolerance of the power iteration.
         max_matvecs: cap on ``A^T A`` products per convolution.
         max_svd_elements: weights with more elements skip the exact SVD (``sv_* = NaN``, a note).
@@ -807,10 +872,13 @@ def _conv_entry(
         note.append("no recorded input shape: operator norm not computed")
         return math.nan, "", 0
     extra = watched.output_padding.get(name) if watched is not None else None
-    op_norm, info = conv_operator_norm(
-        module, in_shape, tol=tol, max_matvecs=max_matvecs, generator=generator,
-        output_padding=extra,
-    )  # fmt: skip
+    try:
+        op_norm, info = conv_operator_norm(
+            module, in_shape, tol=tol, max_matvecs=max_matvecs, generator=generator,
+            output_padding=extra,
+        )  # fmt: skip
+    except ValueError as err:  # a given shape that does not fit the layer: name the layer
+        raise ValueError(f"layer_spectra: layer {name!r}: {err}") from err
     if not info["converged"] and info["value_change"] > 1e-6:
         note.append(
             f"power iteration not converged (last relative change {info['value_change']:.1e})"

@@ -35,7 +35,6 @@ has a forward's arguments, the rule of (2) applied to the data flow of one forwa
 
 from __future__ import annotations
 
-import difflib
 import operator
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -44,7 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from initlab._core.modules import first_names
+from initlab._core.modules import first_names, nearest_names
 from initlab.measure._fx import _fns, _node_module_path, trace_model
 
 __all__ = [
@@ -356,7 +355,7 @@ def _user_blocks(model: nn.Module, blocks: Sequence[str | Mapping[str, Any]]) ->
         if isinstance(b, str):
             if b not in names:
                 raise ValueError(
-                    f"residual_blocks: the model has no module {b!r}{_nearest(b, names)}"
+                    f"residual_blocks: the model has no module {b!r}{nearest_names(b, names)}"
                 )
             b = names[b]  # a module's second name is the module too
             prefix = f"{b}." if b else ""
@@ -386,12 +385,6 @@ def _user_blocks(model: nn.Module, blocks: Sequence[str | Mapping[str, Any]]) ->
     return out
 
 
-def _nearest(name: str, names: Mapping[str, str]) -> str:
-    """``" (nearest: 'a', 'b', 'c')"``: the model's module names closest to ``name``."""
-    near = difflib.get_close_matches(name, [n for n in names if n], n=3, cutoff=0.0)
-    return f" (nearest: {', '.join(map(repr, near))})" if near else ""
-
-
 def _checked_block(block: Mapping[str, Any], names: Mapping[str, str]) -> dict[str, Any]:
     """A copy of a user's dict block whose ``branch`` and ``shortcut`` are lists of the model's
     module names (first names); a ``ValueError`` names an unknown name and the nearest real ones,
@@ -404,7 +397,7 @@ def _checked_block(block: Mapping[str, Any], names: Mapping[str, str]) -> dict[s
             raise ValueError(f"{what}: {key!r} must be a list of module names, got {given!r}")
         for n in given:
             if n not in names:
-                near = _nearest(n, names)
+                near = nearest_names(n, names)
                 raise ValueError(f"{what}: {key} names {n!r}, no module of the model{near}")
         d[key] = [names[n] for n in given]
     if not d["branch"]:
