@@ -1,0 +1,379 @@
+"""Convolutions as linear maps and their operator norms, for :mod:`initlab.diagnostics.spectra`
+(see its module docstring): :func:`conv_operator` (a convolution's map at an input shape and its
+exact adjoint), :func:`top_singular_value` (restarted Lanczos on ``A^T A``) and
+:func:`conv_operator_norm`. Importable from :mod:`initlab.diagnostics.spectra`."""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from initlab._core.parametrized import layer_tensor
+
+__all__ = ["conv_operator", "conv_operator_norm", "top_singular_value"]
+
+_CONVS: dict[type[nn.Module], int] = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}
+_CONVTS: dict[type[nn.Module], int] = {
+    nn.ConvTranspose1d: 1, nn.ConvTranspose2d: 2, nn.ConvTranspose3d: 3,
+}  # fmt: skip
+_CONV_FNS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_CONVT_FNS = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+_F64 = torch.float64
+
+
+def _conv_dims(module: nn.Module) -> int:
+    for cls, nd in (*_CONVS.items(), *_CONVTS.items()):
+        if isinstance(module, cls):
+            return nd
+    raise TypeError(
+        f"expected nn.Conv1d/2d/3d or nn.ConvTranspose1d/2d/3d, got {type(module).__name__}"
+    )
+
+
+def conv_operator(
+    module: nn.Module,
+    input_shape: Sequence[int],
+    *,
+    dtype: torch.dtype = _F64,
+    output_padding: Sequence[int] | None = None,
+) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor], tuple]:
+    """The linear map of a convolution (bias excluded) at ``input_shape`` and its adjoint.
+
+    Args:
+        module: an ``nn.Conv1d/2d/3d`` (any stride, padding, padding mode, dilation, groups) or
+            an ``nn.ConvTranspose1d/2d/3d``.
+        input_shape: ``(C, *spatial)`` of one example (a leading batch dim of 1 is accepted).
+        dtype: dtype of the computation (the weight is cast to it).
+        output_padding: a transposed convolution's, where a call's ``output_size`` chose it
+            (``None``: the module's own).
+
+    Returns:
+        ``(A, AT, out_shape)``: ``A`` maps ``(1, C, *spatial)`` to ``(1, *out_shape)`` and ``AT``
+        back, with ``<A x, y> == <x, AT y>``.
+    """
+    nd = _conv_dims(module)
+    shape = _conv_shape(module, input_shape)
+    if isinstance(module, tuple(_CONVTS)):
+        return _transposed_operator(module, shape, dtype, output_padding)
+    conv, convt = _CONV_FNS[nd], _CONVT_FNS[nd]
+    w = _weight(module).to(dtype)
+    stride, dilation, groups = tuple(module.stride), tuple(module.dilation), module.groups
+    kernel = tuple(w.shape[2:])
+    device = w.device
+    pad, spatial, pre, pre_t = _conv_padding(module, shape, nd, dtype, device)
+    out_spatial = tuple(
+        (s + 2 * p - d * (k - 1) - 1) // st + 1
+        for s, p, d, k, st in zip(spatial, pad, dilation, kernel, stride, strict=True)
+    )
+    if any(o < 1 for o in out_spatial):
+        raise ValueError(f"input {shape} is too small for {module}")
+    output_padding = tuple(
+        s - ((o - 1) * st - 2 * p + d * (k - 1) + 1)
+        for s, o, st, p, d, k in zip(
+            spatial, out_spatial, stride, pad, dilation, kernel, strict=True
+        )
+    )
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return conv(pre(x), w, None, stride, pad, dilation, groups)
+
+    def adjoint(y: torch.Tensor) -> torch.Tensor:
+        return pre_t(convt(y, w, None, stride, pad, output_padding, groups, dilation))
+
+    return forward, adjoint, (w.shape[0], *out_spatial)
+
+
+def _sizes(sizes: Any, what: str) -> tuple[int, ...]:
+    """``sizes`` as a tuple of integers >= 1; a ``ValueError`` names ``what`` for anything else
+    (``2.5`` was truncated to 2)."""
+    try:
+        shape = tuple(operator.index(s) for s in sizes)
+    except TypeError:
+        raise ValueError(f"{what} must be a sequence of integer sizes, got {sizes!r}") from None
+    if any(s < 1 for s in shape):
+        raise ValueError(f"{what} must hold sizes >= 1, got {shape}")
+    return shape
+
+
+def _conv_shape(module: nn.Module, input_shape: Sequence[int]) -> tuple[int, ...]:
+    """``(C, *spatial)`` of a convolution's input (a leading batch dim of 1 dropped), checked:
+    integer sizes, ``nd + 1`` of them, ``C == in_channels``."""
+    nd = _conv_dims(module)
+    kind = type(module).__name__
+    shape = _sizes(input_shape, f"input_shape of {kind}")
+    if len(shape) == nd + 2 and shape[0] == 1:
+        shape = shape[1:]
+    if len(shape) != nd + 1:
+        raise ValueError(
+            f"input_shape must be (C, *spatial) with {nd} spatial dims for {kind}, got {shape}"
+        )
+    if shape[0] != module.in_channels:
+        raise ValueError(
+            f"input_shape {shape} has {shape[0]} channels, {kind} expects "
+            f"in_channels={module.in_channels}"
+        )
+    return shape
+
+
+def _conv_padding(
+    module: nn.Module,
+    shape: tuple[int, ...],
+    nd: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[
+    tuple[int, ...],
+    tuple[int, ...],
+    Callable[[torch.Tensor], torch.Tensor],
+    Callable[[torch.Tensor], torch.Tensor],
+]:
+    """``(pad, spatial, pre, pre_t)`` of a convolution at ``shape``: its zero padding passed to
+    ``conv`` as ``pad``, or any other padding applied first by ``pre`` (``F.pad``, of adjoint
+    ``pre_t``); ``spatial`` is the spatial shape ``conv`` then sees."""
+    if module.padding_mode == "zeros" and not isinstance(module.padding, str):
+        pad = tuple(module.padding)
+        spatial = shape[1:]
+
+        def pre(x: torch.Tensor) -> torch.Tensor:
+            return x
+
+        def pre_t(z: torch.Tensor) -> torch.Tensor:
+            return z
+
+    else:
+        pad = (0,) * nd
+        rp = tuple(module._reversed_padding_repeated_twice)
+        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        spatial = tuple(
+            s + rp[2 * (nd - 1 - i)] + rp[2 * (nd - 1 - i) + 1] for i, s in enumerate(shape[1:])
+        )
+
+        def pre(x: torch.Tensor) -> torch.Tensor:
+            return F.pad(x, rp, mode=mode)
+
+        def pre_t(z: torch.Tensor) -> torch.Tensor:
+            # F.pad is linear, so its vector-Jacobian product is its adjoint.
+            x0 = torch.zeros((1, *shape), dtype=dtype, device=device, requires_grad=True)
+            with torch.enable_grad():
+                (g,) = torch.autograd.grad(F.pad(x0, rp, mode=mode), x0, z)
+            return g
+
+    return pad, spatial, pre, pre_t
+
+
+def _transposed_operator(
+    module: nn.Module,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    output_padding: Sequence[int] | None,
+) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor], tuple]:
+    """:func:`conv_operator` of a transposed convolution: ``A`` is ``F.conv_transpose{1,2,3}d``
+    and its adjoint the convolution with the same weight (``output_padding < stride``, so the
+    convolution of ``A x`` has ``x``'s size)."""
+    nd = _conv_dims(module)
+    w = _weight(module).to(dtype)
+    stride, pad, dilation = tuple(module.stride), tuple(module.padding), tuple(module.dilation)
+    extra = tuple(module.output_padding if output_padding is None else output_padding)
+    _check_output_padding(module, extra, nd, stride, dilation)
+    kernel, groups = tuple(w.shape[2:]), module.groups
+    out_spatial = tuple(
+        (s - 1) * st - 2 * p + d * (k - 1) + e + 1
+        for s, st, p, d, k, e in zip(shape[1:], stride, pad, dilation, kernel, extra, strict=True)
+    )
+    if any(o < 1 for o in out_spatial):
+        raise ValueError(f"input {shape} is too small for {module}")
+    conv, convt = _CONV_FNS[nd], _CONVT_FNS[nd]
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return convt(x, w, None, stride, pad, extra, groups, dilation)
+
+    def adjoint(y: torch.Tensor) -> torch.Tensor:
+        return conv(y, w, None, stride, pad, dilation, groups)
+
+    return forward, adjoint, (w.shape[1] * groups, *out_spatial)
+
+
+def _check_output_padding(
+    module: nn.Module, extra: tuple, nd: int, stride: tuple, dilation: tuple
+) -> None:
+    """A ``ValueError`` unless ``extra`` is ``nd`` integers, each in ``[0, max(stride,
+    dilation))`` (what ``F.conv_transpose{1,2,3}d`` takes)."""
+    kind = type(module).__name__
+    if len(extra) != nd or not all(isinstance(e, int) and not isinstance(e, bool) for e in extra):
+        raise ValueError(
+            f"output_padding of a {kind} must be {nd} integer(s), one per spatial dim, got {extra}"
+        )
+    if any(not 0 <= e < max(st, d) for e, st, d in zip(extra, stride, dilation, strict=True)):
+        raise ValueError(
+            f"output_padding {extra} of a {kind} must be >= 0 and smaller than its stride "
+            f"{stride} or its dilation {dilation} in each dim"
+        )
+
+
+def top_singular_value(
+    forward: Callable[[torch.Tensor], torch.Tensor],
+    adjoint: Callable[[torch.Tensor], torch.Tensor],
+    shape: Sequence[int],
+    *,
+    tol: float = 1e-10,
+    value_tol: float | None = None,
+    krylov: int = 48,
+    max_matvecs: int = 600,
+    generator: torch.Generator | None = None,
+    dtype: torch.dtype = _F64,
+    device: torch.device | str | None = None,
+    start: torch.Tensor | None = None,
+) -> tuple[float, dict[str, Any]]:
+    """Largest singular value of a linear map given as ``forward``/``adjoint`` closures.
+
+    Power iteration on ``A^T A`` accelerated by a restarted Lanczos process: up to ``krylov``
+    vectors per cycle with full reorthogonalization, Rayleigh-Ritz on the Krylov basis, restart
+    from the top Ritz vector (the Ritz value never decreases between cycles).
+
+    Args:
+        forward: ``x -> A x`` for ``x`` of ``shape``.
+        adjoint: ``y -> A^T y``.
+        shape: shape of the input ``x``.
+        tol: converged when the Ritz residual ``||A^T A u - theta u|| <= tol * theta``.
+        value_tol: also converged when ``theta`` changed by at most ``value_tol * theta`` over a
+            cycle (useful when the top eigenvalues are clustered: the value converges long
+            before the vector).
+        krylov: Krylov basis size per cycle (at least 1; 1 is the plain power iteration).
+        max_matvecs: at most this many applications of ``A^T A`` (at least 1).
+        generator: seeds the random start vector.
+        dtype: dtype of the iteration.
+        device: device of the iteration.
+        start: start vector (default: random normal from ``generator``).
+
+    Returns:
+        ``(sigma, info)`` with ``info = {"matvecs", "residual", "converged", "value_change",
+        "vector"}`` (``value_change``: relative change of ``theta`` over the last cycle;
+        ``vector``: the top right singular vector found, flat).
+    """
+    for what, value in (("krylov", krylov), ("max_matvecs", max_matvecs)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"top_singular_value: {what} must be an integer >= 1, got {value!r}")
+    n = math.prod(shape)
+    if start is not None:
+        v = start.reshape(-1).to(device=device, dtype=dtype)
+    else:
+        v = torch.randn(n, generator=generator, dtype=dtype).to(device)
+    v = v / torch.linalg.vector_norm(v)
+    steps = max(1, min(krylov, n))
+    tiny = 100 * torch.finfo(dtype).eps
+    used, theta, residual, converged, change = 0, 0.0, math.inf, False, math.inf
+    while used < max_matvecs and not converged:
+        basis: list[torch.Tensor] = [v]
+        images: list[torch.Tensor] = []
+        invariant = False
+        for j in range(steps):
+            w = adjoint(forward(basis[j].reshape(shape))).reshape(-1)
+            used += 1
+            images.append(w)
+            if j == steps - 1 or used >= max_matvecs:
+                break
+            r = w
+            stacked = torch.stack(basis)
+            for _ in range(2):  # twice is enough (Kahan-Parlett)
+                r = r - (stacked @ r) @ stacked
+            beta = torch.linalg.vector_norm(r)
+            if beta <= tiny * torch.linalg.vector_norm(w):
+                invariant = True  # the Krylov space is invariant: the Ritz values are exact
+                break
+            basis.append(r / beta)
+        vm, wm = torch.stack(basis[: len(images)]), torch.stack(images)
+        t = vm @ wm.T
+        evals, evecs = torch.linalg.eigh((t + t.T) / 2)
+        previous, theta = theta, float(evals[-1])
+        y = evecs[:, -1]
+        u = y @ vm
+        residual = float(torch.linalg.vector_norm(y @ wm - theta * u))
+        v = u / torch.linalg.vector_norm(u)
+        if len(images) == 1 and float(torch.linalg.vector_norm(images[0])) > 0:
+            # one vector: the Ritz vector is the start vector; step on to A^T A v (power iteration)
+            v = images[0] / torch.linalg.vector_norm(images[0])
+        converged = (
+            invariant
+            or theta <= 0.0
+            or residual <= tol * theta
+            or (value_tol is not None and abs(theta - previous) <= value_tol * theta)
+        )
+        change = abs(theta - previous) / theta if theta > 0 else 0.0
+    info = {
+        "matvecs": used,
+        "residual": residual,
+        "converged": converged,
+        "value_change": change,
+        "vector": v,
+    }
+    return math.sqrt(max(theta, 0.0)), info
+
+
+def conv_operator_norm(
+    module: nn.Module,
+    input_shape: Sequence[int],
+    *,
+    tol: float = 1e-10,
+    max_matvecs: int = 600,
+    polish: int = 32,
+    generator: torch.Generator | None = None,
+    output_padding: Sequence[int] | None = None,
+) -> tuple[float, dict[str, Any]]:
+    """Operator norm ``||A||_2`` of a convolution's (or a transposed convolution's, with
+    ``output_padding`` as :func:`conv_operator`'s) linear map at ``input_shape``.
+
+    Two stages, because float64 convolutions are slow on CPU: the Krylov iteration runs in float32
+    until the Ritz value is stable to 1e-6, then continues in float64 from the float32 top vector
+    until the Ritz residual is ``tol`` or the value is stable to 1e-11 over a cycle (at most
+    ``polish`` products; the float32 vector is already close). See the module
+    docstring. ``input_shape`` is ``(C, *spatial)`` of one example. Returns ``(sigma, info)`` as
+    :func:`top_singular_value` (``matvecs`` counts both stages).
+    """
+    shape = _conv_shape(module, input_shape)
+    device = _weight(module).device
+    n = math.prod(shape)
+    krylov = int(max(8, min(48, (1 << 26) // max(n, 1))))  # at most ~256 MiB of float32 basis
+    fwd32, adj32, _ = conv_operator(
+        module, shape, dtype=torch.float32, output_padding=output_padding
+    )
+    _, first = top_singular_value(
+        fwd32, adj32, (1, *shape), tol=1e-4, value_tol=1e-6, krylov=krylov,
+        max_matvecs=max_matvecs, generator=generator, dtype=torch.float32, device=device,
+    )  # fmt: skip
+    fwd, adj, _ = conv_operator(module, shape, output_padding=output_padding)
+    sigma, info = top_singular_value(
+        fwd, adj, (1, *shape), tol=tol, value_tol=1e-11, krylov=min(krylov, 16),
+        max_matvecs=polish, device=device,
+        start=first["vector"],
+    )  # fmt: skip
+    info["matvecs"] += first["matvecs"]
+    return sigma, info
+
+
+def _output_padding(
+    module: nn.Module, in_shape: Sequence[int], out_shape: Sequence[int]
+) -> tuple[int, ...]:
+    """The ``output_padding`` a transposed convolution's call used: the output's size beyond
+    ``(s - 1) * stride - 2 * padding + dilation * (k - 1) + 1``."""
+    nd = _conv_dims(module)
+    k = _weight(module).shape[2:]
+    return tuple(
+        int(o) - ((int(s) - 1) * st - 2 * p + d * (kk - 1) + 1)
+        for o, s, st, p, d, kk in zip(
+            out_shape[-nd:], in_shape[-nd:], module.stride, module.padding, module.dilation, k,
+            strict=True,
+        )
+    )  # fmt: skip
+
+
+def _weight(module: nn.Module) -> torch.Tensor:
+    """``module.weight``, detached; a computed one without side effects."""
+    weight = layer_tensor(module, "weight")
+    assert weight is not None
+    return weight.detach()
