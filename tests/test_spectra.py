@@ -283,12 +283,19 @@ def test_layer_spectra_of_a_transposed_conv_uses_its_call_s_output_size():
 def test_a_grouped_conv_s_singular_values_are_its_groups_matrices(conv):
     """A grouped convolution's patch matrix is block-diagonal, one block per group: its singular
     values are the groups' together (``sv_max`` was the stacked ``(out, -1)`` matrix's, 2.79
-    for a depthwise conv whose groups' largest is 1.41 after an orthogonal init)."""
+    for a depthwise conv whose groups' largest is 1.41 after an orthogonal init). A transposed
+    convolution's blocks have one row per output channel (they were its ``(in, out * k)``
+    blocks)."""
     torch.manual_seed(0)
     model = nn.Sequential(conv)
     rows = layer_spectra(model)
     w = conv.weight.detach().double().numpy()
-    blocks = w.reshape(conv.groups, w.shape[0] // conv.groups, -1)
+    g, per = conv.groups, w.shape[0] // conv.groups
+    if isinstance(conv, nn.ConvTranspose2d):  # (in, out / g, *k): one row per output channel
+        blocks = [np.stack([w[i * per : (i + 1) * per, o].ravel() for o in range(w.shape[1])])
+                  for i in range(g)]  # fmt: skip
+    else:
+        blocks = w.reshape(g, per, -1)
     each = [np.linalg.svd(b, compute_uv=False) for b in blocks]
     row = next(r for r in rows if r["param"] == "weight")
     assert row["sv_max"] == pytest.approx(max(s[0] for s in each), rel=1e-12)
@@ -635,3 +642,27 @@ def test_layer_spectra_checks_a_shapes_mapping_and_refuses_a_batch_of_lists():
     expected = torch.linalg.svdvals(dense_conv_matrix(model[0], (2, 8, 8)))[0].item()
     (row,) = layer_spectra(model, {"0": [2, 8, 8]})
     assert row["op_norm"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_strided_transposed_conv_s_operator_norm_init_and_spectra_read_one_matrix():
+    """``ConvTranspose1d(128, 32, 4, stride=2)``: operator-norm init draws ``std = 1 / ((sqrt(cols)
+    + sqrt(n_out)) L)`` with ``cols = fan_in * stride = 512``, so the ``out x (in * k)`` matrix
+    of ``W.transpose(0, 1)`` has norm ~ 1 / L = 2. The formula shown said ``fan_in`` (256: std
+    0.092, not the 0.0707 drawn), and ``layer_spectra``'s ``sv_max`` was the ``(in, out * k)``
+    matrix's (1.59)."""
+    from initlab import init_model, list_schemes
+
+    model = nn.Sequential(nn.ConvTranspose1d(128, 32, 4, stride=2), nn.ReLU())
+    (row,) = [r for r in init_model(model, "operator_norm", generator=0) if r["param"] == "weight"]
+    cols, n_out = 128 * 4, 32
+    assert row["fan_in"] == 256 and row["target_std"] == pytest.approx(
+        1 / ((math.sqrt(cols) + math.sqrt(n_out)) * 0.5), rel=1e-12
+    )
+    assert "cols = fan_in·stride = 512" in row["note"]
+    (formula,) = [s["formula"] for s in list_schemes() if s["name"] == "operator_norm"]
+    assert "sqrt(cols)" in formula and "fan_in·stride" in formula
+    w = model[0].weight.detach().double()
+    expected = torch.linalg.matrix_norm(w.transpose(0, 1).reshape(32, -1), ord=2).item()
+    assert abs(expected - 2) < 0.2  # the init's target, 1 / L
+    (spectra,) = layer_spectra(model)
+    assert spectra["sv_max"] == pytest.approx(expected, rel=1e-12)

@@ -4,9 +4,12 @@ For every weight (a parameter with the role ``"weight"`` in :mod:`initlab.init.r
 matrix of a Linear layer, the kernel of a convolution, an attention projection):
 
 * ``sv_max`` and ``sv_mean``: the largest and the mean *non-zero* singular value of the weight
-  reshaped to a matrix ``W.reshape(W.shape[0], -1)`` (a convolution's: the matrix that maps one
-  patch to one output position; a transposed convolution's, ``(in, out * k)``: its adjoint
-  convolution's), by an exact SVD in float64. A grouped convolution's patch matrix is
+  reshaped to a matrix ``W.reshape(W.shape[0], -1)`` (a convolution's: the ``out x (in * k)``
+  matrix that maps one patch to one output position; a transposed convolution's, whose weight is
+  ``(in, out, *k)``: ``W.transpose(0, 1)`` reshaped, ``out x (in * k)`` too, the patch matrix of
+  the equivalent convolution and the matrix operator-norm init draws, ``fans.n_out x fans.cols``,
+  not the ``(in, out * k)`` matrix of its adjoint), by an exact SVD in float64. A grouped
+  convolution's patch matrix is
   block-diagonal, one block per group, so its singular values are those of the groups' matrices
   together: ``sv_max`` the largest over the groups, ``sv_mean`` the mean of the groups' means
   (as a bank of experts'). The lecture's ratio ``a = sv_mean / sv_max`` (seeds digest §3) is
@@ -120,7 +123,8 @@ execution order of the module's first call (``None``: not called), ``calls`` how
 ran in one forward (``None``: not known, no forward was watched; see :meth:`InputShapes.calls_of`),
 ``shape`` the weight's shape,
 ``input_shape`` the layer's input shape without the batch dim (convolutions), ``sv_max``/``sv_mean``
-of the reshaped matrix (of each group's, of each expert's; see the module docstring),
+of the reshaped ``out x (in * k)`` matrix (a transposed convolution's from ``W.transpose(0, 1)``;
+of each group's, of each expert's; see the module docstring),
 ``op_norm`` the operator norm, ``op_method`` how it was found (``"svd"``, ``"lanczos"``,
 ``"bn_eval"``), ``matvecs`` applications of ``A^T A``, ``note`` caveats."""
 
@@ -334,7 +338,7 @@ def layer_spectra(
     shapes = watched.shapes if watched is not None else {}
     rank = {name: i for i, name in enumerate(watched.order if watched is not None else ())}
     rows: list[dict[str, Any]] = []
-    svd_cache: dict[int, tuple[float, float]] = {}
+    svd_cache: dict[tuple, tuple[float, float]] = {}
     for name, module in model.named_modules():
         calls, parent = watched.calls_of(name) if watched is not None else (None, None)
         for pname, w, stacked in _weight_params(module, name):
@@ -412,14 +416,15 @@ def _svd_columns(
     w: torch.Tensor,
     stacked: bool,
     max_svd_elements: int,
-    svd_cache: dict[int, tuple[float, float]],
+    svd_cache: dict[tuple, tuple[float, float]],
 ) -> tuple[int, float, float, list[str]]:
     """``(bad, sv_max, sv_mean, note)`` of one weight of :func:`layer_spectra`: its count of
     non-finite values, its exact SVD's columns (:func:`_svd_entry`) and their notes."""
     bad = int((~w.detach().isfinite()).sum())  # NaN/inf: no SVD, no operator norm
     groups = int(getattr(module, "groups", 1)) if _is_conv(module) else 1
+    transposed = isinstance(module, tuple(_CONVTS))
     sv_max, sv_mean, note = _svd_entry(
-        w, bad, max_svd_elements, svd_cache, stacked=stacked, groups=groups
+        w, bad, max_svd_elements, svd_cache, stacked=stacked, groups=groups, transposed=transposed
     )
     if pname in parametrized_names(module):
         note.insert(0, parametrized_note(module, pname))
@@ -474,29 +479,44 @@ def _svd_entry(
     w: torch.Tensor,
     bad: int,
     max_elements: int,
-    cache: dict[int, tuple[float, float]],
+    cache: dict[tuple, tuple[float, float]],
     *,
     stacked: bool = False,
     groups: int = 1,
+    transposed: bool = False,
 ) -> tuple[float, float, list[str]]:
     """``(sv_max, sv_mean, notes)`` of one weight with ``bad`` non-finite values, computed once
-    per tensor (ties share it); of several matrices (``stacked``: a bank of experts' along dim
-    0; a convolution's ``groups`` > 1: the groups' blocks of dim 0), the largest singular value
-    and the mean of theirs."""
+    per tensor and layout (ties share it); of several matrices (``stacked``: a bank of experts'
+    along dim 0; a convolution's ``groups`` > 1: the groups' blocks), the largest singular value
+    and the mean of theirs. A transposed convolution's (``transposed``) matrices are each group's
+    ``(out / g) x ((in / g) * k)`` block of ``W.transpose(0, 1)`` (:func:`_kernel_matrices`)."""
     if w.numel() > max_elements:
         return math.nan, math.nan, [f"{w.numel()} elements > max_svd_elements: no exact SVD"]
     if bad:
         return math.nan, math.nan, [f"{bad} non-finite value(s) (NaN or inf) in the weight"]
-    if id(w) not in cache:
-        if stacked or groups > 1:
-            matrices = w if stacked else w.reshape(groups, w.shape[0] // groups, -1)
+    key = (id(w), stacked, groups, transposed)
+    if key not in cache:
+        if stacked or groups > 1 or transposed:
+            matrices = w if stacked else _kernel_matrices(w, groups, transposed)
             each = [singular_values(m) for m in matrices]
             means = [mean_nonzero_singular_value(s, tuple(matrices.shape[1:])) for s in each]
-            cache[id(w)] = (max(float(s[0]) for s in each), sum(means) / len(means))
+            cache[key] = (max(float(s[0]) for s in each), sum(means) / len(means))
         else:
             s = singular_values(w)
-            cache[id(w)] = (float(s[0]), mean_nonzero_singular_value(s, tuple(w.shape)))
-    return (*cache[id(w)], [])
+            cache[key] = (float(s[0]), mean_nonzero_singular_value(s, tuple(w.shape)))
+    return (*cache[key], [])
+
+
+def _kernel_matrices(w: torch.Tensor, groups: int, transposed: bool) -> torch.Tensor:
+    """A convolution kernel's matrices, one per group, ``(groups, rows, cols)``: a convolution's
+    ``(out, in / g, *k)`` kernel gives ``(out / g) x ((in / g) * k)`` blocks (the patch matrix);
+    a transposed convolution's ``(in, out / g, *k)`` kernel the same shape, from ``W.transpose(0,
+    1)`` (the patch matrix of the equivalent convolution, the matrix the operator-norm init
+    draws: ``fans.n_out x fans.cols``)."""
+    if not transposed:
+        return w.reshape(groups, w.shape[0] // groups, -1)
+    blocks = w.reshape(groups, w.shape[0] // groups, w.shape[1], -1)  # (g, in/g, out/g, k)
+    return blocks.transpose(1, 2).reshape(groups, w.shape[1], -1)
 
 
 @without_autocast

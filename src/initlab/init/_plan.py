@@ -663,8 +663,23 @@ def _report_row(plan: _Plan, measure: bool) -> dict[str, Any]:
         "achieved_std": achieved,
         "rule": "; ".join(r.describe() for r in plan.rules) or None,
         "tied_to": None,
-        "note": "; ".join(plan.notes) or None,
+        "note": "; ".join([*plan.notes, *_cols_note(plan.scheme_name, fans)]) or None,
     }
+
+
+#: Schemes whose std reads the reshaped kernel's columns, ``fans.cols``, not ``fans.fan_in``.
+_COLS_SCHEMES = ("operator_norm", "orthogonal", "dirac")
+
+
+def _cols_note(scheme: str, fans: Any) -> list[str]:
+    """Where ``fans.cols`` differs from the ``fan_in`` column (a strided transposed
+    convolution), what a scheme that reads ``cols`` used instead."""
+    if fans is None or scheme not in _COLS_SCHEMES or fans.cols == fans.fan_in:
+        return []
+    return [
+        f"{scheme} uses cols = fan_in·stride = {fans.cols} (the n_out x (n_in·k) kernel matrix "
+        f"of a transposed convolution of stride {fans.stride}), not fan_in"
+    ]
 
 
 def assign_roles(

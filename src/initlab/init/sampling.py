@@ -631,8 +631,11 @@ def operator_norm_normal_(
     transposed: bool = False,
     generator: torch.Generator | int | None = None,
 ) -> Tensor:
-    """Operator-norm normal: ``std = 1 / ((sqrt(fan_in) + sqrt(n_out)) * L * a)`` (lecture).
+    """Operator-norm normal: ``std = 1 / ((sqrt(cols) + sqrt(n_out)) * L * a)`` (lecture).
 
+    ``cols = n_in * k`` and ``n_out``: the reshaped ``n_out x (n_in * k)`` kernel (``cols`` is
+    ``fan_in``, but ``fan_in * prod(stride)`` for a strided transposed convolution, whose
+    ``fan_in`` is ``n_in * k / prod(stride)``: :attr:`initlab.Fans.cols`).
     Gives ``||W||_2 ~ 1 / L`` (2 for ReLU's average Lipschitz constant 0.5). ``lipschitz``
     defaults to :func:`initlab.average_lipschitz` of the nonlinearity; there is no ``gain``.
 

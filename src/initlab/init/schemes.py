@@ -229,8 +229,11 @@ def operator_norm_variance(
     ``Var = 4 / (sqrt(n_in) + sqrt(n_out))**2`` and ``||W|| ~ 2``). ``a`` in ``[0.4, 1]`` is the
     ratio of the average non-zero singular value to the largest one (see
     :func:`estimate_singular_ratio`); with ``a < 1`` the *average* singular value is ``~ 1 / L``.
-    For a convolution, ``n_in = fans.fan_in`` (kernel included) and ``n_out = fans.n_out``: the
-    dimensions of the reshaped ``n_out x (n_in * k)`` kernel.
+    For a convolution, ``n_in = fans.cols`` (``n_in * k``, kernel included) and
+    ``n_out = fans.n_out``: the dimensions of the reshaped ``n_out x (n_in * k)`` kernel.
+    ``fans.cols`` is ``fans.fan_in`` except for a strided transposed convolution, whose
+    ``fan_in`` is ``n_in * k / prod(stride)`` (:mod:`initlab.init.fans`): there pass
+    ``fans.cols = fan_in * prod(stride)``, as :class:`OperatorNorm` does.
 
     Example:
         >>> operator_norm_variance(100, 100)
@@ -432,7 +435,8 @@ class OperatorNorm(Scheme):
 
     name: ClassVar[str] = "operator_norm"
     formula: ClassVar[str] = (
-        "Var = 1/((sqrt(fan_in) + sqrt(n_out))²·L²·a²), L = average Lipschitz (ReLU 0.5)"
+        "Var = 1/((sqrt(cols) + sqrt(n_out))²·L²·a²), cols = n_in·k (fan_in·stride for a strided "
+        "transposed conv), L = average Lipschitz (ReLU 0.5)"
     )
     reference: ClassVar[str] = _LECTURE
 
@@ -498,7 +502,7 @@ class Dirac(_GainScheme):
 
     name: ClassVar[str] = "dirac"
     formula: ClassVar[str] = (
-        "W = gain·δ (identity kernel; RMS entry gain/sqrt(max(fan_in, fan_out)))"
+        "W = gain·δ (identity kernel; RMS entry gain/sqrt(max(cols, fan_out)), cols = n_in·k)"
     )
     reference: ClassVar[str] = _DIRAC
 
