@@ -666,3 +666,42 @@ def test_a_strided_transposed_conv_s_operator_norm_init_and_spectra_read_one_mat
     assert abs(expected - 2) < 0.2  # the init's target, 1 / L
     (spectra,) = layer_spectra(model)
     assert spectra["sv_max"] == pytest.approx(expected, rel=1e-12)
+
+
+def test_tied_weights_get_a_row_per_linear_module_and_embeddings_none():
+    """The docstring said a weight shared by several modules "(tied embeddings) gets one row per
+    module", but an embedding table gets no row: a table tied to a Linear head has only the
+    head's row. The docstring now says so."""
+    torch.manual_seed(0)
+
+    class LM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.head = nn.Embedding(20, 8), nn.Linear(8, 20, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.emb(x))
+
+    class TwoLinear(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+            self.b.weight = self.a.weight
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x))
+
+    lm = LM().double()
+    rows = layer_spectra(lm, torch.randint(0, 20, (2, 3)))
+    assert [(r["layer"], r["param"]) for r in rows] == [("head", "weight")]
+    norm = torch.linalg.matrix_norm(lm.emb.weight.detach(), ord=2).item()
+    assert rows[0]["sv_max"] == pytest.approx(norm, rel=1e-12)
+    two = TwoLinear().double()
+    rows = layer_spectra(two, torch.randn(2, 8, dtype=F64))
+    assert [(r["layer"], r["param"]) for r in rows] == [("a", "weight"), ("b", "weight")]
+    norm = torch.linalg.matrix_norm(two.a.weight.detach(), ord=2).item()
+    assert [r["op_norm"] for r in rows] == pytest.approx([norm, norm], rel=1e-12)
+    doc = " ".join(layer_spectra.__doc__.split())
+    assert "(tied embeddings) gets one row per module" not in doc
+    assert "An embedding table" in doc and "gets no row" in doc

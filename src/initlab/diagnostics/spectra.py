@@ -331,7 +331,11 @@ def layer_spectra(
         generator: seed (int) or generator for the power iteration's start vectors (``None``:
             the global generator).
 
-    A weight shared by several modules (tied embeddings) gets one row per module.
+    Rows are the role-``"weight"`` parameters of :mod:`initlab.init.registry` (see the module
+    docstring) and eval-mode BatchNorms. A weight shared by several such modules (two tied
+    Linear layers) gets one row per module. An embedding table (role ``"embedding"``: a lookup,
+    not a linear map of the input) gets no row, so a table tied to a Linear output head appears
+    once, as the head's row.
     """
     generator = as_generator(generator)
     watched, used = _input_shapes(model, data)
