@@ -302,7 +302,10 @@ def test_gpt2_end_to_end_with_its_own_loss_and_tie_kept() -> None:
     hook = every.reports["output_scale"]
     assert hook.info["layer"] == "lm_head"  # type: ignore[attr-defined]  # the loss sees it
     target = math.sqrt(0.2 * math.log(64)) / 2  # half the logit_std reference: not 0.05
-    assert every.value("logit_std", "after") == pytest.approx(target, rel=0.01)
+    # GPT-2 is in train mode with dropout 0.1: the scale is fitted on one draw of the masks and
+    # checked on another (measured: 0.2% off with transformers 5.24, 1.3% with 4.48; exact
+    # without dropout)
+    assert every.value("logit_std", "after") == pytest.approx(target, rel=0.03)
     # the excess cross-entropy is std^2 / 2 (to second order), up to the sampling error of the
     # labels' mean logit over the N predicted tokens (std / sqrt(N) each)
     n = sum(int((b["labels"][:, 1:] != -100).sum()) for b in data)

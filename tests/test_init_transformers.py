@@ -983,10 +983,20 @@ def test_a_vit_without_an_embedding_table_gets_its_transformer_gains() -> None:
     torch.manual_seed(0)
     model = transformers.ViTForImageClassification(config)
     rows = _rows(initlab.init_model(model, "geometric", generator=0, policy="skip"))
-    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        assert rows[f"vit.layers.0.attention.{name}.weight"]["gain"] == 1.0, name
-    assert rows["vit.layers.0.mlp.fc2.weight"]["gain"] == 1.0
-    mid = rows["vit.layers.0.mlp.fc1.weight"]
+    # transformers 5 names (vit.layers.0.attention.q_proj, mlp.fc1) or 4's (vit.encoder.layer.0.
+    # attention.attention.query, intermediate.dense)
+    five = "vit.layers.0.attention.q_proj.weight" in rows
+    layer = "vit.layers.0." if five else "vit.encoder.layer.0."
+    projections = (
+        [f"attention.{n}" for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        if five
+        else [f"attention.attention.{n}" for n in ("query", "key", "value")]
+        + ["attention.output.dense"]
+    )
+    for name in projections:
+        assert rows[f"{layer}{name}.weight"]["gain"] == 1.0, name
+    assert rows[f"{layer}{'mlp.fc2' if five else 'output.dense'}.weight"]["gain"] == 1.0
+    mid = rows[f"{layer}{'mlp.fc1' if five else 'intermediate.dense'}.weight"]
     assert mid["gain"] == pytest.approx(calculate_gain("gelu")) and "gelu" in mid["gain_from"]
 
 
