@@ -769,6 +769,13 @@ def doctor(
     One process: under ``torch.distributed`` every rank raises a ``ValueError`` saying to run it
     before the process group (its choices follow one process's data).
 
+    Cost: without fixes, one :func:`~initlab.diagnose` pass (spectra included) and one forward of
+    the outputs; each fix adds its own passes and a re-measurement (LSUV's orthogonal pre-init
+    is a QR per layer). Memory: the weights before doctor, and while a measurement runs a copy
+    of the weights after the last fix (nested blocks share unchanged copies,
+    :mod:`initlab._core.state`). A 12-layer width-1024 MLP measured 27-42x a forward+backward
+    with ``fix=True``.
+
     Returns:
         a :class:`DoctorReport`: one row per check (``initial_loss``, ``logit_std``,
         ``gamma_spread``, ``nu_spread``, ``dead_or_exploding_layers``), what each fix does and
