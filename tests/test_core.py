@@ -3,6 +3,7 @@ renamed keywords. Oracles are written by hand (explicit forward passes and torch
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import dataclasses
 import functools
@@ -20,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
 import initlab
+from initlab._core import state as state_module
 from initlab._core.data import (
     AmbiguousDataError,
     Batches,
@@ -690,7 +692,9 @@ def test_composite_norms_compute_the_native_values_and_statistics(name: str) -> 
         torch.testing.assert_close(b, a, rtol=1e-12, atol=0)
 
 
-@pytest.mark.parametrize("norm", ["batch_norm", "layer_norm", "instance_norm"])
+@pytest.mark.parametrize(
+    "norm", ["batch_norm", "layer_norm", "instance_norm", "torch.batch_norm", "torch.layer_norm"]
+)
 def test_composite_norms_have_the_right_third_derivative(norm: str) -> None:
     """gradcheck (finite differences) of a Hessian-vector product through the norm: the native
     batch_norm, layer_norm and instance_norm fail it."""
@@ -698,6 +702,10 @@ def test_composite_norms_have_the_right_third_derivative(norm: str) -> None:
         "batch_norm": lambda z: F.batch_norm(z, None, None, training=True),
         "layer_norm": lambda z: F.layer_norm(z, (5,)),
         "instance_norm": lambda z: F.instance_norm(z.reshape(2, 3, 5)).reshape(6, 5),
+        "torch.batch_norm": lambda z: torch.batch_norm(
+            z, None, None, None, None, True, 0.1, 1e-5, False
+        ),
+        "torch.layer_norm": lambda z: torch.layer_norm(z, (5,)),
     }[norm]
     torch.manual_seed(0)
     x = torch.randn(6, 4, dtype=torch.float64)
@@ -713,3 +721,36 @@ def test_composite_norms_have_the_right_third_derivative(norm: str) -> None:
     assert not torch.autograd.gradcheck(hvp, (w,), raise_exception=False)  # the native kernel
     with composite_norms():
         assert torch.autograd.gradcheck(hvp, (w,))
+
+
+def test_composite_norms_keep_the_native_checks_and_an_empty_batch_s_statistics() -> None:
+    with composite_norms(), pytest.raises(ValueError, match="more than 1 spatial element"):
+        nn.InstanceNorm1d(3)(torch.randn(4, 3, 1))
+    bn = nn.BatchNorm1d(3)
+    with composite_norms():
+        assert bn(torch.randn(0, 3)).shape == (0, 3)
+    assert torch.equal(bn.running_mean, torch.zeros(3)) and torch.equal(
+        bn.running_var, torch.ones(3)
+    )
+
+
+def test_blocks_that_end_out_of_order_or_in_another_context_hold_no_copies() -> None:
+    """Two generators each holding a block, ended in the order they began (not nested); a block
+    ended in another context: no raw ValueError from the context variable, no copy kept."""
+    model = nn.Linear(3, 3)
+
+    def holding() -> Any:
+        with model_kept(model):
+            yield
+
+    first, second = holding(), holding()
+    next(first)
+    next(second)
+    first.close()
+    second.close()
+    assert state_module._HELD.get() == ()
+    block = model_kept(model)
+    block.__enter__()
+    contextvars.copy_context().run(block.__exit__, None, None, None)
+    assert all(not held for held in state_module._HELD.get())  # emptied where it was offered
+    state_module._HELD.set(())

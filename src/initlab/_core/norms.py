@@ -68,8 +68,9 @@ def _batch_norm(
         mean = x.mean(dims)
         var = (x - mean.reshape(shape)).square().mean(dims)
         n = x.numel() // x.shape[1]
-        _update(running_mean, mean, momentum)
-        _update(running_var, var * n / max(n - 1, 1), momentum)
+        if n:  # an empty batch leaves the running statistics as they are (as the native kernel)
+            _update(running_mean, mean, momentum)
+            _update(running_var, var * n / max(n - 1, 1), momentum)
     else:
         if running_mean is None or running_var is None:
             raise ValueError(
@@ -112,6 +113,7 @@ def _instance_norm(
     x = input.to(_stats_dtype(input))
     shape = [1, -1] + [1] * (x.dim() - 2)
     if use_input_stats:
+        F._verify_spatial_size(input.size())
         dims = list(range(2, x.dim()))
         mean = x.mean(dims, keepdim=True)
         var = (x - mean).square().mean(dims, keepdim=True)
@@ -126,10 +128,57 @@ def _instance_norm(
     return _affine(out, weight, bias, shape).to(input.dtype)
 
 
+def _torch_batch_norm(
+    input: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    training: bool,
+    momentum: float,
+    eps: float,
+    cudnn_enabled: bool = True,
+) -> torch.Tensor:
+    """``torch.batch_norm``'s argument order."""
+    return _batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
+
+
+def _torch_layer_norm(
+    input: torch.Tensor,
+    normalized_shape: Sequence[int],
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    cudnn_enable: bool = True,
+) -> torch.Tensor:
+    """``torch.layer_norm``'s arguments."""
+    return _layer_norm(input, normalized_shape, weight, bias, eps)
+
+
+def _torch_instance_norm(
+    input: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    use_input_stats: bool,
+    momentum: float,
+    eps: float,
+    cudnn_enabled: bool = True,
+) -> torch.Tensor:
+    """``torch.instance_norm``'s argument order."""
+    return _instance_norm(
+        input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps
+    )
+
+
 _COMPOSITES: dict[Callable[..., Any], Callable[..., torch.Tensor]] = {
     F.batch_norm: _batch_norm,
     F.layer_norm: _layer_norm,
     F.instance_norm: _instance_norm,
+    torch.batch_norm: _torch_batch_norm,
+    torch.layer_norm: _torch_layer_norm,
+    torch.instance_norm: _torch_instance_norm,
 }
 
 
@@ -151,8 +200,9 @@ class _CompositeNorms(TorchFunctionMode):
 
 @contextmanager
 def composite_norms() -> Iterator[None]:
-    """Inside the block, ``F.batch_norm``, ``F.layer_norm`` and ``F.instance_norm`` (and so
-    ``nn.BatchNorm*d``, ``nn.LayerNorm``, ``nn.InstanceNorm*d``) run as elementary operations,
-    whose third derivatives are right (module docstring)."""
+    """Inside the block, ``F.batch_norm``, ``F.layer_norm``, ``F.instance_norm`` and their
+    ``torch.*`` forms (and so ``nn.BatchNorm*d``, ``nn.LayerNorm``, ``nn.InstanceNorm*d``) run as
+    elementary operations, whose third derivatives are right (module docstring). The native
+    ``torch.native_*`` ops below them are not routed."""
     with _CompositeNorms():
         yield

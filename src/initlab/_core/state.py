@@ -147,18 +147,23 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` hold the same bits (same shape, dtype and device)."""
-    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+    """Whether ``a`` and ``b`` hold the same bits (same shape, dtype and device); ``False`` where
+    that cannot be told (meta tensors, a layout ``torch.equal`` does not take): copied back."""
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device or a.is_meta:
         return False
     if not (_plain(a) and _plain(b)):
-        return not a.is_floating_point() and bool(torch.equal(a, b))
+        try:
+            return not a.is_floating_point() and bool(torch.equal(a, b))
+        except (NotImplementedError, RuntimeError):
+            return False
     return bool(torch.equal(_bits(a), _bits(b)))
 
 
 def _key(t: torch.Tensor) -> object:
     """Where ``t``'s elements lie (so a parameter and its ``state_dict()`` alias, a ``detach()``,
-    are one tensor here), or the object itself for a tensor :func:`_plain` does not cover. A held
-    copy keeps its tensor alive, so its memory is not reused while the copy is offered."""
+    are one tensor here), or the object itself for a tensor :func:`_plain` does not cover. Two
+    tensors may share a key over time (memory freed and reused after ``p.data = other``): a copy
+    is shared only after a bit-for-bit comparison (:func:`_held_copy`), so a key is a hint."""
     if not _plain(t):
         return id(t)
     return (t.device, t.dtype, t.data_ptr(), tuple(t.shape), t.stride())
@@ -187,12 +192,17 @@ def _snapshot(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Ten
 
 @contextmanager
 def _holding(saved: list[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[None]:
-    """Offer ``saved``'s copies to the blocks nested in this one (:data:`_HELD`)."""
-    token = _HELD.set((*_HELD.get(), {_key(t): (t, c) for t, c in saved}))
+    """Offer ``saved``'s copies to the blocks nested in this one (:data:`_HELD`). On exit the
+    offer is emptied and taken off this context's stack by identity: blocks that end out of
+    order (two generators) or in another context (a thread, a task) neither raise nor keep
+    copies alive."""
+    mine = {_key(t): (t, c) for t, c in saved}
+    _HELD.set((*_HELD.get(), mine))
     try:
         yield
     finally:
-        _HELD.reset(token)
+        mine.clear()
+        _HELD.set(tuple(h for h in _HELD.get() if h is not mine))
 
 
 @contextmanager
