@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import math
+from functools import partial
 from typing import Any
 
 import pytest
@@ -16,8 +17,15 @@ from torch import nn
 from torch.func import functional_call
 
 from initlab._core.loss import resolve_loss
-from initlab.methods._alpha import evaluation_modes, nonzero, scaled_params, select_tensors
-from initlab.methods.metainit import _gq, gradient_quotient, metainit_
+from initlab._core.norms import composite_norms
+from initlab.methods._alpha import (
+    evaluation_modes,
+    loss_at,
+    nonzero,
+    scaled_params,
+    select_tensors,
+)
+from initlab.methods.metainit import _gq, _QuotientSum, gradient_quotient, metainit_
 
 D = torch.float64
 
@@ -279,3 +287,94 @@ def test_the_meta_gradient_through_norm_layers_is_the_finite_difference_one(make
     for name, value in exact.items():
         fd = (gq_at(name, 1 + h) - gq_at(name, 1 - h)) / (2 * h)
         assert value == pytest.approx(fd, rel=1e-4, abs=1e-6), name
+
+
+def _old_quotient_sum(gi: torch.Tensor, hi: torch.Tensor, eps: float) -> torch.Tensor:
+    """The elementwise chain ``_gq`` built before ``_QuotientSum`` (autograd kept ``g - h``,
+    ``g + eps * s`` and ``q`` per parameter for the meta-gradient's backward)."""
+    wide = torch.promote_types(gi.dtype, torch.float32)
+    gi, hi = gi.to(wide), hi.to(wide)
+    sgn = torch.where(gi >= 0, 1.0, -1.0).to(wide).detach()
+    return ((gi - hi) / (gi + eps * sgn) - 1).abs().sum()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16])
+def test_the_quotient_function_has_the_old_chains_value_and_gradients(dtype: torch.dtype) -> None:
+    """``_QuotientSum`` keeps only ``g`` and ``H g``; its value is the old chain's bit for bit and
+    its gradients are the old chain's autograd ones, at ``g = 0`` (``s = +1``) and ``q = 0``
+    (``sign 0``, abs's subgradient) too."""
+    eps = 1e-5
+    gen = torch.Generator().manual_seed(0)
+    g = torch.randn(40, generator=gen, dtype=torch.float64) * 1e-3
+    h = torch.randn(40, generator=gen, dtype=torch.float64) * 1e-3
+    g[:6] = 0.0  # g exactly 0: s = +1, d = eps
+    h[3:6] = 0.0
+    g[6:9], h[6:9] = 0.5, -eps  # q = (0.5 + eps) / (0.5 + eps) - 1 = 0 exactly (float64)
+    g, h = g.to(dtype), h.to(dtype)
+    assert bool((g == 0).any())
+    if dtype == torch.float64:
+        q = (g - h) / (g + eps * torch.where(g >= 0, 1.0, -1.0).to(dtype)) - 1
+        assert int((q == 0).sum()) == 3
+    results = []
+    for fn in (_old_quotient_sum, _QuotientSum.apply):
+        gl, hl = g.clone().requires_grad_(), h.clone().requires_grad_()
+        value = fn(gl, hl, eps)
+        value.backward(torch.tensor(0.75, dtype=value.dtype))
+        results.append((value.detach(), gl.grad, hl.grad))
+    (v0, dg0, dh0), (v1, dg1, dh1) = results
+    assert v1.dtype == v0.dtype == torch.promote_types(dtype, torch.float32)
+    assert torch.equal(v1, v0)
+    assert dg1.dtype == dh1.dtype == dtype
+    # float32: the chain's dg = 1/d - (g - h)/d**2 loses digits to cancellation (1e-5 here)
+    rtol = {torch.float64: 1e-12, torch.float32: 1e-4, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(dg1, dg0, rtol=rtol, atol=0)
+    torch.testing.assert_close(dh1, dh0, rtol=rtol, atol=0)
+    if dtype == torch.float64:  # the q = 0 entries get no gradient (sign 0), the g = 0 ones do
+        assert bool((dg1[6:9] == 0).all() and (dh1[6:9] == 0).all())
+        # g = h = 0: q = -1, d = eps: dg = -0.75 * eps / eps**2, dh = +0.75 / eps
+        assert bool((dg1[3:6] == -0.75 / eps).all() and (dh1[3:6] == 0.75 / eps).all())
+
+
+def _zero_feature_batch(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch whose first input feature (or channel) is 0: the first layer's gradient is exactly
+    0 on the weights reading it."""
+    g = torch.Generator().manual_seed(2)
+    dtype = next(model.parameters()).dtype
+    shape = (12, 2, 6, 6) if isinstance(model[0], nn.Conv2d) else (12, 8)
+    x = torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+    x[:, 0] = 0
+    return x, torch.randint(0, 3, (12,), generator=g)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [partial(_tanh_mlp, 3, dtype=D), _conv_bn_net, partial(_tanh_mlp, 3, dtype=torch.float32)],
+    ids=["mlp-float64", "batchnorm-float64", "mlp-float32"],
+)
+def test_the_meta_gradient_is_the_old_elementwise_chains(make: Any) -> None:
+    """``_gq``'s meta-gradient (``_QuotientSum``) against the elementwise chain it replaced,
+    formed here from ``g`` and ``H g`` with plain torch ops and differentiated by autograd."""
+    model = make()
+    batch = _zero_feature_batch(model)
+    eps = 1e-5
+    ts = select_tensors(model, "default", nonzero, "test")
+    a = torch.ones(len(ts.scaled), dtype=torch.float64, requires_grad=True)
+    loss_fn = resolve_loss(None)
+    with evaluation_modes(model, batch_stats=True):
+        gq, _, _ = _gq(model, loss_fn, ts, scaled_params(ts, a), batch, eps)
+        (new,) = torch.autograd.grad(gq, a)
+        with composite_norms():
+            theta = scaled_params(ts, a)
+            loss = loss_at(model, loss_fn, ts, theta, batch)
+        g = torch.autograd.grad(loss, theta, create_graph=True)
+        half_sq = torch.stack([x.square().sum() for x in g]).sum() / 2
+        hg = torch.autograd.grad(half_sq, theta, create_graph=True)
+    assert any(bool((x == 0).any()) for x in g)  # entries where g is exactly 0
+    total = half_sq.new_zeros((), dtype=torch.promote_types(half_sq.dtype, torch.float32))
+    for gi, hi in zip(g, hg, strict=True):
+        total = total + _old_quotient_sum(gi, hi, eps)
+    old_gq = total / ts.numel
+    (old,) = torch.autograd.grad(old_gq, a)
+    assert torch.equal(gq.detach(), old_gq.detach())
+    rtol = 1e-12 if g[0].dtype == torch.float64 else 1e-4
+    torch.testing.assert_close(new, old, rtol=rtol, atol=0)
