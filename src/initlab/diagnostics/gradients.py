@@ -85,24 +85,44 @@ class _Entry:
         self.norms: list[torch.Tensor] = []  # ||g_b||^2 per batch (device scalars)
 
 
+#: Entries per float64 chunk of Welford's update: the transients stay a few MiB whatever the
+#: tensor's size (a full float64 copy of a 4096 x 4096 gradient was 128 MiB, several at once).
+_CHUNK = 1 << 20
+
+
 def _welford(e: _Entry, g: torch.Tensor) -> None:
-    """Add the float64 gradient ``g`` to ``e``'s per-entry mean and sum of squared deviations:
-    Welford's update computed in float64, stored in the parameter's precision (float32 at
-    least), whose gradients hold no spread below their own rounding; the sum of squares from the
-    second batch on (one batch has no spread). Holds 1x (one batch) or 2x the parameter's
-    entries in that precision, not 4x in float64."""
+    """Add gradient ``g`` (any float dtype) to ``e``'s per-entry mean and sum of squared
+    deviations: Welford's update computed in float64 chunk by chunk, stored in the parameter's
+    precision (float32 at least), whose gradients hold no spread below their own rounding; the
+    sum of squares from the second batch on (one batch has no spread). Holds 1x (one batch) or
+    2x the parameter's entries in that precision, not 4x in float64."""
     store = torch.promote_types(e.tensor.dtype, torch.float32)
     if e.mean is None:
-        e.mean = g.to(store, copy=True)  # g may be the caller's float64 gradient itself
-        return
-    mean = e.mean.to(_F64)
-    delta = g - mean
-    mean += delta / e.count
-    m2 = delta.mul_(g - mean)
-    if e.m2 is not None:
-        m2 += e.m2.to(_F64)
-    e.mean.copy_(mean)
-    e.m2 = m2.to(store)
+        e.mean = torch.empty(g.shape, dtype=store, device=g.device)
+    elif e.m2 is None:
+        e.m2 = torch.zeros(g.shape, dtype=store, device=g.device)
+    flat, means = g.reshape(-1), e.mean.view(-1)
+    m2s = e.m2.view(-1) if e.m2 is not None else None
+    for start in range(0, flat.numel(), _CHUNK):
+        part = slice(start, start + _CHUNK)
+        x = flat[part].to(_F64)
+        if m2s is None:
+            means[part] = x
+            continue
+        mean = means[part].to(_F64)
+        delta = x - mean
+        mean += delta / e.count
+        m2s[part] = m2s[part].to(_F64) + delta * (x - mean)
+        means[part] = mean
+
+
+def _mean_std(m2: torch.Tensor, batches: int) -> float:
+    """``mean(sqrt(m2 / (batches - 1)))`` in float64, chunk by chunk (see :data:`_CHUNK`)."""
+    flat = m2.reshape(-1)
+    total = torch.zeros((), dtype=_F64, device=m2.device)
+    for start in range(0, flat.numel(), _CHUNK):
+        total += torch.sqrt(flat[start : start + _CHUNK].to(_F64) / (batches - 1)).sum()
+    return float(total) / flat.numel()
 
 
 class GradientStats:
@@ -146,7 +166,7 @@ class GradientStats:
         with torch.no_grad():
             for key, e in self._entries.items():
                 g = pairs.get(key)
-                g = torch.zeros_like(e.tensor, dtype=_F64) if g is None else g.detach().to(_F64)
+                g = torch.zeros_like(e.tensor) if g is None else g.detach()
                 e.count += 1
                 _welford(e, g)
                 e.norms.append(sum_of_squares(g))
@@ -160,7 +180,7 @@ class GradientStats:
             b = e.count
             norms = [float(t) for t in e.norms]
             if b >= 2 and e.m2 is not None:
-                grad_std = float(torch.sqrt(e.m2.to(_F64) / (b - 1)).mean())
+                grad_std = _mean_std(e.m2, b)
                 per_batch = [n / d for n in norms]
                 mean_sq = sum(per_batch) / b
                 var = sum((v - mean_sq) ** 2 for v in per_batch) / (b - 1)
