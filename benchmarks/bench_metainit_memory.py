@@ -17,7 +17,7 @@ The gradient quotient was built from a chain of full-size elementwise tensors pe
 (promotion, subtraction, sign, division, ``-1``, ``abs``), each kept by autograd for the
 meta-gradient's backward; it is now one autograd Function that keeps ``g`` and ``H g`` only.
 Measured on a loaded 2-core CPU (2026-11-27, four runs of each tree, alternating), growth of the
-peak over 3 steps as a multiple of the parameter bytes: before, at d977c1b (HEAD when this script
+peak over 3 steps as a multiple of the parameter bytes: before, at 46a7b73 (HEAD when this script
 was written, run with its ``src`` on ``PYTHONPATH``), ``gradinit`` 17.9-21.2x and ``paper``
 19.3-22.4x (wall 7.2-12.3 s); after, ``gradinit`` 14.1-14.9x and ``paper`` 14.5-15.3x (wall
 6.3-9.5 s); a plain forward + backward: 1.2x. The spread of one tree's runs is glibc's heap (which
