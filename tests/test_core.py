@@ -754,3 +754,8 @@ def test_blocks_that_end_out_of_order_or_in_another_context_hold_no_copies() -> 
     contextvars.copy_context().run(block.__exit__, None, None, None)
     assert all(not held for held in state_module._HELD.get())  # emptied where it was offered
     state_module._HELD.set(())
+
+
+def test_composite_layer_norm_keeps_the_native_shape_check() -> None:
+    with composite_norms(), pytest.raises(RuntimeError, match=r"normalized_shape=\[5\]"):
+        F.layer_norm(torch.randn(4, 6), (5,))

@@ -25,7 +25,13 @@ from initlab.methods._alpha import (
     scaled_params,
     select_tensors,
 )
-from initlab.methods.metainit import _gq, _QuotientSum, gradient_quotient, metainit_
+from initlab.methods.metainit import (
+    _gq,
+    _meta_gradient,
+    _QuotientSum,
+    gradient_quotient,
+    metainit_,
+)
 
 D = torch.float64
 
@@ -253,13 +259,12 @@ def _ln_mlp() -> nn.Module:
     ).double()  # fmt: skip
 
 
-def _meta_gradient(model: nn.Module, batch: Any) -> dict[str, float]:
-    """dGQ/dalpha per scaled tensor, as metainit_'s steps compute it (its ``_gq``)."""
+def _meta_gradients(model: nn.Module, batch: Any) -> dict[str, float]:
+    """dGQ/dalpha per scaled tensor, as metainit_'s steps compute it (its ``_meta_gradient``)."""
     ts = select_tensors(model, "default", nonzero, "test")
-    a = torch.ones(len(ts.scaled), dtype=torch.float64, requires_grad=True)
+    a = torch.ones(len(ts.scaled), dtype=torch.float64)
     with evaluation_modes(model, batch_stats=True):
-        gq, _, _ = _gq(model, resolve_loss(None), ts, scaled_params(ts, a), batch, 1e-5)
-        (grad,) = torch.autograd.grad(gq, a)
+        grad, *_ = _meta_gradient(model, resolve_loss(None), ts, a, batch, 1e-5, ("test", 0))
     return {ts.names[i]: float(grad[k]) for k, i in enumerate(ts.scaled)}
 
 
@@ -282,7 +287,7 @@ def test_the_meta_gradient_through_norm_layers_is_the_finite_difference_one(make
             other.get_parameter(name).mul_(factor)
         return gradient_quotient(other, batch)
 
-    exact = _meta_gradient(model, batch)
+    exact = _meta_gradients(model, batch)
     h = 1e-6
     for name, value in exact.items():
         fd = (gq_at(name, 1 + h) - gq_at(name, 1 - h)) / (2 * h)
@@ -360,12 +365,11 @@ def test_the_meta_gradient_is_the_old_elementwise_chains(make: Any) -> None:
     ts = select_tensors(model, "default", nonzero, "test")
     a = torch.ones(len(ts.scaled), dtype=torch.float64, requires_grad=True)
     loss_fn = resolve_loss(None)
-    with evaluation_modes(model, batch_stats=True):
+    with evaluation_modes(model, batch_stats=True), composite_norms():  # as _meta_gradient
         gq, _, _ = _gq(model, loss_fn, ts, scaled_params(ts, a), batch, eps)
         (new,) = torch.autograd.grad(gq, a)
-        with composite_norms():
-            theta = scaled_params(ts, a)
-            loss = loss_at(model, loss_fn, ts, theta, batch)
+        theta = scaled_params(ts, a)
+        loss = loss_at(model, loss_fn, ts, theta, batch)
         g = torch.autograd.grad(loss, theta, create_graph=True)
         half_sq = torch.stack([x.square().sum() for x in g]).sum() / 2
         hg = torch.autograd.grad(half_sq, theta, create_graph=True)
@@ -378,3 +382,28 @@ def test_the_meta_gradient_is_the_old_elementwise_chains(make: Any) -> None:
     assert torch.equal(gq.detach(), old_gq.detach())
     rtol = 1e-12 if g[0].dtype == torch.float64 else 1e-4
     torch.testing.assert_close(new, old, rtol=rtol, atol=0)
+
+
+def test_metainit_through_a_checkpointed_norm_block_says_what_to_do() -> None:
+    """A checkpointed block recomputes its forward in the meta-gradient's backward with the
+    native norms (torch's CheckpointError, raw): said with what to do, the model unchanged."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.norm, self.b = nn.Linear(5, 8), nn.LayerNorm(8), nn.Linear(8, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = checkpoint(lambda z: torch.tanh(self.norm(self.a(z))), x, use_reentrant=False)
+            return self.b(h)
+
+    torch.manual_seed(0)
+    model = Checkpointed().double()
+    batch = (torch.randn(12, 5, dtype=torch.float64), torch.randint(0, 3, (12,)))
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(
+        ValueError, match=r"activation checkpointing .*gradient_checkpointing_disable"
+    ):
+        metainit_(model, [batch], variant="gradinit", steps=1, lr=1e-3, clip=None)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

@@ -51,6 +51,7 @@ from initlab._core.distributed import (
 )
 from initlab._core.knobs import user_stacklevel
 from initlab._core.loss import Loss, resolve_loss
+from initlab._core.norms import exact_weight_norm
 from initlab._core.rows import split_name
 from initlab._core.state import model_kept
 from initlab.init.registry import default_registry
@@ -286,7 +287,8 @@ def alpha_values(ts: Tensors, a: torch.Tensor) -> list[float]:
 def loss_at(
     model: nn.Module, loss_fn: LossFn, ts: Tensors, theta: Sequence[torch.Tensor], batch: Any
 ) -> torch.Tensor:
-    loss = loss_fn(AtParams(model, ts.slots, theta), batch)
+    with exact_weight_norm():  # its native second derivative is wrong (GradInit's steps use it)
+        loss = loss_fn(AtParams(model, ts.slots, theta), batch)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise TypeError(
             f"loss_fn must return a scalar tensor, got "

@@ -81,6 +81,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
+from torch.utils.checkpoint import CheckpointError
 
 from initlab._core.attention import with_math_attention
 from initlab._core.autocast import autocast_off, refuse_autocast_inside
@@ -207,11 +208,11 @@ def _gq(
     eps: float,
     what: str = "metainit_",
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """``GQ`` at ``theta`` (on the graph), the loss, and ``||g||_2``. The forward runs under
-    :func:`~initlab._core.norms.composite_norms`: the meta-gradient is a third derivative, which
-    the native BatchNorm/LayerNorm kernels get wrong."""
-    with composite_norms():
-        loss = loss_at(model, loss_fn, ts, theta, batch)
+    """``GQ`` at ``theta`` (on the graph), the loss, and ``||g||_2``. Callers run it, and the
+    meta-gradient's backward, under :func:`~initlab._core.norms.composite_norms`: the
+    meta-gradient is a third derivative, which the native BatchNorm/LayerNorm kernels get wrong
+    (and a checkpointed block recomputes its forward in that backward)."""
+    loss = loss_at(model, loss_fn, ts, theta, batch)
     g = grads_or_zeros(loss, theta, create_graph=True)
     half_sq = torch.stack([x.square().sum() for x in g]).sum() / 2
     with second_order(what, _WHY, _ADVICE) as check:
@@ -253,7 +254,7 @@ def gradient_quotient(
     eps = check_number("gradient_quotient", "eps", eps, strict=False)
     ts = select_tensors(model, "default", nonzero, "gradient_quotient")
     a = torch.ones(len(ts.scaled), dtype=torch.float64, requires_grad=True)
-    with evaluation_modes(model, batch_stats=batch_stats), autocast_off():
+    with evaluation_modes(model, batch_stats=batch_stats), autocast_off(), composite_norms():
         gq, _, _ = _gq(
             model,
             resolve_loss(loss_fn, what="gradient_quotient"),
@@ -425,6 +426,45 @@ def metainit_(
     return _report(model, ts, update.alpha, trace, (forward, backward), counter, variant, start)
 
 
+def _meta_gradient(
+    model: nn.Module,
+    loss: LossFn,
+    ts: Tensors,
+    alpha: torch.Tensor,
+    batch: Any,
+    eps: float,
+    step: tuple[str, int],
+) -> tuple[torch.Tensor, float, float, float]:
+    """``dGQ/dalpha`` at ``alpha``, with the loss, ``GQ`` (both checked finite, means over ranks)
+    and ``||g||_2``. Forward and backwards run under
+    :func:`~initlab._core.norms.composite_norms` (a third derivative; a checkpointed block
+    recomputes its forward in the backward); under DDP the local parts fail together."""
+    what, t = step
+    a = alpha.detach().clone().requires_grad_(True)
+    theta = scaled_params(ts, a)
+    try:
+        with composite_norms():
+            gq, value, grad_norm = run_together(
+                what, partial(_gq, model, loss, ts, theta, batch, eps)
+            )
+            loss_value = scalar_mean(value)
+            check_finite(loss_value, t, what)
+            gq_value = scalar_mean(gq)
+            check_finite(gq_value, t, what, "gradient quotient")
+            with second_order(what, _WHY, _ADVICE):
+                meta = run_together(what, partial(grads_or_zeros, gq, [a]))[0]
+    except CheckpointError as err:
+        raise ValueError(
+            f"{what}: activation checkpointing recomputes a forward inside the backward, where "
+            "the normalization layers do not run as the elementary operations whose third "
+            "derivative MetaInit needs (the native kernels' is wrong), so the recomputation "
+            "differs. Turn checkpointing off for metainit_ (a Hugging Face model: "
+            "model.gradient_checkpointing_disable()) and on again after; the model was left "
+            "unchanged"
+        ) from err
+    return meta, loss_value, gq_value, grad_norm
+
+
 def _descend(
     model: nn.Module,
     loss: LossFn,
@@ -440,17 +480,10 @@ def _descend(
     forward = backward = 0
     trace: list[dict[str, Any]] = []
     for t, (batch, _) in enumerate(batches):
-        a = update.alpha.detach().clone().requires_grad_(True)
-        # the local parts (forward, backwards) fail together under DDP (run_together)
-        theta = scaled_params(ts, a)
-        gq, value, grad_norm = run_together(what, partial(_gq, model, loss, ts, theta, batch, eps))
+        meta, loss_value, gq_value, grad_norm = _meta_gradient(
+            model, loss, ts, update.alpha, batch, eps, (what, t)
+        )
         forward += 1
-        loss_value = scalar_mean(value)
-        check_finite(loss_value, t, what)
-        gq_value = scalar_mean(gq)
-        check_finite(gq_value, t, what, "gradient quotient")
-        with second_order(what, _WHY, _ADVICE):
-            meta = run_together(what, partial(grads_or_zeros, gq, [a]))[0]
         grad = rank_mean([meta.double()])[0]
         backward += 3
         alpha = update.step(grad)

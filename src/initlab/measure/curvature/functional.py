@@ -26,6 +26,7 @@ from initlab._core.loss import (
     outputs_loss,
     resolve_loss,
 )
+from initlab._core.norms import exact_weight_norm
 
 __all__ = [
     "Forward",
@@ -118,7 +119,19 @@ def functional_forward(
     batch: Any,
     forward: Forward | None = None,
 ) -> Any:
-    """``forward(model, batch)`` with the model's tensors replaced by ``state`` (not mutated)."""
+    """``forward(model, batch)`` with the model's tensors replaced by ``state`` (not mutated),
+    ``torch._weight_norm`` as elementary operations (its native second derivative is wrong:
+    :mod:`initlab._core.norms`)."""
+    with exact_weight_norm():
+        return _functional_forward(model, state, batch, forward)
+
+
+def _functional_forward(
+    model: nn.Module,
+    state: Mapping[str, torch.Tensor | None],
+    batch: Any,
+    forward: Forward | None,
+) -> Any:
     if forward is None or forward in (default_forward, NamedLoss.forward):  # without a wrapper
         if forward is NamedLoss.forward:
             batch = model_inputs(model, batch)
