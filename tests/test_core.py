@@ -36,7 +36,7 @@ from initlab._core.data import (
 from initlab._core.hooks import HookContext, hook_handles
 from initlab._core.knobs import renamed_kwargs
 from initlab._core.loss import LOSS_FORMS, TargetError, criterion, outputs_loss, resolve_loss
-from initlab._core.norms import composite_norms
+from initlab._core.norms import composite_norms, may_weight_norm
 from initlab._core.state import model_kept, restore_on_failure
 
 
@@ -759,3 +759,25 @@ def test_blocks_that_end_out_of_order_or_in_another_context_hold_no_copies() -> 
 def test_composite_layer_norm_keeps_the_native_shape_check() -> None:
     with composite_norms(), pytest.raises(RuntimeError, match=r"normalized_shape=\[5\]"):
         F.layer_norm(torch.randn(4, 6), (5,))
+
+
+def test_may_weight_norm_finds_each_way_a_model_reaches_torch_weight_norm() -> None:
+    plain = nn.Sequential(nn.Linear(2, 2))
+    assert not may_weight_norm(plain)
+    torch.nn.utils.parametrizations.weight_norm(plain[0])
+    assert may_weight_norm(plain)
+    hooked = nn.Linear(2, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        torch.nn.utils.weight_norm(hooked)
+    assert may_weight_norm(hooked)
+
+    class Direct(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.v, self.g = nn.Parameter(torch.randn(2, 2)), nn.Parameter(torch.ones(2, 1))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ torch._weight_norm(self.v, self.g, 0).t()
+
+    assert may_weight_norm(nn.Sequential(Direct()))

@@ -1025,3 +1025,35 @@ def test_an_absurd_rate_or_floor_is_refused_and_the_model_left_unchanged(
         run = {"gradinit_": gradinit_, "metainit_": metainit_}[method]
         run(model, data, nn.CrossEntropyLoss(), steps=1, **extra, **options)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+class _WeightNormed(nn.Module):
+    """A layer computing its weight with torch._weight_norm in its own forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.v = nn.Parameter(torch.randn(4, 3, dtype=torch.float64))
+        self.g = nn.Parameter(torch.rand(4, 1, dtype=torch.float64) + 0.5)
+        self.head = nn.Linear(4, 2, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(x @ torch._weight_norm(self.v, self.g, 0).t()))
+
+
+def test_the_constraint_gradient_through_weight_norm_is_the_finite_difference_one() -> None:
+    """The constraint step differentiates ||g||: a second derivative, which torch._weight_norm's
+    native kernel gets wrong. Oracle: central differences of ||g|| in the scales."""
+    torch.manual_seed(0)
+    model = _WeightNormed()
+    batch = (torch.randn(8, 3, dtype=torch.float64), torch.randint(0, 2, (8,)))
+    grad, _ = gradinit_alpha_grad(model, batch, step="constraint")
+
+    def norm_at(alpha: torch.Tensor) -> float:
+        return gradinit_alpha_grad(model, batch, step="constraint", alpha=alpha)[1]
+
+    h = 1e-6
+    for k in range(grad.numel()):
+        e = torch.zeros(grad.numel(), dtype=torch.float64)
+        e[k] = h
+        fd = (norm_at(1 + e) - norm_at(1 - e)) / (2 * h)
+        assert float(grad[k]) == pytest.approx(fd, rel=1e-5, abs=1e-8), k

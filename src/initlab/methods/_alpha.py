@@ -22,6 +22,7 @@ learn one scalar ``alpha_i`` per trainable tensor ``W_i`` and evaluate the netwo
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import warnings
@@ -51,7 +52,7 @@ from initlab._core.distributed import (
 )
 from initlab._core.knobs import user_stacklevel
 from initlab._core.loss import Loss, resolve_loss
-from initlab._core.norms import exact_weight_norm
+from initlab._core.norms import exact_weight_norm, may_weight_norm
 from initlab._core.rows import split_name
 from initlab._core.state import model_kept
 from initlab.init.registry import default_registry
@@ -287,7 +288,8 @@ def alpha_values(ts: Tensors, a: torch.Tensor) -> list[float]:
 def loss_at(
     model: nn.Module, loss_fn: LossFn, ts: Tensors, theta: Sequence[torch.Tensor], batch: Any
 ) -> torch.Tensor:
-    with exact_weight_norm():  # its native second derivative is wrong (GradInit's steps use it)
+    # torch._weight_norm's native second derivative is wrong, and GradInit's steps use it
+    with exact_weight_norm() if may_weight_norm(model) else contextlib.nullcontext():
         loss = loss_fn(AtParams(model, ts.slots, theta), batch)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise TypeError(
