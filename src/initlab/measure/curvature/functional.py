@@ -26,7 +26,7 @@ from initlab._core.loss import (
     outputs_loss,
     resolve_loss,
 )
-from initlab._core.norms import exact_weight_norm
+from initlab._core.norms import exact_weight_norm, may_weight_norm
 
 __all__ = [
     "Forward",
@@ -122,6 +122,8 @@ def functional_forward(
     """``forward(model, batch)`` with the model's tensors replaced by ``state`` (not mutated),
     ``torch._weight_norm`` as elementary operations (its native second derivative is wrong:
     :mod:`initlab._core.norms`)."""
+    if not may_weight_norm(model):
+        return _functional_forward(model, state, batch, forward)
     with exact_weight_norm():
         return _functional_forward(model, state, batch, forward)
 
