@@ -455,3 +455,14 @@ def test_a_second_output_scale_hook_on_the_same_module_is_warned_about() -> None
     for report in (first, second):
         report.info["handle"].remove()
     assert not net._forward_hooks
+
+
+def test_a_hook_on_the_model_counts_its_check_pass() -> None:
+    """The check pass after attaching the hook ran on the model too, but was counted only for a
+    module's hook (forward_passes 1 where the model ran twice)."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    calls = []
+    model.register_forward_pre_hook(lambda m, a: calls.append(1))
+    report = scale_output_(model, [torch.randn(16, 4)], how="hook")
+    report.info["handle"].remove()
+    assert report.forward_passes == len(calls) == 2

@@ -465,7 +465,7 @@ def scale_output_(
         info["handle"] = _attach_hook(
             model, info["layer"], info["hook"], batches[0], outs[0], forward, seeds
         )
-        passes += 1 if info["layer"] else 0
+        passes += 1  # _attach_hook's check pass, on the model or a module
     return _report(info, how, std, s, target, passes, start, used)
 
 
