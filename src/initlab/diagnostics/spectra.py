@@ -221,6 +221,7 @@ class InputShapes(HookContext):
         self.multiple: set[str] = set()
         self.order: list[str] = []
         self.calls: dict[str, int] = {}
+        self._index: tuple[dict[int, str], dict[str, nn.Module]] | None = None
         self._now: dict[str, int] = {}  # calls in the current forward
 
     def _hook(self, name: str) -> Callable[..., None]:
@@ -277,8 +278,13 @@ class InputShapes(HookContext):
         if n or not name:
             return n, None
         parent = name.rpartition(".")[0]
-        names = {id(m): k for k, m in self.model.named_modules()}
-        owner = dict(self.model.named_modules()).get(parent)
+        if self._index is None:  # once per object: a walk per module made this quadratic
+            self._index = (
+                {id(m): k for k, m in self.model.named_modules()},
+                dict(self.model.named_modules()),
+            )
+        names, modules = self._index
+        owner = modules.get(parent)
         if owner is None or any(
             self.calls.get(names.get(id(c), "\0"), 0) for c in owner.children()
         ):
