@@ -769,7 +769,7 @@ def doctor(
     One process: under ``torch.distributed`` every rank raises a ``ValueError`` saying to run it
     before the process group (its choices follow one process's data).
 
-    Cost: without fixes, one :func:`~initlab.diagnose` pass (spectra included) and one forward of
+    Cost: without fixes, one :func:`~initlab.diagnose` pass (without spectra) and one forward of
     the outputs; each fix adds its own passes and a re-measurement (LSUV's orthogonal pre-init
     is a QR per layer). Memory: the weights before doctor, and while a measurement runs a copy
     of the weights after the last fix (nested blocks share unchanged copies,
