@@ -384,6 +384,8 @@ def test_the_meta_gradient_is_the_old_elementwise_chains(make: Any) -> None:
     torch.testing.assert_close(new, old, rtol=rtol, atol=0)
 
 
+# torch 2.4's checkpoint calls its own deprecated torch.cpu.amp.autocast
+@pytest.mark.filterwarnings("ignore:`torch.cpu.amp.autocast:FutureWarning")
 def test_metainit_through_a_checkpointed_norm_block_says_what_to_do() -> None:
     """A checkpointed block recomputes its forward in the meta-gradient's backward with the
     native norms (torch's CheckpointError, raw): said with what to do, the model unchanged."""
