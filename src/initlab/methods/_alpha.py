@@ -158,6 +158,8 @@ class Tensors:
     left: list[str] = field(default_factory=list)  # lone scalars no layer claims, not scaled
     # per tensor, every (module._parameters, name) holding it (for AtParams)
     slots: list[list[Slot]] = field(default_factory=list, repr=False)
+    # the model can reach torch._weight_norm (initlab._core.norms.may_weight_norm), found once
+    weight_norm: bool = False
 
     @property
     def numel(self) -> int:
@@ -239,6 +241,7 @@ def select_tensors(
             f"{what}: no tensor to scale (the model has no trainable non-zero tensor that the "
             "params selection accepts)"
         )
+    out.weight_norm = may_weight_norm(model)
     return out
 
 
@@ -289,7 +292,7 @@ def loss_at(
     model: nn.Module, loss_fn: LossFn, ts: Tensors, theta: Sequence[torch.Tensor], batch: Any
 ) -> torch.Tensor:
     # torch._weight_norm's native second derivative is wrong, and GradInit's steps use it
-    with exact_weight_norm() if may_weight_norm(model) else contextlib.nullcontext():
+    with exact_weight_norm() if ts.weight_norm else contextlib.nullcontext():
         loss = loss_fn(AtParams(model, ts.slots, theta), batch)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise TypeError(
