@@ -71,6 +71,7 @@ from initlab._core.data import DataUse, batch_size, data_use, take_batches
 from initlab._core.hooks import hook_handles
 from initlab._core.knobs import renamed_kwargs
 from initlab._core.loss import Loss, target_count
+from initlab._core.norms import may_weight_norm
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows
 from initlab._core.state import keeps_config
@@ -478,11 +479,13 @@ def _loss_at(
     parameters ``params`` (the rest from each batch's base); at the centre, a NaN loss on finite
     outputs raises."""
 
+    weight_norm = may_weight_norm(model)  # once for the grid's passes
+
     def at(params: Mapping[str, torch.Tensor], centre: bool = False) -> torch.Tensor:
         total: torch.Tensor | float = 0.0
         for i, (w, b, base) in enumerate(zip(weights, batches, bases, strict=True)):
             with outputs_watch(model) if centre else nullcontext([]) as finite:
-                out = functional_forward(model, {**base, **params}, b, fwd)
+                out = functional_forward(model, {**base, **params}, b, fwd, weight_norm)
             value = on_outputs(out, b).reshape(())
             if centre:  # the model as it is: a NaN loss on finite outputs is the loss's own
                 check_defined(value, all(finite), what="loss_landscape", index=i)

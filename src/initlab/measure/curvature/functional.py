@@ -118,11 +118,14 @@ def functional_forward(
     state: Mapping[str, torch.Tensor | None],
     batch: Any,
     forward: Forward | None = None,
+    weight_norm: bool | None = None,
 ) -> Any:
     """``forward(model, batch)`` with the model's tensors replaced by ``state`` (not mutated),
     ``torch._weight_norm`` as elementary operations (its native second derivative is wrong:
-    :mod:`initlab._core.norms`)."""
-    if not may_weight_norm(model):
+    :mod:`initlab._core.norms`). ``weight_norm``: whether the model can reach it
+    (:func:`~initlab._core.norms.may_weight_norm`, a walk of the model), for callers that run
+    many passes and find it once; ``None``: found here."""
+    if not (may_weight_norm(model) if weight_norm is None else weight_norm):
         return _functional_forward(model, state, batch, forward)
     with exact_weight_norm():
         return _functional_forward(model, state, batch, forward)

@@ -22,6 +22,7 @@ from initlab._core.data import one_example_error
 from initlab._core.functional import functional_call
 from initlab._core.hooks import hook_handles
 from initlab._core.knobs import renamed_kwargs
+from initlab._core.norms import may_weight_norm
 from initlab._core.pytree import flatten_tensors, map_tensors
 from initlab._core.rng import Seeds
 from initlab.measure.curvature.functional import (
@@ -263,6 +264,7 @@ class CurvatureOperator(_MatvecOperator):
         self._buffer_overrides = dict(buffers or {})
         self._engine: _HessianEngine | _GGNEngine | None = None
         self._seeds = Seeds(model, generator)
+        self._weight_norm = may_weight_norm(model)  # for every product's functional forward
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -279,7 +281,9 @@ class CurvatureOperator(_MatvecOperator):
         # every forward draws the same randomness (one dropout mask for the engine's first pass,
         # a vjp's or jvp's re-run, and every product: J and Jᵀ of one fixed sub-network)
         with self._seeds.scope():
-            return functional_forward(self.model, self._state(leaves), self.batch, self.forward)
+            return functional_forward(
+                self.model, self._state(leaves), self.batch, self.forward, self._weight_norm
+            )
 
     def _loss(self, out: Any) -> torch.Tensor:
         return self._on_outputs(out, self.batch)
