@@ -813,6 +813,16 @@ def test_figure2_median_ratio_in_band() -> None:
     assert all(0.25 <= r["median"] <= 4.0 for r in weights), weights
 
 
+def test_figure2_leaves_the_global_rng_alone() -> None:
+    """Its models' default initialization (overwritten by the scheme's draws) used to advance
+    torch's global RNG: the user's next draws shifted by calling it."""
+    torch.manual_seed(1)
+    expected = torch.rand(3)
+    torch.manual_seed(1)
+    figure2_ratios(1, 4, generator=0, probes=1, gamma="builtin")
+    assert torch.equal(torch.rand(3), expected)
+
+
 # ----------------------------------------------------- data, loss forms and renamed knobs
 
 

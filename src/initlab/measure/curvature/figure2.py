@@ -52,6 +52,7 @@ def figure2_ratios(
     ``(batch, in_channels, 32, 32)`` and the random quadratic loss
     ``(1/B) Σ_b y_bᵀ R_b y_b`` (:func:`quadratic_loss`) with ``R_b`` i.i.d. ``N(0, 1)``
     entries, then runs :func:`theory_vs_actual`. The paper uses ``batch=1024`` and 100 setups.
+    Everything is drawn from ``generator``; torch's global RNG is left as it was.
     ``circular`` selects the zoo LeNet's circular padding (default, the setting of Prop. 5) or no
     padding. ``ad_mode`` (formerly ``mode``): ``"rev_rev"`` or ``"fwd_rev"``
     (:func:`~initlab.measure.curvature.block_curvature`).
@@ -80,9 +81,10 @@ def figure2_ratios(
     rows = []
     for s in range(n_setups):
         seed = int(torch.randint(0, 2**62, (1,), generator=gen))
-        model = create_model(
-            "strided_lenet", n_classes=n_classes, in_channels=in_channels, circular=circular
-        )
+        with torch.random.fork_rng(devices=[]):  # its default init draws from the global RNG
+            model = create_model(
+                "strided_lenet", n_classes=n_classes, in_channels=in_channels, circular=circular
+            )
         init_model(model, scheme, generator=seed, measure=False)
         model = model.to(dtype)
         x = torch.randn(batch, in_channels, 32, 32, generator=gen, dtype=torch.float64).to(dtype)
