@@ -32,7 +32,10 @@ For an MLP layer (``k2 = p2 = 1``) this is Prop. 3, ``gamma = n_in E[x^2]^2 E[dy
   value that flows on. At initialization the biases are zero and pre- and post-bias moments agree.
 * ``p2`` is measured, not computed from the geometry: ``p2 = numel(dy) / (examples * n_out)``. A
   module called ``c`` times per forward (a shared weight) therefore gets ``c`` times the positions,
-  which is right: its per-example gradient sums ``c * p2`` terms.
+  which is right: its per-example gradient sums ``c * p2`` terms. In a padded token batch (an
+  ``attention_mask`` with zeros) the moments and ``p2`` count the real tokens only: ``p2`` is the
+  batch's mean number of real tokens per example (4.5 for ``T = 5`` with 2 of 20 positions
+  masked), not ``T``.
 
 Why ``gamma`` equals the weight-to-gradient ratio ``nu`` (Prop. 4, extended to convolutions)
 ---------------------------------------------------------------------------------------------

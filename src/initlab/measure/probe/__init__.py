@@ -12,7 +12,9 @@ many forward (and backward) passes as you run inside it, accumulates for every p
   inputs (self-attention's ``att(h, h, h)``) is one input of the module: each of its indices
   reports the gradient through all of its uses in the module,
 
-and for every direct parameter of a probed module
+(in a padded token batch, one whose integer or boolean ``attention_mask`` has zeros, the
+``(B, T, ...)`` tensors among them are taken at the real tokens only; an encoder-decoder's padded
+positions are counted), and for every direct parameter of a probed module
 
 * ``W``:  the parameter itself, measured once at ``__enter__``,
 * ``dW``: the minibatch gradient of the loss as autograd produced it (one value per backward, summed
