@@ -80,6 +80,7 @@ class _Plan:
     kept: str | None = None  # why a tensor with a drawing of its model's own is left as it was
     dirac_centre: tuple[int, ...] | None = None  # where a dirac delta goes (None: torch's centre)
     embedding_std: float | None = None  # an embedding table's draw (None: init_model's argument)
+    padding_rows: list[int] = field(default_factory=list)  # padding_idx of every Embedding claimant
     notes: list[str] = field(default_factory=list)
 
 
@@ -310,8 +311,7 @@ def execute(
             param.mul_(float(rule.value))  # type: ignore[arg-type]
         else:
             _sample_blocks(plan, plan.rule_specs[i], generator)
-    padding = getattr(plan.module, "padding_idx", None)
-    if isinstance(plan.module, (nn.Embedding, nn.EmbeddingBag)) and padding is not None:
+    for padding in plan.padding_rows:  # of every Embedding sharing the table, whichever first
         param[padding].zero_()
         drawn = "orthogonal except that row, " if plan.distribution == "orthogonal" else ""
         plan.notes.append(
@@ -341,6 +341,13 @@ def _parameterless_norm(module: nn.Module) -> bool:
     )
 
 
+def _padding_row(module: nn.Module, name: str) -> int | None:
+    """The ``padding_idx`` row of an embedding table (``None``: no such row)."""
+    if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and name == "weight":
+        return module.padding_idx
+    return None
+
+
 def claim_params(
     model: nn.Module, registry: Registry
 ) -> tuple[dict[int, _Plan], list[int], set[int]]:
@@ -360,7 +367,10 @@ def claim_params(
             param = getattr(module, pspec.name)
             qname = f"{mod_name}.{pspec.name}" if mod_name else pspec.name
             key = id(param)
-            if key in plans:
+            padding = _padding_row(module, pspec.name)
+            if key in plans:  # a tied head declared before its table: the table's row still zero
+                if padding is not None and padding not in plans[key].padding_rows:
+                    plans[key].padding_rows.append(padding)
                 plans[key].aliases.append(qname)
                 plans[key].alias_types[qname] = type(module).__name__
                 plans[key].claim_roles.add(pspec.role)
@@ -368,7 +378,9 @@ def claim_params(
             if pspec.role in ("norm_scale", "norm_shift"):
                 norm_modules.add(id(module))
             pspec = fused_blocks(model, mod_name, pspec, param)
+            rows = [] if padding is None else [padding]
             plans[key] = _Plan(qname, param, module, pspec, claim_roles={pspec.role})
+            plans[key].padding_rows = rows
             order.append(key)
     return plans, order, norm_modules
 
