@@ -691,6 +691,46 @@ def test_a_parametrized_bias_is_refused_as_a_parametrized_weight_is(entry: str) 
         assert torch.equal(v, before[k]), k
 
 
+class _Recurrent(nn.Module):
+    """Linear -> recurrent layer (an unbatched sequence of the batch's rows) -> Linear."""
+
+    def __init__(self, cls: type[nn.RNNBase]) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.rnn, self.out = nn.Linear(4, 8), cls(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.rnn(self.inp(x))[0])
+
+
+@pytest.mark.parametrize("cls", [nn.RNN, nn.LSTM, nn.GRU])
+@pytest.mark.parametrize("entry", list(_WRITERS))
+def test_a_parametrized_recurrent_weight_is_refused_as_a_linear_s_is(
+    cls: type[nn.RNNBase], entry: str
+) -> None:
+    """An orthogonal weight_hh_l0 (common for RNNs): the RNN handler named only the layer's own
+    parameters, so init_model drew the rest and warned of an unclaimed 'original' (advising a
+    handler, which LSTM has), lsuv_ skipped it, gradinit_/metainit_/scale_output_ ran."""
+    model = _Recurrent(cls)
+    torch.nn.utils.parametrizations.orthogonal(model.rnn, "weight_hh_l0")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError) as info:
+        _WRITERS[entry](model)
+    text = str(info.value)
+    kind = f"a torch.nn.modules.rnn.{cls.__name__}"
+    assert (
+        f"the layer 'rnn' ({kind}) has parametrized tensors ('weight_hh_l0' by _Orthogonal" in text
+    )
+    assert "remove_parametrizations(layer, 'weight_hh_l0') keeps the current values" in text
+    assert "(then torch.nn.utils.parametrizations.orthogonal(layer, 'weight_hh_l0', " in text
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    torch.nn.utils.parametrize.remove_parametrizations(model.rnn, "weight_hh_l0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # lsuv_: a recurrent layer is not scaled
+        _WRITERS[entry](model)  # the way out: then the call runs
+
+
 @pytest.mark.parametrize(
     ("add", "remove"),
     [

@@ -734,13 +734,18 @@ def rnn_handler(module: nn.Module) -> list[ParamSpec]:
     ``input_size``, ``in_l = H_out * num_directions`` above it, and ``H_out`` is ``proj_size`` if
     set, else ``H``. An LSTM's ``weight_hr_l{l}`` ``(proj_size, H)`` is a plain weight (fans
     ``(H, proj_size)``); biases are biases.
-    Names come from the module's own parameters, so every parameter is claimed.
+    Names come from the module's own parameters, so every parameter is claimed, and from its
+    parametrizations (``torch.nn.utils.parametrize``), so that a computed tensor is named and
+    refused as a Linear's is (left out, an orthogonal ``weight_hh_l0`` went unclaimed).
     """
     n_gates, hidden = _RNN_GATES[module.mode], module.hidden_size
     h_out = module.proj_size if getattr(module, "proj_size", 0) > 0 else hidden
     directions = 2 if module.bidirectional else 1
+    names = [name for name, _ in module.named_parameters(recurse=False)]
+    if parametrize.is_parametrized(module):
+        names += [name for name in module.parametrizations if name not in names]
     specs = []
-    for name, _ in module.named_parameters(recurse=False):
+    for name in names:
         match = _RNN_NAME.fullmatch(name)
         if match is None:
             raise ValueError(f"unexpected RNN parameter name {name!r}")
