@@ -832,3 +832,26 @@ def test_a_layer_whose_output_is_a_tuple_is_left_as_it_was() -> None:
     assert "not a tensor" in rows["router"]["skipped"]
     assert all(torch.equal(v, kept[k]) for k, v in net.router.state_dict().items())
     assert not rows["fc"]["skipped"] and not rows["out"]["skipped"]
+
+
+def test_a_model_with_only_an_embedding_is_refused_without_claiming_lsuv_scales_it() -> None:
+    """The refusal said "no module holds a weight (LSUV scales linear, convolution, attention and
+    embedding layers ...)": LSUV never scales an embedding table (its layers are weights)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(20, 8), nn.LayerNorm(8))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError) as info:
+        lsuv_(model, torch.randint(0, 20, (32, 5)), generator=0)
+    text = str(info.value)
+    assert text.startswith("lsuv_: no layer to scale: no module holds a weight LSUV scales (")
+    assert "embedding layers" not in text
+    assert "it leaves embedding tables (here 0 (Embedding)) and norm layers as they are" in text
+    assert text.endswith("nothing was changed")
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    # next to a layer it scales, the table is left as it is (no row: not one of its layers)
+    model = nn.Sequential(nn.Embedding(20, 8), nn.Linear(8, 4))
+    table = model[0].weight.detach().clone()
+    report = lsuv_(model, torch.randint(0, 20, (32, 5)), generator=0)
+    assert [r["layer"] for r in report] == ["1"] and report.info["skipped"] == {}
+    assert torch.equal(model[0].weight, table)

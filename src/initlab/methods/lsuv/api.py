@@ -55,6 +55,7 @@ from initlab.methods.lsuv.units import (
     Unit,
     build_units,
     find_blocks,
+    selected,
 )
 
 __all__ = ["KNOWN_BLOCKS", "LSUV_COLUMNS", "lsuv_"]
@@ -327,7 +328,7 @@ def lsuv_(
     units = build_units(model, modules, registry)
     if orthogonal:  # what the pre-init does not redraw (a norm, an embedding) must agree
         check_same_parameters(model, "lsuv_", redrawn=_redrawn(units))
-    _refuse_unscalable(units, modules)
+    _refuse_unscalable(units, modules, model, registry)
     block_names = find_blocks(model, blocks, strategy) if strategy != "layers" else {}
     engine = Engine(
         units,
@@ -365,15 +366,31 @@ def lsuv_(
     )
 
 
-def _refuse_unscalable(units: list[Unit], modules: Selection | None) -> None:
+def _refuse_unscalable(
+    units: list[Unit], modules: Selection | None, model: nn.Module, registry: Registry
+) -> None:
     """Raise if no layer can be scaled: none holds a weight, or every one is a layer LSUV cannot
-    scale (recurrent, frozen, shared with a module it does not scale, ...)."""
+    scale (recurrent, frozen, shared with a module it does not scale, ...). The message names
+    the embedding tables found: LSUV leaves them as they are (its "layers" are weights)."""
     chosen = "" if modules is None else f" among modules={modules!r}"
     if not units:
+        tables = [
+            f"{name} ({type(module).__name__})"
+            for name, module in model.named_modules()
+            if selected(modules, name, module)
+            and any(s.role == "embedding" for s in registry.specs(module, name) or [])
+        ]
+        left = "it leaves embedding tables and norm layers as they are"
+        if tables:
+            more = " ..." if len(tables) > 4 else ""
+            left = (
+                f"it leaves embedding tables (here {', '.join(tables[:4])}{more}) and norm layers "
+                "as they are; init_model draws a table with its embedding_std"
+            )
         raise ValueError(
-            f"lsuv_: no layer to scale{chosen}: no module holds a weight (LSUV scales linear, "
-            "convolution, attention and embedding layers, and those a handler registered with "
-            "initlab.register_handler describes)"
+            f"lsuv_: no layer to scale{chosen}: no module holds a weight LSUV scales (linear, "
+            "convolution and attention layers, and those a handler registered with "
+            f"initlab.register_handler describes); {left}; nothing was changed"
         )
     if all(u.kind == "static" for u in units):
         why = "; ".join(f"{u.name}: {u.skipped}" for u in units[:4])
