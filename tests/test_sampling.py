@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import initlab
 from initlab.init.fans import compute_fans
 from initlab.init.sampling import (
     arithmetic_normal_,
@@ -159,6 +160,44 @@ def test_seeds(sampler: Callable[..., torch.Tensor], name: str, distribution: st
     other = sampler(torch.empty(64, 32, 3, 3), generator=gen(8))
     assert torch.equal(first, again)
     assert not torch.equal(first, other)
+
+
+# A strided ConvTranspose2d(48, 32, 4, groups=2): weight (48, 16, 4, 4), n_in / g = 24, k = 16,
+# n_out / g = 16. Each output sums (n_in / g) * k / prod(stride) inputs: fi below, by hand.
+STRIDED = [
+    pytest.param({"stride": 2, "fi": 24 * 16 / 4}, id="stride2"),
+    pytest.param({"stride": (2, 3), "fi": 24 * 16 / 6}, id="stride2x3"),
+]
+
+
+@pytest.mark.parametrize(("sampler", "name", "distribution"), SAMPLERS, ids=SAMPLER_IDS)
+@pytest.mark.parametrize("case", STRIDED)
+def test_a_scheme_sampler_takes_a_conv_transpose_s_stride(
+    case: dict[str, Any], sampler: Callable[..., torch.Tensor], name: str, distribution: str
+) -> None:
+    """The samplers had no stride=: on a strided ConvTranspose they drew with fan_in =
+    (n_in / g) * k, prod(stride) times (fan_in) or sqrt of it (geometric) below init_model."""
+    hand = {"fi": case["fi"], "fo": 16 * 16, "no": 16}
+    if name == "operator_norm":  # cols of the n_out x (n_in * k) matrix, whatever the stride
+        hand["fi"] = 24 * 16
+    target = HAND_VARIANCE[name](hand)
+    weight = sampler(
+        torch.empty(48, 16, 4, 4),
+        groups=2,
+        transposed=True,
+        stride=case["stride"],
+        generator=gen(5),
+    )
+    achieved = weight.double().pow(2).mean().item()
+    rel_tol = 5 * math.sqrt((KURTOSIS[distribution] - 1) / weight.numel())
+    assert abs(achieved / target - 1) <= rel_tol, (achieved, target, rel_tol)
+    # init_model draws the layer with the same variance (ReLU gain, as the samplers' default)
+    layer = torch.nn.ConvTranspose2d(48, 32, 4, stride=case["stride"], groups=2)
+    report = initlab.init_model(torch.nn.Sequential(layer), name, gains="scheme", generator=0)
+    (row,) = [r for r in report if r["param"] == "weight"]
+    assert abs(row["target_std"] ** 2 / target - 1) <= 1e-12
+    with pytest.raises(ValueError, match=r"stride=2 changes the fans of a transposed convolution"):
+        sampler(torch.empty(48, 16, 4, 4), stride=2)  # not transposed: fan_in is (n_in / g) * k
 
 
 def test_orthogonal_seeds() -> None:

@@ -418,6 +418,7 @@ def fan_in_normal_(
     gain: float | None = None,
     groups: int = 1,
     transposed: bool = False,
+    stride: int | Sequence[int] = 1,
     generator: torch.Generator | int | None = None,
 ) -> Tensor:
     """Fan-in normal: ``N(0, std**2)``, ``std = gain / sqrt(fan_in)`` (He et al., 2015).
@@ -425,6 +426,12 @@ def fan_in_normal_(
     With the defaults (ReLU) this is ``torch.nn.init.kaiming_normal_(tensor, mode="fan_in",
     nonlinearity="relu")``, bit for bit for the same generator. ``gain`` overrides
     ``calculate_gain(nonlinearity, param)``.
+
+    ``groups``, ``transposed`` and ``stride`` give the layout as in :func:`initlab.compute_fans`.
+    ``stride`` is a ``ConvTranspose``'s (with ``transposed=True``; an int or one per spatial dim):
+    ``fan_in = (n_in / g) * k / prod(stride)``, as :func:`~initlab.init_model` uses (left at 1, a
+    strided ``ConvTranspose`` comes out ``prod(stride)`` times too small in variance), so
+    ``std = gain * sqrt(prod(stride) / ((n_in / g) * k))``.
 
     Example:
         >>> w = torch.empty(64, 32, 3, 3)
@@ -435,7 +442,7 @@ def fan_in_normal_(
         True
     """
     _check_tensor(tensor, "fan_in_normal_")
-    fans = compute_fans(tensor, groups=groups, transposed=transposed)
+    fans = compute_fans(tensor, groups=groups, transposed=transposed, stride=stride)
     spec = FanIn(nonlinearity=nonlinearity, param=param, gain=gain).spec(fans)
     return sample_(tensor, spec, generator=generator, groups=groups, transposed=transposed)
 
@@ -448,15 +455,22 @@ def fan_in_uniform_(
     gain: float | None = None,
     groups: int = 1,
     transposed: bool = False,
+    stride: int | Sequence[int] = 1,
     generator: torch.Generator | int | None = None,
 ) -> Tensor:
     """Fan-in uniform: ``U(-b, b)``, ``b = gain * sqrt(3 / fan_in)`` (He et al., 2015).
 
     Equals ``torch.nn.init.kaiming_uniform_(tensor, nonlinearity="relu")`` bit for bit for the same
     generator (note: ``nn.Linear``'s default init is ``kaiming_uniform_`` with ``a = sqrt(5)``).
+
+    ``groups``, ``transposed`` and ``stride`` give the layout as in :func:`initlab.compute_fans`.
+    ``stride`` is a ``ConvTranspose``'s (with ``transposed=True``; an int or one per spatial dim):
+    ``fan_in = (n_in / g) * k / prod(stride)``, as :func:`~initlab.init_model` uses (left at 1, a
+    strided ``ConvTranspose`` comes out ``prod(stride)`` times too small in variance), so
+    ``b = gain * sqrt(3 * prod(stride) / ((n_in / g) * k))``.
     """
     _check_tensor(tensor, "fan_in_uniform_")
-    fans = compute_fans(tensor, groups=groups, transposed=transposed)
+    fans = compute_fans(tensor, groups=groups, transposed=transposed, stride=stride)
     spec = FanIn(nonlinearity=nonlinearity, param=param, gain=gain, distribution="uniform").spec(
         fans
     )
@@ -471,14 +485,19 @@ def fan_out_normal_(
     gain: float | None = None,
     groups: int = 1,
     transposed: bool = False,
+    stride: int | Sequence[int] = 1,
     generator: torch.Generator | int | None = None,
 ) -> Tensor:
     """Fan-out normal: ``N(0, std**2)``, ``std = gain / sqrt(fan_out)`` (He et al., 2015).
 
     Equals ``torch.nn.init.kaiming_normal_(mode="fan_out")`` for ungrouped weights.
+
+    ``groups``, ``transposed`` and ``stride`` give the layout as in :func:`initlab.compute_fans`.
+    ``stride`` (a ``ConvTranspose``'s, with ``transposed=True``) corrects ``fan_in`` only:
+    ``fan_out = (n_out / g) * k`` whatever the stride, so this draw does not depend on it.
     """
     _check_tensor(tensor, "fan_out_normal_")
-    fans = compute_fans(tensor, groups=groups, transposed=transposed)
+    fans = compute_fans(tensor, groups=groups, transposed=transposed, stride=stride)
     spec = FanOut(nonlinearity=nonlinearity, param=param, gain=gain).spec(fans)
     return sample_(tensor, spec, generator=generator, groups=groups, transposed=transposed)
 
@@ -491,11 +510,17 @@ def fan_out_uniform_(
     gain: float | None = None,
     groups: int = 1,
     transposed: bool = False,
+    stride: int | Sequence[int] = 1,
     generator: torch.Generator | int | None = None,
 ) -> Tensor:
-    """Fan-out uniform: ``U(-b, b)``, ``b = gain * sqrt(3 / fan_out)`` (He et al., 2015)."""
+    """Fan-out uniform: ``U(-b, b)``, ``b = gain * sqrt(3 / fan_out)`` (He et al., 2015).
+
+    ``groups``, ``transposed`` and ``stride`` give the layout as in :func:`initlab.compute_fans`.
+    ``stride`` (a ``ConvTranspose``'s, with ``transposed=True``) corrects ``fan_in`` only:
+    ``fan_out = (n_out / g) * k`` whatever the stride, so this draw does not depend on it.
+    """
     _check_tensor(tensor, "fan_out_uniform_")
-    fans = compute_fans(tensor, groups=groups, transposed=transposed)
+    fans = compute_fans(tensor, groups=groups, transposed=transposed, stride=stride)
     spec = FanOut(nonlinearity=nonlinearity, param=param, gain=gain, distribution="uniform").spec(
         fans
     )
@@ -510,15 +535,22 @@ def arithmetic_normal_(
     gain: float | None = None,
     groups: int = 1,
     transposed: bool = False,
+    stride: int | Sequence[int] = 1,
     generator: torch.Generator | int | None = None,
 ) -> Tensor:
     """Arithmetic-mean normal: ``Var = 2 * gain**2 / (fan_in + fan_out)`` (Glorot & Bengio, 2010).
 
     ReLU default: ``4 / (fan_in + fan_out)``. With ``nonlinearity="linear"`` this is
     ``torch.nn.init.xavier_normal_`` bit for bit for the same generator (ungrouped weights).
+
+    ``groups``, ``transposed`` and ``stride`` give the layout as in :func:`initlab.compute_fans`.
+    ``stride`` is a ``ConvTranspose``'s (with ``transposed=True``; an int or one per spatial dim):
+    ``fan_in = (n_in / g) * k / prod(stride)``, as :func:`~initlab.init_model` uses (left at 1, a
+    strided ``ConvTranspose`` comes out too small in variance), so
+    ``Var = 2 * gain**2 / ((n_in / g) * k / prod(stride) + (n_out / g) * k)``.
     """
     _check_tensor(tensor, "arithmetic_normal_")
-    fans = compute_fans(tensor, groups=groups, transposed=transposed)
+    fans = compute_fans(tensor, groups=groups, transposed=transposed, stride=stride)
     spec = ArithmeticMean(nonlinearity=nonlinearity, param=param, gain=gain).spec(fans)
     return sample_(tensor, spec, generator=generator, groups=groups, transposed=transposed)
 
@@ -531,14 +563,21 @@ def arithmetic_uniform_(
     gain: float | None = None,
     groups: int = 1,
     transposed: bool = False,
+    stride: int | Sequence[int] = 1,
     generator: torch.Generator | int | None = None,
 ) -> Tensor:
     """Arithmetic-mean uniform: ``b = gain * sqrt(6 / (fan_in + fan_out))`` (Glorot & Bengio, 2010).
 
     With ``nonlinearity="linear"`` this is ``torch.nn.init.xavier_uniform_`` bit for bit.
+
+    ``groups``, ``transposed`` and ``stride`` give the layout as in :func:`initlab.compute_fans`.
+    ``stride`` is a ``ConvTranspose``'s (with ``transposed=True``; an int or one per spatial dim):
+    ``fan_in = (n_in / g) * k / prod(stride)``, as :func:`~initlab.init_model` uses (left at 1, a
+    strided ``ConvTranspose`` comes out too small in variance), so
+    ``b = gain * sqrt(6 / ((n_in / g) * k / prod(stride) + (n_out / g) * k))``.
     """
     _check_tensor(tensor, "arithmetic_uniform_")
-    fans = compute_fans(tensor, groups=groups, transposed=transposed)
+    fans = compute_fans(tensor, groups=groups, transposed=transposed, stride=stride)
     spec = ArithmeticMean(
         nonlinearity=nonlinearity, param=param, gain=gain, distribution="uniform"
     ).spec(fans)
@@ -554,6 +593,7 @@ def geometric_normal_(
     c: float | None = None,
     groups: int = 1,
     transposed: bool = False,
+    stride: int | Sequence[int] = 1,
     generator: torch.Generator | int | None = None,
 ) -> Tensor:
     """Geometric-mean normal: ``Var = c / sqrt(fan_in * fan_out)`` (Defazio & Bottou 2020, Eq. 2/7).
@@ -561,13 +601,19 @@ def geometric_normal_(
     ``c`` defaults to ``gain**2`` (2 for ReLU). For a ``k x k`` conv this is
     ``c / (k**2 sqrt(n_in n_out))``.
 
+    ``groups``, ``transposed`` and ``stride`` give the layout as in :func:`initlab.compute_fans`.
+    ``stride`` is a ``ConvTranspose``'s (with ``transposed=True``; an int or one per spatial dim):
+    ``fan_in = (n_in / g) * k / prod(stride)``, as :func:`~initlab.init_model` uses (left at 1, a
+    strided ``ConvTranspose`` comes out ``sqrt(prod(stride))`` times too small in variance), so
+    ``Var = c * sqrt(prod(stride)) / (k * sqrt((n_in / g) * (n_out / g)))``.
+
     Example:
         >>> w = geometric_normal_(torch.empty(200, 50), generator=torch.Generator().manual_seed(0))
         >>> abs(w.var().item() / (2 / (50 * 200) ** 0.5) - 1) < 0.1
         True
     """
     _check_tensor(tensor, "geometric_normal_")
-    fans = compute_fans(tensor, groups=groups, transposed=transposed)
+    fans = compute_fans(tensor, groups=groups, transposed=transposed, stride=stride)
     spec = GeometricMean(nonlinearity=nonlinearity, param=param, gain=gain, c=c).spec(fans)
     return sample_(tensor, spec, generator=generator, groups=groups, transposed=transposed)
 
@@ -581,14 +627,21 @@ def geometric_uniform_(
     c: float | None = None,
     groups: int = 1,
     transposed: bool = False,
+    stride: int | Sequence[int] = 1,
     generator: torch.Generator | int | None = None,
 ) -> Tensor:
     """Geometric-mean uniform: ``U(-b, b)``, ``b**2 = 3 c / sqrt(fan_in * fan_out)``.
 
     Defazio & Bottou (2020), Eq. 2/7; ``c`` defaults to ``gain**2`` (2 for ReLU).
+
+    ``groups``, ``transposed`` and ``stride`` give the layout as in :func:`initlab.compute_fans`.
+    ``stride`` is a ``ConvTranspose``'s (with ``transposed=True``; an int or one per spatial dim):
+    ``fan_in = (n_in / g) * k / prod(stride)``, as :func:`~initlab.init_model` uses (left at 1, a
+    strided ``ConvTranspose`` comes out ``sqrt(prod(stride))`` times too small in variance), so
+    ``b**2 = 3 * c * sqrt(prod(stride)) / (k * sqrt((n_in / g) * (n_out / g)))``.
     """
     _check_tensor(tensor, "geometric_uniform_")
-    fans = compute_fans(tensor, groups=groups, transposed=transposed)
+    fans = compute_fans(tensor, groups=groups, transposed=transposed, stride=stride)
     spec = GeometricMean(
         nonlinearity=nonlinearity, param=param, gain=gain, c=c, distribution="uniform"
     ).spec(fans)
@@ -604,6 +657,7 @@ def geometric_trunc_normal_(
     c: float | None = None,
     groups: int = 1,
     transposed: bool = False,
+    stride: int | Sequence[int] = 1,
     generator: torch.Generator | int | None = None,
 ) -> Tensor:
     """Geometric-mean truncated normal (cut at ±2 sigma'): ``Var = c / sqrt(fan_in * fan_out)``.
@@ -611,9 +665,15 @@ def geometric_trunc_normal_(
     The variance is that of the truncated distribution.
 
     See :func:`trunc_normal_` for the rescaling; Defazio & Bottou (2020), Eq. 2/7.
+
+    ``groups``, ``transposed`` and ``stride`` give the layout as in :func:`initlab.compute_fans`.
+    ``stride`` is a ``ConvTranspose``'s (with ``transposed=True``; an int or one per spatial dim):
+    ``fan_in = (n_in / g) * k / prod(stride)``, as :func:`~initlab.init_model` uses (left at 1, a
+    strided ``ConvTranspose`` comes out ``sqrt(prod(stride))`` times too small in variance), so
+    ``Var = c * sqrt(prod(stride)) / (k * sqrt((n_in / g) * (n_out / g)))``.
     """
     _check_tensor(tensor, "geometric_trunc_normal_")
-    fans = compute_fans(tensor, groups=groups, transposed=transposed)
+    fans = compute_fans(tensor, groups=groups, transposed=transposed, stride=stride)
     spec = GeometricMean(
         nonlinearity=nonlinearity, param=param, gain=gain, c=c, distribution="trunc_normal"
     ).spec(fans)
@@ -629,6 +689,7 @@ def operator_norm_normal_(
     a: float = 1.0,
     groups: int = 1,
     transposed: bool = False,
+    stride: int | Sequence[int] = 1,
     generator: torch.Generator | int | None = None,
 ) -> Tensor:
     """Operator-norm normal: ``std = 1 / ((sqrt(cols) + sqrt(n_out)) * L * a)`` (lecture).
@@ -639,6 +700,11 @@ def operator_norm_normal_(
     Gives ``||W||_2 ~ 1 / L`` (2 for ReLU's average Lipschitz constant 0.5). ``lipschitz``
     defaults to :func:`initlab.average_lipschitz` of the nonlinearity; there is no ``gain``.
 
+    ``groups``, ``transposed`` and ``stride`` give the layout as in :func:`initlab.compute_fans`.
+    ``stride`` (a ``ConvTranspose``'s, with ``transposed=True``) divides ``fan_in`` by
+    ``prod(stride)`` but leaves ``cols = fan_in * prod(stride) = (n_in / g) * k``, so this draw
+    does not depend on it.
+
     Example:
         >>> w = operator_norm_normal_(torch.empty(1000, 1000),
         ...                           generator=torch.Generator().manual_seed(0))
@@ -646,6 +712,6 @@ def operator_norm_normal_(
         True
     """
     _check_tensor(tensor, "operator_norm_normal_")
-    fans = compute_fans(tensor, groups=groups, transposed=transposed)
+    fans = compute_fans(tensor, groups=groups, transposed=transposed, stride=stride)
     spec = OperatorNorm(nonlinearity=nonlinearity, param=param, lipschitz=lipschitz, a=a).spec(fans)
     return sample_(tensor, spec, generator=generator, groups=groups, transposed=transposed)
