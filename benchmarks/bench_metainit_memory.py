@@ -21,7 +21,12 @@ peak over 3 steps as a multiple of the parameter bytes: before, at 46a7b73 (HEAD
 was written, run with its ``src`` on ``PYTHONPATH``), ``gradinit`` 17.9-21.2x and ``paper``
 19.3-22.4x (wall 7.2-12.3 s); after, ``gradinit`` 14.1-14.9x and ``paper`` 14.5-15.3x (wall
 6.3-9.5 s); a plain forward + backward: 1.2x. The spread of one tree's runs is glibc's heap (which
-blocks a step's freed tensors land in), not the tensors held.
+blocks a step's freed tensors land in), not the tensors held. Then ``H g`` was taken as the
+gradient of ``||g||^2 / 2``, whose backward made a copy of ``g`` that the third-order graph kept;
+it is now ``grad(g, theta, grad_outputs=g)`` (the same bits): at 1e120a4 ``gradinit`` 14.2-14.3x
+and ``paper`` 13.6-14.4x, after 11.2-11.9x and 11.3-11.6x (two alternating runs of each tree, a
+loaded machine, 2026-11-27). The first ``grad`` with ``grad_outputs`` in a process imports
+torch's symbolic-shapes module (sympy), about 1 s once.
 
 Run: ``python benchmarks/bench_metainit_memory.py [--depth 25] [--width 1024] [--batch 64]
 [--steps 3]``.

@@ -75,7 +75,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from functools import partial
+from functools import partial, reduce
 from typing import Any, Literal
 
 import torch
@@ -214,17 +214,19 @@ def _gq(
     (and a checkpointed block recomputes its forward in that backward)."""
     loss = loss_at(model, loss_fn, ts, theta, batch)
     g = grads_or_zeros(loss, theta, create_graph=True)
-    half_sq = torch.stack([x.square().sum() for x in g]).sum() / 2
+    live = [x for x in g if x.requires_grad]  # the rest are zeros: H g's rows there are too
     with second_order(what, _WHY, _ADVICE) as check:
         check([*g, loss])
-        if not half_sq.requires_grad:
+        if not live:
             raise ValueError("the gradient does not depend on the parameters: GQ is undefined")
-        # = H g, with g on the graph (paper, Fig. 2)
-        hg = grads_or_zeros(half_sq, theta, create_graph=True)
-    total = half_sq.new_zeros((), dtype=torch.promote_types(half_sq.dtype, torch.float32))
+        # H g = d/dtheta (g . v) at v = g, with g on the graph (paper, Fig. 2): the vector is g
+        # itself, not the copy a backward of ||g||^2 / 2 would make (one parameter size less)
+        hg = grads_or_zeros(live, theta, grad_outputs=live, create_graph=True)
+    wide = reduce(torch.promote_types, (x.dtype for x in g), torch.float32)
+    total = loss.new_zeros((), dtype=wide)
     for gi, hi in zip(g, hg, strict=True):
         total = total + _QuotientSum.apply(gi, hi, eps)
-    grad_norm = float((2 * half_sq.detach().double()).sqrt())
+    grad_norm = float(torch.stack([x.detach().double().square().sum() for x in g]).sum().sqrt())
     return total / ts.numel, loss, grad_norm
 
 
