@@ -37,6 +37,9 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from initlab._core.hooks import hook_handles
+from initlab._core.state import preserved_state
+
 __all__ = [
     "computed",
     "layer_tensor",
@@ -170,12 +173,19 @@ def trainable(module: nn.Module, name: str) -> bool:
     return param is None or bool(param.requires_grad)
 
 
-def plain_copy(model: nn.Module) -> nn.Module:
+def plain_copy(model: nn.Module, run: Callable[[nn.Module], Any], *, what: str) -> nn.Module:
     """A deep copy of ``model`` in which every computed tensor is a parameter holding its value
     (:func:`computed`), trainable as the tensors it was computed from (:func:`trainable`): the
     same forward, with the computed tensors as leaves (their curvature blocks are then those of
-    ``dL/dW``). ``model`` itself is not changed."""
+    ``dL/dW``). ``model`` itself is not changed.
+
+    ``run(m)`` is the caller's forward on ``m``; it is run once on the copy (no grad) to check
+    that the copy's forward runs the copy (:func:`_check_runs_copy`): a forward replaced on the
+    instance (``model.forward = lambda *a: orig(*a)``, a closure the copy shares) runs ``model``
+    instead, and its measurement would be of the wrong tensors; that raises (``what``: the entry
+    point named), ``model`` left as it was."""
     twin = copy.deepcopy(model)
+    _check_runs_copy(model, twin, run, what)
     for module in list(twin.modules()):  # the walk must not see the modules removed
         names = parametrized_names(module)
         values = {name: (computed(module, name).clone(), trainable(module, name)) for name in names}
@@ -188,6 +198,47 @@ def plain_copy(model: nn.Module) -> nn.Module:
         for name, (value, grad) in values.items():
             module.register_parameter(name, nn.Parameter(value, requires_grad=grad))
     return twin
+
+
+class _RanOriginal(Exception):
+    """Raised by :func:`_check_runs_copy`'s hook: the copy's forward called ``model``'s module."""
+
+
+def _check_runs_copy(
+    model: nn.Module, twin: nn.Module, run: Callable[[nn.Module], Any], what: str
+) -> None:
+    """Raise ``ValueError`` if ``run(twin)`` calls a module of ``model`` (a forward replaced on
+    the instance, which ``copy.deepcopy`` shares with the copy): stopped at that module's first
+    call by a forward pre-hook, before it runs, inside ``preserved_state`` of both (the copy's
+    buffers too: a train-mode forward moves BatchNorm statistics). Other errors of the run are
+    left to the measurement, which runs it again and reports them."""
+
+    def stop(name: str, _module: nn.Module, _args: Any) -> None:
+        raise _RanOriginal(name)
+
+    with preserved_state(model), preserved_state(twin, params=False), hook_handles() as handles:
+        for name, module in model.named_modules():
+            handles.add(module.register_forward_pre_hook(functools.partial(stop, name)))
+        try:
+            with torch.no_grad():
+                run(twin)
+        except _RanOriginal as hit:
+            called = f"the original's module {str(hit)!r}" if str(hit) else "the original"
+            replaced = [
+                repr(n or "the model") for n, m in model.named_modules() if "forward" in vars(m)
+            ]
+            raise ValueError(
+                f"{what}: the model has a parametrized layer, whose computed weight is measured "
+                f"on a copy of the model, but the copy's forward runs the original model (it "
+                f"called {called}): the forward of "
+                f"{', '.join(replaced) or 'a module'} is replaced on the instance (model.forward "
+                "= ...) by a function the copy shares. Remove that replacement for this call "
+                "(del model.forward), or bind it to its module as a method (module.forward = "
+                "types.MethodType(fn, module), fn taking self), which a copy rebinds to itself. "
+                "Nothing was measured; the model is left as it was"
+            ) from None
+        except Exception:  # the measurement runs the forward again and reports its errors
+            pass
 
 
 def parametrized_note(module: nn.Module, name: str) -> str:

@@ -152,12 +152,14 @@ def _blocks(model: nn.Module, modules: dict[str, nn.Module]) -> list[tuple[str, 
 
 
 def _leaves(
-    model: nn.Module, modules: Mapping[str, nn.Module]
+    model: nn.Module, modules: Mapping[str, nn.Module], run: Callable[[nn.Module], Any]
 ) -> tuple[nn.Module, dict[tuple[str, str], str]]:
     """The model whose blocks are measured, and the note of each computed tensor's row. A
     model without parametrizations is itself; else a copy in which each computed tensor (a
     ``weight_norm``ed weight) is a parameter of its value (:func:`plain_copy`): the block of
-    the weight the forward uses, which Eq. 1's ``γ`` describes, not of its trainable originals."""
+    the weight the forward uses, which Eq. 1's ``γ`` describes, not of its trainable originals.
+    ``run(m)``: the measured forward on ``m``, to check that the copy's forward runs the copy
+    (a forward replaced on the instance may run ``model``: refused, ``model`` left as it was)."""
     notes = {
         (mname, pname): parametrized_note(mod, pname)
         + "; actual is the Hessian block of that computed tensor (measured as a leaf)"
@@ -165,7 +167,9 @@ def _leaves(
         for pname in parametrized_names(mod)
         if pname in ("weight", "bias")
     }
-    return (plain_copy(model) if notes else model), notes
+    if not notes:
+        return model, notes
+    return plain_copy(model, run, what="theory_vs_actual"), notes
 
 
 def _row(
@@ -239,7 +243,7 @@ def _compared_layers(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def _theory_gammas(
-    twin: nn.Module,
+    model: nn.Module,
     batch: Any,
     loss: Loss,
     fwd: Forward,
@@ -247,14 +251,14 @@ def _theory_gammas(
     modules: list[str],
     gamma: str,
 ) -> dict[str, tuple[float, float, str]]:
-    """``γ`` (theory) per layer of ``modules``, from the moments of one probe run on ``twin``
-    (a copy of the model) with ``loss_reduction="sum"``: :func:`_conditioning_gamma` or
-    :func:`_builtin_gamma` as ``gamma`` says."""
+    """``γ`` (theory) per layer of ``modules``, from the moments of one probe run on the model
+    itself with ``loss_reduction="sum"`` (:func:`~initlab.measure.probe.measure_moments` leaves
+    it as it was): :func:`_conditioning_gamma` or :func:`_builtin_gamma` as ``gamma`` says."""
     from initlab.measure.probe import measure_moments
 
     with errors_named("theory_vs_actual", "measure_moments"):
         moments = measure_moments(
-            twin,
+            model,
             Batches([batch]),
             Loss(loss.name, lambda m, b: on_outputs(fwd(m, b), b)),  # named as the user's loss
             modules=modules,
@@ -262,8 +266,8 @@ def _theory_gammas(
             loss_reduction="sum",
         )
     if gamma in ("auto", "conditioning"):
-        return _conditioning_gamma(moments, twin, batch_size(batch))
-    return _builtin_gamma(moments, dict(twin.named_modules()))
+        return _conditioning_gamma(moments, model, batch_size(batch))
+    return _builtin_gamma(moments, dict(model.named_modules()))
 
 
 @takes_compiled
@@ -297,11 +301,11 @@ def theory_vs_actual(
 
     with ``dy = ∂f/∂y`` (the gradient of ``f`` itself, so ``γ`` and ``actual`` scale alike with
     the loss's reduction) and ``b p²`` the number of output positions per channel in the batch.
-    The moments come from :class:`~initlab.MomentProbe` (``loss_reduction="sum"``) on a
-    copy of the model. ``gamma="conditioning"`` takes ``γ`` from
-    :func:`initlab.gr_scaling` (``b = 1``, per-example ``dy``) times ``B``, which is
-    the same quantity (``"auto"``, the default, is ``"conditioning"``); ``"builtin"`` computes
-    it here.
+    The moments come from :class:`~initlab.MomentProbe` (``loss_reduction="sum"``) on the
+    model itself, left as it was (weights, buffers, ``.grad``, modes: as every measurement).
+    ``gamma="conditioning"`` takes ``γ`` from :func:`initlab.gr_scaling` (``b = 1``,
+    per-example ``dy``) times ``B``, which is the same quantity (``"auto"``, the default, is
+    ``"conditioning"``); ``"builtin"`` computes it here.
 
     ``data`` (one batch or many; the first batch is used), ``loss_fn`` (any form
     :func:`~initlab._core.loss.resolve_loss` accepts), ``kind``, ``ad_mode`` (formerly ``mode``)
@@ -314,8 +318,6 @@ def theory_vs_actual(
         under the first such layer holding it, with ``block`` its first name in
         ``named_parameters()``, ``theory`` NaN (the GR formula covers one use) and a ``note``.
     """
-    import copy
-
     if gamma not in ("auto", "builtin", "conditioning"):
         raise ValueError(
             f"unknown gamma {gamma!r}; valid values: ['auto', 'builtin', 'conditioning']"
@@ -324,10 +326,9 @@ def theory_vs_actual(
     loss = on_batches(resolve_loss(loss_fn, what="theory_vs_actual"), [batch])
     fwd, on_outputs = split_loss(loss, forward, what="theory_vs_actual")
     modules = _compared_layers(model)
-    twin = copy.deepcopy(model)
-    setting = _outside_setting(twin, lambda: fwd(twin, batch))
-    gammas = _theory_gammas(twin, batch, loss, fwd, on_outputs, list(modules), gamma)
-    plain, notes = _leaves(model, modules)
+    plain, notes = _leaves(model, modules, lambda m: fwd(m, batch))  # before any measurement
+    setting = _outside_setting(model, lambda: fwd(model, batch))
+    gammas = _theory_gammas(model, batch, loss, fwd, on_outputs, list(modules), gamma)
     names = _blocks(plain, {n: plain.get_submodule(n) for n in modules})
     est = block_curvature(
         plain,

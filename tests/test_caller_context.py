@@ -1,0 +1,129 @@
+"""What the caller's context brings into a call, and the model left as it was.
+
+* a forward replaced on the instance (``model.forward = lambda *a: orig(*a)``, a logging or
+  autocast wrapper): ``theory_vs_actual`` measures the model itself, and refuses (model unchanged)
+  where it needs a copy whose forward would run the original;
+
+Each case is checked against an independent float64 computation or the unwrapped model's
+result, and the model's state bits (weights, buffers, ``.grad``) before and after.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils.parametrizations import weight_norm
+
+import initlab
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _xy(rows: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    return torch.randn(rows, 6, generator=gen), torch.randint(0, 3, (rows,), generator=gen)
+
+
+def _state(model: nn.Module) -> dict[str, Any]:
+    """Bits of every tensor of the state dict, and each parameter's ``.grad`` object."""
+    return {
+        "tensors": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "grads": {n: p.grad for n, p in model.named_parameters()},
+    }
+
+
+def _same_state(model: nn.Module, before: dict[str, Any]) -> bool:
+    now = _state(model)
+    same = all(
+        torch.equal(now["tensors"][k], v) and now["tensors"][k].dtype == v.dtype
+        for k, v in before["tensors"].items()
+    )
+    return same and all(now["grads"][n] is g for n, g in before["grads"].items())
+
+
+def _wrap_forward(model: nn.Module) -> nn.Module:
+    orig = model.forward
+    model.forward = lambda *a, **k: orig(*a, **k)  # a closure over the bound forward
+    return model
+
+
+def _gammas64(net: nn.Sequential, x: torch.Tensor, y: torch.Tensor) -> list[float]:
+    """Eq. 1 in float64, by hand, for ``Linear, ReLU, Linear`` and the mean cross-entropy:
+    ``γ_W = B n_in E[x²]² E[dy²]/E[y²]``, ``γ_b = B E[dy²]/E[y²]``, ``dy = ∂f/∂y``."""
+    w0, b0 = net[0].weight.detach().double(), net[0].bias.detach().double()
+    w2, b2 = net[2].weight.detach().double(), net[2].bias.detach().double()
+    x64 = x.double()
+    y0 = (x64 @ w0.T + b0).requires_grad_()
+    h = y0.relu()
+    y2 = h @ w2.T + b2
+    y2.retain_grad()
+    F.cross_entropy(y2, y).backward()
+    out = []
+    for inp, yo, dy in ((x64, y0.detach(), y0.grad), (h.detach(), y2.detach(), y2.grad)):
+        ratio = dy.square().mean() / yo.square().mean()
+        b = yo.numel() / yo.shape[1]
+        out += [float(b * inp.shape[1] * inp.square().mean() ** 2 * ratio), float(b * ratio)]
+    return out
+
+
+def test_theory_vs_actual_instance_forward_leaves_model_as_it_was() -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+    _wrap_forward(net)
+    x, y = _xy()
+    before = _state(net)
+    rows = initlab.theory_vs_actual(net, (x, y), nn.CrossEntropyLoss(), probes=2, generator=0)
+    assert _same_state(net, before)  # BN statistics, num_batches_tracked and .grad included
+    assert all(torch.isfinite(torch.tensor(r["theory"])) for r in rows)
+
+
+@pytest.mark.parametrize("gamma", ["builtin", "auto"])
+def test_theory_vs_actual_instance_forward_gives_the_unwrapped_theory(gamma: str) -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    x, y = _xy()
+    kw: dict[str, Any] = {"probes": 2, "generator": 0, "gamma": gamma}
+    plain = initlab.theory_vs_actual(net, (x, y), nn.CrossEntropyLoss(), **kw)
+    wrapped = initlab.theory_vs_actual(_wrap_forward(net), (x, y), nn.CrossEntropyLoss(), **kw)
+    want = _gammas64(net, x, y)
+    assert [r["theory"] for r in wrapped] == pytest.approx(want, rel=1e-5)
+    assert [r["theory"] for r in wrapped] == [r["theory"] for r in plain]
+    assert [r["actual"] for r in wrapped] == [r["actual"] for r in plain]
+
+
+def _weight_normed() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        weight_norm(nn.Linear(6, 16)), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3)
+    )
+
+
+def test_theory_vs_actual_copy_running_the_original_is_refused_model_unchanged() -> None:
+    """A parametrized layer is measured on a copy (its computed weight as a leaf); a closure
+    forward the copy shares runs the original: refused, before anything is measured."""
+    net = _wrap_forward(_weight_normed())
+    x, y = _xy()
+    before = _state(net)
+    with pytest.raises(ValueError, match=r"replaced on the instance.*del model\.forward"):
+        initlab.theory_vs_actual(net, (x, y), nn.CrossEntropyLoss(), probes=2, generator=0)
+    assert _same_state(net, before)
+    assert not net[0]._forward_pre_hooks and not net._forward_pre_hooks
+
+
+def test_theory_vs_actual_forward_bound_as_a_method_runs_the_copy() -> None:
+    """The way out the refusal names: a forward bound to the module, which a copy rebinds."""
+    x, y = _xy()
+    kw: dict[str, Any] = {"probes": 2, "generator": 0}
+    plain = initlab.theory_vs_actual(_weight_normed(), (x, y), nn.CrossEntropyLoss(), **kw)
+    net = _weight_normed()
+    net.forward = types.MethodType(lambda self, *a: nn.Sequential.forward(self, *a), net)
+    before = _state(net)
+    bound = initlab.theory_vs_actual(net, (x, y), nn.CrossEntropyLoss(), **kw)
+    assert _same_state(net, before)
+    for a, b in zip(plain, bound, strict=True):
+        assert (a["theory"], a["actual"]) == (b["theory"], b["actual"])
