@@ -3,6 +3,9 @@
 * a forward replaced on the instance (``model.forward = lambda *a: orig(*a)``, a logging or
   autocast wrapper): ``theory_vs_actual`` measures the model itself, and refuses (model unchanged)
   where it needs a copy whose forward would run the original;
+* the caller's grad mode: under ``torch.no_grad()`` (the usual context of init code) or
+  ``torch.inference_mode()`` (batches made in it too), every data-dependent entry point gives what
+  a plain call gives, and the caller's mode is back after it;
 
 Each case is checked against an independent float64 computation or the unwrapped model's
 result, and the model's state bits (weights, buffers, ``.grad``) before and after.
@@ -127,3 +130,120 @@ def test_theory_vs_actual_forward_bound_as_a_method_runs_the_copy() -> None:
     assert _same_state(net, before)
     for a, b in zip(plain, bound, strict=True):
         assert (a["theory"], a["actual"]) == (b["theory"], b["actual"])
+
+
+# --- the caller's grad mode: torch.no_grad() and torch.inference_mode() ---------------------
+
+_CE = nn.CrossEntropyLoss()
+
+#: Every data-dependent entry point: name -> (keywords, whether it takes a loss).
+_ENTRY: dict[str, tuple[dict[str, Any], bool]] = {
+    "gradinit_": ({"steps": 1}, True),
+    "metainit_": ({"steps": 1}, True),
+    "precondition_": ({}, True),
+    "measure_moments": ({}, True),
+    "gr_scaling": ({}, True),
+    "diagnose": ({}, True),
+    "doctor": ({}, True),
+    "block_curvature": ({"probes": 2}, True),
+    "loss_landscape": ({"grid": 3}, True),
+    "theory_vs_actual": ({"probes": 2}, True),
+    "gradient_stats": ({}, True),
+    "lsuv_": ({}, False),
+    "scale_output_": ({}, False),
+    "layer_spectra": ({}, False),
+}
+
+
+def _net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    x, y = _xy(32)
+    return [(x[:16], y[:16]), (x[16:], y[16:])]
+
+
+def _call(name: str, model: nn.Module, data: Any) -> Any:
+    kw, takes_loss = _ENTRY[name]
+    fn = getattr(initlab, name)
+    if takes_loss:
+        return fn(model, data, _CE, generator=0, **kw)
+    return fn(model, data, **kw)
+
+
+def _plain(value: Any) -> Any:
+    """The result's rows, NaN as a string (so that equal results compare equal)."""
+    if isinstance(value, float) and value != value:
+        return "nan"
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _outcome(result: Any, model: nn.Module) -> tuple[Any, dict[str, torch.Tensor]]:
+    rows = result.rows() if isinstance(result, initlab.MomentProbe) else result.to_rows()
+    return _plain(list(rows)), {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _in_context(name: str, context: str) -> tuple[Any, dict[str, torch.Tensor]]:
+    model = _net()
+    if context == "no_grad":
+        with torch.no_grad():
+            result = _call(name, model, _batches())
+            assert not torch.is_grad_enabled()  # the caller's mode, back
+    else:
+        with torch.inference_mode():
+            data = _batches()
+            if context == "inference_mode, data made in it":
+                data = [(x.clone(), y.clone()) for x, y in data]
+                assert data[0][0].is_inference()
+            result = _call(name, model, data)
+            assert torch.is_inference_mode_enabled()
+    return _outcome(result, model)
+
+
+@pytest.mark.parametrize(
+    "context", ["no_grad", "inference_mode", "inference_mode, data made in it"]
+)
+@pytest.mark.parametrize("name", list(_ENTRY))
+def test_entry_point_under_the_callers_grad_mode_gives_the_plain_result(
+    name: str, context: str
+) -> None:
+    """Under ``torch.no_grad()`` (the usual context of init code) or ``torch.inference_mode()``,
+    every entry point gives what a plain call gives: the same rows, the same weights after."""
+    model = _net()
+    want_rows, want_state = _outcome(_call(name, model, _batches()), model)
+    rows, state = _in_context(name, context)
+    assert rows == want_rows
+    assert state.keys() == want_state.keys()
+    assert all(torch.equal(state[k], v) for k, v in want_state.items())
+
+
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
+def test_vector_products_under_the_callers_grad_mode(context: Any) -> None:
+    """``H v`` and ``G v`` of ``f(θ) = ½ θᵀAθ (Σθ)²`` against the closed forms, under the
+    caller's mode, ``θ`` and ``v`` made in it."""
+    a = torch.tensor([[2.0, 1.0], [1.0, 3.0]], dtype=torch.float64)
+    with context():
+        theta = torch.tensor([1.0, -1.0], dtype=torch.float64)
+        v = torch.tensor([1.0, 2.0], dtype=torch.float64)
+        hv = initlab.hessian_vector_product(lambda t: 0.5 * t @ a @ t * t.sum() ** 2, theta, v)
+        gv = initlab.ggn_vector_product(lambda t: a @ t, lambda o: (o**3).sum(), theta, v)
+    s, q, grad_q = theta.sum(), 0.5 * theta @ a @ theta, a @ theta
+    ones = torch.ones(2, dtype=torch.float64)
+    hess = a * s**2 + 2 * s * (torch.outer(grad_q, ones) + torch.outer(ones, grad_q))
+    hess = hess + 2 * q * torch.outer(ones, ones)
+    out = a @ theta
+    assert torch.allclose(hv, hess @ v)
+    assert torch.allclose(gv, a.T @ (6 * out * (a @ v)))
+
+
+def test_model_made_under_inference_mode_is_refused() -> None:
+    with torch.inference_mode():
+        model = _net()
+    with pytest.raises(ValueError, match=r"created under torch\.inference_mode\(\).*outside"):
+        initlab.gr_scaling(model, _batches(), _CE)

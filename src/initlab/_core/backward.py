@@ -7,14 +7,18 @@ point shares.
   not require grad";
 * the loss is defined on the batch (:func:`finite_loss`, :func:`check_defined`): a loss that is
   not finite while the model's outputs are (a mean over no target: every label the ignore index)
-  raises, naming the batch, rather than being averaged in as zero or NaN gradients.
+  raises, naming the batch, rather than being averaged in as zero or NaN gradients;
+* the passes record a graph whatever the caller's grad mode (:func:`with_grad`, the decorator of
+  every entry point that differentiates a loss): a call under ``torch.no_grad()`` (the usual
+  context of init code) or ``torch.inference_mode()`` gives what a plain call gives.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -33,7 +37,44 @@ __all__ = [
     "outputs_watch",
     "refuse_complex",
     "require_grad",
+    "with_grad",
 ]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def with_grad(fn: F) -> F:
+    """Run ``fn(model, ...)`` with torch's grad mode on, whatever the caller's: inside
+    ``torch.inference_mode(False)`` and ``torch.enable_grad()``, the modes it had restored when it
+    returns or raises (torch's own context managers). Its passes then record the graph its
+    backward needs: under the caller's ``torch.no_grad()`` or ``torch.inference_mode()`` it
+    gives what a plain call gives. Batches made under inference mode are cloned as they are read
+    (:func:`~initlab._core.data.iter_batches`: an inference tensor cannot be saved for backward);
+    a model made under it is refused (:func:`_check_not_inference`), its parameters being no
+    leaves autograd can differentiate."""
+
+    @functools.wraps(fn)
+    def inner(*args: Any, **kwargs: Any) -> Any:
+        model = args[0] if args else kwargs.get("model")
+        with torch.inference_mode(False), torch.enable_grad():
+            if isinstance(model, nn.Module):
+                _check_not_inference(model, fn.__name__)
+            return fn(*args, **kwargs)
+
+    return inner  # type: ignore[return-value]
+
+
+def _check_not_inference(model: nn.Module, what: str) -> None:
+    """Raise ``ValueError`` naming the parameters of ``model`` made under
+    ``torch.inference_mode()`` (inference tensors: autograd refuses them)."""
+    names = [n for n, p in model.named_parameters() if p.is_inference()]
+    if names:
+        raise ValueError(
+            f"{what}: the model's parameters ({', '.join(names[:3])}"
+            f"{', ...' if len(names) > 3 else ''}) were created under torch.inference_mode(), "
+            "and autograd cannot differentiate such tensors: build (or load) the model outside "
+            "torch.inference_mode() (calling initlab under it is fine)"
+        )
 
 
 def require_grad(loss: torch.Tensor, what: str = "") -> torch.Tensor:

@@ -292,9 +292,13 @@ def _has_length(data: Any) -> bool:
 def _detached(batch: Any) -> Any:
     """``batch`` with its tensors that require a gradient detached (the same object otherwise;
     a batch object's attributes too, containers inside them included, in a copy): the tensors
-    :func:`batch_tensors` reads."""
+    :func:`batch_tensors` reads. A tensor made under ``torch.inference_mode()`` is cloned (a
+    normal tensor outside that mode: autograd may save it for backward,
+    :func:`~initlab._core.backward.with_grad`)."""
 
     def detach(t: torch.Tensor) -> torch.Tensor:
+        if t.is_inference() and not torch.is_inference_mode_enabled():
+            return t.clone()
         return t.detach() if t.requires_grad else t
 
     fields = object_fields(batch)

@@ -35,7 +35,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from initlab._core.backward import check_trainable
+from initlab._core.backward import check_trainable, with_grad
 from initlab._core.compiled import takes_compiled
 from initlab._core.data import examples_in, forward_args, take_batches
 from initlab._core.loss import Loss, LossLike, batch_reduction, resolve_loss
@@ -69,6 +69,7 @@ _NAN = math.nan
 
 
 @takes_compiled
+@with_grad
 @reading_layers
 def diagnose(
     model: nn.Module,

@@ -110,6 +110,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from initlab._core.backward import with_grad
 from initlab._core.compiled import takes_compiled
 from initlab._core.data import DataUse, data_use, take_batches
 from initlab._core.distributed import is_distributed
@@ -736,6 +737,7 @@ def _all_layer_spreads(rep: Any) -> tuple[float, float, int]:
 
 
 @takes_compiled
+@with_grad
 def doctor(
     model: nn.Module,
     data: Any,

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from initlab._core.backward import backward_of, check_trainable, finite_loss
+from initlab._core.backward import backward_of, check_trainable, finite_loss, with_grad
 from initlab._core.compiled import module_type_name, takes_compiled
 from initlab._core.data import DataCounter, iter_batches
 from initlab._core.knobs import renamed_kwargs
@@ -208,6 +208,7 @@ class GradientStats:
 
 
 @takes_compiled(scripted=True)
+@with_grad
 @renamed_kwargs(batches="data")
 def gradient_stats(
     model: nn.Module,

@@ -135,7 +135,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from initlab._core.backward import check_trainable
+from initlab._core.backward import check_trainable, with_grad
 from initlab._core.compiled import takes_compiled
 from initlab._core.distributed import (
     all_reduce_sum,
@@ -543,6 +543,7 @@ def _probe_data(
 
 
 @takes_compiled
+@with_grad
 @reading_layers
 def gr_scaling(
     probe: MomentProbe | nn.Module | None = None,

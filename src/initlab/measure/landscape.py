@@ -65,7 +65,7 @@ import torch
 from torch import nn
 
 from initlab._core.attention import with_math_attention
-from initlab._core.backward import check_defined, outputs_watch
+from initlab._core.backward import check_defined, outputs_watch, with_grad
 from initlab._core.compiled import takes_compiled
 from initlab._core.data import DataUse, batch_size, data_use, take_batches
 from initlab._core.hooks import hook_handles
@@ -581,6 +581,7 @@ def _batch_weights(loss: Loss, batches: list[Any]) -> list[float]:
 
 
 @takes_compiled
+@with_grad
 @renamed_kwargs(batch_or_batches="data")
 @with_math_attention
 @keeps_config

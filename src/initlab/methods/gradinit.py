@@ -129,6 +129,7 @@ import torch
 from torch import nn
 
 from initlab._core.attention import with_math_attention
+from initlab._core.backward import with_grad
 from initlab._core.compiled import takes_compiled
 from initlab._core.data import DataCounter, batch_children, batch_rebuild, batch_size
 from initlab._core.distributed import (
@@ -605,6 +606,7 @@ def gradinit_alpha_grad(
 
 
 @takes_compiled(collective=True)
+@with_grad
 @renamed_kwargs(iterations="steps")
 @with_math_attention
 @same_options

@@ -85,7 +85,7 @@ from torch.utils.checkpoint import CheckpointError
 
 from initlab._core.attention import with_math_attention
 from initlab._core.autocast import autocast_off, refuse_autocast_inside
-from initlab._core.backward import refuse_complex
+from initlab._core.backward import refuse_complex, with_grad
 from initlab._core.compiled import takes_compiled
 from initlab._core.data import DataCounter
 from initlab._core.distributed import check_same_parameters, run_together, same_options
@@ -324,6 +324,7 @@ def _loss_free_forward(model: nn.Module, ts: Tensors, x: torch.Tensor) -> torch.
 
 
 @takes_compiled(collective=True)
+@with_grad
 @with_math_attention
 @same_options
 @writing_layers

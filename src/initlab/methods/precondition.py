@@ -34,7 +34,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from initlab._core.attention import with_math_attention
-from initlab._core.backward import check_trainable
+from initlab._core.backward import check_trainable, with_grad
 from initlab._core.compiled import takes_compiled
 from initlab._core.data import batch_size, data_use, default_forward, output_tensor, take_batches
 from initlab._core.distributed import (
@@ -229,6 +229,7 @@ def _target_value(target: str | float, gammas: Sequence[float]) -> float:
 
 
 @takes_compiled(collective=True)
+@with_grad
 @renamed_kwargs(n_batches="max_batches")
 @with_math_attention
 @same_options

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from initlab._core.attention import with_math_attention
+from initlab._core.backward import with_grad
 from initlab._core.compiled import takes_compiled
 from initlab._core.data import data_use, take_batches
 from initlab._core.knobs import renamed_kwargs
@@ -121,6 +122,7 @@ class BlockCurvature(Rows):
 
 
 @takes_compiled
+@with_grad
 @renamed_kwargs(batch="data", mode="ad_mode")
 @with_math_attention
 @keeps_config

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from initlab._core.attention import with_math_attention
-from initlab._core.backward import require_grad
+from initlab._core.backward import require_grad, with_grad
 from initlab._core.knobs import renamed_kwargs
 from initlab._core.pytree import flatten_tensors, map_tensors
 
@@ -54,7 +54,8 @@ def _structure(obj: Any, what: str) -> tuple[list[str], list[Any], Callable[[lis
 
 
 def _validate_pair(params: Any, v: Any, fn: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Check that ``v`` has the structure, shapes, dtypes and devices of ``params``."""
+    """Check that ``v`` has the structure, shapes, dtypes and devices of ``params``; the
+    leaves of both (:func:`_normal`)."""
     pkeys, pleaves, _ = _structure(params, f"{fn}: params")
     vkeys, vleaves, _ = _structure(v, f"{fn}: v")
 
@@ -85,7 +86,13 @@ def _validate_pair(params: Any, v: Any, fn: str) -> tuple[list[torch.Tensor], li
             raise TypeError(f"{fn}: v[{key}] has dtype {t.dtype}, params[{key}] {p.dtype}")
         if p.device != t.device:
             raise ValueError(f"{fn}: v[{key}] is on {t.device}, params[{key}] on {p.device}")
-    return pleaves, vleaves
+    return _normal(pleaves), _normal(vleaves)
+
+
+def _normal(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors``, those made under ``torch.inference_mode()`` cloned (run by
+    :func:`~initlab._core.backward.with_grad` outside that mode: normal tensors autograd takes)."""
+    return [t.clone() if t.is_inference() else t for t in tensors]
 
 
 def _check_scalar(value: Any, what: str) -> torch.Tensor:
@@ -423,6 +430,7 @@ def _check_mode(mode: str) -> None:
         raise ValueError(f"unknown mode {mode!r}; valid modes: {list(_MODES)}")
 
 
+@with_grad
 @renamed_kwargs(mode="ad_mode")
 @with_math_attention
 def hessian_vector_product(
@@ -477,6 +485,7 @@ def hessian_vector_product(
     return rebuild_v(list(hv))
 
 
+@with_grad
 @renamed_kwargs(mode="ad_mode")
 @with_math_attention
 def ggn_vector_product(

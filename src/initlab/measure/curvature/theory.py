@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from initlab._core.attention import with_math_attention
+from initlab._core.backward import with_grad
 from initlab._core.compiled import takes_compiled
 from initlab._core.data import Batches, batch_size, data_use, take_batches
 from initlab._core.knobs import errors_named, renamed_kwargs
@@ -271,6 +272,7 @@ def _theory_gammas(
 
 
 @takes_compiled
+@with_grad
 @renamed_kwargs(batch="data", mode="ad_mode")
 @with_math_attention
 @keeps_config

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from initlab._core.backward import backward_of, check_trainable, finite_loss
+from initlab._core.backward import backward_of, check_trainable, finite_loss, with_grad
 from initlab._core.compiled import takes_compiled
 from initlab._core.data import DataUse, default_forward, examples_in, iter_batches
 from initlab._core.knobs import check_kwargs, parameter_names, renamed_kwargs
@@ -25,6 +25,7 @@ __all__ = ["measure_moments", "probe_options", "probed_backward"]
 
 
 @takes_compiled
+@with_grad
 @renamed_kwargs(batches="data")
 @reading_layers
 def measure_moments(
