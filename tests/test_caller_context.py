@@ -6,6 +6,8 @@
 * the caller's grad mode: under ``torch.no_grad()`` (the usual context of init code) or
   ``torch.inference_mode()`` (batches made in it too), every data-dependent entry point gives what
   a plain call gives, and the caller's mode is back after it;
+* the user's post-accumulate-grad hooks (PyTorch's "optimizer step in the backward" recipe): they
+  do not fire inside initlab's backward passes, and are back, in their order, firing, after it.
 
 Each case is checked against an independent float64 computation or the unwrapped model's
 result, and the model's state bits (weights, buffers, ``.grad``) before and after.
@@ -14,6 +16,7 @@ result, and the model's state bits (weights, buffers, ``.grad``) before and afte
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -247,3 +250,93 @@ def test_model_made_under_inference_mode_is_refused() -> None:
         model = _net()
     with pytest.raises(ValueError, match=r"created under torch\.inference_mode\(\).*outside"):
         initlab.gr_scaling(model, _batches(), _CE)
+
+
+# --- post-accumulate-grad hooks: an optimizer step in the backward ---------------------------
+
+
+def _stepping_in_backward(model: nn.Module) -> tuple[dict[Any, torch.optim.SGD], list[int]]:
+    """PyTorch's recipe: one SGD-with-momentum optimizer per parameter, stepped by the
+    parameter's post-accumulate-grad hook; the list counts the steps."""
+    opts = {p: torch.optim.SGD([p], lr=0.5, momentum=0.9) for p in model.parameters()}
+    steps = [0]
+
+    def step(p: torch.Tensor) -> None:
+        steps[0] += 1
+        opts[p].step()
+        opts[p].zero_grad()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(step)
+    return opts, steps
+
+
+def _mlp_pag() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 3))
+
+
+_PAG_CALLS: dict[str, Callable[[nn.Module, Any], Any]] = {
+    "gr_scaling": lambda m, d: initlab.gr_scaling(m, d, _CE),
+    "gradient_stats": lambda m, d: initlab.gradient_stats(m, d, _CE),
+    "measure_moments": lambda m, d: initlab.measure_moments(m, d, _CE).rows(),
+    "precondition_": lambda m, d: initlab.precondition_(m, d, _CE).to_rows(),
+    "gradinit_": lambda m, d: initlab.gradinit_(m, d, _CE, steps=2, generator=0).to_rows(),
+}
+
+
+@pytest.mark.parametrize("name", list(_PAG_CALLS))
+def test_post_accumulate_grad_hooks_are_suspended_inside_the_call(name: str) -> None:
+    x, y = _xy(64)
+    data = [(x[i : i + 16], y[i : i + 16]) for i in range(0, 64, 16)]
+    plain_model = _mlp_pag()
+    want = _plain(list(_PAG_CALLS[name](plain_model, data)))
+    model = _mlp_pag()
+    opts, steps = _stepping_in_backward(model)
+    keys = {n: list(p._post_accumulate_grad_hooks) for n, p in model.named_parameters()}
+    got = _plain(list(_PAG_CALLS[name](model, data)))
+    assert steps[0] == 0
+    assert got == want  # gamma, gradient moments, the method's alphas: as without the hook
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert all(not o.state for o in opts.values())  # no momentum buffer, no step taken
+    assert {n: list(p._post_accumulate_grad_hooks) for n, p in model.named_parameters()} == keys
+    F.cross_entropy(model(x), y).backward()  # the user's own backward: the hooks fire
+    assert steps[0] == len(keys)
+    assert all("momentum_buffer" in o.state[p] for p, o in opts.items())
+
+
+def test_post_accumulate_grad_hooks_come_back_after_an_interrupt() -> None:
+    x, y = _xy(32)
+    model = _mlp_pag()
+    opts, steps = _stepping_in_backward(model)
+    keys = {n: list(p._post_accumulate_grad_hooks) for n, p in model.named_parameters()}
+    calls = [0]
+
+    def loss(m: nn.Module, batch: Any) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] == 2:
+            raise KeyboardInterrupt
+        return F.cross_entropy(m(batch[0]), batch[1])
+
+    with pytest.raises(KeyboardInterrupt):
+        initlab.gradient_stats(model, [(x[:16], y[:16]), (x[16:], y[16:])], loss)
+    assert steps[0] == 0 and all(not o.state for o in opts.values())
+    assert {n: list(p._post_accumulate_grad_hooks) for n, p in model.named_parameters()} == keys
+    F.cross_entropy(model(x), y).backward()
+    assert steps[0] == len(keys)
+
+
+def test_torchs_own_post_accumulate_grad_hooks_stay_active() -> None:
+    """``DistributedDataParallel``'s and FSDP's gradient hooks are torch's: left in place."""
+    x, y = _xy(16)
+    model = _mlp_pag()
+    fired = [0]
+
+    def reduce_hook(_p: torch.Tensor) -> None:
+        fired[0] += 1
+
+    reduce_hook.__module__ = "torch.nn.parallel.distributed"  # where DDP's hook lives
+    model[0].weight.register_post_accumulate_grad_hook(reduce_hook)
+    initlab.gradient_stats(model, (x, y), _CE)
+    assert fired[0] == 1

@@ -14,7 +14,12 @@ Always restored, on success and on failure: every submodule's ``training`` flag,
 parameter hook of initlab's added inside the block and still attached at its end is removed; hooks
 the model's code installs as it runs, such as Hugging Face's output capturing, stay), and a
 Hugging Face model's ``config.problem_type`` (its forward sets it from the first labels it is
-given). Tensors are
+given). The parameters' post-accumulate-grad hooks (``register_post_accumulate_grad_hook``:
+PyTorch's "optimizer step in the backward" recipe) are suspended for the block, so that initlab's
+own backward passes step no optimizer of the user's nor move the weights between batches: taken
+out of each parameter's hook dict on entry and put back on exit, in their order, under their
+handles (:func:`_post_accumulate_suspended`); torch's own (``DistributedDataParallel``'s, FSDP's)
+stay. Tensors are
 copied back in place under ``no_grad``, so tied tensors stay tied, references the user holds stay
 valid, and nothing moves across devices. Memory: one copy of what is restored, shared by nested
 blocks while the tensors keep its bits (:data:`_HELD`). Under the user's
@@ -87,13 +92,40 @@ def _hook_keys(model: nn.Module) -> dict[int, tuple[object, dict[str, set[int]]]
     return keys
 
 
-def _ours(fn: object) -> bool:
-    """Whether the hook ``fn`` is initlab's (its code, or its class's, lives in ``initlab``)."""
+def _ours(fn: object, package: str = "initlab") -> bool:
+    """Whether the hook ``fn`` is initlab's (its code, or its class's, lives in ``package``)."""
     while isinstance(fn, functools.partial):
         fn = fn.func
     fn = getattr(fn, "__func__", fn)  # a bound method: its function
     module = getattr(fn, "__module__", None) or type(fn).__module__
-    return module == "initlab" or module.startswith("initlab.")
+    return module == package or module.startswith(f"{package}.")
+
+
+@contextmanager
+def _post_accumulate_suspended(params: list[nn.Parameter]) -> Iterator[None]:
+    """Run the block with the post-accumulate-grad hooks of ``params`` taken out of their dicts
+    (``p._post_accumulate_grad_hooks``, which autograd reads at each accumulation), torch's own
+    left in; on exit, on failure and on ``KeyboardInterrupt`` too, the dict holds them again in
+    their order under their keys (the user's handles still remove them), then the hooks added
+    in the block. The dict object is kept: torch's autograd holds it."""
+    saved: list[tuple[dict[Any, Any], list[tuple[Any, Any]], set[Any]]] = []
+    try:
+        for p in params:
+            hooks = getattr(p, "_post_accumulate_grad_hooks", None)
+            if not hooks:
+                continue
+            out = {k for k, fn in hooks.items() if not _ours(fn, "torch")}
+            if out:
+                saved.append((hooks, list(hooks.items()), out))
+                for key in out:
+                    del hooks[key]
+        yield
+    finally:
+        for hooks, items, out in saved:
+            now = dict(hooks)
+            hooks.clear()
+            hooks.update((k, fn) for k, fn in items if k in out or k in now)
+            hooks.update((k, fn) for k, fn in now.items() if k not in hooks)
 
 
 def _remove_new_hooks(before: dict[int, tuple[object, dict[str, set[int]]]]) -> None:
@@ -268,7 +300,12 @@ def model_kept(
     try:
         for m in sparse:
             m.sparse = False
-        with autocast_uncached(), config_kept(model), _holding(saved["params"] + saved["buffers"]):
+        with (
+            autocast_uncached(),
+            config_kept(model),
+            _post_accumulate_suspended(plist),
+            _holding(saved["params"] + saved["buffers"]),
+        ):
             yield
         failed = False
     finally:
