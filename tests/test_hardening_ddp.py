@@ -300,7 +300,61 @@ _CASES: dict[str, Case] = {
         _model(0),
         lambda m: gr_scaling(m, _batches(r, 2), all_reduce=True),
     ),
+    # eleventh session: buffers (an eval-mode BatchNorm's statistics) were not compared
+    "scale_output_, eval-mode BatchNorm's running_var differs by rank": lambda r: (
+        _bn_buffer(r, "running_var"),
+        lambda m: scale_output_(m, _batches(0, 2), target=0.05),
+    ),
+    "gradinit_, eval-mode BatchNorm's running_mean differs by rank": lambda r: (
+        _bn_buffer(r, "running_mean"),
+        lambda m: gradinit_(m, _batches(r, 4), gamma=10.0),
+    ),
+    "lsuv_, BatchNorm's running_var differs by rank (the pre-init redraws weights only)": (
+        lambda r: (_bn_buffer(r, "running_var"), lambda m: lsuv_(m, _batches(r, 1)[0][0]))
+    ),
+    "gr_scaling(all_reduce=True), a weight and running_var differ by rank": lambda r: (
+        _bn_weight_and_var(r),
+        lambda m: gr_scaling(m, _batches(r, 2), all_reduce=True),
+    ),
+    "precondition_, a non-persistent buffer differs by rank": lambda r: (
+        _Scaled(r),
+        lambda m: precondition_(m, _batches(r, 2)),
+    ),
+    "scale_output_, only BatchNorm's num_batches_tracked differs (a counter: no output)": (
+        lambda r: (
+            _bn_buffer(r, "num_batches_tracked"),
+            lambda m: scale_output_(m, _batches(0, 2), target=0.05),
+        )
+    ),
 }
+
+
+def _bn_buffer(rank: int, name: str, train: bool = False) -> nn.Module:
+    """The BatchNorm model with the buffer ``name`` of its norm set by rank (the parameters
+    equal): 1.0 on rank 0, 0.02 on rank 1 (a count: 0 and 7)."""
+    model = _bn_model().train(train)
+    buffer = getattr(model[1], name)
+    buffer.fill_((7 if rank else 0) if name == "num_batches_tracked" else (0.02 if rank else 1.0))
+    return model
+
+
+class _Scaled(nn.Module):
+    """A model with a non-persistent buffer (not in the state_dict) that scales its output."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.net = _model(0)
+        self.register_buffer("scale", torch.tensor(1.0 + rank, dtype=D), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x) * self.scale
+
+
+def _bn_weight_and_var(rank: int) -> nn.Module:
+    model = _bn_buffer(rank, "running_var")
+    with torch.no_grad():
+        model[1].weight.fill_(1.0 + rank)
+    return model
 
 
 def _wider(rank: int) -> nn.Module:
@@ -473,6 +527,23 @@ _EXPECTED: dict[str, str | tuple[str, str] | None] = {
         "gr_scaling: the ranks hold different"
     ),
     "gr_scaling(all_reduce=True), ranks agree": None,
+    "scale_output_, eval-mode BatchNorm's running_var differs by rank": (
+        "scale_output_: the ranks hold different buffers (1 of 8 tensors differ: 1.running_var)"
+    ),
+    "gradinit_, eval-mode BatchNorm's running_mean differs by rank": (
+        "gradinit_: the ranks hold different buffers (1 of 8 tensors differ: 1.running_mean)"
+    ),
+    "lsuv_, BatchNorm's running_var differs by rank (the pre-init redraws weights only)": (
+        "lsuv_: the ranks hold different buffers (1 of 8 tensors differ: 1.running_var)"
+    ),
+    "gr_scaling(all_reduce=True), a weight and running_var differ by rank": (
+        "gr_scaling: the ranks hold different parameters and buffers (2 of 8 tensors differ: "
+        "1.weight, 1.running_var)"
+    ),
+    "precondition_, a non-persistent buffer differs by rank": (
+        "precondition_: the ranks hold different buffers (1 of 5 tensors differ: scale)"
+    ),
+    "scale_output_, only BatchNorm's num_batches_tracked differs (a counter: no output)": None,
 }
 
 

@@ -9,8 +9,9 @@ The ranks must also *start* alike and *stay in step*; the checks that guarantee 
 :class:`RankMismatchError` on every rank (never a hang, nor gloo's "Connection closed by peer"
 when one rank stops alone):
 
-* :func:`check_same_parameters`: every rank holds bit-identical parameters at entry (an exact
-  checksum of their bits, all-reduced);
+* :func:`check_same_parameters`: every rank holds bit-identical parameters and buffers at entry
+  (an exact checksum of their bits, all-reduced; a batch norm's ``num_batches_tracked`` counter
+  is left out, see :func:`_compared_buffers`);
 * :func:`run_together`: a step that can fail on one rank (reading its data, a forward or
   backward pass on it) fails on all;
 * :func:`in_lockstep`: iterations over each rank's own batches stop together; ranks with
@@ -128,11 +129,12 @@ def check_same_parameters(
     model: nn.Module, what: str, redrawn: Collection[torch.Tensor] = (), *, modes: bool = False
 ) -> None:
     """Raise :class:`RankMismatchError` on every rank unless all ranks hold bit-identical
-    parameters: the same shapes and dtypes (:func:`_layout`), then the same values, by an exact
-    checksum (:func:`_checksum`), each all-reduced in one small collective; the ``redrawn``
-    tensors (which the method draws on rank 0 and broadcasts: LSUV's orthogonal pre-init) need
-    only agree in shape and dtype. With ``modes``, for a method that measures in the caller's
-    train/eval modes, the modes too.
+    parameters and buffers (:func:`_compared_buffers`: an eval-mode batch norm's running
+    statistics are part of the function the ranks compute): the same shapes and dtypes
+    (:func:`_layout`), then the same values, by an exact checksum (:func:`_checksum`), each
+    all-reduced in one small collective; the ``redrawn`` tensors (which the method draws on rank 0
+    and broadcasts: LSUV's orthogonal pre-init) need only agree in shape and dtype. With
+    ``modes``, for a method that measures in the caller's train/eval modes, the modes too.
 
     A data-dependent initialization pools statistics over ranks (and a method applies one
     update on every rank); ranks that start from different weights would end different.
@@ -142,28 +144,51 @@ def check_same_parameters(
     named = check_same_trainable(model, what)
     if modes:
         _check_same_modes(model, what)
-    differ = _differing(named, [_layout(p) for _, p in named])
+    buffers = _compared_buffers(model)  # as many on every rank: check_same_trainable
+    tensors = [*named, *buffers]
+    differ = _differing(tensors, [_layout(t) for _, t in tensors])
     if differ:
         raise RankMismatchError(
             f"{what}: the ranks' models differ in the shape or dtype of {len(differ)} of "
-            f"{len(named)} tensors ({_listing(differ)}); every rank must hold the same model, in "
-            "one dtype"
+            f"{len(tensors)} tensors ({_listing(differ)}); every rank must hold the same model, "
+            "in one dtype"
         )
     ids = {id(t) for t in redrawn}
-    values = [(n, p) for n, p in named if id(p) not in ids]  # the same tensors on every rank
-    differ = _differing(values, [_checksum(p) for _, p in values])
+    values = [(n, t) for n, t in tensors if id(t) not in ids]  # the same tensors on every rank
+    differ = _differing(values, [_checksum(t) for _, t in values])
     if differ:
+        in_buffers = {n for n, _ in buffers}.intersection(differ)
+        kind = "buffers" if len(in_buffers) == len(differ) else "parameters"
+        kind += " and buffers" if in_buffers and kind == "parameters" else ""
         raise RankMismatchError(
-            f"{what}: the ranks hold different parameters ({len(differ)} of {len(named)} tensors "
+            f"{what}: the ranks hold different {kind} ({len(differ)} of {len(tensors)} tensors "
             f"differ: {_listing(differ)}). It pools its statistics over ranks (and a method "
             "applies one update everywhere), so ranks that start different pool unrelated "
-            "numbers and end different. Build the model with the same seed on every rank "
-            "(torch.manual_seed(seed) before creating it), or copy rank 0's weights first: for t "
-            "in model.state_dict().values(): torch.distributed.broadcast(t, src=0)"
+            "numbers and end different; a buffer (a batch norm's running statistics) is part of "
+            "the function each rank computes. Build the model with the same seed on every rank "
+            "(torch.manual_seed(seed) before creating it), or copy rank 0's weights and buffers "
+            "first: for t in [*model.parameters(), *model.buffers()]: "
+            "torch.distributed.broadcast(t.detach(), src=0)"
         )
 
 
-def _differing(named: list[tuple[str, nn.Parameter]], rows: list[list[int]]) -> list[str]:
+def _compared_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The named buffers that must agree across ranks: all of them (running statistics, masks,
+    position ids), but a batch norm's ``num_batches_tracked``. That counter of train-mode
+    updates changes no output: a forward reads it only in train mode, as the weight
+    ``1 / num_batches_tracked`` of a ``momentum=None`` running average's next update, and a
+    train-mode batch norm normalizes by the batch's own statistics. Ranks whose counts differ (one
+    rank ran a train-mode pass the others did not) compute the same function; refusing them
+    would be a false alarm, and the running statistics that such a pass changes are compared."""
+    counters = {
+        id(m.num_batches_tracked)
+        for m in model.modules()
+        if isinstance(m, nn.modules.batchnorm._NormBase) and m.num_batches_tracked is not None
+    }
+    return [(n, b) for n, b in model.named_buffers() if id(b) not in counters]
+
+
+def _differing(named: list[tuple[str, torch.Tensor]], rows: list[list[int]]) -> list[str]:
     """The names whose row of three integers is not the same on every rank (one collective)."""
     lo, hi = _min_max(torch.tensor(rows, dtype=torch.int64).reshape(-1, 3))
     return [named[i][0] for i in (lo != hi).any(dim=1).nonzero().flatten().tolist()]
@@ -243,17 +268,18 @@ def _option_code(value: Any) -> int:
 def check_same_trainable(model: nn.Module, what: str) -> list[tuple[str, nn.Parameter]]:
     """Raise :class:`RankMismatchError` on every rank unless all ranks hold an eager model (a
     TorchScript one, on every rank, gets the refusal of
-    :func:`~initlab._core.compiled.scripted_error` there) with the same number of parameter
-    tensors and the same ``requires_grad`` flags (a layer frozen on some ranks only makes the
-    ranks' collectives differ in size); returns the named parameters. Two small collectives;
-    nothing without a process group."""
+    :func:`~initlab._core.compiled.scripted_error` there) with the same numbers of parameter
+    tensors and of compared buffers (:func:`_compared_buffers`) and the same ``requires_grad``
+    flags (a layer frozen on some ranks only makes the ranks' collectives differ in size);
+    returns the named parameters. Two small collectives; nothing without a process group."""
     from initlab._core.compiled import scripted_error, scripted_part
 
     named = list(model.named_parameters())
     if not is_distributed():
         return named
     found = scripted_part(model)
-    lo, hi = _min_max(torch.tensor([found is not None, len(named)], dtype=torch.int64))
+    counts = [found is not None, len(named), len(_compared_buffers(model))]
+    lo, hi = _min_max(torch.tensor(counts, dtype=torch.int64))
     if lo[0].item() != hi[0].item():
         raise RankMismatchError(
             f"{what}: the model is a TorchScript module on some ranks only; run {what} on the "
@@ -265,6 +291,11 @@ def check_same_trainable(model: nn.Module, what: str) -> list[tuple[str, nn.Para
         raise RankMismatchError(
             f"{what}: the ranks' models have different numbers of parameter tensors "
             f"({lo[1].item()} to {hi[1].item()}); every rank must hold the same model"
+        )
+    if lo[2].item() != hi[2].item():
+        raise RankMismatchError(
+            f"{what}: the ranks' models have different numbers of buffers ({lo[2].item()} to "
+            f"{hi[2].item()}); every rank must hold the same model"
         )
     flags = torch.tensor([int(p.requires_grad) for _, p in named] or [0], dtype=torch.int64)
     lo, hi = _min_max(flags)

@@ -70,9 +70,9 @@ What is exactly what here:
   step (in exact mode also the look-ahead loss's gradient w.r.t. ``theta'``), so both steps use
   the gradient of the global loss and all ranks end bit-identical. The ranks must start from
   the same weights and run the same number of iterations: both are checked (a checksum of the
-  parameters at entry; the iteration count, and every batch in lockstep), and a mismatch raises
-  the same :class:`~initlab._core.distributed.RankMismatchError` on every rank, as does a forward
-  or backward pass that fails on some ranks only (each is run together,
+  parameters and buffers at entry; the iteration count, and every batch in lockstep), and a
+  mismatch raises the same :class:`~initlab._core.distributed.RankMismatchError` on every rank,
+  as does a forward or backward pass that fails on some ranks only (each is run together,
   :func:`~initlab._core.distributed.run_together`; one small all-reduce each). Give every rank
   the same number of batches of the same size (both checked: the ranks' gradients are averaged
   with equal weights) and the same options (checked at entry).
