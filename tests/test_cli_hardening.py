@@ -331,7 +331,10 @@ _ERRORS: dict[str, tuple[list[str], int, str, tuple[str, ...]]] = {
         "model in torch.float64\n", ()),
     "init --method lsuv on uint8 data": (
         [*_INIT, "--method", "lsuv", "--data", "u8.pt"], 2,
-        "its dtype is not the model's; convert the data before saving it, e.g. x.float()",
+        "is torch.uint8 and the model's parameters are torch.float32 (mat1 and mat2 must have the "
+        "same dtype, but got Byte and Float): integer data reached a layer that computes in "
+        "floating point. initlab does not convert data: convert the data before saving it "
+        "(x.to(torch.float32), x.float()), scaled as the model expects (image bytes: / 255)",
         ("out.pt",)),
     # round 3, 4: too few batches for --steps, with --max-batches large enough
     "metainit --steps beyond the data, --max-batches large enough": (

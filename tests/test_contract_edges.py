@@ -1219,6 +1219,68 @@ def test_float64_data_into_a_float32_model_says_what_to_convert(entry: str, loss
         _F64_CALLS[entry](_mlp().double(), [(x[i : i + 8], y[i : i + 8]) for i in (0, 8)], loss)
 
 
+_INT_CALLS: dict[str, Callable[[nn.Module, Any, Any], Any]] = {
+    **_F64_CALLS,
+    "precondition_": lambda m, d, loss: initlab.precondition_(m, d, loss),
+    "measure_moments": lambda m, d, loss: initlab.measure_moments(m, d, loss),
+    "diagnose": lambda m, d, loss: initlab.diagnose(m, d, loss),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int64, torch.bool], ids=str)
+@pytest.mark.parametrize("entry", list(_INT_CALLS))
+def test_integer_or_bool_inputs_into_a_float_model_say_what_to_convert(
+    entry: str, dtype: torch.dtype
+) -> None:
+    """uint8 images or int64 features gave torch's raw "mat1 and mat2 must have the same dtype,
+    but got Byte and Float" from inside the model (only floating-point batch tensors were
+    explained). The data is not converted, and the model is left as it was."""
+    gen = torch.Generator().manual_seed(2)
+    data = [
+        (torch.randint(0, 2, (8, 4), generator=gen).to(dtype), torch.randint(0, 3, (8,)))
+        for _ in range(3)
+    ]
+    model = _mlp()
+    before = _state(model)
+    kind = "bool" if dtype == torch.bool else "integer"
+    with pytest.raises(TypeError, match=rf"^the batch's entry '0' \(shape \(8, 4\)\) is "
+                       rf"{re.escape(str(dtype))} and the model's parameters are torch\.float32 "
+                       rf"\(mat1 and mat2 .*\): {kind} data reached a layer that computes in "
+                       r"floating point\. initlab does not convert data: convert it "
+                       r"\(x\.to\(torch\.float32\), x\.float\(\), in") as info:  # fmt: skip
+        _INT_CALLS[entry](model, data, nn.CrossEntropyLoss())
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert ("/ 255" in str(info.value)) == (dtype == torch.uint8)
+    assert all(torch.equal(v, before[k]) for k, v in _state(model).items())
+
+
+class _Tokens(nn.Module):
+    """Token ids through an embedding (integer inputs are right here); ``bug``: a float64
+    constant inside the forward (a dtype mismatch the ids did not cause)."""
+
+    def __init__(self, bug: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.head, self.bug = nn.Embedding(10, 8), nn.Linear(8, 3), bug
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids).mean(1)
+        return self.head(h @ torch.eye(8, dtype=torch.float64) if self.bug else h)
+
+
+def test_token_ids_are_not_refused_nor_blamed_for_a_mismatch_inside_the_model() -> None:
+    """Integer inputs are explained only after the model raised, and only when torch's error
+    names their dtype: token ids run, and a float64 constant inside the model keeps torch's
+    own error (it names Float and Double, not Long)."""
+    ids = torch.randint(0, 10, (8, 5), generator=torch.Generator().manual_seed(3))
+    data = [(ids, torch.randint(0, 3, (8,)))]
+    initlab.scale_output_(_Tokens(), data)
+    initlab.gr_scaling(_Tokens(), data, nn.CrossEntropyLoss())
+    with pytest.raises(RuntimeError, match="same dtype") as info:
+        initlab.scale_output_(_Tokens(bug=True), data)
+    assert type(info.value) is RuntimeError and "integer data" not in str(info.value)
+
+
 # ------------------------------------------------------------- sources that are not batches
 
 

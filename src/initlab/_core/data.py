@@ -580,30 +580,88 @@ _DTYPE_WORDS = re.compile(r"same dtype|expected scalar type|Input type .* should
 def dtype_error(err: RuntimeError, model: Any, batch: Any) -> TypeError | None:
     """A clear error for torch's dtype mismatch in a forward ("mat1 and mat2 must have the same
     dtype") where a floating-point tensor of the batch is not of the model's floating-point
-    dtype (float64 data from numpy into a float32 model); ``None`` for any other error. The
-    data is never converted behind the user's back: the message says how to. ``model``: a
-    module, or a stand-in with its ``parameters()`` (GradInit's model at other tensors)."""
+    dtype (float64 data from numpy into a float32 model), or where an integer or bool input of
+    the model (uint8 images, int64 features) reached a floating-point layer
+    (:func:`_integer_input`); ``None`` for any other error. The data is never converted behind
+    the user's back: the message says how to. ``model``: a module, or a stand-in with its
+    ``parameters()`` (GradInit's model at other tensors)."""
     if type(err) is not RuntimeError or not _DTYPE_WORDS.search(str(err)):
         return None
     params = model.parameters() if callable(getattr(model, "parameters", None)) else ()
     dtype = next((p.dtype for p in params if p.is_floating_point()), None)
-    found = [(k, t) for k, t in batch_tensors(batch) if t.is_floating_point() and t.dtype != dtype]
-    if dtype is None or not found:
+    if dtype is None:
         return None
-    path, t = found[0]
-    where = "the batch" if isinstance(batch, torch.Tensor) else f"the batch's entry {path!r}"
     short = _SHORT.get(dtype)
     as_method = f", x.{short}()" if short else ""
+    integer = _integer_input(str(err), dtype, batch)  # named by the error: first
+    if integer is not None:
+        path, t = integer
+        return TypeError(
+            f"{_where(batch, path)} (shape {tuple(t.shape)}) is {t.dtype} and the model's "
+            f"parameters are {dtype} ({err}): {'bool' if t.dtype == torch.bool else 'integer'} "
+            "data reached a layer that computes in floating point. initlab does not convert data: "
+            f"convert it (x.to({dtype}){as_method}, in the dataset or a collate_fn)"
+            f"{_BYTES if t.dtype == torch.uint8 else ''}. Integer and bool inputs are right only "
+            "for layers that take them (indices for nn.Embedding, masks): if this tensor is one, "
+            "the mismatch is inside the model"
+        )
+    found = [(k, t) for k, t in batch_tensors(batch) if t.is_floating_point() and t.dtype != dtype]
+    if not found:
+        return None
+    path, t = found[0]
     return TypeError(
-        f"{where} (shape {tuple(t.shape)}) is {t.dtype} and the model's parameters are {dtype} "
-        f"({err}). initlab does not convert data: convert it (x.to({dtype}){as_method}, in the "
-        f"dataset or a collate_fn), or the model (model.to({t.dtype}))"
+        f"{_where(batch, path)} (shape {tuple(t.shape)}) is {t.dtype} and the model's parameters "
+        f"are {dtype} ({err}). initlab does not convert data: convert it (x.to({dtype}){as_method}"
+        f", in the dataset or a collate_fn), or the model (model.to({t.dtype}))"
     )
+
+
+_BYTES = ", scaled as the model expects (image bytes: / 255)"
+
+
+def _where(batch: Any, path: str) -> str:
+    return "the batch" if isinstance(batch, torch.Tensor) else f"the batch's entry {path!r}"
 
 
 #: The tensor method that converts to a dtype (``x.float()``), for :func:`dtype_error`.
 _SHORT = {torch.float32: "float", torch.float64: "double", torch.float16: "half",
           torch.bfloat16: "bfloat16"}  # fmt: skip
+
+#: How torch's dtype errors name a dtype: its ScalarType ("Long", "LongTensor") or C++ type
+#: ("long int"), for :func:`_integer_input`.
+_TYPE_NAMES = {
+    torch.uint8: r"\bByte(?:Tensor)?\b|unsigned char",
+    torch.int8: r"\bChar(?:Tensor)?\b|(?<!un)signed char",
+    torch.int16: r"\bShort(?:Tensor)?\b|short int",
+    torch.int32: r"\bInt(?:Tensor)?\b|(?<!short )(?<!long )\bint\b",
+    torch.int64: r"\bLong(?:Tensor)?\b|long int",
+    torch.bool: r"\bBool(?:Tensor)?\b|\bbool\b",
+    torch.float32: r"\bFloat(?:Tensor)?\b|\bfloat\b",
+    torch.float64: r"\bDouble(?:Tensor)?\b|\bdouble\b",
+    torch.float16: r"\bHalf(?:Tensor)?\b|\bhalf\b",
+    torch.bfloat16: r"\bBFloat16(?:Tensor)?\b",
+}
+
+
+def _integer_input(text: str, dtype: torch.dtype, batch: Any) -> tuple[str, torch.Tensor] | None:
+    """The first integer or bool tensor the default forward passes to the model
+    (:func:`forward_args`: a tuple batch's targets are not inputs) whose dtype torch's error
+    ``text`` names together with the model's ``dtype`` (in "expected scalar type X but found Y",
+    X the model's and Y the tensor's), with its path in the batch; ``None`` if there is none.
+    Token ids are integer inputs too: the error must have come from the model first."""
+    inputs = {id(t) for _, t in flatten_tensors(forward_args(batch))}
+    model_names = _TYPE_NAMES.get(dtype)
+    expected = re.search(r"expected scalar type (\w+) but found (\w+)", text)
+    for path, t in batch_tensors(batch):
+        names = _TYPE_NAMES.get(t.dtype)
+        if id(t) not in inputs or names is None or t.is_floating_point() or model_names is None:
+            continue
+        if expected is not None:
+            if re.fullmatch(model_names, expected[1]) and re.fullmatch(names, expected[2]):
+                return path, t
+        elif re.search(names, text) and re.search(model_names, text):
+            return path, t
+    return None
 
 
 def one_example_error(err: ValueError) -> ValueError | None:

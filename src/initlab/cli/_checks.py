@@ -422,6 +422,10 @@ _WORDING: tuple[tuple[str, str | Callable[[re.Match[str]], str]], ...] = (
         r"convert the data before saving it (x.to(\1)\2), or have the factory build the model "
         r"in \3",
     ),
+    (  # the same, for integer or bool inputs (the model cannot be built in their dtype)
+        r"convert it \(x\.to\(([\w.]+)\)((?:, x\.\w+\(\))?), in the dataset or a collate_fn\)",
+        r"convert the data before saving it (x.to(\1)\2)",
+    ),
     (r"pass policy='warn' or 'skip'", "pass --policy warn or --policy skip"),
     (  # doctor's summary: the command keeps no model to undo the hook on
         r"; report\.reports\['output_scale'\]\.info\['handle'\]\.remove\(\) undoes it",
