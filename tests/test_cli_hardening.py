@@ -295,6 +295,11 @@ _ERRORS: dict[str, tuple[list[str], int, str, tuple[str, ...]]] = {
     "diagnose of a model without parameters": (
         ["diagnose", "--model", "mods.py:empty", "--data", "random:4"], 2,
         "the --model has no parameters, so there is nothing to measure", ()),
+    "init --method precondition of a model without parameters": (
+        ["init", "--model", "mods.py:empty", "--out", "out.pt", "--method", "precondition",
+         "--data", "random:4", "--loss", "random_quadratic"], 2,
+        "precondition_: the --model has no parameters, so there is nothing to precondition",
+        ("out.pt",)),
     # round 2, 8: empty values and options that contradict each other
     "--store ''": (["bench", "run", "spec.yaml", "--store", ""], 2, "--store is empty",
                    ("results",)),

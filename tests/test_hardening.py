@@ -452,6 +452,34 @@ _MEASURE_ERRORS: dict[str, tuple[Callable[[], Any], str]] = {
 }
 
 
+_NO_PARAMETERS: dict[str, tuple[Callable[[nn.Module], Any], str]] = {
+    "doctor": (lambda m: initlab.doctor(m, _batches(2)), "measure"),
+    "gr_scaling": (lambda m: gr_scaling(m, _batches(2)), "measure"),
+    "precondition_": (lambda m: precondition_(m, _batches(2)), "precondition"),
+    "diagnose": (lambda m: diagnose(m, _batches(2)), "measure"),
+    "measure_moments": (lambda m: measure_moments(m, _batches(2), "cross_entropy"), "measure"),
+    "gradient_stats": (lambda m: initlab.gradient_stats(m, _batches(2)), "measure"),
+}
+
+
+@pytest.mark.parametrize("entry", list(_NO_PARAMETERS))
+def test_a_model_without_parameters_is_refused_with_advice_the_entry_point_can_follow(
+    entry: str,
+) -> None:
+    """They advised "use modules='leaves' or 'all' to probe it" (MomentProbe's advice): doctor
+    and gr_scaling take no modules=, precondition_ no string, and diagnose or measure_moments
+    with a loss then failed on a loss without gradient. MomentProbe itself keeps the advice."""
+    call, task = _NO_PARAMETERS[entry]
+    with pytest.raises(ValueError) as info:
+        call(nn.Sequential(nn.Tanh()))
+    assert str(info.value).startswith(
+        f"{entry}: the model has no parameters, so there is nothing to {task}"
+    ), str(info.value)
+    assert "modules=" not in str(info.value)
+    with pytest.raises(ValueError, match=r"use modules='leaves' or 'all' to probe it"):
+        MomentProbe(nn.Sequential(nn.Tanh())).__enter__()
+
+
 @pytest.mark.parametrize("name", list(_MEASURE_ERRORS))
 def test_measurements_refuse_what_they_cannot_measure(name: str) -> None:
     call, text = _MEASURE_ERRORS[name]

@@ -161,12 +161,19 @@ def refuse_complex(model: nn.Module, what: str, why: str) -> None:
         raise TypeError(f"{what}: parameter(s) {', '.join(names)} are complex; {why}")
 
 
-def check_trainable(model: nn.Module, what: str) -> None:
-    """Raise ValueError if ``model`` has parameters and none of them requires a gradient: a loss
-    of it has no gradient to measure (torch would say "element 0 of tensors does not require
-    grad" from inside the backward); TypeError if a trainable one is complex (its gradient's
-    moments would be read as their real parts)."""
+def check_trainable(model: nn.Module, what: str, task: str = "measure") -> None:
+    """Raise ValueError if ``model`` has no parameters (nothing for ``what`` to ``task``: the
+    probe's own advice, ``MomentProbe(modules='leaves')``, is no option of an entry point that
+    back-propagates a loss) or none of them requires a gradient: a loss of it has no gradient to
+    measure (torch would say "element 0 of tensors does not require grad" from inside the
+    backward); TypeError if a trainable one is complex (its gradient's moments would be read as
+    their real parts)."""
     params = list(model.parameters())
+    if not params:
+        raise ValueError(
+            f"{what}: the model has no parameters, so there is nothing to {task} (a loss of "
+            f"{type(model).__name__} has no gradient); give a model with parameters"
+        )
     refuse_complex(
         model, what, "initlab's moments, ratios and gradient statistics are defined for real "
         "tensors: freeze them for this call (requires_grad_(False); a frozen tensor is left out)"

@@ -483,6 +483,10 @@ _WORDING: tuple[tuple[str, str | Callable[[re.Match[str]], str]], ...] = (
         "the --model has no parameters, so there is nothing to measure; give a model with "
         "parameters",
     ),
+    (  # _core.backward.check_trainable
+        r"\bthe model has no parameters, so there is nothing to",
+        "the --model has no parameters, so there is nothing to",
+    ),
     (r"\bbatch_size must be in", "--batch-size must be in"),
     (
         r"drop short batches \(a DataLoader's last batch: DataLoader\(\.\.\., drop_last=True\)\)",

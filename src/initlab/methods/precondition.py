@@ -358,7 +358,7 @@ def precondition_(
     )
     seeds = Seeds(model, generator)
     loss = resolve_loss(loss_fn, what="precondition_")
-    check_trainable(model, "precondition_")
+    check_trainable(model, "precondition_", "precondition")
     run = _Balancing(model, batches, loss, _selected(model, modules), seeds, reg, probe_kwargs)
     with restore_on_failure(model):
         before = run.probe()
