@@ -53,6 +53,36 @@ def bn():
 
 def lazy():
     return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.LazyLinear(3))
+
+class _Once(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        y = x.tanh()
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        return grad * (1 - y * y)
+
+class Once(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.b(_Once.apply(self.a(x)))
+
+def once():
+    torch.manual_seed(0)
+    return Once()
+
+def data_large():
+    gen = torch.Generator().manual_seed(0)
+    return [(30 * torch.randn(16, 4, generator=gen), torch.randint(0, 3, (16,), generator=gen))
+            for _ in range(4)]
 """
 
 _SPEC = """
@@ -295,6 +325,14 @@ _ERRORS: dict[str, tuple[list[str], int, str, tuple[str, ...]]] = {
     "diagnose of a model without parameters": (
         ["diagnose", "--model", "mods.py:empty", "--data", "random:4"], 2,
         "the --model has no parameters, so there is nothing to measure", ()),
+    # eleventh session: the command line has no --gamma
+    "gradinit through a @once_differentiable backward": (
+        ["init", "--model", "mods.py:once", "--out", "out.pt", "--method", "gradinit", "--data",
+         "mods.py:data_large"], 1,
+        "(e.g. a custom autograd.Function without @once_differentiable), or use --method lsuv "
+        "or --method scale_output, which need no derivative (the command line runs gradinit "
+        "with gamma 1, so it takes a constraint step wherever the gradient norm exceeds 1)\n",
+        ("out.pt",)),
     "init --method precondition of a model without parameters": (
         ["init", "--model", "mods.py:empty", "--out", "out.pt", "--method", "precondition",
          "--data", "random:4", "--loss", "random_quadratic"], 2,
@@ -580,6 +618,11 @@ def test_library_warnings_are_one_line_in_the_flags_words(
          "a loss_fn"),
         ("MomentProbe(modules='params') selects no module: the model has no parameters; give a "
          "model with parameters", "the --model has no parameters", "MomentProbe"),
+        ("gradinit_ differentiates the loss twice (...). Use twice-differentiable operations in "
+         "the model (...), or raise gamma above the gradient norms of the trace so that no "
+         "constraint step is taken (the objective steps of exact=False are first-order)",
+         "or use --method lsuv or --method scale_output, which need no derivative",
+         "raise gamma"),
         ("drop short batches (a DataLoader's last batch: DataLoader(..., drop_last=True)) (x)",
          "use --batch-size 2 or more", "DataLoader"),
         ("Drop empty batches (filter them out, or use a DataLoader with drop_last=True)",

@@ -487,6 +487,13 @@ _WORDING: tuple[tuple[str, str | Callable[[re.Match[str]], str]], ...] = (
         r"\bthe model has no parameters, so there is nothing to",
         "the --model has no parameters, so there is nothing to",
     ),
+    (  # gradinit's DoubleBackwardError: the command line has no --gamma (it runs gamma=1)
+        r"\braise gamma above the gradient norms of the trace so that no constraint step is taken "
+        r"\(the objective steps of exact=False are first-order\)",
+        "use --method lsuv or --method scale_output, which need no derivative (the command line "
+        "runs gradinit with gamma 1, so it takes a constraint step wherever the gradient norm "
+        "exceeds 1)",
+    ),
     (r"\bbatch_size must be in", "--batch-size must be in"),
     (
         r"drop short batches \(a DataLoader's last batch: DataLoader\(\.\.\., drop_last=True\)\)",
