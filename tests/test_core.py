@@ -122,6 +122,29 @@ def test_data_without_a_length_is_read_up_to_a_cap_not_forever(entry: str, monke
     assert call(finite).used.batches == 5
 
 
+_STEPPED: dict[str, Any] = {
+    "gradinit_": initlab.gradinit_,
+    "metainit_": initlab.metainit_,
+}
+
+
+@pytest.mark.parametrize("entry", list(_STEPPED))
+def test_an_endless_stream_names_the_keyword_of_the_entry_point(entry: str, monkeypatch) -> None:
+    """gradinit_/metainit_ on an endless generator said "Pass max_batches=", a keyword both
+    reject (their bound is steps=): the message names steps=, and steps= then works."""
+    import initlab._core.data as core_data
+
+    monkeypatch.setattr(core_data, "UNSIZED_MAX_BATCHES", 5)
+    fn = _STEPPED[entry]
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    with pytest.raises(ValueError, match=r"Pass steps= ") as err:
+        fn(copy.deepcopy(net), _endless(), nn.CrossEntropyLoss())
+    assert "max_batches" not in str(err.value)
+    with pytest.raises(TypeError, match="max_batches"):  # the keyword it would have named
+        fn(copy.deepcopy(net), _endless(), nn.CrossEntropyLoss(), max_batches=3)
+    fn(copy.deepcopy(net), _endless(), nn.CrossEntropyLoss(), steps=3)  # the advice works
+
+
 def test_default_forward_and_output_tensor() -> None:
     class Kw(nn.Module):
         def __init__(self) -> None:

@@ -18,7 +18,8 @@ The rule, in order (documented in the README and tested by the conformance suite
 How many: ``max_batches`` batches at most, ``None`` for all of them. Data without a length (a
 generator, an ``IterableDataset``, a ``DataLoader`` over one) may never end: with ``None`` it is
 read up to :data:`UNSIZED_MAX_BATCHES` batches, and one more raises a ``ValueError`` that says to
-pass ``max_batches=`` (rather than reading, and holding, an endless stream).
+pass ``max_batches=`` (``steps=`` for ``gradinit_`` and ``metainit_``, whose number of steps sets
+how many batches they read), rather than reading, and holding, an endless stream.
 
 A batch's size (its number of examples) is dim 0 of its first tensor (for a dict, of its first
 tensor value, e.g. ``input_ids``; for a custom object, of its first tensor attribute).
@@ -213,13 +214,26 @@ UNSIZED_MAX_BATCHES = 1000
 """The most batches ``max_batches=None`` reads from data without a length (see the module doc)."""
 
 
-def iter_batches(data: Any, max_batches: int | None = None, *, what: str) -> Iterator[Any]:
+#: What each keyword that bounds the batches read means, for the message of an endless stream.
+_BOUNDS = {
+    "max_batches": "how many batches to read",
+    "steps": "how many steps to take; each step reads its batches from the data",
+}
+
+
+def iter_batches(
+    data: Any, max_batches: int | None = None, *, what: str, bound: str = "max_batches"
+) -> Iterator[Any]:
     """The batches of ``data`` one at a time (a loader is streamed, never held whole), at most
     ``max_batches``; the same rule and errors as :func:`take_batches`.
 
+    ``bound``: the keyword of the entry point ``what`` that sets how many batches are read
+    (``"max_batches"``; ``"steps"`` for ``gradinit_`` and ``metainit_``), named by the error.
+
     Raises:
         ValueError: ``max_batches`` is ``None`` and ``data`` has no length and more than
-            :data:`UNSIZED_MAX_BATCHES` batches (it may be endless).
+            :data:`UNSIZED_MAX_BATCHES` batches (it may be endless); the message says to pass
+            ``bound=``.
     """
     if max_batches is not None and (
         isinstance(max_batches, bool) or not isinstance(max_batches, int) or max_batches < 1
@@ -240,8 +254,8 @@ def iter_batches(data: Any, max_batches: int | None = None, *, what: str) -> Ite
             raise ValueError(
                 f"{what}: the data has no length and gave more than {UNSIZED_MAX_BATCHES} "
                 f"batches; it may never end (a generator or IterableDataset that cycles), and "
-                f"max_batches=None reads data without a length up to {UNSIZED_MAX_BATCHES} "
-                "batches. Pass max_batches= (how many batches to read)"
+                f"{bound}=None reads data without a length up to {UNSIZED_MAX_BATCHES} "
+                f"batches. Pass {bound}= ({_BOUNDS.get(bound, 'how many batches to read')})"
             )
         check_batch(batch, what=what, index=i)
         yield _detached(batch)

@@ -564,7 +564,9 @@ def batch_pairs(
     *,
     same_size: bool = False,
 ) -> Iterator[tuple[Any, Any]]:
-    """``(S, next batch or None)`` per step, streaming; checks the length when it is known.
+    """``(S, next batch or None)`` per step, streaming; checks the length when it is known (data
+    without a length and ``iterations=None`` is read up to the cap of
+    :func:`~initlab._core.data.iter_batches`, whose error names ``steps=``, the entry points' knob).
     ``counter`` counts the batches and examples read. ``same_size``: under
     ``torch.distributed``, every step's batch must hold as many examples on every rank (for a
     method that averages the ranks' means with equal weights: GradInit).
@@ -628,7 +630,7 @@ def _stream_pairs(
 ) -> Iterator[tuple[Any, Any]]:
     """The pairs of :func:`batch_pairs`, read lazily from ``data``."""
     needed = None if total is None else total + (1 if need_next else 0)
-    it = counter.wrap(iter_batches(data, needed, what=what))
+    it = counter.wrap(iter_batches(data, needed, what=what, bound="steps"))
     got = 0
 
     def pull() -> Any:
