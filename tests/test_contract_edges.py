@@ -11,6 +11,7 @@ gives, or it raises an error that names what is wrong and what to do, leaving th
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import re
 import warnings
@@ -1471,3 +1472,34 @@ def test_the_way_to_read_an_output_field_fits_the_outputs_kind() -> None:
 def test_a_dataset_of_whole_batches_is_pointed_to_batch_size_none() -> None:
     with pytest.raises(TypeError, match=r"\(batch_size=None where its items are whole batches"):
         initlab.measure_moments(_mlp(), TensorDataset(*_data(8)))
+
+
+def test_the_causal_lm_warning_names_a_keyword_and_a_shifted_loss_that_work() -> None:
+    """The warning said "Pass loss=None", a keyword no entry point takes (theirs is loss_fn=).
+    Oracle: the model's own (shifting) loss. The keyword it names is each entry point's, and the
+    loss_fn it writes out, evaluated, gives the model's own loss on the batch's form."""
+    pytest.importorskip("transformers")
+    model = hf_models.model_of("gpt2").eval()
+    batch = hf_models.batches("gpt2", 1)[0]
+    with torch.no_grad():
+        own = float(model(**batch).loss)
+    takes_loss = [initlab.gradient_stats, initlab.gr_scaling, initlab.measure_moments,
+                  initlab.diagnose, initlab.doctor, initlab.gradinit_, initlab.metainit_,
+                  initlab.precondition_, initlab.block_curvature, initlab.loss_landscape,
+                  initlab.theory_vs_actual]  # fmt: skip
+    for data in (batch, (batch["input_ids"], batch["labels"])):
+        with pytest.warns(UserWarning, match="causal language model") as seen:
+            resolve_loss(nn.CrossEntropyLoss())(model, data)
+        text = str(seen[0].message)
+        assert re.search(r"\bloss=", text) is None, text
+        assert "loss_fn=None" in text
+        for fn in takes_loss:
+            assert "loss_fn" in inspect.signature(fn).parameters, fn.__name__
+        shift = eval(text.split("that shifts: ", 1)[1], {"F": F})  # the loss_fn it writes out
+        with torch.no_grad():
+            assert float(shift(model, data)) == pytest.approx(own, rel=1e-6)
+    with torch.no_grad():  # the way to the own loss it names for a tuple batch: a dict batch
+        ids = batch["input_ids"]
+        assert float(resolve_loss(None)(model, {"input_ids": ids, "labels": ids})) == (
+            pytest.approx(float(model(input_ids=ids, labels=ids).loss), rel=1e-6)
+        )

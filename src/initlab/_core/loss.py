@@ -276,14 +276,26 @@ def _check_unshifted(outputs: Any, batch: Any, name: str, ignore_index: int) -> 
     """Warn when a class criterion meets a causal language model's logits and labels that are
     the batch's input ids (``input_ids`` and ``labels`` of a dict, ``(ids, ids)``; Hugging Face's
     convention: the model's own loss shifts them, so position ``t`` predicts token ``t + 1``); the
-    criterion compares them position by position, each token predicted from itself."""
+    criterion compares them position by position, each token predicted from itself. The advice
+    names ``loss_fn=`` (every entry point's keyword) and a shifting ``loss_fn(model, batch)`` for
+    the batch's form; for a tuple batch, dict batches for the model's own loss (``model(batch
+    [0])`` gets no labels, so returns no loss)."""
     kind = type(outputs).__name__
     if not kind.startswith("CausalLMOutput"):
         return
     if isinstance(batch, Mapping):
         ids, labels = batch.get("input_ids"), batch.get("labels")
+        # the model's own loss reads the dict's labels (loss_fn=None, or 'model')
+        own = "Pass loss_fn=None (the model's own loss; --loss model on the command line)"
+        call, target = "model(**batch)", "batch['labels']"
     elif isinstance(batch, (tuple, list)) and len(batch) >= 2:
         ids, labels = batch[0], batch[1]
+        # model(batch[0]) gets no labels, so returns no loss: the own loss needs a dict batch
+        own = (
+            "Pass dict batches {'input_ids': ids, 'labels': ids} with loss_fn=None (the "
+            "model's own loss)"
+        )
+        call, target = "model(batch[0])", "batch[1]"
     else:
         return
     if not isinstance(ids, torch.Tensor) or not isinstance(labels, torch.Tensor):
@@ -294,9 +306,9 @@ def _check_unshifted(outputs: Any, batch: Any, name: str, ignore_index: int) -> 
         f"{name}: the model is a causal language model ({kind}) and the labels are its "
         "input_ids, as Hugging Face has them: its own loss predicts each token from the ones "
         f"before it (it shifts the labels by one), while {name} compares each position's logits "
-        "with that position's own token. Pass loss=None (the model's own loss), or a "
-        "loss_fn(model, batch) that shifts: F.cross_entropy(out.logits[:, :-1].flatten(0, 1), "
-        "batch['labels'][:, 1:].flatten())",
+        f"with that position's own token. {own}, or a loss_fn(model, batch) that shifts: "
+        f"lambda model, batch: F.cross_entropy({call}.logits[:, :-1].flatten(0, 1), "
+        f"{target}[:, 1:].flatten())",
         UserWarning,
         stacklevel=user_stacklevel(),
     )
