@@ -641,8 +641,11 @@ def test_library_warnings_are_one_line_in_the_flags_words(
          "materialize"),
         ("the default forward: a tuple batch is passed to the model as model(batch[0]) (...). "
          "Pass dict batches of its keyword arguments, a loss_fn(model, batch) that calls the "
-         "model itself, or, where the function takes one, forward=lambda model, batch: "
-         "model(*batch[:2]) (as many inputs as the model takes)",
+         "model itself and names the target (e.g. loss_fn=lambda model, batch: "
+         "F.cross_entropy(model(batch[0], batch[1]), batch[2]) for (x, z, y) batches), or, "
+         "where the function takes one, a forward= that leaves the target at batch[1], where a "
+         "loss reads it: forward=lambda model, batch: model(batch[0], *batch[2:]) for (x, y, "
+         "z, ...) batches (model(*batch) where no loss reads a target)",
          "Make --data give dict batches of its keyword arguments, or pass --loss pkg.module:fn",
          "forward="),
         ("  note: the output scale is a forward hook on 2 (not in the state_dict); "

@@ -539,8 +539,10 @@ _TUPLE_ADVICE = (
     r"the default forward: a tuple batch is passed to the model as model\(batch\[0\]\) \(the "
     r"rest of the tuple is read as targets\), and the model's forward takes more inputs "
     r"\(_TwoInputs\.forward\(\) missing 1 required positional argument: 'b'\)\. Pass dict "
-    r"batches of its keyword arguments, a loss_fn\(model, batch\) that calls the model itself, "
-    r"or, where the function takes one, forward=lambda model, batch: model\(\*batch\[:2\]\)"
+    r"batches of its keyword arguments, a loss_fn\(model, batch\) that calls the model itself "
+    r"and names the target .*, or, where the function takes one, a forward= that leaves the "
+    r"target at batch\[1\], where a loss reads it: forward=lambda model, batch: "
+    r"model\(batch\[0\], \*batch\[2:\]\) for \(x, y, z, \.\.\.\) batches"
 )
 
 

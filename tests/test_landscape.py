@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import copy
 import math
+import re
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+import initlab
+from initlab._core.loss import TargetError
 from initlab.measure.landscape import (
     LANDSCAPE_COLUMNS,
     Landscape,
@@ -386,3 +390,88 @@ def test_several_batches_give_the_loss_over_all_the_data(case: str) -> None:
     with torch.no_grad():
         whole = crit(body(x).flatten(0, -2), t.flatten()).item()
     assert land.center == pytest.approx(whole, rel=1e-12)
+
+
+class _XZ(nn.Module):
+    """``model(x, z)``: a model of two inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(6, 3), nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return self.a(x) + self.b(z)
+
+
+def _xzy() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)  # z has the output's shape: a criterion takes it
+    return (
+        torch.randn(16, 6, generator=g),
+        torch.randn(16, 3, generator=g),
+        torch.randint(0, 3, (16,), generator=g),
+    )
+
+
+def _ce64(m: _XZ, x: torch.Tensor, z: torch.Tensor, y: torch.Tensor) -> float:
+    """The oracle: the cross-entropy on the labels, in float64 from the weights."""
+    d = torch.float64
+    out = x.to(d) @ m.a.weight.detach().to(d).T + m.a.bias.detach().to(d)
+    out = out + z.to(d) @ m.b.weight.detach().to(d).T + m.b.bias.detach().to(d)
+    logp = out - torch.logsumexp(out, dim=1, keepdim=True)
+    return float(-logp[torch.arange(len(y)), y].mean())
+
+
+def test_the_advice_for_a_model_of_two_inputs_gives_the_loss_on_the_labels() -> None:
+    """The default forward's advice, forward=lambda model, batch: model(*batch[:2]), on a batch
+    (x, z, y) had a criterion (and the default loss) score the output against z = batch[1]: a
+    "cross-entropy" of -0.31 (true 1.34). Now both forms the advice writes out give the loss on
+    the labels, and a forward= that passes batch[1] to the model raises."""
+    m, (x, z, y) = _XZ(), _xzy()
+    oracle = _ce64(m, x, z, y)
+    with pytest.raises(TypeError) as err:
+        initlab.loss_landscape(m, (x, z, y), nn.CrossEntropyLoss(), grid=3, generator=0)
+    text = str(err.value)
+    assert "model(*batch[:2])" not in text
+    forward = eval(re.search(r"forward=(lambda model, batch: model\(batch\[0\], \*batch\[2:\]\))",
+                             text).group(1))  # fmt: skip
+    loss_fn = eval(re.search(r"loss_fn=(lambda model, batch: F\.cross_entropy\(model\(batch\[0\], "
+                             r"batch\[1\]\), batch\[2\]\))", text).group(1), {"F": F})  # fmt: skip
+    for data, kw in (((x, y, z), {"forward": forward}), ((x, z, y), {})):
+        for loss in (nn.CrossEntropyLoss(), None) if kw else (loss_fn,):
+            land = initlab.loss_landscape(m, data, loss, grid=3, generator=0, **kw)
+            assert land.center == pytest.approx(oracle, rel=1e-5)
+    consumed = lambda model, batch: model(batch[0], batch[1])  # noqa: E731
+    for loss in (nn.CrossEntropyLoss(), None):
+        with pytest.raises(TargetError, match=r"forward= passes batch\[1\] to the model"):
+            initlab.loss_landscape(m, (x, z, y), loss, forward=consumed, grid=3, generator=0)
+        with pytest.raises(TargetError, match=r"forward= passes batch\[1\] to the model"):
+            initlab.block_curvature(m, (x, z, y), loss, forward=consumed, probes=1, generator=0)
+
+
+def test_a_forward_that_gives_the_target_by_a_target_keyword_or_as_its_input_runs() -> None:
+    """Not refused: labels=batch[1] (teacher forcing; the target is the labels), and a batch whose
+    target is its input too ((ids, ids, mask), as a language model's)."""
+
+    class Teacher(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(6, 3)
+
+        def forward(self, x: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> Any:
+            return self.lin(x) * mask
+
+    x, _, y = _xzy()
+    mask = torch.ones(16, 1)
+    m = Teacher()
+    fwd = lambda model, b: model(b[0], b[2], labels=b[1])  # noqa: E731
+    land = initlab.loss_landscape(m, (x, y, mask), nn.CrossEntropyLoss(), forward=fwd, grid=3)
+    with torch.no_grad():
+        oracle = float(F.cross_entropy(m.lin(x).double(), y))
+    assert land.center == pytest.approx(oracle, rel=1e-5)
+    same = (x, x, mask)  # the input is the target (MSE on a model of one shape)
+    auto = nn.Linear(6, 6)
+    fwd2 = lambda model, b: model(b[0]) * b[2]  # noqa: E731
+    land = initlab.loss_landscape(auto, same, nn.MSELoss(), forward=fwd2, grid=3)
+    with torch.no_grad():
+        assert land.center == pytest.approx(float(F.mse_loss(auto(x).double(), x.double())), 1e-5)

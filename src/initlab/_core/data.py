@@ -695,7 +695,8 @@ def one_example_error(err: ValueError) -> ValueError | None:
 def keyword_error(err: TypeError, batch: Any, what: str) -> TypeError | None:
     """A clear error for a model that cannot take a dict batch's keys as keyword arguments
     (``model(**batch)``, the default forward of a dict batch), or whose ``forward`` needs more
-    than a tuple batch's first entry (``model(batch[0])``); ``None`` for any other error, and
+    than a tuple batch's first entry (``model(batch[0])``: the advice keeps the target at
+    ``batch[1]``, where :func:`find_target` reads it); ``None`` for any other error, and
     for one this function already made (the default forward's, inside a loss)."""
     text = str(err)
     if "is passed to the model as" in text:
@@ -707,8 +708,11 @@ def keyword_error(err: TypeError, batch: Any, what: str) -> TypeError | None:
             f"{what}: a tuple batch is passed to the model as model(batch[0]) (the rest of the "
             f"tuple is read as targets), and the model's forward takes more inputs ({err}). Pass "
             "dict batches of its keyword arguments, a loss_fn(model, batch) that calls the model "
-            "itself, or, where the function takes one, forward=lambda model, batch: "
-            "model(*batch[:2]) (as many inputs as the model takes)"
+            "itself and names the target (e.g. loss_fn=lambda model, batch: "
+            "F.cross_entropy(model(batch[0], batch[1]), batch[2]) for (x, z, y) batches), or, "
+            "where the function takes one, a forward= that leaves the target at batch[1], where a "
+            "loss reads it: forward=lambda model, batch: model(batch[0], *batch[2:]) for (x, y, "
+            "z, ...) batches (model(*batch) where no loss reads a target)"
         )
     # The model's own forward refusing the batch: a key it does not take, or one it needs and
     # the batch lacks. A TypeError from deeper inside (a call in the model's code) is its own.

@@ -441,8 +441,9 @@ _WORDING: tuple[tuple[str, str | Callable[[re.Match[str]], str]], ...] = (
     ),
     (
         r"Pass dict batches of its keyword arguments, a loss_fn\(model, batch\) that calls the "
-        r"model itself, or, where the function takes one, forward=lambda model, batch: "
-        r"model\(\*batch\[:2\]\) \(as many inputs as the model takes\)",
+        r"model itself and names the target \(e\.g\. .*? for \(x, z, y\) batches\), or, where "
+        r"the function takes one, a forward= that leaves the target at batch\[1\], .*? \(model"
+        r"\(\*batch\) where no loss reads a target\)",
         "Make --data give dict batches of its keyword arguments, or pass --loss pkg.module:fn, a "
         "function fn(model, batch) that calls the model itself",
     ),

@@ -16,12 +16,12 @@ import torch
 from torch import nn
 
 from initlab._core.data import default_forward, dtype_error, forward_args, keyword_error
+from initlab._core.forward_loss import on_batches, target_kept
 from initlab._core.functional import functional_call
 from initlab._core.loss import (
     Loss,
     LossLike,
     NamedLoss,
-    default_loss,
     model_inputs,
     outputs_loss,
     resolve_loss,
@@ -157,14 +157,6 @@ def _functional_forward(
     return functional_call(wrapper, {f"model.{k}": v for k, v in state.items()}, (batch,))
 
 
-def on_batches(loss: Loss, batches: list[Any]) -> Loss:
-    """``loss`` for these batches: the default (``None``) is :data:`~initlab._core.loss.
-    default_loss` (a loss on the outputs) when no batch is a dict, as the resolver reads it."""
-    if loss.form == "auto" and not any(isinstance(b, Mapping) for b in batches):
-        return default_loss
-    return loss
-
-
 def split_loss(
     loss: Loss, forward: Forward | None, *, what: str
 ) -> tuple[Forward, Callable[[Any, Any], torch.Tensor]]:
@@ -172,15 +164,19 @@ def split_loss(
 
     A loss on the model's outputs (``loss.splittable``: a criterion, a named loss,
     :func:`~initlab._core.loss.outputs_loss`) splits at the outputs, with ``forward`` (default the
-    loss's own forward, :func:`~initlab._core.data.default_forward`). Any other loss
-    (``loss_fn(model, batch)``, the model's own loss) is its own "forward" and ``on_outputs`` is
-    the identity: exact for loss values and the Hessian, not for the Gauss-Newton matrix.
+    loss's own forward, :func:`~initlab._core.data.default_forward`), a ``forward`` checked not to
+    pass the target ``batch[1]`` to the model (:func:`~initlab._core.forward_loss.target_kept`).
+    Any other loss (``loss_fn(model, batch)``, the model's own loss) is its own "forward" and
+    ``on_outputs`` is the identity: exact for loss values and the Hessian, not for the
+    Gauss-Newton matrix.
 
     Raises:
         ValueError: ``forward`` given with a loss that runs the model itself.
     """
     if loss.splittable:
-        return forward or loss.forward, loss.on_outputs  # type: ignore[attr-defined]
+        if forward is None:
+            return loss.forward, loss.on_outputs  # type: ignore[attr-defined]
+        return target_kept(forward, loss.name, what), loss.on_outputs  # type: ignore[attr-defined]
     if forward is not None:
         raise ValueError(
             f"{what}: forward= applies to a loss on the model's outputs; the loss {loss.name!r} "
