@@ -839,3 +839,41 @@ def test_loaded_batchnorm_statistics_are_not_called_fresh() -> None:
     model.eval()
     assert int(model[1].num_batches_tracked) == 0
     assert "BatchNorm in eval mode" not in doctor(model, classification_data(2)).summary()
+
+
+class _TwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(6, C), nn.Linear(4, C)
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return self.a(x) + self.b(z)
+
+
+def test_doctor_measures_with_the_forward_it_is_given() -> None:
+    """doctor(..., forward=) ran its measurement with the default forward, model(batch[0]): a
+    model of two inputs failed, and the message said to pass forward=, which was passed. Now the
+    measurement's loss runs the model with forward=; oracle: the float64 cross-entropy on the
+    labels from the weights. A forward= that passes the target batch[1] to the model raises."""
+    m = _TwoInputs()
+    g = torch.Generator().manual_seed(2)
+    x, z, y = (
+        torch.randn(32, 6, generator=g),
+        torch.randn(32, 4, generator=g),
+        torch.randint(0, C, (32,), generator=g),
+    )
+    d = torch.float64
+    out = x.to(d) @ m.a.weight.detach().to(d).T + m.a.bias.detach().to(d)
+    out = out + z.to(d) @ m.b.weight.detach().to(d).T + m.b.bias.detach().to(d)
+    ce = float(F.cross_entropy(out, y))
+    fwd = lambda model, b: model(b[0], b[2])  # noqa: E731  (x, y, z): the target at batch[1]
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    for loss in (None, nn.CrossEntropyLoss()):
+        rep = doctor(m, (x, y, z), loss, forward=fwd, generator=0)
+        assert rep.value("initial_loss") == pytest.approx(ce, rel=1e-5)
+        assert rep.value("logit_std") == pytest.approx(float(out.std(unbiased=False)), rel=1e-4)
+    assert all(torch.equal(v, m.state_dict()[k]) for k, v in before.items())
+    consumed = lambda model, b: model(b[0], b[1])  # noqa: E731
+    with pytest.raises(ValueError, match=r"forward= passes batch\[1\] to the model"):
+        doctor(m, (x, z, y), nn.CrossEntropyLoss(), forward=consumed)

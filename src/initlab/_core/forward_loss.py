@@ -1,8 +1,8 @@
 """A loss on the model's outputs run with a ``forward=`` of the user's.
 
 ``loss(model, batch) = on_outputs(forward(model, batch), batch)``: the entry points that take
-both a loss and a ``forward=`` (``block_curvature``, ``loss_landscape``, ``theory_vs_actual``)
-run the model with ``forward`` and score its output with the loss, whose target is
+both a loss and a ``forward=`` (``block_curvature``, ``loss_landscape``, ``theory_vs_actual``,
+``doctor``) run the model with ``forward`` and score its output with the loss, whose target is
 read from the batch (:func:`~initlab._core.data.find_target`: ``batch[1]`` of ``(x, y, ...)``).
 
 A ``forward`` that passes ``batch[1]`` to the model as an input (``model(batch[0], batch[1])``
@@ -12,6 +12,7 @@ on a batch ``(x, z, y)``) would have the loss score the output against an input,
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -21,7 +22,7 @@ from torch import nn
 from initlab._core.data import TARGET_KEYS
 from initlab._core.loss import Loss, TargetError, default_loss
 
-__all__ = ["Forward", "on_batches", "target_kept"]
+__all__ = ["Forward", "on_batches", "target_kept", "with_forward"]
 
 Forward = Callable[[nn.Module, Any], Any]
 
@@ -89,3 +90,17 @@ def _lone_target(batch: Any) -> torch.Tensor | None:
     if not isinstance(y, torch.Tensor) or any(b is y for i, b in enumerate(batch) if i != 1):
         return None
     return y
+
+
+def with_forward(loss: Loss, forward: Forward, batches: list[Any], what: str) -> Loss:
+    """``loss`` with the model run by ``forward``: for a loss on the outputs on these batches
+    (:func:`on_batches`: a criterion, a named loss, the default loss on ``(x, y, ...)``
+    batches), a copy whose forward is ``forward`` checked by :func:`target_kept`, so that
+    ``loss(model, batch) = on_outputs(forward(model, batch), batch)``; any other loss (a
+    ``loss_fn(model, batch)``, the model's own loss) calls the model itself: ``loss`` as it is."""
+    base = on_batches(loss, batches)
+    if not base.splittable:
+        return loss
+    out = copy.copy(base)
+    out.forward = target_kept(forward, base.name, what)  # type: ignore[attr-defined]
+    return out

@@ -55,7 +55,9 @@ that could not be read: ``why`` says which).
 
 The outputs are read with ``forward`` (``forward(model, batch)``), by default the model's call
 inside a ``loss_fn(model, batch)`` (a model that takes two tensors works as the loss calls it),
-else the default forward; the fixes ``lsuv_`` and ``scale_output_`` get the same ``forward=``.
+else the default forward; the fixes ``lsuv_`` and ``scale_output_`` get the same ``forward=``, and
+so does the measurement's loss where it is a loss on the outputs (a criterion on ``forward``'s
+output and the target ``batch[1]``).
 
 Fixes, in the order they are applied (:data:`FIXES`), each through the public method with the
 ``generator``:
@@ -114,6 +116,7 @@ from initlab._core.backward import with_grad
 from initlab._core.compiled import takes_compiled
 from initlab._core.data import DataUse, data_use, take_batches
 from initlab._core.distributed import is_distributed
+from initlab._core.forward_loss import with_forward
 from initlab._core.loss import LossLike, resolve_loss
 from initlab._core.parametrized import reading_scope, writing_scope
 from initlab._core.rng import as_generator
@@ -763,10 +766,16 @@ def doctor(
         max_batches: batches taken from ``data``.
         generator: seed or generator for the fixes' draws (init, LSUV) and measurement passes.
         forward: ``forward(model, batch) -> output``, how the model runs on one batch: for the
-            checks on its outputs (the logits' std, the number of classes) and the ``forward=``
-            of the fixes ``lsuv_`` and ``scale_output_``. Default: for a ``loss_fn(model,
-            batch)``, the model's first call inside it (so ``model(a, b)`` works as the loss
-            calls it); else the default forward (``model(x)`` of ``(x, y)``, ``model(**batch)``).
+            checks on its outputs (the logits' std, the number of classes), the ``forward=``
+            of the fixes ``lsuv_`` and ``scale_output_``, and, with a loss on the outputs (a
+            criterion, a named loss, the default loss on ``(x, y, ...)`` batches), the
+            measurement's loss ``loss(model, batch) = criterion(forward(model, batch), y)``
+            with ``y = batch[1]`` (a ``forward`` that passes ``batch[1]`` to the model raises:
+            keep the target there, ``model(batch[0], *batch[2:])``). A ``loss_fn(model,
+            batch)`` or the model's own loss runs the model itself. Default: for a
+            ``loss_fn(model, batch)``, the model's first call inside it (so ``model(a, b)``
+            works as the loss calls it); else the default forward (``model(x)`` of ``(x, y)``,
+            ``model(**batch)``).
 
     One process: under ``torch.distributed`` every rank raises a ``ValueError`` saying to run it
     before the process group (its choices follow one process's data).
@@ -795,6 +804,8 @@ def doctor(
     with reading_scope() if names == [] else writing_scope():
         batches = take_batches(data, max_batches, exact=False, what="doctor")
         loss = resolve_loss(loss_fn, what="doctor")
+        if forward is not None:  # the measurement runs the model as the checks and fixes do
+            loss = with_forward(loss, forward, batches, "doctor")
         setup = _Setup(batches, loss, as_generator(generator), fixes_forward(loss, forward))
         before = _measure(model, setup)
         checks = _checks(before, model, setup)
