@@ -74,3 +74,54 @@ def test_the_generator_not_the_global_rng_draws_the_dropout_masks(name: str) -> 
     # another seed, other masks: the generator reaches the passes
     assert measure(model, data, 1) != results[0]
     assert model.training
+
+
+@pytest.mark.parametrize("name", list(MEASURES))
+def test_reading_a_dataloader_leaves_the_global_rng_where_it_was(name: str) -> None:
+    """diagnose and doctor with a DataLoader moved torch's global RNG (the loader's iterator draws
+    its base seed from it), though diagnose's docstring says it is neither read nor changed;
+    measure_moments, gr_scaling and gradient_stats put it back."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    x = torch.cat([b[0] for b in batches()])
+    y = torch.cat([b[1] for b in batches()])
+    loader = DataLoader(TensorDataset(x, y), batch_size=8)
+    model = dropout_mlp()
+    for generator in (0, None):
+        torch.manual_seed(5)
+        state = torch.get_rng_state()
+        MEASURES[name](model, loader, generator)
+        assert torch.equal(torch.get_rng_state(), state)
+
+
+def _numbers(report: Any) -> list[float]:
+    """Every number of a diagnose report: its rows, its tables and its landscape."""
+    out = [v for r in report.to_rows() for v in r.values() if isinstance(v, float)]
+    for rows in report.tables.values():
+        out += [v for r in rows for v in r.values() if isinstance(v, float)]
+    out += [float(v) for v in torch.as_tensor(report.landscape.values).flatten()]
+    return [round(v, 12) for v in out if v == v]  # NaN != NaN
+
+
+def test_diagnose_without_a_generator_gives_fixed_numbers_whatever_the_global_rng() -> None:
+    """generator=None is documented as "fixed seeds for the pass", yet the curvature probes, the
+    power iterations of the convolution norms and the landscape's directions drew from torch's
+    global RNG: other global seeds, other numbers. Now the same, and the global RNG untouched."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(1, 2, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(32, 3)
+    ).eval()
+    g = torch.Generator().manual_seed(4)
+    data = [(torch.randn(6, 1, 4, 4, generator=g), torch.randint(0, 3, (6,), generator=g))
+            for _ in "ab"]  # fmt: skip
+    seen = []
+    for global_seed in (1, 2):
+        torch.manual_seed(global_seed)
+        state = torch.get_rng_state()
+        report = initlab.diagnose(
+            model, data, nn.CrossEntropyLoss(), curvature=True,
+            curvature_options={"probes": 2}, landscape={"grid": 3},
+        )  # fmt: skip
+        assert torch.equal(torch.get_rng_state(), state)
+        seen.append(_numbers(report))
+    assert len(seen[0]) > 50 and seen[0] == seen[1]

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-__all__ = ["Seeds", "as_generator", "peeked"]
+__all__ = ["Seeds", "as_generator", "global_rng_kept", "peeked", "stage_generator"]
 
 
 def as_generator(generator: torch.Generator | int | None) -> torch.Generator | None:
@@ -36,6 +36,32 @@ def peeked(generator: torch.Generator | None) -> torch.Generator | None:
     if generator is None:
         return None
     return torch.Generator(device=generator.device).set_state(generator.get_state())
+
+
+#: The seed of :func:`stage_generator` without a generator (fixed draws, not the global RNG).
+STAGE_SEED = 0
+
+
+def stage_generator(generator: torch.Generator | None) -> torch.Generator:
+    """The generator a measurement's random stages (power iterations, curvature probes, landscape
+    directions) draw from: ``generator`` itself, else a new CPU generator seeded
+    :data:`STAGE_SEED`, so that ``None`` gives fixed draws and never reads torch's global RNG."""
+    return generator if generator is not None else torch.Generator().manual_seed(STAGE_SEED)
+
+
+@contextlib.contextmanager
+def global_rng_kept() -> Iterator[None]:
+    """Torch's global RNG (the CPU generator, and every CUDA device's where CUDA is initialized)
+    as it was when the block ends: around reading the data, whose ``DataLoader`` iterator draws
+    its base seed (and a shuffling sampler its permutation's seed) from it."""
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
 
 
 class Seeds:

@@ -40,7 +40,7 @@ from initlab._core.compiled import takes_compiled
 from initlab._core.data import examples_in, forward_args, take_batches
 from initlab._core.loss import Loss, LossLike, batch_reduction, resolve_loss
 from initlab._core.parametrized import reading_layers
-from initlab._core.rng import Seeds, as_generator
+from initlab._core.rng import Seeds, as_generator, global_rng_kept, stage_generator
 from initlab._core.rows import Rows
 from initlab._core.state import preserved_state
 from initlab.diagnostics.assemble import _weight_names, assemble
@@ -134,8 +134,11 @@ def diagnose(
             ``True`` / a dict of its options (``grid=``, ``directions=``, ``bn=``) to compute
             one on the batches used here (filter-normalized random directions by default).
         generator: seed (or generator) for the pass's random draws (dropout masks, batch ``i``
-            in its own forked-RNG scope), power iterations and curvature probes; ``None``: fixed
-            seeds for the pass. With a generator, torch's global RNG is neither read nor changed.
+            in its own forked-RNG scope), power iterations, curvature probes and landscape
+            directions; ``None``: fixed seeds (a generator seeded
+            :data:`~initlab._core.rng.STAGE_SEED` for the stages). Either way the results do not
+            depend on torch's global RNG, and it is left as it was (reading a ``DataLoader``
+            draws its iterator's seed from it: put back).
         name: the model's name in the report (default: its class name).
         progress: called with a short message at each stage (e.g. for a CLI).
 
@@ -149,7 +152,8 @@ def diagnose(
     _check_landscape(landscape)
     if residual_blocks is not None:  # unknown names fail before the pass, not after it
         _user_blocks(model, residual_blocks)
-    batches = take_batches(data, max_batches, exact=False, what="diagnose")
+    with global_rng_kept():  # a DataLoader's iterator draws its seed from it
+        batches = take_batches(data, max_batches, exact=False, what="diagnose")
     loss = resolve_loss(loss_fn, what="diagnose")
     check_trainable(model, "diagnose")
     opts.loss_reduction = batch_reduction(loss, loss_reduction, "diagnose")
@@ -191,6 +195,7 @@ def _diagnose(
     """:func:`diagnose` after validation: one pass, then each stage, then the report."""
     say = progress or (lambda _msg: None)
     run = _Run(say)
+    stages = stage_generator(generator)  # None: fixed draws, not the global RNG's
     if o.per_example == "auto":
         o.per_example = _auto_per_example(model, run.notes)
     _note_fresh_eval_norms(model, run.notes)
@@ -219,7 +224,7 @@ def _diagnose(
     if o.spectra:
         say("spectra: SVDs and convolution operator norms")
         with run.timed("spectra_s"):
-            spectra_rows = layer_spectra(model, shapes, generator=generator)
+            spectra_rows = layer_spectra(model, shapes, generator=stages)
             run.tables["spectra"] = spectra_rows
     lint_result, blocks = _lint(model, probe, watch, batches, o.lint, o.residual_blocks, run)
     findings = lint_result.findings if lint_result else Rows([], title="scaling linter")
@@ -228,9 +233,9 @@ def _diagnose(
     if o.curvature:
         say("curvature: Hessian blocks and theory vs actual")
         with run.timed("curvature_s"):
-            _curvature(model, batches[0], loss, o.curvature_options, generator, run.tables,
+            _curvature(model, batches[0], loss, o.curvature_options, stages, run.tables,
                        run.notes)  # fmt: skip
-    landscape = _landscape_stage(model, batches, loss, o.landscape, generator, run)
+    landscape = _landscape_stage(model, batches, loss, o.landscape, stages, run)
 
     say("building the report")
     rows, layers, imb = assemble(model, probe_table, param_table, gr, run.tables, findings, blocks)

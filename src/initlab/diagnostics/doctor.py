@@ -119,7 +119,7 @@ from initlab._core.distributed import is_distributed
 from initlab._core.forward_loss import with_forward
 from initlab._core.loss import LossLike, resolve_loss
 from initlab._core.parametrized import reading_scope, writing_scope
-from initlab._core.rng import as_generator
+from initlab._core.rng import as_generator, global_rng_kept
 from initlab._core.rows import Rows, _fmt
 from initlab._core.state import copies_held, model_kept, restore_on_failure
 from initlab.diagnostics._doctor_checks import (
@@ -802,7 +802,8 @@ def doctor(
         )
     # without fixes doctor only reads (parametrized layers measured); with them it writes
     with reading_scope() if names == [] else writing_scope():
-        batches = take_batches(data, max_batches, exact=False, what="doctor")
+        with global_rng_kept():  # a DataLoader's iterator draws its seed from it
+            batches = take_batches(data, max_batches, exact=False, what="doctor")
         loss = resolve_loss(loss_fn, what="doctor")
         if forward is not None:  # the measurement runs the model as the checks and fixes do
             loss = with_forward(loss, forward, batches, "doctor")
