@@ -94,6 +94,34 @@ def test_reading_a_dataloader_leaves_the_global_rng_where_it_was(name: str) -> N
         assert torch.equal(torch.get_rng_state(), state)
 
 
+@pytest.mark.parametrize("name", ["precondition_", "scale_output_"])
+def test_the_methods_that_say_so_leave_the_global_rng_where_it_was(name: str) -> None:
+    """precondition_'s and scale_output_'s module docs say torch's global RNG is untouched; a
+    shuffling DataLoader's iterator drew its seed and permutation from it (take_batches now puts
+    it back). Every batch is still read: a data generator drawing from the global RNG gets
+    fresh draws per batch within the call."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    x = torch.cat([b[0] for b in batches()])
+    y = torch.cat([b[1] for b in batches()])
+    loader = DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True)
+    method, model, other = getattr(initlab, name), dropout_mlp(), dropout_mlp()
+    torch.manual_seed(5)
+    state = torch.get_rng_state()
+    method(model, loader, generator=0)
+    assert torch.equal(torch.get_rng_state(), state)
+    seen: list[torch.Tensor] = []
+
+    def drawn() -> Any:
+        for _ in range(3):
+            seen.append(torch.randn(8, x.shape[1]))
+            yield seen[-1], torch.randint(0, 3, (8,))
+
+    method(other, drawn(), generator=0)
+    assert len(seen) == 3 and not torch.equal(seen[0], seen[1])
+    assert torch.equal(torch.get_rng_state(), state)
+
+
 def _numbers(report: Any) -> list[float]:
     """Every number of a diagnose report: its rows, its tables and its landscape."""
     out = [v for r in report.to_rows() for v in r.values() if isinstance(v, float)]

@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from initlab._core.pytree import children, find_path, flatten_tensors, map_tensors, rebuild
+from initlab._core.rng import global_rng_kept
 
 __all__ = [
     "TARGET_KEYS",
@@ -191,7 +192,10 @@ def take_batches(
     """The first ``n`` batches of ``data`` (all of them when ``n`` is None), as a list
     (:class:`TakenBatches`: read as many batches wherever it is passed on).
 
-    With ``exact=False`` fewer than ``n`` batches are fine (at most ``n`` are taken).
+    With ``exact=False`` fewer than ``n`` batches are fine (at most ``n`` are taken). Torch's
+    global RNG is as it was afterwards (:func:`~initlab._core.rng.global_rng_kept`: a
+    ``DataLoader``'s iterator draws from it); within the reading, a generator of batches that
+    draws from it gets fresh draws per batch.
 
     Raises:
         AmbiguousDataError: ``data`` reads both as one batch and as several.
@@ -199,7 +203,8 @@ def take_batches(
         ValueError: ``data`` is empty, or (``exact``) has fewer than ``n`` batches; the message
             says how many are needed.
     """
-    batches = TakenBatches(iter_batches(data, n, what=what))
+    with global_rng_kept():  # a DataLoader's iterator draws its seed (and permutation) from it
+        batches = TakenBatches(iter_batches(data, n, what=what))
     if exact and n is not None and len(batches) < n:
         raise ValueError(
             f"{what} needs {n} batches but the data gave {len(batches)}; pass a loader with at "
