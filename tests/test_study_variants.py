@@ -557,3 +557,14 @@ def test_report_protocol_names_the_rates_grid_extension_added(tmp_path: Path, bo
               progress=False)  # fmt: skip
     report_study(plain, tmp_path / "rep2", plots=False, n_boot=20)
     assert "grid extension" not in (tmp_path / "rep2" / "table2.md").read_text()
+
+
+def test_standardize_leaves_a_constant_float64_feature_unscaled() -> None:
+    """A constant column is centred, not divided by its std: in float64 the std of 150 copies of
+    0.1 came out 1.4e-17 (the mean off by an ulp), so a test value 0.001 away became 7.2e13."""
+    x = torch.full((150, 1), 0.1, dtype=torch.float64)
+    y = torch.zeros(150, dtype=torch.long)
+    (a, _), (b, _) = normalize_inputs("standardize", (x, y), (torch.full((3, 1), 0.101,
+                                      dtype=torch.float64), y[:3]))  # fmt: skip
+    assert a.abs().max().item() < 1e-15  # centred
+    assert b[0, 0].item() == pytest.approx(0.001, rel=1e-9)  # shifted by the mean, not scaled

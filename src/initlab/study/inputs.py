@@ -60,7 +60,10 @@ def normalize_inputs(
     x64 = x.detach().to(torch.float64).flatten(1)
     mean = x64.mean(dim=0)
     std = x64.std(dim=0, correction=0)
-    std = torch.where(std > 0, std, torch.ones_like(std))
+    # a constant feature is centred, not scaled: found by its values, not by std > 0 (the mean
+    # of 150 float64 copies of 0.1 is off by an ulp, so their std is 1.4e-17, not 0)
+    constant = x64.amax(dim=0) == x64.amin(dim=0)
+    std = torch.where(constant | (std == 0), torch.ones_like(std), std)
 
     def standardize(z: Tensor) -> Tensor:
         flat = z.detach().to(torch.float64).flatten(1)
