@@ -434,3 +434,19 @@ def test_a_float64_run_starts_from_the_float32_runs_weights() -> None:
     for name, w in single.state.items():
         assert double.state[name].dtype == torch.float64 or not w.is_floating_point()
         assert torch.equal(double.state[name].float(), w), name
+
+
+@pytest.mark.parametrize("engine", ["mlp", "loop"])
+def test_a_test_split_of_other_features_is_refused_before_training(engine: str) -> None:
+    """A test split of 4 features beside a training split of 5 trained a whole epoch, then
+    failed with torch's shape error inside the engine."""
+    x, y = torch.randn(40, 5), torch.randint(0, 3, (40,))
+    test = (torch.randn(10, 4), torch.randint(0, 3, (10,)))
+    configs = [RunConfig.make("syn", model_cfg={"widths": [8, 8]}, epochs=2, batch_size=16)]
+
+    def factory(config: RunConfig) -> nn.Module:
+        return PaperMLP(5, 3, **config.model_kwargs)
+
+    with pytest.raises(ValueError, match=r"test inputs have examples of shape \(4,\), the "
+                       r"training inputs \(5,\)"):  # fmt: skip
+        train_runs(configs, (x, y), test, model_factory=factory, engine=engine)

@@ -173,7 +173,11 @@ def _has_scale_buffer(model: nn.Module) -> bool:
     return isinstance(buf, Tensor) and buf.numel() == 1 and any(b is buf for b in model.buffers())
 
 
-def _prepare(split: Split, device: torch.device, dtype: torch.dtype, name: str) -> Split:
+def _prepare(
+    split: Split, device: torch.device, dtype: torch.dtype, name: str, like: Tensor | None = None
+) -> Split:
+    """``split`` checked and moved; ``like``: the training inputs, whose example shape a test
+    split must have (checked here, not by a shape error after the first epoch has trained)."""
     x, y = split
     if x.ndim < 2 or y.ndim != 1 or x.shape[0] != y.shape[0]:
         raise ValueError(
@@ -182,6 +186,11 @@ def _prepare(split: Split, device: torch.device, dtype: torch.dtype, name: str) 
         )
     if x.shape[0] == 0:
         raise ValueError(f"{name} split is empty")
+    if like is not None and x.shape[1:] != like.shape[1:]:
+        raise ValueError(
+            f"{name} inputs have examples of shape {tuple(x.shape[1:])}, the training inputs "
+            f"{tuple(like.shape[1:])}: the {name} split must have the training split's features"
+        )
     return x.to(device=device, dtype=dtype), y.to(device=device, dtype=torch.long)
 
 
@@ -190,7 +199,7 @@ def _check_group(configs: Sequence[RunConfig]) -> None:
     if len(keys) > 1:
         raise ValueError(
             "train_runs needs configs that share RunConfig.group_key() (dataset, model, "
-            f"model_cfg, optimizer, epochs, batch_size); got {len(keys)} groups, e.g. "
+            f"model_cfg, optimizer, epochs, batch_size, input_norm); got {len(keys)} groups, e.g. "
             f"{list(keys)[:2]}"
         )
 
@@ -286,7 +295,7 @@ def train_one(
     device = torch.device(device)
     train, test = normalize_inputs(config.input_norm, train, test)  # RunConfig.input_norm
     x, y = _prepare(train, device, dtype, "train")
-    test_xy = _prepare(test, device, dtype, "test") if test is not None else None
+    test_xy = _prepare(test, device, dtype, "test", like=x) if test is not None else None
     model = _build_model(config, model_factory, dtype, device, initialized)
     optimizer = _torch_optimizer(config, model.parameters())
     use_buffer = _has_scale_buffer(model)
@@ -503,11 +512,11 @@ def train_runs(
     blocks = _blocks(len(configs), device)
     engines = [_make_engine(models[b], engine, train[0]) for b in blocks]
 
-    x, y = _prepare(train, device, dtype, "train")
-    x = engines[0].preprocess(x)  # a per-row transform, the same for every block
+    raw, y = _prepare(train, device, dtype, "train")
+    x = engines[0].preprocess(raw)  # a per-row transform, the same for every block
     test_xy = None
     if test is not None:
-        tx, ty = _prepare(test, device, dtype, "test")
+        tx, ty = _prepare(test, device, dtype, "test", like=raw)
         test_xy = (engines[0].preprocess(tx), ty)
     report = _BlockProgress(progress, len(blocks))
 

@@ -24,7 +24,8 @@ class PaperMLP(nn.Module):
         input_norm: apply ``LayerNorm(n_in)`` (without affine parameters) to the input, as in the
             paper's LIBSVM study.
         output_scale: a fixed scalar multiplying the logits (the paper sets it so the logits' std
-            is 0.05 at init; see ``initlab.scale_output_`` once it lands). ``None``: no scaling.
+            is 0.05 at init; :func:`initlab.scale_output_` sets it from data). ``None``: no
+            scaling.
     """
 
     def __init__(
