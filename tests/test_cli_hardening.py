@@ -200,6 +200,8 @@ _ERRORS: dict[str, tuple[list[str], int, str, tuple[str, ...]]] = {
                    "argument --n-boot: must be a positive integer", ()),
     "--level 1.5": (["bench", "report", "x.sqlite", "--level", "1.5"], 2,
                     "argument --level: must be in (0, 1)", ()),
+    "bench report --seed -1": (["bench", "report", "x.sqlite", "--seed", "-1"], 2,
+                               "argument --seed: must be an integer >= 0", ()),
     # 9: bad values of options this run would not use
     "init --data nosuch.pt without --method": (
         [*_INIT, "--data", "nosuch.pt"], 2, "--data file nosuch.pt does not exist", ("out.pt",)),

@@ -820,3 +820,50 @@ def test_report_never_pools_studies_of_different_protocols(tmp_path: Path, helpe
     with Store(db) as store, Store(tmp_path / "one.sqlite") as out:
         out.write(store.results("e2"))
     assert study_to_report(tmp_path / "one.sqlite") is None  # one protocol: reported as one
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` (hidden ones too): relative path -> bytes."""
+    return {
+        p.relative_to(folder).as_posix(): p.read_bytes()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_a_failed_report_writes_nothing_and_keeps_an_earlier_one(
+    tmp_path: Path, helpers: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``seed=-1`` passed every check, then numpy refused it after the folder and runs.csv were
+    written; it is refused first, naming ``seed``. A report that fails later (here its tables)
+    leaves no file, no folder it made, and an earlier report in the folder as it was."""
+    import initlab.study.report as report_module
+
+    db = tmp_path / "s.sqlite"
+    run_study(small_spec(datasets=["alpha"]), db, train_fn=helpers.fake_train,
+              load_fn=helpers.load_fake, progress=False, extend_grid=False)  # fmt: skip
+    out = tmp_path / "new" / "rep"
+    for bad, match in ((-1, "seed must be an integer >= 0"), (1.5, "seed must be an integer")):
+        with pytest.raises(ValueError, match=match):
+            report_study(db, out, plots=False, n_boot=20, seed=bad)
+        assert not (tmp_path / "new").exists()
+    with pytest.raises(ValueError, match=r"n_boot must be >= 1"):
+        report_study(db, out, plots=False, n_boot=0)
+    with pytest.raises(ValueError, match=r"level must be in \(0, 1\)"):
+        report_study(db, out, plots=False, n_boot=20, level=1.0)
+    assert not (tmp_path / "new").exists()
+    report_study(db, out, plots=False, n_boot=20, seed=2**70)  # numpy takes any seed >= 0
+    earlier = _tree(out)
+    assert "runs.csv" in earlier and "report.html" in earlier
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(report_module, "_write_tables", broken)
+    with pytest.raises(OSError, match="disk full"):
+        report_study(db, out, plots=False, n_boot=20, seed=7)
+    assert _tree(out) == earlier  # nothing half-written, nothing left behind
+    other = tmp_path / "other" / "deeper"
+    with pytest.raises(OSError, match="disk full"):
+        report_study(db, other, plots=False, n_boot=20)
+    assert not (tmp_path / "other").exists()

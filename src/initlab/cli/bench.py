@@ -21,7 +21,6 @@ from initlab.cli._checks import (
     number_type,
     positive_float,
     positive_int,
-    seed_int,
     store_schemes,
 )
 
@@ -29,6 +28,11 @@ __all__ = ["add_bench", "bench_report", "bench_run"]
 
 
 _rounds = number_type(int, lambda v: v >= 0, "a number of rounds >= 0")
+#: The bootstrap's seed: what numpy.random.default_rng takes, any integer >= 0 (report_study's
+#: seed=).
+_boot_seed = number_type(
+    int, lambda v: v >= 0, "must be an integer >= 0 (numpy's generator takes no negative seed)"
+)
 
 
 def _load_spec(path: str) -> Any:
@@ -312,7 +316,9 @@ def _add_bench_report(bench_sub: Any) -> None:
     p.add_argument(
         "--n-boot", type=positive_int, default=2000, help="bootstrap replicates, >= 1 (2000)"
     )
-    p.add_argument("--seed", type=seed_int, default=0, help="seeds the bootstrap (0)")
+    p.add_argument(
+        "--seed", type=_boot_seed, default=0, help="seeds the bootstrap, an integer >= 0 (0)"
+    )
     p.add_argument(
         "--level", type=fraction, default=0.95, help="interval coverage, in (0, 1) (0.95)"
     )

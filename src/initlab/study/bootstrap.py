@@ -44,6 +44,7 @@ too narrow for tiny studies, conservative for larger ones. Read a tiny study's i
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +58,7 @@ __all__ = [
     "PAIRED_COLUMNS",
     "TABLE2_CI_COLUMNS",
     "LossCube",
+    "check_bootstrap",
     "loss_cubes",
     "paired_comparisons",
     "percentile_interval",
@@ -236,13 +238,31 @@ def _table2_stats(cube: LossCube, idx: np.ndarray) -> tuple[np.ndarray, ...]:
     return _normalize(med, worst), med == worst, med == low
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_bootstrap(*, n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> None:
+    """Refuse bootstrap options the intervals cannot use (``ValueError`` naming the argument):
+    ``n_boot`` an integer >= 1, ``seed`` an integer >= 0 (what ``numpy.random.default_rng``
+    takes: any non-negative integer), ``level`` in (0, 1)."""
+    if not _is_int(n_boot) or n_boot < 1:
+        raise ValueError(f"n_boot must be >= 1 (an integer), got {n_boot!r}")
+    if not _is_int(seed) or seed < 0:
+        raise ValueError(
+            f"seed must be an integer >= 0 (it seeds numpy.random.default_rng, which takes no "
+            f"negative seed), got {seed!r}"
+        )
+    if isinstance(level, bool) or not isinstance(level, numbers.Real) or not 0 < level < 1:
+        raise ValueError(f"level must be in (0, 1), e.g. 0.95, got {level!r}")
+
+
 def _two_level(
     cubes: Sequence[LossCube], n_boot: int, seed: int
 ) -> tuple[np.ndarray, list[np.ndarray]]:
     """The outer draws ``(n_boot, D)`` and, per data set, the inner seed draws of every slot
     where it was drawn (``(M_d, N_d)``, in row-major order of those slots)."""
-    if n_boot < 1:
-        raise ValueError(f"n_boot must be >= 1, got {n_boot}")
+    check_bootstrap(n_boot=n_boot, seed=seed)
     rng = np.random.default_rng(seed)
     d = len(cubes)
     outer = rng.integers(0, d, size=(n_boot, d))

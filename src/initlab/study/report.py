@@ -57,7 +57,13 @@ from initlab.study.aggregate import (
     sensitivity_table,
     table2,
 )
-from initlab.study.bootstrap import loss_cubes, paired_comparisons, table2_intervals
+from initlab.study.bootstrap import (
+    check_bootstrap,
+    loss_cubes,
+    paired_comparisons,
+    table2_intervals,
+)
+from initlab.study.report_files import report_folder
 from initlab.study.report_html import ci_text, html_image, html_page, html_table
 from initlab.study.spec import StudySpec
 from initlab.study.store import BASE_VARIANT, Store
@@ -277,7 +283,9 @@ def report_study(
 
     Args:
         store_path: the study store.
-        out_dir: output folder (created).
+        out_dir: output folder (created). The report is written whole or not at all
+            (:func:`~initlab.study.report_files.report_folder`): one that fails leaves the
+            folder as it found it.
         study: the study's name; ``None``: the only study in the store, or all its runs as one
             variant when none is registered and they share one protocol
             (:func:`study_to_report`: a store of several studies needs ``study``).
@@ -285,7 +293,8 @@ def report_study(
         window: sliding-window length for the training-loss curves (default: see
             :func:`initlab.study.plots.plot_loss_curves`).
         loss: compare this loss in every variant instead of each variant's own ``loss``.
-        n_boot, seed, level: the bootstrap's replicates, seed and interval coverage.
+        n_boot, seed, level: the bootstrap's replicates (>= 1), seed (an integer >= 0, for
+            ``numpy.random.default_rng``) and interval coverage (in (0, 1)).
         reference: the scheme the others are paired against.
 
     Returns:
@@ -294,45 +303,75 @@ def report_study(
 
     Raises:
         ValueError: ``study`` is not given and the store holds several studies (or unregistered
-            runs of several protocols): :func:`study_to_report`.
+            runs of several protocols): :func:`study_to_report`; or ``n_boot``, ``seed`` or
+            ``level`` out of range (:func:`~initlab.study.bootstrap.check_bootstrap`), checked
+            before anything is written.
 
     Warns:
         UserWarning: a variant has unfinished runs, or data sets were left out because every
             scheme diverged at every rate there (the report's text says so too).
     """
+    check_bootstrap(n_boot=n_boot, seed=seed, level=level)  # before any file is written
     if not Path(store_path).is_file():
         raise FileNotFoundError(f"no study store at {store_path}")
-    out = Path(out_dir)
-    reports: list[VariantReport] = []
-    plot_files: dict[str, list[Path]] = {}
+    boot = {"n_boot": n_boot, "seed": seed, "level": level, "reference": reference}
     with Store(store_path, read_only=True) as store:  # a report writes nothing to the store
         study = _study_of(store, study, store_path)
-        if not store.keys(study):  # before the folder is made: a failed report writes nothing
+        if not store.keys(study):  # before the folder is made
             raise ValueError(
                 f"{store_path} holds no finished runs" + (f" of {study!r}" if study else "")
             )
-        out.mkdir(parents=True, exist_ok=True)
-        store.to_csv(out / "runs.csv", study)
-        keys = store.variants(study) if study is not None else {}
-        for name, measure, protocol in _variants(store, study, loss):
-            records = store.records(study, variant=name if study else None, curves=plots)
-            if not records:
-                continue
-            reports.append(analyze_variant(
-                name, records, loss=measure, protocol=_lrs_of(protocol, records),
-                n_expected=len(keys.get(name, records)), n_boot=n_boot, seed=seed, level=level,
-                reference=reference,
-            ))  # fmt: skip
-            if plots:
-                from initlab.study.plots import plot_study
-
-                plot_files[name] = plot_study(
-                    records, reports[-1].per_dataset, out / "plots" / _safe(name), window=window
+        with report_folder(Path(out_dir)) as out:  # a failed report writes nothing
+            store.to_csv(out / "runs.csv", study)
+            reports, plot_files = _analyze(store, study, out, loss, boot, plots, window)
+            if not reports:  # finished runs, none in a variant's protocol
+                raise ValueError(
+                    f"{store_path} holds no finished runs" + (f" of {study!r}" if study else "")
                 )
-    if not reports:  # finished runs, none in a variant's protocol
-        raise ValueError(
-            f"{store_path} holds no finished runs" + (f" of {study!r}" if study else "")
-        )
+            return _write_report(out, study, reports, boot, (plots, plot_files))
+
+
+def _analyze(
+    store: Store,
+    study: str | None,
+    out: Path,
+    loss: str | None,
+    boot: dict[str, Any],
+    plots: bool,
+    window: int | None,
+) -> tuple[list[VariantReport], dict[str, list[Path]]]:
+    """Every variant's :class:`VariantReport` and, with ``plots``, the files of its plots."""
+    reports: list[VariantReport] = []
+    plot_files: dict[str, list[Path]] = {}
+    keys = store.variants(study) if study is not None else {}
+    for name, measure, protocol in _variants(store, study, loss):
+        records = store.records(study, variant=name if study else None, curves=plots)
+        if not records:
+            continue
+        reports.append(analyze_variant(
+            name, records, loss=measure, protocol=_lrs_of(protocol, records),
+            n_expected=len(keys.get(name, records)), **boot,
+        ))  # fmt: skip
+        if plots:
+            from initlab.study.plots import plot_study
+
+            plot_files[name] = plot_study(
+                records, reports[-1].per_dataset, out / "plots" / _safe(name), window=window
+            )
+    return reports, plot_files
+
+
+def _write_report(
+    out: Path,
+    study: str | None,
+    reports: list[VariantReport],
+    boot: dict[str, Any],
+    plotted: tuple[bool, dict[str, list[Path]]],
+) -> Rows:
+    """Warn of what the tables stand on, write the tables, the sensitivity figure, the Markdown
+    and the HTML page; return the sensitivity table."""
+    plots, plot_files = plotted
+    reference = boot["reference"]
     _warn_partial(reports)
     schemes = _schemes(reports)
     if reference not in schemes:
@@ -349,7 +388,8 @@ def report_study(
         from initlab.study.plots import plot_sensitivity
 
         sens_plots.append(plot_sensitivity(sensitivity, out / "plots" / "sensitivity.png"))
-    setting = f"{n_boot} two-level bootstrap replicates (seed {seed}), {level:.0%} intervals"
+    setting = (f"{boot['n_boot']} two-level bootstrap replicates (seed {boot['seed']}), "
+               f"{boot['level']:.0%} intervals")  # fmt: skip
     (out / "table2.md").write_text(
         _markdown(study, reports, sensitivity, setting, reference), encoding="utf-8"
     )
