@@ -111,6 +111,9 @@ def cli_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "spec.yaml").write_text(textwrap.dedent(_SPEC))
     (tmp_path / "badyaml.yaml").write_text("name: [unclosed\n")
     (tmp_path / "twice.yaml").write_text(textwrap.dedent(_SPEC) + "epochs: 9\n")
+    (tmp_path / "pow2.yaml").write_text(
+        textwrap.dedent(_SPEC).replace("lrs: [0.1]", "lrs: {pow2: [2000, 1999]}")
+    )
     rooted = textwrap.dedent(_SPEC).replace("sklearn:iris", "libsvm:iris")
     (tmp_path / "rooted.yaml").write_text(rooted + "data_root: nodir\n")
     (tmp_path / "binary.yaml").write_bytes(bytes(range(256)))
@@ -234,6 +237,11 @@ _ERRORS: dict[str, tuple[list[str], int, str, tuple[str, ...]]] = {
         ["bench", "run", "twice.yaml", "--store", "st/s.sqlite"], 2,
         "study spec twice.yaml is not valid YAML: found the key 'epochs' twice (remove one)",
         ("st",)),
+    "a spec's pow2 exponent beyond a float": (
+        ["bench", "run", "pow2.yaml", "--store", "st/s.sqlite"], 2,
+        "initlab bench run: error: study spec pow2.yaml: lrs: pow2 exponent 2000: 2**2000 "
+        "overflows a float, and a learning rate must be positive and finite; use exponents from "
+        "-1074 to 1023\n", ("st",)),
     "a spec's data_root without the data": (
         ["bench", "run", "rooted.yaml", "--store", "st/s.sqlite"], 2,
         "(data root nodir, from the spec's data_root)", ("st",)),

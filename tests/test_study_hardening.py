@@ -439,6 +439,28 @@ def test_pow2_grids(lrs: dict[str, list[int]], rates: tuple[float, ...]) -> None
     assert spec(lrs=lrs).lrs == rates
 
 
+@pytest.mark.parametrize(
+    ("ends", "bad", "what"),
+    [
+        ([2000, 1999], 2000, "overflows a float"),  # was OverflowError: Numerical result out of ...
+        ([1030, 1020], 1030, "overflows a float"),
+        ([0, 1024], 1024, "overflows a float"),
+        ([-1075, -1075], -1075, "rounds to 0.0"),  # was 16 runs stored with lr = 0.0
+        ([-1074, -1076], -1076, "rounds to 0.0"),  # was "lrs has duplicates: 0.0"
+    ],
+)
+def test_pow2_exponents_must_give_finite_positive_rates(ends: list[int], bad: int, what: str):
+    with pytest.raises(ValueError, match=rf"^lrs: pow2 exponent {bad}: 2\*\*{bad} {what}.*"
+                       r"positive and finite; use exponents from -1074 to 1023$"):  # fmt: skip
+        spec(lrs={"pow2": ends})
+
+
+def test_pow2_reaches_the_largest_and_smallest_float_powers() -> None:
+    top, bottom = math.ldexp(1.0, 1023), math.ldexp(1.0, -1074)  # 2**1023, the least subnormal
+    assert expand_lrs({"pow2": [1023, 1022]}) == (top, top / 2)
+    assert expand_lrs({"pow2": [-1073, -1074]}) == (2 * bottom, bottom) and bottom > 0
+
+
 def test_an_explicit_duplicate_rate_is_refused() -> None:
     with pytest.raises(ValueError, match=r"^lrs has duplicates: 1\.0$"):
         spec(lrs=[1, 1.0])

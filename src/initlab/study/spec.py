@@ -58,6 +58,7 @@ fills them from the loaded data set's metadata when it builds each model
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -112,6 +113,12 @@ def _thaw(value: Any) -> Any:
     return value
 
 
+#: The exponents ``k`` whose ``2.0**k`` is a finite float > 0: ``2**1023`` is the largest power
+#: of two a float holds (``2**1024`` overflows), ``2**-1074`` the smallest (a subnormal;
+#: ``2**-1075`` rounds to 0.0).
+_POW2_RANGE = (sys.float_info.min_exp - sys.float_info.mant_dig, sys.float_info.max_exp - 1)
+
+
 def expand_lrs(lrs: Any) -> tuple[float, ...]:
     """Learning rates from a list, or from ``{"pow2": [hi, lo]}`` (``2**hi ... 2**lo``, inclusive).
 
@@ -119,7 +126,8 @@ def expand_lrs(lrs: Any) -> tuple[float, ...]:
     second endpoint, so ``{"pow2": [1, -12]}`` gives the 14 rates ``2, 1, 0.5, ..., 2**-12``, and
     ``{"pow2": [k, k]}`` the one rate ``2**k`` (a range whose ends meet, as ``range`` counts;
     its exponents are distinct, so it can never give a rate twice, the duplicate that an
-    explicit list such as ``[1, 1.0]`` can give and :class:`StudySpec` refuses).
+    explicit list such as ``[1, 1.0]`` can give and :class:`StudySpec` refuses). Every rate is
+    positive and finite, as in a list: an exponent outside [-1074, 1023] is refused.
     """
     if isinstance(lrs, Mapping):
         if set(lrs) != {"pow2"}:
@@ -133,6 +141,14 @@ def expand_lrs(lrs: Any) -> tuple[float, ...]:
         ):
             raise ValueError(f"lrs: pow2 needs two integer exponents [first, last], got {ends!r}")
         first, last = ends
+        low, high = _POW2_RANGE
+        for k in ends:
+            if not low <= k <= high:
+                what = "overflows a float" if k > high else "rounds to 0.0 in a float"
+                raise ValueError(
+                    f"lrs: pow2 exponent {k}: 2**{k} {what}, and a learning rate must be "
+                    f"positive and finite; use exponents from {low} to {high}"
+                )
         step = -1 if last < first else 1
         return tuple(2.0**k for k in range(first, last + step, step))
     if isinstance(lrs, (str, bytes)) or not isinstance(lrs, Sequence):
