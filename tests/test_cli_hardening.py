@@ -1130,6 +1130,36 @@ def test_bench_report_leaves_the_store_folder_as_it_found_it(
     assert sorted(p.name for p in (cli_dir / "st").iterdir()) == ["s-report", "s.sqlite"]
 
 
+def test_bench_run_refuses_another_application_s_database_unchanged(
+    cli_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`bench run --store app.db` (a typo) added initlab's tables to that database and switched
+    it to WAL, exit 0; `bench report app.db` refused it. Both refuse it, naming the flag, and the
+    file is left byte for byte as it was."""
+    import sqlite3
+
+    conn = sqlite3.connect(cli_dir / "app.db")
+    conn.execute("CREATE TABLE users (id INTEGER, name TEXT)")
+    conn.commit()
+    conn.close()
+    before = (cli_dir / "app.db").read_bytes()
+    code, _, err = _run(["bench", "run", "spec.yaml", "--store", "app.db"], capsys)
+    assert code == 2, err
+    assert err == (
+        "initlab bench run: error: --store app.db is a SQLite database but not an initlab store "
+        "(it holds the tables users, and no store's meta table); initlab changes nothing in it: "
+        "give another --store path (a new file is made there)\n"
+    )
+    code, _, err = _run(["bench", "report", "app.db", "--no-plots"], capsys)
+    assert code == 2, err
+    assert (
+        "STORE app.db is a SQLite database but not an initlab store (it holds the tables users"
+        in err
+    )
+    assert (cli_dir / "app.db").read_bytes() == before
+    assert not list(cli_dir.glob("app*-*"))  # no -wal, -shm, nor app-report
+
+
 def test_a_store_a_driver_is_still_writing_is_a_store(cli_dir: Path) -> None:
     """A new store's tables are in its driver's write-ahead log until the first checkpoint: the
     check of a report's STORE reads them there (it read the file alone, "not an initlab store")."""

@@ -343,6 +343,38 @@ def test_a_store_path_that_is_a_folder_is_named(tmp_path: Path) -> None:
         Store(tmp_path)
 
 
+def test_a_store_is_never_made_inside_another_file(tmp_path: Path) -> None:
+    """A mistyped store path at another application's SQLite database: its tables were added
+    to it and it was switched to WAL, for good. It is refused, byte for byte unchanged, by
+    ``Store`` and by ``run_study`` (before any run); an empty file or a new path is a store."""
+    import sqlite3
+
+    app = tmp_path / "app.db"
+    conn = sqlite3.connect(app)
+    conn.execute("CREATE TABLE users (id INTEGER, name TEXT)")
+    conn.execute("INSERT INTO users VALUES (1, 'alice')")
+    conn.commit()
+    conn.close()
+    text = tmp_path / "notes.sqlite"
+    text.write_text("not a database\n")
+    before = {p: p.read_bytes() for p in (app, text)}
+    refused = r"app\.db is a SQLite database but not an initlab store \(it holds the tables users"
+    with pytest.raises(ValueError, match=refused + r".*give another store path"):
+        Store(app)
+    with pytest.raises(ValueError, match=refused):
+        run(spec(), app)
+    with pytest.raises(ValueError, match=r"notes\.sqlite is not a SQLite database \(it is another"):
+        Store(text)
+    assert {p: p.read_bytes() for p in (app, text)} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["app.db", "notes.sqlite"]  # no -wal
+    (tmp_path / "empty.sqlite").write_bytes(b"")
+    for path in (tmp_path / "empty.sqlite", tmp_path / "new.sqlite"):
+        with Store(path) as store:
+            store.register_study("x", {"name": "x"}, [])
+        with Store(path) as store:  # and opened again, as the store it now is
+            assert "x" in store.studies()
+
+
 def test_huge_seeds_round_trip_through_the_store(tmp_path: Path) -> None:
     db = tmp_path / "s.sqlite"
     run(spec(seeds=[2**63 - 1]), db)

@@ -274,8 +274,9 @@ def check_device(value: str, flag: str = "--device") -> str:
 
 
 def check_store(value: str, *, flag: str, must_exist: bool) -> Path:
-    """A SQLite store path: an existing SQLite file (or, unless ``must_exist``, an empty one, or a
-    new file whose folder can be written).
+    """A SQLite store path: an existing initlab store (or, unless ``must_exist``, an empty file,
+    or a new file whose folder can be written). Another application's SQLite database is refused,
+    unchanged: a store is never made inside it.
 
     A store to write (``initlab bench run``) and its write-ahead log (``<store>-wal``,
     ``<store>-shm``) beside it need the file and its folder writable; a store to report
@@ -308,6 +309,8 @@ def check_store(value: str, *, flag: str, must_exist: bool) -> Path:
         )
     if must_exist and not head:
         raise ValueError(f"{flag} {shown} is empty (0 bytes), not a store; give {wrote}")
+    if head:
+        _check_is_store(flag, path, shown, f"give {wrote}" if must_exist else "")
     if not must_exist:  # a report opens the store read-only (Store(read_only=True))
         _check_store_writable(flag, path, shown)
     if must_exist and not _has_runs_table(path):
@@ -316,6 +319,19 @@ def check_store(value: str, *, flag: str, must_exist: bool) -> Path:
             f"give {wrote}"
         )
     return shown
+
+
+def _check_is_store(flag: str, path: Path, shown: Path, advice: str) -> None:
+    """Refuse an existing, non-empty SQLite file that is not an initlab store (another
+    application's database: a mistyped ``--store`` must not change it), read only."""
+    from initlab.study.store import not_a_store
+
+    reason = not_a_store(path)
+    if reason is not None:
+        advice = advice or (
+            f"initlab changes nothing in it: give another {flag} path (a new file is made there)"
+        )
+        raise ValueError(f"{flag} {shown} {reason}; {advice}")
 
 
 def _check_store_writable(flag: str, path: Path, shown: Path) -> None:

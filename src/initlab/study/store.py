@@ -288,6 +288,47 @@ def reading(path: Path, timeout: float = 5.0) -> Iterator[sqlite3.Connection]:
             remove_unused_logs(path)
 
 
+#: The first 16 bytes of every SQLite database file.
+SQLITE_HEADER = b"SQLite format 3\x00"
+
+
+def not_a_store(path: Path) -> str | None:
+    """Why the existing, non-empty file ``path`` is no initlab store to open, read only (nothing
+    in it changes); ``None`` where it is one, or a SQLite database without tables (a new store,
+    or one another driver is making: its tables come in one transaction with its ``meta``).
+
+    The reason completes a sentence that starts with the file's name: another kind of file, or
+    a SQLite database with tables of its own and no store's ``meta`` (a store is never made in
+    a database of something else: a mistyped path must not change it).
+    """
+    with open(path, "rb") as fh:
+        if fh.read(len(SQLITE_HEADER)) != SQLITE_HEADER:
+            return "is not a SQLite database (it is another kind of file)"
+    try:
+        with reading(path) as conn:
+            tables = [
+                str(name)
+                for (name,) in conn.execute(
+                    "SELECT name FROM sqlite_master WHERE type IN ('table', 'view') ORDER BY name"
+                )
+                if not str(name).startswith("sqlite_")
+            ]
+            if not tables:
+                return None
+            try:
+                row = conn.execute("SELECT 1 FROM meta WHERE name = 'schema_version'").fetchone()
+            except sqlite3.OperationalError:  # no meta table, or another one of that name
+                row = None
+    except sqlite3.OperationalError:  # locked, or not readable here: opening it says why
+        return None
+    if row is None:
+        return (
+            f"is a SQLite database but not an initlab store (it holds the tables "
+            f"{', '.join(tables)}, and no store's meta table)"
+        )
+    return None
+
+
 def _open_read_only(path: Path | None, timeout: float) -> sqlite3.Connection:
     """A read-only connection to the existing store ``path``, its schema version checked."""
     if path is None or not path.is_file():
@@ -316,11 +357,30 @@ def _open_read_only(path: Path | None, timeout: float) -> sqlite3.Connection:
     return conn
 
 
+def _refuse_another_file(path: Path) -> None:
+    """Refuse to make a store of an existing file that is not one (:func:`not_a_store`), before
+    anything is written to it."""
+    try:
+        if path.stat().st_size == 0:
+            return
+    except FileNotFoundError:
+        return
+    reason = not_a_store(path)
+    if reason is not None:
+        raise ValueError(
+            f"{path} {reason}; initlab writes nothing to it: give another store path (a new "
+            "file is made there)"
+        )
+
+
 class Store:
     """A SQLite results store (created on first use); use as a context manager or call ``close``.
 
     Args:
-        path: the database file (its folder is created). ``":memory:"`` works for tests.
+        path: the database file (its folder is created): a store, or a new or empty file. An
+            existing file of something else (another application's SQLite database, another
+            kind of file) is refused with ``ValueError``, unchanged. ``":memory:"`` works for
+            tests.
         timeout: seconds to wait for a lock held by another connection.
         read_only: open an existing store for reading only (a report): nothing is created or
             written, so a store on a read-only disk or folder, or owned by another user, can be
@@ -344,6 +404,7 @@ class Store:
                     f"such as {self.path / 'study.sqlite'}"
                 )
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            _refuse_another_file(self.path)
         self._conn = sqlite3.connect(
             str(path) if self.path is None else str(self.path),
             timeout=timeout,
