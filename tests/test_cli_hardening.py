@@ -119,6 +119,7 @@ def cli_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "binary.yaml").write_bytes(bytes(range(256)))
     (tmp_path / "evil.yaml").write_text(textwrap.dedent(_SPEC).replace("tiny", '"../evil"'))
     (tmp_path / "zero.sqlite").write_bytes(b"")
+    (tmp_path / "damaged.sqlite").write_bytes(b"SQLite format 3\x00" + b"garbage" * 700)
     (tmp_path / "dangling.pt").symlink_to("nowhere/x.pt")
     (tmp_path / "loop1").symlink_to("loop2")
     (tmp_path / "loop2").symlink_to("loop1")
@@ -362,6 +363,16 @@ _ERRORS: dict[str, tuple[list[str], int, str, tuple[str, ...]]] = {
                                     "STORE afile is not a SQLite store (it is another kind of "
                                     "file); give the store `initlab bench run` wrote\n",
                                     ("afile-report",)),
+    "--store a damaged SQLite file": (
+        ["bench", "run", "spec.yaml", "--store", "damaged.sqlite"], 2,
+        "initlab bench run: error: --store damaged.sqlite is a damaged SQLite file, which SQLite "
+        "cannot read (file is not a database); initlab changes nothing in it: give another "
+        "--store path (a new file is made there)\n", ("damaged.sqlite-wal",)),
+    "bench report of a damaged SQLite file": (
+        ["bench", "report", "damaged.sqlite"], 2,
+        "initlab bench report: error: STORE damaged.sqlite is a damaged SQLite file, which SQLite "
+        "cannot read (file is not a database); give the store `initlab bench run` wrote\n",
+        ("damaged-report",)),
     "bench report of an empty file": (["bench", "report", "zero.sqlite"], 2,
                                       "STORE zero.sqlite is empty (0 bytes), not a store",
                                       ("zero-report",)),

@@ -375,6 +375,22 @@ def test_a_store_is_never_made_inside_another_file(tmp_path: Path) -> None:
             assert "x" in store.studies()
 
 
+def test_a_damaged_store_file_is_named_not_a_bare_database_error(tmp_path: Path) -> None:
+    """A file with SQLite's header and pages SQLite cannot read raised a bare
+    ``sqlite3.DatabaseError: file is not a database``; opening it to write or to read (a report)
+    says what the file is, unchanged."""
+    bad = tmp_path / "bad.sqlite"
+    bad.write_bytes(b"SQLite format 3\x00" + b"garbage" * 700)
+    before = bad.read_bytes()
+    damaged = r"bad\.sqlite is a damaged SQLite file, which SQLite cannot read \(file is not a"
+    with pytest.raises(ValueError, match=damaged + r".*give another store path"):
+        Store(bad)
+    with pytest.raises(ValueError, match=damaged + r".*give the study store run_study wrote"):
+        Store(bad, read_only=True)
+    assert bad.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.sqlite"]
+
+
 def test_huge_seeds_round_trip_through_the_store(tmp_path: Path) -> None:
     db = tmp_path / "s.sqlite"
     run(spec(seeds=[2**63 - 1]), db)

@@ -297,9 +297,10 @@ def not_a_store(path: Path) -> str | None:
     in it changes); ``None`` where it is one, or a SQLite database without tables (a new store,
     or one another driver is making: its tables come in one transaction with its ``meta``).
 
-    The reason completes a sentence that starts with the file's name: another kind of file, or
-    a SQLite database with tables of its own and no store's ``meta`` (a store is never made in
-    a database of something else: a mistyped path must not change it).
+    The reason completes a sentence that starts with the file's name: another kind of file, a
+    damaged SQLite file (its header, then pages SQLite cannot read), or a SQLite database with
+    tables of its own and no store's ``meta`` (a store is never made in a database of something
+    else: a mistyped path must not change it).
     """
     with open(path, "rb") as fh:
         if fh.read(len(SQLITE_HEADER)) != SQLITE_HEADER:
@@ -321,6 +322,8 @@ def not_a_store(path: Path) -> str | None:
                 row = None
     except sqlite3.OperationalError:  # locked, or not readable here: opening it says why
         return None
+    except sqlite3.DatabaseError as err:  # "file is not a database", "... malformed"
+        return f"is a damaged SQLite file, which SQLite cannot read ({err})"
     if row is None:
         return (
             f"is a SQLite database but not an initlab store (it holds the tables "
@@ -333,7 +336,13 @@ def _open_read_only(path: Path | None, timeout: float) -> sqlite3.Connection:
     """A read-only connection to the existing store ``path``, its schema version checked."""
     if path is None or not path.is_file():
         raise FileNotFoundError(f"no study store at {path}")
-    conn = connect_read_only(path, timeout)
+    try:
+        conn = connect_read_only(path, timeout)
+    except sqlite3.OperationalError:
+        raise
+    except sqlite3.DatabaseError as err:  # not a database, or a damaged one
+        reason = not_a_store(path) or f"cannot be read by SQLite ({err})"
+        raise ValueError(f"{path} {reason}; give the study store run_study wrote") from err
     try:
         row = conn.execute("SELECT value FROM meta WHERE name = 'schema_version'").fetchone()
     except sqlite3.OperationalError as err:
