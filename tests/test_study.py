@@ -867,3 +867,46 @@ def test_a_failed_report_writes_nothing_and_keeps_an_earlier_one(
     with pytest.raises(OSError, match="disk full"):
         report_study(db, other, plots=False, n_boot=20)
     assert not (tmp_path / "other").exists()
+
+
+_TABLES = {"init_cost.csv", "paired.csv", "per_dataset.csv", "per_lr.csv", "report.html",
+           "runs.csv", "sensitivity.csv", "table2.csv", "table2.md"}  # fmt: skip
+
+
+def test_a_report_replaces_an_earlier_one_and_leaves_other_files(
+    tmp_path: Path, helpers: Any
+) -> None:
+    """A report with plots, then one with plots=False into the same folder: the first one's
+    figures stayed beside the second's tables. The files of the earlier report that the new one
+    does not write are removed (also of a report an initlab without the list wrote); the user's
+    own files are left, even one named like a plot in a folder that holds no report."""
+    pytest.importorskip("matplotlib")
+    db = tmp_path / "s.sqlite"
+    run_study(small_spec(datasets=["alpha"]), db, train_fn=helpers.fake_train,
+              load_fn=helpers.load_fake, progress=False, extend_grid=False)  # fmt: skip
+    out = tmp_path / "rep"
+    report_study(db, out, n_boot=20)
+    plots = {"plots/sensitivity.png", "plots/base/curves_alpha.png", "plots/base/iqr_all.png",
+             "plots/base/iqr_alpha.png"}  # fmt: skip
+    assert set(_tree(out)) - {".initlab-report.json"} == _TABLES | plots
+    mine = {"notes.md": b"mine", "plots/base/iqr_mine.txt": b"mine", "plots/x/my.png": b"mine"}
+    for name, data in mine.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_bytes(data)
+    report_study(db, out, n_boot=20, plots=False)
+    after = _tree(out)
+    assert set(after) - {".initlab-report.json"} == _TABLES | set(mine)  # the plots went
+    assert all(after[name] == data for name, data in mine.items())
+    assert not (out / "plots" / "base" / "iqr_all.png").exists()
+    # a report without the list (an older initlab's): recognized by its page, its files by name
+    report_study(db, out, n_boot=20)
+    (out / ".initlab-report.json").unlink()
+    report_study(db, out, n_boot=20, plots=False)
+    assert set(_tree(out)) == _TABLES | set(mine) | {".initlab-report.json"}
+    assert not (out / "plots" / "sensitivity.png").exists()
+    # a folder with no report: a file named like a plot is the user's
+    own = tmp_path / "own"
+    (own / "plots" / "base").mkdir(parents=True)
+    (own / "plots" / "base" / "iqr_all.png").write_bytes(b"mine")
+    report_study(db, own, n_boot=20, plots=False)
+    assert _tree(own)["plots/base/iqr_all.png"] == b"mine"

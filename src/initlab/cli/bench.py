@@ -295,7 +295,10 @@ def _add_bench_report(bench_sub: Any) -> None:
     p.add_argument(
         "--out",
         help="output folder (default: STORE without its suffix, then -report: "
-        "results/x.sqlite -> results/x-report)",
+        "results/x.sqlite -> results/x-report). A report replaces an earlier one there: the "
+        "files that one wrote and this one does not (its plots, after --no-plots, or those of "
+        "other variants and data sets) are removed, any other file is left; a report that "
+        "fails writes nothing",
     )
     p.add_argument(
         "--study",

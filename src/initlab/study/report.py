@@ -28,7 +28,12 @@ Files written to ``out_dir``:
 ``runs.csv``
     one row per stored run of the study;
 ``plots/sensitivity.png``, ``plots/<variant>/*.png``
-    the sensitivity figure, and per variant :func:`initlab.study.plots.plot_study`'s plots.
+    the sensitivity figure, and per variant :func:`initlab.study.plots.plot_study`'s plots;
+``.initlab-report.json``
+    the list of these files. A report replaces an earlier one in the same folder: the files of
+    that one's list it does not write again (its plots, after ``plots=False``, or those of
+    other variants) are removed; other files in the folder are left as they are
+    (:mod:`initlab.study.report_files`).
 """
 
 from __future__ import annotations
@@ -285,7 +290,8 @@ def report_study(
         store_path: the study store.
         out_dir: output folder (created). The report is written whole or not at all
             (:func:`~initlab.study.report_files.report_folder`): one that fails leaves the
-            folder as it found it.
+            folder as it found it; one that succeeds removes the files an earlier report there
+            wrote and it does not (module docstring), and no other file.
         study: the study's name; ``None``: the only study in the store, or all its runs as one
             variant when none is registered and they share one protocol
             (:func:`study_to_report`: a store of several studies needs ``study``).

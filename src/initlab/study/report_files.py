@@ -1,28 +1,49 @@
 """The folder a study report is written to (:func:`report_folder`): a report is written whole or
-not at all.
+not at all, and one report never leaves files of another beside its own.
 
 The report's files are written into a new folder inside ``out`` (``.initlab-report-*``, hidden)
 and moved to their places in ``out`` only once every one of them is written. A report that fails
 (a bad option, a store it cannot read, matplotlib missing, ``Ctrl-C``) leaves ``out`` as it found
 it: a folder it made is removed, an earlier report there is left whole.
+
+A report lists the files it wrote in ``out/.initlab-report.json`` (:data:`MANIFEST`). The next
+report into the same folder removes the files of that list it does not write again (the plots of
+an earlier report, after ``plots=False`` or with other variants or data sets), and the folders
+under ``out`` they leave empty. Nothing else in ``out`` is touched: a file the user put there is
+in no list. A report an initlab without the list wrote is recognized by its ``report.html`` (an
+``initlab bench report`` page) and its files by the names a report gives them
+(:data:`REPORT_FILE`).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["report_folder"]
+__all__ = ["MANIFEST", "REPORT_FILE", "report_folder"]
+
+#: The list of the files the last report into a folder wrote (JSON, paths relative to it).
+MANIFEST = ".initlab-report.json"
+
+#: The paths (relative to the report folder) of the files a report writes: what is removed of an
+#: earlier report that has no :data:`MANIFEST`.
+REPORT_FILE = re.compile(
+    r"report\.html|table2\.md|(runs|sensitivity|table2|paired|per_dataset|per_lr|init_cost)\.csv"
+    r"|plots/sensitivity\.png|plots/[A-Za-z0-9_.=-]+/(iqr|curves)_[^/]+\.png"
+)
 
 
 @contextmanager
 def report_folder(out: Path) -> Iterator[Path]:
     """A new, empty folder to write a report into; its files move into ``out`` (made, with its
-    parents, where missing) when the block ends without an error.
+    parents, where missing) when the block ends without an error, and the files of the earlier
+    report there that this one did not write are removed (module docstring).
 
     On an error, nothing is left: the new folder is removed, and so are the folders made for
     ``out``; files already in ``out`` are untouched.
@@ -44,9 +65,61 @@ def report_folder(out: Path) -> Iterator[Path]:
 
 
 def _move_in(stage: Path, out: Path) -> None:
-    """Move every file under ``stage`` to the same place under ``out``, then remove ``stage``."""
-    for path in sorted(p for p in stage.rglob("*") if not p.is_dir()):
-        target = out / path.relative_to(stage)
+    """Move every file under ``stage`` to the same place under ``out``, remove the earlier
+    report's other files, write the new list, then remove ``stage``."""
+    earlier = _earlier_files(out)
+    written = sorted(p.relative_to(stage).as_posix() for p in stage.rglob("*") if p.is_file())
+    for name in written:
+        target = out / name
         target.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(path, target)
+        os.replace(stage / name, target)
+    for name in sorted(set(earlier) - set(written)):
+        _remove(out, name)
+    listing = stage / MANIFEST
+    listing.write_text(json.dumps({"written_by": "initlab bench report", "files": written}))
+    os.replace(listing, out / MANIFEST)
     shutil.rmtree(stage)
+
+
+def _earlier_files(out: Path) -> list[str]:
+    """The files the earlier report in ``out`` wrote: its :data:`MANIFEST`'s list, or without one
+    (an older initlab's report), the report's file names there beside its ``report.html``."""
+    try:
+        listed = json.loads((out / MANIFEST).read_text(encoding="utf-8"))["files"]
+    except (OSError, ValueError, TypeError, KeyError):
+        listed = None
+    if isinstance(listed, list) and all(isinstance(name, str) for name in listed):
+        return [name for name in listed if _inside(name)]
+    try:
+        page = (out / "report.html").read_text(encoding="utf-8", errors="replace")[:2000]
+    except OSError:
+        return []
+    if "<title>initlab bench report" not in page:
+        return []  # no report of ours: nothing here is
+    found = (p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    return [name for name in found if REPORT_FILE.fullmatch(name)]
+
+
+def _inside(name: str) -> bool:
+    """``name`` is a path relative to the report folder that stays inside it."""
+    parts = Path(name).parts
+    return bool(parts) and not Path(name).is_absolute() and ".." not in parts
+
+
+def _remove(out: Path, name: str) -> None:
+    """Remove the file ``out/name`` (not a folder) and the folders above it, up to ``out``, that
+    it leaves empty."""
+    path = out / name
+    if path.is_dir() and not path.is_symlink():
+        return
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return
+    for folder in path.parents:
+        if folder == out or out not in folder.parents:
+            return
+        try:
+            folder.rmdir()
+        except OSError:  # not empty
+            return
