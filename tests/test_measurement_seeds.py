@@ -153,3 +153,20 @@ def test_diagnose_without_a_generator_gives_fixed_numbers_whatever_the_global_rn
         assert torch.equal(torch.get_rng_state(), state)
         seen.append(_numbers(report))
     assert len(seen[0]) > 50 and seen[0] == seen[1]
+
+
+def test_lsuv_without_a_generator_does_not_redraw_the_batches_it_read() -> None:
+    """Reading the data put torch's global RNG back (64431f2), so lsuv_'s orthogonal pre-init
+    (generator=None: torch's global RNG, as torch.nn.init) redrew the numbers of a batch made
+    lazily from that RNG: every row of W was a batch row (|cos| 1.000). Reading now advances
+    the RNG as iterating the data does, so the draws differ."""
+    torch.manual_seed(123)
+    model = nn.Sequential(nn.Linear(64, 8, bias=False), nn.ReLU(), nn.Linear(8, 3))
+    torch.manual_seed(7)
+    initlab.lsuv_(model, (torch.randn(32, 64) for _ in range(1)))
+    torch.manual_seed(7)
+    x = torch.randn(32, 64)  # the batch lsuv_ read
+    w = model[0].weight.detach()
+    cos = (w / w.norm(dim=1, keepdim=True)) @ (x / x.norm(dim=1, keepdim=True)).T
+    # independent unit vectors in 64 dimensions: |cos| ~ 0.125; 0.9 is beyond 7 sigma
+    assert cos.abs().max().item() < 0.9

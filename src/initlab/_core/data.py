@@ -34,6 +34,7 @@ method writes the ``.grad`` of the user's data.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import itertools
@@ -188,14 +189,17 @@ def take_batches(
     *,
     what: str = "this procedure",
     exact: bool = True,
+    keep_rng: bool = False,
 ) -> TakenBatches:
     """The first ``n`` batches of ``data`` (all of them when ``n`` is None), as a list
     (:class:`TakenBatches`: read as many batches wherever it is passed on).
 
-    With ``exact=False`` fewer than ``n`` batches are fine (at most ``n`` are taken). Torch's
-    global RNG is as it was afterwards (:func:`~initlab._core.rng.global_rng_kept`: a
-    ``DataLoader``'s iterator draws from it); within the reading, a generator of batches that
-    draws from it gets fresh draws per batch.
+    With ``exact=False`` fewer than ``n`` batches are fine (at most ``n`` are taken). Reading
+    advances torch's global RNG as iterating ``data`` does (a ``DataLoader``'s iterator draws its
+    seed from it); with ``keep_rng`` it is put back after (:func:`~initlab._core.rng.
+    global_rng_kept`), for an entry point that promises to leave it as it was and draws nothing
+    from it later in the call (drawing from it after the reading, its draws would repeat those
+    of a generator of batches that drew from it).
 
     Raises:
         AmbiguousDataError: ``data`` reads both as one batch and as several.
@@ -203,7 +207,7 @@ def take_batches(
         ValueError: ``data`` is empty, or (``exact``) has fewer than ``n`` batches; the message
             says how many are needed.
     """
-    with global_rng_kept():  # a DataLoader's iterator draws its seed (and permutation) from it
+    with global_rng_kept() if keep_rng else contextlib.nullcontext():
         batches = TakenBatches(iter_batches(data, n, what=what))
     if exact and n is not None and len(batches) < n:
         raise ValueError(

@@ -425,7 +425,8 @@ def scale_output_(
     reg = default_registry() if registry is None else registry
     check_same_parameters(model, "scale_output_", modes=True)
     batches = run_together(
-        "scale_output_", lambda: take_batches(data, max_batches, what="scale_output_", exact=False)
+        "scale_output_",
+        lambda: take_batches(data, max_batches, what="scale_output_", exact=False, keep_rng=True),
     )
     used = data_use(batches)
     seeds = Seeds(model, generator)

@@ -354,7 +354,8 @@ def precondition_(
     reg = default_registry() if registry is None else registry
     check_same_parameters(model, "precondition_", modes=True)
     batches = run_together(
-        "precondition_", lambda: take_batches(data, max_batches, what="precondition_", exact=False)
+        "precondition_",
+        lambda: take_batches(data, max_batches, what="precondition_", exact=False, keep_rng=True),
     )
     seeds = Seeds(model, generator)
     loss = resolve_loss(loss_fn, what="precondition_")
