@@ -1282,6 +1282,80 @@ def test_token_ids_are_not_refused_nor_blamed_for_a_mismatch_inside_the_model() 
     assert type(info.value) is RuntimeError and "integer data" not in str(info.value)
 
 
+#: First layers that take the data, with the shape of the data they take.
+_FIRST_LAYERS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
+    "Linear": (lambda: nn.Linear(4, 3), (8, 4)),
+    "Linear(bias=False)": (lambda: nn.Linear(4, 3, bias=False), (8, 4)),
+    "Conv2d": (lambda: nn.Conv2d(3, 2, 3), (8, 3, 5, 5)),
+    "Conv2d(bias=False)": (lambda: nn.Conv2d(3, 2, 3, bias=False), (8, 3, 5, 5)),  # ResNet's stem
+    "LayerNorm": (lambda: nn.LayerNorm(4), (8, 4)),
+    "BatchNorm1d": (lambda: nn.BatchNorm1d(4), (8, 4)),
+    "BatchNorm2d": (lambda: nn.BatchNorm2d(3), (8, 3, 5, 5)),
+}
+
+_FIRST_CALLS: dict[str, Callable[[nn.Module, Any], Any]] = {
+    "gr_scaling": lambda m, d: initlab.gr_scaling(m, d, nn.CrossEntropyLoss()),
+    "gr_scaling, loss_fn(model, batch)": lambda m, d: initlab.gr_scaling(m, d, _ce_calls_model),
+    "block_curvature": lambda m, d: initlab.block_curvature(m, d, nn.CrossEntropyLoss(), probes=2),
+}
+
+
+@pytest.mark.parametrize("entry", list(_FIRST_CALLS))
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int64, torch.bool], ids=str)
+@pytest.mark.parametrize("first", list(_FIRST_LAYERS))
+def test_integer_inputs_are_named_whatever_the_first_layer(
+    first: str, dtype: torch.dtype, entry: str
+) -> None:
+    """A bias-free conv said "expected scalar type Byte but found Float" (the input's dtype
+    first), a LayerNorm "mixed dtype (CPU): all inputs must share same datatype" (no dtype), a
+    BatchNorm '"batch_norm" not implemented for 'Long'' (a NotImplementedError): each came out
+    raw, only linear layers and convs with a bias were explained."""
+    make, shape = _FIRST_LAYERS[first]
+    torch.manual_seed(0)
+    model = nn.Sequential(make(), nn.Flatten(), nn.LazyLinear(3))
+    model(torch.randn(shape))  # the lazy head takes its shape
+    before = _state(model)
+    gen = torch.Generator().manual_seed(4)
+    data = [(torch.randint(0, 2, shape, generator=gen).to(dtype), torch.randint(0, 3, (8,)))]
+    kind = "bool" if dtype == torch.bool else "integer"
+    with pytest.raises(TypeError, match=rf"^the batch's entry '0' \(shape {re.escape(str(shape))}"
+                       rf"\) is {re.escape(str(dtype))} and the model's parameters are "
+                       rf"torch\.float32 \(.+\): {kind} data reached a layer that computes in "
+                       r"floating point\. initlab does not convert data: convert it "
+                       r"\(x\.to\(torch\.float32\), x\.float\(\), in") as info:  # fmt: skip
+        _FIRST_CALLS[entry](model, data)
+    assert isinstance(info.value.__cause__, RuntimeError)  # NotImplementedError included
+    assert _same(_state(model), before)
+
+
+class _TokensNorm(nn.Module):
+    """Token ids through an embedding, then a norm that fails on a tensor the model made:
+    ``"double"``, the embeddings in float64 into a float32 LayerNorm ("mixed dtype"); ``"pos"``,
+    int64 positions of the ids' shape into a BatchNorm ("not implemented for 'Long'")."""
+
+    def __init__(self, bug: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.head, self.bug = nn.Embedding(10, 8), nn.Linear(8, 3), bug
+        self.ln, self.bn = nn.LayerNorm(8), nn.BatchNorm1d(5)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.bug == "double":
+            return self.head(self.ln(self.emb(ids).mean(1).double()))
+        pos = torch.arange(ids.shape[1]).expand_as(ids)
+        return self.head(self.emb(ids).mean(1) + self.bn(pos).mean())
+
+
+@pytest.mark.parametrize("bug", ["double", "pos"])
+def test_token_ids_are_not_blamed_for_a_norm_error_inside_the_model(bug: str) -> None:
+    """The errors that name no input dtype (a norm's) blame an integer input only when the
+    failing torch function took it: not the ids of a model whose own tensor broke the norm."""
+    ids = torch.randint(0, 10, (8, 5), generator=torch.Generator().manual_seed(3))
+    with pytest.raises(RuntimeError, match=r"mixed dtype|not implemented for 'Long'") as info:
+        initlab.gr_scaling(_TokensNorm(bug), [(ids, torch.randint(0, 3, (8,)))])
+    assert "integer data" not in str(info.value)
+
+
 # ------------------------------------------------------------- sources that are not batches
 
 

@@ -597,18 +597,27 @@ def default_forward(model: nn.Module, batch: Any) -> Any:
         raise clear from err
 
 
-_DTYPE_WORDS = re.compile(r"same dtype|expected scalar type|Input type .* should be the same")
+#: torch's dtype errors that name both dtypes (any order), and those that name at most one (a
+#: norm's "mixed dtype", a kernel's "not implemented for 'Long'"), for :func:`dtype_error`.
+_DTYPE_WORDS = re.compile(
+    r"same dtype|expected scalar type|Input type .* should be the same|Type promoting not supported"
+)
+_ONE_DTYPE_WORDS = re.compile(r"mixed dtype|not implemented for '\w+'")
 
 
 def dtype_error(err: RuntimeError, model: Any, batch: Any) -> TypeError | None:
     """A clear error for torch's dtype mismatch in a forward ("mat1 and mat2 must have the same
     dtype") where a floating-point tensor of the batch is not of the model's floating-point
     dtype (float64 data from numpy into a float32 model), or where an integer or bool input of
-    the model (uint8 images, int64 features) reached a floating-point layer
-    (:func:`_integer_input`); ``None`` for any other error. The data is never converted behind
-    the user's back: the message says how to. ``model``: a module, or a stand-in with its
+    the model (uint8 images, int64 features) reached a floating-point layer, a linear, conv or
+    norm layer's error alike (:func:`_integer_input`); ``None`` for any other error (the
+    floating-point case only for the errors that name both dtypes). The data is never converted
+    behind the user's back: the message says how to. ``model``: a module, or a stand-in with its
     ``parameters()`` (GradInit's model at other tensors)."""
-    if type(err) is not RuntimeError or not _DTYPE_WORDS.search(str(err)):
+    named = _DTYPE_WORDS.search(str(err)) is not None
+    if type(err) not in (RuntimeError, NotImplementedError) or not (
+        named or _ONE_DTYPE_WORDS.search(str(err))
+    ):
         return None
     params = model.parameters() if callable(getattr(model, "parameters", None)) else ()
     dtype = next((p.dtype for p in params if p.is_floating_point()), None)
@@ -616,7 +625,7 @@ def dtype_error(err: RuntimeError, model: Any, batch: Any) -> TypeError | None:
         return None
     short = _SHORT.get(dtype)
     as_method = f", x.{short}()" if short else ""
-    integer = _integer_input(str(err), dtype, batch)  # named by the error: first
+    integer = _integer_input(err, dtype, batch)  # named by the error: first
     if integer is not None:
         path, t = integer
         return TypeError(
@@ -629,7 +638,7 @@ def dtype_error(err: RuntimeError, model: Any, batch: Any) -> TypeError | None:
             "the mismatch is inside the model"
         )
     found = [(k, t) for k, t in batch_tensors(batch) if t.is_floating_point() and t.dtype != dtype]
-    if not found:
+    if not found or not named:
         return None
     path, t = found[0]
     return TypeError(
@@ -666,25 +675,58 @@ _TYPE_NAMES = {
 }
 
 
-def _integer_input(text: str, dtype: torch.dtype, batch: Any) -> tuple[str, torch.Tensor] | None:
+def _integer_input(
+    err: BaseException, dtype: torch.dtype, batch: Any
+) -> tuple[str, torch.Tensor] | None:
     """The first integer or bool tensor the default forward passes to the model
-    (:func:`forward_args`: a tuple batch's targets are not inputs) whose dtype torch's error
-    ``text`` names together with the model's ``dtype`` (in "expected scalar type X but found Y",
-    X the model's and Y the tensor's), with its path in the batch; ``None`` if there is none.
-    Token ids are integer inputs too: the error must have come from the model first."""
+    (:func:`forward_args`: a tuple batch's targets are not inputs) that torch's error ``err``
+    blames, with its path in the batch; ``None`` if there is none. Blamed: a tensor whose dtype
+    the error names together with the model's ``dtype``, in either order ("mat1 and mat2 must
+    have the same dtype, but got Byte and Float", a bias-free conv's "expected scalar type Byte
+    but found Float"); or, for the errors that name at most the tensor's dtype (LayerNorm's
+    "mixed dtype", BatchNorm's '"batch_norm" not implemented for 'Long''), a tensor the failing
+    torch function took as an argument (:func:`_failed_on`). Token ids are integer inputs too:
+    the error must have come from the model first, and name or reach them."""
+    text = str(err)
     inputs = {id(t) for _, t in flatten_tensors(forward_args(batch))}
     model_names = _TYPE_NAMES.get(dtype)
     expected = re.search(r"expected scalar type (\w+) but found (\w+)", text)
+    one = re.search(r"not implemented for '(\w+)'", text)
     for path, t in batch_tensors(batch):
         names = _TYPE_NAMES.get(t.dtype)
         if id(t) not in inputs or names is None or t.is_floating_point() or model_names is None:
             continue
         if expected is not None:
-            if re.fullmatch(model_names, expected[1]) and re.fullmatch(names, expected[2]):
+            pair = (expected[1], expected[2])
+            if any(re.fullmatch(names, a) and re.fullmatch(model_names, b) for a, b in
+                   (pair, pair[::-1])):  # fmt: skip
+                return path, t
+        elif _ONE_DTYPE_WORDS.search(text):
+            if (one is None or re.fullmatch(names, one[1])) and _failed_on(err, t):
                 return path, t
         elif re.search(names, text) and re.search(model_names, text):
             return path, t
     return None
+
+
+def _failed_on(err: BaseException, t: torch.Tensor) -> bool:
+    """Whether the innermost Python frame of ``err``'s traceback is torch's own (``F.layer_norm``,
+    a conv's ``_conv_forward``) and took as an argument a tensor of ``t``'s dtype that is ``t``,
+    a view of it, or a copy (equal shape and values): the op that failed was called on ``t``, not
+    on a tensor the model made (a model calling the op from its own forward is not blamed)."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None or not str(tb.tb_frame.f_globals.get("__name__", "")).startswith("torch."):
+        return False
+    code, values = tb.tb_frame.f_code, tb.tb_frame.f_locals
+    args = [values.get(n) for n in code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]]
+    base = t if t._base is None else t._base
+    return any(
+        isinstance(a, torch.Tensor) and a.dtype == t.dtype and a.device == t.device
+        and (a is base or a._base is base or (a.shape == t.shape and torch.equal(a, t)))
+        for a in args
+    )  # fmt: skip
 
 
 def one_example_error(err: ValueError) -> ValueError | None:
