@@ -475,3 +475,96 @@ def test_a_forward_that_gives_the_target_by_a_target_keyword_or_as_its_input_run
     land = initlab.loss_landscape(auto, same, nn.MSELoss(), forward=fwd2, grid=3)
     with torch.no_grad():
         assert land.center == pytest.approx(float(F.mse_loss(auto(x).double(), x.double())), 1e-5)
+
+
+_CONSUMERS: dict[str, Any] = {
+    "loss_landscape": lambda m, b, loss, fwd: initlab.loss_landscape(
+        m, b, loss, forward=fwd, grid=3, generator=0
+    ),
+    "block_curvature": lambda m, b, loss, fwd: initlab.block_curvature(
+        m, b, loss, forward=fwd, probes=1, generator=0
+    ),
+    "doctor": lambda m, b, loss, fwd: initlab.doctor(m, b, loss, forward=fwd, generator=0),
+}
+
+
+@pytest.mark.parametrize("entry", list(_CONSUMERS))
+def test_a_forward_that_converts_batch_1_on_its_way_in_is_refused_too(entry: str) -> None:
+    """The guard compared by identity: model(batch[0], batch[1].float()) or .to(device) got
+    through, and the loss scored the output against z = batch[1], silently (an MSE against z
+    for the default loss where the shapes fit). A copy with batch[1]'s shape and values, or a
+    view of it, is batch[1] too."""
+    m, (x, z, y) = _XZ(), _xzy()
+    before = copy.deepcopy(m.state_dict())
+    forwards = {
+        "float": (z.double(), lambda model, b: model(b[0], b[1].float())),
+        "to": (z.double(), lambda model, b: model(b[0], b[1].to("cpu", torch.float32))),
+        "clone": (z, lambda model, b: model(b[0], b[1].clone())),
+        "detach, by keyword": (z, lambda model, b: model(b[0], z=b[1].detach())),
+    }
+    for name, (zz, fwd) in forwards.items():
+        for loss in (None, nn.CrossEntropyLoss()):
+            with pytest.raises(TargetError, match=r"forward= passes batch\[1\] to the model as an "
+                               r"input, .* against an input of shape \(16, 3\)"):  # fmt: skip
+                _CONSUMERS[entry](m, (x, zz, y), loss, fwd)
+            assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items()), name
+
+
+@pytest.mark.parametrize("entry", list(_CONSUMERS))
+def test_a_two_entry_batch_given_whole_to_the_model_has_no_target_left(entry: str) -> None:
+    """A batch (x, z) with forward=model(*batch) and a loss that reads batch[1] was never checked
+    (only batches of 3+ entries were): the loss scored the output against z where the shapes
+    fit (the default loss's MSE). Now the error says no target is left."""
+    m, (x, z, _) = _XZ(), _xzy()
+    for loss in (None, nn.MSELoss()):
+        with pytest.raises(TargetError, match=r"forward= passes batch\[1\] to the model as an "
+                           r"input, .*this batch has 2 entries: no target is left \(it would "
+                           r"score the output against an input of shape \(16, 3\)\)\. Give the "
+                           r"batches their targets"):  # fmt: skip
+            _CONSUMERS[entry](m, (x, z), loss, lambda model, b: model(*b))
+
+
+def test_what_the_target_guard_lets_through_and_what_it_refuses() -> None:
+    """A loss that names the entries it reads (outputs_loss) is not guarded (it was refused when
+    batch[1] went into the model); a part of batch[1] (a shifted decoder input), a fresh tensor
+    equal to a constant batch[1], and (ids, ids.clone()) batches run, each to its float64
+    oracle. A mask at batch[1] given by the keyword mask= is refused: the loss would read it."""
+    m, (x, z, y) = _XZ(), _xzy()
+    by_name = initlab.outputs_loss(lambda out, b: F.cross_entropy(out, b[2]))
+    land = initlab.loss_landscape(m, (x, z, y), by_name, forward=lambda mm, b: mm(*b[:2]), grid=3)
+    assert land.center == pytest.approx(_ce64(m, x, z, y), rel=1e-5)
+
+    d = torch.float64
+    w = lambda lin: (lin.weight.detach().to(d), lin.bias.detach().to(d))  # noqa: E731
+    (wa, ba), (wb, bb) = w(m.a), w(m.b)
+    seq = torch.randn(16, 4, generator=torch.Generator().manual_seed(5))
+    shifted = initlab.criterion(lambda out, t: F.mse_loss(out, t[:, 1:]))
+    land = initlab.loss_landscape(m, (x, seq), shifted, grid=3,
+                                  forward=lambda mm, b: mm(b[0], b[1][:, :-1]))  # fmt: skip
+    out = x.to(d) @ wa.T + ba + seq[:, :-1].to(d) @ wb.T + bb
+    assert land.center == pytest.approx(float(F.mse_loss(out, seq[:, 1:].to(d))), rel=1e-5)
+
+    zeros = torch.zeros(16, 3)  # a constant target: a fresh zeros input equals it, and is not it
+    fresh = lambda mm, b: mm(b[0], torch.zeros(len(b[0]), 3))  # noqa: E731
+    land = initlab.loss_landscape(m, (x, zeros), nn.MSELoss(), forward=fresh, grid=3)
+    out = x.to(d) @ wa.T + ba + bb
+    assert land.center == pytest.approx(float((out**2).mean()), rel=1e-5)
+
+    auto = nn.Linear(6, 6)
+    land = initlab.loss_landscape(auto, (x, x.clone()), nn.MSELoss(), grid=3,
+                                  forward=lambda mm, b: mm(b[0]) * 1.0)  # fmt: skip
+    with torch.no_grad():
+        assert land.center == pytest.approx(float(F.mse_loss(auto(x).double(), x.double())), 1e-5)
+
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(6, 3)
+
+        def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) * mask
+
+    mask = (torch.arange(48).reshape(16, 3) % 2).float()
+    with pytest.raises(TargetError, match=r"forward= passes batch\[1\] to the model"):
+        initlab.loss_landscape(Masked(), (x, mask, y), nn.CrossEntropyLoss(), grid=3,
+                               forward=lambda mm, b: mm(b[0], mask=b[1]))  # fmt: skip

@@ -21,6 +21,7 @@ from torch import nn
 
 from initlab._core.data import TARGET_KEYS
 from initlab._core.loss import Loss, TargetError, default_loss
+from initlab._core.pytree import flatten_tensors
 
 __all__ = ["Forward", "on_batches", "target_kept", "with_forward"]
 
@@ -43,51 +44,109 @@ def on_batches(loss: Loss, batches: list[Any]) -> Loss:
     return loss
 
 
-def target_kept(forward: Forward, name: str, what: str) -> Forward:
-    """``forward``, checked on every tuple or list batch of 3 or more entries whose ``batch[1]``
-    (the target the loss ``name`` reads) is a tensor found nowhere else in the batch: where
-    ``forward`` passes that tensor to the model's own call as an input (a positional argument,
-    or a keyword not named like a target, :data:`~initlab._core.data.TARGET_KEYS`, as a model
-    trained with teacher forcing takes ``labels=``), it raises.
+def target_kept(forward: Forward, loss: Loss, what: str) -> Forward:
+    """``forward``, checked where ``loss`` reads the target at ``batch[1]`` (a criterion, a named
+    loss but ``"random_quadratic"``, the default loss; not :func:`~initlab._core.loss.
+    outputs_loss`, which reads the entries it names), on the first tuple or list batch of 2 or
+    more entries whose ``batch[1]`` is a tensor no other entry equals (``(ids, ids, mask)``: the
+    input is the target too): where ``forward`` passes ``batch[1]`` to the model's own call as an
+    input, it raises. An input is ``batch[1]`` when it is that tensor, a view of it of its shape,
+    or a copy of its shape and values after conversion (``batch[1].float()``,
+    ``batch[1].to(device)``; not for a constant ``batch[1]``, which a fresh ``torch.zeros`` would
+    equal), positional or by a keyword not named like a target
+    (:data:`~initlab._core.data.TARGET_KEYS`: ``labels=batch[1]`` is teacher forcing, its
+    target the labels; ``mask=batch[1]`` is not, the loss would score against the mask). A part
+    of it (``batch[1][:, :-1]``, a shifted decoder input) is not flagged. Dict batches are not
+    checked (the target is read by its key).
 
     Raises:
-        TargetError: ``forward`` gave ``batch[1]`` to the model; the message gives both ways
-            out (:data:`TARGET_WAYS`).
+        TargetError: ``forward`` gave ``batch[1]`` to the model; the message gives the ways
+            out (:data:`TARGET_WAYS`), and for a 2-entry batch says that no target is left.
     """
+    if not _reads_target(loss):
+        return forward
+    done = False  # the first batch checked is enough: the same forward runs on every batch
 
     def checked(model: nn.Module, batch: Any) -> Any:
-        y = _lone_target(batch)
+        nonlocal done
+        y = None if done else _lone_target(batch)
         if y is None or not isinstance(model, nn.Module):
             return forward(model, batch)
         given: list[bool] = []
 
         def see(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            named = (v for k, v in kwargs.items() if k not in TARGET_KEYS)
-            given.append(any(a is y for a in args) or any(v is y for v in named))
+            named = [v for k, v in kwargs.items() if k not in TARGET_KEYS]
+            given.append(any(_is_target(a, y) for _, a in flatten_tensors((args, named))))
 
         handle = model.register_forward_pre_hook(see, with_kwargs=True)
         try:
             out = forward(model, batch)
         finally:
             handle.remove()
+        done = True
         if any(given):
-            raise TargetError(
-                f"{what}: forward= passes batch[1] to the model as an input, and the loss "
-                f"{name!r} reads the target of an (x, y, ...) batch at batch[1]: it would score "
-                f"the output against an input of shape {tuple(y.shape)}. {TARGET_WAYS}"
-            )
+            raise TargetError(_target_given(what, loss, y, len(batch)))
         return out
 
     return checked
 
 
+def _reads_target(loss: Loss) -> bool:
+    """Whether ``loss`` reads its target at ``batch[1]`` (:func:`~initlab._core.data.
+    find_target`): a criterion, or a named loss that takes targets."""
+    return loss.form == "criterion" or (loss.form == "named" and loss.name != "random_quadratic")
+
+
+def _target_given(what: str, loss: Loss, y: torch.Tensor, entries: int) -> str:
+    """The message of :func:`target_kept`'s error."""
+    name = f"the loss {loss.name!r}"
+    head = f"{what}: forward= passes batch[1] to the model as an input, and {name} reads the "
+    scored = f"it would score the output against an input of shape {tuple(y.shape)}"
+    teacher = (
+        "If batch[1] is the target and an input too (teacher forcing), pass it by a target's "
+        "keyword (model(batch[0], labels=batch[1])) or pass, without forward=, a "
+        "loss_fn(model, batch) that calls the model"
+    )
+    if entries == 2:
+        return (
+            f"{head}target at batch[1], and this batch has 2 entries: no target is left ({scored})."
+            " Give the batches their targets, (x, y, z) with forward=lambda model, batch: "
+            "model(batch[0], *batch[2:]); or, for data without targets, pass a loss that reads "
+            f"none (initlab.outputs_loss(fn), 'random_quadratic'). {teacher}"
+        )
+    return f"{head}target of an (x, y, ...) batch at batch[1]: {scored}. {TARGET_WAYS}. {teacher}"
+
+
+def _is_target(a: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether the model's input ``a`` is the target ``y``: ``y`` itself, a view of it of its
+    shape, or (``y`` not constant) of its shape with its values once converted to ``a``'s dtype
+    and device."""
+    if a is y:
+        return True
+    if a.shape != y.shape:
+        return False
+    try:
+        if a.device == y.device and a.data_ptr() == y.data_ptr() and a.stride() == y.stride():
+            return True
+        return not _constant(y) and bool(torch.equal(a, y.to(a.device, a.dtype)))
+    except RuntimeError:  # no storage to read (a meta tensor, a transform's)
+        return False
+
+
+def _constant(t: torch.Tensor) -> bool:
+    return t.numel() < 2 or bool((t == t.reshape(-1)[0]).all())
+
+
 def _lone_target(batch: Any) -> torch.Tensor | None:
-    """``batch[1]`` of a tuple or list batch of 3+ entries, where it is a tensor that is no other
-    entry (``(ids, ids, mask)``: the input is the target too); else ``None``."""
-    if not isinstance(batch, (tuple, list)) or len(batch) < 3:
+    """``batch[1]`` of a tuple or list batch of 2+ entries, where it is a tensor no other entry
+    is or equals (``(ids, ids, mask)``, ``(ids, ids.clone())``: the input is the target too);
+    else ``None``."""
+    if not isinstance(batch, (tuple, list)) or len(batch) < 2:
         return None
     y = batch[1]
-    if not isinstance(y, torch.Tensor) or any(b is y for i, b in enumerate(batch) if i != 1):
+    if not isinstance(y, torch.Tensor) or any(
+        isinstance(b, torch.Tensor) and _is_target(b, y) for i, b in enumerate(batch) if i != 1
+    ):
         return None
     return y
 
@@ -102,5 +161,5 @@ def with_forward(loss: Loss, forward: Forward, batches: list[Any], what: str) ->
     if not base.splittable:
         return loss
     out = copy.copy(base)
-    out.forward = target_kept(forward, base.name, what)  # type: ignore[attr-defined]
+    out.forward = target_kept(forward, base, what)  # type: ignore[attr-defined]
     return out

@@ -770,8 +770,9 @@ def doctor(
             of the fixes ``lsuv_`` and ``scale_output_``, and, with a loss on the outputs (a
             criterion, a named loss, the default loss on ``(x, y, ...)`` batches), the
             measurement's loss ``loss(model, batch) = criterion(forward(model, batch), y)``
-            with ``y = batch[1]`` (a ``forward`` that passes ``batch[1]`` to the model raises:
-            keep the target there, ``model(batch[0], *batch[2:])``). A ``loss_fn(model,
+            with ``y = batch[1]`` (a ``forward`` that passes ``batch[1]`` to the model, as it
+            is or converted, ``.float()``, ``.to(device)``, raises: keep the target there,
+            ``model(batch[0], *batch[2:])``). A ``loss_fn(model,
             batch)`` or the model's own loss runs the model itself. Default: for a
             ``loss_fn(model, batch)``, the model's first call inside it (so ``model(a, b)``
             works as the loss calls it); else the default forward (``model(x)`` of ``(x, y)``,

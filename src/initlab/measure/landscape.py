@@ -632,7 +632,9 @@ def loss_landscape(
         chunk_size: grid points per vmapped call (default from a budget of about ``2**21``
             elements of parameters and activations per chunk).
         forward: ``forward(model, batch) -> outputs`` for a loss on the outputs (default
-            :func:`~initlab._core.data.default_forward`).
+            :func:`~initlab._core.data.default_forward`); one that passes the target
+            ``batch[1]`` a criterion reads to the model raises
+            (:func:`~initlab._core.forward_loss.target_kept`).
         max_batches: use at most this many batches of ``data`` (``None``: all; data without a
             length, a generator or an ``IterableDataset``, up to 1000 batches, and more raise:
             pass ``max_batches=``).

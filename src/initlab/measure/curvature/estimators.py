@@ -177,7 +177,9 @@ def block_curvature(
         normalize: ``"min"`` (default), ``"row"``, ``"col"``, ``"geometric"`` or ``"none"``.
         ad_mode: ``"rev_rev"`` (default) or ``"fwd_rev"`` (formerly ``mode=``).
         forward: ``forward(model, batch) -> outputs`` for a loss on the outputs (default
-            :func:`~initlab._core.data.default_forward`).
+            :func:`~initlab._core.data.default_forward`); one that passes the target
+            ``batch[1]`` a criterion reads to the model raises
+            (:func:`~initlab._core.forward_loss.target_kept`).
 
     Returns:
         :class:`BlockCurvature` rows (:data:`BLOCK_COLUMNS`), diagonal blocks in block order, or

@@ -176,7 +176,7 @@ def split_loss(
     if loss.splittable:
         if forward is None:
             return loss.forward, loss.on_outputs  # type: ignore[attr-defined]
-        return target_kept(forward, loss.name, what), loss.on_outputs  # type: ignore[attr-defined]
+        return target_kept(forward, loss, what), loss.on_outputs  # type: ignore[attr-defined]
     if forward is not None:
         raise ValueError(
             f"{what}: forward= applies to a loss on the model's outputs; the loss {loss.name!r} "
