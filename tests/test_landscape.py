@@ -14,6 +14,7 @@ from torch.nn import functional as F
 
 import initlab
 from initlab._core.loss import TargetError
+from initlab.measure.curvature import CurvatureOperator, hessian_eigenpairs
 from initlab.measure.landscape import (
     LANDSCAPE_COLUMNS,
     Landscape,
@@ -568,3 +569,27 @@ def test_what_the_target_guard_lets_through_and_what_it_refuses() -> None:
     with pytest.raises(TargetError, match=r"forward= passes batch\[1\] to the model"):
         initlab.loss_landscape(Masked(), (x, mask, y), nn.CrossEntropyLoss(), grid=3,
                                forward=lambda mm, b: mm(b[0], mask=b[1]))  # fmt: skip
+
+
+_NAMED_CONSUMERS: dict[str, Any] = {
+    **_CONSUMERS,
+    "hessian_eigenpairs": lambda m, b, loss, fwd: hessian_eigenpairs(m, b, loss, k=1, forward=fwd),
+    "CurvatureOperator": lambda m, b, loss, fwd: CurvatureOperator(m, b, loss, forward=fwd).loss,
+    "theory_vs_actual": lambda m, b, loss, fwd: initlab.theory_vs_actual(
+        m, b, loss, forward=fwd, probes=1, generator=0
+    ),
+}
+
+
+@pytest.mark.parametrize("entry", list(_NAMED_CONSUMERS))
+def test_the_target_guard_names_the_entry_point_and_the_default_loss(entry: str) -> None:
+    """block_curvature and hessian_eigenpairs called themselves "curvature:", and with no loss
+    given the message spoke of "the loss 'auto'", an internal name."""
+    m, (x, z, y) = _XZ(), _xzy()
+    consumed = lambda model, b: model(b[0], b[1])  # noqa: E731
+    with pytest.raises(TargetError, match=rf"^{entry}: forward= passes batch\[1\] to the model as "
+                       r"an input, and the default loss \(cross-entropy for integer targets, MSE "
+                       r"for float ones\) reads the target"):  # fmt: skip
+        _NAMED_CONSUMERS[entry](m, (x, z, y), None, consumed)
+    with pytest.raises(TargetError, match=rf"^{entry}: .*, and the loss 'CrossEntropyLoss' reads"):
+        _NAMED_CONSUMERS[entry](m, (x, z, y), nn.CrossEntropyLoss(), consumed)

@@ -65,7 +65,7 @@ def target_kept(forward: Forward, loss: Loss, what: str) -> Forward:
     """
     if not _reads_target(loss):
         return forward
-    done = False  # the first batch checked is enough: the same forward runs on every batch
+    done = False  # one batch passed is enough: the same forward runs on every batch
 
     def checked(model: nn.Module, batch: Any) -> Any:
         nonlocal done
@@ -83,9 +83,9 @@ def target_kept(forward: Forward, loss: Loss, what: str) -> Forward:
             out = forward(model, batch)
         finally:
             handle.remove()
-        done = True
-        if any(given):
+        if any(given):  # raised on every call (a caller may catch the first)
             raise TargetError(_target_given(what, loss, y, len(batch)))
+        done = True
         return out
 
     return checked
@@ -99,7 +99,11 @@ def _reads_target(loss: Loss) -> bool:
 
 def _target_given(what: str, loss: Loss, y: torch.Tensor, entries: int) -> str:
     """The message of :func:`target_kept`'s error."""
-    name = f"the loss {loss.name!r}"
+    name = (
+        "the default loss (cross-entropy for integer targets, MSE for float ones)"
+        if loss.name == "auto"
+        else f"the loss {loss.name!r}"
+    )
     head = f"{what}: forward= passes batch[1] to the model as an input, and {name} reads the "
     scored = f"it would score the output against an input of shape {tuple(y.shape)}"
     teacher = (

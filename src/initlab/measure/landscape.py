@@ -462,7 +462,13 @@ def _hessian_pairs(
 
     overrides = {k: v for k, v in bases[0].items() if k not in theta and "running_" in k}
     op = CurvatureOperator(
-        model, batches[0], loss, params=list(theta), forward=forward, buffers=overrides
+        model,
+        batches[0],
+        loss,
+        params=list(theta),
+        forward=forward,
+        buffers=overrides,
+        _what="loss_landscape",
     )
     return op.eigenpairs(2, generator=gen)
 

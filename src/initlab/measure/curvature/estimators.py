@@ -212,6 +212,7 @@ def block_curvature(
         group=group,
         ad_mode=ad_mode,
         forward=forward,
+        _what="block_curvature",
     )
     rows = _estimate(
         op, probes, rel_tol, max_probes, as_generator(generator), full_matrix, probe, normalize
@@ -404,6 +405,13 @@ def hessian_eigenpairs(
     """
     batch = take_batches(data, 1, exact=False, what="hessian_eigenpairs")[0]
     op = CurvatureOperator(
-        model, batch, loss_fn, kind=kind, params=params, ad_mode=ad_mode, forward=forward
+        model,
+        batch,
+        loss_fn,
+        kind=kind,
+        params=params,
+        ad_mode=ad_mode,
+        forward=forward,
+        _what="hessian_eigenpairs",
     )
     return op.eigenpairs(k, which=which, iters=iters, tol=tol, generator=generator)

@@ -223,6 +223,7 @@ class CurvatureOperator(_MatvecOperator):
         forward: Forward | None = None,
         buffers: Mapping[str, torch.Tensor | None] | None = None,
         generator: torch.Generator | int | None = None,
+        _what: str = "CurvatureOperator",  # the entry point its errors name (block_curvature)
     ) -> None:
         if kind not in _KINDS:
             raise ValueError(f"unknown kind {kind!r}; valid kinds: {list(_KINDS)}")
@@ -231,7 +232,7 @@ class CurvatureOperator(_MatvecOperator):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         self.model = model
         self.batch = batch
-        self.loss_fn = on_batches(resolve_loss(loss_fn, what="curvature"), [batch])
+        self.loss_fn = on_batches(resolve_loss(loss_fn, what=_what), [batch])
         if kind == "ggn" and not self.loss_fn.splittable:
             raise ValueError(
                 f"kind='ggn' needs the loss as a function of the model's outputs; the loss "
@@ -239,7 +240,7 @@ class CurvatureOperator(_MatvecOperator):
                 "criterion (nn.CrossEntropyLoss(), F.cross_entropy), a named loss "
                 "('cross_entropy', 'mse', ...) or initlab.outputs_loss(fn)"
             )
-        self.forward, self._on_outputs = split_loss(self.loss_fn, forward, what="curvature")
+        self.forward, self._on_outputs = split_loss(self.loss_fn, forward, what=_what)
         self.kind = kind
         self.mode = self.ad_mode = ad_mode
         named = dict(model.named_parameters())
