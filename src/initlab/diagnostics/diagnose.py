@@ -136,9 +136,11 @@ def diagnose(
         generator: seed (or generator) for the pass's random draws (dropout masks, batch ``i``
             in its own forked-RNG scope), power iterations, curvature probes and landscape
             directions; ``None``: fixed seeds (a generator seeded
-            :data:`~initlab._core.rng.STAGE_SEED` for the stages). Either way the results do not
-            depend on torch's global RNG, and it is left as it was (reading a ``DataLoader``
-            draws its iterator's seed from it: put back).
+            :data:`~initlab._core.rng.STAGE_SEED` for the stages). Either way these draws do not
+            depend on torch's global RNG; which examples the batches hold does, where ``data`` is
+            a shuffling ``DataLoader`` (its order is drawn from the global RNG: seed it, or give
+            the loader a ``generator=``, for fixed batches). The global RNG is left as it was
+            (its state after reading the data is put back).
         name: the model's name in the report (default: its class name).
         progress: called with a short message at each stage (e.g. for a CLI).
 

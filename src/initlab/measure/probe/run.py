@@ -59,8 +59,9 @@ def measure_moments(
             pass ``max_batches=``).
         generator: seed (or ``torch.Generator``) of the passes' random draws (dropout masks):
             batch ``i`` runs in its own forked-RNG scope (:class:`~initlab._core.rng.Seeds`),
-            so the same call gives the same moments whatever torch's global RNG holds;
-            ``None``: a fixed seed.
+            so the same call on the same batches gives the same moments whatever torch's global
+            RNG holds (a shuffling ``DataLoader``'s order is drawn from it); ``None``: a fixed
+            seed.
         **probe_kwargs: passed to :class:`MomentProbe` (``modules``, ``per_example``, ...).
             ``loss_reduction`` left out or ``None``: the loss's own where it declares one (a
             criterion's ``reduction``), else ``"mean"``; one that contradicts it raises.
