@@ -170,3 +170,21 @@ def test_lsuv_without_a_generator_does_not_redraw_the_batches_it_read() -> None:
     cos = (w / w.norm(dim=1, keepdim=True)) @ (x / x.norm(dim=1, keepdim=True)).T
     # independent unit vectors in 64 dimensions: |cos| ~ 0.125; 0.9 is beyond 7 sigma
     assert cos.abs().max().item() < 0.9
+
+
+def test_doctor_s_fixes_without_a_generator_do_not_redraw_the_batches_it_read() -> None:
+    """With fixes and generator=None, doctor's init fix draws from torch's global RNG; putting
+    the RNG back after reading the data would have it redraw a batch made lazily from it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 8), nn.ReLU(), nn.Linear(8, 3))
+    with torch.no_grad():
+        model[0].weight.mul_(1e4)  # the logits explode: doctor applies its init fix
+    torch.manual_seed(7)
+    data = ((torch.randn(32, 64), torch.randint(0, 3, (32,))) for _ in range(2))
+    report = initlab.doctor(model, data, nn.CrossEntropyLoss(), fix=["init"])
+    assert report.applied == ["init"], (report.skipped, report.failed)
+    torch.manual_seed(7)
+    x = torch.randn(32, 64)  # the first batch doctor read
+    w = model[0].weight.detach()
+    cos = (w / w.norm(dim=1, keepdim=True)) @ (x / x.norm(dim=1, keepdim=True)).T
+    assert cos.abs().max().item() < 0.9  # independent draws: |cos| ~ 0.125

@@ -4,12 +4,19 @@ the forked-RNG scopes that make measurement passes (dropout masks) reproducible.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 
-__all__ = ["Seeds", "as_generator", "global_rng_kept", "peeked", "stage_generator"]
+__all__ = [
+    "Seeds",
+    "as_generator",
+    "global_rng_kept",
+    "global_rng_saved",
+    "peeked",
+    "stage_generator",
+]
 
 
 def as_generator(generator: torch.Generator | int | None) -> torch.Generator | None:
@@ -49,19 +56,31 @@ def stage_generator(generator: torch.Generator | None) -> torch.Generator:
     return generator if generator is not None else torch.Generator().manual_seed(STAGE_SEED)
 
 
-@contextlib.contextmanager
-def global_rng_kept() -> Iterator[None]:
-    """Torch's global RNG (the CPU generator, and every CUDA device's where CUDA is initialized)
-    as it was when the block ends: around reading the data, whose ``DataLoader`` iterator draws
-    its base seed (and a shuffling sampler its permutation's seed) from it."""
+def global_rng_saved() -> Callable[[], None]:
+    """Torch's global RNG state now (the CPU generator, and every CUDA device's where CUDA is
+    initialized), as a function that puts it back (:func:`global_rng_kept`,
+    :func:`~initlab._core.state.model_kept`)."""
     cpu = torch.get_rng_state()
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    try:
-        yield
-    finally:
+
+    def put_back() -> None:
         torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
+
+    return put_back
+
+
+@contextlib.contextmanager
+def global_rng_kept() -> Iterator[None]:
+    """Torch's global RNG (:func:`global_rng_saved`) as it was when the block ends: around
+    reading the data, whose ``DataLoader`` iterator draws its base seed (and a shuffling sampler
+    its permutation's seed) from it."""
+    put_back = global_rng_saved()
+    try:
+        yield
+    finally:
+        put_back()
 
 
 class Seeds:

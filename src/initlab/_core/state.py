@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from initlab._core.autocast import autocast_uncached
+from initlab._core.rng import global_rng_saved
 
 __all__ = [
     "config_kept",
@@ -291,8 +292,7 @@ def model_kept(
     grads = [(p, p.grad, p.requires_grad) for p in plist]
     modes = model_modes(model)
     added = _hook_keys(model)
-    cpu_rng = torch.get_rng_state() if rng else None
-    cuda_rng = torch.cuda.get_rng_state_all() if rng and torch.cuda.is_initialized() else None
+    rng_back = global_rng_saved() if rng else None
     sparse = [
         m for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
     ]
@@ -320,10 +320,8 @@ def model_kept(
         restore_modes(model, modes)
         if hooks == "always" or (hooks == "failure" and failed):
             _remove_new_hooks(added)
-        if cpu_rng is not None:
-            torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
+        if rng_back is not None:
+            rng_back()
 
 
 @contextmanager

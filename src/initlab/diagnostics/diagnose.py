@@ -40,7 +40,7 @@ from initlab._core.compiled import takes_compiled
 from initlab._core.data import examples_in, forward_args, take_batches
 from initlab._core.loss import Loss, LossLike, batch_reduction, resolve_loss
 from initlab._core.parametrized import reading_layers
-from initlab._core.rng import Seeds, as_generator, global_rng_kept, stage_generator
+from initlab._core.rng import Seeds, as_generator, stage_generator
 from initlab._core.rows import Rows
 from initlab._core.state import preserved_state
 from initlab.diagnostics.assemble import _weight_names, assemble
@@ -154,8 +154,8 @@ def diagnose(
     _check_landscape(landscape)
     if residual_blocks is not None:  # unknown names fail before the pass, not after it
         _user_blocks(model, residual_blocks)
-    with global_rng_kept():  # a DataLoader's iterator draws its seed from it
-        batches = take_batches(data, max_batches, exact=False, what="diagnose")
+    # the global RNG put back after reading: diagnose draws nothing from it later
+    batches = take_batches(data, max_batches, exact=False, what="diagnose", keep_rng=True)
     loss = resolve_loss(loss_fn, what="diagnose")
     check_trainable(model, "diagnose")
     opts.loss_reduction = batch_reduction(loss, loss_reduction, "diagnose")

@@ -119,7 +119,7 @@ from initlab._core.distributed import is_distributed
 from initlab._core.forward_loss import with_forward
 from initlab._core.loss import LossLike, resolve_loss
 from initlab._core.parametrized import reading_scope, writing_scope
-from initlab._core.rng import as_generator, global_rng_kept
+from initlab._core.rng import as_generator
 from initlab._core.rows import Rows, _fmt
 from initlab._core.state import copies_held, model_kept, restore_on_failure
 from initlab.diagnostics._doctor_checks import (
@@ -765,6 +765,9 @@ def doctor(
             :data:`~initlab.diagnostics.doctor.FIXES`).
         max_batches: batches taken from ``data``.
         generator: seed or generator for the fixes' draws (init, LSUV) and measurement passes.
+            Torch's global RNG is left as it was (reading a ``DataLoader`` draws from it; it is
+            put back), except with fixes and ``generator=None``: the fixes then draw from it, as
+            ``init_model`` does, after the data has advanced it.
         forward: ``forward(model, batch) -> output``, how the model runs on one batch: for the
             checks on its outputs (the logits' std, the number of classes), the ``forward=``
             of the fixes ``lsuv_`` and ``scale_output_``, and, with a loss on the outputs (a
@@ -803,8 +806,9 @@ def doctor(
         )
     # without fixes doctor only reads (parametrized layers measured); with them it writes
     with reading_scope() if names == [] else writing_scope():
-        with global_rng_kept():  # a DataLoader's iterator draws its seed from it
-            batches = take_batches(data, max_batches, exact=False, what="doctor")
+        # the global RNG put back after reading, unless a fix draws from it (generator=None)
+        keep = names == [] or generator is not None
+        batches = take_batches(data, max_batches, exact=False, what="doctor", keep_rng=keep)
         loss = resolve_loss(loss_fn, what="doctor")
         if forward is not None:  # the measurement runs the model as the checks and fixes do
             loss = with_forward(loss, forward, batches, "doctor")
