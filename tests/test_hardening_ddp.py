@@ -326,6 +326,15 @@ _CASES: dict[str, Case] = {
             lambda m: scale_output_(m, _batches(0, 2), target=0.05),
         )
     ),
+    # twelfth session: a complex128 buffer made the checksum raise KeyError: 16 on every rank
+    "gradinit_, a complex128 buffer equal on both ranks": lambda r: (
+        _Phased(r, 0.0),
+        lambda m: gradinit_(m, _batches(r, 4), gamma=10.0),
+    ),
+    "precondition_, a complex128 buffer differs by rank": lambda r: (
+        _Phased(r, 0.5),
+        lambda m: precondition_(m, _batches(r, 2)),
+    ),
 }
 
 
@@ -348,6 +357,20 @@ class _Scaled(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x) * self.scale
+
+
+class _Phased(nn.Module):
+    """A model with a complex128 buffer (a rotary table kept in double precision) whose real part
+    shifts the output: 1 on rank 0, ``1 + shift`` on rank 1."""
+
+    def __init__(self, rank: int, shift: float) -> None:
+        super().__init__()
+        self.net = _model(0)
+        phase = torch.full((3,), 1.0 + shift * rank, dtype=torch.complex128)
+        self.register_buffer("phase", phase)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x) + self.phase.real
 
 
 def _bn_weight_and_var(rank: int) -> nn.Module:
@@ -544,6 +567,10 @@ _EXPECTED: dict[str, str | tuple[str, str] | None] = {
         "precondition_: the ranks hold different buffers (1 of 5 tensors differ: scale)"
     ),
     "scale_output_, only BatchNorm's num_batches_tracked differs (a counter: no output)": None,
+    "gradinit_, a complex128 buffer equal on both ranks": None,
+    "precondition_, a complex128 buffer differs by rank": (
+        "precondition_: the ranks hold different buffers (1 of 5 tensors differ: phase)"
+    ),
 }
 
 

@@ -109,20 +109,30 @@ def _min_max(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return both[:n].cpu().view_as(values), (-both[n:]).cpu().view_as(values)
 
 
-_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 
 
 def _checksum(t: torch.Tensor) -> list[int]:
-    """Exact, order-independent checksum of a tensor's bits: ``[numel, sum of low and high
-    16-bit halves of each 32-bit word, sum of their products]``. Integer sums do not depend on
-    the thread count or reduction order, so equal tensors give equal checksums on every rank."""
-    flat = t.detach().reshape(-1)
-    bits = flat.view(_BITS[flat.element_size()]).to(torch.int64)
-    if flat.element_size() == 8:  # two 32-bit words
-        bits = torch.cat([bits & 0xFFFFFFFF, (bits >> 32) & 0xFFFFFFFF])
-    bits = bits & 0xFFFFFFFF
+    """Exact, order-independent checksum of a tensor's bits, for every dtype: ``[numel, Σ (l + 7
+    h), Σ l h]`` over the 32-bit words ``w = 2^16 h + l`` of its elements (a 1- or 2-byte element
+    read as a signed integer, modulo ``2^32``; an 8- or 16-byte one (float64, int64, complex64,
+    complex128) as 2 or 4 words). Integer sums do not depend on the thread count or reduction
+    order, so equal tensors give equal checksums on every rank. A quantized tensor is read as the
+    values it represents (``dequantize``), a sparse one as its dense values."""
+    t = t.detach()
+    if t.is_quantized:
+        t = t.dequantize()
+    if t.layout != torch.strided:
+        t = t.to_dense()
+    t = t.resolve_conj().resolve_neg()
+    size = t.element_size()
+    if size in _INTS:  # a same-size view takes any strides (sub-byte dtypes have no copy kernel)
+        words = t.view(_INTS[size]).reshape(-1)
+    else:  # a view to a smaller dtype needs contiguous memory
+        words = t.contiguous().reshape(-1).view(torch.int32)
+    bits = words.to(torch.int64) & 0xFFFFFFFF
     low, high = bits & 0xFFFF, bits >> 16
-    return [flat.numel(), int((low + 7 * high).sum()), int((low * high).sum())]
+    return [t.numel(), int((low + 7 * high).sum()), int((low * high).sum())]
 
 
 def check_same_parameters(
