@@ -305,9 +305,11 @@ _CASES: dict[str, Case] = {
         _bn_buffer(r, "running_var"),
         lambda m: scale_output_(m, _batches(0, 2), target=0.05),
     ),
-    "gradinit_, eval-mode BatchNorm's running_mean differs by rank": lambda r: (
-        _bn_buffer(r, "running_mean"),
-        lambda m: gradinit_(m, _batches(r, 4), gamma=10.0),
+    "gradinit_, eval-mode BatchNorm's running_mean differs by rank (it runs on batch stats)": (
+        lambda r: (
+            _bn_buffer(r, "running_mean"),
+            lambda m: gradinit_(m, _batches(r, 4), gamma=10.0),
+        )
     ),
     "lsuv_, BatchNorm's running_var differs by rank (the pre-init redraws weights only)": (
         lambda r: (_bn_buffer(r, "running_var"), lambda m: lsuv_(m, _batches(r, 1)[0][0]))
@@ -327,6 +329,42 @@ _CASES: dict[str, Case] = {
         )
     ),
     # twelfth session: a complex128 buffer made the checksum raise KeyError: 16 on every rank
+    # twelfth session: the running statistics of a norm on batch statistics change no output;
+    # they differ by rank under DDP without SyncBatchNorm (each rank updates them from its batch)
+    "gradinit_, a train-mode BatchNorm updated on each rank's own batch": lambda r: (
+        _bn_warmed(r),
+        lambda m: gradinit_(m, _batches(r, 4), gamma=10.0),
+    ),
+    "metainit_, a train-mode BatchNorm updated on each rank's own batch": lambda r: (
+        _bn_warmed(r),
+        lambda m: metainit_(m, _batches(r, 3), variant="gradinit"),
+    ),
+    "metainit_(batch_stats=False): it reads the running statistics, which differ by rank": (
+        lambda r: (
+            _bn_warmed(r),
+            lambda m: metainit_(m, _batches(r, 3), variant="gradinit", batch_stats=False),
+        )
+    ),
+    "lsuv_(norm_mode='train'), a BatchNorm updated on each rank's own batch": lambda r: (
+        _bn_warmed(r),
+        lambda m: lsuv_(m, _batches(r, 1)[0][0], norm_mode="train"),
+    ),
+    "lsuv_ (norm_mode='eval') of a train-mode model: it reads the running statistics": (
+        lambda r: (_bn_warmed(r), lambda m: lsuv_(m, _batches(r, 1)[0][0]))
+    ),
+    "scale_output_, a train-mode BatchNorm updated on each rank's own batch": lambda r: (
+        _bn_warmed(r),
+        lambda m: scale_output_(m, _batches(r, 2)),
+    ),
+    "gr_scaling(all_reduce=True), a train-mode BatchNorm updated on each rank's own batch": (
+        lambda r: (_bn_warmed(r), lambda m: gr_scaling(m, _batches(r, 2), all_reduce=True))
+    ),
+    "precondition_, the same BatchNorm updated on each rank's own batch, in eval mode": (
+        lambda r: (_bn_warmed(r).eval(), lambda m: precondition_(m, _batches(r, 2)))
+    ),
+    "scale_output_, an eval-mode InstanceNorm tracks running statistics on rank 0 only": (
+        lambda r: (_instance_normed(r), lambda m: scale_output_(m, _batches(r, 2)))
+    ),
     "gradinit_, a complex128 buffer equal on both ranks": lambda r: (
         _Phased(r, 0.0),
         lambda m: gradinit_(m, _batches(r, 4), gamma=10.0),
@@ -357,6 +395,25 @@ class _Scaled(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x) * self.scale
+
+
+def _bn_warmed(rank: int) -> nn.Module:
+    """The BatchNorm model in train mode after one forward pass on this rank's own batch (as
+    under DDP without SyncBatchNorm): its running statistics differ by rank, its parameters not."""
+    model = _bn_model().train()
+    with torch.no_grad():
+        model(_batches(rank, 1)[0][0] * (1 + rank))
+    return model
+
+
+def _instance_normed(rank: int) -> nn.Module:
+    """An eval-mode InstanceNorm1d with running statistics, which it reads on rank 0 only (rank 1
+    turns ``track_running_stats`` off: its own statistics of each example)."""
+    model = _model(0)
+    norm = nn.InstanceNorm1d(3, track_running_stats=True).to(D)
+    norm.track_running_stats = rank == 0
+    layers = [model[0], nn.Unflatten(1, (3, 4)), norm, nn.Flatten(), model[1], model[2]]
+    return nn.Sequential(*layers).eval()
 
 
 class _Phased(nn.Module):
@@ -553,8 +610,8 @@ _EXPECTED: dict[str, str | tuple[str, str] | None] = {
     "scale_output_, eval-mode BatchNorm's running_var differs by rank": (
         "scale_output_: the ranks hold different buffers (1 of 8 tensors differ: 1.running_var)"
     ),
-    "gradinit_, eval-mode BatchNorm's running_mean differs by rank": (
-        "gradinit_: the ranks hold different buffers (1 of 8 tensors differ: 1.running_mean)"
+    "gradinit_, eval-mode BatchNorm's running_mean differs by rank (it runs on batch stats)": (
+        None
     ),
     "lsuv_, BatchNorm's running_var differs by rank (the pre-init redraws weights only)": (
         "lsuv_: the ranks hold different buffers (1 of 8 tensors differ: 1.running_var)"
@@ -567,6 +624,27 @@ _EXPECTED: dict[str, str | tuple[str, str] | None] = {
         "precondition_: the ranks hold different buffers (1 of 5 tensors differ: scale)"
     ),
     "scale_output_, only BatchNorm's num_batches_tracked differs (a counter: no output)": None,
+    "gradinit_, a train-mode BatchNorm updated on each rank's own batch": None,
+    "metainit_, a train-mode BatchNorm updated on each rank's own batch": None,
+    "metainit_(batch_stats=False): it reads the running statistics, which differ by rank": (
+        "metainit_: the ranks hold different buffers (2 of 8 tensors differ: 1.running_mean, "
+        "1.running_var)"
+    ),
+    "lsuv_(norm_mode='train'), a BatchNorm updated on each rank's own batch": None,
+    "lsuv_ (norm_mode='eval') of a train-mode model: it reads the running statistics": (
+        "lsuv_: the ranks hold different buffers (2 of 8 tensors differ: 1.running_mean, "
+        "1.running_var)"
+    ),
+    "scale_output_, a train-mode BatchNorm updated on each rank's own batch": None,
+    "gr_scaling(all_reduce=True), a train-mode BatchNorm updated on each rank's own batch": None,
+    "precondition_, the same BatchNorm updated on each rank's own batch, in eval mode": (
+        "precondition_: the ranks hold different buffers (2 of 8 tensors differ: "
+        "1.running_mean, 1.running_var)"
+    ),
+    "scale_output_, an eval-mode InstanceNorm tracks running statistics on rank 0 only": (
+        "scale_output_: the ranks' normalization layers normalize by different statistics (the "
+        "batch's own on some ranks, the running ones in 2.running_mean, 2.running_var on others)"
+    ),
     "gradinit_, a complex128 buffer equal on both ranks": None,
     "precondition_, a complex128 buffer differs by rank": (
         "precondition_: the ranks hold different buffers (1 of 5 tensors differ: phase)"
@@ -574,12 +652,17 @@ _EXPECTED: dict[str, str | tuple[str, str] | None] = {
 }
 
 
-def _cases_worker(rank: int, world: int) -> dict[str, tuple[str, str, bool, list[torch.Tensor]]]:
-    """Every case on this rank: ``(error type or "", message, model unchanged, parameters)``."""
+#: ``(error type or "", message, parameters unchanged, parameters, train/eval flags unchanged)``
+_Outcome = tuple[str, str, bool, list[torch.Tensor], bool]
+
+
+def _cases_worker(rank: int, world: int) -> dict[str, _Outcome]:
+    """Every case on this rank: its :data:`_Outcome`."""
     out = {}
     for name, case in _CASES.items():
         model, call = case(rank)
         before = [p.detach().clone() for p in model.parameters()]
+        modes = [m.training for m in model.modules()]
         kind = text = ""
         try:
             call(model)
@@ -587,23 +670,25 @@ def _cases_worker(rank: int, world: int) -> dict[str, tuple[str, str, bool, list
             kind, text = type(err).__name__, str(err)
         after = [p.detach().clone() for p in model.parameters()]
         unchanged = all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
-        out[name] = (kind, text, unchanged, after)
+        kept = modes == [m.training for m in model.modules()]
+        out[name] = (kind, text, unchanged, after, kept)
     return out
 
 
 @pytest.fixture(scope="module")
-def outcomes() -> list[dict[str, tuple[str, str, bool, list[torch.Tensor]]]]:
+def outcomes() -> list[dict[str, _Outcome]]:
     return run_ranks(_cases_worker, 2)
 
 
 @pytest.mark.parametrize("name", list(_EXPECTED))
 def test_ranks_that_disagree_raise_the_same_error_on_every_rank(
-    outcomes: list[dict[str, tuple[str, str, bool, list[torch.Tensor]]]], name: str
+    outcomes: list[dict[str, _Outcome]], name: str
 ) -> None:
-    (kind0, text0, unchanged0, params0), (kind1, text1, unchanged1, params1) = (
+    (kind0, text0, unchanged0, params0, kept0), (kind1, text1, unchanged1, params1, kept1) = (
         outcomes[0][name],
         outcomes[1][name],
     )
+    assert kept0 and kept1  # every module's train/eval flag as the caller left it
     expected = _EXPECTED[name]
     if expected is None:
         assert kind0 == kind1 == "", (text0, text1)

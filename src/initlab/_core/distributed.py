@@ -10,8 +10,11 @@ The ranks must also *start* alike and *stay in step*; the checks that guarantee 
 when one rank stops alone):
 
 * :func:`check_same_parameters`: every rank holds bit-identical parameters and buffers at entry
-  (an exact checksum of their bits, all-reduced; a batch norm's ``num_batches_tracked`` counter
-  is left out, see :func:`_compared_buffers`);
+  (an exact checksum of their bits, all-reduced). Left out: a batch norm's ``num_batches_tracked``
+  counter, and the running statistics of a norm layer that normalizes by the batch's own
+  statistics in the modes the method measures in (a train-mode BatchNorm: DDP without
+  SyncBatchNorm leaves each rank's running statistics its own); they change no output the
+  method reads (see :func:`_read_buffers`);
 * :func:`run_together`: a step that can fail on one rank (reading its data, a forward or
   backward pass on it) fails on all;
 * :func:`in_lockstep`: iterations over each rank's own batches stop together; ranks with
@@ -136,15 +139,23 @@ def _checksum(t: torch.Tensor) -> list[int]:
 
 
 def check_same_parameters(
-    model: nn.Module, what: str, redrawn: Collection[torch.Tensor] = (), *, modes: bool = False
+    model: nn.Module,
+    what: str,
+    redrawn: Collection[torch.Tensor] = (),
+    *,
+    modes: bool = False,
+    measured_in: Callable[[nn.Module], None] | None = None,
 ) -> None:
     """Raise :class:`RankMismatchError` on every rank unless all ranks hold bit-identical
-    parameters and buffers (:func:`_compared_buffers`: an eval-mode batch norm's running
-    statistics are part of the function the ranks compute): the same shapes and dtypes
-    (:func:`_layout`), then the same values, by an exact checksum (:func:`_checksum`), each
-    all-reduced in one small collective; the ``redrawn`` tensors (which the method draws on rank 0
-    and broadcasts: LSUV's orthogonal pre-init) need only agree in shape and dtype. With
-    ``modes``, for a method that measures in the caller's train/eval modes, the modes too.
+    parameters and the buffers the method's passes read (:func:`_read_buffers`: an eval-mode
+    batch norm's running statistics are part of the function the ranks compute, a train-mode
+    one's are not): the same shapes and dtypes (:func:`_layout`), then the same values, by an
+    exact checksum (:func:`_checksum`), each all-reduced in one small collective; the ``redrawn``
+    tensors (which the method draws on rank 0 and broadcasts: LSUV's orthogonal pre-init) need
+    only agree in shape and dtype. With ``modes``, for a method that measures in the caller's
+    train/eval modes, the modes too. ``measured_in`` sets the modes of a method that measures in
+    modes of its own (GradInit's batch statistics: ``set_evaluation_modes(model, True)``); the
+    modules' flags are put back after the check. Without it, the caller's modes decide.
 
     A data-dependent initialization pools statistics over ranks (and a method applies one
     update on every rank); ranks that start from different weights would end different.
@@ -154,7 +165,7 @@ def check_same_parameters(
     named = check_same_trainable(model, what)
     if modes:
         _check_same_modes(model, what)
-    buffers = _compared_buffers(model)  # as many on every rank: check_same_trainable
+    buffers = _read_buffers(model, measured_in, what)
     tensors = [*named, *buffers]
     differ = _differing(tensors, [_layout(t) for _, t in tensors])
     if differ:
@@ -174,8 +185,9 @@ def check_same_parameters(
             f"{what}: the ranks hold different {kind} ({len(differ)} of {len(tensors)} tensors "
             f"differ: {_listing(differ)}). It pools its statistics over ranks (and a method "
             "applies one update everywhere), so ranks that start different pool unrelated "
-            "numbers and end different; a buffer (a batch norm's running statistics) is part of "
-            "the function each rank computes. Build the model with the same seed on every rank "
+            "numbers and end different; a buffer it reads (the running statistics of a batch "
+            "norm in eval mode, in the modes it measures in) is part of the function each rank "
+            "computes. Build the model with the same seed on every rank "
             "(torch.manual_seed(seed) before creating it), or copy rank 0's weights and buffers "
             "first: for t in [*model.parameters(), *model.buffers()]: "
             "torch.distributed.broadcast(t.detach(), src=0)"
@@ -183,19 +195,72 @@ def check_same_parameters(
 
 
 def _compared_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The named buffers that must agree across ranks: all of them (running statistics, masks,
-    position ids), but a batch norm's ``num_batches_tracked``. That counter of train-mode
-    updates changes no output: a forward reads it only in train mode, as the weight
-    ``1 / num_batches_tracked`` of a ``momentum=None`` running average's next update, and a
-    train-mode batch norm normalizes by the batch's own statistics. Ranks whose counts differ (one
-    rank ran a train-mode pass the others did not) compute the same function; refusing them
-    would be a false alarm, and the running statistics that such a pass changes are compared."""
+    """The named buffers that must agree across ranks when the method's passes read them: all of
+    them (running statistics, masks, position ids), but a batch norm's ``num_batches_tracked``.
+    That counter of train-mode updates changes no output: a forward reads it only in train mode,
+    as the weight ``1 / num_batches_tracked`` of a ``momentum=None`` running average's next
+    update, and a train-mode batch norm normalizes by the batch's own statistics. Ranks whose
+    counts differ (one rank ran a train-mode pass the others did not) compute the same function;
+    refusing them would be a false alarm. The running statistics are left out the same way where
+    the layer uses batch statistics (:func:`_read_buffers`)."""
     counters = {
         id(m.num_batches_tracked)
         for m in model.modules()
         if isinstance(m, nn.modules.batchnorm._NormBase) and m.num_batches_tracked is not None
     }
     return [(n, b) for n, b in model.named_buffers() if id(b) not in counters]
+
+
+def _batch_statistics(m: nn.Module) -> bool:
+    """Whether the norm layer ``m`` normalizes by the batch's own statistics in its present mode,
+    so that its running statistics change no output (a train-mode forward only updates them): one
+    of torch's batch norms in train mode, one of its instance norms in train mode or with
+    ``track_running_stats=False``. An eval-mode batch norm reads its running statistics whenever
+    it has them, and a norm layer with a ``forward`` of its own (a batch renormalization reads
+    them in train mode too) is taken to read them."""
+    forward = type(m).forward
+    if forward in (nn.modules.batchnorm._BatchNorm.forward, nn.SyncBatchNorm.forward):
+        return m.training
+    if forward is nn.modules.instancenorm._InstanceNorm.forward:
+        return m.training or not m.track_running_stats
+    return False
+
+
+def _read_buffers(
+    model: nn.Module, measured_in: Callable[[nn.Module], None] | None, what: str
+) -> list[tuple[str, torch.Tensor]]:
+    """The compared buffers (:func:`_compared_buffers`) the method's passes read: but the
+    ``running_mean`` and ``running_var`` of a norm layer that uses batch statistics
+    (:func:`_batch_statistics`) in the modes ``measured_in`` sets (the caller's without it; every
+    flag put back). Raises :class:`RankMismatchError` on every rank if the ranks read different
+    ones (one small collective; nothing to compare without buffers, on every rank alike)."""
+    buffers = _compared_buffers(model)  # as many on every rank: check_same_trainable
+    if not buffers:
+        return buffers
+    saved = [(m, m.training) for m in model.modules()]
+    try:
+        if measured_in is not None:
+            measured_in(model)
+        unread = {
+            id(b)
+            for m in model.modules()
+            if isinstance(m, nn.modules.batchnorm._NormBase) and _batch_statistics(m)
+            for b in (m.running_mean, m.running_var)
+            if b is not None
+        }
+    finally:
+        for m, flag in saved:
+            m.training = flag
+    read = torch.tensor([id(b) not in unread for _, b in buffers], dtype=torch.int64)
+    lo, hi = _min_max(read)
+    differ = [buffers[i][0] for i in (lo != hi).nonzero().flatten().tolist()]
+    if differ:
+        raise RankMismatchError(
+            f"{what}: the ranks' normalization layers normalize by different statistics (the "
+            f"batch's own on some ranks, the running ones in {_listing(differ)} on others): put "
+            "them in the same train/eval mode, with the same track_running_stats, on every rank"
+        )
+    return [(n, b) for n, b in buffers if id(b) not in unread]
 
 
 def _differing(named: list[tuple[str, torch.Tensor]], rows: list[list[int]]) -> list[str]:

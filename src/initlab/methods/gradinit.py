@@ -70,7 +70,8 @@ What is exactly what here:
   step (in exact mode also the look-ahead loss's gradient w.r.t. ``theta'``), so both steps use
   the gradient of the global loss and all ranks end bit-identical. The ranks must start from
   the same weights and run the same number of iterations: both are checked (a checksum of the
-  parameters and buffers at entry; the iteration count, and every batch in lockstep), and a
+  parameters and buffers at entry, but the running statistics of the norm layers, which run on
+  batch statistics here; the iteration count, and every batch in lockstep), and a
   mismatch raises the same :class:`~initlab._core.distributed.RankMismatchError` on every rank,
   as does a forward or backward pass that fails on some ranks only (each is run together,
   :func:`~initlab._core.distributed.run_together`; one small all-reduce each). Give every rank
@@ -168,6 +169,7 @@ from initlab.methods._alpha import (
     scaled_params,
     second_order,
     select_tensors,
+    set_evaluation_modes,
 )
 from initlab.methods._second_order import written_out_second_order
 
@@ -697,7 +699,8 @@ def gradinit_(
     if steps is not None:
         steps = positive_int(what, "steps", steps)
     loss = resolve_loss(loss_fn, what=what)
-    check_same_parameters(model, what)  # first: what differs by rank raises on every rank
+    # first: what differs by rank raises on every rank; the norms run on batch statistics
+    check_same_parameters(model, what, measured_in=lambda m: set_evaluation_modes(m, True))
     ts = select_tensors(model, params, nonzero, what)
     counter = DataCounter()
     pairs = batch_pairs(data, steps, overlap < 1, what, counter, same_size=True)

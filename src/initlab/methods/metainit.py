@@ -119,6 +119,7 @@ from initlab.methods._alpha import (
     scaled_params,
     second_order,
     select_tensors,
+    set_evaluation_modes,
 )
 
 __all__ = ["METAINIT_COLUMNS", "METAINIT_TRACE_COLUMNS", "gradient_quotient", "metainit_"]
@@ -399,7 +400,9 @@ def metainit_(
     )
     check_callback(what, "progress", progress)
     loss = resolve_loss(loss_fn, what=what)
-    check_same_parameters(model, what)  # first: what differs by rank raises on every rank
+    check_same_parameters(  # first: what differs by rank raises on every rank
+        model, what, measured_in=lambda m: set_evaluation_modes(m, opts.batch_stats)
+    )
     refuse_complex(
         model, what, "MetaInit's gradient quotient is defined for real tensors: freeze them "
         "(requires_grad_(False)) for this call, or use gradinit_ or lsuv_"

@@ -8,6 +8,7 @@ and warnings. The algorithm is described in :mod:`initlab.methods.lsuv`.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 import warnings
@@ -320,14 +321,15 @@ def lsuv_(
     check_flags("lsuv_", orthogonal=orthogonal, concat_batches=concat_batches, keep_heap=keep_heap)
     gen = as_generator(generator)
     registry = registry if registry is not None else default_registry()
+    modes = functools.partial(_set_measuring_modes, norm_mode=norm_mode)
     if not orthogonal:  # the orthogonal pre-init broadcasts rank 0's draw; else ranks must agree
-        check_same_parameters(model, "lsuv_")
+        check_same_parameters(model, "lsuv_", measured_in=modes)
     else:  # the same layers frozen (so the same units) on every rank
         check_same_trainable(model, "lsuv_")
     used, runs = run_together("lsuv_", lambda: _take_data(data, max_batches, concat_batches))
     units = build_units(model, modules, registry)
     if orthogonal:  # what the pre-init does not redraw (a norm, an embedding) must agree
-        check_same_parameters(model, "lsuv_", redrawn=_redrawn(units))
+        check_same_parameters(model, "lsuv_", redrawn=_redrawn(units), measured_in=modes)
     _refuse_unscalable(units, modules, model, registry)
     block_names = find_blocks(model, blocks, strategy) if strategy != "layers" else {}
     engine = Engine(
@@ -461,19 +463,24 @@ def _measuring_modes(model: nn.Module, norm_mode: str) -> Iterator[None]:
     running statistics, a model's own counters) and the fast path put back on exit."""
     mha_backend = getattr(torch.backends, "mha", None)
     fastpath = mha_backend.get_fastpath_enabled() if mha_backend is not None else None
-    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     try:
         with model_kept(model, params="never", buffers="always"):
-            model.eval()
-            if norm_mode == "train":
-                for m in norms:
-                    m.train()
+            _set_measuring_modes(model, norm_mode)
             if mha_backend is not None:
                 mha_backend.set_fastpath_enabled(False)
             yield
     finally:
         if mha_backend is not None and fastpath is not None:
             mha_backend.set_fastpath_enabled(fastpath)
+
+
+def _set_measuring_modes(model: nn.Module, norm_mode: str) -> None:
+    """The modes of :func:`_measuring_modes`, set without saving anything to put back."""
+    model.eval()
+    if norm_mode == "train":
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.train()
 
 
 def _run(
