@@ -340,3 +340,42 @@ def test_torchs_own_post_accumulate_grad_hooks_stay_active() -> None:
     model[0].weight.register_post_accumulate_grad_hook(reduce_hook)
     initlab.gradient_stats(model, (x, y), _CE)
     assert fired[0] == 1
+
+
+class _RemovesHook(nn.Module):
+    """An MLP whose forward removes the hook handle it holds (a callback's doing, or another
+    thread's) and adds a hook of its own, once."""
+
+    def __init__(self, fired: list[str]) -> None:
+        super().__init__()
+        self.net, self.fired = _mlp_pag(), fired
+        self.handle: Any = None
+        self.added: Any = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+            fired = self.fired
+            self.added = self.net[0].weight.register_post_accumulate_grad_hook(
+                lambda _p: fired.append("added")
+            )
+        return self.net(x)
+
+
+def test_a_post_accumulate_grad_hook_removed_during_the_call_stays_removed() -> None:
+    """The suspended hooks were taken out of the dict, so a ``handle.remove()`` inside the call
+    found nothing to remove, and the hook came back (and fired) after it."""
+    x, y = _xy(32)
+    fired: list[str] = []
+    model = _RemovesHook(fired)
+    weight = model.net[0].weight
+    first = weight.register_post_accumulate_grad_hook(lambda _p: fired.append("first"))
+    model.handle = weight.register_post_accumulate_grad_hook(lambda _p: fired.append("removed"))
+    last = weight.register_post_accumulate_grad_hook(lambda _p: fired.append("last"))
+    initlab.gradient_stats(model, (x, y), _CE)
+    assert fired == ["added"]  # the hooks there at entry are suspended, not one added in it
+    assert list(weight._post_accumulate_grad_hooks) == [first.id, last.id, model.added.id]
+    fired.clear()
+    F.cross_entropy(model(x), y).backward()
+    assert fired == ["first", "last", "added"]

@@ -16,10 +16,10 @@ the model's code installs as it runs, such as Hugging Face's output capturing, s
 Hugging Face model's ``config.problem_type`` (its forward sets it from the first labels it is
 given). The parameters' post-accumulate-grad hooks (``register_post_accumulate_grad_hook``:
 PyTorch's "optimizer step in the backward" recipe) are suspended for the block, so that initlab's
-own backward passes step no optimizer of the user's nor move the weights between batches: taken
-out of each parameter's hook dict on entry and put back on exit, in their order, under their
-handles (:func:`_post_accumulate_suspended`); torch's own (``DistributedDataParallel``'s, FSDP's)
-stay. Tensors are
+own backward passes step no optimizer of the user's nor move the weights between batches: each
+is swapped for a no-op under its key on entry and put back on exit, in its place, unless its
+handle removed it meanwhile (:func:`_post_accumulate_suspended`); torch's own
+(``DistributedDataParallel``'s, FSDP's) stay. Tensors are
 copied back in place under ``no_grad``, so tied tensors stay tied, references the user holds stay
 valid, and nothing moves across devices. Memory: one copy of what is restored, shared by nested
 blocks while the tensors keep its bits (:data:`_HELD`). Under the user's
@@ -102,31 +102,42 @@ def _ours(fn: object, package: str = "initlab") -> bool:
     return module == package or module.startswith(f"{package}.")
 
 
+class _Suspended:
+    """A post-accumulate-grad hook taken out for a block: in its key's place, it does nothing
+    when autograd calls it (and returns ``None``, as torch requires) and holds the real hook."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[torch.Tensor], None]) -> None:
+        self.fn = fn
+
+    def __call__(self, tensor: torch.Tensor) -> None:
+        return None
+
+
 @contextmanager
 def _post_accumulate_suspended(params: list[nn.Parameter]) -> Iterator[None]:
-    """Run the block with the post-accumulate-grad hooks of ``params`` taken out of their dicts
-    (``p._post_accumulate_grad_hooks``, which autograd reads at each accumulation), torch's own
-    left in; on exit, on failure and on ``KeyboardInterrupt`` too, the dict holds them again in
-    their order under their keys (the user's handles still remove them), then the hooks added
-    in the block. The dict object is kept: torch's autograd holds it."""
-    saved: list[tuple[dict[Any, Any], list[tuple[Any, Any]], set[Any]]] = []
+    """Run the block with the post-accumulate-grad hooks of ``params`` suspended (in
+    ``p._post_accumulate_grad_hooks``, which autograd reads at each accumulation, each one is
+    swapped for a :class:`_Suspended` no-op under the same key), torch's own left active; on
+    exit, on failure and on ``KeyboardInterrupt`` too, each key still there gets its hook back, in
+    its place. The keys stay in the dict meanwhile, so a user's ``handle.remove()`` during the
+    block removes the hook for good (it would otherwise come back on exit), and hooks added in the
+    block stay after the old ones. The dict object is kept: torch's autograd holds it. A hook
+    already suspended (a nested block) is left to the block that suspended it."""
+    saved: list[tuple[dict[Any, Any], Any, _Suspended]] = []
     try:
         for p in params:
-            hooks = getattr(p, "_post_accumulate_grad_hooks", None)
-            if not hooks:
-                continue
-            out = {k for k, fn in hooks.items() if not _ours(fn, "torch")}
-            if out:
-                saved.append((hooks, list(hooks.items()), out))
-                for key in out:
-                    del hooks[key]
+            hooks = getattr(p, "_post_accumulate_grad_hooks", None) or {}
+            for key, fn in list(hooks.items()):
+                if not isinstance(fn, _Suspended) and not _ours(fn, "torch"):
+                    hooks[key] = _Suspended(fn)
+                    saved.append((hooks, key, hooks[key]))
         yield
     finally:
-        for hooks, items, out in saved:
-            now = dict(hooks)
-            hooks.clear()
-            hooks.update((k, fn) for k, fn in items if k in out or k in now)
-            hooks.update((k, fn) for k, fn in now.items() if k not in hooks)
+        for hooks, key, stub in saved:
+            if hooks.get(key) is stub:  # not removed (nor replaced) in the block
+                hooks[key] = stub.fn
 
 
 def _remove_new_hooks(before: dict[int, tuple[object, dict[str, set[int]]]]) -> None:
