@@ -15,6 +15,7 @@ result, and the model's state bits (weights, buffers, ``.grad``) before and afte
 
 from __future__ import annotations
 
+import math
 import types
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +27,7 @@ from torch import nn
 from torch.nn.utils.parametrizations import weight_norm
 
 import initlab
+from initlab.measure.curvature import CurvatureOperator, hessian_eigenpairs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -158,6 +160,39 @@ _ENTRY: dict[str, tuple[dict[str, Any], bool]] = {
 }
 
 
+def _eigenpairs(model: nn.Module, data: Any) -> list[Any]:
+    values, vectors = hessian_eigenpairs(model, data, _CE, k=2, generator=0)
+    return [values.tolist(), [{n: t.tolist() for n, t in v.items()} for v in vectors]]
+
+
+def _operator(model: nn.Module, data: Any) -> list[Any]:
+    """Every method of a :class:`CurvatureOperator` that runs passes; the vector is made in the
+    caller's context too."""
+    op = CurvatureOperator(model, data[0], _CE)
+    x = torch.linspace(-1.0, 1.0, op.shape[1])
+    values, _ = op.eigenpairs(1, generator=0)
+    product = op.product([torch.ones_like(t) for t in op.split(x)])
+    return [
+        float(op.loss),
+        list(op.used),
+        (op @ x).tolist(),
+        op.block("3.bias", "0.bias").to_dense().tolist(),
+        [t.tolist() for t in product],
+        values.tolist(),
+    ]
+
+
+#: Entry points that take no ``(model, data, loss)`` or return no rows: name -> a call whose
+#: result is plain values (figure2_ratios builds its own models: the one given is unused).
+_OTHER: dict[str, Callable[[nn.Module, Any], Any]] = {
+    "hessian_eigenpairs": _eigenpairs,
+    "CurvatureOperator": _operator,
+    "figure2_ratios": lambda _m, _d: initlab.figure2_ratios(
+        n_setups=1, batch=2, probes=2, generator=0
+    ),
+}
+
+
 def _net() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
@@ -169,6 +204,8 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _call(name: str, model: nn.Module, data: Any) -> Any:
+    if name in _OTHER:
+        return _OTHER[name](model, data)
     kw, takes_loss = _ENTRY[name]
     fn = getattr(initlab, name)
     if takes_loss:
@@ -188,7 +225,12 @@ def _plain(value: Any) -> Any:
 
 
 def _outcome(result: Any, model: nn.Module) -> tuple[Any, dict[str, torch.Tensor]]:
-    rows = result.rows() if isinstance(result, initlab.MomentProbe) else result.to_rows()
+    if isinstance(result, list):
+        rows = result
+    elif isinstance(result, initlab.MomentProbe):
+        rows = result.rows()
+    else:
+        rows = result.to_rows()
     return _plain(list(rows)), {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -212,7 +254,7 @@ def _in_context(name: str, context: str) -> tuple[Any, dict[str, torch.Tensor]]:
 @pytest.mark.parametrize(
     "context", ["no_grad", "inference_mode", "inference_mode, data made in it"]
 )
-@pytest.mark.parametrize("name", list(_ENTRY))
+@pytest.mark.parametrize("name", [*_ENTRY, *_OTHER])
 def test_entry_point_under_the_callers_grad_mode_gives_the_plain_result(
     name: str, context: str
 ) -> None:
@@ -250,6 +292,39 @@ def test_model_made_under_inference_mode_is_refused() -> None:
         model = _net()
     with pytest.raises(ValueError, match=r"created under torch\.inference_mode\(\).*outside"):
         initlab.gr_scaling(model, _batches(), _CE)
+    with pytest.raises(ValueError, match=r"^CurvatureOperator: the model's parameters"):
+        CurvatureOperator(model, _batches()[0], _CE)
+
+
+def test_an_operator_made_outside_inference_mode_runs_its_passes_in_it() -> None:
+    """Built in a plain context, used under ``torch.inference_mode()`` (its first product builds
+    the graph there): the plain results, bit for bit."""
+    model, batch = _net(), _batches()[0]
+    plain = CurvatureOperator(model, batch, _CE)
+    x = torch.linspace(-1.0, 1.0, plain.shape[1])
+    want = [(plain @ x).tolist(), float(plain.loss), plain.eigenpairs(1, generator=0)[0].tolist()]
+    op = CurvatureOperator(model, batch, _CE)
+    with torch.inference_mode():
+        got = [(op @ x).tolist(), float(op.loss), op.eigenpairs(1, generator=0)[0].tolist()]
+    assert got == want
+
+
+def test_layer_spectra_of_padded_convolutions_under_inference_mode() -> None:
+    """A circular or reflect padding's adjoint is taken by autograd: under the caller's
+    ``torch.inference_mode()`` it raised torch's "element 0 of tensors does not require grad"."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1, padding_mode="circular"),
+        nn.ReLU(),
+        nn.Conv2d(4, 4, 3, padding=1, padding_mode="reflect"),
+    )
+    x = torch.randn(2, 3, 8, 8)
+    want = list(initlab.layer_spectra(model, x, generator=0).to_rows())
+    assert [r["op_method"] for r in want] == ["lanczos", "lanczos"]
+    assert all(math.isfinite(r["op_norm"]) for r in want)
+    with torch.inference_mode():
+        got = list(initlab.layer_spectra(model, x.clone(), generator=0).to_rows())
+    assert got == want
 
 
 # --- post-accumulate-grad hooks: an optimizer step in the backward ---------------------------
@@ -379,3 +454,34 @@ def test_a_post_accumulate_grad_hook_removed_during_the_call_stays_removed() -> 
     fired.clear()
     F.cross_entropy(model(x), y).backward()
     assert fired == ["first", "last", "added"]
+
+
+def _train(context: str) -> tuple[list[float], list[float]]:
+    from initlab.study import RunConfig, build_model, train_one
+
+    def split() -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(0)
+        return torch.randn(48, 10, generator=gen), torch.randint(0, 3, (48,), generator=gen)
+
+    config = RunConfig(dataset="toy", epochs=2, batch_size=16)
+
+    def run() -> Any:
+        train = split()
+        return train_one(config, train, train, model_factory=lambda c: build_model(c, n_in=10,
+                         n_classes=3))  # fmt: skip
+
+    if context == "plain":
+        result = run()
+    else:
+        with torch.inference_mode():
+            result = run()
+    return result.step_loss, result.epoch_test_loss
+
+
+def test_train_one_under_inference_mode_trains_as_a_plain_call() -> None:
+    """The study's reference trainer ran under ``torch.enable_grad()`` only: under the caller's
+    ``torch.inference_mode()`` (its model built there, the data made there) it failed with
+    torch's "element 0 of tensors does not require grad"."""
+    want = _train("plain")
+    assert len(want[0]) == 6 and all(math.isfinite(v) for v in want[0])
+    assert _train("inference_mode") == want

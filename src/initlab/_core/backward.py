@@ -51,14 +51,18 @@ def with_grad(fn: F) -> F:
     gives what a plain call gives. Batches made under inference mode are cloned as they are read
     (:func:`~initlab._core.data.iter_batches`: an inference tensor cannot be saved for backward);
     a model made under it is refused (:func:`_check_not_inference`), its parameters being no
-    leaves autograd can differentiate."""
+    leaves autograd can differentiate. The model is the first ``nn.Module`` of the first two
+    arguments (``fn(model, ...)``; a method's ``self, model``) or ``model=``. On a class's methods
+    (:class:`~initlab.measure.curvature.CurvatureOperator`'s ``__init__`` and those that run
+    passes) the same holds for each call; the refusal names the class."""
+    what = fn.__qualname__.removesuffix(".__init__")
 
     @functools.wraps(fn)
     def inner(*args: Any, **kwargs: Any) -> Any:
-        model = args[0] if args else kwargs.get("model")
+        model = next((a for a in args[:2] if isinstance(a, nn.Module)), kwargs.get("model"))
         with torch.inference_mode(False), torch.enable_grad():
             if isinstance(model, nn.Module):
-                _check_not_inference(model, fn.__name__)
+                _check_not_inference(model, what)
             return fn(*args, **kwargs)
 
     return inner  # type: ignore[return-value]

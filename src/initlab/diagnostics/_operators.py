@@ -158,9 +158,11 @@ def _conv_padding(
             return F.pad(x, rp, mode=mode)
 
         def pre_t(z: torch.Tensor) -> torch.Tensor:
-            # F.pad is linear, so its vector-Jacobian product is its adjoint.
-            x0 = torch.zeros((1, *shape), dtype=dtype, device=device, requires_grad=True)
-            with torch.enable_grad():
+            # F.pad is linear, so its vector-Jacobian product is its adjoint; autograd runs
+            # whatever the caller's mode (under torch.inference_mode() it records nothing)
+            with torch.inference_mode(False), torch.enable_grad():
+                x0 = torch.zeros((1, *shape), dtype=dtype, device=device, requires_grad=True)
+                z = z.clone() if z.is_inference() else z
                 (g,) = torch.autograd.grad(F.pad(x0, rp, mode=mode), x0, z)
             return g
 

@@ -75,6 +75,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from initlab._core.backward import with_grad
 from initlab.study._vectorized import (
     _ADAM_BETAS,
     _ADAM_EPS,
@@ -257,7 +258,7 @@ def _evaluate_one(
     return loss_sum / x.shape[0], correct / x.shape[0]
 
 
-@torch.enable_grad()
+@with_grad  # trains whatever the caller's grad mode, inference mode included
 def train_one(
     config: RunConfig,
     train: Split,

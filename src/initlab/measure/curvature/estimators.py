@@ -380,6 +380,7 @@ def _block_rows(
     return rows, unconverged
 
 
+@with_grad
 @renamed_kwargs(batch="data", mode="ad_mode")
 @with_math_attention
 def hessian_eigenpairs(

@@ -14,6 +14,7 @@ from typing import Any, Literal
 import torch
 
 from initlab._core.attention import with_math_attention
+from initlab._core.backward import with_grad
 from initlab._core.knobs import renamed_kwargs
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows
@@ -25,6 +26,7 @@ from initlab.measure.curvature.theory import THEORY_COLUMNS, theory_vs_actual
 __all__ = ["figure2_ratios", "figure2_summary"]
 
 
+@with_grad  # its models are built, and differentiated, outside the caller's inference mode
 @renamed_kwargs(mode="ad_mode")
 @with_math_attention
 def figure2_ratios(

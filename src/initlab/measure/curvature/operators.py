@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from initlab._core.attention import math_attention
+from initlab._core.backward import with_grad
 from initlab._core.data import one_example_error
 from initlab._core.functional import functional_call
 from initlab._core.hooks import hook_handles
@@ -46,6 +47,7 @@ from initlab.measure.curvature.products import (
     _GGNEngine,
     _HessianEngine,
     _is_second_order_error,
+    _normal,
     _prepare_forward_ad,
     _workaround,
 )
@@ -207,8 +209,15 @@ class CurvatureOperator(_MatvecOperator):
             operator runs (dropout in train mode): each runs under a forked RNG seeded the same
             way, so every product sees the same draws (the curvature of one fixed sub-network,
             reproducible) and torch's global RNG is left as it was. ``None``: a fixed seed.
+
+    Under the caller's ``torch.no_grad()`` or ``torch.inference_mode()`` it gives what a plain
+    call gives: its construction and every method that runs passes (the engine, :meth:`product`
+    and what goes through it, :meth:`eigenpairs`) run with grad mode on
+    (:func:`~initlab._core.backward.with_grad`); tensors made under inference mode (the batch,
+    ``v``) are cloned, and a model made under it is refused.
     """
 
+    @with_grad
     @renamed_kwargs(mode="ad_mode")
     def __init__(
         self,
@@ -231,8 +240,9 @@ class CurvatureOperator(_MatvecOperator):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         self.model = model
-        self.batch = batch
-        self.loss_fn = on_batches(resolve_loss(loss_fn, what=_what), [batch])
+        # an inference tensor cannot be saved for backward: a normal copy (with_grad's mode)
+        self.batch = map_tensors(batch, lambda t: t.clone() if t.is_inference() else t)
+        self.loss_fn = on_batches(resolve_loss(loss_fn, what=_what), [self.batch])
         if kind == "ggn" and not self.loss_fn.splittable:
             raise ValueError(
                 f"kind='ggn' needs the loss as a function of the model's outputs; the loss "
@@ -290,6 +300,7 @@ class CurvatureOperator(_MatvecOperator):
         return self._on_outputs(out, self.batch)
 
     @property
+    @with_grad
     def engine(self) -> _HessianEngine | _GGNEngine:
         """The product engine (built on first use: one forward and backward pass)."""
         if self._engine is None:
@@ -345,6 +356,7 @@ class CurvatureOperator(_MatvecOperator):
         """Per parameter (in :attr:`param_names` order): does the loss depend on it?"""
         return tuple(self.engine.used)
 
+    @with_grad
     def product(
         self, v: Sequence[torch.Tensor], support: Sequence[int] | None = None
     ) -> tuple[torch.Tensor, ...]:
@@ -367,7 +379,7 @@ class CurvatureOperator(_MatvecOperator):
         engine = self.engine
         try:
             with math_attention(), self._seeds.scope():
-                hv = engine(tuple(v), support)
+                hv = engine(tuple(_normal(list(v))), support)
         except (RuntimeError, NotImplementedError) as err:
             self._raise_located(err)
             raise  # pragma: no cover - _raise_located always raises
@@ -415,6 +427,7 @@ class CurvatureOperator(_MatvecOperator):
         """The block ``H_lk`` (rows of block ``row``, columns of block ``col``)."""
         return BlockOperator(self, self._index(row), self._index(col))
 
+    @with_grad
     def eigenpairs(
         self,
         k: int = 2,
