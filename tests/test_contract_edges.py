@@ -1356,6 +1356,68 @@ def test_token_ids_are_not_blamed_for_a_norm_error_inside_the_model(bug: str) ->
     assert "integer data" not in str(info.value)
 
 
+class _TokensLinear(nn.Module):
+    """Token ids through an embedding, then the model's own bug: an integer tensor into a Linear
+    after the embedding ran: ``"positions"``, ``torch.arange(T)`` it makes; ``"ids"``, the
+    batch's ids themselves (the embedding needs them as integers: converting them breaks it)."""
+
+    def __init__(self, bug: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.head, self.bug = nn.Embedding(10, 8), nn.Linear(8, 3), bug
+        self.pos = nn.Linear(1, 8) if bug == "positions" else nn.Linear(5, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        if self.bug == "positions":
+            return self.head((h + self.pos(torch.arange(ids.shape[1])[:, None])).mean(1))
+        return self.head(h.mean(1)) + self.pos(ids)
+
+
+@pytest.mark.parametrize("entry", list(_INT_CALLS))
+@pytest.mark.parametrize("bug", ["positions", "ids"])
+def test_token_ids_are_not_blamed_for_an_integer_tensor_the_model_feeds_a_linear(
+    bug: str, entry: str
+) -> None:
+    """torch's "mat1 and mat2 must have the same dtype, but got Long and Float" names the ids'
+    dtype, and initlab said to convert the ids to float (which breaks the embedding) and turned
+    the RuntimeError into a TypeError. The ids are blamed only if the failing torch function took
+    them and the model's embeddings could not: here torch's own error comes out, model unchanged."""
+    gen = torch.Generator().manual_seed(3)
+    data = [(torch.randint(0, 10, (8, 5), generator=gen), torch.randint(0, 3, (8,), generator=gen))
+            for _ in range(2)]  # fmt: skip
+    model = _TokensLinear(bug)
+    before = _state(model)
+    with pytest.raises(RuntimeError, match=r"same dtype, but got Long and Float") as info:
+        _INT_CALLS[entry](model, data, nn.CrossEntropyLoss())
+    assert type(info.value) is RuntimeError and "convert" not in str(info.value)
+    assert _same(_state(model), before)
+
+
+class _IdsAndFeatures(nn.Module):
+    """Token ids through an embedding, int64 features (outside the embedding's range) into a
+    Linear: the features are data to convert."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.lin = nn.Embedding(10, 4), nn.Linear(5, 4)
+
+    def forward(self, ids: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+        return self.emb(ids).mean(1) + self.lin(feats)
+
+
+def test_integer_features_beside_token_ids_are_still_named() -> None:
+    """A model with an embedding still gets initlab's message for an integer input its
+    embeddings cannot take (values past ``num_embeddings``)."""
+    gen = torch.Generator().manual_seed(5)
+    data = [{"ids": torch.randint(0, 10, (8, 3), generator=gen),
+             "feats": torch.randint(100, 200, (8, 5), generator=gen)}]  # fmt: skip
+    with pytest.raises(TypeError, match=r"^the batch's entry 'feats' \(shape \(8, 5\)\) is "
+                       r"torch\.int64 .*: integer data reached a layer"):  # fmt: skip
+        initlab.lsuv_(_IdsAndFeatures(), data, generator=0)
+
+
 # ------------------------------------------------------------- sources that are not batches
 
 

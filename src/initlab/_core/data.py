@@ -47,6 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from initlab._core.dtype_blame import TYPE_NAMES, could_be_ids, failed_on
 from initlab._core.pytree import children, find_path, flatten_tensors, map_tensors, rebuild
 from initlab._core.rng import global_rng_kept
 
@@ -625,7 +626,7 @@ def dtype_error(err: RuntimeError, model: Any, batch: Any) -> TypeError | None:
         return None
     short = _SHORT.get(dtype)
     as_method = f", x.{short}()" if short else ""
-    integer = _integer_input(err, dtype, batch)  # named by the error: first
+    integer = _integer_input(err, dtype, batch, model)  # named by the error: first
     if integer is not None:
         path, t = integer
         return TypeError(
@@ -659,42 +660,31 @@ def _where(batch: Any, path: str) -> str:
 _SHORT = {torch.float32: "float", torch.float64: "double", torch.float16: "half",
           torch.bfloat16: "bfloat16"}  # fmt: skip
 
-#: How torch's dtype errors name a dtype: its ScalarType ("Long", "LongTensor") or C++ type
-#: ("long int"), for :func:`_integer_input`.
-_TYPE_NAMES = {
-    torch.uint8: r"\bByte(?:Tensor)?\b|unsigned char",
-    torch.int8: r"\bChar(?:Tensor)?\b|(?<!un)signed char",
-    torch.int16: r"\bShort(?:Tensor)?\b|short int",
-    torch.int32: r"\bInt(?:Tensor)?\b|(?<!short )(?<!long )\bint\b",
-    torch.int64: r"\bLong(?:Tensor)?\b|long int",
-    torch.bool: r"\bBool(?:Tensor)?\b|\bbool\b",
-    torch.float32: r"\bFloat(?:Tensor)?\b|\bfloat\b",
-    torch.float64: r"\bDouble(?:Tensor)?\b|\bdouble\b",
-    torch.float16: r"\bHalf(?:Tensor)?\b|\bhalf\b",
-    torch.bfloat16: r"\bBFloat16(?:Tensor)?\b",
-}
-
 
 def _integer_input(
-    err: BaseException, dtype: torch.dtype, batch: Any
+    err: BaseException, dtype: torch.dtype, batch: Any, model: Any
 ) -> tuple[str, torch.Tensor] | None:
     """The first integer or bool tensor the default forward passes to the model
     (:func:`forward_args`: a tuple batch's targets are not inputs) that torch's error ``err``
-    blames, with its path in the batch; ``None`` if there is none. Blamed: a tensor whose dtype
-    the error names together with the model's ``dtype``, in either order ("mat1 and mat2 must
-    have the same dtype, but got Byte and Float", a bias-free conv's "expected scalar type Byte
-    but found Float"); or, for the errors that name at most the tensor's dtype (LayerNorm's
-    "mixed dtype", BatchNorm's '"batch_norm" not implemented for 'Long''), a tensor the failing
-    torch function took as an argument (:func:`_failed_on`). Token ids are integer inputs too:
-    the error must have come from the model first, and name or reach them."""
+    blames, with its path in the batch; ``None`` if there is none. Blamed: a tensor the failing
+    torch function took as an argument (:func:`~initlab._core.dtype_blame.failed_on`: not one
+    the model made, such as its own integer positions) whose dtype the error names together
+    with the model's ``dtype``, in either order ("mat1 and mat2 must have the same dtype, but
+    got Byte and Float", a bias-free conv's "expected scalar type Byte but found Float"), or
+    that names at most the tensor's dtype (LayerNorm's "mixed dtype", BatchNorm's
+    '"batch_norm" not implemented for 'Long''). Token ids are integer inputs too: the error must
+    have come from the model first, and reach them; ids the model's embeddings can take are not
+    blamed (:func:`~initlab._core.dtype_blame.could_be_ids`: the model fed them on itself)."""
     text = str(err)
     inputs = {id(t) for _, t in flatten_tensors(forward_args(batch))}
-    model_names = _TYPE_NAMES.get(dtype)
+    model_names = TYPE_NAMES.get(dtype)
     expected = re.search(r"expected scalar type (\w+) but found (\w+)", text)
     one = re.search(r"not implemented for '(\w+)'", text)
     for path, t in batch_tensors(batch):
-        names = _TYPE_NAMES.get(t.dtype)
+        names = TYPE_NAMES.get(t.dtype)
         if id(t) not in inputs or names is None or t.is_floating_point() or model_names is None:
+            continue
+        if not failed_on(err, t) or could_be_ids(model, t):
             continue
         if expected is not None:
             pair = (expected[1], expected[2])
@@ -702,31 +692,11 @@ def _integer_input(
                    (pair, pair[::-1])):  # fmt: skip
                 return path, t
         elif _ONE_DTYPE_WORDS.search(text):
-            if (one is None or re.fullmatch(names, one[1])) and _failed_on(err, t):
+            if one is None or re.fullmatch(names, one[1]):
                 return path, t
         elif re.search(names, text) and re.search(model_names, text):
             return path, t
     return None
-
-
-def _failed_on(err: BaseException, t: torch.Tensor) -> bool:
-    """Whether the innermost Python frame of ``err``'s traceback is torch's own (``F.layer_norm``,
-    a conv's ``_conv_forward``) and took as an argument a tensor of ``t``'s dtype that is ``t``,
-    a view of it, or a copy (equal shape and values): the op that failed was called on ``t``, not
-    on a tensor the model made (a model calling the op from its own forward is not blamed)."""
-    tb = err.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    if tb is None or not str(tb.tb_frame.f_globals.get("__name__", "")).startswith("torch."):
-        return False
-    code, values = tb.tb_frame.f_code, tb.tb_frame.f_locals
-    args = [values.get(n) for n in code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]]
-    base = t if t._base is None else t._base
-    return any(
-        isinstance(a, torch.Tensor) and a.dtype == t.dtype and a.device == t.device
-        and (a is base or a._base is base or (a.shape == t.shape and torch.equal(a, t)))
-        for a in args
-    )  # fmt: skip
 
 
 def one_example_error(err: ValueError) -> ValueError | None:
