@@ -16,6 +16,7 @@ result, and the model's state bits (weights, buffers, ``.grad``) before and afte
 from __future__ import annotations
 
 import math
+import re
 import types
 from collections.abc import Callable
 from typing import Any
@@ -325,6 +326,59 @@ def test_layer_spectra_of_padded_convolutions_under_inference_mode() -> None:
     with torch.inference_mode():
         got = list(initlab.layer_spectra(model, x.clone(), generator=0).to_rows())
     assert got == want
+
+
+#: Every method that writes the model's weights.
+_WRITERS: dict[str, Callable[[nn.Module], Any]] = {
+    "init_model": lambda m: initlab.init_model(m, "geometric", generator=0),
+    "lsuv_": lambda m: initlab.lsuv_(m, _batches(), generator=0),
+    "scale_output_": lambda m: initlab.scale_output_(m, _batches()),
+    "gradinit_": lambda m: initlab.gradinit_(m, _batches(), _CE, steps=1, generator=0),
+    "metainit_": lambda m: initlab.metainit_(m, _batches(), _CE, steps=1, generator=0),
+    "precondition_": lambda m: initlab.precondition_(m, _batches(), _CE),
+    "doctor": lambda m: initlab.doctor(m, _batches(), _CE, fix=True, generator=0),
+}
+
+
+def _inference_made(what: str) -> nn.Module:
+    """``_net()`` with its parameters and buffers (``"model"``) or only its batch norm's running
+    statistics (``"buffers"``) made under ``torch.inference_mode()``."""
+    if what == "model":
+        with torch.inference_mode():
+            return _net()
+    model = _net()
+    with torch.inference_mode():
+        model[1].running_mean = torch.zeros(16)
+        model[1].running_var = torch.ones(16)
+    return model
+
+
+@pytest.mark.parametrize("what", ["model", "buffers"])
+@pytest.mark.parametrize("name", list(_WRITERS))
+def test_writers_refuse_a_model_made_under_inference_mode_by_name(name: str, what: str) -> None:
+    """lsuv_ and scale_output_ gave torch's raw "Inplace update to inference tensor outside
+    InferenceMode", and init_model did so after torch had written ``0.weight`` (torch writes, then
+    raises): each writer refuses up front, naming the tensors and what to do, model unchanged."""
+    model = _inference_made(what)
+    before = _state(model)
+    named = "0.weight" if what == "model" else "1.running_mean"
+    with pytest.raises(ValueError, match=rf"^{name}: the model's \w+ \({re.escape(named)}.*"
+                       r"created under torch\.inference_mode\(\).*build \(or load\) the model "
+                       r"outside torch\.inference_mode\(\)"):  # fmt: skip
+        _WRITERS[name](model)
+    assert _same_state(model, before)
+
+
+@pytest.mark.parametrize("name", ["init_model", "lsuv_", "scale_output_"])
+def test_writers_without_autograd_run_on_an_inference_model_under_inference_mode(name: str) -> None:
+    """Under ``torch.inference_mode()`` torch lets them write its inference tensors: the same
+    weights as on a plain model."""
+    want = _net()
+    _WRITERS[name](want)
+    with torch.inference_mode():
+        model = _net()
+        _WRITERS[name](model)
+    assert all(torch.equal(v, want.state_dict()[k]) for k, v in model.state_dict().items())
 
 
 # --- post-accumulate-grad hooks: an optimizer step in the backward ---------------------------

@@ -12,7 +12,8 @@ its *computed* tensor, the one its forward uses; the methods that write weights 
   registry describe computed tensors, unless a writer is running;
 * :func:`writing_layers` / :func:`writing_scope` (the methods that write weights, ``doctor`` with
   fixes) make every read inside them refuse, the moment probe included, so that a writer refuses
-  before it measures anything.
+  before it measures anything. :func:`writing_layers` also refuses, up front, a model made under
+  ``torch.inference_mode()`` that it could not write (:func:`check_writable`).
 
 The mode is a ``contextvars.ContextVar`` set for the duration of one entry point's call and reset
 when it returns or raises (per thread and per task, as torch's grad mode is): no state outlives a
@@ -41,6 +42,7 @@ from initlab._core.hooks import hook_handles
 from initlab._core.state import preserved_state
 
 __all__ = [
+    "check_writable",
     "computed",
     "layer_tensor",
     "machinery",
@@ -105,8 +107,37 @@ def reading_layers(fn: _F) -> _F:
 
 
 def writing_layers(fn: _F) -> _F:
-    """Decorate a method that writes weights: it runs in a :func:`writing_scope`."""
-    return _run_in(writing_scope, fn)
+    """Decorate a method that writes weights: it refuses a model it cannot write
+    (:func:`check_writable`), then runs in a :func:`writing_scope`."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        model = args[0] if args else kwargs.get("model")
+        if isinstance(model, nn.Module):
+            check_writable(model, fn.__name__)
+        with writing_scope():
+            return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def check_writable(model: nn.Module, what: str) -> None:
+    """Raise ``ValueError`` naming ``model``'s parameters and buffers made under
+    ``torch.inference_mode()`` (inference tensors), unless inference mode is on now: outside it
+    torch refuses in-place writes to them, and only after it wrote the values (a writer that
+    failed there left the model half-written), nor can they be trained."""
+    if torch.is_inference_mode_enabled():
+        return
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    names = [n for n, t in tensors if t.is_inference()]
+    if names:
+        raise ValueError(
+            f"{what}: the model's tensors ({', '.join(names[:3])}"
+            f"{', ...' if len(names) > 3 else ''}) were created under torch.inference_mode(), "
+            "and torch refuses to write such tensors in place outside it (nor can they be "
+            "trained): build (or load) the model outside torch.inference_mode() (calling initlab "
+            "under it is fine). The model was left as it was"
+        )
 
 
 def registry_reads_computed() -> bool:

@@ -118,7 +118,7 @@ from initlab._core.data import DataUse, data_use, take_batches
 from initlab._core.distributed import is_distributed
 from initlab._core.forward_loss import with_forward
 from initlab._core.loss import LossLike, resolve_loss
-from initlab._core.parametrized import reading_scope, writing_scope
+from initlab._core.parametrized import check_writable, reading_scope, writing_scope
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows, _fmt
 from initlab._core.state import copies_held, model_kept, restore_on_failure
@@ -804,6 +804,8 @@ def doctor(
             "Run it before torch.distributed.init_process_group, or on one process of its own, and "
             "start every rank from the model it leaves (save it, or broadcast rank 0's weights)"
         )
+    if names != []:  # the fixes write the model: refused up front if they cannot
+        check_writable(model, "doctor")
     # without fixes doctor only reads (parametrized layers measured); with them it writes
     with reading_scope() if names == [] else writing_scope():
         # the global RNG put back after reading, unless a fix draws from it (generator=None)
