@@ -293,8 +293,27 @@ def test_model_made_under_inference_mode_is_refused() -> None:
         model = _net()
     with pytest.raises(ValueError, match=r"created under torch\.inference_mode\(\).*outside"):
         initlab.gr_scaling(model, _batches(), _CE)
-    with pytest.raises(ValueError, match=r"^CurvatureOperator: the model's parameters"):
+    with pytest.raises(ValueError, match=r"^CurvatureOperator: the model's tensors"):
         CurvatureOperator(model, _batches()[0], _CE)
+
+
+@pytest.mark.parametrize("name", ["gr_scaling", "diagnose", "doctor", "measure_moments"])
+def test_a_model_whose_buffers_were_made_under_inference_mode_is_refused_by_name(
+    name: str,
+) -> None:
+    """Only the parameters were checked: an eval-mode BatchNorm's running statistics made under
+    inference mode gave torch's raw 'Inference tensors cannot be saved for backward'."""
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3)).eval()
+    with torch.inference_mode():
+        for buf in ("running_mean", "running_var"):
+            setattr(model[1], buf, getattr(model[1], buf).clone())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    kwargs = {"loss_fn": _CE} if name == "measure_moments" else {}
+    args = () if name == "measure_moments" else (_CE,)
+    with pytest.raises(ValueError, match=r"\(1\.running_mean, 1\.running_var\) were created under "
+                       r"torch\.inference_mode\(\).*outside"):  # fmt: skip
+        getattr(initlab, name)(model, _batches(), *args, **kwargs)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
 def test_an_operator_made_outside_inference_mode_runs_its_passes_in_it() -> None:

@@ -69,15 +69,18 @@ def with_grad(fn: F) -> F:
 
 
 def _check_not_inference(model: nn.Module, what: str) -> None:
-    """Raise ``ValueError`` naming the parameters of ``model`` made under
-    ``torch.inference_mode()`` (inference tensors: autograd refuses them)."""
-    names = [n for n, p in model.named_parameters() if p.is_inference()]
+    """Raise ``ValueError`` naming the parameters and buffers of ``model`` made under
+    ``torch.inference_mode()`` (inference tensors: autograd refuses to differentiate them or to
+    save them for the backward, as an eval-mode BatchNorm's running statistics are)."""
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    names = [n for n, t in tensors if t.is_inference()]
     if names:
         raise ValueError(
-            f"{what}: the model's parameters ({', '.join(names[:3])}"
+            f"{what}: the model's tensors ({', '.join(names[:3])}"
             f"{', ...' if len(names) > 3 else ''}) were created under torch.inference_mode(), "
-            "and autograd cannot differentiate such tensors: build (or load) the model outside "
-            "torch.inference_mode() (calling initlab under it is fine)"
+            "and autograd cannot differentiate such tensors nor save them for its backward: "
+            "build (or load) the model outside torch.inference_mode() (calling initlab under it "
+            "is fine)"
         )
 
 
