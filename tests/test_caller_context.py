@@ -288,13 +288,24 @@ def test_vector_products_under_the_callers_grad_mode(context: Any) -> None:
     assert torch.allclose(gv, a.T @ (6 * out * (a @ v)))
 
 
-def test_model_made_under_inference_mode_is_refused() -> None:
+def test_model_made_under_inference_mode_is_refused_where_torch_refuses_it() -> None:
+    """gr_scaling's backward saves the model's own tensors: torch raises, and the message names
+    them. The curvature's functional passes and a landscape differentiate copies: they ran on
+    such a model before with_grad refused it up front, and run again, with a plain model's
+    numbers."""
     with torch.inference_mode():
         model = _net()
-    with pytest.raises(ValueError, match=r"created under torch\.inference_mode\(\).*outside"):
+    with pytest.raises(ValueError, match=r"^gr_scaling: the model's tensors .*created under "
+                       r"torch\.inference_mode\(\).*outside"):  # fmt: skip
         initlab.gr_scaling(model, _batches(), _CE)
-    with pytest.raises(ValueError, match=r"^CurvatureOperator: the model's tensors"):
-        CurvatureOperator(model, _batches()[0], _CE)
+    plain, batch = _net(), _batches()[0]
+    x = torch.linspace(-1.0, 1.0, sum(p.numel() for p in plain.parameters()))
+    assert (CurvatureOperator(model, batch, _CE) @ x).tolist() == (
+        CurvatureOperator(plain, batch, _CE) @ x
+    ).tolist()
+    grid = {"grid": 3, "generator": 0}
+    want = initlab.loss_landscape(plain, batch, _CE, **grid).values
+    assert torch.equal(initlab.loss_landscape(model, batch, _CE, **grid).values, want)
 
 
 @pytest.mark.parametrize("name", ["gr_scaling", "diagnose", "doctor", "measure_moments"])
@@ -558,3 +569,18 @@ def test_train_one_under_inference_mode_trains_as_a_plain_call() -> None:
     want = _train("plain")
     assert len(want[0]) == 6 and all(math.isfinite(v) for v in want[0])
     assert _train("inference_mode") == want
+
+
+def test_scale_output_s_module_made_under_inference_mode_trains() -> None:
+    """scale_output_(how="module") under torch.inference_mode() returned a module whose scale
+    buffer was an inference tensor: appending it and training failed with torch's raw 'Inference
+    tensors cannot be saved for backward'."""
+    model = _net()
+    with torch.inference_mode():
+        report = initlab.scale_output_(model, _batches(), how="module")
+    scale = report.info["module"]
+    assert not scale.scale.is_inference()
+    head = nn.Sequential(model, scale)
+    x, y = _batches()[0]
+    nn.functional.cross_entropy(head(x), y).backward()
+    assert model[0].weight.grad is not None

@@ -49,29 +49,36 @@ def with_grad(fn: F) -> F:
     returns or raises (torch's own context managers). Its passes then record the graph its
     backward needs: under the caller's ``torch.no_grad()`` or ``torch.inference_mode()`` it
     gives what a plain call gives. Batches made under inference mode are cloned as they are read
-    (:func:`~initlab._core.data.iter_batches`: an inference tensor cannot be saved for backward);
-    a model made under it is refused (:func:`_check_not_inference`), its parameters being no
-    leaves autograd can differentiate. The model is the first ``nn.Module`` of the first two
-    arguments (``fn(model, ...)``; a method's ``self, model``) or ``model=``. On a class's methods
-    (:class:`~initlab.measure.curvature.CurvatureOperator`'s ``__init__`` and those that run
-    passes) the same holds for each call; the refusal names the class."""
+    (:func:`~initlab._core.data.iter_batches`: an inference tensor cannot be saved for backward).
+    A model made under it runs where nothing differentiates or saves its own tensors (a loss
+    landscape, the curvature's functional passes); where torch then raises ("Inference tensors
+    cannot be saved for backward", ...), the error names the model's inference tensors and what
+    to do (:func:`_check_not_inference`; the writers refuse such a model before writing,
+    :func:`~initlab._core.parametrized.check_writable`). The model is the first ``nn.Module`` of
+    the first two arguments (``fn(model, ...)``; a method's ``self, model``) or ``model=``. On a
+    class's methods (:class:`~initlab.measure.curvature.CurvatureOperator`'s ``__init__`` and
+    those that run passes) the same holds for each call; the message names the class."""
     what = fn.__qualname__.removesuffix(".__init__")
 
     @functools.wraps(fn)
     def inner(*args: Any, **kwargs: Any) -> Any:
         model = next((a for a in args[:2] if isinstance(a, nn.Module)), kwargs.get("model"))
         with torch.inference_mode(False), torch.enable_grad():
-            if isinstance(model, nn.Module):
-                _check_not_inference(model, what)
-            return fn(*args, **kwargs)
+            try:
+                return fn(*args, **kwargs)
+            except RuntimeError as err:
+                if isinstance(model, nn.Module) and "nference tensor" in str(err):
+                    _check_not_inference(model, what, err)
+                raise
 
     return inner  # type: ignore[return-value]
 
 
-def _check_not_inference(model: nn.Module, what: str) -> None:
-    """Raise ``ValueError`` naming the parameters and buffers of ``model`` made under
-    ``torch.inference_mode()`` (inference tensors: autograd refuses to differentiate them or to
-    save them for the backward, as an eval-mode BatchNorm's running statistics are)."""
+def _check_not_inference(model: nn.Module, what: str, err: BaseException) -> None:
+    """Raise ``ValueError`` (from torch's ``err``) naming the parameters and buffers of ``model``
+    made under ``torch.inference_mode()`` (inference tensors: autograd refuses to differentiate
+    them or to save them for the backward, as an eval-mode BatchNorm's running statistics are);
+    nothing where it has none."""
     tensors = [*model.named_parameters(), *model.named_buffers()]
     names = [n for n, t in tensors if t.is_inference()]
     if names:
@@ -81,7 +88,7 @@ def _check_not_inference(model: nn.Module, what: str) -> None:
             "and autograd cannot differentiate such tensors nor save them for its backward: "
             "build (or load) the model outside torch.inference_mode() (calling initlab under it "
             "is fine)"
-        )
+        ) from err
 
 
 def require_grad(loss: torch.Tensor, what: str = "") -> torch.Tensor:

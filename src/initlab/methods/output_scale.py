@@ -187,8 +187,11 @@ class OutputScale(nn.Module):
 
     def __init__(self, scale: float, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        # ``dtype``: the output's (float64 for a float64 model; default float32)
-        self.register_buffer("scale", torch.tensor(float(scale), dtype=dtype or torch.float32))
+        # ``dtype``: the output's (float64 for a float64 model; default float32); a normal tensor
+        # even under torch.inference_mode() (scale_output_ called there): training saves it
+        with torch.inference_mode(False):
+            scale_t = torch.tensor(float(scale), dtype=dtype or torch.float32)
+        self.register_buffer("scale", scale_t)
 
     def forward(self, x: Any) -> Any:
         return scaled_output(x, self.scale)
