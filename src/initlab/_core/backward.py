@@ -26,6 +26,7 @@ from torch import nn
 from initlab._core.data import output_tensor
 from initlab._core.hooks import hook_handles
 from initlab._core.loss import Loss
+from initlab._core.modules import inference_tensors
 from initlab._core.pytree import flatten_tensors
 
 __all__ = [
@@ -79,12 +80,10 @@ def _check_not_inference(model: nn.Module, what: str, err: BaseException) -> Non
     made under ``torch.inference_mode()`` (inference tensors: autograd refuses to differentiate
     them or to save them for the backward, as an eval-mode BatchNorm's running statistics are);
     nothing where it has none."""
-    tensors = [*model.named_parameters(), *model.named_buffers()]
-    names = [n for n, t in tensors if t.is_inference()]
+    names = inference_tensors(model)
     if names:
         raise ValueError(
-            f"{what}: the model's tensors ({', '.join(names[:3])}"
-            f"{', ...' if len(names) > 3 else ''}) were created under torch.inference_mode(), "
+            f"{what}: the model's tensors ({names}) were created under torch.inference_mode(), "
             "and autograd cannot differentiate such tensors nor save them for its backward: "
             "build (or load) the model outside torch.inference_mode() (calling initlab under it "
             "is fine)"

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
-__all__ = ["first_names", "nearest_names", "with_first_names"]
+__all__ = ["first_names", "inference_tensors", "nearest_names", "with_first_names"]
 
 
 def first_names(model: nn.Module) -> dict[str, str]:
@@ -34,3 +34,11 @@ def nearest_names(name: str, names: Iterable[str], n: int = 3) -> str:
     (for an error message; ``""`` where there are none)."""
     near = difflib.get_close_matches(name, [k for k in names if k], n=n, cutoff=0.0)
     return f" (nearest: {', '.join(map(repr, near))})" if near else ""
+
+
+def inference_tensors(model: nn.Module) -> str:
+    """The names of ``model``'s parameters and buffers made under ``torch.inference_mode()``
+    (inference tensors), at most three then ``...``, comma-separated; ``""`` for none."""
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    names = [n for n, t in tensors if t.is_inference()]
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")

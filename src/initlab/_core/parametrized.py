@@ -39,6 +39,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from initlab._core.hooks import hook_handles
+from initlab._core.modules import inference_tensors
 from initlab._core.state import preserved_state
 
 __all__ = [
@@ -128,12 +129,10 @@ def check_writable(model: nn.Module, what: str) -> None:
     failed there left the model half-written), nor can they be trained."""
     if torch.is_inference_mode_enabled():
         return
-    tensors = [*model.named_parameters(), *model.named_buffers()]
-    names = [n for n, t in tensors if t.is_inference()]
+    names = inference_tensors(model)
     if names:
         raise ValueError(
-            f"{what}: the model's tensors ({', '.join(names[:3])}"
-            f"{', ...' if len(names) > 3 else ''}) were created under torch.inference_mode(), "
+            f"{what}: the model's tensors ({names}) were created under torch.inference_mode(), "
             "and torch refuses to write such tensors in place outside it (nor can they be "
             "trained): build (or load) the model outside torch.inference_mode() (calling initlab "
             "under it is fine). The model was left as it was"
