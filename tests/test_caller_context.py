@@ -399,6 +399,29 @@ def test_writers_refuse_a_model_made_under_inference_mode_by_name(name: str, wha
     assert _same_state(model, before)
 
 
+@pytest.mark.parametrize("name", list(_WRITERS))
+def test_writers_run_on_a_model_with_an_inference_buffer_no_writer_writes(name: str) -> None:
+    """An input normalization's mean made under inference mode is read, never written: the
+    refusal of inference tensors (meant for the weights and running statistics a writer writes)
+    refused such a model, which trains and initializes as the plain one does."""
+
+    class Normalized(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _net()
+            with torch.inference_mode():
+                self.register_buffer("mean", torch.zeros(6))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x - self.mean)
+
+    model, plain = Normalized(), Normalized()
+    plain.mean = torch.zeros(6)  # a normal tensor: the same function
+    _WRITERS[name](model)
+    _WRITERS[name](plain)
+    assert all(torch.equal(v, plain.state_dict()[k]) for k, v in model.state_dict().items())
+
+
 @pytest.mark.parametrize("name", ["init_model", "lsuv_", "scale_output_"])
 def test_writers_without_autograd_run_on_an_inference_model_under_inference_mode(name: str) -> None:
     """Under ``torch.inference_mode()`` torch lets them write its inference tensors: the same

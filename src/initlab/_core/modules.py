@@ -36,9 +36,16 @@ def nearest_names(name: str, names: Iterable[str], n: int = 3) -> str:
     return f" (nearest: {', '.join(map(repr, near))})" if near else ""
 
 
-def inference_tensors(model: nn.Module) -> str:
+def inference_tensors(model: nn.Module, buffers: bool = True) -> str:
     """The names of ``model``'s parameters and buffers made under ``torch.inference_mode()``
-    (inference tensors), at most three then ``...``, comma-separated; ``""`` for none."""
-    tensors = [*model.named_parameters(), *model.named_buffers()]
+    (inference tensors), at most three then ``...``, comma-separated; ``""`` for none. With
+    ``buffers=False`` only the buffers of the norm layers with running statistics (BatchNorm,
+    InstanceNorm: what a forward in train mode updates) count."""
+    norms = (nn.modules.batchnorm._NormBase,)
+    tensors = [*model.named_parameters()]
+    for name, module in model.named_modules():
+        if buffers or isinstance(module, norms):
+            prefix = f"{name}." if name else ""
+            tensors += [(prefix + b, t) for b, t in module.named_buffers(recurse=False)]
     names = [n for n, t in tensors if t.is_inference()]
     return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")

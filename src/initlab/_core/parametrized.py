@@ -123,13 +123,14 @@ def writing_layers(fn: _F) -> _F:
 
 
 def check_writable(model: nn.Module, what: str) -> None:
-    """Raise ``ValueError`` naming ``model``'s parameters and buffers made under
-    ``torch.inference_mode()`` (inference tensors), unless inference mode is on now: outside it
-    torch refuses in-place writes to them, and only after it wrote the values (a writer that
-    failed there left the model half-written), nor can they be trained."""
+    """Raise ``ValueError`` naming ``model``'s parameters, and its norm layers' running
+    statistics, made under ``torch.inference_mode()`` (inference tensors), unless inference mode
+    is on now: outside it torch refuses in-place writes to them, and only after it wrote the
+    values (a writer that failed there left the model half-written), nor can they be trained.
+    Other buffers (an input's mean and std) are no writer's to write: such a model runs."""
     if torch.is_inference_mode_enabled():
         return
-    names = inference_tensors(model)
+    names = inference_tensors(model, buffers=False)
     if names:
         raise ValueError(
             f"{what}: the model's tensors ({names}) were created under torch.inference_mode(), "
