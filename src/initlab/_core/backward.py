@@ -58,7 +58,8 @@ def with_grad(fn: F) -> F:
     :func:`~initlab._core.parametrized.check_writable`). The model is the first ``nn.Module`` of
     the first two arguments (``fn(model, ...)``; a method's ``self, model``) or ``model=``. On a
     class's methods (:class:`~initlab.measure.curvature.CurvatureOperator`'s ``__init__`` and
-    those that run passes) the same holds for each call; the message names the class."""
+    those that run passes) the grad modes hold for each call; ``__init__``'s message names the
+    class (the other methods take no model to name)."""
     what = fn.__qualname__.removesuffix(".__init__")
 
     @functools.wraps(fn)

@@ -214,7 +214,8 @@ class CurvatureOperator(_MatvecOperator):
     call gives: its construction and every method that runs passes (the engine, :meth:`product`
     and what goes through it, :meth:`eigenpairs`) run with grad mode on
     (:func:`~initlab._core.backward.with_grad`); tensors made under inference mode (the batch,
-    ``v``) are cloned, and a model made under it is refused.
+    ``v``) are cloned, and a model made under it runs (its passes differentiate copies of its
+    tensors), with a plain model's numbers.
     """
 
     @with_grad
