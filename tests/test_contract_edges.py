@@ -1220,6 +1220,18 @@ def test_float64_data_into_a_float32_model_says_what_to_convert(entry: str, loss
         _F64_CALLS[entry](_mlp().double(), [(x[i : i + 8], y[i : i + 8]) for i in (0, 8)], loss)
 
 
+def _int_message(shape: tuple[int, ...], dtype: torch.dtype, torch_part: str) -> str:
+    """The pattern of initlab's message for integer/bool batch entry '0' of ``shape`` reaching a
+    float32 model, torch's own error matching ``torch_part``."""
+    kind = "bool" if dtype == torch.bool else "integer"
+    return (
+        rf"^the batch's entry '0' \(shape {re.escape(str(shape))}\) is {re.escape(str(dtype))} "
+        rf"and the model's parameters are torch\.float32 \({torch_part}\): {kind} data reached "
+        r"a layer that computes in floating point\. initlab does not convert data: convert it "
+        r"\(x\.to\(torch\.float32\), x\.float\(\), in"
+    )
+
+
 _INT_CALLS: dict[str, Callable[[nn.Module, Any, Any], Any]] = {
     **_F64_CALLS,
     "precondition_": lambda m, d, loss: initlab.precondition_(m, d, loss),
@@ -1243,12 +1255,7 @@ def test_integer_or_bool_inputs_into_a_float_model_say_what_to_convert(
     ]
     model = _mlp()
     before = _state(model)
-    kind = "bool" if dtype == torch.bool else "integer"
-    with pytest.raises(TypeError, match=rf"^the batch's entry '0' \(shape \(8, 4\)\) is "
-                       rf"{re.escape(str(dtype))} and the model's parameters are torch\.float32 "
-                       rf"\(mat1 and mat2 .*\): {kind} data reached a layer that computes in "
-                       r"floating point\. initlab does not convert data: convert it "
-                       r"\(x\.to\(torch\.float32\), x\.float\(\), in") as info:  # fmt: skip
+    with pytest.raises(TypeError, match=_int_message((8, 4), dtype, "mat1 and mat2 .*")) as info:
         _INT_CALLS[entry](model, data, nn.CrossEntropyLoss())
     assert isinstance(info.value.__cause__, RuntimeError)
     assert ("/ 255" in str(info.value)) == (dtype == torch.uint8)
@@ -1317,12 +1324,7 @@ def test_integer_inputs_are_named_whatever_the_first_layer(
     before = _state(model)
     gen = torch.Generator().manual_seed(4)
     data = [(torch.randint(0, 2, shape, generator=gen).to(dtype), torch.randint(0, 3, (8,)))]
-    kind = "bool" if dtype == torch.bool else "integer"
-    with pytest.raises(TypeError, match=rf"^the batch's entry '0' \(shape {re.escape(str(shape))}"
-                       rf"\) is {re.escape(str(dtype))} and the model's parameters are "
-                       rf"torch\.float32 \(.+\): {kind} data reached a layer that computes in "
-                       r"floating point\. initlab does not convert data: convert it "
-                       r"\(x\.to\(torch\.float32\), x\.float\(\), in") as info:  # fmt: skip
+    with pytest.raises(TypeError, match=_int_message(shape, dtype, ".+")) as info:
         _FIRST_CALLS[entry](model, data)
     assert isinstance(info.value.__cause__, RuntimeError)  # NotImplementedError included
     assert _same(_state(model), before)
