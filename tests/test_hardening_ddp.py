@@ -328,8 +328,7 @@ _CASES: dict[str, Case] = {
             lambda m: scale_output_(m, _batches(0, 2), target=0.05),
         )
     ),
-    # twelfth session: a complex128 buffer made the checksum raise KeyError: 16 on every rank
-    # twelfth session: the running statistics of a norm on batch statistics change no output;
+    # eleventh session: the running statistics of a norm on batch statistics change no output;
     # they differ by rank under DDP without SyncBatchNorm (each rank updates them from its batch)
     "gradinit_, a train-mode BatchNorm updated on each rank's own batch": lambda r: (
         _bn_warmed(r),
@@ -365,6 +364,7 @@ _CASES: dict[str, Case] = {
     "scale_output_, an eval-mode InstanceNorm tracks running statistics on rank 0 only": (
         lambda r: (_instance_normed(r), lambda m: scale_output_(m, _batches(r, 2)))
     ),
+    # eleventh session: a complex128 buffer made the checksum raise KeyError: 16 on every rank
     "gradinit_, a complex128 buffer equal on both ranks": lambda r: (
         _Phased(r, 0.0),
         lambda m: gradinit_(m, _batches(r, 4), gamma=10.0),
