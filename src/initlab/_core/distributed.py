@@ -37,6 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from initlab._core.state import model_modes, restore_modes
+
 __all__ = [
     "RankMismatchError",
     "all_reduce_sum",
@@ -237,7 +239,7 @@ def _read_buffers(
     buffers = _compared_buffers(model)  # as many on every rank: check_same_trainable
     if not buffers:
         return buffers
-    saved = [(m, m.training) for m in model.modules()]
+    saved = model_modes(model)
     try:
         if measured_in is not None:
             measured_in(model)
@@ -249,8 +251,7 @@ def _read_buffers(
             if b is not None
         }
     finally:
-        for m, flag in saved:
-            m.training = flag
+        restore_modes(model, saved)
     read = torch.tensor([id(b) not in unread for _, b in buffers], dtype=torch.int64)
     lo, hi = _min_max(read)
     differ = [buffers[i][0] for i in (lo != hi).nonzero().flatten().tolist()]
