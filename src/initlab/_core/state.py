@@ -14,12 +14,15 @@ Always restored, on success and on failure: every submodule's ``training`` flag,
 parameter hook of initlab's added inside the block and still attached at its end is removed; hooks
 the model's code installs as it runs, such as Hugging Face's output capturing, stay), and a
 Hugging Face model's ``config.problem_type`` (its forward sets it from the first labels it is
-given). The parameters' post-accumulate-grad hooks (``register_post_accumulate_grad_hook``:
-PyTorch's "optimizer step in the backward" recipe) are suspended for the block, so that initlab's
-own backward passes step no optimizer of the user's nor move the weights between batches: each
-is swapped for a no-op under its key on entry and put back on exit, in its place, unless its
-handle removed it meanwhile (:func:`_post_accumulate_suspended`); torch's own
-(``DistributedDataParallel``'s, FSDP's) stay. Tensors are
+given). The hooks that run as a parameter's gradient is accumulated are suspended for the
+block: its post-accumulate-grad hooks (``register_post_accumulate_grad_hook``: PyTorch's
+"optimizer step in the backward" recipe) and the hooks on its ``AccumulateGrad`` node (the older
+recipe, ``p.view_as(p).grad_fn.next_functions[0][0].register_hook(...)``, and
+``torch.distributed.optim._apply_optimizer_in_backward``), so that initlab's own backward passes
+step no optimizer of the user's nor move the weights between batches: each is swapped for a
+no-op under its key on entry and put back on exit, in its place, unless its handle removed it
+meanwhile (:func:`_gradient_hooks_suspended`); torch's own (``DistributedDataParallel``'s,
+FSDP's gradient reductions) stay. Tensors are
 copied back in place under ``no_grad``, so tied tensors stay tied, references the user holds stay
 valid, and nothing moves across devices. Memory: one copy of what is restored, shared by nested
 blocks while the tensors keep its bits (:data:`_HELD`). Under the user's
@@ -103,34 +106,87 @@ def _ours(fn: object, package: str = "initlab") -> bool:
 
 
 class _Suspended:
-    """A post-accumulate-grad hook taken out for a block: in its key's place, it does nothing
-    when autograd calls it (and returns ``None``, as torch requires) and holds the real hook."""
+    """A gradient hook taken out for a block: in its key's place, it does nothing when autograd
+    calls it (and returns ``None``, as torch requires) and holds the real hook."""
 
     __slots__ = ("fn",)
 
-    def __init__(self, fn: Callable[[torch.Tensor], None]) -> None:
+    def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
 
-    def __call__(self, tensor: torch.Tensor) -> None:
+    def __call__(self, *args: Any) -> None:
         return None
 
 
+def _stays_active(fn: object) -> bool:
+    """Whether a gradient hook stays active in a block: torch's own (``DistributedDataParallel``'s
+    and FSDP's gradient reductions), except ``torch.distributed.optim``'s optimizer steps
+    (``_apply_optimizer_in_backward``: the user's optimizer)."""
+    return _ours(fn, "torch") and not _ours(fn, "torch.distributed.optim")
+
+
+def _noop_hook(*args: Any) -> None:
+    return None
+
+
+def _accumulator_hook_dicts(p: nn.Parameter) -> list[dict[Any, Any]]:
+    """The dicts of the Python hooks on the ``AccumulateGrad`` node of ``p`` (its
+    ``register_hook``'s, then its ``register_prehook``'s; the node the user reaches as
+    ``p.view_as(p).grad_fn.next_functions[0][0]``, the older "optimizer step in the backward"
+    recipe, and ``torch.distributed.optim._apply_optimizer_in_backward``): none where ``p``
+    does not require a gradient or has no such node (an inference tensor; a tensor subclass that
+    takes no ``view_as``, where the recipe cannot reach the node either). torch names no hook of
+    a node; a node's hooks of a kind share one dict, which a hook's handle names
+    (``hooks_dict_ref``): a no-op is registered to read it and removed (a node that had no hook
+    of that kind keeps an empty dict)."""
+    if not p.requires_grad or not p.is_leaf:
+        return []
+    try:
+        with torch.inference_mode(False), torch.enable_grad():
+            view = p.view_as(p)
+    except (RuntimeError, NotImplementedError):  # a tensor subclass without views: no recipe
+        return []
+    edges = view.grad_fn.next_functions if view.grad_fn is not None else ()
+    node = edges[0][0] if edges else None
+    if type(node).__name__ != "AccumulateGrad":
+        return []
+    dicts = []
+    for register in (node.register_hook, node.register_prehook):
+        handle = register(_noop_hook)
+        hooks = handle.hooks_dict_ref()
+        handle.remove()
+        if hooks:
+            dicts.append(hooks)
+    return dicts
+
+
+def _gradient_hook_dicts(params: list[nn.Parameter]) -> Iterator[dict[Any, Any]]:
+    """For each of ``params``: its post-accumulate-grad hooks (``p._post_accumulate_grad_hooks``,
+    which autograd reads at each accumulation) and its ``AccumulateGrad`` node's hooks
+    (:func:`_accumulator_hook_dicts`)."""
+    for p in params:
+        hooks = getattr(p, "_post_accumulate_grad_hooks", None)
+        if hooks:
+            yield hooks
+        yield from _accumulator_hook_dicts(p)
+
+
 @contextmanager
-def _post_accumulate_suspended(params: list[nn.Parameter]) -> Iterator[None]:
-    """Run the block with the post-accumulate-grad hooks of ``params`` suspended (in
-    ``p._post_accumulate_grad_hooks``, which autograd reads at each accumulation, each one is
-    swapped for a :class:`_Suspended` no-op under the same key), torch's own left active; on
-    exit, on failure and on ``KeyboardInterrupt`` too, each key still there gets its hook back, in
-    its place. The keys stay in the dict meanwhile, so a user's ``handle.remove()`` during the
-    block removes the hook for good (it would otherwise come back on exit), and hooks added in the
-    block stay after the old ones. The dict object is kept: torch's autograd holds it. A hook
-    already suspended (a nested block) is left to the block that suspended it."""
+def _gradient_hooks_suspended(params: list[nn.Parameter]) -> Iterator[None]:
+    """Run the block with the hooks that run when a gradient of ``params`` is accumulated into
+    ``.grad`` suspended (:func:`_gradient_hook_dicts`: an optimizer stepped in the backward), each
+    swapped for a :class:`_Suspended` no-op under the same key, torch's own left active
+    (:func:`_stays_active`); on exit, on failure and on ``KeyboardInterrupt`` too, each key still
+    there gets its hook back, in its place. The keys stay in the dicts meanwhile, so a user's
+    ``handle.remove()`` during the block removes the hook for good (it would otherwise come back
+    on exit), and hooks added in the block stay after the old ones. The dict objects are kept:
+    torch's autograd holds them. A hook already suspended (a nested block) is left to the block
+    that suspended it."""
     saved: list[tuple[dict[Any, Any], Any, _Suspended]] = []
     try:
-        for p in params:
-            hooks = getattr(p, "_post_accumulate_grad_hooks", None) or {}
+        for hooks in _gradient_hook_dicts(params):
             for key, fn in list(hooks.items()):
-                if not isinstance(fn, _Suspended) and not _ours(fn, "torch"):
+                if not isinstance(fn, _Suspended) and not _stays_active(fn):
                     hooks[key] = _Suspended(fn)
                     saved.append((hooks, key, hooks[key]))
         yield
@@ -314,7 +370,7 @@ def model_kept(
         with (
             autocast_uncached(),
             config_kept(model),
-            _post_accumulate_suspended(plist),
+            _gradient_hooks_suspended(plist),
             _holding(saved["params"] + saved["buffers"]),
         ):
             yield
