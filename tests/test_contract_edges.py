@@ -1358,6 +1358,62 @@ def test_token_ids_are_not_blamed_for_a_norm_error_inside_the_model(bug: str) ->
     assert "integer data" not in str(info.value)
 
 
+_NORMS: dict[str, Callable[[], nn.Module]] = {
+    "LayerNorm": lambda: nn.LayerNorm(4),
+    "GroupNorm": lambda: nn.GroupNorm(2, 4),
+    "BatchNorm1d": lambda: nn.BatchNorm1d(4),
+}
+
+
+@pytest.mark.parametrize("entry", list(_INT_CALLS))
+@pytest.mark.parametrize("norm", list(_NORMS))
+def test_float64_data_into_a_float32_norm_first_says_what_to_convert(entry: str, norm: str) -> None:
+    """A norm as the model's first layer: torch's "mixed dtype (CPU): all inputs must share same
+    datatype" names no dtype, and came out raw (only the errors naming both dtypes were
+    explained). The model is left as it was; float32 data into a float64 model says x.double().
+    (metainit_ runs LayerNorm and BatchNorm as elementary operations: the Linear after it fails.)"""
+    x, y = _data(16)
+    torch.manual_seed(0)
+    model = nn.Sequential(_NORMS[norm](), nn.Linear(4, 3))
+    before = _state(model)
+    data = [(x[i : i + 8].double(), y[i : i + 8]) for i in (0, 8)]
+    with pytest.raises(TypeError, match=r"^the batch's entry '0' \(shape \(8, 4\)\) is "
+                       r"torch\.float64 and the model's parameters are torch\.float32 \((?:mixed "
+                       r"dtype|mat1 and mat2) .*\)\. initlab does not convert data: convert it "
+                       r"\(x\.to\(torch\.float32\), x\.float\(\), in") as info:  # fmt: skip
+        _INT_CALLS[entry](model, data, nn.CrossEntropyLoss())
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert _same(_state(model), before)
+    with pytest.raises(TypeError, match=r"convert it \(x\.to\(torch\.float64\), x\.double\(\)"):
+        _INT_CALLS[entry](model.double(), [(x[:8], y[:8]), (x[8:], y[8:])], nn.CrossEntropyLoss())
+
+
+class _NormOfItsOwn(nn.Module):
+    """A float32 model whose norm the data reaches in another dtype than the model's:
+    ``"bfloat16"``, the norm's parameters (converting the data to float32 would not help);
+    ``"shifted"``, the model's own tensor (``x + 1``), not the batch's, reaches a float32 norm."""
+
+    def __init__(self, bug: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.ln, self.bug = nn.Linear(4, 4), nn.LayerNorm(4), bug
+        if bug == "bfloat16":
+            self.ln.to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.ln(x if self.bug == "bfloat16" else x + 1).float())
+
+
+@pytest.mark.parametrize("bug", ["bfloat16", "shifted"])
+def test_a_norms_mixed_dtype_is_not_blamed_on_data_it_did_not_come_from(bug: str) -> None:
+    """The "mixed dtype" of a norm names neither dtype: the batch is blamed only when the norm
+    took it and every other tensor the norm took is of the model's dtype."""
+    x, y = _data(8)
+    with pytest.raises(RuntimeError, match=r"mixed dtype") as info:
+        initlab.measure_moments(_NormOfItsOwn(bug), [(x.double(), y)], nn.CrossEntropyLoss())
+    assert type(info.value) is RuntimeError and "convert" not in str(info.value)
+
+
 class _TokensLinear(nn.Module):
     """Token ids through an embedding, then the model's own bug: an integer tensor into a Linear
     after the embedding ran: ``"positions"``, ``torch.arange(T)`` it makes; ``"ids"``, the

@@ -611,8 +611,9 @@ def dtype_error(err: RuntimeError, model: Any, batch: Any) -> TypeError | None:
     dtype") where a floating-point tensor of the batch is not of the model's floating-point
     dtype (float64 data from numpy into a float32 model), or where an integer or bool input of
     the model (uint8 images, int64 features) reached a floating-point layer, a linear, conv or
-    norm layer's error alike (:func:`_integer_input`); ``None`` for any other error (the
-    floating-point case only for the errors that name both dtypes). The data is never converted
+    norm layer's error alike (:func:`_integer_input`), or a floating-point input of another
+    dtype reached a norm layer (its "mixed dtype" names neither: :func:`_float_input`);
+    ``None`` for any other error. The data is never converted
     behind the user's back: the message says how to. ``model``: a module, or a stand-in with its
     ``parameters()`` (GradInit's model at other tensors)."""
     named = _DTYPE_WORDS.search(str(err)) is not None
@@ -638,10 +639,10 @@ def dtype_error(err: RuntimeError, model: Any, batch: Any) -> TypeError | None:
             "for layers that take them (indices for nn.Embedding, masks): if this tensor is one, "
             "the mismatch is inside the model"
         )
-    found = [(k, t) for k, t in batch_tensors(batch) if t.is_floating_point() and t.dtype != dtype]
-    if not found or not named:
+    found = _float_input(err, dtype, batch, named)
+    if found is None:
         return None
-    path, t = found[0]
+    path, t = found
     return TypeError(
         f"{_where(batch, path)} (shape {tuple(t.shape)}) is {t.dtype} and the model's parameters "
         f"are {dtype} ({err}). initlab does not convert data: convert it (x.to({dtype}){as_method}"
@@ -659,6 +660,31 @@ def _where(batch: Any, path: str) -> str:
 #: The tensor method that converts to a dtype (``x.float()``), for :func:`dtype_error`.
 _SHORT = {torch.float32: "float", torch.float64: "double", torch.float16: "half",
           torch.bfloat16: "bfloat16"}  # fmt: skip
+
+
+def _float_input(
+    err: BaseException, dtype: torch.dtype, batch: Any, named: bool
+) -> tuple[str, torch.Tensor] | None:
+    """The first floating-point tensor of the batch not of the model's ``dtype``, with its path,
+    when torch's error ``err`` names both dtypes (``named``: "mat1 and mat2 must have the same
+    dtype, but got Double and Float"); for a norm's error that names neither ("mixed dtype
+    (CPU): all inputs must share same datatype"), the first such tensor the default forward
+    passes to the model that the failing norm took while every other floating-point tensor it
+    took (its weight, bias, running statistics) is of ``dtype``
+    (:func:`~initlab._core.dtype_blame.failed_on`: not one the model made, nor a norm of
+    another dtype than the model's; a kernel's "not implemented for 'Half'" must name the
+    tensor's dtype). ``None`` if there is none."""
+    found = [(k, t) for k, t in batch_tensors(batch) if t.is_floating_point() and t.dtype != dtype]
+    if named:
+        return found[0] if found else None
+    inputs = {id(t) for _, t in flatten_tensors(forward_args(batch))}
+    one = re.search(r"not implemented for '(\w+)'", str(err))
+    for path, t in found:
+        if one is not None and not re.fullmatch(TYPE_NAMES.get(t.dtype, "$^"), one[1]):
+            continue
+        if id(t) in inputs and failed_on(err, t, rest=dtype):
+            return path, t
+    return None
 
 
 def _integer_input(
