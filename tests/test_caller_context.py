@@ -358,6 +358,51 @@ def test_layer_spectra_of_padded_convolutions_under_inference_mode() -> None:
     assert got == want
 
 
+def _conv_bn() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                         nn.Conv2d(4, 2, 3))  # fmt: skip
+
+
+def test_layer_spectra_refuses_a_train_mode_norm_made_under_inference_mode_by_name() -> None:
+    """Its forward (the convolutions' input shapes) updates a train-mode BatchNorm's running
+    statistics: torch's raw "Inplace update to inference tensor outside InferenceMode" came out
+    of it (after torch had written them), then of the step that puts them back. Now refused up
+    front, by name, the model unchanged; under ``torch.inference_mode()`` it runs, and gives a
+    plain model's rows."""
+    x = torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        model = _conv_bn()
+    before, modes = _state(model), [m.training for m in model.modules()]
+    with pytest.raises(ValueError, match=r"^layer_spectra: the model's tensors \(1\.running_mean, "
+                       r"1\.running_var, 1\.num_batches_tracked\) were created under "
+                       r"torch\.inference_mode\(\).*model\.eval\(\)"):  # fmt: skip
+        initlab.layer_spectra(model, x, generator=0)
+    assert _same_state(model, before) and modes == [m.training for m in model.modules()]
+    want = list(initlab.layer_spectra(_conv_bn(), x, generator=0).to_rows())
+    with torch.inference_mode():
+        assert list(initlab.layer_spectra(model, x, generator=0).to_rows()) == want
+    assert _same_state(model, before)
+
+
+def test_layer_spectra_runs_on_an_eval_mode_model_made_under_inference_mode() -> None:
+    """Nothing is written in eval mode: it gave torch's raw "Setting requires_grad=True on
+    inference tensor outside InferenceMode" from the step that puts the parameters' flags back
+    (set though unchanged). It gives a plain model's rows, the weights' largest singular value
+    that of their float64 matrices, and leaves the model as it was."""
+    x = torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        model = _conv_bn().eval()
+    before = _state(model)
+    got = list(initlab.layer_spectra(model, x, generator=0).to_rows())
+    assert got == list(initlab.layer_spectra(_conv_bn().eval(), x, generator=0).to_rows())
+    for row, conv in zip([r for r in got if r["param"] == "weight"], (model[0], model[3]),
+                         strict=True):  # fmt: skip
+        w = conv.weight.detach().clone().double().reshape(conv.out_channels, -1)
+        assert row["sv_max"] == pytest.approx(float(torch.linalg.svdvals(w).max()), rel=1e-5)
+    assert _same_state(model, before) and all(p.requires_grad for p in model.parameters())
+
+
 #: Every method that writes the model's weights.
 _WRITERS: dict[str, Callable[[nn.Module], Any]] = {
     "init_model": lambda m: initlab.init_model(m, "geometric", generator=0),

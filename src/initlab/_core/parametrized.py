@@ -43,6 +43,7 @@ from initlab._core.modules import inference_tensors
 from initlab._core.state import preserved_state
 
 __all__ = [
+    "check_stats_writable",
     "check_writable",
     "computed",
     "layer_tensor",
@@ -137,6 +138,32 @@ def check_writable(model: nn.Module, what: str) -> None:
             "and torch refuses to write such tensors in place outside it (nor can they be "
             "trained): build (or load) the model outside torch.inference_mode() (calling initlab "
             "under it is fine). The model was left as it was"
+        )
+
+
+def check_stats_writable(model: nn.Module, what: str) -> None:
+    """Raise ``ValueError`` naming the running statistics of ``model``'s train-mode norm layers
+    (BatchNorm, InstanceNorm) made under ``torch.inference_mode()`` (inference tensors), unless
+    inference mode is on now: a measuring forward in train mode updates them in place (and puts
+    them back), which torch refuses outside it, after it wrote them. For a reader that runs a
+    forward without autograd (:func:`check_writable` is the writers')."""
+    if torch.is_inference_mode_enabled():
+        return
+    found = [
+        f"{name}.{b}" if name else b
+        for name, m in model.named_modules()
+        if isinstance(m, nn.modules.batchnorm._NormBase) and m.training
+        for b, t in m.named_buffers(recurse=False)
+        if t.is_inference()
+    ]
+    if found:
+        names = ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")
+        raise ValueError(
+            f"{what}: the model's tensors ({names}) were created under torch.inference_mode(), "
+            "and its forward in train mode updates them in place, which torch refuses outside "
+            "it: build (or load) the model outside torch.inference_mode(), put it in eval mode "
+            f"(model.eval()), or call {what} under torch.inference_mode(). The model was left "
+            "as it was"
         )
 
 

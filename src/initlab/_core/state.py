@@ -383,7 +383,8 @@ def model_kept(
                 _put_back(saved[kind])
         for p, g, req in grads:
             p.grad = g
-            p.requires_grad_(req)
+            if p.requires_grad != req:  # torch refuses setting it on an inference tensor
+                p.requires_grad_(req)
         restore_modes(model, modes)
         if hooks == "always" or (hooks == "failure" and failed):
             _remove_new_hooks(added)

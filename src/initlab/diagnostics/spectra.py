@@ -70,6 +70,7 @@ from initlab._core.data import DataUse, data_use, default_forward, take_batches
 from initlab._core.hooks import HookContext
 from initlab._core.modules import first_names, nearest_names
 from initlab._core.parametrized import (
+    check_stats_writable,
     computed,
     parametrized_names,
     parametrized_note,
@@ -165,6 +166,7 @@ def _input_shapes(model: nn.Module, data: Any) -> tuple[InputShapes | None, Data
         given = InputShapes(model)
         given.shapes = _given_shapes(model, data)
         return given, None
+    check_stats_writable(model, "layer_spectra")  # the forward below, in the model's modes
     batches = take_batches(data, 1, exact=False, what="layer_spectra")
     weighted = InputShapes(model, lambda n, m: bool(_weight_params(m, n)))  # every row's module
     with preserved_state(model), torch.no_grad(), weighted as watched:
