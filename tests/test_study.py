@@ -869,6 +869,53 @@ def test_a_failed_report_writes_nothing_and_keeps_an_earlier_one(
     assert not (tmp_path / "other").exists()
 
 
+#: A report that writes a file into its staging folder, prints the folder's name, then waits.
+_STAGING = """
+import sys, time
+from pathlib import Path
+from initlab.study.report_files import report_folder
+with report_folder(Path(sys.argv[1])) as stage:
+    (stage / "runs.csv").write_text("half written")
+    print(stage.name, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_report_removes_the_staging_folder_of_a_killed_report_only(
+    tmp_path: Path, helpers: Any
+) -> None:
+    """A report killed by SIGKILL while writing left its hidden ``.initlab-report-*`` folder in
+    ``out`` forever. The next report removes it; the folder of a report still writing is kept,
+    and so are those it cannot judge: another machine's, an older initlab's (no process id)."""
+    db = tmp_path / "s.sqlite"
+    run_study(small_spec(datasets=["alpha"]), db, train_fn=helpers.fake_train,
+              load_fn=helpers.load_fake, progress=False, extend_grid=False)  # fmt: skip
+    out = tmp_path / "rep"
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    procs = [subprocess.Popen([sys.executable, "-c", _STAGING, str(out)], env=env,
+                              stdout=subprocess.PIPE, text=True) for _ in range(2)]  # fmt: skip
+    try:
+        killed, live = (p.stdout.readline().strip() for p in procs)  # type: ignore[union-attr]
+        assert killed and live and killed != live
+        procs[0].send_signal(signal.SIGKILL)
+        procs[0].wait(timeout=30)
+        pid = procs[0].pid
+        others = [f".initlab-report-{pid}@elsewhere-abcd_123", ".initlab-report-abcd_123"]
+        for name in others:
+            (out / name).mkdir()
+            (out / name / "runs.csv").write_text("whose?")
+        assert (out / killed / "runs.csv").read_text() == "half written"
+        report_study(db, out, plots=False, n_boot=20)
+        assert not (out / killed).exists()
+        assert all((out / name / "runs.csv").exists() for name in [live, *others])
+        assert "runs.csv" in _tree(out) and procs[1].poll() is None
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(timeout=30)
+            proc.stdout.close()  # type: ignore[union-attr]
+
+
 _TABLES = {"init_cost.csv", "paired.csv", "per_dataset.csv", "per_lr.csv", "report.html",
            "runs.csv", "sensitivity.csv", "table2.csv", "table2.md"}  # fmt: skip
 

@@ -40,8 +40,10 @@ __all__ = [
     "Heartbeat",
     "WorkQueue",
     "drop_dead_claims",
+    "machine_id",
     "owner_id",
     "owner_is_dead",
+    "process_is_gone",
 ]
 
 #: Seconds between two renewals of a driver's claims.
@@ -50,7 +52,7 @@ DEFAULT_HEARTBEAT_S = 10.0
 DEFAULT_STALE_AFTER_S = 60.0
 
 
-def _machine() -> str:
+def machine_id() -> str:
     """This machine's name, with the process-id namespace where Linux tells it (two containers
     with one host name do not see each other's processes)."""
     try:
@@ -62,20 +64,29 @@ def _machine() -> str:
 
 def owner_id() -> str:
     """A driver's id in the claims table: ``machine:pid:random`` (unique per call)."""
-    return f"{_machine()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+    return f"{machine_id()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
 def owner_is_dead(owner: str) -> bool:
     """Whether ``owner`` (an :func:`owner_id`) ran on this machine in a process that is gone."""
     machine, _, rest = owner.partition(":")
     pid_text = rest.partition(":")[0]
-    if machine != _machine() or not pid_text.isdigit():
+    if machine != machine_id() or not pid_text.isdigit():
+        return False
+    return process_is_gone(int(pid_text))
+
+
+def process_is_gone(pid: int) -> bool:
+    """Whether no process of id ``pid`` runs on this machine (in this process-id namespace);
+    ``False`` for one that runs, another user's included, and for an id no process can have
+    (``os.kill`` would signal a process group for ``pid <= 0``)."""
+    if pid <= 0:
         return False
     try:
-        os.kill(int(pid_text), 0)
+        os.kill(pid, 0)
     except ProcessLookupError:
         return True
-    except PermissionError:  # alive, another user's
+    except (PermissionError, OverflowError):  # alive, another user's; no process id
         return False
     return False
 

@@ -13,6 +13,11 @@ under ``out`` they leave empty. Nothing else in ``out`` is touched: a file the u
 in no list. A report an initlab without the list wrote is recognized by its ``report.html`` (an
 ``initlab bench report`` page) and its files by the names a report gives them
 (:data:`REPORT_FILE`).
+
+The staging folder's name carries the writing process's id and machine (:func:`_stage_prefix`):
+a report removes the staging folders a killed report left (``SIGKILL``, a power cut), those of
+this machine whose process is gone, never one of a report still writing
+(:func:`_remove_dead_stages`).
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from initlab.study.claims import machine_id, process_is_gone
 
 __all__ = ["MANIFEST", "REPORT_FILE", "report_folder"]
 
@@ -50,7 +57,8 @@ def report_folder(out: Path) -> Iterator[Path]:
     """
     made = [p for p in (out, *out.parents) if not p.exists()]  # innermost first
     out.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=".initlab-report-", dir=out))
+    _remove_dead_stages(out)
+    stage = Path(tempfile.mkdtemp(prefix=_stage_prefix(), dir=out))
     try:
         yield stage
         _move_in(stage, out)
@@ -62,6 +70,37 @@ def report_folder(out: Path) -> Iterator[Path]:
             except OSError:  # not empty: not only ours
                 break
         raise
+
+
+#: A staging folder's name (:func:`_stage_prefix`, then ``tempfile.mkdtemp``'s 8 characters):
+#: the writer's process id and machine.
+_STAGE = re.compile(r"\.initlab-report-(\d{1,12})@(.+)-[a-z0-9_]{8}")
+
+
+def _machine_slug() -> str:
+    """This machine's id (:func:`~initlab.study.claims.machine_id`: its host name and process-id
+    namespace) in the characters a file name takes."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", machine_id())
+
+
+def _stage_prefix() -> str:
+    """``.initlab-report-<pid>@<machine>-``: the start of this process's staging folder's name."""
+    return f".initlab-report-{os.getpid()}@{_machine_slug()}-"
+
+
+def _remove_dead_stages(out: Path) -> None:
+    """Remove the staging folders in ``out`` of reports that were killed while writing: those
+    whose name (:data:`_STAGE`) carries this machine and a process id no process has now. The
+    folder of a report still writing is kept (its process runs), so is one of another machine
+    (``out`` on a shared disk: its process cannot be looked up here) and one an older initlab
+    made (no process id in its name)."""
+    here = _machine_slug()
+    for path in out.glob(".initlab-report-*"):
+        found = _STAGE.fullmatch(path.name)
+        if found is None or found[2] != here or path.is_symlink() or not path.is_dir():
+            continue
+        if process_is_gone(int(found[1])):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _move_in(stage: Path, out: Path) -> None:
