@@ -593,3 +593,111 @@ def test_the_target_guard_names_the_entry_point_and_the_default_loss(entry: str)
         _NAMED_CONSUMERS[entry](m, (x, z, y), None, consumed)
     with pytest.raises(TargetError, match=rf"^{entry}: .*, and the loss 'CrossEntropyLoss' reads"):
         _NAMED_CONSUMERS[entry](m, (x, z, y), nn.CrossEntropyLoss(), consumed)
+
+
+class _SharedBN(nn.Module):
+    """One BatchNorm called twice per forward, on inputs of very different statistics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.c, self.b = nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 2)
+        self.bn = nn.BatchNorm1d(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.bn(self.a(x))
+        return self.b(torch.tanh(self.bn(self.c(h) * 3 + 5)))
+
+
+def _shared_by_hand(p: dict, x: torch.Tensor, stats: list | None = None) -> tuple:
+    """:class:`_SharedBN` written out in float64: ``(out, [(mean, var) of each BN call])``;
+    ``stats``: normalize call ``k`` with ``stats[k]`` instead of its batch's statistics."""
+    seen: list = []
+
+    def bn(z: torch.Tensor) -> torch.Tensor:
+        k = len(seen)
+        m, v = (z.mean(0), z.var(0, unbiased=False)) if stats is None else stats[k]
+        seen.append((m, v))
+        return (z - m) / torch.sqrt(v + 1e-5) * p["bn.weight"] + p["bn.bias"]
+
+    h = bn(x @ p["a.weight"].T + p["a.bias"])
+    z = bn((h @ p["c.weight"].T + p["c.bias"]) * 3 + 5)
+    return torch.tanh(z) @ p["b.weight"].T + p["b.bias"], seen
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_fixed_gives_each_call_of_a_shared_batchnorm_its_own_statistics(batched: bool) -> None:
+    torch.manual_seed(0)
+    model = _SharedBN().to(DT)
+    with torch.no_grad():
+        model.bn.weight.uniform_(0.5, 1.5)
+        model.bn.bias.uniform_(-0.2, 0.2)
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 3, generator=gen, dtype=DT), torch.randn(8, 2, generator=gen,
+                dtype=DT)) for _ in range(2)]  # fmt: skip
+    land = loss_landscape(model, batches, "mse", grid=GRID, bn="fixed", generator=0,
+                          batched=batched)  # fmt: skip
+    assert land.method == ("vmap" if batched else "loop"), land.notes
+    theta = {n: p.detach() for n, p in model.named_parameters()}
+    stats = [_shared_by_hand(theta, x)[1] for x, _ in batches]
+
+    def own(p: dict) -> float:  # equal batches: the mean of the two batch means
+        return sum(
+            float(F.mse_loss(_shared_by_hand(p, x, st)[0], y)) / 2
+            for (x, y), st in zip(batches, stats, strict=True)
+        )
+
+    live = loss_landscape(model, batches, "mse", grid=([0.0], [0.0]), bn="batch")
+    assert land.center == pytest.approx(live.center, rel=1e-12)
+    assert land.center == pytest.approx(own(theta), rel=1e-12)
+    d1, d2 = land.directions
+    expected = torch.tensor(
+        [[own({n: theta[n] + a * d1[n] + b * d2[n] for n in theta}) for b in GRID[1]]
+         for a in GRID[0]], dtype=DT,
+    )  # fmt: skip
+    torch.testing.assert_close(land.values, expected, rtol=1e-12, atol=1e-12)
+    assert any("bn" in n and "2 times" in n for n in land.notes), land.notes
+
+    # the Hessian directions are those of the loss with each call's statistics held fixed
+    h = loss_landscape(model, batches, "mse", directions="hessian", grid=([0.0], [0.0]),
+                       bn="fixed", generator=0)  # fmt: skip
+    names, shapes = list(theta), [theta[n].shape for n in theta]
+    sizes = [theta[n].numel() for n in theta]
+    x0, y0 = batches[0]
+
+    def flat_loss(v: torch.Tensor) -> torch.Tensor:
+        p = {n: t.reshape(s) for n, t, s in zip(names, v.split(sizes), shapes, strict=True)}
+        return F.mse_loss(_shared_by_hand(p, x0, stats[0])[0], y0)
+
+    hess = torch.autograd.functional.hessian(flat_loss, torch.cat([theta[n].reshape(-1) for n
+                                             in names]))  # fmt: skip
+    lam, vec = torch.linalg.eigh(hess)
+    top = lam.abs().argsort(descending=True)[:2]
+    assert float(lam.abs()[top[0]] - lam.abs()[top[1]]) > 1e-3 * float(lam.abs().max())
+    for k, d in zip(top, h.directions, strict=True):
+        u = torch.cat([d[n].reshape(-1) for n in names])
+        assert abs(float(u @ vec[:, k])) == pytest.approx(1.0, abs=1e-8)
+
+
+class _MoreCallsAway(_SharedBN):
+    """Calls its BatchNorm twice at θ, three times once ``c.weight`` has grown."""
+
+    limit = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.bn(self.a(x))
+        for _ in range(1 if float(self.c.weight.detach().sum()) < self.limit else 2):
+            h = self.bn(self.c(h))
+        return self.b(h)
+
+
+def test_fixed_refuses_a_batchnorm_called_more_often_than_at_the_centre() -> None:
+    torch.manual_seed(0)
+    model = _MoreCallsAway().to(DT)
+    model.limit = float(model.c.weight.detach().sum()) + 4.5
+    x, y = torch.randn(8, 3, dtype=DT), torch.randn(8, 2, dtype=DT)
+    away = ({"c.weight": torch.ones(3, 3, dtype=DT)}, {})
+    near = loss_landscape(model, (x, y), "mse", directions=away, grid=([0.0, 0.25], [0.0]),
+                          bn="fixed")  # fmt: skip
+    assert near.method == "loop" and near.values.isfinite().all()
+    with pytest.raises(RuntimeError, match=r"called \{'bn': 3\} times.*bn='batch'"):
+        loss_landscape(model, (x, y), "mse", directions=away, grid=([0.0, 1.0], [0.0]), bn="fixed")

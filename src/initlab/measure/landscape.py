@@ -24,7 +24,9 @@ explicit policy ``bn``:
 * ``"batch"``: normalize with the statistics of the batch at each grid point (train-mode
   behaviour), without updating the running statistics;
 * ``"fixed"``: normalize with the batch statistics measured once at the centre ``θ`` (per batch)
-  and held fixed over the grid, so the slice sees the network as a fixed function of its weights.
+  and held fixed over the grid, so the slice sees the network as a fixed function of its weights;
+  a BatchNorm module called several times per forward normalizes each call with that call's own
+  statistics at ``θ`` (in call order; ``notes`` says so).
 
 With several batches the value is the weighted mean ``Σ_b n_b L_b / Σ_b n_b`` of the per-batch
 losses, ``n_b`` what batch ``b``'s mean divides by (:func:`~initlab._core.loss.target_count`): for
@@ -55,14 +57,15 @@ Example (the lecture's plain vs residual LeakyReLU nets)::
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from initlab._core.attention import with_math_attention
 from initlab._core.backward import check_defined, outputs_watch, with_grad
@@ -329,17 +332,17 @@ def _bn_stats(
     batch: Any,
     base: dict[str, torch.Tensor | None],
     forward: Forward,
-) -> dict[str, torch.Tensor]:
-    """Batch mean and biased variance of every BatchNorm input at ``θ`` (train-mode forward)."""
-    stats: dict[str, torch.Tensor] = {}
+) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Per BatchNorm module, the batch mean and biased variance of its input at ``θ``, one pair
+    per call in call order (train-mode forward)."""
+    stats: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def hook(name: str) -> Callable:
         def fn(module: nn.Module, args: tuple) -> None:
             x = args[0].detach()
             dims = [d for d in range(x.dim()) if d != 1]
-            prefix = f"{name}." if name else ""
-            stats[f"{prefix}running_mean"] = x.mean(dim=dims)
-            stats[f"{prefix}running_var"] = x.var(dim=dims, unbiased=False)
+            pair = (x.mean(dim=dims), x.var(dim=dims, unbiased=False))
+            stats.setdefault(name, []).append(pair)
 
         return fn
 
@@ -348,6 +351,50 @@ def _bn_stats(
             handles.add(bn.register_forward_pre_hook(hook(name)))
         functional_forward(model, base, batch, forward)
     return stats
+
+
+class _PerCall:
+    """``bn="fixed"`` for BatchNorm modules called several times per forward: a buffer holds one
+    pair of statistics, so a forward hook replaces call ``k``'s output by
+    ``F.batch_norm(x, μ_k, σ²_k, γ, β)`` with the statistics of call ``k`` at ``θ`` (calls
+    counted in order, modulo their number at ``θ``: a pass of several forwards, as the Hessian's,
+    sees each forward alike)."""
+
+    def __init__(self, model: nn.Module, calls: list[dict[str, list[tuple[Any, Any]]]]) -> None:
+        self.model = model
+        self.calls = [{n: c for n, c in per.items() if len(c) > 1} for per in calls]
+
+    @contextmanager
+    def on(self, index: int) -> Iterator[None]:
+        """The hooks for batch ``index`` while the block runs."""
+        per = self.calls[index] if self.calls else {}
+        if not per:
+            yield
+            return
+        modules = dict(self.model.named_modules())
+        seen = dict.fromkeys(per, 0)
+
+        def hook(name: str) -> Callable:
+            def fn(module: nn.Module, args: tuple, _out: Any) -> torch.Tensor:
+                mean, var = per[name][seen[name] % len(per[name])]
+                seen[name] += 1
+                return F.batch_norm(
+                    args[0], mean, var, module.weight, module.bias, False, 0.0, module.eps
+                )
+
+            return fn
+
+        with hook_handles() as handles:
+            for name in per:
+                handles.add(modules[name].register_forward_hook(hook(name)))
+            yield
+        off = {n: seen[n] for n in per if seen[n] % len(per[n])}
+        if off:
+            raise RuntimeError(
+                f"BatchNorm modules were called {off} times, not a multiple of their calls per "
+                f"forward at θ ({ {n: len(per[n]) for n in off} }): bn='fixed' pairs each call "
+                "with its statistics at θ by call order; use bn='batch' or bn='eval'"
+            )
 
 
 def _point_params(
@@ -386,30 +433,40 @@ def _activation_elements(model: nn.Module, batch: Any, base: dict, forward: Forw
 
 def _bn_bases(
     model: nn.Module, batches: list[Any], bn: str, fwd: Forward, notes: list[str]
-) -> list[dict[str, torch.Tensor | None]]:
-    """Per batch, the state (cloned buffers) under the BatchNorm policy ``bn``; the model is put
-    in eval mode with its BatchNorms as the policy needs (the caller restores the modes)."""
+) -> tuple[list[dict[str, torch.Tensor | None]], _PerCall]:
+    """Per batch, the state (cloned buffers) under the BatchNorm policy ``bn``, and the hooks for
+    BatchNorm modules called several times (:class:`_PerCall`); the model is put in eval mode
+    with its BatchNorms as the policy needs (the caller restores the modes)."""
     model.eval()
     bns = _batchnorms(model)
     if bn == "batch":
         for _, m in bns:
             m.train()
     bases = [model_state(model) for _ in batches]
+    calls: list[dict[str, list[tuple[torch.Tensor, torch.Tensor]]]] = []
     if bn == "fixed" and bns:
         for _, m in bns:
             m.train()
-        stats = [_bn_stats(model, b, model_state(model), fwd) for b in batches]
+        calls = [_bn_stats(model, b, model_state(model), fwd) for b in batches]
         for _, m in bns:
             m.eval()
-        for base, st in zip(bases, stats, strict=True):
-            base.update(st)
+        for base, per in zip(bases, calls, strict=True):
+            for name, pairs in per.items():
+                prefix = f"{name}." if name else ""
+                base[f"{prefix}running_mean"], base[f"{prefix}running_var"] = pairs[0]
+        shared = {n: len(c) for per in calls for n, c in per.items() if len(c) > 1}
+        notes.extend(
+            f"BatchNorm {n or '(the model)'} is called {k} times per forward: each call is "
+            "normalized with its own batch statistics at θ"
+            for n, k in shared.items()
+        )
     untracked = [n for n, m in bns if not m.track_running_stats]
     if untracked and bn == "eval":
         notes.append(
             f"BatchNorm layers {untracked} keep no running statistics: they normalize with "
             "batch statistics even under bn='eval'"
         )
-    return bases
+    return bases, _PerCall(model, calls)
 
 
 def _directions(
@@ -454,23 +511,25 @@ def _hessian_pairs(
     theta: dict[str, torch.Tensor],
     forward: Forward | None,
     bases: list[dict[str, torch.Tensor | None]],
+    per_call: _PerCall,
     gen: torch.Generator | None,
 ) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
     """The top-2 eigenpairs of the curvature operator on the first batch, with the running
-    statistics of its BatchNorm base (``directions="hessian"``)."""
+    statistics of its BatchNorm base and ``per_call``'s hooks (``directions="hessian"``)."""
     from initlab.measure.curvature import CurvatureOperator
 
     overrides = {k: v for k, v in bases[0].items() if k not in theta and "running_" in k}
-    op = CurvatureOperator(
-        model,
-        batches[0],
-        loss,
-        params=list(theta),
-        forward=forward,
-        buffers=overrides,
-        _what="loss_landscape",
-    )
-    return op.eigenpairs(2, generator=gen)
+    with per_call.on(0):
+        op = CurvatureOperator(
+            model,
+            batches[0],
+            loss,
+            params=list(theta),
+            forward=forward,
+            buffers=overrides,
+            _what="loss_landscape",
+        )
+        return op.eigenpairs(2, generator=gen)
 
 
 def _loss_at(
@@ -478,6 +537,7 @@ def _loss_at(
     batches: list[Any],
     weights: list[float],
     bases: list[dict[str, torch.Tensor | None]],
+    per_call: _PerCall,
     fwd: Forward,
     on_outputs: Callable[[Any, Any], torch.Tensor],
 ) -> Callable[..., torch.Tensor]:
@@ -490,7 +550,8 @@ def _loss_at(
     def at(params: Mapping[str, torch.Tensor], centre: bool = False) -> torch.Tensor:
         total: torch.Tensor | float = 0.0
         for i, (w, b, base) in enumerate(zip(weights, batches, bases, strict=True)):
-            with outputs_watch(model) if centre else nullcontext([]) as finite:
+            watch = outputs_watch(model) if centre else nullcontext([])
+            with per_call.on(i), watch as finite:  # the watch sees the hooks' outputs
                 out = functional_forward(model, {**base, **params}, b, fwd, weight_norm)
             value = on_outputs(out, b).reshape(())
             if centre:  # the model as it is: a NaN loss on finite outputs is the loss's own
@@ -669,11 +730,13 @@ def loss_landscape(
     ]
     modes = [(m, m.training) for m in model.modules()]
     try:
-        bases = _bn_bases(model, batches, bn, fwd, notes)
+        bases, per_call = _bn_bases(model, batches, bn, fwd, notes)
         gen = as_generator(generator)
-        hessian = partial(_hessian_pairs, model, batches, loss, theta, forward, bases, gen)
+        hessian = partial(
+            _hessian_pairs, model, batches, loss, theta, forward, bases, per_call, gen
+        )
         d1, d2 = _directions(model, directions, theta, hessian, gen, notes)
-        at = _loss_at(model, batches, weights, bases, fwd, on_outputs)
+        at = _loss_at(model, batches, weights, bases, per_call, fwd, on_outputs)
         with torch.no_grad():
             center = float(at(theta, centre=True))
 
