@@ -147,6 +147,20 @@ def test_grid_of_n_points_per_axis() -> None:
             loss_landscape(net, batch, LOSS, grid=bad, generator=3)  # type: ignore[arg-type]
 
 
+def test_a_grid_of_one_point_is_the_centre() -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 4)).to(DT)
+    x, y = torch.randn(6, 3, dtype=DT), torch.randn(6, 4, dtype=DT)
+    land = loss_landscape(net, (x, y), "mse", grid=1, generator=0)
+    assert land.t1.tolist() == [0.0] and land.t2.tolist() == [0.0]
+    w1, b1, w2, b2 = (p.detach() for p in net.parameters())
+    own = float(((torch.relu(x @ w1.T + b1) @ w2.T + b2 - y) ** 2).mean())
+    assert float(land.values[0, 0]) == pytest.approx(own, rel=1e-12)
+    assert land.center == pytest.approx(own, rel=1e-12)
+    two = loss_landscape(net, (x, y), "mse", grid=2, generator=0)
+    assert two.t1.tolist() == [-1.0, 1.0] == two.t2.tolist()
+
+
 def test_repr_summarizes_without_the_direction_tensors() -> None:
     """print(landscape) dumped every direction tensor (6.7k characters for a small MLP)."""
     net, batch = _bn_net()

@@ -623,12 +623,13 @@ def _grid(grid: int | tuple[Any, Any] | None) -> tuple[torch.Tensor, torch.Tenso
     if grid is None:
         grid = 21
     if isinstance(grid, int) and not isinstance(grid, bool) and grid >= 1:
-        axis = _as_grid(torch.linspace(-1, 1, grid), "t1")
+        # one point: the centre (linspace(-1, 1, 1) would be the corner -1)
+        axis = _as_grid(torch.linspace(-1, 1, grid) if grid > 1 else [0.0], "t1")
         return axis, axis.clone()
     if not (isinstance(grid, (tuple, list)) and len(grid) == 2):
         raise ValueError(
-            f"grid must be a number of points per axis (n: linspace(-1, 1, n) for both) or a "
-            f"pair (t1_values, t2_values), got {grid!r}"
+            f"grid must be a number of points per axis (a positive int n: linspace(-1, 1, n) "
+            f"for both, n = 1 the centre) or a pair (t1_values, t2_values), got {grid!r}"
         )
     return _as_grid(grid[0], "t1"), _as_grid(grid[1], "t2")
 
@@ -685,7 +686,7 @@ def loss_landscape(
             names; :attr:`Landscape.directions` keys it by its first name in
             ``named_parameters()``.
         grid: ``(t1_values, t2_values)``, or ``n``: ``linspace(-1, 1, n)`` for both (default
-            21).
+            21); ``n = 1`` is the centre ``t₁ = t₂ = 0`` alone.
         bn: BatchNorm policy ``"eval"``, ``"batch"`` or ``"fixed"`` (module docstring).
         generator: ``torch.Generator``, int seed or ``None`` (random directions, Lanczos start).
         batched: ``True``: evaluate chunks of grid points with ``torch.func.vmap`` (falls back
