@@ -10,9 +10,10 @@ r"""``initlab.diagnose``: is this network well-conditioned at step zero, where n
 One pass over up to ``max_batches`` batches (forward + backward each, under the moment probe and a
 few cheap hooks) gives the second moments, gains, GR scaling ``gamma`` (via
 :func:`initlab.gr_scaling`), weight-to-gradient ratios ``nu``, weight magnitudes and
-the spread of gradients across batches, dead ReLU units and activation input scales. Then, without
-more passes over the data: the spectra of the weights and the convolutions' true operator norms
-(:mod:`~initlab.diagnostics.spectra`) and the scaling linter (:mod:`~initlab.diagnostics.linter`;
+the spread of gradients across batches, dead ReLU units and activation input scales. Then: the
+spectra of the weights and the convolutions' true operator norms (:mod:`~initlab.diagnostics.
+spectra`; one forward of the first batch without grad records input shapes and call counts) and
+the scaling linter (:mod:`~initlab.diagnostics.linter`;
 one forward of the traced graph if the model calls sigmoid/tanh/ReLU functionally). Optional:
 Hessian/GGN blocks and theory vs actual (``curvature=True``, :mod:`initlab.measure.curvature`; costs
 several Hessian-vector products per block), a loss landscape to embed (``landscape=``).
@@ -202,7 +203,7 @@ def _diagnose(
         o.per_example = _auto_per_example(model, run.notes)
     _note_fresh_eval_norms(model, run.notes)
 
-    # -- one pass over the batches: probe, shapes, activations, gradients
+    # -- one pass over the batches: probe, activations, gradients
     with run.timed("pass_s"):
         modules = _weight_modules(model) if o.modules == "weights" else o.modules
         probe = MomentProbe(
@@ -213,10 +214,9 @@ def _diagnose(
             batch_dim=o.batch_dim,
         )
         grad_acc = GradientStats(model) if o.gradients else None
-        shapes = InputShapes(model) if o.spectra else None
         watch = ActivationWatch(model) if o.lint else None
         seeds = Seeds(model, generator)
-        losses = _one_pass(model, batches, loss, probe, grad_acc, (shapes, watch), seeds, say)
+        losses = _one_pass(model, batches, loss, probe, grad_acc, (watch,), seeds, say)
     probe_table, param_table = _probe_tables(probe, losses, run)
 
     gr, cond_imbalance = _gr_scaling(model, probe, batches, o.alpha, o.batch_dim, run)
@@ -226,6 +226,7 @@ def _diagnose(
     if o.spectra:
         say("spectra: SVDs and convolution operator norms")
         with run.timed("spectra_s"):
+            shapes = _plain_forward(model, batches[0], loss, seeds, run.notes)
             spectra_rows = layer_spectra(model, shapes, generator=stages)
             run.tables["spectra"] = spectra_rows
     lint_result, blocks = _lint(model, probe, watch, batches, o.lint, o.residual_blocks, run)
@@ -363,6 +364,26 @@ def _one_pass(
             if grad_acc is not None:
                 grad_acc.update()
     return losses
+
+
+def _plain_forward(
+    model: nn.Module, batch: Any, loss_fn: Loss, seeds: Seeds, notes: list[str]
+) -> InputShapes:
+    """Input shapes and call counts (:class:`InputShapes`) from one plain forward of the first
+    batch (``loss_fn(model, batch)`` without grad, in ``seeds``' scope 0, the model put back), as
+    :func:`layer_spectra` watches one: not from the probed pass, whose per-example replays (an
+    eval-mode BatchNorm's, a transposed convolution's, re-run in the backward) would count as
+    calls and square those layers' norms in the Lipschitz bound. Where that forward fails, the
+    call counts are left unknown (a note; the bound is then no guarantee)."""
+    shapes = InputShapes(model)
+    try:
+        with preserved_state(model), torch.no_grad(), seeds.scope(0), shapes:
+            loss_fn(model, batch)
+    except Exception as err:  # the pass ran this loss with grad: report, keep the rest
+        shapes.calls.clear()
+        notes.append(f"the forward that counts each layer's calls failed without grad "
+                     f"({type(err).__name__}: {err}): call counts not known")  # fmt: skip
+    return shapes
 
 
 def _probe_tables(probe: MomentProbe, losses: list[float], run: _Run) -> tuple[Rows, Rows]:

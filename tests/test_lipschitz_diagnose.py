@@ -1,0 +1,76 @@
+"""diagnose()'s Lipschitz bound (``meta["lipschitz"]``) against float64 computations written out
+by hand: dense Jacobians of each layer's map (``torch.autograd.functional.jacobian``), their
+spectral norms and products, and the exact Jacobian norm of the whole model at chosen points."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from initlab.diagnostics import diagnose
+
+F64 = torch.float64
+
+
+def _dense_norm(fn, shape: tuple[int, ...]) -> float:
+    """``||J||_2`` of ``fn`` at 0 (exact for a linear map), ``J`` from autograd, in float64."""
+    n = 1
+    for s in shape:
+        n *= s
+    jac = torch.autograd.functional.jacobian(
+        lambda v: fn(v.reshape(1, *shape)).reshape(-1), torch.zeros(n, dtype=F64)
+    )
+    return float(torch.linalg.matrix_norm(jac.reshape(-1, n), ord=2))
+
+
+def _square_mean(model: nn.Module, batch) -> torch.Tensor:
+    return (model(batch[0]) ** 2).mean()
+
+
+def _lipschitz(model: nn.Module, x: torch.Tensor, **kw) -> dict:
+    report = diagnose(model, [(x,)], _square_mean, generator=0, **kw)
+    return report.meta["lipschitz"]
+
+
+# ----------------------------------------------------------------------------- finding 1
+
+
+def test_an_eval_batchnorm_replayed_for_per_example_gradients_counts_once() -> None:
+    """The per-example probe re-runs an eval-mode BatchNorm in the backward; that replay was
+    counted as a second call, so the BN scale (~5) entered the bound squared (22.0 for 4.4)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)).double().eval()
+    with torch.no_grad():
+        model[1].running_var.fill_(0.04)
+    own = copy.deepcopy(model)
+    expected = (
+        _dense_norm(lambda v: v @ own[0].weight.T, (3,))
+        * _dense_norm(lambda v: v * own[1].weight / torch.sqrt(own[1].running_var + 1e-5), (4,))
+        * _dense_norm(lambda v: v @ own[2].weight.T, (4,))
+    )
+    x = torch.randn(5, 3, dtype=F64)
+    for per_example in (True, False):
+        lip = _lipschitz(model, x, per_example=per_example)
+        assert lip["plain"] == pytest.approx(expected, rel=1e-9), per_example
+        assert not any("several times" in n for n in lip["notes"])
+
+
+@pytest.mark.parametrize("seed", [0, 4])
+def test_a_replayed_transposed_convolution_counts_once_and_the_bound_holds(seed: int) -> None:
+    """``ConvTranspose2d -> Conv2d`` is linear: its Lipschitz constant is ``||B A||`` (dense).
+    The replayed ConvTranspose counted twice and the "guaranteed" bound fell below it."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.ConvTranspose2d(2, 3, 3, stride=2), nn.Conv2d(3, 1, 1)).double()
+    own = copy.deepcopy(model)
+    a = _dense_norm(
+        lambda v: torch.nn.functional.conv_transpose2d(v, own[0].weight, stride=2), (2, 4, 4)
+    )
+    b = _dense_norm(lambda v: torch.nn.functional.conv2d(v, own[1].weight), (3, 9, 9))
+    true = _dense_norm(lambda v: own(v) - own(torch.zeros_like(v)), (2, 4, 4))
+    lip = _lipschitz(model, torch.randn(4, 2, 4, 4, dtype=F64))
+    assert lip["plain"] == pytest.approx(a * b, rel=1e-7)
+    assert true <= lip["plain"] * (1 + 1e-9)
+    assert not any("several times" in n for n in lip["notes"])
