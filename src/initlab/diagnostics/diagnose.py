@@ -485,20 +485,35 @@ def _lint(
     return lint_result, lint_result.residual_blocks
 
 
+_NORMS = (
+    nn.modules.batchnorm._NormBase,  # BatchNorm (covered in eval mode) and InstanceNorm
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.RMSNorm,
+    nn.LocalResponseNorm,
+    nn.CrossMapLRN2d,
+)
+"""Normalization layers: not covered by the Lipschitz bound (but an eval-mode BatchNorm, a
+diagonal map with its own row), also without parameters."""
+
+
 def _lipschitz(
     model: nn.Module,
     spectra_rows: Rows | None,
     blocks: list[dict[str, Any]],
     sums: list[dict[str, Any]] | None,
 ) -> dict[str, Any]:
-    """Lipschitz bounds from the operator norms, naming the parameterized modules without one."""
+    """Lipschitz bounds from the operator norms, naming the parameterized modules without one
+    and the normalization layers without one, with or without affine parameters (a LayerNorm's
+    ``(x - mean) / std`` is no bounded map, whatever its ``elementwise_affine``)."""
     if spectra_rows is None:
         return {}
     covered = {r["layer"] for r in spectra_rows if math.isfinite(r["op_norm"])}
     uncovered = [
         n
         for n, m in model.named_modules()
-        if next(m.parameters(recurse=False), None) is not None and n not in covered
+        if (next(m.parameters(recurse=False), None) is not None or isinstance(m, _NORMS))
+        and n not in covered
     ]
     return lipschitz_bounds(spectra_rows, blocks, uncovered=uncovered, branch_sums=sums)
 

@@ -43,7 +43,8 @@ eps)|``. Assumptions, stated so the number is read right: every parameter-free o
 and every branch is a chain (a sum of parallel branches ``p(x) + q(x)`` that is no residual block,
 as the linter's trace finds them, ``LintResult.branch_sums``, makes the bound no guarantee; where
 none were looked for, the notes say so). Layers the bound cannot cover (BatchNorm in train mode,
-LayerNorm, attention, embeddings) are listed in ``notes`` and then the bound is not a guarantee.
+LayerNorm, GroupNorm, InstanceNorm, RMSNorm, with or without affine parameters, attention,
+embeddings) are listed in ``notes`` and then the bound is not a guarantee.
 
 Example:
     >>> import torch
