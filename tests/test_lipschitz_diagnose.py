@@ -109,3 +109,44 @@ def test_a_normalization_layer_without_parameters_is_not_covered(norm: nn.Module
     observed = _jacobian_norm(lambda v: own(v.reshape(x.shape)).reshape(-1), x)
     assert observed > lip["plain"]  # the product of norms is no bound here
     assert not lip["guaranteed"] and lip["uncovered"] == ["1"]
+
+
+# ----------------------------------------------------------------------------- finding 4
+
+
+class _TwiceApplied(nn.Module):
+    """Applies its child's weight twice in its own forward, never calling the child."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        with torch.no_grad():
+            self.proj.weight.mul_(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.proj.weight
+        return torch.nn.functional.linear(torch.nn.functional.linear(x, w), w)
+
+
+class _ParentApplied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _TwiceApplied()
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.inner(x))
+
+
+def test_a_weight_applied_by_its_parent_makes_the_bound_no_guarantee() -> None:
+    """The count of a weight its parent applies is a guess (once per parent call): here it runs
+    twice and the "guaranteed" bound 1.61 was below ``||O W W|| = 1.99``."""
+    torch.manual_seed(0)
+    model = _ParentApplied().double()
+    own = copy.deepcopy(model)
+    w, o = own.inner.proj.weight.detach(), own.out.weight.detach()
+    true = float(torch.linalg.matrix_norm(o @ w @ w, 2))
+    lip = _lipschitz(model, torch.randn(8, 4, dtype=F64), per_example=False)
+    assert true > lip["plain"]  # the guessed count gives no bound here
+    assert not lip["guaranteed"]
+    assert any("inner.proj" in n and "parent" in n for n in lip["notes"])

@@ -13,6 +13,11 @@ from initlab._core.rows import Rows
 
 __all__ = ["lipschitz_bounds"]
 
+INFERRED_CALLS = "not called itself: its parent"
+"""How the note of a :func:`~initlab.diagnostics.spectra.layer_spectra` row starts whose call
+count is inferred from its parent's (:meth:`~initlab.diagnostics.spectra.InputShapes.calls_of`):
+a guess, so the bounds are no guarantee."""
+
 
 def lipschitz_bounds(
     spectra: Rows | Iterable[Mapping[str, Any]],
@@ -26,7 +31,9 @@ def lipschitz_bounds(
     A layer that runs ``k`` times in one forward (a shared or looped module: row ``calls``)
     contributes ``||W||^k``; a layer that never runs (``calls == 0``) contributes nothing. Rows
     without a known call count (``calls`` ``None`` or absent: no forward was watched) count once,
-    and then the bounds are not a guarantee (noted).
+    and then the bounds are not a guarantee (noted); so are they where a count is inferred (a
+    weight its parent's forward applies, taken as used once per call of the parent: the row's
+    note starts with :data:`INFERRED_CALLS`).
 
     Args:
         spectra: rows of :func:`layer_spectra` (``layer``, ``op_norm``, ``calls``).
@@ -42,7 +49,8 @@ def lipschitz_bounds(
 
     Returns:
         ``{"plain": prod ||W_j||, "residual": the residual bound, "layers": n, "guaranteed":
-        no layer was left uncovered and every call count was known, "uncovered": [...],
+        no layer was left uncovered and every call count was known (not inferred), "uncovered":
+        [...],
         "notes": [...]}``. ``plain`` bounds a chain; with skip connections only ``residual`` is
         an upper bound.
     """
@@ -133,10 +141,10 @@ def _norms_and_calls(
 ) -> tuple[dict[str, float], dict[str, int], list[str], bool]:
     """``(norms, calls, notes, known)``: the finite operator norm of each layer that runs (its
     first row's) and how often it runs per forward (1 where not known), notes on layers that run
-    never or several times, and whether every call count was known."""
+    never or several times, and whether every call count was known (none inferred)."""
     norms: dict[str, float] = {}
     calls: dict[str, int] = {}
-    never, unknown = [], []
+    never, unknown, inferred = [], [], []
     for r in spectra:
         layer, k = r["layer"], r.get("calls")
         if not math.isfinite(r["op_norm"]) or layer in norms or layer in never:
@@ -147,6 +155,8 @@ def _norms_and_calls(
         norms[layer], calls[layer] = float(r["op_norm"]), 1 if k is None else int(k)
         if k is None:
             unknown.append(layer)
+        elif INFERRED_CALLS in str(r.get("note") or ""):
+            inferred.append(layer)
     notes = []
     if never:
         notes.append(f"not run in the forward, so not in the bounds: {_shown(never)}")
@@ -160,7 +170,13 @@ def _norms_and_calls(
             "is counted once, which is no bound where a layer runs several times (shared or "
             "looped) or never; not a guarantee"
         )
-    return norms, calls, notes, not unknown
+    if inferred:
+        notes.append(
+            f"applied by their parent's forward, not called themselves: {_shown(inferred)}; "
+            "each is taken to run once per call of the parent, a guess (the parent may apply "
+            "the weight several times): not a guarantee"
+        )
+    return norms, calls, notes, not unknown and not inferred
 
 
 def _residual_bound(

@@ -80,7 +80,7 @@ from initlab._core.parametrized import (
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows
 from initlab._core.state import preserved_state
-from initlab.diagnostics._lipschitz import lipschitz_bounds
+from initlab.diagnostics._lipschitz import INFERRED_CALLS, lipschitz_bounds
 from initlab.diagnostics._operators import (
     _CONVS,
     _CONVTS,
@@ -359,8 +359,8 @@ def layer_spectra(
                 module, pname, w, stacked, max_svd_elements, svd_cache
             )
             if parent is not None:
-                note.append(f"not called itself: its parent {parent!r} ran {calls} time(s) and "
-                            "is taken to apply this weight once per call")  # fmt: skip
+                note.append(f"{INFERRED_CALLS} {parent!r} ran {calls} time(s) and is taken "
+                            "to apply this weight once per call")  # fmt: skip
             in_shape = tuple(shapes[name]) if name in shapes else None
             if isinstance(module, nn.RNNBase) and not pname.startswith("weight_ih_l0"):
                 in_shape = None  # it acts on a hidden state, not on the layer's input
