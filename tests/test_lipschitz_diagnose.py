@@ -150,3 +150,133 @@ def test_a_weight_applied_by_its_parent_makes_the_bound_no_guarantee() -> None:
     assert true > lip["plain"]  # the guessed count gives no bound here
     assert not lip["guaranteed"]
     assert any("inner.proj" in n and "parent" in n for n in lip["notes"])
+
+
+# ----------------------------------------------------------------------------- finding 3
+
+
+def _unit(layer: nn.Module) -> nn.Module:
+    """The layer made the identity (norm 1, no bias), so the product of norms is 1."""
+    with torch.no_grad():
+        w = layer.weight
+        w.copy_(torch.eye(w.shape[0], w[0].numel()).reshape(w.shape))
+        layer.bias.zero_()
+    return layer
+
+
+class _Cat(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.f, self.g = nn.Linear(3, 3), nn.Linear(6, 2)
+        with torch.no_grad():
+            self.f.weight.mul_(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.g(torch.cat([x, self.f(x)], -1))
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 10 * self.f(x)
+
+
+def _spike() -> torch.Tensor:
+    x = torch.randn(1, 6, 6, dtype=F64)
+    x[0, 3, 3] = 5.0  # the max of the 4 overlapping windows that hold it
+    return x
+
+
+_NOT_ONE_LIPSCHITZ = {  # model, op name, point of the exact Jacobian, input shape
+    "gelu": (lambda: nn.Sequential(_unit(nn.Linear(1, 1)), nn.GELU(), _unit(nn.Linear(1, 1))),
+             "gelu", lambda: torch.tensor([2**0.5], dtype=F64), (1,)),
+    "silu": (lambda: nn.Sequential(_unit(nn.Linear(1, 1)), nn.SiLU(), _unit(nn.Linear(1, 1))),
+             "silu", lambda: torch.tensor([2.3994], dtype=F64), (1,)),
+    "selu": (lambda: nn.Sequential(_unit(nn.Linear(1, 1)), nn.SELU(), _unit(nn.Linear(1, 1))),
+             "selu", lambda: torch.tensor([-1e-6], dtype=F64), (1,)),
+    "elu3": (lambda: nn.Sequential(_unit(nn.Linear(1, 1)), nn.ELU(3.0), _unit(nn.Linear(1, 1))),
+             "elu", lambda: torch.tensor([-1e-6], dtype=F64), (1,)),
+    "upsample": (lambda: nn.Sequential(_unit(nn.Conv2d(1, 1, 1)), nn.Upsample(scale_factor=2),
+                                       _unit(nn.Conv2d(1, 1, 1))),
+                 "interpolate", lambda: torch.randn(1, 4, 4, dtype=F64), (1, 4, 4)),
+    "overlapping_max_pool": (lambda: nn.Sequential(_unit(nn.Conv2d(1, 1, 1)),
+                                                   nn.MaxPool2d(3, 2, 1),
+                                                   _unit(nn.Conv2d(1, 1, 1))),
+                             "max_pool2d", _spike, (1, 6, 6)),
+    "cat": (_Cat, "cat", lambda: torch.randn(3, dtype=F64), (3,)),
+    "constant_factor": (_Scaled, "mul", lambda: torch.randn(3, dtype=F64), (3,)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(_NOT_ONE_LIPSCHITZ))
+def test_an_operation_that_is_not_1_lipschitz_makes_the_bound_no_guarantee(case: str) -> None:
+    """Every parameter-free operation was assumed 1-Lipschitz: each of these models exceeds
+    its product of norms (exact Jacobian at a chosen point) and was printed as guaranteed."""
+    torch.manual_seed(0)
+    build, op, point, shape = _NOT_ONE_LIPSCHITZ[case]
+    model = build().double().eval()
+    report = diagnose(model, [(torch.randn(8, *shape, dtype=F64),)], _square_mean,
+                      generator=0, per_example=False, gradients=False)  # fmt: skip
+    lip = report.meta["lipschitz"]
+    own = copy.deepcopy(model)
+    observed = _jacobian_norm(lambda v: own(v.reshape(1, *shape)).reshape(-1), point())
+    assert observed > lip["plain"] * (1 + 1e-6)  # the product of norms is no bound here
+    assert not lip["guaranteed"]
+    assert any(o.startswith(f"{op} in ") for o in lip["operations"]), lip["operations"]
+    assert "upper bound: not available" in report.summary()
+
+
+class _Allowed(nn.Module):
+    """Only operations the bound may take as 1-Lipschitz, around two convolutions and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(2, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4).eval()
+        self.head = nn.Linear(8, 3)
+        self.drop = nn.Dropout(0.5).eval()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = nn.functional.leaky_relu(self.bn(self.c1(x)), 0.2)
+        h = nn.functional.max_pool2d(torch.tanh(h), 2)  # non-overlapping windows
+        h = h + self.c2(nn.functional.avg_pool2d(h, 3, 1, 1))  # a residual block
+        h = self.drop(torch.sigmoid(h[:, :, ::2]) * 0.5).flatten(1)
+        return self.head(torch.softmax(h, -1))
+
+
+def test_operations_known_to_be_1_lipschitz_keep_the_bound_guaranteed() -> None:
+    torch.manual_seed(0)
+    model = _Allowed().double().eval()
+    lip = _lipschitz(model, torch.randn(4, 2, 4, 4, dtype=F64), gradients=False)
+    assert lip["operations"] == [] and lip["guaranteed"], lip
+    own = copy.deepcopy(model)
+    for _ in range(5):
+        point = torch.randn(2, 4, 4, dtype=F64) * 3
+        observed = _jacobian_norm(lambda v: own(v.reshape(1, 2, 4, 4)).reshape(-1), point)
+        assert observed <= lip["residual"] * (1 + 1e-9)
+
+
+@pytest.mark.parametrize(
+    ("name", "cfg"),
+    [
+        ("resnet20", {}),
+        ("vgg19", {"width": 0.125}),
+        ("fitnet", {"activation": "maxout"}),
+        ("strided_lenet", {}),
+        ("lecture_resnet_mlp", {}),
+        ("paper_mlp", {}),
+    ],
+)
+def test_the_zoo_models_bounds_stay_guaranteed(name: str, cfg: dict) -> None:
+    """No false alarm on the library's own models in eval mode (ReLU, LeakyReLU, maxout,
+    non-overlapping and global pooling, option-A shortcuts, circular padding)."""
+    from initlab.zoo import create_model, input_shape
+
+    torch.manual_seed(0)
+    model = create_model(name, **cfg).eval()
+    x = torch.randn(2, *input_shape(name, **cfg))
+    lip = _lipschitz(model, x, gradients=False, max_batches=1)
+    assert lip["guaranteed"] and lip["operations"] == [], lip

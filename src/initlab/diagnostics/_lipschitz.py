@@ -25,6 +25,7 @@ def lipschitz_bounds(
     *,
     uncovered: Sequence[str] = (),
     branch_sums: Sequence[Mapping[str, Any]] | None = None,
+    operations: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Lipschitz upper bounds from operator norms (see :mod:`initlab.diagnostics.spectra`).
 
@@ -46,11 +47,16 @@ def lipschitz_bounds(
             products assume every branch is a chain, which such a sum is not (``||p|| + ||q||``
             bounds it, ``||p|| * ||q||`` does not), so each one not declared as a block makes
             the bounds no guarantee. ``None``: not looked for (the assumption is noted).
+        operations: the operations of the forward not known to be 1-Lipschitz (one text each,
+            as :class:`~initlab.diagnostics._lipschitz_ops.OperationWatch` words them: GELU,
+            upsampling, overlapping max pooling, ``torch.cat`` of two activations, ``10 * x``):
+            any makes the bounds no guarantee. ``None``: not checked (the assumption that every
+            parameter-free operation is 1-Lipschitz is noted).
 
     Returns:
         ``{"plain": prod ||W_j||, "residual": the residual bound, "layers": n, "guaranteed":
-        no layer was left uncovered and every call count was known (not inferred), "uncovered":
-        [...],
+        no layer was left uncovered, every call count was known (not inferred) and no operation
+        found that is not 1-Lipschitz, "uncovered": [...], "operations": [...] or None,
         "notes": [...]}``. ``plain`` bounds a chain; with skip connections only ``residual`` is
         an upper bound.
     """
@@ -68,11 +74,30 @@ def lipschitz_bounds(
         )
     residual, sure = _residual_bound(norms, calls, blocks, notes)
     summed = _branch_sums(branch_sums, blocks, notes)
+    _operations(operations, notes)
     return {
         "plain": plain, "residual": residual, "layers": len(norms),
-        "guaranteed": not uncovered and known and sure and not strangers and not summed,
+        "guaranteed": not uncovered and known and sure and not strangers and not summed
+        and not operations,
         "uncovered": list(uncovered), "notes": notes,
+        "operations": None if operations is None else list(operations),
     }  # fmt: skip
+
+
+def _operations(operations: Sequence[str] | None, notes: list[str]) -> None:
+    """Note the operations not known to be 1-Lipschitz, or the assumption where none were
+    checked."""
+    if operations is None:
+        notes.append(
+            "assumes every operation besides the layers is 1-Lipschitz (ReLU, tanh, average "
+            "pooling, non-overlapping max pooling): the forward's operations were not checked"
+        )
+    elif operations:
+        notes.append(
+            f"operations not known to be 1-Lipschitz: {'; '.join(operations[:4])}"
+            f"{f' and {len(operations) - 4} more' if len(operations) > 4 else ''}; a product of "
+            "norms does not bound them: not a guarantee"
+        )
 
 
 def _blocks(

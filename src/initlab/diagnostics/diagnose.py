@@ -44,6 +44,7 @@ from initlab._core.parametrized import reading_layers
 from initlab._core.rng import Seeds, as_generator, stage_generator
 from initlab._core.rows import Rows
 from initlab._core.state import preserved_state
+from initlab.diagnostics._lipschitz_ops import OperationWatch
 from initlab.diagnostics.assemble import _weight_names, assemble
 from initlab.diagnostics.gradients import GradientStats
 from initlab.diagnostics.linter import ActivationWatch, LintResult, lint_model
@@ -223,16 +224,17 @@ def _diagnose(
     if grad_acc is not None:
         run.tables["gradients"] = grad_acc.rows()
     spectra_rows: Rows | None = None
+    ops: OperationWatch | None = None
     if o.spectra:
         say("spectra: SVDs and convolution operator norms")
         with run.timed("spectra_s"):
-            shapes = _plain_forward(model, batches[0], loss, seeds, run.notes)
+            shapes, ops = _plain_forward(model, batches[0], loss, seeds, run.notes)
             spectra_rows = layer_spectra(model, shapes, generator=stages)
             run.tables["spectra"] = spectra_rows
     lint_result, blocks = _lint(model, probe, watch, batches, o.lint, o.residual_blocks, run)
     findings = lint_result.findings if lint_result else Rows([], title="scaling linter")
     sums = lint_result.branch_sums if lint_result else None
-    lipschitz = _lipschitz(model, spectra_rows, blocks, sums)
+    lipschitz = _lipschitz(model, spectra_rows, blocks, sums, ops)
     if o.curvature:
         say("curvature: Hessian blocks and theory vs actual")
         with run.timed("curvature_s"):
@@ -368,22 +370,24 @@ def _one_pass(
 
 def _plain_forward(
     model: nn.Module, batch: Any, loss_fn: Loss, seeds: Seeds, notes: list[str]
-) -> InputShapes:
-    """Input shapes and call counts (:class:`InputShapes`) from one plain forward of the first
-    batch (``loss_fn(model, batch)`` without grad, in ``seeds``' scope 0, the model put back), as
-    :func:`layer_spectra` watches one: not from the probed pass, whose per-example replays (an
-    eval-mode BatchNorm's, a transposed convolution's, re-run in the backward) would count as
-    calls and square those layers' norms in the Lipschitz bound. Where that forward fails, the
-    call counts are left unknown (a note; the bound is then no guarantee)."""
-    shapes = InputShapes(model)
+) -> tuple[InputShapes, OperationWatch | None]:
+    """Input shapes and call counts (:class:`InputShapes`) and the operations that ran
+    (:class:`OperationWatch`) from one plain forward of the first batch (``loss_fn(model,
+    batch)`` without grad, in ``seeds``' scope 0, the model put back), as :func:`layer_spectra`
+    watches one: not from the probed pass, whose per-example replays (an eval-mode BatchNorm's,
+    a transposed convolution's, re-run in the backward) would count as calls and square those
+    layers' norms in the Lipschitz bound. Where that forward fails, the call counts are left
+    unknown and the operations unchecked (a note; the bound is then no guarantee)."""
+    shapes, ops = InputShapes(model), OperationWatch(model)
     try:
-        with preserved_state(model), torch.no_grad(), seeds.scope(0), shapes:
+        with preserved_state(model), torch.no_grad(), seeds.scope(0), shapes, ops():
             loss_fn(model, batch)
     except Exception as err:  # the pass ran this loss with grad: report, keep the rest
         shapes.calls.clear()
         notes.append(f"the forward that counts each layer's calls failed without grad "
                      f"({type(err).__name__}: {err}): call counts not known")  # fmt: skip
-    return shapes
+        return shapes, None
+    return shapes, ops
 
 
 def _probe_tables(probe: MomentProbe, losses: list[float], run: _Run) -> tuple[Rows, Rows]:
@@ -502,10 +506,12 @@ def _lipschitz(
     spectra_rows: Rows | None,
     blocks: list[dict[str, Any]],
     sums: list[dict[str, Any]] | None,
+    ops: OperationWatch | None = None,
 ) -> dict[str, Any]:
     """Lipschitz bounds from the operator norms, naming the parameterized modules without one
     and the normalization layers without one, with or without affine parameters (a LayerNorm's
-    ``(x - mean) / std`` is no bounded map, whatever its ``elementwise_affine``)."""
+    ``(x - mean) / std`` is no bounded map, whatever its ``elementwise_affine``), and the
+    operations of the forward not known to be 1-Lipschitz (``ops``; ``None``: not checked)."""
     if spectra_rows is None:
         return {}
     covered = {r["layer"] for r in spectra_rows if math.isfinite(r["op_norm"])}
@@ -515,7 +521,10 @@ def _lipschitz(
         if (next(m.parameters(recurse=False), None) is not None or isinstance(m, _NORMS))
         and n not in covered
     ]
-    return lipschitz_bounds(spectra_rows, blocks, uncovered=uncovered, branch_sums=sums)
+    operations = ops.failures(covered, uncovered, blocks) if ops is not None else None
+    return lipschitz_bounds(
+        spectra_rows, blocks, uncovered=uncovered, branch_sums=sums, operations=operations
+    )
 
 
 def _check_landscape(landscape: Any) -> None:

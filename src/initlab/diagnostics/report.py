@@ -305,6 +305,14 @@ def _lipschitz_lines(meta: Mapping[str, Any]) -> list[str]:
             f"  Lipschitz upper bound: not available, {len(uncovered)} layer(s) have no operator "
             f"norm bound ({shown}); see meta['lipschitz']"
         ]
+    ops = list(lip.get("operations") or ())
+    if lip.get("guaranteed") is False and ops:
+        names = list(dict.fromkeys(o.partition(" in ")[0] for o in ops))
+        shown = ", ".join(names[:4]) + f" and {len(names) - 4} more" * (len(names) > 4)
+        return [
+            f"  Lipschitz upper bound: not available, operations not known to be 1-Lipschitz "
+            f"ran ({shown}); see meta['lipschitz']"
+        ]
     if lip.get("guaranteed") is False:
         return ["  Lipschitz upper bound: not available (see meta['lipschitz'])"]
     if meta.get("residual_blocks") and _finite(lip.get("residual")):

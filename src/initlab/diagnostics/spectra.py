@@ -39,8 +39,12 @@ runs ``k`` times in one forward (a shared or looped module; :class:`InputShapes`
 contributes ``||W_j||^k``, one that never runs nothing. BatchNorm in eval
 mode is the diagonal map ``x * gamma / sqrt(var + eps)`` and contributes ``max |gamma / sqrt(var +
 eps)|``. Assumptions, stated so the number is read right: every parameter-free operation is
-1-Lipschitz (ReLU, LeakyReLU with slope <= 1, tanh, average pooling, non-overlapping max pooling)
-and every branch is a chain (a sum of parallel branches ``p(x) + q(x)`` that is no residual block,
+1-Lipschitz (ReLU, LeakyReLU with slope <= 1, tanh, average pooling, non-overlapping max pooling;
+:func:`initlab.diagnose` checks the operations of one forward against an allow-list,
+:mod:`initlab.diagnostics._lipschitz_ops`, and GELU, SiLU, upsampling, overlapping max pooling,
+``torch.cat`` of two activations or a constant factor above 1 make the bound no guarantee, named
+in ``operations``; :func:`lipschitz_bounds` alone notes the assumption) and every branch is a
+chain (a sum of parallel branches ``p(x) + q(x)`` that is no residual block,
 as the linter's trace finds them, ``LintResult.branch_sums``, makes the bound no guarantee; where
 none were looked for, the notes say so). Layers the bound cannot cover (BatchNorm in train mode,
 LayerNorm, GroupNorm, InstanceNorm, RMSNorm, with or without affine parameters, attention,

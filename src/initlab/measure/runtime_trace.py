@@ -136,9 +136,10 @@ def _signals(obj: Any) -> list[torch.Tensor]:
 class _Recorder(TorchFunctionMode):
     """Tags tensors with the node that produced them (see the module docstring)."""
 
-    def __init__(self, graph: RuntimeGraph) -> None:
+    def __init__(self, graph: RuntimeGraph, on_call: OnCall | None = None) -> None:
         super().__init__()
         self.graph = graph
+        self.on_call = on_call
         self.tags: dict[int, int] = {}
         self.keep: list[torch.Tensor] = []  # identities stay unique while they are tagged
         self.stack: list[str] = []
@@ -173,6 +174,8 @@ class _Recorder(TorchFunctionMode):
         if outputs:
             i = self.node(fn, inputs, outputs, "call")
             self.graph.nodes[i].operands = operands
+            if self.on_call is not None:
+                self.on_call(self.graph.nodes[i], args, kwargs, out, self.tag_of)
         return out
 
     def inputs_of(self, obj: Any) -> list[int]:
@@ -191,14 +194,21 @@ def runtime_trace(
     return graph
 
 
+OnCall = Callable[[RuntimeNode, tuple, dict[str, Any], Any, Callable[[Any], "int | None"]], None]
+"""``on_call(node, args, kwargs, out, tag_of)`` of :func:`recording`: each recorded call with its
+arguments and result; ``tag_of(obj)`` is the index of the node that produced a tensor (else
+``None``). It runs inside the recorder, so its own torch calls are not recorded."""
+
+
 @contextmanager
-def recording(model: nn.Module) -> Iterator[RuntimeGraph]:
+def recording(model: nn.Module, on_call: OnCall | None = None) -> Iterator[RuntimeGraph]:
     """Record the data flow of every forward of ``model`` run inside the ``with`` block.
 
     The graph is filled as the block runs; the tensor arguments of each outermost module call
     are its input nodes. Nothing of the model is changed or put back here (:func:`runtime_trace`
     keeps the model; a caller that runs its own pass, such as LSUV's discovery pass, keeps it its
-    own way); the hooks are removed and the recorded tensors released on exit.
+    own way); the hooks are removed and the recorded tensors released on exit. ``on_call`` (see
+    :data:`OnCall`) sees each call that returns tensors, with its arguments.
     """
     graph = RuntimeGraph()
     names: dict[int, str] = {}
@@ -208,7 +218,7 @@ def recording(model: nn.Module) -> Iterator[RuntimeGraph]:
             graph.params.add(name)
             if is_projection(m):
                 graph.projections.add(name)
-    rec = _Recorder(graph)
+    rec = _Recorder(graph, on_call)
 
     def pre(module: nn.Module, a: tuple, kw: dict) -> None:
         if not rec.stack:  # an outermost call: its tensor arguments are the inputs

@@ -1,0 +1,377 @@
+r"""Which operations of one forward the Lipschitz bound of :func:`~initlab.diagnostics.spectra.
+lipschitz_bounds` may take as 1-Lipschitz (see :mod:`initlab.diagnostics.spectra`).
+
+The product of operator norms bounds a network's Lipschitz constant only where every other
+operation on the data path is at most 1-Lipschitz. :class:`OperationWatch` records the
+operations of one forward (:func:`~initlab.measure.runtime_trace.recording`: a
+``TorchFunctionMode`` and the module stack), those on the data path only (computed from the
+model's input: not a weight's parametrization, a positional table, a mask), and judges each one
+with its arguments against an explicit allow-list:
+
+* 1-Lipschitz whatever their arguments: ``relu``, ``tanh``, ``sigmoid``, ``hardtanh`` (``ReLU6``),
+  ``hardsigmoid``, ``softsign``, ``softplus``, ``logsigmoid``, ``celu``, ``softshrink``,
+  ``tanhshrink``, ``softmax``, ``abs``, ``clamp``, ``neg``, ``mean``; shape, layout and dtype
+  changes (``view``, ``reshape``, ``flatten``, ``permute``, ``transpose``, ``squeeze``, ``to``,
+  ``split``, ``narrow``, basic slicing ``x[:, ::2]``, ``pixel_shuffle``, ...); max/min reductions
+  over a dim (``amax``: a maxout);
+* with arguments that keep them 1-Lipschitz: ``leaky_relu`` / ``elu`` / ``prelu`` with slope
+  ``|a| <= 1``; ``dropout`` in eval mode (or ``p = 0``); max pooling with ``kernel <= stride``
+  and no dilation (non-overlapping windows), adaptive max/average pooling whose output size
+  divides the input size; average pooling without ``ceil_mode`` or ``divisor_override``, that
+  counts its zero padding; ``pad`` with constant padding; a product by a constant of
+  ``max |c| <= 1`` (a division by one of ``min |c| >= 1``); adding a constant (a bias);
+  ``cat``/``stack`` of one activation with constants; ``sum`` over one entry;
+* the layers whose norms the bound takes: any call inside a Linear, convolution or eval-mode
+  BatchNorm with a finite operator norm (whose ``forward`` is torch's), and a linear map
+  (``linear``, ``conv*``, ``addmm``, ``matmul``) of such a layer's weight elsewhere (its parent
+  applying it: :data:`~initlab.diagnostics._lipschitz.INFERRED_CALLS`);
+* the sum ``x + F(x)`` of a residual block the bound models (one the runtime trace finds, with
+  the same layers as one of the bound's blocks).
+
+Calls inside a module the bound lists as not covered are left to that note. Everything else
+(GELU, SiLU, SELU, ELU with ``alpha > 1``, upsampling, overlapping max pooling, ``torch.cat`` of
+two activations, ``10 * x``, a product of two activations, a functional ``layer_norm``, any op
+not listed) is reported with its Lipschitz constant where known, and makes the bound no
+guarantee.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from initlab.measure.runtime_trace import RuntimeGraph, RuntimeNode, additions_of, recording
+
+__all__ = ["OperationWatch"]
+
+_ANY = frozenset(
+    {
+        "relu", "relu_", "tanh", "tanh_", "sigmoid", "sigmoid_", "hardtanh", "hardtanh_",
+        "relu6", "hardsigmoid", "softsign", "softplus", "logsigmoid", "celu", "celu_",
+        "softshrink", "tanhshrink", "softmax", "abs", "abs_", "clamp", "clamp_", "clip",
+        "clamp_min", "clamp_max", "neg", "__neg__", "negative", "mean", "nanmean", "view",
+        "reshape", "flatten", "unflatten", "permute", "transpose", "t", "contiguous", "squeeze",
+        "unsqueeze", "clone", "detach", "to", "type", "type_as", "float", "double", "half",
+        "bfloat16", "view_as", "reshape_as", "movedim", "moveaxis", "swapaxes", "swapdims",
+        "narrow", "select", "split", "chunk", "unbind", "tensor_split", "split_with_sizes",
+        "pixel_shuffle", "pixel_unshuffle", "channel_shuffle", "roll", "flip", "__get__",
+        "amax", "amin", "max", "min", "identity",
+    }
+)  # fmt: skip
+_LAYER_OPS = frozenset(
+    {
+        "linear", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
+        "conv_transpose3d", "addmm", "mm", "matmul", "__matmul__", "__rmatmul__", "bmm",
+        "baddbmm", "einsum", "mv", "addmv", "batch_norm",
+    }
+)  # fmt: skip
+_ADDS = frozenset({"add", "add_", "__add__", "__iadd__", "__radd__"})
+_SUBS = frozenset({"sub", "sub_", "__sub__", "__isub__", "__rsub__", "rsub", "subtract"})
+_MULS = frozenset({"mul", "mul_", "__mul__", "__imul__", "__rmul__", "multiply"})
+_DIVS = frozenset({"div", "div_", "__truediv__", "__itruediv__", "true_divide", "divide"})
+_JOINS = frozenset({"cat", "concat", "concatenate", "stack", "hstack", "vstack", "dstack"})
+_DROPOUTS = frozenset(
+    {"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout"}
+)
+_KNOWN = {  # the Lipschitz constants of common activations that exceed 1
+    "gelu": 1.1289, "silu": 1.0998, "mish": 1.0886, "selu": 1.0507 * 1.6733, "hardswish": 1.5,
+    "erf": 2 / math.sqrt(math.pi),
+}  # fmt: skip
+_REPEATS = frozenset({"expand", "expand_as", "repeat", "repeat_interleave", "tile", "broadcast_to"})
+
+
+class OperationWatch:
+    """Record the data-path operations of the forwards run inside ``with watch(): ...``
+    (:func:`recording`, hooks removed on exit) and judge them (see the module docstring): each
+    judged call becomes ``(node, why)``, ``why`` ``None`` where it is 1-Lipschitz, ``"layer"``
+    for a linear map (decided once the layers' norms are known), ``"sum"`` for a sum of two
+    activations (decided against the residual blocks), else the reason it is not."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.owners = {id(p): n for n, m in model.named_modules() for p in m.parameters(False)}
+        self.graph: RuntimeGraph | None = None
+        self.judged: list[tuple[RuntimeNode, str | None, str | None]] = []
+        self._data: dict[int, bool] = {}
+
+    @contextmanager
+    def __call__(self) -> Iterator[OperationWatch]:
+        with recording(self.model, self._on_call) as graph:
+            self.graph = graph
+            yield self
+
+    def _is_data(self, node: RuntimeNode) -> bool:
+        """Computed from the model's input: an input node, a call outside the model (what the
+        loss does to the batch before the model sees it), or a call on such a tensor."""
+        known = self._data.get(node.index)
+        if known is None:
+            nodes = self.graph.nodes if self.graph is not None else []
+            known = node.kind == "input" or (node.kind == "call" and not node.stack)
+            known = known or any(self._is_data(nodes[i]) for i in node.inputs)
+            self._data[node.index] = known
+        return known
+
+    def _on_call(
+        self,
+        node: RuntimeNode,
+        args: tuple,
+        kwargs: dict[str, Any],
+        out: Any,
+        tag_of: Callable[[Any], int | None],
+    ) -> None:
+        """Judge one recorded call inside the model on the data path (see the class)."""
+        if not self._is_data(node) or not node.stack:  # every call's flag cached in turn
+            return
+        flat = _flat(args, kwargs)
+        data = [a for a in flat if isinstance(a, torch.Tensor) and self._tagged(a, tag_of)]
+        owner = next((self.owners[id(a)] for a in flat if id(a) in self.owners), None)
+        self.judged.append((node, _judge(node.fn, args, kwargs, out, data), owner))
+
+    def _tagged(self, t: torch.Tensor, tag_of: Callable[[Any], int | None]) -> bool:
+        i = tag_of(t)
+        return i is not None and self._is_data(self.graph.nodes[i])  # type: ignore[union-attr]
+
+    def failures(
+        self,
+        covered: Iterable[str],
+        uncovered: Iterable[str],
+        blocks: Sequence[Mapping[str, Any]],
+    ) -> list[str]:
+        """The operations not known to be 1-Lipschitz, one entry per function and reason:
+        ``"gelu in 1, 3: Lipschitz constant 1.13 > 1"``. ``covered``: layers with a finite
+        operator norm; ``uncovered``: modules the bound already lists; ``blocks``: the bound's
+        residual blocks."""
+        modules = dict(self.model.named_modules())
+        trusted = {n for n in covered if _torch_forward(modules.get(n))}
+        skipped, covered = set(uncovered), set(covered)
+        modelled = self._modelled_sums(blocks, covered)
+        found: dict[tuple[str, str], list[str]] = {}
+        for node, why, owner in self.judged:
+            if why is None or node.module in trusted or skipped.intersection(node.stack):
+                continue
+            if why == "layer":
+                if owner in covered:
+                    continue
+                why = "a linear map whose operator norm the bound does not take"
+            if why == "sum":
+                if node.name in modelled:
+                    continue
+                why = "a sum of two activations that is no residual block of the bound"
+            where = found.setdefault((node.fn, why), [])
+            if (node.module or "<root>") not in where:
+                where.append(node.module or "<root>")
+        return [
+            f"{fn} in {', '.join(w[:3])}{f' and {len(w) - 3} more' if len(w) > 3 else ''}: {why}"
+            for (fn, why), w in found.items()
+        ]
+
+    def _modelled_sums(self, blocks: Sequence[Mapping[str, Any]], covered: set[str]) -> set[str]:
+        """Names of the recorded additions that are residual blocks with the same layers of
+        known norm (``covered``) as one of ``blocks`` (the fx trace and the runtime trace may
+        differ on parameter-free or scalar modules, such as FixUp's biases)."""
+        if self.graph is None:
+            return set()
+
+        def key(b: Mapping[str, Any]) -> frozenset[str]:
+            return frozenset(
+                n for n in (*b.get("branch", ()), *b.get("shortcut", ())) if n in covered
+            )
+
+        declared = {key(b) for b in blocks} - {frozenset()}
+        return {b["node"] for b in additions_of(self.graph)[0] if key(b) in declared}
+
+
+def _torch_forward(module: nn.Module | None) -> bool:
+    """Whether ``module`` runs a ``forward`` of torch's own (not a subclass's extra ops)."""
+    forward = getattr(type(module), "forward", None)
+    return module is not None and getattr(forward, "__module__", "").startswith("torch.nn.")
+
+
+def _flat(args: tuple, kwargs: Mapping[str, Any]) -> list[Any]:
+    out: list[Any] = []
+    for a in [*args, *kwargs.values()]:
+        out.extend(a if isinstance(a, (list, tuple)) else [a])
+    return out
+
+
+def _arg(args: tuple, kwargs: Mapping[str, Any], i: int, key: str, default: Any) -> Any:
+    if key in kwargs:
+        return kwargs[key]
+    return args[i] if len(args) > i else default
+
+
+def _judge(
+    fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list[torch.Tensor]
+) -> str | None:
+    """``None`` where the call is 1-Lipschitz in its data arguments ``data``, ``"layer"`` or
+    ``"sum"`` (decided later), else why it is not (see :class:`OperationWatch`)."""
+    if fn in _ANY:
+        return _two_activations(fn, data) if fn in ("max", "min") else None
+    if fn in _LAYER_OPS:
+        return "layer" if len(data) == 1 else "a product of two activations"
+    for names, judge in _JUDGES:
+        if fn in names:
+            return judge(fn, args, kwargs, out, data)
+    if fn in _KNOWN:
+        return f"Lipschitz constant {_KNOWN[fn]:.3g} > 1"
+    return "not known to be 1-Lipschitz"
+
+
+def _two_activations(fn: str, data: list[torch.Tensor]) -> str | None:
+    return f"{fn} of two activations: not known to be 1-Lipschitz" if len(data) > 1 else None
+
+
+def _slope(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list) -> str | None:
+    if fn == "prelu":
+        weight = _arg(args, kwargs, 1, "weight", None)
+        slope = float(weight.detach().abs().max()) if isinstance(weight, torch.Tensor) else 1.0
+    elif fn.startswith("leaky_relu"):
+        slope = abs(float(_arg(args, kwargs, 1, "negative_slope", 0.01)))
+    else:  # elu: slope alpha just below 0
+        slope = abs(float(_arg(args, kwargs, 1, "alpha", 1.0)))
+    return None if slope <= 1 else f"slope {slope:.3g}: Lipschitz constant {slope:.3g} > 1"
+
+
+def _dropout(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list) -> str | None:
+    p = float(_arg(args, kwargs, 1, "p", 0.5))
+    training = bool(_arg(args, kwargs, 2, "training", True))
+    if not training or p == 0:
+        return None
+    return f"in train mode, it scales what it keeps by 1/(1-p) = {1 / (1 - p):.3g} > 1"
+
+
+def _tuple(v: Any, d: int) -> tuple[int, ...]:
+    return tuple(v) if isinstance(v, (list, tuple)) else (v,) * d
+
+
+def _max_pool(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list) -> str | None:
+    d = int(fn[len("max_pool")])
+    k = _tuple(_arg(args, kwargs, 1, "kernel_size", 1), d)
+    s = _arg(args, kwargs, 2, "stride", None)
+    s = k if s is None or s == [] or s == () else _tuple(s, d)
+    dil = _tuple(_arg(args, kwargs, 4, "dilation", 1), d)
+    if all(a <= b for a, b in zip(k, s, strict=False)) and all(x == 1 for x in dil):
+        return None
+    most = math.sqrt(
+        math.prod(-(-(x * (a - 1) + 1) // b) for a, b, x in zip(k, s, dil, strict=False))
+    )
+    return f"overlapping windows (kernel {k}, stride {s}): Lipschitz constant up to {most:.3g}"
+
+
+def _adaptive(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list) -> str | None:
+    x = data[0] if data else None
+    if not isinstance(out, torch.Tensor) or x is None:
+        return None
+    d = int(fn[len("adaptive_max_pool") if "max" in fn else len("adaptive_avg_pool")])
+    sizes, got = x.shape[-d:], out.shape[-d:]
+    if all(a % b == 0 for a, b in zip(sizes, got, strict=True)):
+        return None
+    return f"windows of output {tuple(got)} overlap on input {tuple(sizes)}: not known"
+
+
+def _avg_pool(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list) -> str | None:
+    d = int(fn[len("avg_pool")])
+    pad = _tuple(_arg(args, kwargs, 3, "padding", 0), d)
+    ceil_mode = bool(_arg(args, kwargs, 4, "ceil_mode", False))
+    counts_pad = bool(_arg(args, kwargs, 5, "count_include_pad", True))
+    divisor = _arg(args, kwargs, 6, "divisor_override", None) if d > 1 else None
+    if not ceil_mode and divisor is None and (counts_pad or not any(pad)):
+        return None
+    return "ceil_mode, divisor_override or padding not counted: not known to be 1-Lipschitz"
+
+
+def _pad(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list) -> str | None:
+    mode = _arg(args, kwargs, 2, "mode", "constant")
+    return None if mode == "constant" else f"{mode} padding repeats entries: Lipschitz constant > 1"
+
+
+def _scale(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list) -> str | None:
+    """A product or quotient: of two activations not known; by constants ``c``, ``max |c|``
+    (a quotient ``1 / min |c|``)."""
+    if len(data) > 1:
+        return f"a {'product' if fn in _MULS else 'quotient'} of two activations"
+    if fn in _DIVS and args and not any(args[0] is t for t in data):
+        return "a constant divided by an activation: not known to be 1-Lipschitz"
+    others = [
+        a
+        for a in (*args[:2], kwargs.get("other"))
+        if a is not None and not any(a is t for t in data)
+    ]
+    if not others:
+        return None
+    c = others[0]
+    if isinstance(c, torch.Tensor):
+        c = c.detach().abs()
+        big = float(c.max()) if fn in _MULS else (1 / float(c.min()) if c.numel() else 0.0)
+    elif isinstance(c, (int, float)):
+        big = abs(c) if fn in _MULS else (1 / abs(c) if c else math.inf)
+    else:
+        return "not known to be 1-Lipschitz"
+    return None if big <= 1 else f"a factor {big:.3g}: Lipschitz constant {big:.3g} > 1"
+
+
+def _sum(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list) -> str | None:
+    if fn in _ADDS:
+        return "sum" if len(data) > 1 else None
+    if fn in _SUBS:
+        return "a difference of two activations" if len(data) > 1 else None
+    n = data[0].numel() // max(out.numel(), 1) if data and isinstance(out, torch.Tensor) else 1
+    return (
+        None
+        if n <= 1
+        else f"a sum of {n} entries: Lipschitz constant sqrt({n}) = {math.sqrt(n):.3g}"
+    )
+
+
+def _join(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list) -> str | None:
+    if len(data) <= 1:
+        return None
+    return (
+        f"joins {len(data)} activations: Lipschitz constant up to the root of the sum of their "
+        "squares, not their product"
+    )
+
+
+def _repeat(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list) -> str | None:
+    n = out.numel() / max(data[0].numel(), 1) if data and isinstance(out, torch.Tensor) else 1
+    return None if n <= 1 else f"repeats entries {n:.3g}x: Lipschitz constant {math.sqrt(n):.3g}"
+
+
+def _resample(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list) -> str | None:
+    n = out.numel() / max(data[0].numel(), 1) if data and isinstance(out, torch.Tensor) else 1
+    return (
+        f"output {n:.3g}x the size of its input (a nearest upsampling's Lipschitz constant is "
+        f"{math.sqrt(n):.3g}): not known to be 1-Lipschitz"
+    )
+
+
+def _index(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list) -> str | None:
+    index = args[1] if len(args) > 1 else None
+    parts = index if isinstance(index, tuple) else (index,)
+    basic = all(p is None or p is Ellipsis or isinstance(p, (int, slice)) for p in parts)
+    return None if basic else "advanced indexing may repeat entries: not known to be 1-Lipschitz"
+
+
+_MAX_POOLS = frozenset(
+    f"max_pool{d}d{suffix}" for d in (1, 2, 3) for suffix in ("", "_with_indices")
+)
+_ADAPTIVE_POOLS = frozenset(f"adaptive_{k}_pool{d}d" for k in ("max", "avg") for d in (1, 2, 3))
+_JUDGES: tuple[tuple[frozenset[str], Callable[..., str | None]], ...] = (
+    (frozenset({"leaky_relu", "leaky_relu_", "elu", "elu_", "prelu"}), _slope),
+    (_DROPOUTS, _dropout),
+    (_MAX_POOLS, _max_pool),
+    (_ADAPTIVE_POOLS, _adaptive),
+    (frozenset({"avg_pool1d", "avg_pool2d", "avg_pool3d"}), _avg_pool),
+    (frozenset({"pad"}), _pad),
+    (_MULS | _DIVS, _scale),
+    (_ADDS | _SUBS | {"sum", "nansum"}, _sum),
+    (_JOINS, _join),
+    (_REPEATS, _repeat),
+    (frozenset({"interpolate", "upsample", "upsample_nearest", "upsample_bilinear"}), _resample),
+    (frozenset({"__getitem__"}), _index),
+)
