@@ -3,6 +3,7 @@ report exits (pandas, markdown, JSON round trip, one self-contained HTML file)."
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import re
@@ -706,6 +707,67 @@ def test_a_residual_branch_closed_at_init_is_no_vanished_gradient() -> None:
         for name in ("fc1", "bn1", "fc2"):
             row = layers[f"{block}.{name}"]
             assert row["verdict"] == "ok" and f"{block}.bn2 (weight all zeros)" in row["reason"]
+    assert math.isfinite(report.meta["imbalance"]["gamma_max_over_min"])
+
+
+class _OnePlusNorm(nn.Module):
+    """``(1 + w) * x / rms(x)``, as Gemma's RMSNorm: ``w = 0`` is the identity."""
+
+    def __init__(self, width: int, fill: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.full((width,), fill))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (1 + self.weight) * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class _Branch(nn.Module):
+    """``x + norm(last(fc2(relu(fc1(x)))))``."""
+
+    def __init__(self, width: int, norm: nn.Module, last: nn.Module) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(width, width), nn.Linear(width, width)
+        self.norm, self.last = norm, last
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.norm(self.last(self.fc2(torch.relu(self.fc1(x)))))
+
+
+@pytest.mark.parametrize(
+    "case", ["fixup_zero_linear", "one_plus_w_at_0", "one_plus_w_at_minus_1", "zero_prelu"]
+)
+def test_a_branch_is_closed_only_where_the_effective_scale_is_zero(case: str) -> None:
+    """A Fixup-style zero last layer, and a ``(1 + w)`` norm at ``w = -1``, close the branch (its
+    layers get no gradient at step 0, by design); a ``(1 + w)`` norm stored at 0 (Gemma 2's
+    sandwich norms) is the identity, and an all-zero weight the gradient goes through (a PReLU at
+    0) closes nothing: those layers were claimed "no gradient at init, by design" and left out of
+    the imbalance. The oracle: one float64 backward, the branch's fc1 gradient is 0 or not."""
+    torch.manual_seed(0)
+    w = 32
+    norm: nn.Module = nn.Identity()
+    last: nn.Module = nn.Linear(w, w)
+    if case == "fixup_zero_linear":
+        nn.init.zeros_(last.weight)
+        nn.init.zeros_(last.bias)
+    elif case.startswith("one_plus_w"):
+        norm = _OnePlusNorm(w, -1.0 if case.endswith("minus_1") else 0.0)
+    else:  # PReLU at 0 is a ReLU: a weight of zeros that passes the gradient of x > 0 back
+        last = nn.PReLU(w, init=0.0)
+    model = nn.Sequential(nn.Linear(16, w), _Branch(w, norm, last), nn.Linear(w, 10))
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 16, generator=g), torch.randint(0, 10, (64,), generator=g)
+    ref = copy.deepcopy(model).double()
+    F.cross_entropy(ref(x.double()), y).backward()
+    closed = not bool(ref[1].fc1.weight.grad.any())
+    assert closed == (case in ("fixup_zero_linear", "one_plus_w_at_minus_1"))
+    report = diagnose(model, Batches([(x, y)]), F.cross_entropy, spectra=False)
+    layers = {r["layer"]: r for r in report.layers}
+    for name in ("1.fc1", "1.fc2"):
+        assert ("no gradient at init, by design" in layers[name]["reason"]) is closed, layers[name]
+        if closed:
+            assert layers[name]["verdict"] == "ok", layers[name]
+        else:  # judged, and in the imbalance
+            assert math.isfinite(layers[name]["gamma_rel_median"]), layers[name]
     assert math.isfinite(report.meta["imbalance"]["gamma_max_over_min"])
 
 

@@ -515,3 +515,34 @@ def test_a_moe_model_initlab_calls_first_keeps_its_router_logits(entry: str) -> 
     if entry == "precondition_":
         kinds = {r["layer"]: r["kind"] for r in report}
         assert kinds["model.layers.0.self_attn.q_proj"] == "attention"
+
+
+def test_gemma2_zero_stored_sandwich_norms_close_no_residual_branch() -> None:
+    """Gemma 2's post-attention and post-feed-forward norms store 0 and scale by ``1 + w``: they
+    were taken for zero-initialized gates closing each branch, and 14 of the 15 projections left
+    the γ/ν imbalance as "no gradient at init, by design" (doctor: γ on 1 weight, n/a). The
+    oracle: one backward of the model's own loss in float64; every projection whose weight
+    gradient is not 0 is judged, and counted in the imbalance."""
+    torch.manual_seed(0)
+    cfg = transformers.Gemma2Config(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, vocab_size=V, max_position_embeddings=32,
+        sliding_window=4, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    model = transformers.Gemma2ForCausalLM(cfg)
+    assert not model.model.layers[0].post_attention_layernorm.weight.any()  # stored as 0
+    data = batches("llama", 2)
+    ref = transformers.Gemma2ForCausalLM(cfg).double()
+    ref.load_state_dict(model.state_dict())
+    for b in data:
+        ref(**b).loss.backward()
+    learning = {n for n, m in ref.named_modules() if isinstance(m, nn.Linear)
+                and n.startswith("model.layers.") and bool(m.weight.grad.any())}  # fmt: skip
+    assert len(learning) == 14, sorted(learning)  # 7 projections in each of 2 layers
+    rep = initlab.diagnose(model, data, spectra=False, generator=0)
+    rows = {r["layer"]: r for r in rep.layers.to_rows()}
+    for name in learning:
+        assert "no gradient at init" not in rows[name]["reason"], rows[name]
+        assert math.isfinite(rows[name]["gamma_w"]), rows[name]
+    assert rep.meta["imbalance"]["gamma_layers"] >= len(learning)
+    assert math.isfinite(rep.meta["imbalance"]["gamma_max_over_min"])

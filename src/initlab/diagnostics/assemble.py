@@ -30,6 +30,7 @@ from initlab.diagnostics.report import (
     ratio_verdict,
     worst,
 )
+from initlab.init._norm_like import norm_identity
 
 __all__ = ["assemble"]
 
@@ -425,9 +426,17 @@ def _weight(module: nn.Module | None) -> torch.Tensor | None:
 
 
 def _all_zero(module: nn.Module | None) -> bool:
-    """Whether ``module`` has a ``weight`` tensor with elements, all of them zero."""
-    w = _weight(module)
-    return isinstance(w, torch.Tensor) and w.numel() > 0 and not bool(w.detach().any())
+    """Whether ``module`` has a ``weight`` tensor with elements whose effective scale is zero
+    everywhere: ``w`` itself, or ``1 + w`` for a norm whose forward computes ``(1 + w) * n(x)``
+    (Gemma's, recognized by :func:`~initlab.init._norm_like.norm_identity`; its zeros are the
+    identity, no closed gate)."""
+    w = None if module is None else _weight(module)
+    if module is None or not isinstance(w, torch.Tensor) or w.numel() == 0:
+        return False
+    w = w.detach()
+    if norm_identity(module) == 0.0:  # (1 + w) * n(x): the scale is 1 + w
+        w = w + 1
+    return not bool(w.any())
 
 
 def closed_branches(
@@ -437,8 +446,11 @@ def closed_branches(
     them closes at init: a weight of all zeros on the branch (a BatchNorm's scale in
     zero-init-last-BN ResNets, Goyal et al. 2017; Fixup's last convolution; SkipInit's scale). No
     gradient reaches what comes before it in the branch until its first update (its own gradient
-    is not 0), by design: not a vanished gradient."""
+    is not 0), by design: not a vanished gradient. Only the layers before it that got no gradient
+    (``E[dy^2] = 0`` exactly, as in :func:`closed_heads`) are claimed: a layer the gradient
+    reached is no closed branch's, whatever the weights say."""
     order = {r["layer"]: r["order"] for r in probe_table if r["order"] is not None}
+    silent = {r["layer"] for r in probe_table if r["E_dy2"] == 0.0}  # no gradient reached it
     named = dict(model.named_modules())
     out: dict[str, str] = {}
     for b in blocks:
@@ -452,7 +464,7 @@ def closed_branches(
                 "the first step on (zero-initialized residual branches: Goyal et al. 2017, Fixup)"
             )
             for n in branch:
-                if order[n] < order[gate]:
+                if order[n] < order[gate] and n in silent:
                     out.setdefault(n, why)
     return out
 
