@@ -583,6 +583,62 @@ def test_a_dict_batch_without_labels_is_named_with_its_keys() -> None:
         loss(_KwOnly(), {"x": x})
 
 
+@dataclasses.dataclass
+class _Out:
+    """An output with a ``loss`` field (as Hugging Face's ``ModelOutput``)."""
+
+    logits: torch.Tensor
+    loss: torch.Tensor | None = None
+
+
+class _IgnoresLabels(nn.Module):
+    """A model with a loss of its own that it computes only when asked (``return_loss``, as
+    CLIP's); it takes ``labels`` and ignores them (``switch=False``: no such keyword)."""
+
+    def __init__(self, switch: bool) -> None:
+        super().__init__()
+        self.fc, self.switch = nn.Linear(3, 2), switch
+
+    def forward(self, x: torch.Tensor, **kwargs: Any) -> _Out:
+        logits = self.fc(x)
+        own = self.switch and kwargs.get("return_loss", False)
+        return _Out(logits, logits.square().mean() if own else None)
+
+
+class _Switched(_IgnoresLabels):
+    def forward(  # type: ignore[override]
+        self, x: torch.Tensor, return_loss: bool = False, labels: Any = None
+    ) -> _Out:
+        return super().forward(x, return_loss=return_loss)
+
+
+@pytest.mark.parametrize("switch", [True, False])
+def test_a_model_that_ignores_its_labels_gets_no_silent_cross_entropy(switch: bool) -> None:
+    """CLIP takes 'labels' and ignores them (its loss needs return_loss=True): loss_fn=None
+    fell back to cross-entropy on its first output, silently another loss, and the message
+    without labels said to add 'labels'. An output without a loss field keeps the fallback."""
+    x, y = _xy()
+    model = _Switched(switch) if switch else _IgnoresLabels(False)
+    loss = resolve_loss(None)
+    advice = r"return_loss=True in every batch" if switch else r"has loss None"
+    with pytest.raises(TargetError, match=advice):
+        loss(model, {"x": x, "labels": y})
+    if switch:
+        with pytest.raises(TargetError, match=advice):
+            loss(model, {"x": x})
+        with pytest.raises(TypeError, match=advice):
+            resolve_loss("model")(model, {"x": x})
+        with torch.no_grad():
+            own = loss(model, {"x": x, "return_loss": True})
+            expected = model.fc(x).double().square().mean()
+        assert float(own) == pytest.approx(float(expected), rel=1e-6)
+    plain = _KwOnly()  # a tensor output, no loss field: cross-entropy on it, as documented
+    with torch.no_grad():
+        got = loss(plain, {"x": x, "labels": y})
+        expected = F.cross_entropy(plain.fc(x).double(), y)
+    assert float(got) == pytest.approx(float(expected), rel=1e-6)
+
+
 def test_a_title_says_one_batch_and_one_example_in_the_singular() -> None:
     """ "(1 batches, 1 examples)"."""
     from initlab._core.data import DataUse

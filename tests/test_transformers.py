@@ -17,8 +17,10 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 import initlab
+from initlab._core.loss import TargetError
 
 transformers = pytest.importorskip("transformers")
 
@@ -546,3 +548,32 @@ def test_gemma2_zero_stored_sandwich_norms_close_no_residual_branch() -> None:
         assert math.isfinite(rows[name]["gamma_w"]), rows[name]
     assert rep.meta["imbalance"]["gamma_layers"] >= len(learning)
     assert math.isfinite(rep.meta["imbalance"]["gamma_max_over_min"])
+
+
+def test_clip_without_return_loss_is_told_its_switch_not_given_a_cross_entropy() -> None:
+    """CLIPModel computes its own loss only with return_loss=True: the message said to add
+    'labels', which CLIP takes and ignores (loss None), and initlab then fell back silently to
+    cross-entropy on logits_per_image (γ 3.25 against 2.23 under CLIP's loss). The oracle for
+    the loss used with the switch: CLIP's contrastive loss written out in float64."""
+    torch.manual_seed(0)
+    text = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=4, max_position_embeddings=16, bos_token_id=1,
+                eos_token_id=2, pad_token_id=0)  # fmt: skip
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=4, image_size=16, patch_size=8)  # fmt: skip
+    model = transformers.CLIPModel(
+        transformers.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)
+    )
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, V, (B, T), generator=g)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+             "pixel_values": torch.randn(B, 3, 16, 16, generator=g)}  # fmt: skip
+    for given in (batch, {**batch, "labels": torch.arange(B)}):
+        with pytest.raises(TargetError, match=r"return_loss=True in every batch"):
+            initlab.gr_scaling(model, [given])
+    with torch.no_grad():
+        own = initlab.resolve_loss(None)(model, {**batch, "return_loss": True})
+        logits = model(**batch).logits_per_text.double()
+        target = torch.arange(B)
+        expected = (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
+    assert float(own) == pytest.approx(float(expected), rel=1e-5)

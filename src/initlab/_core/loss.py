@@ -15,7 +15,11 @@ One resolver, :func:`resolve_loss`, reads every accepted form:
 
 ``None`` (the default of every method that needs a loss) is the model's own loss when the model
 returns one, else ``"auto"`` (cross-entropy for integer targets, MSE for float ones) on ``(x, y)``
-batches. A loss that cannot be resolved raises a ``TypeError`` that lists the forms.
+batches. On a dict batch that fallback is refused with a :class:`TargetError` where it would
+stand in for a loss the model has but did not compute: its forward takes a switch for it
+(``return_loss``, CLIP's) that the batch does not set, or its output has a ``loss`` field left
+``None`` although the batch carries labels; an output without a ``loss`` field falls back. A
+loss that cannot be resolved raises a ``TypeError`` that lists the forms.
 
 Losses on the model's outputs (criteria, named losses, :func:`outputs_loss`) keep the split
 ``loss(model, batch) = on_outputs(forward(model, batch), batch)`` that curvature needs for the
@@ -249,9 +253,13 @@ class _ModelOutputLoss(Loss):
             _check_counted(find_target(batch), -100, "model")  # Hugging Face's convention
         loss = model_loss(default_forward(model, batch))
         if loss is None:
+            switch = _loss_switch(model, batch) if isinstance(batch, Mapping) else None
+            ask = "pass the labels in the batch (e.g. a dict with 'labels')"
+            if switch:
+                ask = f"pass {switch}=True in every batch (the model's own switch for its loss)"
             raise TypeError(
-                "the model returned no loss (no .loss, no 'loss' entry): pass the labels in the "
-                f"batch (e.g. a dict with 'labels'), or a loss; accepted forms: {LOSS_FORMS}"
+                f"the model returned no loss (no .loss, no 'loss' entry): {ask}, or a loss; "
+                f"accepted forms: {LOSS_FORMS}"
             )
         return _scalar(loss, self.name)
 
@@ -268,8 +276,55 @@ class _AutoLoss(Loss):
             if loss is not None:
                 _check_counted(find_target(batch), -100, "model")  # Hugging Face's convention
                 return _scalar(loss, "model")
+            _check_no_own_loss(model, out, batch)
             return default_loss.on_outputs(out, batch)  # a pairing error named, as on tuples
         return default_loss(model, batch)
+
+
+#: Keyword arguments by which a model's forward is asked to compute its own loss (CLIP's,
+#: SigLIP's, BLIP's ``return_loss``): without it, labels or not, its output's ``loss`` is None.
+_LOSS_SWITCHES = ("return_loss",)
+
+
+def _loss_switch(model: Any, batch: Mapping[str, Any]) -> str | None:
+    """The keyword of :data:`_LOSS_SWITCHES` that ``model``'s forward takes and ``batch`` does
+    not set true, or ``None``."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return next((k for k in _LOSS_SWITCHES if k in params and batch.get(k) is not True), None)
+
+
+def _check_no_own_loss(model: Any, outputs: Any, batch: Mapping[str, Any]) -> None:
+    """Raise :class:`TargetError` before the ``"auto"`` fallback (a loss on the first output
+    tensor) where it would silently replace the model's own loss: the model's forward takes a
+    switch for its loss (``return_loss``) the batch did not set, or its output has a ``loss``
+    field left ``None`` although the batch carries labels (the model ignored them). An output
+    without a ``loss`` field keeps the documented fallback."""
+    switch = _loss_switch(model, batch)
+    has_field = hasattr(outputs, "loss") or (isinstance(outputs, Mapping) and "loss" in outputs)
+    found = find_target(batch)
+    if switch is None and not (has_field and found is not None):
+        return
+    kind = type(outputs).__name__
+    ignored = (
+        f"the batch carries labels ({found[0]!r}) but the model's output ({kind}) has loss None"
+        if found is not None
+        else f"the model's output ({kind}) has no loss"
+    )
+    ask = (
+        f"pass {switch}=True in every batch (the model's own switch for its loss: "
+        f"{{**batch, {switch!r}: True}})"
+        if switch
+        else "the model computes its loss from other entries: give the batch what its forward "
+        "needs for it"
+    )
+    raise TargetError(
+        f"{ignored}: the loss on its first output that initlab would fall back to is not the "
+        f"model's own loss. To use the model's own loss, {ask}; for another loss, pass it as "
+        f"loss_fn (e.g. a loss_fn(model, batch)); accepted forms: {LOSS_FORMS}"
+    )
 
 
 def _check_unshifted(outputs: Any, batch: Any, name: str, ignore_index: int) -> None:
