@@ -650,6 +650,12 @@ def test_library_warnings_are_one_line_in_the_flags_words(
          "(leave them out of the --data file or function)", "DataLoader"),
         ("  not changed (fix=False); the same command with --fix applies the fixes",
          "not changed (no --fix);", "fix=False"),
+        ("  initial_loss, no fix here: mild (warn): shrinking the outputs also slows their "
+         "learning; doctor(model, data, fix='output_scale') scales them anyway",
+         "learning; the same command with --fix output_scale scales them anyway", "fix="),
+        ("  gamma_spread, no fix here: reported, not treated; block_curvature(model, data) "
+         "measures the curvature", "not treated; initlab diagnose --curvature measures",
+         "block_curvature"),
         ("  with report.param_groups(model, lr=...): γ spread 1 over every weight layer (the "
          "model itself is unchanged by precondition_)",
          "with precondition's per-layer learning rates (which `initlab init --method "
@@ -1189,7 +1195,7 @@ def test_doctor_summary_names_the_flags(cli_dir: Path, capsys: pytest.CaptureFix
     doctor = ["doctor", "--model", "mods.py:mlp", "--data", "mods.py:data_ok"]
     code, out, err = _run(doctor, capsys)
     assert code == 0, err
-    assert "not changed (no --fix); the same command with --fix applies the fixes" in out
+    assert "recommended: nothing\n  not changed (no --fix)\n" in out  # no fix to apply: not offered
     assert "fix=False" not in out
     code, out, err = _run([*doctor, "--fix", "precondition"], capsys)
     assert code == 0, err

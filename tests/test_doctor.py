@@ -817,6 +817,58 @@ def test_spreads_of_a_model_with_normalization_or_attention_are_not_treated() ->
     assert "precondition" in doctor(plain, classification_data(2)).recommended
 
 
+def _no_fix_lines(summary: str) -> dict[str, str]:
+    """``{check: reason}`` from the summary's "CHECK[ and CHECK], no fix here: REASON" lines."""
+    found: dict[str, str] = {}
+    for line in summary.splitlines():
+        head, sep, reason = line.strip().partition(", no fix here: ")
+        if sep:
+            found.update(dict.fromkeys(head.replace(" and ", ", ").split(", "), reason))
+    return found
+
+
+def _ill_without_fix(rep: DoctorReport) -> set[str]:
+    """The checks of a ``fix=False`` report that are ill-conditioned with no fix; ν's spread is
+    balanced with γ's, so it is left out where γ's has a fix."""
+    rows = rep.to_rows()
+    ill = {r["check"] for r in rows if r["verdict"] in ("warn", "bad")}
+    fixed = {r["check"] for r in rows if r["fix"]}
+    return ill - fixed - ({"nu_spread"} if "gamma_spread" in fixed else set())
+
+
+def test_the_summary_says_why_an_ill_conditioned_check_gets_no_fix() -> None:
+    """GPT-2's γ spread: the summary said "ill-conditioned: gamma_spread (warn ...)" then
+    "recommended: nothing" (with fix=True "applied: nothing") and not why; the reason was only in
+    the rows' ``why``. Each such check now gets a line: why no fix, and what to do instead."""
+    torch.manual_seed(0)
+    normed = nn.Sequential(nn.Linear(20, 64), nn.LayerNorm(64), nn.ReLU(), nn.Linear(64, C))
+    with torch.no_grad():
+        normed[3].weight.mul_(0.01)  # γ spread far beyond SPREAD_BAD, under a LayerNorm
+    mild = mlp()
+    with torch.no_grad():
+        mild[4].weight.mul_(15.0)  # logits a little large: a warn, reported not treated
+    off_scale = [(1000 * x, y) for x, y in classification_data(2)]
+    cases = [
+        (normed, classification_data(2), "normalization layers", "block_curvature(model, data)"),
+        (mild, classification_data(2), "mild (warn)", "fix='output_scale'"),
+        (mlp(), off_scale, "input is off scale", "scale the data first"),
+    ]
+    for model, data, why, what in cases:
+        untreated = _ill_without_fix(doctor(model, data))
+        assert untreated  # the case has such a check
+        for fix in (False, True):
+            rep = doctor(model, data, fix=fix, generator=0)
+            said = _no_fix_lines(rep.summary())
+            untreated &= {r["check"] for r in rep.to_rows() if r["verdict"] in ("warn", "bad")}
+            assert untreated <= set(said), (rep.summary(), untreated)
+            reasons = [said[c] for c in untreated if c != "dead_or_exploding_layers"]
+            assert reasons and all(why in r and what in r for r in reasons), rep.summary()
+            if not fix and not rep.recommended:  # fix=True would change nothing: not offered
+                assert "fix=True) applies the fixes" not in rep.summary()
+    rep = doctor(normed, classification_data(2))
+    assert "gamma_spread and nu_spread, no fix here: the model has normalization" in rep.summary()
+
+
 def test_batchnorm_in_eval_mode_with_fresh_statistics_is_said() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(20, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, C))

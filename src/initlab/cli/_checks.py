@@ -522,6 +522,8 @@ _WORDING: tuple[tuple[str, str | Callable[[re.Match[str]], str]], ...] = (
         "(leave them out of the --data file or function)",
     ),
     (r"\(fix=False\)", "(no --fix)"),
+    (r"\bdoctor\(model, data, fix='(\w+)'\)", r"the same command with --fix \1"),
+    (r"\bblock_curvature\(model, data\)", "initlab diagnose --curvature"),
     (
         r"\bprecondition_: train with report\.param_groups\(model, lr=\.\.\.\)",
         f"precondition: train with its per-layer learning rates, which {_PRECONDITION_LRS} writes",

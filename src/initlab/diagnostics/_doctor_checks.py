@@ -141,10 +141,16 @@ class _Check:
     verdict: str
     why: str
     fixes: tuple[str, ...] = ()
+    untreated: str = ""  # why an ill check gets no fix, and what to do: one short clause
 
     @property
     def fix(self) -> str:
         return "; ".join(_CALLS[f] for f in FIXES if f in self.fixes)
+
+    def untreat(self, reason: str) -> None:
+        """No fix for this check; the first reason given is kept (the one that decided)."""
+        self.fixes = ()
+        self.untreated = self.untreated or reason
 
 
 def _grade(ratio: float, warn: float, bad: float) -> str:
@@ -203,7 +209,10 @@ def _mild_untreated(checks: list[_Check]) -> None:
     classifier's logits large, and the paper pairs it with output scaling (§6.4)."""
     for c in checks:
         if c.check in ("initial_loss", "logit_std") and c.verdict == "warn" and c.fixes:
-            c.fixes = ()
+            c.untreat(
+                "mild (warn): shrinking the outputs also slows their learning; "
+                "doctor(model, data, fix='output_scale') scales them anyway"
+            )
             c.why += _MILD
 
 
@@ -254,7 +263,8 @@ def _spread_check(m: _Measure, key: str) -> _Check:
             f"{symbol} = 0 (min {imb.get(f'{key}_argmin')!r}), no gradient reaches them; see "
             "dead_or_exploding_layers (no learning rate balances a layer that gets no gradient)"
         )
-        return _Check(name, value, SPREAD_WARN, "bad", why)
+        none = f"{zero} weight(s) get no gradient ({symbol} = 0): see dead_or_exploding_layers"
+        return _Check(name, value, SPREAD_WARN, "bad", why, untreated=none)
     if not math.isfinite(value):
         count = int(imb.get(f"{key}_layers") or 0)
         why = f"{symbol} measured on {count} weight(s): a max/min needs two or more" + (
@@ -403,7 +413,23 @@ def _checks(
     outside = _outside_gr(model)
     if outside:
         _spreads_untreated(checks, outside)
+    _nu_follows_gamma(checks[2], checks[3])
     return checks
+
+
+def _nu_follows_gamma(gamma: _Check, nu: _Check) -> None:
+    """An ill ν spread without a fix of its own: γ's reason where γ's spread gets no fix either,
+    and where γ's is within its reference, that precondition (which balances γ) does not apply;
+    where γ's has a fix, that fix treats both (no reason)."""
+    if nu.verdict not in _ILL or nu.fixes or nu.untreated:
+        return
+    if gamma.untreated:
+        nu.untreated = gamma.untreated
+    elif gamma.verdict == "ok":
+        nu.untreated = (
+            "precondition balances γ, which is within its reference, not ν; "
+            "block_curvature(model, data) measures the curvature per layer"
+        )
 
 
 def _outside_gr(model: nn.Module) -> str:
@@ -421,7 +447,11 @@ def _spreads_untreated(checks: list[_Check], outside: str) -> None:
     rates hurt in a tester's runs (a BERT classifier under Adam: loss 0.011 → 0.70)."""
     for c in checks:
         if c.check in ("gamma_spread", "nu_spread") and c.verdict in _ILL:
-            c.verdict, c.fixes = "warn", ()
+            c.verdict = "warn"
+            c.untreat(
+                f"the model has {outside} layers, outside GR scaling's derivation: reported, not "
+                "treated; block_curvature(model, data) measures the curvature"
+            )
             c.why += (
                 f"; but the model has {outside} layers, which GR scaling's derivation (linear "
                 "layers, convolutions and ReLUs: Defazio & Bottou, A1–A3 and Table 1) does not "
@@ -438,7 +468,9 @@ def _data_first(checks: list[_Check]) -> None:
     for c in checks:
         waits = c.check in ("initial_loss", "logit_std", "gamma_spread", "nu_spread")
         if waits and c.verdict in _ILL and c.fixes:
-            c.fixes = ()
+            c.untreat(
+                "the network's input is off scale: scale the data first, then run doctor again"
+            )
             c.why += (
                 "; the network's input is off scale (dead_or_exploding_layers): scale the data "
                 "first, then run doctor again"

@@ -469,6 +469,8 @@ class DoctorReport(Rows):
         reports: ``{fix: report}``: the :class:`~initlab.MethodReport` of each fix applied
             (``init``: the :class:`~initlab.InitReport`).
         recommended: the fixes the first measurement recommends.
+        untreated: ``{check: why}`` for the checks the first measurement finds ill-conditioned
+            but recommends no fix for: why not, and what to do instead.
         skipped: ``{fix: why}`` for recommended fixes found unnecessary after earlier ones.
         failed: ``{fix: error}`` for fixes that raised (the model was restored to before them).
         undone: ``{fix: why}`` for recommended fixes that ran and left the checks worse (the
@@ -487,6 +489,7 @@ class DoctorReport(Rows):
         *,
         used: DataUse,
         recommended: Sequence[str] = (),
+        untreated: Mapping[str, str] | None = None,
         course: _Course | None = None,
         diagnosis: Report | None = None,
         diagnosis_after: Report | None = None,
@@ -501,6 +504,7 @@ class DoctorReport(Rows):
         self.undone: dict[str, str] = dict(course.undone)
         self.notes: dict[str, list[str]] = dict(course.notes)
         self.recommended: list[str] = list(recommended)
+        self.untreated: dict[str, str] = dict(untreated or {})
         self.diagnosis = diagnosis
         self.diagnosis_after = diagnosis_after
         self.meta: dict[str, Any] = dict(meta or {})
@@ -545,6 +549,7 @@ class DoctorReport(Rows):
         for r in ill:  # as it stands (after the fixes, where they ran)
             if r["check"] == "dead_or_exploding_layers" and r["verdict"] in _ILL and not r["fix"]:
                 lines.append(f"  {r['check']}, no fix here: {r['why']}")
+        lines.extend(self._untreated_lines(ill))
         lines.append(f"  recommended: {', '.join(self.recommended) or 'nothing'}")
         notes = self.diagnosis.meta.get("notes", ()) if self.diagnosis is not None else ()
         lines.extend(f"  note: {n}" for n in notes if n.startswith(FRESH_EVAL_NORMS))
@@ -563,14 +568,26 @@ class DoctorReport(Rows):
                 lines.append(f"    {row['verdict']}: {row['why']}")
         return "\n".join(lines)
 
+    def _untreated_lines(self, ill: list[dict[str, Any]]) -> list[str]:
+        """One line per reason the ill-conditioned checks get no fix (checks of one reason
+        together), for those still ill as they stand."""
+        by_reason: dict[str, list[str]] = {}
+        for r in ill:
+            why = self.untreated.get(r["check"])
+            if why and r["verdict"] in _ILL:
+                by_reason.setdefault(why, []).append(r["check"])
+        said = {why: " and ".join([", ".join(c[:-1]), c[-1]] if c[1:] else c)
+                for why, c in by_reason.items()}  # fmt: skip
+        return [f"  {checks}, no fix here: {why}" for why, checks in said.items()]
+
     def _fix_lines(self, fixing: bool, how_to_fix: str) -> list[str]:
         if not fixing and self.meta.get("refused"):
             return [
                 "  not changed (fix=False); the fixes (and doctor(model, data, fix=True)) refuse "
                 f"this model: {self.meta['refused']}"
             ]
-        if not fixing:
-            return [f"  not changed (fix=False); {how_to_fix}"]
+        if not fixing:  # with nothing recommended, fix=True would change nothing
+            return [f"  not changed (fix=False){'; ' + how_to_fix if self.recommended else ''}"]
         lines = [f"  applied: {', '.join(self.applied) or 'nothing'}"]
         for name, why in self.skipped.items():
             lines.append(f"  skipped {name}: {why}")
@@ -823,7 +840,9 @@ def doctor(
             "ln_C": math.log(before.classes) if before.kind == "classification" else None,
             "fix": "recommended" if names is None else names,
         }  # fmt: skip
-        common = {"used": data_use(batches), "recommended": _recommended(checks), "meta": meta}
+        untreated = {c.check: c.untreated for c in checks if c.verdict in _ILL and not c.fixes}
+        common = {"used": data_use(batches), "recommended": _recommended(checks), "meta": meta,
+                  "untreated": {k: v for k, v in untreated.items() if v}}  # fmt: skip
         if names == []:
             meta["refused"] = _refusal(model)
             rows = _rows(checks, None)
