@@ -5,6 +5,7 @@ that a run does not use, readable summaries and help."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -1479,3 +1480,299 @@ def test_init_report_saves_every_table_it_prints(cli_dir: Path) -> None:
     assert {f"{r['layer']}.{r['param']}" for r in init_rows} == {"0.weight", "0.bias", "2.weight",
                                                                 "2.bias"}  # fmt: skip
     assert all("target_std" in r for r in init_rows)
+
+
+_LAZY_CLI = (
+    "make the --model factory run one forward pass on a dummy batch before it returns the model "
+    "(a lazy layer takes its shape from its first input)"
+)
+_LRS_CLI = "`initlab init --method precondition --how lr --report FILE`"
+
+#: Every rewrite of the CLI's wording table on the library's sentence it is for (as the library
+#: words it), and the whole sentence the command line prints: each must read as a sentence.
+_WHOLE_SENTENCES = {
+    "data root": (
+        "letter: not found; looked for /d/libsvm (data root /d, from root=). Download it there, "
+        "or point root= or the INITLAB_DATA_DIR environment variable at the folder holding "
+        "libsvm/, mnist/, cifar-10-batches-py/ or cifar10-jpeg/.",
+        "letter: not found; looked for /d/libsvm (data root /d, from --data-dir). Download it "
+        "there, or pass --data-dir (or set the INITLAB_DATA_DIR environment variable) with the "
+        "folder holding libsvm/, mnist/, cifar-10-batches-py/ or cifar10-jpeg/.",
+    ),
+    "dtype, data or model": (
+        "initlab does not convert data: convert it (x.to(torch.float32), x.float(), in the "
+        "dataset or a collate_fn), or the model (model.to(torch.float64))",
+        "initlab does not convert data: convert the data before saving it (x.to(torch.float32), "
+        "x.float()), or have the factory build the model in torch.float64",
+    ),
+    "dtype, integer data": (
+        "initlab does not convert data: convert it (x.to(torch.float32), x.float(), in the "
+        "dataset or a collate_fn), scaled as the model expects (image bytes: / 255).",
+        "initlab does not convert data: convert the data before saving it (x.to(torch.float32), "
+        "x.float()), scaled as the model expects (image bytes: / 255).",
+    ),
+    "no handler": (
+        "register one with initlab.register_handler(ModuleType, handler) or pass policy='warn' "
+        "or 'skip'",
+        "register one with initlab.register_handler(ModuleType, handler) or pass --policy warn "
+        "or --policy skip",
+    ),
+    "output scale hook": (
+        "  note: the output scale is a forward hook on 2 (not in the state_dict); "
+        "report.reports['output_scale'].info['handle'].remove() undoes it",
+        "  note: the output scale is a forward hook on 2 (not in the state_dict); the command "
+        "does not save the model (in Python, the report's handle removes it)",
+    ),
+    "policy skip": (
+        "Register a handler with initlab.register_handler(ModuleType, handler), or pass "
+        "policy='skip' to silence this.",
+        "Register a handler with initlab.register_handler(ModuleType, handler), or pass "
+        "--policy skip to silence this.",
+    ),
+    "unknown fix": (
+        "doctor: unknown fix 'x'; valid: init, lsuv, output_scale, precondition (or True)",
+        "doctor: unknown fix 'x'; valid: init, lsuv, output_scale, precondition (or --fix alone "
+        "for the recommended ones)",
+    ),
+    "probe no parameters": (
+        "MomentProbe(modules='params') selects no module: the model has no parameters; use "
+        "modules='leaves' or 'all' to probe it",
+        "the --model has no parameters, so there is nothing to measure; give a model with "
+        "parameters",
+    ),
+    "dict keys": (
+        "lsuv_: a dict batch is passed to the model as keyword arguments, model(**batch), and "
+        "the model does not take its keys ['a'] (err). Pass (x, y) batches, forward=lambda "
+        "model, batch: ... with a loss on the outputs, or a loss_fn(model, batch) that calls the "
+        "model itself",
+        "lsuv_: a dict batch is passed to the model as keyword arguments, model(**batch), and "
+        "the model does not take its keys ['a'] (err). Pass (x, y) batches, or --loss "
+        "pkg.module:fn, a function fn(model, batch) that calls the model itself",
+    ),
+    "tuple, more inputs": (
+        "lsuv_: a tuple batch is passed to the model as model(batch[0]) (the rest of the tuple "
+        "is read as targets), and the model's forward takes more inputs (err). Pass dict "
+        "batches of its keyword arguments, a loss_fn(model, batch) that calls the model itself "
+        "and names the target (e.g. loss_fn=lambda model, batch: F.cross_entropy(model(batch[0], "
+        "batch[1]), batch[2]) for (x, z, y) batches), or, where the function takes one, a "
+        "forward= that leaves the target at batch[1], where a loss reads it: forward=lambda "
+        "model, batch: model(batch[0], *batch[2:]) for (x, y, z, ...) batches (model(*batch) "
+        "where no loss reads a target)",
+        "lsuv_: a tuple batch is passed to the model as model(batch[0]) (the rest of the tuple "
+        "is read as targets), and the model's forward takes more inputs (err). Make --data give "
+        "dict batches of its keyword arguments, or pass --loss pkg.module:fn, a function "
+        "fn(model, batch) that calls the model itself",
+    ),
+    "ambiguous list": (
+        "data is a list of 3 tensors ((4, 2), (4, 2), (4, 2)), which reads both as 3 batches and "
+        "as one batch of 3 tensors; say which: initlab.Batches([...]) for 3 batches, or a tuple "
+        "(x, y, ...) for one batch",
+        "data is a list of 3 tensors ((4, 2), (4, 2), (4, 2)), which reads both as 3 batches and "
+        "as one batch of 3 tensors; say which: save a list of (x, y) tuples for 3 batches, or a "
+        "tuple (x, y, ...) for one batch",
+    ),
+    "data forms": (
+        "lsuv_ needs data; accepted forms: one batch: a tensor, a tuple such as (x, y), a dict "
+        "of model inputs, a [x, y] list from default collate, or a custom object; many batches: "
+        "a DataLoader, any iterable or generator of batches, a list of (x, y) tuples, or "
+        "initlab.Batches([...])",
+        "lsuv_ needs data; accepted forms: one batch: a tensor, a tuple such as (x, y), a dict "
+        "of model inputs, a [x, y] list from default collate, or a custom object; many batches: "
+        "a DataLoader, any iterable or generator of batches, or a list of (x, y) tuples (in a "
+        "--data .pt file saved with torch.save, or returned by a --data function)",
+    ),
+    "loss returned": (
+        "the loss 'mine' returned int, not a tensor",
+        "the --loss function 'mine' returned int, not a tensor",
+    ),
+    "studies": (
+        "a report covers one study, so that runs of different protocols are never pooled as "
+        "seeds of one: pass study= with one of these names",
+        "a report covers one study, so that runs of different protocols are never pooled as "
+        "seeds of one: pass --study with one of these names",
+    ),
+    "protocols": (
+        "store each protocol's runs in its own store, or run them as studies "
+        "(initlab.study.run_study)",
+        "store each protocol's runs in its own store, or run them as studies (`initlab bench "
+        "run SPEC`, one spec per protocol)",
+    ),
+    "n_boot": (
+        "n_boot must be >= 1 (an integer), got 0",
+        "--n-boot must be >= 1 (an integer), got 0",
+    ),
+    "level": (
+        "level must be in (0, 1), e.g. 0.95, got 2",
+        "--level must be in (0, 1), e.g. 0.95, got 2",
+    ),
+    "stale_after": ("stale_after must be positive, got 0", "--stale-after must be positive, got 0"),
+    "heartbeat": (
+        "stale_after (5 s) must be longer than heartbeat_s (10 s), or other drivers take over "
+        "this driver's live runs",
+        "--stale-after (5 s) must be longer than --heartbeat (10 s), or other drivers take over "
+        "this driver's live runs",
+    ),
+    "how frozen": (
+        "how='rescale' would change the frozen tensor(s) ['0.weight'] (requires_grad=False: the "
+        "rescaled chain multiplies every later bias); use how='lr' or how='parametrize', or "
+        "unfreeze them",
+        "--how rescale would change the frozen tensor(s) ['0.weight'] (requires_grad=False: the "
+        "rescaled chain multiplies every later bias); use --how lr (the weights unchanged, "
+        "per-layer learning-rate scales), or unfreeze them",
+    ),
+    "loss_fn reads": (
+        "the model's output has no tensor at the top; or pass a loss_fn(model, batch) that reads "
+        "it",
+        "the model's output has no tensor at the top; or pass --loss pkg.module:fn, a function "
+        "fn(model, batch) that reads it",
+    ),
+    "no parameters": (
+        "lsuv_: the model has no parameters, so there is nothing to initialize (a loss of "
+        "Identity has no gradient); give a model with parameters",
+        "lsuv_: the --model has no parameters, so there is nothing to initialize (a loss of "
+        "Identity has no gradient); give a model with parameters",
+    ),
+    "gradinit gamma": (
+        "gradinit_ differentiates the loss twice (err). Use twice-differentiable operations in "
+        "the model, or raise gamma above the gradient norms of the trace so that no constraint "
+        "step is taken (the objective steps of exact=False are first-order)",
+        "gradinit_ differentiates the loss twice (err). Use twice-differentiable operations in "
+        "the model, or use --method lsuv or --method scale_output, which need no derivative (the "
+        "command line runs gradinit with gamma 1, so it takes a constraint step wherever the "
+        "gradient norm exceeds 1)",
+    ),
+    "batch_size": (
+        "batch_size must be in [2, 1797], got 1",
+        "--batch-size must be in [2, 1797], got 1",
+    ),
+    "one example": (
+        "a batch of one example reached a batch norm layer in training mode, which needs more "
+        "than one value per channel to normalize: drop short batches (a DataLoader's last batch: "
+        "DataLoader(..., drop_last=True)) (err)",
+        "a batch of one example reached a batch norm layer in training mode, which needs more "
+        "than one value per channel to normalize: use --batch-size 2 or more, one that leaves no "
+        "last batch of a single example (or lower --max-batches); data that is already batched "
+        "must leave out its batches of one example (err)",
+    ),
+    "0 examples": (
+        "no statistic is defined on 0 examples. Drop empty batches (filter them out, or use a "
+        "DataLoader with drop_last=True)",
+        "no statistic is defined on 0 examples. Drop empty batches (leave them out of the --data "
+        "file or function)",
+    ),
+    "doctor refused": (
+        "  not changed (fix=False); the fixes (and doctor(model, data, fix=True)) refuse this "
+        "model: x",
+        "  not changed (no --fix); the fixes (and the same command with --fix) refuse this "
+        "model: x",
+    ),
+    "doctor mild": (
+        "  initial_loss, no fix here: mild (warn): shrinking the outputs also slows their "
+        "learning; doctor(model, data, fix='output_scale') scales them anyway",
+        "  initial_loss, no fix here: mild (warn): shrinking the outputs also slows their "
+        "learning; the same command with --fix output_scale scales them anyway",
+    ),
+    "doctor curvature": (
+        "reported, not treated; block_curvature(model, data) measures the curvature",
+        "reported, not treated; initlab diagnose --curvature measures the curvature",
+    ),
+    "balanced": (
+        "γ; balanced by precondition_: train with report.param_groups(model, lr=...)",
+        f"γ; balanced by precondition: train with its per-layer learning rates, which {_LRS_CLI} "
+        "writes",
+    ),
+    "param groups line": (
+        "  with report.param_groups(model, lr=...): γ spread 1 over every weight layer (the "
+        "model itself is unchanged by precondition_)",
+        f"  with precondition's per-layer learning rates (which {_LRS_CLI} writes): γ spread 1 "
+        "over every weight layer (the model itself is unchanged by precondition)",
+    ),
+    "param groups warning": (
+        "report.param_groups(model, lr=...) multiplies each weight layer's learning rate by x0.5",
+        f"precondition's per-layer learning rates (which {_LRS_CLI} writes) multiply each weight "
+        "layer's learning rate by x0.5",
+    ),
+    "lazy fans": (
+        "torch.nn.LazyLinear.weight is an uninitialized lazy parameter; run a forward pass (or "
+        "materialize the module) before asking for its fans",
+        f"torch.nn.LazyLinear.weight is an uninitialized lazy parameter; {_LAZY_CLI}",
+    ),
+    "lazy model": (
+        "lsuv_: 0.weight of the model is uninitialized (a lazy module, e.g. nn.LazyLinear, "
+        "before its first forward pass); run the model once on a batch (model(x)) so that they "
+        "take their shapes, then call lsuv_ again",
+        "lsuv_: 0.weight of the model is uninitialized (a lazy module, e.g. nn.LazyLinear, "
+        f"before its first forward pass); {_LAZY_CLI}",
+    ),
+    "lazy torch": (
+        "Can't access the shape of an uninitialized parameter or buffer. Call `forward` with a "
+        "dummy batch to initialize the parameters before calling torch functions",
+        "Can't access the shape of an uninitialized parameter or buffer. Call `forward` with a "
+        "dummy batch to initialize the parameters; the --model factory must do that before it "
+        "returns the model (a lazy layer takes its shape from its first input)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(_WHOLE_SENTENCES))
+def test_each_rewrite_leaves_a_whole_sentence(case: str) -> None:
+    """The rewrite of DATA_FORMS dropped its "or": "..., a list of (x, y) tuples, (save them
+    with torch.save)". Each rewrite is checked on its whole library sentence."""
+    library, cli = _WHOLE_SENTENCES[case]
+    assert translate(library) == cli
+
+
+def test_every_rewrite_is_in_the_table_of_whole_sentences() -> None:
+    from initlab.cli._checks import _WORDING
+
+    used = set()
+    for library, _ in _WHOLE_SENTENCES.values():
+        text = library
+        for i, (pattern, repl) in enumerate(_WORDING):  # in turn, as translate applies them
+            text, n = re.subn(pattern, repl, text)
+            used |= {i} if n else set()
+    assert [p for i, (p, _) in enumerate(_WORDING) if i not in used] == []
+
+
+@pytest.mark.parametrize(
+    ("content", "said"),
+    [
+        ({"a": 1}, "--data bad.pt: the file holds no tensor: it is a dict ('a': int); save one "
+         "batch with torch.save (a tensor, a tuple (x, y) or a dict of model inputs, of tensors) "
+         "or a list of batches"),
+        ([1, 2], "--data bad.pt: the file holds no tensor: it is a list (int, int); save one"),
+        ({}, "--data bad.pt: the file holds no tensor: it is an empty dict; save one"),
+        ([(torch.zeros(16, 4), torch.zeros(16, dtype=torch.long)), {"a": 1}],
+         "--data bad.pt: batch 1 holds no tensor: it is a dict ('a': int); save one"),
+    ],
+)  # fmt: skip
+def test_a_data_file_without_a_tensor_is_named(
+    cli_dir: Path, capsys: pytest.CaptureFixture[str], content: object, said: str
+) -> None:
+    """A .pt file holding a dict without a tensor: "a batch must hold a tensor; got dict.
+    Accepted data: ... a dict of model inputs ... a list of (x, y) tuples, (save them with
+    torch.save)": the dict was an accepted form, --data and the file were not named."""
+    torch.save(content, cli_dir / "bad.pt")
+    code, _, err = _run([*_INIT, "--method", "lsuv", "--data", "bad.pt"], capsys)
+    assert code == 2
+    assert f"initlab init: error: {said}" in err
+    assert "Traceback" not in err and not (cli_dir / "out.pt").exists()
+
+
+def test_a_batch_without_a_tensor_says_what_it_holds() -> None:
+    """The library's message said "got dict" where a dict of model inputs is an accepted form."""
+    from initlab import lsuv_
+
+    cases = [
+        ({"a": 1}, "got a dict ('a': int), which holds none"),
+        ([[1, 2]], "got a list (int, int), which holds none"),
+        ([{}], "got an empty dict, which holds none"),
+        (
+            [{"a": 1, "b": "x", "c": None, "d": 2.0, "e": 3}],
+            "got a dict ('a': int, 'b': str, 'c': NoneType, 'd': float, ...), which holds none",
+        ),
+    ]
+    for data, said in cases:
+        with pytest.raises(TypeError) as err:
+            lsuv_(torch.nn.Linear(2, 2), data)
+        assert f"a batch must hold a tensor; {said}. Accepted data: one batch" in str(err.value)

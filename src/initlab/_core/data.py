@@ -49,6 +49,7 @@ from torch import nn
 
 from initlab._core.dtype_blame import TYPE_NAMES, could_be_ids, failed_on
 from initlab._core.pytree import children, find_path, flatten_tensors, map_tensors, rebuild
+from initlab._core.pytree import shallow_types as _shallow_types
 from initlab._core.rng import global_rng_kept
 
 __all__ = [
@@ -560,7 +561,8 @@ def first_tensor(batch: Any) -> torch.Tensor:
     if tensors:
         return tensors[0][1]
     raise TypeError(
-        f"a batch must hold a tensor; got {type(batch).__name__}. Accepted data: {DATA_FORMS}"
+        f"a batch must hold a tensor; got {_shallow_types(batch)}, which holds none. Accepted "
+        f"data: {DATA_FORMS}"
     )
 
 

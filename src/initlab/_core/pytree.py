@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["children", "find_path", "flatten_tensors", "map_tensors", "rebuild"]
+__all__ = ["children", "find_path", "flatten_tensors", "map_tensors", "rebuild", "shallow_types"]
 
 _MAX_DEPTH = 16
 
@@ -138,3 +138,21 @@ def rebuild(node: Any, values: list[Any]) -> Any:
     for f, value in zip(dataclasses.fields(node), values, strict=True):
         object.__setattr__(new_obj, f.name, value)
     return new_obj
+
+
+def shallow_types(obj: Any) -> str:
+    """``obj`` in a few words, for a message: a dict or a sequence with the types of its first
+    entries (``"a dict ('a': int)"``, ``"a list (int, int)"``: a batch takes these forms, so
+    their type alone does not say what is in them), ``"an empty list"``, or the type's name of
+    anything else (``"str"``)."""
+    name = type(obj).__name__
+    if isinstance(obj, Mapping):
+        entries = [f"{k!r}: {type(v).__name__}" for k, v in list(obj.items())[:4]]
+    elif isinstance(obj, (tuple, list)):
+        entries = [type(v).__name__ for v in obj[:4]]
+    else:
+        return name
+    if not entries:
+        return f"an empty {name}"
+    more = ", ..." if len(obj) > 4 else ""
+    return f"a {name} ({', '.join(entries)}{more})"

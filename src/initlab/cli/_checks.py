@@ -468,7 +468,11 @@ _WORDING: tuple[tuple[str, str | Callable[[re.Match[str]], str]], ...] = (
         r"one batch",
         r"save a list of (x, y) tuples for \1 batches, or a tuple (x, y, ...) for one batch",
     ),
-    (r"or initlab\.Batches\(\[\.\.\.\]\)", "(save them with torch.save)"),
+    (  # DATA_FORMS: the last form in a list of them
+        r", a list of \(x, y\) tuples, or initlab\.Batches\(\[\.\.\.\]\)",
+        ", or a list of (x, y) tuples (in a --data .pt file saved with torch.save, or returned by "
+        "a --data function)",
+    ),
     (
         r"\bthe loss '([^']+)' returned (\w+), not a tensor",
         r"the --loss function '\1' returned \2, not a tensor",
@@ -523,6 +527,7 @@ _WORDING: tuple[tuple[str, str | Callable[[re.Match[str]], str]], ...] = (
     ),
     (r"\(fix=False\)", "(no --fix)"),
     (r"\bdoctor\(model, data, fix='(\w+)'\)", r"the same command with --fix \1"),
+    (r"\bdoctor\(model, data, fix=True\)", "the same command with --fix"),
     (r"\bblock_curvature\(model, data\)", "initlab diagnose --curvature"),
     (
         r"\bprecondition_: train with report\.param_groups\(model, lr=\.\.\.\)",

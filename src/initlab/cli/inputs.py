@@ -24,8 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from initlab._core.data import first_tensor, is_single_batch, take_batches
+from initlab._core.data import batch_tensors, first_tensor, is_single_batch, take_batches
 from initlab._core.loss import LOSSES, Loss, make_loss
+from initlab._core.pytree import find_path, shallow_types
 
 __all__ = [
     "DATA_SPECS",
@@ -501,7 +502,25 @@ def load_data_spec(
                 f"--batch-size is ignored with --data {spec}: the data is already batched (its "
                 f"batches are used as they are, {len(taken)} of them here)"
             )
+    _check_tensors(taken, spec)
     return taken
+
+
+def _check_tensors(batches: list[Any], spec: str) -> None:
+    """Refuse a ``.pt`` file's or a function's batch that holds no tensor, naming ``--data`` and
+    what the batch is (a numpy array is left to the library's message, which names
+    ``torch.from_numpy``)."""
+    for i, batch in enumerate(batches):
+        numpy = find_path(batch, lambda v: type(v).__module__ == "numpy") is not None
+        if batch_tensors(batch) or numpy:
+            continue
+        file = spec.endswith((".pt", ".pth"))
+        which = ("the file" if file else "its data") if len(batches) == 1 else f"batch {i}"
+        how = "save one batch with torch.save" if file else "return one batch"
+        raise ValueError(
+            f"--data {spec}: {which} holds no tensor: it is {shallow_types(batch)}; {how} (a "
+            "tensor, a tuple (x, y) or a dict of model inputs, of tensors) or a list of batches"
+        )
 
 
 def _split_batches(obj: Any, batch_size: int, batches: int, spec: str) -> list[Any] | None:
