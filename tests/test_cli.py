@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -141,3 +142,32 @@ def test_an_option_the_command_does_not_take_is_answered_with_its_usage(
     err = capsys.readouterr().err
     assert info.value.code == 2
     assert err.startswith(usage) and err.rstrip().endswith("unrecognized arguments: --bogus")
+
+
+def test_demo_prints_each_steps_own_duration(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The step headers printed "(N s)", the time elapsed when the step started: step 1 always
+    "0.0 s", read as its duration. On a clock that only the step advances (by 2.5 s), the step
+    says it took 2.5 s and its header carries no time."""
+    import time
+
+    import initlab.cli.demo as demo
+
+    clock = [100.0]
+    run_demo = demo.run_demo
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        out = run_demo(*args, **kwargs)
+        clock[0] += 2.5
+        return out
+
+    monkeypatch.setattr(demo, "run_demo", slow)
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    assert main(["demo", "--quick", "--seed", "0", "--batch-size", "64"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if line.startswith("== 1/3 moments"))
+    assert header.endswith("(seed 0, batch 64)")  # no time in the header
+    assert "   step 1/3 took 2.5 s" in lines
+    assert lines.index("   step 1/3 took 2.5 s") > lines.index(header) + 1  # after the table
+    assert lines[-1] == "done in 2.5 s"

@@ -6,13 +6,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import math
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -388,6 +389,16 @@ def _demo_schemes(text: str) -> list[str]:
     return schemes
 
 
+@contextlib.contextmanager
+def _demo_step(number: str, text: str) -> Iterator[None]:
+    """Print a demo step's header, and when the step ends, its own duration (wall time from
+    its start to its end; ``demo`` ends with the total)."""
+    print(f"\n== {number} {text}", flush=True)
+    start = time.perf_counter()
+    yield
+    print(f"   step {number} took {time.perf_counter() - start:.1f} s", flush=True)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from initlab.cli.demo import DEMO_SCHEMES, run_demo
 
@@ -399,28 +410,26 @@ def cmd_demo(args: argparse.Namespace) -> int:
     elif args.out is not None:
         note(args, "--out is unused with --quick (step 1 only, which writes nothing)")
 
-    def step(text: str) -> None:
-        print(f"\n== {text} ({time.perf_counter() - start:.1f} s)", flush=True)
-
-    step(f"1/3 moments: forward/backward second moments per layer and scheme (seed {args.seed}, "
-         f"batch {args.batch_size})")  # fmt: skip
-    print(run_demo(schemes, seed=args.seed, batch_size=args.batch_size))
+    with _demo_step("1/3", f"moments: forward/backward second moments per layer and scheme "
+                    f"(seed {args.seed}, batch {args.batch_size})"):  # fmt: skip
+        print(run_demo(schemes, seed=args.seed, batch_size=args.batch_size))
     if not args.quick:
         from initlab.cli.demo import demo_training, no_empty_folders, training_schemes
         from initlab.cli.diagnose import diagnose_demo
 
         with no_empty_folders(out):  # an interrupted demo leaves no empty folder behind
-            step(f"2/3 diagnosis: GR scaling, weight-to-gradient ratio, verdicts per layer "
-                 f"(seed {args.seed})")  # fmt: skip
-            _, comparison = diagnose_demo(
-                schemes, seed=args.seed, out=out / "diagnosis",
-                progress=lambda msg: print(f"   {msg}", flush=True),
-            )  # fmt: skip
-            print(comparison)
+            with _demo_step("2/3", "diagnosis: GR scaling, weight-to-gradient ratio, verdicts "
+                            f"per layer (seed {args.seed})"):  # fmt: skip
+                _, comparison = diagnose_demo(
+                    schemes, seed=args.seed, out=out / "diagnosis",
+                    progress=lambda msg: print(f"   {msg}", flush=True),
+                )  # fmt: skip
+                print(comparison)
             study_schemes = training_schemes(schemes)
-            step(f"3/3 training: {', '.join(study_schemes)} x 3 seeds (from {args.seed}) x 4 "
-                 "learning rates, 3 epochs (vectorized)")  # fmt: skip
-            print(demo_training(out, study_schemes, seed=args.seed, note=lambda t: note(args, t)))
+            with _demo_step("3/3", f"training: {', '.join(study_schemes)} x 3 seeds (from "
+                            f"{args.seed}) x 4 learning rates, 3 epochs (vectorized)"):  # fmt: skip
+                print(demo_training(out, study_schemes, seed=args.seed,
+                                    note=lambda t: note(args, t)))  # fmt: skip
         print(f"\nreport folder: {out}/ (diagnosis/*.html, study/table2.md, study/plots/)")
     print(f"\ndone in {time.perf_counter() - start:.1f} s")
     return 0
