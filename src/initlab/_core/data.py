@@ -47,6 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from initlab._core.batch_shape import TARGET_KEYS, check_batched, find_target
 from initlab._core.dtype_blame import TYPE_NAMES, could_be_ids, failed_on
 from initlab._core.pytree import children, find_path, flatten_tensors, map_tensors, rebuild
 from initlab._core.pytree import shallow_types as _shallow_types
@@ -373,7 +374,7 @@ def check_batch(batch: Any, *, what: str, index: int | None = None) -> None:
             "which has a shape but no values: build the data on the CPU or a GPU"
         )
     path, first = tensors[0]
-    _check_batched(batch, what=what, which=which)
+    check_batched(batch, what=what, which=which)
     if first.dim() >= 1 and first.shape[0] == 0:
         raise ValueError(
             f"{what}: {which} has 0 examples ({_entry_name(path, batch)} has shape "
@@ -392,60 +393,6 @@ def check_batch(batch: Any, *, what: str, index: int | None = None) -> None:
                 "would be NaN. Clean the data first (drop those examples, or replace the values, "
                 "e.g. torch.nan_to_num)"
             )
-
-
-#: Keys of a dict batch that hold the target, in the order they are looked up.
-TARGET_KEYS = ("labels", "label", "targets", "target", "y")
-
-
-def find_target(batch: Any) -> tuple[str, Any] | None:
-    """``(key, target)``: ``("1", batch[1])`` of an ``(x, y, ...)`` batch, or the first
-    :data:`TARGET_KEYS` entry of a dict batch that is a tensor; ``None`` when there is none."""
-    if isinstance(batch, Mapping):
-        key = next((k for k in TARGET_KEYS if isinstance(batch.get(k), torch.Tensor)), None)
-        return None if key is None else (key, batch[key])
-    if isinstance(batch, (tuple, list)) and len(batch) >= 2:
-        return "1", batch[1]
-    return None
-
-
-def _check_batched(batch: Any, *, what: str, which: str) -> None:
-    """Raise if ``batch`` is one example without its batch dimension, as a
-    ``DataLoader(dataset, batch_size=None)`` yields them (read as a batch, ``x`` of shape ``(d,)``
-    would count as ``d`` examples): the target (``y`` of ``(x, y, ...)``, a dict's ``labels``) is
-    a scalar, or ``x`` is one feature vector ``(d,)`` with a target of shape ``(1,)`` or, for
-    floating ``x``, a target whose first dim is not ``d``; or a dict's ``input_ids`` is one
-    sequence (1-d: an un-collated row). Other entries may be scalars."""
-    if isinstance(batch, (tuple, list)) and len(batch) >= 2:
-        x, y, key = batch[0], batch[1], "1"
-    elif isinstance(batch, Mapping):
-        key, y = find_target(batch) or (None, None)
-        inputs = [v for k, v in batch.items() if k != key and isinstance(v, torch.Tensor)]
-        x = batch.get("input_ids", next((v for v in inputs if v.dim() >= 1), None))
-        if "input_ids" in batch and isinstance(x, torch.Tensor) and x.dim() == 1:
-            raise ValueError(
-                f"{what}: {which} holds one un-collated example ('input_ids' of shape "
-                f"{tuple(x.shape)}): batch the rows (a DataLoader with a collator such as "
-                "transformers.DataCollatorWithPadding), or add the batch dimension"
-            )
-    else:
-        return
-    if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor) or x.dim() == 0:
-        return
-    # a scalar target, or a feature vector x (d,) with a target (1,), or a float one with a
-    # target (k,), (k, m)...: a TensorDataset row (examples along dim 0 would disagree: d of them
-    # in x, k in y). Integer ids (d,) with k targets are an EmbeddingBag's flat input of k bags.
-    one = x.dim() == 1 and tuple(y.shape) == (1,) and x.shape[0] != 1
-    features = x.dim() == 1 and x.is_floating_point() and y.dim() >= 1
-    if y.dim() == 0 or one or (features and y.shape[0] != x.shape[0]):
-        shape = "a scalar (0-d)" if y.dim() == 0 else f"of shape {tuple(y.shape)}"
-        raise ValueError(
-            f"{what}: {which} looks like one example without a batch dimension: its target "
-            f"(entry {key!r}) is {shape} while its input has shape {tuple(x.shape)}, which would "
-            f"count as {x.shape[0]} examples. A DataLoader with batch_size=None yields single "
-            "examples: give it a batch_size, or add the batch dimension (x.unsqueeze(0), "
-            "y.unsqueeze(0))"
-        )
 
 
 def _is_numpy_array(obj: Any) -> bool:
