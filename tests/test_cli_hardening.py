@@ -1776,3 +1776,42 @@ def test_a_batch_without_a_tensor_says_what_it_holds() -> None:
         with pytest.raises(TypeError) as err:
             lsuv_(torch.nn.Linear(2, 2), data)
         assert f"a batch must hold a tensor; {said}. Accepted data: one batch" in str(err.value)
+
+
+#: A batch that holds no tensor, and how the command line names it.
+_NO_TENSOR_BATCHES = {
+    "None": (None, "None"),
+    "str": ("oops", "str"),
+    "int": (3, "int"),
+    "float": (2.5, "float"),
+    "strings": (["a", "b"], "a list (str, str)"),
+    "nones": ((None, None), "a tuple (NoneType, NoneType)"),
+    "dict": ({"a": 1}, "a dict ('a': int)"),
+}
+
+
+@pytest.mark.parametrize("command", ["init", "doctor"])
+@pytest.mark.parametrize("at", [0, 1, 2])
+@pytest.mark.parametrize("kind", list(_NO_TENSOR_BATCHES))
+def test_a_data_file_with_a_batch_without_a_tensor_names_it(
+    cli_dir: Path, capsys: pytest.CaptureFixture[str], command: str, at: int, kind: str
+) -> None:
+    """A list of batches holding None, a string or a number was read as ONE batch ([(x, y),
+    None]: model((x, y))), which failed with "linear(): argument 'input' ... must be Tensor, not
+    tuple"; a dict there was named ("batch 1 holds no tensor")."""
+    bad, said = _NO_TENSOR_BATCHES[kind]
+    good = (torch.randn(16, 4), torch.randint(0, 3, (16,)))
+    content = [good, good]
+    content.insert(at, bad)
+    torch.save(content, cli_dir / "bad.pt")
+    argv = (
+        [*_INIT, "--method", "lsuv"] if command == "init" else ["doctor", "--model", "mods.py:mlp"]
+    )
+    code, _, err = _run([*argv, "--data", "bad.pt"], capsys)
+    assert code == 2
+    assert (
+        f"initlab {command}: error: --data bad.pt: batch {at} holds no tensor: it is {said}; save "
+        "one batch with torch.save (a tensor, a tuple (x, y) or a dict of model inputs, of "
+        "tensors) or a list of batches"
+    ) in err
+    assert "Traceback" not in err and not (cli_dir / "out.pt").exists()

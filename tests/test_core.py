@@ -862,3 +862,56 @@ def test_may_weight_norm_finds_each_way_a_model_reaches_torch_weight_norm() -> N
             return x @ torch._weight_norm(self.v, self.g, 0).t()
 
     assert may_weight_norm(nn.Sequential(Direct()))
+
+
+_MODEL_EXTRACTORS = {
+    "gr_scaling": lambda m, d: initlab.gr_scaling(m, d, nn.CrossEntropyLoss()),
+    "diagnose": lambda m, d: initlab.diagnose(m, d, nn.CrossEntropyLoss()),
+    "measure_moments": lambda m, d: initlab.measure_moments(m, d, nn.CrossEntropyLoss()),
+    "lsuv_": lambda m, d: initlab.lsuv_(m, d, max_batches=3),
+}
+
+
+@pytest.mark.parametrize("entry", list(_MODEL_EXTRACTORS))
+@pytest.mark.parametrize("bad", [None, "oops", 3, 2.5, b"raw"], ids=repr)
+@pytest.mark.parametrize("at", [0, 1])
+@pytest.mark.parametrize("wrap", ["list", "Batches"])
+def test_a_batch_that_is_none_a_string_or_a_number_is_named(
+    entry: str, bad: object, at: int, wrap: str
+) -> None:
+    """[(x, y), None] was read as one batch (model((x, y)): "linear(): argument 'input' must be
+    Tensor, not tuple", or AttributeError "'NoneType' object has no attribute 'dim'"), and
+    Batches([(x, y), None]) handed None to the model."""
+    good = (torch.randn(8, 4), torch.randint(0, 3, (8,)))
+    items: list[Any] = [good, good]
+    items.insert(at, bad)
+    data = items if wrap == "list" else initlab.Batches(items)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    said = "None" if bad is None else type(bad).__name__
+    with pytest.raises(TypeError) as err:
+        _MODEL_EXTRACTORS[entry](model, data)
+    assert str(err.value) == (
+        f"{entry}: batch {at} holds no tensor: it is {said}; a batch is a tensor, a tuple (x, y), "
+        "a dict of model inputs or a custom object: drop it"
+    )
+
+
+@pytest.mark.parametrize("entry", ["gr_scaling", "diagnose", "measure_moments"])
+@pytest.mark.parametrize(
+    ("bad", "said"),
+    [
+        (["a", "b"], "the batch holds no tensor: it is a list (str, str), and the model failed"),
+        ((None, None), "the batch holds no tensor: it is a tuple (NoneType, NoneType), and the"),
+        ((), "the batch is an empty tuple, no input: drop it"),
+    ],
+)
+def test_a_container_batch_without_a_tensor_is_named_by_the_default_forward(
+    entry: str, bad: object, said: str
+) -> None:
+    """A batch of strings or Nones reached example_count ("'str' object has no attribute
+    'dim'") or the model ("linear(): ... not str"), an empty one forward_args (IndexError)."""
+    good = (torch.randn(8, 4), torch.randint(0, 3, (8,)))
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    with pytest.raises(TypeError) as err:
+        _MODEL_EXTRACTORS[entry](model, initlab.Batches([good, bad]))
+    assert str(err.value).startswith(f"the default forward: {said}")

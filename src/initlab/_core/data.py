@@ -12,7 +12,8 @@ The rule, in order (documented in the README and tested by the conformance suite
    :class:`AmbiguousDataError`, which names both readings: ``initlab.Batches([...])`` for many,
    a tuple for one. A list of one tensor, ``[x]``, is a list of one batch ``x``.
 4. A list or tuple whose items are all batches in their own right (tuples, lists, dicts, custom
-   objects) is many batches: ``[(x1, y1), (x2, y2)]``.
+   objects) is many batches: ``[(x1, y1), (x2, y2)]``; so is a list whose other items hold no
+   data (``None``, a string, a number: ``[(x, y), None]``), refused as batches where it is read.
 5. Any other iterable (a ``DataLoader``, a generator, a dataset-like iterable) is many batches.
 
 How many: ``max_batches`` batches at most, ``None`` for all of them. Data without a length (a
@@ -144,6 +145,10 @@ def _is_container(value: Any) -> bool:
     return isinstance(value, (tuple, list, Mapping))
 
 
+#: What holds no data, as a batch or an item of a list of batches (rule 4 of the module doc).
+_NO_DATA = (type(None), str, bytes, int, float, complex)
+
+
 def _ambiguous(tensors: list[torch.Tensor]) -> bool:
     if len(tensors) < 2:
         return False
@@ -167,8 +172,10 @@ def is_single_batch(data: Any) -> bool:
     if isinstance(data, (tuple, list)):
         if len(data) == 0:
             return False
-        if all(_is_container(v) or _is_custom_object(v) for v in data):
-            return False  # every item is a batch in its own right
+        batches = [_is_container(v) or _is_custom_object(v) for v in data]
+        others = all(b or isinstance(v, _NO_DATA) for b, v in zip(batches, data, strict=True))
+        if all(batches) or (isinstance(data, list) and any(batches) and others):
+            return False  # every item is a batch in its own right, or no data at all
         if isinstance(data, list):
             if len(data) == 1 and isinstance(data[0], torch.Tensor):
                 return False  # [x]: a list of one batch (the default forward reads it the same)
@@ -346,14 +353,20 @@ def check_batch(batch: Any, *, what: str, index: int | None = None) -> None:
     * 0 examples: dim 0 of its first tensor is 0;
     * one example without its batch dimension: a scalar (0-d) target beside a first tensor with
       dimensions (``DataLoader(..., batch_size=None)`` yields such examples);
+    * ``None``, a string or a number (a ``TypeError``: no batch at all);
     * NaN or ``±inf`` in any floating-point tensor (in an entry whose key contains ``"mask"``,
       ``-inf`` is allowed: additive attention masks use it).
 
     The message names the batch (``index``: its position in the data), the entry, and what to do.
     A custom object's tensors are its attributes' (:func:`batch_tensors`); a batch that holds no
-    tensor is not checked.
+    tensor is not checked further (a forward= or loss_fn= may make tensors from it).
     """
     which = "the batch" if index is None else f"batch {index}"
+    if isinstance(batch, _NO_DATA):
+        raise TypeError(
+            f"{what}: {which} holds no tensor: it is {_shallow_types(batch)}; a batch is a "
+            "tensor, a tuple (x, y), a dict of model inputs or a custom object: drop it"
+        )
     array = find_path(batch, _is_numpy_array)
     fields = object_fields(batch) if array is None else None
     if fields is not None:  # a batch object: its attributes (batch_tensors reads them)
@@ -516,9 +529,13 @@ def first_tensor(batch: Any) -> torch.Tensor:
 def forward_args(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The ``(args, kwargs)`` the default forward calls the model with (:func:`default_forward`):
     ``(x,)`` for a tensor ``x``, ``(batch[0],)`` for a tuple or list, ``**batch`` for a dict,
-    ``(batch,)`` for any other object."""
+    ``(batch,)`` for any other object; a ``TypeError`` for an empty tuple or list."""
     if isinstance(batch, Mapping):
         return (), dict(batch)
+    if isinstance(batch, (tuple, list)) and not batch:
+        raise TypeError(
+            f"the default forward: the batch is {_shallow_types(batch)}, no input: drop it"
+        )
     if isinstance(batch, (tuple, list)):
         return (batch[0],), {}
     return (batch,), {}
@@ -531,7 +548,7 @@ def default_forward(model: nn.Module, batch: Any) -> Any:
     try:
         return model(*args, **kwargs)
     except TypeError as err:
-        clear = keyword_error(err, batch, "the default forward")
+        clear = keyword_error(err, batch, "the default forward") or _no_tensor_error(err, batch)
         if clear is None:
             raise
         raise clear from err
@@ -545,6 +562,17 @@ def default_forward(model: nn.Module, batch: Any) -> Any:
         if clear is None:
             raise
         raise clear from err
+
+
+def _no_tensor_error(err: TypeError, batch: Any) -> TypeError | None:
+    """A clear error for a batch holding no tensor that the model failed on (``None`` else)."""
+    if batch_tensors(batch):
+        return None
+    return TypeError(
+        f"the default forward: the batch holds no tensor: it is {_shallow_types(batch)}, and the "
+        f"model failed on it ({err}); give batches of tensors, or a forward= or loss_fn= that "
+        "makes the model's inputs from these"
+    )
 
 
 #: torch's dtype errors that name both dtypes (any order), and those that name at most one (a

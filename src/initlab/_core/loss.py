@@ -690,8 +690,8 @@ def example_count(loss: Loss, batch: Any) -> float | None:
         y = _target(batch, None)
     except TargetError:
         return None
-    if y.dim() != 1 or y.is_floating_point():
-        return None
+    if not isinstance(y, torch.Tensor) or y.dim() != 1 or y.is_floating_point():
+        return None  # a target that is no tensor: the forward's error names the batch
     count = _counted(fn, y)
     return None if count == y.shape[0] else count
 

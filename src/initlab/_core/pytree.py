@@ -143,8 +143,10 @@ def rebuild(node: Any, values: list[Any]) -> Any:
 def shallow_types(obj: Any) -> str:
     """``obj`` in a few words, for a message: a dict or a sequence with the types of its first
     entries (``"a dict ('a': int)"``, ``"a list (int, int)"``: a batch takes these forms, so
-    their type alone does not say what is in them), ``"an empty list"``, or the type's name of
-    anything else (``"str"``)."""
+    their type alone does not say what is in them), ``"an empty list"``, ``"None"``, or the
+    type's name of anything else (``"str"``)."""
+    if obj is None:
+        return "None"
     name = type(obj).__name__
     if isinstance(obj, Mapping):
         entries = [f"{k!r}: {type(v).__name__}" for k, v in list(obj.items())[:4]]

@@ -496,6 +496,8 @@ def load_data_spec(
             obj = _call_data_fn(spec)
     taken = _split_batches(obj, batch_size, batches, spec)
     if taken is None:
+        if isinstance(obj, (list, tuple)):  # named here before the library refuses one
+            _check_tensors(list(obj[:batches]), spec, len(obj))
         taken = take_batches(obj, batches, exact=False, what="--data")
         if note is not None:
             note(
@@ -506,16 +508,17 @@ def load_data_spec(
     return taken
 
 
-def _check_tensors(batches: list[Any], spec: str) -> None:
+def _check_tensors(batches: list[Any], spec: str, total: int | None = None) -> None:
     """Refuse a ``.pt`` file's or a function's batch that holds no tensor, naming ``--data`` and
     what the batch is (a numpy array is left to the library's message, which names
-    ``torch.from_numpy``)."""
+    ``torch.from_numpy``); ``total``: the data's batches, where ``batches`` are the first."""
     for i, batch in enumerate(batches):
         numpy = find_path(batch, lambda v: type(v).__module__ == "numpy") is not None
         if batch_tensors(batch) or numpy:
             continue
         file = spec.endswith((".pt", ".pth"))
-        which = ("the file" if file else "its data") if len(batches) == 1 else f"batch {i}"
+        one = (len(batches) if total is None else total) == 1
+        which = ("the file" if file else "its data") if one else f"batch {i}"
         how = "save one batch with torch.save" if file else "return one batch"
         raise ValueError(
             f"--data {spec}: {which} holds no tensor: it is {shallow_types(batch)}; {how} (a "
