@@ -593,7 +593,7 @@ class _Out:
 
 class _IgnoresLabels(nn.Module):
     """A model with a loss of its own that it computes only when asked (``return_loss``, as
-    CLIP's); it takes ``labels`` and ignores them (``switch=False``: no such keyword)."""
+    CLIP's); labels reach it only through ``**kwargs`` (``switch=False``: no such keyword)."""
 
     def __init__(self, switch: bool) -> None:
         super().__init__()
@@ -612,17 +612,24 @@ class _Switched(_IgnoresLabels):
         return super().forward(x, return_loss=return_loss)
 
 
+class _TakesLabel(_IgnoresLabels):
+    """Names ``label`` in its forward and ignores it (loss ``None``)."""
+
+    def forward(self, x: torch.Tensor, label: Any = None) -> _Out:  # type: ignore[override]
+        return super().forward(x)
+
+
 @pytest.mark.parametrize("switch", [True, False])
 def test_a_model_that_ignores_its_labels_gets_no_silent_cross_entropy(switch: bool) -> None:
     """CLIP takes 'labels' and ignores them (its loss needs return_loss=True): loss_fn=None
     fell back to cross-entropy on its first output, silently another loss, and the message
     without labels said to add 'labels'. An output without a loss field keeps the fallback."""
     x, y = _xy()
-    model = _Switched(switch) if switch else _IgnoresLabels(False)
+    model = _Switched(switch) if switch else _TakesLabel(False)
     loss = resolve_loss(None)
-    advice = r"return_loss=True in every batch" if switch else r"has loss None"
+    advice = r"return_loss=True in every batch" if switch else r"\('label'\) .* has loss None"
     with pytest.raises(TargetError, match=advice):
-        loss(model, {"x": x, "labels": y})
+        loss(model, {"x": x, "labels" if switch else "label": y})
     if switch:
         with pytest.raises(TargetError, match=advice):
             loss(model, {"x": x})
@@ -636,6 +643,19 @@ def test_a_model_that_ignores_its_labels_gets_no_silent_cross_entropy(switch: bo
     with torch.no_grad():
         got = loss(plain, {"x": x, "labels": y})
         expected = F.cross_entropy(plain.fc(x).double(), y)
+    assert float(got) == pytest.approx(float(expected), rel=1e-6)
+
+
+@pytest.mark.parametrize("key", ["label", "labels", "target", "targets", "y"])
+def test_labels_a_forward_does_not_name_keep_the_fallback(key: str) -> None:
+    """A loss field left None by a forward that takes the labels only through ``**kwargs``
+    (``label`` into a Hugging Face classifier, which reads ``labels``) is no sign the model
+    ignored them: loss_fn=None keeps the documented cross-entropy on the logits."""
+    x, y = _xy()
+    model = _IgnoresLabels(False)
+    with torch.no_grad():
+        got = resolve_loss(None)(model, {"x": x, key: y})
+        expected = F.cross_entropy(model.fc(x).double(), y)
     assert float(got) == pytest.approx(float(expected), rel=1e-6)
 
 

@@ -577,3 +577,23 @@ def test_clip_without_return_loss_is_told_its_switch_not_given_a_cross_entropy()
         target = torch.arange(B)
         expected = (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
     assert float(own) == pytest.approx(float(expected), rel=1e-5)
+
+
+def test_a_classifier_given_label_not_labels_gets_cross_entropy_on_its_logits() -> None:
+    """BERT reads 'labels'; a batch's 'label' (the GLUE column) goes into its **kwargs and the
+    loss stays None. loss_fn=None refused it (taken for labels the model ignored); it keeps the
+    documented cross-entropy on the logits, the loss BERT computes from 'labels'. The oracle:
+    cross-entropy in float64 on the logits of a forward without labels."""
+    model = model_of("bert")
+    b = batches("bert", 1)[0]
+    batch = {
+        "input_ids": b["input_ids"],
+        "attention_mask": b["attention_mask"],
+        "label": b["labels"],
+    }
+    with torch.no_grad():
+        got = initlab.resolve_loss(None)(model, batch)
+        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+        expected = F.cross_entropy(logits.double(), b["labels"])
+    assert float(got) == pytest.approx(float(expected), rel=1e-5)
+    assert len(initlab.gradient_stats(model, [batch]).to_rows()) > 0

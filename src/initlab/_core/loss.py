@@ -286,13 +286,18 @@ class _AutoLoss(Loss):
 _LOSS_SWITCHES = ("return_loss",)
 
 
+def _forward_params(model: Any) -> Mapping[str, inspect.Parameter]:
+    """The parameters ``model``'s forward names (none where its signature cannot be read)."""
+    try:
+        return inspect.signature(model.forward).parameters
+    except (AttributeError, TypeError, ValueError):
+        return {}
+
+
 def _loss_switch(model: Any, batch: Mapping[str, Any]) -> str | None:
     """The keyword of :data:`_LOSS_SWITCHES` that ``model``'s forward takes and ``batch`` does
     not set true, or ``None``."""
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (AttributeError, TypeError, ValueError):
-        return None
+    params = _forward_params(model)
     return next((k for k in _LOSS_SWITCHES if k in params and batch.get(k) is not True), None)
 
 
@@ -300,12 +305,15 @@ def _check_no_own_loss(model: Any, outputs: Any, batch: Mapping[str, Any]) -> No
     """Raise :class:`TargetError` before the ``"auto"`` fallback (a loss on the first output
     tensor) where it would silently replace the model's own loss: the model's forward takes a
     switch for its loss (``return_loss``) the batch did not set, or its output has a ``loss``
-    field left ``None`` although the batch carries labels (the model ignored them). An output
-    without a ``loss`` field keeps the documented fallback."""
+    field left ``None`` although the batch carries labels under a key its forward names (the
+    model took them and ignored them). An output without a ``loss`` field, and labels its
+    forward does not name (``label`` into a Hugging Face model's ``**kwargs``), keep the
+    documented fallback."""
     switch = _loss_switch(model, batch)
     has_field = hasattr(outputs, "loss") or (isinstance(outputs, Mapping) and "loss" in outputs)
     found = find_target(batch)
-    if switch is None and not (has_field and found is not None):
+    named = found is not None and found[0] in _forward_params(model)
+    if switch is None and not (has_field and named):
         return
     kind = type(outputs).__name__
     ignored = (
