@@ -646,6 +646,35 @@ def test_a_model_that_ignores_its_labels_gets_no_silent_cross_entropy(switch: bo
     assert float(got) == pytest.approx(float(expected), rel=1e-6)
 
 
+class _LossOnByDefault(_IgnoresLabels):
+    """PatchTSMixer's heads: ``return_loss`` defaults to True, the loss needs ``target_values``."""
+
+    def forward(  # type: ignore[override]
+        self, x: torch.Tensor, target_values: Any = None, return_loss: bool = True
+    ) -> _Out:
+        logits = self.fc(x)
+        own = return_loss and target_values is not None
+        return _Out(logits, F.cross_entropy(logits, target_values) if own else None)
+
+
+def test_a_loss_switch_on_by_default_is_not_advised() -> None:
+    """A ``return_loss`` defaulting to True was advised ("pass return_loss=True"), which changes
+    nothing: the model needs other entries for its loss. Set false, it is advised."""
+    x, y = _xy()
+    model = _LossOnByDefault(False)
+    needs = r"give the batch what its forward needs for (it|its loss)"
+    for loss, error in ((resolve_loss(None), TargetError), (resolve_loss("model"), TypeError)):
+        with pytest.raises(error, match=needs) as caught:
+            loss(model, {"x": x})
+        assert "return_loss=True" not in str(caught.value)
+        with pytest.raises(error, match=r"pass return_loss=True in every batch"):
+            loss(model, {"x": x, "return_loss": False})
+        with torch.no_grad():
+            own = loss(model, {"x": x, "target_values": y})
+            expected = F.cross_entropy(model.fc(x).double(), y)
+        assert float(own) == pytest.approx(float(expected), rel=1e-6)
+
+
 @pytest.mark.parametrize("key", ["label", "labels", "target", "targets", "y"])
 def test_labels_a_forward_does_not_name_keep_the_fallback(key: str) -> None:
     """A loss field left None by a forward that takes the labels only through ``**kwargs``

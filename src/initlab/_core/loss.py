@@ -256,7 +256,7 @@ class _ModelOutputLoss(Loss):
             switch = _loss_switch(model, batch) if isinstance(batch, Mapping) else None
             ask = "pass the labels in the batch (e.g. a dict with 'labels')"
             if switch:
-                ask = f"pass {switch}=True in every batch (the model's own switch for its loss)"
+                ask = _NEEDS if switch[1] else f"pass {switch[0]}=True in every batch"
             raise TypeError(
                 f"the model returned no loss (no .loss, no 'loss' entry): {ask}, or a loss; "
                 f"accepted forms: {LOSS_FORMS}"
@@ -284,6 +284,7 @@ class _AutoLoss(Loss):
 #: Keyword arguments by which a model's forward is asked to compute its own loss (CLIP's,
 #: SigLIP's, BLIP's ``return_loss``): without it, labels or not, its output's ``loss`` is None.
 _LOSS_SWITCHES = ("return_loss",)
+_NEEDS = "give the batch what its forward needs for its loss (its switch for it is on)"
 
 
 def _forward_params(model: Any) -> Mapping[str, inspect.Parameter]:
@@ -294,26 +295,29 @@ def _forward_params(model: Any) -> Mapping[str, inspect.Parameter]:
         return {}
 
 
-def _loss_switch(model: Any, batch: Mapping[str, Any]) -> str | None:
-    """The keyword of :data:`_LOSS_SWITCHES` that ``model``'s forward takes and ``batch`` does
-    not set true, or ``None``."""
+def _loss_switch(model: Any, batch: Mapping[str, Any]) -> tuple[str, bool] | None:
+    """The keyword of :data:`_LOSS_SWITCHES` that ``model``'s forward takes and whether it is on
+    for ``batch`` (set true there, or true by default: PatchTSMixer's ``return_loss=True``
+    computes the loss unless told not to), or ``None``."""
     params = _forward_params(model)
-    return next((k for k in _LOSS_SWITCHES if k in params and batch.get(k) is not True), None)
+    k = next((k for k in _LOSS_SWITCHES if k in params), None)
+    return None if k is None else (k, batch.get(k, params[k].default) is True)
 
 
 def _check_no_own_loss(model: Any, outputs: Any, batch: Mapping[str, Any]) -> None:
     """Raise :class:`TargetError` before the ``"auto"`` fallback (a loss on the first output
     tensor) where it would silently replace the model's own loss: the model's forward takes a
-    switch for its loss (``return_loss``) the batch did not set, or its output has a ``loss``
-    field left ``None`` although the batch carries labels under a key its forward names (the
-    model took them and ignored them). An output without a ``loss`` field, and labels its
-    forward does not name (``label`` into a Hugging Face model's ``**kwargs``), keep the
-    documented fallback."""
-    switch = _loss_switch(model, batch)
+    switch for its loss (``return_loss``) that is off for the batch, or its output has a
+    ``loss`` field left ``None`` although the batch carries labels under a key its forward
+    names (the model took them and ignored them) or carries none with the switch on. An output
+    without a ``loss`` field, and labels its forward does not name (``label`` into a Hugging
+    Face model's ``**kwargs``), keep the documented fallback."""
+    sw = _loss_switch(model, batch)
+    switch = sw[0] if sw is not None and not sw[1] else None  # off: the one to advise
     has_field = hasattr(outputs, "loss") or (isinstance(outputs, Mapping) and "loss" in outputs)
     found = find_target(batch)
     named = found is not None and found[0] in _forward_params(model)
-    if switch is None and not (has_field and named):
+    if switch is None and not (has_field and (named or (sw is not None and found is None))):
         return
     kind = type(outputs).__name__
     ignored = (
@@ -325,8 +329,8 @@ def _check_no_own_loss(model: Any, outputs: Any, batch: Mapping[str, Any]) -> No
         f"pass {switch}=True in every batch (the model's own switch for its loss: "
         f"{{**batch, {switch!r}: True}})"
         if switch
-        else "the model computes its loss from other entries: give the batch what its forward "
-        "needs for it"
+        else "give the batch what its forward needs for it (the model computes its loss from "
+        "other entries)"
     )
     raise TargetError(
         f"{ignored}: the loss on its first output that initlab would fall back to is not the "
