@@ -184,6 +184,21 @@ class _Scaled(nn.Module):
         return 10 * self.f(x)
 
 
+class _Broadcast(nn.Module):
+    """``(N, 1)`` times (or plus) a ``(1, 10)`` constant: each entry repeated 10 times."""
+
+    def __init__(self, op: str) -> None:
+        super().__init__()
+        self.f, self.g, self.op = nn.Linear(1, 1), nn.Linear(10, 1), op
+        self.register_buffer("c", torch.full((1, 10), 0.9 if op == "mul" else 0.0))
+        with torch.no_grad():
+            self.f.weight.fill_(1.0), self.g.weight.fill_(10**-0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.f(x)
+        return self.g(h * self.c if self.op == "mul" else h + self.c)
+
+
 def _spike() -> torch.Tensor:
     x = torch.randn(1, 6, 6, dtype=F64)
     x[0, 3, 3] = 5.0  # the max of the 4 overlapping windows that hold it
@@ -208,6 +223,9 @@ _NOT_ONE_LIPSCHITZ = {  # model, op name, point of the exact Jacobian, input sha
                              "max_pool2d", _spike, (1, 6, 6)),
     "cat": (_Cat, "cat", lambda: torch.randn(3, dtype=F64), (3,)),
     "constant_factor": (_Scaled, "mul", lambda: torch.randn(3, dtype=F64), (3,)),
+    "broadcast_product": (lambda: _Broadcast("mul"), "mul",
+                          lambda: torch.randn(1, dtype=F64), (1,)),
+    "broadcast_sum": (lambda: _Broadcast("add"), "add", lambda: torch.randn(1, dtype=F64), (1,)),
 }  # fmt: skip
 
 

@@ -19,7 +19,10 @@ with its arguments against an explicit allow-list:
   and no dilation (non-overlapping windows), adaptive max/average pooling whose output size
   divides the input size; average pooling without ``ceil_mode`` or ``divisor_override``, that
   counts its zero padding; ``pad`` with constant padding; a product by a constant of
-  ``max |c| <= 1`` (a division by one of ``min |c| >= 1``); adding a constant (a bias);
+  ``max |c| <= 1`` (a division by one of ``min |c| >= 1``); adding a constant (a bias); both
+  only where the output has as many entries as the activation (a constant of shape ``(1, 10)``
+  broadcasting an activation of shape ``(N, 1)`` repeats each entry ``r = 10`` times: Lipschitz
+  constant ``sqrt(r) max |c|``, ``sqrt(r)`` for a sum);
   ``cat``/``stack`` of one activation with constants; ``sum`` over one entry;
 * the layers whose norms the bound takes: any call inside a Linear, convolution or eval-mode
   BatchNorm with a finite operator norm (whose ``forward`` is torch's), and a linear map
@@ -290,9 +293,14 @@ def _pad(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list) 
     return None if mode == "constant" else f"{mode} padding repeats entries: Lipschitz constant > 1"
 
 
+def _broadcast(out: Any, data: list) -> float:
+    """``r``: how many times a broadcast repeats each entry of the activation (1: none)."""
+    return out.numel() / max(data[0].numel(), 1) if data and isinstance(out, torch.Tensor) else 1
+
+
 def _scale(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list) -> str | None:
-    """A product or quotient: of two activations not known; by constants ``c``, ``max |c|``
-    (a quotient ``1 / min |c|``)."""
+    """A product or quotient: of two activations not known; by constants ``c``,
+    ``sqrt(r) max |c|`` (a quotient ``sqrt(r) / min |c|``), ``r`` the broadcast's repeats."""
     if len(data) > 1:
         return f"a {'product' if fn in _MULS else 'quotient'} of two activations"
     if fn in _DIVS and args and not any(args[0] is t for t in data):
@@ -302,9 +310,7 @@ def _scale(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list
         for a in (*args[:2], kwargs.get("other"))
         if a is not None and not any(a is t for t in data)
     ]
-    if not others:
-        return None
-    c = others[0]
+    c, r = others[0] if others else 1.0, _broadcast(out, data)
     if isinstance(c, torch.Tensor):
         c = c.detach().abs()
         big = float(c.max()) if fn in _MULS else (1 / float(c.min()) if c.numel() else 0.0)
@@ -312,14 +318,17 @@ def _scale(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list
         big = abs(c) if fn in _MULS else (1 / abs(c) if c else math.inf)
     else:
         return "not known to be 1-Lipschitz"
-    return None if big <= 1 else f"a factor {big:.3g}: Lipschitz constant {big:.3g} > 1"
+    most, rep = big * math.sqrt(r), f" repeating entries {r:.3g}x" if r > 1 else ""
+    up = "up to " if r > 1 else ""
+    return None if most <= 1 else f"a factor {big:.3g}{rep}: Lipschitz constant {up}{most:.3g} > 1"
 
 
 def _sum(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list) -> str | None:
-    if fn in _ADDS:
-        return "sum" if len(data) > 1 else None
-    if fn in _SUBS:
-        return "a difference of two activations" if len(data) > 1 else None
+    if fn in _ADDS | _SUBS and len(data) > 1:
+        return "sum" if fn in _ADDS else "a difference of two activations"
+    if fn in _ADDS | _SUBS:  # with a constant: 1-Lipschitz unless it broadcasts
+        r = _broadcast(out, data)
+        return None if r <= 1 else f"repeats entries {r:.3g}x: Lipschitz constant {r**0.5:.3g}"
     n = data[0].numel() // max(out.numel(), 1) if data and isinstance(out, torch.Tensor) else 1
     return (
         None
@@ -338,7 +347,7 @@ def _join(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list)
 
 
 def _repeat(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list) -> str | None:
-    n = out.numel() / max(data[0].numel(), 1) if data and isinstance(out, torch.Tensor) else 1
+    n = _broadcast(out, data)
     return None if n <= 1 else f"repeats entries {n:.3g}x: Lipschitz constant {math.sqrt(n):.3g}"
 
 
