@@ -21,8 +21,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils import _pytree as pytree
 
 import initlab
+from initlab._core.state import model_kept
 
 from .ddp_util import run_ranks
 
@@ -192,6 +194,58 @@ def test_torchs_own_node_hooks_stay_active() -> None:
     node.register_hook(reduce_hook)
     initlab.gradient_stats(model, _data()[:1], _CE)
     assert fired[0] == 1
+
+
+class _NoViews(torch.Tensor):
+    """A wrapper subclass that takes every op but views: its ``__torch_dispatch__`` declines
+    them (``NotImplemented``), and torch raises ``TypeError`` ("Multiple dispatch failed")."""
+
+    elem: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, elem: torch.Tensor) -> _NoViews:
+        return torch.Tensor._make_wrapper_subclass(cls, elem.shape, dtype=elem.dtype)
+
+    def __init__(self, elem: torch.Tensor) -> None:
+        self.elem = elem
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default):
+            return NotImplemented
+        out = func(*pytree.tree_map(_unwrap, args), **pytree.tree_map(_unwrap, kwargs or {}))
+        if func._schema.is_mutable:
+            return args[0]
+        return pytree.tree_map(lambda t: _NoViews(t) if isinstance(t, torch.Tensor) else t, out)
+
+
+def _unwrap(t: Any) -> Any:
+    return t.elem if isinstance(t, _NoViews) else t
+
+
+class _Gain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(_NoViews(torch.ones(6)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w
+
+
+def test_a_parameter_subclass_without_views_has_no_node_to_suspend() -> None:
+    """model_kept ran ``p.view_as(p)`` to reach each node and caught only RuntimeError: a
+    subclass declining views raised TypeError from every entry point (layer_spectra included,
+    which ran before). Its node is out of the recipe's reach too: no hook to suspend."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Gain(), nn.Linear(6, 3))
+    with pytest.raises(TypeError, match="Multiple dispatch failed"):
+        model[0].w.view_as(model[0].w)
+    with model_kept(model):
+        pass
+    rows = initlab.layer_spectra(model, _data()[:1]).to_rows()
+    expected = torch.linalg.matrix_norm(model[1].weight.detach().double(), ord=2)
+    assert [r["layer"] for r in rows] == ["1"]
+    assert rows[0]["op_norm"] == pytest.approx(float(expected), rel=1e-6)
 
 
 def _ddp_worker(rank: int, world: int) -> tuple[list[float], int]:

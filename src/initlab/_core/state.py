@@ -144,8 +144,8 @@ def _accumulator_hook_dicts(p: nn.Parameter) -> list[dict[Any, Any]]:
     try:
         with torch.inference_mode(False), torch.enable_grad():
             view = p.view_as(p)
-    except (RuntimeError, NotImplementedError):  # a tensor subclass without views: no recipe
-        return []
+    except (RuntimeError, NotImplementedError, TypeError):  # a subclass without views (its
+        return []  # __torch_dispatch__ declining: TypeError "Multiple dispatch failed"): no recipe
     edges = view.grad_fn.next_functions if view.grad_fn is not None else ()
     node = edges[0][0] if edges else None
     if type(node).__name__ != "AccumulateGrad":
