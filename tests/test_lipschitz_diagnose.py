@@ -277,6 +277,33 @@ def test_operations_known_to_be_1_lipschitz_keep_the_bound_guaranteed() -> None:
         assert observed <= lip["residual"] * (1 + 1e-9)
 
 
+def _residual_loss(model: nn.Module, batch) -> torch.Tensor:
+    """A PINN's loss: the model's input gradient (``torch.autograd.grad``) in the loss."""
+    x = batch[0].clone().requires_grad_(True)
+    u = model(x)
+    (du,) = torch.autograd.grad(u.sum(), x, create_graph=True)
+    return (du**2).mean() + (u**2).mean()
+
+
+def test_a_loss_that_needs_autograd_keeps_the_bound_guaranteed() -> None:
+    """The forward that counts each layer's calls ran the loss without grad: a PINN residual
+    failed there, the counts were dropped and a Linear-Tanh-Linear bound lost its guarantee.
+    The oracle: the product of the weights' spectral norms in float64 bounds the exact
+    Jacobian norm at every point."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 16), nn.Tanh(), nn.Linear(16, 1)).double()
+    report = diagnose(model, [(torch.randn(16, 2, dtype=F64),)], _residual_loss, generator=0,
+                      per_example=False, gradients=False)  # fmt: skip
+    lip = report.meta["lipschitz"]
+    norms = [torch.linalg.matrix_norm(model[i].weight.detach(), ord=2) for i in (0, 2)]
+    assert lip["plain"] == pytest.approx(float(norms[0] * norms[1]), rel=1e-6)
+    assert lip["guaranteed"] and lip["operations"] == [], lip
+    own = copy.deepcopy(model)
+    for _ in range(5):
+        point = torch.randn(2, dtype=F64) * 2
+        assert _jacobian_norm(lambda v: own(v.reshape(1, 2)).reshape(-1), point) <= lip["plain"]
+
+
 @pytest.mark.parametrize(
     ("name", "cfg"),
     [

@@ -373,18 +373,20 @@ def _plain_forward(
 ) -> tuple[InputShapes, OperationWatch | None]:
     """Input shapes and call counts (:class:`InputShapes`) and the operations that ran
     (:class:`OperationWatch`) from one plain forward of the first batch (``loss_fn(model,
-    batch)`` without grad, in ``seeds``' scope 0, the model put back), as :func:`layer_spectra`
-    watches one: not from the probed pass, whose per-example replays (an eval-mode BatchNorm's,
-    a transposed convolution's, re-run in the backward) would count as calls and square those
-    layers' norms in the Lipschitz bound. Where that forward fails, the call counts are left
-    unknown and the operations unchecked (a note; the bound is then no guarantee)."""
+    batch)`` in ``seeds``' scope 0, the model put back), as :func:`layer_spectra` watches one:
+    not from the probed pass, whose per-example replays (an eval-mode BatchNorm's, a transposed
+    convolution's, re-run in the backward) would count as calls and square those layers' norms
+    in the Lipschitz bound. It runs with grad, as the pass does (a PINN residual's or gradient
+    penalty's ``torch.autograd.grad`` inside the loss), and no backward: its graph is freed with
+    the loss. Where it fails, the call counts are left unknown and the operations unchecked (a
+    note; the bound is then no guarantee)."""
     shapes, ops = InputShapes(model), OperationWatch(model)
     try:
-        with preserved_state(model), torch.no_grad(), seeds.scope(0), shapes, ops():
-            loss_fn(model, batch)
-    except Exception as err:  # the pass ran this loss with grad: report, keep the rest
+        with preserved_state(model), torch.enable_grad(), seeds.scope(0), shapes, ops():
+            loss_fn(model, batch)  # the result dropped: its graph freed, nothing accumulated
+    except Exception as err:  # the pass ran this loss: report, keep the rest
         shapes.calls.clear()
-        notes.append(f"the forward that counts each layer's calls failed without grad "
+        notes.append(f"the forward that counts each layer's calls failed "
                      f"({type(err).__name__}: {err}): call counts not known")  # fmt: skip
         return shapes, None
     return shapes, ops
