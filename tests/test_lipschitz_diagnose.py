@@ -277,6 +277,28 @@ def test_operations_known_to_be_1_lipschitz_keep_the_bound_guaranteed() -> None:
         assert observed <= lip["residual"] * (1 + 1e-9)
 
 
+def test_dropout_in_train_mode_says_to_call_eval() -> None:
+    """Dropout in train mode scales what it keeps by 1/(1-p) (a Jacobian norm of 2 here, over
+    a product of norms of 1): no guarantee, and nothing said to call model.eval(). The
+    operation's entry and the summary line say so; in eval mode the bound is guaranteed."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_unit(nn.Linear(4, 4)), nn.Dropout(0.5), _unit(nn.Linear(4, 4)))
+    model = model.double().train()
+    x = torch.randn(8, 4, dtype=F64)
+    report = diagnose(model, [(x,)], _square_mean, generator=0, per_example=False,
+                      gradients=False)  # fmt: skip
+    lip, own = report.meta["lipschitz"], copy.deepcopy(model)
+    observed = max(
+        _jacobian_norm(lambda v: own(v.reshape(1, 4)).reshape(-1), x[i]) for i in range(8)
+    )
+    assert observed == pytest.approx(2.0) and lip["plain"] == pytest.approx(1.0)
+    assert not lip["guaranteed"]
+    assert [o for o in lip["operations"] if "model.eval()" in o], lip["operations"]
+    line = [s for s in report.summary().splitlines() if "Lipschitz upper bound" in s]
+    assert "call model.eval() first" in line[0], line
+    assert _lipschitz(model.eval(), x, per_example=False, gradients=False)["guaranteed"]
+
+
 def _residual_loss(model: nn.Module, batch) -> torch.Tensor:
     """A PINN's loss: the model's input gradient (``torch.autograd.grad``) in the loss."""
     x = batch[0].clone().requires_grad_(True)

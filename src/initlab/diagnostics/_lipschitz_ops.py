@@ -245,7 +245,10 @@ def _dropout(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: li
     training = bool(_arg(args, kwargs, 2, "training", True))
     if not training or p == 0:
         return None
-    return f"in train mode, it scales what it keeps by 1/(1-p) = {1 / (1 - p):.3g} > 1"
+    return (
+        f"in train mode, it scales what it keeps by 1/(1-p) = {1 / (1 - p):.3g} > 1 (call "
+        "model.eval() first for the bound of the model at inference)"
+    )
 
 
 def _tuple(v: Any, d: int) -> tuple[int, ...]:

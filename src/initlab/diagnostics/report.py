@@ -309,9 +309,12 @@ def _lipschitz_lines(meta: Mapping[str, Any]) -> list[str]:
     if lip.get("guaranteed") is False and ops:
         names = list(dict.fromkeys(o.partition(" in ")[0] for o in ops))
         shown = ", ".join(names[:4]) + f" and {len(names) - 4} more" * (len(names) > 4)
+        train = "; dropout in train mode: call model.eval() first" * any(
+            "dropout" in n for n in names
+        )
         return [
             f"  Lipschitz upper bound: not available, operations not known to be 1-Lipschitz "
-            f"ran ({shown}); see meta['lipschitz']"
+            f"ran ({shown}){train}; see meta['lipschitz']"
         ]
     if lip.get("guaranteed") is False:
         return ["  Lipschitz upper bound: not available (see meta['lipschitz'])"]

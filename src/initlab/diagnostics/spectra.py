@@ -43,7 +43,8 @@ eps)|``. Assumptions, stated so the number is read right: every parameter-free o
 :func:`initlab.diagnose` checks the operations of one forward against an allow-list,
 :mod:`initlab.diagnostics._lipschitz_ops`, and GELU, SiLU, upsampling, overlapping max pooling,
 ``torch.cat`` of two activations or a constant factor above 1 make the bound no guarantee, named
-in ``operations``; :func:`lipschitz_bounds` alone notes the assumption) and every branch is a
+in ``operations``, and so does dropout in train mode, which scales by ``1/(1-p)``: call
+``model.eval()`` first; :func:`lipschitz_bounds` alone notes the assumption) and every branch is a
 chain (a sum of parallel branches ``p(x) + q(x)`` that is no residual block,
 as the linter's trace finds them, ``LintResult.branch_sums``, makes the bound no guarantee; where
 none were looked for, the notes say so). Layers the bound cannot cover (BatchNorm in train mode,
