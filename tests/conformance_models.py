@@ -1,4 +1,5 @@
-"""Tiny seeded models and data for the conformance suite (tests/test_conformance.py).
+"""Tiny seeded models, data and losses for the conformance suite (tests/test_conformance.py),
+shared with other tests.
 
 Every builder returns a fresh object on each call, identical for the same arguments: models are
 built under a forked global RNG seeded per model, data comes from a fixed ``torch.Generator``.
@@ -162,6 +163,20 @@ def out_tensor(output: Any) -> torch.Tensor:
 def tuple_loss(m: nn.Module, b: Any) -> torch.Tensor:
     """The canonical ``loss_fn(model, batch)`` on ``(x, y)`` batches."""
     return F.cross_entropy(out_tensor(m(b[0])), b[1])
+
+
+def interrupted_loss(at: int = 2) -> Callable[[nn.Module, Any], torch.Tensor]:
+    """:func:`tuple_loss` that raises ``KeyboardInterrupt`` on its ``at``-th call (a user's
+    Ctrl-C in the middle of an entry point)."""
+    calls = [0]
+
+    def loss(m: nn.Module, b: Any) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] == at:
+            raise KeyboardInterrupt
+        return tuple_loss(m, b)
+
+    return loss
 
 
 def dict_loss(m: nn.Module, b: Any) -> torch.Tensor:

@@ -26,6 +26,7 @@ from torch.utils import _pytree as pytree
 import initlab
 from initlab._core.state import model_kept
 
+from .conformance_models import interrupted_loss
 from .ddp_util import run_ranks
 
 with warnings.catch_warnings():  # the package's own import uses the deprecated torch.jit.interface
@@ -164,16 +165,8 @@ def test_node_hooks_come_back_in_order_after_an_interrupt() -> None:
     fired: list[str] = []
     node = _node(model[0].weight)
     handles = [node.register_hook(lambda *_a, s=s: fired.append(s)) for s in "abc"]
-    calls = [0]
-
-    def loss(m: nn.Module, batch: Any) -> torch.Tensor:
-        calls[0] += 1
-        if calls[0] == 2:
-            raise KeyboardInterrupt
-        return F.cross_entropy(m(batch[0]), batch[1])
-
     with pytest.raises(KeyboardInterrupt):
-        initlab.gradient_stats(model, _data(), loss)
+        initlab.gradient_stats(model, _data(), interrupted_loss(at=2))
     assert fired == []
     handles[1].remove()
     x, y = _xy(16)

@@ -30,6 +30,8 @@ from torch.nn.utils.parametrizations import weight_norm
 import initlab
 from initlab.measure.curvature import CurvatureOperator, hessian_eigenpairs
 
+from .conformance_models import interrupted_loss
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -538,16 +540,9 @@ def test_post_accumulate_grad_hooks_come_back_after_an_interrupt() -> None:
     model = _mlp_pag()
     opts, steps = _stepping_in_backward(model)
     keys = {n: list(p._post_accumulate_grad_hooks) for n, p in model.named_parameters()}
-    calls = [0]
-
-    def loss(m: nn.Module, batch: Any) -> torch.Tensor:
-        calls[0] += 1
-        if calls[0] == 2:
-            raise KeyboardInterrupt
-        return F.cross_entropy(m(batch[0]), batch[1])
-
+    data = [(x[:16], y[:16]), (x[16:], y[16:])]
     with pytest.raises(KeyboardInterrupt):
-        initlab.gradient_stats(model, [(x[:16], y[:16]), (x[16:], y[16:])], loss)
+        initlab.gradient_stats(model, data, interrupted_loss(at=2))
     assert steps[0] == 0 and all(not o.state for o in opts.values())
     assert {n: list(p._post_accumulate_grad_hooks) for n, p in model.named_parameters()} == keys
     F.cross_entropy(model(x), y).backward()
