@@ -5,6 +5,7 @@ spectral norms and products, and the exact Jacobian norm of the whole model at c
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -346,4 +347,81 @@ def test_the_zoo_models_bounds_stay_guaranteed(name: str, cfg: dict) -> None:
     model = create_model(name, **cfg).eval()
     x = torch.randn(2, *input_shape(name, **cfg))
     lip = _lipschitz(model, x, gradients=False, max_batches=1)
+    assert lip["guaranteed"] and lip["operations"] == [], lip
+
+
+# ----------------------------------------------------------------------------- explore12
+
+
+def _max_jacobian_norm(model: nn.Module, shape: tuple[int, ...], points: int = 5) -> float:
+    """The largest exact ``||J(x)||_2`` of ``model`` over random points at scales 1 and 3."""
+    own = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    return max(
+        _jacobian_norm(
+            lambda v: own(v.reshape(1, *shape)).reshape(-1),
+            (1 + 2 * (i % 2)) * torch.randn(*shape, dtype=F64, generator=g),
+        )
+        for i in range(points)
+    )
+
+
+def _checked(model: nn.Module, shape: tuple[int, ...]) -> tuple[dict, float]:
+    """``(meta["lipschitz"], max exact ||J||)``; a bound claimed guaranteed must hold."""
+    torch.manual_seed(0)
+    model = model.double().eval()
+    lip = _lipschitz(model, torch.randn(8, *shape, dtype=F64), gradients=False)
+    exact = _max_jacobian_norm(model, shape)
+    bound = lip["residual"] if math.isfinite(lip["residual"]) else lip["plain"]
+    assert not lip["guaranteed"] or exact <= bound * (1 + 1e-9), (exact, lip)
+    return lip, exact
+
+
+class _Lambda(nn.Module):
+    """``out(fn(inner(x), inner))`` with two 6 -> 6 layers and a 6 -> 3 head."""
+
+    def __init__(self, fn, scale: float = 1.0) -> None:
+        super().__init__()
+        self.fn, self.inner, self.other, self.out = (
+            fn,
+            nn.Linear(6, 6),
+            nn.Linear(6, 6),
+            nn.Linear(6, 3),
+        )
+        with torch.no_grad():
+            self.inner.weight.mul_(scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.fn(self.inner(x), self))
+
+
+_ALPHA = {  # a factor alpha the bound missed: add/sub/rsub with alpha= on an activation
+    "residual": lambda h, m: torch.add(h, m.other(h), alpha=10.0),
+    "method": lambda h, m: h.add(m.other(h), alpha=-4.0),
+    "sub": lambda h, m: torch.sub(h, m.other(h), alpha=5.0),
+    "constant_plus": lambda h, m: torch.add(torch.ones(6, dtype=h.dtype), h, alpha=10.0),
+    "rsub": lambda h, m: torch.rsub(h, 1.0, alpha=10.0),
+}
+
+
+@pytest.mark.parametrize("case", list(_ALPHA))
+def test_alpha_of_an_add_or_sub_makes_the_bound_no_guarantee(case: str) -> None:
+    """``torch.add(x, F(x), alpha=10)`` was judged as the residual block ``x + F(x)``: the
+    "guaranteed" bound was 1.5 where the exact Lipschitz constant is 5.4."""
+    lip, exact = _checked(_Lambda(_ALPHA[case]), (6,))
+    assert not lip["guaranteed"]
+    assert any("alpha" in o for o in lip["operations"]), lip["operations"]
+    assert exact > min(lip["plain"], lip["residual"])  # the bound ignoring alpha would fail
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda h, m: torch.add(h, torch.ones(6, dtype=h.dtype), alpha=10.0),  # alpha on a bias
+        lambda h, m: torch.add(torch.ones(6, dtype=h.dtype), h, alpha=0.5),
+        lambda h, m: h.sub(torch.ones(6, dtype=h.dtype), alpha=-3.0),
+    ],
+)
+def test_alpha_on_a_constant_or_at_most_one_keeps_the_bound_guaranteed(fn) -> None:
+    lip, _ = _checked(_Lambda(fn), (6,))
     assert lip["guaranteed"] and lip["operations"] == [], lip

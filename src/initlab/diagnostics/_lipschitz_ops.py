@@ -19,7 +19,8 @@ with its arguments against an explicit allow-list:
   and no dilation (non-overlapping windows), adaptive max/average pooling whose output size
   divides the input size; average pooling without ``ceil_mode`` or ``divisor_override``, that
   counts its zero padding; ``pad`` with constant padding; a product by a constant of
-  ``max |c| <= 1`` (a division by one of ``min |c| >= 1``); adding a constant (a bias); both
+  ``max |c| <= 1`` (a division by one of ``min |c| >= 1``); adding a constant (a bias), with
+  ``add``/``sub``'s ``alpha`` scaling the activation by ``|alpha| <= 1`` where it is given; both
   only where the output has as many entries as the activation (a constant of shape ``(1, 10)``
   broadcasting an activation of shape ``(N, 1)`` repeats each entry ``r = 10`` times: Lipschitz
   constant ``sqrt(r) max |c|``, ``sqrt(r)`` for a sum);
@@ -33,9 +34,9 @@ with its arguments against an explicit allow-list:
 
 Calls inside a module the bound lists as not covered are left to that note. Everything else
 (GELU, SiLU, SELU, ELU with ``alpha > 1``, upsampling, overlapping max pooling, ``torch.cat`` of
-two activations, ``10 * x``, a product of two activations, a functional ``layer_norm``, any op
-not listed) is reported with its Lipschitz constant where known, and makes the bound no
-guarantee.
+two activations, ``10 * x``, ``torch.add(x, F(x), alpha=2)``, a product of two activations, a
+functional ``layer_norm``, any op not listed) is reported with its Lipschitz constant where
+known, and makes the bound no guarantee.
 """
 
 from __future__ import annotations
@@ -219,7 +220,7 @@ def _judge(
         return "layer" if len(data) == 1 else "a product of two activations"
     for names, judge in _JUDGES:
         if fn in names:
-            return judge(fn, args, kwargs, out, data)
+            return _alpha(fn, args, kwargs, data) or judge(fn, args, kwargs, out, data)
     if fn in _KNOWN:
         return f"Lipschitz constant {_KNOWN[fn]:.3g} > 1"
     return "not known to be 1-Lipschitz"
@@ -227,6 +228,23 @@ def _judge(
 
 def _two_activations(fn: str, data: list[torch.Tensor]) -> str | None:
     return f"{fn} of two activations: not known to be 1-Lipschitz" if len(data) > 1 else None
+
+
+def _alpha(fn: str, args: tuple, kwargs: Mapping[str, Any], data: list) -> str | None:
+    """``add``/``sub``'s ``alpha`` scales the second operand (``rsub``'s the first): ``x + a F(x)``
+    is no residual block ``x + F(x)`` of the bound, and ``a h`` has Lipschitz constant ``|a|``.
+    ``None`` where ``alpha`` changes nothing (the call is judged as without it)."""
+    alpha = kwargs.get("alpha", 1)
+    if fn not in _ADDS | _SUBS or alpha == 1:
+        return None
+    scaled = args[0] if fn == "rsub" else _arg(args, kwargs, 1, "other", None)
+    if not any(scaled is t for t in data):
+        return None  # alpha scales a constant: judged as a sum with a constant
+    if len(data) > 1:
+        kind = "sum" if fn in _ADDS else "difference"
+        return f"a {kind} of two activations, one scaled by alpha = {alpha:.3g}: no residual block"
+    big = abs(alpha)
+    return None if big <= 1 else f"a factor alpha = {alpha:.3g}: Lipschitz constant {big:.3g} > 1"
 
 
 def _slope(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list) -> str | None:
