@@ -425,3 +425,32 @@ def test_alpha_of_an_add_or_sub_makes_the_bound_no_guarantee(case: str) -> None:
 def test_alpha_on_a_constant_or_at_most_one_keeps_the_bound_guaranteed(fn) -> None:
     lip, _ = _checked(_Lambda(fn), (6,))
     assert lip["guaranteed"] and lip["operations"] == [], lip
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda h, m: torch.clamp(h, min=m.other(h)),
+        lambda h, m: h.clamp(max=m.other(h)),
+        lambda h, m: torch.clamp_min(h, m.other(h)),
+    ],
+    ids=["clamp_min_kw", "clamp_max_method", "clamp_min"],
+)
+def test_a_clamp_between_two_activations_makes_the_bound_no_guarantee(fn) -> None:
+    """``clamp(a(x), min=b(x))`` is ``max(a(x), b(x))``: allowed unconditionally, it gave a
+    "guaranteed" bound 0.18 where the exact Jacobian norm reaches 9.5."""
+    model = _Lambda(fn, scale=20.0)
+    with torch.no_grad():
+        model.other.weight.mul_(0.01)
+    lip, exact = _checked(model, (6,))
+    assert not lip["guaranteed"]
+    assert any("of two activations" in o for o in lip["operations"]), lip["operations"]
+    assert exact > lip["plain"]
+
+
+def test_a_clamp_to_constant_bounds_keeps_the_bound_guaranteed() -> None:
+    lo = torch.full((6,), -0.5, dtype=F64)
+    lip, _ = _checked(
+        _Lambda(lambda h, m: torch.clamp(h, min=lo).clamp(max=2.0).clamp_min(-0.1)), (6,)
+    )
+    assert lip["guaranteed"] and lip["operations"] == [], lip

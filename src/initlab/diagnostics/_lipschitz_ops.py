@@ -10,10 +10,11 @@ with its arguments against an explicit allow-list:
 
 * 1-Lipschitz whatever their arguments: ``relu``, ``tanh``, ``sigmoid``, ``hardtanh`` (``ReLU6``),
   ``hardsigmoid``, ``softsign``, ``softplus``, ``logsigmoid``, ``celu``, ``softshrink``,
-  ``tanhshrink``, ``softmax``, ``abs``, ``clamp``, ``neg``, ``mean``; shape, layout and dtype
+  ``tanhshrink``, ``softmax``, ``abs``, ``neg``, ``mean``; shape, layout and dtype
   changes (``view``, ``reshape``, ``flatten``, ``permute``, ``transpose``, ``squeeze``, ``to``,
   ``split``, ``narrow``, basic slicing ``x[:, ::2]``, ``pixel_shuffle``, ...); max/min reductions
-  over a dim (``amax``: a maxout);
+  over a dim (``amax``: a maxout); ``clamp`` and elementwise ``max``/``min`` with constant
+  bounds (of two activations, ``clamp(a(x), min=b(x))``, they are not known);
 * with arguments that keep them 1-Lipschitz: ``leaky_relu`` / ``elu`` / ``prelu`` with slope
   ``|a| <= 1``; ``dropout`` in eval mode (or ``p = 0``); max pooling with ``kernel <= stride``
   and no dilation (non-overlapping windows), adaptive max/average pooling whose output size
@@ -67,6 +68,8 @@ _ANY = frozenset(
         "amax", "amin", "max", "min", "identity",
     }
 )  # fmt: skip
+# elementwise max/min: 1-Lipschitz of one activation and constants, not of two activations
+_PAIRWISE = frozenset({"max", "min", "clamp", "clamp_", "clip", "clamp_min", "clamp_max"})
 _LAYER_OPS = frozenset(
     {
         "linear", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
@@ -215,7 +218,7 @@ def _judge(
     """``None`` where the call is 1-Lipschitz in its data arguments ``data``, ``"layer"`` or
     ``"sum"`` (decided later), else why it is not (see :class:`OperationWatch`)."""
     if fn in _ANY:
-        return _two_activations(fn, data) if fn in ("max", "min") else None
+        return _two_activations(fn, data) if fn in _PAIRWISE else None
     if fn in _LAYER_OPS:
         return "layer" if len(data) == 1 else "a product of two activations"
     for names, judge in _JUDGES:
