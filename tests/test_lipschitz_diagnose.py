@@ -454,3 +454,40 @@ def test_a_clamp_to_constant_bounds_keeps_the_bound_guaranteed() -> None:
         _Lambda(lambda h, m: torch.clamp(h, min=lo).clamp(max=2.0).clamp_min(-0.1)), (6,)
     )
     assert lip["guaranteed"] and lip["operations"] == [], lip
+
+
+def _times_ten(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+    return out * 10
+
+
+def _keeps(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+    module.seen = out.detach().abs().amax()  # reads the output, returns nothing
+
+
+@pytest.mark.parametrize("where", ["module", "global"])
+def test_a_forward_hook_rescaling_a_covered_layer_makes_the_bound_no_guarantee(where) -> None:
+    """A hook's calls were taken for the trusted Linear's own: ``o * 10`` in its forward hook
+    kept a "guaranteed" bound of 0.76 where the exact Jacobian norm reaches 5."""
+    model = _Lambda(lambda h, m: torch.relu(h))
+    model.inner.scaled = True  # the copy the exact Jacobian is taken of keeps it
+    hook = model.inner.register_forward_hook(_times_ten) if where == "module" else None
+    glob = nn.modules.module.register_module_forward_hook(
+        lambda mod, a, o: _times_ten(mod, a, o) if hasattr(mod, "scaled") else None
+    ) if where == "global" else None  # fmt: skip
+    try:
+        lip, exact = _checked(model, (6,))
+    finally:
+        for h in (hook, glob):
+            if h is not None:
+                h.remove()
+    assert not lip["guaranteed"]
+    assert any(o.startswith("mul in inner") for o in lip["operations"]), lip["operations"]
+    assert exact > lip["plain"]
+
+
+def test_a_forward_hook_that_changes_nothing_keeps_the_bound_guaranteed() -> None:
+    model = _Lambda(lambda h, m: torch.relu(h))
+    model.inner.register_forward_hook(_keeps)
+    model.inner.register_forward_pre_hook(lambda mod, a: None)
+    lip, _ = _checked(model, (6,))
+    assert lip["guaranteed"] and lip["operations"] == [], lip

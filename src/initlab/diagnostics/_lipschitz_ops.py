@@ -27,7 +27,8 @@ with its arguments against an explicit allow-list:
   constant ``sqrt(r) max |c|``, ``sqrt(r)`` for a sum);
   ``cat``/``stack`` of one activation with constants; ``sum`` over one entry;
 * the layers whose norms the bound takes: any call inside a Linear, convolution or eval-mode
-  BatchNorm with a finite operator norm (whose ``forward`` is torch's), and a linear map
+  BatchNorm with a finite operator norm (whose ``forward`` is torch's; not the calls of its
+  forward hooks, judged as any other: ``o * 10``), and a linear map
   (``linear``, ``conv*``, ``addmm``, ``matmul``) of such a layer's weight elsewhere (its parent
   applying it: :data:`~initlab.diagnostics._lipschitz.INFERRED_CALLS`);
 * the sum ``x + F(x)`` of a residual block the bound models (one the runtime trace finds, with
@@ -50,6 +51,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from initlab._core.hooks import hook_handles
 from initlab.measure.runtime_trace import RuntimeGraph, RuntimeNode, additions_of, recording
 
 __all__ = ["OperationWatch"]
@@ -105,11 +107,26 @@ class OperationWatch:
         self.graph: RuntimeGraph | None = None
         self.judged: list[tuple[RuntimeNode, str | None, str | None]] = []
         self._data: dict[int, bool] = {}
+        self._returned: set[str] = set()  # modules whose forward returned: their hooks run
+        self._hooked: set[int] = set()  # calls made by a module's forward hooks
+        self._global_hooks = False
 
     @contextmanager
     def __call__(self) -> Iterator[OperationWatch]:
-        with recording(self.model, self._on_call) as graph:
+        """Record (see the class). A module's forward hooks run after its forward, still inside
+        the module for the recorder: a hook placed first marks their calls, which no trusted
+        layer covers (``o * 10`` in a Linear's hook); global forward hooks run before it, so
+        with any of them no layer is trusted."""
+        self._global_hooks = bool(getattr(nn.modules.module, "_global_forward_hooks", None))
+        with recording(self.model, self._on_call) as graph, hook_handles() as handles:
             self.graph = graph
+            for name, m in self.model.named_modules():
+                handles.add(
+                    m.register_forward_pre_hook(lambda *_, n=name: self._returned.discard(n))
+                )
+                handles.add(m.register_forward_hook(
+                    lambda *_, n=name: self._returned.add(n), prepend=True, always_call=True
+                ))  # fmt: skip
             yield self
 
     def _is_data(self, node: RuntimeNode) -> bool:
@@ -137,6 +154,8 @@ class OperationWatch:
         flat = _flat(args, kwargs)
         data = [a for a in flat if isinstance(a, torch.Tensor) and self._tagged(a, tag_of)]
         owner = next((self.owners[id(a)] for a in flat if id(a) in self.owners), None)
+        if node.module in self._returned:
+            self._hooked.add(node.index)
         self.judged.append((node, _judge(node.fn, args, kwargs, out, data), owner))
 
     def _tagged(self, t: torch.Tensor, tag_of: Callable[[Any], int | None]) -> bool:
@@ -154,12 +173,13 @@ class OperationWatch:
         operator norm; ``uncovered``: modules the bound already lists; ``blocks``: the bound's
         residual blocks."""
         modules = dict(self.model.named_modules())
-        trusted = {n for n in covered if _torch_forward(modules.get(n))}
+        trusted = {n for n in covered if _torch_forward(modules.get(n)) and not self._global_hooks}
         skipped, covered = set(uncovered), set(covered)
         modelled = self._modelled_sums(blocks, covered)
         found: dict[tuple[str, str], list[str]] = {}
         for node, why, owner in self.judged:
-            if why is None or node.module in trusted or skipped.intersection(node.stack):
+            inside = node.module in trusted and node.index not in self._hooked
+            if why is None or inside or skipped.intersection(node.stack):
                 continue
             if why == "layer":
                 if owner in covered:
