@@ -34,6 +34,11 @@ with its arguments against an explicit allow-list:
 * the sum ``x + F(x)`` of a residual block the bound models (one the runtime trace finds, with
   the same layers as one of the bound's blocks).
 
+What the recorder cannot see makes the bound no guarantee: a call inside the model taking a
+floating tensor no recorded call made (the output of a ``torch.jit.script`` function or a compiled
+extension; a global tensor), and a module on the data path whose output no recorded call made.
+The constants the model may use are its parameters, buffers and tensor attributes.
+
 Calls inside a module the bound lists as not covered are left to that note. Everything else
 (GELU, SiLU, SELU, ELU with ``alpha > 1``, upsampling, overlapping max pooling, ``torch.cat`` of
 two activations, ``10 * x``, ``torch.add(x, F(x), alpha=2)``, a product of two activations, a
@@ -50,6 +55,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from initlab._core.hooks import hook_handles
 from initlab.measure.runtime_trace import RuntimeGraph, RuntimeNode, additions_of, recording
@@ -108,8 +114,9 @@ class OperationWatch:
         self.judged: list[tuple[RuntimeNode, str | None, str | None]] = []
         self._data: dict[int, bool] = {}
         self._returned: set[str] = set()  # modules whose forward returned: their hooks run
-        self._hooked: set[int] = set()  # calls made by a module's forward hooks
+        self._untrusted: set[int] = set()  # calls by forward hooks, or on unseen tensors
         self._global_hooks = False
+        self._known: set[int] = set()  # the model's parameters, buffers, tensor attributes
 
     @contextmanager
     def __call__(self) -> Iterator[OperationWatch]:
@@ -118,6 +125,7 @@ class OperationWatch:
         layer covers (``o * 10`` in a Linear's hook); global forward hooks run before it, so
         with any of them no layer is trusted."""
         self._global_hooks = bool(getattr(nn.modules.module, "_global_forward_hooks", None))
+        self._known = {id(t) for m in self.model.modules() for t in _floats(dict(vars(m)))}
         with recording(self.model, self._on_call) as graph, hook_handles() as handles:
             self.graph = graph
             for name, m in self.model.named_modules():
@@ -148,15 +156,37 @@ class OperationWatch:
         out: Any,
         tag_of: Callable[[Any], int | None],
     ) -> None:
-        """Judge one recorded call inside the model on the data path (see the class)."""
-        if not self._is_data(node) or not node.stack:  # every call's flag cached in turn
+        """Judge one recorded call inside the model on the data path (see the class), and any
+        call or module output there that :meth:`_unseen` finds."""
+        data_path = self._is_data(node)  # every call's flag cached in turn
+        unseen = self._unseen(node, args, kwargs, out, tag_of) if node.stack else None
+        if not (unseen or (data_path and node.stack and node.kind == "call")):
             return
         flat = _flat(args, kwargs)
         data = [a for a in flat if isinstance(a, torch.Tensor) and self._tagged(a, tag_of)]
         owner = next((self.owners[id(a)] for a in flat if id(a) in self.owners), None)
-        if node.module in self._returned:
-            self._hooked.add(node.index)
-        self.judged.append((node, _judge(node.fn, args, kwargs, out, data), owner))
+        if node.module in self._returned or unseen:
+            self._untrusted.add(node.index)
+        self.judged.append((node, unseen or _judge(node.fn, args, kwargs, out, data), owner))
+
+    def _unseen(
+        self, node: RuntimeNode, args: tuple, kwargs: dict[str, Any], out: Any, tag_of: Callable
+    ) -> str | None:
+        """Where data may flow through operations the recorder does not see (a
+        ``torch.jit.script`` function, a compiled extension): a call taking a floating tensor no
+        recorded call produced that is no parameter, buffer or tensor attribute of the model,
+        or a module on the data path returning one (its output tagged by this node)."""
+        if node.kind == "module":
+            made = [t for t in _floats(out) if tag_of(t) == node.index]
+            if not self._is_data(node) or all(self._constant(t) for t in made):
+                return None
+            return "its output was made by no recorded operation; " + _UNSEEN
+        if any(tag_of(t) is None and not self._constant(t) for t in _floats((args, kwargs))):
+            return "takes a tensor no recorded operation made; " + _UNSEEN
+        return None
+
+    def _constant(self, t: torch.Tensor) -> bool:
+        return isinstance(t, nn.Parameter) or id(t) in self._known
 
     def _tagged(self, t: torch.Tensor, tag_of: Callable[[Any], int | None]) -> bool:
         i = tag_of(t)
@@ -178,7 +208,7 @@ class OperationWatch:
         modelled = self._modelled_sums(blocks, covered)
         found: dict[tuple[str, str], list[str]] = {}
         for node, why, owner in self.judged:
-            inside = node.module in trusted and node.index not in self._hooked
+            inside = node.module in trusted and node.index not in self._untrusted
             if why is None or inside or skipped.intersection(node.stack):
                 continue
             if why == "layer":
@@ -217,6 +247,21 @@ def _torch_forward(module: nn.Module | None) -> bool:
     """Whether ``module`` runs a ``forward`` of torch's own (not a subclass's extra ops)."""
     forward = getattr(type(module), "forward", None)
     return module is not None and getattr(forward, "__module__", "").startswith("torch.nn.")
+
+
+_UNSEEN = (
+    "not known to be 1-Lipschitz: a torch.jit.script function or a compiled extension hides its "
+    "operations (run the eager code), or a tensor from outside the model (a global: register it "
+    "as a buffer)"
+)
+
+
+def _floats(obj: Any) -> list[torch.Tensor]:
+    return [
+        t
+        for t in tree_flatten(obj)[0]
+        if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+    ]
 
 
 def _flat(args: tuple, kwargs: Mapping[str, Any]) -> list[Any]:

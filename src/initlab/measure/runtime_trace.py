@@ -196,8 +196,10 @@ def runtime_trace(
 
 OnCall = Callable[[RuntimeNode, tuple, dict[str, Any], Any, Callable[[Any], "int | None"]], None]
 """``on_call(node, args, kwargs, out, tag_of)`` of :func:`recording`: each recorded call with its
-arguments and result; ``tag_of(obj)`` is the index of the node that produced a tensor (else
-``None``). It runs inside the recorder, so its own torch calls are not recorded."""
+arguments and result, and each module node (``kind="module"``: an output no torch function
+produced) with the module's arguments and output; ``tag_of(obj)`` is the index of the node that
+produced a tensor (else ``None``). It runs inside the recorder, so its own torch calls are not
+recorded."""
 
 
 @contextmanager
@@ -231,7 +233,9 @@ def recording(model: nn.Module, on_call: OnCall | None = None) -> Iterator[Runti
         with torch._C.DisableTorchFunction():  # the hook's own tensor queries are not recorded
             untagged = [t for t in _tensors(out) if id(t) not in rec.tags]
             if untagged:  # an output no torch function produced: the module is one node
-                rec.node(type(module).__name__, rec.inputs_of((a, kw)), untagged, "module")
+                i = rec.node(type(module).__name__, rec.inputs_of((a, kw)), untagged, "module")
+                if rec.on_call is not None:
+                    rec.on_call(graph.nodes[i], a, kw, out, rec.tag_of)
         if rec.stack:
             rec.stack.pop()
 
