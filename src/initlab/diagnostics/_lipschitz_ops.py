@@ -9,17 +9,19 @@ model's input: not a weight's parametrization, a positional table, a mask), and 
 with its arguments against an explicit allow-list:
 
 * 1-Lipschitz whatever their arguments: ``relu``, ``tanh``, ``sigmoid``, ``hardtanh`` (``ReLU6``),
-  ``hardsigmoid``, ``softsign``, ``softplus``, ``logsigmoid``, ``celu``, ``softshrink``,
-  ``tanhshrink``, ``softmax``, ``abs``, ``neg``, ``mean``; shape, layout and dtype
-  changes (``view``, ``reshape``, ``flatten``, ``permute``, ``transpose``, ``squeeze``, ``to``,
-  ``split``, ``narrow``, basic slicing ``x[:, ::2]``, ``pixel_shuffle``, ...); max/min reductions
-  over a dim (``amax``: a maxout); ``clamp`` and elementwise ``max``/``min`` with constant
-  bounds (of two activations, ``clamp(a(x), min=b(x))``, they are not known);
+  ``hardsigmoid``, ``softsign``, ``softplus``, ``log_sigmoid``, ``celu``, ``softshrink``,
+  ``tanhshrink``, ``softmax``, ``abs``, ``neg``, ``mean``; shape, layout and dtype changes
+  (``view``, ``reshape``, ``flatten``, ``permute``, ``transpose``, ``squeeze``, ``to``, ``split``,
+  ``narrow``, basic slicing ``x[:, ::2]``, ``pixel_shuffle``, ...); max/min reductions over a dim
+  (``amax``: a maxout); ``clamp`` and elementwise ``max``/``min``/``maximum`` with constant bounds
+  (of two activations, ``clamp(a(x), min=b(x))``, they are not known);
 * with arguments that keep them 1-Lipschitz: ``leaky_relu`` / ``elu`` / ``prelu`` with slope
-  ``|a| <= 1``; ``dropout`` in eval mode (or ``p = 0``); max pooling with ``kernel <= stride``
-  and no dilation (non-overlapping windows), adaptive max/average pooling whose output size
-  divides the input size; average pooling without ``ceil_mode`` or ``divisor_override``, that
-  counts its zero padding; ``pad`` with constant padding; a product by a constant of
+  ``|a| <= 1``, ``rrelu`` with ``|lower|, |upper| <= 1``; ``interpolate`` to the same size at scale
+  1 (the identity); ``where``/``masked_fill`` of one activation and constants by a mask no
+  activation computes; ``dropout`` in eval mode (or ``p = 0``); max pooling with
+  ``kernel <= stride`` and no dilation (non-overlapping windows), adaptive max/average pooling whose
+  output size divides the input size; average pooling without ``ceil_mode`` or ``divisor_override``,
+  that counts its zero padding; ``pad`` with constant padding; a product by a constant of
   ``max |c| <= 1`` (a division by one of ``min |c| >= 1``); adding a constant (a bias), with
   ``add``/``sub``'s ``alpha`` scaling the activation by ``|alpha| <= 1`` where it is given; both
   only where the output has as many entries as the activation (a constant of shape ``(1, 10)``
@@ -39,7 +41,8 @@ floating tensor no recorded call made (the output of a ``torch.jit.script`` func
 extension; a global tensor), and a module on the data path whose output no recorded call made.
 The constants the model may use are its parameters, buffers and tensor attributes.
 
-Calls inside a module the bound lists as not covered are left to that note. Everything else
+Calls inside a module the bound lists as not covered are left to that note (a PReLU, judged
+here by its slope, and a module the forward never calls are not listed). Everything else
 (GELU, SiLU, SELU, ELU with ``alpha > 1``, upsampling, overlapping max pooling, ``torch.cat`` of
 two activations, ``10 * x``, ``torch.add(x, F(x), alpha=2)``, a product of two activations, a
 functional ``layer_norm``, any op not listed) is reported with its Lipschitz constant where
@@ -65,7 +68,8 @@ __all__ = ["OperationWatch"]
 _ANY = frozenset(
     {
         "relu", "relu_", "tanh", "tanh_", "sigmoid", "sigmoid_", "hardtanh", "hardtanh_",
-        "relu6", "hardsigmoid", "softsign", "softplus", "logsigmoid", "celu", "celu_",
+        "relu6", "hardsigmoid", "softsign", "softplus", "logsigmoid", "log_sigmoid", "celu",
+        "celu_", "maximum", "minimum", "fmax", "fmin",
         "softshrink", "tanhshrink", "softmax", "abs", "abs_", "clamp", "clamp_", "clip",
         "clamp_min", "clamp_max", "neg", "__neg__", "negative", "mean", "nanmean", "view",
         "reshape", "flatten", "unflatten", "permute", "transpose", "t", "contiguous", "squeeze",
@@ -77,7 +81,10 @@ _ANY = frozenset(
     }
 )  # fmt: skip
 # elementwise max/min: 1-Lipschitz of one activation and constants, not of two activations
-_PAIRWISE = frozenset({"max", "min", "clamp", "clamp_", "clip", "clamp_min", "clamp_max"})
+_PAIRWISE = frozenset(
+    {"max", "min", "maximum", "minimum", "fmax", "fmin", "clamp", "clamp_", "clip", "clamp_min",
+     "clamp_max"}
+)  # fmt: skip
 _LAYER_OPS = frozenset(
     {
         "linear", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
@@ -117,6 +124,7 @@ class OperationWatch:
         self._untrusted: set[int] = set()  # calls by forward hooks, or on unseen tensors
         self._global_hooks = False
         self._known: set[int] = set()  # the model's parameters, buffers, tensor attributes
+        self.ran: set[str] = set()  # the modules called in the forward
 
     @contextmanager
     def __call__(self) -> Iterator[OperationWatch]:
@@ -129,13 +137,21 @@ class OperationWatch:
         with recording(self.model, self._on_call) as graph, hook_handles() as handles:
             self.graph = graph
             for name, m in self.model.named_modules():
-                handles.add(
-                    m.register_forward_pre_hook(lambda *_, n=name: self._returned.discard(n))
-                )
+                handles.add(m.register_forward_pre_hook(lambda *_, n=name: self._enter(n)))
                 handles.add(m.register_forward_hook(
                     lambda *_, n=name: self._returned.add(n), prepend=True, always_call=True
                 ))  # fmt: skip
             yield self
+
+    def _enter(self, name: str) -> None:
+        self._returned.discard(name)
+        self.ran.add(name)
+
+    def judges(self, name: str, module: nn.Module) -> bool:
+        """Whether the watch judges ``module``'s part itself, so that the bound need not list it
+        as not covered: it never ran in the forward (its parameters, where its parent uses them,
+        are judged there), or it is a PReLU (its ``prelu`` judged with its slope)."""
+        return name not in self.ran or isinstance(module, nn.PReLU)
 
     def _is_data(self, node: RuntimeNode) -> bool:
         """Computed from the model's input: an input node, a call outside the model (what the
@@ -319,6 +335,9 @@ def _slope(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list
     if fn == "prelu":
         weight = _arg(args, kwargs, 1, "weight", None)
         slope = float(weight.detach().abs().max()) if isinstance(weight, torch.Tensor) else 1.0
+    elif fn.startswith("rrelu"):  # a slope drawn in [lower, upper] (their mean in eval mode)
+        bounds = (_arg(args, kwargs, 1, "lower", 1 / 8), _arg(args, kwargs, 2, "upper", 1 / 3))
+        slope = max(abs(float(b)) for b in bounds)
     elif fn.startswith("leaky_relu"):
         slope = abs(float(_arg(args, kwargs, 1, "negative_slope", 0.01)))
     else:  # elu: slope alpha just below 0
@@ -441,11 +460,37 @@ def _repeat(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: lis
 
 
 def _resample(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list) -> str | None:
-    n = out.numel() / max(data[0].numel(), 1) if data and isinstance(out, torch.Tensor) else 1
-    return (
-        f"output {n:.3g}x the size of its input (a nearest upsampling's Lipschitz constant is "
-        f"{math.sqrt(n):.3g}): not known to be 1-Lipschitz"
-    )
+    """The identity at the same size and scale 1; an output ``n > 1`` times the input's size
+    keeps a constant input's value on ``n`` times the entries (every mode's weights sum to 1):
+    Lipschitz constant at least ``sqrt(n)``."""
+    if not data or not isinstance(out, torch.Tensor):
+        return "not known to be 1-Lipschitz"
+    x, scale = data[0], _arg(args, kwargs, 2, "scale_factor", None)
+    recompute = fn == "interpolate" and _arg(args, kwargs, 5, "recompute_scale_factor", None)
+    if out.shape == x.shape and (scale is None or recompute or set(_tuple(scale, 1)) == {1}):
+        return None
+    n = out.numel() / max(x.numel(), 1)
+    if n > 1:
+        return f"output {n:.3g}x the size of its input: Lipschitz constant at least {n**0.5:.3g}"
+    return f"resamples {tuple(x.shape)} to {tuple(out.shape)}: not known to be 1-Lipschitz"
+
+
+def _select(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list) -> str | None:
+    """``where(c, a, b)``, ``masked_fill(a, c, v)``: entries of one activation or constants, by
+    a mask ``c`` no activation computes, are 1-Lipschitz."""
+    if fn == "where":
+        first = args[0] if args else None
+        mask = first if getattr(first, "dtype", None) == torch.bool else None
+        mask = mask if mask is not None else _arg(args, kwargs, 1, "condition", None)
+    else:
+        mask = _arg(args, kwargs, 1, "mask", None)
+    if mask is None or any(mask is t for t in data):
+        return "a mask computed from an activation: not known to be 1-Lipschitz"
+    values = [t for t in data if t is not mask]
+    if len(values) > 1:
+        return f"entries of {len(values)} activations: not known to be 1-Lipschitz"
+    n = out.numel() / max(values[0].numel(), 1) if values and isinstance(out, torch.Tensor) else 1
+    return None if n <= 1 else f"repeats entries {n:.3g}x: Lipschitz constant {math.sqrt(n):.3g}"
 
 
 def _index(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list) -> str | None:
@@ -460,7 +505,7 @@ _MAX_POOLS = frozenset(
 )
 _ADAPTIVE_POOLS = frozenset(f"adaptive_{k}_pool{d}d" for k in ("max", "avg") for d in (1, 2, 3))
 _JUDGES: tuple[tuple[frozenset[str], Callable[..., str | None]], ...] = (
-    (frozenset({"leaky_relu", "leaky_relu_", "elu", "elu_", "prelu"}), _slope),
+    (frozenset({"leaky_relu", "leaky_relu_", "elu", "elu_", "prelu", "rrelu", "rrelu_"}), _slope),
     (_DROPOUTS, _dropout),
     (_MAX_POOLS, _max_pool),
     (_ADAPTIVE_POOLS, _adaptive),
@@ -472,4 +517,5 @@ _JUDGES: tuple[tuple[frozenset[str], Callable[..., str | None]], ...] = (
     (_REPEATS, _repeat),
     (frozenset({"interpolate", "upsample", "upsample_nearest", "upsample_bilinear"}), _resample),
     (frozenset({"__getitem__"}), _index),
+    (frozenset({"where", "masked_fill", "masked_fill_"}), _select),
 )

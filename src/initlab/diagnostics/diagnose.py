@@ -512,8 +512,9 @@ def _lipschitz(
 ) -> dict[str, Any]:
     """Lipschitz bounds from the operator norms, naming the parameterized modules without one
     and the normalization layers without one, with or without affine parameters (a LayerNorm's
-    ``(x - mean) / std`` is no bounded map, whatever its ``elementwise_affine``), and the
-    operations of the forward not known to be 1-Lipschitz (``ops``; ``None``: not checked)."""
+    ``(x - mean) / std`` is no bounded map, whatever its ``elementwise_affine``), but those the
+    watch judges itself (:meth:`OperationWatch.judges`: never run, a PReLU), and the operations of
+    the forward not known to be 1-Lipschitz (``ops``; ``None``: not checked)."""
     if spectra_rows is None:
         return {}
     covered = {r["layer"] for r in spectra_rows if math.isfinite(r["op_norm"])}
@@ -522,6 +523,7 @@ def _lipschitz(
         for n, m in model.named_modules()
         if (next(m.parameters(recurse=False), None) is not None or isinstance(m, _NORMS))
         and n not in covered
+        and not (ops is not None and ops.judges(n, m))
     ]
     operations = ops.failures(covered, uncovered, blocks) if ops is not None else None
     return lipschitz_bounds(
