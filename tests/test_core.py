@@ -930,7 +930,8 @@ def test_a_batch_that_is_none_a_string_or_a_number_is_named(
 ) -> None:
     """[(x, y), None] was read as one batch (model((x, y)): "linear(): argument 'input' must be
     Tensor, not tuple", or AttributeError "'NoneType' object has no attribute 'dim'"), and
-    Batches([(x, y), None]) handed None to the model."""
+    Batches([(x, y), None]) handed None to the model. Such a batch is read (a forward= or
+    loss_fn= may make tensors from it): the default forward names it."""
     good = (torch.randn(8, 4), torch.randint(0, 3, (8,)))
     items: list[Any] = [good, good]
     items.insert(at, bad)
@@ -939,9 +940,19 @@ def test_a_batch_that_is_none_a_string_or_a_number_is_named(
     said = "None" if bad is None else type(bad).__name__
     with pytest.raises(TypeError) as err:
         _MODEL_EXTRACTORS[entry](model, data)
-    assert str(err.value) == (
-        f"{entry}: batch {at} holds no tensor: it is {said}; a batch is a tensor, a tuple (x, y), "
-        "a dict of model inputs or a custom object: drop it"
+    if entry == "lsuv_":  # it concatenates the batches first
+        assert str(err.value) == (
+            f"lsuv_: batch {at} holds no tensor: it is {said}, where other batches hold tensors, "
+            "so the batches cannot be concatenated: drop it (a batch is a tensor, a tuple (x, y), "
+            "a dict of model inputs or a custom object)"
+        )
+        return
+    assert str(err.value).startswith(
+        f"the default forward: the batch holds no tensor: it is {said}, and the model failed on it"
+    )
+    assert str(err.value).endswith(
+        "give batches of tensors, or a forward= or loss_fn= that makes the model's inputs "
+        "from these"
     )
 
 
@@ -964,3 +975,31 @@ def test_a_container_batch_without_a_tensor_is_named_by_the_default_forward(
     with pytest.raises(TypeError) as err:
         _MODEL_EXTRACTORS[entry](model, initlab.Batches([good, bad]))
     assert str(err.value).startswith(f"the default forward: {said}")
+
+
+@pytest.mark.parametrize("entry", ["measure_moments", "diagnose", "gr_scaling"])
+@pytest.mark.parametrize("wrap", ["Batches", "DataLoader"])
+def test_string_batches_reach_a_loss_fn_that_makes_the_tensors(entry: str, wrap: str) -> None:
+    """Batches(["hello", "world"]) and a DataLoader of strings were refused ("batch 0 holds no
+    tensor: it is str ... drop it") though the loss_fn tokenizes each batch (they worked before)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(256, 8), nn.Linear(8, 8))
+    seen: list[str] = []
+
+    def loss_fn(m: nn.Module, batch: str) -> torch.Tensor:
+        seen.append(batch)
+        return m(torch.tensor([[ord(c) % 256 for c in batch]])).pow(2).mean()
+
+    texts = ["hello", "world"]
+    data: Any = (
+        initlab.Batches(texts)
+        if wrap == "Batches"
+        else torch.utils.data.DataLoader(texts, batch_size=None)
+    )
+    call = {
+        "measure_moments": lambda: initlab.measure_moments(model, data, loss_fn),
+        "diagnose": lambda: initlab.diagnose(model, data, loss_fn),
+        "gr_scaling": lambda: initlab.gr_scaling(model, data, loss_fn),
+    }[entry]
+    call()
+    assert set(seen) == set(texts)

@@ -13,7 +13,9 @@ The rule, in order (documented in the README and tested by the conformance suite
    a tuple for one. A list of one tensor, ``[x]``, is a list of one batch ``x``.
 4. A list or tuple whose items are all batches in their own right (tuples, lists, dicts, custom
    objects) is many batches: ``[(x1, y1), (x2, y2)]``; so is a list whose other items hold no
-   data (``None``, a string, a number: ``[(x, y), None]``), refused as batches where it is read.
+   data (``None``, a string, a number: ``[(x, y), None]``). Such an item is passed on as a batch
+   (a ``forward=`` or ``loss_fn=`` may make tensors from it: a tokenizer); the default forward
+   refuses it, naming it.
 5. Any other iterable (a ``DataLoader``, a generator, a dataset-like iterable) is many batches.
 
 How many: ``max_batches`` batches at most, ``None`` for all of them. Data without a length (a
@@ -353,20 +355,15 @@ def check_batch(batch: Any, *, what: str, index: int | None = None) -> None:
     * 0 examples: dim 0 of its first tensor is 0;
     * one example without its batch dimension: a scalar (0-d) target beside a first tensor with
       dimensions (``DataLoader(..., batch_size=None)`` yields such examples);
-    * ``None``, a string or a number (a ``TypeError``: no batch at all);
     * NaN or ``±inf`` in any floating-point tensor (in an entry whose key contains ``"mask"``,
       ``-inf`` is allowed: additive attention masks use it).
 
     The message names the batch (``index``: its position in the data), the entry, and what to do.
     A custom object's tensors are its attributes' (:func:`batch_tensors`); a batch that holds no
-    tensor is not checked further (a forward= or loss_fn= may make tensors from it).
+    tensor (``None``, a string, a number, a list of strings) is not checked further (a forward=
+    or loss_fn= may make tensors from it; the default forward names it where the model fails).
     """
     which = "the batch" if index is None else f"batch {index}"
-    if isinstance(batch, _NO_DATA):
-        raise TypeError(
-            f"{what}: {which} holds no tensor: it is {_shallow_types(batch)}; a batch is a "
-            "tensor, a tuple (x, y), a dict of model inputs or a custom object: drop it"
-        )
     array = find_path(batch, _is_numpy_array)
     fields = object_fields(batch) if array is None else None
     if fields is not None:  # a batch object: its attributes (batch_tensors reads them)

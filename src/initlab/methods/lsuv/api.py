@@ -22,6 +22,7 @@ from torch import nn
 from initlab._core.compiled import takes_compiled
 from initlab._core.data import (
     DataUse,
+    batch_tensors,
     data_use,
     default_forward,
     masks_positions,
@@ -41,7 +42,7 @@ from initlab._core.hooks import hook_handles
 from initlab._core.knobs import check_flags, renamed_kwargs, user_stacklevel
 from initlab._core.method_report import MethodReport
 from initlab._core.parametrized import writing_layers
-from initlab._core.pytree import flatten_tensors
+from initlab._core.pytree import flatten_tensors, shallow_types
 from initlab._core.rng import as_generator
 from initlab._core.state import model_kept, restore_on_failure
 from initlab.init.registry import Registry, default_registry
@@ -452,6 +453,15 @@ def _take_data(
         for path, t in flatten_tensors(batch):
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 raise ValueError(f"lsuv_: the data has non-finite values (entry {path})")
+    if concat_batches and len(taken) > 1:
+        held = [bool(batch_tensors(b)) for b in taken]
+        if any(held) and not all(held):
+            i = held.index(False)
+            raise TypeError(
+                f"lsuv_: batch {i} holds no tensor: it is {shallow_types(taken[i])}, where other "
+                "batches hold tensors, so the batches cannot be concatenated: drop it (a batch is "
+                "a tensor, a tuple (x, y), a dict of model inputs or a custom object)"
+            )
     runs = [_cat(taken, "")] if concat_batches and len(taken) > 1 else taken
     return data_use(taken), runs
 
