@@ -5,6 +5,7 @@ spectral norms and products, and the exact Jacobian norm of the whole model at c
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -621,3 +622,48 @@ def test_modules_the_forward_never_calls_are_not_listed_as_not_covered() -> None
     """An unused Conv2d (no input shape, so no norm) was "not covered": no guarantee."""
     lip, _ = _checked(_Unused(), (6,))
     assert lip["guaranteed"] and lip["uncovered"] == [], lip
+
+
+# ----------------------------------------------------------------------------- review12b
+
+
+@dataclasses.dataclass
+class _Record:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+class _Plain:
+    """A user's batch class (no dataclass): its tensors are attributes."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+
+class _ReadsField(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 3)
+
+    def forward(self, batch) -> torch.Tensor:
+        return self.b(torch.relu(self.a(batch.x)))
+
+
+@pytest.mark.parametrize("kind", [_Record, _Plain], ids=["dataclass", "object"])
+def test_a_batch_object_read_by_the_model_keeps_the_bound_guaranteed(kind) -> None:
+    """``model(batch)`` reading ``batch.x``: its tensor was taken for one no recorded operation
+    made ("a torch.jit.script function ... or a global"), and the bound lost its guarantee."""
+    torch.manual_seed(0)
+    model = _ReadsField().double().eval()
+    x, y = torch.randn(8, 6, dtype=F64), torch.randn(8, 3, dtype=F64)
+    lip = diagnose(
+        model, [kind(x, y)], lambda m, b: ((m(b) - b.y) ** 2).mean(), generator=0,
+        gradients=False,
+    ).meta["lipschitz"]  # fmt: skip
+    own = copy.deepcopy(model)
+    exact = max(
+        _jacobian_norm(lambda v: own(kind(v.reshape(1, 6), y[:1])).reshape(-1), x[i])
+        for i in range(5)
+    )
+    assert lip["guaranteed"] and lip["operations"] == [], lip
+    assert exact <= lip["plain"] * (1 + 1e-9)

@@ -50,6 +50,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from initlab._core.data import batch_tensors
 from initlab._core.hooks import hook_handles
 from initlab._core.state import preserved_state
 from initlab.measure.residual import (
@@ -125,6 +126,19 @@ def _fn_name(func: Any) -> str:
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
+
+
+def _input_tensors(obj: Any) -> list[torch.Tensor]:
+    """The tensors of an outermost call's arguments: in containers, and in the attributes of a
+    batch object (a dataclass or a user's class: :func:`~initlab._core.data.batch_tensors`),
+    ``model(batch)`` reading ``batch.x``; a module passed as an argument is no batch."""
+    out: list[torch.Tensor] = []
+    for leaf in tree_flatten(obj)[0]:
+        if isinstance(leaf, torch.Tensor):
+            out.append(leaf)
+        elif not isinstance(leaf, nn.Module):
+            out.extend(t for _, t in batch_tensors(leaf))
+    return out
 
 
 def _signals(obj: Any) -> list[torch.Tensor]:
@@ -207,7 +221,8 @@ def recording(model: nn.Module, on_call: OnCall | None = None) -> Iterator[Runti
     """Record the data flow of every forward of ``model`` run inside the ``with`` block.
 
     The graph is filled as the block runs; the tensor arguments of each outermost module call
-    are its input nodes. Nothing of the model is changed or put back here (:func:`runtime_trace`
+    (with a batch object's tensor attributes: ``model(batch)`` reading ``batch.x``) are its
+    input nodes. Nothing of the model is changed or put back here (:func:`runtime_trace`
     keeps the model; a caller that runs its own pass, such as LSUV's discovery pass, keeps it its
     own way); the hooks are removed and the recorded tensors released on exit. ``on_call`` (see
     :data:`OnCall`) sees each call that returns tensors, with its arguments.
@@ -225,7 +240,7 @@ def recording(model: nn.Module, on_call: OnCall | None = None) -> Iterator[Runti
     def pre(module: nn.Module, a: tuple, kw: dict) -> None:
         if not rec.stack:  # an outermost call: its tensor arguments are the inputs
             with torch._C.DisableTorchFunction():
-                fresh = [t for t in _tensors((a, kw)) if id(t) not in rec.tags]
+                fresh = [t for t in _input_tensors((a, kw)) if id(t) not in rec.tags]
             rec.node("input", [], fresh, "input")
         rec.stack.append(names.get(id(module), type(module).__name__))
 
