@@ -667,3 +667,30 @@ def test_a_batch_object_read_by_the_model_keeps_the_bound_guaranteed(kind) -> No
     )
     assert lip["guaranteed"] and lip["operations"] == [], lip
     assert exact <= lip["plain"] * (1 + 1e-9)
+
+
+def _floor(h: torch.Tensor) -> torch.Tensor:
+    return torch.full((1, 6), -1e9, dtype=h.dtype)
+
+
+_BROADCAST_BOUNDS = {  # one entry of the activation against a (1, 6) constant: repeated 6x
+    "maximum": lambda h, m: torch.maximum(h[:, :1], _floor(h)),
+    "clamp_min": lambda h, m: torch.clamp(h[:, :1], min=_floor(h)),
+    "max": lambda h, m: torch.max(h[:, :1], _floor(h)),
+    "fmin": lambda h, m: torch.fmin(h[:, :1], -_floor(h)),
+}
+
+
+@pytest.mark.parametrize("case", list(_BROADCAST_BOUNDS))
+def test_max_or_clamp_by_a_broadcasting_constant_makes_the_bound_no_guarantee(case: str) -> None:
+    """``maximum(h[:, :1], c)``, ``c`` of shape (1, 6), repeats the entry 6 times (Lipschitz
+    constant sqrt(6)): it was taken as 1-Lipschitz, a "guaranteed" bound below the exact norm."""
+    model = _Lambda(_BROADCAST_BOUNDS[case])
+    with torch.no_grad():
+        model.out.weight.fill_(1.0)
+    lip, exact = _checked(model, (6,))
+    assert not lip["guaranteed"]
+    assert any(
+        "repeats entries 6x: Lipschitz constant up to 2.45" in o for o in lip["operations"]
+    ), lip["operations"]
+    assert exact > lip["plain"]

@@ -13,21 +13,22 @@ with its arguments against an explicit allow-list:
   ``tanhshrink``, ``softmax``, ``abs``, ``neg``, ``mean``; shape, layout and dtype changes
   (``view``, ``reshape``, ``flatten``, ``permute``, ``transpose``, ``squeeze``, ``to``, ``split``,
   ``narrow``, basic slicing ``x[:, ::2]``, ``pixel_shuffle``, ...); max/min reductions over a dim
-  (``amax``: a maxout); ``clamp`` and elementwise ``max``/``min``/``maximum`` with constant bounds
-  (of two activations, ``clamp(a(x), min=b(x))``, they are not known);
-* with arguments that keep them 1-Lipschitz: ``leaky_relu`` / ``elu`` / ``prelu`` with slope
+  (``amax``: a maxout);
+* with arguments that keep them 1-Lipschitz: ``clamp`` and elementwise ``max``/``min``/``maximum``
+  with constant bounds that do not broadcast the activation to more entries (of two activations,
+  ``clamp(a(x), min=b(x))``, they are not known); ``leaky_relu`` / ``elu`` / ``prelu`` with slope
   ``|a| <= 1``, ``rrelu`` with ``|lower|, |upper| <= 1``; ``interpolate`` to the same size at scale
   1 (the identity); ``where``/``masked_fill`` of one activation and constants by a mask no
   activation computes; ``dropout`` in eval mode (or ``p = 0``); max pooling with
-  ``kernel <= stride`` and no dilation (non-overlapping windows), adaptive max/average pooling whose
-  output size divides the input size; average pooling without ``ceil_mode`` or ``divisor_override``,
-  that counts its zero padding; ``pad`` with constant padding; a product by a constant of
-  ``max |c| <= 1`` (a division by one of ``min |c| >= 1``); adding a constant (a bias), with
-  ``add``/``sub``'s ``alpha`` scaling the activation by ``|alpha| <= 1`` where it is given; both
-  only where the output has as many entries as the activation (a constant of shape ``(1, 10)``
+  ``kernel <= stride`` and no dilation (non-overlapping windows), adaptive max/average pooling
+  whose output size divides the input size; average pooling without ``ceil_mode`` or
+  ``divisor_override``, that counts its zero padding; ``pad`` with constant padding; a product by a
+  constant of ``max |c| <= 1`` (a division by one of ``min |c| >= 1``); adding a constant (a bias),
+  with ``add``/``sub``'s ``alpha`` scaling the activation by ``|alpha| <= 1`` where it is given;
+  both only where the output has as many entries as the activation (a constant of shape ``(1, 10)``
   broadcasting an activation of shape ``(N, 1)`` repeats each entry ``r = 10`` times: Lipschitz
-  constant ``sqrt(r) max |c|``, ``sqrt(r)`` for a sum);
-  ``cat``/``stack`` of one activation with constants; ``sum`` over one entry;
+  constant ``sqrt(r) max |c|``, ``sqrt(r)`` for a sum); ``cat``/``stack`` of one activation with
+  constants; ``sum`` over one entry;
 * the layers whose norms the bound takes: any call inside a Linear, convolution or eval-mode
   BatchNorm with a finite operator norm (whose ``forward`` is torch's; not the calls of its
   forward hooks, judged as any other: ``o * 10``), and a linear map
@@ -299,7 +300,7 @@ def _judge(
     """``None`` where the call is 1-Lipschitz in its data arguments ``data``, ``"layer"`` or
     ``"sum"`` (decided later), else why it is not (see :class:`OperationWatch`)."""
     if fn in _ANY:
-        return _two_activations(fn, data) if fn in _PAIRWISE else None
+        return _pairwise(fn, out, data) if fn in _PAIRWISE else None
     if fn in _LAYER_OPS:
         return "layer" if len(data) == 1 else "a product of two activations"
     for names, judge in _JUDGES:
@@ -310,8 +311,13 @@ def _judge(
     return "not known to be 1-Lipschitz"
 
 
-def _two_activations(fn: str, data: list[torch.Tensor]) -> str | None:
-    return f"{fn} of two activations: not known to be 1-Lipschitz" if len(data) > 1 else None
+def _pairwise(fn: str, out: Any, data: list[torch.Tensor]) -> str | None:
+    """Elementwise max/min/clamp: of one activation and constants 1-Lipschitz per entry, so
+    ``sqrt(r)`` where the constant broadcasts the activation to ``r`` times its entries."""
+    if len(data) > 1:
+        return f"{fn} of two activations: not known to be 1-Lipschitz"
+    r = _broadcast(out, data)
+    return None if r <= 1 else f"repeats entries {r:.3g}x: Lipschitz constant up to {r**0.5:.3g}"
 
 
 def _alpha(fn: str, args: tuple, kwargs: Mapping[str, Any], data: list) -> str | None:
