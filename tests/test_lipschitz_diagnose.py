@@ -694,3 +694,63 @@ def test_max_or_clamp_by_a_broadcasting_constant_makes_the_bound_no_guarantee(ca
         "repeats entries 6x: Lipschitz constant up to 2.45" in o for o in lip["operations"]
     ), lip["operations"]
     assert exact > lip["plain"]
+
+
+def _set_3i(model: nn.Module) -> nn.Module:
+    """inner = I, other = 3I, out = the first 3 rows of I, no biases: exact norms by hand."""
+    with torch.no_grad():
+        model.inner.weight.copy_(torch.eye(6))
+        model.other.weight.copy_(3 * torch.eye(6))
+        model.out.weight.copy_(torch.eye(6)[:3])
+        for layer in (model.inner, model.other, model.out):
+            layer.bias.zero_()
+    return model
+
+
+_LAYER_WEIGHT_REUSED = {  # a covered layer's weight applied other than as the bound counts it
+    "addmm_alpha": (lambda h, m: torch.addmm(m.other.bias, h, m.other.weight.t(), alpha=10.0),
+                    "addmm in <root>: a linear map scaled by alpha = 10"),
+    "addmm_alpha_both": (lambda h, m: m.other(torch.addmm(m.other.bias, h, m.other.weight.t(),
+                                                          alpha=10.0)), "addmm in <root>"),
+    "weight_x10": (lambda h, m: m.other(nn.functional.linear(h, m.other.weight * 10,
+                                                             m.other.bias)),
+                   "linear in <root>: a linear map of a weight that is no layer's parameter"),
+    "applied_twice": (lambda h, m: nn.functional.linear(m.other(h), m.other.weight, m.other.bias),
+                      "linear in <root>: applies other's weight 2 time(s) per forward, where the "
+                      "bound counts its norm 1 time(s)"),
+    "by_parent_only": (lambda h, m: nn.functional.linear(h, m.other.weight, m.other.bias),
+                       "linear in <root>: applies other's weight 1 time(s) per forward, where the "
+                       "bound counts its norm 0 time(s)"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(_LAYER_WEIGHT_REUSED))
+def test_a_covered_layers_weight_reused_makes_the_bound_no_guarantee(case: str) -> None:
+    """A linear map of a covered layer's weight passed as "the layer" whatever it did: alpha=10
+    of addmm, ``W * 10`` (found through the bias), ``W`` applied twice (3I: bound 3, exact 9),
+    or by the parent while the layer never runs (left out of the bound: bound 1, exact 3)."""
+    fn, named = _LAYER_WEIGHT_REUSED[case]
+    lip, exact = _checked(_set_3i(_Lambda(fn)), (6,))
+    assert not lip["guaranteed"]
+    assert any(o.startswith(named) for o in lip["operations"]), lip["operations"]
+    assert exact > lip["plain"] * (1 + 1e-6)
+
+
+class _OwnLinear(nn.Linear):
+    """A Linear whose forward is the user's, applying its own weight once per call."""
+
+    def __init__(self, *a, how: str) -> None:
+        super().__init__(*a)
+        self.how = how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.how == "addmm":
+            return torch.addmm(self.bias, x, self.weight.t())
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+@pytest.mark.parametrize("how", ["linear", "addmm"])
+def test_a_layer_applying_its_own_weight_once_keeps_the_bound_guaranteed(how: str) -> None:
+    model = nn.Sequential(_OwnLinear(6, 6, how=how), nn.ReLU(), _OwnLinear(6, 3, how=how))
+    lip, _ = _checked(model, (6,))
+    assert lip["guaranteed"] and lip["operations"] == [], lip

@@ -33,7 +33,10 @@ with its arguments against an explicit allow-list:
   BatchNorm with a finite operator norm (whose ``forward`` is torch's; not the calls of its
   forward hooks, judged as any other: ``o * 10``), and a linear map
   (``linear``, ``conv*``, ``addmm``, ``matmul``) of such a layer's weight elsewhere (its parent
-  applying it: :data:`~initlab.diagnostics._lipschitz.INFERRED_CALLS`);
+  applying it: :data:`~initlab.diagnostics._lipschitz.INFERRED_CALLS`), where the weight is the
+  layer's parameter itself (or ``W.t()``; not ``W * 10``), applied as the layer does (no
+  ``alpha`` above 1, a convolution's stride and padding) and as often as the bound counts the
+  layer's norm (``F.linear(layer(h), layer.weight)`` applies it twice);
 * the sum ``x + F(x)`` of a residual block the bound models (one the runtime trace finds, with
   the same layers as one of the bound's blocks).
 
@@ -126,6 +129,8 @@ class OperationWatch:
         self._global_hooks = False
         self._known: set[int] = set()  # the model's parameters, buffers, tensor attributes
         self.ran: set[str] = set()  # the modules called in the forward
+        self.calls: dict[str, int] = {}  # how often each module was called
+        self._by_name: dict[str, nn.Module] | None = None
 
     @contextmanager
     def __call__(self) -> Iterator[OperationWatch]:
@@ -147,11 +152,14 @@ class OperationWatch:
     def _enter(self, name: str) -> None:
         self._returned.discard(name)
         self.ran.add(name)
+        self.calls[name] = self.calls.get(name, 0) + 1
 
     def judges(self, name: str, module: nn.Module) -> bool:
         """Whether the watch judges ``module``'s part itself, so that the bound need not list it
-        as not covered: it never ran in the forward (its parameters, where its parent uses them,
-        are judged there), or it is a PReLU (its ``prelu`` judged with its slope)."""
+        as not covered: it never ran in the forward (a linear map its parent applies with its
+        weight is judged there: :meth:`failures` checks that the bound counts each such use, and
+        any other use of its parameters is judged as a constant), or it is a PReLU (its
+        ``prelu`` judged with its slope)."""
         return name not in self.ran or isinstance(module, nn.PReLU)
 
     def _is_data(self, node: RuntimeNode) -> bool:
@@ -181,10 +189,51 @@ class OperationWatch:
             return
         flat = _flat(args, kwargs)
         data = [a for a in flat if isinstance(a, torch.Tensor) and self._tagged(a, tag_of)]
-        owner = next((self.owners[id(a)] for a in flat if id(a) in self.owners), None)
+        why, owner = unseen or _judge(node.fn, args, kwargs, out, data), None
+        if why == "layer":
+            owner, why = self._layer_weight(node.fn, args, kwargs)
         if node.module in self._returned or unseen:
             self._untrusted.add(node.index)
-        self.judged.append((node, unseen or _judge(node.fn, args, kwargs, out, data), owner))
+        self.judged.append((node, why, owner))
+
+    def _layer_weight(
+        self, fn: str, args: tuple, kwargs: Mapping[str, Any]
+    ) -> tuple[str | None, str]:
+        """``(owner, "layer")`` where the linear map's weight is a parameter of module ``owner``
+        itself (or exactly its transpose ``W.t()``, for a product), applied as that module
+        applies it (a convolution's stride, padding, dilation and groups; a product's ``alpha``
+        at most 1 in size); else ``(None, why)``: a weight derived from it (``W * 10``), or a
+        map whose norm is not the weight's, is not the layer the bound takes."""
+        if fn not in _WEIGHT_AT:
+            return None, f"{fn} of a weight: its operator norm is not the bound's"
+        alpha = kwargs.get("alpha", 1)
+        if not isinstance(alpha, (int, float)) or abs(alpha) > 1:
+            return None, f"a linear map scaled by alpha = {alpha}: its norm is not the layer's"
+        found = [self._parameter(_arg(args, kwargs, i, k, None)) for i, k in _WEIGHT_AT[fn]]
+        owner = next((o for o in found if o is not None), None)
+        if owner is None:
+            return None, _NOT_THE_WEIGHT
+        module = self._modules().get(owner)
+        if fn.startswith("conv") and not _same_conv(fn, args, kwargs, module):
+            return None, "a convolution of a layer's weight with other stride, padding or groups"
+        return owner, "layer"
+
+    def _parameter(self, t: Any) -> str | None:
+        """The module whose parameter ``t`` is, itself or exactly its transpose (else ``None``)."""
+        if not isinstance(t, torch.Tensor):
+            return None
+        if id(t) in self.owners:
+            return self.owners[id(t)]
+        base = t._base
+        if id(base) not in self.owners or base.dim() != 2 or t.dim() != 2:
+            return None
+        same = t.shape == base.shape[::-1] and t.stride() == base.stride()[::-1]
+        return self.owners[id(base)] if same and t.storage_offset() == 0 else None
+
+    def _modules(self) -> dict[str, nn.Module]:
+        if self._by_name is None:
+            self._by_name = dict(self.model.named_modules())
+        return self._by_name
 
     def _unseen(
         self, node: RuntimeNode, args: tuple, kwargs: dict[str, Any], out: Any, tag_of: Callable
@@ -214,24 +263,29 @@ class OperationWatch:
         covered: Iterable[str],
         uncovered: Iterable[str],
         blocks: Sequence[Mapping[str, Any]],
+        calls: Mapping[str, int | None] | None = None,
     ) -> list[str]:
         """The operations not known to be 1-Lipschitz, one entry per function and reason:
         ``"gelu in 1, 3: Lipschitz constant 1.13 > 1"``. ``covered``: layers with a finite
         operator norm; ``uncovered``: modules the bound already lists; ``blocks``: the bound's
-        residual blocks."""
-        modules = dict(self.model.named_modules())
+        residual blocks; ``calls``: how often the bound counts each layer's norm (``None``:
+        not known). A covered layer's weight must be applied that often: once per call of the
+        layer's own (trusted) forward, plus once per linear map of it elsewhere
+        (:meth:`_layer_weight`)."""
+        modules = self._modules()
         trusted = {n for n in covered if _torch_forward(modules.get(n)) and not self._global_hooks}
         skipped, covered = set(uncovered), set(covered)
         modelled = self._modelled_sums(blocks, covered)
+        miscounted = self._miscounted(trusted, covered, calls or {})
         found: dict[tuple[str, str], list[str]] = {}
         for node, why, owner in self.judged:
             inside = node.module in trusted and node.index not in self._untrusted
             if why is None or inside or skipped.intersection(node.stack):
                 continue
             if why == "layer":
-                if owner in covered:
+                if owner in covered and owner not in miscounted:
                     continue
-                why = "a linear map whose operator norm the bound does not take"
+                why = miscounted.get(owner or "\0", _NOT_TAKEN)
             if why == "sum":
                 if node.name in modelled:
                     continue
@@ -243,6 +297,28 @@ class OperationWatch:
             f"{fn} in {', '.join(w[:3])}{f' and {len(w) - 3} more' if len(w) > 3 else ''}: {why}"
             for (fn, why), w in found.items()
         ]
+
+    def _miscounted(
+        self, trusted: set[str], covered: set[str], calls: Mapping[str, int | None]
+    ) -> dict[str, str]:
+        """The covered layers whose weight the forward applies other than ``calls`` times (a
+        linear map of it outside its forward: ``F.linear(layer(h), layer.weight)``, or by its
+        parent while the layer never runs), with why."""
+        uses: dict[str, int] = {}
+        for node, why, owner in self.judged:
+            inside = node.module in trusted and node.index not in self._untrusted
+            if why == "layer" and owner in covered and not inside:
+                uses[owner] = uses.get(owner, 0) + 1
+        out = {}
+        for owner, k in uses.items():
+            n = k + (self.calls.get(owner, 0) if owner in trusted else 0)
+            counted = calls.get(owner)
+            if counted is not None and n != counted:
+                out[owner] = (
+                    f"applies {owner}'s weight {n} time(s) per forward, where the bound counts "
+                    f"its norm {counted} time(s)"
+                )
+        return out
 
     def _modelled_sums(self, blocks: Sequence[Mapping[str, Any]], covered: set[str]) -> set[str]:
         """Names of the recorded additions that are residual blocks with the same layers of
@@ -264,6 +340,44 @@ def _torch_forward(module: nn.Module | None) -> bool:
     """Whether ``module`` runs a ``forward`` of torch's own (not a subclass's extra ops)."""
     forward = getattr(type(module), "forward", None)
     return module is not None and getattr(forward, "__module__", "").startswith("torch.nn.")
+
+
+_NOT_TAKEN = "a linear map whose operator norm the bound does not take"
+_NOT_THE_WEIGHT = (
+    "a linear map of a weight that is no layer's parameter itself (one derived from it, such as "
+    "W * 10): its operator norm is not the bound's"
+)
+#: Where each linear map takes its weight: ``(position, keyword)`` of each operand it may be.
+_WEIGHT_AT: dict[str, tuple[tuple[int, str], ...]] = {
+    **{f: ((1, "weight"),) for f in _LAYER_OPS if f.startswith("conv") or f == "linear"},
+    "addmm": ((1, "mat1"), (2, "mat2")), "addmv": ((1, "mat"), (2, "vec")),
+    "baddbmm": ((1, "batch1"), (2, "batch2")),
+    **{f: ((0, "input"), (1, "other")) for f in ("matmul", "__matmul__", "__rmatmul__")},
+    "mm": ((0, "input"), (1, "mat2")), "bmm": ((0, "input"), (1, "mat2")),
+    "mv": ((0, "input"), (1, "vec")),
+}  # fmt: skip
+
+
+def _same_conv(fn: str, args: tuple, kwargs: Mapping[str, Any], module: Any) -> bool:
+    """Whether a convolution is applied with ``module``'s stride, padding, dilation, groups and
+    output padding (the bound's norm is that of the module's own map)."""
+    if not isinstance(module, nn.modules.conv._ConvNd) or module.padding_mode != "zeros":
+        return False
+    d, transposed = len(module.stride), "transpose" in fn
+    got = {
+        "stride": _arg(args, kwargs, 3, "stride", 1),
+        "padding": _arg(args, kwargs, 4, "padding", 0),
+        "dilation": _arg(args, kwargs, 7 if transposed else 5, "dilation", 1),
+        "output_padding": _arg(args, kwargs, 5, "output_padding", 0) if transposed else 0,
+    }
+    for key, value in got.items():
+        want = getattr(module, key)
+        if isinstance(value, str) or isinstance(want, str):
+            if value != want:
+                return False
+        elif _tuple(value, d) != tuple(want):
+            return False
+    return _arg(args, kwargs, 6, "groups", 1) == module.groups
 
 
 _UNSEEN = (

@@ -525,7 +525,11 @@ def _lipschitz(
         and n not in covered
         and not (ops is not None and ops.judges(n, m))
     ]
-    operations = ops.failures(covered, uncovered, blocks) if ops is not None else None
+    calls: dict[str, int | None] = {}
+    for r in spectra_rows:  # the count the bound takes: its first row's, as lipschitz_bounds
+        if math.isfinite(r["op_norm"]):
+            calls.setdefault(r["layer"], r.get("calls"))
+    operations = ops.failures(covered, uncovered, blocks, calls) if ops is not None else None
     return lipschitz_bounds(
         spectra_rows, blocks, uncovered=uncovered, branch_sums=sums, operations=operations
     )
