@@ -125,6 +125,7 @@ class OperationWatch:
         self.judged: list[tuple[RuntimeNode, str | None, str | None]] = []
         self._data: dict[int, bool] = {}
         self._returned: set[str] = set()  # modules whose forward returned: their hooks run
+        self._pre: set[str] = set()  # modules whose forward pre-hooks run
         self._untrusted: set[int] = set()  # calls by forward hooks, or on unseen tensors
         self._global_hooks = False
         self._known: set[int] = set()  # the model's parameters, buffers, tensor attributes
@@ -137,12 +138,15 @@ class OperationWatch:
         """Record (see the class). A module's forward hooks run after its forward, still inside
         the module for the recorder: a hook placed first marks their calls, which no trusted
         layer covers (``o * 10`` in a Linear's hook); global forward hooks run before it, so
-        with any of them no layer is trusted."""
+        with any of them no layer is trusted. The model's own forward pre-hooks run inside it
+        for the recorder (:func:`recording`): a pre-hook placed first marks their calls too."""
         self._global_hooks = bool(getattr(nn.modules.module, "_global_forward_hooks", None))
         self._known = {id(t) for m in self.model.modules() for t in _floats(dict(vars(m)))}
         with recording(self.model, self._on_call) as graph, hook_handles() as handles:
             self.graph = graph
             for name, m in self.model.named_modules():
+                handles.add(m.register_forward_pre_hook(lambda *_, n=name: self._pre.add(n),
+                                                        prepend=True))  # fmt: skip
                 handles.add(m.register_forward_pre_hook(lambda *_, n=name: self._enter(n)))
                 handles.add(m.register_forward_hook(
                     lambda *_, n=name: self._returned.add(n), prepend=True, always_call=True
@@ -151,6 +155,7 @@ class OperationWatch:
 
     def _enter(self, name: str) -> None:
         self._returned.discard(name)
+        self._pre.discard(name)
         self.ran.add(name)
         self.calls[name] = self.calls.get(name, 0) + 1
 
@@ -192,7 +197,7 @@ class OperationWatch:
         why, owner = unseen or _judge(node.fn, args, kwargs, out, data), None
         if why == "layer":
             owner, why = self._layer_weight(node.fn, args, kwargs)
-        if node.module in self._returned or unseen:
+        if node.module in self._returned or node.module in self._pre or unseen:
             self._untrusted.add(node.index)
         self.judged.append((node, why, owner))
 

@@ -222,10 +222,12 @@ def recording(model: nn.Module, on_call: OnCall | None = None) -> Iterator[Runti
 
     The graph is filled as the block runs; the tensor arguments of each outermost module call
     (with a batch object's tensor attributes: ``model(batch)`` reading ``batch.x``) are its
-    input nodes. Nothing of the model is changed or put back here (:func:`runtime_trace`
-    keeps the model; a caller that runs its own pass, such as LSUV's discovery pass, keeps it its
-    own way); the hooks are removed and the recorded tensors released on exit. ``on_call`` (see
-    :data:`OnCall`) sees each call that returns tensors, with its arguments.
+    input nodes, recorded before the model's own forward pre-hooks run (their calls are the
+    model's, ``x * 10`` in one included). Nothing of the model is changed or put back here
+    (:func:`runtime_trace` keeps the model; a caller that runs its own pass, such as LSUV's
+    discovery pass, keeps it its own way); the hooks are removed and the recorded tensors
+    released on exit. ``on_call`` (see :data:`OnCall`) sees each call that returns tensors, with
+    its arguments.
     """
     graph = RuntimeGraph()
     names: dict[int, str] = {}
@@ -256,8 +258,8 @@ def recording(model: nn.Module, on_call: OnCall | None = None) -> Iterator[Runti
 
     with hook_handles() as handles:
         try:
-            for m in model.modules():
-                handles.add(m.register_forward_pre_hook(pre, with_kwargs=True))
+            for m in model.modules():  # the model's own first: its pre-hooks run inside it
+                handles.add(m.register_forward_pre_hook(pre, with_kwargs=True, prepend=m is model))
                 handles.add(m.register_forward_hook(post, with_kwargs=True, always_call=True))
             with rec:
                 yield graph
