@@ -775,3 +775,31 @@ def test_a_forward_pre_hook_on_the_model_that_changes_nothing_keeps_the_bound() 
     model.register_forward_pre_hook(lambda mod, args: (args[0].reshape(args[0].shape),))
     lip, _ = _checked(model, (6,))
     assert lip["guaranteed"] and lip["operations"] == [], lip
+
+
+def _wrap_forward(layer: nn.Module, factor: float) -> None:
+    """Replace ``layer.forward`` on the instance (accelerate's ``add_hook_to_module`` does)."""
+    inner = layer.forward
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return factor * inner(x)
+
+    layer.forward = forward
+
+
+def test_a_layer_whose_forward_is_replaced_on_the_instance_is_not_trusted() -> None:
+    """``layer.forward = wrapper`` multiplying by 10 ran inside a "trusted" Linear: guaranteed
+    bound 0.79 where the exact Jacobian norm reaches 5.1."""
+    model = _Lambda(lambda h, m: torch.relu(h))
+    _wrap_forward(model.inner, 10.0)
+    lip, exact = _checked(model, (6,))
+    assert not lip["guaranteed"]
+    assert any(o.startswith("mul in inner: a factor 10") for o in lip["operations"]), lip
+    assert exact > lip["plain"]
+
+
+def test_a_layer_whose_forward_is_wrapped_without_change_keeps_the_bound() -> None:
+    model = _Lambda(lambda h, m: torch.relu(h))
+    _wrap_forward(model.inner, 1.0)
+    lip, _ = _checked(model, (6,))
+    assert lip["guaranteed"] and lip["operations"] == [], lip

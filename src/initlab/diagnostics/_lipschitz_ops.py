@@ -30,8 +30,9 @@ with its arguments against an explicit allow-list:
   constant ``sqrt(r) max |c|``, ``sqrt(r)`` for a sum); ``cat``/``stack`` of one activation with
   constants; ``sum`` over one entry;
 * the layers whose norms the bound takes: any call inside a Linear, convolution or eval-mode
-  BatchNorm with a finite operator norm (whose ``forward`` is torch's; not the calls of its
-  forward hooks, judged as any other: ``o * 10``), and a linear map
+  BatchNorm with a finite operator norm (whose ``forward`` is torch's, not replaced on the
+  instance; not the calls of its pre- or forward hooks, judged as any other: ``o * 10``), and a
+  linear map
   (``linear``, ``conv*``, ``addmm``, ``matmul``) of such a layer's weight elsewhere (its parent
   applying it: :data:`~initlab.diagnostics._lipschitz.INFERRED_CALLS`), where the weight is the
   layer's parameter itself (or ``W.t()``; not ``W * 10``), applied as the layer does (no
@@ -342,9 +343,14 @@ class OperationWatch:
 
 
 def _torch_forward(module: nn.Module | None) -> bool:
-    """Whether ``module`` runs a ``forward`` of torch's own (not a subclass's extra ops)."""
+    """Whether ``module`` runs a ``forward`` of torch's own: not a subclass's extra ops, nor a
+    ``forward`` set on the instance (``layer.forward = wrapper``, as accelerate's hooks do)."""
     forward = getattr(type(module), "forward", None)
-    return module is not None and getattr(forward, "__module__", "").startswith("torch.nn.")
+    return (
+        module is not None
+        and "forward" not in vars(module)
+        and getattr(forward, "__module__", "").startswith("torch.nn.")
+    )
 
 
 _NOT_TAKEN = "a linear map whose operator norm the bound does not take"
