@@ -803,3 +803,24 @@ def test_a_layer_whose_forward_is_wrapped_without_change_keeps_the_bound() -> No
     _wrap_forward(model.inner, 1.0)
     lip, _ = _checked(model, (6,))
     assert lip["guaranteed"] and lip["operations"] == [], lip
+
+
+@pytest.mark.parametrize("form", ["keywords", "positional"])
+def test_a_constant_divided_by_an_activation_makes_the_bound_no_guarantee(form: str) -> None:
+    """``torch.div(input=c, other=h)`` read no positional argument: taken as a division by 1,
+    guaranteed bound 0.59 where the exact Jacobian norm reaches 31."""
+
+    def divide(h: torch.Tensor, m: nn.Module) -> torch.Tensor:
+        c, d = torch.ones(6, dtype=h.dtype), h.abs() + 0.05
+        return torch.div(input=c, other=d) if form == "keywords" else torch.div(c, d)
+
+    lip, exact = _checked(_Lambda(divide), (6,))
+    assert not lip["guaranteed"]
+    assert any(o.startswith("div in <root>: a constant divided by an activation")
+               for o in lip["operations"]), lip["operations"]  # fmt: skip
+    assert exact > lip["plain"]
+
+
+def test_an_activation_divided_by_a_constant_by_keyword_keeps_the_bound() -> None:
+    lip, _ = _checked(_Lambda(lambda h, m: torch.div(input=h, other=2.0)), (6,))
+    assert lip["guaranteed"] and lip["operations"] == [], lip

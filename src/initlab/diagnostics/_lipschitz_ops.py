@@ -542,13 +542,10 @@ def _scale(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list
     ``sqrt(r) max |c|`` (a quotient ``sqrt(r) / min |c|``), ``r`` the broadcast's repeats."""
     if len(data) > 1:
         return f"a {'product' if fn in _MULS else 'quotient'} of two activations"
-    if fn in _DIVS and args and not any(args[0] is t for t in data):
+    first, second = _arg(args, kwargs, 0, "input", None), _arg(args, kwargs, 1, "other", None)
+    if fn in _DIVS and first is not None and not any(first is t for t in data):
         return "a constant divided by an activation: not known to be 1-Lipschitz"
-    others = [
-        a
-        for a in (*args[:2], kwargs.get("other"))
-        if a is not None and not any(a is t for t in data)
-    ]
+    others = [a for a in (first, second) if a is not None and not any(a is t for t in data)]
     c, r = others[0] if others else 1.0, _broadcast(out, data)
     if isinstance(c, torch.Tensor):
         c = c.detach().abs()
