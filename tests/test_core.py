@@ -646,6 +646,56 @@ def test_a_model_that_ignores_its_labels_gets_no_silent_cross_entropy(switch: bo
     assert float(got) == pytest.approx(float(expected), rel=1e-6)
 
 
+class _Wrapper(nn.Module):
+    """A thin wrapper, as accelerate's or DDP's: ``forward(*args, **kwargs)`` to ``module``."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+
+@pytest.mark.parametrize("wrap", ["Wrapper", "DataParallel", "twice"])
+def test_a_wrapped_model_that_ignores_its_labels_gets_no_silent_cross_entropy(wrap: str) -> None:
+    """Behind a ``forward(*args, **kwargs)`` wrapper the model's named 'labels' and its
+    ``return_loss`` went unseen: loss_fn=None fell back to cross-entropy on the logits."""
+    x, y = _xy()
+    inner = _Switched(True)
+    model = {
+        "Wrapper": lambda: _Wrapper(inner),
+        "DataParallel": lambda: nn.DataParallel(inner),
+        "twice": lambda: _Wrapper(_Wrapper(inner)),
+    }[wrap]()
+    with pytest.raises(TargetError, match=r"return_loss=True in every batch"):
+        resolve_loss(None)(model, {"x": x, "labels": y})
+    with torch.no_grad():
+        own = resolve_loss(None)(model, {"x": x, "return_loss": True})
+        expected = inner.fc(x).double().square().mean()
+    assert float(own) == pytest.approx(float(expected), rel=1e-6)
+
+
+class _Opaque(nn.Module):
+    """A wrapper that keeps its model under another name: what it forwards to is not known."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.inner = model
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.inner(*args, **kwargs)
+
+
+def test_a_wrapper_whose_model_is_not_known_keeps_the_fallback() -> None:
+    x, y = _xy()
+    model = _Opaque(_Switched(True))
+    with torch.no_grad():
+        got = resolve_loss(None)(model, {"x": x, "labels": y})
+        expected = F.cross_entropy(model.inner.fc(x).double(), y)
+    assert float(got) == pytest.approx(float(expected), rel=1e-6)
+
+
 class _LossOnByDefault(_IgnoresLabels):
     """PatchTSMixer's heads: ``return_loss`` defaults to True, the loss needs ``target_values``."""
 

@@ -15,11 +15,11 @@ One resolver, :func:`resolve_loss`, reads every accepted form:
 
 ``None`` (the default of every method that needs a loss) is the model's own loss when the model
 returns one, else ``"auto"`` (cross-entropy for integer targets, MSE for float ones) on ``(x, y)``
-batches. On a dict batch that fallback is refused with a :class:`TargetError` where it would
-stand in for a loss the model has but did not compute: its forward takes a switch for it
+batches. On a dict batch that fallback is refused with a :class:`TargetError` where it would stand
+in for a loss the model has but did not compute: its forward takes a switch for it
 (``return_loss``, CLIP's) that the batch does not set, or its output has a ``loss`` field left
-``None`` although the batch carries labels; an output without a ``loss`` field falls back. A
-loss that cannot be resolved raises a ``TypeError`` that lists the forms.
+``None`` although the batch carries labels; an output without a ``loss`` field (or behind a wrapper
+keeping no ``module``) falls back. An unresolved loss raises a ``TypeError`` listing the forms.
 
 Losses on the model's outputs (criteria, named losses, :func:`outputs_loss`) keep the split
 ``loss(model, batch) = on_outputs(forward(model, batch), batch)`` that curvature needs for the
@@ -287,12 +287,18 @@ _LOSS_SWITCHES = ("return_loss",)
 _NEEDS = "give the batch what its forward needs for its loss (its switch for it is on)"
 
 
-def _forward_params(model: Any) -> Mapping[str, inspect.Parameter]:
-    """The parameters ``model``'s forward names (none where its signature cannot be read)."""
+def _forward_params(model: Any, depth: int = 4) -> Mapping[str, inspect.Parameter]:
+    """The parameters ``model``'s forward names (none where unreadable); for a wrapper's forward
+    of only ``*args, **kwargs``, those of the model it wraps (DDP's ``module``, ``_orig_mod``)."""
     try:
-        return inspect.signature(model.forward).parameters
+        params = inspect.signature(model.forward).parameters
     except (AttributeError, TypeError, ValueError):
         return {}
+    variadic = all(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params.values())
+    inner = next((getattr(model, k) for k in ("module", "_orig_mod") if hasattr(model, k)), model)
+    if depth and params and variadic and inner is not model:
+        return _forward_params(inner, depth - 1)
+    return params
 
 
 def _loss_switch(model: Any, batch: Mapping[str, Any]) -> tuple[str, bool] | None:
@@ -306,12 +312,11 @@ def _loss_switch(model: Any, batch: Mapping[str, Any]) -> tuple[str, bool] | Non
 
 def _check_no_own_loss(model: Any, outputs: Any, batch: Mapping[str, Any]) -> None:
     """Raise :class:`TargetError` before the ``"auto"`` fallback (a loss on the first output
-    tensor) where it would silently replace the model's own loss: the model's forward takes a
-    switch for its loss (``return_loss``) that is off for the batch, or its output has a
-    ``loss`` field left ``None`` although the batch carries labels under a key its forward
-    names (the model took them and ignored them) or carries none with the switch on. An output
-    without a ``loss`` field, and labels its forward does not name (``label`` into a Hugging
-    Face model's ``**kwargs``), keep the documented fallback."""
+    tensor) where it would silently replace the model's own loss: its forward (a wrapper's read
+    through, :func:`_forward_params`) takes a loss switch (``return_loss``) off for the batch, or
+    its output's ``loss`` field is ``None`` though the batch carries labels under a key the
+    forward names, or none with the switch on. An output without a ``loss`` field, and labels
+    the forward does not name (``label`` into ``**kwargs``), keep the documented fallback."""
     sw = _loss_switch(model, batch)
     switch = sw[0] if sw is not None and not sw[1] else None  # off: the one to advise
     has_field = hasattr(outputs, "loss") or (isinstance(outputs, Mapping) and "loss" in outputs)
