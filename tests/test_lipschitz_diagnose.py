@@ -824,3 +824,29 @@ def test_a_constant_divided_by_an_activation_makes_the_bound_no_guarantee(form: 
 def test_an_activation_divided_by_a_constant_by_keyword_keeps_the_bound() -> None:
     lip, _ = _checked(_Lambda(lambda h, m: torch.div(input=h, other=2.0)), (6,))
     assert lip["guaranteed"] and lip["operations"] == [], lip
+
+
+def test_dropout_with_p_1_is_the_zero_map_and_keeps_the_counts() -> None:
+    """``F.dropout(h, p=1.0, training=True)`` raised ZeroDivisionError in the watch: the
+    forward that counts the calls "failed", the operations unchecked."""
+    model = _Lambda(lambda h, m: nn.functional.dropout(h, p=1.0, training=True))
+    lip, exact = _checked(model, (6,))
+    assert exact == 0.0
+    assert lip["guaranteed"] and lip["operations"] == [], lip
+    assert not any("failed" in n for n in lip["notes"]), lip["notes"]
+
+
+class _DividedByBuffer(_Lambda):
+    def __init__(self) -> None:
+        super().__init__(lambda h, m: torch.nan_to_num(h / m.d, posinf=0.0, neginf=0.0))
+        self.register_buffer("d", torch.tensor([1.0, 2.0, 0.0, 1.0, 1.0, 1.0]))
+
+
+def test_a_division_by_a_constant_holding_0_is_named_not_a_crash() -> None:
+    """``h / d`` with a 0 in ``d`` raised ZeroDivisionError in the watch (1 / min |d|)."""
+    torch.manual_seed(0)
+    model = _DividedByBuffer().double().eval()
+    lip = _lipschitz(model, torch.randn(8, 6, dtype=F64), gradients=False)
+    assert not lip["guaranteed"]
+    assert any(o.startswith("div in <root>: a factor inf") for o in lip["operations"]), lip
+    assert not any("failed" in n for n in lip["notes"]), lip["notes"]

@@ -19,7 +19,7 @@ with its arguments against an explicit allow-list:
   ``clamp(a(x), min=b(x))``, they are not known); ``leaky_relu`` / ``elu`` / ``prelu`` with slope
   ``|a| <= 1``, ``rrelu`` with ``|lower|, |upper| <= 1``; ``interpolate`` to the same size at scale
   1 (the identity); ``where``/``masked_fill`` of one activation and constants by a mask no
-  activation computes; ``dropout`` in eval mode (or ``p = 0``); max pooling with
+  activation computes; ``dropout`` in eval mode (or ``p`` 0 or 1); max pooling with
   ``kernel <= stride`` and no dilation (non-overlapping windows), adaptive max/average pooling
   whose output size divides the input size; average pooling without ``ceil_mode`` or
   ``divisor_override``, that counts its zero padding; ``pad`` with constant padding; a product by a
@@ -479,7 +479,7 @@ def _slope(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list
 def _dropout(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list) -> str | None:
     p = float(_arg(args, kwargs, 1, "p", 0.5))
     training = bool(_arg(args, kwargs, 2, "training", True))
-    if not training or p == 0:
+    if not training or p == 0 or p >= 1:  # p = 1: the zero map
         return None
     return (
         f"in train mode, it scales what it keeps by 1/(1-p) = {1 / (1 - p):.3g} > 1 (call "
@@ -549,7 +549,8 @@ def _scale(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list
     c, r = others[0] if others else 1.0, _broadcast(out, data)
     if isinstance(c, torch.Tensor):
         c = c.detach().abs()
-        big = float(c.max()) if fn in _MULS else (1 / float(c.min()) if c.numel() else 0.0)
+        low = float(c.min()) if c.numel() else math.inf  # a division by 0: no bound
+        big = float(c.max()) if fn in _MULS else (1 / low if low else math.inf)
     elif isinstance(c, (int, float)):
         big = abs(c) if fn in _MULS else (1 / abs(c) if c else math.inf)
     else:
