@@ -166,7 +166,9 @@ def test_replication_specs_load() -> None:
         "input_norm=standardize",
         "loss=last_epoch_minibatch",
         "output_scale=variance:0.05",
+        "batch_size=128, output_scale=variance:0.05",  # the combination, a named variant
     ]
+    assert flat["batch_size=128, output_scale=variance:0.05"].batch_size == 128
     assert len(spec.datasets) == 12 and len(spec.seeds) == 10 and spec.epochs == 5
     assert spec.extend_grid > 0 and flat["base"].input_norm == "layernorm"
     assert (flat["base"].momentum, flat["base"].batch_size, flat["base"].output_std) == (
@@ -174,9 +176,9 @@ def test_replication_specs_load() -> None:
         64,
         0.05,
     )
-    assert spec.n_runs == 6 * 12 * 4 * 10 * 14  # the loss variant shares the base's runs
+    assert spec.n_runs == 7 * 12 * 4 * 10 * 14  # the loss variant shares the base's runs
     tiny = StudySpec.from_yaml(STUDIES / "tiny_replication.yaml")
-    assert list(tiny.variant_specs()) == list(flat)
+    assert list(tiny.variant_specs()) == list(flat)[:-1]  # the one-factor variants
 
 
 # -- input normalization ----------------------------------------------------------------------
