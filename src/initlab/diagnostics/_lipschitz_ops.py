@@ -28,7 +28,9 @@ with its arguments against an explicit allow-list:
   both only where the output has as many entries as the activation (a constant of shape ``(1, 10)``
   broadcasting an activation of shape ``(N, 1)`` repeats each entry ``r = 10`` times: Lipschitz
   constant ``sqrt(r) max |c|``, ``sqrt(r)`` for a sum); ``cat``/``stack`` of one activation with
-  constants; ``sum`` over one entry;
+  constants; ``sum`` over one entry; an in-place write (``x[i] = v``, ``y.copy_(v)``) of
+  constants at places no activation picks, or of one activation over a tensor holding none,
+  without repeating its entries (``y[:] = h``; not ``h[:, 1] = h[:, 0]``);
 * the layers whose norms the bound takes: any call inside a Linear, convolution or eval-mode
   BatchNorm with a finite operator norm (whose ``forward`` is torch's, not replaced on the
   instance; not the calls of its pre- or forward hooks, judged as any other: ``o * 10``), and a
@@ -629,6 +631,24 @@ def _index(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list
     return None if basic else "advanced indexing may repeat entries: not known to be 1-Lipschitz"
 
 
+def _write(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list) -> str | None:
+    """An in-place write ``x[i] = v`` or ``y.copy_(v)`` (``data``: what was data before it):
+    constants written at places no activation picks are 1-Lipschitz, and so is one activation
+    written, without repeating its entries, over a tensor holding none (``y[:] = h``)."""
+    target = args[0] if args else None
+    value = args[2] if fn == "__setitem__" and len(args) > 2 else _arg(args, kwargs, 1, "src", None)
+    index = _flat((args[1],), {}) if fn == "__setitem__" and len(args) > 1 else []
+    if any(p is t for p in index for t in data):
+        return "a write at places an activation picks: not known to be 1-Lipschitz"
+    if not any(value is t for t in data):
+        return None
+    if any(target is t for t in data):
+        return "writes an activation into one (x[i] = h): it may repeat entries, not known"
+    region = target[args[1]] if fn == "__setitem__" else target  # type: ignore[index]
+    r = region.numel() / max(value.numel(), 1)
+    return None if r <= 1 else f"repeats entries {r:.3g}x: Lipschitz constant {math.sqrt(r):.3g}"
+
+
 _MAX_POOLS = frozenset(
     f"max_pool{d}d{suffix}" for d in (1, 2, 3) for suffix in ("", "_with_indices")
 )
@@ -646,5 +666,6 @@ _JUDGES: tuple[tuple[frozenset[str], Callable[..., str | None]], ...] = (
     (_REPEATS, _repeat),
     (frozenset({"interpolate", "upsample", "upsample_nearest", "upsample_bilinear"}), _resample),
     (frozenset({"__getitem__"}), _index),
+    (frozenset({"__setitem__", "copy_"}), _write),
     (frozenset({"where", "masked_fill", "masked_fill_"}), _select),
 )

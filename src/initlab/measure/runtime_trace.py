@@ -9,7 +9,10 @@ of that forward:
 * a :class:`torch.overrides.TorchFunctionMode` sees every torch function and tensor method
   (``F.linear``, ``torch.addmm``, ``a + b``, ``x += y``, ``x.view(...)``): each call that returns
   tensors becomes a node whose inputs are the nodes that produced its tensor arguments (tensors
-  are tagged by identity and kept alive for the pass, so identities are not reused). Tensor
+  are tagged by identity and kept alive for the pass, so identities are not reused). An
+  in-place write (``x[i] = v``, which returns None, ``y.copy_(v)``, ``x.relu_()``, ``x += v``)
+  is a node taking the target's earlier value and the value written, and the target (and the
+  base it is a view of, where recorded) is tagged with it. Tensor
   factories (``torch.arange``, ``torch.zeros_like``, ``x.new_zeros``) take no inputs, and shape
   queries return no tensor, so neither passes data ancestry on;
 * forward pre/post hooks on every module keep the stack of modules being run: each node records
@@ -82,6 +85,20 @@ _FACTORY_NAMES = {
     "rand_like", "randn_like", "randint_like", "new_zeros", "new_ones", "new_empty", "new_full",
     "new_tensor",
 }  # fmt: skip
+# In-place writes: ``x[i] = v`` returns None, ``y.copy_(v)``, ``x.relu_()``, ``x += v`` return the
+# target. Each becomes a node that the target (and the base it is a view of) is tagged with
+# after ``on_call`` has seen the call with the target's earlier tag.
+_WRITE_NAMES = {"__setitem__"}
+_IN_PLACE_DUNDERS = {
+    "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
+    "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__",
+}  # fmt: skip
+
+
+def _in_place(fn: str) -> bool:
+    return fn in _WRITE_NAMES or fn in _IN_PLACE_DUNDERS or (fn.endswith("_") and fn[0] != "_")
+
+
 # Calls that change only a tensor's shape, layout or dtype: no step of the shortcut walk.
 _FREE_NAMES = {
     "view", "reshape", "contiguous", "to", "type", "float", "half", "double", "bfloat16", "clone",
@@ -168,10 +185,13 @@ class _Recorder(TorchFunctionMode):
             RuntimeNode(index, fn if k == 0 else f"{fn}_{k}", fn, inputs,
                         stack[-1] if stack else "", stack, kind)
         )  # fmt: skip
+        self.tag(index, outputs)
+        return index
+
+    def tag(self, index: int, outputs: list[torch.Tensor]) -> None:
         for t in outputs:
             self.tags[id(t)] = index
             self.keep.append(t)
-        return index
 
     def tag_of(self, obj: Any) -> int | None:
         return self.tags.get(id(obj)) if isinstance(obj, torch.Tensor) else None
@@ -184,12 +204,19 @@ class _Recorder(TorchFunctionMode):
             operands = (self.tag_of(args[0]), self.tag_of(args[1]))
         inputs = [] if fn in _FACTORY_NAMES else self.inputs_of((args, kwargs))
         out = func(*args, **kwargs)
-        outputs = _tensors(out)
+        outputs, seen = _tensors(out), out
+        target = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        written = target is not None and _in_place(fn)
+        if written and fn in _WRITE_NAMES:  # x[i] = v returns None: the target holds the result
+            outputs, seen = [target], target
         if outputs:
-            i = self.node(fn, inputs, outputs, "call")
+            i = self.node(fn, inputs, [] if written else outputs, "call")
             self.graph.nodes[i].operands = operands
             if self.on_call is not None:
-                self.on_call(self.graph.nodes[i], args, kwargs, out, self.tag_of)
+                self.on_call(self.graph.nodes[i], args, kwargs, seen, self.tag_of)
+            if written:  # a view's base holds the written entries too
+                base = target._base  # type: ignore[union-attr]
+                self.tag(i, outputs + ([base] if id(base) in self.tags else []))
         return out
 
     def inputs_of(self, obj: Any) -> list[int]:
