@@ -104,3 +104,25 @@ def test_writing_one_activation_over_a_fresh_tensor_keeps_the_bound() -> None:
     assert lip["guaranteed"] and lip["operations"] == [], lip
     lip, _, _ = _run(_Two(lambda h: _copied(h)[1]).double(), _x())
     assert lip["guaranteed"] and lip["operations"] == [], lip
+
+
+class _ScaledConv(nn.Conv1d):
+    """Keeps torch's forward, overrides the helper it calls."""
+
+    def _conv_forward(self, input, weight, bias):
+        return super()._conv_forward(10 * input, weight, bias)
+
+
+class _ScalingBN(nn.BatchNorm1d):
+    def _check_input_dim(self, input) -> None:
+        input.mul_(10)
+
+
+def test_a_subclass_of_a_torch_layer_overriding_a_helper_is_not_trusted() -> None:
+    torch.manual_seed(0)
+    conv = nn.Sequential(_ScaledConv(2, 2, 3, padding=1), nn.ReLU(), nn.Conv1d(2, 1, 1))
+    bn = nn.Sequential(nn.Linear(4, 4), _ScalingBN(4), nn.Linear(4, 2))
+    for model, x in ((conv, torch.randn(2, 2, 8, dtype=F64)), (bn, torch.randn(3, 4, dtype=F64))):
+        lip, bound, exact = _run(model.double().eval(), x)
+        assert exact > bound * 1.5
+        assert not lip["guaranteed"] and any("factor 10" in o for o in lip["operations"]), lip

@@ -32,9 +32,9 @@ with its arguments against an explicit allow-list:
   constants at places no activation picks, or of one activation over a tensor holding none,
   without repeating its entries (``y[:] = h``; not ``h[:, 1] = h[:, 0]``);
 * the layers whose norms the bound takes: any call inside a Linear, convolution or eval-mode
-  BatchNorm with a finite operator norm (whose ``forward`` is torch's, not replaced on the
-  instance; not the calls of its pre- or forward hooks, judged as any other: ``o * 10``), and a
-  linear map
+  BatchNorm with a finite operator norm (of torch's own class, not a subclass, with its
+  ``forward`` not replaced on the instance; not the calls of its pre- or forward hooks, judged
+  as any other: ``o * 10``), and a linear map
   (``linear``, ``conv*``, ``addmm``, ``matmul``) of such a layer's weight elsewhere (its parent
   applying it: :data:`~initlab.diagnostics._lipschitz.INFERRED_CALLS`), where the weight is the
   layer's parameter itself (or ``W.t()``; not ``W * 10``), applied as the layer does (no
@@ -345,13 +345,14 @@ class OperationWatch:
 
 
 def _torch_forward(module: nn.Module | None) -> bool:
-    """Whether ``module`` runs a ``forward`` of torch's own: not a subclass's extra ops, nor a
+    """Whether ``module`` is of torch's own class (``type(module).__module__`` under
+    ``torch.nn.modules``), so that it runs torch's ``forward`` and helpers: not a subclass (one
+    keeping torch's ``forward`` may override ``_conv_forward`` or ``_check_input_dim``), nor a
     ``forward`` set on the instance (``layer.forward = wrapper``, as accelerate's hooks do)."""
-    forward = getattr(type(module), "forward", None)
     return (
         module is not None
+        and type(module).__module__.startswith("torch.nn.modules.")
         and "forward" not in vars(module)
-        and getattr(forward, "__module__", "").startswith("torch.nn.")
     )
 
 
