@@ -126,3 +126,23 @@ def test_a_subclass_of_a_torch_layer_overriding_a_helper_is_not_trusted() -> Non
         lip, bound, exact = _run(model.double().eval(), x)
         assert exact > bound * 1.5
         assert not lip["guaranteed"] and any("factor 10" in o for o in lip["operations"]), lip
+
+
+class _TwoSizes(nn.Module):
+    """One convolution at width 1 (only its centre tap acts: norm 0.2), then at width 9."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Conv1d(1, 1, 3, padding=1, bias=False)
+        with torch.no_grad():
+            self.c.weight.copy_(torch.tensor([[[1.0, 0.2, 1.0]]]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(nn.functional.pad(self.c(x), (4, 4)))
+
+
+def test_a_convolution_called_at_two_input_sizes_makes_the_bound_no_guarantee() -> None:
+    lip, bound, exact = _run(_TwoSizes().double(), torch.randn(2, 1, 1, dtype=F64))
+    assert exact > bound * 1.5
+    assert not lip["guaranteed"], lip
+    assert any("several input sizes: c" in n for n in lip["notes"]), lip["notes"]

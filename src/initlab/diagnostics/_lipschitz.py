@@ -18,6 +18,11 @@ INFERRED_CALLS = "not called itself: its parent"
 count is inferred from its parent's (:meth:`~initlab.diagnostics.spectra.InputShapes.calls_of`):
 a guess, so the bounds are no guarantee."""
 
+SEVERAL_SHAPES = "called with several input shapes: norm at the first"
+"""The note of a :func:`~initlab.diagnostics.spectra.layer_spectra` row whose layer (a
+convolution: its operator norm depends on the input size) ran at several input sizes: its norm
+holds at the first only, so the bounds are no guarantee."""
+
 
 def lipschitz_bounds(
     spectra: Rows | Iterable[Mapping[str, Any]],
@@ -55,7 +60,8 @@ def lipschitz_bounds(
 
     Returns:
         ``{"plain": prod ||W_j||, "residual": the residual bound, "layers": n, "guaranteed":
-        no layer was left uncovered, every call count was known (not inferred) and no operation
+        no layer was left uncovered, every call count was known (not inferred), no convolution
+        ran at several input sizes and no operation
         found that is not 1-Lipschitz, "uncovered": [...], "operations": [...] or None,
         "notes": [...]}``. ``plain`` bounds a chain; with skip connections only ``residual`` is
         an upper bound.
@@ -166,10 +172,11 @@ def _norms_and_calls(
 ) -> tuple[dict[str, float], dict[str, int], list[str], bool]:
     """``(norms, calls, notes, known)``: the finite operator norm of each layer that runs (its
     first row's) and how often it runs per forward (1 where not known), notes on layers that run
-    never or several times, and whether every call count was known (none inferred)."""
+    never or several times, and whether every call count was known (none inferred) and every
+    norm holds at each call (no layer ran at several input sizes: :data:`SEVERAL_SHAPES`)."""
     norms: dict[str, float] = {}
     calls: dict[str, int] = {}
-    never, unknown, inferred = [], [], []
+    never, unknown, inferred, shapes = [], [], [], []
     for r in spectra:
         layer, k = r["layer"], r.get("calls")
         if not math.isfinite(r["op_norm"]) or layer in norms or layer in never:
@@ -182,6 +189,8 @@ def _norms_and_calls(
             unknown.append(layer)
         elif INFERRED_CALLS in str(r.get("note") or ""):
             inferred.append(layer)
+        if SEVERAL_SHAPES in str(r.get("note") or ""):
+            shapes.append(layer)
     notes = []
     if never:
         notes.append(f"not run in the forward, so not in the bounds: {_shown(never)}")
@@ -201,7 +210,13 @@ def _norms_and_calls(
             "each is taken to run once per call of the parent, a guess (the parent may apply "
             "the weight several times): not a guarantee"
         )
-    return norms, calls, notes, not unknown and not inferred
+    if shapes:
+        notes.append(
+            f"called at several input sizes: {_shown(shapes)}; a convolution's operator norm "
+            "depends on the input size, and the norm taken holds at the first size only: not a "
+            "guarantee"
+        )
+    return norms, calls, notes, not unknown and not inferred and not shapes
 
 
 def _residual_bound(

@@ -85,7 +85,7 @@ from initlab._core.parametrized import (
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows
 from initlab._core.state import preserved_state
-from initlab.diagnostics._lipschitz import INFERRED_CALLS, lipschitz_bounds
+from initlab.diagnostics._lipschitz import INFERRED_CALLS, SEVERAL_SHAPES, lipschitz_bounds
 from initlab.diagnostics._operators import (
     _CONVS,
     _CONVTS,
@@ -566,5 +566,5 @@ def _conv_entry(
             f"power iteration not converged (last relative change {info['value_change']:.1e})"
         )
     if watched is not None and name in watched.multiple:
-        note.append("called with several input shapes: norm at the first")
+        note.append(SEVERAL_SHAPES)
     return op_norm, "lanczos", info["matvecs"]
