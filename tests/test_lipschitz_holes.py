@@ -20,10 +20,11 @@ def _square_mean(model: nn.Module, batch) -> torch.Tensor:
     return (model(batch[0]) ** 2).mean()
 
 
-def _exact(model: nn.Module, x: torch.Tensor, scales=(1.0, 10.0, 0.01, 100.0)) -> float:
+def _exact(model: nn.Module, x: torch.Tensor, scales=(1.0, 10.0, 0.01, 100.0, 1000.0)) -> float:
     """``max ||J(s x)||_2`` over the scales ``s`` (and a second random point)."""
     model = copy.deepcopy(model)
-    points = [s * x for s in scales] + [3 * torch.randn(x.shape, dtype=F64)]
+    g = torch.Generator().manual_seed(1)
+    points = [s * x for s in scales] + [3 * torch.randn(x.shape, dtype=F64, generator=g)]
     best = 0.0
     for v in points:
         jac = torch.autograd.functional.jacobian(
@@ -146,3 +147,25 @@ def test_a_convolution_called_at_two_input_sizes_makes_the_bound_no_guarantee() 
     assert exact > bound * 1.5
     assert not lip["guaranteed"], lip
     assert any("several input sizes: c" in n for n in lip["notes"]), lip["notes"]
+
+
+def _times_item(h: torch.Tensor) -> torch.Tensor:
+    return h * h.abs().amax().item()
+
+
+def _times_long(h: torch.Tensor) -> torch.Tensor:
+    return h * (h.abs().amax().to(torch.long) + 1)
+
+
+def _branch(h: torch.Tensor) -> torch.Tensor:
+    return h * 100 if float(h.detach().abs().amax()) > 5 else h
+
+
+def test_values_read_out_of_the_data_make_the_bound_no_guarantee() -> None:
+    """Recorded at a small input, ``h * max|h|`` looks like a product by a constant below 1."""
+    x = 0.01 * torch.randn(3, 4, dtype=F64, generator=torch.Generator().manual_seed(0))
+    for fn in (_times_item, _times_long, _branch):
+        lip, bound, exact = _run(_Two(fn).double(), x)
+        assert exact > bound * 1.5, fn.__name__
+        assert not lip["guaranteed"], (fn.__name__, lip)
+        assert any("reads a value of the data" in o for o in lip["operations"]), lip

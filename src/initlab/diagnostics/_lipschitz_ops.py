@@ -43,7 +43,10 @@ with its arguments against an explicit allow-list:
 * the sum ``x + F(x)`` of a residual block the bound models (one the runtime trace finds, with
   the same layers as one of the bound's blocks).
 
-What the recorder cannot see makes the bound no guarantee: a call inside the model taking a
+A value read out of the data (``h.item()``, ``float(h)``, ``bool(h)`` for a Python branch, a
+cast to an integer dtype, a comparison) makes the bound no guarantee: the one recorded forward
+may not be the function at other inputs. What the recorder cannot see makes the bound no
+guarantee too: a call inside the model taking a
 floating tensor no recorded call made (the output of a ``torch.jit.script`` function or a compiled
 extension; a global tensor), and a module on the data path whose output no recorded call made.
 The constants the model may use are its parameters, buffers and tensor attributes.
@@ -111,6 +114,13 @@ _KNOWN = {  # the Lipschitz constants of common activations that exceed 1
     "gelu": 1.1289, "silu": 1.0998, "mish": 1.0886, "selu": 1.0507 * 1.6733, "hardswish": 1.5,
     "erf": 2 / math.sqrt(math.pi),
 }  # fmt: skip
+_READS = frozenset(
+    {"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__", "__complex__"}
+)
+_READS_VALUE = (
+    "reads a value of the data (a Python number, an integer or boolean tensor: a branch, a "
+    "rounding): the recorded forward may not be the function at other inputs, not known"
+)
 _REPEATS = frozenset({"expand", "expand_as", "repeat", "repeat_interleave", "tile", "broadcast_to"})
 
 
@@ -426,7 +436,11 @@ def _judge(
     fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list[torch.Tensor]
 ) -> str | None:
     """``None`` where the call is 1-Lipschitz in its data arguments ``data``, ``"layer"`` or
-    ``"sum"`` (decided later), else why it is not (see :class:`OperationWatch`)."""
+    ``"sum"`` (decided later), else why it is not (see :class:`OperationWatch`). A value read
+    out of the data (``h.item()``, ``h.to(torch.long)``, ``h > 0``) is a step function of it."""
+    integer = isinstance(out, torch.Tensor) and not (out.is_floating_point() or out.is_complex())
+    if fn in _READS or (data and integer):
+        return _READS_VALUE
     if fn in _ANY:
         return _pairwise(fn, out, data) if fn in _PAIRWISE else None
     if fn in _LAYER_OPS:

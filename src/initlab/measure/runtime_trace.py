@@ -12,7 +12,8 @@ of that forward:
   are tagged by identity and kept alive for the pass, so identities are not reused). An
   in-place write (``x[i] = v``, which returns None, ``y.copy_(v)``, ``x.relu_()``, ``x += v``)
   is a node taking the target's earlier value and the value written, and the target (and the
-  base it is a view of, where recorded) is tagged with it. Tensor
+  base it is a view of, where recorded) is tagged with it. A call taking a value out of torch
+  (``h.item()``, ``float(h)``, ``h.tolist()``, ``bool(h)``) is a node without outputs. Tensor
   factories (``torch.arange``, ``torch.zeros_like``, ``x.new_zeros``) take no inputs, and shape
   queries return no tensor, so neither passes data ancestry on;
 * forward pre/post hooks on every module keep the stack of modules being run: each node records
@@ -97,6 +98,13 @@ _IN_PLACE_DUNDERS = {
 
 def _in_place(fn: str) -> bool:
     return fn in _WRITE_NAMES or fn in _IN_PLACE_DUNDERS or (fn.endswith("_") and fn[0] != "_")
+
+
+# Calls that take a value out of torch (a Python number or list, a bool for a branch): each is a
+# node without outputs, so that ``on_call`` sees it.
+_READ_NAMES = {
+    "item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__", "__complex__",
+}  # fmt: skip
 
 
 # Calls that change only a tensor's shape, layout or dtype: no step of the shortcut walk.
@@ -209,7 +217,7 @@ class _Recorder(TorchFunctionMode):
         written = target is not None and _in_place(fn)
         if written and fn in _WRITE_NAMES:  # x[i] = v returns None: the target holds the result
             outputs, seen = [target], target
-        if outputs:
+        if outputs or fn in _READ_NAMES:
             i = self.node(fn, inputs, [] if written else outputs, "call")
             self.graph.nodes[i].operands = operands
             if self.on_call is not None:
