@@ -34,11 +34,11 @@ def _exact(model: nn.Module, x: torch.Tensor, scales=(1.0, 10.0, 0.01, 100.0, 10
     return best
 
 
-def _run(model: nn.Module, x: torch.Tensor) -> tuple[dict, float, float]:
+def _run(model: nn.Module, x: torch.Tensor, **kw) -> tuple[dict, float, float]:
     """``(meta["lipschitz"], its bound, the exact norm)``; a guaranteed bound must hold."""
     lip = diagnose(model, [(x,)], _square_mean, generator=0).meta["lipschitz"]
     bound = lip["residual"] if math.isfinite(lip["residual"]) else lip["plain"]
-    exact = _exact(model, x)
+    exact = _exact(model, x, **kw)
     assert not lip["guaranteed"] or exact <= bound * (1 + 1e-9), (exact, bound, lip)
     return lip, bound, exact
 
@@ -169,3 +169,28 @@ def test_values_read_out_of_the_data_make_the_bound_no_guarantee() -> None:
         assert exact > bound * 1.5, fn.__name__
         assert not lip["guaranteed"], (fn.__name__, lip)
         assert any("reads a value of the data" in o for o in lip["operations"]), lip
+
+
+def test_celu_with_alpha_below_0_makes_the_bound_no_guarantee() -> None:
+    """``celu`` has slope ``exp(x / alpha)`` below 0: unbounded for ``alpha < 0``."""
+    lip, bound, exact = _run(_Two(nn.CELU(alpha=-1.0)).double(), _x(), scales=(1.0, 3.0))
+    assert exact > bound * 1.5
+    assert not lip["guaranteed"] and any("celu" in o for o in lip["operations"]), lip
+
+
+def test_softplus_with_a_low_threshold_steps_and_makes_the_bound_no_guarantee() -> None:
+    """``softplus(x, threshold=0)`` is ``x`` above 0 and ``log(1 + exp(x))`` below: a step of
+    ``log 2`` at 0, so two inputs on either side of it give a quotient far above the bound."""
+    model = _Two(nn.Softplus(threshold=0.0)).double()
+    lip = diagnose(model, [(_x(),)], _square_mean, generator=0).meta["lipschitz"]
+    lo, hi = torch.full((1, 4), -1e-4, dtype=F64), torch.full((1, 4), 1e-4, dtype=F64)
+    with torch.no_grad():
+        quotient = float((model(hi) - model(lo)).norm() / (hi - lo).norm())
+    assert quotient > 10 * lip["plain"]
+    assert not lip["guaranteed"] and any("softplus" in o for o in lip["operations"]), lip
+
+
+def test_celu_and_softplus_with_safe_arguments_keep_the_bound() -> None:
+    for act in (nn.CELU(0.1), nn.Softplus(), nn.Softplus(beta=-2.0)):
+        lip, _, _ = _run(_Two(act).double(), _x())
+        assert lip["guaranteed"] and lip["operations"] == [], (act, lip)

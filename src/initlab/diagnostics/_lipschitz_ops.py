@@ -9,28 +9,29 @@ model's input: not a weight's parametrization, a positional table, a mask), and 
 with its arguments against an explicit allow-list:
 
 * 1-Lipschitz whatever their arguments: ``relu``, ``tanh``, ``sigmoid``, ``hardtanh`` (``ReLU6``),
-  ``hardsigmoid``, ``softsign``, ``softplus``, ``log_sigmoid``, ``celu``, ``softshrink``,
-  ``tanhshrink``, ``softmax``, ``abs``, ``neg``, ``mean``; shape, layout and dtype changes
-  (``view``, ``reshape``, ``flatten``, ``permute``, ``transpose``, ``squeeze``, ``to``, ``split``,
-  ``narrow``, basic slicing ``x[:, ::2]``, ``pixel_shuffle``, ...); max/min reductions over a dim
-  (``amax``: a maxout);
+  ``hardsigmoid``, ``softsign``, ``log_sigmoid``, ``softshrink``, ``tanhshrink``, ``softmax``,
+  ``abs``, ``neg``, ``mean``; shape, layout and dtype changes (``view``, ``reshape``, ``flatten``,
+  ``permute``, ``transpose``, ``squeeze``, ``to``, ``split``, ``narrow``, basic slicing ``x[:,
+  ::2]``, ``pixel_shuffle``, ...); max/min reductions over a dim (``amax``: a maxout);
 * with arguments that keep them 1-Lipschitz: ``clamp`` and elementwise ``max``/``min``/``maximum``
   with constant bounds that do not broadcast the activation to more entries (of two activations,
   ``clamp(a(x), min=b(x))``, they are not known); ``leaky_relu`` / ``elu`` / ``prelu`` with slope
-  ``|a| <= 1``, ``rrelu`` with ``|lower|, |upper| <= 1``; ``interpolate`` to the same size at scale
-  1 (the identity); ``where``/``masked_fill`` of one activation and constants by a mask no
-  activation computes; ``dropout`` in eval mode (or ``p`` 0 or 1); max pooling with
-  ``kernel <= stride`` and no dilation (non-overlapping windows), adaptive max/average pooling
-  whose output size divides the input size; average pooling without ``ceil_mode`` or
+  ``|a| <= 1``, ``rrelu`` with ``|lower|, |upper| <= 1``, ``celu`` with ``alpha > 0`` (slope ``exp(x
+  / alpha)`` below 0), ``softplus`` whose step at its ``threshold`` (where it turns to ``x``),
+  ``log(1 + exp(-threshold)) / |beta|``, is below ``1e-6`` (the default's is 2e-9); ``interpolate``
+  to the same size at scale 1 (the identity); ``where``/``masked_fill`` of one activation and
+  constants by a mask no activation computes; ``dropout`` in eval mode (or ``p`` 0 or 1); max
+  pooling with ``kernel <= stride`` and no dilation (non-overlapping windows), adaptive max/average
+  pooling whose output size divides the input size; average pooling without ``ceil_mode`` or
   ``divisor_override``, that counts its zero padding; ``pad`` with constant padding; a product by a
   constant of ``max |c| <= 1`` (a division by one of ``min |c| >= 1``); adding a constant (a bias),
   with ``add``/``sub``'s ``alpha`` scaling the activation by ``|alpha| <= 1`` where it is given;
   both only where the output has as many entries as the activation (a constant of shape ``(1, 10)``
   broadcasting an activation of shape ``(N, 1)`` repeats each entry ``r = 10`` times: Lipschitz
   constant ``sqrt(r) max |c|``, ``sqrt(r)`` for a sum); ``cat``/``stack`` of one activation with
-  constants; ``sum`` over one entry; an in-place write (``x[i] = v``, ``y.copy_(v)``) of
-  constants at places no activation picks, or of one activation over a tensor holding none,
-  without repeating its entries (``y[:] = h``; not ``h[:, 1] = h[:, 0]``);
+  constants; ``sum`` over one entry; an in-place write (``x[i] = v``, ``y.copy_(v)``) of constants
+  at places no activation picks, or of one activation over a tensor holding none, without repeating
+  its entries (``y[:] = h``; not ``h[:, 1] = h[:, 0]``);
 * the layers whose norms the bound takes: any call inside a Linear, convolution or eval-mode
   BatchNorm with a finite operator norm (of torch's own class, not a subclass, with its
   ``forward`` not replaced on the instance; not the calls of its pre- or forward hooks, judged
@@ -78,8 +79,8 @@ __all__ = ["OperationWatch"]
 _ANY = frozenset(
     {
         "relu", "relu_", "tanh", "tanh_", "sigmoid", "sigmoid_", "hardtanh", "hardtanh_",
-        "relu6", "hardsigmoid", "softsign", "softplus", "logsigmoid", "log_sigmoid", "celu",
-        "celu_", "maximum", "minimum", "fmax", "fmin",
+        "relu6", "hardsigmoid", "softsign", "logsigmoid", "log_sigmoid", "maximum", "minimum",
+        "fmax", "fmin",
         "softshrink", "tanhshrink", "softmax", "abs", "abs_", "clamp", "clamp_", "clip",
         "clamp_min", "clamp_max", "neg", "__neg__", "negative", "mean", "nanmean", "view",
         "reshape", "flatten", "unflatten", "permute", "transpose", "t", "contiguous", "squeeze",
@@ -493,6 +494,22 @@ def _slope(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list
     return None if slope <= 1 else f"slope {slope:.3g}: Lipschitz constant {slope:.3g} > 1"
 
 
+def _smooth(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list) -> str | None:
+    """``celu``: slope ``exp(x / alpha)`` below 0, at most 1 for ``alpha > 0``, unbounded for
+    ``alpha < 0``. ``softplus``: slope ``sigmoid(beta x)`` in (0, 1) for either sign of ``beta``,
+    but ``x`` itself where ``beta x > threshold``: a step of ``log(1 + exp(-threshold)) / |beta|``
+    there (2e-9 by default), taken as none below ``1e-6``."""
+    if fn.startswith("celu"):
+        alpha = float(_arg(args, kwargs, 1, "alpha", 1.0))
+        return None if alpha > 0 else f"alpha = {alpha:.3g} <= 0: slope exp(x / alpha) unbounded"
+    beta = float(_arg(args, kwargs, 1, "beta", 1.0))
+    threshold = float(_arg(args, kwargs, 2, "threshold", 20.0))
+    step = math.log1p(math.exp(-threshold)) / abs(beta) if beta and threshold > -700 else math.inf
+    if step <= 1e-6:
+        return None
+    return f"steps by {step:.3g} at beta x = threshold = {threshold:.3g}: not Lipschitz"
+
+
 def _dropout(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list) -> str | None:
     p = float(_arg(args, kwargs, 1, "p", 0.5))
     training = bool(_arg(args, kwargs, 2, "training", True))
@@ -670,6 +687,7 @@ _MAX_POOLS = frozenset(
 _ADAPTIVE_POOLS = frozenset(f"adaptive_{k}_pool{d}d" for k in ("max", "avg") for d in (1, 2, 3))
 _JUDGES: tuple[tuple[frozenset[str], Callable[..., str | None]], ...] = (
     (frozenset({"leaky_relu", "leaky_relu_", "elu", "elu_", "prelu", "rrelu", "rrelu_"}), _slope),
+    (frozenset({"celu", "celu_", "softplus"}), _smooth),
     (_DROPOUTS, _dropout),
     (_MAX_POOLS, _max_pool),
     (_ADAPTIVE_POOLS, _adaptive),
