@@ -10,28 +10,29 @@ with its arguments against an explicit allow-list:
 
 * 1-Lipschitz whatever their arguments: ``relu``, ``tanh``, ``sigmoid``, ``hardtanh`` (``ReLU6``),
   ``hardsigmoid``, ``softsign``, ``log_sigmoid``, ``softshrink``, ``tanhshrink``, ``softmax``,
-  ``abs``, ``neg``, ``mean``; shape, layout and dtype changes (``view``, ``reshape``, ``flatten``,
-  ``permute``, ``transpose``, ``squeeze``, ``to``, ``split``, ``narrow``, basic slicing ``x[:,
-  ::2]``, ``pixel_shuffle``, ...); max/min reductions over a dim (``amax``: a maxout);
+  ``softmin``, ``abs``, ``neg``, ``mean``; shape, layout and dtype changes (``view``, ``reshape``,
+  ``flatten``, ``permute``, ``transpose``, ``squeeze``, ``to``, ``split``, ``narrow``, basic slicing
+  ``x[:, ::2]``, ``pixel_shuffle``, ...); max/min reductions over a dim (``amax``: a maxout);
 * with arguments that keep them 1-Lipschitz: ``clamp`` and elementwise ``max``/``min``/``maximum``
   with constant bounds that do not broadcast the activation to more entries (of two activations,
   ``clamp(a(x), min=b(x))``, they are not known); ``leaky_relu`` / ``elu`` / ``prelu`` with slope
-  ``|a| <= 1``, ``rrelu`` with ``|lower|, |upper| <= 1``, ``celu`` with ``alpha > 0`` (slope ``exp(x
-  / alpha)`` below 0), ``softplus`` whose step at its ``threshold`` (where it turns to ``x``),
-  ``log(1 + exp(-threshold)) / |beta|``, is below ``1e-6`` (the default's is 2e-9); ``interpolate``
-  to the same size at scale 1 (the identity); ``where``/``masked_fill`` of one activation and
-  constants by a mask no activation computes; ``dropout`` in eval mode (or ``p`` 0 or 1); max
-  pooling with ``kernel <= stride`` and no dilation (non-overlapping windows), adaptive max/average
-  pooling whose output size divides the input size; average pooling without ``ceil_mode`` or
-  ``divisor_override``, that counts its zero padding; ``pad`` with constant padding; a product by a
-  constant of ``max |c| <= 1`` (a division by one of ``min |c| >= 1``); adding a constant (a bias),
-  with ``add``/``sub``'s ``alpha`` scaling the activation by ``|alpha| <= 1`` where it is given;
-  both only where the output has as many entries as the activation (a constant of shape ``(1, 10)``
-  broadcasting an activation of shape ``(N, 1)`` repeats each entry ``r = 10`` times: Lipschitz
-  constant ``sqrt(r) max |c|``, ``sqrt(r)`` for a sum); ``cat``/``stack`` of one activation with
-  constants; ``sum`` over one entry; an in-place write (``x[i] = v``, ``y.copy_(v)``) of constants
-  at places no activation picks, or of one activation over a tensor holding none, without repeating
-  its entries (``y[:] = h``; not ``h[:, 1] = h[:, 0]``);
+  ``|a| <= 1``, ``rrelu`` with ``|lower|, |upper| <= 1``, ``celu`` with ``alpha > 0`` (slope
+  ``exp(x / alpha)`` below 0), ``softplus`` whose step at its ``threshold`` (where it turns to
+  ``x``), ``log(1 + exp(-threshold)) / |beta|``, is below ``1e-6`` (the default's is 2e-9);
+  ``interpolate`` to the same size at scale 1 (the identity); ``where``/``masked_fill`` of one
+  activation and constants by a mask no activation computes; ``dropout`` in eval mode (or ``p`` 0 or
+  1); max pooling with ``kernel <= stride`` and no dilation (non-overlapping windows), adaptive
+  max/average pooling whose output size divides the input size; average pooling without
+  ``ceil_mode`` or ``divisor_override``, that counts its zero padding; ``pad`` with constant
+  padding; a product by a constant of ``max |c| <= 1`` (a division by one of ``min |c| >= 1``);
+  adding a constant (a bias), with ``add``/``sub``'s ``alpha`` scaling the activation by ``|alpha|
+  <= 1`` where it is given; both only where the output has as many entries as the activation (a
+  constant of shape ``(1, 10)`` broadcasting an activation of shape ``(N, 1)`` repeats each entry
+  ``r = 10`` times: Lipschitz constant ``sqrt(r) max |c|``, ``sqrt(r)`` for a sum);
+  ``cat``/``stack`` of one activation with constants; ``sum`` over one entry; an in-place write
+  (``x[i] = v``, ``y.copy_(v)``) of constants at places no activation picks, or of one activation
+  over a tensor holding none, without repeating its entries (``y[:] = h``; not ``h[:, 1] = h[:,
+  0]``);
 * the layers whose norms the bound takes: any call inside a Linear, convolution or eval-mode
   BatchNorm with a finite operator norm (of torch's own class, not a subclass, with its
   ``forward`` not replaced on the instance; not the calls of its pre- or forward hooks, judged
@@ -81,7 +82,7 @@ _ANY = frozenset(
         "relu", "relu_", "tanh", "tanh_", "sigmoid", "sigmoid_", "hardtanh", "hardtanh_",
         "relu6", "hardsigmoid", "softsign", "logsigmoid", "log_sigmoid", "maximum", "minimum",
         "fmax", "fmin",
-        "softshrink", "tanhshrink", "softmax", "abs", "abs_", "clamp", "clamp_", "clip",
+        "softshrink", "tanhshrink", "softmax", "softmin", "abs", "abs_", "clamp", "clamp_", "clip",
         "clamp_min", "clamp_max", "neg", "__neg__", "negative", "mean", "nanmean", "view",
         "reshape", "flatten", "unflatten", "permute", "transpose", "t", "contiguous", "squeeze",
         "unsqueeze", "clone", "detach", "to", "type", "type_as", "float", "double", "half",
