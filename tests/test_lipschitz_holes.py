@@ -196,6 +196,29 @@ def test_celu_and_softplus_with_safe_arguments_keep_the_bound() -> None:
         assert lip["guaranteed"] and lip["operations"] == [], (act, lip)
 
 
+class _Rsub(nn.Module):
+    def __init__(self, alpha: float) -> None:
+        super().__init__()
+        self.alpha, self.a, self.b = alpha, nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.rsub(input=self.a(x), other=1.0, alpha=self.alpha))
+
+
+def test_rsub_with_keyword_arguments_is_judged_not_a_crash() -> None:
+    """``torch.rsub(input=h, other=c, alpha=a)`` is ``c - a h``: it raised IndexError inside the
+    watch, so the call counts were lost and the operations left unchecked."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, dtype=F64)
+    report = diagnose(_Rsub(0.5).double(), [(x,)], _square_mean, generator=0)
+    assert not any("failed" in n for n in report.meta["notes"]), report.meta["notes"]
+    lip, _, _ = _run(_Rsub(0.5).double(), x)
+    assert lip["guaranteed"] and lip["operations"] == [], lip
+    lip, bound, exact = _run(_Rsub(20.0).double(), x)
+    assert exact > bound * 1.5
+    assert not lip["guaranteed"] and any("alpha = 20" in o for o in lip["operations"]), lip
+
+
 def test_softmin_keeps_the_bound() -> None:
     """``softmin(x) = softmax(-x)`` is 1-Lipschitz (it was a false alarm)."""
     lip, _, _ = _run(_Two(nn.Softmin(dim=1)).double(), _x())

@@ -471,7 +471,7 @@ def _alpha(fn: str, args: tuple, kwargs: Mapping[str, Any], data: list) -> str |
     alpha = kwargs.get("alpha", 1)
     if fn not in _ADDS | _SUBS or alpha == 1:
         return None
-    scaled = args[0] if fn == "rsub" else _arg(args, kwargs, 1, "other", None)
+    scaled = _arg(args, kwargs, *((0, "input") if fn == "rsub" else (1, "other")), None)
     if not any(scaled is t for t in data):
         return None  # alpha scales a constant: judged as a sum with a constant
     if len(data) > 1:
