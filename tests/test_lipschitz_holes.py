@@ -223,3 +223,38 @@ def test_softmin_keeps_the_bound() -> None:
     """``softmin(x) = softmax(-x)`` is 1-Lipschitz (it was a false alarm)."""
     lip, _, _ = _run(_Two(nn.Softmin(dim=1)).double(), _x())
     assert lip["guaranteed"] and lip["operations"] == [], lip
+
+
+class _Plain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+class _OwnCall(_Plain):
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return super().__call__(10 * x)
+
+
+def test_what_runs_before_the_model_is_entered_makes_the_bound_no_guarantee() -> None:
+    """A global forward pre-hook on the model and a class overriding ``__call__`` scale the
+    input by 10 before the recorder enters the model: those calls were taken as the loss's."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, dtype=F64)
+    plain = _Plain().double()
+    handle = nn.modules.module.register_module_forward_pre_hook(
+        lambda m, a: (a[0] * 10,) if type(m) is _Plain else None
+    )
+    try:
+        lip, bound, exact = _run(plain, x)
+    finally:
+        handle.remove()
+    assert exact > bound * 1.5
+    assert not lip["guaranteed"] and any("global forward pre-hooks" in o for o in lip["operations"])
+    torch.manual_seed(0)
+    lip, bound, exact = _run(_OwnCall().double(), x)
+    assert exact > bound * 1.5
+    assert not lip["guaranteed"] and any("overrides __call__" in o for o in lip["operations"])

@@ -45,12 +45,14 @@ with its arguments against an explicit allow-list:
 * the sum ``x + F(x)`` of a residual block the bound models (one the runtime trace finds, with
   the same layers as one of the bound's blocks).
 
-A value read out of the data (``h.item()``, ``float(h)``, ``bool(h)`` for a Python branch, a
-cast to an integer dtype, a comparison) makes the bound no guarantee: the one recorded forward
-may not be the function at other inputs. What the recorder cannot see makes the bound no
-guarantee too: a call inside the model taking a
-floating tensor no recorded call made (the output of a ``torch.jit.script`` function or a compiled
-extension; a global tensor), and a module on the data path whose output no recorded call made.
+A value read out of the data (``h.item()``, ``float(h)``, ``bool(h)`` for a Python branch, a cast
+to an integer dtype, a comparison) makes the bound no guarantee: the one recorded forward may not
+be the function at other inputs. Global forward pre-hooks (run before the model is entered) and a
+model class overriding ``__call__`` make the bound no guarantee too: their operations on the input
+are not judged. What the recorder cannot see makes the bound no guarantee too: a call inside the
+model taking a floating tensor no recorded call made (the output of a ``torch.jit.script``
+function or a compiled extension; a global tensor), and a module on the data path whose output no
+recorded call made.
 The constants the model may use are its parameters, buffers and tensor attributes.
 
 Calls inside a module the bound lists as not covered are left to that note (a PReLU, judged
@@ -143,6 +145,7 @@ class OperationWatch:
         self._pre: set[str] = set()  # modules whose forward pre-hooks run
         self._untrusted: set[int] = set()  # calls by forward hooks, or on unseen tensors
         self._global_hooks = False
+        self._before: list[str] = []  # what runs on the input before the model is entered
         self._known: set[int] = set()  # the model's parameters, buffers, tensor attributes
         self.ran: set[str] = set()  # the modules called in the forward
         self.calls: dict[str, int] = {}  # how often each module was called
@@ -155,7 +158,10 @@ class OperationWatch:
         layer covers (``o * 10`` in a Linear's hook); global forward hooks run before it, so
         with any of them no layer is trusted. The model's own forward pre-hooks run inside it
         for the recorder (:func:`recording`): a pre-hook placed first marks their calls too."""
-        self._global_hooks = bool(getattr(nn.modules.module, "_global_forward_hooks", None))
+        hooks = nn.modules.module
+        pre = bool(getattr(hooks, "_global_forward_pre_hooks", None))
+        self._global_hooks = pre or bool(getattr(hooks, "_global_forward_hooks", None))
+        self._before = _before_forward(self.model, pre)
         self._known = {id(t) for m in self.model.modules() for t in _floats(dict(vars(m)))}
         with recording(self.model, self._on_call) as graph, hook_handles() as handles:
             self.graph = graph
@@ -313,7 +319,7 @@ class OperationWatch:
             where = found.setdefault((node.fn, why), [])
             if (node.module or "<root>") not in where:
                 where.append(node.module or "<root>")
-        return [
+        return self._before + [
             f"{fn} in {', '.join(w[:3])}{f' and {len(w) - 3} more' if len(w) > 3 else ''}: {why}"
             for (fn, why), w in found.items()
         ]
@@ -354,6 +360,26 @@ class OperationWatch:
 
         declared = {key(b) for b in blocks} - {frozenset()}
         return {b["node"] for b in additions_of(self.graph)[0] if key(b) in declared}
+
+
+def _before_forward(model: nn.Module, global_pre_hooks: bool) -> list[str]:
+    """What runs on the model's input before the recorder enters the model, so that its calls
+    count as the loss's and are never judged: global forward pre-hooks
+    (``register_module_forward_pre_hook``: ``x * 10``), a class overriding ``__call__``."""
+    out = []
+    if global_pre_hooks:
+        out.append(
+            "global forward pre-hooks (register_module_forward_pre_hook) run before the model "
+            "is entered: their operations are not judged, not known to be 1-Lipschitz"
+        )
+    own = [k for k in ("__call__", "_wrapped_call_impl", "_call_impl")
+           if getattr(type(model), k, None) is not getattr(nn.Module, k)]  # fmt: skip
+    if own:
+        out.append(
+            f"{type(model).__name__} overrides {', '.join(own)}: what it does before its forward "
+            "is not judged, not known to be 1-Lipschitz"
+        )
+    return out
 
 
 def _torch_forward(module: nn.Module | None) -> bool:
