@@ -161,10 +161,19 @@ def _branch(h: torch.Tensor) -> torch.Tensor:
     return h * 100 if float(h.detach().abs().amax()) > 5 else h
 
 
+def _allclose_branch(h: torch.Tensor) -> torch.Tensor:
+    return h if torch.allclose(h, h.clamp(-5, 5)) else 100 * h
+
+
+def _equal_branch(h: torch.Tensor) -> torch.Tensor:
+    return h if torch.equal(h, h.clamp(-5, 5)) else 100 * h
+
+
 def test_values_read_out_of_the_data_make_the_bound_no_guarantee() -> None:
-    """Recorded at a small input, ``h * max|h|`` looks like a product by a constant below 1."""
+    """Recorded at a small input, ``h * max|h|`` looks like a product by a constant below 1; a
+    branch on ``torch.allclose``/``torch.equal`` of the data reads a bool as ``float(h)`` does."""
     x = 0.01 * torch.randn(3, 4, dtype=F64, generator=torch.Generator().manual_seed(0))
-    for fn in (_times_item, _times_long, _branch):
+    for fn in (_times_item, _times_long, _branch, _allclose_branch, _equal_branch):
         lip, bound, exact = _run(_Two(fn).double(), x)
         assert exact > bound * 1.5, fn.__name__
         assert not lip["guaranteed"], (fn.__name__, lip)

@@ -75,7 +75,13 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from initlab._core.hooks import hook_handles
-from initlab.measure.runtime_trace import RuntimeGraph, RuntimeNode, additions_of, recording
+from initlab.measure.runtime_trace import (
+    READ_NAMES,
+    RuntimeGraph,
+    RuntimeNode,
+    additions_of,
+    recording,
+)
 
 __all__ = ["OperationWatch"]
 
@@ -118,9 +124,6 @@ _KNOWN = {  # the Lipschitz constants of common activations that exceed 1
     "gelu": 1.1289, "silu": 1.0998, "mish": 1.0886, "selu": 1.0507 * 1.6733, "hardswish": 1.5,
     "erf": 2 / math.sqrt(math.pi),
 }  # fmt: skip
-_READS = frozenset(
-    {"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__", "__complex__"}
-)
 _READS_VALUE = (
     "reads a value of the data (a Python number, an integer or boolean tensor: a branch, a "
     "rounding): the recorded forward may not be the function at other inputs, not known"
@@ -467,7 +470,7 @@ def _judge(
     ``"sum"`` (decided later), else why it is not (see :class:`OperationWatch`). A value read
     out of the data (``h.item()``, ``h.to(torch.long)``, ``h > 0``) is a step function of it."""
     integer = isinstance(out, torch.Tensor) and not (out.is_floating_point() or out.is_complex())
-    if fn in _READS or (data and integer):
+    if fn in READ_NAMES or (data and integer):
         return _READS_VALUE
     if fn in _ANY:
         return _pairwise(fn, out, data) if fn in _PAIRWISE else None

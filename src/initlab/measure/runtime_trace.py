@@ -68,6 +68,7 @@ from initlab.measure.residual import (
 )
 
 __all__ = [
+    "READ_NAMES",
     "RuntimeGraph",
     "RuntimeNode",
     "additions_of",
@@ -100,11 +101,12 @@ def _in_place(fn: str) -> bool:
     return fn in _WRITE_NAMES or fn in _IN_PLACE_DUNDERS or (fn.endswith("_") and fn[0] != "_")
 
 
-# Calls that take a value out of torch (a Python number or list, a bool for a branch): each is a
-# node without outputs, so that ``on_call`` sees it.
-_READ_NAMES = {
-    "item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__", "__complex__",
-}  # fmt: skip
+#: Calls that take a value out of torch (a Python number, bool or list, a NumPy array: what a
+#: branch reads): each is a node without outputs, so that ``on_call`` sees it.
+READ_NAMES = frozenset({
+    "item", "tolist", "numpy", "__array__", "__bool__", "__int__", "__float__", "__index__",
+    "__complex__", "allclose", "equal", "is_nonzero",
+})  # fmt: skip
 
 
 # Calls that change only a tensor's shape, layout or dtype: no step of the shortcut walk.
@@ -217,7 +219,7 @@ class _Recorder(TorchFunctionMode):
         written = target is not None and _in_place(fn)
         if written and fn in _WRITE_NAMES:  # x[i] = v returns None: the target holds the result
             outputs, seen = [target], target
-        if outputs or fn in _READ_NAMES:
+        if outputs or fn in READ_NAMES:
             i = self.node(fn, inputs, [] if written else outputs, "call")
             self.graph.nodes[i].operands = operands
             if self.on_call is not None:
