@@ -36,15 +36,18 @@ def nearest_names(name: str, names: Iterable[str], n: int = 3) -> str:
     return f" (nearest: {', '.join(map(repr, near))})" if near else ""
 
 
-def inference_tensors(model: nn.Module, buffers: bool = True) -> str:
+def inference_tensors(
+    model: nn.Module, buffers: bool = True, *, params: bool = True, training: bool = False
+) -> str:
     """The names of ``model``'s parameters and buffers made under ``torch.inference_mode()``
     (inference tensors), at most three then ``...``, comma-separated; ``""`` for none. With
     ``buffers=False`` only the buffers of the norm layers with running statistics (BatchNorm,
-    InstanceNorm: what a forward in train mode updates) count."""
+    InstanceNorm: what a forward in train mode updates) count, with ``training`` only those of
+    such layers in train mode; ``params=False`` leaves the parameters out."""
     norms = (nn.modules.batchnorm._NormBase,)
-    tensors = [*model.named_parameters()]
+    tensors = [*model.named_parameters()] if params else []
     for name, module in model.named_modules():
-        if buffers or isinstance(module, norms):
+        if buffers or (isinstance(module, norms) and (module.training or not training)):
             prefix = f"{name}." if name else ""
             tensors += [(prefix + b, t) for b, t in module.named_buffers(recurse=False)]
     names = [n for n, t in tensors if t.is_inference()]

@@ -149,15 +149,8 @@ def check_stats_writable(model: nn.Module, what: str) -> None:
     forward without autograd (:func:`check_writable` is the writers')."""
     if torch.is_inference_mode_enabled():
         return
-    found = [
-        f"{name}.{b}" if name else b
-        for name, m in model.named_modules()
-        if isinstance(m, nn.modules.batchnorm._NormBase) and m.training
-        for b, t in m.named_buffers(recurse=False)
-        if t.is_inference()
-    ]
-    if found:
-        names = ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")
+    names = inference_tensors(model, buffers=False, params=False, training=True)
+    if names:
         raise ValueError(
             f"{what}: the model's tensors ({names}) were created under torch.inference_mode(), "
             "and its forward in train mode updates them in place, which torch refuses outside "
