@@ -601,6 +601,12 @@ def _broadcast(out: Any, data: list) -> float:
     return out.numel() / max(data[0].numel(), 1) if data and isinstance(out, torch.Tensor) else 1
 
 
+def _repeated(r: float) -> str | None:
+    """The verdict on a call that repeats each entry of the activation ``r`` times: ``None``
+    for ``r <= 1``, else its Lipschitz constant ``sqrt(r)``."""
+    return None if r <= 1 else f"repeats entries {r:.3g}x: Lipschitz constant {math.sqrt(r):.3g}"
+
+
 def _scale(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list) -> str | None:
     """A product or quotient: of two activations not known; by constants ``c``,
     ``sqrt(r) max |c|`` (a quotient ``sqrt(r) / min |c|``), ``r`` the broadcast's repeats."""
@@ -628,8 +634,7 @@ def _sum(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list) 
     if fn in _ADDS | _SUBS and len(data) > 1:
         return "sum" if fn in _ADDS else "a difference of two activations"
     if fn in _ADDS | _SUBS:  # with a constant: 1-Lipschitz unless it broadcasts
-        r = _broadcast(out, data)
-        return None if r <= 1 else f"repeats entries {r:.3g}x: Lipschitz constant {r**0.5:.3g}"
+        return _repeated(_broadcast(out, data))
     n = data[0].numel() // max(out.numel(), 1) if data and isinstance(out, torch.Tensor) else 1
     return (
         None
@@ -648,8 +653,7 @@ def _join(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list)
 
 
 def _repeat(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list) -> str | None:
-    n = _broadcast(out, data)
-    return None if n <= 1 else f"repeats entries {n:.3g}x: Lipschitz constant {math.sqrt(n):.3g}"
+    return _repeated(_broadcast(out, data))
 
 
 def _resample(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list) -> str | None:
@@ -682,8 +686,7 @@ def _select(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: lis
     values = [t for t in data if t is not mask]
     if len(values) > 1:
         return f"entries of {len(values)} activations: not known to be 1-Lipschitz"
-    n = out.numel() / max(values[0].numel(), 1) if values and isinstance(out, torch.Tensor) else 1
-    return None if n <= 1 else f"repeats entries {n:.3g}x: Lipschitz constant {math.sqrt(n):.3g}"
+    return _repeated(_broadcast(out, values))
 
 
 def _index(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list) -> str | None:
@@ -707,8 +710,7 @@ def _write(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list
     if any(target is t for t in data):
         return "writes an activation into one (x[i] = h): it may repeat entries, not known"
     region = target[args[1]] if fn == "__setitem__" else target  # type: ignore[index]
-    r = region.numel() / max(value.numel(), 1)
-    return None if r <= 1 else f"repeats entries {r:.3g}x: Lipschitz constant {math.sqrt(r):.3g}"
+    return _repeated(region.numel() / max(value.numel(), 1))
 
 
 _MAX_POOLS = frozenset(
