@@ -90,6 +90,48 @@ def test_in_place_writes_of_activations_are_judged() -> None:
         assert not lip["guaranteed"] and lip["operations"], (fn.__name__, lip)
 
 
+def _sibling_view_then_10(h: torch.Tensor) -> torch.Tensor:
+    buf = torch.zeros(h.shape[0], 8, dtype=h.dtype)
+    v = buf.view(h.shape[0], 2, 4)
+    buf[:, :4] = h
+    return 10 * v[:, 0]
+
+
+def _view_of_target_then_10(h: torch.Tensor) -> torch.Tensor:
+    y = torch.zeros_like(h)
+    v = y[:]
+    y.copy_(h)
+    return 10 * v
+
+
+def _nested_view_then_10(h: torch.Tensor) -> torch.Tensor:
+    buf = torch.zeros(h.shape[0], 8, dtype=h.dtype)
+    a = buf[:, :4]
+    a[:, :4].copy_(h)
+    return 10 * a
+
+
+def _view_made_before_then_relu(h: torch.Tensor) -> torch.Tensor:
+    y = torch.zeros_like(h)
+    v = y[:, :]
+    y.copy_(h)
+    return torch.relu(v)
+
+
+def test_views_made_before_an_in_place_write_hold_what_was_written() -> None:
+    """A view of a tensor taken before an in-place write into the same storage (a sibling view,
+    a view of the target, the view a slice of the target was cut from) holds the written
+    activation: ``10 * v`` is on the data path (it was read as a constant: guaranteed, bound 1,
+    exact 10); a 1-Lipschitz op on such a view keeps the bound."""
+    for fn in (_sibling_view_then_10, _view_of_target_then_10, _nested_view_then_10):
+        lip, bound, exact = _run(_Two(fn).double(), _x())
+        assert exact > bound * 1.5, fn.__name__
+        assert not lip["guaranteed"] and lip["operations"], (fn.__name__, lip)
+        assert any("10" in op for op in lip["operations"]), (fn.__name__, lip)
+    lip, _, _ = _run(_Two(_view_made_before_then_relu).double(), _x())
+    assert lip["guaranteed"] and lip["operations"] == [], lip
+
+
 def _copied(h: torch.Tensor) -> torch.Tensor:
     y = torch.empty_like(h)
     y.copy_(h)

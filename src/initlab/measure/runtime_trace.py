@@ -12,7 +12,9 @@ of that forward:
   are tagged by identity and kept alive for the pass, so identities are not reused). An
   in-place write (``x[i] = v``, which returns None, ``y.copy_(v)``, ``x.relu_()``, ``x += v``)
   is a node taking the target's earlier value and the value written, and the target (and the
-  base it is a view of, where recorded) is tagged with it. A call taking a value out of torch
+  base it is a view of, where recorded) is tagged with it; a tensor sharing the written storage
+  that was made before the write (``v = buf[:, :4]`` before ``buf.copy_(h)``) reads as that
+  node too. A call taking a value out of torch
   (``h.item()``, ``float(h)``, ``h.tolist()``, ``bool(h)``) is a node without outputs. Tensor
   factories (``torch.arange``, ``torch.zeros_like``, ``x.new_zeros``) take no inputs, and shape
   queries return no tensor, so neither passes data ancestry on;
@@ -174,6 +176,16 @@ def _signals(obj: Any) -> list[torch.Tensor]:
     return [t for t in _tensors(obj) if t.dtype.is_floating_point or t.dtype.is_complex]
 
 
+def _storage_of(t: torch.Tensor) -> int | None:
+    """The address of ``t``'s storage (``None`` for one without data: meta, empty, a wrapper
+    subclass). The written tensors stay alive for the pass, so their addresses are not reused."""
+    try:
+        storage = t.untyped_storage()
+        return storage.data_ptr() if storage.nbytes() else None
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
 class _Recorder(TorchFunctionMode):
     """Tags tensors with the node that produced them (see the module docstring)."""
 
@@ -182,6 +194,7 @@ class _Recorder(TorchFunctionMode):
         self.graph = graph
         self.on_call = on_call
         self.tags: dict[int, int] = {}
+        self.writes: dict[int, int] = {}  # storage -> the last in-place write into it
         self.keep: list[torch.Tensor] = []  # identities stay unique while they are tagged
         self.stack: list[str] = []
         self.counts: Counter[str] = Counter()
@@ -204,7 +217,16 @@ class _Recorder(TorchFunctionMode):
             self.keep.append(t)
 
     def tag_of(self, obj: Any) -> int | None:
-        return self.tags.get(id(obj)) if isinstance(obj, torch.Tensor) else None
+        """The node that produced ``obj``'s values: its own tag, or the last in-place write into
+        its storage made after it (``v = buf[:, :4]; buf.copy_(h)``: ``v`` holds ``h`` now)."""
+        if not isinstance(obj, torch.Tensor):
+            return None
+        own = self.tags.get(id(obj))
+        if self.writes:
+            written = self.writes.get(_storage_of(obj))
+            if written is not None and (own is None or written > own):
+                return written
+        return own
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -224,13 +246,16 @@ class _Recorder(TorchFunctionMode):
             self.graph.nodes[i].operands = operands
             if self.on_call is not None:
                 self.on_call(self.graph.nodes[i], args, kwargs, seen, self.tag_of)
-            if written:  # a view's base holds the written entries too
+            if written:  # a view's base, and every view of the storage, hold the entries too
                 base = target._base  # type: ignore[union-attr]
                 self.tag(i, outputs + ([base] if id(base) in self.tags else []))
+                storage = _storage_of(target)
+                if storage is not None:
+                    self.writes[storage] = i
         return out
 
     def inputs_of(self, obj: Any) -> list[int]:
-        tags = (self.tags.get(id(t)) for t in _signals(obj))
+        tags = (self.tag_of(t) for t in _signals(obj))
         return list(dict.fromkeys(t for t in tags if t is not None))
 
 
