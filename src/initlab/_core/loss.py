@@ -39,6 +39,13 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from initlab._core.criteria import (
+    ELEMENTWISE_CRITERIA,
+    class_options,
+    declared_reduction,
+    is_one_of,
+    takes_class_indices,
+)
 from initlab._core.data import (
     default_forward,
     dtype_error,
@@ -59,12 +66,10 @@ __all__ = [
     "classes_dim",
     "criterion",
     "default_loss",
-    "example_count",
     "make_loss",
     "model_inputs",
     "outputs_loss",
     "resolve_loss",
-    "target_count",
 ]
 
 LOSSES = ("auto", "cross_entropy", "mse", "random_quadratic", "model")
@@ -192,7 +197,7 @@ class NamedLoss(Loss):
         out = output_tensor(outputs, way_out="loss_fn")  # every entry point takes one
         fn = _class_criterion(self)
         if fn is not None:
-            ignore = _class_options(fn)[0]
+            ignore = class_options(fn)[0]
             _check_unshifted(outputs, batch, self.name, ignore)
             if self.reduction != "sum":  # a sum over no target is 0, and defined
                 _check_counted(find_target(batch), ignore, self.name)
@@ -662,13 +667,13 @@ def criterion(
         1.0
     """
     label = name or _callable_name(fn)
-    if _takes_class_indices(fn):
+    if takes_class_indices(fn):
         outputs_loss = lambda out, b: fn(*_classes_last(out, _target(b, None), b))  # noqa: E731
-    elif _is_one_of(fn, _ELEMENTWISE_CRITERIA):  # paired as "mse" pairs them, never broadcast
+    elif is_one_of(fn, ELEMENTWISE_CRITERIA):  # paired as "mse" pairs them, never broadcast
         outputs_loss = lambda out, b: fn(out, _paired(out, _target(b, None), repr(label)))  # noqa: E731
     else:
         outputs_loss = lambda out, batch: fn(out, _target(batch, None))  # noqa: E731
-    declared = _declared_reduction(fn)
+    declared = declared_reduction(fn)
     if reduction not in (None, "mean", "sum"):
         raise ValueError(f"criterion: reduction must be 'mean', 'sum' or None, got {reduction!r}")
     if reduction is not None and declared not in (None, reduction):
@@ -680,55 +685,6 @@ def criterion(
     return loss
 
 
-def _class_options(fn: Any) -> tuple[int, torch.Tensor | None]:
-    """``(ignore_index, weight)`` of torch's cross-entropy/NLL criterion ``fn``."""
-    if isinstance(fn, functools.partial):
-        ignore, weight = _class_options(fn.func)
-        return fn.keywords.get("ignore_index", ignore), fn.keywords.get("weight", weight)
-    if isinstance(fn, nn.Module):
-        return int(getattr(fn, "ignore_index", -100)), getattr(fn, "weight", None)
-    return -100, None
-
-
-def example_count(loss: Loss, batch: Any) -> float | None:
-    """The number of examples a mean-reduced loss divides by on ``batch``, where it is not the
-    batch size: torch's cross-entropy and NLL criteria (and initlab's ``"cross_entropy"`` and
-    ``"auto"``, and a model's own loss by the Hugging Face convention) on class targets of shape
-    ``(B,)`` divide by the targets not equal to ``ignore_index``, each counted by its class
-    weight. The moment probe scales gradients by it
-    instead of ``B``, so a per-example gradient is that of the example's own (weighted) loss, as
-    with ``reduction="sum"``, and an ignored example's is zero. ``None``: the batch size (no target
-    ignored, no class weights), or unknown (any other loss).
-    """
-    fn = _class_criterion(loss)
-    if fn is None or loss.reduction not in ("mean", None):
-        return None
-    try:
-        y = _target(batch, None)
-    except TargetError:
-        return None
-    if not isinstance(y, torch.Tensor) or y.dim() != 1 or y.is_floating_point():
-        return None  # a target that is no tensor: the forward's error names the batch
-    count = _counted(fn, y)
-    return None if count == y.shape[0] else count
-
-
-def target_count(loss: Loss, batch: Any) -> float | None:
-    """What the loss averages over on ``batch`` (or sums, for ``reduction="sum"``): for torch's
-    cross-entropy/NLL criteria and initlab's ``"cross_entropy"``, the target positions not equal
-    to ``ignore_index``, each counted by its class weight (every token of ``(B, T)`` targets);
-    for another loss on targets, their number of elements (MSE's mean); ``None`` for a loss
-    without targets."""
-    try:
-        y = _target(batch, None)
-    except TargetError:
-        return None
-    fn = _class_criterion(loss)
-    if fn is None or y.is_floating_point():
-        return float(y.numel())
-    return _counted(fn, y)
-
-
 def _class_criterion(loss: Loss) -> Any:
     """The torch cross-entropy/NLL function or module ``loss`` applies, or ``None``: a
     criterion's own; ``F.cross_entropy`` for initlab's ``"cross_entropy"`` and ``"auto"``, and
@@ -737,33 +693,7 @@ def _class_criterion(loss: Loss) -> Any:
     fn = getattr(loss, "criterion_fn", None)
     if fn is None and (loss.name in ("auto", "cross_entropy") or loss.form == "model_output"):
         fn = F.cross_entropy
-    return fn if fn is not None and _takes_class_indices(fn) else None
-
-
-def _counted(fn: Any, y: torch.Tensor) -> float:
-    """The targets of ``y`` a class criterion counts: not ``ignore_index``, weighted by class."""
-    ignore, weight = _class_options(fn)
-    valid = y != ignore
-    if weight is None:
-        return float(valid.sum())
-    return float(weight.to(y.device)[y[valid].long()].sum(dtype=torch.float64))
-
-
-_CLASS_CRITERIA = (nn.CrossEntropyLoss, nn.NLLLoss, F.cross_entropy, F.nll_loss)
-_ELEMENTWISE_CRITERIA = (nn.MSELoss, nn.L1Loss, nn.SmoothL1Loss, nn.HuberLoss, F.mse_loss)
-_ELEMENTWISE_CRITERIA += (F.l1_loss, F.smooth_l1_loss, F.huber_loss)
-
-
-def _takes_class_indices(fn: Any) -> bool:
-    """torch's cross-entropy and NLL criteria (modules, functions, partials of them)."""
-    return _is_one_of(fn, _CLASS_CRITERIA)
-
-
-def _is_one_of(fn: Any, criteria: tuple[Any, ...]) -> bool:
-    """Whether ``fn`` is one of torch's ``criteria``: an instance of a class, a function, or a
-    ``functools.partial`` of either."""
-    inner = fn.func if isinstance(fn, functools.partial) else fn
-    return any(inner is c or (isinstance(c, type) and isinstance(inner, c)) for c in criteria)
+    return fn if fn is not None and takes_class_indices(fn) else None
 
 
 def _classes_last(
@@ -781,43 +711,6 @@ def _classes_last(
     ):
         return out.reshape(-1, out.shape[-1]), y.reshape(-1)
     return out, y
-
-
-def _declared_reduction(fn: Any) -> str | None:
-    """``"mean"``/``"sum"`` where a criterion says how it reduces (``nn.CrossEntropyLoss
-    (reduction="sum")``, ``partial(F.mse_loss, reduction="sum")``; torch's functional losses
-    default to the mean), else ``None``."""
-    if isinstance(fn, functools.partial):
-        value = fn.keywords.get("reduction")
-        if value is None:
-            return _declared_reduction(fn.func)
-    elif isinstance(fn, nn.Module):
-        value = getattr(fn, "reduction", None)
-    elif (getattr(fn, "__module__", "") or "").startswith("torch.nn.functional"):
-        try:
-            default = inspect.signature(fn).parameters.get("reduction")
-        except (TypeError, ValueError):  # a builtin without a signature
-            default = None
-        value = None if default is None else default.default
-    else:
-        value = None
-    return value if value in ("mean", "sum") else None
-
-
-def batch_reduction(loss: Loss | None, loss_reduction: str | None, what: str) -> str:
-    """How the probe scales gradients to per-example ones (``loss_reduction`` of
-    :class:`~initlab.MomentProbe`): the one given, else the one the loss declares, else
-    ``"mean"``. Raises ValueError where the given one contradicts the loss's own (a criterion
-    with ``reduction="sum"`` read as a mean puts every per-example moment off by ``B**2``)."""
-    if loss is None or loss.reduction is None:
-        return loss_reduction or "mean"
-    if loss_reduction in (None, loss.reduction):
-        return loss.reduction
-    raise ValueError(
-        f"{what}: loss_reduction={loss_reduction!r}, but the loss {loss.name!r} reduces over the "
-        f"batch by {loss.reduction!r}: pass loss_reduction={loss.reduction!r}, or leave it out (it "
-        "is read from the loss)"
-    )
 
 
 def outputs_loss(fn: Callable[[torch.Tensor, Any], torch.Tensor], name: str = "") -> Loss:

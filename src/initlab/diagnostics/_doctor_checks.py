@@ -14,7 +14,8 @@ from torch import nn
 
 from initlab._core.data import batch_size
 from initlab._core.knobs import errors_named
-from initlab._core.loss import Loss, target_count
+from initlab._core.loss import Loss
+from initlab._core.loss_counts import target_count
 from initlab._core.parametrized import machinery
 from initlab._core.rng import Seeds, peeked
 from initlab._core.rows import _fmt
@@ -116,10 +117,10 @@ def _measure(model: nn.Module, setup: _Setup) -> _Measure:
 
 
 def _per_example(losses: list[float], batches: list[Any], loss: Loss) -> float:
-    """The mean loss per target over the batches (:func:`~initlab._core.loss.target_count`: per
-    counted token for a language model's cross-entropy, per element for MSE; per example for a
-    loss without targets): a criterion that declares ``reduction="sum"`` gives each batch's sum,
-    any other loss (a mean) is weighted by the batch's count."""
+    """The mean loss per target over the batches (:func:`~initlab._core.loss_counts.target_count`:
+    per counted token for a language model's cross-entropy, per element for MSE; per example for a
+    loss without targets): a criterion that declares ``reduction="sum"`` gives each batch's sum, any
+    other loss (a mean) is weighted by the batch's count."""
     if not losses:
         return math.nan
     counts = [target_count(loss, b) or float(batch_size(b)) for b in batches[: len(losses)]]

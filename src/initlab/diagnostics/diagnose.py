@@ -39,7 +39,8 @@ from torch import nn
 from initlab._core.backward import check_trainable, with_grad
 from initlab._core.compiled import takes_compiled
 from initlab._core.data import examples_in, forward_args, take_batches
-from initlab._core.loss import Loss, LossLike, batch_reduction, resolve_loss
+from initlab._core.loss import Loss, LossLike, resolve_loss
+from initlab._core.loss_counts import batch_reduction
 from initlab._core.parametrized import reading_layers
 from initlab._core.rng import Seeds, as_generator, stage_generator
 from initlab._core.rows import Rows

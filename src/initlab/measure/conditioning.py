@@ -144,7 +144,8 @@ from initlab._core.distributed import (
     run_together,
 )
 from initlab._core.knobs import errors_named
-from initlab._core.loss import LossLike, batch_reduction, resolve_loss
+from initlab._core.loss import LossLike, resolve_loss
+from initlab._core.loss_counts import batch_reduction
 from initlab._core.modules import first_names
 from initlab._core.parametrized import (
     layer_tensor,

@@ -29,13 +29,13 @@ explicit policy ``bn``:
   statistics at ``θ`` (in call order; ``notes`` says so).
 
 With several batches the value is the weighted mean ``Σ_b n_b L_b / Σ_b n_b`` of the per-batch
-losses, ``n_b`` what batch ``b``'s mean divides by (:func:`~initlab._core.loss.target_count`): for
-torch's cross-entropy/NLL criteria, initlab's ``"cross_entropy"`` and the model's own loss (the
-Hugging Face convention) the targets not equal to ``ignore_index``, each counted by its class
-weight; for another loss on targets their number of elements (MSE's mean); the batch's examples
-for a loss without targets. So a mean-reduced loss gives its mean over all the data; for a
-criterion that declares ``reduction="sum"`` it is the sum ``Σ_b L_b`` (the total over all the
-data).
+losses, ``n_b`` what batch ``b``'s mean divides by
+(:func:`~initlab._core.loss_counts.target_count`): for torch's cross-entropy/NLL criteria, initlab's
+``"cross_entropy"`` and the model's own loss (the Hugging Face convention) the targets not equal to
+``ignore_index``, each counted by its class weight; for another loss on targets their number of
+elements (MSE's mean); the batch's examples for a loss without targets. So a mean-reduced loss gives
+its mean over all the data; for a criterion that declares ``reduction="sum"`` it is the sum ``Σ_b
+L_b`` (the total over all the data).
 
 Grid points are evaluated in chunks with ``torch.func.vmap`` over stacked parameter sets. The
 chunk size bounds the memory: about ``2**21`` elements of parameters and activations per chunk
@@ -73,7 +73,8 @@ from initlab._core.compiled import takes_compiled
 from initlab._core.data import DataUse, batch_size, data_use, take_batches
 from initlab._core.hooks import hook_handles
 from initlab._core.knobs import renamed_kwargs
-from initlab._core.loss import Loss, target_count
+from initlab._core.loss import Loss
+from initlab._core.loss_counts import target_count
 from initlab._core.norms import may_weight_norm
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows
@@ -637,7 +638,7 @@ def _grid(grid: int | tuple[Any, Any] | None) -> tuple[torch.Tensor, torch.Tenso
 def _batch_weights(loss: Loss, batches: list[Any]) -> list[float]:
     """Each batch's factor in the value over several batches (module docstring): 1 for a
     sum-reduced loss, else what the batch's mean divides by over its total over the batches
-    (:func:`~initlab._core.loss.target_count`; the examples where that is unknown)."""
+    (:func:`~initlab._core.loss_counts.target_count`; the examples where that is unknown)."""
     if loss.reduction == "sum":
         return [1.0] * len(batches)
     known = [target_count(loss, b) for b in batches]

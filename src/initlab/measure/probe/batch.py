@@ -116,7 +116,7 @@ def mean_factor(reduction: str, counted: float | None, root: _RootBatch | None) 
     """What the minibatch gradient ``dW`` of one backward is multiplied by to give the mean over
     the root batch's ``B`` examples of their per-example gradients (those of ``dW_example``):
     1 for a mean over the ``B`` examples, ``1/B`` for a sum, ``N/B`` for a mean over ``N``
-    counted targets (``counted``: :func:`~initlab._core.loss.example_count`). ``None``: ``B``
+    counted targets (``counted``: :func:`~initlab._core.loss_counts.example_count`). ``None``: ``B``
     is unknown where it is needed."""
     if reduction == "mean" and counted is None:
         return 1.0

@@ -170,7 +170,7 @@ class MomentProbe(HookContext):
         self._mask: torch.Tensor | None = None  # its attention_mask where it pads (B, T)
         self.example_count: float | None = None
         """What a mean-reduced loss divides by on the batch being run, where it is not the batch
-        size (:func:`~initlab._core.loss.example_count`); the gradients are scaled by it."""
+        size (:func:`~initlab._core.loss_counts.example_count`); the gradients are scaled by it."""
         self.target_rows: int | None = None  # dim 0 of the batch's targets: evidence of B
         self._next_order = 0
         self._seq = 0

@@ -14,7 +14,8 @@ from initlab._core.backward import backward_of, check_trainable, finite_loss, wi
 from initlab._core.compiled import takes_compiled
 from initlab._core.data import DataUse, default_forward, examples_in, iter_batches
 from initlab._core.knobs import check_kwargs, parameter_names, renamed_kwargs
-from initlab._core.loss import Loss, LossLike, batch_reduction, example_count, resolve_loss
+from initlab._core.loss import Loss, LossLike, resolve_loss
+from initlab._core.loss_counts import batch_reduction, example_count
 from initlab._core.parametrized import reading_layers
 from initlab._core.rng import Seeds
 from initlab._core.state import preserved_state
@@ -143,7 +144,7 @@ def probed_backward(
     probe: MomentProbe, loss: Loss, model: nn.Module, batch: Any, what: str, index: int
 ) -> torch.Tensor:
     """``loss(model, batch)`` and its backward under ``probe``, which is told first how many
-    examples the loss averages over (:func:`~initlab._core.loss.example_count`); the loss. A
+    examples the loss averages over (:func:`~initlab._core.loss_counts.example_count`); the loss. A
     non-finite loss on finite outputs raises, naming batch ``index``
     (:func:`~initlab._core.backward.finite_loss`)."""
     probe.example_count = example_count(loss, batch)
