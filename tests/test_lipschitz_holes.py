@@ -10,6 +10,8 @@ import math
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
+from torch.nn.utils.parametrizations import spectral_norm, weight_norm
 
 from initlab.diagnostics import diagnose
 
@@ -309,3 +311,41 @@ def test_what_runs_before_the_model_is_entered_makes_the_bound_no_guarantee() ->
     lip, bound, exact = _run(_OwnCall().double(), x)
     assert exact > bound * 1.5
     assert not lip["guaranteed"] and any("overrides __call__" in o for o in lip["operations"])
+
+
+class _Times10(nn.Module):
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return 10 * w
+
+
+class _ScaledInput(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(10 * x)
+
+
+def _parametrized(layer: nn.Linear, how) -> nn.Module:
+    """``Linear(8, 2)(relu(layer(x)))`` with ``layer``'s weight parametrized by ``how``."""
+    if isinstance(how, nn.Module):
+        parametrize.register_parametrization(layer, "weight", how)
+    else:
+        layer = how(layer)
+    return nn.Sequential(layer, nn.ReLU(), nn.Linear(8, 2)).double()
+
+
+def test_parametrized_layers_are_covered_by_their_computed_weight() -> None:
+    """A Linear under ``weight_norm``, ``spectral_norm`` (eval mode) or a parametrization of
+    one's own (``10 * W``) applies the computed weight the bound takes the norm of: guaranteed
+    (they were listed as not covered, their linear map as one of a derived weight). A
+    ``spectral_norm`` in training mode moves its weight on each forward (not guaranteed, the
+    advice ``model.eval()``); a subclass of Linear under a parametrization is no torch layer."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 4, dtype=F64)
+    for how in (weight_norm, _Times10(), spectral_norm):
+        model = _parametrized(nn.Linear(4, 8), how).eval()
+        lip, bound, exact = _run(model, x)
+        assert lip["guaranteed"] and not lip["uncovered"] and lip["operations"] == [], (how, lip)
+        assert bound < 3 * exact, (how, bound, exact)
+    lip, _, _ = _run(_parametrized(nn.Linear(4, 8), spectral_norm).train(), x)
+    assert not lip["guaranteed"] and "model.eval()" in lip["operations"][0], lip
+    lip, bound, exact = _run(_parametrized(_ScaledInput(4, 8), _Times10()), x)
+    assert not lip["guaranteed"] and exact > 1.5 * bound, (lip, bound, exact)

@@ -36,7 +36,10 @@ with its arguments against an explicit allow-list:
 * the layers whose norms the bound takes: any call inside a Linear, convolution or eval-mode
   BatchNorm with a finite operator norm (of torch's own class, not a subclass, with its
   ``forward`` not replaced on the instance; not the calls of its pre- or forward hooks, judged
-  as any other: ``o * 10``), and a linear map
+  as any other: ``o * 10``; under ``torch.nn.utils.parametrize`` (``weight_norm``,
+  ``spectral_norm``, one's own), where the weight its forward computed is bit for bit the one the
+  bound's norm is of: not a ``spectral_norm`` in training mode, whose power iteration moves it
+  on each forward), and a linear map
   (``linear``, ``conv*``, ``addmm``, ``matmul``) of such a layer's weight elsewhere (its parent
   applying it: :data:`~initlab.diagnostics._lipschitz.INFERRED_CALLS`), where the weight is the
   layer's parameter itself (or ``W.t()``; not ``W * 10``), applied as the layer does (no
@@ -72,9 +75,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 from torch.utils._pytree import tree_flatten
 
 from initlab._core.hooks import hook_handles
+from initlab._core.parametrized import computed
 from initlab.measure.runtime_trace import (
     READ_NAMES,
     RuntimeGraph,
@@ -153,6 +158,7 @@ class OperationWatch:
         self.ran: set[str] = set()  # the modules called in the forward
         self.calls: dict[str, int] = {}  # how often each module was called
         self._by_name: dict[str, nn.Module] | None = None
+        self._weights_used: list[tuple[str, torch.Tensor]] = []  # parametrized layers' weights
 
     @contextmanager
     def __call__(self) -> Iterator[OperationWatch]:
@@ -219,6 +225,8 @@ class OperationWatch:
         flat = _flat(args, kwargs)
         data = [a for a in flat if isinstance(a, torch.Tensor) and self._tagged(a, tag_of)]
         why, owner = unseen or _judge(node.fn, args, kwargs, out, data), None
+        if why == "layer" and _weighted(node.fn, self._modules().get(node.module)):
+            self._weights_used.append((node.module, _arg(args, kwargs, 1, "weight", None)))
         if why == "layer":
             owner, why = self._layer_weight(node.fn, args, kwargs)
         if node.module in self._returned or node.module in self._pre or unseen:
@@ -307,6 +315,8 @@ class OperationWatch:
         modelled = self._modelled_sums(blocks, covered)
         miscounted = self._miscounted(trusted, covered, calls or {})
         found: dict[tuple[str, str], list[str]] = {}
+        for name in self._recomputed(trusted):
+            found.setdefault(("weight", _RECOMPUTED), []).append(name)
         for node, why, owner in self.judged:
             inside = node.module in trusted and node.index not in self._untrusted
             if why is None or inside or skipped.intersection(node.stack):
@@ -326,6 +336,21 @@ class OperationWatch:
             f"{fn} in {', '.join(w[:3])}{f' and {len(w) - 3} more' if len(w) > 3 else ''}: {why}"
             for (fn, why), w in found.items()
         ]
+
+    def _recomputed(self, trusted: set[str]) -> list[str]:
+        """The trusted parametrized layers (``spectral_norm``, ``weight_norm``) whose forward
+        applied a weight other than the one the bound's norm is of (:func:`~initlab._core.
+        parametrized.computed`, bit for bit): a ``spectral_norm`` in training mode takes a step
+        of power iteration on each forward, so its weight moves."""
+        out: list[str] = []
+        for name, weight in self._weights_used:
+            if name not in trusted or name in out:
+                continue
+            now = computed(self._modules()[name], "weight")
+            same = isinstance(weight, torch.Tensor) and weight.shape == now.shape
+            if not (same and torch.equal(weight.detach(), now)):
+                out.append(name)
+        return out
 
     def _miscounted(
         self, trusted: set[str], covered: set[str], calls: Mapping[str, int | None]
@@ -385,19 +410,32 @@ def _before_forward(model: nn.Module, global_pre_hooks: bool) -> list[str]:
     return out
 
 
+def _weighted(fn: str, module: nn.Module | None) -> bool:
+    """Whether ``fn`` applies the parametrized weight of ``module`` (a Linear or convolution,
+    whose forward passes it to ``linear``/``conv*`` as argument 1, ``weight``)."""
+    layer = fn == "linear" or fn.startswith("conv")
+    return layer and module is not None and parametrize.is_parametrized(module, "weight")
+
+
 def _torch_forward(module: nn.Module | None) -> bool:
     """Whether ``module`` is of torch's own class (``type(module).__module__`` under
     ``torch.nn.modules``), so that it runs torch's ``forward`` and helpers: not a subclass (one
     keeping torch's ``forward`` may override ``_conv_forward`` or ``_check_input_dim``), nor a
     ``forward`` set on the instance (``layer.forward = wrapper``, as accelerate's hooks do)."""
-    return (
-        module is not None
-        and type(module).__module__.startswith("torch.nn.modules.")
-        and "forward" not in vars(module)
-    )
+    if module is None:
+        return False
+    cls = type(module)
+    if parametrize.is_parametrized(module) and cls.__module__ == parametrize.__name__:
+        cls = cls.__bases__[0]  # the class parametrize made: torch's own class beneath
+    return cls.__module__.startswith("torch.nn.modules.") and "forward" not in vars(module)
 
 
 _NOT_TAKEN = "a linear map whose operator norm the bound does not take"
+_RECOMPUTED = (
+    "its parametrization computed a weight in the forward other than the one the bound's norm is "
+    "of (spectral_norm in training mode takes a step of power iteration on each forward: call "
+    "model.eval())"
+)
 _NOT_THE_WEIGHT = (
     "a linear map of a weight that is no layer's parameter itself (one derived from it, such as "
     "W * 10): its operator norm is not the bound's"

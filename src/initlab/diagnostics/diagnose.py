@@ -525,6 +525,7 @@ def _lipschitz(
         if (next(m.parameters(recurse=False), None) is not None or isinstance(m, _NORMS))
         and n not in covered
         and not (ops is not None and ops.judges(n, m))
+        and ("." + n).split(".parametrizations.")[0][1:] not in covered  # its computed weight
     ]
     calls: dict[str, int | None] = {}
     for r in spectra_rows:  # the count the bound takes: its first row's, as lipschitz_bounds
