@@ -469,6 +469,43 @@ def test_bad_input_errors() -> None:
     _assert_unchanged(model, snap)
 
 
+class _ComplexFirst(nn.Module):
+    """A complex Linear, its modulus, a real Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1 = nn.Linear(8, 16, dtype=torch.complex64)
+        self.l2 = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(self.l1(x.to(torch.complex64)).abs())
+
+
+@pytest.mark.parametrize("call", ["gradinit_", "exact", "gradinit_alpha_grad"])
+def test_a_trainable_complex_parameter_is_refused_by_name(call: str) -> None:
+    """torch raised "grad can be implicitly created only for real scalar outputs" from inside
+    the alpha-gradient (||g|| of a complex g), after a "Casting complex values" warning."""
+    model = _ComplexFirst()
+    snap = _snapshot(model)
+    batches = [(torch.randn(8, 8), torch.randint(0, 4, (8,))) for _ in range(3)]
+    what = "gradinit_alpha_grad" if call == "gradinit_alpha_grad" else "gradinit_"
+    with pytest.raises(
+        TypeError, match=rf"^{what}: parameter\(s\) l1.weight, l1.bias are complex; "
+    ):
+        if call == "gradinit_alpha_grad":
+            gradinit_alpha_grad(model, batches[0], loss_fn=nn.CrossEntropyLoss())
+        else:
+            gradinit_(model, batches, nn.CrossEntropyLoss(), exact=call == "exact")
+    _assert_unchanged(model, snap)
+    # the advice holds: frozen, the complex layer is left alone and the real one is scaled
+    model.l1.requires_grad_(False)
+    report = gradinit_(model, batches, nn.CrossEntropyLoss(), lr=0.1)
+    assert [r["layer"] for r in report] == ["l2", "l2"]
+    assert torch.equal(model.l1.weight, snap[0]["l1.weight"])
+    assert not torch.equal(model.l2.weight, snap[0]["l2.weight"])
+
+
 def test_adam_with_gamma_on_the_l2_scale_warns() -> None:
     torch.manual_seed(0)
     net = nn.Sequential(

@@ -130,7 +130,7 @@ import torch
 from torch import nn
 
 from initlab._core.attention import with_math_attention
-from initlab._core.backward import with_grad
+from initlab._core.backward import refuse_complex, with_grad
 from initlab._core.compiled import takes_compiled
 from initlab._core.data import DataCounter, batch_children, batch_rebuild, batch_size
 from initlab._core.distributed import (
@@ -556,6 +556,16 @@ def _check_common(
     return optimizer, eta, overlap
 
 
+def _refuse_complex(model: nn.Module, what: str) -> None:
+    """Raise ``TypeError`` naming the trainable complex parameters: ``g`` holds the gradients
+    of every trainable tensor, and ``||g||_p`` of a complex ``g`` is no real scalar torch can
+    differentiate (it raised "grad can be implicitly created only for real scalar outputs")."""
+    refuse_complex(
+        model, what, "GradInit's gradient norm ||g|| and alpha-gradients are defined for real "
+        "tensors: freeze them (requires_grad_(False)) for this call"
+    )  # fmt: skip
+
+
 @with_math_attention
 def gradinit_alpha_grad(
     model: nn.Module,
@@ -583,6 +593,7 @@ def gradinit_alpha_grad(
     optimizer, eta, _ = _check_common(optimizer, eta, 0.5, what)
     if step not in ("objective", "constraint"):
         raise ValueError(f"{what}: step must be 'objective' or 'constraint', got {step!r}")
+    _refuse_complex(model, what)
     ts = select_tensors(model, params, nonzero, what)
     if alpha is None:
         a = torch.ones(len(ts.scaled), dtype=torch.float64)
@@ -680,6 +691,7 @@ def gradinit_(
 
     Raises:
         ValueError: bad options, or fewer batches than the iterations need (says how many).
+        TypeError: a trainable complex parameter (named; freeze it for the call).
         FloatingPointError: a non-finite loss (the model is left unchanged).
 
     Example:
@@ -701,6 +713,7 @@ def gradinit_(
     loss = resolve_loss(loss_fn, what=what)
     # first: what differs by rank raises on every rank; the norms run on batch statistics
     check_same_parameters(model, what, measured_in=lambda m: set_evaluation_modes(m, True))
+    _refuse_complex(model, what)
     ts = select_tensors(model, params, nonzero, what)
     counter = DataCounter()
     pairs = batch_pairs(data, steps, overlap < 1, what, counter, same_size=True)
