@@ -6,6 +6,7 @@ the same data LSUV saw, so "within tol" is an exact check, not a statistical one
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import pytest
@@ -213,6 +214,57 @@ def test_nonzero_biases_kept_and_accounted_for_without_pre_init() -> None:
     assert torch.equal(model[0].bias, biases[0]) and torch.equal(model[2].bias, biases[1])
     assert [r["iterations"] for r in report] == [1, 1]  # the quadratic in s is solved exactly
     _assert_on_target(model, x, report, 1.0, 0.02)
+
+
+class _ComplexNet(nn.Module):
+    """A complex Conv1d and a complex Linear (biases of non-zero mean, real and imaginary), the
+    modulus, a real Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv1d(3, 4, 3, dtype=torch.complex64)
+        self.lin = nn.Linear(24, 16, dtype=torch.complex64)
+        self.head = nn.Linear(16, 4)
+        with torch.no_grad():
+            for layer, shift in ((self.conv, 0.3 - 0.2j), (self.lin, -0.1 + 0.4j)):
+                layer.bias.normal_().mul_(0.3).add_(shift)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv(x.to(torch.complex64)).flatten(1)
+        return self.head(self.lin(h).abs())
+
+
+def _complex_variance(y: torch.Tensor) -> float:
+    """E|y - E y|^2 over all entries, in complex128."""
+    y = y.detach().to(torch.complex128)
+    return float((y - y.mean()).abs().square().mean())
+
+
+def test_a_complex_layer_reaches_the_target_in_e_abs_y_minus_mean_squared() -> None:
+    """The complex output was cast to its real part: var_after 1.0 was reported for an output
+    whose E|y - E y|^2 was 1.92."""
+    model, x = _ComplexNet(), torch.randn(64, 3, 8)
+    outputs: dict[str, torch.Tensor] = {}
+    for name in ("conv", "lin"):
+        model.get_submodule(name).register_forward_hook(
+            lambda m, a, y, name=name: outputs.__setitem__(name, y.detach().clone())
+        )
+    model(x)
+    before = _complex_variance(outputs["conv"])  # lin's depends on conv's correction
+    biases = [model.conv.bias.clone(), model.lin.bias.clone()]
+    report = lsuv_(model, x, orthogonal=False, tol=0.01)
+    rows = {r["layer"]: r for r in report}
+    assert torch.equal(model.conv.bias, biases[0]) and torch.equal(model.lin.bias, biases[1])
+    model(x)
+    assert rows["conv"]["var_before"] == pytest.approx(before, rel=1e-5)
+    for name in ("conv", "lin"):
+        assert rows[name]["iterations"] == 1  # the quadratic in s is exact for complex too
+        after = _complex_variance(outputs[name])
+        assert after == pytest.approx(1.0, abs=1e-4)
+        assert rows[name]["var_after"] == pytest.approx(after, rel=1e-5)
+    with pytest.raises(ValueError, match=r"^lsuv_: the data has non-finite values"):
+        lsuv_(model, torch.full((8, 3, 8), complex(math.nan, 0.0)), orthogonal=False)
 
 
 class _Loop(nn.Module):

@@ -188,7 +188,9 @@ def lsuv_(
     Optionally pre-initializes every layer with an orthonormal matrix and zero biases, then scales
     each layer's weight, in execution order and the first layer included, so that its output
     variance over the data reaches ``target``: ``W <- W * sqrt(target / Var(y))`` until
-    ``|Var(y) - target| < tol`` or ``max_iter`` corrections. A "layer" is every module whose
+    ``|Var(y) - target| < tol`` or ``max_iter`` corrections, where ``Var(y) = E|y - E y|²`` over
+    all elements of the output (a complex output: ``Var(Re y) + Var(Im y)``; its orthogonal
+    pre-init is real only, so pass ``orthogonal=False``). A "layer" is every module whose
     registry handler names one weight (:func:`~initlab.init.registry.default_registry`): Linear,
     Conv/ConvTranspose, Bilinear, GPT-2 ``Conv1D``, your registered types. See the module
     docstring for the one-pass algorithm; on a plain network it costs **2 forward passes
@@ -451,7 +453,7 @@ def _take_data(
     taken = take_batches(data, max_batches, what="lsuv_", exact=False)
     for batch in taken:
         for path, t in flatten_tensors(batch):
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            if (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all()):
                 raise ValueError(f"lsuv_: the data has non-finite values (entry {path})")
     if concat_batches and len(taken) > 1:
         held = [bool(batch_tensors(b)) for b in taken]

@@ -26,6 +26,7 @@ from initlab._core.hooks import HookHandles
 from initlab._core.pytree import flatten_tensors, map_tensors
 from initlab.init.sampling import orthogonal_
 from initlab.methods.lsuv.moments import (
+    WIDTH,
     N,
     bias_dim,
     broadcast_shape,
@@ -151,7 +152,7 @@ class Engine:
         self.corrected = False
         for u in self.active:
             u.calls, u.seen, u.block_seen, u.first, u.own = 0, False, False, None, None
-            u.pooled = [0.0] * 6
+            u.pooled = [0.0] * WIDTH
 
     def end_sweep(self) -> None:
         pooled = reduce_ranks([u.pooled for u in self.active], "the end of a sweep")

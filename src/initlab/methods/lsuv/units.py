@@ -21,6 +21,7 @@ from initlab._core.modules import first_names
 from initlab.init._structure import parameter_owners
 from initlab.init.registry import Registry
 from initlab.measure.residual import KNOWN_BLOCKS, known_blocks
+from initlab.methods.lsuv.moments import WIDTH
 
 __all__ = [
     "DEAD",
@@ -81,7 +82,7 @@ class Unit:
     seen: bool = False
     block_seen: bool = False
     first: list[float] | None = None
-    pooled: list[float] = field(default_factory=lambda: [0.0] * 6)
+    pooled: list[float] = field(default_factory=lambda: [0.0] * WIDTH)
     rho: float = 1.0
     history: list[tuple[float, float]] = field(default_factory=list)
 
