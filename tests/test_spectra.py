@@ -705,3 +705,86 @@ def test_tied_weights_get_a_row_per_linear_module_and_embeddings_none():
     doc = " ".join(layer_spectra.__doc__.split())
     assert "(tied embeddings) gets one row per module" not in doc
     assert "An embedding table" in doc and "gets no row" in doc
+
+
+# ----------------------------------------------------------------------------- complex layers
+
+C128 = torch.complex128
+
+
+def _realified(w: np.ndarray) -> np.ndarray:
+    """The real ``2m x 2n`` matrix ``[[Re W, -Im W], [Im W, Re W]]`` of ``z -> W z`` on
+    ``(Re z, Im z)``: its singular values are ``W``'s, each twice."""
+    return np.block([[w.real, -w.imag], [w.imag, w.real]])
+
+
+class _ComplexHead(nn.Module):
+    """A complex Linear (complex128), the modulus, a real Linear: 1-Lipschitz but for the
+    layers, so ``sigma(W1) sigma(W2)`` bounds it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1 = nn.Linear(8, 16, dtype=C128)
+        self.l2 = nn.Linear(16, 4, dtype=F64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(self.l1(x.to(C128)).abs())
+
+
+def test_a_complex_linear_s_spectrum_is_the_complex_matrix_s_and_bounds_the_model():
+    """The weight was cast to float64, keeping its real part: sv_max 1.18 for a complex matrix
+    of norm 1.87, and a Lipschitz 'bound' below the model's own ratios."""
+    model = _ComplexHead()
+    w = model.l1.weight.detach().numpy()
+    s = np.linalg.svd(_realified(w), compute_uv=False)
+    rows = {r["layer"]: r for r in layer_spectra(model, torch.randn(4, 8, dtype=F64))}
+    assert rows["l1"]["sv_max"] == pytest.approx(s[0], rel=1e-12)
+    assert rows["l1"]["sv_mean"] == pytest.approx(s.mean(), rel=1e-12)
+    assert rows["l1"]["op_norm"] == pytest.approx(s[0], rel=1e-12)
+    head = np.linalg.svd(model.l2.weight.detach().numpy(), compute_uv=False)[0]
+    bounds = lipschitz_bounds(list(rows.values()))
+    assert bounds["plain"] == pytest.approx(s[0] * head, rel=1e-12)
+    assert _lipschitz_ratios(model, (8,), pairs=400) <= bounds["plain"] * (1 + 1e-9)
+
+
+def _dense_complex(conv: nn.Module, shape: tuple[int, ...]) -> np.ndarray:
+    """The complex matrix of ``x -> conv(x) - bias`` at ``shape`` (a complex128 module applied
+    to every vector of the identity basis)."""
+    n = math.prod(shape)
+    with torch.no_grad():
+        out = conv(torch.eye(n, dtype=C128).reshape(n, *shape))
+        out = out - conv(torch.zeros(1, *shape, dtype=C128))
+    return out.reshape(n, -1).T.numpy()
+
+
+COMPLEX_CONVS = [
+    ("conv1d_stride2", lambda: nn.Conv1d(3, 4, 3, stride=2, padding=1, dtype=C128), (3, 9)),
+    ("conv2d_groups_reflect", lambda: nn.Conv2d(4, 6, 3, groups=2, padding=1,
+                                                padding_mode="reflect", dtype=C128), (4, 5, 5)),
+    ("convt1d_stride2", lambda: nn.ConvTranspose1d(3, 4, 3, stride=2, dtype=C128), (3, 6)),
+    ("convt2d_groups", lambda: nn.ConvTranspose2d(4, 2, 3, stride=2, groups=2, dtype=C128),
+     (4, 3, 3)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("name", "make", "shape"), COMPLEX_CONVS, ids=[c[0] for c in COMPLEX_CONVS]
+)
+def test_a_complex_conv_s_operator_and_norm_match_its_dense_complex_matrix(name, make, shape):
+    """The real dtypes of the iteration dropped the weight's imaginary part."""
+    torch.manual_seed(sum(map(ord, name)))
+    conv = make()
+    matrix = _dense_complex(conv, shape)
+    forward, adjoint, out_shape = conv_operator(conv, shape)
+    x = torch.randn(1, *shape, dtype=C128)
+    y = torch.randn(1, *out_shape, dtype=C128)
+    ax, ahy = forward(x).reshape(-1).numpy(), adjoint(y).reshape(-1).numpy()
+    np.testing.assert_allclose(ax, matrix @ x.reshape(-1).numpy(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(ahy, matrix.conj().T @ y.reshape(-1).numpy(), rtol=1e-12, atol=1e-12)
+    expected = np.linalg.svd(_realified(matrix), compute_uv=False)[0]
+    sigma, _ = conv_operator_norm(conv, shape, generator=torch.Generator().manual_seed(1))
+    assert sigma == pytest.approx(expected, rel=1e-6)
+    row = next(iter(layer_spectra(conv, {"": shape}, generator=0)))
+    assert row["op_norm"] == pytest.approx(expected, rel=1e-6)
+    assert row["op_method"] == "lanczos"

@@ -36,6 +36,15 @@ def _conv_dims(module: nn.Module) -> int:
     )
 
 
+def operator_dtype(module: nn.Module, dtype: torch.dtype) -> torch.dtype:
+    """``dtype``, or its complex counterpart (``float64 -> complex128``, ``float32 ->
+    complex64``) for a convolution with a complex weight (a real dtype would drop its imaginary
+    part)."""
+    if _weight(module).is_complex() and not dtype.is_complex:
+        return dtype.to_complex()
+    return dtype
+
+
 def conv_operator(
     module: nn.Module,
     input_shape: Sequence[int],
@@ -49,20 +58,24 @@ def conv_operator(
         module: an ``nn.Conv1d/2d/3d`` (any stride, padding, padding mode, dilation, groups) or
             an ``nn.ConvTranspose1d/2d/3d``.
         input_shape: ``(C, *spatial)`` of one example (a leading batch dim of 1 is accepted).
-        dtype: dtype of the computation (the weight is cast to it).
+        dtype: dtype of the computation (the weight is cast to it; a complex weight to the
+            complex dtype of its precision, :func:`operator_dtype`).
         output_padding: a transposed convolution's, where a call's ``output_size`` chose it
             (``None``: the module's own).
 
     Returns:
         ``(A, AT, out_shape)``: ``A`` maps ``(1, C, *spatial)`` to ``(1, *out_shape)`` and ``AT``
-        back, with ``<A x, y> == <x, AT y>``.
+        back, with ``<A x, y> == <x, AT y>`` (``<a, b> = sum conj(a) b``: ``AT`` is the
+        conjugate transpose ``A^H``, the convolution's transpose with the conjugate weight).
     """
     nd = _conv_dims(module)
     shape = _conv_shape(module, input_shape)
+    dtype = operator_dtype(module, dtype)
     if isinstance(module, tuple(_CONVTS)):
         return _transposed_operator(module, shape, dtype, output_padding)
     conv, convt = _CONV_FNS[nd], _CONVT_FNS[nd]
     w = _weight(module).to(dtype)
+    wh = w.conj().resolve_conj()
     stride, dilation, groups = tuple(module.stride), tuple(module.dilation), module.groups
     kernel = tuple(w.shape[2:])
     device = w.device
@@ -84,7 +97,7 @@ def conv_operator(
         return conv(pre(x), w, None, stride, pad, dilation, groups)
 
     def adjoint(y: torch.Tensor) -> torch.Tensor:
-        return pre_t(convt(y, w, None, stride, pad, output_padding, groups, dilation))
+        return pre_t(convt(y, wh, None, stride, pad, output_padding, groups, dilation))
 
     return forward, adjoint, (w.shape[0], *out_spatial)
 
@@ -176,10 +189,11 @@ def _transposed_operator(
     output_padding: Sequence[int] | None,
 ) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor], tuple]:
     """:func:`conv_operator` of a transposed convolution: ``A`` is ``F.conv_transpose{1,2,3}d``
-    and its adjoint the convolution with the same weight (``output_padding < stride``, so the
-    convolution of ``A x`` has ``x``'s size)."""
+    and its adjoint the convolution with the same (conjugate) weight (``output_padding <
+    stride``, so the convolution of ``A x`` has ``x``'s size)."""
     nd = _conv_dims(module)
     w = _weight(module).to(dtype)
+    wh = w.conj().resolve_conj()
     stride, pad, dilation = tuple(module.stride), tuple(module.padding), tuple(module.dilation)
     extra = tuple(module.output_padding if output_padding is None else output_padding)
     _check_output_padding(module, extra, nd, stride, dilation)
@@ -196,7 +210,7 @@ def _transposed_operator(
         return convt(x, w, None, stride, pad, extra, groups, dilation)
 
     def adjoint(y: torch.Tensor) -> torch.Tensor:
-        return conv(y, w, None, stride, pad, dilation, groups)
+        return conv(y, wh, None, stride, pad, dilation, groups)
 
     return forward, adjoint, (w.shape[1] * groups, *out_spatial)
 
@@ -236,7 +250,9 @@ def top_singular_value(
 
     Power iteration on ``A^T A`` accelerated by a restarted Lanczos process: up to ``krylov``
     vectors per cycle with full reorthogonalization, Rayleigh-Ritz on the Krylov basis, restart
-    from the top Ritz vector (the Ritz value never decreases between cycles).
+    from the top Ritz vector (the Ritz value never decreases between cycles). A complex
+    ``dtype`` iterates on ``A^H A`` (``adjoint`` the conjugate transpose; inner products
+    ``sum conj(a) b``).
 
     Args:
         forward: ``x -> A x`` for ``x`` of ``shape``.
@@ -283,15 +299,15 @@ def top_singular_value(
             r = w
             stacked = torch.stack(basis)
             for _ in range(2):  # twice is enough (Kahan-Parlett)
-                r = r - (stacked @ r) @ stacked
+                r = r - (stacked.conj() @ r) @ stacked
             beta = torch.linalg.vector_norm(r)
             if beta <= tiny * torch.linalg.vector_norm(w):
                 invariant = True  # the Krylov space is invariant: the Ritz values are exact
                 break
             basis.append(r / beta)
         vm, wm = torch.stack(basis[: len(images)]), torch.stack(images)
-        t = vm @ wm.T
-        evals, evecs = torch.linalg.eigh((t + t.T) / 2)
+        t = vm.conj() @ wm.T
+        evals, evecs = torch.linalg.eigh((t + t.mH) / 2)
         previous, theta = theta, float(evals[-1])
         y = evecs[:, -1]
         u = y @ vm
@@ -333,7 +349,8 @@ def conv_operator_norm(
     Two stages, because float64 convolutions are slow on CPU: the Krylov iteration runs in float32
     until the Ritz value is stable to 1e-6, then continues in float64 from the float32 top vector
     until the Ritz residual is ``tol`` or the value is stable to 1e-11 over a cycle (at most
-    ``polish`` products; the float32 vector is already close). See the module
+    ``polish`` products; the float32 vector is already close); a complex weight in complex64,
+    then complex128, on ``A^H A``. See the module
     docstring. ``input_shape`` is ``(C, *spatial)`` of one example. Returns ``(sigma, info)`` as
     :func:`top_singular_value` (``matvecs`` counts both stages).
     """
@@ -341,17 +358,16 @@ def conv_operator_norm(
     device = _weight(module).device
     n = math.prod(shape)
     krylov = int(max(8, min(48, (1 << 26) // max(n, 1))))  # at most ~256 MiB of float32 basis
-    fwd32, adj32, _ = conv_operator(
-        module, shape, dtype=torch.float32, output_padding=output_padding
-    )
+    low, high = operator_dtype(module, torch.float32), operator_dtype(module, _F64)
+    fwd32, adj32, _ = conv_operator(module, shape, dtype=low, output_padding=output_padding)
     _, first = top_singular_value(
         fwd32, adj32, (1, *shape), tol=1e-4, value_tol=1e-6, krylov=krylov,
-        max_matvecs=max_matvecs, generator=generator, dtype=torch.float32, device=device,
+        max_matvecs=max_matvecs, generator=generator, dtype=low, device=device,
     )  # fmt: skip
-    fwd, adj, _ = conv_operator(module, shape, output_padding=output_padding)
+    fwd, adj, _ = conv_operator(module, shape, dtype=high, output_padding=output_padding)
     sigma, info = top_singular_value(
         fwd, adj, (1, *shape), tol=tol, value_tol=1e-11, krylov=min(krylov, 16),
-        max_matvecs=polish, device=device,
+        max_matvecs=polish, dtype=high, device=device,
         start=first["vector"],
     )  # fmt: skip
     info["matvecs"] += first["matvecs"]

@@ -8,7 +8,8 @@ matrix of a Linear layer, the kernel of a convolution, an attention projection):
   matrix that maps one patch to one output position; a transposed convolution's, whose weight is
   ``(in, out, *k)``: ``W.transpose(0, 1)`` reshaped, ``out x (in * k)`` too, the patch matrix of
   the equivalent convolution and the matrix operator-norm init draws, ``fans.n_out x fans.cols``,
-  not the ``(in, out * k)`` matrix of its adjoint), by an exact SVD in float64. A grouped
+  not the ``(in, out * k)`` matrix of its adjoint), by an exact SVD in float64 (a complex
+  weight's in complex128: the singular values of the complex matrix). A grouped
   convolution's patch matrix is
   block-diagonal, one block per group, so its singular values are those of the groups' matrices
   together: ``sv_max`` the largest over the groups, ``sv_mean`` the mean of the groups' means
@@ -20,7 +21,8 @@ matrix of a Linear layer, the kernel of a convolution, an attention projection):
   ``x -> conv(x)`` at the input shape the layer actually saw (recorded by a forward pre-hook,
   :class:`InputShapes`) is a large structured matrix, whose largest singular value we find by
   Krylov power iteration on ``A^T A``: ``A`` is ``F.conv{1,2,3}d`` and ``A^T`` is
-  ``F.conv_transpose{1,2,3}d`` with the same weight, stride, dilation and groups, and the
+  ``F.conv_transpose{1,2,3}d`` with the same weight (a complex weight: its conjugate, and
+  ``A^H A`` in complex arithmetic), stride, dilation and groups, and the
   ``output_padding`` that restores the input size (the exact adjoint); a transposed convolution
   (``nn.ConvTranspose{1,2,3}d``, zero padding only) the other way round, with the
   ``output_padding`` of its recorded call. Padding modes other than
@@ -140,8 +142,10 @@ of each group's, of each expert's; see the module docstring),
 
 
 def singular_values(weight: torch.Tensor) -> torch.Tensor:
-    """Singular values (descending, float64) of ``weight.reshape(weight.shape[0], -1)``."""
-    w = weight.detach().to(_F64)
+    """Singular values (descending, float64) of ``weight.reshape(weight.shape[0], -1)``; of a
+    complex weight, the complex matrix's (an SVD in complex128), the operator norm of the map
+    ``C^n -> C^m`` it applies (not its real part's)."""
+    w = weight.detach().to(torch.complex128 if weight.is_complex() else _F64)
     if w.dim() == 0:
         return w.abs().reshape(1)
     return torch.linalg.svdvals(w.reshape(w.shape[0], -1))
