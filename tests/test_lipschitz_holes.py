@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import math
 
+import pytest
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
@@ -349,3 +350,54 @@ def test_parametrized_layers_are_covered_by_their_computed_weight() -> None:
     assert not lip["guaranteed"] and "model.eval()" in lip["operations"][0], lip
     lip, bound, exact = _run(_parametrized(_ScaledInput(4, 8), _Times10()), x)
     assert not lip["guaranteed"] and exact > 1.5 * bound, (lip, bound, exact)
+
+
+class _Complex(nn.Module):
+    """``head(|fn(i x)|)``: a frozen complex Linear of weight ``i I`` (norm 1), ``fn``, the
+    modulus (1-Lipschitz from C^n to R^n), a real head of norm 1 reading the first entry."""
+
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.fn = fn
+        self.a = nn.Linear(4, 4, bias=False, dtype=torch.complex128).requires_grad_(False)
+        self.b = nn.Linear(4, 1, bias=False, dtype=F64)
+        with torch.no_grad():
+            self.a.weight.copy_(1j * torch.eye(4, dtype=torch.complex128))
+            self.b.weight.copy_(torch.tensor([[1.0, 0.0, 0.0, 0.0]], dtype=F64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.fn(self.a(x.to(torch.complex128))).abs())
+
+
+def test_tanh_and_sigmoid_of_a_complex_tensor_make_the_bound_no_guarantee() -> None:
+    """tanh, sigmoid and tanhshrink were taken as 1-Lipschitz whatever their argument: of a
+    complex one they have poles (tanh(i t) = i tan t), so at t = 0.999 pi / 2 the model's
+    Jacobian norm is 4e5 under a 'guaranteed' bound of 1."""
+    x = torch.zeros(2, 4, dtype=F64)  # two examples: the probe takes variances
+    x[0, 0], x[1, 0] = 0.999 * math.pi / 2, 0.3
+    for fn in (torch.tanh, nn.Tanhshrink()):
+        lip, bound, exact = _run(_Complex(fn), x, scales=(1.0,))
+        assert exact > 1e4 * bound
+        assert not lip["guaranteed"] and any("of a complex tensor" in o for o in lip["operations"])
+    x[0, 0] = 0.999 * math.pi  # sigmoid(i t) = 1 / (1 + exp(-i t)): a pole at t = pi
+    lip, bound, exact = _run(_Complex(torch.sigmoid), x, scales=(1.0,))
+    assert exact > 1e2 * bound and not lip["guaranteed"], lip
+
+
+def test_a_complex_linear_and_the_modulus_keep_the_bound() -> None:
+    """The modulus and the real-to-complex cast are 1-Lipschitz: the bound is the complex
+    weight's norm (that of the real 8 x 8 matrix [[Re W, -Im W], [Im W, Re W]]) times the
+    head's."""
+    model = _Complex(lambda z: z)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        model.a.weight.copy_(torch.randn(4, 4, dtype=torch.complex128, generator=g))
+        model.b.weight.copy_(torch.randn(1, 4, dtype=F64, generator=g))
+    w = model.a.weight.detach()
+    realified = torch.cat([torch.cat([w.real, -w.imag], 1), torch.cat([w.imag, w.real], 1)])
+    expected = float(torch.linalg.matrix_norm(realified, ord=2)) * float(
+        model.b.weight.detach().norm()
+    )
+    lip, bound, _ = _run(model, _x())
+    assert lip["guaranteed"] and lip["operations"] == [], lip
+    assert bound == pytest.approx(expected, rel=1e-12)

@@ -8,7 +8,8 @@ operations of one forward (:func:`~initlab.measure.runtime_trace.recording`: a
 model's input: not a weight's parametrization, a positional table, a mask), and judges each one
 with its arguments against an explicit allow-list:
 
-* 1-Lipschitz whatever their arguments: ``relu``, ``tanh``, ``sigmoid``, ``hardtanh`` (``ReLU6``),
+* 1-Lipschitz whatever their arguments (``tanh``, ``sigmoid`` and ``tanhshrink`` of real ones:
+  of a complex tensor they have poles): ``relu``, ``tanh``, ``sigmoid``, ``hardtanh`` (``ReLU6``),
   ``hardsigmoid``, ``softsign``, ``log_sigmoid``, ``softshrink``, ``tanhshrink``, ``softmax``,
   ``softmin``, ``abs``, ``neg``, ``mean``; shape, layout and dtype changes (``view``, ``reshape``,
   ``flatten``, ``permute``, ``transpose``, ``squeeze``, ``to``, ``split``, ``narrow``, basic slicing
@@ -133,6 +134,9 @@ _READS_VALUE = (
     "reads a value of the data (a Python number, an integer or boolean tensor: a branch, a "
     "rounding): the recorded forward may not be the function at other inputs, not known"
 )
+# 1-Lipschitz on real numbers only: of a complex argument they have poles (tanh at i pi / 2,
+# sigmoid at i pi, and their odd multiples), so no Lipschitz constant at all
+_POLES = frozenset({"tanh", "tanh_", "sigmoid", "sigmoid_", "tanhshrink"})
 _REPEATS = frozenset({"expand", "expand_as", "repeat", "repeat_interleave", "tile", "broadcast_to"})
 
 
@@ -510,6 +514,8 @@ def _judge(
     integer = isinstance(out, torch.Tensor) and not (out.is_floating_point() or out.is_complex())
     if fn in READ_NAMES or (data and integer):
         return _READS_VALUE
+    if fn in _POLES and any(t.is_complex() for t in data):
+        return f"{fn} of a complex tensor: poles on the imaginary axis, not Lipschitz"
     if fn in _ANY:
         return _pairwise(fn, out, data) if fn in _PAIRWISE else None
     if fn in _LAYER_OPS:
