@@ -25,6 +25,7 @@ from initlab.methods._alpha import (
     scaled_params,
     select_tensors,
 )
+from initlab.methods.lsuv import lsuv_
 from initlab.methods.metainit import (
     _gq,
     _meta_gradient,
@@ -409,3 +410,44 @@ def test_metainit_through_a_checkpointed_norm_block_says_what_to_do() -> None:
     ):
         metainit_(model, [batch], variant="gradinit", steps=1, lr=1e-3, clip=None)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+class _ComplexFirst(nn.Module):
+    """A complex Linear (complex128), its modulus, a real Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1 = nn.Linear(8, 16, dtype=torch.complex128)
+        self.l2 = nn.Linear(16, 4, dtype=D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(self.l1(x.to(torch.complex128)).abs())
+
+
+def test_the_advice_on_a_complex_parameter_names_only_what_works() -> None:
+    """The refusal said "use gradinit_ or lsuv_": gradinit_ died in torch on the same model and
+    lsuv_ (orthogonal by default) in orthogonal_; every route it names now runs."""
+    model = _ComplexFirst()
+    batches = [(x.to(D), y) for x, y in _batches(3, 16, 1)]
+    with pytest.raises(TypeError) as info:
+        metainit_(model, batches, nn.CrossEntropyLoss(), steps=1)
+    text = str(info.value)
+    assert text.startswith("metainit_: parameter(s) l1.weight, l1.bias are complex; ")
+    assert "lsuv_(orthogonal=False)" in text and "gradinit_" not in text
+    # lsuv_(orthogonal=False): the complex layer's output gets E|y - E y|^2 = 1 (own complex128)
+    x = torch.cat([b[0] for b in batches])
+    lsuv_(model, x, orthogonal=False, tol=1e-3)
+    with torch.no_grad():
+        y = model.l1(x.to(torch.complex128))
+    assert float((y - y.mean()).abs().square().mean()) == pytest.approx(1.0, abs=1e-3)
+    with pytest.raises(
+        TypeError, match=r"^lsuv_: layer\(s\) l1 have a complex weight.*orthogonal=False"
+    ):
+        lsuv_(model, x)
+    # frozen, the complex layer is left as it is and metainit_ scales the real one
+    model.l1.requires_grad_(False)
+    before = model.l1.weight.clone()
+    report = metainit_(model, batches, nn.CrossEntropyLoss(), steps=2)
+    assert {r["layer"] for r in report} == {"l2"}
+    assert torch.equal(model.l1.weight, before)

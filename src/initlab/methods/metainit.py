@@ -405,7 +405,8 @@ def metainit_(
     )
     refuse_complex(
         model, what, "MetaInit's gradient quotient is defined for real tensors: freeze them "
-        "(requires_grad_(False)) for this call, or use gradinit_ or lsuv_"
+        "(requires_grad_(False)) for this call, or use lsuv_(orthogonal=False), which needs no "
+        "gradient (it scales each layer to an output variance E|y - E y|^2)"
     )  # fmt: skip
     ts = select_tensors(model, params, _at_least_2d if opts.paper else nonzero, what)
     _warn_half_precision(ts, what)

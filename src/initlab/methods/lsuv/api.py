@@ -308,6 +308,7 @@ def lsuv_(
         ValueError: bad options; ``data`` has fewer batches than asked for; non-finite data or a
             non-finite layer output; no layer LSUV can scale (none holds a weight, or every one
             is recurrent, frozen, shared, ...) (the model is left unchanged).
+        TypeError: ``orthogonal=True`` and a layer to draw has a complex weight (named).
 
     Example:
         >>> net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(inplace=True), nn.Linear(64, 10))
@@ -332,6 +333,7 @@ def lsuv_(
     used, runs = run_together("lsuv_", lambda: _take_data(data, max_batches, concat_batches))
     units = build_units(model, modules, registry)
     if orthogonal:  # what the pre-init does not redraw (a norm, an embedding) must agree
+        _refuse_complex_draw(units)
         check_same_parameters(model, "lsuv_", redrawn=_redrawn(units), measured_in=modes)
     _refuse_unscalable(units, modules, model, registry)
     block_names = find_blocks(model, blocks, strategy) if strategy != "layers" else {}
@@ -431,6 +433,22 @@ def _check_options(
     elif not callable(forward):
         raise TypeError(f"forward must be callable (model, batch) -> output, got {forward!r}")
     return target, tol, forward
+
+
+def _refuse_complex_draw(units: Sequence[Unit]) -> None:
+    """Raise ``TypeError`` naming the layers the orthogonal pre-init would draw whose weight is
+    complex (``orthogonal_`` draws real matrices; torch's message named no layer and no fix)."""
+    names = [
+        u.name
+        for u in units
+        if u.weight is not None and u.weight.is_complex() and not (u.skipped or u.frozen)
+    ]
+    if names:
+        raise TypeError(
+            f"lsuv_: layer(s) {', '.join(names)} have a complex weight, and the orthogonal "
+            "pre-init draws real matrices: pass orthogonal=False (LSUV then scales their "
+            "weights as they are, to an output variance E|y - E y|^2 of target)"
+        )
 
 
 def _redrawn(units: Sequence[Unit]) -> list[torch.Tensor]:
