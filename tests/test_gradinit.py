@@ -973,6 +973,129 @@ def test_a_float16_model_with_a_large_gradient_takes_its_constraint_steps() -> N
     assert half == pytest.approx(wide, abs=0.02)
 
 
+def _small_ln_net(norm: nn.Module | None = None) -> nn.Sequential:
+    """Linear -> LayerNorm -> ReLU -> Linear, the first weight x0.05 (GPT-2's std 0.02 in front of
+    its LayerNorms: rstd ~ 70), in float32 with float16-representable values."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), norm or nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 4))
+    with torch.no_grad():
+        net[0].weight.mul_(0.05)
+        net[0].bias.zero_()  # all zeros: no alpha
+        for p in net[1].parameters():
+            p.uniform_(0.5, 1.5)
+    return net.half().float()
+
+
+def _ln_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)
+
+
+def _ln_alpha_grad_by_hand(net: nn.Sequential, batch, step: str, eta: float) -> torch.Tensor:
+    """The alpha-gradient of ||g||_2 (constraint) or of L(theta - eta g) / eta (exact objective)
+    in float64, with the LayerNorm and the cross-entropy written out."""
+    x, y = batch[0].double(), batch[1]
+    ws = [p.detach().double() for p in net.parameters()]
+    scaled = [i for i, w in enumerate(ws) if bool(w.ne(0).any())]
+    a = torch.ones(len(scaled), dtype=D, requires_grad=True)
+    theta = [w.requires_grad_() for w in ws]
+    for k, i in enumerate(scaled):
+        theta[i] = a[k] * ws[i]
+
+    def loss(t: list[torch.Tensor]) -> torch.Tensor:
+        w1, b1, gain, shift, w2, b2 = t
+        h = x @ w1.T + b1
+        c = h - h.mean(-1, keepdim=True)
+        h = c / (c.square().mean(-1, keepdim=True) + 1e-5).sqrt() * gain + shift
+        out = h.clamp_min(0) @ w2.T + b2
+        return -(out - out.exp().sum(-1, keepdim=True).log())[torch.arange(len(y)), y].mean()
+
+    g = torch.autograd.grad(loss(theta), theta, create_graph=True)
+    if step == "constraint":
+        objective = torch.sqrt(sum(gi.square().sum() for gi in g))
+    else:
+        objective = loss([t - eta * gi for t, gi in zip(theta, g, strict=True)]) / eta
+    return torch.autograd.grad(objective, a)[0]
+
+
+@pytest.mark.parametrize("step", ["constraint", "objective"])
+def test_a_float16_layernorm_model_gets_its_second_order_alpha_gradient(step: str) -> None:
+    """torch's native layer_norm double backward works in float16 and overflows on the small
+    activations in front of a LayerNorm: every constraint step's (and exact objective's)
+    alpha-gradient was NaN, so gradinit_ failed on every float16 transformer. Those passes run the
+    LayerNorm on float32 statistics now. Tolerance: float16 keeps 11 bits (2^-11 ~ 5e-4 relative
+    per rounding) and the result is a float16 gradient; 1e-2 relative is ~20 roundings."""
+    net, batch = _small_ln_net().half(), _ln_batch()
+    half_batch = (batch[0].half(), batch[1])
+    grad, _ = gradinit_alpha_grad(net, half_batch, None, nn.CrossEntropyLoss(), step=step,
+                                  exact=True, eta=0.1)  # fmt: skip
+    expected = _ln_alpha_grad_by_hand(net, batch, step, 0.1)
+    assert bool(torch.isfinite(grad).all())
+    torch.testing.assert_close(grad, expected, rtol=1e-2, atol=1e-3 * float(expected.abs().max()))
+
+
+@pytest.mark.parametrize("kw", [
+    {"gamma": 1e-4, "lr": 2e-3, "clip": None},  # constraint steps (SGD on ||g||)
+    {"gamma": 1e6, "lr": 0.05, "clip": None, "exact": True},  # exact objective steps
+])  # fmt: skip
+def test_gradinit_on_a_float16_layernorm_model_follows_float32(kw: dict) -> None:
+    """The same weights in float16 and float32: the same alphas, to 2% of their change (each step
+    moves alpha by lr times an alpha-gradient exact to float16's 11 bits; the exact objective also
+    rounds the look-ahead weights theta - eta g to float16)."""
+    net, batch = _small_ln_net(), _ln_batch()
+    gen = torch.Generator().manual_seed(2)
+    data = [(torch.randn(8, 8, generator=gen), batch[1]) for _ in range(4)]
+
+    def run(dtype: torch.dtype) -> list[float]:
+        model = copy.deepcopy(net).to(dtype)
+        batches = [(x.to(dtype), y) for x, y in data]
+        report = gradinit_(model, batches, nn.CrossEntropyLoss(), steps=3, generator=0, **kw)
+        want = "objective" if kw.get("exact") else "constraint"
+        assert [t["step"] for t in report.trace] == [want] * 3
+        return [r["alpha"] for r in report]
+
+    wide, half = run(torch.float32), run(torch.float16)
+    change = max(abs(a - 1.0) for a in wide)
+    assert change > 5e-3
+    assert half == pytest.approx(wide, abs=0.02 * change)
+
+
+class _HandNorm(nn.Module):
+    """A LayerNorm written with elementary operations, all in the input's dtype."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        c = h - h.mean(-1, keepdim=True)
+        return c / (c.square().mean(-1, keepdim=True) + 1e-5).sqrt()
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+def test_a_nonfinite_alpha_gradient_is_named_with_the_float16_cause(steps: int) -> None:
+    """A float16 normalization written by hand still overflows in its double backward: that was
+    reported as non-finite scales with "lower lr (or alpha_min)" (lr=1e-8 failed the same) or,
+    one iteration on, as "the loss is nan". Now the alpha-gradient is named, with float16 and
+    the float32 copy to use."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), _HandNorm(), nn.ReLU(), nn.Linear(16, 4))
+    with torch.no_grad():
+        net[0].weight.mul_(0.01)
+        net[0].bias.zero_()
+    net = net.half()
+    before = copy.deepcopy(net.state_dict())
+    x, y = _ln_batch()
+    data = [(x.half(), y)] * 4
+    with pytest.raises(FloatingPointError) as info:
+        gradinit_(net, data, nn.CrossEntropyLoss(), steps=steps, gamma=1e-4, lr=1e-8)
+    message = str(info.value)
+    assert re.search(
+        r"gradinit_: the alpha-gradient of the constraint step's \|\|g\|\| .* not finite for 1 "
+        r"tensor\(s\) \(0\.weight\) at the first iteration",
+        message,
+    )
+    assert "float16" in message and "float32 copy" in message
+    assert "lower lr" not in message and "loss is nan" not in message
+    assert all(torch.equal(v, before[k]) for k, v in net.state_dict().items())
+
+
 class _Temperature(nn.Module):
     """Logits divided by a learned temperature kept as its log (CLIP's ``logit_scale``)."""
 

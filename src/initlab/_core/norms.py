@@ -16,10 +16,20 @@ duration of a call (the same values up to rounding, running statistics updated a
 checked as the native kernels do); :func:`exact_weight_norm` only ``torch._weight_norm``, for
 the second-order tools. Code that calls the kernels below Python (``torch.jit.script``, the
 ``torch.native_*`` ops) is not routed.
+
+The native double backwards of ``layer_norm``, ``batch_norm`` (batch statistics), ``group_norm``
+and ``rms_norm`` on a float16 input work in float16: on the small activations in front of a
+normalization (``rstd = 1 / sigma`` in the hundreds, a GPT-2-style init) a product like
+``rstd^3 * sum(dy * x)`` passes float16's largest value 65504, and a Hessian-vector product or
+the gradient of ``||g||`` is NaN while the loss and ``g`` are finite. :func:`float16_norms`
+computes these norms on float16 inputs with elementary operations on float32 statistics (the
+forward the native kernels compute, up to rounding), for every pass that is differentiated twice;
+other dtypes run the native kernels, bit for bit.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -28,7 +38,13 @@ import torch
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["composite_norms", "exact_weight_norm", "may_weight_norm"]
+__all__ = [
+    "composite_norms",
+    "exact_weight_norm",
+    "float16_norms",
+    "may_float16",
+    "may_weight_norm",
+]
 
 _LOW = (torch.float16, torch.bfloat16)
 
@@ -87,6 +103,18 @@ def _batch_norm(
     return _affine(out, weight, bias, shape).to(input.dtype)
 
 
+def _normalized(input: torch.Tensor, normalized_shape: int | Sequence[int]) -> tuple[int, ...]:
+    """``normalized_shape`` as a tuple, checked against ``input``'s trailing dimensions (the
+    native kernels' check and message)."""
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    if not shape or tuple(input.shape[input.dim() - len(shape) :]) != shape:
+        raise RuntimeError(
+            f"Given normalized_shape={list(shape)}, expected input with shape [*, "
+            f"{', '.join(map(str, shape))}], but got input of size{list(input.shape)}"
+        )
+    return shape
+
+
 def _layer_norm(
     input: torch.Tensor,
     normalized_shape: int | Sequence[int],
@@ -95,13 +123,7 @@ def _layer_norm(
     eps: float = 1e-5,
 ) -> torch.Tensor:
     """``F.layer_norm`` with elementary operations (the native shape check kept)."""
-    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
-    if not shape or tuple(input.shape[input.dim() - len(shape) :]) != shape:
-        raise RuntimeError(
-            f"Given normalized_shape={list(shape)}, expected input with shape [*, "
-            f"{', '.join(map(str, shape))}], but got input of size{list(input.shape)}"
-        )
-    normalized_shape = shape
+    normalized_shape = _normalized(input, normalized_shape)
     x = input.to(_stats_dtype(input))
     dims = list(range(x.dim() - len(tuple(normalized_shape)), x.dim()))
     mean = x.mean(dims, keepdim=True)
@@ -139,6 +161,55 @@ def _instance_norm(
         mean, var = running_mean.to(x.dtype).reshape(shape), running_var.to(x.dtype).reshape(shape)
     out = (x - mean) * torch.rsqrt(var + eps)
     return _affine(out, weight, bias, shape).to(input.dtype)
+
+
+def _group_norm(
+    input: torch.Tensor,
+    num_groups: int,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """``F.group_norm`` with elementary operations: per example, the ``C / G`` channels of a group
+    (and every spatial position) normalized by their mean and biased variance, then the
+    per-channel affine (the native checks and messages kept)."""
+    if input.dim() < 2:
+        raise RuntimeError(
+            f"Expected at least 2 dimensions for input tensor but received {input.dim()}"
+        )
+    n, c = input.shape[0], input.shape[1]
+    if c % num_groups:
+        raise RuntimeError(
+            "Expected number of channels in input to be divisible by num_groups, but got input "
+            f"of shape {list(input.shape)} and num_groups={num_groups}"
+        )
+    F._verify_batch_size([n * c // num_groups, num_groups, *input.shape[2:]])
+    group = math.prod(input.shape[1:]) // num_groups  # values per group and example
+    x = input.to(_stats_dtype(input)).reshape(n, num_groups, group)
+    mean = x.mean(-1, keepdim=True)
+    var = (x - mean).square().mean(-1, keepdim=True)
+    out = ((x - mean) * torch.rsqrt(var + eps)).reshape(input.shape)
+    return _affine(out, weight, bias, [1, -1] + [1] * (input.dim() - 2)).to(input.dtype)
+
+
+def _rms_norm(
+    input: torch.Tensor,
+    normalized_shape: int | Sequence[int],
+    weight: torch.Tensor | None = None,
+    eps: float | None = None,
+) -> torch.Tensor:
+    """``F.rms_norm``, ``x / sqrt(mean(x^2) + eps) * weight``, with elementary operations (``eps``
+    None: the statistics dtype's machine epsilon, float32's for a float16 input, as the native
+    kernel)."""
+    shape = _normalized(input, normalized_shape)
+    x = input.to(_stats_dtype(input))
+    dims = list(range(x.dim() - len(shape), x.dim()))
+    if eps is None:
+        eps = torch.finfo(x.dtype).eps
+    out = x * torch.rsqrt(x.square().mean(dims, keepdim=True) + eps)
+    if weight is not None:
+        out = out * weight
+    return out.to(input.dtype)
 
 
 def _torch_batch_norm(
@@ -185,6 +256,18 @@ def _torch_instance_norm(
     )
 
 
+def _torch_group_norm(
+    input: torch.Tensor,
+    num_groups: int,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    cudnn_enabled: bool = True,
+) -> torch.Tensor:
+    """``torch.group_norm``'s arguments."""
+    return _group_norm(input, num_groups, weight, bias, eps)
+
+
 def _weight_norm(v: torch.Tensor, g: torch.Tensor, dim: int = 0) -> torch.Tensor:
     """``torch._weight_norm``: ``g * v / ||v||``, the norm over every dimension but ``dim`` (over
     all of them for ``dim=-1``), with elementary operations."""
@@ -210,12 +293,36 @@ _COMPOSITES: dict[Callable[..., Any], Callable[..., torch.Tensor]] = {
 }
 
 
-class _Routed(TorchFunctionMode):
-    """Routes the functions of ``table`` to their elementary versions."""
+_FLOAT16: dict[Callable[..., Any], Callable[..., torch.Tensor]] = {
+    F.batch_norm: _batch_norm,
+    F.layer_norm: _layer_norm,
+    F.instance_norm: _instance_norm,
+    F.group_norm: _group_norm,
+    F.rms_norm: _rms_norm,
+    torch.batch_norm: _torch_batch_norm,
+    torch.layer_norm: _torch_layer_norm,
+    torch.instance_norm: _torch_instance_norm,
+    torch.group_norm: _torch_group_norm,
+    torch.rms_norm: _rms_norm,
+}
+"""The normalizations routed for a float16 input (:func:`float16_norms`)."""
 
-    def __init__(self, table: dict[Callable[..., Any], Callable[..., torch.Tensor]]) -> None:
+_Table = dict[Callable[..., Any], Callable[..., torch.Tensor]]
+
+
+def _float16_input(args: Sequence[Any], kwargs: dict[str, Any] | None) -> bool:
+    x = args[0] if args else (kwargs or {}).get("input")
+    return isinstance(x, torch.Tensor) and x.dtype == torch.float16
+
+
+class _Routed(TorchFunctionMode):
+    """Routes the functions of ``table`` to their elementary versions, and those of ``float16``
+    where their input is a float16 tensor."""
+
+    def __init__(self, table: _Table, float16: _Table | None = None) -> None:
         super().__init__()
         self.table = table
+        self.float16 = float16 or {}
 
     def __torch_function__(
         self,
@@ -225,6 +332,8 @@ class _Routed(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         composite = self.table.get(func)
+        if composite is None and func in self.float16 and _float16_input(args, kwargs):
+            composite = self.float16[func]
         if composite is not None:
             return composite(*args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
@@ -265,4 +374,24 @@ def exact_weight_norm() -> Iterator[None]:
     """Inside the block, ``torch._weight_norm`` runs as elementary operations, whose second
     derivative is right (the native one's is not: module docstring)."""
     with _Routed(_WEIGHT_NORM):
+        yield
+
+
+def may_float16(model: torch.nn.Module) -> bool:
+    """Whether ``model`` holds a float16 parameter or buffer (its normalizations may then see
+    float16 inputs): the passes that are differentiated twice enter :func:`float16_norms`."""
+    tensors = (*model.parameters(), *model.buffers())
+    return any(t.dtype == torch.float16 for t in tensors)
+
+
+@contextmanager
+def float16_norms() -> Iterator[None]:
+    """Inside the block, ``F.batch_norm``, ``F.layer_norm``, ``F.instance_norm``,
+    ``F.group_norm``, ``F.rms_norm`` and their ``torch.*`` forms run, on a float16 input, as
+    elementary operations with float32 statistics: ``(x - mu) / sqrt(sigma^2 + eps)`` (RMS:
+    ``x / sqrt(mean(x^2) + eps)``) and the affine in float32, the result rounded once to
+    float16. Their derivatives of every order are then float32 down to the float16 input, where
+    the native double backwards overflow float16 (module docstring). Any other input runs the
+    native kernel, bit for bit."""
+    with _Routed({}, _FLOAT16):
         yield

@@ -52,7 +52,7 @@ from initlab._core.distributed import (
 )
 from initlab._core.knobs import user_stacklevel
 from initlab._core.loss import Loss, resolve_loss
-from initlab._core.norms import exact_weight_norm, may_weight_norm
+from initlab._core.norms import exact_weight_norm, may_float16, may_weight_norm
 from initlab._core.rows import split_name
 from initlab._core.state import model_kept
 from initlab.init.registry import default_registry
@@ -160,6 +160,8 @@ class Tensors:
     slots: list[list[Slot]] = field(default_factory=list, repr=False)
     # the model can reach torch._weight_norm (initlab._core.norms.may_weight_norm), found once
     weight_norm: bool = False
+    # the model holds float16 tensors (initlab._core.norms.may_float16), found once
+    float16: bool = False
 
     @property
     def numel(self) -> int:
@@ -242,6 +244,7 @@ def select_tensors(
             "params selection accepts)"
         )
     out.weight_norm = may_weight_norm(model)
+    out.float16 = may_float16(model)
     return out
 
 

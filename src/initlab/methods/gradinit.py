@@ -123,6 +123,7 @@ import math
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -143,6 +144,7 @@ from initlab._core.heap import kept_heap
 from initlab._core.knobs import check_callback, renamed_kwargs, user_stacklevel
 from initlab._core.loss import LossLike, resolve_loss
 from initlab._core.method_report import MethodReport
+from initlab._core.norms import float16_norms
 from initlab._core.parametrized import writing_layers
 from initlab._core.reductions import sum_of_products, total_sum_of_squares
 from initlab._core.rng import as_generator
@@ -376,7 +378,10 @@ class _GradInitStep:
 
     def _loss(self, theta: list[torch.Tensor], batch: Any, twice: bool) -> torch.Tensor:
         """``L(batch; theta)``; ``twice``: it will be differentiated twice (the convolutions and
-        batch norms get their second derivatives written out, :func:`written_out_second_order`).
+        batch norms get their second derivatives written out, :func:`written_out_second_order`;
+        in a float16 model the normalizations of float16 inputs run on float32 statistics,
+        :func:`~initlab._core.norms.float16_norms`: their native double backwards overflow
+        float16, and every constraint step's alpha-gradient was NaN).
         """
         self.forward += 1
 
@@ -385,7 +390,8 @@ class _GradInitStep:
                 return loss_at(self.model, self.loss_fn, self.ts, theta, batch)
             # Every differentiation through g ends at the alphas: a scaled tensor's gradient there
             # is read only through <., W_k> (written_out_second_order's ``scaled``).
-            with written_out_second_order([theta[i] for i in self.ts.scaled]):
+            half = float16_norms() if self.ts.float16 else nullcontext()
+            with half, written_out_second_order([theta[i] for i in self.ts.scaled]):
                 return loss_at(self.model, self.loss_fn, self.ts, theta, batch)
 
         # a local pass: under DDP, if it fails on some ranks every rank raises the same error
@@ -437,6 +443,7 @@ class _GradInitStep:
                 norm = self._norm(_attach(g, g_mean))
                 grad = self._alpha_grad(norm, a)
             self.backward += 1
+            self._check_grad(grad, kind, iteration)
             return _StepResult(kind, grad, grad_norm, grad_norm2, loss_value, None)
 
         if self.exact:
@@ -459,6 +466,7 @@ class _GradInitStep:
                 self._check_once(check, [*g, loss])
                 grad = self._exact_grad(look_loss / self.eta, look, a)
         self.backward += 1
+        self._check_grad(grad, kind, iteration)
         return _StepResult(kind, grad, grad_norm, grad_norm2, loss_value, objective)
 
     def _look_ahead(
@@ -508,6 +516,39 @@ class _GradInitStep:
         self.backward += 1
         grad = run_together(self.what, lambda: grads_or_zeros(look, [a], grad_outputs=u)[0])
         return rank_mean([grad.double()])[0]
+
+    def _check_grad(self, grad: torch.Tensor, kind: str, iteration: int) -> None:
+        """Raise on a non-finite alpha-gradient of a finite loss (checked finite before), for
+        what it is: its derivative overflowed (a float16 model's range) or is undefined. Left
+        to the optimizer, it made the scales NaN, reported later as a NaN loss or with the
+        advice "lower lr", which cannot help."""
+        if bool(torch.isfinite(grad).all()):
+            return
+        bad = [self.ts.names[i] for k, i in enumerate(self.ts.scaled) if not grad[k].isfinite()]
+        of = {
+            "constraint": "the constraint step's ||g|| (a second derivative of the loss)",
+            "objective": "the look-ahead loss"
+            + (" (through g: a second derivative of the loss)" if self.exact else ""),
+        }[kind]
+        when = (
+            "at the first iteration, before anything changed"
+            if iteration == 0
+            else f"at iteration {iteration}; the model was left unchanged"
+        )
+        cause = (
+            "The model is float16, whose range (largest value 65504) the derivatives "
+            f"overflowed; run {self.what} on a float32 copy (m32 = copy.deepcopy(model)"
+            ".float(), the data in float32) and copy its weights back (model.load_state_dict("
+            "m32.state_dict())), or use bfloat16"
+            if any(t.dtype == torch.float16 for t in self.ts.tensors)
+            else "Its derivative overflowed or is undefined at these weights (a sqrt, norm or "
+            "division at zero in the model or the loss)"
+        )
+        raise FloatingPointError(
+            f"{self.what}: the alpha-gradient of {of} is not finite for {len(bad)} tensor(s) "
+            f"({', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}) {when}, while the loss is "
+            f"finite. {cause}"
+        )
 
     def _check_once(self, check: Callable[[Sequence[torch.Tensor]], None], g: Any) -> None:
         """At the first step that differentiates through ``g`` (the gradient and its loss): is
