@@ -1212,3 +1212,88 @@ def test_the_hessian_through_weight_norm_is_the_elementary_formula_s(style: str)
     perm = torch.cat([torch.arange(sum(sizes[:i]), sum(sizes[: i + 1])) for i in
                       sorted(range(len(order)), key=lambda i: index[order[i]])])  # fmt: skip
     torch.testing.assert_close(mine, dense[perm][:, perm], rtol=1e-10, atol=1e-10)
+
+
+# --------------------------------------------------------------------------------------------------
+# float16: torch's native normalization double backwards overflow float16
+# --------------------------------------------------------------------------------------------------
+
+
+class _HandNorm(nn.Module):
+    """A LayerNorm written with elementary operations, all in the input's dtype."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        c = h - h.mean(-1, keepdim=True)
+        return c / (c.square().mean(-1, keepdim=True) + 1e-5).sqrt()
+
+
+def _ln_net(norm: nn.Module | None = None, scale: float = 0.05) -> nn.Sequential:
+    """Linear -> LayerNorm -> ReLU -> Linear in float16, the first weight x``scale`` (GPT-2's
+    std 0.02 in front of its LayerNorms: rstd in the tens)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), norm or nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 4))
+    with torch.no_grad():
+        net[0].weight.mul_(scale)
+        net[0].bias.zero_()
+        for p in net[1].parameters():
+            p.uniform_(0.5, 1.5)
+    return net.half()
+
+
+def _ln_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(8, 8, generator=g).half(), torch.randint(0, 4, (8,), generator=g)
+
+
+def _ln_hessian_by_hand(net: nn.Sequential, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The float64 Hessian of the cross-entropy of ``net`` (weights as stored), the LayerNorm
+    written out."""
+    shapes = [p.shape for p in net.parameters()]
+    sizes = [p.numel() for p in net.parameters()]
+
+    def loss(v: torch.Tensor) -> torch.Tensor:
+        w1, b1, gain, shift, w2, b2 = (
+            t.reshape(s) for t, s in zip(v.split(sizes), shapes, strict=True)
+        )
+        h = x.double() @ w1.T + b1
+        c = h - h.mean(-1, keepdim=True)
+        h = c / (c.square().mean(-1, keepdim=True) + 1e-5).sqrt() * gain + shift
+        out = h.clamp_min(0) @ w2.T + b2
+        return -(out - out.exp().sum(-1, keepdim=True).log())[torch.arange(len(y)), y].mean()
+
+    theta = torch.cat([p.detach().double().reshape(-1) for p in net.parameters()])
+    return torch.autograd.functional.hessian(loss, theta)
+
+
+def test_hessian_eigenpairs_of_a_float16_layernorm_model_match_float64() -> None:
+    """torch's native layer_norm double backward overflows float16 on the small activations in
+    front of a LayerNorm: every Hessian product was NaN, and eigenpairs died in linalg.eigh
+    ("failed to converge"). The products run the LayerNorm on float32 statistics now.
+    Tolerance: each product is float16 (11 bits, 5e-4 relative per rounding); 5e-3 relative on
+    the eigenvalues, 1e-3 on |<u, v>| (seen 2.5e-4 and 3e-5)."""
+    net, (x, y) = _ln_net(), _ln_batch()
+    lam, vec = torch.linalg.eigh(_ln_hessian_by_hand(net, x, y))
+    top = lam.abs().argsort(descending=True)[:2]
+    assert float(lam[top[0]] - lam[top[1]]) > 0.05 * float(lam[top[0]])  # separated: unique u
+    values, vectors = hessian_eigenpairs(net, (x, y), nn.CrossEntropyLoss(), k=2, generator=0)
+    torch.testing.assert_close(values, lam[top], rtol=5e-3, atol=0)
+    names = [n for n, _ in net.named_parameters()]
+    for k, d in zip(top, vectors, strict=True):
+        u = torch.cat([d[n].double().reshape(-1) for n in names])
+        assert abs(float(u @ vec[:, k]) / float(u.norm())) == pytest.approx(1.0, abs=1e-3)
+
+
+def test_nonfinite_curvature_products_are_named_with_the_float16_cause() -> None:
+    """A normalization written by hand in float16 still overflows: Lanczos fed the NaN products
+    to linalg.eigh (a raw _LinAlgError), block_curvature said only "some products held NaN/inf".
+    Both name float16 and the float32 copy now."""
+    net, batch = _ln_net(_HandNorm(), scale=0.01), _ln_batch()
+    message = (
+        r"hessian_eigenpairs: a Hessian product in the Lanczos iteration holds NaN/inf: the model "
+        r"is float16, .* float32 copy"
+    )
+    with pytest.raises(FloatingPointError, match=message):
+        hessian_eigenpairs(net, batch, nn.CrossEntropyLoss(), k=2, generator=0)
+    est = block_curvature(net, batch, nn.CrossEntropyLoss(), generator=0)
+    assert est.to_rows()[0]["nonfinite"] > 0
+    assert any("NaN/inf" in n and "float16" in n and "float32 copy" in n for n in est.notes)

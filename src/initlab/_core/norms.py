@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -44,6 +44,7 @@ __all__ = [
     "float16_norms",
     "may_float16",
     "may_weight_norm",
+    "second_order_norms",
 ]
 
 _LOW = (torch.float16, torch.bfloat16)
@@ -395,3 +396,13 @@ def float16_norms() -> Iterator[None]:
     native kernel, bit for bit."""
     with _Routed({}, _FLOAT16):
         yield
+
+
+def second_order_norms(*, weight_norm: bool, float16: bool) -> AbstractContextManager[None]:
+    """The routing a pass that is differentiated twice needs, in one mode:
+    ``torch._weight_norm`` as elementary operations where ``weight_norm``
+    (:func:`may_weight_norm`), the normalizations of float16 inputs as in :func:`float16_norms`
+    where ``float16`` (:func:`may_float16`); no mode (the native speed) for neither."""
+    if not (weight_norm or float16):
+        return nullcontext()
+    return _Routed(_WEIGHT_NORM if weight_norm else {}, _FLOAT16 if float16 else {})

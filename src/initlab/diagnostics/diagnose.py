@@ -41,6 +41,7 @@ from initlab._core.compiled import takes_compiled
 from initlab._core.data import examples_in, forward_args, take_batches
 from initlab._core.loss import Loss, LossLike, resolve_loss
 from initlab._core.loss_counts import batch_reduction
+from initlab._core.norms import may_float16
 from initlab._core.parametrized import reading_layers
 from initlab._core.rng import Seeds, as_generator, stage_generator
 from initlab._core.rows import Rows
@@ -53,6 +54,7 @@ from initlab.diagnostics.report import Report
 from initlab.diagnostics.spectra import InputShapes, layer_spectra, lipschitz_bounds
 from initlab.measure.conditioning import gr_scaling, imbalance
 from initlab.measure.curvature import block_curvature, theory_vs_actual
+from initlab.measure.curvature.operators import nonfinite_cause
 from initlab.measure.landscape import loss_landscape
 from initlab.measure.probe import MomentProbe
 from initlab.measure.probe.run import probed_backward
@@ -644,6 +646,27 @@ def _curvature(
             tables[key] = got if isinstance(got, Rows) else Rows(got, title=key)
         except Exception as err:  # report what failed, keep the rest
             notes.append(f"{key} not computed: {type(err).__name__}: {err}")
+    _note_nonfinite_curvature(model, tables, notes)
+
+
+def _note_nonfinite_curvature(
+    model: nn.Module, tables: Mapping[str, Rows], notes: list[str]
+) -> None:
+    """A note naming the blocks whose curvature products held NaN/inf (their ``curv_block`` and
+    ``curv_theory_ratio`` values are NaN), with the cause and what to do."""
+    bad = [str(r["block_row"]) for r in tables.get("curvature", ()) if r.get("nonfinite")]
+    bad += [
+        str(r["block"])
+        for r in tables.get("theory_vs_actual", ())
+        if "non-finite products" in str(r.get("note", ""))
+    ]
+    if bad:
+        names = list(dict.fromkeys(bad))
+        shown = ", ".join(names[:4]) + (" ..." if len(names) > 4 else "")
+        notes.append(
+            f"curvature: products held NaN/inf for {len(names)} block(s) ({shown}), "
+            f"whose curv_block and curv_theory_ratio are NaN: {nonfinite_cause(may_float16(model))}"
+        )
 
 
 def _landscape(

@@ -553,7 +553,8 @@ def _loss_at(
         for i, (w, b, base) in enumerate(zip(weights, batches, bases, strict=True)):
             watch = outputs_watch(model) if centre else nullcontext([])
             with per_call.on(i), watch as finite:  # the watch sees the hooks' outputs
-                out = functional_forward(model, {**base, **params}, b, fwd, weight_norm)
+                # forward only: the native float16 norms (no second derivative to overflow)
+                out = functional_forward(model, {**base, **params}, b, fwd, weight_norm, False)
             value = on_outputs(out, b).reshape(())
             if centre:  # the model as it is: a NaN loss on finite outputs is the loss's own
                 check_defined(value, all(finite), what="loss_landscape", index=i)

@@ -74,7 +74,11 @@ Failure modes, reported rather than hidden:
 * a module whose backward is not differentiable (a fused attention kernel, a custom
   ``autograd.Function`` with ``@once_differentiable``): :class:`DoubleBackwardError` naming the
   innermost module where second-order autograd fails, with the workaround;
-* NaN/inf products: the block's ``value`` is NaN and ``nonfinite`` counts the probes.
+* NaN/inf products: the block's ``value`` is NaN and ``nonfinite`` counts the probes (a note
+  says why and what to do); eigenpairs raise ``FloatingPointError`` with the same. In a float16
+  model the normalizations run on float32 statistics in every product (torch's native double
+  backwards overflow float16, :func:`~initlab._core.norms.float16_norms`); what still
+  overflows is named as float16's, with a float32 copy to measure instead.
 
 
 Where things are:

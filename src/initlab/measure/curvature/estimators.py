@@ -277,7 +277,9 @@ def _estimate(
             f"(max_probes)"
         )
     if int(nonfinite.sum()):
-        notes.append("some products held NaN/inf (see the nonfinite column)")
+        notes.append(
+            f"some products held NaN/inf (see the nonfinite column): {op.nonfinite_cause()}"
+        )
     names, sizes = [b.name for b in blocks], [b.size for b in blocks]
     return BlockCurvature(rows, names, sizes, op.kind, notes, samples=stack)
 

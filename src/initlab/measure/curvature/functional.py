@@ -26,7 +26,7 @@ from initlab._core.loss import (
     outputs_loss,
     resolve_loss,
 )
-from initlab._core.norms import exact_weight_norm, may_weight_norm
+from initlab._core.norms import may_float16, may_weight_norm, second_order_norms
 
 __all__ = [
     "Forward",
@@ -119,15 +119,22 @@ def functional_forward(
     batch: Any,
     forward: Forward | None = None,
     weight_norm: bool | None = None,
+    float16: bool | None = None,
 ) -> Any:
     """``forward(model, batch)`` with the model's tensors replaced by ``state`` (not mutated),
-    ``torch._weight_norm`` as elementary operations (its native second derivative is wrong:
-    :mod:`initlab._core.norms`). ``weight_norm``: whether the model can reach it
-    (:func:`~initlab._core.norms.may_weight_norm`, a walk of the model), for callers that run
-    many passes and find it once; ``None``: found here."""
-    if not (may_weight_norm(model) if weight_norm is None else weight_norm):
-        return _functional_forward(model, state, batch, forward)
-    with exact_weight_norm():
+    twice differentiable where torch's kernels are not (:mod:`initlab._core.norms`):
+    ``torch._weight_norm`` as elementary operations (its native second derivative is wrong), and
+    in a float16 model the normalizations of float16 inputs on float32 statistics (their native
+    double backwards overflow float16: NaN Hessian products). ``weight_norm``: whether the model
+    can reach ``torch._weight_norm`` (:func:`~initlab._core.norms.may_weight_norm`, a walk of the
+    model), ``float16``: whether it holds float16 tensors
+    (:func:`~initlab._core.norms.may_float16`), for callers that run many passes and find them
+    once; ``None``: found here."""
+    routing = second_order_norms(
+        weight_norm=may_weight_norm(model) if weight_norm is None else weight_norm,
+        float16=may_float16(model) if float16 is None else float16,
+    )
+    with routing:
         return _functional_forward(model, state, batch, forward)
 
 

@@ -25,6 +25,8 @@ from initlab._core.rng import as_generator
 if TYPE_CHECKING:
     from initlab.measure.curvature.operators import CurvatureOperator
 
+_KIND_NAMES = {"hessian": "Hessian", "ggn": "GGN"}
+
 _Pair = tuple[float, torch.Tensor, float]
 """An eigenpair: value, unit vector (flat, in the operator's dtype), relative residual (that of
 the run which found it, see :func:`_residuals`)."""
@@ -103,6 +105,12 @@ def _run(
     betas: list[float] = []
     for j in range(m_max):
         w = op.matvec(basis[j])
+        if not bool(torch.isfinite(w).all()):  # eigh of a NaN T_m: a raw "failed to converge"
+            raise FloatingPointError(
+                f"{op._what}: a {_KIND_NAMES.get(op.kind, op.kind)} product in the Lanczos "
+                "iteration holds NaN/inf: "
+                f"{op.nonfinite_cause()}"
+            )
         alphas.append(float(torch.dot(w.double(), basis[j].double())))
         qmat = torch.stack(basis, dim=1)
         full = torch.cat([locked, qmat], dim=1) if locked.shape[1] else qmat

@@ -23,7 +23,7 @@ from initlab._core.data import one_example_error
 from initlab._core.functional import functional_call
 from initlab._core.hooks import hook_handles
 from initlab._core.knobs import renamed_kwargs
-from initlab._core.norms import may_weight_norm
+from initlab._core.norms import may_float16, may_weight_norm
 from initlab._core.pytree import flatten_tensors, map_tensors
 from initlab._core.rng import Seeds
 from initlab.measure.curvature.functional import (
@@ -165,6 +165,21 @@ class _MatvecOperator:
         raise ValueError(f"@ takes a vector or a matrix, got {x.dim()} dimensions")
 
 
+def nonfinite_cause(float16: bool) -> str:
+    """Why a curvature product held NaN/inf, and what to do, for errors and notes: in a model
+    with float16 tensors (:func:`~initlab._core.norms.may_float16`), float16's range."""
+    if float16:
+        return (
+            "the model is float16, whose range (largest value 65504) its second derivatives "
+            "overflow; measure a float32 copy (copy.deepcopy(model).float(), the batch's "
+            "floating-point tensors in float32)"
+        )
+    return (
+        "the loss or its second derivatives are not finite at these weights (NaN/inf in the "
+        "loss, the model's outputs or a derivative, e.g. a sqrt or norm at zero)"
+    )
+
+
 class CurvatureOperator(_MatvecOperator):
     r"""The Hessian ``H`` (or GGN ``G``) of a model's batch loss as a linear operator.
 
@@ -277,6 +292,8 @@ class CurvatureOperator(_MatvecOperator):
         self._engine: _HessianEngine | _GGNEngine | None = None
         self._seeds = Seeds(model, generator)
         self._weight_norm = may_weight_norm(model)  # for every product's functional forward
+        self._float16 = may_float16(model)  # ... and its float16 normalizations
+        self._what = _what
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -294,7 +311,12 @@ class CurvatureOperator(_MatvecOperator):
         # a vjp's or jvp's re-run, and every product: J and Jᵀ of one fixed sub-network)
         with self._seeds.scope():
             return functional_forward(
-                self.model, self._state(leaves), self.batch, self.forward, self._weight_norm
+                self.model,
+                self._state(leaves),
+                self.batch,
+                self.forward,
+                self._weight_norm,
+                self._float16,
             )
 
     def _loss(self, out: Any) -> torch.Tensor:
@@ -386,6 +408,10 @@ class CurvatureOperator(_MatvecOperator):
             raise  # pragma: no cover - _raise_located always raises
         # a sparse gradient (nn.Embedding(sparse=True)) gives a sparse product: densified
         return tuple(t.to_dense() if t.is_sparse else t for t in hv)
+
+    def nonfinite_cause(self) -> str:
+        """Why a product held NaN/inf, and what to do (:func:`nonfinite_cause`)."""
+        return nonfinite_cause(self._float16)
 
     def split(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """A flat vector as one tensor per parameter, each in its parameter's shape and dtype."""
