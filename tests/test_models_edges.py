@@ -811,3 +811,295 @@ def test_a_forward_that_takes_one_argument_is_named_before_any_pass(entry: str) 
     model = nn.Sequential(nn.Linear(16, 4))
     with pytest.raises(TypeError, match=rf"^{entry}: forward must be called as forward\(model, "):
         getattr(initlab, entry)(model, _data(), forward=lambda x: model(x[0]))
+
+
+# ----------------------------------------------------------------------------- layers under vmap
+
+
+class _Vmapped(nn.Module):
+    """``p`` on the batch, then ``b(relu(a(.)))`` per example under ``torch.func.vmap``; with
+    ``act``, the ReLU is that module; ``conv``: ``p``, ``a`` 2-D convolutions, ``b`` on the
+    flattened map."""
+
+    def __init__(self, conv: bool = False, act: nn.Module | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv, self.act = conv, act
+        if conv:
+            self.p, self.a, self.b = (
+                nn.Conv2d(2, 2, 1),
+                nn.Conv2d(2, 3, 3, padding=1),
+                nn.Linear(48, 2),
+            )
+        else:
+            self.p, self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+        self.double()
+
+    def one(self, r: torch.Tensor) -> torch.Tensor:
+        h = self.a(r)
+        h = self.act(h) if self.act is not None else torch.relu(h)
+        return self.b(h.flatten() if self.conv else h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.func.vmap(self.one)(self.p(x))
+
+
+class _Plain(nn.Module):
+    """The same layers (shared with a :class:`_Vmapped`) on the whole batch, without vmap."""
+
+    def __init__(self, v: _Vmapped) -> None:
+        super().__init__()
+        self.p, self.a, self.b, self.conv = v.p, v.a, v.b, v.conv
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(self.p(x)))
+        return self.b(h.flatten(1) if self.conv else h)
+
+
+class _Ensemble(nn.Module):
+    """``a`` with three weights, stacked, under vmap: its input is not batched, its output is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(4, 2).double()
+        self.w = nn.Parameter(torch.randn(3, 2, 4, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        params = {"weight": None, "bias": self.a.bias}
+
+        def one(w: torch.Tensor) -> torch.Tensor:
+            return torch.func.functional_call(self.a, {**params, "weight": w}, (x,))
+
+        return torch.func.vmap(one)(self.w).mean(0)
+
+
+def _vx(conv: bool) -> torch.Tensor:
+    shape = (3, 2, 4, 4) if conv else (3, 4)
+    return torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+
+def _sq(m: nn.Module, b: Any) -> torch.Tensor:
+    return (m(b[0]) ** 2).mean()
+
+
+def _in_probe(m: nn.Module, d: Any) -> None:
+    with initlab.MomentProbe(m):
+        _sq(m, d[0]).backward()
+
+
+_VMAP_REFUSED: dict[str, tuple[Callable[[nn.Module, Any], Any], str]] = {
+    "measure_moments": (lambda m, d: initlab.measure_moments(m, d, _sq), "the moment probe"),
+    "MomentProbe": (_in_probe, "the moment probe"),
+    "gr_scaling": (lambda m, d: initlab.gr_scaling(m, d, _sq), "the moment probe"),
+    "diagnose": (lambda m, d: initlab.diagnose(m, d, _sq, generator=0), "the moment probe"),
+    "doctor": (lambda m, d: initlab.doctor(m, d, _sq, fix=True, generator=0), "the moment probe"),
+    "precondition_": (lambda m, d: initlab.precondition_(m, d, _sq), "the moment probe"),
+    "lsuv_": (lambda m, d: initlab.lsuv_(m, d, forward=lambda m, b: m(b[0])), "lsuv_"),
+    "diagnose-activations": (
+        lambda m, d: initlab.diagnose(m, d, _sq, modules=["p"], generator=0),
+        "the activation watch",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "entry, model",
+    [
+        (e, k)
+        for e in _VMAP_REFUSED
+        for k in ("linear", "conv", "ensemble")
+        if not (e == "diagnose-activations" and k == "ensemble")  # no activation there
+    ],
+)
+def test_hooks_that_measure_over_the_batch_refuse_a_layer_called_inside_vmap(
+    entry: str, model: str
+) -> None:
+    """Module hooks inside torch.func.vmap see one example (of a batched tensor, its batch
+    dimension hidden): diagnose failed with torch's "output with shape [1] doesn't match the
+    broadcast shape [3, 1]" from the probe's sum of squares, lsuv_ with vmap's "called random
+    operation" from its orthogonal draw. Now one error names the layer and what to do; the
+    model is left as it was, with no hook."""
+    call, what = _VMAP_REFUSED[entry]
+    act = nn.ReLU() if entry == "diagnose-activations" else None
+    m = _Ensemble() if model == "ensemble" else _Vmapped(conv=model == "conv", act=act)
+    x = _vx(model == "conv")
+    before, modes = _state(m), [k.training for k in m.modules()]
+    with torch.no_grad():
+        out = m(x)
+    layer = "act" if act is not None else "a"
+    with pytest.raises(
+        ValueError,
+        match=rf"^{what}: module '{layer}' ran inside torch.func.vmap, so its hooks see one "
+        r"slice .* Call the layers on the whole batch without vmap",
+    ) as err:
+        call(m, [(x,)])
+    assert isinstance(err.value, initlab._core.hooks.VmappedModuleError)
+    assert _same(before, _state(m)) and _hooks(m) == 0
+    assert [k.training for k in m.modules()] == modes
+    with torch.no_grad():
+        assert torch.equal(m(x), out)
+
+
+def test_the_skip_advice_of_a_vmap_refusal_works() -> None:
+    """The advice: leave the module out of the probe (modules=); the layer outside vmap is then
+    measured as without vmap: its input's and output's second moments, float64 by hand."""
+    m = _Vmapped(act=nn.ReLU())
+    x = _vx(False)
+    report = initlab.diagnose(m, [(x,)], _sq, modules=["p"], lint=False, generator=0)
+    (row,) = report.tables["probe"].to_rows()
+    with torch.no_grad():
+        y = m.p(x)
+    assert row["layer"] == "p"
+    assert row["E_x2"] == pytest.approx(float(x.square().mean()), rel=1e-12)
+    assert row["E_y2"] == pytest.approx(float(y.square().mean()), rel=1e-12)
+    with pytest.raises(ValueError, match=r"^lsuv_: module 'a' ran inside torch.func.vmap"):
+        initlab.lsuv_(m, [(x,)], forward=lambda m, b: m(b[0]))
+    before = _state(m)
+    initlab.lsuv_(m, [(x,)], forward=lambda m, b: m(b[0]), modules=["p"], generator=0)
+    assert not torch.equal(before["p.weight"], m.p.weight)  # p scaled; a, b as they were
+    assert all(torch.equal(before[k], v) for k, v in _state(m).items() if not k.startswith("p."))
+    with torch.no_grad():
+        assert float(m.p(x).var(unbiased=False)) == pytest.approx(1.0, abs=0.1)
+
+
+def test_a_functional_relu_inside_vmap_is_not_measured_and_says_why() -> None:
+    """The linter's watch of functional ReLUs took the example's features for the batch: a row
+    with examples=1 and no dead-unit fraction. Now no row, and a finding that names vmap."""
+    m = _Vmapped()
+    report = initlab.diagnose(m, [(_vx(False),)], _sq, modules=["p"], generator=0)
+    assert not report.tables["activations"].to_rows()
+    (found,) = [f for f in report.findings if f["rule"] == "not_measured"]
+    assert "functional ReLU '<root>:relu' ran inside torch.func.vmap" in found["message"]
+
+
+def _conv_norm(conv: nn.Conv2d, shape: tuple[int, ...]) -> float:
+    """The operator norm of the convolution without bias on inputs of ``shape``: the largest
+    singular value of its matrix, built column by column in float64."""
+    n = math.prod(shape)
+    cols = [
+        F.conv2d(
+            e.reshape(1, *shape), conv.weight.detach(), None, conv.stride, conv.padding
+        ).reshape(-1)
+        for e in torch.eye(n, dtype=torch.float64)
+    ]
+    return float(torch.linalg.matrix_norm(torch.stack(cols, 1), ord=2))
+
+
+@pytest.mark.parametrize("conv", [False, True])
+def test_layer_spectra_reads_the_input_shape_of_a_layer_inside_vmap(conv: bool) -> None:
+    """The input-shape watch dropped the first dimension of what it saw as the batch: inside
+    vmap, a feature (Linear 'a' got input_shape (), a Conv2d (4, 4) and 'must be (C, *spatial)').
+    A hook there sees one example, whose shape is the input shape."""
+    m = _Vmapped(conv=conv)
+    rows = {r["layer"]: r for r in initlab.layer_spectra(m, [(_vx(conv),)], generator=0)}
+    assert rows["a"]["input_shape"] == ((2, 4, 4) if conv else (4,))
+    assert rows["b"]["input_shape"] == ((48,) if conv else (4,))
+    plain = {r["layer"]: r for r in initlab.layer_spectra(_Plain(m), [(_vx(conv),)], generator=0)}
+    for name in ("p", "a", "b"):
+        assert rows[name]["input_shape"] == plain[name]["input_shape"]
+        assert rows[name]["op_norm"] == pytest.approx(plain[name]["op_norm"], rel=1e-9)
+    want = (
+        _conv_norm(m.a, (2, 4, 4))
+        if conv
+        else float(torch.linalg.matrix_norm(m.a.weight.detach(), 2))
+    )
+    assert rows["a"]["op_norm"] == pytest.approx(want, rel=1e-6)
+
+
+def _params(m: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in m.parameters()]
+
+
+_VMAP_WORKS: dict[str, Callable[[nn.Module, Any], Any]] = {
+    "gradient_stats": lambda m, d: initlab.gradient_stats(m, d, _sq, generator=0).to_rows(),
+    "init_model": lambda m, d: (
+        initlab.init_model(m, generator=0, example_inputs=(d[0][0],)).to_rows(),
+        _params(m),
+    ),
+    "scale_output_": lambda m, d: (
+        initlab.scale_output_(m, d, forward=lambda m, b: m(b[0]), generator=0).info["scale"],
+        _params(m),
+    ),
+    "loss_landscape": lambda m, d: initlab.loss_landscape(m, d, _sq, grid=3, generator=0).to_rows(),
+    "block_curvature": lambda m, d: initlab.block_curvature(
+        m, d, _sq, probes=2, generator=0
+    ).to_rows(),
+    "gradinit_": lambda m, d: (initlab.gradinit_(m, d * 3, _sq, steps=1, generator=0), _params(m))[
+        1
+    ],
+    "metainit_": lambda m, d: (initlab.metainit_(m, d * 3, _sq, steps=2, generator=0), _params(m))[
+        1
+    ],
+}
+
+
+def _close(a: Any, b: Any) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_close(u, v) for u, v in zip(a, b, strict=True))
+    if isinstance(a, torch.Tensor):
+        return torch.allclose(a, b, rtol=1e-10, atol=1e-12)
+    if isinstance(a, float):
+        return (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-9, abs=1e-12)
+    return a == b
+
+
+@pytest.mark.parametrize("conv", [False, True])
+@pytest.mark.parametrize("entry", list(_VMAP_WORKS))
+def test_entry_points_without_per_example_hooks_measure_a_vmapped_model_as_its_plain_twin(
+    entry: str, conv: bool
+) -> None:
+    """Their hooks read no batch statistics (or none at all): on the model with vmap they give
+    what they give on the same layers called on the batch."""
+    x = _vx(conv)
+    vm = _Vmapped(conv=conv)
+    plain = _Plain(_Vmapped(conv=conv))
+    assert _close(_VMAP_WORKS[entry](vm, [(x,)]), _VMAP_WORKS[entry](plain, [(x,)]))
+
+
+def test_scale_output_sets_the_output_std_of_a_vmapped_model() -> None:
+    """The target, checked on the model's own output in float64 (population std)."""
+    m, x = _Vmapped(conv=True), _vx(True)
+    initlab.scale_output_(m, [(x,)], forward=lambda m, b: m(b[0]), target=0.05, generator=0)
+    with torch.no_grad():
+        assert float(m(x).std(unbiased=False)) == pytest.approx(0.05, rel=1e-9)
+
+
+class _VmappedNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.n, self.b = nn.Conv2d(2, 3, 3, padding=1), nn.BatchNorm2d(3), nn.Linear(48, 2)
+        self.double().eval()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        one = lambda r: self.b(torch.relu(self.n(self.a(r)[None])[0]).flatten())  # noqa: E731
+        return torch.func.vmap(one)(x)
+
+
+def test_landscape_bn_fixed_refuses_a_batchnorm_inside_vmap() -> None:
+    """bn='fixed' reads the BatchNorm's input statistics by a hook: one example's there (they
+    escaped vmap as dead batched tensors and gave NaN and 1e4 losses)."""
+    m, x = _VmappedNorm(), _vx(True)
+    before = _state(m)
+    with pytest.raises(ValueError, match=r"^loss_landscape\(bn='fixed'\): module 'n' ran inside"):
+        initlab.loss_landscape(m, [(x,)], _sq, grid=3, bn="fixed", generator=0)
+    assert _same(before, _state(m)) and _hooks(m) == 0 and not m.training
+
+
+def test_input_scale_for_refuses_a_first_layer_inside_vmap() -> None:
+    """It said the first layer 'does not see the raw input' (it saw one example of it)."""
+    from initlab.methods.input_scale import input_scale_for
+
+    class First(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 2).double()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.func.vmap(self.a)(x)
+
+    with pytest.raises(ValueError, match=r"^input_scale_for: module 'a' ran inside torch.func"):
+        input_scale_for(First(), [(_vx(False),)])

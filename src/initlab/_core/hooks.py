@@ -10,6 +10,11 @@ Two forms, one rule (every handle is removed when the block ends, also when it r
 
 * :class:`HookContext` for a measuring object that is itself a context manager (the moment probe,
   the linter's activation watch): subclasses register in :meth:`HookContext.register`.
+
+A module called inside ``torch.func.vmap`` (``vmap(lambda r: layer(r))(x)`` in a forward) shows
+its hooks one example: its input ``x[i]`` of shape ``x.shape[1:]``, the batch dimension hidden
+(:func:`is_vmapped` tells such a tensor). A hook whose statistics are taken over the batch calls
+:func:`refuse_inside_vmap`, which raises :class:`VmappedModuleError` there.
 """
 
 from __future__ import annotations
@@ -18,7 +23,17 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol, TypeVar
 
-__all__ = ["HookContext", "HookHandles", "hook_handles"]
+import torch
+
+__all__ = [
+    "HookContext",
+    "HookHandles",
+    "VmappedModuleError",
+    "hook_handles",
+    "inside_vmap",
+    "is_vmapped",
+    "refuse_inside_vmap",
+]
 
 
 class _Removable(Protocol):
@@ -82,3 +97,45 @@ class HookContext:
 
     def __exit__(self, *exc: object) -> None:
         self._hooks.remove_all()
+
+
+class VmappedModuleError(ValueError):
+    """A hook that measures over the batch ran inside ``torch.func.vmap``."""
+
+
+def inside_vmap() -> bool:
+    """Whether the code runs inside ``torch.func.vmap`` (at any functorch level: also inside
+    ``vmap(grad(f))``)."""
+    functorch = torch._C._functorch
+    if functorch.peek_interpreter_stack() is None:  # no transform at all: the common case
+        return False
+    vmap = functorch.TransformType.Vmap
+    return any(level.key() == vmap for level in functorch.get_interpreter_stack())
+
+
+def is_vmapped(t: object) -> bool:
+    """Whether ``t`` is a tensor batched by ``torch.func.vmap``, at any functorch level (inside
+    ``vmap(grad(f))`` the batched tensor is wrapped for ``grad``): a module hook sees one slice
+    of it, of shape ``t.shape``, the vmapped dimension hidden."""
+    if not isinstance(t, torch.Tensor):
+        return False
+    functorch = torch._C._functorch
+    while functorch.is_functorch_wrapped_tensor(t):
+        if functorch.is_batchedtensor(t):
+            return True
+        t = functorch.get_unwrapped(t)
+    return False
+
+
+def refuse_inside_vmap(name: str, what: str, skip: str = "", kind: str = "module") -> None:
+    """Raise :class:`VmappedModuleError` if a hook of the ``kind`` ``name`` runs inside
+    ``torch.func.vmap`` (:func:`inside_vmap`). ``what``: the measurement (``"lsuv_"``);
+    ``skip``: how to leave the module out, appended to the advice (``" (or pass modules=
+    ...)"``)."""
+    if inside_vmap():
+        raise VmappedModuleError(
+            f"{what}: {kind} {name or '<root>'!r} ran inside torch.func.vmap, so its hooks see "
+            "one slice of the vmapped tensors at a time (one example, where vmap maps over the "
+            "batch), not the whole batch its statistics are taken over. Call the layers on the "
+            f"whole batch without vmap{skip}. Nothing was measured; the model is left as it was"
+        )

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from initlab._core.hooks import HookContext, hook_handles
+from initlab._core.hooks import HookContext, hook_handles, refuse_inside_vmap
 from initlab._core.rows import Rows
 from initlab.measure._fx import _fn_name, _fns
 
@@ -156,6 +156,10 @@ class _ActStats:
         }
 
 
+# the advice of a refusal (an activation called inside torch.func.vmap)
+_WATCH_OUT = " (or leave the activation watch out: diagnose(..., lint=False))"
+
+
 class ActivationWatch(HookContext):
     """Forward pre-hooks on ReLU/ReLU6, Sigmoid and Tanh modules: dead units and input moments.
 
@@ -181,6 +185,7 @@ class ActivationWatch(HookContext):
 
     def _hook(self, name: str, kind: str, module: nn.Module) -> Callable[..., None]:
         def hook(_m: nn.Module, args: tuple) -> None:
+            refuse_inside_vmap(name, "the activation watch", _WATCH_OUT)
             call = self._calls.get(name, 0)
             self._calls[name] = call + 1
             key = name if call == 0 else f"{name}@{call}"
@@ -268,6 +273,7 @@ class _ReluWatch(TorchFunctionMode):
             self.calls += 1
             where = (self.stack[-1][0] if self.stack else "") or "<root>"
             key = f"{where}:relu" + (f"_{k}" if k else "")
+            refuse_inside_vmap(key, "the ReLU watch", kind="functional ReLU")
             st = self.stats.setdefault(key, _ActStats("relu", fn, "runtime"))
             st.add(args[0])  # before the call: an in-place ReLU overwrites it
         return func(*args, **(kwargs or {}))

@@ -123,6 +123,7 @@ import torch
 from torch import nn
 
 from initlab._core.compiled import takes_compiled
+from initlab._core.hooks import VmappedModuleError
 from initlab._core.parametrized import reading_layers
 from initlab._core.rows import Rows
 from initlab.diagnostics._lint_rules import (
@@ -383,10 +384,15 @@ def _untraced_relus(
         with preserved_state(model, params=False):
             act_stats.update(_runtime_relus(model, forward_args))
     except Exception as err:  # best effort, as the interpreter's pass
+        why = (
+            str(err)  # a ReLU inside torch.func.vmap: the model ran, the batch was hidden
+            if isinstance(err, VmappedModuleError)
+            else "the model did not run on the batch "
+            f"({type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]})"
+        )
         findings.append(
             _finding("", type(model).__name__, "not_measured", "info", math.nan,
-                     "functional ReLUs not measured: the model did not run on the batch "
-                     f"({type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]})")
+                     f"functional ReLUs not measured: {why}")
         )  # fmt: skip
         return False
     return True

@@ -75,7 +75,7 @@ from torch import nn
 from initlab._core.autocast import without_autocast
 from initlab._core.compiled import takes_compiled
 from initlab._core.data import DataUse, data_use, default_forward, take_batches
-from initlab._core.hooks import HookContext
+from initlab._core.hooks import HookContext, is_vmapped
 from initlab._core.modules import first_names, nearest_names
 from initlab._core.parametrized import (
     check_stats_writable,
@@ -205,8 +205,8 @@ def _given_shapes(model: nn.Module, data: Mapping[Any, Any]) -> dict[str, tuple[
 
 
 class InputShapes(HookContext):
-    """Record, per module, the shape of its first input (without the batch dim), call order and
-    call counts.
+    """Record, per module, the shape of its first input (without the batch dim; a module called
+    inside ``torch.func.vmap`` sees one example, whose shape it is), call order and call counts.
 
     A context manager: forward pre-hooks on the chosen modules (default: convolutions, transposed
     convolutions, Linear layers and BatchNorm) record ``shapes[name]`` (first call only) and
@@ -241,7 +241,8 @@ class InputShapes(HookContext):
             x = next((a for a in args if isinstance(a, torch.Tensor)), None)
             if x is None:
                 return
-            shape = tuple(x.shape[1:])
+            # inside torch.func.vmap the hook sees one example: its shape, no batch dimension
+            shape = tuple(x.shape) if is_vmapped(x) else tuple(x.shape[1:])
             if name not in self.shapes:
                 self.shapes[name] = shape
                 self.order.append(name)

@@ -71,7 +71,7 @@ from initlab._core.attention import with_math_attention
 from initlab._core.backward import check_defined, outputs_watch, with_grad
 from initlab._core.compiled import takes_compiled
 from initlab._core.data import DataUse, batch_size, data_use, take_batches
-from initlab._core.hooks import hook_handles
+from initlab._core.hooks import hook_handles, refuse_inside_vmap
 from initlab._core.knobs import renamed_kwargs
 from initlab._core.loss import Loss
 from initlab._core.loss_counts import target_count
@@ -340,6 +340,7 @@ def _bn_stats(
 
     def hook(name: str) -> Callable:
         def fn(module: nn.Module, args: tuple) -> None:
+            refuse_inside_vmap(name, "loss_landscape(bn='fixed')", " (or pass bn='eval')")
             x = args[0].detach()
             dims = [d for d in range(x.dim()) if d != 1]
             pair = (x.mean(dim=dims), x.var(dim=dims, unbiased=False))

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from initlab._core.hooks import hook_handles
+from initlab._core.hooks import hook_handles, refuse_inside_vmap
 from initlab._core.state import model_kept
 
 __all__ = [
@@ -39,12 +39,19 @@ def keep_buffers(model: nn.Module) -> contextlib.AbstractContextManager[None]:
 
 
 def execution_order(
-    model: nn.Module, names: Sequence[str], run: Callable[[], Any]
+    model: nn.Module,
+    names: Sequence[str],
+    run: Callable[[], Any],
+    reader: str | None = None,
+    skip: str = "",
 ) -> tuple[list[str], dict[str, torch.Tensor], Any]:
     """Call ``run()`` with temporary forward hooks on the named modules.
 
     Returns the names in the order of their first call, each one's first input (detached), and
-    what ``run`` returned. The hooks are removed even if ``run`` raises.
+    what ``run`` returned. The hooks are removed even if ``run`` raises. ``reader``: the caller
+    that reads the first module's input (called inside ``torch.func.vmap``, it shows one example
+    of its input, so that raises :class:`~initlab._core.hooks.VmappedModuleError` naming
+    ``reader``, with ``skip`` the advice's alternative).
     """
     modules = dict(model.named_modules())
     order: list[str] = []
@@ -52,6 +59,8 @@ def execution_order(
 
     def make(name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple) -> None:
+            if reader is not None and not order:
+                refuse_inside_vmap(name, reader, skip)
             if name not in inputs:
                 order.append(name)
                 first = next((a for a in args if isinstance(a, torch.Tensor)), None)

@@ -161,7 +161,8 @@ def input_scale_for(
         with torch.no_grad(), keep_buffers(model), Seeds(model, None).scope():
             forward(model, batches[0])
 
-    order, inputs, _ = execution_order(model, list(layers), run)
+    skip = " (or give kernel_size and n_in to input_scale)"
+    order, inputs, _ = execution_order(model, list(layers), run, "input_scale_for", skip)
     if not order:
         raise ValueError("no weight layer ran in the forward pass")
     first = order[0]

@@ -472,6 +472,7 @@ class MomentProbe(HookContext):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
             if self._replaying:
                 return None
+            st.refuse_vmapped()
             call = st.calls_this_forward
             st.calls_this_forward += 1
             st.max_calls = max(st.max_calls, call + 1)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from initlab._core.hooks import refuse_inside_vmap
 from initlab.measure.probe.contribution import _Contribution
 from initlab.measure.probe.per_example import PER_EXAMPLE, _kind
 
@@ -127,6 +128,17 @@ class _ModuleState:
         self.adoptable: list[tuple[str, _ParamState, _ModuleState]] = []
         self.frames: list[_Frame] = []
         self.last_seq = -1
+
+    def refuse_vmapped(self) -> None:
+        """Raise if the module's hooks run inside ``torch.func.vmap``
+        (:func:`~initlab._core.hooks.refuse_inside_vmap`): they see one example of each tensor,
+        the batch dimension the moments and per-example gradients are taken over hidden."""
+        refuse_inside_vmap(
+            self.name,
+            "the moment probe",
+            " (or leave the module out of the probe: modules= of MomentProbe, measure_moments or "
+            "diagnose)",
+        )
 
 
 class _Forward:

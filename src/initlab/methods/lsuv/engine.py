@@ -22,7 +22,7 @@ from torch import nn
 
 from initlab._core.data import real_positions
 from initlab._core.distributed import checkpoint, is_distributed
-from initlab._core.hooks import HookHandles
+from initlab._core.hooks import HookHandles, refuse_inside_vmap
 from initlab._core.pytree import flatten_tensors, map_tensors
 from initlab.init.sampling import orthogonal_
 from initlab.methods.lsuv.moments import (
@@ -318,6 +318,7 @@ class Engine:
     def module_pre_hook(self, unit: Unit) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
             if not self.replaying:
+                _refuse_vmapped(unit.name)
                 self.pre_init(unit)
 
         return hook
@@ -388,6 +389,7 @@ class Engine:
         def hook(module: nn.MultiheadAttention, args: Any, kwargs: dict[str, Any]) -> None:
             if self.replaying:
                 return
+            _refuse_vmapped(units[0].name)
             for u in units:
                 self.pre_init(u)
             names = ("query", "key", "value")
@@ -435,6 +437,7 @@ class Engine:
     def block_pre_hook(self, block: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         if self.replaying:
             return
+        _refuse_vmapped(self.block_names[block])
         ids = {id(t) for _, t in flatten_tensors((args, kwargs))}
         call = BlockCall(block, ids)
         unit = self.stream.get(block)
@@ -632,3 +635,10 @@ class Engine:
                 u.frozen = why
         self.branch_ends = len(ends)
         return ends, covered
+
+
+def _refuse_vmapped(name: str) -> None:
+    """Raise if a hook of layer or block ``name`` runs inside ``torch.func.vmap``
+    (:func:`~initlab._core.hooks.refuse_inside_vmap`): LSUV's variance is over the whole batch,
+    and its orthogonal draw is no random operation vmap allows."""
+    refuse_inside_vmap(name, "lsuv_", " (or leave it out: lsuv_(..., modules=...))")
