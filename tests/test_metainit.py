@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from functools import partial
 from typing import Any
 
@@ -199,6 +200,36 @@ def test_a_float16_model_gets_finite_scale_gradients() -> None:
         report = metainit_(model, data, loss, variant="gradinit", steps=2)
     assert all(math.isfinite(r["alpha"]) for r in report.to_rows())
     assert all(p.dtype == torch.float16 and bool(p.isfinite().all()) for p in model.parameters())
+
+
+@pytest.mark.parametrize("norm", [nn.LayerNorm, nn.RMSNorm])
+def test_a_nonfinite_meta_gradient_of_a_float16_model_is_named_for_what_it_is(norm) -> None:
+    """Where a gradient entry is small, the quotient's derivative (about ``h / g**2``) overflows
+    float16 in the meta-gradient's backward: the scales' gradient was NaN, reported one
+    iteration on as "the loss is nan" (or as non-finite scales, "lower lr"). It is named where
+    it happens, with float16 and the float32 copy to use; the float32 copy runs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), norm(16), nn.ReLU(), nn.Linear(16, 5))
+    with torch.no_grad():
+        model[0].weight.mul_(0.5)
+    gen = torch.Generator().manual_seed(1)
+    data = [
+        (torch.randn(16, 8, generator=gen), torch.randint(0, 5, (16,), generator=gen))
+        for _ in range(3)
+    ]
+    loss = lambda m, b: F.cross_entropy(m(b[0]).float(), b[1])  # noqa: E731
+    half = copy.deepcopy(model).half()
+    before = copy.deepcopy(half.state_dict())
+    with pytest.warns(UserWarning, match="float16"), pytest.raises(FloatingPointError) as info:
+        metainit_(half, [(x.half(), y) for x, y in data], loss, variant="gradinit", steps=2)
+    message = str(info.value)
+    assert re.search(r"metainit_: the alpha-gradient of the gradient quotient is not finite "
+                     r"for \d tensor\(s\) .* at the first iteration", message), message  # fmt: skip
+    assert "float16" in message and "float32 copy" in message
+    assert "lower lr" not in message and "loss is nan" not in message
+    assert all(torch.equal(v, before[k]) for k, v in half.state_dict().items())
+    report = metainit_(model, data, loss, variant="gradinit", steps=2)  # the advice runs
+    assert all(math.isfinite(r["alpha"]) for r in report.to_rows())
 
 
 def test_random_data_for_a_token_model_says_to_pass_token_batches() -> None:

@@ -379,14 +379,41 @@ def scalar_mean(value: torch.Tensor) -> float:
     return float(rank_mean([value.detach().double().reshape(1)])[0])
 
 
+def _when(iteration: int) -> str:
+    if iteration == 0:
+        return "at the first iteration, before anything changed"
+    return f"at iteration {iteration}; the model was left unchanged"
+
+
 def check_finite(value: float, iteration: int, what: str, quantity: str = "loss") -> None:
     if not math.isfinite(value):
-        when = (
-            "at the first iteration, before anything changed"
-            if iteration == 0
-            else f"at iteration {iteration}; the model was left unchanged"
-        )
-        raise FloatingPointError(f"{what}: the {quantity} is {value} {when}")
+        raise FloatingPointError(f"{what}: the {quantity} is {value} {_when(iteration)}")
+
+
+def check_alpha_grad(
+    grad: torch.Tensor, ts: Tensors, iteration: int, what: str, of: str, cause: str
+) -> None:
+    """Raise on a non-finite gradient in the scales of a finite loss (checked before), for what
+    it is: a derivative that overflowed (a float16 model's range) or is undefined. Left to the
+    optimizer, it made the scales NaN, reported later as a NaN loss or with the advice "lower
+    lr", which cannot help. ``of``: the quantity differentiated; ``cause``: why its derivative
+    may overflow float16."""
+    if bool(torch.isfinite(grad).all()):
+        return
+    bad = [ts.names[i] for k, i in enumerate(ts.scaled) if not grad[k].isfinite()]
+    reason = (
+        f"The model is float16, whose range (largest value 65504) {cause} overflowed; run "
+        f"{what} on a float32 copy (m32 = copy.deepcopy(model).float(), the data in float32) and "
+        "copy its weights back (model.load_state_dict(m32.state_dict())), or use bfloat16"
+        if any(t.dtype == torch.float16 for t in ts.tensors)
+        else "Its derivative overflowed or is undefined at these weights (a sqrt, norm or "
+        "division at zero in the model or the loss)"
+    )
+    raise FloatingPointError(
+        f"{what}: the alpha-gradient of {of} is not finite for {len(bad)} tensor(s) "
+        f"({', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}) {_when(iteration)}, while the "
+        f"loss is finite. {reason}"
+    )
 
 
 @contextmanager

@@ -157,6 +157,7 @@ from initlab.methods._alpha import (
     Tensors,
     alpha_rows,
     batch_pairs,
+    check_alpha_grad,
     check_finite,
     check_number,
     evaluation_modes,
@@ -518,37 +519,14 @@ class _GradInitStep:
         return rank_mean([grad.double()])[0]
 
     def _check_grad(self, grad: torch.Tensor, kind: str, iteration: int) -> None:
-        """Raise on a non-finite alpha-gradient of a finite loss (checked finite before), for
-        what it is: its derivative overflowed (a float16 model's range) or is undefined. Left
-        to the optimizer, it made the scales NaN, reported later as a NaN loss or with the
-        advice "lower lr", which cannot help."""
-        if bool(torch.isfinite(grad).all()):
-            return
-        bad = [self.ts.names[i] for k, i in enumerate(self.ts.scaled) if not grad[k].isfinite()]
+        """A non-finite alpha-gradient of a finite loss raised for what it is
+        (:func:`~initlab.methods._alpha.check_alpha_grad`)."""
         of = {
             "constraint": "the constraint step's ||g|| (a second derivative of the loss)",
             "objective": "the look-ahead loss"
             + (" (through g: a second derivative of the loss)" if self.exact else ""),
         }[kind]
-        when = (
-            "at the first iteration, before anything changed"
-            if iteration == 0
-            else f"at iteration {iteration}; the model was left unchanged"
-        )
-        cause = (
-            "The model is float16, whose range (largest value 65504) the derivatives "
-            f"overflowed; run {self.what} on a float32 copy (m32 = copy.deepcopy(model)"
-            ".float(), the data in float32) and copy its weights back (model.load_state_dict("
-            "m32.state_dict())), or use bfloat16"
-            if any(t.dtype == torch.float16 for t in self.ts.tensors)
-            else "Its derivative overflowed or is undefined at these weights (a sqrt, norm or "
-            "division at zero in the model or the loss)"
-        )
-        raise FloatingPointError(
-            f"{self.what}: the alpha-gradient of {of} is not finite for {len(bad)} tensor(s) "
-            f"({', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}) {when}, while the loss is "
-            f"finite. {cause}"
-        )
+        check_alpha_grad(grad, self.ts, iteration, self.what, of, "the derivatives")
 
     def _check_once(self, check: Callable[[Sequence[torch.Tensor]], None], g: Any) -> None:
         """At the first step that differentiates through ``g`` (the gradient and its loss): is

@@ -106,6 +106,7 @@ from initlab.methods._alpha import (
     Tensors,
     alpha_rows,
     batch_pairs,
+    check_alpha_grad,
     check_finite,
     check_number,
     evaluation_modes,
@@ -433,6 +434,12 @@ def metainit_(
     return _report(model, ts, update.alpha, trace, (forward, backward), counter, variant, start)
 
 
+_OVERFLOW = (
+    "the meta-gradient's backward (through the quotient's derivative, about h / g**2 where a "
+    "gradient entry g is small)"
+)
+
+
 def _meta_gradient(
     model: nn.Module,
     loss: LossFn,
@@ -492,6 +499,7 @@ def _descend(
         )
         forward += 1
         grad = rank_mean([meta.double()])[0]
+        check_alpha_grad(grad, ts, t, what, "the gradient quotient", _OVERFLOW)  # on every rank
         backward += 3
         alpha = update.step(grad)
         row = {
