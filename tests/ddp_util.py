@@ -4,7 +4,11 @@
 group on a free loopback port, calls ``fn(rank, world_size, *args)`` in each, and returns
 each rank's return value (it must be picklable), in rank order. ``fn`` must be importable
 (a module-level function of a test module). Collectives time out after ``TIMEOUT`` (a rank left
-waiting for a peer that stopped fails the test instead of hanging it).
+waiting for a peer that stopped fails the test instead of hanging it). A rank that has written its
+result but does not exit within ``TEARDOWN_S`` is killed: torch 2.4's gloo can deadlock in
+``destroy_process_group`` (the main thread holding the GIL while it waits for a gloo thread that
+waits for the GIL), which left the test suite waiting forever. A rank without a result by
+``DEADLINE_S`` fails the test.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import os
 import pickle
 import socket
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,6 +27,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 TIMEOUT = datetime.timedelta(seconds=120)
+TEARDOWN_S = 30.0
+DEADLINE_S = 900.0
 
 
 def _free_port() -> int:
@@ -46,7 +53,8 @@ def _worker(
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=TIMEOUT)
     try:
         result = fn(rank, world_size, *args)
-        Path(out_dir, f"{rank}.pkl").write_bytes(pickle.dumps(result))
+        Path(out_dir, f"{rank}.part").write_bytes(pickle.dumps(result))
+        os.replace(Path(out_dir, f"{rank}.part"), Path(out_dir, f"{rank}.pkl"))  # whole or absent
     finally:
         dist.destroy_process_group()
 
@@ -54,11 +62,24 @@ def _worker(
 def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; their results in order."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(
+        results = [Path(out_dir, f"{r}.pkl") for r in range(world_size)]
+        ctx = mp.start_processes(
             _worker,
             args=(world_size, _free_port(), out_dir, fn, args),
             nprocs=world_size,
-            join=True,
+            join=False,
             start_method="spawn",
         )
-        return [pickle.loads(Path(out_dir, f"{r}.pkl").read_bytes()) for r in range(world_size)]
+        deadline, teardown = time.monotonic() + DEADLINE_S, None
+        while not ctx.join(timeout=1.0):  # a rank that raised re-raises here
+            if teardown is None and all(p.exists() for p in results):
+                teardown = time.monotonic() + TEARDOWN_S
+            now = time.monotonic()
+            if (teardown is not None and now > teardown) or now > deadline:
+                for process in ctx.processes:
+                    process.kill()
+                    process.join(5.0)
+                if teardown is None:
+                    raise TimeoutError(f"a rank gave no result in {DEADLINE_S:.0f} s")
+                break
+        return [pickle.loads(p.read_bytes()) for p in results]
