@@ -1542,11 +1542,13 @@ _WHOLE_SENTENCES = {
     ),
     "dict keys": (
         "lsuv_: a dict batch is passed to the model as keyword arguments, model(**batch), and "
-        "the model does not take its keys ['a'] (err). Pass (x, y) batches, forward=lambda "
-        "model, batch: ... with a loss on the outputs, or a loss_fn(model, batch) that calls the "
-        "model itself",
+        "the model does not take the key 'a' of the batch's keys ['a', 'b']: drop it or rename "
+        "it to an argument of its forward (err). Or pass (x, y) batches, forward=lambda model, "
+        "batch: ... with a loss on the outputs, or a loss_fn(model, batch) that calls the model "
+        "itself",
         "lsuv_: a dict batch is passed to the model as keyword arguments, model(**batch), and "
-        "the model does not take its keys ['a'] (err). Pass (x, y) batches, or --loss "
+        "the model does not take the key 'a' of the batch's keys ['a', 'b']: drop it or rename "
+        "it to an argument of its forward (err). Or pass (x, y) batches, or --loss "
         "pkg.module:fn, a function fn(model, batch) that calls the model itself",
     ),
     "tuple, more inputs": (

@@ -1160,6 +1160,42 @@ def test_the_default_loss_on_a_dict_batch_names_targets_it_cannot_pair() -> None
         resolve_loss(None)(_KwNet(), (x, bad["labels"]))
 
 
+class _NamesNoTarget(nn.Module):
+    """A forward of named inputs only, no ``**kwargs`` (Hugging Face models before transformers
+    5): ``model(**batch)`` refuses a batch's target key."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.lin(input_ids)
+
+
+class _SwitchedNoTarget(_NamesNoTarget):
+    """CLIP's form: its loss only with ``return_loss=True`` (else ``loss`` None)."""
+
+    def forward(self, input_ids: torch.Tensor, return_loss: bool = False) -> Any:  # type: ignore[override]
+        logits = self.lin(input_ids)
+        return {"loss": logits.square().mean() if return_loss else None, "logits": logits}
+
+
+def test_a_target_key_the_forward_does_not_take_is_left_to_the_loss_on_its_outputs() -> None:
+    """BERT before transformers 5 given the GLUE column 'label', CLIP given 'labels': the model
+    refused the key ("unexpected keyword argument"), so loss_fn=None failed with the keys
+    error where the documented fallback (cross-entropy on the logits; for CLIP, the advice to
+    set its switch return_loss) applies. The target is left out of the forward's arguments."""
+    x, y = _data(8)
+    model = _NamesNoTarget()
+    with torch.no_grad():
+        got = resolve_loss(None)(model, {"input_ids": x, "label": y})
+        expected = F.cross_entropy(model.lin(x).double(), y)
+    assert float(got) == pytest.approx(float(expected), rel=1e-6)
+    with pytest.raises(TargetError, match=r"pass return_loss=True in every batch"):
+        resolve_loss(None)(_SwitchedNoTarget(), {"input_ids": x, "labels": y})
+
+
 class _KeywordBugInside(nn.Module):
     """Takes the batch's keys; its own code calls a function with a keyword it does not take."""
 
@@ -1178,7 +1214,7 @@ def test_a_type_error_is_blamed_on_the_batchs_keys_only_when_the_forward_refuses
     x, y = _data(8)
     with pytest.raises(TypeError) as info:
         initlab.measure_moments(model, [{"x": x, "labels": y}])
-    blamed = "does not take its keys" in str(info.value)
+    blamed = "does not take the key 'x' of the batch's keys" in str(info.value)
     assert blamed == isinstance(model, nn.Sequential), str(info.value)
 
 

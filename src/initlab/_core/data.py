@@ -743,11 +743,16 @@ def keyword_error(err: TypeError, batch: Any, what: str) -> TypeError | None:
         (unexpected is not None and unexpected.group(1) in batch) or missing is not None
     ):
         return None
+    refused = (
+        f"does not take the key {unexpected.group(1)!r} of the batch's keys "
+        f"{sorted(map(str, batch))}: drop it or rename it to an argument of its forward"
+        if unexpected is not None and unexpected.group(1) in batch
+        else f"needs an argument the batch's keys {sorted(map(str, batch))} lack: add it"
+    )
     return TypeError(
         f"{what}: a dict batch is passed to the model as keyword arguments, model(**batch), and "
-        f"the model does not take its keys {sorted(map(str, batch))} ({err}). Pass (x, y) "
-        "batches, forward=lambda model, batch: ... with a loss on the outputs, or a "
-        "loss_fn(model, batch) that calls the model itself"
+        f"the model {refused} ({err}). Or pass (x, y) batches, forward=lambda model, batch: ... "
+        "with a loss on the outputs, or a loss_fn(model, batch) that calls the model itself"
     )
 
 

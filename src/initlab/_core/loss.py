@@ -276,7 +276,7 @@ class _AutoLoss(Loss):
 
     def __call__(self, model: Any, batch: Any) -> torch.Tensor:
         if isinstance(batch, Mapping):
-            out = default_forward(model, batch)
+            out = default_forward(model, _target_taken(model, batch))
             loss = model_loss(out)
             if loss is not None:
                 _check_counted(find_target(batch), -100, "model")  # Hugging Face's convention
@@ -304,6 +304,20 @@ def _forward_params(model: Any, depth: int = 4) -> Mapping[str, inspect.Paramete
     if depth and params and variadic and inner is not model:
         return _forward_params(inner, depth - 1)
     return params
+
+
+def _target_taken(model: Any, batch: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The dict batch without its target (:func:`~initlab._core.data.find_target`) where the
+    model's forward neither names it nor takes ``**kwargs``, so that ``model(**batch)`` would
+    refuse it (transformers before 5: BERT given the GLUE column ``label``, CLIP given
+    ``labels``); the loss on the outputs reads it from the batch. Else the batch as it is."""
+    found = find_target(batch)
+    params = _forward_params(model)
+    if found is None or not params or found[0] in params:
+        return batch
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return batch
+    return {k: v for k, v in batch.items() if k != found[0]}
 
 
 def _loss_switch(model: Any, batch: Mapping[str, Any]) -> tuple[str, bool] | None:
