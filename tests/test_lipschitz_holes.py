@@ -401,3 +401,50 @@ def test_a_complex_linear_and_the_modulus_keep_the_bound() -> None:
     lip, bound, _ = _run(model, _x())
     assert lip["guaranteed"] and lip["operations"] == [], lip
     assert bound == pytest.approx(expected, rel=1e-12)
+
+
+class _Functional(nn.Module):
+    """A torch layer run by ``torch.func.functional_call`` with ``swap(layer)`` as its tensors
+    (a hypernetwork's or a meta-learning step's pattern), then a Linear of norm 1."""
+
+    def __init__(self, layer: nn.Module, swap) -> None:
+        super().__init__()
+        self.layer, self.swap, self.b = layer, swap, nn.Linear(4, 1, bias=False)
+        with torch.no_grad():
+            self.b.weight.fill_(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.func.functional_call(self.layer, self.swap(self.layer), (x,)))
+
+
+def _eye_linear() -> nn.Linear:
+    lin = nn.Linear(4, 4, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.eye(4))
+    return lin
+
+
+def _eval_bn() -> nn.BatchNorm1d:
+    bn = nn.BatchNorm1d(4).eval()
+    with torch.no_grad():
+        bn.running_var.fill_(1.0)
+    return bn
+
+
+def test_a_torch_layer_run_with_another_weight_makes_the_bound_no_guarantee() -> None:
+    """``functional_call(lin, {"weight": 10 * lin.weight}, (x,))`` runs torch's own Linear, whose
+    calls were trusted without a look at the weight they applied: guaranteed, bound 1, exact 10.
+    The same for a running variance swapped into an eval-mode BatchNorm. With the layer's own
+    tensors it keeps the bound."""
+    for layer, swap in (
+        (_eye_linear(), lambda m: {"weight": 10 * m.weight}),
+        (_eval_bn(), lambda m: {"running_var": 0.01 * m.running_var}),
+    ):
+        lip, bound, exact = _run(_Functional(layer, swap).double().eval(), _x())
+        assert exact > bound * 5, (layer, exact, bound)
+        assert not lip["guaranteed"], (layer, lip)
+        assert any("layer:" in o and "own" in o for o in lip["operations"]), lip
+    for layer in (_eye_linear(), _eval_bn()):
+        own = _Functional(layer, lambda m: dict(m.named_parameters())).double().eval()
+        lip, _, _ = _run(own, _x())
+        assert lip["guaranteed"] and lip["operations"] == [], (layer, lip)

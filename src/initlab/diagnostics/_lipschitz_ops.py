@@ -37,10 +37,13 @@ with its arguments against an explicit allow-list:
 * the layers whose norms the bound takes: any call inside a Linear, convolution or eval-mode
   BatchNorm with a finite operator norm (of torch's own class, not a subclass, with its
   ``forward`` not replaced on the instance; not the calls of its pre- or forward hooks, judged
-  as any other: ``o * 10``; under ``torch.nn.utils.parametrize`` (``weight_norm``,
-  ``spectral_norm``, one's own), where the weight its forward computed is bit for bit the one the
-  bound's norm is of: not a ``spectral_norm`` in training mode, whose power iteration moves it
-  on each forward), and a linear map
+  as any other: ``o * 10``), where the weight its ``linear``/``conv*`` applies (a BatchNorm's
+  weight and running variance) is the layer's own tensor, the one it held when the forward began
+  (not one ``torch.func.functional_call(layer, {"weight": 10 * layer.weight}, (x,))`` swaps in);
+  under ``torch.nn.utils.parametrize`` (``weight_norm``, ``spectral_norm``, one's own), where
+  the weight its forward computed is bit for bit the one the bound's norm is of (not a
+  ``spectral_norm`` in training mode, whose power iteration moves it on each forward); and a
+  linear map
   (``linear``, ``conv*``, ``addmm``, ``matmul``) of such a layer's weight elsewhere (its parent
   applying it: :data:`~initlab.diagnostics._lipschitz.INFERRED_CALLS`), where the weight is the
   layer's parameter itself (or ``W.t()``; not ``W * 10``), applied as the layer does (no
@@ -113,7 +116,8 @@ class OperationWatch:
         self.ran: set[str] = set()  # the modules called in the forward
         self.calls: dict[str, int] = {}  # how often each module was called
         self._by_name: dict[str, nn.Module] | None = None
-        self._weights_used: list[tuple[str, torch.Tensor]] = []  # parametrized layers' weights
+        self._own: dict[str, dict[str, torch.Tensor | None]] = {}  # layers' tensors at the start
+        self._applied: list[tuple[str, str, dict[str, Any]]] = []  # what layers' calls applied
 
     @contextmanager
     def __call__(self) -> Iterator[OperationWatch]:
@@ -127,6 +131,7 @@ class OperationWatch:
         self._global_hooks = pre or bool(getattr(hooks, "_global_forward_hooks", None))
         self._before = _before_forward(self.model, pre)
         self._known = {id(t) for m in self.model.modules() for t in _floats(dict(vars(m)))}
+        self._own = {n: _own_tensors(m) for n, m in self.model.named_modules()}
         with recording(self.model, self._on_call) as graph, hook_handles() as handles:
             self.graph = graph
             for name, m in self.model.named_modules():
@@ -180,8 +185,9 @@ class OperationWatch:
         flat = _flat(args, kwargs)
         data = [a for a in flat if isinstance(a, torch.Tensor) and self._tagged(a, tag_of)]
         why, owner = unseen or _judge(node.fn, args, kwargs, out, data), None
-        if why == "layer" and _weighted(node.fn, self._modules().get(node.module)):
-            self._weights_used.append((node.module, _arg(args, kwargs, 1, "weight", None)))
+        if node.fn in _APPLIED_AT and node.kind == "call":  # checked once the trusted are known
+            used = {k: _arg(args, kwargs, i, k, None) for i, k in _APPLIED_AT[node.fn]}
+            self._applied.append((node.module, node.fn, used))
         if why == "layer":
             owner, why = self._layer_weight(node.fn, args, kwargs)
         if node.module in self._returned or node.module in self._pre or unseen:
@@ -270,8 +276,8 @@ class OperationWatch:
         modelled = self._modelled_sums(blocks, covered)
         miscounted = self._miscounted(trusted, covered, calls or {})
         found: dict[tuple[str, str], list[str]] = {}
-        for name in self._recomputed(trusted):
-            found.setdefault(("weight", _RECOMPUTED), []).append(name)
+        for name, fn, why in self._not_own(trusted):
+            found.setdefault((fn, why), []).append(name)
         for node, why, owner in self.judged:
             inside = node.module in trusted and node.index not in self._untrusted
             if why is None or inside or skipped.intersection(node.stack):
@@ -292,19 +298,29 @@ class OperationWatch:
             for (fn, why), w in found.items()
         ]
 
-    def _recomputed(self, trusted: set[str]) -> list[str]:
-        """The trusted parametrized layers (``spectral_norm``, ``weight_norm``) whose forward
-        applied a weight other than the one the bound's norm is of (:func:`~initlab._core.
-        parametrized.computed`, bit for bit): a ``spectral_norm`` in training mode takes a step
-        of power iteration on each forward, so its weight moves."""
-        out: list[str] = []
-        for name, weight in self._weights_used:
-            if name not in trusted or name in out:
+    def _not_own(self, trusted: set[str]) -> list[tuple[str, str, str]]:
+        """``(layer, fn, why)`` for the trusted layers whose own calls applied a tensor other
+        than the one the bound's norm is of: under a parametrization (``spectral_norm``,
+        ``weight_norm``) a weight not bit for bit the computed one (:func:`~initlab._core.
+        parametrized.computed`; a ``spectral_norm`` in training mode takes a step of power
+        iteration on each forward, so its weight moves); else a weight or running variance that
+        is not the layer's own tensor itself, held when the forward began
+        (``torch.func.functional_call(lin, {"weight": 10 * lin.weight}, (x,))``)."""
+        out: list[tuple[str, str, str]] = []
+        for name, fn, used in self._applied:
+            if name not in trusted or any(name == o[0] for o in out):
                 continue
-            now = computed(self._modules()[name], "weight")
-            same = isinstance(weight, torch.Tensor) and weight.shape == now.shape
-            if not (same and torch.equal(weight.detach(), now)):
-                out.append(name)
+            module = self._modules()[name]
+            for key, t in used.items():
+                if key == "weight" and parametrize.is_parametrized(module, "weight"):
+                    now = computed(module, "weight")
+                    same = isinstance(t, torch.Tensor) and t.shape == now.shape
+                    if not (same and torch.equal(t.detach(), now)):
+                        out.append((name, "weight", _RECOMPUTED))
+                        break
+                elif t is not self._own[name].get(key):
+                    out.append((name, fn, _NOT_OWN.format(key)))
+                    break
         return out
 
     def _miscounted(
@@ -365,11 +381,11 @@ def _before_forward(model: nn.Module, global_pre_hooks: bool) -> list[str]:
     return out
 
 
-def _weighted(fn: str, module: nn.Module | None) -> bool:
-    """Whether ``fn`` applies the parametrized weight of ``module`` (a Linear or convolution,
-    whose forward passes it to ``linear``/``conv*`` as argument 1, ``weight``)."""
-    layer = fn == "linear" or fn.startswith("conv")
-    return layer and module is not None and parametrize.is_parametrized(module, "weight")
+def _own_tensors(module: nn.Module) -> dict[str, torch.Tensor | None]:
+    """The tensors of ``module`` whose norm the bound takes, as registered: its ``weight`` (not a
+    parametrized one, computed on each access) and a BatchNorm's ``running_var``."""
+    held = {**module._buffers, **module._parameters}
+    return {k: held[k] for k in ("weight", "running_var") if k in held}
 
 
 def _torch_forward(module: nn.Module | None) -> bool:
@@ -391,10 +407,19 @@ _RECOMPUTED = (
     "of (spectral_norm in training mode takes a step of power iteration on each forward: call "
     "model.eval())"
 )
+_NOT_OWN = (
+    "applies a {} other than the layer's own (torch.func.functional_call, or one swapped in "
+    "during the forward): its operator norm is not the bound's"
+)
 _NOT_THE_WEIGHT = (
     "a linear map of a weight that is no layer's parameter itself (one derived from it, such as "
     "W * 10): its operator norm is not the bound's"
 )
+#: The tensors a layer's own call applies whose norm the bound takes: ``(position, keyword)``.
+_APPLIED_AT: dict[str, tuple[tuple[int, str], ...]] = {
+    **{f: ((1, "weight"),) for f in _LAYER_OPS if f.startswith("conv") or f == "linear"},
+    "batch_norm": ((2, "running_var"), (3, "weight")),
+}
 #: Where each linear map takes its weight: ``(position, keyword)`` of each operand it may be.
 _WEIGHT_AT: dict[str, tuple[tuple[int, str], ...]] = {
     **{f: ((1, "weight"),) for f in _LAYER_OPS if f.startswith("conv") or f == "linear"},
