@@ -448,3 +448,47 @@ def test_a_torch_layer_run_with_another_weight_makes_the_bound_no_guarantee() ->
         own = _Functional(layer, lambda m: dict(m.named_parameters())).double().eval()
         lip, _, _ = _run(own, _x())
         assert lip["guaranteed"] and lip["operations"] == [], (layer, lip)
+
+
+def _expanded_before_write(h: torch.Tensor) -> torch.Tensor:
+    y = torch.zeros(1, 4, dtype=h.dtype)
+    v = y.expand(3, 4)  # made while y holds constants
+    y.copy_(h[:1])
+    return v
+
+
+def _strided_before_write(h: torch.Tensor) -> torch.Tensor:
+    y = torch.zeros(4, dtype=h.dtype)
+    v = y.as_strided((3, 4), (0, 1))
+    y.copy_(h[0])
+    return v
+
+
+def _overlapping_before_write(h: torch.Tensor) -> torch.Tensor:
+    y = torch.zeros(6, dtype=h.dtype)
+    v = y.as_strided((3, 4), (1, 1))  # rows overlap: y[0:4], y[1:5], y[2:6]
+    y[:4].copy_(h[0])
+    return v
+
+
+class _Last(nn.Module):
+    """``fn(a(x))``: ``fn``'s result is the model's output, read only by the loss."""
+
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.fn, self.a = fn, _eye_linear()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(self.a(x))
+
+
+def test_a_view_repeating_entries_made_before_a_write_is_judged() -> None:
+    """``v = y.expand(3, 4)`` (or an ``as_strided`` view repeating entries) of a constant ``y``,
+    then ``y.copy_(h[:1])``: ``v`` repeats ``h[0]`` 3 times (Lipschitz constant sqrt(3)), and
+    nothing judged the repetition (guaranteed, bound 1). Read by a layer or as the output."""
+    for fn in (_expanded_before_write, _strided_before_write, _overlapping_before_write):
+        for model in (_Two(fn), _Last(fn)):
+            lip, bound, exact = _run(model.double(), _x())
+            assert exact > bound * 1.2, (fn.__name__, exact, bound)
+            assert not lip["guaranteed"], (fn.__name__, lip)
+            assert any("repeats entries" in o for o in lip["operations"]), lip

@@ -221,6 +221,26 @@ def _repeated(r: float) -> str | None:
     return None if r <= 1 else f"repeats entries {r:.3g}x: Lipschitz constant {math.sqrt(r):.3g}"
 
 
+def _memory_repeats(t: torch.Tensor) -> float:
+    """How many times a view ``t`` reads each place of memory it covers, on average: its entries
+    over the distinct places (``y.expand(3, 4)`` of ``y`` of shape ``(1, 4)``: 3; ``as_strided``
+    with overlapping rows: exactly, from the places; 1 for a view without overlap)."""
+    dims = sorted((st, n) for n, st in zip(t.shape, t.stride(), strict=True) if n > 1)
+    distinct, reach = 1, 0
+    for st, n in dims:
+        if st == 0:
+            continue
+        if st <= reach:  # may overlap: count the places
+            with torch._C.DisableTorchFunction():
+                places = torch.zeros((), dtype=torch.long)
+                for size, stride in zip(t.shape, t.stride(), strict=True):
+                    places = places.unsqueeze(-1) + stride * torch.arange(size)
+                distinct = int(torch.unique(places).numel())
+            return t.numel() / max(distinct, 1)
+        distinct, reach = distinct * n, reach + st * (n - 1)
+    return t.numel() / distinct
+
+
 def _scale(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list) -> str | None:
     """A product or quotient: of two activations not known; by constants ``c``,
     ``sqrt(r) max |c|`` (a quotient ``sqrt(r) / min |c|``), ``r`` the broadcast's repeats."""

@@ -33,7 +33,9 @@ with its arguments against an explicit allow-list:
   ``cat``/``stack`` of one activation with constants; ``sum`` over one entry; an in-place write
   (``x[i] = v``, ``y.copy_(v)``) of constants at places no activation picks, or of one activation
   over a tensor holding none, without repeating its entries (``y[:] = h``; not ``h[:, 1] = h[:,
-  0]``);
+  0]``), nor a view of its storage made before it that reads an entry more than once (stride 0,
+  overlapping ``as_strided``: ``v = y.expand(3, 4)`` before ``y.copy_(h[:1])`` repeats ``h[0]``
+  3 times), whoever reads that view (a trusted layer, the loss);
 * the layers whose norms the bound takes: any call inside a Linear, convolution or eval-mode
   BatchNorm with a finite operator norm (of torch's own class, not a subclass, with its
   ``forward`` not replaced on the instance; not the calls of its pre- or forward hooks, judged
@@ -83,7 +85,15 @@ from torch.utils._pytree import tree_flatten
 
 from initlab._core.hooks import hook_handles
 from initlab._core.parametrized import computed
-from initlab.diagnostics._lipschitz_judges import _LAYER_OPS, _arg, _flat, _judge, _tuple
+from initlab.diagnostics._lipschitz_judges import (
+    _LAYER_OPS,
+    _arg,
+    _flat,
+    _judge,
+    _memory_repeats,
+    _repeated,
+    _tuple,
+)
 from initlab.measure.runtime_trace import (
     RuntimeGraph,
     RuntimeNode,
@@ -118,6 +128,8 @@ class OperationWatch:
         self._by_name: dict[str, nn.Module] | None = None
         self._own: dict[str, dict[str, torch.Tensor | None]] = {}  # layers' tensors at the start
         self._applied: list[tuple[str, str, dict[str, Any]]] = []  # what layers' calls applied
+        self._reads: list[tuple[tuple[str, ...], str, str]] = []  # (stack, fn, why): _read_views
+        self._tag_of: Callable[[Any], int | None] | None = None
 
     @contextmanager
     def __call__(self) -> Iterator[OperationWatch]:
@@ -141,6 +153,9 @@ class OperationWatch:
                 handles.add(m.register_forward_hook(
                     lambda *_, n=name: self._returned.add(n), prepend=True, always_call=True
                 ))  # fmt: skip
+            handles.add(self.model.register_forward_hook(
+                lambda m, a, out: self._read_views(("",), "output", _floats(out))
+            ))  # fmt: skip
             yield self
 
     def _enter(self, name: str) -> None:
@@ -178,12 +193,14 @@ class OperationWatch:
     ) -> None:
         """Judge one recorded call inside the model on the data path (see the class), and any
         call or module output there that :meth:`_unseen` finds."""
+        self._tag_of = tag_of
         data_path = self._is_data(node)  # every call's flag cached in turn
         unseen = self._unseen(node, args, kwargs, out, tag_of) if node.stack else None
         if not (unseen or (data_path and node.stack and node.kind == "call")):
             return
         flat = _flat(args, kwargs)
         data = [a for a in flat if isinstance(a, torch.Tensor) and self._tagged(a, tag_of)]
+        self._read_views(node.stack, node.fn, data)
         why, owner = unseen or _judge(node.fn, args, kwargs, out, data), None
         if node.fn in _APPLIED_AT and node.kind == "call":  # checked once the trusted are known
             used = {k: _arg(args, kwargs, i, k, None) for i, k in _APPLIED_AT[node.fn]}
@@ -193,6 +210,21 @@ class OperationWatch:
         if node.module in self._returned or node.module in self._pre or unseen:
             self._untrusted.add(node.index)
         self.judged.append((node, why, owner))
+
+    def _read_views(self, stack: tuple[str, ...], fn: str, tensors: list[torch.Tensor]) -> None:
+        """Keep, for :meth:`failures`, the reads (by call ``fn``, or the model's ``output``)
+        of a view made before a write into its storage that repeats entries
+        (``v = y.expand(3, 4); y.copy_(h[:1])``: ``h[0]`` 3 times): its own call was judged on
+        the constants it held then. Reported whoever reads it, a trusted layer included."""
+        tag_of, nodes = self._tag_of, self.graph.nodes if self.graph is not None else []
+        with torch._C.DisableTorchFunction():  # from the model's forward hook: not recorded
+            for t in tensors if tag_of is not None else []:
+                i = tag_of(t)
+                if i is None or not nodes[i].written or not self._is_data(nodes[i]):
+                    continue
+                why = _repeated(_memory_repeats(t))
+                if why is not None:
+                    self._reads.append((stack, fn, f"a view made before a write into it {why}"))
 
     def _layer_weight(
         self, fn: str, args: tuple, kwargs: Mapping[str, Any]
@@ -276,8 +308,17 @@ class OperationWatch:
         modelled = self._modelled_sums(blocks, covered)
         miscounted = self._miscounted(trusted, covered, calls or {})
         found: dict[tuple[str, str], list[str]] = {}
+
+        def add(fn: str, why: str, module: str) -> None:
+            where = found.setdefault((fn, why), [])
+            if (module or "<root>") not in where:
+                where.append(module or "<root>")
+
         for name, fn, why in self._not_own(trusted):
-            found.setdefault((fn, why), []).append(name)
+            add(fn, why, name)
+        for stack, fn, why in self._reads:
+            if not skipped.intersection(stack):
+                add(fn, why, stack[-1])
         for node, why, owner in self.judged:
             inside = node.module in trusted and node.index not in self._untrusted
             if why is None or inside or skipped.intersection(node.stack):
@@ -290,9 +331,7 @@ class OperationWatch:
                 if node.name in modelled:
                     continue
                 why = "a sum of two activations that is no residual block of the bound"
-            where = found.setdefault((node.fn, why), [])
-            if (node.module or "<root>") not in where:
-                where.append(node.module or "<root>")
+            add(node.fn, why, node.module)
         return self._before + [
             f"{fn} in {', '.join(w[:3])}{f' and {len(w) - 3} more' if len(w) > 3 else ''}: {why}"
             for (fn, why), w in found.items()

@@ -124,8 +124,9 @@ class RuntimeNode:
     """One recorded call: ``name`` (``fn`` plus a counter), ``fn`` (the function's name),
     ``inputs`` (indices of the nodes that produced its tensor arguments, in argument order),
     ``operands`` (for an addition: the nodes of its two operands, ``None`` where an operand was
-    not a recorded tensor), ``module`` (innermost module running), ``stack`` (all modules running)
-    and ``kind`` (``"input"``, ``"call"`` or ``"module"``)."""
+    not a recorded tensor), ``module`` (innermost module running), ``stack`` (all modules running),
+    ``kind`` (``"input"``, ``"call"`` or ``"module"``) and ``written`` (an in-place write: the
+    tensors of its target's storage, views made before it included, read as this node)."""
 
     index: int
     name: str
@@ -135,6 +136,7 @@ class RuntimeNode:
     stack: tuple[str, ...]
     kind: str = "call"
     operands: tuple[int | None, int | None] | None = None
+    written: bool = False
 
 
 @dataclass
@@ -244,6 +246,7 @@ class _Recorder(TorchFunctionMode):
         if outputs or fn in READ_NAMES:
             i = self.node(fn, inputs, [] if written else outputs, "call")
             self.graph.nodes[i].operands = operands
+            self.graph.nodes[i].written = written
             if self.on_call is not None:
                 self.on_call(self.graph.nodes[i], args, kwargs, seen, self.tag_of)
             if written:  # a view's base, and every view of the storage, hold the entries too
