@@ -492,3 +492,14 @@ def test_a_view_repeating_entries_made_before_a_write_is_judged() -> None:
             assert exact > bound * 1.2, (fn.__name__, exact, bound)
             assert not lip["guaranteed"], (fn.__name__, lip)
             assert any("repeats entries" in o for o in lip["operations"]), lip
+
+
+def test_prelu_with_a_slope_computed_from_the_data_makes_the_bound_no_guarantee() -> None:
+    """``F.prelu(h, 0.01 * h[0])`` is a product of two activations; its slope was read from the
+    recorded values (below 1 there): guaranteed, bound 1, exact 2.3 at 100 x and unbounded. A
+    PReLU's own slope (a parameter) keeps the bound."""
+    lip, bound, exact = _run(_Two(lambda h: nn.functional.prelu(h, 0.01 * h[0])).double(), _x())
+    assert exact > bound * 1.5, (exact, bound)
+    assert not lip["guaranteed"] and any("prelu" in o for o in lip["operations"]), lip
+    lip, _, _ = _run(_Two(nn.PReLU(4, init=-0.5)).double(), _x())
+    assert lip["guaranteed"] and lip["operations"] == [], lip

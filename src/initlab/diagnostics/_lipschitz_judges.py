@@ -129,8 +129,12 @@ def _alpha(fn: str, args: tuple, kwargs: Mapping[str, Any], data: list) -> str |
 
 
 def _slope(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list) -> str | None:
+    """The largest slope ``|a|`` below 0 (at most 1: 1-Lipschitz); a ``prelu`` weight computed
+    from the data is no slope but a second activation (``prelu(h, 0.01 * h[0])``: a product)."""
     if fn == "prelu":
         weight = _arg(args, kwargs, 1, "weight", None)
+        if any(weight is t for t in data):
+            return "a slope computed from an activation: a product of two activations, not known"
         slope = float(weight.detach().abs().max()) if isinstance(weight, torch.Tensor) else 1.0
     elif fn.startswith("rrelu"):  # a slope drawn in [lower, upper] (their mean in eval mode)
         bounds = (_arg(args, kwargs, 1, "lower", 1 / 8), _arg(args, kwargs, 2, "upper", 1 / 3))

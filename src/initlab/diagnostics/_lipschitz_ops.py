@@ -17,7 +17,8 @@ with its arguments against an explicit allow-list:
 * with arguments that keep them 1-Lipschitz: ``clamp`` and elementwise ``max``/``min``/``maximum``
   with constant bounds that do not broadcast the activation to more entries (of two activations,
   ``clamp(a(x), min=b(x))``, they are not known); ``leaky_relu`` / ``elu`` / ``prelu`` with slope
-  ``|a| <= 1``, ``rrelu`` with ``|lower|, |upper| <= 1``, ``celu`` with ``alpha > 0`` (slope
+  ``|a| <= 1`` (a ``prelu`` weight no activation computes: ``prelu(h, 0.01 * h[0])`` is a product
+  of two), ``rrelu`` with ``|lower|, |upper| <= 1``, ``celu`` with ``alpha > 0`` (slope
   ``exp(x / alpha)`` below 0), ``softplus`` whose step at its ``threshold`` (where it turns to
   ``x``), ``log(1 + exp(-threshold)) / |beta|``, is below ``1e-6`` (the default's is 2e-9);
   ``interpolate`` to the same size at scale 1 (the identity); ``where``/``masked_fill`` of one
