@@ -503,3 +503,38 @@ def test_prelu_with_a_slope_computed_from_the_data_makes_the_bound_no_guarantee(
     assert not lip["guaranteed"] and any("prelu" in o for o in lip["operations"]), lip
     lip, _, _ = _run(_Two(nn.PReLU(4, init=-0.5)).double(), _x())
     assert lip["guaranteed"] and lip["operations"] == [], lip
+
+
+_STEPS = {
+    "div": lambda h: torch.div(h, 1.0, rounding_mode="floor"),
+    "div_": lambda h: h.clone().div_(2.0, rounding_mode="trunc"),
+    "__floordiv__": lambda h: h.detach() // 2,  # no derivative: the backward would raise
+    "floor_divide": lambda h: torch.floor_divide(h.detach(), 2),
+    "round": torch.round,
+    "floor": torch.floor,
+    "ceil": torch.ceil,
+    "trunc": torch.trunc,
+    "frac": torch.frac,
+    "sign": torch.sign,
+    "fmod": lambda h: torch.fmod(h, 1.5),
+    "remainder": lambda h: h % 1.5,
+}
+
+
+def test_step_functions_make_the_bound_no_guarantee() -> None:
+    """``torch.div(h, 1, rounding_mode="floor")`` was judged as a division by 1 (guaranteed,
+    bound 1); it jumps by 1 at each integer, as a rounding, a sign or a remainder does: not
+    Lipschitz, each named. Its Jacobian is 0 almost everywhere, so the check is a difference
+    quotient across a jump (``1 - 1e-7`` to ``1``).
+    Without ``rounding_mode`` the division keeps the bound."""
+    for name, fn in _STEPS.items():
+        model = _Two(fn).double()
+        lip = diagnose(model, [(_x(),)], _square_mean, generator=0).meta["lipschitz"]
+        assert not lip["guaranteed"], (name, lip)
+        assert any(o.startswith(f"{name} in") and "step" in o for o in lip["operations"]), lip
+    lo, hi = torch.full((1, 4), 1 - 1e-7, dtype=F64), torch.full((1, 4), 1.0, dtype=F64)
+    with torch.no_grad():
+        model = _Two(_STEPS["div"]).double()
+        assert float((model(hi) - model(lo)).norm() / (hi - lo).norm()) > 1e6
+    lip, _, _ = _run(_Two(lambda h: torch.div(h, 2.0, rounding_mode=None)).double(), _x())
+    assert lip["guaranteed"] and lip["operations"] == [], lip

@@ -59,6 +59,20 @@ _READS_VALUE = (
 # 1-Lipschitz on real numbers only: of a complex argument they have poles (tanh at i pi / 2,
 # sigmoid at i pi, and their odd multiples), so no Lipschitz constant at all
 _POLES = frozenset({"tanh", "tanh_", "sigmoid", "sigmoid_", "tanhshrink"})
+# piecewise constant functions of the data (``frac`` and the remainders jump too)
+_STEPS = frozenset(
+    {
+        "floor", "floor_", "ceil", "ceil_", "round", "round_", "trunc", "trunc_", "fix", "fix_",
+        "frac", "frac_", "sign", "sign_", "sgn", "sgn_", "heaviside", "heaviside_",
+        "floor_divide", "floor_divide_", "__floordiv__", "__rfloordiv__", "__ifloordiv__",
+        "fmod", "fmod_", "remainder", "remainder_", "__mod__", "__rmod__", "__imod__",
+    }
+)  # fmt: skip
+_STEP = (
+    "a step function of the data (a rounding, a division with rounding_mode, a sign, a "
+    "remainder): it jumps, not Lipschitz, and it reads a value of the data, so the recorded "
+    "forward may not be the function at other inputs"
+)
 _REPEATS = frozenset({"expand", "expand_as", "repeat", "repeat_interleave", "tile", "broadcast_to"})
 
 
@@ -79,13 +93,18 @@ def _judge(
     fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list[torch.Tensor]
 ) -> str | None:
     """``None`` where the call is 1-Lipschitz in its data arguments ``data``, ``"layer"`` or
-    ``"sum"`` (decided later), else why it is not (see :class:`OperationWatch`). A value read
-    out of the data (``h.item()``, ``h.to(torch.long)``, ``h > 0``) is a step function of it."""
+    ``"sum"`` (decided later), else why it is not (see :mod:`initlab.diagnostics.
+    _lipschitz_ops`). A value read out of the data (``h.item()``, ``h.to(torch.long)``, ``h >
+    0``) is a step function of it, as a rounding is (``floor(h)``, ``h // 2``, ``h % 2``,
+    ``torch.div(h, c, rounding_mode="floor")``): not Lipschitz, whatever its Jacobian (0 almost
+    everywhere)."""
     integer = isinstance(out, torch.Tensor) and not (out.is_floating_point() or out.is_complex())
     if fn in READ_NAMES or (data and integer):
         return _READS_VALUE
     if fn in _POLES and any(t.is_complex() for t in data):
         return f"{fn} of a complex tensor: poles on the imaginary axis, not Lipschitz"
+    if fn in _STEPS or (fn in _DIVS and kwargs.get("rounding_mode") is not None):
+        return _STEP
     if fn in _ANY:
         return _pairwise(fn, out, data) if fn in _PAIRWISE else None
     if fn in _LAYER_OPS:

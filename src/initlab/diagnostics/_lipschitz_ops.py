@@ -57,12 +57,15 @@ with its arguments against an explicit allow-list:
 
 A value read out of the data (``h.item()``, ``float(h)``, ``bool(h)`` for a Python branch, a cast
 to an integer dtype, a comparison) makes the bound no guarantee: the one recorded forward may not
-be the function at other inputs. Global forward pre-hooks (run before the model is entered) and a
-model class overriding ``__call__`` make the bound no guarantee too: their operations on the input
-are not judged. What the recorder cannot see makes the bound no guarantee too: a call inside the
-model taking a floating tensor no recorded call made (the output of a ``torch.jit.script``
-function or a compiled extension; a global tensor), and a module on the data path whose output no
-recorded call made.
+be the function at other inputs. So does a step function of the data, which jumps (not Lipschitz
+at all, whatever its Jacobian, 0 almost everywhere): ``floor``, ``ceil``, ``round``, ``trunc``,
+``frac``, ``sign``, ``h // c``, ``torch.div(h, c, rounding_mode="floor")`` (or ``"trunc"``),
+``fmod``, ``remainder`` (``h % c``). Global forward pre-hooks (run before the model is entered)
+and a model class overriding ``__call__`` make the bound no guarantee too: their operations on
+the input are not judged. What the recorder cannot see makes the bound no guarantee too: a call
+inside the model taking a floating tensor no recorded call made (the output of a
+``torch.jit.script`` function or a compiled extension; a global tensor), and a module on the data
+path whose output no recorded call made.
 The constants the model may use are its parameters, buffers and tensor attributes.
 
 Calls inside a module the bound lists as not covered are left to that note (a PReLU, judged
