@@ -538,3 +538,56 @@ def test_step_functions_make_the_bound_no_guarantee() -> None:
         assert float((model(hi) - model(lo)).norm() / (hi - lo).norm()) > 1e6
     lip, _, _ = _run(_Two(lambda h: torch.div(h, 2.0, rounding_mode=None)).double(), _x())
     assert lip["guaranteed"] and lip["operations"] == [], lip
+
+
+def _quotient(model: nn.Module, lo: torch.Tensor, hi: torch.Tensor) -> float:
+    """``|f(hi) - f(lo)| / |hi - lo|``: the forward's own values, where autograd sees nothing
+    (a copy that leaves the graph has Jacobian 0, yet its values move)."""
+    with torch.no_grad():
+        return float((model(hi) - model(lo)).norm() / (hi - lo).norm())
+
+
+def _out_into_view(h: torch.Tensor) -> torch.Tensor:
+    buf = torch.zeros(h.shape[0], 4, dtype=h.dtype)
+    with torch.no_grad():
+        torch.abs(h, out=buf[:])
+    return 10 * buf
+
+
+def _data_set(h: torch.Tensor) -> torch.Tensor:
+    v = torch.zeros_like(h)
+    v.data = h
+    return 10 * v
+
+
+_COPIES = {
+    "torch.tensor": lambda h: 10 * torch.tensor(h),
+    "new_tensor": lambda h: 10 * h.new_tensor(h),
+    ".data =": _data_set,
+    "nn.Parameter": lambda h: 10 * nn.Parameter(h),
+    "out=": _out_into_view,
+}
+
+
+@pytest.mark.filterwarnings("ignore:To copy construct from a tensor")
+def test_copies_and_aliases_of_an_activation_stay_on_the_data_path() -> None:
+    """``torch.tensor(h)``, ``h.new_tensor(h)`` (taken for factories), ``v.data = h`` (never
+    recorded), ``nn.Parameter(h)`` (taken for a constant of the model) and ``out=`` into a view
+    of a buffer (its storage write not tracked) took ``h`` off the data path: ``10 * copy`` was
+    guaranteed with bound 1 while the values move 10 times as far (autograd, blind to the copy,
+    says 0). A mask computed from a copy jumps. A copy alone keeps the bound."""
+    x, d = _x(), torch.full((3, 4), 1e-3, dtype=F64)
+    for name, fn in _COPIES.items():
+        model = _Two(fn).double()
+        lip = diagnose(model, [(x,)], _square_mean, generator=0).meta["lipschitz"]
+        assert max(_quotient(model, x, x + d), _quotient(model, x, 1.001 * x)) > 5, name
+        assert lip["plain"] < 1.5, (name, lip)
+        assert not lip["guaranteed"] and lip["operations"], (name, lip)
+    model = _Two(lambda h: torch.where(torch.tensor(h) > 0, h, -10.0)).double()
+    lip = diagnose(model, [(x,)], _square_mean, generator=0).meta["lipschitz"]
+    lo, hi = torch.full((1, 4), -1e-6, dtype=F64), torch.full((1, 4), 1e-6, dtype=F64)
+    assert _quotient(model, lo, hi) > 1e3 * lip["plain"]
+    assert not lip["guaranteed"] and any("reads a value" in o for o in lip["operations"]), lip
+    for fn in (torch.tensor, torch.as_tensor, lambda h: torch.asarray(h, requires_grad=False)):
+        lip, _, _ = _run(_Two(fn).double(), x)
+        assert lip["guaranteed"] and lip["operations"] == [], lip

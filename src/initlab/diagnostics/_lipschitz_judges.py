@@ -25,7 +25,7 @@ _ANY = frozenset(
         "bfloat16", "view_as", "reshape_as", "movedim", "moveaxis", "swapaxes", "swapdims",
         "narrow", "select", "split", "chunk", "unbind", "tensor_split", "split_with_sizes",
         "pixel_shuffle", "pixel_unshuffle", "channel_shuffle", "roll", "flip", "__get__",
-        "amax", "amin", "max", "min", "identity",
+        "amax", "amin", "max", "min", "identity", "set_data",
     }
 )  # fmt: skip
 # elementwise max/min: 1-Lipschitz of one activation and constants, not of two activations
@@ -45,6 +45,7 @@ _SUBS = frozenset({"sub", "sub_", "__sub__", "__isub__", "__rsub__", "rsub", "su
 _MULS = frozenset({"mul", "mul_", "__mul__", "__imul__", "__rmul__", "multiply"})
 _DIVS = frozenset({"div", "div_", "__truediv__", "__itruediv__", "true_divide", "divide"})
 _JOINS = frozenset({"cat", "concat", "concatenate", "stack", "hstack", "vstack", "dstack"})
+_COPIES = frozenset({"tensor", "new_tensor", "as_tensor", "asarray"})  # of their data argument
 _DROPOUTS = frozenset(
     {"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout"}
 )
@@ -309,6 +310,17 @@ def _join(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list)
     )
 
 
+def _copy(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list) -> str | None:
+    """``torch.tensor(h)``, ``h.new_tensor(h)`` (its own tensor a template: not copied),
+    ``as_tensor``, ``asarray``: a copy of one activation is the identity; of a list of several,
+    a join."""
+    source = _arg(args, kwargs, 1 if fn == "new_tensor" else 0, "data", None)
+    if fn == "asarray" and source is None:
+        source = kwargs.get("obj")
+    copied = [t for t in _flat((source,), {}) if any(t is d for d in data)]
+    return _join(fn, args, kwargs, out, copied)
+
+
 def _repeat(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list) -> str | None:
     return _repeated(_broadcast(out, data))
 
@@ -385,6 +397,7 @@ _JUDGES: tuple[tuple[frozenset[str], Callable[..., str | None]], ...] = (
     (_MULS | _DIVS, _scale),
     (_ADDS | _SUBS | {"sum", "nansum"}, _sum),
     (_JOINS, _join),
+    (_COPIES, _copy),
     (_REPEATS, _repeat),
     (frozenset({"interpolate", "upsample", "upsample_nearest", "upsample_bilinear"}), _resample),
     (frozenset({"__getitem__"}), _index),

@@ -14,6 +14,8 @@ with its arguments against an explicit allow-list:
   ``softmin``, ``abs``, ``neg``, ``mean``; shape, layout and dtype changes (``view``, ``reshape``,
   ``flatten``, ``permute``, ``transpose``, ``squeeze``, ``to``, ``split``, ``narrow``, basic slicing
   ``x[:, ::2]``, ``pixel_shuffle``, ...); max/min reductions over a dim (``amax``: a maxout);
+  copies (``torch.tensor(h)``, ``x.new_tensor(h)``, ``as_tensor``, ``asarray``: of one
+  activation; ``v.data = h``);
 * with arguments that keep them 1-Lipschitz: ``clamp`` and elementwise ``max``/``min``/``maximum``
   with constant bounds that do not broadcast the activation to more entries (of two activations,
   ``clamp(a(x), min=b(x))``, they are not known); ``leaky_relu`` / ``elu`` / ``prelu`` with slope
@@ -66,7 +68,8 @@ the input are not judged. What the recorder cannot see makes the bound no guaran
 inside the model taking a floating tensor no recorded call made (the output of a
 ``torch.jit.script`` function or a compiled extension; a global tensor), and a module on the data
 path whose output no recorded call made.
-The constants the model may use are its parameters, buffers and tensor attributes.
+The constants the model may use are its parameters, buffers and tensor attributes (not an
+``nn.Parameter`` the forward makes: ``nn.Parameter(h)`` copies ``h`` unseen).
 
 Calls inside a module the bound lists as not covered are left to that note (a PReLU, judged
 here by its slope, and a module the forward never calls are not listed). Everything else
@@ -202,7 +205,7 @@ class OperationWatch:
         unseen = self._unseen(node, args, kwargs, out, tag_of) if node.stack else None
         if not (unseen or (data_path and node.stack and node.kind == "call")):
             return
-        flat = _flat(args, kwargs)
+        flat = _flat(args, {k: v for k, v in kwargs.items() if k != "out"})  # out=: written
         data = [a for a in flat if isinstance(a, torch.Tensor) and self._tagged(a, tag_of)]
         self._read_views(node.stack, node.fn, data)
         why, owner = unseen or _judge(node.fn, args, kwargs, out, data), None
@@ -281,12 +284,15 @@ class OperationWatch:
             if not self._is_data(node) or all(self._constant(t) for t in made):
                 return None
             return "its output was made by no recorded operation; " + _UNSEEN
-        if any(tag_of(t) is None and not self._constant(t) for t in _floats((args, kwargs))):
-            return "takes a tensor no recorded operation made; " + _UNSEEN
-        return None
+        stray = [t for t in _floats((args, kwargs)) if tag_of(t) is None and not self._constant(t)]
+        if any(isinstance(t, nn.Parameter) for t in stray):
+            return _STRAY_PARAMETER
+        return "takes a tensor no recorded operation made; " + _UNSEEN if stray else None
 
     def _constant(self, t: torch.Tensor) -> bool:
-        return isinstance(t, nn.Parameter) or id(t) in self._known
+        """A parameter, buffer or tensor attribute of the model (not any ``nn.Parameter``:
+        ``nn.Parameter(h)`` in the forward copies an activation)."""
+        return id(t) in self._known
 
     def _tagged(self, t: torch.Tensor, tag_of: Callable[[Any], int | None]) -> bool:
         i = tag_of(t)
@@ -496,6 +502,10 @@ def _same_conv(fn: str, args: tuple, kwargs: Mapping[str, Any], module: Any) -> 
     return _arg(args, kwargs, 6, "groups", 1) == module.groups
 
 
+_STRAY_PARAMETER = (
+    "takes an nn.Parameter that is none of the model's (nn.Parameter(h) in the forward copies "
+    "an activation where the recorder does not see it): not known to be 1-Lipschitz"
+)
 _UNSEEN = (
     "not known to be 1-Lipschitz: a torch.jit.script function or a compiled extension hides its "
     "operations (run the eager code), or a tensor from outside the model (a global: register it "

@@ -17,7 +17,11 @@ of that forward:
   node too. A call taking a value out of torch
   (``h.item()``, ``float(h)``, ``h.tolist()``, ``bool(h)``) is a node without outputs. Tensor
   factories (``torch.arange``, ``torch.zeros_like``, ``x.new_zeros``) take no inputs, and shape
-  queries return no tensor, so neither passes data ancestry on;
+  queries return no tensor, so neither passes data ancestry on; a copy (``torch.tensor(h)``,
+  ``x.new_tensor(h)``, ``torch.as_tensor(h)``) takes the tensor it copies. A call with ``out=``
+  writes into its out tensors as an in-place write does (``torch.abs(h, out=buf[:])``: ``buf``
+  holds it); ``v.data = h`` is a node ``set_data`` that ``v`` is tagged with (``v`` holds ``h``'s
+  storage, the views made of ``v`` before it keep the old one);
 * forward pre/post hooks on every module keep the stack of modules being run: each node records
   its innermost module. A module output that no torch function produced (an opaque extension)
   becomes a node of its own whose inputs are the module's tensor arguments;
@@ -84,10 +88,9 @@ __all__ = [
 
 _ADD_NAMES = {"add", "add_", "__add__", "__iadd__", "__radd__"}
 _FACTORY_NAMES = {
-    "arange", "zeros", "ones", "full", "empty", "rand", "randn", "randint", "tensor", "linspace",
+    "arange", "zeros", "ones", "full", "empty", "rand", "randn", "randint", "linspace",
     "logspace", "eye", "scalar_tensor", "zeros_like", "ones_like", "empty_like", "full_like",
     "rand_like", "randn_like", "randint_like", "new_zeros", "new_ones", "new_empty", "new_full",
-    "new_tensor",
 }  # fmt: skip
 # In-place writes: ``x[i] = v`` returns None, ``y.copy_(v)``, ``x.relu_()``, ``x += v`` return the
 # target. Each becomes a node that the target (and the base it is a view of) is tagged with
@@ -101,6 +104,21 @@ _IN_PLACE_DUNDERS = {
 
 def _in_place(fn: str) -> bool:
     return fn in _WRITE_NAMES or fn in _IN_PLACE_DUNDERS or (fn.endswith("_") and fn[0] != "_")
+
+
+def _data_setter(func: Any) -> bool:
+    """Whether ``func`` is the ``Tensor.data`` setter (``v.data = h``: ``v`` holds ``h`` now)."""
+    return _fn_name(func) == "__set__" and getattr(func.__self__, "__name__", None) == "data"
+
+
+def _sources(fn: str, args: tuple, kwargs: Mapping[str, Any]) -> Any:
+    """The arguments a call's values come from: not a factory's (a shape, a fill value), not
+    ``new_tensor``'s own tensor (a template of dtype and device: ``h.new_tensor(data)`` copies
+    ``data``), not ``out=`` (written, not read)."""
+    if fn in _FACTORY_NAMES:
+        return ()
+    kwargs = {k: v for k, v in kwargs.items() if k != "out"}
+    return (args[1:] if fn == "new_tensor" else args, kwargs)
 
 
 #: Calls that take a value out of torch (a Python number, bool or list, a NumPy array: what a
@@ -236,26 +254,39 @@ class _Recorder(TorchFunctionMode):
         operands = None
         if fn in _ADD_NAMES and len(args) >= 2:
             operands = (self.tag_of(args[0]), self.tag_of(args[1]))
-        inputs = [] if fn in _FACTORY_NAMES else self.inputs_of((args, kwargs))
+        inputs = self.inputs_of(_sources(fn, args, kwargs))
         out = func(*args, **kwargs)
         outputs, seen = _tensors(out), out
         target = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        written = target is not None and _in_place(fn)
-        if written and fn in _WRITE_NAMES:  # x[i] = v returns None: the target holds the result
+        targets = [target] if target is not None and _in_place(fn) else []
+        targets += _tensors(kwargs.get("out"))  # torch.abs(h, out=buf[:]) writes into buf
+        if targets and fn in _WRITE_NAMES:  # x[i] = v returns None: the target holds the result
             outputs, seen = [target], target
+        aliased = target is not None and _data_setter(func)  # v.data = h: v holds h's storage
+        if aliased:
+            fn, outputs, seen = "set_data", [target], target
         if outputs or fn in READ_NAMES:
-            i = self.node(fn, inputs, [] if written else outputs, "call")
+            i = self.node(fn, inputs, [] if targets or aliased else outputs, "call")
             self.graph.nodes[i].operands = operands
-            self.graph.nodes[i].written = written
+            self.graph.nodes[i].written = bool(targets)
             if self.on_call is not None:
                 self.on_call(self.graph.nodes[i], args, kwargs, seen, self.tag_of)
-            if written:  # a view's base, and every view of the storage, hold the entries too
-                base = target._base  # type: ignore[union-attr]
-                self.tag(i, outputs + ([base] if id(base) in self.tags else []))
-                storage = _storage_of(target)
-                if storage is not None:
-                    self.writes[storage] = i
+            if aliased:
+                self.tag(i, outputs)
+            self.wrote(i, outputs, targets)
         return out
+
+    def wrote(self, i: int, outputs: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
+        """Tag what node ``i`` wrote in place into ``targets``: ``outputs``, the bases the
+        targets are views of, and every view of their storage (:meth:`tag_of`)."""
+        if not targets:
+            return
+        bases = [t._base for t in targets if id(t._base) in self.tags]
+        self.tag(i, outputs + bases)
+        for t in targets:
+            storage = _storage_of(t)
+            if storage is not None:
+                self.writes[storage] = i
 
     def inputs_of(self, obj: Any) -> list[int]:
         tags = (self.tag_of(t) for t in _signals(obj))
