@@ -591,3 +591,53 @@ def test_copies_and_aliases_of_an_activation_stay_on_the_data_path() -> None:
     for fn in (torch.tensor, torch.as_tensor, lambda h: torch.asarray(h, requires_grad=False)):
         lip, _, _ = _run(_Two(fn).double(), x)
         assert lip["guaranteed"] and lip["operations"] == [], lip
+
+
+class _Rescaled(nn.Module):
+    """``b(a(x))`` with ``a``'s weight (or an eval BatchNorm's running variance) scaled in place
+    by ``how`` before ``a`` runs and put back after: the norms are read from the restored one."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how, self.a, self.bn = how, _eye_linear(), _eval_bn()
+        self.b = nn.Linear(4, 1, bias=False)
+        with torch.no_grad():
+            self.b.weight.fill_(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, v = self.a.weight, self.bn.running_var
+        with torch.no_grad():
+            if self.how == "mul_":
+                w.mul_(10)
+            elif self.how == "data":
+                w.data.mul_(10)
+            elif self.how == "data =":
+                kept, w.data = w.data, 10 * w.data
+            else:  # through .data: the saved running variance keeps its version for backward
+                v.data.mul_(0.01)
+        y = self.b(self.bn(self.a(x)))
+        with torch.no_grad():
+            if self.how == "data =":
+                w.data = kept
+            elif self.how == "running_var":
+                v.data.div_(0.01)
+            else:
+                w.div_(10)
+        return y
+
+
+def test_a_weight_written_in_the_forward_makes_the_bound_no_guarantee() -> None:
+    """``a.weight.mul_(10)`` before ``a(x)`` and ``div_(10)`` after (through ``.data`` too, or
+    ``a.weight.data = 10 * a.weight.data``; a BatchNorm's running variance alike): the forward
+    applies 10 times the weight whose norm the bound takes after it (guaranteed, bound 1, a
+    quotient of 10 along ``b``'s direction; autograd's Jacobian, taken on the restored weight
+    as the bound is, cannot see it)."""
+    x, d = _x(), torch.zeros(3, 4, dtype=F64)
+    d[0] = 1e-3
+    for how in ("mul_", "data", "data =", "running_var"):
+        model = _Rescaled(how).double().eval()
+        lip = diagnose(model, [(x,)], _square_mean, generator=0).meta["lipschitz"]
+        bound = lip["residual"] if math.isfinite(lip["residual"]) else lip["plain"]
+        assert _quotient(model, x, x + d) > 5 * bound, (how, bound)
+        assert not lip["guaranteed"], (how, lip)
+        assert any("during the forward" in o for o in lip["operations"]), (how, lip)

@@ -62,12 +62,15 @@ to an integer dtype, a comparison) makes the bound no guarantee: the one recorde
 be the function at other inputs. So does a step function of the data, which jumps (not Lipschitz
 at all, whatever its Jacobian, 0 almost everywhere): ``floor``, ``ceil``, ``round``, ``trunc``,
 ``frac``, ``sign``, ``h // c``, ``torch.div(h, c, rounding_mode="floor")`` (or ``"trunc"``),
-``fmod``, ``remainder`` (``h % c``). Global forward pre-hooks (run before the model is entered)
-and a model class overriding ``__call__`` make the bound no guarantee too: their operations on
-the input are not judged. What the recorder cannot see makes the bound no guarantee too: a call
-inside the model taking a floating tensor no recorded call made (the output of a
-``torch.jit.script`` function or a compiled extension; a global tensor), and a module on the data
-path whose output no recorded call made.
+``fmod``, ``remainder`` (``h % c``). So does a write into a parameter or a running variance in
+the forward (``a.weight.mul_(10)`` before ``a(x)`` and ``div_(10)`` after, through ``.data`` or
+not; ``a.weight.data = w``): the norms are taken after the forward, not of the weight applied.
+Global forward pre-hooks (run before the model is entered) and a model class overriding
+``__call__`` make the bound no guarantee too: their operations on the input are not judged. What
+the recorder cannot see makes the bound no guarantee too: a call inside the model taking a
+floating tensor no recorded call made (the output of a ``torch.jit.script`` function or a
+compiled extension; a global tensor), and a module on the data path whose output no recorded
+call made.
 The constants the model may use are its parameters, buffers and tensor attributes (not an
 ``nn.Parameter`` the forward makes: ``nn.Parameter(h)`` copies ``h`` unseen).
 
@@ -104,8 +107,10 @@ from initlab.diagnostics._lipschitz_judges import (
 from initlab.measure.runtime_trace import (
     RuntimeGraph,
     RuntimeNode,
+    _storage_of,
     additions_of,
     recording,
+    written_targets,
 )
 
 __all__ = ["OperationWatch"]
@@ -135,7 +140,8 @@ class OperationWatch:
         self._by_name: dict[str, nn.Module] | None = None
         self._own: dict[str, dict[str, torch.Tensor | None]] = {}  # layers' tensors at the start
         self._applied: list[tuple[str, str, dict[str, Any]]] = []  # what layers' calls applied
-        self._reads: list[tuple[tuple[str, ...], str, str]] = []  # (stack, fn, why): _read_views
+        self._always: list[tuple[tuple[str, ...], str, str]] = []  # (stack, fn, why), all judged
+        self._held: dict[tuple[str, int], str] = {}  # what the norms are of: id, storage -> name
         self._tag_of: Callable[[Any], int | None] | None = None
 
     @contextmanager
@@ -151,6 +157,7 @@ class OperationWatch:
         self._before = _before_forward(self.model, pre)
         self._known = {id(t) for m in self.model.modules() for t in _floats(dict(vars(m)))}
         self._own = {n: _own_tensors(m) for n, m in self.model.named_modules()}
+        self._held = _held(self.model)
         with recording(self.model, self._on_call) as graph, hook_handles() as handles:
             self.graph = graph
             for name, m in self.model.named_modules():
@@ -201,6 +208,8 @@ class OperationWatch:
         """Judge one recorded call inside the model on the data path (see the class), and any
         call or module output there that :meth:`_unseen` finds."""
         self._tag_of = tag_of
+        if node.written or node.fn == "set_data":
+            self._writes_held(node, args, kwargs)
         data_path = self._is_data(node)  # every call's flag cached in turn
         unseen = self._unseen(node, args, kwargs, out, tag_of) if node.stack else None
         if not (unseen or (data_path and node.stack and node.kind == "call")):
@@ -231,7 +240,18 @@ class OperationWatch:
                     continue
                 why = _repeated(_memory_repeats(t))
                 if why is not None:
-                    self._reads.append((stack, fn, f"a view made before a write into it {why}"))
+                    self._always.append((stack, fn, f"a view made before a write into it {why}"))
+
+    def _writes_held(self, node: RuntimeNode, args: tuple, kwargs: Mapping[str, Any]) -> None:
+        """Keep, for :meth:`failures`, a write into a parameter or a running variance in the
+        forward (``a.weight.mul_(10)`` before ``a(x)``, ``div_(10)`` after; through ``.data``;
+        ``a.weight.data = 10 * a.weight.data``): the norm the bound takes, after the forward,
+        need not be that of the weight applied."""
+        targets = args[:1] if node.fn == "set_data" else written_targets(node.fn, args, kwargs)
+        for t in targets:
+            name = self._held.get(("id", id(t))) or self._held.get(("at", _storage_of(t) or 0))
+            if name is not None:
+                self._always.append((node.stack, node.fn, _WRITES_HELD.format(name)))
 
     def _layer_weight(
         self, fn: str, args: tuple, kwargs: Mapping[str, Any]
@@ -326,9 +346,9 @@ class OperationWatch:
 
         for name, fn, why in self._not_own(trusted):
             add(fn, why, name)
-        for stack, fn, why in self._reads:
+        for stack, fn, why in self._always:
             if not skipped.intersection(stack):
-                add(fn, why, stack[-1])
+                add(fn, why, stack[-1] if stack else "")
         for node, why, owner in self.judged:
             inside = node.module in trusted and node.index not in self._untrusted
             if why is None or inside or skipped.intersection(node.stack):
@@ -437,6 +457,19 @@ def _own_tensors(module: nn.Module) -> dict[str, torch.Tensor | None]:
     return {k: held[k] for k in ("weight", "running_var") if k in held}
 
 
+def _held(model: nn.Module) -> dict[tuple[str, int], str]:
+    """The tensors whose norms the bound takes, by ``("id", id)`` and ``("at", storage)``: the
+    model's parameters and running variances, to their names."""
+    held: dict[tuple[str, int], str] = {}
+    named = [*model.named_parameters(), *model.named_buffers()]
+    for name, t in named:
+        if name.rsplit(".", 1)[-1] == "running_var" or isinstance(t, nn.Parameter):
+            held[("id", id(t))] = name
+            held.setdefault(("at", _storage_of(t) or 0), name)
+    held.pop(("at", 0), None)
+    return held
+
+
 def _torch_forward(module: nn.Module | None) -> bool:
     """Whether ``module`` is of torch's own class (``type(module).__module__`` under
     ``torch.nn.modules``), so that it runs torch's ``forward`` and helpers: not a subclass (one
@@ -455,6 +488,10 @@ _RECOMPUTED = (
     "its parametrization computed a weight in the forward other than the one the bound's norm is "
     "of (spectral_norm in training mode takes a step of power iteration on each forward: call "
     "model.eval())"
+)
+_WRITES_HELD = (
+    "writes into {} during the forward: the operator norm the bound takes after it need not be "
+    "that of the weight applied, not known"
 )
 _NOT_OWN = (
     "applies a {} other than the layer's own (torch.func.functional_call, or one swapped in "

@@ -84,6 +84,7 @@ __all__ = [
     "recording",
     "runtime_trace",
     "what_follows",
+    "written_targets",
 ]
 
 _ADD_NAMES = {"add", "add_", "__add__", "__iadd__", "__radd__"}
@@ -104,6 +105,14 @@ _IN_PLACE_DUNDERS = {
 
 def _in_place(fn: str) -> bool:
     return fn in _WRITE_NAMES or fn in _IN_PLACE_DUNDERS or (fn.endswith("_") and fn[0] != "_")
+
+
+def written_targets(fn: str, args: tuple, kwargs: Mapping[str, Any]) -> list[torch.Tensor]:
+    """The tensors a call ``fn(*args, **kwargs)`` writes into in place: an in-place call's
+    target (``x[i] = v``, ``y.copy_(v)``, ``x.relu_()``, ``x += v``) and its ``out=`` tensors."""
+    target = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    own = [target] if target is not None and _in_place(fn) else []
+    return own + _tensors(kwargs.get("out"))
 
 
 def _data_setter(func: Any) -> bool:
@@ -258,8 +267,7 @@ class _Recorder(TorchFunctionMode):
         out = func(*args, **kwargs)
         outputs, seen = _tensors(out), out
         target = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        targets = [target] if target is not None and _in_place(fn) else []
-        targets += _tensors(kwargs.get("out"))  # torch.abs(h, out=buf[:]) writes into buf
+        targets = written_targets(fn, args, kwargs)  # torch.abs(h, out=buf[:]) writes into buf
         if targets and fn in _WRITE_NAMES:  # x[i] = v returns None: the target holds the result
             outputs, seen = [target], target
         aliased = target is not None and _data_setter(func)  # v.data = h: v holds h's storage
