@@ -641,3 +641,19 @@ def test_a_weight_written_in_the_forward_makes_the_bound_no_guarantee() -> None:
         assert _quotient(model, x, x + d) > 5 * bound, (how, bound)
         assert not lip["guaranteed"], (how, lip)
         assert any("during the forward" in o for o in lip["operations"]), (how, lip)
+
+
+def test_torch_dropout_with_train_false_keeps_the_bound() -> None:
+    """``torch.dropout(h, p, train=False)`` (the identity) was read as train mode (the judge
+    looked for ``training``, ``F.dropout``'s keyword), with the advice to call ``model.eval()``
+    on a model in eval mode. ``train=True`` stays no guarantee."""
+    for fn in (
+        lambda h: torch.dropout(h, p=0.5, train=False),
+        lambda h: torch.dropout(h, 0.5, False),
+        lambda h: torch.alpha_dropout(h, 0.5, train=False),
+    ):
+        lip, _, _ = _run(_Two(fn).double().eval(), _x())
+        assert lip["guaranteed"] and lip["operations"] == [], lip
+    model = _Two(lambda h: torch.dropout(h, p=0.5, train=True)).double().eval()
+    lip = diagnose(model, [(_x(),)], _square_mean, generator=0).meta["lipschitz"]
+    assert not lip["guaranteed"] and any("train mode" in o for o in lip["operations"]), lip

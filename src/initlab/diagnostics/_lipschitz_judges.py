@@ -183,8 +183,10 @@ def _smooth(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: lis
 
 
 def _dropout(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list) -> str | None:
+    """Scales what it keeps by ``1 / (1 - p)`` in train mode: ``training`` for ``F.dropout`` and
+    its kin, ``train`` for ``torch.dropout``, ``torch.alpha_dropout``, ...; argument 2 of both."""
     p = float(_arg(args, kwargs, 1, "p", 0.5))
-    training = bool(_arg(args, kwargs, 2, "training", True))
+    training = bool(kwargs["train"] if "train" in kwargs else _arg(args, kwargs, 2, "training", 1))
     if not training or p == 0 or p >= 1:  # p = 1: the zero map
         return None
     return (

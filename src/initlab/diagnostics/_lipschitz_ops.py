@@ -24,9 +24,10 @@ with its arguments against an explicit allow-list:
   ``exp(x / alpha)`` below 0), ``softplus`` whose step at its ``threshold`` (where it turns to
   ``x``), ``log(1 + exp(-threshold)) / |beta|``, is below ``1e-6`` (the default's is 2e-9);
   ``interpolate`` to the same size at scale 1 (the identity); ``where``/``masked_fill`` of one
-  activation and constants by a mask no activation computes; ``dropout`` in eval mode (or ``p`` 0 or
-  1); max pooling with ``kernel <= stride`` and no dilation (non-overlapping windows), adaptive
-  max/average pooling whose output size divides the input size; average pooling without
+  activation and constants by a mask no activation computes; ``dropout`` in eval mode (``training``
+  of ``F.dropout``, ``train`` of ``torch.dropout`` false; or ``p`` 0 or 1); max pooling with
+  ``kernel <= stride`` and no dilation (non-overlapping windows), adaptive max/average pooling
+  whose output size divides the input size; average pooling without
   ``ceil_mode`` or ``divisor_override``, that counts its zero padding; ``pad`` with constant
   padding; a product by a constant of ``max |c| <= 1`` (a division by one of ``min |c| >= 1``);
   adding a constant (a bias), with ``add``/``sub``'s ``alpha`` scaling the activation by ``|alpha|
