@@ -657,3 +657,47 @@ def test_torch_dropout_with_train_false_keeps_the_bound() -> None:
     model = _Two(lambda h: torch.dropout(h, p=0.5, train=True)).double().eval()
     lip = diagnose(model, [(_x(),)], _square_mean, generator=0).meta["lipschitz"]
     assert not lip["guaranteed"] and any("train mode" in o for o in lip["operations"]), lip
+
+
+class _Wide(nn.Module):
+    """``b(fn(a(x)))`` with ``b`` of shape (1, 8) and norm 1."""
+
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.fn, self.a, self.b = fn, _eye_linear(), nn.Linear(8, 1, bias=False)
+        with torch.no_grad():
+            self.b.weight.fill_(8**-0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.fn(self.a(x)))
+
+
+def _out_twice(h: torch.Tensor) -> torch.Tensor:
+    buf = torch.zeros(h.shape[0], 8, dtype=h.dtype)
+    with torch.no_grad():
+        torch.neg(h, out=buf[:, :4])
+        torch.neg(h, out=buf[:, 4:])
+    return buf
+
+
+def _out_once(h: torch.Tensor) -> torch.Tensor:
+    buf = torch.zeros(h.shape[0], 8, dtype=h.dtype)
+    with torch.no_grad():
+        torch.neg(h, out=buf[:, 4:])
+    return buf
+
+
+def test_out_into_a_tensor_holding_an_activation_is_judged_as_a_write() -> None:
+    """``torch.neg(h, out=buf[:, :4])`` then ``torch.neg(h, out=buf[:, 4:])``: ``buf`` holds
+    ``h`` twice (Lipschitz constant sqrt(2) there, a quotient of 1.41 along ``b``) and the
+    second write was judged as ``neg`` alone. One ``out=`` write into a fresh buffer keeps the
+    bound."""
+    x = _x()
+    model = _Wide(_out_twice).double()
+    lip = diagnose(model, [(x,)], _square_mean, generator=0).meta["lipschitz"]
+    assert _quotient(model, x, x + 1e-3 * torch.ones_like(x)) > 1.3 * lip["plain"], lip
+    assert not lip["guaranteed"] and any("neg in" in o for o in lip["operations"]), lip
+    model = _Wide(_out_once).double()
+    lip = diagnose(model, [(x,)], _square_mean, generator=0).meta["lipschitz"]
+    assert _quotient(model, x, x + 1e-3 * torch.ones_like(x)) <= lip["plain"] * (1 + 1e-9)
+    assert lip["guaranteed"] and lip["operations"] == [], lip

@@ -35,11 +35,12 @@ with its arguments against an explicit allow-list:
   constant of shape ``(1, 10)`` broadcasting an activation of shape ``(N, 1)`` repeats each entry
   ``r = 10`` times: Lipschitz constant ``sqrt(r) max |c|``, ``sqrt(r)`` for a sum);
   ``cat``/``stack`` of one activation with constants; ``sum`` over one entry; an in-place write
-  (``x[i] = v``, ``y.copy_(v)``) of constants at places no activation picks, or of one activation
-  over a tensor holding none, without repeating its entries (``y[:] = h``; not ``h[:, 1] = h[:,
-  0]``), nor a view of its storage made before it that reads an entry more than once (stride 0,
-  overlapping ``as_strided``: ``v = y.expand(3, 4)`` before ``y.copy_(h[:1])`` repeats ``h[0]``
-  3 times), whoever reads that view (a trusted layer, the loss);
+  (``x[i] = v``, ``y.copy_(v)``, a call's ``out=``) of constants at places no activation picks,
+  or of one activation over a tensor holding none, without repeating its entries (``y[:] = h``;
+  not ``h[:, 1] = h[:, 0]``, nor ``torch.neg(h, out=y[:, 4:])`` after ``out=y[:, :4]``), nor
+  a view of its storage made before it that reads an entry more than once (stride 0, overlapping
+  ``as_strided``: ``v = y.expand(3, 4)`` before ``y.copy_(h[:1])`` repeats ``h[0]`` 3 times),
+  whoever reads that view (a trusted layer, the loss);
 * the layers whose norms the bound takes: any call inside a Linear, convolution or eval-mode
   BatchNorm with a finite operator norm (of torch's own class, not a subclass, with its
   ``forward`` not replaced on the instance; not the calls of its pre- or forward hooks, judged
@@ -219,6 +220,8 @@ class OperationWatch:
         data = [a for a in flat if isinstance(a, torch.Tensor) and self._tagged(a, tag_of)]
         self._read_views(node.stack, node.fn, data)
         why, owner = unseen or _judge(node.fn, args, kwargs, out, data), None
+        if not unseen and any(self._tagged(t, tag_of) for t in _floats(kwargs.get("out"))):
+            why = _OUT_HOLDS  # as y[:, 4:].copy_(h) after y[:, :4].copy_(h): h twice
         if node.fn in _APPLIED_AT and node.kind == "call":  # checked once the trusted are known
             used = {k: _arg(args, kwargs, i, k, None) for i, k in _APPLIED_AT[node.fn]}
             self._applied.append((node.module, node.fn, used))
@@ -489,6 +492,9 @@ _RECOMPUTED = (
     "its parametrization computed a weight in the forward other than the one the bound's norm is "
     "of (spectral_norm in training mode takes a step of power iteration on each forward: call "
     "model.eval())"
+)
+_OUT_HOLDS = (
+    "writes with out= into a tensor holding an activation already: it may repeat entries, not known"
 )
 _WRITES_HELD = (
     "writes into {} during the forward: the operator norm the bound takes after it need not be "
