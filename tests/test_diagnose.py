@@ -955,3 +955,36 @@ def test_grad_std_matches_a_float64_reference_with_storage_in_the_parameter_s_pr
     one = GradientStats(nn.ParameterList([param]))
     one.update([(param, grads[0].to(dtype))])
     assert math.isnan(one.rows().to_rows()[0]["grad_std"])
+
+
+class _OwnTanhBlock(nn.Module):
+    """A parameter of its own applied by the block, then a child ``nn.Tanh``: the probe re-runs
+    the block (under ``torch.func.vmap``) for per-example gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8) / 8**0.5)
+        self.act = nn.Tanh()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(x @ self.w)
+
+
+def test_the_probes_replay_of_a_block_is_no_call_for_the_activation_watch() -> None:
+    """The activation watch (lint=True, the default) hooked the probe's own per-example replay of
+    a block calling nn.Tanh: under vmap it refused (E_dW2_example NaN, a note telling the user
+    to stop using vmap they never used; before that, a raw vmap error). The replay is skipped by
+    other tools' hooks; the oracle is a float64 per-example loop of sum-reduced gradients."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), _OwnTanhBlock(), nn.Linear(8, 3)).double()
+    x, y = torch.randn(16, 4, dtype=torch.float64), torch.randint(0, 3, (16,))
+    report = diagnose(model, [(x, y)], per_example=True, generator=0)
+    row = next(r for r in report.tables["params"].to_rows() if r["layer"] == "1")
+    expected = []
+    for i in range(16):
+        model.zero_grad()
+        F.cross_entropy(model(x[i : i + 1]), y[i : i + 1]).backward()
+        expected.append(float(model[1].w.grad.square().mean()))
+    assert row["E_dW2_example"] == pytest.approx(sum(expected) / 16, rel=1e-9)
+    acts = [r["layer"] for r in report.tables["activations"].to_rows()]
+    assert acts == ["1.act"], acts

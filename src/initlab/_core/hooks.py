@@ -14,13 +14,17 @@ Two forms, one rule (every handle is removed when the block ends, also when it r
 A module called inside ``torch.func.vmap`` (``vmap(lambda r: layer(r))(x)`` in a forward) shows
 its hooks one example: its input ``x[i]`` of shape ``x.shape[1:]``, the batch dimension hidden
 (:func:`is_vmapped` tells such a tensor). A hook whose statistics are taken over the batch calls
-:func:`refuse_inside_vmap`, which raises :class:`VmappedModuleError` there.
+:func:`refuse_inside_vmap`, which raises :class:`VmappedModuleError` there. initlab's own re-runs
+of a module (the moment probe's per-example replay under ``torch.func.vmap``) are no forward of
+the user's: they run inside :func:`library_replay`, and a measuring hook of another tool skips
+them (:func:`in_library_replay`) instead of refusing or counting them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -30,8 +34,10 @@ __all__ = [
     "HookHandles",
     "VmappedModuleError",
     "hook_handles",
+    "in_library_replay",
     "inside_vmap",
     "is_vmapped",
+    "library_replay",
     "refuse_inside_vmap",
 ]
 
@@ -139,3 +145,24 @@ def refuse_inside_vmap(name: str, what: str, skip: str = "", kind: str = "module
             "batch), not the whole batch its statistics are taken over. Call the layers on the "
             f"whole batch without vmap{skip}. Nothing was measured; the model is left as it was"
         )
+
+
+_REPLAY: ContextVar[bool] = ContextVar("initlab_library_replay", default=False)
+
+
+@contextmanager
+def library_replay() -> Iterator[None]:
+    """Mark the block as initlab re-running a module for a measurement of its own (the moment
+    probe's per-example replay): see :func:`in_library_replay`."""
+    token = _REPLAY.set(True)
+    try:
+        yield
+    finally:
+        _REPLAY.reset(token)
+
+
+def in_library_replay() -> bool:
+    """Whether a :func:`library_replay` is running: a measuring hook (the activation watch)
+    skips the call, which is no forward of the user's (it would count a replayed module twice,
+    and one example at a time under vmap)."""
+    return _REPLAY.get()

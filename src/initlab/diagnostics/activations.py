@@ -17,7 +17,12 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from initlab._core.hooks import HookContext, hook_handles, refuse_inside_vmap
+from initlab._core.hooks import (
+    HookContext,
+    hook_handles,
+    in_library_replay,
+    refuse_inside_vmap,
+)
 from initlab._core.rows import Rows
 from initlab.measure._fx import _fn_name, _fns
 
@@ -185,6 +190,8 @@ class ActivationWatch(HookContext):
 
     def _hook(self, name: str, kind: str, module: nn.Module) -> Callable[..., None]:
         def hook(_m: nn.Module, args: tuple) -> None:
+            if in_library_replay():  # the moment probe re-running a block: no forward
+                return
             refuse_inside_vmap(name, "the activation watch", _WATCH_OUT)
             call = self._calls.get(name, 0)
             self._calls[name] = call + 1
@@ -268,7 +275,8 @@ class _ReluWatch(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         fn = getattr(func, "__name__", "")
-        if fn in _RELU_NAMES and args and not (self.stack and self.stack[-1][1]):
+        replay = in_library_replay()
+        if fn in _RELU_NAMES and args and not (self.stack and self.stack[-1][1]) and not replay:
             k = self.calls
             self.calls += 1
             where = (self.stack[-1][0] if self.stack else "") or "<root>"

@@ -40,6 +40,7 @@ from torch.nn import functional as F
 from torch.nn.utils import parametrize
 
 from initlab._core.functional import functional_call
+from initlab._core.hooks import library_replay
 from initlab._core.parametrized import layer_tensor
 from initlab._core.pytree import flatten_tensors
 from initlab.measure.probe.accumulate import _Partial, _pool
@@ -639,7 +640,8 @@ def _replay_contributions(rec: _Record) -> None:
     """Run the replay of the record's kind (its output gradients are all in ``rec.dys``)."""
     replay = PER_EXAMPLE[rec.state.kind].replay
     assert replay is not None
-    replay(rec)
+    with library_replay():  # other tools' measuring hooks skip it (no forward of the user's)
+        replay(rec)
 
 
 # ----------------------------------------------------------------------------- sum and check
