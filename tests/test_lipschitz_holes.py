@@ -121,6 +121,22 @@ def _view_made_before_then_relu(h: torch.Tensor) -> torch.Tensor:
     return torch.relu(v)
 
 
+def _untouched_half_then_2(h: torch.Tensor) -> torch.Tensor:
+    buf = torch.zeros(h.shape[0], 8, dtype=h.dtype)
+    v = buf[:, 4:]  # the half no write touches: it stays 0
+    buf[:, :4].copy_(h)
+    return buf[:, :4] + 2 * v
+
+
+def test_a_view_of_a_region_no_write_touches_stays_a_constant() -> None:
+    """A view made before a write into another region of the same buffer (``buf[:, 4:]`` beside
+    ``buf[:, :4].copy_(h)``, interleaved in memory) was taken for the write: ``2 * v`` was
+    judged as a factor 2 on the data path, a false alarm for an output that is ``h`` exactly."""
+    lip, bound, exact = _run(_Two(_untouched_half_then_2).double(), _x())
+    assert lip["guaranteed"] and lip["operations"] == [], lip
+    assert bound == pytest.approx(exact, rel=1e-9)
+
+
 def test_views_made_before_an_in_place_write_hold_what_was_written() -> None:
     """A view of a tensor taken before an in-place write into the same storage (a sibling view,
     a view of the target, the view a slice of the target was cut from) holds the written

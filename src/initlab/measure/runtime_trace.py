@@ -13,9 +13,10 @@ of that forward:
   in-place write (``x[i] = v``, which returns None, ``y.copy_(v)``, ``x.relu_()``, ``x += v``)
   is a node taking the target's earlier value and the value written, and the target (and the
   base it is a view of, where recorded) is tagged with it; a tensor sharing the written storage
-  that was made before the write (``v = buf[:, :4]`` before ``buf.copy_(h)``) reads as that
-  node too. A call taking a value out of torch
-  (``h.item()``, ``float(h)``, ``h.tolist()``, ``bool(h)``) is a node without outputs. Tensor
+  that was made before the write and reads an element it wrote (``v = buf[:, :4]`` before
+  ``buf.copy_(h)``; not ``buf[:, 4:]`` beside a write into ``buf[:, :4]``) reads as that node
+  too. A call taking a value out of torch (``h.item()``, ``float(h)``, ``h.tolist()``,
+  ``bool(h)``) is a node without outputs. Tensor
   factories (``torch.arange``, ``torch.zeros_like``, ``x.new_zeros``) take no inputs, and shape
   queries return no tensor, so neither passes data ancestry on; a copy (``torch.tensor(h)``,
   ``x.new_tensor(h)``, ``torch.as_tensor(h)``) takes the tensor it copies. A call with ``out=``
@@ -215,6 +216,35 @@ def _storage_of(t: torch.Tensor) -> int | None:
         return None
 
 
+_Region = tuple[tuple[int, ...], tuple[int, ...], int, int]
+"""Where a tensor lies in its storage: shape, strides, offset (in elements), element size."""
+
+
+def _region(t: torch.Tensor) -> _Region:
+    return tuple(t.shape), t.stride(), t.storage_offset(), t.element_size()
+
+
+def _overlaps(written: _Region, t: torch.Tensor) -> bool:
+    """Whether ``t`` reads an element of the storage ``written`` covers: exactly (a mask of the
+    storage) where their spans meet, as ``buf[:, 4:]`` and ``buf[:, :4]`` of one buffer do
+    without sharing an element; ``True`` where the element sizes differ (a dtype view)."""
+    if written[3] != t.element_size():
+        return True
+    spans = []
+    for shape, stride, offset, _ in (written, _region(t)):
+        if 0 in shape:
+            return False
+        spans.append(
+            (offset, offset + sum((n - 1) * d for n, d in zip(shape, stride, strict=True)))
+        )
+    (lo1, hi1), (lo2, hi2) = spans
+    if hi1 < lo2 or hi2 < lo1:
+        return False
+    mask = torch.zeros(max(hi1, hi2) + 1, dtype=torch.bool)
+    mask.as_strided(written[0], written[1], written[2]).fill_(True)
+    return bool(mask.as_strided(tuple(t.shape), t.stride(), t.storage_offset()).any())
+
+
 class _Recorder(TorchFunctionMode):
     """Tags tensors with the node that produced them (see the module docstring)."""
 
@@ -223,7 +253,7 @@ class _Recorder(TorchFunctionMode):
         self.graph = graph
         self.on_call = on_call
         self.tags: dict[int, int] = {}
-        self.writes: dict[int, int] = {}  # storage -> the last in-place write into it
+        self.writes: dict[int, list[tuple[int, _Region]]] = {}  # storage -> its writes
         self.keep: list[torch.Tensor] = []  # identities stay unique while they are tagged
         self.stack: list[str] = []
         self.counts: Counter[str] = Counter()
@@ -251,10 +281,11 @@ class _Recorder(TorchFunctionMode):
         if not isinstance(obj, torch.Tensor):
             return None
         own = self.tags.get(id(obj))
-        if self.writes:
-            written = self.writes.get(_storage_of(obj))
-            if written is not None and (own is None or written > own):
-                return written
+        for index, region in reversed(self.writes.get(_storage_of(obj), []) if self.writes else []):
+            if own is not None and index <= own:
+                break
+            if _overlaps(region, obj):
+                return index
         return own
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -294,7 +325,7 @@ class _Recorder(TorchFunctionMode):
         for t in targets:
             storage = _storage_of(t)
             if storage is not None:
-                self.writes[storage] = i
+                self.writes.setdefault(storage, []).append((i, _region(t)))
 
     def inputs_of(self, obj: Any) -> list[int]:
         tags = (self.tag_of(t) for t in _signals(obj))
