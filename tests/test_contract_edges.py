@@ -1196,6 +1196,46 @@ def test_a_target_key_the_forward_does_not_take_is_left_to_the_loss_on_its_outpu
         resolve_loss(None)(_SwitchedNoTarget(), {"input_ids": x, "labels": y})
 
 
+class _TakesX(nn.Module):
+    """``forward(self, x)``: a dict batch ``{'x', 'y'}`` carries a target it cannot take."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+_DICT_TARGET_CALLS: dict[str, Callable[[nn.Module, Any], Any]] = {
+    "measure_moments": lambda m, d: initlab.measure_moments(m, d),
+    "measure_moments criterion": lambda m, d: initlab.measure_moments(
+        m, d, loss_fn=nn.CrossEntropyLoss()
+    ),
+    "doctor": lambda m, d: initlab.doctor(m, d, generator=0),
+    "lsuv_": lambda m, d: initlab.lsuv_(m, d, generator=0),
+    "scale_output_": lambda m, d: initlab.scale_output_(m, d),
+    "gr_scaling": lambda m, d: initlab.gr_scaling(m, d),
+}
+
+
+@pytest.mark.parametrize("call", list(_DICT_TARGET_CALLS))
+def test_every_entry_point_leaves_out_a_target_key_the_forward_cannot_take(call: str) -> None:
+    """A ``forward(self, x)`` given ``{'x', 'y'}``: loss_fn=None left the target out, but the
+    forward-only paths (the probe's, doctor's, lsuv_'s, scale_output_'s) passed it on and the
+    model refused 'y'. The default forward leaves it out everywhere; the moments match those of
+    the same model on (x, y) tuples."""
+    x, y = _data(16)
+    as_dict, as_tuple = _TakesX(), _TakesX()
+    got = _DICT_TARGET_CALLS[call](as_dict, [{"x": x, "y": y}])
+    want = _DICT_TARGET_CALLS[call](as_tuple, [(x, y)])
+    assert _same(_state(as_dict), _state(as_tuple))
+    if call.startswith("measure_moments"):
+        assert got.table().to_rows() == want.table().to_rows()
+        assert got.param_table().to_rows() == want.param_table().to_rows()
+
+
 class _KeywordBugInside(nn.Module):
     """Takes the batch's keys; its own code calls a function with a keyword it does not take."""
 

@@ -1,14 +1,16 @@
-"""Where a batch's target is, and whether a batch is one example without its batch dimension:
-the checks of :func:`initlab._core.data.check_batch` on a batch's shape."""
+"""Where a batch's target is, whether a batch is one example without its batch dimension (the
+checks of :func:`initlab._core.data.check_batch` on a batch's shape), and which of a dict batch's
+keys the model's forward takes (:func:`target_taken`: a target it cannot take is left out)."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["TARGET_KEYS", "check_batched", "find_target"]
+__all__ = ["TARGET_KEYS", "check_batched", "find_target", "forward_params", "target_taken"]
 
 #: Keys of a dict batch that hold the target, in the order they are looked up.
 TARGET_KEYS = ("labels", "label", "targets", "target", "y")
@@ -62,3 +64,32 @@ def check_batched(batch: Any, *, what: str, which: str) -> None:
             "examples: give it a batch_size, or add the batch dimension (x.unsqueeze(0), "
             "y.unsqueeze(0))"
         )
+
+
+def forward_params(model: Any, depth: int = 4) -> Mapping[str, inspect.Parameter]:
+    """The parameters ``model``'s forward names (none where unreadable); for a wrapper's forward
+    of only ``*args, **kwargs``, those of the model it wraps (DDP's ``module``, ``_orig_mod``)."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (AttributeError, TypeError, ValueError):
+        return {}
+    variadic = all(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params.values())
+    inner = next((getattr(model, k) for k in ("module", "_orig_mod") if hasattr(model, k)), model)
+    if depth and params and variadic and inner is not model:
+        return forward_params(inner, depth - 1)
+    return params
+
+
+def target_taken(model: Any, batch: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The dict batch without its target (:func:`find_target`) where the model's forward neither
+    names it nor takes ``**kwargs``, so that ``model(**batch)`` would refuse it (a
+    ``forward(self, x)`` given ``{'x', 'y'}``; transformers before 5: BERT given the GLUE column
+    ``label``, CLIP given ``labels``): every loss on the outputs reads it from the batch. Else
+    the batch as it is."""
+    found = find_target(batch)
+    params = forward_params(model)
+    if found is None or not params or found[0] in params:
+        return batch
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return batch
+    return {k: v for k, v in batch.items() if k != found[0]}

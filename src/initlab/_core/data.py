@@ -50,7 +50,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from initlab._core.batch_shape import TARGET_KEYS, check_batched, find_target
+from initlab._core.batch_shape import TARGET_KEYS, check_batched, find_target, target_taken
 from initlab._core.dtype_blame import TYPE_NAMES, could_be_ids, failed_on
 from initlab._core.pytree import children, find_path, flatten_tensors, map_tensors, rebuild
 from initlab._core.pytree import shallow_types as _shallow_types
@@ -540,8 +540,9 @@ def forward_args(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
 
 def default_forward(model: nn.Module, batch: Any) -> Any:
     """The one default forward: ``model(x)`` for a tensor, ``model(batch[0])`` for a tuple or
-    list, ``model(**batch)`` for a dict, ``model(batch)`` for any other object."""
-    args, kwargs = forward_args(batch)
+    list, ``model(**batch)`` for a dict (without a target key its forward cannot take:
+    :func:`~initlab._core.batch_shape.target_taken`), ``model(batch)`` for any other object."""
+    args, kwargs = forward_args(target_taken(model, batch) if isinstance(batch, Mapping) else batch)
     try:
         return model(*args, **kwargs)
     except TypeError as err:

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from initlab._core.batch_shape import forward_params
 from initlab._core.criteria import (
     ELEMENTWISE_CRITERIA,
     class_options,
@@ -276,7 +277,7 @@ class _AutoLoss(Loss):
 
     def __call__(self, model: Any, batch: Any) -> torch.Tensor:
         if isinstance(batch, Mapping):
-            out = default_forward(model, _target_taken(model, batch))
+            out = default_forward(model, batch)
             loss = model_loss(out)
             if loss is not None:
                 _check_counted(find_target(batch), -100, "model")  # Hugging Face's convention
@@ -292,55 +293,27 @@ _LOSS_SWITCHES = ("return_loss",)
 _NEEDS = "give the batch what its forward needs for its loss (its switch for it is on)"
 
 
-def _forward_params(model: Any, depth: int = 4) -> Mapping[str, inspect.Parameter]:
-    """The parameters ``model``'s forward names (none where unreadable); for a wrapper's forward
-    of only ``*args, **kwargs``, those of the model it wraps (DDP's ``module``, ``_orig_mod``)."""
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (AttributeError, TypeError, ValueError):
-        return {}
-    variadic = all(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params.values())
-    inner = next((getattr(model, k) for k in ("module", "_orig_mod") if hasattr(model, k)), model)
-    if depth and params and variadic and inner is not model:
-        return _forward_params(inner, depth - 1)
-    return params
-
-
-def _target_taken(model: Any, batch: Mapping[str, Any]) -> Mapping[str, Any]:
-    """The dict batch without its target (:func:`~initlab._core.data.find_target`) where the
-    model's forward neither names it nor takes ``**kwargs``, so that ``model(**batch)`` would
-    refuse it (transformers before 5: BERT given the GLUE column ``label``, CLIP given
-    ``labels``); the loss on the outputs reads it from the batch. Else the batch as it is."""
-    found = find_target(batch)
-    params = _forward_params(model)
-    if found is None or not params or found[0] in params:
-        return batch
-    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
-        return batch
-    return {k: v for k, v in batch.items() if k != found[0]}
-
-
 def _loss_switch(model: Any, batch: Mapping[str, Any]) -> tuple[str, bool] | None:
     """The keyword of :data:`_LOSS_SWITCHES` that ``model``'s forward takes and whether it is on
     for ``batch`` (set true there, or true by default: PatchTSMixer's ``return_loss=True``
     computes the loss unless told not to), or ``None``."""
-    params = _forward_params(model)
+    params = forward_params(model)
     k = next((k for k in _LOSS_SWITCHES if k in params), None)
     return None if k is None else (k, batch.get(k, params[k].default) is True)
 
 
 def _check_no_own_loss(model: Any, outputs: Any, batch: Mapping[str, Any]) -> None:
-    """Raise :class:`TargetError` before the ``"auto"`` fallback (a loss on the first output
-    tensor) where it would silently replace the model's own loss: its forward (a wrapper's read
-    through, :func:`_forward_params`) takes a loss switch (``return_loss``) off for the batch, or
-    its output's ``loss`` field is ``None`` though the batch carries labels under a key the
-    forward names, or none with the switch on. An output without a ``loss`` field, and labels
-    the forward does not name (``label`` into ``**kwargs``), keep the documented fallback."""
+    """Raise :class:`TargetError` before the ``"auto"`` fallback (a loss on the first output tensor)
+    where it would silently replace the model's own loss: its forward (a wrapper's read through,
+    :func:`~initlab._core.batch_shape.forward_params`) takes a loss switch (``return_loss``) off for
+    the batch, or its output's ``loss`` field is ``None`` though the batch carries labels under a
+    key the forward names, or none with the switch on. An output without a ``loss`` field, and
+    labels the forward does not name (``label`` into ``**kwargs``), keep the documented fallback."""
     sw = _loss_switch(model, batch)
     switch = sw[0] if sw is not None and not sw[1] else None  # off: the one to advise
     has_field = hasattr(outputs, "loss") or (isinstance(outputs, Mapping) and "loss" in outputs)
     found = find_target(batch)
-    named = found is not None and found[0] in _forward_params(model)
+    named = found is not None and found[0] in forward_params(model)
     if switch is None and not (has_field and (named or (sw is not None and found is None))):
         return
     kind = type(outputs).__name__
