@@ -209,6 +209,19 @@ def test_filter_normalization_property() -> None:
     assert not torch.equal(d["0.weight"], other["0.weight"])
 
 
+def test_filter_normalization_of_a_complex_weight_uses_its_complex_norm() -> None:
+    """A complex weight's direction was drawn real and scaled by the real part's row norms
+    (0.50 for 0.72 on this layer): ``‖d_i‖ = ‖θ_i‖`` with the complex norm ``Σ|z|²``, and an
+    imaginary part of its own. The oracle: row norms of the complex128 weight."""
+    torch.manual_seed(0)
+    layer = nn.Linear(6, 5, dtype=torch.complex128)
+    d = filter_normalized_direction(layer, generator=0)["weight"]
+    assert d.dtype == torch.complex128 and float(d.imag.abs().max()) > 0.1
+    want = torch.sqrt((layer.weight.detach().abs() ** 2).sum(dim=1))
+    torch.testing.assert_close(d.abs().square().sum(dim=1).sqrt(), want, rtol=1e-12, atol=0)
+    assert not torch.allclose(d.real.norm(dim=1), want)
+
+
 def test_several_batches_are_an_example_weighted_mean() -> None:
     net, _ = _bn_net()
     gen = torch.Generator().manual_seed(0)

@@ -246,9 +246,10 @@ def filter_normalized_direction(
     r"""A random direction with filter-wise normalization (Li et al. 2018, §4).
 
     For every trainable parameter ``θ`` with at least two dimensions: ``d ~ N(0, I)`` (drawn in
-    float64 on the CPU, so a seed gives the same direction on every device), then for every
-    filter ``i`` (the slice ``[i]`` along dim 0) ``d_i ← d_i · ‖θ_i‖ / ‖d_i‖``, so
-    ``‖d_i‖ = ‖θ_i‖``. One-dimensional parameters (biases, norm parameters) get ``d = 0``.
+    float64 on the CPU, so a seed gives the same direction on every device; complex128, real
+    and imaginary parts ``N(0, 1/2)``, for a complex parameter), then for every filter ``i`` (the
+    slice ``[i]`` along dim 0) ``d_i ← d_i · ‖θ_i‖ / ‖d_i‖``, so ``‖d_i‖ = ‖θ_i‖`` (``‖z‖² =
+    Σ|z|²``). One-dimensional parameters (biases, norm parameters) get ``d = 0``.
 
     Returns:
         Parameter name → direction (the parameter's dtype and device).
@@ -256,11 +257,12 @@ def filter_normalized_direction(
     gen = as_generator(generator)
     out = {}
     for name, p in _trainable(model).items():
-        d = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+        wide = torch.complex128 if p.is_complex() else torch.float64
+        d = torch.randn(p.shape, generator=gen, dtype=wide)
         if p.dim() <= 1:
             d.zero_()
         else:
-            theta = p.detach().to(device="cpu", dtype=torch.float64)
+            theta = p.detach().to(device="cpu", dtype=wide)
             dn = d.reshape(d.shape[0], -1).norm(dim=1)
             tn = theta.reshape(theta.shape[0], -1).norm(dim=1)
             scale = tn / dn.clamp_min(torch.finfo(torch.float64).tiny)
