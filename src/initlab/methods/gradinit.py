@@ -607,6 +607,13 @@ def gradinit_alpha_grad(
     scaled tensors (``model.named_parameters()`` order, tied tensors once). Returns the gradient
     (float64, before clipping) and the objective's value (the look-ahead loss, not divided by
     ``eta``, or ``||g||_p``). Modes and buffers are handled as in :func:`gradinit_` and restored.
+
+    Raises:
+        ValueError: bad options (``step``, ``optimizer``, ``eta``, ``alpha``'s length).
+        TypeError: a trainable complex parameter (named; freeze it for the call).
+        FloatingPointError: a non-finite loss, or a non-finite alpha-gradient of a finite loss
+            (its derivative overflowed: a float16 model's range, named with the float32 copy to
+            use; :func:`~initlab.methods._alpha.check_alpha_grad`).
     """
     what = "gradinit_alpha_grad"
     optimizer, eta, _ = _check_common(optimizer, eta, 0.5, what)
@@ -711,7 +718,9 @@ def gradinit_(
     Raises:
         ValueError: bad options, or fewer batches than the iterations need (says how many).
         TypeError: a trainable complex parameter (named; freeze it for the call).
-        FloatingPointError: a non-finite loss (the model is left unchanged).
+        FloatingPointError: a non-finite loss, or a non-finite alpha-gradient of a finite loss
+            (named, with float16 and the float32 copy to use where the model is float16); the
+            model is left unchanged.
 
     Example:
         >>> _ = torch.manual_seed(0)

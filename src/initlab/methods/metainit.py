@@ -391,8 +391,12 @@ def metainit_(
         ``variant``, ``gq_first``, ``gq_last``.
 
     Raises:
-        ValueError: bad options or too few batches. FloatingPointError: a non-finite loss or GQ
-        (the model is left unchanged).
+        ValueError: bad options or too few batches.
+        TypeError: a trainable complex parameter (named; freeze it, or use
+            ``lsuv_(orthogonal=False)``).
+        FloatingPointError: a non-finite loss or GQ, or a non-finite meta-gradient of a finite
+            one (named, with float16 and the float32 copy to use where the model is float16);
+            the model is left unchanged.
     """
     start = time.perf_counter()
     what = "metainit_"
