@@ -788,3 +788,29 @@ def test_a_complex_conv_s_operator_and_norm_match_its_dense_complex_matrix(name,
     row = next(iter(layer_spectra(conv, {"": shape}, generator=0)))
     assert row["op_norm"] == pytest.approx(expected, rel=1e-6)
     assert row["op_method"] == "lanczos"
+
+
+class _PerExampleConv(nn.Module):
+    """A convolution called on each example unbatched, ``(C, H, W)``, as torch allows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Conv2d(2, 3, 3, stride=2, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([self.c(xi) for xi in x])
+
+
+def test_a_convolution_called_on_unbatched_inputs_gets_the_example_shape() -> None:
+    """The shape watch dropped the first dimension of every input, so a Conv2d called on
+    ``(C, H, W)`` was recorded at ``(H, W)`` and layer_spectra raised. The oracle: the norm of
+    the convolution's dense float64 matrix at ``(2, 5, 5)``."""
+    torch.manual_seed(0)
+    model = _PerExampleConv().double()
+    rows = layer_spectra(model, (torch.randn(4, 2, 5, 5, dtype=torch.float64),), generator=0)
+    row = rows.to_rows()[0]
+    assert tuple(row["input_shape"]) == (2, 5, 5)
+    basis = torch.eye(50, dtype=torch.float64).reshape(50, 2, 5, 5)
+    with torch.no_grad():
+        dense = nn.functional.conv2d(basis, model.c.weight, None, 2, 1).reshape(50, -1).T
+    assert row["op_norm"] == pytest.approx(float(torch.linalg.matrix_norm(dense, 2)), rel=1e-6)

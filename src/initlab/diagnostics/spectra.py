@@ -241,8 +241,11 @@ class InputShapes(HookContext):
             x = next((a for a in args if isinstance(a, torch.Tensor)), None)
             if x is None:
                 return
-            # inside torch.func.vmap the hook sees one example: its shape, no batch dimension
-            shape = tuple(x.shape) if is_vmapped(x) else tuple(x.shape[1:])
+            # one example, no batch dimension: inside torch.func.vmap, or a convolution called
+            # on an unbatched (C, *spatial) input (torch takes both)
+            conv = isinstance(module, nn.modules.conv._ConvNd)
+            unbatched = conv and x.dim() == len(module.kernel_size) + 1  # type: ignore[arg-type]
+            shape = tuple(x.shape) if is_vmapped(x) or unbatched else tuple(x.shape[1:])
             if name not in self.shapes:
                 self.shapes[name] = shape
                 self.order.append(name)
