@@ -390,6 +390,22 @@ def check_finite(value: float, iteration: int, what: str, quantity: str = "loss"
         raise FloatingPointError(f"{what}: the {quantity} is {value} {_when(iteration)}")
 
 
+def warn_half_precision(ts: Tensors, what: str, why: str) -> None:
+    """Warn when the scaled tensors are float16/bfloat16: the passes run in that dtype, and the
+    steps on the scales follow signs that its rounding flips (``why``: how, for the method), so
+    the scales can land far from a float32 run's."""
+    half = sorted({str(ts.tensors[i].dtype).removeprefix("torch.") for i in ts.scaled
+                   if ts.tensors[i].dtype in (torch.float16, torch.bfloat16)})  # fmt: skip
+    if half:
+        warnings.warn(
+            f"{what}: the model's weights are {' and '.join(half)}: {why}, so the scales can "
+            "differ far from float32's. Run it on a float32 copy of the model (model.float()) "
+            "and cast the model back after",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
+
+
 def check_alpha_grad(
     grad: torch.Tensor, ts: Tensors, iteration: int, what: str, of: str, cause: str
 ) -> None:
@@ -404,7 +420,7 @@ def check_alpha_grad(
     reason = (
         f"The model is float16, whose range (largest value 65504) {cause} overflowed; run "
         f"{what} on a float32 copy (m32 = copy.deepcopy(model).float(), the data in float32) and "
-        "copy its weights back (model.load_state_dict(m32.state_dict())), or use bfloat16"
+        "copy its weights back (model.load_state_dict(m32.state_dict()))"
         if any(t.dtype == torch.float16 for t in ts.tensors)
         else "Its derivative overflowed or is undefined at these weights (a sqrt, norm or "
         "division at zero in the model or the loss)"

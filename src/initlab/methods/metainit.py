@@ -72,7 +72,6 @@ width-1024 Tanh MLP (float32, batch 64, 3 steps, CPU): the peak resident memory 
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial, reduce
@@ -90,7 +89,7 @@ from initlab._core.compiled import takes_compiled
 from initlab._core.data import DataCounter
 from initlab._core.distributed import check_same_parameters, run_together, same_options
 from initlab._core.heap import kept_heap
-from initlab._core.knobs import check_callback, user_stacklevel
+from initlab._core.knobs import check_callback
 from initlab._core.loss import LossLike, resolve_loss
 from initlab._core.method_report import MethodReport
 from initlab._core.norms import composite_norms
@@ -121,6 +120,7 @@ from initlab.methods._alpha import (
     second_order,
     select_tensors,
     set_evaluation_modes,
+    warn_half_precision,
 )
 
 __all__ = ["METAINIT_COLUMNS", "METAINIT_TRACE_COLUMNS", "gradient_quotient", "metainit_"]
@@ -271,23 +271,6 @@ def gradient_quotient(
     return float(gq.detach())
 
 
-def _warn_half_precision(ts: Tensors, what: str) -> None:
-    """Warn when the scaled tensors are float16/bfloat16: the passes run in that dtype, and the
-    gradient quotient divides by ``g``, whose small entries' signs (which the steps follow) the
-    rounding flips (a small MLP: alphas 0.92, 1.01, 0.63 in bfloat16 against 0.92, 0.75, 1.02)."""
-    half = sorted({str(ts.tensors[i].dtype).removeprefix("torch.") for i in ts.scaled
-                   if ts.tensors[i].dtype in (torch.float16, torch.bfloat16)})  # fmt: skip
-    if half:
-        warnings.warn(
-            f"{what}: the model's weights are {' and '.join(half)}: the gradient quotient divides "
-            "by the gradient, and the rounding of its passes flips the signs its steps follow, so "
-            "the scales can differ far from float32's. Run it on a float32 copy of the model "
-            "(model.float()) and cast the model back after",
-            UserWarning,
-            stacklevel=user_stacklevel(),
-        )
-
-
 def _at_least_2d(name: str, tensor: torch.Tensor, role: str) -> bool:
     return tensor.dim() >= 2
 
@@ -414,7 +397,7 @@ def metainit_(
         "gradient (it scales each layer to an output variance E|y - E y|^2)"
     )  # fmt: skip
     ts = select_tensors(model, params, _at_least_2d if opts.paper else nonzero, what)
-    _warn_half_precision(ts, what)
+    warn_half_precision(ts, what, _SIGNS_FLIP)
     gen = as_generator(generator)
     counter = DataCounter()
     batches = _step_batches(model, ts, data, input_shape, opts, gen, what, counter)
@@ -438,6 +421,11 @@ def metainit_(
     return _report(model, ts, update.alpha, trace, (forward, backward), counter, variant, start)
 
 
+_SIGNS_FLIP = (
+    "the gradient quotient divides by the gradient, and the rounding of its passes flips the "
+    "signs its steps follow (a small MLP: alphas 0.92, 1.01, 0.63 in bfloat16 against 0.92, "
+    "0.75, 1.02)"
+)
 _OVERFLOW = (
     "the meta-gradient's backward (through the quotient's derivative, about h / g**2 where a "
     "gradient entry g is small)"
