@@ -43,6 +43,7 @@ from initlab.measure.curvature import (
 from initlab.measure.curvature.products import _cuts_second_order
 
 from .conformance_models import KeywordNet
+from .half_models import HandNorm, ln_net
 
 DT = torch.float64
 
@@ -1219,27 +1220,6 @@ def test_the_hessian_through_weight_norm_is_the_elementary_formula_s(style: str)
 # --------------------------------------------------------------------------------------------------
 
 
-class _HandNorm(nn.Module):
-    """A LayerNorm written with elementary operations, all in the input's dtype."""
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        c = h - h.mean(-1, keepdim=True)
-        return c / (c.square().mean(-1, keepdim=True) + 1e-5).sqrt()
-
-
-def _ln_net(norm: nn.Module | None = None, scale: float = 0.05) -> nn.Sequential:
-    """Linear -> LayerNorm -> ReLU -> Linear in float16, the first weight x``scale`` (GPT-2's
-    std 0.02 in front of its LayerNorms: rstd in the tens)."""
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(8, 16), norm or nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 4))
-    with torch.no_grad():
-        net[0].weight.mul_(scale)
-        net[0].bias.zero_()
-        for p in net[1].parameters():
-            p.uniform_(0.5, 1.5)
-    return net.half()
-
-
 def _ln_batch() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     return torch.randn(8, 8, generator=g).half(), torch.randint(0, 4, (8,), generator=g)
@@ -1271,7 +1251,7 @@ def test_hessian_eigenpairs_of_a_float16_layernorm_model_match_float64() -> None
     ("failed to converge"). The products run the LayerNorm on float32 statistics now.
     Tolerance: each product is float16 (11 bits, 5e-4 relative per rounding); 5e-3 relative on
     the eigenvalues, 1e-3 on |<u, v>| (seen 2.5e-4 and 3e-5)."""
-    net, (x, y) = _ln_net(), _ln_batch()
+    net, (x, y) = ln_net(affine_random=True).half(), _ln_batch()
     lam, vec = torch.linalg.eigh(_ln_hessian_by_hand(net, x, y))
     top = lam.abs().argsort(descending=True)[:2]
     assert float(lam[top[0]] - lam[top[1]]) > 0.05 * float(lam[top[0]])  # separated: unique u
@@ -1287,7 +1267,7 @@ def test_nonfinite_curvature_products_are_named_with_the_float16_cause() -> None
     """A normalization written by hand in float16 still overflows: Lanczos fed the NaN products
     to linalg.eigh (a raw _LinAlgError), block_curvature said only "some products held NaN/inf".
     Both name float16 and the float32 copy now."""
-    net, batch = _ln_net(_HandNorm(), scale=0.01), _ln_batch()
+    net, batch = ln_net(0.01, HandNorm(), affine_random=True).half(), _ln_batch()
     message = (
         r"hessian_eigenpairs: a Hessian product in the Lanczos iteration holds NaN/inf: the model "
         r"is float16, .* float32 copy"

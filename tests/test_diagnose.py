@@ -28,6 +28,8 @@ from initlab.diagnostics import (
 from initlab.diagnostics.gradients import GradientStats
 from initlab.diagnostics.report import ratio_reason, ratio_verdict
 
+from .half_models import HandNorm, ln_net
+
 F64 = torch.float64
 
 
@@ -450,25 +452,6 @@ def test_curvature_rows_and_plots(tmp_path):
     assert "Hessian blocks" in text and "Theory vs actual" in text
 
 
-def _f16_ln_net(scale: float = 0.05, hand_norm: bool = False) -> nn.Sequential:
-    """Linear -> LayerNorm -> ReLU -> Linear (float32, float16-representable), the first weight
-    x``scale`` (GPT-2's std 0.02 in front of its LayerNorms); ``hand_norm``: the LayerNorm
-    written with elementary operations (in the input's dtype)."""
-
-    class HandNorm(nn.Module):
-        def forward(self, h: torch.Tensor) -> torch.Tensor:
-            c = h - h.mean(-1, keepdim=True)
-            return c / (c.square().mean(-1, keepdim=True) + 1e-5).sqrt()
-
-    torch.manual_seed(0)
-    norm = HandNorm() if hand_norm else nn.LayerNorm(16)
-    net = nn.Sequential(nn.Linear(8, 16), norm, nn.ReLU(), nn.Linear(16, 4))
-    with torch.no_grad():
-        net[0].weight.mul_(scale)
-        net[0].bias.zero_()
-    return net.half().float()
-
-
 def _f16_batch() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     return torch.randn(8, 8, generator=g).half().float(), torch.randint(0, 4, (8,), generator=g)
@@ -482,7 +465,7 @@ def test_curvature_of_a_float16_layernorm_model_matches_float32():
     x, y = _f16_batch()
     reports = {}
     for dtype in (torch.float32, torch.float16):
-        reports[dtype] = diagnose(_f16_ln_net().to(dtype), (x.to(dtype), y), nn.CrossEntropyLoss(),
+        reports[dtype] = diagnose(ln_net().to(dtype), (x.to(dtype), y), nn.CrossEntropyLoss(),
                                   curvature=True, generator=0, spectra=False)  # fmt: skip
     for layer in ("0", "3"):
         for param in ("weight", "bias"):
@@ -497,7 +480,7 @@ def test_nonfinite_curvature_products_get_a_note_naming_float16():
     """Products still NaN in float16 (a normalization written by hand) left NaN rows with
     nothing said; a note names the blocks, float16 and the float32 copy now."""
     x, y = _f16_batch()
-    model = _f16_ln_net(scale=0.01, hand_norm=True).half()
+    model = ln_net(scale=0.01, norm=HandNorm()).half()
     report = diagnose(model, (x.half(), y), nn.CrossEntropyLoss(), curvature=True, generator=0,
                       spectra=False)  # fmt: skip
     assert math.isnan(report.value("0", "curv_block", "weight"))

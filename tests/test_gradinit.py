@@ -21,6 +21,7 @@ from initlab.methods.gradinit import gradinit_, gradinit_alpha_grad, overlap_bat
 from initlab.methods.metainit import metainit_
 
 from .ddp_util import run_ranks
+from .half_models import HandNorm, ln_net
 
 D = torch.float64
 
@@ -982,19 +983,6 @@ def test_a_float16_model_with_a_large_gradient_takes_its_constraint_steps() -> N
     assert half == pytest.approx(wide, abs=0.02)
 
 
-def _small_ln_net(norm: nn.Module | None = None) -> nn.Sequential:
-    """Linear -> LayerNorm -> ReLU -> Linear, the first weight x0.05 (GPT-2's std 0.02 in front of
-    its LayerNorms: rstd ~ 70), in float32 with float16-representable values."""
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(8, 16), norm or nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 4))
-    with torch.no_grad():
-        net[0].weight.mul_(0.05)
-        net[0].bias.zero_()  # all zeros: no alpha
-        for p in net[1].parameters():
-            p.uniform_(0.5, 1.5)
-    return net.half().float()
-
-
 def _ln_batch() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     return torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)
@@ -1034,7 +1022,7 @@ def test_a_float16_layernorm_model_gets_its_second_order_alpha_gradient(step: st
     alpha-gradient was NaN, so gradinit_ failed on every float16 transformer. Those passes run the
     LayerNorm on float32 statistics now. Tolerance: float16 keeps 11 bits (2^-11 ~ 5e-4 relative
     per rounding) and the result is a float16 gradient; 1e-2 relative is ~20 roundings."""
-    net, batch = _small_ln_net().half(), _ln_batch()
+    net, batch = ln_net(affine_random=True).half(), _ln_batch()
     half_batch = (batch[0].half(), batch[1])
     grad, _ = gradinit_alpha_grad(net, half_batch, None, nn.CrossEntropyLoss(), step=step,
                                   exact=True, eta=0.1)  # fmt: skip
@@ -1051,7 +1039,7 @@ def test_gradinit_on_a_float16_layernorm_model_follows_float32(kw: dict) -> None
     """The same weights in float16 and float32: the same alphas, to 2% of their change (each step
     moves alpha by lr times an alpha-gradient exact to float16's 11 bits; the exact objective also
     rounds the look-ahead weights theta - eta g to float16)."""
-    net, batch = _small_ln_net(), _ln_batch()
+    net, batch = ln_net(affine_random=True), _ln_batch()
     gen = torch.Generator().manual_seed(2)
     data = [(torch.randn(8, 8, generator=gen), batch[1]) for _ in range(4)]
 
@@ -1070,14 +1058,6 @@ def test_gradinit_on_a_float16_layernorm_model_follows_float32(kw: dict) -> None
     assert half == pytest.approx(wide, abs=0.02 * change)
 
 
-class _HandNorm(nn.Module):
-    """A LayerNorm written with elementary operations, all in the input's dtype."""
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        c = h - h.mean(-1, keepdim=True)
-        return c / (c.square().mean(-1, keepdim=True) + 1e-5).sqrt()
-
-
 @pytest.mark.parametrize("steps", [1, 2])
 def test_a_nonfinite_alpha_gradient_is_named_with_the_float16_cause(steps: int) -> None:
     """A float16 normalization written by hand still overflows in its double backward: that was
@@ -1085,7 +1065,7 @@ def test_a_nonfinite_alpha_gradient_is_named_with_the_float16_cause(steps: int) 
     one iteration on, as "the loss is nan". Now the alpha-gradient is named, with float16 and
     the float32 copy to use."""
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(8, 16), _HandNorm(), nn.ReLU(), nn.Linear(16, 4))
+    net = nn.Sequential(nn.Linear(8, 16), HandNorm(), nn.ReLU(), nn.Linear(16, 4))
     with torch.no_grad():
         net[0].weight.mul_(0.01)
         net[0].bias.zero_()

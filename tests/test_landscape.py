@@ -23,6 +23,8 @@ from initlab.measure.landscape import (
 )
 from initlab.zoo import create_model
 
+from .half_models import HandNorm, ln_net
+
 DT = torch.float64
 GRID = ([-1.0, -0.25, 0.5], [-0.5, 0.0, 0.75, 1.0])
 
@@ -730,32 +732,13 @@ def test_fixed_refuses_a_batchnorm_called_more_often_than_at_the_centre() -> Non
         loss_landscape(model, (x, y), "mse", directions=away, grid=([0.0, 1.0], [0.0]), bn="fixed")
 
 
-def _f16_ln_net(scale: float = 0.05, hand_norm: bool = False) -> nn.Sequential:
-    """Linear -> LayerNorm -> ReLU -> Linear in float16, the first weight x``scale`` (GPT-2's
-    std 0.02 in front of its LayerNorms); ``hand_norm``: the LayerNorm written with elementary
-    operations in float16."""
-
-    class HandNorm(nn.Module):
-        def forward(self, h: torch.Tensor) -> torch.Tensor:
-            c = h - h.mean(-1, keepdim=True)
-            return c / (c.square().mean(-1, keepdim=True) + 1e-5).sqrt()
-
-    torch.manual_seed(0)
-    norm = HandNorm() if hand_norm else nn.LayerNorm(16)
-    net = nn.Sequential(nn.Linear(8, 16), norm, nn.ReLU(), nn.Linear(16, 4))
-    with torch.no_grad():
-        net[0].weight.mul_(scale)
-        net[0].bias.zero_()
-    return net.half()
-
-
 def test_hessian_directions_of_a_float16_layernorm_model() -> None:
     """torch's native layer_norm double backward overflows float16: the Hessian products were
     NaN and directions="hessian" died with a raw torch _LinAlgError from linalg.eigh. The
     directions are now the float64 Hessian's top eigenvectors (the LayerNorm written out here) to
     float16's accuracy (|<u, v>| within 1e-3 of 1: 11 bits, 5e-4 per rounding), and the grid
     agrees with float32's loss at the centre to float16's rounding of the weights and logits."""
-    net = _f16_ln_net()
+    net = ln_net().half()
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)
     names = [n for n, _ in net.named_parameters()]
@@ -787,7 +770,7 @@ def test_hessian_directions_of_a_float16_layernorm_model() -> None:
 def test_nonfinite_hessian_products_in_landscape_name_float16() -> None:
     """Products still NaN in float16 (a normalization written by hand) raise a clear error
     naming float16 and the float32 copy, not linalg.eigh's "failed to converge"."""
-    net = _f16_ln_net(scale=0.01, hand_norm=True)
+    net = ln_net(scale=0.01, norm=HandNorm()).half()
     g = torch.Generator().manual_seed(1)
     batch = (torch.randn(8, 8, generator=g).half(), torch.randint(0, 4, (8,), generator=g))
     with pytest.raises(FloatingPointError, match=r"loss_landscape: a Hessian product .* NaN/inf: "
