@@ -452,6 +452,96 @@ def test_a_layer_whose_output_gradient_underflowed_says_so() -> None:
     assert "E[dy^2] = 0" in rows["0"]["note"] and "underflow" in rows["0"]["note"]
 
 
+def small_gradient_net() -> nn.Sequential:
+    """Linear, LayerNorm, Linear, Tanh, Linear, the last two weights x0.02: under
+    :func:`scaled_ce` the gradient at the first layer's output is ~1e-8 (float64), below float16's
+    smallest subnormal 2^-24 = 5.96e-8, while the later layers' gradients are float16 numbers."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 16), nn.Tanh(),
+                        nn.Linear(16, 3))  # fmt: skip
+    with torch.no_grad():
+        net[2].weight.mul_(0.02)
+        net[4].weight.mul_(0.02)
+    return net
+
+
+def scaled_ce(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return F.cross_entropy(model(batch[0]), batch[1]) * 1e-3
+
+
+def small_gradient_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)
+
+
+def _output_gradient(model: nn.Module, layer: nn.Module, batch: tuple) -> torch.Tensor:
+    """dL/dy at ``layer``'s output, by a plain hook (the oracle)."""
+    got: dict[str, torch.Tensor] = {}
+
+    def keep(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        out.register_hook(lambda g: got.__setitem__("dy", g.detach().double()))
+
+    handle = layer.register_forward_hook(keep)
+    scaled_ce(model, batch).backward()
+    handle.remove()
+    model.zero_grad(set_to_none=True)
+    return got["dy"]
+
+
+@pytest.mark.parametrize("how", ["half", "autocast"])
+def test_a_gradient_below_float16s_smallest_subnormal_is_named_float16_underflow(how: str) -> None:
+    """A float16 model (or float32 weights under float16 autocast) whose gradient at a layer's
+    output is below 2^-24: float16 rounds it to 0. The note said "no gradient reaches this
+    layer's output (... underflow to 0 in float32)", where the float32 copy measures it; it now
+    names float16's range and the float32 copy."""
+    x, t = small_gradient_batch()
+    net64 = small_gradient_net().to(F64)
+    dy = _output_gradient(net64, net64[0], (x.to(F64), t))
+    assert 0.0 < float(dy.abs().max()) < 2.0**-25  # rounds to 0 in float16
+    b = x.shape[0]  # per-example gradients of a mean loss: b * dy
+    want = float((b * dy).pow(2).mean())
+    r32 = {r["layer"]: r for r in gr_scaling(small_gradient_net(), [(x, t)], scaled_ce)}["0"]
+    assert r32["E_dy2"] == pytest.approx(want, rel=1e-4) and "float16" not in r32["note"]
+
+    if how == "half":
+        net, batch, loss = small_gradient_net().half(), (x.half(), t), scaled_ce
+        assert float(_output_gradient(net, net[0], batch).abs().max()) == 0.0
+    else:
+        net, batch = small_gradient_net(), (x, t)
+
+        def loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+            with torch.autocast("cpu", dtype=torch.float16):
+                return scaled_ce(model, batch)
+
+    rows = {r["layer"]: r for r in gr_scaling(net, [batch], loss)}
+    r16 = rows["0"]
+    assert r16["E_dy2"] == 0.0 and r16["gamma_w"] == 0.0
+    note = r16["note"]
+    assert "float16" in note and "5.96e-08" in note and "may have underflowed" in note, note
+    assert "float32 copy" in note and "GradScaler" in note, note
+    assert "no gradient reaches" not in note and "in float32" not in note, note
+    assert rows["4"]["E_dy2"] > 0 and "float16" not in rows["4"]["note"]
+
+
+def test_a_bfloat16_gradient_that_underflows_is_float32s_underflow_not_float16s() -> None:
+    """bfloat16 has float32's range: a gradient whose squares underflow there (~1e-31) keeps the
+    float32 note, word for word (no float16 blamed)."""
+    g = torch.Generator().manual_seed(0)
+    x, t = torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
+
+    def tiny_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return F.cross_entropy(model(batch[0]), batch[1]) * 1e-30
+
+    notes = []
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 3)).to(dtype)
+        row = {r["layer"]: r for r in gr_scaling(net, [(x.to(dtype), t)], tiny_loss)}["0"]
+        assert row["E_dy2"] == 0.0
+        notes.append(row["note"])
+    assert notes[0] == notes[1] and "float16" not in notes[1] and "in float32" in notes[1]
+
+
 class _TimeMajor(nn.Module):
     """A projection of a time-major ``(T, B, F)`` input (batch_first=False), pooled over time."""
 

@@ -29,6 +29,7 @@ from initlab.diagnostics.gradients import GradientStats
 from initlab.diagnostics.report import ratio_reason, ratio_verdict
 
 from .half_models import HandNorm, ln_net
+from .test_conditioning import scaled_ce, small_gradient_batch, small_gradient_net
 
 F64 = torch.float64
 
@@ -653,6 +654,39 @@ def test_a_layer_whose_gradient_vanished_is_bad_and_makes_the_spread_infinite() 
     assert "max/min over weights = inf" in report.summary()
     assert not any("do not add up" in n for n in report.meta["notes"]), report.meta["notes"]
     assert "max/min over weights = inf" in Report.from_json(report.to_json()).summary()
+
+
+@needs_conditioning
+def test_a_float16_layer_whose_gradient_is_0_may_have_underflowed_and_is_not_bad() -> None:
+    """A float16 model whose gradient at its first layer's output is ~1e-8 (float64; the oracle
+    is test_conditioning's): 0 in float16. diagnose said "bad: it will not learn", where the float32
+    copy measures the gradient; now ``warn``, naming float16's range and the float32 copy."""
+    x, t = small_gradient_batch()
+    half = diagnose(small_gradient_net().half(), [(x.half(), t)], scaled_ce, spectra=False)
+    rows = {(r["layer"], r["quantity"]): r for r in half.to_rows()}
+    for layer in ("0", "1"):  # the Linear (γ = 0) and the LayerNorm after it (every gradient 0)
+        zero = rows[(layer, "zero_gradient")]
+        assert zero["verdict"] == "warn", zero
+        assert "may have underflowed float16" in zero["note"] and "float32 copy" in zero["note"]
+    layer0 = {r["layer"]: r for r in half.layers}["0"]
+    assert layer0["verdict"] == "warn" and "will not learn" not in layer0["reason"], layer0
+    assert half.meta["imbalance"]["float16_zero"] == ["0", "1"]
+    full = diagnose(small_gradient_net(), [(x, t)], scaled_ce, spectra=False)
+    assert not [r for r in full.to_rows() if r["quantity"] == "zero_gradient"]
+    assert full.meta["imbalance"]["float16_zero"] == []
+
+
+@needs_conditioning
+def test_a_bfloat16_gradient_that_underflows_float32s_range_is_still_bad() -> None:
+    """bfloat16 has float32's range: deep_sigmoid's vanished gradient is ``bad`` there as in
+    float32, with the float32 reason (no float16 blamed)."""
+    net = deep_sigmoid().to(torch.bfloat16)
+    data = [(x.to(torch.bfloat16), t) for x, t in sigmoid_batches()]
+    report = diagnose(net, data, nn.CrossEntropyLoss(), spectra=False)
+    zero = [r for r in report.to_rows() if r["quantity"] == "zero_gradient"]
+    assert zero and all(r["verdict"] == "bad" for r in zero)
+    assert all("float16" not in r["note"] and "in float32" in r["note"] for r in zero), zero
+    assert report.meta["imbalance"]["float16_zero"] == []
 
 
 def test_a_layer_after_dead_units_has_no_weight_gradient_and_is_bad() -> None:

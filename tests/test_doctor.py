@@ -26,6 +26,8 @@ from initlab.diagnostics.doctor import (
     doctor,
 )
 
+from .test_conditioning import scaled_ce, small_gradient_batch, small_gradient_net
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 C = 10
@@ -474,6 +476,25 @@ def test_layers_whose_gradient_vanished_count_and_make_the_spread_infinite() -> 
     zero = [r for r in rep.diagnosis.rows if r["quantity"] == "zero_gradient"]
     assert zero and layers_row["value"] >= len(zero) and layers_row["verdict"] == "bad"
     assert "0: zero_gradient" in layers_row["why"] and "lsuv" in rep.recommended
+
+
+def test_a_float16_gradient_that_may_have_underflowed_gets_no_fix() -> None:
+    """A float16 model whose first layer's gradient (~1e-8 in float64) is 0 in float16: doctor
+    recommended LSUV for a "zero gradient" and fix=True rewrote the weights, where the float32
+    copy needs nothing. Now nothing is recommended or applied, and the summary says why."""
+    x, t = small_gradient_batch()
+    model, data = small_gradient_net().half(), [(x.half(), t)]
+    before = snapshot(model)
+    rep = doctor(model, data, scaled_ce, fix=True, generator=0)
+    after = snapshot(model)
+    assert all(torch.equal(before["state"][k], after["state"][k]) for k in before["state"])
+    assert rep.recommended == [] and rep.applied == []
+    row = rep.row("dead_or_exploding_layers")
+    assert row["verdict_before"] == "warn" and row["fix"] == "", row
+    summary = rep.summary()
+    assert "float16" in summary and "float32 copy" in summary and "no fix" in summary, summary
+    full = doctor(small_gradient_net(), [(x, t)], scaled_ce)
+    assert full.recommended == [] and "float16" not in full.summary()
 
 
 class OwnLoss(nn.Module):

@@ -48,6 +48,7 @@ __all__ = [
     "computed",
     "layer_tensor",
     "machinery",
+    "owns_tensors",
     "parametrized_names",
     "parametrized_note",
     "plain_copy",
@@ -176,6 +177,11 @@ def parametrized_names(module: nn.Module) -> list[str]:
     if not parametrize.is_parametrized(module):
         return []
     return list(module.parametrizations)  # type: ignore[arg-type]
+
+
+def owns_tensors(module: nn.Module) -> bool:
+    """``module`` directly owns a parameter, or a tensor computed by a parametrization."""
+    return next(module.parameters(False), None) is not None or bool(parametrized_names(module))
 
 
 def machinery(model: nn.Module) -> set[int]:

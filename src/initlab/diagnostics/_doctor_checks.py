@@ -19,6 +19,7 @@ from initlab._core.loss_counts import target_count
 from initlab._core.parametrized import machinery
 from initlab._core.rng import Seeds, peeked
 from initlab._core.rows import _fmt
+from initlab._core.underflow import FLOAT16_ADVICE
 from initlab.diagnostics._outputs import (
     Forward,
     init_logit_std,
@@ -264,6 +265,8 @@ def _spread_check(m: _Measure, key: str) -> _Check:
             f"{symbol} = 0 (min {imb.get(f'{key}_argmin')!r}), no gradient reaches them; see "
             "dead_or_exploding_layers (no learning rate balances a layer that gets no gradient)"
         )
+        if _float16_zero(m):
+            why += "; in float16 a gradient below 5.96e-8 is 0: " + FLOAT16_ADVICE
         none = f"{zero} weight(s) get no gradient ({symbol} = 0): see dead_or_exploding_layers"
         return _Check(name, value, SPREAD_WARN, "bad", why, untreated=none)
     if not math.isfinite(value):
@@ -335,6 +338,7 @@ def _layers_check(m: _Measure, model: nn.Module) -> _Check:
         if r.get("rule") in (*_LAYER_RULES, "input_scale") and r.get("severity") in _ILL
     ]  # the input's scale: no fix here changes the data, the message says what to do
     silent, zero = _no_gradient(m), _no_gradient(m, "zero_gradient")
+    half = [r for r in zero if r["layer"] in _float16_zero(m)]  # no fix: float16's range
     trusted = [r for r in found if _trusted(r, normalized, traced)]
     ignored = len(found) - len(trusted)
     hits = zero + trusted + silent
@@ -355,10 +359,29 @@ def _layers_check(m: _Measure, model: nn.Module) -> _Check:
     more = f"; and {len(hits) - 4} more finding(s)" if len(hits) > 4 else ""
     if silent:
         more += "; no fix here gives a layer a gradient: check how the model and loss use it"
-    fixes = tuple(sorted({_LAYER_RULES[r["rule"]] for r in hits if r["rule"] in _LAYER_RULES}))
-    return _Check(
+    fixed = [r for r in hits if r["rule"] in _LAYER_RULES and r not in half]
+    fixes = tuple(sorted({_LAYER_RULES[r["rule"]] for r in fixed}))
+    check = _Check(
         "dead_or_exploding_layers", float(len(layers)), 0.0, verdict, shown + more + note, fixes
     )
+    if half and fixes:  # the fixes are the other findings'
+        check.why += "; " + _FLOAT16_UNTREATED
+    elif half:
+        check.untreat(_FLOAT16_UNTREATED)
+    return check
+
+
+_FLOAT16_UNTREATED = (
+    "a gradient that is 0 in float16 may be float16's range (below 5.96e-8 it rounds to 0), "
+    f"not the init's, so no fix is applied for it: {FLOAT16_ADVICE}"
+)
+
+
+def _float16_zero(m: _Measure) -> set[str]:
+    """The layers whose zero gradient the diagnosis blames on float16's range (its imbalance's
+    ``float16_zero``: :mod:`initlab._core.underflow`)."""
+    imb = m.report.meta.get("imbalance") or {}
+    return set(imb.get("float16_zero") or ())
 
 
 def _init_for_logits(

@@ -11,7 +11,7 @@ and so do the linter's ``warn``/``bad`` findings on the layer.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +21,7 @@ from torch.nn.utils import parametrize
 
 from initlab._core.parametrized import layer_tensor
 from initlab._core.rows import Rows
+from initlab._core.underflow import float16_layer, float16_zero
 from initlab.diagnostics.linter import _positive, signal_ratios
 from initlab.diagnostics.report import (
     DIAGNOSTIC_COLUMNS,
@@ -183,6 +184,7 @@ class _Ratios:
     nu_rel: dict[str, float] = field(default_factory=dict)
     wnames: dict[str, str] = field(default_factory=dict)
     zero: dict[str, str] = field(default_factory=dict)  # layer -> why its gradient is 0
+    float16: set[str] = field(default_factory=set)  # of zero: may be float16 underflow (warn)
     gated: dict[str, str] = field(default_factory=dict)  # layer -> the zero gate after it
 
 
@@ -250,7 +252,8 @@ def _add_gamma(out: _LongRows, gr: Rows | None, rat: _Ratios) -> None:
         if gw == 0.0 and layer in rat.gated:
             v, note = "ok", rat.gated[layer]
         elif gw == 0.0:
-            v, note = "bad", rat.zero.get(layer, "γ = 0: no gradient reaches this layer")
+            v = "warn" if layer in rat.float16 else "bad"
+            note = rat.zero.get(layer, "γ = 0: no gradient reaches this layer")
         out.add(layer, "weight", "gamma", gw, verdict=v, note=note)
         out.add(layer, "weight", "gamma_rel_median", rel, verdict=v, note=note)
     for layer, gw in frozen.items():
@@ -269,7 +272,9 @@ def _add_nu_rel(out: _LongRows, rat: _Ratios) -> None:
         note = f"{nus[layer][1]} ν" + (
             f"; {ratio_reason('ν', rel)}" if v in ("warn", "bad") else ""
         )
-        if nus[layer][0] == 0.0:
+        if nus[layer][0] == 0.0 and layer in rat.float16:
+            v, note = "warn", rat.zero.get(layer, float16_zero(f"{nus[layer][1]} ν = 0"))
+        elif nus[layer][0] == 0.0:
             v, note = "bad", f"{nus[layer][1]} ν = 0: the weight's gradient is 0"
         out.add(layer, rat.wnames[layer], "nu_rel_median", rel, verdict=v, note=note)
 
@@ -338,9 +343,13 @@ def _add_no_gradient(out: _LongRows, probe_table: Rows, param_table: Rows) -> di
     return silent
 
 
-def _zero_reason(e_x2: float, e_dy2: float, what: str, dead: Sequence[str] = ()) -> str:
+def _zero_reason(
+    e_x2: float, e_dy2: float, what: str, dead: Sequence[str] = (), float16: bool = False
+) -> str:
     """Why a layer's gradient is 0 (``what``: ``"γ = 0"`` or ``"every gradient is 0"``);
-    ``dead``: the ReLUs whose every unit is dead (no gradient passes them)."""
+    ``dead``: the ReLUs whose every unit is dead (no gradient passes them); ``float16``: the
+    layer is float16 (:func:`~initlab._core.underflow.float16_layer`), so a zero gradient may be
+    float16 underflow (a dead ReLU or a zero input still explain it first)."""
     if e_dy2 == 0.0 and dead:
         shown = ", ".join(dead[:3]) + (f" and {len(dead) - 3} more" if len(dead) > 3 else "")
         return (
@@ -348,6 +357,9 @@ def _zero_reason(e_x2: float, e_dy2: float, what: str, dead: Sequence[str] = ())
             f"the ReLU {shown} is dead (its input never positive), and no gradient passes a dead "
             "ReLU; fix the layer that feeds it (its bias, its weights), and this one learns"
         )
+    if float16:
+        return float16_zero(f"{what}: " + ("E[dy^2] = 0 at its output" if e_dy2 == 0.0 else
+                                           "its parameters' gradients are 0"))  # fmt: skip
     if e_dy2 == 0.0:
         return (
             f"{what}: no gradient reaches this layer (E[dy^2] = 0 at its output: the gradient "
@@ -368,16 +380,28 @@ def _add_zero_gradient(
     gr: Rows | None,
     rat: _Ratios,
     dead: Sequence[str] = (),
+    float16_outputs: Collection[str] = (),
 ) -> None:
     """A ``zero_gradient`` row (``bad``) for every layer whose trainable weight has γ = 0, or all
     of whose trainable parameters got a gradient that is exactly 0 (a vanished gradient, often
     one whose squares underflow in float32); the reasons go to ``rat.zero``. A layer that got no
-    gradient at all is :func:`_add_no_gradient`'s."""
+    gradient at all is :func:`_add_no_gradient`'s. At a float16 layer (its parameters, or
+    ``float16_outputs``: :attr:`~initlab.MomentProbe.float16_layers`) the zero may be float16
+    underflow (:mod:`initlab._core.underflow`): ``warn``, and the layer goes to
+    ``rat.float16``; without a dead ReLU before it or a zero input."""
     moments = {t["layer"]: (t["E_x2"], t["E_dy2"]) for t in probe_table}
+
+    def reason(layer: str, e_x2: float, e_dy2: float, what: str) -> str:
+        half = not (e_dy2 == 0.0 and dead) and e_x2 != 0.0
+        half = half and float16_layer(out.named.get(layer), layer, float16_outputs)
+        if half:
+            rat.float16.add(layer)
+        return _zero_reason(e_x2, e_dy2, what, dead, half)
+
     for r in gr or ():
         gw = r.get("gamma_w")
         if r.get("trainable", True) and gw == 0.0:
-            rat.zero[r["layer"]] = _zero_reason(r["E_x2"], r["E_dy2"], "γ = 0", dead)
+            rat.zero[r["layer"]] = reason(r["layer"], r["E_x2"], r["E_dy2"], "γ = 0")
     grads: dict[str, list[float]] = {}
     for r in param_table:
         module = out.named.get(r["layer"])
@@ -387,13 +411,14 @@ def _add_zero_gradient(
     for layer, values in grads.items():
         if layer not in rat.zero and all(v == 0.0 for v in values):
             e_x2, e_dy2 = moments.get(layer, (_NAN, _NAN))
-            rat.zero[layer] = _zero_reason(e_x2, e_dy2, "every gradient is 0", dead)
+            rat.zero[layer] = reason(layer, e_x2, e_dy2, "every gradient is 0")
     for layer, why in rat.zero.items():
         gate = rat.gated.get(layer)
         if gate is not None:  # a residual branch closed at init on purpose: it opens at step 1
             out.add(layer, "", "zero_gradient", 1.0, verdict="ok", note=gate)
         else:
-            out.add(layer, "", "zero_gradient", 1.0, verdict="bad", note=why)
+            verdict = "warn" if layer in rat.float16 else "bad"
+            out.add(layer, "", "zero_gradient", 1.0, verdict=verdict, note=why)
 
 
 def closed_heads(model: nn.Module, probe_table: Rows) -> dict[str, str]:
@@ -493,7 +518,7 @@ def _verdict(
     if layer in rat.gated:  # γ = ν = 0 by design: no ratio to judge
         reasons.append(("ok", rat.gated[layer]))
     elif layer in rat.zero:
-        reasons.append(("bad", rat.zero[layer]))
+        reasons.append(("warn" if layer in rat.float16 else "bad", rat.zero[layer]))
     rel = rat.gamma_rel.get(layer, _NAN)
     judged = layer not in rat.gated
     if judged and layer in rat.gammas and math.isfinite(rel):
@@ -594,18 +619,21 @@ def assemble(
     tables: Mapping[str, Rows],
     findings: Rows,
     blocks: Iterable[Mapping[str, Any]] = (),
+    float16_outputs: Collection[str] = (),
 ) -> tuple[Rows, Rows, dict[str, Any]]:
     """Long rows, the per-layer table with verdicts, and the imbalance summary; the layers of a
     residual branch of ``blocks`` closed at init (:func:`closed_branches`) and those before a
     zero-initialized head (:func:`closed_heads`) are no zero gradient and stay out of the
-    imbalance."""
+    imbalance. ``float16_outputs``: the probe's float16 layers
+    (:attr:`~initlab.MomentProbe.float16_layers`); the imbalance's ``float16_zero`` lists the
+    layers whose zero gradient may be float16 underflow (:func:`_add_zero_gradient`)."""
     out = _LongRows(model)
     gated = {**closed_heads(model, probe_table), **closed_branches(model, probe_table, blocks)}
     rat = _Ratios(gated=gated)
     _add_moments(out, probe_table)
     _add_params(out, param_table, tables, rat)
     dead = [f["layer"] for f in findings if f["rule"] == "dead_relu" and f["value"] >= 1.0]
-    _add_zero_gradient(out, probe_table, param_table, gr, rat, dead)
+    _add_zero_gradient(out, probe_table, param_table, gr, rat, dead, float16_outputs)
     _add_gamma(out, gr, rat)
     _add_nu_rel(out, rat)
     _add_measurements(out, tables)
@@ -621,6 +649,7 @@ def assemble(
             if k not in rat.gated
         }
     )
+    imb["float16_zero"] = [k for k in rat.zero if k in rat.float16]
     return (
         Rows(out.rows, DIAGNOSTIC_COLUMNS, title="diagnosis (long rows)"),
         Rows(wide, LAYER_COLUMNS, title="diagnosis per layer"),

@@ -46,6 +46,7 @@ from initlab._core.parametrized import reading_layers
 from initlab._core.rng import Seeds, as_generator, stage_generator
 from initlab._core.rows import Rows
 from initlab._core.state import preserved_state
+from initlab._core.underflow import FLOAT16_ADVICE, FLOAT16_TINY, float16_layer
 from initlab.diagnostics._lipschitz_ops import OperationWatch
 from initlab.diagnostics.assemble import _weight_names, assemble
 from initlab.diagnostics.gradients import GradientStats
@@ -246,7 +247,8 @@ def _diagnose(
     landscape = _landscape_stage(model, batches, loss, o.landscape, stages, run)
 
     say("building the report")
-    rows, layers, imb = assemble(model, probe_table, param_table, gr, run.tables, findings, blocks)
+    rows, layers, imb = assemble(model, probe_table, param_table, gr, run.tables, findings, blocks,
+                                 probe.float16_layers)  # fmt: skip
     if cond_imbalance is not None:
         imb["conditioning"] = cond_imbalance
     options = {
@@ -408,10 +410,12 @@ def _probe_tables(probe: MomentProbe, losses: list[float], run: _Run) -> tuple[R
     run.tables["params"] = param_table
     by_reason: dict[str, list[str]] = {}
     vanished = _vanished_params(probe_table, param_table)
+    named, half = dict(probe.model.named_modules()), probe.float16_layers
     for n in probe.notes:
         label, _, why = n.partition(": ")
         if label in vanished and why == _MISMATCH:  # zeros and subnormals do not add up exactly
-            why = _VANISHED
+            layer = vanished[label]
+            why = _VANISHED_FLOAT16 if float16_layer(named.get(layer), layer, half) else _VANISHED
         by_reason.setdefault(why, []).append(label)
     for why, labels in by_reason.items():
         shown = ", ".join(labels[:4]) + (f" and {len(labels) - 4} more" if len(labels) > 4 else "")
@@ -423,15 +427,20 @@ _VANISHED = (
     "the gradient vanishes before these layers (it is 0, or its squares underflow to 0 in "
     "float32), so per-example gradients cannot be told apart from the minibatch gradient"
 )
+_VANISHED_FLOAT16 = (
+    "the gradient is 0 at these float16 layers, and may have underflowed float16 (below its "
+    f"smallest subnormal, {FLOAT16_TINY:.3g}) rather than vanished, so per-example gradients "
+    f"cannot be told apart from the minibatch gradient; {FLOAT16_ADVICE}"
+)
 
 
-def _vanished_params(probe_table: Rows, param_table: Rows) -> set[str]:
+def _vanished_params(probe_table: Rows, param_table: Rows) -> dict[str, str]:
     """Labels (``"layer.param"``) of the parameters whose minibatch gradient's ``E[dW^2]`` is 0
-    or whose layer's ``E[dy^2]`` is: a per-example check that fails there reads rounding, not a
-    parameter used outside its module."""
+    or whose layer's ``E[dy^2]`` is, with their layers: a per-example check that fails there
+    reads rounding, not a parameter used outside its module."""
     no_dy = {t["layer"] for t in probe_table if t["E_dy2"] == 0.0}
     return {
-        f"{r['layer']}.{r['param']}" if r["layer"] else r["param"]
+        f"{r['layer']}.{r['param']}" if r["layer"] else r["param"]: r["layer"]
         for r in param_table
         if r["E_dW2"] == 0.0 or r["layer"] in no_dy
     }

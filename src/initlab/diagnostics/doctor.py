@@ -43,7 +43,9 @@ Checks (one tidy row each, :data:`DOCTOR_COLUMNS`):
                                or ``input_scale`` (the data's scale: no fix here, the logit and
                                spread fixes wait for it), whose gradient is 0
                                (the diagnosis's ``zero_gradient``, ``bad``: it vanished, or its
-                               squares underflow in float32; fix: LSUV), or whose trainable
+                               squares underflow in float32; fix: LSUV; at a float16 layer
+                               ``warn`` and no fix: it may be float16's range, below 5.96e-8),
+                               or whose trainable
                                parameters get no gradient (the diagnosis's ``no_gradient``: not
                                called on the data, or run under ``torch.no_grad()``; ``warn``,
                                and no fix here changes it); reference 0.

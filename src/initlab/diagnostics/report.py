@@ -45,6 +45,11 @@ or every trainable parameter's gradient is exactly 0, because the gradient vanis
 (often: its squares underflow to 0 in float32, ``E[dy^2] = 0``) or its input is 0 (dead units).
 Such a weight is "infinitely slower" than the others: it enters the imbalance summary, whose
 max/min is then ``inf`` (``gamma_zero``/``nu_zero`` count them), never a spread over the rest.
+At a float16 layer (a float16 parameter, or a float16 output or output gradient) the zero may be
+float16's range instead: a gradient below its smallest subnormal ``2^-24 = 5.96e-8`` rounds to 0
+(:mod:`initlab._core.underflow`; bfloat16 has float32's range). Such a layer is ``warn``, its
+note says so and what to do (measure a float32 copy, which sees what training with loss scaling
+sees), and the imbalance's ``float16_zero`` lists it (doctor applies no fix for it).
 Not so a layer of a residual branch that a zero-initialized weight after it closes at init
 (zero-init-last-BN, Fixup): ``ok``, with a note, and left out of the imbalance
 (:func:`initlab.diagnostics.assemble.closed_branches`).
@@ -120,7 +125,8 @@ QUANTITIES: dict[str, str] = {
     "no_gradient": "1 where no trainable parameter of the layer got a gradient (verdict warn; "
     "note: not called on this data, or no gradient reached it)",
     "zero_gradient": "1 where the layer's weight has gamma = 0, or every trainable parameter's "
-    "gradient is exactly 0 (vanished, or underflowed in float32; verdict bad, note: why)",
+    "gradient is exactly 0 (vanished, or underflowed in float32; verdict bad, note: why; warn "
+    "at a float16 layer, where it may be float16 underflow: below 5.96e-8)",
     # per parameter
     "gamma": "GR scaling gamma (Defazio & Bottou Prop. 3) via initlab.gr_scaling",
     "gamma_rel_median": "gamma / median gamma of the model's weights",

@@ -155,6 +155,7 @@ from initlab._core.parametrized import (
     trainable,
 )
 from initlab._core.rows import Rows
+from initlab._core.underflow import float16_layer, float16_zero
 from initlab.init.registry import ParamSpec, Registry, default_registry
 from initlab.measure.probe import MomentProbe, measure_moments
 
@@ -372,9 +373,11 @@ def _gr_row(
     a: float,
     examples: int | None,
     backward: bool,
+    float16: bool = False,
 ) -> dict[str, Any]:
     """One :data:`GR_COLUMNS` row (``sums``: the layer's ``[10, 2]`` sums, :func:`_moment_sums`;
-    ``backward``: whether the probe saw a backward pass at all)."""
+    ``backward``: whether the probe saw a backward pass at all; ``float16``: a zero gradient
+    there may be float16 underflow, :func:`~initlab._core.underflow.float16_layer`)."""
     m = [float(s / n) if n > 0 else _NAN for s, n in sums.tolist()]
     e_x2, e_y2, e_dy2, e_w2, e_dw2, e_dw2_ex, e_b2, e_db2_ex, _, e_dw2_mb = m
     kind = _kind(module, spec)
@@ -382,7 +385,7 @@ def _gr_row(
     n_in, k2, p2, notes = _p2(module, spec, kind, sums, examples)
     notes[:0] = _parametrized_notes(module, [spec.name, bias])
     reached = float(sums[2, 1]) > 0
-    note = _gradient_note(sums, reached, backward, trainable(module, spec.name))
+    note = _gradient_note(sums, reached, backward, trainable(module, spec.name), float16)
     if note:
         notes.append(note)
     elif e_x2 == 0.0 and trainable(module, spec.name):
@@ -426,13 +429,21 @@ def _gr_row(
     }
 
 
-def _gradient_note(sums: torch.Tensor, reached: bool, backward: bool, trainable: bool) -> str:
+def _gradient_note(
+    sums: torch.Tensor, reached: bool, backward: bool, trainable: bool, float16: bool = False
+) -> str:
     """Why a layer's output gradient is missing or incomplete ("" when nothing is): only a
     non-finite gradient is called one; a layer that got none says how (``sums`` as in
-    :func:`_gr_row`)."""
+    :func:`_gr_row`). A gradient of exactly 0 at a float16 layer (``float16``) is named as
+    possible float16 underflow (entries below ``2^-24 = 5.96e-8`` round to 0), not a vanished
+    gradient."""
     nonfinite, calls = float(sums[8, 0]), float(sums[8, 1])
     if reached:
         if not nonfinite:
+            if float(sums[2, 0]) == 0.0 and trainable and float16:
+                return (
+                    float16_zero("E[dy^2] = 0: the layer's output gradient is 0") + "; gamma is 0"
+                )
             if float(sums[2, 0]) == 0.0 and trainable:
                 return (
                     "E[dy^2] = 0: no gradient reaches this layer's output (the gradient vanishes "
@@ -657,12 +668,10 @@ def gr_scaling(
     calls = {t["layer"]: int(t["calls"] or 0) for t in table}
     sums = _moment_sums(values, layers, calls, all_reduce)
     backward = bool((sums[:, 2, 1] + sums[:, 4, 1] + sums[:, 8, 0]).sum() > 0)
-    claimed = {
-        name: _gr_row(
-            name, module, spec, bias, sums[i], float(alpha.get(name, 1.0)), examples, backward
-        )
-        for i, (name, module, spec, bias) in enumerate(layers)
-    }
+    half, claimed = probe.float16_layers, dict[str, dict[str, Any]]()
+    for i, (name, module, spec, bias) in enumerate(layers):
+        a, f16 = float(alpha.get(name, 1.0)), float16_layer(module, name, half)
+        claimed[name] = _gr_row(name, module, spec, bias, sums[i], a, examples, backward, f16)
     if pooled:  # the same rows on every rank: the layers some rank ran, in definition order
         ran = [r for i, r in enumerate(claimed.values()) if float(sums[i, 8, 1]) > 0]
         rows = ran + [r for t in table if (r := _unclaimed_row(t, modules, reg)) is not None]

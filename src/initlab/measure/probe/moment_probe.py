@@ -28,6 +28,7 @@ from initlab._core.modules import with_first_names
 from initlab._core.parametrized import (
     computed,
     machinery,
+    owns_tensors,
     parametrized_names,
     parametrized_note,
     refuse_computed,
@@ -191,7 +192,7 @@ class MomentProbe(HookContext):
         spec = self.modules
         if isinstance(spec, str):
             if spec == "params":
-                chosen = [(n, m) for n, m in named if _owns_tensors(m)]
+                chosen = [(n, m) for n, m in named if owns_tensors(m)]
             elif spec == "leaves":
                 chosen = [(n, m) for n, m in named if all(id(c) in skip for c in m.children())]
             else:
@@ -422,6 +423,7 @@ class MomentProbe(HookContext):
         ``seen``: sums already taken in this hook call, by tensor."""
         if not t.is_floating_point() or t.layout != torch.strided:
             return
+        st.float16 |= t.dtype == torch.float16 and quantity in ("y", "dy")  # float16_layers
         key_t = id(t)
         if self._mask is not None and st.bd == 0:
             t = at_mask(t, self._mask)  # (B, T, ...) at the real tokens of a padded batch
@@ -858,6 +860,11 @@ class MomentProbe(HookContext):
         return _param_table(self._report_states())
 
     @property
+    def float16_layers(self) -> frozenset[str]:
+        """Modules with a float16 output or output gradient (:mod:`initlab._core.underflow`)."""
+        return frozenset(st.name for st in self._states if st.float16)
+
+    @property
     def notes(self) -> list[str]:
         """Why some ``dW_example`` values are NaN: ``"<module>.<param>: <reason>"``."""
         self._flush()
@@ -878,11 +885,6 @@ def _flatten_call(args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:
     if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
         return [(str(i), a) for i, a in enumerate(args)]
     return flatten_tensors(list(args)) + flatten_tensors(dict(kwargs))
-
-
-def _owns_tensors(module: nn.Module) -> bool:
-    """``module`` directly owns a parameter, or a tensor computed by a parametrization."""
-    return next(module.parameters(False), None) is not None or bool(parametrized_names(module))
 
 
 def _keep_closed_form_input(rec: _Record, st: _ModuleState, leaves: list[torch.Tensor]) -> None:

@@ -128,6 +128,7 @@ class _ModuleState:
         self.adoptable: list[tuple[str, _ParamState, _ModuleState]] = []
         self.frames: list[_Frame] = []
         self.last_seq = -1
+        self.float16 = False  # a float16 output or output gradient seen
 
     def refuse_vmapped(self) -> None:
         """Raise if the module's hooks run inside ``torch.func.vmap``
