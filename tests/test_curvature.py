@@ -1277,3 +1277,104 @@ def test_nonfinite_curvature_products_are_named_with_the_float16_cause() -> None
     est = block_curvature(net, batch, nn.CrossEntropyLoss(), generator=0)
     assert est.to_rows()[0]["nonfinite"] > 0
     assert any("NaN/inf" in n and "float16" in n and "float32 copy" in n for n in est.notes)
+
+
+# --------------------------------------------------------------------------------------------------
+# float16 underflow: gradients below float16's smallest subnormal (2^-24) are 0
+# --------------------------------------------------------------------------------------------------
+
+
+def _small_gradient_net(first: float = 0.01, rest: float = 0.02) -> nn.Sequential:
+    """Linear -> LayerNorm -> Linear -> Tanh -> Linear; the first layer x``first`` (its output
+    small, the LayerNorm's rstd ~100, as in front of a LayerNorm at a small init), the last two
+    weights x``rest``: under a loss x1e-2 the gradient reaching the LayerNorm is ~1e-8 in float64,
+    below float16's smallest subnormal 5.96e-8."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 16), nn.Tanh(),
+                        nn.Linear(16, 3))  # fmt: skip
+    with torch.no_grad():
+        net[0].weight.mul_(first)
+        net[0].bias.mul_(first)
+        net[2].weight.mul_(rest)
+        net[4].weight.mul_(rest)
+    return net
+
+
+def _small_gradient_case(scale: float = 1e-2) -> tuple[tuple[torch.Tensor, torch.Tensor], Callable]:
+    g = torch.Generator().manual_seed(0)
+    batch = torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)
+
+    def loss(model: nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return F.cross_entropy(model(b[0]), b[1]) * scale
+
+    return batch, loss
+
+
+def _exact_block(net: nn.Module, name: str, batch: tuple, loss: Callable) -> float:
+    """``‖H_ll‖_F² / n_l`` of parameter ``name``, from the dense float64 Hessian."""
+    model = copy.deepcopy(net).to(DT)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    x = (batch[0].to(DT), batch[1])
+
+    def f(w: torch.Tensor) -> torch.Tensor:
+        return loss(lambda inp: torch.func.functional_call(model, {**params, name: w}, (inp,)), x)
+
+    h = torch.autograd.functional.hessian(f, params[name])
+    return float(h.pow(2).sum()) / params[name].numel()
+
+
+def test_float16_curvature_whose_gradients_underflowed_is_flagged_not_confident() -> None:
+    """The gradient reaching the LayerNorm is below 2^-24, so it is 0 in float16, and the
+    LayerNorm's second-order term (rstd^2 times that gradient) is lost: block_curvature gave
+    2.1x the float64 value of a bias block, 4 standard errors off, with no note (a BERT at
+    weights x0.01: 6.9x). The blocks are flagged now, with a warning naming float16 and the
+    float32 copy; the float32 and bfloat16 copies of the same weights are unchanged, unflagged."""
+    net, (batch, loss) = _small_gradient_net(), _small_gradient_case()
+    names = ("0.weight", "0.bias", "1.weight", "4.weight")
+    exact = {n: _exact_block(net, n, batch, loss) for n in names}
+    for dtype in (torch.float32, torch.bfloat16):  # float32's range: no underflow, no note
+        rows = block_curvature(net.to(dtype), (batch[0].to(dtype), batch[1]), loss,
+                               params=list(names), probes=32, generator=0)  # fmt: skip
+        for r in rows:
+            assert r["note"] == "", r
+            assert abs(r["value"] - exact[r["block_row"]]) < 3 * r["stderr"], (dtype, r)
+    with pytest.warns(UserWarning, match=r"block_curvature: 3 block\(s\) of this float16 model"):
+        rows = block_curvature(net.half(), (batch[0].half(), batch[1]), loss,
+                               params=list(names), probes=32, generator=0)  # fmt: skip
+    by = {r["block_row"]: r for r in rows}
+    bias = by["0.bias"]
+    assert bias["value"] > 1.8 * exact["0.bias"]  # what was reported as confident:
+    assert bias["value"] - exact["0.bias"] > 3 * bias["stderr"]  # off by > 3 stderr
+    assert by["1.weight"]["value"] == 0.0 < exact["1.weight"]  # every product underflowed
+    for name in ("0.weight", "0.bias", "1.weight"):
+        note = by[name]["note"]
+        assert note.startswith("float16 underflow: with the loss scaled by 256"), note
+        assert "5.96e-8" in note and "float32 copy" in note, note
+    assert by["4.weight"]["note"] == ""  # its gradient is a float16 number: exact to rounding
+    assert abs(by["4.weight"]["value"] - exact["4.weight"]) < 3 * by["4.weight"]["stderr"]
+    assert any("float16 underflow" in n and "float32 copy" in n for n in rows.notes)
+
+
+def test_float16_curvature_of_a_model_in_float16s_range_is_not_flagged() -> None:
+    """The same model at its default init and an unscaled loss: float16 products within its
+    range, no note, no warning (pytest turns one into an error), the exact values within their
+    standard errors."""
+    net, (batch, loss) = _small_gradient_net(1.0, 1.0), _small_gradient_case(1.0)
+    names = [n for n, _ in net.named_parameters()]
+    rows = block_curvature(net.half(), (batch[0].half(), batch[1]), loss, probes=16, generator=0)
+    for r in rows:
+        assert r["note"] == "", r
+        exact = _exact_block(net, r["block_row"], batch, loss)
+        assert abs(r["value"] - exact) < 3 * r["stderr"] + 0.01 * exact, r
+    assert [r["block_row"] for r in rows] == names
+
+
+def test_diagnose_curvature_of_a_float16_model_notes_the_underflow() -> None:
+    """diagnose(curvature=True) took the underflowed blocks as they came (curv_block 1e-24 -> 0,
+    curv_theory_ratio NaN in a float16 BERT); its notes name the blocks and the float32 copy,
+    once, without the two warnings of its block_curvature and theory_vs_actual calls."""
+    net, (batch, loss) = _small_gradient_net(), _small_gradient_case()
+    rep = initlab.diagnose(net.half(), [(batch[0].half(), batch[1])], loss, spectra=False,
+                           curvature=True, curvature_options={"probes": 4})  # fmt: skip
+    said = [n for n in rep.meta["notes"] if n.startswith("curvature: float16 underflow")]
+    assert len(said) == 1 and "0.weight" in said[0] and "float32 copy" in said[0], said

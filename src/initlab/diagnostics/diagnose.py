@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -55,6 +56,7 @@ from initlab.diagnostics.report import Report
 from initlab.diagnostics.spectra import InputShapes, layer_spectra, lipschitz_bounds
 from initlab.measure.conditioning import gr_scaling, imbalance
 from initlab.measure.curvature import block_curvature, theory_vs_actual
+from initlab.measure.curvature.estimators import FLOAT16_UNDERFLOW, FLOAT16_ZERO
 from initlab.measure.curvature.operators import nonfinite_cause
 from initlab.measure.landscape import loss_landscape
 from initlab.measure.probe import MomentProbe
@@ -646,7 +648,9 @@ def _curvature(
         )
     for key, fn in (("curvature", block_curvature), ("theory_vs_actual", theory_vs_actual)):
         try:
-            with preserved_state(model):
+            with preserved_state(model), warnings.catch_warnings():
+                # said once, as a note (_note_underflow_curvature), not by both calls
+                warnings.filterwarnings("ignore", "block_curvature: .* float16 underflow")
                 kw = dict(opts)
                 kw.setdefault("generator", generator)
                 if key == "curvature":
@@ -656,6 +660,23 @@ def _curvature(
         except Exception as err:  # report what failed, keep the rest
             notes.append(f"{key} not computed: {type(err).__name__}: {err}")
     _note_nonfinite_curvature(model, tables, notes)
+    _note_underflow_curvature(tables, notes)
+
+
+def _note_underflow_curvature(tables: Mapping[str, Rows], notes: list[str]) -> None:
+    """A note naming the blocks of a float16 model whose curvature products underflowed
+    float16 (or are 0 in it): their ``curv_block`` and ``curv_theory_ratio`` are not the float32
+    ones (:func:`~initlab.measure.curvature.estimators._underflow_gaps`)."""
+    rows = [r for r in tables.get("curvature", ()) if r.get("block_row") == r.get("block_col")]
+    marks = (FLOAT16_UNDERFLOW, FLOAT16_ZERO)
+    names = [str(r["block_row"]) for r in rows if any(m in str(r.get("note")) for m in marks)]
+    if names:
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        notes.append(
+            f"curvature: float16 underflow in {len(names)} block(s) ({shown}): their products "
+            "change with the loss's scale, or are 0, so curv_block and curv_theory_ratio are not "
+            f"the float32 values (see the curvature table's notes); {FLOAT16_ADVICE}"
+        )
 
 
 def _note_nonfinite_curvature(

@@ -78,7 +78,15 @@ Failure modes, reported rather than hidden:
   says why and what to do); eigenpairs raise ``FloatingPointError`` with the same. In a float16
   model the normalizations run on float32 statistics in every product (torch's native double
   backwards overflow float16, :func:`~initlab._core.norms.float16_norms`); what still
-  overflows is named as float16's, with a float32 copy to measure instead.
+  overflows is named as float16's, with a float32 copy to measure instead;
+* float16 underflow: gradients below float16's smallest subnormal (``2^-24 = 5.96e-8``) round
+  to 0, and products built on them lose terms (a BERT at weights x0.01: a block 6.9x its float32
+  value, with a tight stderr). :func:`block_curvature` on a float16 model repeats one probe with
+  the loss scaled by ``2^8``: the products are linear in the loss's gradient seed and a power of
+  two commutes with every rounding inside float16's range, so a block whose products change by
+  more than 5% lost gradients (a note on its row, a warning; one that stays exactly 0 is noted
+  as possibly below float16's range); see
+  :func:`~initlab.measure.curvature.estimators._underflow_gaps`.
 
 
 Where things are:

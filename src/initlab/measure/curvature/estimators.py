@@ -11,6 +11,7 @@ the top eigenpairs (Lanczos).
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -21,10 +22,11 @@ from initlab._core.attention import with_math_attention
 from initlab._core.backward import with_grad
 from initlab._core.compiled import takes_compiled
 from initlab._core.data import data_use, take_batches
-from initlab._core.knobs import renamed_kwargs
+from initlab._core.knobs import renamed_kwargs, user_stacklevel
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows
 from initlab._core.state import keeps_config
+from initlab._core.underflow import FLOAT16_ADVICE
 from initlab.measure.curvature.functional import Forward, LossFn, tie_note
 from initlab.measure.curvature.operators import CurvatureOperator, Kind
 from initlab.measure.curvature.products import Mode
@@ -280,6 +282,8 @@ def _estimate(
         notes.append(
             f"some products held NaN/inf (see the nonfinite column): {op.nonfinite_cause()}"
         )
+    if op._float16:
+        _note_underflow(op, rows, report, block_used, probe, notes)
     names, sizes = [b.name for b in blocks], [b.size for b in blocks]
     return BlockCurvature(rows, names, sizes, op.kind, notes, samples=stack)
 
@@ -318,6 +322,106 @@ def _probe_sample(
             )
             sample[l_, k] = sq
     return sample
+
+
+_SCALES = (2.0**8, 2.0**4)
+"""The loss scales of :func:`_underflow_gaps` (the second where the first overflows)."""
+UNDERFLOW_GAP = 0.05
+"""A block whose loss-scaled product differs from this one's by more (relatively) is flagged."""
+FLOAT16_UNDERFLOW = "float16 underflow"
+"""How a block's note starts where its float16 products change with the loss's scale."""
+FLOAT16_ZERO = "0 in float16"
+"""How a block's note starts where it is 0 in float16 at every loss scale tried."""
+_LOST = (
+    "gradients below float16's smallest subnormal (5.96e-8) were rounded to 0 (and those below "
+    "6.1e-5 lost bits), so the value is not the float32 one"
+)
+
+
+def _underflow_gaps(
+    op: CurvatureOperator,
+    report: Sequence[tuple[int, int]],
+    block_used: Sequence[bool],
+    probe: str,
+) -> tuple[dict[tuple[int, int], tuple[float, float]], float]:
+    r"""``({(l, k): (gap, S)}, S)`` for the reported blocks of a float16 model whose products
+    passed float16's small end: ``gap = |s_S / S² - s| / max(s_S / S², s)`` above
+    :data:`UNDERFLOW_GAP`, with ``s = ‖H_lk r‖²`` of one probe and ``s_S`` the same with the loss
+    scaled by ``S = 2^8`` (:meth:`CurvatureOperator._loss_scaled`; ``2^4`` where that overflows).
+
+    Why this test: every backward value (the gradient at each layer, and each value of a Hessian
+    product's second backward) is linear in the loss's gradient seed, and multiplying by a power
+    of two is exact in binary floating point and commutes with every rounding, except at the ends
+    of the range. So ``s_S = S² s`` bit for bit unless a value left float16's range: a gradient
+    below its smallest subnormal ``2^-24`` rounds to 0 unscaled and not scaled (or keeps fewer
+    bits), which is what float16 underflow is, and what a float32 copy (or training with loss
+    scaling) does not have. Exact zeros of the model itself (unused rows, dead units, masks) stay
+    zero at every scale and raise no gap. The tolerance, 5%, is far above float16's rounding of a
+    sum of products (the reductions run in float32; on CPU healthy blocks agree exactly), and
+    smaller underflow effects are within a block estimate's usual standard error. Cost, for
+    float16 models only: one more forward and backward (the twin's graph, held while it runs) and
+    two products per block. A GGN's ``J v`` does not depend on the loss, so only its
+    ``Jᵀ H_out J v`` part is checked."""
+    index = {n: i for i, n in enumerate(op.param_names)}
+    zeros = [torch.zeros_like(p) for p in op._values]
+    plain = _probe_sample(op, block_used, index, zeros, probe, torch.Generator().manual_seed(0))
+    finite = [lk for lk in report if math.isfinite(float(plain[lk]))]
+    for scale in _SCALES:
+        gen = torch.Generator().manual_seed(0)  # the same probe; the twin's graph freed after
+        scaled = _probe_sample(op._loss_scaled(scale), block_used, index, zeros, probe, gen)
+        scaled /= scale**2
+        if all(math.isfinite(float(scaled[lk])) for lk in finite):
+            break
+    gaps = {}
+    for lk in finite:
+        a, b = float(plain[lk]), float(scaled[lk])
+        top = max(a, b)
+        if math.isfinite(b) and top > 0 and abs(b - a) > UNDERFLOW_GAP * top:
+            gaps[lk] = (abs(b - a) / top, scale)
+    return gaps, scale
+
+
+def _note_underflow(
+    op: CurvatureOperator,
+    rows: list[dict[str, Any]],
+    report: Sequence[tuple[int, int]],
+    block_used: Sequence[bool],
+    probe: str,
+    notes: list[str],
+) -> None:
+    """Flag the blocks of a float16 model whose products underflowed (:func:`_underflow_gaps`),
+    and the blocks the loss depends on whose value is exactly 0 there (every product entry
+    below float16's smallest subnormal at both scales, or a true 0: undecided): a note on
+    their rows and in ``notes``, and a warning."""
+    gaps, scale = _underflow_gaps(op, report, block_used, probe)
+    flagged = []
+    for r in rows:
+        lk = (r["row_index"], r["col_index"])
+        if lk in gaps:
+            here = (
+                f"{FLOAT16_UNDERFLOW}: with the loss scaled by {gaps[lk][1]:g} (loss scaling) the "
+                f"products are {gaps[lk][0]:.0%} off {gaps[lk][1]:g}x these: {_LOST}; "
+                + FLOAT16_ADVICE
+            )
+        elif r["value"] == 0.0 and block_used[lk[0]] and block_used[lk[1]]:
+            here = (
+                f"{FLOAT16_ZERO}, also with the loss scaled by {scale:g}: every product entry may "
+                f"be below float16's smallest subnormal (5.96e-8), or the block 0; {FLOAT16_ADVICE}"
+            )
+        else:
+            continue
+        r["note"] = "; ".join(x for x in (r["note"], here) if x)
+        flagged.append(r["block_row"] + ("" if lk[0] == lk[1] else f" x {r['block_col']}"))
+    if not flagged:
+        return
+    shown = ", ".join(flagged[:4]) + (f" and {len(flagged) - 4} more" if len(flagged) > 4 else "")
+    message = (
+        f"{len(flagged)} block(s) of this float16 model ({shown}) may be off by float16 "
+        f"underflow (their products change with the loss's scale, or are 0): {_LOST}; "
+        f"{FLOAT16_ADVICE} (the batch's floating-point tensors in float32)"
+    )
+    notes.append(message)
+    warnings.warn(f"block_curvature: {message}", UserWarning, stacklevel=user_stacklevel())
 
 
 def _converged(

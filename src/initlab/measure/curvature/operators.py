@@ -10,6 +10,7 @@ r"""The Hessian (or GGN) of a model's batch loss as linear operators, and where 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -294,6 +295,7 @@ class CurvatureOperator(_MatvecOperator):
         self._weight_norm = may_weight_norm(model)  # for every product's functional forward
         self._float16 = may_float16(model)  # ... and its float16 normalizations
         self._what = _what
+        self._loss_scale = 1.0  # a loss-scaled twin's (:meth:`_loss_scaled`)
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -320,7 +322,24 @@ class CurvatureOperator(_MatvecOperator):
             )
 
     def _loss(self, out: Any) -> torch.Tensor:
-        return self._on_outputs(out, self.batch)
+        loss = self._on_outputs(out, self.batch)
+        if self._loss_scale == 1.0:
+            return loss
+        # in float32 at least: the scaled value of a float16 loss may pass 65504, its gradient not
+        wide = (
+            loss.to(torch.promote_types(loss.dtype, torch.float32))
+            if loss.is_floating_point()
+            else loss
+        )
+        return wide * self._loss_scale
+
+    def _loss_scaled(self, scale: float) -> CurvatureOperator:
+        """A twin of this operator whose loss is ``scale * f`` (its own engine, built on its first
+        product): every backward value of its products is ``scale`` times this operator's, as
+        with ``torch.amp.GradScaler``'s loss scaling, where no value leaves the dtype's range."""
+        twin = copy.copy(self)
+        twin._engine, twin._loss_scale = None, float(scale)
+        return twin
 
     @property
     @with_grad
