@@ -24,6 +24,8 @@ from initlab.measure.conditioning import (
 )
 from initlab.measure.probe import measure_moments
 
+from .half_models import scaled_ce, small_gradient_batch, small_gradient_net
+
 F64 = torch.float64
 
 
@@ -450,28 +452,6 @@ def test_a_layer_whose_output_gradient_underflowed_says_so() -> None:
     rows = {r["layer"]: r for r in gr_scaling(net, [(x, t)], tiny_loss)}
     assert rows["0"]["E_dy2"] == 0.0 and rows["0"]["gamma_w"] == 0.0
     assert "E[dy^2] = 0" in rows["0"]["note"] and "underflow" in rows["0"]["note"]
-
-
-def small_gradient_net() -> nn.Sequential:
-    """Linear, LayerNorm, Linear, Tanh, Linear, the last two weights x0.02: under
-    :func:`scaled_ce` the gradient at the first layer's output is ~1e-8 (float64), below float16's
-    smallest subnormal 2^-24 = 5.96e-8, while the later layers' gradients are float16 numbers."""
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 16), nn.Tanh(),
-                        nn.Linear(16, 3))  # fmt: skip
-    with torch.no_grad():
-        net[2].weight.mul_(0.02)
-        net[4].weight.mul_(0.02)
-    return net
-
-
-def scaled_ce(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    return F.cross_entropy(model(batch[0]), batch[1]) * 1e-3
-
-
-def small_gradient_batch() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    return torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)
 
 
 def _output_gradient(model: nn.Module, layer: nn.Module, batch: tuple) -> torch.Tensor:

@@ -28,8 +28,7 @@ from initlab.diagnostics import (
 from initlab.diagnostics.gradients import GradientStats
 from initlab.diagnostics.report import ratio_reason, ratio_verdict
 
-from .half_models import HandNorm, ln_net
-from .test_conditioning import scaled_ce, small_gradient_batch, small_gradient_net
+from .half_models import HandNorm, ln_net, scaled_ce, small_gradient_batch, small_gradient_net
 
 F64 = torch.float64
 

@@ -26,7 +26,7 @@ from initlab.diagnostics.doctor import (
     doctor,
 )
 
-from .test_conditioning import scaled_ce, small_gradient_batch, small_gradient_net
+from .half_models import scaled_ce, small_gradient_batch, small_gradient_net
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
