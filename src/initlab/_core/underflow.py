@@ -10,8 +10,8 @@ gradient of the same weights: the float32 copy of the model, and training with l
 (``torch.amp.GradScaler`` multiplies the loss by ``2^16`` before the backward), see it.
 
 A zero is blamed on float16 (:func:`float16_layer`) where the layer holds a float16 parameter or
-the probe saw a float16 output or output gradient there: those are the tensors the gradient
-reaching the layer passed through. bfloat16 has float32's exponent range (smallest normal
+the probe saw a float16 output or output gradient at any module: the gradient reaching a layer
+passed through the layers after it. bfloat16 has float32's exponent range (smallest normal
 ``1.2e-38``): a bfloat16 gradient underflows where a float32 one does, so it is never blamed.
 """
 
@@ -60,10 +60,12 @@ def holds_float16(module: nn.Module) -> bool:
 
 def float16_layer(module: nn.Module | None, name: str, float16_outputs: Collection[str]) -> bool:
     """Whether a zero gradient at the layer ``name`` (``module``) may be float16 underflow: it
-    holds a float16 parameter (:func:`holds_float16`), or ``name`` is in ``float16_outputs``
-    (the probe saw a float16 output or output gradient there:
-    :attr:`initlab.MomentProbe.float16_layers`)."""
-    return name in float16_outputs or (module is not None and holds_float16(module))
+    holds a float16 parameter (:func:`holds_float16`), or the probe saw a float16 output or
+    output gradient at any module (``float16_outputs``:
+    :attr:`initlab.MomentProbe.float16_layers`): the gradient reaching a layer has passed
+    through the layers after it, so a float32 layer feeding float16 ones (a float32 embedding,
+    transformers' ``_keep_in_fp32_modules``) gets what underflowed there."""
+    return bool(float16_outputs) or (module is not None and holds_float16(module))
 
 
 def float16_zero(what: str) -> str:
