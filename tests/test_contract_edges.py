@@ -1236,6 +1236,40 @@ def test_every_entry_point_leaves_out_a_target_key_the_forward_cannot_take(call:
         assert got.param_table().to_rows() == want.param_table().to_rows()
 
 
+class _WithLoss(nn.Module):
+    """A model-and-loss wrapper: ``forward(*args, **kwargs)`` reads the labels itself."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
+        labels = kwargs.pop("labels")
+        logits = self.module(*args, **kwargs)
+        return {"loss": F.cross_entropy(logits, labels), "logits": logits}
+
+
+def test_a_wrapper_taking_kwargs_keeps_the_target_and_a_pass_through_one_does_not() -> None:
+    """The signature read for the target went through any ``.module``: a model-and-loss wrapper
+    whose ``**kwargs`` reads 'labels' lost them (KeyError inside it). A wrapper of one's own
+    taking ``**kwargs`` keeps the target; DataParallel (as DDP and torch.compile) hands its
+    arguments on, so the inner forward decides."""
+    x, y = _data(16)
+    batch = {"x": x, "labels": y}
+    wrapped = _WithLoss(_TakesX())
+    moments = initlab.measure_moments(wrapped, [batch])  # the default forward: labels kept
+    assert moments.table().to_rows()
+    with torch.no_grad():
+        got = resolve_loss(None)(wrapped, batch)
+        want = F.cross_entropy(wrapped.module(x).double(), y)
+    assert float(got) == pytest.approx(float(want), rel=1e-6)
+    parallel = nn.DataParallel(_TakesX())
+    with torch.no_grad():
+        got = resolve_loss(None)(parallel, {"x": x, "y": y})
+        want = F.cross_entropy(parallel.module(x).double(), y)
+    assert float(got) == pytest.approx(float(want), rel=1e-6)
+
+
 class _KeywordBugInside(nn.Module):
     """Takes the batch's keys; its own code calls a function with a keyword it does not take."""
 

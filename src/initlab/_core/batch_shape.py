@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch import nn
 
 __all__ = ["TARGET_KEYS", "check_batched", "find_target", "forward_params", "target_taken"]
 
@@ -85,11 +86,31 @@ def target_taken(model: Any, batch: Mapping[str, Any]) -> Mapping[str, Any]:
     names it nor takes ``**kwargs``, so that ``model(**batch)`` would refuse it (a
     ``forward(self, x)`` given ``{'x', 'y'}``; transformers before 5: BERT given the GLUE column
     ``label``, CLIP given ``labels``): every loss on the outputs reads it from the batch. Else
-    the batch as it is."""
+    the batch as it is. The forward read is the model's own, or that of the module a
+    pass-through wrapper hands its arguments to (DDP, ``DataParallel``, ``torch.compile``); a
+    wrapper of one's own taking ``**kwargs`` may read the target (a model-and-loss wrapper)."""
     found = find_target(batch)
-    params = forward_params(model)
-    if found is None or not params or found[0] in params:
+    if found is None:
+        return batch
+    try:
+        params = inspect.signature(_passed_to(model).forward).parameters
+    except (AttributeError, TypeError, ValueError):
+        return batch
+    if not params or found[0] in params:
         return batch
     if any(p.kind == p.VAR_KEYWORD for p in params.values()):
         return batch
     return {k: v for k, v in batch.items() if k != found[0]}
+
+
+def _passed_to(model: Any) -> Any:
+    """The module a pass-through wrapper (DDP, ``DataParallel``, a ``torch.compile``'d model)
+    hands its arguments to, unwrapped; any other model as it is."""
+    for _ in range(8):
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
+        elif type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        else:
+            break
+    return model
