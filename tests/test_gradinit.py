@@ -952,7 +952,8 @@ def _half_warned(dtype: torch.dtype) -> contextlib.AbstractContextManager:
     """``pytest.warns`` the half-precision warning of gradinit_ for a float16/bfloat16 model:
     its Adam steps follow signs the rounding flips (a float32 copy advised); else nothing."""
     if dtype in (torch.float16, torch.bfloat16):
-        return pytest.warns(UserWarning, match=r"gradinit_: the model's weights are .*float32 copy")
+        said = r"gradinit_: the model's weights are .*float32 copy \(m32 = copy\.deepcopy"
+        return pytest.warns(UserWarning, match=said)
     return contextlib.nullcontext()
 
 

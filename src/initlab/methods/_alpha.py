@@ -399,8 +399,9 @@ def warn_half_precision(ts: Tensors, what: str, why: str) -> None:
     if half:
         warnings.warn(
             f"{what}: the model's weights are {' and '.join(half)}: {why}, so the scales can "
-            "differ far from float32's. Run it on a float32 copy of the model (model.float()) "
-            "and cast the model back after",
+            f"differ far from float32's. Run {what} on a float32 copy (m32 = copy.deepcopy("
+            "model).float(), the data in float32) and copy its weights back (model."
+            "load_state_dict(m32.state_dict()))",
             UserWarning,
             stacklevel=user_stacklevel(),
         )
