@@ -224,25 +224,12 @@ def _region(t: torch.Tensor) -> _Region:
     return tuple(t.shape), t.stride(), t.storage_offset(), t.element_size()
 
 
-def _overlaps(written: _Region, t: torch.Tensor) -> bool:
-    """Whether ``t`` reads an element of the storage ``written`` covers: exactly (a mask of the
-    storage) where their spans meet, as ``buf[:, 4:]`` and ``buf[:, :4]`` of one buffer do
-    without sharing an element; ``True`` where the element sizes differ (a dtype view)."""
-    if written[3] != t.element_size():
-        return True
-    spans = []
-    for shape, stride, offset, _ in (written, _region(t)):
-        if 0 in shape:
-            return False
-        spans.append(
-            (offset, offset + sum((n - 1) * d for n, d in zip(shape, stride, strict=True)))
-        )
-    (lo1, hi1), (lo2, hi2) = spans
-    if hi1 < lo2 or hi2 < lo1:
-        return False
-    mask = torch.zeros(max(hi1, hi2) + 1, dtype=torch.bool)
-    mask.as_strided(written[0], written[1], written[2]).fill_(True)
-    return bool(mask.as_strided(tuple(t.shape), t.stride(), t.storage_offset()).any())
+def _mark(last: torch.Tensor, region: _Region, index: int) -> None:
+    """Record in ``last`` (a storage's last write per element) that node ``index`` wrote
+    ``region``."""
+    shape, stride, offset, _ = region
+    if 0 not in shape:
+        last.as_strided(shape, stride, offset).fill_(index)
 
 
 class _Recorder(TorchFunctionMode):
@@ -254,6 +241,7 @@ class _Recorder(TorchFunctionMode):
         self.on_call = on_call
         self.tags: dict[int, int] = {}
         self.writes: dict[int, list[tuple[int, _Region]]] = {}  # storage -> its writes
+        self.last: dict[int, torch.Tensor | None] = {}  # storage -> last write per element
         self.keep: list[torch.Tensor] = []  # identities stay unique while they are tagged
         self.stack: list[str] = []
         self.counts: Counter[str] = Counter()
@@ -281,12 +269,35 @@ class _Recorder(TorchFunctionMode):
         if not isinstance(obj, torch.Tensor):
             return None
         own = self.tags.get(id(obj))
-        for index, region in reversed(self.writes.get(_storage_of(obj), []) if self.writes else []):
-            if own is not None and index <= own:
-                break
-            if _overlaps(region, obj):
-                return index
-        return own
+        storage = _storage_of(obj) if self.writes else None
+        writes = self.writes.get(storage) if storage is not None else None
+        if not writes or (own is not None and writes[-1][0] <= own):
+            return own
+        written = self.last_write(storage, writes, obj)  # type: ignore[arg-type]
+        return written if written is not None and (own is None or written > own) else own
+
+    def last_write(
+        self, storage: int, writes: list[tuple[int, _Region]], t: torch.Tensor
+    ) -> int | None:
+        """The last write into an element ``t`` reads (``None``: none): from the storage's map of
+        the last write per element, made on the first such question (``buf[:, 4:]`` reads none of
+        a write into ``buf[:, :4]``, interleaved in memory); the last write into the storage
+        where they do not share one element size (a dtype view)."""
+        if storage not in self.last:
+            size = writes[0][1][3]
+            n = t.untyped_storage().nbytes() // size
+            same = all(r[3] == size for _, r in writes)
+            last = torch.full((n,), -1, dtype=torch.int32) if same and n else None
+            for index, region in writes if last is not None else ():
+                _mark(last, region, index)  # type: ignore[arg-type]
+            self.last[storage] = last
+        last = self.last[storage]
+        if last is None or t.element_size() != writes[0][1][3]:
+            return writes[-1][0]
+        if t.numel() == 0:
+            return None
+        index = int(last.as_strided(tuple(t.shape), t.stride(), t.storage_offset()).max())
+        return index if index >= 0 else None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -325,7 +336,13 @@ class _Recorder(TorchFunctionMode):
         for t in targets:
             storage = _storage_of(t)
             if storage is not None:
-                self.writes.setdefault(storage, []).append((i, _region(t)))
+                region = _region(t)
+                self.writes.setdefault(storage, []).append((i, region))
+                last = self.last.get(storage)
+                if last is not None and region[3] == self.writes[storage][0][1][3]:
+                    _mark(last, region, i)
+                elif last is not None:
+                    self.last[storage] = None  # mixed element sizes: the last write counts
 
     def inputs_of(self, obj: Any) -> list[int]:
         tags = (self.tag_of(t) for t in _signals(obj))
