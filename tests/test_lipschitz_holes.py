@@ -717,3 +717,41 @@ def test_out_into_a_tensor_holding_an_activation_is_judged_as_a_write() -> None:
     lip = diagnose(model, [(x,)], _square_mean, generator=0).meta["lipschitz"]
     assert _quotient(model, x, x + 1e-3 * torch.ones_like(x)) <= lip["plain"] * (1 + 1e-9)
     assert lip["guaranteed"] and lip["operations"] == [], lip
+
+
+def _eye(n_out: int, n_in: int, scale: float = 1.0) -> nn.Linear:
+    layer = nn.Linear(n_in, n_out, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(scale * torch.eye(n_out, n_in))
+    return layer
+
+
+class _BroadcastSum(nn.Module):
+    """``h + f(...)`` where one operand broadcasts: a global-max context added to each token
+    (``f(h.amax(1, keepdim=True))``, ``(N, 1, C)`` over ``L`` tokens), a per-example scalar
+    branch (``(N, 1) + (N, 4)``), a sliced shortcut (``h[:, :1] + f(h)``)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how, self.a = how, _eye(4, 4)
+        self.f = _eye(1, 4) if how == "scalar" else _eye(4, 4, 0.1 if how == "slice" else 1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if self.how == "context":
+            return h + self.f(h.amax(dim=1, keepdim=True))
+        if self.how == "scalar":
+            return h + self.f(h)
+        return h[:, :1] + self.f(h)
+
+
+@pytest.mark.parametrize("how", ["context", "scalar", "slice"])
+def test_a_residual_sum_whose_operand_broadcasts_is_no_modelled_block(how: str) -> None:
+    """A sum ``x + F(x)`` whose operand broadcasts repeats its entries: the residual bound
+    ``||x|| + ||F||`` (2, or 1.1 for the slice) was guaranteed below the exact norm (3.41,
+    2.73, 2.05). The bound now says why it is no guarantee."""
+    shape = (2, 8, 4) if how == "context" else (3, 4)
+    x = torch.randn(shape, dtype=F64, generator=torch.Generator().manual_seed(0))
+    lip, bound, exact = _run(_BroadcastSum(how).double(), x)
+    assert exact > bound * 1.2, (exact, bound)
+    assert not lip["guaranteed"] and any("broadcast" in o for o in lip["operations"]), lip

@@ -291,7 +291,17 @@ def _scale(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list
 
 
 def _sum(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list) -> str | None:
+    """A sum of two activations is ``"sum"`` (a residual ``x + F(x)``, decided later) only where
+    each operand has the output's entries: one that broadcasts (``h + f(h.amax(1, keepdim=True))``,
+    ``h[:, :1] + f(h)``) repeats its entries ``r`` times, which the residual bound's ``||x|| +
+    ||F||`` does not count. With a constant, or over entries: see :func:`_repeated`."""
     if fn in _ADDS | _SUBS and len(data) > 1:
+        r = max(_broadcast(out, [t]) for t in data)
+        if fn in _ADDS and r > 1:
+            return (
+                f"a sum of two activations, one broadcast (repeating its entries {r:.3g}x): no "
+                "residual block x + F(x) of the bound, not known"
+            )
         return "sum" if fn in _ADDS else "a difference of two activations"
     if fn in _ADDS | _SUBS:  # with a constant: 1-Lipschitz unless it broadcasts
         return _repeated(_broadcast(out, data))

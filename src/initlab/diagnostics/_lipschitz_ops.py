@@ -57,7 +57,9 @@ with its arguments against an explicit allow-list:
   ``alpha`` above 1, a convolution's stride and padding) and as often as the bound counts the
   layer's norm (``F.linear(layer(h), layer.weight)`` applies it twice);
 * the sum ``x + F(x)`` of a residual block the bound models (one the runtime trace finds, with
-  the same layers as one of the bound's blocks).
+  the same layers as one of the bound's blocks), whose operands each have as many entries as
+  the sum (not one that broadcasts: ``h + f(h.amax(1, keepdim=True))`` or ``h[:, :1] + f(h)``
+  repeats the entries of one, which ``||x|| + ||F||`` does not count).
 
 A value read out of the data (``h.item()``, ``float(h)``, ``bool(h)`` for a Python branch, a cast
 to an integer dtype, a comparison) makes the bound no guarantee: the one recorded forward may not
