@@ -755,3 +755,31 @@ def test_a_residual_sum_whose_operand_broadcasts_is_no_modelled_block(how: str) 
     lip, bound, exact = _run(_BroadcastSum(how).double(), x)
     assert exact > bound * 1.2, (exact, bound)
     assert not lip["guaranteed"] and any("broadcast" in o for o in lip["operations"]), lip
+
+
+class _BatchStatsBN(nn.Module):
+    """``bn(a(x))`` with the BatchNorm put in train mode for its call (test-time adaptation):
+    it normalizes by the batch's statistics, and updates its running ones."""
+
+    def __init__(self, momentum: float | None) -> None:
+        super().__init__()
+        self.a, self.bn = _eye_linear(), nn.BatchNorm1d(4, momentum=momentum)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.bn.train()
+        y = self.bn(self.a(x))
+        self.bn.eval()
+        return y
+
+
+@pytest.mark.parametrize("momentum", [0.1, 0.0, None])
+def test_a_batchnorm_called_in_train_mode_is_not_trusted_with_its_eval_norm(momentum) -> None:
+    """The BatchNorm is in eval mode when the norms are read, so its row is the eval map's
+    (1 here), but its call in the forward used the batch's statistics (exact norm 240):
+    guaranteed with bound 1. Now the call's ``training`` and its running-statistics update
+    make the bound no guarantee."""
+    lip, bound, exact = _run(_BatchStatsBN(momentum).double().eval(), _x())
+    assert exact > 10 * bound, (exact, bound)
+    assert not lip["guaranteed"], lip
+    assert any("batch's statistics" in o for o in lip["operations"]), lip
+    assert any("running_var during the forward" in o for o in lip["operations"]), lip

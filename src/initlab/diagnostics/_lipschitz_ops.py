@@ -46,7 +46,9 @@ with its arguments against an explicit allow-list:
   ``forward`` not replaced on the instance; not the calls of its pre- or forward hooks, judged
   as any other: ``o * 10``), where the weight its ``linear``/``conv*`` applies (a BatchNorm's
   weight and running variance) is the layer's own tensor, the one it held when the forward began
-  (not one ``torch.func.functional_call(layer, {"weight": 10 * layer.weight}, (x,))`` swaps in);
+  (not one ``torch.func.functional_call(layer, {"weight": 10 * layer.weight}, (x,))`` swaps in),
+  and a BatchNorm's ``batch_norm`` normalizes by its running statistics (``training`` false: not
+  a call in train mode, ``bn.train(); bn(h); bn.eval()`` in the forward, by the batch's);
   under ``torch.nn.utils.parametrize`` (``weight_norm``, ``spectral_norm``, one's own), where
   the weight its forward computed is bit for bit the one the bound's norm is of (not a
   ``spectral_norm`` in training mode, whose power iteration moves it on each forward); and a
@@ -68,7 +70,8 @@ at all, whatever its Jacobian, 0 almost everywhere): ``floor``, ``ceil``, ``roun
 ``frac``, ``sign``, ``h // c``, ``torch.div(h, c, rounding_mode="floor")`` (or ``"trunc"``),
 ``fmod``, ``remainder`` (``h % c``). So does a write into a parameter or a running variance in
 the forward (``a.weight.mul_(10)`` before ``a(x)`` and ``div_(10)`` after, through ``.data`` or
-not; ``a.weight.data = w``): the norms are taken after the forward, not of the weight applied.
+not; ``a.weight.data = w``; a ``batch_norm`` in train mode, which updates the running
+statistics): the norms are taken after the forward, not of the weight applied.
 Global forward pre-hooks (run before the model is entered) and a model class overriding
 ``__call__`` make the bound no guarantee too: their operations on the input are not judged. What
 the recorder cannot see makes the bound no guarantee too: a call inside the model taking a
@@ -212,7 +215,7 @@ class OperationWatch:
         """Judge one recorded call inside the model on the data path (see the class), and any
         call or module output there that :meth:`_unseen` finds."""
         self._tag_of = tag_of
-        if node.written or node.fn == "set_data":
+        if node.written or node.fn in ("set_data", "batch_norm"):
             self._writes_held(node, args, kwargs)
         data_path = self._is_data(node)  # every call's flag cached in turn
         unseen = self._unseen(node, args, kwargs, out, tag_of) if node.stack else None
@@ -251,9 +254,18 @@ class OperationWatch:
     def _writes_held(self, node: RuntimeNode, args: tuple, kwargs: Mapping[str, Any]) -> None:
         """Keep, for :meth:`failures`, a write into a parameter or a running variance in the
         forward (``a.weight.mul_(10)`` before ``a(x)``, ``div_(10)`` after; through ``.data``;
-        ``a.weight.data = 10 * a.weight.data``): the norm the bound takes, after the forward,
-        need not be that of the weight applied."""
-        targets = args[:1] if node.fn == "set_data" else written_targets(node.fn, args, kwargs)
+        ``a.weight.data = 10 * a.weight.data``; a ``batch_norm`` in training mode updates its
+        running statistics): the norm the bound takes, after the forward, need not be that of
+        the weight applied."""
+        if node.fn == "batch_norm":
+            stats = (_arg(args, kwargs, 1, "running_mean", None), _arg(args, kwargs, 2,
+                     "running_var", None))  # fmt: skip
+            training = _arg(args, kwargs, 5, "training", False)
+            targets = [t for t in stats if isinstance(t, torch.Tensor)] if training else []
+        elif node.fn == "set_data":
+            targets = list(args[:1])
+        else:
+            targets = written_targets(node.fn, args, kwargs)
         for t in targets:
             name = self._held.get(("id", id(t))) or self._held.get(("at", _storage_of(t) or 0))
             if name is not None:
@@ -380,14 +392,21 @@ class OperationWatch:
         parametrized.computed`; a ``spectral_norm`` in training mode takes a step of power
         iteration on each forward, so its weight moves); else a weight or running variance that
         is not the layer's own tensor itself, held when the forward began
-        (``torch.func.functional_call(lin, {"weight": 10 * lin.weight}, (x,))``)."""
+        (``torch.func.functional_call(lin, {"weight": 10 * lin.weight}, (x,))``); a BatchNorm
+        call that normalized by the batch's statistics (``training`` true: the layer was in
+        train mode at the call, ``bn.train(); bn(h); bn.eval()`` in the forward), whose map is
+        not the eval-mode one the bound's norm is of."""
         out: list[tuple[str, str, str]] = []
         for name, fn, used in self._applied:
             if name not in trusted or any(name == o[0] for o in out):
                 continue
             module = self._modules()[name]
             for key, t in used.items():
-                if key == "weight" and parametrize.is_parametrized(module, "weight"):
+                if key == "training":  # batch_norm's: batch statistics, not the running ones
+                    if t:
+                        out.append((name, fn, _BATCH_STATS))
+                        break
+                elif key == "weight" and parametrize.is_parametrized(module, "weight"):
                     now = computed(module, "weight")
                     same = isinstance(t, torch.Tensor) and t.shape == now.shape
                     if not (same and torch.equal(t.detach(), now)):
@@ -495,6 +514,11 @@ _RECOMPUTED = (
     "of (spectral_norm in training mode takes a step of power iteration on each forward: call "
     "model.eval())"
 )
+_BATCH_STATS = (
+    "normalizes by the batch's statistics (the BatchNorm was in train mode at its call, as after "
+    "bn.train() in the forward): not the eval-mode map max |gamma| / sqrt(running_var + eps) "
+    "the bound's norm is of, not known"
+)
 _OUT_HOLDS = (
     "writes with out= into a tensor holding an activation already: it may repeat entries, not known"
 )
@@ -513,7 +537,7 @@ _NOT_THE_WEIGHT = (
 #: The tensors a layer's own call applies whose norm the bound takes: ``(position, keyword)``.
 _APPLIED_AT: dict[str, tuple[tuple[int, str], ...]] = {
     **{f: ((1, "weight"),) for f in _LAYER_OPS if f.startswith("conv") or f == "linear"},
-    "batch_norm": ((2, "running_var"), (3, "weight")),
+    "batch_norm": ((2, "running_var"), (3, "weight"), (5, "training")),
 }
 #: Where each linear map takes its weight: ``(position, keyword)`` of each operand it may be.
 _WEIGHT_AT: dict[str, tuple[tuple[int, str], ...]] = {
