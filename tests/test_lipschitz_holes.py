@@ -783,3 +783,39 @@ def test_a_batchnorm_called_in_train_mode_is_not_trusted_with_its_eval_norm(mome
     assert not lip["guaranteed"], lip
     assert any("batch's statistics" in o for o in lip["operations"]), lip
     assert any("running_var during the forward" in o for o in lip["operations"]), lip
+
+
+def _max_indices(h: torch.Tensor) -> torch.Tensor:
+    return h.max(dim=1).indices.to(h.dtype)[:, None] * h.new_ones(1, 4) * 0.5
+
+
+def _tuple_indices(h: torch.Tensor) -> torch.Tensor:
+    return torch.max(h, 1)[1].double().unsqueeze(1) * h.new_ones(1, 4) * 0.5
+
+
+def _pool_indices(h: torch.Tensor) -> torch.Tensor:
+    idx = torch.nn.functional.max_pool1d(h.unsqueeze(1), 2, return_indices=True)[1]
+    return torch.cat([idx, idx], -1).to(h.dtype).squeeze(1) * 0.5
+
+
+def _max_values(h: torch.Tensor) -> torch.Tensor:
+    values, _ = torch.max(h, 1, keepdim=True)
+    return values * h.new_full((1, 4), 0.5)  # 4 copies of 0.5 max: Lipschitz constant 1
+
+
+def test_integer_indices_of_a_max_used_as_data_make_the_bound_no_guarantee() -> None:
+    """The indices of ``max``/``min`` over a dim and of max pooling with ``return_indices``
+    passed as 1-Lipschitz (only a single integer output was looked for): an argmax cast to
+    floats was guaranteed with bound 1, while across a tie the quotient is 7e8 (autograd says
+    0 there). The values alone keep the bound."""
+    x = _x()
+    tie = torch.tensor([[1.0, 1.0, 0.0, 0.0]] * 3, dtype=F64)
+    e = 1e-9 * torch.tensor([[1.0, 0.0, 0.0, 0.0]] * 3, dtype=F64)
+    for fn in (_max_indices, _tuple_indices, _pool_indices):
+        model = _Two(fn).double()
+        lip = diagnose(model, [(x,)], _square_mean, generator=0).meta["lipschitz"]
+        assert _quotient(model, tie + e, tie + e.roll(1, 1)) > 1e6 * lip["plain"], fn.__name__
+        assert not lip["guaranteed"], (fn.__name__, lip)
+        assert any("integer indices" in o for o in lip["operations"]), (fn.__name__, lip)
+    lip, _, _ = _run(_Two(_max_values).double(), x)
+    assert lip["guaranteed"] and lip["operations"] == [], lip

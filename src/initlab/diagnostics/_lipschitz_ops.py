@@ -68,7 +68,10 @@ to an integer dtype, a comparison) makes the bound no guarantee: the one recorde
 be the function at other inputs. So does a step function of the data, which jumps (not Lipschitz
 at all, whatever its Jacobian, 0 almost everywhere): ``floor``, ``ceil``, ``round``, ``trunc``,
 ``frac``, ``sign``, ``h // c``, ``torch.div(h, c, rounding_mode="floor")`` (or ``"trunc"``),
-``fmod``, ``remainder`` (``h % c``). So does a write into a parameter or a running variance in
+``fmod``, ``remainder`` (``h % c``), and any use in the model of the integer indices a call
+taken as 1-Lipschitz computed from the data (``h.max(dim=1).indices.float()``, ``torch.max(h,
+1)[1]``, ``max_pool1d(h, 2, return_indices=True)[1]``: an argmax; the values stay 1-Lipschitz).
+So does a write into a parameter or a running variance in
 the forward (``a.weight.mul_(10)`` before ``a(x)`` and ``div_(10)`` after, through ``.data`` or
 not; ``a.weight.data = w``; a ``batch_norm`` in train mode, which updates the running
 statistics): the norms are taken after the forward, not of the weight applied.
@@ -150,6 +153,7 @@ class OperationWatch:
         self._always: list[tuple[tuple[str, ...], str, str]] = []  # (stack, fn, why), all judged
         self._held: dict[tuple[str, int], str] = {}  # what the norms are of: id, storage -> name
         self._tag_of: Callable[[Any], int | None] | None = None
+        self._verdicts: dict[int, str | None] = {}  # each judged call's why, by node index
 
     @contextmanager
     def __call__(self) -> Iterator[OperationWatch]:
@@ -219,6 +223,8 @@ class OperationWatch:
             self._writes_held(node, args, kwargs)
         data_path = self._is_data(node)  # every call's flag cached in turn
         unseen = self._unseen(node, args, kwargs, out, tag_of) if node.stack else None
+        if node.stack and node.kind == "call" and not unseen:
+            unseen = self._indices(args, kwargs, tag_of)
         if not (unseen or (data_path and node.stack and node.kind == "call")):
             return
         flat = _flat(args, {k: v for k, v in kwargs.items() if k != "out"})  # out=: written
@@ -235,6 +241,20 @@ class OperationWatch:
         if node.module in self._returned or node.module in self._pre or unseen:
             self._untrusted.add(node.index)
         self.judged.append((node, why, owner))
+        self._verdicts[node.index] = why
+
+    def _indices(self, args: tuple, kwargs: Mapping[str, Any], tag_of: Callable) -> str | None:
+        """Why a call taking an integer or boolean tensor that a call judged 1-Lipschitz
+        computed from the data (the indices of ``h.max(dim=1)``, of ``max_pool1d(...,
+        return_indices=True)``: an argmax, where only the values were judged) is not known to be
+        1-Lipschitz: the indices are a step function of the data (``h.max(1).indices.float()``
+        jumps where two entries tie); ``None`` where it takes none."""
+        for t in tree_flatten((args, kwargs))[0]:
+            if isinstance(t, torch.Tensor) and not (t.is_floating_point() or t.is_complex()):
+                i = tag_of(t)
+                if i is not None and i in self._verdicts and self._verdicts[i] is None:
+                    return _INDICES
+        return None
 
     def _read_views(self, stack: tuple[str, ...], fn: str, tensors: list[torch.Tensor]) -> None:
         """Keep, for :meth:`failures`, the reads (by call ``fn``, or the model's ``output``)
@@ -513,6 +533,11 @@ _RECOMPUTED = (
     "its parametrization computed a weight in the forward other than the one the bound's norm is "
     "of (spectral_norm in training mode takes a step of power iteration on each forward: call "
     "model.eval())"
+)
+_INDICES = (
+    "takes integer indices computed from the data (of max/min over a dim, of max pooling with "
+    "return_indices: an argmax), a step function of the data: not Lipschitz, and the recorded "
+    "forward may not be the function at other inputs"
 )
 _BATCH_STATS = (
     "normalizes by the batch's statistics (the BatchNorm was in train mode at its call, as after "
