@@ -819,3 +819,58 @@ def test_integer_indices_of_a_max_used_as_data_make_the_bound_no_guarantee() -> 
         assert any("integer indices" in o for o in lip["operations"]), (fn.__name__, lip)
     lip, _, _ = _run(_Two(_max_values).double(), x)
     assert lip["guaranteed"] and lip["operations"] == [], lip
+
+
+class _Cast(nn.Module):
+    """``b(fn(a(x)))`` in ``dtype`` (``a`` the identity, ``b`` of norm 1)."""
+
+    def __init__(self, fn, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.inner = _Two(fn).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+def test_a_cast_to_a_narrower_float_dtype_or_a_dtype_view_is_no_guarantee() -> None:
+    """``h.half()``, ``h.to(torch.bfloat16)``, ``h.to(torch.float8_e4m3fn)`` and
+    ``h.view(torch.float32)`` passed as dtype changes, 1-Lipschitz: bound 1, guaranteed, while
+    across a float16 rounding boundary the quotient is 1e4 (and f(65519) = 131008, f(65521) =
+    inf) and the bits' view jumps by 1e42."""
+    x, half = _x(), 1 + 2.0**-11  # halfway between two float16 numbers
+    lo, hi = torch.full((3, 4), half - 1e-7, dtype=F64), torch.full((3, 4), half + 1e-7, dtype=F64)
+    for fn in (
+        lambda h: h.half().double(),
+        lambda h: h.to(torch.bfloat16).double(),
+        lambda h: h.to(torch.float8_e4m3fn).double(),
+        lambda h: h.contiguous().view(torch.float32).double()[:, :4],
+        lambda h: torch.as_tensor(h, dtype=torch.half).double(),
+    ):
+        model = _Two(fn).double()
+        lip = diagnose(model, [(x,)], _square_mean, generator=0).meta["lipschitz"]
+        assert not lip["guaranteed"], lip
+        assert any("casts" in o or "bits" in o for o in lip["operations"]), lip
+    assert _quotient(_Two(lambda h: h.half().double()).double(), lo, hi) > 1e3
+
+
+def test_casts_that_do_not_round_below_the_models_arithmetic_keep_the_bound() -> None:
+    """Widening (float32 to float64), ``x.float()`` of a float32 input, a round trip back to the
+    model's own float32, and a float32 model under bfloat16 autocast stay guaranteed; a float16
+    cast in that float32 model does not."""
+    x = _x().float()
+
+    def autocast_loss(model: nn.Module, batch) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return (model(batch[0]).float() ** 2).mean()
+
+    for fn, loss in (
+        (lambda h: h.float(), _square_mean),
+        (lambda h: h.double().relu().float(), _square_mean),
+        (lambda h: torch.relu(h), autocast_loss),
+        (lambda h: h.to(torch.bfloat16), autocast_loss),
+    ):
+        lip = diagnose(_Cast(fn, torch.float32), [(x,)], loss, generator=0).meta["lipschitz"]
+        assert lip["guaranteed"] and lip["operations"] == [], lip
+    model = _Cast(lambda h: h.half().float(), torch.float32)
+    lip = diagnose(model, [(x,)], _square_mean, generator=0).meta["lipschitz"]
+    assert not lip["guaranteed"] and any("float16" in o for o in lip["operations"]), lip

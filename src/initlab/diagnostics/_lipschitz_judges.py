@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 from initlab.measure.runtime_trace import READ_NAMES
 
@@ -116,6 +117,47 @@ def _judge(
     if fn in _KNOWN:
         return f"Lipschitz constant {_KNOWN[fn]:.3g} > 1"
     return "not known to be 1-Lipschitz"
+
+
+def _rounds(fn: str, out: Any, data: list[torch.Tensor], grid: list[torch.dtype]) -> str | None:
+    """Why a call otherwise 1-Lipschitz is not: it reinterprets the bits of an activation
+    (``h.view(torch.float32)`` of a float64 ``h``: a dtype other than its own), or its floating
+    output's dtype is narrower (:func:`_narrower`) than an activation's and than each dtype of
+    ``grid``, the model's own arithmetic (its floating parameters' dtypes, autocast's where on):
+    ``h.half()``, ``h.to(torch.bfloat16)`` or ``h.to(torch.float8_e4m3fn)`` in a float32 model,
+    ``torch.as_tensor(h, dtype=torch.half)``, a ``copy_`` into a float16 buffer. That rounds to a
+    coarser grid than the model's arithmetic does anyway (a step function at the rounding scale,
+    as ``round`` is) and overflows above the dtype's ``max``. A cast to the same or a wider
+    dtype (``x.float()`` of float32, float32 to float64) is the identity; one back to the
+    model's own dtype (``h.double().float()`` in a float32 model, ``h.to(torch.bfloat16)`` under
+    bfloat16 autocast) rounds as each of its operations does, which the bound, of the map in
+    exact arithmetic, leaves aside."""
+    outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    ins = [t for t in data if t.is_floating_point() or t.is_complex()]
+    if not outs or not ins:
+        return None
+    new, old = outs[0].dtype, ins[0].dtype
+    if fn == "view" and new != old:
+        return f"reinterprets the bits of {old} as {new} (view(dtype)): not Lipschitz, not known"
+    if not (new.is_floating_point or new.is_complex) or any(not _narrower(new, g) for g in grid):
+        return None
+    for t in ins:
+        if _narrower(new, t.dtype):
+            top = torch.finfo(new).max
+            over = f", overflows to inf above {top:.4g}" if top < torch.finfo(t.dtype).max else ""
+            return (
+                f"casts {t.dtype} to {new}: it rounds to a coarser grid than the model's "
+                f"arithmetic (a step function at its rounding scale){over}; not Lipschitz, "
+                "not known"
+            )
+    return None
+
+
+def _narrower(new: torch.dtype, old: torch.dtype) -> bool:
+    """Whether floating (or complex) dtype ``new`` cannot hold every value of ``old``: a larger
+    ``eps`` (fewer mantissa bits), a smaller ``max`` or a larger ``tiny``."""
+    a, b = torch.finfo(new), torch.finfo(old)
+    return a.eps > b.eps or a.max < b.max or a.tiny > b.tiny
 
 
 def _tuple(v: Any, d: int) -> tuple[int, ...]:

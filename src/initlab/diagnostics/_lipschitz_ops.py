@@ -11,9 +11,11 @@ with its arguments against an explicit allow-list:
 * 1-Lipschitz whatever their arguments (``tanh``, ``sigmoid`` and ``tanhshrink`` of real ones:
   of a complex tensor they have poles): ``relu``, ``tanh``, ``sigmoid``, ``hardtanh`` (``ReLU6``),
   ``hardsigmoid``, ``softsign``, ``log_sigmoid``, ``softshrink``, ``tanhshrink``, ``softmax``,
-  ``softmin``, ``abs``, ``neg``, ``mean``; shape, layout and dtype changes (``view``, ``reshape``,
-  ``flatten``, ``permute``, ``transpose``, ``squeeze``, ``to``, ``split``, ``narrow``, basic slicing
-  ``x[:, ::2]``, ``pixel_shuffle``, ...); max/min reductions over a dim (``amax``: a maxout);
+  ``softmin``, ``abs``, ``neg``, ``mean``; shape and layout changes (``view``, ``reshape``,
+  ``flatten``, ``permute``, ``transpose``, ``squeeze``, ``split``, ``narrow``, basic slicing
+  ``x[:, ::2]``, ``pixel_shuffle``, ...); dtype changes that do not round (``to``, ``float``,
+  ``double``: to the same or a wider dtype, or back to a dtype the model computes in, below);
+  max/min reductions over a dim (``amax``: a maxout);
   copies (``torch.tensor(h)``, ``x.new_tensor(h)``, ``as_tensor``, ``asarray``: of one
   activation; ``v.data = h``);
 * with arguments that keep them 1-Lipschitz: ``clamp`` and elementwise ``max``/``min``/``maximum``
@@ -71,7 +73,16 @@ at all, whatever its Jacobian, 0 almost everywhere): ``floor``, ``ceil``, ``roun
 ``fmod``, ``remainder`` (``h % c``), and any use in the model of the integer indices a call
 taken as 1-Lipschitz computed from the data (``h.max(dim=1).indices.float()``, ``torch.max(h,
 1)[1]``, ``max_pool1d(h, 2, return_indices=True)[1]``: an argmax; the values stay 1-Lipschitz).
-So does a write into a parameter or a running variance in
+So does a cast to a floating dtype narrower (a larger ``eps``, a smaller ``max`` or a larger
+``tiny``) than the activation's and than every dtype the model computes in (its floating
+parameters' dtypes, and autocast's where it is on): ``h.half()``, ``h.to(torch.bfloat16)``,
+``h.to(torch.float8_e4m3fn)`` in a float32 or float64 model (any call with such an output:
+``torch.tensor(h, dtype=torch.half)``, a ``copy_`` into a float16 buffer) rounds to a coarser
+grid than its arithmetic does, a step function, and overflows above the dtype's ``max``; a cast
+back to a dtype the model computes in (``h.double().float()`` in a float32 model) rounds as its
+every operation does, which the bound, of the map in exact arithmetic, leaves aside. So does a
+``view`` of an activation as another dtype (``h.view(torch.float32)`` of a float64 ``h``): it
+reinterprets bits. So does a write into a parameter or a running variance in
 the forward (``a.weight.mul_(10)`` before ``a(x)`` and ``div_(10)`` after, through ``.data`` or
 not; ``a.weight.data = w``; a ``batch_norm`` in train mode, which updates the running
 statistics): the norms are taken after the forward, not of the weight applied.
@@ -103,6 +114,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 from torch.utils._pytree import tree_flatten
 
+from initlab._core.autocast import _enabled_for
 from initlab._core.hooks import hook_handles
 from initlab._core.parametrized import computed
 from initlab.diagnostics._lipschitz_judges import (
@@ -112,6 +124,7 @@ from initlab.diagnostics._lipschitz_judges import (
     _judge,
     _memory_repeats,
     _repeated,
+    _rounds,
     _tuple,
 )
 from initlab.measure.runtime_trace import (
@@ -154,6 +167,7 @@ class OperationWatch:
         self._held: dict[tuple[str, int], str] = {}  # what the norms are of: id, storage -> name
         self._tag_of: Callable[[Any], int | None] | None = None
         self._verdicts: dict[int, str | None] = {}  # each judged call's why, by node index
+        self._dtypes: list[torch.dtype] = []  # the model's parameters' floating dtypes
 
     @contextmanager
     def __call__(self) -> Iterator[OperationWatch]:
@@ -169,6 +183,7 @@ class OperationWatch:
         self._known = {id(t) for m in self.model.modules() for t in _floats(dict(vars(m)))}
         self._own = {n: _own_tensors(m) for n, m in self.model.named_modules()}
         self._held = _held(self.model)
+        self._dtypes = list({p.dtype: 0 for p in _floats(list(self.model.parameters()))})
         with recording(self.model, self._on_call) as graph, hook_handles() as handles:
             self.graph = graph
             for name, m in self.model.named_modules():
@@ -231,6 +246,8 @@ class OperationWatch:
         data = [a for a in flat if isinstance(a, torch.Tensor) and self._tagged(a, tag_of)]
         self._read_views(node.stack, node.fn, data)
         why, owner = unseen or _judge(node.fn, args, kwargs, out, data), None
+        if why is None:  # a cast to a narrower dtype than the model computes in
+            why = _rounds(node.fn, out, data, self._grid(data))
         if not unseen and any(self._tagged(t, tag_of) for t in _floats(kwargs.get("out"))):
             why = _OUT_HOLDS  # as y[:, 4:].copy_(h) after y[:, :4].copy_(h): h twice
         if node.fn in _APPLIED_AT and node.kind == "call":  # checked once the trusted are known
@@ -255,6 +272,13 @@ class OperationWatch:
                 if i is not None and i in self._verdicts and self._verdicts[i] is None:
                     return _INDICES
         return None
+
+    def _grid(self, data: list[torch.Tensor]) -> list[torch.dtype]:
+        """The dtypes of the model's own arithmetic: its floating parameters' and, where on for
+        the activations' device, autocast's (:func:`_rounds`)."""
+        device = data[0].device.type if data else "cpu"
+        on = _enabled_for(device)
+        return [*self._dtypes, torch.get_autocast_dtype(device)] if on else self._dtypes
 
     def _read_views(self, stack: tuple[str, ...], fn: str, tensors: list[torch.Tensor]) -> None:
         """Keep, for :meth:`failures`, the reads (by call ``fn``, or the model's ``output``)
