@@ -874,3 +874,43 @@ def test_casts_that_do_not_round_below_the_models_arithmetic_keep_the_bound() ->
     model = _Cast(lambda h: h.half().float(), torch.float32)
     lip = diagnose(model, [(x,)], _square_mean, generator=0).meta["lipschitz"]
     assert not lip["guaranteed"] and any("float16" in o for o in lip["operations"]), lip
+
+
+def _times_10_linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return 10 * torch.nn.functional.linear(x, self.weight, self.bias)
+
+
+def _times_10_conv(self: nn.Conv1d, x, weight, bias) -> torch.Tensor:
+    return 10 * torch.nn.functional.conv1d(x, weight, bias, self.stride, self.padding)
+
+
+class _ConvHead(nn.Module):
+    """``b(conv(x))`` with a Conv1d of norm 1 at length 4 (a 1-tap identity)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.b = nn.Conv1d(1, 1, 1, bias=False), nn.Linear(4, 1, bias=False)
+        with torch.no_grad():
+            self.conv.weight.fill_(1.0)
+            self.b.weight.fill_(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.conv(x.unsqueeze(1)).squeeze(1))
+
+
+@pytest.mark.parametrize("where", ["Linear.forward", "Conv1d._conv_forward", "F.linear"])
+def test_a_torch_layer_patched_on_its_class_is_not_trusted(where: str, monkeypatch) -> None:
+    """``nn.Linear.forward`` (or ``_conv_forward``, or ``F.linear``) replaced by one scaling by
+    10: the layers stayed "torch's own class", their calls trusted, bound 1 guaranteed where
+    the exact norm is 10. Now their calls are judged, as with a replacement on the instance."""
+    if where == "Linear.forward":
+        monkeypatch.setattr(nn.Linear, "forward", _times_10_linear)
+    elif where == "F.linear":
+        real = torch.nn.functional.linear
+        monkeypatch.setattr(torch.nn.functional, "linear", lambda x, w, b=None: 10 * real(x, w, b))
+    else:
+        monkeypatch.setattr(nn.Conv1d, "_conv_forward", _times_10_conv)
+    model = (_ConvHead() if where.startswith("Conv") else _Two(torch.relu)).double()
+    lip, bound, exact = _run(model, _x())
+    assert exact > 5 * bound, (exact, bound)
+    assert not lip["guaranteed"] and any("a factor 10" in o for o in lip["operations"]), lip

@@ -45,12 +45,14 @@ with its arguments against an explicit allow-list:
   whoever reads that view (a trusted layer, the loss);
 * the layers whose norms the bound takes: any call inside a Linear, convolution or eval-mode
   BatchNorm with a finite operator norm (of torch's own class, not a subclass, with its
-  ``forward`` not replaced on the instance; not the calls of its pre- or forward hooks, judged
-  as any other: ``o * 10``), where the weight its ``linear``/``conv*`` applies (a BatchNorm's
-  weight and running variance) is the layer's own tensor, the one it held when the forward began
-  (not one ``torch.func.functional_call(layer, {"weight": 10 * layer.weight}, (x,))`` swaps in),
-  and a BatchNorm's ``batch_norm`` normalizes by its running statistics (``training`` false: not
-  a call in train mode, ``bn.train(); bn(h); bn.eval()`` in the forward, by the batch's);
+  ``forward`` not replaced on the instance, nor its methods on the class, ``nn.Linear.forward =
+  patched``, nor the ``torch.nn.functional`` functions they call; not the calls of its pre- or
+  forward hooks, judged as any other: ``o * 10``), where the weight its ``linear``/``conv*``
+  applies (a BatchNorm's weight and running variance) is the layer's own tensor, the one it held
+  when the forward began (not one ``torch.func.functional_call(layer, {"weight": 10 *
+  layer.weight}, (x,))`` swaps in), and a BatchNorm's ``batch_norm`` normalizes by its running
+  statistics (``training`` false: not a call in train mode, ``bn.train(); bn(h); bn.eval()`` in
+  the forward, by the batch's);
   under ``torch.nn.utils.parametrize`` (``weight_norm``, ``spectral_norm``, one's own), where
   the weight its forward computed is bit for bit the one the bound's norm is of (not a
   ``spectral_norm`` in training mode, whose power iteration moves it on each forward); and a
@@ -105,12 +107,15 @@ known, and makes the bound no guarantee.
 
 from __future__ import annotations
 
+import sys
+import types
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from torch.nn.utils import parametrize
 from torch.utils._pytree import tree_flatten
 
@@ -543,13 +548,47 @@ def _torch_forward(module: nn.Module | None) -> bool:
     """Whether ``module`` is of torch's own class (``type(module).__module__`` under
     ``torch.nn.modules``), so that it runs torch's ``forward`` and helpers: not a subclass (one
     keeping torch's ``forward`` may override ``_conv_forward`` or ``_check_input_dim``), nor a
-    ``forward`` set on the instance (``layer.forward = wrapper``, as accelerate's hooks do)."""
+    ``forward`` set on the instance (``layer.forward = wrapper``, as accelerate's hooks do), nor
+    on the class (:func:`_torch_code`: ``nn.Linear.forward = patched``)."""
     if module is None:
         return False
     cls = type(module)
     if parametrize.is_parametrized(module) and cls.__module__ == parametrize.__name__:
         cls = cls.__bases__[0]  # the class parametrize made: torch's own class beneath
-    return cls.__module__.startswith("torch.nn.modules.") and "forward" not in vars(module)
+    own = cls.__module__.startswith("torch.nn.modules.") and "forward" not in vars(module)
+    return own and _torch_code(cls)
+
+
+#: The methods of torch's layers that run their map, which a patch on the class may replace.
+_HELPERS = ("forward", "_conv_forward", "_check_input_dim", "_output_padding")
+#: The functions of ``torch.nn.functional`` torch's layers call (by ``F.name``, at call time).
+_FUNCTIONAL = (
+    "linear", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
+    "conv_transpose3d", "batch_norm", "pad",
+)  # fmt: skip
+
+
+def _torch_code(cls: type) -> bool:
+    """Whether the functions of ``cls`` and of its torch bases (``_ConvNd``, ``_BatchNorm``;
+    not ``nn.Module``) are torch's own, defined in the file of the torch module that defines
+    the class (a replacement on the class, ``nn.Linear.forward = lambda self, x: 10 *
+    F.linear(x, self.weight)``, or a ``functools.wraps`` wrapper, is defined elsewhere), and
+    so are the ``torch.nn.functional`` functions they call (``F.linear`` a builtin,
+    ``F.batch_norm`` defined in ``functional.py``)."""
+    for c in cls.__mro__:
+        if c is nn.Module or not c.__module__.startswith("torch.nn.modules."):
+            continue
+        home = getattr(sys.modules.get(c.__module__), "__file__", None)
+        for name, f in vars(c).items():
+            function = isinstance(f, types.FunctionType)
+            if (function and f.__code__.co_filename != home) or (name in _HELPERS and not function):
+                return False
+    called = [getattr(F, name, None) for name in _FUNCTIONAL]
+    return all(
+        isinstance(f, types.BuiltinFunctionType)
+        or (isinstance(f, types.FunctionType) and f.__code__.co_filename == F.__file__)
+        for f in called
+    )
 
 
 _NOT_TAKEN = "a linear map whose operator norm the bound does not take"
