@@ -24,6 +24,13 @@ convolution: its operator norm depends on the input size) ran at several input s
 holds at the first only, so the bounds are no guarantee."""
 
 
+UNCERTIFIED = "operator norm an estimate no bound certifies"
+"""The note of a :func:`~initlab.diagnostics.spectra.layer_spectra` row whose ``op_bound`` is a
+Lanczos estimate raised by its residual that neither converged nor has the symbol's bound (a
+padding mode other than zeros): it may lie below the norm where the top singular values cluster,
+so the bounds are no guarantee."""
+
+
 def lipschitz_bounds(
     spectra: Rows | Iterable[Mapping[str, Any]],
     residual_blocks: Sequence[Mapping[str, Any]] = (),
@@ -42,7 +49,8 @@ def lipschitz_bounds(
     note starts with :data:`INFERRED_CALLS`).
 
     Args:
-        spectra: rows of :func:`layer_spectra` (``layer``, ``op_norm``, ``calls``).
+        spectra: rows of :func:`layer_spectra` (``layer``, ``op_norm``, ``calls``; the bounds
+            take ``op_bound``, an upper bound on ``op_norm``, where a row has one).
         residual_blocks: dicts with ``name``, ``branch`` (layer names on the residual branch) and
             ``shortcut`` (layer names on the shortcut; empty for an identity shortcut), as found by
             :func:`initlab.diagnostics.linter.find_residual_blocks`.
@@ -64,7 +72,15 @@ def lipschitz_bounds(
         ran at several input sizes and no operation
         found that is not 1-Lipschitz, "uncovered": [...], "operations": [...] or None,
         "notes": [...]}``. ``plain`` bounds a chain; with skip connections only ``residual`` is
-        an upper bound.
+        an upper bound. ``guaranteed`` holds for the norms the rows give: :func:`layer_spectra`'s
+        ``op_bound``, an exact SVD's for a Linear (to float64 rounding), an eval BatchNorm's
+        diagonal, and for a convolution an upper bound, never the Lanczos Ritz value
+        ``op_norm``, which lies below the norm (by up to 1e-5 relative where the top singular
+        values cluster): the Ritz value raised by its residual where the iteration converged to
+        its tolerance (``r <= 1e-10 theta``: below the norm only by that tolerance's order),
+        else the symbol's bound, which holds whatever the spectrum; where neither is had (a
+        padding mode other than zeros, unconverged), the note :data:`UNCERTIFIED` makes the
+        bounds no guarantee.
     """
     spectra = list(spectra)
     norms, calls, notes, known = _norms_and_calls(spectra)
@@ -171,12 +187,13 @@ def _norms_and_calls(
     spectra: Iterable[Mapping[str, Any]],
 ) -> tuple[dict[str, float], dict[str, int], list[str], bool]:
     """``(norms, calls, notes, known)``: the finite operator norm of each layer that runs (its
-    first row's) and how often it runs per forward (1 where not known), notes on layers that run
-    never or several times, and whether every call count was known (none inferred) and every
-    norm holds at each call (no layer ran at several input sizes: :data:`SEVERAL_SHAPES`)."""
+    first row's ``op_bound`` where it has one, else its ``op_norm``) and how often it runs per
+    forward (1 where not known), notes on layers that run never or several times, and whether
+    every call count was known (none inferred), every norm holds at each call (no layer ran at
+    several input sizes: :data:`SEVERAL_SHAPES`) and is bounded (:data:`UNCERTIFIED`)."""
     norms: dict[str, float] = {}
     calls: dict[str, int] = {}
-    never, unknown, inferred, shapes = [], [], [], []
+    never, unknown, inferred, shapes, estimated = [], [], [], [], []
     for r in spectra:
         layer, k = r["layer"], r.get("calls")
         if not math.isfinite(r["op_norm"]) or layer in norms or layer in never:
@@ -184,13 +201,18 @@ def _norms_and_calls(
         if k is not None and int(k) == 0:
             never.append(layer)
             continue
-        norms[layer], calls[layer] = float(r["op_norm"]), 1 if k is None else int(k)
+        bound = r.get("op_bound")
+        upper = bound if isinstance(bound, (int, float)) and math.isfinite(bound) else None
+        norms[layer] = float(r["op_norm"] if upper is None else upper)
+        calls[layer] = 1 if k is None else int(k)
         if k is None:
             unknown.append(layer)
         elif INFERRED_CALLS in str(r.get("note") or ""):
             inferred.append(layer)
         if SEVERAL_SHAPES in str(r.get("note") or ""):
             shapes.append(layer)
+        if UNCERTIFIED in str(r.get("note") or ""):
+            estimated.append(layer)
     notes = []
     if never:
         notes.append(f"not run in the forward, so not in the bounds: {_shown(never)}")
@@ -216,7 +238,13 @@ def _norms_and_calls(
             "depends on the input size, and the norm taken holds at the first size only: not a "
             "guarantee"
         )
-    return norms, calls, notes, not unknown and not inferred and not shapes
+    if estimated:
+        notes.append(
+            f"operator norms estimated without a certified upper bound: {_shown(estimated)} (a "
+            "Lanczos estimate that did not converge, of a convolution padded other than with "
+            "zeros): it may lie below the norm, not a guarantee"
+        )
+    return norms, calls, notes, not (unknown or inferred or shapes or estimated)
 
 
 def _residual_bound(

@@ -30,28 +30,37 @@ matrix of a Linear layer, the kernel of a convolution, an attention projection):
   explicitly with ``F.pad`` first; the adjoint of the padding is its vector-Jacobian product (it is
   linear, so the VJP *is* the adjoint). The iteration keeps a Krylov basis of up to
   ``krylov`` vectors with full reorthogonalization (a Lanczos process with Rayleigh-Ritz) and stops
-  when the Ritz residual ``||A^T A u - theta u|| <= tol * theta``; ``sigma = sqrt(theta)``.
+  when the Ritz residual ``r = ||A^T A u - theta u|| <= tol * theta``; ``sigma = sqrt(theta)``.
+  That Ritz value never exceeds the norm, and lies below it by up to 1e-5 relative where the top
+  singular values cluster closer than the iteration resolves (a convolution's often do).
+* ``op_bound``: an upper bound on ``op_norm``, the one the Lipschitz bounds take: ``op_norm``
+  itself for an SVD or an eval BatchNorm; for a convolution, the Ritz value raised by its
+  residual, ``sqrt(theta + r)``, where the iteration converged to ``tol`` (the eigenpair found,
+  within ``tol``), else the bound from the convolution's symbol (:func:`~initlab.diagnostics.
+  _operators.conv_norm_bound`, zero or circular padding: it holds whatever the spectrum, a few
+  1e-3 above the norm at 32 x 32), else the raised value with a note that makes the Lipschitz
+  bounds no guarantee (a reflect- or replicate-padded convolution that did not converge).
 
-Lipschitz upper bounds (lecture, seeds digest §3): the plain product ``prod_j ||W_j||`` over the
-Linear and convolution layers in execution order, and the residual bound where each residual block
-``z + F(z)`` contributes ``||S|| + prod_{j in F} ||W_j||`` (``||S|| = 1`` for an identity or
-parameter-free shortcut, so this is the lecture's ``1 + ||W_j||`` for one-layer branches) and every
-layer outside a block its own ``||W_j||``; nested blocks are resolved recursively. A layer that
-runs ``k`` times in one forward (a shared or looped module; :class:`InputShapes` counts the calls)
-contributes ``||W_j||^k``, one that never runs nothing. BatchNorm in eval
-mode is the diagonal map ``x * gamma / sqrt(var + eps)`` and contributes ``max |gamma / sqrt(var +
-eps)|``. Assumptions, stated so the number is read right: every parameter-free operation is
-1-Lipschitz (ReLU, LeakyReLU with slope <= 1, tanh, average pooling, non-overlapping max pooling;
-:func:`initlab.diagnose` checks the operations of one forward against an allow-list,
+Lipschitz upper bounds (lecture, seeds digest §3), of the ``op_bound`` column: the plain product
+``prod_j ||W_j||`` over the Linear and convolution layers in execution order, and the residual
+bound where each residual block ``z + F(z)`` contributes ``||S|| + prod_{j in F} ||W_j||``
+(``||S|| = 1`` for an identity or parameter-free shortcut, so this is the lecture's ``1 + ||W_j||``
+for one-layer branches) and every layer outside a block its own ``||W_j||``; nested blocks are
+resolved recursively. A layer that runs ``k`` times in one forward (a shared or looped module;
+:class:`InputShapes` counts the calls) contributes ``||W_j||^k``, one that never runs nothing.
+BatchNorm in eval mode is the diagonal map ``x * gamma / sqrt(var + eps)`` and contributes ``max
+|gamma / sqrt(var + eps)|``. Assumptions, stated so the number is read right: every parameter-free
+operation is 1-Lipschitz (ReLU, LeakyReLU with slope <= 1, tanh, average pooling, non-overlapping
+max pooling; :func:`initlab.diagnose` checks the operations of one forward against an allow-list,
 :mod:`initlab.diagnostics._lipschitz_ops`, and GELU, SiLU, upsampling, overlapping max pooling,
-``torch.cat`` of two activations or a constant factor above 1 make the bound no guarantee, named
-in ``operations``, and so does dropout in train mode, which scales by ``1/(1-p)``: call
+``torch.cat`` of two activations or a constant factor above 1 make the bound no guarantee, named in
+``operations``, and so does dropout in train mode, which scales by ``1/(1-p)``: call
 ``model.eval()`` first; :func:`lipschitz_bounds` alone notes the assumption) and every branch is a
-chain (a sum of parallel branches ``p(x) + q(x)`` that is no residual block,
-as the linter's trace finds them, ``LintResult.branch_sums``, makes the bound no guarantee; where
-none were looked for, the notes say so). Layers the bound cannot cover (BatchNorm in train mode,
-LayerNorm, GroupNorm, InstanceNorm, RMSNorm, with or without affine parameters, attention,
-embeddings) are listed in ``notes`` and then the bound is not a guarantee.
+chain (a sum of parallel branches ``p(x) + q(x)`` that is no residual block, as the linter's trace
+finds them, ``LintResult.branch_sums``, makes the bound no guarantee; where none were looked for,
+the notes say so). Layers the bound cannot cover (BatchNorm in train mode, LayerNorm, GroupNorm,
+InstanceNorm, RMSNorm, with or without affine parameters, attention, embeddings) are listed in
+``notes`` and then the bound is not a guarantee.
 
 Example:
     >>> import torch
@@ -87,13 +96,19 @@ from initlab._core.parametrized import (
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows
 from initlab._core.state import preserved_state
-from initlab.diagnostics._lipschitz import INFERRED_CALLS, SEVERAL_SHAPES, lipschitz_bounds
+from initlab.diagnostics._lipschitz import (
+    INFERRED_CALLS,
+    SEVERAL_SHAPES,
+    UNCERTIFIED,
+    lipschitz_bounds,
+)
 from initlab.diagnostics._operators import (
     _CONVS,
     _CONVTS,
     _F64,
     _output_padding,
     _sizes,
+    conv_norm_bound,
     conv_operator,
     conv_operator_norm,
     top_singular_value,
@@ -123,6 +138,7 @@ SPECTRA_COLUMNS: tuple[str, ...] = (
     "sv_max",
     "sv_mean",
     "op_norm",
+    "op_bound",
     "op_method",
     "matvecs",
     "note",
@@ -134,7 +150,9 @@ ran in one forward (``None``: not known, no forward was watched; see :meth:`Inpu
 ``input_shape`` the layer's input shape without the batch dim (convolutions), ``sv_max``/``sv_mean``
 of the reshaped ``out x (in * k)`` matrix (a transposed convolution's from ``W.transpose(0, 1)``;
 of each group's, of each expert's; see the module docstring),
-``op_norm`` the operator norm, ``op_method`` how it was found (``"svd"``, ``"lanczos"``,
+``op_norm`` the operator norm (a convolution's: a Lanczos estimate, at most the norm), ``op_bound``
+an upper bound on it, the one the Lipschitz bounds take (see the module docstring), ``op_method``
+how it was found (``"svd"``, ``"lanczos"``,
 ``"bn_eval"``), ``matvecs`` applications of ``A^T A``, ``note`` caveats."""
 
 
@@ -377,9 +395,9 @@ def layer_spectra(
             in_shape = tuple(shapes[name]) if name in shapes else None
             if isinstance(module, nn.RNNBase) and not pname.startswith("weight_ih_l0"):
                 in_shape = None  # it acts on a hidden state, not on the layer's input
-            op_norm, method, matvecs = math.nan, "", 0
+            op_norm, op_bound, method, matvecs = math.nan, math.nan, "", 0
             if bad == 0:  # else no operator norm (a note says so)
-                op_norm, method, matvecs = _op_norm_entry(
+                op_norm, op_bound, method, matvecs = _op_norm_entry(
                     module, name, pname, w, stacked, sv_max, in_shape, watched, note,
                     tol, max_matvecs, generator,
                 )  # fmt: skip
@@ -391,7 +409,8 @@ def layer_spectra(
                     "layer": name, "param": pname, "module_type": type(module).__name__,
                     "order": rank.get(name), "calls": calls, "shape": tuple(w.shape),
                     "input_shape": in_shape, "sv_max": sv_max, "sv_mean": sv_mean,
-                    "op_norm": op_norm, "op_method": method, "matvecs": matvecs,
+                    "op_norm": op_norm, "op_bound": op_bound, "op_method": method,
+                    "matvecs": matvecs,
                     "note": "; ".join(note),
                 }
             )  # fmt: skip
@@ -415,17 +434,17 @@ def _op_norm_entry(
     tol: float,
     max_matvecs: int,
     generator: torch.Generator | None,
-) -> tuple[float, str, int]:
-    """``(op_norm, method, matvecs)`` of one finite weight of :func:`layer_spectra`; notes go to
-    ``note``."""
+) -> tuple[float, float, str, int]:
+    """``(op_norm, op_bound, method, matvecs)`` of one finite weight of :func:`layer_spectra`;
+    notes go to ``note``."""
     if stacked:  # each expert is a linear map: the largest of their norms
         note.append(f"{w.shape[0]} experts: sv_max and op_norm the largest, sv_mean "
                     "the mean over them")  # fmt: skip
-        return sv_max, "svd", 0
+        return sv_max, sv_max, "svd", 0
     if _is_conv(module):
         return _conv_entry(module, in_shape, watched, name, note, tol, max_matvecs, generator)
     if linear_fans(module, default_registry()) is not None:  # Linear, GPT-2's Conv1D
-        return sv_max, "svd", 0
+        return sv_max, sv_max, "svd", 0
     # an RNN's, an attention's in_proj_weight
     why = (
         " (a recurrent layer applies no single linear map; sv_max is this matrix's)"
@@ -433,7 +452,7 @@ def _op_norm_entry(
         else ""
     )
     note.append(f"no operator norm for a {type(module).__name__} {pname!r}{why}")
-    return math.nan, "", 0
+    return math.nan, math.nan, "", 0
 
 
 def _svd_columns(
@@ -481,6 +500,7 @@ def _bn_eval_row(
         "sv_max": math.nan,
         "sv_mean": math.nan,
         "op_norm": scale,
+        "op_bound": scale,
         "op_method": "bn_eval",
         "matvecs": 0,
         "note": "eval-mode BatchNorm: max |gamma / sqrt(running_var + eps)|",
@@ -555,12 +575,16 @@ def _conv_entry(
     tol: float,
     max_matvecs: int,
     generator: torch.Generator | None,
-) -> tuple[float, str, int]:
-    """``(op_norm, method, matvecs)`` of a convolution at its recorded input shape; notes go to
-    ``note``."""
+) -> tuple[float, float, str, int]:
+    """``(op_norm, op_bound, method, matvecs)`` of a convolution at its recorded input shape;
+    notes go to ``note``. ``op_norm`` is the Lanczos Ritz value (at most the norm); ``op_bound``
+    that value raised by its Ritz residual where the iteration converged to ``tol`` (``r <= tol
+    theta``: the eigenpair found, :func:`top_singular_value`), else the symbol's bound
+    (:func:`conv_norm_bound`, whatever the spectrum), else the raised value with the note
+    :data:`UNCERTIFIED` (the bound is then no guarantee)."""
     if in_shape is None:
         note.append("no recorded input shape: operator norm not computed")
-        return math.nan, "", 0
+        return math.nan, math.nan, "", 0
     extra = watched.output_padding.get(name) if watched is not None else None
     try:
         op_norm, info = conv_operator_norm(
@@ -575,4 +599,10 @@ def _conv_entry(
         )
     if watched is not None and name in watched.multiple:
         note.append(SEVERAL_SHAPES)
-    return op_norm, "lanczos", info["matvecs"]
+    bound = info["upper"]
+    if info["residual"] > tol * op_norm**2:
+        bound = conv_norm_bound(module, in_shape, output_padding=extra)
+        if bound is None:
+            bound = info["upper"]
+            note.append(UNCERTIFIED)
+    return op_norm, bound, "lanczos", info["matvecs"]
