@@ -914,3 +914,53 @@ def test_a_torch_layer_patched_on_its_class_is_not_trusted(where: str, monkeypat
     lip, bound, exact = _run(model, _x())
     assert exact > 5 * bound, (exact, bound)
     assert not lip["guaranteed"] and any("a factor 10" in o for o in lip["operations"]), lip
+
+
+class _BoolMasked(nn.Module):
+    """``b(a(x) * mask)`` with a bool mask buffer: a product with 0s and 1s, 1-Lipschitz."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = _eye_linear(), nn.Linear(4, 1, bias=False)
+        self.register_buffer("mask", torch.tensor([True, False, True, True]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x) * self.mask)
+
+
+def test_a_product_with_a_bool_mask_buffer_keeps_the_bound() -> None:
+    """The judge took ``abs()`` of the bool constant, which raised inside the forward, and
+    diagnose said the model's forward failed (call counts not known, nothing checked)."""
+    model = _BoolMasked().double()
+    model.mask = model.mask.bool()
+    report = diagnose(model, [(_x(),)], _square_mean, generator=0)
+    lip = report.meta["lipschitz"]
+    assert lip["guaranteed"] and lip["operations"] == [], lip
+    assert not any("failed" in n for n in report.meta.get("notes", [])), report.meta["notes"]
+    _run(model, _x())
+
+
+def test_an_error_of_the_watch_is_never_reported_as_the_forward_failing(monkeypatch) -> None:
+    """An error in the watch's own code (a judge, the recorder's bookkeeping) ran up through the
+    model's forward and was reported as that forward failing. A judge's error now leaves its
+    call not known (the forward goes on, the counts known); the recorder's is named as
+    initlab's."""
+    from initlab.diagnostics import _lipschitz_ops
+    from initlab.measure import runtime_trace
+
+    def broken(*args, **kwargs):
+        raise NotImplementedError("a bug of the judge")
+
+    monkeypatch.setattr(_lipschitz_ops, "_judge", broken)
+    report = diagnose(_Two(torch.relu).double(), [(_x(),)], _square_mean, generator=0)
+    lip, notes = report.meta["lipschitz"], report.meta.get("notes", [])
+    assert not any(n.startswith("the forward that counts") for n in notes), notes
+    assert not lip["guaranteed"] and any("bug in initlab" in o for o in lip["operations"]), lip
+    monkeypatch.undo()
+    monkeypatch.setattr(runtime_trace._Recorder, "inputs_of", broken)
+    report = diagnose(_Two(torch.relu).double(), [(_x(),)], _square_mean, generator=0,
+                      lint=False)  # fmt: skip
+    notes = report.meta.get("notes", [])
+    assert not any(n.startswith("the forward that counts") for n in notes), notes
+    assert any("watch of the forward" in n and "bug in initlab" in n for n in notes), notes
+    assert not report.meta["lipschitz"]["guaranteed"]

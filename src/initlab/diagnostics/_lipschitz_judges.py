@@ -319,8 +319,8 @@ def _scale(fn: str, args: tuple, kwargs: Mapping[str, Any], out: Any, data: list
         return "a constant divided by an activation: not known to be 1-Lipschitz"
     others = [a for a in (first, second) if a is not None and not any(a is t for t in data)]
     c, r = others[0] if others else 1.0, _broadcast(out, data)
-    if isinstance(c, torch.Tensor):
-        c = c.detach().abs()
+    if isinstance(c, torch.Tensor):  # a bool mask as 0 and 1 (abs takes no bool)
+        c = (c.detach().to(torch.uint8) if c.dtype == torch.bool else c.detach()).abs()
         low = float(c.min()) if c.numel() else math.inf  # a division by 0: no bound
         big = float(c.max()) if fn in _MULS else (1 / low if low else math.inf)
     elif isinstance(c, (int, float)):

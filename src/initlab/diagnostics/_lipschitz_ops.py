@@ -198,10 +198,15 @@ class OperationWatch:
                 handles.add(m.register_forward_hook(
                     lambda *_, n=name: self._returned.add(n), prepend=True, always_call=True
                 ))  # fmt: skip
-            handles.add(self.model.register_forward_hook(
-                lambda m, a, out: self._read_views(("",), "output", _floats(out))
-            ))  # fmt: skip
+            handles.add(self.model.register_forward_hook(lambda m, a, out: self._output(out)))
             yield self
+
+    def _output(self, out: Any) -> None:
+        """:meth:`_read_views` of the model's output; an error of its own noted, not raised."""
+        try:
+            self._read_views(("",), "output", _floats(out))
+        except Exception as err:
+            self._always.append(((), "output", f"{_INTERNAL} ({type(err).__name__}: {err})"))
 
     def _enter(self, name: str) -> None:
         self._returned.discard(name)
@@ -229,6 +234,23 @@ class OperationWatch:
         return known
 
     def _on_call(
+        self,
+        node: RuntimeNode,
+        args: tuple,
+        kwargs: dict[str, Any],
+        out: Any,
+        tag_of: Callable[[Any], int | None],
+    ) -> None:
+        """:meth:`_judge_call`; where the watch's own code raises (an initlab bug), the call is
+        not known to be 1-Lipschitz, said so, and the forward goes on: the error is not the
+        model's, and must not be reported as its forward failing."""
+        try:
+            self._judge_call(node, args, kwargs, out, tag_of)
+        except Exception as err:
+            why = f"{_INTERNAL} ({type(err).__name__}: {err})"
+            self._always.append((node.stack, node.fn, why))
+
+    def _judge_call(
         self,
         node: RuntimeNode,
         args: tuple,
@@ -596,6 +618,10 @@ _RECOMPUTED = (
     "its parametrization computed a weight in the forward other than the one the bound's norm is "
     "of (spectral_norm in training mode takes a step of power iteration on each forward: call "
     "model.eval())"
+)
+_INTERNAL = (
+    "initlab's watch failed to judge it, a bug in initlab (not in the model; please report it): "
+    "not known to be 1-Lipschitz"
 )
 _INDICES = (
     "takes integer indices computed from the data (of max/min over a dim, of max pooling with "

@@ -63,6 +63,7 @@ from initlab.measure.probe import MomentProbe
 from initlab.measure.probe.run import probed_backward
 from initlab.measure.probe.state import _MISMATCH
 from initlab.measure.residual import _user_blocks
+from initlab.measure.runtime_trace import RecordingError
 
 __all__ = ["diagnose"]
 
@@ -386,11 +387,17 @@ def _plain_forward(
     in the Lipschitz bound. It runs with grad, as the pass does (a PINN residual's or gradient
     penalty's ``torch.autograd.grad`` inside the loss), and no backward: its graph is freed with
     the loss. Where it fails, the call counts are left unknown and the operations unchecked (a
-    note; the bound is then no guarantee)."""
+    note; the bound is then no guarantee): the forward's error, or the recorder's own
+    (:class:`~initlab.measure.runtime_trace.RecordingError`, an initlab bug, said so)."""
     shapes, ops = InputShapes(model), OperationWatch(model)
     try:
         with preserved_state(model), torch.enable_grad(), seeds.scope(0), shapes, ops():
             loss_fn(model, batch)  # the result dropped: its graph freed, nothing accumulated
+    except RecordingError as err:  # initlab's own, not the model's
+        shapes.calls.clear()
+        notes.append(f"the watch of the forward that counts each layer's calls failed ({err}): "
+                     "call counts not known, operations not checked")  # fmt: skip
+        return shapes, None
     except Exception as err:  # the pass ran this loss: report, keep the rest
         shapes.calls.clear()
         notes.append(f"the forward that counts each layer's calls failed "

@@ -76,6 +76,7 @@ from initlab.measure.residual import (
 
 __all__ = [
     "READ_NAMES",
+    "RecordingError",
     "RuntimeGraph",
     "RuntimeNode",
     "additions_of",
@@ -232,6 +233,26 @@ def _mark(last: torch.Tensor, region: _Region, index: int) -> None:
         last.as_strided(shape, stride, offset).fill_(index)
 
 
+class RecordingError(RuntimeError):
+    """An error of the recorder itself (its bookkeeping, an ``on_call``), raised through the
+    model's forward: a bug in initlab, not in the model, which a caller must not report as the
+    forward failing."""
+
+
+@contextmanager
+def _own_errors(where: str) -> Iterator[None]:
+    """Raise what the recorder's own code inside raises as a :class:`RecordingError`."""
+    try:
+        yield
+    except RecordingError:
+        raise
+    except Exception as err:
+        raise RecordingError(
+            f"initlab's forward recorder failed at {where} ({type(err).__name__}: {err}): a bug "
+            "in initlab, not in the model; please report it"
+        ) from err
+
+
 class _Recorder(TorchFunctionMode):
     """Tags tensors with the node that produced them (see the module docstring)."""
 
@@ -302,11 +323,27 @@ class _Recorder(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         fn = _fn_name(func)
-        operands = None
-        if fn in _ADD_NAMES and len(args) >= 2:
-            operands = (self.tag_of(args[0]), self.tag_of(args[1]))
-        inputs = self.inputs_of(_sources(fn, args, kwargs))
-        out = func(*args, **kwargs)
+        with _own_errors(fn):
+            operands = None
+            if fn in _ADD_NAMES and len(args) >= 2:
+                operands = (self.tag_of(args[0]), self.tag_of(args[1]))
+            inputs = self.inputs_of(_sources(fn, args, kwargs))
+        out = func(*args, **kwargs)  # the model's: its errors are its own
+        with _own_errors(fn):
+            self.record(func, fn, args, kwargs, out, operands, inputs)
+        return out
+
+    def record(
+        self,
+        func: Any,
+        fn: str,
+        args: tuple,
+        kwargs: dict[str, Any],
+        out: Any,
+        operands: tuple[int | None, int | None] | None,
+        inputs: list[int],
+    ) -> None:
+        """Record the call ``fn`` that returned ``out`` (see the module docstring)."""
         outputs, seen = _tensors(out), out
         target = args[0] if args and isinstance(args[0], torch.Tensor) else None
         targets = written_targets(fn, args, kwargs)  # torch.abs(h, out=buf[:]) writes into buf
@@ -324,7 +361,6 @@ class _Recorder(TorchFunctionMode):
             if aliased:
                 self.tag(i, outputs)
             self.wrote(i, outputs, targets)
-        return out
 
     def wrote(self, i: int, outputs: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
         """Tag what node ``i`` wrote in place into ``targets``: ``outputs``, the bases the
@@ -379,7 +415,8 @@ def recording(model: nn.Module, on_call: OnCall | None = None) -> Iterator[Runti
     (:func:`runtime_trace` keeps the model; a caller that runs its own pass, such as LSUV's
     discovery pass, keeps it its own way); the hooks are removed and the recorded tensors
     released on exit. ``on_call`` (see :data:`OnCall`) sees each call that returns tensors, with
-    its arguments.
+    its arguments. What the recorder's own code (``on_call`` included) raises inside the forward
+    comes out as a :class:`RecordingError`, so that a caller tells it from the model's errors.
     """
     graph = RuntimeGraph()
     names: dict[int, str] = {}
@@ -393,13 +430,14 @@ def recording(model: nn.Module, on_call: OnCall | None = None) -> Iterator[Runti
 
     def pre(module: nn.Module, a: tuple, kw: dict) -> None:
         if not rec.stack:  # an outermost call: its tensor arguments are the inputs
-            with torch._C.DisableTorchFunction():
+            with torch._C.DisableTorchFunction(), _own_errors("the model's input"):
                 fresh = [t for t in _input_tensors((a, kw)) if id(t) not in rec.tags]
-            rec.node("input", [], fresh, "input")
+                rec.node("input", [], fresh, "input")
         rec.stack.append(names.get(id(module), type(module).__name__))
 
     def post(module: nn.Module, a: tuple, kw: dict, out: Any) -> None:
-        with torch._C.DisableTorchFunction():  # the hook's own tensor queries are not recorded
+        # the hook's own tensor queries are not recorded
+        with torch._C.DisableTorchFunction(), _own_errors(type(module).__name__):
             untagged = [t for t in _tensors(out) if id(t) not in rec.tags]
             if untagged:  # an output no torch function produced: the module is one node
                 i = rec.node(type(module).__name__, rec.inputs_of((a, kw)), untagged, "module")
