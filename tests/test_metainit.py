@@ -35,6 +35,8 @@ from initlab.methods.metainit import (
     metainit_,
 )
 
+from .half_models import HandNorm
+
 D = torch.float64
 
 
@@ -229,6 +231,29 @@ def test_a_nonfinite_meta_gradient_of_a_float16_model_is_named_for_what_it_is(no
     assert "lower lr" not in message and "loss is nan" not in message
     assert all(torch.equal(v, before[k]) for k, v in half.state_dict().items())
     report = metainit_(model, data, loss, variant="gradinit", steps=2)  # the advice runs
+    assert all(math.isfinite(r["alpha"]) for r in report.to_rows())
+
+
+def test_a_nonfinite_gradient_quotient_of_a_float16_model_names_float16() -> None:
+    """A float16 LayerNorm written by hand on inputs x1e-3: the quotient's pass overflows and GQ
+    is NaN, reported bare ("the gradient quotient is nan") while the float32 copy runs; it names
+    float16 and the float32 copy now."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), HandNorm(), nn.ReLU(), nn.Linear(16, 4))
+    with torch.no_grad():
+        net[0].bias.zero_()
+    gen = torch.Generator().manual_seed(11)
+    data = [
+        (torch.randn(16, 8, generator=gen) * 1e-3, torch.randint(0, 4, (16,), generator=gen))
+        for _ in range(2)
+    ]
+    loss = lambda m, b: F.cross_entropy(m(b[0]).float(), b[1])  # noqa: E731
+    half = copy.deepcopy(net).half()
+    with pytest.warns(UserWarning, match="float16"), pytest.raises(FloatingPointError) as info:
+        metainit_(half, [(x.half(), y) for x, y in data], loss, steps=2)
+    message = str(info.value)
+    assert "gradient quotient is nan" in message and "float32 copy" in message, message
+    report = metainit_(net, data, loss, steps=2)  # the advice runs
     assert all(math.isfinite(r["alpha"]) for r in report.to_rows())
 
 

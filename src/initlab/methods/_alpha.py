@@ -385,9 +385,23 @@ def _when(iteration: int) -> str:
     return f"at iteration {iteration}; the model was left unchanged"
 
 
-def check_finite(value: float, iteration: int, what: str, quantity: str = "loss") -> None:
+def check_finite(
+    value: float, iteration: int, what: str, quantity: str = "loss", overflow: str = ""
+) -> None:
+    """Raise where ``value`` (the ``quantity``) is not finite; ``overflow`` (given for a float16
+    model): what may have overflowed its range, named with the float32 copy to use."""
     if not math.isfinite(value):
-        raise FloatingPointError(f"{what}: the {quantity} is {value} {_when(iteration)}")
+        why = f". {float16_copy(what, overflow)}" if overflow else ""
+        raise FloatingPointError(f"{what}: the {quantity} is {value} {_when(iteration)}{why}")
+
+
+def float16_copy(what: str, overflowed: str) -> str:
+    """The advice where ``overflowed`` may have overflowed a float16 model's range."""
+    return (
+        f"The model is float16, whose range (largest value 65504) {overflowed} overflowed; run "
+        f"{what} on a float32 copy (m32 = copy.deepcopy(model).float(), the data in float32) and "
+        "copy its weights back (model.load_state_dict(m32.state_dict()))"
+    )
 
 
 def warn_half_precision(ts: Tensors, what: str, why: str) -> None:
@@ -419,10 +433,8 @@ def check_alpha_grad(
         return
     bad = [ts.names[i] for k, i in enumerate(ts.scaled) if not grad[k].isfinite()]
     reason = (
-        f"The model is float16, whose range (largest value 65504) {cause} overflowed; run "
-        f"{what} on a float32 copy (m32 = copy.deepcopy(model).float(), the data in float32) and "
-        "copy its weights back (model.load_state_dict(m32.state_dict()))"
-        if any(t.dtype == torch.float16 for t in ts.tensors)
+        float16_copy(what, cause)
+        if holds_float16(ts)
         else "Its derivative overflowed or is undefined at these weights (a sqrt, norm or "
         "division at zero in the model or the loss)"
     )
@@ -431,6 +443,11 @@ def check_alpha_grad(
         f"({', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}) {_when(iteration)}, while the "
         f"loss is finite. {reason}"
     )
+
+
+def holds_float16(ts: Tensors) -> bool:
+    """Whether any of the selected tensors is float16."""
+    return any(t.dtype == torch.float16 for t in ts.tensors)
 
 
 @contextmanager

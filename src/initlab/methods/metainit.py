@@ -111,6 +111,7 @@ from initlab.methods._alpha import (
     evaluation_modes,
     fold_alpha,
     grads_or_zeros,
+    holds_float16,
     loss_at,
     nonzero,
     positive_int,
@@ -426,6 +427,7 @@ _SIGNS_FLIP = (
     "signs its steps follow (a small MLP: alphas 0.92, 1.01, 0.63 in bfloat16 against 0.92, "
     "0.75, 1.02)"
 )
+_GQ_OVERFLOW = "the gradient quotient's pass (its H g, or its quotient by a gradient entry near 0)"
 _OVERFLOW = (
     "the meta-gradient's backward (through the quotient's derivative, about h / g**2 where a "
     "gradient entry g is small)"
@@ -456,7 +458,8 @@ def _meta_gradient(
             loss_value = scalar_mean(value)
             check_finite(loss_value, t, what)
             gq_value = scalar_mean(gq)
-            check_finite(gq_value, t, what, "gradient quotient")
+            half = _GQ_OVERFLOW if holds_float16(ts) else ""
+            check_finite(gq_value, t, what, "gradient quotient", overflow=half)
             with second_order(what, _WHY, _ADVICE):
                 meta = run_together(what, partial(grads_or_zeros, gq, [a]))[0]
     except CheckpointError as err:
