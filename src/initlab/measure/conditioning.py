@@ -619,7 +619,11 @@ def gr_scaling(
             forming ratios, so every rank gets the pooled values (every rank must call it). With
             the model and data given, the ranks must hold the same weights (checked: a
             ``RankMismatchError`` on every rank), and a probe that fails on some ranks raises
-            the same ``RankMismatchError`` on every rank.
+            the same ``RankMismatchError`` on every rank. ``nu_w_minibatch`` is then the mean
+            over ranks of each rank's own minibatch gradient's ``E[dW^2]`` (its batch of ``B``
+            examples), not that of the gradient DDP averages over all ranks' ``world_size * B``
+            examples, which is at most it: about ``1 / world_size`` of it where the ranks'
+            gradients are mostly noise, equal where they agree.
         generator: seed (or ``torch.Generator``) of the probe's passes (first form; dropout
             masks; :func:`~initlab.measure_moments`'s ``generator``).
 
