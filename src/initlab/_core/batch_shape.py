@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from initlab._core.compiled import uncompiled
+
 __all__ = ["TARGET_KEYS", "check_batched", "find_target", "forward_params", "target_taken"]
 
 #: Keys of a dict batch that hold the target, in the order they are looked up.
@@ -104,13 +106,15 @@ def target_taken(model: Any, batch: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 def _passed_to(model: Any) -> Any:
-    """The module a pass-through wrapper (DDP, ``DataParallel``, a ``torch.compile``'d model)
-    hands its arguments to, unwrapped; any other model as it is."""
+    """The module a pass-through wrapper (DDP, ``DataParallel``, a ``torch.compile``'d model:
+    :func:`~initlab._core.compiled.uncompiled`) hands its arguments to, unwrapped; any other
+    model as it is."""
     for _ in range(8):
-        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-            model = model.module
-        elif type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        else:
+        inner = model.module if isinstance(model, _PARALLEL) else uncompiled(model)
+        if inner is model:
             break
+        model = inner
     return model
+
+
+_PARALLEL = (nn.parallel.DistributedDataParallel, nn.DataParallel)

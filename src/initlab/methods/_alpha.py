@@ -434,7 +434,7 @@ def check_alpha_grad(
     bad = [ts.names[i] for k, i in enumerate(ts.scaled) if not grad[k].isfinite()]
     reason = (
         float16_copy(what, cause)
-        if holds_float16(ts)
+        if ts.float16
         else "Its derivative overflowed or is undefined at these weights (a sqrt, norm or "
         "division at zero in the model or the loss)"
     )
@@ -443,11 +443,6 @@ def check_alpha_grad(
         f"({', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}) {_when(iteration)}, while the "
         f"loss is finite. {reason}"
     )
-
-
-def holds_float16(ts: Tensors) -> bool:
-    """Whether any of the selected tensors is float16."""
-    return any(t.dtype == torch.float16 for t in ts.tensors)
 
 
 @contextmanager

@@ -111,7 +111,6 @@ from initlab.methods._alpha import (
     evaluation_modes,
     fold_alpha,
     grads_or_zeros,
-    holds_float16,
     loss_at,
     nonzero,
     positive_int,
@@ -458,7 +457,7 @@ def _meta_gradient(
             loss_value = scalar_mean(value)
             check_finite(loss_value, t, what)
             gq_value = scalar_mean(gq)
-            half = _GQ_OVERFLOW if holds_float16(ts) else ""
+            half = _GQ_OVERFLOW if ts.float16 else ""
             check_finite(gq_value, t, what, "gradient quotient", overflow=half)
             with second_order(what, _WHY, _ADVICE):
                 meta = run_together(what, partial(grads_or_zeros, gq, [a]))[0]
