@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -200,3 +201,12 @@ class KeywordNet(nn.Module):
         if labels is not None:
             out["loss"] = F.cross_entropy(logits, labels)
         return out
+
+
+CPU_DATA_PARALLEL = pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="nn.DataParallel moves its module to cuda:0 where CUDA is available: a CPU case "
+    "(tests/test_devices.py has the CUDA one)",
+)
+"""For tests of ``nn.DataParallel`` around a CPU model: where CUDA is available its constructor
+moves the module to the GPU (found on an H200: the batches stayed on the CPU)."""

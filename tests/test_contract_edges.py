@@ -30,6 +30,7 @@ from initlab._core.loss import TargetError, resolve_loss
 from initlab.methods.gradinit import overlap_batch
 
 from . import hf_models
+from .conformance_models import CPU_DATA_PARALLEL
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -1249,6 +1250,7 @@ class _WithLoss(nn.Module):
         return {"loss": F.cross_entropy(logits, labels), "logits": logits}
 
 
+@CPU_DATA_PARALLEL
 def test_a_wrapper_taking_kwargs_keeps_the_target_and_a_pass_through_one_does_not() -> None:
     """The signature read for the target went through any ``.module``: a model-and-loss wrapper
     whose ``**kwargs`` reads 'labels' lost them (KeyError inside it). A wrapper of one's own

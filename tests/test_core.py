@@ -40,6 +40,8 @@ from initlab._core.loss import LOSS_FORMS, TargetError, criterion, outputs_loss,
 from initlab._core.norms import composite_norms, float16_norms, may_float16, may_weight_norm
 from initlab._core.state import model_kept, restore_on_failure
 
+from .conformance_models import CPU_DATA_PARALLEL
+
 
 def _xy(n: int = 6, d: int = 3, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
@@ -658,7 +660,9 @@ class _Wrapper(nn.Module):
         return self.module(*args, **kwargs)
 
 
-@pytest.mark.parametrize("wrap", ["Wrapper", "DataParallel", "twice"])
+@pytest.mark.parametrize(
+    "wrap", ["Wrapper", pytest.param("DataParallel", marks=CPU_DATA_PARALLEL), "twice"]
+)
 def test_a_wrapped_model_that_ignores_its_labels_gets_no_silent_cross_entropy(wrap: str) -> None:
     """Behind a ``forward(*args, **kwargs)`` wrapper the model's named 'labels' and its
     ``return_loss`` went unseen: loss_fn=None fell back to cross-entropy on the logits."""

@@ -42,7 +42,7 @@ from initlab.measure.curvature import (
 )
 from initlab.measure.curvature.products import _cuts_second_order
 
-from .conformance_models import KeywordNet
+from .conformance_models import CPU_DATA_PARALLEL, KeywordNet
 from .half_models import HandNorm, ln_net
 
 DT = torch.float64
@@ -937,6 +937,7 @@ def test_ggn_with_a_loss_that_runs_the_model_says_what_to_pass() -> None:
         hessian_eigenpairs(model, batch, lambda m, b: m(b[0]).sum(), kind="ggn")
 
 
+@CPU_DATA_PARALLEL
 def test_a_data_parallel_model_is_measured_through_the_module_it_wraps() -> None:
     """torch's stateless API refuses nn.DataParallel ("can't be used with nn.DataParallel
     module"): block_curvature raised it, diagnose(curvature=True) dropped the curvature. On the

@@ -28,6 +28,7 @@ from initlab.diagnostics import (
 from initlab.diagnostics.gradients import GradientStats
 from initlab.diagnostics.report import ratio_reason, ratio_verdict
 
+from .conformance_models import CPU_DATA_PARALLEL
 from .half_models import HandNorm, ln_net, scaled_ce, small_gradient_batch, small_gradient_net
 
 F64 = torch.float64
@@ -489,6 +490,7 @@ def test_nonfinite_curvature_products_get_a_note_naming_float16():
     assert "float16" in notes[0] and "float32 copy" in notes[0]
 
 
+@CPU_DATA_PARALLEL
 def test_a_data_parallel_model_gets_its_curvature():
     """The curvature was dropped with torch's note ("can't be used with nn.DataParallel")."""
     model = nn.DataParallel(mlp3(7, (5, 8, 8, 3)).float())

@@ -23,6 +23,7 @@ from initlab.measure.landscape import (
 )
 from initlab.zoo import create_model
 
+from .conformance_models import CPU_DATA_PARALLEL
 from .half_models import HandNorm, ln_net
 
 DT = torch.float64
@@ -355,6 +356,7 @@ def test_renamed_keyword_and_loss_forms_agree() -> None:
         loss_landscape(net, batch, lambda m, b: m(b[0]).sum(), forward=lambda m, b: m(b[0]))
 
 
+@CPU_DATA_PARALLEL
 def test_a_data_parallel_model_against_the_slow_loop_of_the_module_it_wraps() -> None:
     """torch's stateless API refuses nn.DataParallel (it raised "can't be used with
     nn.DataParallel module"); on the CPU its forward is its module's call."""
