@@ -41,6 +41,7 @@ from torch import nn
 
 import initlab
 from initlab._core.data import Batches
+from initlab._core.devices import DataDeviceError, device_error, target_device_error
 
 from . import hf_models
 from .conformance_models import TiedKeywordModel, make_model, tuple_batches, tuple_loss
@@ -303,3 +304,96 @@ def test_the_next_forward_under_autocast_runs_the_new_weights(method: str, devic
     with torch.autocast(device, dtype=torch.bfloat16):
         want = model(x)
     assert torch.equal(got, want)
+
+
+# ----------------------------------------------------------------------------- data elsewhere
+
+DATA_ENTRIES = [e.name for e in ENTRIES.values() if e.takes_model and "mlp" in e.models]
+"""The entry points that run the model on data (the matrix's, on its MLP)."""
+
+
+@pytest.mark.parametrize("loss", ["model_batch", "criterion"])
+@pytest.mark.parametrize("entry", DATA_ENTRIES)
+def test_a_cuda_model_given_cpu_batches_gets_the_data_named(entry: str, loss: str) -> None:
+    """initlab moves no data: a CUDA model fed batches on the CPU (a DataLoader's) got torch's
+    "Expected all tensors to be on the same device" from inside the forward; the error names the
+    batch's entry, both devices and how to move the data, and the model is left as it was."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    model = make_model("mlp").cuda()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    loss_fn = tuple_loss if loss == "model_batch" else nn.CrossEntropyLoss()
+    with pytest.raises(Exception, match=r"is on cpu and the model's parameters on cuda:0") as got:
+        ENTRIES[entry].call(model, Batches(tuple_batches("mlp")), loss_fn, SEED)
+    assert "move the batches to cuda:0" in str(got.value)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert not _hooks(model)
+
+
+def _data_parallel_case() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).double().cuda()
+    return inner, (torch.randn(6, 5, dtype=torch.float64), torch.randint(0, 3, (6,)))
+
+
+@pytest.mark.parametrize("device", [CUDA])
+def test_a_data_parallel_cuda_model_is_measured_through_its_module(device: str) -> None:
+    """nn.DataParallel on one GPU: the blocks of the module it wraps, named under "module.";
+    given batches on the CPU, its forward moves the inputs but the loss's targets stay there:
+    the targets are named."""
+    inner, (x, y) = _data_parallel_case()
+    loss = nn.CrossEntropyLoss()
+    want = initlab.block_curvature(inner, (x.cuda(), y.cuda()), loss, probes=4, generator=0)
+    parallel = nn.DataParallel(inner)
+    got = initlab.block_curvature(parallel, (x.cuda(), y.cuda()), loss, probes=4, generator=0)
+    assert [r["block_row"] for r in got] == [f"module.{r['block_row']}" for r in want]
+    assert [r["value"] for r in got] == pytest.approx([r["value"] for r in want], rel=1e-9)
+    with pytest.raises(Exception, match=r"entry '1' is on cpu and the model's output on cuda:0"):
+        initlab.gr_scaling(parallel, (x, y), loss)
+
+
+TORCH_DEVICE_ERRORS = {
+    "linear": "Expected all tensors to be on the same device, but got mat1 is on cpu, different "
+    "from other tensors on cuda:0 (when checking argument in method wrapper_CUDA_addmm)",
+    "conv": "Input type (torch.FloatTensor) and weight type (torch.cuda.FloatTensor) should be "
+    "the same or input should be a MKLDNN tensor and weight is a dense tensor",
+}
+"""torch's texts for a CPU input reaching a CUDA layer (the first read on an H200)."""
+
+
+@pytest.mark.parametrize("layer", sorted(TORCH_DEVICE_ERRORS))
+def test_device_error_names_the_tensor_elsewhere_and_only_then(layer: str) -> None:
+    """On the CPU, a model on the meta device stands in for one on cuda:0."""
+    err = RuntimeError(TORCH_DEVICE_ERRORS[layer])
+    elsewhere = nn.Linear(3, 2, device="meta")
+    batch = {"x": torch.zeros(4, 3), "labels": torch.zeros(4, dtype=torch.long)}
+    got = device_error(err, elsewhere, batch)
+    assert isinstance(got, DataDeviceError) and isinstance(got, RuntimeError)
+    assert str(got).startswith(
+        "the batch's entry 'x' is on cpu and the model's parameters on meta ("
+    ), got
+    assert "move the batches to meta where they are made (x.to('meta')" in str(got)
+    assert device_error(err, nn.Linear(3, 2), batch) is None  # nothing is elsewhere
+    split = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2, device="meta"))
+    assert device_error(err, split, batch) is None  # a model over devices: torch's text stands
+    assert (
+        device_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied"), elsewhere, batch)
+        is None
+    )
+    assert device_error(TypeError(str(err)), elsewhere, batch) is None
+
+
+def test_target_device_error_names_the_target() -> None:
+    """nn.DataParallel moves the inputs itself, not the targets: the loss's output and targets
+    are on different devices, and the target is the tensor named."""
+    err = RuntimeError(
+        "Expected all tensors to be on the same device, but got target is on cpu, different "
+        "from other tensors on cuda:0 (when checking argument in method "
+        "wrapper_CUDA_nll_loss_forward)"
+    )
+    out = torch.zeros(4, 2, device="meta")
+    x, y = torch.zeros(4, 3, device="meta"), torch.zeros(4, dtype=torch.long)
+    got = target_device_error(out, (x, y), err)
+    assert str(got).startswith("the batch's entry '1' is on cpu and the model's output on meta")
+    assert target_device_error(out, (x, y.to("meta")), err) is None
+    assert target_device_error(out, (x, y), RuntimeError("Target 5 is out of bounds.")) is None

@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 from initlab._core.batch_shape import TARGET_KEYS, check_batched, find_target, target_taken
+from initlab._core.devices import device_error
 from initlab._core.dtype_blame import TYPE_NAMES, could_be_ids, failed_on
 from initlab._core.pytree import children, find_path, flatten_tensors, map_tensors, rebuild
 from initlab._core.pytree import shallow_types as _shallow_types
@@ -556,7 +557,7 @@ def default_forward(model: nn.Module, batch: Any) -> Any:
             raise
         raise single from err
     except RuntimeError as err:
-        clear = dtype_error(err, model, batch)
+        clear = dtype_error(err, model, batch) or device_error(err, model, batch)
         if clear is None:
             raise
         raise clear from err

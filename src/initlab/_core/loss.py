@@ -55,6 +55,7 @@ from initlab._core.data import (
     one_example_error,
     output_tensor,
 )
+from initlab._core.devices import device_error, target_device_error
 from initlab._core.knobs import user_stacklevel
 
 __all__ = [
@@ -143,7 +144,7 @@ class Loss:
                 raise
             raise single from err
         except RuntimeError as err:  # the model called by the loss, on data of another dtype
-            clear = dtype_error(err, model, batch)
+            clear = dtype_error(err, model, batch) or device_error(err, model, batch)
             if clear is None:
                 raise
             raise clear from err
@@ -207,6 +208,9 @@ class NamedLoss(Loss):
         except (TargetError, _OwnMessage):
             raise
         except (RuntimeError, ValueError, IndexError) as err:
+            moved = target_device_error(out, batch, err)
+            if moved is not None:
+                raise moved from err
             if not _is_pairing_error(err):  # out of memory, a transform's limit, the user's own
                 raise
             raise _pairing_error(self.name, out, batch, err, fn is not None) from err

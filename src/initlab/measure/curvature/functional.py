@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from initlab._core.data import default_forward, dtype_error, forward_args, keyword_error
+from initlab._core.devices import device_error
 from initlab._core.forward_loss import on_batches, target_kept
 from initlab._core.functional import functional_call
 from initlab._core.loss import (
@@ -156,7 +157,7 @@ def _functional_forward(
                 raise
             raise clear from err
         except RuntimeError as err:
-            dtype = dtype_error(err, model, batch)
+            dtype = dtype_error(err, model, batch) or device_error(err, model, batch)
             if dtype is None:
                 raise
             raise dtype from err
