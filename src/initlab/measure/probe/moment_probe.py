@@ -40,6 +40,7 @@ from initlab.measure.probe.accumulate import _Consts, _Ledger, _Partial
 from initlab.measure.probe.batch import _RootBatch, _Scale, check_root_batch, mean_factor
 from initlab.measure.probe.checks import packed_note, refuse_norm_hooks, refuse_parametrized
 from initlab.measure.probe.contribution import _Contribution, _Unavailable
+from initlab.measure.probe.outputs import _flatten_call, _fresh_full_view
 from initlab.measure.probe.per_example import (
     _captured_contributions,
     _Checks,
@@ -61,20 +62,6 @@ ModuleSelection = (
 
 _SELECTIONS = ("params", "leaves", "all")
 _REDUCTIONS = ("mean", "sum")
-
-
-def _fresh_full_view(t: torch.Tensor, base: torch.Tensor | None, inputs: set[int]) -> bool:
-    """``t`` is a row-major view of all of ``base``, a non-leaf made by the module's forward."""
-    return (
-        base is not None
-        and base.requires_grad
-        and not base.is_leaf
-        and id(base) not in inputs
-        and base.numel() == t.numel()
-        and base.is_contiguous()
-        and t.is_contiguous()
-        and t.storage_offset() == base.storage_offset()
-    )
 
 
 _DRAWS: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -876,15 +863,6 @@ class MomentProbe(HookContext):
             f"MomentProbe({type(self.model).__name__}, modules={self.modules!r}, "
             f"{len(self._states)} modules, {state})"
         )
-
-
-def _flatten_call(args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:
-    """The tensors of a module call's arguments with their paths (positions, then keywords):
-    ``flatten_tensors(list(args)) + flatten_tensors(dict(kwargs))``, with a shortcut for the
-    common call of tensors only."""
-    if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
-        return [(str(i), a) for i, a in enumerate(args)]
-    return flatten_tensors(list(args)) + flatten_tensors(dict(kwargs))
 
 
 def _keep_closed_form_input(rec: _Record, st: _ModuleState, leaves: list[torch.Tensor]) -> None:
