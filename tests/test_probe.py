@@ -451,9 +451,10 @@ def test_structured_outputs_are_flattened_with_paths(kind, paths):
     rows = probe.rows()
 
     w, b, hw, hb = (p.detach().clone() for p in model.parameters())
+    # dy at "main" is the gradient through the head only: aux = sin(main) is computed from it
+    # inside the module, a path the module's own backward takes (main is a leaf of the rest)
     main = (x @ w.T + b).requires_grad_()
-    aux = torch.sin(main)
-    aux.retain_grad()
+    aux = torch.sin(main).detach().requires_grad_()
     ((main @ hw.T + hb) + 0.5 * aux.sum(-1, keepdim=True)).square().mean().backward()
     assert_moments(rows, "two", "y", [main], index=paths[0])
     assert_moments(rows, "two", "y", [aux], index=paths[1])
@@ -2001,3 +2002,76 @@ def test_an_additive_attention_mask_is_no_input_signal() -> None:
     assert all(r["nonfinite"] == 0 for r in table)
     findings = initlab.diagnose(Net(), data, nn.CrossEntropyLoss()).findings
     assert not [f for f in findings if f["rule"] == "non_finite"]
+
+
+class _TanhAndPre(nn.Module):
+    """Returns ``(tanh(z), z)`` with ``z = x W^T``: the first output is computed from the
+    second inside the module, as ``nn.LSTMCell``'s ``h = o * tanh(c)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 6, dtype=F64) / 6**0.5)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        z = x @ self.weight.T
+        return torch.tanh(z), z
+
+
+class _TwoOutputNet(nn.Module):
+    """A two-output cell called ``steps`` times (its state fed back for an LSTMCell), then a
+    head on the first output, plus one on the second where ``use_second``."""
+
+    def __init__(self, cell: nn.Module, steps: int, use_second: bool) -> None:
+        super().__init__()
+        self.cell, self.steps, self.use_second = cell, steps, use_second
+        self.out, self.out2 = nn.Linear(8, 3).double(), nn.Linear(8, 3).double()
+
+    def forward(self, x: torch.Tensor, *, leaf: bool = False) -> torch.Tensor:
+        state = None
+        for t in range(self.steps):
+            y0, y1 = self.cell(x[:, t], state) if state is not None else self.cell(x[:, t])
+            state = (y0, y1) if isinstance(self.cell, nn.LSTMCell) else None
+        self.second = y1.detach().requires_grad_() if leaf else y1  # the oracle's leaf
+        logits = self.out(y0)
+        return logits + self.out2(self.second) if self.use_second else logits
+
+
+@pytest.mark.parametrize(
+    ("make", "steps", "use_second"),
+    [
+        (lambda: nn.LSTMCell(6, 8).double(), 1, False),
+        (lambda: nn.LSTMCell(6, 8).double(), 3, True),
+        (_TanhAndPre, 1, False),
+        (_TanhAndPre, 1, True),
+    ],
+)
+def test_an_output_computed_from_another_gets_the_gradient_through_the_rest_only(
+    make, steps: int, use_second: bool
+) -> None:
+    """dy of an output that another output is computed from inside the module (LSTMCell's c)
+    is dL/dc with c a leaf of the rest of the graph, not the total gradient autograd delivers
+    at c (which also holds the path through h); the per-example gradients are exact."""
+    torch.manual_seed(0)
+    batch = 5
+    net = _TwoOutputNet(make(), steps, use_second)
+    x = torch.randn(batch, steps, 6, dtype=F64)
+    y = torch.randint(0, 3, (batch,))
+    probe = measure_moments(net, [(x, y)], nn.CrossEntropyLoss(), modules=["cell"])
+    # dL/dy1 of the last call with y1 a leaf of the rest, times B (a mean-reduced loss)
+    F.cross_entropy(net(x, leaf=True), y).backward()
+    rows = probe.rows()
+    if use_second:
+        want = hand_moments(net.second.grad * batch)["sq_mean"]
+        got = value(rows, "cell", "dy", "sq_mean", call=steps - 1, index="1")
+        assert got == pytest.approx(want, rel=1e-9)
+    else:
+        assert not rows.filter(layer="cell", quantity="dy", index="1")
+    table = {r["param"]: r for r in probe.param_table() if r["layer"] == "cell"}
+    for name, p in net.cell.named_parameters():
+        grads = [
+            torch.autograd.grad(F.cross_entropy(net(x[i : i + 1]), y[i : i + 1]), p)[0]
+            for i in range(batch)
+        ]
+        want = torch.stack(grads).pow(2).mean().item()
+        assert table[name]["E_dW2_example"] == pytest.approx(want, rel=1e-9, abs=1e-15), name
+        assert not table[name]["note"], name

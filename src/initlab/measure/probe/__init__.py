@@ -7,6 +7,10 @@ many forward (and backward) passes as you run inside it, accumulates for every p
 * ``y``:  its floating-point outputs (every tensor in a tuple, list, dict, namedtuple, dataclass),
 * ``dy``: the gradient of the loss at each output, i.e. w.r.t. the value the module returned, before
   any in-place activation that follows it (``nn.ReLU(inplace=True)``, ``F.relu_``) overwrote it,
+  through its uses after the module returned it: an output that another output is computed from
+  inside the module (``nn.LSTMCell``'s ``c``, with ``h = o * tanh(c)``) is returned as a copy, so
+  its ``dy`` leaves out the path through that other output (its ``dy`` is absent where only that
+  path uses it),
 * ``dx``: the gradient flowing into the module through each input *via this module only* (an input
   that also feeds a skip connection gets only this module's share); one tensor passed as several
   inputs (self-attention's ``att(h, h, h)``) is one input of the module: each of its indices
@@ -149,9 +153,11 @@ What is exact and what is not (``dW_example``):
   random ops in a module that is re-run (dropout in train mode, also a recurrent module's dropout
   between its layers: a re-run cannot draw the forward's masks), a module input
   whose batch size is not the root batch size (a Linear applied to ``(B*T, in)``), a parameter also
-  used outside its modules' forwards (tied weights used functionally). Every per-example result
-  is checked against the minibatch gradient autograd produced (``sum_i dW_i == B * dW`` through a
-  random rank-one projection); a mismatch gives NaN with a note.
+  used outside its modules' forwards (tied weights used functionally), a tensor a module computes
+  that reaches the loss other than through what it returns (kept in an attribute). Every
+  per-example result is checked against the minibatch gradient autograd produced
+  (``sum_i dW_i == B * dW`` through a random rank-one projection); a mismatch gives NaN with a
+  note.
 * Per-example gradients assume one forward of the root model per backward; activation
   checkpointing re-runs forwards during backward, and those calls are counted again.
 

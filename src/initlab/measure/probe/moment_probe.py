@@ -40,7 +40,7 @@ from initlab.measure.probe.accumulate import _Consts, _Ledger, _Partial
 from initlab.measure.probe.batch import _RootBatch, _Scale, check_root_batch, mean_factor
 from initlab.measure.probe.checks import packed_note, refuse_norm_hooks, refuse_parametrized
 from initlab.measure.probe.contribution import _Contribution, _Unavailable
-from initlab.measure.probe.outputs import _flatten_call, _fresh_full_view
+from initlab.measure.probe.outputs import _flatten_call, _fresh_full_view, _inner_outputs
 from initlab.measure.probe.per_example import (
     _captured_contributions,
     _Checks,
@@ -524,9 +524,9 @@ class MomentProbe(HookContext):
 
     def _forward_hook(self, st: _ModuleState) -> Callable:
         @without_autocast
-        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+        def hook(module: nn.Module, args: tuple, output: Any) -> Any:
             if self._replaying or not st.frames:
-                return
+                return None
             frame = st.frames.pop()
             # a 0-d output (the loss a model returns beside its logits) is no activation
             outs = [(p, t) for p, t in flatten_tensors(output) if t.is_floating_point() and t.dim()]
@@ -536,6 +536,10 @@ class MomentProbe(HookContext):
             rec = None
             if self.per_example and grad_on:
                 rec = self._make_record(st, frame, outs)
+            # an output another output is computed from is returned as a copy: dy is its
+            # gradient through the rest of the graph only (:func:`_inner_outputs`)
+            inner = _inner_outputs(outs, frame.leaves) if grad_on and len(outs) > 1 else ()
+            copies = {id(t): t.clone() for _, t in outs if id(t) in inner}
             seen: set[int] = set()
             for i, (path, t) in enumerate(outs):
                 self._stats(st, frame.call, "y", path, t, 1.0)
@@ -545,6 +549,7 @@ class MomentProbe(HookContext):
                     first = id(t) not in seen and (st.replay or i == 0)
                     seen.add(id(t))
                     use = rec if first else None
+                    t = copies.get(id(t), t)
                     base = t._base
                     if not _fresh_full_view(t, base, inputs):
                         t.register_hook(
@@ -561,6 +566,7 @@ class MomentProbe(HookContext):
                                 st, frame.call, "dy", path, frame.scale, use, once, shape
                             )
                         )
+            return map_tensors(output, lambda t: copies.get(id(t), t)) if copies else None
 
         return hook
 

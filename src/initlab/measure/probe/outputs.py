@@ -30,3 +30,34 @@ def _fresh_full_view(t: torch.Tensor, base: torch.Tensor | None, inputs: set[int
         and t.is_contiguous()
         and t.storage_offset() == base.storage_offset()
     )
+
+
+def _inner_outputs(outs: list[tuple[str, torch.Tensor]], leaves: list[torch.Tensor]) -> set[int]:
+    """The ids of the outputs that another output of the same call is computed from (an
+    ``nn.LSTMCell``'s ``c``, with ``h = o * tanh(c)``; ``z`` of a module returning
+    ``(tanh(z), z)``; a sequence ``y`` returned beside ``y[:, -1]``).
+
+    The gradient autograd delivers at such an output ``o_j`` is ``dL/do_j`` through its uses
+    outside the call *plus* the path through the other outputs, ``sum_k (do_k/do_j)^T dL/do_k``:
+    its ``dy`` must be taken on a copy that only the rest of the graph uses. Found by a walk of
+    the call's autograd graph from the outputs' nodes back to the inputs' (``leaves``), done
+    only for a call with two or more distinct outputs that require grad."""
+    by_edge: dict[tuple[object, int], set[int]] = {}  # (node, output_nr) -> output ids
+    for _, t in outs:
+        if t.grad_fn is not None:
+            by_edge.setdefault((t.grad_fn, t.output_nr), set()).add(id(t))
+    if sum(len(ids) for ids in by_edge.values()) < 2:
+        return set()
+    stop = {t.grad_fn for t in leaves if t.grad_fn is not None}
+    found: set[int] = set()
+    seen: set[object] = set()
+    stack = [edge for node, _ in by_edge for edge in node.next_functions if edge[0] is not None]
+    while stack:
+        edge = stack.pop()
+        found.update(by_edge.get(edge, ()))
+        node = edge[0]
+        if node in seen or node in stop:
+            continue
+        seen.add(node)
+        stack.extend(e for e in node.next_functions if e[0] is not None)
+    return found

@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 
 _MISMATCH = (
     "per-example gradients do not add up to the minibatch gradient (the parameter is also used "
-    "outside its modules' forwards, or the module couples examples)"
+    "outside its modules' forwards, a tensor the module computes reaches the loss other than "
+    "through what it returns, or the module couples examples)"
 )
 
 
