@@ -907,3 +907,46 @@ def test_a_model_with_only_an_embedding_is_refused_without_claiming_lsuv_scales_
     report = lsuv_(model, torch.randint(0, 20, (32, 5)), generator=0)
     assert [r["layer"] for r in report] == ["1"] and report.info["skipped"] == {}
     assert torch.equal(model[0].weight, table)
+
+
+class _WithRecurrent(nn.Module):
+    """A linear layer, an LSTM called twice (LSUV skips it), a frozen layer, a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 8)
+        self.lstm = nn.LSTM(8, 8, batch_first=True)
+        self.frozen = nn.Linear(8, 8).requires_grad_(False)
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, _ = self.lstm(self.lin(x))
+        h, _ = self.lstm(h)
+        return self.out(self.frozen(h))
+
+
+def test_a_skipped_layer_reports_when_and_how_often_it_ran() -> None:
+    """A layer LSUV skips before measuring (recurrent, frozen) still ran: its ``order`` is its
+    place in execution order and ``calls`` its calls in the final sweep (my own hooks count
+    them), and ``measured_at`` is ``None``: nothing was measured at it."""
+    torch.manual_seed(0)
+    model = _WithRecurrent()
+    x = torch.randn(16, 5, 4)
+    order: list[str] = []
+    handles = [
+        m.register_forward_hook(lambda *_a, name=name: order.append(name))
+        for name, m in model.named_children()
+    ]
+    model(x)
+    for h in handles:
+        h.remove()
+    first = list(dict.fromkeys(order))  # ["lin", "lstm", "frozen", "out"]
+    with pytest.warns(UserWarning, match="recurrent layer"):
+        report = lsuv_(model, x, generator=0)
+    rows = {r["layer"]: r for r in report}
+    for name in ("lstm", "frozen"):
+        assert rows[name]["skipped"], name
+        assert rows[name]["measured_at"] is None, name
+    for name in first:
+        assert rows[name]["order"] == first.index(name), name
+        assert rows[name]["calls"] == order.count(name), name

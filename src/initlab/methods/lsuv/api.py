@@ -72,7 +72,9 @@ __all__ = ["KNOWN_BLOCKS", "LSUV_COLUMNS", "lsuv_"]
 #: * ``measured_at``: whose output variance is brought to the target: ``"output"`` (the layer's
 #:   own), ``"projection"`` (one q/k/v block of an attention input projection),
 #:   ``"attention output"`` (``out_proj``: the attention module's output), or
-#:   ``"block output: <name>"`` (``strategy="stream"``: the residual block's output);
+#:   ``"block output: <name>"`` (``strategy="stream"``: the residual block's output); ``None``
+#:   for a layer skipped before any measurement (recurrent, fused, frozen, shared, unclaimed:
+#:   its ``order`` and ``calls`` are counted, nothing else);
 #: * ``shared_with``: other layers that share this layer's weight tensor (tied), comma-separated;
 #: * ``scale``: total factor the weight was multiplied by after the orthogonal pre-init;
 #: * ``iterations``: corrections applied (rescalings, plus block re-runs in ``"stream"`` mode);
@@ -596,7 +598,7 @@ def _report_rows(
                 "layer": u.name,
                 "module_type": u.module_type,
                 "order": u.order,
-                "calls": u.calls if u.kind != "static" else 0,
+                "calls": u.calls,
                 "measured_at": u.measured_at(),
                 "shared_with": ", ".join(n for n, _ in u.members[1:] if n != u.name),
                 "scale": u.scale,

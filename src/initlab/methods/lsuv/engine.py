@@ -121,6 +121,7 @@ class Engine:
         self.replays = 0
         self.branch_ends = 0
         self.active = [u for u in units if u.kind != "static"]
+        self.static = [u for u in units if u.kind == "static"]  # rows: their calls counted only
         self.batch: Any = None  # the batch of the forward pass in flight (its attention_mask)
 
     # -- bookkeeping ---------------------------------------------------------------------------
@@ -153,6 +154,8 @@ class Engine:
         for u in self.active:
             u.calls, u.seen, u.block_seen, u.first, u.own = 0, False, False, None, None
             u.pooled = [0.0] * WIDTH
+        for u in self.static:
+            u.calls = 0
 
     def end_sweep(self) -> None:
         pooled = reduce_ranks([u.pooled for u in self.active], "the end of a sweep")
@@ -311,9 +314,21 @@ class Engine:
             handles.add(
                 mha.register_forward_pre_hook(self.mha_pre_hook(its_units), with_kwargs=True)
             )
+        for u in self.static:  # a layer LSUV does not scale: when and how often it ran
+            for _, m in u.members:
+                handles.add(m.register_forward_hook(self.count_hook(u)))
         for block in self.block_names:
             handles.add(block.register_forward_pre_hook(self.block_pre_hook, with_kwargs=True))
             handles.add(block.register_forward_hook(self.block_hook, with_kwargs=True))
+
+    def count_hook(self, unit: Unit) -> Callable[..., None]:
+        """A skipped layer's call, counted (its ``calls`` and ``order``), nothing measured."""
+
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if not self.replaying:
+                self.note_call(unit, None)
+
+        return hook
 
     def module_pre_hook(self, unit: Unit) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:

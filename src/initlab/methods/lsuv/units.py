@@ -57,7 +57,7 @@ class Unit:
 
     name: str
     module_type: str
-    kind: str  # "module" | "in_proj" | "out_proj" | "static" (a row only, never hooked)
+    kind: str  # "module" | "in_proj" | "out_proj" | "static" (a row: its calls counted only)
     members: list[tuple[str, nn.Module]]
     weight: torch.Tensor | None = None  # scaled in place: a parameter or a row block of one
     groups: int = 1
@@ -103,7 +103,9 @@ class Unit:
                 out.append(b)
         return out
 
-    def measured_at(self) -> str:
+    def measured_at(self) -> str | None:
+        if self.kind == "static":
+            return None  # skipped before any measurement
         if self.note:
             return self.note
         if self.measure_block is not None:
