@@ -1020,3 +1020,58 @@ def test_a_cnn_with_a_channel_attention_gate_keeps_the_schemes_gains() -> None:
     gated = _rows(initlab.init_model(make(True), "geometric", generator=0))
     for name in ("0.weight", "2.weight"):
         assert gated[name]["gain"] == plain[name]["gain"] == pytest.approx(math.sqrt(2)), name
+
+
+class _Recurrent(nn.Module):
+    """A token model of recurrent layers, each followed by a ReLU outside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(V, 64)
+        self.lstm = nn.LSTM(64, 64, batch_first=True, proj_size=48)
+        self.gru = nn.GRU(48, 64, batch_first=True)
+        self.rnn = nn.RNN(64, 64, batch_first=True, nonlinearity="relu")
+        self.cell = nn.GRUCell(64, 64)
+        self.out = nn.Linear(64, V)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.lstm(self.emb(tokens))[0])
+        h = F.relu(self.gru(h)[0])
+        h = self.rnn(h)[0]
+        return self.out(F.relu(self.cell(h[:, -1])))
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_recurrent_gate_weights_get_the_gain_of_the_gates_not_of_what_follows_the_layer(
+    traced: bool,
+) -> None:
+    """gains="auto" in a token model: an LSTM's and a GRU's gate blocks are followed by their
+    sigmoid/tanh gates (gain 1, fan_in std 1/sqrt(fan_in) per gate block), not by the ReLU after
+    the layer (sqrt(2)); a ReLU RNN's by its own ReLU; an LSTM's projection gets gain 1."""
+    torch.manual_seed(0)
+    model = _Recurrent().double()
+    example = _tokens()[:, :-1] if traced else None
+    rows = _rows(initlab.init_model(model, "fan_in", generator=0, example_inputs=example))
+    params = dict(model.named_parameters())
+    want = {
+        "lstm.weight_ih_l0": (1.0, 4, 64),
+        "lstm.weight_hh_l0": (1.0, 4, 48),
+        "lstm.weight_hr_l0": (1.0, 1, 64),
+        "gru.weight_ih_l0": (1.0, 3, 48),
+        "gru.weight_hh_l0": (1.0, 3, 64),
+        "rnn.weight_ih_l0": (math.sqrt(2), 1, 64),
+        "rnn.weight_hh_l0": (math.sqrt(2), 1, 64),
+        "cell.weight_ih": (1.0, 3, 64),
+        "cell.weight_hh": (1.0, 3, 64),
+    }
+    for name, (gain, gates, fan_in) in want.items():
+        row = rows[name]
+        assert row["gain"] == pytest.approx(gain), (name, row["gain_from"])
+        assert row["gain_from"].startswith("none" if gain == 1.0 else "relu"), name
+        if gates > 1:
+            assert "gates" in row["gain_from"], name
+        for block in params[name].detach().chunk(gates, dim=0):
+            std = float(block.pow(2).mean().sqrt())
+            assert std == pytest.approx(
+                gain / math.sqrt(fan_in), rel=Z / math.sqrt(2 * block.numel())
+            )

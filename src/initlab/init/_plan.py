@@ -30,6 +30,7 @@ from initlab.init._structure import (
     find_head,
     has_attention,
     is_added_table,
+    recurrent_following,
     structural_following,
     traced_following,
 )
@@ -735,7 +736,9 @@ def assign_roles(
     unknown = Follow(None, None, "scheme (no nonlinearity found after it)")
     for plan in weights:
         key = id(plan.module)
-        local = experts.get((key, plan.spec.name))  # type: ignore[union-attr]
+        name = plan.spec.name  # type: ignore[union-attr]
+        # an expert bank's or a recurrent layer's weights: what follows them is inside the module
+        local = experts.get((key, name)) or recurrent_following(plan.module, name)
         plan.follow = local or traced.get(key) or structural.get(key) or unknown
 
 

@@ -2,7 +2,8 @@
 
 * :func:`find_head`: the output head of a language model, tied to an embedding table or not;
 * :func:`structural_following` and :func:`traced_following`: the nonlinearity that follows each
-  layer (hence its gain), from the module tree or from one traced forward pass;
+  layer (hence its gain), from the module tree or from one traced forward pass
+  (:func:`recurrent_following`: a recurrent layer's weights, followed by its own gates);
 * :func:`residual_projections`: the last projection of each residual branch of every block of a
   stack of blocks (GPT-2's scaled residual projections,
   :func:`~initlab.init.rules.gpt2_residual_scaling`).
@@ -38,6 +39,7 @@ __all__ = [
     "find_head",
     "is_added_table",
     "parameter_owners",
+    "recurrent_following",
     "residual_projections",
     "structural_following",
     "token_tables",
@@ -381,6 +383,49 @@ def expert_following(model: nn.Module) -> dict[tuple[int, str], Follow]:
             source = "none: MoE router (its logits choose the experts)"
             out[(id(module), "weight")] = Follow("linear", None, source)
     return out
+
+
+#: What follows the gate blocks of each recurrent mode's ``weight_ih``/``weight_hh``.
+_RECURRENT_GATES = {
+    "LSTM": "LSTM gates (sigmoid i, f, o; tanh g)",
+    "GRU": "GRU gates (sigmoid r, z; tanh n)",
+    "RNN_TANH": "tanh RNN",
+}
+
+
+def recurrent_following(module: nn.Module, name: str) -> Follow | None:
+    """What follows the weight ``name`` of a recurrent layer (``nn.LSTM``/``GRU``/``RNN`` and
+    their cells), or ``None`` for another module: the layer's own gates, whatever comes after
+    the layer.
+
+    Sigmoid gates and tanh candidates get gain 1: a sigmoid or tanh keeps the forward scaling
+    only inside its linear regime (Defazio & Bottou, Table 1), where ``tanh(z) ~ z``, and the
+    ReLU gain ``sqrt(2)`` is for positively homogeneous activations; a ReLU RNN's weights get the
+    ReLU gain; an LSTM's projection ``weight_hr`` (``h = W_hr (o * tanh(c))``, read linearly by
+    the gates) gain 1."""
+    if isinstance(module, nn.RNNBase):
+        mode = module.mode
+    elif isinstance(module, nn.LSTMCell):
+        mode = "LSTM"
+    elif isinstance(module, nn.GRUCell):
+        mode = "GRU"
+    elif isinstance(module, nn.RNNCell):
+        mode = f"RNN_{module.nonlinearity.upper()}"
+    else:
+        return None
+    if name.startswith("weight_hr"):
+        return Follow("linear", None, "none: LSTM projection, read linearly by the gates")
+    if mode == "RNN_RELU":
+        return Follow("relu", None, "relu: the ReLU RNN's own nonlinearity")
+    gates = _RECURRENT_GATES.get(mode)
+    if gates is None:
+        return None
+    return Follow(
+        "linear",
+        None,
+        f"none: {gates} follow it, gain 1 (sigmoid/tanh keep the scaling only in their linear "
+        "regime), whatever follows the layer",
+    )
 
 
 def structural_following(model: nn.Module) -> dict[int, Follow]:
