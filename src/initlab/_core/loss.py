@@ -594,7 +594,7 @@ def _random_quadratic(seed: int) -> Callable[[torch.Tensor, Any], torch.Tensor]:
                     "instead: a criterion with targets in the batch, the model's own loss, or a "
                     "loss_fn(model, batch)"
                 )
-            r = torch.randn(d, d, generator=gen, dtype=torch.float64) / d
+            r = torch.randn(d, d, generator=gen, dtype=torch.float64, device="cpu") / d
             cache[key] = r.to(flat.device, flat.dtype)
         return ((flat @ cache[key]) * flat).sum(1).mean()
 

@@ -94,5 +94,5 @@ def _pooled_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
         if k * _ROW < n:
             parts.append(torch.linalg.vector_norm(flat[k * _ROW :]).double().reshape(1))
     if not parts:
-        return torch.zeros((), dtype=torch.float64)
+        return torch.zeros((), dtype=torch.float64, device="cpu")
     return torch.cat(parts).square().sum()

@@ -12,6 +12,7 @@ from torch import nn
 __all__ = [
     "Seeds",
     "as_generator",
+    "draw_device",
     "global_rng_kept",
     "global_rng_saved",
     "peeked",
@@ -35,6 +36,13 @@ def as_generator(generator: torch.Generator | int | None) -> torch.Generator | N
             )
         return torch.Generator().manual_seed(generator)
     raise TypeError(f"generator must be a torch.Generator, an int seed or None, got {generator!r}")
+
+
+def draw_device(generator: torch.Generator | None) -> torch.device:
+    """The device a draw from ``generator`` is made on: the generator's own, else the CPU (torch's
+    global CPU generator); never torch's default device (``torch.set_default_device``, a ``with
+    torch.device(...)`` block), so that the draws are the same under it."""
+    return generator.device if generator is not None else torch.device("cpu")
 
 
 def peeked(generator: torch.Generator | None) -> torch.Generator | None:
@@ -93,7 +101,11 @@ class Seeds:
 
     def __init__(self, model: nn.Module, generator: torch.Generator | int | None) -> None:
         generator = as_generator(generator)
-        base = 0 if generator is None else int(torch.randint(2**62, (1,), generator=generator))
+        base = (
+            0
+            if generator is None
+            else int(torch.randint(2**62, (1,), generator=generator, device=generator.device))
+        )
         self.base = base
         self.devices = sorted(
             {t.device.index or 0 for t in model.parameters() if t.device.type == "cuda"}

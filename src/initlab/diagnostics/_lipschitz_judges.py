@@ -300,9 +300,9 @@ def _memory_repeats(t: torch.Tensor) -> float:
             continue
         if st <= reach:  # may overlap: count the places
             with torch._C.DisableTorchFunction():
-                places = torch.zeros((), dtype=torch.long)
+                places = torch.zeros((), dtype=torch.long, device="cpu")
                 for size, stride in zip(t.shape, t.stride(), strict=True):
-                    places = places.unsqueeze(-1) + stride * torch.arange(size)
+                    places = places.unsqueeze(-1) + stride * torch.arange(size, device="cpu")
                 distinct = int(torch.unique(places).numel())
             return t.numel() / max(distinct, 1)
         distinct, reach = distinct * n, reach + st * (n - 1)

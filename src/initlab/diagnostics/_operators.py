@@ -15,6 +15,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from initlab._core.parametrized import layer_tensor
+from initlab._core.rng import draw_device
 
 __all__ = ["conv_norm_bound", "conv_operator", "conv_operator_norm", "top_singular_value"]
 
@@ -25,6 +26,7 @@ _CONVTS: dict[type[nn.Module], int] = {
 _CONV_FNS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _CONVT_FNS = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 _F64 = torch.float64
+_CPU = torch.device("cpu")  # bookkeeping grids: never torch's default device
 
 
 def _conv_dims(module: nn.Module) -> int:
@@ -285,10 +287,9 @@ def top_singular_value(
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"top_singular_value: {what} must be an integer >= 1, got {value!r}")
     n = math.prod(shape)
-    if start is not None:
-        v = start.reshape(-1).to(device=device, dtype=dtype)
-    else:
-        v = torch.randn(n, generator=generator, dtype=dtype).to(device)
+    if start is None:
+        start = torch.randn(n, generator=generator, dtype=dtype, device=draw_device(generator))
+    v = start.reshape(-1).to(device=device, dtype=dtype)
     v = v / torch.linalg.vector_norm(v)
     steps = max(1, min(krylov, n))
     tiny = 100 * torch.finfo(dtype).eps
@@ -426,15 +427,17 @@ def conv_norm_bound(
     rows, cols = w.shape[0] // groups, w.shape[1] * math.prod(stride)
     if math.prod(coarse) * groups * rows * cols * min(rows, cols) > max_work:
         return None
-    taps = _grid([torch.arange(k, dtype=_F64) * d for k, d in zip(w.shape[2:], dilation,
-                                                                  strict=True)])  # fmt: skip
-    aliases = _grid([torch.arange(st, dtype=_F64) for st in stride])
-    period = torch.tensor([st * n for st, n in zip(stride, coarse, strict=True)], dtype=_F64)
+    taps = _grid([torch.arange(k, dtype=_F64, device=_CPU) * d
+                  for k, d in zip(w.shape[2:], dilation, strict=True)])  # fmt: skip
+    aliases = _grid([torch.arange(st, dtype=_F64, device=_CPU) for st in stride])
+    period = torch.tensor(
+        [st * n for st, n in zip(stride, coarse, strict=True)], dtype=_F64, device=_CPU
+    )
     kernel = w.reshape(*w.shape[:2], -1).to(w.device)
-    points, top = _grid([torch.arange(n, dtype=_F64) for n in coarse]), 0.0
+    points, top = _grid([torch.arange(n, dtype=_F64, device=_CPU) for n in coarse]), 0.0
     chunk = max(1, (1 << 22) // (len(aliases) * w.shape[0] * w.shape[1]))
     for part in points.split(chunk):
-        tc = torch.tensor(coarse, dtype=_F64)
+        tc = torch.tensor(coarse, dtype=_F64, device=_CPU)
         omega = 2 * math.pi * (part[:, None, :] + aliases[None, :, :] * tc) / period
         phase = torch.exp(-1j * (omega @ taps.T)).to(w.device)  # (B, aliases, taps)
         symbol = torch.einsum("bat,oct->boca", phase, kernel)

@@ -55,7 +55,8 @@ def norm_identity(module: nn.Module) -> float | None:
     if weight.is_meta or not weight.dtype.is_floating_point:
         return None
     shape = (2, 3, weight.shape[0])
-    x = torch.randn(shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64, device="cpu")
     x = x.to(weight.device, weight.dtype)
     inputs = [x] + [torch.ones_like(x)] * (_required_inputs(module) - 1)  # a gate: ones
     kept = dict(module._parameters)  # swapped, not written: the user's tensors stay untouched

@@ -231,7 +231,9 @@ _SMOOTH_SLOPES: dict[str, Callable[[Tensor], Tensor]] = {
 @functools.lru_cache(maxsize=8)
 def _average_slope(name: str) -> float:
     """``E|phi'(z)|``, ``z ~ N(0, 1)``, by the Simpson quadrature of :func:`_second_moment_gain`."""
-    steps = torch.arange(-_QUAD_HALF_POINTS, _QUAD_HALF_POINTS + 1, dtype=torch.float64)
+    steps = torch.arange(
+        -_QUAD_HALF_POINTS, _QUAD_HALF_POINTS + 1, dtype=torch.float64, device="cpu"
+    )
     z = steps * _QUAD_STEP
     slope = _SMOOTH_SLOPES[name](z).abs().numpy()
     zs = z.numpy()
@@ -264,7 +266,9 @@ def _cached_callable_gain(fn: Callable[[Tensor], Tensor]) -> float:
 
 def _second_moment_gain(fn: Callable[[Tensor], Any]) -> float:
     """``1 / sqrt(E[fn(z)^2])``, ``z ~ N(0, 1)``, by composite Simpson quadrature in float64."""
-    steps = torch.arange(-_QUAD_HALF_POINTS, _QUAD_HALF_POINTS + 1, dtype=torch.float64)
+    steps = torch.arange(
+        -_QUAD_HALF_POINTS, _QUAD_HALF_POINTS + 1, dtype=torch.float64, device="cpu"
+    )
     z = steps * _QUAD_STEP  # exact: dyadic grid
     with torch.no_grad():
         out = fn(z)

@@ -303,7 +303,7 @@ def _moment_sums(
     ``[x, y, dy, W, dW, dW_ex, b, db_ex]`` as ``(sq_mean * numel, numel)`` (``(0, 0)`` where
     nothing was measured), then ``(batch-calls whose output gradient was not finite, calls)``,
     then the weight's ``dW_minibatch`` as the first eight."""
-    sums = torch.zeros(len(layers), 10, 2, dtype=torch.float64)
+    sums = torch.zeros(len(layers), 10, 2, dtype=torch.float64, device="cpu")
     for i, (name, _, spec, bias) in enumerate(layers):
         sums[i, 8, 0] = values.get((name, "dy", "", "nonfinite"), 0.0)
         sums[i, 8, 1] = calls.get(name, 0)
@@ -548,7 +548,7 @@ def _probe_data(
         return probe, None  # the batch is not along dim 0: count examples from the probe
     examples = probe.used.examples or None  # 0: batches without a tensor to count
     if all_reduce and examples is not None:
-        n = torch.tensor([float(examples)], dtype=torch.float64)
+        n = torch.tensor([float(examples)], dtype=torch.float64, device="cpu")
         all_reduce_sum([n])
         examples = int(n.item())
     return probe, examples

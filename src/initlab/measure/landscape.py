@@ -76,7 +76,7 @@ from initlab._core.knobs import renamed_kwargs
 from initlab._core.loss import Loss
 from initlab._core.loss_counts import target_count
 from initlab._core.norms import may_weight_norm
-from initlab._core.rng import as_generator
+from initlab._core.rng import as_generator, draw_device
 from initlab._core.rows import Rows
 from initlab._core.state import keeps_config
 from initlab.measure.curvature import (
@@ -258,7 +258,7 @@ def filter_normalized_direction(
     out = {}
     for name, p in _trainable(model).items():
         wide = torch.complex128 if p.is_complex() else torch.float64
-        d = torch.randn(p.shape, generator=gen, dtype=wide)
+        d = torch.randn(p.shape, generator=gen, dtype=wide, device=draw_device(gen))
         if p.dim() <= 1:
             d.zero_()
         else:
@@ -272,7 +272,7 @@ def filter_normalized_direction(
 
 
 def _as_grid(values: Any, what: str) -> torch.Tensor:
-    t = torch.as_tensor(values, dtype=torch.float64).detach().cpu().reshape(-1)
+    t = torch.as_tensor(values, dtype=torch.float64, device="cpu").detach().reshape(-1)
     if t.numel() == 0 or not torch.isfinite(t).all():
         raise ValueError(f"grid {what} must be a non-empty sequence of finite numbers")
     return t
@@ -608,7 +608,7 @@ def _grid_values(
     aa, bb = torch.meshgrid(t1, t2, indexing="ij")
     aa, bb = aa.reshape(-1), bb.reshape(-1)
     n_points = aa.numel()
-    values = torch.empty(n_points, dtype=torch.float64)
+    values = torch.empty(n_points, dtype=torch.float64, device="cpu")
     if chunk is not None:
         try:
             vf = torch.func.vmap(at)
@@ -629,7 +629,7 @@ def _grid(grid: int | tuple[Any, Any] | None) -> tuple[torch.Tensor, torch.Tenso
         grid = 21
     if isinstance(grid, int) and not isinstance(grid, bool) and grid >= 1:
         # one point: the centre (linspace(-1, 1, 1) would be the corner -1)
-        axis = _as_grid(torch.linspace(-1, 1, grid) if grid > 1 else [0.0], "t1")
+        axis = _as_grid(torch.linspace(-1, 1, grid, device="cpu") if grid > 1 else [0.0], "t1")
         return axis, axis.clone()
     if not (isinstance(grid, (tuple, list)) and len(grid) == 2):
         raise ValueError(

@@ -308,7 +308,7 @@ class _Recorder(TorchFunctionMode):
             size = writes[0][1][3]
             n = t.untyped_storage().nbytes() // size
             same = all(r[3] == size for _, r in writes)
-            last = torch.full((n,), -1, dtype=torch.int32) if same and n else None
+            last = torch.full((n,), -1, dtype=torch.int32, device="cpu") if same and n else None
             for index, region in writes if last is not None else ():
                 _mark(last, region, index)  # type: ignore[arg-type]
             self.last[storage] = last

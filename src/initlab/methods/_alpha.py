@@ -495,7 +495,7 @@ class AlphaAdam:
 
     @classmethod
     def zeros(cls, n: int, lr: float) -> AlphaAdam:
-        z = torch.zeros(n, dtype=torch.float64)
+        z = torch.zeros(n, dtype=torch.float64, device="cpu")
         return cls(lr, z, z.clone())
 
     def step(self, alpha: torch.Tensor, grad: torch.Tensor, alpha_min: float) -> torch.Tensor:

@@ -319,8 +319,8 @@ def overlap_batch(
     idx_s: torch.Tensor | slice = slice(0, m)
     idx_n: torch.Tensor | slice = slice(0, fresh)
     if gen is not None:
-        idx_s = torch.randperm(b, generator=gen)[:m]
-        idx_n = torch.randperm(b_next, generator=gen)[:fresh]
+        idx_s = torch.randperm(b, generator=gen, device=gen.device)[:m]
+        idx_n = torch.randperm(b_next, generator=gen, device=gen.device)[:fresh]
     if not m:
         return _rows_of(next_batch, idx_n, b_next, column=list)
     return _concat(_rows_of(batch, idx_s, b), _rows_of(next_batch, idx_n, b_next))
@@ -539,7 +539,7 @@ class _GradInitStep:
 
 def _host_vector(values: list[torch.Tensor]) -> torch.Tensor:
     """Scalars on any devices as one float64 CPU vector (one copy per device, not per scalar)."""
-    out = torch.zeros(len(values), dtype=torch.float64)
+    out = torch.zeros(len(values), dtype=torch.float64, device="cpu")
     by_device: dict[torch.device, list[int]] = {}
     for k, v in enumerate(values):
         by_device.setdefault(v.device, []).append(k)
@@ -630,9 +630,9 @@ def gradinit_alpha_grad(
     _refuse_complex(model, what)
     ts = select_tensors(model, params, nonzero, what)
     if alpha is None:
-        a = torch.ones(len(ts.scaled), dtype=torch.float64)
+        a = torch.ones(len(ts.scaled), dtype=torch.float64, device="cpu")
     else:
-        a = torch.as_tensor(alpha, dtype=torch.float64).reshape(-1).clone()
+        a = torch.as_tensor(alpha, dtype=torch.float64, device="cpu").reshape(-1).clone()
         if a.numel() != len(ts.scaled):
             raise ValueError(f"{what}: alpha has {a.numel()} entries, expected {len(ts.scaled)}")
     tilde = batch if batch_tilde is None else batch_tilde
@@ -757,7 +757,7 @@ def gradinit_(
 
     run = _GradInitStep(model, loss, ts, eta=eta, optimizer=optimizer, exact=exact, what=what)
     n = len(ts.scaled)
-    alpha = torch.ones(n, dtype=torch.float64)
+    alpha = torch.ones(n, dtype=torch.float64, device="cpu")
     adam = {"constraint": AlphaAdam.zeros(n, lr), "objective": AlphaAdam.zeros(n, lr)}
     trace: list[dict[str, Any]] = []
     with restore_on_failure(model):

@@ -100,7 +100,7 @@ def input_scale(
     """
     batches = take_batches(data, max_batches, what="input_scale", exact=False)
     taps = kernel_taps(kernel_size)
-    sums = torch.zeros(2, dtype=torch.float64)
+    sums = torch.zeros(2, dtype=torch.float64, device="cpu")
     dims = set()
     for batch in batches:
         x = first_tensor(batch)
@@ -108,7 +108,10 @@ def input_scale(
             raise TypeError(f"input_scale needs floating-point inputs, got {x.dtype}")
         dims.add(int(x.shape[1]) if x.dim() >= 2 else None)
         sums += torch.stack(
-            (x.detach().to(torch.float64).square().sum().cpu(), torch.tensor(float(x.numel())))
+            (
+                x.detach().to(torch.float64).square().sum().cpu(),
+                torch.tensor(float(x.numel()), device="cpu"),
+            )
         )
     all_reduce_sum([sums])
     if n_in is None:

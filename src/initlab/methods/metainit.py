@@ -94,7 +94,7 @@ from initlab._core.loss import LossLike, resolve_loss
 from initlab._core.method_report import MethodReport
 from initlab._core.norms import composite_norms
 from initlab._core.parametrized import writing_layers
-from initlab._core.rng import as_generator
+from initlab._core.rng import as_generator, draw_device
 from initlab._core.rows import Rows
 from initlab._core.state import restore_on_failure
 from initlab.methods._alpha import (
@@ -257,7 +257,7 @@ def gradient_quotient(
     """
     eps = check_number("gradient_quotient", "eps", eps, strict=False)
     ts = select_tensors(model, "default", nonzero, "gradient_quotient")
-    a = torch.ones(len(ts.scaled), dtype=torch.float64, requires_grad=True)
+    a = torch.ones(len(ts.scaled), dtype=torch.float64, device="cpu", requires_grad=True)
     with evaluation_modes(model, batch_stats=batch_stats), autocast_off(), composite_norms():
         gq, _, _ = _gq(
             model,
@@ -287,7 +287,9 @@ def _random_batches(
     ref = ts.tensors[0]
     shape = tuple(int(s) for s in input_shape)
     for _ in range(steps):
-        x = torch.randn(shape, generator=gen, dtype=ref.dtype).to(ref.device)
+        x = torch.randn(shape, generator=gen, dtype=ref.dtype, device=draw_device(gen)).to(
+            ref.device
+        )
         k = n_classes
         if k is None:
             with torch.no_grad():
@@ -500,7 +502,7 @@ def _descend(
             "iteration": t,
             "gq": gq_value,
             "loss": loss_value,
-            "grad_norm": scalar_mean(torch.tensor(grad_norm)),
+            "grad_norm": scalar_mean(torch.tensor(grad_norm, device="cpu")),
             "alpha_min": float(alpha.min()),
             "alpha_max": float(alpha.max()),
         }
@@ -630,9 +632,9 @@ class _ScaleUpdate:
     def __init__(self, ts: Tensors, opts: _Options) -> None:
         n = len(ts.scaled)
         self.opts = opts
-        self.alpha = torch.ones(n, dtype=torch.float64)
-        self.norms0 = torch.tensor(ts.norms, dtype=torch.float64)
-        self.memory = torch.zeros(n, dtype=torch.float64)
+        self.alpha = torch.ones(n, dtype=torch.float64, device="cpu")
+        self.norms0 = torch.tensor(ts.norms, dtype=torch.float64, device="cpu")
+        self.memory = torch.zeros(n, dtype=torch.float64, device="cpu")
         self.adam = AlphaAdam.zeros(n, opts.lr)
 
     def step(self, grad: torch.Tensor) -> torch.Tensor:

@@ -185,12 +185,18 @@ class OutputScale(nn.Module):
 
     scale: torch.Tensor
 
-    def __init__(self, scale: float, dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        scale: float,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
         super().__init__()
-        # ``dtype``: the output's (float64 for a float64 model; default float32); a normal tensor
+        # ``dtype``: the output's (float64 for a float64 model; default float32); ``device``: the
+        # output's (default: torch's default device, as for torch's own modules); a normal tensor
         # even under torch.inference_mode() (scale_output_ called there): training saves it
         with torch.inference_mode(False):
-            scale_t = torch.tensor(float(scale), dtype=dtype or torch.float32)
+            scale_t = torch.tensor(float(scale), dtype=dtype or torch.float32, device=device)
         self.register_buffer("scale", scale_t)
 
     def forward(self, x: Any) -> Any:
@@ -259,7 +265,7 @@ def _output_moments(
     """
 
     def local() -> tuple[torch.Tensor, list[torch.Tensor], bool]:
-        sums = torch.zeros(3, dtype=torch.float64)
+        sums = torch.zeros(3, dtype=torch.float64, device="cpu")
         outs, own_loss = [], False
         with torch.no_grad(), keep_buffers(model):
             for i, batch in enumerate(batches):
@@ -362,7 +368,8 @@ def scale_output_(
       input embedding's or another module's weight, as in most language models) is refused with a
       ``ValueError`` naming the tie: scaling it would scale the embedding too.
     * ``how="module"``: the model is left unchanged and ``report.info["module"]`` is an
-      :class:`OutputScale` ``(s)``, for ``nn.Sequential(model, report.info["module"])``. This
+      :class:`OutputScale` ``(s)`` on the output's device, for
+      ``nn.Sequential(model, report.info["module"])``. This
       always reaches the target but adds a module, which is why it is never done behind the
       user's back. ``nn.Sequential`` passes no keywords: for a keyword-input model use
       ``how="hook"``.
@@ -452,7 +459,9 @@ def scale_output_(
         if how == "module":
             info["layer"] = ""
             wide = outs[0].is_floating_point() and outs[0].dtype == torch.float64
-            info["module"] = OutputScale(s, dtype=torch.float64 if wide else None)
+            info["module"] = OutputScale(
+                s, dtype=torch.float64 if wide else None, device=outs[0].device
+            )
         elif how == "fold":
             name = _fold_layer(model, module, producer, order)
             info["layer"] = name
@@ -672,7 +681,9 @@ def _output_error(
         after = output_tensor(forward(model, batch)).detach()
     want = out_before.to(torch.float64) * s
     err = (after.to(torch.float64) - want).norm() / want.norm().clamp_min(1e-300)
-    bad = torch.tensor([float(err > rounding_tolerance(after, 1e-5))], dtype=torch.float64)
+    bad = torch.tensor(
+        [float(err > rounding_tolerance(after, 1e-5))], dtype=torch.float64, device="cpu"
+    )
     all_reduce_sum([bad])
     return bad.item() > 0, err.item()
 

@@ -406,7 +406,7 @@ def _refuse_nonfinite(probe: MomentProbe) -> None:
     for r in probe.param_table():
         if r["nonfinite"]:
             counts[r["layer"]] = counts.get(r["layer"], 0.0) + r["nonfinite"]
-    total = torch.tensor([float(sum(counts.values()))], dtype=torch.float64)
+    total = torch.tensor([float(sum(counts.values()))], dtype=torch.float64, device="cpu")
     all_reduce_sum([total])
     if total.item() > 0:
         where = ", ".join(repr(k) for k in list(counts)[:6]) + (", ..." if len(counts) > 6 else "")
@@ -495,7 +495,7 @@ class _Balancing:
         self.n_examples: int | None = None
         if probe_kwargs.get("batch_dim") in (None, 0):
             examples = torch.tensor(
-                [float(sum(batch_size(b) for b in batches))], dtype=torch.float64
+                [float(sum(batch_size(b) for b in batches))], dtype=torch.float64, device="cpu"
             )
             all_reduce_sum([examples])
             self.n_examples = int(examples.item())
@@ -744,7 +744,9 @@ def _rescale_(
         out = output_tensor(forward(model, batches[0])).detach()
     after = out.to(torch.float64)
     err = (after - before).norm() / before.norm().clamp_min(1e-300)
-    bad = torch.tensor([float(err > rounding_tolerance(out, 1e-4))], dtype=torch.float64)
+    bad = torch.tensor(
+        [float(err > rounding_tolerance(out, 1e-4))], dtype=torch.float64, device="cpu"
+    )
     all_reduce_sum([bad])
     if bad.item() > 0:
         raise ValueError(

@@ -23,7 +23,7 @@ from initlab._core.backward import with_grad
 from initlab._core.compiled import takes_compiled
 from initlab._core.data import data_use, take_batches
 from initlab._core.knobs import renamed_kwargs, user_stacklevel
-from initlab._core.rng import as_generator
+from initlab._core.rng import as_generator, draw_device
 from initlab._core.rows import Rows
 from initlab._core.state import keeps_config
 from initlab._core.underflow import FLOAT16_ADVICE
@@ -66,9 +66,10 @@ def _draw(
 ) -> torch.Tensor:
     """A probe with ``E[r rᵀ] = I``, drawn on the CPU (same values on every device)."""
     if probe == "rademacher":
-        r = torch.randint(0, 2, (n,), generator=gen, dtype=torch.float64).mul_(2).sub_(1)
+        r = torch.randint(0, 2, (n,), generator=gen, dtype=torch.float64, device=draw_device(gen))
+        r = r.mul_(2).sub_(1)
     else:
-        r = torch.randn(n, generator=gen, dtype=torch.float64)
+        r = torch.randn(n, generator=gen, dtype=torch.float64, device=draw_device(gen))
     return r.to(dtype=dtype, device=device)
 
 
@@ -112,12 +113,18 @@ class BlockCurvature(Rows):
         self.kind = kind
         self.notes = list(notes)
         n = len(self.blocks)
-        self.samples = samples if samples is not None else torch.empty(0, n, n, dtype=torch.float64)
+        self.samples = (
+            samples
+            if samples is not None
+            else torch.empty(0, n, n, dtype=torch.float64, device="cpu")
+        )
 
     def matrix(self, column: str = "value") -> torch.Tensor:
         """``L × L`` float64 tensor of ``column`` (NaN where no row: off-diagonal blocks when
         ``full_matrix=False``). ``matrix().sqrt()`` is the average singular value of Figure 1."""
-        out = torch.full((len(self.blocks), len(self.blocks)), _NAN, dtype=torch.float64)
+        out = torch.full(
+            (len(self.blocks), len(self.blocks)), _NAN, dtype=torch.float64, device="cpu"
+        )
         for r in self._rows:
             out[r["row_index"], r["col_index"]] = float(r[column])
         return out
@@ -241,6 +248,7 @@ def _estimate(
     norms = torch.tensor(
         [[_norm(bl.size, bk.size, normalize) for bk in blocks] for bl in blocks],
         dtype=torch.float64,
+        device="cpu",
     )
     samples: list[torch.Tensor] = []  # each L x L (row l, col k) for one probe
     index = {n: i for i, n in enumerate(op.param_names)}
@@ -303,7 +311,7 @@ def _probe_sample(
     """
     blocks = op.blocks
     n_blocks = len(blocks)
-    sample = torch.zeros(n_blocks, n_blocks, dtype=torch.float64)
+    sample = torch.zeros(n_blocks, n_blocks, dtype=torch.float64, device="cpu")
     for k, bk in enumerate(blocks):
         if not block_used[k]:
             continue  # the column is exactly zero

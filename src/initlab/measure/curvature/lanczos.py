@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from initlab._core.knobs import user_stacklevel
-from initlab._core.rng import as_generator
+from initlab._core.rng import as_generator, draw_device
 
 if TYPE_CHECKING:
     from initlab.measure.curvature.operators import CurvatureOperator
@@ -46,7 +46,7 @@ def _key(which: str, value: float) -> float:
 
 def _fresh_direction(qmat: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
     """A random unit vector orthogonal to the columns of ``qmat`` (two Gram-Schmidt passes)."""
-    r = torch.randn(qmat.shape[0], generator=gen, dtype=torch.float64)
+    r = torch.randn(qmat.shape[0], generator=gen, dtype=torch.float64, device=draw_device(gen))
     r = r.to(qmat.dtype).to(qmat.device)
     for _ in range(2):
         r = r - qmat @ (qmat.T @ r)
@@ -56,9 +56,9 @@ def _fresh_direction(qmat: torch.Tensor, gen: torch.Generator | None) -> torch.T
 def _ritz(alphas: list[float], betas: list[float], which: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Eigenpairs of the tridiagonal ``T_m``, in the order of ``which``."""
     m = len(alphas)
-    t = torch.diag(torch.tensor(alphas, dtype=torch.float64))
+    t = torch.diag(torch.tensor(alphas, dtype=torch.float64, device="cpu"))
     if m > 1:
-        off = torch.tensor(betas[: m - 1], dtype=torch.float64)
+        off = torch.tensor(betas[: m - 1], dtype=torch.float64, device="cpu")
         t += torch.diag(off, 1) + torch.diag(off, -1)
     vals, vecs = torch.linalg.eigh(t)
     key = vals.abs() if which == "LM" else vals
@@ -218,7 +218,7 @@ def _lanczos(
         )
     elif 1 < k < n:  # k = 1: a repeated top eigenvalue is still the top one
         pairs = _deflate(op, pairs, which, m_max, tol, gen)
-    vals = torch.tensor([p[0] for p in pairs], dtype=torch.float64)
+    vals = torch.tensor([p[0] for p in pairs], dtype=torch.float64, device="cpu")
     out = [
         dict(zip(op.param_names, (t.clone() for t in op.split(p[1])), strict=True)) for p in pairs
     ]

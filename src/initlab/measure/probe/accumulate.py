@@ -204,8 +204,10 @@ class _Ledger:
                 j = slots[id(acc)] = len(accs)
                 accs.append(acc)
             index.append(j)
-        meta = torch.tensor([(float(n), 1.0, 0.0) for _, _, n in items], dtype=torch.float64)
-        good = torch.cat((sums, meta.to(device)), 1)
+        meta = torch.tensor(
+            [(float(n), 1.0, 0.0) for _, _, n in items], dtype=torch.float64, device=device
+        )
+        good = torch.cat((sums, meta), 1)
         bad = torch.tensor(_BAD, dtype=torch.float64, device=device)
         vals = torch.where(torch.isfinite(sums).all(1, keepdim=True), good, bad)
         total = vals.new_zeros(len(accs), 5)
@@ -240,8 +242,8 @@ def _pool(reductions: Sequence[torch.Tensor | _Partial], device: torch.device) -
         row_sums = torch.cat([p.sums for p in group]).to(torch.float64)
         pooled = norms.new_zeros(len(group), 2)
         pooled.index_add_(0, seg, torch.stack((norms.square(), row_sums), 1))
-        weights = torch.tensor([(p.w2, p.w1) for p in group], dtype=torch.float64)
-        blocks.append(pooled * weights.to(device))
+        weights = torch.tensor([(p.w2, p.w1) for p in group], dtype=torch.float64, device=device)
+        blocks.append(pooled * weights)
         order += group
     if pairs:
         blocks.append(torch.stack([s if s.device == device else s.to(device) for s in pairs]))

@@ -77,7 +77,7 @@ def _check_draw(
     if hit is None:
         if len(_DRAWS) > 16:
             _DRAWS.clear()
-        here = torch.randn(n, generator=gen, dtype=torch.float64).to(device)
+        here = torch.randn(n, generator=gen, dtype=torch.float64, device=gen.device).to(device)
         hit = _DRAWS[key] = (here, here.float())
     return hit
 

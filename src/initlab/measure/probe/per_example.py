@@ -733,8 +733,8 @@ class _Checks:
                 torch.stack([values[k] for _, values, _ in items]).to(torch.float64) for k in (1, 3)
             )
             grad_sq = _pool([values[2] for _, values, _ in items], device)[:, 0]
-            consts = torch.tensor([c for _, _, c in items], dtype=proj.dtype)
-            scale, eps, eps_c = consts.to(device).unbind(1)
+            consts = torch.tensor([c for _, _, c in items], dtype=proj.dtype, device=device)
+            scale, eps, eps_c = consts.unbind(1)
             ref, norm = ref * scale, scale * grad_sq.sqrt()
             tol = 1e-3 * norm + 1e3 * eps * proj_abs + 4 * eps_c * (norm + proj_abs) + 1e-300
             bad = torch.isfinite(sqn_sum) & torch.isfinite(ref) & ((proj_sum - ref).abs() > tol)

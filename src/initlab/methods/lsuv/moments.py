@@ -170,7 +170,7 @@ def reduce_ranks(vecs: list[list[float]], step: str) -> list[list[float]]:
         return vecs
     # a peer that failed in its pass, or whose data ran another layer, raises here too
     checkpoint("lsuv_", step)
-    t = torch.tensor(vecs, dtype=torch.float64)
+    t = torch.tensor(vecs, dtype=torch.float64, device="cpu")
     all_reduce_sum([t])
     return t.tolist()
 

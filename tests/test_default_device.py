@@ -1,0 +1,173 @@
+"""Torch's default device (``torch.set_default_device``, a ``with torch.device(...)`` block) does
+not reach initlab's own tensors.
+
+A user who ran ``torch.set_default_device("cuda")`` and hands initlab a model and data on the CPU
+(or one built inside ``with torch.device("meta"):`` and materialized with ``to_empty``) got raw
+torch errors from 12 of the 14 entry points: their scratch tensors (draws, sums, counts) were made
+on the default device. On the CPU, a default device of ``"meta"`` stands in for CUDA and exposes
+every such tensor: each entry point must give, under it, bit for bit what a plain call gives,
+while the user's own forward still sees the user's default device.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import initlab
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+_CE = nn.CrossEntropyLoss()
+
+
+class _Net(nn.Sequential):
+    """A small CNN whose forward records the device a tensor made without ``device=`` gets
+    there (the user's default device: initlab must not change it around the forward)."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            nn.Conv2d(3, 4, 3, padding=1),
+            nn.BatchNorm2d(4),
+            nn.ReLU(),
+            nn.Conv2d(4, 4, 3, padding=1),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(4, 3),
+        )
+        self.seen: set[str] = set()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.add(torch.empty(0).device.type)
+        return super().forward(x)
+
+
+def _net() -> _Net:
+    torch.manual_seed(0)
+    return _Net()
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(8, 3, 6, 6, generator=gen), torch.randint(0, 3, (8,), generator=gen))
+        for _ in range(2)
+    ]
+
+
+def _plain(value: Any) -> Any:
+    """Rows and values as plain Python (NaN as a string, so that equal results compare equal);
+    a tensor as its dtype, device and values."""
+    if isinstance(value, float) and math.isnan(value):
+        return "nan"
+    if isinstance(value, torch.Tensor):
+        return (value.dtype, value.device.type, _plain(value.tolist()))
+    if isinstance(value, initlab.Rows):
+        return _plain(value.to_rows())
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _report(r: Any) -> Any:
+    return _plain([r.to_rows(), getattr(r, "info", None), getattr(r, "notes", None)])
+
+
+#: The 14 entry points: name -> (call on a model and CPU batches, its result as plain values).
+_ENTRY: dict[str, tuple[Callable[[nn.Module, Any], Any], Callable[[Any], Any]]] = {
+    "init_model": (lambda m, d: initlab.init_model(m, "geometric", generator=0), _report),
+    "lsuv_": (
+        lambda m, d: initlab.lsuv_(m, initlab.Batches([x for x, _ in d]), generator=0),
+        _report,
+    ),
+    "gradinit_": (lambda m, d: initlab.gradinit_(m, d, _CE, steps=1, generator=0), _report),
+    "metainit_": (lambda m, d: initlab.metainit_(m, d, _CE, steps=2, generator=0), _report),
+    "scale_output_": (lambda m, d: initlab.scale_output_(m, d, target=0.05), _report),
+    "precondition_": (lambda m, d: initlab.precondition_(m, d, _CE, generator=0), _report),
+    "measure_moments": (
+        lambda m, d: initlab.measure_moments(m, d, _CE),
+        lambda r: _plain([r.rows(), r.param_table(), r.notes]),
+    ),
+    "gr_scaling": (lambda m, d: initlab.gr_scaling(m, d, _CE), _report),
+    "diagnose": (
+        lambda m, d: initlab.diagnose(m, d, _CE, generator=0),
+        lambda r: _plain([r.rows, r.layers, r.findings, r.tables]),
+    ),
+    "doctor": (lambda m, d: initlab.doctor(m, d, _CE, generator=0), _report),
+    "lint_model": (
+        lambda m, d: initlab.lint_model(m),
+        lambda r: _plain([r.findings, r.activations, r.residual_blocks]),
+    ),
+    "layer_spectra": (lambda m, d: initlab.layer_spectra(m, d, generator=0), _report),
+    "block_curvature": (
+        lambda m, d: initlab.block_curvature(m, d, _CE, probes=2, generator=0),
+        lambda r: _plain([r.to_rows(), r.samples, r.notes]),
+    ),
+    "loss_landscape": (
+        lambda m, d: initlab.loss_landscape(m, d, _CE, grid=3, generator=0),
+        lambda r: _plain([r.to_rows(), r.notes]),
+    ),
+}
+
+
+def _run(name: str, how: str | None) -> tuple[Any, dict[str, torch.Tensor], set[str]]:
+    """The result, the model's state after the call and the devices its forward saw; ``how``:
+    ``None`` (a plain call), ``"block"`` (``with torch.device("meta")``) or ``"set"``
+    (``torch.set_default_device("meta")``)."""
+    call, outcome = _ENTRY[name]
+    model, data = _net(), _batches()  # made on the CPU, outside the block
+    if how is None:
+        result = call(model, data)
+    elif how == "block":
+        with torch.device("meta"):
+            result = call(model, data)
+    else:
+        torch.set_default_device("meta")
+        try:
+            result = call(model, data)
+        finally:
+            torch.set_default_device(None)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return outcome(result), state, model.seen
+
+
+@pytest.mark.parametrize("how", ["block", "set"])
+@pytest.mark.parametrize("name", list(_ENTRY))
+def test_entry_point_under_a_meta_default_device_gives_the_plain_result(
+    name: str, how: str
+) -> None:
+    """Each entry point, on a CPU model and CPU data, gives under a default device of ``"meta"``
+    the rows and the model state (bits) that a plain call gives; the user's forward still makes
+    its own tensors on the user's default device (initlab does not override it around it)."""
+    want, want_state, want_seen = _run(name, None)
+    got, state, seen = _run(name, how)
+    assert got == want
+    assert state.keys() == want_state.keys()
+    for k, v in want_state.items():
+        assert state[k].device.type == "cpu" and state[k].dtype == v.dtype
+        assert torch.equal(state[k], v), k
+    assert want_seen <= {"cpu"}
+    assert seen == {"meta" for _ in want_seen}  # the forward ran there, under the user's default
+
+
+def test_scale_output_module_under_a_meta_default_device_is_on_the_output_device() -> None:
+    """``scale_output_(how="module")`` made the ``OutputScale`` it returns on torch's default
+    device (a meta buffer the model's CPU output could not be scaled by); it is on the output's
+    device, with the plain call's value."""
+    want = initlab.scale_output_(_net(), _batches(), target=0.05, how="module")
+    model, data = _net(), _batches()
+    with torch.device("meta"):
+        got = initlab.scale_output_(model, data, target=0.05, how="module")
+    scale = got.info["module"].scale
+    assert scale.device.type == "cpu"
+    assert torch.equal(scale, want.info["module"].scale)
+    x = data[0][0]
+    assert torch.equal(nn.Sequential(model, got.info["module"])(x), model(x) * scale)
