@@ -21,6 +21,8 @@ from torch import nn
 
 import initlab
 
+from .ddp_util import run_ranks
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 _CE = nn.CrossEntropyLoss()
@@ -171,3 +173,28 @@ def test_scale_output_module_under_a_meta_default_device_is_on_the_output_device
     assert torch.equal(scale, want.info["module"].scale)
     x = data[0][0]
     assert torch.equal(nn.Sequential(model, got.info["module"])(x), model(x) * scale)
+
+
+#: The entry points whose rank bookkeeping (counts, flags, option codes compared across ranks)
+#: was made on torch's default device under DDP.
+_DDP = ["gradinit_", "metainit_", "lsuv_", "scale_output_", "precondition_", "gr_scaling"]
+
+
+def _ddp_worker(rank: int, world_size: int) -> dict[str, list[Any]]:
+    """On each rank: every :data:`_DDP` entry point, plain and under ``torch.device("meta")``:
+    its result and the model's state after it, as plain values."""
+    out: dict[str, list[Any]] = {}
+    for name in _DDP:
+        out[name] = []
+        for how in (None, "block"):
+            result, state, _ = _run(name, how)
+            out[name].append([result, {k: _plain(v) for k, v in state.items()}])
+    return out
+
+
+def test_ddp_entry_points_under_a_meta_default_device_give_the_plain_result() -> None:
+    """Under a process group, the rank checks' tensors (then moved to the backend's device) were
+    made on torch's default device: "Cannot copy out of meta tensor" on every rank."""
+    for ranks in run_ranks(_ddp_worker, 2):
+        for name, (plain, under_meta) in ranks.items():
+            assert under_meta == plain, name

@@ -114,6 +114,10 @@ def _min_max(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return both[:n].cpu().view_as(values), (-both[n:]).cpu().view_as(values)
 
 
+#: Where the rank-comparison bookkeeping is made (then moved to :func:`_device`): never torch's
+#: default device (``torch.set_default_device``).
+_CPU = torch.device("cpu")
+
 _INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 
 
@@ -252,7 +256,7 @@ def _read_buffers(
         }
     finally:
         restore_modes(model, saved)
-    read = torch.tensor([id(b) not in unread for _, b in buffers], dtype=torch.int64)
+    read = torch.tensor([id(b) not in unread for _, b in buffers], dtype=torch.int64, device=_CPU)
     lo, hi = _min_max(read)
     differ = [buffers[i][0] for i in (lo != hi).nonzero().flatten().tolist()]
     if differ:
@@ -266,7 +270,7 @@ def _read_buffers(
 
 def _differing(named: list[tuple[str, torch.Tensor]], rows: list[list[int]]) -> list[str]:
     """The names whose row of three integers is not the same on every rank (one collective)."""
-    lo, hi = _min_max(torch.tensor(rows, dtype=torch.int64).reshape(-1, 3))
+    lo, hi = _min_max(torch.tensor(rows, dtype=torch.int64, device=_CPU).reshape(-1, 3))
     return [named[i][0] for i in (lo != hi).any(dim=1).nonzero().flatten().tolist()]
 
 
@@ -279,7 +283,7 @@ def _check_same_modes(model: nn.Module, what: str) -> None:
     train/eval modes (a BatchNorm's batch statistics on one rank, its running ones on another,
     pooled into one number)."""
     flags = "".join("1" if m.training else "0" for m in model.modules())
-    local = torch.tensor([flags.count("1"), len(flags), zlib.crc32(flags.encode())])
+    local = torch.tensor([flags.count("1"), len(flags), zlib.crc32(flags.encode())], device=_CPU)
     lo, hi = _min_max(local.to(torch.int64))
     if bool((lo != hi).any()):
         raise RankMismatchError(
@@ -317,7 +321,9 @@ def same_options(fn: F) -> F:
             bound = signature.bind_partial(*args, **kwargs)
             bound.apply_defaults()
             codes = torch.tensor(
-                [_option_code(bound.arguments.get(n)) for n in names] or [0], dtype=torch.int64
+                [_option_code(bound.arguments.get(n)) for n in names] or [0],
+                dtype=torch.int64,
+                device=_CPU,
             )
             lo, hi = _min_max(codes)
             differ = [names[i] for i in (lo != hi).nonzero().flatten().tolist() if i < len(names)]
@@ -355,7 +361,7 @@ def check_same_trainable(model: nn.Module, what: str) -> list[tuple[str, nn.Para
         return named
     found = scripted_part(model)
     counts = [found is not None, len(named), len(_compared_buffers(model))]
-    lo, hi = _min_max(torch.tensor(counts, dtype=torch.int64))
+    lo, hi = _min_max(torch.tensor(counts, dtype=torch.int64, device=_CPU))
     if lo[0].item() != hi[0].item():
         raise RankMismatchError(
             f"{what}: the model is a TorchScript module on some ranks only; run {what} on the "
@@ -373,7 +379,9 @@ def check_same_trainable(model: nn.Module, what: str) -> list[tuple[str, nn.Para
             f"{what}: the ranks' models have different numbers of buffers ({lo[2].item()} to "
             f"{hi[2].item()}); every rank must hold the same model"
         )
-    flags = torch.tensor([int(p.requires_grad) for _, p in named] or [0], dtype=torch.int64)
+    flags = torch.tensor(
+        [int(p.requires_grad) for _, p in named] or [0], dtype=torch.int64, device=_CPU
+    )
     lo, hi = _min_max(flags)
     differ = [named[i][0] for i in (lo != hi).nonzero().flatten().tolist() if i < len(named)]
     if differ:
@@ -477,7 +485,9 @@ def check_same_count(count: int | None, what: str, unit: str) -> None:
     if not is_distributed():
         return
     lo, _ = _min_max(
-        torch.tensor([2**62 if count is None else count, 2**62 if count is None else -count])
+        torch.tensor(
+            [2**62 if count is None else count, 2**62 if count is None else -count], device=_CPU
+        )
     )
     known_lo, known_hi = int(lo[0]), -int(lo[1])  # over the ranks that know their count
     if known_hi >= 0 and known_lo != known_hi:
