@@ -198,3 +198,50 @@ def test_ddp_entry_points_under_a_meta_default_device_give_the_plain_result() ->
     for ranks in run_ranks(_ddp_worker, 2):
         for name, (plain, under_meta) in ranks.items():
             assert under_meta == plain, name
+
+
+# --- the study's trainer: train_one, train_runs (each engine), initialize_run ----------------
+
+
+def _study(how: str | None) -> list[Any]:
+    """Every trainer on a small study, its data made outside the block and its models built on
+    the CPU by the user's factory: the step losses, epoch metrics and final states."""
+    from initlab.study import RunConfig, build_model, train_one, train_runs
+    from initlab.study.pipelines import initialize_run
+
+    gen = torch.Generator().manual_seed(0)
+    split = (torch.randn(40, 6, generator=gen), torch.randint(0, 3, (40,), generator=gen))
+
+    def factory(config: RunConfig) -> nn.Module:
+        with torch.device("cpu"):  # the user's choice of where to build
+            return build_model(config, n_in=6, n_classes=3)
+
+    configs = [
+        RunConfig(dataset="toy", epochs=2, batch_size=16, seed=s, lr=lr, output_std=std)
+        for s, lr, std in ((0, 0.1, None), (1, 0.05, 0.5))
+    ]
+
+    def plain(results: list[Any]) -> list[Any]:
+        keys = ("step_loss", "epoch_train_loss", "epoch_train_acc", "epoch_test_loss", "state")
+        return _plain([[getattr(r, k) for k in keys] for r in results])
+
+    def run() -> list[Any]:
+        kw: dict[str, Any] = {"model_factory": factory, "keep_state": True}
+        out = [plain([train_one(configs[0], split, split, **kw)])]
+        for engine in ("mlp", "vmap", "loop"):
+            out.append(plain(train_runs(configs, split, split, engine=engine, **kw)))
+        lsuv = RunConfig(dataset="toy", epochs=1, batch_size=16, scheme="orthogonal + lsuv")
+        model, _ = initialize_run(lsuv, split, factory)
+        return [*out, _plain(model.state_dict())]
+
+    if how is None:
+        return run()
+    with torch.device("meta"):
+        return run()
+
+
+def test_study_trainers_under_a_meta_default_device_give_the_plain_result() -> None:
+    """The trainers' data order (a CPU generator's permutation), per-run bookkeeping (limits,
+    alive flags, loss records) and optimizer hyperparameters were made on torch's default device:
+    "Cannot copy out of meta tensor" from each engine."""
+    assert _study("meta") == _study(None)

@@ -48,14 +48,14 @@ class _VecOptimizer:
     def __init__(self, params: list[Tensor], configs: Sequence[RunConfig]) -> None:
         self.params = params
         self._like = params[0]
-        self._lr = torch.tensor([c.lr for c in configs], dtype=torch.float64)
-        self._alive = torch.ones(len(configs), dtype=torch.bool)
+        self._lr = torch.tensor([c.lr for c in configs], dtype=torch.float64, device="cpu")
+        self._alive = torch.ones(len(configs), dtype=torch.bool, device="cpu")
         wds = [c.weight_decay for c in configs]
         self._wd_scalar = _uniform(wds)
         self._wd = [_per_run(self._tensor(wds), p) for p in params]
 
     def _tensor(self, values: Any) -> Tensor:
-        return torch.as_tensor(values, dtype=self._like.dtype).to(self._like.device)
+        return torch.as_tensor(values, dtype=self._like.dtype, device=self._like.device)
 
     def set_alive(self, alive: Tensor) -> None:
         """Runs with ``alive[r]`` off are frozen (zero learning rate) from now on."""

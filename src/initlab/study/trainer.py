@@ -129,7 +129,7 @@ def epoch_order(seed: int, epoch: int, n: int) -> Tensor:
     """
     digest = hashlib.sha256(f"initlab.order:{seed}:{epoch}".encode()).digest()
     generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-    return torch.randperm(n, generator=generator)
+    return torch.randperm(n, generator=generator, device="cpu")
 
 
 def _build_model(
@@ -420,8 +420,8 @@ def _evaluate_runs(
     ``_EVAL_CHUNK_ROWS`` rows: the same for every group, so each run's numbers do not depend on
     which runs it is evaluated with.
     """
-    loss_sum = torch.zeros(n_runs, dtype=torch.float64)
-    correct = torch.zeros(n_runs, dtype=torch.float64)
+    loss_sum = torch.zeros(n_runs, dtype=torch.float64, device="cpu")
+    correct = torch.zeros(n_runs, dtype=torch.float64, device="cpu")
     rows, block = _EVAL_CHUNK_ROWS, max(1, _EVAL_ELEMENTS // _EVAL_CHUNK_ROWS)
     for r0 in range(0, n_runs, block):
         runs = slice(r0, min(n_runs, r0 + block))
@@ -701,8 +701,9 @@ class _Group:
         )
         self.wants_scale = torch.tensor([c.output_std is not None for c in configs], device=device)
         self.run_c = torch.ones(n_runs, dtype=dtype, device=device)  # the c of step 3
-        self.limit = torch.full((n_runs,), math.inf, dtype=torch.float64)  # step 6, per run
-        self.alive = torch.ones(n_runs, dtype=torch.bool)
+        cpu = torch.device("cpu")  # the bookkeeping below: per-run numbers, read on the host
+        self.limit = torch.full((n_runs,), math.inf, dtype=torch.float64, device=cpu)  # step 6
+        self.alive = torch.ones(n_runs, dtype=torch.bool, device=cpu)
         self.alive_dev = self.alive.to(device)
         self.frozen: dict[int, list[Tensor]] = {}
 
@@ -712,9 +713,10 @@ class _Group:
         self.steps = math.ceil(n / self.batch_size)
         self.total = self.steps * self.epochs
         self.has_test = has_test
-        self.step_loss = torch.full((self.total, self.n_runs), math.nan, dtype=torch.float64)
-        self.ep_train = torch.full((self.epochs, self.n_runs, 2), math.nan, dtype=torch.float64)
-        self.ep_test = torch.full((self.epochs, self.n_runs, 2), math.nan, dtype=torch.float64)
+        nan, f64, cpu = math.nan, torch.float64, torch.device("cpu")
+        self.step_loss = torch.full((self.total, self.n_runs), nan, dtype=f64, device=cpu)
+        self.ep_train = torch.full((self.epochs, self.n_runs, 2), nan, dtype=f64, device=cpu)
+        self.ep_test = torch.full((self.epochs, self.n_runs, 2), nan, dtype=f64, device=cpu)
 
     def freeze(self, runs: list[int]) -> None:
         """Mark runs diverged: zero learning rate from the next update on; keep their values."""
@@ -767,7 +769,7 @@ class _Group:
         values = loss.to(dtype=torch.float64, device="cpu")
         self.step_loss[g_step] = torch.where(self.alive, values, math.nan)
         if g_step == 0:
-            self.limit = torch.tensor([divergence_limit(v) for v in values.tolist()])
+            self.limit = torch.tensor([divergence_limit(v) for v in values.tolist()], device="cpu")
         bad = self.alive & ~(torch.isfinite(values) & (values <= self.limit))
         frozen_now = bad.nonzero().flatten().tolist() if bool(bad.any()) else []
         if frozen_now:
