@@ -245,3 +245,59 @@ def test_study_trainers_under_a_meta_default_device_give_the_plain_result() -> N
     alive flags, loss records) and optimizer hyperparameters were made on torch's default device:
     "Cannot copy out of meta tensor" from each engine."""
     assert _study("meta") == _study(None)
+
+
+# --- helpers a user calls on CPU tensors: fixup_init_, first_per_class -----------------------
+
+
+@pytest.mark.parametrize("seed", [3, None])
+def test_fixup_init_under_a_meta_default_device_draws_the_plain_values(seed: int | None) -> None:
+    """fixup_init_ documents its draws as made on the CPU and copied in; they were made on torch's
+    default device ("Cannot copy out of meta tensor" from the copy)."""
+    from initlab.zoo import create_model, fixup_init_
+
+    def init(how: str | None) -> list[torch.Tensor]:
+        model = create_model("fixup_resnet20", fixup_init=False)  # on the CPU, outside the block
+        torch.manual_seed(5)  # the global RNG, for generator=None
+        if how is None:
+            fixup_init_(model, generator=seed)
+        else:
+            with torch.device("meta"):
+                fixup_init_(model, generator=seed)
+        return [p.detach().clone() for p in model.parameters()]
+
+    want = init(None)
+    got = init("meta")
+    assert all(g.device.type == "cpu" and torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+def test_first_per_class_under_a_meta_default_device() -> None:
+    """The rank of each row within its class was computed with an ``arange`` on torch's default
+    device (a CPU data set: "Cannot copy out of meta tensor")."""
+    from initlab.data.dataset import Dataset, first_per_class
+
+    g = torch.Generator().manual_seed(0)
+    y = torch.randint(0, 3, (60,), generator=g)
+    data = Dataset(torch.arange(60.0)[:, None], y, "t", 1, 3, (0, 1, 2))
+    with torch.device("meta"):
+        sub = first_per_class(data, 4)
+    seen: dict[int, int] = {}
+    rows = []
+    for i, label in enumerate(y.tolist()):  # the oracle: the first 4 rows of each class
+        if seen.get(label, 0) < 4:
+            rows.append(i)
+            seen[label] = seen.get(label, 0) + 1
+    assert sub.x.device.type == "cpu" and sub.x[:, 0].long().tolist() == rows
+
+
+def test_figure2_summary_under_a_meta_default_device() -> None:
+    """figure2_summary's quantiles were taken of a tensor made on torch's default device."""
+    from initlab.measure.curvature.figure2 import figure2_summary
+
+    rows = [{"block": "conv", "ratio": v} for v in (0.5, 1.0, 2.0, 4.0, 8.0)]
+    want = figure2_summary(rows).to_rows()
+    with torch.device("meta"):
+        got = figure2_summary(rows).to_rows()
+    assert got == want
+    conv = next(r for r in got if r["block"] == "conv")
+    assert conv["median"] == 2.0  # the middle of five, by hand

@@ -134,7 +134,7 @@ def first_per_class(dataset: Dataset, k: int) -> Dataset:
     counts = torch.bincount(y, minlength=dataset.n_classes)
     starts = torch.cumsum(counts, 0) - counts
     rank = torch.empty_like(y)
-    rank[order] = torch.arange(y.shape[0]) - starts[y[order]]
+    rank[order] = torch.arange(y.shape[0], device=y.device) - starts[y[order]]
     rows = (rank < k).nonzero().flatten()
     return Dataset(
         x=dataset.x[rows],

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from initlab._core.rng import as_generator
+from initlab._core.rng import as_generator, draw_device
 from initlab.zoo._common import _cifar_depth, _conv3x3, _positive_int
 
 # --------------------------------------------------------------------------------------------------
@@ -285,7 +285,8 @@ class FixupResNet(nn.Module):
 def _he_normal_fan_out_(weight: torch.Tensor, factor: float, gen: torch.Generator | None) -> None:
     fan_out = weight.shape[0] * weight[0, 0].numel()
     std = (2.0 / fan_out) ** 0.5 * factor
-    weight.copy_(torch.randn(weight.shape, generator=gen, dtype=weight.dtype) * std)
+    draw = torch.randn(weight.shape, generator=gen, dtype=weight.dtype, device=draw_device(gen))
+    weight.copy_(draw * std)
 
 
 @torch.no_grad()

@@ -16,7 +16,7 @@ import torch
 from initlab._core.attention import with_math_attention
 from initlab._core.backward import with_grad
 from initlab._core.knobs import renamed_kwargs
-from initlab._core.rng import as_generator
+from initlab._core.rng import as_generator, draw_device
 from initlab._core.rows import Rows
 from initlab.measure.curvature.functional import quadratic_loss
 from initlab.measure.curvature.operators import Kind
@@ -82,16 +82,18 @@ def figure2_ratios(
     gen = as_generator(generator)
     rows = []
     for s in range(n_setups):
-        seed = int(torch.randint(0, 2**62, (1,), generator=gen))
+        seed = int(torch.randint(0, 2**62, (1,), generator=gen, device=draw_device(gen)))
         with torch.random.fork_rng(devices=[]):  # its default init draws from the global RNG
             model = create_model(
                 "strided_lenet", n_classes=n_classes, in_channels=in_channels, circular=circular
             )
         init_model(model, scheme, generator=seed, measure=False)
         model = model.to(dtype)
-        x = torch.randn(batch, in_channels, 32, 32, generator=gen, dtype=torch.float64).to(dtype)
+        on = draw_device(gen)
+        x = torch.randn(batch, in_channels, 32, 32, generator=gen, dtype=torch.float64, device=on)
+        x = x.to(device=next(model.parameters()).device, dtype=dtype)  # the model's device
         shape = (batch, n_classes, n_classes) if loss == "per_example" else (n_classes, n_classes)
-        R = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+        R = torch.randn(shape, generator=gen, dtype=torch.float64, device=on).to(dtype)
         res = theory_vs_actual(
             model,
             x,
@@ -118,8 +120,8 @@ def figure2_summary(rows: Rows | Sequence[Mapping[str, Any]]) -> Rows:
             groups.setdefault("all", []).append(v)
     out = []
     for name, vals in groups.items():
-        t = torch.tensor(vals, dtype=torch.float64)
-        q = torch.quantile(t, torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64))
+        t = torch.tensor(vals, dtype=torch.float64, device="cpu")
+        q = torch.quantile(t, torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64, device="cpu"))
         out.append(
             {
                 "block": name,
