@@ -1208,6 +1208,79 @@ def test_doctor_summary_names_the_flags(cli_dir: Path, capsys: pytest.CaptureFix
     assert "param_groups" not in out and "precondition_" not in out
 
 
+_DEEP = """
+import torch
+from torch import nn
+
+def deep():
+    g = torch.Generator().manual_seed(0)
+    layers = []
+    for _ in range(12):
+        layers += [nn.Linear(8, 8), nn.Tanh()]
+    net = nn.Sequential(*layers, nn.Linear(8, 3))
+    with torch.no_grad():
+        for m in net:
+            if isinstance(m, nn.Linear):
+                m.weight.normal_(0, 0.05, generator=g)
+                m.bias.zero_()
+    return net
+
+def data():
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(32, 8, generator=g), torch.randint(0, 3, (32,), generator=g))
+            for _ in range(2)]
+"""
+
+#: The library's Python wording that a doctor run on the command line must not save.
+_API_WORDING = (
+    "param_groups(",
+    "precondition_:",
+    "precondition_'s",
+    "unchanged by precondition_",
+    "(model, data",
+    "init_model(model",
+    "fix=",
+    "how='",
+    "block_curvature",
+)
+
+
+def _strings(obj: object) -> list[str]:
+    if isinstance(obj, str):
+        return [obj]
+    if isinstance(obj, dict):
+        return [s for v in obj.values() for s in _strings(v)]
+    if isinstance(obj, list):
+        return [s for v in obj for s in _strings(v)]
+    return []
+
+
+def test_doctor_out_saves_what_it_prints(cli_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`doctor --out` wrote doctor.md and doctor.json in the API's wording
+    (`report.param_groups(model, lr=...)`, `lsuv_(model, data)`) while it printed the flags: the
+    saved files now say what stdout says, the summary in doctor.md being stdout's own."""
+    (cli_dir / "deep.py").write_text(textwrap.dedent(_DEEP))
+    doctor = ["doctor", "--model", "deep.py:deep", "--data", "deep.py:data"]
+    for fix, folder in (([], "plain"), (["--fix"], "fixed")):
+        code, out, err = _run([*doctor, *fix, "--out", folder], capsys)
+        assert code == 0, err
+        printed = out.split("\n\nreport written to")[0]
+        md = (cli_dir / folder / "doctor.md").read_text(encoding="utf-8")
+        assert md.split("```\n")[1] == printed + "\n"
+        saved = _strings(json.loads((cli_dir / folder / "doctor.json").read_text()))
+        for text in (md, *saved):
+            assert not [w for w in _API_WORDING if w in text], text
+        checks = json.loads((cli_dir / folder / "doctor.json").read_text())["checks"]["rows"]
+        if fix:  # the param groups' check, the note and the γ spread's reason: their flags
+            assert "with precondition's per-layer learning rates (which `initlab init" in printed
+            assert sum("initlab init --method precondition --how lr" in t for t in saved) >= 3
+            assert "initlab init --method precondition" in checks[-1]["why"]
+        else:  # the checks' fixes, named by their flags
+            fixes = [r["fix"] for r in checks if r["fix"]]
+            assert any(f.startswith("--fix lsuv") for f in fixes), fixes
+            assert any(f.startswith("--fix precondition (per-layer") for f in fixes), fixes
+
+
 def test_bench_report_refuses_to_pool_the_studies_of_one_store(
     cli_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -1693,6 +1766,30 @@ _WHOLE_SENTENCES = {
         "report.param_groups(model, lr=...) multiplies each weight layer's learning rate by x0.5",
         f"precondition's per-layer learning rates (which {_LRS_CLI} writes) multiply each weight "
         "layer's learning rate by x0.5",
+    ),
+    "param groups check": (
+        "γ max/min over every weight layer when training with report.param_groups(model, lr=...) "
+        "(the learning rates of precondition_'s multipliers; the weights are unchanged)",
+        "γ max/min over every weight layer when training with precondition's per-layer learning "
+        f"rates (which {_LRS_CLI} writes; the weights are unchanged)",
+    ),
+    "doctor curvature blocks": (
+        "not treated (precondition's per-layer rates made a BERT classifier and a Llama train "
+        "worse); block_curvature measures the Hessian blocks themselves",
+        "not treated (precondition's per-layer rates made a BERT classifier and a Llama train "
+        "worse); initlab diagnose --curvature measures the Hessian blocks themselves",
+    ),
+    "doctor fix init": (
+        "the logits are too large; init_model(model, 'geometric') would not shrink the logits "
+        "(std 1 → 0.6309): scale the output instead",
+        "the logits are too large; the geometric init (--fix init) would not shrink the logits "
+        "(std 1 → 0.6309): scale the output instead",
+    ),
+    "doctor fix column": (
+        "lsuv_(model, data); scale_output_(model, data, target=sqrt(0.2 ln C) / 2, how='hook'); "
+        "precondition_(model, data, how='lr') → preconditioned_param_groups",
+        "--fix lsuv; --fix output_scale (the logits' std to sqrt(0.2 ln C) / 2); --fix "
+        f"precondition (per-layer learning rates, which {_LRS_CLI} writes)",
     ),
     "lazy fans": (
         "torch.nn.LazyLinear.weight is an uninitialized lazy parameter; run a forward pass (or "

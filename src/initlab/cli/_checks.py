@@ -35,6 +35,7 @@ __all__ = [
     "split_names",
     "store_schemes",
     "translate",
+    "translate_strings",
 ]
 
 _SQLITE_HEADER = b"SQLite format 3\x00"
@@ -489,6 +490,18 @@ _WORDING: tuple[tuple[str, str | Callable[[re.Match[str]], str]], ...] = (
         r"\bstale_after \((.+?)\) must be longer than heartbeat_s \((.+?)\)",
         r"--stale-after (\1) must be longer than --heartbeat (\2)",
     ),
+    # doctor's fixes, as its checks name them (the ``fix`` column, the reasons given); before
+    # the how= below
+    (r"\binit_model\(model, 'geometric'\)", "the geometric init (--fix init)"),
+    (r"\blsuv_\(model, data\)", "--fix lsuv"),
+    (
+        r"\bscale_output_\(model, data, target=sqrt\(0\.2 ln C\) / 2, how='hook'\)",
+        "--fix output_scale (the logits' std to sqrt(0.2 ln C) / 2)",
+    ),
+    (
+        r"\bprecondition_\(model, data, how='lr'\) → preconditioned_param_groups",
+        f"--fix precondition (per-layer learning rates, which {_PRECONDITION_LRS} writes)",
+    ),
     (
         r"use how='lr' or how='parametrize'",
         "use --how lr (the weights unchanged, per-layer learning-rate scales)",
@@ -529,6 +542,7 @@ _WORDING: tuple[tuple[str, str | Callable[[re.Match[str]], str]], ...] = (
     (r"\bdoctor\(model, data, fix='(\w+)'\)", r"the same command with --fix \1"),
     (r"\bdoctor\(model, data, fix=True\)", "the same command with --fix"),
     (r"\bblock_curvature\(model, data\)", "initlab diagnose --curvature"),
+    (r"\bblock_curvature measures\b", "initlab diagnose --curvature measures"),
     (
         r"\bprecondition_: train with report\.param_groups\(model, lr=\.\.\.\)",
         f"precondition: train with its per-layer learning rates, which {_PRECONDITION_LRS} writes",
@@ -540,6 +554,12 @@ _WORDING: tuple[tuple[str, str | Callable[[re.Match[str]], str]], ...] = (
     (
         r"\breport\.param_groups\(model, lr=\.\.\.\) multiplies",
         f"precondition's per-layer learning rates (which {_PRECONDITION_LRS} writes) multiply",
+    ),
+    (
+        r"\bwhen training with report\.param_groups\(model, lr=\.\.\.\) \(the learning rates of "
+        r"precondition_'s multipliers;",
+        f"when training with precondition's per-layer learning rates (which {_PRECONDITION_LRS} "
+        "writes;",
     ),
     (r"\bunchanged by precondition_\b", "unchanged by precondition"),
     (
@@ -622,6 +642,18 @@ def note(args: argparse.Namespace, text: str) -> None:
 
 #: Code quoted in a message (`initlab.precondition_(model, data, how='parametrize')`).
 _CODE = re.compile(r"(`[^`\n]*`)")
+
+
+def translate_strings(obj: Any) -> Any:
+    """``obj`` (what ``json.loads`` returns) with :func:`translate` applied to every string in it
+    (the keys kept as they are): a saved report says what the command line printed."""
+    if isinstance(obj, str):
+        return translate(obj)
+    if isinstance(obj, list):
+        return [translate_strings(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: translate_strings(v) for k, v in obj.items()}
+    return obj
 
 
 def translate(message: str) -> str:

@@ -32,6 +32,7 @@ from initlab.cli._checks import (
     note,
     split_names,
     translate,
+    translate_strings,
 )
 
 __all__ = [
@@ -363,8 +364,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     }  # fmt: skip
     if folder is not None:  # the files first: a closed stdout must not cost them
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / "doctor.md").write_text(report.to_markdown(), encoding="utf-8")
-        (folder / "doctor.json").write_text(report.to_json(indent=1), encoding="utf-8")
+        # in the command line's wording, as printed below (the API's files keep the API's)
+        (folder / "doctor.md").write_text(translate(report.to_markdown()), encoding="utf-8")
+        saved = translate_strings(json.loads(report.to_json()))
+        (folder / "doctor.json").write_text(json.dumps(saved, indent=1), encoding="utf-8")
     print(translate(report.summary(how_to_fix="the same command with --fix applies the fixes")))
     if folder is not None:
         print(f"\nreport written to {folder}/doctor.md and {folder}/doctor.json")
