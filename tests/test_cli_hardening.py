@@ -1281,6 +1281,68 @@ def test_doctor_out_saves_what_it_prints(cli_dir: Path, capsys: pytest.CaptureFi
             assert any(f.startswith("--fix precondition (per-layer") for f in fixes), fixes
 
 
+def _sklearn_sizes(name: str) -> tuple[int, int]:
+    """(features, classes) of a scikit-learn set, read from scikit-learn itself."""
+    import sklearn.datasets
+
+    bunch = getattr(sklearn.datasets, f"load_{name}")()
+    return int(bunch.data.shape[1]), len(set(bunch.target.tolist()))
+
+
+@pytest.mark.parametrize(
+    ("model", "data", "kwargs", "first", "last"),
+    [
+        ("paper_mlp", "iris", None, "layers.0.weight", "layers.4.weight"),
+        ("lecture_mlp", "wine", None, "input.weight", "output.weight"),
+        ("paper_mlp", "wine", {"n_classes": 5}, "layers.0.weight", "layers.4.weight"),
+        ("paper_mlp", "iris", {"n_in": 4}, "layers.0.weight", "layers.4.weight"),
+    ],
+)
+def test_a_zoo_model_is_sized_from_a_named_data_set(
+    cli_dir: Path,
+    capsys: pytest.CaptureFixture[str],
+    model: str,
+    data: str,
+    kwargs: dict[str, int] | None,
+    first: str,
+    last: str,
+) -> None:
+    """`init/doctor/diagnose --model zoo:paper_mlp --data sklearn:iris` kept the zoo's sizes (64
+    inputs, 10 classes): a raw shape error, then "Target 25 is out of bounds" on letter. A zoo
+    model takes n_in and n_classes (n_out) from the data set, as in a study; --model-kwargs win."""
+    features, classes = _sklearn_sizes(data)
+    given = ["--model-kwargs", json.dumps(kwargs)] if kwargs else []
+    argv = ["--model", f"zoo:{model}", "--data", f"sklearn:{data}", *given, "--max-batches", "1"]
+    code, _, err = _run(["init", *argv, "--method", "lsuv", "--out", "m.pt"], capsys)
+    assert code == 0, err
+    state = torch.load(cli_dir / "m.pt", weights_only=True)
+    assert state[first].shape[1] == features
+    assert state[last].shape[0] == (kwargs or {}).get("n_classes", classes)
+    for command in (["doctor"], ["diagnose", "--no-plots"]):
+        code, _, err = _run([*command, *argv], capsys)
+        assert code == 0, err
+
+
+def test_a_zoo_model_sized_from_a_data_set_says_what_does_not_fit(
+    cli_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An image model on a set of vectors is refused as a study refuses it, and fewer classes
+    given than the data set has (its labels would exceed them) is warned of, naming both."""
+    code, _, err = _run(["diagnose", "--model", "zoo:resnet20", "--data", "sklearn:iris"], capsys)
+    assert code == 2
+    assert "model 'resnet20' takes images (in_channels), but data set 'sklearn:iris' gives " in err
+    argv = ["init", "--model", "zoo:paper_mlp", "--data", "sklearn:wine", "--method", "lsuv"]
+    with warnings.catch_warnings():  # shown as the command line shows them
+        warnings.simplefilter("always")
+        code, _, err = _run([*argv, "--model-kwargs", '{"n_classes": 2}', "--out", "m.pt"], capsys)
+    assert code == 0, err
+    assert (
+        "warning: --model-kwargs sets n_classes=2, but --data sklearn:wine has 3 classes (labels "
+        "up to 2); leave n_classes out to take it from the data set"
+    ) in err
+    assert torch.load(cli_dir / "m.pt", weights_only=True)["layers.4.weight"].shape == (2, 64)
+
+
 def test_bench_report_refuses_to_pool_the_studies_of_one_store(
     cli_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

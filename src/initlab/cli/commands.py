@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -34,6 +34,9 @@ from initlab.cli._checks import (
     translate,
     translate_strings,
 )
+
+if TYPE_CHECKING:
+    from initlab.cli.inputs import NamedData
 
 __all__ = [
     "METHODS",
@@ -99,13 +102,30 @@ def _batch_size_note(args: argparse.Namespace) -> Callable[[str], None]:
     return (lambda text: note(args, text)) if _given(args, "batch_size") else (lambda text: None)
 
 
+def _zoo_data(args: argparse.Namespace, batches: int) -> NamedData | None:
+    """A data set that ``initlab data`` lists, named by --data, when --model is a zoo model: it
+    is loaded first, and the model takes its sizes from it, as in a study (``None`` else)."""
+    from initlab.cli.inputs import load_named_data
+
+    if not args.model.startswith("zoo:"):
+        return None
+    return load_named_data(args.data, batch_size=args.batch_size, batches=batches,
+                           seed=args.seed, data_dir=args.data_dir)  # fmt: skip
+
+
 def _load_data(
-    args: argparse.Namespace, shape: Any, batches: int, shape_flag: str | None = None
+    args: argparse.Namespace,
+    shape: Any,
+    batches: int,
+    shape_flag: str | None = None,
+    named: NamedData | None = None,
 ) -> tuple[list[Any], bool]:
-    """The batches of --data (init, doctor), and whether it came already batched (so
-    --batch-size was not used: noted when it was given)."""
+    """The batches of --data (init, doctor; ``named``: those already loaded), and whether it
+    came already batched (so --batch-size was not used: noted when it was given)."""
     from initlab.cli.inputs import load_data_spec
 
+    if named is not None:
+        return named.batches, False
     said: list[str] = []
     data = load_data_spec(
         args.data, shape, batch_size=args.batch_size, batches=batches, seed=args.seed,
@@ -117,12 +137,14 @@ def _load_data(
     return data, bool(said)
 
 
-def _run_method(args: argparse.Namespace, model: nn.Module) -> Any:
+def _run_method(args: argparse.Namespace, model: nn.Module, named: NamedData | None) -> Any:
     from initlab.cli.inputs import has_targets, load_loss
 
     module_name, fn_name, takes_loss = METHODS[args.method]
     method = getattr(importlib.import_module(module_name), fn_name)
-    data, batched = _load_data(args, args.input_shape, max_batches_for(args), "--input-shape")
+    data, batched = _load_data(
+        args, args.input_shape, max_batches_for(args), "--input-shape", named
+    )
     check_batch_count(args, data, batched)
     kwargs: dict[str, Any] = {"generator": args.seed}
     if args.method == "lsuv":  # keep the scheme's weights (rescaled) and biases
@@ -271,7 +293,8 @@ def cmd_init(args: argparse.Namespace) -> int:
     report_path = check_out_file("--report", args.report) if args.report is not None else None
     _check_paths(model=_model_file(args.model), data=_data_file(args.data), out=args.out,
                  report=args.report)  # fmt: skip
-    model, shape = load_model_spec(args.model, args.model_kwargs, seed=args.seed)
+    named = _zoo_data(args, max_batches_for(args)) if args.method is not None else None
+    model, shape = load_model_spec(args.model, args.model_kwargs, seed=args.seed, data=named)
     args.input_shape = parse_shape(args.input_shape) if args.input_shape else shape
     scheme = args.scheme or ("geometric" if args.method is None else None)
     report: Any = None
@@ -280,7 +303,7 @@ def cmd_init(args: argparse.Namespace) -> int:
         report = init_model(model, scheme, generator=args.seed, bias=bias, policy=args.policy)
         printed.append(report)
     if args.method is not None:
-        report = _run_method(args, model)
+        report = _run_method(args, model, named)
         if sys.stderr.isatty():
             print(file=sys.stderr)
         printed.append(report)
@@ -349,8 +372,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     folder = check_out_dir("--out", args.out) if args.out is not None else None
     if folder is not None:
         _check_paths(model=_model_file(args.model), data=_data_file(args.data), out=args.out)
-    model, shape = load_model_spec(args.model, args.model_kwargs, seed=args.seed)
-    data, _ = _load_data(args, shape, args.max_batches)
+    named = _zoo_data(args, args.max_batches)
+    model, shape = load_model_spec(args.model, args.model_kwargs, seed=args.seed, data=named)
+    data, _ = _load_data(args, shape, args.max_batches, named=named)
     targets = has_targets(data[0])
     loss_name = args.loss or ("auto" if targets else "random_quadratic")
     loss_fn = load_loss(loss_name, seed=args.seed, targets=targets)

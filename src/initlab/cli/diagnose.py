@@ -14,7 +14,13 @@ import torch
 from initlab._core.knobs import renamed_kwargs
 from initlab._core.loss import make_loss
 from initlab._core.rows import Rows
-from initlab.cli.inputs import has_targets, load_data_spec, load_loss, load_model_spec
+from initlab.cli.inputs import (
+    has_targets,
+    load_data_spec,
+    load_loss,
+    load_model_spec,
+    load_named_data,
+)
 from initlab.diagnostics.diagnose import Progress, diagnose
 from initlab.diagnostics.report import Report
 
@@ -44,7 +50,9 @@ def diagnose_command(
 
     Args:
         model_spec: ``"pkg.module:factory"``, ``"path/file.py:factory"`` or ``"zoo:NAME"`` (a
-            model of :mod:`initlab.zoo`, whose input shape is then known).
+            model of :mod:`initlab.zoo`, whose input shape is then known; on a data set that
+            ``initlab data`` lists, it takes its ``n_in``, ``in_channels`` and ``n_classes``
+            from it, as in a study, unless ``model_kwargs`` gives them).
         data: ``None``/``"random"`` (standard normal inputs of the zoo model's input shape),
             ``"random:3x32x32"`` (that shape per example), ``"digits"`` (scikit-learn's digits,
             standardized), a data set that ``initlab data`` lists (``"libsvm:letter"`` or
@@ -75,18 +83,26 @@ def diagnose_command(
         the report (also written to ``out``).
     """
     say = progress or (lambda _msg: None)
-    say(f"building the model {model_spec}")
-    model, shape = load_model_spec(model_spec, model_kwargs, seed=seed)
+    named = None
+    if model_spec.startswith("zoo:"):  # sized from a named data set, as in a study
+        named = load_named_data(
+            data, batch_size=batch_size, batches=max_batches, seed=seed, data_dir=data_dir
+        )
+    say(f"building the model {model_spec}" + (f" for {named.name}" if named else ""))
+    model, shape = load_model_spec(model_spec, model_kwargs, seed=seed, data=named)
     if init is not None:
         from initlab.init.model import init_model
 
         say(f"initializing with {init!r} (seed {seed})")
         init_model(model, init, generator=seed)
-    say("loading data")
-    data_batches = load_data_spec(
-        data, shape, batch_size=batch_size, batches=max_batches, seed=seed, data_dir=data_dir,
-        note=note,
-    )  # fmt: skip
+    if named is not None:
+        data_batches = named.batches
+    else:
+        say("loading data")
+        data_batches = load_data_spec(
+            data, shape, batch_size=batch_size, batches=max_batches, seed=seed,
+            data_dir=data_dir, note=note,
+        )  # fmt: skip
     targets = has_targets(data_batches[0])
     loss_name = loss or ("auto" if targets else "random_quadratic")
     loss_fn = load_loss(loss_name, seed=seed, targets=targets)

@@ -17,7 +17,9 @@ import importlib.util
 import inspect
 import json
 import re
+import warnings
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,7 @@ from initlab._core.pytree import find_path, shallow_types
 
 __all__ = [
     "DATA_SPECS",
+    "NamedData",
     "blame_loss",
     "check_data_spec",
     "check_loss_name",
@@ -39,6 +42,7 @@ __all__ = [
     "load_factory",
     "load_loss",
     "load_model_spec",
+    "load_named_data",
     "parse_shape",
 ]
 
@@ -151,22 +155,70 @@ def parse_shape(text: str, flag: str = "--input-shape", prefix: str = "") -> tup
     return shape
 
 
+@dataclass(frozen=True)
+class NamedData:
+    """A data set that ``initlab data`` lists, as ``--data`` names it: the batches drawn from its
+    training split, and what a zoo model takes from it (as in a study,
+    :func:`initlab.study.models.data_arguments`).
+
+    Attributes:
+        name: its catalogue name with its options (``"libsvm:letter"``, ``"mnist?pad=2"``).
+        batches: ``(x, y)`` batches of the training split.
+        shape: one example's shape (``(16,)``, ``(1, 28, 28)``).
+        n_classes: the data set's classes.
+    """
+
+    name: str
+    batches: list[Any]
+    shape: tuple[int, ...]
+    n_classes: int
+
+
 def load_model_spec(
-    spec: str, model_kwargs: str | Mapping[str, Any] | None, *, seed: int | None = None
+    spec: str,
+    model_kwargs: str | Mapping[str, Any] | None,
+    *,
+    seed: int | None = None,
+    data: NamedData | None = None,
 ) -> tuple[nn.Module, Any]:
     """``(model, example input shape or None)`` from ``zoo:NAME`` or ``pkg.module:factory``.
 
     With ``seed``, the model is built under that seed (a factory draws its initial weights from
-    torch's global RNG; its state outside this call is left as it was)."""
+    torch's global RNG; its state outside this call is left as it was). With ``data`` (a named
+    ``--data`` set), a zoo model takes its sizes from it as in a study (``n_in``,
+    ``in_channels``, ``n_classes``/``n_out``: :func:`initlab.study.models.data_arguments`);
+    those that ``model_kwargs`` gives are kept."""
     if seed is None:
-        return _load_model_spec(spec, model_kwargs)
+        return _load_model_spec(spec, model_kwargs, data)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return _load_model_spec(spec, model_kwargs)
+        return _load_model_spec(spec, model_kwargs, data)
+
+
+def _sized(name: str, kwargs: dict[str, Any], data: NamedData) -> dict[str, Any]:
+    """``kwargs`` of zoo model ``name`` with the sizes it takes from ``data`` that they do not
+    give; a class count given below the data set's is warned of (its labels would exceed it)."""
+    from initlab.study.models import data_arguments
+    from initlab.zoo import list_models
+
+    defaults = {m["name"]: m["default_cfg"] for m in list_models()}
+    if name not in defaults:  # create_model names the zoo's models
+        return kwargs
+    for key in ("n_classes", "n_out"):
+        given = kwargs.get(key)
+        if key in defaults[name] and isinstance(given, int) and given < data.n_classes:
+            warnings.warn(
+                f"--model-kwargs sets {key}={given}, but --data {data.name} has {data.n_classes} "
+                f"classes (labels up to {data.n_classes - 1}); leave {key} out to take it from "
+                "the data set",
+                UserWarning,
+                stacklevel=2,
+            )
+    return {**data_arguments(name, data.name, data.shape, data.n_classes, kwargs), **kwargs}
 
 
 def _load_model_spec(
-    spec: str, model_kwargs: str | Mapping[str, Any] | None
+    spec: str, model_kwargs: str | Mapping[str, Any] | None, data: NamedData | None
 ) -> tuple[nn.Module, Any]:
     try:
         kwargs = json.loads(model_kwargs) if isinstance(model_kwargs, str) else model_kwargs
@@ -179,6 +231,8 @@ def _load_model_spec(
         from initlab.zoo import create_model, input_shape
 
         name = spec[4:]
+        if data is not None:
+            kwargs = _sized(name, kwargs, data)
         return create_model(name, **kwargs), input_shape(name, **kwargs)
     factory = load_factory(spec, "--model")
     try:
@@ -460,9 +514,7 @@ def load_data_spec(
     ``note`` is told when ``batch_size`` is not used: the data is already batched.
     """
     shape_hint = f", {shape_flag} SHAPE," if shape_flag else ","
-    for flag, value in (("--batch-size", batch_size), ("--max-batches", batches)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{flag} must be a positive integer, got {value!r}")
+    _check_counts(batch_size, batches)
     gen = torch.Generator().manual_seed(seed)
     if spec is None or spec == "random" or spec.startswith("random:"):
         if spec is not None and ":" in spec:
@@ -482,12 +534,11 @@ def load_data_spec(
     if spec.endswith((".pt", ".pth")):
         obj = _read_pt(spec)
     else:
-        name = _named_spec(spec)
-        if name is not None:
-            from initlab.study.datasets import load_split
-
-            _check_options(spec, name)
-            return _sampled(*load_split(name, "train", data_dir), batch_size, batches, gen)
+        named = load_named_data(
+            spec, batch_size=batch_size, batches=batches, seed=seed, data_dir=data_dir
+        )
+        if named is not None:
+            return named.batches
         if ":" not in spec or "?" in spec:
             raise ValueError(f"unknown --data {spec!r}; give {DATA_SPECS}")
         _check_catalogue_prefix(spec)
@@ -506,6 +557,36 @@ def load_data_spec(
             )
     _check_tensors(taken, spec)
     return taken
+
+
+def _check_counts(batch_size: int, batches: int) -> None:
+    for flag, value in (("--batch-size", batch_size), ("--max-batches", batches)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{flag} must be a positive integer, got {value!r}")
+
+
+def load_named_data(
+    spec: str | None, *, batch_size: int, batches: int, seed: int, data_dir: str | None = None
+) -> NamedData | None:
+    """A data set that ``initlab data`` lists, named by ``--data`` (``None`` for any other
+    ``--data``): ``batches`` batches of ``batch_size`` examples of its training split (options
+    applied, as in a study spec), drawn without replacement with ``seed``, with its example
+    shape and classes (:func:`initlab.study.datasets.load_study_data`: as a study reads them)."""
+    name = _named_spec(spec) if spec is not None else None
+    if spec is None or name is None:
+        return None
+    from initlab.study.datasets import example_shape, load_study_data
+
+    _check_counts(batch_size, batches)
+    _check_options(spec, name)
+    data = load_study_data(name, data_dir, test_split=False)
+    gen = torch.Generator().manual_seed(seed)
+    return NamedData(
+        name=name,
+        batches=_sampled(*data.train, batch_size, batches, gen),
+        shape=example_shape(name, data.n_features),
+        n_classes=data.n_classes,
+    )
 
 
 def _check_tensors(batches: list[Any], spec: str, total: int | None = None) -> None:

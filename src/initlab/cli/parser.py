@@ -23,7 +23,11 @@ __all__ = ["DEBUG_HELP", "build_parser", "parse"]
 DEBUG_HELP = "on an error, print the full traceback too (default: the message alone)"
 
 
-_MODEL_HELP = "'pkg.module:factory', 'file.py:factory' or 'zoo:NAME'"
+_MODEL_HELP = (
+    "'pkg.module:factory', 'file.py:factory' or 'zoo:NAME' (on a data set that `initlab data` "
+    "lists, a zoo model takes its n_in, in_channels and n_classes from it, as in a study, "
+    "unless --model-kwargs gives them)"
+)
 _DATA_HELP = (
     "random | random:3x32x32 | digits | a data set `initlab data` lists (libsvm:letter, mnist, "
     "...), with a study spec's options: mnist?pad=2&train_per_class=50 (its training split) | "

@@ -235,13 +235,15 @@ def _load_split(base: str, options: Mapping[str, Any], split: str, root: str | N
     return _transform(data.x, options), data
 
 
-def load_study_data(name: str, root: str | None = None) -> Any:
+def load_study_data(name: str, root: str | None = None, *, test_split: bool = True) -> Any:
     """A data set's train and (where it exists and is not dropped) test split as a
     :class:`~initlab.study.runner.StudyData`, options applied (see the module doc).
 
     A data set published without a test split (several LIBSVM sets) gives ``test=None``; a
     missing file, or any error reading a published test split (a parse error, a label the
-    training split lacks), raises.
+    training split lacks), raises. ``test_split=False``: the training split only (``test=None``;
+    the command line's ``--data``, which sizes a zoo model from ``n_features`` and ``n_classes``
+    as a study does).
     """
     from initlab.data.catalogue import catalogue_entry
     from initlab.study.runner import StudyData
@@ -251,7 +253,8 @@ def load_study_data(name: str, root: str | None = None) -> Any:
     test = None
     # Only a split the catalogue does not publish means "no test split": any error reading one
     # it publishes (a parse error, a label absent from the training split) is the data set's.
-    if options.get("test_per_class") != 0 and "test" in catalogue_entry(base).splits:
+    wanted = test_split and options.get("test_per_class") != 0
+    if wanted and "test" in catalogue_entry(base).splits:
         x_test, data = _load_split(base, options, "test", root)
         test = (x_test, data.y)
     return StudyData(

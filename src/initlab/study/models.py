@@ -38,7 +38,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 import torch
@@ -57,6 +57,7 @@ __all__ = [
     "build_model",
     "check_model",
     "check_study_models",
+    "data_arguments",
     "model_arguments",
 ]
 
@@ -131,17 +132,38 @@ def model_arguments(config: RunConfig, shape: tuple[int, ...], n_classes: int) -
             f"model {config.model!r}: model_cfg sets {', '.join(reserved)}, which the runner "
             f"takes from data set {config.dataset!r}; remove it from model_cfg"
         )
-    _, takes = _factory(config.model)
+    _factory(config.model)  # an unknown model, before its keys
     _check_zoo_keys(config)
-    values = _data_values(shape, n_classes)
-    if "in_channels" in takes and "in_channels" not in values:
-        raise StudyModelError(
-            f"model {config.model!r} takes images (in_channels), but data set {config.dataset!r} "
-            f"gives vectors of {shape[0]} features: use an image data set (mnist, cifar10) or a "
-            "vector model (paper_mlp, lecture_mlp)"
-        )
     kwargs = {k: v for k, v in cfg.items() if k not in STUDY_KEYS}
-    return {**kwargs, **{k: values[k] for k in takes}}
+    return {**kwargs, **data_arguments(config.model, config.dataset, shape, n_classes)}
+
+
+def data_arguments(
+    model: str,
+    dataset: str,
+    shape: tuple[int, ...],
+    n_classes: int,
+    given: Collection[str] = (),
+) -> dict[str, Any]:
+    """The arguments that the builder of ``model`` (a zoo name or ``"pkg.module:fn"``) takes
+    from data set ``dataset`` (see the module doc), less those in ``given``: for examples of
+    ``shape``, ``n_in = prod(shape)``, ``in_channels = shape[0]`` (images),
+    ``n_classes = n_out = n_classes``, ``input_shape = shape``.
+
+    Raises:
+        StudyModelError: an unknown model, or a model that takes images (``in_channels``, not
+            given) on a data set of vectors.
+    """
+    _, takes = _factory(model)
+    values = _data_values(shape, n_classes)
+    wanted = [k for k in takes if k not in given]
+    if "in_channels" in wanted and "in_channels" not in values:
+        raise StudyModelError(
+            f"model {model!r} takes images (in_channels), but data set {dataset!r} gives vectors "
+            f"of {shape[0]} features: use an image data set (mnist, cifar10) or a vector model "
+            "(paper_mlp, lecture_mlp)"
+        )
+    return {k: values[k] for k in wanted}
 
 
 def _check_zoo_keys(config: RunConfig) -> None:
