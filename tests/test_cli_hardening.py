@@ -4,6 +4,7 @@ that a run does not use, readable summaries and help."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import subprocess
@@ -707,19 +708,52 @@ def test_bench_run_prints_a_readable_summary_and_report_checks_its_options(
 def test_format_summary_lists_extension_and_failures() -> None:
     from initlab.study.runner import StudySummary
 
-    summary = StudySummary("s", Path("x.sqlite"), 8, 2, n_trained=5, n_failed=1, n_chunks=2,
+    summary = StudySummary("s", Path("x.sqlite"), 8, 2, n_trained=8, n_failed=1, n_chunks=2,
                            n_extended=3, n_extended_new=3, extension_rounds=1,
                            edges_left=["v/d/s (low)"],
                            wall_s=1.5, errors=["Traceback ...\nValueError: boom"])  # fmt: skip
     text = format_summary(summary)
     assert text.splitlines()[0] == (
-        "study s: 8 runs, 2 already stored, 5 trained now (2 chunk(s)), 0 by other drivers, "
-        "1 failed (1.5 s)"
+        "study s: 11 runs (8 of the spec's grid, 3 added by grid extension), 2 already stored, "
+        "8 trained now (2 chunk(s)), 0 by other drivers, 1 failed (1.5 s)"
     )
     assert "grid extension: 1 round(s), 3 run(s) beyond the spec's grid, 3 of them new" in text
     again = StudySummary("s", Path("x.sqlite"), 8, 8, n_extended=3, extension_rounds=1)
     assert "3 run(s) beyond the spec's grid, 0 of them new in this call" in format_summary(again)
     assert "v/d/s (low)" in text and "failed chunk: ValueError: boom" in text
+
+
+def test_bench_run_counts_the_runs_grid_extension_added(
+    cli_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`bench run --extend-rounds` printed "24 runs, 0 already stored, 40 trained now": the
+    runs counted the spec's grid, the trained ones the extension's too. The runs now count both,
+    saying how many each; the counts add up to the runs in the store."""
+    import sqlite3
+
+    (cli_dir / "two.yaml").write_text(textwrap.dedent(_SPEC).replace("[0.1]", "[0.5, 0.25]"))
+    grid = 1 * 2 * 1 * 2  # data sets × schemes × seeds × rates of the spec
+
+    def stored() -> int:
+        with contextlib.closing(sqlite3.connect(cli_dir / "st" / "x.sqlite")) as db:
+            return int(db.execute("SELECT count(*) FROM runs").fetchone()[0])
+
+    run = ["bench", "run", "two.yaml", "--store", "st/x.sqlite", "--quiet", "--extend-rounds"]
+    code, out, err = _run([*run, "1"], capsys)
+    assert code == 0, err
+    first = stored()
+    assert first > grid  # the best rates sat at an edge: the grid was extended
+    assert out.splitlines()[0].startswith(
+        f"study tiny: {first} runs ({grid} of the spec's grid, {first - grid} added by grid "
+        f"extension), 0 already stored, {first} trained now ("
+    )
+    code, out, err = _run([*run, "2"], capsys)
+    assert code == 0, err
+    second = stored()
+    assert out.splitlines()[0].startswith(
+        f"study tiny: {second} runs ({grid} of the spec's grid, {second - grid} added by grid "
+        f"extension), {first} already stored, {second - first} trained now ("
+    )
 
 
 def test_data_prints_the_root_and_warns_when_it_is_missing(

@@ -82,11 +82,12 @@ def run(study: StudySpec, db: Path, **kw: Any) -> runner.StudySummary:
     ("overrides", "differs"),
     [
         ({"epochs": 3}, "epochs: 1 registered, 3 now"),
-        ({"seeds": 3}, "seeds: added 2"),
-        ({"lrs": [0.5]}, "lrs: removed 1.0"),
-        ({"lrs": [0.5, 1.0, 0.25]}, "lrs: added 0.25"),
-        ({"datasets": ["a", "c"]}, "datasets: added c; removed b"),
-        ({"schemes": ["fan_in"]}, "schemes: removed geometric"),
+        ({"seeds": 3}, "(seeds: added seed 2)"),  # seed number 2, not two seeds
+        ({"seeds": 4}, "(seeds: added seeds 2, 3)"),
+        ({"lrs": [0.5]}, "(lrs: removed rate 1.0)"),
+        ({"lrs": [0.5, 1.0, 0.25]}, "(lrs: added rate 0.25)"),
+        ({"datasets": ["a", "c"]}, "(datasets: added data set c; removed data set b)"),
+        ({"schemes": ["fan_in"]}, "(schemes: removed scheme geometric)"),
         ({"model_cfg": {"widths": [8]}}, "model_cfg: {'widths': [4]} registered, {'widths': [8]}"),
         ({"momentum": 0.9}, "momentum: 0.0 registered, 0.9 now"),
         ({"variants": {"base": {}, "slow": {"lrs": [0.1]}}}, "variants: {} registered"),
@@ -94,6 +95,7 @@ def run(study: StudySpec, db: Path, **kw: Any) -> runner.StudySummary:
     ids=[
         "epochs",
         "more-seeds",
+        "two-more-seeds",
         "fewer-lrs",
         "more-lrs",
         "datasets",

@@ -102,8 +102,14 @@ _EXTRA_KEYS = ("design",)
 #: again under its name with other values of these (:meth:`StudySpec.run_differences`).
 UNBOUND_KEYS = ("name", "loss", "extend_grid", "data_root")
 
-#: Spec fields that are sets of values (their order changes no run).
-_AXES = ("datasets", "schemes", "seeds", "lrs")
+#: Spec fields that are sets of values (their order changes no run), with the name of one value
+#: (one and several) as :meth:`StudySpec.run_differences` says it: "seeds: added seed 2".
+_AXES = {
+    "datasets": ("data set", "data sets"),
+    "schemes": ("scheme", "schemes"),
+    "seeds": ("seed", "seeds"),
+    "lrs": ("rate", "rates"),
+}
 
 
 def _thaw(value: Any) -> Any:
@@ -601,8 +607,9 @@ class StudySpec:
             if key in _AXES:
                 added = [v for v in value if v not in was]
                 removed = [v for v in was if v not in value]
+                one, several = _AXES[key]
                 change = [
-                    f"{label} {', '.join(map(str, vs))}"
+                    f"{label} {one if len(vs) == 1 else several} {', '.join(map(str, vs))}"
                     for label, vs in (("added", added), ("removed", removed))
                     if vs
                 ]
