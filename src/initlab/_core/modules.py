@@ -1,19 +1,34 @@
-"""A model's submodules by name, second names included.
+"""A model's submodules by name, second names included; its tensors that share memory.
 
 A submodule registered under two names (``model.alias = model.a``; a block reused in a
 ``ModuleList``; T5's ``encoder.embed_tokens`` in transformers 4.x, which is ``shared``) appears
 once in ``named_modules()``, under its first name, and every result lists it there. A user may
 name it either way: :func:`first_names` maps any name to the first one.
+
+Two distinct ``Parameter`` objects may also lie over one memory (``nn.Parameter(a.weight.data)``,
+``nn.Parameter(a.weight.data.t())``): not a tie (a tie is one object under two names), yet
+writing one writes the other. :func:`shares_memory` tells whether two tensors overlap;
+:func:`memory_overlaps` finds every such pair among many; :func:`shared_memory_error` is the
+refusal of a method that would write one of them.
 """
 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
+import torch
 from torch import nn
 
-__all__ = ["first_names", "inference_tensors", "nearest_names", "with_first_names"]
+__all__ = [
+    "first_names",
+    "inference_tensors",
+    "memory_overlaps",
+    "nearest_names",
+    "shared_memory_error",
+    "shares_memory",
+    "with_first_names",
+]
 
 
 def first_names(model: nn.Module) -> dict[str, str]:
@@ -52,3 +67,89 @@ def inference_tensors(
             tensors += [(prefix + b, t) for b, t in module.named_buffers(recurse=False)]
     names = [n for n, t in tensors if t.is_inference()]
     return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The byte range ``[start, end)`` a tensor's elements occupy (``(0, 0)`` when unknown: no
+    storage, a meta tensor, no element)."""
+    try:
+        start = t.data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return 0, 0
+    if start == 0 or t.numel() == 0:
+        return 0, 0
+    extent = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride(), strict=True))
+    return start, start + extent * t.element_size()
+
+
+def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same tensor, or overlapping memory on one device (views of one flat buffer that do
+    not overlap, as in FSDP, are not shared)."""
+    if a is b:
+        return True
+    (a0, a1), (b0, b1) = _span(a), _span(b)
+    return a.device == b.device and a0 != 0 and b0 != 0 and a0 < b1 and b0 < a1
+
+
+def _same_place(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same elements in the same order: one tensor under two objects."""
+    return (a.data_ptr(), a.shape, a.stride(), a.dtype) == (
+        b.data_ptr(),
+        b.shape,
+        b.stride(),
+        b.dtype,
+    )
+
+
+def memory_overlaps(tensors: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, str, bool]]:
+    """``(name, other name, exact)`` for every pair of distinct tensor objects among ``tensors``
+    whose memory overlaps (:func:`shares_memory`), in the order given; ``exact``: the same
+    elements in the same order (same start, shape, strides and dtype). An object listed twice
+    (a tie) is one tensor. Sorted by start address, each tensor is compared with those whose
+    range is still open: ``O(n log n)`` plus the pairs found."""
+    distinct: dict[int, tuple[int, str, torch.Tensor]] = {}
+    for rank, (name, t) in enumerate(tensors):
+        distinct.setdefault(id(t), (rank, name, t))
+    placed = sorted(
+        ((*_span(t), rank, name, t) for rank, name, t in distinct.values()), key=lambda e: e[:3]
+    )
+    found: list[tuple[int, int, str, str, bool]] = []
+    open_: list[tuple[int, int, str, torch.Tensor]] = []
+    for start, end, rank, name, t in placed:
+        if start == 0:
+            continue
+        open_ = [e for e in open_ if e[0] > start]
+        for _, other_rank, other, u in open_:
+            if shares_memory(t, u):
+                first, second = sorted([(other_rank, other), (rank, name)])
+                found.append((first[0], second[0], first[1], second[1], _same_place(t, u)))
+        open_.append((end, rank, name, t))
+    return [(a, b, exact) for *_, a, b, exact in sorted(found)]
+
+
+def shared_memory_error(
+    what: str, pairs: Sequence[tuple[str, str, bool]], effect: str
+) -> ValueError:
+    """The refusal of ``what``, which would write (at least one of) each pair of distinct
+    Parameters over one memory in ``pairs`` (:func:`memory_overlaps`): which, how they overlap,
+    ``effect`` (what writing them would do), and the two ways out: one Parameter (a tie), or
+    memory of its own for each."""
+    shown = "; ".join(
+        f"{a} and {b} ({'the same elements' if exact else 'overlapping elements'})"
+        for a, b, exact in pairs[:3]
+    )
+    more = f" and {len(pairs) - 3} more pair(s)" if len(pairs) > 3 else ""
+    a, b, exact = pairs[0]
+    tie = (
+        f"make them one Parameter, a tie ({b.rpartition('.')[0] or 'model'}."
+        f"{b.rpartition('.')[2]} = {a}: one tensor under two names, written once)"
+        if exact
+        else "keep one Parameter and let the other module's forward read a view of it (e.g. "
+        f"F.linear(x, {a}.t()) in place of a Parameter made of {a}.data.t())"
+    )
+    return ValueError(
+        f"{what}: {shown}{more} are distinct Parameters over the same memory (made from another "
+        f"Parameter's .data or a view of it; an optimizer also steps that memory once for each "
+        f"of them): {effect}. Either {tie}, or give each its own memory "
+        "(nn.Parameter(t.detach().clone())). The model was left as it was"
+    )

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from initlab._core.knobs import user_stacklevel
+from initlab._core.modules import memory_overlaps, shared_memory_error
 from initlab._core.rows import split_name
 from initlab.init._fused import fused_blocks
 from initlab.init._structure import (
@@ -51,6 +52,7 @@ __all__ = [
     "frozen_norm_modules",
     "mark_frozen",
     "plan_all",
+    "refuse_shared_memory",
     "report_rows",
     "reset_norm_buffers",
 ]
@@ -565,6 +567,27 @@ def mark_kept(model: nn.Module, plans: dict[int, _Plan], order: list[int]) -> No
         mixer = model.get_submodule(layer.rpartition(".")[0])
         if isinstance(mixer._parameters.get("A_log"), torch.Tensor):
             plan.kept = _TIME_STEP_NOTE
+
+
+def refuse_shared_memory(plans: dict[int, _Plan], order: list[int]) -> None:
+    """Raise ``ValueError`` where two distinct parameters lie over one memory
+    (:func:`~initlab._core.modules.memory_overlaps`: ``nn.Parameter(a.weight.data)``, a view
+    ``nn.Parameter(a.weight.data.t())``) and at least one of them is drawn: ties are one object,
+    and two objects are two plans, each drawn in turn over the other's values. Checked after
+    :func:`mark_frozen`: two frozen tensors left as they were are no conflict."""
+    drawn = {p.name for p in plans.values() if p.spec is not None and not (p.frozen or p.kept)}
+    pairs = [
+        pair
+        for pair in memory_overlaps([(plans[k].name, plans[k].param) for k in order])
+        if pair[0] in drawn or pair[1] in drawn
+    ]
+    if pairs:
+        raise shared_memory_error(
+            "init_model",
+            pairs,
+            "drawing one overwrites the other, so the one drawn first would end with the "
+            "values (and the std) drawn for the other, not its own",
+        )
 
 
 def frozen_norm_modules(plans: dict[int, _Plan], order: list[int]) -> set[int]:

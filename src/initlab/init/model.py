@@ -32,6 +32,7 @@ from initlab.init._plan import (
     mark_frozen,
     mark_kept,
     plan_all,
+    refuse_shared_memory,
     report_rows,
     reset_norm_buffers,
 )
@@ -214,6 +215,13 @@ def init_model(
     Tied or shared parameters (one tensor reachable under several names, e.g. an embedding tied to
     the output projection) stay tied and are drawn once: the first module in ``named_modules()``
     order that claims the tensor decides how; the others are reported with ``tied_to``.
+    A tie is one ``Parameter`` object: two distinct ones over the same memory
+    (``nn.Parameter(emb.weight.data)``, the exact same elements, or a view such as
+    ``nn.Parameter(a.weight.data.t())``) are refused with a ``ValueError`` naming both, when at
+    least one of them would be drawn, since drawing one overwrites the other (the same elements
+    are refused too, not guessed to be a tie: the two objects are two tensors to every
+    optimizer). Make them one ``Parameter`` (``head.weight = emb.weight``) or give each its
+    own memory (``.clone()``).
     Every parameter is planned and validated before any tensor is written, so a bad rule or
     handler leaves the model as it was. The model is never moved: each tensor is filled where it
     lives, in its own dtype. A model built on the ``meta`` device must first be materialized with
@@ -264,6 +272,7 @@ def init_model(
     if frozen == "skip":
         mark_frozen(plans, order)
         norm_modules -= frozen_norm_modules(plans, order)
+    refuse_shared_memory(plans, order)
     assign_roles(model, plans, order, gains=gains, head=head, example_inputs=example_inputs)
     plan_all(plans, order, scheme_obj, bias, float(embedding_std), expand_rules(model, rules))
 

@@ -55,7 +55,7 @@ from initlab._core.hooks import hook_handles
 from initlab._core.knobs import renamed_kwargs, user_stacklevel
 from initlab._core.loss import model_loss
 from initlab._core.method_report import MethodReport
-from initlab._core.modules import first_names
+from initlab._core.modules import first_names, shares_memory
 from initlab._core.parametrized import writing_layers
 from initlab._core.rng import Seeds
 from initlab._core.rows import join_name
@@ -598,27 +598,6 @@ def _check_module(model: nn.Module, module: str | None, layers: list[str], how: 
     return module
 
 
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    """The byte range ``[start, end)`` a tensor's elements occupy (``(0, 0)`` when unknown)."""
-    try:
-        start = t.data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return 0, 0
-    if start == 0 or t.numel() == 0:
-        return 0, 0
-    extent = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride(), strict=True))
-    return start, start + extent * t.element_size()
-
-
-def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """The same tensor, or overlapping memory (views of one flat buffer that do not overlap, as
-    in FSDP, are not shared)."""
-    if a is b:
-        return True
-    (a0, a1), (b0, b1) = _span(a), _span(b)
-    return a0 != 0 and b0 != 0 and a0 < b1 and b0 < a1
-
-
 def _refuse_tied(model: nn.Module, name: str, registry: Registry) -> None:
     """Raise if a weight or bias of layer ``name`` is also another module's parameter (or shares
     its memory), e.g. a language model's head tied to the input embedding."""
@@ -636,7 +615,7 @@ def _refuse_tied(model: nn.Module, name: str, registry: Registry) -> None:
             if p is None:
                 continue
             for own_name, t in own:
-                if isinstance(t, torch.Tensor) and _shares_memory(t, p):
+                if isinstance(t, torch.Tensor) and shares_memory(t, p):
                     ties.append(f"{join_name(name, own_name)} is {join_name(other_name, pname)}")
     if ties:
         raise ValueError(
