@@ -5,12 +5,15 @@ before touching anything; disjoint views of one buffer are no conflict."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
 from torch import nn
 
 from initlab.init.model import init_model
+from initlab.methods.gradinit import gradinit_
+from initlab.methods.metainit import metainit_
 
 
 class _Viewed(nn.Module):
@@ -99,3 +102,45 @@ def test_disjoint_views_of_one_buffer_each_get_their_own_draw() -> None:
         # sample variance of n normal draws: relative std sqrt(2 / n); five of them
         assert abs(float(w.var()) / want - 1) < 5 * math.sqrt(2 / n)
     assert model[0].weight.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+
+
+def _batches(n: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(16, 16, generator=gen), torch.randint(0, 16, (16,), generator=gen)
+    return [(x, y)] * n
+
+
+def _square_viewed() -> nn.Module:
+    """``b.weight`` is ``a.weight.t()``'s memory (square, so the forward runs)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+    model[2].weight = nn.Parameter(model[0].weight.data.t())
+    return model
+
+
+@pytest.mark.parametrize("method", ["gradinit_", "metainit_"])
+def test_alpha_methods_refuse_shared_memory_up_front(method: str) -> None:
+    """Each tensor would learn its own alpha, and the fold would scale the one memory by both
+    (0.851 * 0.979 = 0.833, once blamed on float32 rounding): refused before any step, with no
+    warning."""
+    model = _square_viewed()
+    before = _bits(model)
+    call = gradinit_ if method == "gradinit_" else metainit_
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match="same memory") as err:
+            call(model, _batches(), nn.CrossEntropyLoss(), steps=3, generator=0)
+    msg = str(err.value)
+    assert msg.startswith(f"{method}: 0.weight and 2.weight (overlapping elements)")
+    assert "float32" not in msg
+    assert _same(before, model)
+
+
+def test_gradinit_refuses_a_scaled_view_of_a_frozen_tensor() -> None:
+    """The frozen tensor gets no scale, but folding its view's would write it."""
+    model = _square_viewed()
+    model[0].weight.requires_grad_(False)
+    before = _bits(model)
+    with pytest.raises(ValueError, match=r"0\.weight and 2\.weight"):
+        gradinit_(model, _batches(), nn.CrossEntropyLoss(), steps=3, generator=0)
+    assert _same(before, model)

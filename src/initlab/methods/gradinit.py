@@ -167,6 +167,7 @@ from initlab.methods._alpha import (
     nonzero,
     positive_int,
     rank_mean,
+    refuse_shared_memory,
     scalar_mean,
     scaled_leaves,
     scaled_params,
@@ -724,7 +725,9 @@ def gradinit_(
         ``objective_steps``, ``gamma``, ``optimizer``, ``exact``.
 
     Raises:
-        ValueError: bad options, or fewer batches than the iterations need (says how many).
+        ValueError: bad options, or fewer batches than the iterations need (says how many); a
+            tensor that gets a scale and another Parameter object over the same memory (named;
+            a tie is one object: :func:`~initlab.methods._alpha.refuse_shared_memory`).
         TypeError: a trainable complex parameter (named; freeze it for the call).
         FloatingPointError: a non-finite loss, or a non-finite alpha-gradient of a finite loss
             (named, with float16 and the float32 copy to use where the model is float16); the
@@ -751,6 +754,7 @@ def gradinit_(
     check_same_parameters(model, what, measured_in=lambda m: set_evaluation_modes(m, True))
     _refuse_complex(model, what)
     ts = select_tensors(model, params, nonzero, what)
+    refuse_shared_memory(model, ts, what)
     warn_half_precision(ts, what, _SIGNS_FLIP)
     counter = DataCounter()
     pairs = batch_pairs(data, steps, overlap < 1, what, counter, same_size=True)

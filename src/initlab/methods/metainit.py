@@ -115,6 +115,7 @@ from initlab.methods._alpha import (
     nonzero,
     positive_int,
     rank_mean,
+    refuse_shared_memory,
     scalar_mean,
     scaled_params,
     second_order,
@@ -376,7 +377,9 @@ def metainit_(
         ``variant``, ``gq_first``, ``gq_last``.
 
     Raises:
-        ValueError: bad options or too few batches.
+        ValueError: bad options or too few batches; a tensor that gets a scale and another
+            Parameter object over the same memory (named; a tie is one object:
+            :func:`~initlab.methods._alpha.refuse_shared_memory`).
         TypeError: a trainable complex parameter (named; freeze it, or use
             ``lsuv_(orthogonal=False)``).
         FloatingPointError: a non-finite loss or GQ, or a non-finite meta-gradient of a finite
@@ -399,6 +402,7 @@ def metainit_(
         "gradient (it scales each layer to an output variance E|y - E y|^2)"
     )  # fmt: skip
     ts = select_tensors(model, params, _at_least_2d if opts.paper else nonzero, what)
+    refuse_shared_memory(model, ts, what)
     warn_half_precision(ts, what, _SIGNS_FLIP)
     gen = as_generator(generator)
     counter = DataCounter()
