@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import prune
 
 import initlab
 from initlab._core.loss import resolve_loss
@@ -787,6 +788,45 @@ def test_the_hook_based_weight_and_spectral_norm_are_refused_too(
     call(model)
 
 
+@pytest.mark.parametrize("entry", [*_REGISTRY_USERS, "moments"])
+def test_a_pruned_weight_is_refused_by_name_with_prune_remove(entry: str) -> None:
+    """torch.nn.utils.prune: the writers and most readers blamed initlab's own handler ("returned
+    invalid specs ... the module has ['bias', 'weight_orig']"), naming neither the layer nor
+    pruning; measure_moments reported weight_orig (E_W2 0.0423), not the weight the forward uses
+    (0.0363). Every one names the layer and prune.remove, and leaves the model as it was."""
+    call = {**_REGISTRY_USERS, "moments": lambda m: initlab.measure_moments(m, _batches())}[entry]
+    model = _mlp()
+    prune.l1_unstructured(model[0], "weight", amount=0.5)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(
+        ValueError,
+        match=r"^the layer '0' \(a torch.nn.modules.linear.Linear\)'s 'weight' is pruned by "
+        r"torch.nn.utils.prune \(L1Unstructured\).*"
+        r"torch.nn.utils.prune.remove\(layer, 'weight'\)",
+    ):
+        call(model)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert prune.is_pruned(model)
+
+
+def test_measuring_a_pruned_model_the_way_the_refusal_says_reads_the_forwards_weight() -> None:
+    """The way out, the pruning removed for the call and applied again after, measures
+    W = W_orig * mask (float64 oracle), not W_orig, and gives the forward its weight back."""
+    model = _mlp()
+    prune.l1_unstructured(model[0], "weight", amount=0.5)
+    w = model[0].weight_orig.detach().double() * model[0].weight_mask.double()
+    orig = model[0].weight_orig.detach().double().clone()
+    mask = model[0].weight_mask.clone()
+    prune.remove(model[0], "weight")
+    table = initlab.measure_moments(model, _batches()).param_table()
+    prune.custom_from_mask(model[0], "weight", mask)
+    row = next(r for r in table if r["layer"] == "0" and r["param"] == "weight")
+    assert row["E_W2"] == pytest.approx(float((w**2).mean()), rel=1e-6)
+    assert row["E_W2"] != pytest.approx(float((orig**2).mean()), rel=0.01)
+    assert torch.equal(model[0].weight.detach().double(), w)
+
+
 def test_gr_scaling_after_precondition_by_parametrization_says_where_gamma_after_is() -> None:
     model, batches = _mlp(), _batches()
     report = precondition_(model, batches, how="parametrize")
@@ -872,6 +912,7 @@ def test_a_parametrization_on_a_tensor_no_handler_names_is_left_alone() -> None:
 _MODELS = """
 import torch
 from torch import nn
+from torch.nn.utils import prune
 
 def mlp():
     return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))

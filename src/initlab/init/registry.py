@@ -38,7 +38,7 @@ from dataclasses import replace
 
 import torch
 from torch import nn
-from torch.nn.utils import parametrize
+from torch.nn.utils import parametrize, prune
 
 from initlab._core.parametrized import computed, registry_reads_computed
 from initlab.init._experts import expert_layout, router_experts
@@ -217,21 +217,46 @@ _NORM_HOOKS = {  # hook class -> (the function that adds it, the one that remove
 
 def _refuse_norm_hooks(module: nn.Module, names: list[str] | None, where: str = "") -> None:
     """The same refusal for the older, hook-based ``torch.nn.utils.weight_norm`` and
-    ``spectral_norm``, which recompute ``weight`` before every forward from other parameters:
-    for those of ``names`` (``None``: any) a hook recomputes. ``where``: the module's qualified
-    name in the model, for the message."""
+    ``spectral_norm``, and for ``torch.nn.utils.prune``, which recompute a tensor before every
+    forward from other tensors (pruning: ``weight = weight_orig * weight_mask``): for those of
+    ``names`` (``None``: any) a hook recomputes. ``where``: the module's qualified name in the
+    model, for the message."""
+    cls = _dotted(type(module))
+    layer = f"the layer {where!r} (a {cls})" if where else f"a {cls}"
     for hook in module._forward_pre_hooks.values():
+        if isinstance(hook, prune.BasePruningMethod):
+            if names is None or hook._tensor_name in names:
+                raise _pruned(layer, hook, where)
+            continue
         kind = type(hook).__name__
         if kind in _NORM_HOOKS and (names is None or getattr(hook, "name", None) in names):
             added, remove = _NORM_HOOKS[kind]
-            cls = _dotted(type(module))
-            layer = f"the layer {where!r} (a {cls})" if where else f"a {cls}"
             raise ValueError(
                 f"{layer}'s {hook.name!r} is recomputed before every forward by "
                 f"torch.nn.utils.{added} (a {kind} hook): initlab reads and writes a layer's own "
                 "tensors. Remove it for this call and apply it again after: "
                 f"torch.nn.utils.{remove}(layer) keeps the current values"
             )
+
+
+def _pruned(layer: str, hook: prune.BasePruningMethod, where: str) -> ValueError:
+    """The refusal of a tensor pruned by ``torch.nn.utils.prune`` (``hook``, a pruning method or
+    a ``PruningContainer`` of several) on ``layer``: its forward's ``name`` is
+    ``name_orig * name_mask``, no parameter; the parameter ``name_orig`` is not what it uses."""
+    name = hook._tensor_name
+    methods = getattr(hook, "_pruning_methods", (hook,))
+    kinds = " then ".join(type(m).__name__ for m in methods)
+    get = f"layer = model.get_submodule({where!r}); " if where else ""
+    return ValueError(
+        f"{layer}'s {name!r} is pruned by torch.nn.utils.prune ({kinds}): the forward uses "
+        f"{name} = {name}_orig * {name}_mask, recomputed by a forward pre-hook, and initlab reads "
+        f"and writes a layer's own tensors (the parameter {name}_orig is not the {name} the "
+        f"forward uses). Remove the pruning for this call and apply it again after: {get}"
+        f"mask = layer.{name}_mask.clone(); torch.nn.utils.prune.remove(layer, {name!r}) makes "
+        f"{name} a plain parameter holding {name}_orig * {name}_mask; after the call, "
+        f"torch.nn.utils.prune.custom_from_mask(layer, {name!r}, mask) prunes it again "
+        f"({name}_orig then holds {name} as it is then, which the mask multiplies)"
+    )
 
 
 def _tensors_of(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -5,9 +5,10 @@
 ``orthogonal``...; :func:`initlab.init.registry._refuse_parametrized`); the probe raises it
 inside such a method only (:func:`~initlab._core.parametrized.refuse_computed`), elsewhere it
 measures the computed tensors. :func:`refuse_norm_hooks` refuses, always, the older hook-based
-``torch.nn.utils.weight_norm`` and ``spectral_norm``
+``torch.nn.utils.weight_norm`` and ``spectral_norm``, and ``torch.nn.utils.prune``
 (:func:`~initlab.init.registry._refuse_norm_hooks`), whose weight is no parameter (the
-per-example gradients of ``weight_g``/``weight_v`` failed).
+per-example gradients of ``weight_g``/``weight_v`` failed; a pruned layer's rows were those of
+``weight_orig``, not of the ``weight_orig * weight_mask`` its forward uses).
 :func:`packed_note` is the per-example note of a call on a ``PackedSequence``.
 """
 
@@ -29,7 +30,7 @@ PACKED = (
 
 def refuse_norm_hooks(model: nn.Module) -> None:
     """Raise ``ValueError`` if a module of ``model`` has a weight recomputed by a hook-based
-    ``weight_norm``/``spectral_norm``."""
+    ``weight_norm``/``spectral_norm`` or by pruning (``torch.nn.utils.prune``)."""
     for name, module in model.named_modules():
         _refuse_norm_hooks(module, None, where=name)
 
