@@ -656,14 +656,18 @@ _REGISTRY_USERS = {**_WRITERS, **_READERS}
 @pytest.mark.parametrize("kind", list(_PARAMETRIZATIONS))
 @pytest.mark.parametrize("entry", list(_WRITERS))
 def test_a_parametrized_weight_is_refused_with_the_way_out(kind: str, entry: str) -> None:
+    """On a layer the writer writes: scale_output_ folds into the last one only."""
     model = _mlp()
-    _PARAMETRIZATIONS[kind](model[0])
+    at = 2 if entry == "scale_output_" else 0
+    _PARAMETRIZATIONS[kind](model[at])
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError) as info:
         _WRITERS[entry](model)
     text = str(info.value)
     # the layer named (it was only "a torch.nn.modules.linear.Linear"), the way back its own
-    name = "the layer '0' (a torch.nn.modules.linear.Linear) has parametrized tensors ('weight' by"
+    name = (
+        f"the layer '{at}' (a torch.nn.modules.linear.Linear) has parametrized tensors ('weight' by"
+    )
     assert name in text
     assert "remove_parametrizations(layer, 'weight') keeps the current values" in text
     again = f"(then torch.nn.utils.parametrizations.{kind}(layer, 'weight', "  # its options
@@ -675,9 +679,9 @@ def test_a_parametrized_weight_is_refused_with_the_way_out(kind: str, entry: str
         assert torch.equal(v, before[k]), k
     # the way out: remove it (the weight kept), then the call runs
     model.eval()  # else spectral_norm runs a power iteration at every read of the weight
-    weight = model[0].weight.detach().clone()
-    torch.nn.utils.parametrize.remove_parametrizations(model[0], "weight")
-    assert torch.equal(model[0].weight, weight)
+    weight = model[at].weight.detach().clone()
+    torch.nn.utils.parametrize.remove_parametrizations(model[at], "weight")
+    assert torch.equal(model[at].weight, weight)
     _WRITERS[entry](model)
 
 
@@ -720,6 +724,60 @@ def test_a_parametrized_bias_is_refused_as_a_parametrized_weight_is(entry: str) 
         assert torch.equal(v, before[k]), k
 
 
+def _frozen_stem(kind: str) -> nn.Module:
+    """:func:`_mlp` with a parametrized first layer, frozen (a pretrained stem kept fixed)."""
+    model = _mlp()
+    _PARAMETRIZATIONS[kind](model[0])
+    model[0].requires_grad_(False)
+    model.eval()  # spectral_norm: no power iteration at a read of the weight
+    return model
+
+
+@pytest.mark.parametrize("kind", list(_PARAMETRIZATIONS))
+@pytest.mark.parametrize("entry", list(_WRITERS))
+def test_a_frozen_parametrized_layer_is_left_as_it_is_not_refused(kind: str, entry: str) -> None:
+    """A frozen parametrized stem refused the whole call, although every writer leaves frozen
+    tensors as they are (init_model's frozen="skip" promises it): the writers run, and the stem's
+    tensors, its buffers included, keep their bits."""
+    model = _frozen_stem(kind)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # lsuv_: the frozen layer is not scaled
+        _WRITERS[entry](model)
+    for k, v in model.state_dict().items():
+        if k.startswith("0."):
+            assert torch.equal(v, before[k]), k
+
+
+def test_init_model_reports_a_frozen_parametrized_tensor_and_refuses_to_draw_it() -> None:
+    """frozen="skip": one row for the computed weight, frozen, naming what it is computed from,
+    and no warning of unclaimed 'original' tensors; frozen="init" would draw into a tensor the
+    next forward recomputes: refused as a trainable one is."""
+    model = _frozen_stem("weight_norm")
+    report = initlab.init_model(model, "geometric", generator=0)
+    assert "0.weight" in report.frozen()
+    row = next(r for r in report if (r["layer"], r["param"]) == ("0", "weight"))
+    assert "computed by _WeightNorm" in row["note"]
+    assert "parametrizations.weight.original0" in row["note"]
+    assert not any("original" in r["param"] for r in report)
+    with pytest.raises(ValueError, match=r"^the layer '0' .* has parametrized tensors"):
+        initlab.init_model(model, "geometric", generator=0, frozen="init")
+
+
+@pytest.mark.parametrize("how", ["module", "hook", "fold"])
+def test_scale_output_refuses_no_parametrized_layer_it_does_not_write(how: str) -> None:
+    """how='module' and 'hook' write no weight, 'fold' the last layer only: a weight_norm first
+    layer made all three refuse. The output reaches the target (float64 std of the output)."""
+    model = _mlp()
+    torch.nn.utils.parametrizations.weight_norm(model[0])
+    x = _batches()[0][0]
+    report = scale_output_(model, x, target=0.05, how=how)
+    out = model(x) if how != "module" else report.info["module"](model(x))
+    assert float(out.detach().double().std(unbiased=False)) == pytest.approx(0.05, rel=1e-5)
+    if how == "hook":
+        report.info["handle"].remove()
+
+
 class _Recurrent(nn.Module):
     """Linear -> recurrent layer (an unbatched sequence of the batch's rows) -> Linear."""
 
@@ -733,7 +791,7 @@ class _Recurrent(nn.Module):
 
 
 @pytest.mark.parametrize("cls", [nn.RNN, nn.LSTM, nn.GRU])
-@pytest.mark.parametrize("entry", list(_WRITERS))
+@pytest.mark.parametrize("entry", [e for e in _WRITERS if e != "scale_output_"])  # folds into out
 def test_a_parametrized_recurrent_weight_is_refused_as_a_linear_s_is(
     cls: type[nn.RNNBase], entry: str
 ) -> None:

@@ -11,9 +11,13 @@ its *computed* tensor, the one its forward uses; the methods that write weights 
 * :func:`reading_layers` / :func:`reading_scope` (the measuring entry points) let the layer
   registry describe computed tensors, unless a writer is running;
 * :func:`writing_layers` / :func:`writing_scope` (the methods that write weights, ``doctor`` with
-  fixes) make every read inside them refuse, the moment probe included, so that a writer refuses
-  before it measures anything. :func:`writing_layers` also refuses, up front, a model made under
-  ``torch.inference_mode()`` that it could not write (:func:`check_writable`).
+  fixes) make every read inside them refuse a layer whose parametrized tensor is trainable, the
+  moment probe included, so that a writer refuses before it measures anything; a frozen one
+  (computed from tensors that all have ``requires_grad=False``) is described, since writers
+  leave frozen tensors as they are (``init_model(frozen="init")`` refuses it itself).
+  :func:`listing_scope` lets a writer list layers it does not write (``scale_output_``).
+  :func:`writing_layers` also refuses, up front, a model made under ``torch.inference_mode()``
+  that it could not write (:func:`check_writable`).
 
 The mode is a ``contextvars.ContextVar`` set for the duration of one entry point's call and reset
 when it returns or raises (per thread and per task, as torch's grad mode is): no state outlives a
@@ -47,6 +51,7 @@ __all__ = [
     "check_writable",
     "computed",
     "layer_tensor",
+    "listing_scope",
     "machinery",
     "owns_tensors",
     "parametrized_names",
@@ -90,6 +95,15 @@ def reading_scope() -> Iterator[None]:
 def writing_scope() -> Iterator[None]:
     """Inside it everything refuses computed tensors (the moment probe included)."""
     with _mode("write"):
+        yield
+
+
+@contextmanager
+def listing_scope() -> Iterator[None]:
+    """Inside it the registry describes computed tensors, inside a writer too: for a writer that
+    only lists weight layers (to hook them, to pick the one it writes) and asks the registry
+    again, outside it, about the one it writes, which refuses there."""
+    with _mode("read"):
         yield
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from initlab._core.knobs import user_stacklevel
 from initlab._core.modules import memory_overlaps, shared_memory_error
@@ -36,7 +37,7 @@ from initlab.init._structure import (
     traced_following,
 )
 from initlab.init.gains import Nonlinearity
-from initlab.init.registry import Block, ParamSpec, Registry
+from initlab.init.registry import Block, ParamSpec, Registry, _refuse_parametrized
 from initlab.init.rules import AutoRule, Rule
 from initlab.init.sampling import dirac_, normal_, sample_
 from initlab.init.schemes import InitSpec, OperatorNorm, Scheme
@@ -45,6 +46,7 @@ __all__ = [
     "add_unclaimed",
     "assign_roles",
     "check_bias",
+    "check_computed",
     "check_unclaimed",
     "claim_params",
     "execute",
@@ -401,7 +403,10 @@ def add_unclaimed(
         names_of.setdefault(id(p), []).append(name)
     unclaimed: list[_Plan] = []
     owner = {id(p): m for _, m in model.named_modules() for p in m.parameters(recurse=False)}
+    sources = {id(p) for plan in plans.values() for p in _sources(plan)}
     for key, names in names_of.items():
+        if key in sources:  # what a planned computed tensor is computed from: its plan says
+            continue
         if key not in plans:
             param = next(p for n, p in all_params if n == names[0])
             if param.numel() == 0:  # an empty tensor: nothing to draw, nothing to warn about
@@ -456,7 +461,7 @@ def plan_all(
         if plan.spec is None:
             continue
         if plan.frozen or plan.kept:
-            plan.notes.append(plan.kept or _FROZEN_NOTE)
+            plan.notes.insert(0, plan.kept or _FROZEN_NOTE)  # first: InitReport.frozen()
             continue
         _fill_plan(plan, scheme, bias, embedding_std)
         names = (plan.name, *plan.aliases)
@@ -567,6 +572,39 @@ def mark_kept(model: nn.Module, plans: dict[int, _Plan], order: list[int]) -> No
         mixer = model.get_submodule(layer.rpartition(".")[0])
         if isinstance(mixer._parameters.get("A_log"), torch.Tensor):
             plan.kept = _TIME_STEP_NOTE
+
+
+def _sources(plan: _Plan) -> list[nn.Parameter]:
+    """The tensors a planned tensor computed by parametrizations is computed from (``[]``: a
+    parameter): the registry describes such a tensor inside a writer when they are all frozen."""
+    spec = plan.spec
+    if spec is None or not parametrize.is_parametrized(plan.module, spec.name):
+        return []
+    return list(plan.module.parametrizations[spec.name].parameters())  # type: ignore[index]
+
+
+def check_computed(plans: dict[int, _Plan], order: list[int]) -> None:
+    """A planned tensor computed by parametrizations from frozen tensors (the registry describes
+    those inside a writer, and refuses the others) is left as it was under ``frozen="skip"``,
+    with a note naming them; to be drawn (``frozen="init"``) it is refused as the trainable ones
+    are: a draw would fill a temporary the next forward recomputes."""
+    for key in order:
+        plan = plans[key]
+        sources = _sources(plan)
+        if not sources:
+            continue
+        assert plan.spec is not None
+        if not plan.frozen:
+            _refuse_parametrized(plan.module, [plan.spec.name], plan.name.rpartition(".")[0])
+        plist = plan.module.parametrizations[plan.spec.name]  # type: ignore[index]
+        kinds = " and ".join(dict.fromkeys(type(p).__name__ for p in plist))
+        names = ", ".join(
+            f"parametrizations.{plan.spec.name}.{n}" for n, _ in plist.named_parameters()
+        )
+        plan.notes.append(
+            f"computed by {kinds} (torch.nn.utils.parametrize) from frozen tensors ({names}), "
+            "left as they were"
+        )
 
 
 def refuse_shared_memory(plans: dict[int, _Plan], order: list[int]) -> None:

@@ -24,6 +24,7 @@ from initlab.init._plan import (
     add_unclaimed,
     assign_roles,
     check_bias,
+    check_computed,
     check_unclaimed,
     claim_params,
     execute,
@@ -209,8 +210,12 @@ def init_model(
     ``scheme="untouched"`` with a ``note``, and :meth:`InitReport.frozen` lists them. Users freeze
     a layer to keep it; :func:`torch.nn.init` functions ignore ``requires_grad`` (they fill what
     they are given), and ``frozen="init"`` does the same here: every tensor is drawn. A tensor
-    whose values are part of its model's design rather than a scale is left as it was too, with a
-    note: a Mamba mixer's ``dt_proj.bias`` (its time steps; its ``A_log`` and ``D`` are unclaimed).
+    computed by ``torch.nn.utils.parametrize`` (``weight_norm``...) from frozen tensors only is
+    left as it was too (its row names them); a trainable one, or any with ``frozen="init"``, is
+    refused with the way to remove and register it again, since it is no tensor to draw into.
+    A tensor whose values are part of its model's design rather than a scale is left as it was
+    too, with a note: a Mamba mixer's ``dt_proj.bias`` (its time steps; its ``A_log`` and ``D``
+    are unclaimed).
 
     Tied or shared parameters (one tensor reachable under several names, e.g. an embedding tied to
     the output projection) stay tied and are drawn once: the first module in ``named_modules()``
@@ -272,6 +277,7 @@ def init_model(
     if frozen == "skip":
         mark_frozen(plans, order)
         norm_modules -= frozen_norm_modules(plans, order)
+    check_computed(plans, order)
     refuse_shared_memory(plans, order)
     assign_roles(model, plans, order, gains=gains, head=head, example_inputs=example_inputs)
     plan_all(plans, order, scheme_obj, bias, float(embedding_std), expand_rules(model, rules))

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize, prune
 
-from initlab._core.parametrized import computed, registry_reads_computed
+from initlab._core.parametrized import computed, registry_reads_computed, trainable
 from initlab.init._experts import expert_layout, router_experts
 from initlab.init._norm_like import norm_identity
 from initlab.init.fans import Fans, compute_fans
@@ -260,13 +260,16 @@ def _pruned(layer: str, hook: prune.BasePruningMethod, where: str) -> ValueError
 
 
 def _tensors_of(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The direct parameters of ``module``, and, where the registry reads computed tensors
-    (:func:`~initlab._core.parametrized.registry_reads_computed`), those its parametrizations
-    compute (:func:`~initlab._core.parametrized.computed`)."""
+    """The direct parameters of ``module``, and those its parametrizations compute
+    (:func:`~initlab._core.parametrized.computed`) where the registry reads computed tensors
+    (:func:`~initlab._core.parametrized.registry_reads_computed`); inside a writer, the frozen
+    ones (computed from tensors that all have ``requires_grad=False``), which a writer leaves
+    as they are (the trainable ones it refuses)."""
     tensors: dict[str, torch.Tensor] = dict(module.named_parameters(recurse=False))
-    if registry_reads_computed() and parametrize.is_parametrized(module):
+    if parametrize.is_parametrized(module):
         for name in module.parametrizations:
-            tensors[name] = computed(module, name)
+            if registry_reads_computed() or not trainable(module, name):
+                tensors[name] = computed(module, name)
     return tensors
 
 
@@ -536,7 +539,8 @@ class Registry:
         names = [s.name for s in specs if isinstance(s, ParamSpec)]
         _refuse_norm_hooks(module, names, where)
         if not registry_reads_computed():  # a measuring entry point reads the computed tensors
-            _refuse_parametrized(module, names, where)
+            # a writer writes no frozen tensor: a frozen computed one is described, not refused
+            _refuse_parametrized(module, [n for n in names if trainable(module, n)], where)
         _validate_specs(module, specs, handler)
         return specs
 

@@ -56,7 +56,7 @@ from initlab._core.knobs import renamed_kwargs, user_stacklevel
 from initlab._core.loss import model_loss
 from initlab._core.method_report import MethodReport
 from initlab._core.modules import first_names, shares_memory
-from initlab._core.parametrized import writing_layers
+from initlab._core.parametrized import listing_scope, writing_layers
 from initlab._core.rng import Seeds
 from initlab._core.rows import join_name
 from initlab._core.state import restore_on_failure
@@ -442,7 +442,8 @@ def scale_output_(
     seeds = Seeds(model, generator)
     passes = 0
     with restore_on_failure(model):
-        layers = [name for name, *_ in weight_layers(model, reg)]
+        with listing_scope():  # how="fold" asks again about the layer it writes, which refuses
+            layers = [name for name, *_ in weight_layers(model, reg)]
         module = _check_module(model, module, layers, how)
         with _producer(model, layers) as producer:
             order, _, (sums, outs, own_loss) = execution_order(

@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 from torch.nn.utils.rnn import PackedSequence
 
+from initlab._core.parametrized import trainable
 from initlab.init.registry import _refuse_norm_hooks, _refuse_parametrized
 
 PACKED = (
@@ -36,13 +37,15 @@ def refuse_norm_hooks(model: nn.Module) -> None:
 
 
 def refuse_parametrized(model: nn.Module) -> None:
-    """Raise ``ValueError`` if a module of ``model`` has parametrized tensors (the probe does so
-    inside a method that writes weights: :func:`~initlab._core.parametrized.writing_layers`), or
+    """Raise ``ValueError`` if a module of ``model`` has trainable parametrized tensors (the probe
+    does so inside a method that writes weights, which leaves a frozen one as it is:
+    :func:`~initlab._core.parametrized.writing_layers`), or
     a weight recomputed by a hook-based ``weight_norm``/``spectral_norm``."""
     for name, module in model.named_modules():
         _refuse_norm_hooks(module, None, where=name)
-        if parametrize.is_parametrized(module):
-            _refuse_parametrized(module, list(module.parametrizations), where=name)
+        if parametrize.is_parametrized(module):  # a writer writes no frozen tensor
+            names = [n for n in module.parametrizations if trainable(module, n)]
+            _refuse_parametrized(module, names, where=name)
 
 
 def packed_note(inputs: tuple[tuple, dict[str, Any]]) -> str | None:
