@@ -166,6 +166,41 @@ def test_meta_device_model_materialized_then_initialized() -> None:
     assert torch.count_nonzero(model[0].bias) == 0
 
 
+class _Rotary(nn.Module):
+    """A rotary table computed in the constructor (non-persistent, as in Llama) and an input
+    scale kept in the state_dict (persistent)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, 8, 2) / 8), False)
+        self.register_buffer("scale", torch.ones(8))
+        self.proj = nn.Linear(8, 8)
+        self.norm = nn.BatchNorm1d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.proj(x * self.scale))
+
+
+def test_meta_device_advice_names_the_buffers_init_model_does_not_set() -> None:
+    """to_empty then init_model, as advised, left a Llama's rotary inv_freq as uninitialized
+    memory (2.3e-43, 1.13e+30, ...) without a word: the advice says which buffers init_model does
+    not set and how to set them; the norm statistics, which it resets, are not among them."""
+    with torch.device("meta"):
+        model = _Rotary()
+    with pytest.raises(ValueError) as err:
+        initlab.init_model(model, "geometric")
+    msg = str(err.value)
+    assert "not the model's other buffers, which to_empty leaves as uninitialized memory" in msg
+    assert "model.load_state_dict(...) restores scale" in msg
+    assert "inv_freq (non-persistent) are in no state_dict" in msg
+    assert "norm.running_mean" not in msg.partition("other buffers")[2]
+    model.to_empty(device="cpu")
+    report = initlab.init_model(model, "geometric", generator=0)
+    assert report.buffers_left == ["inv_freq", "scale"]
+    assert "2 buffer(s) not set, left as they were" in str(report)
+    assert torch.equal(model.norm.running_var, torch.ones(8))  # reset by init_model
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
 def test_dtype_is_kept(dtype: torch.dtype) -> None:
     model = nn.Sequential(nn.Linear(128, 256), nn.LayerNorm(256)).to(dtype)

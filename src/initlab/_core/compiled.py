@@ -241,9 +241,43 @@ def check_materialized(model: nn.Module, what: str) -> None:
     if meta:
         raise ValueError(
             f"{what}: {shown(meta)} of the model live on the meta device and have no values; "
-            "materialize the model first with model.to_empty(device=...) (then initialize it, "
-            "e.g. initlab.init_model(model, scheme))"
+            "materialize the model first with model.to_empty(device=...), which gives every "
+            "tensor uninitialized memory, then initialize it: initlab.init_model(model, scheme) "
+            f"sets the parameters and the norm layers' running statistics{_other_buffers(model)}"
         )
+
+
+def _other_buffers(model: nn.Module) -> str:
+    """What :func:`check_materialized`'s advice leaves unset: the buffers of ``model`` other
+    than the running statistics of norm layers (``reset_running_stats``), which ``init_model``
+    never sets (after ``to_empty``: whatever was in memory), and how to set them."""
+    kept: list[str] = []
+    lost: list[str] = []
+    for name, module in model.named_modules():
+        if callable(getattr(module, "reset_running_stats", None)):
+            continue
+        for local in module._buffers:
+            full = f"{name}.{local}" if name else local
+            (lost if local in module._non_persistent_buffers_set else kept).append(full)
+    if not kept and not lost:
+        return ""
+
+    def shown(names: list[str]) -> str:
+        return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+    ways = []
+    if kept:
+        ways.append(f"model.load_state_dict(...) restores {shown(kept)}")
+    if lost:
+        ways.append(
+            f"{shown(lost)} (non-persistent) are in no state_dict: compute them as the model's "
+            "constructor does (e.g. a rotary embedding's inv_freq), or build that module outside "
+            "the meta device"
+        )
+    return (
+        ", not the model's other buffers, which to_empty leaves as uninitialized memory: "
+        + "; ".join(ways)
+    )
 
 
 def module_type_name(module: nn.Module) -> str:

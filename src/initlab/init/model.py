@@ -89,11 +89,17 @@ _FROZEN = ("skip", "init")
 
 
 class InitReport(Rows):
-    """What :func:`init_model` did, one row per parameter (schema: :data:`INIT_REPORT_COLUMNS`)."""
+    """What :func:`init_model` did, one row per parameter (schema: :data:`INIT_REPORT_COLUMNS`);
+    :attr:`buffers_left` names the buffers it did not set (all but the norm layers' running
+    statistics it reset: a rotary embedding's ``inv_freq``, an input's mean and std), left as
+    they were (after ``model.to_empty()``, uninitialized memory)."""
 
-    def __init__(self, rows: Sequence[dict[str, Any]], scheme: str) -> None:
+    def __init__(
+        self, rows: Sequence[dict[str, Any]], scheme: str, buffers_left: Sequence[str] = ()
+    ) -> None:
         super().__init__(rows, INIT_REPORT_COLUMNS, title=f"init_model(scheme={scheme!r})")
         self.scheme = scheme
+        self.buffers_left = list(buffers_left)
 
     def unclaimed(self) -> list[str]:
         """Names of parameters no handler claimed (left untouched)."""
@@ -121,6 +127,14 @@ class InitReport(Rows):
         )
         if n_frozen:
             summary += f", {n_frozen} frozen (requires_grad=False, left as they were)"
+        if self.buffers_left:
+            names = ", ".join(self.buffers_left[:4]) + (
+                " ..." if len(self.buffers_left) > 4 else ""
+            )
+            summary += (
+                f"; {len(self.buffers_left)} buffer(s) not set, left as they were (after "
+                f"to_empty: uninitialized memory): {names}"
+            )
         return f"{super().__str__()}\n{summary}"
 
 
@@ -230,7 +244,10 @@ def init_model(
     Every parameter is planned and validated before any tensor is written, so a bad rule or
     handler leaves the model as it was. The model is never moved: each tensor is filled where it
     lives, in its own dtype. A model built on the ``meta`` device must first be materialized with
-    ``model.to_empty(device=...)``.
+    ``model.to_empty(device=...)``, which leaves every tensor uninitialized: ``init_model`` sets
+    the parameters and the running statistics of norm layers, no other buffer (a rotary
+    embedding's ``inv_freq``): :attr:`InitReport.buffers_left` names those, to be set as the
+    model's constructor does (or restored from a ``state_dict``, the persistent ones).
 
     Args:
         model: any ``nn.Module``.
@@ -290,7 +307,8 @@ def init_model(
     reset_norm_buffers(model, norm_modules)
 
     # 3. Report.
-    return InitReport(report_rows(plans, order, measure), scheme_obj.name)
+    left = [b for b, _ in model.named_buffers() if id(_owner(model, b)) not in norm_modules]
+    return InitReport(report_rows(plans, order, measure), scheme_obj.name, left)
 
 
 def _validated(
@@ -324,6 +342,11 @@ def _validated(
         if not isinstance(rule, (Rule, AutoRule)):
             raise TypeError(f"rules must be initlab.Rule entries, got {type(rule).__name__}")
     return rules
+
+
+def _owner(model: nn.Module, name: str) -> nn.Module:
+    """The module that holds the buffer (or parameter) ``name``."""
+    return model.get_submodule(name.rpartition(".")[0])
 
 
 def _named_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
