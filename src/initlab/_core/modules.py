@@ -9,7 +9,8 @@ Two distinct ``Parameter`` objects may also lie over one memory (``nn.Parameter(
 ``nn.Parameter(a.weight.data.t())``): not a tie (a tie is one object under two names), yet
 writing one writes the other. :func:`shares_memory` tells whether two tensors overlap;
 :func:`memory_overlaps` finds every such pair among many; :func:`shared_memory_error` is the
-refusal of a method that would write one of them.
+refusal of a method that would write one of them, and :func:`refuse_shared_writes` raises it for
+the tensors a writer is about to write.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ __all__ = [
     "inference_tensors",
     "memory_overlaps",
     "nearest_names",
+    "refuse_shared_writes",
     "shared_memory_error",
     "shares_memory",
     "with_first_names",
@@ -153,3 +155,23 @@ def shared_memory_error(
         f"of them): {effect}. Either {tie}, or give each its own memory "
         "(nn.Parameter(t.detach().clone())). The model was left as it was"
     )
+
+
+def refuse_shared_writes(
+    what: str, model: nn.Module, written: Iterable[torch.Tensor], effect: str
+) -> None:
+    """Raise :func:`shared_memory_error` for the pairs of distinct Parameters of ``model`` over
+    one memory (:func:`memory_overlaps` of ``model.named_parameters()``) of which ``what`` would
+    write at least one: a tensor of ``written``, or the Parameter a written tensor is a view of
+    (a row block of a fused weight, ``in_proj_weight[:e]``). A pair of which neither is written
+    (two frozen tensors left as they are) is no conflict. Call it before writing anything."""
+    ids: set[int] = set()
+    for t in written:
+        ids.add(id(t))
+        if t._base is not None:
+            ids.add(id(t._base))
+    named = list(model.named_parameters())
+    hit = {name for name, p in named if id(p) in ids}
+    pairs = [pair for pair in memory_overlaps(named) if pair[0] in hit or pair[1] in hit]
+    if pairs:
+        raise shared_memory_error(what, pairs, effect)

@@ -97,6 +97,9 @@ exactly those, in the order above, and keeps them (a fix that made the checks wo
 A fix that raises leaves the model as it was before that fix (the methods'
 ``restore_on_failure``), is reported in ``failed`` and the others go on; any other error (a
 re-measurement's forward) puts the model back as it was before ``doctor``, hooks included.
+Where ``"init"`` or ``"lsuv"`` is to be applied and a trainable tensor is a distinct Parameter
+over another's memory (``nn.Parameter(a.weight.data.t())``, not a tie), ``doctor`` raises before
+any fix, naming them (:func:`~initlab._core.modules.refuse_shared_writes`).
 ``fix=False`` (default) never changes the model: parameters, buffers, modes, gradients, hooks and
 the RNGs are as before.
 """
@@ -120,6 +123,7 @@ from initlab._core.data import DataUse, data_use, take_batches
 from initlab._core.distributed import is_distributed
 from initlab._core.forward_loss import with_forward
 from initlab._core.loss import LossLike, resolve_loss
+from initlab._core.modules import refuse_shared_writes
 from initlab._core.parametrized import check_writable, reading_scope, writing_scope
 from initlab._core.rng import as_generator
 from initlab._core.rows import Rows, _fmt
@@ -322,6 +326,7 @@ def _treat(
     (:func:`_worse`); a fix asked for by name stays, with a note."""
     auto = names is None
     todo = _recommended(_checks(before, model, setup)) if auto else list(names or [])
+    _refuse_shared_memory(model, todo)
     course, current = _Course(), before
     for name in todo:
         if name in course.applied:  # applied already, after a fix that needed it
@@ -337,6 +342,28 @@ def _treat(
         with copies_held(model.state_dict().values() if changes else []) as kept:
             current = _fix(name, model, setup, course, auto, (current, now, done, kept))
     return course, current
+
+
+def _refuse_shared_memory(model: nn.Module, todo: Sequence[str]) -> None:
+    """Raise before any fix where the fixes to apply write weights (``"init"``, ``"lsuv"``: every
+    trainable tensor, as far as doctor can tell before running them) and a trainable one is a
+    distinct Parameter over another's memory (:func:`~initlab._core.modules.refuse_shared_writes`):
+    each fix would write the two as tensors of their own (``init_model`` and ``lsuv_`` refuse
+    such a model). ``"output_scale"`` (a hook) and ``"precondition"`` (rates) write no weight."""
+    effects = {
+        "init": "init_model would draw one over the other",
+        "lsuv": "lsuv_ would multiply that memory by both layers' factors",
+    }
+    writers = [f for f in todo if f in effects]
+    if not writers:
+        return
+    refuse_shared_writes(
+        "doctor",
+        model,
+        [p for p in model.parameters() if p.requires_grad],
+        f"the fix(es) {', '.join(map(repr, writers))} would write each as a tensor of its own "
+        f"({'; '.join(effects[f] for f in writers)})",
+    )
 
 
 def _fix(

@@ -52,7 +52,7 @@ from initlab._core.distributed import (
 )
 from initlab._core.knobs import user_stacklevel
 from initlab._core.loss import Loss, resolve_loss
-from initlab._core.modules import memory_overlaps, shared_memory_error
+from initlab._core.modules import refuse_shared_writes
 from initlab._core.norms import exact_weight_norm, may_float16, may_weight_norm
 from initlab._core.rows import split_name
 from initlab._core.state import model_kept
@@ -252,25 +252,18 @@ def select_tensors(
 
 def refuse_shared_memory(model: nn.Module, ts: Tensors, what: str) -> None:
     """Raise ``ValueError`` where a tensor that gets a scale lies over the memory of another
-    ``Parameter`` object (:func:`~initlab._core.modules.memory_overlaps`: made with
+    ``Parameter`` object (:func:`~initlab._core.modules.refuse_shared_writes`: made with
     ``nn.Parameter(a.weight.data)`` or a view of it; a tie, one object, has one alpha). The
     iterations evaluate ``alpha_a * W_a`` and ``alpha_b * W_b`` as two tensors; the fold would
     then scale the one memory by both, ``alpha_a * alpha_b`` (a frozen or unscaled one by a scale
     that is not its own)."""
-    scaled = {ts.names[i] for i in ts.scaled}
-    pairs = [
-        pair
-        for pair in memory_overlaps(list(model.named_parameters()))
-        if pair[0] in scaled or pair[1] in scaled
-    ]
-    if pairs:
-        raise shared_memory_error(
-            what,
-            pairs,
-            "each would learn its own scale alpha as if it were a tensor of its own, and "
-            "folding W <- alpha * W into both would scale that memory by the product of their "
-            "alphas",
-        )
+    refuse_shared_writes(
+        what,
+        model,
+        [ts.tensors[i] for i in ts.scaled],
+        "each would learn its own scale alpha as if it were a tensor of its own, and folding "
+        "W <- alpha * W into both would scale that memory by the product of their alphas",
+    )
 
 
 def scaled_params(ts: Tensors, a: torch.Tensor) -> list[torch.Tensor]:

@@ -55,7 +55,7 @@ from initlab._core.hooks import hook_handles
 from initlab._core.knobs import renamed_kwargs, user_stacklevel
 from initlab._core.loss import model_loss
 from initlab._core.method_report import MethodReport
-from initlab._core.modules import first_names, shares_memory
+from initlab._core.modules import first_names, refuse_shared_writes, shares_memory
 from initlab._core.parametrized import listing_scope, writing_layers
 from initlab._core.rng import Seeds
 from initlab._core.rows import join_name
@@ -366,7 +366,8 @@ def scale_output_(
       epsilons of a half-precision output); if it does not, nothing is changed and a
       ``ValueError`` suggests ``how="module"``. A head whose weight is tied (the same tensor as an
       input embedding's or another module's weight, as in most language models) is refused with a
-      ``ValueError`` naming the tie: scaling it would scale the embedding too.
+      ``ValueError`` naming the tie: scaling it would scale the embedding too; so is a weight or
+      bias that is a distinct Parameter over another's memory (``nn.Parameter(emb.weight.data)``).
     * ``how="module"``: the model is left unchanged and ``report.info["module"]`` is an
       :class:`OutputScale` ``(s)`` on the output's device, for
       ``nn.Sequential(model, report.info["module"])``. This
@@ -600,14 +601,24 @@ def _check_module(model: nn.Module, module: str | None, layers: list[str], how: 
 
 
 def _refuse_tied(model: nn.Module, name: str, registry: Registry) -> None:
-    """Raise if a weight or bias of layer ``name`` is also another module's parameter (or shares
-    its memory), e.g. a language model's head tied to the input embedding."""
+    """Raise if a weight or bias of layer ``name`` is also another module's parameter, e.g. a
+    language model's head tied to the input embedding; or a distinct Parameter over another's
+    memory (``nn.Parameter(embed.weight.data)``: not a tie, the shared refusal of
+    :func:`~initlab._core.modules.refuse_shared_writes`)."""
     layer = dict(model.named_modules())[name]
     own = [
         (spec.name, getattr(layer, spec.name))
         for spec in registry.specs(layer, name) or []
         if spec.role in ("weight", "bias")
     ]
+    refuse_shared_writes(
+        "scale_output_",
+        model,
+        [t for _, t in own if isinstance(t, torch.Tensor)],
+        f"how='fold' multiplies {name}'s weight and bias in place by the scale, so it would "
+        "multiply the other tensor over that memory too (how='hook', module="
+        f"{name!r} or how='module' leave the weights as they are)",
+    )
     ties: list[str] = []
     for other_name, other in model.named_modules(remove_duplicate=False):
         if other is layer:

@@ -53,7 +53,7 @@ from initlab._core.knobs import (
 )
 from initlab._core.loss import LossLike, resolve_loss
 from initlab._core.method_report import MethodReport
-from initlab._core.modules import first_names
+from initlab._core.modules import first_names, refuse_shared_writes
 from initlab._core.parametrized import writing_layers
 from initlab._core.rng import Seeds
 from initlab._core.rows import Rows, join_name
@@ -309,7 +309,8 @@ def precondition_(
     tensor cannot take two multipliers, and one given to a single use would change the function.
     A layer whose weight is frozen (``requires_grad=False``) keeps ``alpha = 1``, reported with
     ``kind="frozen"`` (``how="rescale"`` changed it in place). Biases are not given multipliers
-    (except the reparametrization ``how="rescale"`` implies, above).
+    (except the reparametrization ``how="rescale"`` implies, above). A weight it would change that
+    is a distinct Parameter over another's memory (not a tie) is refused by name beforehand.
 
     Args:
         model: the model.
@@ -705,6 +706,12 @@ def _shared_weight_layers(model: nn.Module) -> set[str]:
     }
 
 
+_SHARED_EFFECT = {  # what each writing how would do to two Parameters over one memory
+    "rescale": "how='rescale' would multiply that memory in place by both layers' factors",
+    "parametrize": "how='parametrize' would store each W / alpha apart, silently untying them",
+}
+
+
 def _rescale_(
     model: nn.Module,
     order: Sequence[str],
@@ -735,6 +742,8 @@ def _rescale_(
             "rescaled chain multiplies every later bias); use how='lr' or how='parametrize', or "
             "unfreeze them"
         )
+    written = [t for _, t, f in factors if f != 1.0]
+    refuse_shared_writes("precondition_", model, written, _SHARED_EFFECT["rescale"])
     with torch.no_grad(), keep_buffers(model), seeds.scope(2):
         before = output_tensor(forward(model, batches[0])).detach().to(torch.float64)
     with torch.no_grad():
@@ -757,7 +766,10 @@ def _rescale_(
 
 
 def _parametrize(model: nn.Module, alpha: Mapping[str, float]) -> None:
+    """``W = alpha W'`` on each weight with ``alpha != 1`` (none over another's memory)."""
     modules = dict(model.named_modules())
+    written = [modules[name].weight for name, a in alpha.items() if a != 1.0]
+    refuse_shared_writes("precondition_", model, written, _SHARED_EFFECT["parametrize"])
     done: list[nn.Module] = []
     try:
         for name, a in alpha.items():

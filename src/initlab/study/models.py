@@ -199,7 +199,9 @@ def apply_study_options(model: nn.Module, config: RunConfig) -> nn.Module:
     ``conditioning: kernel_size`` registers ``W = alpha W'`` on every convolution weight with
     ``alpha = kernel_size_alpha(kernel_size) = (1 / k_taps)^(1/4)`` (Defazio & Bottou §5:
     ``alpha^4 k^2`` constant, linear layers ``k = 1``); ``W'`` is stored as ``W / alpha``, so the
-    function is unchanged. Nothing happens without the key.
+    function is unchanged. Nothing happens without the key. A weight it would parametrize that
+    is a distinct Parameter over another's memory (not a tie) is refused by name before any
+    change.
     """
     conditioning = config.model_kwargs.get("conditioning")
     if conditioning is None:
@@ -208,6 +210,7 @@ def apply_study_options(model: nn.Module, config: RunConfig) -> nn.Module:
         raise StudyModelError(
             f"model_cfg conditioning={conditioning!r}: valid values are {', '.join(CONDITIONING)}"
         )
+    from initlab._core.modules import refuse_shared_writes
     from initlab.methods.precondition import ConditioningMultiplier, kernel_size_alpha
 
     convs = [m for m in model.modules() if isinstance(m, nn.modules.conv._ConvNd)]
@@ -216,8 +219,15 @@ def apply_study_options(model: nn.Module, config: RunConfig) -> nn.Module:
             f"model {config.model!r} has no convolution: conditioning='kernel_size' would change "
             "nothing; remove it"
         )
-    for conv in convs:
-        alpha = kernel_size_alpha(tuple(conv.kernel_size))
+    alphas = [(conv, kernel_size_alpha(tuple(conv.kernel_size))) for conv in convs]
+    refuse_shared_writes(
+        "model_cfg conditioning='kernel_size'",
+        model,
+        [conv.weight for conv, alpha in alphas if alpha != 1.0],
+        "registering W = alpha W' stores W' = W / alpha in memory of its own, so the two would "
+        "silently stop sharing it (and train apart)",
+    )
+    for conv, alpha in alphas:
         if alpha != 1.0:
             parametrize.register_parametrization(conv, "weight", ConditioningMultiplier(alpha))
     return model

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from initlab._core.modules import refuse_shared_writes
 from initlab._core.rng import as_generator, draw_device
 from initlab.zoo._common import _cifar_depth, _conv3x3, _positive_int
 
@@ -304,6 +305,9 @@ def fixup_init_(
     * the stem convolution is He-normal (``fan_out``), unscaled (rule 1);
     * scalar biases are 0, scalar multipliers 1 (rule 3).
 
+    A tensor it writes that is a distinct Parameter over another's memory
+    (``nn.Parameter(a.weight.data)``, not a tie) is refused by name before any write.
+
     Args:
         model: a :class:`FixupResNet`.
         generator: a ``torch.Generator`` or an int seed (``None``: torch's global RNG). Draws are
@@ -317,15 +321,24 @@ def fixup_init_(
     gen = as_generator(generator)
     m = 2
     factor = model.n_branches ** (-1.0 / (2 * m - 2))
-    _he_normal_fan_out_(model.conv1.weight, 1.0, gen)
+    draws = [(model.conv1.weight, 1.0)]  # He-normal (fan_out) times the factor, in this order
+    fills = [(model.fc.weight, 0.0), (model.fc.bias, 0.0)]
     for module in model.modules():
         if isinstance(module, FixupBasicBlock):
-            _he_normal_fan_out_(module.conv1.weight, factor, gen)
-            module.conv2.weight.zero_()
+            draws.append((module.conv1.weight, factor))
+            fills.append((module.conv2.weight, 0.0))
         elif isinstance(module, ScalarBias):
-            module.bias.zero_()
+            fills.append((module.bias, 0.0))
         elif isinstance(module, ScalarScale):
-            module.weight.fill_(1.0)
-    model.fc.weight.zero_()
-    model.fc.bias.zero_()
+            fills.append((module.weight, 1.0))
+    refuse_shared_writes(
+        "fixup_init_",
+        model,
+        [t for t, _ in (*draws, *fills)],
+        "drawing or filling one overwrites the other, so one would end with the other's values",
+    )
+    for weight, f in draws:
+        _he_normal_fan_out_(weight, f, gen)
+    for t, value in fills:
+        t.fill_(value)
     return model

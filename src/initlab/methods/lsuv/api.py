@@ -41,6 +41,7 @@ from initlab._core.heap import kept_heap
 from initlab._core.hooks import hook_handles
 from initlab._core.knobs import check_flags, renamed_kwargs, user_stacklevel
 from initlab._core.method_report import MethodReport
+from initlab._core.modules import refuse_shared_writes
 from initlab._core.parametrized import writing_layers
 from initlab._core.pytree import flatten_tensors, shallow_types
 from initlab._core.rng import as_generator
@@ -309,7 +310,9 @@ def lsuv_(
     Raises:
         ValueError: bad options; ``data`` has fewer batches than asked for; non-finite data or a
             non-finite layer output; no layer LSUV can scale (none holds a weight, or every one
-            is recurrent, frozen, shared, ...) (the model is left unchanged).
+            is recurrent, frozen, shared, ...) (the model is left unchanged); a layer it would
+            write is a distinct ``Parameter`` over another's memory (``nn.Parameter(
+            a.weight.data.t())``; named, before any write: the model is left unchanged).
         TypeError: ``orthogonal=True`` and a layer to draw has a complex weight (named).
 
     Example:
@@ -558,6 +561,7 @@ def _run(
                 engine.discovering = False
                 engine.discover(strategy, branches)  # type: ignore[arg-type]
                 _check_found(engine, strategy)
+            _refuse_shared_memory(model, engine)  # before the first sweep writes anything
             while True:
                 sweeps += 1
                 engine.begin_sweep(sweeps <= max_iter)
@@ -568,6 +572,28 @@ def _run(
                 if not engine.may_correct or not engine.pending() or sweeps >= max_iter:
                     break
     return passes, sweeps
+
+
+def _refuse_shared_memory(model: nn.Module, engine: Engine) -> None:
+    """Raise where a layer LSUV would write (its weight, and with the orthogonal pre-init its
+    trainable biases; in the block modes only the layers the discovery pass left to scale) lies
+    over the memory of another ``Parameter`` object
+    (:func:`~initlab._core.modules.refuse_shared_writes`; a tie, one object, is one unit):
+    scaling ``W_a <- s_a W_a`` and ``W_b <- s_b W_b`` would multiply that memory by both."""
+    written: list[torch.Tensor] = []
+    for u in engine.active:
+        if u.weight is not None and not (u.skipped or u.frozen):
+            written.append(u.weight)
+            if engine.orthogonal:
+                written.extend(b for b in u.biases() if b.requires_grad)
+    refuse_shared_writes(
+        "lsuv_",
+        model,
+        written,
+        "each is scaled (and first drawn, with orthogonal=True) as a layer of its own, so the "
+        "one memory would be multiplied by both layers' factors and neither output would end "
+        "at the target",
+    )
 
 
 def _check_found(engine: Engine, strategy: str) -> None:
