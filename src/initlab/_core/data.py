@@ -25,7 +25,9 @@ pass ``max_batches=`` (``steps=`` for ``gradinit_`` and ``metainit_``, whose num
 how many batches they read), rather than reading, and holding, an endless stream.
 
 A batch's size (its number of examples) is dim 0 of its first tensor (for a dict, of its first
-tensor value, e.g. ``input_ids``; for a custom object, of its first tensor attribute).
+tensor value, e.g. ``input_ids``; for a custom object, of its first tensor attribute); a
+``PackedSequence`` there counts its sequences (``batch_sizes[0]``), not the time steps its
+``data`` holds.
 
 Every batch read here is checked (:func:`check_batch`) before it is used: a batch with 0 examples,
 or NaN/inf in a floating-point tensor, raises a ``ValueError`` that names the batch and the entry
@@ -49,6 +51,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils.rnn import PackedSequence
 
 from initlab._core.batch_shape import TARGET_KEYS, check_batched, find_target, target_taken
 from initlab._core.devices import device_error
@@ -866,9 +869,21 @@ def output_key(items: Iterable[tuple[Any, Any]]) -> Any:
 
 def batch_size(batch: Any) -> int:
     """Number of examples in a batch: dim 0 of its first tensor with a dimension (a 0-d entry,
-    such as a temperature in a dict, is not a row count); 1 when every tensor is 0-d."""
+    such as a temperature in a dict, is not a row count), or, where a ``PackedSequence`` comes
+    first, its number of sequences (``batch_sizes[0]``: its ``data`` holds the time steps of all
+    of them); 1 when every tensor is 0-d."""
     tensors = batch_tensors(batch)
     if not tensors:
         first_tensor(batch)  # raises, naming the batch's type and the accepted forms
-    rows = next((t for _, t in tensors if t.dim() >= 1), None)
-    return 1 if rows is None else int(rows.shape[0])
+    found: list[Any] = []
+
+    def rows(node: Any) -> bool:
+        if isinstance(node, PackedSequence) or (isinstance(node, torch.Tensor) and node.dim()):
+            found.append(node)
+        return bool(found)
+
+    find_path(batch if flatten_tensors(batch) else object_fields(batch), rows)
+    if not found:
+        return 1
+    first = found[0]
+    return int(first.batch_sizes[0]) if isinstance(first, PackedSequence) else int(first.shape[0])

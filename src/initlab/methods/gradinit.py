@@ -45,8 +45,10 @@ What is exactly what here:
   ``(number of batches) - 1``. With ``generator=`` the ``m`` shared and ``B - m`` fresh examples
   are random subsets instead of the first ones. A batch is a tensor, a tuple/list/namedtuple or a
   dict of them (nested); every tensor with at least one dimension is sliced and concatenated along
-  dim 0. The reference code draws half batches and builds ``S`` from two of them and ``S~`` from
-  the first plus a third: the same thing with ``r = 0.5`` and a loader of full batches.
+  dim 0, and a ``PackedSequence`` gives whole sequences (``B`` is its number of sequences; the
+  chosen ones are packed again, each still the example of its target). The reference code draws
+  half batches and builds ``S`` from two of them and ``S~`` from the first plus a third: the same
+  thing with ``r = 0.5`` and a loader of full batches.
 * **alpha-gradient clipping** (``clip``): each scalar's gradient is clamped to ``[-clip, clip]``
   before the Adam step, as ``RescaleAdam`` does (``grad_clip``, default 1; for a scalar, norm and
   value clipping coincide). ``clip=None`` turns it off.
@@ -133,7 +135,7 @@ from torch import nn
 from initlab._core.attention import with_math_attention
 from initlab._core.backward import refuse_complex, with_grad
 from initlab._core.compiled import takes_compiled
-from initlab._core.data import DataCounter, batch_children, batch_rebuild, batch_size
+from initlab._core.data import DataCounter
 from initlab._core.distributed import (
     check_same_parameters,
     is_distributed,
@@ -176,6 +178,7 @@ from initlab.methods._alpha import (
     set_evaluation_modes,
     warn_half_precision,
 )
+from initlab.methods._overlap import overlap_batch
 from initlab.methods._second_order import written_out_second_order
 
 __all__ = [
@@ -230,101 +233,6 @@ def _attach(local: Sequence[torch.Tensor], mean: Sequence[torch.Tensor]) -> list
     if not is_distributed():
         return list(local)
     return [g + (m - g).detach() for g, m in zip(local, mean, strict=True)]
-
-
-# --------------------------------------------------------------------------------------------------
-# S~ from S and the next batch
-# --------------------------------------------------------------------------------------------------
-
-
-class _Column(list):
-    """Per-example items chosen from a list of the batch's length (ids, per-image target dicts,
-    ragged tensors): concatenated as items, never sliced inside."""
-
-
-def _rows_of(batch: Any, index: torch.Tensor | slice, n: int, column: type = _Column) -> Any:
-    """The examples ``index`` of ``batch`` (of ``n`` examples): rows of every tensor with a
-    dimension, and items of every list below the top whose length is ``n`` (as ``column``:
-    :class:`_Column` for :func:`_concat`, ``list`` for a batch as it is)."""
-    picks = list(range(n)[index]) if isinstance(index, slice) else index.tolist()
-
-    def visit(node: Any, top: bool) -> Any:
-        if isinstance(node, torch.Tensor):
-            if node.dim() == 0:
-                return node
-            if isinstance(index, slice):
-                return node[index]
-            return node.index_select(0, index.to(node.device))
-        if isinstance(node, list) and not top and len(node) == n:
-            return column(node[i] for i in picks)
-        parts = batch_children(node)
-        return node if parts is None else batch_rebuild(node, [visit(c, False) for c in parts])
-
-    return visit(batch, True)
-
-
-def _concat(a: Any, b: Any) -> Any:
-    """Two batches' examples (from :func:`_rows_of`) one after the other; other leaves from
-    ``a``."""
-    if isinstance(a, torch.Tensor):
-        return torch.cat([a, b]) if a.dim() >= 1 else a
-    if isinstance(a, _Column):
-        return list(a) + list(b)
-    parts = batch_children(a)
-    if parts is None:
-        return a
-    others = batch_children(b)
-    if others is None or type(b) is not type(a) or len(others) != len(parts):
-        raise ValueError(
-            f"overlap_batch: the two batches differ in structure ({type(a).__name__} of "
-            f"{len(parts)} entries against {type(b).__name__}); give every batch the same "
-            "entries"
-        )
-    return batch_rebuild(a, [_concat(x, y) for x, y in zip(parts, others, strict=True)])
-
-
-def overlap_batch(
-    batch: Any,
-    next_batch: Any,
-    overlap: float = 0.5,
-    *,
-    generator: torch.Generator | int | None = None,
-) -> Any:
-    """GradInit's ``S~``: ``round(overlap * B)`` examples of ``S`` + the rest from the next batch.
-
-    ``B`` is the size of ``batch`` (dim 0 of its first tensor), ``m = round(overlap * B)`` (half
-    up). The result holds the first ``m`` examples of ``batch`` followed by the first ``B - m``
-    examples of ``next_batch`` (all of it if it is shorter); with ``generator`` both are random
-    subsets (drawn with it) instead of the first ones. ``overlap = 1`` returns ``batch`` itself.
-    Every tensor with at least one dimension, in a tensor, tuple, list, namedtuple, dict,
-    dataclass or batch object (nested), is sliced and concatenated along dim 0; every list
-    inside the batch whose length is the batch size (ids, per-image target dicts, ragged
-    tensors) is a list of examples: its items are chosen and concatenated; other leaves come
-    from ``batch``.
-
-    Example:
-        >>> s, nxt = torch.arange(4), torch.arange(10, 14)
-        >>> overlap_batch(s, nxt, 0.5).tolist()
-        [0, 1, 10, 11]
-    """
-    overlap = check_number("overlap_batch", "overlap", overlap, strict=False)
-    if overlap > 1:
-        raise ValueError(f"overlap_batch: overlap must be in [0, 1], got {overlap}")
-    b = batch_size(batch)
-    m = math.floor(overlap * b + 0.5)
-    if m >= b:
-        return batch
-    b_next = batch_size(next_batch)
-    fresh = min(b - m, b_next)
-    gen = as_generator(generator)
-    idx_s: torch.Tensor | slice = slice(0, m)
-    idx_n: torch.Tensor | slice = slice(0, fresh)
-    if gen is not None:
-        idx_s = torch.randperm(b, generator=gen, device=gen.device)[:m]
-        idx_n = torch.randperm(b_next, generator=gen, device=gen.device)[:fresh]
-    if not m:
-        return _rows_of(next_batch, idx_n, b_next, column=list)
-    return _concat(_rows_of(batch, idx_s, b), _rows_of(next_batch, idx_n, b_next))
 
 
 # --------------------------------------------------------------------------------------------------
