@@ -117,3 +117,109 @@ def test_every_entry_point_counts_the_sequences_of_a_packed_batch() -> None:
     assert initlab.diagnose(_classifier(), one, crit).used == DataUse(1, 5)
     with pytest.warns(UserWarning, match="not scaled"):
         assert initlab.lsuv_(_classifier(), one, generator=0).used == DataUse(1, 5)
+
+
+# --------------------------------------------------------------------------------------------------
+# Time-major (T, B) batches: batch_dim=1
+# --------------------------------------------------------------------------------------------------
+
+T, B, V = 7, 6, 11
+
+
+def _time_major(base: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(x, y, z)``: ``x[t, b] = base + B t + b`` and per-token targets ``y = x`` of shape
+    ``(T, B)``, per-sequence targets ``z[b] = base + b`` of shape ``(B,)``."""
+    x = torch.tensor([[base + B * t + b for b in range(B)] for t in range(T)])
+    return x, x.clone(), torch.tensor([base + b for b in range(B)])
+
+
+def test_overlap_batch_takes_whole_time_major_sequences_along_batch_dim() -> None:
+    s, nxt = _time_major(0), _time_major(1000)
+    tilde = overlap_batch(s, nxt, 0.5, batch_dim=1)  # 3 sequences of S, 3 of the next batch
+    columns = [(0, 0), (0, 1), (0, 2), (1000, 0), (1000, 1), (1000, 2)]  # (base, sequence)
+    expected = [[base + B * t + b for base, b in columns] for t in range(T)]
+    assert tilde[0].tolist() == expected and tilde[1].tolist() == expected
+    assert tilde[2].tolist() == [base + b for base, b in columns]
+    # random subsets: every column a whole sequence, beside its own target
+    for seed in range(4):
+        x, y, z = overlap_batch(s, nxt, 0.5, generator=seed, batch_dim=1)
+        assert torch.equal(x, y) and x.shape == (T, B)
+        for j in range(B):
+            base, b = (0, int(z[j])) if int(z[j]) < 1000 else (1000, int(z[j]) - 1000)
+            assert x[:, j].tolist() == [base + B * t + b for t in range(T)]
+        assert len(set(z[:3].tolist())) == 3 and max(z[:3].tolist()) < 1000
+        assert len(set(z[3:].tolist())) == 3 and min(z[3:].tolist()) >= 1000
+
+
+def test_overlap_batch_refuses_a_tensor_without_the_examples_along_its_dim() -> None:
+    x, y, z = _time_major(0)
+    nxt = _time_major(1000)
+    # dim 0 of a time-major batch is time: the per-sequence targets (B,) give it away
+    with pytest.raises(
+        ValueError, match=r"entry '2' holds 6 along dim 0.* 7 examples.*batch_dim=1"
+    ):
+        overlap_batch((x, y, z), nxt, 0.5)
+    # batch-first targets (B, T) beside time-major inputs: not along batch_dim
+    with pytest.raises(ValueError, match=r"entry '1' holds 7 along dim 1 \(shape \(6, 7\)\)"):
+        overlap_batch((x, y.T, z), (nxt[0], nxt[1].T, nxt[2]), 0.5, batch_dim=1)
+    for bad in (-1, 0.5, "1"):
+        with pytest.raises(ValueError, match="batch_dim must be None or a non-negative int"):
+            overlap_batch((x, y, z), nxt, 0.5, batch_dim=bad)  # type: ignore[arg-type]
+
+
+class _TimeMajorLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(V, 8)
+        self.rnn = nn.LSTM(8, 8)  # batch_first=False: (T, B, F)
+        self.head = nn.Linear(8, V)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(self.emb(x))[0])
+
+
+def _lm() -> _TimeMajorLM:
+    torch.manual_seed(1)
+    return _TimeMajorLM().eval()
+
+
+def _token_loss(model: nn.Module, batch: tuple) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(batch[0]).flatten(0, 1), batch[1].flatten())
+
+
+def _lm_batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        (torch.randint(0, V, (T, B), generator=g), torch.randint(0, V, (T, B), generator=g))
+        for _ in range(n)
+    ]
+
+
+def test_gradinit_builds_s_tilde_from_whole_time_major_sequences() -> None:
+    batches = _lm_batches(3)
+    seen: list[torch.Tensor] = []
+
+    def loss(model: nn.Module, batch: tuple) -> torch.Tensor:
+        seen.append(batch[0].clone())
+        return _token_loss(model, batch)
+
+    report = initlab.gradinit_(_lm(), batches, loss, gamma=float("inf"), batch_dim=1)
+    assert report.used == DataUse(3, 3 * B)  # it counted T = 7 per batch
+    # objective steps only: L(S_t) then L(S~_t); S~_t = S_t's first 3 sequences + S_t+1's first 3
+    for t in range(2):
+        s, nxt = batches[t][0], batches[t + 1][0]
+        tilde = torch.tensor([[*s[i, :3].tolist(), *nxt[i, :3].tolist()] for i in range(T)])
+        assert torch.equal(seen[2 * t], s) and torch.equal(seen[2 * t + 1], tilde)
+    with pytest.raises(ValueError, match="gradinit_: batch_dim must be None or a non-negative"):
+        initlab.gradinit_(_lm(), batches, _token_loss, batch_dim=-1)
+
+
+def test_entry_points_with_batch_dim_count_the_examples_along_it() -> None:
+    batches = _lm_batches(3)
+    one = batches[0]
+    assert initlab.precondition_(_lm(), [one], _token_loss, batch_dim=1).used == DataUse(1, B)
+    assert initlab.diagnose(_lm(), one, _token_loss, batch_dim=1).used == DataUse(1, B)
+    assert initlab.measure_moments(_lm(), one, _token_loss, batch_dim=1).used == DataUse(1, B)
+    assert initlab.gr_scaling(_lm(), one, _token_loss, batch_dim=1).used == DataUse(1, B)
+    report = initlab.gradinit_(_lm(), batches, _token_loss, batch_dim=1, overlap=1.0)
+    assert report.used == DataUse(3, 3 * B)

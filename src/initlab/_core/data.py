@@ -27,7 +27,11 @@ how many batches they read), rather than reading, and holding, an endless stream
 A batch's size (its number of examples) is dim 0 of its first tensor (for a dict, of its first
 tensor value, e.g. ``input_ids``; for a custom object, of its first tensor attribute); a
 ``PackedSequence`` there counts its sequences (``batch_sizes[0]``), not the time steps its
-``data`` holds.
+``data`` holds. An entry point that takes ``batch_dim`` (``measure_moments``, ``gr_scaling``,
+``precondition_``, ``diagnose``, ``gradinit_``) counts along that dim instead, in the first tensor
+that has it. The others (``lsuv_``, ``scale_output_``, ``metainit_``, ``doctor``, ...) do not guess
+where the examples are: they read dim 0, so the ``used`` of a time-major ``(T, B)`` batch there
+counts its ``T`` time steps as the examples.
 
 Every batch read here is checked (:func:`check_batch`) before it is used: a batch with 0 examples,
 or NaN/inf in a floating-point tensor, raises a ``ValueError`` that names the batch and the entry
@@ -138,7 +142,8 @@ class TakenBatches(list):
 
 @dataclass(frozen=True)
 class DataUse:
-    """How much data a method read: ``batches`` batches holding ``examples`` examples."""
+    """How much data a method read: ``batches`` batches holding ``examples`` examples (the sum
+    of their :func:`batch_size`, along the method's ``batch_dim`` where it takes one)."""
 
     batches: int
     examples: int
@@ -413,18 +418,20 @@ def _is_numpy_array(obj: Any) -> bool:
     return type(obj).__name__ == "ndarray" and type(obj).__module__ == "numpy"
 
 
-def data_use(batches: Iterable[Any]) -> DataUse:
-    """The :class:`DataUse` of a list of batches (examples summed over batches)."""
+def data_use(batches: Iterable[Any], batch_dim: int = 0) -> DataUse:
+    """The :class:`DataUse` of a list of batches (examples along ``batch_dim``, summed)."""
     batches = list(batches)
-    return DataUse(len(batches), sum(batch_size(b) for b in batches))
+    return DataUse(len(batches), sum(batch_size(b, batch_dim) for b in batches))
 
 
 class DataCounter:
-    """Counts the batches and examples a method reads: wrap its batch iterator with :meth:`wrap`."""
+    """Counts the batches and examples (along ``batch_dim``) a method reads: wrap its batch
+    iterator with :meth:`wrap`."""
 
-    def __init__(self) -> None:
+    def __init__(self, batch_dim: int = 0) -> None:
         self.batches = 0
         self.examples = 0
+        self.batch_dim = batch_dim
 
     def wrap(self, batches: Iterable[Any]) -> Iterator[Any]:
         """Yield every batch of ``batches``, counting each as it is read."""
@@ -434,7 +441,7 @@ class DataCounter:
     def add_one(self, batch: Any) -> Any:
         """Count one batch read outside :meth:`wrap` (returns it)."""
         self.batches += 1
-        self.examples += batch_size(batch)
+        self.examples += batch_size(batch, self.batch_dim)
         return batch
 
     def use(self) -> DataUse:
@@ -450,10 +457,10 @@ def batch_tensors(batch: Any) -> list[tuple[str, torch.Tensor]]:
     return tensors if fields is None else flatten_tensors(fields)
 
 
-def examples_in(batch: Any) -> int:
+def examples_in(batch: Any, batch_dim: int = 0) -> int:
     """The batch's examples (:func:`batch_size`), 0 for a batch object that holds no tensor."""
     try:
-        return batch_size(batch)
+        return batch_size(batch, batch_dim)
     except TypeError:
         return 0
 
@@ -867,18 +874,20 @@ def output_key(items: Iterable[tuple[Any, Any]]) -> Any:
     return next((k for k, v in tensors if v.dim() > 0), tensors[0][0] if tensors else None)
 
 
-def batch_size(batch: Any) -> int:
-    """Number of examples in a batch: dim 0 of its first tensor with a dimension (a 0-d entry,
-    such as a temperature in a dict, is not a row count), or, where a ``PackedSequence`` comes
-    first, its number of sequences (``batch_sizes[0]``: its ``data`` holds the time steps of all
-    of them); 1 when every tensor is 0-d."""
+def batch_size(batch: Any, batch_dim: int = 0) -> int:
+    """Number of examples in a batch: the size along ``batch_dim`` of its first tensor that has
+    that dim (dim 0: the first with a dimension; a 0-d entry, such as a temperature in a dict, is
+    not a row count), or, where a ``PackedSequence`` comes first, its number of sequences
+    (``batch_sizes[0]``: its ``data`` holds the time steps of all of them); 1 when there is
+    none."""
     tensors = batch_tensors(batch)
     if not tensors:
         first_tensor(batch)  # raises, naming the batch's type and the accepted forms
     found: list[Any] = []
 
     def rows(node: Any) -> bool:
-        if isinstance(node, PackedSequence) or (isinstance(node, torch.Tensor) and node.dim()):
+        has = isinstance(node, torch.Tensor) and node.dim() > batch_dim
+        if isinstance(node, PackedSequence) or has:
             found.append(node)
         return bool(found)
 
@@ -886,4 +895,6 @@ def batch_size(batch: Any) -> int:
     if not found:
         return 1
     first = found[0]
-    return int(first.batch_sizes[0]) if isinstance(first, PackedSequence) else int(first.shape[0])
+    if isinstance(first, PackedSequence):
+        return int(first.batch_sizes[0])
+    return int(first.shape[batch_dim])

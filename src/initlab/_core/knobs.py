@@ -7,6 +7,7 @@ The names (each means one thing everywhere):
 * ``steps``: optimization steps of an iterative method (GradInit, MetaInit);
 * ``max_iter``: at most this many corrections of a fixed-point method (LSUV, preconditioning);
 * ``max_batches``: at most this many batches of ``data`` are read (``None``: all);
+* ``batch_dim``: the dim of the batch's tensors that holds the examples (``None``: dim 0);
 * ``generator``: an int seed or a ``torch.Generator`` (``None``: the global generator);
 * ``strategy`` (LSUV: layers, residual branches or the residual stream) and ``ad_mode``
   (curvature: reverse-over-reverse or forward-over-reverse) where ``mode`` used to mean both.
@@ -28,6 +29,7 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 __all__ = [
+    "check_batch_dim",
     "check_callback",
     "check_flags",
     "check_kwargs",
@@ -186,6 +188,18 @@ def check_flags(what: str, **flags: object) -> None:
     for name, value in flags.items():
         if not isinstance(value, bool):
             raise TypeError(f"{what}: {name} must be True or False, got {value!r}")
+
+
+def check_batch_dim(what: str, batch_dim: int | None) -> int:
+    """``batch_dim`` (``None``: 0), checked as :class:`~initlab.MomentProbe` checks it (the
+    examples' dim: :func:`~initlab._core.data.batch_size`).
+
+    Raises:
+        ValueError: ``batch_dim`` is neither ``None`` nor a non-negative int.
+    """
+    if batch_dim is not None and (not isinstance(batch_dim, int) or batch_dim < 0):
+        raise ValueError(f"{what}: batch_dim must be None or a non-negative int, got {batch_dim!r}")
+    return int(batch_dim or 0)
 
 
 def check_callback(what: str, name: str, fn: object) -> None:

@@ -124,7 +124,8 @@ def diagnose(
         loss_reduction: how ``loss_fn`` reduces over the batch (``"mean"`` or ``"sum"``);
             ``None``: the loss's own where it declares one (a criterion's ``reduction``), else
             ``"mean"``.
-        batch_dim: the probe's ``batch_dim`` (default 0, 1 for ``batch_first=False`` modules).
+        batch_dim: the probe's ``batch_dim`` (default 0, 1 for ``batch_first=False`` modules);
+            the report's ``used`` counts the examples along it.
         alpha: conditioning multipliers passed to :func:`initlab.gr_scaling`.
         gradients: weight magnitudes and gradient spread across batches (GradInit).
         spectra: singular values, convolution operator norms and Lipschitz bounds. Costs a
@@ -262,6 +263,7 @@ def _diagnose(
         "spectra": o.spectra,
         "lint": o.lint,
         "curvature": o.curvature,
+        "batch_dim": o.batch_dim,
     }
     meta = _meta(o.name or type(model).__name__, batches, losses, options, imb, lipschitz, blocks,
                  lint_result, run)  # fmt: skip
@@ -610,7 +612,7 @@ def _meta(
     return {
         "model": name,
         "batches": len(batches),
-        "examples": sum(examples_in(b) for b in batches),
+        "examples": sum(examples_in(b, options["batch_dim"] or 0) for b in batches),
         "loss": losses,
         "options": options,
         "imbalance": imb,

@@ -644,7 +644,7 @@ def batch_pairs(
     """``(S, next batch or None)`` per step, streaming; checks the length when it is known (data
     without a length and ``iterations=None`` is read up to the cap of
     :func:`~initlab._core.data.iter_batches`, whose error names ``steps=``, the entry points' knob).
-    ``counter`` counts the batches and examples read. ``same_size``: under
+    ``counter`` counts the batches and examples read (along its ``batch_dim``). ``same_size``: under
     ``torch.distributed``, every step's batch must hold as many examples on every rank (for a
     method that averages the ranks' means with equal weights: GradInit).
 
@@ -654,17 +654,20 @@ def batch_pairs(
     the same :class:`~initlab._core.distributed.RankMismatchError` on every rank."""
     total = run_together(what, lambda: _checked_iterations(data, iterations, need_next, what))
     check_same_count(total, what, "iterations")
-    pairs = in_lockstep(_stream_pairs(data, total, need_next, what, counter or DataCounter()), what)
-    return _same_sizes(pairs, what) if same_size and is_distributed() else pairs
+    counter = counter or DataCounter()
+    pairs = in_lockstep(_stream_pairs(data, total, need_next, what, counter), what)
+    return _same_sizes(pairs, what, counter.batch_dim) if same_size and is_distributed() else pairs
 
 
-def _same_sizes(pairs: Iterator[tuple[Any, Any]], what: str) -> Iterator[tuple[Any, Any]]:
+def _same_sizes(
+    pairs: Iterator[tuple[Any, Any]], what: str, batch_dim: int
+) -> Iterator[tuple[Any, Any]]:
     """``pairs``, each step's batch checked to hold as many examples on every rank (one small
     all-reduce a step): the ranks' gradients are averaged with equal weights, so a rank with a
     smaller batch would count as much as one with a larger (the result off the single-process
     one on the union, silently)."""
     for s, nxt in pairs:
-        check_same_count(examples_in(s), what, "examples in a batch")
+        check_same_count(examples_in(s, batch_dim), what, "examples in a batch")
         yield s, nxt
 
 

@@ -45,7 +45,10 @@ What is exactly what here:
   ``(number of batches) - 1``. With ``generator=`` the ``m`` shared and ``B - m`` fresh examples
   are random subsets instead of the first ones. A batch is a tensor, a tuple/list/namedtuple or a
   dict of them (nested); every tensor with at least one dimension is sliced and concatenated along
-  dim 0, and a ``PackedSequence`` gives whole sequences (``B`` is its number of sequences; the
+  ``batch_dim`` (dim 0 by default; ``batch_dim=1`` takes whole sequences of time-major ``(T, B)``
+  batches, and a tensor with ``batch_dim`` dims or fewer, such as targets ``(B,)``, along dim 0;
+  a tensor that holds another number of examples there is refused by name, rather than spliced),
+  and a ``PackedSequence`` gives whole sequences (``B`` is its number of sequences; the
   chosen ones are packed again, each still the example of its target). The reference code draws
   half batches and builds ``S`` from two of them and ``S~`` from the first plus a third: the same
   thing with ``r = 0.5`` and a loader of full batches.
@@ -143,7 +146,7 @@ from initlab._core.distributed import (
     same_options,
 )
 from initlab._core.heap import kept_heap
-from initlab._core.knobs import check_callback, renamed_kwargs, user_stacklevel
+from initlab._core.knobs import check_batch_dim, check_callback, renamed_kwargs, user_stacklevel
 from initlab._core.loss import LossLike, resolve_loss
 from initlab._core.method_report import MethodReport
 from initlab._core.norms import float16_norms
@@ -578,6 +581,7 @@ def gradinit_(
     gamma: float = 1.0,
     optimizer: Literal["sgd", "adam"] = "sgd",
     overlap: float = 0.5,
+    batch_dim: int | None = None,
     alpha_min: float = 0.01,
     clip: float | None = 1.0,
     params: str | TensorFilter = "default",
@@ -609,6 +613,11 @@ def gradinit_(
         gamma: the gradient-norm bound (on ``||g||_2`` for SGD, ``||g||_1`` for Adam).
         optimizer: ``"sgd"`` (``A[g] = g``, p = 2) or ``"adam"`` (``A[g] = sign(g)``, p = 1).
         overlap: fraction ``r`` of ``S~`` taken from ``S`` (:func:`overlap_batch`).
+        batch_dim: the dim of the batch's tensors that holds the examples
+            (:func:`~initlab.measure_moments`'s): ``None`` reads dim 0; ``1`` for a time-major
+            model. ``S~`` takes whole examples along it (along dim 0 in a tensor with
+            ``batch_dim`` dims or fewer, such as per-sequence targets ``(B,)``:
+            :func:`overlap_batch`), and ``used`` counts them.
         alpha_min: lower bound of every alpha.
         clip: clamp each alpha's gradient to ``[-clip, clip]``; ``None`` or 0: no clipping.
         params: ``"default"`` (every trainable non-zero tensor but a lone scalar or a log no
@@ -634,8 +643,10 @@ def gradinit_(
 
     Raises:
         ValueError: bad options, or fewer batches than the iterations need (says how many); a
-            tensor that gets a scale and another Parameter object over the same memory (named;
-            a tie is one object: :func:`~initlab.methods._alpha.refuse_shared_memory`).
+            batch tensor that does not hold the examples along ``batch_dim`` (named, by
+            :func:`overlap_batch`); a tensor that gets a scale and another Parameter object over
+            the same memory (named; a tie is one object:
+            :func:`~initlab.methods._alpha.refuse_shared_memory`).
         TypeError: a trainable complex parameter (named; freeze it for the call).
         FloatingPointError: a non-finite loss, or a non-finite alpha-gradient of a finite loss
             (named, with float16 and the float32 copy to use where the model is float16); the
@@ -653,6 +664,7 @@ def gradinit_(
     what = "gradinit_"
     generator = as_generator(generator)
     optimizer, eta, overlap = _check_common(optimizer, eta, overlap, what)
+    dim = check_batch_dim(what, batch_dim)
     check_callback(what, "progress", progress)
     lr, alpha_min, gamma, clip_value = _check_step_options(lr, alpha_min, gamma, clip, what)
     if steps is not None:
@@ -664,7 +676,7 @@ def gradinit_(
     ts = select_tensors(model, params, nonzero, what)
     refuse_shared_memory(model, ts, what)
     warn_half_precision(ts, what, _SIGNS_FLIP)
-    counter = DataCounter()
+    counter = DataCounter(dim)
     pairs = batch_pairs(data, steps, overlap < 1, what, counter, same_size=True)
 
     run = _GradInitStep(model, loss, ts, eta=eta, optimizer=optimizer, exact=exact, what=what)
@@ -675,7 +687,7 @@ def gradinit_(
     with restore_on_failure(model):
         with evaluation_modes(model, batch_stats=True), kept_heap(bool(keep_heap)):
             for t, (batch, nxt) in enumerate(pairs):
-                res = run(alpha, batch, _tilde(batch, nxt, overlap, generator), gamma, t)
+                res = run(alpha, batch, _tilde(batch, nxt, overlap, generator, dim), gamma, t)
                 if t == 0 and optimizer == "adam":
                     _warn_gamma_scale(gamma, res.grad_norm, res.grad_norm2)
                 grad = res.grad
@@ -724,14 +736,14 @@ def _check_step_options(
 
 
 def _tilde(
-    batch: Any, nxt: Any, overlap: float, generator: torch.Generator | None
+    batch: Any, nxt: Any, overlap: float, generator: torch.Generator | None, batch_dim: int
 ) -> Callable[[], Any]:
     """``S~`` of one iteration, built only when the step needs it (:func:`overlap_batch`)."""
 
     def tilde() -> Any:
         if nxt is None:
             return batch
-        return overlap_batch(batch, nxt, overlap, generator=generator)
+        return overlap_batch(batch, nxt, overlap, generator=generator, batch_dim=batch_dim)
 
     return tilde
 

@@ -335,7 +335,8 @@ def precondition_(
             ``n_batches=`` before 0.2).
         registry: the layer registry.
         generator: seeds the measurement passes' RNG (dropout).
-        **probe_kwargs: passed to :class:`~initlab.MomentProbe` (``loss_reduction``, ...).
+        **probe_kwargs: passed to :class:`~initlab.MomentProbe` (``loss_reduction``, ...;
+            ``batch_dim``: the report's ``used`` counts the examples along it too).
 
     Returns:
         :class:`~initlab.MethodReport` with rows :data:`PRECONDITION_COLUMNS`;
@@ -388,7 +389,7 @@ def precondition_(
         backward_passes=run.backward,
         wall_s=time.perf_counter() - start,
         trace=Rows(run.trace, ("iteration", "spread", "max", "min"), title="precondition_ trace"),
-        used=data_use(batches),
+        used=data_use(batches, probe_kwargs.get("batch_dim") or 0),
         info={
             "how": how,
             "target": common,
