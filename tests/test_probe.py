@@ -2075,3 +2075,39 @@ def test_an_output_computed_from_another_gets_the_gradient_through_the_rest_only
         want = torch.stack(grads).pow(2).mean().item()
         assert table[name]["E_dW2_example"] == pytest.approx(want, rel=1e-9, abs=1e-15), name
         assert not table[name]["note"], name
+
+
+class _Node:
+    """A stand-in autograd node that counts how often the walk reads its edges."""
+
+    def __init__(self, seq: int, parents: tuple[_Node, ...] = ()) -> None:
+        self.seq, self.parents, self.reads = seq, parents, 0
+
+    @property
+    def next_functions(self) -> tuple[tuple[_Node, int], ...]:
+        self.reads += 1
+        return tuple((p, 0) for p in self.parents)
+
+    def _sequence_nr(self) -> int:
+        return self.seq
+
+
+def test_the_search_for_inner_outputs_stays_inside_the_call() -> None:
+    """A block returning ``(f(x), x)`` (its input beside its output) had the walk seeded from the
+    input's node, so it ran through the whole graph upstream: every earlier layer once per call,
+    the probe's cost quadratic in depth (3.9 s against 1.7 s for 800 such blocks). A tensor kept
+    from before the call (older than the call's newest input) stops it too."""
+    from types import SimpleNamespace
+
+    from initlab.measure.probe.outputs import _inner_outputs
+
+    upstream = [_Node(0)]
+    for i in range(1, 200):
+        upstream.append(_Node(i, (upstream[-1],)))
+    x = SimpleNamespace(grad_fn=upstream[-1], output_nr=0)
+    kept = _Node(150, (upstream[149],))  # made before the call, reached through a closure
+    inside = _Node(1000, (upstream[-1], kept))
+    y = SimpleNamespace(grad_fn=_Node(1001, (inside,)), output_nr=0)
+    assert _inner_outputs([("0", y), ("1", x)], [x]) == {id(x)}  # y is computed from x
+    assert sum(n.reads for n in upstream) == 0
+    assert kept.reads == 0

@@ -1,6 +1,7 @@
 """The tensors of a probed module call: :func:`_flatten_call` lists its arguments' tensors with
 their paths; :func:`_fresh_full_view` says where an output's gradient hook must also go on the
-output's base (an in-place op on a view output rebases it and its own hook never fires)."""
+output's base (an in-place op on a view output rebases it and its own hook never fires);
+:func:`_inner_outputs` finds the outputs that another output of the call is computed from."""
 
 from __future__ import annotations
 
@@ -49,14 +50,25 @@ def _inner_outputs(outs: list[tuple[str, torch.Tensor]], leaves: list[torch.Tens
     if sum(len(ids) for ids in by_edge.values()) < 2:
         return set()
     stop = {t.grad_fn for t in leaves if t.grad_fn is not None}
+    # Nodes made before the call's newest input are not the call's: the walk ends there (an
+    # output that is an input, or a tensor kept from before the call, would else lead it through
+    # the whole graph upstream, every earlier layer once per call). Sequence numbers grow in the
+    # order autograd records nodes on a thread.
+    floor = max((node._sequence_nr() for node in stop), default=-1)
     found: set[int] = set()
     seen: set[object] = set()
-    stack = [edge for node, _ in by_edge for edge in node.next_functions if edge[0] is not None]
+    stack = [
+        edge
+        for node, _ in by_edge
+        if node not in stop
+        for edge in node.next_functions
+        if edge[0] is not None
+    ]
     while stack:
         edge = stack.pop()
         found.update(by_edge.get(edge, ()))
         node = edge[0]
-        if node in seen or node in stop:
+        if node in seen or node in stop or node._sequence_nr() <= floor:
             continue
         seen.add(node)
         stack.extend(e for e in node.next_functions if e[0] is not None)
