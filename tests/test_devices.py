@@ -397,3 +397,20 @@ def test_target_device_error_names_the_target() -> None:
     assert str(got).startswith("the batch's entry '1' is on cpu and the model's output on meta")
     assert target_device_error(out, (x, y.to("meta")), err) is None
     assert target_device_error(out, (x, y), RuntimeError("Target 5 is out of bounds.")) is None
+
+
+def test_device_error_leaves_a_batch_on_the_device_but_for_its_cpu_lengths_to_torch() -> None:
+    """``pack_padded_sequence`` takes its lengths on the CPU only: a batch whose other tensors are
+    on the model's device is not the cause of a mismatch, and naming its lengths (the only
+    tensor elsewhere) advised moving what must stay (a reviewer's case). A batch all on the CPU
+    names a floating-point input before integer ones."""
+    err = RuntimeError(TORCH_DEVICE_ERRORS["linear"])
+    elsewhere = nn.Linear(4, 4, device="meta")
+    on_device = {
+        "lengths": torch.tensor([3, 2]),
+        "x": torch.empty(2, 3, 4, device="meta"),
+        "y": torch.empty(2, device="meta"),
+    }
+    assert device_error(err, elsewhere, on_device) is None
+    on_cpu = {"lengths": torch.tensor([3, 2]), "x": torch.zeros(2, 3, 4)}
+    assert str(device_error(err, elsewhere, on_cpu)).startswith("the batch's entry 'x' is on cpu")

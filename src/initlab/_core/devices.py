@@ -59,6 +59,12 @@ def target_device_error(out: torch.Tensor, batch: Any, err: Exception) -> DataDe
     return _away(batch, out.device, "the model's output", err, first=find_target(batch))
 
 
+def _kept_on_cpu(t: torch.Tensor) -> bool:
+    """Whether ``t`` may be on the CPU on purpose beside data on the device: 1-D integers, as the
+    ``lengths`` that ``pack_padded_sequence`` takes on the CPU only."""
+    return t.device.type == "cpu" and t.dim() <= 1 and not t.is_floating_point()
+
+
 def _away(
     batch: Any,
     device: torch.device,
@@ -67,12 +73,14 @@ def _away(
     first: tuple[str, Any] | None = None,
 ) -> DataDeviceError | None:
     tensors = flatten_tensors(batch)
-    if first is not None and isinstance(first[1], torch.Tensor):
-        tensors = [first, *tensors]
-    away = next(((path, t) for path, t in tensors if t.device != device), None)
-    if away is None:
-        return None
-    path, t = away
+    away = [(path, t) for path, t in tensors if t.device != device]
+    target = first is not None and isinstance(first[1], torch.Tensor)
+    if target and first[1].device != device:  # the loss's own target: named first
+        path, t = first
+    elif not away or (len(away) < len(tensors) and all(_kept_on_cpu(t) for _, t in away)):
+        return None  # the batch is on the device but for lengths-like tensors: not the data
+    else:  # an input of the forward: a floating-point one before indices
+        path, t = next((a for a in away if a[1].is_floating_point()), away[0])
     where = "the batch" if isinstance(batch, torch.Tensor) else f"the batch's entry {path!r}"
     return DataDeviceError(
         f"{where} is on {t.device} and {what} on {device} ({err}). initlab moves no data "
