@@ -130,6 +130,7 @@ from initlab._core.rows import Rows, _fmt
 from initlab._core.state import copies_held, model_kept, restore_on_failure
 from initlab.diagnostics._doctor_checks import (
     _ILL,
+    _RANK,
     CHECKS,
     FIXES,
     OUTPUT_TARGET,
@@ -140,8 +141,11 @@ from initlab.diagnostics._doctor_checks import (
     _grade,
     _Measure,
     _measure,
+    _outputs_only,
     _recommended,
     _Setup,
+    _total,
+    _worse,
     output_target,
 )
 from initlab.diagnostics._outputs import (
@@ -437,38 +441,6 @@ def _with_output_scale(
     both = _measure(model, setup)
     better = _total(_checks(both, model, setup, [*done, name, "output_scale"])) < _total(now)
     return both if better else None
-
-
-_RANK = {"ok": 0, "warn": 1, "bad": 2}
-
-
-def _worsened(before: list[_Check], after: list[_Check]) -> list[tuple[_Check, _Check]]:
-    """The checks whose verdict a fix made worse, ``(before, after)``."""
-    return [
-        (b, a)
-        for b, a in zip(before, after, strict=True)
-        if _RANK.get(a.verdict, 0) > _RANK.get(b.verdict, 0)
-    ]
-
-
-def _outputs_only(before: list[_Check], after: list[_Check]) -> bool:
-    """Whether the checks a fix left worse are the outputs' only (the initial loss, the logits'
-    std), which ``output_scale`` sets."""
-    worse = {b.check for b, _ in _worsened(before, after)}
-    return bool(worse) and worse <= {"initial_loss", "logit_std"}
-
-
-def _total(checks: list[_Check]) -> int:
-    """The verdicts added up: ok 0, warn 1, bad 2 (n/a 0)."""
-    return sum(_RANK.get(c.verdict, 0) for c in checks)
-
-
-def _worse(before: list[_Check], after: list[_Check]) -> str:
-    """The checks a fix left worse (``"initial_loss ok → warn"``), when the verdicts add up to
-    more than before (:func:`_total`); ``""`` when they do not."""
-    if _total(after) <= _total(before):
-        return ""
-    return "; ".join(f"{b.check} {b.verdict} → {a.verdict}" for b, a in _worsened(before, after))
 
 
 def _undo(name: str, model: nn.Module, kept: list[torch.Tensor], course: _Course) -> None:
