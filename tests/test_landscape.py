@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import math
 import re
+import warnings
 from typing import Any
 
 import pytest
@@ -778,3 +779,42 @@ def test_nonfinite_hessian_products_in_landscape_name_float16() -> None:
     with pytest.raises(FloatingPointError, match=r"loss_landscape: a Hessian product .* NaN/inf: "
                        r"the model is float16, .* float32 copy"):  # fmt: skip
         loss_landscape(net, batch, nn.CrossEntropyLoss(), directions="hessian", generator=0)
+
+
+class _GRUCellNet(nn.Module):
+    """A GRUCell over two steps: torch has no vmap batching rule for ``aten::gru_cell``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = nn.GRUCell(3, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.cell(x[:, 0])
+        return self.head(self.cell(x[:, 1], h))
+
+
+def test_vmap_over_gru_cell_keeps_torch_fallback_warning_to_itself() -> None:
+    # torch's "There is a performance drop ... batching rule for aten::gru_cell. Please file us
+    # an issue" is about initlab's own vmap; other warnings still reach the user
+    torch.manual_seed(0)
+    net = _GRUCellNet().to(DT)
+    batch = (torch.randn(5, 2, 3, dtype=DT), torch.randint(0, 2, (5,)))
+    d = {n: torch.randn_like(p) for n, p in net.named_parameters()}
+    e = {n: torch.randn_like(p) for n, p in net.named_parameters()}
+    t1, t2 = [-0.5, 0.5], [0.0, 1.0]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        land = initlab.loss_landscape(net, batch, LOSS, directions=[d, e], grid=(t1, t2))
+        warnings.warn("the user's own", UserWarning, stacklevel=1)
+    assert land.method == "vmap", land.notes
+    assert [str(w.message) for w in seen] == ["the user's own"]
+    own = torch.empty(2, 2, dtype=DT)
+    for i, a in enumerate(t1):
+        for j, b in enumerate(t2):
+            twin = copy.deepcopy(net)
+            with torch.no_grad():
+                for n, p in twin.named_parameters():
+                    p.add_(a * d[n] + b * e[n])
+                own[i, j] = _loss(twin(batch[0]), batch)
+    torch.testing.assert_close(land.values, own, rtol=1e-12, atol=1e-12)

@@ -19,13 +19,31 @@ replicas' BatchNorms in training mode would see parts of the batch; here the who
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["functional_call"]
+__all__ = ["functional_call", "quiet_vmap_fallback"]
+
+# torch's UserWarning where vmap runs an op without a batching rule by a loop (aten::gru_cell):
+# it asks to file a torch issue, about a vmap of initlab's, not of the user's
+_VMAP_FALLBACK = (
+    r"There is a performance drop because we have not yet implemented the batching rule for "
+)
+
+
+@contextmanager
+def quiet_vmap_fallback() -> Iterator[None]:
+    """Silence exactly torch's "performance drop ... batching rule for <op>" ``UserWarning``
+    inside initlab's own ``torch.func.vmap`` (its loop fallback gives the same values); every
+    other warning passes as before."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_VMAP_FALLBACK, category=UserWarning)
+        yield
 
 
 def functional_call(

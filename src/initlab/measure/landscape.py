@@ -71,6 +71,7 @@ from initlab._core.attention import with_math_attention
 from initlab._core.backward import check_defined, outputs_watch, with_grad
 from initlab._core.compiled import takes_compiled
 from initlab._core.data import DataUse, batch_size, data_use, take_batches
+from initlab._core.functional import quiet_vmap_fallback
 from initlab._core.hooks import hook_handles, refuse_inside_vmap
 from initlab._core.knobs import renamed_kwargs
 from initlab._core.loss import Loss
@@ -612,9 +613,10 @@ def _grid_values(
     if chunk is not None:
         try:
             vf = torch.func.vmap(at)
-            for s in range(0, n_points, chunk):
-                e = min(n_points, s + chunk)
-                values[s:e] = vf(_point_params(theta, d1, d2, aa[s:e], bb[s:e])).double()
+            with quiet_vmap_fallback():  # an op without a batching rule (GRUCell) loops
+                for s in range(0, n_points, chunk):
+                    e = min(n_points, s + chunk)
+                    values[s:e] = vf(_point_params(theta, d1, d2, aa[s:e], bb[s:e])).double()
             return values, "vmap"
         except Exception as err:  # vmap cannot run this model: evaluate point by point
             notes.append(f"vmap failed ({type(err).__name__}: {err}); evaluated in a loop")

@@ -9,7 +9,6 @@ NaN with a note."""
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -17,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from initlab._core.functional import functional_call
+from initlab._core.functional import functional_call, quiet_vmap_fallback
 from initlab._core.pytree import flatten_tensors, map_tensors
 from initlab.measure.probe.contribution import _Contribution, _project, _Unavailable
 from initlab.measure.probe.factors import _chunks, _sq_norms
@@ -125,8 +124,7 @@ def _generic_contributions(rec: _Record) -> None:
     sqn: dict[str, list[torch.Tensor]] = {name: [] for name in params}
     proj: dict[str, list[torch.Tensor]] = {name: [] for name in params}
     grads: dict[str, list[torch.Tensor]] = {name: [] for name in params}
-    with warnings.catch_warnings(), torch.enable_grad():
-        warnings.filterwarnings("ignore", message="There is a performance drop")
+    with quiet_vmap_fallback(), torch.enable_grad():
         for lo, hi in _chunks(batch, per_item):
             xs = [t.narrow(d, lo, hi - lo) for t, d in per_example]
             ds = [d.narrow(od, lo, hi - lo) for d, od in zip(cotangents, out_dims, strict=True)]
