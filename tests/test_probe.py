@@ -1721,6 +1721,41 @@ def test_time_major_input_takes_the_batch_size_from_the_output():
     assert measure_moments(model, (x, y), nn.CrossEntropyLoss(), batch_dim=1).used.examples == 4
 
 
+class TimeMajorLM(nn.Module):
+    """Time-major tokens ``(T, B)`` through an LSTM (batch_first=False) to logits ``(T, B, V)``:
+    input, output and targets all hold T along dim 0, which the probe reads as examples."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(11, 5)
+        self.rnn = nn.LSTM(5, 6)
+        self.head = nn.Linear(6, 11)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(self.emb(x))[0])
+
+
+def test_time_major_lm_without_batch_dim_says_to_pass_batch_dim_1():
+    torch.manual_seed(0)
+    model = TimeMajorLM()
+    x, y = torch.randint(0, 11, (6, 4)), torch.randint(0, 11, (6, 4))
+    loss = nn.CrossEntropyLoss()
+    crit = lambda out, t: loss(out.reshape(-1, 11), t.reshape(-1))  # noqa: E731
+    by_batch = initlab.outputs_loss(lambda out, batch: crit(out, batch[1]))
+    probe = measure_moments(model, (x, y), by_batch)
+    row = param_row(probe, "rnn", "weight_ih_l0")
+    assert math.isnan(row["E_dW2_example"])
+    assert "holds 4 along its batch dim 1 (batch_first=False)" in row["note"]
+    assert "pass batch_dim=1" in row["note"]
+    # the advice holds: with batch_dim=1 the LSTM's values are a float64 loop's over examples
+    fixed = measure_moments(model, (x, y), by_batch, batch_dim=1)
+    loop = example_sq_means(model, x, lambda m, xi, i: crit(m(xi), y[:, i : i + 1]), 4, batch_dim=1)
+    for param in ("weight_ih_l0", "weight_hh_l0", "bias_ih_l0"):
+        got = param_row(fixed, "rnn", param)
+        assert got["note"] == ""
+        assert got["E_dW2_example"] == pytest.approx(loop[f"rnn.{param}"], rel=1e-4), param
+
+
 class FirstSix(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -240,8 +240,9 @@ class MomentProbe(HookContext):
         )
         self._hooks.add(self.model.register_forward_hook(self._root_hook))
         by_module: dict[int, _ModuleState] = {}
+        given = self.batch_dim is not None
         for rank, (name, module) in enumerate(self._selected):
-            st = _ModuleState(name, module, rank, self._module_batch_dim(module))
+            st = _ModuleState(name, module, rank, self._module_batch_dim(module), given)
             by_module[id(module)] = st
             self._states.append(st)
             for local in parametrized_names(module):  # its computed tensors ("weight") first

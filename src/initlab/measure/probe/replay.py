@@ -48,6 +48,25 @@ def _example_dim(
     return bd if t.dim() > bd and t.shape[bd] == batch else None
 
 
+def _time_major_hint(rec: _Record, leaves: list[torch.Tensor]) -> str:
+    """Where a ``batch_first=False`` module's first input holds another size than the root batch
+    along its batch dim 1, and ``batch_dim`` was not given: the root batch was read along dim 0
+    of the model's first input, time steps for a time-major model, which ``batch_dim=1`` reads
+    as examples."""
+    st = rec.state
+    first = leaves[0] if leaves else None
+    if getattr(st.module, "batch_first", None) is not False or st.bd_given or first is None:
+        return ""
+    if st.bd != 1 or first.dim() < 2:
+        return ""
+    return (
+        f": the module's first input {tuple(first.shape)} holds {first.shape[1]} along its batch "
+        f"dim 1 (batch_first=False), while the root batch was read as {rec.batch} along dim 0 "
+        "of the model's first input. If the model's inputs are time-major ((T, B, ...)), pass "
+        "batch_dim=1: dim 0 is then read as time steps and dim 1 as examples"
+    )
+
+
 @dataclass
 class _Layout:
     """What a replay runs on: the input leaves and the dim of each that holds the examples
@@ -75,7 +94,8 @@ def _layout(rec: _Record) -> _Layout:
         )
     dims = [_example_dim(module, t, bd, batch, i == 0) for i, t in enumerate(leaves)]
     if all(d is None for d in dims):
-        raise _Unavailable(f"no input tensor has the batch size {batch} along dim {bd}")
+        why = f"no input tensor has the batch size {batch} along dim {bd}"
+        raise _Unavailable(why + _time_major_hint(rec, leaves))
     out = _Layout(leaves, dims, [], [], [])
     for path, _ in rec.out_meta:
         if path not in rec.dys:

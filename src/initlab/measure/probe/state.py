@@ -114,11 +114,14 @@ class _Frame:
 
 
 class _ModuleState:
-    def __init__(self, name: str, module: nn.Module, rank: int, batch_dim: int) -> None:
+    def __init__(
+        self, name: str, module: nn.Module, rank: int, batch_dim: int, given: bool = False
+    ) -> None:
         self.name = name
         self.module = module
         self.rank = rank
         self.bd = batch_dim
+        self.bd_given = given  # batch_dim= was passed (not the default)
         self.kind = _kind(module)
         self.replay = PER_EXAMPLE[self.kind].replay is not None  # grads by a re-run
         self.order: int | None = None
