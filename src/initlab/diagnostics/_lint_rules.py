@@ -61,6 +61,23 @@ SIGNAL_LOW = 1e-3
 SIGNAL_HIGH = 1e3
 """``E[y^2]`` or a cumulative gain above this: the signal explodes (``bad``)."""
 
+
+def _gate_share(module: nn.Module) -> float:
+    """The share of the squared gradient a gated recurrent layer's gates pass to its input at
+    init, whatever its weights: gates at ``sigmoid(0) = 1/2``. An LSTM's candidate ``g`` gets
+    ``dL/dg = dL/dh * o * i * tanh'(c)``, ``o * i = 1/4``: ``1/16`` per layer; a GRU's candidate
+    ``n`` gets ``dL/dh * (1 - z)``, ``1 - z = 1/2``: ``1/4`` per layer (``num_layers`` stacked
+    layers: that power). Any other module: 1. A healthy default-init LSTM of 2 layers with a
+    linear head has an end-to-end backward gain near 1e-4, of which ``1/256`` is its gates'."""
+    if isinstance(module, (nn.LSTM, nn.LSTMCell)):
+        share = 1 / 16
+    elif isinstance(module, (nn.GRU, nn.GRUCell)):
+        share = 1 / 4
+    else:
+        return 1.0
+    return share ** int(getattr(module, "num_layers", 1))
+
+
 _DB = "Defazio & Bottou (2019), Scaling Laws for the Principled Design, Initialization and "
 _DB += "Preconditioning of ReLU Networks"
 _SEC7 = (

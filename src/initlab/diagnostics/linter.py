@@ -64,7 +64,11 @@ rule                        sev.    fires on
                                     elements, over that at the last module's output, measured
                                     directly, activations and pooling between the modules
                                     included) below 1e-3, in models without residual blocks only
-                                    (a sum's gradient reaches a layer by the skip path too)
+                                    (a sum's gradient reaches a layer by the skip path too); a
+                                    layer with gated recurrent layers on its way to the output
+                                    is judged against 1e-3 times the share their gates pass at
+                                    any init (gates at sigmoid(0) = 1/2: 1/16 per LSTM layer,
+                                    1/4 per GRU layer; a default 2-layer LSTM's gain is ~1e-4)
 ``exploding_gradient``      bad     ... above 1e3
 ``non_finite``              bad     a module with NaN/inf inputs, outputs or gradients (the
                                     probe's ``nonfinite`` count), or a non-finite parameter
@@ -139,6 +143,7 @@ from initlab.diagnostics._lint_rules import (
     TANH_LINEAR_STD,
     _activation_findings,
     _finding,
+    _gate_share,
     _parameter_findings,
 )
 from initlab.diagnostics.activations import (
@@ -319,7 +324,9 @@ def lint_model(
 
     findings.extend(_kernel_size_findings(named))
     findings.extend(_skip_findings(blocks))
-    findings.extend(_probe_findings(probe_table, probe_rows, param_table, chain=not blocks))
+    findings.extend(
+        _probe_findings(probe_table, probe_rows, param_table, chain=not blocks, named=named)
+    )
     findings.extend(_parameter_findings(named))
     return LintResult(
         findings=Rows(findings, FINDING_COLUMNS, title="scaling linter"),
@@ -543,14 +550,18 @@ def _probe_findings(
     param_table: Iterable[Mapping[str, Any]] | None,
     *,
     chain: bool,
+    named: Mapping[str, nn.Module] | None = None,
 ) -> list[dict[str, Any]]:
-    """Signals, gradients and non-finite values from the probe's tables."""
+    """Signals, gradients and non-finite values from the probe's tables (``named``: the model's
+    modules, for the gates of recurrent layers, :func:`_gate_shares`)."""
     out: list[dict[str, Any]] = []
     table = list(probe_table or ())
     rows = list(probe_rows) if probe_rows is not None else None
     nonfinite = _nonfinite_counts(rows) if rows is not None else None
     ratios, exempt = signal_ratios(table), _feeds_norm(table)
     backward = gradient_ratios(rows) if rows is not None and chain else {}
+    shares = _gate_shares(table, named or {})
+    backward = {k: (v, *shares.get(k, (1.0, ""))) for k, v in backward.items()}
     inputs = _input_finding(table)
     if inputs is not None:
         out.append(inputs)
@@ -568,6 +579,26 @@ def _probe_findings(
                          f"non-finite gradients of {r['layer']}.{r['param']} "
                          f"({int(r['nonfinite'])} gradient tensor(s) left out)")
             )  # fmt: skip
+    return out
+
+
+def _gate_shares(
+    probe_table: Iterable[Mapping[str, Any]], named: Mapping[str, nn.Module]
+) -> dict[str, tuple[float, str]]:
+    """``{layer: (share, names)}``: the product of :func:`_gate_share` over the gated recurrent
+    modules (LSTM, GRU and their cells) that run at or after each probed module (a chain: they
+    lie between its input and the last module's output), and their names; layers without any
+    are left out. The end-to-end backward gain of such a layer is judged against
+    ``SIGNAL_LOW * share``: the gates' ``sigmoid(0) = 1/2`` pass that share at any init, and no
+    init of the weights changes it."""
+    out: dict[str, tuple[float, str]] = {}
+    share, names = 1.0, []
+    for r in reversed(_in_order(probe_table)):
+        own = _gate_share(named[r["layer"]]) if r["layer"] in named else 1.0
+        if own < 1.0:
+            share, names = share * own, [r["layer"] or "<root>", *names]
+        if share < 1.0:
+            out[r["layer"]] = (share, ", ".join(names))
     return out
 
 
@@ -744,7 +775,7 @@ def _signal_findings(
     r: Mapping[str, Any],
     ratios: Mapping[str, tuple[float, str]],
     exempt: set[str],
-    backward: Mapping[str, float],
+    backward: Mapping[str, tuple[float, float, str]],
     *,
     nonfinite: Mapping[str, Mapping[str, int]] | None,
     input_off: bool = False,
@@ -809,6 +840,11 @@ def _signal_findings(
     ):  # the absolute value first (it is flagged alone), then the gain
         check(ratio, what, "vanishing_signal", "exploding_signal", "signal")
     if layer in backward:
-        check(backward[layer], "||dx||^2 / ||dy||^2 of the last module's output (the end-to-end "
-              "backward gain)", "vanishing_gradient", "exploding_gradient", "gradient")  # fmt: skip
+        gain, share, gated = backward[layer]
+        what = "||dx||^2 / ||dy||^2 of the last module's output (the end-to-end backward gain)"
+        if gain < SIGNAL_LOW and share < 1.0:  # over what recurrent gates pass at any init
+            what = (f"{what} / {share:.3g}, the share the gates of {gated} pass at init "
+                    "(sigmoid(0) = 1/2: 1/16 per LSTM layer, 1/4 per GRU layer)")  # fmt: skip
+            gain = min(gain / share, 1.0)
+        check(gain, what, "vanishing_gradient", "exploding_gradient", "gradient")
     return out
