@@ -950,3 +950,38 @@ def test_doctor_measures_with_the_forward_it_is_given() -> None:
     consumed = lambda model, b: model(b[0], b[1])  # noqa: E731
     with pytest.raises(ValueError, match=r"forward= passes batch\[1\] to the model"):
         doctor(m, (x, z, y), nn.CrossEntropyLoss(), forward=consumed)
+
+
+class _LSTMLM(nn.Module):
+    """Embedding -> 2-layer LSTM -> head: logits ``(B, T, V)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 8)
+        self.rnn = nn.LSTM(8, 12, num_layers=2, batch_first=True)
+        self.head = nn.Linear(12, 20)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(self.emb(x))[0])
+
+
+def _lm_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(1, 20, (6, 7), generator=g), torch.randint(1, 20, (6, 7), generator=g)
+
+
+def test_a_vanishing_gradient_in_a_recurrent_layer_is_not_given_lsuv():
+    """lsuv_ skips recurrent layers: recommending it for an LSTM's vanishing gradient scaled the
+    head only (logits up, the flag cleared by the larger logits). init_model redraws the LSTM's
+    gate blocks: that is the fix named, and why."""
+    torch.manual_seed(1)
+    model = _LSTMLM().eval()
+    with torch.no_grad():  # input weights 100x too small: the gradient really vanishes
+        for name, p in model.rnn.named_parameters():
+            if name.startswith("weight_ih"):
+                p.mul_(0.01)
+    rep = doctor(model, [_lm_batch()], nn.CrossEntropyLoss())
+    row = next(r for r in rep.to_rows() if r["check"] == "dead_or_exploding_layers")
+    assert row["verdict"] == "bad" and "rnn: vanishing_gradient" in row["why"]
+    assert "lsuv_" not in row["fix"] and "init_model" in row["fix"]
+    assert "lsuv_ skips recurrent layers (rnn)" in row["why"]

@@ -360,7 +360,15 @@ def _layers_check(m: _Measure, model: nn.Module) -> _Check:
     if silent:
         more += "; no fix here gives a layer a gradient: check how the model and loss use it"
     fixed = [r for r in hits if r["rule"] in _LAYER_RULES and r not in half]
-    fixes = tuple(sorted({_LAYER_RULES[r["rule"]] for r in fixed}))
+    named = dict(model.named_modules())
+    recurrent = sorted({r["layer"] for r in fixed if _recurrent_lsuv(r, named)})
+    fixes = tuple(sorted({"init" if _recurrent_lsuv(r, named) else _LAYER_RULES[r["rule"]]
+                          for r in fixed}))  # fmt: skip
+    if recurrent:
+        more += (
+            f"; lsuv_ skips recurrent layers ({', '.join(recurrent)}), so it cannot rescale "
+            "them: init_model(model, 'geometric') redraws their gate blocks (gain 1)"
+        )
     check = _Check(
         "dead_or_exploding_layers", float(len(layers)), 0.0, verdict, shown + more + note, fixes
     )
@@ -369,6 +377,14 @@ def _layers_check(m: _Measure, model: nn.Module) -> _Check:
     elif half:
         check.untreat(_FLOAT16_UNTREATED)
     return check
+
+
+def _recurrent_lsuv(finding: Mapping[str, Any], named: Mapping[str, nn.Module]) -> bool:
+    """Whether LSUV would be the finding's fix but its layer is recurrent, which ``lsuv_``
+    skips (its output is not linear in a weight): the fix there is ``init``."""
+    module = named.get(finding["layer"])
+    rnn = isinstance(module, (nn.RNNBase, nn.RNNCellBase))
+    return rnn and _LAYER_RULES.get(finding["rule"]) == "lsuv"
 
 
 _FLOAT16_UNTREATED = (

@@ -65,13 +65,16 @@ Fixes, in the order they are applied (:data:`FIXES`), each through the public me
 ``generator``:
 
 1. ``"init"``: ``init_model(model, "geometric")`` (the output head of a language model is drawn
-   small, ties kept), when a layer or the loss is non-finite, or the loss or logits are too large
+   small, ties kept), when a layer or the loss is non-finite, a recurrent layer's signal or
+   gradient vanishes or explodes (``lsuv_`` skips recurrent layers; the init redraws their gate
+   blocks), or the loss or logits are too large
    and the init shrinks them (measured, then put back: the logits' std after it at most half of
    now; a classifier's head is drawn as it is, so only ``"output_scale"`` is recommended there).
    An init that changes nothing is not listed as applied (``skipped`` says so);
-2. ``"lsuv"``: ``lsuv_(model, data)``, when a signal or gradient vanishes or explodes, or ReLU
-   units are dead; after ``"init"``, ``lsuv_(model, data, orthogonal=False)``: the init's weights
-   are rescaled, not replaced by LSUV's orthogonal start;
+2. ``"lsuv"``: ``lsuv_(model, data)``, when a signal or gradient vanishes or explodes (at a
+   layer that is not recurrent), or ReLU units are dead; after ``"init"``,
+   ``lsuv_(model, data, orthogonal=False)``: the init's weights are rescaled, not replaced by
+   LSUV's orthogonal start;
 3. ``"output_scale"``: ``scale_output_(model, data, target, how="hook")``, when the initial
    loss or the logits' std is too high (``bad``; a ``warn`` on the model as given is reported,
    not treated: shrinking the outputs also slows their learning), or after ``"lsuv"`` brought a
