@@ -985,3 +985,23 @@ def test_a_vanishing_gradient_in_a_recurrent_layer_is_not_given_lsuv():
     assert row["verdict"] == "bad" and "rnn: vanishing_gradient" in row["why"]
     assert "lsuv_" not in row["fix"] and "init_model" in row["fix"]
     assert "lsuv_ skips recurrent layers (rnn)" in row["why"]
+
+
+def test_a_fix_that_trades_one_ill_check_for_two_is_undone() -> None:
+    """The verdicts added up to as much (bad 2 → ok, ok → warn twice): a change that cured one
+    check and made two ill was kept as no worse (LSUV on an LSTM: the head scaled up, the
+    vanishing-gradient flag cleared by the larger logits, initial loss and logit std ok → warn).
+    A trade is no improvement; a fix that made the total better stays."""
+    names = ("initial_loss", "logit_std", "gamma_spread", "nu_spread", "dead_or_exploding_layers")
+
+    def checks(*verdicts: str) -> list[Any]:
+        return [
+            doctor_module._Check(n, 0.0, 0.0, v, "") for n, v in zip(names, verdicts, strict=True)
+        ]
+
+    before = checks("ok", "ok", "n/a", "warn", "bad")
+    traded = doctor_module._worse(before, checks("warn", "warn", "n/a", "warn", "ok"))
+    assert traded.startswith("initial_loss ok → warn; logit_std ok → warn for ")
+    assert "dead_or_exploding_layers bad → ok: a trade" in traded
+    assert doctor_module._worse(before, checks("warn", "ok", "n/a", "warn", "ok")) == ""
+    assert doctor_module._worse(before, checks("ok", "ok", "n/a", "bad", "warn")) == ""

@@ -551,7 +551,18 @@ def _total(checks: list[_Check]) -> int:
 
 def _worse(before: list[_Check], after: list[_Check]) -> str:
     """The checks a fix left worse (``"initial_loss ok → warn"``), when the verdicts add up to
-    more than before (:func:`_total`); ``""`` when they do not."""
-    if _total(after) <= _total(before):
+    more than before (:func:`_total`), or to as much with a check that was ok now ill: a trade
+    (a vanishing-gradient flag cleared by logits scaled up, the initial loss and the logits'
+    std now warn) is no improvement; ``""`` otherwise."""
+    worsened = _worsened(before, after)
+    total, was = _total(after), _total(before)
+    traded = total == was and any(b.verdict == "ok" for b, _ in worsened)
+    if total < was or (total == was and not traded):
         return ""
-    return "; ".join(f"{b.check} {b.verdict} → {a.verdict}" for b, a in _worsened(before, after))
+    text = "; ".join(f"{b.check} {b.verdict} → {a.verdict}" for b, a in worsened)
+    if traded:  # the checks it made better: worse from after to before
+        better = "; ".join(
+            f"{b.check} {b.verdict} → {a.verdict}" for a, b in _worsened(after, before)
+        )
+        text += f" for {better}: a trade, no better"
+    return text

@@ -94,8 +94,9 @@ Fixes, in the order they are applied (:data:`FIXES`), each through the public me
 ``fix=True`` applies the recommended fixes, re-measures after each one that changes the model,
 and skips a later one that is no longer needed (LSUV after an init that already fixed the
 signal); a fix that leaves the checks worse than before it (their verdicts add up to more: ok 0,
-warn 1, bad 2) is undone and reported in ``undone`` (LSUV on a model whose zero gradients it
-cannot give a gradient, raising the initial loss). ``fix=["init", "output_scale"]`` applies
+warn 1, bad 2; or to as much with a check that was ``ok`` now ``warn`` or ``bad``: a trade of one
+problem for another) is undone and reported in ``undone`` (LSUV on a model whose zero gradients
+it cannot give a gradient, raising the initial loss). ``fix=["init", "output_scale"]`` applies
 exactly those, in the order above, and keeps them (a fix that made the checks worse gets a note).
 A fix that raises leaves the model as it was before that fix (the methods'
 ``restore_on_failure``), is reported in ``failed`` and the others go on; any other error (a
