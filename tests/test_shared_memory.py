@@ -6,6 +6,7 @@ conflict; the readers measure each layer as it is used."""
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import warnings
 from collections.abc import Callable
@@ -15,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+from initlab._core.modules import memory_overlaps, shares_memory
 from initlab.diagnostics.doctor import doctor
 from initlab.init.model import init_model
 from initlab.measure.probe import measure_moments
@@ -114,6 +116,72 @@ def test_disjoint_views_of_one_buffer_each_get_their_own_draw() -> None:
         # sample variance of n normal draws: relative std sqrt(2 / n); five of them
         assert abs(float(w.var()) / want - 1) < 5 * math.sqrt(2 / n)
     assert model[0].weight.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+
+
+def _bytes_of(t: torch.Tensor) -> set[int]:
+    """Every byte address ``t``'s elements occupy, element by element (the oracle)."""
+    base, size = t.data_ptr(), t.element_size()
+    out: set[int] = set()
+    for index in itertools.product(*(range(n) for n in t.shape)):
+        start = base + size * sum(i * st for i, st in zip(index, t.stride(), strict=True))
+        out.update(range(start, start + size))
+    return out
+
+
+def _layouts() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    fused = torch.zeros(8, 6)
+    return {
+        "even and odd rows": (fused[0::2], fused[1::2]),
+        "even and odd columns": (fused[:, 0::2], fused[:, 1::2]),
+        "rows 0::2 and 3::3 (row 6)": (fused[0::2], fused[3::3]),
+        "a row and the odd rows around it": (fused[2], fused[1::2]),
+        "a row and the odd rows through it": (fused[3], fused[1::2]),
+        "columns 0::3 and the transpose's rows 1::3": (fused[:, 0::3], fused.t()[1::3]),
+        "even floats and the half-floats of the odd ones": (
+            fused[:, 0::2],
+            fused.view(torch.int16)[:, 2::4],
+        ),
+        "even floats and their own upper halves": (
+            fused[:, 0::2],
+            fused.view(torch.int16)[:, 1::4],
+        ),
+        "even floats and a byte of each odd one": (
+            fused[:, 0::2],
+            fused.view(torch.uint8)[:, 5::8],
+        ),
+        "even floats and a byte of each": (fused[:, 0::2], fused.view(torch.uint8)[:, 3::8]),
+    }
+
+
+@pytest.mark.parametrize("layout", list(_layouts()))
+def test_shared_memory_means_an_element_in_common(layout: str) -> None:
+    """Two views of one buffer are over the same memory exactly when a byte of one is a byte of
+    the other (a set of byte addresses per tensor, the oracle), not when their ranges overlap:
+    interleaved rows or columns of a fused weight share none."""
+    a, b = _layouts()[layout]
+    want = bool(_bytes_of(a) & _bytes_of(b))
+    assert bool(memory_overlaps([("a", a), ("b", b)])) is want
+    assert shares_memory(a, b) is want and shares_memory(b, a) is want
+
+
+def test_interleaved_rows_of_one_buffer_each_get_their_own_draw() -> None:
+    """The even and odd rows of one buffer as two weights: no element in common, so init_model
+    draws each at its own std sqrt(2 / fan_in) (float64 oracle); rows 0::2 and 3::3 share rows
+    6, 12, ... and are refused."""
+    fused = torch.zeros(256, 128)
+    model = nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 128))
+    model[0].weight = nn.Parameter(fused[0::2])
+    model[2].weight = nn.Parameter(fused[1::2])
+    init_model(model, "fan_in", generator=0)
+    for layer in (model[0], model[2]):
+        w = layer.weight.detach().double()
+        assert abs(float(w.var()) / (2.0 / 128) - 1) < 5 * math.sqrt(2 / w.numel())
+    assert torch.equal(fused[0::2], model[0].weight.detach())
+    base = torch.zeros(512, 128)
+    model[0].weight = nn.Parameter(base[0::2][:128])
+    model[2].weight = nn.Parameter(base[3::3][:128])
+    with pytest.raises(ValueError, match=r"0\.weight and 2\.weight \(overlapping elements\)"):
+        init_model(model, "fan_in", generator=0)
 
 
 def _batches(n: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -16,6 +16,7 @@ the tensors a writer is about to write.
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -85,12 +86,35 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
 
 
 def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """The same tensor, or overlapping memory on one device (views of one flat buffer that do
-    not overlap, as in FSDP, are not shared)."""
+    """The same tensor, or a byte in common on one device. Views of one buffer with no element
+    in common are not shared: slices of one flat buffer (as in FSDP), the even and odd rows of
+    a fused weight. The byte ranges (:func:`_span`) are a first filter; where they overlap,
+    :func:`_elements_meet` decides exactly."""
     if a is b:
         return True
     (a0, a1), (b0, b1) = _span(a), _span(b)
-    return a.device == b.device and a0 != 0 and b0 != 0 and a0 < b1 and b0 < a1
+    if a.device != b.device or a0 == 0 or b0 == 0 or not (a0 < b1 and b0 < a1):
+        return False
+    return _elements_meet(a, b, min(a0, b0), max(a1, b1))
+
+
+def _elements_meet(a: torch.Tensor, b: torch.Tensor, lo: int, hi: int) -> bool:
+    """Whether a byte of ``a``'s elements is a byte of ``b``'s, both inside ``[lo, hi)``. In
+    units of ``u = gcd(element sizes, start offsets from lo)`` bytes, element ``i`` of ``t``
+    covers units ``off_t + sum_d i_d * stride_d * e_t / u + k``, ``0 <= k < e_t / u``:
+    :meth:`torch.Tensor.as_strided` views of one bool mask over ``(hi - lo) / u`` units (the
+    union of the two spans), on the tensors' device, mark ``a``'s units and read ``b``'s."""
+    u = math.gcd(a.element_size(), b.element_size(), a.data_ptr() - lo, b.data_ptr() - lo)
+    mask = torch.zeros((hi - lo) // u, dtype=torch.bool, device=a.device)
+
+    def units(t: torch.Tensor) -> torch.Tensor:
+        per = t.element_size() // u
+        return mask.as_strided(
+            (*t.shape, per), (*(st * per for st in t.stride()), 1), (t.data_ptr() - lo) // u
+        )
+
+    units(a).fill_(True)
+    return bool(units(b).any())
 
 
 def _same_place(a: torch.Tensor, b: torch.Tensor) -> bool:
