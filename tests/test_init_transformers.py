@@ -1075,3 +1075,50 @@ def test_recurrent_gate_weights_get_the_gain_of_the_gates_not_of_what_follows_th
             assert std == pytest.approx(
                 gain / math.sqrt(fan_in), rel=Z / math.sqrt(2 * block.numel())
             )
+
+
+class _PlainRecurrent(nn.Module):
+    """An LSTM, a GRU and a tanh RNN with a linear head: no embedding table, no attention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(32, 64)
+        self.gru = nn.GRU(64, 48)
+        self.rnn = nn.RNN(48, 64)
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(self.gru(self.lstm(x)[0])[0])[0][-1])
+
+
+@pytest.mark.parametrize("gains", ["auto", "follow", "scheme"])
+def test_recurrent_gates_set_the_gain_in_a_model_without_tokens(gains: str) -> None:
+    """A plain recurrent model (no embedding, no attention, no example_inputs) under the default
+    gains="auto": the gate blocks of the LSTM (4), the GRU (3) and the tanh RNN (1) are drawn at
+    gain 1, std 1/sqrt(fan_in) per block, as in a token model; gains="scheme" keeps the fan_in
+    scheme's ReLU gain, sqrt(2 / fan_in). The head keeps the scheme's gain under "auto" (nothing
+    else is followed in such a model)."""
+    torch.manual_seed(0)
+    model = _PlainRecurrent().double()
+    rows = _rows(initlab.init_model(model, "fan_in", generator=0, gains=gains))
+    params = dict(model.named_parameters())
+    gate_gain = math.sqrt(2) if gains == "scheme" else 1.0
+    want = {
+        "lstm.weight_ih_l0": (4, 32),
+        "lstm.weight_hh_l0": (4, 64),
+        "gru.weight_ih_l0": (3, 64),
+        "gru.weight_hh_l0": (3, 48),
+        "rnn.weight_ih_l0": (1, 48),
+        "rnn.weight_hh_l0": (1, 64),
+    }
+    for name, (gates, fan_in) in want.items():
+        row = rows[name]
+        assert row["gain"] == pytest.approx(gate_gain), (name, row["gain_from"])
+        assert row["gain_from"].startswith("scheme" if gains == "scheme" else "none"), name
+        for block in params[name].detach().chunk(gates, dim=0):
+            std = float(block.pow(2).mean().sqrt())
+            assert std == pytest.approx(
+                gate_gain / math.sqrt(fan_in), rel=Z / math.sqrt(2 * block.numel())
+            ), name
+    if gains == "auto":
+        assert rows["head.weight"]["gain_from"] == "scheme"

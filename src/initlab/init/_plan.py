@@ -766,7 +766,8 @@ def assign_roles(
     example_inputs: Any,
 ) -> None:
     """Mark the output head (``head="small"``) and, where gains follow the nonlinearities, what
-    follows every weight (by tracing ``example_inputs`` when given, else by structure).
+    follows every weight (by tracing ``example_inputs`` when given, else by structure). A
+    recurrent layer's weights are followed by its own gates whenever ``gains != "scheme"``.
 
     ``gains="auto"`` follows them in a model with an embedding table, a vocabulary head or an
     attention module (a transformer or another token model: attention projections and GELU/SiLU
@@ -783,24 +784,26 @@ def assign_roles(
         or any("embedding" in roles for roles in claims.values())
         or has_attention(model)
     )
-    follow = gains == "follow" or (gains == "auto" and (token_model or example_inputs is not None))
-    if not follow:
+    if gains == "scheme":
         return
+    follow = gains == "follow" or token_model or example_inputs is not None
     weights = [
         plans[k] for k in order if plans[k].spec is not None and plans[k].spec.role == "weight"
     ]
     traced: dict[int, Follow] = {}
-    if example_inputs is not None:
+    if follow and example_inputs is not None:
         traced = traced_following(model, example_inputs, {id(p.module) for p in weights})
-    structural = structural_following(model)
-    experts = expert_following(model)  # per tensor: an expert bank's weights differ
+    structural = structural_following(model) if follow else {}
+    experts = expert_following(model) if follow else {}  # per tensor: a bank's weights differ
     unknown = Follow(None, None, "scheme (no nonlinearity found after it)")
     for plan in weights:
         key = id(plan.module)
         name = plan.spec.name  # type: ignore[union-attr]
-        # an expert bank's or a recurrent layer's weights: what follows them is inside the module
+        # an expert bank's or a recurrent layer's weights: what follows them is inside the
+        # module; a recurrent layer's own gates are followed in every model (no trace needed)
         local = experts.get((key, name)) or recurrent_following(plan.module, name)
-        plan.follow = local or traced.get(key) or structural.get(key) or unknown
+        if local is not None or follow:
+            plan.follow = local or traced.get(key) or structural.get(key) or unknown
 
 
 def expand_rules(model: nn.Module, rules: Sequence[Rule | AutoRule]) -> list[Rule]:

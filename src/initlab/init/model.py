@@ -201,14 +201,15 @@ def init_model(
 
     **Gains** (``gains="auto"``). Each weight's gain follows the nonlinearity that follows it
     (GELU, SiLU, tanh, ReLU, ...; none, gain 1, for attention projections, a gated MLP's
-    multiplied half, an MLP's output projection and the head; a recurrent layer's weights are
-    followed by its own gates, whatever comes after the layer: gain 1 for the sigmoid/tanh gates
-    of an LSTM, a GRU and a tanh RNN, which keep the scaling only in their linear regime, and for
-    an LSTM's projection, the ReLU gain for a ReLU RNN) when the model has an embedding
+    multiplied half, an MLP's output projection and the head) when the model has an embedding
     table, a vocabulary head or an attention module (a transformer, a ViT too: its attention
     projections and GELU MLPs are not ReLU layers) or ``example_inputs`` is given
-    (``gains="follow"``: always; ``"scheme"``: never). Whether a head is found does not change
-    any other layer's gain. With ``example_inputs`` (a batch, run once as ``model(x)``/
+    (``gains="follow"``: always; ``"scheme"``: never). A recurrent layer's weights are followed
+    by its own gates, whatever comes after the layer, in every model (what follows them is inside
+    the layer; ``gains="scheme"``: never): gain 1 for the sigmoid/tanh gates of an LSTM, a GRU
+    and a tanh RNN, which keep the scaling only in their linear regime, and for an LSTM's
+    projection, the ReLU gain for a ReLU RNN. Whether a head is found does not change any other
+    layer's gain. With ``example_inputs`` (a batch, run once as ``model(x)``/
     ``model(**batch)`` under ``no_grad``, everything left as it was) each layer's output is
     traced to the first activation applied to
     it; otherwise the structure tells: an ``nn.Sequential``'s next module, attention modules by
