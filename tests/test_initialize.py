@@ -190,15 +190,76 @@ def test_meta_device_advice_names_the_buffers_init_model_does_not_set() -> None:
     with pytest.raises(ValueError) as err:
         initlab.init_model(model, "geometric")
     msg = str(err.value)
-    assert "not the model's other buffers, which to_empty leaves as uninitialized memory" in msg
-    assert "model.load_state_dict(...) restores scale" in msg
+    assert "it leaves these as to_empty made them (uninitialized memory)" in msg
+    assert "model.load_state_dict(...) restores the buffers scale" in msg
     assert "inv_freq (non-persistent) are in no state_dict" in msg
-    assert "norm.running_mean" not in msg.partition("other buffers")[2]
+    assert "norm.running_mean" not in msg.partition("it leaves these")[2]
     model.to_empty(device="cpu")
     report = initlab.init_model(model, "geometric", generator=0)
     assert report.buffers_left == ["inv_freq", "scale"]
-    assert "2 buffer(s) not set, left as they were" in str(report)
+    assert "2 buffer(s) not set by init_model: inv_freq, scale" in str(report)
     assert torch.equal(model.norm.running_var, torch.ones(8))  # reset by init_model
+
+
+def _frozen_norm_meta() -> nn.Module:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    model[1].requires_grad_(False)
+    return model
+
+
+_FROZEN_STATS = ["1.running_mean", "1.running_var", "1.num_batches_tracked"]
+
+
+def test_meta_advice_and_report_name_what_a_frozen_norm_layer_keeps() -> None:
+    """A frozen BatchNorm on the meta device: init_model (frozen="skip") keeps its weight, bias
+    and running statistics, so after to_empty they stay uninitialized memory. The advice said
+    init_model sets "the norm layers' running statistics" and named none of them; it now names
+    the frozen parameters and statistics, and InitReport.buffers_left lists the same buffers."""
+    model = _frozen_norm_meta()
+    with pytest.raises(ValueError) as err:
+        initlab.init_model(model, "kaiming")
+    left = str(err.value).partition("it leaves these as to_empty made them")[2]
+    assert "the frozen parameters 1.weight, 1.bias and the running statistics" in left
+    assert all(b in left for b in _FROZEN_STATS) and "frozen='init'" in left
+    model.to_empty(device="cpu")
+    model[1].running_var.fill_(float("nan"))  # stands in for uninitialized memory
+    report = initlab.init_model(model, "kaiming", generator=0)
+    assert report.buffers_left == _FROZEN_STATS
+    assert torch.isnan(model[1].running_var).all()  # kept, as both messages say
+    report = initlab.init_model(model, "kaiming", generator=0, frozen="init")
+    assert report.buffers_left == []
+    assert torch.equal(model[1].running_var, torch.ones(4))
+
+
+def test_meta_advice_without_anything_left_names_nothing_more() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    with pytest.raises(ValueError) as err:
+        initlab.init_model(model, "kaiming")
+    assert str(err.value).endswith("sets the parameters and the norm layers' running statistics")
+
+
+class _LayerNormWithBuffer(nn.LayerNorm):
+    """A norm layer claimed by its scale and shift, with a buffer no reset_running_stats sets."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__(d)
+        self.register_buffer("eps_t", torch.tensor(1e-6))
+
+
+def test_buffers_left_lists_every_buffer_init_model_does_not_set() -> None:
+    """A norm layer's own buffer that no reset_running_stats sets is left (it was missing from
+    buffers_left, which took every norm layer's buffers for set); a plain model's summary says
+    so neutrally, with no word of uninitialized memory (it printed "(after to_empty:
+    uninitialized memory)" for every model with a buffer)."""
+    model = nn.Sequential(nn.Linear(4, 4), _LayerNormWithBuffer(4), nn.BatchNorm1d(4))
+    report = initlab.init_model(model, "kaiming", generator=0)
+    assert report.buffers_left == ["1.eps_t"]
+    assert model[1].eps_t.item() == pytest.approx(1e-6)
+    summary = str(report).splitlines()[-1]
+    assert summary.endswith("; 1 buffer(s) not set by init_model: 1.eps_t")
+    assert "uninitialized" not in str(report)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])

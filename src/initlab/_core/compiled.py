@@ -248,36 +248,54 @@ def check_materialized(model: nn.Module, what: str) -> None:
 
 
 def _other_buffers(model: nn.Module) -> str:
-    """What :func:`check_materialized`'s advice leaves unset: the buffers of ``model`` other
-    than the running statistics of norm layers (``reset_running_stats``), which ``init_model``
-    never sets (after ``to_empty``: whatever was in memory), and how to set them."""
-    kept: list[str] = []
-    lost: list[str] = []
-    for name, module in model.named_modules():
-        if callable(getattr(module, "reset_running_stats", None)):
-            continue
-        for local in module._buffers:
-            full = f"{name}.{local}" if name else local
-            (lost if local in module._non_persistent_buffers_set else kept).append(full)
-    if not kept and not lost:
-        return ""
+    """What :func:`check_materialized`'s advice leaves unset: what ``init_model`` with its
+    defaults leaves as it was (:func:`~initlab.init._unset.unset_by_init`, the rule of
+    :attr:`~initlab.init.model.InitReport.buffers_left` too; after ``to_empty``: whatever was in
+    memory), and how to set it."""
+    from initlab.init._unset import unset_by_init  # init builds on _core
+
+    try:
+        unset = unset_by_init(model)
+    except (ValueError, TypeError, RuntimeError, NotImplementedError):  # init_model says why
+        return "; InitReport.buffers_left names the buffers it leaves as they were"
+    stats = set(unset.frozen_stats)
+    non_persistent = {
+        f"{name}.{b}" if name else b
+        for name, module in model.named_modules()
+        for b in module._non_persistent_buffers_set
+    }
+    kept = [b for b in unset.buffers if b not in stats and b not in non_persistent]
+    lost = [b for b in unset.buffers if b not in stats and b in non_persistent]
 
     def shown(names: list[str]) -> str:
         return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
 
     ways = []
+    if unset.frozen:
+        with_stats = (
+            f" and the running statistics of frozen norm layers ({shown(unset.frozen_stats)})"
+        )
+        ways.append(
+            f"the frozen parameters {shown(unset.frozen)}{with_stats if stats else ''} are kept "
+            "(frozen='skip'): frozen='init' draws them too, or model.load_state_dict(...) restores "
+            "pretrained ones"
+        )
+    if unset.other:
+        ways.append(
+            f"{shown(unset.other)} are left as they were (unclaimed, or kept as the model draws "
+            "them: its report's rows say which)"
+        )
     if kept:
-        ways.append(f"model.load_state_dict(...) restores {shown(kept)}")
+        ways.append(f"model.load_state_dict(...) restores the buffers {shown(kept)}")
     if lost:
         ways.append(
             f"{shown(lost)} (non-persistent) are in no state_dict: compute them as the model's "
             "constructor does (e.g. a rotary embedding's inv_freq), or build that module outside "
             "the meta device"
         )
-    return (
-        ", not the model's other buffers, which to_empty leaves as uninitialized memory: "
-        + "; ".join(ways)
-    )
+    if not ways:
+        return ""
+    return "; it leaves these as to_empty made them (uninitialized memory): " + "; ".join(ways)
 
 
 def module_type_name(module: nn.Module) -> str:

@@ -57,6 +57,7 @@ __all__ = [
     "refuse_shared_memory",
     "report_rows",
     "reset_norm_buffers",
+    "resets_statistics",
 ]
 
 
@@ -331,9 +332,15 @@ def zero_of(spec: ParamSpec) -> float:
     return spec.identity - 1.0 if spec.role == "norm_scale" else 0.0
 
 
+def resets_statistics(module: nn.Module) -> bool:
+    """A norm layer whose buffers ``reset_running_stats()`` sets (BatchNorm, InstanceNorm)."""
+    return callable(getattr(module, "reset_running_stats", None))
+
+
 def reset_norm_buffers(model: nn.Module, modules: set[int]) -> None:
+    """Reset the running statistics of the norm layers among ``modules`` (ids)."""
     for module in model.modules():
-        if id(module) in modules and hasattr(module, "reset_running_stats"):
+        if id(module) in modules and resets_statistics(module):
             module.reset_running_stats()
 
 

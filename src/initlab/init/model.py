@@ -21,22 +21,18 @@ from initlab._core.rng import as_generator
 from initlab._core.rows import Rows, join_name
 from initlab.init._plan import (
     _FROZEN_NOTE,
-    add_unclaimed,
     assign_roles,
     check_bias,
     check_computed,
     check_unclaimed,
-    claim_params,
     execute,
     expand_rules,
-    frozen_norm_modules,
-    mark_frozen,
-    mark_kept,
     plan_all,
     refuse_shared_memory,
     report_rows,
     reset_norm_buffers,
 )
+from initlab.init._unset import claimed_plans, unset_of
 from initlab.init.registry import Registry, default_registry
 from initlab.init.rules import AutoRule, Rule
 from initlab.init.schemes import Scheme, get_scheme
@@ -90,9 +86,11 @@ _FROZEN = ("skip", "init")
 
 class InitReport(Rows):
     """What :func:`init_model` did, one row per parameter (schema: :data:`INIT_REPORT_COLUMNS`);
-    :attr:`buffers_left` names the buffers it did not set (all but the norm layers' running
-    statistics it reset: a rotary embedding's ``inv_freq``, an input's mean and std), left as
-    they were (after ``model.to_empty()``, uninitialized memory)."""
+    :attr:`buffers_left` names the buffers it did not set, left as they were: all but the
+    running statistics of the norm layers it reset (a rotary embedding's ``inv_freq``, an
+    input's mean and std; a frozen norm layer's statistics under ``frozen="skip"``). Those of
+    a model materialized from the meta device (``model.to_empty()``) hold uninitialized
+    memory: set them as the model's constructor does, or restore them from a ``state_dict``."""
 
     def __init__(
         self, rows: Sequence[dict[str, Any]], scheme: str, buffers_left: Sequence[str] = ()
@@ -131,10 +129,7 @@ class InitReport(Rows):
             names = ", ".join(self.buffers_left[:4]) + (
                 " ..." if len(self.buffers_left) > 4 else ""
             )
-            summary += (
-                f"; {len(self.buffers_left)} buffer(s) not set, left as they were (after "
-                f"to_empty: uninitialized memory): {names}"
-            )
+            summary += f"; {len(self.buffers_left)} buffer(s) not set by init_model: {names}"
         return f"{super().__str__()}\n{summary}"
 
 
@@ -247,8 +242,11 @@ def init_model(
     lives, in its own dtype. A model built on the ``meta`` device must first be materialized with
     ``model.to_empty(device=...)``, which leaves every tensor uninitialized: ``init_model`` sets
     the parameters and the running statistics of norm layers, no other buffer (a rotary
-    embedding's ``inv_freq``): :attr:`InitReport.buffers_left` names those, to be set as the
-    model's constructor does (or restored from a ``state_dict``, the persistent ones).
+    embedding's ``inv_freq``) and, under ``frozen="skip"``, neither the frozen parameters nor
+    the statistics of a norm layer whose parameters are all frozen:
+    :attr:`InitReport.buffers_left` names the buffers, to be set as the model's constructor
+    does (or restored from a ``state_dict``, the persistent ones), :meth:`InitReport.frozen`
+    the frozen parameters (``frozen="init"`` draws them).
 
     Args:
         model: any ``nn.Module``.
@@ -288,13 +286,8 @@ def init_model(
     all_params = _named_params(model)
 
     # 1. Plan: who claims which tensor (first claim wins; later claims are ties); then validate.
-    plans, order, norm_modules = claim_params(model, registry)
-    unclaimed = add_unclaimed(model, all_params, plans, order)
+    plans, order, norm_modules, unclaimed = claimed_plans(model, registry, all_params, frozen)
     check_unclaimed(unclaimed, policy)
-    mark_kept(model, plans, order)
-    if frozen == "skip":
-        mark_frozen(plans, order)
-        norm_modules -= frozen_norm_modules(plans, order)
     check_computed(plans, order)
     refuse_shared_memory(plans, order)
     assign_roles(model, plans, order, gains=gains, head=head, example_inputs=example_inputs)
@@ -308,7 +301,7 @@ def init_model(
     reset_norm_buffers(model, norm_modules)
 
     # 3. Report.
-    left = [b for b, _ in model.named_buffers() if id(_owner(model, b)) not in norm_modules]
+    left = unset_of(model, plans, order, norm_modules).buffers
     return InitReport(report_rows(plans, order, measure), scheme_obj.name, left)
 
 
@@ -343,11 +336,6 @@ def _validated(
         if not isinstance(rule, (Rule, AutoRule)):
             raise TypeError(f"rules must be initlab.Rule entries, got {type(rule).__name__}")
     return rules
-
-
-def _owner(model: nn.Module, name: str) -> nn.Module:
-    """The module that holds the buffer (or parameter) ``name``."""
-    return model.get_submodule(name.rpartition(".")[0])
 
 
 def _named_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
