@@ -458,7 +458,7 @@ def batch_tensors(batch: Any) -> list[tuple[str, torch.Tensor]]:
 
 
 def examples_in(batch: Any, batch_dim: int = 0) -> int:
-    """The batch's examples (:func:`batch_size`), 0 for a batch object that holds no tensor."""
+    """Examples along ``batch_dim`` (:func:`batch_size`); 0 for a batch object with no tensor."""
     try:
         return batch_size(batch, batch_dim)
     except TypeError:

@@ -662,10 +662,11 @@ def batch_pairs(
 def _same_sizes(
     pairs: Iterator[tuple[Any, Any]], what: str, batch_dim: int
 ) -> Iterator[tuple[Any, Any]]:
-    """``pairs``, each step's batch checked to hold as many examples on every rank (one small
-    all-reduce a step): the ranks' gradients are averaged with equal weights, so a rank with a
-    smaller batch would count as much as one with a larger (the result off the single-process
-    one on the union, silently)."""
+    """``pairs``, each step's batch checked to hold as many examples (along ``batch_dim``,
+    :func:`~initlab._core.data.examples_in`) on every rank (one small all-reduce a step): the
+    ranks' gradients are averaged with equal weights, so a rank with a smaller batch would count
+    as much as one with a larger (the result off the single-process one on the union,
+    silently)."""
     for s, nxt in pairs:
         check_same_count(examples_in(s, batch_dim), what, "examples in a batch")
         yield s, nxt

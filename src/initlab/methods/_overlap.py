@@ -59,7 +59,8 @@ def _example_dim(t: torch.Tensor, batch_dim: int) -> int:
 
 
 def _not_examples(batch: Any, node: Any, held: str, n: int, batch_dim: int) -> ValueError:
-    """The error for an entry of ``batch`` that holds ``held`` (not ``n`` examples)."""
+    """The error for an entry ``node`` of ``batch`` that holds ``held``, not the ``n`` examples
+    the batch has along ``batch_dim`` (:func:`_example_dim`)."""
     where = next((f"entry {p!r}" for p, t in batch_tensors(batch) if t is node), "an entry")
     if isinstance(node, PackedSequence):
         where = "a PackedSequence"

@@ -738,7 +738,8 @@ def _check_step_options(
 def _tilde(
     batch: Any, nxt: Any, overlap: float, generator: torch.Generator | None, batch_dim: int
 ) -> Callable[[], Any]:
-    """``S~`` of one iteration, built only when the step needs it (:func:`overlap_batch`)."""
+    """``S~`` of one iteration, built only when the step needs it (:func:`overlap_batch`, its
+    examples taken along ``batch_dim``)."""
 
     def tilde() -> Any:
         if nxt is None:
