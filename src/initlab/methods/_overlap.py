@@ -9,7 +9,10 @@ input: :func:`_example_dim`), an item of every list below the top whose length i
 :func:`torch.nn.utils.rnn.unpack_sequence`; the chosen ones are packed again, :func:`_packed`).
 A tensor or ``PackedSequence`` that does not hold the batch's examples there is refused by name
 (:func:`_not_examples`): S~ would splice its entries (time steps of a time-major batch read along
-dim 0) with no word.
+dim 0) with no word. The test is the size alone: every tensor with more than ``batch_dim`` dims
+must hold the examples at ``batch_dim``, since one that holds ``B`` of something else there (a
+batch-major ``(B, T)`` mask beside a time-major ``(T, B)`` input, where ``T == B``) is taken as
+examples.
 """
 
 from __future__ import annotations
@@ -150,7 +153,10 @@ def overlap_batch(
     Every tensor with at least one dimension, in a tensor, tuple, list, namedtuple, dict,
     dataclass or batch object (nested), is sliced and concatenated along ``batch_dim`` (``None``:
     dim 0; a tensor with ``batch_dim`` dims or fewer along dim 0: the targets ``(B,)`` of
-    time-major ``(T, B)`` inputs), and must hold the batch's examples there; every list
+    time-major ``(T, B)`` inputs), and must hold the batch's examples there: a tensor with more
+    than ``batch_dim`` dims that holds them elsewhere (a batch-major ``(B, T)`` mask beside a
+    time-major ``(T, B)`` input) is refused where that size differs from ``B``, but spliced
+    along its time steps with no word where ``T == B``; every list
     inside the batch whose length is the batch size (ids, per-image target dicts, ragged
     tensors) is a list of examples: its items are chosen and concatenated; every
     ``PackedSequence`` gives its chosen sequences whole, packed again in the order chosen

@@ -47,7 +47,9 @@ What is exactly what here:
   dict of them (nested); every tensor with at least one dimension is sliced and concatenated along
   ``batch_dim`` (dim 0 by default; ``batch_dim=1`` takes whole sequences of time-major ``(T, B)``
   batches, and a tensor with ``batch_dim`` dims or fewer, such as targets ``(B,)``, along dim 0;
-  a tensor that holds another number of examples there is refused by name, rather than spliced),
+  a tensor that holds another number of examples there is refused by name, rather than spliced;
+  every tensor with more than ``batch_dim`` dims must hold the examples at ``batch_dim``: a
+  batch-major ``(B, T)`` mask beside time-major inputs is misread where ``T == B``),
   and a ``PackedSequence`` gives whole sequences (``B`` is its number of sequences; the
   chosen ones are packed again, each still the example of its target). The reference code draws
   half batches and builds ``S`` from two of them and ``S~`` from the first plus a third: the same
@@ -617,7 +619,10 @@ def gradinit_(
             (:func:`~initlab.measure_moments`'s): ``None`` reads dim 0; ``1`` for a time-major
             model. ``S~`` takes whole examples along it (along dim 0 in a tensor with
             ``batch_dim`` dims or fewer, such as per-sequence targets ``(B,)``:
-            :func:`overlap_batch`), and ``used`` counts them.
+            :func:`overlap_batch`), and ``used`` counts them. Every tensor with more than
+            ``batch_dim`` dims must hold the examples at ``batch_dim``: a batch-major mask
+            ``(B, T)`` beside a time-major ``(T, B)`` input is sliced along its time steps,
+            refused where ``T != B`` but spliced with no word where ``T == B``.
         alpha_min: lower bound of every alpha.
         clip: clamp each alpha's gradient to ``[-clip, clip]``; ``None`` or 0: no clipping.
         params: ``"default"`` (every trainable non-zero tensor but a lone scalar or a log no
