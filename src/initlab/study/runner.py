@@ -34,10 +34,20 @@ rounding: MKL's batched products take kernel paths that depend on how many runs 
 A resumed study trains the chunks the uninterrupted one would have (:meth:`WorkQueue.add
 <initlab.study.claims.WorkQueue.add>`); a run another study stored is not trained again, so a chunk
 some of whose runs it holds trains the others on their own.
-A chunk of 16 runs or more trains as blocks of at most 16 runs fixed by the chunk's size, each
-block on one intra-op thread (``trainer._blocks``), so its numbers do not depend on the thread
-count, by construction (tested on 66 runs: ``tests/test_trainer.py``); a smaller chunk is one
-block on torch's threads. Measured on 54 runs (18 each of dna, satimage, vowel; 5 epochs): chunks
+On the vectorized engines (``train_runs``'s explicit MLP engine and its vmap engine), a chunk
+of 16 runs or more trains as blocks of at most 16 runs fixed by the chunk's size, each block on
+one intra-op thread (``trainer._blocks``), so its numbers do not depend on the thread count, by
+construction (tested on 16 and 66 runs: ``tests/test_hardening_determinism.py``,
+``tests/test_trainer.py``); a smaller chunk is one block on torch's threads. This does not hold
+for models trained one run at a time (``engine="loop"``: BatchNorm, dropout, convolutions on the
+CPU): each run trains on torch's threads, whatever the chunk's size, so its numbers may differ
+between thread counts at the level of rounding, and between ``workers=1`` (this process's
+threads) and ``workers > 1`` (``cpu_count // workers`` threads per worker). Measured: a BatchNorm
+MLP on svmguide4, one chunk of 16 runs on 1 vs 2 threads, all 16 step-loss curves differ, final
+losses by up to 2e-7 (chaotic runs at high learning rates: up to 1e-2); each thread count gives
+the same numbers run to run. Such runs are not pinned to one thread, since convolutions gain from
+torch's threads (16 resnet20 runs on 400 CIFAR-10 images, 2 cores: 21 s on 2 threads, 35 s on
+one). Measured on 54 paper_mlp runs (18 each of dna, satimage, vowel; 5 epochs): chunks
 of 18 and of 64 runs on 1 vs 2 threads, 0 differ; one run per chunk vs 18 per chunk (one thread),
 8 differ (final losses by up to 1.2e-2, chaotic runs at high learning rates); one run per chunk on
 1 vs 2 threads, 11 differ (up to 3.0e-6). (Before the blocks, with MKL's threads inside every

@@ -50,10 +50,12 @@ and autograd (deterministic models whose forward does not update buffers: no dro
 BatchNorm in training mode); a model with BatchNorm or dropout, and a convolutional model on the
 CPU, is trained one run at a time (``engine="loop"``: :func:`train_one` per run, torch's RNG
 forked and seeded per run for dropout).
-On the CPU a group of 16 runs or more is trained as independent blocks of at most 16 runs
-(:func:`_blocks`), each block's ops on one intra-op thread; with several torch threads the
-blocks run in that many Python threads (one thread per block of runs scales where splitting
-every small batched product over threads does not). Each step gathers an ``(R, B, d)`` batch
+On the CPU a group of 16 runs or more on the two vectorized engines is trained as independent
+blocks of at most 16 runs (:func:`_blocks`), each block's ops on one intra-op thread; with
+several torch threads the blocks run in that many Python threads (one thread per block of runs
+scales where splitting every small batched product over threads does not). Runs trained one at
+a time use torch's threads, so their numbers may depend on the thread count (at the level of
+rounding). Each step gathers an ``(R, B, d)`` batch
 with every run's own row indices. Per-run learning
 rate, momentum and weight decay are ``(R,)`` tensors broadcast over the stacks (scalars where the
 whole group shares the value).
@@ -646,7 +648,9 @@ def _train_each(
 ) -> list[RunResult]:
     """``engine="loop"``: :func:`train_one` per run, with torch's global RNG forked and seeded
     from ``sha256(f"initlab.rng:{seed}")`` (dropout masks reproducible, the caller's RNG state
-    untouched); ``progress`` is called after each run."""
+    untouched); ``progress`` is called after each run. Each run trains on torch's threads (not
+    pinned like :func:`_blocks`' blocks: a convolution gains from them), so its numbers may
+    differ between thread counts at the level of rounding."""
     start = time.perf_counter()
     device = torch.device(device)
     results = []
