@@ -318,3 +318,40 @@ def test_stores_opened_together_on_a_new_file(tmp_path: Path) -> None:
     while not errors.empty():
         found.append(errors.get())
     assert found == []
+
+
+def test_progress_counts_runs_another_driver_stored_before_their_chunk(
+    tmp_path: Path, slow: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """Runs another driver stored after this one planned them, found when their chunk comes up
+    (not while waiting at the end), count as done in the progress too: its lines of runs stored
+    by another driver add up to ``n_by_others``, and the last chunk's line reaches the total with
+    no time left (it ended at 43/48 with an ETA)."""
+    from initlab.study.runner import plan_chunks
+
+    monkeypatch.setenv("SLOW_DELAY", "0")
+    spec = StudySpec.from_yaml(_spec(tmp_path))
+    db = tmp_path / "others.sqlite"
+    chunks = plan_chunks(spec.runs(), 3)
+    theirs = chunks[3] + chunks[5][:2]  # a whole chunk and part of one, stored meanwhile
+    calls = []
+
+    def train(configs: Any, *args: Any, **kwargs: Any) -> Any:
+        if not calls:  # the other driver stores its runs while this one trains its first chunk
+            with Store(db) as store:
+                store.write(slow.train(theirs, None, None, model_factory=None), study="shared")
+        calls.append(len(configs))
+        return slow.train(configs, *args, **kwargs)
+
+    summary = run_study(spec, db, train_fn=train, load_fn=slow.load, chunk_size=3,
+                        heartbeat_s=0.2, stale_after=30)  # fmt: skip
+    err = capsys.readouterr().err
+    n = len(spec.runs())
+    assert (summary.n_trained, summary.n_by_others, sum(calls)) == (n - 5, 5, n - 5)
+    others = [int(m) for m in re.findall(r"\] (\d+) runs stored by another driver", err)]
+    assert sum(others) == 5, err
+    last = [line for line in err.splitlines() if " chunk " in line][-1]
+    assert f"| runs {n}/{n} |" in last and last.endswith("| ETA 0s"), err
+    counts = re.findall(r"\| runs (\d+)/(\d+)", err)  # every line's runs done, in order
+    assert [int(d) for d, _ in counts] == sorted(int(d) for d, _ in counts), err
+    assert {int(t) for _, t in counts} == {n}, err

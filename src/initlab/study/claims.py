@@ -193,22 +193,28 @@ class WorkQueue:
         """Chunks queued and not handed out yet."""
         return len(self._chunks)
 
-    def next_chunk(self) -> list[RunConfig] | None:
+    def next_chunk(self, on_done: Callable[[int], None] | None = None) -> list[RunConfig] | None:
         """The next chunk this driver claimed (the part of a planned chunk it could claim), or
         ``None`` when no queued chunk has a claimable run; never waits. Runs another driver
-        holds are remembered for :meth:`wait_for_others`."""
+        holds are remembered for :meth:`wait_for_others`; ``on_done(n)`` is called with the
+        number of a planned chunk's runs another driver stored since this one planned them (as
+        :meth:`wait_for_others` does for those it waited for)."""
         while self._chunks:
             chunk = self._chunks.pop(0)
             got = set(self.store.claim([c.key() for c in chunk], self.owner,
                                        stale_after=self.stale_after))  # fmt: skip
             stored = self.store.keys() if len(got) < len(chunk) else set()
+            done = 0
             for c in chunk:
                 if c.key() in got:
                     continue
                 if c.key() in stored:  # stored by another driver since this one planned
-                    self.n_by_others += 1
+                    done += 1
                 else:
                     self._waiting[c.key()] = c
+            self.n_by_others += done
+            if done and on_done is not None:
+                on_done(done)
             mine = [c for c in chunk if c.key() in got]
             if mine:
                 return mine

@@ -331,7 +331,10 @@ class _Progress:
         self.done_runs += n_runs
         if self.bar is not None:
             self.bar.update(n_runs)
-        self.say(f"[{self.name}] {n_runs} runs stored by another driver")
+        self.say(
+            f"[{self.name}] {n_runs} runs stored by another driver | "
+            f"runs {self.done_runs}/{self.n_runs}"
+        )
 
     def chunk_done(self, chunk: Sequence[RunConfig], failed: bool = False) -> None:
         self.done_runs += len(chunk)
@@ -763,7 +766,7 @@ def _drain(queue: WorkQueue, executor: Any, finish: _Finish, bar: _Progress) -> 
     """Train what this driver can claim; wait for the runs other drivers hold; take over the
     stale ones; return when every queued run is stored (or failed here)."""
     while True:
-        executor.run(queue.next_chunk, finish)
+        executor.run(partial(queue.next_chunk, bar.others_done), finish)
         if not queue.wait_for_others(bar.others_done):
             return
 
