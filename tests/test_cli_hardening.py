@@ -756,6 +756,37 @@ def test_bench_run_counts_the_runs_grid_extension_added(
     )
 
 
+def test_bench_run_finished_line_counts_the_runs_grid_extension_added(
+    cli_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The runner's "finished:" line said "0 runs trained, 4 skipped" where the summary below it
+    said "N runs (4 of the spec's grid, N - 4 added by grid extension), N already stored": the
+    extension runs found stored were in neither count. Its counts are the summary's (the store's
+    runs before and after each call)."""
+    import sqlite3
+
+    (cli_dir / "two.yaml").write_text(textwrap.dedent(_SPEC).replace("[0.1]", "[0.5, 0.25]"))
+
+    def stored() -> int:
+        with contextlib.closing(sqlite3.connect(cli_dir / "st" / "x.sqlite")) as db:
+            return int(db.execute("SELECT count(*) FROM runs").fetchone()[0])
+
+    run = ["bench", "run", "two.yaml", "--store", "st/x.sqlite", "--extend-rounds"]
+    before = 0
+    for rounds in ("1", "1", "2"):
+        code, out, err = _run([*run, rounds], capsys)
+        assert code == 0, err
+        after = stored()
+        assert after > 4, err  # the best rates sat at an edge: the grid was extended
+        finished = [line for line in err.splitlines() if "] finished: " in line]
+        assert len(finished) == 1 and finished[0].startswith(
+            f"[tiny] finished: {after - before} runs trained, {before} already stored, 0 trained "
+            "by another driver, 0 failed, "
+        ), err
+        assert f"), {before} already stored, {after - before} trained now (" in out, out
+        before = after
+
+
 def test_data_prints_the_root_and_warns_when_it_is_missing(
     cli_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -67,17 +67,17 @@ def format_summary(summary: Any) -> str:
     """A :class:`~initlab.study.runner.StudySummary` as a few readable lines.
 
     The first line counts the runs of the spec's grid and those grid extension added alike:
-    ``n_runs + n_extended`` runs, of which ``n_skipped + n_extended - n_extended_new`` were
-    already stored; the others were trained now, by other drivers, or failed."""
-    runs, stored = f"{summary.n_runs} runs", summary.n_skipped
+    ``n_runs + n_extended`` runs, of which ``n_already_stored`` (``n_skipped + n_extended -
+    n_extended_new``) were already stored; the others were trained now, by other drivers, or
+    failed."""
+    runs = f"{summary.n_runs} runs"
     if summary.n_extended:
         runs = (
             f"{summary.n_runs + summary.n_extended} runs ({summary.n_runs} of the spec's grid, "
             f"{summary.n_extended} added by grid extension)"
         )
-        stored += summary.n_extended - summary.n_extended_new
     lines = [
-        f"study {summary.name}: {runs}, {stored} already stored, "
+        f"study {summary.name}: {runs}, {summary.n_already_stored} already stored, "
         f"{summary.n_trained} trained now ({summary.n_chunks} chunk(s)), "
         f"{summary.n_by_others} by other drivers, {summary.n_failed} failed "
         f"({summary.wall_s:.1f} s)",

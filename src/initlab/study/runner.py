@@ -569,6 +569,12 @@ class StudySummary:
     wall_s: float = 0.0
     errors: list[str] = field(default_factory=list)
 
+    @property
+    def n_already_stored(self) -> int:
+        """Runs of the spec's grid and of grid extension found stored when this call queued
+        them: ``n_skipped + n_extended - n_extended_new``."""
+        return self.n_skipped + self.n_extended - self.n_extended_new
+
 
 def run_study(
     spec: StudySpec | str | Path,
@@ -750,8 +756,9 @@ class _Recorder:
 def _finished(summary: StudySummary, bar: _Progress, start: float) -> StudySummary:
     summary.wall_s = time.perf_counter() - start
     bar.say(
-        f"[{summary.name}] finished: {summary.n_trained} runs trained, {summary.n_skipped} "
-        f"skipped, {summary.n_by_others} trained by another driver, {summary.n_failed} failed, "
+        f"[{summary.name}] finished: {summary.n_trained} runs trained, "
+        f"{summary.n_already_stored} already stored, {summary.n_by_others} trained by another "
+        f"driver, {summary.n_failed} failed, "
         f"{_duration(summary.wall_s)}"
     )
     if summary.errors:
