@@ -210,3 +210,17 @@ CPU_DATA_PARALLEL = pytest.mark.skipif(
 )
 """For tests of ``nn.DataParallel`` around a CPU model: where CUDA is available its constructor
 moves the module to the GPU (found on an H200: the batches stayed on the CPU)."""
+
+
+class LSTMLM(nn.Module):
+    """Embedding -> 2-layer LSTM -> head (vocabulary 20): logits ``(B, T, V)``; with PyTorch's
+    default init its initial loss is near ``ln V``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 8)
+        self.rnn = nn.LSTM(8, 12, num_layers=2, batch_first=True)
+        self.head = nn.Linear(12, 20)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(self.emb(x))[0])

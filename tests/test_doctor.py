@@ -26,6 +26,7 @@ from initlab.diagnostics.doctor import (
     doctor,
 )
 
+from .conformance_models import LSTMLM
 from .half_models import scaled_ce, small_gradient_batch, small_gradient_net
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -952,19 +953,6 @@ def test_doctor_measures_with_the_forward_it_is_given() -> None:
         doctor(m, (x, z, y), nn.CrossEntropyLoss(), forward=consumed)
 
 
-class _LSTMLM(nn.Module):
-    """Embedding -> 2-layer LSTM -> head: logits ``(B, T, V)``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(20, 8)
-        self.rnn = nn.LSTM(8, 12, num_layers=2, batch_first=True)
-        self.head = nn.Linear(12, 20)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.rnn(self.emb(x))[0])
-
-
 def _lm_batch() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     return torch.randint(1, 20, (6, 7), generator=g), torch.randint(1, 20, (6, 7), generator=g)
@@ -975,7 +963,7 @@ def test_a_vanishing_gradient_in_a_recurrent_layer_is_not_given_lsuv():
     head only (logits up, the flag cleared by the larger logits). init_model redraws the LSTM's
     gate blocks: that is the fix named, and why."""
     torch.manual_seed(1)
-    model = _LSTMLM().eval()
+    model = LSTMLM().eval()
     with torch.no_grad():  # input weights 100x too small: the gradient really vanishes
         for name, p in model.rnn.named_parameters():
             if name.startswith("weight_ih"):

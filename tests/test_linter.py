@@ -24,6 +24,8 @@ from initlab.diagnostics.linter import (
     signal_ratios,
 )
 
+from .conformance_models import LSTMLM
+
 STRUCTURAL = {"max_pool", "resampling", "sigmoid", "tanh", "mixed_kernel_sizes", "skip_connection"}
 
 
@@ -430,19 +432,6 @@ def test_the_backward_gain_is_measured_end_to_end(act, scale, rule):
     assert flagged == ({rule} if rule else set())
 
 
-class _LSTMLM(nn.Module):
-    """Embedding -> 2-layer LSTM -> head, PyTorch's default init: initial loss near ln V."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(20, 8)
-        self.rnn = nn.LSTM(8, 12, num_layers=2, batch_first=True)
-        self.head = nn.Linear(12, 20)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.rnn(self.emb(x))[0])
-
-
 def _lstm_gain(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     """Own float64 end-to-end backward gain at the LSTM: sum(dx^2) at its input over sum(dy^2)
     at the logits."""
@@ -461,7 +450,7 @@ def test_a_healthy_lstm_is_no_vanishing_gradient_its_gates_pass_1_16_per_layer(w
     weights); it was 'bad: vanishing_gradient' against 1e-3. Judged against 1e-3 / 16^2 it is
     not; an LSTM whose input weights are 100x smaller still is."""
     torch.manual_seed(1)
-    model = _LSTMLM().eval()
+    model = LSTMLM().eval()
     if weak:
         with torch.no_grad():
             for name, p in model.rnn.named_parameters():
