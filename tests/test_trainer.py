@@ -450,3 +450,34 @@ def test_a_test_split_of_other_features_is_refused_before_training(engine: str) 
     with pytest.raises(ValueError, match=r"test inputs have examples of shape \(4,\), the "
                        r"training inputs \(5,\)"):  # fmt: skip
         train_runs(configs, (x, y), test, model_factory=factory, engine=engine)
+
+
+def test_the_vmap_engine_leaves_the_warning_filters_alone_on_two_threads() -> None:
+    """The vmap engine's blocks train in Python threads at once; it entered
+    ``warnings.catch_warnings`` (which swaps the process's filters) on every step in each, so
+    initlab's "ignore" filter could stay installed for the rest of the process (a reviewer's
+    case). The engine leaves the filters alone."""
+    import warnings
+
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(2000, 20, generator=g), torch.randint(0, 5, (2000,), generator=g)
+    configs = [
+        RunConfig.make(
+            "synthetic", scheme="fan_in", seed=i, lr=0.1, momentum=0.9, batch_size=8, epochs=1
+        )
+        for i in range(16)
+    ]
+
+    def make(c: RunConfig) -> nn.Module:
+        return nn.Sequential(nn.Linear(20, 16), nn.Tanh(), nn.Linear(16, 5))
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        train_runs(configs[:1], (x, y), model_factory=make, engine="vmap")  # imports settle
+        before = list(warnings.filters)
+        for _ in range(3):
+            train_runs(configs, (x, y), model_factory=make, engine="vmap")
+            assert list(warnings.filters) == before
+    finally:
+        torch.set_num_threads(threads)

@@ -40,7 +40,8 @@ _VMAP_FALLBACK = (
 def quiet_vmap_fallback() -> Iterator[None]:
     """Silence exactly torch's "performance drop ... batching rule for <op>" ``UserWarning``
     inside initlab's own ``torch.func.vmap`` (its loop fallback gives the same values); every
-    other warning passes as before."""
+    other warning passes as before. ``warnings.catch_warnings`` swaps the process's filters: for
+    the calling thread only, never inside threads that run at once (the study's blocks)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_VMAP_FALLBACK, category=UserWarning)
         yield

@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from initlab._core.functional import quiet_vmap_fallback
 from initlab.study.config import RunConfig
 
 _ADAM_BETAS = (0.9, 0.999)
@@ -421,16 +420,15 @@ class _VmapEngine(_Engine):
             if runs is not None:
                 params = [p[runs] for p in params]
                 buffers = {k: b[runs] for k, b in buffers.items()}
-            with torch.no_grad(), quiet_vmap_fallback():
+            with torch.no_grad():
                 return self._call(tuple(params), buffers, x)
-        with torch.enable_grad(), quiet_vmap_fallback():
+        with torch.enable_grad():
             self._out = self._call(tuple(self.params), self._buffers, x)
         return self._out.detach()
 
     def backward_step(self, dlogits: Tensor, opt: _VecOptimizer, frozen_now: list[int]) -> None:
         assert self._out is not None
-        with quiet_vmap_fallback():  # the backward of an op vmap loops over
-            grads = torch.autograd.grad(self._out, self.params, grad_outputs=dlogits)
+        grads = torch.autograd.grad(self._out, self.params, grad_outputs=dlogits)
         self._out = None
         with torch.no_grad():
             for g in grads:
