@@ -132,7 +132,9 @@ def memory_overlaps(tensors: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[s
     whose memory overlaps (:func:`shares_memory`), in the order given; ``exact``: the same
     elements in the same order (same start, shape, strides and dtype). An object listed twice
     (a tie) is one tensor. Sorted by start address, each tensor is compared with those whose
-    range is still open: ``O(n log n)`` plus the pairs found."""
+    range is still open: ``O(n log n)`` plus, for each pair whose byte ranges overlap, a mask
+    over both spans (:func:`_elements_meet`): blocks of columns of one matrix cost that matrix's
+    size per pair (32 such blocks of a 16 MB buffer: 0.22 s, a reviewer's measurement)."""
     distinct: dict[int, tuple[int, str, torch.Tensor]] = {}
     for rank, (name, t) in enumerate(tensors):
         distinct.setdefault(id(t), (rank, name, t))
