@@ -2146,3 +2146,58 @@ def test_the_search_for_inner_outputs_stays_inside_the_call() -> None:
     assert _inner_outputs([("0", y), ("1", x)], [x]) == {id(x)}  # y is computed from x
     assert sum(n.reads for n in upstream) == 0
     assert kept.reads == 0
+
+
+def test_the_search_for_inner_outputs_goes_on_where_an_input_was_written_in_place() -> None:
+    """The search's stopping point is the newest node of the call's inputs: one written in place
+    during the call has a node made inside it, and the walk stopped before an inner output
+    (``h = 2 tanh(z)`` returned beside ``z``; a reviewer's case). Unbounded, it finds it."""
+    from initlab.measure.probe.outputs import _inner_outputs
+
+    torch.manual_seed(0)
+    w = torch.randn(8, 6, requires_grad=True)
+    x = torch.randn(3, 6, requires_grad=True) * 1.0
+    alias = x.view_as(x)
+    z = alias @ w.T
+    h = torch.tanh(z) * 2.0
+    alias.mul_(0.5)
+    assert _inner_outputs([("0", h), ("1", z)], [alias], bounded=False) == {id(z)}
+
+
+class _ScalesItsInput(nn.Module):
+    """``(2 tanh(z), z)`` with ``z = W (2 x)``, then ``x`` halved in place (its old value is
+    not saved for the backward: the write is legal)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        z = self.lin(x * 2.0)
+        h = torch.tanh(z) * 2.0
+        x.mul_(0.5)
+        return h, z
+
+
+def test_a_module_writing_its_input_in_place_still_gets_dy_through_the_rest_only() -> None:
+    """Through the probe: the in-place write no longer hides ``z`` as an inner output, so its
+    ``dy`` is the gradient through the loss's own use of ``z`` only: each example's own loss
+    ``sum sin(z)`` gives ``dy = cos(z)`` (own float64 computation), not ``cos(z)`` plus the path
+    through ``h``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), _ScalesItsInput()).double()
+    x = torch.randn(5, 6, dtype=torch.float64)
+
+    def loss_fn(m: nn.Module, b: torch.Tensor) -> torch.Tensor:
+        h, z = m(b)
+        return (h.square().sum(1) + z.sin().sum(1)).mean()
+
+    rows = measure_moments(model, x, loss_fn, modules="all").rows()
+    got = next(
+        r["value"]
+        for r in rows
+        if (r["layer"], r["quantity"], r["index"], r["stat"]) == ("1", "dy", "1", "sq_mean")
+    )
+    with torch.no_grad():
+        z = model[1].lin(model[0](x) * 2.0)
+    assert got == pytest.approx(float(z.cos().square().mean()), rel=1e-12)

@@ -539,7 +539,13 @@ class MomentProbe(HookContext):
                 rec = self._make_record(st, frame, outs)
             # an output another output is computed from is returned as a copy: dy is its
             # gradient through the rest of the graph only (:func:`_inner_outputs`)
-            inner = _inner_outputs(outs, frame.leaves) if grad_on and len(outs) > 1 else ()
+            inner = (
+                _inner_outputs(
+                    outs, frame.leaves, [t._version for t in frame.leaves] == frame.versions
+                )
+                if grad_on and len(outs) > 1
+                else ()
+            )
             copies = {id(t): t.clone() for _, t in outs if id(t) in inner}
             seen: set[int] = set()
             for i, (path, t) in enumerate(outs):

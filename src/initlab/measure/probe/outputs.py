@@ -33,7 +33,9 @@ def _fresh_full_view(t: torch.Tensor, base: torch.Tensor | None, inputs: set[int
     )
 
 
-def _inner_outputs(outs: list[tuple[str, torch.Tensor]], leaves: list[torch.Tensor]) -> set[int]:
+def _inner_outputs(
+    outs: list[tuple[str, torch.Tensor]], leaves: list[torch.Tensor], bounded: bool = True
+) -> set[int]:
     """The ids of the outputs that another output of the same call is computed from (an
     ``nn.LSTMCell``'s ``c``, with ``h = o * tanh(c)``; ``z`` of a module returning
     ``(tanh(z), z)``; a sequence ``y`` returned beside ``y[:, -1]``).
@@ -42,7 +44,10 @@ def _inner_outputs(outs: list[tuple[str, torch.Tensor]], leaves: list[torch.Tens
     outside the call *plus* the path through the other outputs, ``sum_k (do_k/do_j)^T dL/do_k``:
     its ``dy`` must be taken on a copy that only the rest of the graph uses. Found by a walk of
     the call's autograd graph from the outputs' nodes back to the inputs' (``leaves``), done
-    only for a call with two or more distinct outputs that require grad."""
+    only for a call with two or more distinct outputs that require grad. ``bounded``: the inputs
+    were not written in place during the call, so their nodes are older than the call's and the
+    walk can stop at older nodes; an input written in place has a node made inside the call, and
+    the walk then goes on until it meets the inputs' nodes (slower, never short)."""
     by_edge: dict[tuple[object, int], set[int]] = {}  # (node, output_nr) -> output ids
     for _, t in outs:
         if t.grad_fn is not None:
@@ -54,7 +59,7 @@ def _inner_outputs(outs: list[tuple[str, torch.Tensor]], leaves: list[torch.Tens
     # output that is an input, or a tensor kept from before the call, would else lead it through
     # the whole graph upstream, every earlier layer once per call). Sequence numbers grow in the
     # order autograd records nodes on a thread.
-    floor = max((node._sequence_nr() for node in stop), default=-1)
+    floor = max((node._sequence_nr() for node in stop), default=-1) if bounded else -1
     found: set[int] = set()
     seen: set[object] = set()
     stack = [
