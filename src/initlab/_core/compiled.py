@@ -220,6 +220,11 @@ def scripted_part(model: nn.Module) -> tuple[str, nn.Module] | None:
     )
 
 
+def _shown(names: list[str], most: int = 4) -> str:
+    """The first ``most`` of ``names``, and how many more."""
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
 def check_materialized(model: nn.Module, what: str) -> None:
     """Raise a ``ValueError`` naming the tensors of ``model`` that hold no values yet: on the meta
     device (``torch.device("meta")``: materialize with ``model.to_empty(device=...)``) or lazy
@@ -228,19 +233,17 @@ def check_materialized(model: nn.Module, what: str) -> None:
     lazy = [n for n, t in tensors if isinstance(t, nn.parameter.UninitializedTensorMixin)]
     meta = [n for n, t in tensors if n not in lazy and t.is_meta]
 
-    def shown(names: list[str]) -> str:
-        return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-
     if lazy:
         raise ValueError(
-            f"{what}: {shown(lazy)} of the model {'are' if len(lazy) > 1 else 'is'} uninitialized "
+            f"{what}: {_shown(lazy, 5)} of the model {'are' if len(lazy) > 1 else 'is'} "
+            "uninitialized "
             "(a lazy module, e.g. nn.LazyLinear, before its first forward pass); run the model "
             "once on a batch (model(x)) so that they take their shapes, then call "
             f"{what} again"
         )
     if meta:
         raise ValueError(
-            f"{what}: {shown(meta)} of the model live on the meta device and have no values; "
+            f"{what}: {_shown(meta, 5)} of the model live on the meta device and have no values; "
             "materialize the model first with model.to_empty(device=...), which gives every "
             "tensor uninitialized memory, then initialize it: initlab.init_model(model, scheme) "
             f"sets the parameters and the norm layers' running statistics{_other_buffers(model)}"
@@ -267,29 +270,26 @@ def _other_buffers(model: nn.Module) -> str:
     kept = [b for b in unset.buffers if b not in stats and b not in non_persistent]
     lost = [b for b in unset.buffers if b not in stats and b in non_persistent]
 
-    def shown(names: list[str]) -> str:
-        return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-
     ways = []
     if unset.frozen:
         with_stats = (
-            f" and the running statistics of frozen norm layers ({shown(unset.frozen_stats)})"
+            f" and the running statistics of frozen norm layers ({_shown(unset.frozen_stats)})"
         )
         ways.append(
-            f"the frozen parameters {shown(unset.frozen)}{with_stats if stats else ''} are kept "
+            f"the frozen parameters {_shown(unset.frozen)}{with_stats if stats else ''} are kept "
             "(frozen='skip'): frozen='init' draws them too, or model.load_state_dict(...) restores "
             "pretrained ones"
         )
     if unset.other:
         ways.append(
-            f"{shown(unset.other)} are left as they were (unclaimed, or kept as the model draws "
+            f"{_shown(unset.other)} are left as they were (unclaimed, or kept as the model draws "
             "them: its report's rows say which)"
         )
     if kept:
-        ways.append(f"model.load_state_dict(...) restores the buffers {shown(kept)}")
+        ways.append(f"model.load_state_dict(...) restores the buffers {_shown(kept)}")
     if lost:
         ways.append(
-            f"{shown(lost)} (non-persistent) are in no state_dict: compute them as the model's "
+            f"{_shown(lost)} (non-persistent) are in no state_dict: compute them as the model's "
             "constructor does (e.g. a rotary embedding's inv_freq), or build that module outside "
             "the meta device"
         )

@@ -23,7 +23,7 @@ from initlab._core.autocast import without_autocast
 from initlab._core.compiled import scripted_error, uncompiled
 from initlab._core.data import DataUse, at_mask, masks_positions, padding_mask
 from initlab._core.hooks import HookContext, HookHandles
-from initlab._core.knobs import user_stacklevel
+from initlab._core.knobs import check_batch_dim, user_stacklevel
 from initlab._core.modules import with_first_names
 from initlab._core.parametrized import (
     computed,
@@ -130,8 +130,7 @@ class MomentProbe(HookContext):
                 f"unknown loss_reduction={loss_reduction!r}; valid values: "
                 f"{', '.join(map(repr, _REDUCTIONS))}"
             )
-        if batch_dim is not None and (not isinstance(batch_dim, int) or batch_dim < 0):
-            raise ValueError(f"batch_dim must be None or a non-negative int, got {batch_dim!r}")
+        check_batch_dim("MomentProbe", batch_dim)
         if isinstance(model, torch.jit.ScriptModule):
             raise scripted_error(model, "MomentProbe")
         if uncompiled(model) is not model:
