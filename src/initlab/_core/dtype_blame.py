@@ -1,5 +1,5 @@
 """Which batch tensor a torch dtype error inside a model's forward may be blamed on, for
-:func:`initlab._core.data.dtype_error`: only a tensor the failing torch function took (not one
+:func:`initlab._core.dtypes.dtype_error`: only a tensor the failing torch function took (not one
 the model made), and not integer ids the model's own embeddings can take."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from torch import nn
 __all__ = ["TYPE_NAMES", "could_be_ids", "failed_on"]
 
 #: How torch's dtype errors name a dtype: its ScalarType ("Long", "LongTensor") or C++ type
-#: ("long int"), for :func:`initlab._core.data.dtype_error`.
+#: ("long int"), for :func:`initlab._core.dtypes.dtype_error`.
 TYPE_NAMES = {
     torch.uint8: r"\bByte(?:Tensor)?\b|unsigned char",
     torch.int8: r"\bChar(?:Tensor)?\b|(?<!un)signed char",

@@ -49,13 +49,13 @@ from initlab._core.criteria import (
 )
 from initlab._core.data import (
     default_forward,
-    dtype_error,
     find_target,
     keyword_error,
     one_example_error,
     output_tensor,
 )
 from initlab._core.devices import device_error, target_device_error
+from initlab._core.dtypes import dtype_error
 from initlab._core.knobs import user_stacklevel
 
 __all__ = [

@@ -433,7 +433,7 @@ _WORDING: tuple[tuple[str, str | Callable[[re.Match[str]], str]], ...] = (
         "pass --data-dir (or set the INITLAB_DATA_DIR environment variable) with",
     ),
     (r"\(data root (\S+), from root=\)", r"(data root \1, from --data-dir)"),
-    (  # _core.data.dtype_error: the data comes from a file here, the model from a factory
+    (  # _core.dtypes.dtype_error: the data comes from a file here, the model from a factory
         r"convert it \(x\.to\(([\w.]+)\)((?:, x\.\w+\(\))?), in the dataset or a collate_fn\), "
         r"or the model \(model\.to\(([\w.]+)\)\)",
         r"convert the data before saving it (x.to(\1)\2), or have the factory build the model "

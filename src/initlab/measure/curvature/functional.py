@@ -15,8 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from initlab._core.data import default_forward, dtype_error, forward_args, keyword_error
+from initlab._core.data import default_forward, forward_args, keyword_error
 from initlab._core.devices import device_error
+from initlab._core.dtypes import dtype_error
 from initlab._core.forward_loss import on_batches, target_kept
 from initlab._core.functional import functional_call
 from initlab._core.loss import (
