@@ -58,7 +58,6 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
 from initlab._core.batch_shape import TARGET_KEYS, check_batched, find_target, target_taken
-from initlab._core.devices import device_error
 from initlab._core.pytree import children, find_path, flatten_tensors, map_tensors, rebuild
 from initlab._core.pytree import shallow_types as _shallow_types
 from initlab._core.rng import global_rng_kept
@@ -565,9 +564,9 @@ def default_forward(model: nn.Module, batch: Any) -> Any:
             raise
         raise single from err
     except RuntimeError as err:
-        from initlab._core.dtypes import dtype_error  # dtypes builds on this module
+        from initlab._core.dtypes import data_error  # dtypes builds on this module
 
-        clear = dtype_error(err, model, batch) or device_error(err, model, batch)
+        clear = data_error(err, model, batch)
         if clear is None:
             raise
         raise clear from err

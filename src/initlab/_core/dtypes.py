@@ -15,10 +15,11 @@ from typing import Any
 import torch
 
 from initlab._core.data import batch_tensors, forward_args
+from initlab._core.devices import DataDeviceError, device_error
 from initlab._core.dtype_blame import TYPE_NAMES, could_be_ids, failed_on
 from initlab._core.pytree import flatten_tensors
 
-__all__ = ["dtype_error"]
+__all__ = ["data_error", "dtype_error"]
 
 
 #: torch's dtype errors that name both dtypes (any order), and those that name at most one (a
@@ -27,6 +28,14 @@ _DTYPE_WORDS = re.compile(
     r"same dtype|expected scalar type|Input type .* should be the same|Type promoting not supported"
 )
 _ONE_DTYPE_WORDS = re.compile(r"mixed dtype|not implemented for '\w+'")
+
+
+def data_error(err: RuntimeError, model: Any, batch: Any) -> TypeError | DataDeviceError | None:
+    """A clear error for a forward's ``RuntimeError`` caused by the data's dtype
+    (:func:`dtype_error`) or device (:func:`~initlab._core.devices.device_error`), ``None``
+    otherwise: what the default forward, the loss's call of the model and the functional call
+    raise in place of torch's message."""
+    return dtype_error(err, model, batch) or device_error(err, model, batch)
 
 
 def dtype_error(err: RuntimeError, model: Any, batch: Any) -> TypeError | None:

@@ -54,8 +54,8 @@ from initlab._core.data import (
     one_example_error,
     output_tensor,
 )
-from initlab._core.devices import device_error, target_device_error
-from initlab._core.dtypes import dtype_error
+from initlab._core.devices import target_device_error
+from initlab._core.dtypes import data_error
 from initlab._core.knobs import user_stacklevel
 
 __all__ = [
@@ -144,7 +144,7 @@ class Loss:
                 raise
             raise single from err
         except RuntimeError as err:  # the model called by the loss, on data of another dtype
-            clear = dtype_error(err, model, batch) or device_error(err, model, batch)
+            clear = data_error(err, model, batch)
             if clear is None:
                 raise
             raise clear from err

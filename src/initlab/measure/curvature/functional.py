@@ -16,8 +16,7 @@ import torch
 from torch import nn
 
 from initlab._core.data import default_forward, forward_args, keyword_error
-from initlab._core.devices import device_error
-from initlab._core.dtypes import dtype_error
+from initlab._core.dtypes import data_error
 from initlab._core.forward_loss import on_batches, target_kept
 from initlab._core.functional import functional_call
 from initlab._core.loss import (
@@ -158,10 +157,10 @@ def _functional_forward(
                 raise
             raise clear from err
         except RuntimeError as err:
-            dtype = dtype_error(err, model, batch) or device_error(err, model, batch)
-            if dtype is None:
+            clear = data_error(err, model, batch)
+            if clear is None:
                 raise
-            raise dtype from err
+            raise clear from err
     wrapper = _Call(model, forward)
     return functional_call(wrapper, {f"model.{k}": v for k, v in state.items()}, (batch,))
 
