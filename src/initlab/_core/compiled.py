@@ -37,6 +37,7 @@ from torch import nn
 
 from initlab._core.distributed import is_distributed
 from initlab._core.knobs import accepted_keywords, check_keywords
+from initlab._core.rows import shown
 
 __all__ = [
     "check_materialized",
@@ -220,11 +221,6 @@ def scripted_part(model: nn.Module) -> tuple[str, nn.Module] | None:
     )
 
 
-def _shown(names: list[str], most: int = 4) -> str:
-    """The first ``most`` of ``names``, and how many more."""
-    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
-
-
 def check_materialized(model: nn.Module, what: str) -> None:
     """Raise a ``ValueError`` naming the tensors of ``model`` that hold no values yet: on the meta
     device (``torch.device("meta")``: materialize with ``model.to_empty(device=...)``) or lazy
@@ -235,7 +231,7 @@ def check_materialized(model: nn.Module, what: str) -> None:
 
     if lazy:
         raise ValueError(
-            f"{what}: {_shown(lazy, 5)} of the model {'are' if len(lazy) > 1 else 'is'} "
+            f"{what}: {shown(lazy, 5)} of the model {'are' if len(lazy) > 1 else 'is'} "
             "uninitialized "
             "(a lazy module, e.g. nn.LazyLinear, before its first forward pass); run the model "
             "once on a batch (model(x)) so that they take their shapes, then call "
@@ -243,7 +239,7 @@ def check_materialized(model: nn.Module, what: str) -> None:
         )
     if meta:
         raise ValueError(
-            f"{what}: {_shown(meta, 5)} of the model live on the meta device and have no values; "
+            f"{what}: {shown(meta, 5)} of the model live on the meta device and have no values; "
             "materialize the model first with model.to_empty(device=...), which gives every "
             "tensor uninitialized memory, then initialize it: initlab.init_model(model, scheme) "
             f"sets the parameters and the norm layers' running statistics{_other_buffers(model)}"
@@ -273,23 +269,23 @@ def _other_buffers(model: nn.Module) -> str:
     ways = []
     if unset.frozen:
         with_stats = (
-            f" and the running statistics of frozen norm layers ({_shown(unset.frozen_stats)})"
+            f" and the running statistics of frozen norm layers ({shown(unset.frozen_stats, 4)})"
         )
         ways.append(
-            f"the frozen parameters {_shown(unset.frozen)}{with_stats if stats else ''} are kept "
+            f"the frozen parameters {shown(unset.frozen, 4)}{with_stats if stats else ''} are kept "
             "(frozen='skip'): frozen='init' draws them too, or model.load_state_dict(...) restores "
             "pretrained ones"
         )
     if unset.other:
         ways.append(
-            f"{_shown(unset.other)} are left as they were (unclaimed, or kept as the model draws "
+            f"{shown(unset.other, 4)} are left as they were (unclaimed, or kept as the model draws "
             "them: its report's rows say which)"
         )
     if kept:
-        ways.append(f"model.load_state_dict(...) restores the buffers {_shown(kept)}")
+        ways.append(f"model.load_state_dict(...) restores the buffers {shown(kept, 4)}")
     if lost:
         ways.append(
-            f"{_shown(lost)} (non-persistent) are in no state_dict: compute them as the model's "
+            f"{shown(lost, 4)} (non-persistent) are in no state_dict: compute them as the model's "
             "constructor does (e.g. a rotary embedding's inv_freq), or build that module outside "
             "the meta device"
         )

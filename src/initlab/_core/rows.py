@@ -33,11 +33,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, overload
 
-from initlab._core.data import DataUse
+if TYPE_CHECKING:  # data's modules list names with shown(): no import of data at run time
+    from initlab._core.data import DataUse
 
-__all__ = ["Rows", "format_table", "join_name", "split_name"]
+__all__ = ["Rows", "format_table", "join_name", "shown", "split_name"]
 
 
 def split_name(qualified: str) -> tuple[str, str]:
@@ -59,6 +60,16 @@ def join_name(layer: str, param: str) -> str:
     if not param:
         return layer
     return f"{layer}.{param}" if layer else param
+
+
+def shown(names: Sequence[str], most: int) -> str:
+    """The first ``most`` of ``names`` joined by ``", "``, then ``" and N more"`` for the
+    ``N = len(names) - most`` left out (nothing when none is): the one way a message lists names.
+
+    >>> shown(["a", "b", "c"], 2), shown(["a", "b"], 2)
+    ('a, b and 1 more', 'a, b')
+    """
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def _fmt(value: Any) -> str:

@@ -9,7 +9,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from initlab._core.rows import Rows
+from initlab._core.rows import Rows, shown
 
 __all__ = ["lipschitz_bounds"]
 
@@ -85,13 +85,15 @@ def lipschitz_bounds(
     spectra = list(spectra)
     norms, calls, notes, known = _norms_and_calls(spectra)
     if uncovered:
-        notes.append(f"not covered (assumed 1-Lipschitz, so not a guarantee): {_shown(uncovered)}")
+        notes.append(
+            f"not covered (assumed 1-Lipschitz, so not a guarantee): {shown(uncovered, 6)}"
+        )
     plain = math.prod(v ** calls[n] for n, v in norms.items()) if norms else math.nan
     blocks, strangers = _blocks(residual_blocks, norms)
     strangers = [n for n in strangers if n not in {r["layer"] for r in spectra} | set(uncovered)]
     if strangers:
         notes.append(
-            f"residual blocks name layers without a spectra row: {_shown(strangers)} (assumed "
+            f"residual blocks name layers without a spectra row: {shown(strangers, 6)} (assumed "
             "1-Lipschitz, so not a guarantee)"
         )
     residual, sure = _residual_bound(norms, calls, blocks, notes)
@@ -145,11 +147,6 @@ def _blocks(
     return blocks, names
 
 
-def _shown(names: Sequence[str], most: int = 6) -> str:
-    more = f" and {len(names) - most} more" if len(names) > most else ""
-    return ", ".join(names[:most]) + more
-
-
 def _branch_sums(
     sums: Sequence[Mapping[str, Any]] | None,
     blocks: list[tuple[str, set[str], Any, frozenset[str]]],
@@ -172,7 +169,7 @@ def _branch_sums(
     ]
     if found:
         notes.append(
-            f"sums of parallel branches, not residual blocks: {_shown(found, 3)}; a product of "
+            f"sums of parallel branches, not residual blocks: {shown(found, 3)}; a product of "
             "norms does not bound p(x) + q(x) (||p|| + ||q|| does): not a guarantee"
         )
     else:  # the trace sees sums whose operands meet within SHORTCUT_STEPS calls, not every sum
@@ -215,11 +212,11 @@ def _norms_and_calls(
             estimated.append(layer)
     notes = []
     if never:
-        notes.append(f"not run in the forward, so not in the bounds: {_shown(never)}")
+        notes.append(f"not run in the forward, so not in the bounds: {shown(never, 6)}")
     repeated = [f"{n} ({k} calls)" for n, k in calls.items() if k > 1]
     if repeated:
         notes.append(f"run several times per forward, the norm counted once per call: "
-                     f"{_shown(repeated)}")  # fmt: skip
+                     f"{shown(repeated, 6)}")  # fmt: skip
     if unknown:
         notes.append(
             "how often each layer runs per forward is not known (no forward was watched): each "
@@ -228,19 +225,19 @@ def _norms_and_calls(
         )
     if inferred:
         notes.append(
-            f"applied by their parent's forward, not called themselves: {_shown(inferred)}; "
+            f"applied by their parent's forward, not called themselves: {shown(inferred, 6)}; "
             "each is taken to run once per call of the parent, a guess (the parent may apply "
             "the weight several times): not a guarantee"
         )
     if shapes:
         notes.append(
-            f"called at several input sizes: {_shown(shapes)}; a convolution's operator norm "
+            f"called at several input sizes: {shown(shapes, 6)}; a convolution's operator norm "
             "depends on the input size, and the norm taken holds at the first size only: not a "
             "guarantee"
         )
     if estimated:
         notes.append(
-            f"operator norms estimated without a certified upper bound: {_shown(estimated)} (a "
+            f"operator norms estimated without a certified upper bound: {shown(estimated, 6)} (a "
             "Lanczos estimate that did not converge, of a convolution padded other than with "
             "zeros): it may lie below the norm, not a guarantee"
         )
@@ -284,7 +281,7 @@ def _residual_bound(
     extra = sorted(n for n in uses if calls[n] > uses[n])
     if extra:
         notes.append(
-            f"run more often than the residual blocks that hold them: {_shown(extra)}; the "
+            f"run more often than the residual blocks that hold them: {shown(extra, 6)}; the "
             "residual bound counts one call in each block and the rest outside, no bound if a "
             "block runs the layer more than once (not a guarantee)"
         )

@@ -122,6 +122,7 @@ from torch.utils._pytree import tree_flatten
 from initlab._core.autocast import _enabled_for
 from initlab._core.hooks import hook_handles
 from initlab._core.parametrized import computed
+from initlab._core.rows import shown
 from initlab.diagnostics._lipschitz_judges import (
     _LAYER_OPS,
     _arg,
@@ -451,10 +452,7 @@ class OperationWatch:
                     continue
                 why = "a sum of two activations that is no residual block of the bound"
             add(node.fn, why, node.module)
-        return self._before + [
-            f"{fn} in {', '.join(w[:3])}{f' and {len(w) - 3} more' if len(w) > 3 else ''}: {why}"
-            for (fn, why), w in found.items()
-        ]
+        return self._before + [f"{fn} in {shown(w, 3)}: {why}" for (fn, why), w in found.items()]
 
     def _not_own(self, trusted: set[str]) -> list[tuple[str, str, str]]:
         """``(layer, fn, why)`` for the trusted layers whose own calls applied a tensor other

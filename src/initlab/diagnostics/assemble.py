@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from initlab._core.parametrized import layer_tensor
-from initlab._core.rows import Rows
+from initlab._core.rows import Rows, shown
 from initlab._core.underflow import float16_layer, float16_zero
 from initlab.diagnostics.linter import _positive, signal_ratios
 from initlab.diagnostics.report import (
@@ -351,11 +351,10 @@ def _zero_reason(
     layer is float16 (:func:`~initlab._core.underflow.float16_layer`), so a zero gradient may be
     float16 underflow (a dead ReLU or a zero input still explain it first)."""
     if e_dy2 == 0.0 and dead:
-        shown = ", ".join(dead[:3]) + (f" and {len(dead) - 3} more" if len(dead) > 3 else "")
         return (
             f"{what}: no gradient reaches this layer (E[dy^2] = 0 at its output): every unit of "
-            f"the ReLU {shown} is dead (its input never positive), and no gradient passes a dead "
-            "ReLU; fix the layer that feeds it (its bias, its weights), and this one learns"
+            f"the ReLU {shown(dead, 3)} is dead (its input never positive), and no gradient passes "
+            "a dead ReLU; fix the layer that feeds it (its bias, its weights), and this one learns"
         )
     if float16:
         return float16_zero(f"{what}: " + ("E[dy^2] = 0 at its output" if e_dy2 == 0.0 else

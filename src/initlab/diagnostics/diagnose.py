@@ -45,7 +45,7 @@ from initlab._core.loss_counts import batch_reduction
 from initlab._core.norms import may_float16
 from initlab._core.parametrized import reading_layers
 from initlab._core.rng import Seeds, as_generator, stage_generator
-from initlab._core.rows import Rows
+from initlab._core.rows import Rows, shown
 from initlab._core.state import preserved_state
 from initlab._core.underflow import FLOAT16_ADVICE, FLOAT16_TINY, float16_layer
 from initlab.diagnostics._lipschitz_ops import OperationWatch
@@ -298,9 +298,8 @@ def _auto_per_example(model: nn.Module, notes: list[str]) -> bool:
     ]
     if coupled:
         notes.append(
-            f"per-example ν not computed: BatchNorm in train mode ({coupled[0]}"
-            + (f" and {len(coupled) - 1} more" if len(coupled) > 1 else "")
-            + ") couples the examples; ν is the minibatch ratio"
+            f"per-example ν not computed: BatchNorm in train mode ({shown(coupled, 1)}) couples "
+            "the examples; ν is the minibatch ratio"
         )
     return not coupled
 
@@ -322,9 +321,8 @@ def _note_fresh_eval_norms(model: nn.Module, notes: list[str]) -> None:
         and _fresh_statistics(m)
     ]
     if fresh:
-        more = f" and {len(fresh) - 1} more" if len(fresh) > 1 else ""
         notes.append(
-            f"{FRESH_EVAL_NORMS} ({fresh[0]}{more}: "
+            f"{FRESH_EVAL_NORMS} ({shown(fresh, 1)}: "
             "mean 0, variance 1): they normalize nothing here, so the model is measured as one "
             "without normalization; call model.train() to diagnose it as it trains"
         )
@@ -429,8 +427,7 @@ def _probe_tables(probe: MomentProbe, losses: list[float], run: _Run) -> tuple[R
             why = _VANISHED_FLOAT16 if float16_layer(named.get(layer), layer, half) else _VANISHED
         by_reason.setdefault(why, []).append(label)
     for why, labels in by_reason.items():
-        shown = ", ".join(labels[:4]) + (f" and {len(labels) - 4} more" if len(labels) > 4 else "")
-        run.notes.append(f"per-example ν unavailable for {shown}: {why}")
+        run.notes.append(f"per-example ν unavailable for {shown(labels, 4)}: {why}")
     return probe_table, param_table
 
 
@@ -680,11 +677,11 @@ def _note_underflow_curvature(tables: Mapping[str, Rows], notes: list[str]) -> N
     marks = (FLOAT16_UNDERFLOW, FLOAT16_ZERO)
     names = [str(r["block_row"]) for r in rows if any(m in str(r.get("note")) for m in marks)]
     if names:
-        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
         notes.append(
-            f"curvature: float16 underflow in {len(names)} block(s) ({shown}): their products "
-            "change with the loss's scale, or are 0, so curv_block and curv_theory_ratio are not "
-            f"the float32 values (see the curvature table's notes); {FLOAT16_ADVICE}"
+            f"curvature: float16 underflow in {len(names)} block(s) ({shown(names, 4)}): their "
+            "products change with the loss's scale, or are 0, so curv_block and "
+            "curv_theory_ratio are not the float32 values (see the curvature table's notes); "
+            f"{FLOAT16_ADVICE}"
         )
 
 

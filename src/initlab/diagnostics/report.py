@@ -77,7 +77,7 @@ from pathlib import Path
 from typing import Any
 
 from initlab._core.data import DataUse
-from initlab._core.rows import Rows, _fmt
+from initlab._core.rows import Rows, _fmt, shown
 
 __all__ = [
     "DIAGNOSTIC_COLUMNS",
@@ -304,23 +304,19 @@ def _lipschitz_lines(meta: Mapping[str, Any]) -> list[str]:
         return []
     uncovered = list(lip.get("uncovered") or ())
     if lip.get("guaranteed") is False and uncovered:
-        shown = ", ".join(uncovered[:3]) + (
-            f" and {len(uncovered) - 3} more" * (len(uncovered) > 3)
-        )
         return [
             f"  Lipschitz upper bound: not available, {len(uncovered)} layer(s) have no operator "
-            f"norm bound ({shown}); see meta['lipschitz']"
+            f"norm bound ({shown(uncovered, 3)}); see meta['lipschitz']"
         ]
     ops = list(lip.get("operations") or ())
     if lip.get("guaranteed") is False and ops:
         names = list(dict.fromkeys(o.partition(" in ")[0] for o in ops))
-        shown = ", ".join(names[:4]) + f" and {len(names) - 4} more" * (len(names) > 4)
         train = "; dropout in train mode: call model.eval() first" * any(
             "dropout" in n for n in names
         )
         return [
             f"  Lipschitz upper bound: not available, operations not known to be 1-Lipschitz "
-            f"ran ({shown}){train}; see meta['lipschitz']"
+            f"ran ({shown(names, 4)}){train}; see meta['lipschitz']"
         ]
     if lip.get("guaranteed") is False:
         return ["  Lipschitz upper bound: not available (see meta['lipschitz'])"]

@@ -24,7 +24,7 @@ from initlab._core.compiled import takes_compiled
 from initlab._core.data import data_use, take_batches
 from initlab._core.knobs import renamed_kwargs, user_stacklevel
 from initlab._core.rng import as_generator, draw_device
-from initlab._core.rows import Rows
+from initlab._core.rows import Rows, shown
 from initlab._core.state import keeps_config
 from initlab._core.underflow import FLOAT16_ADVICE
 from initlab.measure.curvature.functional import Forward, LossFn, tie_note
@@ -422,10 +422,9 @@ def _note_underflow(
         flagged.append(r["block_row"] + ("" if lk[0] == lk[1] else f" x {r['block_col']}"))
     if not flagged:
         return
-    shown = ", ".join(flagged[:4]) + (f" and {len(flagged) - 4} more" if len(flagged) > 4 else "")
     message = (
-        f"{len(flagged)} block(s) of this float16 model ({shown}) may be off by float16 "
-        f"underflow (their products change with the loss's scale, or are 0): {_LOST}; "
+        f"{len(flagged)} block(s) of this float16 model ({shown(flagged, 4)}) may be off by "
+        f"float16 underflow (their products change with the loss's scale, or are 0): {_LOST}; "
         f"{FLOAT16_ADVICE} (the batch's floating-point tensors in float32)"
     )
     notes.append(message)
