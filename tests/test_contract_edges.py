@@ -843,6 +843,17 @@ _BAD_OPTIONS: dict[str, tuple[Callable[[nn.Module, Any], Any], type, str]] = {
         lambda m, d: initlab.metainit_(m, d, F.cross_entropy, progress=3),
         TypeError, r"progress must be a function",
     ),
+    # examples= divided the gradient counts: 0 raised ZeroDivisionError, -64 negated gamma and
+    # p2, 6.4 scaled them by 10, all without a word
+    **{
+        f"gr_scaling examples={v!r}": (
+            functools.partial(initlab.gr_scaling, examples=v),
+            ValueError,
+            rf"^gr_scaling: examples must be a positive int \(the number of examples the backward "
+            rf"passes saw\) or None \(.*\), got {re.escape(repr(v))}$",
+        )
+        for v in (0, -64, 6.4, True, "64")
+    },
 }  # fmt: skip
 
 

@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 __all__ = [
     "check_batch_dim",
     "check_callback",
+    "check_count",
     "check_flags",
     "check_kwargs",
     "errors_named",
@@ -200,6 +201,28 @@ def check_batch_dim(what: str, batch_dim: int | None) -> int:
     if batch_dim is not None and (not isinstance(batch_dim, int) or batch_dim < 0):
         raise ValueError(f"{what}: batch_dim must be None or a non-negative int, got {batch_dim!r}")
     return int(batch_dim or 0)
+
+
+def check_count(what: str, name: str, value: object, meaning: str, default: str) -> int | None:
+    """``value`` as a count: a positive int, or ``None`` (the entry point's ``default``).
+
+    ``meaning`` says what the count is and ``default`` what ``None`` does; both go into the
+    message, with the value given (``True`` is refused: it is an int to Python, not a count).
+
+    Raises:
+        ValueError: ``value`` is neither ``None`` nor an int ``>= 1``.
+
+    Example:
+        >>> check_count("f", "n", 0, "how many", "all")
+        Traceback (most recent call last):
+        ...
+        ValueError: f: n must be a positive int (how many) or None (all), got 0
+    """
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return value
+    raise ValueError(
+        f"{what}: {name} must be a positive int ({meaning}) or None ({default}), got {value!r}"
+    )
 
 
 def check_callback(what: str, name: str, fn: object) -> None:

@@ -143,7 +143,7 @@ from initlab._core.distributed import (
     is_distributed,
     run_together,
 )
-from initlab._core.knobs import errors_named
+from initlab._core.knobs import check_count, errors_named
 from initlab._core.loss import LossLike, resolve_loss
 from initlab._core.loss_counts import batch_reduction
 from initlab._core.modules import first_names
@@ -634,7 +634,8 @@ def gr_scaling(
     Raises:
         ValueError: the probe saw more forward passes of the model (with gradients) than
             backward passes: a loss that calls the model twice per batch pools both calls'
-            moments, which the formulas do not allow; the message says so.
+            moments, which the formulas do not allow; the message says so. ``examples`` is
+            neither ``None`` nor a positive int.
     """
     if probe is None and model is not None:  # gr_scaling(model=..., data=...): the first form
         probe, model = model, None
@@ -645,6 +646,7 @@ def gr_scaling(
             "gr_scaling(probe, ...): generator= seeds the probe's passes in the (model, data) "
             "form; a probe has run its passes already (give measure_moments the generator)"
         )
+    check_count("gr_scaling", "examples", examples, *_EXAMPLES)
     if isinstance(probe, nn.Module):
         if data is None:
             raise TypeError("gr_scaling(model, data, loss_fn): pass the data to probe")
@@ -689,6 +691,11 @@ def gr_scaling(
     return Rows(rows, GR_COLUMNS, title="GR scaling", used=probe.used)
 
 
+#: What ``gr_scaling``'s ``examples=`` is, and what ``None`` does (its error message says both).
+_EXAMPLES = (
+    "the number of examples the backward passes saw",
+    "count them from the data or the per-example gradients",
+)
 _FROZEN = "frozen (requires_grad=False): not trained, left out of the median"
 
 
