@@ -302,6 +302,53 @@ def test_a_criterion_that_fails_on_the_targets_names_both_shapes() -> None:
     assert _same(before, _state(model))
 
 
+class _LabelsKeyword(nn.Module):
+    """Takes the labels as a keyword (and ignores them), so a dict batch reaches the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _mlp()
+
+    def forward(self, x: torch.Tensor, labels: Any = None) -> torch.Tensor:
+        return self.net(x)
+
+
+@pytest.mark.parametrize("loss", [None, "cross_entropy", nn.CrossEntropyLoss()], ids=str)
+def test_labels_of_a_dict_batch_left_a_list_are_named_not_missing(loss: Any) -> None:
+    """Read as "a dict batch without 'labels' (keys ['labels', 'x'])": only a tensor was found."""
+    x, y = _data()
+    with pytest.raises(TargetError, match=r"entry 'labels' of the batch \(its targets\) is a list "
+                       r"of 40 items, not a tensor: convert the labels to one tensor"):  # fmt: skip
+        initlab.gradient_stats(_LabelsKeyword(), {"x": x, "labels": y.tolist()}, loss)
+
+
+def test_a_criterion_of_ones_own_still_gets_a_target_that_is_no_tensor() -> None:
+    """The target must be a tensor for torch's criteria and initlab's losses only."""
+    x, y = _data()
+    model = _mlp()
+
+    def own(output: torch.Tensor, target: list[int]) -> torch.Tensor:
+        return F.cross_entropy(output, torch.tensor(target))
+
+    land = initlab.loss_landscape(model, (x, y.tolist()), own, grid=1)
+    with torch.no_grad():
+        logits = model(x).double()
+        want = (logits.logsumexp(1) - logits[torch.arange(len(y)), y]).mean().item()
+    assert float(land.center) == pytest.approx(want, rel=1e-6)
+
+
+def test_a_criterion_of_ones_own_failing_on_a_list_target_names_its_type() -> None:
+    """Was an AttributeError ('list' object has no attribute 'shape') while reporting it."""
+    x, y = _data()
+
+    def own(output: torch.Tensor, target: list[int]) -> torch.Tensor:
+        return F.cross_entropy(output, torch.tensor(target[:-1]))  # a size mismatch
+
+    with pytest.raises(TargetError, match=r"output of shape \(40, 3\) \(torch.float32\) and "
+                       r"targets of type list: Expected input batch_size \(40\)"):  # fmt: skip
+        initlab.gradient_stats(_mlp(), (x, y.tolist()), own)
+
+
 def test_a_criterion_class_instead_of_an_instance_is_named() -> None:
     x, y = _data()
     with pytest.raises(TypeError, match=r"the class CrossEntropyLoss.*CrossEntropyLoss\(\)"):

@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn.utils import prune
 
 import initlab
-from initlab._core.loss import resolve_loss
+from initlab._core.loss import TargetError, resolve_loss
 from initlab.cli import main
 from initlab.data import load_libsvm
 from initlab.diagnostics.diagnose import diagnose
@@ -185,6 +185,50 @@ def _detached_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     return F.cross_entropy(model(batch[0]).detach(), batch[1])
 
 
+def _run_on_targets(
+    entry: str, loss: Any, labels: Callable[[torch.Tensor], Any], model: nn.Module
+) -> Any:
+    """``entry`` on :func:`_batches` whose targets are ``labels(y)`` (a list, ``None``)."""
+    batches = [(x, labels(y)) for x, y in _batches()]
+    if entry == "gradinit_":
+        return gradinit_(model, batches, loss, steps=2)
+    return {"measure_moments": measure_moments, "gr_scaling": gr_scaling}[entry](
+        model, batches, loss
+    )
+
+
+_LIST = (
+    "a list of 16 items",
+    torch.Tensor.tolist,
+    "convert the labels to one tensor (torch.tensor(labels)), or fix the DataLoader's collate_fn",
+)
+_NONE = (
+    "None",
+    lambda y: None,
+    "give every batch its targets (check the dataset and the DataLoader's collate_fn)",
+)
+_TARGET_LOSSES = {
+    "a criterion": (nn.CrossEntropyLoss(), "the loss 'CrossEntropyLoss'"),
+    "the named": ("cross_entropy", "the cross-entropy loss"),
+    "the 'auto'": ("auto", "the default loss"),
+    "the default": (None, "the default loss"),  # measure_moments: None runs no backward
+}
+# a target that is no tensor (a collate_fn that left the labels a list; (x, None)) reached torch
+# (TypeError: cross_entropy_loss(): argument 'target' must be Tensor) or initlab's own tensor
+# methods (AttributeError: 'list' object has no attribute 'is_floating_point')
+_NOT_A_TENSOR = {
+    f"{entry}, {loss_name} loss, a target that is {kind}": (
+        _mlp,
+        functools.partial(_run_on_targets, entry, loss, labels),
+        TargetError,
+        f"{said} takes the batch's targets as a tensor, and entry '1' of the batch (its "
+        f"targets) is {kind}, not a tensor: {advice}",
+    )
+    for entry in ("measure_moments", "gr_scaling", "gradinit_")
+    for loss_name, (loss, said) in _TARGET_LOSSES.items()
+    for kind, labels, advice in (_LIST, _NONE)
+    if loss is not None or entry != "measure_moments"
+}
 _ONE_EXAMPLE = "a batch of one example reached a batch norm layer in training mode"
 _FROZEN = "no parameter of the model requires a gradient (all 4 are frozen)"
 _ERRORS: dict[str, tuple[Callable[[], nn.Module], Callable[[nn.Module], Any], type, str]] = {
@@ -249,6 +293,7 @@ _ERRORS: dict[str, tuple[Callable[[], nn.Module], Callable[[nn.Module], Any], ty
         TypeError,
         "holds a numpy array (entry 'x'), not a torch tensor",
     ),
+    **_NOT_A_TENSOR,
     "gradient_stats of a frozen model": (
         _frozen_mlp,
         lambda m: initlab.gradient_stats(m, _batches()),
@@ -992,6 +1037,9 @@ def data_none():
 def data_ok():
     return [(torch.randn(16, 4), torch.randint(0, 3, (16,))) for _ in range(4)]
 
+def data_list_labels():
+    return (torch.randn(16, 4), torch.randint(0, 3, (16,)).tolist())
+
 def bad_loss(model, batch):
     raise KeyError("no such entry")
 """
@@ -1039,6 +1087,13 @@ _CLI: dict[str, tuple[list[str], int, str]] = {
         2,  # bad input: the data does not fit the model
         "RuntimeError: mat1 and mat2 shapes cannot be multiplied (1x3 and 4x8) (the model could "
         "not run on the data",
+    ),
+    "labels left a list (was: AttributeError)": (
+        ["diagnose", "--model", "mods.py:mlp", "--data", "mods.py:data_list_labels"],
+        2,
+        "initlab diagnose: error: the default loss takes the batch's targets as a tensor, and "
+        "entry '1' of the batch (its targets) is a list of 16 items, not a tensor: convert the "
+        "labels to one tensor (torch.tensor(labels))",
     ),
     "a data function that returns None (was: AttributeError)": (
         [*_INIT, "--method", "lsuv", "--data", "mods.py:data_none"],

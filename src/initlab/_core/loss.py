@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from initlab._core.batch_shape import forward_params
+from initlab._core.batch_shape import TARGET_KEYS, forward_params
 from initlab._core.criteria import (
     ELEMENTWISE_CRITERIA,
     class_options,
@@ -426,11 +426,23 @@ def _scalar(loss: Any, name: str) -> torch.Tensor:
     return loss.reshape(())
 
 
-def _target(batch: Any, what: str | None) -> torch.Tensor:
+def _target(batch: Any, what: str | None, *, name: str = "", tensor: bool = True) -> Any:
     """``batch[1]`` of an ``(x, y, ...)`` batch, or the ``labels`` entry of a dict batch
-    (:func:`~initlab._core.data.find_target`)."""
+    (:func:`~initlab._core.data.find_target`): the one place the losses on the outputs (the named
+    ones, the default one, a criterion ``name``) take the target from the batch.
+
+    Raises:
+        TargetError: no target; or (``tensor``: every loss but a criterion of one's own, which
+            may take a list) a target that is no tensor (a ``collate_fn`` that left the labels a
+            list, an ``(x, None)`` batch), named by its entry and type.
+    """
     found = find_target(batch)
+    if found is None and isinstance(batch, Mapping):  # find_target reads only a tensor's key
+        found = next(((k, batch[k]) for k in TARGET_KEYS if batch.get(k) is not None), None)
     if found is not None:
+        if tensor and not isinstance(found[1], torch.Tensor):
+            loss = f"the {what} loss" if what else f"the loss {name!r}" if name else "the loss"
+            raise TargetError(_not_a_tensor(loss, *found))
         return found[1]
     kind = f"the {what} loss" if what else "a criterion(output, target)"
     got = f"a {type(batch).__name__} batch"
@@ -440,6 +452,26 @@ def _target(batch: Any, what: str | None) -> torch.Tensor:
         f"{kind} needs (x, y) batches or dict batches with 'labels'; got {got}. Give every "
         "batch its targets; for data without targets pass loss_fn(model, batch), or "
         "'random_quadratic' (Defazio & Bottou's random loss y^T R y)"
+    )
+
+
+def _not_a_tensor(kind: str, key: str, y: Any) -> str:
+    """The message of :func:`_target`'s error for a target ``y`` (entry ``key``) that is no
+    tensor."""
+    got = "None" if y is None else f"a {type(y).__module__}.{type(y).__qualname__}"
+    got = got.replace("builtins.", "")
+    if isinstance(y, (list, tuple)):
+        got += f" of {len(y)} items"
+    way = (
+        "give every batch its targets (check the dataset and the DataLoader's collate_fn); for "
+        "data without targets pass a loss_fn(model, batch), or 'random_quadratic'"
+        if y is None
+        else "convert the labels to one tensor (torch.tensor(labels)), or fix the DataLoader's "
+        "collate_fn so that it stacks them (the default collate_fn does)"
+    )
+    return (
+        f"{kind} takes the batch's targets as a tensor, and entry {key!r} of the batch (its "
+        f"targets) is {got}, not a tensor: {way}"
     )
 
 
@@ -464,16 +496,18 @@ def _pairing_error(
 ) -> TargetError:
     """A loss on the outputs failed: say so with the output's and the target's shapes (and, for a
     class criterion, ``classes``, on integer targets that are not int64: ``y.long()``)."""
-    hint = ""
+    hint, target = "", None
     try:
-        target = _target(batch, None)
+        target = _target(batch, None, tensor=False)  # a criterion of one's own may take a list
+        given = f"targets of type {type(target).__name__}"
+    except TargetError:
+        given = "no targets"
+    if isinstance(target, torch.Tensor):
         given = f"targets of shape {tuple(target.shape)} ({target.dtype})"
         if classes and not target.is_floating_point() and target.dtype != torch.long:
             hint = (
                 f" Class indices are int64 for torch's losses: pass y.long(), not {target.dtype}."
             )
-    except TargetError:
-        given = "no targets"
     return TargetError(
         f"the loss {name!r} failed on the model's output of shape {tuple(out.shape)} "
         f"({out.dtype}) and {given}: {str(err).rstrip('.')}.{hint} Check that the targets are "
@@ -658,12 +692,14 @@ def criterion(
         1.0
     """
     label = name or _callable_name(fn)
+    tensor = takes_class_indices(fn) or is_one_of(fn, ELEMENTWISE_CRITERIA) or _of_torch(fn)
+    target = functools.partial(_target, what=None, name=label, tensor=tensor)
     if takes_class_indices(fn):
-        outputs_loss = lambda out, b: fn(*_classes_last(out, _target(b, None), b))  # noqa: E731
+        outputs_loss = lambda out, b: fn(*_classes_last(out, target(b), b))  # noqa: E731
     elif is_one_of(fn, ELEMENTWISE_CRITERIA):  # paired as "mse" pairs them, never broadcast
-        outputs_loss = lambda out, b: fn(out, _paired(out, _target(b, None), repr(label)))  # noqa: E731
+        outputs_loss = lambda out, b: fn(out, _paired(out, target(b), repr(label)))  # noqa: E731
     else:
-        outputs_loss = lambda out, batch: fn(out, _target(batch, None))  # noqa: E731
+        outputs_loss = lambda out, batch: fn(out, target(batch))  # noqa: E731
     declared = declared_reduction(fn)
     if reduction not in (None, "mean", "sum"):
         raise ValueError(f"criterion: reduction must be 'mean', 'sum' or None, got {reduction!r}")
@@ -674,6 +710,14 @@ def criterion(
     loss = NamedLoss(label, outputs_loss, form="criterion", reduction=reduction or declared)
     loss.criterion_fn = fn
     return loss
+
+
+def _of_torch(fn: Any) -> bool:
+    """Whether ``fn`` is one of torch's criteria (a module or function of ``torch``, or a partial
+    of one: they take a tensor target), not one's own (which may take a list of targets)."""
+    inner = fn.func if isinstance(fn, functools.partial) else fn
+    where = type(inner) if isinstance(inner, nn.Module) else inner
+    return (getattr(where, "__module__", None) or "").startswith("torch.")
 
 
 def _class_criterion(loss: Loss) -> Any:
