@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import re
 import textwrap
 import warnings
@@ -294,6 +295,25 @@ _ERRORS: dict[str, tuple[Callable[[], nn.Module], Callable[[nn.Module], Any], ty
         "holds a numpy array (entry 'x'), not a torch tensor",
     ),
     **_NOT_A_TENSOR,
+    **{
+        f"{name}, batch_dim={dim} beyond the input (was: IndexError deep in the probe)": (
+            _mlp,
+            call,
+            ValueError,
+            f"MomentProbe: batch_dim={dim} is beyond the model's first input tensor, of shape "
+            "(16, 4) (2 dims): pass the dim of that tensor that holds the examples (0 to 1), or "
+            "batch_dim=None for dim 0",
+        )
+        for name, dim, call in (
+            (
+                "measure_moments",
+                2,
+                lambda m: measure_moments(m, _batches(), F.cross_entropy, batch_dim=2),
+            ),
+            ("gr_scaling", 5, lambda m: gr_scaling(m, _batches(), batch_dim=5)),
+            ("diagnose", 3, lambda m: diagnose(m, _batches(), batch_dim=3)),
+        )
+    },
     "gradient_stats of a frozen model": (
         _frozen_mlp,
         lambda m: initlab.gradient_stats(m, _batches()),
@@ -532,6 +552,33 @@ def test_measurements_refuse_what_they_cannot_measure(name: str) -> None:
     with pytest.raises(ValueError) as info:
         call()
     assert text in str(info.value)
+
+
+class _PooledOverTime(nn.Module):
+    """``(T, B, 4)`` inputs, examples on dim 1; the head sees them pooled over time, ``(B, 8)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x).mean(0))
+
+
+def test_a_module_input_without_the_batch_dim_has_no_per_example_value_and_says_why() -> None:
+    """batch_dim=2 that the root input (6, 8, 4) has and the head's pooled (8, 8) input lacks:
+    an IndexError from the probe's hook; now that layer's per-example moment is NaN, with a
+    note, and the rest is measured."""
+    model = _PooledOverTime()
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(6, 8, 4, generator=gen), torch.randint(0, 3, (8,), generator=gen)
+    probe = measure_moments(model, (x, y), F.cross_entropy, batch_dim=2)
+    rows = {(r["layer"], r["param"]): r for r in probe.param_table().to_rows()}
+    assert "b.weight: module input of shape (8, 8) has no dim 2 (the batch dim)" in probe.notes
+    assert math.isnan(rows["b", "weight"]["E_dW2_example"])
+    w = model.b.weight.detach().double()
+    assert rows["b", "weight"]["E_W2"] == pytest.approx(float((w**2).mean()), rel=1e-6)
 
 
 def test_gr_scaling_of_a_probe_whose_loss_called_the_model_twice() -> None:

@@ -35,7 +35,12 @@ if TYPE_CHECKING:
 
 
 class _RootBatch:
-    """The examples ``size`` of one root forward (``None``: its first input has no batch dim)."""
+    """The examples ``size`` of one root forward (``None``: its first input has no batch dim).
+
+    Raises:
+        ValueError: an explicit ``batch_dim`` that the first input tensor (not 0-d) does not
+            have (the module calls would index a dim their inputs lack).
+    """
 
     __slots__ = ("_inputs", "conflict", "explicit", "size")
 
@@ -44,6 +49,13 @@ class _RootBatch:
         first = tensors[0] if tensors else None
         self.size = int(first.shape[dim]) if first is not None and first.dim() > dim else None
         self.explicit = batch_dim is not None
+        if self.explicit and first is not None and 0 < first.dim() <= dim:
+            raise ValueError(
+                f"MomentProbe: batch_dim={batch_dim} is beyond the model's first input tensor, "
+                f"of shape {tuple(first.shape)} ({first.dim()} dims): pass the dim of that "
+                f"tensor that holds the examples (0 to {first.dim() - 1}), or batch_dim=None "
+                "for dim 0"
+            )
         self.conflict: str | None = None
         self._inputs = tensors  # kept until settle(): the evidence of a dim 0 that is no batch
 

@@ -883,6 +883,12 @@ def _keep_closed_form_input(rec: _Record, st: _ModuleState, leaves: list[torch.T
     if x is None:
         rec.fail = rec.fail or why
         return
+    try:  # no cost where it holds; an input pooled over batch_dim= lacks that dim
+        rec.batch = int(x.shape[st.bd])
+    except IndexError:
+        rec.fail = (
+            rec.fail or f"module input of shape {tuple(x.shape)} has no dim {st.bd} (the batch dim)"
+        )
+        return
     rec.x = x.detach()
     rec.x_version = x._version
-    rec.batch = int(x.shape[st.bd])
