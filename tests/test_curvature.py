@@ -871,6 +871,56 @@ def test_renamed_keywords_warn_and_agree() -> None:
     assert [r["ratio"] for r in f_new] == [r["ratio"] for r in f_old]
 
 
+def _correct(m: nn.Module, b: tuple) -> torch.Tensor:
+    return (m(b[0]).argmax(1) == b[1]).sum()
+
+
+_X = torch.tensor([1.0, 2.0], dtype=DT)
+# what a loss returned that is no real floating-point scalar: the message said "f must return a
+# real floating-point scalar tensor, got ()" (a shape, the scalar's) for an integer scalar
+_NOT_A_LOSS: dict[str, tuple[Callable[[], object], str]] = {
+    "block_curvature, an integer scalar": (
+        lambda: block_curvature(*_mlp()[:2], lambda m, b: torch.tensor(1), probes=2),
+        r"^block_curvature: the loss '<lambda>' returned an integer tensor \(torch.int64\), not a "
+        r"floating-point one, so it cannot be differentiated \(a count or an accuracy has no "
+        r"gradient\): return a floating-point loss",
+    ),
+    "block_curvature, a count of correct answers": (
+        lambda: block_curvature(*_mlp()[:2], _correct, probes=2),
+        r"^block_curvature: the loss '_correct' returned an integer tensor \(torch.int64\)",
+    ),
+    "CurvatureOperator ggn, a bool on the outputs": (
+        lambda: CurvatureOperator(*_mlp()[:2], outputs_loss(lambda o, b: (o > 0).all(), "pos"),
+                                  kind="ggn").to_dense(),
+        r"^CurvatureOperator: the loss 'pos' returned a bool tensor \(torch.bool\), not a "
+        r"floating-point one",
+    ),
+    "hessian_vector_product, an integer f": (
+        lambda: hessian_vector_product(lambda t: (t > 0).sum(), _X, torch.ones(2, dtype=DT)),
+        r"^f returned an integer tensor \(torch.int64\)",
+    ),
+    "hessian_vector_product, a vector f": (
+        lambda: hessian_vector_product(lambda t: t**2, _X, torch.ones(2, dtype=DT)),
+        r"^f returned a tensor of shape \(2,\), not a scalar: reduce it",
+    ),
+    "hessian_vector_product, a complex f": (
+        lambda: hessian_vector_product(lambda t: (t * 1j).sum(), _X, torch.ones(2, dtype=DT)),
+        r"^f returned a complex tensor \(torch.complex128\), not a real one",
+    ),
+    "ggn_vector_product, a float": (
+        lambda: ggn_vector_product(lambda t: t, lambda y: 1.0, _X, torch.ones(2, dtype=DT)),
+        r"^loss_fn_on_outputs returned a float, not a tensor",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(_NOT_A_LOSS))
+def test_a_loss_that_is_no_real_float_scalar_is_named_by_what_it_is(case: str) -> None:
+    call, says = _NOT_A_LOSS[case]
+    with pytest.raises(ValueError, match=says):
+        call()
+
+
 @pytest.mark.parametrize("kind", ["hessian", "ggn"])
 def test_loss_forms_give_the_same_blocks(kind: str) -> None:
     model, batch, _ = _mlp()

@@ -361,11 +361,12 @@ class CurvatureOperator(_MatvecOperator):
         return self._engine
 
     def _build_engine(self) -> _HessianEngine | _GGNEngine:
+        what = f"{self._what}: the loss {self.loss_fn.name!r}"
         if self.kind == "hessian":
             return _HessianEngine(
-                lambda leaves: self._loss(self._outputs(leaves)), self._values, self.mode
+                lambda leaves: self._loss(self._outputs(leaves)), self._values, self.mode, what
             )
-        return _GGNEngine(self._outputs, self._loss, self._values, self.mode)
+        return _GGNEngine(self._outputs, self._loss, self._values, self.mode, what)
 
     def _raise_located(self, err: BaseException) -> None:
         if not _is_second_order_error(err):

@@ -96,10 +96,25 @@ def _normal(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _check_scalar(value: Any, what: str) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.is_floating_point():
-        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-        raise ValueError(f"{what} must return a real floating-point scalar tensor, got {shape}")
-    return value.reshape(())
+    """``value`` (what the loss ``what`` returned, in the caller's words: ``"f"``, ``"the loss
+    'name'"``) as a 0-d tensor; a ``ValueError`` says which of tensor, scalar and floating point
+    it is not (its type, its shape or its dtype)."""
+    if not isinstance(value, torch.Tensor):
+        got = f"a {type(value).__name__}, not a tensor: return a real floating-point scalar tensor"
+    elif value.numel() != 1:
+        got = f"a tensor of shape {tuple(value.shape)}, not a scalar: reduce it (e.g. .mean())"
+    elif value.is_complex():
+        got = f"a complex tensor ({value.dtype}), not a real one: return a real scalar"
+    elif not value.is_floating_point():
+        kind = "a bool" if value.dtype == torch.bool else "an integer"
+        got = (
+            f"{kind} tensor ({value.dtype}), not a floating-point one, so it cannot be "
+            "differentiated (a count or an accuracy has no gradient): return a floating-point "
+            "loss (e.g. F.cross_entropy(model(x), y))"
+        )
+    else:
+        return value.reshape(())
+    raise ValueError(f"{what} returned {got}")
 
 
 _FORWARD_AD_READY = False
@@ -296,12 +311,13 @@ class _HessianEngine:
         f: Callable[[tuple[torch.Tensor, ...]], torch.Tensor],
         params: Sequence[torch.Tensor],
         mode: str,
+        what: str = "f",  # f in the caller's words (block_curvature's: "the loss 'name'")
     ) -> None:
         self.f = f
         self.mode = mode
         self.leaves = tuple(p.detach().requires_grad_(True) for p in params)
         with torch.enable_grad():
-            loss = require_grad(_check_scalar(f(self.leaves), "f"))
+            loss = require_grad(_check_scalar(f(self.leaves), what))
             grads = torch.autograd.grad(
                 loss, self.leaves, create_graph=(mode == "rev_rev"), allow_unused=True
             )
@@ -343,6 +359,7 @@ class _GGNEngine:
         loss_fn: Callable[[Any], torch.Tensor],
         params: Sequence[torch.Tensor],
         mode: str,
+        what: str = "loss_fn_on_outputs",  # loss_fn in the caller's words
     ) -> None:
         self.mode = mode
         self.leaves = tuple(p.detach().requires_grad_(True) for p in params)
@@ -351,7 +368,7 @@ class _GGNEngine:
             outs = [t for _, t in flatten_tensors(out)]
             if not outs:
                 raise ValueError("model_fn returned no tensor")
-            loss = require_grad(_check_scalar(loss_fn(out), "loss_fn_on_outputs"))
+            loss = require_grad(_check_scalar(loss_fn(out), what))
             grads = torch.autograd.grad(loss, self.leaves, retain_graph=True, allow_unused=True)
         self.loss = loss.detach()
         self.used = [g is not None for g in grads]
@@ -361,7 +378,7 @@ class _GGNEngine:
         it = iter(out_d)
         out_struct = map_tensors(out, lambda _t: next(it))
         with torch.enable_grad():
-            loss_d = _check_scalar(loss_fn(out_struct), "loss_fn_on_outputs")
+            loss_d = _check_scalar(loss_fn(out_struct), what)
             diff = [i for i, t in enumerate(out_d) if t.requires_grad]
             gl = torch.autograd.grad(
                 loss_d, [out_d[i] for i in diff], create_graph=True, allow_unused=True
