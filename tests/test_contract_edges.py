@@ -349,6 +349,73 @@ def test_a_criterion_of_ones_own_failing_on_a_list_target_names_its_type() -> No
         initlab.gradient_stats(_mlp(), (x, y.tolist()), own)
 
 
+def _probabilities(rows: int = 40) -> torch.Tensor:
+    return torch.rand(rows, 3, generator=torch.Generator().manual_seed(2))
+
+
+_WRONG_LENGTH = r"has a weight= of the wrong length for the model's 3 classes \(shape \(5,\)\)"
+# a criterion's own weight= or pos_weight= that does not fit the model's 3 classes: a TargetError
+# that said "Check that the targets are what the loss takes", or torch's raw error
+_MISCONFIGURED: dict[str, tuple[Any, bool, str]] = {
+    "CrossEntropyLoss weight=ones(5)": (
+        nn.CrossEntropyLoss(weight=torch.ones(5)), False,
+        r"^the loss 'CrossEntropyLoss' " + _WRONG_LENGTH + r": a class criterion takes one weight "
+        r"per class, of shape \(3,\). Fix the criterion's weight= \(torch: weight tensor should "
+        r"be defined either for all 3 classes",
+    ),
+    "CrossEntropyLoss weight=ones(2) (was: IndexError counting the targets)": (
+        nn.CrossEntropyLoss(weight=torch.ones(2)), False,
+        r"weight= of the wrong length for the model's 3 classes \(shape \(2,\)\)",
+    ),
+    "partial(F.nll_loss, weight=ones(5))": (
+        functools.partial(F.nll_loss, weight=torch.ones(5)), False,
+        r"^the loss 'nll_loss' " + _WRONG_LENGTH,
+    ),
+    "MultiMarginLoss weight=ones(5)": (
+        nn.MultiMarginLoss(weight=torch.ones(5)), False,
+        r"^the loss 'MultiMarginLoss' " + _WRONG_LENGTH + r".*inconsistent weight size",
+    ),
+    "CrossEntropyLoss weight of int64 (was: TargetError)": (
+        nn.CrossEntropyLoss(weight=torch.ones(3, dtype=torch.long)), False,
+        r"^the loss 'CrossEntropyLoss' has a weight= of dtype torch.int64, and the model's output "
+        r"is torch.float32: pass the class weights in the output's dtype",
+    ),
+    "CrossEntropyLoss weight of float64 (was: torch's RuntimeError)": (
+        nn.CrossEntropyLoss(weight=torch.ones(3, dtype=torch.float64)), False,
+        r"has a weight= of dtype torch.float64, and the model's output is torch.float32",
+    ),
+    "BCEWithLogitsLoss pos_weight=ones(5)": (
+        nn.BCEWithLogitsLoss(pos_weight=torch.ones(5)), True,
+        r"^the loss 'BCEWithLogitsLoss' has a pos_weight= of shape \(5,\), which does not "
+        r"broadcast against the model's output of shape \(40, 3\) \(3 classes along its last "
+        r"dim\): pass one per class, e.g. of shape \(3,\)",
+    ),
+    "BCEWithLogitsLoss weight=ones(5)": (
+        nn.BCEWithLogitsLoss(weight=torch.ones(5)), True,
+        r"^the loss 'BCEWithLogitsLoss' has a weight= of shape \(5,\), which does not broadcast",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(_MISCONFIGURED))
+def test_a_criterions_misconfigured_weight_is_named_not_the_targets(case: str) -> None:
+    loss, float_targets, says = _MISCONFIGURED[case]
+    x, y = _data()
+    model = _mlp()
+    before = _state(model)
+    with pytest.raises(ValueError, match=says) as info:
+        initlab.measure_moments(model, (x, _probabilities() if float_targets else y), loss)
+    assert not isinstance(info.value, TargetError)
+    assert _same(before, _state(model))
+
+
+def test_a_fitting_weight_and_wrong_targets_still_blame_the_targets() -> None:
+    x, _ = _data()
+    loss = nn.BCEWithLogitsLoss(pos_weight=torch.ones(3))
+    with pytest.raises(TargetError, match=r"targets of shape \(40, 5\)"):
+        initlab.measure_moments(_mlp(), (x, torch.rand(40, 5)), loss)
+
+
 def test_a_criterion_class_instead_of_an_instance_is_named() -> None:
     x, y = _data()
     with pytest.raises(TypeError, match=r"the class CrossEntropyLoss.*CrossEntropyLoss\(\)"):

@@ -46,6 +46,7 @@ from initlab._core.criteria import (
     declared_reduction,
     is_one_of,
     takes_class_indices,
+    weight_error,
 )
 from initlab._core.data import (
     default_forward,
@@ -195,6 +196,8 @@ class NamedLoss(Loss):
         Raises:
             TargetError: the loss failed on the output and the targets (a raw torch error, e.g.
                 targets of a shape it does not take); the message gives both shapes.
+            ValueError: a criterion's own ``weight=`` or ``pos_weight=`` does not fit the
+                output (:func:`~initlab._core.criteria.weight_error`).
         """
         out = output_tensor(outputs, way_out="loss_fn")  # every entry point takes one
         fn = _class_criterion(self)
@@ -211,6 +214,9 @@ class NamedLoss(Loss):
             moved = target_device_error(out, batch, err)
             if moved is not None:
                 raise moved from err
+            own = weight_error(self.criterion_fn, out, err, self.name)
+            if own is not None:  # the criterion's weight=, not the targets
+                raise own from err
             if not _is_pairing_error(err):  # out of memory, a transform's limit, the user's own
                 raise
             raise _pairing_error(self.name, out, batch, err, fn is not None) from err
