@@ -567,6 +567,52 @@ def test_a_landscape_of_none_of_its_forms_is_refused(bad):
         assert "landscape={'grid': 3}" in str(e.value)
 
 
+BAD_STAGE_OPTIONS = [  # (diagnose's keywords, error, message): the caller's options, not the model
+    ({"curvature_options": {"probs": 4}}, TypeError,
+     r"unknown curvature_options option 'probs' .*block_curvature and theory_vs_actual.*"
+     r"did you mean probes="),
+    ({"curvature_options": {"seed": 1}}, TypeError, r"'seed' .*did you mean generator="),
+    ({"curvature_options": {"data": 1}}, TypeError, r"unknown curvature_options option 'data'"),
+    ({"curvature_options": {"probes": 0}}, ValueError,
+     r"curvature_options: probes must be a positive int, got 0"),
+    ({"curvature_options": {"kind": "gnn"}}, ValueError, r"curvature_options: unknown kind 'gnn'"),
+    ({"curvature_options": {"gamma": "own"}}, ValueError, r"curvature_options: unknown gamma"),
+    ({"curvature_options": {"params": ["0.wieght"]}}, ValueError,
+     r"curvature_options: unknown parameter names \['0.wieght'\]"),
+    ({"curvature_options": {"probes": 4, "max_probes": 2}}, ValueError,
+     r"max_probes \(2\) must be >= probes \(4\)"),
+    ({"curvature_options": ["probes", 4]}, TypeError, r"curvature_options must be a dict"),
+    ({"landscape": {"gird": 5}}, TypeError,
+     r"unknown landscape option 'gird' .*loss_landscape.*did you mean grid="),
+    ({"landscape": {"grid": 0}}, ValueError, r"landscape: grid must be a number of points"),
+    ({"landscape": {"bn": "train"}}, ValueError, r"landscape: unknown bn policy 'train'"),
+    ({"landscape": {"directions": "hess"}}, ValueError, r"landscape: unknown directions 'hess'"),
+    ({"landscape": {"generator": 1.5}}, TypeError, r"landscape: generator must be"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("options", "error", "match"), BAD_STAGE_OPTIONS)
+def test_bad_stage_options_raise_before_the_pass(options, error, match):
+    """A misspelt or refused curvature_options / landscape={...} option was caught with the
+    stage's own failures on the model and became a note: the call returned a report without the
+    stage. It raises now, as block_curvature and loss_landscape do, before any work."""
+    said: list[str] = []
+    with pytest.raises(error, match=match):
+        diagnose(mlp3(10).float(), mlp_batches(), curvature=True, spectra=False,
+                 progress=said.append, **options)  # fmt: skip
+    assert said == []
+
+
+def test_curvature_options_go_to_the_call_that_takes_them():
+    """normalize= (block_curvature's alone) and gamma= (theory_vs_actual's alone) went to both
+    calls, so each of them failed the other call into a note."""
+    options = {"probes": 2, "normalize": "row", "gamma": "builtin"}
+    report = diagnose(mlp3(10).float(), mlp_batches(), curvature=True, curvature_options=options,
+                      spectra=False)  # fmt: skip
+    assert "curvature" in report.tables and "theory_vs_actual" in report.tables, report.meta
+    assert not [n for n in report.meta["notes"] if "not computed" in n]
+
+
 def test_data_loader_input_takes_max_batches():
     from torch.utils.data import DataLoader, TensorDataset
 

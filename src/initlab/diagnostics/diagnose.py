@@ -49,6 +49,7 @@ from initlab._core.rows import Rows, shown
 from initlab._core.state import preserved_state
 from initlab._core.underflow import FLOAT16_ADVICE, FLOAT16_TINY, float16_layer
 from initlab.diagnostics._lipschitz_ops import OperationWatch
+from initlab.diagnostics._stage_options import check_curvature_options, check_landscape, for_call
 from initlab.diagnostics.assemble import _weight_names, assemble
 from initlab.diagnostics.gradients import GradientStats
 from initlab.diagnostics.linter import ActivationWatch, LintResult, lint_model
@@ -135,14 +136,17 @@ def diagnose(
         lint: the scaling linter (Table 1), dead ReLUs, vanishing/exploding signals.
         curvature: Hessian block averages and theory vs actual (``initlab.measure.curvature``) on
             the first batch (the full block map, Figure 1, and theory vs actual, Figure 2);
-            ``curvature_options`` go to both calls (e.g. ``kind="ggn"``, ``probes=``, and a
-            ``loss_fn`` of its own; the GGN needs a loss on the outputs: a criterion, a named loss
-            or ``initlab.outputs_loss(fn)``).
+            ``curvature_options`` go to both calls, each taking the ones it has (e.g.
+            ``kind="ggn"``, ``probes=``, ``gamma=``, and a ``loss_fn`` of its own; the GGN needs
+            a loss on the outputs: a criterion, a named loss or ``initlab.outputs_loss(fn)``). A
+            key neither call takes, or a value they refuse, raises before the pass; a call that
+            fails on the model is a note.
         residual_blocks: declare residual blocks (module names, or dicts with ``name``,
             ``branch``, ``shortcut``); default: found by the linter.
         landscape: a ``Landscape`` (from :func:`initlab.loss_landscape`) to embed, or
             ``True`` / a dict of its options (``grid=``, ``directions=``, ``bn=``) to compute
-            one on the batches used here (filter-normalized random directions by default).
+            one on the batches used here (filter-normalized random directions by default); an
+            option it does not take, or a value it refuses, raises before the pass.
         generator: seed (or generator) for the pass's random draws (dropout masks, batch ``i``
             in its own forked-RNG scope), power iterations, curvature probes and landscape
             directions; ``None``: fixed seeds (a generator seeded
@@ -161,7 +165,8 @@ def diagnose(
         max_batches, per_example, modules, loss_reduction, batch_dim, alpha, gradients, spectra,
         lint, curvature, curvature_options, residual_blocks, landscape, name,
     )  # fmt: skip
-    _check_landscape(landscape)
+    check_landscape(landscape)  # the caller's options raise here, before any work
+    check_curvature_options(model, curvature_options)
     if residual_blocks is not None:  # unknown names fail before the pass, not after it
         _user_blocks(model, residual_blocks)
     # the global RNG put back after reading: diagnose draws nothing from it later
@@ -556,21 +561,6 @@ def _lipschitz(
     )
 
 
-def _check_landscape(landscape: Any) -> None:
-    """Raise a ``TypeError`` for a ``landscape=`` that is none of its forms (an int was dropped
-    without a word: ``landscape=3`` computed nothing)."""
-    if landscape is None or isinstance(landscape, (bool, Mapping)):
-        return
-    if callable(getattr(landscape, "to_rows", None)):
-        return
-    grid = f"; for a grid of {landscape} points per axis, landscape={{'grid': {landscape}}}"
-    raise TypeError(
-        "diagnose: landscape must be a Landscape to embed (from initlab.loss_landscape), True, "
-        "or a dict of loss_landscape's options (grid=, directions=, bn=) to compute one; got "
-        f"{type(landscape).__name__} {landscape!r}" + (grid if isinstance(landscape, int) else "")
-    )
-
-
 def _landscape_stage(
     model: nn.Module,
     batches: list[Any],
@@ -657,7 +647,7 @@ def _curvature(
             with preserved_state(model), warnings.catch_warnings():
                 # said once, as a note (_note_underflow_curvature), not by both calls
                 warnings.filterwarnings("ignore", "block_curvature: .* float16 underflow")
-                kw = dict(opts)
+                kw = for_call(fn, opts)  # checked by check_curvature_options
                 kw.setdefault("generator", generator)
                 if key == "curvature":
                     kw.setdefault("full_matrix", True)  # the Figure 1 heat map, same products

@@ -495,14 +495,7 @@ def _directions(
             f"{float(lams[0]):.4g}, {float(lams[1]):.4g}"
         )
         return vecs[0], vecs[1]
-    if isinstance(directions, str):
-        raise ValueError(
-            f"unknown directions {directions!r}; valid: 'filter_normalized', 'hessian', "
-            "or a pair of directions"
-        )
-    if not (isinstance(directions, (tuple, list)) and len(directions) == 2):
-        raise ValueError("directions must be a name or a pair (d1, d2)")
-    canon = canonical_names(model)
+    canon = canonical_names(model)  # a pair (check_options)
     return (
         _user_direction(directions[0], theta, "d1", canon),
         _user_direction(directions[1], theta, "d2", canon),
@@ -590,9 +583,7 @@ def _chunk(
         return None
     if chunk_size is None:
         return max(1, min(n_points, _BUDGET // max(size, 1)))
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    return max(1, min(n_points, chunk_size))
+    return max(1, min(n_points, chunk_size))  # a positive int (check_options)
 
 
 def _grid_values(
@@ -653,6 +644,43 @@ def _batch_weights(loss: Loss, batches: list[Any]) -> list[float]:
         counts = [float(batch_size(b)) for b in batches]
     total = sum(counts)
     return [c / total for c in counts]
+
+
+def check_options(
+    *,
+    directions: Any = "filter_normalized",
+    grid: int | tuple[Any, Any] | None = None,
+    bn: str = "eval",
+    batched: bool | str = True,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The checks of :func:`loss_landscape`'s options that need neither the model nor data (run
+    at its entry, and by :func:`initlab.diagnose` on its ``landscape={...}`` before its pass);
+    returns the grid's axes ``(t1, t2)`` (float64).
+
+    Raises:
+        ValueError: an unknown ``bn`` or ``directions`` name, ``directions`` neither a name nor a
+            pair, ``batched`` none of ``True``, ``False``, ``"auto"``, a ``grid`` that is neither
+            a positive int nor a pair of non-empty finite sequences, a ``chunk_size`` (where
+            vmap may run) that is not a positive int.
+    """
+    if bn not in _BN:
+        raise ValueError(f"unknown bn policy {bn!r}; valid policies: {list(_BN)}")
+    if batched not in (True, False, "auto"):
+        raise ValueError(f"batched must be True, False or 'auto', got {batched!r}")
+    if isinstance(directions, str) and directions not in ("filter_normalized", "hessian"):
+        raise ValueError(
+            f"unknown directions {directions!r}; valid: 'filter_normalized', 'hessian', "
+            "or a pair of directions"
+        )
+    if not isinstance(directions, str) and not (
+        isinstance(directions, (tuple, list)) and len(directions) == 2
+    ):
+        raise ValueError("directions must be a name or a pair (d1, d2)")
+    bad_chunk = isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+    if batched is not False and chunk_size is not None and bad_chunk:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    return _grid(grid)
 
 
 @takes_compiled
@@ -717,16 +745,14 @@ def loss_landscape(
     Returns:
         :class:`Landscape` (``used``: the batches and examples read).
     """
-    if bn not in _BN:
-        raise ValueError(f"unknown bn policy {bn!r}; valid policies: {list(_BN)}")
-    if batched not in (True, False, "auto"):
-        raise ValueError(f"batched must be True, False or 'auto', got {batched!r}")
+    t1, t2 = check_options(
+        directions=directions, grid=grid, bn=bn, batched=batched, chunk_size=chunk_size
+    )
     batches = take_batches(data, max_batches, what="loss_landscape", exact=False)
     loss = on_batches(resolve_loss(loss_fn, what="loss_landscape"), batches)
     fwd, on_outputs = split_loss(loss, forward, what="loss_landscape")
     used = data_use(batches)
     weights = _batch_weights(loss, batches)
-    t1, t2 = _grid(grid)
     theta = {n: p.detach() for n, p in _trainable(model).items()}
     if not theta:
         raise ValueError("the model has no trainable parameter to move along")

@@ -28,8 +28,8 @@ from initlab._core.rows import Rows, shown
 from initlab._core.state import keeps_config
 from initlab._core.underflow import FLOAT16_ADVICE
 from initlab.measure.curvature.functional import Forward, LossFn, tie_note
-from initlab.measure.curvature.operators import CurvatureOperator, Kind
-from initlab.measure.curvature.products import Mode
+from initlab.measure.curvature.operators import _GROUPS, _KINDS, CurvatureOperator, Kind
+from initlab.measure.curvature.products import Mode, _check_mode
 
 __all__ = ["BLOCK_COLUMNS", "BlockCurvature", "block_curvature", "hessian_eigenpairs"]
 
@@ -199,18 +199,10 @@ def block_curvature(
         DoubleBackwardError: a module without double backward (named in the message).
         ValueError: ``kind="ggn"`` with a loss that runs the model itself.
     """
-    if probe not in _PROBES:
-        raise ValueError(f"unknown probe {probe!r}; valid probes: {list(_PROBES)}")
-    if normalize not in _NORMALIZE:
-        raise ValueError(f"unknown normalize {normalize!r}; valid values: {list(_NORMALIZE)}")
-    if isinstance(probes, bool) or not isinstance(probes, int) or probes < 1:
-        raise ValueError(f"probes must be a positive int, got {probes!r}")
-    if rel_tol is not None and not (isinstance(rel_tol, (int, float)) and rel_tol > 0):
-        raise ValueError(f"rel_tol must be a positive number or None, got {rel_tol!r}")
-    if max_probes is None:
-        max_probes = max(probes, 256) if rel_tol is not None else probes
-    if max_probes < probes:
-        raise ValueError(f"max_probes ({max_probes}) must be >= probes ({probes})")
+    max_probes = check_options(
+        kind=kind, group=group, probes=probes, rel_tol=rel_tol, max_probes=max_probes,
+        probe=probe, normalize=normalize, ad_mode=ad_mode,
+    )  # fmt: skip
     batch = take_batches(data, 1, exact=False, what="block_curvature")[0]
     op = CurvatureOperator(
         model,
@@ -228,6 +220,46 @@ def block_curvature(
     )
     rows.used = data_use([batch])
     return rows
+
+
+def check_options(
+    *,
+    kind: str = "hessian",
+    group: str = "tensor",
+    probes: int = 16,
+    rel_tol: float | None = None,
+    max_probes: int | None = None,
+    probe: str = "rademacher",
+    normalize: str = "min",
+    ad_mode: str = "rev_rev",
+) -> int:
+    """The checks of :func:`block_curvature`'s options that need neither the model nor data (run
+    at its entry, and by :func:`initlab.diagnose` on its ``curvature_options`` before its pass);
+    returns ``max_probes`` (``None``: ``max(probes, 256)`` with ``rel_tol``, else ``probes``).
+
+    Raises:
+        ValueError: an unknown ``kind``, ``group``, ``probe``, ``normalize`` or ``ad_mode``;
+            ``probes`` not a positive int; ``rel_tol`` not a positive number or ``None``;
+            ``max_probes < probes``.
+    """
+    if kind not in _KINDS:
+        raise ValueError(f"unknown kind {kind!r}; valid kinds: {list(_KINDS)}")
+    if group not in _GROUPS:
+        raise ValueError(f"unknown group {group!r}; valid values: {list(_GROUPS)}")
+    _check_mode(ad_mode)
+    if probe not in _PROBES:
+        raise ValueError(f"unknown probe {probe!r}; valid probes: {list(_PROBES)}")
+    if normalize not in _NORMALIZE:
+        raise ValueError(f"unknown normalize {normalize!r}; valid values: {list(_NORMALIZE)}")
+    if isinstance(probes, bool) or not isinstance(probes, int) or probes < 1:
+        raise ValueError(f"probes must be a positive int, got {probes!r}")
+    if rel_tol is not None and not (isinstance(rel_tol, (int, float)) and rel_tol > 0):
+        raise ValueError(f"rel_tol must be a positive number or None, got {rel_tol!r}")
+    if max_probes is None:
+        max_probes = max(probes, 256) if rel_tol is not None else probes
+    if max_probes < probes:
+        raise ValueError(f"max_probes ({max_probes}) must be >= probes ({probes})")
+    return max_probes
 
 
 def _estimate(

@@ -49,6 +49,7 @@ from initlab.measure.runtime_trace import recording, what_follows
 __all__ = ["THEORY_COLUMNS", "theory_vs_actual"]
 
 _NAN = float("nan")
+_GAMMAS = ("auto", "builtin", "conditioning")
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 THEORY_COLUMNS: tuple[str, ...] = (
@@ -271,6 +272,13 @@ def _theory_gammas(
     return _builtin_gamma(moments, dict(model.named_modules()))
 
 
+def check_gamma(gamma: object) -> None:
+    """Raise ``ValueError`` for a ``gamma=`` of :func:`theory_vs_actual` that is none of its
+    values (also run by :func:`initlab.diagnose` on its ``curvature_options``)."""
+    if gamma not in _GAMMAS:
+        raise ValueError(f"unknown gamma {gamma!r}; valid values: {list(_GAMMAS)}")
+
+
 @takes_compiled
 @with_grad
 @renamed_kwargs(batch="data", mode="ad_mode")
@@ -320,10 +328,7 @@ def theory_vs_actual(
         under the first such layer holding it, with ``block`` its first name in
         ``named_parameters()``, ``theory`` NaN (the GR formula covers one use) and a ``note``.
     """
-    if gamma not in ("auto", "builtin", "conditioning"):
-        raise ValueError(
-            f"unknown gamma {gamma!r}; valid values: ['auto', 'builtin', 'conditioning']"
-        )
+    check_gamma(gamma)
     batch = take_batches(data, 1, exact=False, what="theory_vs_actual")[0]
     loss = on_batches(resolve_loss(loss_fn, what="theory_vs_actual"), [batch])
     fwd, on_outputs = split_loss(loss, forward, what="theory_vs_actual")
