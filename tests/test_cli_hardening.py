@@ -119,6 +119,7 @@ def cli_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     rooted = textwrap.dedent(_SPEC).replace("sklearn:iris", "libsvm:iris")
     (tmp_path / "rooted.yaml").write_text(rooted + "data_root: nodir\n")
     (tmp_path / "binary.yaml").write_bytes(bytes(range(256)))
+    (tmp_path / "variants.yaml").write_text(textwrap.dedent(_SPEC) + "variants: {epochs: [1, 2]}\n")
     (tmp_path / "evil.yaml").write_text(textwrap.dedent(_SPEC).replace("tiny", '"../evil"'))
     (tmp_path / "zero.sqlite").write_bytes(b"")
     (tmp_path / "damaged.sqlite").write_bytes(b"SQLite format 3\x00" + b"garbage" * 700)
@@ -248,6 +249,11 @@ _ERRORS: dict[str, tuple[list[str], int, str, tuple[str, ...]]] = {
     "a spec's data_root without the data": (
         ["bench", "run", "rooted.yaml", "--store", "st/s.sqlite"], 2,
         "(data root nodir, from the spec's data_root)", ("st",)),
+    "a spec's variants: {key: [values]}": (
+        ["bench", "run", "variants.yaml", "--store", "st/s.sqlite"], 2,
+        "study spec variants.yaml: variants must be {name: {key: value, ...}} (each variant's "
+        "name: the keys it changes), got epochs: [1, 2]; epochs is a protocol key, not a "
+        "variant's name: write `epochs: [1, 2]` at the top level of the spec", ("st",)),
     "a binary spec": (["bench", "run", "binary.yaml", "--store", "st/s.sqlite"], 2,
                       "study spec binary.yaml is not a text (YAML) file", ("st",)),
     "a missing spec": (["bench", "run", "nosuch.yaml"], 2, "study spec nosuch.yaml does not exist",

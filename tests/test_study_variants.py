@@ -123,6 +123,17 @@ def test_factorial_and_named_variants() -> None:
         ({"model_cfg": {"widths": [8], "input_norm": True}}, "normalize the inputs twice"),
         ({"extend_grid": -1}, "extend_grid"),
         ({"variants": {"x": {"optimizer": "adam"}}}, "momentum is for SGD"),
+        # a malformed variants: was a raw unpacking error ("cannot unpack non-iterable int")
+        (
+            {"variants": {"epochs": [1, 2]}},
+            r"variants must be \{name: \{key: value, \.\.\.\}\} .*got epochs: \[1, 2\]; epochs is "
+            r"a protocol key, not a variant's name: write `epochs: \[1, 2\]` at the top level",
+        ),
+        ({"variants": {"momentum": 0.0}}, r"got momentum: 0.0; .*write `momentum: 0.0` at the top"),
+        ({"variants": {"short": 3}}, r"variants must be \{name: .*got short: 3$"),
+        ({"variants": [1]}, r"variants must be \{name: .*got \[1\]$"),
+        ({"variants": [{"a": 1}]}, r"variants must be \{name: .*got \[\{'a': 1\}\]$"),
+        ({"variants": "x"}, r"variants must be \{name: .*got 'x'$"),
     ],
 )
 def test_bad_variant_specs_name_the_problem(extra: dict[str, Any], match: str) -> None:

@@ -57,6 +57,7 @@ fills them from the loaded data set's metadata when it builds each model
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -335,18 +336,60 @@ def _thaw_override(key: str, value: Any) -> Any:
     return value
 
 
+#: The form of ``variants:``, for the errors that refuse another.
+_VARIANTS_FORM = (
+    "variants must be {name: {key: value, ...}} (each variant's name: the keys it changes)"
+)
+
+
+def _pairs(value: Any) -> bool:
+    """Whether ``value`` is a sequence of ``(str, value)`` pairs (the stored form of a mapping)."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        return False
+    return all(
+        isinstance(p, Sequence) and not isinstance(p, (str, bytes)) and len(p) == 2
+        and isinstance(p[0], str)
+        for p in value
+    )  # fmt: skip
+
+
+def _variant_items(variants: Any) -> list[tuple[Any, Any]]:
+    """``(name, overrides)`` of ``variants:`` (a mapping, or its stored form: pairs)."""
+    if isinstance(variants, Mapping):
+        return list(variants.items())
+    if not _pairs(variants):
+        raise ValueError(f"{_VARIANTS_FORM}, got {variants!r}")
+    return [(name, overrides) for name, overrides in variants]
+
+
+def _override_items(name: str, overrides: Any) -> tuple[tuple[Any, Any], ...]:
+    """The ``(key, value)`` pairs of variant ``name`` (a mapping, pairs, or ``None``: none)."""
+    if overrides is None:
+        return ()
+    if isinstance(overrides, Mapping):
+        return tuple(overrides.items())
+    if _pairs(overrides):
+        return tuple((k, v) for k, v in overrides)
+    hint = ""
+    if name in VARIANT_KEYS:  # {epochs: [1, 2]}: a protocol key where a variant's name goes
+        several = isinstance(overrides, Sequence) and not isinstance(overrides, (str, bytes))
+        what = "several values of a key become variants" if several else "it changes every run"
+        hint = (
+            f"; {name} is a protocol key, not a variant's name: write "
+            f"`{name}: {json.dumps(overrides, default=str)}` at the top level of the spec "
+            f"({what}), or name each variant: {{NAME: {{{name}: VALUE}}, ...}}"
+        )
+    raise ValueError(f"{_VARIANTS_FORM}, got {name}: {overrides!r}{hint}")
+
+
 def _canonical_variants(variants: Any) -> tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]:
     if variants is None:
         return ()
-    if isinstance(variants, Mapping):
-        variants = tuple(variants.items())
     out = []
-    for name, overrides in variants:
+    for name, overrides in _variant_items(variants):
         if not isinstance(name, str) or not name:
             raise ValueError(f"a variant's name must be a non-empty string, got {name!r}")
-        if overrides is None:
-            overrides = {}
-        items = tuple(overrides.items() if isinstance(overrides, Mapping) else overrides)
+        items = _override_items(name, overrides)
         if {"output_std", "output_scale"} <= {k for k, _ in items}:
             raise ValueError(f"variant {name!r}: give output_scale or output_std, not both")
         bad = sorted(str(k) for k, _ in items if k not in VARIANT_KEYS)
