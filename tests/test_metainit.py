@@ -270,6 +270,74 @@ def test_random_data_for_a_token_model_says_to_pass_token_batches() -> None:
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
+def _unchanged(model: nn.Module) -> Any:
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    return lambda: all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_a_per_example_input_shape_is_named_as_the_batch_shape() -> None:
+    """input_shape=(8,), one example's shape (what the CLI's --input-shape takes), drew x of
+    shape (8,) and labels of shape (8,): the TargetError blamed the loss and the targets, which
+    metainit_ drew itself, and never named input_shape."""
+    model = _tanh_mlp()
+    same = _unchanged(model)
+    with pytest.raises(ValueError) as err:
+        metainit_(model, input_shape=(8,), n_classes=4, steps=2, generator=0)
+    text = str(err.value)
+    assert text.startswith("metainit_: the model or the loss failed on the random batch of "
+                           "input_shape=(8,), which is the whole batch's shape, batch dimension "
+                           "first: inputs x of shape (8,), a batch of 8 scalars"), text  # fmt: skip
+    assert "pass input_shape=(B, 8), e.g. (64, 8). The error: the loss" in text, text
+    assert same()
+    with pytest.raises(RuntimeError, match=r"input_shape=\(16, 5\), .*16 examples of shape \(5,\)"
+                       r".* Is that what the model takes\? The error: mat1"):  # fmt: skip
+        metainit_(model, input_shape=(16, 5), steps=2, generator=0)
+    assert same()
+
+
+def test_a_later_steps_error_on_random_data_is_passed_as_it_is() -> None:
+    calls = 0
+
+    def loss_fn(m: nn.Module, batch: Any) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise RuntimeError("injected")
+        return F.cross_entropy(m(batch[0]), batch[1])
+
+    with pytest.raises(RuntimeError) as err:
+        metainit_(_tanh_mlp(), loss_fn=loss_fn, input_shape=(16, 8), steps=3, generator=0)
+    assert str(err.value) == "injected"
+
+
+def test_a_batch_of_scalars_is_a_shape_a_model_may_take() -> None:
+    """input_shape=(B,) is not refused: a model may take a batch of B scalar inputs."""
+
+    class Scalars(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(1, 8), nn.Linear(8, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(torch.tanh(self.a(x.unsqueeze(-1))))
+
+    report = metainit_(Scalars(), input_shape=(16,), steps=2, generator=0)
+    assert report.info["steps"] == 2
+
+
+@pytest.mark.parametrize("shape", [(), (0, 8), (-1, 8), (16.0, 8), (True, 8), 16, "16x8"])
+def test_an_input_shape_that_is_no_shape_is_refused(shape: Any) -> None:
+    """() gave an IndexError, 16 "'int' object is not iterable", (-1, 8) torch's error and
+    (0, 8) a NaN loss blamed on the first iteration."""
+    model = _tanh_mlp()
+    same = _unchanged(model)
+    with pytest.raises(
+        ValueError, match=r"^metainit_: input_shape must be the whole batch's shape"
+    ):
+        metainit_(model, input_shape=shape, steps=1, generator=0)
+    assert same()
+
+
 def test_a_loss_function_that_turns_autocast_on_is_refused() -> None:
     """metainit_ turns autocast off around its passes, but a loss_fn's own autocast turned it on
     again around the model: the scales moved the wrong way (+0.29 where float32 and float64 runs

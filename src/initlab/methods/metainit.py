@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial, reduce
 from typing import Any, Literal
@@ -90,7 +91,7 @@ from initlab._core.data import DataCounter
 from initlab._core.distributed import check_same_parameters, run_together, same_options
 from initlab._core.heap import kept_heap
 from initlab._core.knobs import check_callback
-from initlab._core.loss import LossLike, resolve_loss
+from initlab._core.loss import LossLike, TargetError, resolve_loss
 from initlab._core.method_report import MethodReport
 from initlab._core.norms import composite_norms
 from initlab._core.parametrized import writing_layers
@@ -301,6 +302,59 @@ def _random_batches(
         yield (x, y), None
 
 
+def _check_batch_shape(input_shape: object, what: str) -> None:
+    """Raise ``ValueError`` for an ``input_shape`` that is not a shape: a non-empty sequence of
+    positive ints (``(B,)`` is one: a batch of ``B`` scalars, which a model may take)."""
+    ok = (
+        isinstance(input_shape, Sequence)
+        and not isinstance(input_shape, str)
+        and len(input_shape) > 0
+        and all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in input_shape)
+    )
+    if not ok:
+        raise ValueError(
+            f"{what}: input_shape must be the whole batch's shape, batch dimension first, in "
+            f"positive ints (e.g. (64, 4): 64 examples of shape (4,)), got {input_shape!r}"
+        )
+
+
+@contextmanager
+def _random_batch_hint(
+    input_shape: Sequence[int] | None, counter: DataCounter, what: str
+) -> Iterator[None]:
+    """An error of the model or the loss on the first random batch (``input_shape`` given: the
+    paper's random data) raised again saying what the batch was: ``input_shape`` is the whole
+    batch's shape, batch first, so ``(4,)``, one example's shape, is a batch of 4 scalars and
+    labels of shape ``(4,)`` (the loss then blames the targets, which :func:`metainit_` drew).
+    A ``TargetError`` and torch's plain ``RuntimeError`` or ``IndexError`` only; later steps
+    and initlab's own errors pass as they are."""
+    try:
+        yield
+    except (TargetError, RuntimeError, IndexError) as err:
+        if input_shape is None or counter.batches > 1:
+            raise
+        if type(err) not in (TargetError, RuntimeError, IndexError):
+            raise
+        raise type(err)(f"{_random_batch_text(input_shape, what)} The error: {err}") from err
+
+
+def _random_batch_text(input_shape: Sequence[int], what: str) -> str:
+    shape = tuple(int(s) for s in input_shape)
+    text = (
+        f"{what}: the model or the loss failed on the random batch of input_shape={shape}, which "
+        f"is the whole batch's shape, batch dimension first: inputs x of shape {shape}"
+    )
+    labels = f"and random labels ({what}'s own) of shape ({shape[0]},)"
+    if len(shape) == 1:
+        return (
+            f"{text}, a batch of {shape[0]} scalars, {labels}. For examples of shape {shape}, "
+            f"pass input_shape=(B, {shape[0]}), e.g. (64, {shape[0]})."
+        )
+    return (
+        f"{text}, {shape[0]} examples of shape {shape[1:]}, {labels}. Is that what the model takes?"
+    )
+
+
 def _loss_free_forward(model: nn.Module, ts: Tensors, x: torch.Tensor) -> torch.Tensor:
     out = AtParams(model, ts.slots, [t.detach() for t in ts.tensors])(x)
     if not isinstance(out, torch.Tensor):
@@ -361,7 +415,8 @@ def metainit_(
             bool``; all-zero tensors never get a scale.
         batch_stats: normalization layers use batch statistics (default: ``False`` for
             ``"paper"``, as its ``model.eval()``, ``True`` for ``"gradinit"``).
-        input_shape: shape of one random input batch, batch dimension first (random data).
+        input_shape: shape of one random input batch, batch dimension first (random data):
+            ``(64, 8)`` for 64 examples of shape ``(8,)``; ``(8,)`` is a batch of 8 scalars.
         n_classes: number of random labels (default: the model output's last dimension).
         generator: ``torch.Generator`` or int seed for the random data.
         progress: called with every trace row.
@@ -417,6 +472,7 @@ def metainit_(
             autocast_off(),
             refuse_autocast_inside(model, what, _AUTOCAST),
             kept_heap(bool(keep_heap)),
+            _random_batch_hint(input_shape if data is None else None, counter, what),
         ):
             trace, forward, backward = _descend(
                 model, loss, ts, batches, update, opts.eps, progress, what
@@ -608,6 +664,7 @@ def _step_batches(
     if data is None:
         if input_shape is None:
             raise ValueError(f"{what}: random data (data=None) needs input_shape=(batch, ...)")
+        _check_batch_shape(input_shape, what)
         table = getattr(model, "get_input_embeddings", lambda: None)()
         if isinstance(table, nn.Embedding):  # a Hugging Face model of token ids
             raise ValueError(
