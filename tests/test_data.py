@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bz2
 import gzip
+import hashlib
 import os
 import pickle
 import re
@@ -133,6 +134,11 @@ def test_libsvm_unseen_test_label_names_file_and_line(tmp_path: Path) -> None:
         ),
         ("a 1:1", "bad label 'a'"),
         ("1.5 1:1", "bad label '1.5'"),
+        # Python's digit separators, which int() and float() read and LIBSVM's strtod refuses
+        ("1_0 1:1", "bad label '1_0'"),
+        ("1 1_0:1", "bad feature '1_0:1'"),
+        ("1 1:1_000", "bad feature '1:1_000'"),
+        ("1 1:1e1_0", "bad feature '1:1e1_0'"),
         ("1 2:1 2:3", "feature index 2 appears twice"),
         ("1 9:1", "feature index 9 exceeds n_features=4"),
     ],
@@ -592,6 +598,21 @@ def test_cache_dir_option_env_and_off(tmp_path: Path, _isolated_cache: Path) -> 
     load_libsvm(path, cache_dir=False)
     assert entries(_isolated_cache) == []
     assert cache.default_cache_dir() == _isolated_cache
+
+
+def test_an_entry_cached_before_digit_separators_were_refused_is_not_served(
+    tmp_path: Path, _isolated_cache: Path
+) -> None:
+    """The entry an earlier initlab cached for a file it read leniently (label 1_0 as 10) would
+    have been served under the same key after the rules refused that file."""
+    text = "1_0 1:1\n"
+    path = write(tmp_path / "f", text)
+    old_key = {"sha256": hashlib.sha256(text.encode()).hexdigest(), "n_features": None}
+    lenient = {"x": np.ones((1, 1), np.float32), "labels": np.array([10]), "lines": np.array([1])}
+    cache.cached(_isolated_cache, "libsvm", "f", old_key, lambda: (lenient, {}))
+    assert len(entries(_isolated_cache)) == 1
+    with pytest.raises(ValueError, match=r":1: bad label '1_0'"):
+        load_libsvm(path)
 
 
 @pytest.mark.parametrize("content", [b"garbage", b""], ids=["garbage", "empty"])

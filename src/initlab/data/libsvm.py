@@ -14,7 +14,8 @@ Rules (those of LIBSVM's own reader, plus what real files need):
 * the dense ``float32`` matrix may take at most :data:`MAX_DENSE_BYTES`; a larger one is refused
   with its size, before it is allocated;
 * a value is a finite number that ``float32`` holds: ``nan``, ``inf`` and values beyond
-  ``±3.4e38`` are errors (NumPy and ``float()`` would read the first two silently);
+  ``±3.4e38`` are errors (NumPy and ``float()`` would read the first two silently); Python's
+  digit separators (``1_000``, in a label, index or value) are errors, as in LIBSVM's reader;
 * a label fits in a signed 64-bit integer;
 * labels become class indices by sorted order (``-3, -1, 2`` → ``0, 1, 2``) and
   :attr:`Dataset.label_map` keeps the originals; pass the training split's ``label_map`` when
@@ -70,6 +71,10 @@ _DOUBLE_COLON = re.compile(r":[^\s:]*:")
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
+#: The rules' revision, part of the cache key: an entry decoded under rules that read a file this
+#: loader now refuses is not served (2: Python's digit separators, ``1_000``, refused).
+_RULES = 2
+
 
 class _Parsed(NamedTuple):
     x: np.ndarray  # (N, n_features) float32
@@ -77,17 +82,28 @@ class _Parsed(NamedTuple):
     lines: np.ndarray  # (N,) int64, 1-based line number of each example
 
 
+def _number(text: str) -> float | None:
+    """``text`` as a number, as C's ``strtod`` (LIBSVM's reader) and NumPy read it, or None:
+    Python's ``float()``, but not its digit separators (``1_000``), which they refuse."""
+    if "_" in text:
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
 def _integer(text: str) -> int | None:
-    """``text`` as an integer (``"+3"``, ``"3.0"``, ``"3e0"`` too, as NumPy reads them), or None."""
+    """``text`` as an integer (``"+3"``, ``"3.0"``, ``"3e0"`` too, as NumPy reads them), or None
+    (also for Python's digit separators, ``1_0``: :func:`_number`)."""
+    if "_" in text:
+        return None
     try:
         return int(text)
     except ValueError:
         pass
-    try:
-        value = float(text)
-    except ValueError:
-        return None
-    return int(value) if value.is_integer() else None
+    value = _number(text)
+    return int(value) if value is not None and value.is_integer() else None
 
 
 def _label(token: str, source: str, lineno: int) -> int:
@@ -168,11 +184,8 @@ def _parse_reference(text: str, source: str, n_features: int | None) -> _Parsed:
         for token in parts[1:]:
             index_text, colon, value_text = token.partition(":")
             index = _integer(index_text)
-            try:
-                value = float(value_text)
-            except ValueError:
-                index = None
-            if index is None or index < 1 or not colon or ":" in value_text:
+            value = _number(value_text)
+            if index is None or value is None or index < 1 or not colon or ":" in value_text:
                 raise ValueError(f"{source}:{lineno}: bad feature {token!r}{_why(token, line)}")
             if not abs(value) <= _FLOAT32_MAX:
                 raise ValueError(
@@ -227,6 +240,8 @@ def _parse_fast(text: str, n_features: int | None, source: str = "<text>") -> _P
     if not labels:
         raise _Reject
     joined = " ".join(rests)
+    if "_" in joined or any("_" in label for label in labels):  # int() reads 1_0 as 10
+        raise _Reject
     n_pairs = sum(counts)
     # Each token must hold exactly one colon: none holds two, and there are as many as tokens.
     if n_pairs != len(joined.split()) or _DOUBLE_COLON.search(joined):
@@ -350,7 +365,7 @@ def load_libsvm(
         parsed = _parse(data, source, n_features)
         return parsed._asdict(), {}
 
-    key = {"sha256": hashlib.sha256(data).hexdigest(), "n_features": n_features}
+    key = {"sha256": hashlib.sha256(data).hexdigest(), "n_features": n_features, "rules": _RULES}
     arrays, _ = cached(cache_dir, "libsvm", path.name, key, build)
     if not np.isfinite(arrays["x"]).all():  # a cache written before values were checked
         _parse_reference(data.decode("latin-1"), source, n_features)  # raises, naming the line
