@@ -439,6 +439,19 @@ _ERRORS: dict[str, tuple[list[str], int, str, tuple[str, ...]]] = {
     "--data random:abc": ([*_INIT, "--method", "lsuv", "--data", "random:abc"], 2,
                           "--data random:abc: 'abc' is not a shape (positive sizes joined by x); "
                           "write e.g. --data random:3x32x32", ("out.pt",)),
+    # a truncated shape ran on the shape its empty sizes were dropped from: 3x32x read (3, 32)
+    "--data random:3x": ([*_INIT, "--method", "lsuv", "--data", "random:3x"], 2,
+                         "--data random:3x: '3x' is not a shape (positive sizes joined by x; it "
+                         "has an empty size); write e.g. --data random:3x32x32", ("out.pt",)),
+    "--data random:x4": ([*_INIT, "--method", "lsuv", "--data", "random:x4"], 2,
+                         "--data random:x4: 'x4' is not a shape", ("out.pt",)),
+    "--input-shape 4x": ([*_INIT, "--method", "lsuv", "--input-shape", "4x"], 2,
+                         "--input-shape 4x: '4x' is not a shape (positive sizes joined by x; it "
+                         "has an empty size); write e.g. --input-shape 3x32x32", ("out.pt",)),
+    "--input-shape 2xx2": ([*_INIT, "--method", "lsuv", "--input-shape", "2xx2"], 2,
+                           "--input-shape 2xx2: '2xx2' is not a shape", ("out.pt",)),
+    "--input-shape 1_0": ([*_INIT, "--method", "lsuv", "--input-shape", "1_0"], 2,
+                          "--input-shape 1_0: '1_0' is not a shape", ("out.pt",)),
     "--bias nan": ([*_INIT, "--bias", "nan"], 2,
                    "--bias 'nan': give 'zeros', 'keep' (the factory's biases) or a finite number",
                    ("out.pt",)),

@@ -142,15 +142,17 @@ def _local_module_hint(name: str, attr: str, flag: str, err: ImportError) -> str
 
 def parse_shape(text: str, flag: str = "--input-shape", prefix: str = "") -> tuple[int, ...]:
     """``"3x32x32"`` -> ``(3, 32, 32)``; errors name ``flag`` (``prefix``: what precedes the
-    shape in its value, ``random:`` for ``--data random:SHAPE``)."""
-    try:
-        shape = tuple(int(s) for s in text.replace(",", "x").split("x") if s)
-    except ValueError:
-        shape = ()
+    shape in its value, ``random:`` for ``--data random:SHAPE``). Every size is decimal digits:
+    an empty one (``3x32x``, ``x3``: a truncated shape) is refused, not dropped, and so are
+    ``int()``'s other spellings (``1_0``, `` 3``, ``+3``)."""
+    parts = text.replace(",", "x").split("x")
+    digits = all(s.isascii() and s.isdigit() for s in parts)
+    shape = tuple(int(s) for s in parts) if digits else ()
     if not shape or any(s < 1 for s in shape):
+        empty = "; it has an empty size" if text and "" in parts else ""
         raise ValueError(
-            f"{flag} {prefix}{text}: {text!r} is not a shape (positive sizes joined by x); write "
-            f"e.g. {flag} {prefix}3x32x32"
+            f"{flag} {prefix}{text}: {text!r} is not a shape (positive sizes joined by x{empty}); "
+            f"write e.g. {flag} {prefix}3x32x32"
         )
     return shape
 
