@@ -8,7 +8,8 @@ waiting for a peer that stopped fails the test instead of hanging it). A rank th
 result but does not exit within ``TEARDOWN_S`` is killed: torch 2.4's gloo can deadlock in
 ``destroy_process_group`` (the main thread holding the GIL while it waits for a gloo thread that
 waits for the GIL), which left the test suite waiting forever. A rank without a result by
-``DEADLINE_S`` fails the test.
+``DEADLINE_S`` fails the test. ``timeout_s`` shortens both for a test whose ranks must not wait
+long (a collective left waiting then fails the test within about that time).
 """
 
 from __future__ import annotations
@@ -44,13 +45,14 @@ def _worker(
     out_dir: str,
     fn: Callable[..., Any],
     args: tuple[Any, ...],
+    timeout: datetime.timedelta = TIMEOUT,
 ) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     import torch
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=TIMEOUT)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timeout)
     try:
         result = fn(rank, world_size, *args)
         Path(out_dir, f"{rank}.part").write_bytes(pickle.dumps(result))
@@ -59,18 +61,23 @@ def _worker(
         dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any) -> list[Any]:
-    """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; their results in order."""
+def run_ranks(
+    fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout_s: float | None = None
+) -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; their results in order.
+    ``timeout_s``: the collectives' timeout, and (plus a minute to start) the deadline."""
+    timeout = TIMEOUT if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+    limit = DEADLINE_S if timeout_s is None else timeout_s + 60.0
     with tempfile.TemporaryDirectory() as out_dir:
         results = [Path(out_dir, f"{r}.pkl") for r in range(world_size)]
         ctx = mp.start_processes(
             _worker,
-            args=(world_size, _free_port(), out_dir, fn, args),
+            args=(world_size, _free_port(), out_dir, fn, args, timeout),
             nprocs=world_size,
             join=False,
             start_method="spawn",
         )
-        deadline, teardown = time.monotonic() + DEADLINE_S, None
+        deadline, teardown = time.monotonic() + limit, None
         while not ctx.join(timeout=1.0):  # a rank that raised re-raises here
             if teardown is None and all(p.exists() for p in results):
                 teardown = time.monotonic() + TEARDOWN_S
@@ -80,6 +87,6 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any) -> list[A
                     process.kill()
                     process.join(5.0)
                 if teardown is None:
-                    raise TimeoutError(f"a rank gave no result in {DEADLINE_S:.0f} s")
+                    raise TimeoutError(f"a rank gave no result in {limit:.0f} s")
                 break
         return [pickle.loads(p.read_bytes()) for p in results]

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from initlab._core.data import output_tensor
+from initlab._core.distributed import local_backward
 from initlab._core.hooks import hook_handles
 from initlab._core.loss import Loss
 from initlab._core.modules import inference_tensors
@@ -105,8 +106,10 @@ def require_grad(loss: torch.Tensor, what: str = "") -> torch.Tensor:
 
 
 def backward_of(loss: torch.Tensor, what: str) -> None:
-    """``loss.backward()``, the loss checked first (:func:`require_grad`)."""
-    require_grad(loss, what).backward()
+    """``loss.backward()``, the loss checked first (:func:`require_grad`); without DDP's
+    reducer where a DDP runs its wrapped module
+    (:func:`~initlab._core.distributed.local_backward`)."""
+    local_backward(require_grad(loss, what))
 
 
 def finite_loss(

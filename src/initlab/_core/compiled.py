@@ -14,6 +14,8 @@ it holds the other checks they share before any work: the model is an ``nn.Modul
 swapped), not TorchScript (:func:`scripted_error`), has values (:func:`check_materialized`: no
 lazy or meta-device tensor), and the keywords are the function's own (a guessed name is answered
 with initlab's, :func:`~initlab._core.knobs.check_kwargs`; ``forward`` takes ``(model, batch)``).
+It also runs every ``DistributedDataParallel`` in the model as the module it wraps, without DDP's
+collectives (:func:`~initlab._core.distributed.local_passes`): an entry point's passes are local.
 
 The forward hooks of a compiled model (on the ``OptimizedModule`` the user holds) run outside its
 compiled code, on every call; while an entry point runs the wrapped module they are relayed to it
@@ -35,7 +37,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from initlab._core.distributed import is_distributed
+from initlab._core.distributed import is_distributed, local_passes
 from initlab._core.knobs import accepted_keywords, check_keywords
 from initlab._core.rows import shown
 
@@ -152,8 +154,9 @@ def hook_target(model: nn.Module, name: str, what: str) -> nn.Module:
 
 def takes_compiled(fn: F | None = None, *, scripted: bool = False, collective: bool = False) -> Any:
     """Run ``fn`` with its model (the first positional argument or ``model=``) uncompiled, its
-    compiled submodules too (:func:`eager_submodules`); a model that is no ``nn.Module`` (model
-    and data swapped) is refused with a ``TypeError`` naming ``fn``.
+    compiled submodules too (:func:`eager_submodules`), and its DDP wrappers calling the modules
+    they wrap (:func:`~initlab._core.distributed.local_passes`); a model that is no
+    ``nn.Module`` (model and data swapped) is refused with a ``TypeError`` naming ``fn``.
 
     A TorchScript model or submodule (``torch.jit.script``/``trace``) takes no hooks and no
     parameter swaps: unless ``scripted`` (an entry point that needs neither), it is refused with
@@ -189,7 +192,7 @@ def takes_compiled(fn: F | None = None, *, scripted: bool = False, collective: b
                 )
             return fn(*args, **kwargs)
         check_materialized(model, fn.__name__)
-        with eager_submodules(model, _wrappers(held)):
+        with eager_submodules(model, _wrappers(held)), local_passes(model):
             return fn(*args, **kwargs)
 
     return inner

@@ -22,6 +22,10 @@ when one rank stops alone):
 * :func:`failing_together` with :func:`checkpoint`: a block whose collectives sit inside its
   passes (LSUV's hooks) fails on every rank when it fails on one, or when the ranks reach
   different collectives (their data took different paths through the model).
+
+The passes themselves are local: a ``DistributedDataParallel`` model runs the module it wraps,
+without DDP's own collectives (:func:`local_passes`), so that the only collectives are the ones
+above and every statistic is the rank's own until it is pooled explicitly.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import inspect
 import zlib
 from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, TypeVar
 
 import torch
@@ -50,6 +55,8 @@ __all__ = [
     "failing_together",
     "in_lockstep",
     "is_distributed",
+    "local_backward",
+    "local_passes",
     "run_together",
     "same_options",
     "world_size",
@@ -68,6 +75,110 @@ class RankMismatchError(ValueError):
 def is_distributed() -> bool:
     """Whether a ``torch.distributed`` process group is initialized with more than one rank."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+_DDP = nn.parallel.DistributedDataParallel
+
+#: How many DDP wrappers :func:`local_passes` runs as their wrapped modules now (this context).
+_BYPASSED: ContextVar[int] = ContextVar("initlab_ddp_bypassed", default=0)
+
+
+@contextmanager
+def local_passes(model: nn.Module) -> Iterator[None]:
+    """For the block, every ``DistributedDataParallel`` in ``model`` (``model`` itself, or a
+    submodule) calls the module it wraps directly, as a plain module on this rank: its inputs
+    moved to ``device_ids[0]`` where DDP has one (DDP's own ``to_kwargs``), nothing else of DDP's
+    forward run; and the backward passes (:func:`local_backward`) accumulate the gradients
+    without DDP's reducer. Put back after, also on failure.
+
+    DDP's forward carries collectives of its own: it broadcasts rank 0's buffers
+    (``broadcast_buffers=True`` and a model with buffers, e.g. a BatchNorm), may rebuild its
+    gradient buckets (a broadcast), and arms its reducer, whose hooks on the parameters'
+    gradient accumulators all-reduce the gradients in the backward (their mean over the ranks).
+    An initlab pass is local (its statistics are this rank's own, pooled only where an entry
+    point pools them explicitly, after the ranks agree: :func:`run_together`,
+    :func:`in_lockstep`); DDP's collectives inside it met those agreement collectives when one
+    rank failed or had more batches (gloo aborted every process, or "Connection closed by
+    peer"), and mixed DDP-averaged gradients into per-rank statistics. DDP's state is left as it
+    was: no DDP forward runs, and no gradient accumulator DDP hooks (a reducer counts the
+    backward passes that reach it even unarmed: a ``static_graph=True`` DDP before its first
+    iteration would count initlab's passes as part of it). The layer names are the model's
+    (``module.0``), and a ``loss_fn(model, batch)`` gets the DDP model as given. DDP's
+    experimental ``mixed_precision`` casts are not applied.
+
+    The wrapper's call reads ``forward`` off the instance first (``nn.Module.__call__``): the
+    block sets an instance attribute there and removes it after (a DDP already so set, by an
+    enclosing block, is left to it). Without a DDP in ``model``: nothing."""
+    wrappers = [m for m in model.modules() if isinstance(m, _DDP) and "forward" not in vars(m)]
+    set_here = []
+    token = _BYPASSED.set(_BYPASSED.get() + len(wrappers))
+    try:
+        for ddp in wrappers:
+            vars(ddp)["forward"] = _wrapped_call(ddp)
+            set_here.append((ddp, vars(ddp)["forward"]))
+        yield
+    finally:
+        for ddp, forward in set_here:
+            if vars(ddp).get("forward") is forward:
+                del vars(ddp)["forward"]
+        _BYPASSED.reset(token)
+
+
+def local_backward(loss: torch.Tensor) -> None:
+    """``loss.backward()``; while :func:`local_passes` runs a DDP as its wrapped module, the same
+    gradients accumulated into each leaf's ``.grad`` by hand (``grad = g``, laid out like the
+    leaf as torch's accumulator lays it out, or ``grad + g`` where it has one):
+    ``torch.autograd.grad`` over the leaves of ``loss``'s graph runs their tensor hooks but not
+    their gradient accumulators, on which DDP's reducer has its hooks."""
+    if not _BYPASSED.get():
+        loss.backward()
+        return
+    leaves = _graph_leaves(loss)
+    if not leaves:  # nothing to accumulate into: what loss.backward() would do
+        return
+    grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    with torch.no_grad():
+        for leaf, g in zip(leaves, grads, strict=True):
+            if g is None:
+                continue
+            if leaf.grad is not None:
+                leaf.grad = leaf.grad + g
+            else:  # an expanded gradient (of a sum) is not a tensor to write into
+                leaf.grad = g if g.stride() == leaf.stride() else torch.empty_like(leaf).copy_(g)
+
+
+def _graph_leaves(loss: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors ``loss.backward()`` would accumulate a gradient into: those of the gradient
+    accumulator nodes its graph reaches (each once, in the order first reached)."""
+    if loss.grad_fn is None:  # a leaf itself
+        return [loss] if loss.requires_grad else []
+    leaves: dict[int, torch.Tensor] = {}
+    seen, todo = {loss.grad_fn}, [loss.grad_fn]
+    while todo:
+        for node, _ in todo.pop().next_functions:
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            variable = getattr(node, "variable", None)
+            if isinstance(variable, torch.Tensor):
+                leaves.setdefault(id(variable), variable)
+            else:
+                todo.append(node)
+    return list(leaves.values())
+
+
+def _wrapped_call(ddp: nn.parallel.DistributedDataParallel) -> Callable[..., Any]:
+    """A forward for ``ddp`` that calls its wrapped module (hooks and all), with the inputs
+    moved to DDP's device as its own forward moves them."""
+    module = ddp.module
+
+    def forward(*inputs: Any, **kwargs: Any) -> Any:
+        if ddp.device_ids:
+            moved, moved_kwargs = ddp.to_kwargs(inputs, kwargs, ddp.device_ids[0])
+            inputs, kwargs = moved[0], moved_kwargs[0]
+        return module(*inputs, **kwargs)
+
+    return forward
 
 
 def world_size() -> int:

@@ -22,6 +22,14 @@ The model is never changed: parameters and buffers (BatchNorm running statistics
 bitwise, train/eval modes and every ``param.grad`` are as before, and so are the global random
 number generators. The report's schema, quantities and verdict rules are documented in
 :mod:`initlab.diagnostics.report`.
+
+Under ``torch.distributed`` every number is this rank's own, on its own batches: nothing is pooled
+over the ranks and no collective runs, so a rank that fails raises alone. A
+``DistributedDataParallel`` model is diagnosed as the module it wraps, without DDP's buffer
+broadcast or gradient all-reduce (:func:`~initlab._core.distributed.local_passes`): the gradient
+statistics (``grad_norm``, ``grad_std``) are this rank's minibatch gradients, like every moment,
+not DDP's mean over the ranks; the layers are named as in the DDP model (``module.0``), and DDP's
+state is left as it was.
 """
 
 from __future__ import annotations
@@ -106,7 +114,9 @@ def diagnose(
     """Diagnose the conditioning of ``model`` layer by layer on ``data``.
 
     Args:
-        model: any ``nn.Module``; never modified (see the module docstring).
+        model: any ``nn.Module``; never modified (see the module docstring). Under
+            ``torch.distributed`` the report is this rank's own (a ``DistributedDataParallel``
+            model: that of the module it wraps, on this rank's batches; module docstring).
         data: one batch or many (a ``DataLoader``, a list of batches, ``initlab.Batches``; the
             rule: :mod:`initlab._core.data`); at most ``max_batches`` are used.
         loss_fn: any form :func:`initlab.resolve_loss` reads: ``loss_fn(model, batch)``, a

@@ -623,7 +623,9 @@ def gr_scaling(
             over ranks of each rank's own minibatch gradient's ``E[dW^2]`` (its batch of ``B``
             examples), not that of the gradient DDP averages over all ranks' ``world_size * B``
             examples, which is at most it: about ``1 / world_size`` of it where the ranks'
-            gradients are mostly noise, equal where they agree.
+            gradients are mostly noise, equal where they agree. Without it every value is this
+            rank's own; a ``DistributedDataParallel`` model is probed as the module it wraps
+            (:func:`~initlab.measure_moments`), without DDP's collectives.
         generator: seed (or ``torch.Generator``) of the probe's passes (first form; dropout
             masks; :func:`~initlab.measure_moments`'s ``generator``).
 

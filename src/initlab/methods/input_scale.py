@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from initlab._core.data import DataUse, data_use, default_forward, first_tensor, take_batches
-from initlab._core.distributed import all_reduce_sum
+from initlab._core.distributed import all_reduce_sum, local_passes
 from initlab._core.knobs import renamed_kwargs
 from initlab._core.parametrized import reading_layers
 from initlab._core.rng import Seeds
@@ -161,7 +161,7 @@ def input_scale_for(
     layers = {name: (module, spec, kind) for name, module, spec, kind in weight_layers(model, reg)}
 
     def run() -> None:
-        with torch.no_grad(), keep_buffers(model), Seeds(model, None).scope():
+        with torch.no_grad(), keep_buffers(model), Seeds(model, None).scope(), local_passes(model):
             forward(model, batches[0])
 
     skip = " (or give kernel_size and n_in to input_scale)"

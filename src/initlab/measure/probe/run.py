@@ -81,6 +81,13 @@ def measure_moments(
     on failure: weights, buffers (a train-mode BatchNorm's running statistics), train/eval modes,
     the random number generators, and every parameter's ``.grad`` (set to ``None`` for the
     measurement, so gradients you accumulated before are untouched).
+
+    Under ``torch.distributed`` the moments are this rank's own, on its own batches: nothing is
+    pooled over the ranks and no collective runs (:func:`~initlab.gr_scaling` with
+    ``all_reduce=True`` pools them). A ``DistributedDataParallel`` model is measured as the
+    module it wraps, without DDP's buffer broadcast or gradient all-reduce
+    (:func:`~initlab._core.distributed.local_passes`): the same moments as that module's on this
+    rank, the layers named as in the DDP model (``module.0``), and DDP's state left as it was.
     """
     check_kwargs(
         "measure_moments",

@@ -1,0 +1,191 @@
+"""A ``DistributedDataParallel`` model's passes inside an entry point are local (2 gloo CPU ranks).
+
+DDP's forward broadcasts buffers and arms its reducer, whose backward all-reduces the gradients.
+Inside initlab's local passes those collectives met the library's own agreement collectives:
+with a loss failing on one rank, or ranks holding different numbers of batches, gloo aborted
+both processes (``gr_scaling(all_reduce=True)``, ``precondition_``) or one rank got "Connection
+closed by peer" (``diagnose``, ``measure_moments``), and ``diagnose`` mixed DDP's rank-averaged
+gradients (``grad_norm``) with per-rank moments. Now a DDP model runs as the module it wraps:
+every statistic is the rank's own, pooled only where the API pools it, and DDP is left as it was.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import initlab
+
+from .ddp_util import run_ranks
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+D = torch.float64
+
+
+def _net(bn: bool = False) -> nn.Sequential:
+    torch.manual_seed(0)
+    mid = nn.BatchNorm1d(12) if bn else nn.Tanh()
+    return nn.Sequential(nn.Linear(6, 12), mid, nn.ReLU(), nn.Linear(12, 3)).to(D)
+
+
+def _batches(rank: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(100 + rank)
+    return [
+        (torch.randn(8, 6, generator=gen, dtype=D), torch.randint(0, 3, (8,), generator=gen))
+        for _ in range(n)
+    ]
+
+
+def _failing_on(rank: int, before_forward: bool = False) -> Callable[[nn.Module, Any], Any]:
+    def loss(model: nn.Module, batch: Any) -> torch.Tensor:
+        if rank == 1 and before_forward:
+            raise KeyError("bad labels on rank 1")
+        out = model(batch[0])
+        if rank == 1:
+            raise KeyError("bad labels on rank 1")
+        return F.cross_entropy(out, batch[1])
+
+    return loss
+
+
+def _outcome(call: Callable[[], Any]) -> tuple[str, str]:
+    try:
+        call()
+    except Exception as err:
+        return type(err).__name__, str(err)
+    return "ok", ""
+
+
+def _state(model: nn.Module) -> list[torch.Tensor]:
+    return [t.detach().clone() for t in [*model.parameters(), *model.buffers()]]
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _pooled_worker(rank: int, world: int) -> dict[str, Any]:
+    """The entry points that pool over ranks, on a DDP model: a failure on rank 1 and uneven
+    batch counts; each rank's outcome, whether the model is as before, and the results."""
+    out: dict[str, Any] = {}
+    for name, bn, early in (("mlp", False, False), ("bn, before the forward", True, True)):
+        model = DDP(_net(bn))
+        before = _state(model)
+        loss = _failing_on(rank, early)
+        data = _batches(rank, 2)
+        out[f"gr_scaling, {name}"] = _outcome(
+            lambda m=model, d=data, f=loss: initlab.gr_scaling(m, d, f, all_reduce=True)
+        )
+        out[f"precondition_, {name}"] = _outcome(
+            lambda m=model, d=data, f=loss: initlab.precondition_(m, d, f)
+        )
+        out[f"kept, {name}"] = _same(before, _state(model))
+    data = _batches(rank, 2 + rank)  # 2 and 3 batches: pooled
+    rows = {}
+    for kind, model in (("ddp", DDP(_net())), ("plain", _net())):
+        got = initlab.gr_scaling(model, data, "cross_entropy", all_reduce=True).to_rows()
+        rows[kind] = {r["layer"].removeprefix("module."): r["gamma_w"] for r in got}
+        initlab.precondition_(model, data, "cross_entropy")
+        rows[kind + " weights"] = [p.detach().clone() for p in model.parameters()]
+    out["uneven"] = rows
+    return out
+
+
+def test_pooling_entry_points_on_a_ddp_model_fail_together_and_pool_uneven_batches() -> None:
+    r0, r1 = run_ranks(_pooled_worker, 2, timeout_s=30)
+    for name in ("mlp", "bn, before the forward"):
+        for what in ("gr_scaling", "precondition_"):
+            assert r0[f"{what}, {name}"] == r1[f"{what}, {name}"]
+            kind, message = r0[f"{what}, {name}"]
+            assert kind == "RankMismatchError"
+            assert message.startswith(f"{what} stopped on every rank because 1 of 2 rank(s)")
+            assert "rank 1: KeyError" in message and "bad labels on rank 1" in message
+        assert r0[f"kept, {name}"] and r1[f"kept, {name}"]
+    for got in (r0["uneven"], r1["uneven"]):
+        assert got["ddp"] == got["plain"]
+        assert set(got["ddp"]) == {"0", "3"} and all(math.isfinite(v) for v in got["ddp"].values())
+        assert _same(got["ddp weights"], got["plain weights"])
+    assert _same(r0["uneven"]["ddp weights"], r1["uneven"]["ddp weights"])
+
+
+def _own_gradient_norm(rank: int) -> float:
+    """Float64, by hand: the norm of this rank's own gradient of layer 0's weight."""
+    net = _net()
+    x, y = _batches(rank, 1)[0]
+    F.cross_entropy(net(x), y).backward()
+    return float(net[0].weight.grad.norm())
+
+
+def _mean_gradient(rank_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+    """Float64, by hand: the mean over the ranks of each rank's own gradient (DDP's all-reduce)."""
+    grads = []
+    for x, y in rank_batches:
+        net = _net()
+        F.cross_entropy(net(x), y).backward()
+        grads.append([p.grad for p in net.parameters()])
+    return [sum(gs) / len(gs) for gs in zip(*grads, strict=True)]
+
+
+def _local_worker(rank: int, world: int) -> dict[str, Any]:
+    """The per-rank entry points on a DDP model (and on the module it wraps), then DDP's own
+    training steps: a static_graph DDP before its first iteration included."""
+    out: dict[str, Any] = {}
+    data = _batches(rank, 1)[0]
+    rows = {}
+    for kind, model in (("ddp", DDP(_net())), ("plain", _net())):
+        report = initlab.diagnose(model, data, "cross_entropy", spectra=False, lint=False)
+        rows[kind] = [(r["layer"], r["param"], r["quantity"], r["value"]) for r in report.to_rows()]
+        probe = initlab.measure_moments(model, _batches(rank, 2 + rank), "cross_entropy")
+        rows[kind + " moments"] = [(r["layer"], r["E_x2"], r["E_dy2"]) for r in probe.table()]
+    out["rows"] = rows
+    out["own"] = _own_gradient_norm(rank)
+    out["diagnose, loss fails on rank 1"] = _outcome(
+        lambda: initlab.diagnose(DDP(_net()), data, _failing_on(rank), spectra=False, lint=False)
+    )
+    steps = []
+    for options in ({}, {"static_graph": True}, {"broadcast_buffers": True}):
+        model = DDP(_net(bn="broadcast_buffers" in options), **options)
+        initlab.diagnose(model, _batches(rank, 2), "cross_entropy", spectra=False, lint=False)
+        initlab.gr_scaling(model, _batches(rank, 2), "cross_entropy", all_reduce=True)
+        for _ in range(2):  # DDP's own steps after the calls: its all-reduce, as before them
+            model.zero_grad()
+            F.cross_entropy(model(data[0]), data[1]).backward()
+            steps.append([p.grad.clone() for p in model.parameters()])
+    out["steps"] = steps
+    return out
+
+
+def test_ddp_model_gives_the_wrapped_modules_own_rows_on_each_rank_and_trains_after() -> None:
+    r0, r1 = run_ranks(_local_worker, 2, timeout_s=30)
+    for rank, got in enumerate((r0, r1)):
+        ddp, plain = got["rows"]["ddp"], got["rows"]["plain"]
+        assert [n for n, *_ in ddp] == [f"module.{n}" if n else n for n, *_ in plain]
+        assert [(p, q) for _, p, q, _ in ddp] == [(p, q) for _, p, q, _ in plain]
+        for (*key, a), (_, _, _, b) in zip(ddp, plain, strict=True):
+            assert a == b or (math.isnan(a) and math.isnan(b)), key
+        norms = {(n, p): v for n, p, q, v in ddp if q == "grad_norm"}
+        assert norms["module.0", "weight"] == pytest.approx(_own_gradient_norm(rank), rel=1e-12)
+        moments = got["rows"]["ddp moments"]
+        assert [(n.removeprefix("module."), *v) for n, *v in moments] == got["rows"][
+            "plain moments"
+        ]
+    assert r0["own"] != r1["own"]  # the ranks' own numbers, not a mean
+    assert r0["diagnose, loss fails on rank 1"] == ("ok", "")
+    assert r1["diagnose, loss fails on rank 1"] == ("KeyError", "'bad labels on rank 1'")
+    both = [_batches(r, 1)[0] for r in range(2)]
+    want = _mean_gradient(both)
+    for got in (r0["steps"], r1["steps"]):
+        for i, grads in enumerate(got):
+            if i < 4:  # without BatchNorm: the float64 mean of the ranks' gradients
+                for g, w in zip(grads, want, strict=True):
+                    torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-14)
+    for a, b in zip(r0["steps"], r1["steps"], strict=True):  # the BatchNorm model: the same
+        assert _same(a, b)
