@@ -3,7 +3,8 @@ r"""Input scaling (Defazio & Bottou 2020, §6.3): balance the first layer's weig
 :func:`input_scale` / :func:`input_scale_for` measure ``E[x^2]`` on real batches and return a data
 transform ``x -> c x`` (an :class:`InputScaling`) that makes the first layer's weights and bias
 balanced, ``E[(c x_0)^2] = 1 / (k_0 sqrt(n_0))``. The model is never changed. Statistics are summed
-over the ranks of a ``torch.distributed`` job.
+over the ranks of a ``torch.distributed`` job, after every rank has read its data (a failure on
+some ranks raises the same error on every rank: :func:`~initlab._core.distributed.run_together`).
 """
 
 from __future__ import annotations
@@ -16,8 +17,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from initlab._core.data import DataUse, data_use, default_forward, first_tensor, take_batches
-from initlab._core.distributed import all_reduce_sum, local_passes
+from initlab._core.data import (
+    DataUse,
+    TakenBatches,
+    data_use,
+    default_forward,
+    first_tensor,
+    take_batches,
+)
+from initlab._core.distributed import all_reduce_sum, local_passes, run_together
 from initlab._core.knobs import renamed_kwargs
 from initlab._core.parametrized import reading_layers
 from initlab._core.rng import Seeds
@@ -91,6 +99,9 @@ def input_scale(
             ``n_batches=`` before 0.2).
 
     ``E[x^2]`` is the non-central second moment over all elements of all batches (and ranks).
+    Under ``torch.distributed`` every rank reads and checks its own batches first; where that
+    fails on some ranks (a non-float or non-finite input, no batch), every rank raises the same
+    :class:`~initlab._core.distributed.RankMismatchError`, naming each failed rank's error.
 
     Example:
         >>> x = torch.randn(1000, 3, 8, 8) * 4 + 1
@@ -98,6 +109,30 @@ def input_scale(
         >>> round((scaling(x) ** 2).mean().item() * 3 * 3**0.5, 6)
         1.0
     """
+    # reading and checking the data is local: a failure on some ranks raises on every rank
+    batches, sums, n_in, taps = run_together(
+        "input_scale", lambda: _moment_sums(data, kernel_size, n_in, max_batches)
+    )
+    all_reduce_sum([sums])
+    measured = sums[0].item() / sums[1].item()
+    if not measured > 0:
+        raise ValueError("the inputs are all zero: no factor can reach the target second moment")
+    want = 1.0 / math.sqrt(n_in * taps)
+    return InputScaling(
+        factor=math.sqrt(want / measured),
+        target=want,
+        measured=measured,
+        n_in=n_in,
+        receptive_field=taps,
+        used=data_use(batches),
+    )
+
+
+def _moment_sums(
+    data: Any, kernel_size: int | Sequence[int], n_in: int | None, max_batches: int | None
+) -> tuple[TakenBatches, torch.Tensor, int, int]:
+    """This rank's part of :func:`input_scale`: its batches, ``[sum x^2, count]`` over their
+    inputs (float64), ``n_in`` (given, or read off dim 1 of the inputs) and the kernel taps."""
     batches = take_batches(data, max_batches, what="input_scale", exact=False)
     taps = kernel_taps(kernel_size)
     sums = torch.zeros(2, dtype=torch.float64, device="cpu")
@@ -113,25 +148,13 @@ def input_scale(
                 torch.tensor(float(x.numel()), device="cpu"),
             )
         )
-    all_reduce_sum([sums])
     if n_in is None:
         if len(dims) != 1 or None in dims:
             raise ValueError("cannot read n_in off the data (need a (B, n, ...) input); pass n_in=")
         n_in = dims.pop()
     if isinstance(n_in, bool) or not isinstance(n_in, int) or n_in < 1:
         raise ValueError(f"n_in must be a positive int, got {n_in!r}")
-    measured = sums[0].item() / sums[1].item()
-    if not measured > 0:
-        raise ValueError("the inputs are all zero: no factor can reach the target second moment")
-    want = 1.0 / math.sqrt(n_in * taps)
-    return InputScaling(
-        factor=math.sqrt(want / measured),
-        target=want,
-        measured=measured,
-        n_in=n_in,
-        receptive_field=taps,
-        used=data_use(batches),
-    )
+    return batches, sums, n_in, taps
 
 
 @renamed_kwargs(n_batches="max_batches")
@@ -155,6 +178,22 @@ def input_scale_for(
             raw input (e.g. a ``LayerNorm`` or another transform comes first, so scaling the data
             would not set its input moment).
     """
+    # the forward is local: a failure on some ranks raises on every rank
+    taps, n_in = run_together(
+        "input_scale_for", lambda: _first_layer(model, data, forward, max_batches, registry)
+    )
+    return input_scale(data, kernel_size=(taps,), n_in=n_in, max_batches=max_batches)
+
+
+def _first_layer(
+    model: nn.Module,
+    data: Any,
+    forward: Forward | None,
+    max_batches: int | None,
+    registry: Registry | None,
+) -> tuple[int, int]:
+    """This rank's part of :func:`input_scale_for`: the kernel taps and input channels per group
+    of the first weight layer that runs on the first batch, checked to see the raw input."""
     reg = default_registry() if registry is None else registry
     forward = forward or default_forward
     batches = take_batches(data, max_batches, what="input_scale_for", exact=False)
@@ -189,6 +228,4 @@ def input_scale_for(
             "the model, or call input_scale on the tensors that layer sees"
         )
     taps = spec.fans.receptive_field
-    return input_scale(
-        data, kernel_size=(taps,), n_in=spec.fans.fan_in // taps, max_batches=max_batches
-    )
+    return taps, spec.fans.fan_in // taps
