@@ -80,3 +80,26 @@ def test_a_failure_on_one_rank_raises_the_same_error_on_every_rank() -> None:
         assert kind == "ok" and n_in == 8
         assert seen == pytest.approx(measured, rel=1e-12)
         assert factor == pytest.approx((8**-0.5 / measured) ** 0.5, rel=1e-12)
+
+
+def _widths_worker(rank: int, world: int) -> dict[str, tuple[str, Any]]:
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(32, 8 if rank == 0 else 3, generator=gen, dtype=torch.float64)
+    return {
+        "widths 8 and 3": _outcome(lambda: input_scale(x)),
+        "n_in= 8 and 3": _outcome(lambda: input_scale(x[:, :3], n_in=8 if rank == 0 else 3)),
+        "then the same n_in": _outcome(lambda: input_scale(x[:, :3], n_in=3)),
+    }
+
+
+def test_ranks_whose_inputs_differ_in_width_raise_naming_both() -> None:
+    """Each rank used its own n_in with the pooled E[x^2]: different factors, and no error."""
+    r0, r1 = run_ranks(_widths_worker, 2, timeout_s=30)
+    for name in ("widths 8 and 3", "n_in= 8 and 3"):
+        assert r0[name] == r1[name]
+        kind, message = r0[name]
+        assert kind == "RankMismatchError"
+        assert "n_in (3 on some ranks, 8 on others)" in message
+        assert "kernel taps" not in message and "same number of features" in message
+    assert r0["then the same n_in"][0] == r1["then the same n_in"][0] == "ok"
+    assert r0["then the same n_in"] == r1["then the same n_in"]

@@ -51,6 +51,7 @@ __all__ = [
     "check_same_count",
     "check_same_parameters",
     "check_same_trainable",
+    "check_same_values",
     "checkpoint",
     "failing_together",
     "in_lockstep",
@@ -607,6 +608,24 @@ def check_same_count(count: int | None, what: str, unit: str) -> None:
             "every rank must run the same number (give each rank the same number of batches, "
             "e.g. a DistributedSampler with drop_last=True, or pass steps=)"
         )
+
+
+def check_same_values(what: str, values: dict[str, int], hint: str) -> None:
+    """Raise :class:`RankMismatchError` on every rank unless every rank holds the same ``values``
+    (integers by name, the same names on every rank), naming each that differs with its smallest
+    and largest value over the ranks, then ``hint`` (what to do). One small collective: call it
+    on every rank; nothing without a process group."""
+    if not is_distributed() or not values:
+        return
+    names = list(values)
+    lo, hi = _min_max(torch.tensor([values[n] for n in names], dtype=torch.int64, device=_CPU))
+    differ = [
+        f"{n} ({int(lo[i])} on some ranks, {int(hi[i])} on others)"
+        for i, n in enumerate(names)
+        if lo[i] != hi[i]
+    ]
+    if differ:
+        raise RankMismatchError(f"{what}: the ranks differ in {', '.join(differ)}; {hint}")
 
 
 def in_lockstep(items: Iterable[T], what: str) -> Iterator[T]:

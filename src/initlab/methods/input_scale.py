@@ -25,7 +25,12 @@ from initlab._core.data import (
     first_tensor,
     take_batches,
 )
-from initlab._core.distributed import all_reduce_sum, local_passes, run_together
+from initlab._core.distributed import (
+    all_reduce_sum,
+    check_same_values,
+    local_passes,
+    run_together,
+)
 from initlab._core.knobs import renamed_kwargs
 from initlab._core.parametrized import reading_layers
 from initlab._core.rng import Seeds
@@ -101,7 +106,8 @@ def input_scale(
     ``E[x^2]`` is the non-central second moment over all elements of all batches (and ranks).
     Under ``torch.distributed`` every rank reads and checks its own batches first; where that
     fails on some ranks (a non-float or non-finite input, no batch), every rank raises the same
-    :class:`~initlab._core.distributed.RankMismatchError`, naming each failed rank's error.
+    :class:`~initlab._core.distributed.RankMismatchError`, naming each failed rank's error; so it
+    does where the ranks' ``n_in`` (their inputs' widths) or kernel taps differ, naming both.
 
     Example:
         >>> x = torch.randn(1000, 3, 8, 8) * 4 + 1
@@ -112,6 +118,13 @@ def input_scale(
     # reading and checking the data is local: a failure on some ranks raises on every rank
     batches, sums, n_in, taps = run_together(
         "input_scale", lambda: _moment_sums(data, kernel_size, n_in, max_batches)
+    )
+    check_same_values(  # one factor for one first layer: its fans must agree across ranks
+        "input_scale",
+        {"n_in": n_in, "kernel taps": taps},
+        "the pooled E[x^2] serves one first layer, the same on every rank: give every rank "
+        "inputs with the same number of features or channels (dim 1), or pass the same n_in= "
+        "and kernel_size= on every rank",
     )
     all_reduce_sum([sums])
     measured = sums[0].item() / sums[1].item()
