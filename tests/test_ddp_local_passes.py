@@ -11,6 +11,7 @@ every statistic is the rank's own, pooled only where the API pools it, and DDP i
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from typing import Any
@@ -189,3 +190,43 @@ def test_ddp_model_gives_the_wrapped_modules_own_rows_on_each_rank_and_trains_af
                     torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-14)
     for a, b in zip(r0["steps"], r1["steps"], strict=True):  # the BatchNorm model: the same
         assert _same(a, b)
+
+
+def _copy_worker(rank: int, world: int) -> dict[str, Any]:
+    """theory_vs_actual on a DDP model with a parametrized layer (measured on a deep copy of the
+    model, taken inside the entry point), and a deep copy made inside ``local_passes`` by hand."""
+    from torch.nn.utils.parametrizations import weight_norm
+
+    from initlab._core.distributed import local_passes
+
+    out: dict[str, Any] = {}
+    gen = torch.Generator().manual_seed(100 + rank)
+    data = [(torch.randn(6, 4, generator=gen, dtype=D), torch.randint(0, 3, (6,), generator=gen))]
+    for kind in ("ddp", "plain"):
+        torch.manual_seed(0)
+        net = nn.Sequential(weight_norm(nn.Linear(4, 8)), nn.Tanh(), nn.Linear(8, 3)).to(D)
+        model = DDP(net) if kind == "ddp" else net
+        rows = initlab.theory_vs_actual(model, data, "cross_entropy", probes=2, generator=0)
+        out[kind] = [(r["layer"].removeprefix("module."), r["actual"]) for r in rows]
+    model = DDP(_net())
+    x = _batches(rank, 1)[0][0]
+    with local_passes(model):
+        twin = copy.deepcopy(model)
+        with torch.no_grad():
+            twin.module[0].weight.mul_(3.0)  # the copy's own weights, not the original's
+        got = twin(x).detach()
+    w0, b0 = model.module[0].weight.detach() * 3.0, model.module[0].bias.detach()
+    w3, b3 = model.module[3].weight.detach(), model.module[3].bias.detach()
+    out["copy"] = (got, torch.relu(torch.tanh(x @ w0.T + b0)) @ w3.T + b3)
+    out["forward left"] = "forward" in vars(model)
+    return out
+
+
+def test_a_deep_copy_of_a_ddp_model_made_inside_an_entry_point_runs_the_copy() -> None:
+    """A parametrized model is measured on a deep copy; the copy's DDP must call the copy's
+    module (it called the original's: theory_vs_actual raised 'the copy's forward runs the
+    original model')."""
+    for got in run_ranks(_copy_worker, 2, timeout_s=30):
+        assert got["ddp"] == got["plain"] and len(got["ddp"]) == 4
+        torch.testing.assert_close(*got["copy"], rtol=1e-12, atol=1e-14)
+        assert not got["forward left"]

@@ -108,14 +108,15 @@ def local_passes(model: nn.Module) -> Iterator[None]:
     experimental ``mixed_precision`` casts are not applied.
 
     The wrapper's call reads ``forward`` off the instance first (``nn.Module.__call__``): the
-    block sets an instance attribute there and removes it after (a DDP already so set, by an
+    block sets an instance attribute there (:func:`_wrapped_call`, which a deep copy of the model
+    made in the block calls on the copy) and removes it after (a DDP already so set, by an
     enclosing block, is left to it). Without a DDP in ``model``: nothing."""
     wrappers = [m for m in model.modules() if isinstance(m, _DDP) and "forward" not in vars(m)]
     set_here = []
     token = _BYPASSED.set(_BYPASSED.get() + len(wrappers))
     try:
         for ddp in wrappers:
-            vars(ddp)["forward"] = _wrapped_call(ddp)
+            vars(ddp)["forward"] = functools.partial(_wrapped_call, ddp)
             set_here.append((ddp, vars(ddp)["forward"]))
         yield
     finally:
@@ -168,18 +169,17 @@ def _graph_leaves(loss: torch.Tensor) -> list[torch.Tensor]:
     return list(leaves.values())
 
 
-def _wrapped_call(ddp: nn.parallel.DistributedDataParallel) -> Callable[..., Any]:
-    """A forward for ``ddp`` that calls its wrapped module (hooks and all), with the inputs
-    moved to DDP's device as its own forward moves them."""
-    module = ddp.module
-
-    def forward(*inputs: Any, **kwargs: Any) -> Any:
-        if ddp.device_ids:
-            moved, moved_kwargs = ddp.to_kwargs(inputs, kwargs, ddp.device_ids[0])
-            inputs, kwargs = moved[0], moved_kwargs[0]
-        return module(*inputs, **kwargs)
-
-    return forward
+def _wrapped_call(ddp: nn.parallel.DistributedDataParallel, *inputs: Any, **kwargs: Any) -> Any:
+    """``ddp``'s forward in :func:`local_passes`: its wrapped module called (hooks and all), the
+    inputs moved to DDP's device as its own forward moves them. Set on the instance as
+    ``functools.partial(_wrapped_call, ddp)``, not a closure: ``copy.deepcopy`` of the model
+    inside the block (a parametrized model's copy, :func:`~initlab._core.parametrized.plain_copy`)
+    copies a partial's arguments through its memo, so the copy's forward calls the copy's module
+    (a closure is shared, and would run the original's)."""
+    if ddp.device_ids:
+        moved, moved_kwargs = ddp.to_kwargs(inputs, kwargs, ddp.device_ids[0])
+        inputs, kwargs = moved[0], moved_kwargs[0]
+    return ddp.module(*inputs, **kwargs)
 
 
 def world_size() -> int:
