@@ -230,3 +230,52 @@ def test_a_deep_copy_of_a_ddp_model_made_inside_an_entry_point_runs_the_copy() -
         assert got["ddp"] == got["plain"] and len(got["ddp"]) == 4
         torch.testing.assert_close(*got["copy"], rtol=1e-12, atol=1e-14)
         assert not got["forward left"]
+
+
+class _Doubled(torch.autograd.Function):
+    """``2 a``, with an attribute of its own named ``variable`` on the ctx (the ctx is the node)."""
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor) -> torch.Tensor:
+        ctx.variable = a.detach()
+        return a * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * 2
+
+
+class _CustomFunctionNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 5), nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(_Doubled.apply(torch.tanh(self.a(x))))
+
+
+def _custom_model(case: str) -> nn.Module:
+    torch.manual_seed(0)
+    return {"custom function": _CustomFunctionNet}[case]().to(D)
+
+
+def _grad_norms_worker(rank: int, world: int, case: str) -> dict[str, Any]:
+    """gradient_stats on DDP(model) (one batch: each grad_norm is that batch's gradient's norm),
+    and the norms by hand: ``loss.backward()`` on the plain model, float64."""
+    x, y = _batches(rank, 1)[0]
+    rows = initlab.gradient_stats(DDP(_custom_model(case)), [(x, y)], "cross_entropy")
+    got = {(r["layer"].removeprefix("module."), r["param"]): r["grad_norm"] for r in rows}
+    plain = _custom_model(case)
+    F.cross_entropy(plain(x), y).backward()
+    want = {tuple(n.rsplit(".", 1)): float(p.grad.norm()) for n, p in plain.named_parameters()}
+    return {"got": got, "want": want}
+
+
+def test_a_custom_function_whose_ctx_has_a_variable_attribute_is_no_leaf() -> None:
+    """A custom autograd.Function's node is its ctx; a ``ctx.variable`` tensor was taken for a
+    gradient accumulator's (torch.autograd.grad then raised 'One of the differentiated Tensors
+    does not require grad')."""
+    for got in run_ranks(_grad_norms_worker, 2, "custom function", timeout_s=30):
+        assert set(got["got"]) == set(got["want"]) and len(got["want"]) == 4
+        for key, value in got["want"].items():
+            assert got["got"][key] == pytest.approx(value, rel=1e-12), key

@@ -151,7 +151,8 @@ def local_backward(loss: torch.Tensor) -> None:
 
 def _graph_leaves(loss: torch.Tensor) -> list[torch.Tensor]:
     """The tensors ``loss.backward()`` would accumulate a gradient into: those of the gradient
-    accumulator nodes its graph reaches (each once, in the order first reached)."""
+    accumulator nodes (``AccumulateGrad``, by type) its graph reaches (each once, in the order
+    first reached)."""
     if loss.grad_fn is None:  # a leaf itself
         return [loss] if loss.requires_grad else []
     leaves: dict[int, torch.Tensor] = {}
@@ -161,10 +162,9 @@ def _graph_leaves(loss: torch.Tensor) -> list[torch.Tensor]:
             if node is None or node in seen:
                 continue
             seen.add(node)
-            variable = getattr(node, "variable", None)
-            if isinstance(variable, torch.Tensor):
-                leaves.setdefault(id(variable), variable)
-            else:
+            if type(node).__name__ == "AccumulateGrad":
+                leaves.setdefault(id(node.variable), node.variable)
+            else:  # a custom Function's node is its ctx: a ctx.variable of its own is no leaf
                 todo.append(node)
     return list(leaves.values())
 
