@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import checkpoint
 
 import initlab
 
@@ -254,9 +255,22 @@ class _CustomFunctionNet(nn.Module):
         return self.b(_Doubled.apply(torch.tanh(self.a(x))))
 
 
+class _CheckpointedNet(nn.Module):
+    """A middle segment under a reentrant activation checkpoint (Hugging Face's
+    gradient_checkpointing_enable() in many versions)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.mid, self.b = nn.Linear(6, 5), nn.Linear(5, 5), nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = checkpoint(lambda t: torch.tanh(self.mid(t)), self.a(x), use_reentrant=True)
+        return self.b(h)
+
+
 def _custom_model(case: str) -> nn.Module:
     torch.manual_seed(0)
-    return {"custom function": _CustomFunctionNet}[case]().to(D)
+    return {"custom function": _CustomFunctionNet, "reentrant": _CheckpointedNet}[case]().to(D)
 
 
 def _grad_norms_worker(rank: int, world: int, case: str) -> dict[str, Any]:
@@ -279,3 +293,61 @@ def test_a_custom_function_whose_ctx_has_a_variable_attribute_is_no_leaf() -> No
         assert set(got["got"]) == set(got["want"]) and len(got["want"]) == 4
         for key, value in got["want"].items():
             assert got["got"][key] == pytest.approx(value, rel=1e-12), key
+
+
+def _train(model: nn.Module, rank: int, steps: int) -> list[list[torch.Tensor]]:
+    """DDP's own training steps (SGD with momentum): each step's gradients."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    out = []
+    for x, y in _batches(rank + 10, steps):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        out.append([p.grad.clone() for p in model.parameters()])
+        opt.step()
+    return out
+
+
+def _reentrant_worker(rank: int, world: int) -> dict[str, Any]:
+    """gradient_stats on DDP(model with a reentrant checkpoint) for DDP options, then DDP's own
+    steps on it and on an untouched twin."""
+    out: dict[str, Any] = {}
+    cases = {
+        "default": ({}, 0),
+        "static_graph, before training": ({"static_graph": True}, 0),
+        "static_graph, after a step": ({"static_graph": True}, 1),
+        "find_unused_parameters": ({"find_unused_parameters": True}, None),
+    }
+    for name, (options, before) in cases.items():
+        model, twin = (DDP(_custom_model("reentrant"), **options) for _ in range(2))
+        if before:
+            _train(model, rank, before), _train(twin, rank, before)
+        data = _batches(rank, 2)
+        out[name] = _outcome(lambda m=model, d=data: initlab.gradient_stats(m, d, "cross_entropy"))
+        if before is not None:  # DDP trains no reentrant checkpoint with find_unused_parameters
+            out[name + ", steps"] = (_train(model, rank, 2), _train(twin, rank, 2))
+    return out
+
+
+def test_a_reentrant_checkpoint_in_a_ddp_model_back_propagates_or_names_the_cause() -> None:
+    """torch.autograd.grad refuses a reentrant checkpoint ('When use_reentrant=True,
+    torch.utils.checkpoint is incompatible with .grad()'): every pass on such a DDP model raised
+    it. It runs loss.backward() (DDP's reducer unarmed) now, except where the reducer counts an
+    unarmed backward: there the error names the cause and what to do."""
+    for got in run_ranks(_grad_norms_worker, 2, "reentrant", timeout_s=30):
+        assert set(got["got"]) == set(got["want"]) and len(got["want"]) == 6
+        for key, value in got["want"].items():
+            assert got["got"][key] == pytest.approx(value, rel=1e-12), key
+    for got in run_ranks(_reentrant_worker, 2, timeout_s=30):
+        assert got["default"] == got["static_graph, after a step"] == ("ok", "")
+        for name, cause in (
+            ("static_graph, before training", "static_graph=True before its first training"),
+            ("find_unused_parameters", "find_unused_parameters=True"),
+        ):
+            kind, message = got[name]
+            assert kind == "ValueError" and message.startswith("gradient_stats: "), message
+            assert (
+                cause in message and "use_reentrant=False" in message and "model.module" in message
+            )
+        for name in ("default", "static_graph, before training", "static_graph, after a step"):
+            mine, twin = got[name + ", steps"]
+            assert all(_same(a, b) for a, b in zip(mine, twin, strict=True)), name

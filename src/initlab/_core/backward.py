@@ -109,7 +109,7 @@ def backward_of(loss: torch.Tensor, what: str) -> None:
     """``loss.backward()``, the loss checked first (:func:`require_grad`); without DDP's
     reducer where a DDP runs its wrapped module
     (:func:`~initlab._core.distributed.local_backward`)."""
-    local_backward(require_grad(loss, what))
+    local_backward(require_grad(loss, what), what)
 
 
 def finite_loss(

@@ -80,8 +80,10 @@ def is_distributed() -> bool:
 
 _DDP = nn.parallel.DistributedDataParallel
 
-#: How many DDP wrappers :func:`local_passes` runs as their wrapped modules now (this context).
-_BYPASSED: ContextVar[int] = ContextVar("initlab_ddp_bypassed", default=0)
+#: The DDP wrappers :func:`local_passes` runs as their wrapped modules now (this context).
+_BYPASSED: ContextVar[tuple[nn.parallel.DistributedDataParallel, ...]] = ContextVar(
+    "initlab_ddp_bypassed", default=()
+)
 
 
 @contextmanager
@@ -103,7 +105,8 @@ def local_passes(model: nn.Module) -> Iterator[None]:
     peer"), and mixed DDP-averaged gradients into per-rank statistics. DDP's state is left as it
     was: no DDP forward runs, and no gradient accumulator DDP hooks (a reducer counts the
     backward passes that reach it even unarmed: a ``static_graph=True`` DDP before its first
-    iteration would count initlab's passes as part of it). The layer names are the model's
+    iteration would count initlab's passes as part of it), except through a reentrant
+    checkpoint, unarmed (:func:`local_backward`). The layer names are the model's
     (``module.0``), and a ``loss_fn(model, batch)`` gets the DDP model as given. DDP's
     experimental ``mixed_precision`` casts are not applied.
 
@@ -113,7 +116,7 @@ def local_passes(model: nn.Module) -> Iterator[None]:
     enclosing block, is left to it). Without a DDP in ``model``: nothing."""
     wrappers = [m for m in model.modules() if isinstance(m, _DDP) and "forward" not in vars(m)]
     set_here = []
-    token = _BYPASSED.set(_BYPASSED.get() + len(wrappers))
+    token = _BYPASSED.set(_BYPASSED.get() + tuple(wrappers))
     try:
         for ddp in wrappers:
             vars(ddp)["forward"] = functools.partial(_wrapped_call, ddp)
@@ -126,16 +129,32 @@ def local_passes(model: nn.Module) -> Iterator[None]:
         _BYPASSED.reset(token)
 
 
-def local_backward(loss: torch.Tensor) -> None:
+def local_backward(loss: torch.Tensor, what: str = "") -> None:
     """``loss.backward()``; while :func:`local_passes` runs a DDP as its wrapped module, the same
     gradients accumulated into each leaf's ``.grad`` by hand (``grad = g``, laid out like the
     leaf as torch's accumulator lays it out, or ``grad + g`` where it has one):
     ``torch.autograd.grad`` over the leaves of ``loss``'s graph runs their tensor hooks but not
-    their gradient accumulators, on which DDP's reducer has its hooks."""
-    if not _BYPASSED.get():
+    their gradient accumulators, on which DDP's reducer has its hooks. Those hooks return at
+    once while the reducer is unarmed (no DDP forward ran, or the last one's backward finished),
+    but a reducer left armed by a DDP forward of the user's without its backward would
+    all-reduce: ``torch.autograd.grad`` reaches none of them, whatever the reducer's state.
+
+    A reentrant activation checkpoint in the graph (``torch.utils.checkpoint`` with
+    ``use_reentrant=True``, Hugging Face's ``gradient_checkpointing_enable()`` in many versions)
+    refuses ``torch.autograd.grad``, and its recomputed segment's leaves are not in the graph
+    before it runs: there ``loss.backward()`` runs, DDP's hooks returning unarmed (a reducer
+    left armed, as above, reduces that pass), unless a DDP's reducer acts on every backward that
+    reaches it, armed or not (:func:`_counts_unarmed`), which raises a ``ValueError`` naming
+    the cause and what to do (prefixed by ``what``)."""
+    bypassed = _BYPASSED.get()
+    if not bypassed:
         loss.backward()
         return
-    leaves = _graph_leaves(loss)
+    leaves, reentrant = _graph_leaves(loss)
+    if reentrant:
+        _check_reentrant(bypassed, what)
+        loss.backward()
+        return
     if not leaves:  # nothing to accumulate into: what loss.backward() would do
         return
     grads = torch.autograd.grad(loss, leaves, allow_unused=True)
@@ -149,13 +168,56 @@ def local_backward(loss: torch.Tensor) -> None:
                 leaf.grad = g if g.stride() == leaf.stride() else torch.empty_like(leaf).copy_(g)
 
 
-def _graph_leaves(loss: torch.Tensor) -> list[torch.Tensor]:
+def _counts_unarmed(ddp: nn.parallel.DistributedDataParallel) -> str | None:
+    """Why ``ddp``'s reducer would take a backward pass that reaches its parameters for part of
+    its training even though no DDP forward armed it (``None``: it would not). torch's
+    ``Reducer::autograd_hook`` does this work before its unarmed early return (torch 2.4 to
+    2.13): a static graph before its first iteration's backward has run counts each
+    parameter's hooks (``static_graph_first_iteration``; DDP's ``_DDPSink`` sets
+    ``_static_graph_delay_allreduce_enqueued`` in that backward), and ``find_unused_parameters``
+    without a static graph marks the parameter used in the next iteration (its
+    ``local_used_map_``, reset only when an armed backward finishes); the Python reducer
+    (``torch._dynamo`` ``optimize_ddp="python_reducer"``) all-reduces in post-accumulate-grad
+    hooks."""
+    if ddp.static_graph:
+        if not getattr(ddp, "_static_graph_delay_allreduce_enqueued", False):
+            return "static_graph=True before its first training iteration"
+    elif ddp.find_unused_parameters:
+        return "find_unused_parameters=True"
+    if getattr(ddp, "_accum_grad_hooks", None):
+        return "the Python reducer (torch._dynamo's optimize_ddp='python_reducer')"
+    return None
+
+
+def _check_reentrant(bypassed: Iterable[nn.parallel.DistributedDataParallel], what: str) -> None:
+    """Raise ``ValueError`` if one of the ``bypassed`` DDPs' reducers acts on an unarmed
+    backward (:func:`_counts_unarmed`): a reentrant checkpoint's backward cannot be run without
+    reaching its gradient accumulators."""
+    causes = sorted({c for c in map(_counts_unarmed, bypassed) if c is not None})
+    if causes:
+        raise ValueError(
+            f"{what + ': ' if what else ''}the model runs a reentrant activation checkpoint "
+            "(torch.utils.checkpoint with use_reentrant=True; Hugging Face's "
+            "gradient_checkpointing_enable() in many versions), which torch back-propagates only "
+            "through the parameters' gradient accumulators, where DistributedDataParallel's "
+            f"reducer has its hooks; with {' and '.join(causes)} that reducer takes every backward "
+            "pass that reaches them into its training, so initlab's passes would change the "
+            "DDP's next iterations. Use a non-reentrant checkpoint (use_reentrant=False; "
+            "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': "
+            "False})), or pass the module the DDP wraps (model.module) for this call"
+        )
+
+
+def _graph_leaves(loss: torch.Tensor) -> tuple[list[torch.Tensor], bool]:
     """The tensors ``loss.backward()`` would accumulate a gradient into: those of the gradient
     accumulator nodes (``AccumulateGrad``, by type) its graph reaches (each once, in the order
-    first reached)."""
+    first reached); and whether the graph holds a reentrant checkpoint (a node of a
+    ``CheckpointFunction``, ``torch.utils.checkpoint``'s with ``use_reentrant=True``), whose
+    segment's leaves are found only as its backward runs."""
     if loss.grad_fn is None:  # a leaf itself
-        return [loss] if loss.requires_grad else []
+        return ([loss] if loss.requires_grad else []), False
     leaves: dict[int, torch.Tensor] = {}
+    reentrant = False
     seen, todo = {loss.grad_fn}, [loss.grad_fn]
     while todo:
         for node, _ in todo.pop().next_functions:
@@ -164,9 +226,11 @@ def _graph_leaves(loss: torch.Tensor) -> list[torch.Tensor]:
             seen.add(node)
             if type(node).__name__ == "AccumulateGrad":
                 leaves.setdefault(id(node.variable), node.variable)
-            else:  # a custom Function's node is its ctx: a ctx.variable of its own is no leaf
-                todo.append(node)
-    return list(leaves.values())
+                continue
+            forward_cls = getattr(type(node), "_forward_cls", None)
+            reentrant |= getattr(forward_cls, "__name__", "") == "CheckpointFunction"
+            todo.append(node)  # a custom Function's node is its ctx: a ctx.variable is no leaf
+    return list(leaves.values()), reentrant
 
 
 def _wrapped_call(ddp: nn.parallel.DistributedDataParallel, *inputs: Any, **kwargs: Any) -> Any:

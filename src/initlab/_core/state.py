@@ -23,10 +23,10 @@ step no optimizer of the user's nor move the weights between batches: each is sw
 no-op under its key on entry and put back on exit, in its place, unless its handle removed it
 meanwhile (:func:`_gradient_hooks_suspended`); torch's own (``DistributedDataParallel``'s,
 FSDP's gradient reductions) stay (an entry point's passes run a DDP as the module it wraps and
-reach no hook of its reducer: :func:`~initlab._core.distributed.local_passes`). Tensors are
-copied back in place under ``no_grad``, so tied tensors stay tied, references the user holds stay
-valid, and nothing moves across devices. Memory: one copy of what is restored, shared by nested
-blocks while the tensors keep its bits (:data:`_HELD`). Under the user's
+reach its reducer's hooks only unarmed: :func:`~initlab._core.distributed.local_passes`).
+Tensors are copied back in place under ``no_grad``, so tied tensors stay tied, references the user
+holds stay valid, and nothing moves across devices. Memory: one copy of what is restored, shared
+by nested blocks while the tensors keep its bits (:data:`_HELD`). Under the user's
 ``torch.autocast`` the block runs without autocast's cache of cast weights, which changes in place
 would leave stale (:func:`~initlab._core.autocast.autocast_uncached`). Embeddings built with
 ``sparse=True`` give dense gradients inside the block (the same values; every method reads
@@ -121,8 +121,8 @@ class _Suspended:
 
 def _stays_active(fn: object) -> bool:
     """Whether a gradient hook stays active in a block: torch's own (``DistributedDataParallel``'s
-    and FSDP's gradient reductions; an entry point's passes reach no DDP reducer's hook:
-    :func:`~initlab._core.distributed.local_passes`), except ``torch.distributed.optim``'s
+    and FSDP's gradient reductions; an entry point's passes reach a DDP reducer's hooks only
+    unarmed: :func:`~initlab._core.distributed.local_passes`), except ``torch.distributed.optim``'s
     optimizer steps (``_apply_optimizer_in_backward``: the user's optimizer)."""
     return _ours(fn, "torch") and not _ours(fn, "torch.distributed.optim")
 
