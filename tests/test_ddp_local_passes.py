@@ -351,3 +351,67 @@ def test_a_reentrant_checkpoint_in_a_ddp_model_back_propagates_or_names_the_caus
         for name in ("default", "static_graph, before training", "static_graph, after a step"):
             mine, twin = got[name + ", steps"]
             assert all(_same(a, b) for a, b in zip(mine, twin, strict=True)), name
+
+
+def _leaf_cases() -> dict[str, Callable[[], tuple[torch.Tensor, list[torch.Tensor], Any]]]:
+    """Graphs whose leaves are no DDP parameter: ``() -> (loss, leaves, read)``, ``read()`` what
+    else to compare after the backward."""
+
+    def shared() -> tuple[torch.Tensor, list[torch.Tensor], Any]:
+        w1, w2 = (torch.randn(3, 3, dtype=D, requires_grad=True) for _ in range(2))
+        v = torch.randn(3, 2, dtype=D)
+        return ((w1 + w2) @ v).sum(), [w1, w2], lambda: w1.grad.data_ptr() == w2.grad.data_ptr()
+
+    def held() -> tuple[torch.Tensor, list[torch.Tensor], Any]:
+        x = torch.randn(5, 4, dtype=D, requires_grad=True)
+        x.grad = torch.ones(5, 4, dtype=D)
+        before = x.grad
+        return (x.tanh() * 3).sum(), [x], lambda: x.grad is before
+
+    def sparse() -> tuple[torch.Tensor, list[torch.Tensor], Any]:
+        w = torch.randn(10, 4, dtype=D, requires_grad=True)
+        idx = torch.tensor([[1, 2], [1, 7]])
+        return F.embedding(idx, w, sparse=True).square().sum(), [w], lambda: w.grad.layout
+
+    def hooked() -> tuple[torch.Tensor, list[torch.Tensor], Any]:
+        x = torch.randn(4, dtype=D, requires_grad=True)
+        calls: list[float] = []
+        x.register_post_accumulate_grad_hook(lambda t: calls.append(float(t.grad.sum())))
+        return (x * torch.arange(4.0, dtype=D)).sum(), [x], lambda: calls
+
+    return {"shared": shared, "held": held, "sparse": sparse, "hooked": hooked}
+
+
+def _leaves_worker(rank: int, world: int) -> dict[str, Any]:
+    """Each case's gradients and ``read()``: torch's loss.backward(), and initlab's backward
+    with a DDP bypassed (local_passes)."""
+    from initlab._core.distributed import local_backward, local_passes
+
+    out: dict[str, Any] = {}
+    for name, build in _leaf_cases().items():
+        for how in ("torch", "initlab"):
+            torch.manual_seed(0)
+            loss, leaves, read = build()
+            if how == "torch":
+                loss.backward()
+            else:
+                with local_passes(DDP(_net())):
+                    local_backward(loss)
+            grads = [g.to_dense() if g.is_sparse else g.clone() for g in (x.grad for x in leaves)]
+            out[name, how] = (grads, read())
+    return out
+
+
+def test_initlab_backward_beside_a_ddp_accumulates_gradients_as_torch_does() -> None:
+    """Under local_passes, leaves got one gradient tensor for two (w1 + w2), a new ``.grad``
+    where torch adds in place, a failed copy for a sparse gradient ('copy_() between dense and
+    sparse Tensors'), and no post-accumulate-grad hook call."""
+    (got,) = run_ranks(_leaves_worker, 1, timeout_s=30)
+    expected = {"shared": False, "held": True, "sparse": torch.sparse_coo}
+    for name in ("shared", "held", "sparse", "hooked"):
+        (want, want_read), (mine, mine_read) = got[name, "torch"], got[name, "initlab"]
+        assert all(torch.equal(a, b) for a, b in zip(want, mine, strict=True)), name
+        assert mine_read == want_read, name
+        if name in expected:
+            assert want_read == expected[name], name
+    assert got["hooked", "torch"][1] == [6.0]  # 0 + 1 + 2 + 3, one call

@@ -131,8 +131,8 @@ def local_passes(model: nn.Module) -> Iterator[None]:
 
 def local_backward(loss: torch.Tensor, what: str = "") -> None:
     """``loss.backward()``; while :func:`local_passes` runs a DDP as its wrapped module, the same
-    gradients accumulated into each leaf's ``.grad`` by hand (``grad = g``, laid out like the
-    leaf as torch's accumulator lays it out, or ``grad + g`` where it has one):
+    gradients accumulated into each leaf's ``.grad`` by hand, as torch's accumulator does
+    (:func:`_accumulate`):
     ``torch.autograd.grad`` over the leaves of ``loss``'s graph runs their tensor hooks but not
     their gradient accumulators, on which DDP's reducer has its hooks. Those hooks return at
     once while the reducer is unarmed (no DDP forward ran, or the last one's backward finished),
@@ -158,14 +158,49 @@ def local_backward(loss: torch.Tensor, what: str = "") -> None:
     if not leaves:  # nothing to accumulate into: what loss.backward() would do
         return
     grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    taken: set[int] = set()
     with torch.no_grad():
         for leaf, g in zip(leaves, grads, strict=True):
-            if g is None:
-                continue
-            if leaf.grad is not None:
-                leaf.grad = leaf.grad + g
-            else:  # an expanded gradient (of a sum) is not a tensor to write into
-                leaf.grad = g if g.stride() == leaf.stride() else torch.empty_like(leaf).copy_(g)
+            if g is not None:
+                _accumulate(leaf, g, shared=id(g) in taken)
+                taken.add(id(g))
+
+
+def _accumulate(leaf: torch.Tensor, g: torch.Tensor, *, shared: bool) -> None:
+    """Accumulate ``g`` into ``leaf.grad`` as torch's ``AccumulateGrad`` does outside grad mode
+    (``torch/csrc/autograd/functions/accumulate_grad.h``), then run the leaf's
+    post-accumulate-grad hooks.
+
+    * no ``.grad``: ``g`` itself where it is laid out like the leaf (its strides) and no other
+      leaf took it (``shared``: one gradient of ``w1 + w2`` for both, which torch clones), else
+      a copy laid out like the leaf (an expanded gradient, of a sum, is not a tensor to write
+      into); a sparse ``g`` (``F.embedding(..., sparse=True)``) stays sparse (cloned if shared);
+    * a ``.grad``: updated in place, ``grad += g`` (the same tensor object, which a caller may
+      hold), except a sparse ``.grad`` with a dense ``g``: replaced by ``g + grad``.
+
+    The hooks run after every gradient is computed, not as each is accumulated; a DDP's own
+    (its Python reducer's all-reduce) are skipped. A model's parameters have their users' hooks
+    suspended inside an entry point (:func:`~initlab._core.state.model_kept`), so these are
+    those of other leaves (an input that requires grad). The hooks of a leaf's
+    ``AccumulateGrad`` node itself do not run (a parameter's are suspended there too)."""
+    grad = leaf.grad
+    if grad is None:
+        if g.layout != torch.strided:
+            leaf.grad = g.clone() if shared else g
+        elif shared or g.stride() != leaf.stride():
+            leaf.grad = torch.empty_like(leaf).copy_(g)
+        else:
+            leaf.grad = g
+    elif grad.layout != torch.strided and g.layout == torch.strided:
+        leaf.grad = g + grad
+    else:
+        grad.add_(g)
+    for hook in list((getattr(leaf, "_post_accumulate_grad_hooks", None) or {}).values()):
+        fn = hook
+        while isinstance(fn, functools.partial):
+            fn = fn.func
+        if not (getattr(fn, "__module__", None) or "").startswith("torch.nn.parallel"):
+            hook(leaf)
 
 
 def _counts_unarmed(ddp: nn.parallel.DistributedDataParallel) -> str | None:
