@@ -11,6 +11,7 @@ import re
 from functools import partial
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -325,7 +326,34 @@ def test_a_batch_of_scalars_is_a_shape_a_model_may_take() -> None:
     assert report.info["steps"] == 2
 
 
-@pytest.mark.parametrize("shape", [(), (0, 8), (-1, 8), (16.0, 8), (True, 8), 16, "16x8"])
+def test_an_input_shape_of_numpy_integers_is_a_shape() -> None:
+    """(np.int64(16), 8) was refused ('input_shape must be the whole batch's shape') since the
+    check took only Python ints; it draws the batches (16, 8) draws."""
+    weights = []
+    for shape in ((16, 8), (np.int64(16), np.int32(8)), (torch.tensor(16), 8)):
+        model = _tanh_mlp()
+        metainit_(model, input_shape=shape, steps=2, generator=0)
+        weights.append([p.detach().clone() for p in model.parameters()])
+    for other in weights[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(weights[0], other, strict=True))
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (),
+        (0, 8),
+        (-1, 8),
+        (16.0, 8),
+        (True, 8),
+        16,
+        "16x8",
+        (np.float64(16), 8),
+        (np.bool_(True), 8),
+        (torch.tensor(True), 8),
+        (np.int64(0), 8),
+    ],
+)
 def test_an_input_shape_that_is_no_shape_is_refused(shape: Any) -> None:
     """() gave an IndexError, 16 "'int' object is not iterable", (-1, 8) torch's error and
     (0, 8) a NaN loss blamed on the first iteration."""

@@ -71,6 +71,7 @@ width-1024 Tanh MLP (float32, batch 64, 3 steps, CPU): the peak resident memory 
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -304,18 +305,30 @@ def _random_batches(
 
 def _check_batch_shape(input_shape: object, what: str) -> None:
     """Raise ``ValueError`` for an ``input_shape`` that is not a shape: a non-empty sequence of
-    positive ints (``(B,)`` is one: a batch of ``B`` scalars, which a model may take)."""
+    positive integers (``(B,)`` is one: a batch of ``B`` scalars, which a model may take), each
+    one ``operator.index`` takes (a NumPy integer too; no bool, float or string)."""
     ok = (
         isinstance(input_shape, Sequence)
         and not isinstance(input_shape, str)
         and len(input_shape) > 0
-        and all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in input_shape)
+        and all(_positive_size(s) for s in input_shape)
     )
     if not ok:
         raise ValueError(
             f"{what}: input_shape must be the whole batch's shape, batch dimension first, in "
             f"positive ints (e.g. (64, 4): 64 examples of shape (4,)), got {input_shape!r}"
         )
+
+
+def _positive_size(s: object) -> bool:
+    """Whether ``s`` is a positive integer size: ``operator.index(s) > 0``, a bool (Python's or a
+    bool tensor) refused; NumPy's bool has no ``__index__``."""
+    if isinstance(s, bool) or (isinstance(s, torch.Tensor) and s.dtype == torch.bool):
+        return False
+    try:
+        return operator.index(s) > 0  # type: ignore[arg-type]
+    except TypeError:
+        return False
 
 
 @contextmanager
