@@ -581,6 +581,50 @@ def test_a_module_input_without_the_batch_dim_has_no_per_example_value_and_says_
     assert rows["b", "weight"]["E_W2"] == pytest.approx(float((w**2).mean()), rel=1e-6)
 
 
+class _StepsThenSequence(nn.Module):
+    """``forward(t, x)``: ``t`` per-example scalars ``(B,)`` (diffusion timesteps, lengths) first,
+    ``x`` time-major ``(T, B, 6)``: the examples are on dim 1 of ``x``, which ``t`` lacks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.l1, self.l2 = nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(torch.relu(self.l1(x)) * t[None, :, None]).mean(0)
+
+
+def test_batch_dim_that_the_first_input_lacks_but_another_has_is_measured() -> None:
+    """batch_dim=1 with the (B,) input first: refused since the root checked only the first input
+    tensor ('pass 0 to 0', which would count time steps as examples); it ran before, as it does
+    now, and a batch_dim that no input has is still refused, naming every input's shape."""
+    model = _StepsThenSequence()
+    gen = torch.Generator().manual_seed(0)
+    x, t = torch.randn(5, 8, 6, generator=gen), torch.rand(8, generator=gen)
+    y = torch.randint(0, 3, (8,), generator=gen)
+    batch = {"t": t, "x": x, "labels": y}
+    probe = measure_moments(model, [batch], nn.CrossEntropyLoss(), batch_dim=1)
+    rows = {r["layer"]: r for r in probe.table().to_rows()}
+    # own float64 forward: dy of one example's loss is B times the mean loss's gradient
+    w1, b1 = model.l1.weight.detach().double(), model.l1.bias.detach().double()
+    y1 = (x.double() @ w1.T + b1).requires_grad_()
+    h = torch.relu(y1) * t.double()[None, :, None]
+    out = (h @ model.l2.weight.detach().double().T + model.l2.bias.detach().double()).mean(0)
+    (dy1,) = torch.autograd.grad(F.cross_entropy(out, y), y1)
+    assert rows["l1"]["E_x2"] == pytest.approx(float((x.double() ** 2).mean()), rel=1e-6)
+    assert rows["l1"]["E_y2"] == pytest.approx(float((y1.detach() ** 2).mean()), rel=1e-6)
+    assert rows["l1"]["E_dy2"] == pytest.approx(float(((8 * dy1) ** 2).mean()), rel=1e-5)
+    gammas = {r["layer"]: r["gamma_w"] for r in gr_scaling(model, [batch], batch_dim=1)}
+    assert all(math.isfinite(v) and v > 0 for v in gammas.values()), gammas
+    with pytest.raises(ValueError) as info:
+        measure_moments(model, [batch], nn.CrossEntropyLoss(), batch_dim=3)
+    assert str(info.value) == (
+        "MomentProbe: batch_dim=3 is beyond every input tensor of the model, of shapes (8,), "
+        "(5, 8, 6) (at most 3 dims): pass the dim that holds the examples in the input tensors "
+        "that have them (0 to 2), or batch_dim=None for dim 0 of the first"
+    )
+
+
 def test_gr_scaling_of_a_probe_whose_loss_called_the_model_twice() -> None:
     model = _mlp()
     with MomentProbe(model) as probe:

@@ -15,7 +15,9 @@ the root's output once its forward returns, before any gradient arrives:
 * otherwise ``B`` is unknown (:attr:`_RootBatch.conflict` says why), and a forward that a
   per-example scaled backward would follow is refused (:meth:`MomentProbe._root_hook`).
 
-An explicit ``batch_dim`` is the user's word: ``B`` is the first input's size there, unchecked.
+An explicit ``batch_dim`` is the user's word: ``B`` is the first input's size there, unchecked
+(unknown where that input lacks the dim and another has it: each module call counts its own);
+one that no input tensor has is refused.
 :class:`_Scale` is a module call's gradient factor, read when its gradients arrive (after the root
 settled ``B``).
 """
@@ -29,6 +31,7 @@ import torch
 
 from initlab._core.data import find_target
 from initlab._core.pytree import flatten_tensors
+from initlab._core.rows import shown
 
 if TYPE_CHECKING:
     from initlab.measure.probe.state import _Record
@@ -38,8 +41,11 @@ class _RootBatch:
     """The examples ``size`` of one root forward (``None``: its first input has no batch dim).
 
     Raises:
-        ValueError: an explicit ``batch_dim`` that the first input tensor (not 0-d) does not
-            have (the module calls would index a dim their inputs lack).
+        ValueError: an explicit ``batch_dim`` that no input tensor has, where one has a dim
+            (every module call would index a dim its inputs lack). One input with it is enough:
+            ``forward(t, x)`` with ``t`` of shape ``(B,)`` and ``x`` time-major ``(T, B, F)``
+            takes ``batch_dim=1`` (``size`` is then ``None``: each module call's own input
+            counts its examples).
     """
 
     __slots__ = ("_inputs", "conflict", "explicit", "size")
@@ -49,13 +55,8 @@ class _RootBatch:
         first = tensors[0] if tensors else None
         self.size = int(first.shape[dim]) if first is not None and first.dim() > dim else None
         self.explicit = batch_dim is not None
-        if self.explicit and first is not None and 0 < first.dim() <= dim:
-            raise ValueError(
-                f"MomentProbe: batch_dim={batch_dim} is beyond the model's first input tensor, "
-                f"of shape {tuple(first.shape)} ({first.dim()} dims): pass the dim of that "
-                f"tensor that holds the examples (0 to {first.dim() - 1}), or batch_dim=None "
-                "for dim 0"
-            )
+        if self.explicit and _beyond_every_input(tensors, dim):
+            raise ValueError(_beyond_message(tensors, dim))
         self.conflict: str | None = None
         self._inputs = tensors  # kept until settle(): the evidence of a dim 0 that is no batch
 
@@ -90,6 +91,32 @@ class _RootBatch:
             "tensor that holds the examples), or use a sum-reduced loss with "
             "loss_reduction='sum'"
         )
+
+
+def _beyond_every_input(tensors: list[torch.Tensor], dim: int) -> bool:
+    """Whether no input tensor has dim ``dim`` while some has a dim (0-d ones only: no batch to
+    index, nothing refused)."""
+    return any(t.dim() > 0 for t in tensors) and not any(t.dim() > dim for t in tensors)
+
+
+def _beyond_message(tensors: list[torch.Tensor], dim: int) -> str:
+    """The refusal of ``batch_dim=dim`` that no input tensor has: their shapes, and the dims one
+    of them has (any of them may hold the examples, not only dim 0 of the first)."""
+    shaped = [tuple(t.shape) for t in tensors if t.dim() > 0]
+    top = max(len(s) for s in shaped) - 1
+    if len(shaped) == 1:
+        which = "first input tensor" if tensors[0].dim() > 0 else "one input tensor that is not 0-d"
+        return (
+            f"MomentProbe: batch_dim={dim} is beyond the model's {which}, of shape "
+            f"{shaped[0]} ({top + 1} dims): pass the dim of that tensor that holds the examples "
+            f"(0 to {top}), or batch_dim=None for dim 0"
+        )
+    return (
+        f"MomentProbe: batch_dim={dim} is beyond every input tensor of the model, of shapes "
+        f"{shown([str(s) for s in shaped], 4)} (at most {top + 1} dims): pass the dim that "
+        f"holds the examples in the input tensors that have them (0 to {top}), or "
+        "batch_dim=None for dim 0 of the first"
+    )
 
 
 def _flattens(x: torch.Tensor, rows: int) -> bool:
