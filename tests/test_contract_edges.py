@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -966,9 +967,23 @@ _BAD_OPTIONS: dict[str, tuple[Callable[[nn.Module, Any], Any], type, str]] = {
             rf"^gr_scaling: examples must be a positive int \(the number of examples the backward "
             rf"passes saw\) or None \(.*\), got {re.escape(repr(v))}$",
         )
-        for v in (0, -64, 6.4, True, "64")
+        for v in (0, -64, 6.4, True, "64", 32.0, np.float64(32), np.int64(0), torch.tensor(True))
     },
 }  # fmt: skip
+
+
+@pytest.mark.parametrize("count", [np.int64(32), np.int32(32), torch.tensor(32)])
+def test_gr_scaling_takes_a_numpy_or_tensor_integer_count_of_examples(count: Any) -> None:
+    """examples= from np.sum(mask) or a 0-d tensor: refused since the count's check took Python
+    ints only, though it gave the rows of examples=32 before. p2 = numel(dy) / (examples * n_out)
+    is 64 rows / 32 = 2, so gamma (linear in p2) is twice that of the 64 counted examples."""
+    data = initlab.Batches([_data(16) for _ in range(4)])
+    got = initlab.gr_scaling(_mlp(), data, examples=count).to_rows()
+    assert got == initlab.gr_scaling(_mlp(), data, examples=32).to_rows()
+    counted = {r["layer"]: r for r in initlab.gr_scaling(_mlp(), data).to_rows()}
+    for row in got:
+        assert row["p2"] == 2.0
+        assert row["gamma_w"] == pytest.approx(2 * counted[row["layer"]]["gamma_w"], rel=1e-12)
 
 
 @pytest.mark.parametrize("case", sorted(_BAD_OPTIONS))

@@ -21,12 +21,15 @@ from __future__ import annotations
 import difflib
 import functools
 import inspect
+import operator
 import os
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
+
+import torch
 
 __all__ = [
     "check_batch_dim",
@@ -35,6 +38,7 @@ __all__ = [
     "check_flags",
     "check_kwargs",
     "errors_named",
+    "integer_of",
     "parameter_names",
     "renamed_kwargs",
     "user_stacklevel",
@@ -203,14 +207,36 @@ def check_batch_dim(what: str, batch_dim: int | None) -> int:
     return int(batch_dim or 0)
 
 
+def integer_of(value: object) -> int | None:
+    """``value`` as a Python int where ``operator.index`` takes it (an int, a NumPy integer, an
+    integer tensor of one element), else ``None``: a float, a string, and a bool (Python's or a
+    bool tensor; NumPy's has no ``__index__``), which is a flag, not a number.
+
+    Example:
+        >>> import numpy as np
+        >>> integer_of(np.int64(16)), integer_of(torch.tensor(16)), integer_of(16.0)
+        (16, 16, None)
+        >>> integer_of(True), integer_of(torch.tensor(True)), integer_of("16")
+        (None, None, None)
+    """
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
 def check_count(what: str, name: str, value: object, meaning: str, default: str) -> int | None:
-    """``value`` as a count: a positive int, or ``None`` (the entry point's ``default``).
+    """``value`` as a count: a positive integer (:func:`integer_of`: a NumPy integer or a 0-d
+    integer tensor too, returned as an int), or ``None`` (the entry point's ``default``).
 
     ``meaning`` says what the count is and ``default`` what ``None`` does; both go into the
-    message, with the value given (``True`` is refused: it is an int to Python, not a count).
+    message, with the value given (``True`` is refused: it is an int to Python, not a count;
+    ``16.0`` too: a float is no count).
 
     Raises:
-        ValueError: ``value`` is neither ``None`` nor an int ``>= 1``.
+        ValueError: ``value`` is neither ``None`` nor an integer ``>= 1``.
 
     Example:
         >>> check_count("f", "n", 0, "how many", "all")
@@ -218,8 +244,9 @@ def check_count(what: str, name: str, value: object, meaning: str, default: str)
         ...
         ValueError: f: n must be a positive int (how many) or None (all), got 0
     """
-    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-        return value
+    count = integer_of(value)
+    if value is None or (count is not None and count >= 1):
+        return count
     raise ValueError(
         f"{what}: {name} must be a positive int ({meaning}) or None ({default}), got {value!r}"
     )

@@ -610,7 +610,8 @@ def gr_scaling(
             columns are unchanged, since a multiplier with the init divided by it does not change
             the forward or backward pass.
         examples: number of examples the backward passes saw (all ranks together when
-            ``all_reduce``). Default: read off the per-example gradient counts of each layer's
+            ``all_reduce``), an int, a NumPy integer (``np.sum(mask)``) or a 0-d integer tensor.
+            Default: read off the per-example gradient counts of each layer's
             weight (the first form counts the data); give it when those are unavailable
             (``per_example=False``, train-mode BatchNorm), else ``p2`` and ``gamma`` are NaN for
             those layers.
@@ -648,7 +649,7 @@ def gr_scaling(
             "gr_scaling(probe, ...): generator= seeds the probe's passes in the (model, data) "
             "form; a probe has run its passes already (give measure_moments the generator)"
         )
-    check_count("gr_scaling", "examples", examples, *_EXAMPLES)
+    examples = check_count("gr_scaling", "examples", examples, *_EXAMPLES)
     if isinstance(probe, nn.Module):
         if data is None:
             raise TypeError("gr_scaling(model, data, loss_fn): pass the data to probe")
