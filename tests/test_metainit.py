@@ -330,7 +330,16 @@ def test_an_input_shape_of_numpy_integers_is_a_shape() -> None:
     """(np.int64(16), 8) was refused ('input_shape must be the whole batch's shape') since the
     check took only Python ints; it draws the batches (16, 8) draws."""
     weights = []
-    for shape in ((16, 8), (np.int64(16), np.int32(8)), (torch.tensor(16), 8)):
+    for shape in (
+        (16, 8),
+        (np.int64(16), np.int32(8)),
+        (torch.tensor(16), 8),
+        # a whole shape as a 1-D integer array or tensor: refused since the check took sequences
+        # only, though it drew the (16, 8) batches before
+        np.array([16, 8]),
+        torch.tensor([16, 8]),
+        torch.Size([16, 8]),
+    ):
         model = _tanh_mlp()
         metainit_(model, input_shape=shape, steps=2, generator=0)
         weights.append([p.detach().clone() for p in model.parameters()])
@@ -352,6 +361,12 @@ def test_an_input_shape_of_numpy_integers_is_a_shape() -> None:
         (np.bool_(True), 8),
         (torch.tensor(True), 8),
         (np.int64(0), 8),
+        np.array([16.0, 8.0]),
+        np.array([[16, 8]]),
+        np.array(16),
+        torch.tensor([16, 0]),
+        torch.tensor([True, True]),
+        torch.tensor([], dtype=torch.int64),
     ],
 )
 def test_an_input_shape_that_is_no_shape_is_refused(shape: Any) -> None:

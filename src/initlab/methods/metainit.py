@@ -71,7 +71,6 @@ width-1024 Tanh MLP (float32, batch 64, 3 steps, CPU): the peak resident memory 
 
 from __future__ import annotations
 
-import operator
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -79,6 +78,7 @@ from dataclasses import dataclass
 from functools import partial, reduce
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
@@ -91,7 +91,7 @@ from initlab._core.compiled import takes_compiled
 from initlab._core.data import DataCounter
 from initlab._core.distributed import check_same_parameters, run_together, same_options
 from initlab._core.heap import kept_heap
-from initlab._core.knobs import check_callback
+from initlab._core.knobs import check_callback, integer_of
 from initlab._core.loss import LossLike, TargetError, resolve_loss
 from initlab._core.method_report import MethodReport
 from initlab._core.norms import composite_norms
@@ -303,32 +303,23 @@ def _random_batches(
         yield (x, y), None
 
 
-def _check_batch_shape(input_shape: object, what: str) -> None:
-    """Raise ``ValueError`` for an ``input_shape`` that is not a shape: a non-empty sequence of
-    positive integers (``(B,)`` is one: a batch of ``B`` scalars, which a model may take), each
-    one ``operator.index`` takes (a NumPy integer too; no bool, float or string)."""
-    ok = (
-        isinstance(input_shape, Sequence)
-        and not isinstance(input_shape, str)
-        and len(input_shape) > 0
-        and all(_positive_size(s) for s in input_shape)
-    )
-    if not ok:
+def _check_batch_shape(input_shape: object, what: str) -> tuple[int, ...]:
+    """``input_shape`` as a tuple of ints; ``ValueError`` for one that is not a shape: a
+    non-empty sequence, or 1-D NumPy array or tensor (``np.array([64, 4])``), of positive
+    integers (``(B,)`` is one: a batch of ``B`` scalars, which a model may take), each one
+    ``operator.index`` takes (a NumPy integer too; no bool, float or string)."""
+    sizes: list[object] = []
+    if isinstance(input_shape, (np.ndarray, torch.Tensor)):
+        sizes = list(input_shape) if input_shape.ndim == 1 else []
+    elif isinstance(input_shape, Sequence) and not isinstance(input_shape, str):
+        sizes = list(input_shape)
+    shape = tuple(integer_of(s) or 0 for s in sizes)
+    if not shape or min(shape) < 1:
         raise ValueError(
             f"{what}: input_shape must be the whole batch's shape, batch dimension first, in "
             f"positive ints (e.g. (64, 4): 64 examples of shape (4,)), got {input_shape!r}"
         )
-
-
-def _positive_size(s: object) -> bool:
-    """Whether ``s`` is a positive integer size: ``operator.index(s) > 0``, a bool (Python's or a
-    bool tensor) refused; NumPy's bool has no ``__index__``."""
-    if isinstance(s, bool) or (isinstance(s, torch.Tensor) and s.dtype == torch.bool):
-        return False
-    try:
-        return operator.index(s) > 0  # type: ignore[arg-type]
-    except TypeError:
-        return False
+    return shape
 
 
 @contextmanager
@@ -430,6 +421,7 @@ def metainit_(
             ``"paper"``, as its ``model.eval()``, ``True`` for ``"gradinit"``).
         input_shape: shape of one random input batch, batch dimension first (random data):
             ``(64, 8)`` for 64 examples of shape ``(8,)``; ``(8,)`` is a batch of 8 scalars.
+            Integers in a sequence, a 1-D NumPy array or a tensor (``torch.tensor([64, 8])``).
         n_classes: number of random labels (default: the model output's last dimension).
         generator: ``torch.Generator`` or int seed for the random data.
         progress: called with every trace row.
@@ -677,7 +669,7 @@ def _step_batches(
     if data is None:
         if input_shape is None:
             raise ValueError(f"{what}: random data (data=None) needs input_shape=(batch, ...)")
-        _check_batch_shape(input_shape, what)
+        shape = _check_batch_shape(input_shape, what)
         table = getattr(model, "get_input_embeddings", lambda: None)()
         if isinstance(table, nn.Embedding):  # a Hugging Face model of token ids
             raise ValueError(
@@ -689,7 +681,7 @@ def _step_batches(
         n_classes = opts.n_classes
         if n_classes is not None:
             n_classes = positive_int(what, "n_classes", n_classes)
-        random = _random_batches(model, ts, input_shape, n_classes, opts.steps or _PAPER_STEPS, gen)
+        random = _random_batches(model, ts, shape, n_classes, opts.steps or _PAPER_STEPS, gen)
         return ((counter.add_one(b), n) for b, n in random)
     if opts.n_classes is not None:
         raise ValueError(
