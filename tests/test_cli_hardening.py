@@ -451,7 +451,19 @@ _ERRORS: dict[str, tuple[list[str], int, str, tuple[str, ...]]] = {
     "--input-shape 2xx2": ([*_INIT, "--method", "lsuv", "--input-shape", "2xx2"], 2,
                            "--input-shape 2xx2: '2xx2' is not a shape", ("out.pt",)),
     "--input-shape 1_0": ([*_INIT, "--method", "lsuv", "--input-shape", "1_0"], 2,
-                          "--input-shape 1_0: '1_0' is not a shape", ("out.pt",)),
+                          "--input-shape 1_0: '1_0' is not a shape (positive sizes joined by x; "
+                          "the size '1_0' has an underscore)", ("out.pt",)),
+    # what the refusal of a size int() reads says what is wrong with it (was: only 'positive
+    # sizes joined by x', which '+3' seems to be)
+    "--input-shape +3": ([*_INIT, "--method", "lsuv", "--input-shape", "+3"], 2,
+                         "--input-shape +3: '+3' is not a shape (positive sizes joined by x; the "
+                         "size '+3' has a sign); write e.g. --input-shape 3x32x32", ("out.pt",)),
+    "--data random:4x0": ([*_INIT, "--method", "lsuv", "--data", "random:4x0"], 2,
+                          "--data random:4x0: '4x0' is not a shape (positive sizes joined by x; a "
+                          "size is 0)", ("out.pt",)),
+    "--data random:3 2": ([*_INIT, "--method", "lsuv", "--data", "random:3 2"], 2,
+                          "--data random:3 2: '3 2' is not a shape (positive sizes joined by x; "
+                          "the size '3 2' has a space inside)", ("out.pt",)),
     "--bias nan": ([*_INIT, "--bias", "nan"], 2,
                    "--bias 'nan': give 'zeros', 'keep' (the factory's biases) or a finite number",
                    ("out.pt",)),
@@ -1129,6 +1141,25 @@ def test_a_bad_input_shape_is_refused_before_any_warning(
         "x); write e.g. --input-shape 3x32x32"
     ]
     assert not (cli_dir / "out.pt").exists()
+
+
+@pytest.mark.parametrize("spaced", ["random:4 ", "random: 4", "random:\t4\n"])
+def test_spaces_around_a_shape_size_are_left_out(
+    cli_dir: Path, capsys: pytest.CaptureFixture[str], spaced: str
+) -> None:
+    """'3, 32, 32' and '3x32x32 ' were refused since every size had to be digits (they ran as
+    (3, 32, 32) before): the run on --data random:4 with spaces is the run on random:4."""
+    from initlab.cli.inputs import parse_shape
+
+    for text in ("3, 32, 32", "3x32x32 ", " 3 x 32 x32", "3,32,\t32"):
+        assert parse_shape(text) == (3, 32, 32), text
+    saved = []
+    for data in ("random:4", spaced):
+        code, _, err = _run([*_INIT, "--method", "lsuv", "--data", data, "--seed", "0"], capsys)
+        assert code == 0, err
+        saved.append(torch.load(cli_dir / "out.pt", weights_only=True))
+    assert saved[0].keys() == saved[1].keys()
+    assert all(torch.equal(saved[0][k], saved[1][k]) for k in saved[0])
 
 
 @pytest.fixture

@@ -141,20 +141,47 @@ def _local_module_hint(name: str, attr: str, flag: str, err: ImportError) -> str
 
 
 def parse_shape(text: str, flag: str = "--input-shape", prefix: str = "") -> tuple[int, ...]:
-    """``"3x32x32"`` -> ``(3, 32, 32)``; errors name ``flag`` (``prefix``: what precedes the
-    shape in its value, ``random:`` for ``--data random:SHAPE``). Every size is decimal digits:
-    an empty one (``3x32x``, ``x3``: a truncated shape) is refused, not dropped, and so are
-    ``int()``'s other spellings (``1_0``, `` 3``, ``+3``)."""
-    parts = text.replace(",", "x").split("x")
+    """``"3x32x32"`` -> ``(3, 32, 32)`` (``,`` joins sizes too, and spaces around a size are
+    left out: ``"3, 32, 32"``); errors name ``flag`` (``prefix``: what precedes the shape in its
+    value, ``random:`` for ``--data random:SHAPE``). Every size is decimal digits 0-9: an empty
+    one (``3x32x``, ``x3``: a truncated shape) is refused, not dropped, and so are ``int()``'s
+    other spellings (``1_0``, ``+3``, ``３``), each with what is wrong."""
+    parts = [s.strip() for s in text.replace(",", "x").split("x")]
     digits = all(s.isascii() and s.isdigit() for s in parts)
     shape = tuple(int(s) for s in parts) if digits else ()
     if not shape or any(s < 1 for s in shape):
-        empty = "; it has an empty size" if text and "" in parts else ""
         raise ValueError(
-            f"{flag} {prefix}{text}: {text!r} is not a shape (positive sizes joined by x{empty}); "
-            f"write e.g. {flag} {prefix}3x32x32"
+            f"{flag} {prefix}{text}: {text!r} is not a shape (positive sizes joined by "
+            f"x{_shape_fault(text, parts)}); write e.g. {flag} {prefix}3x32x32"
         )
     return shape
+
+
+def _shape_fault(text: str, parts: list[str]) -> str:
+    """What is wrong with a shape's sizes (``parts``, stripped), for :func:`parse_shape`'s
+    message: no text, an empty size, one that reads as a number but is not plain digits 0-9 (a
+    sign, a digit separator, a space inside, non-ASCII digits), or a 0; ``""`` where the text
+    says it (``abc``)."""
+    if not text.strip():
+        return "; it is empty"
+    if "" in parts:
+        return "; it has an empty size"
+    for size in parts:
+        if (size.isascii() and size.isdigit()) or not any(c.isdigit() for c in size):
+            continue
+        if size[0] in "+-":
+            why = "has a sign"
+        elif "_" in size:
+            why = "has an underscore"
+        elif any(c.isspace() for c in size):
+            why = "has a space inside"
+        elif not size.isascii():
+            why = "has characters other than the digits 0-9"
+        else:
+            why = "is not decimal digits"
+        return f"; the size {size!r} {why}"
+    zero = all(s.isascii() and s.isdigit() for s in parts) and any(int(s) == 0 for s in parts)
+    return "; a size is 0" if zero else ""
 
 
 @dataclass(frozen=True)
