@@ -107,6 +107,28 @@ def test_factorial_and_named_variants() -> None:
     assert [s.lrs for s in grids.variant_specs().values()] == [(0.5,), (1.0, 0.5)]
 
 
+def test_variants_as_any_iterable_of_pairs_are_the_mapping() -> None:
+    """variants: dict.items() (or a generator, a zip) was refused since the form check took
+    sequences of pairs only (13e86ed); it read as the mapping before, as it does again, and so
+    do a variant's overrides given as pairs in an iterable."""
+    variants = {"base": {}, "sgd0": {"momentum": 0}, "lr": {"lrs": [0.1, 0.2], "epochs": 2}}
+    want = StudySpec.from_dict({**BASE, "variants": variants})
+    assert list(want.variant_specs()) == ["base", "sgd0", "lr"]
+    for given in (
+        variants.items(),
+        ((k, v) for k, v in variants.items()),
+        zip(variants, variants.values(), strict=True),
+        {k: v.items() for k, v in variants.items()},
+        [(k, iter(list(v.items()))) for k, v in variants.items()],
+    ):
+        spec = StudySpec.from_dict({**BASE, "variants": given})
+        assert spec == want and spec.to_dict() == want.to_dict()
+        assert spec.variant_specs() == want.variant_specs()
+    for bad, shown in ((iter([1]), r"\[1\]"), ({1: 2}.items(), r"\[\(1, 2\)\]")):
+        with pytest.raises(ValueError, match=rf"variants must be \{{name: .*got {shown}$"):
+            StudySpec.from_dict({**BASE, "variants": bad})
+
+
 @pytest.mark.parametrize(
     ("extra", "match"),
     [

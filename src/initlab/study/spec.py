@@ -60,7 +60,7 @@ from __future__ import annotations
 import json
 import math
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -342,8 +342,17 @@ _VARIANTS_FORM = (
 )
 
 
+def _listed(value: Any) -> Any:
+    """An iterable that is no sequence, mapping or string (``dict.items()``, a generator, a
+    ``zip``) as the list of its items, read once; any other ``value`` as it is."""
+    if isinstance(value, (str, bytes, Mapping, Sequence)) or not isinstance(value, Iterable):
+        return value
+    return list(value)
+
+
 def _pairs(value: Any) -> bool:
-    """Whether ``value`` is a sequence of ``(str, value)`` pairs (the stored form of a mapping)."""
+    """Whether ``value`` is a sequence of ``(str, value)`` pairs (the stored form of a mapping;
+    a view or iterator of them is one once :func:`_listed`)."""
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         return False
     return all(
@@ -354,20 +363,24 @@ def _pairs(value: Any) -> bool:
 
 
 def _variant_items(variants: Any) -> list[tuple[Any, Any]]:
-    """``(name, overrides)`` of ``variants:`` (a mapping, or its stored form: pairs)."""
+    """``(name, overrides)`` of ``variants:`` (a mapping, or its stored form: pairs, in any
+    iterable, ``dict.items()`` too)."""
     if isinstance(variants, Mapping):
         return list(variants.items())
+    variants = _listed(variants)
     if not _pairs(variants):
         raise ValueError(f"{_VARIANTS_FORM}, got {variants!r}")
     return [(name, overrides) for name, overrides in variants]
 
 
 def _override_items(name: str, overrides: Any) -> tuple[tuple[Any, Any], ...]:
-    """The ``(key, value)`` pairs of variant ``name`` (a mapping, pairs, or ``None``: none)."""
+    """The ``(key, value)`` pairs of variant ``name`` (a mapping, pairs in any iterable, or
+    ``None``: none)."""
     if overrides is None:
         return ()
     if isinstance(overrides, Mapping):
         return tuple(overrides.items())
+    overrides = _listed(overrides)
     if _pairs(overrides):
         return tuple((k, v) for k, v in overrides)
     hint = ""
