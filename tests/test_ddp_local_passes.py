@@ -102,7 +102,7 @@ def _pooled_worker(rank: int, world: int) -> dict[str, Any]:
 
 
 def test_pooling_entry_points_on_a_ddp_model_fail_together_and_pool_uneven_batches() -> None:
-    r0, r1 = run_ranks(_pooled_worker, 2, timeout_s=30)
+    r0, r1 = run_ranks(_pooled_worker, 2, timeout_s=120)
     for name in ("mlp", "bn, before the forward"):
         for what in ("gr_scaling", "precondition_"):
             assert r0[f"{what}, {name}"] == r1[f"{what}, {name}"]
@@ -166,7 +166,7 @@ def _local_worker(rank: int, world: int) -> dict[str, Any]:
 
 
 def test_ddp_model_gives_the_wrapped_modules_own_rows_on_each_rank_and_trains_after() -> None:
-    r0, r1 = run_ranks(_local_worker, 2, timeout_s=30)
+    r0, r1 = run_ranks(_local_worker, 2, timeout_s=120)
     for rank, got in enumerate((r0, r1)):
         ddp, plain = got["rows"]["ddp"], got["rows"]["plain"]
         assert [n for n, *_ in ddp] == [f"module.{n}" if n else n for n, *_ in plain]
@@ -227,7 +227,7 @@ def test_a_deep_copy_of_a_ddp_model_made_inside_an_entry_point_runs_the_copy() -
     """A parametrized model is measured on a deep copy; the copy's DDP must call the copy's
     module (it called the original's: theory_vs_actual raised 'the copy's forward runs the
     original model')."""
-    for got in run_ranks(_copy_worker, 2, timeout_s=30):
+    for got in run_ranks(_copy_worker, 2, timeout_s=120):
         assert got["ddp"] == got["plain"] and len(got["ddp"]) == 4
         torch.testing.assert_close(*got["copy"], rtol=1e-12, atol=1e-14)
         assert not got["forward left"]
@@ -289,7 +289,7 @@ def test_a_custom_function_whose_ctx_has_a_variable_attribute_is_no_leaf() -> No
     """A custom autograd.Function's node is its ctx; a ``ctx.variable`` tensor was taken for a
     gradient accumulator's (torch.autograd.grad then raised 'One of the differentiated Tensors
     does not require grad')."""
-    for got in run_ranks(_grad_norms_worker, 2, "custom function", timeout_s=30):
+    for got in run_ranks(_grad_norms_worker, 2, "custom function", timeout_s=120):
         assert set(got["got"]) == set(got["want"]) and len(got["want"]) == 4
         for key, value in got["want"].items():
             assert got["got"][key] == pytest.approx(value, rel=1e-12), key
@@ -333,11 +333,11 @@ def test_a_reentrant_checkpoint_in_a_ddp_model_back_propagates_or_names_the_caus
     torch.utils.checkpoint is incompatible with .grad()'): every pass on such a DDP model raised
     it. It runs loss.backward() (DDP's reducer unarmed) now, except where the reducer counts an
     unarmed backward: there the error names the cause and what to do."""
-    for got in run_ranks(_grad_norms_worker, 2, "reentrant", timeout_s=30):
+    for got in run_ranks(_grad_norms_worker, 2, "reentrant", timeout_s=120):
         assert set(got["got"]) == set(got["want"]) and len(got["want"]) == 6
         for key, value in got["want"].items():
             assert got["got"][key] == pytest.approx(value, rel=1e-12), key
-    for got in run_ranks(_reentrant_worker, 2, timeout_s=30):
+    for got in run_ranks(_reentrant_worker, 2, timeout_s=120):
         assert got["default"] == got["static_graph, after a step"] == ("ok", "")
         for name, cause in (
             ("static_graph, before training", "static_graph=True before its first training"),
@@ -406,7 +406,7 @@ def test_initlab_backward_beside_a_ddp_accumulates_gradients_as_torch_does() -> 
     """Under local_passes, leaves got one gradient tensor for two (w1 + w2), a new ``.grad``
     where torch adds in place, a failed copy for a sparse gradient ('copy_() between dense and
     sparse Tensors'), and no post-accumulate-grad hook call."""
-    (got,) = run_ranks(_leaves_worker, 1, timeout_s=30)
+    (got,) = run_ranks(_leaves_worker, 1, timeout_s=120)
     expected = {"shared": False, "held": True, "sparse": torch.sparse_coo}
     for name in ("shared", "held", "sparse", "hooked"):
         (want, want_read), (mine, mine_read) = got[name, "torch"], got[name, "initlab"]

@@ -58,7 +58,7 @@ def _failing_worker(rank: int, world: int) -> dict[str, tuple[str, Any]]:
 
 
 def test_a_failure_on_one_rank_raises_the_same_error_on_every_rank() -> None:
-    r0, r1 = run_ranks(_failing_worker, 2, timeout_s=30)
+    r0, r1 = run_ranks(_failing_worker, 2, timeout_s=120)
     failed = {
         "integer inputs on rank 1": "TypeError: input_scale needs floating-point inputs",
         "NaN on rank 1": "ValueError: ",
@@ -94,7 +94,7 @@ def _widths_worker(rank: int, world: int) -> dict[str, tuple[str, Any]]:
 
 def test_ranks_whose_inputs_differ_in_width_raise_naming_both() -> None:
     """Each rank used its own n_in with the pooled E[x^2]: different factors, and no error."""
-    r0, r1 = run_ranks(_widths_worker, 2, timeout_s=30)
+    r0, r1 = run_ranks(_widths_worker, 2, timeout_s=120)
     for name in ("widths 8 and 3", "n_in= 8 and 3"):
         assert r0[name] == r1[name]
         kind, message = r0[name]
