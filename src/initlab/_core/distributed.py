@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from initlab._core.state import model_modes, restore_modes
+from initlab._core.state import defined_in, model_modes, restore_modes
 
 __all__ = [
     "RankMismatchError",
@@ -196,10 +196,7 @@ def _accumulate(leaf: torch.Tensor, g: torch.Tensor, *, shared: bool) -> None:
     else:
         grad.add_(g)
     for hook in list((getattr(leaf, "_post_accumulate_grad_hooks", None) or {}).values()):
-        fn = hook
-        while isinstance(fn, functools.partial):
-            fn = fn.func
-        if not (getattr(fn, "__module__", None) or "").startswith("torch.nn.parallel"):
+        if not defined_in(hook, "torch.nn.parallel"):
             hook(leaf)
 
 

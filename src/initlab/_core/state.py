@@ -50,6 +50,7 @@ from initlab._core.rng import global_rng_saved
 __all__ = [
     "config_kept",
     "copies_held",
+    "defined_in",
     "keeps_config",
     "model_kept",
     "model_modes",
@@ -97,8 +98,9 @@ def _hook_keys(model: nn.Module) -> dict[int, tuple[object, dict[str, set[int]]]
     return keys
 
 
-def _ours(fn: object, package: str = "initlab") -> bool:
-    """Whether the hook ``fn`` is initlab's (its code, or its class's, lives in ``package``)."""
+def defined_in(fn: object, package: str = "initlab") -> bool:
+    """Whether the hook ``fn`` comes from ``package`` (initlab's own by default): its code, or its
+    class's, lives there (through ``functools.partial`` and bound methods)."""
     while isinstance(fn, functools.partial):
         fn = fn.func
     fn = getattr(fn, "__func__", fn)  # a bound method: its function
@@ -124,7 +126,7 @@ def _stays_active(fn: object) -> bool:
     and FSDP's gradient reductions; an entry point's passes reach a DDP reducer's hooks only
     unarmed: :func:`~initlab._core.distributed.local_passes`), except ``torch.distributed.optim``'s
     optimizer steps (``_apply_optimizer_in_backward``: the user's optimizer)."""
-    return _ours(fn, "torch") and not _ours(fn, "torch.distributed.optim")
+    return defined_in(fn, "torch") and not defined_in(fn, "torch.distributed.optim")
 
 
 def _noop_hook(*args: Any) -> None:
@@ -207,7 +209,7 @@ def _remove_new_hooks(before: dict[int, tuple[object, dict[str, set[int]]]]) -> 
             hooks = getattr(obj, attr, None)
             if not hooks:
                 continue
-            for key in [k for k, fn in hooks.items() if k not in old and _ours(fn)]:
+            for key in [k for k, fn in hooks.items() if k not in old and defined_in(fn)]:
                 del hooks[key]
                 for side in _HOOK_SIDE_DICTS:
                     getattr(obj, side, {}).pop(key, None)
