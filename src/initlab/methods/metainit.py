@@ -335,9 +335,8 @@ def _random_batch_hint(
     try:
         yield
     except (TargetError, RuntimeError, IndexError) as err:
-        if input_shape is None or counter.batches > 1:
-            raise
-        if type(err) not in (TargetError, RuntimeError, IndexError):
+        exact = type(err) in (TargetError, RuntimeError, IndexError)  # not initlab's subclasses
+        if input_shape is None or counter.batches > 1 or not exact:
             raise
         raise type(err)(f"{_random_batch_text(input_shape, what)} The error: {err}") from err
 
