@@ -31,12 +31,15 @@ __all__ = [
 
 def class_options(fn: Any) -> tuple[int, torch.Tensor | None]:
     """``(ignore_index, weight)`` of torch's cross-entropy/NLL criterion ``fn``."""
+    return int(_setting(fn, "ignore_index", -100)), _setting(fn, "weight", None)
+
+
+def _setting(fn: Any, key: str, default: Any) -> Any:
+    """The option ``key`` of torch's criterion ``fn``: a module's attribute, or a
+    ``functools.partial``'s keyword over its function's; ``default`` where unset."""
     if isinstance(fn, functools.partial):
-        ignore, weight = class_options(fn.func)
-        return fn.keywords.get("ignore_index", ignore), fn.keywords.get("weight", weight)
-    if isinstance(fn, nn.Module):
-        return int(getattr(fn, "ignore_index", -100)), getattr(fn, "weight", None)
-    return -100, None
+        return fn.keywords.get(key, _setting(fn.func, key, default))
+    return getattr(fn, key, default) if isinstance(fn, nn.Module) else default
 
 
 def counted(fn: Any, y: torch.Tensor) -> float:
@@ -104,12 +107,9 @@ def weight_error(fn: Any, out: torch.Tensor, err: Exception, name: str) -> Value
 
 
 def _option(fn: Any, key: str) -> torch.Tensor | None:
-    """The tensor option ``key`` (``weight``, ``pos_weight``) of torch's criterion ``fn``: a
-    module's attribute or a ``functools.partial``'s keyword; ``None`` where unset."""
-    if isinstance(fn, functools.partial):
-        value = fn.keywords.get(key, _option(fn.func, key))
-    else:
-        value = getattr(fn, key, None) if isinstance(fn, nn.Module) else None
+    """The tensor option ``key`` (``weight``, ``pos_weight``) of torch's criterion ``fn``
+    (:func:`_setting`); ``None`` where unset."""
+    value = _setting(fn, key, None)
     return value if isinstance(value, torch.Tensor) else None
 
 
